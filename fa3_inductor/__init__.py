@@ -1,0 +1,21 @@
+"""fa3_inductor: FlashAttention-3-style attention for torch.compile and a FlexAttention-style API.
+
+Front doors:
+    ``torch.compile(model, backend="fa3")``   compile with our attention lowering
+    ``fa3_inductor.flex(q, k, v, ...)``       FlexAttention's signature, our kernels
+
+Example::
+
+    >>> import fa3_inductor
+    >>> out = fa3_inductor.flex(q, k, v, mask_mod=fa3_inductor.mods.causal)   # doctest: +SKIP
+"""
+
+from . import mods
+from .api import flex
+from .backend import fa3_backend
+from .lowering.report import clear_lowered_sites, lowered_sites
+from .runtime.ops import last_template
+
+__all__ = ["flex", "mods", "fa3_backend", "lowered_sites", "clear_lowered_sites",
+           "last_template"]
+__version__ = "0.1.0"

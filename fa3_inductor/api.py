@@ -1,0 +1,168 @@
+"""``fa3_inductor.flex``: the direct front door, a drop-in for FlexAttention's function."""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+from . import _compat
+from ._log import info_once
+from .backend import fa3_backend
+from .runtime.ops import last_template, record_template
+
+_MAX_COMPILED = 64
+
+
+def _check_inputs(q: Any, k: Any, v: Any, score_mod: Any, mask_mod: Any, block_mask: Any,
+                  scale: Any, enable_gqa: bool) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"flex: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"flex: {name} must be 4-D (batch, heads, seq, head_dim), "
+                             f"got shape {tuple(t.shape)}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"flex: q, k, v must be on one device, got {q.device}, {k.device}, "
+                         f"{v.device}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"flex: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"flex: dtype {q.dtype} is not supported; use float16, bfloat16 or "
+                         "float32")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"flex: k head dim {k.shape[-1]} differs from q head dim {q.shape[-1]}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"flex: k {tuple(k.shape)} and v {tuple(v.shape)} must agree in batch, "
+                         "heads and sequence length")
+    if k.shape[0] not in (q.shape[0], 1):
+        raise ValueError(f"flex: batch of k/v ({k.shape[0]}) must equal q's ({q.shape[0]}) or 1")
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq != hkv:
+        if not enable_gqa:
+            raise ValueError(f"flex: q has {hq} heads and k/v {hkv}; pass enable_gqa=True for "
+                             "grouped-query attention")
+        if hq % hkv != 0:
+            raise ValueError(f"flex: q heads ({hq}) must be a multiple of k/v heads ({hkv})")
+    d = q.shape[-1]
+    if not (16 <= d <= 256 and d % 8 == 0) or v.shape[-1] != d:
+        raise ValueError(f"flex: head dim {d} (v: {v.shape[-1]}) is not supported; use equal "
+                         "q/k/v head dims that are multiples of 8 from 16 to 256 "
+                         "(64, 80, 96, 128, 192, 256 are the common ones), or pad")
+    for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"flex: {name} must be callable, got {type(fn).__name__}")
+    if mask_mod is not None and block_mask is not None:
+        raise ValueError("flex: give mask_mod or block_mask, not both (a block_mask already "
+                         "carries its mask_mod)")
+    if block_mask is not None and not isinstance(block_mask, BlockMask):
+        raise TypeError(f"flex: block_mask must be a BlockMask (from create_block_mask), got "
+                        f"{type(block_mask).__name__}")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"flex: scale must be a number, got {type(scale).__name__}")
+
+
+def _mask_uses_batch_or_head(mask_mod: Callable) -> tuple[bool, bool]:
+    """Trace mask_mod once to see whether it reads b or h (then the block mask needs them)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    idx = [torch.zeros((), dtype=torch.int32) for _ in range(4)]
+    try:
+        gm = make_fx(mask_mod)(*idx)
+    except Exception:
+        return True, True  # cannot tell: build the full (B, H) mask
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return bool(placeholders[0].users), bool(placeholders[1].users)
+
+
+def _block_mask_for(mask_mod: Callable, q: Tensor, k: Tensor) -> BlockMask:
+    uses_b, uses_h = _mask_uses_batch_or_head(mask_mod)
+    return create_block_mask(mask_mod, q.shape[0] if uses_b else None,
+                             q.shape[1] if uses_h else None, q.shape[2], k.shape[2],
+                             device=q.device)
+
+
+def _flex_call(q, k, v, score_mod, block_mask, scale, enable_gqa, return_lse):
+    if return_lse:
+        return _compat.flex_attention_with_lse(q, k, v, score_mod=score_mod,
+                                               block_mask=block_mask, scale=scale,
+                                               enable_gqa=enable_gqa)
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                          enable_gqa=enable_gqa)
+
+
+@functools.lru_cache(maxsize=_MAX_COMPILED)
+def _compiled_for(score_code: Any, mask_code: Any) -> Callable:
+    # Dynamo keeps compiled variants per code object and stops recompiling after a limit, so
+    # each distinct pair of mods gets its own copy of _flex_call's code.
+    code = _flex_call.__code__.replace(co_name=f"_flex_call_{len(_compiled_codes)}")
+    _compiled_codes.append(code)
+    fn = types.FunctionType(code, _flex_call.__globals__, code.co_name)
+    return torch.compile(fn, backend=fa3_backend, fullgraph=True)
+
+
+_compiled_codes: list = []
+
+
+def _code_of(fn: Optional[Callable]) -> Any:
+    return getattr(fn, "__code__", None) if fn is not None else None
+
+
+def _runs_our_kernels(q: Tensor) -> bool:
+    if q.is_cuda:
+        return True
+    if q.device.type == "cpu":
+        from triton import knobs
+
+        return bool(knobs.runtime.interpret)
+    return False
+
+
+def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
+         mask_mod: Optional[Callable] = None, block_mask: Optional[BlockMask] = None,
+         scale: Optional[float] = None, enable_gqa: bool = False,
+         return_lse: bool = False) -> Union[Tensor, tuple[Tensor, Tensor]]:
+    """Attention with FlexAttention's semantics, served by fa3_inductor's kernels.
+
+    ``q`` is (B, H, M, D), ``k``/``v`` are (B, Hkv, N, D). ``score_mod(score, b, h, q_idx,
+    kv_idx)`` edits scores, ``mask_mod(b, h, q_idx, kv_idx)`` hides them (it is turned into a
+    block mask here; pass ``block_mask`` from ``create_block_mask`` instead to build it once).
+    Returns the output (B, H, M, D), plus the natural-log LSE (B, H, M) if ``return_lse``.
+    Gradients flow to q, k, v and to tensors the mods capture.
+
+    On CUDA the call is compiled with the fa3 backend (first call per mod compiles). On the
+    CPU it runs torch's own implementation, unless TRITON_INTERPRET=1 is set, in which case
+    our generic kernel runs under Triton's interpreter (how CI checks kernel numerics).
+
+    Example::
+
+        >>> from fa3_inductor import flex, mods
+        >>> q = k = v = torch.randn(1, 4, 256, 64)
+        >>> out = flex(q, k, v, score_mod=mods.softcap(30.0), mask_mod=mods.causal)
+        >>> out.shape
+        torch.Size([1, 4, 256, 64])
+    """
+    _check_inputs(q, k, v, score_mod, mask_mod, block_mask, scale, enable_gqa)
+    if mask_mod is not None:
+        block_mask = _block_mask_for(mask_mod, q, k)
+    args = (q, k, v, score_mod, block_mask, scale, enable_gqa, return_lse)
+    if torch.compiler.is_compiling():
+        return _flex_call(*args)  # an enclosing torch.compile captures the op itself
+    if not _runs_our_kernels(q):
+        info_once(f"fa3_inductor.flex: {q.device.type} tensors run torch's own flex_attention "
+                  "(fa3 kernels need CUDA, or TRITON_INTERPRET=1 on the CPU)")
+        record_template("torch")
+        return _flex_call(*args)
+    mask_fn = block_mask.mask_mod if block_mask is not None else None
+    compiled = _compiled_for(_code_of(score_mod), _code_of(mask_fn))
+    record_template(None)
+    result = compiled(*args)
+    if last_template() is None:  # the lowering handed this site to torch's kernel
+        record_template("torch")
+    return result

@@ -1,0 +1,54 @@
+"""Settings of the fa3 backend, given as ``options={"fa3.<name>": value}`` to torch.compile.
+
+Example::
+
+    >>> torch.compile(model, backend="fa3", options={"fa3.template": "generic"})  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+TEMPLATES = ("auto", "hopper", "generic", "torch")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What the fa3 backend may do.
+
+    template:  "auto" picks the best of ours per site; "hopper"/"generic" force a family
+               (sites it cannot serve fall back, with the reason logged); "torch" turns our
+               lowering off (torch's own flex kernels run).
+    recognize: rewrite hand-written attention into the canonical form (issue 4's passes).
+    """
+
+    template: str = "auto"
+    recognize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.template not in TEMPLATES:
+            raise ValueError(f"fa3 option 'fa3.template' must be one of {TEMPLATES}, "
+                             f"got {self.template!r}")
+
+
+def split_options(options: dict[str, Any] | None) -> tuple[Settings, dict[str, Any]]:
+    """Split torch.compile ``options`` into our Settings and Inductor config patches.
+
+    Example::
+
+        >>> split_options({"fa3.template": "generic", "max_autotune": True})
+        (Settings(template='generic', recognize=True), {'max_autotune': True})
+    """
+    ours, inductor = {}, {}
+    names = {f.name for f in dataclasses.fields(Settings)}
+    for key, value in (options or {}).items():
+        if key.startswith("fa3."):
+            name = key[4:]
+            if name not in names:
+                raise ValueError(f"unknown fa3 option {key!r}; known: "
+                                 f"{sorted('fa3.' + n for n in names)}")
+            ours[name] = value
+        else:
+            inductor[key] = value
+    return Settings(**ours), inductor

@@ -1,0 +1,1 @@
+"""Recognition and lowering: everything that runs while Inductor compiles a graph."""

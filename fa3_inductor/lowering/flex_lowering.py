@@ -1,0 +1,210 @@
+"""Our lowering of the flex_attention op: the canonical form every front door produces.
+
+Installed as a wrapper around Inductor's own lowering in ``lowerings[flex_attention]``. It
+acts only while the fa3 backend compiles (its marker pass is in Inductor's config); under any
+other backend it calls the original untouched. When it acts it either
+
+- generates the mods (templates/modgen.py), picks a template, and emits one extern call to
+  ``torch.ops.fa3_inductor.flex_fwd`` (runtime/ops.py), or
+- hands the site to torch's lowering, recording why (unsupported mod, head dim, device...).
+
+Backward stays torch's: its flex_attention_backward lowering reads our (out, lse), which
+follow the op's conventions (LSE in log2 units).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .. import _compat
+from ..config import Settings
+from ..runtime.spec import SiteSpec
+from ..templates.modgen import (BufferSpec, UnsupportedMod, generate_mod_source,
+                                is_constant_true_mask, is_identity_score)
+from .passes import Fa3PostGradPass
+from .report import LoweredSite, record_site
+
+_FLEX_OP = torch.ops.higher_order.flex_attention
+_original_lowering: Optional[Any] = None
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+HOPPER_HEAD_DIMS = (64, 128, 256)
+
+
+def active_pass() -> Optional[Fa3PostGradPass]:
+    """The fa3 backend's marker pass if the current compile belongs to the fa3 backend."""
+    from torch._inductor import config
+
+    p = config.post_grad_custom_post_pass
+    return p if isinstance(p, Fa3PostGradPass) else None
+
+
+def install() -> None:
+    """Wrap Inductor's flex_attention lowering (idempotent).
+
+    Example::
+
+        >>> from fa3_inductor.lowering import flex_lowering; flex_lowering.install()
+    """
+    global _original_lowering
+    table = _compat.inductor_lowerings()
+    current = table[_FLEX_OP]
+    if getattr(current, "_fa3_wrapper", False):
+        return
+    _original_lowering = current
+    table[_FLEX_OP] = _fa3_flex_lowering
+
+
+def _static_ints(values) -> Optional[list[int]]:
+    out = []
+    for v in values:
+        try:
+            out.append(int(v))
+        except (TypeError, ValueError):
+            return None
+    return out
+
+
+def _buffer_specs(buffers) -> tuple[Optional[list[BufferSpec]], Optional[str]]:
+    from torch._inductor import ir
+
+    specs = []
+    for buf in buffers:
+        if not isinstance(buf, ir.IRNode):
+            return None, (f"a mod captures a {type(buf).__name__} scalar; capture it as a "
+                          "tensor to use fa3 kernels")
+        size = _static_ints(buf.get_size())
+        if size is None:
+            return None, "a captured buffer has a dynamic shape"
+        strides, stride = [], 1
+        for s in reversed(size):  # buffers are made contiguous before the call
+            strides.append(stride)
+            stride *= max(s, 1)
+        specs.append(BufferSpec(tuple(size), tuple(reversed(strides)), buf.get_dtype()))
+    return specs, None
+
+
+def _mod_summary(source: Optional[str]) -> str:
+    if source is None:
+        return "none"
+    body = [line.strip() for line in source.splitlines()[2:]]
+    return "; ".join(body)
+
+
+def _is_pow2_at_least_16(x: int) -> bool:
+    return x >= 16 and x & (x - 1) == 0
+
+
+def _plan(query, key, value, subgraph, bm: _compat.FlexBlockMask, score_bufs, mask_bufs,
+          settings: Settings) -> tuple[Optional[SiteSpec], Optional[str], str]:
+    """Decide how to serve one site: (spec, None, shape) or (None, reason, shape)."""
+    from triton import knobs
+
+    from torch._inductor.virtualized import V
+
+    sizevars = V.graph.sizevars
+    dtype = query.get_dtype()
+    device = query.get_device()
+    shape = (f"q{list(query.get_size())} kv{list(key.get_size())} "
+             f"{str(dtype).replace('torch.', '')} {device.type}")
+    if settings.template == "torch":
+        return None, "option fa3.template='torch'", shape
+    if device.type == "cpu" and not knobs.runtime.interpret:
+        return None, ("CPU tensors and Triton's interpreter is off (TRITON_INTERPRET=1 runs "
+                      "the generic kernel on the CPU)"), shape
+    if device.type not in ("cuda", "cpu"):
+        return None, f"device {device.type} is not served", shape
+    if dtype not in SUPPORTED_DTYPES:
+        return None, f"dtype {dtype} (fa3 serves float16, bfloat16, float32)", shape
+    # Batch and sequence lengths may stay symbolic (the kernel takes them at run time);
+    # head counts and head dims specialize the kernel.
+    hq, hkv, d, dv = (sizevars.guard_int(x) for x in (
+        query.get_size()[1], key.get_size()[1], query.get_size()[-1], value.get_size()[-1]))
+    if d != dv:
+        return None, f"value head dim {dv} differs from query head dim {d}", shape
+    if not (16 <= d <= 256 and d % 8 == 0):
+        return None, f"head dim {d} (fa3 serves multiples of 8 from 16 to 256)", shape
+    bq, bkv = query.get_size()[0], key.get_size()[0]
+    if not (sizevars.statically_known_equals(bq, bkv) or sizevars.statically_known_equals(bkv, 1)):
+        return None, f"batch {bq} vs kv batch {bkv}", shape
+    if hq % hkv != 0:
+        return None, f"{hq} query heads are not a multiple of {hkv} kv heads", shape
+    sparse = _static_ints([bm.sparse_q_block, bm.sparse_kv_block])
+    if sparse is None or not all(_is_pow2_at_least_16(s) for s in sparse):
+        return None, (f"block-mask block size {bm.sparse_q_block}x{bm.sparse_kv_block} "
+                      "(fa3 serves powers of two >= 16)"), shape
+
+    score_specs, why = _buffer_specs(score_bufs)
+    if why:
+        return None, why, shape
+    mask_specs, why = _buffer_specs(mask_bufs)
+    if why:
+        return None, why, shape
+    score_gm = subgraph.graph_module
+    mask_gm = bm.mask_graph.graph_module
+    sources: dict[str, Optional[str]] = {}
+    try:
+        for dialect in ("tl", "gl"):
+            sources[f"score_mod_{dialect}"] = None if is_identity_score(score_gm) else \
+                generate_mod_source(score_gm, "score", score_specs, dialect)
+            sources[f"mask_mod_{dialect}"] = None if is_constant_true_mask(mask_gm) else \
+                generate_mod_source(mask_gm, "mask", mask_specs, dialect)
+    except UnsupportedMod as exc:
+        return None, f"mod not lowerable: {exc}", shape
+
+    template = "generic"
+    on_hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    hopper_ok = on_hopper and d in HOPPER_HEAD_DIMS and dtype != torch.float32
+    if settings.template in ("auto", "hopper") and hopper_ok and _hopper_available():
+        template = "hopper"
+    spec = SiteSpec(template=template, description=shape, **sources)
+    return spec, None, shape
+
+
+def _hopper_available() -> bool:
+    try:
+        from ..templates import hopper  # noqa: F401
+    except ImportError:
+        return False
+    return hasattr(hopper, "launch_fwd_sm90")
+
+
+def _fa3_flex_lowering(query, key, value, subgraph, block_mask, scale, kernel_options,
+                       score_mod_other_buffers, mask_mod_other_buffers):
+    marker = active_pass()
+    if marker is None:
+        return _original_lowering(query, key, value, subgraph, block_mask, scale,
+                                  kernel_options, score_mod_other_buffers,
+                                  mask_mod_other_buffers)
+    from torch._inductor import ir
+
+    bm = _compat.unpack_block_mask(block_mask)
+    spec, reason, shape = _plan(query, key, value, subgraph, bm, score_mod_other_buffers,
+                                mask_mod_other_buffers, marker.settings)
+    if spec is None:
+        record_site(LoweredSite("torch", "?", "?", shape, reason))
+        return _original_lowering(query, key, value, subgraph, block_mask, scale,
+                                  kernel_options, score_mod_other_buffers,
+                                  mask_mod_other_buffers)
+    record_site(LoweredSite(spec.template, _mod_summary(spec.score_mod_tl),
+                            _mod_summary(spec.mask_mod_tl), shape))
+    q, k, v = (ir.ExternKernel.require_stride1(ir.ExternKernel.realize_input(x))
+               for x in (query, key, value))
+    score_bufs = [ir.ExternKernel.require_contiguous(b) for b in score_mod_other_buffers]
+    mask_bufs = [ir.ExternKernel.require_contiguous(b) for b in mask_mod_other_buffers]
+    # The block-mask tables always travel: even with no mask_mod they say which KV blocks
+    # exist (torch's default mask lists every block).
+    call = _compat.fallback_kernel(torch.ops.fa3_inductor.flex_fwd.default)
+    out, lse, max_scores = call(
+        q, k, v,
+        bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+        score_bufs, mask_bufs, float(scale), int(bm.sparse_q_block), int(bm.sparse_kv_block),
+        spec.to_json())
+    if _compat.flex_op_returns_max_scores():
+        return out, lse, max_scores
+    return out, lse
+
+
+_fa3_flex_lowering._fa3_wrapper = True  # type: ignore[attr-defined]

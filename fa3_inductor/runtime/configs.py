@@ -1,0 +1,42 @@
+"""Tile and pipeline choices for the generic template, in one table.
+
+Each entry says why. Figures are from FACTS.md and benchmarks/results (H100/H200, triton 3.6).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class GenericConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    warp_specialize: bool
+
+
+def generic_config(head_dim: int, capability: tuple[int, int] | None) -> GenericConfig:
+    """Tile choice for the generic kernel. ``capability`` None means the CPU interpreter.
+
+    Example::
+
+        >>> generic_config(128, (9, 0)).block_m
+        128
+    """
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    if capability is None:
+        # Interpreter: numpy cost grows with the number of programs, not the tile size.
+        return GenericConfig(64, 64, 4, 1, False)
+    if capability[0] == 9:
+        # Hopper: TMA descriptors + Meta's warp-specialization pass (needs num_warps=4).
+        # FACTS.md: 128x128, 2 stages reached 566 TFLOP/s bf16 D128 (439-452 without WS).
+        if block_d <= 128:
+            return GenericConfig(128, 128, 4, 2, True)
+        # D=256: a 128-row fp32 accumulator would need 256 registers/thread at 4 warps.
+        return GenericConfig(64, 64, 4, 2, True)
+    # Ampere/Ada: classic 8-warp software-pipelined tile.
+    if block_d <= 128:
+        return GenericConfig(128, 64, 8, 3, False)
+    return GenericConfig(64, 32, 4, 2, False)

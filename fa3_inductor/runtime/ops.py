@@ -1,0 +1,114 @@
+"""The op Inductor's output code calls for every attention site we serve.
+
+``torch.ops.fa3_inductor.flex_fwd`` is an opaque custom op: Inductor emits one extern call to
+it, and it launches our kernel. One mechanism serves both template families (Gluon kernels do
+not survive Inductor's ``wrap_triton`` re-emission: FACTS.md). Mods reach it as generated
+source inside the ``spec`` string, so a graph served from Inductor's cache rebuilds them.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .._log import info_once, warn_once
+from ..templates.modgen import load_mod
+from .generic import launch_generic
+from .spec import SiteSpec
+
+_state = threading.local()
+
+
+def last_template() -> Optional[str]:
+    """Which template served the most recent attention call in this thread.
+
+    "hopper" or "generic" when our kernels ran, "torch" when the call went to torch's own
+    implementation, None before any call.
+
+    Example::
+
+        >>> fa3_inductor.flex(q, k, v); fa3_inductor.last_template()   # doctest: +SKIP
+        'generic'
+    """
+    return getattr(_state, "template", None)
+
+
+def record_template(name: str) -> None:
+    _state.template = name
+
+
+def _hopper_launcher():
+    try:
+        from ..templates.hopper import launch_fwd_sm90
+    except ImportError as exc:  # the Hopper family is optional at run time
+        warn_once(f"fa3_inductor: Hopper template unavailable ({exc}); using the generic one")
+        return None
+    return launch_fwd_sm90
+
+
+def _out_like(q: Tensor, v: Tensor) -> Tensor:
+    # Output in q's stride order (e.g. a (B, S, H, D) storage stays so): no copy afterwards.
+    shape = (*q.shape[:-1], v.shape[-1])
+    if v.shape[-1] == q.shape[-1]:
+        return torch.empty_like(q)
+    return q.new_empty(shape)
+
+
+@torch.library.custom_op("fa3_inductor::flex_fwd", mutates_args=())
+def flex_fwd(
+    q: Tensor, k: Tensor, v: Tensor,
+    kv_num_blocks: Optional[Tensor], kv_indices: Optional[Tensor],
+    full_kv_num_blocks: Optional[Tensor], full_kv_indices: Optional[Tensor],
+    score_bufs: list[Tensor], mask_bufs: list[Tensor],
+    scale: float, sparse_q_block: int, sparse_kv_block: int, spec: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention forward with generated mods; returns (out, lse_log2, max_log2).
+
+    Example::
+
+        >>> out, lse, mx = torch.ops.fa3_inductor.flex_fwd(q, k, v, None, None, None, None,
+        ...     [], [], 0.125, 128, 128, SiteSpec("generic").to_json())   # doctest: +SKIP
+    """
+    site = SiteSpec.from_json(spec)
+    Z, H, M, _ = q.shape
+    out = _out_like(q, v)
+    lse = q.new_empty((Z, H, M), dtype=torch.float32)
+    max_scores = q.new_empty((Z, H, M), dtype=torch.float32)
+    if not q.is_cuda:
+        from triton import knobs
+
+        if not knobs.runtime.interpret:
+            raise RuntimeError(
+                "fa3_inductor::flex_fwd got CPU tensors but Triton's interpreter is off. "
+                "Set TRITON_INTERPRET=1 before importing triton to run the generic kernel on "
+                "the CPU, or move the tensors to a CUDA device.")
+        info_once("fa3_inductor: running the generic template under the Triton interpreter (CPU)")
+    blocks = dict(kv_num_blocks=kv_num_blocks, kv_indices=kv_indices,
+                  full_kv_num_blocks=full_kv_num_blocks, full_kv_indices=full_kv_indices,
+                  sparse_q_block=sparse_q_block, sparse_kv_block=sparse_kv_block)
+    if site.template == "hopper":
+        launch = _hopper_launcher()
+        if launch is not None:
+            launch(q, k, v, out, lse, max_scores, sm_scale=scale,
+                   score_mod=site.score_mod_gl and load_mod(site.score_mod_gl, "gl"),
+                   mask_mod=site.mask_mod_gl and load_mod(site.mask_mod_gl, "gl"),
+                   score_bufs=tuple(score_bufs), mask_bufs=tuple(mask_bufs), **blocks)
+            record_template("hopper")
+            return out, lse, max_scores
+    launch_generic(q, k, v, out, lse, max_scores, sm_scale=scale,
+                   score_mod=site.score_mod_tl and load_mod(site.score_mod_tl, "tl"),
+                   mask_mod=site.mask_mod_tl and load_mod(site.mask_mod_tl, "tl"),
+                   score_bufs=score_bufs, mask_bufs=mask_bufs, **blocks)
+    record_template("generic")
+    return out, lse, max_scores
+
+
+@flex_fwd.register_fake
+def _(q, k, v, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+      score_bufs, mask_bufs, scale, sparse_q_block, sparse_kv_block, spec):
+    Z, H, M, _ = q.shape
+    return (_out_like(q, v), q.new_empty((Z, H, M), dtype=torch.float32),
+            q.new_empty((Z, H, M), dtype=torch.float32))

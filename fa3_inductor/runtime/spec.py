@@ -1,0 +1,37 @@
+"""What the lowering tells the runtime about one attention site, as a JSON string.
+
+The spec travels inside Inductor's output code as a plain string argument of the
+``fa3_inductor::flex_fwd`` op, so a graph served from Inductor's cache carries everything
+needed to rebuild its kernels: the generated mod sources and the template to run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteSpec:
+    """One attention site: template choice and generated mod code (None = no mod).
+
+    Example::
+
+        >>> SiteSpec.from_json(SiteSpec(template="generic").to_json()).template
+        'generic'
+    """
+
+    template: str
+    score_mod_tl: Optional[str] = None
+    mask_mod_tl: Optional[str] = None
+    score_mod_gl: Optional[str] = None
+    mask_mod_gl: Optional[str] = None
+    description: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> "SiteSpec":
+        return SiteSpec(**json.loads(text))

@@ -1,0 +1,1 @@
+"""Kernel templates (generic Triton, Hopper Gluon) and the mod code generator they share."""

@@ -1,0 +1,379 @@
+"""Turn a score_mod / mask_mod FX graph into a small jit function the kernels call.
+
+The input is the aten-level graph FlexAttention traces (what Inductor hands the flex_attention
+lowering): placeholders ``score, b, h, q_idx, kv_idx`` (mask: no score) followed by the captured
+buffers, then pointwise aten ops and ``aten.index.Tensor`` loads from those buffers. The output
+is the source of one function in either dialect:
+
+    tl  ``@triton.jit def score_mod(score, b, h, q_idx, kv_idx, bufs)`` for the generic template
+    gl  ``@gluon.jit`` with the same signature, for the Hopper (Gluon) template
+
+Buffers arrive as a tuple of pointers; their strides are baked into the code (they are part of
+the spec hash). Anything the generator does not know raises :class:`UnsupportedMod`, and the
+lowering then hands the site to torch's own kernel with that reason: never a silent guess.
+
+Example::
+
+    >>> gm = torch.fx.symbolic_trace(lambda s, b, h, q, kv: s + (q - kv))   # doctest: +SKIP
+    >>> print(generate_mod_source(gm, "score", []))                         # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import os
+import sys
+import tempfile
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+class UnsupportedMod(Exception):
+    """The mod uses something the generator cannot express; the message says what."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferSpec:
+    """Shape, strides and dtype of one captured buffer, as the generated code sees it."""
+
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: torch.dtype
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "BufferSpec":
+        return BufferSpec(tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+_TL_DTYPES = {
+    torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+    torch.float64: "float64", torch.int32: "int32", torch.int64: "int64",
+    torch.int16: "int16", torch.int8: "int8", torch.uint8: "uint8", torch.bool: "int1",
+}
+
+# Pointwise ops: aten overload -> format string over argument expressions.
+# {L} is the language module (tl or gl); H is the dialect's helper module.
+_BINARY = {
+    aten.add: "({0} + {1})", aten.sub: "({0} - {1})", aten.mul: "({0} * {1})",
+    aten.div: "({0} / {1})", aten.rsub: "({1} - {0})",
+    aten.lt: "({0} < {1})", aten.le: "({0} <= {1})", aten.gt: "({0} > {1})",
+    aten.ge: "({0} >= {1})", aten.eq: "({0} == {1})", aten.ne: "({0} != {1})",
+    aten.bitwise_and: "({0} & {1})", aten.bitwise_or: "({0} | {1})",
+    aten.bitwise_xor: "({0} ^ {1})",
+    aten.logical_and: "(({0} != 0) & ({1} != 0))", aten.logical_or: "(({0} != 0) | ({1} != 0))",
+    aten.logical_xor: "(({0} != 0) ^ ({1} != 0))",
+    aten.maximum: "{L}.maximum({0}, {1})", aten.minimum: "{L}.minimum({0}, {1})",
+    aten.floor_divide: "H.floordiv({0}, {1})", aten.remainder: "H.remainder({0}, {1})",
+    aten.fmod: "({0} % {1})", aten.pow: "H.pow({0}, {1})",
+    aten.atan2: "H.atan2({0}, {1})",
+}
+_UNARY = {
+    aten.neg: "(-{0})", aten.abs: "{L}.abs({0})", aten.exp: "{L}.exp({0})",
+    aten.exp2: "{L}.exp2({0})", aten.log: "{L}.log({0})", aten.log2: "{L}.log2({0})",
+    aten.sqrt: "{L}.sqrt({0})", aten.rsqrt: "{L}.rsqrt({0})", aten.sin: "{L}.sin({0})",
+    aten.cos: "{L}.cos({0})", aten.floor: "{L}.floor({0})", aten.ceil: "{L}.ceil({0})",
+    aten.tanh: "H.tanh({0})", aten.sigmoid: "H.sigmoid({0})",
+    aten.reciprocal: "(1.0 / {0})", aten.logical_not: "({0} == 0)",
+    aten.bitwise_not: "(~{0})", aten.sign: "H.sign({0})", aten.log1p: "H.log1p({0})",
+    aten.expm1: "H.expm1({0})", aten.erf: "{L}.erf({0})", aten.round: "H.round({0})",
+    aten.trunc: "H.trunc({0})",
+}
+# Shape-only or value-preserving ops on the 0-d tensors a mod sees.
+_IDENTITY = {aten.clone, aten.alias, aten.lift_fresh_copy, aten.detach, aten.view,
+             aten._unsafe_view, aten.expand, aten.unsqueeze, aten.squeeze, aten.reshape,
+             aten.contiguous, aten.positive}
+# Ops that make a constant: op -> args -> (value, shape).
+_CONSTANT_FILLS = {
+    aten.scalar_tensor: lambda a: (a[0], ()),
+    aten.full: lambda a: (a[1], a[0]),
+    aten.new_full: lambda a: (a[2], a[1]),
+    aten.ones: lambda a: (1, a[0]),
+    aten.zeros: lambda a: (0, a[0]),
+    aten.new_ones: lambda a: (1, a[1]),
+    aten.new_zeros: lambda a: (0, a[1]),
+    aten.full_like: lambda a: (a[1], ()),
+    aten.ones_like: lambda a: (1, ()),
+    aten.zeros_like: lambda a: (0, ()),
+}
+
+
+def _packet(target: Any) -> Any:
+    return getattr(target, "overloadpacket", target)
+
+
+def _literal(value: Any) -> str:
+    if isinstance(value, bool):
+        return "True" if value else "False"
+    if isinstance(value, int):
+        return repr(value)
+    if isinstance(value, float):
+        if value != value:
+            return 'float("nan")'
+        if value in (float("inf"), float("-inf")):
+            return f'float("{value}")'
+        return repr(value)
+    raise UnsupportedMod(f"constant {value!r} of type {type(value).__name__}")
+
+
+class _Emitter:
+    def __init__(self, gm: torch.fx.GraphModule, kind: str, buffers: Sequence[BufferSpec],
+                 dialect: str):
+        self.gm, self.kind, self.buffers, self.dialect = gm, kind, list(buffers), dialect
+        self.L = "tl" if dialect == "tl" else "gl"
+        self.names: dict[torch.fx.Node, str] = {}
+        self.lines: list[str] = []
+        self.dtypes: dict[torch.fx.Node, torch.dtype | None] = {}
+
+    def arg(self, a: Any) -> str:
+        if isinstance(a, torch.fx.Node):
+            if a not in self.names:
+                raise UnsupportedMod(f"value {a.name} is used before it is defined")
+            return self.names[a]
+        return _literal(a)
+
+    def dtype_of(self, a: Any) -> torch.dtype | None:
+        if isinstance(a, torch.fx.Node):
+            return self.dtypes.get(a)
+        return None
+
+    def emit(self) -> str:
+        index_params = ["b", "h", "q_idx", "kv_idx"]
+        params = (["score"] if self.kind == "score" else []) + index_params
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(params) + len(self.buffers):
+            raise UnsupportedMod(
+                f"{self.kind}_mod graph has {len(placeholders)} inputs; expected "
+                f"{len(params)} index/score inputs and {len(self.buffers)} captured buffers")
+        for i, node in enumerate(placeholders):
+            if i < len(params):
+                self.names[node] = params[i]
+                self.dtypes[node] = torch.float32 if params[i] == "score" else torch.int32
+            else:
+                self.names[node] = f"bufs[{i - len(params)}]"
+                self.dtypes[node] = self.buffers[i - len(params)].dtype
+        self.buffer_of = {n: i - len(params) for i, n in enumerate(placeholders) if i >= len(params)}
+        result = None
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                out = node.args[0]
+                if isinstance(out, (tuple, list)):
+                    if len(out) != 1:
+                        raise UnsupportedMod(f"{self.kind}_mod returns {len(out)} values")
+                    out = out[0]
+                result = out
+                break
+            if node.op != "call_function":
+                raise UnsupportedMod(f"graph node {node.name} is a {node.op} (captured constant "
+                                     "or module call); pass tensors as captured buffers")
+            self.lower(node)
+        if result is None:
+            raise UnsupportedMod(f"{self.kind}_mod graph has no output")
+        ret = self.arg(result)
+        if self.kind == "score":
+            # The kernel needs a [BLOCK_M, BLOCK_N] fp32 tile even if the mod ignored score.
+            ret = f"({ret} + {self.L}.zeros_like(score)).to({self.L}.float32)"
+        elif self.dtype_of(result) not in (torch.bool, None):
+            ret = f"({ret} != 0)"
+        fn = "score_mod" if self.kind == "score" else "mask_mod"
+        sig = ", ".join(params + ["bufs"])
+        deco = "@triton.jit" if self.dialect == "tl" else "@gluon.jit"
+        body = "\n".join(f"    {line}" for line in self.lines + [f"return {ret}"])
+        return f"{deco}\ndef {fn}({sig}):\n{body}\n"
+
+    def assign(self, node: torch.fx.Node, expr: str, dtype: torch.dtype | None) -> None:
+        name = f"v{len(self.lines)}"
+        self.lines.append(f"{name} = {expr}")
+        self.names[node] = name
+        self.dtypes[node] = dtype
+
+    def lower(self, node: torch.fx.Node) -> None:
+        target, args, kwargs = node.target, node.args, node.kwargs
+        packet = _packet(target)
+        val = node.meta.get("val")
+        out_dtype = val.dtype if isinstance(val, torch.Tensor) else None
+        L = self.L
+        if packet in _IDENTITY:
+            self.names[node] = self.arg(args[0])
+            self.dtypes[node] = self.dtype_of(args[0])
+            return
+        if packet in (aten.add, aten.sub) and kwargs.get("alpha", 1) != 1:
+            expr = _BINARY[packet].format(self.arg(args[0]), f"({self.arg(args[1])} * "
+                                          f"{_literal(kwargs['alpha'])})", L=L)
+            return self.assign(node, expr, out_dtype)
+        if packet is aten.div and kwargs.get("rounding_mode") is not None:
+            mode = kwargs["rounding_mode"]
+            helper = {"floor": "H.floordiv", "trunc": "H.truncdiv"}.get(mode)
+            if helper is None:
+                raise UnsupportedMod(f"aten.div rounding_mode={mode!r}")
+            return self.assign(node, f"{helper}({self.arg(args[0])}, {self.arg(args[1])})",
+                               out_dtype)
+        if packet in _BINARY and len(args) == 2 and not kwargs:
+            expr = _BINARY[packet].format(self.arg(args[0]), self.arg(args[1]), L=L)
+            if packet is aten.div:
+                # Triton's / on two integers truncates toward zero; torch's is true division.
+                expr = f"({self.arg(args[0])} * 1.0 / {self.arg(args[1])})"
+            return self.assign(node, expr, out_dtype)
+        if packet in _UNARY and len(args) == 1 and not kwargs:
+            a = self.arg(args[0])
+            if packet in (aten.tanh, aten.sigmoid, aten.exp, aten.exp2, aten.log, aten.log2,
+                          aten.sqrt, aten.rsqrt, aten.sin, aten.cos, aten.erf, aten.log1p,
+                          aten.expm1) and self.dtype_of(args[0]) not in (torch.float32, None):
+                a = f"{a}.to({L}.float32)"
+            return self.assign(node, _UNARY[packet].format(a, L=L), out_dtype)
+        if packet is aten.where:
+            c, a, b = (self.arg(x) for x in args)
+            return self.assign(node, f"{L}.where({c}, {a}, {b})", out_dtype)
+        if packet in (aten.clamp, aten.clamp_min, aten.clamp_max):
+            def opt(i: int, key: str) -> Any:
+                return args[i] if len(args) > i else kwargs.get(key)
+            lo = opt(1, "min") if packet in (aten.clamp, aten.clamp_min) else None
+            hi = opt(2, "max") if packet is aten.clamp else (
+                opt(1, "max") if packet is aten.clamp_max else None)
+            x = self.arg(args[0])
+            if lo is not None:
+                x = f"{L}.maximum({x}, {self.arg(lo)})"
+            if hi is not None:
+                x = f"{L}.minimum({x}, {self.arg(hi)})"
+            return self.assign(node, x, out_dtype)
+        if target in (aten._to_copy.default, prims.convert_element_type.default) or \
+                packet is aten.to:
+            dtype = kwargs.get("dtype") if target is aten._to_copy.default else (
+                args[1] if len(args) > 1 else kwargs.get("dtype"))
+            if not isinstance(dtype, torch.dtype):
+                return self.lower_identity(node, args[0])
+            return self.cast(node, args[0], dtype)
+        if packet in _CONSTANT_FILLS:
+            value, shape = _CONSTANT_FILLS[packet](args)
+            if isinstance(shape, (list, tuple)) and any(s != 1 for s in shape):
+                raise UnsupportedMod(f"{packet} builds a tensor of shape {list(shape)}")
+            if out_dtype is torch.bool:
+                value = bool(value)
+            elif out_dtype is not None and out_dtype.is_floating_point:
+                value = float(value)
+            return self.assign(node, _literal(value), out_dtype)
+        if packet is aten.index:
+            return self.load(node, args[0], args[1], out_dtype)
+        raise UnsupportedMod(f"{self.kind}_mod uses {target}, which the mod generator does not "
+                             "support; see fa3_inductor/templates/modgen.py")
+
+    def lower_identity(self, node: torch.fx.Node, src: Any) -> None:
+        self.names[node] = self.arg(src)
+        self.dtypes[node] = self.dtype_of(src)
+
+    def cast(self, node: torch.fx.Node, src: Any, dtype: torch.dtype) -> None:
+        if dtype not in _TL_DTYPES:
+            raise UnsupportedMod(f"cast to {dtype}")
+        a = self.arg(src)
+        expr = f"({a} != 0)" if dtype is torch.bool else f"{a}.to({self.L}.{_TL_DTYPES[dtype]})"
+        if not isinstance(src, torch.fx.Node):
+            expr = _literal(dtype.is_floating_point and float(src) or src)
+        self.assign(node, expr, dtype)
+
+    def load(self, node: torch.fx.Node, buf: Any, indices: Sequence[Any], out_dtype) -> None:
+        if not isinstance(buf, torch.fx.Node) or buf not in self.buffer_of:
+            raise UnsupportedMod("indexing a tensor that is not a captured buffer")
+        spec = self.buffers[self.buffer_of[buf]]
+        if len(indices) != len(spec.shape) or any(i is None for i in indices):
+            raise UnsupportedMod(
+                f"captured buffer of shape {list(spec.shape)} indexed with {len(indices)} "
+                "indices; index every dimension with a scalar index expression")
+        terms = [f"({self.arg(i)}) * {stride}" if stride != 1 else f"({self.arg(i)})"
+                 for i, stride in zip(indices, spec.strides) if stride != 0]
+        offset = " + ".join(terms) if terms else "0"
+        expr = f"{self.L}.load({self.arg(buf)} + {offset})"
+        if spec.dtype in (torch.float16, torch.bfloat16):
+            expr += f".to({self.L}.float32)"
+        if spec.dtype is torch.bool:
+            expr = f"({expr} != 0)"
+        self.assign(node, expr, out_dtype or spec.dtype)
+
+
+def generate_mod_source(gm: torch.fx.GraphModule, kind: str, buffers: Sequence[BufferSpec],
+                        dialect: str = "tl") -> str:
+    """Source of a jit function computing ``gm`` on a tile (see the module docstring).
+
+    Example::
+
+        >>> src = generate_mod_source(score_graph, "score", [BufferSpec.of(bias)])  # doctest: +SKIP
+        >>> "def score_mod(score, b, h, q_idx, kv_idx, bufs)" in src                # doctest: +SKIP
+        True
+    """
+    if kind not in ("score", "mask"):
+        raise ValueError(f"kind must be 'score' or 'mask', got {kind!r}")
+    if dialect not in ("tl", "gl"):
+        raise ValueError(f"dialect must be 'tl' or 'gl', got {dialect!r}")
+    return _Emitter(gm, kind, buffers, dialect).emit()
+
+
+def is_constant_true_mask(gm: torch.fx.GraphModule) -> bool:
+    """True if a mask_mod graph returns a constant True (FlexAttention's noop mask)."""
+    try:
+        src = generate_mod_source(gm, "mask", [], "tl")
+    except UnsupportedMod:
+        return False
+    body = [line.strip() for line in src.splitlines()[2:]]
+    return body in (["return True"], ["v0 = True", "return v0"], ["v0 = 1", "return (v0 != 0)"])
+
+
+def is_identity_score(gm: torch.fx.GraphModule) -> bool:
+    """True if a score_mod graph returns its score input unchanged."""
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    first = next((n for n in gm.graph.nodes if n.op == "placeholder"), None)
+    return out is first and all(_packet(n.target) in _IDENTITY for n in nodes)
+
+
+_HEADER = {
+    "tl": "import triton\nimport triton.language as tl\n"
+          "from fa3_inductor.templates import mod_helpers_tl as H\n\n\n",
+    "gl": "from triton.experimental import gluon\nfrom triton.experimental.gluon import language as gl\n"
+          "from fa3_inductor.templates import mod_helpers_gl as H\n\n\n",
+}
+_LOADED: dict[str, Any] = {}
+
+
+def _cache_dir() -> str:
+    root = os.environ.get("FA3_INDUCTOR_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), f"fa3_inductor_{os.getuid() if hasattr(os, 'getuid') else 0}")
+    path = os.path.join(root, "mods")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def load_mod(source: str, dialect: str = "tl") -> Any:
+    """Import generated mod source as a module (jit functions need a real file) and return
+    its ``score_mod`` or ``mask_mod`` function. Cached by the hash of the source.
+
+    Example::
+
+        >>> fn = load_mod(generate_mod_source(gm, "score", []))   # doctest: +SKIP
+    """
+    text = _HEADER[dialect] + source
+    key = hashlib.sha256(text.encode()).hexdigest()[:20]
+    if key in _LOADED:
+        return _LOADED[key]
+    path = os.path.join(_cache_dir(), f"mod_{dialect}_{key}.py")
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    name = f"fa3_inductor_generated.mod_{dialect}_{key}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    fn = getattr(module, "score_mod", None) or getattr(module, "mask_mod")
+    _LOADED[key] = fn
+    return fn
