@@ -1,0 +1,694 @@
+"""FlashAttention-3-structure forward attention for Hopper (sm90), written in Gluon.
+
+Notation
+--------
+  Q  [z, hq, m, d]   queries   (z = batch index b, hq = query head h, m = query position, d = head dim)
+  K  [z, hkv, n, d]  keys      (n = key/value position; hkv = h // (Hq // Hkv): GQA by index, no copies)
+  V  [z, hkv, n, d]  values
+  O  [z, hq, m, d]   output, written in place into the caller's tensor (any strides, last dim contiguous)
+  M, N, D            query length, key/value length, head dim. M and N are arbitrary (ragged tails are
+                     handled by TMA zero-fill on loads, TMA clipping on the O store, and an explicit
+                     kv_idx < N mask on the last KV tile).
+  LSE[z, hq, m]      log2-domain logsumexp of the (modded, masked) scores: logsumexp_e(s) / ln 2
+  MAX[z, hq, m]      log2-domain row max:  max(s) / ln 2.   Fully masked row: O = 0, LSE = MAX = -inf.
+  s = (q . k) * sm_scale      natural-unit score handed to score_mod(s, b, h, q_idx, kv_idx, bufs)
+  mask_mod(b, h, q_idx, kv_idx, bufs) -> bool   False means "masked" (-inf)
+
+Block sparsity (torch BlockMask format; the index tensors are int32):
+  kv_num_blocks     [Bm, Hm, ceil(M / SPARSE_Q)]               number of *partial* KV blocks per query block
+  kv_indices        [Bm, Hm, ceil(M / SPARSE_Q), ceil(N / SPARSE_KV)]  their KV block indices (mask_mod applied)
+  full_kv_num_blocks, full_kv_indices  same shapes, blocks where mask_mod is all-true (mask_mod skipped,
+                     only kv_idx < N is still masked)
+  Bm in {1, B}, Hm in {1, Hq}: broadcast by b % Bm, h % Hm.  SPARSE_Q must be a multiple of BLOCK_M and
+  SPARSE_KV a multiple of BLOCK_N (each sparse KV block expands into SPARSE_KV // BLOCK_N kernel tiles).
+  kv_num_blocks=None means dense: every KV tile, and mask_mod (if given) applied on every tile.
+
+Kernel roles (one CTA = one BLOCK_M x D output tile at a time; 3 warpgroups):
+  * producer   (`_producer`, a 1-warp worker partition, padded to a warpgroup, 24 regs): TMA-loads the two
+               64-row halves of Q once per tile and K/V tiles into a NUM_STAGES ring guarded by mbarriers.
+  * consumers  (`_consumer`, two 4-warp partitions = two warpgroups, 240 regs each): warpgroup w owns
+               query rows [64w, 64w+64) of the tile. S = Q K^T and O += P V with wgmma; online softmax
+               in registers with exp2 (log2 e folded into the scale); intra-warpgroup overlap (QK^T of
+               tile j+1 is issued before the softmax of tile j); pingpong between the two warpgroups
+               through a pair of mbarriers (Gluon 3.6 has no named barriers).
+  * epilogue   (`_epilogue`, run by each consumer warpgroup for its own rows: worker partitions cannot
+               return tensors): O / l staged in that warpgroup's half of the Q buffer and TMA-stored;
+               LSE and MAX written with plain masked stores.
+
+Barriers (all in shared memory):
+  q_ready[w]  (count 1, TMA tx)   Q half w landed                          producer -> consumer w
+  q_empty[w]  (count 1)           consumer w is done with Q half w         consumer w -> producer
+                                  (its O staging store has completed)
+  k_ready[s], v_ready[s] (count 1, TMA tx)   stage s of the K / V ring landed
+  k_empty[s], v_empty[s] (count 2)           both consumer warpgroups retired the wgmma reading stage s
+  turn[w]     (count 1)           pingpong: warpgroup w may issue its next GEMMs; w arrives on
+                                  turn[1-w] right after issuing. Warpgroup 1 pre-arrives turn[0].
+
+Mods and captured buffers: `score_mod` / `mask_mod` are `@gluon.jit` functions passed as constexpr
+kernel arguments. Captured buffers travel as a *tuple of tensors* kernel argument (`score_bufs`,
+`mask_bufs`; tuples, possibly empty, are ordinary Triton/Gluon kernel arguments: each entry becomes a
+pointer) and reach the mods as their `bufs` argument, read with `gl.load(bufs[i] + offset)`.
+q_idx / kv_idx given to the mods are clamped to [0, M-1] / [0, N-1] so that mods that index buffers by
+position never read out of bounds on the padded tail rows/columns (those results are discarded).
+"""
+from __future__ import annotations
+
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .configs import Sm90Config, get_config
+
+LOG2E = 1.4426950408889634
+
+
+# ----------------------------------------------------------------------------------------------
+# Tile scheduling and KV-block enumeration (shared by producer and consumers: both must walk the
+# exact same sequence of tiles and KV blocks, or the barrier phases fall out of step).
+# ----------------------------------------------------------------------------------------------
+@gluon.jit
+def _tile_coords(tile_id, num_m_tiles, HQ):
+    # Consecutive tiles share one (b, h) so that concurrently running CTAs reuse K/V in L2; inside a
+    # head the query blocks run last-to-first (longest first for causal / lower-triangular masks).
+    bh = tile_id // num_m_tiles
+    mt = num_m_tiles - 1 - (tile_id % num_m_tiles)
+    b = bh // HQ
+    h = bh % HQ
+    return b, h, mt
+
+
+@gluon.jit
+def _kv_counts(b, h, mt, N, sp_ptrs, sp_meta, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               HAS_SPARSE: gl.constexpr, HAS_FULL: gl.constexpr, SPARSE_Q_DIV: gl.constexpr,
+               SPARSE_KV_MULT: gl.constexpr):
+    """Returns (n_partial, n_total): KV tiles of this query tile; the partial ones come first."""
+    kvnb_ptr, kvidx_ptr, fnb_ptr, fidx_ptr = sp_ptrs
+    BM, HM, nb_sb, nb_sh, idx_sb, idx_sh, idx_sm, fnb_sb, fnb_sh, fidx_sb, fidx_sh, fidx_sm = sp_meta
+    if HAS_SPARSE:
+        bb = b % BM
+        hh = h % HM
+        qb = mt // SPARSE_Q_DIV
+        n_partial = gl.load(kvnb_ptr + bb * nb_sb + hh * nb_sh + qb) * SPARSE_KV_MULT
+        if HAS_FULL:
+            n_full = gl.load(fnb_ptr + bb * fnb_sb + hh * fnb_sh + qb) * SPARSE_KV_MULT
+        else:
+            n_full = n_partial * 0
+    else:
+        n_partial = N * 0
+        n_full = gl.cdiv(N, BLOCK_N)
+    return n_partial, n_partial + n_full
+
+
+@gluon.jit
+def _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, BLOCK_N: gl.constexpr, HAS_SPARSE: gl.constexpr,
+              SPARSE_Q_DIV: gl.constexpr, SPARSE_KV_MULT: gl.constexpr):
+    """First KV position of the i-th KV tile of this query tile."""
+    kvnb_ptr, kvidx_ptr, fnb_ptr, fidx_ptr = sp_ptrs
+    BM, HM, nb_sb, nb_sh, idx_sb, idx_sh, idx_sm, fnb_sb, fnb_sh, fidx_sb, fidx_sh, fidx_sm = sp_meta
+    if HAS_SPARSE:
+        bb = b % BM
+        hh = h % HM
+        qb = mt // SPARSE_Q_DIV
+        if i < n_partial:
+            blk = gl.load(kvidx_ptr + bb * idx_sb + hh * idx_sh + qb * idx_sm + i // SPARSE_KV_MULT)
+            sub = i % SPARSE_KV_MULT
+        else:
+            j = i - n_partial
+            blk = gl.load(fidx_ptr + bb * fidx_sb + hh * fidx_sh + qb * fidx_sm + j // SPARSE_KV_MULT)
+            sub = j % SPARSE_KV_MULT
+        start = (blk * SPARSE_KV_MULT + sub) * BLOCK_N
+    else:
+        start = i * BLOCK_N
+    return start
+
+
+# ----------------------------------------------------------------------------------------------
+# Producer / load partition: 1 warp issuing TMA.
+# ----------------------------------------------------------------------------------------------
+@gluon.jit
+def _producer(descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_consts):
+    q_desc, k_desc, v_desc, o_desc = descs
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
+    q_smem, k_smem, v_smem = smem
+    num_tiles, num_m_tiles, HQ, GQA, M, N = sched
+    BLOCK_M: gl.constexpr = cfg_consts[0]
+    BLOCK_N: gl.constexpr = cfg_consts[1]
+    HEAD_DIM: gl.constexpr = cfg_consts[2]
+    NUM_STAGES: gl.constexpr = cfg_consts[3]
+    HALF_M: gl.constexpr = cfg_consts[4]
+    HAS_SPARSE: gl.constexpr = cfg_consts[5]
+    HAS_FULL: gl.constexpr = cfg_consts[6]
+    SPARSE_Q_DIV: gl.constexpr = cfg_consts[7]
+    SPARSE_KV_MULT: gl.constexpr = cfg_consts[8]
+    PERSISTENT: gl.constexpr = cfg_consts[9]
+
+    q_bytes: gl.constexpr = q_desc.block_type.nbytes
+    kv_bytes: gl.constexpr = k_desc.block_type.nbytes
+
+    if PERSISTENT:
+        first = gl.program_id(0)
+        step = gl.num_programs(0)
+    else:
+        first = gl.program_id(0)
+        step = num_tiles
+    cnt = 0   # KV tiles loaded so far (global ring counter)
+    t_local = 0
+    for tile_id in range(first, num_tiles, step):
+        b, h, mt = _tile_coords(tile_id, num_m_tiles, HQ)
+        hkv = h // GQA
+        m0 = mt * BLOCK_M
+        # Q halves: wait until the consumer released the half (its previous O store completed).
+        for w in gl.static_range(2):
+            mbarrier.wait(q_empty.index(w), (t_local & 1) ^ 1)
+            mbarrier.expect(q_ready.index(w), q_bytes)
+            tma.async_copy_global_to_shared(q_desc, [b, h, m0 + w * HALF_M, 0], q_ready.index(w), q_smem.index(w))
+        n_partial, n_total = _kv_counts(b, h, mt, N, sp_ptrs, sp_meta, BLOCK_M, BLOCK_N, HAS_SPARSE, HAS_FULL,
+                                        SPARSE_Q_DIV, SPARSE_KV_MULT)
+        for i in range(n_total):
+            start = _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, BLOCK_N, HAS_SPARSE, SPARSE_Q_DIV,
+                              SPARSE_KV_MULT)
+            s = cnt % NUM_STAGES
+            ph = (cnt // NUM_STAGES) & 1
+            mbarrier.wait(k_empty.index(s), ph ^ 1)
+            mbarrier.expect(k_ready.index(s), kv_bytes)
+            tma.async_copy_global_to_shared(k_desc, [b, hkv, start, 0], k_ready.index(s), k_smem.index(s))
+            mbarrier.wait(v_empty.index(s), ph ^ 1)
+            mbarrier.expect(v_ready.index(s), kv_bytes)
+            tma.async_copy_global_to_shared(v_desc, [b, hkv, start, 0], v_ready.index(s), v_smem.index(s))
+            cnt += 1
+        t_local += 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Consumer partition: wgmma + online softmax for 64 query rows.
+# ----------------------------------------------------------------------------------------------
+@gluon.jit
+def _score_tile(acc, start, is_partial, b, h, q_idx, q_idx_c, sm_scale, N, score_bufs, mask_bufs,
+                s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+                SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr, HAS_SCORE_MOD: gl.constexpr,
+                HAS_MASK_MOD: gl.constexpr, DENSE_MASK: gl.constexpr):
+    """QK^T accumulator -> score tile in the kernel's working units.
+
+    Without score_mod the tile stays in raw q.k units (scale folded into the exp2 FMA later);
+    with score_mod it becomes log2 units (score_mod(s * sm_scale) * log2 e).
+    """
+    if HAS_SCORE_MOD:
+        kv_idx = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))[None, :]
+        kv_idx_c = gl.minimum(kv_idx, N - 1)
+        s = SCORE_MOD(acc * sm_scale, b, h, q_idx_c, kv_idx_c, score_bufs) * 1.4426950408889634
+    else:
+        s = acc
+    need_mask = (start + BLOCK_N > N)
+    if HAS_MASK_MOD:
+        if DENSE_MASK:
+            need_mask = True
+        else:
+            need_mask = need_mask | is_partial
+    if need_mask:
+        kv_idx = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))[None, :]
+        valid = kv_idx < N
+        if HAS_MASK_MOD:
+            kv_idx_c = gl.minimum(kv_idx, N - 1)
+            mm = MASK_MOD(b, h, q_idx_c, kv_idx_c, mask_bufs)
+            if DENSE_MASK:
+                valid = valid & mm
+            else:
+                valid = valid & (mm | (~is_partial))
+        s = gl.where(valid, s, -float("inf"))
+    return s
+
+
+@gluon.jit
+def _online_softmax(s, m_i, l_i, qk_scale, p_layout: gl.constexpr, o_layout: gl.constexpr, dtype: gl.constexpr):
+    """One online-softmax step on a score tile (units: s * qk_scale is log2 units)."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    # Fully masked so far: keep the exponent base finite so that exp2(-inf - base) = 0, never NaN.
+    m_base = gl.where(m_new == -float("inf"), 0.0, m_new * qk_scale)
+    alpha = gl.exp2(m_i * qk_scale - m_base)
+    p = gl.exp2(s * qk_scale - m_base[:, None])
+    l_new = l_i * alpha + gl.sum(p, axis=1)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    # Row vectors of the S and O accumulators hold the same rows in the same threads: a free conversion.
+    alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+    return p_op, m_new, l_new, alpha_o
+
+
+@gluon.jit
+def _pingpong_wait(turn, t, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.wait(turn.index(WG), t & 1)
+    return t + 1
+
+
+@gluon.jit
+def _pingpong_signal(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG), count=1)
+
+
+@gluon.jit
+def _epilogue(acc, m_i, l_i, qk_scale, q_half, o_desc, lse_ptr, max_ptr, b, h, row0, HQ, M,
+              o_layout: gl.constexpr, HALF_M: gl.constexpr, dtype: gl.constexpr):
+    """Normalise O, stage it in this warpgroup's Q half, TMA-store it; write LSE / MAX (log2 units)."""
+    empty_row = l_i == 0.0
+    l_safe = gl.where(empty_row, 1.0, l_i)
+    o = acc * (1.0 / l_safe)[:, None]
+    q_half.reshape([HALF_M, o_desc.block_type.shape[3]]).store(o.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], q_half)
+
+    m_log2 = m_i * qk_scale
+    lse = gl.where(empty_row, -float("inf"), m_log2 + gl.log2(l_safe))
+    mx = gl.where(empty_row, -float("inf"), m_log2)
+    rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
+    off = (b * HQ + h).to(gl.int64) * M + rows
+    gl.store(lse_ptr + off, lse, mask=rows < M)
+    gl.store(max_ptr + off, mx, mask=rows < M)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_consts, outs, scale_args,
+              mods, mod_bufs):
+    q_desc, k_desc, v_desc, o_desc = descs
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
+    q_smem, k_smem, v_smem = smem
+    num_tiles, num_m_tiles, HQ, GQA, M, N = sched
+    BLOCK_M: gl.constexpr = cfg_consts[0]
+    BLOCK_N: gl.constexpr = cfg_consts[1]
+    HEAD_DIM: gl.constexpr = cfg_consts[2]
+    NUM_STAGES: gl.constexpr = cfg_consts[3]
+    HALF_M: gl.constexpr = cfg_consts[4]
+    HAS_SPARSE: gl.constexpr = cfg_consts[5]
+    HAS_FULL: gl.constexpr = cfg_consts[6]
+    SPARSE_Q_DIV: gl.constexpr = cfg_consts[7]
+    SPARSE_KV_MULT: gl.constexpr = cfg_consts[8]
+    PERSISTENT: gl.constexpr = cfg_consts[9]
+    lse_ptr, max_ptr = outs
+    sm_scale, qk_scale_raw = scale_args
+    SCORE_MOD: gl.constexpr = mods[0]
+    MASK_MOD: gl.constexpr = mods[1]
+    HAS_SCORE_MOD: gl.constexpr = mods[2]
+    HAS_MASK_MOD: gl.constexpr = mods[3]
+    DENSE_MASK: gl.constexpr = mods[4]
+    PINGPONG: gl.constexpr = mods[5]
+    OVERLAP: gl.constexpr = mods[6]
+    score_bufs, mask_bufs = mod_bufs
+
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    if HAS_SCORE_MOD:
+        qk_scale = 1.0          # the mod path already produced log2-unit scores
+    else:
+        qk_scale = qk_scale_raw  # sm_scale * log2(e), folded into the exp2 argument
+
+    q_half = q_smem.index(WG)
+    q_op = q_half.reshape([HALF_M, HEAD_DIM])
+
+    if PERSISTENT:
+        first = gl.program_id(0)
+        step = gl.num_programs(0)
+    else:
+        first = gl.program_id(0)
+        step = num_tiles
+
+    if PINGPONG:
+        if WG == 1:
+            mbarrier.arrive(turn.index(0), count=1)   # warpgroup 0 takes the first turn
+
+    cnt = 0   # KV tiles consumed so far (global ring counter, same sequence as the producer)
+    t = 0     # pingpong turns taken
+    t_local = 0
+    for tile_id in range(first, num_tiles, step):
+        b, h, mt = _tile_coords(tile_id, num_m_tiles, HQ)
+        row0 = mt * BLOCK_M + WG * HALF_M
+        q_idx = row0 + gl.arange(0, HALF_M, layout=row_layout)[:, None]
+        q_idx_c = gl.minimum(q_idx, M - 1)
+        n_partial, n_total = _kv_counts(b, h, mt, N, sp_ptrs, sp_meta, BLOCK_M, BLOCK_N, HAS_SPARSE, HAS_FULL,
+                                        SPARSE_Q_DIV, SPARSE_KV_MULT)
+
+        m_i = gl.full([HALF_M], -float("inf"), gl.float32, layout=row_layout)
+        l_i = gl.full([HALF_M], 0.0, gl.float32, layout=row_layout)
+        acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
+
+        mbarrier.wait(q_ready.index(WG), t_local & 1)
+
+        if OVERLAP:
+            if n_total > 0:
+                # ---- prologue: S_0 and its softmax ----
+                st = cnt % NUM_STAGES
+                ph = (cnt // NUM_STAGES) & 1
+                start = _kv_start(0, n_partial, b, h, mt, sp_ptrs, sp_meta, BLOCK_N, HAS_SPARSE, SPARSE_Q_DIV,
+                                  SPARSE_KV_MULT)
+                k_t = k_smem.index(st).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+                mbarrier.wait(k_ready.index(st), ph)
+                t = _pingpong_wait(turn, t, WG, PINGPONG)
+                s_tok = warpgroup_mma(q_op, k_t, s_zero, use_acc=False, is_async=True)
+                _pingpong_signal(turn, WG, PINGPONG)
+                s_acc, _q, _k = warpgroup_mma_wait(0, deps=[s_tok, q_op, k_t])
+                mbarrier.arrive(k_empty.index(st), count=1)
+                s = _score_tile(s_acc, start, n_partial > 0, b, h, q_idx, q_idx_c, sm_scale, N, score_bufs,
+                                mask_bufs, s_layout, BLOCK_N, SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD,
+                                DENSE_MASK)
+                p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, qk_scale, p_layout, o_layout, dtype)
+                prev_st = st
+                prev_ph = ph
+                cnt += 1
+                # ---- steady state: issue S_{i} and O += P_{i-1} V_{i-1}, softmax S_i under the PV ----
+                for i in range(1, n_total):
+                    st = cnt % NUM_STAGES
+                    ph = (cnt // NUM_STAGES) & 1
+                    start = _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, BLOCK_N, HAS_SPARSE,
+                                      SPARSE_Q_DIV, SPARSE_KV_MULT)
+                    k_t = k_smem.index(st).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+                    v_prev = v_smem.index(prev_st).reshape([BLOCK_N, HEAD_DIM])
+                    mbarrier.wait(k_ready.index(st), ph)
+                    mbarrier.wait(v_ready.index(prev_st), prev_ph)
+                    t = _pingpong_wait(turn, t, WG, PINGPONG)
+                    s_tok = warpgroup_mma(q_op, k_t, s_zero, use_acc=False, is_async=True)
+                    o_tok = warpgroup_mma(p, v_prev, acc, is_async=True)
+                    _pingpong_signal(turn, WG, PINGPONG)
+                    s_acc, o_tok = warpgroup_mma_wait(1, deps=[s_tok, o_tok])
+                    mbarrier.arrive(k_empty.index(st), count=1)
+                    s = _score_tile(s_acc, start, i < n_partial, b, h, q_idx, q_idx_c, sm_scale, N, score_bufs,
+                                    mask_bufs, s_layout, BLOCK_N, SCORE_MOD, MASK_MOD, HAS_SCORE_MOD,
+                                    HAS_MASK_MOD, DENSE_MASK)
+                    p_new, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, qk_scale, p_layout, o_layout, dtype)
+                    acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
+                    mbarrier.arrive(v_empty.index(prev_st), count=1)
+                    acc = acc * alpha[:, None]
+                    p = p_new
+                    prev_st = st
+                    prev_ph = ph
+                    cnt += 1
+                # ---- tail: O += P_last V_last ----
+                v_prev = v_smem.index(prev_st).reshape([BLOCK_N, HEAD_DIM])
+                mbarrier.wait(v_ready.index(prev_st), prev_ph)
+                t = _pingpong_wait(turn, t, WG, PINGPONG)
+                o_tok = warpgroup_mma(p, v_prev, acc, is_async=True)
+                _pingpong_signal(turn, WG, PINGPONG)
+                acc, _p, _v = warpgroup_mma_wait(0, deps=[o_tok, p, v_prev])
+                mbarrier.arrive(v_empty.index(prev_st), count=1)
+        else:
+            # No intra-warpgroup overlap: S_i, softmax_i, O += P_i V_i strictly in sequence.
+            for i in range(n_total):
+                st = cnt % NUM_STAGES
+                ph = (cnt // NUM_STAGES) & 1
+                start = _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, BLOCK_N, HAS_SPARSE, SPARSE_Q_DIV,
+                                  SPARSE_KV_MULT)
+                k_t = k_smem.index(st).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+                v_cur = v_smem.index(st).reshape([BLOCK_N, HEAD_DIM])
+                mbarrier.wait(k_ready.index(st), ph)
+                t = _pingpong_wait(turn, t, WG, PINGPONG)
+                s_tok = warpgroup_mma(q_op, k_t, s_zero, use_acc=False, is_async=True)
+                _pingpong_signal(turn, WG, PINGPONG)
+                s_acc, _q, _k = warpgroup_mma_wait(0, deps=[s_tok, q_op, k_t])
+                mbarrier.arrive(k_empty.index(st), count=1)
+                s = _score_tile(s_acc, start, i < n_partial, b, h, q_idx, q_idx_c, sm_scale, N, score_bufs,
+                                mask_bufs, s_layout, BLOCK_N, SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD,
+                                DENSE_MASK)
+                p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, qk_scale, p_layout, o_layout, dtype)
+                acc = acc * alpha[:, None]
+                mbarrier.wait(v_ready.index(st), ph)
+                t = _pingpong_wait(turn, t, WG, PINGPONG)
+                o_tok = warpgroup_mma(p, v_cur, acc, is_async=True)
+                _pingpong_signal(turn, WG, PINGPONG)
+                acc, _p, _v = warpgroup_mma_wait(0, deps=[o_tok, p, v_cur])
+                mbarrier.arrive(v_empty.index(st), count=1)
+                cnt += 1
+
+        m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        _epilogue(acc, m_o, l_o, qk_scale, q_half, o_desc, lse_ptr, max_ptr, b, h, row0, HQ, M, o_layout,
+                  HALF_M, dtype)
+        mbarrier.arrive(q_empty.index(WG), count=1)
+        t_local += 1
+
+
+@gluon.jit
+def _consumer_wg0(descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_consts, outs, scale_args, mods, mod_bufs):
+    _consumer(0, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_consts, outs, scale_args, mods, mod_bufs)
+
+
+@gluon.jit
+def _consumer_wg1(descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_consts, outs, scale_args, mods, mod_bufs):
+    _consumer(1, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_consts, outs, scale_args, mods, mod_bufs)
+
+
+@gluon.jit
+def _producer_entry(descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_consts, outs, scale_args, mods, mod_bufs):
+    _producer(descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_consts)
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel: allocate shared memory and barriers, then fork the three roles.
+# ----------------------------------------------------------------------------------------------
+@gluon.jit
+def fa3_fwd_sm90_kernel(
+    q_desc, k_desc, v_desc, o_desc,
+    lse_ptr, max_ptr,
+    score_bufs, mask_bufs,
+    kvnb_ptr, kvidx_ptr, fnb_ptr, fidx_ptr,
+    BM, HM, nb_sb, nb_sh, idx_sb, idx_sh, idx_sm, fnb_sb, fnb_sh, fidx_sb, fidx_sh, fidx_sm,
+    sm_scale, qk_scale, num_tiles, num_m_tiles, HQ, GQA, M, N,
+    SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr,
+    HAS_SCORE_MOD: gl.constexpr, HAS_MASK_MOD: gl.constexpr, DENSE_MASK: gl.constexpr,
+    HAS_SPARSE: gl.constexpr, HAS_FULL: gl.constexpr, SPARSE_Q_DIV: gl.constexpr, SPARSE_KV_MULT: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+    PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, PERSISTENT: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for w in gl.static_range(2):
+        mbarrier.init(q_ready.index(w), count=1)
+        mbarrier.init(q_empty.index(w), count=1)
+        mbarrier.init(turn.index(w), count=1)
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(s), count=1)
+        mbarrier.init(k_empty.index(s), count=2)
+        mbarrier.init(v_ready.index(s), count=1)
+        mbarrier.init(v_empty.index(s), count=2)
+
+    descs = (q_desc, k_desc, v_desc, o_desc)
+    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn)
+    smem = (q_smem, k_smem, v_smem)
+    sched = (num_tiles, num_m_tiles, HQ, GQA, M, N)
+    sp_ptrs = (kvnb_ptr, kvidx_ptr, fnb_ptr, fidx_ptr)
+    sp_meta = (BM, HM, nb_sb, nb_sh, idx_sb, idx_sh, idx_sm, fnb_sb, fnb_sh, fidx_sb, fidx_sh, fidx_sm)
+    outs = (lse_ptr, max_ptr)
+    scale_args = (sm_scale, qk_scale)
+    mod_bufs = (score_bufs, mask_bufs)
+    # The two tuples of constexprs are written inline: assigning a tuple to a name turns its constexpr
+    # entries into tensors (triton's visit_Assign); the partitions read them back by index into
+    # `X: gl.constexpr = tup[i]` declarations.
+    gl.warp_specialize([
+        (_consumer_wg0, (descs, bars, smem, sched, sp_ptrs, sp_meta,
+                         (BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, HALF_M, HAS_SPARSE, HAS_FULL, SPARSE_Q_DIV,
+                          SPARSE_KV_MULT, PERSISTENT),
+                         outs, scale_args,
+                         (SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, PINGPONG, OVERLAP),
+                         mod_bufs)),
+        (_consumer_wg1, (descs, bars, smem, sched, sp_ptrs, sp_meta,
+                         (BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, HALF_M, HAS_SPARSE, HAS_FULL, SPARSE_Q_DIV,
+                          SPARSE_KV_MULT, PERSISTENT),
+                         outs, scale_args,
+                         (SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, PINGPONG, OVERLAP),
+                         mod_bufs)),
+        (_producer_entry, (descs, bars, smem, sched, sp_ptrs, sp_meta,
+                           (BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, HALF_M, HAS_SPARSE, HAS_FULL, SPARSE_Q_DIV,
+                            SPARSE_KV_MULT, PERSISTENT),
+                           outs, scale_args,
+                           (SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, PINGPONG, OVERLAP),
+                           mod_bufs)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------
+_NUM_SMS: dict = {}
+
+
+def _num_sms(device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def _gl_dtype(dtype):
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+
+
+def _desc(t, block_shape):
+    layout = gl.NVMMASharedLayout.get_default_for(block_shape, _gl_dtype(t.dtype))
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block_shape, layout)
+
+
+def _tma_ok(t) -> bool:
+    if t.stride(-1) != 1 or t.data_ptr() % 16:
+        return False
+    return all((s * t.element_size()) % 16 == 0 for s in t.stride()[:-1])
+
+
+def supports_sm90(q, k, v, out=None, *, kv_num_blocks=None, sparse_q_block: int = 128,
+                  sparse_kv_block: int = 128, config: Sm90Config | None = None, check_device: bool = True) -> bool:
+    """True when launch_fwd_sm90 can serve these inputs (device sm90, dtype, head dim, TMA alignment,
+    sparse block sizes). `check_device=False` skips the device checks (for CPU-side planning)."""
+    try:
+        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+            return False
+        if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+            return False
+        B, Hq, M, D = q.shape
+        Bk, Hkv, N, Dk = k.shape
+        if tuple(v.shape) != (Bk, Hkv, N, D) or Bk != B or Dk != D or Hkv == 0 or Hq % Hkv:
+            return False
+        if M < 1 or N < 1:
+            return False
+        cfg = config or get_config(D, q.dtype)
+        if cfg.block_m != 128:
+            return False
+        tensors = [q, k, v] + ([out] if out is not None else [])
+        if not all(_tma_ok(t) for t in tensors):
+            return False
+        if kv_num_blocks is not None:
+            if sparse_q_block % cfg.block_m or sparse_kv_block % cfg.block_n:
+                return False
+        if check_device:
+            if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
+                return False
+        return True
+    except (ValueError, KeyError):
+        return False
+
+
+def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs, mask_bufs,
+             kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, sparse_q_block, sparse_kv_block,
+             config, num_sms):
+    """Build (args, kwargs, grid) for fa3_fwd_sm90_kernel; shared by the launcher and compile-only tests."""
+    if score_mod is None and sm_scale < 0:
+        # The no-mod path keeps raw q.k scores and folds the scale into exp2 / the row max, which is
+        # only valid for a positive scale: route negative scales through the (exact) score_mod path.
+        score_mod = _identity_score_mod
+    B, Hq, M, D = q.shape
+    _, Hkv, N, _ = k.shape
+    cfg = config or get_config(D, q.dtype)
+    BLOCK_M, BLOCK_N = cfg.block_m, cfg.block_n
+    HALF_M = BLOCK_M // 2
+    q_desc = _desc(q, [1, 1, HALF_M, D])
+    o_desc = _desc(out, [1, 1, HALF_M, D])
+    k_desc = _desc(k, [1, 1, BLOCK_N, D])
+    v_desc = _desc(v, [1, 1, BLOCK_N, D])
+
+    has_sparse = kv_num_blocks is not None
+    has_full = has_sparse and full_kv_num_blocks is not None
+    if has_sparse:
+        if sparse_q_block % BLOCK_M or sparse_kv_block % BLOCK_N:
+            raise ValueError(f"sparse blocks ({sparse_q_block}, {sparse_kv_block}) must be multiples of "
+                             f"({BLOCK_M}, {BLOCK_N})")
+        Bm, Hm = kv_num_blocks.shape[0], kv_num_blocks.shape[1]
+        assert kv_num_blocks.dtype == torch.int32 and kv_indices.dtype == torch.int32
+        assert kv_num_blocks.stride(-1) == 1 and kv_indices.stride(-1) == 1
+        nb = kv_num_blocks
+        idx = kv_indices
+        if has_full:
+            assert full_kv_num_blocks.dtype == torch.int32 and full_kv_indices.dtype == torch.int32
+            assert full_kv_num_blocks.stride(-1) == 1 and full_kv_indices.stride(-1) == 1
+            fnb, fidx = full_kv_num_blocks, full_kv_indices
+        else:
+            fnb, fidx = nb, idx
+        sp_ptrs = (nb, idx, fnb, fidx)
+        sp_meta = (Bm, Hm, nb.stride(0), nb.stride(1), idx.stride(0), idx.stride(1), idx.stride(2),
+                   fnb.stride(0), fnb.stride(1), fidx.stride(0), fidx.stride(1), fidx.stride(2))
+    else:
+        sp_ptrs = (lse, lse, lse, lse)   # unused placeholders
+        sp_meta = (1,) * 12
+
+    num_m_tiles = triton.cdiv(M, BLOCK_M)
+    num_tiles = B * Hq * num_m_tiles
+    grid = (min(num_tiles, num_sms),) if cfg.persistent else (num_tiles,)
+    args = (q_desc, k_desc, v_desc, o_desc, lse, max_scores, tuple(score_bufs), tuple(mask_bufs),
+            *sp_ptrs, *sp_meta, float(sm_scale), float(sm_scale) * LOG2E, num_tiles, num_m_tiles, Hq, Hq // Hkv,
+            M, N)
+    kwargs = dict(
+        SCORE_MOD=score_mod, MASK_MOD=mask_mod,
+        HAS_SCORE_MOD=score_mod is not None, HAS_MASK_MOD=mask_mod is not None,
+        DENSE_MASK=(mask_mod is not None and not has_sparse),
+        HAS_SPARSE=has_sparse, HAS_FULL=has_full,
+        SPARSE_Q_DIV=(sparse_q_block // BLOCK_M) if has_sparse else 1,
+        SPARSE_KV_MULT=(sparse_kv_block // BLOCK_N) if has_sparse else 1,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, NUM_STAGES=cfg.num_stages,
+        PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, PERSISTENT=cfg.persistent,
+        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+        num_warps=4, maxnreg=cfg.maxnreg,
+    )
+    return args, kwargs, grid
+
+
+@gluon.jit
+def _identity_score_mod(score, b, h, q_idx, kv_idx, bufs):
+    return score
+
+
+def launch_fwd_sm90(q, k, v, out, lse, max_scores, *, sm_scale: float,
+                    score_mod=None, mask_mod=None, score_bufs: tuple = (), mask_bufs: tuple = (),
+                    kv_num_blocks=None, kv_indices=None, full_kv_num_blocks=None, full_kv_indices=None,
+                    sparse_q_block: int = 128, sparse_kv_block: int = 128, config=None) -> None:
+    """Run the sm90 forward kernel, writing out (same shape as q), lse and max_scores (fp32 [B, Hq, M],
+    contiguous, log2 units) in place. See the module docstring for the conventions."""
+    B, Hq, M, D = q.shape
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (B, Hq, M) and lse.dtype == torch.float32 and lse.is_contiguous()
+    assert max_scores.shape == (B, Hq, M) and max_scores.dtype == torch.float32 and max_scores.is_contiguous()
+    cfg = config or get_config(D, q.dtype)
+    num_sms = _num_sms(q.device) if cfg.persistent else 0
+    args, kwargs, grid = _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs,
+                                  mask_bufs, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                                  sparse_q_block, sparse_kv_block, cfg, num_sms)
+    fa3_fwd_sm90_kernel[grid](*args, **kwargs)
+
+
+def compile_sm90(q, k, v, out, lse, max_scores, *, sm_scale: float, score_mod=None, mask_mod=None,
+                 score_bufs: tuple = (), mask_bufs: tuple = (), kv_num_blocks=None, kv_indices=None,
+                 full_kv_num_blocks=None, full_kv_indices=None, sparse_q_block: int = 128,
+                 sparse_kv_block: int = 128, config=None, target=None):
+    """Compile (not run) exactly what launch_fwd_sm90 would launch, for `target` (default sm90).
+
+    Works on a CPU-only machine with CPU tensors: the arguments are specialised the same way the
+    JIT specialises them, then handed to triton.compile. Returns the CompiledKernel (asm['ptx'],
+    asm['cubin'], ...)."""
+    from ..aot import compile_launch
+
+    args, kwargs, _ = _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs,
+                               mask_bufs, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                               sparse_q_block, sparse_kv_block, config, 132)
+    return compile_launch(fa3_fwd_sm90_kernel, args, kwargs, target)
