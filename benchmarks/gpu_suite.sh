@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# The GPU suite: tests marked `gpu`, then the benchmark. Run from anywhere on an H100/H200 machine:
+#
+#     bash benchmarks/gpu_suite.sh              # PRESET=quick (fits one 10-minute device command)
+#     PRESET=full bash benchmarks/gpu_suite.sh
+#     DEMO=1 bash benchmarks/gpu_suite.sh       # also run examples/demo.py (GPU timings vs stock Inductor)
+#
+# Knobs (environment): PRESET (quick), TEST_TIMEOUT_S (240), SUITE_BUDGET_S (540: the benchmark's
+# budget is cut so the suite ends in time), BENCH_BUDGET_S (fixes the benchmark's budget instead),
+# DEMO (0), OUT (./.device_out).
+#
+# Results go to $OUT (default ./.device_out), flat, at most 8 files:
+#   env.txt  gpu-tests.xml  gpu-tests.log  bench.log  bench-<device>-<date>.{json,md,png}  [demo.log]
+# A failing test does not stop the suite; the summary at the end gives the test counts, then the
+# benchmark's ratio table.
+set -o pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+ROOT=$PWD
+OUT=${OUT:-$ROOT/.device_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+
+# Wheels of pure-Python packages the GPU image lacks travel in .whl/ (the image has no network).
+SITE=/tmp/site
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" .whl/*.whl \
+        || echo "gpu_suite: warning: installing .whl/ failed" >&2
+fi
+mkdir -p "$SITE"
+# Register the package's entry points (torch_dynamo_backends: fa3) without copying it: a
+# metadata-only dist-info beside the wheels; the code itself is imported from this checkout.
+DIST="$SITE/fa3_inductor-0.0.0.dist-info"
+mkdir -p "$DIST"
+printf 'Metadata-Version: 2.1\nName: fa3_inductor\nVersion: 0.0.0\n' >"$DIST/METADATA"
+python3 - "$ROOT/pyproject.toml" "$DIST/entry_points.txt" <<'PY'
+import sys, tomllib
+eps = tomllib.load(open(sys.argv[1], "rb"))["project"].get("entry-points", {})
+with open(sys.argv[2], "w") as f:
+    for group, entries in eps.items():
+        f.write(f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in entries.items()) + "\n")
+PY
+[ $? -eq 0 ] || echo "gpu_suite: warning: could not register entry points; backend='fa3' needs 'import fa3_inductor'" >&2
+export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+
+{
+    echo "== date: $(date -u +%Y-%m-%dT%H:%M:%SZ)   commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    echo "== nvidia-smi"
+    nvidia-smi 2>&1 || echo "nvidia-smi failed"
+    echo "== versions"
+    python3 - <<'PY'
+import platform, torch, triton
+print(f"python {platform.python_version()}  torch {torch.__version__} (cuda {torch.version.cuda})  triton {triton.__version__}")
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"gpu {p.name}  sm_{p.major}{p.minor}  {p.multi_processor_count} SMs  {p.total_memory / 2**30:.0f} GiB")
+print("fa3 backend registered:", "fa3" in torch._dynamo.list_backends())
+PY
+} 2>&1 | tee "$OUT/env.txt"
+
+# The whole suite must fit one 10-minute device command: tests get at most TEST_TIMEOUT_S
+# (SIGINT, so pytest still writes its JUnit report), and the benchmark's budget shrinks to what is
+# left of SUITE_BUDGET_S (a margin is kept for the last case, which may overrun the budget, and
+# for writing the results).
+echo "== tests marked gpu"
+timeout -s INT -k 30 "${TEST_TIMEOUT_S:-240}" \
+    python3 -m pytest -q -m gpu tests --junitxml="$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log"
+test_rc=$?
+
+budget=${BENCH_BUDGET_S:-420}
+left=$(( ${SUITE_BUDGET_S:-540} - SECONDS - 90 ))
+[ "${DEMO:-0}" = 1 ] && left=$(( left - 150 ))  # the demo compiles a 4-layer model twice after the benchmark
+if [ -z "${BENCH_BUDGET_S:-}" ] && [ "$left" -lt "$budget" ]; then
+    budget=$(( left > 60 ? left : 60 ))
+fi
+echo "== benchmark (preset ${PRESET:-quick}, budget ${budget} s; ${SECONDS} s into the suite)"
+python3 benchmarks/bench.py --preset "${PRESET:-quick}" --budget-s "$budget" --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+bench_rc=$?
+
+if [ "${DEMO:-0}" = 1 ]; then
+    echo "== demo"
+    python3 examples/demo.py 2>&1 | tee "$OUT/demo.log"
+fi
+
+echo
+echo "================================ summary ================================"
+python3 - "$OUT/gpu-tests.xml" "$test_rc" <<'PY'
+import sys
+import xml.etree.ElementTree as ET
+path, rc = sys.argv[1], sys.argv[2]
+if rc == "124":
+    rc += ": stopped at TEST_TIMEOUT_S; tests not finished are not counted"
+try:
+    root = ET.parse(path).getroot()
+except (OSError, ET.ParseError) as exc:
+    print(f"gpu tests: no junit report ({exc}); pytest exit code {rc}")
+    sys.exit()
+suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+n = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+passed = n["tests"] - n["failures"] - n["errors"] - n["skipped"]
+print(f"gpu tests: {passed} passed, {n['failures']} failed, {n['errors']} errors, {n['skipped']} skipped "
+      f"(pytest exit code {rc})")
+for suite in suites:
+    for case in suite.iter("testcase"):
+        for bad in list(case.findall("failure")) + list(case.findall("error")):
+            msg = (bad.get("message") or "").splitlines()[0:1]
+            print(f"  FAILED {case.get('classname')}::{case.get('name')}: {msg[0][:160] if msg else ''}")
+PY
+echo "benchmark exit code: $bench_rc"
+table=$(ls -t "$OUT"/bench-*.md 2>/dev/null | head -1)
+if [ -n "$table" ]; then
+    echo
+    cat "$table"
+else
+    echo "no benchmark table was written (see $OUT/bench.log)"
+fi
+[ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

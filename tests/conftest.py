@@ -1,0 +1,40 @@
+"""Shared pytest configuration.
+
+Markers (declared in pyproject.toml):
+  gpu           needs a CUDA device (an H100/H200 for the Hopper template); skipped without one.
+  sm90_compile  compiles kernels for sm90 on the CPU. Triton's interpreter (TRITON_INTERPRET=1)
+                turns every ``@triton.jit`` function into an interpreted one, which cannot be
+                compiled, so these run in their own session: ``pytest -m sm90_compile``
+                (``make test`` runs both sessions).
+
+Without a GPU, every other session runs our Triton kernels on CPU tensors under the
+interpreter: TRITON_INTERPRET=1 is set here, before anything imports triton.
+"""
+
+import os
+
+import pytest
+import torch
+
+
+def _compile_session(config) -> bool:
+    expr = config.option.markexpr or ""
+    return "sm90_compile" in expr and "not sm90_compile" not in expr
+
+
+def pytest_configure(config):
+    if not torch.cuda.is_available() and not _compile_session(config):
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False")
+    skip_compile = pytest.mark.skip(
+        reason="compile-only sm90 tests need a session without TRITON_INTERPRET: run "
+               "`pytest -m sm90_compile` (make test does)")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+        if "sm90_compile" in item.keywords and interpreting:
+            item.add_marker(skip_compile)

@@ -1,0 +1,180 @@
+"""The benchmark harness itself (benchmarks/bench.py), checked on CPU.
+
+The smoke preset runs end to end in a subprocess (fa3_inductor falls back to torch's path on CPU,
+stock FlexAttention is compiled by Inductor's CPU backend, the SDPA baselines are skipped), and the
+result file is validated against the schema that later tools rely on. The table and FLOP helpers
+are checked directly on synthetic rows.
+"""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks" / "bench.py"
+
+IMPLS = {"fa3_inductor", "cudnn", "fa2", "flex"}
+TEMPLATES = {"hopper", "generic", "torch"}
+ROW_TYPES = {
+    "impl": str,
+    "mod": str,
+    "causal": bool,
+    "batch": int,
+    "heads": int,
+    "kv_heads": int,
+    "seqlen": int,
+    "head_dim": int,
+    "dtype": str,
+    "direction": str,
+}
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("fa3_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_bench()
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(ROOT)) if p)
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the smoke preset is the CPU harness check, even on a GPU host
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--preset", "smoke", "--out", str(out), "--no-plot"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, f"bench.py failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return out, proc.stdout
+
+
+def test_smoke_writes_one_json_and_one_table(smoke_run):
+    out, _ = smoke_run
+    names = sorted(p.name for p in out.iterdir())
+    assert len([n for n in names if n.endswith(".json")]) == 1, names
+    assert len([n for n in names if n.endswith(".md")]) == 1, names
+    for name in names:
+        assert name.startswith("bench-cpu-"), name
+        assert all(c.isalnum() or c in "._-" for c in name), f"file name not transferable: {name}"
+
+
+def test_smoke_json_schema(smoke_run):
+    out, _ = smoke_run
+    result = json.loads(next(out.glob("*.json")).read_text())
+    for key, typ in {"device": str, "torch": str, "triton": str, "date": str, "preset": str, "rows": list}.items():
+        assert isinstance(result.get(key), typ), f"top-level key {key!r}: {result.get(key)!r}"
+    assert result["preset"] == "smoke"
+    assert result["rows"], "no rows"
+    for row in result["rows"]:
+        for key, typ in ROW_TYPES.items():
+            assert isinstance(row.get(key), typ), f"row key {key!r} = {row.get(key)!r} in {row}"
+        assert row["impl"] in IMPLS
+        assert row["direction"] in ("fwd", "fwd+bwd")
+        assert row["mod"] in bench.MODS
+        assert row["kv_heads"] <= row["heads"]
+        assert "error" not in row, f"{row['impl']} {row['mod']} failed on CPU: {row['error']}"
+        assert isinstance(row["ms"], float) and row["ms"] > 0
+        assert isinstance(row["tflops"], float) and row["tflops"] > 0
+        assert math.isclose(row["tflops"], row["flops"] / (row["ms"] * 1e-3) / 1e12, rel_tol=1e-9)
+        if row["impl"] == "fa3_inductor":
+            assert row["template"] in TEMPLATES
+        else:
+            assert row["template"] is None
+    # On CPU: no SDPA baselines; every smoke mod timed for ours and for the reference.
+    impls_by_mod = {}
+    for row in result["rows"]:
+        impls_by_mod.setdefault(row["mod"], set()).add(row["impl"])
+    assert impls_by_mod == {m: {"fa3_inductor", "flex"} for m in {c.mod for c in bench.preset_cases("smoke")}}
+
+
+def test_smoke_outputs_match_reference(smoke_run):
+    out, _ = smoke_run
+    rows = json.loads(next(out.glob("*.json")).read_text())["rows"]
+    for row in rows:
+        assert row["max_abs_diff_vs_ref"] is not None
+        # float32 on CPU: fa3_inductor's fallback and compiled flex agree to rounding.
+        assert row["max_abs_diff_vs_ref"] < 1e-4, row
+
+
+def test_smoke_prints_the_table_last(smoke_run):
+    out, stdout = smoke_run
+    table = next(out.glob("*.md")).read_text()
+    assert stdout.endswith(table)
+    assert "×flex" in table
+
+
+def test_render_existing_json(smoke_run):
+    out, _ = smoke_run
+    path = next(out.glob("*.json"))
+    proc = subprocess.run([sys.executable, str(BENCH), "--render", str(path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == next(out.glob("*.md")).read_text()
+
+
+def test_presets_follow_the_paper_shapes():
+    quick = bench.preset_cases("quick")
+    full = bench.preset_cases("full")
+    assert len(full) == 2 * 3 * 6 * 6
+    for case in full:
+        assert case.batch * case.seqlen == 16384
+        assert case.heads * case.head_dim == 2048
+    assert set(quick) <= set(full)
+    fwd128 = {(c.mod, c.seqlen) for c in quick if c.head_dim == 128 and c.direction == "fwd"}
+    assert fwd128 == {(m, n) for m in bench.MODS for n in bench.SEQLENS}
+    assert {(c.mod, c.seqlen) for c in quick if c.direction == "fwd+bwd"} == {(m, 4096) for m in ("noop", "causal", "softcap")}
+    assert {(c.head_dim, c.mod, c.seqlen) for c in quick if c.head_dim != 128} == {
+        (d, m, n) for d in (64, 256) for m in ("noop", "causal", "softcap") for n in (4096, 16384)
+    }
+
+
+def test_flop_density_rule():
+    n = 512
+    causal = bench.make_mod("causal", 2, n, "cpu")
+    assert bench.mask_density(causal.mask_mod, n, "cpu") == pytest.approx((n + 1) / (2 * n))
+    assert bench.mask_density(None, n, "cpu") == 1.0
+    window = bench.make_mod("sliding_window", 2, n, "cpu")
+    w = bench.WINDOW
+    kept = sum(min(q + 1, w) for q in range(n))
+    assert bench.mask_density(window.mask_mod, n, "cpu") == pytest.approx(kept / n**2)
+    doc_ids = bench.document_ids(4096, "cpu")
+    assert doc_ids.shape == (4096,) and bool((doc_ids[1:] >= doc_ids[:-1]).all())
+    assert bench.document_ids(4096, "cpu").equal(doc_ids), "document lengths must be reproducible"
+    lengths = doc_ids.bincount().tolist()
+    assert all(1 <= length <= 2048 for length in lengths)
+
+
+def test_markdown_ratios():
+    def row(impl, tflops, **kw):
+        base = dict(impl=impl, template="generic" if impl == "fa3_inductor" else None, mod="causal", causal=True,
+                    batch=4, heads=16, kv_heads=16, seqlen=4096, head_dim=128, dtype="bfloat16", direction="fwd",
+                    ms=1.0, tflops=tflops)
+        base.update(kw)
+        return base
+
+    result = dict(device="NVIDIA H200", torch="2.11.0", triton="3.6.0", date="2026-11-22", preset="quick",
+                  rows=[row("fa3_inductor", 600.0), row("cudnn", 500.0), row("fa2", 300.0), row("flex", 400.0),
+                        row("flex", None, ms=None, mod="softcap", causal=False, error="boom")])
+    table = bench.markdown_table(result)
+    line = next(x for x in table.splitlines() if x.startswith("| fwd | causal |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[5:] == ["600", "generic", "500", "300", "400", "1.20", "2.00", "1.50"]
+    soft = next(x for x in table.splitlines() if x.startswith("| fwd | softcap |"))
+    assert "err" in soft
+    assert "1 failure(s)" in table
+
+
+def test_device_slug():
+    assert bench.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert bench.device_slug("cpu x86_64") == "cpu-x86-64"
