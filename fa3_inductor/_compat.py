@@ -91,3 +91,11 @@ def current_fx_node():
         return V.graph.current_node
     except Exception:  # no graph being lowered
         return None
+
+
+def getitem_as_index():
+    """Context in which ``tensor[i]`` with 0-d tensor indices traces as ``aten.index``
+    (how FlexAttention traces mods)."""
+    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+
+    return TransformGetItemToIndex()

@@ -47,3 +47,19 @@ def fa3_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
     patches["post_grad_custom_post_pass"] = Fa3PostGradPass(settings)
     flex_lowering.install()
     return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def ensure_registered() -> None:
+    """Make ``backend="fa3"`` resolve even where the package's entry point is not installed
+    (a source checkout on PYTHONPATH). Harmless when the entry point already registered it.
+
+    Example::
+
+        >>> ensure_registered(); torch.compile(fn, backend="fa3")   # doctest: +SKIP
+    """
+    from torch._dynamo.backends.registry import register_backend
+
+    try:
+        register_backend(fa3_backend, name="fa3")
+    except AssertionError:  # "duplicate name": already registered
+        pass

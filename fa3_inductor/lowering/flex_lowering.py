@@ -171,6 +171,17 @@ def _hopper_available() -> bool:
     return hasattr(hopper, "launch_fwd_sm90")
 
 
+def _fresh_4d_buffer(x):
+    """Copy into its own 4-D buffer. torch 2.13's CPU flex lowering reads the layout of the
+    buffer under a view: q/k/v made by ``linear(x).view(B, S, H, D).transpose(1, 2)`` crash it
+    ("not enough values to unpack (expected 4, got 2)"), under backend="inductor" too."""
+    from torch._inductor import lowering
+
+    x = lowering.clone(x)
+    x.realize()
+    return x
+
+
 def _fa3_flex_lowering(query, key, value, subgraph, block_mask, scale, kernel_options,
                        score_mod_other_buffers, mask_mod_other_buffers):
     marker = active_pass()
@@ -185,6 +196,8 @@ def _fa3_flex_lowering(query, key, value, subgraph, block_mask, scale, kernel_op
                                 mask_mod_other_buffers, marker.settings)
     if spec is None:
         record_site(LoweredSite("torch", "?", "?", shape, reason))
+        if query.get_device().type == "cpu":
+            query, key, value = (_fresh_4d_buffer(x) for x in (query, key, value))
         return _original_lowering(query, key, value, subgraph, block_mask, scale,
                                   kernel_options, score_mod_other_buffers,
                                   mask_mod_other_buffers)

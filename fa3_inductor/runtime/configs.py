@@ -17,8 +17,13 @@ class GenericConfig:
     warp_specialize: bool
 
 
-def generic_config(head_dim: int, capability: tuple[int, int] | None) -> GenericConfig:
+def generic_config(head_dim: int, capability: tuple[int, int] | None,
+                   mods_load_buffers: bool = False) -> GenericConfig:
     """Tile choice for the generic kernel. ``capability`` None means the CPU interpreter.
+
+    ``mods_load_buffers``: a mod gathers from a captured buffer. Triton 3.6's warp-specialization
+    pass crashes on such loads inside the KV loop ("operation destroyed but still has uses",
+    seen compiling a document mask for sm90), so those kernels use the plain pipelined loop.
 
     Example::
 
@@ -29,14 +34,14 @@ def generic_config(head_dim: int, capability: tuple[int, int] | None) -> Generic
     if capability is None:
         # Interpreter: numpy cost grows with the number of programs, not the tile size.
         return GenericConfig(64, 64, 4, 1, False)
-    if capability[0] == 9:
+    if capability[0] == 9 and not mods_load_buffers:
         # Hopper: TMA descriptors + Meta's warp-specialization pass (needs num_warps=4).
         # FACTS.md: 128x128, 2 stages reached 566 TFLOP/s bf16 D128 (439-452 without WS).
         if block_d <= 128:
             return GenericConfig(128, 128, 4, 2, True)
         # D=256: a 128-row fp32 accumulator would need 256 registers/thread at 4 warps.
         return GenericConfig(64, 64, 4, 2, True)
-    # Ampere/Ada: classic 8-warp software-pipelined tile.
+    # Ampere/Ada (and Hopper kernels whose mods gather): classic 8-warp pipelined tile.
     if block_d <= 128:
         return GenericConfig(128, 64, 8, 3, False)
     return GenericConfig(64, 32, 4, 2, False)

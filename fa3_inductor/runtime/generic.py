@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
+
 from typing import Any, Optional, Sequence
 
 import torch
 import triton
 
 from ..templates.generic_fwd import attention_fwd_kernel
+from .._log import warn_once
 from .configs import generic_config
 
 _allocator_set = False
@@ -27,6 +30,65 @@ def _ensure_allocator() -> None:
 
 def _capability(t: torch.Tensor) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(t.device) if t.is_cuda else None
+
+
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """Tensor descriptors need a unit last stride and 16-byte aligned base and row strides."""
+    size = t.element_size()
+    ok = (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+          and all((s * size) % 16 == 0 for s in t.stride()[:-1]))
+    if ok:
+        return t
+    warn_once(f"fa3_inductor: a {tuple(t.shape)} input with strides {t.stride()} is not "
+              "16-byte aligned for TMA; copying it to a contiguous layout")
+    return t.contiguous()
+
+
+def _source_of(jit_fn: Any) -> str:
+    # JITFunction keeps .src; the interpreter's InterpretedFunction only has the function.
+    return getattr(jit_fn, "src", None) or inspect.getsource(jit_fn.fn)
+
+
+def _batch_stride(t: torch.Tensor, batch: int) -> int:
+    return 0 if t.shape[0] == 1 and batch > 1 else t.stride(0)
+
+
+def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs,
+             mask_bufs, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+             sparse_q_block, sparse_kv_block, capability):
+    """(args, kwargs, grid) of one generic-kernel launch; shared by launch and compile-only."""
+    Z, HQ, M, D = q.shape
+    HKV, N = k.shape[1], k.shape[2]
+    loads = any(m is not None and "load(" in _source_of(m) for m in (score_mod, mask_mod))
+    cfg = generic_config(D, capability, mods_load_buffers=loads)
+    block_m = min(cfg.block_m, sparse_q_block)
+    block_n = min(cfg.block_n, sparse_kv_block)
+    has_mask = kv_num_blocks is not None
+    if not has_mask and mask_mod is not None:
+        raise ValueError("launch_generic: a mask_mod needs block-mask tensors (kv_num_blocks)")
+    has_full = has_mask and full_kv_num_blocks is not None
+    dummy = q.new_empty(1, dtype=torch.int32)
+    tables = [t.contiguous() if t is not None else dummy  # indexed as dense row-major
+              for t in (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)]
+    SZ, SH, num_q_blks = kv_num_blocks.shape if has_mask else (1, 1, 1)
+    num_kv_blks = kv_indices.shape[-1] if has_mask else 1
+    args = (q, k, v, out, lse, max_scores, *tables, tuple(score_bufs), tuple(mask_bufs),
+            q.stride(0), q.stride(1), q.stride(2),
+            _batch_stride(k, Z), k.stride(1), k.stride(2),
+            _batch_stride(v, Z), v.stride(1), v.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            HQ, M, N, D, SZ, SH, num_q_blks, num_kv_blks, sm_scale)
+    kwargs = dict(
+        SCORE_MOD=score_mod, MASK_MOD=mask_mod, GQA_GROUP=HQ // HKV,
+        HAS_BLOCK_MASK=has_mask, HAS_FULL_BLOCKS=has_full,
+        SPARSE_Q=sparse_q_block if has_mask else block_m,
+        SPARSE_KV=sparse_kv_block if has_mask else block_n,
+        EVEN_N=N % block_n == 0,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        WARP_SPECIALIZE=cfg.warp_specialize,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return args, kwargs, (triton.cdiv(M, block_m), Z * HQ)
 
 
 def launch_generic(
@@ -49,49 +111,37 @@ def launch_generic(
         >>> launch_generic(q, k, v, out, lse, mx, sm_scale=q.shape[-1] ** -0.5)  # doctest: +SKIP
     """
     _ensure_allocator()
-    Z, HQ, M, D = q.shape
-    HKV, N = k.shape[1], k.shape[2]
-    cfg = generic_config(D, _capability(q))
-    block_m = min(cfg.block_m, sparse_q_block)
-    block_n = min(cfg.block_n, sparse_kv_block)
-    block_d = max(16, triton.next_power_of_2(D))
-    has_mask = kv_num_blocks is not None
-    if not has_mask and mask_mod is not None:
-        raise ValueError("launch_generic: a mask_mod needs block-mask tensors (kv_num_blocks)")
-    has_full = has_mask and full_kv_num_blocks is not None
-    dummy = q.new_empty(1, dtype=torch.int32)
-    kvn = kv_num_blocks if has_mask else dummy
-    kvi = kv_indices if has_mask else dummy
-    fkvn = full_kv_num_blocks if has_full else dummy
-    fkvi = full_kv_indices if has_full else dummy
-    if has_mask:
-        SZ, SH, num_q_blks = kv_num_blocks.shape
-        num_kv_blks = kv_indices.shape[-1]
-        # The kernel indexes the tables as dense row-major: make them so (they are small).
-        kvn, kvi = kvn.contiguous(), kvi.contiguous()
-        if has_full:
-            fkvn, fkvi = fkvn.contiguous(), fkvi.contiguous()
-    else:
-        SZ = SH = num_q_blks = num_kv_blks = 1
-    grid = (triton.cdiv(M, block_m), Z * HQ)
-    attention_fwd_kernel[grid](
-        q, k, v, out, lse, max_scores,
-        kvn, kvi, fkvn, fkvi,
-        tuple(score_bufs), tuple(mask_bufs),
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        HQ, M, N, D,
-        SZ, SH, num_q_blks, num_kv_blks,
-        sm_scale,
-        SCORE_MOD=score_mod, MASK_MOD=mask_mod,
-        GQA_GROUP=HQ // HKV,
-        HAS_BLOCK_MASK=has_mask, HAS_FULL_BLOCKS=has_full,
-        SPARSE_Q=sparse_q_block if has_mask else block_m,
-        SPARSE_KV=sparse_kv_block if has_mask else block_n,
-        EVEN_N=N % block_n == 0,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        WARP_SPECIALIZE=cfg.warp_specialize,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
+    if _tma_ready(out) is not out:
+        raise ValueError("launch_generic: out must have a unit last stride and 16-byte aligned "
+                         f"strides; got {out.stride()}")
+    args, kwargs, grid = _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod,
+                                  score_bufs, mask_bufs, kv_num_blocks, kv_indices,
+                                  full_kv_num_blocks, full_kv_indices, sparse_q_block,
+                                  sparse_kv_block, _capability(q))
+    attention_fwd_kernel[grid](*args, **kwargs)
+
+
+def compile_generic(q, k, v, out, lse, max_scores, *, sm_scale: float, score_mod: Any = None,
+                    mask_mod: Any = None, score_bufs: Sequence[torch.Tensor] = (),
+                    mask_bufs: Sequence[torch.Tensor] = (), kv_num_blocks=None, kv_indices=None,
+                    full_kv_num_blocks=None, full_kv_indices=None, sparse_q_block: int = 128,
+                    sparse_kv_block: int = 128, capability: tuple[int, int] = (9, 0)) -> Any:
+    """Compile (not run) what launch_generic would launch on a GPU of ``capability``.
+
+    Tensors may be on the CPU; needs a process without TRITON_INTERPRET=1.
+
+    Example::
+
+        >>> ck = compile_generic(q, k, v, out, lse, mx, sm_scale=0.125)   # doctest: +SKIP
+    """
+    from triton.backends.compiler import GPUTarget
+
+    from ..templates.aot import compile_launch
+
+    args, kwargs, _ = _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod,
+                               score_bufs, mask_bufs, kv_num_blocks, kv_indices,
+                               full_kv_num_blocks, full_kv_indices, sparse_q_block,
+                               sparse_kv_block, capability)
+    target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
+    return compile_launch(attention_fwd_kernel, args, kwargs, target)

@@ -9,7 +9,7 @@ source inside the ``spec`` string, so a graph served from Inductor's cache rebui
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -40,21 +40,35 @@ def record_template(name: str) -> None:
     _state.template = name
 
 
-def _hopper_launcher():
+def _hopper_launcher(q, k, v, out, blocks) -> Optional[Callable]:
+    """The Hopper launcher if it can serve these tensors, else None (reason logged once)."""
     try:
-        from ..templates.hopper import launch_fwd_sm90
+        from ..templates.hopper import launch_fwd_sm90, supports_sm90
     except ImportError as exc:  # the Hopper family is optional at run time
         warn_once(f"fa3_inductor: Hopper template unavailable ({exc}); using the generic one")
+        return None
+    if not supports_sm90(q, k, v, out, kv_num_blocks=blocks["kv_num_blocks"],
+                         sparse_q_block=blocks["sparse_q_block"],
+                         sparse_kv_block=blocks["sparse_kv_block"]):
+        info_once(f"fa3_inductor: Hopper template cannot serve q{tuple(q.shape)} "
+                  f"k{tuple(k.shape)} strides {q.stride()} with block-mask blocks "
+                  f"{blocks['sparse_q_block']}x{blocks['sparse_kv_block']}; generic template runs")
         return None
     return launch_fwd_sm90
 
 
-def _out_like(q: Tensor, v: Tensor) -> Tensor:
+def _out_like(q: Tensor) -> Tensor:
     # Output in q's stride order (e.g. a (B, S, H, D) storage stays so): no copy afterwards.
-    shape = (*q.shape[:-1], v.shape[-1])
-    if v.shape[-1] == q.shape[-1]:
-        return torch.empty_like(q)
-    return q.new_empty(shape)
+    # The lowering only sends sites whose value head dim equals the query's.
+    return torch.empty_like(q)
+
+
+def _one_block_size(block: int, length: int) -> int:
+    """A block-mask block at least as long as the sequence is the only block (index 0): shrink
+    it to the sequence (torch's default mask uses 2**30) so kernels do not walk empty tiles."""
+    if block < length:
+        return block
+    return max(128, 1 << (length - 1).bit_length())
 
 
 @torch.library.custom_op("fa3_inductor::flex_fwd", mutates_args=())
@@ -74,7 +88,7 @@ def flex_fwd(
     """
     site = SiteSpec.from_json(spec)
     Z, H, M, _ = q.shape
-    out = _out_like(q, v)
+    out = _out_like(q)
     lse = q.new_empty((Z, H, M), dtype=torch.float32)
     max_scores = q.new_empty((Z, H, M), dtype=torch.float32)
     if not q.is_cuda:
@@ -86,11 +100,13 @@ def flex_fwd(
                 "Set TRITON_INTERPRET=1 before importing triton to run the generic kernel on "
                 "the CPU, or move the tensors to a CUDA device.")
         info_once("fa3_inductor: running the generic template under the Triton interpreter (CPU)")
+    sparse_q_block = _one_block_size(sparse_q_block, M)
+    sparse_kv_block = _one_block_size(sparse_kv_block, k.shape[2])
     blocks = dict(kv_num_blocks=kv_num_blocks, kv_indices=kv_indices,
                   full_kv_num_blocks=full_kv_num_blocks, full_kv_indices=full_kv_indices,
                   sparse_q_block=sparse_q_block, sparse_kv_block=sparse_kv_block)
     if site.template == "hopper":
-        launch = _hopper_launcher()
+        launch = _hopper_launcher(q, k, v, out, blocks)
         if launch is not None:
             launch(q, k, v, out, lse, max_scores, sm_scale=scale,
                    score_mod=site.score_mod_gl and load_mod(site.score_mod_gl, "gl"),
@@ -110,5 +126,5 @@ def flex_fwd(
 def _(q, k, v, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
       score_bufs, mask_bufs, scale, sparse_q_block, sparse_kv_block, spec):
     Z, H, M, _ = q.shape
-    return (_out_like(q, v), q.new_empty((Z, H, M), dtype=torch.float32),
+    return (_out_like(q), q.new_empty((Z, H, M), dtype=torch.float32),
             q.new_empty((Z, H, M), dtype=torch.float32))

@@ -8,6 +8,7 @@ needed to rebuild its kernels: the generated mod sources and the template to run
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import Optional
 
@@ -33,5 +34,6 @@ class SiteSpec:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
     @staticmethod
+    @functools.lru_cache(maxsize=256)  # parsed once per site, not per call
     def from_json(text: str) -> "SiteSpec":
         return SiteSpec(**json.loads(text))

@@ -31,6 +31,8 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 
+from .. import _compat
+
 aten = torch.ops.aten
 prims = torch.ops.prims
 
@@ -312,6 +314,42 @@ def generate_mod_source(gm: torch.fx.GraphModule, kind: str, buffers: Sequence[B
     if dialect not in ("tl", "gl"):
         raise ValueError(f"dialect must be 'tl' or 'gl', got {dialect!r}")
     return _Emitter(gm, kind, buffers, dialect).emit()
+
+
+def trace_mod(fn: Any, kind: str) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
+    """Trace a Python score_mod/mask_mod into the graph form the generator reads.
+
+    Tensors the mod captures become trailing placeholders (the "captured buffers"), in the order
+    they are first used; they are returned alongside the graph. Flex's own tracing (inside
+    torch.compile) produces the same form; this is for direct use and for tests.
+
+    Example::
+
+        >>> gm, bufs = trace_mod(lambda s, b, h, q, kv: s + bias[h], "score")   # doctest: +SKIP
+        >>> generate_mod_source(gm, "score", [BufferSpec.of(t) for t in bufs])   # doctest: +SKIP
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    if kind not in ("score", "mask"):
+        raise ValueError(f"kind must be 'score' or 'mask', got {kind!r}")
+    args = [torch.zeros((), dtype=torch.int32) for _ in range(4)]
+    if kind == "score":
+        args.insert(0, torch.zeros((), dtype=torch.float32))
+    with _compat.getitem_as_index():  # tensor[idx] with a 0-d idx traces as aten.index
+        gm = make_fx(fn)(*args)
+    last_input = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    buffers: list[torch.Tensor] = []
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr":
+            continue
+        with gm.graph.inserting_after(last_input):
+            placeholder = gm.graph.placeholder(f"buf{len(buffers)}")
+        last_input = placeholder
+        buffers.append(getattr(gm, node.target))
+        node.replace_all_uses_with(placeholder)
+        gm.graph.erase_node(node)
+    gm.recompile()
+    return gm, buffers
 
 
 def is_constant_true_mask(gm: torch.fx.GraphModule) -> bool:

@@ -1,0 +1,67 @@
+"""Float64 reference attention and the project's tolerance rule (README, "Tolerance rule")."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+
+# Relative error ||out - ref|| / ||ref|| allowed per input dtype, against float64.
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def reference_attention(q, k, v, score_mod: Optional[Callable] = None,
+                        mask_mod: Optional[Callable] = None, scale: Optional[float] = None):
+    """Dense attention in float64 with FlexAttention semantics; returns (out, lse_natural).
+
+    Mods are called once on broadcast index tensors (b: [B,1,1,1], h: [1,H,1,1],
+    q_idx: [1,1,M,1], kv_idx: [1,1,1,N]). Fully masked rows give out 0 and lse -inf.
+    """
+    q, k, v = q.double(), k.double(), v.double()
+    B, H, M, D = q.shape
+    if k.shape[1] != H:
+        k = k.repeat_interleave(H // k.shape[1], dim=1)
+        v = v.repeat_interleave(H // v.shape[1], dim=1)
+    N = k.shape[2]
+    dev = q.device
+    b = torch.arange(B, device=dev).view(B, 1, 1, 1)
+    h = torch.arange(H, device=dev).view(1, H, 1, 1)
+    qi = torch.arange(M, device=dev).view(1, 1, M, 1)
+    ki = torch.arange(N, device=dev).view(1, 1, 1, N)
+    s = q @ k.transpose(-2, -1) * (scale if scale is not None else 1.0 / math.sqrt(D))
+    if score_mod is not None:
+        s = score_mod(s, b, h, qi, ki).double()
+    if mask_mod is not None:
+        keep = mask_mod(b, h, qi, ki).expand(B, H, M, N)
+        s = s.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(lse.isinf(), 0.0, lse).unsqueeze(-1))
+    return p @ v, lse
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    denom = ref.norm().item()
+    return (out - ref).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def assert_matches_reference(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype,
+                             what: str = "output") -> float:
+    """Apply the tolerance rule; returns the relative error."""
+    err = rel_error(out, ref)
+    tol = TOLERANCE[dtype]
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e} for {dtype}"
+    return err
+
+
+def assert_lse_matches(lse: torch.Tensor, ref_lse: torch.Tensor, dtype: torch.dtype) -> None:
+    """LSE (natural log): -inf exactly where the reference is -inf, else close."""
+    lse, ref_lse = lse.double(), ref_lse.double()
+    assert torch.equal(lse.isneginf(), ref_lse.isneginf()), "fully masked rows differ"
+    finite = ~ref_lse.isinf()
+    if finite.any():
+        err = (lse[finite] - ref_lse[finite]).abs().max().item()
+        assert err <= 50 * TOLERANCE[dtype], f"lse max abs error {err:.3e}"

@@ -1,0 +1,137 @@
+"""The generic kernel launched directly (no Inductor): CPU interpreter, and CUDA when present."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask
+
+from fa3_inductor import mods
+from fa3_inductor.runtime.generic import launch_generic
+from fa3_inductor.templates.modgen import load_mod
+from reference import assert_lse_matches, assert_matches_reference, reference_attention
+
+SOFTCAP_TL = """@triton.jit
+def score_mod(score, b, h, q_idx, kv_idx, bufs):
+    return 4.0 * H.tanh(score / 4.0) + tl.load(bufs[0] + h)
+"""
+CAUSAL_TL = """@triton.jit
+def mask_mod(b, h, q_idx, kv_idx, bufs):
+    return q_idx >= kv_idx
+"""
+
+
+def _devices():
+    return ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _run(q, k, v, **kw):
+    Z, H, M, _ = q.shape
+    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    lse = torch.full((Z, H, M), float("nan"), device=q.device)
+    mx = torch.full((Z, H, M), float("nan"), device=q.device)
+    launch_generic(q, k, v, out, lse, mx, **kw)
+    return out, lse * math.log(2), mx * math.log(2)
+
+
+def _interpreter_or_cuda(device):
+    from triton import knobs
+
+    if device == "cpu" and not knobs.runtime.interpret:
+        pytest.skip("CPU runs of the kernel need TRITON_INTERPRET=1 (set by conftest without CUDA)")
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [
+    # (Z, HQ, HKV, M, N, D)
+    (1, 2, 2, 64, 64, 16),
+    (2, 4, 2, 100, 77, 80),    # GQA, ragged M and N, padded head dim
+    (1, 2, 1, 33, 150, 64),    # cross-attention lengths, MQA
+])
+def test_dense_no_mods(device, dtype, shape):
+    _interpreter_or_cuda(device)
+    Z, HQ, HKV, M, N, D = shape
+    q = torch.randn(Z, HQ, M, D, device=device, dtype=dtype)
+    k = torch.randn(Z, HKV, N, D, device=device, dtype=dtype)
+    v = torch.randn(Z, HKV, N, D, device=device, dtype=dtype)
+    out, lse, mx = _run(q, k, v, sm_scale=D ** -0.5)
+    ref, ref_lse = reference_attention(q, k, v)
+    assert_matches_reference(out, ref, dtype)
+    assert_lse_matches(lse, ref_lse, dtype)
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_block_mask_full_blocks_score_mod_and_buffer(device):
+    _interpreter_or_cuda(device)
+    dtype = torch.float16
+    Z, HQ, HKV, M, N, D = 2, 4, 2, 200, 200, 32
+    q = torch.randn(Z, HQ, M, D, device=device, dtype=dtype)
+    k = torch.randn(Z, HKV, N, D, device=device, dtype=dtype)
+    v = torch.randn(Z, HKV, N, D, device=device, dtype=dtype)
+    bias = torch.randn(HQ, device=device)
+    bm = create_block_mask(mods.causal, 1, 1, M, N, device=device, BLOCK_SIZE=64)
+    assert bm.full_kv_num_blocks is not None and int(bm.full_kv_num_blocks.sum()) > 0
+    out, lse, mx = _run(q, k, v, sm_scale=D ** -0.5, score_mod=load_mod(SOFTCAP_TL),
+                        mask_mod=load_mod(CAUSAL_TL), score_bufs=(bias,),
+                        kv_num_blocks=bm.kv_num_blocks, kv_indices=bm.kv_indices,
+                        full_kv_num_blocks=bm.full_kv_num_blocks,
+                        full_kv_indices=bm.full_kv_indices, sparse_q_block=64,
+                        sparse_kv_block=64)
+
+    def score(s, b, h, qi, ki):
+        return 4.0 * torch.tanh(s / 4.0) + bias.double()[h]
+
+    ref, ref_lse = reference_attention(q, k, v, score, mods.causal)
+    assert_matches_reference(out, ref, dtype)
+    assert_lse_matches(lse, ref_lse, dtype)
+    s = q.double() @ k.double().repeat_interleave(2, 1).transpose(-2, -1) * D ** -0.5
+    s = score(s, None, torch.arange(HQ, device=device).view(1, HQ, 1, 1), None, None)
+    s = s.masked_fill(~(torch.arange(M, device=device)[:, None]
+                        >= torch.arange(N, device=device)[None, :]), float("-inf"))
+    torch.testing.assert_close(mx.double(), s.amax(-1), atol=1e-2, rtol=1e-3)
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_fully_masked_rows_give_zero_and_neg_inf(device):
+    _interpreter_or_cuda(device)
+    dtype = torch.float16
+    M = N = 128
+    q, k, v = (torch.randn(1, 2, M, 32, device=device, dtype=dtype) for _ in range(3))
+
+    def rows_below_40_see_nothing(b, h, q_idx, kv_idx):
+        return (q_idx >= 40) & (kv_idx <= q_idx)
+
+    mask_src = """@triton.jit
+def mask_mod(b, h, q_idx, kv_idx, bufs):
+    return (q_idx >= 40) & (kv_idx <= q_idx)
+"""
+    bm = create_block_mask(rows_below_40_see_nothing, 1, 1, M, N, device=device, BLOCK_SIZE=32)
+    out, lse, _ = _run(q, k, v, sm_scale=0.2, mask_mod=load_mod(mask_src),
+                       kv_num_blocks=bm.kv_num_blocks, kv_indices=bm.kv_indices,
+                       full_kv_num_blocks=bm.full_kv_num_blocks,
+                       full_kv_indices=bm.full_kv_indices, sparse_q_block=32, sparse_kv_block=32)
+    assert torch.all(out[:, :, :40] == 0)
+    assert torch.all(lse[:, :, :40].isneginf())
+    ref, ref_lse = reference_attention(q, k, v, None, rows_below_40_see_nothing, scale=0.2)
+    assert_matches_reference(out, ref, dtype)
+    assert_lse_matches(lse, ref_lse, dtype)
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_strided_bshd_layout_is_read_and_written_in_place(device):
+    _interpreter_or_cuda(device)
+    dtype = torch.float16
+    B, S, H, D = 2, 96, 4, 64
+    qkv = torch.randn(B, S, 3, H, D, device=device, dtype=dtype)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, S, D) views, no copy
+    out_storage = torch.full((B, S, H, D), float("nan"), device=device, dtype=dtype)
+    out = out_storage.transpose(1, 2)
+    lse = torch.empty(B, H, S, device=device)
+    mx = torch.empty(B, H, S, device=device)
+    launch_generic(q, k, v, out, lse, mx, sm_scale=D ** -0.5)
+    ref, _ = reference_attention(q, k, v)
+    assert_matches_reference(out, ref, dtype)
+    assert not out_storage.isnan().any()
