@@ -6,15 +6,21 @@ hidden 2048, so heads = 2048 / head_dim) across attention mods and implementatio
 forward+backward, and writes into ``--out``:
 
 * ``bench-<device>-<date>.json``: one object ``{device, torch, triton, date, preset, rows, ...}``,
-  one row per (impl, mod, shape, direction);
-* ``bench-<device>-<date>.md``: TFLOP/s per impl and the ratios fa3_inductor / cuDNN, / FA2, / flex;
+  one row per (impl, template_requested, mod, shape, direction);
+* ``bench-<device>-<date>.md``: TFLOP/s per impl and the ratios of fa3_inductor (template="auto"
+  and template="generic", both timed on every case) over cuDNN, FA2 and flex;
 * ``bench-<device>-<date>.png``: TFLOP/s against seqlen (skipped when matplotlib is absent).
+
+fa3_inductor is timed twice per case: ``template="auto"`` (hopper where it can serve the site)
+and ``template="generic"`` (the portable kernel family). Both rows have ``impl: "fa3_inductor"``;
+``template_requested`` says which was asked for, ``template`` what actually ran
+(``fa3_inductor.last_template()``: hopper, generic, or torch when the site went to torch's kernel).
 
 The ratio table is printed last.
 
 Examples::
 
-    python3 benchmarks/bench.py --preset quick            # ~7 minutes on an H100/H200
+    python3 benchmarks/bench.py --preset quick            # ~7-8 minutes on an H100/H200 (420 s budget)
     python3 benchmarks/bench.py --preset full --budget-s 3000
     python3 benchmarks/bench.py --preset quick --mods softcap --head-dims 128
     python3 benchmarks/bench.py --preset smoke --out /tmp/b   # CPU: checks the harness itself
@@ -50,8 +56,16 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 IMPLS = ("fa3_inductor", "cudnn", "fa2", "flex")
+FA3_TEMPLATES = ("auto", "generic")  # fa3_inductor.flex(template=...) values timed, each its own row
 MODS = ("noop", "causal", "softcap", "alibi", "sliding_window", "document")
-IMPL_COLORS = {"fa3_inductor": "C0", "cudnn": "C1", "fa2": "C2", "flex": "C3"}
+# Plot style per (impl, template_requested): (label, color, line style).
+SERIES_STYLE = {
+    ("fa3_inductor", "auto"): ("fa3_inductor auto", "C0", "-"),
+    ("fa3_inductor", "generic"): ("fa3_inductor generic", "C4", "--"),
+    ("cudnn", None): ("cuDNN", "C1", "-"),
+    ("fa2", None): ("FA2", "C2", "-"),
+    ("flex", None): ("flex", "C3", ":"),
+}
 SDPA_MODS = ("noop", "causal")  # cuDNN / FA2 SDPA serve only these
 SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION}
 DIRECTIONS = ("fwd", "fwd+bwd")
@@ -120,10 +134,11 @@ def preset_cases(preset: str) -> list[Case]:
         # Tiny CPU check of the harness: fa3_inductor falls back to torch's path there.
         return [Case(m, 64, 256, "fwd", batch=1, heads=2) for m in MODS]
     if preset == "quick":
-        cases = [P(m, 128, n, "fwd") for m in ("noop", "causal", "softcap") for n in SEQLENS]
-        cases += [P(m, 128, 4096, "fwd+bwd") for m in ("noop", "causal", "softcap")]
+        core = ("noop", "causal", "softcap")
+        cases = [P(m, 128, n, "fwd") for m in core for n in SEQLENS]
+        cases += [P(m, d, n, "fwd") for d in (64, 256) for m in core for n in (4096, 16384)]
+        cases += [P(m, 128, 4096, "fwd+bwd") for m in core]
         cases += [P(m, 128, n, "fwd") for m in ("alibi", "sliding_window", "document") for n in SEQLENS]
-        cases += [P(m, d, n, "fwd") for d in (64, 256) for m in ("noop", "causal", "softcap") for n in (4096, 16384)]
         return cases
     if preset == "full":
         return [P(m, d, n, direction) for direction in DIRECTIONS for d in (128, 64, 256) for m in MODS for n in SEQLENS]
@@ -241,11 +256,16 @@ def _import_fa3():
     return fa3_inductor
 
 
-def make_impl_fn(impl: str, spec: ModSpec, block_mask: Optional[BlockMask], q, k, v) -> Callable[[], torch.Tensor]:
-    """A zero-argument callable that runs one attention forward for ``impl``."""
+def make_impl_fn(impl: str, spec: ModSpec, block_mask: Optional[BlockMask], q, k, v,
+                 template: Optional[str] = None) -> Callable[[], torch.Tensor]:
+    """A zero-argument callable that runs one attention forward for ``impl``.
+
+    ``template`` (fa3_inductor only) is passed as ``fa3_inductor.flex(template=...)``.
+    """
     if impl == "fa3_inductor":
         fa3 = _import_fa3()
-        return lambda: fa3.flex(q, k, v, score_mod=spec.score_mod, block_mask=block_mask)
+        template = template or "auto"
+        return lambda: fa3.flex(q, k, v, score_mod=spec.score_mod, block_mask=block_mask, template=template)
     if impl == "flex":
         fn = compiled_flex()
         return lambda: fn(q, k, v, score_mod=spec.score_mod, block_mask=block_mask)
@@ -300,8 +320,25 @@ def _max_abs_diff(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optio
     return float((a.float() - b.float()).abs().max().item())
 
 
-def run_case(case: Case, impls: list[str], device, dtype, log) -> list[dict]:
-    """Time every impl on one case; returns its rows (errors are recorded, never raised)."""
+def impl_variants(impls: list[str], fa3_templates=FA3_TEMPLATES) -> list[tuple[str, Optional[str]]]:
+    """(impl, template_requested) pairs to time, reference first, then fa3_inductor's templates.
+
+    >>> impl_variants(["fa3_inductor", "flex"])
+    [('flex', None), ('fa3_inductor', 'auto'), ('fa3_inductor', 'generic')]
+    """
+    order = sorted(impls, key=lambda name: name != REF_IMPL)  # the reference runs first
+    out = []
+    for impl in order:
+        if impl == "fa3_inductor":
+            out += [(impl, t) for t in fa3_templates]
+        else:
+            out.append((impl, None))
+    return out
+
+
+def run_case(case: Case, impls: list[str], device, dtype, log, fa3_templates=FA3_TEMPLATES) -> list[dict]:
+    """Time every impl (fa3_inductor once per requested template) on one case; returns its rows
+    (errors are recorded, never raised)."""
     spec = make_mod(case.mod, case.heads, case.seqlen, device)
     block_mask = None
     if spec.mask_mod is not None:
@@ -321,13 +358,13 @@ def run_case(case: Case, impls: list[str], device, dtype, log) -> list[dict]:
             t.requires_grad_(True)
 
     # The reference (flex) runs first so every other impl can be compared against it.
-    order = sorted(impls, key=lambda name: name != REF_IMPL)
     ref_out = ref_grads = None
     rows = []
-    for impl in order:
+    for impl, requested in impl_variants(impls, fa3_templates):
         row = {
             "impl": impl,
             "template": None,
+            "template_requested": requested,
             "mod": case.mod,
             "causal": spec.causal,
             "batch": case.batch,
@@ -344,13 +381,13 @@ def run_case(case: Case, impls: list[str], device, dtype, log) -> list[dict]:
             "max_abs_diff_vs_ref": None,
         }
         try:
-            fwd = make_impl_fn(impl, spec, block_mask, q, k, v)
+            fwd = make_impl_fn(impl, spec, block_mask, q, k, v, template=requested)
         except Skip:
             continue
         except Exception as exc:  # the package itself failed to import, for example
             row["error"] = _describe(exc)
             rows.append(row)
-            log(f"  {impl:13s} ERROR {row['error']}")
+            log(_row_line(row))
             continue
 
         def step(fwd=fwd):
@@ -403,12 +440,13 @@ def _describe(exc: BaseException) -> str:
 
 
 def _row_line(row: dict) -> str:
+    name = row["impl"] + (f"[{row['template_requested']}]" if row.get("template_requested") else "")
     if row["ms"] is None:
-        return f"  {row['impl']:13s} ERROR {row.get('error')}"
+        return f"  {name:22s} ERROR {row.get('error')}"
     diff = row["max_abs_diff_vs_ref"]
     extra = f" template={row['template']}" if row["template"] else ""
     return (
-        f"  {row['impl']:13s} {row['ms']:9.3f} ms {row['tflops']:8.1f} TFLOP/s"
+        f"  {name:22s} {row['ms']:9.3f} ms {row['tflops']:8.1f} TFLOP/s"
         f"  max|out-ref|={'n/a' if diff is None else f'{diff:.2e}'}{extra}"
     )
 
@@ -431,61 +469,105 @@ def _fmt_tflops(x: float) -> str:
     return f"{x:.0f}" if x >= 10 else f"{x:.2g}"
 
 
+def _fmt_ratio(x: float) -> str:
+    return f"{x:.2f}" if x >= 0.01 else f"{x:.1e}"
+
+
+def series_of(row: dict) -> tuple[str, Optional[str]]:
+    """(impl, template_requested) of a row; fa3_inductor rows of older files (no such key) were "auto"."""
+    if row["impl"] == "fa3_inductor":
+        return row["impl"], row.get("template_requested") or "auto"
+    return row["impl"], None
+
+
+FA3_AUTO, FA3_GENERIC = ("fa3_inductor", "auto"), ("fa3_inductor", "generic")
+BASELINES = (("cudnn", "cuDNN"), ("fa2", "FA2"), ("flex", "flex"))
+
+
 def markdown_table(result: dict) -> str:
     """The ratio table of a result object (as written to JSON) in markdown.
 
-    Ratios are fa3_inductor TFLOP/s over the other impl's TFLOP/s on the same row (> 1: faster).
+    Ratios are fa3_inductor TFLOP/s (template="auto", and template="generic") over the other
+    impl's TFLOP/s on the same case (> 1: faster). A generic-requested row that did not run the
+    generic template (e.g. it fell back to torch's kernel) shows that template in bold and is left
+    out of the generic summary.
     """
-    groups: dict[tuple, dict[str, dict]] = {}
+    groups: dict[tuple, dict[tuple, dict]] = {}
     for row in result["rows"]:
-        groups.setdefault(_group_key(row), {})[row["impl"]] = row
+        groups.setdefault(_group_key(row), {})[series_of(row)] = row
 
-    def tf(g, impl):
-        r = g.get(impl)
+    def tf(g, series):
+        r = g.get(series)
         if r is None:
             return None, "—"
         if r.get("tflops") is None:
             return None, "err"
         return r["tflops"], _fmt_tflops(r["tflops"])
 
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+
     lines = [
         f"### {result['device']} · torch {result['torch']} · triton {result['triton']} · {result['date']} · preset {result['preset']}",
         "",
-        f"TFLOP/s ({result.get('flop_rule', FLOP_RULE)}). Ratios: fa3_inductor TFLOP/s ÷ the other's (>1 = fa3_inductor faster).",
+        f"TFLOP/s ({result.get('flop_rule', FLOP_RULE)}). fa3_inductor is timed twice per case: "
+        "`template=\"auto\"` (auto) and `template=\"generic\"` (generic); each template column is what "
+        "actually ran (`last_template()`). Ratios: fa3_inductor TFLOP/s ÷ the other's (>1 = fa3_inductor faster).",
         "",
-        "| dir | mod | D | seqlen | B×H | fa3_inductor | template | cuDNN | FA2 | flex | ×cuDNN | ×FA2 | ×flex |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| dir | mod | D | seqlen | B×H | fa3 auto | template | fa3 generic | template | cuDNN | FA2 | flex "
+        "| auto ÷cuDNN | auto ÷flex | generic ÷flex | generic ÷cuDNN |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    ratios: dict[tuple, dict[str, list[float]]] = {}
+    # summary[(direction, mod)][("auto"|"generic", baseline)] = [ratios]
+    summary: dict[tuple, dict[tuple, list[float]]] = {}
+    not_generic = 0
     for key in sorted(groups, key=lambda k: (DIRECTIONS.index(k[0]) if k[0] in DIRECTIONS else 9,
                                              MODS.index(k[1]) if k[1] in MODS else 99, k[2], k[3])):
         g = groups[key]
         direction, mod, d, n, b, h, _ = key
-        fa3, fa3_s = tf(g, "fa3_inductor")
-        cells, ratio_cells = [], []
-        for other in ("cudnn", "fa2", "flex"):
-            val, s = tf(g, other)
-            cells.append(s)
-            if fa3 is not None and val:
-                ratio = fa3 / val
-                ratio_cells.append(f"{ratio:.2f}")
-                ratios.setdefault((direction, mod), {}).setdefault(other, []).append(ratio)
-            else:
-                ratio_cells.append("—")
-        template = (g.get("fa3_inductor") or {}).get("template") or "—"
-        lines.append(f"| {direction} | {mod} | {d} | {n} | {b}×{h} | {fa3_s} | {template} | " + " | ".join(cells + ratio_cells) + " |")
+        auto, auto_s = tf(g, FA3_AUTO)
+        gen, gen_s = tf(g, FA3_GENERIC)
+        auto_t = (g.get(FA3_AUTO) or {}).get("template") or "—"
+        gen_t = (g.get(FA3_GENERIC) or {}).get("template")
+        gen_ok = gen_t == "generic"
+        if gen_t is not None and not gen_ok:
+            not_generic += 1
+            gen_t = f"**{gen_t}**"  # e.g. fell back to torch: never to be read as the generic kernel
+        base = {impl: tf(g, (impl, None)) for impl, _ in BASELINES}
+        per = summary.setdefault((direction, mod), {})
+        for impl, _ in BASELINES:
+            r_auto, r_gen = ratio(auto, base[impl][0]), ratio(gen, base[impl][0])
+            if r_auto is not None:
+                per.setdefault(("auto", impl), []).append(r_auto)
+            if r_gen is not None and gen_ok:
+                per.setdefault(("generic", impl), []).append(r_gen)
+        ratio_cells = [ratio(auto, base["cudnn"][0]), ratio(auto, base["flex"][0]),
+                       ratio(gen, base["flex"][0]), ratio(gen, base["cudnn"][0])]
+        cells = [auto_s, auto_t, gen_s, gen_t or "—"] + [base[impl][1] for impl, _ in BASELINES]
+        cells += ["—" if r is None else _fmt_ratio(r) for r in ratio_cells]
+        lines.append(f"| {direction} | {mod} | {d} | {n} | {b}×{h} | " + " | ".join(cells) + " |")
+    if not_generic:
+        lines += ["", f"{not_generic} case(s) asked for template=\"generic\" but ran the template shown in bold "
+                      "(not the generic kernel); they are left out of the generic summary."]
 
-    if ratios:
+    summary = {k: v for k, v in summary.items() if v}
+    if summary:
+        head = [f"{t} vs {label}" for t in ("auto", "generic") for _, label in BASELINES]
         lines += ["", "Summary of fa3_inductor ratios (geometric mean, min) per direction and mod:", "",
-                  "| dir | mod | vs cuDNN | vs FA2 | vs flex |", "|---|---|---|---|---|"]
-        for (direction, mod), per in sorted(ratios.items(), key=lambda kv: (kv[0][0], MODS.index(kv[0][1]) if kv[0][1] in MODS else 99)):
+                  "| dir | mod | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(head)]
+        for (direction, mod), per in sorted(summary.items(), key=lambda kv: (
+                DIRECTIONS.index(kv[0][0]) if kv[0][0] in DIRECTIONS else 9, MODS.index(kv[0][1]) if kv[0][1] in MODS else 99)):
             cells = []
-            for other in ("cudnn", "fa2", "flex"):
-                vals = per.get(other)
-                cells.append("—" if not vals else f"{math.exp(sum(map(math.log, vals)) / len(vals)):.2f} (min {min(vals):.2f})")
+            for t in ("auto", "generic"):
+                for impl, _ in BASELINES:
+                    vals = per.get((t, impl))
+                    cells.append("—" if not vals else f"{_fmt_ratio(math.exp(sum(map(math.log, vals)) / len(vals)))} (min {_fmt_ratio(min(vals))})")
             lines.append(f"| {direction} | {mod} | " + " | ".join(cells) + " |")
 
-    problems = [f"- {r['impl']} {r['direction']} {r['mod']} D={r['head_dim']} N={r['seqlen']}: {r['error']}"
+    def who(r):
+        return r["impl"] + (f"[{r['template_requested']}]" if r.get("template_requested") else "")
+
+    problems = [f"- {who(r)} {r['direction']} {r['mod']} D={r['head_dim']} N={r['seqlen']}: {r['error']}"
                 for r in result["rows"] if r.get("error")]
     problems += [f"- whole case {c['direction']} {c['mod']} D={c['head_dim']} N={c['seqlen']}: {c['error']}"
                  for c in result.get("cases_failed", [])]
@@ -499,7 +581,8 @@ def markdown_table(result: dict) -> str:
 
 
 def write_plot(result: dict, path: Path) -> Optional[Path]:
-    """One PNG: TFLOP/s against seqlen, one panel per (direction, head dim) × mod. None without matplotlib."""
+    """One PNG: TFLOP/s against seqlen, one panel per (direction, head dim) × mod, one line per
+    (impl, template_requested). None without matplotlib."""
     try:
         import matplotlib
 
@@ -510,22 +593,28 @@ def write_plot(result: dict, path: Path) -> Optional[Path]:
     rows = [r for r in result["rows"] if r.get("tflops") is not None]
     if not rows:
         return None
-    panels_y = sorted({(r["direction"], r["head_dim"]) for r in rows}, key=lambda p: (DIRECTIONS.index(p[0]), p[1]))
+    panels_y = sorted({(r["direction"], r["head_dim"]) for r in rows},
+                      key=lambda p: (DIRECTIONS.index(p[0]) if p[0] in DIRECTIONS else 9, p[1]))
     panels_x = [m for m in MODS if any(r["mod"] == m for r in rows)]
+    series = list(SERIES_STYLE) + sorted({series_of(r) for r in rows} - set(SERIES_STYLE), key=str)
     fig, axes = plt.subplots(len(panels_y), len(panels_x), figsize=(3.2 * len(panels_x), 2.6 * len(panels_y)),
                              squeeze=False, sharex=True)
     for i, (direction, d) in enumerate(panels_y):
         for j, mod in enumerate(panels_x):
             ax = axes[i][j]
-            for impl in IMPLS:
+            for s in series:
+                label, color, style = SERIES_STYLE.get(s, (f"{s[0]} {s[1] or ''}".strip(), None, "-."))
                 pts = sorted((r["seqlen"], r["tflops"]) for r in rows
-                             if r["impl"] == impl and r["mod"] == mod and r["direction"] == direction and r["head_dim"] == d)
+                             if series_of(r) == s and r["mod"] == mod and r["direction"] == direction and r["head_dim"] == d)
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", label=impl, color=IMPL_COLORS[impl])
+                    ax.plot(*zip(*pts), marker="o", markersize=3, linewidth=1.2, linestyle=style, label=label, color=color)
+            if not ax.lines:  # this (direction, D, mod) was not run: leave the panel blank
+                ax.axis("off")
+                continue
             ax.set_xscale("log", base=2)
             ax.set_ylim(bottom=0)
             ax.set_title(f"{direction} {mod} D={d}", fontsize=9)
-            ax.tick_params(labelsize=7)
+            ax.tick_params(labelsize=7, labelbottom=True)  # also above a blank bottom panel
             if j == 0:
                 ax.set_ylabel("TFLOP/s", fontsize=8)
             if i == len(panels_y) - 1:
@@ -536,7 +625,7 @@ def write_plot(result: dict, path: Path) -> Optional[Path]:
             handles.setdefault(lab, hnd)
     fig.legend(list(handles.values()), list(handles.keys()), loc="upper right", fontsize=8)
     fig.suptitle(f"{result['device']} · torch {result['torch']} · {result['date']}", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 0.93, 0.96))
+    fig.tight_layout(rect=(0, 0, 0.88, 0.96))
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
@@ -567,6 +656,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="stop starting new cases after this many seconds of wall clock (default 420)")
     p.add_argument("--impls", type=_csv("impl", IMPLS), default=list(IMPLS))
+    p.add_argument("--fa3-templates", type=_csv("fa3 template", FA3_TEMPLATES), default=list(FA3_TEMPLATES),
+                   help="fa3_inductor.flex(template=...) values to time, one row each (default auto,generic)")
     p.add_argument("--mods", type=_csv("mod", MODS), default=None, help="keep only these mods of the preset")
     p.add_argument("--head-dims", type=_csv("head dim", HEAD_DIMS, int), default=None)
     p.add_argument("--seqlens", type=_csv("seqlen", SEQLENS + (256,), int), default=None)
@@ -615,6 +706,7 @@ def main(argv=None) -> int:
         "flop_rule": FLOP_RULE,
         "mod_definitions": MOD_DEFINITIONS,
         "reference_impl": REF_IMPL,
+        "fa3_templates_requested": list(args.fa3_templates),
         "flex_compile": "torch.compile(flex_attention, dynamic=False)",
         "budget_s": args.budget_s,
         "budget_exhausted": False,
@@ -642,7 +734,7 @@ def main(argv=None) -> int:
             break
         log(f"[{i + 1}/{len(cases)} {elapsed:5.0f}s] {case.label()}")
         try:
-            result["rows"] += run_case(case, args.impls, device, dtype, log)
+            result["rows"] += run_case(case, args.impls, device, dtype, log, args.fa3_templates)
         except Exception as exc:  # the case's own set-up (inputs, block mask) failed
             result["cases_failed"].append({**vars(case), "error": _describe(exc)})
             log(f"  case failed: {_describe(exc)}")

@@ -13,6 +13,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 from . import _compat
 from ._log import info_once
 from .backend import fa3_backend
+from .config import TEMPLATES
 from .runtime.ops import last_template, record_template
 
 _MAX_COMPILED = 64
@@ -98,13 +99,14 @@ def _flex_call(q, k, v, score_mod, block_mask, scale, enable_gqa, return_lse):
 
 
 @functools.lru_cache(maxsize=_MAX_COMPILED)
-def _compiled_for(score_code: Any, mask_code: Any) -> Callable:
+def _compiled_for(score_code: Any, mask_code: Any, template: str) -> Callable:
     # Dynamo keeps compiled variants per code object and stops recompiling after a limit, so
     # each distinct pair of mods gets its own copy of _flex_call's code.
     code = _flex_call.__code__.replace(co_name=f"_flex_call_{len(_compiled_codes)}")
     _compiled_codes.append(code)
     fn = types.FunctionType(code, _flex_call.__globals__, code.co_name)
-    return torch.compile(fn, backend=fa3_backend, fullgraph=True)
+    return torch.compile(fn, backend=fa3_backend, fullgraph=True,
+                         options={"fa3.template": template})
 
 
 _compiled_codes: list = []
@@ -127,14 +129,16 @@ def _runs_our_kernels(q: Tensor) -> bool:
 def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
          mask_mod: Optional[Callable] = None, block_mask: Optional[BlockMask] = None,
          scale: Optional[float] = None, enable_gqa: bool = False,
-         return_lse: bool = False) -> Union[Tensor, tuple[Tensor, Tensor]]:
+         return_lse: bool = False, template: str = "auto") -> Union[Tensor, tuple[Tensor, Tensor]]:
     """Attention with FlexAttention's semantics, served by fa3_inductor's kernels.
 
     ``q`` is (B, H, M, D), ``k``/``v`` are (B, Hkv, N, D). ``score_mod(score, b, h, q_idx,
     kv_idx)`` edits scores, ``mask_mod(b, h, q_idx, kv_idx)`` hides them (it is turned into a
     block mask here; pass ``block_mask`` from ``create_block_mask`` instead to build it once).
     Returns the output (B, H, M, D), plus the natural-log LSE (B, H, M) if ``return_lse``.
-    Gradients flow to q, k, v and to tensors the mods capture.
+    Gradients flow to q, k, v and to tensors the mods capture. ``template`` (fa3 only):
+    "auto" picks the best kernel family, "hopper" / "generic" force one (a site it cannot
+    serve falls back, see ``last_template()``), "torch" runs torch's own kernel.
 
     On CUDA the call is compiled with the fa3 backend (first call per mod compiles). On the
     CPU it runs torch's own implementation, unless TRITON_INTERPRET=1 is set, in which case
@@ -149,6 +153,8 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
         torch.Size([1, 4, 256, 64])
     """
     _check_inputs(q, k, v, score_mod, mask_mod, block_mask, scale, enable_gqa)
+    if template not in TEMPLATES:
+        raise ValueError(f"flex: template must be one of {TEMPLATES}, got {template!r}")
     if mask_mod is not None:
         block_mask = _block_mask_for(mask_mod, q, k)
     args = (q, k, v, score_mod, block_mask, scale, enable_gqa, return_lse)
@@ -160,7 +166,7 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
         record_template("torch")
         return _flex_call(*args)
     mask_fn = block_mask.mask_mod if block_mask is not None else None
-    compiled = _compiled_for(_code_of(score_mod), _code_of(mask_fn))
+    compiled = _compiled_for(_code_of(score_mod), _code_of(mask_fn), template)
     record_template(None)
     result = compiled(*args)
     if last_template() is None:  # the lowering handed this site to torch's kernel

@@ -1,9 +1,11 @@
 """The benchmark harness itself (benchmarks/bench.py), checked on CPU.
 
-The smoke preset runs end to end in a subprocess (fa3_inductor falls back to torch's path on CPU,
-stock FlexAttention is compiled by Inductor's CPU backend, the SDPA baselines are skipped), and the
-result file is validated against the schema that later tools rely on. The table and FLOP helpers
-are checked directly on synthetic rows.
+The smoke preset runs end to end in a subprocess (fa3_inductor is timed twice per case, with
+template="auto" and template="generic"; on CPU both run our generic kernel under Triton's
+interpreter when TRITON_INTERPRET=1, else torch's path; stock FlexAttention is compiled by
+Inductor's CPU backend, the SDPA baselines are skipped), and the result file is validated against
+the schema that later tools rely on. The table and FLOP helpers are checked directly on synthetic
+rows.
 """
 
 import importlib.util
@@ -21,6 +23,8 @@ BENCH = ROOT / "benchmarks" / "bench.py"
 
 IMPLS = {"fa3_inductor", "cudnn", "fa2", "flex"}
 TEMPLATES = {"hopper", "generic", "torch"}
+CPU_TEMPLATES = {"generic", "torch"}  # interpreter (TRITON_INTERPRET=1) or torch's path
+FA3_REQUESTED = {"auto", "generic"}
 ROW_TYPES = {
     "impl": str,
     "mod": str,
@@ -89,14 +93,17 @@ def test_smoke_json_schema(smoke_run):
         assert isinstance(row["tflops"], float) and row["tflops"] > 0
         assert math.isclose(row["tflops"], row["flops"] / (row["ms"] * 1e-3) / 1e12, rel_tol=1e-9)
         if row["impl"] == "fa3_inductor":
-            assert row["template"] in TEMPLATES
+            assert row["template"] in TEMPLATES & CPU_TEMPLATES, row
+            assert row["template_requested"] in FA3_REQUESTED, row
         else:
             assert row["template"] is None
-    # On CPU: no SDPA baselines; every smoke mod timed for ours and for the reference.
-    impls_by_mod = {}
+            assert row["template_requested"] is None
+    # On CPU: no SDPA baselines; every smoke mod timed for ours (both templates) and for the reference.
+    series_by_mod = {}
     for row in result["rows"]:
-        impls_by_mod.setdefault(row["mod"], set()).add(row["impl"])
-    assert impls_by_mod == {m: {"fa3_inductor", "flex"} for m in {c.mod for c in bench.preset_cases("smoke")}}
+        series_by_mod.setdefault(row["mod"], []).append((row["impl"], row["template_requested"]))
+    expected = [("flex", None), ("fa3_inductor", "auto"), ("fa3_inductor", "generic")]
+    assert series_by_mod == {m: expected for m in {c.mod for c in bench.preset_cases("smoke")}}
 
 
 def test_smoke_outputs_match_reference(smoke_run):
@@ -112,7 +119,15 @@ def test_smoke_prints_the_table_last(smoke_run):
     out, stdout = smoke_run
     table = next(out.glob("*.md")).read_text()
     assert stdout.endswith(table)
-    assert "×flex" in table
+    header = next(x for x in table.splitlines() if x.startswith("| dir | mod | D |"))
+    for col in ("fa3 auto", "fa3 generic", "auto ÷cuDNN", "auto ÷flex", "generic ÷flex", "generic ÷cuDNN"):
+        assert col in header
+    rows = json.loads(next(out.glob("*.json")).read_text())["rows"]
+    for row in rows:  # the generic column shows what ran; anything but "generic" is set in bold
+        if row["template_requested"] == "generic":
+            line = next(x for x in table.splitlines() if x.startswith(f"| fwd | {row['mod']} |"))
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            assert cells[8] == ("generic" if row["template"] == "generic" else f"**{row['template']}**")
 
 
 def test_render_existing_json(smoke_run):
@@ -131,6 +146,14 @@ def test_presets_follow_the_paper_shapes():
         assert case.batch * case.seqlen == 16384
         assert case.heads * case.head_dim == 2048
     assert set(quick) <= set(full)
+    assert len(set(quick)) == len(quick)
+    # Most important first, so a budget cut loses the least: D=128 fwd noop/causal/softcap, then
+    # D=64/256 fwd of those, then fwd+bwd, then the other mods.
+    core = {"noop", "causal", "softcap"}
+    stage = [0 if (c.head_dim == 128 and c.direction == "fwd" and c.mod in core) else
+             1 if (c.direction == "fwd" and c.mod in core) else
+             2 if c.direction == "fwd+bwd" else 3 for c in quick]
+    assert stage == sorted(stage) and set(stage) == {0, 1, 2, 3}, stage
     fwd128 = {(c.mod, c.seqlen) for c in quick if c.head_dim == 128 and c.direction == "fwd"}
     assert fwd128 == {(m, n) for m in bench.MODS for n in bench.SEQLENS}
     assert {(c.mod, c.seqlen) for c in quick if c.direction == "fwd+bwd"} == {(m, 4096) for m in ("noop", "causal", "softcap")}
@@ -155,24 +178,61 @@ def test_flop_density_rule():
     assert all(1 <= length <= 2048 for length in lengths)
 
 
-def test_markdown_ratios():
-    def row(impl, tflops, **kw):
-        base = dict(impl=impl, template="generic" if impl == "fa3_inductor" else None, mod="causal", causal=True,
-                    batch=4, heads=16, kv_heads=16, seqlen=4096, head_dim=128, dtype="bfloat16", direction="fwd",
-                    ms=1.0, tflops=tflops)
-        base.update(kw)
-        return base
+def _row(impl, tflops, requested=None, template=None, **kw):
+    base = dict(impl=impl, template=template, template_requested=requested, mod="causal", causal=True,
+                batch=4, heads=16, kv_heads=16, seqlen=4096, head_dim=128, dtype="bfloat16", direction="fwd",
+                ms=1.0, tflops=tflops)
+    base.update(kw)
+    if requested is None:
+        del base["template_requested"]  # as in result files written before the key existed
+    return base
 
-    result = dict(device="NVIDIA H200", torch="2.11.0", triton="3.6.0", date="2026-11-22", preset="quick",
-                  rows=[row("fa3_inductor", 600.0), row("cudnn", 500.0), row("fa2", 300.0), row("flex", 400.0),
-                        row("flex", None, ms=None, mod="softcap", causal=False, error="boom")])
-    table = bench.markdown_table(result)
-    line = next(x for x in table.splitlines() if x.startswith("| fwd | causal |"))
-    cells = [c.strip() for c in line.strip("|").split("|")]
-    assert cells[5:] == ["600", "generic", "500", "300", "400", "1.20", "2.00", "1.50"]
-    soft = next(x for x in table.splitlines() if x.startswith("| fwd | softcap |"))
-    assert "err" in soft
+
+def _result(rows):
+    return dict(device="NVIDIA H200", torch="2.11.0", triton="3.6.0", date="2026-11-22", preset="quick", rows=rows)
+
+
+def _cells(table, prefix):
+    line = next(x for x in table.splitlines() if x.startswith(prefix))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_markdown_ratios():
+    rows = [_row("fa3_inductor", 600.0, "auto", "hopper"), _row("fa3_inductor", 480.0, "generic", "generic"),
+            _row("cudnn", 500.0), _row("fa2", 300.0), _row("flex", 400.0),
+            _row("flex", None, ms=None, mod="softcap", causal=False, error="boom")]
+    table = bench.markdown_table(_result(rows))
+    # fa3 auto, template, fa3 generic, template, cuDNN, FA2, flex, auto÷cuDNN, auto÷flex, generic÷flex, generic÷cuDNN
+    assert _cells(table, "| fwd | causal |")[5:] == [
+        "600", "hopper", "480", "generic", "500", "300", "400", "1.20", "1.50", "1.20", "0.96"]
+    assert "err" in "|".join(_cells(table, "| fwd | softcap |"))
     assert "1 failure(s)" in table
+    header = _cells(table, "| dir | mod | auto vs cuDNN")
+    assert header == ["dir", "mod", "auto vs cuDNN", "auto vs FA2", "auto vs flex",
+                      "generic vs cuDNN", "generic vs FA2", "generic vs flex"]
+    assert _cells(table, "| fwd | causal | 1.20 (min")[2:] == [
+        "1.20 (min 1.20)", "2.00 (min 2.00)", "1.50 (min 1.50)", "0.96 (min 0.96)", "1.60 (min 1.60)", "1.20 (min 1.20)"]
+
+
+def test_markdown_generic_fallback_is_flagged():
+    rows = [_row("fa3_inductor", 600.0, "auto", "hopper"), _row("fa3_inductor", 400.0, "generic", "torch"),
+            _row("cudnn", 500.0), _row("flex", 400.0)]
+    table = bench.markdown_table(_result(rows))
+    cells = _cells(table, "| fwd | causal | 128 |")
+    assert cells[7:9] == ["400", "**torch**"]
+    assert 'asked for template="generic" but ran' in table
+    summary = _cells(table, "| fwd | causal | 1.20 (min")
+    assert summary[5:] == ["—", "—", "—"], "a torch fallback must not count as the generic template"
+
+
+def test_render_old_result_without_template_requested(tmp_path, capsys):
+    rows = [_row("fa3_inductor", 600.0, template="hopper"), _row("cudnn", 500.0), _row("flex", 400.0)]
+    assert all("template_requested" not in r for r in rows)
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(_result(rows)))
+    assert bench.main(["--render", str(path)]) == 0
+    cells = _cells(capsys.readouterr().out, "| fwd | causal | 128 |")
+    assert cells[5:] == ["600", "hopper", "—", "—", "500", "—", "400", "1.20", "1.50", "—", "—"]
 
 
 def test_device_slug():

@@ -64,7 +64,8 @@ def test_dense_no_mods(device, dtype, shape):
 
 
 @pytest.mark.parametrize("device", _devices())
-def test_block_mask_full_blocks_score_mod_and_buffer(device):
+@pytest.mark.parametrize("walk", ["list", "hull"])
+def test_block_mask_full_blocks_score_mod_and_buffer(device, walk):
     _interpreter_or_cuda(device)
     dtype = torch.float16
     Z, HQ, HKV, M, N, D = 2, 4, 2, 200, 200, 32
@@ -79,7 +80,7 @@ def test_block_mask_full_blocks_score_mod_and_buffer(device):
                         kv_num_blocks=bm.kv_num_blocks, kv_indices=bm.kv_indices,
                         full_kv_num_blocks=bm.full_kv_num_blocks,
                         full_kv_indices=bm.full_kv_indices, sparse_q_block=64,
-                        sparse_kv_block=64)
+                        sparse_kv_block=64, iterate_hull=walk == "hull")
 
     def score(s, b, h, qi, ki):
         return 4.0 * torch.tanh(s / 4.0) + bias.double()[h]
@@ -95,7 +96,8 @@ def test_block_mask_full_blocks_score_mod_and_buffer(device):
 
 
 @pytest.mark.parametrize("device", _devices())
-def test_fully_masked_rows_give_zero_and_neg_inf(device):
+@pytest.mark.parametrize("walk", ["list", "hull"])
+def test_fully_masked_rows_give_zero_and_neg_inf(device, walk):
     _interpreter_or_cuda(device)
     dtype = torch.float16
     M = N = 128
@@ -112,7 +114,8 @@ def mask_mod(b, h, q_idx, kv_idx, bufs):
     out, lse, _ = _run(q, k, v, sm_scale=0.2, mask_mod=load_mod(mask_src),
                        kv_num_blocks=bm.kv_num_blocks, kv_indices=bm.kv_indices,
                        full_kv_num_blocks=bm.full_kv_num_blocks,
-                       full_kv_indices=bm.full_kv_indices, sparse_q_block=32, sparse_kv_block=32)
+                       full_kv_indices=bm.full_kv_indices, sparse_q_block=32, sparse_kv_block=32,
+                       iterate_hull=walk == "hull")
     assert torch.all(out[:, :, :40] == 0)
     assert torch.all(lse[:, :, :40].isneginf())
     ref, ref_lse = reference_attention(q, k, v, None, rows_below_40_see_nothing, scale=0.2)

@@ -36,11 +36,11 @@ def generic_config(head_dim: int, capability: tuple[int, int] | None,
         return GenericConfig(64, 64, 4, 1, False)
     if capability[0] == 9 and not mods_load_buffers:
         # Hopper: TMA descriptors + Meta's warp-specialization pass (needs num_warps=4).
-        # FACTS.md: 128x128, 2 stages reached 566 TFLOP/s bf16 D128 (439-452 without WS).
-        if block_d <= 128:
-            return GenericConfig(128, 128, 4, 2, True)
-        # D=256: a 128-row fp32 accumulator would need 256 registers/thread at 4 warps.
-        return GenericConfig(64, 64, 4, 2, True)
+        # BLOCK_M is 64: with 128 the pass splits the rows over two consumer groups and, in
+        # Triton 3.6, returns garbage for the loop-carried row max (LSE and MAX all NaN) and
+        # wrong outputs with masks (H200, 2026-11-22: relative error 0.2 for causal at
+        # BLOCK_M 128; 2e-3 and exact LSE at BLOCK_M 64).
+        return GenericConfig(64, 128 if block_d <= 128 else 64, 4, 2, True)
     # Ampere/Ada (and Hopper kernels whose mods gather): classic 8-warp pipelined tile.
     if block_d <= 128:
         return GenericConfig(128, 64, 8, 3, False)

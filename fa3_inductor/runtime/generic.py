@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 from typing import Any, Optional, Sequence
@@ -44,6 +45,7 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
+@functools.lru_cache(maxsize=512)
 def _source_of(jit_fn: Any) -> str:
     # JITFunction keeps .src; the interpreter's InterpretedFunction only has the function.
     return getattr(jit_fn, "src", None) or inspect.getsource(jit_fn.fn)
@@ -55,7 +57,7 @@ def _batch_stride(t: torch.Tensor, batch: int) -> int:
 
 def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs,
              mask_bufs, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-             sparse_q_block, sparse_kv_block, capability):
+             sparse_q_block, sparse_kv_block, capability, iterate_hull=None):
     """(args, kwargs, grid) of one generic-kernel launch; shared by launch and compile-only."""
     Z, HQ, M, D = q.shape
     HKV, N = k.shape[1], k.shape[2]
@@ -84,6 +86,9 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
         SPARSE_Q=sparse_q_block if has_mask else block_m,
         SPARSE_KV=sparse_kv_block if has_mask else block_n,
         EVEN_N=N % block_n == 0,
+        # The warp-specialized loop must not read tile positions from the tables (generic_fwd).
+        ITERATE_HULL=cfg.warp_specialize if iterate_hull is None else iterate_hull,
+        MAX_KV_BLKS=max(2, triton.next_power_of_2(num_kv_blks)),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
         WARP_SPECIALIZE=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -99,12 +104,13 @@ def launch_generic(
     kv_num_blocks: Optional[torch.Tensor] = None, kv_indices: Optional[torch.Tensor] = None,
     full_kv_num_blocks: Optional[torch.Tensor] = None,
     full_kv_indices: Optional[torch.Tensor] = None,
-    sparse_q_block: int = 128, sparse_kv_block: int = 128,
+    sparse_q_block: int = 128, sparse_kv_block: int = 128, iterate_hull: Optional[bool] = None,
 ) -> None:
     """Run the generic kernel; ``out``/``lse``/``max_scores`` are written in place.
 
     Shapes and conventions are those of ``templates/generic_fwd.py``. With
     ``kv_num_blocks=None`` every KV tile is visited and ``mask_mod`` must be None.
+    ``iterate_hull`` picks how a block mask is walked (None: the config's choice).
 
     Example::
 
@@ -118,7 +124,7 @@ def launch_generic(
     args, kwargs, grid = _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod,
                                   score_bufs, mask_bufs, kv_num_blocks, kv_indices,
                                   full_kv_num_blocks, full_kv_indices, sparse_q_block,
-                                  sparse_kv_block, _capability(q))
+                                  sparse_kv_block, _capability(q), iterate_hull)
     attention_fwd_kernel[grid](*args, **kwargs)
 
 

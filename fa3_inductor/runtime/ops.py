@@ -71,7 +71,17 @@ def _one_block_size(block: int, length: int) -> int:
     return max(128, 1 << (length - 1).bit_length())
 
 
-@torch.library.custom_op("fa3_inductor::flex_fwd", mutates_args=())
+# A plain Library definition rather than torch.library.custom_op: the op sits on the hot path of
+# every attention call, and custom_op's per-call wrappers (autograd shim, aliasing checks) cost
+# more than its convenience is worth here. No autograd: backward is torch's flex backward.
+_LIB = torch.library.Library("fa3_inductor", "DEF")
+_LIB.define(
+    "flex_fwd(Tensor q, Tensor k, Tensor v, Tensor? kv_num_blocks, Tensor? kv_indices, "
+    "Tensor? full_kv_num_blocks, Tensor? full_kv_indices, Tensor[] score_bufs, "
+    "Tensor[] mask_bufs, float scale, int sparse_q_block, int sparse_kv_block, str spec) "
+    "-> (Tensor, Tensor, Tensor)")
+
+
 def flex_fwd(
     q: Tensor, k: Tensor, v: Tensor,
     kv_num_blocks: Optional[Tensor], kv_indices: Optional[Tensor],
@@ -79,7 +89,8 @@ def flex_fwd(
     score_bufs: list[Tensor], mask_bufs: list[Tensor],
     scale: float, sparse_q_block: int, sparse_kv_block: int, spec: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Attention forward with generated mods; returns (out, lse_log2, max_log2).
+    """``torch.ops.fa3_inductor.flex_fwd``: attention forward with generated mods; returns
+    (out, lse_log2, max_log2).
 
     Example::
 
@@ -122,9 +133,13 @@ def flex_fwd(
     return out, lse, max_scores
 
 
-@flex_fwd.register_fake
-def _(q, k, v, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-      score_bufs, mask_bufs, scale, sparse_q_block, sparse_kv_block, spec):
+_LIB.impl("flex_fwd", flex_fwd, "CUDA")
+_LIB.impl("flex_fwd", flex_fwd, "CPU")
+
+
+@torch.library.register_fake("fa3_inductor::flex_fwd", lib=_LIB)
+def _flex_fwd_fake(q, k, v, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                   score_bufs, mask_bufs, scale, sparse_q_block, sparse_kv_block, spec):
     Z, H, M, _ = q.shape
     return (_out_like(q), q.new_empty((Z, H, M), dtype=torch.float32),
             q.new_empty((Z, H, M), dtype=torch.float32))

@@ -378,7 +378,7 @@ _HEADER = {
     "gl": "from triton.experimental import gluon\nfrom triton.experimental.gluon import language as gl\n"
           "from fa3_inductor.templates import mod_helpers_gl as H\n\n\n",
 }
-_LOADED: dict[str, Any] = {}
+_LOADED: dict[tuple[str, str], Any] = {}
 
 
 def _cache_dir() -> str:
@@ -397,10 +397,11 @@ def load_mod(source: str, dialect: str = "tl") -> Any:
 
         >>> fn = load_mod(generate_mod_source(gm, "score", []))   # doctest: +SKIP
     """
+    cached = _LOADED.get((dialect, source))  # the hot path: no hashing of the text per call
+    if cached is not None:
+        return cached
     text = _HEADER[dialect] + source
     key = hashlib.sha256(text.encode()).hexdigest()[:20]
-    if key in _LOADED:
-        return _LOADED[key]
     path = os.path.join(_cache_dir(), f"mod_{dialect}_{key}.py")
     if not os.path.exists(path):
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -413,5 +414,5 @@ def load_mod(source: str, dialect: str = "tl") -> Any:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     fn = getattr(module, "score_mod", None) or getattr(module, "mask_mod")
-    _LOADED[key] = fn
+    _LOADED[(dialect, source)] = fn
     return fn
