@@ -18,12 +18,14 @@ class GenericConfig:
 
 
 def generic_config(head_dim: int, capability: tuple[int, int] | None,
-                   mods_load_buffers: bool = False) -> GenericConfig:
+                   mods_load_buffers: bool = False, fp32: bool = False) -> GenericConfig:
     """Tile choice for the generic kernel. ``capability`` None means the CPU interpreter.
 
     ``mods_load_buffers``: a mod gathers from a captured buffer. Triton 3.6's warp-specialization
     pass crashes on such loads inside the KV loop ("operation destroyed but still has uses",
     seen compiling a document mask for sm90), so those kernels use the plain pipelined loop.
+    ``fp32``: float32 inputs; the same pass fails on fp32 (tf32) dots (ConvertNVGPUToLLVM
+    error, H200 2026-11-22), so they take the plain loop too.
 
     Example::
 
@@ -34,7 +36,7 @@ def generic_config(head_dim: int, capability: tuple[int, int] | None,
     if capability is None:
         # Interpreter: numpy cost grows with the number of programs, not the tile size.
         return GenericConfig(64, 64, 4, 1, False)
-    if capability[0] == 9 and not mods_load_buffers:
+    if capability[0] == 9 and not mods_load_buffers and not fp32:
         # Hopper: TMA descriptors + Meta's warp-specialization pass (needs num_warps=4).
         # BLOCK_M is 64: with 128 the pass splits the rows over two consumer groups and, in
         # Triton 3.6, returns garbage for the loop-carried row max (LSE and MAX all NaN) and

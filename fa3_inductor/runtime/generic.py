@@ -62,7 +62,7 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
     Z, HQ, M, D = q.shape
     HKV, N = k.shape[1], k.shape[2]
     loads = any(m is not None and "load(" in _source_of(m) for m in (score_mod, mask_mod))
-    cfg = generic_config(D, capability, mods_load_buffers=loads)
+    cfg = generic_config(D, capability, mods_load_buffers=loads, fp32=q.dtype == torch.float32)
     block_m = min(cfg.block_m, sparse_q_block)
     block_n = min(cfg.block_n, sparse_kv_block)
     has_mask = kv_num_blocks is not None
