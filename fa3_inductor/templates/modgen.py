@@ -74,8 +74,7 @@ _BINARY = {
     aten.maximum: "{L}.maximum({0}, {1})", aten.minimum: "{L}.minimum({0}, {1})",
     aten.floor_divide: "H.floordiv({0}, {1})", aten.remainder: "H.remainder({0}, {1})",
     aten.fmod: "({0} % {1})", aten.pow: "H.pow({0}, {1})",
-    aten.atan2: "H.atan2({0}, {1})",
-}
+    }
 _UNARY = {
     aten.neg: "(-{0})", aten.abs: "{L}.abs({0})", aten.exp: "{L}.exp({0})",
     aten.exp2: "{L}.exp2({0})", aten.log: "{L}.log({0})", aten.log2: "{L}.log2({0})",
@@ -374,9 +373,9 @@ def is_identity_score(gm: torch.fx.GraphModule) -> bool:
 
 _HEADER = {
     "tl": "import triton\nimport triton.language as tl\n"
-          "from fa3_inductor.templates import mod_helpers_tl as H\n\n\n",
+          "from fa3_inductor.templates.mod_helpers import TL as H\n\n\n",
     "gl": "from triton.experimental import gluon\nfrom triton.experimental.gluon import language as gl\n"
-          "from fa3_inductor.templates import mod_helpers_gl as H\n\n\n",
+          "from fa3_inductor.templates.mod_helpers import GL as H\n\n\n",
 }
 _LOADED: dict[tuple[str, str], Any] = {}
 

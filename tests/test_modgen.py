@@ -1,0 +1,99 @@
+"""The mod generator: generated source (snapshots), exactness rules, and refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from expecttest import assert_expected_inline
+
+from fa3_inductor import mods
+from fa3_inductor.templates.modgen import (BufferSpec, UnsupportedMod, generate_mod_source,
+                                           is_constant_true_mask, is_identity_score, trace_mod)
+
+
+def _source(fn, kind, dialect="tl"):
+    gm, bufs = trace_mod(fn, kind)
+    return generate_mod_source(gm, kind, [BufferSpec.of(b) for b in bufs], dialect)
+
+
+def test_softcap_uses_the_tanh_helper():
+    assert_expected_inline(_source(mods.softcap(30.0), "score"), """\
+@triton.jit
+def score_mod(score, b, h, q_idx, kv_idx, bufs):
+    v0 = (score * 1.0 / 30.0)
+    v1 = H.tanh(v0)
+    v2 = (v1 * 30.0)
+    return (v2 + tl.zeros_like(score)).to(tl.float32)
+""")
+
+
+def test_alibi_slopes_are_computed_from_the_head_index():
+    assert_expected_inline(_source(mods.alibi(8), "score", "gl"), """\
+@gluon.jit
+def score_mod(score, b, h, q_idx, kv_idx, bufs):
+    v0 = (h + 1)
+    v1 = (v0 * -1.0)
+    v2 = gl.exp2(v1)
+    v3 = (kv_idx - q_idx)
+    v4 = (v3 * v2)
+    v5 = (score + v4)
+    return (v5 + gl.zeros_like(score)).to(gl.float32)
+""")
+
+
+def test_document_mask_gathers_from_captured_buffers():
+    assert_expected_inline(_source(mods.document(torch.tensor([0, 0, 1, 1])), "mask"), """\
+@triton.jit
+def mask_mod(b, h, q_idx, kv_idx, bufs):
+    v0 = tl.load(bufs[0] + (q_idx))
+    v1 = tl.load(bufs[1] + (kv_idx))
+    v2 = (v0 == v1)
+    v3 = (q_idx >= kv_idx)
+    v4 = (v2 & v3)
+    return v4
+""")
+
+
+def test_learned_table_bakes_in_strides():
+    table = torch.randn(4, 10)
+    src = _source(lambda s, b, h, q, kv: s + table[h, q - kv + 5], "score")
+    assert_expected_inline(src, """\
+@triton.jit
+def score_mod(score, b, h, q_idx, kv_idx, bufs):
+    v0 = (q_idx - kv_idx)
+    v1 = (v0 + 5)
+    v2 = tl.load(bufs[0] + (h) * 10 + (v1))
+    v3 = (score + v2)
+    return (v3 + tl.zeros_like(score)).to(tl.float32)
+""")
+
+
+def test_torch_rounding_semantics_are_kept():
+    # torch's // and % round toward -inf; Triton's truncate: the generator must use helpers.
+    src = _source(lambda b, h, q, kv: (q // 3) % 2 == (kv // 3) % 2, "mask")
+    assert "H.floordiv" in src and "H.remainder" in src and "//" not in src.split("\n", 2)[2]
+
+
+def test_true_division_of_integers_stays_true_division():
+    src = _source(lambda s, b, h, q, kv: s + (q - kv) / 7, "score")
+    assert "* 1.0 / 7" in src
+
+
+def test_noop_mask_and_identity_score_are_recognized():
+    gm, _ = trace_mod(lambda b, h, q, kv: q.new_ones((), dtype=torch.bool), "mask")
+    assert is_constant_true_mask(gm)
+    gm, _ = trace_mod(mods.causal, "mask")
+    assert not is_constant_true_mask(gm)
+    gm, _ = trace_mod(lambda s, b, h, q, kv: s, "score")
+    assert is_identity_score(gm)
+
+
+def test_unsupported_op_is_refused_with_its_name():
+    with pytest.raises(UnsupportedMod, match="aten.cumsum"):
+        _source(lambda s, b, h, q, kv: s + torch.cumsum(q.unsqueeze(0), 0).squeeze(0), "score")
+
+
+def test_indexing_a_buffer_with_too_few_indices_is_refused():
+    table = torch.randn(4, 10)
+    with pytest.raises(UnsupportedMod, match="index every dimension"):
+        _source(lambda s, b, h, q, kv: s + table[h].sum(), "score")
