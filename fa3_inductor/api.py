@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import types
 from typing import Any, Callable, Optional, Union
 
@@ -99,17 +100,20 @@ def _flex_call(q, k, v, score_mod, block_mask, scale, enable_gqa, return_lse):
 
 
 @functools.lru_cache(maxsize=_MAX_COMPILED)
-def _compiled_for(score_code: Any, mask_code: Any, template: str) -> Callable:
-    # Dynamo keeps compiled variants per code object and stops recompiling after a limit, so
-    # each distinct pair of mods gets its own copy of _flex_call's code.
-    code = _flex_call.__code__.replace(co_name=f"_flex_call_{len(_compiled_codes)}")
-    _compiled_codes.append(code)
+def _compiled_for(score_code: Any, mask_code: Any, template: str, shapes: tuple) -> Callable:
+    """One static-shape compiled callable per (mods, template, shapes).
+
+    Static shapes: torch's flex backward kernel runs faster on them and guards are cheaper.
+    Dynamo keeps compiled variants per code object and stops recompiling after a limit (then
+    runs eager), so each key gets its own copy of _flex_call's code; the LRU bounds them.
+    """
+    code = _flex_call.__code__.replace(co_name=f"_flex_call_{next(_compiled_count)}")
     fn = types.FunctionType(code, _flex_call.__globals__, code.co_name)
-    return torch.compile(fn, backend=fa3_backend, fullgraph=True,
+    return torch.compile(fn, backend=fa3_backend, fullgraph=True, dynamic=False,
                          options={"fa3.template": template})
 
 
-_compiled_codes: list = []
+_compiled_count = itertools.count()
 
 
 def _code_of(fn: Optional[Callable]) -> Any:
@@ -166,7 +170,8 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
         record_template("torch")
         return _flex_call(*args)
     mask_fn = block_mask.mask_mod if block_mask is not None else None
-    compiled = _compiled_for(_code_of(score_mod), _code_of(mask_fn), template)
+    shapes = (tuple(q.shape), tuple(k.shape), q.dtype, q.device, q.requires_grad)
+    compiled = _compiled_for(_code_of(score_mod), _code_of(mask_fn), template, shapes)
     record_template(None)
     result = compiled(*args)
     if last_template() is None:  # the lowering handed this site to torch's kernel

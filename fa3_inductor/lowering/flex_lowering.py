@@ -67,21 +67,29 @@ def _static_ints(values) -> Optional[list[int]]:
     return out
 
 
-def _buffer_specs(buffers) -> tuple[Optional[list[BufferSpec]], Optional[str]]:
+def _buffer_specs(buffers) -> tuple[Optional[list[Optional[BufferSpec]]], Optional[str]]:
     from torch._inductor import ir
 
     specs = []
     for buf in buffers:
         if not isinstance(buf, ir.IRNode):
-            return None, (f"a mod captures a {type(buf).__name__} scalar; capture it as a "
-                          "tensor to use fa3 kernels")
-        size = _static_ints(buf.get_size())
-        if size is None:
-            return None, "a captured buffer has a dynamic shape"
+            specs.append(None)  # a scalar (a size symbol): the generator checks it is unused
+            continue
+        # Buffers are made contiguous before the call, so only their strides are baked into
+        # the mod: a leading dimension may stay symbolic (a document-id vector whose length
+        # follows a dynamic sequence length), the inner ones must be static.
+        dims = list(buf.get_size())
+        inner = _static_ints(dims[1:])
+        if inner is None:
+            return None, "a captured buffer has a dynamic inner dimension"
+        lead = _static_ints(dims[:1])
+        size = (lead if lead is not None else [-1]) + inner if dims else []
         strides, stride = [], 1
-        for s in reversed(size):  # buffers are made contiguous before the call
+        for s in reversed(inner):
             strides.append(stride)
             stride *= max(s, 1)
+        if dims:
+            strides.append(stride)
         specs.append(BufferSpec(tuple(size), tuple(reversed(strides)), buf.get_dtype()))
     return specs, None
 
@@ -131,8 +139,9 @@ def _plan(query, key, value, subgraph, bm: _compat.FlexBlockMask, score_bufs, ma
         return None, f"batch {bq} vs kv batch {bkv}", shape
     if hq % hkv != 0:
         return None, f"{hq} query heads are not a multiple of {hkv} kv heads", shape
-    sparse = _static_ints([bm.sparse_q_block, bm.sparse_kv_block])
-    if sparse is None or not all(_is_pow2_at_least_16(s) for s in sparse):
+    # Block-mask block sizes specialize the kernel (torch's lowering guards on them too).
+    sparse = [sizevars.guard_int(x) for x in (bm.sparse_q_block, bm.sparse_kv_block)]
+    if not all(_is_pow2_at_least_16(s) for s in sparse):
         return None, (f"block-mask block size {bm.sparse_q_block}x{bm.sparse_kv_block} "
                       "(fa3 serves powers of two >= 16)"), shape
 
@@ -190,6 +199,7 @@ def _fa3_flex_lowering(query, key, value, subgraph, block_mask, scale, kernel_op
                                   kernel_options, score_mod_other_buffers,
                                   mask_mod_other_buffers)
     from torch._inductor import ir
+    from torch._inductor.virtualized import V
 
     bm = _compat.unpack_block_mask(block_mask)
     spec, reason, shape = _plan(query, key, value, subgraph, bm, score_mod_other_buffers,
@@ -205,15 +215,19 @@ def _fa3_flex_lowering(query, key, value, subgraph, block_mask, scale, kernel_op
                             _mod_summary(spec.mask_mod_tl), shape))
     q, k, v = (ir.ExternKernel.require_stride1(ir.ExternKernel.realize_input(x))
                for x in (query, key, value))
-    score_bufs = [ir.ExternKernel.require_contiguous(b) for b in score_mod_other_buffers]
-    mask_bufs = [ir.ExternKernel.require_contiguous(b) for b in mask_mod_other_buffers]
+    score_bufs = [ir.ExternKernel.require_contiguous(b) for b in score_mod_other_buffers
+                  if isinstance(b, ir.IRNode)]
+    mask_bufs = [ir.ExternKernel.require_contiguous(b) for b in mask_mod_other_buffers
+                 if isinstance(b, ir.IRNode)]
     # The block-mask tables always travel: even with no mask_mod they say which KV blocks
     # exist (torch's default mask lists every block).
+    sizevars = V.graph.sizevars
     call = _compat.fallback_kernel(torch.ops.fa3_inductor.flex_fwd.default)
     out, lse, max_scores = call(
         q, k, v,
         bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
-        score_bufs, mask_bufs, float(scale), int(bm.sparse_q_block), int(bm.sparse_kv_block),
+        score_bufs, mask_bufs, float(scale), sizevars.guard_int(bm.sparse_q_block),
+        sizevars.guard_int(bm.sparse_kv_block),
         spec.to_json())
     if _compat.flex_op_returns_max_scores():
         return out, lse, max_scores

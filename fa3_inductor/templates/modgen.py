@@ -26,7 +26,7 @@ import importlib.util
 import os
 import sys
 import tempfile
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.fx
@@ -152,14 +152,23 @@ class _Emitter:
             raise UnsupportedMod(
                 f"{self.kind}_mod graph has {len(placeholders)} inputs; expected "
                 f"{len(params)} index/score inputs and {len(self.buffers)} captured buffers")
+        self.buffer_of: dict[torch.fx.Node, int] = {}
+        tensors = 0  # a None spec is a captured scalar (a size symbol): it gets no pointer
         for i, node in enumerate(placeholders):
             if i < len(params):
                 self.names[node] = params[i]
                 self.dtypes[node] = torch.float32 if params[i] == "score" else torch.int32
-            else:
-                self.names[node] = f"bufs[{i - len(params)}]"
-                self.dtypes[node] = self.buffers[i - len(params)].dtype
-        self.buffer_of = {n: i - len(params) for i, n in enumerate(placeholders) if i >= len(params)}
+                continue
+            spec = self.buffers[i - len(params)]
+            if spec is None:
+                if node.users:
+                    raise UnsupportedMod(f"{self.kind}_mod computes with a captured scalar "
+                                         f"({node.name}); capture it as a 0-d tensor instead")
+                continue
+            self.names[node] = f"bufs[{tensors}]"
+            self.dtypes[node] = spec.dtype
+            self.buffer_of[node] = i - len(params)
+            tensors += 1
         result = None
         for node in self.gm.graph.nodes:
             if node.op == "placeholder":
@@ -298,9 +307,12 @@ class _Emitter:
         self.assign(node, expr, out_dtype or spec.dtype)
 
 
-def generate_mod_source(gm: torch.fx.GraphModule, kind: str, buffers: Sequence[BufferSpec],
-                        dialect: str = "tl") -> str:
+def generate_mod_source(gm: torch.fx.GraphModule, kind: str,
+                        buffers: Sequence[Optional[BufferSpec]], dialect: str = "tl") -> str:
     """Source of a jit function computing ``gm`` on a tile (see the module docstring).
+
+    ``buffers`` describes the captured inputs after the index arguments, in order; None marks
+    a captured scalar (e.g. a size symbol under dynamic shapes), allowed only if unused.
 
     Example::
 
