@@ -91,6 +91,9 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
         MAX_KV_BLKS=max(2, triton.next_power_of_2(num_kv_blks)),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
         WARP_SPECIALIZE=cfg.warp_specialize,
+        # float32 inputs follow torch's matmul precision setting ("highest" = IEEE), as
+        # torch's own flex kernel does; 16-bit inputs ignore it.
+        DOT_PRECISION="tf32" if torch.get_float32_matmul_precision() != "highest" else "ieee",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return args, kwargs, (triton.cdiv(M, block_m), Z * HQ)

@@ -77,6 +77,7 @@ def _attend_kv_tiles(
     HAS_BLOCK_MASK: tl.constexpr, HAS_FULL_BLOCKS: tl.constexpr, ITERATE_HULL: tl.constexpr,
     MAX_KV_BLKS: tl.constexpr, EVEN_N: tl.constexpr, SPARSE_KV: tl.constexpr,
     BLOCK_N: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, IN_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Online softmax over this query tile's KV tiles.
 
@@ -116,7 +117,7 @@ def _attend_kv_tiles(
         else:
             start_n = start0 + t * BLOCK_N
         k = k_desc.load([start_n, 0])
-        qk = tl.dot(q, tl.trans(k))
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
 
         offs_n = start_n + tl.arange(0, BLOCK_N)
         # Mods see indices clamped into range: one that gathers from a buffer by position must
@@ -143,7 +144,7 @@ def _attend_kv_tiles(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = v_desc.load([start_n, 0])
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(IN_DTYPE), v, acc)
+        acc = tl.dot(p.to(IN_DTYPE), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -166,7 +167,7 @@ def attention_fwd_kernel(
     SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr,
     EVEN_N: tl.constexpr, ITERATE_HULL: tl.constexpr, MAX_KV_BLKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     off_zh = tl.program_id(1)
@@ -204,7 +205,7 @@ def attention_fwd_kernel(
         KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX, row,
         off_z, off_hq, offs_m, M, N, NUM_KV_BLKS, qk_scale2, sm_scale, score_bufs, mask_bufs,
         SCORE_MOD, MASK_MOD, HAS_BLOCK_MASK, HAS_FULL_BLOCKS, ITERATE_HULL, MAX_KV_BLKS,
-        EVEN_N, SPARSE_KV, BLOCK_N, WARP_SPECIALIZE, in_dtype)
+        EVEN_N, SPARSE_KV, BLOCK_N, WARP_SPECIALIZE, in_dtype, DOT_PRECISION)
 
     # Epilogue: rows that saw no key get O = 0, LSE = MAX = -inf (FlexAttention's convention).
     empty_row = l_i == 0.0
