@@ -53,6 +53,8 @@ position never read out of bounds on the padded tail rows/columns (those results
 """
 from __future__ import annotations
 
+import functools
+
 
 import torch
 import triton
@@ -548,8 +550,14 @@ def _gl_dtype(dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
 
 
+@functools.lru_cache(maxsize=64)
+def _smem_layout(block_shape: tuple, dtype: torch.dtype):
+    # Computing the default NVMMA layout dominated the per-call host cost of _prepare.
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), _gl_dtype(dtype))
+
+
 def _desc(t, block_shape):
-    layout = gl.NVMMASharedLayout.get_default_for(block_shape, _gl_dtype(t.dtype))
+    layout = _smem_layout(tuple(block_shape), t.dtype)
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block_shape, layout)
 
 
