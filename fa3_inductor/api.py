@@ -16,6 +16,7 @@ from ._log import info_once
 from .backend import fa3_backend
 from .config import TEMPLATES
 from .runtime.ops import last_template, record_template
+from .templates.modgen import trace_mod
 
 _MAX_COMPILED = 64
 
@@ -70,13 +71,10 @@ def _check_inputs(q: Any, k: Any, v: Any, score_mod: Any, mask_mod: Any, block_m
 
 def _mask_uses_batch_or_head(mask_mod: Callable) -> tuple[bool, bool]:
     """Trace mask_mod once to see whether it reads b or h (then the block mask needs them)."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    idx = [torch.zeros((), dtype=torch.int32) for _ in range(4)]
     try:
-        gm = make_fx(mask_mod)(*idx)
-    except Exception:
-        return True, True  # cannot tell: build the full (B, H) mask
+        gm, _ = trace_mod(mask_mod, "mask")
+    except Exception:  # cannot tell (data-dependent Python, say): build the full (B, H) mask
+        return True, True
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     return bool(placeholders[0].users), bool(placeholders[1].users)
 
