@@ -170,3 +170,36 @@ def test_cpu_dynamic_shapes_keep_our_kernel_with_captured_buffers():
         assert fa3_inductor.last_template() == "generic", fa3_inductor.lowered_sites()
         ref, _ = reference_attention(q, k, v, None, mask)
         assert_matches_reference(out, ref, torch.float16)
+
+
+def test_cpu_return_lse_is_natural_log():
+    from triton import knobs
+
+    if not knobs.runtime.interpret:
+        pytest.skip("CPU runs of our kernel need TRITON_INTERPRET=1")
+    q, k, v = (torch.randn(1, 2, 80, 16, dtype=torch.float16) for _ in range(3))
+    with torch.no_grad():
+        out, lse = fa3_inductor.flex(q, k, v, mask_mod=mods.prefix_lm(8), return_lse=True)
+    assert fa3_inductor.last_template() == "generic"
+    ref, ref_lse = reference_attention(q, k, v, None, mods.prefix_lm(8))
+    assert_matches_reference(out, ref, torch.float16)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-3, rtol=1e-3)
+
+
+def test_cpu_without_interpreter_runs_torch_and_says_so(monkeypatch, caplog):
+    import logging
+
+    from fa3_inductor import _log
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(_log, "_said", set())
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+    with caplog.at_level(logging.INFO, logger="fa3_inductor"):
+        with torch.no_grad():
+            out = fa3_inductor.flex(q, k, v, score_mod=mods.softcap(3.0))
+            fa3_inductor.flex(q, k, v, score_mod=mods.softcap(3.0))
+    assert fa3_inductor.last_template() == "torch"
+    said = [r.message for r in caplog.records if "run torch's own flex_attention" in r.message]
+    assert len(said) == 1, said
+    ref, _ = reference_attention(q, k, v, mods.softcap(3.0))
+    assert_matches_reference(out, ref, torch.float32)
