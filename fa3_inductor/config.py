@@ -20,11 +20,9 @@ class Settings:
     template:  "auto" picks the best of ours per site; "hopper"/"generic" force a family
                (sites it cannot serve fall back, with the reason logged); "torch" turns our
                lowering off (torch's own flex kernels run).
-    recognize: rewrite hand-written attention into the canonical form (issue 4's passes).
     """
 
     template: str = "auto"
-    recognize: bool = True
 
     def __post_init__(self) -> None:
         if self.template not in TEMPLATES:
@@ -38,7 +36,7 @@ def split_options(options: dict[str, Any] | None) -> tuple[Settings, dict[str, A
     Example::
 
         >>> split_options({"fa3.template": "generic", "max_autotune": True})
-        (Settings(template='generic', recognize=True), {'max_autotune': True})
+        (Settings(template='generic'), {'max_autotune': True})
     """
     ours, inductor = {}, {}
     names = {f.name for f in dataclasses.fields(Settings)}
