@@ -13,7 +13,7 @@ STAMP  := $(VENV)/.fa3_inductor-installed
 
 # Pinned so that a CPU-only machine takes the local CPU wheel instead of a multi-GB CUDA build.
 TORCH_PIN  := torch==2.13.0
-TEST_DEPS  := triton==3.6.0 "numpy<2.4" expecttest pytest
+TEST_DEPS  := triton==3.6.0 "numpy<2.4" expecttest pytest transformers==5.17.0
 
 .PHONY: venv test demo gpu clean
 
