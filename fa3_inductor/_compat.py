@@ -99,3 +99,10 @@ def getitem_as_index():
     from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
 
     return TransformGetItemToIndex()
+
+
+def flex_kernel_options(q, k, v) -> dict:
+    """The kernel_options dict torch's flex_attention passes its op (internal keys included)."""
+    from torch.nn.attention import flex_attention as fa
+
+    return fa._apply_kernel_options(q, k, v, False, None)

@@ -18,7 +18,9 @@ import torch
 
 from .config import split_options
 from .lowering import flex_lowering
+from ._log import log
 from .lowering.passes import Fa3PostGradPass
+from .lowering.recognize_sdpa import rewrite_sdpa
 
 
 def fa3_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
@@ -46,7 +48,62 @@ def fa3_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
                          "your pass with backend='inductor' or ask for a hook")
     patches["post_grad_custom_post_pass"] = Fa3PostGradPass(settings)
     flex_lowering.install()
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    extra_inputs: list = []
+    if settings.recognize and settings.template != "torch":
+        gm, extra_inputs = recognize(gm)
+    if not extra_inputs:
+        return compile_fx(gm, example_inputs, config_patches=patches)
+    fake_mode = torch._guards.detect_fake_mode(example_inputs)
+    fakes = [fake_mode.from_tensor(t, static_shapes=True) if fake_mode else t
+             for t in extra_inputs]
+    inner = compile_fx(gm, list(example_inputs) + fakes, config_patches=patches)
+    return _with_extra_inputs(inner, extra_inputs)
+
+
+def _with_extra_inputs(inner: Any, extra: list) -> Any:
+    """The compiled graph takes recognition's constants after the caller's inputs."""
+    def run(*args: Any) -> Any:
+        return inner(*args, *extra)
+
+    return run
+
+
+def _own_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A GraphModule with its own graph: Dynamo keeps using the graph it handed us (it reads
+    its placeholders after the backend returns), so recognition must not edit it in place."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))  # graph_copy leaves the output node to us
+    copy = torch.fx.GraphModule(gm, graph)
+    copy.meta = dict(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        copy._param_name_to_source = gm._param_name_to_source
+    for old, new in zip(gm.graph.find_nodes(op="placeholder"),
+                        copy.graph.find_nodes(op="placeholder")):
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
+    return copy
+
+
+def recognize(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list]:
+    """Run the recognition passes on a copy of a Dynamo graph; log what they saw. Returns the
+    graph to compile and the constant tensors appended to its inputs (empty: ``gm`` itself).
+
+    Example::
+
+        >>> gm, extra_inputs = recognize(gm)   # doctest: +SKIP
+    """
+    original = gm
+    gm = _own_copy(gm)
+    sites, extra_inputs = rewrite_sdpa(gm, flex_lowering.unserved_reason)
+    for site in sites:
+        if site.rewritten:
+            log.info("fa3_inductor: %s: SDPA -> flex_attention (causal=%s, GQA groups %d)",
+                     site.node, site.causal, site.gqa_groups)
+        else:
+            log.info("fa3_inductor: %s: SDPA left alone: %s", site.node, site.reason)
+    if not any(site.rewritten for site in sites):
+        return original, []
+    return gm, extra_inputs
 
 
 def ensure_registered() -> None:

@@ -20,9 +20,12 @@ class Settings:
     template:  "auto" picks the best of ours per site; "hopper"/"generic" force a family
                (sites it cannot serve fall back, with the reason logged); "torch" turns our
                lowering off (torch's own flex kernels run).
+    recognize: rewrite attention written another way (today: SDPA calls) into the
+               flex_attention op our lowering serves; False leaves the graph as Dynamo made it.
     """
 
     template: str = "auto"
+    recognize: bool = True
 
     def __post_init__(self) -> None:
         if self.template not in TEMPLATES:
@@ -36,7 +39,7 @@ def split_options(options: dict[str, Any] | None) -> tuple[Settings, dict[str, A
     Example::
 
         >>> split_options({"fa3.template": "generic", "max_autotune": True})
-        (Settings(template='generic'), {'max_autotune': True})
+        (Settings(template='generic', recognize=True), {'max_autotune': True})
     """
     ours, inductor = {}, {}
     names = {f.name for f in dataclasses.fields(Settings)}

@@ -172,6 +172,26 @@ def _plan(query, key, value, subgraph, bm: _compat.FlexBlockMask, score_bufs, ma
     return spec, None, shape
 
 
+def unserved_reason(example_query: torch.Tensor) -> Optional[str]:
+    """Why our kernels would not serve attention on this (example) query, or None.
+
+    Recognition asks before rewriting: a site our lowering would hand back to torch's flex
+    kernel is better left as the user wrote it.
+    """
+    from triton import knobs
+
+    device, dtype, d = example_query.device, example_query.dtype, example_query.shape[-1]
+    if device.type == "cpu" and not knobs.runtime.interpret:
+        return "CPU tensors (fa3 kernels need CUDA, or TRITON_INTERPRET=1)"
+    if device.type not in ("cuda", "cpu"):
+        return f"device {device.type}"
+    if dtype not in SUPPORTED_DTYPES:
+        return f"dtype {dtype}"
+    if not (16 <= d <= 256 and d % 8 == 0):
+        return f"head dim {d}"
+    return None
+
+
 def _hopper_available() -> bool:
     try:
         from ..templates import hopper  # noqa: F401

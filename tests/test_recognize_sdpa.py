@@ -1,0 +1,93 @@
+"""Recognition of F.scaled_dot_product_attention calls under backend="fa3" (CPU interpreter)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fa3_inductor
+from reference import assert_matches_reference, reference_attention
+
+
+@pytest.fixture(autouse=True)
+def fresh_compiles():
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    from triton import knobs
+
+    if not knobs.runtime.interpret:
+        pytest.skip("CPU runs of our kernel need TRITON_INTERPRET=1")
+    torch._dynamo.reset()
+    fa3_inductor.clear_lowered_sites()
+    with inductor_config.patch(fx_graph_cache=False), \
+            functorch_config.patch(enable_autograd_cache=False):
+        yield
+
+
+def _qkv(hq=4, hkv=4, m=96, n=96, d=16):
+    return (torch.randn(2, hq, m, d, dtype=torch.float16),
+            torch.randn(2, hkv, n, d, dtype=torch.float16),
+            torch.randn(2, hkv, n, d, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("is_causal, scale, gqa", [(True, None, False), (False, 0.3, False),
+                                                  (True, None, True)])
+def test_sdpa_is_served_by_our_kernel(is_causal, scale, gqa):
+    q, k, v = _qkv(hkv=2 if gqa else 4)
+
+    def attention(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
+                                              enable_gqa=gqa)
+
+    with torch.no_grad():
+        out = torch.compile(attention, backend="fa3")(q, k, v)
+    assert [s["template"] for s in fa3_inductor.lowered_sites()] == ["generic"]
+    mask = (lambda b, h, qi, ki: qi >= ki) if is_causal else None
+    ref, _ = reference_attention(q, k, v, None, mask, scale=scale)
+    assert_matches_reference(out, ref, torch.float16)
+
+
+def test_cross_attention_lengths():
+    q, k, v = _qkv(m=40, n=130)
+    with torch.no_grad():
+        out = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
+                            backend="fa3")(q, k, v)
+    assert fa3_inductor.lowered_sites()[0]["template"] == "generic"
+    assert_matches_reference(out, reference_attention(q, k, v)[0], torch.float16)
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("mask", "attn_mask tensors are not recognized yet"),
+    ("dropout", "dropout_p=0.1"),
+    ("grad", "training graphs are not rewritten yet"),
+])
+def test_unserved_calls_are_left_alone_with_the_reason(case, reason, caplog):
+    q, k, v = _qkv()
+    mask = torch.ones(96, 96, dtype=torch.bool).tril()
+
+    def attention(q, k, v):
+        if case == "mask":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if case == "dropout":
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    if case == "grad":
+        q, k, v = (t.float().requires_grad_() for t in (q, k, v))
+    with caplog.at_level(logging.INFO, logger="fa3_inductor"):
+        with torch.set_grad_enabled(case == "grad"):
+            torch.manual_seed(0)
+            torch.compile(attention, backend="fa3")(q, k, v)
+    assert fa3_inductor.lowered_sites() == []
+    assert any(reason in r.message for r in caplog.records), [r.message for r in caplog.records]
+
+
+def test_recognition_can_be_turned_off():
+    q, k, v = _qkv()
+    with torch.no_grad():
+        torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                      backend="fa3", options={"fa3.recognize": False})(q, k, v)
+    assert fa3_inductor.lowered_sites() == []
