@@ -57,7 +57,7 @@ def install() -> None:
     table[_FLEX_OP] = _fa3_flex_lowering
 
 
-def _static_ints(values) -> Optional[list[int]]:
+def static_ints(values) -> Optional[list[int]]:
     out = []
     for v in values:
         try:
@@ -79,10 +79,10 @@ def _buffer_specs(buffers) -> tuple[Optional[list[Optional[BufferSpec]]], Option
         # the mod: a leading dimension may stay symbolic (a document-id vector whose length
         # follows a dynamic sequence length), the inner ones must be static.
         dims = list(buf.get_size())
-        inner = _static_ints(dims[1:])
+        inner = static_ints(dims[1:])
         if inner is None:
             return None, "a captured buffer has a dynamic inner dimension"
-        lead = _static_ints(dims[:1])
+        lead = static_ints(dims[:1])
         size = (lead if lead is not None else [-1]) + inner if dims else []
         strides, stride = [], 1
         for s in reversed(inner):
@@ -108,8 +108,6 @@ def _is_pow2_at_least_16(x: int) -> bool:
 def _plan(query, key, value, subgraph, bm: _compat.FlexBlockMask, score_bufs, mask_bufs,
           settings: Settings) -> tuple[Optional[SiteSpec], Optional[str], str]:
     """Decide how to serve one site: (spec, None, shape) or (None, reason, shape)."""
-    from triton import knobs
-
     from torch._inductor.virtualized import V
 
     sizevars = V.graph.sizevars
@@ -119,21 +117,15 @@ def _plan(query, key, value, subgraph, bm: _compat.FlexBlockMask, score_bufs, ma
              f"{str(dtype).replace('torch.', '')} {device.type}")
     if settings.template == "torch":
         return None, "option fa3.template='torch'", shape
-    if device.type == "cpu" and not knobs.runtime.interpret:
-        return None, ("CPU tensors and Triton's interpreter is off (TRITON_INTERPRET=1 runs "
-                      "the generic kernel on the CPU)"), shape
-    if device.type not in ("cuda", "cpu"):
-        return None, f"device {device.type} is not served", shape
-    if dtype not in SUPPORTED_DTYPES:
-        return None, f"dtype {dtype} (fa3 serves float16, bfloat16, float32)", shape
     # Batch and sequence lengths may stay symbolic (the kernel takes them at run time);
     # head counts and head dims specialize the kernel.
     hq, hkv, d, dv = (sizevars.guard_int(x) for x in (
         query.get_size()[1], key.get_size()[1], query.get_size()[-1], value.get_size()[-1]))
+    reason = _unserved(device, dtype, d)
+    if reason is not None:
+        return None, reason, shape
     if d != dv:
         return None, f"value head dim {dv} differs from query head dim {d}", shape
-    if not (16 <= d <= 256 and d % 8 == 0):
-        return None, f"head dim {d} (fa3 serves multiples of 8 from 16 to 256)", shape
     bq, bkv = query.get_size()[0], key.get_size()[0]
     if not (sizevars.statically_known_equals(bq, bkv) or sizevars.statically_known_equals(bkv, 1)):
         return None, f"batch {bq} vs kv batch {bkv}", shape
@@ -172,24 +164,30 @@ def _plan(query, key, value, subgraph, bm: _compat.FlexBlockMask, score_bufs, ma
     return spec, None, shape
 
 
+def _unserved(device: torch.device, dtype: torch.dtype, head_dim: int) -> Optional[str]:
+    """Why our kernels cannot serve this device/dtype/head dim, or None."""
+    from triton import knobs
+
+    if device.type == "cpu" and not knobs.runtime.interpret:
+        return ("CPU tensors and Triton's interpreter is off (TRITON_INTERPRET=1 runs "
+                "the generic kernel on the CPU)")
+    if device.type not in ("cuda", "cpu"):
+        return f"device {device.type} is not served"
+    if dtype not in SUPPORTED_DTYPES:
+        return f"dtype {dtype} (fa3 serves float16, bfloat16, float32)"
+    if not (16 <= head_dim <= 256 and head_dim % 8 == 0):
+        return f"head dim {head_dim} (fa3 serves multiples of 8 from 16 to 256)"
+    return None
+
+
 def unserved_reason(example_query: torch.Tensor) -> Optional[str]:
     """Why our kernels would not serve attention on this (example) query, or None.
 
     Recognition asks before rewriting: a site our lowering would hand back to torch's flex
     kernel is better left as the user wrote it.
     """
-    from triton import knobs
-
-    device, dtype, d = example_query.device, example_query.dtype, example_query.shape[-1]
-    if device.type == "cpu" and not knobs.runtime.interpret:
-        return "CPU tensors (fa3 kernels need CUDA, or TRITON_INTERPRET=1)"
-    if device.type not in ("cuda", "cpu"):
-        return f"device {device.type}"
-    if dtype not in SUPPORTED_DTYPES:
-        return f"dtype {dtype}"
-    if not (16 <= d <= 256 and d % 8 == 0):
-        return f"head dim {d}"
-    return None
+    q = example_query
+    return _unserved(q.device, q.dtype, int(q.shape[-1]))
 
 
 def _hopper_available() -> bool:

@@ -21,6 +21,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from .. import _compat
+from .flex_lowering import static_ints
 
 _SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
@@ -55,13 +56,6 @@ def _example(node: Any) -> Optional[torch.Tensor]:
     return None
 
 
-def _static_shape(t: torch.Tensor) -> Optional[tuple[int, ...]]:
-    try:
-        return tuple(int(s) for s in t.shape)
-    except TypeError:  # symbolic
-        return None
-
-
 def _why_not(args: dict[str, Any], served: Callable[[torch.Tensor], Optional[str]]
              ) -> Optional[str]:
     if args["attn_mask"] is not None:
@@ -75,7 +69,7 @@ def _why_not(args: dict[str, Any], served: Callable[[torch.Tensor], Optional[str
     q, k, v = (_example(args[n]) for n in ("query", "key", "value"))
     if q is None or k is None or v is None:
         return "query/key/value carry no example value"
-    shapes = [_static_shape(t) for t in (q, k, v)]
+    shapes = [static_ints(t.shape) for t in (q, k, v)]
     if any(s is None or len(s) != 4 for s in shapes):
         return "query/key/value are not 4-D with static shapes"
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-
 from typing import Any, Optional, Sequence
 
 import torch
 import triton
 
 from ..templates.generic_fwd import attention_fwd_kernel
+from ..templates.tma import tma_aligned
 from .._log import warn_once
 from .configs import generic_config
 
@@ -34,11 +34,8 @@ def _capability(t: torch.Tensor) -> tuple[int, int] | None:
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """Tensor descriptors need a unit last stride and 16-byte aligned base and row strides."""
-    size = t.element_size()
-    ok = (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-          and all((s * size) % 16 == 0 for s in t.stride()[:-1]))
-    if ok:
+    """``t`` itself if tensor descriptors can read it, else a contiguous copy (logged)."""
+    if tma_aligned(t):
         return t
     warn_once(f"fa3_inductor: a {tuple(t.shape)} input with strides {t.stride()} is not "
               "16-byte aligned for TMA; copying it to a contiguous layout")
@@ -121,7 +118,7 @@ def launch_generic(
     """
     _ensure_allocator()
     q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
-    if _tma_ready(out) is not out:
+    if not tma_aligned(out):
         raise ValueError("launch_generic: out must have a unit last stride and 16-byte aligned "
                          f"strides; got {out.stride()}")
     args, kwargs, grid = _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod,

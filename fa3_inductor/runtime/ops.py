@@ -36,7 +36,7 @@ def last_template() -> Optional[str]:
     return getattr(_state, "template", None)
 
 
-def record_template(name: str) -> None:
+def record_template(name: Optional[str]) -> None:
     _state.template = name
 
 

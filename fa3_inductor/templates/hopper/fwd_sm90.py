@@ -69,6 +69,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..tma import tma_aligned
 from .configs import Sm90Config, get_config
 
 LOG2E = 1.4426950408889634
@@ -561,12 +562,6 @@ def _desc(t, block_shape):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block_shape, layout)
 
 
-def _tma_ok(t) -> bool:
-    if t.stride(-1) != 1 or t.data_ptr() % 16:
-        return False
-    return all((s * t.element_size()) % 16 == 0 for s in t.stride()[:-1])
-
-
 def supports_sm90(q, k, v, out=None, *, kv_num_blocks=None, sparse_q_block: int = 128,
                   sparse_kv_block: int = 128, config: Sm90Config | None = None, check_device: bool = True) -> bool:
     """True when launch_fwd_sm90 can serve these inputs (device sm90, dtype, head dim, TMA alignment,
@@ -586,7 +581,7 @@ def supports_sm90(q, k, v, out=None, *, kv_num_blocks=None, sparse_q_block: int 
         if cfg.block_m != 128:
             return False
         tensors = [q, k, v] + ([out] if out is not None else [])
-        if not all(_tma_ok(t) for t in tensors):
+        if not all(tma_aligned(t) for t in tensors):
             return False
         if kv_num_blocks is not None:
             if sparse_q_block % cfg.block_m or sparse_kv_block % cfg.block_n:
