@@ -13,10 +13,10 @@ Example::
 from . import mods
 from .api import flex
 from .backend import ensure_registered, fa3_backend
-from .lowering.report import clear_lowered_sites, lowered_sites
+from .lowering.report import clear_lowered_sites, lowered_sites, recognized_sites
 from .runtime.ops import last_template
 
-__all__ = ["flex", "mods", "fa3_backend", "lowered_sites", "clear_lowered_sites",
+__all__ = ["flex", "mods", "fa3_backend", "lowered_sites", "recognized_sites", "clear_lowered_sites",
            "last_template"]
 __version__ = "0.1.0"
 

@@ -18,9 +18,9 @@ import torch
 
 from .config import split_options
 from .lowering import flex_lowering
-from ._log import log
 from .lowering.passes import Fa3PostGradPass
 from .lowering.recognize_sdpa import rewrite_sdpa
+from .lowering.report import record_recognized
 
 
 def fa3_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
@@ -96,11 +96,7 @@ def recognize(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list]:
     gm = _own_copy(gm)
     sites, extra_inputs = rewrite_sdpa(gm, flex_lowering.unserved_reason)
     for site in sites:
-        if site.rewritten:
-            log.info("fa3_inductor: %s: SDPA -> flex_attention (causal=%s, GQA groups %d)",
-                     site.node, site.causal, site.gqa_groups)
-        else:
-            log.info("fa3_inductor: %s: SDPA left alone: %s", site.node, site.reason)
+        record_recognized(site)
     if not any(site.rewritten for site in sites):
         return original, []
     return gm, extra_inputs

@@ -12,7 +12,6 @@ rewrite time, from the static sequence lengths and travels as extra graph inputs
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 from typing import Any, Callable, Optional
 
@@ -22,23 +21,13 @@ import torch.nn.functional as F
 
 from .. import _compat
 from .flex_lowering import static_ints
+from .report import RecognizedSite
 
 _SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
               "enable_gqa")
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None,
                   "enable_gqa": False}
-
-
-@dataclasses.dataclass
-class RecognizedSite:
-    """One SDPA call the pass looked at."""
-
-    node: str
-    rewritten: bool
-    reason: Optional[str] = None   # why it was left alone
-    causal: bool = False
-    gqa_groups: int = 1
 
 
 def _identity_score(score, b, h, q_idx, kv_idx):
@@ -112,7 +101,7 @@ def rewrite_sdpa(gm: torch.fx.GraphModule,
         args.update(node.kwargs)
         reason = _why_not(args, served)
         if reason is not None:
-            sites.append(RecognizedSite(node.name, False, reason))
+            sites.append(RecognizedSite("sdpa", node.name, False, reason))
             continue
         q, k = _example(args["query"]), _example(args["key"])
         M, N = q.shape[2], k.shape[2]
@@ -120,7 +109,9 @@ def rewrite_sdpa(gm: torch.fx.GraphModule,
             mask = create_block_mask(_causal_mask if args["is_causal"] else _full_mask, None,
                                      None, M, N, device=q.device)
         _replace_with_flex(gm, node, args, mask, extra_inputs)
-        sites.append(RecognizedSite(node.name, True, causal=args["is_causal"],
+        score_mods = () if args["scale"] is None else (f"scale {args['scale']:g}",)
+        sites.append(RecognizedSite("sdpa", node.name, True, score_mods=score_mods,
+                                    mask="causal" if args["is_causal"] else "none",
                                     gqa_groups=q.shape[1] // k.shape[1]))
     if extra_inputs or any(s.rewritten for s in sites):
         gm.graph.lint()

@@ -1,4 +1,6 @@
-"""What the fa3 backend did at each flex_attention site it lowered in this process."""
+"""What the fa3 backend saw and did in this process: attention sites recognition looked at, and
+flex_attention sites the lowering planned. Recognition and lowering write here; explain() and
+the logs read from here."""
 
 from __future__ import annotations
 
@@ -52,5 +54,53 @@ def lowered_sites() -> list[dict[str, Any]]:
 
 
 def clear_lowered_sites() -> None:
-    """Forget the recorded sites (see :func:`lowered_sites`)."""
+    """Forget the recorded sites (see :func:`lowered_sites` and :func:`recognized_sites`).
+
+    Example::
+
+        >>> fa3_inductor.clear_lowered_sites()   # doctest: +SKIP
+    """
     _SITES.clear()
+    _RECOGNIZED.clear()
+
+
+@dataclasses.dataclass
+class RecognizedSite:
+    """One attention site a recognition pass looked at (rewritten or left alone)."""
+
+    front_door: str               # "sdpa" | "matmul-softmax" | "flex_attention"
+    node: str                     # the FX node name of the site in Dynamo's graph
+    rewritten: bool
+    reason: Optional[str] = None  # why it was left alone (None when rewritten)
+    score_mods: tuple[str, ...] = ()   # recognized score modifications, e.g. ("softcap 30",)
+    mask: str = "none"            # recognized mask, e.g. "causal", "dense bool [B,1,M,N]"
+    gqa_groups: int = 1           # query heads per kv head
+    training: bool = False        # the graph needs gradients through this site
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_RECOGNIZED: list[RecognizedSite] = []
+
+
+def record_recognized(site: RecognizedSite) -> None:
+    _RECOGNIZED.append(site)
+    if site.rewritten:
+        log.info("fa3_inductor: %s %s -> flex_attention (mods: %s; mask: %s; GQA groups %d)",
+                 site.front_door, site.node, ", ".join(site.score_mods) or "none", site.mask,
+                 site.gqa_groups)
+    else:
+        log.info("fa3_inductor: %s %s left alone: %s", site.front_door, site.node, site.reason)
+
+
+def recognized_sites() -> list[dict[str, Any]]:
+    """The attention sites recognition looked at in this process, oldest first.
+
+    Example::
+
+        >>> fa3_inductor.clear_lowered_sites(); compiled(x)               # doctest: +SKIP
+        >>> [(s["front_door"], s["rewritten"]) for s in recognized_sites()]  # doctest: +SKIP
+        [('sdpa', True)]
+    """
+    return [s.as_dict() for s in _RECOGNIZED]
