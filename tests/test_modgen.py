@@ -20,10 +20,10 @@ def test_softcap_uses_the_tanh_helper():
     assert_expected_inline(_source(mods.softcap(30.0), "score"), """\
 @triton.jit
 def score_mod(score, b, h, q_idx, kv_idx, bufs):
-    v0 = (score * 1.0 / 30.0)
+    v0 = (score / 30.0)
     v1 = H.tanh(v0)
     v2 = (v1 * 30.0)
-    return (v2 + tl.zeros_like(score)).to(tl.float32)
+    return v2
 """)
 
 
@@ -32,12 +32,17 @@ def test_alibi_slopes_are_computed_from_the_head_index():
 @gluon.jit
 def score_mod(score, b, h, q_idx, kv_idx, bufs):
     v0 = (h + 1)
-    v1 = (v0 * -1.0)
-    v2 = gl.exp2(v1)
-    v3 = (kv_idx - q_idx)
-    v4 = (v3 * v2)
-    v5 = (score + v4)
-    return (v5 + gl.zeros_like(score)).to(gl.float32)
+    v1 = h.to(gl.float32)
+    v2 = (v1 + 1.0)
+    v3 = (v2 * -1.0)
+    v4 = gl.exp2(v3)
+    v5 = (kv_idx - q_idx)
+    v6 = H.index_to_float(kv_idx)
+    v7 = H.index_to_float(q_idx)
+    v8 = (v6 - v7)
+    v9 = (v8 * v4)
+    v10 = (score + v9)
+    return v10
 """)
 
 
@@ -64,7 +69,7 @@ def score_mod(score, b, h, q_idx, kv_idx, bufs):
     v1 = (v0 + 5)
     v2 = tl.load(bufs[0] + (h) * 10 + (v1))
     v3 = (score + v2)
-    return (v3 + tl.zeros_like(score)).to(tl.float32)
+    return v3
 """)
 
 
@@ -76,7 +81,19 @@ def test_torch_rounding_semantics_are_kept():
 
 def test_true_division_of_integers_stays_true_division():
     src = _source(lambda s, b, h, q, kv: s + (q - kv) / 7, "score")
-    assert "* 1.0 / 7" in src
+    # (q - kv) is rebuilt in float from the converted index vectors, then truly divided.
+    assert "v3 = (v1 - v2)\n    v4 = (v3 / 7.0)" in src
+    assert "//" not in src.split("\n", 2)[2]
+
+
+def test_index_differences_convert_before_they_broadcast():
+    # An int difference of indices meeting a float is rebuilt from float index vectors (an I2F
+    # per score costs like a MUFU op on sm90); out-of-range constants stop the rebuild.
+    src = _source(mods.relative_bias, "score", "gl")
+    assert "H.index_to_float(q_idx)" in src and "H.index_to_float(kv_idx)" in src
+    assert ".to(gl.float32)" not in src
+    far = _source(lambda s, b, h, q, kv: s + (q - kv + 2 ** 25), "score", "gl")
+    assert "index_to_float" not in far and ".to(gl.float32)" in far
 
 
 def test_noop_mask_and_identity_score_are_recognized():

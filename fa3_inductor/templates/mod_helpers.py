@@ -32,6 +32,14 @@ def tanh_approx(x):
                                     dtype=L.float32, is_pure=True, pack=1)
 
 
+def index_to_float(x):
+    # float32(x) for an int32 index 0 <= x < 2**23 without I2F (a quarter-rate conversion on
+    # sm90): x added to the bits of the float 2**23 is the float 2**23 + x, and 2**23 is then
+    # subtracted. Exact in that range; the templates clamp q_idx / kv_idx into [0, M) / [0, N)
+    # and the sm90 template refuses M or N >= 2**23.
+    return (x + 0x4B000000).to(L.float32, bitcast=True) - 8388608.0
+
+
 def sigmoid(x):
     return 1.0 / (1.0 + L.exp(-x))
 
@@ -78,7 +86,7 @@ def trunc(x):
     return L.where(x < 0, L.ceil(x), L.floor(x))
 
 
-_HELPERS = (sigmoid, floordiv, truncdiv, remainder, pow, sign, log1p, expm1, round, trunc)
+_HELPERS = (index_to_float, sigmoid, floordiv, truncdiv, remainder, pow, sign, log1p, expm1, round, trunc)
 
 
 def _dialect(name: str, jit, lang, interpreting: bool) -> types.ModuleType:

@@ -9,7 +9,20 @@ is the source of one function in either dialect:
     gl  ``@gluon.jit`` with the same signature, for the Hopper (Gluon) template
 
 Buffers arrive as a tuple of pointers; their strides are baked into the code (they are part of
-the spec hash). Anything the generator does not know raises :class:`UnsupportedMod`, and the
+the spec hash).
+
+Cost rules (a score tile is [BLOCK_M, BLOCK_N]; q_idx is a [BLOCK_M, 1] column and kv_idx a
+[1, BLOCK_N] row, clamped into [0, M) / [0, N); b and h are scalars). The generator tracks which
+of the two index axes every value varies along, so that per-score work stays per score:
+
+* int -> float conversions happen on the 1-D index vectors, before they broadcast: an int
+  sum / difference of indices that meets a float is rebuilt in float from its converted leaves
+  (``float(kv - q)`` becomes ``float(kv) - float(q)``), exact while every partial sum stays below
+  2**24 in magnitude (the generator bounds them: indices < 2**23, b and h < 2**16, and stops
+  pushing where the bound could be exceeded). A 32-bit I2F costs like a MUFU op on sm90; the
+  index leaves themselves are converted with ``H.index_to_float`` (integer add + float add).
+* a float32 result that already covers the tile is returned as is (``x + 0.0`` is not free: it
+  cost an FFMA per score). Anything the generator does not know raises :class:`UnsupportedMod`, and the
 lowering then hands the site to torch's own kernel with that reason: never a silent guess.
 
 Example::
@@ -86,6 +99,16 @@ _UNARY = {
     aten.expm1: "H.expm1({0})", aten.erf: "{L}.erf({0})", aten.round: "H.round({0})",
     aten.trunc: "H.trunc({0})",
 }
+_INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
+# Index axes each mod argument varies along; a score tile varies along both.
+_TILE = frozenset(("q", "kv"))
+_PARAM_AXES = {"score": _TILE, "b": frozenset(), "h": frozenset(),
+               "q_idx": frozenset(("q",)), "kv_idx": frozenset(("kv",))}
+# Intervals of the index arguments the float rebuild relies on (positions < 2**23, batch and
+# head < 2**16), and the magnitude up to which float32 holds every integer exactly.
+_PARAM_BOUND = {"b": (0, 2 ** 16 - 1), "h": (0, 2 ** 16 - 1), "q_idx": (0, 2 ** 23 - 1),
+                "kv_idx": (0, 2 ** 23 - 1)}
+_EXACT = 2 ** 24
 # Shape-only or value-preserving ops on the 0-d tensors a mod sees.
 _IDENTITY = {aten.clone, aten.alias, aten.lift_fresh_copy, aten.detach, aten.view,
              aten._unsafe_view, aten.expand, aten.unsqueeze, aten.squeeze, aten.reshape,
@@ -131,6 +154,11 @@ class _Emitter:
         self.names: dict[torch.fx.Node, str] = {}
         self.lines: list[str] = []
         self.dtypes: dict[torch.fx.Node, torch.dtype | None] = {}
+        # Index axes a value varies along ("q", "kv"), the interval of int values that the
+        # float rebuild may use, and float versions of int values already emitted.
+        self.axes: dict[torch.fx.Node, frozenset] = {}
+        self.bound: dict[torch.fx.Node, tuple[int, int]] = {}
+        self.floats: dict[torch.fx.Node, str] = {}
 
     def arg(self, a: Any) -> str:
         if isinstance(a, torch.fx.Node):
@@ -158,6 +186,9 @@ class _Emitter:
             if i < len(params):
                 self.names[node] = params[i]
                 self.dtypes[node] = torch.float32 if params[i] == "score" else torch.int32
+                self.axes[node] = _PARAM_AXES[params[i]]
+                if params[i] != "score":
+                    self.bound[node] = _PARAM_BOUND[params[i]]
                 continue
             spec = self.buffers[i - len(params)]
             if spec is None:
@@ -167,6 +198,7 @@ class _Emitter:
                 continue
             self.names[node] = f"bufs[{tensors}]"
             self.dtypes[node] = spec.dtype
+            self.axes[node] = frozenset()
             self.buffer_of[node] = i - len(params)
             tensors += 1
         result = None
@@ -189,8 +221,12 @@ class _Emitter:
             raise UnsupportedMod(f"{self.kind}_mod graph has no output")
         ret = self.arg(result)
         if self.kind == "score":
-            # The kernel needs a [BLOCK_M, BLOCK_N] fp32 tile even if the mod ignored score.
-            ret = f"({ret} + {self.L}.zeros_like(score)).to({self.L}.float32)"
+            if self.dtype_of(result) in _INT_DTYPES:
+                ret = self.float_of(result)
+            if not (isinstance(result, torch.fx.Node) and self.axes.get(result) == _TILE
+                    and self.dtype_of(result) in (torch.float32,) + _INT_DTYPES):
+                # The kernel needs a [BLOCK_M, BLOCK_N] fp32 tile even if the mod ignored score.
+                ret = f"({ret} + {self.L}.zeros_like(score)).to({self.L}.float32)"
         elif self.dtype_of(result) not in (torch.bool, None):
             ret = f"({ret} != 0)"
         fn = "score_mod" if self.kind == "score" else "mask_mod"
@@ -204,6 +240,85 @@ class _Emitter:
         self.lines.append(f"{name} = {expr}")
         self.names[node] = name
         self.dtypes[node] = dtype
+        if node not in self.axes:
+            self.axes[node] = frozenset().union(
+                *(self.axes.get(a, frozenset()) for a in node.all_input_nodes))
+
+    def line(self, expr: str) -> str:
+        """Emit a helper value that belongs to no graph node; returns its name."""
+        name = f"v{len(self.lines)}"
+        self.lines.append(f"{name} = {expr}")
+        return name
+
+    def float_of(self, a: Any) -> str:
+        """Expression for float32(a) where a is an int value, converting as early as exactness
+        allows: index leaves before they broadcast, sums / differences rebuilt in float."""
+        if not isinstance(a, torch.fx.Node):
+            return _literal(float(a))
+        if a in self.floats:
+            return self.floats[a]
+        packet = _packet(a.target) if a.op == "call_function" else None
+        if a.op == "placeholder" and self.names[a] in ("q_idx", "kv_idx"):
+            expr = self.line(f"H.index_to_float({self.names[a]})")
+        elif packet in _IDENTITY and a.args and self.dtype_of(a.args[0]) in _INT_DTYPES:
+            expr = self.float_of(a.args[0])
+        elif self._rebuildable(a, packet):
+            xs = [self.float_of(x) for x in a.args[:2]]
+            op = {aten.add: "({0} + {1})", aten.sub: "({0} - {1})", aten.rsub: "({1} - {0})",
+                  aten.neg: "(-{0})"}[packet]
+            expr = self.line(op.format(*xs))
+        else:
+            expr = self.line(f"{self.arg(a)}.to({self.L}.float32)")
+        self.floats[a] = expr
+        return expr
+
+    def _rebuildable(self, a: torch.fx.Node, packet: Any) -> bool:
+        if packet not in (aten.add, aten.sub, aten.rsub, aten.neg) or a.kwargs.get("alpha", 1) != 1:
+            return False
+        # Every operand and the result must be integers of magnitude <= 2**24 (exact in float32),
+        # so that the float sum equals the converted int sum.
+        ivs = [self.bound.get(a)]
+        for x in a.args[:1] if packet is aten.neg else a.args[:2]:
+            if isinstance(x, torch.fx.Node):
+                if self.dtype_of(x) not in _INT_DTYPES:
+                    return False
+                ivs.append(self.bound.get(x))
+            elif isinstance(x, int) and not isinstance(x, bool):
+                ivs.append((x, x))
+            else:
+                return False
+        return all(iv is not None and -_EXACT <= iv[0] and iv[1] <= _EXACT for iv in ivs)
+
+    def int_bound(self, node: torch.fx.Node) -> None:
+        """Interval of an int sum / difference / negation of values with known intervals."""
+        packet = _packet(node.target)
+        if packet not in (aten.add, aten.sub, aten.rsub, aten.neg) or \
+                self.dtypes.get(node) not in _INT_DTYPES or node.kwargs.get("alpha", 1) != 1:
+            return
+        iv = []
+        for x in node.args[:1] if packet is aten.neg else node.args[:2]:
+            if isinstance(x, torch.fx.Node):
+                if x not in self.bound:
+                    return
+                iv.append(self.bound[x])
+            elif isinstance(x, int) and not isinstance(x, bool):
+                iv.append((x, x))
+            else:
+                return
+        if packet is aten.rsub:
+            iv.reverse()
+        if packet is aten.neg:
+            self.bound[node] = (-iv[0][1], -iv[0][0])
+        elif packet is aten.add:
+            self.bound[node] = (iv[0][0] + iv[1][0], iv[0][1] + iv[1][1])
+        else:
+            self.bound[node] = (iv[0][0] - iv[1][1], iv[0][1] - iv[1][0])
+
+    def operand(self, a: Any, want_float: bool) -> str:
+        """Argument expression; an int value that meets a float is converted (early) first."""
+        if want_float and isinstance(a, torch.fx.Node) and self.dtype_of(a) in _INT_DTYPES:
+            return self.float_of(a)
+        return self.arg(a)
 
     def lower(self, node: torch.fx.Node) -> None:
         target, args, kwargs = node.target, node.args, node.kwargs
@@ -212,11 +327,12 @@ class _Emitter:
         out_dtype = val.dtype if isinstance(val, torch.Tensor) else None
         L = self.L
         if packet in _IDENTITY:
-            self.names[node] = self.arg(args[0])
-            self.dtypes[node] = self.dtype_of(args[0])
-            return
+            return self.lower_identity(node, args[0])
+        floaty = out_dtype is not None and out_dtype.is_floating_point or any(
+            (self.dtype_of(x) or torch.int32).is_floating_point or isinstance(x, float) for x in args
+            if isinstance(x, (torch.fx.Node, float)))
         if packet in (aten.add, aten.sub) and kwargs.get("alpha", 1) != 1:
-            expr = _BINARY[packet].format(self.arg(args[0]), f"({self.arg(args[1])} * "
+            expr = _BINARY[packet].format(self.operand(args[0], floaty), f"({self.operand(args[1], floaty)} * "
                                           f"{_literal(kwargs['alpha'])})", L=L)
             return self.assign(node, expr, out_dtype)
         if packet is aten.div and kwargs.get("rounding_mode") is not None:
@@ -227,20 +343,27 @@ class _Emitter:
             return self.assign(node, f"{helper}({self.arg(args[0])}, {self.arg(args[1])})",
                                out_dtype)
         if packet in _BINARY and len(args) == 2 and not kwargs:
-            expr = _BINARY[packet].format(self.arg(args[0]), self.arg(args[1]), L=L)
             if packet is aten.div:
-                # Triton's / on two integers truncates toward zero; torch's is true division.
-                expr = f"({self.arg(args[0])} * 1.0 / {self.arg(args[1])})"
-            return self.assign(node, expr, out_dtype)
+                # Triton's / on two integers truncates toward zero; torch's is true division:
+                # the operands are made float first (literals as float literals).
+                a, b = (self.operand(x, True) if isinstance(x, torch.fx.Node) else _literal(float(x))
+                        for x in args)
+                return self.assign(node, f"({a} / {b})", out_dtype)
+            expr = _BINARY[packet].format(self.operand(args[0], floaty), self.operand(args[1], floaty),
+                                          L=L)
+            self.assign(node, expr, out_dtype)
+            return self.int_bound(node)
         if packet in _UNARY and len(args) == 1 and not kwargs:
             a = self.arg(args[0])
             if packet in (aten.tanh, aten.sigmoid, aten.exp, aten.exp2, aten.log, aten.log2,
                           aten.sqrt, aten.rsqrt, aten.sin, aten.cos, aten.erf, aten.log1p,
-                          aten.expm1) and self.dtype_of(args[0]) not in (torch.float32, None):
-                a = f"{a}.to({L}.float32)"
-            return self.assign(node, _UNARY[packet].format(a, L=L), out_dtype)
+                          aten.expm1, aten.reciprocal) and self.dtype_of(args[0]) not in (torch.float32, None):
+                a = self.float_of(args[0]) if self.dtype_of(args[0]) in _INT_DTYPES else f"{a}.to({L}.float32)"
+            self.assign(node, _UNARY[packet].format(a, L=L), out_dtype)
+            return self.int_bound(node)
         if packet is aten.where:
-            c, a, b = (self.arg(x) for x in args)
+            c = self.arg(args[0])
+            a, b = (self.operand(x, floaty) for x in args[1:])
             return self.assign(node, f"{L}.where({c}, {a}, {b})", out_dtype)
         if packet in (aten.clamp, aten.clamp_min, aten.clamp_max):
             def opt(i: int, key: str) -> Any:
@@ -248,11 +371,11 @@ class _Emitter:
             lo = opt(1, "min") if packet in (aten.clamp, aten.clamp_min) else None
             hi = opt(2, "max") if packet is aten.clamp else (
                 opt(1, "max") if packet is aten.clamp_max else None)
-            x = self.arg(args[0])
+            x = self.operand(args[0], floaty)
             if lo is not None:
-                x = f"{L}.maximum({x}, {self.arg(lo)})"
+                x = f"{L}.maximum({x}, {self.operand(lo, floaty)})"
             if hi is not None:
-                x = f"{L}.minimum({x}, {self.arg(hi)})"
+                x = f"{L}.minimum({x}, {self.operand(hi, floaty)})"
             return self.assign(node, x, out_dtype)
         if target in (aten._to_copy.default, prims.convert_element_type.default) or \
                 packet is aten.to:
@@ -278,6 +401,12 @@ class _Emitter:
     def lower_identity(self, node: torch.fx.Node, src: Any) -> None:
         self.names[node] = self.arg(src)
         self.dtypes[node] = self.dtype_of(src)
+        if isinstance(src, torch.fx.Node):
+            self.axes[node] = self.axes.get(src, frozenset())
+            if src in self.bound:
+                self.bound[node] = self.bound[src]
+        else:
+            self.axes[node] = frozenset()
 
     def cast(self, node: torch.fx.Node, src: Any, dtype: torch.dtype) -> None:
         if dtype not in _TL_DTYPES:
@@ -286,7 +415,13 @@ class _Emitter:
         expr = f"({a} != 0)" if dtype is torch.bool else f"{a}.to({self.L}.{_TL_DTYPES[dtype]})"
         if not isinstance(src, torch.fx.Node):
             expr = _literal(dtype.is_floating_point and float(src) or src)
+        elif dtype.is_floating_point and self.dtype_of(src) in _INT_DTYPES:
+            expr = self.float_of(src)
+            if dtype is not torch.float32:
+                expr = f"{expr}.to({self.L}.{_TL_DTYPES[dtype]})"
         self.assign(node, expr, dtype)
+        if isinstance(src, torch.fx.Node) and dtype in _INT_DTYPES and src in self.bound:
+            self.bound[node] = self.bound[src]
 
     def load(self, node: torch.fx.Node, buf: Any, indices: Sequence[Any], out_dtype) -> None:
         if not isinstance(buf, torch.fx.Node) or buf not in self.buffer_of:
