@@ -138,3 +138,23 @@ def test_strided_bshd_layout_is_read_and_written_in_place(device):
     ref, _ = reference_attention(q, k, v)
     assert_matches_reference(out, ref, dtype)
     assert not out_storage.isnan().any()
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("n, sparse", [(64, 128), (192, 128)])
+def test_block_reaching_past_the_keys(device, n, sparse):
+    # A block-mask block longer than what is left of the keys covers whole tiles past N (N=64
+    # with 128-key blocks: the second 64-key tile). Those must stay masked even though N is
+    # a multiple of the tile: the last query row saw zero-filled keys as visible (seen under
+    # causal at S=64, row 63 wrong).
+    _interpreter_or_cuda(device)
+    q, k, v = (torch.randn(1, 2, n, 16, device=device, dtype=torch.float32) for _ in range(3))
+    bm = create_block_mask(mods.causal, 1, 1, n, n, device=device, BLOCK_SIZE=sparse)
+    out, lse, _ = _run(q, k, v, sm_scale=0.25, mask_mod=load_mod(CAUSAL_TL),
+                       kv_num_blocks=bm.kv_num_blocks, kv_indices=bm.kv_indices,
+                       full_kv_num_blocks=bm.full_kv_num_blocks,
+                       full_kv_indices=bm.full_kv_indices, sparse_q_block=sparse,
+                       sparse_kv_block=sparse)
+    ref, ref_lse = reference_attention(q, k, v, None, mods.causal, scale=0.25)
+    assert_matches_reference(out, ref, torch.float32)
+    assert_lse_matches(lse, ref_lse, torch.float32)

@@ -21,16 +21,15 @@ def generic_config(head_dim: int, capability: tuple[int, int] | None,
                    mods_load_buffers: bool = False, fp32: bool = False) -> GenericConfig:
     """Tile choice for the generic kernel. ``capability`` None means the CPU interpreter.
 
-    ``mods_load_buffers``: a mod gathers from a captured buffer. Triton 3.6's warp-specialization
-    pass crashes on such loads inside the KV loop ("operation destroyed but still has uses",
-    seen compiling a document mask for sm90), so those kernels use the plain pipelined loop.
-    ``fp32``: float32 inputs; the same pass fails on fp32 (tf32) dots (ConvertNVGPUToLLVM
-    error, H200 2026-11-22), so they take the plain loop too.
+    ``mods_load_buffers``: a mod gathers from a captured buffer: more live registers in the
+    loop (and Triton 3.6's warp-specialization pass crashes on such loads, "operation
+    destroyed but still has uses").
+    ``fp32``: float32 inputs run on FMA units with small tiles.
 
     Example::
 
         >>> generic_config(128, (9, 0)).block_m
-        128
+        64
     """
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     if capability is None:
@@ -41,14 +40,27 @@ def generic_config(head_dim: int, capability: tuple[int, int] | None,
         # spills small (128x64 spilled 4.4 KB of stack at D=128; 32x32 with 8 warps: none at
         # D<=64, 192 B at D=128, 1.8 KB at D=256: float32 is a correctness path, not a fast one).
         return GenericConfig(32, 32, 8, 1, False)
-    if capability[0] == 9 and not mods_load_buffers:
-        # Hopper: TMA descriptors + Meta's warp-specialization pass (needs num_warps=4).
-        # BLOCK_M is 64: with 128 the pass splits the rows over two consumer groups and, in
-        # Triton 3.6, returns garbage for the loop-carried row max (LSE and MAX all NaN) and
-        # wrong outputs with masks (H200, 2026-11-22: relative error 0.2 for causal at
-        # BLOCK_M 128; 2e-3 and exact LSE at BLOCK_M 64).
-        return GenericConfig(64, 128 if block_d <= 128 else 64, 4, 2, True)
-    # Ampere/Ada (and Hopper kernels whose mods gather): classic 8-warp pipelined tile.
+    if capability[0] == 9:
+        # Hopper: TMA descriptor loads in a plain software-pipelined loop. Measured against
+        # torch's FlexAttention, kernel time under CUDA graphs, H200, bf16, 16k tokens
+        # (benchmarks/generic_sweep.py; results/generic-sweep-nvidia-h200-2026-11-22*):
+        #   D<=64   128x128, 4 warps, 3 stages: noop 1.01x flex, causal 0.94x, softcap 2.30x
+        #   D<=128   64x64,  4 warps, 3 stages: noop 0.97x (S4096) / 0.92x (S1024), causal
+        #            1.00x / 0.90x, softcap 2.03x / 1.84x (128x128 w8 s3: 0.99x / 0.88x noop)
+        #   D<=256  128x64,  8 warps, 2 stages: noop 1.41x, causal 1.55x, softcap 2.53x
+        # Triton 3.6's warp-specialized loop (`tl.range(warp_specialize=True)`) lost to all of
+        # these: it needs num_warps=4, and at BLOCK_M 128 it returned NaN row max / LSE and
+        # wrong masked outputs, so it ran at BLOCK_M 64: 0.55x flex (noop, S4096).
+        if block_d <= 64:
+            # 128x128 on 4 warps uses 229-255 registers; a mod gathering from a buffer (document
+            # mask) spills there (48 B stack), so those take 64x64 (noop 0.98x flex).
+            if mods_load_buffers:
+                return GenericConfig(64, 64, 4, 3, False)
+            return GenericConfig(128, 128, 4, 3, False)
+        if block_d <= 128:
+            return GenericConfig(64, 64, 4, 3, False)
+        return GenericConfig(128, 64, 8, 2, False)
+    # Ampere/Ada: classic 8-warp pipelined tile.
     if block_d <= 128:
         return GenericConfig(128, 64, 8, 3, False)
     return GenericConfig(64, 32, 4, 2, False)

@@ -12,9 +12,10 @@ import triton
 from ..templates.generic_fwd import attention_fwd_kernel
 from ..templates.tma import tma_aligned
 from .._log import warn_once
-from .configs import generic_config
+from .configs import GenericConfig, generic_config
 
 _allocator_set = False
+_MAX_SEQ = 1 << 23
 
 
 def _ensure_allocator() -> None:
@@ -54,12 +55,17 @@ def _batch_stride(t: torch.Tensor, batch: int) -> int:
 
 def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs,
              mask_bufs, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-             sparse_q_block, sparse_kv_block, capability, iterate_hull=None):
+             sparse_q_block, sparse_kv_block, capability, iterate_hull=None, config=None):
     """(args, kwargs, grid) of one generic-kernel launch; shared by launch and compile-only."""
     Z, HQ, M, D = q.shape
     HKV, N = k.shape[1], k.shape[2]
+    if max(M, N) >= _MAX_SEQ:
+        # Generated mods turn indices into floats exactly only below 2**23 (mod_helpers).
+        raise ValueError(f"fa3 generic kernel: sequence lengths must be below {_MAX_SEQ} "
+                         f"(got M={M}, N={N}); split the sequence into chunks")
     loads = any(m is not None and "load(" in _source_of(m) for m in (score_mod, mask_mod))
-    cfg = generic_config(D, capability, mods_load_buffers=loads, fp32=q.dtype == torch.float32)
+    cfg = config or generic_config(D, capability, mods_load_buffers=loads,
+                                   fp32=q.dtype == torch.float32)
     block_m = min(cfg.block_m, sparse_q_block)
     block_n = min(cfg.block_n, sparse_kv_block)
     has_mask = kv_num_blocks is not None
@@ -82,18 +88,54 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
         HAS_BLOCK_MASK=has_mask, HAS_FULL_BLOCKS=has_full,
         SPARSE_Q=sparse_q_block if has_mask else block_m,
         SPARSE_KV=sparse_kv_block if has_mask else block_n,
-        EVEN_N=N % block_n == 0,
+        # Every visited tile lies inside [0, N): tiles come whole from block-mask blocks, and
+        # a block may reach past N (a 128-key block over N = 64 is two 64-key tiles, the
+        # second wholly outside), so N must be a multiple of the block, not only the tile.
+        EVEN_N=N % (sparse_kv_block if has_mask else block_n) == 0 and N % block_n == 0,
         # The warp-specialized loop must not read tile positions from the tables (generic_fwd).
         ITERATE_HULL=cfg.warp_specialize if iterate_hull is None else iterate_hull,
         MAX_KV_BLKS=max(2, triton.next_power_of_2(num_kv_blks)),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
         WARP_SPECIALIZE=cfg.warp_specialize,
+        # Without a score_mod, keep raw q.k scores and fold the scale into the row max and
+        # the exp2 argument; valid for a positive scale only.
+        FOLD_SCALE=score_mod is None and sm_scale > 0,
         # float32 inputs follow torch's matmul precision setting ("highest" = IEEE), as
         # torch's own flex kernel does; 16-bit inputs ignore it.
         DOT_PRECISION="tf32" if torch.get_float32_matmul_precision() != "highest" else "ieee",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return args, kwargs, (triton.cdiv(M, block_m), Z * HQ)
+
+
+def prepare_generic(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor, max_scores: torch.Tensor, *,
+    sm_scale: float, score_mod: Any = None, mask_mod: Any = None,
+    score_bufs: Sequence[torch.Tensor] = (), mask_bufs: Sequence[torch.Tensor] = (),
+    kv_num_blocks: Optional[torch.Tensor] = None, kv_indices: Optional[torch.Tensor] = None,
+    full_kv_num_blocks: Optional[torch.Tensor] = None,
+    full_kv_indices: Optional[torch.Tensor] = None,
+    sparse_q_block: int = 128, sparse_kv_block: int = 128, iterate_hull: Optional[bool] = None,
+    config: Optional[GenericConfig] = None,
+) -> tuple[Any, tuple, dict, tuple]:
+    """``(kernel, args, kwargs, grid)`` of one generic-kernel launch (see launch_generic).
+
+    Example::
+
+        >>> kernel, args, kwargs, grid = prepare_generic(q, k, v, out, lse, mx, sm_scale=0.125)  # doctest: +SKIP
+        >>> kernel[grid](*args, **kwargs)                                                          # doctest: +SKIP
+    """
+    _ensure_allocator()
+    q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
+    if not tma_aligned(out):
+        raise ValueError("launch_generic: out must have a unit last stride and 16-byte aligned "
+                         f"strides; got {out.stride()}")
+    args, kwargs, grid = _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod,
+                                  score_bufs, mask_bufs, kv_num_blocks, kv_indices,
+                                  full_kv_num_blocks, full_kv_indices, sparse_q_block,
+                                  sparse_kv_block, _capability(q), iterate_hull, config)
+    return attention_fwd_kernel, args, kwargs, grid
 
 
 def launch_generic(
@@ -105,27 +147,27 @@ def launch_generic(
     full_kv_num_blocks: Optional[torch.Tensor] = None,
     full_kv_indices: Optional[torch.Tensor] = None,
     sparse_q_block: int = 128, sparse_kv_block: int = 128, iterate_hull: Optional[bool] = None,
+    config: Optional[GenericConfig] = None,
 ) -> None:
     """Run the generic kernel; ``out``/``lse``/``max_scores`` are written in place.
 
     Shapes and conventions are those of ``templates/generic_fwd.py``. With
     ``kv_num_blocks=None`` every KV tile is visited and ``mask_mod`` must be None.
-    ``iterate_hull`` picks how a block mask is walked (None: the config's choice).
+    ``iterate_hull`` picks how a block mask is walked (None: the config's choice);
+    ``config`` overrides the tile table (sweeps, tests).
 
     Example::
 
         >>> launch_generic(q, k, v, out, lse, mx, sm_scale=q.shape[-1] ** -0.5)  # doctest: +SKIP
     """
-    _ensure_allocator()
-    q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
-    if not tma_aligned(out):
-        raise ValueError("launch_generic: out must have a unit last stride and 16-byte aligned "
-                         f"strides; got {out.stride()}")
-    args, kwargs, grid = _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod,
-                                  score_bufs, mask_bufs, kv_num_blocks, kv_indices,
-                                  full_kv_num_blocks, full_kv_indices, sparse_q_block,
-                                  sparse_kv_block, _capability(q), iterate_hull)
-    attention_fwd_kernel[grid](*args, **kwargs)
+    kernel, args, kwargs, grid = prepare_generic(
+        q, k, v, out, lse, max_scores, sm_scale=sm_scale, score_mod=score_mod,
+        mask_mod=mask_mod, score_bufs=score_bufs, mask_bufs=mask_bufs,
+        kv_num_blocks=kv_num_blocks, kv_indices=kv_indices,
+        full_kv_num_blocks=full_kv_num_blocks, full_kv_indices=full_kv_indices,
+        sparse_q_block=sparse_q_block, sparse_kv_block=sparse_kv_block,
+        iterate_hull=iterate_hull, config=config)
+    kernel[grid](*args, **kwargs)
 
 
 def compile_generic(q, k, v, out, lse, max_scores, *, sm_scale: float, score_mod: Any = None,

@@ -15,9 +15,8 @@ Notation
 Block mask (torch BlockMask layout, broadcast over batch/head when SZ/SH are 1):
     KV_NUM_BLKS[SZ, SH, ceil(M / SPARSE_Q)]        partial KV blocks per query block
     KV_IDX[SZ, SH, ceil(M / SPARSE_Q), NB]         their indices (mask_mod applied)
-    FULL_KV_NUM_BLKS / FULL_KV_IDX                 blocks known all-true (mask_mod's result is
-                                                   ignored there: a select, not a branch, which
-                                                   keeps the loop warp-specialized)
+    FULL_KV_NUM_BLKS / FULL_KV_IDX                 blocks known all-true (walked in a loop of
+                                                   their own that skips mask_mod)
     SPARSE_Q, SPARSE_KV                            block-mask block sizes; SPARSE_Q % BLOCK_M == 0,
                                                    SPARSE_KV % BLOCK_N == 0
 
@@ -68,6 +67,71 @@ def _listed_blocks_hull(KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX, row,
 
 
 @triton.jit
+def _kv_tile(acc, l_i, m_i, q, k_desc, v_desc, start_n, offs_m, off_z, off_hq, M, N,
+             qk_scale2, sm_scale, score_bufs, mask_bufs,
+             SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, APPLY_MASK: tl.constexpr,
+             EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr, IN_DTYPE: tl.constexpr,
+             DOT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr):
+    """One KV tile of the online softmax: S = QK^T, mods, rescale, O += PV."""
+    k = k_desc.load([start_n, 0])
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    # Mods see indices clamped into range: one that gathers from a buffer by position must
+    # not read past its end on the padded tail (those scores are masked below anyway).
+    q_idx = tl.minimum(offs_m, M - 1)[:, None]
+    kv_idx = tl.minimum(offs_n, N - 1)[None, :]
+    # s stays in the units it is produced in; `to_log2` (positive) carries it to log2 units
+    # inside the row max and the exp2 argument: one FMA per score, no separate multiply.
+    if SCORE_MOD is not None:
+        s = SCORE_MOD(qk * sm_scale, off_z, off_hq, q_idx, kv_idx, score_bufs)
+        to_log2 = LOG2E
+    elif FOLD_SCALE:
+        s = qk  # raw q.k; the scale is positive
+        to_log2 = qk_scale2
+    else:
+        s = qk * sm_scale
+        to_log2 = LOG2E
+    if APPLY_MASK:
+        keep = MASK_MOD(off_z, off_hq, q_idx, kv_idx, mask_bufs)
+        s = tl.where(keep, s, float("-inf"))
+    if not EVEN_N:
+        s = tl.where(offs_n[None, :] < N, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, 1) * to_log2)
+    # A row with nothing visible yet keeps m = -inf; exponentiate against 0 instead.
+    m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s * to_log2 - m_base[:, None])
+    alpha = tl.math.exp2(m_i - m_base)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = v_desc.load([start_n, 0])
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(IN_DTYPE), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _walk_listed_blocks(
+    acc, l_i, m_i, q, k_desc, v_desc, NUM_BLKS, IDX, row, NUM_KV_BLKS, offs_m, off_z, off_hq,
+    M, N, qk_scale2, sm_scale, score_bufs, mask_bufs, SCORE_MOD: tl.constexpr,
+    MASK_MOD: tl.constexpr, APPLY_MASK: tl.constexpr, EVEN_N: tl.constexpr,
+    SPARSE_KV: tl.constexpr, BLOCK_N: tl.constexpr, IN_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr,
+):
+    """The KV tiles of the blocks one block-mask list (partial or full) gives this row."""
+    TILES_PER_BLK: tl.constexpr = SPARSE_KV // BLOCK_N
+    n_tiles = tl.load(NUM_BLKS + row) * TILES_PER_BLK
+    for t in tl.range(0, n_tiles):
+        blk = tl.load(IDX + row * NUM_KV_BLKS + t // TILES_PER_BLK)
+        start_n = blk * SPARSE_KV + (t % TILES_PER_BLK) * BLOCK_N
+        acc, l_i, m_i = _kv_tile(
+            acc, l_i, m_i, q, k_desc, v_desc, start_n, offs_m, off_z, off_hq, M, N,
+            qk_scale2, sm_scale, score_bufs, mask_bufs, SCORE_MOD, MASK_MOD, APPLY_MASK,
+            EVEN_N, BLOCK_N, IN_DTYPE, DOT_PRECISION, FOLD_SCALE)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _attend_kv_tiles(
     acc, l_i, m_i, q, k_desc, v_desc,
     KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX, row,
@@ -77,75 +141,48 @@ def _attend_kv_tiles(
     HAS_BLOCK_MASK: tl.constexpr, HAS_FULL_BLOCKS: tl.constexpr, ITERATE_HULL: tl.constexpr,
     MAX_KV_BLKS: tl.constexpr, EVEN_N: tl.constexpr, SPARSE_KV: tl.constexpr,
     BLOCK_N: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, IN_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr,
 ):
     """Online softmax over this query tile's KV tiles.
 
-    Two ways to walk a block mask:
-    - list walk: the partial blocks (mask_mod applied), then the full blocks (its result
-      ignored), in one loop, each tile's position read from the index tables;
+    Three ways to walk the KV tiles:
+    - no block mask: every tile, no mask;
+    - list walk: the partial blocks with mask_mod applied, then, in a second loop, the full
+      blocks without it (no mask arithmetic at all there), each tile's position read from
+      the index tables;
     - hull walk (ITERATE_HULL): every tile of the contiguous range that covers the listed
       blocks, mask_mod on all of them (unlisted blocks are all-masked, so this is exact). The
       warp-specialized loop needs it: Triton 3.6's partitioner gave wrong results when the
       tile position came from an index-table load inside the loop (measured on H200: relative
       error 0.2 for causal, 2e-3 without warp specialization).
     """
-    TILES_PER_BLK: tl.constexpr = SPARSE_KV // BLOCK_N
+    APPLY_MASK: tl.constexpr = MASK_MOD is not None
+    if HAS_BLOCK_MASK and not ITERATE_HULL:
+        acc, l_i, m_i = _walk_listed_blocks(
+            acc, l_i, m_i, q, k_desc, v_desc, KV_NUM_BLKS, KV_IDX, row, NUM_KV_BLKS, offs_m,
+            off_z, off_hq, M, N, qk_scale2, sm_scale, score_bufs, mask_bufs, SCORE_MOD,
+            MASK_MOD, APPLY_MASK, EVEN_N, SPARSE_KV, BLOCK_N, IN_DTYPE, DOT_PRECISION,
+            FOLD_SCALE)
+        if HAS_FULL_BLOCKS:
+            acc, l_i, m_i = _walk_listed_blocks(
+                acc, l_i, m_i, q, k_desc, v_desc, FULL_KV_NUM_BLKS, FULL_KV_IDX, row,
+                NUM_KV_BLKS, offs_m, off_z, off_hq, M, N, qk_scale2, sm_scale, score_bufs,
+                mask_bufs, SCORE_MOD, MASK_MOD, False, EVEN_N, SPARSE_KV, BLOCK_N, IN_DTYPE,
+                DOT_PRECISION, FOLD_SCALE)
+        return acc, l_i, m_i
     start0 = 0
-    if HAS_BLOCK_MASK:
-        if ITERATE_HULL:
-            lo, hi = _listed_blocks_hull(KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX,
-                                         row, NUM_KV_BLKS, HAS_FULL_BLOCKS, MAX_KV_BLKS)
-            start0 = lo * SPARSE_KV
-            n_tiles = tl.cdiv(tl.maximum(tl.minimum(hi * SPARSE_KV, N) - start0, 0), BLOCK_N)
-            n_part = n_tiles
-        else:
-            n_part = tl.load(KV_NUM_BLKS + row) * TILES_PER_BLK
-            n_tiles = n_part
-            if HAS_FULL_BLOCKS:
-                n_tiles += tl.load(FULL_KV_NUM_BLKS + row) * TILES_PER_BLK
+    if HAS_BLOCK_MASK:  # hull walk
+        lo, hi = _listed_blocks_hull(KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX,
+                                     row, NUM_KV_BLKS, HAS_FULL_BLOCKS, MAX_KV_BLKS)
+        start0 = lo * SPARSE_KV
+        n_tiles = tl.cdiv(tl.maximum(tl.minimum(hi * SPARSE_KV, N) - start0, 0), BLOCK_N)
     else:
         n_tiles = tl.cdiv(N, BLOCK_N)
-        n_part = n_tiles
     for t in tl.range(0, n_tiles, warp_specialize=WARP_SPECIALIZE):
-        is_full = t >= n_part
-        if HAS_BLOCK_MASK and not ITERATE_HULL:
-            tile = tl.where(is_full, t - n_part, t)
-            tables = tl.where(is_full, FULL_KV_IDX, KV_IDX)
-            blk = tl.load(tables + row * NUM_KV_BLKS + tile // TILES_PER_BLK)
-            start_n = blk * SPARSE_KV + (tile % TILES_PER_BLK) * BLOCK_N
-        else:
-            start_n = start0 + t * BLOCK_N
-        k = k_desc.load([start_n, 0])
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        # Mods see indices clamped into range: one that gathers from a buffer by position must
-        # not read past its end on the padded tail (those scores are masked below anyway).
-        q_idx = tl.minimum(offs_m, M - 1)[:, None]
-        kv_idx = tl.minimum(offs_n, N - 1)[None, :]
-        if SCORE_MOD is not None:
-            s = SCORE_MOD(qk * sm_scale, off_z, off_hq, q_idx, kv_idx, score_bufs) * LOG2E
-        else:
-            s = qk * qk_scale2
-        if MASK_MOD is not None:
-            # In the list walk, full blocks need no mask; a select instead of a branch keeps
-            # the loop free of control flow (a branch here spilled).
-            keep = MASK_MOD(off_z, off_hq, q_idx, kv_idx, mask_bufs) | is_full
-            s = tl.where(keep, s, float("-inf"))
-        if not EVEN_N:
-            s = tl.where(offs_n[None, :] < N, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row with nothing visible yet keeps m = -inf; exponentiate against 0 instead.
-        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_base[:, None])
-        alpha = tl.math.exp2(m_i - m_base)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = v_desc.load([start_n, 0])
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(IN_DTYPE), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, l_i, m_i = _kv_tile(
+            acc, l_i, m_i, q, k_desc, v_desc, start0 + t * BLOCK_N, offs_m, off_z, off_hq,
+            M, N, qk_scale2, sm_scale, score_bufs, mask_bufs, SCORE_MOD, MASK_MOD,
+            APPLY_MASK, EVEN_N, BLOCK_N, IN_DTYPE, DOT_PRECISION, FOLD_SCALE)
     return acc, l_i, m_i
 
 
@@ -167,9 +204,11 @@ def attention_fwd_kernel(
     SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr,
     EVEN_N: tl.constexpr, ITERATE_HULL: tl.constexpr, MAX_KV_BLKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    # Last query tile first: under a causal mask it has the most KV tiles, so the longest
+    # programs start first and the grid's tail is short ones.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     off_zh = tl.program_id(1)
     off_z = off_zh // HQ
     off_hq = off_zh % HQ
@@ -205,7 +244,7 @@ def attention_fwd_kernel(
         KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX, row,
         off_z, off_hq, offs_m, M, N, NUM_KV_BLKS, qk_scale2, sm_scale, score_bufs, mask_bufs,
         SCORE_MOD, MASK_MOD, HAS_BLOCK_MASK, HAS_FULL_BLOCKS, ITERATE_HULL, MAX_KV_BLKS,
-        EVEN_N, SPARSE_KV, BLOCK_N, WARP_SPECIALIZE, in_dtype, DOT_PRECISION)
+        EVEN_N, SPARSE_KV, BLOCK_N, WARP_SPECIALIZE, in_dtype, DOT_PRECISION, FOLD_SCALE)
 
     # Epilogue: rows that saw no key get O = 0, LSE = MAX = -inf (FlexAttention's convention).
     empty_row = l_i == 0.0
