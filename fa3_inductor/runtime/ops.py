@@ -9,14 +9,16 @@ source inside the ``spec`` string, so a graph served from Inductor's cache rebui
 from __future__ import annotations
 
 import threading
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .._log import info_once, warn_once
 from ..templates.modgen import load_mod
-from .generic import launch_generic
+from . import backward_cpu  # noqa: F401  (defines fa3_inductor::flex_bwd beside flex_fwd)
+from .fast_launch import launch_cached, tensor_signature
+from .generic import launch_generic, prepare_generic
 from .spec import SiteSpec
 
 _state = threading.local()
@@ -40,21 +42,21 @@ def record_template(name: Optional[str]) -> None:
     _state.template = name
 
 
-def _hopper_launcher(q, k, v, out, blocks) -> Optional[Callable]:
-    """The Hopper launcher if it can serve these tensors, else None (reason logged once)."""
+def _hopper_serves(q: Tensor, k: Tensor, v: Tensor, out: Tensor, blocks: dict) -> bool:
+    """Whether the Hopper kernel can serve these tensors (the reason is logged once if not)."""
     try:
-        from ..templates.hopper import launch_fwd_sm90, supports_sm90
+        from ..templates.hopper import supports_sm90
     except ImportError as exc:  # the Hopper family is optional at run time
         warn_once(f"fa3_inductor: Hopper template unavailable ({exc}); using the generic one")
-        return None
+        return False
     if not supports_sm90(q, k, v, out, kv_num_blocks=blocks["kv_num_blocks"],
                          sparse_q_block=blocks["sparse_q_block"],
                          sparse_kv_block=blocks["sparse_kv_block"]):
         info_once(f"fa3_inductor: Hopper template cannot serve q{tuple(q.shape)} "
                   f"k{tuple(k.shape)} strides {q.stride()} with block-mask blocks "
                   f"{blocks['sparse_q_block']}x{blocks['sparse_kv_block']}; generic template runs")
-        return None
-    return launch_fwd_sm90
+        return False
+    return True
 
 
 def _out_like(q: Tensor) -> Tensor:
@@ -97,40 +99,65 @@ def flex_fwd(
         >>> out, lse, mx = torch.ops.fa3_inductor.flex_fwd(q, k, v, None, None, None, None,
         ...     [], [], 0.125, 128, 128, SiteSpec("generic").to_json())   # doctest: +SKIP
     """
-    site = SiteSpec.from_json(spec)
     Z, H, M, _ = q.shape
     out = _out_like(q)
     lse = q.new_empty((Z, H, M), dtype=torch.float32)
     max_scores = q.new_empty((Z, H, M), dtype=torch.float32)
-    if not q.is_cuda:
-        from triton import knobs
-
-        if not knobs.runtime.interpret:
-            raise RuntimeError(
-                "fa3_inductor::flex_fwd got CPU tensors but Triton's interpreter is off. "
-                "Set TRITON_INTERPRET=1 before importing triton to run the generic kernel on "
-                "the CPU, or move the tensors to a CUDA device.")
-        info_once("fa3_inductor: running the generic template under the Triton interpreter (CPU)")
     sparse_q_block = _one_block_size(sparse_q_block, M)
     sparse_kv_block = _one_block_size(sparse_kv_block, k.shape[2])
     blocks = dict(kv_num_blocks=kv_num_blocks, kv_indices=kv_indices,
                   full_kv_num_blocks=full_kv_num_blocks, full_kv_indices=full_kv_indices,
                   sparse_q_block=sparse_q_block, sparse_kv_block=sparse_kv_block)
-    if site.template == "hopper":
-        launch = _hopper_launcher(q, k, v, out, blocks)
-        if launch is not None:
-            launch(q, k, v, out, lse, max_scores, sm_scale=scale,
-                   score_mod=site.score_mod_gl and load_mod(site.score_mod_gl, "gl"),
-                   mask_mod=site.mask_mod_gl and load_mod(site.mask_mod_gl, "gl"),
-                   score_bufs=tuple(score_bufs), mask_bufs=tuple(mask_bufs), **blocks)
-            record_template("hopper")
-            return out, lse, max_scores
-    launch_generic(q, k, v, out, lse, max_scores, sm_scale=scale,
-                   score_mod=site.score_mod_tl and load_mod(site.score_mod_tl, "tl"),
-                   mask_mod=site.mask_mod_tl and load_mod(site.mask_mod_tl, "tl"),
-                   score_bufs=score_bufs, mask_bufs=mask_bufs, **blocks)
-    record_template("generic")
+    if not q.is_cuda:
+        _check_interpreter()
+        site = SiteSpec.from_json(spec)
+        launch_generic(q, k, v, out, lse, max_scores, sm_scale=scale,
+                       score_mod=site.score_mod_tl and load_mod(site.score_mod_tl, "tl"),
+                       mask_mod=site.mask_mod_tl and load_mod(site.mask_mod_tl, "tl"),
+                       score_bufs=score_bufs, mask_bufs=mask_bufs, **blocks)
+        record_template("generic")
+        return out, lse, max_scores
+    # CUDA: everything but the tensors' addresses is fixed by this key, so after the first
+    # call the compiled kernel is re-launched without re-planning (runtime/fast_launch.py).
+    inputs = (q, k, v, out, lse, max_scores, kv_num_blocks, kv_indices, full_kv_num_blocks,
+              full_kv_indices, *score_bufs, *mask_bufs)
+    key = (spec, scale, sparse_q_block, sparse_kv_block, len(score_bufs),
+           torch.get_float32_matmul_precision(), tensor_signature(inputs))
+
+    def prepare():
+        site = SiteSpec.from_json(spec)
+        template = _choose_template(site, q, k, v, out, blocks)
+        dialect = "gl" if template == "hopper" else "tl"
+        score_src = site.score_mod_gl if template == "hopper" else site.score_mod_tl
+        mask_src = site.mask_mod_gl if template == "hopper" else site.mask_mod_tl
+        mods = dict(sm_scale=scale, score_mod=score_src and load_mod(score_src, dialect),
+                    mask_mod=mask_src and load_mod(mask_src, dialect),
+                    score_bufs=tuple(score_bufs), mask_bufs=tuple(mask_bufs), **blocks)
+        if template == "hopper":
+            from ..templates.hopper import prepare_fwd_sm90
+            return (*prepare_fwd_sm90(q, k, v, out, lse, max_scores, **mods), template)
+        return (*prepare_generic(q, k, v, out, lse, max_scores, **mods), template)
+
+    record_template(launch_cached(key, inputs, prepare))
     return out, lse, max_scores
+
+
+def _choose_template(site: SiteSpec, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                     blocks: dict) -> str:
+    if site.template == "hopper" and _hopper_serves(q, k, v, out, blocks):
+        return "hopper"
+    return "generic"
+
+
+def _check_interpreter() -> None:
+    from triton import knobs
+
+    if not knobs.runtime.interpret:
+        raise RuntimeError(
+            "fa3_inductor::flex_fwd got CPU tensors but Triton's interpreter is off. "
+            "Set TRITON_INTERPRET=1 before importing triton to run the generic kernel on "
+            "the CPU, or move the tensors to a CUDA device.")
+    info_once("fa3_inductor: running the generic template under the Triton interpreter (CPU)")
 
 
 _LIB.impl("flex_fwd", flex_fwd, "CUDA")

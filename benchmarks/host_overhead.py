@@ -1,0 +1,95 @@
+"""Host cost per attention call: where the microseconds go before the GPU sees the kernel.
+
+A tiny problem (B1 H1 S128 D128 bf16: a few µs of GPU work) is called N times back to back with
+no synchronisation inside the loop, so the wall time per call is the host's cost. Each layer of
+our path is timed on its own, next to torch's compiled FlexAttention and cuDNN SDPA, then
+cProfile lists the most expensive functions of the full `fa3_inductor.flex` call.
+
+    python benchmarks/host_overhead.py            # on a GPU machine; prints a table
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import fa3_inductor  # noqa: E402
+from fa3_inductor.runtime.spec import SiteSpec  # noqa: E402
+
+
+def per_call_us(fn, n: int = 300) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def main() -> None:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from fa3_inductor import mods
+    from fa3_inductor.runtime import fast_launch
+    from fa3_inductor.runtime.generic import prepare_generic
+
+    dev = "cuda"
+    q, k, v = (torch.randn(1, 1, 128, 128, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    bm = create_block_mask(mods.causal, None, None, 128, 128, device=dev)
+    flex_c = torch.compile(flex_attention, dynamic=False)
+    out = torch.empty_like(q)
+    lse = q.new_empty((1, 1, 128), dtype=torch.float32)
+    mx = torch.empty_like(lse)
+    rows = []
+
+    def add(name, fn):
+        rows.append((name, per_call_us(fn)))
+
+    add("cuDNN/FA2 SDPA (eager)", lambda: F.scaled_dot_product_attention(q, k, v))
+    add("torch flex (compiled), no mask", lambda: flex_c(q, k, v))
+    add("torch flex (compiled), causal", lambda: flex_c(q, k, v, block_mask=bm))
+    for template in ("auto", "generic"):
+        add(f"fa3 flex() {template}, no mask", lambda t=template: fa3_inductor.flex(q, k, v, template=t))
+        add(f"fa3 flex() {template}, causal", lambda t=template: fa3_inductor.flex(q, k, v, block_mask=bm, template=t))
+    for template in ("hopper", "generic"):
+        spec = SiteSpec(template).to_json()
+        op = torch.ops.fa3_inductor.flex_fwd.default
+        add(f"op flex_fwd ({template}), no mask", lambda s=spec: op(q, k, v, None, None, None, None, [], [], 0.088, 128, 128, s))
+    from fa3_inductor.templates.hopper import prepare_fwd_sm90
+
+    for name, prep in (("hopper", prepare_fwd_sm90), ("generic", prepare_generic)):
+        kernel, args, kwargs, grid = prep(q, k, v, out, lse, mx, sm_scale=0.088)
+        add(f"JITFunction.run ({name}) incl. prepare", lambda p=prep: (lambda r: r[0][r[3]](*r[1], **r[2]))(p(q, k, v, out, lse, mx, sm_scale=0.088)))
+        add(f"JITFunction.run ({name}) only", lambda kernel=kernel, args=args, kwargs=kwargs, grid=grid: kernel[grid](*args, **kwargs))
+        key = ("host-overhead", name, fast_launch.tensor_signature([q, k, v, out, lse, mx]))
+        fast_launch.launch_cached(key, [q, k, v, out, lse, mx], lambda p=prep: (*p(q, k, v, out, lse, mx, sm_scale=0.088), name))
+        add(f"fast_launch hit ({name})", lambda key=key: fast_launch.launch_cached(key, [q, k, v, out, lse, mx], None))
+
+    print("\ncProfile of 200 fa3_inductor.flex calls (causal, auto):")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(200):
+        fa3_inductor.flex(q, k, v, block_mask=bm)
+    torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(22)
+    print(buf.getvalue())
+    print(f"host cost per call, {torch.cuda.get_device_name()}, torch {torch.__version__}:")
+    for name, us in rows:
+        print(f"  {name:45s} {us:8.1f} us")
+
+
+if __name__ == "__main__":
+    main()

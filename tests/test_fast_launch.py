@@ -1,0 +1,154 @@
+"""The launch cache's argument recipe (runtime/fast_launch.py), without a GPU.
+
+A stand-in JIT function and kernel record what would be launched, so these check the recipe:
+which arguments are the new call's tensors, which descriptors are rebuilt over them, what
+stays constant, and which launches must not be cached at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+
+from fa3_inductor.runtime import fast_launch
+
+
+@dataclasses.dataclass
+class Descriptor:  # the shape of triton's host TensorDescriptor dataclasses
+    base: torch.Tensor
+    shape: list
+    strides: list
+    block_shape: list
+
+
+class FakeKernel:
+    def __init__(self):
+        self.launches = []
+        self.function, self.packed_metadata = "fn", "meta"
+
+    def run(self, g0, g1, g2, stream, function, packed, metadata, enter, exit_, *args):
+        self.launches.append(((g0, g1, g2), args))
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+
+class FakeJit:
+    def __init__(self, fn):
+        self.params = [_Param(p) for p in inspect.signature(fn).parameters.values()]
+        self.kernel = FakeKernel()
+        self.first_calls = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.first_calls.append((grid, args, kwargs))
+            return self.kernel
+        return launch
+
+
+class _Param:
+    def __init__(self, p):
+        self.name, self.default = p.name, p.default
+        self.has_default = p.default is not inspect.Parameter.empty
+
+
+def kernel_signature(x_desc, y, bufs, placeholder, n, scale, BLOCK=64, FLAG=False):
+    pass
+
+
+@pytest.fixture(autouse=True)
+def no_stream(monkeypatch, request):
+    fast_launch.clear()
+    if request.node.get_closest_marker("gpu") is None:  # the stand-in kernels need no stream
+        monkeypatch.setattr(fast_launch, "_current_stream", lambda device: 0)
+    yield
+    fast_launch.clear()
+
+
+def _inputs():
+    x, y, b = torch.randn(4, 8), torch.randn(4, 8), torch.randn(3)
+    return [x, y, b]
+
+
+def _prepare(jit, inputs):
+    x, y, b = inputs
+    args = (Descriptor(x, list(x.shape), list(x.stride()), [2, 8]), y, (b,),
+            torch.zeros(1, dtype=torch.int32), x.shape[0], 0.5)
+    return lambda: (jit, args, {"BLOCK": 32}, (3, 2), "tag")
+
+
+def test_second_call_substitutes_the_new_tensors():
+    jit = FakeJit(kernel_signature)
+    first, second = _inputs(), _inputs()
+    key = ("k", fast_launch.tensor_signature(first))
+    assert fast_launch.launch_cached(key, first, _prepare(jit, first)) == "tag"
+    assert fast_launch.launch_cached(key, second, lambda: pytest.fail("prepare ran")) == "tag"
+    assert len(jit.first_calls) == 1
+    (grid, args), = jit.kernel.launches
+    desc, y, bufs, placeholder, n, scale, block, flag = args
+    assert grid == (3, 2, 1)
+    assert desc.base is second[0] and desc.block_shape == [2, 8] and desc.shape == [4, 8]
+    assert y is second[1] and bufs[0] is second[2]
+    assert placeholder.numel() == 1 and (n, scale, block, flag) == (4, 0.5, 32, False)
+
+
+def test_recipe_keeps_no_reference_to_the_first_tensors():
+    import gc
+    import weakref
+
+    jit = FakeJit(kernel_signature)
+    first = _inputs()
+    refs = [weakref.ref(t) for t in first]
+    fast_launch.launch_cached(("k",), first, _prepare(jit, first))
+    jit.first_calls.clear()
+    del first
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_a_derived_tensor_makes_the_launch_uncacheable():
+    jit = FakeJit(kernel_signature)
+    first = _inputs()
+    x, y, b = first
+    copy = y.t().contiguous().t()  # e.g. a contiguous copy made while preparing: not an input
+    args = (Descriptor(x, [4, 8], [8, 1], [2, 8]), copy, (b,), torch.zeros(1), 4, 0.5)
+    prepare = lambda: (jit, args, {}, (1,), "tag")  # noqa: E731
+    fast_launch.launch_cached(("u",), first, prepare)
+    fast_launch.launch_cached(("u",), first, prepare)
+    assert len(jit.first_calls) == 2 and not jit.kernel.launches
+
+
+def test_signature_tells_alignment_and_layout_apart():
+    base = torch.randn(64)
+    a, b = base[:32], base[1:33]
+    assert fast_launch.tensor_signature([a]) != fast_launch.tensor_signature([b])
+    assert (fast_launch.tensor_signature([torch.zeros(4, 8)])
+            != fast_launch.tensor_signature([torch.zeros(8, 4).t()]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("template", ["auto", "generic"])
+def test_cache_hits_compute_on_the_new_inputs(template):
+    """Same shapes, new tensors (and a (B, S, H, D) layout): every call is right, not only the first."""
+    from reference import assert_matches_reference, reference_attention
+
+    import fa3_inductor
+    from fa3_inductor import mods
+
+    fast_launch.clear()
+    for layout in ("bhsd", "bshd", "bhsd"):
+        for _ in range(2):
+            if layout == "bshd":
+                q, k, v = (torch.randn(2, 256, 4, 128, device="cuda", dtype=torch.bfloat16)
+                           .transpose(1, 2) for _ in range(3))
+            else:
+                q, k, v = (torch.randn(2, 4, 256, 128, device="cuda", dtype=torch.bfloat16)
+                           for _ in range(3))
+            out = fa3_inductor.flex(q, k, v, score_mod=mods.softcap(20.0), mask_mod=mods.causal,
+                                    template=template)
+            ref, _ = reference_attention(q, k, v, mods.softcap(20.0), mods.causal)
+            assert_matches_reference(out, ref, torch.bfloat16)
+    assert fast_launch._CACHE, "the launch cache was never used"
