@@ -106,3 +106,104 @@ def flex_kernel_options(q, k, v) -> dict:
     from torch.nn.attention import flex_attention as fa
 
     return fa._apply_kernel_options(q, k, v, False, None)
+
+
+class FlexBackwardArgs(NamedTuple):
+    """The arguments of torch.ops.higher_order.flex_attention_backward (as its lowering gets
+    them). torch 2.11 and 2.13 pass the same 14, in this order; the block-mask tuple inside
+    differs (see :func:`unpack_block_mask`). The op returns (dq, dk, dv, captured_grads) with
+    one entry per score_mod buffer (None where no gradient) on both versions.
+    """
+
+    query: Any
+    key: Any
+    value: Any
+    out: Any
+    logsumexp: Any
+    grad_out: Any
+    grad_logsumexp: Any
+    fw_graph: Any
+    joint_graph: Any
+    block_mask: Any
+    scale: Any
+    kernel_options: Any
+    score_mod_other_buffers: Any
+    mask_mod_other_buffers: Any
+
+
+def unpack_flex_backward_args(args: tuple, kwargs: dict) -> FlexBackwardArgs:
+    """Name the flex_attention_backward op's arguments, whatever the torch version.
+
+    Example::
+
+        >>> a = unpack_flex_backward_args(args, kwargs); a.joint_graph   # doctest: +SKIP
+    """
+    names = FlexBackwardArgs._fields
+    values = list(args) + [kwargs[n] for n in names[len(args):] if n in kwargs]
+    if len(values) == len(names) - 2:  # trailing buffer tuples left at their defaults
+        values += [(), ()]
+    if len(values) != len(names):
+        raise RuntimeError(
+            f"fa3_inductor: flex_attention_backward got {len(values)} arguments; expected "
+            f"{len(names)} (torch 2.11-2.13). Pin torch 2.11-2.13 or report the version.")
+    return FlexBackwardArgs(*values)
+
+
+def joint_graph_buffer_grads(joint_graph_module: Any, n_buffers: int) -> list[bool]:
+    """Which score_mod buffers the flex backward's joint graph returns a gradient for.
+
+    The joint graph returns (d score, 4 × None for b/h/q_idx/kv_idx, one entry per captured
+    buffer), an entry being None where that buffer needs no gradient.
+
+    Example::
+
+        >>> joint_graph_buffer_grads(joint_gm, 1)   # doctest: +SKIP
+        [True]
+    """
+    output = next(n for n in joint_graph_module.graph.nodes if n.op == "output")
+    results = output.args[0]
+    if not isinstance(results, (tuple, list)):
+        results = (results,)
+    buffer_results = list(results)[len(results) - n_buffers:] if n_buffers else []
+    if len(buffer_results) != n_buffers:
+        raise RuntimeError(f"fa3_inductor: flex backward joint graph returns {len(results)} "
+                           f"values for {n_buffers} captured buffers; unsupported torch version")
+    return [r is not None for r in buffer_results]
+
+
+def flex_hop_kernel_options(q, k, v) -> dict:
+    """kernel_options for calling the flex_attention op directly in a training graph: like
+    :func:`flex_kernel_options`, but asking for the LSE, which the backward reads (torch's
+    front door turns it off for CPU tensors, where it has no backward)."""
+    options = dict(flex_kernel_options(q, k, v))
+    options["OUTPUT_LOGSUMEXP"] = True
+    return options
+
+
+def call_flex_hop(q, k, v, score_mod, block_mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """Call the flex_attention op the way torch's flex_attention does after its validation;
+    returns (out, lse in natural log). For training graphs on devices where torch's front door
+    refuses backward (the CPU) but our lowerings serve it. The caller validates the inputs.
+
+    Example::
+
+        >>> out, lse = call_flex_hop(q, k, v, None, None, None)   # doctest: +SKIP
+    """
+    import math
+
+    from torch.nn.attention import flex_attention as fa
+
+    if score_mod is None:
+        score_mod = fa._identity
+    if block_mask is None:
+        block_mask = fa._create_empty_block_mask(q, k)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.size(-1))
+    if torch.compiler.is_dynamo_compiling():
+        for x in (q, k, v):  # head count and head dim specialize kernels, as torch marks them
+            torch._dynamo.mark_static(x, -3)
+            torch._dynamo.mark_static(x, -1)
+    results = torch.ops.higher_order.flex_attention(
+        q, k, v, score_mod, block_mask.as_tuple(), scale, flex_hop_kernel_options(q, k, v))
+    out, lse = results[0], results[1]
+    return out, lse * math.log(2.0)  # the op's LSE is in log2 units

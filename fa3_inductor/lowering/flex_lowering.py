@@ -8,8 +8,9 @@ other backend it calls the original untouched. When it acts it either
   ``torch.ops.fa3_inductor.flex_fwd`` (runtime/ops.py), or
 - hands the site to torch's lowering, recording why (unsupported mod, head dim, device...).
 
-Backward stays torch's: its flex_attention_backward lowering reads our (out, lse), which
-follow the op's conventions (LSE in log2 units).
+Backward: flex_backward_lowering.py (installed with this one). On CUDA torch's
+flex_attention_backward lowering reads our (out, lse), which follow the op's conventions (LSE
+in log2 units); on the CPU our dense-recompute op serves it.
 """
 
 from __future__ import annotations
@@ -21,17 +22,13 @@ import torch
 from .. import _compat
 from ..config import Settings
 from ..runtime.spec import SiteSpec
-from ..templates.modgen import (BufferSpec, UnsupportedMod, generate_mod_source,
-                                is_constant_true_mask, is_identity_score)
+from ..templates.modgen import BufferSpec, UnsupportedMod
 from .passes import Fa3PostGradPass
-from .report import LoweredSite, record_site
+from .report import LoweredSite, record_site, site_tag
+from .site_plan import plan_site, unserved
 
 _FLEX_OP = torch.ops.higher_order.flex_attention
 _original_lowering: Optional[Any] = None
-
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-HOPPER_HEAD_DIMS = (64, 128, 256)
-
 
 def active_pass() -> Optional[Fa3PostGradPass]:
     """The fa3 backend's marker pass if the current compile belongs to the fa3 backend."""
@@ -49,6 +46,9 @@ def install() -> None:
         >>> from fa3_inductor.lowering import flex_lowering; flex_lowering.install()
     """
     global _original_lowering
+    from . import flex_backward_lowering  # imports this module: a cycle at import time
+
+    flex_backward_lowering.install()
     table = _compat.inductor_lowerings()
     current = table[_FLEX_OP]
     if getattr(current, "_fa3_wrapper", False):
@@ -101,10 +101,6 @@ def _mod_summary(source: Optional[str]) -> str:
     return "; ".join(body)
 
 
-def _is_pow2_at_least_16(x: int) -> bool:
-    return x >= 16 and x & (x - 1) == 0
-
-
 def _plan(query, key, value, subgraph, bm: _compat.FlexBlockMask, score_bufs, mask_bufs,
           settings: Settings) -> tuple[Optional[SiteSpec], Optional[str], str]:
     """Decide how to serve one site: (spec, None, shape) or (None, reason, shape)."""
@@ -118,66 +114,32 @@ def _plan(query, key, value, subgraph, bm: _compat.FlexBlockMask, score_bufs, ma
     if settings.template == "torch":
         return None, "option fa3.template='torch'", shape
     # Batch and sequence lengths may stay symbolic (the kernel takes them at run time);
-    # head counts and head dims specialize the kernel.
+    # head counts, head dims and block-mask block sizes specialize the kernel (torch's
+    # lowering guards on the block sizes too).
     hq, hkv, d, dv = (sizevars.guard_int(x) for x in (
         query.get_size()[1], key.get_size()[1], query.get_size()[-1], value.get_size()[-1]))
-    reason = _unserved(device, dtype, d)
+    reason = unserved(device, dtype, d)
     if reason is not None:
         return None, reason, shape
-    if d != dv:
-        return None, f"value head dim {dv} differs from query head dim {d}", shape
     bq, bkv = query.get_size()[0], key.get_size()[0]
-    if not (sizevars.statically_known_equals(bq, bkv) or sizevars.statically_known_equals(bkv, 1)):
-        return None, f"batch {bq} vs kv batch {bkv}", shape
-    if hq % hkv != 0:
-        return None, f"{hq} query heads are not a multiple of {hkv} kv heads", shape
-    # Block-mask block sizes specialize the kernel (torch's lowering guards on them too).
-    sparse = [sizevars.guard_int(x) for x in (bm.sparse_q_block, bm.sparse_kv_block)]
-    if not all(_is_pow2_at_least_16(s) for s in sparse):
-        return None, (f"block-mask block size {bm.sparse_q_block}x{bm.sparse_kv_block} "
-                      "(fa3 serves powers of two >= 16)"), shape
-
+    batches_match = (sizevars.statically_known_equals(bq, bkv)
+                     or sizevars.statically_known_equals(bkv, 1))
+    sparse = tuple(sizevars.guard_int(x) for x in (bm.sparse_q_block, bm.sparse_kv_block))
     score_specs, why = _buffer_specs(score_bufs)
     if why:
         return None, why, shape
     mask_specs, why = _buffer_specs(mask_bufs)
     if why:
         return None, why, shape
-    score_gm = subgraph.graph_module
-    mask_gm = bm.mask_graph.graph_module
-    sources: dict[str, Optional[str]] = {}
     try:
-        for dialect in ("tl", "gl"):
-            sources[f"score_mod_{dialect}"] = None if is_identity_score(score_gm) else \
-                generate_mod_source(score_gm, "score", score_specs, dialect)
-            sources[f"mask_mod_{dialect}"] = None if is_constant_true_mask(mask_gm) else \
-                generate_mod_source(mask_gm, "mask", mask_specs, dialect)
+        spec, reason = plan_site(
+            subgraph.graph_module, bm.mask_graph.graph_module, score_specs, mask_specs,
+            device=device, dtype=dtype, q_heads=hq, kv_heads=hkv, head_dim=d,
+            value_head_dim=dv, batches_match=batches_match, sparse_blocks=sparse,
+            settings=settings, description=shape)
     except UnsupportedMod as exc:
         return None, f"mod not lowerable: {exc}", shape
-
-    template = "generic"
-    on_hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-    hopper_ok = on_hopper and d in HOPPER_HEAD_DIMS and dtype != torch.float32
-    if settings.template in ("auto", "hopper") and hopper_ok and _hopper_available():
-        template = "hopper"
-    spec = SiteSpec(template=template, description=shape, **sources)
-    return spec, None, shape
-
-
-def _unserved(device: torch.device, dtype: torch.dtype, head_dim: int) -> Optional[str]:
-    """Why our kernels cannot serve this device/dtype/head dim, or None."""
-    from triton import knobs
-
-    if device.type == "cpu" and not knobs.runtime.interpret:
-        return ("CPU tensors and Triton's interpreter is off (TRITON_INTERPRET=1 runs "
-                "the generic kernel on the CPU)")
-    if device.type not in ("cuda", "cpu"):
-        return f"device {device.type} is not served"
-    if dtype not in SUPPORTED_DTYPES:
-        return f"dtype {dtype} (fa3 serves float16, bfloat16, float32)"
-    if not (16 <= head_dim <= 256 and head_dim % 8 == 0):
-        return f"head dim {head_dim} (fa3 serves multiples of 8 from 16 to 256)"
-    return None
+    return spec, reason, shape
 
 
 def unserved_reason(example_query: torch.Tensor) -> Optional[str]:
@@ -187,15 +149,7 @@ def unserved_reason(example_query: torch.Tensor) -> Optional[str]:
     kernel is better left as the user wrote it.
     """
     q = example_query
-    return _unserved(q.device, q.dtype, int(q.shape[-1]))
-
-
-def _hopper_available() -> bool:
-    try:
-        from ..templates import hopper  # noqa: F401
-    except ImportError:
-        return False
-    return hasattr(hopper, "launch_fwd_sm90")
+    return unserved(q.device, q.dtype, int(q.shape[-1]))
 
 
 def _fresh_4d_buffer(x):
@@ -220,36 +174,46 @@ def _fa3_flex_lowering(query, key, value, subgraph, block_mask, scale, kernel_op
     from torch._inductor.virtualized import V
 
     bm = _compat.unpack_block_mask(block_mask)
+    tag = site_tag(getattr(V.graph, "current_node", None))  # links to a RecognizedSite
     spec, reason, shape = _plan(query, key, value, subgraph, bm, score_mod_other_buffers,
                                 mask_mod_other_buffers, marker.settings)
     if spec is None:
-        record_site(LoweredSite("torch", "?", "?", shape, reason))
+        record_site(LoweredSite("torch", "?", "?", shape, reason, site_id=tag))
         if query.get_device().type == "cpu":
             query, key, value = (_fresh_4d_buffer(x) for x in (query, key, value))
         return _original_lowering(query, key, value, subgraph, block_mask, scale,
                                   kernel_options, score_mod_other_buffers,
                                   mask_mod_other_buffers)
     record_site(LoweredSite(spec.template, _mod_summary(spec.score_mod_tl),
-                            _mod_summary(spec.mask_mod_tl), shape))
+                            _mod_summary(spec.mask_mod_tl), shape, site_id=tag))
     q, k, v = (ir.ExternKernel.require_stride1(ir.ExternKernel.realize_input(x))
                for x in (query, key, value))
     score_bufs = [ir.ExternKernel.require_contiguous(b) for b in score_mod_other_buffers
                   if isinstance(b, ir.IRNode)]
     mask_bufs = [ir.ExternKernel.require_contiguous(b) for b in mask_mod_other_buffers
                  if isinstance(b, ir.IRNode)]
-    # The block-mask tables always travel: even with no mask_mod they say which KV blocks
-    # exist (torch's default mask lists every block).
     sizevars = V.graph.sizevars
+    sparse_q, sparse_kv = (sizevars.guard_int(bm.sparse_q_block),
+                           sizevars.guard_int(bm.sparse_kv_block))
+    tables = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
+    if _is_no_mask(spec, sparse_q, sparse_kv):
+        # torch's "no mask" (one block of 2**30 covering everything, mask_mod always true):
+        # the kernel's dense path is the same attention, and the tables' in-graph
+        # construction (a few tiny kernels per call) is then dead code Inductor removes.
+        tables = (None, None, None, None)
     call = _compat.fallback_kernel(torch.ops.fa3_inductor.flex_fwd.default)
     out, lse, max_scores = call(
-        q, k, v,
-        bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
-        score_bufs, mask_bufs, float(scale), sizevars.guard_int(bm.sparse_q_block),
-        sizevars.guard_int(bm.sparse_kv_block),
+        q, k, v, *tables, score_bufs, mask_bufs, float(scale), sparse_q, sparse_kv,
         spec.to_json())
     if _compat.flex_op_returns_max_scores():
         return out, lse, max_scores
     return out, lse
+
+
+def _is_no_mask(spec: SiteSpec, sparse_q: int, sparse_kv: int) -> bool:
+    """torch's "no mask": an always-true mask_mod over blocks of 2**30 (one block covers any
+    sequence; torch lists it, so every key is visible)."""
+    return spec.mask_mod_tl is None and sparse_q >= (1 << 30) and sparse_kv >= (1 << 30)
 
 
 _fa3_flex_lowering._fa3_wrapper = True  # type: ignore[attr-defined]

@@ -19,6 +19,7 @@ class LoweredSite:
     mask_mod: str
     shape: str                    # "q[B,H,M,D] kv[B,Hkv,N,D] dtype"
     fallback_reason: Optional[str] = None
+    site_id: Optional[int] = None  # the RecognizedSite this came from (see SITE_TAG)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -30,11 +31,17 @@ _SITES: list[LoweredSite] = []
 def record_site(site: LoweredSite) -> None:
     _SITES.append(site)
     if site.fallback_reason:
-        log.info("fa3_inductor: flex_attention %s -> torch's kernel: %s", site.shape,
-                 site.fallback_reason)
+        log.info("fa3_inductor: flex_attention %s -> torch's kernel: %s%s", site.shape,
+                 site.fallback_reason, _site_suffix(site.site_id))
     else:
-        log.info("fa3_inductor: flex_attention %s -> %s template (score_mod: %s; mask_mod: %s)",
-                 site.shape, site.template, site.score_mod, site.mask_mod)
+        log.info("fa3_inductor: flex_attention %s -> %s template (score_mod: %s; mask_mod: %s)%s",
+                 site.shape, site.template, site.score_mod, site.mask_mod,
+                 _site_suffix(site.site_id))
+
+
+def _site_suffix(site_id: Optional[int]) -> str:
+    """" [site N]": ties a lowering's log line to the recognition line of the same site."""
+    return f" [site {site_id}]" if site_id is not None else ""
 
 
 def lowered_sites() -> list[dict[str, Any]]:
@@ -76,6 +83,7 @@ class RecognizedSite:
     mask: str = "none"            # recognized mask, e.g. "causal", "dense bool [B,1,M,N]"
     gqa_groups: int = 1           # query heads per kv head
     training: bool = False        # the graph needs gradients through this site
+    site_id: Optional[int] = None  # set when the site's flex_attention node is tagged (SITE_TAG)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -87,9 +95,9 @@ _RECOGNIZED: list[RecognizedSite] = []
 def record_recognized(site: RecognizedSite) -> None:
     _RECOGNIZED.append(site)
     if site.rewritten:
-        log.info("fa3_inductor: %s %s -> flex_attention (mods: %s; mask: %s; GQA groups %d)",
+        log.info("fa3_inductor: %s %s -> flex_attention (mods: %s; mask: %s; GQA groups %d)%s",
                  site.front_door, site.node, ", ".join(site.score_mods) or "none", site.mask,
-                 site.gqa_groups)
+                 site.gqa_groups, _site_suffix(site.site_id))
     else:
         log.info("fa3_inductor: %s %s left alone: %s", site.front_door, site.node, site.reason)
 
@@ -104,3 +112,33 @@ def recognized_sites() -> list[dict[str, Any]]:
         [('sdpa', True)]
     """
     return [s.as_dict() for s in _RECOGNIZED]
+
+
+# Linking a recognized site to the lowering of its flex_attention node. Recognition writes a
+# process-unique id into the node's ``meta["custom"]``: AOT autograd copies that field onto the
+# nodes it traces (forward and backward alike), so the lowering finds it on
+# ``V.graph.current_node``. Nothing reaches the op's arguments (kernel_options stay torch's).
+SITE_TAG = "fa3_site"
+_NEXT_ID = [0]
+
+
+def tag_site(node: Any, site: RecognizedSite) -> None:
+    """Give ``site`` a fresh id and write it on its flex_attention FX ``node``."""
+    _NEXT_ID[0] += 1
+    site.site_id = _NEXT_ID[0]
+    custom = dict(node.meta.get("custom") or {})
+    custom[SITE_TAG] = site.site_id
+    node.meta["custom"] = custom
+
+
+def site_tag(node: Any) -> Optional[int]:
+    """The site id written on an FX node by :func:`tag_site`, or None."""
+    if node is None:
+        return None
+    custom = node.meta.get("custom") or {}
+    return custom.get(SITE_TAG) if isinstance(custom, dict) else None
+
+
+def site_records() -> tuple[list[RecognizedSite], list[LoweredSite]]:
+    """The recorded sites as objects (copies of the lists), oldest first: for explain()."""
+    return list(_RECOGNIZED), list(_SITES)

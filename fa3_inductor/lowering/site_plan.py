@@ -1,0 +1,98 @@
+"""How one attention site is served: the decision shared by the lowering and flex()'s direct path.
+
+Given the mods' graphs and the site's static facts (device, dtype, head counts and dims, block
+sizes), either a SiteSpec (template + generated mod sources) or the reason our kernels do not
+serve it. Both front doors thereby make the same choice for the same site.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from ..config import Settings
+from ..runtime.spec import SiteSpec
+from ..templates.modgen import (BufferSpec, generate_mod_source, is_constant_true_mask,
+                                is_identity_score)
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+HOPPER_HEAD_DIMS = (64, 128, 256)
+
+
+def unserved(device: torch.device, dtype: torch.dtype, head_dim: int) -> Optional[str]:
+    """Why our kernels cannot serve this device/dtype/head dim, or None.
+
+    Example::
+
+        >>> unserved(torch.device("cuda"), torch.float64, 128)
+        'dtype torch.float64 (fa3 serves float16, bfloat16, float32)'
+    """
+    from triton import knobs
+
+    if device.type == "cpu" and not knobs.runtime.interpret:
+        return ("CPU tensors and Triton's interpreter is off (TRITON_INTERPRET=1 runs "
+                "the generic kernel on the CPU)")
+    if device.type not in ("cuda", "cpu"):
+        return f"device {device.type} is not served"
+    if dtype not in SUPPORTED_DTYPES:
+        return f"dtype {dtype} (fa3 serves float16, bfloat16, float32)"
+    if not (16 <= head_dim <= 256 and head_dim % 8 == 0):
+        return f"head dim {head_dim} (fa3 serves multiples of 8 from 16 to 256)"
+    return None
+
+
+def plan_site(score_gm: torch.fx.GraphModule, mask_gm: torch.fx.GraphModule,
+              score_specs: Sequence[Optional[BufferSpec]],
+              mask_specs: Sequence[Optional[BufferSpec]], *, device: torch.device,
+              dtype: torch.dtype, q_heads: int, kv_heads: int, head_dim: int,
+              value_head_dim: int, batches_match: bool, sparse_blocks: tuple[int, int],
+              settings: Settings, description: str) -> tuple[Optional[SiteSpec], Optional[str]]:
+    """(spec, None) when our kernels serve the site, else (None, reason).
+
+    Raises UnsupportedMod (templates/modgen.py) when a mod cannot be generated.
+
+    Example::
+
+        >>> spec, why = plan_site(score_gm, mask_gm, [], [], device=q.device, dtype=q.dtype,
+        ...     q_heads=8, kv_heads=2, head_dim=128, value_head_dim=128, batches_match=True,
+        ...     sparse_blocks=(128, 128), settings=Settings(), description="q[...]")  # doctest: +SKIP
+    """
+    if settings.template == "torch":
+        return None, "option fa3.template='torch'"
+    reason = unserved(device, dtype, head_dim)
+    if reason is not None:
+        return None, reason
+    if head_dim != value_head_dim:
+        return None, f"value head dim {value_head_dim} differs from query head dim {head_dim}"
+    if not batches_match:
+        return None, "key/value batch differs from the query's (and is not 1)"
+    if q_heads % kv_heads != 0:
+        return None, f"{q_heads} query heads are not a multiple of {kv_heads} kv heads"
+    if not all(_is_pow2_at_least_16(s) for s in sparse_blocks):
+        return None, (f"block-mask block size {sparse_blocks[0]}x{sparse_blocks[1]} "
+                      "(fa3 serves powers of two >= 16)")
+    sources: dict[str, Optional[str]] = {}
+    for dialect in ("tl", "gl"):
+        sources[f"score_mod_{dialect}"] = None if is_identity_score(score_gm) else \
+            generate_mod_source(score_gm, "score", score_specs, dialect)
+        sources[f"mask_mod_{dialect}"] = None if is_constant_true_mask(mask_gm) else \
+            generate_mod_source(mask_gm, "mask", mask_specs, dialect)
+    template = "generic"
+    on_hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    hopper_ok = on_hopper and head_dim in HOPPER_HEAD_DIMS and dtype != torch.float32
+    if settings.template in ("auto", "hopper") and hopper_ok and _hopper_available():
+        template = "hopper"
+    return SiteSpec(template=template, description=description, **sources), None
+
+
+def _is_pow2_at_least_16(x: int) -> bool:
+    return x >= 16 and x & (x - 1) == 0
+
+
+def _hopper_available() -> bool:
+    try:
+        from ..templates import hopper
+    except ImportError:
+        return False
+    return hasattr(hopper, "launch_fwd_sm90")
