@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from . import _compat
+from . import _compat, direct
 from ._log import info_once
 from .backend import fa3_backend
 from .config import TEMPLATES
@@ -86,7 +86,10 @@ def _block_mask_for(mask_mod: Callable, q: Tensor, k: Tensor) -> BlockMask:
                              device=q.device)
 
 
-def _flex_call(q, k, v, score_mod, block_mask, scale, enable_gqa, return_lse):
+def _flex_call(q, k, v, score_mod, block_mask, scale, enable_gqa, return_lse, direct_op=False):
+    if direct_op:  # CPU training: torch's front door refuses it, our lowerings serve it
+        out, lse = _compat.call_flex_hop(q, k, v, score_mod, block_mask, scale)
+        return (out, lse) if return_lse else out
     if return_lse:
         return _compat.flex_attention_with_lse(q, k, v, score_mod=score_mod,
                                                block_mask=block_mask, scale=scale,
@@ -118,13 +121,53 @@ def _code_of(fn: Optional[Callable]) -> Any:
     return getattr(fn, "__code__", None) if fn is not None else None
 
 
+def _needs_grad(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
+def _cpu_training(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether this call needs a backward on the CPU (torch's FlexAttention has none)."""
+    return (q.device.type == "cpu" and torch.is_grad_enabled()
+            and any(t.requires_grad for t in (q, k, v)))
+
+
+def _check_block_mask_fits(block_mask: Optional[BlockMask], q: Tensor, k: Tensor) -> None:
+    """The length and device checks torch's flex_attention makes on a BlockMask (the direct-op
+    path for CPU training skips torch's front door, not its validation)."""
+    if block_mask is None:
+        return
+    if block_mask.kv_num_blocks.device != q.device:
+        raise ValueError(f"flex: block_mask is on {block_mask.kv_num_blocks.device}, q/k/v on "
+                         f"{q.device}; build the block mask on the inputs' device")
+    large = 1 << 30  # torch's "no mask" block size
+    if tuple(block_mask.BLOCK_SIZE) == (large, large):
+        return
+    mq, mkv = block_mask.shape[-2], block_mask.shape[-1]
+    if (q.shape[2], k.shape[2]) != (mq, mkv):
+        raise ValueError(f"flex: block_mask was built for q_len={mq}, kv_len={mkv} but got "
+                         f"q_len={q.shape[2]}, kv_len={k.shape[2]}; build it for these lengths "
+                         "(create_block_mask) or adjust it with block_mask._adjust(q_len, kv_len)")
+
+
+_CPU_BACKWARD_HELP = (
+    "fa3_inductor.flex: backward on CPU tensors needs fa3's kernels, which run on the CPU only "
+    "under Triton's interpreter (torch's FlexAttention has no CPU backward). Set "
+    "TRITON_INTERPRET=1 before importing triton/torch, move the tensors to a CUDA device, or "
+    "run without gradients (torch.no_grad(), or inputs with requires_grad=False).")
+
+
+@torch.compiler.assume_constant_result  # Dynamo cannot trace triton's getenv: ask, don't trace
+def _triton_interpreting() -> bool:
+    from triton import knobs
+
+    return bool(knobs.runtime.interpret)
+
+
 def _runs_our_kernels(q: Tensor) -> bool:
     if q.is_cuda:
         return True
     if q.device.type == "cpu":
-        from triton import knobs
-
-        return bool(knobs.runtime.interpret)
+        return _triton_interpreting()
     return False
 
 
@@ -144,7 +187,10 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
 
     On CUDA the call is compiled with the fa3 backend (first call per mod compiles). On the
     CPU it runs torch's own implementation, unless TRITON_INTERPRET=1 is set, in which case
-    our generic kernel runs under Triton's interpreter (how CI checks kernel numerics).
+    our generic kernel runs under Triton's interpreter (how CI checks kernel numerics), and
+    backward runs too (a dense float32 recompute; torch's FlexAttention has no CPU backward).
+    CPU inputs that need gradients without the interpreter raise NotImplementedError saying
+    what to do.
 
     Example::
 
@@ -159,7 +205,15 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
         raise ValueError(f"flex: template must be one of {TEMPLATES}, got {template!r}")
     if mask_mod is not None:
         block_mask = _block_mask_for(mask_mod, q, k)
-    args = (q, k, v, score_mod, block_mask, scale, enable_gqa, return_lse)
+    _check_block_mask_fits(block_mask, q, k)
+    training_on_cpu = _cpu_training(q, k, v)
+    if training_on_cpu and not _runs_our_kernels(q):
+        raise NotImplementedError(_CPU_BACKWARD_HELP)
+    if q.device.type == "cpu" and not torch.is_grad_enabled():
+        # Nothing is recorded without grad mode; torch's CPU check refuses inputs that merely
+        # carry requires_grad, so hand it detached views.
+        q, k, v = q.detach(), k.detach(), v.detach()
+    args = (q, k, v, score_mod, block_mask, scale, enable_gqa, return_lse, training_on_cpu)
     if torch.compiler.is_compiling():
         return _flex_call(*args)  # an enclosing torch.compile captures the op itself
     if not _runs_our_kernels(q):
@@ -167,6 +221,12 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
                   "(fa3 kernels need CUDA, or TRITON_INTERPRET=1 on the CPU)")
         record_template("torch")
         return _flex_call(*args)
+    if q.is_cuda and template != "torch" and not _needs_grad(q, k, v):
+        # Inference: plan once, then call our op directly (no Dynamo/AOT/Inductor per call).
+        served = direct.forward(q, k, v, score_mod, block_mask,
+                                scale if scale is not None else q.shape[-1] ** -0.5, template)
+        if served is not None:
+            return served if return_lse else served[0]
     mask_fn = block_mask.mask_mod if block_mask is not None else None
     shapes = (tuple(q.shape), tuple(k.shape), q.dtype, q.device, q.requires_grad)
     compiled = _compiled_for(_code_of(score_mod), _code_of(mask_fn), template, shapes)

@@ -38,3 +38,37 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "sm90_compile" in item.keywords and interpreting:
             item.add_marker(skip_compile)
+
+
+@pytest.fixture
+def fresh_compiles():
+    """Every compile in the test really lowers (and records its sites): Dynamo starts empty and
+    Inductor's and AOT autograd's on-disk caches are off, since a cache hit skips lowering."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    import fa3_inductor
+
+    torch._dynamo.reset()
+    fa3_inductor.clear_lowered_sites()
+    with inductor_config.patch(fx_graph_cache=False), \
+            functorch_config.patch(enable_autograd_cache=False):
+        yield
+
+
+@pytest.fixture
+def cpu_kernels():
+    """Skip unless our kernels run on CPU tensors here (Triton's interpreter is on)."""
+    from triton import knobs
+
+    if not knobs.runtime.interpret:
+        pytest.skip("CPU runs of our kernel need TRITON_INTERPRET=1 (conftest sets it without CUDA)")
+
+
+@pytest.fixture
+def our_kernels():
+    """Skip unless our kernels can run at all here (a CUDA device, or the interpreter)."""
+    from triton import knobs
+
+    if not knobs.runtime.interpret and not torch.cuda.is_available():
+        pytest.skip("our kernels need CUDA or TRITON_INTERPRET=1")

@@ -65,3 +65,29 @@ def assert_lse_matches(lse: torch.Tensor, ref_lse: torch.Tensor, dtype: torch.dt
     if finite.any():
         err = (lse[finite] - ref_lse[finite]).abs().max().item()
         assert err <= 50 * TOLERANCE[dtype], f"lse max abs error {err:.3e}"
+
+
+def reference_gradients(q, k, v, grad_out, score_mod: Optional[Callable] = None,
+                        mask_mod: Optional[Callable] = None, scale: Optional[float] = None,
+                        captured: tuple = (), make_score_mod: Optional[Callable] = None):
+    """Float64 autograd through :func:`reference_attention`: (out, dq, dk, dv, d_captured).
+
+    ``captured`` are learnable tensors a score_mod reads (e.g. a bias table); pass
+    ``make_score_mod(*captured64)`` returning the score_mod over float64 copies of them, so
+    their gradients (the list d_captured, in order) are taken in float64 too.
+
+    Example::
+
+        >>> out, dq, dk, dv, (dtable,) = reference_gradients(
+        ...     q, k, v, dout, captured=(table,),
+        ...     make_score_mod=lambda t: lambda s, b, h, qi, ki: s + t[h, qi - ki + 64],
+        ... )  # doctest: +SKIP
+    """
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    extra = [t.detach().double().requires_grad_() for t in captured]
+    if make_score_mod is not None:
+        score_mod = make_score_mod(*extra)
+    out, _ = reference_attention(*leaves, score_mod=score_mod, mask_mod=mask_mod, scale=scale)
+    grads = torch.autograd.grad(out, leaves + extra, grad_out.double(), allow_unused=True)
+    grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves + extra)]
+    return out.detach(), grads[0], grads[1], grads[2], grads[3:]

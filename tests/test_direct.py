@@ -1,0 +1,94 @@
+"""flex()'s direct inference path (fa3_inductor/direct.py): plan keys and numerics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask
+
+import fa3_inductor
+from fa3_inductor import direct, mods
+from reference import assert_matches_reference, reference_attention
+
+CAP = 20.0
+
+
+def _global_softcap(score, b, h, q_idx, kv_idx):
+    return CAP * torch.tanh(score / CAP)
+
+
+def test_same_computation_same_key_different_constant_different_key():
+    assert direct._fn_key(mods.softcap(30.0)) == direct._fn_key(mods.softcap(30.0))
+    assert direct._fn_key(mods.softcap(30.0)) != direct._fn_key(mods.softcap(31.0))
+    nested = mods.and_masks(mods.causal, mods.sliding_window(8))
+    assert direct._fn_key(nested) == direct._fn_key(mods.and_masks(mods.causal, mods.sliding_window(8)))
+    assert direct._fn_key(nested) != direct._fn_key(mods.and_masks(mods.causal, mods.sliding_window(9)))
+
+
+def test_a_rebound_global_changes_the_key(monkeypatch):
+    before = direct._fn_key(_global_softcap)
+    monkeypatch.setattr(__import__(__name__), "CAP", 10.0)
+    assert direct._fn_key(_global_softcap) != before
+
+
+def test_captured_tensors_key_by_identity():
+    ids = torch.arange(64) // 16
+    same, other = mods.document(ids), mods.document(ids.clone())
+    assert direct._fn_key(mods.document(ids)) == direct._fn_key(same)
+    assert direct._fn_key(other) != direct._fn_key(same)
+
+
+def test_callable_objects_are_unkeyable():
+    class Mod:
+        def __call__(self, score, b, h, q_idx, kv_idx):
+            return score
+
+    with pytest.raises(direct._Unkeyable):
+        direct._fn_key(Mod())
+
+
+def _interpreter():
+    from triton import knobs
+
+    if not knobs.runtime.interpret:
+        pytest.skip("CPU runs of our kernel need TRITON_INTERPRET=1")
+
+
+@pytest.mark.parametrize("name", ["noop", "softcap+causal", "document", "alibi"])
+def test_direct_forward_matches_reference(name):
+    _interpreter()
+    direct.clear()
+    B, H, S, D = 1, 2, 80, 16
+    q, k, v = (torch.randn(B, H, S, D, dtype=torch.float16) for _ in range(3))
+    score, mask = {"noop": (None, None), "softcap+causal": (mods.softcap(2.0), mods.causal),
+                   "document": (None, mods.document(torch.arange(S) // 30)),
+                   "alibi": (mods.alibi(H), None)}[name]
+    bm = create_block_mask(mask, None, None, S, S, device="cpu") if mask else None
+    out, lse = direct.forward(q, k, v, score, bm, D ** -0.5, "auto")
+    ref, ref_lse = reference_attention(q, k, v, score, mask)
+    assert_matches_reference(out, ref, torch.float16)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-3, rtol=0)
+
+
+def test_a_new_closure_with_the_same_constant_reuses_the_plan():
+    _interpreter()
+    direct.clear()
+    q, k, v = (torch.randn(1, 1, 32, 16, dtype=torch.float16) for _ in range(3))
+    direct.forward(q, k, v, mods.softcap(5.0), None, 0.25, "auto")
+    direct.forward(q, k, v, mods.softcap(5.0), None, 0.25, "auto")
+    assert len(direct._PLANS) == 1
+    direct.forward(q, k, v, mods.softcap(6.0), None, 0.25, "auto")
+    assert len(direct._PLANS) == 2
+
+
+@pytest.mark.gpu
+def test_inference_calls_take_the_direct_path_and_stay_right():
+    direct.clear()
+    q, k, v = (torch.randn(2, 4, 512, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    bm = create_block_mask(mods.causal, None, None, 512, 512, device="cuda")
+    for cap in (20.0, 20.0, 5.0):
+        out = fa3_inductor.flex(q, k, v, score_mod=mods.softcap(cap), block_mask=bm)
+        ref, _ = reference_attention(q, k, v, mods.softcap(cap), mods.causal)
+        assert_matches_reference(out, ref, torch.bfloat16)
+    assert len(direct._PLANS) == 2
+    assert fa3_inductor.last_template() == "hopper"
