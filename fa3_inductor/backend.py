@@ -19,6 +19,7 @@ import torch
 from .config import split_options
 from .lowering import flex_lowering
 from .lowering.passes import Fa3PostGradPass
+from .lowering.recognize_flex import flex_call_sites, tag_rewritten
 from .lowering.recognize_sdpa import rewrite_sdpa
 from .lowering.report import record_recognized
 
@@ -51,6 +52,9 @@ def fa3_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
     extra_inputs: list = []
     if settings.recognize and settings.template != "torch":
         gm, extra_inputs = recognize(gm)
+    else:
+        for site in flex_call_sites(gm):
+            record_recognized(site)
     if not extra_inputs:
         return compile_fx(gm, example_inputs, config_patches=patches)
     fake_mode = torch._guards.detect_fake_mode(example_inputs)
@@ -93,9 +97,17 @@ def recognize(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list]:
         >>> gm, extra_inputs = recognize(gm)   # doctest: +SKIP
     """
     original = gm
+    user_calls = flex_call_sites(original)  # flex_attention the user wrote: tagged, kept as is
+    before = [site.node for site in user_calls]
+    positions = {node.name: i for i, node in enumerate(original.graph.nodes)}
     gm = _own_copy(gm)
     sites, extra_inputs = rewrite_sdpa(gm, flex_lowering.unserved_reason)
-    for site in sites:
+    from .lowering.recognize_manual import rewrite_manual
+    manual_sites, manual_inputs = rewrite_manual(gm, flex_lowering.unserved_reason)
+    sites, extra_inputs = sites + manual_sites, extra_inputs + manual_inputs
+    # (every rewriting pass runs above this line: the next one tags the nodes they made)
+    tag_rewritten(gm, before, positions, sites)
+    for site in sorted(user_calls + sites, key=lambda s: positions.get(s.node, len(positions))):
         record_recognized(site)
     if not any(site.rewritten for site in sites):
         return original, []

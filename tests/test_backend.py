@@ -28,17 +28,7 @@ def test_backend_is_listed_with_nothing_imported():
                     f"package with `pip install -e .`): {out.stdout}{out.stderr[-500:]}")
 
 
-@pytest.fixture(autouse=True)
-def fresh_compiles():
-    """Lowering runs (and records sites) only on a cache miss: switch Inductor's and AOT
-    autograd's on-disk caches off so every compile here really lowers."""
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
-    torch._dynamo.reset()
-    with inductor_config.patch(fx_graph_cache=False), \
-            functorch_config.patch(enable_autograd_cache=False):
-        yield
+pytestmark = pytest.mark.usefixtures("fresh_compiles")
 
 
 def _attention(q, k, v, block_mask):

@@ -5,21 +5,23 @@ is traced like a flex_attention call a user wrote: forward and backward alike. T
 made only when it is exact and our kernels will serve the site; every other call is left
 alone and reported with the reason.
 
-Served now: inference graphs; no attn_mask, dropout_p == 0, is_causal (top-left aligned, as
-SDPA defines it), scale, enable_gqa; static shapes. The causal block mask is built once, at
-rewrite time, from the static sequence lengths and travels as extra graph inputs.
+Served now: inference and training graphs (backward: flex_backward_lowering.py);
+dropout_p == 0, is_causal (top-left aligned, as SDPA defines it), scale, enable_gqa, attn_mask
+(bool: keep where True; float: added), static shapes. The causal block mask is built once, at
+rewrite time, from the static sequence lengths and travels as extra graph inputs; attn_mask
+goes through the mask planner shared with hand-written attention (attention_site.py). The flex
+node is built by canonical.py, shared with the other recognition passes.
 """
 
 from __future__ import annotations
 
-import operator
 from typing import Any, Callable, Optional
 
 import torch
 import torch.fx
 import torch.nn.functional as F
 
-from .. import _compat
+from . import canonical
 from .flex_lowering import static_ints
 from .report import RecognizedSite
 
@@ -28,14 +30,6 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
               "enable_gqa")
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None,
                   "enable_gqa": False}
-
-
-def _identity_score(score, b, h, q_idx, kv_idx):
-    return score
-
-
-def _causal_mask(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
 
 
 def _example(node: Any) -> Optional[torch.Tensor]:
@@ -47,8 +41,17 @@ def _example(node: Any) -> Optional[torch.Tensor]:
 
 def _why_not(args: dict[str, Any], served: Callable[[torch.Tensor], Optional[str]]
              ) -> Optional[str]:
-    if args["attn_mask"] is not None:
-        return "attn_mask tensors are not recognized yet"
+    mask = args["attn_mask"]
+    if mask is not None:
+        if args["is_causal"] is not False:
+            return "attn_mask together with is_causal (SDPA itself rejects the pair)"
+        m = _example(mask)
+        if m is None:
+            return "attn_mask is not a tensor of the graph"
+        if m.dtype != torch.bool and not m.is_floating_point():
+            return f"attn_mask of dtype {m.dtype} (SDPA takes bool or float masks)"
+        if static_ints(m.shape) is None:
+            return "attn_mask has a symbolic shape (fa3 recognizes static shapes)"
     if not isinstance(args["dropout_p"], (int, float)) or args["dropout_p"] != 0:
         return f"dropout_p={args['dropout_p']!r} (only 0 is exact)"
     if not isinstance(args["is_causal"], bool):
@@ -61,10 +64,6 @@ def _why_not(args: dict[str, Any], served: Callable[[torch.Tensor], Optional[str
     shapes = [static_ints(t.shape) for t in (q, k, v)]
     if any(s is None or len(s) != 4 for s in shapes):
         return "query/key/value are not 4-D with static shapes"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        # Not yet: the rewritten training graph (torch's flex backward after our forward) has
-        # not been checked on a GPU, and torch's FlexAttention has no CPU backward at all.
-        return "training graphs are not rewritten yet (inference only)"
     (bq, hq, _, d), (bk, hk, _, dk), (_, _, _, dv) = shapes
     if d != dk or d != dv or bq != bk:
         return f"shapes q{shapes[0]} k{shapes[1]} v{shapes[2]} differ in batch or head dim"
@@ -89,8 +88,6 @@ def rewrite_sdpa(gm: torch.fx.GraphModule,
         >>> [s.rewritten for s in sites]                               # doctest: +SKIP
         [True]
     """
-    from torch.nn.attention.flex_attention import create_block_mask
-
     sites: list[RecognizedSite] = []
     extra_inputs: list[torch.Tensor] = []
     for node in list(gm.graph.nodes):
@@ -104,10 +101,14 @@ def rewrite_sdpa(gm: torch.fx.GraphModule,
             sites.append(RecognizedSite("sdpa", node.name, False, reason))
             continue
         q, k = _example(args["query"]), _example(args["key"])
+        if args["attn_mask"] is not None:
+            sites.append(_rewrite_masked(gm, node, args, served, extra_inputs))
+            continue
         M, N = q.shape[2], k.shape[2]
         with torch._subclasses.fake_tensor.unset_fake_temporarily():
-            mask = create_block_mask(_causal_mask if args["is_causal"] else _full_mask, None,
-                                     None, M, N, device=q.device)
+            keep = torch.ones(M, N, dtype=torch.bool, device=q.device)
+            mask = canonical.dense_block_mask(keep.tril() if args["is_causal"] else None,
+                                              1, 1, M, N, q.device)
         _replace_with_flex(gm, node, args, mask, extra_inputs)
         score_mods = () if args["scale"] is None else (f"scale {args['scale']:g}",)
         sites.append(RecognizedSite("sdpa", node.name, True, score_mods=score_mods,
@@ -119,44 +120,46 @@ def rewrite_sdpa(gm: torch.fx.GraphModule,
     return sites, extra_inputs
 
 
-def _full_mask(b, h, q_idx, kv_idx):
-    return q_idx >= 0
+def _rewrite_masked(gm: torch.fx.GraphModule, node: torch.fx.Node, args: dict,
+                    served: Callable[[torch.Tensor], Optional[str]],
+                    extra_inputs: list[torch.Tensor]) -> RecognizedSite:
+    """An SDPA call with attn_mask: a bool mask keeps where True, a float mask is added.
+
+    The mask goes through the same planner as hand-written attention: built from positions
+    only, it becomes a mask_mod with a block mask made now; read from a tensor, the mods read
+    it as a captured buffer and the block tables are computed at run time. SDPA gives 0 for
+    rows with no key (bool or -inf masks), as flex does.
+    """
+    from .attention_site import AttentionSite, Refused
+
+    q, k = _example(args["query"]), _example(args["key"])
+    mask = args["attn_mask"]
+    kind = "fill" if _example(mask).dtype == torch.bool else "add"
+    scale = args["scale"] if args["scale"] is not None else q.shape[-1] ** -0.5
+    try:
+        site = AttentionSite.from_parts(
+            gm, node, args["query"], args["key"], args["value"], scale=float(scale),
+            gqa=q.shape[1] // k.shape[1], layers=[(kind, mask)], served=served,
+            front_door="sdpa", zero_rows=True)
+        return site.rewrite(extra_inputs)
+    except Refused as exc:
+        return RecognizedSite("sdpa", node.name, False, str(exc))
 
 
 def _replace_with_flex(gm: torch.fx.GraphModule, node: torch.fx.Node, args: dict,
                        block_mask, extra_inputs: list[torch.Tensor]) -> None:
-    graph = gm.graph
-    prefix = f"_fa3_{node.name}"
-
-    def tensor_input(value: torch.Tensor) -> torch.fx.Node:
-        # A new graph input (as Dynamo makes a captured BlockMask's tables): AOT autograd
-        # fakifies inputs, while tensor constants in a Dynamo graph would reach its fake
-        # tracing as real tensors.
-        last = list(graph.find_nodes(op="placeholder"))[-1]
-        with graph.inserting_after(last):
-            ph = graph.placeholder(f"{prefix}_in{len(extra_inputs)}")
-        ph._dynamo_source = None  # no user-visible source: AOT accepts None
-        ph.meta["example_value"] = value
-        extra_inputs.append(value)
-        return ph
-
-    def module_attr(name: str, value: torch.nn.Module) -> torch.fx.Node:
-        setattr(gm, f"{prefix}_{name}", value)
-        return graph.get_attr(f"{prefix}_{name}")
-
     q, k, v = (_example(args[n]) for n in ("query", "key", "value"))
-    tables = [tensor_input(e) if isinstance(e, torch.Tensor) else e
-              for e in block_mask.as_tuple()]
-    with graph.inserting_before(node):
-        score_gm = module_attr("score_mod", torch.fx.symbolic_trace(_identity_score))
-        entries = [module_attr("mask_mod", torch.fx.symbolic_trace(e))
-                   if callable(e) and not isinstance(e, torch.fx.Node) else e for e in tables]
-        scale = args["scale"] if args["scale"] is not None else q.shape[-1] ** -0.5
-        options = _compat.flex_kernel_options(q, k, v)
-        flex = graph.call_function(
-            torch.ops.higher_order.flex_attention,
-            (args["query"], args["key"], args["value"], score_gm, tuple(entries), scale,
-             options, (), ()))
-        out = graph.call_function(operator.getitem, (flex, 0))
+    prefix = f"_fa3_{node.name}"
+    mask = (canonical.ModGraph(canonical.trace_mod(lambda env, idx: idx[2] >= idx[3], "mask",
+                                                   0), [])
+            if args["is_causal"] else None)
+    scale = args["scale"] if args["scale"] is not None else q.shape[-1] ** -0.5
+    with gm.graph.inserting_before(node):
+        out = canonical.insert_flex(
+            gm, args["query"], args["key"], args["value"], score=None, mask=mask,
+            block_mask_entries=lambda attr: canonical.constant_block_mask_entries(
+                gm, block_mask, attr, extra_inputs, prefix),
+            scale=scale, example_qkv=(q, k, v), prefix=prefix)
+    out.meta["example_value"] = node.meta.get("example_value")  # later passes read it
     node.replace_all_uses_with(out)
-    graph.erase_node(node)
+    gm.graph.erase_node(node)

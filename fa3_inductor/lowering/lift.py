@@ -1,0 +1,571 @@
+"""Lift an elementwise tensor expression over the score matrix into a per-element function.
+
+Hand-written attention modifies the [B, H, M, N] score matrix with elementwise code whose other
+operands are built from ``arange``s (positions), constants, tensors gathered at position
+expressions (a T5 bucket table), or plain tensors that broadcast to the scores (a padding mask).
+FlexAttention wants the same thing as a function of one element: ``score_mod(score, b, h,
+q_idx, kv_idx)``. :class:`Lifter` walks the Dynamo graph from a node back to the score node and
+returns, for every node, a :class:`Lifted`: its static shape and a Python function that, given
+one index per dimension, computes that element. Index bookkeeping is the whole trick:
+
+- broadcasting right-aligns shapes and reads size-1 dimensions at index 0;
+- ``arange(n)`` at index ``i`` is ``i`` (start/step applied), so an arange broadcast along the
+  query axis *becomes* ``q_idx``;
+- views (``[:, None]``, ``unsqueeze``, ``expand``, ``permute``, slicing from a constant start)
+  only move indices between dimensions;
+- ``tril``/``triu`` compare the last two indices; ``table[idx]`` and ``F.embedding`` load
+  from a table at a lifted index;
+- any other tensor that does not depend on the score (a graph input, a parameter, the result of
+  an op we do not model) becomes a *captured buffer* read at its indices: exact by construction,
+  and AOT autograd differentiates the buffer like any input of the flex_attention op.
+
+Lifted functions are plain Python over "tensor-like" values, so the same function is traced into
+an FX mod graph (called with ``fx.Proxy`` indices) and evaluated concretely (called with
+broadcast ``arange`` tensors) to check a mask at rewrite time.
+
+Example::
+
+    >>> lifter = Lifter(score_node=scaled)                  # doctest: +SKIP
+    >>> lifted = lifter.lift(softmax_input)                 # doctest: +SKIP
+    >>> lifted.fn(env, [b, h, q_idx, kv_idx])               # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.fx
+
+from .fx_ops import arg, example, op_name, static_shape
+
+
+class NotLiftable(Exception):
+    """The expression uses something this module cannot re-express per element."""
+
+
+@dataclasses.dataclass
+class Env:
+    """Values a lifted function reads besides its indices: the score and captured buffers."""
+
+    score: Any
+    buffers: Sequence[Any]
+
+
+@dataclasses.dataclass
+class Lifted:
+    """One tensor of the expression: static shape, per-element function, and what it reads."""
+
+    shape: tuple[int, ...]
+    fn: Callable[[Env, list], Any]
+    uses_score: bool = False
+    uses_buffers: bool = False
+    dtype: Optional[torch.dtype] = None
+
+
+@dataclasses.dataclass
+class Buffer:
+    """A tensor read by the mods: the graph node, and the view the mod indexes."""
+
+    node: torch.fx.Node
+    shape: tuple[int, ...]        # the node's shape
+    kept_dims: tuple[int, ...]    # dims of size > 1: the mod indexes only these
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, (torch.Tensor, torch.fx.Proxy))
+
+
+def _align(idx: list, in_shape: Sequence[int]) -> list:
+    """Indices of a broadcast operand: right-aligned, size-1 dimensions read at 0."""
+    r = len(in_shape)
+    tail = idx[len(idx) - r:] if r else []
+    return [0 if s == 1 else i for s, i in zip(in_shape, tail)]
+
+
+def _broadcast(shapes: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    return tuple(torch.broadcast_shapes(*[torch.Size(s) for s in shapes]))
+
+
+_BINARY: dict[str, Callable[[Any, Any], Any]] = {
+    "add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv,
+    "pow": operator.pow, "remainder": operator.mod, "floor_divide": operator.floordiv,
+    "lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge,
+    "eq": operator.eq, "ne": operator.ne, "bitwise_and": operator.and_,
+    "bitwise_or": operator.or_, "bitwise_xor": operator.xor,
+    "logical_and": operator.and_, "logical_or": operator.or_,
+}
+_MATH = {"tanh": math.tanh, "exp": math.exp, "log": math.log, "abs": abs, "sqrt": math.sqrt,
+         "sigmoid": lambda x: 1 / (1 + math.exp(-x)), "sin": math.sin, "cos": math.cos,
+         "floor": math.floor, "ceil": math.ceil, "log1p": math.log1p, "erf": math.erf,
+         "rsqrt": lambda x: 1 / math.sqrt(x), "neg": operator.neg}
+_CASTS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16,
+          "double": torch.float64, "long": torch.int64, "int": torch.int32, "bool": torch.bool}
+_IDENTITY = {"contiguous", "clone", "detach", "positive"}
+_FILLS = {"ones": 1, "zeros": 0, "ones_like": 1, "zeros_like": 0, "new_ones": 1,
+          "new_zeros": 0}
+
+
+def _unary(name: str) -> Callable[[Any], Any]:
+    def fn(x: Any) -> Any:
+        if _is_tensor(x):
+            return -x if name == "neg" else getattr(torch, name)(x)
+        return _MATH[name](x)
+    return fn
+
+
+def _where(c: Any, a: Any, b: Any) -> Any:
+    if not _is_tensor(c):
+        return a if c else b
+    return torch.where(c, a, b)
+
+
+def _cast(x: Any, dtype: torch.dtype) -> Any:
+    if _is_tensor(x):
+        return x.to(dtype)
+    if dtype is torch.bool:
+        return bool(x)
+    return float(x) if dtype.is_floating_point else int(x)
+
+
+class Lifter:
+    """Lifts nodes of one Dynamo graph relative to one score node (see the module docstring).
+
+    ``score_node``: the [B, H, M, N] node the mods receive as ``score``. Nodes that depend on
+    it must be elementwise in it; nodes that do not are lifted or captured as buffers.
+
+    Example::
+
+        >>> lifter = Lifter(score_node); lifted = lifter.lift(node)   # doctest: +SKIP
+        >>> [b.node.name for b in lifter.buffers]                      # doctest: +SKIP
+    """
+
+    def __init__(self, score_node: torch.fx.Node,
+                 score_shape: Optional[tuple[int, ...]] = None):
+        self.score_node = score_node
+        self.score_shape = score_shape  # when the score node is not itself the scores (SDPA)
+        self.buffers: list[Buffer] = []
+        self.features: list[str] = []   # what the expression does, for the report
+        self._memo: dict[torch.fx.Node, Lifted] = {}
+        self._depends: dict[torch.fx.Node, bool] = {}
+
+    # -- dependence on the score ---------------------------------------------------------
+    def depends_on_score(self, node: Any) -> bool:
+        """Whether ``node`` is computed from the score node."""
+        if not isinstance(node, torch.fx.Node):
+            return False
+        stack, order = [node], []
+        while stack:  # iterative: score chains and their index graphs can be deep
+            n = stack.pop()
+            if n in self._depends or n is self.score_node:
+                continue
+            order.append(n)
+            stack.extend(a for a in n.all_input_nodes if a not in self._depends)
+        for n in reversed(order):
+            if n not in self._depends:
+                self._depends[n] = n is self.score_node or any(
+                    a is self.score_node or self._depends.get(a, False)
+                    for a in n.all_input_nodes)
+        return node is self.score_node or self._depends[node]
+
+    # -- lifting ---------------------------------------------------------------------------
+    def lift(self, x: Any) -> Lifted:
+        """The per-element form of ``x`` (a node or a Python number)."""
+        if isinstance(x, (bool, int, float)):
+            return Lifted((), lambda env, idx, v=x: v)
+        if not isinstance(x, torch.fx.Node):
+            raise NotLiftable(f"operand {x!r} of type {type(x).__name__}")
+        if x in self._memo:
+            return self._memo[x]
+        lifted = self._lift_node(x)
+        self._memo[x] = lifted
+        return lifted
+
+    def _lift_node(self, node: torch.fx.Node) -> Lifted:
+        if node is self.score_node:
+            shape = self.score_shape or static_shape(node)
+            return Lifted(shape, lambda env, idx: env.score, uses_score=True,
+                          dtype=example(node).dtype)
+        shape = static_shape(node)
+        if shape is None:
+            raise NotLiftable(f"{node.name} has no static tensor shape")
+        name = op_name(node)
+        handler = getattr(self, f"_op_{name}", None) if name else None
+        if name in _BINARY:
+            return self._binary(node, name)
+        if name in _MATH:
+            return self._elementwise(node, [arg(node, 0, "input")], _unary(name))
+        if handler is not None:
+            lifted = handler(node, shape)
+            if lifted is not None:
+                return lifted
+        if self.depends_on_score(node):
+            raise NotLiftable(f"{node.name} ({name or node.target}) is not an elementwise "
+                              "operation fa3 can re-express per score element")
+        return self._buffer(node, shape)
+
+    def _buffer(self, node: torch.fx.Node, shape: tuple[int, ...]) -> Lifted:
+        for i, buf in enumerate(self.buffers):
+            if buf.node is node:
+                k = i
+                break
+        else:
+            k = len(self.buffers)
+            self.buffers.append(Buffer(node, shape, tuple(d for d, s in enumerate(shape)
+                                                          if s != 1)))
+        kept = self.buffers[k].kept_dims
+
+        def fn(env: Env, idx: list) -> Any:
+            picked = [idx[d] for d in kept] or [0]
+            return env.buffers[k][tuple(picked)]
+        return Lifted(shape, fn, uses_buffers=True, dtype=example(node).dtype)
+
+    def _elementwise(self, node: torch.fx.Node, operands: list, op: Callable) -> Lifted:
+        parts = [self.lift(a) for a in operands]
+        shape = static_shape(node)
+        shapes = [p.shape for p in parts]
+
+        def fn(env: Env, idx: list) -> Any:
+            return op(*[p.fn(env, _align(idx, s)) for p, s in zip(parts, shapes)])
+        return Lifted(shape, fn, any(p.uses_score for p in parts),
+                      any(p.uses_buffers for p in parts), example(node).dtype)
+
+    def _binary(self, node: torch.fx.Node, name: str) -> Lifted:
+        a, b = arg(node, 0, "input"), arg(node, 1, "other")
+        if name == "div" and node.kwargs.get("rounding_mode"):
+            mode = node.kwargs["rounding_mode"]
+            if mode != "floor":
+                raise NotLiftable(f"division with rounding_mode={mode!r}")
+            name = "floor_divide"
+        alpha = node.kwargs.get("alpha", 1)
+        op = _BINARY[name]
+        if alpha != 1:
+            return self._elementwise(node, [a, b], lambda x, y: op(x, y * alpha))
+        return self._elementwise(node, [a, b], op)
+
+    # -- ops with their own rules (return None to fall back to a captured buffer) ----------
+    def _op_where(self, node, shape):
+        ops = [arg(node, 0, "condition"), arg(node, 1, "input"), arg(node, 2, "other")]
+        if any(o is None for o in ops):
+            return None
+        return self._elementwise(node, ops, _where)
+
+    def _op_masked_fill(self, node, shape):
+        x, m, v = arg(node, 0, "input"), arg(node, 1, "mask"), arg(node, 2, "value")
+        return self._elementwise(node, [m, v, x], _where)
+
+    def _op_bitwise_not(self, node, shape):
+        return self._elementwise(node, [arg(node, 0, "input")],
+                                 lambda x: ~x if _is_tensor(x) else (not x))
+
+    _op_bitwise_not_bool = _op_bitwise_not
+
+    def _op_minimum(self, node, shape):
+        return self._elementwise(node, [arg(node, 0, "input"), arg(node, 1, "other")],
+                                 lambda x, y: torch.minimum(x, y) if _is_tensor(x) and
+                                 _is_tensor(y) else _where(x < y, x, y))
+
+    def _op_maximum(self, node, shape):
+        return self._elementwise(node, [arg(node, 0, "input"), arg(node, 1, "other")],
+                                 lambda x, y: torch.maximum(x, y) if _is_tensor(x) and
+                                 _is_tensor(y) else _where(x > y, x, y))
+
+    def _op_min(self, node, shape):
+        other = arg(node, 1, "other")
+        return self._op_minimum(node, shape) if isinstance(other, torch.fx.Node) else None
+
+    def _op_max(self, node, shape):
+        other = arg(node, 1, "other")
+        return self._op_maximum(node, shape) if isinstance(other, torch.fx.Node) else None
+
+    def _op_clamp(self, node, shape):
+        lo, hi = arg(node, 1, "min"), arg(node, 2, "max")
+
+        def clamp(x, lo=lo, hi=hi):
+            if lo is not None:
+                x = _where(x < lo, lo, x)
+            if hi is not None:
+                x = _where(x > hi, hi, x)
+            return x
+        if isinstance(lo, torch.fx.Node) or isinstance(hi, torch.fx.Node):
+            return None
+        return self._elementwise(node, [arg(node, 0, "input")], clamp)
+
+    _op_clip = _op_clamp
+
+    def _op_to(self, node, shape):
+        target = next((a for a in list(node.args[1:]) + list(node.kwargs.values())
+                       if isinstance(a, torch.dtype)), None)
+        if target is None:
+            other = next((a for a in node.args[1:] if isinstance(a, torch.fx.Node)), None)
+            target = example(other).dtype if other is not None else None
+        return self._cast(node, target)
+
+    def _op_type_as(self, node, shape):
+        return self._cast(node, example(node.args[1]).dtype)
+
+    def _op_type(self, node, shape):
+        dtype = arg(node, 1, "dtype")
+        return self._cast(node, dtype) if isinstance(dtype, torch.dtype) else None
+
+    def _cast(self, node: torch.fx.Node, dtype: Optional[torch.dtype]) -> Lifted:
+        src = node.args[0]
+        if dtype is None or (self.depends_on_score(src) and dtype.is_floating_point):
+            # Score values: the kernel computes them in float32, which is at least as
+            # precise as the cast; keep the value.
+            return self._elementwise(node, [src], lambda x: x)
+        return self._elementwise(node, [src], lambda x: _cast(x, dtype))
+
+    def _op_arange(self, node, shape):
+        nums = [a for a in node.args]
+        if len(nums) == 1:
+            start, step = 0, 1
+        else:
+            start, step = nums[0], nums[2] if len(nums) > 2 else node.kwargs.get("step", 1)
+        if "start" in node.kwargs:
+            start = node.kwargs["start"]
+        if not all(isinstance(v, (int, float)) for v in (start, step)):
+            return None
+        dtype = example(node).dtype
+        self.features.append("index")
+
+        def fn(env, idx, start=start, step=step):
+            v = idx[0] * step + start if (start, step) != (0, 1) else idx[0]
+            return _cast(v, dtype) if dtype.is_floating_point else v
+        return Lifted(shape, fn, dtype=dtype)
+
+    def _fill(self, node, shape, value):
+        dtype = example(node).dtype
+        value = bool(value) if dtype is torch.bool else (
+            float(value) if dtype.is_floating_point else int(value))
+        return Lifted(shape, lambda env, idx, v=value: v, dtype=dtype)
+
+    def _op_full(self, node, shape):
+        value = arg(node, 1, "fill_value")
+        return self._fill(node, shape, value) if isinstance(value, (int, float, bool)) else None
+
+    def _op_full_like(self, node, shape):
+        return self._op_full(node, shape)
+
+    def _op_new_full(self, node, shape):
+        value = arg(node, 2, "fill_value")
+        return self._fill(node, shape, value) if isinstance(value, (int, float, bool)) else None
+
+    def _op_tril(self, node, shape, upper: bool = False):
+        x, k = self.lift(node.args[0]), arg(node, 1, "diagonal", 0)
+        if not isinstance(k, int) or len(shape) < 2:
+            return None
+
+        zero = False if example(node).dtype is torch.bool else 0
+
+        def fn(env, idx):
+            offset = idx[-1] - idx[-2]
+            keep = offset >= k if upper else offset <= k
+            return _where(keep, x.fn(env, idx), zero)
+        self.features.append("index")
+        return Lifted(shape, fn, x.uses_score, x.uses_buffers, example(node).dtype)
+
+    def _op_triu(self, node, shape):
+        return self._op_tril(node, shape, upper=True)
+
+    def _view_of(self, node, src, mapping: Callable[[list], list]) -> Lifted:
+        x = self.lift(src)
+
+        def fn(env, idx):
+            return x.fn(env, mapping(idx))
+        return Lifted(static_shape(node), fn, x.uses_score, x.uses_buffers, example(node).dtype)
+
+    def _op_unsqueeze(self, node, shape):
+        d = arg(node, 1, "dim")
+        d = d if d >= 0 else d + len(shape)
+        return self._view_of(node, node.args[0], lambda idx: idx[:d] + idx[d + 1:])
+
+    def _op_squeeze(self, node, shape):
+        src_shape = static_shape(node.args[0])
+        dims = [d for d, s in enumerate(src_shape) if s == 1]
+        if len(node.args) > 1 or "dim" in node.kwargs:
+            d = arg(node, 1, "dim")
+            d = [d] if isinstance(d, int) else list(d)
+            dims = [x % len(src_shape) for x in d if src_shape[x] == 1]
+
+        def mapping(idx):
+            it = iter(idx)
+            return [0 if d in dims else next(it) for d in range(len(src_shape))]
+        return self._view_of(node, node.args[0], mapping)
+
+    def _op_reshape(self, node, shape):
+        src_shape = static_shape(node.args[0])
+        if [s for s in src_shape if s != 1] != [s for s in shape if s != 1]:
+            return None  # a real reshape (merging or splitting sizes): captured as a buffer
+        big = [d for d, s in enumerate(shape) if s != 1]
+        src_big = [d for d, s in enumerate(src_shape) if s != 1]
+
+        def mapping(idx):
+            out = [0] * len(src_shape)
+            for d_out, d_in in zip(big, src_big):
+                out[d_in] = idx[d_out]
+            return out
+        return self._view_of(node, node.args[0], mapping)
+
+    _op_view = _op_reshape
+
+    def _op_expand(self, node, shape):
+        src_shape = static_shape(node.args[0])
+        return self._view_of(node, node.args[0], lambda idx: _align(idx, src_shape))
+
+    _op_expand_as = _op_expand
+    _op_broadcast_to = _op_expand
+
+    def _op_permute(self, node, shape):
+        dims = node.args[1:] if len(node.args) > 2 or isinstance(
+            arg(node, 1, "dims"), int) else arg(node, 1, "dims")
+        dims = [d % len(shape) for d in dims]
+
+        def mapping(idx):
+            out = [None] * len(shape)
+            for pos, d in enumerate(dims):
+                out[d] = idx[pos]
+            return out
+        return self._view_of(node, node.args[0], mapping)
+
+    def _op_transpose(self, node, shape):
+        a, b = (d % len(shape) for d in (arg(node, 1, "dim0"), arg(node, 2, "dim1")))
+
+        def mapping(idx):
+            out = list(idx)
+            out[a], out[b] = out[b], out[a]
+            return out
+        return self._view_of(node, node.args[0], mapping)
+
+    def _op_getattr(self, node, shape):
+        if node.args[1] == "mT":
+            return self._view_of(node, node.args[0], lambda idx: idx[:-2] + [idx[-1], idx[-2]])
+        return None
+
+    def _identity(self, node, shape):
+        return self._view_of(node, node.args[0], lambda idx: idx)
+
+    _op_contiguous = _op_clone = _op_detach = _op_positive = _identity
+
+    def _op_float(self, node, shape):
+        return self._cast(node, torch.float32)
+
+    def _op_half(self, node, shape):
+        return self._cast(node, torch.float16)
+
+    def _op_bfloat16(self, node, shape):
+        return self._cast(node, torch.bfloat16)
+
+    def _op_long(self, node, shape):
+        return self._cast(node, torch.int64)
+
+    def _op_int(self, node, shape):
+        return self._cast(node, torch.int32)
+
+    def _op_bool(self, node, shape):
+        return self._cast(node, torch.bool)
+
+    def _op_getitem(self, node, shape):
+        src, index = node.args
+        if not isinstance(src, torch.fx.Node) or example(src) is None:
+            return None
+        if isinstance(index, torch.fx.Node):
+            return self._gather(node, src, index)
+        index = index if isinstance(index, tuple) else (index,)
+        src_shape = static_shape(src)
+        if index and all(isinstance(i, torch.fx.Node) for i in index):
+            return self._gather_many(node, src, list(index))
+        if any(isinstance(i, torch.fx.Node) for i in index):
+            return None
+        n_ellipsis = sum(i is Ellipsis for i in index)
+        used = sum(1 for i in index if i is not None and i is not Ellipsis)
+        if n_ellipsis > 1:
+            return None
+        expanded: list = []
+        for i in index:
+            expanded.extend([slice(None)] * (len(src_shape) - used) if i is Ellipsis else [i])
+        expanded.extend([slice(None)] * (len(src_shape) - sum(
+            1 for i in expanded if i is not None)))
+        plan: list[tuple[str, Any]] = []   # per source dim: ("out", out_pos, start, step) ...
+        out_pos, src_dim = 0, 0
+        for i in expanded:
+            if i is None:
+                out_pos += 1
+                continue
+            size = src_shape[src_dim]
+            if isinstance(i, int):
+                plan.append(("const", i % size))
+            elif isinstance(i, slice):
+                start, _, step = i.indices(size)
+                plan.append(("out", out_pos, start, step))
+                out_pos += 1
+            else:
+                return None
+            src_dim += 1
+
+        def mapping(idx):
+            out = []
+            for p in plan:
+                if p[0] == "const":
+                    out.append(p[1])
+                else:
+                    _, pos, start, step = p
+                    v = idx[pos]
+                    v = v * step if step != 1 else v
+                    out.append(v + start if start else v)
+            return out
+        return self._view_of(node, src, mapping)
+
+    def _gather(self, node, table: torch.fx.Node, index: torch.fx.Node) -> Optional[Lifted]:
+        """``table[index]`` along dim 0 with an index tensor computed from positions."""
+        ix = self.lift(index)
+        if self.depends_on_score(table) or ix.uses_score:
+            return None
+        tab = self._buffer(table, static_shape(table))
+        rank = len(ix.shape)
+        self.features.append("gather")
+
+        def fn(env, idx):
+            return tab.fn(env, [ix.fn(env, idx[:rank])] + idx[rank:])
+        return Lifted(static_shape(node), fn, False, True, example(node).dtype)
+
+    def _gather_many(self, node, table: torch.fx.Node, index: list) -> Optional[Lifted]:
+        """``table[i0, i1, ...]``: index tensors (broadcast together) on the leading dims."""
+        ixs = [self.lift(i) for i in index]
+        if self.depends_on_score(table) or any(i.uses_score for i in ixs):
+            return None
+        tab = self._buffer(table, static_shape(table))
+        rank = len(_broadcast([i.shape for i in ixs]))
+        self.features.append("gather")
+
+        def fn(env, idx):
+            head = [i.fn(env, _align(idx[:rank], i.shape)) for i in ixs]
+            return tab.fn(env, head + idx[rank:])
+        return Lifted(static_shape(node), fn, False, True, example(node).dtype)
+
+    def _op_tensor(self, node, shape):
+        value = node.args[0] if node.args else None
+        if isinstance(value, (bool, int, float)):
+            return self._fill(node, shape, value)
+        return None
+
+    def _op_embedding(self, node, shape):
+        index, weight = arg(node, 0, "input"), arg(node, 1, "weight")
+        padding_idx, max_norm = arg(node, 2, "padding_idx"), arg(node, 3, "max_norm")
+        if padding_idx is not None or max_norm is not None:
+            return None  # they change the gradient or the table: not a plain gather
+        return self._gather(node, weight, index)
+
+    def _op_ones(self, node, shape):
+        return self._fill(node, shape, 1)
+
+    def _op_zeros(self, node, shape):
+        return self._fill(node, shape, 0)
+
+    _op_ones_like = _op_ones
+    _op_new_ones = _op_ones
+    _op_zeros_like = _op_zeros
+    _op_new_zeros = _op_zeros
