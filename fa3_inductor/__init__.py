@@ -4,6 +4,8 @@ Front doors:
     ``torch.compile(model, backend="fa3")``   compile with our attention lowering
     ``fa3_inductor.flex(q, k, v, ...)``       FlexAttention's signature, our kernels
 
+What the backend did: ``fa3_inductor.explain(model, *inputs)``, or ``TORCH_LOGS=fa3_inductor``.
+
 Example::
 
     >>> import fa3_inductor
@@ -12,12 +14,15 @@ Example::
 
 from . import mods
 from .api import flex
+from ._log import register_torch_log
 from .backend import ensure_registered, fa3_backend
+from .explain import ExplainReport, explain
 from .lowering.report import clear_lowered_sites, lowered_sites, recognized_sites
 from .runtime.ops import last_template
 
 __all__ = ["flex", "mods", "fa3_backend", "lowered_sites", "recognized_sites", "clear_lowered_sites",
-           "last_template"]
+           "last_template", "explain", "ExplainReport"]
 __version__ = "0.1.0"
 
 ensure_registered()
+register_torch_log()
