@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
-# The GPU suite: tests marked `gpu`, then the benchmark. Run from anywhere on an H100/H200 machine:
+# The GPU suite: tests marked `gpu`, the attention benchmark, then the model benchmark.
+# Run from anywhere on an H100/H200 machine:
 #
 #     bash benchmarks/gpu_suite.sh              # PRESET=quick (fits one 10-minute device command)
 #     PRESET=full bash benchmarks/gpu_suite.sh
 #     DEMO=1 bash benchmarks/gpu_suite.sh       # also run examples/demo.py (GPU timings vs stock Inductor)
+#     MODELS=0 bash benchmarks/gpu_suite.sh     # skip benchmarks/models.py (transformers models)
 #
 # Knobs (environment): PRESET (quick), TEST_TIMEOUT_S (240), SUITE_BUDGET_S (540: the benchmark's
 # budget is cut so the suite ends in time), BENCH_BUDGET_S (fixes the benchmark's budget instead),
-# DEMO (0), OUT (./.device_out).
+# MODELS (1), MODELS_BUDGET_S (150: kept for the model benchmark, taken from the benchmark's
+# budget; all five models at 2k/4k/8k need ~10 minutes: run benchmarks/models.py on its own for
+# those), DEMO (0), OUT (./.device_out).
 #
-# Results go to $OUT (default ./.device_out), flat, at most 8 files:
-#   env.txt  gpu-tests.xml  gpu-tests.log  bench.log  bench-<device>-<date>.{json,md,png}  [demo.log]
+# Results go to $OUT (default ./.device_out), flat, at most 8 files (the device tool returns 8):
+#   gpu-tests.log (environment, then the tests)  gpu-tests.xml
+#   bench.log (benchmark, model benchmark, demo)  bench-<device>-<date>.{json,md,png}
+#   models-<device>-<date>.{json,md}
 # A failing test does not stop the suite; the summary at the end gives the test counts, then the
-# benchmark's ratio table.
+# benchmark's ratio table, then the model benchmark's table.
 set -o pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 ROOT=$PWD
@@ -55,7 +61,7 @@ if torch.cuda.is_available():
     print(f"gpu {p.name}  sm_{p.major}{p.minor}  {p.multi_processor_count} SMs  {p.total_memory / 2**30:.0f} GiB")
 print("fa3 backend registered:", "fa3" in torch._dynamo.list_backends())
 PY
-} 2>&1 | tee "$OUT/env.txt"
+} 2>&1 | tee "$OUT/gpu-tests.log"
 
 # The whole suite must fit one 10-minute device command: tests get at most TEST_TIMEOUT_S
 # (SIGINT, so pytest still writes its JUnit report), and the benchmark's budget shrinks to what is
@@ -63,12 +69,14 @@ PY
 # for writing the results).
 echo "== tests marked gpu"
 timeout -s INT -k 30 "${TEST_TIMEOUT_S:-240}" \
-    python3 -m pytest -q -m gpu tests --junitxml="$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log"
+    python3 -m pytest -q -m gpu tests --junitxml="$OUT/gpu-tests.xml" 2>&1 | tee -a "$OUT/gpu-tests.log"
 test_rc=$?
 
 budget=${BENCH_BUDGET_S:-420}
 left=$(( ${SUITE_BUDGET_S:-540} - SECONDS - 90 ))
 [ "${DEMO:-0}" = 1 ] && left=$(( left - 150 ))  # the demo compiles a 4-layer model twice after the benchmark
+models_budget=${MODELS_BUDGET_S:-150}
+[ "${MODELS:-1}" = 1 ] && left=$(( left - models_budget ))
 if [ -z "${BENCH_BUDGET_S:-}" ] && [ "$left" -lt "$budget" ]; then
     budget=$(( left > 60 ? left : 60 ))
 fi
@@ -76,9 +84,22 @@ echo "== benchmark (preset ${PRESET:-quick}, budget ${budget} s; ${SECONDS} s in
 python3 benchmarks/bench.py --preset "${PRESET:-quick}" --budget-s "$budget" --out "$OUT" 2>&1 | tee "$OUT/bench.log"
 bench_rc=$?
 
+models_rc=0
+if [ "${MODELS:-1}" = 1 ]; then
+    # What is left of the suite, at most MODELS_BUDGET_S; `timeout` backs the script's own budget
+    # (it rewrites its results after every model, so a stop loses at most the one running).
+    left=$(( ${SUITE_BUDGET_S:-540} - SECONDS - 30 ))
+    [ "${DEMO:-0}" = 1 ] && left=$(( left - 150 ))
+    [ "$left" -lt "$models_budget" ] && models_budget=$(( left > 30 ? left : 30 ))
+    echo "== model benchmark (budget ${models_budget} s; ${SECONDS} s into the suite)" | tee -a "$OUT/bench.log"
+    timeout -s INT -k 15 $(( models_budget + 30 )) \
+        python3 benchmarks/models.py --budget-s "$models_budget" --out "$OUT" 2>&1 | tee -a "$OUT/bench.log"
+    models_rc=$?
+fi
+
 if [ "${DEMO:-0}" = 1 ]; then
-    echo "== demo"
-    python3 examples/demo.py 2>&1 | tee "$OUT/demo.log"
+    echo "== demo" | tee -a "$OUT/bench.log"
+    python3 examples/demo.py 2>&1 | tee -a "$OUT/bench.log"
 fi
 
 echo
@@ -106,6 +127,7 @@ for suite in suites:
             print(f"  FAILED {case.get('classname')}::{case.get('name')}: {msg[0][:160] if msg else ''}")
 PY
 echo "benchmark exit code: $bench_rc"
+[ "${MODELS:-1}" = 1 ] && echo "model benchmark exit code: $models_rc"
 table=$(ls -t "$OUT"/bench-*.md 2>/dev/null | head -1)
 if [ -n "$table" ]; then
     echo
@@ -113,4 +135,9 @@ if [ -n "$table" ]; then
 else
     echo "no benchmark table was written (see $OUT/bench.log)"
 fi
-[ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+models_table=$(ls -t "$OUT"/models-*.md 2>/dev/null | head -1)
+if [ "${MODELS:-1}" = 1 ] && [ -n "$models_table" ]; then
+    echo
+    cat "$models_table"
+fi
+[ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$models_rc" -eq 0 ]
