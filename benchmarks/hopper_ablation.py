@@ -1,6 +1,6 @@
 """Ablation benchmark of the sm90 Gluon FA3-structure forward kernel, with cuDNN SDPA in the same run.
 
-    python benchmarks/hopper_ablation.py [--quick] [--json PATH]
+    python benchmarks/hopper_ablation.py [--quick] [--sweep] [--schedule] [--rounds N] [--json PATH]
 
 For each shape: checks every kernel variant first (float64 reference on a slice of batch 0 / the
 first heads, fresh random inputs, NaN-poisoned outputs), then times it with
@@ -69,6 +69,9 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--rounds", type=int, default=3, help="timing rounds over all variants (spread = noise)")
     ap.add_argument("--sweep", action="store_true", help="also the FA3-paper sweep (16 heads, 16k tokens)")
+    ap.add_argument("--schedule", action="store_true",
+                    help="only the schedule study: one CTA per tile vs persistent (with / without the O staging "
+                         "buffer) on the sweep at S 1k/2k/4k/16k, noop and causal, D=128, and D=64/256 at 2k")
     args = ap.parse_args()
     dev = "cuda"
     name = torch.cuda.get_device_name()
@@ -84,6 +87,10 @@ def main():
     ]
     if args.quick:
         shapes = shapes[:1] + shapes[2:3]
+    if args.schedule:
+        shapes = [(f"sched S{S} B{16384 // S} H16 D{D}{' causal' if c else ''}", 16384 // S, 16, S, D, c)
+                  for D, seqs in ((128, (1024, 2048, 4096, 16384)), (64, (2048,)), (256, (2048,)))
+                  for c in (False, True) for S in seqs]
     for causal in (False, True) if args.sweep else ():
         for S in (1024, 2048, 4096, 8192, 16384):
             shapes.append((f"sweep S{S} B{16384 // S} H16 D128{' causal' if causal else ''}", 16384 // S, 16, S,
@@ -114,6 +121,12 @@ def main():
                 variants += [("full + softcap", {}, True)]
         if sweep and S <= 2048:
             variants += [("persistent", dict(persistent=True), False)]
+        if label.startswith("sched"):
+            variants = [("one CTA per tile", dict(persistent=False), False),
+                        ("persistent + O stage", dict(persistent=True), False),
+                        ("persistent, O in Q", dict(persistent=True, o_stage=False), False)]
+            if D == 256:
+                variants = variants[:2]   # D=256 has no room for the O buffer: both persistent runs are alike
         bm = causal_block_mask(S) if causal else None
 
         def cudnn():
@@ -130,7 +143,7 @@ def main():
         refs = {}
         for vname, over, softcap in variants:
             cfg = get_config(D, dtype, **over)
-            if cfg.smem_bytes(D) > 227 * 1024:
+            if cfg.smem_bytes(D) > 227 * 1024:   # (the O staging buffer is dropped on its own where it does not fit)
                 rows.append(dict(shape=label, variant=vname, ms=None, tflops=None, err="smem > 227 KB"))
                 continue
             out = torch.full_like(q, float("nan"))

@@ -109,12 +109,24 @@ def test_mod_and_sparse_variants_compile(D, variant):
 
 
 @pytest.mark.parametrize("over", [dict(pingpong=False), dict(overlap=False), dict(num_stages=3),
-                                  dict(persistent=True)], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+                                  dict(persistent=True), dict(persistent=True, o_stage=False),
+                                  dict(persistent=None)], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 def test_ablation_variants_compile(over):
     cfg = get_config(128, torch.bfloat16, **over)
     q, k, v, o, lse, mx = _inputs(128, torch.bfloat16)
     ck = compile_sm90(q, k, v, o, lse, mx, sm_scale=0.088, config=cfg)
     _check(ck, cfg, 128, cfg.block_n, "BF16")
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_persistent_o_stage_fits(D):
+    """Persistent: the separate O staging buffer is allocated where it fits (D=64/128: Q + O + K/V ring
+    <= 227 KB) and dropped at D=256; the kernel stays spill-free with setmaxnreg either way."""
+    cfg = get_config(D, torch.bfloat16, persistent=True)
+    q, k, v, o, lse, mx = _inputs(D, torch.bfloat16, B=4, Hq=16, Hkv=16, M=2048, N=2048)
+    ck = compile_sm90(q, k, v, o, lse, mx, sm_scale=D ** -0.5, config=cfg)
+    shared = _check(ck, cfg, D, cfg.block_n, "BF16") and sass_report(ck).shared
+    assert (shared >= cfg.smem_bytes(D, o_stage=True)) == (D <= 128), (D, shared)
 
 
 def test_pingpong_switch_changes_code():
@@ -125,3 +137,48 @@ def test_pingpong_switch_changes_code():
     n_on = on.asm["ptx"].count("mbarrier.arrive")
     n_off = off.asm["ptx"].count("mbarrier.arrive")
     assert n_on > n_off, (n_on, n_off)
+
+
+def _generated_score_mod(fn):
+    from fa3_inductor.templates.modgen import generate_mod_source, load_mod, trace_mod
+    gm, _ = trace_mod(fn, "score")
+    return load_mod(generate_mod_source(gm, "score", [], "gl"), "gl")
+
+
+def _mix(sass, *names):
+    return {n: len(re.findall(rf"\b{n}\b", sass)) for n in names}
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("emu", [1, 2])
+def test_exp2_split_moves_work_off_mufu(D, emu):
+    """Quarters of the softmax exp2 on the FMA pipe: MUFU.EX2 drops by that fraction, the column split
+    and join move no data (no extra shared-memory traffic or shuffles), and nothing spills."""
+    from fa3_inductor import mods
+    dtype = torch.bfloat16
+    soft = _generated_score_mod(mods.softcap(30.0))
+    q, k, v, o, lse, mx = _inputs(D, dtype)
+    cfg0 = get_config(D, dtype, exp2_emu=0)
+    cfg = get_config(D, dtype, exp2_emu=emu)
+    r0 = sass_report(compile_sm90(q, k, v, o, lse, mx, sm_scale=0.1, score_mod=soft, config=cfg0))
+    ck = compile_sm90(q, k, v, o, lse, mx, sm_scale=0.1, score_mod=soft, config=cfg)
+    _check(ck, cfg, D, cfg.block_n, "BF16")
+    r = sass_report(ck)
+    a, b = _mix(r0.sass, "MUFU.EX2", "STS", "LDS", "SHFL.BFLY"), _mix(r.sass, "MUFU.EX2", "STS", "LDS", "SHFL.BFLY")
+    assert b["MUFU.EX2"] < a["MUFU.EX2"] * (1 - emu / 4 + 0.05), (a, b)
+    assert (b["STS"], b["LDS"], b["SHFL.BFLY"]) == (a["STS"], a["LDS"], a["SHFL.BFLY"]), (a, b)
+
+
+def test_mods_convert_indices_before_they_broadcast():
+    """ALiBi / relative bias: no per-score int->float conversion (I2F) left in the SASS, and no per-score
+    MUFU op beyond the softmax's exp2."""
+    from fa3_inductor import mods
+    q, k, v, o, lse, mx = _inputs(128, torch.bfloat16)
+    for fn in (mods.alibi(4), mods.relative_bias):
+        mod = _generated_score_mod(fn)
+        r = sass_report(compile_sm90(q, k, v, o, lse, mx, sm_scale=0.1, score_mod=mod))
+        n = len(re.findall(r"\bI2FP?\.F32\.S32\b", r.sass))
+        assert n <= 8, f"{n} I2F conversions: per-score conversions are back"
+        plain = sass_report(compile_sm90(q, k, v, o, lse, mx, sm_scale=0.1))
+        # ALiBi's slope exp2 is one per head (a scalar per tile), not per score
+        assert r.sass.count("MUFU.EX2") <= plain.sass.count("MUFU.EX2") + 4

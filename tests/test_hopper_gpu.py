@@ -86,7 +86,24 @@ def _ref_score_mod(name, s, h_idx, q_idx, kv_idx, bias=None):
         return s + (kv_idx - q_idx).double() * slope
     if name == "head_bias":
         return s + bias.double()[h_idx]
+    if name in _GENERATED:
+        return _GENERATED[name][0](s, 0, h_idx, q_idx, kv_idx)
     raise ValueError(name)
+
+
+# score mods generated the product's way (fa3_inductor.mods -> modgen -> @gluon.jit): name -> (python mod)
+_GENERATED = {}
+
+
+def _generated(name):
+    from fa3_inductor import mods
+    from fa3_inductor.templates.modgen import generate_mod_source, load_mod, trace_mod
+    if name not in _GENERATED:
+        fn = {"gen_softcap": mods.softcap(SOFTCAP), "gen_alibi": mods.alibi(4),
+              "gen_relbias": mods.relative_bias}[name]
+        gm, _ = trace_mod(fn, "score")
+        _GENERATED[name] = (fn, load_mod(generate_mod_source(gm, "score", [], "gl"), "gl"))
+    return _GENERATED[name][1]
 
 
 def _ref_mask(name, q_idx, kv_idx, doc=None):
@@ -171,7 +188,8 @@ def _run_case(B, Hq, Hkv, M, N, D, dtype, score_name=None, mask_name=None, spars
     if mask_name == "document":
         assert M == N
         doc = torch.sort(torch.randint(0, 5, (M,), device=dev)).values.to(torch.int32)
-    score_mod = {None: None, "softcap": softcap_mod, "alibi": alibi_mod, "head_bias": head_bias_mod}[score_name]
+    score_mod = (_generated(score_name) if str(score_name).startswith("gen_") else
+                 {None: None, "softcap": softcap_mod, "alibi": alibi_mod, "head_bias": head_bias_mod}[score_name])
     mask_mod = {None: None, "causal": causal_mask, "sliding": sliding_window_mask, "holes": holes_causal_mask,
                 "document": document_mask}[mask_name]
     kw = dict(sm_scale=sm_scale, score_mod=score_mod, mask_mod=mask_mod,
@@ -239,7 +257,7 @@ def test_numerics(case):
 
 
 ABLATIONS = [dict(pingpong=False), dict(overlap=False), dict(overlap=False, pingpong=False), dict(num_stages=3),
-             dict(persistent=True)]
+             dict(persistent=True), dict(lazy_rescale=False)]
 
 
 @pytest.mark.parametrize("over", ABLATIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
@@ -247,6 +265,34 @@ def test_variants(over):
     cfg = get_config(128, torch.bfloat16, **over)
     _run_case(2, 4, 2, 555, 700, 128, torch.bfloat16, None, None, False, "bshd", config=cfg, seed=1)
     _run_case(1, 4, 4, 700, 700, 128, torch.bfloat16, None, "causal", True, "bhsd", config=cfg, seed=2)
+
+
+@pytest.mark.parametrize("D,o_stage", [(64, True), (128, True), (128, False), (256, True)])
+def test_persistent_many_tiles_per_cta(D, o_stage):
+    # persistent CTAs walk several tile pairs (> 2 tiles per SM): the ring / Q / turn phases across tiles,
+    # the O staging buffer's deferred store wait (dropped at D=256: smem), an odd tile count (945: the
+    # last pair is half empty), ragged M / N, GQA + strided layout, block-sparse causal with empty rows
+    cfg = get_config(D, torch.bfloat16, persistent=True, o_stage=o_stage)
+    _run_case(3, 40, 8, 640, 700, D, torch.bfloat16, None, None, False, "bshd", config=cfg, seed=11)   # 600 tiles
+    _run_case(5, 21, 21, 1100, 1100, D, torch.bfloat16, None, "holes", True, "bhsd", config=cfg, seed=12)
+    _run_case(2, 37, 37, 1000, 1000, D, torch.bfloat16, "softcap", "causal", True, "bhsd", config=cfg, seed=13)
+
+
+@pytest.mark.parametrize("emu", [0, 1, 2])
+def test_exp2_on_the_fma_pipe(emu):
+    # quarters of the exp2 work on the polynomial: ragged tail, fully masked rows (2^-inf must be exactly 0)
+    cfg = get_config(128, torch.bfloat16, exp2_emu=emu)
+    _run_case(2, 4, 4, 400, 450, 128, torch.bfloat16, "softcap", None, False, "bhsd", config=cfg, seed=3)
+    _run_case(1, 4, 4, 500, 500, 128, torch.bfloat16, "softcap", "holes", True, "bhsd", config=cfg, seed=4)
+    _run_case(1, 4, 4, 300, 333, 64, torch.float16, None, "holes", False, "bhsd",
+              config=get_config(64, torch.float16, exp2_emu=emu), seed=5)
+
+
+@pytest.mark.parametrize("name", ["gen_softcap", "gen_alibi", "gen_relbias"])
+def test_generated_mods(name):
+    # gen_alibi's bias grows along kv by up to ~360 natural units: the lazy rescale moves its base often
+    _run_case(2, 4, 4, 333, 517, 128, torch.bfloat16, name, None, False, "bhsd", seed=6)
+    _run_case(1, 4, 4, 700, 700, 128, torch.bfloat16, name, "causal", True, "bhsd", seed=7)
 
 
 def test_negative_scale():

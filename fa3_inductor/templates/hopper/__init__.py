@@ -11,7 +11,8 @@ Public entry points:
   get_config(head_dim, dtype, **overrides) -> Sm90Config
 """
 from .configs import Sm90Config, all_configs, get_config
-from .fwd_sm90 import compile_sm90, fa3_fwd_sm90_kernel, launch_fwd_sm90, supports_sm90
+from .fwd_sm90 import (compile_sm90, fa3_fwd_sm90_kernel, launch_fwd_sm90, prepare_fwd_sm90,
+                       supports_sm90)
 
 __all__ = ["Sm90Config", "all_configs", "compile_sm90", "fa3_fwd_sm90_kernel", "get_config", "launch_fwd_sm90",
-           "supports_sm90"]
+           "prepare_fwd_sm90", "supports_sm90"]

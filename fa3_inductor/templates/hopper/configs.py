@@ -11,7 +11,8 @@ to a warpgroup) launch with maxnreg=168 (3*128*168 = 64512 <= 65536 registers), 
 setmaxnreg moves them to 240/240/24 (2*128*240 + 128*24 = 64512). If a config does not fit,
 Gluon silently drops setmaxnreg: the compile test catches that.
 
-Shared memory (bytes): Q tile BLOCK_M*D*2, plus NUM_STAGES*(K tile + V tile) = NUM_STAGES*2*BLOCK_N*D*2.
+Shared memory (bytes): Q tile BLOCK_M*D*2, plus NUM_STAGES*(K tile + V tile) = NUM_STAGES*2*BLOCK_N*D*2,
+plus in persistent mode an O staging tile BLOCK_M*D*2 where it fits (D=64: 128 KB, D=128: 192 KB in all).
 Limit on sm90: 227 KB per CTA.
 """
 from __future__ import annotations
@@ -28,13 +29,54 @@ class Sm90Config:
     num_stages: int = 2         # depth of the K/V shared-memory ring
     pingpong: bool = True       # mbarrier pingpong between the two consumer warpgroups
     overlap: bool = True        # intra-warpgroup overlap: QK^T of tile j+1 before softmax of tile j
-    persistent: bool = False    # grid = #SMs, tiles handed out round-robin (longest first)
+    # grid = #SMs, each CTA walks tile pairs (longest + shortest query block of a head); None (every
+    # table entry): decided per launch by use_persistent() from the tile count and the KV length
+    persistent: bool | None = None
+    # persistent only: a separate O staging buffer (2 x 64 x D), so that a consumer releases its Q half
+    # after its last QK^T and the next tile's Q and K/V load under the tail PV and the epilogue; the O
+    # TMA store is waited for one tile later. Dropped where shared memory does not allow it (D=256).
+    o_stage: bool = True
     consumer_regs: int = 240    # setmaxnreg of the second consumer warpgroup (the default one gets the rest)
     producer_regs: int = 24     # setmaxnreg of the TMA producer warp(group)
     maxnreg: int = 168          # register cap at kernel entry (12 warps)
+    # Ablation knobs, both measured slower on H200 and off in every table entry (DESIGN.md, "Mod cost"):
+    # exp2 of the softmax on the FMA pipe for this many quarters of the score columns (0-2), as
+    # FlashAttention-4 does: softcap B4 H16 S4096 484 (0) / 453 (1) / 443 (2) TFLOP/s, same run: the
+    # tile is issue-bound, not MUFU-bound, and the polynomial costs 9 instructions for 1 MUFU op.
+    exp2_emu: int = 0
+    # FlashAttention-4's lazy rescale (rescale O only when a row max outgrew the exponent base by
+    # > 2^8): noop 556 vs 570 / 564 vs 600, softcap 466 vs 479 / 477 vs 499 (B4 S4096 / B1 S16384,
+    # on vs off, same run): its per-tile warpgroup-wide max (shared memory + barrier) costs more than
+    # the FMULs it saves, and at D=256 it spills (STACK 8-16 bytes).
+    lazy_rescale: bool = False
 
-    def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
-        return elem_bytes * head_dim * (self.block_m + 2 * self.num_stages * self.block_n)
+    def smem_bytes(self, head_dim: int, elem_bytes: int = 2, o_stage: bool = False) -> int:
+        o_rows = self.block_m if o_stage else 0
+        return elem_bytes * head_dim * (self.block_m + o_rows + 2 * self.num_stages * self.block_n)
+
+
+SMEM_LIMIT = 227 * 1024   # bytes of shared memory a CTA may use on sm90 (barriers need a few more)
+
+# Persistent (tile pairs + O staging buffer) vs one CTA per tile, H200, bf16, 16 heads, B*S = 16384,
+# kernel launched directly, same run as cuDNN, median of 3 interleaved do_bench rounds, TFLOP/s
+# (benchmarks/results/hopper-sched-nvidia-h200-2026-11-22-0304.*):
+#   D=128 noop    S 1k / 2k / 4k / 16k: one CTA per tile 519 / 578 / 609 / 617, persistent 572 / 601 / 607 / 608,
+#                                       cuDNN 553 / 587 / 596 / 605
+#   D=128 causal  S 1k / 2k / 4k / 16k: one CTA per tile 351 / 443 / 505 / 595, persistent 410 / 487 / 534 / 569,
+#                                       cuDNN 407 / 484 / 501 / 559
+#   S 2k, D=64 noop / causal: 398 / 299 -> 437 / 356 (cuDNN 441 / 371); D=256: 629 / 481 -> 628 / 511 (623 / 540)
+# With few KV blocks per tile the per-tile fixed costs (Q load, pipeline fill, epilogue) dominate and the
+# persistent CTA hides them under the previous tile; at 16k tokens a tile is 128 KV blocks long, nothing is
+# left to hide, and the coarse pair granularity / static order costs 1.5% (noop) to 4% (causal).
+# With no more tiles than SMs, pairs would leave half of the SMs idle.
+PERSISTENT_MAX_N = 4096
+
+
+def use_persistent(cfg: Sm90Config, num_tiles: int, num_sms: int, kv_len: int) -> bool:
+    """Persistent grid or one CTA per tile, for num_tiles 128-row query tiles over kv_len keys on num_sms SMs."""
+    if cfg.persistent is not None:
+        return cfg.persistent
+    return num_sms > 0 and num_tiles > num_sms and kv_len <= PERSISTENT_MAX_N
 
 
 # key: (head_dim, dtype) -> config. bf16 and fp16 share tiles (same wgmma shapes, same bytes).
@@ -52,7 +94,8 @@ _TABLE: dict[int, Sm90Config] = {
     # ("Shape element 3 must be a power of 2"), and the kernel's tiles span the whole head dim.
     # D=256: O alone is 128 fp32 regs/thread, so BLOCK_N 64 (S 32 regs, P 16); 2 stages:
     # 64 KB Q + 128 KB K/V = 192 KB (3 stages would be 256 KB > 227 KB).
-    # H100, B4 H16 S4096: 647 TFLOP/s vs cuDNN 637 in the same run.
+    # H100, B4 H16 S4096: 647 TFLOP/s vs cuDNN 637 in the same run. No room for the persistent mode's
+    # O staging buffer (64 KB Q + 64 KB O + 128 KB K/V > 227 KB): persistent reuses the Q buffer for O.
     256: Sm90Config(block_m=128, block_n=64, num_stages=2),
 }
 

@@ -32,13 +32,17 @@ Kernel roles (one CTA = one BLOCK_M x D output tile at a time; 3 warpgroups):
                tile j+1 is issued before the softmax of tile j); pingpong between the two warpgroups
                through a pair of mbarriers (Gluon 3.6 has no named barriers).
   * epilogue   (`_epilogue`, run by each consumer warpgroup for its own rows: worker partitions cannot
-               return tensors): O / l staged in that warpgroup's half of the Q buffer and TMA-stored;
-               LSE and MAX written with plain masked stores.
+               return tensors): O / l staged in that warpgroup's half of the Q buffer (O_STAGE: of a
+               separate O buffer) and TMA-stored; LSE and MAX written with plain masked stores.
+
+Schedules (configs.use_persistent): one CTA per tile, or PERSISTENT: #SMs CTAs walking tile pairs (a head's
+longest + shortest query block: balanced under causal masks). With O_STAGE (persistent, D <= 128) a consumer
+releases its Q half when its tile's last QK^T retired, so the next tile's Q and K/V load under the epilogue.
 
 Barriers (all in shared memory):
   q_ready[w]  (count 1, TMA tx)   Q half w landed                          producer -> consumer w
   q_empty[w]  (count 1)           consumer w is done with Q half w         consumer w -> producer
-                                  (its O staging store has completed)
+                                  (its O staging store has completed; O_STAGE: its last QK^T retired)
   k_ready[s], v_ready[s] (count 1, TMA tx)   stage s of the K / V ring landed
   k_empty[s], v_empty[s] (count 2)           both consumer warpgroups retired the wgmma reading stage s
   turn[w]     (count 1)           pingpong: warpgroup w may issue its next GEMMs; w arrives on
@@ -49,7 +53,12 @@ kernel arguments. Captured buffers travel as a *tuple of tensors* kernel argumen
 `mask_bufs`; tuples, possibly empty, are ordinary Triton/Gluon kernel arguments: each entry becomes a
 pointer) and reach the mods as their `bufs` argument, read with `gl.load(bufs[i] + offset)`.
 q_idx / kv_idx given to the mods are clamped to [0, M-1] / [0, N-1] so that mods that index buffers by
-position never read out of bounds on the padded tail rows/columns (those results are discarded).
+position never read out of bounds on the padded tail rows/columns (those results are discarded); when
+N % BLOCK_N == 0 (EVEN_N) no tile has such columns and kv_idx goes unclamped. Positions must stay below
+2^23 (modgen converts index vectors to float exactly in that range).
+
+Per-score cost matters more than anything else in the softmax: the consumer warpgroups are issue-bound
+(hopper/DESIGN.md, "Mod cost"), so every instruction a mod or a mask check adds per score shows up.
 """
 from __future__ import annotations
 
@@ -70,7 +79,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..tma import tma_aligned
-from .configs import Sm90Config, get_config
+from .configs import SMEM_LIMIT, Sm90Config, get_config, use_persistent
 
 LOG2E = 1.4426950408889634
 
@@ -80,14 +89,49 @@ LOG2E = 1.4426950408889634
 # exact same sequence of tiles and KV blocks, or the barrier phases fall out of step).
 # ----------------------------------------------------------------------------------------------
 @gluon.jit
-def _tile_coords(tile_id, num_m_tiles, HQ):
-    # Consecutive tiles share one (b, h) so that concurrently running CTAs reuse K/V in L2; inside a
-    # head the query blocks run last-to-first (longest first for causal / lower-triangular masks).
+def _tile_coords(tile_id, num_m_tiles, HQ, PERSISTENT: gl.constexpr):
+    # Consecutive tiles share one (b, h) so that concurrently running CTAs reuse K/V in L2.
+    # One CTA per tile: inside a head the query blocks run last-to-first (longest first for causal /
+    # lower-triangular masks; the hardware hands tiles out in launch order).
+    # Persistent: inside a head the query blocks alternate last, first, second-to-last, second, ...
+    # so that the pair (2u, 2u+1) a CTA takes (_tile_loop) costs the same for every u under a
+    # causal mask (nm + 1 KV blocks): a static schedule then stays balanced.
     bh = tile_id // num_m_tiles
-    mt = num_m_tiles - 1 - (tile_id % num_m_tiles)
+    r = tile_id % num_m_tiles
+    if PERSISTENT:
+        mt = gl.where(r % 2 == 0, num_m_tiles - 1 - r // 2, r // 2)
+    else:
+        mt = num_m_tiles - 1 - r
     b = bh // HQ
     h = bh % HQ
     return b, h, mt
+
+
+@gluon.jit
+def _tile_loop(num_tiles, PERSISTENT: gl.constexpr):
+    """(number of tiles this CTA runs, pid, #CTAs). Persistent CTAs take tile pairs (2u, 2u+1),
+    u = pid, pid + #CTAs, ... (the grid is min(#pairs, #SMs))."""
+    pid = gl.program_id(0)
+    if PERSISTENT:
+        nprog = gl.num_programs(0)
+        n_pairs = (num_tiles + 1) // 2
+        my_pairs = (n_pairs - pid + nprog - 1) // nprog
+        n_it = 2 * my_pairs
+        last_u = pid + (my_pairs - 1) * nprog
+        n_it = gl.where((num_tiles % 2 == 1) & (last_u == n_pairs - 1), n_it - 1, n_it)
+    else:
+        nprog = pid * 0 + 1
+        n_it = pid * 0 + 1
+    return n_it, pid, nprog
+
+
+@gluon.jit
+def _tile_id(it, pid, nprog, PERSISTENT: gl.constexpr):
+    if PERSISTENT:
+        tile_id = 2 * (pid + (it // 2) * nprog) + (it % 2)
+    else:
+        tile_id = pid
+    return tile_id
 
 
 @gluon.jit
@@ -142,7 +186,7 @@ def _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, BLOCK_N: gl.constexpr, H
 def _producer(descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_consts):
     q_desc, k_desc, v_desc, o_desc = descs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
-    q_smem, k_smem, v_smem = smem
+    q_smem, k_smem, v_smem, o_smem = smem
     num_tiles, num_m_tiles, HQ, GQA, M, N = sched
     BLOCK_M: gl.constexpr = cfg_consts[0]
     BLOCK_N: gl.constexpr = cfg_consts[1]
@@ -158,19 +202,17 @@ def _producer(descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_consts):
     q_bytes: gl.constexpr = q_desc.block_type.nbytes
     kv_bytes: gl.constexpr = k_desc.block_type.nbytes
 
-    if PERSISTENT:
-        first = gl.program_id(0)
-        step = gl.num_programs(0)
-    else:
-        first = gl.program_id(0)
-        step = num_tiles
+    n_it, pid, nprog = _tile_loop(num_tiles, PERSISTENT)
     cnt = 0   # KV tiles loaded so far (global ring counter)
     t_local = 0
-    for tile_id in range(first, num_tiles, step):
-        b, h, mt = _tile_coords(tile_id, num_m_tiles, HQ)
+    for it in range(n_it):
+        tile_id = _tile_id(it, pid, nprog, PERSISTENT)
+        b, h, mt = _tile_coords(tile_id, num_m_tiles, HQ, PERSISTENT)
         hkv = h // GQA
         m0 = mt * BLOCK_M
-        # Q halves: wait until the consumer released the half (its previous O store completed).
+        # Q halves: wait until the consumer released the half (O_STAGE: its last QK^T retired;
+        # otherwise: its O store out of that half completed). In persistent mode with O_STAGE this
+        # is early enough for the next tile's Q and first K/V to land under the tail PV and epilogue.
         for w in gl.static_range(2):
             mbarrier.wait(q_empty.index(w), (t_local & 1) ^ 1)
             mbarrier.expect(q_ready.index(w), q_bytes)
@@ -199,19 +241,27 @@ def _producer(descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_consts):
 def _score_tile(acc, start, is_partial, b, h, q_idx, q_idx_c, sm_scale, N, score_bufs, mask_bufs,
                 s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                 SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr, HAS_SCORE_MOD: gl.constexpr,
-                HAS_MASK_MOD: gl.constexpr, DENSE_MASK: gl.constexpr):
+                HAS_MASK_MOD: gl.constexpr, DENSE_MASK: gl.constexpr, EVEN_N: gl.constexpr):
     """QK^T accumulator -> score tile in the kernel's working units.
 
     Without score_mod the tile stays in raw q.k units (scale folded into the exp2 FMA later);
-    with score_mod it becomes log2 units (score_mod(s * sm_scale) * log2 e).
+    with score_mod it is score_mod(s * sm_scale) in natural units (log2 e is folded into the exp2 FMA
+    later, as the scale is without a mod: no extra multiply per score).
     """
     if HAS_SCORE_MOD:
         kv_idx = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))[None, :]
-        kv_idx_c = gl.minimum(kv_idx, N - 1)
-        s = SCORE_MOD(acc * sm_scale, b, h, q_idx_c, kv_idx_c, score_bufs) * 1.4426950408889634
+        if not EVEN_N:
+            kv_idx = gl.minimum(kv_idx, N - 1)
+        s = SCORE_MOD(acc * sm_scale, b, h, q_idx_c, kv_idx, score_bufs)
     else:
         s = acc
-    need_mask = (start + BLOCK_N > N)
+    # EVEN_N (N % BLOCK_N == 0, decided on the host): no tile crosses N, so interior tiles carry no
+    # bound-mask code at all. The runtime `if` below is otherwise compiled to predicated FSELs that
+    # still take an issue slot per score on every tile.
+    if EVEN_N:
+        need_mask = False
+    else:
+        need_mask = (start + BLOCK_N > N)
     if HAS_MASK_MOD:
         if DENSE_MASK:
             need_mask = True
@@ -231,19 +281,109 @@ def _score_tile(acc, start, is_partial, b, h, q_idx, q_idx_c, sm_scale, N, score
     return s
 
 
+# Lazy rescaling threshold (log2 units): FlashAttention-4 uses 8.0, i.e. P entries up to 256.
+RESCALE_LOG2 = gl.constexpr(8.0)
+
+# 2^f on [-0.5, 0.5] as 1 + f*(C1 + f*(C2 + f*C3)): relative-error fit with p(0) = 1 exactly (so that
+# 2^-inf comes out as +0.0, see _exp2_fma); max relative error 1.01e-4 (numpy, float32, 1e6 points), 19x
+# under bf16's half-ulp 2^-9 that P is rounded to anyway.
+EXP2_C1 = gl.constexpr(0.6932829022407532)
+EXP2_C2 = gl.constexpr(0.2422107756137848)
+EXP2_C3 = gl.constexpr(0.055008821189403534)
+
+
 @gluon.jit
-def _online_softmax(s, m_i, l_i, qk_scale, p_layout: gl.constexpr, o_layout: gl.constexpr, dtype: gl.constexpr):
-    """One online-softmax step on a score tile (units: s * qk_scale is log2 units)."""
+def _exp2_fma(x):
+    """2^x for x <= 0 (-inf -> +0.0) on the FMA/ALU pipes instead of MUFU.EX2 (FlashAttention-4's way
+    to relieve the special-function unit): x = j + f with j = round(x) by a magic-number add (no F2I),
+    2^f by the polynomial above, and j added into the exponent field. 9 FMA/ALU instructions."""
+    x = gl.maximum(x, -127.0)
+    t = x + 12582912.0                   # 1.5 * 2^23: t's low mantissa bits now hold round(x)
+    f = x - (t - 12582912.0)             # in [-0.5, 0.5]
+    p = (EXP2_C3 * f + EXP2_C2) * f + EXP2_C1
+    p = p * f + 1.0
+    # (bits of t) << 23 == round(x) << 23 (mod 2^32): shifts the magic's bits out, keeps j's.
+    # j = -127 (x = -inf) with p(0) = 1 lands exactly on the bits of +0.0.
+    bits = p.to(gl.int32, bitcast=True) + (t.to(gl.int32, bitcast=True) << 23)
+    return bits.to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _split_cols(x):
+    """[R, C] -> columns [0, C/2) and [C/2, C). Column bits >= 3 of the wgmma accumulator layout live in
+    a thread's registers, so this (and _join_cols) moves no data."""
+    R: gl.constexpr = x.shape[0]
+    C: gl.constexpr = x.shape[1]
+    return gl.split(gl.permute(gl.reshape(x, [R, 2, C // 2]), (0, 2, 1)))
+
+
+@gluon.jit
+def _join_cols(a, b, layout: gl.constexpr):
+    R: gl.constexpr = a.shape[0]
+    C: gl.constexpr = a.shape[1]
+    return gl.convert_layout(gl.reshape(gl.permute(gl.join(a, b), (0, 2, 1)), [R, 2 * C]), layout)
+
+
+@gluon.jit
+def _exp2_tile(x, EXP2_EMU: gl.constexpr):
+    """exp2 of a score tile with EXP2_EMU quarters of its columns (0-2) computed by _exp2_fma."""
+    layout: gl.constexpr = x.type.layout
+    if EXP2_EMU == 0:
+        p = gl.exp2(x)
+    else:
+        lo, hi = _split_cols(x)
+        if EXP2_EMU == 2:
+            p = _join_cols(gl.exp2(lo), _exp2_fma(hi), layout)
+        else:
+            h0, h1 = _split_cols(hi)
+            hi_layout: gl.constexpr = hi.type.layout
+            p = _join_cols(gl.exp2(lo), _join_cols(gl.exp2(h0), _exp2_fma(h1), hi_layout), layout)
+    return p
+
+
+@gluon.jit
+def _online_softmax(s, m_i, m_run, l_i, qk_scale, p_layout: gl.constexpr, o_layout: gl.constexpr,
+                    dtype: gl.constexpr, EXP2_EMU: gl.constexpr, LAZY_RESCALE: gl.constexpr):
+    """One online-softmax step on a score tile (units: s * qk_scale is log2 units).
+
+    m_i is the true running row max (s units; written out as MAX). m_run is the exponent base in use
+    (log2 units; -inf while a row has seen no unmasked score). As in FlashAttention-4, the base moves
+    (and O and l are rescaled) only when some row of the warpgroup has outgrown it by more than
+    RESCALE_LOG2: otherwise p <= 2^RESCALE_LOG2 stays well inside fp32 / bf16 range and the O rescale,
+    one FMUL per O element per tile, is skipped. Returns `rescale` for the caller's O update (_rescale_o).
+    Without LAZY_RESCALE the base follows the max on every tile.
+    """
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
-    # Fully masked so far: keep the exponent base finite so that exp2(-inf - base) = 0, never NaN.
-    m_base = gl.where(m_new == -float("inf"), 0.0, m_new * qk_scale)
-    alpha = gl.exp2(m_i * qk_scale - m_base)
-    p = gl.exp2(s * qk_scale - m_base[:, None])
+    m_new2 = m_new * qk_scale
+    if LAZY_RESCALE:
+        growth = gl.where(m_new2 > m_run, m_new2 - m_run, 0.0)   # +inf on a row's first unmasked score
+        rescale = gl.max(growth, axis=0) > RESCALE_LOG2            # one decision for the warpgroup
+    else:
+        rescale = True
+    if rescale:
+        # every row moves to its true max; a row still empty keeps -inf (alpha 1: its O and l are 0)
+        alpha = gl.where(m_new2 == -float("inf"), 1.0, gl.exp2(m_run - m_new2))
+        m_run = m_new2
+    else:
+        alpha = gl.full_like(m_run, 1.0)
+    # Empty row: a finite base so that exp2(-inf - base) = 0, never NaN.
+    m_base = gl.where(m_run == -float("inf"), 0.0, m_run)
+    p = _exp2_tile(s * qk_scale - m_base[:, None], EXP2_EMU)
     l_new = l_i * alpha + gl.sum(p, axis=1)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     # Row vectors of the S and O accumulators hold the same rows in the same threads: a free conversion.
     alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
-    return p_op, m_new, l_new, alpha_o
+    return p_op, m_new, m_run, l_new, alpha_o, rescale
+
+
+@gluon.jit
+def _rescale_o(acc, alpha, rescale, LAZY_RESCALE: gl.constexpr):
+    if LAZY_RESCALE:
+        if rescale:     # warpgroup-uniform: a real branch around the 64 FMULs per thread
+            acc = acc * alpha[:, None]
+    else:
+        acc = acc * alpha[:, None]
+    return acc
 
 
 @gluon.jit
@@ -260,24 +400,31 @@ def _pingpong_signal(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _epilogue(acc, m_i, l_i, qk_scale, q_half, o_desc, lse_ptr, max_ptr, b, h, row0, HQ, M,
-              o_layout: gl.constexpr, HALF_M: gl.constexpr, dtype: gl.constexpr):
-    """Normalise O, stage it in this warpgroup's Q half, TMA-store it; write LSE / MAX (log2 units)."""
+def _epilogue(acc, m_i, m_run, l_i, qk_scale, o_half, o_desc, lse_ptr, max_ptr, b, h, row0, HQ, M,
+              o_layout: gl.constexpr, HALF_M: gl.constexpr, dtype: gl.constexpr, O_STAGE: gl.constexpr):
+    """Normalise O, stage it in shared memory, TMA-store it; write LSE / MAX (log2 units).
+
+    O_STAGE: o_half is this warpgroup's own O buffer; the store is left in flight (the next tile's
+    epilogue, or the kernel's end, waits for it). Otherwise o_half is the warpgroup's Q half and the
+    store is waited for here, before the caller hands the half back to the producer."""
     empty_row = l_i == 0.0
     l_safe = gl.where(empty_row, 1.0, l_i)
     o = acc * (1.0 / l_safe)[:, None]
-    q_half.reshape([HALF_M, o_desc.block_type.shape[3]]).store(o.to(dtype))
+    if O_STAGE:
+        tma.store_wait(0)   # the previous tile's O store has finished reading o_half
+    o_half.reshape([HALF_M, o_desc.block_type.shape[3]]).store(o.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], q_half)
+    tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], o_half)
 
-    m_log2 = m_i * qk_scale
-    lse = gl.where(empty_row, -float("inf"), m_log2 + gl.log2(l_safe))
-    mx = gl.where(empty_row, -float("inf"), m_log2)
+    # l is relative to the exponent base m_run (log2 units); the true max m_i can be above it.
+    lse = gl.where(empty_row, -float("inf"), m_run + gl.log2(l_safe))
+    mx = gl.where(empty_row, -float("inf"), m_i * qk_scale)
     rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
     off = (b * HQ + h).to(gl.int64) * M + rows
     gl.store(lse_ptr + off, lse, mask=rows < M)
     gl.store(max_ptr + off, mx, mask=rows < M)
-    tma.store_wait(0)
+    if not O_STAGE:
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -285,7 +432,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
               mods, mod_bufs):
     q_desc, k_desc, v_desc, o_desc = descs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
-    q_smem, k_smem, v_smem = smem
+    q_smem, k_smem, v_smem, o_smem = smem
     num_tiles, num_m_tiles, HQ, GQA, M, N = sched
     BLOCK_M: gl.constexpr = cfg_consts[0]
     BLOCK_N: gl.constexpr = cfg_consts[1]
@@ -297,6 +444,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
     SPARSE_Q_DIV: gl.constexpr = cfg_consts[7]
     SPARSE_KV_MULT: gl.constexpr = cfg_consts[8]
     PERSISTENT: gl.constexpr = cfg_consts[9]
+    O_STAGE: gl.constexpr = cfg_consts[10]
     lse_ptr, max_ptr = outs
     sm_scale, qk_scale_raw = scale_args
     SCORE_MOD: gl.constexpr = mods[0]
@@ -306,6 +454,9 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
     DENSE_MASK: gl.constexpr = mods[4]
     PINGPONG: gl.constexpr = mods[5]
     OVERLAP: gl.constexpr = mods[6]
+    EXP2_EMU: gl.constexpr = mods[7]
+    EVEN_N: gl.constexpr = mods[8]
+    LAZY_RESCALE: gl.constexpr = mods[9]
     score_bufs, mask_bufs = mod_bufs
 
     dtype: gl.constexpr = q_desc.dtype
@@ -317,19 +468,18 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     if HAS_SCORE_MOD:
-        qk_scale = 1.0          # the mod path already produced log2-unit scores
+        qk_scale = 1.4426950408889634  # log2(e): the mod path produced natural-unit scores
     else:
         qk_scale = qk_scale_raw  # sm_scale * log2(e), folded into the exp2 argument
 
     q_half = q_smem.index(WG)
     q_op = q_half.reshape([HALF_M, HEAD_DIM])
-
-    if PERSISTENT:
-        first = gl.program_id(0)
-        step = gl.num_programs(0)
+    if O_STAGE:
+        o_half = o_smem.index(WG)
     else:
-        first = gl.program_id(0)
-        step = num_tiles
+        o_half = q_half
+
+    n_it, pid, nprog = _tile_loop(num_tiles, PERSISTENT)
 
     if PINGPONG:
         if WG == 1:
@@ -338,8 +488,9 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
     cnt = 0   # KV tiles consumed so far (global ring counter, same sequence as the producer)
     t = 0     # pingpong turns taken
     t_local = 0
-    for tile_id in range(first, num_tiles, step):
-        b, h, mt = _tile_coords(tile_id, num_m_tiles, HQ)
+    for it in range(n_it):
+        tile_id = _tile_id(it, pid, nprog, PERSISTENT)
+        b, h, mt = _tile_coords(tile_id, num_m_tiles, HQ, PERSISTENT)
         row0 = mt * BLOCK_M + WG * HALF_M
         q_idx = row0 + gl.arange(0, HALF_M, layout=row_layout)[:, None]
         q_idx_c = gl.minimum(q_idx, M - 1)
@@ -347,6 +498,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                                         SPARSE_Q_DIV, SPARSE_KV_MULT)
 
         m_i = gl.full([HALF_M], -float("inf"), gl.float32, layout=row_layout)
+        m_run = gl.full([HALF_M], -float("inf"), gl.float32, layout=row_layout)
         l_i = gl.full([HALF_M], 0.0, gl.float32, layout=row_layout)
         acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, layout=o_layout)
         s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
@@ -367,10 +519,14 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                 _pingpong_signal(turn, WG, PINGPONG)
                 s_acc, _q, _k = warpgroup_mma_wait(0, deps=[s_tok, q_op, k_t])
                 mbarrier.arrive(k_empty.index(st), count=1)
+                if O_STAGE:
+                    if n_total == 1:   # the tile's only QK^T retired: release the Q half (see below)
+                        mbarrier.arrive(q_empty.index(WG), count=1)
                 s = _score_tile(s_acc, start, n_partial > 0, b, h, q_idx, q_idx_c, sm_scale, N, score_bufs,
                                 mask_bufs, s_layout, BLOCK_N, SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD,
-                                DENSE_MASK)
-                p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, qk_scale, p_layout, o_layout, dtype)
+                                DENSE_MASK, EVEN_N)
+                p, m_i, m_run, l_i, alpha, resc = _online_softmax(s, m_i, m_run, l_i, qk_scale, p_layout,
+                                                                  o_layout, dtype, EXP2_EMU, LAZY_RESCALE)
                 prev_st = st
                 prev_ph = ph
                 cnt += 1
@@ -390,13 +546,19 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                     _pingpong_signal(turn, WG, PINGPONG)
                     s_acc, o_tok = warpgroup_mma_wait(1, deps=[s_tok, o_tok])
                     mbarrier.arrive(k_empty.index(st), count=1)
+                    if O_STAGE:
+                        if i == n_total - 1:
+                            # the tile's last QK^T retired: the producer may load the next tile's Q half
+                            # (and then its K/V) under this softmax, the tail PV and the epilogue
+                            mbarrier.arrive(q_empty.index(WG), count=1)
                     s = _score_tile(s_acc, start, i < n_partial, b, h, q_idx, q_idx_c, sm_scale, N, score_bufs,
                                     mask_bufs, s_layout, BLOCK_N, SCORE_MOD, MASK_MOD, HAS_SCORE_MOD,
-                                    HAS_MASK_MOD, DENSE_MASK)
-                    p_new, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, qk_scale, p_layout, o_layout, dtype)
+                                    HAS_MASK_MOD, DENSE_MASK, EVEN_N)
+                    p_new, m_i, m_run, l_i, alpha, resc = _online_softmax(s, m_i, m_run, l_i, qk_scale, p_layout,
+                                                                          o_layout, dtype, EXP2_EMU, LAZY_RESCALE)
                     acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
                     mbarrier.arrive(v_empty.index(prev_st), count=1)
-                    acc = acc * alpha[:, None]
+                    acc = _rescale_o(acc, alpha, resc, LAZY_RESCALE)
                     p = p_new
                     prev_st = st
                     prev_ph = ph
@@ -426,9 +588,10 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                 mbarrier.arrive(k_empty.index(st), count=1)
                 s = _score_tile(s_acc, start, i < n_partial, b, h, q_idx, q_idx_c, sm_scale, N, score_bufs,
                                 mask_bufs, s_layout, BLOCK_N, SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD,
-                                DENSE_MASK)
-                p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, qk_scale, p_layout, o_layout, dtype)
-                acc = acc * alpha[:, None]
+                                DENSE_MASK, EVEN_N)
+                p, m_i, m_run, l_i, alpha, resc = _online_softmax(s, m_i, m_run, l_i, qk_scale, p_layout,
+                                                                  o_layout, dtype, EXP2_EMU, LAZY_RESCALE)
+                acc = _rescale_o(acc, alpha, resc, LAZY_RESCALE)
                 mbarrier.wait(v_ready.index(st), ph)
                 t = _pingpong_wait(turn, t, WG, PINGPONG)
                 o_tok = warpgroup_mma(p, v_cur, acc, is_async=True)
@@ -436,13 +599,24 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                 acc, _p, _v = warpgroup_mma_wait(0, deps=[o_tok, p, v_cur])
                 mbarrier.arrive(v_empty.index(st), count=1)
                 cnt += 1
+            if O_STAGE:
+                mbarrier.arrive(q_empty.index(WG), count=1)
+
+        if O_STAGE:
+            if OVERLAP:
+                if n_total == 0:   # no KV tile: Q was never read
+                    mbarrier.arrive(q_empty.index(WG), count=1)
 
         m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-        _epilogue(acc, m_o, l_o, qk_scale, q_half, o_desc, lse_ptr, max_ptr, b, h, row0, HQ, M, o_layout,
-                  HALF_M, dtype)
-        mbarrier.arrive(q_empty.index(WG), count=1)
+        r_o = gl.convert_layout(m_run, gl.SliceLayout(1, o_layout))
+        _epilogue(acc, m_o, r_o, l_o, qk_scale, o_half, o_desc, lse_ptr, max_ptr, b, h, row0, HQ, M, o_layout,
+                  HALF_M, dtype, O_STAGE)
+        if not O_STAGE:
+            mbarrier.arrive(q_empty.index(WG), count=1)
         t_local += 1
+    if O_STAGE:
+        tma.store_wait(0)   # the last O store must finish reading shared memory before the CTA exits
 
 
 @gluon.jit
@@ -475,13 +649,18 @@ def fa3_fwd_sm90_kernel(
     HAS_SCORE_MOD: gl.constexpr, HAS_MASK_MOD: gl.constexpr, DENSE_MASK: gl.constexpr,
     HAS_SPARSE: gl.constexpr, HAS_FULL: gl.constexpr, SPARSE_Q_DIV: gl.constexpr, SPARSE_KV_MULT: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-    PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, PERSISTENT: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, PERSISTENT: gl.constexpr, EXP2_EMU: gl.constexpr,
+    EVEN_N: gl.constexpr, LAZY_RESCALE: gl.constexpr, O_STAGE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
 ):
     HALF_M: gl.constexpr = BLOCK_M // 2
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+    if O_STAGE:   # own O staging buffer: Q can be released (and the next Q loaded) before the epilogue
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
+    else:
+        o_smem = q_smem
 
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -502,7 +681,7 @@ def fa3_fwd_sm90_kernel(
 
     descs = (q_desc, k_desc, v_desc, o_desc)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn)
-    smem = (q_smem, k_smem, v_smem)
+    smem = (q_smem, k_smem, v_smem, o_smem)
     sched = (num_tiles, num_m_tiles, HQ, GQA, M, N)
     sp_ptrs = (kvnb_ptr, kvidx_ptr, fnb_ptr, fidx_ptr)
     sp_meta = (BM, HM, nb_sb, nb_sh, idx_sb, idx_sh, idx_sm, fnb_sb, fnb_sh, fidx_sb, fidx_sh, fidx_sm)
@@ -515,21 +694,24 @@ def fa3_fwd_sm90_kernel(
     gl.warp_specialize([
         (_consumer_wg0, (descs, bars, smem, sched, sp_ptrs, sp_meta,
                          (BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, HALF_M, HAS_SPARSE, HAS_FULL, SPARSE_Q_DIV,
-                          SPARSE_KV_MULT, PERSISTENT),
+                          SPARSE_KV_MULT, PERSISTENT, O_STAGE),
                          outs, scale_args,
-                         (SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, PINGPONG, OVERLAP),
+                         (SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, PINGPONG, OVERLAP, EXP2_EMU,
+                          EVEN_N, LAZY_RESCALE),
                          mod_bufs)),
         (_consumer_wg1, (descs, bars, smem, sched, sp_ptrs, sp_meta,
                          (BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, HALF_M, HAS_SPARSE, HAS_FULL, SPARSE_Q_DIV,
-                          SPARSE_KV_MULT, PERSISTENT),
+                          SPARSE_KV_MULT, PERSISTENT, O_STAGE),
                          outs, scale_args,
-                         (SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, PINGPONG, OVERLAP),
+                         (SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, PINGPONG, OVERLAP, EXP2_EMU,
+                          EVEN_N, LAZY_RESCALE),
                          mod_bufs)),
         (_producer_entry, (descs, bars, smem, sched, sp_ptrs, sp_meta,
                            (BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, HALF_M, HAS_SPARSE, HAS_FULL, SPARSE_Q_DIV,
-                            SPARSE_KV_MULT, PERSISTENT),
+                            SPARSE_KV_MULT, PERSISTENT, O_STAGE),
                            outs, scale_args,
-                           (SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, PINGPONG, OVERLAP),
+                           (SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, PINGPONG, OVERLAP, EXP2_EMU,
+                          EVEN_N, LAZY_RESCALE),
                            mod_bufs)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -575,7 +757,7 @@ def supports_sm90(q, k, v, out=None, *, kv_num_blocks=None, sparse_q_block: int 
         Bk, Hkv, N, Dk = k.shape
         if tuple(v.shape) != (Bk, Hkv, N, D) or Bk != B or Dk != D or Hkv == 0 or Hq % Hkv:
             return False
-        if M < 1 or N < 1:
+        if M < 1 or N < 1 or max(M, N) >= 2 ** 23:   # generated mods convert positions to float exactly below 2^23
             return False
         cfg = config or get_config(D, q.dtype)
         if cfg.block_m != 128:
@@ -638,7 +820,10 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
 
     num_m_tiles = triton.cdiv(M, BLOCK_M)
     num_tiles = B * Hq * num_m_tiles
-    grid = (min(num_tiles, num_sms),) if cfg.persistent else (num_tiles,)
+    persistent = use_persistent(cfg, num_tiles, num_sms, N)
+    # persistent CTAs take tile pairs; a separate O staging buffer where shared memory allows it
+    grid = (min((num_tiles + 1) // 2, num_sms),) if persistent else (num_tiles,)
+    o_stage = persistent and cfg.o_stage and cfg.smem_bytes(D, o_stage=True) <= SMEM_LIMIT
     args = (q_desc, k_desc, v_desc, o_desc, lse, max_scores, tuple(score_bufs), tuple(mask_bufs),
             *sp_ptrs, *sp_meta, float(sm_scale), float(sm_scale) * LOG2E, num_tiles, num_m_tiles, Hq, Hq // Hkv,
             M, N)
@@ -650,7 +835,9 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
         SPARSE_Q_DIV=(sparse_q_block // BLOCK_M) if has_sparse else 1,
         SPARSE_KV_MULT=(sparse_kv_block // BLOCK_N) if has_sparse else 1,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, NUM_STAGES=cfg.num_stages,
-        PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, PERSISTENT=cfg.persistent,
+        PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, PERSISTENT=persistent,
+        EXP2_EMU=cfg.exp2_emu, EVEN_N=(N % BLOCK_N == 0),
+        LAZY_RESCALE=cfg.lazy_rescale, O_STAGE=o_stage,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
@@ -672,12 +859,26 @@ def launch_fwd_sm90(q, k, v, out, lse, max_scores, *, sm_scale: float,
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (B, Hq, M) and lse.dtype == torch.float32 and lse.is_contiguous()
     assert max_scores.shape == (B, Hq, M) and max_scores.dtype == torch.float32 and max_scores.is_contiguous()
-    cfg = config or get_config(D, q.dtype)
-    num_sms = _num_sms(q.device) if cfg.persistent else 0
+    kernel, args, kwargs, grid = prepare_fwd_sm90(
+        q, k, v, out, lse, max_scores, sm_scale=sm_scale, score_mod=score_mod, mask_mod=mask_mod,
+        score_bufs=score_bufs, mask_bufs=mask_bufs, kv_num_blocks=kv_num_blocks, kv_indices=kv_indices,
+        full_kv_num_blocks=full_kv_num_blocks, full_kv_indices=full_kv_indices,
+        sparse_q_block=sparse_q_block, sparse_kv_block=sparse_kv_block, config=config)
+    kernel[grid](*args, **kwargs)
+
+
+def prepare_fwd_sm90(q, k, v, out, lse, max_scores, *, sm_scale: float,
+                     score_mod=None, mask_mod=None, score_bufs: tuple = (), mask_bufs: tuple = (),
+                     kv_num_blocks=None, kv_indices=None, full_kv_num_blocks=None, full_kv_indices=None,
+                     sparse_q_block: int = 128, sparse_kv_block: int = 128, config=None):
+    """(kernel, args, kwargs, grid) of the launch launch_fwd_sm90 makes, for callers that cache launches
+    (runtime/fast_launch.py). Same arguments as launch_fwd_sm90."""
+    cfg = config or get_config(q.shape[-1], q.dtype)
+    num_sms = _num_sms(q.device) if cfg.persistent is not False else 0
     args, kwargs, grid = _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs,
                                   mask_bufs, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
                                   sparse_q_block, sparse_kv_block, cfg, num_sms)
-    fa3_fwd_sm90_kernel[grid](*args, **kwargs)
+    return fa3_fwd_sm90_kernel, args, kwargs, grid
 
 
 def compile_sm90(q, k, v, out, lse, max_scores, *, sm_scale: float, score_mod=None, mask_mod=None,

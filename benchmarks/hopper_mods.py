@@ -1,0 +1,186 @@
+"""Cost of score mods on the sm90 Gluon forward kernel: softcap and ALiBi against our own noop, same run.
+
+    python benchmarks/hopper_mods.py [--json PATH] [--rounds 3] [--baseline PATH_TO_OLD_fwd_sm90.py]
+
+Mods are generated the product's way (fa3_inductor.mods -> modgen -> @gluon.jit). For every variant:
+first a check against float64 (batch 0, heads 0-1; fresh random inputs, NaN-poisoned outputs; rel. error
+of O, abs. error of the log2 LSE), then `triton.testing.do_bench` medians, `rounds` interleaved rounds
+over all variants (the spread is the noise). TFLOP/s = 4·B·H·N²·D / t.
+
+Variants: noop; softcap (table config) and softcap with a quarter of the exp2 columns on the FMA pipe
+(exp2_emu=1); ALiBi. With --baseline (a copy of an older fwd_sm90.py, imports made
+absolute) the old kernel runs noop / softcap / ALiBi with the old generated mod sources, in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from fa3_inductor import mods  # noqa: E402
+from fa3_inductor.templates.hopper import get_config, launch_fwd_sm90  # noqa: E402
+from fa3_inductor.templates.modgen import BufferSpec, generate_mod_source, load_mod, trace_mod  # noqa: E402
+
+SOFTCAP = 30.0   # as benchmarks/bench.py
+
+# What modgen emitted before the cost rules (commit 6e493b7), for the --baseline kernel.
+OLD_SOFTCAP = f"""@gluon.jit
+def score_mod(score, b, h, q_idx, kv_idx, bufs):
+    v0 = (score * 1.0 / {SOFTCAP})
+    v1 = H.tanh(v0)
+    v2 = (v1 * {SOFTCAP})
+    return (v2 + gl.zeros_like(score)).to(gl.float32)
+"""
+
+
+def old_alibi(H):
+    return f"""@gluon.jit
+def score_mod(score, b, h, q_idx, kv_idx, bufs):
+    v0 = (h + 1)
+    v1 = (v0 * {-8.0 / H!r})
+    v2 = gl.exp2(v1)
+    v3 = (kv_idx - q_idx)
+    v4 = (v3 * v2)
+    v5 = (score + v4)
+    return (v5 + gl.zeros_like(score)).to(gl.float32)
+"""
+
+
+def gen(fn):
+    gm, bufs = trace_mod(fn, "score")
+    return load_mod(generate_mod_source(gm, "score", [BufferSpec.of(b) for b in bufs], "gl"), "gl")
+
+
+def reference(q, k, v, sm_scale, mod, heads=2):
+    """float64 O and log2 LSE for batch 0, the first `heads` heads, one head at a time."""
+    outs, lses = [], []
+    N = k.shape[2]
+    M = q.shape[2]
+    qi = torch.arange(M, device=q.device)[:, None]
+    ki = torch.arange(N, device=q.device)[None, :]
+    for h in range(heads):
+        s = (q[0, h].double() @ k[0, h].double().T) * sm_scale
+        if mod is not None:
+            s = mod(s, torch.tensor(0, device=q.device), torch.tensor(h, device=q.device), qi, ki)
+        lses.append(torch.logsumexp(s, -1) / math.log(2))
+        outs.append(torch.softmax(s, -1) @ v[0, h].double())
+        del s
+    return torch.stack(outs), torch.stack(lses)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--baseline", default=None)
+    ap.add_argument("--shapes", default="4x16x4096,1x16x16384")
+    ap.add_argument("--lazy-ablation", action="store_true", help="also noop/softcap/alibi with lazy_rescale flipped")
+    ap.add_argument("--no-emu", action="store_true", help="skip the exp2_emu=1 softcap variant")
+    args = ap.parse_args()
+    name = torch.cuda.get_device_name()
+    print(f"device: {name}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    base = None
+    if args.baseline:
+        spec = importlib.util.spec_from_file_location("baseline_fwd_sm90", args.baseline)
+        base = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(base)
+    dtype, D = torch.bfloat16, 128
+    rows = []
+    for shape in args.shapes.split(","):
+        B, H, S = (int(x) for x in shape.split("x"))
+        label = f"B{B} H{H} S{S} D{D}"
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=dtype) for _ in range(3))
+        sm_scale = D ** -0.5
+        flops = 4 * B * H * S * S * D
+        py_mods = {"noop": None, "softcap": mods.softcap(SOFTCAP), "alibi": mods.alibi(H)}
+        g_soft, g_alibi = gen(py_mods["softcap"]), gen(py_mods["alibi"])
+        variants = [  # (name, launcher, score_mod, config overrides, reference mod key)
+            ("noop", launch_fwd_sm90, None, {}, "noop"),
+            ("softcap", launch_fwd_sm90, g_soft, {}, "softcap"),
+            ("softcap emu=1", launch_fwd_sm90, g_soft, dict(exp2_emu=1), "softcap"),
+            ("alibi", launch_fwd_sm90, g_alibi, {}, "alibi"),
+        ]
+        if args.lazy_ablation:   # the table's lazy_rescale flipped, same kernel otherwise
+            lazy = not get_config(D, dtype).lazy_rescale
+            variants += [(f"{n} lazy={'on' if lazy else 'off'}", launch_fwd_sm90, m, dict(lazy_rescale=lazy), r)
+                         for n, m, r in (("noop", None, "noop"), ("softcap", g_soft, "softcap"),
+                                         ("alibi", g_alibi, "alibi"))]
+        if base is not None:
+            variants += [
+                ("OLD noop", base.launch_fwd_sm90, None, {}, "noop"),
+                ("OLD softcap", base.launch_fwd_sm90, load_mod(OLD_SOFTCAP, "gl"), {}, "softcap"),
+                ("OLD alibi", base.launch_fwd_sm90, load_mod(old_alibi(H), "gl"), {}, "alibi"),
+            ]
+        if args.no_emu:
+            variants = [x for x in variants if "emu=" not in x[0]]
+        refs = {}
+        timed = []
+        for vname, launch, smod, over, rkey in variants:
+            cfg = get_config(D, dtype, **over)
+            out = torch.full_like(q, float("nan"))
+            lse = torch.full((B, H, S), float("nan"), device="cuda")
+            mx = torch.empty((B, H, S), device="cuda")
+            fn = (lambda launch=launch, out=out, lse=lse, mx=mx, smod=smod, cfg=cfg:  # noqa: E731
+                  launch(q, k, v, out, lse, mx, sm_scale=sm_scale, score_mod=smod, config=cfg))
+            try:
+                fn()
+                torch.cuda.synchronize()
+                if rkey not in refs:
+                    refs[rkey] = reference(q, k, v, sm_scale, py_mods[rkey])
+                ref, ref_lse = refs[rkey]
+                err = ((out[0, :2].double() - ref).norm() / ref.norm()).item()
+                lse_err = (lse[0, :2].double() - ref_lse).abs().max().item()
+                nan = bool(torch.isnan(out).any() or torch.isnan(lse).any())
+                ok = not nan and err <= 1e-2 and lse_err < 5e-2
+                check = f"rel {err:.2e} lse {lse_err:.1e}{' NaN' if nan else ''}{'' if ok else ' FAIL'}"
+            except Exception as e:  # noqa: BLE001
+                ok, check = False, f"failed: {type(e).__name__}: {str(e)[:300]}"
+            print(f"{label:22s} {vname:16s} {check}", flush=True)
+            if ok:
+                timed.append((vname, fn, check))
+            else:
+                rows.append(dict(shape=label, variant=vname, ms=None, tflops=None, check=check))
+        times = {vn: [] for vn, _, _ in timed}
+        for _ in range(args.rounds):
+            for vn, fn, _ in timed:
+                times[vn].append(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+        noop = {}
+        for vn, fn, check in timed:
+            ts = times[vn]
+            ms = sorted(ts)[len(ts) // 2]
+            tf = flops / ms * 1e-9
+            if vn.split(" lazy=")[0] in ("noop", "OLD noop"):
+                noop[(vn.startswith("OLD"), " lazy=" in vn)] = tf
+            rows.append(dict(shape=label, variant=vn, ms=ms, tflops=tf, check=check,
+                             tflops_rounds=[flops / t * 1e-9 for t in ts]))
+        for r in rows:
+            if r["shape"] == label and r["tflops"]:
+                n = noop.get((r["variant"].startswith("OLD"), " lazy=" in r["variant"]))
+                r["vs_noop"] = r["tflops"] / n if n else None
+        del q, k, v
+        torch.cuda.empty_cache()
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=name, torch=torch.__version__, triton=triton.__version__, rows=rows), f, indent=1)
+    print(f"\n{name}  bf16 D=128 non-causal, TFLOP/s = do_bench median (median of {args.rounds} rounds); "
+          "vs noop = same kernel's noop, same run")
+    print(f"{'shape':22s} {'variant':16s} {'ms':>7s} {'TFLOP/s':>7s} {'vs noop':>7s} {'rounds':>13s}  check")
+    for r in rows:
+        ms = f"{r['ms']:.3f}" if r["ms"] else "-"
+        tf = f"{r['tflops']:.0f}" if r["tflops"] else "-"
+        vs = f"{r['vs_noop']:.3f}" if r.get("vs_noop") else "-"
+        rr = "/".join(f"{x:.0f}" for x in r.get("tflops_rounds", []))
+        print(f"{r['shape']:22s} {r['variant']:16s} {ms:>7s} {tf:>7s} {vs:>7s} {rr:>13s}  {r['check']}")
+
+
+if __name__ == "__main__":
+    main()
