@@ -11,7 +11,8 @@
 # budget is cut so the suite ends in time), BENCH_BUDGET_S (fixes the benchmark's budget instead),
 # MODELS (1), MODELS_BUDGET_S (150: kept for the model benchmark, taken from the benchmark's
 # budget; all five models at 2k/4k/8k need ~10 minutes: run benchmarks/models.py on its own for
-# those), DEMO (0), OUT (./.device_out).
+# those), DEMO (0), TESTS (1) and BENCH (1) (0 skips the GPU tests / the attention benchmark, to
+# split the suite over two device commands), OUT (./.device_out).
 #
 # Results go to $OUT (default ./.device_out), flat, at most 8 files (the device tool returns 8):
 #   gpu-tests.log (environment, then the tests)  gpu-tests.xml
@@ -67,6 +68,8 @@ PY
 # (SIGINT, so pytest still writes its JUnit report), and the benchmark's budget shrinks to what is
 # left of SUITE_BUDGET_S (a margin is kept for the last case, which may overrun the budget, and
 # for writing the results).
+test_rc=0
+if [ "${TESTS:-1}" = 1 ]; then
 # Two shards in parallel: compiling (CPU), not the GPU, is what these tests spend their time on,
 # and the training tests alone compile some thirty forward+backward graphs.
 echo "== tests marked gpu (2 parallel shards: the training tests, everything else)"
@@ -96,18 +99,22 @@ for path in sys.argv[2:]:
 ET.ElementTree(merged).write(sys.argv[1])
 PY
 rm -f "$OUT"/shard-*.xml "$OUT/shard-training.log"
+fi
 
 budget=${BENCH_BUDGET_S:-420}
 left=$(( ${SUITE_BUDGET_S:-540} - SECONDS - 90 ))
 [ "${DEMO:-0}" = 1 ] && left=$(( left - 150 ))  # the demo compiles a 4-layer model twice after the benchmark
 models_budget=${MODELS_BUDGET_S:-150}
-[ "${MODELS:-1}" = 1 ] && left=$(( left - models_budget ))
+[ "${MODELS:-1}" = 1 ] && [ "${BENCH:-1}" = 1 ] && left=$(( left - models_budget ))
 if [ -z "${BENCH_BUDGET_S:-}" ] && [ "$left" -lt "$budget" ]; then
     budget=$(( left > 60 ? left : 60 ))
 fi
-echo "== benchmark (preset ${PRESET:-quick}, budget ${budget} s; ${SECONDS} s into the suite)"
-python3 benchmarks/bench.py --preset "${PRESET:-quick}" --budget-s "$budget" --out "$OUT" 2>&1 | tee "$OUT/bench.log"
-bench_rc=$?
+bench_rc=0
+if [ "${BENCH:-1}" = 1 ]; then
+    echo "== benchmark (preset ${PRESET:-quick}, budget ${budget} s; ${SECONDS} s into the suite)"
+    python3 benchmarks/bench.py --preset "${PRESET:-quick}" --budget-s "$budget" --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+    bench_rc=$?
+fi
 
 models_rc=0
 if [ "${MODELS:-1}" = 1 ]; then
