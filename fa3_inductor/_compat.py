@@ -207,3 +207,9 @@ def call_flex_hop(q, k, v, score_mod, block_mask, scale) -> tuple[torch.Tensor, 
         q, k, v, score_mod, block_mask.as_tuple(), scale, flex_hop_kernel_options(q, k, v))
     out, lse = results[0], results[1]
     return out, lse * math.log(2.0)  # the op's LSE is in log2 units
+
+
+def source_name(source) -> str:
+    """A Dynamo Source's name: a property in torch 2.13, a method in earlier versions."""
+    name = source.name
+    return name() if callable(name) else name

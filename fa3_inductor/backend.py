@@ -16,8 +16,9 @@ from typing import Any, Optional
 
 import torch
 
+from . import _compat
 from .config import split_options
-from .lowering import flex_lowering
+from .lowering import flex_lowering, module_state
 from .lowering.passes import Fa3PostGradPass
 from .lowering.recognize_flex import flex_call_sites, tag_rewritten
 from .lowering.recognize_sdpa import rewrite_sdpa
@@ -50,26 +51,46 @@ def fa3_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
     patches["post_grad_custom_post_pass"] = Fa3PostGradPass(settings)
     flex_lowering.install()
     extra_inputs: list = []
+    guards: list = []
     if settings.recognize and settings.template != "torch":
-        gm, extra_inputs = recognize(gm)
+        gm, extra_inputs, guards = recognize(gm, example_inputs)
     else:
         for site in flex_call_sites(gm):
             record_recognized(site)
-    if not extra_inputs:
+    if not extra_inputs and not guards:
         return compile_fx(gm, example_inputs, config_patches=patches)
     fake_mode = torch._guards.detect_fake_mode(example_inputs)
     fakes = [fake_mode.from_tensor(t, static_shapes=True) if fake_mode else t
              for t in extra_inputs]
     inner = compile_fx(gm, list(example_inputs) + fakes, config_patches=patches)
-    return _with_extra_inputs(inner, extra_inputs)
+    return _with_extra_inputs(inner, extra_inputs, guards)
 
 
-def _with_extra_inputs(inner: Any, extra: list) -> Any:
-    """The compiled graph takes recognition's constants after the caller's inputs."""
+def _with_extra_inputs(inner: Any, extra: list, guards: list) -> Any:
+    """The compiled graph takes recognition's constants after the caller's inputs, and first
+    checks the module buffers recognition read as constants (lowering/module_state.py)."""
     def run(*args: Any) -> Any:
+        for guard in guards:
+            guard.check(args[guard.index])
         return inner(*args, *extra)
 
     return run
+
+
+def _module_buffers(gm: torch.fx.GraphModule, example_inputs: list) -> dict:
+    """Graph inputs that are registered buffers of the compiled module, with their real values:
+    what recognition may read as constants (guarded)."""
+    out = {}
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    for index, (node, value) in enumerate(zip(placeholders, example_inputs)):
+        source = getattr(node, "_dynamo_source", None)
+        if source is None or not isinstance(value, torch.Tensor) or \
+                isinstance(value, torch._subclasses.FakeTensor):
+            continue
+        name = _compat.source_name(source)
+        if "._buffers[" in name:
+            out[node] = (index, name, value)
+    return out
 
 
 def _own_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -88,30 +109,33 @@ def _own_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return copy
 
 
-def recognize(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list]:
+def recognize(gm: torch.fx.GraphModule, example_inputs: Optional[list] = None
+              ) -> tuple[torch.fx.GraphModule, list, list]:
     """Run the recognition passes on a copy of a Dynamo graph; log what they saw. Returns the
-    graph to compile and the constant tensors appended to its inputs (empty: ``gm`` itself).
+    graph to compile, the constant tensors appended to its inputs (empty: ``gm`` itself), and
+    the guards on module buffers read as constants (checked before every call).
 
     Example::
 
-        >>> gm, extra_inputs = recognize(gm)   # doctest: +SKIP
+        >>> gm, extra_inputs, guards = recognize(gm, example_inputs)   # doctest: +SKIP
     """
     original = gm
     user_calls = flex_call_sites(original)  # flex_attention the user wrote: tagged, kept as is
     before = [site.node for site in user_calls]
     positions = {node.name: i for i, node in enumerate(original.graph.nodes)}
     gm = _own_copy(gm)
-    sites, extra_inputs = rewrite_sdpa(gm, flex_lowering.unserved_reason)
-    from .lowering.recognize_manual import rewrite_manual
-    manual_sites, manual_inputs = rewrite_manual(gm, flex_lowering.unserved_reason)
+    with module_state.constants(_module_buffers(gm, example_inputs or [])) as guards:
+        sites, extra_inputs = rewrite_sdpa(gm, flex_lowering.unserved_reason)
+        from .lowering.recognize_manual import rewrite_manual
+        manual_sites, manual_inputs = rewrite_manual(gm, flex_lowering.unserved_reason)
     sites, extra_inputs = sites + manual_sites, extra_inputs + manual_inputs
     # (every rewriting pass runs above this line: the next one tags the nodes they made)
     tag_rewritten(gm, before, positions, sites)
     for site in sorted(user_calls + sites, key=lambda s: positions.get(s.node, len(positions))):
         record_recognized(site)
     if not any(site.rewritten for site in sites):
-        return original, []
-    return gm, extra_inputs
+        return original, [], []
+    return gm, extra_inputs, guards
 
 
 def ensure_registered() -> None:

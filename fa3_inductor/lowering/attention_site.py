@@ -12,6 +12,9 @@ layers applied on top of it. This module decides how the masks are served, exact
   flex works in log2 units, where even a finfo.min fill overflows to -inf, so flex gives 0
   where eager gives NaN (-inf fill) or uniform weights (finite fill) -- unless the front door
   itself gives 0 there (SDPA with a bool or -inf mask).
+- a mask read from module buffers whose values Dynamo handed the backend (a registered tril
+  buffer) is evaluated now like a position mask, if it is a known shape keeping a key in every
+  row; a guard re-checks the buffers on each call (module_state.py).
 - a mask read from a tensor (an input mask, a registered buffer) stays in the score_mod, which
   reads it as a captured buffer (exact), and the block-sparsity tables are computed at run time
   in the graph from it, so tiles it fully masks are skipped. Rows it leaves with no key keep
@@ -37,7 +40,7 @@ import torch
 import torch.fx
 
 from .._log import log
-from . import canonical
+from . import canonical, module_state
 from .fx_ops import example, op_name, static_shape
 from .lift import Env, Lifted, Lifter, NotLiftable
 from .report import RecognizedSite
@@ -221,6 +224,9 @@ class AttentionSite:
         if not keeps:
             return dict(kind="none", score=(full, full_score), biases=score_adds)
         if any(k.uses_buffers for k in keeps):
+            constant = self._constant_buffer_plan(keeps, mask_lifter, score_root, score_adds)
+            if constant is not None:
+                return constant
             if finite_fill and any(la.kind == "fill" and la.fill == -math.inf
                                    for la in layers):
                 raise Refused("a mask read at run time mixes -inf and finite fills: rows left "
@@ -243,6 +249,31 @@ class AttentionSite:
         raise Refused("the mask leaves query rows with no key: eager gives "
                       + ("NaN" if neg_inf else "uniform weights") + " there, flex_attention "
                       "gives 0; fa3 leaves this site alone")
+
+    def _constant_buffer_plan(self, keeps: list[Lifted], mask_lifter: Lifter, score_root,
+                              score_adds: list) -> Optional[dict]:
+        """A mask read from module buffers (module_state.py), evaluated now: a static plan
+        when it is a known shape keeping a key in every row, with guards on the buffers."""
+        values = [module_state.constant_value(b.node) for b in mask_lifter.buffers]
+        if self.rank != 4 or any(v is None for v in values):
+            return None
+        keep, grid = _and_all(keeps), self._grid()
+        views = [_kept_view(b, v) for b, v in zip(mask_lifter.buffers, values)]
+        dense = _evaluate(keep, grid, views)
+        if _known_mask(dense)[1] is None or not bool(dense.any(-1).all()):
+            return None
+        for i, buf in enumerate(mask_lifter.buffers):
+            def same_mask(new: torch.Tensor, i=i) -> bool:
+                now = list(views)
+                now[i] = _kept_view(mask_lifter.buffers[i], new)
+                return torch.equal(_evaluate(keep, grid, now), dense)
+            module_state.add_guard(buf.node, same_mask)
+        score_lifter = self._lifter()
+        body = score_lifter.lift(score_root)
+        adds = [score_lifter.lift(layer.node) for layer in score_adds]
+        score = _add_all(body, adds) if adds else body
+        return dict(kind="static", score=(score_lifter, score), keep=keep, dense=dense,
+                    biases=score_adds)
 
     def _lifter(self) -> Lifter:
         return Lifter(self.score_node, self.score_shape)
@@ -513,10 +544,16 @@ def _add_all(body: Lifted, adds: list[Lifted]) -> Lifted:
     return _combine([body] + adds, lambda a, b: a + b)
 
 
-def _evaluate(keep: Lifted, grid: list[torch.Tensor]) -> torch.Tensor:
-    """The keep mask on the concrete [B', H', M, N] grid (positions only, no buffers)."""
+def _kept_view(buf, value: torch.Tensor) -> torch.Tensor:
+    """A buffer's value viewed as the mods index it (its size-1 dims dropped)."""
+    return value.reshape([buf.shape[d] for d in buf.kept_dims] or [1]).cpu()
+
+
+def _evaluate(keep: Lifted, grid: list[torch.Tensor], buffers: list = ()) -> torch.Tensor:
+    """The keep mask on the concrete [B', H', M, N] grid (positions, and the real values of
+    buffers read as constants)."""
     with torch._subclasses.fake_tensor.unset_fake_temporarily():
-        val = keep.fn(Env(None, []), list(grid))
+        val = keep.fn(Env(None, list(buffers)), list(grid))
         val = torch.as_tensor(val)
         while val.dim() < 4:
             val = val.unsqueeze(0)
