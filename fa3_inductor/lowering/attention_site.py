@@ -238,12 +238,7 @@ class AttentionSite:
         keep = _and_all(keeps)
         dense = _evaluate(keep, self._grid())
         if bool(dense.any(-1).all()) or (self.zero_rows and not finite_fill):
-            score_lifter = self._lifter()
-            body = score_lifter.lift(score_root)
-            adds = [score_lifter.lift(layer.node) for layer in score_adds]
-            score = _add_all(body, adds) if adds else body
-            return dict(kind="static", score=(score_lifter, score), keep=keep, dense=dense,
-                        biases=score_adds)
+            return self._static_plan(score_root, score_adds, keep, dense)
         # flex works in log2 units: a finfo.min fill overflows to -inf there, so no spelling
         # of such rows reproduces eager's NaN (-inf fill) or uniform (finite fill) result.
         raise Refused("the mask leaves query rows with no key: eager gives "
@@ -268,6 +263,11 @@ class AttentionSite:
                 now[i] = _kept_view(mask_lifter.buffers[i], new)
                 return torch.equal(_evaluate(keep, grid, now), dense)
             module_state.add_guard(buf.node, same_mask)
+        return self._static_plan(score_root, score_adds, keep, dense)
+
+    def _static_plan(self, score_root, score_adds: list, keep: Lifted,
+                     dense: torch.Tensor) -> dict:
+        """A mask known now: the score_mod is the score part plus the added biases."""
         score_lifter = self._lifter()
         body = score_lifter.lift(score_root)
         adds = [score_lifter.lift(layer.node) for layer in score_adds]

@@ -119,7 +119,13 @@ def prepare_generic(
     sparse_q_block: int = 128, sparse_kv_block: int = 128, iterate_hull: Optional[bool] = None,
     config: Optional[GenericConfig] = None,
 ) -> tuple[Any, tuple, dict, tuple]:
-    """``(kernel, args, kwargs, grid)`` of one generic-kernel launch (see launch_generic).
+    """``(kernel, args, kwargs, grid)`` of one generic-kernel launch.
+
+    ``sm_scale`` multiplies q.k; ``score_mod``/``mask_mod`` are generated jit functions with
+    their captured ``score_bufs``/``mask_bufs``; the four block-mask tables (torch's BlockMask
+    layout) with ``sparse_q_block``/``sparse_kv_block`` restrict the KV tiles visited;
+    ``iterate_hull`` picks how a block mask is walked (None: the config's choice); ``config``
+    overrides the tile table (sweeps, tests).
 
     Example::
 
@@ -138,35 +144,20 @@ def prepare_generic(
     return attention_fwd_kernel, args, kwargs, grid
 
 
-def launch_generic(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    out: torch.Tensor, lse: torch.Tensor, max_scores: torch.Tensor, *,
-    sm_scale: float, score_mod: Any = None, mask_mod: Any = None,
-    score_bufs: Sequence[torch.Tensor] = (), mask_bufs: Sequence[torch.Tensor] = (),
-    kv_num_blocks: Optional[torch.Tensor] = None, kv_indices: Optional[torch.Tensor] = None,
-    full_kv_num_blocks: Optional[torch.Tensor] = None,
-    full_kv_indices: Optional[torch.Tensor] = None,
-    sparse_q_block: int = 128, sparse_kv_block: int = 128, iterate_hull: Optional[bool] = None,
-    config: Optional[GenericConfig] = None,
-) -> None:
+def launch_generic(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, max_scores: torch.Tensor, **options: Any) -> None:
     """Run the generic kernel; ``out``/``lse``/``max_scores`` are written in place.
 
-    Shapes and conventions are those of ``templates/generic_fwd.py``. With
-    ``kv_num_blocks=None`` every KV tile is visited and ``mask_mod`` must be None.
-    ``iterate_hull`` picks how a block mask is walked (None: the config's choice);
-    ``config`` overrides the tile table (sweeps, tests).
+    ``options`` are :func:`prepare_generic`'s keywords (``sm_scale`` required; mods, captured
+    buffers, block-mask tables and block sizes, ``iterate_hull``, ``config``). Shapes and
+    conventions are those of ``templates/generic_fwd.py``; with ``kv_num_blocks=None`` every
+    KV tile is visited and ``mask_mod`` must be None.
 
     Example::
 
         >>> launch_generic(q, k, v, out, lse, mx, sm_scale=q.shape[-1] ** -0.5)  # doctest: +SKIP
     """
-    kernel, args, kwargs, grid = prepare_generic(
-        q, k, v, out, lse, max_scores, sm_scale=sm_scale, score_mod=score_mod,
-        mask_mod=mask_mod, score_bufs=score_bufs, mask_bufs=mask_bufs,
-        kv_num_blocks=kv_num_blocks, kv_indices=kv_indices,
-        full_kv_num_blocks=full_kv_num_blocks, full_kv_indices=full_kv_indices,
-        sparse_q_block=sparse_q_block, sparse_kv_block=sparse_kv_block,
-        iterate_hull=iterate_hull, config=config)
+    kernel, args, kwargs, grid = prepare_generic(q, k, v, out, lse, max_scores, **options)
     kernel[grid](*args, **kwargs)
 
 
