@@ -25,7 +25,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import fa3_inductor
 from fa3_inductor import mods
-from fa3_inductor.lowering.flex_backward_lowering import lowered_backward_sites
+from fa3_inductor import lowered_backward_sites
 from fa3_inductor.runtime.backward_cpu import BackwardSpec
 from reference import assert_matches_reference, reference_attention, reference_gradients
 
@@ -276,10 +276,10 @@ def test_stock_inductor_backward_lowering_is_untouched(monkeypatch):
     from fa3_inductor.lowering import flex_backward_lowering as fbl
 
     fbl.install()
-    seen, recorded = [], len(fbl.lowered_backward_sites())
+    seen, recorded = [], len(lowered_backward_sites())
     monkeypatch.setattr(fbl, "_original_lowering", lambda *a, **kw: seen.append(a) or "torch")
     assert fbl._fa3_flex_backward_lowering(1, 2, 3) == "torch" and seen == [(1, 2, 3)]
-    assert len(fbl.lowered_backward_sites()) == recorded
+    assert len(lowered_backward_sites()) == recorded
 
 
 def test_cpu_backward_without_interpreter_says_what_to_do(monkeypatch):
@@ -307,7 +307,7 @@ def test_fx_cache_served_backward_in_a_fresh_process(tmp_path):
         import os, sys, torch
         os.environ["TRITON_INTERPRET"] = "1"
         import fa3_inductor
-        from fa3_inductor.lowering.flex_backward_lowering import lowered_backward_sites
+        from fa3_inductor import lowered_backward_sites
         torch.manual_seed(0)
         q, k, v = (torch.randn(1, 2, 48, 16, requires_grad=True) for _ in range(3))
         table = torch.randn(2, 8, requires_grad=True)

@@ -14,50 +14,19 @@ under any other backend it calls the original untouched. When it acts:
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Optional
 
 import torch
 
 from .. import _compat
-from .._log import log
 from ..runtime.backward_cpu import BackwardSpec
 from ..templates.modgen import UnsupportedMod, is_constant_true_mask, is_identity_score
 from ..templates.modgen_torch import generate_torch_mod_source, torch_buffer_specs
 from .flex_lowering import active_pass
+from .report import LoweredBackwardSite, record_backward_site as _record
 
 _BWD_OP = torch.ops.higher_order.flex_attention_backward
 _original_lowering: Optional[Any] = None
-
-
-@dataclasses.dataclass
-class LoweredBackwardSite:
-    """One flex_attention_backward site as this lowering saw it."""
-
-    kernel: str          # "fa3_inductor.flex_bwd (dense CPU recompute)" | "torch"
-    shape: str           # "q[B,H,M,D] kv[B,Hkv,N,D] dtype device"
-    buffer_grads: Optional[int]  # captured score_mod buffers given a gradient (None: torch's)
-    reason: str          # why this kernel
-
-
-_SITES: list[LoweredBackwardSite] = []
-
-
-def lowered_backward_sites() -> list[dict[str, Any]]:
-    """The flex_attention_backward sites lowered by the fa3 backend in this process.
-
-    Example::
-
-        >>> [s["kernel"] for s in lowered_backward_sites()]   # doctest: +SKIP
-        ['fa3_inductor.flex_bwd']
-    """
-    return [dataclasses.asdict(s) for s in _SITES]
-
-
-def _record(site: LoweredBackwardSite) -> None:
-    _SITES.append(site)
-    log.info("fa3_inductor: flex_attention_backward %s -> %s (%s)", site.shape, site.kernel,
-             site.reason)
 
 
 def install() -> None:

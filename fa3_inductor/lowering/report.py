@@ -60,6 +60,36 @@ def lowered_sites() -> list[dict[str, Any]]:
     return [s.as_dict() for s in _SITES]
 
 
+@dataclasses.dataclass
+class LoweredBackwardSite:
+    """One flex_attention_backward site as the backward lowering saw it."""
+
+    kernel: str          # "fa3_inductor.flex_bwd (dense CPU recompute)" | "torch"
+    shape: str           # "q[B,H,M,D] kv[B,Hkv,N,D] dtype device"
+    buffer_grads: Optional[int]  # captured score_mod buffers given a gradient (None: torch's)
+    reason: str          # why this kernel
+
+
+_BACKWARD: list[LoweredBackwardSite] = []
+
+
+def record_backward_site(site: LoweredBackwardSite) -> None:
+    _BACKWARD.append(site)
+    log.info("fa3_inductor: flex_attention_backward %s -> %s (%s)", site.shape, site.kernel,
+             site.reason)
+
+
+def lowered_backward_sites() -> list[dict[str, Any]]:
+    """The flex_attention_backward sites lowered by the fa3 backend in this process.
+
+    Example::
+
+        >>> [s["kernel"] for s in fa3_inductor.lowered_backward_sites()]   # doctest: +SKIP
+        ['fa3_inductor.flex_bwd (dense CPU recompute)']
+    """
+    return [dataclasses.asdict(s) for s in _BACKWARD]
+
+
 def clear_lowered_sites() -> None:
     """Forget the recorded sites (see :func:`lowered_sites` and :func:`recognized_sites`).
 
@@ -69,6 +99,7 @@ def clear_lowered_sites() -> None:
     """
     _SITES.clear()
     _RECOGNIZED.clear()
+    _BACKWARD.clear()
 
 
 @dataclasses.dataclass
