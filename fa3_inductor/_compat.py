@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -74,6 +74,17 @@ def inductor_lowerings() -> dict:
     from torch._inductor import lowering
 
     return lowering.lowerings
+
+
+def wrap_lowering(op, wrapper) -> Optional[Any]:
+    """Put ``wrapper`` (marked ``_fa3_wrapper``) in Inductor's lowering table for ``op``.
+    Returns the lowering it replaced, or None if ours is already installed (idempotent)."""
+    table = inductor_lowerings()
+    current = table[op]
+    if getattr(current, "_fa3_wrapper", False):
+        return None
+    table[op] = wrapper
+    return current
 
 
 def fallback_kernel(op) -> Any:

@@ -42,6 +42,7 @@ import torch.fx
 from .._log import log
 from . import canonical, module_state
 from .fx_ops import example, op_name, static_shape
+from ..templates.torch_mod_helpers import where
 from .lift import Env, Lifted, Lifter, NotLiftable
 from .report import RecognizedSite
 
@@ -444,13 +445,13 @@ class AttentionSite:
 
 def _apply_layers(score: Lifted, layers: list[tuple[MaskLayer, Lifted]]) -> Lifted:
     """The score with mask layers applied, innermost first (for calls such as SDPA)."""
-    from .lift import _align, _where
+    from .lift import _align
 
     def fn(env, idx):
         s = score.fn(env, idx)
         for layer, lifted in layers:
             m = lifted.fn(env, _align(idx, lifted.shape))
-            s = _where(m, s, layer.fill) if layer.kind == "fill" else s + m
+            s = where(m, s, layer.fill) if layer.kind == "fill" else s + m
         return s
     return Lifted(score.shape, fn, True, any(li.uses_buffers for _, li in layers))
 

@@ -22,7 +22,7 @@ from .. import _compat
 from ..runtime.backward_cpu import BackwardSpec
 from ..templates.modgen import UnsupportedMod, is_constant_true_mask, is_identity_score
 from ..templates.modgen_torch import generate_torch_mod_source, torch_buffer_specs
-from .flex_lowering import active_pass
+from .flex_lowering import active_pass, site_shape
 from .report import LoweredBackwardSite, record_backward_site as _record
 
 _BWD_OP = torch.ops.higher_order.flex_attention_backward
@@ -38,17 +38,9 @@ def install() -> None:
         >>> flex_backward_lowering.install()
     """
     global _original_lowering
-    table = _compat.inductor_lowerings()
-    current = table[_BWD_OP]
-    if getattr(current, "_fa3_wrapper", False):
-        return
-    _original_lowering = current
-    table[_BWD_OP] = _fa3_flex_backward_lowering
-
-
-def _shape(q, k) -> str:
-    return (f"q{list(q.get_size())} kv{list(k.get_size())} "
-            f"{str(q.get_dtype()).replace('torch.', '')} {q.get_device().type}")
+    replaced = _compat.wrap_lowering(_BWD_OP, _fa3_flex_backward_lowering)
+    if replaced is not None:
+        _original_lowering = replaced
 
 
 def _buffer_dtypes(buffers) -> list[Optional[torch.dtype]]:
@@ -114,7 +106,7 @@ def _fa3_flex_backward_lowering(*args, **kwargs):
     if active_pass() is None:
         return _original_lowering(*args, **kwargs)
     query, key = args[0], args[1]  # first on every version; the rest is read on the CPU only
-    shape = _shape(query, key)
+    shape = site_shape(query, key)
     device = query.get_device().type
     if device == "cpu":
         return _lower_on_cpu(_compat.unpack_flex_backward_args(args, kwargs), shape)

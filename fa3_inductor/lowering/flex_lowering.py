@@ -49,12 +49,15 @@ def install() -> None:
     from . import flex_backward_lowering  # imports this module: a cycle at import time
 
     flex_backward_lowering.install()
-    table = _compat.inductor_lowerings()
-    current = table[_FLEX_OP]
-    if getattr(current, "_fa3_wrapper", False):
-        return
-    _original_lowering = current
-    table[_FLEX_OP] = _fa3_flex_lowering
+    replaced = _compat.wrap_lowering(_FLEX_OP, _fa3_flex_lowering)
+    if replaced is not None:
+        _original_lowering = replaced
+
+
+def site_shape(query, key) -> str:
+    """"q[B,H,M,D] kv[B,Hkv,N,D] dtype device" of a site's IR nodes, for records and logs."""
+    return (f"q{list(query.get_size())} kv{list(key.get_size())} "
+            f"{str(query.get_dtype()).replace('torch.', '')} {query.get_device().type}")
 
 
 def static_ints(values) -> Optional[list[int]]:
@@ -109,8 +112,7 @@ def _plan(query, key, value, subgraph, bm: _compat.FlexBlockMask, score_bufs, ma
     sizevars = V.graph.sizevars
     dtype = query.get_dtype()
     device = query.get_device()
-    shape = (f"q{list(query.get_size())} kv{list(key.get_size())} "
-             f"{str(dtype).replace('torch.', '')} {device.type}")
+    shape = site_shape(query, key)
     if settings.template == "torch":
         return None, "option fa3.template='torch'", shape
     # Batch and sequence lengths may stay symbolic (the kernel takes them at run time);

@@ -40,6 +40,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.fx
 
+from ..templates.torch_mod_helpers import cast, where
 from .fx_ops import arg, example, op_name, static_shape
 
 
@@ -115,20 +116,6 @@ def _unary(name: str) -> Callable[[Any], Any]:
             return -x if name == "neg" else getattr(torch, name)(x)
         return _MATH[name](x)
     return fn
-
-
-def _where(c: Any, a: Any, b: Any) -> Any:
-    if not _is_tensor(c):
-        return a if c else b
-    return torch.where(c, a, b)
-
-
-def _cast(x: Any, dtype: torch.dtype) -> Any:
-    if _is_tensor(x):
-        return x.to(dtype)
-    if dtype is torch.bool:
-        return bool(x)
-    return float(x) if dtype.is_floating_point else int(x)
 
 
 class Lifter:
@@ -251,11 +238,11 @@ class Lifter:
         ops = [arg(node, 0, "condition"), arg(node, 1, "input"), arg(node, 2, "other")]
         if any(o is None for o in ops):
             return None
-        return self._elementwise(node, ops, _where)
+        return self._elementwise(node, ops, where)
 
     def _op_masked_fill(self, node, shape):
         x, m, v = arg(node, 0, "input"), arg(node, 1, "mask"), arg(node, 2, "value")
-        return self._elementwise(node, [m, v, x], _where)
+        return self._elementwise(node, [m, v, x], where)
 
     def _op_bitwise_not(self, node, shape):
         return self._elementwise(node, [arg(node, 0, "input")],
@@ -266,12 +253,12 @@ class Lifter:
     def _op_minimum(self, node, shape):
         return self._elementwise(node, [arg(node, 0, "input"), arg(node, 1, "other")],
                                  lambda x, y: torch.minimum(x, y) if _is_tensor(x) and
-                                 _is_tensor(y) else _where(x < y, x, y))
+                                 _is_tensor(y) else where(x < y, x, y))
 
     def _op_maximum(self, node, shape):
         return self._elementwise(node, [arg(node, 0, "input"), arg(node, 1, "other")],
                                  lambda x, y: torch.maximum(x, y) if _is_tensor(x) and
-                                 _is_tensor(y) else _where(x > y, x, y))
+                                 _is_tensor(y) else where(x > y, x, y))
 
     def _op_min(self, node, shape):
         other = arg(node, 1, "other")
@@ -286,9 +273,9 @@ class Lifter:
 
         def clamp(x, lo=lo, hi=hi):
             if lo is not None:
-                x = _where(x < lo, lo, x)
+                x = where(x < lo, lo, x)
             if hi is not None:
-                x = _where(x > hi, hi, x)
+                x = where(x > hi, hi, x)
             return x
         if isinstance(lo, torch.fx.Node) or isinstance(hi, torch.fx.Node):
             return None
@@ -317,7 +304,7 @@ class Lifter:
             # Score values: the kernel computes them in float32, which is at least as
             # precise as the cast; keep the value.
             return self._elementwise(node, [src], lambda x: x)
-        return self._elementwise(node, [src], lambda x: _cast(x, dtype))
+        return self._elementwise(node, [src], lambda x: cast(x, dtype))
 
     def _op_arange(self, node, shape):
         nums = [a for a in node.args]
@@ -334,7 +321,7 @@ class Lifter:
 
         def fn(env, idx, start=start, step=step):
             v = idx[0] * step + start if (start, step) != (0, 1) else idx[0]
-            return _cast(v, dtype) if dtype.is_floating_point else v
+            return cast(v, dtype) if dtype.is_floating_point else v
         return Lifted(shape, fn, dtype=dtype)
 
     def _fill(self, node, shape, value):
@@ -364,7 +351,7 @@ class Lifter:
         def fn(env, idx):
             offset = idx[-1] - idx[-2]
             keep = offset >= k if upper else offset <= k
-            return _where(keep, x.fn(env, idx), zero)
+            return where(keep, x.fn(env, idx), zero)
         self.features.append("index")
         return Lifted(shape, fn, x.uses_score, x.uses_buffers, example(node).dtype)
 

@@ -10,6 +10,7 @@ scores through them under autograd to get gradients of the score and of captured
 Example::
 
     >>> import torch
+import torch.fx
     >>> from fa3_inductor.templates import torch_mod_helpers as T
     >>> T.maximum(torch.tensor([1, 5]), 3).tolist()
     [3, 5]
@@ -39,7 +40,9 @@ def index_to_float(x: Any) -> Any:
 
 
 def _is_tensor(x: Any) -> bool:
-    return isinstance(x, torch.Tensor)
+    # fx Proxies count: recognition (lowering/lift.py) evaluates the same helpers while it
+    # writes mask computations into a graph.
+    return isinstance(x, (torch.Tensor, torch.fx.Proxy))
 
 
 def _tensor_pair(a: Any, b: Any) -> tuple[torch.Tensor, torch.Tensor]:
