@@ -59,14 +59,13 @@ def forward(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable], bloc
         >>> out, lse = forward(q, k, v, None, None, 0.125, "auto")   # doctest: +SKIP
     """
     mask_mod = block_mask.mask_mod if block_mask is not None else None
+    site = (template, q.device, q.dtype, q.shape[1], q.shape[3], k.shape[1], v.shape[3],
+            q.shape[0] == k.shape[0] or k.shape[0] == 1,
+            None if block_mask is None else tuple(block_mask.BLOCK_SIZE))
     try:
-        key = (_fn_key(score_mod), _fn_key(mask_mod), template, q.device, q.dtype, q.shape[1],
-               q.shape[3], k.shape[1], v.shape[3], q.shape[0] == k.shape[0] or k.shape[0] == 1,
-               None if block_mask is None else tuple(block_mask.BLOCK_SIZE))
+        key = (_fn_key(score_mod), _fn_key(mask_mod), site)
     except _Unkeyable:
-        key = (score_mod, mask_mod, template, q.device, q.dtype, q.shape[1], q.shape[3],
-               k.shape[1], v.shape[3], q.shape[0] == k.shape[0] or k.shape[0] == 1,
-               None if block_mask is None else tuple(block_mask.BLOCK_SIZE))
+        key = (score_mod, mask_mod, site)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan(q, k, v, score_mod, mask_mod, block_mask, template)

@@ -105,16 +105,19 @@ def flex_fwd(
     max_scores = q.new_empty((Z, H, M), dtype=torch.float32)
     sparse_q_block = _one_block_size(sparse_q_block, M)
     sparse_kv_block = _one_block_size(sparse_kv_block, k.shape[2])
-    blocks = dict(kv_num_blocks=kv_num_blocks, kv_indices=kv_indices,
-                  full_kv_num_blocks=full_kv_num_blocks, full_kv_indices=full_kv_indices,
-                  sparse_q_block=sparse_q_block, sparse_kv_block=sparse_kv_block)
+
+    def blocks() -> dict:  # only when planning a launch: not on the re-launch path
+        return dict(kv_num_blocks=kv_num_blocks, kv_indices=kv_indices,
+                    full_kv_num_blocks=full_kv_num_blocks, full_kv_indices=full_kv_indices,
+                    sparse_q_block=sparse_q_block, sparse_kv_block=sparse_kv_block)
+
     if not q.is_cuda:
         _check_interpreter()
         site = SiteSpec.from_json(spec)
         launch_generic(q, k, v, out, lse, max_scores, sm_scale=scale,
                        score_mod=site.score_mod_tl and load_mod(site.score_mod_tl, "tl"),
                        mask_mod=site.mask_mod_tl and load_mod(site.mask_mod_tl, "tl"),
-                       score_bufs=score_bufs, mask_bufs=mask_bufs, **blocks)
+                       score_bufs=score_bufs, mask_bufs=mask_bufs, **blocks())
         record_template("generic")
         return out, lse, max_scores
     # CUDA: everything but the tensors' addresses is fixed by this key, so after the first
@@ -126,13 +129,13 @@ def flex_fwd(
 
     def prepare():
         site = SiteSpec.from_json(spec)
-        template = _choose_template(site, q, k, v, out, blocks)
+        template = _choose_template(site, q, k, v, out, blocks())
         dialect = "gl" if template == "hopper" else "tl"
         score_src = site.score_mod_gl if template == "hopper" else site.score_mod_tl
         mask_src = site.mask_mod_gl if template == "hopper" else site.mask_mod_tl
         mods = dict(sm_scale=scale, score_mod=score_src and load_mod(score_src, dialect),
                     mask_mod=mask_src and load_mod(mask_src, dialect),
-                    score_bufs=tuple(score_bufs), mask_bufs=tuple(mask_bufs), **blocks)
+                    score_bufs=tuple(score_bufs), mask_bufs=tuple(mask_bufs), **blocks())
         if template == "hopper":
             from ..templates.hopper import prepare_fwd_sm90
             return (*prepare_fwd_sm90(q, k, v, out, lse, max_scores, **mods), template)
