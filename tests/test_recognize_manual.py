@@ -138,6 +138,15 @@ class Spelled(nn.Module):
             p = torch.softmax(s, -1)
         elif self.softmax == "method":
             p = s.softmax(-1)
+        elif self.softmax == "amax":  # written out, max subtracted
+            e = torch.exp(s - s.amax(-1, keepdim=True))
+            p = e / e.sum(-1, keepdim=True)
+        elif self.softmax == "max_values":
+            e = (s - s.max(dim=-1, keepdim=True).values.detach()).exp()
+            p = e / torch.sum(e, dim=-1, keepdim=True)
+        elif self.softmax == "max_index":
+            e = torch.exp(s - torch.max(s, -1, keepdim=True)[0])
+            p = torch.div(e, e.sum(dim=(-1,), keepdim=True))
         else:  # float upcast and cast back
             p = s.float().softmax(dim=-1).type_as(q)
         if self.matmul == "einsum":
@@ -148,6 +157,8 @@ class Spelled(nn.Module):
 @pytest.mark.parametrize("matmul, transpose, scale, softmax", [
     ("@", "t", "mul", "F"), ("matmul", "t23", "div", "torch"), ("@", "mT", "fold", "method"),
     ("matmul", "permute", "div", "upcast"), ("einsum", "t", "div", "F"),
+    ("@", "t", "mul", "amax"), ("matmul", "mT", "div", "max_values"),
+    ("einsum", "t", "mul", "max_index"),
 ])
 def test_spellings_of_plain_attention(matmul, transpose, scale, softmax):
     q, k, v = (torch.randn(B, H, S, D) for _ in range(3))
@@ -478,6 +489,12 @@ class NearMiss(nn.Module):
             return torch.relu(p - 0.01) @ v
         if self.how == "dropout":
             return F.dropout(p, 0.1, training=True) @ v
+        if self.how == "exp_without_max":  # overflows in eager where softmax does not
+            e = s.exp()
+            return (e / e.sum(-1, keepdim=True)) @ v
+        if self.how == "exp_returned":
+            e = torch.exp(s - s.amax(-1, keepdim=True))
+            return (e / e.sum(-1, keepdim=True)) @ v, e
         return p @ v, p   # probabilities returned
 
 
@@ -504,6 +521,17 @@ def test_near_misses_are_left_alone_with_the_reason(how, reason, caplog):
         with torch.no_grad():
             ref = module(q, k, v)
         torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.parametrize("how", ["exp_without_max", "exp_returned"])
+def test_written_out_softmax_that_is_not_exactly_softmax_is_left_alone(how):
+    q, k, v = (torch.randn(B, H, S, D) for _ in range(3))
+    module = NearMiss(how)
+    with torch.no_grad():
+        out = torch.compile(module, backend="fa3")(q, k, v)
+        ref = module(q, k, v)
+    assert _manual_sites() == [] and fa3_inductor.lowered_sites() == []
+    torch.testing.assert_close(out, ref)
 
 
 def test_non_elementwise_score_expression_is_left_alone():
@@ -590,6 +618,8 @@ def _padding():
 # inputs that need no gradient). Masks that arrive as tensors are frozen, as real masks are.
 TRAINING_FAMILIES = {
     "einsum": lambda: (Spelled("einsum", "t", "div", "torch"), _qkv(), "matmul-softmax", ()),
+    "written_out_softmax": lambda: (Spelled("@", "t", "mul", "max_values"), _qkv(),
+                                    "matmul-softmax", ()),
     "bmm_flattened": lambda: (Bmm3d(), tuple(torch.randn(B * H, S, D) for _ in range(3)),
                               "matmul-softmax", ()),
     "seq_first_einsum": lambda: (EinsumSeqFirst(), tuple(torch.randn(B, S, H, D) for _ in range(3)),

@@ -6,7 +6,8 @@ and training graphs alike; a learnable bias table read by the score_mod is a cap
 gets its gradient.
 
 How a site is found, and why not with fixed patterns. The anchor is ``softmax(S, dim=-1)``
-(any spelling, optional ``dtype=``), then casts and eval-mode / p=0 dropout, then a matmul with
+(any spelling, optional ``dtype=``; a softmax written out as ``exp(S - max) / sum`` is first
+turned into one by spelled_softmax.py), then casts and eval-mode / p=0 dropout, then a matmul with
 V (``@``, ``matmul``, ``bmm``, ``einsum``). ``S`` is an arbitrary elementwise expression of one
 ``q @ kᵀ`` product and of tensors built from positions, constants, tables and inputs. Written as
 ``torch._inductor.pattern_matcher`` patterns, every spelling of every stage multiplies (matmul
@@ -49,6 +50,7 @@ from .lift import Lifted, Lifter
 from .operands import (einsum_out_perm, einsum_qk, einsum_v, peel_constant_scale,
                        transposed_source, unrepeat)
 from .report import RecognizedSite
+from .spelled_softmax import canonicalize_spelled_softmax
 
 FRONT_DOOR = "matmul-softmax"
 _CASTS = {"to", "type_as", "float", "half", "bfloat16", "double", "contiguous", "type"}
@@ -72,6 +74,7 @@ def rewrite_manual(gm: torch.fx.GraphModule,
     """
     sites: list[RecognizedSite] = []
     extra_inputs: list[torch.Tensor] = []
+    canonicalize_spelled_softmax(gm)
     for node in list(gm.graph.nodes):
         if op_name(node) not in _PV_OPS or not _follows_softmax(node):
             continue

@@ -1,0 +1,107 @@
+"""Recognition: a softmax written out by hand becomes ``torch.softmax`` before the anchor match.
+
+The spelling models use when they avoid ``softmax`` (for a custom mask fill, or copied from a
+paper)::
+
+    m = s.amax(-1, keepdim=True)          # or s.max(-1, keepdim=True).values / [0], torch.amax
+    e = torch.exp(s - m)                  # or (s - m).exp(); m may be .detach()-ed
+    p = e / e.sum(-1, keepdim=True)       # or torch.sum(e, dim=-1, keepdim=True)
+
+is the same computation as ``torch.softmax(s, -1)`` (the max is subtracted the same way), so it
+is replaced by one call, in place, and recognize_manual then sees an ordinary softmax. Only the
+max-subtracted form is rewritten: ``exp(s) / sum`` overflows in eager where softmax does not, and
+a rewrite must not change results. Intermediates used elsewhere (e.g. ``e`` returned) leave the
+spelling alone.
+
+Example::
+
+    >>> rewritten = canonicalize_spelled_softmax(gm)    # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.fx
+
+from .fx_ops import arg, example, op_name
+
+
+def canonicalize_spelled_softmax(gm: torch.fx.GraphModule) -> int:
+    """Replace every written-out last-dim softmax of ``gm`` by ``torch.softmax``; returns how
+    many were replaced (the graph is recompiled if any).
+
+    Example::
+
+        >>> canonicalize_spelled_softmax(gm)    # doctest: +SKIP
+        1
+    """
+    count = 0
+    for node in list(gm.graph.nodes):
+        match = _match(node)
+        if match is None:
+            continue
+        scores, dead = match
+        with gm.graph.inserting_before(node):
+            softmax = gm.graph.call_function(torch.softmax, (scores, -1))
+        softmax.meta.update(node.meta)
+        node.replace_all_uses_with(softmax)
+        for n in [node] + dead:  # consumers first, so each is unused when erased
+            if not n.users:
+                gm.graph.erase_node(n)
+        count += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
+def _last_dim(node: torch.fx.Node, index: int, rank: int) -> bool:
+    dim = arg(node, index, "dim")
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    return isinstance(dim, int) and dim % rank == rank - 1 and arg(node, index + 1, "keepdim") is True
+
+
+def _only_users(node: Any, users: set) -> bool:
+    return isinstance(node, torch.fx.Node) and set(node.users) <= users
+
+
+def _match(div: torch.fx.Node) -> Optional[tuple[torch.fx.Node, list[torch.fx.Node]]]:
+    """(s, nodes to drop) if ``div`` is ``exp(s - max(s)) / sum(exp(s - max(s)))`` over dim -1."""
+    if op_name(div) != "div" or len(div.args) != 2 or div.kwargs:
+        return None
+    e, total = div.args
+    t = example(div)
+    if op_name(e) != "exp" or op_name(total) != "sum" or t is None or t.dim() == 0:
+        return None
+    rank = t.dim()
+    if arg(total, 0, "input") is not e or not _last_dim(total, 1, rank) or \
+            not _only_users(e, {div, total}) or not _only_users(total, {div}):
+        return None
+    shifted = arg(e, 0, "input")
+    if op_name(shifted) != "sub" or len(shifted.args) != 2 or shifted.kwargs or \
+            not _only_users(shifted, {e}):
+        return None
+    s, row_max = shifted.args
+    dead = [total, e, shifted]
+    if op_name(row_max) == "detach" and _only_users(row_max, {shifted}):
+        dead.append(row_max)
+        row_max = row_max.args[0]
+    if not _only_users(row_max, {dead[-1]}):
+        return None
+    dead.append(row_max)
+    if op_name(row_max) in ("getitem", "getattr"):  # max(...).values / max(...)[0]
+        which = row_max.args[1] if len(row_max.args) > 1 else None
+        if which not in (0, "values"):
+            return None
+        row_max = row_max.args[0]
+        if op_name(row_max) != "max" or not _only_users(row_max, {dead[-1]}):
+            return None
+        dead.append(row_max)
+    elif op_name(row_max) != "amax":
+        return None
+    if arg(row_max, 0, "input") is not s or not _last_dim(row_max, 1, rank):
+        return None
+    return s, dead
