@@ -32,7 +32,8 @@ def causal_mask(b, h, q_idx, kv_idx, bufs):
 
 
 @gluon.jit
-def softcap_mod(score, b, h, q_idx, kv_idx, bufs):
+def softcap_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs):
+    score = qk * sm_scale
     t = gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [score * 0.02], dtype=gl.float32,
                                   is_pure=True, pack=1)
     return 50.0 * t

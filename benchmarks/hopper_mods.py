@@ -7,13 +7,16 @@ first a check against float64 (batch 0, heads 0-1; fresh random inputs, NaN-pois
 of O, abs. error of the log2 LSE), then `triton.testing.do_bench` medians, `rounds` interleaved rounds
 over all variants (the spread is the noise). TFLOP/s = 4·B·H·N²·D / t.
 
-Variants: noop; softcap (table config) and softcap with a quarter of the exp2 columns on the FMA pipe
-(exp2_emu=1); ALiBi. With --baseline (a copy of an older fwd_sm90.py, imports made
+Variants, launched as the product launches them (max_needed=False): noop; softcap (table config: a fixed
+exponent base, no row max), softcap with the row max asked for ("softcap max"), softcap with a quarter of
+the exp2 columns on the FMA pipe (exp2_emu=1); ALiBi. With --baseline (a copy of an older fwd_sm90.py, imports made
 absolute) the old kernel runs noop / softcap / ALiBi with the old generated mod sources, in the same run.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
+import functools
 import importlib.util
 import json
 import math
@@ -30,26 +33,30 @@ from fa3_inductor.templates.modgen import BufferSpec, generate_mod_source, load_
 
 SOFTCAP = 30.0   # as benchmarks/bench.py
 
-# What modgen emitted before the cost rules (commit 6e493b7), for the --baseline kernel.
+# What modgen emitted before the scale folding (commit 3c5978d: mods took the scaled score, no
+# OUT_SCALE), for the --baseline kernel of that commit.
 OLD_SOFTCAP = f"""@gluon.jit
 def score_mod(score, b, h, q_idx, kv_idx, bufs):
-    v0 = (score * 1.0 / {SOFTCAP})
+    v0 = (score / {SOFTCAP})
     v1 = H.tanh(v0)
     v2 = (v1 * {SOFTCAP})
-    return (v2 + gl.zeros_like(score)).to(gl.float32)
+    return v2
 """
 
 
 def old_alibi(H):
     return f"""@gluon.jit
 def score_mod(score, b, h, q_idx, kv_idx, bufs):
-    v0 = (h + 1)
-    v1 = (v0 * {-8.0 / H!r})
-    v2 = gl.exp2(v1)
-    v3 = (kv_idx - q_idx)
-    v4 = (v3 * v2)
-    v5 = (score + v4)
-    return (v5 + gl.zeros_like(score)).to(gl.float32)
+    v1 = h.to(gl.float32)
+    v2 = (v1 + 1.0)
+    v3 = (v2 * {-8.0 / H!r})
+    v4 = gl.exp2(v3)
+    v6 = H.index_to_float(kv_idx)
+    v7 = H.index_to_float(q_idx)
+    v8 = (v6 - v7)
+    v9 = (v8 * v4)
+    v10 = (score + v9)
+    return v10
 """
 
 
@@ -85,7 +92,8 @@ def main():
     ap.add_argument("--no-emu", action="store_true", help="skip the exp2_emu=1 softcap variant")
     args = ap.parse_args()
     name = torch.cuda.get_device_name()
-    print(f"device: {name}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    print(f"device: {name}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%MZ}", flush=True)
     base = None
     if args.baseline:
         spec = importlib.util.spec_from_file_location("baseline_fwd_sm90", args.baseline)
@@ -102,15 +110,20 @@ def main():
         flops = 4 * B * H * S * S * D
         py_mods = {"noop": None, "softcap": mods.softcap(SOFTCAP), "alibi": mods.alibi(H)}
         g_soft, g_alibi = gen(py_mods["softcap"]), gen(py_mods["alibi"])
+        # launch_fwd_sm90 as the product calls it (max_needed=False: nothing reads the row max), and
+        # softcap once more with the row max asked for (no fixed exponent base)
+        launch = functools.partial(launch_fwd_sm90, max_needed=False)
         variants = [  # (name, launcher, score_mod, config overrides, reference mod key)
-            ("noop", launch_fwd_sm90, None, {}, "noop"),
-            ("softcap", launch_fwd_sm90, g_soft, {}, "softcap"),
-            ("softcap emu=1", launch_fwd_sm90, g_soft, dict(exp2_emu=1), "softcap"),
-            ("alibi", launch_fwd_sm90, g_alibi, {}, "alibi"),
+            ("noop", launch, None, {}, "noop"),
+            ("softcap", launch, g_soft, {}, "softcap"),
+            ("softcap max", launch_fwd_sm90, g_soft, {}, "softcap"),
+            ("softcap emu=1", launch, g_soft, dict(exp2_emu=1), "softcap"),
+            ("softcap emu=2", launch, g_soft, dict(exp2_emu=2), "softcap"),
+            ("alibi", launch, g_alibi, {}, "alibi"),
         ]
         if args.lazy_ablation:   # the table's lazy_rescale flipped, same kernel otherwise
             lazy = not get_config(D, dtype).lazy_rescale
-            variants += [(f"{n} lazy={'on' if lazy else 'off'}", launch_fwd_sm90, m, dict(lazy_rescale=lazy), r)
+            variants += [(f"{n} lazy={'on' if lazy else 'off'}", launch, m, dict(lazy_rescale=lazy), r)
                          for n, m, r in (("noop", None, "noop"), ("softcap", g_soft, "softcap"),
                                          ("alibi", g_alibi, "alibi"))]
         if base is not None:
@@ -170,7 +183,9 @@ def main():
 
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=name, torch=torch.__version__, triton=triton.__version__, rows=rows), f, indent=1)
+            json.dump(dict(device=name, torch=torch.__version__, triton=triton.__version__,
+                           date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                           rows=rows), f, indent=1)
     print(f"\n{name}  bf16 D=128 non-causal, TFLOP/s = do_bench median (median of {args.rounds} rounds); "
           "vs noop = same kernel's noop, same run")
     print(f"{'shape':22s} {'variant':16s} {'ms':>7s} {'TFLOP/s':>7s} {'vs noop':>7s} {'rounds':>13s}  check")

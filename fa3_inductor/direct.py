@@ -110,7 +110,7 @@ def _plan(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable],
             [BufferSpec.of(b) for b in mask_bufs], device=q.device, dtype=q.dtype,
             q_heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[3],
             value_head_dim=v.shape[3], batches_match=q.shape[0] == k.shape[0] or k.shape[0] == 1,
-            sparse_blocks=sparse, settings=Settings(template=template),
+            sparse_blocks=sparse, settings=Settings(template=template), needs_max=False,
             description=f"q{list(q.shape)} kv{list(k.shape)} "
                         f"{str(q.dtype).replace('torch.', '')} {q.device.type} (flex, direct)")
     except UnsupportedMod as exc:

@@ -186,6 +186,51 @@ def test_cpu_return_lse_is_natural_log():
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-3, rtol=1e-3)
 
 
+@pytest.mark.gpu
+def test_compiled_flex_max_scores_are_computed_when_read():
+    """A graph that reads flex_attention's max_scores gets the true row max, also for a bounded
+    score_mod (softcap) whose kernel may otherwise skip the max (hopper's fixed exponent base).
+    (torch's flex_attention refuses max_scores on the CPU.)"""
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    dtype, D = torch.bfloat16, 128
+    q, k, v = (torch.randn(1, 2, 200, D, device="cuda", dtype=dtype) for _ in range(3))
+    score_mod = mods.softcap(20.0)
+
+    def attention(q, k, v):
+        out, aux = flex_attention(q, k, v, score_mod=score_mod,
+                                  return_aux=AuxRequest(lse=True, max_scores=True))
+        return out, aux.lse, aux.max_scores
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out, lse, mx = torch.compile(attention, backend="fa3", fullgraph=True)(q, k, v)
+    s = score_mod(q.double() @ k.double().transpose(-2, -1) * D ** -0.5, None, None, None, None)
+    torch.testing.assert_close(mx.double(), s.amax(-1), atol=5e-2, rtol=1e-2)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1), atol=5e-2, rtol=1e-2)
+    assert_matches_reference(out, torch.softmax(s, -1) @ v.double(), dtype)
+
+
+def test_the_lowering_asks_for_the_row_max_only_if_the_graph_reads_it():
+    import operator
+
+    from fa3_inductor import _compat
+    from fa3_inductor.lowering.flex_lowering import _max_scores_read
+
+    def graph(read_max: bool):
+        g = torch.fx.Graph()
+        x = g.placeholder("x")
+        op = g.call_function(torch.ops.aten.sin.default, (x,))  # stands in for flex_attention
+        outs = [g.call_function(operator.getitem, (op, i)) for i in range(3)]
+        g.output((outs[0], outs[2]) if read_max else (outs[0],))
+        return op
+
+    returns_max = _compat.flex_op_returns_max_scores()
+    assert _max_scores_read(graph(True)) == returns_max
+    assert not _max_scores_read(graph(False))
+    assert _max_scores_read(None) == returns_max   # unsure: ask for it
+
+
 def test_cpu_without_interpreter_runs_torch_and_says_so(monkeypatch, caplog):
     import logging
 

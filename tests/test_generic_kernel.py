@@ -10,11 +10,12 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from fa3_inductor import mods
 from fa3_inductor.runtime.generic import launch_generic
-from fa3_inductor.templates.modgen import load_mod
+from fa3_inductor.templates.modgen import generate_mod_source, load_mod, trace_mod
 from reference import assert_lse_matches, assert_matches_reference, reference_attention
 
 SOFTCAP_TL = """@triton.jit
-def score_mod(score, b, h, q_idx, kv_idx, bufs):
+def score_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs):
+    score = qk * sm_scale
     return 4.0 * H.tanh(score / 4.0) + tl.load(bufs[0] + h)
 """
 CAUSAL_TL = """@triton.jit
@@ -92,6 +93,28 @@ def test_block_mask_full_blocks_score_mod_and_buffer(device, walk):
     s = score(s, None, torch.arange(HQ, device=device).view(1, HQ, 1, 1), None, None)
     s = s.masked_fill(~(torch.arange(M, device=device)[:, None]
                         >= torch.arange(N, device=device)[None, :]), float("-inf"))
+    torch.testing.assert_close(mx.double(), s.amax(-1), atol=1e-2, rtol=1e-3)
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("fn", [
+    mods.softcap(3.0),                                       # both ends folded: OUT_SCALE 3
+    lambda s, b, h, q, kv: (s / 4 + s) / 0.5,                # input half-folded, OUT_SCALE 2
+    lambda s, b, h, q, kv: torch.tanh(s / 2) * -2.0,         # negative factor stays in the mod
+], ids=["softcap", "half_folded", "negative"])
+@pytest.mark.parametrize("sm_scale", [0.2, -0.3])
+def test_generated_mods_with_folded_scales(device, fn, sm_scale):
+    _interpreter_or_cuda(device)
+    dtype = torch.float16
+    Z, H, M, N, D = 1, 2, 96, 80, 32
+    q, k, v = (torch.randn(Z, H, n, D, device=device, dtype=dtype) for n in (M, N, N))
+    gm, _ = trace_mod(fn, "score")
+    out, lse, mx = _run(q, k, v, sm_scale=sm_scale,
+                        score_mod=load_mod(generate_mod_source(gm, "score", [])))
+    ref, ref_lse = reference_attention(q, k, v, fn, scale=sm_scale)
+    assert_matches_reference(out, ref, dtype)
+    assert_lse_matches(lse, ref_lse, dtype)
+    s = fn(q.double() @ k.double().transpose(-2, -1) * sm_scale, None, None, None, None)
     torch.testing.assert_close(mx.double(), s.amax(-1), atol=1e-2, rtol=1e-3)
 
 

@@ -37,14 +37,16 @@ def document_mask(b, h, q_idx, kv_idx, bufs):
 
 
 @gluon.jit
-def softcap_mod(score, b, h, q_idx, kv_idx, bufs):
+def softcap_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs):
+    score = qk * sm_scale
     t = gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [score * 0.05], dtype=gl.float32,
                                   is_pure=True, pack=1)
     return 20.0 * t
 
 
 @gluon.jit
-def head_bias_mod(score, b, h, q_idx, kv_idx, bufs):
+def head_bias_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs):
+    score = qk * sm_scale
     return score + gl.load(bufs[0] + h)
 
 
@@ -182,3 +184,39 @@ def test_mods_convert_indices_before_they_broadcast():
         plain = sass_report(compile_sm90(q, k, v, o, lse, mx, sm_scale=0.1))
         # ALiBi's slope exp2 is one per head (a scalar per tile), not per score
         assert r.sass.count("MUFU.EX2") <= plain.sass.count("MUFU.EX2") + 4
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_bounded_softcap_fixed_base_compiles_without_row_max(D):
+    """softcap with nobody reading the row max: the fixed-base path has no running max (FMNMX) and no
+    O rescale, stays spill-free with setmaxnreg, and the prologue's qk scale and the final * cap are
+    folded (one FMUL per score left, against the max-tracking path's three)."""
+    from fa3_inductor import mods
+    dtype = torch.bfloat16
+    cfg = get_config(D, dtype)
+    soft = _generated_score_mod(mods.softcap(30.0))
+    q, k, v, o, lse, mx = _inputs(D, dtype)
+    fixed = compile_sm90(q, k, v, o, lse, mx, sm_scale=0.1, score_mod=soft, config=cfg, max_needed=False)
+    _check(fixed, cfg, D, cfg.block_n, "BF16")
+    tracked = sass_report(compile_sm90(q, k, v, o, lse, mx, sm_scale=0.1, score_mod=soft, config=cfg))
+    a = _mix(tracked.sass, "FMNMX", "FMUL", "MUFU.TANH")
+    b = _mix(sass_report(fixed).sass, "FMNMX", "FMUL", "MUFU.TANH")
+    assert b["FMNMX"] == 0 < a["FMNMX"], (a, b)
+    assert b["MUFU.TANH"] == a["MUFU.TANH"] > 0 and b["FMUL"] < a["FMUL"], (a, b)
+
+
+@pytest.mark.parametrize("dtype, cap, max_needed, fixed", [
+    (torch.bfloat16, 30.0, False, True),
+    (torch.bfloat16, 30.0, True, False),     # max_scores is read: the row max is needed
+    (torch.bfloat16, 70.0, False, False),    # 2^-202 would underflow P
+    (torch.float16, 30.0, False, False),     # fp16 P holds 2^-14..2^15 only
+    (torch.float16, 4.0, False, True),
+])
+def test_fixed_base_is_chosen_only_where_p_keeps_its_range(dtype, cap, max_needed, fixed):
+    from fa3_inductor import mods
+    from fa3_inductor.templates.hopper.fwd_sm90 import _prepare
+    q, k, v, o, lse, mx = _inputs(128, dtype)
+    soft = _generated_score_mod(mods.softcap(cap))
+    _, kwargs, _ = _prepare(q, k, v, o, lse, mx, 0.1, soft, None, (), (), None, None, None, None, 128, 128,
+                            None, 132, max_needed)
+    assert kwargs["FIXED_BASE"] == fixed

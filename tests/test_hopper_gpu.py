@@ -60,18 +60,21 @@ def _tanh(x):
 
 
 @gluon.jit
-def softcap_mod(score, b, h, q_idx, kv_idx, bufs):
+def softcap_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs):
+    score = qk * sm_scale
     return 5.0 * _tanh(score * 0.2)
 
 
 @gluon.jit
-def alibi_mod(score, b, h, q_idx, kv_idx, bufs):
+def alibi_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs):
+    score = qk * sm_scale
     slope = gl.exp2(-(h + 1).to(gl.float32) * 0.5)
     return score + (kv_idx - q_idx).to(gl.float32) * slope
 
 
 @gluon.jit
-def head_bias_mod(score, b, h, q_idx, kv_idx, bufs):
+def head_bias_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs):
+    score = qk * sm_scale
     return score + gl.load(bufs[0] + h)
 
 
@@ -298,3 +301,52 @@ def test_generated_mods(name):
 def test_negative_scale():
     # the no-mod fast path folds the scale into exp2 and the row max; a negative scale must still be exact
     _run_case(1, 4, 4, 300, 260, 128, torch.bfloat16, None, None, False, "bhsd", sm_scale=-0.09)
+
+
+@pytest.mark.parametrize("D, dtype, cap, mask, saturate", [
+    (128, torch.bfloat16, 30.0, None, False),
+    (64, torch.bfloat16, 50.0, "holes", False),      # Gemma 2's attention cap; rows with no key
+    (256, torch.bfloat16, 30.0, "causal", False),
+    (128, torch.float16, 4.0, "causal", False),
+    (128, torch.bfloat16, 60.0, None, True),         # every score at -cap: the bottom of P's range
+])
+def test_bounded_softcap_with_a_fixed_exponent_base(D, dtype, cap, mask, saturate):
+    """max_needed=False: softcap exponentiates against a fixed base (no row max): O and LSE match
+    float64, rows with no key give O = 0 and LSE = MAX = -inf, and MAX is NaN (not computed) elsewhere."""
+    from fa3_inductor import mods
+    from fa3_inductor.templates.hopper.fwd_sm90 import _prepare
+    from fa3_inductor.templates.modgen import generate_mod_source, load_mod, trace_mod
+    torch.manual_seed(0)
+    B, H, M, N = 1, 4, 457, 457
+    fn = mods.softcap(cap)
+    gm, _ = trace_mod(fn, "score")
+    mod = load_mod(generate_mod_source(gm, "score", [], "gl"), "gl")
+    q, k, v = (torch.randn(B, H, n, D, device="cuda", dtype=dtype) for n in (M, N, N))
+    if saturate:   # every score -600 (±noise): tanh is -1 on whole rows, p = 2^-109 for every key
+        u = torch.nn.functional.normalize(torch.randn(D, device="cuda"), dim=0)
+        k = (u * D ** 0.5 + 0.01 * torch.randn(B, H, N, D, device="cuda")).to(dtype)
+        q = (-600.0 * u).expand(B, H, M, D).to(dtype).contiguous()
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((B, H, M), float("nan"), device="cuda")
+    mx = torch.full((B, H, M), float("nan"), device="cuda")
+    kw = dict(sm_scale=D ** -0.5, score_mod=mod, mask_mod={None: None, "holes": holes_causal_mask,
+                                                          "causal": causal_mask}[mask])
+    _, kwargs, _ = _prepare(q, k, v, out, lse, mx, kw["sm_scale"], mod, kw["mask_mod"], (), (),
+                            None, None, None, None, 128, 128, None, 132, False)
+    assert kwargs["FIXED_BASE"], "this case must take the fixed-base path"
+    launch_fwd_sm90(q, k, v, out, lse, mx, max_needed=False, **kw)
+    torch.cuda.synchronize()
+
+    qi = torch.arange(M, device="cuda")[:, None]
+    ki = torch.arange(N, device="cuda")[None, :]
+    s = fn(q.double() @ k.double().transpose(-2, -1) * D ** -0.5, None, None, None, None)
+    if mask is not None:
+        s = s.masked_fill(~_ref_mask(mask, qi, ki), float("-inf"))
+    ref_lse = torch.logsumexp(s, -1)
+    dead = torch.isinf(ref_lse)
+    ref = torch.softmax(s.masked_fill(dead[..., None], 0.0), -1).masked_fill(dead[..., None], 0.0) @ v.double()
+    tol = 1e-2 if dtype == torch.bfloat16 else 5e-3
+    assert _rel(out, ref) <= tol, _rel(out, ref)
+    assert torch.equal(torch.isinf(lse) & (lse < 0), dead) and (out[dead] == 0).all()
+    assert (lse[~dead].double() - ref_lse[~dead] / LN2).abs().max().item() < 5e-2
+    assert torch.isnan(mx[~dead]).all() and torch.equal(torch.isinf(mx), dead)

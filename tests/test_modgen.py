@@ -18,19 +18,28 @@ def _source(fn, kind, dialect="tl"):
 
 def test_softcap_uses_the_tanh_helper():
     assert_expected_inline(_source(mods.softcap(30.0), "score"), """\
+OUT_SCALE = 30.0
+OUT_RANGE = (-1.0, 1.0)
+
+
 @triton.jit
-def score_mod(score, b, h, q_idx, kv_idx, bufs):
-    v0 = (score / 30.0)
-    v1 = H.tanh(v0)
-    v2 = (v1 * 30.0)
+def score_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs):
+    v0 = sm_scale * 0.03333333333333333
+    v1 = (qk * v0)
+    v2 = H.tanh(v1)
     return v2
 """)
 
 
 def test_alibi_slopes_are_computed_from_the_head_index():
     assert_expected_inline(_source(mods.alibi(8), "score", "gl"), """\
+OUT_SCALE = 1.0
+OUT_RANGE = None
+
+
 @gluon.jit
-def score_mod(score, b, h, q_idx, kv_idx, bufs):
+def score_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs):
+    score = qk * sm_scale
     v0 = (h + 1)
     v1 = h.to(gl.float32)
     v2 = (v1 + 1.0)
@@ -63,8 +72,13 @@ def test_learned_table_bakes_in_strides():
     table = torch.randn(4, 10)
     src = _source(lambda s, b, h, q, kv: s + table[h, q - kv + 5], "score")
     assert_expected_inline(src, """\
+OUT_SCALE = 1.0
+OUT_RANGE = None
+
+
 @triton.jit
-def score_mod(score, b, h, q_idx, kv_idx, bufs):
+def score_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs):
+    score = qk * sm_scale
     v0 = (q_idx - kv_idx)
     v1 = (v0 + 5)
     v2 = tl.load(bufs[0] + (h) * 10 + (v1))
@@ -114,3 +128,32 @@ def test_indexing_a_buffer_with_too_few_indices_is_refused():
     table = torch.randn(4, 10)
     with pytest.raises(UnsupportedMod, match="index every dimension"):
         _source(lambda s, b, h, q, kv: s + table[h].sum(), "score")
+
+
+@pytest.mark.parametrize("fn, out_scale, reads_score", [
+    (lambda s, b, h, q, kv: s * 2, 2.0, True),                        # the score itself, scaled
+    (lambda s, b, h, q, kv: 0.5 * (s * s), 0.5, True),                # score read unscaled
+    (lambda s, b, h, q, kv: torch.tanh(s / 20) * -3.0, 1.0, False),   # negative: kept in the mod
+    (lambda s, b, h, q, kv: (s / 4 + s) / 8, 0.125, True),            # one use folded, one not
+    (lambda s, b, h, q, kv: s + 1.0, 1.0, True),
+])
+def test_constant_multiplies_at_the_ends_fold(fn, out_scale, reads_score):
+    src = _source(fn, "score")
+    assert src.startswith(f"OUT_SCALE = {out_scale!r}\n"), src
+    assert ("score = qk * sm_scale" in src) == reads_score, src
+
+
+def test_a_folded_input_multiply_scales_qk_once():
+    assert_expected_inline(_source(lambda s, b, h, q, kv: (s / 4 + s) / 8, "score"), """\
+OUT_SCALE = 0.125
+OUT_RANGE = None
+
+
+@triton.jit
+def score_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs):
+    score = qk * sm_scale
+    v0 = sm_scale * 0.25
+    v1 = (qk * v0)
+    v2 = (v1 + score)
+    return v2
+""")

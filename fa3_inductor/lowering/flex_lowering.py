@@ -15,6 +15,7 @@ in log2 units); on the CPU our dense-recompute op serves it.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Optional
 
 import torch
@@ -98,14 +99,20 @@ def _buffer_specs(buffers) -> tuple[Optional[list[Optional[BufferSpec]]], Option
 
 
 def _mod_summary(source: Optional[str]) -> str:
+    """The generated body on one line, with the factor folded into the kernel if any."""
     if source is None:
         return "none"
-    body = [line.strip() for line in source.splitlines()[2:]]
-    return "; ".join(body)
+    lines = source.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("def ")) + 1
+    summary = "; ".join(line.strip() for line in lines[start:])
+    scale = next((line.split("=", 1)[1].strip() for line in lines[:start]
+                  if line.startswith("OUT_SCALE")), "1.0")
+    return summary if scale == "1.0" else f"{summary} (x {scale}, folded into the kernel)"
 
 
 def _plan(query, key, value, subgraph, bm: _compat.FlexBlockMask, score_bufs, mask_bufs,
-          settings: Settings) -> tuple[Optional[SiteSpec], Optional[str], str]:
+          settings: Settings, needs_max: bool = True
+          ) -> tuple[Optional[SiteSpec], Optional[str], str]:
     """Decide how to serve one site: (spec, None, shape) or (None, reason, shape)."""
     from torch._inductor.virtualized import V
 
@@ -138,7 +145,7 @@ def _plan(query, key, value, subgraph, bm: _compat.FlexBlockMask, score_bufs, ma
             subgraph.graph_module, bm.mask_graph.graph_module, score_specs, mask_specs,
             device=device, dtype=dtype, q_heads=hq, kv_heads=hkv, head_dim=d,
             value_head_dim=dv, batches_match=batches_match, sparse_blocks=sparse,
-            settings=settings, description=shape)
+            settings=settings, description=shape, needs_max=needs_max)
     except UnsupportedMod as exc:
         return None, f"mod not lowerable: {exc}", shape
     return spec, reason, shape
@@ -176,9 +183,10 @@ def _fa3_flex_lowering(query, key, value, subgraph, block_mask, scale, kernel_op
     from torch._inductor.virtualized import V
 
     bm = _compat.unpack_block_mask(block_mask)
-    tag = site_tag(getattr(V.graph, "current_node", None))  # links to a RecognizedSite
+    node = getattr(V.graph, "current_node", None)
+    tag = site_tag(node)  # links to a RecognizedSite
     spec, reason, shape = _plan(query, key, value, subgraph, bm, score_mod_other_buffers,
-                                mask_mod_other_buffers, marker.settings)
+                                mask_mod_other_buffers, marker.settings, _max_scores_read(node))
     if spec is None:
         record_site(LoweredSite("torch", "?", "?", shape, reason, site_id=tag))
         if query.get_device().type == "cpu":
@@ -210,6 +218,20 @@ def _fa3_flex_lowering(query, key, value, subgraph, block_mask, scale, kernel_op
     if _compat.flex_op_returns_max_scores():
         return out, lse, max_scores
     return out, lse
+
+
+def _max_scores_read(node) -> bool:
+    """Whether the graph reads the op's max_scores output (index 2); True when unsure."""
+    if not _compat.flex_op_returns_max_scores():
+        return False
+    if node is None:
+        return True
+    for user in node.users:
+        if user.target is not operator.getitem:
+            return True  # used whole: assume read
+        if user.args[1] == 2 and user.users:
+            return True
+    return False
 
 
 def _is_no_mask(spec: SiteSpec, sparse_q: int, sparse_kv: int) -> bool:

@@ -47,8 +47,10 @@ def plan_site(score_gm: torch.fx.GraphModule, mask_gm: torch.fx.GraphModule,
               mask_specs: Sequence[Optional[BufferSpec]], *, device: torch.device,
               dtype: torch.dtype, q_heads: int, kv_heads: int, head_dim: int,
               value_head_dim: int, batches_match: bool, sparse_blocks: tuple[int, int],
-              settings: Settings, description: str) -> tuple[Optional[SiteSpec], Optional[str]]:
-    """(spec, None) when our kernels serve the site, else (None, reason).
+              settings: Settings, description: str,
+              needs_max: bool = True) -> tuple[Optional[SiteSpec], Optional[str]]:
+    """(spec, None) when our kernels serve the site, else (None, reason). ``needs_max``: whether
+    the row-max output is read (flex_attention's max_scores).
 
     Raises UnsupportedMod (templates/modgen.py) when a mod cannot be generated.
 
@@ -83,7 +85,8 @@ def plan_site(score_gm: torch.fx.GraphModule, mask_gm: torch.fx.GraphModule,
     hopper_ok = on_hopper and head_dim in HOPPER_HEAD_DIMS and dtype != torch.float32
     if settings.template in ("auto", "hopper") and hopper_ok and _hopper_available():
         template = "hopper"
-    return SiteSpec(template=template, description=description, **sources), None
+    return SiteSpec(template=template, description=description, needs_max=needs_max,
+                    **sources), None
 
 
 def _is_pow2_at_least_16(x: int) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import inspect
 from typing import Any, Optional, Sequence
 
@@ -10,6 +11,7 @@ import torch
 import triton
 
 from ..templates.generic_fwd import attention_fwd_kernel
+from ..templates.modgen import out_scale_of
 from ..templates.tma import tma_aligned
 from .._log import warn_once
 from .configs import GenericConfig, generic_config
@@ -53,6 +55,17 @@ def _batch_stride(t: torch.Tensor, batch: int) -> int:
     return 0 if t.shape[0] == 1 and batch > 1 else t.stride(0)
 
 
+def _fold_scale(sm_scale: float, score_mod: Any) -> bool:
+    return score_mod is None and sm_scale > 0
+
+
+def _to_log2(sm_scale: float, score_mod: Any) -> float:
+    """The kernel's factor from its score tile to log2 units (see generic_fwd._kv_tile)."""
+    if score_mod is not None:
+        return out_scale_of(score_mod) * math.log2(math.e)
+    return (sm_scale if _fold_scale(sm_scale, score_mod) else 1.0) * math.log2(math.e)
+
+
 def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs,
              mask_bufs, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
              sparse_q_block, sparse_kv_block, capability, iterate_hull=None, config=None):
@@ -82,7 +95,8 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
             _batch_stride(k, Z), k.stride(1), k.stride(2),
             _batch_stride(v, Z), v.stride(1), v.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
-            HQ, M, N, D, SZ, SH, num_q_blks, num_kv_blks, sm_scale)
+            HQ, M, N, D, SZ, SH, num_q_blks, num_kv_blks, sm_scale,
+            _to_log2(sm_scale, score_mod))
     kwargs = dict(
         SCORE_MOD=score_mod, MASK_MOD=mask_mod, GQA_GROUP=HQ // HKV,
         HAS_BLOCK_MASK=has_mask, HAS_FULL_BLOCKS=has_full,
@@ -99,7 +113,7 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
         WARP_SPECIALIZE=cfg.warp_specialize,
         # Without a score_mod, keep raw q.k scores and fold the scale into the row max and
         # the exp2 argument; valid for a positive scale only.
-        FOLD_SCALE=score_mod is None and sm_scale > 0,
+        FOLD_SCALE=_fold_scale(sm_scale, score_mod),
         # float32 inputs follow torch's matmul precision setting ("highest" = IEEE), as
         # torch's own flex kernel does; 16-bit inputs ignore it.
         DOT_PRECISION="tf32" if torch.get_float32_matmul_precision() != "highest" else "ieee",

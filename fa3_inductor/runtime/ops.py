@@ -138,7 +138,8 @@ def flex_fwd(
                     score_bufs=tuple(score_bufs), mask_bufs=tuple(mask_bufs), **blocks())
         if template == "hopper":
             from ..templates.hopper import prepare_fwd_sm90
-            return (*prepare_fwd_sm90(q, k, v, out, lse, max_scores, **mods), template)
+            return (*prepare_fwd_sm90(q, k, v, out, lse, max_scores, max_needed=site.needs_max,
+                                      **mods), template)
         return (*prepare_generic(q, k, v, out, lse, max_scores, **mods), template)
 
     record_template(launch_cached(key, inputs, prepare))

@@ -29,6 +29,8 @@ class SiteSpec:
     score_mod_gl: Optional[str] = None
     mask_mod_gl: Optional[str] = None
     description: str = ""
+    # Whether anything reads the row-max output; if not, a bounded score_mod may skip computing it.
+    needs_max: bool = True
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

@@ -5,8 +5,17 @@ lowering): placeholders ``score, b, h, q_idx, kv_idx`` (mask: no score) followed
 buffers, then pointwise aten ops and ``aten.index.Tensor`` loads from those buffers. The output
 is the source of one function in either dialect:
 
-    tl  ``@triton.jit def score_mod(score, b, h, q_idx, kv_idx, bufs)`` for the generic template
+    tl  ``@triton.jit def score_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs)`` (generic template)
     gl  ``@gluon.jit`` with the same signature, for the Hopper (Gluon) template
+
+A score_mod is handed the raw ``qk`` tile and the scale rather than ``score = qk * sm_scale``,
+and returns its result divided by a positive constant, ``OUT_SCALE`` (a module constant in the
+source; 1.0 unless the mod ends in a multiply by a positive constant). Both are free multiplies
+folded away: ``score / c`` becomes ``qk * (sm_scale / c)`` (one multiply per score, not two), and
+the kernels fold ``OUT_SCALE`` into the exp2 FMA that converts to log2 units (softcap's final
+``* cap`` costs nothing). ``OUT_RANGE`` bounds the returned tile where the last op bounds it
+(tanh, sigmoid, clamp): the Hopper kernel may then exponentiate against a fixed base instead of
+the running row max. Mask mods take ``(b, h, q_idx, kv_idx, bufs)``.
 
 Buffers arrive as a tuple of pointers; their strides are baked into the code (they are part of
 the spec hash).
@@ -22,7 +31,11 @@ of the two index axes every value varies along, so that per-score work stays per
   pushing where the bound could be exceeded). A 32-bit I2F costs like a MUFU op on sm90; the
   index leaves themselves are converted with ``H.index_to_float`` (integer add + float add).
 * a float32 result that already covers the tile is returned as is (``x + 0.0`` is not free: it
-  cost an FFMA per score). Anything the generator does not know raises :class:`UnsupportedMod`, and the
+  cost an FFMA per score).
+* multiplies by constants at the score's two ends are folded (above). The result differs from
+  the unfolded expression only by float rounding.
+
+Anything the generator does not know raises :class:`UnsupportedMod`, and the
 lowering then hands the site to torch's own kernel with that reason: never a silent guess.
 
 Example::
@@ -146,13 +159,58 @@ def _literal(value: Any) -> str:
     raise UnsupportedMod(f"constant {value!r} of type {type(value).__name__}")
 
 
+def _constant_factor(node: torch.fx.Node, x: torch.fx.Node) -> Optional[float]:
+    """c if ``node`` is ``x * c``, ``c * x`` or ``x / c`` for a finite non-zero number c."""
+    if node.op != "call_function" or node.kwargs or len(node.args) != 2:
+        return None
+    packet, (a, b) = _packet(node.target), node.args
+    if packet is aten.mul and b is x and a is not x:
+        a, b = b, a
+    if packet not in (aten.mul, aten.div) or a is not x or isinstance(b, bool) or \
+            not isinstance(b, (int, float)) or b == 0 or b != b or abs(b) == float("inf"):
+        return None
+    return float(b) if packet is aten.mul else 1.0 / float(b)
+
+
+def _value_range(node: Any) -> Optional[tuple[float, float]]:
+    """Bounds of a returned tile the kernel may use in place of the running row max (softcap's
+    tanh), or None. Masked (-inf) scores are outside it and are handled apart."""
+    packet = _packet(node.target) if isinstance(node, torch.fx.Node) and \
+        node.op == "call_function" else None
+    if packet is aten.tanh:
+        return (-1.0, 1.0)
+    if packet is aten.sigmoid:
+        return (0.0, 1.0)
+    if packet is aten.clamp and len(node.args) == 3 and not node.kwargs and \
+            all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in node.args[1:]):
+        lo, hi = (float(x) for x in node.args[1:])
+        return (lo, hi) if lo <= hi else None
+    return None
+
+
+def _scaled_result(result: Any, output: torch.fx.Node) -> Optional[tuple[torch.fx.Node, float]]:
+    """(x, c) if the mod returns ``x * c`` or ``x / (1/c)`` with c > 0 and nothing else reads it."""
+    if not isinstance(result, torch.fx.Node) or list(result.users) != [output]:
+        return None
+    for x in result.args[:2]:
+        c = _constant_factor(result, x) if isinstance(x, torch.fx.Node) else None
+        if c is not None and c > 0:
+            return x, c
+    return None
+
+
 class _Emitter:
+    # Kernel dialects take (qk, sm_scale) and fold constant multiplies (module docstring).
+    FOLD_SCALES = True
+
     def __init__(self, gm: torch.fx.GraphModule, kind: str, buffers: Sequence[BufferSpec],
                  dialect: str):
         self.gm, self.kind, self.buffers, self.dialect = gm, kind, list(buffers), dialect
         self.L = "tl" if dialect == "tl" else "gl"
         self.names: dict[torch.fx.Node, str] = {}
         self.lines: list[str] = []
+        self.prologue: list[str] = []  # `score = qk * sm_scale` where the score is read unscaled
+        self.folded_inputs: dict[torch.fx.Node, float] = {}  # score * c -> c
         self.dtypes: dict[torch.fx.Node, torch.dtype | None] = {}
         # Index axes a value varies along ("q", "kv"), the interval of int values that the
         # float rebuild may use, and float versions of int values already emitted.
@@ -201,24 +259,37 @@ class _Emitter:
             self.axes[node] = frozenset()
             self.buffer_of[node] = i - len(params)
             tensors += 1
-        result = None
+        output = next((n for n in self.gm.graph.nodes if n.op == "output"), None)
+        if output is None:
+            raise UnsupportedMod(f"{self.kind}_mod graph has no output")
+        result = output.args[0]
+        if isinstance(result, (tuple, list)):
+            if len(result) != 1:
+                raise UnsupportedMod(f"{self.kind}_mod returns {len(result)} values")
+            result = result[0]
+        out_scale, scaled = 1.0, None
+        fold = self.kind == "score" and self.FOLD_SCALES
+        if fold:
+            score = placeholders[0]
+            scaled = _scaled_result(result, output)
+            self.folded_inputs = {u: f for u in score.users
+                                  if u is not (scaled and result) and (f := _constant_factor(u, score))}
+            if any(u not in self.folded_inputs and u is not (scaled and result)
+                   for u in score.users) or (scaled and scaled[0] is score):
+                self.prologue.append("score = qk * sm_scale")
         for node in self.gm.graph.nodes:
-            if node.op == "placeholder":
+            if node.op in ("placeholder", "output") or (scaled and node is result):
                 continue
-            if node.op == "output":
-                out = node.args[0]
-                if isinstance(out, (tuple, list)):
-                    if len(out) != 1:
-                        raise UnsupportedMod(f"{self.kind}_mod returns {len(out)} values")
-                    out = out[0]
-                result = out
-                break
             if node.op != "call_function":
                 raise UnsupportedMod(f"graph node {node.name} is a {node.op} (captured constant "
                                      "or module call); pass tensors as captured buffers")
             self.lower(node)
-        if result is None:
-            raise UnsupportedMod(f"{self.kind}_mod graph has no output")
+        if scaled:
+            inner, factor = scaled
+            if self.axes.get(inner) == _TILE and self.dtype_of(inner) is torch.float32:
+                result, out_scale = inner, factor
+            else:  # not a float32 score tile: keep the multiply
+                self.lower(result)
         ret = self.arg(result)
         if self.kind == "score":
             if self.dtype_of(result) in _INT_DTYPES:
@@ -226,14 +297,18 @@ class _Emitter:
             if not (isinstance(result, torch.fx.Node) and self.axes.get(result) == _TILE
                     and self.dtype_of(result) in (torch.float32,) + _INT_DTYPES):
                 # The kernel needs a [BLOCK_M, BLOCK_N] fp32 tile even if the mod ignored score.
-                ret = f"({ret} + {self.L}.zeros_like(score)).to({self.L}.float32)"
+                tile = "qk" if fold else "score"
+                ret = f"({ret} + {self.L}.zeros_like({tile})).to({self.L}.float32)"
         elif self.dtype_of(result) not in (torch.bool, None):
             ret = f"({ret} != 0)"
         fn = "score_mod" if self.kind == "score" else "mask_mod"
-        sig = ", ".join(params + ["bufs"])
+        sig = ", ".join((["qk", "sm_scale"] if fold else params[:1] if self.kind == "score" else [])
+                        + index_params + ["bufs"])
         deco = "@triton.jit" if self.dialect == "tl" else "@gluon.jit"
-        body = "\n".join(f"    {line}" for line in self.lines + [f"return {ret}"])
-        return f"{deco}\ndef {fn}({sig}):\n{body}\n"
+        body = "\n".join(f"    {line}" for line in self.prologue + self.lines + [f"return {ret}"])
+        head = (f"OUT_SCALE = {out_scale!r}\nOUT_RANGE = {_value_range(result)!r}\n\n\n"
+                if fold else "")
+        return f"{head}{deco}\ndef {fn}({sig}):\n{body}\n"
 
     def assign(self, node: torch.fx.Node, expr: str, dtype: torch.dtype | None) -> None:
         name = f"v{len(self.lines)}"
@@ -325,9 +400,17 @@ class _Emitter:
         packet = _packet(target)
         val = node.meta.get("val")
         out_dtype = val.dtype if isinstance(val, torch.Tensor) else None
+        if out_dtype in (torch.float16, torch.bfloat16) and any(
+                self.dtype_of(a) is torch.float32 for a in args if isinstance(a, torch.fx.Node)):
+            # The graph may be traced with a 16-bit score; the generated arithmetic on the fp32
+            # tile stays fp32 (Triton promotes), and a cast in the mod is recorded by cast().
+            out_dtype = torch.float32
         L = self.L
         if packet in _IDENTITY:
             return self.lower_identity(node, args[0])
+        if node in self.folded_inputs:
+            factor = self.line(f"sm_scale * {_literal(self.folded_inputs[node])}")
+            return self.assign(node, f"(qk * {factor})", torch.float32)
         floaty = out_dtype is not None and out_dtype.is_floating_point or any(
             (self.dtype_of(x) or torch.int32).is_floating_point or isinstance(x, float) for x in args
             if isinstance(x, (torch.fx.Node, float)))
@@ -535,9 +618,33 @@ def _cache_dir() -> str:
     return path
 
 
+def out_scale_of(score_mod: Any) -> float:
+    """The positive constant a score_mod's returned tile is to be multiplied by (1.0 for a
+    hand-written mod, which returns the score itself).
+
+    Example::
+
+        >>> out_scale_of(load_mod(generate_mod_source(softcap_graph, "score", [])))  # doctest: +SKIP
+        30.0
+    """
+    return float(getattr(score_mod, "out_scale", 1.0))
+
+
+def out_range_of(score_mod: Any) -> Optional[tuple[float, float]]:
+    """Bounds (lo, hi) of every unmasked value a generated score_mod returns, or None.
+
+    Example::
+
+        >>> out_range_of(load_mod(generate_mod_source(softcap_graph, "score", [])))  # doctest: +SKIP
+        (-1.0, 1.0)
+    """
+    return getattr(score_mod, "out_range", None)
+
+
 def load_mod(source: str, dialect: str = "tl") -> Any:
     """Import generated mod source as a module (jit functions need a real file) and return
-    its ``score_mod`` or ``mask_mod`` function. Cached by the hash of the source.
+    its ``score_mod`` or ``mask_mod`` function (a score_mod carries its ``OUT_SCALE``, see
+    :func:`out_scale_of`). Cached by the hash of the source.
 
     Example::
 
@@ -560,5 +667,8 @@ def load_mod(source: str, dialect: str = "tl") -> Any:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     fn = getattr(module, "score_mod", None) or getattr(module, "mask_mod")
+    if hasattr(module, "OUT_SCALE"):  # read by the launchers: see out_scale_of / out_range_of
+        fn.out_scale = float(module.OUT_SCALE)
+        fn.out_range = module.OUT_RANGE
     _LOADED[(dialect, source)] = fn
     return fn

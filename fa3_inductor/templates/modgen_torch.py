@@ -34,7 +34,10 @@ _HEADER = "from fa3_inductor.templates import torch_mod_helpers as T\nH = T\n\n\
 
 
 class _TorchEmitter(_Emitter):
-    """modgen's emitter with torch spellings: ``T.*`` for ``tl.*``/``H.*``, indexing for loads."""
+    """modgen's emitter with torch spellings: ``T.*`` for ``tl.*``/``H.*``, indexing for loads.
+    Mods keep the plain ``(score, b, h, q_idx, kv_idx, bufs)`` signature (no scale folding)."""
+
+    FOLD_SCALES = False
 
     def __init__(self, gm: torch.fx.GraphModule, kind: str,
                  buffers: Sequence[Optional[BufferSpec]]):

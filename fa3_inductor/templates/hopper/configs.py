@@ -49,6 +49,10 @@ class Sm90Config:
     # on vs off, same run): its per-tile warpgroup-wide max (shared memory + barrier) costs more than
     # the FMULs it saves, and at D=256 it spills (STACK 8-16 bytes).
     lazy_rescale: bool = False
+    # A score_mod with a bounded output (softcap's tanh) exponentiates against a fixed base instead of
+    # the running row max, where P's dtype has the range for it and the row max (MAX) is not asked
+    # for: no max, no O / l rescale (fixed_base_for). Measured in DESIGN.md, "Mod cost".
+    fixed_base: bool = True
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, o_stage: bool = False) -> int:
         o_rows = self.block_m if o_stage else 0
@@ -118,3 +122,22 @@ def all_configs():
     for d, cfg in _TABLE.items():
         for dt in SUPPORTED_DTYPES:
             yield d, dt, cfg
+
+
+# Fixed exponent base (Sm90Config.fixed_base): p = 2^(t - base) for t within a bounded range of width
+# W (log2 units). The base sits HEADROOM below the top, so p <= 2^HEADROOM (P, l and O stay finite) and
+# p >= 2^(HEADROOM - W), which must stay a normal number of P's dtype (bf16: 2^-126, fp16: 2^-14).
+_FIXED_BASE_RANGE = {torch.bfloat16: (64.0, 180.0), torch.float16: (15.0, 28.0)}   # (HEADROOM, max W)
+
+
+def fixed_base_for(dtype: torch.dtype, lo: float, hi: float) -> float | None:
+    """The exponent base (log2 units) for scores bounded to [lo, hi] (log2 units), or None when the
+    range is too wide for P's dtype.
+
+    Example::
+
+        >>> fixed_base_for(torch.bfloat16, -43.3, 43.3)   # softcap 30, in log2 units
+        -20.700000000000003
+    """
+    headroom, widest = _FIXED_BASE_RANGE.get(dtype, (0.0, -1.0))
+    return hi - headroom if 0.0 <= hi - lo <= widest else None

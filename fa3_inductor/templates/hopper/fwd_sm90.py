@@ -11,7 +11,8 @@ Notation
                      kv_idx < N mask on the last KV tile).
   LSE[z, hq, m]      log2-domain logsumexp of the (modded, masked) scores: logsumexp_e(s) / ln 2
   MAX[z, hq, m]      log2-domain row max:  max(s) / ln 2.   Fully masked row: O = 0, LSE = MAX = -inf.
-  s = (q . k) * sm_scale      natural-unit score handed to score_mod(s, b, h, q_idx, kv_idx, bufs)
+  score_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs) -> the score (q . k) * sm_scale after the mod,
+                     divided by the mod's positive OUT_SCALE (templates/modgen.py); qk is raw q . k
   mask_mod(b, h, q_idx, kv_idx, bufs) -> bool   False means "masked" (-inf)
 
 Block sparsity (torch BlockMask format; the index tensors are int32):
@@ -78,8 +79,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..modgen import out_range_of, out_scale_of
 from ..tma import tma_aligned
-from .configs import SMEM_LIMIT, Sm90Config, get_config, use_persistent
+from .configs import SMEM_LIMIT, Sm90Config, fixed_base_for, get_config, use_persistent
 
 LOG2E = 1.4426950408889634
 
@@ -245,14 +247,14 @@ def _score_tile(acc, start, is_partial, b, h, q_idx, q_idx_c, sm_scale, N, score
     """QK^T accumulator -> score tile in the kernel's working units.
 
     Without score_mod the tile stays in raw q.k units (scale folded into the exp2 FMA later);
-    with score_mod it is score_mod(s * sm_scale) in natural units (log2 e is folded into the exp2 FMA
-    later, as the scale is without a mod: no extra multiply per score).
+    with score_mod it is the mod's tile (the score over its OUT_SCALE; OUT_SCALE·log2 e is folded
+    into the exp2 FMA later, as the scale is without a mod: no extra multiply per score).
     """
     if HAS_SCORE_MOD:
         kv_idx = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))[None, :]
         if not EVEN_N:
             kv_idx = gl.minimum(kv_idx, N - 1)
-        s = SCORE_MOD(acc * sm_scale, b, h, q_idx_c, kv_idx, score_bufs)
+        s = SCORE_MOD(acc, sm_scale, b, h, q_idx_c, kv_idx, score_bufs)
     else:
         s = acc
     # EVEN_N (N % BLOCK_N == 0, decided on the host): no tile crosses N, so interior tiles carry no
@@ -343,7 +345,8 @@ def _exp2_tile(x, EXP2_EMU: gl.constexpr):
 
 @gluon.jit
 def _online_softmax(s, m_i, m_run, l_i, qk_scale, p_layout: gl.constexpr, o_layout: gl.constexpr,
-                    dtype: gl.constexpr, EXP2_EMU: gl.constexpr, LAZY_RESCALE: gl.constexpr):
+                    dtype: gl.constexpr, EXP2_EMU: gl.constexpr, LAZY_RESCALE: gl.constexpr,
+                    FIXED_BASE: gl.constexpr):
     """One online-softmax step on a score tile (units: s * qk_scale is log2 units).
 
     m_i is the true running row max (s units; written out as MAX). m_run is the exponent base in use
@@ -352,7 +355,17 @@ def _online_softmax(s, m_i, m_run, l_i, qk_scale, p_layout: gl.constexpr, o_layo
     RESCALE_LOG2: otherwise p <= 2^RESCALE_LOG2 stays well inside fp32 / bf16 range and the O rescale,
     one FMUL per O element per tile, is skipped. Returns `rescale` for the caller's O update (_rescale_o).
     Without LAZY_RESCALE the base follows the max on every tile.
+
+    FIXED_BASE: the score_mod's output is bounded (softcap), and m_run is a constant base chosen
+    by the host so that every unmasked p lies within fp32 / P's dtype range (see _prepare): no row
+    max, no rescale of O and l (m_i, the MAX output, is not tracked).
     """
+    if FIXED_BASE:
+        p = _exp2_tile(s * qk_scale - m_run[:, None], EXP2_EMU)
+        l_new = l_i + gl.sum(p, axis=1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        alpha_o = gl.convert_layout(gl.full_like(l_i, 1.0), gl.SliceLayout(1, o_layout))  # unused
+        return p_op, m_i, m_run, l_new, alpha_o, False
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
     m_new2 = m_new * qk_scale
     if LAZY_RESCALE:
@@ -377,7 +390,9 @@ def _online_softmax(s, m_i, m_run, l_i, qk_scale, p_layout: gl.constexpr, o_layo
 
 
 @gluon.jit
-def _rescale_o(acc, alpha, rescale, LAZY_RESCALE: gl.constexpr):
+def _rescale_o(acc, alpha, rescale, LAZY_RESCALE: gl.constexpr, FIXED_BASE: gl.constexpr):
+    if FIXED_BASE:
+        return acc
     if LAZY_RESCALE:
         if rescale:     # warpgroup-uniform: a real branch around the 64 FMULs per thread
             acc = acc * alpha[:, None]
@@ -446,7 +461,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
     PERSISTENT: gl.constexpr = cfg_consts[9]
     O_STAGE: gl.constexpr = cfg_consts[10]
     lse_ptr, max_ptr = outs
-    sm_scale, qk_scale_raw = scale_args
+    sm_scale, qk_scale_raw, fixed_base = scale_args
     SCORE_MOD: gl.constexpr = mods[0]
     MASK_MOD: gl.constexpr = mods[1]
     HAS_SCORE_MOD: gl.constexpr = mods[2]
@@ -457,6 +472,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
     EXP2_EMU: gl.constexpr = mods[7]
     EVEN_N: gl.constexpr = mods[8]
     LAZY_RESCALE: gl.constexpr = mods[9]
+    FIXED_BASE: gl.constexpr = mods[10]
     score_bufs, mask_bufs = mod_bufs
 
     dtype: gl.constexpr = q_desc.dtype
@@ -467,10 +483,9 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    if HAS_SCORE_MOD:
-        qk_scale = 1.4426950408889634  # log2(e): the mod path produced natural-unit scores
-    else:
-        qk_scale = qk_scale_raw  # sm_scale * log2(e), folded into the exp2 argument
+    # Score tile -> log2 units, folded into the exp2 argument: sm_scale·log2e for raw q.k, the
+    # mod's OUT_SCALE·log2e after a score_mod (the host picks; see _prepare).
+    qk_scale = qk_scale_raw
 
     q_half = q_smem.index(WG)
     q_op = q_half.reshape([HALF_M, HEAD_DIM])
@@ -497,8 +512,12 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
         n_partial, n_total = _kv_counts(b, h, mt, N, sp_ptrs, sp_meta, BLOCK_M, BLOCK_N, HAS_SPARSE, HAS_FULL,
                                         SPARSE_Q_DIV, SPARSE_KV_MULT)
 
-        m_i = gl.full([HALF_M], -float("inf"), gl.float32, layout=row_layout)
-        m_run = gl.full([HALF_M], -float("inf"), gl.float32, layout=row_layout)
+        if FIXED_BASE:   # MAX is not tracked: NaN marks it so (rows with no key still get -inf)
+            m_i = gl.full([HALF_M], float("nan"), gl.float32, layout=row_layout)
+            m_run = gl.full([HALF_M], fixed_base, gl.float32, layout=row_layout)
+        else:
+            m_i = gl.full([HALF_M], -float("inf"), gl.float32, layout=row_layout)
+            m_run = gl.full([HALF_M], -float("inf"), gl.float32, layout=row_layout)
         l_i = gl.full([HALF_M], 0.0, gl.float32, layout=row_layout)
         acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, layout=o_layout)
         s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
@@ -526,7 +545,8 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                                 mask_bufs, s_layout, BLOCK_N, SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD,
                                 DENSE_MASK, EVEN_N)
                 p, m_i, m_run, l_i, alpha, resc = _online_softmax(s, m_i, m_run, l_i, qk_scale, p_layout,
-                                                                  o_layout, dtype, EXP2_EMU, LAZY_RESCALE)
+                                                                  o_layout, dtype, EXP2_EMU, LAZY_RESCALE,
+                                                                  FIXED_BASE)
                 prev_st = st
                 prev_ph = ph
                 cnt += 1
@@ -555,10 +575,11 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                                     mask_bufs, s_layout, BLOCK_N, SCORE_MOD, MASK_MOD, HAS_SCORE_MOD,
                                     HAS_MASK_MOD, DENSE_MASK, EVEN_N)
                     p_new, m_i, m_run, l_i, alpha, resc = _online_softmax(s, m_i, m_run, l_i, qk_scale, p_layout,
-                                                                          o_layout, dtype, EXP2_EMU, LAZY_RESCALE)
+                                                                          o_layout, dtype, EXP2_EMU, LAZY_RESCALE,
+                                                                  FIXED_BASE)
                     acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
                     mbarrier.arrive(v_empty.index(prev_st), count=1)
-                    acc = _rescale_o(acc, alpha, resc, LAZY_RESCALE)
+                    acc = _rescale_o(acc, alpha, resc, LAZY_RESCALE, FIXED_BASE)
                     p = p_new
                     prev_st = st
                     prev_ph = ph
@@ -590,8 +611,9 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                                 mask_bufs, s_layout, BLOCK_N, SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD,
                                 DENSE_MASK, EVEN_N)
                 p, m_i, m_run, l_i, alpha, resc = _online_softmax(s, m_i, m_run, l_i, qk_scale, p_layout,
-                                                                  o_layout, dtype, EXP2_EMU, LAZY_RESCALE)
-                acc = _rescale_o(acc, alpha, resc, LAZY_RESCALE)
+                                                                  o_layout, dtype, EXP2_EMU, LAZY_RESCALE,
+                                                                  FIXED_BASE)
+                acc = _rescale_o(acc, alpha, resc, LAZY_RESCALE, FIXED_BASE)
                 mbarrier.wait(v_ready.index(st), ph)
                 t = _pingpong_wait(turn, t, WG, PINGPONG)
                 o_tok = warpgroup_mma(p, v_cur, acc, is_async=True)
@@ -644,14 +666,14 @@ def fa3_fwd_sm90_kernel(
     score_bufs, mask_bufs,
     kvnb_ptr, kvidx_ptr, fnb_ptr, fidx_ptr,
     BM, HM, nb_sb, nb_sh, idx_sb, idx_sh, idx_sm, fnb_sb, fnb_sh, fidx_sb, fidx_sh, fidx_sm,
-    sm_scale, qk_scale, num_tiles, num_m_tiles, HQ, GQA, M, N,
+    sm_scale, qk_scale, fixed_base, num_tiles, num_m_tiles, HQ, GQA, M, N,
     SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr,
     HAS_SCORE_MOD: gl.constexpr, HAS_MASK_MOD: gl.constexpr, DENSE_MASK: gl.constexpr,
     HAS_SPARSE: gl.constexpr, HAS_FULL: gl.constexpr, SPARSE_Q_DIV: gl.constexpr, SPARSE_KV_MULT: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
     PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, PERSISTENT: gl.constexpr, EXP2_EMU: gl.constexpr,
-    EVEN_N: gl.constexpr, LAZY_RESCALE: gl.constexpr, O_STAGE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr,
+    EVEN_N: gl.constexpr, LAZY_RESCALE: gl.constexpr, FIXED_BASE: gl.constexpr, O_STAGE: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     HALF_M: gl.constexpr = BLOCK_M // 2
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
@@ -686,7 +708,7 @@ def fa3_fwd_sm90_kernel(
     sp_ptrs = (kvnb_ptr, kvidx_ptr, fnb_ptr, fidx_ptr)
     sp_meta = (BM, HM, nb_sb, nb_sh, idx_sb, idx_sh, idx_sm, fnb_sb, fnb_sh, fidx_sb, fidx_sh, fidx_sm)
     outs = (lse_ptr, max_ptr)
-    scale_args = (sm_scale, qk_scale)
+    scale_args = (sm_scale, qk_scale, fixed_base)
     mod_bufs = (score_bufs, mask_bufs)
     # The two tuples of constexprs are written inline: assigning a tuple to a name turns its constexpr
     # entries into tensors (triton's visit_Assign); the partitions read them back by index into
@@ -697,21 +719,21 @@ def fa3_fwd_sm90_kernel(
                           SPARSE_KV_MULT, PERSISTENT, O_STAGE),
                          outs, scale_args,
                          (SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, PINGPONG, OVERLAP, EXP2_EMU,
-                          EVEN_N, LAZY_RESCALE),
+                          EVEN_N, LAZY_RESCALE, FIXED_BASE),
                          mod_bufs)),
         (_consumer_wg1, (descs, bars, smem, sched, sp_ptrs, sp_meta,
                          (BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, HALF_M, HAS_SPARSE, HAS_FULL, SPARSE_Q_DIV,
                           SPARSE_KV_MULT, PERSISTENT, O_STAGE),
                          outs, scale_args,
                          (SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, PINGPONG, OVERLAP, EXP2_EMU,
-                          EVEN_N, LAZY_RESCALE),
+                          EVEN_N, LAZY_RESCALE, FIXED_BASE),
                          mod_bufs)),
         (_producer_entry, (descs, bars, smem, sched, sp_ptrs, sp_meta,
                            (BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, HALF_M, HAS_SPARSE, HAS_FULL, SPARSE_Q_DIV,
                             SPARSE_KV_MULT, PERSISTENT, O_STAGE),
                            outs, scale_args,
                            (SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, PINGPONG, OVERLAP, EXP2_EMU,
-                          EVEN_N, LAZY_RESCALE),
+                          EVEN_N, LAZY_RESCALE, FIXED_BASE),
                            mod_bufs)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -778,7 +800,7 @@ def supports_sm90(q, k, v, out=None, *, kv_num_blocks=None, sparse_q_block: int 
 
 def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs, mask_bufs,
              kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, sparse_q_block, sparse_kv_block,
-             config, num_sms):
+             config, num_sms, max_needed=True):
     """Build (args, kwargs, grid) for fa3_fwd_sm90_kernel; shared by the launcher and compile-only tests."""
     if score_mod is None and sm_scale < 0:
         # The no-mod path keeps raw q.k scores and folds the scale into exp2 / the row max, which is
@@ -786,7 +808,12 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
         score_mod = _identity_score_mod
     B, Hq, M, D = q.shape
     _, Hkv, N, _ = k.shape
+    # score tile -> log2 units (the kernel's qk_scale)
+    to_log2 = (out_scale_of(score_mod) if score_mod is not None else float(sm_scale)) * LOG2E
     cfg = config or get_config(D, q.dtype)
+    bounds = out_range_of(score_mod) if score_mod is not None and cfg.fixed_base and not max_needed \
+        else None
+    fixed_base = bounds and fixed_base_for(q.dtype, bounds[0] * to_log2, bounds[1] * to_log2)
     BLOCK_M, BLOCK_N = cfg.block_m, cfg.block_n
     HALF_M = BLOCK_M // 2
     q_desc = _desc(q, [1, 1, HALF_M, D])
@@ -825,7 +852,7 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
     grid = (min((num_tiles + 1) // 2, num_sms),) if persistent else (num_tiles,)
     o_stage = persistent and cfg.o_stage and cfg.smem_bytes(D, o_stage=True) <= SMEM_LIMIT
     args = (q_desc, k_desc, v_desc, o_desc, lse, max_scores, tuple(score_bufs), tuple(mask_bufs),
-            *sp_ptrs, *sp_meta, float(sm_scale), float(sm_scale) * LOG2E, num_tiles, num_m_tiles, Hq, Hq // Hkv,
+            *sp_ptrs, *sp_meta, float(sm_scale), to_log2, float(fixed_base or 0.0), num_tiles, num_m_tiles, Hq, Hq // Hkv,
             M, N)
     kwargs = dict(
         SCORE_MOD=score_mod, MASK_MOD=mask_mod,
@@ -837,7 +864,7 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, NUM_STAGES=cfg.num_stages,
         PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, PERSISTENT=persistent,
         EXP2_EMU=cfg.exp2_emu, EVEN_N=(N % BLOCK_N == 0),
-        LAZY_RESCALE=cfg.lazy_rescale, O_STAGE=o_stage,
+        LAZY_RESCALE=cfg.lazy_rescale, FIXED_BASE=fixed_base is not None, O_STAGE=o_stage,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
@@ -845,16 +872,19 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
 
 
 @gluon.jit
-def _identity_score_mod(score, b, h, q_idx, kv_idx, bufs):
-    return score
+def _identity_score_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs):
+    return qk * sm_scale
 
 
 def launch_fwd_sm90(q, k, v, out, lse, max_scores, *, sm_scale: float,
                     score_mod=None, mask_mod=None, score_bufs: tuple = (), mask_bufs: tuple = (),
                     kv_num_blocks=None, kv_indices=None, full_kv_num_blocks=None, full_kv_indices=None,
-                    sparse_q_block: int = 128, sparse_kv_block: int = 128, config=None) -> None:
+                    sparse_q_block: int = 128, sparse_kv_block: int = 128, config=None,
+                    max_needed: bool = True) -> None:
     """Run the sm90 forward kernel, writing out (same shape as q), lse and max_scores (fp32 [B, Hq, M],
-    contiguous, log2 units) in place. See the module docstring for the conventions."""
+    contiguous, log2 units) in place. See the module docstring for the conventions. With
+    max_needed=False a bounded score_mod may skip the row max: max_scores is then NaN (-inf for rows
+    with no key)."""
     B, Hq, M, D = q.shape
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (B, Hq, M) and lse.dtype == torch.float32 and lse.is_contiguous()
@@ -863,28 +893,30 @@ def launch_fwd_sm90(q, k, v, out, lse, max_scores, *, sm_scale: float,
         q, k, v, out, lse, max_scores, sm_scale=sm_scale, score_mod=score_mod, mask_mod=mask_mod,
         score_bufs=score_bufs, mask_bufs=mask_bufs, kv_num_blocks=kv_num_blocks, kv_indices=kv_indices,
         full_kv_num_blocks=full_kv_num_blocks, full_kv_indices=full_kv_indices,
-        sparse_q_block=sparse_q_block, sparse_kv_block=sparse_kv_block, config=config)
+        sparse_q_block=sparse_q_block, sparse_kv_block=sparse_kv_block, config=config,
+        max_needed=max_needed)
     kernel[grid](*args, **kwargs)
 
 
 def prepare_fwd_sm90(q, k, v, out, lse, max_scores, *, sm_scale: float,
                      score_mod=None, mask_mod=None, score_bufs: tuple = (), mask_bufs: tuple = (),
                      kv_num_blocks=None, kv_indices=None, full_kv_num_blocks=None, full_kv_indices=None,
-                     sparse_q_block: int = 128, sparse_kv_block: int = 128, config=None):
+                     sparse_q_block: int = 128, sparse_kv_block: int = 128, config=None,
+                     max_needed: bool = True):
     """(kernel, args, kwargs, grid) of the launch launch_fwd_sm90 makes, for callers that cache launches
     (runtime/fast_launch.py). Same arguments as launch_fwd_sm90."""
     cfg = config or get_config(q.shape[-1], q.dtype)
     num_sms = _num_sms(q.device) if cfg.persistent is not False else 0
     args, kwargs, grid = _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs,
                                   mask_bufs, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-                                  sparse_q_block, sparse_kv_block, cfg, num_sms)
+                                  sparse_q_block, sparse_kv_block, cfg, num_sms, max_needed)
     return fa3_fwd_sm90_kernel, args, kwargs, grid
 
 
 def compile_sm90(q, k, v, out, lse, max_scores, *, sm_scale: float, score_mod=None, mask_mod=None,
                  score_bufs: tuple = (), mask_bufs: tuple = (), kv_num_blocks=None, kv_indices=None,
                  full_kv_num_blocks=None, full_kv_indices=None, sparse_q_block: int = 128,
-                 sparse_kv_block: int = 128, config=None, target=None):
+                 sparse_kv_block: int = 128, config=None, target=None, max_needed: bool = True):
     """Compile (not run) exactly what launch_fwd_sm90 would launch, for `target` (default sm90).
 
     Works on a CPU-only machine with CPU tensors: the arguments are specialised the same way the
@@ -894,5 +926,5 @@ def compile_sm90(q, k, v, out, lse, max_scores, *, sm_scale: float, score_mod=No
 
     args, kwargs, _ = _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs,
                                mask_bufs, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-                               sparse_q_block, sparse_kv_block, config, 132)
+                               sparse_q_block, sparse_kv_block, config, 132, max_needed)
     return compile_launch(fa3_fwd_sm90_kernel, args, kwargs, target)
