@@ -19,7 +19,7 @@ def generic_reports():
 
 
 def test_every_variant_uses_wgmma_without_spills(generic_reports):
-    assert len(generic_reports) == 24
+    assert len(generic_reports) == 30
     for r in generic_reports:
         name = f"D{r['D']} {r['dtype']} {r['variant']}"
         assert r["hgmma"] > 0, f"{name}: no wgmma (HGMMA) in SASS"
@@ -34,7 +34,8 @@ def test_compiled_with_the_shipped_tiles(generic_reports):
 
     for r in generic_reports:
         name = f"D{r['D']} {r['dtype']} {r['variant']}"
-        assert r["warps"] == generic_config(r["D"], (9, 0)).num_warps, name
+        plain = 4096 if r["variant"] == "noop_long" else 0
+        assert r["warps"] == generic_config(r["D"], (9, 0), plain_kv_len=plain).num_warps, name
         assert not r["setmaxnreg"], f"{name}: unexpected setmaxnreg {r['setmaxnreg']}"
 
 

@@ -52,20 +52,21 @@ def _interpreter_or_cuda(device):
     (2, 4, 2, 100, 77, 80),    # GQA, ragged M and N, padded head dim
     (1, 2, 1, 33, 150, 64),    # cross-attention lengths, MQA
 ])
-def test_dense_no_mods(device, dtype, shape):
+@pytest.mark.parametrize("host_descriptors", [True, False], ids=["host_desc", "kernel_desc"])
+def test_dense_no_mods(device, dtype, shape, host_descriptors):
     _interpreter_or_cuda(device)
     Z, HQ, HKV, M, N, D = shape
     q = torch.randn(Z, HQ, M, D, device=device, dtype=dtype)
     k = torch.randn(Z, HKV, N, D, device=device, dtype=dtype)
     v = torch.randn(Z, HKV, N, D, device=device, dtype=dtype)
-    out, lse, mx = _run(q, k, v, sm_scale=D ** -0.5)
+    out, lse, mx = _run(q, k, v, sm_scale=D ** -0.5, host_descriptors=host_descriptors)
     ref, ref_lse = reference_attention(q, k, v)
     assert_matches_reference(out, ref, dtype)
     assert_lse_matches(lse, ref_lse, dtype)
 
 
 @pytest.mark.parametrize("device", _devices())
-@pytest.mark.parametrize("walk", ["list", "hull"])
+@pytest.mark.parametrize("walk", ["list", "hull", "list_kernel_desc"])
 def test_block_mask_full_blocks_score_mod_and_buffer(device, walk):
     _interpreter_or_cuda(device)
     dtype = torch.float16
@@ -81,7 +82,8 @@ def test_block_mask_full_blocks_score_mod_and_buffer(device, walk):
                         kv_num_blocks=bm.kv_num_blocks, kv_indices=bm.kv_indices,
                         full_kv_num_blocks=bm.full_kv_num_blocks,
                         full_kv_indices=bm.full_kv_indices, sparse_q_block=64,
-                        sparse_kv_block=64, iterate_hull=walk == "hull")
+                        sparse_kv_block=64, iterate_hull=walk == "hull",
+                        host_descriptors=walk != "list_kernel_desc")
 
     def score(s, b, h, qi, ki):
         return 4.0 * torch.tanh(s / 4.0) + bias.double()[h]
@@ -181,3 +183,29 @@ def test_block_reaching_past_the_keys(device, n, sparse):
     ref, ref_lse = reference_attention(q, k, v, None, mods.causal, scale=0.25)
     assert_matches_reference(out, ref, torch.float32)
     assert_lse_matches(lse, ref_lse, torch.float32)
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("host_descriptors", [True, False], ids=["host_desc", "kernel_desc"])
+def test_kv_batch_of_one_broadcasts_over_the_query_batch(device, host_descriptors):
+    _interpreter_or_cuda(device)
+    dtype = torch.float16
+    q = torch.randn(3, 2, 70, 32, device=device, dtype=dtype)
+    k, v = (torch.randn(1, 2, 90, 32, device=device, dtype=dtype) for _ in range(2))
+    out, lse, _ = _run(q, k, v, sm_scale=32 ** -0.5, host_descriptors=host_descriptors)
+    ref, ref_lse = reference_attention(q, k.expand(3, -1, -1, -1), v.expand(3, -1, -1, -1))
+    assert_matches_reference(out, ref, dtype)
+    assert_lse_matches(lse, ref_lse, dtype)
+
+
+def test_tile_table_picks_long_plain_tiles_and_reads_a_tuning_override(monkeypatch):
+    from fa3_inductor.runtime.configs import GenericConfig, generic_config
+
+    assert generic_config(128, (9, 0)) == GenericConfig(64, 64, 4, 3, False)
+    assert generic_config(128, (9, 0), plain_kv_len=4096) == GenericConfig(128, 128, 8, 3, False)
+    monkeypatch.setenv("FA3_INDUCTOR_GENERIC_TILES", "128:128x64w8s2")
+    assert generic_config(128, (9, 0)) == GenericConfig(128, 64, 8, 2, False)
+    assert generic_config(64, (9, 0)) == GenericConfig(128, 128, 4, 3, False)  # not overridden
+    monkeypatch.setenv("FA3_INDUCTOR_GENERIC_TILES", "128:big")
+    with pytest.raises(ValueError, match="FA3_INDUCTOR_GENERIC_TILES"):
+        generic_config(128, (9, 0))

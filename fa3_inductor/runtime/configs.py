@@ -18,13 +18,15 @@ class GenericConfig:
 
 
 def generic_config(head_dim: int, capability: tuple[int, int] | None,
-                   mods_load_buffers: bool = False, fp32: bool = False) -> GenericConfig:
+                   mods_load_buffers: bool = False, fp32: bool = False,
+                   plain_kv_len: int = 0) -> GenericConfig:
     """Tile choice for the generic kernel. ``capability`` None means the CPU interpreter.
 
     ``mods_load_buffers``: a mod gathers from a captured buffer: more live registers in the
     loop (and Triton 3.6's warp-specialization pass crashes on such loads, "operation
     destroyed but still has uses").
     ``fp32``: float32 inputs run on FMA units with small tiles.
+    ``plain_kv_len``: the KV length of a site with no score_mod and no block mask (0 otherwise).
 
     Example::
 
@@ -32,6 +34,9 @@ def generic_config(head_dim: int, capability: tuple[int, int] | None,
         64
     """
     block_d = max(16, 1 << (head_dim - 1).bit_length())
+    override = _tiles_from_env(block_d)
+    if override is not None and capability is not None and not fp32:
+        return override
     if capability is None:
         # Interpreter: numpy cost grows with the number of programs, not the tile size.
         return GenericConfig(64, 64, 4, 1, False)
@@ -58,9 +63,32 @@ def generic_config(head_dim: int, capability: tuple[int, int] | None,
                 return GenericConfig(64, 64, 4, 3, False)
             return GenericConfig(128, 128, 4, 3, False)
         if block_d <= 128:
+            # Long plain (no mod, no mask) sites: 128x128, 8 warps, 3 stages. Same run, H200,
+            # through fa3_inductor.flex with host-built descriptors, noop S512..16k vs flex:
+            # 64x64 1.16 / 1.06 / 1.01 / 0.97 / 0.97 / 0.98, 128x128 w8 1.00 / 1.01 / 1.02 /
+            # 1.02 / 1.04 / 1.04 (results/bench-nvidia-h200-2026-11-22-0514-tiles-*); masked and
+            # modded sites keep 64x64 (causal 1.06-1.15x, softcap 2.08-2.18x flex in -0507).
+            if plain_kv_len >= 2048:
+                return GenericConfig(128, 128, 8, 3, False)
             return GenericConfig(64, 64, 4, 3, False)
         return GenericConfig(128, 64, 8, 2, False)
     # Ampere/Ada: classic 8-warp pipelined tile.
     if block_d <= 128:
         return GenericConfig(128, 64, 8, 3, False)
     return GenericConfig(64, 32, 4, 2, False)
+
+
+def _tiles_from_env(block_d: int) -> GenericConfig | None:
+    """FA3_INDUCTOR_GENERIC_TILES="128:128x64w8s3,64:..." (padded head dim: tiles) overrides the
+    GPU table for tuning runs (benchmarks compare a candidate through the product path)."""
+    import os
+    import re
+
+    for entry in filter(None, os.environ.get("FA3_INDUCTOR_GENERIC_TILES", "").split(",")):
+        m = re.fullmatch(r"(\d+):(\d+)x(\d+)w(\d+)s(\d+)", entry.strip())
+        if m is None:
+            raise ValueError(f"FA3_INDUCTOR_GENERIC_TILES: cannot read {entry!r}; write "
+                             "HEADDIM:BMxBNwWARPSsSTAGES, e.g. 128:128x64w8s3")
+        if int(m.group(1)) == block_d:
+            return GenericConfig(*(int(x) for x in m.groups()[1:]), False)
+    return None

@@ -9,6 +9,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..templates.generic_fwd import attention_fwd_kernel
 from ..templates.modgen import out_scale_of
@@ -68,7 +69,8 @@ def _to_log2(sm_scale: float, score_mod: Any) -> float:
 
 def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs,
              mask_bufs, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-             sparse_q_block, sparse_kv_block, capability, iterate_hull=None, config=None):
+             sparse_q_block, sparse_kv_block, capability, iterate_hull=None, config=None,
+             host_descriptors=None):
     """(args, kwargs, grid) of one generic-kernel launch; shared by launch and compile-only."""
     Z, HQ, M, D = q.shape
     HKV, N = k.shape[1], k.shape[2]
@@ -77,8 +79,9 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
         raise ValueError(f"fa3 generic kernel: sequence lengths must be below {_MAX_SEQ} "
                          f"(got M={M}, N={N}); split the sequence into chunks")
     loads = any(m is not None and "load(" in _source_of(m) for m in (score_mod, mask_mod))
+    plain = score_mod is None and kv_num_blocks is None
     cfg = config or generic_config(D, capability, mods_load_buffers=loads,
-                                   fp32=q.dtype == torch.float32)
+                                   fp32=q.dtype == torch.float32, plain_kv_len=N if plain else 0)
     block_m = min(cfg.block_m, sparse_q_block)
     block_n = min(cfg.block_n, sparse_kv_block)
     has_mask = kv_num_blocks is not None
@@ -90,12 +93,20 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
               for t in (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)]
     SZ, SH, num_q_blks = kv_num_blocks.shape if has_mask else (1, 1, 1)
     num_kv_blks = kv_indices.shape[-1] if has_mask else 1
-    args = (q, k, v, out, lse, max_scores, *tables, tuple(score_bufs), tuple(mask_bufs),
+    block_d = max(16, triton.next_power_of_2(D))
+    host_desc = (capability is None or capability[0] >= 9) if host_descriptors is None \
+        else host_descriptors
+    qkvo = (q, k, v, out)
+    if host_desc:
+        rows = (block_m, block_n, block_n, block_m)
+        qkvo = tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, r, block_d])
+                     for t, r in zip(qkvo, rows))
+    args = (*qkvo, lse, max_scores, *tables, tuple(score_bufs), tuple(mask_bufs),
             q.stride(0), q.stride(1), q.stride(2),
             _batch_stride(k, Z), k.stride(1), k.stride(2),
             _batch_stride(v, Z), v.stride(1), v.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
-            HQ, M, N, D, SZ, SH, num_q_blks, num_kv_blks, sm_scale,
+            HQ, k.shape[0], M, N, D, SZ, SH, num_q_blks, num_kv_blks, sm_scale,
             _to_log2(sm_scale, score_mod))
     kwargs = dict(
         SCORE_MOD=score_mod, MASK_MOD=mask_mod, GQA_GROUP=HQ // HKV,
@@ -109,7 +120,7 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
         # The warp-specialized loop must not read tile positions from the tables (generic_fwd).
         ITERATE_HULL=cfg.warp_specialize if iterate_hull is None else iterate_hull,
         MAX_KV_BLKS=max(2, triton.next_power_of_2(num_kv_blks)),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, HOST_DESC=host_desc,
         WARP_SPECIALIZE=cfg.warp_specialize,
         # Without a score_mod, keep raw q.k scores and fold the scale into the row max and
         # the exp2 argument; valid for a positive scale only.
@@ -131,7 +142,7 @@ def prepare_generic(
     full_kv_num_blocks: Optional[torch.Tensor] = None,
     full_kv_indices: Optional[torch.Tensor] = None,
     sparse_q_block: int = 128, sparse_kv_block: int = 128, iterate_hull: Optional[bool] = None,
-    config: Optional[GenericConfig] = None,
+    config: Optional[GenericConfig] = None, host_descriptors: Optional[bool] = None,
 ) -> tuple[Any, tuple, dict, tuple]:
     """``(kernel, args, kwargs, grid)`` of one generic-kernel launch.
 
@@ -139,7 +150,9 @@ def prepare_generic(
     their captured ``score_bufs``/``mask_bufs``; the four block-mask tables (torch's BlockMask
     layout) with ``sparse_q_block``/``sparse_kv_block`` restrict the KV tiles visited;
     ``iterate_hull`` picks how a block mask is walked (None: the config's choice); ``config``
-    overrides the tile table (sweeps, tests).
+    overrides the tile table (sweeps, tests); ``host_descriptors`` picks the kernel's
+    descriptors (None: built on the host on sm90 and in the interpreter, in the kernel on other
+    GPUs; see generic_fwd.py).
 
     Example::
 
@@ -154,7 +167,8 @@ def prepare_generic(
     args, kwargs, grid = _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod,
                                   score_bufs, mask_bufs, kv_num_blocks, kv_indices,
                                   full_kv_num_blocks, full_kv_indices, sparse_q_block,
-                                  sparse_kv_block, _capability(q), iterate_hull, config)
+                                  sparse_kv_block, _capability(q), iterate_hull, config,
+                                  host_descriptors)
     return attention_fwd_kernel, args, kwargs, grid
 
 
