@@ -92,3 +92,19 @@ def test_generated_gluon_mods_compile_into_the_hopper_kernel(name):
     assert r.stack <= (128 if name in ("document", "learned_table") else 0), r.stack
     if name == "softcap":
         assert "MUFU.TANH" in r.sass
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_generic_kernel_with_in_kernel_descriptors_compiles_for_sm80(D):
+    """GPUs before Hopper take the per-program descriptor path (Triton lowers it to ordinary
+    loads there): it must compile without spills, with the Ampere tile table."""
+    import torch
+
+    from fa3_inductor.runtime.generic import compile_generic
+    from fa3_inductor.templates.aot import sass_report
+
+    q = torch.randn(2, 4, 512, D, dtype=torch.bfloat16)
+    k = v = torch.randn(2, 2, 512, D, dtype=torch.bfloat16)
+    out, lse, mx = torch.empty_like(q), torch.empty(2, 4, 512), torch.empty(2, 4, 512)
+    r = sass_report(compile_generic(q, k, v, out, lse, mx, sm_scale=D ** -0.5, capability=(8, 0)))
+    assert r.stack == 0 and r.spill_instructions == 0 and r.hgmma == 0, r.registers

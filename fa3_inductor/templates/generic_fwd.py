@@ -40,6 +40,13 @@ import triton.language as tl
 
 
 @triton.jit
+def _head_desc(base, rows, row_stride, D, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One head's [rows, D] matrix as a descriptor made in the kernel (when not HOST_DESC)."""
+    return tl.make_tensor_descriptor(base, shape=[rows, D], strides=[row_stride, 1],
+                                     block_shape=[BLOCK_ROWS, BLOCK_D])
+
+
+@triton.jit
 def _load_tile(desc, z, h, row, ROWS: tl.constexpr, COLS: tl.constexpr, HOST_DESC: tl.constexpr):
     """[ROWS, COLS] tile at `row` of head (z, h): a 4-D host descriptor or a per-head 2-D one."""
     if HOST_DESC:
@@ -233,18 +240,14 @@ def attention_fwd_kernel(
         # [Z, H, S, D] descriptors built once on the host: no per-program descriptor set-up.
         q_desc, k_desc, v_desc, o_desc = Q, K, V, O
     else:
-        q_desc = tl.make_tensor_descriptor(
-            Q + off_z * stride_qz + off_hq * stride_qh, shape=[M, D], strides=[stride_qm, 1],
-            block_shape=[BLOCK_M, BLOCK_D])
-        k_desc = tl.make_tensor_descriptor(
-            K + off_z * stride_kz + off_hkv * stride_kh, shape=[N, D], strides=[stride_kn, 1],
-            block_shape=[BLOCK_N, BLOCK_D])
-        v_desc = tl.make_tensor_descriptor(
-            V + off_z * stride_vz + off_hkv * stride_vh, shape=[N, D], strides=[stride_vn, 1],
-            block_shape=[BLOCK_N, BLOCK_D])
-        o_desc = tl.make_tensor_descriptor(
-            O + off_z * stride_oz + off_hq * stride_oh, shape=[M, D], strides=[stride_om, 1],
-            block_shape=[BLOCK_M, BLOCK_D])
+        q_desc = _head_desc(Q + off_z * stride_qz + off_hq * stride_qh, M, stride_qm, D,
+                            BLOCK_M, BLOCK_D)
+        k_desc = _head_desc(K + off_z * stride_kz + off_hkv * stride_kh, N, stride_kn, D,
+                            BLOCK_N, BLOCK_D)
+        v_desc = _head_desc(V + off_z * stride_vz + off_hkv * stride_vh, N, stride_vn, D,
+                            BLOCK_N, BLOCK_D)
+        o_desc = _head_desc(O + off_z * stride_oz + off_hq * stride_oh, M, stride_om, D,
+                            BLOCK_M, BLOCK_D)
     kv = (k_desc, v_desc, off_z % KZ, off_hkv)   # K/V batch 1 broadcasts over the query batch
 
     start_m = pid_m * BLOCK_M
