@@ -535,7 +535,7 @@ def generate_mod_source(gm: torch.fx.GraphModule, kind: str,
     Example::
 
         >>> src = generate_mod_source(score_graph, "score", [BufferSpec.of(bias)])  # doctest: +SKIP
-        >>> "def score_mod(score, b, h, q_idx, kv_idx, bufs)" in src                # doctest: +SKIP
+        >>> "def score_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs)" in src                # doctest: +SKIP
         True
     """
     if kind not in ("score", "mask"):
