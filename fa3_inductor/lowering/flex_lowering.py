@@ -23,7 +23,7 @@ import torch
 from .. import _compat
 from ..config import Settings
 from ..runtime.spec import SiteSpec
-from ..templates.modgen import BufferSpec, UnsupportedMod
+from ..templates.modgen import BufferSpec, UnsupportedMod, describe_mod_source
 from .passes import Fa3PostGradPass
 from .report import LoweredSite, record_site, site_tag
 from .site_plan import plan_site, unserved
@@ -96,18 +96,6 @@ def _buffer_specs(buffers) -> tuple[Optional[list[Optional[BufferSpec]]], Option
             strides.append(stride)
         specs.append(BufferSpec(tuple(size), tuple(reversed(strides)), buf.get_dtype()))
     return specs, None
-
-
-def _mod_summary(source: Optional[str]) -> str:
-    """The generated body on one line, with the factor folded into the kernel if any."""
-    if source is None:
-        return "none"
-    lines = source.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("def ")) + 1
-    summary = "; ".join(line.strip() for line in lines[start:])
-    scale = next((line.split("=", 1)[1].strip() for line in lines[:start]
-                  if line.startswith("OUT_SCALE")), "1.0")
-    return summary if scale == "1.0" else f"{summary} (x {scale}, folded into the kernel)"
 
 
 def _plan(query, key, value, subgraph, bm: _compat.FlexBlockMask, score_bufs, mask_bufs,
@@ -194,8 +182,8 @@ def _fa3_flex_lowering(query, key, value, subgraph, block_mask, scale, kernel_op
         return _original_lowering(query, key, value, subgraph, block_mask, scale,
                                   kernel_options, score_mod_other_buffers,
                                   mask_mod_other_buffers)
-    record_site(LoweredSite(spec.template, _mod_summary(spec.score_mod_tl),
-                            _mod_summary(spec.mask_mod_tl), shape, site_id=tag))
+    record_site(LoweredSite(spec.template, describe_mod_source(spec.score_mod_tl),
+                            describe_mod_source(spec.mask_mod_tl), shape, site_id=tag))
     q, k, v = (ir.ExternKernel.require_stride1(ir.ExternKernel.realize_input(x))
                for x in (query, key, value))
     score_bufs = [ir.ExternKernel.require_contiguous(b) for b in score_mod_other_buffers

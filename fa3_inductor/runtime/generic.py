@@ -52,10 +52,6 @@ def _source_of(jit_fn: Any) -> str:
     return getattr(jit_fn, "src", None) or inspect.getsource(jit_fn.fn)
 
 
-def _batch_stride(t: torch.Tensor, batch: int) -> int:
-    return 0 if t.shape[0] == 1 and batch > 1 else t.stride(0)
-
-
 def _fold_scale(sm_scale: float, score_mod: Any) -> bool:
     return score_mod is None and sm_scale > 0
 
@@ -103,8 +99,8 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
                      for t, r in zip(qkvo, rows))
     args = (*qkvo, lse, max_scores, *tables, tuple(score_bufs), tuple(mask_bufs),
             q.stride(0), q.stride(1), q.stride(2),
-            _batch_stride(k, Z), k.stride(1), k.stride(2),
-            _batch_stride(v, Z), v.stride(1), v.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
             HQ, k.shape[0], M, N, D, SZ, SH, num_q_blks, num_kv_blks, sm_scale,
             _to_log2(sm_scale, score_mod))

@@ -57,6 +57,15 @@ def _load_tile(desc, z, h, row, ROWS: tl.constexpr, COLS: tl.constexpr, HOST_DES
 
 
 @triton.jit
+def _store_tile(desc, z, h, row, tile, HOST_DESC: tl.constexpr):
+    """Store a [ROWS, COLS] tile at `row` of head (z, h); the twin of _load_tile."""
+    if HOST_DESC:
+        desc.store([z, h, row, 0], tile.reshape([1, 1, tile.shape[0], tile.shape[1]]))
+    else:
+        desc.store([row, 0], tile)
+
+
+@triton.jit
 def _list_range(NUM_BLKS, IDX, row, NUM_KV_BLKS, lo, hi,
                 MAX_KV_BLKS: tl.constexpr, CHUNK: tl.constexpr):
     """Fold one block list's [min, max + 1) into (lo, hi)."""
@@ -235,6 +244,7 @@ def attention_fwd_kernel(
     off_z = off_zh // HQ
     off_hq = off_zh % HQ
     off_hkv = off_hq // GQA_GROUP
+    off_zkv = off_z % KZ   # a K/V batch of 1 broadcasts over the query batch
 
     if HOST_DESC:
         # [Z, H, S, D] descriptors built once on the host: no per-program descriptor set-up.
@@ -242,13 +252,13 @@ def attention_fwd_kernel(
     else:
         q_desc = _head_desc(Q + off_z * stride_qz + off_hq * stride_qh, M, stride_qm, D,
                             BLOCK_M, BLOCK_D)
-        k_desc = _head_desc(K + off_z * stride_kz + off_hkv * stride_kh, N, stride_kn, D,
+        k_desc = _head_desc(K + off_zkv * stride_kz + off_hkv * stride_kh, N, stride_kn, D,
                             BLOCK_N, BLOCK_D)
-        v_desc = _head_desc(V + off_z * stride_vz + off_hkv * stride_vh, N, stride_vn, D,
+        v_desc = _head_desc(V + off_zkv * stride_vz + off_hkv * stride_vh, N, stride_vn, D,
                             BLOCK_N, BLOCK_D)
         o_desc = _head_desc(O + off_z * stride_oz + off_hq * stride_oh, M, stride_om, D,
                             BLOCK_M, BLOCK_D)
-    kv = (k_desc, v_desc, off_z % KZ, off_hkv)   # K/V batch 1 broadcasts over the query batch
+    kv = (k_desc, v_desc, off_zkv, off_hkv)
 
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -273,10 +283,7 @@ def attention_fwd_kernel(
     empty_row = l_i == 0.0
     l_safe = tl.where(empty_row, 1.0, l_i)
     o = acc / l_safe[:, None]
-    if HOST_DESC:
-        o_desc.store([off_z, off_hq, start_m, 0], o.to(in_dtype).reshape([1, 1, BLOCK_M, BLOCK_D]))
-    else:
-        o_desc.store([start_m, 0], o.to(in_dtype))
+    _store_tile(o_desc, off_z, off_hq, start_m, o.to(in_dtype), HOST_DESC)
     lse = tl.where(empty_row, float("-inf"), m_i + tl.math.log2(l_safe))
     row_ptr = off_zh * M + offs_m
     tl.store(LSE + row_ptr, lse, mask=offs_m < M)

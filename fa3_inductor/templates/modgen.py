@@ -272,10 +272,10 @@ class _Emitter:
         if fold:
             score = placeholders[0]
             scaled = _scaled_result(result, output)
-            self.folded_inputs = {u: f for u in score.users
-                                  if u is not (scaled and result) and (f := _constant_factor(u, score))}
-            if any(u not in self.folded_inputs and u is not (scaled and result)
-                   for u in score.users) or (scaled and scaled[0] is score):
+            # Readers of the score, less a final `* c` that the kernel takes over.
+            readers = [u for u in score.users if not (scaled and u is result)]
+            self.folded_inputs = {u: f for u in readers if (f := _constant_factor(u, score))}
+            if len(self.folded_inputs) < len(readers) or (scaled and scaled[0] is score):
                 self.prologue.append("score = qk * sm_scale")
         for node in self.gm.graph.nodes:
             if node.op in ("placeholder", "output") or (scaled and node is result):
@@ -628,6 +628,24 @@ def out_scale_of(score_mod: Any) -> float:
         30.0
     """
     return float(getattr(score_mod, "out_scale", 1.0))
+
+
+def describe_mod_source(source: Optional[str]) -> str:
+    """A generated mod's body on one line (for reports), with the factor its kernel applies.
+
+    Example::
+
+        >>> describe_mod_source(generate_mod_source(softcap_graph, "score", []))  # doctest: +SKIP
+        'v0 = sm_scale * 0.0333...; v1 = (qk * v0); v2 = H.tanh(v1); return v2 (x 30.0, folded into the kernel)'
+    """
+    if source is None:
+        return "none"
+    lines = source.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("def ")) + 1
+    summary = "; ".join(line.strip() for line in lines[start:])
+    scale = next((line.split("=", 1)[1].strip() for line in lines[:start]
+                  if line.startswith("OUT_SCALE")), "1.0")
+    return summary if scale == "1.0" else f"{summary} (x {scale}, folded into the kernel)"
 
 
 def out_range_of(score_mod: Any) -> Optional[tuple[float, float]]:

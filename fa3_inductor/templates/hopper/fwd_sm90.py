@@ -461,7 +461,9 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
     PERSISTENT: gl.constexpr = cfg_consts[9]
     O_STAGE: gl.constexpr = cfg_consts[10]
     lse_ptr, max_ptr = outs
-    sm_scale, qk_scale_raw, fixed_base = scale_args
+    # qk_scale: score tile -> log2 units, folded into the exp2 argument: sm_scale·log2e for raw q.k,
+    # the mod's OUT_SCALE·log2e after a score_mod (the host picks; see _prepare).
+    sm_scale, qk_scale, fixed_base = scale_args
     SCORE_MOD: gl.constexpr = mods[0]
     MASK_MOD: gl.constexpr = mods[1]
     HAS_SCORE_MOD: gl.constexpr = mods[2]
@@ -483,9 +485,6 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    # Score tile -> log2 units, folded into the exp2 argument: sm_scale·log2e for raw q.k, the
-    # mod's OUT_SCALE·log2e after a score_mod (the host picks; see _prepare).
-    qk_scale = qk_scale_raw
 
     q_half = q_smem.index(WG)
     q_op = q_half.reshape([HALF_M, HEAD_DIM])
@@ -576,7 +575,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                                     HAS_MASK_MOD, DENSE_MASK, EVEN_N)
                     p_new, m_i, m_run, l_i, alpha, resc = _online_softmax(s, m_i, m_run, l_i, qk_scale, p_layout,
                                                                           o_layout, dtype, EXP2_EMU, LAZY_RESCALE,
-                                                                  FIXED_BASE)
+                                                                          FIXED_BASE)
                     acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
                     mbarrier.arrive(v_empty.index(prev_st), count=1)
                     acc = _rescale_o(acc, alpha, resc, LAZY_RESCALE, FIXED_BASE)
