@@ -1,6 +1,7 @@
 """Cost of score mods on the sm90 Gluon forward kernel: softcap and ALiBi against our own noop, same run.
 
-    python benchmarks/hopper_mods.py [--json PATH] [--rounds 3] [--baseline PATH_TO_OLD_fwd_sm90.py]
+    python benchmarks/hopper_mods.py [--json PATH] [--rounds 3] [--shapes 4x16x4096,1x32x4096x64]
+                                     [--baseline PATH_TO_OLD_fwd_sm90.py]
 
 Mods are generated the product's way (fa3_inductor.mods -> modgen -> @gluon.jit). For every variant:
 first a check against float64 (batch 0, heads 0-1; fresh random inputs, NaN-poisoned outputs; rel. error
@@ -9,7 +10,9 @@ over all variants (the spread is the noise). TFLOP/s = 4·B·H·N²·D / t.
 
 Variants, launched as the product launches them (max_needed=False): noop; softcap (table config: a fixed
 exponent base, no row max), softcap with the row max asked for ("softcap max"), softcap with a quarter of
-the exp2 columns on the FMA pipe (exp2_emu=1); ALiBi. With --baseline (a copy of an older fwd_sm90.py, imports made
+the exp2 columns on the FMA pipe (exp2_emu=1); ALiBi (generated as qk + slope/sm_scale * (kv - q)) and
+"alibi unfolded", its twin that forms score = qk * sm_scale first (what is launched for sm_scale <= 0,
+and what modgen generated before that fold). Shapes are BxHxS or BxHxSxD (D 128 by default). With --baseline (a copy of an older fwd_sm90.py, imports made
 absolute) the old kernel runs noop / softcap / ALiBi with the old generated mod sources, in the same run.
 """
 from __future__ import annotations
@@ -99,10 +102,10 @@ def main():
         spec = importlib.util.spec_from_file_location("baseline_fwd_sm90", args.baseline)
         base = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(base)
-    dtype, D = torch.bfloat16, 128
+    dtype = torch.bfloat16
     rows = []
     for shape in args.shapes.split(","):
-        B, H, S = (int(x) for x in shape.split("x"))
+        B, H, S, D = ([int(x) for x in shape.split("x")] + [128])[:4]
         label = f"B{B} H{H} S{S} D{D}"
         torch.manual_seed(0)
         q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=dtype) for _ in range(3))
@@ -120,6 +123,7 @@ def main():
             ("softcap emu=1", launch, g_soft, dict(exp2_emu=1), "softcap"),
             ("softcap emu=2", launch, g_soft, dict(exp2_emu=2), "softcap"),
             ("alibi", launch, g_alibi, {}, "alibi"),
+            ("alibi unfolded", launch, g_alibi.unfolded, {}, "alibi"),
         ]
         if args.lazy_ablation:   # the table's lazy_rescale flipped, same kernel otherwise
             lazy = not get_config(D, dtype).lazy_rescale
@@ -186,7 +190,7 @@ def main():
             json.dump(dict(device=name, torch=torch.__version__, triton=triton.__version__,
                            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                            rows=rows), f, indent=1)
-    print(f"\n{name}  bf16 D=128 non-causal, TFLOP/s = do_bench median (median of {args.rounds} rounds); "
+    print(f"\n{name}  bf16 non-causal, TFLOP/s = do_bench median (median of {args.rounds} rounds); "
           "vs noop = same kernel's noop, same run")
     print(f"{'shape':22s} {'variant':16s} {'ms':>7s} {'TFLOP/s':>7s} {'vs noop':>7s} {'rounds':>13s}  check")
     for r in rows:

@@ -103,8 +103,12 @@ def test_block_mask_full_blocks_score_mod_and_buffer(device, walk):
     mods.softcap(3.0),                                       # both ends folded: OUT_SCALE 3
     lambda s, b, h, q, kv: (s / 4 + s) / 0.5,                # input half-folded, OUT_SCALE 2
     lambda s, b, h, q, kv: torch.tanh(s / 2) * -2.0,         # negative factor stays in the mod
-], ids=["softcap", "half_folded", "negative"])
-@pytest.mark.parametrize("sm_scale", [0.2, -0.3])
+    # score + x: qk + x / sm_scale (SM_SCALED) for sm_scale > 0, the unfolded twin otherwise
+    mods.alibi(2),                                           # qk + (slope / sm_scale) * (kv - q)
+    lambda s, b, h, q, kv: (s - 0.25 * (q - kv)) * 2.0,      # minus, and a final multiply
+    lambda s, b, h, q, kv: (q - kv) * 0.1 + s,               # the score on the right
+], ids=["softcap", "half_folded", "negative", "alibi", "minus_scaled", "score_right"])
+@pytest.mark.parametrize("sm_scale", [0.2, 0.0, -0.3])
 def test_generated_mods_with_folded_scales(device, fn, sm_scale):
     _interpreter_or_cuda(device)
     dtype = torch.float16
@@ -116,7 +120,9 @@ def test_generated_mods_with_folded_scales(device, fn, sm_scale):
     ref, ref_lse = reference_attention(q, k, v, fn, scale=sm_scale)
     assert_matches_reference(out, ref, dtype)
     assert_lse_matches(lse, ref_lse, dtype)
-    s = fn(q.double() @ k.double().transpose(-2, -1) * sm_scale, None, None, None, None)
+    hi = torch.arange(H, device=device).view(1, H, 1, 1)
+    qi, ki = torch.arange(M, device=device)[:, None], torch.arange(N, device=device)[None, :]
+    s = fn(q.double() @ k.double().transpose(-2, -1) * sm_scale, None, hi, qi, ki)
     torch.testing.assert_close(mx.double(), s.amax(-1), atol=1e-2, rtol=1e-3)
 
 
@@ -194,6 +200,26 @@ def test_kv_batch_of_one_broadcasts_over_the_query_batch(device, host_descriptor
     k, v = (torch.randn(1, 2, 90, 32, device=device, dtype=dtype) for _ in range(2))
     out, lse, _ = _run(q, k, v, sm_scale=32 ** -0.5, host_descriptors=host_descriptors)
     ref, ref_lse = reference_attention(q, k.expand(3, -1, -1, -1), v.expand(3, -1, -1, -1))
+    assert_matches_reference(out, ref, dtype)
+    assert_lse_matches(lse, ref_lse, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [2048, 2048 + 77])   # a ragged tail on the long-plain tiles too
+def test_long_plain_sites_take_128x128_tiles_and_match_float64(n):
+    """The tile table's long-plain entry (no mod, no mask, >= 2048 keys on sm90: 128x128, 8 warps)
+    against float64; GQA and a query length that is not a multiple of 128."""
+    from fa3_inductor.runtime.generic import prepare_generic
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the long-plain tiles are an sm90 entry")
+    dtype = torch.bfloat16
+    q = torch.randn(2, 4, 300, 128, device="cuda", dtype=dtype)
+    k, v = (torch.randn(2, 2, n, 128, device="cuda", dtype=dtype) for _ in range(2))
+    kwargs = prepare_generic(q, k, v, torch.empty_like(q), torch.empty(2, 4, 300, device="cuda"),
+                             torch.empty(2, 4, 300, device="cuda"), sm_scale=0.09)[2]
+    assert (kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["num_warps"]) == (128, 128, 8), kwargs
+    out, lse, _ = _run(q, k, v, sm_scale=0.09)
+    ref, ref_lse = reference_attention(q, k, v, scale=0.09)
     assert_matches_reference(out, ref, dtype)
     assert_lse_matches(lse, ref_lse, dtype)
 

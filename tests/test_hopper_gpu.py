@@ -303,6 +303,14 @@ def test_negative_scale():
     _run_case(1, 4, 4, 300, 260, 128, torch.bfloat16, None, None, False, "bhsd", sm_scale=-0.09)
 
 
+@pytest.mark.parametrize("name", ["gen_alibi", "gen_relbias"])
+@pytest.mark.parametrize("sm_scale", [-0.09, 0.0])
+def test_additive_mods_off_the_folded_path(name, sm_scale):
+    # `score + bias` is generated as qk + bias / sm_scale (valid for sm_scale > 0): any other scale
+    # launches the mod's unfolded twin
+    _run_case(1, 4, 4, 300, 260, 128, torch.bfloat16, name, "causal", True, "bhsd", sm_scale=sm_scale)
+
+
 @pytest.mark.parametrize("D, dtype, cap, mask, saturate", [
     (128, torch.bfloat16, 30.0, None, False),
     (64, torch.bfloat16, 50.0, "holes", False),      # Gemma 2's attention cap; rows with no key

@@ -32,13 +32,34 @@ def score_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs):
 
 
 def test_alibi_slopes_are_computed_from_the_head_index():
+    # Folded as qk + slope' * (kv - q), slope' = slope(h) / sm_scale computed once: one FFMA per score
+    # after the index difference. The unfolded twin (for sm_scale <= 0) keeps score = qk * sm_scale.
     assert_expected_inline(_source(mods.alibi(8), "score", "gl"), """\
 OUT_SCALE = 1.0
 OUT_RANGE = None
+SM_SCALED = True
 
 
 @gluon.jit
 def score_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs):
+    v0 = (h + 1)
+    v1 = h.to(gl.float32)
+    v2 = (v1 + 1.0)
+    v3 = (v2 * -1.0)
+    v4 = gl.exp2(v3)
+    v5 = (kv_idx - q_idx)
+    v6 = 1.0 / sm_scale
+    v7 = (v4 * v6)
+    v8 = H.index_to_float(kv_idx)
+    v9 = H.index_to_float(q_idx)
+    v10 = (v8 - v9)
+    v11 = (v7 * v10)
+    v12 = (qk + v11)
+    return v12
+
+
+@gluon.jit
+def score_mod_unfolded(qk, sm_scale, b, h, q_idx, kv_idx, bufs):
     score = qk * sm_scale
     v0 = (h + 1)
     v1 = h.to(gl.float32)
@@ -74,10 +95,21 @@ def test_learned_table_bakes_in_strides():
     assert_expected_inline(src, """\
 OUT_SCALE = 1.0
 OUT_RANGE = None
+SM_SCALED = True
 
 
 @triton.jit
 def score_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs):
+    v0 = (q_idx - kv_idx)
+    v1 = (v0 + 5)
+    v2 = tl.load(bufs[0] + (h) * 10 + (v1))
+    v3 = 1.0 / sm_scale
+    v4 = (qk + v2 * v3)
+    return v4
+
+
+@triton.jit
+def score_mod_unfolded(qk, sm_scale, b, h, q_idx, kv_idx, bufs):
     score = qk * sm_scale
     v0 = (q_idx - kv_idx)
     v1 = (v0 + 5)
@@ -157,3 +189,23 @@ def score_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs):
     v2 = (v1 + score)
     return v2
 """)
+
+
+@pytest.mark.parametrize("fn, sm_scaled", [
+    (lambda s, b, h, q, kv: s + (q - kv), True),                  # relative bias
+    (lambda s, b, h, q, kv: (q - kv) * 0.5 + s, True),            # score on the right
+    (lambda s, b, h, q, kv: (s - (q - kv)) * 2.0, True),          # minus, then a final multiply
+    (lambda s, b, h, q, kv: (q - kv) - s, False),                 # -score: not a positive scale
+    (lambda s, b, h, q, kv: s + s * 0.5, False),                  # the term reads the score
+    (lambda s, b, h, q, kv: s * 2.0 + (q - kv), False),           # score read through a multiply
+    (lambda s, b, h, q, kv: torch.tanh(s + (q - kv)), False),     # the sum is not the result
+])
+def test_a_score_plus_term_is_folded_into_qk_units(fn, sm_scaled):
+    src = _source(fn, "score")
+    assert ("SM_SCALED = True" in src) == sm_scaled, src
+    assert ("def score_mod_unfolded(" in src) == sm_scaled, src
+    if sm_scaled:   # the folded mod never forms qk * sm_scale; its twin does
+        folded, twin = src.split("def score_mod_unfolded(")
+        assert "sm_scale *" not in folded and "1.0 / sm_scale" in folded, src
+        assert "score = qk * sm_scale" in twin, src
+

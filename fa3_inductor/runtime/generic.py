@@ -12,7 +12,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..templates.generic_fwd import attention_fwd_kernel
-from ..templates.modgen import out_scale_of
+from ..templates.modgen import kernel_score_mod
 from ..templates.tma import tma_aligned
 from .._log import warn_once
 from .configs import GenericConfig, generic_config
@@ -57,9 +57,10 @@ def _fold_scale(sm_scale: float, score_mod: Any) -> bool:
 
 
 def _to_log2(sm_scale: float, score_mod: Any) -> float:
-    """The kernel's factor from its score tile to log2 units (see generic_fwd._kv_tile)."""
+    """The kernel's factor from its score tile to log2 units (see generic_fwd._kv_tile); the
+    score_mod is the one kernel_score_mod picked for this sm_scale."""
     if score_mod is not None:
-        return out_scale_of(score_mod) * math.log2(math.e)
+        return kernel_score_mod(score_mod, sm_scale)[1] * math.log2(math.e)
     return (sm_scale if _fold_scale(sm_scale, score_mod) else 1.0) * math.log2(math.e)
 
 
@@ -70,6 +71,8 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
     """(args, kwargs, grid) of one generic-kernel launch; shared by launch and compile-only."""
     Z, HQ, M, D = q.shape
     HKV, N = k.shape[1], k.shape[2]
+    if score_mod is not None:
+        score_mod = kernel_score_mod(score_mod, sm_scale)[0]
     if max(M, N) >= _MAX_SEQ:
         # Generated mods turn indices into floats exactly only below 2**23 (mod_helpers).
         raise ValueError(f"fa3 generic kernel: sequence lengths must be below {_MAX_SEQ} "

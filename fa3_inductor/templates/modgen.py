@@ -13,7 +13,12 @@ and returns its result divided by a positive constant, ``OUT_SCALE`` (a module c
 source; 1.0 unless the mod ends in a multiply by a positive constant). Both are free multiplies
 folded away: ``score / c`` becomes ``qk * (sm_scale / c)`` (one multiply per score, not two), and
 the kernels fold ``OUT_SCALE`` into the exp2 FMA that converts to log2 units (softcap's final
-``* cap`` costs nothing). ``OUT_RANGE`` bounds the returned tile where the last op bounds it
+``* cap`` costs nothing). A mod that adds a term to the score (``score + x``, ALiBi, biases) is
+generated in units of sm_scale, ``qk + x / sm_scale`` with ``SM_SCALED = True`` (the tile times
+``OUT_SCALE * sm_scale`` is the score): no ``qk * sm_scale`` per score, and a narrow factor of x
+(ALiBi's per-head slope) takes the ``1 / sm_scale`` once, so that the sum is one FFMA. That form
+needs sm_scale > 0; the source also holds ``score_mod_unfolded`` for any other scale, and
+:func:`kernel_score_mod` picks. ``OUT_RANGE`` bounds the returned tile where the last op bounds it
 (tanh, sigmoid, clamp): the Hopper kernel may then exponentiate against a fixed base instead of
 the running row max. Mask mods take ``(b, h, q_idx, kv_idx, bufs)``.
 
@@ -199,13 +204,46 @@ def _scaled_result(result: Any, output: torch.fx.Node) -> Optional[tuple[torch.f
     return None
 
 
+def _depends_on(node: torch.fx.Node, target: torch.fx.Node) -> bool:
+    """Whether ``target`` is among ``node``'s inputs, transitively."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n is target:
+            return True
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return False
+
+
+def _additive_term(node: Any, score: torch.fx.Node) -> Optional[tuple[torch.fx.Node, str]]:
+    """(x, sign) if ``node`` is ``score + x``, ``x + score`` or ``score - x`` (sign "+" / "-"),
+    with x a graph value that does not read the score and the score read nowhere else."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function" or node.kwargs or \
+            len(node.args) != 2 or list(score.users) != [node]:
+        return None
+    packet, (a, b) = _packet(node.target), node.args
+    if packet is aten.add and b is score:
+        a, b = b, a
+    if packet not in (aten.add, aten.sub) or a is not score or not isinstance(b, torch.fx.Node) \
+            or _depends_on(b, score):
+        return None
+    return b, "+" if packet is aten.add else "-"
+
+
 class _Emitter:
     # Kernel dialects take (qk, sm_scale) and fold constant multiplies (module docstring).
     FOLD_SCALES = True
 
     def __init__(self, gm: torch.fx.GraphModule, kind: str, buffers: Sequence[BufferSpec],
-                 dialect: str):
+                 dialect: str, fold_sm_scale: bool = True):
         self.gm, self.kind, self.buffers, self.dialect = gm, kind, list(buffers), dialect
+        # `score + x` -> `qk + x / sm_scale` (the tile in units of sm_scale; needs sm_scale > 0)
+        self.fold_sm_scale = fold_sm_scale
+        self.additive: Optional[tuple[torch.fx.Node, torch.fx.Node, str]] = None  # (sum, x, sign)
+        self.prescaled: set[torch.fx.Node] = set()  # x emitted already divided by sm_scale
+        self.inv_sm: Optional[str] = None
         self.L = "tl" if dialect == "tl" else "gl"
         self.names: dict[torch.fx.Node, str] = {}
         self.lines: list[str] = []
@@ -272,18 +310,26 @@ class _Emitter:
         if fold:
             score = placeholders[0]
             scaled = _scaled_result(result, output)
-            # Readers of the score, less a final `* c` that the kernel takes over.
-            readers = [u for u in score.users if not (scaled and u is result)]
-            self.folded_inputs = {u: f for u in readers if (f := _constant_factor(u, score))}
-            if len(self.folded_inputs) < len(readers) or (scaled and scaled[0] is score):
-                self.prologue.append("score = qk * sm_scale")
+            total = scaled[0] if scaled else result
+            term = _additive_term(total, score) if self.fold_sm_scale else None
+            if term:
+                self.additive = (total, *term)
+            else:
+                # Readers of the score, less a final `* c` that the kernel takes over.
+                readers = [u for u in score.users if not (scaled and u is result)]
+                self.folded_inputs = {u: f for u in readers if (f := _constant_factor(u, score))}
+                if len(self.folded_inputs) < len(readers) or (scaled and scaled[0] is score):
+                    self.prologue.append("score = qk * sm_scale")
         for node in self.gm.graph.nodes:
-            if node.op in ("placeholder", "output") or (scaled and node is result):
+            if node.op in ("placeholder", "output") or (scaled and node is result) or \
+                    (self.additive and node is self.additive[0]):
                 continue
             if node.op != "call_function":
                 raise UnsupportedMod(f"graph node {node.name} is a {node.op} (captured constant "
                                      "or module call); pass tensors as captured buffers")
             self.lower(node)
+        if self.additive:
+            self.lower_additive()
         if scaled:
             inner, factor = scaled
             if self.axes.get(inner) == _TILE and self.dtype_of(inner) is torch.float32:
@@ -306,9 +352,35 @@ class _Emitter:
                         + index_params + ["bufs"])
         deco = "@triton.jit" if self.dialect == "tl" else "@gluon.jit"
         body = "\n".join(f"    {line}" for line in self.prologue + self.lines + [f"return {ret}"])
-        head = (f"OUT_SCALE = {out_scale!r}\nOUT_RANGE = {_value_range(result)!r}\n\n\n"
-                if fold else "")
+        head = (f"OUT_SCALE = {out_scale!r}\nOUT_RANGE = {_value_range(result)!r}\n"
+                + ("SM_SCALED = True\n" if self.additive else "") + "\n\n" if fold else "")
         return f"{head}{deco}\ndef {fn}({sig}):\n{body}\n"
+
+    def inv_sm_scale(self) -> str:
+        if self.inv_sm is None:
+            self.inv_sm = self.line("1.0 / sm_scale")
+        return self.inv_sm
+
+    def prescaled_product(self, node: torch.fx.Node) -> Optional[str]:
+        """``a * b`` with its narrow factor (a scalar, a row or a column) divided by sm_scale,
+        for the additive term of a folded score (``qk + a' * b`` is then one FFMA per score)."""
+        if _packet(node.target) is not aten.mul or node.kwargs or len(node.args) != 2 or \
+                len(node.users) != 1:
+            return None
+        def width(x: Any) -> int:
+            return len(self.axes.get(x, frozenset())) if isinstance(x, torch.fx.Node) else 0
+        a, b = sorted(node.args, key=width)
+        if width(a) == 2 or (isinstance(a, bool) or not isinstance(a, (int, float, torch.fx.Node))):
+            return None
+        narrow = self.line(f"({self.operand(a, True) if isinstance(a, torch.fx.Node) else _literal(float(a))}"
+                           f" * {self.inv_sm_scale()})")
+        return f"({narrow} * {self.operand(b, True)})"
+
+    def lower_additive(self) -> None:
+        """``score + x`` as ``qk + x / sm_scale``: the tile in units of sm_scale (SM_SCALED)."""
+        node, x, sign = self.additive
+        term = self.names[x] if x in self.prescaled else f"{self.operand(x, True)} * {self.inv_sm_scale()}"
+        self.assign(node, f"(qk {sign} {term})", torch.float32)
 
     def assign(self, node: torch.fx.Node, expr: str, dtype: torch.dtype | None) -> None:
         name = f"v{len(self.lines)}"
@@ -411,6 +483,11 @@ class _Emitter:
         if node in self.folded_inputs:
             factor = self.line(f"sm_scale * {_literal(self.folded_inputs[node])}")
             return self.assign(node, f"(qk * {factor})", torch.float32)
+        if self.additive and node is self.additive[1] and out_dtype is torch.float32:
+            product = self.prescaled_product(node)
+            if product is not None:
+                self.prescaled.add(node)
+                return self.assign(node, product, torch.float32)
         floaty = out_dtype is not None and out_dtype.is_floating_point or any(
             (self.dtype_of(x) or torch.int32).is_floating_point or isinstance(x, float) for x in args
             if isinstance(x, (torch.fx.Node, float)))
@@ -542,7 +619,13 @@ def generate_mod_source(gm: torch.fx.GraphModule, kind: str,
         raise ValueError(f"kind must be 'score' or 'mask', got {kind!r}")
     if dialect not in ("tl", "gl"):
         raise ValueError(f"dialect must be 'tl' or 'gl', got {dialect!r}")
-    return _Emitter(gm, kind, buffers, dialect).emit()
+    emitter = _Emitter(gm, kind, buffers, dialect)
+    source = emitter.emit()
+    if emitter.additive:
+        # The folded form needs sm_scale > 0; launchers take this one otherwise (kernel_score_mod).
+        plain = _Emitter(gm, kind, buffers, dialect, fold_sm_scale=False).emit()
+        source += "\n\n" + plain[plain.index("@"):].replace("def score_mod(", "def score_mod_unfolded(", 1)
+    return source
 
 
 def trace_mod(fn: Any, kind: str) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
@@ -630,6 +713,24 @@ def out_scale_of(score_mod: Any) -> float:
     return float(getattr(score_mod, "out_scale", 1.0))
 
 
+def kernel_score_mod(score_mod: Any, sm_scale: float) -> tuple[Any, float]:
+    """(the score_mod to launch, the factor from its returned tile to the score) for a launch
+    with ``sm_scale``. A mod folded as ``qk + x / sm_scale`` (SM_SCALED) is valid for
+    sm_scale > 0 only; otherwise its unfolded twin is launched.
+
+    Example::
+
+        >>> fn, factor = kernel_score_mod(load_mod(alibi_source, "gl"), 0.125)  # doctest: +SKIP
+        >>> factor                                                              # doctest: +SKIP
+        0.125
+    """
+    if getattr(score_mod, "sm_scaled", False):
+        if sm_scale > 0:
+            return score_mod, out_scale_of(score_mod) * sm_scale
+        score_mod = score_mod.unfolded
+    return score_mod, out_scale_of(score_mod)
+
+
 def describe_mod_source(source: Optional[str]) -> str:
     """A generated mod's body on one line (for reports), with the factor its kernel applies.
 
@@ -640,12 +741,14 @@ def describe_mod_source(source: Optional[str]) -> str:
     """
     if source is None:
         return "none"
-    lines = source.splitlines()
+    lines = source.split("def score_mod_unfolded")[0].splitlines()   # not the unfolded twin
     start = next(i for i, line in enumerate(lines) if line.startswith("def ")) + 1
-    summary = "; ".join(line.strip() for line in lines[start:])
+    summary = "; ".join(line.strip() for line in lines[start:] if line.strip() and line[0] != "@")
     scale = next((line.split("=", 1)[1].strip() for line in lines[:start]
                   if line.startswith("OUT_SCALE")), "1.0")
-    return summary if scale == "1.0" else f"{summary} (x {scale}, folded into the kernel)"
+    factors = ([] if scale == "1.0" else [scale]) + \
+        (["sm_scale"] if "SM_SCALED = True" in lines[:start] else [])
+    return f"{summary} (x {' x '.join(factors)}, folded into the kernel)" if factors else summary
 
 
 def out_range_of(score_mod: Any) -> Optional[tuple[float, float]]:
@@ -685,8 +788,12 @@ def load_mod(source: str, dialect: str = "tl") -> Any:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     fn = getattr(module, "score_mod", None) or getattr(module, "mask_mod")
-    if hasattr(module, "OUT_SCALE"):  # read by the launchers: see out_scale_of / out_range_of
+    if hasattr(module, "OUT_SCALE"):  # read by the launchers: see kernel_score_mod, out_range_of
         fn.out_scale = float(module.OUT_SCALE)
         fn.out_range = module.OUT_RANGE
+        fn.sm_scaled = bool(getattr(module, "SM_SCALED", False))
+        fn.unfolded = getattr(module, "score_mod_unfolded", None)
+        if fn.unfolded is not None:
+            fn.unfolded.out_scale, fn.unfolded.out_range = fn.out_scale, fn.out_range
     _LOADED[(dialect, source)] = fn
     return fn

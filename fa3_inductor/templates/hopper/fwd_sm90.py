@@ -79,7 +79,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..modgen import out_range_of, out_scale_of
+from ..modgen import kernel_score_mod, out_range_of
 from ..tma import tma_aligned
 from .configs import SMEM_LIMIT, Sm90Config, fixed_base_for, get_config, use_persistent
 
@@ -808,7 +808,9 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
     B, Hq, M, D = q.shape
     _, Hkv, N, _ = k.shape
     # score tile -> log2 units (the kernel's qk_scale)
-    to_log2 = (out_scale_of(score_mod) if score_mod is not None else float(sm_scale)) * LOG2E
+    score_mod, to_score = kernel_score_mod(score_mod, sm_scale) if score_mod is not None \
+        else (None, float(sm_scale))
+    to_log2 = to_score * LOG2E
     cfg = config or get_config(D, q.dtype)
     bounds = out_range_of(score_mod) if score_mod is not None and cfg.fixed_base and not max_needed \
         else None
