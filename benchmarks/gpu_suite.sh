@@ -70,23 +70,32 @@ PY
 # for writing the results).
 test_rc=0
 if [ "${TESTS:-1}" = 1 ]; then
-# Two shards in parallel: compiling (CPU), not the GPU, is what these tests spend their time on,
-# and the training tests alone compile some thirty forward+backward graphs.
-echo "== tests marked gpu (2 parallel shards: the training tests, everything else)"
-timeout -s INT -k 30 "${TEST_TIMEOUT_S:-240}" \
-    python3 -m pytest -q -m gpu tests/test_training.py -p no:cacheprovider \
-    --junitxml="$OUT/shard-training.xml" >"$OUT/shard-training.log" 2>&1 &
+# Three shards in parallel: compiling (CPU), not the GPU, is what these tests spend their time on;
+# the training tests alone compile some thirty forward+backward graphs, the Hopper tests some
+# fifty kernel variants (one shard of everything took more than 240 s on 2026-11-22).
+echo "== tests marked gpu (3 parallel shards: the training tests, the Hopper kernel tests, everything else)"
+run_shard() {   # name, pytest arguments...
+    local name=$1; shift
+    timeout -s INT -k 30 "${TEST_TIMEOUT_S:-240}" python3 -m pytest -q -m gpu "$@" -p no:cacheprovider \
+        --junitxml="$OUT/shard-$name.xml" >"$OUT/shard-$name.log" 2>&1
+}
+run_shard training tests/test_training.py &
 training_pid=$!
-timeout -s INT -k 30 "${TEST_TIMEOUT_S:-240}" \
-    python3 -m pytest -q -m gpu tests --ignore=tests/test_training.py -p no:cacheprovider \
-    --junitxml="$OUT/shard-rest.xml" 2>&1 | tee -a "$OUT/gpu-tests.log"
+run_shard hopper tests/test_hopper_gpu.py &
+hopper_pid=$!
+run_shard rest tests --ignore=tests/test_training.py --ignore=tests/test_hopper_gpu.py
 test_rc=$?
+wait "$hopper_pid"
+hopper_rc=$?
 wait "$training_pid"
 training_rc=$?
-{ echo "== tests marked gpu: tests/test_training.py (exit code $training_rc)"; cat "$OUT/shard-training.log"; } \
-    | tee -a "$OUT/gpu-tests.log"
+for shard in rest:$test_rc hopper:$hopper_rc training:$training_rc; do
+    { echo "== tests marked gpu, shard ${shard%%:*} (exit code ${shard##*:})"; cat "$OUT/shard-${shard%%:*}.log"; } \
+        | tee -a "$OUT/gpu-tests.log"
+done
+[ "$test_rc" -eq 0 ] && test_rc=$hopper_rc
 [ "$test_rc" -eq 0 ] && test_rc=$training_rc
-python3 - "$OUT/gpu-tests.xml" "$OUT/shard-rest.xml" "$OUT/shard-training.xml" <<'PY'
+python3 - "$OUT/gpu-tests.xml" "$OUT/shard-rest.xml" "$OUT/shard-hopper.xml" "$OUT/shard-training.xml" <<'PY'
 import sys
 import xml.etree.ElementTree as ET
 merged = ET.Element("testsuites")
@@ -98,7 +107,7 @@ for path in sys.argv[2:]:
     merged.extend([root] if root.tag == "testsuite" else root.findall("testsuite"))
 ET.ElementTree(merged).write(sys.argv[1])
 PY
-rm -f "$OUT"/shard-*.xml "$OUT/shard-training.log"
+rm -f "$OUT"/shard-*.xml "$OUT"/shard-*.log
 fi
 
 budget=${BENCH_BUDGET_S:-420}

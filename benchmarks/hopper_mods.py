@@ -8,11 +8,12 @@ first a check against float64 (batch 0, heads 0-1; fresh random inputs, NaN-pois
 of O, abs. error of the log2 LSE), then `triton.testing.do_bench` medians, `rounds` interleaved rounds
 over all variants (the spread is the noise). TFLOP/s = 4·B·H·N²·D / t.
 
-Variants, launched as the product launches them (max_needed=False): noop; softcap (table config: a fixed
-exponent base, no row max), softcap with the row max asked for ("softcap max"), softcap with a quarter of
-the exp2 columns on the FMA pipe (exp2_emu=1); ALiBi (generated as qk + slope/sm_scale * (kv - q)) and
-"alibi unfolded", its twin that forms score = qk * sm_scale first (what is launched for sm_scale <= 0,
-and what modgen generated before that fold). Shapes are BxHxS or BxHxSxD (D 128 by default). With --baseline (a copy of an older fwd_sm90.py, imports made
+Variants, launched as the product launches them (max_needed=False); "table" = the config table's choice:
+noop; softcap (table: a fixed exponent base, no row max; at D=64 half the exp2 on the FMA pipe), softcap
+with the row max asked for ("softcap max"), noop and softcap with none / a quarter / half of the exp2
+columns on the FMA pipe (emu=0 / 1 / 2); ALiBi (table), "alibi folded" (generated as
+qk + slope/sm_scale * (kv - q)) and "alibi unfolded", its twin that forms score = qk * sm_scale first
+(launched for sm_scale <= 0 and at D=64; what modgen generated before that fold). Shapes are BxHxS or BxHxSxD (D 128 by default). With --baseline (a copy of an older fwd_sm90.py, imports made
 absolute) the old kernel runs noop / softcap / ALiBi with the old generated mod sources, in the same run.
 """
 from __future__ import annotations
@@ -118,11 +119,15 @@ def main():
         launch = functools.partial(launch_fwd_sm90, max_needed=False)
         variants = [  # (name, launcher, score_mod, config overrides, reference mod key)
             ("noop", launch, None, {}, "noop"),
+            ("noop emu=1", launch, None, dict(exp2_emu=1), "noop"),
+            ("noop emu=2", launch, None, dict(exp2_emu=2), "noop"),
             ("softcap", launch, g_soft, {}, "softcap"),
             ("softcap max", launch_fwd_sm90, g_soft, {}, "softcap"),
+            ("softcap emu=0", launch, g_soft, dict(exp2_emu=0, sfu_mod_exp2_emu=0), "softcap"),
             ("softcap emu=1", launch, g_soft, dict(exp2_emu=1), "softcap"),
             ("softcap emu=2", launch, g_soft, dict(exp2_emu=2), "softcap"),
             ("alibi", launch, g_alibi, {}, "alibi"),
+            ("alibi folded", launch, g_alibi, dict(fold_sm_scale=True), "alibi"),
             ("alibi unfolded", launch, g_alibi.unfolded, {}, "alibi"),
         ]
         if args.lazy_ablation:   # the table's lazy_rescale flipped, same kernel otherwise

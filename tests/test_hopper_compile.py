@@ -160,7 +160,7 @@ def test_exp2_split_moves_work_off_mufu(D, emu):
     dtype = torch.bfloat16
     soft = _generated_score_mod(mods.softcap(30.0))
     q, k, v, o, lse, mx = _inputs(D, dtype)
-    cfg0 = get_config(D, dtype, exp2_emu=0)
+    cfg0 = get_config(D, dtype, exp2_emu=0, sfu_mod_exp2_emu=0)
     cfg = get_config(D, dtype, exp2_emu=emu)
     r0 = sass_report(compile_sm90(q, k, v, o, lse, mx, sm_scale=0.1, score_mod=soft, config=cfg0))
     ck = compile_sm90(q, k, v, o, lse, mx, sm_scale=0.1, score_mod=soft, config=cfg)
@@ -196,8 +196,11 @@ def test_bounded_softcap_fixed_base_compiles_without_row_max(D):
     cfg = get_config(D, dtype)
     soft = _generated_score_mod(mods.softcap(30.0))
     q, k, v, o, lse, mx = _inputs(D, dtype)
+    table = compile_sm90(q, k, v, o, lse, mx, sm_scale=0.1, score_mod=soft, config=cfg, max_needed=False)
+    _check(table, cfg, D, cfg.block_n, "BF16")   # as shipped (D=64: with exp2 on the FMA pipe)
+    # the structure, without the exp2 polynomial (its input clamp is an FMNMX too)
+    cfg = get_config(D, dtype, sfu_mod_exp2_emu=0)
     fixed = compile_sm90(q, k, v, o, lse, mx, sm_scale=0.1, score_mod=soft, config=cfg, max_needed=False)
-    _check(fixed, cfg, D, cfg.block_n, "BF16")
     tracked = sass_report(compile_sm90(q, k, v, o, lse, mx, sm_scale=0.1, score_mod=soft, config=cfg))
     a = _mix(tracked.sass, "FMNMX", "FMUL", "MUFU.TANH")
     b = _mix(sass_report(fixed).sass, "FMNMX", "FMUL", "MUFU.TANH")
@@ -220,3 +223,23 @@ def test_fixed_base_is_chosen_only_where_p_keeps_its_range(dtype, cap, max_neede
     _, kwargs, _ = _prepare(q, k, v, o, lse, mx, 0.1, soft, None, (), (), None, None, None, None, 128, 128,
                             None, 132, max_needed)
     assert kwargs["FIXED_BASE"] == fixed
+
+
+@pytest.mark.parametrize("D, mod, emu, folded", [
+    (64, "softcap", 2, None),     # tanh per score: MUFU-bound at D=64, half the exp2 on the FMA pipe
+    (64, "noop", 0, None),
+    (128, "softcap", 0, None),
+    (64, "alibi", 0, False),      # measured: D=64 runs `score + x` mods unfolded, D=128 folded
+    (128, "alibi", 0, True),
+])
+def test_table_choices_per_head_dim_and_mod(D, mod, emu, folded):
+    from fa3_inductor import mods
+    from fa3_inductor.templates.hopper.fwd_sm90 import _prepare
+    q, k, v, o, lse, mx = _inputs(D, torch.bfloat16)
+    fn = {"softcap": lambda: _generated_score_mod(mods.softcap(30.0)), "noop": lambda: None,
+          "alibi": lambda: _generated_score_mod(mods.alibi(4))}[mod]()
+    _, kwargs, _ = _prepare(q, k, v, o, lse, mx, 0.1, fn, None, (), (), None, None, None, None, 128, 128,
+                            None, 132, False)
+    assert kwargs["EXP2_EMU"] == emu
+    if folded is not None:
+        assert kwargs["SCORE_MOD"] is (fn if folded else fn.unfolded)

@@ -20,6 +20,7 @@ def test_softcap_uses_the_tanh_helper():
     assert_expected_inline(_source(mods.softcap(30.0), "score"), """\
 OUT_SCALE = 30.0
 OUT_RANGE = (-1.0, 1.0)
+SFU_OPS = 1
 
 
 @triton.jit

@@ -117,6 +117,9 @@ _UNARY = {
     aten.expm1: "H.expm1({0})", aten.erf: "{L}.erf({0})", aten.round: "H.round({0})",
     aten.trunc: "H.trunc({0})",
 }
+# Unary ops that cost the special-function unit (MUFU) on sm90; counted per score as SFU_OPS.
+_SFU_UNARY = {aten.tanh, aten.sigmoid, aten.exp, aten.exp2, aten.log, aten.log2, aten.sqrt, aten.rsqrt,
+              aten.sin, aten.cos, aten.reciprocal, aten.log1p, aten.expm1, aten.erf}
 _INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
 # Index axes each mod argument varies along; a score tile varies along both.
 _TILE = frozenset(("q", "kv"))
@@ -244,6 +247,7 @@ class _Emitter:
         self.additive: Optional[tuple[torch.fx.Node, torch.fx.Node, str]] = None  # (sum, x, sign)
         self.prescaled: set[torch.fx.Node] = set()  # x emitted already divided by sm_scale
         self.inv_sm: Optional[str] = None
+        self.sfu_ops = 0  # special-function (MUFU) ops per score: tanh, exp, ... on a score tile
         self.L = "tl" if dialect == "tl" else "gl"
         self.names: dict[torch.fx.Node, str] = {}
         self.lines: list[str] = []
@@ -353,7 +357,8 @@ class _Emitter:
         deco = "@triton.jit" if self.dialect == "tl" else "@gluon.jit"
         body = "\n".join(f"    {line}" for line in self.prologue + self.lines + [f"return {ret}"])
         head = (f"OUT_SCALE = {out_scale!r}\nOUT_RANGE = {_value_range(result)!r}\n"
-                + ("SM_SCALED = True\n" if self.additive else "") + "\n\n" if fold else "")
+                + ("SM_SCALED = True\n" if self.additive else "")
+                + (f"SFU_OPS = {self.sfu_ops}\n" if self.sfu_ops else "") + "\n\n" if fold else "")
         return f"{head}{deco}\ndef {fn}({sig}):\n{body}\n"
 
     def inv_sm_scale(self) -> str:
@@ -520,6 +525,8 @@ class _Emitter:
                           aten.expm1, aten.reciprocal) and self.dtype_of(args[0]) not in (torch.float32, None):
                 a = self.float_of(args[0]) if self.dtype_of(args[0]) in _INT_DTYPES else f"{a}.to({L}.float32)"
             self.assign(node, _UNARY[packet].format(a, L=L), out_dtype)
+            if packet in _SFU_UNARY and self.axes.get(node) == _TILE:
+                self.sfu_ops += 1
             return self.int_bound(node)
         if packet is aten.where:
             c = self.arg(args[0])
@@ -731,6 +738,17 @@ def kernel_score_mod(score_mod: Any, sm_scale: float) -> tuple[Any, float]:
     return score_mod, out_scale_of(score_mod)
 
 
+def sfu_ops_of(score_mod: Any) -> int:
+    """Special-function-unit (MUFU) ops a generated score_mod spends per score (0 if unknown).
+
+    Example::
+
+        >>> sfu_ops_of(load_mod(generate_mod_source(softcap_graph, "score", []), "gl"))  # doctest: +SKIP
+        1
+    """
+    return int(getattr(score_mod, "sfu_ops", 0))
+
+
 def describe_mod_source(source: Optional[str]) -> str:
     """A generated mod's body on one line (for reports), with the factor its kernel applies.
 
@@ -792,8 +810,10 @@ def load_mod(source: str, dialect: str = "tl") -> Any:
         fn.out_scale = float(module.OUT_SCALE)
         fn.out_range = module.OUT_RANGE
         fn.sm_scaled = bool(getattr(module, "SM_SCALED", False))
+        fn.sfu_ops = int(getattr(module, "SFU_OPS", 0))
         fn.unfolded = getattr(module, "score_mod_unfolded", None)
         if fn.unfolded is not None:
             fn.unfolded.out_scale, fn.unfolded.out_range = fn.out_scale, fn.out_range
+            fn.unfolded.sfu_ops = fn.sfu_ops
     _LOADED[(dialect, source)] = fn
     return fn

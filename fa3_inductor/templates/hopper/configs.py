@@ -44,6 +44,19 @@ class Sm90Config:
     # FlashAttention-4 does: softcap B4 H16 S4096 484 (0) / 453 (1) / 443 (2) TFLOP/s, same run: the
     # tile is issue-bound, not MUFU-bound, and the polynomial costs 9 instructions for 1 MUFU op.
     exp2_emu: int = 0
+    # exp2_emu for score mods that spend the special-function unit per score themselves (SFU_OPS > 0:
+    # softcap's tanh), where exp2_emu is 0. Only D=64 sets it (2): there the tile's two GEMMs are half as
+    # long as at D=128 and MUFU is the bound. H200, bf16, softcap 30, same run, emu 0 / 1 / 2 (TFLOP/s,
+    # hopper-mods-nvidia-h200-2026-11-22-0630): B8 H32 S2k 315 / 324 / 334, B4 H32 S4k 320 / 330 / 342,
+    # B1 H32 S16k 329 / 352 / 372; at D=128 it loses (B8 H16 S2k 521 / 509 / 497, B2 S8k 534 / 527 / 526),
+    # and noop loses at both (D=64 S4k 447 / 421 / 382).
+    sfu_mod_exp2_emu: int = 0
+    # Take a `score + x` mod in its folded form qk + x / sm_scale (modgen SM_SCALED) or the unfolded twin.
+    # Measured (H200, bf16, ALiBi, same run, folded / unfolded TFLOP/s, hopper-mods-…-0625 and -0630):
+    # D=128 S2k 495 / 471, S4k 524 / 486, S8k 526 / 512, S16k 533 / 515; D=64 S2k 346 / 358, S4k 349 / 366
+    # (both runs), S16k 364 / 363. The folded SASS has 240 fewer FMULs at either head dim; why D=64 runs
+    # slower with it is not understood: D=64 keeps the unfolded form.
+    fold_sm_scale: bool = True
     # FlashAttention-4's lazy rescale (rescale O only when a row max outgrew the exponent base by
     # > 2^8): noop 556 vs 570 / 564 vs 600, softcap 466 vs 479 / 477 vs 499 (B4 S4096 / B1 S16384,
     # on vs off, same run): its per-tile warpgroup-wide max (shared memory + barrier) costs more than
@@ -88,7 +101,7 @@ _TABLE: dict[int, Sm90Config] = {
     # D=64: 128x128 tiles, 3 stages (96 KB of K/V ring + 16 KB Q): tiles are cheap to hold and
     # short to compute, so a deeper ring could hide more TMA latency. S=64 regs, O=32 regs/thread.
     # H100, B4 H32 S4096: 3 stages 415, 2 stages 416 TFLOP/s (a tie), cuDNN 454 in the same run.
-    64: Sm90Config(block_m=128, block_n=128, num_stages=3),
+    64: Sm90Config(block_m=128, block_n=128, num_stages=3, sfu_mod_exp2_emu=2, fold_sm_scale=False),
     # D=128: the FACTS.md prototype structure: 128x128, 2 stages (164 KB), pingpong + overlap.
     # H100 (this kernel, 3 rounds): B4 H32 S4096 583-585 vs cuDNN 573-591; B2 H16 S8192 599 vs 581;
     # 3 stages is slower in every run (565 / 577), as in the H200 prototype (585 / 600 vs 594 / 608).

@@ -79,7 +79,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..modgen import kernel_score_mod, out_range_of
+from ..modgen import kernel_score_mod, out_range_of, sfu_ops_of
 from ..tma import tma_aligned
 from .configs import SMEM_LIMIT, Sm90Config, fixed_base_for, get_config, use_persistent
 
@@ -807,11 +807,14 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
         score_mod = _identity_score_mod
     B, Hq, M, D = q.shape
     _, Hkv, N, _ = k.shape
+    cfg = config or get_config(D, q.dtype)
+    if score_mod is not None and not cfg.fold_sm_scale and getattr(score_mod, "unfolded", None) is not None:
+        score_mod = score_mod.unfolded
     # score tile -> log2 units (the kernel's qk_scale)
     score_mod, to_score = kernel_score_mod(score_mod, sm_scale) if score_mod is not None \
         else (None, float(sm_scale))
     to_log2 = to_score * LOG2E
-    cfg = config or get_config(D, q.dtype)
+    exp2_emu = cfg.exp2_emu or (cfg.sfu_mod_exp2_emu if sfu_ops_of(score_mod) else 0)
     bounds = out_range_of(score_mod) if score_mod is not None and cfg.fixed_base and not max_needed \
         else None
     fixed_base = bounds and fixed_base_for(q.dtype, bounds[0] * to_log2, bounds[1] * to_log2)
@@ -864,7 +867,7 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
         SPARSE_KV_MULT=(sparse_kv_block // BLOCK_N) if has_sparse else 1,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, NUM_STAGES=cfg.num_stages,
         PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, PERSISTENT=persistent,
-        EXP2_EMU=cfg.exp2_emu, EVEN_N=(N % BLOCK_N == 0),
+        EXP2_EMU=exp2_emu, EVEN_N=(N % BLOCK_N == 0),
         LAZY_RESCALE=cfg.lazy_rescale, FIXED_BASE=fixed_base is not None, O_STAGE=o_stage,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         num_warps=4, maxnreg=cfg.maxnreg,
