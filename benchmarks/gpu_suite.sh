@@ -51,6 +51,10 @@ export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
 {
     echo "== date: $(date -u +%Y-%m-%dT%H:%M:%SZ)   commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    # A copied work tree may carry a stale .git: this hash of the package's sources identifies the
+    # code that ran (compare: the same command on a checkout).
+    echo "== sources: $(find fa3_inductor -name '*.py' | LC_ALL=C sort | xargs sha1sum | sha1sum | cut -c1-12)" \
+        "(find fa3_inductor -name '*.py' | LC_ALL=C sort | xargs sha1sum | sha1sum)"
     echo "== nvidia-smi"
     nvidia-smi 2>&1 || echo "nvidia-smi failed"
     echo "== versions"
