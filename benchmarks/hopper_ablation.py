@@ -11,6 +11,7 @@ neither, +1 stage, persistent; plus tanh softcap (score_mod) on the full kernel.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -76,7 +77,8 @@ def main():
     args = ap.parse_args()
     dev = "cuda"
     name = torch.cuda.get_device_name()
-    print(f"device: {name}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    print(f"device: {name}, torch {torch.__version__}, triton {triton.__version__}, {date}", flush=True)
     dtype = torch.bfloat16
 
     shapes = [  # (label, B, H, S, D, causal)
@@ -90,7 +92,7 @@ def main():
         shapes = shapes[:1] + shapes[2:3]
     if args.schedule:
         shapes = [(f"sched S{S} B{16384 // S} H16 D{D}{' causal' if c else ''}", 16384 // S, 16, S, D, c)
-                  for D, seqs in ((128, (1024, 2048, 4096, 16384)), (64, (2048,)), (256, (2048,)))
+                  for D, seqs in ((128, (1024, 2048, 4096, 8192, 16384)), (64, (2048,)), (256, (2048,)))
                   for c in (False, True) for S in seqs]
     for causal in (False, True) if args.sweep else ():
         for S in (1024, 2048, 4096, 8192, 16384):
@@ -190,7 +192,8 @@ def main():
 
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=name, torch=torch.__version__, triton=triton.__version__, rows=rows), f, indent=1)
+            json.dump(dict(device=name, torch=torch.__version__, triton=triton.__version__, date=date, rows=rows),
+                      f, indent=1)
     print(f"\n{name}  (TFLOP/s, do_bench median; check = vs float64 on batch 0, heads 0-1)")
     print(f"{'shape':34s} {'variant':24s} {'ms':>7s} {'TFLOP/s':>7s} {'rounds':>11s}  check")
     for r in rows:

@@ -93,7 +93,9 @@ def main():
     ap.add_argument("--baseline", default=None)
     ap.add_argument("--shapes", default="4x16x4096,1x16x16384")
     ap.add_argument("--lazy-ablation", action="store_true", help="also noop/softcap/alibi with lazy_rescale flipped")
-    ap.add_argument("--no-emu", action="store_true", help="skip the exp2_emu=1 softcap variant")
+    ap.add_argument("--no-emu", action="store_true", help="skip the exp2_emu variants")
+    ap.add_argument("--persistent-ablation", action="store_true",
+                    help="also noop/softcap/alibi with the persistent schedule forced on and off")
     args = ap.parse_args()
     name = torch.cuda.get_device_name()
     print(f"device: {name}, torch {torch.__version__}, triton {triton.__version__}, "
@@ -133,6 +135,11 @@ def main():
         if args.lazy_ablation:   # the table's lazy_rescale flipped, same kernel otherwise
             lazy = not get_config(D, dtype).lazy_rescale
             variants += [(f"{n} lazy={'on' if lazy else 'off'}", launch, m, dict(lazy_rescale=lazy), r)
+                         for n, m, r in (("noop", None, "noop"), ("softcap", g_soft, "softcap"),
+                                         ("alibi", g_alibi, "alibi"))]
+        if args.persistent_ablation:   # use_persistent() decides per launch; force each way
+            variants += [(f"{n} persistent={'on' if on else 'off'}", launch, m, dict(persistent=on), r)
+                         for on in (True, False)
                          for n, m, r in (("noop", None, "noop"), ("softcap", g_soft, "softcap"),
                                          ("alibi", g_alibi, "alibi"))]
         if base is not None:
