@@ -52,9 +52,9 @@ class Sm90Config:
     # and noop loses at both (D=64 S4k 447 / 421 / 382).
     sfu_mod_exp2_emu: int = 0
     # Take a `score + x` mod in its folded form qk + x / sm_scale (modgen SM_SCALED) or the unfolded twin.
-    # Measured (H200, bf16, ALiBi, same run, folded / unfolded TFLOP/s, hopper-mods-…-0625 and -0630):
-    # D=128 S2k 495 / 471, S4k 524 / 486, S8k 526 / 512, S16k 533 / 515; D=64 S2k 346 / 358, S4k 349 / 366
-    # (both runs), S16k 364 / 363. The folded SASS has 240 fewer FMULs at either head dim; why D=64 runs
+    # Measured (H200, bf16, ALiBi, same run, folded / unfolded TFLOP/s, hopper-mods-…-0625, -0630, -0650):
+    # D=128 S2k 495 / 471, S4k 524 / 486, S8k 526 / 512 and 532 / 513, S16k 533 / 515 and 523 / 520;
+    # D=64 S2k 346 / 358, S4k 349 / 366 (both runs), S16k 364 / 363 (twice). The folded SASS has 240 fewer FMULs at either head dim; why D=64 runs
     # slower with it is not understood: D=64 keeps the unfolded form.
     fold_sm_scale: bool = True
     # FlashAttention-4's lazy rescale (rescale O only when a row max outgrew the exponent base by
