@@ -6,7 +6,7 @@
 Mods are generated the product's way (fa3_inductor.mods -> modgen -> @gluon.jit). For every variant:
 first a check against float64 (batch 0, heads 0-1; fresh random inputs, NaN-poisoned outputs; rel. error
 of O, abs. error of the log2 LSE), then `triton.testing.do_bench` medians, `rounds` interleaved rounds
-over all variants (the spread is the noise). TFLOP/s = 4·B·H·N²·D / t.
+over all variants, odd rounds in reverse order (the spread is the noise). TFLOP/s = 4·B·H·N²·D / t.
 
 Variants, launched as the product launches them (max_needed=False); "table" = the config table's choice:
 noop; softcap (table: a fixed exponent base, no row max; at D=64 half the exp2 on the FMA pipe), softcap
@@ -94,6 +94,8 @@ def main():
     ap.add_argument("--shapes", default="4x16x4096,1x16x16384")
     ap.add_argument("--lazy-ablation", action="store_true", help="also noop/softcap/alibi with lazy_rescale flipped")
     ap.add_argument("--no-emu", action="store_true", help="skip the exp2_emu variants")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated variant names to keep (default: all), e.g. 'noop,alibi folded'")
     ap.add_argument("--persistent-ablation", action="store_true",
                     help="also noop/softcap/alibi with the persistent schedule forced on and off")
     args = ap.parse_args()
@@ -150,6 +152,9 @@ def main():
             ]
         if args.no_emu:
             variants = [x for x in variants if "emu=" not in x[0]]
+        if args.variants:
+            keep = {v.strip() for v in args.variants.split(",")}
+            variants = [x for x in variants if x[0] in keep]
         refs = {}
         timed = []
         for vname, launch, smod, over, rkey in variants:
@@ -178,8 +183,10 @@ def main():
             else:
                 rows.append(dict(shape=label, variant=vname, ms=None, tflops=None, check=check))
         times = {vn: [] for vn, _, _ in timed}
-        for _ in range(args.rounds):
-            for vn, fn, _ in timed:
+        for rnd in range(args.rounds):
+            # odd rounds in reverse order: a variant's position in the round (the GPU's clock and
+            # thermal state after the one before it) moved identical launches by ~5% in one run
+            for vn, fn, _ in (timed if rnd % 2 == 0 else timed[::-1]):
                 times[vn].append(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
         noop = {}
         for vn, fn, check in timed:
