@@ -210,3 +210,13 @@ def test_a_score_plus_term_is_folded_into_qk_units(fn, sm_scaled):
         assert "sm_scale *" not in folded and "1.0 / sm_scale" in folded, src
         assert "score = qk * sm_scale" in twin, src
 
+
+
+def test_the_report_line_names_the_folded_factors_and_not_the_twin():
+    from fa3_inductor.templates.modgen import describe_mod_source
+    soft = describe_mod_source(_source(mods.softcap(30.0), "score"))
+    assert soft.endswith("return v2 (x 30.0, folded into the kernel)"), soft
+    bias = describe_mod_source(_source(lambda s, b, h, q, kv: (s + (q - kv)) * 2.0, "score"))
+    assert bias.endswith("(x 2.0 x sm_scale, folded into the kernel)"), bias
+    assert "score = qk * sm_scale" not in bias and bias.count("return") == 1, bias
+    assert describe_mod_source(_source(mods.causal, "mask")) == "v0 = (q_idx >= kv_idx); return v0"
