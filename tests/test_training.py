@@ -304,19 +304,26 @@ def test_fx_cache_served_backward_in_a_fresh_process(tmp_path):
     """The backward's mods travel as source in the op's spec: a second process served from
     Inductor's FX/AOT caches (no lowering runs) computes the same gradients."""
     script = textwrap.dedent("""
-        import os, sys, torch
+        import hashlib, os, sys, torch
         os.environ["TRITON_INTERPRET"] = "1"
         import fa3_inductor
         from fa3_inductor import lowered_backward_sites
+        def fingerprint(*ts):  # which bytes a mismatch starts from, if one ever shows again
+            return hashlib.sha1(b"".join(t.detach().contiguous().numpy().tobytes()
+                                         for t in ts)).hexdigest()[:16]
         torch.manual_seed(0)
         q, k, v = (torch.randn(1, 2, 48, 16, requires_grad=True) for _ in range(3))
         table = torch.randn(2, 8, requires_grad=True)
+        print("INPUTS", fingerprint(q, k, v, table), fa3_inductor.__file__)
         def score_mod(s, b, h, q_idx, kv_idx):
             return s + table[h, torch.clamp((q_idx - kv_idx).abs(), max=7)]
         out = torch.compile(lambda q, k, v: fa3_inductor.flex(
             q, k, v, score_mod=score_mod, mask_mod=fa3_inductor.mods.causal),
             backend="fa3")(q, k, v)
+        print("AFTER_FORWARD", fingerprint(q, k, v, table), "OUT", fingerprint(out))
         out.sum().backward()
+        print("AFTER_BACKWARD", fingerprint(q, k, v, table), "GRADS",
+              fingerprint(q.grad, k.grad, v.grad, table.grad), "THREADS", torch.get_num_threads())
         from fa3_inductor.lowering.passes import source_hash
         print("LOWERED", len(lowered_backward_sites()), "SOURCES", source_hash())
         torch.save([q.grad, k.grad, v.grad, table.grad], sys.argv[1])
@@ -326,8 +333,10 @@ def test_fx_cache_served_backward_in_a_fresh_process(tmp_path):
                TRITON_INTERPRET="1")
     runs = []
     for i in range(2):
+        # cwd: the checkout this test file belongs to, so both processes import the same package
         result = subprocess.run([sys.executable, "-c", script, str(tmp_path / f"g{i}.pt")],
-                                env=env, capture_output=True, text=True, timeout=300)
+                                env=env, capture_output=True, text=True, timeout=300,
+                                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         assert result.returncode == 0, result.stderr[-3000:]
         runs.append(result.stdout)
     if runs[0].split("SOURCES")[1] != runs[1].split("SOURCES")[1]:
@@ -335,9 +344,12 @@ def test_fx_cache_served_backward_in_a_fresh_process(tmp_path):
                     "them): rerun on a quiet tree")
     assert "LOWERED 1" in runs[0]
     assert "LOWERED 0" in runs[1], "the second process was not served from the cache"
+    inputs = [r.split("INPUTS", 1)[1].split("\n", 1)[0] for r in runs]
+    assert inputs[0] == inputs[1], f"the processes started from different inputs or packages: {inputs}"
     first, second = (torch.load(tmp_path / f"g{i}.pt") for i in range(2))
-    for a, b in zip(first, second):
-        torch.testing.assert_close(a, b)
+    for name, a, b in zip(("q.grad", "k.grad", "v.grad", "table.grad"), first, second):
+        torch.testing.assert_close(a, b, msg=lambda m, name=name: (
+            f"{name}: {m}\nfirst process:\n{runs[0]}\ncache-served process:\n{runs[1]}"))
 
 
 # ---------------------------------------------------------------- GPU twins
