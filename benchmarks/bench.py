@@ -289,6 +289,10 @@ def make_impl_fn(impl: str, spec: ModSpec, block_mask: Optional[BlockMask], q, k
 # --------------------------------------------------------------------------------------------
 
 
+# Timing rounds per case (see run_case); --rounds overrides.
+TIMING_ROUNDS = 3
+
+
 def time_ms(fn: Callable[[], object], device, grad_to_none=None) -> tuple[float, str]:
     """Median milliseconds of ``fn`` (already warmed up). Returns (ms, timer description)."""
     if device.type == "cuda":
@@ -336,9 +340,15 @@ def impl_variants(impls: list[str], fa3_templates=FA3_TEMPLATES) -> list[tuple[s
     return out
 
 
-def run_case(case: Case, impls: list[str], device, dtype, log, fa3_templates=FA3_TEMPLATES) -> list[dict]:
+def run_case(case: Case, impls: list[str], device, dtype, log, fa3_templates=FA3_TEMPLATES,
+             rounds: int = TIMING_ROUNDS) -> list[dict]:
     """Time every impl (fa3_inductor once per requested template) on one case; returns its rows
-    (errors are recorded, never raised)."""
+    (errors are recorded, never raised).
+
+    Every impl is compiled, warmed up and checked first; then all are timed in ``rounds``
+    interleaved rounds, odd rounds in reverse order, and each row takes the median of its rounds:
+    a single timing per impl, taken one after the other, carries the GPU's clock and thermal drift
+    into the ratios (identical launches differed by ~5% that way, templates/hopper/DESIGN.md)."""
     spec = make_mod(case.mod, case.heads, case.seqlen, device)
     block_mask = None
     if spec.mask_mod is not None:
@@ -359,7 +369,7 @@ def run_case(case: Case, impls: list[str], device, dtype, log, fa3_templates=FA3
 
     # The reference (flex) runs first so every other impl can be compared against it.
     ref_out = ref_grads = None
-    rows = []
+    rows, ready = [], []   # ready: (row, step) of the impls that compiled and ran
     for impl, requested in impl_variants(impls, fa3_templates):
         row = {
             "impl": impl,
@@ -380,14 +390,14 @@ def run_case(case: Case, impls: list[str], device, dtype, log, fa3_templates=FA3
             "flops": flops,
             "max_abs_diff_vs_ref": None,
         }
+        rows.append(row)
         try:
             fwd = make_impl_fn(impl, spec, block_mask, q, k, v, template=requested)
         except Skip:
+            rows.pop()
             continue
         except Exception as exc:  # the package itself failed to import, for example
             row["error"] = _describe(exc)
-            rows.append(row)
-            log(_row_line(row))
             continue
 
         def step(fwd=fwd):
@@ -411,16 +421,13 @@ def run_case(case: Case, impls: list[str], device, dtype, log, fa3_templates=FA3
                     row["template"] = _import_fa3().last_template()
                 step()  # a second call: no recompile may hide in the timed region
                 _sync(device)
-                ms, timer = time_ms(step, device, grad_to_none=[q, k, v] if backward else None)
-            row["ms"] = ms
-            row["tflops"] = flops / (ms * 1e-3) / 1e12
-            row["timer"] = timer
             if impl == REF_IMPL:
                 ref_out, ref_grads = out, grads
             row["max_abs_diff_vs_ref"] = _max_abs_diff(out, ref_out)
             if backward and ref_grads is not None:
                 row["max_abs_grad_diff_vs_ref"] = max(_max_abs_diff(a, b) for a, b in zip(grads, ref_grads))
             del out, grads
+            ready.append((row, step))
         except Exception as exc:
             row["error"] = _describe(exc)
             if os.environ.get("BENCH_TRACEBACK"):
@@ -428,7 +435,26 @@ def run_case(case: Case, impls: list[str], device, dtype, log, fa3_templates=FA3
         finally:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        rows.append(row)
+
+    times: dict[int, list[float]] = {id(row): [] for row, _ in ready}
+    for rnd in range(max(1, rounds)):
+        for row, step in (ready if rnd % 2 == 0 else ready[::-1]):
+            if "error" in row:
+                continue
+            try:
+                with torch.set_grad_enabled(backward):
+                    ms, timer = time_ms(step, device, grad_to_none=[q, k, v] if backward else None)
+                times[id(row)].append(ms)
+                row["timer"] = f"{timer}, median of {max(1, rounds)} interleaved rounds"
+            except Exception as exc:
+                row["error"] = _describe(exc)
+    for row, _ in ready:
+        ts = times[id(row)]
+        if ts and "error" not in row:
+            row["ms"] = statistics.median(ts)
+            row["ms_rounds"] = ts
+            row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
+    for row in rows:
         log(_row_line(row))
     return rows
 
@@ -653,6 +679,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--preset", choices=("smoke", "quick", "full"), default="quick",
                    help="smoke: tiny CPU harness check; quick: fits a 10-minute GPU command; full: everything")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="output directory")
+    p.add_argument("--rounds", type=int, default=TIMING_ROUNDS,
+                   help="interleaved timing rounds per case (odd rounds in reverse order); the median is reported")
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="stop starting new cases after this many seconds of wall clock (default 420)")
     p.add_argument("--impls", type=_csv("impl", IMPLS), default=list(IMPLS))
@@ -709,6 +737,7 @@ def main(argv=None) -> int:
         "fa3_templates_requested": list(args.fa3_templates),
         "flex_compile": "torch.compile(flex_attention, dynamic=False)",
         "budget_s": args.budget_s,
+        "timing_rounds": args.rounds,
         "budget_exhausted": False,
         "cases_skipped": [],
         "cases_failed": [],
@@ -734,7 +763,7 @@ def main(argv=None) -> int:
             break
         log(f"[{i + 1}/{len(cases)} {elapsed:5.0f}s] {case.label()}")
         try:
-            result["rows"] += run_case(case, args.impls, device, dtype, log, args.fa3_templates)
+            result["rows"] += run_case(case, args.impls, device, dtype, log, args.fa3_templates, args.rounds)
         except Exception as exc:  # the case's own set-up (inputs, block mask) failed
             result["cases_failed"].append({**vars(case), "error": _describe(exc)})
             log(f"  case failed: {_describe(exc)}")
