@@ -56,14 +56,6 @@ def _fold_scale(sm_scale: float, score_mod: Any) -> bool:
     return score_mod is None and sm_scale > 0
 
 
-def _to_log2(sm_scale: float, score_mod: Any) -> float:
-    """The kernel's factor from its score tile to log2 units (see generic_fwd._kv_tile); the
-    score_mod is the one kernel_score_mod picked for this sm_scale."""
-    if score_mod is not None:
-        return kernel_score_mod(score_mod, sm_scale)[1] * math.log2(math.e)
-    return (sm_scale if _fold_scale(sm_scale, score_mod) else 1.0) * math.log2(math.e)
-
-
 def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs,
              mask_bufs, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
              sparse_q_block, sparse_kv_block, capability, iterate_hull=None, config=None,
@@ -71,8 +63,12 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
     """(args, kwargs, grid) of one generic-kernel launch; shared by launch and compile-only."""
     Z, HQ, M, D = q.shape
     HKV, N = k.shape[1], k.shape[2]
+    # The kernel's factor from its score tile to the score (generic_fwd._kv_tile takes it in log2
+    # units): the mod's, or the scale itself when the no-mod path folds it.
     if score_mod is not None:
-        score_mod = kernel_score_mod(score_mod, sm_scale)[0]
+        score_mod, to_score = kernel_score_mod(score_mod, sm_scale)
+    else:
+        to_score = sm_scale if _fold_scale(sm_scale, score_mod) else 1.0
     if max(M, N) >= _MAX_SEQ:
         # Generated mods turn indices into floats exactly only below 2**23 (mod_helpers).
         raise ValueError(f"fa3 generic kernel: sequence lengths must be below {_MAX_SEQ} "
@@ -106,7 +102,7 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
             v.stride(0), v.stride(1), v.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
             HQ, k.shape[0], M, N, D, SZ, SH, num_q_blks, num_kv_blks, sm_scale,
-            _to_log2(sm_scale, score_mod))
+            to_score * math.log2(math.e))
     kwargs = dict(
         SCORE_MOD=score_mod, MASK_MOD=mask_mod, GQA_GROUP=HQ // HKV,
         HAS_BLOCK_MASK=has_mask, HAS_FULL_BLOCKS=has_full,

@@ -207,22 +207,9 @@ def _scaled_result(result: Any, output: torch.fx.Node) -> Optional[tuple[torch.f
     return None
 
 
-def _depends_on(node: torch.fx.Node, target: torch.fx.Node) -> bool:
-    """Whether ``target`` is among ``node``'s inputs, transitively."""
-    seen, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if n is target:
-            return True
-        if n not in seen:
-            seen.add(n)
-            todo.extend(n.all_input_nodes)
-    return False
-
-
 def _additive_term(node: Any, score: torch.fx.Node) -> Optional[tuple[torch.fx.Node, str]]:
     """(x, sign) if ``node`` is ``score + x``, ``x + score`` or ``score - x`` (sign "+" / "-"),
-    with x a graph value that does not read the score and the score read nowhere else."""
+    with the score read nowhere else (so x, an input of ``node``, cannot read it unless it is it)."""
     if not isinstance(node, torch.fx.Node) or node.op != "call_function" or node.kwargs or \
             len(node.args) != 2 or list(score.users) != [node]:
         return None
@@ -230,7 +217,7 @@ def _additive_term(node: Any, score: torch.fx.Node) -> Optional[tuple[torch.fx.N
     if packet is aten.add and b is score:
         a, b = b, a
     if packet not in (aten.add, aten.sub) or a is not score or not isinstance(b, torch.fx.Node) \
-            or _depends_on(b, score):
+            or b is score:
         return None
     return b, "+" if packet is aten.add else "-"
 
@@ -720,10 +707,11 @@ def out_scale_of(score_mod: Any) -> float:
     return float(getattr(score_mod, "out_scale", 1.0))
 
 
-def kernel_score_mod(score_mod: Any, sm_scale: float) -> tuple[Any, float]:
+def kernel_score_mod(score_mod: Any, sm_scale: float, fold: bool = True) -> tuple[Any, float]:
     """(the score_mod to launch, the factor from its returned tile to the score) for a launch
     with ``sm_scale``. A mod folded as ``qk + x / sm_scale`` (SM_SCALED) is valid for
-    sm_scale > 0 only; otherwise its unfolded twin is launched.
+    sm_scale > 0 only; otherwise, or with ``fold=False`` (a kernel config that measured the
+    unfolded form faster), its unfolded twin is launched.
 
     Example::
 
@@ -732,7 +720,7 @@ def kernel_score_mod(score_mod: Any, sm_scale: float) -> tuple[Any, float]:
         0.125
     """
     if getattr(score_mod, "sm_scaled", False):
-        if sm_scale > 0:
+        if fold and sm_scale > 0:
             return score_mod, out_scale_of(score_mod) * sm_scale
         score_mod = score_mod.unfolded
     return score_mod, out_scale_of(score_mod)

@@ -808,11 +808,9 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
     B, Hq, M, D = q.shape
     _, Hkv, N, _ = k.shape
     cfg = config or get_config(D, q.dtype)
-    if score_mod is not None and not cfg.fold_sm_scale and getattr(score_mod, "unfolded", None) is not None:
-        score_mod = score_mod.unfolded
     # score tile -> log2 units (the kernel's qk_scale)
-    score_mod, to_score = kernel_score_mod(score_mod, sm_scale) if score_mod is not None \
-        else (None, float(sm_scale))
+    score_mod, to_score = kernel_score_mod(score_mod, sm_scale, cfg.fold_sm_scale) \
+        if score_mod is not None else (None, float(sm_scale))
     to_log2 = to_score * LOG2E
     exp2_emu = cfg.exp2_emu or (cfg.sfu_mod_exp2_emu if sfu_ops_of(score_mod) else 0)
     bounds = out_range_of(score_mod) if score_mod is not None and cfg.fixed_base and not max_needed \
