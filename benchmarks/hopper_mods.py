@@ -13,7 +13,8 @@ noop; softcap (table: a fixed exponent base, no row max; at D=64 half the exp2 o
 with the row max asked for ("softcap max"), noop and softcap with none / a quarter / half of the exp2
 columns on the FMA pipe (emu=0 / 1 / 2); ALiBi (table), "alibi folded" (generated as
 qk + slope/sm_scale * (kv - q)) and "alibi unfolded", its twin that forms score = qk * sm_scale first
-(launched for sm_scale <= 0 and at D=64; what modgen generated before that fold). Shapes are BxHxS or BxHxSxD (D 128 by default). With --baseline (a copy of an older fwd_sm90.py, imports made
+(launched for sm_scale <= 0 and at D=64; what modgen generated before that fold); "alibi affine=off"
+and "relbias affine=off" evaluate those KV_AFFINE mods per score instead of as column / tile / row parts. Shapes are BxHxS or BxHxSxD (D 128 by default). With --baseline (a copy of an older fwd_sm90.py, imports made
 absolute) the old kernel runs noop / softcap / ALiBi with the old generated mod sources, in the same run.
 """
 from __future__ import annotations
@@ -116,8 +117,9 @@ def main():
         q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=dtype) for _ in range(3))
         sm_scale = D ** -0.5
         flops = 4 * B * H * S * S * D
-        py_mods = {"noop": None, "softcap": mods.softcap(SOFTCAP), "alibi": mods.alibi(H)}
-        g_soft, g_alibi = gen(py_mods["softcap"]), gen(py_mods["alibi"])
+        py_mods = {"noop": None, "softcap": mods.softcap(SOFTCAP), "alibi": mods.alibi(H),
+                   "relbias": mods.relative_bias}
+        g_soft, g_alibi, g_rel = gen(py_mods["softcap"]), gen(py_mods["alibi"]), gen(py_mods["relbias"])
         # launch_fwd_sm90 as the product calls it (max_needed=False: nothing reads the row max), and
         # softcap once more with the row max asked for (no fixed exponent base)
         launch = functools.partial(launch_fwd_sm90, max_needed=False)
@@ -133,6 +135,9 @@ def main():
             ("alibi", launch, g_alibi, {}, "alibi"),
             ("alibi folded", launch, g_alibi, dict(fold_sm_scale=True), "alibi"),
             ("alibi unfolded", launch, g_alibi.unfolded, {}, "alibi"),
+            ("alibi affine=off", launch, g_alibi, dict(affine_mods=False), "alibi"),
+            ("relbias", launch, g_rel, {}, "relbias"),
+            ("relbias affine=off", launch, g_rel, dict(affine_mods=False), "relbias"),
         ]
         if args.lazy_ablation:   # the table's lazy_rescale flipped, same kernel otherwise
             lazy = not get_config(D, dtype).lazy_rescale

@@ -94,6 +94,11 @@ def _ref_score_mod(name, s, h_idx, q_idx, kv_idx, bias=None):
     raise ValueError(name)
 
 
+def _affine_rowfn(score, b, h, q_idx, kv_idx):
+    # KV_AFFINE with a non-linear row part: sin(q / 10) - kv / (20 (h + 1))
+    return score + (torch.sin(q_idx * 0.1) - kv_idx / ((h + 1) * 20))
+
+
 # score mods generated the product's way (fa3_inductor.mods -> modgen -> @gluon.jit): name -> (python mod)
 _GENERATED = {}
 
@@ -103,7 +108,7 @@ def _generated(name):
     from fa3_inductor.templates.modgen import generate_mod_source, load_mod, trace_mod
     if name not in _GENERATED:
         fn = {"gen_softcap": mods.softcap(SOFTCAP), "gen_alibi": mods.alibi(4),
-              "gen_relbias": mods.relative_bias}[name]
+              "gen_relbias": mods.relative_bias, "gen_affine_rowfn": _affine_rowfn}[name]
         gm, _ = trace_mod(fn, "score")
         _GENERATED[name] = (fn, load_mod(generate_mod_source(gm, "score", [], "gl"), "gl"))
     return _GENERATED[name][1]
@@ -296,6 +301,28 @@ def test_generated_mods(name):
     # gen_alibi's bias grows along kv by up to ~360 natural units: the lazy rescale moves its base often
     _run_case(2, 4, 4, 333, 517, 128, torch.bfloat16, name, None, False, "bhsd", seed=6)
     _run_case(1, 4, 4, 700, 700, 128, torch.bfloat16, name, "causal", True, "bhsd", seed=7)
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("name", ["gen_alibi", "gen_relbias", "gen_affine_rowfn"])
+def test_kv_affine_mods(D, name):
+    # `score + alpha(h)·kv + B(q)` runs as a column vector, a per-tile shift and a row part added to LSE and
+    # MAX at the end: ragged tails (no EVEN_N), GQA + strided layout, rows with no key, both schedules,
+    # fp16, a long sequence (ALiBi's bias reaches ~1700 natural units there), the unfolded twin (D=64)
+    from fa3_inductor.templates.hopper.fwd_sm90 import _prepare
+    mod = _generated(name)
+    q = torch.zeros(1, 4, 256, D, device="cuda", dtype=torch.bfloat16)
+    out, lse = torch.empty_like(q), torch.empty(1, 4, 256, device="cuda")
+    _, kwargs, _ = _prepare(q, q, q, out, lse, lse, 0.1, mod, None, (), (), None, None, None, None, 128, 128,
+                            None, 132, True)
+    assert kwargs["KV_AFFINE"], "the generated mod must take the column / tile / row path"
+    for persistent in (True, False):
+        cfg = get_config(D, torch.bfloat16, persistent=persistent)
+        _run_case(1, 8, 2, 333, 517, D, torch.bfloat16, name, None, False, "bshd", config=cfg, seed=21)
+        _run_case(1, 4, 4, 500, 500, D, torch.bfloat16, name, "holes", True, "bhsd", config=cfg, seed=22)
+    _run_case(1, 4, 4, 400, 450, D, torch.float16, name, "causal", False, "bhsd",
+              config=get_config(D, torch.float16), seed=23)
+    _run_case(1, 2, 2, 2500, 2500, D, torch.bfloat16, name, None, False, "bhsd", seed=24)
 
 
 def test_negative_scale():

@@ -39,6 +39,7 @@ def test_alibi_slopes_are_computed_from_the_head_index():
 OUT_SCALE = 1.0
 OUT_RANGE = None
 SM_SCALED = True
+KV_AFFINE = True
 
 
 @gluon.jit
@@ -220,3 +221,49 @@ def test_the_report_line_names_the_folded_factors_and_not_the_twin():
     assert bias.endswith("(x 2.0 x sm_scale, folded into the kernel)"), bias
     assert "score = qk * sm_scale" not in bias and bias.count("return") == 1, bias
     assert describe_mod_source(_source(mods.causal, "mask")) == "v0 = (q_idx >= kv_idx); return v0"
+
+
+_HEAD = torch.randn(4)
+_TABLE = torch.randn(4, 10)
+# (mod, whether the generator may split `score + x` into column / tile / row parts: KV_AFFINE)
+_AFFINE = {
+    "alibi": (mods.alibi(8), True),
+    "relative_bias": (mods.relative_bias, True),
+    "head_bias": (lambda s, b, h, q, kv: s + _HEAD[h], True),
+    "nonlinear_row": (lambda s, b, h, q, kv: s + (torch.sin(q * 0.1) - kv / ((h + 1) * 20)), True),
+    "kv_times_q": (lambda s, b, h, q, kv: s + (kv * q) * 1e-3, False),
+    "kv_squared": (lambda s, b, h, q, kv: s + (kv * kv) * 1e-3, False),
+    "table_by_distance": (lambda s, b, h, q, kv: s + _TABLE[h, torch.clamp((q - kv).abs(), max=9)], False),
+    "floor_division": (lambda s, b, h, q, kv: s + kv // 3, False),
+    "softcap": (mods.softcap(30.0), False),
+}
+
+
+@pytest.mark.parametrize("name", list(_AFFINE))
+def test_kv_affine_flag(name):
+    fn, affine = _AFFINE[name]
+    src = _source(fn, "score", "gl")
+    assert ("KV_AFFINE = True" in src) == affine, src
+
+
+def _x(fn, q, kv, h=3):
+    """The mod's additive term at integer positions, in float64."""
+    return fn(torch.zeros((), dtype=torch.float64), torch.tensor(0), torch.tensor(h), q, kv).double()
+
+
+@pytest.mark.parametrize("name", [n for n in _AFFINE if n != "softcap"])   # softcap: not `score + x`
+def test_kv_affine_parts_rebuild_the_mod(name):
+    # The identity the Hopper kernel relies on for a KV_AFFINE mod, with q0 a query tile's first row and
+    # n0 a KV tile's start: x(q0 + i, n0 + j) = [x(0, j) - x(0, 0)] + x(q0, n0) + [x(q0 + i, q0) - x(q0, q0)].
+    # It must hold for every flagged mod and fail for the others (here: where they are not affine).
+    fn, affine = _AFFINE[name]
+    g = torch.Generator().manual_seed(0)
+    q0, n0 = (int(x) for x in torch.randint(0, 5000, (2,), generator=g))
+    i = torch.randint(0, 64, (64, 1), generator=g)
+    j = torch.randint(0, 128, (1, 128), generator=g)
+    zero = torch.tensor(0)
+    full = _x(fn, q0 + i, n0 + j)
+    parts = (_x(fn, zero, j) - _x(fn, zero, zero)) + _x(fn, torch.tensor(q0), torch.tensor(n0)) \
+        + (_x(fn, q0 + i, torch.tensor(q0)) - _x(fn, torch.tensor(q0), torch.tensor(q0)))
+    close = torch.allclose(parts, full.expand_as(parts), rtol=1e-6, atol=1e-6)
+    assert close == affine, (name, (parts - full).abs().max())

@@ -69,6 +69,26 @@ class SassReport:
     def spill_instructions(self) -> int:
         return len(re.findall(r"\b(?:LDL|STL)(?:\.\w+)*\b", self.sass))
 
+    def inner_loops(self) -> list[list[str]]:
+        """Instruction lists of the innermost loops (a backward branch whose body holds no other
+        backward branch), in address order: the KV loops of an attention kernel are among them.
+
+        Example::
+
+            >>> [len(body) for body in r.inner_loops() if "MUFU.EX2" in " ".join(body)]  # doctest: +SKIP
+            [459, 459]
+        """
+        ins = [(int(a, 16), text.strip()) for a, text in
+               re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", self.sass)]
+        loops = []
+        for pos, (addr, text) in enumerate(ins):
+            m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+            if m and int(m.group(1), 16) < addr:
+                loops.append((int(m.group(1), 16), addr))
+        inner = [(lo, hi) for lo, hi in loops
+                 if not any((a, b) != (lo, hi) and lo <= a and b <= hi for a, b in loops)]
+        return [[t for a, t in ins if lo <= a <= hi] for lo, hi in inner]
+
     @property
     def setmaxnreg(self) -> set[int]:
         return {int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", self.ptx)}

@@ -20,7 +20,10 @@ generated in units of sm_scale, ``qk + x / sm_scale`` with ``SM_SCALED = True`` 
 needs sm_scale > 0; the source also holds ``score_mod_unfolded`` for any other scale, and
 :func:`kernel_score_mod` picks. ``OUT_RANGE`` bounds the returned tile where the last op bounds it
 (tanh, sigmoid, clamp): the Hopper kernel may then exponentiate against a fixed base instead of
-the running row max. Mask mods take ``(b, h, q_idx, kv_idx, bufs)``.
+the running row max. ``KV_AFFINE`` marks a ``score + x`` whose x is ``alpha(b, h) * kv + B(b, h, q)``
+(ALiBi, relative and head biases): the Hopper kernel then evaluates the same function as a column
+vector, a scalar per KV tile and a row vector instead of per score. Mask mods take
+``(b, h, q_idx, kv_idx, bufs)``.
 
 Buffers arrive as a tuple of pointers; their strides are baked into the code (they are part of
 the spec hash).
@@ -234,6 +237,7 @@ class _Emitter:
         self.additive: Optional[tuple[torch.fx.Node, torch.fx.Node, str]] = None  # (sum, x, sign)
         self.prescaled: set[torch.fx.Node] = set()  # x emitted already divided by sm_scale
         self.inv_sm: Optional[str] = None
+        self.kv_affine = False  # x of `score + x` is alpha(b, h) * kv + B(b, h, q): see affine_in_kv
         self.sfu_ops = 0  # special-function (MUFU) ops per score: tanh, exp, ... on a score tile
         self.L = "tl" if dialect == "tl" else "gl"
         self.names: dict[torch.fx.Node, str] = {}
@@ -321,6 +325,7 @@ class _Emitter:
             self.lower(node)
         if self.additive:
             self.lower_additive()
+            self.kv_affine = self.affine_in_kv(self.additive[1])
         if scaled:
             inner, factor = scaled
             if self.axes.get(inner) == _TILE and self.dtype_of(inner) is torch.float32:
@@ -345,8 +350,44 @@ class _Emitter:
         body = "\n".join(f"    {line}" for line in self.prologue + self.lines + [f"return {ret}"])
         head = (f"OUT_SCALE = {out_scale!r}\nOUT_RANGE = {_value_range(result)!r}\n"
                 + ("SM_SCALED = True\n" if self.additive else "")
+                + ("KV_AFFINE = True\n" if self.kv_affine else "")
                 + (f"SFU_OPS = {self.sfu_ops}\n" if self.sfu_ops else "") + "\n\n" if fold else "")
         return f"{head}{deco}\ndef {fn}({sig}):\n{body}\n"
+
+    def affine_in_kv(self, node: Any) -> bool:
+        """True if ``node`` is ``alpha(b, h) * kv_idx + B(b, h, q_idx)``: affine in kv with a slope
+        that varies with neither index (B may be anything that does not read kv). Such a term
+        splits exactly into a column part, a per-tile constant and a per-row part, which the Hopper
+        kernel evaluates apart (KV_AFFINE; see its _affine_parts): one op per score instead of the
+        index arithmetic. Only sums, differences, negations, value-preserving casts, and products or
+        true divisions of a float by a value that varies along neither index keep the form."""
+        if not isinstance(node, torch.fx.Node) or "kv" not in self.axes.get(node, frozenset()):
+            return True
+        if node.op == "placeholder":
+            return self.names.get(node) == "kv_idx"
+        if node.op != "call_function":
+            return False
+        packet, args = _packet(node.target), node.args
+        dtype = self.dtype_of(node)
+        if packet in _IDENTITY:
+            return self.affine_in_kv(args[0])
+        if node.target in (aten._to_copy.default, prims.convert_element_type.default) or packet is aten.to:
+            src = self.dtype_of(args[0]) if isinstance(args[0], torch.fx.Node) else None
+            widening = dtype in (torch.float32, torch.float64) or (
+                dtype in (torch.int32, torch.int64) and src in (torch.int32, torch.int64))
+            return widening and self.affine_in_kv(args[0])
+        if packet in (aten.add, aten.sub, aten.rsub) and node.kwargs.get("alpha", 1) == 1:
+            return all(self.affine_in_kv(a) for a in args[:2])
+        if packet is aten.neg:
+            return self.affine_in_kv(args[0])
+        if packet in (aten.mul, aten.div) and not node.kwargs and dtype is torch.float32:
+            a, b = args[:2]
+            def uniform(x: Any) -> bool:
+                return not isinstance(x, torch.fx.Node) or not self.axes.get(x, frozenset())
+            if packet is aten.mul and uniform(a):
+                a, b = b, a
+            return uniform(b) and self.affine_in_kv(a)
+        return False
 
     def inv_sm_scale(self) -> str:
         if self.inv_sm is None:
@@ -737,6 +778,18 @@ def sfu_ops_of(score_mod: Any) -> int:
     return int(getattr(score_mod, "sfu_ops", 0))
 
 
+def kv_affine_of(score_mod: Any) -> bool:
+    """True if a generated score_mod is ``score + alpha(b, h) * kv + B(b, h, q)`` (KV_AFFINE):
+    the kernel may then evaluate it once per column, per tile and per row instead of per score.
+
+    Example::
+
+        >>> kv_affine_of(load_mod(generate_mod_source(alibi_graph, "score", []), "gl"))  # doctest: +SKIP
+        True
+    """
+    return bool(getattr(score_mod, "kv_affine", False))
+
+
 def describe_mod_source(source: Optional[str]) -> str:
     """A generated mod's body on one line (for reports), with the factor its kernel applies.
 
@@ -799,9 +852,10 @@ def load_mod(source: str, dialect: str = "tl") -> Any:
         fn.out_range = module.OUT_RANGE
         fn.sm_scaled = bool(getattr(module, "SM_SCALED", False))
         fn.sfu_ops = int(getattr(module, "SFU_OPS", 0))
+        fn.kv_affine = bool(getattr(module, "KV_AFFINE", False))
         fn.unfolded = getattr(module, "score_mod_unfolded", None)
         if fn.unfolded is not None:
             fn.unfolded.out_scale, fn.unfolded.out_range = fn.out_scale, fn.out_range
-            fn.unfolded.sfu_ops = fn.sfu_ops
+            fn.unfolded.sfu_ops, fn.unfolded.kv_affine = fn.sfu_ops, fn.kv_affine
     _LOADED[(dialect, source)] = fn
     return fn

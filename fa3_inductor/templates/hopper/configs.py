@@ -66,6 +66,15 @@ class Sm90Config:
     # the running row max, where P's dtype has the range for it and the row max (MAX) is not asked
     # for: no max, no O / l rescale (fixed_base_for). Measured in DESIGN.md, "Mod cost".
     fixed_base: bool = True
+    # A `score + alpha(b, h)·kv + B(b, h, q)` mod (modgen KV_AFFINE: ALiBi, relative bias, head bias) is
+    # evaluated as a column vector (once per query tile), a scalar per KV tile (into the row max and the
+    # exp2 bias) and a row vector (into LSE / MAX at the end): one FFMA per score instead of the index
+    # conversion, difference and multiply-add (SASS, D=128 S8k, one consumer's KV loop: noop 459, ALiBi
+    # 656 -> 532 instructions). H200, bf16, kernel launched directly, same run, on / off, × our noop
+    # (hopper-mods-nvidia-h200-2026-11-22-0825, -0827): ALiBi D=128 S2k-16k 0.91 / 0.91 / 0.96 / 0.96
+    # against 0.84 / 0.84 / 0.85 / 0.85; D=64 0.90-0.95 against 0.80-0.82; D=256 0.96-0.99 against
+    # 0.93-0.95; relative bias D=128 S2k-8k 1.03 / 1.04 / 0.95 against 0.89 / 0.90 / 0.91.
+    affine_mods: bool = True
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, o_stage: bool = False) -> int:
         o_rows = self.block_m if o_stage else 0

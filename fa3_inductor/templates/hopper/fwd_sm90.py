@@ -79,7 +79,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..modgen import kernel_score_mod, out_range_of, sfu_ops_of
+from ..modgen import kernel_score_mod, kv_affine_of, out_range_of, sfu_ops_of
 from ..tma import tma_aligned
 from .configs import SMEM_LIMIT, Sm90Config, fixed_base_for, get_config, use_persistent
 
@@ -240,21 +240,30 @@ def _producer(descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_consts):
 # Consumer partition: wgmma + online softmax for 64 query rows.
 # ----------------------------------------------------------------------------------------------
 @gluon.jit
-def _score_tile(acc, start, is_partial, b, h, q_idx, q_idx_c, sm_scale, N, score_bufs, mask_bufs,
-                s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+def _score_tile(acc, start, is_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit, col_bias, N, score_bufs,
+                mask_bufs, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                 SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr, HAS_SCORE_MOD: gl.constexpr,
-                HAS_MASK_MOD: gl.constexpr, DENSE_MASK: gl.constexpr, EVEN_N: gl.constexpr):
-    """QK^T accumulator -> score tile in the kernel's working units.
+                HAS_MASK_MOD: gl.constexpr, DENSE_MASK: gl.constexpr, EVEN_N: gl.constexpr,
+                KV_AFFINE: gl.constexpr):
+    """QK^T accumulator -> (score tile in the kernel's working units, the tile's shift).
 
     Without score_mod the tile stays in raw q.k units (scale folded into the exp2 FMA later);
     with score_mod it is the mod's tile (the score over its OUT_SCALE; OUT_SCALE·log2 e is folded
     into the exp2 FMA later, as the scale is without a mod: no extra multiply per score).
+    KV_AFFINE: the tile is qk·unit + the mod's column part (one FFMA per score); the true tile is that
+    plus `shift` (a scalar, handed to the softmax) plus the row part (added to LSE / MAX at the end).
+    Otherwise shift is 0.
     """
+    shift = 0.0
     if HAS_SCORE_MOD:
-        kv_idx = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))[None, :]
-        if not EVEN_N:
-            kv_idx = gl.minimum(kv_idx, N - 1)
-        s = SCORE_MOD(acc, sm_scale, b, h, q_idx_c, kv_idx, score_bufs)
+        if KV_AFFINE:
+            s = acc * qk_unit + col_bias
+            shift = SCORE_MOD(sm_scale * 0.0, sm_scale, b, h, row0, start, score_bufs)
+        else:
+            kv_idx = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))[None, :]
+            if not EVEN_N:
+                kv_idx = gl.minimum(kv_idx, N - 1)
+            s = SCORE_MOD(acc, sm_scale, b, h, q_idx_c, kv_idx, score_bufs)
     else:
         s = acc
     # EVEN_N (N % BLOCK_N == 0, decided on the host): no tile crosses N, so interior tiles carry no
@@ -280,7 +289,32 @@ def _score_tile(acc, start, is_partial, b, h, q_idx, q_idx_c, sm_scale, N, score
             else:
                 valid = valid & (mm | (~is_partial))
         s = gl.where(valid, s, -float("inf"))
-    return s
+    return s, shift
+
+
+@gluon.jit
+def _affine_columns(SCORE_MOD: gl.constexpr, sm_scale, b, h, row0, bufs, s_layout: gl.constexpr,
+                    BLOCK_N: gl.constexpr):
+    """Column part of a KV_AFFINE mod x = alpha(b, h)·kv + B(b, h, q): x(0, j) - x(0, 0) = alpha·j for the
+    tile's column offsets j ([1, BLOCK_N], the same for every KV tile of a head).
+
+    The three parts of x at (q0 + i, n0 + j), q0 = the warpgroup's first row, n0 = the KV tile's start:
+    alpha·j (here) + x(q0, n0) (the tile's shift, in _score_tile) + x(q0 + i, q0) - x(q0, q0) (the row
+    part, _affine_rows). Each is evaluated by the generated mod itself at in-range indices, with
+    magnitudes no larger than the mod's own values near the diagonal."""
+    zero = row0 * 0
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))[None, :]
+    qk0 = sm_scale * 0.0
+    return SCORE_MOD(qk0, sm_scale, b, h, zero, cols, bufs) - SCORE_MOD(qk0, sm_scale, b, h, zero, zero, bufs)
+
+
+@gluon.jit
+def _affine_rows(SCORE_MOD: gl.constexpr, sm_scale, b, h, row0, q_idx_c, bufs):
+    """Row part of a KV_AFFINE mod, x(q, q0) - x(q0, q0), as a row vector (see _affine_columns). Softmax
+    does not see it; it is added to the row max and the exponent base before LSE / MAX are written."""
+    qk0 = sm_scale * 0.0
+    r = SCORE_MOD(qk0, sm_scale, b, h, q_idx_c, row0, bufs) - SCORE_MOD(qk0, sm_scale, b, h, row0, row0, bufs)
+    return gl.sum(r, axis=1)
 
 
 # Lazy rescaling threshold (log2 units): FlashAttention-4 uses 8.0, i.e. P entries up to 256.
@@ -344,9 +378,9 @@ def _exp2_tile(x, EXP2_EMU: gl.constexpr):
 
 
 @gluon.jit
-def _online_softmax(s, m_i, m_run, l_i, qk_scale, p_layout: gl.constexpr, o_layout: gl.constexpr,
+def _online_softmax(s, shift, m_i, m_run, l_i, qk_scale, p_layout: gl.constexpr, o_layout: gl.constexpr,
                     dtype: gl.constexpr, EXP2_EMU: gl.constexpr, LAZY_RESCALE: gl.constexpr,
-                    FIXED_BASE: gl.constexpr):
+                    FIXED_BASE: gl.constexpr, SHIFTED: gl.constexpr):
     """One online-softmax step on a score tile (units: s * qk_scale is log2 units).
 
     m_i is the true running row max (s units; written out as MAX). m_run is the exponent base in use
@@ -359,6 +393,9 @@ def _online_softmax(s, m_i, m_run, l_i, qk_scale, p_layout: gl.constexpr, o_layo
     FIXED_BASE: the score_mod's output is bounded (softcap), and m_run is a constant base chosen
     by the host so that every unmasked p lies within fp32 / P's dtype range (see _prepare): no row
     max, no rescale of O and l (m_i, the MAX output, is not tracked).
+
+    SHIFTED: the tile's scores are s + shift (a scalar; KV_AFFINE mods): the shift enters the row max
+    and the per-row exp2 bias, never a per-score instruction.
     """
     if FIXED_BASE:
         p = _exp2_tile(s * qk_scale - m_run[:, None], EXP2_EMU)
@@ -366,7 +403,10 @@ def _online_softmax(s, m_i, m_run, l_i, qk_scale, p_layout: gl.constexpr, o_layo
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         alpha_o = gl.convert_layout(gl.full_like(l_i, 1.0), gl.SliceLayout(1, o_layout))  # unused
         return p_op, m_i, m_run, l_new, alpha_o, False
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    row_max = gl.max(s, axis=1)
+    if SHIFTED:
+        row_max = row_max + shift
+    m_new = gl.maximum(m_i, row_max)
     m_new2 = m_new * qk_scale
     if LAZY_RESCALE:
         growth = gl.where(m_new2 > m_run, m_new2 - m_run, 0.0)   # +inf on a row's first unmasked score
@@ -381,6 +421,8 @@ def _online_softmax(s, m_i, m_run, l_i, qk_scale, p_layout: gl.constexpr, o_layo
         alpha = gl.full_like(m_run, 1.0)
     # Empty row: a finite base so that exp2(-inf - base) = 0, never NaN.
     m_base = gl.where(m_run == -float("inf"), 0.0, m_run)
+    if SHIFTED:
+        m_base = m_base - shift * qk_scale
     p = _exp2_tile(s * qk_scale - m_base[:, None], EXP2_EMU)
     l_new = l_i * alpha + gl.sum(p, axis=1)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -463,7 +505,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
     lse_ptr, max_ptr = outs
     # qk_scale: score tile -> log2 units, folded into the exp2 argument: sm_scale·log2e for raw q.k,
     # the mod's OUT_SCALE·log2e after a score_mod (the host picks; see _prepare).
-    sm_scale, qk_scale, fixed_base = scale_args
+    sm_scale, qk_scale, fixed_base, qk_unit = scale_args
     SCORE_MOD: gl.constexpr = mods[0]
     MASK_MOD: gl.constexpr = mods[1]
     HAS_SCORE_MOD: gl.constexpr = mods[2]
@@ -475,6 +517,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
     EVEN_N: gl.constexpr = mods[8]
     LAZY_RESCALE: gl.constexpr = mods[9]
     FIXED_BASE: gl.constexpr = mods[10]
+    KV_AFFINE: gl.constexpr = mods[11]
     score_bufs, mask_bufs = mod_bufs
 
     dtype: gl.constexpr = q_desc.dtype
@@ -508,6 +551,10 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
         row0 = mt * BLOCK_M + WG * HALF_M
         q_idx = row0 + gl.arange(0, HALF_M, layout=row_layout)[:, None]
         q_idx_c = gl.minimum(q_idx, M - 1)
+        if KV_AFFINE:
+            col_bias = _affine_columns(SCORE_MOD, sm_scale, b, h, row0, score_bufs, s_layout, BLOCK_N)
+        else:
+            col_bias = 0.0
         n_partial, n_total = _kv_counts(b, h, mt, N, sp_ptrs, sp_meta, BLOCK_M, BLOCK_N, HAS_SPARSE, HAS_FULL,
                                         SPARSE_Q_DIV, SPARSE_KV_MULT)
 
@@ -540,12 +587,12 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                 if O_STAGE:
                     if n_total == 1:   # the tile's only QK^T retired: release the Q half (see below)
                         mbarrier.arrive(q_empty.index(WG), count=1)
-                s = _score_tile(s_acc, start, n_partial > 0, b, h, q_idx, q_idx_c, sm_scale, N, score_bufs,
-                                mask_bufs, s_layout, BLOCK_N, SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD,
-                                DENSE_MASK, EVEN_N)
-                p, m_i, m_run, l_i, alpha, resc = _online_softmax(s, m_i, m_run, l_i, qk_scale, p_layout,
+                s, shift = _score_tile(s_acc, start, n_partial > 0, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit,
+                                       col_bias, N, score_bufs, mask_bufs, s_layout, BLOCK_N, SCORE_MOD, MASK_MOD,
+                                       HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, EVEN_N, KV_AFFINE)
+                p, m_i, m_run, l_i, alpha, resc = _online_softmax(s, shift, m_i, m_run, l_i, qk_scale, p_layout,
                                                                   o_layout, dtype, EXP2_EMU, LAZY_RESCALE,
-                                                                  FIXED_BASE)
+                                                                  FIXED_BASE, KV_AFFINE)
                 prev_st = st
                 prev_ph = ph
                 cnt += 1
@@ -570,12 +617,13 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                             # the tile's last QK^T retired: the producer may load the next tile's Q half
                             # (and then its K/V) under this softmax, the tail PV and the epilogue
                             mbarrier.arrive(q_empty.index(WG), count=1)
-                    s = _score_tile(s_acc, start, i < n_partial, b, h, q_idx, q_idx_c, sm_scale, N, score_bufs,
-                                    mask_bufs, s_layout, BLOCK_N, SCORE_MOD, MASK_MOD, HAS_SCORE_MOD,
-                                    HAS_MASK_MOD, DENSE_MASK, EVEN_N)
-                    p_new, m_i, m_run, l_i, alpha, resc = _online_softmax(s, m_i, m_run, l_i, qk_scale, p_layout,
+                    s, shift = _score_tile(s_acc, start, i < n_partial, b, h, q_idx, q_idx_c, row0, sm_scale,
+                                           qk_unit, col_bias, N, score_bufs, mask_bufs, s_layout, BLOCK_N,
+                                           SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, EVEN_N,
+                                           KV_AFFINE)
+                    p_new, m_i, m_run, l_i, alpha, resc = _online_softmax(s, shift, m_i, m_run, l_i, qk_scale, p_layout,
                                                                           o_layout, dtype, EXP2_EMU, LAZY_RESCALE,
-                                                                          FIXED_BASE)
+                                                                          FIXED_BASE, KV_AFFINE)
                     acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
                     mbarrier.arrive(v_empty.index(prev_st), count=1)
                     acc = _rescale_o(acc, alpha, resc, LAZY_RESCALE, FIXED_BASE)
@@ -606,12 +654,12 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                 _pingpong_signal(turn, WG, PINGPONG)
                 s_acc, _q, _k = warpgroup_mma_wait(0, deps=[s_tok, q_op, k_t])
                 mbarrier.arrive(k_empty.index(st), count=1)
-                s = _score_tile(s_acc, start, i < n_partial, b, h, q_idx, q_idx_c, sm_scale, N, score_bufs,
-                                mask_bufs, s_layout, BLOCK_N, SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD,
-                                DENSE_MASK, EVEN_N)
-                p, m_i, m_run, l_i, alpha, resc = _online_softmax(s, m_i, m_run, l_i, qk_scale, p_layout,
+                s, shift = _score_tile(s_acc, start, i < n_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit,
+                                       col_bias, N, score_bufs, mask_bufs, s_layout, BLOCK_N, SCORE_MOD, MASK_MOD,
+                                       HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, EVEN_N, KV_AFFINE)
+                p, m_i, m_run, l_i, alpha, resc = _online_softmax(s, shift, m_i, m_run, l_i, qk_scale, p_layout,
                                                                   o_layout, dtype, EXP2_EMU, LAZY_RESCALE,
-                                                                  FIXED_BASE)
+                                                                  FIXED_BASE, KV_AFFINE)
                 acc = _rescale_o(acc, alpha, resc, LAZY_RESCALE, FIXED_BASE)
                 mbarrier.wait(v_ready.index(st), ph)
                 t = _pingpong_wait(turn, t, WG, PINGPONG)
@@ -628,6 +676,10 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                 if n_total == 0:   # no KV tile: Q was never read
                     mbarrier.arrive(q_empty.index(WG), count=1)
 
+        if KV_AFFINE:   # the row part of the mod, left out of the tiles (see _affine_columns)
+            r = _affine_rows(SCORE_MOD, sm_scale, b, h, row0, q_idx_c, score_bufs)
+            m_i = m_i + r
+            m_run = m_run + r * qk_scale
         m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         r_o = gl.convert_layout(m_run, gl.SliceLayout(1, o_layout))
@@ -665,13 +717,14 @@ def fa3_fwd_sm90_kernel(
     score_bufs, mask_bufs,
     kvnb_ptr, kvidx_ptr, fnb_ptr, fidx_ptr,
     BM, HM, nb_sb, nb_sh, idx_sb, idx_sh, idx_sm, fnb_sb, fnb_sh, fidx_sb, fidx_sh, fidx_sm,
-    sm_scale, qk_scale, fixed_base, num_tiles, num_m_tiles, HQ, GQA, M, N,
+    sm_scale, qk_scale, fixed_base, qk_unit, num_tiles, num_m_tiles, HQ, GQA, M, N,
     SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr,
     HAS_SCORE_MOD: gl.constexpr, HAS_MASK_MOD: gl.constexpr, DENSE_MASK: gl.constexpr,
     HAS_SPARSE: gl.constexpr, HAS_FULL: gl.constexpr, SPARSE_Q_DIV: gl.constexpr, SPARSE_KV_MULT: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
     PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, PERSISTENT: gl.constexpr, EXP2_EMU: gl.constexpr,
-    EVEN_N: gl.constexpr, LAZY_RESCALE: gl.constexpr, FIXED_BASE: gl.constexpr, O_STAGE: gl.constexpr,
+    EVEN_N: gl.constexpr, LAZY_RESCALE: gl.constexpr, FIXED_BASE: gl.constexpr, KV_AFFINE: gl.constexpr,
+    O_STAGE: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     HALF_M: gl.constexpr = BLOCK_M // 2
@@ -707,7 +760,7 @@ def fa3_fwd_sm90_kernel(
     sp_ptrs = (kvnb_ptr, kvidx_ptr, fnb_ptr, fidx_ptr)
     sp_meta = (BM, HM, nb_sb, nb_sh, idx_sb, idx_sh, idx_sm, fnb_sb, fnb_sh, fidx_sb, fidx_sh, fidx_sm)
     outs = (lse_ptr, max_ptr)
-    scale_args = (sm_scale, qk_scale, fixed_base)
+    scale_args = (sm_scale, qk_scale, fixed_base, qk_unit)
     mod_bufs = (score_bufs, mask_bufs)
     # The two tuples of constexprs are written inline: assigning a tuple to a name turns its constexpr
     # entries into tensors (triton's visit_Assign); the partitions read them back by index into
@@ -718,21 +771,21 @@ def fa3_fwd_sm90_kernel(
                           SPARSE_KV_MULT, PERSISTENT, O_STAGE),
                          outs, scale_args,
                          (SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, PINGPONG, OVERLAP, EXP2_EMU,
-                          EVEN_N, LAZY_RESCALE, FIXED_BASE),
+                          EVEN_N, LAZY_RESCALE, FIXED_BASE, KV_AFFINE),
                          mod_bufs)),
         (_consumer_wg1, (descs, bars, smem, sched, sp_ptrs, sp_meta,
                          (BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, HALF_M, HAS_SPARSE, HAS_FULL, SPARSE_Q_DIV,
                           SPARSE_KV_MULT, PERSISTENT, O_STAGE),
                          outs, scale_args,
                          (SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, PINGPONG, OVERLAP, EXP2_EMU,
-                          EVEN_N, LAZY_RESCALE, FIXED_BASE),
+                          EVEN_N, LAZY_RESCALE, FIXED_BASE, KV_AFFINE),
                          mod_bufs)),
         (_producer_entry, (descs, bars, smem, sched, sp_ptrs, sp_meta,
                            (BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, HALF_M, HAS_SPARSE, HAS_FULL, SPARSE_Q_DIV,
                             SPARSE_KV_MULT, PERSISTENT, O_STAGE),
                            outs, scale_args,
                            (SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, PINGPONG, OVERLAP, EXP2_EMU,
-                          EVEN_N, LAZY_RESCALE, FIXED_BASE),
+                          EVEN_N, LAZY_RESCALE, FIXED_BASE, KV_AFFINE),
                            mod_bufs)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -816,6 +869,10 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
     bounds = out_range_of(score_mod) if score_mod is not None and cfg.fixed_base and not max_needed \
         else None
     fixed_base = bounds and fixed_base_for(q.dtype, bounds[0] * to_log2, bounds[1] * to_log2)
+    # `score + alpha(b, h)·kv + B(b, h, q)`: column / tile / row parts instead of per-score index math;
+    # the launched form's tile is qk·qk_unit + x (folded: qk + x / sm_scale)
+    kv_affine = score_mod is not None and kv_affine_of(score_mod) and cfg.affine_mods and not fixed_base
+    qk_unit = 1.0 if getattr(score_mod, "sm_scaled", False) else float(sm_scale)
     BLOCK_M, BLOCK_N = cfg.block_m, cfg.block_n
     HALF_M = BLOCK_M // 2
     q_desc = _desc(q, [1, 1, HALF_M, D])
@@ -854,7 +911,7 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
     grid = (min((num_tiles + 1) // 2, num_sms),) if persistent else (num_tiles,)
     o_stage = persistent and cfg.o_stage and cfg.smem_bytes(D, o_stage=True) <= SMEM_LIMIT
     args = (q_desc, k_desc, v_desc, o_desc, lse, max_scores, tuple(score_bufs), tuple(mask_bufs),
-            *sp_ptrs, *sp_meta, float(sm_scale), to_log2, float(fixed_base or 0.0), num_tiles, num_m_tiles, Hq, Hq // Hkv,
+            *sp_ptrs, *sp_meta, float(sm_scale), to_log2, float(fixed_base or 0.0), qk_unit, num_tiles, num_m_tiles, Hq, Hq // Hkv,
             M, N)
     kwargs = dict(
         SCORE_MOD=score_mod, MASK_MOD=mask_mod,
@@ -866,7 +923,8 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, NUM_STAGES=cfg.num_stages,
         PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, PERSISTENT=persistent,
         EXP2_EMU=exp2_emu, EVEN_N=(N % BLOCK_N == 0),
-        LAZY_RESCALE=cfg.lazy_rescale, FIXED_BASE=fixed_base is not None, O_STAGE=o_stage,
+        LAZY_RESCALE=cfg.lazy_rescale, FIXED_BASE=fixed_base is not None, KV_AFFINE=kv_affine,
+        O_STAGE=o_stage,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
