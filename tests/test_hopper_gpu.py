@@ -99,6 +99,16 @@ def _affine_rowfn(score, b, h, q_idx, kv_idx):
     return score + (torch.sin(q_idx * 0.1) - kv_idx / ((h + 1) * 20))
 
 
+def _offset_bias(score, b, h, q_idx, kv_idx):
+    # scores near 6e4: the fp32 exponent base has a coarse ulp (2^-6 in log2 units)
+    return score + ((q_idx - kv_idx) + 60000.0)
+
+
+def _offset_bias_late(score, b, h, q_idx, kv_idx):
+    # the same, written so that it is not a `score + x` (no fold, no KV_AFFINE: per-score code)
+    return score + (q_idx - kv_idx) + 60000.0
+
+
 # score mods generated the product's way (fa3_inductor.mods -> modgen -> @gluon.jit): name -> (python mod)
 _GENERATED = {}
 
@@ -108,7 +118,8 @@ def _generated(name):
     from fa3_inductor.templates.modgen import generate_mod_source, load_mod, trace_mod
     if name not in _GENERATED:
         fn = {"gen_softcap": mods.softcap(SOFTCAP), "gen_alibi": mods.alibi(4),
-              "gen_relbias": mods.relative_bias, "gen_affine_rowfn": _affine_rowfn}[name]
+              "gen_relbias": mods.relative_bias, "gen_affine_rowfn": _affine_rowfn,
+              "gen_offset_bias": _offset_bias, "gen_offset_bias_late": _offset_bias_late}[name]
         gm, _ = trace_mod(fn, "score")
         _GENERATED[name] = (fn, load_mod(generate_mod_source(gm, "score", [], "gl"), "gl"))
     return _GENERATED[name][1]
@@ -323,6 +334,14 @@ def test_kv_affine_mods(D, name):
     _run_case(1, 4, 4, 400, 450, D, torch.float16, name, "causal", False, "bhsd",
               config=get_config(D, torch.float16), seed=23)
     _run_case(1, 2, 2, 2500, 2500, D, torch.bfloat16, name, None, False, "bhsd", seed=24)
+
+
+@pytest.mark.parametrize("name", ["gen_offset_bias", "gen_offset_bias_late", "gen_relbias"])
+def test_lse_does_not_drift_while_the_row_max_holds(name):
+    # The row max sits in the first KV tile and holds for the other 31. The base the kernel subtracts
+    # must equal the one it rescales by: a contracted m_run - m_new * qk_scale gave alpha = 2^(rounding
+    # error) on every such tile, and LSE drifted by ~0.25 log2 units here (O was still right).
+    _run_case(1, 2, 2, 4096, 4096, 128, torch.bfloat16, name, None, False, "bhsd", seed=31)
 
 
 def test_negative_scale():
