@@ -95,14 +95,32 @@ SMEM_LIMIT = 227 * 1024   # bytes of shared memory a CTA may use on sm90 (barrie
 # persistent CTA hides them under the previous tile; at 16k tokens a tile is 128 KV blocks long, nothing is
 # left to hide, and the coarse pair granularity / static order costs 1.5% (noop) to 4% (causal).
 # With no more tiles than SMs, pairs would leave half of the SMs idle.
+# Block-sparse masks, same setup, persistent / one CTA per tile (hopper-sched-masks-nvidia-h200-2026-11-22-0848):
+#   causal           S 1k / 2k / 4k / 8k / 16k: 416 / 514 / 549 / 572 / 587 against 357 / 448 / 509 / 553 / 598
+#   document (ids read by the mask_mod, causal inside): 73 / 164 / 283 / 404 / 361 against 82 / 189 / 298 / 384 / 421
+#   sliding window 256: 205 / 128 / 182 / 223 / 225 against 186 / 151 / 184 / 198 / 199 (2k rounds 123-146: noisy;
+#     an earlier run had 8k / 16k the other way round, 184 / 186 against 191 / 199)
+# The pair order balances lower-triangular costs; a mask that reads buffers has data-dependent tile costs,
+# and up to 4k it runs 5-16% faster as one CTA per tile (use_persistent's data_dependent_mask).
 PERSISTENT_MAX_N = 4096
 
 
-def use_persistent(cfg: Sm90Config, num_tiles: int, num_sms: int, kv_len: int) -> bool:
-    """Persistent grid or one CTA per tile, for num_tiles 128-row query tiles over kv_len keys on num_sms SMs."""
+def use_persistent(cfg: Sm90Config, num_tiles: int, num_sms: int, kv_len: int,
+                   data_dependent_mask: bool = False) -> bool:
+    """Persistent grid or one CTA per tile, for num_tiles 128-row query tiles over kv_len keys on num_sms SMs.
+
+    data_dependent_mask: the mask_mod reads captured buffers (document ids, ...), so the KV blocks per
+    tile follow the data; the static pair order balances lower-triangular (causal) costs only, and the
+    hardware's in-order dispatch of one CTA per tile balances such masks better (see PERSISTENT_MAX_N).
+
+    Example::
+
+        >>> use_persistent(get_config(128), num_tiles=2048, num_sms=132, kv_len=2048)
+        True
+    """
     if cfg.persistent is not None:
         return cfg.persistent
-    return num_sms > 0 and num_tiles > num_sms and kv_len <= PERSISTENT_MAX_N
+    return num_sms > 0 and num_tiles > num_sms and kv_len <= PERSISTENT_MAX_N and not data_dependent_mask
 
 
 # key: (head_dim, dtype) -> config. bf16 and fp16 share tiles (same wgmma shapes, same bytes).

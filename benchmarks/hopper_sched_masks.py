@@ -1,0 +1,132 @@
+"""Schedule A/B for block-sparse masks on the sm90 kernel: persistent tile pairs against one CTA per tile.
+
+    python benchmarks/hopper_sched_masks.py [--rounds 3] [--seqlens 1024,2048,4096,8192,16384] [--json PATH]
+
+Masks (D=128, bf16, 16 heads, B*S = 16384, as benchmarks/bench.py): causal; a causal sliding window of
+256 keys; documents (lengths uniform in [1, S/2], causal inside each, the ids read from a buffer by the
+mask_mod). The kernel is launched directly with the block mask built from the dense mask (128 x 128
+blocks, full blocks skip the mask_mod), max_needed=False as the product launches it. Every variant is
+first checked against float64 (batch 0, head 0: rel. error of O), then timed with triton's do_bench in
+`rounds` interleaved rounds (odd rounds reversed), median reported. TFLOP/s counts only the kept
+(q, kv) pairs: 4 * B * H * S^2 * D * density.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from fa3_inductor.templates.hopper import get_config, launch_fwd_sm90  # noqa: E402
+
+WINDOW = 256
+
+
+@gluon.jit
+def causal_mask(b, h, q_idx, kv_idx, bufs):
+    return q_idx >= kv_idx
+
+
+@gluon.jit
+def window_mask(b, h, q_idx, kv_idx, bufs):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 256)
+
+
+@gluon.jit
+def document_mask(b, h, q_idx, kv_idx, bufs):
+    return (gl.load(bufs[0] + q_idx) == gl.load(bufs[0] + kv_idx)) & (q_idx >= kv_idx)
+
+
+def block_mask(keep: torch.Tensor, block: int = 128):
+    """(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) of a dense [S, S] keep-mask."""
+    S = keep.shape[0]
+    n = -(-S // block)
+    pad = torch.zeros(n * block, n * block, dtype=torch.bool, device=keep.device)
+    pad[:S, :S] = keep
+    blk = pad.view(n, block, n, block)
+    any_, all_ = blk.any(3).any(1), blk.all(3).all(1)
+
+    def encode(sel):
+        num = sel.sum(-1).to(torch.int32)
+        idx = torch.argsort((~sel).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return num[None, None].contiguous(), idx[None, None].contiguous()
+
+    return (*encode(any_ & ~all_), *encode(all_))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seqlens", default="1024,2048,4096,8192,16384")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    name = torch.cuda.get_device_name()
+    date = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%MZ}"
+    print(f"device: {name}, torch {torch.__version__}, triton {triton.__version__}, {date}", flush=True)
+    D, H, dtype = 128, 16, torch.bfloat16
+    rows = []
+    for S in (int(x) for x in args.seqlens.split(",")):
+        B = max(1, 16384 // S)
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=dtype) for _ in range(3))
+        out = torch.empty_like(q)
+        lse = torch.empty(B, H, S, device="cuda")
+        mx = torch.empty_like(lse)
+        qi = torch.arange(S, device="cuda")[:, None]
+        ki = torch.arange(S, device="cuda")[None, :]
+        g = torch.Generator().manual_seed(0)
+        lengths = torch.randint(1, S // 2 + 1, (S,), generator=g)
+        doc = torch.repeat_interleave(torch.arange(S), lengths)[:S].to(torch.int32).cuda()
+        masks = (("causal", causal_mask, qi >= ki, ()),
+                 ("window", window_mask, (qi >= ki) & (qi - ki < WINDOW), ()),
+                 ("document", document_mask, (doc[qi] == doc[ki]) & (qi >= ki), (doc,)))
+        for mname, mask_mod, keep, bufs in masks:
+            density = keep.double().mean().item()
+            kvn, kvi, fkvn, fkvi = block_mask(keep)
+            s_ref = (q[0, 0].double() @ k[0, 0].double().T) * D ** -0.5
+            ref = torch.softmax(s_ref.masked_fill(~keep, float("-inf")), -1) @ v[0, 0].double()
+            del s_ref
+            launches, checks = {}, {}
+            for persistent in (True, False):
+                cfg = get_config(D, dtype, persistent=persistent)
+
+                def launch(cfg=cfg, mask_mod=mask_mod, bufs=bufs, kvn=kvn, kvi=kvi, fkvn=fkvn, fkvi=fkvi):
+                    launch_fwd_sm90(q, k, v, out, lse, mx, sm_scale=D ** -0.5, mask_mod=mask_mod, mask_bufs=bufs,
+                                    kv_num_blocks=kvn, kv_indices=kvi, full_kv_num_blocks=fkvn,
+                                    full_kv_indices=fkvi, config=cfg, max_needed=False)
+                out.fill_(float("nan"))
+                launch()
+                torch.cuda.synchronize()
+                err = ((out[0, 0].double() - ref).norm() / ref.norm()).item()
+                checks[persistent] = f"rel {err:.2e}" + ("" if err <= 1e-2 else " FAIL")
+                launches[persistent] = launch
+            times = {p: [] for p in launches}
+            order = list(launches)
+            for r in range(args.rounds):
+                for p in (order if r % 2 == 0 else order[::-1]):
+                    times[p].append(triton.testing.do_bench(launches[p], warmup=25, rep=100))
+            flops = 4 * B * H * S * S * D * density
+            for p, ts in times.items():
+                ms = sorted(ts)[len(ts) // 2]
+                rows.append(dict(seqlen=S, batch=B, mask=mname, persistent=p, density=density, ms=ms,
+                                 tflops=flops / (ms * 1e-3) / 1e12, ms_rounds=ts, check=checks[p]))
+            a, b = (next(r for r in rows[-2:] if r["persistent"] is p) for p in (True, False))
+            print(f"S{S:6d} {mname:9s} persistent {a['tflops']:6.1f} | one CTA per tile {b['tflops']:6.1f} "
+                  f"(rounds {'/'.join(f'{flops / (t * 1e-3) / 1e12:.0f}' for t in a['ms_rounds'])} | "
+                  f"{'/'.join(f'{flops / (t * 1e-3) / 1e12:.0f}' for t in b['ms_rounds'])})  "
+                  f"{a['check']} / {b['check']}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=name, torch=torch.__version__, triton=triton.__version__, date=date, rows=rows),
+                      f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
