@@ -245,21 +245,6 @@ def test_table_choices_per_head_dim_and_mod(D, mod, emu, folded):
         assert kwargs["SCORE_MOD"] is (fn if folded else fn.unfolded)
 
 
-@pytest.mark.parametrize("mask, bufs, persistent", [
-    (causal_mask, (), True),                              # lower-triangular: the balanced pair schedule
-    (document_mask, (torch.zeros(2048, dtype=torch.int32),), False),   # data-dependent: one CTA per tile
-])
-def test_schedule_for_block_sparse_masks(mask, bufs, persistent):
-    from fa3_inductor.templates.hopper.fwd_sm90 import _prepare
-    q, k, v, o, lse, mx = _inputs(128, torch.bfloat16, B=8, Hq=16, Hkv=16, M=2048, N=2048)
-    kvn = torch.ones(1, 1, 16, dtype=torch.int32)
-    kvi = torch.zeros(1, 1, 16, 16, dtype=torch.int32)
-    _, kwargs, grid = _prepare(q, k, v, o, lse, mx, 0.1, None, mask, (), bufs, kvn, kvi, None, None, 128, 128,
-                               None, 132, False)
-    assert kwargs["PERSISTENT"] == persistent
-    assert grid == ((132,) if persistent else (8 * 16 * 16,))
-
-
 # Known limit: in the persistent schedule at D=128 the overlap keeps S, P and O live together, and a
 # generated index mod's values (KV_AFFINE: its column vector) push past 240 registers. ptxas then spills
 # per-tile scalars around the KV loop (stored once per query tile), never inside it.

@@ -100,27 +100,18 @@ SMEM_LIMIT = 227 * 1024   # bytes of shared memory a CTA may use on sm90 (barrie
 #   document (ids read by the mask_mod, causal inside): 73 / 164 / 283 / 404 / 361 against 82 / 189 / 298 / 384 / 421
 #   sliding window 256: 205 / 128 / 182 / 223 / 225 against 186 / 151 / 184 / 198 / 199 (2k rounds 123-146: noisy;
 #     an earlier run had 8k / 16k the other way round, 184 / 186 against 191 / 199)
-# The pair order balances lower-triangular costs; a mask that reads buffers has data-dependent tile costs,
-# and up to 4k it runs 5-16% faster as one CTA per tile (use_persistent's data_dependent_mask).
+# Document masks (tile costs follow the data) went either way: with this script's documents one CTA per
+# tile was 5-16% faster up to 4k, but through the product path with benchmarks/bench.py's documents it was
+# 5-7% slower at 2k / 4k (bench-nvidia-h200-2026-11-22-0854 against -0731: 222 / 271 against 234 / 290,
+# rounds within 1%). No rule for masks that read buffers is kept: the pair schedule stays up to 4k.
 PERSISTENT_MAX_N = 4096
 
 
-def use_persistent(cfg: Sm90Config, num_tiles: int, num_sms: int, kv_len: int,
-                   data_dependent_mask: bool = False) -> bool:
-    """Persistent grid or one CTA per tile, for num_tiles 128-row query tiles over kv_len keys on num_sms SMs.
-
-    data_dependent_mask: the mask_mod reads captured buffers (document ids, ...), so the KV blocks per
-    tile follow the data; the static pair order balances lower-triangular (causal) costs only, and the
-    hardware's in-order dispatch of one CTA per tile balances such masks better (see PERSISTENT_MAX_N).
-
-    Example::
-
-        >>> use_persistent(get_config(128), num_tiles=2048, num_sms=132, kv_len=2048)
-        True
-    """
+def use_persistent(cfg: Sm90Config, num_tiles: int, num_sms: int, kv_len: int) -> bool:
+    """Persistent grid or one CTA per tile, for num_tiles 128-row query tiles over kv_len keys on num_sms SMs."""
     if cfg.persistent is not None:
         return cfg.persistent
-    return num_sms > 0 and num_tiles > num_sms and kv_len <= PERSISTENT_MAX_N and not data_dependent_mask
+    return num_sms > 0 and num_tiles > num_sms and kv_len <= PERSISTENT_MAX_N
 
 
 # key: (head_dim, dtype) -> config. bf16 and fp16 share tiles (same wgmma shapes, same bytes).

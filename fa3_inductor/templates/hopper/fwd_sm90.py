@@ -918,7 +918,7 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
 
     num_m_tiles = triton.cdiv(M, BLOCK_M)
     num_tiles = B * Hq * num_m_tiles
-    persistent = use_persistent(cfg, num_tiles, num_sms, N, data_dependent_mask=len(mask_bufs) > 0)
+    persistent = use_persistent(cfg, num_tiles, num_sms, N)
     # persistent CTAs take tile pairs; a separate O staging buffer where shared memory allows it
     grid = (min((num_tiles + 1) // 2, num_sms),) if persistent else (num_tiles,)
     o_stage = persistent and cfg.o_stage and cfg.smem_bytes(D, o_stage=True) <= SMEM_LIMIT
