@@ -1,9 +1,10 @@
 """Schedule A/B for block-sparse masks on the sm90 kernel: persistent tile pairs against one CTA per tile.
 
     python benchmarks/hopper_sched_masks.py [--rounds 3] [--seqlens 1024,2048,4096,8192,16384] [--json PATH]
+                                            [--window 256] [--masks causal,window,document,noop]
 
 Masks (D=128, bf16, 16 heads, B*S = 16384, as benchmarks/bench.py): causal; a causal sliding window of
-256 keys; documents (lengths uniform in [1, S/2], causal inside each, the ids read from a buffer by the
+`--window` keys (256 by default, as bench.py); "noop" (no mask, dense) for the ratio to our own noop; documents (lengths uniform in [1, S/2], causal inside each, the ids read from a buffer by the
 mask_mod). The kernel is launched directly with the block mask built from the dense mask (128 x 128
 blocks, full blocks skip the mask_mod), max_needed=False as the product launches it. Every variant is
 first checked against float64 (batch 0, head 0: rel. error of O), then timed with triton's do_bench in
@@ -25,18 +26,17 @@ from triton.experimental.gluon import language as gl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from fa3_inductor.templates.hopper import get_config, launch_fwd_sm90  # noqa: E402
-
-WINDOW = 256
-
+from fa3_inductor.templates.modgen import generate_mod_source, load_mod, trace_mod  # noqa: E402
 
 @gluon.jit
 def causal_mask(b, h, q_idx, kv_idx, bufs):
     return q_idx >= kv_idx
 
 
-@gluon.jit
-def window_mask(b, h, q_idx, kv_idx, bufs):
-    return (q_idx >= kv_idx) & (q_idx - kv_idx < 256)
+def window_mask(window: int):
+    """The causal sliding window, generated the product's way (the width is a constant in the code)."""
+    gm, _ = trace_mod(lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < window), "mask")
+    return load_mod(generate_mod_source(gm, "mask", [], "gl"), "gl")
 
 
 @gluon.jit
@@ -66,7 +66,10 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seqlens", default="1024,2048,4096,8192,16384")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--masks", default="causal,window,document")
     args = ap.parse_args()
+    wanted = args.masks.split(",")
     name = torch.cuda.get_device_name()
     date = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%MZ}"
     print(f"device: {name}, torch {torch.__version__}, triton {triton.__version__}, {date}", flush=True)
@@ -84,12 +87,15 @@ def main():
         g = torch.Generator().manual_seed(0)
         lengths = torch.randint(1, S // 2 + 1, (S,), generator=g)
         doc = torch.repeat_interleave(torch.arange(S), lengths)[:S].to(torch.int32).cuda()
-        masks = (("causal", causal_mask, qi >= ki, ()),
-                 ("window", window_mask, (qi >= ki) & (qi - ki < WINDOW), ()),
+        masks = (("noop", None, torch.ones(S, S, dtype=torch.bool, device="cuda"), ()),
+                 ("causal", causal_mask, qi >= ki, ()),
+                 (f"window{args.window}", window_mask(args.window), (qi >= ki) & (qi - ki < args.window), ()),
                  ("document", document_mask, (doc[qi] == doc[ki]) & (qi >= ki), (doc,)))
         for mname, mask_mod, keep, bufs in masks:
+            if mname.rstrip("0123456789") not in wanted:
+                continue
             density = keep.double().mean().item()
-            kvn, kvi, fkvn, fkvi = block_mask(keep)
+            kvn, kvi, fkvn, fkvi = block_mask(keep) if mask_mod is not None else (None,) * 4
             s_ref = (q[0, 0].double() @ k[0, 0].double().T) * D ** -0.5
             ref = torch.softmax(s_ref.masked_fill(~keep, float("-inf")), -1) @ v[0, 0].double()
             del s_ref

@@ -245,6 +245,29 @@ def test_table_choices_per_head_dim_and_mod(D, mod, emu, folded):
         assert kwargs["SCORE_MOD"] is (fn if folded else fn.unfolded)
 
 
+def _band_block_mask(n_blocks, width):
+    """Block-mask tensors (Bm = Hm = 1) where query block i visits KV blocks max(0, i - width + 1) .. i."""
+    num = torch.tensor([min(i + 1, width) for i in range(n_blocks)], dtype=torch.int32)[None, None]
+    idx = torch.zeros(1, 1, n_blocks, n_blocks, dtype=torch.int32)
+    for i in range(n_blocks):
+        blocks = list(range(max(0, i - width + 1), i + 1))
+        idx[0, 0, i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    return num, idx
+
+
+@pytest.mark.parametrize("width, persistent", [(3, True), (32, True), (33, False), (128, False)])
+def test_schedule_follows_the_longest_tile_of_a_block_mask(width, persistent):
+    # S = 16k: a sliding window's tiles (3 KV tiles for 256 keys) take the persistent pair schedule at any
+    # length; a causal mask's longest tile (128 KV tiles) does not, as a dense launch of 16k keys
+    from fa3_inductor.templates.hopper.fwd_sm90 import _prepare
+    q, k, v, o, lse, mx = _inputs(128, torch.bfloat16, B=1, Hq=16, Hkv=16, M=16384, N=16384)
+    num, idx = _band_block_mask(128, width)
+    _, kwargs, grid = _prepare(q, k, v, o, lse, mx, 0.1, None, causal_mask, (), (), num, idx, None, None, 128, 128,
+                               None, 132, False)
+    assert kwargs["PERSISTENT"] == persistent
+    assert grid == ((132,) if persistent else (16 * 128,))
+
+
 # Known limit: in the persistent schedule at D=128 the overlap keeps S, P and O live together, and a
 # generated index mod's values (KV_AFFINE: its column vector) push past 240 registers. ptxas then spills
 # per-tile scalars around the KV loop (stored once per query tile), never inside it.

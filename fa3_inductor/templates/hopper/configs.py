@@ -103,15 +103,33 @@ SMEM_LIMIT = 227 * 1024   # bytes of shared memory a CTA may use on sm90 (barrie
 # Document masks (tile costs follow the data) went either way: with this script's documents one CTA per
 # tile was 5-16% faster up to 4k, but through the product path with benchmarks/bench.py's documents it was
 # 5-7% slower at 2k / 4k (bench-nvidia-h200-2026-11-22-0854 against -0731: 222 / 271 against 234 / 290,
-# rounds within 1%). No rule for masks that read buffers is kept: the pair schedule stays up to 4k.
+# rounds within 1%). No rule for masks that read buffers is kept.
+# What decides is the longest tile, not kv_len: sliding windows, persistent / one CTA per tile, S 4k / 8k /
+# 16k (hopper-window-nvidia-h200-2026-11-22-0929, rounds within 2%): 256 keys (3 KV tiles) 228 / 219 / 210
+# against 197 / 196 / 197; 1024 keys (9 tiles) 433 / 431 / 434 against 407 / 406 / 411; 4096 keys (33
+# tiles) 541 (4k) / 523 / 497 against 506 / 526 / 537. So the limit applies to the longest tile's KV
+# tiles under a block mask (max_kv_tiles): the same cut as kv_len <= 4096 for dense and causal launches.
 PERSISTENT_MAX_N = 4096
 
 
-def use_persistent(cfg: Sm90Config, num_tiles: int, num_sms: int, kv_len: int) -> bool:
-    """Persistent grid or one CTA per tile, for num_tiles 128-row query tiles over kv_len keys on num_sms SMs."""
+def use_persistent(cfg: Sm90Config, num_tiles: int, num_sms: int, kv_len: int,
+                   max_kv_tiles: int | None = None) -> bool:
+    """Persistent grid or one CTA per tile, for num_tiles 128-row query tiles over kv_len keys on num_sms SMs.
+
+    The persistent schedule pays where tiles are short (their fixed costs then hide under the previous
+    tile): at most PERSISTENT_MAX_N keys' worth of KV tiles. max_kv_tiles, where known, is the longest
+    tile's KV tile count under a block mask (a sliding window's tiles stay short at any kv_len);
+    otherwise every tile is taken to span kv_len.
+
+    Example::
+
+        >>> use_persistent(get_config(128), num_tiles=2048, num_sms=132, kv_len=16384, max_kv_tiles=3)
+        True
+    """
     if cfg.persistent is not None:
         return cfg.persistent
-    return num_sms > 0 and num_tiles > num_sms and kv_len <= PERSISTENT_MAX_N
+    tiles = -(-kv_len // cfg.block_n) if max_kv_tiles is None else max_kv_tiles
+    return num_sms > 0 and num_tiles > num_sms and tiles * cfg.block_n <= PERSISTENT_MAX_N
 
 
 # key: (head_dim, dtype) -> config. bf16 and fp16 share tiles (same wgmma shapes, same bytes).

@@ -64,7 +64,7 @@ Per-score cost matters more than anything else in the softmax: the consumer warp
 from __future__ import annotations
 
 import functools
-
+import weakref
 
 import torch
 import triton
@@ -862,6 +862,31 @@ def supports_sm90(q, k, v, out=None, *, kv_num_blocks=None, sparse_q_block: int 
         return False
 
 
+_LONGEST_ROW: dict = {}
+
+
+def _longest_row(kv_num_blocks, full_kv_num_blocks):
+    """The most KV blocks any query block of a block mask visits (partial + full), or None where it cannot
+    be read without harm (inside CUDA-graph capture). One device sync per mask: remembered for the same
+    tensor objects at the same version (weak references, so a new mask at a recycled address is read
+    afresh). The product path prepares a launch once per input signature, so it reads its first mask only."""
+    tensors = [t for t in (kv_num_blocks, full_kv_num_blocks) if t is not None]
+    if any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing():
+        return None
+    key = tuple(id(t) for t in tensors)
+    hit = _LONGEST_ROW.get(key)
+    if hit is not None and all(r() is t and v == t._version for (r, v), t in zip(hit[0], tensors)):
+        return hit[1]
+    total = kv_num_blocks.to(torch.int64)
+    if full_kv_num_blocks is not None:
+        total = total + full_kv_num_blocks.to(torch.int64)
+    longest = int(total.max().item()) if total.numel() else 0
+    if len(_LONGEST_ROW) >= 256:
+        _LONGEST_ROW.clear()
+    _LONGEST_ROW[key] = ([(weakref.ref(t), t._version) for t in tensors], longest)
+    return longest
+
+
 def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs, mask_bufs,
              kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, sparse_q_block, sparse_kv_block,
              config, num_sms, max_needed=True):
@@ -918,7 +943,12 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
 
     num_m_tiles = triton.cdiv(M, BLOCK_M)
     num_tiles = B * Hq * num_m_tiles
-    persistent = use_persistent(cfg, num_tiles, num_sms, N)
+    max_kv_tiles = None
+    if has_sparse and cfg.persistent is None:
+        longest = _longest_row(kv_num_blocks, full_kv_num_blocks if has_full else None)
+        if longest is not None:
+            max_kv_tiles = longest * (sparse_kv_block // BLOCK_N)
+    persistent = use_persistent(cfg, num_tiles, num_sms, N, max_kv_tiles)
     # persistent CTAs take tile pairs; a separate O staging buffer where shared memory allows it
     grid = (min((num_tiles + 1) // 2, num_sms),) if persistent else (num_tiles,)
     o_stage = persistent and cfg.o_stage and cfg.smem_bytes(D, o_stage=True) <= SMEM_LIMIT
