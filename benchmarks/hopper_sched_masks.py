@@ -6,7 +6,7 @@
 Masks (D=128, bf16, 16 heads, B*S = 16384, as benchmarks/bench.py): causal; a causal sliding window of
 `--window` keys (256 by default, as bench.py); "noop" (no mask, dense) for the ratio to our own noop; documents (lengths uniform in [1, S/2], causal inside each, the ids read from a buffer by the
 mask_mod). The kernel is launched directly with the block mask built from the dense mask (128 x 128
-blocks, full blocks skip the mask_mod), max_needed=False as the product launches it. Every variant is
+blocks as the lowering builds them, full blocks skip the mask_mod), max_needed=False as the product launches it. Every variant is
 first checked against float64 (batch 0, head 0: rel. error of O), then timed with triton's do_bench in
 `rounds` interleaved rounds (odd rounds reversed), median reported. TFLOP/s counts only the kept
 (q, kv) pairs: 4 * B * H * S^2 * D * density.
@@ -25,6 +25,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from fa3_inductor.lowering.canonical import dense_block_mask  # noqa: E402
 from fa3_inductor.templates.hopper import get_config, launch_fwd_sm90  # noqa: E402
 from fa3_inductor.templates.modgen import generate_mod_source, load_mod, trace_mod  # noqa: E402
 
@@ -42,23 +43,6 @@ def window_mask(window: int):
 @gluon.jit
 def document_mask(b, h, q_idx, kv_idx, bufs):
     return (gl.load(bufs[0] + q_idx) == gl.load(bufs[0] + kv_idx)) & (q_idx >= kv_idx)
-
-
-def block_mask(keep: torch.Tensor, block: int = 128):
-    """(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) of a dense [S, S] keep-mask."""
-    S = keep.shape[0]
-    n = -(-S // block)
-    pad = torch.zeros(n * block, n * block, dtype=torch.bool, device=keep.device)
-    pad[:S, :S] = keep
-    blk = pad.view(n, block, n, block)
-    any_, all_ = blk.any(3).any(1), blk.all(3).all(1)
-
-    def encode(sel):
-        num = sel.sum(-1).to(torch.int32)
-        idx = torch.argsort((~sel).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-        return num[None, None].contiguous(), idx[None, None].contiguous()
-
-    return (*encode(any_ & ~all_), *encode(all_))
 
 
 def main():
@@ -95,7 +79,10 @@ def main():
             if mname.rstrip("0123456789") not in wanted:
                 continue
             density = keep.double().mean().item()
-            kvn, kvi, fkvn, fkvi = block_mask(keep) if mask_mod is not None else (None,) * 4
+            kvn = kvi = fkvn = fkvi = None
+            if mask_mod is not None:
+                bm = dense_block_mask(keep, 1, 1, S, S, keep.device)
+                kvn, kvi, fkvn, fkvi = bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices
             s_ref = (q[0, 0].double() @ k[0, 0].double().T) * D ** -0.5
             ref = torch.softmax(s_ref.masked_fill(~keep, float("-inf")), -1) @ v[0, 0].double()
             del s_ref

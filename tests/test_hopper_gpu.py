@@ -161,24 +161,11 @@ def reference(q, k, v, sm_scale, score_name=None, mask_name=None, bias=None, doc
 
 
 def block_mask_from_dense(keep, M, N, qb, kvb):
-    """torch BlockMask-format tensors (Bm=Hm=1) from a dense [M, N] keep-mask."""
-    nq, nk = -(-M // qb), -(-N // kvb)
-    pad = torch.zeros(nq * qb, nk * kvb, dtype=torch.bool, device=keep.device)
-    pad[:M, :N] = keep
-    blk = pad.view(nq, qb, nk, kvb)
-    any_ = blk.any(3).any(1)
-    all_ = blk.all(3).all(1)
-    partial = any_ & ~all_
-    full = all_
-
-    def enc(sel):
-        num = sel.sum(-1).to(torch.int32)
-        idx = torch.argsort((~sel).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-        return num[None, None].contiguous(), idx[None, None].contiguous()
-
-    kv_num, kv_idx = enc(partial)
-    f_num, f_idx = enc(full)
-    return kv_num, kv_idx, f_num, f_idx
+    """torch BlockMask-format tensors (Bm=Hm=1) from a dense [M, N] keep-mask, as the lowering builds them."""
+    from fa3_inductor.lowering.canonical import SPARSE_BLOCK, dense_block_mask
+    assert qb == kvb == SPARSE_BLOCK, (qb, kvb)
+    bm = dense_block_mask(keep, 1, 1, M, N, keep.device)
+    return bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices
 
 
 def _rel(a, b):
