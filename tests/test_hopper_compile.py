@@ -307,3 +307,39 @@ def _prepare_for(q, k, v, o, lse, mx, mod, bufs):
     from fa3_inductor.templates.hopper.fwd_sm90 import _prepare
     return _prepare(q, k, v, o, lse, mx, 0.1, mod, None, bufs, (), None, None, None, None, 128, 128, None, 132,
                     False)
+
+
+def _generated_mask(fn):
+    from fa3_inductor.templates.modgen import BufferSpec, generate_mod_source, load_mod, trace_mod
+    gm, bufs = trace_mod(fn, "mask")
+    return load_mod(generate_mod_source(gm, "mask", [BufferSpec.of(b) for b in bufs], "gl"), "gl"), tuple(bufs)
+
+
+@pytest.mark.parametrize("name", ["causal", "window", "document", "document_window"])
+def test_a_masked_tile_selects_once_per_score(name):
+    """Generated block-sparse masks, N a multiple of BLOCK_N: the masked path of the D=128 KV loop has one
+    FSEL per score (ANDed conditions chain into the comparisons' predicates, no bound test, no clamp) and
+    no per-score IMAD (the window's `q - kv < w` compares kv with a row bound), and nothing spills."""
+    from fa3_inductor import mods
+    from fa3_inductor.lowering.canonical import dense_block_mask
+    S, D = 1024, 128
+    doc = torch.randint(0, 3, (S,), dtype=torch.int32).sort().values
+    fn = {"causal": mods.causal, "window": mods.sliding_window(256), "document": mods.document(doc),
+          "document_window": mods.and_masks(mods.document(doc), mods.sliding_window(256))}[name]
+    mask_mod, bufs = _generated_mask(fn)
+    qi, ki = torch.arange(S)[:, None], torch.arange(S)[None, :]
+    bm = dense_block_mask(torch.broadcast_to(fn(0, 0, qi, ki), (S, S)), 1, 1, S, S, "cpu")
+    q, k, v, o, lse, mx = _inputs(D, torch.bfloat16, B=2, Hq=16, Hkv=16, M=S, N=S)
+    r = sass_report(compile_sm90(q, k, v, o, lse, mx, sm_scale=0.1, mask_mod=mask_mod, mask_bufs=bufs,
+                                 kv_num_blocks=bm.kv_num_blocks, kv_indices=bm.kv_indices,
+                                 full_kv_num_blocks=bm.full_kv_num_blocks, full_kv_indices=bm.full_kv_indices,
+                                 max_needed=False))
+    assert r.spill_instructions == 0 and "USETMAXREG" in r.sass
+    scores = 64   # per thread and tile: 2 rows x BLOCK_N / 4 columns
+    kv_loops = [body for body in r.inner_loops() if sum("MUFU.EX2" in t for t in body) >= scores]
+    assert len(kv_loops) >= 2, "the two consumers' KV loops were not found"
+    for body in kv_loops:
+        ops = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body]
+        # the softmax itself selects 4 times per tile (row bookkeeping); the mask once per score
+        assert ops.count("FSEL") <= scores + 8, f"{name}: {ops.count('FSEL')} FSEL in the KV loop"
+        assert ops.count("IMAD") < 16, f"{name}: {ops.count('IMAD')} IMAD in the KV loop (per-score index math)"

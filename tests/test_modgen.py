@@ -80,6 +80,9 @@ def score_mod_unfolded(qk, sm_scale, b, h, q_idx, kv_idx, bufs):
 
 def test_document_mask_gathers_from_captured_buffers():
     assert_expected_inline(_source(mods.document(torch.tensor([0, 0, 1, 1])), "mask"), """\
+MASK_AND = True
+
+
 @triton.jit
 def mask_mod(b, h, q_idx, kv_idx, bufs):
     v0 = tl.load(bufs[0] + (q_idx))
@@ -89,6 +92,67 @@ def mask_mod(b, h, q_idx, kv_idx, bufs):
     v4 = (v2 & v3)
     return v4
 """)
+
+
+def test_a_window_compares_kv_with_a_row_bound():
+    """`q - kv < w` is generated as `kv > q - w`: the difference is taken once per row, not per score."""
+    assert_expected_inline(_source(mods.sliding_window(256), "mask", "gl"), """\
+MASK_AND = True
+
+
+@gluon.jit
+def mask_mod(b, h, q_idx, kv_idx, bufs):
+    v0 = (q_idx >= kv_idx)
+    v1 = (kv_idx > (q_idx - 256))
+    v2 = (v0 & v1)
+    return v2
+""")
+
+
+# Masks whose comparisons the generator rewrites to isolate kv (every operator, kv on either side of a
+# sum or difference), one it must leave alone (|q - kv|), and one whose moved bound would leave int32.
+_ISOLATED_MASKS = {
+    "window": mods.sliding_window(5),
+    "band": lambda b, h, q, kv: (kv - q <= 3) & (kv - q >= -2),
+    "reversed": lambda b, h, q, kv: 6 > q - kv,
+    "sums": lambda b, h, q, kv: (q + kv == 30) | (kv + q < 9) | (7 <= kv - q) | (q - kv != 4),
+    "abs": lambda b, h, q, kv: (q - kv).abs() < 3,
+    "near_int32": lambda b, h, q, kv: (q - kv < 2) | (q - kv > 2 ** 31 - 3),
+    "row_bound": lambda b, h, q, kv: q - kv < q // 3 + h,
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ISOLATED_MASKS))
+def test_isolated_comparisons_keep_the_mask(name, cpu_kernels):
+    """The generated mask, run by Triton's interpreter on a 64 x 64 grid, equals the mask in torch."""
+    import triton
+    import triton.language as tl
+
+    from fa3_inductor.templates.modgen import load_mod
+
+    fn = _ISOLATED_MASKS[name]
+    mask_mod = load_mod(_source(fn, "mask"), "tl")
+
+    @triton.jit
+    def grid_kernel(out_ptr, h, N: tl.constexpr, MASK_MOD: tl.constexpr):
+        q = tl.arange(0, N)[:, None]
+        kv = tl.arange(0, N)[None, :]
+        keep = MASK_MOD(0, h, q, kv, ())
+        tl.store(out_ptr + q * N + kv, (keep & (q >= 0)).to(tl.int8))
+
+    n, h = 64, 2
+    out = torch.empty(n, n, dtype=torch.int8)
+    grid_kernel[(1,)](out, h, N=n, MASK_MOD=mask_mod)
+    q, kv = torch.arange(n, dtype=torch.int32)[:, None], torch.arange(n, dtype=torch.int32)[None, :]
+    expected = torch.broadcast_to(fn(0, torch.tensor(h, dtype=torch.int32), q, kv), (n, n))
+    assert torch.equal(out.bool(), expected)
+
+
+def test_isolation_stops_where_int32_could_overflow():
+    src = _source(lambda b, h, q, kv: q - kv > 2 ** 31 - 3 - 2 ** 23 - 1, "mask")
+    assert "(kv_idx < (q_idx - " in src
+    src = _source(lambda b, h, q, kv: q - kv < -2 ** 31 + 2 ** 22, "mask")
+    assert "(q_idx - kv_idx)" in src, "a bound below int32's range must keep the per-score difference"
 
 
 def test_learned_table_bakes_in_strides():

@@ -120,6 +120,10 @@ _UNARY = {
     aten.expm1: "H.expm1({0})", aten.erf: "{L}.erf({0})", aten.round: "H.round({0})",
     aten.trunc: "H.trunc({0})",
 }
+# Integer comparisons, and the operator that holds with the operands swapped (a < b <=> b > a).
+_SWAPPED = {aten.lt: aten.gt, aten.le: aten.ge, aten.gt: aten.lt, aten.ge: aten.le, aten.eq: aten.eq,
+            aten.ne: aten.ne}
+_INT32 = (-2 ** 31, 2 ** 31 - 1)
 # Unary ops that cost the special-function unit (MUFU) on sm90; counted per score as SFU_OPS.
 _SFU_UNARY = {aten.tanh, aten.sigmoid, aten.exp, aten.exp2, aten.log, aten.log2, aten.sqrt, aten.rsqrt,
               aten.sin, aten.cos, aten.reciprocal, aten.log1p, aten.expm1, aten.erf}
@@ -238,6 +242,8 @@ class _Emitter:
         self.prescaled: set[torch.fx.Node] = set()  # x emitted already divided by sm_scale
         self.inv_sm: Optional[str] = None
         self.kv_affine = False  # x of `score + x` is alpha(b, h) * kv + B(b, h, q): see affine_in_kv
+        # `q - kv < c` emitted as `kv > q - c` (see isolate_kv): comparison -> (op, kv side, other side)
+        self.isolated: dict[torch.fx.Node, tuple[Any, str, str]] = {}
         self.sfu_ops = 0  # special-function (MUFU) ops per score: tanh, exp, ... on a score tile
         self.L = "tl" if dialect == "tl" else "gl"
         self.names: dict[torch.fx.Node, str] = {}
@@ -348,10 +354,16 @@ class _Emitter:
                         + index_params + ["bufs"])
         deco = "@triton.jit" if self.dialect == "tl" else "@gluon.jit"
         body = "\n".join(f"    {line}" for line in self.prologue + self.lines + [f"return {ret}"])
-        head = (f"OUT_SCALE = {out_scale!r}\nOUT_RANGE = {_value_range(result)!r}\n"
-                + ("SM_SCALED = True\n" if self.additive else "")
-                + ("KV_AFFINE = True\n" if self.kv_affine else "")
-                + (f"SFU_OPS = {self.sfu_ops}\n" if self.sfu_ops else "") + "\n\n" if fold else "")
+        if fold:
+            head = (f"OUT_SCALE = {out_scale!r}\nOUT_RANGE = {_value_range(result)!r}\n"
+                    + ("SM_SCALED = True\n" if self.additive else "")
+                    + ("KV_AFFINE = True\n" if self.kv_affine else "")
+                    + (f"SFU_OPS = {self.sfu_ops}\n" if self.sfu_ops else "") + "\n\n")
+        elif self.kind == "mask" and isinstance(result, torch.fx.Node) and result.op == "call_function" \
+                and _packet(result.target) in (aten.bitwise_and, aten.logical_and):
+            head = "MASK_AND = True\n\n\n"   # conditions ANDed: see mask_and_of
+        else:
+            head = ""
         return f"{head}{deco}\ndef {fn}({sig}):\n{body}\n"
 
     def affine_in_kv(self, node: Any) -> bool:
@@ -494,6 +506,71 @@ class _Emitter:
         else:
             self.bound[node] = (iv[0][0] - iv[1][1], iv[0][1] - iv[1][0])
 
+    def isolate_kv(self, node: torch.fx.Node) -> bool:
+        """Plan ``A - K < C`` as ``K > A - C`` (and the like for K - A, A + K and every comparison), where K
+        varies along kv only and A, C along neither kv nor anything unknown: A - C is then computed
+        once per row instead of A - K once per score (a sliding window's ``q - kv < w`` costs an
+        IMAD per score in the Hopper kernel's masked tiles otherwise). Only integers, only when
+        every reader of ``node`` is such a comparison, and only where the intervals of A and C
+        show that the moved sum stays inside int32 (then both forms agree exactly). Returns True
+        if the readers were planned (``node`` itself is then not emitted)."""
+        a, k = node.args[:2] if len(node.args) == 2 else (None, None)
+        if self.dtypes.get(a) not in _INT_DTYPES and self.dtypes.get(k) not in _INT_DTYPES:
+            return False
+        # node = a + k (sign 1), a - k (sign -1) or k - a (sign 0)
+        sign = 1 if _packet(node.target) is aten.add else -1
+        if self.axes.get(k) != frozenset(("kv",)):
+            a, k = k, a
+            sign = 1 if sign == 1 else 0
+        if not isinstance(k, torch.fx.Node) or self.axes.get(k) != frozenset(("kv",)) or \
+                self.dtypes.get(k) not in _INT_DTYPES:
+            return False
+        a_bound = self._interval(a)
+        if a_bound is None or "kv" in self._axes_of(a):
+            return False
+        plans = {}
+        for user in node.users:
+            op = _packet(user.target) if user.op == "call_function" else None
+            if op not in _SWAPPED or len(user.args) != 2 or user.kwargs:
+                return False
+            if user.args[0] is node:
+                c = user.args[1]
+            elif user.args[1] is node:
+                c, op = user.args[0], _SWAPPED[op]
+            else:
+                return False
+            c_bound = self._interval(c)
+            if c_bound is None or "kv" in self._axes_of(c):
+                return False
+            if sign < 0:   # a - k op c  <=>  k swapped(op) a - c
+                lo, hi = a_bound[0] - c_bound[1], a_bound[1] - c_bound[0]
+                plans[user] = (_SWAPPED[op], self.arg(k), f"({self.arg(a)} - {self.arg(c)})")
+            elif sign > 0:   # a + k op c  <=>  k op c - a
+                lo, hi = c_bound[0] - a_bound[1], c_bound[1] - a_bound[0]
+                plans[user] = (op, self.arg(k), f"({self.arg(c)} - {self.arg(a)})")
+            else:            # k - a op c  <=>  k op c + a
+                lo, hi = c_bound[0] + a_bound[0], c_bound[1] + a_bound[1]
+                plans[user] = (op, self.arg(k), f"({self.arg(c)} + {self.arg(a)})")
+            if lo < _INT32[0] or hi > _INT32[1]:
+                return False
+        if not plans:
+            return False
+        self.isolated.update(plans)
+        return True
+
+    def _interval(self, a: Any) -> Optional[tuple[int, int]]:
+        """Known interval of an int value (a lowered node or an int literal), else None."""
+        if isinstance(a, bool):
+            return None
+        if isinstance(a, int):
+            return (a, a)
+        if isinstance(a, torch.fx.Node) and a in self.names and self.dtypes.get(a) in _INT_DTYPES:
+            return self.bound.get(a)
+        return None
+
+    def _axes_of(self, a: Any) -> frozenset:
+        return self.axes.get(a, frozenset()) if isinstance(a, torch.fx.Node) else frozenset()
+
     def operand(self, a: Any, want_float: bool) -> str:
         """Argument expression; an int value that meets a float is converted (early) first."""
         if want_float and isinstance(a, torch.fx.Node) and self.dtype_of(a) in _INT_DTYPES:
@@ -535,6 +612,11 @@ class _Emitter:
                 raise UnsupportedMod(f"aten.div rounding_mode={mode!r}")
             return self.assign(node, f"{helper}({self.arg(args[0])}, {self.arg(args[1])})",
                                out_dtype)
+        if node in self.isolated:
+            op, kv_side, other = self.isolated[node]
+            return self.assign(node, _BINARY[op].format(kv_side, other, L=L), out_dtype)
+        if packet in (aten.add, aten.sub) and not kwargs and self.isolate_kv(node):
+            return  # every reader compares it: they compare its kv part instead (isolate_kv)
         if packet in _BINARY and len(args) == 2 and not kwargs:
             if packet is aten.div:
                 # Triton's / on two integers truncates toward zero; torch's is true division:
@@ -790,6 +872,18 @@ def kv_affine_of(score_mod: Any) -> bool:
     return bool(getattr(score_mod, "kv_affine", False))
 
 
+def mask_and_of(mask_mod: Any) -> bool:
+    """True if a generated mask_mod returns an AND of conditions (MASK_AND): the Hopper kernel then
+    applies it through a select that ptxas can chain into the comparisons (one FSEL per score).
+
+    Example::
+
+        >>> mask_and_of(load_mod(generate_mod_source(window_graph, "mask", []), "gl"))  # doctest: +SKIP
+        True
+    """
+    return bool(getattr(mask_mod, "mask_and", False))
+
+
 def describe_mod_source(source: Optional[str]) -> str:
     """A generated mod's body on one line (for reports), with the factor its kernel applies.
 
@@ -847,6 +941,7 @@ def load_mod(source: str, dialect: str = "tl") -> Any:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     fn = getattr(module, "score_mod", None) or getattr(module, "mask_mod")
+    fn.mask_and = bool(getattr(module, "MASK_AND", False))
     if hasattr(module, "OUT_SCALE"):  # read by the launchers: see kernel_score_mod, out_range_of
         fn.out_scale = float(module.OUT_SCALE)
         fn.out_range = module.OUT_RANGE

@@ -46,8 +46,7 @@ class _TorchEmitter(_Emitter):
 
     def emit(self) -> str:
         source = super().emit()
-        _decorator, rest = source.split("\n", 1)  # drop the jit decorator line
-        return rest
+        return source[source.index("\ndef ") + 1:]  # drop the kernel hints and the jit decorator
 
     def cast(self, node: torch.fx.Node, src: Any, dtype: torch.dtype) -> None:
         self.assign(node, f"T.cast({self.arg(src)}, torch.{str(dtype).split('.')[-1]})", dtype)

@@ -79,7 +79,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..modgen import kernel_score_mod, kv_affine_of, out_range_of, sfu_ops_of
+from ..modgen import kernel_score_mod, kv_affine_of, mask_and_of, out_range_of, sfu_ops_of
 from ..tma import tma_aligned
 from .configs import SMEM_LIMIT, Sm90Config, fixed_base_for, get_config, use_persistent
 
@@ -244,7 +244,7 @@ def _score_tile(acc, start, is_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk
                 mask_bufs, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                 SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr, HAS_SCORE_MOD: gl.constexpr,
                 HAS_MASK_MOD: gl.constexpr, DENSE_MASK: gl.constexpr, EVEN_N: gl.constexpr,
-                KV_AFFINE: gl.constexpr):
+                KV_AFFINE: gl.constexpr, MASK_AND: gl.constexpr):
     """QK^T accumulator -> (score tile in the kernel's working units, the tile's shift).
 
     Without score_mod the tile stays in raw q.k units (scale folded into the exp2 FMA later);
@@ -280,16 +280,37 @@ def _score_tile(acc, start, is_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk
             need_mask = need_mask | is_partial
     if need_mask:
         kv_idx = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))[None, :]
-        valid = kv_idx < N
-        if HAS_MASK_MOD:
-            kv_idx_c = gl.minimum(kv_idx, N - 1)
-            mm = MASK_MOD(b, h, q_idx_c, kv_idx_c, mask_bufs)
-            if DENSE_MASK:
-                valid = valid & mm
-            else:
-                valid = valid & (mm | (~is_partial))
-        s = gl.where(valid, s, -float("inf"))
+        if EVEN_N:
+            # no tile crosses N: no bound to test, no clamp, and only partial tiles get here (DENSE_MASK:
+            # every tile is partial), so the mask alone decides: one select per score after the mask
+            if HAS_MASK_MOD:
+                keep = MASK_MOD(b, h, q_idx_c, kv_idx, mask_bufs)
+                if MASK_AND:
+                    s = _keep_or_neg_inf(keep, s)
+                else:
+                    s = gl.where(keep, s, -float("inf"))
+        else:
+            valid = kv_idx < N
+            if HAS_MASK_MOD:
+                kv_idx_c = gl.minimum(kv_idx, N - 1)
+                mm = MASK_MOD(b, h, q_idx_c, kv_idx_c, mask_bufs)
+                if DENSE_MASK:
+                    valid = valid & mm
+                else:
+                    valid = valid & (mm | (~is_partial))
+            s = gl.where(valid, s, -float("inf"))
     return s, shift
+
+
+@gluon.jit
+def _keep_or_neg_inf(keep, s):
+    """where(keep, s, -inf) for a mask that ANDs conditions (MASK_AND). LLVM splits a select on `a & b`
+    into two selects (two FSELs per score); behind an opaque select, ptxas chains the conditions
+    into the comparisons' predicates instead (one FSEL). A lone comparison keeps gl.where: there
+    LLVM would turn the int conversion into shifts."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; selp.f32 $0, $1, 0fFF800000, p; }",
+        "=r,r,r", [s, keep.to(gl.int32)], dtype=gl.float32, is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -530,6 +551,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
     LAZY_RESCALE: gl.constexpr = mods[9]
     FIXED_BASE: gl.constexpr = mods[10]
     KV_AFFINE: gl.constexpr = mods[11]
+    MASK_AND: gl.constexpr = mods[12]
     score_bufs, mask_bufs = mod_bufs
 
     dtype: gl.constexpr = q_desc.dtype
@@ -601,7 +623,8 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                         mbarrier.arrive(q_empty.index(WG), count=1)
                 s, shift = _score_tile(s_acc, start, n_partial > 0, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit,
                                        col_bias, N, score_bufs, mask_bufs, s_layout, BLOCK_N, SCORE_MOD, MASK_MOD,
-                                       HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, EVEN_N, KV_AFFINE)
+                                       HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, EVEN_N, KV_AFFINE,
+                                       MASK_AND)
                 p, m_i, m_run, l_i, alpha, resc = _online_softmax(s, shift, m_i, m_run, l_i, qk_scale, p_layout,
                                                                   o_layout, dtype, EXP2_EMU, LAZY_RESCALE,
                                                                   FIXED_BASE, KV_AFFINE)
@@ -632,7 +655,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                     s, shift = _score_tile(s_acc, start, i < n_partial, b, h, q_idx, q_idx_c, row0, sm_scale,
                                            qk_unit, col_bias, N, score_bufs, mask_bufs, s_layout, BLOCK_N,
                                            SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, EVEN_N,
-                                           KV_AFFINE)
+                                           KV_AFFINE, MASK_AND)
                     p_new, m_i, m_run, l_i, alpha, resc = _online_softmax(s, shift, m_i, m_run, l_i, qk_scale, p_layout,
                                                                           o_layout, dtype, EXP2_EMU, LAZY_RESCALE,
                                                                           FIXED_BASE, KV_AFFINE)
@@ -668,7 +691,8 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                 mbarrier.arrive(k_empty.index(st), count=1)
                 s, shift = _score_tile(s_acc, start, i < n_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit,
                                        col_bias, N, score_bufs, mask_bufs, s_layout, BLOCK_N, SCORE_MOD, MASK_MOD,
-                                       HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, EVEN_N, KV_AFFINE)
+                                       HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, EVEN_N, KV_AFFINE,
+                                       MASK_AND)
                 p, m_i, m_run, l_i, alpha, resc = _online_softmax(s, shift, m_i, m_run, l_i, qk_scale, p_layout,
                                                                   o_layout, dtype, EXP2_EMU, LAZY_RESCALE,
                                                                   FIXED_BASE, KV_AFFINE)
@@ -736,6 +760,7 @@ def fa3_fwd_sm90_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
     PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, PERSISTENT: gl.constexpr, EXP2_EMU: gl.constexpr,
     EVEN_N: gl.constexpr, LAZY_RESCALE: gl.constexpr, FIXED_BASE: gl.constexpr, KV_AFFINE: gl.constexpr,
+    MASK_AND: gl.constexpr,
     O_STAGE: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
@@ -783,21 +808,21 @@ def fa3_fwd_sm90_kernel(
                           SPARSE_KV_MULT, PERSISTENT, O_STAGE),
                          outs, scale_args,
                          (SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, PINGPONG, OVERLAP, EXP2_EMU,
-                          EVEN_N, LAZY_RESCALE, FIXED_BASE, KV_AFFINE),
+                          EVEN_N, LAZY_RESCALE, FIXED_BASE, KV_AFFINE, MASK_AND),
                          mod_bufs)),
         (_consumer_wg1, (descs, bars, smem, sched, sp_ptrs, sp_meta,
                          (BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, HALF_M, HAS_SPARSE, HAS_FULL, SPARSE_Q_DIV,
                           SPARSE_KV_MULT, PERSISTENT, O_STAGE),
                          outs, scale_args,
                          (SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, PINGPONG, OVERLAP, EXP2_EMU,
-                          EVEN_N, LAZY_RESCALE, FIXED_BASE, KV_AFFINE),
+                          EVEN_N, LAZY_RESCALE, FIXED_BASE, KV_AFFINE, MASK_AND),
                          mod_bufs)),
         (_producer_entry, (descs, bars, smem, sched, sp_ptrs, sp_meta,
                            (BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, HALF_M, HAS_SPARSE, HAS_FULL, SPARSE_Q_DIV,
                             SPARSE_KV_MULT, PERSISTENT, O_STAGE),
                            outs, scale_args,
                            (SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, PINGPONG, OVERLAP, EXP2_EMU,
-                          EVEN_N, LAZY_RESCALE, FIXED_BASE, KV_AFFINE),
+                          EVEN_N, LAZY_RESCALE, FIXED_BASE, KV_AFFINE, MASK_AND),
                            mod_bufs)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -966,6 +991,7 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
         PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, PERSISTENT=persistent,
         EXP2_EMU=exp2_emu, EVEN_N=(N % BLOCK_N == 0),
         LAZY_RESCALE=cfg.lazy_rescale, FIXED_BASE=fixed_base is not None, KV_AFFINE=kv_affine,
+        MASK_AND=mask_mod is not None and mask_and_of(mask_mod),
         O_STAGE=o_stage,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         num_warps=4, maxnreg=cfg.maxnreg,
