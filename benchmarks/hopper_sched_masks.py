@@ -2,6 +2,7 @@
 
     python benchmarks/hopper_sched_masks.py [--rounds 3] [--seqlens 1024,2048,4096,8192,16384] [--json PATH]
                                             [--window 256] [--masks causal,window,document,noop]
+                                            [--blocks-only]
 
 Masks (D=128, bf16, 16 heads, B*S = 16384, as benchmarks/bench.py): causal; a causal sliding window of
 `--window` keys (256 by default, as bench.py); "noop" (no mask, dense) for the ratio to our own noop; documents (lengths uniform in [1, S/2], causal inside each, the ids read from a buffer by the
@@ -10,6 +11,11 @@ blocks as the lowering builds them, full blocks skip the mask_mod), max_needed=F
 first checked against float64 (batch 0, head 0: rel. error of O), then timed with triton's do_bench in
 `rounds` interleaved rounds (odd rounds reversed), median reported. TFLOP/s counts only the kept
 (q, kv) pairs: 4 * B * H * S^2 * D * density.
+
+`--blocks-only` adds, for each block-sparse mask, a "<mask>-blocks" row: the same KV tiles, all of them
+run as full blocks (no mask_mod), which computes the block-level mask (checked against float64 as such)
+and is counted at its own (block) density. Its time against the masked row's is what evaluating the mask
+on the partial blocks costs; its TFLOP/s against noop's is what the short rows themselves cost.
 """
 from __future__ import annotations
 
@@ -22,12 +28,11 @@ import sys
 import torch
 import triton
 from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from fa3_inductor.lowering.canonical import dense_block_mask  # noqa: E402
 from fa3_inductor.templates.hopper import get_config, launch_fwd_sm90  # noqa: E402
-from fa3_inductor.templates.modgen import generate_mod_source, load_mod, trace_mod  # noqa: E402
+from fa3_inductor.templates.modgen import BufferSpec, generate_mod_source, load_mod, trace_mod  # noqa: E402
 
 @gluon.jit
 def causal_mask(b, h, q_idx, kv_idx, bufs):
@@ -40,9 +45,10 @@ def window_mask(window: int):
     return load_mod(generate_mod_source(gm, "mask", [], "gl"), "gl")
 
 
-@gluon.jit
-def document_mask(b, h, q_idx, kv_idx, bufs):
-    return (gl.load(bufs[0] + q_idx) == gl.load(bufs[0] + kv_idx)) & (q_idx >= kv_idx)
+def document_mask(doc: torch.Tensor):
+    """Causal inside each document, generated the product's way; returns (mask_mod, captured buffers)."""
+    gm, bufs = trace_mod(lambda b, h, q_idx, kv_idx: (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx), "mask")
+    return load_mod(generate_mod_source(gm, "mask", [BufferSpec.of(t) for t in bufs], "gl"), "gl"), tuple(bufs)
 
 
 def main():
@@ -52,6 +58,7 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--masks", default="causal,window,document")
+    ap.add_argument("--blocks-only", action="store_true")
     args = ap.parse_args()
     wanted = args.masks.split(",")
     name = torch.cuda.get_device_name()
@@ -71,18 +78,33 @@ def main():
         g = torch.Generator().manual_seed(0)
         lengths = torch.randint(1, S // 2 + 1, (S,), generator=g)
         doc = torch.repeat_interleave(torch.arange(S), lengths)[:S].to(torch.int32).cuda()
+        doc_mask, doc_bufs = document_mask(doc)
         masks = (("noop", None, torch.ones(S, S, dtype=torch.bool, device="cuda"), ()),
                  ("causal", causal_mask, qi >= ki, ()),
                  (f"window{args.window}", window_mask(args.window), (qi >= ki) & (qi - ki < args.window), ()),
-                 ("document", document_mask, (doc[qi] == doc[ki]) & (qi >= ki), (doc,)))
+                 ("document", doc_mask, (doc[qi] == doc[ki]) & (qi >= ki), doc_bufs))
+        variants = []
         for mname, mask_mod, keep, bufs in masks:
             if mname.rstrip("0123456789") not in wanted:
                 continue
+            variants.append((mname, mask_mod, keep, bufs, False))
+            if args.blocks_only and mask_mod is not None:
+                variants.append((f"{mname}-blocks", None, keep, (), True))
+        for mname, mask_mod, keep, bufs, blocks_only in variants:
             density = keep.double().mean().item()
             kvn = kvi = fkvn = fkvi = None
-            if mask_mod is not None:
+            if mask_mod is not None or blocks_only:
                 bm = dense_block_mask(keep, 1, 1, S, S, keep.device)
                 kvn, kvi, fkvn, fkvi = bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices
+            if blocks_only:   # every visited block as a full one: the block-level mask, no mask_mod
+                nb = (S + 127) // 128
+                keep_blocks = keep.reshape(nb, 128, nb, 128).any(3).any(1)
+                keep = keep_blocks.repeat_interleave(128, 0).repeat_interleave(128, 1)
+                density = keep.double().mean().item()
+                counts = keep_blocks.sum(-1).to(torch.int32)
+                order = torch.argsort((~keep_blocks).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+                kvn, kvi = torch.zeros_like(kvn), torch.zeros_like(kvi)
+                fkvn, fkvi = counts.reshape(fkvn.shape), order.reshape(fkvi.shape)
             s_ref = (q[0, 0].double() @ k[0, 0].double().T) * D ** -0.5
             ref = torch.softmax(s_ref.masked_fill(~keep, float("-inf")), -1) @ v[0, 0].double()
             del s_ref
