@@ -255,6 +255,21 @@ def _band_block_mask(n_blocks, width):
     return num, idx
 
 
+@pytest.mark.parametrize("D, kv_len, longest, persistent", [
+    (128, 8192, None, True),     # dense 8k: 64 KV tiles, whole KV <= 8192
+    (128, 8192, 64, True),       # causal 8k
+    (128, 16384, 33, False),     # a 4096-key window over 16k keys stays one CTA per tile
+    (128, 16384, 32, True),
+    (128, 16384, None, False),
+    (64, 8192, None, False),     # the 8k extension was measured at D=128 only
+    (256, 4096, None, True),
+])
+def test_persistent_cut(D, kv_len, longest, persistent):
+    from fa3_inductor.templates.hopper.configs import use_persistent
+    assert use_persistent(get_config(D), num_tiles=2048, num_sms=132, kv_len=kv_len,
+                          max_kv_tiles=longest) is persistent
+
+
 @pytest.mark.parametrize("width, persistent", [(3, True), (32, True), (33, False), (128, False)])
 def test_schedule_follows_the_longest_tile_of_a_block_mask(width, persistent):
     # S = 16k: a sliding window's tiles (3 KV tiles for 256 keys) take the persistent pair schedule at any

@@ -32,6 +32,9 @@ class Sm90Config:
     # grid = #SMs, each CTA walks tile pairs (longest + shortest query block of a head); None (every
     # table entry): decided per launch by use_persistent() from the tile count and the KV length
     persistent: bool | None = None
+    # use_persistent(): tiles of up to 8192 keys' worth of KV tiles also go persistent while kv_len <= 8192
+    # (measured at D=128 only; see PERSISTENT_MAX_N_SHORT_KV)
+    persistent_to_8k: bool = False
     # persistent only: a separate O staging buffer (2 x 64 x D), so that a consumer releases its Q half
     # after its last QK^T and the next tile's Q and K/V load under the tail PV and the epilogue; the O
     # TMA store is waited for one tile later. Dropped where shared memory does not allow it (D=256).
@@ -109,7 +112,13 @@ SMEM_LIMIT = 227 * 1024   # bytes of shared memory a CTA may use on sm90 (barrie
 # against 197 / 196 / 197; 1024 keys (9 tiles) 433 / 431 / 434 against 407 / 406 / 411; 4096 keys (33
 # tiles) 541 (4k) / 523 / 497 against 506 / 526 / 537. So the limit applies to the longest tile's KV
 # tiles under a block mask (max_kv_tiles): the same cut as kv_len <= 4096 for dense and causal launches.
+# Up to 8192 keys of KV (Sm90Config.persistent_to_8k, D=128): persistent / one CTA per tile, kernel launched
+# directly, same run, 5 rounds (hopper-sched-masks-nvidia-h200-2026-11-22-1108): S 8k causal 567 / 547 (and
+# 572 / 553, 567 / 549, 562 / 542 in -0848, -1021-evenn, -1040), noop 621 / 617; a 4096-key window (33 tiles)
+# 529 / 533 at 8k but 503 / 536 at 16k (as in -0929), causal 16k 581 / 584. So tiles of up to 64 KV tiles
+# go persistent only while the whole KV length is at most 8192.
 PERSISTENT_MAX_N = 4096
+PERSISTENT_MAX_N_SHORT_KV = 8192
 
 
 def use_persistent(cfg: Sm90Config, num_tiles: int, num_sms: int, kv_len: int,
@@ -117,7 +126,8 @@ def use_persistent(cfg: Sm90Config, num_tiles: int, num_sms: int, kv_len: int,
     """Persistent grid or one CTA per tile, for num_tiles 128-row query tiles over kv_len keys on num_sms SMs.
 
     The persistent schedule pays where tiles are short (their fixed costs then hide under the previous
-    tile): at most PERSISTENT_MAX_N keys' worth of KV tiles. max_kv_tiles, where known, is the longest
+    tile): at most PERSISTENT_MAX_N keys' worth of KV tiles (PERSISTENT_MAX_N_SHORT_KV while kv_len is no
+    longer than that, for configs with persistent_to_8k). max_kv_tiles, where known, is the longest
     tile's KV tile count under a block mask (a sliding window's tiles stay short at any kv_len);
     otherwise every tile is taken to span kv_len.
 
@@ -129,7 +139,9 @@ def use_persistent(cfg: Sm90Config, num_tiles: int, num_sms: int, kv_len: int,
     if cfg.persistent is not None:
         return cfg.persistent
     tiles = -(-kv_len // cfg.block_n) if max_kv_tiles is None else max_kv_tiles
-    return num_sms > 0 and num_tiles > num_sms and tiles * cfg.block_n <= PERSISTENT_MAX_N
+    limit = PERSISTENT_MAX_N_SHORT_KV if cfg.persistent_to_8k and kv_len <= PERSISTENT_MAX_N_SHORT_KV \
+        else PERSISTENT_MAX_N
+    return num_sms > 0 and num_tiles > num_sms and tiles * cfg.block_n <= limit
 
 
 # key: (head_dim, dtype) -> config. bf16 and fp16 share tiles (same wgmma shapes, same bytes).
@@ -142,7 +154,7 @@ _TABLE: dict[int, Sm90Config] = {
     # H100 (this kernel, 3 rounds): B4 H32 S4096 583-585 vs cuDNN 573-591; B2 H16 S8192 599 vs 581;
     # 3 stages is slower in every run (565 / 577), as in the H200 prototype (585 / 600 vs 594 / 608).
     # Pingpong on vs off is inside the run-to-run noise on H100 (see DESIGN.md); kept on, as on H200.
-    128: Sm90Config(block_m=128, block_n=128, num_stages=2),
+    128: Sm90Config(block_m=128, block_n=128, num_stages=2, persistent_to_8k=True),
     # D=96 / D=192 are not offered: Gluon's host TensorDescriptor requires power-of-two block shapes
     # ("Shape element 3 must be a power of 2"), and the kernel's tiles span the whole head dim.
     # D=256: O alone is 128 fp32 regs/thread, so BLOCK_N 64 (S 32 regs, P 16); 2 stages:
