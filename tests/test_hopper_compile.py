@@ -268,6 +268,10 @@ def test_persistent_cut(D, kv_len, longest, persistent):
     from fa3_inductor.templates.hopper.configs import use_persistent
     assert use_persistent(get_config(D), num_tiles=2048, num_sms=132, kv_len=kv_len,
                           max_kv_tiles=longest) is persistent
+    # a KV_AFFINE mod (ALiBi) keeps the 4096-key cut
+    assert use_persistent(get_config(D), num_tiles=2048, num_sms=132, kv_len=kv_len, max_kv_tiles=longest,
+                          kv_affine=True) is (persistent and (longest or -(-kv_len // get_config(D).block_n))
+                                              * get_config(D).block_n <= 4096)
 
 
 @pytest.mark.parametrize("width, persistent", [(3, True), (32, True), (33, False), (128, False)])

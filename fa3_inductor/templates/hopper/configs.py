@@ -116,18 +116,21 @@ SMEM_LIMIT = 227 * 1024   # bytes of shared memory a CTA may use on sm90 (barrie
 # directly, same run, 5 rounds (hopper-sched-masks-nvidia-h200-2026-11-22-1108): S 8k causal 567 / 547 (and
 # 572 / 553, 567 / 549, 562 / 542 in -0848, -1021-evenn, -1040), noop 621 / 617; a 4096-key window (33 tiles)
 # 529 / 533 at 8k but 503 / 536 at 16k (as in -0929), causal 16k 581 / 584. So tiles of up to 64 KV tiles
-# go persistent only while the whole KV length is at most 8192.
+# go persistent only while the whole KV length is at most 8192. Dense S 8k, same run, 5 rounds
+# (hopper-mods-nvidia-h200-2026-11-22-1121): noop 605 / 594, softcap 540 / 532, but ALiBi (KV_AFFINE, whose
+# column vector spills a little in the persistent schedule) 549 / 576: KV_AFFINE launches keep the 4096 cut.
 PERSISTENT_MAX_N = 4096
 PERSISTENT_MAX_N_SHORT_KV = 8192
 
 
 def use_persistent(cfg: Sm90Config, num_tiles: int, num_sms: int, kv_len: int,
-                   max_kv_tiles: int | None = None) -> bool:
+                   max_kv_tiles: int | None = None, kv_affine: bool = False) -> bool:
     """Persistent grid or one CTA per tile, for num_tiles 128-row query tiles over kv_len keys on num_sms SMs.
 
     The persistent schedule pays where tiles are short (their fixed costs then hide under the previous
     tile): at most PERSISTENT_MAX_N keys' worth of KV tiles (PERSISTENT_MAX_N_SHORT_KV while kv_len is no
-    longer than that, for configs with persistent_to_8k). max_kv_tiles, where known, is the longest
+    longer than that, for configs with persistent_to_8k, unless the launch evaluates a KV_AFFINE mod, whose
+    column vector spills in the persistent schedule at D=128). max_kv_tiles, where known, is the longest
     tile's KV tile count under a block mask (a sliding window's tiles stay short at any kv_len);
     otherwise every tile is taken to span kv_len.
 
@@ -139,8 +142,8 @@ def use_persistent(cfg: Sm90Config, num_tiles: int, num_sms: int, kv_len: int,
     if cfg.persistent is not None:
         return cfg.persistent
     tiles = -(-kv_len // cfg.block_n) if max_kv_tiles is None else max_kv_tiles
-    limit = PERSISTENT_MAX_N_SHORT_KV if cfg.persistent_to_8k and kv_len <= PERSISTENT_MAX_N_SHORT_KV \
-        else PERSISTENT_MAX_N
+    longer = cfg.persistent_to_8k and not kv_affine and kv_len <= PERSISTENT_MAX_N_SHORT_KV
+    limit = PERSISTENT_MAX_N_SHORT_KV if longer else PERSISTENT_MAX_N
     return num_sms > 0 and num_tiles > num_sms and tiles * cfg.block_n <= limit
 
 

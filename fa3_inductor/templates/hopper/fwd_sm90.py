@@ -973,7 +973,7 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
         longest = _longest_row(kv_num_blocks, full_kv_num_blocks if has_full else None)
         if longest is not None:
             max_kv_tiles = longest * (sparse_kv_block // BLOCK_N)
-    persistent = use_persistent(cfg, num_tiles, num_sms, N, max_kv_tiles)
+    persistent = use_persistent(cfg, num_tiles, num_sms, N, max_kv_tiles, kv_affine)
     # persistent CTAs take tile pairs; a separate O staging buffer where shared memory allows it
     grid = (min((num_tiles + 1) // 2, num_sms),) if persistent else (num_tiles,)
     o_stage = persistent and cfg.o_stage and cfg.smem_bytes(D, o_stage=True) <= SMEM_LIMIT
