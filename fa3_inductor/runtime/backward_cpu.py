@@ -3,7 +3,7 @@
 Inductor's flex_attention_backward lowering has no CPU kernel, and torch's FlexAttention
 refuses backward on the CPU. Under the fa3 backend the backward lowering
 (lowering/flex_backward_lowering.py) emits one extern call to this op there. It recomputes the
-attention of one site in float32 under autograd and differentiates it:
+attention of one site in float64 under autograd and differentiates it:
 
     S = (Q Kᵀ)·scale → score_mod → masked (mask_mod on listed partial blocks, full blocks kept,
     unlisted blocks dropped: the forward kernels' semantics) → P = softmax(S) → O = P V
@@ -135,7 +135,7 @@ def _loss_of_batch_entry(b0: int, q: Tensor, k: Tensor, v: Tensor, grad_out: Opt
     b, h, q_idx, kv_idx = _index_tensors(b0, Hq, M, N, q.device)
     scores = (q[b0] @ kb.transpose(-2, -1) * scale).unsqueeze(0)  # [1, H, M, N]
     if score_fn is not None:  # its result may broadcast (e.g. a bias built from indices only)
-        scores = torch.broadcast_to(score_fn(scores, b, h, q_idx, kv_idx, bufs).float(),
+        scores = torch.broadcast_to(score_fn(scores, b, h, q_idx, kv_idx, bufs).to(scores.dtype),
                                     scores.shape)
     keep = _keep(mask_fn, mask_bufs, tables, b, h, q_idx, kv_idx, sparse_q_block,
                  sparse_kv_block).expand_as(scores)
@@ -147,10 +147,10 @@ def _loss_of_batch_entry(b0: int, q: Tensor, k: Tensor, v: Tensor, grad_out: Opt
     loss = scores.new_zeros(())
     if grad_out is not None:
         out = probs[0] @ vb
-        loss = loss + (out * grad_out[b0].float()).sum()
+        loss = loss + (out * grad_out[b0].to(out.dtype)).sum()
     if grad_lse is not None:
         lse2 = torch.where(live, lse, 0.0)[0, ..., 0] / _LN2
-        loss = loss + (lse2 * grad_lse[b0].float()).sum()
+        loss = loss + (lse2 * grad_lse[b0].to(lse2.dtype)).sum()
     return loss
 
 
@@ -180,9 +180,12 @@ def flex_bwd(q: Tensor, k: Tensor, v: Tensor, grad_out: Optional[Tensor],
     score_fn = load_torch_mod(site.score_mod_torch) if site.score_mod_torch else None
     mask_fn = load_torch_mod(site.mask_mod_torch) if site.mask_mod_torch else None
     tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
+    # float64 throughout: the gradients come back rounded once to the inputs' dtype, so they do not
+    # depend on which CPU BLAS kernel ran (a graph served from Inductor's cache in a fresh process
+    # once gave float32 gradients differing by up to 6e-5 from the lowering process's)
     with torch.enable_grad():
-        qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
-        bufs = [t.detach().float().requires_grad_() if needs else t
+        qf, kf, vf = (t.detach().double().requires_grad_() for t in (q, k, v))
+        bufs = [t.detach().double().requires_grad_() if needs else t
                 for t, needs in zip(tensor_bufs, site.buffer_grads)]
         leaves = [qf, kf, vf] + [t for t, needs in zip(bufs, site.buffer_grads) if needs]
         grads = [torch.zeros_like(t) for t in leaves]
