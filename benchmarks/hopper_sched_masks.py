@@ -27,27 +27,17 @@ import sys
 
 import torch
 import triton
-from triton.experimental import gluon
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from fa3_inductor import mods  # noqa: E402
 from fa3_inductor.lowering.canonical import dense_block_mask  # noqa: E402
 from fa3_inductor.templates.hopper import get_config, launch_fwd_sm90  # noqa: E402
 from fa3_inductor.templates.modgen import BufferSpec, generate_mod_source, load_mod, trace_mod  # noqa: E402
 
-@gluon.jit
-def causal_mask(b, h, q_idx, kv_idx, bufs):
-    return q_idx >= kv_idx
 
-
-def window_mask(window: int):
-    """The causal sliding window, generated the product's way (the width is a constant in the code)."""
-    gm, _ = trace_mod(lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < window), "mask")
-    return load_mod(generate_mod_source(gm, "mask", [], "gl"), "gl")
-
-
-def document_mask(doc: torch.Tensor):
-    """Causal inside each document, generated the product's way; returns (mask_mod, captured buffers)."""
-    gm, bufs = trace_mod(lambda b, h, q_idx, kv_idx: (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx), "mask")
+def generated_mask(fn):
+    """A mask_mod generated the product's way (fa3_inductor's mod generator), with its captured buffers."""
+    gm, bufs = trace_mod(fn, "mask")
     return load_mod(generate_mod_source(gm, "mask", [BufferSpec.of(t) for t in bufs], "gl"), "gl"), tuple(bufs)
 
 
@@ -78,11 +68,11 @@ def main():
         g = torch.Generator().manual_seed(0)
         lengths = torch.randint(1, S // 2 + 1, (S,), generator=g)
         doc = torch.repeat_interleave(torch.arange(S), lengths)[:S].to(torch.int32).cuda()
-        doc_mask, doc_bufs = document_mask(doc)
-        masks = (("noop", None, torch.ones(S, S, dtype=torch.bool, device="cuda"), ()),
-                 ("causal", causal_mask, qi >= ki, ()),
-                 (f"window{args.window}", window_mask(args.window), (qi >= ki) & (qi - ki < args.window), ()),
-                 ("document", doc_mask, (doc[qi] == doc[ki]) & (qi >= ki), doc_bufs))
+        masks = [("noop", None, torch.ones(S, S, dtype=torch.bool, device="cuda"), ())]
+        for mname, fn in (("causal", mods.causal), (f"window{args.window}", mods.sliding_window(args.window)),
+                          ("document", mods.document(doc))):
+            mask_mod, bufs = generated_mask(fn)
+            masks.append((mname, mask_mod, torch.broadcast_to(fn(0, 0, qi, ki), (S, S)), bufs))
         variants = []
         for mname, mask_mod, keep, bufs in masks:
             if mname.rstrip("0123456789") not in wanted:

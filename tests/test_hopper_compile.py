@@ -141,10 +141,15 @@ def test_pingpong_switch_changes_code():
     assert n_on > n_off, (n_on, n_off)
 
 
+def _generated(fn, kind):
+    """A score_mod / mask_mod generated the product's way for the Hopper kernel, with its captured buffers."""
+    from fa3_inductor.templates.modgen import BufferSpec, generate_mod_source, load_mod, trace_mod
+    gm, bufs = trace_mod(fn, kind)
+    return load_mod(generate_mod_source(gm, kind, [BufferSpec.of(b) for b in bufs], "gl"), "gl"), tuple(bufs)
+
+
 def _generated_score_mod(fn):
-    from fa3_inductor.templates.modgen import generate_mod_source, load_mod, trace_mod
-    gm, _ = trace_mod(fn, "score")
-    return load_mod(generate_mod_source(gm, "score", [], "gl"), "gl")
+    return _generated(fn, "score")[0]
 
 
 def _mix(sass, *names):
@@ -299,17 +304,15 @@ def test_generated_index_mods_in_the_persistent_schedule(D):
     (persistent): setmaxnreg present, no local-memory access inside the KV loops, and at most the known
     count of spill stores outside them (none at D=64/256)."""
     from fa3_inductor import mods
-    from fa3_inductor.templates.modgen import BufferSpec, generate_mod_source, load_mod, trace_mod
     dtype = torch.bfloat16
     table = torch.randn(4, 64)
     q, k, v, o, lse, mx = _inputs(D, dtype, B=4, Hq=16, Hkv=16, M=4096, N=4096)
     for fn in (mods.alibi(16), mods.relative_bias,
                lambda s, b, h, qi, ki: s + table[h % 4, torch.clamp((qi - ki).abs(), max=63)]):
-        gm, bufs = trace_mod(fn, "score")
-        mod = load_mod(generate_mod_source(gm, "score", [BufferSpec.of(b) for b in bufs], "gl"), "gl")
-        _, kwargs, _ = _prepare_for(q, k, v, o, lse, mx, mod, tuple(bufs))
+        mod, bufs = _generated(fn, "score")
+        _, kwargs, _ = _prepare_for(q, k, v, o, lse, mx, mod, bufs)
         assert kwargs["PERSISTENT"], "this shape must take the persistent schedule"
-        r = sass_report(compile_sm90(q, k, v, o, lse, mx, sm_scale=0.1, score_mod=mod, score_bufs=tuple(bufs),
+        r = sass_report(compile_sm90(q, k, v, o, lse, mx, sm_scale=0.1, score_mod=mod, score_bufs=bufs,
                                      max_needed=False))
         assert "USETMAXREG" in r.sass, "setmaxnreg dropped"
         # a KV loop computes one exp2 per score it holds: 2 rows x BLOCK_N / 4 columns per thread
@@ -328,12 +331,6 @@ def _prepare_for(q, k, v, o, lse, mx, mod, bufs):
                     False)
 
 
-def _generated_mask(fn):
-    from fa3_inductor.templates.modgen import BufferSpec, generate_mod_source, load_mod, trace_mod
-    gm, bufs = trace_mod(fn, "mask")
-    return load_mod(generate_mod_source(gm, "mask", [BufferSpec.of(b) for b in bufs], "gl"), "gl"), tuple(bufs)
-
-
 @pytest.mark.parametrize("name", ["causal", "window", "document", "document_window"])
 def test_a_masked_tile_selects_once_per_score(name):
     """Generated block-sparse masks, N a multiple of BLOCK_N: the masked path of the D=128 KV loop has one
@@ -345,7 +342,7 @@ def test_a_masked_tile_selects_once_per_score(name):
     doc = torch.randint(0, 3, (S,), dtype=torch.int32).sort().values
     fn = {"causal": mods.causal, "window": mods.sliding_window(256), "document": mods.document(doc),
           "document_window": mods.and_masks(mods.document(doc), mods.sliding_window(256))}[name]
-    mask_mod, bufs = _generated_mask(fn)
+    mask_mod, bufs = _generated(fn, "mask")
     qi, ki = torch.arange(S)[:, None], torch.arange(S)[None, :]
     bm = dense_block_mask(torch.broadcast_to(fn(0, 0, qi, ki), (S, S)), 1, 1, S, S, "cpu")
     q, k, v, o, lse, mx = _inputs(D, torch.bfloat16, B=2, Hq=16, Hkv=16, M=S, N=S)

@@ -81,7 +81,7 @@ class SassReport:
         ins = [(int(a, 16), text.strip()) for a, text in
                re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", self.sass)]
         loops = []
-        for pos, (addr, text) in enumerate(ins):
+        for addr, text in ins:
             m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
             if m and int(m.group(1), 16) < addr:
                 loops.append((int(m.group(1), 16), addr))

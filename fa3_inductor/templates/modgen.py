@@ -370,7 +370,7 @@ class _Emitter:
         """True if ``node`` is ``alpha(b, h) * kv_idx + B(b, h, q_idx)``: affine in kv with a slope
         that varies with neither index (B may be anything that does not read kv). Such a term
         splits exactly into a column part, a per-tile constant and a per-row part, which the Hopper
-        kernel evaluates apart (KV_AFFINE; see its _affine_parts): one op per score instead of the
+        kernel evaluates apart (KV_AFFINE; see its _affine_columns / _affine_rows): one op per score instead of the
         index arithmetic. Only sums, differences, negations, value-preserving casts, and products or
         true divisions of a float by a value that varies along neither index keep the form."""
         if not isinstance(node, torch.fx.Node) or "kv" not in self.axes.get(node, frozenset()):
