@@ -122,10 +122,13 @@ def test_gpu_generic_template(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D", [80, 96, 192])
-def test_gpu_padded_head_dims(D):
+@pytest.mark.parametrize("D, template", [(80, "generic"), (96, "hopper"), (192, "hopper")])
+def test_gpu_padded_head_dims(D, template):
+    # 96 / 192 run on the Hopper template (sm90) in power-of-two tiles; 80 has no table entry there
+    if torch.cuda.get_device_capability() != (9, 0):
+        template = "generic"
     _check("flex", "softcap+causal", "cuda", torch.bfloat16, B=1, HQ=2, HKV=2, M=257, D=D,
-           expect="generic")
+           expect=template)
 
 
 @pytest.mark.gpu

@@ -21,6 +21,7 @@ from triton.experimental.gluon import language as gl
 
 from fa3_inductor.templates.aot import sass_report
 from fa3_inductor.templates.hopper import all_configs, compile_sm90, get_config
+from fa3_inductor.templates.hopper.configs import tile_head_dim
 
 pytestmark = pytest.mark.sm90_compile
 SMEM_LIMIT = 227 * 1024
@@ -67,7 +68,10 @@ def _check(ck, cfg, head_dim, block_n, dtype_tag, max_stack=0):
     # SASS spells bf16 wgmma "HGMMA.64xNx16.F32.BF16" and fp16 "HGMMA.64xNx16.F32" (no suffix).
     hgmma = set(re.findall(r"HGMMA\.(\d+x\d+x\d+)\.F32(?:\.(BF16))?\b", sass))
     assert (f"64x{block_n}x16", dtype_tag) in hgmma, f"no QK^T wgmma 64x{block_n}x16: {hgmma}"
-    assert (f"64x{head_dim}x16", dtype_tag) in hgmma, f"no PV wgmma 64x{head_dim}x16: {hgmma}"
+    d_tile = tile_head_dim(head_dim)   # a padded head dim (D=96 in 128) splits O: 64 + 32 columns
+    pv_widths = [head_dim] if d_tile == head_dim else [d_tile // 2, head_dim - d_tile // 2]
+    for n in pv_widths:
+        assert (f"64x{n}x16", dtype_tag) in hgmma, f"no PV wgmma 64x{n}x16: {hgmma}"
     nregs = rep.setmaxnreg
     assert cfg.consumer_regs in nregs and cfg.producer_regs in nregs, f"setmaxnreg missing or dropped: {nregs}"
     assert "USETMAXREG" in sass
@@ -89,7 +93,7 @@ def _sparse_tensors(M, N, qb, kvb):
     return num, idx, num.clone(), idx.clone()
 
 
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("variant", ["sparse_causal_softcap", "dense_document_headbias"])
 def test_mod_and_sparse_variants_compile(D, variant):
     dtype = torch.bfloat16
@@ -120,7 +124,24 @@ def test_ablation_variants_compile(over):
     _check(ck, cfg, 128, cfg.block_n, "BF16")
 
 
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D, padded", [(96, 128), (192, 256)])
+def test_padded_head_dim_skips_the_zero_columns(D, padded):
+    """D=96 / 192 run in 128 / 256-wide tiles, but neither GEMM multiplies the zero-filled columns: QK^T
+    stops its K steps at D, and O is two accumulators (D/2 + D/4 wide: powers of two) instead of one of
+    the padded width. So the wgmma work (sum of the 64xNx16 instructions' N) is D / padded of the
+    padded head dim's, with no spills and the same shared-memory traffic (no extra STS / LDS / SHFL)."""
+    def report(d):
+        q, k, v, o, lse, mx = _inputs(d, torch.bfloat16)
+        r = sass_report(compile_sm90(q, k, v, o, lse, mx, sm_scale=d ** -0.5))
+        assert r.spill_instructions == 0 and "USETMAXREG" in r.sass
+        return r
+    mine, full = report(D), report(padded)
+    work = [sum(int(n) for n in re.findall(r"HGMMA\.64x(\d+)x16\.F32", r.sass)) for r in (mine, full)]
+    assert work[0] * padded == work[1] * D, work
+    assert _mix(mine.sass, "STS", "LDS", "SHFL.BFLY") == _mix(full.sass, "STS", "LDS", "SHFL.BFLY")
+
+
+@pytest.mark.parametrize("D", [64, 96, 128, 192, 256])
 def test_persistent_o_stage_fits(D):
     """Persistent: the separate O staging buffer is allocated where it fits (D=64/128: Q + O + K/V ring
     <= 227 KB) and dropped at D=256; the kernel stays spill-free with setmaxnreg either way."""
@@ -128,7 +149,7 @@ def test_persistent_o_stage_fits(D):
     q, k, v, o, lse, mx = _inputs(D, torch.bfloat16, B=4, Hq=16, Hkv=16, M=2048, N=2048)
     ck = compile_sm90(q, k, v, o, lse, mx, sm_scale=D ** -0.5, config=cfg)
     shared = _check(ck, cfg, D, cfg.block_n, "BF16") and sass_report(ck).shared
-    assert (shared >= cfg.smem_bytes(D, o_stage=True)) == (D <= 128), (D, shared)
+    assert (shared >= cfg.smem_bytes(D, o_stage=True)) == (tile_head_dim(D) <= 128), (D, shared)
 
 
 def test_pingpong_switch_changes_code():

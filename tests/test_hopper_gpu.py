@@ -252,6 +252,12 @@ CASES = [
     (2, 4, 4, 400, 450, 128, torch.bfloat16, "softcap", None, False, "bhsd"),
     (1, 4, 4, 400, 400, 128, torch.bfloat16, "alibi", "causal", True, "bhsd"),
     (1, 4, 4, 300, 333, 64, torch.float16, "head_bias", None, False, "bhsd"),
+    # head dims padded to a power of two (96 in 128-wide tiles, 192 in 256)
+    (1, 8, 2, 333, 517, 96, torch.bfloat16, None, None, False, "bshd"),
+    (1, 4, 4, 700, 700, 96, torch.float16, "softcap", "causal", True, "bhsd"),
+    (1, 4, 4, 600, 600, 96, torch.bfloat16, "alibi", "document", True, "bshd"),
+    (1, 4, 2, 640, 900, 192, torch.bfloat16, None, "causal", True, "bhsd"),
+    (1, 4, 4, 300, 333, 192, torch.float16, "head_bias", None, False, "bshd"),
 ]
 
 
@@ -273,7 +279,7 @@ def test_variants(over):
     _run_case(1, 4, 4, 700, 700, 128, torch.bfloat16, None, "causal", True, "bhsd", config=cfg, seed=2)
 
 
-@pytest.mark.parametrize("D,o_stage", [(64, True), (128, True), (128, False), (256, True)])
+@pytest.mark.parametrize("D,o_stage", [(64, True), (96, True), (128, True), (128, False), (192, True), (256, True)])
 def test_persistent_many_tiles_per_cta(D, o_stage):
     # persistent CTAs walk several tile pairs (> 2 tiles per SM): the ring / Q / turn phases across tiles,
     # the O staging buffer's deferred store wait (dropped at D=256: smem), an odd tile count (945: the
@@ -282,6 +288,35 @@ def test_persistent_many_tiles_per_cta(D, o_stage):
     _run_case(3, 40, 8, 640, 700, D, torch.bfloat16, None, None, False, "bshd", config=cfg, seed=11)   # 600 tiles
     _run_case(5, 21, 21, 1100, 1100, D, torch.bfloat16, None, "holes", True, "bhsd", config=cfg, seed=12)
     _run_case(2, 37, 37, 1000, 1000, D, torch.bfloat16, "softcap", "causal", True, "bhsd", config=cfg, seed=13)
+
+
+@pytest.mark.parametrize("D", [96, 192])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_padded_head_dim_writes_only_its_columns(D, persistent):
+    # D=96 / 192 run in 128 / 256-wide tiles: the output's row stride is D + 32 here, and the 32 columns
+    # after each row (another tensor's memory) must keep their sentinel through the TMA store
+    torch.manual_seed(41)
+    B, H, M, N = 2, 4, 300, 333
+    q, k, v = (torch.randn(B, H, n, D, device="cuda", dtype=torch.bfloat16) for n in (M, N, N))
+    store = torch.full((B, H, M, D + 32), 7.0, device="cuda", dtype=torch.bfloat16)
+    out = store[..., :D]
+    lse = torch.empty(B, H, M, device="cuda")
+    mx = torch.empty(B, H, M, device="cuda")
+    launch_fwd_sm90(q, k, v, out, lse, mx, sm_scale=D ** -0.5,
+                    config=get_config(D, torch.bfloat16, persistent=persistent))
+    torch.cuda.synchronize()
+    assert (store[..., D:] == 7.0).all(), "the kernel wrote past the head dim"
+    ref, _, _ = reference(q, k, v, D ** -0.5, None, None, None, None)
+    assert _rel(out, ref) <= 1e-2
+
+
+def test_padded_head_dim_runs_on_the_hopper_template():
+    import fa3_inductor
+    q, k, v = (torch.randn(1, 4, 256, 96, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out = fa3_inductor.flex(q, k, v)
+    assert fa3_inductor.last_template() == "hopper"
+    ref = torch.softmax(q.double() @ k.double().transpose(-2, -1) * 96 ** -0.5, -1) @ v.double()
+    assert _rel(out, ref) <= 1e-2
 
 
 @pytest.mark.parametrize("emu", [0, 1, 2])
@@ -301,7 +336,7 @@ def test_generated_mods(name):
     _run_case(1, 4, 4, 700, 700, 128, torch.bfloat16, name, "causal", True, "bhsd", seed=7)
 
 
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D", [64, 96, 128, 256])
 @pytest.mark.parametrize("name", ["gen_alibi", "gen_relbias", "gen_affine_rowfn"])
 def test_kv_affine_mods(D, name):
     # `score + alpha(h)·kv + B(q)` runs as a column vector, a per-tile shift and a row part added to LSE and

@@ -17,7 +17,6 @@ from ..templates.modgen import (BufferSpec, generate_mod_source, is_constant_tru
                                 is_identity_score)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-HOPPER_HEAD_DIMS = (64, 128, 256)
 
 
 def unserved(device: torch.device, dtype: torch.dtype, head_dim: int) -> Optional[str]:
@@ -82,8 +81,8 @@ def plan_site(score_gm: torch.fx.GraphModule, mask_gm: torch.fx.GraphModule,
             generate_mod_source(mask_gm, "mask", mask_specs, dialect)
     template = "generic"
     on_hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-    hopper_ok = on_hopper and head_dim in HOPPER_HEAD_DIMS and dtype != torch.float32
-    if settings.template in ("auto", "hopper") and hopper_ok and _hopper_available():
+    hopper_ok = on_hopper and dtype != torch.float32
+    if settings.template in ("auto", "hopper") and hopper_ok and head_dim in _hopper_head_dims():
         template = "hopper"
     return SiteSpec(template=template, description=description, needs_max=needs_max,
                     **sources), None
@@ -93,9 +92,10 @@ def _is_pow2_at_least_16(x: int) -> bool:
     return x >= 16 and x & (x - 1) == 0
 
 
-def _hopper_available() -> bool:
+def _hopper_head_dims() -> tuple[int, ...]:
+    """The head dims the Hopper template serves (its config table), or () where it cannot be imported."""
     try:
-        from ..templates import hopper
+        from ..templates.hopper.configs import SUPPORTED_HEAD_DIMS
     except ImportError:
-        return False
-    return hasattr(hopper, "launch_fwd_sm90")
+        return ()
+    return SUPPORTED_HEAD_DIMS

@@ -81,7 +81,7 @@ class Sm90Config:
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, o_stage: bool = False) -> int:
         o_rows = self.block_m if o_stage else 0
-        return elem_bytes * head_dim * (self.block_m + o_rows + 2 * self.num_stages * self.block_n)
+        return elem_bytes * tile_head_dim(head_dim) * (self.block_m + o_rows + 2 * self.num_stages * self.block_n)
 
 
 SMEM_LIMIT = 227 * 1024   # bytes of shared memory a CTA may use on sm90 (barriers need a few more)
@@ -158,14 +158,34 @@ _TABLE: dict[int, Sm90Config] = {
     # 3 stages is slower in every run (565 / 577), as in the H200 prototype (585 / 600 vs 594 / 608).
     # Pingpong on vs off is inside the run-to-run noise on H100 (see DESIGN.md); kept on, as on H200.
     128: Sm90Config(block_m=128, block_n=128, num_stages=2, persistent_to_8k=True),
-    # D=96 / D=192 are not offered: Gluon's host TensorDescriptor requires power-of-two block shapes
-    # ("Shape element 3 must be a power of 2"), and the kernel's tiles span the whole head dim.
+    # D=96: the D=128 tiles in 128-wide shared-memory tiles (tile_head_dim); QK^T stops at 96 and O is
+    # 64 + 32 columns, so no wgmma multiplies the padding. H200, product path, same run as cuDNN
+    # (bench-nvidia-h200-2026-11-22-1402, 21 heads): noop S2k / 8k 484 / 509 against cuDNN 458 / 437,
+    # causal 413 / 460 against 378 / 413; with O padded to 128 columns 470 / 498 (-1354-pv-padded).
+    96: Sm90Config(block_m=128, block_n=128, num_stages=2, persistent_to_8k=True),
     # D=256: O alone is 128 fp32 regs/thread, so BLOCK_N 64 (S 32 regs, P 16); 2 stages:
     # 64 KB Q + 128 KB K/V = 192 KB (3 stages would be 256 KB > 227 KB).
     # H100, B4 H16 S4096: 647 TFLOP/s vs cuDNN 637 in the same run. No room for the persistent mode's
     # O staging buffer (64 KB Q + 64 KB O + 128 KB K/V > 227 KB): persistent reuses the Q buffer for O.
     256: Sm90Config(block_m=128, block_n=64, num_stages=2),
+    # D=192: the D=256 tiles in 256-wide shared-memory tiles, O as 128 + 64 columns. Same run (10 heads):
+    # noop S2k / 8k 575 / 588 against cuDNN 610 / 624, causal 467 / 496 against 512 / 578 (0.86-0.94x):
+    # BLOCK_N stays 64 (a power of two; 128 would need 256 registers with the overlap), where FA3 uses 112.
+    192: Sm90Config(block_m=128, block_n=64, num_stages=2),
 }
+
+
+def tile_head_dim(head_dim: int) -> int:
+    """The head-dim width of the kernel's tiles: the next power of two (Gluon tensors and descriptor blocks
+    have power-of-two shapes). D=96 / 192 run in 128 / 256-wide tiles: TMA zero-fills the columns past D
+    on loads and clips them on the O store, so the padding is never read from or written to memory.
+
+    Example::
+
+        >>> tile_head_dim(96), tile_head_dim(128)
+        (128, 128)
+    """
+    return 1 << (head_dim - 1).bit_length()
 
 SUPPORTED_HEAD_DIMS = tuple(sorted(_TABLE))
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)

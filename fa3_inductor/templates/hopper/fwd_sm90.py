@@ -8,7 +8,8 @@ Notation
   O  [z, hq, m, d]   output, written in place into the caller's tensor (any strides, last dim contiguous)
   M, N, D            query length, key/value length, head dim. M and N are arbitrary (ragged tails are
                      handled by TMA zero-fill on loads, TMA clipping on the O store, and an explicit
-                     kv_idx < N mask on the last KV tile).
+                     kv_idx < N mask on the last KV tile). D = 96 / 192 run in 128 / 256-wide tiles
+                     (HEAD_DIM; QK_DIM = D): the GEMMs skip the zero-filled columns (_qk_mma, _pv_mma).
   LSE[z, hq, m]      log2-domain logsumexp of the (modded, masked) scores: logsumexp_e(s) / ln 2
   MAX[z, hq, m]      log2-domain row max:  max(s) / ln 2.   Fully masked row: O = 0, LSE = MAX = -inf.
   score_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs) -> the score (q . k) * sm_scale after the mod,
@@ -81,7 +82,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..modgen import kernel_score_mod, kv_affine_of, mask_and_of, out_range_of, sfu_ops_of
 from ..tma import tma_aligned
-from .configs import SMEM_LIMIT, Sm90Config, fixed_base_for, get_config, use_persistent
+from .configs import SMEM_LIMIT, Sm90Config, fixed_base_for, get_config, tile_head_dim, use_persistent
 
 LOG2E = 1.4426950408889634
 
@@ -490,19 +491,31 @@ def _pingpong_signal(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _epilogue(acc, m_i, m_run, l_i, qk_scale, o_half, o_desc, lse_ptr, max_ptr, b, h, row0, HQ, M,
-              o_layout: gl.constexpr, HALF_M: gl.constexpr, dtype: gl.constexpr, O_STAGE: gl.constexpr):
+def _epilogue(acc, acc_hi, m_i, m_run, l_i, qk_scale, o_half, o_desc, lse_ptr, max_ptr, b, h, row0, HQ, M,
+              o_layout: gl.constexpr, HALF_M: gl.constexpr, dtype: gl.constexpr, O_STAGE: gl.constexpr,
+              SPLIT_O: gl.constexpr):
     """Normalise O, stage it in shared memory, TMA-store it; write LSE / MAX (log2 units).
 
     O_STAGE: o_half is this warpgroup's own O buffer; the store is left in flight (the next tile's
     epilogue, or the kernel's end, waits for it). Otherwise o_half is the warpgroup's Q half and the
-    store is waited for here, before the caller hands the half back to the producer."""
+    store is waited for here, before the caller hands the half back to the producer.
+    SPLIT_O: O is acc (columns [0, LO)) and acc_hi (the next HI columns); the staged tile's columns past
+    them are left as they are, and the TMA store clips them (they lie past the head dim)."""
     empty_row = l_i == 0.0
     l_safe = gl.where(empty_row, 1.0, l_i)
-    o = acc * (1.0 / l_safe)[:, None]
+    inv_l = 1.0 / l_safe
+    o = acc * inv_l[:, None]
     if O_STAGE:
         tma.store_wait(0)   # the previous tile's O store has finished reading o_half
-    o_half.reshape([HALF_M, o_desc.block_type.shape[3]]).store(o.to(dtype))
+    o_tile = o_half.reshape([HALF_M, o_desc.block_type.shape[3]])
+    if SPLIT_O:
+        LO: gl.constexpr = acc.shape[1]
+        HI: gl.constexpr = acc_hi.shape[1]
+        o_hi = acc_hi * gl.convert_layout(inv_l, gl.SliceLayout(1, acc_hi.type.layout))[:, None]
+        o_tile.slice(0, LO, dim=1).store(o.to(dtype))
+        o_tile.slice(LO, HI, dim=1).store(o_hi.to(dtype))
+    else:
+        o_tile.store(o.to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], o_half)
 
@@ -515,6 +528,43 @@ def _epilogue(acc, m_i, m_run, l_i, qk_scale, o_half, o_desc, lse_ptr, max_ptr, 
     gl.store(max_ptr + off, mx, mask=rows < M)
     if not O_STAGE:
         tma.store_wait(0)
+
+
+@gluon.jit
+def _qk_mma(q_op, k_t, s_zero, QK_DIM: gl.constexpr):
+    """Issue S = Q K^T (async) over the QK_DIM head-dim columns that hold data. Where the tiles are padded
+    (D=96 in 128 columns, 192 in 256), two wgmmas over the leading half and the next QK_DIM - half columns
+    skip the zero-filled tail's K steps."""
+    HEAD_DIM: gl.constexpr = q_op.shape[1]
+    if QK_DIM == HEAD_DIM:
+        tok = warpgroup_mma(q_op, k_t, s_zero, use_acc=False, is_async=True)
+    else:
+        LO: gl.constexpr = HEAD_DIM // 2
+        HI: gl.constexpr = QK_DIM - LO
+        tok = warpgroup_mma(q_op.slice(0, LO, dim=1), k_t.slice(0, LO, dim=0), s_zero, use_acc=False,
+                            is_async=True)
+        tok = warpgroup_mma(q_op.slice(LO, HI, dim=1), k_t.slice(LO, HI, dim=0), tok, is_async=True)
+    return tok
+
+
+@gluon.jit
+def _pv_mma(p, v, acc, acc_hi, SPLIT_O: gl.constexpr):
+    """Issue O += P V (async). SPLIT_O: O is two accumulators over V's columns [0, LO) and [LO, LO + HI)
+    (a padded head dim: the zero-filled columns past it are never multiplied); returns (O tokens, the P
+    operand of the second wgmma), to be waited on with _pv_wait."""
+    if SPLIT_O:
+        LO: gl.constexpr = acc.shape[1]
+        HI: gl.constexpr = acc_hi.shape[1]
+        tok = warpgroup_mma(p, v.slice(0, LO, dim=1), acc, is_async=True)
+        # P's registers in the operand layout of the second accumulator (the same rows and columns per
+        # thread: the conversion moves no data)
+        p_hi = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=acc_hi.type.layout, k_width=2))
+        tok_hi = warpgroup_mma(p_hi, v.slice(LO, HI, dim=1), acc_hi, is_async=True)
+    else:
+        tok = warpgroup_mma(p, v, acc, is_async=True)
+        tok_hi = acc_hi
+        p_hi = p
+    return tok, tok_hi, p_hi
 
 
 @gluon.jit
@@ -535,6 +585,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
     SPARSE_KV_MULT: gl.constexpr = cfg_consts[8]
     PERSISTENT: gl.constexpr = cfg_consts[9]
     O_STAGE: gl.constexpr = cfg_consts[10]
+    QK_DIM: gl.constexpr = cfg_consts[11]   # head-dim columns holding data (HEAD_DIM: the padded tile width)
     lse_ptr, max_ptr = outs
     # qk_scale: score tile -> log2 units, folded into the exp2 argument: sm_scale·log2e for raw q.k,
     # the mod's OUT_SCALE·log2e after a score_mod (the host picks; see _prepare).
@@ -557,8 +608,12 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
+    # A padded head dim (QK_DIM < HEAD_DIM) splits O into accumulators of O_LO + O_HI = QK_DIM columns.
+    SPLIT_O: gl.constexpr = QK_DIM != HEAD_DIM
+    O_LO: gl.constexpr = HEAD_DIM // 2 if SPLIT_O else HEAD_DIM
+    O_HI: gl.constexpr = QK_DIM - O_LO
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+                                                       instr_shape=[16, O_LO, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
@@ -599,7 +654,12 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
             m_i = gl.full([HALF_M], -float("inf"), gl.float32, layout=row_layout)
             m_run = gl.full([HALF_M], -float("inf"), gl.float32, layout=row_layout)
         l_i = gl.full([HALF_M], 0.0, gl.float32, layout=row_layout)
-        acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, layout=o_layout)
+        acc = gl.zeros([HALF_M, O_LO], gl.float32, layout=o_layout)
+        if SPLIT_O:
+            acc_hi = gl.zeros([HALF_M, O_HI], gl.float32, layout=gl.NVMMADistributedLayout(
+                version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, O_HI, 16]))
+        else:
+            acc_hi = 0.0
         s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
 
         mbarrier.wait(q_ready.index(WG), t_local & 1)
@@ -614,7 +674,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                 k_t = k_smem.index(st).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
                 mbarrier.wait(k_ready.index(st), ph)
                 t = _pingpong_wait(turn, t, WG, PINGPONG)
-                s_tok = warpgroup_mma(q_op, k_t, s_zero, use_acc=False, is_async=True)
+                s_tok = _qk_mma(q_op, k_t, s_zero, QK_DIM)
                 _pingpong_signal(turn, WG, PINGPONG)
                 s_acc, _q, _k = warpgroup_mma_wait(0, deps=[s_tok, q_op, k_t])
                 mbarrier.arrive(k_empty.index(st), count=1)
@@ -642,10 +702,13 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                     mbarrier.wait(k_ready.index(st), ph)
                     mbarrier.wait(v_ready.index(prev_st), prev_ph)
                     t = _pingpong_wait(turn, t, WG, PINGPONG)
-                    s_tok = warpgroup_mma(q_op, k_t, s_zero, use_acc=False, is_async=True)
-                    o_tok = warpgroup_mma(p, v_prev, acc, is_async=True)
+                    s_tok = _qk_mma(q_op, k_t, s_zero, QK_DIM)
+                    o_tok, o_tok_hi, p_hi = _pv_mma(p, v_prev, acc, acc_hi, SPLIT_O)
                     _pingpong_signal(turn, WG, PINGPONG)
-                    s_acc, o_tok = warpgroup_mma_wait(1, deps=[s_tok, o_tok])
+                    if SPLIT_O:   # wgmma groups retire in order: QK^T done, the two PV groups may not be
+                        s_acc, o_tok, o_tok_hi = warpgroup_mma_wait(2, deps=[s_tok, o_tok, o_tok_hi])
+                    else:
+                        s_acc, o_tok = warpgroup_mma_wait(1, deps=[s_tok, o_tok])
                     mbarrier.arrive(k_empty.index(st), count=1)
                     if O_STAGE:
                         if i == n_total - 1:
@@ -659,7 +722,12 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                     p_new, m_i, m_run, l_i, alpha, resc = _online_softmax(s, shift, m_i, m_run, l_i, qk_scale, p_layout,
                                                                           o_layout, dtype, EXP2_EMU, LAZY_RESCALE,
                                                                           FIXED_BASE, KV_AFFINE)
-                    acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
+                    if SPLIT_O:
+                        acc, acc_hi, p, p_hi = warpgroup_mma_wait(0, deps=[o_tok, o_tok_hi, p, p_hi])
+                        acc_hi = _rescale_o(acc_hi, gl.convert_layout(alpha, gl.SliceLayout(1, acc_hi.type.layout)),
+                                            resc, LAZY_RESCALE, FIXED_BASE)
+                    else:
+                        acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
                     mbarrier.arrive(v_empty.index(prev_st), count=1)
                     acc = _rescale_o(acc, alpha, resc, LAZY_RESCALE, FIXED_BASE)
                     p = p_new
@@ -670,9 +738,12 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                 v_prev = v_smem.index(prev_st).reshape([BLOCK_N, HEAD_DIM])
                 mbarrier.wait(v_ready.index(prev_st), prev_ph)
                 t = _pingpong_wait(turn, t, WG, PINGPONG)
-                o_tok = warpgroup_mma(p, v_prev, acc, is_async=True)
+                o_tok, o_tok_hi, p_hi = _pv_mma(p, v_prev, acc, acc_hi, SPLIT_O)
                 _pingpong_signal(turn, WG, PINGPONG)
-                acc, _p, _v = warpgroup_mma_wait(0, deps=[o_tok, p, v_prev])
+                if SPLIT_O:
+                    acc, acc_hi, _p, _ph, _v = warpgroup_mma_wait(0, deps=[o_tok, o_tok_hi, p, p_hi, v_prev])
+                else:
+                    acc, _p, _v = warpgroup_mma_wait(0, deps=[o_tok, p, v_prev])
                 mbarrier.arrive(v_empty.index(prev_st), count=1)
         else:
             # No intra-warpgroup overlap: S_i, softmax_i, O += P_i V_i strictly in sequence.
@@ -685,7 +756,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                 v_cur = v_smem.index(st).reshape([BLOCK_N, HEAD_DIM])
                 mbarrier.wait(k_ready.index(st), ph)
                 t = _pingpong_wait(turn, t, WG, PINGPONG)
-                s_tok = warpgroup_mma(q_op, k_t, s_zero, use_acc=False, is_async=True)
+                s_tok = _qk_mma(q_op, k_t, s_zero, QK_DIM)
                 _pingpong_signal(turn, WG, PINGPONG)
                 s_acc, _q, _k = warpgroup_mma_wait(0, deps=[s_tok, q_op, k_t])
                 mbarrier.arrive(k_empty.index(st), count=1)
@@ -697,11 +768,17 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                                                                   o_layout, dtype, EXP2_EMU, LAZY_RESCALE,
                                                                   FIXED_BASE, KV_AFFINE)
                 acc = _rescale_o(acc, alpha, resc, LAZY_RESCALE, FIXED_BASE)
+                if SPLIT_O:
+                    acc_hi = _rescale_o(acc_hi, gl.convert_layout(alpha, gl.SliceLayout(1, acc_hi.type.layout)),
+                                        resc, LAZY_RESCALE, FIXED_BASE)
                 mbarrier.wait(v_ready.index(st), ph)
                 t = _pingpong_wait(turn, t, WG, PINGPONG)
-                o_tok = warpgroup_mma(p, v_cur, acc, is_async=True)
+                o_tok, o_tok_hi, p_hi = _pv_mma(p, v_cur, acc, acc_hi, SPLIT_O)
                 _pingpong_signal(turn, WG, PINGPONG)
-                acc, _p, _v = warpgroup_mma_wait(0, deps=[o_tok, p, v_cur])
+                if SPLIT_O:
+                    acc, acc_hi, _p, _ph, _v = warpgroup_mma_wait(0, deps=[o_tok, o_tok_hi, p, p_hi, v_cur])
+                else:
+                    acc, _p, _v = warpgroup_mma_wait(0, deps=[o_tok, p, v_cur])
                 mbarrier.arrive(v_empty.index(st), count=1)
                 cnt += 1
             if O_STAGE:
@@ -719,8 +796,8 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
         m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         r_o = gl.convert_layout(m_run, gl.SliceLayout(1, o_layout))
-        _epilogue(acc, m_o, r_o, l_o, qk_scale, o_half, o_desc, lse_ptr, max_ptr, b, h, row0, HQ, M, o_layout,
-                  HALF_M, dtype, O_STAGE)
+        _epilogue(acc, acc_hi, m_o, r_o, l_o, qk_scale, o_half, o_desc, lse_ptr, max_ptr, b, h, row0, HQ, M,
+                  o_layout, HALF_M, dtype, O_STAGE, SPLIT_O)
         if not O_STAGE:
             mbarrier.arrive(q_empty.index(WG), count=1)
         t_local += 1
@@ -761,7 +838,7 @@ def fa3_fwd_sm90_kernel(
     PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, PERSISTENT: gl.constexpr, EXP2_EMU: gl.constexpr,
     EVEN_N: gl.constexpr, LAZY_RESCALE: gl.constexpr, FIXED_BASE: gl.constexpr, KV_AFFINE: gl.constexpr,
     MASK_AND: gl.constexpr,
-    O_STAGE: gl.constexpr,
+    O_STAGE: gl.constexpr, QK_DIM: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     HALF_M: gl.constexpr = BLOCK_M // 2
@@ -805,21 +882,21 @@ def fa3_fwd_sm90_kernel(
     gl.warp_specialize([
         (_consumer_wg0, (descs, bars, smem, sched, sp_ptrs, sp_meta,
                          (BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, HALF_M, HAS_SPARSE, HAS_FULL, SPARSE_Q_DIV,
-                          SPARSE_KV_MULT, PERSISTENT, O_STAGE),
+                          SPARSE_KV_MULT, PERSISTENT, O_STAGE, QK_DIM),
                          outs, scale_args,
                          (SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, PINGPONG, OVERLAP, EXP2_EMU,
                           EVEN_N, LAZY_RESCALE, FIXED_BASE, KV_AFFINE, MASK_AND),
                          mod_bufs)),
         (_consumer_wg1, (descs, bars, smem, sched, sp_ptrs, sp_meta,
                          (BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, HALF_M, HAS_SPARSE, HAS_FULL, SPARSE_Q_DIV,
-                          SPARSE_KV_MULT, PERSISTENT, O_STAGE),
+                          SPARSE_KV_MULT, PERSISTENT, O_STAGE, QK_DIM),
                          outs, scale_args,
                          (SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, PINGPONG, OVERLAP, EXP2_EMU,
                           EVEN_N, LAZY_RESCALE, FIXED_BASE, KV_AFFINE, MASK_AND),
                          mod_bufs)),
         (_producer_entry, (descs, bars, smem, sched, sp_ptrs, sp_meta,
                            (BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, HALF_M, HAS_SPARSE, HAS_FULL, SPARSE_Q_DIV,
-                            SPARSE_KV_MULT, PERSISTENT, O_STAGE),
+                            SPARSE_KV_MULT, PERSISTENT, O_STAGE, QK_DIM),
                            outs, scale_args,
                            (SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, PINGPONG, OVERLAP, EXP2_EMU,
                           EVEN_N, LAZY_RESCALE, FIXED_BASE, KV_AFFINE, MASK_AND),
@@ -937,10 +1014,12 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
     qk_unit = 1.0 if getattr(score_mod, "sm_scaled", False) else float(sm_scale)
     BLOCK_M, BLOCK_N = cfg.block_m, cfg.block_n
     HALF_M = BLOCK_M // 2
-    q_desc = _desc(q, [1, 1, HALF_M, D])
-    o_desc = _desc(out, [1, 1, HALF_M, D])
-    k_desc = _desc(k, [1, 1, BLOCK_N, D])
-    v_desc = _desc(v, [1, 1, BLOCK_N, D])
+    # tiles span the head dim padded to a power of two (TMA zero-fills / clips the columns past D)
+    D_TILE = tile_head_dim(D)
+    q_desc = _desc(q, [1, 1, HALF_M, D_TILE])
+    o_desc = _desc(out, [1, 1, HALF_M, D_TILE])
+    k_desc = _desc(k, [1, 1, BLOCK_N, D_TILE])
+    v_desc = _desc(v, [1, 1, BLOCK_N, D_TILE])
 
     has_sparse = kv_num_blocks is not None
     has_full = has_sparse and full_kv_num_blocks is not None
@@ -987,12 +1066,12 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
         HAS_SPARSE=has_sparse, HAS_FULL=has_full,
         SPARSE_Q_DIV=(sparse_q_block // BLOCK_M) if has_sparse else 1,
         SPARSE_KV_MULT=(sparse_kv_block // BLOCK_N) if has_sparse else 1,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, NUM_STAGES=cfg.num_stages,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D_TILE, NUM_STAGES=cfg.num_stages,
         PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, PERSISTENT=persistent,
         EXP2_EMU=exp2_emu, EVEN_N=(N % BLOCK_N == 0),
         LAZY_RESCALE=cfg.lazy_rescale, FIXED_BASE=fixed_base is not None, KV_AFFINE=kv_affine,
         MASK_AND=mask_mod is not None and mask_and_of(mask_mod),
-        O_STAGE=o_stage,
+        O_STAGE=o_stage, QK_DIM=D,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
