@@ -11,7 +11,8 @@ over all variants, odd rounds in reverse order (the spread is the noise). TFLOP/
 Variants, launched as the product launches them (max_needed=False); "table" = the config table's choice:
 noop; softcap (table: a fixed exponent base, no row max; at D=64 half the exp2 on the FMA pipe), softcap
 with the row max asked for ("softcap max"), noop and softcap with none / a quarter / half of the exp2
-columns on the FMA pipe (emu=0 / 1 / 2); ALiBi (table), "alibi folded" (generated as
+columns on the FMA pipe (emu=0 / 1 / 2); noop and softcap without pingpong (both consumer warpgroups' softmax
+may then share the special-function unit); ALiBi (table), "alibi folded" (generated as
 qk + slope/sm_scale * (kv - q)) and "alibi unfolded", its twin that forms score = qk * sm_scale first
 (launched for sm_scale <= 0 and at D=64; what modgen generated before that fold); "alibi affine=off"
 and "relbias affine=off" evaluate those KV_AFFINE mods per score instead of as column / tile / row parts. Shapes are BxHxS or BxHxSxD (D 128 by default). With --baseline (a copy of an older fwd_sm90.py, imports made
@@ -132,6 +133,8 @@ def main():
             ("softcap emu=0", launch, g_soft, dict(exp2_emu=0, sfu_mod_exp2_emu=0), "softcap"),
             ("softcap emu=1", launch, g_soft, dict(exp2_emu=1), "softcap"),
             ("softcap emu=2", launch, g_soft, dict(exp2_emu=2), "softcap"),
+            ("softcap pingpong=off", launch, g_soft, dict(pingpong=False), "softcap"),
+            ("noop pingpong=off", launch, None, dict(pingpong=False), "noop"),
             ("alibi", launch, g_alibi, {}, "alibi"),
             ("alibi folded", launch, g_alibi, dict(fold_sm_scale=True), "alibi"),
             ("alibi unfolded", launch, g_alibi.unfolded, {}, "alibi"),

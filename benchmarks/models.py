@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Model benchmark: transformers models nobody edited, forward time under each compiler.
 
-For Llama, Mistral, Qwen2, Gemma2 and Phi3 at realistic layer sizes (the real models' hidden
+For Llama, Mistral, Qwen2, Gemma2, Phi3 (medium) and Phi3 mini at realistic layer sizes (the real models' hidden
 size, heads, KV heads, head dim, sliding windows and softcaps; 2 layers, random weights, bf16,
 batch 1) and seqlen 2k/4k/8k, times the base model's forward (no LM head) as:
 
@@ -44,7 +44,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-MODELS = ("llama", "mistral", "qwen2", "gemma2", "phi3")
+MODELS = ("llama", "mistral", "qwen2", "gemma2", "phi3", "phi3mini")
 IMPLS = ("fa3", "inductor", "sdpa")
 EXTRA_IMPLS = ("inductor_sdpa", "fa3_sdpa")
 SEQLENS = (4096, 2048, 8192)  # most telling first: a budget cut loses the least
@@ -68,6 +68,10 @@ REAL = {
     "phi3": ("Phi3Config", "Phi-3-medium-4k", dict(
         hidden_size=5120, num_attention_heads=40, num_key_value_heads=10,
         intermediate_size=17920, sliding_window=2047, pad_token_id=0)),
+    # head dim 96 (3072 / 32): the Hopper template's padded tiles
+    "phi3mini": ("Phi3Config", "Phi-3-mini-4k", dict(
+        hidden_size=3072, num_attention_heads=32, num_key_value_heads=32,
+        intermediate_size=8192, sliding_window=2047, pad_token_id=0)),
 }
 # --smoke: the tests' tiny shapes (CPU, float32, a few seconds per model).
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
