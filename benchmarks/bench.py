@@ -23,7 +23,7 @@ Examples::
     python3 benchmarks/bench.py --preset quick            # ~7-8 minutes on an H100/H200 (420 s budget)
     python3 benchmarks/bench.py --preset full --budget-s 3000
     python3 benchmarks/bench.py --preset quick --mods softcap --head-dims 128
-    python3 benchmarks/bench.py --preset padded            # D=96 / 192 (Hopper tiles padded to 128 / 256)
+    python3 benchmarks/bench.py --preset padded            # D=80 / 96 / 160 / 192 (Hopper tiles of 128 / 256)
     python3 benchmarks/bench.py --preset smoke --out /tmp/b   # CPU: checks the harness itself
     python3 benchmarks/bench.py --render benchmarks/results/bench-nvidia-h200-....json
 
@@ -71,7 +71,7 @@ SDPA_MODS = ("noop", "causal")  # cuDNN / FA2 SDPA serve only these
 SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION}
 DIRECTIONS = ("fwd", "fwd+bwd")
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
-HEAD_DIMS = (64, 96, 128, 192, 256)
+HEAD_DIMS = (64, 80, 96, 128, 160, 192, 256)
 TOKENS = 16384  # batch × seqlen, as in the FA3 paper
 HIDDEN = 2048  # heads × head_dim
 SOFTCAP = 30.0
@@ -142,9 +142,10 @@ def preset_cases(preset: str) -> list[Case]:
         cases += [P(m, 128, n, "fwd") for m in ("alibi", "sliding_window", "document") for n in SEQLENS]
         return cases
     if preset == "padded":
-        # head dims that the Hopper template runs in power-of-two tiles (96 in 128, 192 in 256): heads =
-        # 2048 // D (21, 10), so the hidden size is 2016 / 1920
-        return [P(m, d, n, "fwd") for d in (96, 192) for m in ("noop", "causal", "softcap") for n in (2048, 8192)]
+        # head dims that the Hopper template runs in power-of-two tiles (80 / 96 in 128, 160 / 192 in 256):
+        # heads = 2048 // D (25, 21, 12, 10), so the hidden size is 2000 / 2016 / 1920 / 1920
+        cases = [P(m, d, n, "fwd") for d in (96, 192) for m in ("noop", "causal", "softcap") for n in (2048, 8192)]
+        return cases + [P(m, d, n, "fwd") for d in (80, 160) for m in ("noop", "causal") for n in (2048, 8192)]
     if preset == "full":
         return [P(m, d, n, direction) for direction in DIRECTIONS for d in (128, 64, 256) for m in MODS for n in SEQLENS]
     raise ValueError(f"unknown preset {preset!r}; expected one of smoke, quick, padded, full")
@@ -682,8 +683,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="FLOP rule: " + FLOP_RULE)
     p.add_argument("--preset", choices=("smoke", "quick", "padded", "full"), default="quick",
-                   help="smoke: tiny CPU harness check; quick: fits a 10-minute GPU command; padded: head dims 96 "
-                        "and 192 (hidden 2016 / 1920); full: everything")
+                   help="smoke: tiny CPU harness check; quick: fits a 10-minute GPU command; padded: head dims 80, "
+                        "96, 160 and 192 (hidden 2000 / 2016 / 1920); full: everything")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="output directory")
     p.add_argument("--rounds", type=int, default=TIMING_ROUNDS,
                    help="interleaved timing rounds per case (odd rounds in reverse order); the median is reported")

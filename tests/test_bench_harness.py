@@ -157,7 +157,7 @@ def test_presets_follow_the_paper_shapes():
     fwd128 = {(c.mod, c.seqlen) for c in quick if c.head_dim == 128 and c.direction == "fwd"}
     assert fwd128 == {(m, n) for m in bench.MODS for n in bench.SEQLENS}
     padded = bench.preset_cases("padded")
-    assert {c.head_dim for c in padded} == {96, 192} and all(c.heads == 2048 // c.head_dim for c in padded)
+    assert {c.head_dim for c in padded} == {80, 96, 160, 192} and all(c.heads == 2048 // c.head_dim for c in padded)
     assert {(c.mod, c.seqlen) for c in quick if c.direction == "fwd+bwd"} == {(m, 4096) for m in ("noop", "causal", "softcap")}
     assert {(c.head_dim, c.mod, c.seqlen) for c in quick if c.head_dim != 128} == {
         (d, m, n) for d in (64, 256) for m in ("noop", "causal", "softcap") for n in (4096, 16384)

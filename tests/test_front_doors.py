@@ -122,9 +122,10 @@ def test_gpu_generic_template(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D, template", [(80, "generic"), (96, "hopper"), (192, "hopper")])
+@pytest.mark.parametrize("D, template", [(80, "hopper"), (96, "hopper"), (112, "generic"), (192, "hopper")])
 def test_gpu_padded_head_dims(D, template):
-    # 96 / 192 run on the Hopper template (sm90) in power-of-two tiles; 80 has no table entry there
+    # 80 / 96 / 192 run on the Hopper template (sm90) in power-of-two tiles; 112 (64 + 48) does not split
+    # into powers of two and goes to the generic template
     if torch.cuda.get_device_capability() != (9, 0):
         template = "generic"
     _check("flex", "softcap+causal", "cuda", torch.bfloat16, B=1, HQ=2, HKV=2, M=257, D=D,

@@ -21,7 +21,7 @@ from triton.experimental.gluon import language as gl
 
 from fa3_inductor.templates.aot import sass_report
 from fa3_inductor.templates.hopper import all_configs, compile_sm90, get_config
-from fa3_inductor.templates.hopper.configs import tile_head_dim
+from fa3_inductor.templates.hopper.configs import SUPPORTED_HEAD_DIMS, split_head_dim, tile_head_dim
 
 pytestmark = pytest.mark.sm90_compile
 SMEM_LIMIT = 227 * 1024
@@ -68,9 +68,7 @@ def _check(ck, cfg, head_dim, block_n, dtype_tag, max_stack=0):
     # SASS spells bf16 wgmma "HGMMA.64xNx16.F32.BF16" and fp16 "HGMMA.64xNx16.F32" (no suffix).
     hgmma = set(re.findall(r"HGMMA\.(\d+x\d+x\d+)\.F32(?:\.(BF16))?\b", sass))
     assert (f"64x{block_n}x16", dtype_tag) in hgmma, f"no QK^T wgmma 64x{block_n}x16: {hgmma}"
-    d_tile = tile_head_dim(head_dim)   # a padded head dim (D=96 in 128) splits O: 64 + 32 columns
-    pv_widths = [head_dim] if d_tile == head_dim else [d_tile // 2, head_dim - d_tile // 2]
-    for n in pv_widths:
+    for n in [w for w in split_head_dim(head_dim) if w]:   # a padded head dim splits O (96: 64 + 32)
         assert (f"64x{n}x16", dtype_tag) in hgmma, f"no PV wgmma 64x{n}x16: {hgmma}"
     nregs = rep.setmaxnreg
     assert cfg.consumer_regs in nregs and cfg.producer_regs in nregs, f"setmaxnreg missing or dropped: {nregs}"
@@ -93,7 +91,7 @@ def _sparse_tensors(M, N, qb, kvb):
     return num, idx, num.clone(), idx.clone()
 
 
-@pytest.mark.parametrize("D", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("D", [64, 80, 96, 128, 160, 192, 256])
 @pytest.mark.parametrize("variant", ["sparse_causal_softcap", "dense_document_headbias"])
 def test_mod_and_sparse_variants_compile(D, variant):
     dtype = torch.bfloat16
@@ -124,7 +122,16 @@ def test_ablation_variants_compile(over):
     _check(ck, cfg, 128, cfg.block_n, "BF16")
 
 
-@pytest.mark.parametrize("D, padded", [(96, 128), (192, 256)])
+def test_every_padded_head_dim_splits_into_powers_of_two():
+    """A head dim in the table that is not a power of two must split into LO + HI columns, both powers of
+    two with HI at least one wgmma K step (16): the kernel's column slices and accumulators need it."""
+    for d in SUPPORTED_HEAD_DIMS:
+        lo, hi = split_head_dim(d)
+        assert lo + hi == d, d
+        assert hi == 0 or (hi >= 16 and hi & (hi - 1) == 0 and lo == tile_head_dim(d) // 2), (d, lo, hi)
+
+
+@pytest.mark.parametrize("D, padded", [(80, 128), (96, 128), (160, 256), (192, 256)])
 def test_padded_head_dim_skips_the_zero_columns(D, padded):
     """D=96 / 192 run in 128 / 256-wide tiles, but neither GEMM multiplies the zero-filled columns: QK^T
     stops its K steps at D, and O is two accumulators (D/2 + D/4 wide: powers of two) instead of one of

@@ -252,12 +252,14 @@ CASES = [
     (2, 4, 4, 400, 450, 128, torch.bfloat16, "softcap", None, False, "bhsd"),
     (1, 4, 4, 400, 400, 128, torch.bfloat16, "alibi", "causal", True, "bhsd"),
     (1, 4, 4, 300, 333, 64, torch.float16, "head_bias", None, False, "bhsd"),
-    # head dims padded to a power of two (96 in 128-wide tiles, 192 in 256)
+    # head dims padded to a power of two (80 / 96 in 128-wide tiles, 160 / 192 in 256)
     (1, 8, 2, 333, 517, 96, torch.bfloat16, None, None, False, "bshd"),
     (1, 4, 4, 700, 700, 96, torch.float16, "softcap", "causal", True, "bhsd"),
     (1, 4, 4, 600, 600, 96, torch.bfloat16, "alibi", "document", True, "bshd"),
     (1, 4, 2, 640, 900, 192, torch.bfloat16, None, "causal", True, "bhsd"),
     (1, 4, 4, 300, 333, 192, torch.float16, "head_bias", None, False, "bshd"),
+    (1, 8, 2, 333, 517, 80, torch.bfloat16, None, None, False, "bshd"),
+    (1, 4, 4, 600, 600, 160, torch.float16, "softcap", "causal", True, "bhsd"),
 ]
 
 
@@ -290,10 +292,10 @@ def test_persistent_many_tiles_per_cta(D, o_stage):
     _run_case(2, 37, 37, 1000, 1000, D, torch.bfloat16, "softcap", "causal", True, "bhsd", config=cfg, seed=13)
 
 
-@pytest.mark.parametrize("D", [96, 192])
+@pytest.mark.parametrize("D", [80, 96, 160, 192])
 @pytest.mark.parametrize("persistent", [False, True])
 def test_padded_head_dim_writes_only_its_columns(D, persistent):
-    # D=96 / 192 run in 128 / 256-wide tiles: the output's row stride is D + 32 here, and the 32 columns
+    # D=80 / 96 / 160 / 192 run in 128 / 256-wide tiles: the output's row stride is D + 32 here, and the 32 columns
     # after each row (another tensor's memory) must keep their sentinel through the TMA store
     torch.manual_seed(41)
     B, H, M, N = 2, 4, 300, 333

@@ -163,6 +163,10 @@ _TABLE: dict[int, Sm90Config] = {
     # (bench-nvidia-h200-2026-11-22-1402, 21 heads): noop S2k / 8k 484 / 509 against cuDNN 458 / 437,
     # causal 413 / 460 against 378 / 413; with O padded to 128 columns 470 / 498 (-1354-pv-padded).
     96: Sm90Config(block_m=128, block_n=128, num_stages=2, persistent_to_8k=True),
+    # D=80 (Phi-2, Pythia): the same 128-wide tiles, QK^T and O as 64 + 16 columns. Same run as cuDNN
+    # (bench-nvidia-h200-2026-11-22-1421, 25 heads): noop S2k / 8k 436 / 440 against 380 / 371, causal
+    # 357 / 407 against 321 / 338.
+    80: Sm90Config(block_m=128, block_n=128, num_stages=2, persistent_to_8k=True),
     # D=256: O alone is 128 fp32 regs/thread, so BLOCK_N 64 (S 32 regs, P 16); 2 stages:
     # 64 KB Q + 128 KB K/V = 192 KB (3 stages would be 256 KB > 227 KB).
     # H100, B4 H16 S4096: 647 TFLOP/s vs cuDNN 637 in the same run. No room for the persistent mode's
@@ -172,6 +176,9 @@ _TABLE: dict[int, Sm90Config] = {
     # noop S2k / 8k 575 / 588 against cuDNN 610 / 624, causal 467 / 496 against 512 / 578 (0.86-0.94x):
     # BLOCK_N stays 64 (a power of two; 128 would need 256 registers with the overlap), where FA3 uses 112.
     192: Sm90Config(block_m=128, block_n=64, num_stages=2),
+    # D=160: the D=256 tiles, QK^T and O as 128 + 32 columns. Same run (-1421, 12 heads): noop S2k / 8k
+    # 499 / 534 against cuDNN 501 / 529, causal 433 / 465 against 425 / 483.
+    160: Sm90Config(block_m=128, block_n=64, num_stages=2),
 }
 
 
@@ -186,6 +193,20 @@ def tile_head_dim(head_dim: int) -> int:
         (128, 128)
     """
     return 1 << (head_dim - 1).bit_length()
+
+
+def split_head_dim(head_dim: int) -> tuple[int, int]:
+    """(LO, HI): the column widths the kernel's GEMMs cover for a head dim, LO + HI = head_dim, both
+    powers of two (HI = 0 for a power-of-two head dim). The table offers a padded head dim only where
+    HI is a power of two >= 16 (the wgmma K step): 80 = 64 + 16, 96 = 64 + 32, 160 = 128 + 32, 192 = 128 + 64.
+
+    Example::
+
+        >>> split_head_dim(96), split_head_dim(128)
+        ((64, 32), (128, 0))
+    """
+    tile = tile_head_dim(head_dim)
+    return (tile, 0) if tile == head_dim else (tile // 2, head_dim - tile // 2)
 
 SUPPORTED_HEAD_DIMS = tuple(sorted(_TABLE))
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -225,3 +246,4 @@ def fixed_base_for(dtype: torch.dtype, lo: float, hi: float) -> float | None:
     """
     headroom, widest = _FIXED_BASE_RANGE.get(dtype, (0.0, -1.0))
     return hi - headroom if 0.0 <= hi - lo <= widest else None
+
