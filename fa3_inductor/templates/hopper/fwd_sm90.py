@@ -8,8 +8,9 @@ Notation
   O  [z, hq, m, d]   output, written in place into the caller's tensor (any strides, last dim contiguous)
   M, N, D            query length, key/value length, head dim. M and N are arbitrary (ragged tails are
                      handled by TMA zero-fill on loads, TMA clipping on the O store, and an explicit
-                     kv_idx < N mask on the last KV tile). D = 96 / 192 run in 128 / 256-wide tiles
-                     (HEAD_DIM; QK_DIM = D): the GEMMs skip the zero-filled columns (_qk_mma, _pv_mma).
+                     kv_idx < N mask on the last KV tile). A head dim that is not a power of two (80, 96,
+                     160, 192) runs in 128 / 256-wide tiles (HEAD_DIM; QK_DIM = D): the GEMMs skip the
+                     zero-filled columns (_qk_mma, _pv_mma).
   LSE[z, hq, m]      log2-domain logsumexp of the (modded, masked) scores: logsumexp_e(s) / ln 2
   MAX[z, hq, m]      log2-domain row max:  max(s) / ln 2.   Fully masked row: O = 0, LSE = MAX = -inf.
   score_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs) -> the score (q . k) * sm_scale after the mod,
@@ -478,6 +479,16 @@ def _rescale_o(acc, alpha, rescale, LAZY_RESCALE: gl.constexpr, FIXED_BASE: gl.c
 
 
 @gluon.jit
+def _rescale_o_hi(acc_hi, alpha, rescale, LAZY_RESCALE: gl.constexpr, FIXED_BASE: gl.constexpr,
+                  SPLIT_O: gl.constexpr):
+    """_rescale_o for the second O accumulator of a split O (a no-op otherwise)."""
+    if SPLIT_O:
+        alpha_hi = gl.convert_layout(alpha, gl.SliceLayout(1, acc_hi.type.layout))   # same rows: no data moves
+        acc_hi = _rescale_o(acc_hi, alpha_hi, rescale, LAZY_RESCALE, FIXED_BASE)
+    return acc_hi
+
+
+@gluon.jit
 def _pingpong_wait(turn, t, WG: gl.constexpr, PINGPONG: gl.constexpr):
     if PINGPONG:
         mbarrier.wait(turn.index(WG), t & 1)
@@ -533,8 +544,8 @@ def _epilogue(acc, acc_hi, m_i, m_run, l_i, qk_scale, o_half, o_desc, lse_ptr, m
 @gluon.jit
 def _qk_mma(q_op, k_t, s_zero, QK_DIM: gl.constexpr):
     """Issue S = Q K^T (async) over the QK_DIM head-dim columns that hold data. Where the tiles are padded
-    (D=96 in 128 columns, 192 in 256), two wgmmas over the leading half and the next QK_DIM - half columns
-    skip the zero-filled tail's K steps."""
+    (D=96 in 128 columns: 64 + 32; D=192 in 256: 128 + 64), two wgmmas over the leading half and the next
+    QK_DIM - half columns skip the zero-filled tail's K steps."""
     HEAD_DIM: gl.constexpr = q_op.shape[1]
     if QK_DIM == HEAD_DIM:
         tok = warpgroup_mma(q_op, k_t, s_zero, use_acc=False, is_async=True)
@@ -550,8 +561,9 @@ def _qk_mma(q_op, k_t, s_zero, QK_DIM: gl.constexpr):
 @gluon.jit
 def _pv_mma(p, v, acc, acc_hi, SPLIT_O: gl.constexpr):
     """Issue O += P V (async). SPLIT_O: O is two accumulators over V's columns [0, LO) and [LO, LO + HI)
-    (a padded head dim: the zero-filled columns past it are never multiplied); returns (O tokens, the P
-    operand of the second wgmma), to be waited on with _pv_wait."""
+    (a padded head dim: the zero-filled columns past it are never multiplied). Returns the two O tokens
+    and the P operand of the second wgmma, all three to be kept alive through warpgroup_mma_wait (two wgmma
+    groups in flight when split)."""
     if SPLIT_O:
         LO: gl.constexpr = acc.shape[1]
         HI: gl.constexpr = acc_hi.shape[1]
@@ -724,12 +736,11 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                                                                           FIXED_BASE, KV_AFFINE)
                     if SPLIT_O:
                         acc, acc_hi, p, p_hi = warpgroup_mma_wait(0, deps=[o_tok, o_tok_hi, p, p_hi])
-                        acc_hi = _rescale_o(acc_hi, gl.convert_layout(alpha, gl.SliceLayout(1, acc_hi.type.layout)),
-                                            resc, LAZY_RESCALE, FIXED_BASE)
                     else:
                         acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
                     mbarrier.arrive(v_empty.index(prev_st), count=1)
                     acc = _rescale_o(acc, alpha, resc, LAZY_RESCALE, FIXED_BASE)
+                    acc_hi = _rescale_o_hi(acc_hi, alpha, resc, LAZY_RESCALE, FIXED_BASE, SPLIT_O)
                     p = p_new
                     prev_st = st
                     prev_ph = ph
@@ -768,9 +779,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                                                                   o_layout, dtype, EXP2_EMU, LAZY_RESCALE,
                                                                   FIXED_BASE, KV_AFFINE)
                 acc = _rescale_o(acc, alpha, resc, LAZY_RESCALE, FIXED_BASE)
-                if SPLIT_O:
-                    acc_hi = _rescale_o(acc_hi, gl.convert_layout(alpha, gl.SliceLayout(1, acc_hi.type.layout)),
-                                        resc, LAZY_RESCALE, FIXED_BASE)
+                acc_hi = _rescale_o_hi(acc_hi, alpha, resc, LAZY_RESCALE, FIXED_BASE, SPLIT_O)
                 mbarrier.wait(v_ready.index(st), ph)
                 t = _pingpong_wait(turn, t, WG, PINGPONG)
                 o_tok, o_tok_hi, p_hi = _pv_mma(p, v_cur, acc, acc_hi, SPLIT_O)
