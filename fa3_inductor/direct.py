@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import noop_mask
 
+from ._log import info_once
 from .config import Settings
 from .lowering.site_plan import plan_site
 from .templates.modgen import BufferSpec, UnsupportedMod, trace_mod
@@ -117,6 +118,8 @@ def _plan(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable],
         return _Plan(None, [], [], f"mod not lowerable: {exc}")
     if spec is None:
         return _Plan(None, [], [], reason)
+    if spec.note:
+        info_once(f"fa3_inductor: {spec.note} ({spec.description})")
     # Buffers are baked into the generated code with their strides: pass them as traced.
     return _Plan(spec.to_json(), list(score_bufs), list(mask_bufs), None)
 

@@ -41,6 +41,7 @@ class FusedSite:
     template: str                    # "hopper" | "generic" | "torch" | "unknown"
     fallback_reason: Optional[str] = None   # why torch's kernel runs it (template "torch")
     shape: str = ""                  # as the lowering saw it: "q[B, H, M, D] kv[...] dtype dev"
+    note: str = ""                   # why an sm90 site runs the generic template
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -91,7 +92,7 @@ class ExplainReport:
                 rows.append((str(i), s.front_door, s.node, ", ".join(s.score_mods) or "-",
                              s.mask, str(s.gqa_groups),
                              s.template + (" (train)" if s.training else ""),
-                             s.fallback_reason or ""))
+                             s.fallback_reason or s.note or ""))
             widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]) - 1)]
             for r in rows:
                 cells = [r[c].ljust(widths[c]) for c in range(len(widths))] + [r[-1]]
@@ -138,16 +139,16 @@ def _link(recognized: list[RecognizedSite], lowered: list[LoweredSite]
         if low is None:
             unmatched.append(site)
         else:
-            site.template, site.fallback_reason, site.shape = (low.template,
-                                                                low.fallback_reason, low.shape)
+            site.template, site.fallback_reason, site.shape, site.note = (
+                low.template, low.fallback_reason, low.shape, low.note)
         fused.append(site)
     # Sites whose tag did not reach the lowering (an older torch that drops node meta): within
     # one explain() call the lowering meets them in program order, so pair them up in order
     # when the counts agree; otherwise say "unknown" rather than guess.
     if unmatched and len(unmatched) == len(untagged):
         for site, low in zip(unmatched, untagged):
-            site.template, site.fallback_reason, site.shape = (low.template,
-                                                                low.fallback_reason, low.shape)
+            site.template, site.fallback_reason, site.shape, site.note = (
+                low.template, low.fallback_reason, low.shape, low.note)
     return fused, unfused
 
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 import fa3_inductor
-from fa3_inductor.explain import _link
+from fa3_inductor.explain import ExplainReport, _link
 from fa3_inductor.lowering.report import LoweredSite, RecognizedSite
 
 
@@ -193,3 +193,39 @@ def test_rewritten_sites_pair_with_new_flex_nodes_in_program_order():
     assert all(site.site_id is None for site in three)
     # A node the user wrote (named in ``before``) is not a rewritten site's.
     assert not tag_rewritten(gm, [first.name], positions, [early, late])
+
+
+def _plan_on_sm90(monkeypatch, dtype, head_dim):
+    """plan_site for a plain site as if on an sm90 GPU (the device query patched: no GPU here)."""
+    from torch.nn.attention.flex_attention import noop_mask
+
+    from fa3_inductor.config import Settings
+    from fa3_inductor.lowering.site_plan import plan_site
+    from fa3_inductor.templates.modgen import trace_mod
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    score_gm, _ = trace_mod(lambda score, b, h, q_idx, kv_idx: score, "score")
+    mask_gm, _ = trace_mod(noop_mask, "mask")
+    spec, reason = plan_site(score_gm, mask_gm, [], [], device=torch.device("cuda"), dtype=dtype, q_heads=4,
+                             kv_heads=4, head_dim=head_dim, value_head_dim=head_dim, batches_match=True,
+                             sparse_blocks=(128, 128), settings=Settings(), description="test site")
+    assert reason is None
+    return spec
+
+
+@pytest.mark.parametrize("dtype, head_dim, template, says", [
+    (torch.bfloat16, 96, "hopper", ""),
+    (torch.bfloat16, 112, "generic", "no tiles for head dim 112"),
+    (torch.float32, 128, "generic", "float32 inputs"),
+])
+def test_an_sm90_site_on_the_generic_template_says_why(monkeypatch, dtype, head_dim, template, says):
+    spec = _plan_on_sm90(monkeypatch, dtype, head_dim)
+    assert spec.template == template
+    assert (says in spec.note) and (bool(spec.note) == bool(says)), spec.note
+
+
+def test_explain_shows_the_note_of_a_generic_site():
+    note = "Hopper template: no tiles for head dim 112 (it serves 64, 128); generic runs"
+    fused, _ = _link([RecognizedSite("sdpa", "y", True)], [LoweredSite("generic", "none", "none", "s1", note=note)])
+    assert fused[0].note == note
+    assert note in str(ExplainReport(fused, [], 1))

@@ -183,7 +183,7 @@ def _fa3_flex_lowering(query, key, value, subgraph, block_mask, scale, kernel_op
                                   kernel_options, score_mod_other_buffers,
                                   mask_mod_other_buffers)
     record_site(LoweredSite(spec.template, describe_mod_source(spec.score_mod_tl),
-                            describe_mod_source(spec.mask_mod_tl), shape, site_id=tag))
+                            describe_mod_source(spec.mask_mod_tl), shape, site_id=tag, note=spec.note))
     q, k, v = (ir.ExternKernel.require_stride1(ir.ExternKernel.realize_input(x))
                for x in (query, key, value))
     score_bufs = [ir.ExternKernel.require_contiguous(b) for b in score_mod_other_buffers

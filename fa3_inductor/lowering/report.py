@@ -20,6 +20,7 @@ class LoweredSite:
     shape: str                    # "q[B,H,M,D] kv[B,Hkv,N,D] dtype"
     fallback_reason: Optional[str] = None
     site_id: Optional[int] = None  # the RecognizedSite this came from (see SITE_TAG)
+    note: str = ""                # why an sm90 site runs the generic template (SiteSpec.note)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -34,9 +35,9 @@ def record_site(site: LoweredSite) -> None:
         log.info("fa3_inductor: flex_attention %s -> torch's kernel: %s%s", site.shape,
                  site.fallback_reason, _site_suffix(site.site_id))
     else:
-        log.info("fa3_inductor: flex_attention %s -> %s template (score_mod: %s; mask_mod: %s)%s",
+        log.info("fa3_inductor: flex_attention %s -> %s template (score_mod: %s; mask_mod: %s)%s%s",
                  site.shape, site.template, site.score_mod, site.mask_mod,
-                 _site_suffix(site.site_id))
+                 f" [{site.note}]" if site.note else "", _site_suffix(site.site_id))
 
 
 def _site_suffix(site_id: Optional[int]) -> str:

@@ -79,13 +79,32 @@ def plan_site(score_gm: torch.fx.GraphModule, mask_gm: torch.fx.GraphModule,
             generate_mod_source(score_gm, "score", score_specs, dialect)
         sources[f"mask_mod_{dialect}"] = None if is_constant_true_mask(mask_gm) else \
             generate_mod_source(mask_gm, "mask", mask_specs, dialect)
-    template = "generic"
+    template, note = "generic", ""
     on_hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-    hopper_ok = on_hopper and dtype != torch.float32
-    if settings.template in ("auto", "hopper") and hopper_ok and head_dim in _hopper_head_dims():
-        template = "hopper"
-    return SiteSpec(template=template, description=description, needs_max=needs_max,
+    if on_hopper and settings.template in ("auto", "hopper"):
+        note = _why_not_hopper(dtype, head_dim)
+        template = "generic" if note else "hopper"
+    return SiteSpec(template=template, description=description, needs_max=needs_max, note=note,
                     **sources), None
+
+
+def _why_not_hopper(dtype: torch.dtype, head_dim: int) -> str:
+    """Why the Hopper template cannot take a site on an sm90 GPU ("" when it can).
+
+    Example::
+
+        >>> _why_not_hopper(torch.bfloat16, 112)   # doctest: +SKIP
+        'Hopper template: no tiles for head dim 112 (it serves 64, 80, 96, 128, 160, 192, 256); generic runs'
+    """
+    dims = _hopper_head_dims()
+    if not dims:
+        return "Hopper template unavailable (triton's Gluon could not be imported); generic runs"
+    if dtype == torch.float32:
+        return "Hopper template: float32 inputs (it serves float16 and bfloat16); generic runs"
+    if head_dim not in dims:
+        return (f"Hopper template: no tiles for head dim {head_dim} (it serves "
+                f"{', '.join(map(str, dims))}); generic runs")
+    return ""
 
 
 def _is_pow2_at_least_16(x: int) -> bool:

@@ -31,6 +31,8 @@ class SiteSpec:
     description: str = ""
     # Whether anything reads the row-max output; if not, a bounded score_mod may skip computing it.
     needs_max: bool = True
+    # Why a site on an sm90 GPU got the generic template instead of the Hopper one ("" otherwise).
+    note: str = ""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
