@@ -133,9 +133,9 @@ def test_every_padded_head_dim_splits_into_powers_of_two():
 
 @pytest.mark.parametrize("D, padded", [(80, 128), (96, 128), (160, 256), (192, 256)])
 def test_padded_head_dim_skips_the_zero_columns(D, padded):
-    """D=96 / 192 run in 128 / 256-wide tiles, but neither GEMM multiplies the zero-filled columns: QK^T
-    stops its K steps at D, and O is two accumulators (D/2 + D/4 wide: powers of two) instead of one of
-    the padded width. So the wgmma work (sum of the 64xNx16 instructions' N) is D / padded of the
+    """D=80 / 96 / 160 / 192 run in 128 / 256-wide tiles, but neither GEMM multiplies the zero-filled
+    columns: QK^T stops its K steps at D, and O is two accumulators (tile/2 and D - tile/2 wide, both
+    powers of two) instead of one of the padded width. So the wgmma work (sum of the 64xNx16 instructions' N) is D / padded of the
     padded head dim's, with no spills and the same shared-memory traffic (no extra STS / LDS / SHFL)."""
     def report(d):
         q, k, v, o, lse, mx = _inputs(d, torch.bfloat16)

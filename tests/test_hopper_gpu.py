@@ -295,8 +295,8 @@ def test_persistent_many_tiles_per_cta(D, o_stage):
 @pytest.mark.parametrize("D", [80, 96, 160, 192])
 @pytest.mark.parametrize("persistent", [False, True])
 def test_padded_head_dim_writes_only_its_columns(D, persistent):
-    # D=80 / 96 / 160 / 192 run in 128 / 256-wide tiles: the output's row stride is D + 32 here, and the 32 columns
-    # after each row (another tensor's memory) must keep their sentinel through the TMA store
+    # D=80 / 96 / 160 / 192 run in 128 / 256-wide tiles: the output's row stride is D + 32 here, and the
+    # 32 columns after each row (another tensor's memory) must keep their sentinel through the TMA store
     torch.manual_seed(41)
     B, H, M, N = 2, 4, 300, 333
     q, k, v = (torch.randn(B, H, n, D, device="cuda", dtype=torch.bfloat16) for n in (M, N, N))
