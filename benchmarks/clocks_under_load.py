@@ -27,8 +27,7 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from fa3_inductor import mods  # noqa: E402
 from fa3_inductor.templates.hopper import launch_fwd_sm90  # noqa: E402
-from fa3_inductor.templates.modgen import BufferSpec, generate_mod_source, load_mod, trace_mod  # noqa: E402
-from hopper_mods import reference  # noqa: E402  (this script's folder is on sys.path when it runs)
+from hopper_mods import gen, reference  # noqa: E402  (this script's folder is on sys.path when it runs)
 
 def _reasons_field() -> str:
     """Newer drivers call the active clock limiters 'clocks_event_reasons', older ones 'clocks_throttle_reasons'."""
@@ -38,11 +37,6 @@ def _reasons_field() -> str:
         if probe.returncode == 0:
             return field
     return "clocks.max.sm"
-
-
-def generated(fn):
-    gm, bufs = trace_mod(fn, "score")
-    return load_mod(generate_mod_source(gm, "score", [BufferSpec.of(b) for b in bufs], "gl"), "gl")
 
 
 def start_sampling(reasons_field: str) -> subprocess.Popen:
@@ -68,7 +62,7 @@ def main() -> None:
     lse = torch.empty(B, H, S, device="cuda")
     mx = torch.empty(B, H, S, device="cuda")
     py_mods = {"noop": None, "softcap": mods.softcap(30.0), "alibi": mods.alibi(H)}
-    variants = {n: fn and generated(fn) for n, fn in py_mods.items()}
+    variants = {n: fn and gen(fn) for n, fn in py_mods.items()}
     flops = 4 * B * H * S * S * D
     rows = []
     field = _reasons_field()

@@ -139,17 +139,21 @@ def _link(recognized: list[RecognizedSite], lowered: list[LoweredSite]
         if low is None:
             unmatched.append(site)
         else:
-            site.template, site.fallback_reason, site.shape, site.note = (
-                low.template, low.fallback_reason, low.shape, low.note)
+            _take_lowering(site, low)
         fused.append(site)
     # Sites whose tag did not reach the lowering (an older torch that drops node meta): within
     # one explain() call the lowering meets them in program order, so pair them up in order
     # when the counts agree; otherwise say "unknown" rather than guess.
     if unmatched and len(unmatched) == len(untagged):
         for site, low in zip(unmatched, untagged):
-            site.template, site.fallback_reason, site.shape, site.note = (
-                low.template, low.fallback_reason, low.shape, low.note)
+            _take_lowering(site, low)
     return fused, unfused
+
+
+def _take_lowering(site: FusedSite, low: LoweredSite) -> None:
+    """Copy what the lowering decided for a site (template, why, shape, note) onto its report row."""
+    site.template, site.fallback_reason, site.shape, site.note = (
+        low.template, low.fallback_reason, low.shape, low.note)
 
 
 def explain(fn_or_module: Callable, *args: Any, compile_options: Optional[dict] = None,

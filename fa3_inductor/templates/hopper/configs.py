@@ -210,6 +210,7 @@ def split_head_dim(head_dim: int) -> tuple[int, int]:
     tile = tile_head_dim(head_dim)
     return (tile, 0) if tile == head_dim else (tile // 2, head_dim - tile // 2)
 
+
 SUPPORTED_HEAD_DIMS = tuple(sorted(_TABLE))
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -248,4 +249,3 @@ def fixed_base_for(dtype: torch.dtype, lo: float, hi: float) -> float | None:
     """
     headroom, widest = _FIXED_BASE_RANGE.get(dtype, (0.0, -1.0))
     return hi - headroom if 0.0 <= hi - lo <= widest else None
-

@@ -542,16 +542,13 @@ def _epilogue(acc, acc_hi, m_i, m_run, l_i, qk_scale, o_half, o_desc, lse_ptr, m
 
 
 @gluon.jit
-def _qk_mma(q_op, k_t, s_zero, QK_DIM: gl.constexpr):
-    """Issue S = Q K^T (async) over the QK_DIM head-dim columns that hold data. Where the tiles are padded
-    (D=96 in 128 columns: 64 + 32; D=192 in 256: 128 + 64), two wgmmas over the leading half and the next
-    QK_DIM - half columns skip the zero-filled tail's K steps."""
-    HEAD_DIM: gl.constexpr = q_op.shape[1]
-    if QK_DIM == HEAD_DIM:
+def _qk_mma(q_op, k_t, s_zero, LO: gl.constexpr, HI: gl.constexpr):
+    """Issue S = Q K^T (async) over the LO + HI head-dim columns that hold data (the consumer's O_LO / O_HI).
+    HI = 0: one wgmma over the whole tile. Padded tiles (D=96 in 128 columns: 64 + 32; D=192 in 256:
+    128 + 64): two wgmmas over column slices skip the zero-filled tail's K steps."""
+    if HI == 0:
         tok = warpgroup_mma(q_op, k_t, s_zero, use_acc=False, is_async=True)
     else:
-        LO: gl.constexpr = HEAD_DIM // 2
-        HI: gl.constexpr = QK_DIM - LO
         tok = warpgroup_mma(q_op.slice(0, LO, dim=1), k_t.slice(0, LO, dim=0), s_zero, use_acc=False,
                             is_async=True)
         tok = warpgroup_mma(q_op.slice(LO, HI, dim=1), k_t.slice(LO, HI, dim=0), tok, is_async=True)
@@ -563,7 +560,7 @@ def _pv_mma(p, v, acc, acc_hi, SPLIT_O: gl.constexpr):
     """Issue O += P V (async). SPLIT_O: O is two accumulators over V's columns [0, LO) and [LO, LO + HI)
     (a padded head dim: the zero-filled columns past it are never multiplied). Returns the two O tokens
     and the P operand of the second wgmma, all three to be kept alive through warpgroup_mma_wait (two wgmma
-    groups in flight when split)."""
+    groups in flight when split; _pv_done waits for them)."""
     if SPLIT_O:
         LO: gl.constexpr = acc.shape[1]
         HI: gl.constexpr = acc_hi.shape[1]
@@ -577,6 +574,17 @@ def _pv_mma(p, v, acc, acc_hi, SPLIT_O: gl.constexpr):
         tok_hi = acc_hi
         p_hi = p
     return tok, tok_hi, p_hi
+
+
+@gluon.jit
+def _pv_done(o_tok, o_tok_hi, p, p_hi, v, SPLIT_O: gl.constexpr):
+    """Wait until every wgmma (the PV issued by _pv_mma last) has retired; returns the O accumulators."""
+    if SPLIT_O:
+        acc, acc_hi, _p, _ph, _v = warpgroup_mma_wait(0, deps=[o_tok, o_tok_hi, p, p_hi, v])
+    else:
+        acc, _p, _v = warpgroup_mma_wait(0, deps=[o_tok, p, v])
+        acc_hi = o_tok_hi
+    return acc, acc_hi
 
 
 @gluon.jit
@@ -621,9 +629,9 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     # A padded head dim (QK_DIM < HEAD_DIM) splits O into accumulators of O_LO + O_HI = QK_DIM columns.
-    SPLIT_O: gl.constexpr = QK_DIM != HEAD_DIM
-    O_LO: gl.constexpr = HEAD_DIM // 2 if SPLIT_O else HEAD_DIM
+    O_LO: gl.constexpr = HEAD_DIM if QK_DIM == HEAD_DIM else HEAD_DIM // 2
     O_HI: gl.constexpr = QK_DIM - O_LO
+    SPLIT_O: gl.constexpr = O_HI > 0
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, O_LO, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -686,7 +694,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                 k_t = k_smem.index(st).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
                 mbarrier.wait(k_ready.index(st), ph)
                 t = _pingpong_wait(turn, t, WG, PINGPONG)
-                s_tok = _qk_mma(q_op, k_t, s_zero, QK_DIM)
+                s_tok = _qk_mma(q_op, k_t, s_zero, O_LO, O_HI)
                 _pingpong_signal(turn, WG, PINGPONG)
                 s_acc, _q, _k = warpgroup_mma_wait(0, deps=[s_tok, q_op, k_t])
                 mbarrier.arrive(k_empty.index(st), count=1)
@@ -714,7 +722,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                     mbarrier.wait(k_ready.index(st), ph)
                     mbarrier.wait(v_ready.index(prev_st), prev_ph)
                     t = _pingpong_wait(turn, t, WG, PINGPONG)
-                    s_tok = _qk_mma(q_op, k_t, s_zero, QK_DIM)
+                    s_tok = _qk_mma(q_op, k_t, s_zero, O_LO, O_HI)
                     o_tok, o_tok_hi, p_hi = _pv_mma(p, v_prev, acc, acc_hi, SPLIT_O)
                     _pingpong_signal(turn, WG, PINGPONG)
                     if SPLIT_O:   # wgmma groups retire in order: QK^T done, the two PV groups may not be
@@ -734,10 +742,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                     p_new, m_i, m_run, l_i, alpha, resc = _online_softmax(s, shift, m_i, m_run, l_i, qk_scale, p_layout,
                                                                           o_layout, dtype, EXP2_EMU, LAZY_RESCALE,
                                                                           FIXED_BASE, KV_AFFINE)
-                    if SPLIT_O:
-                        acc, acc_hi, p, p_hi = warpgroup_mma_wait(0, deps=[o_tok, o_tok_hi, p, p_hi])
-                    else:
-                        acc, p = warpgroup_mma_wait(0, deps=[o_tok, p])
+                    acc, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_prev, SPLIT_O)
                     mbarrier.arrive(v_empty.index(prev_st), count=1)
                     acc = _rescale_o(acc, alpha, resc, LAZY_RESCALE, FIXED_BASE)
                     acc_hi = _rescale_o_hi(acc_hi, alpha, resc, LAZY_RESCALE, FIXED_BASE, SPLIT_O)
@@ -751,10 +756,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                 t = _pingpong_wait(turn, t, WG, PINGPONG)
                 o_tok, o_tok_hi, p_hi = _pv_mma(p, v_prev, acc, acc_hi, SPLIT_O)
                 _pingpong_signal(turn, WG, PINGPONG)
-                if SPLIT_O:
-                    acc, acc_hi, _p, _ph, _v = warpgroup_mma_wait(0, deps=[o_tok, o_tok_hi, p, p_hi, v_prev])
-                else:
-                    acc, _p, _v = warpgroup_mma_wait(0, deps=[o_tok, p, v_prev])
+                acc, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_prev, SPLIT_O)
                 mbarrier.arrive(v_empty.index(prev_st), count=1)
         else:
             # No intra-warpgroup overlap: S_i, softmax_i, O += P_i V_i strictly in sequence.
@@ -767,7 +769,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                 v_cur = v_smem.index(st).reshape([BLOCK_N, HEAD_DIM])
                 mbarrier.wait(k_ready.index(st), ph)
                 t = _pingpong_wait(turn, t, WG, PINGPONG)
-                s_tok = _qk_mma(q_op, k_t, s_zero, QK_DIM)
+                s_tok = _qk_mma(q_op, k_t, s_zero, O_LO, O_HI)
                 _pingpong_signal(turn, WG, PINGPONG)
                 s_acc, _q, _k = warpgroup_mma_wait(0, deps=[s_tok, q_op, k_t])
                 mbarrier.arrive(k_empty.index(st), count=1)
@@ -784,10 +786,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                 t = _pingpong_wait(turn, t, WG, PINGPONG)
                 o_tok, o_tok_hi, p_hi = _pv_mma(p, v_cur, acc, acc_hi, SPLIT_O)
                 _pingpong_signal(turn, WG, PINGPONG)
-                if SPLIT_O:
-                    acc, acc_hi, _p, _ph, _v = warpgroup_mma_wait(0, deps=[o_tok, o_tok_hi, p, p_hi, v_cur])
-                else:
-                    acc, _p, _v = warpgroup_mma_wait(0, deps=[o_tok, p, v_cur])
+                acc, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_cur, SPLIT_O)
                 mbarrier.arrive(v_empty.index(st), count=1)
                 cnt += 1
             if O_STAGE:
