@@ -66,6 +66,17 @@ def score_mod(score, b, h, q_idx, kv_idx, bufs):
 """
 
 
+def config_overrides(words: list[str]) -> dict:
+    """["block_n=128", "overlap=off"] -> dict(block_n=128, overlap=False): Sm90Config fields for ablations."""
+    out = {}
+    for w in words:
+        key, _, val = w.partition("=")
+        out[key] = {"on": True, "off": False}.get(val, None)
+        if out[key] is None:
+            out[key] = int(val)
+    return out
+
+
 def gen(fn):
     gm, bufs = trace_mod(fn, "score")
     return load_mod(generate_mod_source(gm, "score", [BufferSpec.of(b) for b in bufs], "gl"), "gl")
@@ -97,7 +108,9 @@ def main():
     ap.add_argument("--lazy-ablation", action="store_true", help="also noop/softcap/alibi with lazy_rescale flipped")
     ap.add_argument("--no-emu", action="store_true", help="skip the exp2_emu variants")
     ap.add_argument("--variants", default=None,
-                    help="comma-separated variant names to keep (default: all), e.g. 'noop,alibi folded'")
+                    help="comma-separated variant names to keep (default: all), e.g. 'noop,alibi folded'; a name "
+                         "'<noop|softcap|alibi|relbias> field=value ...' adds that mod with Sm90Config overrides, "
+                         "e.g. 'noop block_n=128 num_stages=1 overlap=off'")
     ap.add_argument("--persistent-ablation", action="store_true",
                     help="also noop/softcap/alibi with the persistent schedule forced on and off")
     args = ap.parse_args()
@@ -161,12 +174,18 @@ def main():
         if args.no_emu:
             variants = [x for x in variants if "emu=" not in x[0]]
         if args.variants:
-            keep = {v.strip() for v in args.variants.split(",")}
-            variants = [x for x in variants if x[0] in keep]
+            keep = [v.strip() for v in args.variants.split(",")]
+            known = {x[0] for x in variants}
+            base_of = {"noop": (None, "noop"), "softcap": (g_soft, "softcap"), "alibi": (g_alibi, "alibi"),
+                       "relbias": (g_rel, "relbias")}
+            # "<mod> field=value ..." names not in the list above: that mod with those Sm90Config overrides
+            variants = [x for x in variants if x[0] in keep] + [
+                (v, launch, *base_of[v.split()[0]][:1], config_overrides(v.split()[1:]), base_of[v.split()[0]][1])
+                for v in keep if v not in known and v.split()[0] in base_of]
         refs = {}
         timed = []
         for vname, launch, smod, over, rkey in variants:
-            cfg = get_config(D, dtype, **over)
+            cfg = get_config(D, dtype, **over) if over else None   # None: the table's choice, as the product makes it
             out = torch.full_like(q, float("nan"))
             lse = torch.full((B, H, S), float("nan"), device="cuda")
             mx = torch.empty((B, H, S), device="cuda")
