@@ -131,32 +131,39 @@ def test_every_padded_head_dim_splits_into_powers_of_two():
         assert hi == 0 or (hi >= 16 and hi & (hi - 1) == 0 and lo == tile_head_dim(d) // 2), (d, lo, hi)
 
 
-@pytest.mark.parametrize("D, padded", [(80, 128), (96, 128), (160, 256), (192, 256)])
-def test_padded_head_dim_skips_the_zero_columns(D, padded):
-    """D=80 / 96 / 160 / 192 run in 128 / 256-wide tiles, but neither GEMM multiplies the zero-filled
-    columns: QK^T stops its K steps at D, and O is two accumulators (tile/2 and D - tile/2 wide, both
-    powers of two) instead of one of the padded width. So the wgmma work (sum of the 64xNx16 instructions' N) is D / padded of the
-    padded head dim's, with no spills and the same shared-memory traffic (no extra STS / LDS / SHFL)."""
-    def report(d):
-        q, k, v, o, lse, mx = _inputs(d, torch.bfloat16)
-        r = sass_report(compile_sm90(q, k, v, o, lse, mx, sm_scale=d ** -0.5))
-        assert r.spill_instructions == 0 and "USETMAXREG" in r.sass
-        return r
-    mine, full = report(D), report(padded)
-    work = [sum(int(n) for n in re.findall(r"HGMMA\.64x(\d+)x16\.F32", r.sass)) for r in (mine, full)]
-    assert work[0] * padded == work[1] * D, work
-    assert _mix(mine.sass, "STS", "LDS", "SHFL.BFLY") == _mix(full.sass, "STS", "LDS", "SHFL.BFLY")
+@pytest.mark.parametrize("D, fixed_base", [(80, False), (96, False), (160, False), (192, False), (192, True)])
+def test_padded_head_dim_skips_the_zero_columns(D, fixed_base):
+    """D=80 / 96 / 160 / 192 keep Q, K, V and O in two shared tiles each, LO + HI = D columns (split_smem:
+    no padding in shared memory), and neither GEMM multiplies padding: every QK^T site issues D / 16 K
+    steps of 64 x BLOCK_N, every PV site BLOCK_N / 16 of 64 x LO and of 64 x HI. So the wgmma work (sum of
+    the 64xNx16 instructions' N) is sites x 2 x BLOCK_N x D / 16, with sites counted from the 64 x HI ones
+    (64 x LO where HI = BLOCK_N)."""
+    cfg = get_config(D, torch.bfloat16, fixed_base=fixed_base)
+    assert cfg.split_smem
+    q, k, v, o, lse, mx = _inputs(D, torch.bfloat16)
+    r = sass_report(compile_sm90(q, k, v, o, lse, mx, sm_scale=D ** -0.5, config=cfg))
+    assert r.spill_instructions == 0 and "USETMAXREG" in r.sass
+    lo, hi = split_head_dim(D)
+    shapes = [int(n) for n in re.findall(r"HGMMA\.64x(\d+)x16\.F32", r.sass)]
+    only_pv = hi if hi != cfg.block_n else lo   # a PV width no QK^T shares
+    assert only_pv != cfg.block_n
+    sites, rest = divmod(shapes.count(only_pv), cfg.block_n // 16)
+    assert sites >= 1 and rest == 0, shapes
+    assert sum(shapes) == sites * 2 * cfg.block_n * D // 16, (sites, sum(shapes))
+    # shared memory: the Q tiles and the K / V rings of exactly D columns, plus the barriers
+    assert cfg.smem_bytes(D) <= r.shared < cfg.smem_bytes(D) + 1024, (r.shared, cfg.smem_bytes(D))
 
 
 @pytest.mark.parametrize("D", [64, 96, 128, 192, 256])
 def test_persistent_o_stage_fits(D):
     """Persistent: the separate O staging buffer is allocated where it fits (D=64/128: Q + O + K/V ring
-    <= 227 KB) and dropped at D=256; the kernel stays spill-free with setmaxnreg either way."""
+    <= 227 KB) and dropped at D=256 and for split tiles (D=96 / 192); spill-free with setmaxnreg either way."""
     cfg = get_config(D, torch.bfloat16, persistent=True)
     q, k, v, o, lse, mx = _inputs(D, torch.bfloat16, B=4, Hq=16, Hkv=16, M=2048, N=2048)
     ck = compile_sm90(q, k, v, o, lse, mx, sm_scale=D ** -0.5, config=cfg)
     shared = _check(ck, cfg, D, cfg.block_n, "BF16") and sass_report(ck).shared
-    assert (shared >= cfg.smem_bytes(D, o_stage=True)) == (tile_head_dim(D) <= 128), (D, shared)
+    # split shared tiles (padded head dims) stage O in the Q tiles
+    assert (shared >= cfg.smem_bytes(D, o_stage=True)) == (D in (64, 128)), (D, shared)
 
 
 def test_pingpong_switch_changes_code():

@@ -252,7 +252,8 @@ CASES = [
     (2, 4, 4, 400, 450, 128, torch.bfloat16, "softcap", None, False, "bhsd"),
     (1, 4, 4, 400, 400, 128, torch.bfloat16, "alibi", "causal", True, "bhsd"),
     (1, 4, 4, 300, 333, 64, torch.float16, "head_bias", None, False, "bhsd"),
-    # head dims padded to a power of two (80 / 96 in 128-wide tiles, 160 / 192 in 256)
+    # head dims that are not a power of two, in two shared tiles per operand (80 = 64 + 16, 96 = 64 + 32,
+    # 160 = 128 + 32, 192 = 128 + 64); 192: one K stage and two V stages
     (1, 8, 2, 333, 517, 96, torch.bfloat16, None, None, False, "bshd"),
     (1, 4, 4, 700, 700, 96, torch.float16, "softcap", "causal", True, "bhsd"),
     (1, 4, 4, 600, 600, 96, torch.bfloat16, "alibi", "document", True, "bshd"),
@@ -260,6 +261,9 @@ CASES = [
     (1, 4, 4, 300, 333, 192, torch.float16, "head_bias", None, False, "bshd"),
     (1, 8, 2, 333, 517, 80, torch.bfloat16, None, None, False, "bshd"),
     (1, 4, 4, 600, 600, 160, torch.float16, "softcap", "causal", True, "bhsd"),
+    (1, 8, 2, 333, 517, 160, torch.bfloat16, "alibi", None, False, "bshd"),
+    (1, 4, 4, 600, 600, 192, torch.bfloat16, None, "document", True, "bshd"),
+    (2, 4, 4, 500, 500, 192, torch.float16, "softcap", "holes", True, "bhsd"),
 ]
 
 
@@ -295,8 +299,8 @@ def test_persistent_many_tiles_per_cta(D, o_stage):
 @pytest.mark.parametrize("D", [80, 96, 160, 192])
 @pytest.mark.parametrize("persistent", [False, True])
 def test_padded_head_dim_writes_only_its_columns(D, persistent):
-    # D=80 / 96 / 160 / 192 run in 128 / 256-wide tiles: the output's row stride is D + 32 here, and the
-    # 32 columns after each row (another tensor's memory) must keep their sentinel through the TMA store
+    # D=80 / 96 / 160 / 192 store O as two tiles (LO + HI columns): the output's row stride is D + 32 here,
+    # and the 32 columns after each row (another tensor's memory) must keep their sentinel
     torch.manual_seed(41)
     B, H, M, N = 2, 4, 300, 333
     q, k, v = (torch.randn(B, H, n, D, device="cuda", dtype=torch.bfloat16) for n in (M, N, N))
@@ -387,6 +391,7 @@ def test_additive_mods_off_the_folded_path(name, sm_scale):
     (256, torch.bfloat16, 30.0, "causal", False),
     (128, torch.float16, 4.0, "causal", False),
     (128, torch.bfloat16, 60.0, None, True),         # every score at -cap: the bottom of P's range
+    (192, torch.bfloat16, 30.0, "causal", False),    # FIXED_BASE_TABLE's tiles (BLOCK_N 64, overlap)
 ])
 def test_bounded_softcap_with_a_fixed_exponent_base(D, dtype, cap, mask, saturate):
     """max_needed=False: softcap exponentiates against a fixed base (no row max): O and LSE match
@@ -412,6 +417,7 @@ def test_bounded_softcap_with_a_fixed_exponent_base(D, dtype, cap, mask, saturat
     _, kwargs, _ = _prepare(q, k, v, out, lse, mx, kw["sm_scale"], mod, kw["mask_mod"], (), (),
                             None, None, None, None, 128, 128, None, 132, False)
     assert kwargs["FIXED_BASE"], "this case must take the fixed-base path"
+    assert kwargs["BLOCK_N"] == get_config(D, dtype, fixed_base=True).block_n
     launch_fwd_sm90(q, k, v, out, lse, mx, max_needed=False, **kw)
     torch.cuda.synchronize()
 

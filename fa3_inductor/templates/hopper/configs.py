@@ -11,8 +11,9 @@ to a warpgroup) launch with maxnreg=168 (3*128*168 = 64512 <= 65536 registers), 
 setmaxnreg moves them to 240/240/24 (2*128*240 + 128*24 = 64512). If a config does not fit,
 Gluon silently drops setmaxnreg: the compile test catches that.
 
-Shared memory (bytes): Q tile BLOCK_M*D*2, plus NUM_STAGES*(K tile + V tile) = NUM_STAGES*2*BLOCK_N*D*2,
-plus in persistent mode an O staging tile BLOCK_M*D*2 where it fits (D=64: 128 KB, D=128: 192 KB in all).
+Shared memory (bytes): Q tile BLOCK_M*W*2, plus NUM_STAGES K tiles and V_STAGES V tiles of BLOCK_N*W*2,
+plus in persistent mode an O staging tile BLOCK_M*W*2 where it fits (D=64: 128 KB, D=128: 192 KB in all).
+W is the head dim (split_smem: two tiles per operand, LO + HI columns) or the next power of two (padded).
 Limit on sm90: 227 KB per CTA.
 """
 from __future__ import annotations
@@ -27,6 +28,11 @@ class Sm90Config:
     block_m: int = 128          # rows per CTA tile; 2 consumer warpgroups x 64 rows
     block_n: int = 128          # KV rows per pipeline stage
     num_stages: int = 2         # depth of the K/V shared-memory ring
+    v_stages: int | None = None  # depth of the V ring where it differs from the K ring's (None: num_stages)
+    # A padded head dim (80, 96, 160, 192) in two shared tiles per operand, [.., LO] and [.., HI], holding
+    # exactly D columns, instead of one tile padded to the next power of two (whose zero columns take
+    # shared memory but no wgmma): what lets D=160 / 192 hold BLOCK_N 128 tiles.
+    split_smem: bool = False
     pingpong: bool = True       # mbarrier pingpong between the two consumer warpgroups
     overlap: bool = True        # intra-warpgroup overlap: QK^T of tile j+1 before softmax of tile j
     # grid = #SMs, each CTA walks tile pairs (longest + shortest query block of a head); None (every
@@ -81,7 +87,9 @@ class Sm90Config:
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, o_stage: bool = False) -> int:
         o_rows = self.block_m if o_stage else 0
-        return elem_bytes * tile_head_dim(head_dim) * (self.block_m + o_rows + 2 * self.num_stages * self.block_n)
+        width = head_dim if self.split_smem else tile_head_dim(head_dim)
+        kv_rows = (self.num_stages + (self.v_stages or self.num_stages)) * self.block_n
+        return elem_bytes * width * (self.block_m + o_rows + kv_rows)
 
 
 SMEM_LIMIT = 227 * 1024   # bytes of shared memory a CTA may use on sm90 (barriers need a few more)
@@ -160,27 +168,40 @@ _TABLE: dict[int, Sm90Config] = {
     # 3 stages is slower in every run (565 / 577), as in the H200 prototype (585 / 600 vs 594 / 608).
     # Pingpong on vs off is inside the run-to-run noise on H100 (see DESIGN.md); kept on, as on H200.
     128: Sm90Config(block_m=128, block_n=128, num_stages=2, persistent_to_8k=True),
-    # D=96: the D=128 tiles in 128-wide shared-memory tiles (tile_head_dim); QK^T stops at 96 and O is
-    # 64 + 32 columns, so no wgmma multiplies the padding. H200, product path, same run as cuDNN
-    # (bench-nvidia-h200-2026-11-22-1402, 21 heads): noop S2k / 8k 484 / 509 against cuDNN 458 / 437,
-    # causal 413 / 460 against 378 / 413; with O padded to 128 columns 470 / 498 (-1354-pv-padded).
-    96: Sm90Config(block_m=128, block_n=128, num_stages=2, persistent_to_8k=True),
-    # D=80 (Phi-2, Pythia): the same 128-wide tiles, QK^T and O as 64 + 16 columns. Same run as cuDNN
-    # (bench-nvidia-h200-2026-11-22-1421, 25 heads): noop S2k / 8k 436 / 440 against 380 / 371, causal
-    # 357 / 407 against 321 / 338.
-    80: Sm90Config(block_m=128, block_n=128, num_stages=2, persistent_to_8k=True),
+    # D=96: the D=128 tiles, QK^T stopping at 96 and O as 64 + 32 columns, so no wgmma multiplies padding;
+    # Q / K / V / O as two shared tiles each, 64 + 32 columns (split_smem). H200, product path, same run as
+    # cuDNN (bench-nvidia-h200-2026-11-22-1402, 21 heads, one 128-wide padded tile per operand then): noop
+    # S2k / 8k 484 / 509 against cuDNN 458 / 437, causal 413 / 460 against 378 / 413; with O padded to 128
+    # columns 470 / 498 (-1354-pv-padded). Split against padded shared tiles, kernel launched directly, same
+    # run (hopper-mods-nvidia-h200-2026-11-22-1653-split-d96-d80): noop S8k 516 / 482, S2k 487 / 485; softcap and
+    # ALiBi within 3% either way; 3 stages 514 / 487 (no gain).
+    96: Sm90Config(block_m=128, block_n=128, num_stages=2, persistent_to_8k=True, split_smem=True),
+    # D=80 (Phi-2, Pythia): the same, 64 + 16 columns. Same run as cuDNN (bench-…-1421, 25 heads, padded
+    # tiles): noop S2k / 8k 436 / 440 against 380 / 371, causal 357 / 407 against 321 / 338. Split against
+    # padded (-1653-split-d96-d80): noop S8k 465 / 427, S2k 439 / 431; softcap 385 / 378 and 363 / 369.
+    80: Sm90Config(block_m=128, block_n=128, num_stages=2, persistent_to_8k=True, split_smem=True),
     # D=256: O alone is 128 fp32 regs/thread, so BLOCK_N 64 (S 32 regs, P 16); 2 stages:
     # 64 KB Q + 128 KB K/V = 192 KB (3 stages would be 256 KB > 227 KB).
     # H100, B4 H16 S4096: 647 TFLOP/s vs cuDNN 637 in the same run. No room for the persistent mode's
     # O staging buffer (64 KB Q + 64 KB O + 128 KB K/V > 227 KB): persistent reuses the Q buffer for O.
     256: Sm90Config(block_m=128, block_n=64, num_stages=2),
-    # D=192: the D=256 tiles in 256-wide shared-memory tiles, O as 128 + 64 columns. Same run (10 heads):
-    # noop S2k / 8k 575 / 588 against cuDNN 610 / 624, causal 467 / 496 against 512 / 578 (0.86-0.94x):
-    # BLOCK_N stays 64 (a power of two; 128 would need 256 registers with the overlap), where FA3 uses 112.
-    192: Sm90Config(block_m=128, block_n=64, num_stages=2),
-    # D=160: the D=256 tiles, QK^T and O as 128 + 32 columns. Same run (-1421, 12 heads): noop S2k / 8k
-    # 499 / 534 against cuDNN 501 / 529, causal 433 / 465 against 425 / 483.
-    160: Sm90Config(block_m=128, block_n=64, num_stages=2),
+    # D=192: split shared tiles (128 + 64 columns: 48 KB per 128-row operand instead of 64 KB padded) make
+    # room for BLOCK_N 128 with one K and two V stages (48 + 48 + 96 = 192 KB). Without the intra-warpgroup
+    # overlap: with it, S of two tiles + O (96) need more than 240 registers (58 spill instructions).
+    # Kernel launched directly, same run, B2 H10 S8k / B8 H10 S2k (hopper-mods-nvidia-h200-2026-11-22-1651-split-d192):
+    # padded BLOCK_N 64 tiles (the previous entry) 566 / 549, split BLOCK_N 64 600 / 566, split 128 with
+    # K 2 + V 1 stages 609 / 574, K 1 + V 2 622 / 584 (this entry). A fixed-base softcap (no row max, no O
+    # rescale) loses with it, 613 -> 544 and 562 -> 541: bounded launches take FIXED_BASE_TABLE's entry.
+    # Product path, same run as cuDNN (bench-nvidia-h200-2026-11-22-1703, 10 heads): noop S2k / 8k 580 / 618
+    # against 601 / 617, causal 499 / 562 against 501 / 565 (the previous entry: 0.92-0.93x and 0.88-0.91x).
+    192: Sm90Config(block_m=128, block_n=128, num_stages=1, v_stages=2, overlap=False, split_smem=True),
+    # D=160: split shared tiles (128 + 32 columns) fit BLOCK_N 128 with two K/V stages (40 + 160 = 200 KB),
+    # and S of two tiles + O (80 registers) fit 240 with the overlap. Same kind of run (-1652-split-d160), B2 H12 S8k / B8 H12
+    # S2k: padded BLOCK_N 64 tiles (the previous entry) noop 457 / 435, softcap 454 / 438; split BLOCK_N 64
+    # with 3 stages 542 / 532; split 128 noop 634 / 587 (without the overlap 568 / 523), softcap 604 / 571.
+    # Product path, same run as cuDNN (bench-…-1703, 12 heads): noop S2k / 8k 608 / 631 against 502 / 538,
+    # causal 496 / 583 against 429 / 487.
+    160: Sm90Config(block_m=128, block_n=128, num_stages=2, split_smem=True),
 }
 
 
@@ -211,25 +232,42 @@ def split_head_dim(head_dim: int) -> tuple[int, int]:
     return (tile, 0) if tile == head_dim else (tile // 2, head_dim - tile // 2)
 
 
+# Launches whose score_mod runs against a fixed exponent base (fixed_base_for: softcap; no row max, no O
+# rescale) where that wants other tiles than the table's: at D=192 the rescale the BLOCK_N 128 entry saves
+# is not there to save, and the overlap it gives up is worth more (see the 192 entry).
+FIXED_BASE_TABLE: dict[int, Sm90Config] = {
+    192: Sm90Config(block_m=128, block_n=64, num_stages=2, split_smem=True),
+}
+
 SUPPORTED_HEAD_DIMS = tuple(sorted(_TABLE))
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def get_config(head_dim: int, dtype: torch.dtype = torch.bfloat16, **overrides) -> Sm90Config:
-    """The table's config for (head_dim, dtype), with optional field overrides (for ablations)."""
+def get_config(head_dim: int, dtype: torch.dtype = torch.bfloat16, fixed_base: bool = False,
+               **overrides) -> Sm90Config:
+    """The table's config for (head_dim, dtype), with optional field overrides (for ablations).
+    fixed_base: for a launch whose scores run against a fixed exponent base (FIXED_BASE_TABLE).
+
+    Example::
+
+        >>> get_config(192).block_n, get_config(192, fixed_base=True).block_n
+        (128, 64)
+    """
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"sm90 forward: unsupported dtype {dtype}")
     if head_dim not in _TABLE:
         raise ValueError(f"sm90 forward: unsupported head dim {head_dim}")
-    cfg = _TABLE[head_dim]
+    cfg = FIXED_BASE_TABLE.get(head_dim, _TABLE[head_dim]) if fixed_base else _TABLE[head_dim]
     return replace(cfg, **overrides) if overrides else cfg
 
 
 def all_configs():
-    """Every shipped (head_dim, dtype, config) triple (the compile test iterates this)."""
-    for d, cfg in _TABLE.items():
-        for dt in SUPPORTED_DTYPES:
-            yield d, dt, cfg
+    """Every shipped (head_dim, dtype, config) triple (the compile test iterates this), the fixed-base
+    entries included."""
+    for table in (_TABLE, FIXED_BASE_TABLE):
+        for d, cfg in table.items():
+            for dt in SUPPORTED_DTYPES:
+                yield d, dt, cfg
 
 
 # Fixed exponent base (Sm90Config.fixed_base): p = 2^(t - base) for t within a bounded range of width

@@ -9,8 +9,10 @@ Notation
   M, N, D            query length, key/value length, head dim. M and N are arbitrary (ragged tails are
                      handled by TMA zero-fill on loads, TMA clipping on the O store, and an explicit
                      kv_idx < N mask on the last KV tile). A head dim that is not a power of two (80, 96,
-                     160, 192) runs in 128 / 256-wide tiles (HEAD_DIM; QK_DIM = D): the GEMMs skip the
-                     zero-filled columns (_qk_mma, _pv_mma).
+                     160, 192) splits into LO + HI columns, both powers of two (HEAD_DIM = 2 * LO is the
+                     padded width, QK_DIM = D): Q, K, V and O sit in two shared tiles each (SPLIT_SMEM, two
+                     TMA copies per tile), QK^T is two wgmmas and O two accumulators (_qk_mma, _pv_mma).
+                     Without SPLIT_SMEM (an ablation) one HEAD_DIM-wide tile per operand is zero-filled past D.
   LSE[z, hq, m]      log2-domain logsumexp of the (modded, masked) scores: logsumexp_e(s) / ln 2
   MAX[z, hq, m]      log2-domain row max:  max(s) / ln 2.   Fully masked row: O = 0, LSE = MAX = -inf.
   score_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs) -> the score (q . k) * sm_scale after the mod,
@@ -28,7 +30,8 @@ Block sparsity (torch BlockMask format; the index tensors are int32):
 
 Kernel roles (one CTA = one BLOCK_M x D output tile at a time; 3 warpgroups):
   * producer   (`_producer`, a 1-warp worker partition, padded to a warpgroup, 24 regs): TMA-loads the two
-               64-row halves of Q once per tile and K/V tiles into a NUM_STAGES ring guarded by mbarriers.
+               64-row halves of Q once per tile and K/V tiles into rings of NUM_STAGES (K) and V_STAGES (V)
+               stages guarded by mbarriers.
   * consumers  (`_consumer`, two 4-warp partitions = two warpgroups, 240 regs each): warpgroup w owns
                query rows [64w, 64w+64) of the tile. S = Q K^T and O += P V with wgmma; online softmax
                in registers with exp2 (log2 e folded into the scale); intra-warpgroup overlap (QK^T of
@@ -83,7 +86,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..modgen import kernel_score_mod, kv_affine_of, mask_and_of, out_range_of, sfu_ops_of
 from ..tma import tma_aligned
-from .configs import SMEM_LIMIT, Sm90Config, fixed_base_for, get_config, tile_head_dim, use_persistent
+from .configs import (SMEM_LIMIT, Sm90Config, fixed_base_for, get_config, split_head_dim, tile_head_dim,
+                      use_persistent)
 
 LOG2E = 1.4426950408889634
 
@@ -188,9 +192,9 @@ def _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, BLOCK_N: gl.constexpr, H
 # ----------------------------------------------------------------------------------------------
 @gluon.jit
 def _producer(descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_consts):
-    q_desc, k_desc, v_desc, o_desc = descs
+    q_desc, k_desc, v_desc, o_desc, q_desc_hi, k_desc_hi, v_desc_hi, o_desc_hi = descs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
-    q_smem, k_smem, v_smem, o_smem = smem
+    q_smem, k_smem, v_smem, o_smem, q_hi, k_hi, v_hi = smem
     num_tiles, num_m_tiles, HQ, GQA, M, N = sched
     BLOCK_M: gl.constexpr = cfg_consts[0]
     BLOCK_N: gl.constexpr = cfg_consts[1]
@@ -202,9 +206,16 @@ def _producer(descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_consts):
     SPARSE_Q_DIV: gl.constexpr = cfg_consts[7]
     SPARSE_KV_MULT: gl.constexpr = cfg_consts[8]
     PERSISTENT: gl.constexpr = cfg_consts[9]
+    V_STAGES: gl.constexpr = cfg_consts[12]
+    SPLIT_SMEM: gl.constexpr = cfg_consts[13]
+    LO: gl.constexpr = HEAD_DIM // 2   # SPLIT_SMEM: the hi tiles start at this column
 
-    q_bytes: gl.constexpr = q_desc.block_type.nbytes
-    kv_bytes: gl.constexpr = k_desc.block_type.nbytes
+    if SPLIT_SMEM:
+        q_bytes: gl.constexpr = q_desc.block_type.nbytes + q_desc_hi.block_type.nbytes
+        kv_bytes: gl.constexpr = k_desc.block_type.nbytes + k_desc_hi.block_type.nbytes
+    else:
+        q_bytes: gl.constexpr = q_desc.block_type.nbytes
+        kv_bytes: gl.constexpr = k_desc.block_type.nbytes
 
     n_it, pid, nprog = _tile_loop(num_tiles, PERSISTENT)
     cnt = 0   # KV tiles loaded so far (global ring counter)
@@ -221,21 +232,34 @@ def _producer(descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_consts):
             mbarrier.wait(q_empty.index(w), (t_local & 1) ^ 1)
             mbarrier.expect(q_ready.index(w), q_bytes)
             tma.async_copy_global_to_shared(q_desc, [b, h, m0 + w * HALF_M, 0], q_ready.index(w), q_smem.index(w))
+            if SPLIT_SMEM:
+                tma.async_copy_global_to_shared(q_desc_hi, [b, h, m0 + w * HALF_M, LO], q_ready.index(w),
+                                                q_hi.index(w))
         n_partial, n_total = _kv_counts(b, h, mt, N, sp_ptrs, sp_meta, BLOCK_M, BLOCK_N, HAS_SPARSE, HAS_FULL,
                                         SPARSE_Q_DIV, SPARSE_KV_MULT)
         for i in range(n_total):
             start = _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, BLOCK_N, HAS_SPARSE, SPARSE_Q_DIV,
                               SPARSE_KV_MULT)
-            s = cnt % NUM_STAGES
-            ph = (cnt // NUM_STAGES) & 1
-            mbarrier.wait(k_empty.index(s), ph ^ 1)
-            mbarrier.expect(k_ready.index(s), kv_bytes)
-            tma.async_copy_global_to_shared(k_desc, [b, hkv, start, 0], k_ready.index(s), k_smem.index(s))
-            mbarrier.wait(v_empty.index(s), ph ^ 1)
-            mbarrier.expect(v_ready.index(s), kv_bytes)
-            tma.async_copy_global_to_shared(v_desc, [b, hkv, start, 0], v_ready.index(s), v_smem.index(s))
+            _load_ring_stage(k_desc, k_desc_hi, k_ready, k_empty, k_smem, k_hi, cnt, [b, hkv, start], kv_bytes,
+                             NUM_STAGES, LO, SPLIT_SMEM)
+            _load_ring_stage(v_desc, v_desc_hi, v_ready, v_empty, v_smem, v_hi, cnt, [b, hkv, start], kv_bytes,
+                             V_STAGES, LO, SPLIT_SMEM)
             cnt += 1
         t_local += 1
+
+
+@gluon.jit
+def _load_ring_stage(desc, desc_hi, ready, empty, tiles, tiles_hi, cnt, row, nbytes: gl.constexpr,
+                     STAGES: gl.constexpr, LO: gl.constexpr, SPLIT_SMEM: gl.constexpr):
+    """TMA-load the rows at `row` ([b, head, first row]) into stage cnt % STAGES of a K or V ring, once both
+    consumer warpgroups released it; SPLIT_SMEM: columns [0, LO) and [LO, D) into the two tiles."""
+    s = cnt % STAGES
+    ph = (cnt // STAGES) & 1
+    mbarrier.wait(empty.index(s), ph ^ 1)
+    mbarrier.expect(ready.index(s), nbytes)
+    tma.async_copy_global_to_shared(desc, row + [0], ready.index(s), tiles.index(s))
+    if SPLIT_SMEM:
+        tma.async_copy_global_to_shared(desc_hi, row + [LO], ready.index(s), tiles_hi.index(s))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -502,16 +526,17 @@ def _pingpong_signal(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _epilogue(acc, acc_hi, m_i, m_run, l_i, qk_scale, o_half, o_desc, lse_ptr, max_ptr, b, h, row0, HQ, M,
-              o_layout: gl.constexpr, HALF_M: gl.constexpr, dtype: gl.constexpr, O_STAGE: gl.constexpr,
-              SPLIT_O: gl.constexpr):
+def _epilogue(acc, acc_hi, m_i, m_run, l_i, qk_scale, o_half, o_half_hi, o_desc, o_desc_hi, lse_ptr, max_ptr,
+              b, h, row0, HQ, M, o_layout: gl.constexpr, HALF_M: gl.constexpr, dtype: gl.constexpr,
+              O_STAGE: gl.constexpr, SPLIT_O: gl.constexpr, SPLIT_SMEM: gl.constexpr):
     """Normalise O, stage it in shared memory, TMA-store it; write LSE / MAX (log2 units).
 
     O_STAGE: o_half is this warpgroup's own O buffer; the store is left in flight (the next tile's
     epilogue, or the kernel's end, waits for it). Otherwise o_half is the warpgroup's Q half and the
     store is waited for here, before the caller hands the half back to the producer.
     SPLIT_O: O is acc (columns [0, LO)) and acc_hi (the next HI columns); the staged tile's columns past
-    them are left as they are, and the TMA store clips them (they lie past the head dim)."""
+    them are left as they are, and the TMA store clips them (they lie past the head dim). SPLIT_SMEM: the
+    two parts are staged in o_half and o_half_hi (the Q tiles) and stored by o_desc and o_desc_hi."""
     empty_row = l_i == 0.0
     l_safe = gl.where(empty_row, 1.0, l_i)
     inv_l = 1.0 / l_safe
@@ -523,12 +548,18 @@ def _epilogue(acc, acc_hi, m_i, m_run, l_i, qk_scale, o_half, o_desc, lse_ptr, m
         LO: gl.constexpr = acc.shape[1]
         HI: gl.constexpr = acc_hi.shape[1]
         o_hi = acc_hi * gl.convert_layout(inv_l, gl.SliceLayout(1, acc_hi.type.layout))[:, None]
-        o_tile.slice(0, LO, dim=1).store(o.to(dtype))
-        o_tile.slice(LO, HI, dim=1).store(o_hi.to(dtype))
+        if SPLIT_SMEM:
+            o_tile.store(o.to(dtype))
+            o_half_hi.reshape([HALF_M, HI]).store(o_hi.to(dtype))
+        else:
+            o_tile.slice(0, LO, dim=1).store(o.to(dtype))
+            o_tile.slice(LO, HI, dim=1).store(o_hi.to(dtype))
     else:
         o_tile.store(o.to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], o_half)
+    if SPLIT_SMEM:
+        tma.async_copy_shared_to_global(o_desc_hi, [b, h, row0, acc.shape[1]], o_half_hi)
 
     # l is relative to the exponent base m_run (log2 units); the true max m_i can be above it.
     lse = gl.where(empty_row, -float("inf"), m_run + gl.log2(l_safe))
@@ -542,12 +573,16 @@ def _epilogue(acc, acc_hi, m_i, m_run, l_i, qk_scale, o_half, o_desc, lse_ptr, m
 
 
 @gluon.jit
-def _qk_mma(q_op, k_t, s_zero, LO: gl.constexpr, HI: gl.constexpr):
+def _qk_mma(q_op, q_hi, k_t, k_hi, s_zero, LO: gl.constexpr, HI: gl.constexpr, SPLIT_SMEM: gl.constexpr):
     """Issue S = Q K^T (async) over the LO + HI head-dim columns that hold data (the consumer's O_LO / O_HI).
-    HI = 0: one wgmma over the whole tile. Padded tiles (D=96 in 128 columns: 64 + 32; D=192 in 256:
-    128 + 64): two wgmmas over column slices skip the zero-filled tail's K steps."""
+    HI = 0: one wgmma over the whole tile. Padded tiles (D=96 in 128 columns: 64 + 32): two wgmmas over
+    column slices skip the zero-filled tail's K steps. SPLIT_SMEM (D=160 / 192): Q and K sit in two shared
+    tiles each, [.., LO] and [.., HI] (q_hi, k_hi); the same two wgmmas read one tile each."""
     if HI == 0:
         tok = warpgroup_mma(q_op, k_t, s_zero, use_acc=False, is_async=True)
+    elif SPLIT_SMEM:
+        tok = warpgroup_mma(q_op, k_t, s_zero, use_acc=False, is_async=True)
+        tok = warpgroup_mma(q_hi, k_hi, tok, is_async=True)
     else:
         tok = warpgroup_mma(q_op.slice(0, LO, dim=1), k_t.slice(0, LO, dim=0), s_zero, use_acc=False,
                             is_async=True)
@@ -556,19 +591,62 @@ def _qk_mma(q_op, k_t, s_zero, LO: gl.constexpr, HI: gl.constexpr):
 
 
 @gluon.jit
-def _pv_mma(p, v, acc, acc_hi, SPLIT_O: gl.constexpr):
+def _qk_done(s_tok, q_op, q_hi, k_t, k_hi, SPLIT_SMEM: gl.constexpr):
+    """Wait until the QK^T issued by _qk_mma has retired (nothing else in flight); returns S."""
+    if SPLIT_SMEM:
+        s_acc, _q, _qh, _k, _kh = warpgroup_mma_wait(0, deps=[s_tok, q_op, q_hi, k_t, k_hi])
+    else:
+        s_acc, _q, _k = warpgroup_mma_wait(0, deps=[s_tok, q_op, k_t])
+    return s_acc
+
+
+@gluon.jit
+def _k_operands(k_smem, k_smem_hi, st, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, LO: gl.constexpr,
+                HI: gl.constexpr, SPLIT_SMEM: gl.constexpr):
+    """K^T of ring stage st as the B operand(s) of QK^T: (whole tile, same) or, SPLIT_SMEM, (lo, hi)."""
+    if SPLIT_SMEM:
+        k_t = k_smem.index(st).reshape([BLOCK_N, LO]).permute((1, 0))
+        k_t_hi = k_smem_hi.index(st).reshape([BLOCK_N, HI]).permute((1, 0))
+    else:
+        k_t = k_smem.index(st).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+        k_t_hi = k_t
+    return k_t, k_t_hi
+
+
+@gluon.jit
+def _v_operands(v_smem, v_smem_hi, st, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, LO: gl.constexpr,
+                HI: gl.constexpr, SPLIT_SMEM: gl.constexpr):
+    """V of ring stage st as the B operand(s) of PV: (whole tile, same) or, SPLIT_SMEM, (lo, hi)."""
+    if SPLIT_SMEM:
+        v = v_smem.index(st).reshape([BLOCK_N, LO])
+        v_hi = v_smem_hi.index(st).reshape([BLOCK_N, HI])
+    else:
+        v = v_smem.index(st).reshape([BLOCK_N, HEAD_DIM])
+        v_hi = v
+    return v, v_hi
+
+
+@gluon.jit
+def _pv_mma(p, v, v_hi, acc, acc_hi, SPLIT_O: gl.constexpr, SPLIT_SMEM: gl.constexpr):
     """Issue O += P V (async). SPLIT_O: O is two accumulators over V's columns [0, LO) and [LO, LO + HI)
-    (a padded head dim: the zero-filled columns past it are never multiplied). Returns the two O tokens
-    and the P operand of the second wgmma, all three to be kept alive through warpgroup_mma_wait (two wgmma
-    groups in flight when split; _pv_done waits for them)."""
+    (a padded head dim: the zero-filled columns past it are never multiplied), read as column slices of
+    one V tile, or (SPLIT_SMEM) as the two V tiles v and v_hi. Returns the two O tokens and the P operand
+    of the second wgmma, all three to be kept alive through warpgroup_mma_wait (two wgmma groups in
+    flight when split; _pv_done waits for them)."""
     if SPLIT_O:
         LO: gl.constexpr = acc.shape[1]
         HI: gl.constexpr = acc_hi.shape[1]
-        tok = warpgroup_mma(p, v.slice(0, LO, dim=1), acc, is_async=True)
+        if SPLIT_SMEM:
+            v_lo_op = v
+            v_hi_op = v_hi
+        else:
+            v_lo_op = v.slice(0, LO, dim=1)
+            v_hi_op = v.slice(LO, HI, dim=1)
+        tok = warpgroup_mma(p, v_lo_op, acc, is_async=True)
         # P's registers in the operand layout of the second accumulator (the same rows and columns per
         # thread: the conversion moves no data)
         p_hi = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=acc_hi.type.layout, k_width=2))
-        tok_hi = warpgroup_mma(p_hi, v.slice(LO, HI, dim=1), acc_hi, is_async=True)
+        tok_hi = warpgroup_mma(p_hi, v_hi_op, acc_hi, is_async=True)
     else:
         tok = warpgroup_mma(p, v, acc, is_async=True)
         tok_hi = acc_hi
@@ -577,9 +655,11 @@ def _pv_mma(p, v, acc, acc_hi, SPLIT_O: gl.constexpr):
 
 
 @gluon.jit
-def _pv_done(o_tok, o_tok_hi, p, p_hi, v, SPLIT_O: gl.constexpr):
+def _pv_done(o_tok, o_tok_hi, p, p_hi, v, v_hi, SPLIT_O: gl.constexpr, SPLIT_SMEM: gl.constexpr):
     """Wait until every wgmma (the PV issued by _pv_mma last) has retired; returns the O accumulators."""
-    if SPLIT_O:
+    if SPLIT_SMEM:
+        acc, acc_hi, _p, _ph, _v, _vh = warpgroup_mma_wait(0, deps=[o_tok, o_tok_hi, p, p_hi, v, v_hi])
+    elif SPLIT_O:
         acc, acc_hi, _p, _ph, _v = warpgroup_mma_wait(0, deps=[o_tok, o_tok_hi, p, p_hi, v])
     else:
         acc, _p, _v = warpgroup_mma_wait(0, deps=[o_tok, p, v])
@@ -590,9 +670,9 @@ def _pv_done(o_tok, o_tok_hi, p, p_hi, v, SPLIT_O: gl.constexpr):
 @gluon.jit
 def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_consts, outs, scale_args,
               mods, mod_bufs):
-    q_desc, k_desc, v_desc, o_desc = descs
+    q_desc, k_desc, v_desc, o_desc, q_desc_hi, k_desc_hi, v_desc_hi, o_desc_hi = descs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
-    q_smem, k_smem, v_smem, o_smem = smem
+    q_smem, k_smem, v_smem, o_smem, q_smem_hi, k_smem_hi, v_smem_hi = smem
     num_tiles, num_m_tiles, HQ, GQA, M, N = sched
     BLOCK_M: gl.constexpr = cfg_consts[0]
     BLOCK_N: gl.constexpr = cfg_consts[1]
@@ -606,6 +686,8 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
     PERSISTENT: gl.constexpr = cfg_consts[9]
     O_STAGE: gl.constexpr = cfg_consts[10]
     QK_DIM: gl.constexpr = cfg_consts[11]   # head-dim columns holding data (HEAD_DIM: the padded tile width)
+    V_STAGES: gl.constexpr = cfg_consts[12]   # depth of the V ring (the K ring's is NUM_STAGES)
+    SPLIT_SMEM: gl.constexpr = cfg_consts[13]   # Q / K / V / O tiles as [.., O_LO] + [.., O_HI] (no padding)
     lse_ptr, max_ptr = outs
     # qk_scale: score tile -> log2 units, folded into the exp2 argument: sm_scale·log2e for raw q.k,
     # the mod's OUT_SCALE·log2e after a score_mod (the host picks; see _prepare).
@@ -639,8 +721,16 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
 
 
     q_half = q_smem.index(WG)
-    q_op = q_half.reshape([HALF_M, HEAD_DIM])
+    if SPLIT_SMEM:
+        q_op = q_half.reshape([HALF_M, O_LO])
+        q_half_hi = q_smem_hi.index(WG)
+        q_op_hi = q_half_hi.reshape([HALF_M, O_HI])
+    else:
+        q_op = q_half.reshape([HALF_M, HEAD_DIM])
+        q_half_hi = q_half
+        q_op_hi = q_op
     if O_STAGE:
+        gl.static_assert(not SPLIT_SMEM, "SPLIT_SMEM reuses the Q tiles for O")
         o_half = o_smem.index(WG)
     else:
         o_half = q_half
@@ -691,12 +781,12 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                 ph = (cnt // NUM_STAGES) & 1
                 start = _kv_start(0, n_partial, b, h, mt, sp_ptrs, sp_meta, BLOCK_N, HAS_SPARSE, SPARSE_Q_DIV,
                                   SPARSE_KV_MULT)
-                k_t = k_smem.index(st).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+                k_t, k_t_hi = _k_operands(k_smem, k_smem_hi, st, BLOCK_N, HEAD_DIM, O_LO, O_HI, SPLIT_SMEM)
                 mbarrier.wait(k_ready.index(st), ph)
                 t = _pingpong_wait(turn, t, WG, PINGPONG)
-                s_tok = _qk_mma(q_op, k_t, s_zero, O_LO, O_HI)
+                s_tok = _qk_mma(q_op, q_op_hi, k_t, k_t_hi, s_zero, O_LO, O_HI, SPLIT_SMEM)
                 _pingpong_signal(turn, WG, PINGPONG)
-                s_acc, _q, _k = warpgroup_mma_wait(0, deps=[s_tok, q_op, k_t])
+                s_acc = _qk_done(s_tok, q_op, q_op_hi, k_t, k_t_hi, SPLIT_SMEM)
                 mbarrier.arrive(k_empty.index(st), count=1)
                 if O_STAGE:
                     if n_total == 1:   # the tile's only QK^T retired: release the Q half (see below)
@@ -708,8 +798,8 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                 p, m_i, m_run, l_i, alpha, resc = _online_softmax(s, shift, m_i, m_run, l_i, qk_scale, p_layout,
                                                                   o_layout, dtype, EXP2_EMU, LAZY_RESCALE,
                                                                   FIXED_BASE, KV_AFFINE)
-                prev_st = st
-                prev_ph = ph
+                prev_vst = cnt % V_STAGES
+                prev_vph = (cnt // V_STAGES) & 1
                 cnt += 1
                 # ---- steady state: issue S_{i} and O += P_{i-1} V_{i-1}, softmax S_i under the PV ----
                 for i in range(1, n_total):
@@ -717,13 +807,14 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                     ph = (cnt // NUM_STAGES) & 1
                     start = _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, BLOCK_N, HAS_SPARSE,
                                       SPARSE_Q_DIV, SPARSE_KV_MULT)
-                    k_t = k_smem.index(st).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-                    v_prev = v_smem.index(prev_st).reshape([BLOCK_N, HEAD_DIM])
+                    k_t, k_t_hi = _k_operands(k_smem, k_smem_hi, st, BLOCK_N, HEAD_DIM, O_LO, O_HI, SPLIT_SMEM)
+                    v_prev, v_prev_hi = _v_operands(v_smem, v_smem_hi, prev_vst, BLOCK_N, HEAD_DIM, O_LO, O_HI,
+                                                    SPLIT_SMEM)
                     mbarrier.wait(k_ready.index(st), ph)
-                    mbarrier.wait(v_ready.index(prev_st), prev_ph)
+                    mbarrier.wait(v_ready.index(prev_vst), prev_vph)
                     t = _pingpong_wait(turn, t, WG, PINGPONG)
-                    s_tok = _qk_mma(q_op, k_t, s_zero, O_LO, O_HI)
-                    o_tok, o_tok_hi, p_hi = _pv_mma(p, v_prev, acc, acc_hi, SPLIT_O)
+                    s_tok = _qk_mma(q_op, q_op_hi, k_t, k_t_hi, s_zero, O_LO, O_HI, SPLIT_SMEM)
+                    o_tok, o_tok_hi, p_hi = _pv_mma(p, v_prev, v_prev_hi, acc, acc_hi, SPLIT_O, SPLIT_SMEM)
                     _pingpong_signal(turn, WG, PINGPONG)
                     if SPLIT_O:   # wgmma groups retire in order: QK^T done, the two PV groups may not be
                         s_acc, o_tok, o_tok_hi = warpgroup_mma_wait(2, deps=[s_tok, o_tok, o_tok_hi])
@@ -742,22 +833,23 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                     p_new, m_i, m_run, l_i, alpha, resc = _online_softmax(s, shift, m_i, m_run, l_i, qk_scale, p_layout,
                                                                           o_layout, dtype, EXP2_EMU, LAZY_RESCALE,
                                                                           FIXED_BASE, KV_AFFINE)
-                    acc, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_prev, SPLIT_O)
-                    mbarrier.arrive(v_empty.index(prev_st), count=1)
+                    acc, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_prev, v_prev_hi, SPLIT_O, SPLIT_SMEM)
+                    mbarrier.arrive(v_empty.index(prev_vst), count=1)
                     acc = _rescale_o(acc, alpha, resc, LAZY_RESCALE, FIXED_BASE)
                     acc_hi = _rescale_o_hi(acc_hi, alpha, resc, LAZY_RESCALE, FIXED_BASE, SPLIT_O)
                     p = p_new
-                    prev_st = st
-                    prev_ph = ph
+                    prev_vst = cnt % V_STAGES
+                    prev_vph = (cnt // V_STAGES) & 1
                     cnt += 1
                 # ---- tail: O += P_last V_last ----
-                v_prev = v_smem.index(prev_st).reshape([BLOCK_N, HEAD_DIM])
-                mbarrier.wait(v_ready.index(prev_st), prev_ph)
+                v_prev, v_prev_hi = _v_operands(v_smem, v_smem_hi, prev_vst, BLOCK_N, HEAD_DIM, O_LO, O_HI,
+                                                SPLIT_SMEM)
+                mbarrier.wait(v_ready.index(prev_vst), prev_vph)
                 t = _pingpong_wait(turn, t, WG, PINGPONG)
-                o_tok, o_tok_hi, p_hi = _pv_mma(p, v_prev, acc, acc_hi, SPLIT_O)
+                o_tok, o_tok_hi, p_hi = _pv_mma(p, v_prev, v_prev_hi, acc, acc_hi, SPLIT_O, SPLIT_SMEM)
                 _pingpong_signal(turn, WG, PINGPONG)
-                acc, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_prev, SPLIT_O)
-                mbarrier.arrive(v_empty.index(prev_st), count=1)
+                acc, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_prev, v_prev_hi, SPLIT_O, SPLIT_SMEM)
+                mbarrier.arrive(v_empty.index(prev_vst), count=1)
         else:
             # No intra-warpgroup overlap: S_i, softmax_i, O += P_i V_i strictly in sequence.
             for i in range(n_total):
@@ -765,13 +857,15 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                 ph = (cnt // NUM_STAGES) & 1
                 start = _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, BLOCK_N, HAS_SPARSE, SPARSE_Q_DIV,
                                   SPARSE_KV_MULT)
-                k_t = k_smem.index(st).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-                v_cur = v_smem.index(st).reshape([BLOCK_N, HEAD_DIM])
+                k_t, k_t_hi = _k_operands(k_smem, k_smem_hi, st, BLOCK_N, HEAD_DIM, O_LO, O_HI, SPLIT_SMEM)
                 mbarrier.wait(k_ready.index(st), ph)
                 t = _pingpong_wait(turn, t, WG, PINGPONG)
-                s_tok = _qk_mma(q_op, k_t, s_zero, O_LO, O_HI)
+                s_tok = _qk_mma(q_op, q_op_hi, k_t, k_t_hi, s_zero, O_LO, O_HI, SPLIT_SMEM)
                 _pingpong_signal(turn, WG, PINGPONG)
-                s_acc, _q, _k = warpgroup_mma_wait(0, deps=[s_tok, q_op, k_t])
+                s_acc = _qk_done(s_tok, q_op, q_op_hi, k_t, k_t_hi, SPLIT_SMEM)
+                vst = cnt % V_STAGES
+                vph = (cnt // V_STAGES) & 1
+                v_cur, v_cur_hi = _v_operands(v_smem, v_smem_hi, vst, BLOCK_N, HEAD_DIM, O_LO, O_HI, SPLIT_SMEM)
                 mbarrier.arrive(k_empty.index(st), count=1)
                 s, shift = _score_tile(s_acc, start, i < n_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit,
                                        col_bias, N, score_bufs, mask_bufs, s_layout, BLOCK_N, SCORE_MOD, MASK_MOD,
@@ -782,12 +876,12 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                                                                   FIXED_BASE, KV_AFFINE)
                 acc = _rescale_o(acc, alpha, resc, LAZY_RESCALE, FIXED_BASE)
                 acc_hi = _rescale_o_hi(acc_hi, alpha, resc, LAZY_RESCALE, FIXED_BASE, SPLIT_O)
-                mbarrier.wait(v_ready.index(st), ph)
+                mbarrier.wait(v_ready.index(vst), vph)
                 t = _pingpong_wait(turn, t, WG, PINGPONG)
-                o_tok, o_tok_hi, p_hi = _pv_mma(p, v_cur, acc, acc_hi, SPLIT_O)
+                o_tok, o_tok_hi, p_hi = _pv_mma(p, v_cur, v_cur_hi, acc, acc_hi, SPLIT_O, SPLIT_SMEM)
                 _pingpong_signal(turn, WG, PINGPONG)
-                acc, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_cur, SPLIT_O)
-                mbarrier.arrive(v_empty.index(st), count=1)
+                acc, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_cur, v_cur_hi, SPLIT_O, SPLIT_SMEM)
+                mbarrier.arrive(v_empty.index(vst), count=1)
                 cnt += 1
             if O_STAGE:
                 mbarrier.arrive(q_empty.index(WG), count=1)
@@ -804,8 +898,8 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
         m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         r_o = gl.convert_layout(m_run, gl.SliceLayout(1, o_layout))
-        _epilogue(acc, acc_hi, m_o, r_o, l_o, qk_scale, o_half, o_desc, lse_ptr, max_ptr, b, h, row0, HQ, M,
-                  o_layout, HALF_M, dtype, O_STAGE, SPLIT_O)
+        _epilogue(acc, acc_hi, m_o, r_o, l_o, qk_scale, o_half, q_half_hi, o_desc, o_desc_hi, lse_ptr, max_ptr,
+                  b, h, row0, HQ, M, o_layout, HALF_M, dtype, O_STAGE, SPLIT_O, SPLIT_SMEM)
         if not O_STAGE:
             mbarrier.arrive(q_empty.index(WG), count=1)
         t_local += 1
@@ -834,6 +928,7 @@ def _producer_entry(descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_consts, outs
 @gluon.jit
 def fa3_fwd_sm90_kernel(
     q_desc, k_desc, v_desc, o_desc,
+    q_desc_hi, k_desc_hi, v_desc_hi, o_desc_hi,   # SPLIT_SMEM: the [.., O_HI] tiles' descriptors (else None)
     lse_ptr, max_ptr,
     score_bufs, mask_bufs,
     kvnb_ptr, kvidx_ptr, fnb_ptr, fidx_ptr,
@@ -846,13 +941,23 @@ def fa3_fwd_sm90_kernel(
     PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, PERSISTENT: gl.constexpr, EXP2_EMU: gl.constexpr,
     EVEN_N: gl.constexpr, LAZY_RESCALE: gl.constexpr, FIXED_BASE: gl.constexpr, KV_AFFINE: gl.constexpr,
     MASK_AND: gl.constexpr,
-    O_STAGE: gl.constexpr, QK_DIM: gl.constexpr,
+    O_STAGE: gl.constexpr, QK_DIM: gl.constexpr, V_STAGES: gl.constexpr, SPLIT_SMEM: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     HALF_M: gl.constexpr = BLOCK_M // 2
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)
+    if SPLIT_SMEM:   # the [.., O_HI] parts of a padded head dim's tiles (the tiles above hold [.., O_LO])
+        q_smem_hi = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc_hi.block_type.shape, q_desc_hi.layout)
+        k_smem_hi = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc_hi.block_type.shape,
+                                              k_desc_hi.layout)
+        v_smem_hi = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES] + v_desc_hi.block_type.shape,
+                                              v_desc_hi.layout)
+    else:
+        q_smem_hi = q_smem
+        k_smem_hi = k_smem
+        v_smem_hi = v_smem
     if O_STAGE:   # own O staging buffer: Q can be released (and the next Q loaded) before the epilogue
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
     else:
@@ -863,8 +968,8 @@ def fa3_fwd_sm90_kernel(
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     for w in gl.static_range(2):
         mbarrier.init(q_ready.index(w), count=1)
         mbarrier.init(q_empty.index(w), count=1)
@@ -872,12 +977,19 @@ def fa3_fwd_sm90_kernel(
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(k_empty.index(s), count=2)
+        if s < V_STAGES:
+            mbarrier.init(v_ready.index(s), count=1)
+            mbarrier.init(v_empty.index(s), count=2)
+    for s in gl.static_range(NUM_STAGES, V_STAGES):   # a V ring deeper than the K ring
         mbarrier.init(v_ready.index(s), count=1)
         mbarrier.init(v_empty.index(s), count=2)
 
-    descs = (q_desc, k_desc, v_desc, o_desc)
+    if SPLIT_SMEM:
+        descs = (q_desc, k_desc, v_desc, o_desc, q_desc_hi, k_desc_hi, v_desc_hi, o_desc_hi)
+    else:
+        descs = (q_desc, k_desc, v_desc, o_desc, q_desc, k_desc, v_desc, o_desc)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn)
-    smem = (q_smem, k_smem, v_smem, o_smem)
+    smem = (q_smem, k_smem, v_smem, o_smem, q_smem_hi, k_smem_hi, v_smem_hi)
     sched = (num_tiles, num_m_tiles, HQ, GQA, M, N)
     sp_ptrs = (kvnb_ptr, kvidx_ptr, fnb_ptr, fidx_ptr)
     sp_meta = (BM, HM, nb_sb, nb_sh, idx_sb, idx_sh, idx_sm, fnb_sb, fnb_sh, fidx_sb, fidx_sh, fidx_sm)
@@ -890,21 +1002,21 @@ def fa3_fwd_sm90_kernel(
     gl.warp_specialize([
         (_consumer_wg0, (descs, bars, smem, sched, sp_ptrs, sp_meta,
                          (BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, HALF_M, HAS_SPARSE, HAS_FULL, SPARSE_Q_DIV,
-                          SPARSE_KV_MULT, PERSISTENT, O_STAGE, QK_DIM),
+                          SPARSE_KV_MULT, PERSISTENT, O_STAGE, QK_DIM, V_STAGES, SPLIT_SMEM),
                          outs, scale_args,
                          (SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, PINGPONG, OVERLAP, EXP2_EMU,
                           EVEN_N, LAZY_RESCALE, FIXED_BASE, KV_AFFINE, MASK_AND),
                          mod_bufs)),
         (_consumer_wg1, (descs, bars, smem, sched, sp_ptrs, sp_meta,
                          (BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, HALF_M, HAS_SPARSE, HAS_FULL, SPARSE_Q_DIV,
-                          SPARSE_KV_MULT, PERSISTENT, O_STAGE, QK_DIM),
+                          SPARSE_KV_MULT, PERSISTENT, O_STAGE, QK_DIM, V_STAGES, SPLIT_SMEM),
                          outs, scale_args,
                          (SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, PINGPONG, OVERLAP, EXP2_EMU,
                           EVEN_N, LAZY_RESCALE, FIXED_BASE, KV_AFFINE, MASK_AND),
                          mod_bufs)),
         (_producer_entry, (descs, bars, smem, sched, sp_ptrs, sp_meta,
                            (BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, HALF_M, HAS_SPARSE, HAS_FULL, SPARSE_Q_DIV,
-                            SPARSE_KV_MULT, PERSISTENT, O_STAGE, QK_DIM),
+                            SPARSE_KV_MULT, PERSISTENT, O_STAGE, QK_DIM, V_STAGES, SPLIT_SMEM),
                            outs, scale_args,
                            (SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, PINGPONG, OVERLAP, EXP2_EMU,
                           EVEN_N, LAZY_RESCALE, FIXED_BASE, KV_AFFINE, MASK_AND),
@@ -1016,18 +1128,28 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
     bounds = out_range_of(score_mod) if score_mod is not None and cfg.fixed_base and not max_needed \
         else None
     fixed_base = bounds and fixed_base_for(q.dtype, bounds[0] * to_log2, bounds[1] * to_log2)
+    if fixed_base is not None and config is None:   # the table's tiles for fixed-base launches
+        cfg = get_config(D, q.dtype, fixed_base=True)
     # `score + alpha(b, h)·kv + B(b, h, q)`: column / tile / row parts instead of per-score index math;
     # the launched form's tile is qk·qk_unit + x (folded: qk + x / sm_scale)
     kv_affine = score_mod is not None and kv_affine_of(score_mod) and cfg.affine_mods and not fixed_base
     qk_unit = 1.0 if getattr(score_mod, "sm_scaled", False) else float(sm_scale)
     BLOCK_M, BLOCK_N = cfg.block_m, cfg.block_n
     HALF_M = BLOCK_M // 2
-    # tiles span the head dim padded to a power of two (TMA zero-fills / clips the columns past D)
+    # tiles span the head dim padded to a power of two (TMA zero-fills / clips the columns past D), or,
+    # split_smem, two tiles per operand of exactly D columns: LO + HI (each a power of two)
     D_TILE = tile_head_dim(D)
-    q_desc = _desc(q, [1, 1, HALF_M, D_TILE])
-    o_desc = _desc(out, [1, 1, HALF_M, D_TILE])
-    k_desc = _desc(k, [1, 1, BLOCK_N, D_TILE])
-    v_desc = _desc(v, [1, 1, BLOCK_N, D_TILE])
+    split = cfg.split_smem and D != D_TILE
+    width = split_head_dim(D)[0] if split else D_TILE
+    q_desc = _desc(q, [1, 1, HALF_M, width])
+    o_desc = _desc(out, [1, 1, HALF_M, width])
+    k_desc = _desc(k, [1, 1, BLOCK_N, width])
+    v_desc = _desc(v, [1, 1, BLOCK_N, width])
+    hi_descs = (None,) * 4
+    if split:
+        hi = D - width
+        hi_descs = (_desc(q, [1, 1, HALF_M, hi]), _desc(k, [1, 1, BLOCK_N, hi]), _desc(v, [1, 1, BLOCK_N, hi]),
+                    _desc(out, [1, 1, HALF_M, hi]))
 
     has_sparse = kv_num_blocks is not None
     has_full = has_sparse and full_kv_num_blocks is not None
@@ -1063,8 +1185,8 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
     persistent = use_persistent(cfg, num_tiles, num_sms, N, max_kv_tiles, kv_affine)
     # persistent CTAs take tile pairs; a separate O staging buffer where shared memory allows it
     grid = (min((num_tiles + 1) // 2, num_sms),) if persistent else (num_tiles,)
-    o_stage = persistent and cfg.o_stage and cfg.smem_bytes(D, o_stage=True) <= SMEM_LIMIT
-    args = (q_desc, k_desc, v_desc, o_desc, lse, max_scores, tuple(score_bufs), tuple(mask_bufs),
+    o_stage = persistent and cfg.o_stage and not split and cfg.smem_bytes(D, o_stage=True) <= SMEM_LIMIT
+    args = (q_desc, k_desc, v_desc, o_desc, *hi_descs, lse, max_scores, tuple(score_bufs), tuple(mask_bufs),
             *sp_ptrs, *sp_meta, float(sm_scale), to_log2, float(fixed_base or 0.0), qk_unit, num_tiles, num_m_tiles, Hq, Hq // Hkv,
             M, N)
     kwargs = dict(
@@ -1079,7 +1201,7 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
         EXP2_EMU=exp2_emu, EVEN_N=(N % BLOCK_N == 0),
         LAZY_RESCALE=cfg.lazy_rescale, FIXED_BASE=fixed_base is not None, KV_AFFINE=kv_affine,
         MASK_AND=mask_mod is not None and mask_and_of(mask_mod),
-        O_STAGE=o_stage, QK_DIM=D,
+        O_STAGE=o_stage, QK_DIM=D, V_STAGES=cfg.v_stages or cfg.num_stages, SPLIT_SMEM=split,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
@@ -1124,7 +1246,7 @@ def prepare_fwd_sm90(q, k, v, out, lse, max_scores, *, sm_scale: float,
     num_sms = _num_sms(q.device) if cfg.persistent is not False else 0
     args, kwargs, grid = _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs,
                                   mask_bufs, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-                                  sparse_q_block, sparse_kv_block, cfg, num_sms, max_needed)
+                                  sparse_q_block, sparse_kv_block, config, num_sms, max_needed)
     return fa3_fwd_sm90_kernel, args, kwargs, grid
 
 
