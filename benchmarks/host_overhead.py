@@ -5,7 +5,10 @@ no synchronisation inside the loop, so the wall time per call is the host's cost
 our path is timed on its own, next to torch's compiled FlexAttention and cuDNN SDPA, then
 cProfile lists the most expensive functions of the full `fa3_inductor.flex` call.
 
-    python benchmarks/host_overhead.py            # on a GPU machine; prints a table
+    python benchmarks/host_overhead.py [--head-dim 96]   # on a GPU machine; prints a table
+
+--head-dim (default 128): D of the tiny problem. A head dim that is not a power of two (80, 96, 160, 192)
+launches the Hopper kernel with eight TMA descriptors (two per operand) instead of four.
 """
 
 from __future__ import annotations
@@ -38,14 +41,19 @@ def per_call_us(fn, n: int = 300) -> float:
 
 
 def main() -> None:
+    import argparse
+
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     from fa3_inductor import mods
     from fa3_inductor.runtime import fast_launch
     from fa3_inductor.runtime.generic import prepare_generic
 
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--head-dim", type=int, default=128)
+    D = ap.parse_args().head_dim
     dev = "cuda"
-    q, k, v = (torch.randn(1, 1, 128, 128, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (torch.randn(1, 1, 128, D, device=dev, dtype=torch.bfloat16) for _ in range(3))
     bm = create_block_mask(mods.causal, None, None, 128, 128, device=dev)
     flex_c = torch.compile(flex_attention, dynamic=False)
     out = torch.empty_like(q)
@@ -65,15 +73,15 @@ def main() -> None:
     for template in ("hopper", "generic"):
         spec = SiteSpec(template).to_json()
         op = torch.ops.fa3_inductor.flex_fwd.default
-        add(f"op flex_fwd ({template}), no mask", lambda s=spec: op(q, k, v, None, None, None, None, [], [], 0.088, 128, 128, s))
+        add(f"op flex_fwd ({template}), no mask", lambda s=spec: op(q, k, v, None, None, None, None, [], [], D ** -0.5, 128, 128, s))
     from fa3_inductor.templates.hopper import prepare_fwd_sm90
 
     for name, prep in (("hopper", prepare_fwd_sm90), ("generic", prepare_generic)):
-        kernel, args, kwargs, grid = prep(q, k, v, out, lse, mx, sm_scale=0.088)
-        add(f"JITFunction.run ({name}) incl. prepare", lambda p=prep: (lambda r: r[0][r[3]](*r[1], **r[2]))(p(q, k, v, out, lse, mx, sm_scale=0.088)))
+        kernel, args, kwargs, grid = prep(q, k, v, out, lse, mx, sm_scale=D ** -0.5)
+        add(f"JITFunction.run ({name}) incl. prepare", lambda p=prep: (lambda r: r[0][r[3]](*r[1], **r[2]))(p(q, k, v, out, lse, mx, sm_scale=D ** -0.5)))
         add(f"JITFunction.run ({name}) only", lambda kernel=kernel, args=args, kwargs=kwargs, grid=grid: kernel[grid](*args, **kwargs))
         key = ("host-overhead", name, fast_launch.tensor_signature([q, k, v, out, lse, mx]))
-        fast_launch.launch_cached(key, [q, k, v, out, lse, mx], lambda p=prep: (*p(q, k, v, out, lse, mx, sm_scale=0.088), name))
+        fast_launch.launch_cached(key, [q, k, v, out, lse, mx], lambda p=prep: (*p(q, k, v, out, lse, mx, sm_scale=D ** -0.5), name))
         add(f"fast_launch hit ({name})", lambda key=key: fast_launch.launch_cached(key, [q, k, v, out, lse, mx], None))
 
     print("\ncProfile of 200 fa3_inductor.flex calls (causal, auto):")
@@ -86,7 +94,7 @@ def main() -> None:
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(22)
     print(buf.getvalue())
-    print(f"host cost per call, {torch.cuda.get_device_name()}, torch {torch.__version__}:")
+    print(f"host cost per call, {torch.cuda.get_device_name()}, torch {torch.__version__}, B1 H1 S128 D{D} bf16:")
     for name, us in rows:
         print(f"  {name:45s} {us:8.1f} us")
 
