@@ -121,12 +121,59 @@ def test_a_derived_tensor_makes_the_launch_uncacheable():
     assert len(jit.first_calls) == 2 and not jit.kernel.launches
 
 
+def test_descriptors_are_encoded_once_per_address(monkeypatch):
+    """Where the C launcher is reachable (_compat.tensordesc_launcher), a descriptor argument is encoded on
+    the first launch at an address and taken from the entry's cache after that; a new address encodes anew,
+    and every launch gets the encoding of its own address."""
+    from fa3_inductor._compat import DescriptorLauncher
+
+    encodings, launches = [], []
+
+    def expand(desc, meta):
+        encodings.append(desc.base.data_ptr())
+        return [("map", desc.base.data_ptr(), meta), *desc.shape, *desc.strides]
+
+    direct = DescriptorLauncher(lambda *a: launches.append(a), False, False, {0: "meta0"}, expand)
+    monkeypatch.setattr(fast_launch, "tensordesc_launcher", lambda kernel: direct)
+    jit = FakeJit(kernel_signature)
+    a, b = _inputs(), _inputs()
+    key = ("d", fast_launch.tensor_signature(a))
+    fast_launch.launch_cached(key, a, _prepare(jit, a))      # the first launch: JIT path, nothing encoded
+    for inputs in (a, b, a, b):
+        fast_launch.launch_cached(key, inputs, lambda: pytest.fail("prepare ran"))
+    assert encodings == [a[0].data_ptr(), b[0].data_ptr()]
+    assert [call[13][1] for call in launches] == [t[0].data_ptr() for t in (a, b, a, b)]
+    first = launches[-1]
+    assert first[:3] == (3, 2, 1) and first[13:18] == (("map", b[0].data_ptr(), "meta0"), 4, 8, 8, 1)
+    assert first[18] is b[1] and first[19][0] is b[2]   # the arguments after the descriptor, in order
+
+
 def test_signature_tells_alignment_and_layout_apart():
     base = torch.randn(64)
     a, b = base[:32], base[1:33]
     assert fast_launch.tensor_signature([a]) != fast_launch.tensor_signature([b])
     assert (fast_launch.tensor_signature([torch.zeros(4, 8)])
             != fast_launch.tensor_signature([torch.zeros(8, 4).t()]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [96, 128])
+def test_cache_hits_alternating_between_live_inputs(D):
+    """Two sets of inputs alive at once, called in turn: each hit launches with its own addresses' TMA
+    descriptors (encoded once per address by the direct launch path), never the other set's."""
+    from reference import assert_matches_reference, reference_attention
+
+    import fa3_inductor
+
+    fast_launch.clear()
+    sets = [[torch.randn(1, 4, 384, D, device="cuda", dtype=torch.bfloat16) for _ in range(3)] for _ in range(2)]
+    refs = [reference_attention(q, k, v, None, None)[0] for q, k, v in sets]
+    for i in (0, 1, 0, 1, 1, 0):
+        out = fa3_inductor.flex(*sets[i], template="hopper")
+        assert_matches_reference(out, refs[i], torch.bfloat16)
+    entries = [e for e in fast_launch._CACHE.values() if e.tag == "hopper"]
+    assert entries and all(e.direct is not None for e in entries), "the direct launch path was not taken"
+    assert all(len({p for p, _ in e.encoded}) >= 4 for e in entries)
 
 
 @pytest.mark.gpu

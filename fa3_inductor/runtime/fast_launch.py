@@ -8,6 +8,11 @@ and 16-byte alignment, so we do it once per such signature: the first call launc
 which is a TMA descriptor over which input, which are constants); later calls with the same
 signature substitute the new tensors and call the compiled kernel's launcher directly.
 
+Host TMA descriptors (the Hopper template passes four, eight for a head dim split into two tiles) are
+otherwise encoded by triton on every launch. Where triton's C launcher is reachable
+(`_compat.tensordesc_launcher`) and no launch hook is active, a hit launches through it directly and
+encodes each descriptor once per (argument, address): compiled graphs reuse their buffers' addresses.
+
 The recipe holds no reference to the first call's tensors (they may be large and are the
 caller's), only tiny placeholder tensors the kernel never reads. Anything it cannot account
 for (a tensor argument that is neither an input nor a placeholder, e.g. a contiguous copy
@@ -21,6 +26,8 @@ import dataclasses
 from typing import Any, Callable, Hashable, Optional, Sequence
 
 import torch
+
+from .._compat import launch_hooks_active, tensordesc_launcher
 
 _MAX_ENTRIES = 1024
 
@@ -36,6 +43,10 @@ class _Launch:
     constants: tuple             # the argument list with the per-call slots left as None
     slots: tuple                 # (position, step) pairs filled per call, see _step
     tag: Any                     # what the caller launched (returned on every hit)
+    # The C launcher, where its host TMA descriptors can be encoded once per address (_compat), and those
+    # encodings: (argument position, data_ptr) -> the C arguments. None: launch through kernel.run.
+    direct: Any = None
+    encoded: Optional[dict] = None
 
 
 _CACHE: dict[Hashable, _Launch] = {}
@@ -88,7 +99,8 @@ def launch_cached(key: Hashable, inputs: Sequence[Optional[torch.Tensor]],
     grid = tuple(grid) + (1,) * (3 - len(grid))
     constants = tuple(step[1] if step[0] == "const" else None for step in recipe)
     slots = tuple((pos, step) for pos, step in enumerate(recipe) if step[0] != "const")
-    _CACHE[key] = _Launch(kernel, grid, constants, slots, tag)
+    direct = tensordesc_launcher(kernel)
+    _CACHE[key] = _Launch(kernel, grid, constants, slots, tag, direct, {} if direct is not None else None)
     return tag
 
 
@@ -163,7 +175,40 @@ def _relaunch(entry: _Launch, inputs: Sequence) -> None:
         args[pos] = _build(step, inputs)
     stream = _current_stream(inputs[0].device.index)
     enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    metadata = kernel.launch_metadata(entry.grid, stream, *args) if enter is not None else None
     g0, g1, g2 = entry.grid
+    if entry.direct is not None and not launch_hooks_active():
+        _launch_direct(entry, stream, args)
+        return
+    metadata = kernel.launch_metadata(entry.grid, stream, *args) if enter is not None else None
     kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, metadata, enter,
                exit_, *args)
+
+
+_MAX_ENCODED = 64   # encoded descriptors kept per launch entry
+
+
+def _launch_direct(entry: _Launch, stream: int, args: list) -> None:
+    """Launch through the C launcher with each TMA descriptor encoded once per (argument, address).
+
+    The entry's key fixes every descriptor's shape, strides, dtype and block, so its encoding (a
+    CUtensorMap plus its shape and strides) depends only on the base address: a compiled graph that
+    reuses its buffers' addresses skips cuTensorMapEncodeTiled and triton's Python wrapper per call.
+    """
+    direct, encoded = entry.direct, entry.encoded
+    flat = []
+    for pos, value in enumerate(args):
+        meta = direct.descriptor_meta.get(pos)
+        if meta is None:
+            flat.append(value)
+            continue
+        key = (pos, value.base.data_ptr())
+        enc = encoded.get(key)
+        if enc is None:
+            if len(encoded) >= _MAX_ENCODED:
+                encoded.clear()
+            enc = encoded[key] = direct.expand(value, meta)
+        flat.extend(enc)
+    kernel = entry.kernel
+    g0, g1, g2 = entry.grid
+    direct.launch(g0, g1, g2, stream, kernel.function, direct.cooperative, direct.pdl, None, None,
+                  kernel.packed_metadata, None, None, None, *flat)
