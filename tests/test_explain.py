@@ -214,14 +214,17 @@ def _plan_on_sm90(monkeypatch, dtype, head_dim):
 
 
 @pytest.mark.parametrize("dtype, head_dim, template, says", [
-    (torch.bfloat16, 96, "hopper", ""),
+    (torch.bfloat16, 96, "hopper", "tiles 128x128, 2 K/V stages, shared tiles of 64 + 32 columns"),
+    (torch.float16, 192, "hopper", "1 K + 2 V stages, shared tiles of 128 + 64 columns, pingpong, no overlap; "
+                                   "fixed-base score mods: tiles 128x64"),
     (torch.bfloat16, 112, "generic", "no tiles for head dim 112"),
     (torch.float32, 128, "generic", "float32 inputs"),
 ])
-def test_an_sm90_site_on_the_generic_template_says_why(monkeypatch, dtype, head_dim, template, says):
+def test_an_sm90_site_says_which_tiles_or_why_not(monkeypatch, dtype, head_dim, template, says):
     spec = _plan_on_sm90(monkeypatch, dtype, head_dim)
     assert spec.template == template
-    assert (says in spec.note) and (bool(spec.note) == bool(says)), spec.note
+    assert says in spec.note, spec.note
+    assert spec.note.startswith("Hopper template")
 
 
 def test_explain_shows_the_note_of_a_generic_site():

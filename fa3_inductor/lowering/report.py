@@ -20,7 +20,7 @@ class LoweredSite:
     shape: str                    # "q[B,H,M,D] kv[B,Hkv,N,D] dtype"
     fallback_reason: Optional[str] = None
     site_id: Optional[int] = None  # the RecognizedSite this came from (see SITE_TAG)
-    note: str = ""                # why an sm90 site runs the generic template (SiteSpec.note)
+    note: str = ""                # on sm90: the Hopper tiles, or why the generic template runs (SiteSpec.note)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

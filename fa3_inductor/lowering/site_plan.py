@@ -84,6 +84,8 @@ def plan_site(score_gm: torch.fx.GraphModule, mask_gm: torch.fx.GraphModule,
     if on_hopper and settings.template in ("auto", "hopper"):
         note = _why_not_hopper(dtype, head_dim)
         template = "generic" if note else "hopper"
+        if template == "hopper":
+            note = _hopper_tiles(dtype, head_dim)
     return SiteSpec(template=template, description=description, needs_max=needs_max, note=note,
                     **sources), None
 
@@ -105,6 +107,19 @@ def _why_not_hopper(dtype: torch.dtype, head_dim: int) -> str:
         return (f"Hopper template: no tiles for head dim {head_dim} (it serves "
                 f"{', '.join(map(str, dims))}); generic runs")
     return ""
+
+
+def _hopper_tiles(dtype: torch.dtype, head_dim: int) -> str:
+    """What the Hopper template will run a site with, for the log and explain() (its config table's words).
+
+    Example::
+
+        >>> _hopper_tiles(torch.bfloat16, 128)   # doctest: +SKIP
+        'Hopper template: tiles 128x128, 2 K/V stages, pingpong, overlap; schedule per launch'
+    """
+    from ..templates.hopper.configs import describe
+
+    return f"Hopper template: {describe(head_dim, dtype)}; schedule per launch"
 
 
 def _is_pow2_at_least_16(x: int) -> bool:

@@ -261,6 +261,36 @@ def get_config(head_dim: int, dtype: torch.dtype = torch.bfloat16, fixed_base: b
     return replace(cfg, **overrides) if overrides else cfg
 
 
+def describe(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> str:
+    """The table's tiles for (head_dim, dtype) in words, for logs and explain(); the schedule (one CTA per
+    tile or persistent) is chosen per launch.
+
+    Example::
+
+        >>> describe(192)
+        'tiles 128x128, 1 K + 2 V stages, shared tiles of 128 + 64 columns, pingpong, no overlap; fixed-base score mods: tiles 128x64, 2 K/V stages, shared tiles of 128 + 64 columns, pingpong, overlap'
+    """
+    def words(cfg: Sm90Config) -> str:
+        v_stages = cfg.v_stages or cfg.num_stages
+        stages = (f"{cfg.num_stages} K/V stages" if v_stages == cfg.num_stages
+                  else f"{cfg.num_stages} K + {v_stages} V stages")
+        parts = [f"tiles {cfg.block_m}x{cfg.block_n}", stages]
+        lo, hi = split_head_dim(head_dim)
+        if hi:
+            parts.append(f"shared tiles of {lo} + {hi} columns" if cfg.split_smem
+                         else f"{tile_head_dim(head_dim)}-column shared tiles")
+        parts.append("pingpong" if cfg.pingpong else "no pingpong")
+        parts.append("overlap" if cfg.overlap else "no overlap")
+        return ", ".join(parts)
+
+    cfg = get_config(head_dim, dtype)
+    text = words(cfg)
+    bounded = get_config(head_dim, dtype, fixed_base=True)
+    if bounded != cfg:
+        text += f"; fixed-base score mods: {words(bounded)}"
+    return text
+
+
 def all_configs():
     """Every shipped (head_dim, dtype, config) triple (the compile test iterates this), the fixed-base
     entries included."""
