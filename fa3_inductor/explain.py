@@ -41,7 +41,7 @@ class FusedSite:
     template: str                    # "hopper" | "generic" | "torch" | "unknown"
     fallback_reason: Optional[str] = None   # why torch's kernel runs it (template "torch")
     shape: str = ""                  # as the lowering saw it: "q[B, H, M, D] kv[...] dtype dev"
-    note: str = ""                   # why an sm90 site runs the generic template
+    note: str = ""                   # on sm90: the Hopper tiles, or why the generic template runs
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

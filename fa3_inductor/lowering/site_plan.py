@@ -82,10 +82,8 @@ def plan_site(score_gm: torch.fx.GraphModule, mask_gm: torch.fx.GraphModule,
     template, note = "generic", ""
     on_hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
     if on_hopper and settings.template in ("auto", "hopper"):
-        note = _why_not_hopper(dtype, head_dim)
-        template = "generic" if note else "hopper"
-        if template == "hopper":
-            note = _hopper_tiles(dtype, head_dim)
+        why_not = _why_not_hopper(dtype, head_dim)
+        template, note = ("generic", why_not) if why_not else ("hopper", _hopper_tiles(dtype, head_dim))
     return SiteSpec(template=template, description=description, needs_max=needs_max, note=note,
                     **sources), None
 

@@ -174,11 +174,11 @@ def _relaunch(entry: _Launch, inputs: Sequence) -> None:
     for pos, step in entry.slots:
         args[pos] = _build(step, inputs)
     stream = _current_stream(inputs[0].device.index)
-    enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    g0, g1, g2 = entry.grid
     if entry.direct is not None and not launch_hooks_active():
         _launch_direct(entry, stream, args)
         return
+    enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    g0, g1, g2 = entry.grid
     metadata = kernel.launch_metadata(entry.grid, stream, *args) if enter is not None else None
     kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, metadata, enter,
                exit_, *args)

@@ -31,7 +31,7 @@ class SiteSpec:
     description: str = ""
     # Whether anything reads the row-max output; if not, a bounded score_mod may skip computing it.
     needs_max: bool = True
-    # Why a site on an sm90 GPU got the generic template instead of the Hopper one ("" otherwise).
+    # On an sm90 GPU: the Hopper template's tiles, or why the site got the generic template ("" elsewhere).
     note: str = ""
 
     def to_json(self) -> str:

@@ -85,10 +85,15 @@ class Sm90Config:
     # 0.93-0.95; relative bias D=128 S2k-8k 1.03 / 1.04 / 0.95 against 0.89 / 0.90 / 0.91.
     affine_mods: bool = True
 
+    @property
+    def v_ring_stages(self) -> int:
+        """Depth of the V ring: v_stages, or the K ring's num_stages where that is None."""
+        return self.v_stages or self.num_stages
+
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, o_stage: bool = False) -> int:
         o_rows = self.block_m if o_stage else 0
         width = head_dim if self.split_smem else tile_head_dim(head_dim)
-        kv_rows = (self.num_stages + (self.v_stages or self.num_stages)) * self.block_n
+        kv_rows = (self.num_stages + self.v_ring_stages) * self.block_n
         return elem_bytes * width * (self.block_m + o_rows + kv_rows)
 
 
@@ -206,9 +211,9 @@ _TABLE: dict[int, Sm90Config] = {
 
 
 def tile_head_dim(head_dim: int) -> int:
-    """The head-dim width of the kernel's tiles: the next power of two (Gluon tensors and descriptor blocks
-    have power-of-two shapes). D=96 / 192 run in 128 / 256-wide tiles: TMA zero-fills the columns past D
-    on loads and clips them on the O store, so the padding is never read from or written to memory.
+    """The padded head-dim width: the next power of two (Gluon tensors and descriptor blocks have
+    power-of-two shapes). Without split_smem (an ablation), D=96 / 192 run in 128 / 256-wide shared tiles:
+    TMA zero-fills the columns past D on loads and clips them on the O store.
 
     Example::
 
@@ -271,9 +276,8 @@ def describe(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> str:
         'tiles 128x128, 1 K + 2 V stages, shared tiles of 128 + 64 columns, pingpong, no overlap; fixed-base score mods: tiles 128x64, 2 K/V stages, shared tiles of 128 + 64 columns, pingpong, overlap'
     """
     def words(cfg: Sm90Config) -> str:
-        v_stages = cfg.v_stages or cfg.num_stages
-        stages = (f"{cfg.num_stages} K/V stages" if v_stages == cfg.num_stages
-                  else f"{cfg.num_stages} K + {v_stages} V stages")
+        stages = (f"{cfg.num_stages} K/V stages" if cfg.v_ring_stages == cfg.num_stages
+                  else f"{cfg.num_stages} K + {cfg.v_ring_stages} V stages")
         parts = [f"tiles {cfg.block_m}x{cfg.block_n}", stages]
         lo, hi = split_head_dim(head_dim)
         if hi:

@@ -601,29 +601,22 @@ def _qk_done(s_tok, q_op, q_hi, k_t, k_hi, SPLIT_SMEM: gl.constexpr):
 
 
 @gluon.jit
-def _k_operands(k_smem, k_smem_hi, st, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, LO: gl.constexpr,
-                HI: gl.constexpr, SPLIT_SMEM: gl.constexpr):
-    """K^T of ring stage st as the B operand(s) of QK^T: (whole tile, same) or, SPLIT_SMEM, (lo, hi)."""
+def _ring_operands(tiles, tiles_hi, st, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, LO: gl.constexpr,
+                   HI: gl.constexpr, SPLIT_SMEM: gl.constexpr, TRANSPOSE: gl.constexpr):
+    """Stage st of the K or V ring as wgmma B operand(s): (whole tile, same) or, SPLIT_SMEM, (lo, hi).
+    TRANSPOSE: K^T for QK^T (V is used as stored)."""
     if SPLIT_SMEM:
-        k_t = k_smem.index(st).reshape([BLOCK_N, LO]).permute((1, 0))
-        k_t_hi = k_smem_hi.index(st).reshape([BLOCK_N, HI]).permute((1, 0))
+        op = tiles.index(st).reshape([BLOCK_N, LO])
+        op_hi = tiles_hi.index(st).reshape([BLOCK_N, HI])
+        if TRANSPOSE:
+            op = op.permute((1, 0))
+            op_hi = op_hi.permute((1, 0))
     else:
-        k_t = k_smem.index(st).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-        k_t_hi = k_t
-    return k_t, k_t_hi
-
-
-@gluon.jit
-def _v_operands(v_smem, v_smem_hi, st, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, LO: gl.constexpr,
-                HI: gl.constexpr, SPLIT_SMEM: gl.constexpr):
-    """V of ring stage st as the B operand(s) of PV: (whole tile, same) or, SPLIT_SMEM, (lo, hi)."""
-    if SPLIT_SMEM:
-        v = v_smem.index(st).reshape([BLOCK_N, LO])
-        v_hi = v_smem_hi.index(st).reshape([BLOCK_N, HI])
-    else:
-        v = v_smem.index(st).reshape([BLOCK_N, HEAD_DIM])
-        v_hi = v
-    return v, v_hi
+        op = tiles.index(st).reshape([BLOCK_N, HEAD_DIM])
+        if TRANSPOSE:
+            op = op.permute((1, 0))
+        op_hi = op
+    return op, op_hi
 
 
 @gluon.jit
@@ -781,7 +774,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                 ph = (cnt // NUM_STAGES) & 1
                 start = _kv_start(0, n_partial, b, h, mt, sp_ptrs, sp_meta, BLOCK_N, HAS_SPARSE, SPARSE_Q_DIV,
                                   SPARSE_KV_MULT)
-                k_t, k_t_hi = _k_operands(k_smem, k_smem_hi, st, BLOCK_N, HEAD_DIM, O_LO, O_HI, SPLIT_SMEM)
+                k_t, k_t_hi = _ring_operands(k_smem, k_smem_hi, st, BLOCK_N, HEAD_DIM, O_LO, O_HI, SPLIT_SMEM, True)
                 mbarrier.wait(k_ready.index(st), ph)
                 t = _pingpong_wait(turn, t, WG, PINGPONG)
                 s_tok = _qk_mma(q_op, q_op_hi, k_t, k_t_hi, s_zero, O_LO, O_HI, SPLIT_SMEM)
@@ -807,9 +800,10 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                     ph = (cnt // NUM_STAGES) & 1
                     start = _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, BLOCK_N, HAS_SPARSE,
                                       SPARSE_Q_DIV, SPARSE_KV_MULT)
-                    k_t, k_t_hi = _k_operands(k_smem, k_smem_hi, st, BLOCK_N, HEAD_DIM, O_LO, O_HI, SPLIT_SMEM)
-                    v_prev, v_prev_hi = _v_operands(v_smem, v_smem_hi, prev_vst, BLOCK_N, HEAD_DIM, O_LO, O_HI,
-                                                    SPLIT_SMEM)
+                    k_t, k_t_hi = _ring_operands(k_smem, k_smem_hi, st, BLOCK_N, HEAD_DIM, O_LO, O_HI, SPLIT_SMEM,
+                                                 True)
+                    v_prev, v_prev_hi = _ring_operands(v_smem, v_smem_hi, prev_vst, BLOCK_N, HEAD_DIM, O_LO, O_HI,
+                                                       SPLIT_SMEM, False)
                     mbarrier.wait(k_ready.index(st), ph)
                     mbarrier.wait(v_ready.index(prev_vst), prev_vph)
                     t = _pingpong_wait(turn, t, WG, PINGPONG)
@@ -842,8 +836,8 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                     prev_vph = (cnt // V_STAGES) & 1
                     cnt += 1
                 # ---- tail: O += P_last V_last ----
-                v_prev, v_prev_hi = _v_operands(v_smem, v_smem_hi, prev_vst, BLOCK_N, HEAD_DIM, O_LO, O_HI,
-                                                SPLIT_SMEM)
+                v_prev, v_prev_hi = _ring_operands(v_smem, v_smem_hi, prev_vst, BLOCK_N, HEAD_DIM, O_LO, O_HI,
+                                                   SPLIT_SMEM, False)
                 mbarrier.wait(v_ready.index(prev_vst), prev_vph)
                 t = _pingpong_wait(turn, t, WG, PINGPONG)
                 o_tok, o_tok_hi, p_hi = _pv_mma(p, v_prev, v_prev_hi, acc, acc_hi, SPLIT_O, SPLIT_SMEM)
@@ -857,7 +851,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                 ph = (cnt // NUM_STAGES) & 1
                 start = _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, BLOCK_N, HAS_SPARSE, SPARSE_Q_DIV,
                                   SPARSE_KV_MULT)
-                k_t, k_t_hi = _k_operands(k_smem, k_smem_hi, st, BLOCK_N, HEAD_DIM, O_LO, O_HI, SPLIT_SMEM)
+                k_t, k_t_hi = _ring_operands(k_smem, k_smem_hi, st, BLOCK_N, HEAD_DIM, O_LO, O_HI, SPLIT_SMEM, True)
                 mbarrier.wait(k_ready.index(st), ph)
                 t = _pingpong_wait(turn, t, WG, PINGPONG)
                 s_tok = _qk_mma(q_op, q_op_hi, k_t, k_t_hi, s_zero, O_LO, O_HI, SPLIT_SMEM)
@@ -865,7 +859,8 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                 s_acc = _qk_done(s_tok, q_op, q_op_hi, k_t, k_t_hi, SPLIT_SMEM)
                 vst = cnt % V_STAGES
                 vph = (cnt // V_STAGES) & 1
-                v_cur, v_cur_hi = _v_operands(v_smem, v_smem_hi, vst, BLOCK_N, HEAD_DIM, O_LO, O_HI, SPLIT_SMEM)
+                v_cur, v_cur_hi = _ring_operands(v_smem, v_smem_hi, vst, BLOCK_N, HEAD_DIM, O_LO, O_HI, SPLIT_SMEM,
+                                              False)
                 mbarrier.arrive(k_empty.index(st), count=1)
                 s, shift = _score_tile(s_acc, start, i < n_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit,
                                        col_bias, N, score_bufs, mask_bufs, s_layout, BLOCK_N, SCORE_MOD, MASK_MOD,
@@ -1201,7 +1196,7 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
         EXP2_EMU=exp2_emu, EVEN_N=(N % BLOCK_N == 0),
         LAZY_RESCALE=cfg.lazy_rescale, FIXED_BASE=fixed_base is not None, KV_AFFINE=kv_affine,
         MASK_AND=mask_mod is not None and mask_and_of(mask_mod),
-        O_STAGE=o_stage, QK_DIM=D, V_STAGES=cfg.v_stages or cfg.num_stages, SPLIT_SMEM=split,
+        O_STAGE=o_stage, QK_DIM=D, V_STAGES=cfg.v_ring_stages, SPLIT_SMEM=split,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
