@@ -46,6 +46,29 @@ def start_sampling(reasons_field: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, text=True)
 
 
+def run_sampled(launch, seconds: float, field: str) -> tuple[int, float, list[tuple[float, float, str]]]:
+    """Run launch() back to back for `seconds` (batches of 10, each synchronised) while nvidia-smi samples
+    every 50 ms. Returns (launches, elapsed seconds, [(SM MHz, watts, active limiters)] in time order)."""
+    smi = start_sampling(field)
+    t0 = time.perf_counter()
+    n = 0
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(10):
+            launch()
+        torch.cuda.synchronize()
+        n += 10
+    dt = time.perf_counter() - t0
+    smi.terminate()
+    samples = []
+    for line in smi.communicate()[0].strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        try:
+            samples.append((float(parts[1]), float(parts[2]), parts[3] if len(parts) > 3 else ""))
+        except (IndexError, ValueError):
+            continue
+    return n, dt, samples
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=4.0)
@@ -80,24 +103,8 @@ def main() -> None:
             ref, _ = reference(q, k, v, D ** -0.5, py_mods[vname])
             err = ((out[0, :2].double() - ref).norm() / ref.norm()).item()
             assert err <= 1e-2, f"{vname}: relative error {err:.2e} against float64"
-        smi = start_sampling(field)
-        t0 = time.perf_counter()
-        n = 0
-        while time.perf_counter() - t0 < args.seconds:
-            for _ in range(10):
-                launch()
-            torch.cuda.synchronize()
-            n += 10
-        dt = time.perf_counter() - t0
-        smi.terminate()
-        lines = smi.communicate()[0].strip().splitlines()
-        samples = []
-        for line in lines[len(lines) // 8:]:   # drop the first eighth (~0.5 s): the clock settles
-            parts = [p.strip() for p in line.split(",")]
-            try:
-                samples.append((float(parts[1]), float(parts[2]), parts[3]))
-            except (IndexError, ValueError):
-                continue
+        n, dt, samples = run_sampled(launch, args.seconds, field)
+        samples = samples[len(samples) // 8:]   # drop the first eighth (~0.5 s): the clock settles
         mhz = statistics.median(s[0] for s in samples) if samples else float("nan")
         watts = statistics.median(s[1] for s in samples) if samples else float("nan")
         reasons = sorted({s[2] for s in samples})

@@ -33,7 +33,7 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from fa3_inductor.templates.hopper import launch_fwd_sm90  # noqa: E402
-from clocks_under_load import _reasons_field, start_sampling  # noqa: E402  (this folder is on sys.path)
+from clocks_under_load import _reasons_field, run_sampled  # noqa: E402  (this folder is on sys.path)
 from hopper_mods import reference  # noqa: E402
 
 
@@ -44,24 +44,12 @@ def input_sets(B: int, H: int, S: int, D: int) -> dict:
     gen = torch.Generator(device="cpu").manual_seed(1234)
     cpu = [torch.randn(shape, generator=gen, dtype=torch.float32).to(device="cuda", dtype=torch.bfloat16)
            for _ in range(3)]
-    spacer = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")   # noqa: F841  (kept alive: moves what follows)
+    spacer = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")   # moves the clones' addresses
     sets = {"gpu-randn": gpu, "cpu-randn": cpu,
             "gpu-clone": [t.clone() for t in gpu], "cpu-clone": [t.clone() for t in cpu],
             "gpu-bshd": [t.transpose(1, 2).contiguous().transpose(1, 2) for t in gpu]}
-    sets["_spacer"] = spacer
+    del spacer   # the clones are placed; its memory may go
     return sets
-
-
-def run_loop(fn, seconds: float) -> tuple[int, float]:
-    fn()
-    torch.cuda.synchronize()
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        for _ in range(10):
-            fn()
-        n += 10
-        torch.cuda.synchronize()
-    return n, time.perf_counter() - t0
 
 
 def main() -> None:
@@ -76,7 +64,6 @@ def main() -> None:
     print(f"device: {name}, torch {torch.__version__}, triton {triton.__version__}, "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%MZ}, B{B} H{H} S{S} D{D} bf16 noop", flush=True)
     sets = input_sets(B, H, S, D)
-    sets.pop("_spacer")
     flops = 4 * B * H * S * S * D
     sm_scale = D ** -0.5
     fns = {}
@@ -100,20 +87,11 @@ def main() -> None:
     order = list(fns)
     for rnd in range(args.rounds):
         for label in (order if rnd % 2 == 0 else order[::-1]):
-            sampler = start_sampling(field)
             t_start = time.time()
-            n, dt = run_loop(fns[label], args.seconds)
-            sampler.terminate()
-            samples = sampler.communicate()[0].strip().splitlines()
-            clocks, watts = [], []
-            for i, line in enumerate(samples):
-                parts = [p.strip() for p in line.split(",")]
-                if len(parts) >= 3 and i * 0.05 > 0.5:
-                    try:
-                        clocks.append(float(parts[1]))
-                        watts.append(float(parts[2]))
-                    except ValueError:
-                        pass
+            n, dt, samples = run_sampled(fns[label], args.seconds, field)
+            samples = samples[11:]   # the first 0.5 s (50 ms apart): the clock settles
+            clocks = [c for c, _, _ in samples]
+            watts = [w for _, w, _ in samples]
             tf = flops * n / dt * 1e-12
             mhz = statistics.median(clocks) if clocks else float("nan")
             w = statistics.median(watts) if watts else float("nan")
