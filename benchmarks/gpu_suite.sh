@@ -87,7 +87,7 @@ run_shard() {   # name, pytest arguments...
         --junitxml="$OUT/shard-$name.xml" >"$OUT/shard-$name.log" 2>&1
 }
 HOPPER_MODS="kv_affine or drift or generated_mods"
-HOPPER_DIMS="padded or bounded_softcap or persistent_many_tiles"
+HOPPER_DIMS="padded or bounded_softcap or persistent_many_tiles or value_head_dim"
 run_shard training tests/test_training.py &
 training_pid=$!
 run_shard hopper tests/test_hopper_gpu.py -k "not ($HOPPER_MODS or $HOPPER_DIMS)" &

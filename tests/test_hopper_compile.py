@@ -21,7 +21,8 @@ from triton.experimental.gluon import language as gl
 
 from fa3_inductor.templates.aot import sass_report
 from fa3_inductor.templates.hopper import all_configs, compile_sm90, get_config
-from fa3_inductor.templates.hopper.configs import SUPPORTED_HEAD_DIMS, split_head_dim, tile_head_dim
+from fa3_inductor.templates.hopper.configs import (SUPPORTED_HEAD_DIMS, all_pair_configs, split_head_dim,
+                                                   tile_head_dim)
 
 pytestmark = pytest.mark.sm90_compile
 SMEM_LIMIT = 227 * 1024
@@ -51,14 +52,15 @@ def head_bias_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs):
     return score + gl.load(bufs[0] + h)
 
 
-def _inputs(D, dtype, B=2, Hq=4, Hkv=2, M=300, N=500):
+def _inputs(D, dtype, B=2, Hq=4, Hkv=2, M=300, N=500, Dv=None):
+    Dv = Dv or D
     q = torch.randn(B, Hq, M, D, dtype=dtype)
     k = torch.randn(B, Hkv, N, D, dtype=dtype)
-    v = torch.randn(B, Hkv, N, D, dtype=dtype)
-    return q, k, v, torch.empty_like(q), torch.empty(B, Hq, M), torch.empty(B, Hq, M)
+    v = torch.randn(B, Hkv, N, Dv, dtype=dtype)
+    return q, k, v, torch.empty(B, Hq, M, Dv, dtype=dtype), torch.empty(B, Hq, M), torch.empty(B, Hq, M)
 
 
-def _check(ck, cfg, head_dim, block_n, dtype_tag, max_stack=0):
+def _check(ck, cfg, head_dim, block_n, dtype_tag, max_stack=0, check_pv=True):
     rep = sass_report(ck)
     sass, regs = rep.sass, rep.registers
     assert rep.stack <= max_stack and rep.local == 0, f"local memory / stack in use: {rep.stack}"
@@ -68,7 +70,7 @@ def _check(ck, cfg, head_dim, block_n, dtype_tag, max_stack=0):
     # SASS spells bf16 wgmma "HGMMA.64xNx16.F32.BF16" and fp16 "HGMMA.64xNx16.F32" (no suffix).
     hgmma = set(re.findall(r"HGMMA\.(\d+x\d+x\d+)\.F32(?:\.(BF16))?\b", sass))
     assert (f"64x{block_n}x16", dtype_tag) in hgmma, f"no QK^T wgmma 64x{block_n}x16: {hgmma}"
-    for n in [w for w in split_head_dim(head_dim) if w]:   # a padded head dim splits O (96: 64 + 32)
+    for n in [w for w in split_head_dim(head_dim) if w and check_pv]:   # a padded head dim splits O (96: 64 + 32)
         assert (f"64x{n}x16", dtype_tag) in hgmma, f"no PV wgmma 64x{n}x16: {hgmma}"
     nregs = rep.setmaxnreg
     assert cfg.consumer_regs in nregs and cfg.producer_regs in nregs, f"setmaxnreg missing or dropped: {nregs}"
@@ -82,6 +84,32 @@ def test_shipped_config_compiles(D, dtype, cfg):
     q, k, v, o, lse, mx = _inputs(D, dtype)
     ck = compile_sm90(q, k, v, o, lse, mx, sm_scale=D ** -0.5, config=cfg)
     _check(ck, cfg, D, cfg.block_n, "BF16" if dtype == torch.bfloat16 else "")
+
+
+@pytest.mark.parametrize("D,Dv,dtype,cfg", list(all_pair_configs()), ids=lambda x: str(x).replace("torch.", ""))
+@pytest.mark.parametrize("variant", ["dense", "softcap_fixed_base", "persistent_sparse_causal"])
+def test_value_head_dim_pair_compiles(D, Dv, dtype, cfg, variant):
+    """A V head dim other than Q's (PAIR_TABLE, e.g. DeepSeek's q/k 192, v 128): spill-free with setmaxnreg,
+    and the wgmma work is exactly QK^T over D columns and PV over Dv per site (sum of the 64xNx16
+    instructions' N = sites x BLOCK_N x (D + Dv) / 16: no padding multiplied on either side), within the
+    shared memory smem_bytes accounts for."""
+    from fa3_inductor import mods
+    q, k, v, o, lse, mx = _inputs(D, dtype, Dv=Dv)
+    kw = {}
+    if variant == "softcap_fixed_base":
+        kw = dict(score_mod=_generated_score_mod(mods.softcap(20.0)), max_needed=False)
+    elif variant == "persistent_sparse_causal":   # as the product launches causal: with its block mask
+        q, k, v, o, lse, mx = _inputs(D, dtype, Dv=Dv, M=500, N=500)
+        kvn, kvi, fn, fi = _sparse_tensors(500, 500, 128, 128)
+        kw = dict(mask_mod=causal_mask, config=get_config(D, dtype, value_head_dim=Dv, persistent=True),
+                  kv_num_blocks=kvn, kv_indices=kvi, full_kv_num_blocks=fn, full_kv_indices=fi)
+    ck = compile_sm90(q, k, v, o, lse, mx, sm_scale=D ** -0.5, **{"config": cfg, **kw})
+    _check(ck, cfg, D, cfg.block_n, "BF16" if dtype == torch.bfloat16 else "", check_pv=False)
+    r = sass_report(ck)
+    shapes = [int(n) for n in re.findall(r"HGMMA\.64x(\d+)x16\.F32", r.sass)]
+    per_site = cfg.block_n * (D + Dv) // 16
+    assert sum(shapes) % per_site == 0 and sum(shapes) >= per_site, (sum(shapes), per_site)
+    assert cfg.smem_bytes(D, value_head_dim=Dv) <= r.shared < cfg.smem_bytes(D, value_head_dim=Dv) + 1024
 
 
 def _sparse_tensors(M, N, qb, kvb):

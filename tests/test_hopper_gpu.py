@@ -173,19 +173,20 @@ def _rel(a, b):
 
 
 def _run_case(B, Hq, Hkv, M, N, D, dtype, score_name=None, mask_name=None, sparse=False, layout="bhsd",
-              config=None, seed=0, sm_scale=None):
+              config=None, seed=0, sm_scale=None, Dv=None):
     torch.manual_seed(seed)
     dev = "cuda"
+    Dv = Dv or D
     if layout == "bshd":   # (B, S, H, D) storage viewed as (B, H, S, D): no copies
         q = torch.randn(B, M, Hq, D, device=dev, dtype=dtype).transpose(1, 2)
         k = torch.randn(B, N, Hkv, D, device=dev, dtype=dtype).transpose(1, 2)
-        v = torch.randn(B, N, Hkv, D, device=dev, dtype=dtype).transpose(1, 2)
-        out = torch.full((B, M, Hq, D), float("nan"), device=dev, dtype=dtype).transpose(1, 2)
+        v = torch.randn(B, N, Hkv, Dv, device=dev, dtype=dtype).transpose(1, 2)
+        out = torch.full((B, M, Hq, Dv), float("nan"), device=dev, dtype=dtype).transpose(1, 2)
     else:
         q = torch.randn(B, Hq, M, D, device=dev, dtype=dtype)
         k = torch.randn(B, Hkv, N, D, device=dev, dtype=dtype)
-        v = torch.randn(B, Hkv, N, D, device=dev, dtype=dtype)
-        out = torch.full((B, Hq, M, D), float("nan"), device=dev, dtype=dtype)
+        v = torch.randn(B, Hkv, N, Dv, device=dev, dtype=dtype)
+        out = torch.full((B, Hq, M, Dv), float("nan"), device=dev, dtype=dtype)
     lse = torch.full((B, Hq, M), float("nan"), device=dev)
     mx = torch.full((B, Hq, M), float("nan"), device=dev)
     sm_scale = D ** -0.5 if sm_scale is None else sm_scale
@@ -202,7 +203,7 @@ def _run_case(B, Hq, Hkv, M, N, D, dtype, score_name=None, mask_name=None, spars
               score_bufs=(bias,) if bias is not None else (), mask_bufs=(doc,) if doc is not None else (),
               config=config)
     if sparse:
-        cfg = config or get_config(D, dtype)
+        cfg = config or get_config(D, dtype, value_head_dim=Dv)
         qi = torch.arange(M, device=dev)[:, None]
         ki = torch.arange(N, device=dev)[None, :]
         keep = _ref_mask(mask_name, qi, ki, doc)
@@ -272,6 +273,32 @@ CASES = [
 def test_numerics(case):
     B, Hq, Hkv, M, N, D, dtype, score, mask, sparse, layout = case
     _run_case(B, Hq, Hkv, M, N, D, dtype, score, mask, sparse, layout)
+
+
+# V with another head dim than Q and K (PAIR_TABLE: DeepSeek's q/k 192 with v 128)
+PAIR_CASES = [
+    # (B, Hq, Hkv, M, N, D, Dv, dtype, score, mask, sparse, layout)
+    (2, 4, 4, 512, 512, 192, 128, torch.bfloat16, None, None, False, "bhsd"),
+    (1, 8, 2, 333, 517, 192, 128, torch.bfloat16, None, "causal", True, "bshd"),     # ragged + GQA + strided
+    (1, 4, 4, 700, 700, 192, 128, torch.float16, "softcap", "causal", True, "bhsd"),
+    (2, 4, 4, 500, 500, 192, 128, torch.bfloat16, "alibi", "holes", True, "bshd"),
+    (1, 4, 4, 600, 600, 192, 128, torch.bfloat16, None, "document", True, "bhsd"),
+    (1, 4, 4, 300, 333, 192, 128, torch.float16, "head_bias", None, False, "bshd"),
+]
+
+
+@pytest.mark.parametrize("case", PAIR_CASES, ids=lambda c: f"B{c[0]}H{c[1]}/{c[2]}M{c[3]}N{c[4]}D{c[5]}v{c[6]}"
+                         f"{str(c[7])[6:]}-{c[8]}-{c[9]}-{'sparse' if c[10] else 'dense'}-{c[11]}")
+def test_value_head_dim_numerics(case):
+    B, Hq, Hkv, M, N, D, Dv, dtype, score, mask, sparse, layout = case
+    _run_case(B, Hq, Hkv, M, N, D, dtype, score, mask, sparse, layout, Dv=Dv)
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_value_head_dim_schedules(persistent):
+    """Both schedules of the pair config: persistent tile pairs and one CTA per tile."""
+    cfg = get_config(192, torch.bfloat16, value_head_dim=128, persistent=persistent)
+    _run_case(2, 8, 2, 640, 640, 192, torch.bfloat16, None, "causal", True, "bhsd", config=cfg, seed=31, Dv=128)
 
 
 ABLATIONS = [dict(pingpong=False), dict(overlap=False), dict(overlap=False, pingpong=False), dict(num_stages=3),

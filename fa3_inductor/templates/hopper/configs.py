@@ -90,11 +90,15 @@ class Sm90Config:
         """Depth of the V ring: v_stages, or the K ring's num_stages where that is None."""
         return self.v_stages or self.num_stages
 
-    def smem_bytes(self, head_dim: int, elem_bytes: int = 2, o_stage: bool = False) -> int:
+    def smem_bytes(self, head_dim: int, elem_bytes: int = 2, o_stage: bool = False,
+                   value_head_dim: int | None = None) -> int:
+        """Shared memory of the Q tile, the K and V rings and (o_stage) the O staging tile, barriers aside."""
+        dv = head_dim if value_head_dim is None else value_head_dim
+        qk_width = head_dim if self.split_smem else tile_head_dim(head_dim)
+        v_width = dv if self.split_smem else tile_head_dim(dv)
         o_rows = self.block_m if o_stage else 0
-        width = head_dim if self.split_smem else tile_head_dim(head_dim)
-        kv_rows = (self.num_stages + self.v_ring_stages) * self.block_n
-        return elem_bytes * width * (self.block_m + o_rows + kv_rows)
+        return elem_bytes * (qk_width * (self.block_m + self.num_stages * self.block_n)
+                             + v_width * (o_rows + self.v_ring_stages * self.block_n))
 
 
 SMEM_LIMIT = 227 * 1024   # bytes of shared memory a CTA may use on sm90 (barriers need a few more)
@@ -244,36 +248,80 @@ FIXED_BASE_TABLE: dict[int, Sm90Config] = {
     192: Sm90Config(block_m=128, block_n=64, num_stages=2, split_smem=True),
 }
 
+# V (and O) with a head dim other than Q's and K's: (q/k head dim, v head dim) -> config. DeepSeek-V2/V3's
+# multi-head latent attention in its training form (q/k 128 + 64 rope columns, v 128). Q and K sit in
+# split shared tiles of 128 + 64 columns, V and O in one 128-column tile: 48 KB per K stage, 32 KB per V
+# stage, so two stages of each fit (48 + 2 * (48 + 32) = 208 KB), and O is the D=128 accumulator (64
+# registers), so the intra-warpgroup overlap fits too.
+PAIR_TABLE: dict[tuple[int, int], Sm90Config] = {
+    (192, 128): Sm90Config(block_m=128, block_n=128, num_stages=2, split_smem=True),
+}
+
 SUPPORTED_HEAD_DIMS = tuple(sorted(_TABLE))
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def get_config(head_dim: int, dtype: torch.dtype = torch.bfloat16, fixed_base: bool = False,
-               **overrides) -> Sm90Config:
+               value_head_dim: int | None = None, **overrides) -> Sm90Config:
     """The table's config for (head_dim, dtype), with optional field overrides (for ablations).
     fixed_base: for a launch whose scores run against a fixed exponent base (FIXED_BASE_TABLE).
+    value_head_dim: V's (and O's) head dim where it differs from Q's and K's (PAIR_TABLE).
 
     Example::
 
         >>> get_config(192).block_n, get_config(192, fixed_base=True).block_n
         (128, 64)
+        >>> get_config(192, value_head_dim=128).num_stages
+        2
     """
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"sm90 forward: unsupported dtype {dtype}")
-    if head_dim not in _TABLE:
-        raise ValueError(f"sm90 forward: unsupported head dim {head_dim}")
-    cfg = FIXED_BASE_TABLE.get(head_dim, _TABLE[head_dim]) if fixed_base else _TABLE[head_dim]
+    dv = head_dim if value_head_dim is None else value_head_dim
+    if not serves_head_dims(head_dim, dv):
+        raise ValueError(f"sm90 forward: unsupported head dims {head_dim} (q, k) / {dv} (v); it serves "
+                         f"{served_head_dims_text()}")
+    if dv != head_dim:
+        cfg = PAIR_TABLE[(head_dim, dv)]
+    else:
+        cfg = FIXED_BASE_TABLE.get(head_dim, _TABLE[head_dim]) if fixed_base else _TABLE[head_dim]
     return replace(cfg, **overrides) if overrides else cfg
 
 
-def describe(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> str:
-    """The table's tiles for (head_dim, dtype) in words, for logs and explain(); the schedule (one CTA per
-    tile or persistent) is chosen per launch.
+def serves_head_dims(head_dim: int, value_head_dim: int | None = None) -> bool:
+    """Whether the table has tiles for Q / K of head_dim and V / O of value_head_dim (default: the same).
+
+    Example::
+
+        >>> serves_head_dims(128), serves_head_dims(112), serves_head_dims(192, 128), serves_head_dims(128, 64)
+        (True, False, True, False)
+    """
+    dv = head_dim if value_head_dim is None else value_head_dim
+    return head_dim in _TABLE if dv == head_dim else (head_dim, dv) in PAIR_TABLE
+
+
+def served_head_dims_text() -> str:
+    """The head dims the table serves, in words for messages.
+
+    Example::
+
+        >>> served_head_dims_text()
+        '64, 80, 96, 128, 160, 192, 256, and q/k 192 with v 128'
+    """
+    same = ", ".join(map(str, SUPPORTED_HEAD_DIMS))
+    pairs = " or ".join(f"q/k {d} with v {dv}" for d, dv in sorted(PAIR_TABLE))
+    return f"{same}, and {pairs}" if pairs else same
+
+
+def describe(head_dim: int, dtype: torch.dtype = torch.bfloat16, value_head_dim: int | None = None) -> str:
+    """The table's tiles for (head_dim, dtype[, value_head_dim]) in words, for logs and explain(); the
+    schedule (one CTA per tile or persistent) is chosen per launch.
 
     Example::
 
         >>> describe(192)
         'tiles 128x128, 1 K + 2 V stages, shared tiles of 128 + 64 columns, pingpong, no overlap; fixed-base score mods: tiles 128x64, 2 K/V stages, shared tiles of 128 + 64 columns, pingpong, overlap'
+        >>> describe(192, value_head_dim=128)
+        'tiles 128x128, 2 K/V stages, shared tiles of 128 + 64 columns, v 128 columns, pingpong, overlap'
     """
     def words(cfg: Sm90Config) -> str:
         stages = (f"{cfg.num_stages} K/V stages" if cfg.v_ring_stages == cfg.num_stages
@@ -283,13 +331,17 @@ def describe(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> str:
         if hi:
             parts.append(f"shared tiles of {lo} + {hi} columns" if cfg.split_smem
                          else f"{tile_head_dim(head_dim)}-column shared tiles")
+        if dv != head_dim:
+            vlo, vhi = split_head_dim(dv)
+            parts.append(f"v {vlo} + {vhi} columns" if vhi else f"v {dv} columns")
         parts.append("pingpong" if cfg.pingpong else "no pingpong")
         parts.append("overlap" if cfg.overlap else "no overlap")
         return ", ".join(parts)
 
-    cfg = get_config(head_dim, dtype)
+    dv = head_dim if value_head_dim is None else value_head_dim
+    cfg = get_config(head_dim, dtype, value_head_dim=dv)
     text = words(cfg)
-    bounded = get_config(head_dim, dtype, fixed_base=True)
+    bounded = get_config(head_dim, dtype, fixed_base=True, value_head_dim=dv)
     if bounded != cfg:
         text += f"; fixed-base score mods: {words(bounded)}"
     return text
@@ -302,6 +354,13 @@ def all_configs():
         for d, cfg in table.items():
             for dt in SUPPORTED_DTYPES:
                 yield d, dt, cfg
+
+
+def all_pair_configs():
+    """Every shipped (head_dim, value_head_dim, dtype, config) of PAIR_TABLE (V's head dim differs)."""
+    for (d, dv), cfg in PAIR_TABLE.items():
+        for dt in SUPPORTED_DTYPES:
+            yield d, dv, dt, cfg
 
 
 # Fixed exponent base (Sm90Config.fixed_base): p = 2^(t - base) for t within a bounded range of width

@@ -4,8 +4,8 @@ Notation
 --------
   Q  [z, hq, m, d]   queries   (z = batch index b, hq = query head h, m = query position, d = head dim)
   K  [z, hkv, n, d]  keys      (n = key/value position; hkv = h // (Hq // Hkv): GQA by index, no copies)
-  V  [z, hkv, n, d]  values
-  O  [z, hq, m, d]   output, written in place into the caller's tensor (any strides, last dim contiguous)
+  V  [z, hkv, n, dv] values (dv = d, or another head dim where the config table has the pair: PAIR_TABLE)
+  O  [z, hq, m, dv]  output, written in place into the caller's tensor (any strides, last dim contiguous)
   M, N, D            query length, key/value length, head dim. M and N are arbitrary (ragged tails are
                      handled by TMA zero-fill on loads, TMA clipping on the O store, and an explicit
                      kv_idx < N mask on the last KV tile). A head dim that is not a power of two (80, 96,
@@ -13,6 +13,7 @@ Notation
                      padded width, QK_DIM = D): Q, K, V and O sit in two shared tiles each (SPLIT_SMEM, two
                      TMA copies per tile), QK^T is two wgmmas and O two accumulators (_qk_mma, _pv_mma).
                      Without SPLIT_SMEM (an ablation) one HEAD_DIM-wide tile per operand is zero-filled past D.
+                     V and O follow their own head dim the same way (V_HEAD_DIM, V_DIM, V_SPLIT).
   LSE[z, hq, m]      log2-domain logsumexp of the (modded, masked) scores: logsumexp_e(s) / ln 2
   MAX[z, hq, m]      log2-domain row max:  max(s) / ln 2.   Fully masked row: O = 0, LSE = MAX = -inf.
   score_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs) -> the score (q . k) * sm_scale after the mod,
@@ -86,8 +87,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..modgen import kernel_score_mod, kv_affine_of, mask_and_of, out_range_of, sfu_ops_of
 from ..tma import tma_aligned
-from .configs import (SMEM_LIMIT, Sm90Config, fixed_base_for, get_config, split_head_dim, tile_head_dim,
-                      use_persistent)
+from .configs import (SMEM_LIMIT, Sm90Config, fixed_base_for, get_config, serves_head_dims, split_head_dim,
+                      tile_head_dim, use_persistent)
 
 LOG2E = 1.4426950408889634
 
@@ -208,14 +209,21 @@ def _producer(descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_consts):
     PERSISTENT: gl.constexpr = cfg_consts[9]
     V_STAGES: gl.constexpr = cfg_consts[12]
     SPLIT_SMEM: gl.constexpr = cfg_consts[13]
-    LO: gl.constexpr = HEAD_DIM // 2   # SPLIT_SMEM: the hi tiles start at this column
+    V_HEAD_DIM: gl.constexpr = cfg_consts[14]
+    V_SPLIT: gl.constexpr = cfg_consts[16]
+    LO: gl.constexpr = HEAD_DIM // 2   # SPLIT_SMEM: the Q / K hi tiles start at this column
+    V_LO: gl.constexpr = V_HEAD_DIM // 2   # V_SPLIT: the V hi tiles start at this column
 
     if SPLIT_SMEM:
         q_bytes: gl.constexpr = q_desc.block_type.nbytes + q_desc_hi.block_type.nbytes
-        kv_bytes: gl.constexpr = k_desc.block_type.nbytes + k_desc_hi.block_type.nbytes
+        k_bytes: gl.constexpr = k_desc.block_type.nbytes + k_desc_hi.block_type.nbytes
     else:
         q_bytes: gl.constexpr = q_desc.block_type.nbytes
-        kv_bytes: gl.constexpr = k_desc.block_type.nbytes
+        k_bytes: gl.constexpr = k_desc.block_type.nbytes
+    if V_SPLIT:
+        v_bytes: gl.constexpr = v_desc.block_type.nbytes + v_desc_hi.block_type.nbytes
+    else:
+        v_bytes: gl.constexpr = v_desc.block_type.nbytes
 
     n_it, pid, nprog = _tile_loop(num_tiles, PERSISTENT)
     cnt = 0   # KV tiles loaded so far (global ring counter)
@@ -240,10 +248,10 @@ def _producer(descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_consts):
         for i in range(n_total):
             start = _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, BLOCK_N, HAS_SPARSE, SPARSE_Q_DIV,
                               SPARSE_KV_MULT)
-            _load_ring_stage(k_desc, k_desc_hi, k_ready, k_empty, k_smem, k_hi, cnt, [b, hkv, start], kv_bytes,
+            _load_ring_stage(k_desc, k_desc_hi, k_ready, k_empty, k_smem, k_hi, cnt, [b, hkv, start], k_bytes,
                              NUM_STAGES, LO, SPLIT_SMEM)
-            _load_ring_stage(v_desc, v_desc_hi, v_ready, v_empty, v_smem, v_hi, cnt, [b, hkv, start], kv_bytes,
-                             V_STAGES, LO, SPLIT_SMEM)
+            _load_ring_stage(v_desc, v_desc_hi, v_ready, v_empty, v_smem, v_hi, cnt, [b, hkv, start], v_bytes,
+                             V_STAGES, V_LO, V_SPLIT)
             cnt += 1
         t_local += 1
 
@@ -680,7 +688,10 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
     O_STAGE: gl.constexpr = cfg_consts[10]
     QK_DIM: gl.constexpr = cfg_consts[11]   # head-dim columns holding data (HEAD_DIM: the padded tile width)
     V_STAGES: gl.constexpr = cfg_consts[12]   # depth of the V ring (the K ring's is NUM_STAGES)
-    SPLIT_SMEM: gl.constexpr = cfg_consts[13]   # Q / K / V / O tiles as [.., O_LO] + [.., O_HI] (no padding)
+    SPLIT_SMEM: gl.constexpr = cfg_consts[13]   # Q / K tiles as [.., QK_LO] + [.., QK_HI] (no padding)
+    V_HEAD_DIM: gl.constexpr = cfg_consts[14]   # V / O: the padded tile width (HEAD_DIM's twin)
+    V_DIM: gl.constexpr = cfg_consts[15]        # V / O: head-dim columns holding data (QK_DIM's twin)
+    V_SPLIT: gl.constexpr = cfg_consts[16]      # V / O tiles as [.., O_LO] + [.., O_HI] (SPLIT_SMEM's twin)
     lse_ptr, max_ptr = outs
     # qk_scale: score tile -> log2 units, folded into the exp2 argument: sm_scale·log2e for raw q.k,
     # the mod's OUT_SCALE·log2e after a score_mod (the host picks; see _prepare).
@@ -703,9 +714,12 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
-    # A padded head dim (QK_DIM < HEAD_DIM) splits O into accumulators of O_LO + O_HI = QK_DIM columns.
-    O_LO: gl.constexpr = HEAD_DIM if QK_DIM == HEAD_DIM else HEAD_DIM // 2
-    O_HI: gl.constexpr = QK_DIM - O_LO
+    # A padded head dim (QK_DIM < HEAD_DIM) splits QK^T into wgmmas over QK_LO + QK_HI = QK_DIM columns,
+    # and a padded V head dim (V_DIM < V_HEAD_DIM) O into accumulators of O_LO + O_HI = V_DIM columns.
+    QK_LO: gl.constexpr = HEAD_DIM if QK_DIM == HEAD_DIM else HEAD_DIM // 2
+    QK_HI: gl.constexpr = QK_DIM - QK_LO
+    O_LO: gl.constexpr = V_HEAD_DIM if V_DIM == V_HEAD_DIM else V_HEAD_DIM // 2
+    O_HI: gl.constexpr = V_DIM - O_LO
     SPLIT_O: gl.constexpr = O_HI > 0
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, O_LO, 16])
@@ -715,17 +729,20 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
 
     q_half = q_smem.index(WG)
     if SPLIT_SMEM:
-        q_op = q_half.reshape([HALF_M, O_LO])
+        q_op = q_half.reshape([HALF_M, QK_LO])
         q_half_hi = q_smem_hi.index(WG)
-        q_op_hi = q_half_hi.reshape([HALF_M, O_HI])
+        q_op_hi = q_half_hi.reshape([HALF_M, QK_HI])
     else:
         q_op = q_half.reshape([HALF_M, HEAD_DIM])
         q_half_hi = q_half
         q_op_hi = q_op
     if O_STAGE:
-        gl.static_assert(not SPLIT_SMEM, "SPLIT_SMEM reuses the Q tiles for O")
+        gl.static_assert(not SPLIT_SMEM and not V_SPLIT, "split shared tiles reuse the Q tiles for O")
         o_half = o_smem.index(WG)
-    else:
+    else:   # O is staged in the Q tiles: the same shapes (a V head dim other than Q's: V in Q's lo tile)
+        gl.static_assert(o_desc.block_type.nbytes == q_desc.block_type.nbytes, "O is staged in the Q tile")
+        if V_SPLIT:
+            gl.static_assert(SPLIT_SMEM and O_HI == QK_HI, "O's hi part is staged in Q's hi tile")
         o_half = q_half
 
     n_it, pid, nprog = _tile_loop(num_tiles, PERSISTENT)
@@ -774,10 +791,10 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                 ph = (cnt // NUM_STAGES) & 1
                 start = _kv_start(0, n_partial, b, h, mt, sp_ptrs, sp_meta, BLOCK_N, HAS_SPARSE, SPARSE_Q_DIV,
                                   SPARSE_KV_MULT)
-                k_t, k_t_hi = _ring_operands(k_smem, k_smem_hi, st, BLOCK_N, HEAD_DIM, O_LO, O_HI, SPLIT_SMEM, True)
+                k_t, k_t_hi = _ring_operands(k_smem, k_smem_hi, st, BLOCK_N, HEAD_DIM, QK_LO, QK_HI, SPLIT_SMEM, True)
                 mbarrier.wait(k_ready.index(st), ph)
                 t = _pingpong_wait(turn, t, WG, PINGPONG)
-                s_tok = _qk_mma(q_op, q_op_hi, k_t, k_t_hi, s_zero, O_LO, O_HI, SPLIT_SMEM)
+                s_tok = _qk_mma(q_op, q_op_hi, k_t, k_t_hi, s_zero, QK_LO, QK_HI, SPLIT_SMEM)
                 _pingpong_signal(turn, WG, PINGPONG)
                 s_acc = _qk_done(s_tok, q_op, q_op_hi, k_t, k_t_hi, SPLIT_SMEM)
                 mbarrier.arrive(k_empty.index(st), count=1)
@@ -800,15 +817,15 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                     ph = (cnt // NUM_STAGES) & 1
                     start = _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, BLOCK_N, HAS_SPARSE,
                                       SPARSE_Q_DIV, SPARSE_KV_MULT)
-                    k_t, k_t_hi = _ring_operands(k_smem, k_smem_hi, st, BLOCK_N, HEAD_DIM, O_LO, O_HI, SPLIT_SMEM,
+                    k_t, k_t_hi = _ring_operands(k_smem, k_smem_hi, st, BLOCK_N, HEAD_DIM, QK_LO, QK_HI, SPLIT_SMEM,
                                                  True)
-                    v_prev, v_prev_hi = _ring_operands(v_smem, v_smem_hi, prev_vst, BLOCK_N, HEAD_DIM, O_LO, O_HI,
-                                                       SPLIT_SMEM, False)
+                    v_prev, v_prev_hi = _ring_operands(v_smem, v_smem_hi, prev_vst, BLOCK_N, V_HEAD_DIM, O_LO, O_HI,
+                                                       V_SPLIT, False)
                     mbarrier.wait(k_ready.index(st), ph)
                     mbarrier.wait(v_ready.index(prev_vst), prev_vph)
                     t = _pingpong_wait(turn, t, WG, PINGPONG)
-                    s_tok = _qk_mma(q_op, q_op_hi, k_t, k_t_hi, s_zero, O_LO, O_HI, SPLIT_SMEM)
-                    o_tok, o_tok_hi, p_hi = _pv_mma(p, v_prev, v_prev_hi, acc, acc_hi, SPLIT_O, SPLIT_SMEM)
+                    s_tok = _qk_mma(q_op, q_op_hi, k_t, k_t_hi, s_zero, QK_LO, QK_HI, SPLIT_SMEM)
+                    o_tok, o_tok_hi, p_hi = _pv_mma(p, v_prev, v_prev_hi, acc, acc_hi, SPLIT_O, V_SPLIT)
                     _pingpong_signal(turn, WG, PINGPONG)
                     if SPLIT_O:   # wgmma groups retire in order: QK^T done, the two PV groups may not be
                         s_acc, o_tok, o_tok_hi = warpgroup_mma_wait(2, deps=[s_tok, o_tok, o_tok_hi])
@@ -827,7 +844,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                     p_new, m_i, m_run, l_i, alpha, resc = _online_softmax(s, shift, m_i, m_run, l_i, qk_scale, p_layout,
                                                                           o_layout, dtype, EXP2_EMU, LAZY_RESCALE,
                                                                           FIXED_BASE, KV_AFFINE)
-                    acc, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_prev, v_prev_hi, SPLIT_O, SPLIT_SMEM)
+                    acc, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_prev, v_prev_hi, SPLIT_O, V_SPLIT)
                     mbarrier.arrive(v_empty.index(prev_vst), count=1)
                     acc = _rescale_o(acc, alpha, resc, LAZY_RESCALE, FIXED_BASE)
                     acc_hi = _rescale_o_hi(acc_hi, alpha, resc, LAZY_RESCALE, FIXED_BASE, SPLIT_O)
@@ -836,13 +853,13 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                     prev_vph = (cnt // V_STAGES) & 1
                     cnt += 1
                 # ---- tail: O += P_last V_last ----
-                v_prev, v_prev_hi = _ring_operands(v_smem, v_smem_hi, prev_vst, BLOCK_N, HEAD_DIM, O_LO, O_HI,
-                                                   SPLIT_SMEM, False)
+                v_prev, v_prev_hi = _ring_operands(v_smem, v_smem_hi, prev_vst, BLOCK_N, V_HEAD_DIM, O_LO, O_HI,
+                                                   V_SPLIT, False)
                 mbarrier.wait(v_ready.index(prev_vst), prev_vph)
                 t = _pingpong_wait(turn, t, WG, PINGPONG)
-                o_tok, o_tok_hi, p_hi = _pv_mma(p, v_prev, v_prev_hi, acc, acc_hi, SPLIT_O, SPLIT_SMEM)
+                o_tok, o_tok_hi, p_hi = _pv_mma(p, v_prev, v_prev_hi, acc, acc_hi, SPLIT_O, V_SPLIT)
                 _pingpong_signal(turn, WG, PINGPONG)
-                acc, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_prev, v_prev_hi, SPLIT_O, SPLIT_SMEM)
+                acc, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_prev, v_prev_hi, SPLIT_O, V_SPLIT)
                 mbarrier.arrive(v_empty.index(prev_vst), count=1)
         else:
             # No intra-warpgroup overlap: S_i, softmax_i, O += P_i V_i strictly in sequence.
@@ -851,15 +868,15 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                 ph = (cnt // NUM_STAGES) & 1
                 start = _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, BLOCK_N, HAS_SPARSE, SPARSE_Q_DIV,
                                   SPARSE_KV_MULT)
-                k_t, k_t_hi = _ring_operands(k_smem, k_smem_hi, st, BLOCK_N, HEAD_DIM, O_LO, O_HI, SPLIT_SMEM, True)
+                k_t, k_t_hi = _ring_operands(k_smem, k_smem_hi, st, BLOCK_N, HEAD_DIM, QK_LO, QK_HI, SPLIT_SMEM, True)
                 mbarrier.wait(k_ready.index(st), ph)
                 t = _pingpong_wait(turn, t, WG, PINGPONG)
-                s_tok = _qk_mma(q_op, q_op_hi, k_t, k_t_hi, s_zero, O_LO, O_HI, SPLIT_SMEM)
+                s_tok = _qk_mma(q_op, q_op_hi, k_t, k_t_hi, s_zero, QK_LO, QK_HI, SPLIT_SMEM)
                 _pingpong_signal(turn, WG, PINGPONG)
                 s_acc = _qk_done(s_tok, q_op, q_op_hi, k_t, k_t_hi, SPLIT_SMEM)
                 vst = cnt % V_STAGES
                 vph = (cnt // V_STAGES) & 1
-                v_cur, v_cur_hi = _ring_operands(v_smem, v_smem_hi, vst, BLOCK_N, HEAD_DIM, O_LO, O_HI, SPLIT_SMEM,
+                v_cur, v_cur_hi = _ring_operands(v_smem, v_smem_hi, vst, BLOCK_N, V_HEAD_DIM, O_LO, O_HI, V_SPLIT,
                                               False)
                 mbarrier.arrive(k_empty.index(st), count=1)
                 s, shift = _score_tile(s_acc, start, i < n_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit,
@@ -873,9 +890,9 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                 acc_hi = _rescale_o_hi(acc_hi, alpha, resc, LAZY_RESCALE, FIXED_BASE, SPLIT_O)
                 mbarrier.wait(v_ready.index(vst), vph)
                 t = _pingpong_wait(turn, t, WG, PINGPONG)
-                o_tok, o_tok_hi, p_hi = _pv_mma(p, v_cur, v_cur_hi, acc, acc_hi, SPLIT_O, SPLIT_SMEM)
+                o_tok, o_tok_hi, p_hi = _pv_mma(p, v_cur, v_cur_hi, acc, acc_hi, SPLIT_O, V_SPLIT)
                 _pingpong_signal(turn, WG, PINGPONG)
-                acc, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_cur, v_cur_hi, SPLIT_O, SPLIT_SMEM)
+                acc, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_cur, v_cur_hi, SPLIT_O, V_SPLIT)
                 mbarrier.arrive(v_empty.index(vst), count=1)
                 cnt += 1
             if O_STAGE:
@@ -894,7 +911,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         r_o = gl.convert_layout(m_run, gl.SliceLayout(1, o_layout))
         _epilogue(acc, acc_hi, m_o, r_o, l_o, qk_scale, o_half, q_half_hi, o_desc, o_desc_hi, lse_ptr, max_ptr,
-                  b, h, row0, HQ, M, o_layout, HALF_M, dtype, O_STAGE, SPLIT_O, SPLIT_SMEM)
+                  b, h, row0, HQ, M, o_layout, HALF_M, dtype, O_STAGE, SPLIT_O, V_SPLIT)
         if not O_STAGE:
             mbarrier.arrive(q_empty.index(WG), count=1)
         t_local += 1
@@ -923,7 +940,7 @@ def _producer_entry(descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_consts, outs
 @gluon.jit
 def fa3_fwd_sm90_kernel(
     q_desc, k_desc, v_desc, o_desc,
-    q_desc_hi, k_desc_hi, v_desc_hi, o_desc_hi,   # SPLIT_SMEM: the [.., O_HI] tiles' descriptors (else None)
+    q_desc_hi, k_desc_hi, v_desc_hi, o_desc_hi,   # SPLIT_SMEM / V_SPLIT: the hi tiles' descriptors (else None)
     lse_ptr, max_ptr,
     score_bufs, mask_bufs,
     kvnb_ptr, kvidx_ptr, fnb_ptr, fidx_ptr,
@@ -937,22 +954,35 @@ def fa3_fwd_sm90_kernel(
     EVEN_N: gl.constexpr, LAZY_RESCALE: gl.constexpr, FIXED_BASE: gl.constexpr, KV_AFFINE: gl.constexpr,
     MASK_AND: gl.constexpr,
     O_STAGE: gl.constexpr, QK_DIM: gl.constexpr, V_STAGES: gl.constexpr, SPLIT_SMEM: gl.constexpr,
+    V_HEAD_DIM: gl.constexpr, V_DIM: gl.constexpr, V_SPLIT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     HALF_M: gl.constexpr = BLOCK_M // 2
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)
-    if SPLIT_SMEM:   # the [.., O_HI] parts of a padded head dim's tiles (the tiles above hold [.., O_LO])
+    # The hi parts of a padded head dim's tiles (the tiles above hold the lo columns); without a split the
+    # names alias the lo tiles and descriptors, never read.
+    if SPLIT_SMEM:
         q_smem_hi = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc_hi.block_type.shape, q_desc_hi.layout)
         k_smem_hi = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc_hi.block_type.shape,
                                               k_desc_hi.layout)
-        v_smem_hi = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES] + v_desc_hi.block_type.shape,
-                                              v_desc_hi.layout)
+        qh_desc = q_desc_hi
+        kh_desc = k_desc_hi
     else:
         q_smem_hi = q_smem
         k_smem_hi = k_smem
+        qh_desc = q_desc
+        kh_desc = k_desc
+    if V_SPLIT:
+        v_smem_hi = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES] + v_desc_hi.block_type.shape,
+                                              v_desc_hi.layout)
+        vh_desc = v_desc_hi
+        oh_desc = o_desc_hi
+    else:
         v_smem_hi = v_smem
+        vh_desc = v_desc
+        oh_desc = o_desc
     if O_STAGE:   # own O staging buffer: Q can be released (and the next Q loaded) before the epilogue
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
     else:
@@ -979,10 +1009,7 @@ def fa3_fwd_sm90_kernel(
         mbarrier.init(v_ready.index(s), count=1)
         mbarrier.init(v_empty.index(s), count=2)
 
-    if SPLIT_SMEM:
-        descs = (q_desc, k_desc, v_desc, o_desc, q_desc_hi, k_desc_hi, v_desc_hi, o_desc_hi)
-    else:
-        descs = (q_desc, k_desc, v_desc, o_desc, q_desc, k_desc, v_desc, o_desc)
+    descs = (q_desc, k_desc, v_desc, o_desc, qh_desc, kh_desc, vh_desc, oh_desc)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn)
     smem = (q_smem, k_smem, v_smem, o_smem, q_smem_hi, k_smem_hi, v_smem_hi)
     sched = (num_tiles, num_m_tiles, HQ, GQA, M, N)
@@ -997,21 +1024,24 @@ def fa3_fwd_sm90_kernel(
     gl.warp_specialize([
         (_consumer_wg0, (descs, bars, smem, sched, sp_ptrs, sp_meta,
                          (BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, HALF_M, HAS_SPARSE, HAS_FULL, SPARSE_Q_DIV,
-                          SPARSE_KV_MULT, PERSISTENT, O_STAGE, QK_DIM, V_STAGES, SPLIT_SMEM),
+                          SPARSE_KV_MULT, PERSISTENT, O_STAGE, QK_DIM, V_STAGES, SPLIT_SMEM, V_HEAD_DIM, V_DIM,
+                          V_SPLIT),
                          outs, scale_args,
                          (SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, PINGPONG, OVERLAP, EXP2_EMU,
                           EVEN_N, LAZY_RESCALE, FIXED_BASE, KV_AFFINE, MASK_AND),
                          mod_bufs)),
         (_consumer_wg1, (descs, bars, smem, sched, sp_ptrs, sp_meta,
                          (BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, HALF_M, HAS_SPARSE, HAS_FULL, SPARSE_Q_DIV,
-                          SPARSE_KV_MULT, PERSISTENT, O_STAGE, QK_DIM, V_STAGES, SPLIT_SMEM),
+                          SPARSE_KV_MULT, PERSISTENT, O_STAGE, QK_DIM, V_STAGES, SPLIT_SMEM, V_HEAD_DIM, V_DIM,
+                          V_SPLIT),
                          outs, scale_args,
                          (SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, PINGPONG, OVERLAP, EXP2_EMU,
                           EVEN_N, LAZY_RESCALE, FIXED_BASE, KV_AFFINE, MASK_AND),
                          mod_bufs)),
         (_producer_entry, (descs, bars, smem, sched, sp_ptrs, sp_meta,
                            (BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, HALF_M, HAS_SPARSE, HAS_FULL, SPARSE_Q_DIV,
-                            SPARSE_KV_MULT, PERSISTENT, O_STAGE, QK_DIM, V_STAGES, SPLIT_SMEM),
+                            SPARSE_KV_MULT, PERSISTENT, O_STAGE, QK_DIM, V_STAGES, SPLIT_SMEM, V_HEAD_DIM, V_DIM,
+                          V_SPLIT),
                            outs, scale_args,
                            (SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, PINGPONG, OVERLAP, EXP2_EMU,
                           EVEN_N, LAZY_RESCALE, FIXED_BASE, KV_AFFINE, MASK_AND),
@@ -1049,8 +1079,16 @@ def _desc(t, block_shape):
 
 def supports_sm90(q, k, v, out=None, *, kv_num_blocks=None, sparse_q_block: int = 128,
                   sparse_kv_block: int = 128, config: Sm90Config | None = None, check_device: bool = True) -> bool:
-    """True when launch_fwd_sm90 can serve these inputs (device sm90, dtype, head dim, TMA alignment,
-    sparse block sizes). `check_device=False` skips the device checks (for CPU-side planning)."""
+    """True when launch_fwd_sm90 can serve these inputs (device sm90, dtype, head dims, TMA alignment,
+    sparse block sizes). V may have another head dim than Q and K where the config table has the pair
+    (configs.serves_head_dims). `check_device=False` skips the device checks (for CPU-side planning).
+
+    Example::
+
+        >>> q = torch.empty(1, 2, 256, 192, dtype=torch.bfloat16); v = torch.empty(1, 2, 256, 128, dtype=torch.bfloat16)
+        >>> supports_sm90(q, q, v, check_device=False), supports_sm90(q, q, v[..., :64], check_device=False)
+        (True, False)
+    """
     try:
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
             return False
@@ -1058,11 +1096,16 @@ def supports_sm90(q, k, v, out=None, *, kv_num_blocks=None, sparse_q_block: int 
             return False
         B, Hq, M, D = q.shape
         Bk, Hkv, N, Dk = k.shape
-        if tuple(v.shape) != (Bk, Hkv, N, D) or Bk != B or Dk != D or Hkv == 0 or Hq % Hkv:
+        Dv = v.shape[-1]
+        if tuple(v.shape) != (Bk, Hkv, N, Dv) or Bk != B or Dk != D or Hkv == 0 or Hq % Hkv:
+            return False
+        if out is not None and tuple(out.shape) != (B, Hq, M, Dv):
             return False
         if M < 1 or N < 1 or max(M, N) >= 2 ** 23:   # generated mods convert positions to float exactly below 2^23
             return False
-        cfg = config or get_config(D, q.dtype)
+        if not serves_head_dims(D, Dv):
+            return False
+        cfg = config or get_config(D, q.dtype, value_head_dim=Dv)
         if cfg.block_m != 128:
             return False
         tensors = [q, k, v] + ([out] if out is not None else [])
@@ -1114,7 +1157,8 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
         score_mod = _identity_score_mod
     B, Hq, M, D = q.shape
     _, Hkv, N, _ = k.shape
-    cfg = config or get_config(D, q.dtype)
+    Dv = v.shape[-1]
+    cfg = config or get_config(D, q.dtype, value_head_dim=Dv)
     # score tile -> log2 units (the kernel's qk_scale)
     score_mod, to_score = kernel_score_mod(score_mod, sm_scale, cfg.fold_sm_scale) \
         if score_mod is not None else (None, float(sm_scale))
@@ -1124,7 +1168,7 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
         else None
     fixed_base = bounds and fixed_base_for(q.dtype, bounds[0] * to_log2, bounds[1] * to_log2)
     if fixed_base is not None and config is None:   # the table's tiles for fixed-base launches
-        cfg = get_config(D, q.dtype, fixed_base=True)
+        cfg = get_config(D, q.dtype, fixed_base=True, value_head_dim=Dv)
     # `score + alpha(b, h)·kv + B(b, h, q)`: column / tile / row parts instead of per-score index math;
     # the launched form's tile is qk·qk_unit + x (folded: qk + x / sm_scale)
     kv_affine = score_mod is not None and kv_affine_of(score_mod) and cfg.affine_mods and not fixed_base
@@ -1133,18 +1177,22 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
     HALF_M = BLOCK_M // 2
     # tiles span the head dim padded to a power of two (TMA zero-fills / clips the columns past D), or,
     # split_smem, two tiles per operand of exactly D columns: LO + HI (each a power of two)
-    D_TILE = tile_head_dim(D)
+    # (Q and K by D, V and O by Dv, which may differ)
+    D_TILE, DV_TILE = tile_head_dim(D), tile_head_dim(Dv)
     split = cfg.split_smem and D != D_TILE
+    v_split = cfg.split_smem and Dv != DV_TILE
     width = split_head_dim(D)[0] if split else D_TILE
+    v_width = split_head_dim(Dv)[0] if v_split else DV_TILE
     q_desc = _desc(q, [1, 1, HALF_M, width])
-    o_desc = _desc(out, [1, 1, HALF_M, width])
+    o_desc = _desc(out, [1, 1, HALF_M, v_width])
     k_desc = _desc(k, [1, 1, BLOCK_N, width])
-    v_desc = _desc(v, [1, 1, BLOCK_N, width])
-    hi_descs = (None,) * 4
+    v_desc = _desc(v, [1, 1, BLOCK_N, v_width])
+    q_hi = k_hi = v_hi = o_hi = None
     if split:
-        hi = D - width
-        hi_descs = (_desc(q, [1, 1, HALF_M, hi]), _desc(k, [1, 1, BLOCK_N, hi]), _desc(v, [1, 1, BLOCK_N, hi]),
-                    _desc(out, [1, 1, HALF_M, hi]))
+        q_hi, k_hi = _desc(q, [1, 1, HALF_M, D - width]), _desc(k, [1, 1, BLOCK_N, D - width])
+    if v_split:
+        v_hi, o_hi = _desc(v, [1, 1, BLOCK_N, Dv - v_width]), _desc(out, [1, 1, HALF_M, Dv - v_width])
+    hi_descs = (q_hi, k_hi, v_hi, o_hi)
 
     has_sparse = kv_num_blocks is not None
     has_full = has_sparse and full_kv_num_blocks is not None
@@ -1180,7 +1228,8 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
     persistent = use_persistent(cfg, num_tiles, num_sms, N, max_kv_tiles, kv_affine)
     # persistent CTAs take tile pairs; a separate O staging buffer where shared memory allows it
     grid = (min((num_tiles + 1) // 2, num_sms),) if persistent else (num_tiles,)
-    o_stage = persistent and cfg.o_stage and not split and cfg.smem_bytes(D, o_stage=True) <= SMEM_LIMIT
+    o_stage = (persistent and cfg.o_stage and not split and not v_split
+               and cfg.smem_bytes(D, o_stage=True, value_head_dim=Dv) <= SMEM_LIMIT)
     args = (q_desc, k_desc, v_desc, o_desc, *hi_descs, lse, max_scores, tuple(score_bufs), tuple(mask_bufs),
             *sp_ptrs, *sp_meta, float(sm_scale), to_log2, float(fixed_base or 0.0), qk_unit, num_tiles, num_m_tiles, Hq, Hq // Hkv,
             M, N)
@@ -1197,6 +1246,7 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
         LAZY_RESCALE=cfg.lazy_rescale, FIXED_BASE=fixed_base is not None, KV_AFFINE=kv_affine,
         MASK_AND=mask_mod is not None and mask_and_of(mask_mod),
         O_STAGE=o_stage, QK_DIM=D, V_STAGES=cfg.v_ring_stages, SPLIT_SMEM=split,
+        V_HEAD_DIM=DV_TILE, V_DIM=Dv, V_SPLIT=v_split,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
@@ -1213,12 +1263,12 @@ def launch_fwd_sm90(q, k, v, out, lse, max_scores, *, sm_scale: float,
                     kv_num_blocks=None, kv_indices=None, full_kv_num_blocks=None, full_kv_indices=None,
                     sparse_q_block: int = 128, sparse_kv_block: int = 128, config=None,
                     max_needed: bool = True) -> None:
-    """Run the sm90 forward kernel, writing out (same shape as q), lse and max_scores (fp32 [B, Hq, M],
-    contiguous, log2 units) in place. See the module docstring for the conventions. With
+    """Run the sm90 forward kernel, writing out ([B, Hq, M, Dv]: q's shape with v's head dim), lse and
+    max_scores (fp32 [B, Hq, M], contiguous, log2 units) in place. See the module docstring for the conventions. With
     max_needed=False a bounded score_mod may skip the row max: max_scores is then NaN (-inf for rows
     with no key)."""
     B, Hq, M, D = q.shape
-    assert out.shape == q.shape and out.dtype == q.dtype
+    assert out.shape == (B, Hq, M, v.shape[-1]) and out.dtype == q.dtype
     assert lse.shape == (B, Hq, M) and lse.dtype == torch.float32 and lse.is_contiguous()
     assert max_scores.shape == (B, Hq, M) and max_scores.dtype == torch.float32 and max_scores.is_contiguous()
     kernel, args, kwargs, grid = prepare_fwd_sm90(
@@ -1237,7 +1287,7 @@ def prepare_fwd_sm90(q, k, v, out, lse, max_scores, *, sm_scale: float,
                      max_needed: bool = True):
     """(kernel, args, kwargs, grid) of the launch launch_fwd_sm90 makes, for callers that cache launches
     (runtime/fast_launch.py). Same arguments as launch_fwd_sm90."""
-    cfg = config or get_config(q.shape[-1], q.dtype)
+    cfg = config or get_config(q.shape[-1], q.dtype, value_head_dim=v.shape[-1])
     num_sms = _num_sms(q.device) if cfg.persistent is not False else 0
     args, kwargs, grid = _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs,
                                   mask_bufs, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
