@@ -51,11 +51,14 @@ def _check_inputs(q: Any, k: Any, v: Any, score_mod: Any, mask_mod: Any, block_m
                              "grouped-query attention")
         if hq % hkv != 0:
             raise ValueError(f"flex: q heads ({hq}) must be a multiple of k/v heads ({hkv})")
-    d = q.shape[-1]
-    if not (16 <= d <= 256 and d % 8 == 0) or v.shape[-1] != d:
-        raise ValueError(f"flex: head dim {d} (v: {v.shape[-1]}) is not supported; use equal "
-                         "q/k/v head dims that are multiples of 8 from 16 to 256 "
-                         "(64, 80, 96, 128, 192, 256 are the common ones), or pad")
+    for what, d in (("q/k head dim", q.shape[-1]), ("v head dim", v.shape[-1])):
+        if not (16 <= d <= 256 and d % 8 == 0):
+            raise ValueError(
+                f"flex: {what} {d} is not supported (q {tuple(q.shape)}, v {tuple(v.shape)}); "
+                "fa3 serves head dims that are multiples of 8 from 16 to 256 (64, 80, 96, 128, "
+                "192, 256 are the common ones; v's may differ from q's, e.g. q/k 192 with v "
+                "128): zero-pad that dim to the next multiple of 8 (at least 16); padding q/k, "
+                "pass scale=<unpadded dim> ** -0.5; padding v, slice the output back")
     for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
         if fn is not None and not callable(fn):
             raise TypeError(f"flex: {name} must be callable, got {type(fn).__name__}")
@@ -177,10 +180,13 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
          return_lse: bool = False, template: str = "auto") -> Union[Tensor, tuple[Tensor, Tensor]]:
     """Attention with FlexAttention's semantics, served by fa3_inductor's kernels.
 
-    ``q`` is (B, H, M, D), ``k``/``v`` are (B, Hkv, N, D). ``score_mod(score, b, h, q_idx,
-    kv_idx)`` edits scores, ``mask_mod(b, h, q_idx, kv_idx)`` hides them (it is turned into a
-    block mask here; pass ``block_mask`` from ``create_block_mask`` instead to build it once).
-    Returns the output (B, H, M, D), plus the natural-log LSE (B, H, M) if ``return_lse``.
+    ``q`` is (B, H, M, D), ``k`` is (B, Hkv, N, D), ``v`` is (B, Hkv, N, Dv). Dv may differ
+    from D (DeepSeek-V2/V3's multi-head latent attention trains with D 192, Dv 128); both are
+    multiples of 8 from 16 to 256. ``score_mod(score, b, h, q_idx, kv_idx)`` edits scores,
+    ``mask_mod(b, h, q_idx, kv_idx)`` hides them (it is turned into a block mask here; pass
+    ``block_mask`` from ``create_block_mask`` instead to build it once). The default ``scale``
+    is D ** -0.5. Returns the output (B, H, M, Dv), plus the natural-log LSE (B, H, M) if
+    ``return_lse``.
     Gradients flow to q, k, v and to tensors the mods capture. ``template`` (fa3 only):
     "auto" picks the best kernel family, "hopper" / "generic" force one (a site it cannot
     serve falls back, see ``last_template()``), "torch" runs torch's own kernel.
@@ -199,6 +205,10 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
         >>> out = flex(q, k, v, score_mod=mods.softcap(30.0), mask_mod=mods.causal)
         >>> out.shape
         torch.Size([1, 4, 256, 64])
+        >>> q, k = torch.randn(1, 8, 256, 192), torch.randn(1, 2, 256, 192)  # MLA, GQA
+        >>> v = torch.randn(1, 2, 256, 128)
+        >>> flex(q, k, v, mask_mod=mods.causal, enable_gqa=True).shape
+        torch.Size([1, 8, 256, 128])
     """
     _check_inputs(q, k, v, score_mod, mask_mod, block_mask, scale, enable_gqa)
     if template not in TEMPLATES:
@@ -228,7 +238,8 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
         if served is not None:
             return served if return_lse else served[0]
     mask_fn = block_mask.mask_mod if block_mask is not None else None
-    shapes = (tuple(q.shape), tuple(k.shape), q.dtype, q.device, q.requires_grad)
+    shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device,
+              q.requires_grad)
     compiled = _compiled_for(_code_of(score_mod), _code_of(mask_fn), template, shapes)
     record_template(None)
     result = compiled(*args)

@@ -105,6 +105,7 @@ def _plan(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable],
         return _Plan(None, [], [], f"could not trace the mods here: {exc}")
     sparse = (_NO_MASK_BLOCK, _NO_MASK_BLOCK) if block_mask is None else \
         tuple(int(x) for x in block_mask.BLOCK_SIZE)
+    kv = f"kv{list(k.shape)}" + (f" v{list(v.shape)}" if v.shape[3] != k.shape[3] else "")
     try:
         spec, reason = plan_site(
             score_gm, mask_gm, [BufferSpec.of(b) for b in score_bufs],
@@ -112,7 +113,7 @@ def _plan(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable],
             q_heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[3],
             value_head_dim=v.shape[3], batches_match=q.shape[0] == k.shape[0] or k.shape[0] == 1,
             sparse_blocks=sparse, settings=Settings(template=template), needs_max=False,
-            description=f"q{list(q.shape)} kv{list(k.shape)} "
+            description=f"q{list(q.shape)} {kv} "
                         f"{str(q.dtype).replace('torch.', '')} {q.device.type} (flex, direct)")
     except UnsupportedMod as exc:
         return _Plan(None, [], [], f"mod not lowerable: {exc}")

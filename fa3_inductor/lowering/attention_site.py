@@ -99,7 +99,7 @@ class AttentionSite:
     @classmethod
     def from_parts(cls, gm: torch.fx.GraphModule, node: torch.fx.Node, q: torch.fx.Node,
                    k: torch.fx.Node, v: torch.fx.Node, *, scale: float, gqa: int,
-                   layers: list, served: Callable[[torch.Tensor], Optional[str]],
+                   layers: list, served: Callable[[torch.Tensor, torch.Tensor], Optional[str]],
                    front_door: str, zero_rows: bool) -> "AttentionSite":
         """A site whose q, k, v (4-D, k/v un-repeated), scale and mask layers are known.
 
@@ -130,8 +130,7 @@ class AttentionSite:
             raise Refused(f"q{list(q)} k{list(k)} v{list(v)} are not attention-shaped")
         if hq % hk:
             raise Refused(f"{hq} query heads are not a multiple of {hk} kv heads")
-        if d != dv:
-            raise Refused(f"value head dim {dv} differs from query head dim {d}")
+        # dv may differ from d (DeepSeek's MLA: q/k 192, v 128); served() checks both.
         qe, ke, ve = (example(o.node) for o in (self.q, self.k, self.v))
         if not (qe.dtype == ke.dtype == ve.dtype):
             raise Refused(f"q/k/v dtypes differ ({qe.dtype}, {ke.dtype}, {ve.dtype})")
@@ -140,7 +139,7 @@ class AttentionSite:
             raise Refused(f"the attention output is {out.dtype} but q is {qe.dtype} (flex "
                           "returns q's dtype)")
         self.shapes = (q, k, v)
-        why = served(qe)
+        why = served(qe, ve)
         if why is not None:
             raise Refused(why)
 

@@ -105,8 +105,9 @@ def _lower_on_cpu(a: _compat.FlexBackwardArgs, shape: str):
 def _fa3_flex_backward_lowering(*args, **kwargs):
     if active_pass() is None:
         return _original_lowering(*args, **kwargs)
-    query, key = args[0], args[1]  # first on every version; the rest is read on the CPU only
-    shape = site_shape(query, key)
+    # q, k, v first on every version; the rest is read on the CPU only
+    query, key, value = args[0], args[1], args[2]
+    shape = site_shape(query, key, value)
     device = query.get_device().type
     if device == "cpu":
         return _lower_on_cpu(_compat.unpack_flex_backward_args(args, kwargs), shape)

@@ -55,9 +55,13 @@ def install() -> None:
         _original_lowering = replaced
 
 
-def site_shape(query, key) -> str:
-    """"q[B,H,M,D] kv[B,Hkv,N,D] dtype device" of a site's IR nodes, for records and logs."""
-    return (f"q{list(query.get_size())} kv{list(key.get_size())} "
+def site_shape(query, key, value=None) -> str:
+    """"q[B,H,M,D] kv[B,Hkv,N,D] dtype device" of a site's IR nodes, for records and logs;
+    "... kv[B,Hkv,N,D] v[B,Hkv,N,Dv] ..." when the value's head dim differs."""
+    kv = f"kv{list(key.get_size())}"
+    if value is not None and str(value.get_size()[-1]) != str(key.get_size()[-1]):
+        kv += f" v{list(value.get_size())}"
+    return (f"q{list(query.get_size())} {kv} "
             f"{str(query.get_dtype()).replace('torch.', '')} {query.get_device().type}")
 
 
@@ -107,7 +111,7 @@ def _plan(query, key, value, subgraph, bm: _compat.FlexBlockMask, score_bufs, ma
     sizevars = V.graph.sizevars
     dtype = query.get_dtype()
     device = query.get_device()
-    shape = site_shape(query, key)
+    shape = site_shape(query, key, value)
     if settings.template == "torch":
         return None, "option fa3.template='torch'", shape
     # Batch and sequence lengths may stay symbolic (the kernel takes them at run time);
@@ -115,7 +119,7 @@ def _plan(query, key, value, subgraph, bm: _compat.FlexBlockMask, score_bufs, ma
     # lowering guards on the block sizes too).
     hq, hkv, d, dv = (sizevars.guard_int(x) for x in (
         query.get_size()[1], key.get_size()[1], query.get_size()[-1], value.get_size()[-1]))
-    reason = unserved(device, dtype, d)
+    reason = unserved(device, dtype, d, dv)
     if reason is not None:
         return None, reason, shape
     bq, bkv = query.get_size()[0], key.get_size()[0]
@@ -139,14 +143,23 @@ def _plan(query, key, value, subgraph, bm: _compat.FlexBlockMask, score_bufs, ma
     return spec, reason, shape
 
 
-def unserved_reason(example_query: torch.Tensor) -> Optional[str]:
-    """Why our kernels would not serve attention on this (example) query, or None.
+def unserved_reason(example_query: torch.Tensor,
+                    example_value: Optional[torch.Tensor] = None) -> Optional[str]:
+    """Why our kernels would not serve attention on this (example) query and value, or None.
+    The value's head dim (the output's) may differ from the query's; without an example value
+    it is taken to be the query's.
 
     Recognition asks before rewriting: a site our lowering would hand back to torch's flex
     kernel is better left as the user wrote it.
+
+    Example::
+
+        >>> unserved_reason(torch.empty(1, 2, 64, 192), torch.empty(1, 2, 64, 12))  # doctest: +SKIP
+        'value head dim 12 (fa3 serves multiples of 8 from 16 to 256)'
     """
     q = example_query
-    return unserved(q.device, q.dtype, int(q.shape[-1]))
+    dv = None if example_value is None else int(example_value.shape[-1])
+    return unserved(q.device, q.dtype, int(q.shape[-1]), dv)
 
 
 def _fresh_4d_buffer(x):

@@ -58,17 +58,18 @@ _PV_OPS = {"matmul", "bmm", "einsum"}
 
 
 def rewrite_manual(gm: torch.fx.GraphModule,
-                   served: Callable[[torch.Tensor], Optional[str]]
+                   served: Callable[[torch.Tensor, torch.Tensor], Optional[str]]
                    ) -> tuple[list[RecognizedSite], list[torch.Tensor]]:
     """Rewrite every exact, servable hand-written attention of ``gm`` into the flex_attention
     op, in place. Returns one RecognizedSite per ``softmax -> matmul`` site seen and the
     constant tensors (block-mask tables) appended to the graph's inputs.
 
-    ``served(example_query)`` returns None if our kernels serve that device/dtype/head dim.
+    ``served(example_query, example_value)`` returns None if our kernels serve that
+    device/dtype/head dims (the value's may differ from the query's), else the reason.
 
     Example::
 
-        >>> sites, extra = rewrite_manual(gm, lambda q: None)   # doctest: +SKIP
+        >>> sites, extra = rewrite_manual(gm, lambda q, v: None)   # doctest: +SKIP
         >>> [(s.rewritten, s.mask) for s in sites]             # doctest: +SKIP
         [(True, 'causal')]
     """
@@ -134,7 +135,7 @@ class ManualSite(AttentionSite):
     front_door = FRONT_DOOR
 
     def __init__(self, gm: torch.fx.GraphModule, pv: torch.fx.Node,
-                 served: Callable[[torch.Tensor], Optional[str]]):
+                 served: Callable[[torch.Tensor, torch.Tensor], Optional[str]]):
         self.gm, self.pv = gm, pv
         probs, v = _pv_operands(pv)
         self.softmax = self._peel_probs(probs)

@@ -7,7 +7,8 @@ alone and reported with the reason.
 
 Served now: inference and training graphs (backward: flex_backward_lowering.py);
 dropout_p == 0, is_causal (top-left aligned, as SDPA defines it), scale, enable_gqa, attn_mask
-(bool: keep where True; float: added), static shapes. The causal block mask is built once, at
+(bool: keep where True; float: added), static shapes, a value head dim other than the
+query's (DeepSeek's MLA: q/k 192, v 128). The causal block mask is built once, at
 rewrite time, from the static sequence lengths and travels as extra graph inputs; attn_mask
 goes through the mask planner shared with hand-written attention (attention_site.py). The flex
 node is built by canonical.py, shared with the other recognition passes.
@@ -39,7 +40,7 @@ def _example(node: Any) -> Optional[torch.Tensor]:
     return None
 
 
-def _why_not(args: dict[str, Any], served: Callable[[torch.Tensor], Optional[str]]
+def _why_not(args: dict[str, Any], served: Callable[[torch.Tensor, torch.Tensor], Optional[str]]
              ) -> Optional[str]:
     mask = args["attn_mask"]
     if mask is not None:
@@ -64,27 +65,30 @@ def _why_not(args: dict[str, Any], served: Callable[[torch.Tensor], Optional[str
     shapes = [static_ints(t.shape) for t in (q, k, v)]
     if any(s is None or len(s) != 4 for s in shapes):
         return "query/key/value are not 4-D with static shapes"
-    (bq, hq, _, d), (bk, hk, _, dk), (_, _, _, dv) = shapes
-    if d != dk or d != dv or bq != bk:
-        return f"shapes q{shapes[0]} k{shapes[1]} v{shapes[2]} differ in batch or head dim"
+    (bq, hq, _, d), (bk, hk, nk, dk), (bv, hv, nv, _) = shapes
+    # v's head dim may differ (it is the output's); served() checks it.
+    if d != dk or bq != bk or (bk, hk, nk) != (bv, hv, nv):
+        return (f"shapes q{shapes[0]} k{shapes[1]} v{shapes[2]} differ in batch, kv heads, kv "
+                "length or q/k head dim")
     if hq != hk and (not args["enable_gqa"] or hq % hk):
         return f"{hq} query heads vs {hk} kv heads without enable_gqa"
-    return served(q)
+    return served(q, v)
 
 
 def rewrite_sdpa(gm: torch.fx.GraphModule,
-                 served: Callable[[torch.Tensor], Optional[str]]
+                 served: Callable[[torch.Tensor, torch.Tensor], Optional[str]]
                  ) -> tuple[list[RecognizedSite], list[torch.Tensor]]:
     """Rewrite every exact, servable SDPA call of ``gm`` into the flex_attention op, in place.
 
-    ``served(example_query)`` returns None if our kernels serve that device/dtype/head dim,
-    else the reason. Returns one RecognizedSite per SDPA call seen, and the constant tensors
-    (block-mask tables) the rewrite appended to the graph's inputs: the caller passes them
-    after the original inputs on every call.
+    ``served(example_query, example_value)`` returns None if our kernels serve that
+    device/dtype/head dims (the value's may differ from the query's), else the reason.
+    Returns one RecognizedSite per SDPA call seen, and the constant tensors (block-mask tables)
+    the rewrite appended to the graph's inputs: the caller passes them after the original
+    inputs on every call.
 
     Example::
 
-        >>> sites, extra_inputs = rewrite_sdpa(gm, lambda q: None)     # doctest: +SKIP
+        >>> sites, extra_inputs = rewrite_sdpa(gm, lambda q, v: None)     # doctest: +SKIP
         >>> [s.rewritten for s in sites]                               # doctest: +SKIP
         [True]
     """
@@ -121,7 +125,7 @@ def rewrite_sdpa(gm: torch.fx.GraphModule,
 
 
 def _rewrite_masked(gm: torch.fx.GraphModule, node: torch.fx.Node, args: dict,
-                    served: Callable[[torch.Tensor], Optional[str]],
+                    served: Callable[[torch.Tensor, torch.Tensor], Optional[str]],
                     extra_inputs: list[torch.Tensor]) -> RecognizedSite:
     """An SDPA call with attn_mask: a bool mask keeps where True, a float mask is added.
 

@@ -3,6 +3,10 @@
 Given the mods' graphs and the site's static facts (device, dtype, head counts and dims, block
 sizes), either a SiteSpec (template + generated mod sources) or the reason our kernels do not
 serve it. Both front doors thereby make the same choice for the same site.
+
+The value head dim may differ from the query/key head dim (DeepSeek-V2/V3's multi-head latent
+attention trains with q/k 192, v 128): the generic template serves any such pair within the
+head-dim range, the Hopper template the pairs its config table has tiles for.
 """
 
 from __future__ import annotations
@@ -19,13 +23,17 @@ from ..templates.modgen import (BufferSpec, generate_mod_source, is_constant_tru
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def unserved(device: torch.device, dtype: torch.dtype, head_dim: int) -> Optional[str]:
-    """Why our kernels cannot serve this device/dtype/head dim, or None.
+def unserved(device: torch.device, dtype: torch.dtype, head_dim: int,
+             value_head_dim: Optional[int] = None) -> Optional[str]:
+    """Why our kernels cannot serve this device/dtype/head dims, or None. ``value_head_dim``
+    (V's, and the output's) defaults to ``head_dim`` (Q's and K's).
 
     Example::
 
         >>> unserved(torch.device("cuda"), torch.float64, 128)
         'dtype torch.float64 (fa3 serves float16, bfloat16, float32)'
+        >>> unserved(torch.device("cuda"), torch.float16, 192, value_head_dim=100)
+        'value head dim 100 (fa3 serves multiples of 8 from 16 to 256)'
     """
     from triton import knobs
 
@@ -36,9 +44,15 @@ def unserved(device: torch.device, dtype: torch.dtype, head_dim: int) -> Optiona
         return f"device {device.type} is not served"
     if dtype not in SUPPORTED_DTYPES:
         return f"dtype {dtype} (fa3 serves float16, bfloat16, float32)"
-    if not (16 <= head_dim <= 256 and head_dim % 8 == 0):
+    if not _head_dim_served(head_dim):
         return f"head dim {head_dim} (fa3 serves multiples of 8 from 16 to 256)"
+    if value_head_dim is not None and not _head_dim_served(value_head_dim):
+        return f"value head dim {value_head_dim} (fa3 serves multiples of 8 from 16 to 256)"
     return None
+
+
+def _head_dim_served(head_dim: int) -> bool:
+    return 16 <= head_dim <= 256 and head_dim % 8 == 0
 
 
 def plan_site(score_gm: torch.fx.GraphModule, mask_gm: torch.fx.GraphModule,
@@ -61,11 +75,9 @@ def plan_site(score_gm: torch.fx.GraphModule, mask_gm: torch.fx.GraphModule,
     """
     if settings.template == "torch":
         return None, "option fa3.template='torch'"
-    reason = unserved(device, dtype, head_dim)
+    reason = unserved(device, dtype, head_dim, value_head_dim)
     if reason is not None:
         return None, reason
-    if head_dim != value_head_dim:
-        return None, f"value head dim {value_head_dim} differs from query head dim {head_dim}"
     if not batches_match:
         return None, "key/value batch differs from the query's (and is not 1)"
     if q_heads % kv_heads != 0:
@@ -82,32 +94,36 @@ def plan_site(score_gm: torch.fx.GraphModule, mask_gm: torch.fx.GraphModule,
     template, note = "generic", ""
     on_hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
     if on_hopper and settings.template in ("auto", "hopper"):
-        why_not = _why_not_hopper(dtype, head_dim)
-        template, note = ("generic", why_not) if why_not else ("hopper", _hopper_tiles(dtype, head_dim))
+        why_not = _why_not_hopper(dtype, head_dim, value_head_dim)
+        template, note = (("generic", why_not) if why_not else
+                          ("hopper", _hopper_tiles(dtype, head_dim, value_head_dim)))
     return SiteSpec(template=template, description=description, needs_max=needs_max, note=note,
                     **sources), None
 
 
-def _why_not_hopper(dtype: torch.dtype, head_dim: int) -> str:
+def _why_not_hopper(dtype: torch.dtype, head_dim: int, value_head_dim: Optional[int] = None) -> str:
     """Why the Hopper template cannot take a site on an sm90 GPU ("" when it can).
 
     Example::
 
         >>> _why_not_hopper(torch.bfloat16, 112)   # doctest: +SKIP
-        'Hopper template: no tiles for head dim 112 (it serves 64, 80, 96, 128, 160, 192, 256); generic runs'
+        'Hopper template: no tiles for head dim 112 (it serves 64, 80, 96, 128, 160, 192, 256, and q/k 192 with v 128); generic runs'
     """
-    dims = _hopper_head_dims()
-    if not dims:
+    try:
+        from ..templates.hopper.configs import served_head_dims_text, serves_head_dims
+    except ImportError:
         return "Hopper template unavailable (triton's Gluon could not be imported); generic runs"
     if dtype == torch.float32:
         return "Hopper template: float32 inputs (it serves float16 and bfloat16); generic runs"
-    if head_dim not in dims:
-        return (f"Hopper template: no tiles for head dim {head_dim} (it serves "
-                f"{', '.join(map(str, dims))}); generic runs")
+    if not serves_head_dims(head_dim, value_head_dim):
+        dims = (f"head dim {head_dim}" if value_head_dim in (None, head_dim) else
+                f"q/k head dim {head_dim} with v head dim {value_head_dim}")
+        return (f"Hopper template: no tiles for {dims} (it serves {served_head_dims_text()}); "
+                "generic runs")
     return ""
 
 
-def _hopper_tiles(dtype: torch.dtype, head_dim: int) -> str:
+def _hopper_tiles(dtype: torch.dtype, head_dim: int, value_head_dim: Optional[int] = None) -> str:
     """What the Hopper template will run a site with, for the log and explain() (its config table's words).
 
     Example::
@@ -117,17 +133,9 @@ def _hopper_tiles(dtype: torch.dtype, head_dim: int) -> str:
     """
     from ..templates.hopper.configs import describe
 
-    return f"Hopper template: {describe(head_dim, dtype)}; schedule per launch"
+    tiles = describe(head_dim, dtype, value_head_dim=value_head_dim)
+    return f"Hopper template: {tiles}; schedule per launch"
 
 
 def _is_pow2_at_least_16(x: int) -> bool:
     return x >= 16 and x & (x - 1) == 0
-
-
-def _hopper_head_dims() -> tuple[int, ...]:
-    """The head dims the Hopper template serves (its config table), or () where it cannot be imported."""
-    try:
-        from ..templates.hopper.configs import SUPPORTED_HEAD_DIMS
-    except ImportError:
-        return ()
-    return SUPPORTED_HEAD_DIMS

@@ -62,7 +62,7 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
              host_descriptors=None):
     """(args, kwargs, grid) of one generic-kernel launch; shared by launch and compile-only."""
     Z, HQ, M, D = q.shape
-    HKV, N = k.shape[1], k.shape[2]
+    HKV, N, DV = k.shape[1], k.shape[2], v.shape[3]
     # The kernel's factor from its score tile to the score (generic_fwd._kv_tile takes it in log2
     # units): the mod's, or the scale itself when the no-mod path folds it.
     if score_mod is not None:
@@ -75,7 +75,9 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
                          f"(got M={M}, N={N}); split the sequence into chunks")
     loads = any(m is not None and "load(" in _source_of(m) for m in (score_mod, mask_mod))
     plain = score_mod is None and kv_num_blocks is None
-    cfg = config or generic_config(D, capability, mods_load_buffers=loads,
+    # Tiles by the wider of the two head dims: the Q/K tiles and the O accumulator both live
+    # in registers, so the wider one bounds what fits (the table is per padded head dim).
+    cfg = config or generic_config(max(D, DV), capability, mods_load_buffers=loads,
                                    fp32=q.dtype == torch.float32, plain_kv_len=N if plain else 0)
     block_m = min(cfg.block_m, sparse_q_block)
     block_n = min(cfg.block_n, sparse_kv_block)
@@ -89,19 +91,20 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
     SZ, SH, num_q_blks = kv_num_blocks.shape if has_mask else (1, 1, 1)
     num_kv_blks = kv_indices.shape[-1] if has_mask else 1
     block_d = max(16, triton.next_power_of_2(D))
+    block_dv = max(16, triton.next_power_of_2(DV))
     host_desc = (capability is None or capability[0] >= 9) if host_descriptors is None \
         else host_descriptors
     qkvo = (q, k, v, out)
     if host_desc:
-        rows = (block_m, block_n, block_n, block_m)
-        qkvo = tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, r, block_d])
-                     for t, r in zip(qkvo, rows))
+        tiles = ((block_m, block_d), (block_n, block_d), (block_n, block_dv), (block_m, block_dv))
+        qkvo = tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, cols])
+                     for t, (rows, cols) in zip(qkvo, tiles))
     args = (*qkvo, lse, max_scores, *tables, tuple(score_bufs), tuple(mask_bufs),
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
-            HQ, k.shape[0], M, N, D, SZ, SH, num_q_blks, num_kv_blks, sm_scale,
+            HQ, k.shape[0], M, N, D, DV, SZ, SH, num_q_blks, num_kv_blks, sm_scale,
             to_score * math.log2(math.e))
     kwargs = dict(
         SCORE_MOD=score_mod, MASK_MOD=mask_mod, GQA_GROUP=HQ // HKV,
@@ -115,7 +118,8 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
         # The warp-specialized loop must not read tile positions from the tables (generic_fwd).
         ITERATE_HULL=cfg.warp_specialize if iterate_hull is None else iterate_hull,
         MAX_KV_BLKS=max(2, triton.next_power_of_2(num_kv_blks)),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, HOST_DESC=host_desc,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        HOST_DESC=host_desc,
         WARP_SPECIALIZE=cfg.warp_specialize,
         # Without a score_mod, keep raw q.k scores and fold the scale into the row max and
         # the exp2 argument; valid for a positive scale only.

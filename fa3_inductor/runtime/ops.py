@@ -59,10 +59,22 @@ def _hopper_serves(q: Tensor, k: Tensor, v: Tensor, out: Tensor, blocks: dict) -
     return True
 
 
-def _out_like(q: Tensor) -> Tensor:
-    # Output in q's stride order (e.g. a (B, S, H, D) storage stays so): no copy afterwards.
-    # The lowering only sends sites whose value head dim equals the query's.
-    return torch.empty_like(q)
+def _out_like(q: Tensor, v: Tensor) -> Tensor:
+    """The output (Z, HQ, M, DV) in q's stride order (e.g. a (B, S, H, D) storage stays so): no
+    copy afterwards. DV is v's head dim, which may differ from q's (DeepSeek's MLA)."""
+    dv = v.shape[-1]
+    if dv == q.shape[-1]:
+        return torch.empty_like(q)
+    # torch's flex_attention fake does the same: fill dims innermost first in q's stride order
+    # (equal strides: the inner dim first), the head dim innermost whatever q's stride says.
+    shape = (*q.shape[:3], dv)
+    fill = sorted(range(4), key=lambda d: (q.stride(d), -d))
+    fill.remove(3)
+    strides, step = [0] * 4, 1
+    for d in [3, *fill]:
+        strides[d] = step
+        step *= shape[d]
+    return q.new_empty_strided(shape, strides)
 
 
 def _one_block_size(block: int, length: int) -> int:
@@ -100,7 +112,7 @@ def flex_fwd(
         ...     [], [], 0.125, 128, 128, SiteSpec("generic").to_json())   # doctest: +SKIP
     """
     Z, H, M, _ = q.shape
-    out = _out_like(q)
+    out = _out_like(q, v)
     lse = q.new_empty((Z, H, M), dtype=torch.float32)
     max_scores = q.new_empty((Z, H, M), dtype=torch.float32)
     sparse_q_block = _one_block_size(sparse_q_block, M)
@@ -172,5 +184,5 @@ _LIB.impl("flex_fwd", flex_fwd, "CPU")
 def _flex_fwd_fake(q, k, v, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
                    score_bufs, mask_bufs, scale, sparse_q_block, sparse_kv_block, spec):
     Z, H, M, _ = q.shape
-    return (_out_like(q), q.new_empty((Z, H, M), dtype=torch.float32),
+    return (_out_like(q, v), q.new_empty((Z, H, M), dtype=torch.float32),
             q.new_empty((Z, H, M), dtype=torch.float32))
