@@ -27,7 +27,8 @@ Examples::
     python3 benchmarks/bench.py --preset smoke --out /tmp/b   # CPU: checks the harness itself
     python3 benchmarks/bench.py --render benchmarks/results/bench-nvidia-h200-....json
 
-FLOP rule (one rule for every impl): forward FLOPs = 4·B·H·N²·D × density, where density is the
+FLOP rule (one rule for every impl): forward FLOPs = 4·B·H·N²·D × density (2·B·H·N²·(D + Dv) where V's
+head dim Dv differs from q/k's D: the mla preset), where density is the
 exact fraction of (q, kv) pairs the mod's mask keeps (1 for noop/softcap/alibi, (N+1)/2N for
 causal, measured by evaluating the mask_mod for sliding_window/document). fwd+bwd counts 3.5× the
 forward FLOPs. TFLOP/s = counted FLOPs / median time.
@@ -81,7 +82,7 @@ DOC_SEED = 1234
 REF_IMPL = "flex"
 
 FLOP_RULE = (
-    "forward FLOPs = 4*B*H*N^2*D*density, density = exact fraction of (q,kv) pairs kept by the "
+    "forward FLOPs = 4*B*H*N^2*D*density (2*B*H*N^2*(D+Dv)*density where v's head dim Dv differs), density = exact fraction of (q,kv) pairs kept by the "
     "mask (1 for noop/softcap/alibi, (N+1)/(2N) for causal, counted from the mask_mod for "
     "sliding_window/document); fwd+bwd counts 3.5x forward; same rule for every impl"
 )
@@ -114,6 +115,11 @@ class Case:
     direction: str
     batch: int
     heads: int
+    value_head_dim: Optional[int] = None   # V's (and the output's) head dim where it differs from q/k's
+
+    @property
+    def dv(self) -> int:
+        return self.value_head_dim or self.head_dim
 
     @staticmethod
     def paper(mod: str, head_dim: int, seqlen: int, direction: str) -> "Case":
@@ -121,7 +127,8 @@ class Case:
         return Case(mod, head_dim, seqlen, direction, batch=max(1, TOKENS // seqlen), heads=HIDDEN // head_dim)
 
     def label(self) -> str:
-        return f"{self.direction} {self.mod} D={self.head_dim} N={self.seqlen} B={self.batch} H={self.heads}"
+        dims = f"D={self.head_dim}" + (f" Dv={self.dv}" if self.dv != self.head_dim else "")
+        return f"{self.direction} {self.mod} {dims} N={self.seqlen} B={self.batch} H={self.heads}"
 
 
 def preset_cases(preset: str) -> list[Case]:
@@ -146,9 +153,15 @@ def preset_cases(preset: str) -> list[Case]:
         # heads = 2048 // D (25, 21, 12, 10), so the hidden size is 2000 / 2016 / 1920 / 1920
         cases = [P(m, d, n, "fwd") for d in (96, 192) for m in ("noop", "causal", "softcap") for n in (2048, 8192)]
         return cases + [P(m, d, n, "fwd") for d in (80, 160) for m in ("noop", "causal") for n in (2048, 8192)]
+    if preset == "mla":
+        # DeepSeek-V2/V3 multi-head latent attention in its training form: q/k 192 (128 + 64 rope columns),
+        # v 128; 16 heads (V2-Lite), 16384 tokens. FA2 SDPA needs equal head dims and is skipped.
+        cases = [Case(m, 192, n, "fwd", batch=TOKENS // n, heads=16, value_head_dim=128)
+                 for m in ("causal", "noop") for n in (2048, 4096, 8192)]
+        return cases + [Case("causal", 192, 4096, "fwd+bwd", batch=TOKENS // 4096, heads=16, value_head_dim=128)]
     if preset == "full":
         return [P(m, d, n, direction) for direction in DIRECTIONS for d in (128, 64, 256) for m in MODS for n in SEQLENS]
-    raise ValueError(f"unknown preset {preset!r}; expected one of smoke, quick, padded, full")
+    raise ValueError(f"unknown preset {preset!r}; expected one of smoke, quick, padded, mla, full")
 
 
 # --------------------------------------------------------------------------------------------
@@ -278,6 +291,8 @@ def make_impl_fn(impl: str, spec: ModSpec, block_mask: Optional[BlockMask], q, k
     if impl in SDPA_BACKENDS:
         if spec.name not in SDPA_MODS:
             raise Skip(f"{impl} serves only {SDPA_MODS}")
+        if impl == "fa2" and v.shape[-1] != q.shape[-1]:
+            raise Skip("FA2 SDPA needs equal q/k and v head dims")
         if q.device.type != "cuda":
             raise Skip(f"{impl} needs CUDA")
         backend, is_causal = SDPA_BACKENDS[impl], spec.sdpa_causal
@@ -360,15 +375,18 @@ def run_case(case: Case, impls: list[str], device, dtype, log, fa3_templates=FA3
     if spec.mask_mod is not None:
         block_mask = create_block_mask(spec.mask_mod, None, None, case.seqlen, case.seqlen, device=device)
     density = mask_density(spec.mask_mod, case.seqlen, device)
-    fwd_flops = 4.0 * case.batch * case.heads * case.seqlen**2 * case.head_dim * density
+    # QK^T over D columns and PV over Dv: 2·B·H·N²·(D + Dv), i.e. 4·B·H·N²·D where they are equal
+    fwd_flops = 2.0 * case.batch * case.heads * case.seqlen**2 * (case.head_dim + case.dv) * density
     flops = fwd_flops * (BWD_FLOP_FACTOR if case.direction == "fwd+bwd" else 1.0)
     backward = case.direction == "fwd+bwd"
 
-    seed = case.head_dim * 1_000_003 + case.seqlen * 31 + MODS.index(case.mod)  # fresh inputs per shape
+    seed = case.head_dim * 1_000_003 + case.dv * 7919 + case.seqlen * 31 + MODS.index(case.mod)  # fresh inputs per shape
     gen = torch.Generator(device="cpu").manual_seed(seed)
     shape = (case.batch, case.heads, case.seqlen, case.head_dim)
-    q, k, v = (torch.randn(shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype) for _ in range(3))
-    dout = torch.randn(shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype) if backward else None
+    v_shape = shape[:3] + (case.dv,)
+    q, k, v = (torch.randn(sh, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+               for sh in (shape, shape, v_shape))
+    dout = torch.randn(v_shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype) if backward else None
     if backward:
         for t in (q, k, v):
             t.requires_grad_(True)
@@ -388,6 +406,7 @@ def run_case(case: Case, impls: list[str], device, dtype, log, fa3_templates=FA3
             "kv_heads": case.heads,
             "seqlen": case.seqlen,
             "head_dim": case.head_dim,
+            "value_head_dim": case.dv,
             "dtype": str(dtype).replace("torch.", ""),
             "direction": case.direction,
             "ms": None,
@@ -494,7 +513,13 @@ def device_slug(name: str) -> str:
 
 
 def _group_key(row: dict) -> tuple:
-    return (row["direction"], row["mod"], row["head_dim"], row["seqlen"], row["batch"], row["heads"], row["dtype"])
+    dims = (row["head_dim"], row.get("value_head_dim") or row["head_dim"])
+    return (row["direction"], row["mod"], dims, row["seqlen"], row["batch"], row["heads"], row["dtype"])
+
+
+def _fmt_dims(dims: tuple[int, int]) -> str:
+    """(192, 128) -> '192/128' (q/k and v head dims), (128, 128) -> '128'."""
+    return str(dims[0]) if dims[0] == dims[1] else f"{dims[0]}/{dims[1]}"
 
 
 def _fmt_tflops(x: float) -> str:
@@ -577,7 +602,7 @@ def markdown_table(result: dict) -> str:
                        ratio(gen, base["flex"][0]), ratio(gen, base["cudnn"][0])]
         cells = [auto_s, auto_t, gen_s, gen_t or "—"] + [base[impl][1] for impl, _ in BASELINES]
         cells += ["—" if r is None else _fmt_ratio(r) for r in ratio_cells]
-        lines.append(f"| {direction} | {mod} | {d} | {n} | {b}×{h} | " + " | ".join(cells) + " |")
+        lines.append(f"| {direction} | {mod} | {_fmt_dims(d)} | {n} | {b}×{h} | " + " | ".join(cells) + " |")
     if not_generic:
         lines += ["", f"{not_generic} case(s) asked for template=\"generic\" but ran the template shown in bold "
                       "(not the generic kernel); they are left out of the generic summary."]
@@ -682,9 +707,10 @@ def _csv(kind, allowed, cast=str):
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="FLOP rule: " + FLOP_RULE)
-    p.add_argument("--preset", choices=("smoke", "quick", "padded", "full"), default="quick",
+    p.add_argument("--preset", choices=("smoke", "quick", "padded", "mla", "full"), default="quick",
                    help="smoke: tiny CPU harness check; quick: fits a 10-minute GPU command; padded: head dims 80, "
-                        "96, 160 and 192 (hidden 2000 / 2016 / 1920); full: everything")
+                        "96, 160 and 192 (hidden 2000 / 2016 / 1920); mla: q/k head dim 192 with v 128 (DeepSeek's "
+                        "latent attention, 16 heads); full: everything")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="output directory")
     p.add_argument("--rounds", type=int, default=TIMING_ROUNDS,
                    help="interleaved timing rounds per case (odd rounds in reverse order); the median is reported")

@@ -6,7 +6,8 @@
 Mods are generated the product's way (fa3_inductor.mods -> modgen -> @gluon.jit). For every variant:
 first a check against float64 (batch 0, heads 0-1; fresh random inputs, NaN-poisoned outputs; rel. error
 of O, abs. error of the log2 LSE), then `triton.testing.do_bench` medians, `rounds` interleaved rounds
-over all variants, odd rounds in reverse order (the spread is the noise). TFLOP/s = 4·B·H·N²·D / t.
+over all variants, odd rounds in reverse order (the spread is the noise). TFLOP/s = 4·B·H·N²·D / t
+(2·B·H·N²·(D + Dv) / t for a shape BxHxSxDxDv whose V head dim Dv differs).
 
 Variants, launched as the product launches them (max_needed=False); "table" = the config table's choice:
 noop; softcap (table: a fixed exponent base, no row max; at D=64 half the exp2 on the FMA pipe), softcap
@@ -15,7 +16,7 @@ columns on the FMA pipe (emu=0 / 1 / 2); noop and softcap without pingpong (both
 may then share the special-function unit); ALiBi (table), "alibi folded" (generated as
 qk + slope/sm_scale * (kv - q)) and "alibi unfolded", its twin that forms score = qk * sm_scale first
 (launched for sm_scale <= 0 and at D=64; what modgen generated before that fold); "alibi affine=off"
-and "relbias affine=off" evaluate those KV_AFFINE mods per score instead of as column / tile / row parts. Shapes are BxHxS or BxHxSxD (D 128 by default). With --baseline (a copy of an older fwd_sm90.py, imports made
+and "relbias affine=off" evaluate those KV_AFFINE mods per score instead of as column / tile / row parts. Shapes are BxHxS, BxHxSxD (D 128 by default) or BxHxSxDxDv. With --baseline (a copy of an older fwd_sm90.py, imports made
 absolute) the old kernel runs noop / softcap / ALiBi with the old generated mod sources, in the same run.
 """
 from __future__ import annotations
@@ -125,12 +126,16 @@ def main():
     dtype = torch.bfloat16
     rows = []
     for shape in args.shapes.split(","):
-        B, H, S, D = ([int(x) for x in shape.split("x")] + [128])[:4]
-        label = f"B{B} H{H} S{S} D{D}"
+        dims = [int(x) for x in shape.split("x")]
+        B, H, S = dims[:3]
+        D = dims[3] if len(dims) > 3 else 128
+        Dv = dims[4] if len(dims) > 4 else D   # a fifth field: V's head dim where it differs (BxHxSxDxDv)
+        label = f"B{B} H{H} S{S} D{D}" + (f"/{Dv}" if Dv != D else "")
         torch.manual_seed(0)
-        q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=dtype) for _ in range(3))
+        q, k = (torch.randn(B, H, S, D, device="cuda", dtype=dtype) for _ in range(2))
+        v = torch.randn(B, H, S, Dv, device="cuda", dtype=dtype)
         sm_scale = D ** -0.5
-        flops = 4 * B * H * S * S * D
+        flops = 2 * B * H * S * S * (D + Dv)
         py_mods = {"noop": None, "softcap": mods.softcap(SOFTCAP), "alibi": mods.alibi(H),
                    "relbias": mods.relative_bias}
         g_soft, g_alibi, g_rel = gen(py_mods["softcap"]), gen(py_mods["alibi"]), gen(py_mods["relbias"])
@@ -156,7 +161,7 @@ def main():
             ("relbias affine=off", launch, g_rel, dict(affine_mods=False), "relbias"),
         ]
         if args.lazy_ablation:   # the table's lazy_rescale flipped, same kernel otherwise
-            lazy = not get_config(D, dtype).lazy_rescale
+            lazy = not get_config(D, dtype, value_head_dim=Dv).lazy_rescale
             variants += [(f"{n} lazy={'on' if lazy else 'off'}", launch, m, dict(lazy_rescale=lazy), r)
                          for n, m, r in (("noop", None, "noop"), ("softcap", g_soft, "softcap"),
                                          ("alibi", g_alibi, "alibi"))]
@@ -185,8 +190,8 @@ def main():
         refs = {}
         timed = []
         for vname, launch, smod, over, rkey in variants:
-            cfg = get_config(D, dtype, **over) if over else None   # None: the table's choice, as the product makes it
-            out = torch.full_like(q, float("nan"))
+            cfg = get_config(D, dtype, value_head_dim=Dv, **over) if over else None   # None: the table's, as the product
+            out = torch.full((B, H, S, Dv), float("nan"), device="cuda", dtype=dtype)
             lse = torch.full((B, H, S), float("nan"), device="cuda")
             mx = torch.empty((B, H, S), device="cuda")
             fn = (lambda launch=launch, out=out, lse=lse, mx=mx, smod=smod, cfg=cfg:  # noqa: E731
