@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Model benchmark: transformers models nobody edited, forward time under each compiler.
 
-For Llama, Mistral, Qwen2, Gemma2, Phi3 (medium) and Phi3 mini at realistic layer sizes (the real models' hidden
+For Llama, Mistral, Qwen2, Gemma2, Phi3 (medium), Phi3 mini and DeepSeek-V2-Lite (latent attention, dense
+MLPs) at realistic layer sizes (the real models' hidden
 size, heads, KV heads, head dim, sliding windows and softcaps; 2 layers, random weights, bf16,
 batch 1) and seqlen 2k/4k/8k, times the base model's forward (no LM head) as:
 
@@ -44,7 +45,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-MODELS = ("llama", "mistral", "qwen2", "gemma2", "phi3", "phi3mini")
+MODELS = ("llama", "mistral", "qwen2", "gemma2", "phi3", "phi3mini", "deepseek")
 IMPLS = ("fa3", "inductor", "sdpa")
 EXTRA_IMPLS = ("inductor_sdpa", "fa3_sdpa")
 SEQLENS = (4096, 2048, 8192)  # most telling first: a budget cut loses the least
@@ -72,6 +73,12 @@ REAL = {
     "phi3mini": ("Phi3Config", "Phi-3-mini-4k", dict(
         hidden_size=3072, num_attention_heads=32, num_key_value_heads=32,
         intermediate_size=8192, sliding_window=2047, pad_token_id=0)),
+    # multi-head latent attention: q/k head dim 192 (128 + 64 rope columns), v head dim 128; dense MLPs
+    # (first_k_dense_replace past the last layer: the MoE layers are not what this benchmark measures)
+    "deepseek": ("DeepseekV3Config", "DeepSeek-V2-Lite", dict(
+        hidden_size=2048, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None,
+        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        intermediate_size=10944, first_k_dense_replace=1000)),
 }
 # --smoke: the tests' tiny shapes (CPU, float32, a few seconds per model).
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -96,6 +103,10 @@ def model_config(name: str, smoke: bool, layers: int):
             kwargs.update(query_pre_attn_scalar=16, attn_logit_softcapping=0.02)
         if name == "qwen2":
             kwargs.pop("head_dim")
+        if name == "deepseek":   # q/k 24 (16 + 8 rope), v 16
+            kwargs.pop("head_dim")
+            kwargs.update(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                          num_key_value_heads=TINY["num_attention_heads"])   # MLA has no GQA
     return getattr(transformers, cls_name)(**kwargs)
 
 
@@ -163,6 +174,8 @@ def run_case(name: str, seqlen: int, impls: list[str], device: torch.device, dty
     ids = torch.randint(1, cfg.vocab_size, (batch, seqlen), device=device)
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    if getattr(cfg, "v_head_dim", None):   # latent attention: "q/k head dim/v head dim"
+        head_dim = f"{cfg.qk_head_dim}/{cfg.v_head_dim}"
     base = {"model": name, "like": REAL[name][1], "seqlen": seqlen, "batch": batch,
             "layers": layers, "hidden": cfg.hidden_size, "heads": heads, "kv_heads": kv_heads,
             "head_dim": head_dim, "dtype": str(dtype).replace("torch.", ""),

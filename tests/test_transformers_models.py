@@ -24,7 +24,7 @@ import fa3_inductor  # noqa: E402
 from fa3_inductor.integrations import transformers as fa3_hf  # noqa: E402
 from fa3_inductor.lowering.report import site_records  # noqa: E402
 
-MODELS = ("llama", "mistral", "qwen2", "gemma2", "phi3")
+MODELS = ("llama", "mistral", "qwen2", "gemma2", "phi3", "deepseek")
 LAYERS = 2
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -33,7 +33,7 @@ GRAD_TOL = 1e-3   # relative error of each parameter's gradient against eager
 
 
 def tiny_config(name: str):
-    """A tiny config of the model family ``name`` (head_dim 16, 4 heads, 2 KV heads)."""
+    """A tiny config of the model family ``name`` (head_dim 16, 4 heads, 2 KV heads; DeepSeek: q/k 24, v 16)."""
     from transformers import Gemma2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
 
     if name == "llama":
@@ -49,6 +49,11 @@ def tiny_config(name: str):
                             query_pre_attn_scalar=16)
     if name == "phi3":
         return Phi3Config(**TINY, pad_token_id=0)
+    if name == "deepseek":   # latent attention: q/k head dim 24 (16 + 8 rope columns), v 16; dense MLPs
+        from transformers import DeepseekV3Config
+        return DeepseekV3Config(**dict(TINY, num_key_value_heads=4), q_lora_rank=None, kv_lora_rank=32,
+                                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                                first_k_dense_replace=LAYERS)
     raise KeyError(name)
 
 
