@@ -164,6 +164,17 @@ def test_presets_follow_the_paper_shapes():
     }
 
 
+def test_mla_preset_and_its_flop_rule():
+    """The mla preset: q/k 192 with v 128, 16 heads, 16384 tokens; FLOPs 2·B·H·N²·(D + Dv), shown as 192/128."""
+    mla = bench.preset_cases("mla")
+    assert mla and all((c.head_dim, c.dv, c.heads, c.batch * c.seqlen) == (192, 128, 16, 16384) for c in mla)
+    assert "Dv=128" in mla[0].label()
+    row = _row("fa3_inductor", 500.0, "auto", "hopper", head_dim=192, value_head_dim=128)
+    table = bench.markdown_table(_result([row, _row("flex", 250.0, head_dim=192, value_head_dim=128)]))
+    assert _cells(table, "| fwd | causal |")[2] == "192/128"
+    assert _cells(bench.markdown_table(_result([_row("flex", 250.0)])), "| fwd | causal |")[2] == "128"
+
+
 def test_flop_density_rule():
     n = 512
     causal = bench.make_mod("causal", 2, n, "cpu")
