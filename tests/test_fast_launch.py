@@ -148,6 +148,19 @@ def test_descriptors_are_encoded_once_per_address(monkeypatch):
     assert first[18] is b[1] and first[19][0] is b[2]   # the arguments after the descriptor, in order
 
 
+def test_direct_plan_groups_constants_and_keeps_the_order():
+    """The C launcher's argument list is planned once: runs of constants as one segment, inputs, descriptors
+    (with their metadata) and per-call tuples in argument order; a metadata slot that holds no descriptor
+    makes the plan (and so the direct path) unusable."""
+    desc = ("descriptor", 0, object, {})
+    recipe = (desc, ("input", 1), ("tuple", (("input", 2),)), ("const", 7), ("const", 0.5), ("const", None))
+    plan = fast_launch._direct_plan(recipe, {0: "m"})
+    assert plan == ((fast_launch._DESCRIPTOR, 0, desc, "m"), (fast_launch._INPUT, 1),
+                    (fast_launch._BUILT, ("tuple", (("input", 2),))), (fast_launch._CONSTS, (7, 0.5, None)))
+    with pytest.raises(fast_launch._Uncacheable):
+        fast_launch._direct_plan(recipe, {3: "m"})
+
+
 def test_signature_tells_alignment_and_layout_apart():
     base = torch.randn(64)
     a, b = base[:32], base[1:33]

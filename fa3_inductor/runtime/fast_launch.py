@@ -47,6 +47,7 @@ class _Launch:
     # encodings: (argument position, data_ptr) -> the C arguments. None: launch through kernel.run.
     direct: Any = None
     encoded: Optional[dict] = None
+    direct_plan: tuple = ()      # the C launcher's argument list in segments, see _direct_plan
 
 
 _CACHE: dict[Hashable, _Launch] = {}
@@ -100,7 +101,13 @@ def launch_cached(key: Hashable, inputs: Sequence[Optional[torch.Tensor]],
     constants = tuple(step[1] if step[0] == "const" else None for step in recipe)
     slots = tuple((pos, step) for pos, step in enumerate(recipe) if step[0] != "const")
     direct = tensordesc_launcher(kernel)
-    _CACHE[key] = _Launch(kernel, grid, constants, slots, tag, direct, {} if direct is not None else None)
+    plan = ()
+    if direct is not None:
+        try:
+            plan = _direct_plan(recipe, direct.descriptor_meta)
+        except _Uncacheable:
+            direct = None
+    _CACHE[key] = _Launch(kernel, grid, constants, slots, tag, direct, {} if direct is not None else None, plan)
     return tag
 
 
@@ -143,6 +150,36 @@ def _step(value: Any, index_of: dict) -> tuple:
     return ("const", value)
 
 
+# _direct_plan segment kinds
+_CONSTS, _INPUT, _DESCRIPTOR, _BUILT = range(4)
+
+
+def _direct_plan(recipe: tuple, descriptor_meta: dict) -> tuple:
+    """The C launcher's argument list as segments, so that a hit touches only what changes per call:
+    (_CONSTS, values) runs of constants, (_INPUT, i) an input tensor, (_DESCRIPTOR, position, step, meta)
+    a TMA descriptor over an input (encoded per address), (_BUILT, step) anything else built per call."""
+    plan, consts = [], []
+    for pos, step in enumerate(recipe):
+        meta = descriptor_meta.get(pos)
+        if meta is None and step[0] == "const":
+            consts.append(step[1])
+            continue
+        if consts:
+            plan.append((_CONSTS, tuple(consts)))
+            consts = []
+        if meta is not None:
+            if step[0] != "descriptor":
+                raise _Uncacheable()
+            plan.append((_DESCRIPTOR, pos, step, meta))
+        elif step[0] == "input":
+            plan.append((_INPUT, step[1]))
+        else:
+            plan.append((_BUILT, step))
+    if consts:
+        plan.append((_CONSTS, tuple(consts)))
+    return tuple(plan)
+
+
 def _build(step: tuple, inputs: Sequence) -> Any:
     kind = step[0]
     if kind == "input":
@@ -170,13 +207,13 @@ def _relaunch(entry: _Launch, inputs: Sequence) -> None:
     from triton import knobs
 
     kernel = entry.kernel
+    stream = _current_stream(inputs[0].device.index)
+    if entry.direct is not None and not launch_hooks_active():
+        _launch_direct(entry, stream, inputs)
+        return
     args = list(entry.constants)
     for pos, step in entry.slots:
         args[pos] = _build(step, inputs)
-    stream = _current_stream(inputs[0].device.index)
-    if entry.direct is not None and not launch_hooks_active():
-        _launch_direct(entry, stream, args)
-        return
     enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
     g0, g1, g2 = entry.grid
     metadata = kernel.launch_metadata(entry.grid, stream, *args) if enter is not None else None
@@ -187,27 +224,34 @@ def _relaunch(entry: _Launch, inputs: Sequence) -> None:
 _MAX_ENCODED = 64   # encoded descriptors kept per launch entry
 
 
-def _launch_direct(entry: _Launch, stream: int, args: list) -> None:
+def _launch_direct(entry: _Launch, stream: int, inputs: Sequence) -> None:
     """Launch through the C launcher with each TMA descriptor encoded once per (argument, address).
 
     The entry's key fixes every descriptor's shape, strides, dtype and block, so its encoding (a
     CUtensorMap plus its shape and strides) depends only on the base address: a compiled graph that
     reuses its buffers' addresses skips cuTensorMapEncodeTiled and triton's Python wrapper per call.
+    The argument list is assembled from the entry's plan: constants in runs, no descriptor object
+    built unless its address is new.
     """
     direct, encoded = entry.direct, entry.encoded
     flat = []
-    for pos, value in enumerate(args):
-        meta = direct.descriptor_meta.get(pos)
-        if meta is None:
-            flat.append(value)
-            continue
-        key = (pos, value.base.data_ptr())
-        enc = encoded.get(key)
-        if enc is None:
-            if len(encoded) >= _MAX_ENCODED:
-                encoded.clear()
-            enc = encoded[key] = direct.expand(value, meta)
-        flat.extend(enc)
+    for seg in entry.direct_plan:
+        kind = seg[0]
+        if kind == _CONSTS:
+            flat.extend(seg[1])
+        elif kind == _INPUT:
+            flat.append(inputs[seg[1]])
+        elif kind == _DESCRIPTOR:
+            _, pos, step, meta = seg
+            key = (pos, inputs[step[1]].data_ptr())
+            enc = encoded.get(key)
+            if enc is None:
+                if len(encoded) >= _MAX_ENCODED:
+                    encoded.clear()
+                enc = encoded[key] = direct.expand(_build(step, inputs), meta)
+            flat.extend(enc)
+        else:
+            flat.append(_build(seg[1], inputs))
     kernel = entry.kernel
     g0, g1, g2 = entry.grid
     direct.launch(g0, g1, g2, stream, kernel.function, direct.cooperative, direct.pdl, None, None,
