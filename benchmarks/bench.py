@@ -81,6 +81,10 @@ BWD_FLOP_FACTOR = 3.5  # fwd+bwd = forward + 2.5× forward (backward does 5 GEMM
 DOC_SEED = 1234
 REF_IMPL = "flex"
 
+def window_definition(window: int) -> str:
+    return f"mask (q_idx >= kv_idx) & (q_idx - kv_idx < {window}) (causal window of {window} keys)"
+
+
 FLOP_RULE = (
     "forward FLOPs = 4*B*H*N^2*D*density (2*B*H*N^2*(D+Dv)*density where v's head dim Dv differs), density = exact fraction of (q,kv) pairs kept by the "
     "mask (1 for noop/softcap/alibi, (N+1)/(2N) for causal, counted from the mask_mod for "
@@ -91,7 +95,7 @@ MOD_DEFINITIONS = {
     "causal": "mask q_idx >= kv_idx (SDPA: is_causal=True)",
     "softcap": f"score_mod {SOFTCAP:g}*tanh(score/{SOFTCAP:g}), no mask",
     "alibi": "score_mod score + slope[h]*(kv_idx - q_idx), slope[h] = 2^(-8(h+1)/H), no mask",
-    "sliding_window": f"mask (q_idx >= kv_idx) & (q_idx - kv_idx < {WINDOW}) (causal window of {WINDOW} keys)",
+    "sliding_window": window_definition(WINDOW),
     "document": (
         "mask (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx) (packed sequences, causal inside each "
         "document, as fa3_inductor.mods.document's default); document lengths uniform in [1, N/2] (mean ~N/4), "
@@ -191,7 +195,8 @@ def document_ids(seqlen: int, device) -> torch.Tensor:
     return torch.tensor(ids[:seqlen], dtype=torch.int32, device=device)
 
 
-def make_mod(name: str, heads: int, seqlen: int, device) -> ModSpec:
+def make_mod(name: str, heads: int, seqlen: int, device, window: int = WINDOW) -> ModSpec:
+    """The mod `name` for a case (`window`: the sliding window's keys, --window)."""
     if name == "noop":
         return ModSpec(name)
     if name == "causal":
@@ -215,7 +220,6 @@ def make_mod(name: str, heads: int, seqlen: int, device) -> ModSpec:
 
         return ModSpec(name, score_mod=alibi)
     if name == "sliding_window":
-        window = WINDOW
 
         def sliding_window(b, h, q_idx, kv_idx):
             return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
@@ -242,6 +246,13 @@ def mask_density(mask_mod: Optional[Callable], seqlen: int, device) -> float:
         q = torch.arange(start, min(seqlen, start + chunk), device=device)[:, None]
         kept += int(torch.broadcast_to(mask_mod(zero, zero, q, kv), (q.shape[0], seqlen)).sum().item())
     return kept / (seqlen * seqlen)
+
+
+def tile_density_of(block_mask) -> float:
+    """Fraction of (q, kv) pairs inside the 128 x 128 tiles `block_mask` visits (1 without a mask): the work a
+    tile-based kernel does. density / tile_density bounds a masked case's TFLOP/s (kept pairs) against the
+    same kernel's unmasked rate: a 256-key window's query tile keeps 2/3 of its visited tiles' pairs."""
+    return 1.0 if block_mask is None else 1.0 - block_mask.sparsity() / 100.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -362,7 +373,7 @@ def impl_variants(impls: list[str], fa3_templates=FA3_TEMPLATES) -> list[tuple[s
 
 
 def run_case(case: Case, impls: list[str], device, dtype, log, fa3_templates=FA3_TEMPLATES,
-             rounds: int = TIMING_ROUNDS) -> list[dict]:
+             rounds: int = TIMING_ROUNDS, window: int = WINDOW) -> list[dict]:
     """Time every impl (fa3_inductor once per requested template) on one case; returns its rows
     (errors are recorded, never raised).
 
@@ -370,11 +381,12 @@ def run_case(case: Case, impls: list[str], device, dtype, log, fa3_templates=FA3
     interleaved rounds, odd rounds in reverse order, and each row takes the median of its rounds:
     a single timing per impl, taken one after the other, carries the GPU's clock and thermal drift
     into the ratios (identical launches differed by ~5% that way, templates/hopper/DESIGN.md)."""
-    spec = make_mod(case.mod, case.heads, case.seqlen, device)
+    spec = make_mod(case.mod, case.heads, case.seqlen, device, window)
     block_mask = None
     if spec.mask_mod is not None:
         block_mask = create_block_mask(spec.mask_mod, None, None, case.seqlen, case.seqlen, device=device)
     density = mask_density(spec.mask_mod, case.seqlen, device)
+    tile_density = tile_density_of(block_mask)
     # QK^T over D columns and PV over Dv: 2·B·H·N²·(D + Dv), i.e. 4·B·H·N²·D where they are equal
     fwd_flops = 2.0 * case.batch * case.heads * case.seqlen**2 * (case.head_dim + case.dv) * density
     flops = fwd_flops * (BWD_FLOP_FACTOR if case.direction == "fwd+bwd" else 1.0)
@@ -412,6 +424,7 @@ def run_case(case: Case, impls: list[str], device, dtype, log, fa3_templates=FA3
             "ms": None,
             "tflops": None,
             "density": density,
+            "tile_density": tile_density,
             "flops": flops,
             "max_abs_diff_vs_ref": None,
         }
@@ -569,7 +582,9 @@ def markdown_table(result: dict) -> str:
         "",
         f"TFLOP/s ({result.get('flop_rule', FLOP_RULE)}). fa3_inductor is timed twice per case: "
         "`template=\"auto\"` (auto) and `template=\"generic\"` (generic); each template column is what "
-        "actually ran (`last_template()`). Ratios: fa3_inductor TFLOP/s ÷ the other's (>1 = fa3_inductor faster).",
+        "actually ran (`last_template()`). Ratios: fa3_inductor TFLOP/s ÷ the other's (>1 = fa3_inductor faster)."
+        + (f" sliding_window: a causal window of {result['window']} keys."
+           if any(r["mod"] == "sliding_window" for r in result["rows"]) and "window" in result else ""),
         "",
         "| dir | mod | D | seqlen | B×H | fa3 auto | template | fa3 generic | template | cuDNN | FA2 | flex "
         "| auto ÷cuDNN | auto ÷flex | generic ÷flex | generic ÷cuDNN |",
@@ -725,6 +740,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--directions", type=_csv("direction", DIRECTIONS), default=None)
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                    help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--window", type=int, default=WINDOW,
+                   help=f"keys of the sliding_window mod (default {WINDOW}; Gemma 3 uses 1024, Mistral and Gemma 2 4096)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--render", metavar="JSON", help="print the markdown table of an existing result file and exit")
@@ -765,7 +782,8 @@ def main(argv=None) -> int:
         "cuda": torch.version.cuda,
         "argv": sys.argv[1:] if argv is None else list(argv),
         "flop_rule": FLOP_RULE,
-        "mod_definitions": MOD_DEFINITIONS,
+        "mod_definitions": {**MOD_DEFINITIONS, "sliding_window": window_definition(args.window)},
+        "window": args.window,
         "reference_impl": REF_IMPL,
         "fa3_templates_requested": list(args.fa3_templates),
         "flex_compile": "torch.compile(flex_attention, dynamic=False)",
@@ -796,7 +814,8 @@ def main(argv=None) -> int:
             break
         log(f"[{i + 1}/{len(cases)} {elapsed:5.0f}s] {case.label()}")
         try:
-            result["rows"] += run_case(case, args.impls, device, dtype, log, args.fa3_templates, args.rounds)
+            result["rows"] += run_case(case, args.impls, device, dtype, log, args.fa3_templates, args.rounds,
+                                       args.window)
         except Exception as exc:  # the case's own set-up (inputs, block mask) failed
             result["cases_failed"].append({**vars(case), "error": _describe(exc)})
             log(f"  case failed: {_describe(exc)}")

@@ -191,6 +191,22 @@ def test_flop_density_rule():
     assert all(1 <= length <= 2048 for length in lengths)
 
 
+def test_tile_density_and_window_option():
+    """tile_density counts the pairs of the 128 x 128 tiles a block mask visits; --window sets the window."""
+    n = 1024
+    assert bench.tile_density_of(None) == 1.0
+    spec = bench.make_mod("sliding_window", 2, n, "cpu", window=256)
+    bm = bench.create_block_mask(spec.mask_mod, None, None, n, n, device="cpu")
+    # query block i visits key blocks i-2 .. i (the first two query blocks fewer): 1 + 2 + 3 * 6 of 8 * 8
+    assert bench.tile_density_of(bm) == pytest.approx((1 + 2 + 3 * 6) / 64)
+    kept = sum(min(q + 1, 256) for q in range(n)) / n**2
+    assert kept / bench.tile_density_of(bm) == pytest.approx(2 / 3, abs=2e-3)   # 2/3 of the visited pairs are kept
+    wide = bench.make_mod("sliding_window", 2, n, "cpu", window=512)
+    assert bench.mask_density(wide.mask_mod, n, "cpu") == pytest.approx(sum(min(q + 1, 512) for q in range(n)) / n**2)
+    assert bench.parse_args(["--window", "4096"]).window == 4096
+    assert bench.parse_args([]).window == bench.WINDOW
+
+
 def _row(impl, tflops, requested=None, template=None, **kw):
     base = dict(impl=impl, template=template, template_requested=requested, mod="causal", causal=True,
                 batch=4, heads=16, kv_heads=16, seqlen=4096, head_dim=128, dtype="bfloat16", direction="fwd",
