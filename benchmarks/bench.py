@@ -81,6 +81,7 @@ BWD_FLOP_FACTOR = 3.5  # fwd+bwd = forward + 2.5× forward (backward does 5 GEMM
 DOC_SEED = 1234
 REF_IMPL = "flex"
 
+
 def window_definition(window: int) -> str:
     return f"mask (q_idx >= kv_idx) & (q_idx - kv_idx < {window}) (causal window of {window} keys)"
 
@@ -220,7 +221,6 @@ def make_mod(name: str, heads: int, seqlen: int, device, window: int = WINDOW) -
 
         return ModSpec(name, score_mod=alibi)
     if name == "sliding_window":
-
         def sliding_window(b, h, q_idx, kv_idx):
             return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
 

@@ -41,6 +41,18 @@ def generated_mask(fn):
     return load_mod(generate_mod_source(gm, "mask", [BufferSpec.of(t) for t in bufs], "gl"), "gl"), tuple(bufs)
 
 
+def visited_blocks_as_full(keep, bm):
+    """(keep, sparse kwargs) that run every 128 x 128 tile `bm` visits as a full block (no mask_mod): the
+    block-level mask of `keep` ([S, S] bool), which is what the kernel then computes."""
+    nb = (keep.shape[0] + 127) // 128
+    blocks = keep.reshape(nb, 128, nb, 128).any(3).any(1)
+    order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    sparse = dict(kv_num_blocks=torch.zeros_like(bm.kv_num_blocks), kv_indices=torch.zeros_like(bm.kv_indices),
+                  full_kv_num_blocks=blocks.sum(-1).to(torch.int32).reshape(bm.full_kv_num_blocks.shape),
+                  full_kv_indices=order.reshape(bm.full_kv_indices.shape))
+    return blocks.repeat_interleave(128, 0).repeat_interleave(128, 1), sparse
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
@@ -87,14 +99,10 @@ def main():
                 bm = dense_block_mask(keep, 1, 1, S, S, keep.device)
                 kvn, kvi, fkvn, fkvi = bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices
             if blocks_only:   # every visited block as a full one: the block-level mask, no mask_mod
-                nb = (S + 127) // 128
-                keep_blocks = keep.reshape(nb, 128, nb, 128).any(3).any(1)
-                keep = keep_blocks.repeat_interleave(128, 0).repeat_interleave(128, 1)
+                keep, full = visited_blocks_as_full(keep, bm)
                 density = keep.double().mean().item()
-                counts = keep_blocks.sum(-1).to(torch.int32)
-                order = torch.argsort((~keep_blocks).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-                kvn, kvi = torch.zeros_like(kvn), torch.zeros_like(kvi)
-                fkvn, fkvi = counts.reshape(fkvn.shape), order.reshape(fkvi.shape)
+                kvn, kvi = full["kv_num_blocks"], full["kv_indices"]
+                fkvn, fkvi = full["full_kv_num_blocks"], full["full_kv_indices"]
             s_ref = (q[0, 0].double() @ k[0, 0].double().T) * D ** -0.5
             ref = torch.softmax(s_ref.masked_fill(~keep, float("-inf")), -1) @ v[0, 0].double()
             del s_ref

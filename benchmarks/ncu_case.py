@@ -6,7 +6,7 @@
 
 Cases (D=128 by default, bf16, 16 heads, B*S = 16384 as bench.py): noop, softcap (30), causal, window
 (a causal window of --window keys), window-blocks (the same KV tiles as full blocks, no mask_mod),
-document (bench.py's documents). The kernel is launched as the product launches it (max_needed=False),
+document (lengths uniform in [1, S/2], causal inside, ids read by the mask_mod: as hopper_sched_masks.py). The kernel is launched as the product launches it (max_needed=False),
 first checked against float64 on batch 0, head 0 (rel. error printed), then launched --iters more times.
 --set K=V overrides Sm90Config fields (as hopper_mods.py: "persistent=off", "num_stages=3").
 """
@@ -22,14 +22,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from fa3_inductor import mods  # noqa: E402
 from fa3_inductor.lowering.canonical import dense_block_mask  # noqa: E402
 from fa3_inductor.templates.hopper import get_config, launch_fwd_sm90  # noqa: E402
-from fa3_inductor.templates.modgen import BufferSpec, generate_mod_source, load_mod, trace_mod  # noqa: E402
 
-from hopper_mods import config_overrides  # noqa: E402
-
-
-def generated(fn, kind):
-    gm, bufs = trace_mod(fn, kind)
-    return load_mod(generate_mod_source(gm, kind, [BufferSpec.of(t) for t in bufs], "gl"), "gl"), tuple(bufs)
+from hopper_mods import config_overrides, gen  # noqa: E402
+from hopper_sched_masks import generated_mask, visited_blocks_as_full  # noqa: E402
 
 
 def case_launch(case: str, S: int, D: int = 128, H: int = 16, window: int = 256, overrides: dict | None = None,
@@ -53,7 +48,7 @@ def case_launch(case: str, S: int, D: int = 128, H: int = 16, window: int = 256,
     keep = None
     if case == "softcap":
         score_ref = mods.softcap(30.0)
-        score_mod, _ = generated(score_ref, "score")
+        score_mod = gen(score_ref)
     elif case in ("causal", "window", "window-blocks", "document"):
         assert N == S, "masked cases take keys of the queries' length"
         if case == "causal":
@@ -67,7 +62,7 @@ def case_launch(case: str, S: int, D: int = 128, H: int = 16, window: int = 256,
             fn = mods.sliding_window(window)
         keep = torch.broadcast_to(fn(0, 0, qi, ki), (S, S))
         if case != "window-blocks":
-            mask_mod, mask_bufs = generated(fn, "mask")
+            mask_mod, mask_bufs = generated_mask(fn)
     elif case != "noop":
         raise SystemExit(f"unknown case {case!r}: noop, softcap, causal, window, window-blocks, document")
     sparse = {}
@@ -76,13 +71,7 @@ def case_launch(case: str, S: int, D: int = 128, H: int = 16, window: int = 256,
         sparse = dict(kv_num_blocks=bm.kv_num_blocks, kv_indices=bm.kv_indices,
                       full_kv_num_blocks=bm.full_kv_num_blocks, full_kv_indices=bm.full_kv_indices)
         if case == "window-blocks":   # every visited tile as a full one
-            nb = (S + 127) // 128
-            blocks = keep.reshape(nb, 128, nb, 128).any(3).any(1)
-            keep = blocks.repeat_interleave(128, 0).repeat_interleave(128, 1)
-            order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-            sparse = dict(kv_num_blocks=torch.zeros_like(bm.kv_num_blocks), kv_indices=torch.zeros_like(bm.kv_indices),
-                          full_kv_num_blocks=blocks.sum(-1).to(torch.int32).reshape(bm.full_kv_num_blocks.shape),
-                          full_kv_indices=order.reshape(bm.full_kv_indices.shape))
+            keep, sparse = visited_blocks_as_full(keep, bm)
     cfg = get_config(D, dtype, **overrides) if overrides else None
 
     def launch():
@@ -98,11 +87,9 @@ def case_launch(case: str, S: int, D: int = 128, H: int = 16, window: int = 256,
         ref = torch.softmax(s, -1) @ v[0, 0].double()
         return ((out[0, 0].double() - ref).norm() / ref.norm()).item()
 
-    flops = 4 * B * H * S * N * D * (keep.double().mean().item() if keep is not None else 1.0)
-    block_flops = flops
-    if keep is not None:
-        nb = (S + 127) // 128
-        block_flops = 4 * B * H * S * N * D * keep.reshape(nb, 128, nb, 128).any(3).any(1).double().mean().item()
+    pairs = 4 * B * H * S * N * D
+    flops = pairs * (keep.double().mean().item() if keep is not None else 1.0)
+    block_flops = pairs * (visited_blocks_as_full(keep, bm)[0].double().mean().item() if keep is not None else 1.0)
     return launch, check, flops, block_flops
 
 

@@ -13,7 +13,7 @@ Cases (D=128, bf16, 16 heads, B*S = 16384, kernel launched as the product launch
   window          the 256-key causal window, masked
   window1024      a 1024-key window (Gemma 3's), masked: 9 KV tiles a row
   window4096      a 4096-key window (Mistral's, Gemma 2's), masked: 33 KV tiles a row
-  document        benchmarks/bench.py's documents
+  document        lengths uniform in [1, S/2], causal inside (as hopper_sched_masks.py)
 
 each under every entry of --configs: "table" (the product's choice) or Sm90Config overrides, e.g.
 "persistent=off num_stages=1" (as hopper_mods.py; ';' separates entries). Every variant is first checked against float64 (batch 0, head 0), then timed in --rounds interleaved rounds
