@@ -17,6 +17,10 @@ class GenericConfig:
     warp_specialize: bool
 
 
+# KV length from which a plain site (no score_mod, no block mask) takes the long tiles (see below).
+PLAIN_LONG_KV = 2048
+
+
 def generic_config(head_dim: int, capability: tuple[int, int] | None,
                    mods_load_buffers: bool = False, fp32: bool = False,
                    plain_kv_len: int = 0) -> GenericConfig:
@@ -68,7 +72,7 @@ def generic_config(head_dim: int, capability: tuple[int, int] | None,
             # 64x64 1.16 / 1.06 / 1.01 / 0.97 / 0.97 / 0.98, 128x128 w8 1.00 / 1.01 / 1.02 /
             # 1.02 / 1.04 / 1.04 (results/bench-nvidia-h200-2026-11-22-0514-tiles-*); masked and
             # modded sites keep 64x64 (causal 1.06-1.15x, softcap 2.08-2.18x flex in -0507).
-            if plain_kv_len >= 2048:
+            if plain_kv_len >= PLAIN_LONG_KV:
                 return GenericConfig(128, 128, 8, 3, False)
             return GenericConfig(64, 64, 4, 3, False)
         return GenericConfig(128, 64, 8, 2, False)
@@ -76,6 +80,24 @@ def generic_config(head_dim: int, capability: tuple[int, int] | None,
     if block_d <= 128:
         return GenericConfig(128, 64, 8, 3, False)
     return GenericConfig(64, 32, 4, 2, False)
+
+
+def generic_config_variants(head_dim: int, capability: tuple[int, int] | None,
+                            mods_load_buffers: bool = False, fp32: bool = False,
+                            plain: bool = False) -> list[GenericConfig]:
+    """Every config :func:`generic_config` gives a site at some KV length (a plain site may switch
+    tiles at PLAIN_LONG_KV): the tiles a site's first launch compiles ahead (runtime/variants.py).
+
+    Example::
+
+        >>> [c.block_m for c in generic_config_variants(128, (9, 0), plain=True)]
+        [64, 128]
+        >>> len(generic_config_variants(128, (9, 0)))
+        1
+    """
+    lengths = (0, PLAIN_LONG_KV) if plain else (0,)
+    configs = [generic_config(head_dim, capability, mods_load_buffers, fp32, n) for n in lengths]
+    return list(dict.fromkeys(configs))
 
 
 def _tiles_from_env(block_d: int) -> GenericConfig | None:

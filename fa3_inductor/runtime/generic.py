@@ -15,7 +15,7 @@ from ..templates.generic_fwd import attention_fwd_kernel
 from ..templates.modgen import kernel_score_mod
 from ..templates.tma import tma_aligned
 from .._log import warn_once
-from .configs import GenericConfig, generic_config
+from .configs import GenericConfig, generic_config, generic_config_variants
 
 _allocator_set = False
 _MAX_SEQ = 1 << 23
@@ -35,6 +35,10 @@ def _ensure_allocator() -> None:
 
 def _capability(t: torch.Tensor) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(t.device) if t.is_cuda else None
+
+
+def _planned_capability(t: torch.Tensor, plan_for: tuple[int, int] | None) -> tuple[int, int] | None:
+    return plan_for if plan_for is not None and not t.is_cuda else _capability(t)
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -59,8 +63,9 @@ def _fold_scale(sm_scale: float, score_mod: Any) -> bool:
 def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs,
              mask_bufs, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
              sparse_q_block, sparse_kv_block, capability, iterate_hull=None, config=None,
-             host_descriptors=None):
-    """(args, kwargs, grid) of one generic-kernel launch; shared by launch and compile-only."""
+             host_descriptors=None, even_n=None):
+    """(args, kwargs, grid) of one generic-kernel launch; shared by launch and compile-only.
+    ``even_n`` overrides EVEN_N (compiling a sibling variant ahead: never launched so)."""
     Z, HQ, M, D = q.shape
     HKV, N, DV = k.shape[1], k.shape[2], v.shape[3]
     # The kernel's factor from its score tile to the score (generic_fwd._kv_tile takes it in log2
@@ -73,8 +78,7 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
         # Generated mods turn indices into floats exactly only below 2**23 (mod_helpers).
         raise ValueError(f"fa3 generic kernel: sequence lengths must be below {_MAX_SEQ} "
                          f"(got M={M}, N={N}); split the sequence into chunks")
-    loads = any(m is not None and "load(" in _source_of(m) for m in (score_mod, mask_mod))
-    plain = score_mod is None and kv_num_blocks is None
+    loads, plain = _site_traits(score_mod, mask_mod, kv_num_blocks)
     # Tiles by the wider of the two head dims: the Q/K tiles and the O accumulator both live
     # in registers, so the wider one bounds what fits (the table is per padded head dim).
     cfg = config or generic_config(max(D, DV), capability, mods_load_buffers=loads,
@@ -94,6 +98,12 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
     block_dv = max(16, triton.next_power_of_2(DV))
     host_desc = (capability is None or capability[0] >= 9) if host_descriptors is None \
         else host_descriptors
+    hull = cfg.warp_specialize if iterate_hull is None else iterate_hull
+    if even_n is None:
+        # Every visited tile lies inside [0, N): tiles come whole from block-mask blocks, and
+        # a block may reach past N (a 128-key block over N = 64 is two 64-key tiles, the
+        # second wholly outside), so N must be a multiple of the block, not only the tile.
+        even_n = N % (sparse_kv_block if has_mask else block_n) == 0 and N % block_n == 0
     qkvo = (q, k, v, out)
     if host_desc:
         tiles = ((block_m, block_d), (block_n, block_d), (block_n, block_dv), (block_m, block_dv))
@@ -111,13 +121,11 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
         HAS_BLOCK_MASK=has_mask, HAS_FULL_BLOCKS=has_full,
         SPARSE_Q=sparse_q_block if has_mask else block_m,
         SPARSE_KV=sparse_kv_block if has_mask else block_n,
-        # Every visited tile lies inside [0, N): tiles come whole from block-mask blocks, and
-        # a block may reach past N (a 128-key block over N = 64 is two 64-key tiles, the
-        # second wholly outside), so N must be a multiple of the block, not only the tile.
-        EVEN_N=N % (sparse_kv_block if has_mask else block_n) == 0 and N % block_n == 0,
+        EVEN_N=even_n,
         # The warp-specialized loop must not read tile positions from the tables (generic_fwd).
-        ITERATE_HULL=cfg.warp_specialize if iterate_hull is None else iterate_hull,
-        MAX_KV_BLKS=max(2, triton.next_power_of_2(num_kv_blks)),
+        ITERATE_HULL=hull,
+        # Read by the hull walk only: fixed otherwise, so that it does not split sites by length.
+        MAX_KV_BLKS=max(2, triton.next_power_of_2(num_kv_blks)) if hull else 2,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
         HOST_DESC=host_desc,
         WARP_SPECIALIZE=cfg.warp_specialize,
@@ -132,6 +140,14 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
     return args, kwargs, (triton.cdiv(M, block_m), Z * HQ)
 
 
+def _site_traits(score_mod: Any, mask_mod: Any, kv_num_blocks: Any) -> tuple[bool, bool]:
+    """(a mod gathers from a captured buffer, the site is plain: no score_mod, no block mask),
+    what the tile table asks of a site besides its head dim and dtype. ``score_mod`` is the one
+    launched (after kernel_score_mod)."""
+    loads = any(m is not None and "load(" in _source_of(m) for m in (score_mod, mask_mod))
+    return loads, score_mod is None and kv_num_blocks is None
+
+
 def prepare_generic(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, max_scores: torch.Tensor, *,
@@ -142,6 +158,7 @@ def prepare_generic(
     full_kv_indices: Optional[torch.Tensor] = None,
     sparse_q_block: int = 128, sparse_kv_block: int = 128, iterate_hull: Optional[bool] = None,
     config: Optional[GenericConfig] = None, host_descriptors: Optional[bool] = None,
+    even_n: Optional[bool] = None, plan_for: Optional[tuple[int, int]] = None,
 ) -> tuple[Any, tuple, dict, tuple]:
     """``(kernel, args, kwargs, grid)`` of one generic-kernel launch.
 
@@ -151,7 +168,9 @@ def prepare_generic(
     ``iterate_hull`` picks how a block mask is walked (None: the config's choice); ``config``
     overrides the tile table (sweeps, tests); ``host_descriptors`` picks the kernel's
     descriptors (None: built on the host on sm90 and in the interpreter, in the kernel on other
-    GPUs; see generic_fwd.py).
+    GPUs; see generic_fwd.py); ``even_n`` forces EVEN_N (a sibling compiled ahead, never launched:
+    :func:`prepare_generic_variants`); ``plan_for`` the GPU capability to plan for when the tensors
+    are on no GPU (CPU or meta tensors: tests, compile-only; None: the tensors' own device).
 
     Example::
 
@@ -166,9 +185,48 @@ def prepare_generic(
     args, kwargs, grid = _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod,
                                   score_bufs, mask_bufs, kv_num_blocks, kv_indices,
                                   full_kv_num_blocks, full_kv_indices, sparse_q_block,
-                                  sparse_kv_block, _capability(q), iterate_hull, config,
-                                  host_descriptors)
+                                  sparse_kv_block, _planned_capability(q, plan_for), iterate_hull,
+                                  config, host_descriptors, even_n)
     return attention_fwd_kernel, args, kwargs, grid
+
+
+def prepare_generic_variants(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor, max_scores: torch.Tensor, **options: Any,
+) -> tuple[tuple, list[tuple]]:
+    """``(launch, siblings)``: :func:`prepare_generic`'s launch, and the same site's launches under
+    the choices other lengths make (EVEN_N, and the tiles of long plain sites on sm90), as
+    ``(kernel, args, kwargs, grid)``. Compiling the siblings ahead (runtime/variants.py) leaves no
+    compile for a later length: every other launch argument is length-independent in Triton's
+    specialization key (generic_fwd.py, "Specialization").
+
+    Example::
+
+        >>> launch, siblings = prepare_generic_variants(q, k, v, out, lse, mx, sm_scale=0.1)  # doctest: +SKIP
+        >>> sorted(s[2]["EVEN_N"] for s in siblings)                                           # doctest: +SKIP
+        [True]
+    """
+    launch = prepare_generic(q, k, v, out, lse, max_scores, **options)
+    _, _, kwargs, _ = launch
+    if options.get("config") is not None:
+        configs = [options["config"]]
+    else:
+        D, DV = q.shape[-1], v.shape[-1]
+        score_mod = options.get("score_mod")
+        if score_mod is not None:
+            score_mod = kernel_score_mod(score_mod, options["sm_scale"])[0]
+        loads, plain = _site_traits(score_mod, options.get("mask_mod"), options.get("kv_num_blocks"))
+        configs = generic_config_variants(max(D, DV), _planned_capability(q, options.get("plan_for")),
+                                          loads, q.dtype == torch.float32, plain)
+    siblings, seen = [], [kwargs]
+    for cfg in configs:
+        for even_n in (True, False):
+            sibling = prepare_generic(q, k, v, out, lse, max_scores,
+                                      **{**options, "config": cfg, "even_n": even_n})
+            if sibling[2] not in seen:   # the constexprs and options decide the rest of the key
+                seen.append(sibling[2])
+                siblings.append(sibling)
+    return launch, siblings
 
 
 def launch_generic(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,

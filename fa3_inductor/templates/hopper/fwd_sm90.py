@@ -64,6 +64,12 @@ position never read out of bounds on the padded tail rows/columns (those results
 N % BLOCK_N == 0 (EVEN_N) no tile has such columns and kv_idx goes unclamped. Positions must stay below
 2^23 (modgen converts index vectors to float exactly in that range).
 
+Specialization (one compile per kind of site, not per length): the integers that follow sequence lengths (M, N,
+num_tiles, num_m_tiles, the block-mask tables' strides) are `do_not_specialize` (_RUNTIME_SIZES), so Triton's hints (divisible by 16, equal to 1) never split a site by length;
+the descriptors' keys hold their block shapes and layouts, not the tensors' shapes. A length still decides EVEN_N
+and PERSISTENT (with O_STAGE following it): prepare_fwd_sm90_variants gives a launch with its three siblings, which
+runtime/variants.py compiles ahead.
+
 Per-score cost matters more than anything else in the softmax: the consumer warpgroups are issue-bound
 (hopper/DESIGN.md, "Mod cost"), so every instruction a mod or a mask check adds per score shows up.
 """
@@ -937,7 +943,17 @@ def _producer_entry(descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_consts, outs
 # ----------------------------------------------------------------------------------------------
 # The kernel: allocate shared memory and barriers, then fork the three roles.
 # ----------------------------------------------------------------------------------------------
-@gluon.jit
+# Sizes that follow the sequence lengths: no divisibility / equal-to-1 hints (they would make a compile per length
+# class). Q / K / V / O go through TMA descriptors; the hints only folded scalar index math (num_tiles % 2 in the
+# persistent tile loop, the block-mask table offsets) and the LSE / MAX row offsets, whose stores hold two rows per
+# thread and do not vectorize (SASS, D=128 S4096: the KV loops the same length, 8 more instructions outside them).
+# BM / HM stay hinted: they are the mask's batch / head broadcast (1 for a mask built with B=None), a site property,
+# and b % 1 folding away keeps the masked KV loop as it was.
+_RUNTIME_SIZES = ["nb_sb", "nb_sh", "idx_sb", "idx_sh", "idx_sm", "fnb_sb", "fnb_sh", "fidx_sb",
+                  "fidx_sh", "fidx_sm", "num_tiles", "num_m_tiles", "M", "N"]
+
+
+@gluon.jit(do_not_specialize=_RUNTIME_SIZES)
 def fa3_fwd_sm90_kernel(
     q_desc, k_desc, v_desc, o_desc,
     q_desc_hi, k_desc_hi, v_desc_hi, o_desc_hi,   # SPLIT_SMEM / V_SPLIT: the hi tiles' descriptors (else None)
@@ -1149,8 +1165,9 @@ def _longest_row(kv_num_blocks, full_kv_num_blocks):
 
 def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs, mask_bufs,
              kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, sparse_q_block, sparse_kv_block,
-             config, num_sms, max_needed=True):
-    """Build (args, kwargs, grid) for fa3_fwd_sm90_kernel; shared by the launcher and compile-only tests."""
+             config, num_sms, max_needed=True, persistent=None, even_n=None):
+    """Build (args, kwargs, grid) for fa3_fwd_sm90_kernel; shared by the launcher and compile-only tests.
+    `persistent` / `even_n` override the schedule and EVEN_N (siblings compiled ahead: never launched so)."""
     if score_mod is None and sm_scale < 0:
         # The no-mod path keeps raw q.k scores and folds the scale into exp2 / the row max, which is
         # only valid for a positive scale: route negative scales through the (exact) score_mod path.
@@ -1225,7 +1242,10 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
         longest = _longest_row(kv_num_blocks, full_kv_num_blocks if has_full else None)
         if longest is not None:
             max_kv_tiles = longest * (sparse_kv_block // BLOCK_N)
-    persistent = use_persistent(cfg, num_tiles, num_sms, N, max_kv_tiles, kv_affine)
+    if persistent is None:
+        persistent = use_persistent(cfg, num_tiles, num_sms, N, max_kv_tiles, kv_affine)
+    if even_n is None:
+        even_n = N % BLOCK_N == 0
     # persistent CTAs take tile pairs; a separate O staging buffer where shared memory allows it
     grid = (min((num_tiles + 1) // 2, num_sms),) if persistent else (num_tiles,)
     o_stage = (persistent and cfg.o_stage and not split and not v_split
@@ -1242,7 +1262,7 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
         SPARSE_KV_MULT=(sparse_kv_block // BLOCK_N) if has_sparse else 1,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D_TILE, NUM_STAGES=cfg.num_stages,
         PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, PERSISTENT=persistent,
-        EXP2_EMU=exp2_emu, EVEN_N=(N % BLOCK_N == 0),
+        EXP2_EMU=exp2_emu, EVEN_N=even_n,
         LAZY_RESCALE=cfg.lazy_rescale, FIXED_BASE=fixed_base is not None, KV_AFFINE=kv_affine,
         MASK_AND=mask_mod is not None and mask_and_of(mask_mod),
         O_STAGE=o_stage, QK_DIM=D, V_STAGES=cfg.v_ring_stages, SPLIT_SMEM=split,
@@ -1292,6 +1312,50 @@ def prepare_fwd_sm90(q, k, v, out, lse, max_scores, *, sm_scale: float,
     args, kwargs, grid = _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs,
                                   mask_bufs, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
                                   sparse_q_block, sparse_kv_block, config, num_sms, max_needed)
+    return fa3_fwd_sm90_kernel, args, kwargs, grid
+
+
+def prepare_fwd_sm90_variants(q, k, v, out, lse, max_scores, **options):
+    """(launch, siblings): prepare_fwd_sm90's launch and the same site's launches under the choices other lengths
+    make (EVEN_N, and the persistent schedule where the config leaves it to use_persistent), each as
+    (kernel, args, kwargs, grid). Every other launch argument is length-independent in Triton's specialization key
+    (module docstring, "Specialization"), so a site compiled in these (at most four) variants compiles no more.
+
+    Example::
+
+        >>> launch, siblings = prepare_fwd_sm90_variants(q, k, v, out, lse, mx, sm_scale=0.088)   # doctest: +SKIP
+        >>> sorted((s[2]["PERSISTENT"], s[2]["EVEN_N"]) for s in siblings)                        # doctest: +SKIP
+        [(False, True), (True, False), (True, True)]
+    """
+    cfg = options.get("config") or get_config(q.shape[-1], q.dtype, value_head_dim=v.shape[-1])
+    if cfg.persistent is False:
+        num_sms = 0
+    else:   # CPU tensors (planning, tests): an H100's SM count
+        num_sms = _num_sms(q.device) if q.is_cuda else _PLANNING_SMS
+    launch = _prepare_kernel_launch(q, k, v, out, lse, max_scores, options, num_sms, None, None)
+    schedules = (True, False) if cfg.persistent is None else (cfg.persistent,)
+    siblings, seen = [], [launch[2]]
+    for persistent in schedules:
+        for even_n in (True, False):
+            sib = _prepare_kernel_launch(q, k, v, out, lse, max_scores, options, num_sms, persistent, even_n)
+            if sib[2] not in seen:
+                seen.append(sib[2])
+                siblings.append(sib)
+    return launch, siblings
+
+
+_PLANNING_SMS = 132
+
+
+def _prepare_kernel_launch(q, k, v, out, lse, max_scores, options, num_sms, persistent, even_n):
+    o = dict(options)
+    args, kwargs, grid = _prepare(
+        q, k, v, out, lse, max_scores, o.pop("sm_scale"), o.pop("score_mod", None), o.pop("mask_mod", None),
+        o.pop("score_bufs", ()), o.pop("mask_bufs", ()), o.pop("kv_num_blocks", None), o.pop("kv_indices", None),
+        o.pop("full_kv_num_blocks", None), o.pop("full_kv_indices", None), o.pop("sparse_q_block", 128),
+        o.pop("sparse_kv_block", 128), o.pop("config", None), num_sms, o.pop("max_needed", True), persistent, even_n)
+    if o:
+        raise TypeError(f"prepare_fwd_sm90_variants: unexpected options {sorted(o)}")
     return fa3_fwd_sm90_kernel, args, kwargs, grid
 
 
