@@ -9,14 +9,14 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+from torch.nn.attention.flex_attention import BlockMask
 
 from . import _compat, direct
 from ._log import info_once
 from .backend import fa3_backend
+from .block_masks import build_block_mask, cached_block_mask
 from .config import TEMPLATES
 from .runtime.ops import last_template, record_template
-from .templates.modgen import trace_mod
 
 _MAX_COMPILED = 64
 
@@ -72,21 +72,10 @@ def _check_inputs(q: Any, k: Any, v: Any, score_mod: Any, mask_mod: Any, block_m
         raise TypeError(f"flex: scale must be a number, got {type(scale).__name__}")
 
 
-def _mask_uses_batch_or_head(mask_mod: Callable) -> tuple[bool, bool]:
-    """Trace mask_mod once to see whether it reads b or h (then the block mask needs them)."""
-    try:
-        gm, _ = trace_mod(mask_mod, "mask")
-    except Exception:  # cannot tell (data-dependent Python, say): build the full (B, H) mask
-        return True, True
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return bool(placeholders[0].users), bool(placeholders[1].users)
-
-
-def _block_mask_for(mask_mod: Callable, q: Tensor, k: Tensor) -> BlockMask:
-    uses_b, uses_h = _mask_uses_batch_or_head(mask_mod)
-    return create_block_mask(mask_mod, q.shape[0] if uses_b else None,
-                             q.shape[1] if uses_h else None, q.shape[2], k.shape[2],
-                             device=q.device)
+def _block_mask_of(mask_mod: Callable, q: Tensor, k: Tensor) -> BlockMask:
+    if torch.compiler.is_compiling():  # an enclosing compile traces the build into its graph
+        return build_block_mask(mask_mod, q, k)
+    return cached_block_mask(mask_mod, q, k)
 
 
 def _flex_call(q, k, v, score_mod, block_mask, scale, enable_gqa, return_lse, direct_op=False):
@@ -183,8 +172,9 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
     ``q`` is (B, H, M, D), ``k`` is (B, Hkv, N, D), ``v`` is (B, Hkv, N, Dv). Dv may differ
     from D (DeepSeek-V2/V3's multi-head latent attention trains with D 192, Dv 128); both are
     multiples of 8 from 16 to 256. ``score_mod(score, b, h, q_idx, kv_idx)`` edits scores,
-    ``mask_mod(b, h, q_idx, kv_idx)`` hides them (it is turned into a block mask here; pass
-    ``block_mask`` from ``create_block_mask`` instead to build it once). The default ``scale``
+    ``mask_mod(b, h, q_idx, kv_idx)`` hides them (its block mask is built on the first call and
+    reused while the mask computes the same thing: block_masks.py; or pass ``block_mask`` from
+    ``create_block_mask``). The default ``scale``
     is D ** -0.5. Returns the output (B, H, M, Dv), plus the natural-log LSE (B, H, M) if
     ``return_lse``.
     Gradients flow to q, k, v and to tensors the mods capture. ``template`` (fa3 only):
@@ -214,7 +204,7 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
     if template not in TEMPLATES:
         raise ValueError(f"flex: template must be one of {TEMPLATES}, got {template!r}")
     if mask_mod is not None:
-        block_mask = _block_mask_for(mask_mod, q, k)
+        block_mask = _block_mask_of(mask_mod, q, k)
     _check_block_mask_fits(block_mask, q, k)
     training_on_cpu = _cpu_training(q, k, v)
     if training_on_cpu and not _runs_our_kernels(q):

@@ -8,6 +8,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 import fa3_inductor
 from fa3_inductor import direct, mods
+from fa3_inductor.mod_keys import Unkeyable, mod_key
 from reference import assert_matches_reference, reference_attention
 
 CAP = 20.0
@@ -18,24 +19,24 @@ def _global_softcap(score, b, h, q_idx, kv_idx):
 
 
 def test_same_computation_same_key_different_constant_different_key():
-    assert direct._fn_key(mods.softcap(30.0)) == direct._fn_key(mods.softcap(30.0))
-    assert direct._fn_key(mods.softcap(30.0)) != direct._fn_key(mods.softcap(31.0))
+    assert mod_key(mods.softcap(30.0)) == mod_key(mods.softcap(30.0))
+    assert mod_key(mods.softcap(30.0)) != mod_key(mods.softcap(31.0))
     nested = mods.and_masks(mods.causal, mods.sliding_window(8))
-    assert direct._fn_key(nested) == direct._fn_key(mods.and_masks(mods.causal, mods.sliding_window(8)))
-    assert direct._fn_key(nested) != direct._fn_key(mods.and_masks(mods.causal, mods.sliding_window(9)))
+    assert mod_key(nested) == mod_key(mods.and_masks(mods.causal, mods.sliding_window(8)))
+    assert mod_key(nested) != mod_key(mods.and_masks(mods.causal, mods.sliding_window(9)))
 
 
 def test_a_rebound_global_changes_the_key(monkeypatch):
-    before = direct._fn_key(_global_softcap)
+    before = mod_key(_global_softcap)
     monkeypatch.setattr(__import__(__name__), "CAP", 10.0)
-    assert direct._fn_key(_global_softcap) != before
+    assert mod_key(_global_softcap) != before
 
 
 def test_captured_tensors_key_by_identity():
     ids = torch.arange(64) // 16
     same, other = mods.document(ids), mods.document(ids.clone())
-    assert direct._fn_key(mods.document(ids)) == direct._fn_key(same)
-    assert direct._fn_key(other) != direct._fn_key(same)
+    assert mod_key(mods.document(ids)) == mod_key(same)
+    assert mod_key(other) != mod_key(same)
 
 
 def test_callable_objects_are_unkeyable():
@@ -43,8 +44,8 @@ def test_callable_objects_are_unkeyable():
         def __call__(self, score, b, h, q_idx, kv_idx):
             return score
 
-    with pytest.raises(direct._Unkeyable):
-        direct._fn_key(Mod())
+    with pytest.raises(Unkeyable):
+        mod_key(Mod())
 
 
 def _interpreter():
