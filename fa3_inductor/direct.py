@@ -6,18 +6,16 @@ no gradient is needed, flex() does not need any of that: it plans the site once 
 mods, pick the template, exactly as the lowering does) and then calls the
 ``fa3_inductor::flex_fwd`` op directly.
 
-Plans are cached by what the mods compute, not by the function objects: a mod's key is its
-code plus the values its closure cells and the globals it names hold (numbers and strings by
-value, tensors by identity and layout, nested functions recursively). That is the part of
-Dynamo's guarding this path needs: redefining ``softcap(30.0)`` on every call hits the cache,
-changing a captured number or rebinding a captured tensor re-plans. A mod whose key cannot be
-read (a callable object, a functools.partial, an unusual closure value) is cached by identity.
+Plans are cached by what the mods compute, not by the function objects (mod_keys.py): that is
+the part of Dynamo's guarding this path needs: redefining ``softcap(30.0)`` on every call hits
+the cache, changing a captured number or rebinding a captured tensor re-plans. A mod whose key
+cannot be read (a callable object, a functools.partial, an unusual closure value) is cached by
+identity.
 """
 
 from __future__ import annotations
 
 import math
-import types
 from typing import Any, Callable, Hashable, Optional
 
 import torch
@@ -27,15 +25,14 @@ from torch.nn.attention.flex_attention import noop_mask
 from ._log import info_once
 from .config import Settings
 from .lowering.site_plan import plan_site
+from .mod_keys import Unkeyable, mod_key
+from .runtime.kernel_failures import kernel_failure
+from .runtime.spec import SiteSpec
 from .templates.modgen import BufferSpec, UnsupportedMod, trace_mod
 
 _NO_MASK_BLOCK = 1 << 30   # torch's "no mask" block size
 _MAX_PLANS = 512
 _PLANS: dict[Hashable, Any] = {}
-
-
-class _Unkeyable(Exception):
-    pass
 
 
 class _Plan:
@@ -64,8 +61,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable], bloc
             q.shape[0] == k.shape[0] or k.shape[0] == 1,
             None if block_mask is None else tuple(block_mask.BLOCK_SIZE))
     try:
-        key = (_fn_key(score_mod), _fn_key(mask_mod), site)
-    except _Unkeyable:
+        key = (mod_key(score_mod), mod_key(mask_mod), site)
+    except Unkeyable:
         key = (score_mod, mask_mod, site)
     plan = _PLANS.get(key)
     if plan is None:
@@ -73,8 +70,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable], bloc
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = plan
-    if plan.spec is None:
-        return None
+    if plan.spec is None or kernel_failure(SiteSpec.from_json(plan.spec)) is not None:
+        return None   # the compiled path plans it again and records why torch's kernel runs
     if torch.is_grad_enabled() and any(b.requires_grad for b in (*plan.score_bufs,
                                                                    *plan.mask_bufs)):
         return None  # a learnable captured tensor: the compiled path gives it a gradient
@@ -127,37 +124,3 @@ def _plan(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable],
 
 def _identity_score(score, b, h, q_idx, kv_idx):
     return score
-
-
-_SCALARS = (bool, int, float, complex, str, bytes, type(None))
-
-
-def _fn_key(fn: Optional[Callable], depth: int = 0) -> Hashable:
-    """What a mod computes, as a hashable value (see the module docstring)."""
-    if fn is None:
-        return None
-    if not isinstance(fn, types.FunctionType) or depth > 8:
-        raise _Unkeyable()
-    code = fn.__code__
-    cells = tuple(_value_key(c.cell_contents, depth) for c in (fn.__closure__ or ()))
-    names = tuple((n, _value_key(fn.__globals__[n], depth)) for n in code.co_names
-                  if n in fn.__globals__)
-    return (code, cells, names, _value_key(fn.__defaults__, depth))
-
-
-def _value_key(value: Any, depth: int) -> Hashable:
-    if isinstance(value, _SCALARS):
-        return (type(value), value)
-    if isinstance(value, Tensor):
-        # Identity: the plan holds the tensor, so its id cannot be reused while the plan lives.
-        return ("tensor", id(value), value.shape, value.stride(), value.dtype, value.device)
-    if isinstance(value, types.FunctionType):
-        return _fn_key(value, depth + 1)
-    if isinstance(value, (types.ModuleType, types.BuiltinFunctionType, type, torch.dtype)):
-        return ("object", id(value))
-    if isinstance(value, (tuple, list)):
-        return (type(value), tuple(_value_key(v, depth) for v in value))
-    if callable(value) and hasattr(value, "__module__") and \
-            str(getattr(value, "__module__", "")).startswith("torch"):
-        return ("object", id(value))  # torch's own functions and op overloads
-    raise _Unkeyable()

@@ -16,9 +16,11 @@ from typing import Optional, Sequence
 import torch
 
 from ..config import Settings
+from ..runtime.kernel_failures import kernel_failure
 from ..runtime.spec import SiteSpec
 from ..templates.modgen import (BufferSpec, generate_mod_source, is_constant_true_mask,
                                 is_identity_score)
+from ..templates.modgen_torch import generate_torch_mod_source
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -86,19 +88,28 @@ def plan_site(score_gm: torch.fx.GraphModule, mask_gm: torch.fx.GraphModule,
         return None, (f"block-mask block size {sparse_blocks[0]}x{sparse_blocks[1]} "
                       "(fa3 serves powers of two >= 16)")
     sources: dict[str, Optional[str]] = {}
+    identity, all_true = is_identity_score(score_gm), is_constant_true_mask(mask_gm)
     for dialect in ("tl", "gl"):
-        sources[f"score_mod_{dialect}"] = None if is_identity_score(score_gm) else \
+        sources[f"score_mod_{dialect}"] = None if identity else \
             generate_mod_source(score_gm, "score", score_specs, dialect)
-        sources[f"mask_mod_{dialect}"] = None if is_constant_true_mask(mask_gm) else \
+        sources[f"mask_mod_{dialect}"] = None if all_true else \
             generate_mod_source(mask_gm, "mask", mask_specs, dialect)
+    sources["score_mod_torch"] = None if identity else \
+        generate_torch_mod_source(score_gm, "score", score_specs)
+    sources["mask_mod_torch"] = None if all_true else \
+        generate_torch_mod_source(mask_gm, "mask", mask_specs)
     template, note = "generic", ""
     on_hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
     if on_hopper and settings.template in ("auto", "hopper"):
         why_not = _why_not_hopper(dtype, head_dim, value_head_dim)
         template, note = (("generic", why_not) if why_not else
                           ("hopper", _hopper_tiles(dtype, head_dim, value_head_dim)))
-    return SiteSpec(template=template, description=description, needs_max=needs_max, note=note,
-                    **sources), None
+    spec = SiteSpec(template=template, description=description, needs_max=needs_max, note=note,
+                    **sources)
+    failed = kernel_failure(spec)
+    if failed is not None:   # ours failed to build for these mods earlier in this process
+        return None, failed
+    return spec, None
 
 
 def _why_not_hopper(dtype: torch.dtype, head_dim: int, value_head_dim: Optional[int] = None) -> str:

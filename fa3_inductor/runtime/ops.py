@@ -18,10 +18,14 @@ from .._log import info_once, warn_once
 from ..templates.modgen import load_mod
 from . import backward_cpu  # noqa: F401  (defines fa3_inductor::flex_bwd beside flex_fwd)
 from .fast_launch import launch_cached, tensor_signature
-from .generic import launch_generic, prepare_generic
+from .generic import launch_generic
+from .kernel_failures import is_build_error, kernel_failure, record_kernel_failure, torch_forward
 from .spec import SiteSpec
+from .variants import prepare_launch
 
 _state = threading.local()
+# Input dtypes the CPU interpreter cannot compute a dot in (computed in float32 instead).
+_INTERPRETER_UPCAST = (torch.bfloat16,)
 
 
 def last_template() -> Optional[str]:
@@ -123,13 +127,28 @@ def flex_fwd(
                     full_kv_num_blocks=full_kv_num_blocks, full_kv_indices=full_kv_indices,
                     sparse_q_block=sparse_q_block, sparse_kv_block=sparse_kv_block)
 
+    site = SiteSpec.from_json(spec)
+    tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
+
+    def torch_kernel() -> tuple[Tensor, Tensor, Tensor]:
+        """torch's FlexAttention computes the site: ours could not be built for its mods."""
+        out_t, lse_t, max_t = torch_forward(q, k, v, tables, score_bufs, mask_bufs, scale,
+                                            sparse_q_block, sparse_kv_block, site)
+        record_template("torch")
+        return out.copy_(out_t), lse.copy_(lse_t), max_scores.copy_(max_t)
+
+    if kernel_failure(site) is not None:
+        return torch_kernel()
     if not q.is_cuda:
         _check_interpreter()
-        site = SiteSpec.from_json(spec)
-        launch_generic(q, k, v, out, lse, max_scores, sm_scale=scale,
-                       score_mod=site.score_mod_tl and load_mod(site.score_mod_tl, "tl"),
-                       mask_mod=site.mask_mod_tl and load_mod(site.mask_mod_tl, "tl"),
-                       score_bufs=score_bufs, mask_bufs=mask_bufs, **blocks())
+        try:
+            _launch_interpreted(q, k, v, out, lse, max_scores, scale, site, score_bufs, mask_bufs,
+                                blocks())
+        except Exception as exc:
+            if not is_build_error(exc):
+                raise
+            record_kernel_failure(site, "generic", exc)
+            return torch_kernel()
         record_template("generic")
         return out, lse, max_scores
     # CUDA: everything but the tensors' addresses is fixed by this key, so after the first
@@ -139,23 +158,46 @@ def flex_fwd(
     key = (spec, scale, sparse_q_block, sparse_kv_block, len(score_bufs),
            torch.get_float32_matmul_precision(), tensor_signature(inputs))
 
+    chosen = [site.template]
+
     def prepare():
-        site = SiteSpec.from_json(spec)
-        template = _choose_template(site, q, k, v, out, blocks())
+        template = chosen[0] = _choose_template(site, q, k, v, out, blocks())
         dialect = "gl" if template == "hopper" else "tl"
         score_src = site.score_mod_gl if template == "hopper" else site.score_mod_tl
         mask_src = site.mask_mod_gl if template == "hopper" else site.mask_mod_tl
         mods = dict(sm_scale=scale, score_mod=score_src and load_mod(score_src, dialect),
                     mask_mod=mask_src and load_mod(mask_src, dialect),
                     score_bufs=tuple(score_bufs), mask_bufs=tuple(mask_bufs), **blocks())
-        if template == "hopper":
-            from ..templates.hopper import prepare_fwd_sm90
-            return (*prepare_fwd_sm90(q, k, v, out, lse, max_scores, max_needed=site.needs_max,
-                                      **mods), template)
-        return (*prepare_generic(q, k, v, out, lse, max_scores, **mods), template)
+        # The launch, with its other length variants compiled ahead (runtime/variants.py).
+        return (*prepare_launch(template, q, k, v, out, lse, max_scores,
+                                max_needed=site.needs_max, **mods), template)
 
-    record_template(launch_cached(key, inputs, prepare))
+    try:
+        record_template(launch_cached(key, inputs, prepare))
+    except Exception as exc:
+        if not is_build_error(exc):
+            raise
+        record_kernel_failure(site, chosen[0], exc)
+        return torch_kernel()
     return out, lse, max_scores
+
+
+def _launch_interpreted(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, max_scores: Tensor,
+                        scale: float, site: SiteSpec, score_bufs: list, mask_bufs: list,
+                        blocks: dict) -> None:
+    """The generic kernel under Triton's interpreter (CPU tensors)."""
+    out32 = out
+    if q.dtype in _INTERPRETER_UPCAST:
+        # Triton 3.6's interpreter computes tl.dot on bfloat16 wrongly (relative error ~1e9,
+        # fp16/fp32 right): run the kernel on float32 copies, hand back the caller's dtype.
+        q, k, v = q.float(), k.float(), v.float()
+        out32 = _out_like(q, v)
+    launch_generic(q, k, v, out32, lse, max_scores, sm_scale=scale,
+                   score_mod=site.score_mod_tl and load_mod(site.score_mod_tl, "tl"),
+                   mask_mod=site.mask_mod_tl and load_mod(site.mask_mod_tl, "tl"),
+                   score_bufs=score_bufs, mask_bufs=mask_bufs, **blocks)
+    if out32 is not out:
+        out.copy_(out32)
 
 
 def _choose_template(site: SiteSpec, q: Tensor, k: Tensor, v: Tensor, out: Tensor,

@@ -33,6 +33,10 @@ class SiteSpec:
     needs_max: bool = True
     # On an sm90 GPU: the Hopper template's tiles, or why the site got the generic template ("" elsewhere).
     note: str = ""
+    # The mods as torch code (templates/modgen_torch.py): torch's own kernel runs the site with them
+    # if ours cannot be built (runtime/kernel_failures.py).
+    score_mod_torch: Optional[str] = None
+    mask_mod_torch: Optional[str] = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
