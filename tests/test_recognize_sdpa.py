@@ -71,3 +71,18 @@ def test_recognition_can_be_turned_off():
         torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
                       backend="fa3", options={"fa3.recognize": False})(q, k, v)
     assert fa3_inductor.lowered_sites() == []
+
+
+@pytest.mark.parametrize("shape, causal, training, kept", [
+    ([4, 16, 512, 64], True, False, "below"),          # small: SDPA's launch path is faster
+    ([1, 16, 8192, 128], True, False, None),           # large inference: ours
+    ([1, 16, 8192, 128], True, True, "training"),      # training: SDPA's own backward
+    ([2, 16, 8192, 128], False, True, "training"),
+])
+def test_plain_sdpa_calls_stay_sdpa_where_sdpa_is_faster_on_cuda(shape, causal, training, kept):
+    from fa3_inductor.lowering.recognize_sdpa import sdpa_keeps_plain_call
+
+    reason = sdpa_keeps_plain_call(torch.device("cuda"), shape, shape[2], causal, training)
+    assert (reason is None) if kept is None else (kept in reason and "left to SDPA" in reason)
+    # the CPU interpreter path always rewrites (it exists to check our kernel's numerics)
+    assert sdpa_keeps_plain_call(torch.device("cpu"), shape, shape[2], causal, training) is None
