@@ -7,7 +7,9 @@ Hopper template). Generated ``tl`` mods import ``TL as H``, ``gl`` mods ``GL as 
 tanh uses the hardware ``tanh.approx.f32`` (FACTS.md: libdevice tanh halves softcap
 throughput; max abs error 8e-6 on [-16, 16]); the CPU interpreter cannot run inline PTX, so
 there tanh is computed from exp. torch's floor division and remainder round toward -inf;
-Triton's ``//`` and ``%`` truncate toward zero, so both are corrected here.
+Triton's ``//`` and ``%`` truncate toward zero, so both are corrected here (ints and floats).
+``pow`` covers the float cases that ``exp2(b * log2(a))`` alone gets wrong (negative bases,
+0 ** 0); integer and constant exponents never reach it (modgen's lower_pow).
 """
 
 import types
@@ -40,6 +42,16 @@ def index_to_float(x):
     return (x + 0x4B000000).to(L.float32, bitcast=True) - 8388608.0
 
 
+def as_bool(x):
+    return x
+
+
+def as_bool_interpreted(x):
+    # The interpreter stores a float comparison's result as float data under an int1 type;
+    # & | ~ with a real int1 then fail. Comparing with 0 gives int1 data.
+    return x != 0
+
+
 def sigmoid(x):
     return 1.0 / (1.0 + L.exp(-x))
 
@@ -49,17 +61,43 @@ def floordiv(a, b):
     return q - ((a % b != 0) & ((a < 0) != (b < 0))).to(q.dtype)
 
 
+def floordiv_float(a, b):
+    # torch's floor division of floats: from fmod, then floor, rounded to the nearer integer
+    # when the quotient came out just below it (what torch's CPU and CUDA kernels do).
+    # (selects, not & of float comparisons: see as_bool_interpreted)
+    r = a % b
+    d = (a - r) / b
+    d = L.where(r != 0, L.where((r < 0) != (b < 0), d - 1.0, d), d)
+    f = L.floor(d)
+    return L.where(d - f > 0.5, f + 1.0, f)
+
+
 def truncdiv(a, b):
     return a // b
 
 
+def truncdiv_float(a, b):
+    return trunc(a / b)
+
+
 def remainder(a, b):
+    # ints and floats alike: Triton's % is C's fmod (the sign of a); torch's takes b's sign
     r = a % b
-    return L.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+    return L.where(r != 0, L.where((r < 0) != (b < 0), r + b, r), r)
+
+
+def odd_integer_sign(magnitude, b):
+    # (-|a|) ** b from |a| ** b: negated for an odd integer b, nan for a fractional b (as torch)
+    odd = (b - 2.0 * L.floor(b * 0.5)) == 1.0
+    return L.where(L.floor(b) == b, L.where(odd, -magnitude, magnitude), float("nan"))
 
 
 def pow(a, b):
-    return L.exp2(b * L.log2(a.to(L.float32)))
+    # float a ** b with torch's special cases: b == 0 or a == 1 give 1 (even for nan), a negative
+    # a needs an integer b, 0 ** b is 0 or inf by b's sign (exp2 of -inf / +inf)
+    magnitude = L.exp2(b * L.log2(L.abs(a)))
+    r = L.where(a < 0, odd_integer_sign(magnitude, b), magnitude)
+    return L.where(b == 0.0, 1.0, L.where(a == 1.0, 1.0, r))
 
 
 def sign(x):
@@ -86,18 +124,21 @@ def trunc(x):
     return L.where(x < 0, L.ceil(x), L.floor(x))
 
 
-_HELPERS = (index_to_float, sigmoid, floordiv, truncdiv, remainder, pow, sign, log1p, expm1, round, trunc)
+_HELPERS = (index_to_float, sigmoid, floordiv, floordiv_float, truncdiv, truncdiv_float, remainder,
+            odd_integer_sign, pow, sign, log1p, expm1, round, trunc)
 
 
 def _dialect(name: str, jit, lang, interpreting: bool) -> types.ModuleType:
     # A module object, not a namespace: Triton snapshots the plain-object globals a kernel
     # uses (deep copy), but treats modules as namespaces of functions.
+    # Helpers that call helpers find the jitted versions: each is put in the shared namespace.
     namespace = {**globals(), "L": lang}
     ns = types.ModuleType(f"{__name__}.{name}")
-    for fn in _HELPERS:
-        setattr(ns, fn.__name__, jit(types.FunctionType(fn.__code__, namespace, fn.__name__)))
     tanh = tanh_exp if interpreting else tanh_approx
-    ns.tanh = jit(types.FunctionType(tanh.__code__, namespace, tanh.__name__))
+    as_bool_fn = as_bool_interpreted if interpreting else as_bool
+    for public, fn in [(f.__name__, f) for f in _HELPERS] + [("tanh", tanh), ("as_bool", as_bool_fn)]:
+        namespace[public] = jit(types.FunctionType(fn.__code__, namespace, fn.__name__))
+        setattr(ns, public, namespace[public])
     return ns
 
 

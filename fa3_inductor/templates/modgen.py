@@ -57,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.util
+import math
 import os
 import sys
 import tempfile
@@ -106,9 +107,8 @@ _BINARY = {
     aten.logical_and: "(({0} != 0) & ({1} != 0))", aten.logical_or: "(({0} != 0) | ({1} != 0))",
     aten.logical_xor: "(({0} != 0) ^ ({1} != 0))",
     aten.maximum: "{L}.maximum({0}, {1})", aten.minimum: "{L}.minimum({0}, {1})",
-    aten.floor_divide: "H.floordiv({0}, {1})", aten.remainder: "H.remainder({0}, {1})",
-    aten.fmod: "({0} % {1})", aten.pow: "H.pow({0}, {1})",
-    }
+    aten.fmod: "({0} % {1})",   # C's fmod, as torch's; // % pow: lower_rounding_division, lower_pow
+}
 _UNARY = {
     aten.neg: "(-{0})", aten.abs: "{L}.abs({0})", aten.exp: "{L}.exp({0})",
     aten.exp2: "{L}.exp2({0})", aten.log: "{L}.log({0})", aten.log2: "{L}.log2({0})",
@@ -128,6 +128,8 @@ _INT32 = (-2 ** 31, 2 ** 31 - 1)
 _SFU_UNARY = {aten.tanh, aten.sigmoid, aten.exp, aten.exp2, aten.log, aten.log2, aten.sqrt, aten.rsqrt,
               aten.sin, aten.cos, aten.reciprocal, aten.log1p, aten.expm1, aten.erf}
 _INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
+_HALF = (torch.float16, torch.bfloat16)
+_BITWISE = (aten.bitwise_and, aten.bitwise_or, aten.bitwise_xor)
 # Index axes each mod argument varies along; a score tile varies along both.
 _TILE = frozenset(("q", "kv"))
 _PARAM_AXES = {"score": _TILE, "b": frozenset(), "h": frozenset(),
@@ -232,6 +234,9 @@ def _additive_term(node: Any, score: torch.fx.Node) -> Optional[tuple[torch.fx.N
 class _Emitter:
     # Kernel dialects take (qk, sm_scale) and fold constant multiplies (module docstring).
     FOLD_SCALES = True
+    BINARY = _BINARY
+    # Buffer shapes are known (strides are baked in); the torch dialect is given dtypes only.
+    KNOWS_SHAPES = True
 
     def __init__(self, gm: torch.fx.GraphModule, kind: str, buffers: Sequence[BufferSpec],
                  dialect: str, fold_sm_scale: bool = True):
@@ -256,13 +261,46 @@ class _Emitter:
         self.axes: dict[torch.fx.Node, frozenset] = {}
         self.bound: dict[torch.fx.Node, tuple[int, int]] = {}
         self.floats: dict[torch.fx.Node, str] = {}
+        # Sound int intervals over every op known_interval understands (gather wrap, int pow).
+        self.intervals: dict[torch.fx.Node, Optional[tuple[int, int]]] = {}
+        # A captured buffer indexed in part (``table[h]`` before ``[q]``): node -> (buffer, indices),
+        # and the loaded values of views indexed down to one element.
+        self.buffer_of: dict[torch.fx.Node, int] = {}
+        self.views: dict[torch.fx.Node, tuple[torch.fx.Node, tuple]] = {}
+        self.view_values: dict[torch.fx.Node, str] = {}
+        self.float_compares: set[torch.fx.Node] = set()   # bools from comparing floats (see logical)
 
     def arg(self, a: Any) -> str:
         if isinstance(a, torch.fx.Node):
+            view = self.view_of(a)
+            if view is not None:
+                return self.view_value(a, view)
             if a not in self.names:
                 raise UnsupportedMod(f"value {a.name} is used before it is defined")
             return self.names[a]
         return _literal(a)
+
+    def view_of(self, a: Any) -> Optional[tuple[torch.fx.Node, tuple]]:
+        """(buffer, indices so far) if ``a`` is a captured buffer or a part of one, else None."""
+        if not isinstance(a, torch.fx.Node):
+            return None
+        if a in self.views:
+            return self.views[a]
+        return (a, ()) if a in self.buffer_of else None
+
+    def view_value(self, node: torch.fx.Node, view: tuple[torch.fx.Node, tuple]) -> str:
+        """A buffer (part) used as a value: loaded once if it holds one element, else refused."""
+        if node not in self.view_values:
+            buf, indices = view
+            spec = self.buffers[self.buffer_of[buf]]
+            rest = spec.shape[len(indices):]
+            if self.KNOWS_SHAPES and math.prod(rest) != 1:
+                raise UnsupportedMod(
+                    f"{self.kind}_mod uses a captured tensor of shape {list(rest)} as a whole; "
+                    "index it down to one element per score (e.g. bias[h], table[h, q_idx - kv_idx])")
+            gathered = self.gather(buf, spec, (*indices, *(0,) * (len(rest) if self.KNOWS_SHAPES else 0)))
+            self.view_values[node] = self.line(self.loaded(spec, gathered))
+        return self.view_values[node]
 
     def dtype_of(self, a: Any) -> torch.dtype | None:
         if isinstance(a, torch.fx.Node):
@@ -277,7 +315,6 @@ class _Emitter:
             raise UnsupportedMod(
                 f"{self.kind}_mod graph has {len(placeholders)} inputs; expected "
                 f"{len(params)} index/score inputs and {len(self.buffers)} captured buffers")
-        self.buffer_of: dict[torch.fx.Node, int] = {}
         tensors = 0  # a None spec is a captured scalar (a size symbol): it gets no pointer
         for i, node in enumerate(placeholders):
             if i < len(params):
@@ -331,7 +368,10 @@ class _Emitter:
             self.lower(node)
         if self.additive:
             self.lower_additive()
-            self.kv_affine = self.affine_in_kv(self.additive[1])
+            # The Hopper kernel's row part sums the term over a column of rows: it must vary
+            # along q (a term of b, h or kv alone is added per score instead)
+            term = self.additive[1]
+            self.kv_affine = "q" in self.axes.get(term, frozenset()) and self.affine_in_kv(term)
         if scaled:
             inner, factor = scaled
             if self.axes.get(inner) == _TILE and self.dtype_of(inner) is torch.float32:
@@ -571,10 +611,28 @@ class _Emitter:
     def _axes_of(self, a: Any) -> frozenset:
         return self.axes.get(a, frozenset()) if isinstance(a, torch.fx.Node) else frozenset()
 
+    def logical(self, a: Any) -> str:
+        """A bool operand of & | ^ ~. A float comparison goes through ``H.as_bool``: Triton's
+        interpreter keeps such a result's data in float (int1 & it then fails); on a GPU the
+        helper is the identity, inlined away."""
+        if isinstance(a, torch.fx.Node) and a in self.float_compares:
+            return f"H.as_bool({self.arg(a)})"
+        return self.arg(a)
+
+    def float32_operand(self, a: Any) -> str:
+        """A float operand of exp2 / log2 / floor-based helpers, which need float32 (a 16-bit
+        value from a cast in the graph is widened; the rounding the cast asked for is kept)."""
+        expr = self.operand(a, True)
+        if isinstance(a, torch.fx.Node) and self.dtype_of(a) in _HALF:
+            expr = f"{expr}.to({self.L}.float32)"
+        return expr
+
     def operand(self, a: Any, want_float: bool) -> str:
         """Argument expression; an int value that meets a float is converted (early) first."""
         if want_float and isinstance(a, torch.fx.Node) and self.dtype_of(a) in _INT_DTYPES:
             return self.float_of(a)
+        if want_float and isinstance(a, torch.fx.Node) and self.dtype_of(a) is torch.bool:
+            return f"{self.arg(a)}.to({self.L}.float32)"
         return self.arg(a)
 
     def lower(self, node: torch.fx.Node) -> None:
@@ -590,6 +648,8 @@ class _Emitter:
         L = self.L
         if packet in _IDENTITY:
             return self.lower_identity(node, args[0])
+        if packet in (aten.index, aten.select):
+            return self.index(node, packet, args, out_dtype)
         if node in self.folded_inputs:
             factor = self.line(f"sm_scale * {_literal(self.folded_inputs[node])}")
             return self.assign(node, f"(qk * {factor})", torch.float32)
@@ -602,19 +662,26 @@ class _Emitter:
             (self.dtype_of(x) or torch.int32).is_floating_point or isinstance(x, float) for x in args
             if isinstance(x, (torch.fx.Node, float)))
         if packet in (aten.add, aten.sub) and kwargs.get("alpha", 1) != 1:
-            expr = _BINARY[packet].format(self.operand(args[0], floaty), f"({self.operand(args[1], floaty)} * "
+            expr = self.BINARY[packet].format(self.operand(args[0], floaty), f"({self.operand(args[1], floaty)} * "
                                           f"{_literal(kwargs['alpha'])})", L=L)
             return self.assign(node, expr, out_dtype)
         if packet is aten.div and kwargs.get("rounding_mode") is not None:
-            mode = kwargs["rounding_mode"]
-            helper = {"floor": "H.floordiv", "trunc": "H.truncdiv"}.get(mode)
-            if helper is None:
-                raise UnsupportedMod(f"aten.div rounding_mode={mode!r}")
-            return self.assign(node, f"{helper}({self.arg(args[0])}, {self.arg(args[1])})",
-                               out_dtype)
+            return self.lower_rounding_division(node, kwargs["rounding_mode"], args, out_dtype)
+        if packet in (aten.floor_divide, aten.remainder) and len(args) == 2 and not kwargs:
+            mode = "floor" if packet is aten.floor_divide else "remainder"
+            return self.lower_rounding_division(node, mode, args, out_dtype)
+        if packet is aten.pow and len(args) == 2 and not kwargs:
+            return self.lower_pow(node, args[0], args[1], out_dtype)
+        if packet in (aten.floor, aten.ceil, aten.round, aten.trunc) and len(args) == 1 and \
+                not kwargs and self.dtype_of(args[0]) in _INT_DTYPES:
+            return self.lower_identity(node, args[0])   # torch returns integers unchanged
+        if out_dtype is torch.bool and packet in (aten.add, aten.mul) and len(args) == 2 and not kwargs:
+            # bool + bool is OR and bool * bool is AND in torch (Triton's int1 sum would wrap)
+            op = "|" if packet is aten.add else "&"
+            return self.assign(node, f"({self.logical(args[0])} {op} {self.logical(args[1])})", out_dtype)
         if node in self.isolated:
             op, kv_side, other = self.isolated[node]
-            return self.assign(node, _BINARY[op].format(kv_side, other, L=L), out_dtype)
+            return self.assign(node, self.BINARY[op].format(kv_side, other, L=L), out_dtype)
         if packet in (aten.add, aten.sub) and not kwargs and self.isolate_kv(node):
             return  # every reader compares it: they compare its kv part instead (isolate_kv)
         if packet in _BINARY and len(args) == 2 and not kwargs:
@@ -624,16 +691,22 @@ class _Emitter:
                 a, b = (self.operand(x, True) if isinstance(x, torch.fx.Node) else _literal(float(x))
                         for x in args)
                 return self.assign(node, f"({a} / {b})", out_dtype)
-            expr = _BINARY[packet].format(self.operand(args[0], floaty), self.operand(args[1], floaty),
-                                          L=L)
-            self.assign(node, expr, out_dtype)
+            if packet in _BITWISE and out_dtype is torch.bool:
+                x, y = (self.logical(a) for a in args)
+            else:
+                x, y = (self.operand(a, floaty) for a in args)
+            self.assign(node, self.BINARY[packet].format(x, y, L=L), out_dtype)
+            if packet in _SWAPPED and floaty:
+                self.float_compares.add(node)
             return self.int_bound(node)
         if packet in _UNARY and len(args) == 1 and not kwargs:
-            a = self.arg(args[0])
+            a = self.logical(args[0]) if packet is aten.bitwise_not else self.arg(args[0])
             if packet in (aten.tanh, aten.sigmoid, aten.exp, aten.exp2, aten.log, aten.log2,
                           aten.sqrt, aten.rsqrt, aten.sin, aten.cos, aten.erf, aten.log1p,
                           aten.expm1, aten.reciprocal) and self.dtype_of(args[0]) not in (torch.float32, None):
                 a = self.float_of(args[0]) if self.dtype_of(args[0]) in _INT_DTYPES else f"{a}.to({L}.float32)"
+            elif packet in (aten.floor, aten.ceil, aten.round, aten.trunc) and self.dtype_of(args[0]) in _HALF:
+                a = f"{a}.to({L}.float32)"   # Triton's floor / ceil take float32 or float64 only
             self.assign(node, _UNARY[packet].format(a, L=L), out_dtype)
             if packet in _SFU_UNARY and self.axes.get(node) == _TILE:
                 self.sfu_ops += 1
@@ -670,12 +743,18 @@ class _Emitter:
             elif out_dtype is not None and out_dtype.is_floating_point:
                 value = float(value)
             return self.assign(node, _literal(value), out_dtype)
-        if packet is aten.index:
-            return self.load(node, args[0], args[1], out_dtype)
+        part = next((a for a in node.all_input_nodes if a in self.views or a in self.buffer_of), None)
+        if part is not None:
+            raise UnsupportedMod(f"{self.kind}_mod applies {target} to a captured tensor that is "
+                                 "not indexed down to one element; index every dimension with a "
+                                 "scalar index expression (e.g. table[h, q_idx - kv_idx])")
         raise UnsupportedMod(f"{self.kind}_mod uses {target}, which the mod generator does not "
                              "support; see fa3_inductor/templates/modgen.py")
 
     def lower_identity(self, node: torch.fx.Node, src: Any) -> None:
+        view = self.view_of(src)
+        if view is not None:
+            return self.alias_view(node, src, view)
         self.names[node] = self.arg(src)
         self.dtypes[node] = self.dtype_of(src)
         if isinstance(src, torch.fx.Node):
@@ -691,7 +770,7 @@ class _Emitter:
         a = self.arg(src)
         expr = f"({a} != 0)" if dtype is torch.bool else f"{a}.to({self.L}.{_TL_DTYPES[dtype]})"
         if not isinstance(src, torch.fx.Node):
-            expr = _literal(dtype.is_floating_point and float(src) or src)
+            expr = _literal(float(src) if dtype.is_floating_point else src)
         elif dtype.is_floating_point and self.dtype_of(src) in _INT_DTYPES:
             expr = self.float_of(src)
             if dtype is not torch.float32:
@@ -700,23 +779,247 @@ class _Emitter:
         if isinstance(src, torch.fx.Node) and dtype in _INT_DTYPES and src in self.bound:
             self.bound[node] = self.bound[src]
 
-    def load(self, node: torch.fx.Node, buf: Any, indices: Sequence[Any], out_dtype) -> None:
-        if not isinstance(buf, torch.fx.Node) or buf not in self.buffer_of:
-            raise UnsupportedMod("indexing a tensor that is not a captured buffer")
+    def alias_view(self, node: torch.fx.Node, src: torch.fx.Node, view: tuple) -> None:
+        """A value-preserving op (clone, lift_fresh_copy, a no-op view) on a captured buffer."""
+        buf, indices = view
         spec = self.buffers[self.buffer_of[buf]]
-        if len(indices) != len(spec.shape) or any(i is None for i in indices):
+        val = node.meta.get("val")
+        rest = tuple(spec.shape[len(indices):])
+        if self.KNOWS_SHAPES and isinstance(val, torch.Tensor) and tuple(val.shape) != rest and \
+                val.numel() != 1:
+            raise UnsupportedMod(f"{self.kind}_mod reshapes a captured tensor ({list(rest)} -> "
+                                 f"{list(val.shape)}); index the tensor as it was captured")
+        self.views[node] = view
+        self.dtypes[node] = spec.dtype
+        self.axes[node] = self.axes.get(src, frozenset())
+
+    def index(self, node: torch.fx.Node, packet: Any, args: Sequence[Any], out_dtype) -> None:
+        """``buf[i, j]``, ``buf[i][j]`` (aten.index) or ``buf[0]`` (aten.select): composed into one
+        load once every dimension has an index; a part-indexed buffer stays a view until then."""
+        view = self.view_of(args[0])
+        if view is None:
+            raise UnsupportedMod("indexing a tensor that is not a captured buffer")
+        buf, done = view
+        spec = self.buffers[self.buffer_of[buf]]
+        if packet is aten.select:
+            dim, i = args[1], args[2]
+            rank = len(spec.shape) - len(done)
+            if not isinstance(i, int) or (dim != 0 and (not self.KNOWS_SHAPES or dim != -rank)):
+                raise UnsupportedMod(f"captured buffer selected along dim {dim}; index its "
+                                     "dimensions in order with scalar indices")
+            if self.KNOWS_SHAPES:
+                size = spec.shape[len(done)]
+                if not -size <= i < size:
+                    raise UnsupportedMod(f"index {i} is out of bounds for a captured dimension of size {size}")
+                i %= size
+            new = (i,)
+        else:
+            new = tuple(args[1])
+        too_many = self.KNOWS_SHAPES and len(done) + len(new) > len(spec.shape)
+        if any(i is None for i in new) or too_many:
             raise UnsupportedMod(
-                f"captured buffer of shape {list(spec.shape)} indexed with {len(indices)} "
-                "indices; index every dimension with a scalar index expression")
-        terms = [f"({self.arg(i)}) * {stride}" if stride != 1 else f"({self.arg(i)})"
-                 for i, stride in zip(indices, spec.strides) if stride != 0]
-        offset = " + ".join(terms) if terms else "0"
-        expr = f"{self.L}.load({self.arg(buf)} + {offset})"
+                f"captured buffer of shape {list(spec.shape)} indexed with {len(done) + len(new)} "
+                "indices (or a slice); index every dimension with a scalar index expression")
+        for i in new:
+            if isinstance(i, torch.fx.Node) and self.dtype_of(i) not in _INT_DTYPES:
+                raise UnsupportedMod(f"captured buffer indexed with a {self.dtype_of(i)} value; "
+                                     "index with integers")
+        indices = done + new
+        self.axes[node] = frozenset().union(*(self._axes_of(i) for i in indices))
+        if len(indices) < len(spec.shape) or not self.KNOWS_SHAPES:   # loaded where it is used
+            self.views[node] = (buf, indices)
+            self.dtypes[node] = spec.dtype
+            return
+        self.assign(node, self.loaded(spec, self.gather(buf, spec, indices)), out_dtype or spec.dtype)
+
+    def loaded(self, spec: BufferSpec, expr: str) -> str:
+        """A gathered element as the mod computes with it: 16-bit floats in float32, bools as bools."""
         if spec.dtype in (torch.float16, torch.bfloat16):
-            expr += f".to({self.L}.float32)"
+            return f"{expr}.to({self.L}.float32)"
         if spec.dtype is torch.bool:
-            expr = f"({expr} != 0)"
-        self.assign(node, expr, out_dtype or spec.dtype)
+            return f"({expr} != 0)"
+        return expr
+
+    def gather(self, buf: torch.fx.Node, spec: BufferSpec, indices: Sequence[Any]) -> str:
+        """Load of ``buf[indices]`` (one index per dimension); strides are baked in. A negative
+        index counts from the end as in torch, unless its interval shows it never is negative."""
+        terms = []
+        for i, size, stride in zip(indices, spec.shape, spec.strides):
+            if stride == 0:
+                continue
+            if isinstance(i, torch.fx.Node):
+                iv = self.known_interval(i)
+                index = self.arg(i)
+                if iv is None or iv[0] < 0:
+                    # + size where negative, as the unsigned min of idx and idx + size (for idx in
+                    # [-size, size)); a select measured 50% more spill on the sm90 kernel
+                    index = self.line(f"{self.L}.minimum({index}.to({self.L}.uint32), ({index} + {size}).to({self.L}.uint32))")
+            else:
+                index = _literal(i % size if isinstance(i, int) else i)
+            terms.append(f"({index}) * {stride}" if stride != 1 else f"({index})")
+        offset = " + ".join(terms) if terms else "0"
+        return f"{self.L}.load({self.names[buf]} + {offset})"
+
+    def lower_rounding_division(self, node: torch.fx.Node, mode: str, args: Sequence[Any],
+                                out_dtype) -> None:
+        """``a // b``, ``a % b`` and ``torch.div(a, b, rounding_mode=...)`` with torch's rounding
+        (toward -inf for floor and remainder; Triton's ``//`` and ``%`` truncate)."""
+        floaty = out_dtype is not None and out_dtype.is_floating_point
+        helper = {"floor": "H.floordiv", "trunc": "H.truncdiv", "remainder": "H.remainder"}.get(mode)
+        if helper is None:
+            raise UnsupportedMod(f"aten.div rounding_mode={mode!r}")
+        a, b = args[:2]
+        if not floaty and isinstance(b, (int, float)) and b == 0:
+            raise UnsupportedMod("integer division by zero (torch raises ZeroDivisionError)")
+        if floaty and mode != "remainder":
+            helper += "_float"
+        x, y = (self.float32_operand(v) if floaty and isinstance(v, torch.fx.Node) else
+                _literal(float(v)) if floaty else self.arg(v) for v in (a, b))
+        self.assign(node, f"{helper}({x}, {y})", out_dtype)
+
+    def lower_pow(self, node: torch.fx.Node, base: Any, exponent: Any, out_dtype) -> None:
+        """``base ** exponent`` in all its forms (tensor ** tensor, tensor ** number, number **
+        tensor) with torch's semantics: integer powers by repeated squaring (exact, negative bases
+        fine), 0 ** 0 == 1, a negative base to a fractional power is nan, int ** int stays int."""
+        for x in (base, exponent):
+            if isinstance(x, torch.fx.Node) and self.dtype_of(x) is torch.bool:
+                raise UnsupportedMod("pow of a bool value; convert it first (x.float() or x.int())")
+            if isinstance(x, float) and not math.isfinite(x):
+                raise UnsupportedMod(f"pow with the constant {x}; use a finite number")
+        if out_dtype in _INT_DTYPES:
+            expr = self.int_power(base, exponent)
+        else:
+            expr = self.float_power(base, exponent)
+        self.assign(node, expr, out_dtype)
+        if self.axes.get(node) == _TILE and ("exp2(" in expr or "H.pow(" in expr):
+            self.sfu_ops += 1
+
+    def check_int_power(self, exponent: Any) -> tuple[int, int]:
+        """The exponent's interval, or UnsupportedMod where it may be negative (torch raises for
+        negative integer powers of integers) or is unknown."""
+        iv = self.known_interval(exponent)
+        if iv is None or iv[0] < 0:
+            what = f"the power {exponent}" if not isinstance(exponent, torch.fx.Node) else \
+                "an integer-tensor power that may be negative"
+            raise UnsupportedMod(f"an integer to {what}: torch refuses negative integer powers "
+                                 "of integers; make the base float (e.g. 2.0 ** x, x.float() ** -1)")
+        return iv
+
+    def int_power(self, base: Any, exponent: Any) -> str:
+        iv = self.check_int_power(exponent)
+        if not isinstance(exponent, torch.fx.Node):
+            return self.power_chain(self.arg(base), int(exponent), "1")
+        e = self.arg(exponent)
+        square = self.line(f"({e} * 0 + {self.arg(base)})")   # the base, broadcast and typed like e
+        result = self.line(f"({e} * 0 + 1)")
+        for bit in range(iv[1].bit_length()):
+            result = self.line(f"{self.L}.where((({e} >> {bit}) & 1) != 0, {result} * {square}, {result})")
+            if bit + 1 < iv[1].bit_length():
+                square = self.line(f"({square} * {square})")
+        return result
+
+    def float_power(self, base: Any, exponent: Any) -> str:
+        L = self.L
+        if not isinstance(exponent, torch.fx.Node):         # x ** c
+            x, c = self.float32_operand(base), float(exponent)
+            if c.is_integer() and abs(c) <= 2 ** 16:
+                power = self.power_chain(x, abs(int(c)), "1.0")
+                return f"(1.0 / {power})" if c < 0 else power
+            if c in (0.5, -0.5):
+                return f"{L}.{'sqrt' if c > 0 else 'rsqrt'}({x})"
+            # a fractional power: nan below 0 (log2), 0 or inf at 0 by c's sign, as torch
+            return f"{L}.exp2({L}.log2({x}) * {_literal(c)})"
+        e = self.float32_operand(exponent)
+        if isinstance(base, torch.fx.Node):
+            return f"H.pow({self.float32_operand(base)}, {e})"
+        c = float(base)                                       # c ** x
+        if c > 0:
+            return f"{L}.exp2({e})" if c == 2.0 else f"{L}.exp2({e} * {_literal(math.log2(c))})"
+        if c == 0:
+            return f"{L}.where({e} == 0.0, 1.0, {L}.where({e} > 0.0, 0.0, float(\"inf\")))"
+        magnitude = self.line(f"{L}.exp2({e} * {_literal(math.log2(-c))})")
+        return f"H.odd_integer_sign({magnitude}, {e})"
+
+    def power_chain(self, x: str, n: int, one: str) -> str:
+        """``x ** n`` for an integer n >= 0 by repeated squaring (exact for integers, a few
+        roundings for floats); ``x ** 0`` is one, with x's shape."""
+        if n == 0:
+            return f"{self.L}.where({x} == {x}, {one}, {one})"
+        result, square = None, x
+        while True:
+            if n & 1:
+                result = square if result is None else self.line(f"({result} * {square})")
+            n >>= 1
+            if not n:
+                return result
+            square = self.line(f"({square} * {square})")
+
+    def known_interval(self, a: Any) -> Optional[tuple[int, int]]:
+        """A sound interval of an int (or bool) value, or None. Wider than ``bound`` (which the
+        float rebuild and kv isolation use): it follows products, abs, remainders, floor
+        divisions, clamps and selects too. Used where soundness is all that matters (whether a
+        gather index can be negative, whether an integer exponent can)."""
+        if isinstance(a, bool):
+            return (int(a), int(a))
+        if isinstance(a, int):
+            return (a, a)
+        if not isinstance(a, torch.fx.Node):
+            return None
+        if a not in self.intervals:
+            iv = self._derive_interval(a) if self.dtype_of(a) in _INT_DTYPES + (torch.bool,) else None
+            if iv is not None and (iv[0] < _INT32[0] or iv[1] > _INT32[1]):
+                iv = None   # may have wrapped around
+            self.intervals[a] = iv
+        return self.intervals[a]
+
+    def _derive_interval(self, a: torch.fx.Node) -> Optional[tuple[int, int]]:
+        if self.dtype_of(a) is torch.bool:
+            return (0, 1)
+        if a.op == "placeholder":
+            return _PARAM_BOUND.get(self.names.get(a))
+        if a.op != "call_function" or a.kwargs.get("alpha", 1) != 1:
+            return None
+        packet, args = _packet(a.target), a.args
+        if packet in _IDENTITY or packet in (aten._to_copy, prims.convert_element_type, aten.to):
+            return self.known_interval(args[0])
+        if packet in (aten.clamp, aten.clamp_min, aten.clamp_max):
+            lo, hi = (args[1:] + (None, None))[:2] if packet is aten.clamp else \
+                (args[1], None) if packet is aten.clamp_min else (None, args[1])
+            iv = self.known_interval(args[0])
+            for bound, pick in ((lo, max), (hi, min)):
+                b = None if bound is None else self.known_interval(bound)
+                if iv is None or (bound is not None and b is None):
+                    return None
+                iv = iv if b is None else (pick(iv[0], b[0]), pick(iv[1], b[1]))
+            return iv
+        ivs = [self.known_interval(x) for x in args[:3] if isinstance(x, (int, torch.fx.Node))]
+        if None in ivs or not ivs:
+            return None
+        if packet is aten.neg:
+            return (-ivs[0][1], -ivs[0][0])
+        if packet is aten.abs:
+            lo, hi = ivs[0]
+            return (0 if lo <= 0 <= hi else min(abs(lo), abs(hi)), max(abs(lo), abs(hi)))
+        if packet in (aten.add, aten.sub, aten.rsub, aten.mul) and len(ivs) == 2:
+            (a0, a1), (b0, b1) = ivs if packet is not aten.rsub else ivs[::-1]
+            if packet is aten.add:
+                return (a0 + b0, a1 + b1)
+            if packet is aten.mul:
+                corners = [a0 * b0, a0 * b1, a1 * b0, a1 * b1]
+                return (min(corners), max(corners))
+            return (a0 - b1, a1 - b0)
+        if packet is aten.remainder and len(ivs) == 2:
+            (b0, b1) = ivs[1]
+            return (0, b1 - 1) if b0 > 0 else (b0 + 1, 0) if b1 < 0 else None
+        floor_div = packet is aten.floor_divide or (packet is aten.div and a.kwargs.get("rounding_mode") == "floor")
+        if floor_div and len(ivs) == 2 and ivs[1][0] == ivs[1][1] and ivs[1][0] > 0:
+            return (ivs[0][0] // ivs[1][0], ivs[0][1] // ivs[1][0])
+        if packet in (aten.maximum, aten.minimum) and len(ivs) == 2:
+            pick = max if packet is aten.maximum else min
+            return (pick(ivs[0][0], ivs[1][0]), pick(ivs[0][1], ivs[1][1]))
+        if packet is aten.where and len(ivs) == 3:
+            return (min(ivs[1][0], ivs[2][0]), max(ivs[1][1], ivs[2][1]))
+        return None
 
 
 def generate_mod_source(gm: torch.fx.GraphModule, kind: str,

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.fx
 
-from .modgen import BufferSpec, UnsupportedMod, _Emitter
+from .modgen import _BINARY, BufferSpec, UnsupportedMod, _Emitter, aten
 
 _HEADER = "from fa3_inductor.templates import torch_mod_helpers as T\nH = T\n\n\n"
 
@@ -38,6 +38,9 @@ class _TorchEmitter(_Emitter):
     Mods keep the plain ``(score, b, h, q_idx, kv_idx, bufs)`` signature (no scale folding)."""
 
     FOLD_SCALES = False
+    # Python's % on tensors is torch.remainder (floor), not fmod (C's truncation, as Triton's %)
+    BINARY = {**_BINARY, aten.fmod: "T.fmod({0}, {1})"}
+    KNOWS_SHAPES = False   # torch_buffer_specs: dtypes only; an index is composed, then read
 
     def __init__(self, gm: torch.fx.GraphModule, kind: str,
                  buffers: Sequence[Optional[BufferSpec]]):
@@ -51,19 +54,16 @@ class _TorchEmitter(_Emitter):
     def cast(self, node: torch.fx.Node, src: Any, dtype: torch.dtype) -> None:
         self.assign(node, f"T.cast({self.arg(src)}, torch.{str(dtype).split('.')[-1]})", dtype)
 
-    def load(self, node: torch.fx.Node, buf: Any, indices: Sequence[Any], out_dtype) -> None:
-        if not isinstance(buf, torch.fx.Node) or buf not in self.buffer_of:
-            raise UnsupportedMod("indexing a tensor that is not a captured buffer")
-        if any(i is None for i in indices):
-            raise UnsupportedMod("captured buffer indexed with a None (slice) index; index "
-                                 "every dimension with a scalar index expression")
-        spec = self.buffers[self.buffer_of[buf]]
-        expr = f"{self.arg(buf)}[{', '.join(self.arg(i) for i in indices)}]"
-        if spec.dtype in (torch.float16, torch.bfloat16):
-            expr += ".to(T.float32)"
-        if spec.dtype is torch.bool:
-            expr = f"({expr} != 0)"
-        self.assign(node, expr, out_dtype or spec.dtype)
+    def gather(self, buf: torch.fx.Node, spec: BufferSpec, indices: Sequence[Any]) -> str:
+        # torch's indexing counts negative indices from the end itself
+        return f"{self.names[buf]}[{', '.join(self.arg(i) for i in indices) or '()'}]"
+
+    def int_power(self, base: Any, exponent: Any) -> str:
+        self.check_int_power(exponent)
+        return f"T.pow({self.arg(base)}, {self.arg(exponent)})"
+
+    def float_power(self, base: Any, exponent: Any) -> str:
+        return f"T.pow({self.operand(base, True)}, {self.operand(exponent, True)})"
 
 
 def torch_buffer_specs(dtypes: Sequence[Optional[torch.dtype]]) -> list[Optional[BufferSpec]]:

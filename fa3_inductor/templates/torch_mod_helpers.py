@@ -10,7 +10,6 @@ scores through them under autograd to get gradients of the score and of captured
 Example::
 
     >>> import torch
-import torch.fx
     >>> from fa3_inductor.templates import torch_mod_helpers as T
     >>> T.maximum(torch.tensor([1, 5]), 3).tolist()
     [3, 5]
@@ -18,9 +17,11 @@ import torch.fx
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
+import torch.fx
 
 float32, float16, bfloat16, float64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
 int32, int64, int16, int8, uint8 = torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8
@@ -32,6 +33,11 @@ floor, ceil, tanh, sigmoid = torch.floor, torch.ceil, torch.tanh, torch.sigmoid
 sign, log1p, expm1, trunc = torch.sign, torch.log1p, torch.expm1, torch.trunc
 round = torch.round  # noqa: A001  (half to even, as the other dialects)
 zeros_like = torch.zeros_like
+
+
+def as_bool(x: Any) -> Any:
+    """The ``tl`` dialect's interpreter workaround for float comparisons; here the identity."""
+    return x
 
 
 def index_to_float(x: Any) -> Any:
@@ -77,10 +83,23 @@ def floordiv(a: Any, b: Any) -> Any:
     return torch.div(*_tensor_pair(a, b), rounding_mode="floor")
 
 
+floordiv_float = floordiv   # torch.div(rounding_mode="floor") is right for floats as is
+
+
 def truncdiv(a: Any, b: Any) -> Any:
     if not (_is_tensor(a) or _is_tensor(b)):
         return int(a / b)
     return torch.div(*_tensor_pair(a, b), rounding_mode="trunc")
+
+
+truncdiv_float = truncdiv
+
+
+def fmod(a: Any, b: Any) -> Any:
+    """C's fmod (the sign of a), as Triton's % computes it; Python's % is torch.remainder."""
+    if not (_is_tensor(a) or _is_tensor(b)):
+        return math.fmod(a, b) if isinstance(a, float) or isinstance(b, float) else int(math.fmod(a, b))
+    return torch.fmod(*_tensor_pair(a, b))
 
 
 def remainder(a: Any, b: Any) -> Any:
