@@ -81,3 +81,79 @@ def _value_key(value: Any, depth: int, versions: bool) -> Hashable:
     if callable(value) and str(getattr(value, "__module__", "")).startswith("torch"):
         return ("object", id(value))  # torch's own functions and op overloads
     raise Unkeyable(f"it captures a {type(value).__name__}")
+
+
+class ModWatch:
+    """Cheap per-call proof that a mod object still computes what it computed when watched.
+
+    A cache keyed by a mod's identity (flex()'s direct call memo) must notice what :func:`mod_key`
+    would: a closure cell, a default or a global the code names rebound to another object, and
+    (``versions``) a captured tensor edited in place. Walking the function once records each of
+    those places with the object found there; :meth:`unchanged` then compares identities and
+    version counters only, a few hundred nanoseconds for a typical mod. Raises :class:`Unkeyable`
+    for what :func:`mod_key` cannot key.
+
+    Example::
+
+        >>> watch = ModWatch(mods.document(ids), versions=True)
+        >>> watch.unchanged()
+        True
+        >>> ids[0] = 3; watch.unchanged()
+        False
+    """
+
+    __slots__ = ("_cells", "_globals", "_defaults", "_tensors")
+
+    def __init__(self, fn: Optional[Callable], versions: bool = False):
+        self._cells: list = []
+        self._globals: list = []
+        self._defaults: list = []
+        self._tensors: list = []
+        if fn is not None:
+            self._walk(fn, 0, versions)
+
+    def _walk(self, fn: Callable, depth: int, versions: bool) -> None:
+        if not isinstance(fn, types.FunctionType) or depth > _MAX_DEPTH:
+            raise Unkeyable(f"{type(fn).__name__} is not a plain Python function")
+        self._defaults.append((fn, fn.__defaults__))
+        for cell in fn.__closure__ or ():
+            self._cells.append((cell, cell.cell_contents))
+            self._value(cell.cell_contents, depth, versions)
+        for name in fn.__code__.co_names:
+            if name in fn.__globals__:
+                value = fn.__globals__[name]
+                self._globals.append((fn.__globals__, name, value))
+                self._value(value, depth, versions)
+        for value in fn.__defaults__ or ():
+            self._value(value, depth, versions)
+
+    def _value(self, value: Any, depth: int, versions: bool) -> None:
+        if isinstance(value, list):   # mod_key reads a list's items on every call; a watch cannot
+            raise Unkeyable("it captures a list, which may change in place")
+        _value_key(value, depth, False)   # raises Unkeyable exactly where mod_key would
+        if isinstance(value, types.FunctionType):
+            self._walk(value, depth + 1, versions)
+        elif isinstance(value, Tensor) and versions:
+            self._tensors.append((value, value._version))
+        elif isinstance(value, tuple):
+            for v in value:
+                self._value(v, depth, versions)
+
+    def unchanged(self) -> bool:
+        """Whether every watched place still holds its object (and tensor its version)."""
+        for cell, value in self._cells:
+            if cell.cell_contents is not value:
+                return False
+        for namespace, name, value in self._globals:
+            if namespace.get(name, _GONE) is not value:
+                return False
+        for fn, defaults in self._defaults:
+            if fn.__defaults__ is not defaults:
+                return False
+        for tensor, version in self._tensors:
+            if tensor._version != version:
+                return False
+        return True
+
+
+_GONE = object()

@@ -93,3 +93,58 @@ def test_inference_calls_take_the_direct_path_and_stay_right():
         assert_matches_reference(out, ref, torch.bfloat16)
     assert len(direct._PLANS) == 2
     assert fa3_inductor.last_template() == "hopper"
+
+
+# ------------------------------------------------------------------ the call memo (ModWatch)
+
+def test_a_watch_sees_rebound_cells_and_globals_and_edited_tensors(monkeypatch):
+    from fa3_inductor.mod_keys import ModWatch
+
+    watch = ModWatch(_global_softcap)
+    assert watch.unchanged()
+    monkeypatch.setattr(__import__(__name__), "CAP", 10.0)
+    assert not watch.unchanged()
+
+    ids = torch.zeros(16, dtype=torch.int32)
+    doc = mods.document(ids)
+    by_version, by_identity = ModWatch(doc, versions=True), ModWatch(doc)
+    ids[3] = 1
+    assert not by_version.unchanged() and by_identity.unchanged()
+
+    nested = mods.and_masks(mods.causal, mods.sliding_window(8))
+    assert ModWatch(nested).unchanged()
+
+
+def test_a_mod_capturing_a_list_is_not_watched():
+    from fa3_inductor.mod_keys import ModWatch
+
+    caps = [30.0]
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return caps[0] * torch.tanh(score / caps[0])
+
+    with pytest.raises(Unkeyable):
+        ModWatch(softcap)
+
+
+@pytest.mark.gpu
+def test_repeated_calls_replay_and_notice_what_changed():
+    direct.clear()
+    S = 300
+    ids = (torch.arange(S, device="cuda") // 100).to(torch.int32)
+    doc = mods.document(ids)
+    q, k, v = (torch.randn(1, 4, S, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    for _ in range(3):
+        out = fa3_inductor.flex(q, k, v, mask_mod=doc)
+    assert len(direct._CALLS) == 1
+    assert_matches_reference(out, reference_attention(q, k, v, None, doc)[0], torch.bfloat16)
+    ids[:] = (torch.arange(S, device="cuda") // 40).to(torch.int32)   # new documents, same tensor
+    out = fa3_inductor.flex(q, k, v, mask_mod=doc)
+    assert_matches_reference(out, reference_attention(q, k, v, None, doc)[0], torch.bfloat16)
+    q2, k2, v2 = (torch.randn(1, 4, S, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out, lse = fa3_inductor.flex(q2, k2, v2, mask_mod=doc, return_lse=True)
+    ref, ref_lse = reference_attention(q2, k2, v2, None, doc)
+    assert_matches_reference(out, ref, torch.bfloat16)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=5e-2, rtol=0)
+    t = q2.transpose(1, 2).contiguous().transpose(1, 2)   # other strides: not a replay of the above
+    assert_matches_reference(fa3_inductor.flex(t, k2, v2, mask_mod=doc), ref, torch.bfloat16)

@@ -111,6 +111,30 @@ def launch_cached(key: Hashable, inputs: Sequence[Optional[torch.Tensor]],
     return tag
 
 
+def recorded(key: Hashable) -> Optional[_Launch]:
+    """The recorded launch of ``key`` if it can be re-launched without planning, else None.
+
+    Example::
+
+        >>> entry = recorded(key); relaunch(entry, inputs)   # doctest: +SKIP
+    """
+    entry = _CACHE.get(key)
+    return entry if entry is not None and entry.kernel is not None else None
+
+
+def relaunch(entry: _Launch, inputs: Sequence[Optional[torch.Tensor]]) -> Any:
+    """Launch a recorded entry (from :func:`recorded`) on new ``inputs`` of the same signature;
+    returns its tag. The caller guarantees the signature (shapes, strides, dtypes, alignment).
+
+    Example::
+
+        >>> relaunch(recorded(key), [q, k, v, out])   # doctest: +SKIP
+        'hopper'
+    """
+    _relaunch(entry, inputs)
+    return entry.tag
+
+
 def clear() -> None:
     """Forget every recorded launch (tests; after changing kernels in-process)."""
     _CACHE.clear()

@@ -9,7 +9,7 @@ source inside the ``spec`` string, so a graph served from Inductor's cache rebui
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -17,7 +17,7 @@ from torch import Tensor
 from .._log import info_once, warn_once
 from ..templates.modgen import load_mod
 from . import backward_cpu  # noqa: F401  (defines fa3_inductor::flex_bwd beside flex_fwd)
-from .fast_launch import launch_cached, tensor_signature
+from .fast_launch import launch_cached, recorded, relaunch, tensor_signature
 from .generic import launch_generic
 from .kernel_failures import is_build_error, kernel_failure, record_kernel_failure, torch_forward
 from .spec import SiteSpec
@@ -153,10 +153,8 @@ def flex_fwd(
         return out, lse, max_scores
     # CUDA: everything but the tensors' addresses is fixed by this key, so after the first
     # call the compiled kernel is re-launched without re-planning (runtime/fast_launch.py).
-    inputs = (q, k, v, out, lse, max_scores, kv_num_blocks, kv_indices, full_kv_num_blocks,
-              full_kv_indices, *score_bufs, *mask_bufs)
-    key = (spec, scale, sparse_q_block, sparse_kv_block, len(score_bufs),
-           torch.get_float32_matmul_precision(), tensor_signature(inputs))
+    inputs = (q, k, v, out, lse, max_scores, *tables, *score_bufs, *mask_bufs)
+    key = _launch_key(spec, scale, sparse_q_block, sparse_kv_block, len(score_bufs), inputs)
 
     chosen = [site.template]
 
@@ -198,6 +196,51 @@ def _launch_interpreted(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tenso
                    score_bufs=score_bufs, mask_bufs=mask_bufs, **blocks)
     if out32 is not out:
         out.copy_(out32)
+
+
+def _launch_key(spec: str, scale: float, sparse_q_block: int, sparse_kv_block: int, n_score_bufs: int,
+                inputs: tuple) -> tuple:
+    """Everything a CUDA launch depends on but the tensors' addresses (runtime/fast_launch.py)."""
+    return (spec, scale, sparse_q_block, sparse_kv_block, n_score_bufs,
+            torch.get_float32_matmul_precision(), tensor_signature(inputs))
+
+
+def bound_launch(q: Tensor, k: Tensor, v: Tensor, tables: tuple, score_bufs: list, mask_bufs: list,
+                 scale: float, sparse_q_block: int, sparse_kv_block: int, spec: str
+                 ) -> Optional[Callable[[Tensor, Tensor, Tensor, bool], tuple[Tensor, Optional[Tensor]]]]:
+    """After ``flex_fwd`` served these arguments on CUDA: a function that launches the same kernel
+    for new ``q, k, v`` of the same shapes, strides, dtypes and alignment, with everything else
+    fixed, returning ``(out, lse_log2 or None)``; None if the launch cannot be re-played so.
+
+    It skips the op's dispatch, key and allocations: the row max (never read by flex()'s direct path)
+    and, unless asked for, the LSE go to scratch buffers kept by the function. flex()'s direct path
+    calls it once it knows that nothing else changed (direct.py).
+
+    Example::
+
+        >>> launch = bound_launch(q, k, v, (None,) * 4, [], [], 0.125, 1 << 30, 1 << 30, spec)  # doctest: +SKIP
+        >>> out, _ = launch(q2, k2, v2, False)                                                    # doctest: +SKIP
+    """
+    Z, H, M, _ = q.shape
+    sparse_q_block = _one_block_size(sparse_q_block, M)
+    sparse_kv_block = _one_block_size(sparse_kv_block, k.shape[2])
+    lse = q.new_empty((Z, H, M), dtype=torch.float32)
+    row_max = torch.empty_like(lse)
+    probe = (q, k, v, _out_like(q, v), lse, row_max, *tables, *score_bufs, *mask_bufs)
+    entry = recorded(_launch_key(spec, scale, sparse_q_block, sparse_kv_block, len(score_bufs), probe))
+    if entry is None:
+        return None
+    rest = (*tables, *score_bufs, *mask_bufs)
+    tag = entry.tag
+
+    def launch(q: Tensor, k: Tensor, v: Tensor, want_lse: bool) -> tuple[Tensor, Optional[Tensor]]:
+        out = _out_like(q, v)
+        lse_out = torch.empty_like(lse) if want_lse else lse
+        relaunch(entry, (q, k, v, out, lse_out, row_max, *rest))
+        _state.template = tag
+        return out, lse_out if want_lse else None
+
+    return launch
 
 
 def _choose_template(site: SiteSpec, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
