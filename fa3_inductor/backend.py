@@ -22,6 +22,7 @@ from .lowering import flex_lowering, module_state
 from .lowering.passes import Fa3PostGradPass
 from .lowering.recognize_flex import flex_call_sites, tag_rewritten
 from .lowering.recognize_sdpa import rewrite_sdpa
+from .lowering.rewrite_pays import unless_small
 from .lowering.report import record_recognized
 
 
@@ -125,9 +126,10 @@ def recognize(gm: torch.fx.GraphModule, example_inputs: Optional[list] = None
     positions = {node.name: i for i, node in enumerate(original.graph.nodes)}
     gm = _own_copy(gm)
     with module_state.constants(_module_buffers(gm, example_inputs or [])) as guards:
-        sites, extra_inputs = rewrite_sdpa(gm, flex_lowering.unserved_reason)
+        served = unless_small(flex_lowering.unserved_reason)   # small CUDA sites stay as written
+        sites, extra_inputs = rewrite_sdpa(gm, served)
         from .lowering.recognize_manual import rewrite_manual
-        manual_sites, manual_inputs = rewrite_manual(gm, flex_lowering.unserved_reason)
+        manual_sites, manual_inputs = rewrite_manual(gm, served)
     sites, extra_inputs = sites + manual_sites, extra_inputs + manual_inputs
     # (every rewriting pass runs above this line: the next one tags the nodes they made)
     tag_rewritten(gm, before, positions, sites)

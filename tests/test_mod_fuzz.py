@@ -43,9 +43,10 @@ def test_cases_are_reproducible_from_seed_and_index():
         (a.score_src, a.mask_src, a.dtype, a.head_dim)
 
 
-def test_an_unlowerable_mod_falls_back_to_torch_with_its_reason(cpu_kernels):
+def test_an_unlowerable_mod_falls_back_to_torch_with_its_reason(cpu_kernels, fresh_compiles):
     """atan2 is outside the generator's table: torch's kernel runs it, the reason is recorded
-    (lowered_sites()) and the fuzzer reports the case as a fallback with that reason."""
+    (lowered_sites()) and the fuzzer reports the case as a fallback with that reason. Compiled fresh:
+    a graph served from Inductor's cache is not lowered again and records nothing."""
     import fa3_inductor
 
     case = mod_fuzz.Case(seed=0, index=0, device="cpu", dtype="float32", batch=1, q_heads=2,

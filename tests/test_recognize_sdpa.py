@@ -86,3 +86,21 @@ def test_plain_sdpa_calls_stay_sdpa_where_sdpa_is_faster_on_cuda(shape, causal, 
     assert (reason is None) if kept is None else (kept in reason and "left to SDPA" in reason)
     # the CPU interpreter path always rewrites (it exists to check our kernel's numerics)
     assert sdpa_keeps_plain_call(torch.device("cpu"), shape, shape[2], causal, training) is None
+
+
+def test_small_recognized_sites_stay_as_written_on_cuda():
+    from types import SimpleNamespace
+
+    from fa3_inductor.lowering.rewrite_pays import MIN_WORK, small_site_reason, unless_small
+
+    def example(device, *shape):
+        return SimpleNamespace(device=torch.device(device), shape=shape)
+
+    small = (example("cuda", 1, 16, 1024, 128), example("cuda", 1, 16, 1024, 128))
+    large = (example("cuda", 1, 16, 2048, 128), example("cuda", 1, 16, 2048, 128))
+    assert "stock Inductor is faster" in small_site_reason(*small)
+    assert small_site_reason(*large) is None and 16 * 2048 * 2048 * 128 >= MIN_WORK
+    assert small_site_reason(example("cpu", 1, 16, 1024, 128), example("cpu", 1, 16, 1024, 128)) is None
+    served = unless_small(lambda q, v: None)
+    assert served(*small) is not None and served(*large) is None
+    assert unless_small(lambda q, v: "dtype")(*large) == "dtype"   # our reason first
