@@ -167,3 +167,22 @@ def test_document_mask_source_ignores_the_length():
         gm, bufs = trace_mod(mods.document(_doc_ids(L)), "mask")
         return generate_mod_source(gm, "mask", [BufferSpec.of(b) for b in bufs], "gl")
     assert source(1000) == source(31_111)
+
+
+def test_queued_variant_compiles_are_dropped_at_exit():
+    """A daemon thread stopped inside Triton's compiler aborts the process at exit (exit code 134
+    on an H100): the exit handler drops queued compiles and waits for the running one."""
+    from concurrent.futures import Future
+
+    from fa3_inductor.runtime import variants
+
+    queued, running = Future(), Future()
+    running.set_result("compiled")
+    with variants._lock:
+        variants._inflight[("queued",)] = queued
+        variants._inflight[("running",)] = running
+    variants._jobs.put((("queued",), None, None, queued))
+    variants._drain_at_exit()
+    assert queued.done() and queued.result() is None
+    assert ("queued",) not in variants._inflight
+    variants._inflight.pop(("running",), None)

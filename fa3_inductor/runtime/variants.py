@@ -19,6 +19,7 @@ them before the first call returns, ``off`` not at all.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import inspect
 import os
@@ -275,8 +276,32 @@ def _inflight_future(launch: Launch, device: torch.device) -> Optional[Future]:
         return _inflight.get(_launch_ident(launch, device))
 
 
+def _drain_at_exit() -> None:
+    """At interpreter exit, drop the compiles still queued and let the running one finish: a daemon
+    thread stopped inside Triton's C++ compiler aborts the process ("FATAL: exception not
+    rethrown", exit code 134), seen on an H100 when pytest ended with variants compiling."""
+    while True:
+        try:
+            ident, _, _, done = _jobs.get_nowait()
+        except queue.Empty:
+            break
+        with _lock:
+            _inflight.pop(ident, None)
+        done.set_result(None)
+    with _lock:
+        running = list(_inflight.values())
+    for f in running:
+        try:
+            f.result(timeout=120)
+        except BaseException:   # its error no longer matters: nothing will launch it
+            pass
+
+
 def _start_workers() -> None:
-    # Daemon threads: a process may exit with compiles queued (Triton writes its cache atomically).
+    # Daemon threads: a process may exit with compiles queued (Triton writes its cache atomically);
+    # _drain_at_exit lets a running compile finish first.
+    if not _threads:
+        atexit.register(_drain_at_exit)
     while len(_threads) < _WORKERS:
         t = threading.Thread(target=_worker, name=f"fa3-variants-{len(_threads)}", daemon=True)
         _threads.append(t)
