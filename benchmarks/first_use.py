@@ -1,0 +1,360 @@
+"""The path a user takes first, timed as written (issue 16).
+
+Four parts, each selectable with --parts (default: all):
+
+  mask      ``fa3_inductor.flex(q, k, v, mask_mod=mods.causal)`` exactly as the README writes it,
+            beside the same call with a block mask built once, cuDNN SDPA (is_causal) and torch's
+            compiled FlexAttention; inference and fwd+bwd; B4 H16 N4096 and B1 H16 N16384, D128 bf16.
+  host      host time per direct ``flex()`` call on a tiny problem (B1 H1 S128 D64: the GPU work
+            is a few µs, so calls back to back measure the host), beside one plain Triton kernel
+            launch from Python and one eager torch op.
+  layers    an attention layer (qkv projection, SDPA is_causal, output projection) at small and
+            medium sizes compiled with backend="fa3" and with the stock Inductor under each mode;
+            forward time (ms) and the ratio; plus the kernels one fa3 call launches (profiler).
+  graphs    ``flex()`` captured in a CUDA graph (torch.cuda.graph) and replayed, checked against
+            the eager call; and mode="reduce-overhead" on a compiled layer (in `layers`).
+
+    python benchmarks/first_use.py --out DIR [--parts mask,host,layers,graphs] [--modes ...]
+
+Writes first-use-<device>-<YYYY-MM-DD-HHMM>.{json,md} into DIR (device, versions, date in both)
+and prints the markdown last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import fa3_inductor  # noqa: E402
+from fa3_inductor import mods  # noqa: E402
+
+DT = torch.bfloat16
+
+
+def quiet() -> None:
+    """Wait for the kernel variants compiling in the background (runtime/variants.py): their
+    compiles hold the GIL part of the time and would slow whatever host work is timed meanwhile."""
+    from fa3_inductor.runtime.variants import wait_for_variants
+
+    wait_for_variants()
+
+
+def bench_ms(fn, reps: int = 50) -> float:
+    """Median ms of ``fn`` (triton's do_bench: warm-up, L2 flushed between runs), once no compile
+    runs in the background."""
+    import triton
+
+    fn()
+    quiet()
+    return triton.testing.do_bench(fn, warmup=10, rep=reps, return_mode="median")
+
+
+def tflops(b: int, h: int, n: int, d: int, ms: float, causal: bool, bwd: bool = False) -> float:
+    flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0) * (3.5 if bwd else 1.0)
+    return flops / ms / 1e9
+
+
+# ---------------------------------------------------------------------------------------- mask
+def part_mask(rows: list) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    flex_c = torch.compile(flex_attention, dynamic=False)
+    for b, n in ((4, 4096), (1, 16384)):
+        h, d = 16, 128
+        q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=DT) for _ in range(3))
+        bm = create_block_mask(mods.causal, None, None, n, n, device="cuda")
+
+        def cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        cases = {
+            "flex(mask_mod=mods.causal)": lambda: fa3_inductor.flex(q, k, v, mask_mod=mods.causal),
+            "flex(block_mask=prebuilt)": lambda: fa3_inductor.flex(q, k, v, block_mask=bm),
+            "cuDNN SDPA is_causal": cudnn,
+            "torch flex (compiled), block_mask": lambda: flex_c(q, k, v, block_mask=bm),
+        }
+        first = time.perf_counter()
+        fa3_inductor.flex(q, k, v, mask_mod=mods.causal)
+        torch.cuda.synchronize()
+        rows.append(dict(part="mask", case="first call flex(mask_mod=)", shape=f"B{b} H{h} N{n} D{d}",
+                         ms=(time.perf_counter() - first) * 1e3, tflops=None))
+        for name, fn in cases.items():
+            ms = bench_ms(fn)
+            rows.append(dict(part="mask", case=f"fwd {name}", shape=f"B{b} H{h} N{n} D{d}", ms=ms,
+                             tflops=tflops(b, h, n, d, ms, True), template=fa3_inductor.last_template()
+                             if name.startswith("flex") else None))
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        dout = torch.randn_like(q)
+
+        def train(fn):
+            def step():
+                out = fn()
+                torch.autograd.grad(out, (qg, kg, vg), dout)
+            return step
+
+        def cudnn_g():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
+
+        tcases = {
+            "flex(mask_mod=mods.causal)": lambda: fa3_inductor.flex(qg, kg, vg, mask_mod=mods.causal),
+            "flex(block_mask=prebuilt)": lambda: fa3_inductor.flex(qg, kg, vg, block_mask=bm),
+            "cuDNN SDPA is_causal": cudnn_g,
+            "torch flex (compiled), block_mask": lambda: flex_c(qg, kg, vg, block_mask=bm),
+        }
+        for name, fn in tcases.items():
+            ms = bench_ms(train(fn))
+            rows.append(dict(part="mask", case=f"fwd+bwd {name}", shape=f"B{b} H{h} N{n} D{d}", ms=ms,
+                             tflops=tflops(b, h, n, d, ms, True, bwd=True)))
+        del q, k, v, qg, kg, vg, dout
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------- host
+def per_call_us(fn, n: int = 400) -> float:
+    for _ in range(30):
+        fn()
+    quiet()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def part_host(rows: list) -> None:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _copy_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+    q, k, v = (torch.randn(1, 1, 128, 64, device="cuda", dtype=DT) for _ in range(3))
+    x, y = torch.randn(4096, device="cuda"), torch.empty(4096, device="cuda")
+    softcap = mods.softcap(30.0)
+    cases = {
+        "plain Triton kernel launch (copy)": lambda: _copy_kernel[(4,)](x, y, 4096, BLOCK=1024),
+        "eager torch.add": lambda: torch.add(x, x),
+        "flex(), no mask": lambda: fa3_inductor.flex(q, k, v),
+        "flex(mask_mod=mods.causal)": lambda: fa3_inductor.flex(q, k, v, mask_mod=mods.causal),
+        "flex(score_mod=softcap, mask_mod=causal)": lambda: fa3_inductor.flex(
+            q, k, v, score_mod=softcap, mask_mod=mods.causal),
+        "flex(), return_lse=True": lambda: fa3_inductor.flex(q, k, v, return_lse=True),
+        "flex(score_mod=mods.softcap(30.0)) made anew each call": lambda: fa3_inductor.flex(
+            q, k, v, score_mod=mods.softcap(30.0), mask_mod=mods.causal),
+        "flex(), no mask, template=generic": lambda: fa3_inductor.flex(q, k, v, template="generic"),
+        "cuDNN/FA SDPA (eager)": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+    }
+    for name, fn in cases.items():
+        rows.append(dict(part="host", case=name, shape="B1 H1 S128 D64", us=per_call_us(fn)))
+
+
+# -------------------------------------------------------------------------------------- layers
+class AttentionLayer(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.out = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(o.transpose(1, 2).reshape(b, t, d))
+
+
+class HandWrittenLayer(AttentionLayer):
+    """The same layer with attention written out, as model code often does."""
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        s = (q @ k.transpose(-2, -1)) * (d // self.heads) ** -0.5
+        causal = torch.ones(t, t, device=x.device, dtype=torch.bool).tril()
+        p = s.masked_fill(~causal, float("-inf")).softmax(-1)
+        return self.out((p @ v).transpose(1, 2).reshape(b, t, d))
+
+
+LAYER_SHAPES = ((4, 512, 1024, 16), (1, 1024, 2048, 16), (1, 2048, 2048, 16), (2, 2048, 2048, 16),
+                (1, 4096, 2048, 16), (4, 2048, 2048, 16))
+
+
+def part_layers(rows: list, modes: list[str], kinds: list[str], train: bool, shapes: list[int]) -> None:
+    import torch._dynamo
+
+    for kind, cls in (("sdpa", AttentionLayer), ("hand-written", HandWrittenLayer)):
+        if kind not in kinds:
+            continue
+        for b, t, d, h in (LAYER_SHAPES[i] for i in shapes):
+            layer = cls(d, h).to("cuda", DT).eval()
+            x = torch.randn(b, t, d, device="cuda", dtype=DT)
+            with torch.no_grad():
+                ref = layer(x).float()
+                for mode in modes:
+                    ms = {}
+                    for backend in ("fa3", "inductor"):
+                        torch._dynamo.reset()
+                        fn = torch.compile(layer, backend=backend, mode=None if mode == "default" else mode)
+                        t0 = time.perf_counter()
+                        try:
+                            y = fn(x)
+                        except Exception as exc:  # report, keep going
+                            rows.append(dict(part="layers", case=f"{kind} {backend} {mode}", error=repr(exc)[:300],
+                                             shape=f"B{b} T{t} d{d} H{h}"))
+                            ms[backend] = None
+                            continue
+                        torch.cuda.synchronize()
+                        compile_s = time.perf_counter() - t0
+                        err = ((y.float() - ref).norm() / ref.norm()).item()
+                        ms[backend] = bench_ms(lambda: fn(x), reps=100)
+                        rows.append(dict(part="layers", case=f"{kind} {backend} {mode}", shape=f"B{b} T{t} d{d} H{h}",
+                                         ms=ms[backend], compile_s=compile_s, rel_err=err,
+                                         template=fa3_inductor.last_template() if backend == "fa3" else None))
+                    if ms.get("fa3") and ms.get("inductor"):
+                        rows.append(dict(part="layers", case=f"{kind} ratio inductor/fa3 {mode}",
+                                         shape=f"B{b} T{t} d{d} H{h}", ratio=ms["inductor"] / ms["fa3"]))
+            if train:   # one training step (forward + backward), default mode
+                layer.train()
+                ms = {}
+                for backend in ("fa3", "inductor"):
+                    torch._dynamo.reset()
+                    fn = torch.compile(layer, backend=backend)
+                    xg = x.clone().requires_grad_()
+                    dy = torch.randn_like(x)
+
+                    def step():
+                        torch.autograd.grad(fn(xg), (xg, *layer.parameters()), dy)
+                    step()
+                    ms[backend] = bench_ms(step, reps=100)
+                    rows.append(dict(part="layers", case=f"{kind} {backend} train", shape=f"B{b} T{t} d{d} H{h}",
+                                     ms=ms[backend]))
+                rows.append(dict(part="layers", case=f"{kind} ratio inductor/fa3 train",
+                                 shape=f"B{b} T{t} d{d} H{h}", ratio=ms["inductor"] / ms["fa3"]))
+    # What one fa3 call launches at the smallest size (default mode): kernels and their GPU time.
+    from torch.profiler import ProfilerActivity, profile
+
+    b, t, d, h = LAYER_SHAPES[0]
+    layer = AttentionLayer(d, h).to("cuda", DT).eval()
+    x = torch.randn(b, t, d, device="cuda", dtype=DT)
+    torch._dynamo.reset()
+    fn = torch.compile(layer, backend="fa3")
+    with torch.no_grad():
+        for _ in range(5):
+            fn(x)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                fn(x)
+            torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15), flush=True)
+
+
+# -------------------------------------------------------------------------------------- graphs
+def part_graphs(rows: list) -> None:
+    q, k, v = (torch.randn(2, 8, 1024, 128, device="cuda", dtype=DT) for _ in range(3))
+    for name, call in (("flex(mask_mod=causal)", lambda: fa3_inductor.flex(q, k, v, mask_mod=mods.causal)),
+                       ("flex(softcap, no mask)", lambda: fa3_inductor.flex(q, k, v, score_mod=mods.softcap(20.0)))):
+        try:
+            want = call()
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(3):
+                    call()
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                got = call()
+            q.normal_(), k.normal_(), v.normal_()
+            want = call()
+            g.replay()
+            torch.cuda.synchronize()
+            err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+            rows.append(dict(part="graphs", case=f"torch.cuda.graph {name}", rel_err=err, ok=err < 1e-3,
+                             template=fa3_inductor.last_template()))
+        except Exception as exc:
+            rows.append(dict(part="graphs", case=f"torch.cuda.graph {name}", ok=False, error=repr(exc)[:300]))
+
+
+# ------------------------------------------------------------------------------------- report
+def markdown(rows: list, header: str) -> str:
+    lines = [header, ""]
+    for part in ("mask", "host", "layers", "graphs"):
+        sel = [r for r in rows if r["part"] == part]
+        if not sel:
+            continue
+        cols = [c for c in ("case", "shape", "ms", "tflops", "us", "ratio", "compile_s", "rel_err", "template",
+                            "ok", "error") if any(c in r for r in sel)]
+        lines += [f"### {part}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        for r in sel:
+            cells = []
+            for c in cols:
+                val = r.get(c)
+                cells.append("" if val is None else f"{val:.3g}" if isinstance(val, float) else str(val))
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    import triton
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=".device_out")
+    ap.add_argument("--parts", default="mask,host,layers,graphs")
+    ap.add_argument("--modes", default="default,reduce-overhead,max-autotune-no-cudagraphs")
+    ap.add_argument("--kinds", default="sdpa,hand-written", help="layer kinds (layers part)")
+    ap.add_argument("--train", action="store_true", help="also time a training step per layer")
+    ap.add_argument("--shapes", default=",".join(str(i) for i in range(len(LAYER_SHAPES))),
+                    help="indices into LAYER_SHAPES (layers part)")
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    now = datetime.datetime.now(datetime.timezone.utc)
+    device = torch.cuda.get_device_name()
+    header = (f"first use: {device}, torch {torch.__version__}, triton {triton.__version__}, "
+              f"{now:%Y-%m-%d %H:%M}Z, bf16, do_bench medians")
+    print(header, flush=True)
+    rows: list = []
+    parts = args.parts.split(",")
+    for part in parts:
+        t0 = time.perf_counter()
+        if part == "mask":
+            part_mask(rows)
+        elif part == "host":
+            part_host(rows)
+        elif part == "layers":
+            part_layers(rows, args.modes.split(","), args.kinds.split(","), args.train,
+                        [int(i) for i in args.shapes.split(",")])
+        elif part == "graphs":
+            part_graphs(rows)
+        print(f"[{part}: {time.perf_counter() - t0:.0f} s]", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    slug = device.lower().replace("nvidia ", "nvidia-").replace(" ", "-")
+    stem = os.path.join(args.out, f"first-use-{slug}-{now:%Y-%m-%d-%H%M}{args.tag}")
+    with open(stem + ".json", "w") as f:
+        json.dump(dict(device=device, torch=torch.__version__, triton=triton.__version__,
+                       date=now.isoformat(), rows=rows), f, indent=1)
+    md = markdown(rows, header)
+    with open(stem + ".md", "w") as f:
+        f.write(md + "\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
