@@ -75,22 +75,25 @@ def part_mask(rows: list) -> None:
         q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=DT) for _ in range(3))
         bm = create_block_mask(mods.causal, None, None, n, n, device="cuda")
 
-        def cudnn():
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        def calls(q, k, v):
+            """The four calls compared, on these tensors."""
+            def cudnn():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-        cases = {
-            "flex(mask_mod=mods.causal)": lambda: fa3_inductor.flex(q, k, v, mask_mod=mods.causal),
-            "flex(block_mask=prebuilt)": lambda: fa3_inductor.flex(q, k, v, block_mask=bm),
-            "cuDNN SDPA is_causal": cudnn,
-            "torch flex (compiled), block_mask": lambda: flex_c(q, k, v, block_mask=bm),
-        }
+            return {
+                "flex(mask_mod=mods.causal)": lambda: fa3_inductor.flex(q, k, v, mask_mod=mods.causal),
+                "flex(block_mask=prebuilt)": lambda: fa3_inductor.flex(q, k, v, block_mask=bm),
+                "cuDNN SDPA is_causal": cudnn,
+                "torch flex (compiled), block_mask": lambda: flex_c(q, k, v, block_mask=bm),
+            }
+
         first = time.perf_counter()
         fa3_inductor.flex(q, k, v, mask_mod=mods.causal)
         torch.cuda.synchronize()
         rows.append(dict(part="mask", case="first call flex(mask_mod=)", shape=f"B{b} H{h} N{n} D{d}",
                          ms=(time.perf_counter() - first) * 1e3, tflops=None))
-        for name, fn in cases.items():
+        for name, fn in calls(q, k, v).items():
             ms = bench_ms(fn)
             rows.append(dict(part="mask", case=f"fwd {name}", shape=f"B{b} H{h} N{n} D{d}", ms=ms,
                              tflops=tflops(b, h, n, d, ms, True), template=fa3_inductor.last_template()
@@ -100,21 +103,10 @@ def part_mask(rows: list) -> None:
 
         def train(fn):
             def step():
-                out = fn()
-                torch.autograd.grad(out, (qg, kg, vg), dout)
+                torch.autograd.grad(fn(), (qg, kg, vg), dout)
             return step
 
-        def cudnn_g():
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
-
-        tcases = {
-            "flex(mask_mod=mods.causal)": lambda: fa3_inductor.flex(qg, kg, vg, mask_mod=mods.causal),
-            "flex(block_mask=prebuilt)": lambda: fa3_inductor.flex(qg, kg, vg, block_mask=bm),
-            "cuDNN SDPA is_causal": cudnn_g,
-            "torch flex (compiled), block_mask": lambda: flex_c(qg, kg, vg, block_mask=bm),
-        }
-        for name, fn in tcases.items():
+        for name, fn in calls(qg, kg, vg).items():
             ms = bench_ms(train(fn))
             rows.append(dict(part="mask", case=f"fwd+bwd {name}", shape=f"B{b} H{h} N{n} D{d}", ms=ms,
                              tflops=tflops(b, h, n, d, ms, True, bwd=True)))
@@ -123,16 +115,13 @@ def part_mask(rows: list) -> None:
 
 
 # ---------------------------------------------------------------------------------------- host
-def per_call_us(fn, n: int = 400) -> float:
-    for _ in range(30):
-        fn()
+def per_call_us(fn) -> float:
+    """Host µs per call back to back (host_overhead.per_call_us), once no compile runs behind it."""
+    from host_overhead import per_call_us as back_to_back
+
+    fn()
     quiet()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / n * 1e6
+    return back_to_back(fn, n=400)
 
 
 def part_host(rows: list) -> None:
