@@ -3,11 +3,11 @@
 The mod generator refuses what it does not know (UnsupportedMod, handled by the planner), but a
 compiler can still reject what it accepted, or a kernel can ask for more shared memory than the
 GPU has. Such an error must never reach the user (issue 16). The op catches it when it first
-builds a launch, records it here under the site's kernel sources, and computes the call with
-torch's own FlexAttention (compiled on CUDA, eager under the CPU interpreter) from the mods' torch
-dialect, which travels in the spec. Later plans of the same sources (``plan_site``, flex()'s
-direct path) read the record and hand the site to torch's kernel up front, so explain() and the
-``fa3_inductor`` log show the reason.
+builds a launch, records it here under the site's kernel sources, and computes that call densely
+with torch ops and the mods' torch dialect, which travels in the spec (torch_forward: torch's own
+FlexAttention cannot be re-entered from inside the op). Later plans of the same sources
+(``plan_site``, flex()'s direct path) read the record and hand the site to torch's flex kernel up
+front, so explain() and the ``fa3_inductor`` log show the reason.
 
 Example::
 

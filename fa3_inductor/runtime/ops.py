@@ -131,7 +131,7 @@ def flex_fwd(
     tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
 
     def torch_kernel() -> tuple[Tensor, Tensor, Tensor]:
-        """torch's FlexAttention computes the site: ours could not be built for its mods."""
+        """Our kernel could not be built for these mods: torch ops compute the call densely."""
         out_t, lse_t, max_t = torch_forward(q, k, v, tables, score_bufs, mask_bufs, scale,
                                             sparse_q_block, sparse_kv_block, site)
         record_template("torch")
