@@ -159,8 +159,10 @@ def _remember(memo: tuple, q: Tensor, k: Tensor, v: Tensor, plan: "_Plan", table
     key, score_mod, mask_mod, block_mask = memo
     try:
         # a mask_mod's block mask was built from its captured tensors' contents: watch their versions
+        # (a block mask flex() built from mask_mod carries that same mask_mod: watched once)
+        given_mask = getattr(block_mask, "mask_mod", None)
         watches = [ModWatch(fn, versions=versions) for fn, versions in (
-            (score_mod, False), (mask_mod, True), (getattr(block_mask, "mask_mod", None), False))
+            (score_mod, False), (mask_mod, True), (None if given_mask is mask_mod else given_mask, False))
             if fn is not None]
     except Unkeyable:
         return

@@ -54,30 +54,43 @@ def mod_key(fn: Optional[Callable], versions: bool = False) -> Hashable:
     return _fn_key(fn, 0, versions)
 
 
-def _fn_key(fn: Optional[Callable], depth: int, versions: bool) -> Hashable:
+def _fn_key(fn: Optional[Callable], depth: int, versions: bool,
+            watch: Optional["ModWatch"] = None) -> Hashable:
+    """The walk behind mod_key; with ``watch``, it also records every place it read (ModWatch)."""
     if fn is None:
         return None
     if not isinstance(fn, types.FunctionType) or depth > _MAX_DEPTH:
         raise Unkeyable(f"{type(fn).__name__} is not a plain Python function")
     code = fn.__code__
-    cells = tuple(_value_key(c.cell_contents, depth, versions) for c in (fn.__closure__ or ()))
-    names = tuple((n, _value_key(fn.__globals__[n], depth, versions)) for n in code.co_names
+    if watch is not None:
+        watch._defaults.append((fn, fn.__defaults__))
+        watch._cells.extend((c, c.cell_contents) for c in fn.__closure__ or ())
+        watch._globals.extend((fn.__globals__, n, fn.__globals__[n]) for n in code.co_names
+                              if n in fn.__globals__)
+    cells = tuple(_value_key(c.cell_contents, depth, versions, watch) for c in (fn.__closure__ or ()))
+    names = tuple((n, _value_key(fn.__globals__[n], depth, versions, watch)) for n in code.co_names
                   if n in fn.__globals__)
-    return (code, cells, names, _value_key(fn.__defaults__, depth, versions))
+    return (code, cells, names, _value_key(fn.__defaults__, depth, versions, watch))
 
 
-def _value_key(value: Any, depth: int, versions: bool) -> Hashable:
+def _value_key(value: Any, depth: int, versions: bool, watch: Optional["ModWatch"] = None) -> Hashable:
     if isinstance(value, _SCALARS):
         return (type(value), value)
     if isinstance(value, Tensor):
         key = ("tensor", id(value), value.shape, value.stride(), value.dtype, value.device)
-        return key + (value._version,) if versions else key
+        if not versions:
+            return key
+        if watch is not None:
+            watch._tensors.append((value, value._version))
+        return key + (value._version,)
     if isinstance(value, types.FunctionType):
-        return _fn_key(value, depth + 1, versions)
+        return _fn_key(value, depth + 1, versions, watch)
     if isinstance(value, (types.ModuleType, types.BuiltinFunctionType, type, torch.dtype)):
         return ("object", id(value))
+    if isinstance(value, list) and watch is not None:   # its items may change in place, unseen
+        raise Unkeyable("it captures a list, which may change in place")
     if isinstance(value, (tuple, list)):
-        return (type(value), tuple(_value_key(v, depth, versions) for v in value))
+        return (type(value), tuple(_value_key(v, depth, versions, watch) for v in value))
     if callable(value) and str(getattr(value, "__module__", "")).startswith("torch"):
         return ("object", id(value))  # torch's own functions and op overloads
     raise Unkeyable(f"it captures a {type(value).__name__}")
@@ -88,8 +101,8 @@ class ModWatch:
 
     A cache keyed by a mod's identity (flex()'s direct call memo) must notice what :func:`mod_key`
     would: a closure cell, a default or a global the code names rebound to another object, and
-    (``versions``) a captured tensor edited in place. Walking the function once records each of
-    those places with the object found there; :meth:`unchanged` then compares identities and
+    (``versions``) a captured tensor edited in place. mod_key's walk records each of those places
+    with the object found there; :meth:`unchanged` then compares identities and
     version counters only, a few hundred nanoseconds for a typical mod. Raises :class:`Unkeyable`
     for what :func:`mod_key` cannot key.
 
@@ -110,34 +123,7 @@ class ModWatch:
         self._defaults: list = []
         self._tensors: list = []
         if fn is not None:
-            self._walk(fn, 0, versions)
-
-    def _walk(self, fn: Callable, depth: int, versions: bool) -> None:
-        if not isinstance(fn, types.FunctionType) or depth > _MAX_DEPTH:
-            raise Unkeyable(f"{type(fn).__name__} is not a plain Python function")
-        self._defaults.append((fn, fn.__defaults__))
-        for cell in fn.__closure__ or ():
-            self._cells.append((cell, cell.cell_contents))
-            self._value(cell.cell_contents, depth, versions)
-        for name in fn.__code__.co_names:
-            if name in fn.__globals__:
-                value = fn.__globals__[name]
-                self._globals.append((fn.__globals__, name, value))
-                self._value(value, depth, versions)
-        for value in fn.__defaults__ or ():
-            self._value(value, depth, versions)
-
-    def _value(self, value: Any, depth: int, versions: bool) -> None:
-        if isinstance(value, list):   # mod_key reads a list's items on every call; a watch cannot
-            raise Unkeyable("it captures a list, which may change in place")
-        _value_key(value, depth, False)   # raises Unkeyable exactly where mod_key would
-        if isinstance(value, types.FunctionType):
-            self._walk(value, depth + 1, versions)
-        elif isinstance(value, Tensor) and versions:
-            self._tensors.append((value, value._version))
-        elif isinstance(value, tuple):
-            for v in value:
-                self._value(v, depth, versions)
+            _fn_key(fn, 0, versions, self)   # mod_key's walk, recording what it read
 
     def unchanged(self) -> bool:
         """Whether every watched place still holds its object (and tensor its version)."""
