@@ -80,7 +80,7 @@ def test_recognition_can_be_turned_off():
     ([2, 16, 8192, 128], False, True, "training"),
 ])
 def test_plain_sdpa_calls_stay_sdpa_where_sdpa_is_faster_on_cuda(shape, causal, training, kept):
-    from fa3_inductor.lowering.recognize_sdpa import sdpa_keeps_plain_call
+    from fa3_inductor.lowering.rewrite_pays import sdpa_keeps_plain_call
 
     reason = sdpa_keeps_plain_call(torch.device("cuda"), shape, shape[2], causal, training)
     assert (reason is None) if kept is None else (kept in reason and "left to SDPA" in reason)

@@ -6,7 +6,7 @@ made only when it is exact and our kernels will serve the site; every other call
 alone and reported with the reason.
 
 Served now: inference and training graphs (backward: flex_backward_lowering.py), except plain
-calls (no attn_mask) on CUDA that SDPA's own kernels serve at least as fast (PLAIN_SDPA_MIN_WORK);
+calls (no attn_mask) on CUDA that SDPA's own kernels serve at least as fast (rewrite_pays.py);
 dropout_p == 0, is_causal (top-left aligned, as SDPA defines it), scale, enable_gqa, attn_mask
 (bool: keep where True; float: added), static shapes, a value head dim other than the
 query's (DeepSeek's MLA: q/k 192, v 128). The causal block mask is built once, at
@@ -26,22 +26,13 @@ import torch.nn.functional as F
 from . import canonical
 from .flex_lowering import static_ints
 from .report import RecognizedSite
+from .rewrite_pays import sdpa_keeps_plain_call
 
 _SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
               "enable_gqa")
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None,
                   "enable_gqa": False}
-
-# A plain SDPA call (no attn_mask) is what torch's own SDPA kernels serve best: on Hopper they are
-# cuDNN's, at the speed of our forward kernel (README), with cuDNN's backward and no host cost of
-# ours. Measured on an H100 (benchmarks/results/first-use-nvidia-h100-80gb-hbm3-2026-11-24-1443,
-# an attention layer of 16 heads, causal, compiled with backend="fa3" against the stock Inductor):
-# below ~1.7e10 multiply-adds of attention the rewrite lost 0.56-0.97x in forward (our op's host
-# cost, and tiny grids), and training steps lost 0.83-0.96x from 2k tokens on (our forward plus
-# torch's flex backward against SDPA's own). Such calls stay SDPA on CUDA: rewritten only in
-# inference graphs doing at least this much work (q·k multiply-adds, halved under is_causal).
-PLAIN_SDPA_MIN_WORK = 3.2e10
 
 
 def _example(node: Any) -> Optional[torch.Tensor]:
@@ -90,27 +81,6 @@ def _why_not(args: dict[str, Any], served: Callable[[torch.Tensor, torch.Tensor]
             return kept
     return served(q, v)
 
-
-def sdpa_keeps_plain_call(device: torch.device, q_shape: list[int], kv_len: int, is_causal: bool,
-                          training: bool) -> Optional[str]:
-    """Why a plain SDPA call (no attn_mask) stays SDPA (PLAIN_SDPA_MIN_WORK), or None to rewrite it.
-
-    Example::
-
-        >>> sdpa_keeps_plain_call(torch.device("cuda"), [4, 16, 512, 64], 512, True, False)
-        'plain SDPA call left to SDPA (cuDNN/flash): 2.1e+08 multiply-adds of attention, below the 3.2e+10 where fa3 pays in inference'
-    """
-    if device.type != "cuda":
-        return None   # the CPU runs our kernel under Triton's interpreter only to check numerics
-    if training:
-        return ("plain SDPA call in a training graph left to SDPA (cuDNN/flash): its backward beats "
-                "fa3's forward + torch's flex backward")
-    b, h, m, d = q_shape
-    work = b * h * m * kv_len * d * (0.5 if is_causal else 1.0)
-    if work < PLAIN_SDPA_MIN_WORK:
-        return (f"plain SDPA call left to SDPA (cuDNN/flash): {work:.1e} multiply-adds of "
-                f"attention, below the {PLAIN_SDPA_MIN_WORK:.1e} where fa3 pays in inference")
-    return None
 
 
 def rewrite_sdpa(gm: torch.fx.GraphModule,

@@ -6,7 +6,7 @@ first-use-nvidia-h100-80gb-hbm3-2026-11-24-1526: an attention layer written by h
 causal, backend="fa3" against the stock Inductor, forward): B1 T1024 D128 (2.1e9 multiply-adds of
 q·k) 0.62x in default mode and 0.77x under CUDA graphs, B4 T512 D64 (1.1e9) 1.09x / 0.80x, B1 T2048
 (8.6e9) 1.31x / 1.63x, and 1.6-4.4x from there up. Sites below MIN_WORK stay as written, with the
-reason in explain(). Plain SDPA calls have their own rule (recognize_sdpa.PLAIN_SDPA_MIN_WORK).
+reason in explain(). Plain SDPA calls have their own rule (PLAIN_SDPA_MIN_WORK, below).
 The CPU interpreter path always rewrites: it exists to check our kernel's numerics.
 
 Example::
@@ -22,6 +22,28 @@ import torch
 
 MIN_WORK = 4e9   # q·k multiply-adds (B·H·M·N·D) below which a recognized site is left as written
 
+# A plain SDPA call (no attn_mask) is what torch's own SDPA kernels serve best: on Hopper they are
+# cuDNN's, at the speed of our forward kernel (README), with cuDNN's backward and no host cost of
+# ours. Measured on an H100 (benchmarks/results/first-use-nvidia-h100-80gb-hbm3-2026-11-24-1443,
+# an attention layer of 16 heads, causal, compiled with backend="fa3" against the stock Inductor):
+# below ~1.7e10 multiply-adds of attention the rewrite lost 0.56-0.97x in forward (our op's host
+# cost, and tiny grids), and training steps lost 0.83-0.96x from 2k tokens on (our forward plus
+# torch's flex backward against SDPA's own). Such calls stay SDPA on CUDA: rewritten only in
+# inference graphs doing at least this much work (q·k multiply-adds, halved under is_causal).
+PLAIN_SDPA_MIN_WORK = 3.2e10
+
+
+def attention_work(q_shape, kv_len: int, causal: bool = False) -> float:
+    """q·k multiply-adds of one attention call: B·H·M·N·D, halved under a causal mask.
+
+    Example::
+
+        >>> attention_work((4, 16, 512, 64), 512, causal=True)
+        536870912.0
+    """
+    b, h, m, d = (int(x) for x in q_shape)
+    return b * h * m * int(kv_len) * d * (0.5 if causal else 1.0)
+
 
 def small_site_reason(example_query: torch.Tensor, example_value: Optional[torch.Tensor]) -> Optional[str]:
     """Why a recognized site on CUDA is too small for the rewrite to pay, or None.
@@ -34,11 +56,31 @@ def small_site_reason(example_query: torch.Tensor, example_value: Optional[torch
     q = example_query
     if q.device.type != "cuda" or example_value is None:
         return None
-    b, h, m, d = (int(x) for x in q.shape)
-    work = b * h * m * int(example_value.shape[-2]) * d
+    work = attention_work(q.shape, example_value.shape[-2])
     if work < MIN_WORK:
         return (f"small attention ({work:.1e} multiply-adds of q·k, below {MIN_WORK:.0e}): the stock "
                 "Inductor is faster at this size")
+    return None
+
+
+def sdpa_keeps_plain_call(device: torch.device, q_shape: list[int], kv_len: int, is_causal: bool,
+                          training: bool) -> Optional[str]:
+    """Why a plain SDPA call (no attn_mask) stays SDPA (PLAIN_SDPA_MIN_WORK), or None to rewrite it.
+
+    Example::
+
+        >>> sdpa_keeps_plain_call(torch.device("cuda"), [4, 16, 512, 64], 512, True, False)
+        'plain SDPA call left to SDPA (cuDNN/flash): 5.4e+08 multiply-adds of attention, below the 3.2e+10 where fa3 pays in inference'
+    """
+    if device.type != "cuda":
+        return None   # the CPU runs our kernel under Triton's interpreter only to check numerics
+    if training:
+        return ("plain SDPA call in a training graph left to SDPA (cuDNN/flash): its backward beats "
+                "fa3's forward + torch's flex backward")
+    work = attention_work(q_shape, kv_len, is_causal)
+    if work < PLAIN_SDPA_MIN_WORK:
+        return (f"plain SDPA call left to SDPA (cuDNN/flash): {work:.1e} multiply-adds of "
+                f"attention, below the {PLAIN_SDPA_MIN_WORK:.1e} where fa3 pays in inference")
     return None
 
 
