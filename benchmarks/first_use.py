@@ -59,6 +59,24 @@ def bench_ms(fn, reps: int = 50) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=reps, return_mode="median")
 
 
+def interleaved_ms(fns: dict, rounds: int = 5, reps: int = 50) -> dict:
+    """Median ms of each function over ``rounds`` rounds that time them in turn (A B A B ...): two
+    compiles of the same layer are compared under the same clocks and the same neighbours, and no
+    function is favoured by running first in the process."""
+    import statistics
+
+    import triton
+
+    for fn in fns.values():
+        fn()
+    quiet()
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(triton.testing.do_bench(fn, warmup=10, rep=reps, return_mode="median"))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def tflops(b: int, h: int, n: int, d: int, ms: float, causal: bool, bwd: bool = False) -> float:
     flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0) * (3.5 if bwd else 1.0)
     return flops / ms / 1e9
@@ -110,7 +128,7 @@ def part_mask(rows: list) -> None:
             ms = bench_ms(train(fn))
             rows.append(dict(part="mask", case=f"fwd+bwd {name}", shape=f"B{b} H{h} N{n} D{d}", ms=ms,
                              tflops=tflops(b, h, n, d, ms, True, bwd=True)))
-        del q, k, v, qg, kg, vg, dout
+        q = k = v = qg = kg = vg = dout = None   # free this shape before the next
         torch.cuda.empty_cache()
 
 
@@ -196,45 +214,51 @@ def part_layers(rows: list, modes: list[str], kinds: list[str], train: bool, sha
             with torch.no_grad():
                 ref = layer(x).float()
                 for mode in modes:
-                    ms = {}
-                    for backend in ("fa3", "inductor"):
-                        torch._dynamo.reset()
+                    torch._dynamo.reset()
+                    fns, ms = {}, {}
+                    for backend in ("fa3", "inductor"):   # both compiled first, then timed in turn
                         fn = torch.compile(layer, backend=backend, mode=None if mode == "default" else mode)
                         t0 = time.perf_counter()
+                        fa3_inductor.clear_lowered_sites()
                         try:
                             y = fn(x)
                         except Exception as exc:  # report, keep going
                             rows.append(dict(part="layers", case=f"{kind} {backend} {mode}", error=repr(exc)[:300],
                                              shape=f"B{b} T{t} d{d} H{h}"))
-                            ms[backend] = None
                             continue
                         torch.cuda.synchronize()
-                        compile_s = time.perf_counter() - t0
-                        err = ((y.float() - ref).norm() / ref.norm()).item()
-                        ms[backend] = bench_ms(lambda: fn(x), reps=100)
+                        fns[backend] = (fn, time.perf_counter() - t0, ((y.float() - ref).norm() / ref.norm()).item(),
+                                        len(fa3_inductor.lowered_sites()) if backend == "fa3" else None,
+                                        fa3_inductor.last_template() if backend == "fa3" else None)
+                    if len(fns) < 2:
+                        continue
+                    ms = interleaved_ms({name: (lambda f=f: f(x)) for name, (f, *_) in fns.items()})
+                    for backend, (fn, compile_s, err, fused, template) in fns.items():
                         rows.append(dict(part="layers", case=f"{kind} {backend} {mode}", shape=f"B{b} T{t} d{d} H{h}",
-                                         ms=ms[backend], compile_s=compile_s, rel_err=err,
-                                         template=fa3_inductor.last_template() if backend == "fa3" else None))
-                    if ms.get("fa3") and ms.get("inductor"):
-                        rows.append(dict(part="layers", case=f"{kind} ratio inductor/fa3 {mode}",
-                                         shape=f"B{b} T{t} d{d} H{h}", ratio=ms["inductor"] / ms["fa3"]))
+                                         ms=ms[backend], compile_s=compile_s, rel_err=err, fused=fused,
+                                         template=template if fused else None))
+                    rows.append(dict(part="layers", case=f"{kind} ratio inductor/fa3 {mode}",
+                                     shape=f"B{b} T{t} d{d} H{h}", ratio=ms["inductor"] / ms["fa3"],
+                                     fused=fns["fa3"][3]))
             if train:   # one training step (forward + backward), default mode
                 layer.train()
-                ms = {}
+                torch._dynamo.reset()
+                xg = x.clone().requires_grad_()
+                dy = torch.randn_like(x)
+                steps, fused = {}, None
                 for backend in ("fa3", "inductor"):
-                    torch._dynamo.reset()
                     fn = torch.compile(layer, backend=backend)
-                    xg = x.clone().requires_grad_()
-                    dy = torch.randn_like(x)
-
-                    def step():
-                        torch.autograd.grad(fn(xg), (xg, *layer.parameters()), dy)
-                    step()
-                    ms[backend] = bench_ms(step, reps=100)
+                    fa3_inductor.clear_lowered_sites()
+                    steps[backend] = lambda fn=fn: torch.autograd.grad(fn(xg), (xg, *layer.parameters()), dy)
+                    steps[backend]()
+                    if backend == "fa3":
+                        fused = len(fa3_inductor.lowered_sites())
+                ms = interleaved_ms(steps)
+                for backend in steps:
                     rows.append(dict(part="layers", case=f"{kind} {backend} train", shape=f"B{b} T{t} d{d} H{h}",
-                                     ms=ms[backend]))
+                                     ms=ms[backend], fused=fused if backend == "fa3" else None))
                 rows.append(dict(part="layers", case=f"{kind} ratio inductor/fa3 train",
-                                 shape=f"B{b} T{t} d{d} H{h}", ratio=ms["inductor"] / ms["fa3"]))
+                                 shape=f"B{b} T{t} d{d} H{h}", ratio=ms["inductor"] / ms["fa3"], fused=fused))
     # What one fa3 call launches at the smallest size (default mode): kernels and their GPU time.
     from torch.profiler import ProfilerActivity, profile
 
@@ -288,7 +312,7 @@ def markdown(rows: list, header: str) -> str:
         sel = [r for r in rows if r["part"] == part]
         if not sel:
             continue
-        cols = [c for c in ("case", "shape", "ms", "tflops", "us", "ratio", "compile_s", "rel_err", "template",
+        cols = [c for c in ("case", "shape", "ms", "tflops", "us", "ratio", "fused", "compile_s", "rel_err", "template",
                             "ok", "error") if any(c in r for r in sel)]
         lines += [f"### {part}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for r in sel:

@@ -268,14 +268,22 @@ def tensordesc_launcher(kernel) -> Optional[DescriptorLauncher]:
 
 def launch_hooks_active() -> bool:
     """Whether triton has launch enter / exit hooks that would do something (a profiler's). triton 3.6 keeps
-    them as HookChain objects, empty by default, where earlier versions kept None.
+    them as HookChain objects, empty by default, where earlier versions kept None. Called on every
+    re-launch: triton's runtime knobs are looked up once.
 
     Example::
 
         >>> launch_hooks_active()
         False
     """
-    from triton import knobs
+    global _runtime_knobs
+    if _runtime_knobs is None:
+        from triton import knobs
 
-    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    return any(h is not None and bool(getattr(h, "calls", True)) for h in hooks)
+        _runtime_knobs = knobs.runtime
+    enter, exit_ = _runtime_knobs.launch_enter_hook, _runtime_knobs.launch_exit_hook
+    return bool((enter is not None and getattr(enter, "calls", True))
+                or (exit_ is not None and getattr(exit_, "calls", True)))
+
+
+_runtime_knobs = None

@@ -31,6 +31,7 @@ from .runtime.spec import SiteSpec
 from .templates.modgen import BufferSpec, UnsupportedMod, trace_mod
 
 _NO_MASK_BLOCK = 1 << 30   # torch's "no mask" block size
+_LN2 = math.log(2.0)      # the kernels' LSE is in log2 units
 _MAX_PLANS = 512
 _PLANS: dict[Hashable, Any] = {}
 
@@ -88,7 +89,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable], bloc
         int(sparse_kv), plan.spec)
     if memo is not None:
         _remember(memo, q, k, v, plan, tables, float(scale), int(sparse_q), int(sparse_kv))
-    return out, lse * math.log(2.0)
+    return out, lse.mul_(_LN2)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -149,7 +150,7 @@ def replay(key: tuple, q: Tensor, k: Tensor, v: Tensor, return_lse: bool
             del _CALLS[key]
             return None
     out, lse = call.launch(q, k, v, return_lse)
-    return out, (lse * math.log(2.0) if return_lse else None)
+    return out, (lse.mul_(_LN2) if return_lse else None)   # the launch's own LSE buffer: scaled in place
 
 
 def _remember(memo: tuple, q: Tensor, k: Tensor, v: Tensor, plan: "_Plan", tables: tuple, scale: float,
@@ -178,9 +179,10 @@ def _remember(memo: tuple, q: Tensor, k: Tensor, v: Tensor, plan: "_Plan", table
 
 
 def _signature(q: Tensor, k: Tensor, v: Tensor) -> tuple:
-    return ((q.shape, q.stride(), q.dtype, q.device, q.data_ptr() & 15),
-            (k.shape, k.stride(), k.dtype, k.device, k.data_ptr() & 15),
-            (v.shape, v.stride(), v.dtype, v.device, v.data_ptr() & 15))
+    # one flat tuple: it is built on every memo hit
+    return (q.shape, q.stride(), q.dtype, q.device, q.data_ptr() & 15,
+            k.shape, k.stride(), k.dtype, k.device, k.data_ptr() & 15,
+            v.shape, v.stride(), v.dtype, v.device, v.data_ptr() & 15)
 
 
 def clear() -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
+import types
+
 import pytest
 import torch
 
@@ -148,17 +150,30 @@ def test_descriptors_are_encoded_once_per_address(monkeypatch):
     assert first[18] is b[1] and first[19][0] is b[2]   # the arguments after the descriptor, in order
 
 
-def test_direct_plan_groups_constants_and_keeps_the_order():
-    """The C launcher's argument list is planned once: runs of constants as one segment, inputs, descriptors
-    (with their metadata) and per-call tuples in argument order; a metadata slot that holds no descriptor
-    makes the plan (and so the direct path) unusable."""
-    desc = ("descriptor", 0, object, {})
+def test_direct_args_mark_the_per_call_places_in_argument_order():
+    """The C launcher's argument list is laid out once: the launch head, then the kernel's arguments in
+    order, constants in place and None where an input, a per-call tuple or a descriptor's encoding (its
+    width taken from the first call's, which is kept) goes; a metadata slot that holds no descriptor makes
+    the direct path unusable."""
+    from fa3_inductor._compat import DescriptorLauncher
+
+    x, y, b = _inputs()
+    desc = ("descriptor", 0, Descriptor, dict(shape=[4, 8], strides=[8, 1], block_shape=[2, 8]))
     recipe = (desc, ("input", 1), ("tuple", (("input", 2),)), ("const", 7), ("const", 0.5), ("const", None))
-    plan = fast_launch._direct_plan(recipe, {0: "m"})
-    assert plan == ((fast_launch._DESCRIPTOR, 0, desc, "m"), (fast_launch._INPUT, 1),
-                    (fast_launch._BUILT, ("tuple", (("input", 2),))), (fast_launch._CONSTS, (7, 0.5, None)))
+    direct = DescriptorLauncher(None, False, True, {0: "m"},
+                                lambda d, meta: [("map", d.base.data_ptr()), *d.shape, *d.strides])
+    kernel = types.SimpleNamespace(function="fn", packed_metadata="pm")
+    seed = {}
+    args = fast_launch._DirectArgs.of(kernel, (3, 2, 1), recipe, direct, (x, y, b), seed)
+    head = fast_launch._HEAD
+    assert args.template[:head] == [3, 2, 1, None, "fn", False, True, None, None, "pm", None, None, None]
+    assert args.template[head:] == [None] * 5 + [None, None, 7, 0.5, None]
+    assert args.descriptors == ((head, 5, 0, 0, desc, "m"),)
+    assert args.inputs == ((head + 5, 1),) and args.built == ((head + 6, ("tuple", (("input", 2),))),)
+    assert seed == {(0, x.data_ptr()): [("map", x.data_ptr()), 4, 8, 8, 1]}
+    no_descriptor = direct._replace(descriptor_meta={3: "m"})
     with pytest.raises(fast_launch._Uncacheable):
-        fast_launch._direct_plan(recipe, {3: "m"})
+        fast_launch._DirectArgs.of(kernel, (3, 2, 1), recipe, no_descriptor, (x, y, b), {})
 
 
 def test_signature_tells_alignment_and_layout_apart():

@@ -47,7 +47,8 @@ class _Launch:
     # encodings: (argument position, data_ptr) -> the C arguments. None: launch through kernel.run.
     direct: Any = None
     encoded: Optional[dict] = None
-    direct_plan: tuple = ()      # the C launcher's argument list in segments, see _direct_plan
+    args: Optional["_DirectArgs"] = None   # the C launcher's argument list, see _DirectArgs
+    device: Optional[int] = None           # the inputs' CUDA device index (part of the key)
 
 
 _CACHE: dict[Hashable, _Launch] = {}
@@ -101,13 +102,14 @@ def launch_cached(key: Hashable, inputs: Sequence[Optional[torch.Tensor]],
     constants = tuple(step[1] if step[0] == "const" else None for step in recipe)
     slots = tuple((pos, step) for pos, step in enumerate(recipe) if step[0] != "const")
     direct = tensordesc_launcher(kernel)
-    plan = ()
+    direct_args, encoded = None, {}
     if direct is not None:
         try:
-            plan = _direct_plan(recipe, direct.descriptor_meta)
+            direct_args = _DirectArgs.of(kernel, grid, recipe, direct, inputs, encoded)
         except _Uncacheable:
             direct = None
-    _CACHE[key] = _Launch(kernel, grid, constants, slots, tag, direct, {} if direct is not None else None, plan)
+    _CACHE[key] = _Launch(kernel, grid, constants, slots, tag, direct, encoded if direct is not None else None,
+                          direct_args, inputs[0].device.index)
     return tag
 
 
@@ -116,23 +118,34 @@ def recorded(key: Hashable) -> Optional[_Launch]:
 
     Example::
 
-        >>> entry = recorded(key); relaunch(entry, inputs)   # doctest: +SKIP
+        >>> entry = recorded(key); launcher(entry)(inputs)   # doctest: +SKIP
     """
     entry = _CACHE.get(key)
     return entry if entry is not None and entry.kernel is not None else None
 
 
-def relaunch(entry: _Launch, inputs: Sequence[Optional[torch.Tensor]]) -> Any:
-    """Launch a recorded entry (from :func:`recorded`) on new ``inputs`` of the same signature;
-    returns its tag. The caller guarantees the signature (shapes, strides, dtypes, alignment).
+def launcher(entry: _Launch) -> Callable[[Sequence[Optional[torch.Tensor]]], None]:
+    """A function that launches a recorded entry (from :func:`recorded`) on new inputs of the same
+    signature, with what a launch looks up (the stream getter, the device) looked up once. The caller
+    guarantees the signature (shapes, strides, dtypes, alignment).
 
     Example::
 
-        >>> relaunch(recorded(key), [q, k, v, out])   # doctest: +SKIP
-        'hopper'
+        >>> go = launcher(recorded(key)); go([q, k, v, out])   # doctest: +SKIP
     """
-    _relaunch(entry, inputs)
-    return entry.tag
+    if entry.direct is None:
+        return lambda inputs: _relaunch(entry, inputs)
+    from triton.runtime.driver import driver
+
+    get_stream, device = driver.active.get_current_stream, entry.device
+
+    def go(inputs: Sequence[Optional[torch.Tensor]]) -> None:
+        if launch_hooks_active():
+            _relaunch(entry, inputs)
+        else:
+            _launch_direct(entry, get_stream(device), inputs)
+
+    return go
 
 
 def clear() -> None:
@@ -174,36 +187,6 @@ def _step(value: Any, index_of: dict) -> tuple:
     return ("const", value)
 
 
-# _direct_plan segment kinds
-_CONSTS, _INPUT, _DESCRIPTOR, _BUILT = range(4)
-
-
-def _direct_plan(recipe: tuple, descriptor_meta: dict) -> tuple:
-    """The C launcher's argument list as segments, so that a hit touches only what changes per call:
-    (_CONSTS, values) runs of constants, (_INPUT, i) an input tensor, (_DESCRIPTOR, position, step, meta)
-    a TMA descriptor over an input (encoded per address), (_BUILT, step) anything else built per call."""
-    plan, consts = [], []
-    for pos, step in enumerate(recipe):
-        meta = descriptor_meta.get(pos)
-        if meta is None and step[0] == "const":
-            consts.append(step[1])
-            continue
-        if consts:
-            plan.append((_CONSTS, tuple(consts)))
-            consts = []
-        if meta is not None:
-            if step[0] != "descriptor":
-                raise _Uncacheable()
-            plan.append((_DESCRIPTOR, pos, step, meta))
-        elif step[0] == "input":
-            plan.append((_INPUT, step[1]))
-        else:
-            plan.append((_BUILT, step))
-    if consts:
-        plan.append((_CONSTS, tuple(consts)))
-    return tuple(plan)
-
-
 def _build(step: tuple, inputs: Sequence) -> Any:
     kind = step[0]
     if kind == "input":
@@ -231,7 +214,7 @@ def _relaunch(entry: _Launch, inputs: Sequence) -> None:
     from triton import knobs
 
     kernel = entry.kernel
-    stream = _current_stream(inputs[0].device.index)
+    stream = _current_stream(entry.device)
     if entry.direct is not None and not launch_hooks_active():
         _launch_direct(entry, stream, inputs)
         return
@@ -246,37 +229,71 @@ def _relaunch(entry: _Launch, inputs: Sequence) -> None:
 
 
 _MAX_ENCODED = 64   # encoded descriptors kept per launch entry
+_HEAD = 13          # the C launcher's arguments before the kernel's: grid, stream, function, flags, metadata, hooks
+
+
+class _DirectArgs:
+    """The C launcher's whole argument list for one entry, with the per-call places marked.
+
+    A hit copies ``template`` (the launch head, the constants, and None where a call's values go) and fills
+    in the stream, the input tensors, the few arguments built per call, and each TMA descriptor's encoding
+    (a CUtensorMap plus its shape and strides). The entry's key fixes every descriptor's shape, strides,
+    dtype and block, so its encoding depends only on the base address: a compiled graph that reuses its
+    buffers' addresses skips cuTensorMapEncodeTiled and triton's Python wrapper per call.
+    """
+
+    __slots__ = ("template", "inputs", "built", "descriptors")
+
+    def __init__(self, template: list, inputs: tuple, built: tuple, descriptors: tuple):
+        self.template = template        # [grid x/y/z, None (stream), function, ..., kernel arguments]
+        self.inputs = inputs            # (index in the list, input index)
+        self.built = built              # (index in the list, recipe step) built per call
+        self.descriptors = descriptors  # (index in the list, length, argument position, input index, step, meta)
+
+    @staticmethod
+    def of(kernel: Any, grid: tuple, recipe: tuple, direct: Any, inputs: Sequence,
+           seed: dict) -> "_DirectArgs":
+        """The argument list of ``recipe``; ``seed`` receives the encodings of ``inputs``' descriptors."""
+        template = [*grid, None, kernel.function, direct.cooperative, direct.pdl, None, None,
+                    kernel.packed_metadata, None, None, None]
+        assert len(template) == _HEAD
+        at_input, at_built, at_desc = [], [], []
+        for pos, step in enumerate(recipe):
+            meta = direct.descriptor_meta.get(pos)
+            if meta is not None:
+                if step[0] != "descriptor":
+                    raise _Uncacheable()
+                # the first call's encoding: its width (1 + 2 x rank) is fixed per step, and it is kept
+                enc = seed[(pos, inputs[step[1]].data_ptr())] = direct.expand(_build(step, inputs), meta)
+                width = len(enc)
+                at_desc.append((len(template), width, pos, step[1], step, meta))
+                template.extend([None] * width)
+            elif step[0] == "const":
+                template.append(step[1])
+            elif step[0] == "input":
+                at_input.append((len(template), step[1]))
+                template.append(None)
+            else:
+                at_built.append((len(template), step))
+                template.append(None)
+        return _DirectArgs(template, tuple(at_input), tuple(at_built), tuple(at_desc))
 
 
 def _launch_direct(entry: _Launch, stream: int, inputs: Sequence) -> None:
-    """Launch through the C launcher with each TMA descriptor encoded once per (argument, address).
-
-    The entry's key fixes every descriptor's shape, strides, dtype and block, so its encoding (a
-    CUtensorMap plus its shape and strides) depends only on the base address: a compiled graph that
-    reuses its buffers' addresses skips cuTensorMapEncodeTiled and triton's Python wrapper per call.
-    The argument list is assembled from the entry's plan: constants in runs, no descriptor object
-    built unless its address is new.
-    """
-    direct, encoded = entry.direct, entry.encoded
-    flat = []
-    for seg in entry.direct_plan:
-        kind = seg[0]
-        if kind == _CONSTS:
-            flat.extend(seg[1])
-        elif kind == _INPUT:
-            flat.append(inputs[seg[1]])
-        elif kind == _DESCRIPTOR:
-            _, pos, step, meta = seg
-            key = (pos, inputs[step[1]].data_ptr())
-            enc = encoded.get(key)
-            if enc is None:
-                if len(encoded) >= _MAX_ENCODED:
-                    encoded.clear()
-                enc = encoded[key] = direct.expand(_build(step, inputs), meta)
-            flat.extend(enc)
-        else:
-            flat.append(_build(seg[1], inputs))
-    kernel = entry.kernel
-    g0, g1, g2 = entry.grid
-    direct.launch(g0, g1, g2, stream, kernel.function, direct.cooperative, direct.pdl, None, None,
-                  kernel.packed_metadata, None, None, None, *flat)
+    """Launch through the C launcher with each TMA descriptor encoded once per (argument, address)."""
+    plan, encoded = entry.args, entry.encoded
+    args = plan.template.copy()
+    args[3] = stream
+    for at, i in plan.inputs:
+        args[at] = inputs[i]
+    for at, step in plan.built:
+        args[at] = _build(step, inputs)
+    for at, width, pos, i, step, meta in plan.descriptors:
+        key = (pos, inputs[i].data_ptr())
+        enc = encoded.get(key)
+        if enc is None:
+            if len(encoded) >= _MAX_ENCODED:
+                encoded.clear()
+            enc = encoded[key] = entry.direct.expand(_build(step, inputs), meta)
+        args[at:at + width] = enc
+    entry.direct.launch(*args)

@@ -17,7 +17,7 @@ from torch import Tensor
 from .._log import info_once, warn_once
 from ..templates.modgen import load_mod
 from . import backward_cpu  # noqa: F401  (defines fa3_inductor::flex_bwd beside flex_fwd)
-from .fast_launch import launch_cached, recorded, relaunch, tensor_signature
+from .fast_launch import launch_cached, launcher, recorded, tensor_signature
 from .generic import launch_generic
 from .kernel_failures import is_build_error, kernel_failure, record_kernel_failure, torch_forward
 from .spec import SiteSpec
@@ -231,12 +231,14 @@ def bound_launch(q: Tensor, k: Tensor, v: Tensor, tables: tuple, score_bufs: lis
     if entry is None:
         return None
     rest = (*tables, *score_bufs, *mask_bufs)
-    tag = entry.tag
+    tag, go = entry.tag, launcher(entry)
+    out_shape, out_strides = probe[3].shape, probe[3].stride()
+    dtype, device = q.dtype, q.device
 
     def launch(q: Tensor, k: Tensor, v: Tensor, want_lse: bool) -> tuple[Tensor, Optional[Tensor]]:
-        out = _out_like(q, v)
+        out = torch.empty_strided(out_shape, out_strides, dtype=dtype, device=device)
         lse_out = torch.empty_like(lse) if want_lse else lse
-        relaunch(entry, (q, k, v, out, lse_out, row_max, *rest))
+        go((q, k, v, out, lse_out, row_max, *rest))
         _state.template = tag
         return out, lse_out if want_lse else None
 
