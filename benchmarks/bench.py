@@ -380,7 +380,7 @@ def run_case(case: Case, impls: list[str], device, dtype, log, fa3_templates=FA3
     Every impl is compiled, warmed up and checked first; then all are timed in ``rounds``
     interleaved rounds, odd rounds in reverse order, and each row takes the median of its rounds:
     a single timing per impl, taken one after the other, carries the GPU's clock and thermal drift
-    into the ratios (identical launches differed by ~5% that way, templates/hopper/DESIGN.md)."""
+    into the ratios (identical launches differed by ~5% that way, docs/measuring.md)."""
     spec = make_mod(case.mod, case.heads, case.seqlen, device, window)
     block_mask = None
     if spec.mask_mod is not None:

@@ -1,6 +1,6 @@
 """Every torch/triton version switch of the package lives here.
 
-The GPU machines run torch 2.11 + triton 3.6, CI runs torch 2.13 (FACTS.md, "Torch internals
+The GPU machines run torch 2.11 + triton 3.6, CI runs torch 2.13 (docs/facts.md, "Torch internals
 that move between 2.11 and 2.13"). Code elsewhere calls these helpers instead of testing
 versions itself.
 """

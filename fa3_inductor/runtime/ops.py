@@ -2,7 +2,7 @@
 
 ``torch.ops.fa3_inductor.flex_fwd`` is an opaque custom op: Inductor emits one extern call to
 it, and it launches our kernel. One mechanism serves both template families (Gluon kernels do
-not survive Inductor's ``wrap_triton`` re-emission: FACTS.md). Mods reach it as generated
+not survive Inductor's ``wrap_triton`` re-emission: docs/facts.md). Mods reach it as generated
 source inside the ``spec`` string, so a graph served from Inductor's cache rebuilds them.
 """
 

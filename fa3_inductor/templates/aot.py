@@ -1,6 +1,6 @@
 """Compile a kernel launch for a GPU target without a GPU, and read what the compiler made.
 
-How CI checks the Hopper code paths on a CPU machine (FACTS.md): the arguments are specialized
+How CI checks the Hopper code paths on a CPU machine (docs/facts.md): the arguments are specialized
 exactly as the JIT would specialize them at launch, handed to ``triton.compile`` for
 ``GPUTarget("cuda", 90, 32)``, and the cubin is read with the ``cuobjdump`` shipped in the
 triton wheel (registers, stack, spills, HGMMA / setmaxnreg instructions).

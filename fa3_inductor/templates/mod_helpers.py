@@ -4,7 +4,7 @@ Each helper is a plain function over a language module ``L``; :func:`_dialect` b
 ``triton.language`` (``@triton.jit``, generic template) or to Gluon's language (``@gluon.jit``,
 Hopper template). Generated ``tl`` mods import ``TL as H``, ``gl`` mods ``GL as H``.
 
-tanh uses the hardware ``tanh.approx.f32`` (FACTS.md: libdevice tanh halves softcap
+tanh uses the hardware ``tanh.approx.f32`` (docs/facts.md: libdevice tanh halves softcap
 throughput; max abs error 8e-6 on [-16, 16]); the CPU interpreter cannot run inline PTX, so
 there tanh is computed from exp. torch's floor division and remainder round toward -inf;
 Triton's ``//`` and ``%`` truncate toward zero, so both are corrected here (ints and floats).
