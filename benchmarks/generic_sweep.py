@@ -26,8 +26,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from fa3_inductor import mods  # noqa: E402
-from fa3_inductor.runtime.configs import GenericConfig, generic_config  # noqa: E402
-from fa3_inductor.runtime.generic import launch_generic  # noqa: E402
+from fa3_inductor.templates.generic.configs import GenericConfig, generic_config  # noqa: E402
+from fa3_inductor.templates.generic.host import launch_generic  # noqa: E402
 from fa3_inductor.templates.modgen import BufferSpec, generate_mod_source, load_mod, trace_mod  # noqa: E402
 
 CANDIDATES = {

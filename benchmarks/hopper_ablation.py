@@ -5,8 +5,18 @@
 For each shape: checks every kernel variant first (float64 reference on a slice of batch 0 / the
 first heads, fresh random inputs, NaN-poisoned outputs), then times it with
 triton.testing.do_bench (median). TFLOP/s = 4·B·H·N²·D / t, halved for causal.
-Variants: full (pingpong + intra-warpgroup overlap, table stages), no pingpong, no overlap,
-neither, +1 stage, persistent; plus tanh softcap (score_mod) on the full kernel.
+Variants: full (pingpong + intra-warpgroup overlap, table stages), no overlap, +-1 stage, persistent; plus
+tanh softcap (score_mod) on the full kernel; --schedule: one CTA per tile against persistent.
+
+Ablations whose switch left the production kernel (every shipped config took one value; see
+templates/hopper/configs.py) last existed at commit 7bfe679, where this script still runs them:
+  * "no pingpong" / "no pingpong, no overlap" (Sm90Config.pingpong): pingpong +1-4% non-causal at D=128 / 256
+    on an H200, within the noise for causal and D=64 (hopper-ablation-nvidia-h200-2026-11-22-0715; the H100
+    runs in docs/design/hopper_kernel.md, "Pipeline ablations");
+  * "persistent, O in Q" (Sm90Config.o_stage=False; --schedule): persistent launches stage O in a buffer of
+    their own wherever it fits (hopper-sched-nvidia-h200-2026-11-22-0304);
+  * lazy rescale, exp2 emulation outside SFU-bound mods and padded (unsplit) shared tiles: measured by
+    benchmarks/hopper_mods.py at 7bfe679 (hopper-mods-nvidia-h200-2026-11-22-0630, -1653-split-d96-d80).
 """
 from __future__ import annotations
 
@@ -110,14 +120,11 @@ def main():
         variants = [("full", {}, False)]
         sweep = label.startswith("sweep")
         if D != 128 and not sweep:
-            variants += [("no pingpong", dict(pingpong=False), False),
-                         ("no overlap", dict(overlap=False), False)]
+            variants += [("no overlap", dict(overlap=False), False)]
             if base.num_stages > 2:
                 variants += [(f"{base.num_stages - 1} stages", dict(num_stages=base.num_stages - 1), False)]
         if D == 128 and not sweep:
-            variants += [("no pingpong", dict(pingpong=False), False),
-                         ("no overlap", dict(overlap=False), False),
-                         ("no pingpong, no overlap", dict(pingpong=False, overlap=False), False),
+            variants += [("no overlap", dict(overlap=False), False),
                          (f"{base.num_stages + 1} stages", dict(num_stages=base.num_stages + 1), False),
                          ("persistent", dict(persistent=True), False)]
             if not causal:
@@ -125,11 +132,9 @@ def main():
         if sweep and S <= 2048:
             variants += [("persistent", dict(persistent=True), False)]
         if label.startswith("sched"):
+            # persistent: with the O staging buffer where it fits (not at D=256)
             variants = [("one CTA per tile", dict(persistent=False), False),
-                        ("persistent + O stage", dict(persistent=True), False),
-                        ("persistent, O in Q", dict(persistent=True, o_stage=False), False)]
-            if D == 256:
-                variants = variants[:2]   # D=256 has no room for the O buffer: both persistent runs are alike
+                        ("persistent", dict(persistent=True), False)]
         bm = causal_block_mask(S) if causal else None
 
         def cudnn():

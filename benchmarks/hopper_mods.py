@@ -11,12 +11,15 @@ over all variants, odd rounds in reverse order (the spread is the noise). TFLOP/
 
 Variants, launched as the product launches them (max_needed=False); "table" = the config table's choice:
 noop; softcap (table: a fixed exponent base, no row max; at D=64 half the exp2 on the FMA pipe), softcap
-with the row max asked for ("softcap max"), noop and softcap with none / a quarter / half of the exp2
-columns on the FMA pipe (emu=0 / 1 / 2); noop and softcap without pingpong (both consumer warpgroups' softmax
-may then share the special-function unit); ALiBi (table), "alibi folded" (generated as
-qk + slope/sm_scale * (kv - q)) and "alibi unfolded", its twin that forms score = qk * sm_scale first
-(launched for sm_scale <= 0 and at D=64; what modgen generated before that fold); "alibi affine=off"
-and "relbias affine=off" evaluate those KV_AFFINE mods per score instead of as column / tile / row parts. Shapes are BxHxS, BxHxSxD (D 128 by default) or BxHxSxDxDv. With --baseline (a copy of an older fwd_sm90.py, imports made
+with the row max asked for ("softcap max"), softcap with the exp2 emulation off / on ("softcap emu=off / on":
+Sm90Config.sfu_mod_exp2_emu); ALiBi (table), "alibi folded" (generated as qk + slope/sm_scale * (kv - q)) and
+"alibi unfolded", its twin that forms score = qk * sm_scale first (launched for sm_scale <= 0 and at D=64;
+what modgen generated before that fold); relative bias.
+Variants of switches that left the kernel (last at commit 7bfe679, where this script still runs them): noop
+with a quarter / half of the exp2 on the FMA pipe and softcap with a quarter (emu=1 / 2,
+hopper-mods-nvidia-h200-2026-11-22-0630), noop / softcap without pingpong, "alibi / relbias affine=off" (the
+KV_AFFINE mods per score, hopper-mods-nvidia-h200-2026-11-22-0825, -0827), --lazy-ablation (lazy rescale).
+Shapes are BxHxS, BxHxSxD (D 128 by default) or BxHxSxDxDv. With --baseline (a copy of an older fwd_sm90.py, imports made
 absolute) the old kernel runs noop / softcap / ALiBi with the old generated mod sources, in the same run.
 """
 from __future__ import annotations
@@ -36,7 +39,7 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from fa3_inductor import mods  # noqa: E402
 from fa3_inductor.templates.hopper import get_config, launch_fwd_sm90  # noqa: E402
-from fa3_inductor.templates.modgen import BufferSpec, generate_mod_source, load_mod, trace_mod  # noqa: E402
+from fa3_inductor.templates.modgen import BufferSpec, generate_mod_source, load_mod, trace_mod, unfolded_of  # noqa: E402
 
 SOFTCAP = 30.0   # as benchmarks/bench.py
 
@@ -106,8 +109,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--baseline", default=None)
     ap.add_argument("--shapes", default="4x16x4096,1x16x16384")
-    ap.add_argument("--lazy-ablation", action="store_true", help="also noop/softcap/alibi with lazy_rescale flipped")
-    ap.add_argument("--no-emu", action="store_true", help="skip the exp2_emu variants")
+    ap.add_argument("--no-emu", action="store_true", help="skip the sfu_mod_exp2_emu variants")
     ap.add_argument("--variants", default=None,
                     help="comma-separated variant names to keep (default: all), e.g. 'noop,alibi folded'; a name "
                          "'<noop|softcap|alibi|relbias> field=value ...' adds that mod with Sm90Config overrides, "
@@ -144,27 +146,15 @@ def main():
         launch = functools.partial(launch_fwd_sm90, max_needed=False)
         variants = [  # (name, launcher, score_mod, config overrides, reference mod key)
             ("noop", launch, None, {}, "noop"),
-            ("noop emu=1", launch, None, dict(exp2_emu=1), "noop"),
-            ("noop emu=2", launch, None, dict(exp2_emu=2), "noop"),
             ("softcap", launch, g_soft, {}, "softcap"),
             ("softcap max", launch_fwd_sm90, g_soft, {}, "softcap"),
-            ("softcap emu=0", launch, g_soft, dict(exp2_emu=0, sfu_mod_exp2_emu=0), "softcap"),
-            ("softcap emu=1", launch, g_soft, dict(exp2_emu=1), "softcap"),
-            ("softcap emu=2", launch, g_soft, dict(exp2_emu=2), "softcap"),
-            ("softcap pingpong=off", launch, g_soft, dict(pingpong=False), "softcap"),
-            ("noop pingpong=off", launch, None, dict(pingpong=False), "noop"),
+            ("softcap emu=off", launch, g_soft, dict(sfu_mod_exp2_emu=False), "softcap"),
+            ("softcap emu=on", launch, g_soft, dict(sfu_mod_exp2_emu=True), "softcap"),
             ("alibi", launch, g_alibi, {}, "alibi"),
             ("alibi folded", launch, g_alibi, dict(fold_sm_scale=True), "alibi"),
-            ("alibi unfolded", launch, g_alibi.unfolded, {}, "alibi"),
-            ("alibi affine=off", launch, g_alibi, dict(affine_mods=False), "alibi"),
+            ("alibi unfolded", launch, unfolded_of(g_alibi), {}, "alibi"),
             ("relbias", launch, g_rel, {}, "relbias"),
-            ("relbias affine=off", launch, g_rel, dict(affine_mods=False), "relbias"),
         ]
-        if args.lazy_ablation:   # the table's lazy_rescale flipped, same kernel otherwise
-            lazy = not get_config(D, dtype, value_head_dim=Dv).lazy_rescale
-            variants += [(f"{n} lazy={'on' if lazy else 'off'}", launch, m, dict(lazy_rescale=lazy), r)
-                         for n, m, r in (("noop", None, "noop"), ("softcap", g_soft, "softcap"),
-                                         ("alibi", g_alibi, "alibi"))]
         if args.persistent_ablation:   # use_persistent() decides per launch; force each way
             variants += [(f"{n} persistent={'on' if on else 'off'}", launch, m, dict(persistent=on), r)
                          for on in (True, False)

@@ -8,7 +8,7 @@ cProfile lists the most expensive functions of the full `fa3_inductor.flex` call
     python benchmarks/host_overhead.py [--head-dim 96]   # on a GPU machine; prints a table
 
 --head-dim (default 128): D of the tiny problem. A head dim that is not a power of two (80, 96, 160, 192)
-launches the Hopper kernel with eight TMA descriptors (two per operand) instead of four.
+launches the Hopper kernel with eight TMA descriptors (two shared tiles per operand) instead of four.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import fa3_inductor  # noqa: E402
 from fa3_inductor.runtime.spec import SiteSpec  # noqa: E402
+from fa3_inductor.templates import registry  # noqa: E402
 
 
 def per_call_us(fn, n: int = 300) -> float:
@@ -47,7 +48,7 @@ def main() -> None:
 
     from fa3_inductor import mods
     from fa3_inductor.runtime import fast_launch
-    from fa3_inductor.runtime.generic import prepare_generic
+    from fa3_inductor.templates.generic.host import prepare_generic
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--head-dim", type=int, default=128)
@@ -77,7 +78,8 @@ def main() -> None:
         add(f"fa3 flex() {template}, no mask", lambda t=template: fa3_inductor.flex(q, k, v, template=t))
         add(f"fa3 flex() {template}, causal", lambda t=template: fa3_inductor.flex(q, k, v, block_mask=bm, template=t))
     for template in ("hopper", "generic"):
-        spec = SiteSpec(template).to_json()
+        families = ("hopper", "generic", "torch") if template == "hopper" else ("generic", "torch")
+        spec = SiteSpec(families, tuple((registry.family(f).dialect, None, None) for f in families)).to_json()
         op = torch.ops.fa3_inductor.flex_fwd.default
         add(f"op flex_fwd ({template}), no mask", lambda s=spec: op(q, k, v, None, None, None, None, [], [], D ** -0.5, 128, 128, s))
     from fa3_inductor.templates.hopper import prepare_fwd_sm90
@@ -89,18 +91,6 @@ def main() -> None:
         key = ("host-overhead", name, fast_launch.tensor_signature([q, k, v, out, lse, mx]))
         fast_launch.launch_cached(key, [q, k, v, out, lse, mx], lambda p=prep: (*p(q, k, v, out, lse, mx, sm_scale=D ** -0.5), name))
         add(f"fast_launch hit ({name})", lambda key=key: fast_launch.launch_cached(key, [q, k, v, out, lse, mx], None))
-    if D & (D - 1):   # the same launch with one padded shared tile per operand: four descriptors, not eight
-        from fa3_inductor.templates.hopper import get_config
-
-        padded = get_config(D, torch.bfloat16, split_smem=False)
-        key = ("host-overhead", "hopper-padded", fast_launch.tensor_signature([q, k, v, out, lse, mx]))
-        fast_launch.launch_cached(key, [q, k, v, out, lse, mx], lambda: (*prepare_fwd_sm90(
-            q, k, v, out, lse, mx, sm_scale=D ** -0.5, config=padded), "hopper"))
-        add("fast_launch hit (hopper, padded tiles)", lambda key=key: fast_launch.launch_cached(
-            key, [q, k, v, out, lse, mx], None))
-        add("fast_launch hit (hopper) again", lambda: fast_launch.launch_cached(
-            ("host-overhead", "hopper", fast_launch.tensor_signature([q, k, v, out, lse, mx])),
-            [q, k, v, out, lse, mx], None))
 
     print("\ncProfile of 200 fa3_inductor.flex calls (causal, auto):")
     prof = cProfile.Profile()

@@ -155,7 +155,7 @@ def run_case(name: str, seqlen: int, impls: list[str], device: torch.device, dty
     """Time one model at one seqlen under every impl; one row per impl."""
     from transformers import AutoModel
 
-    from fa3_inductor.lowering.report import site_records  # (imports the package: backend "fa3")
+    from fa3_inductor.report import site_records  # (imports the package: backend "fa3")
 
     torch._dynamo.reset()  # each case builds new modules: without a reset they pile up guards
     torch.manual_seed(0)

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from fa3_inductor import mods  # noqa: E402
-from fa3_inductor.lowering.canonical import dense_block_mask  # noqa: E402
+from fa3_inductor.recognition.canonical import dense_block_mask  # noqa: E402
 from fa3_inductor.templates.hopper import get_config, launch_fwd_sm90  # noqa: E402
 
 from hopper_mods import config_overrides, gen  # noqa: E402

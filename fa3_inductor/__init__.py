@@ -17,8 +17,7 @@ from .api import flex
 from ._log import register_torch_log
 from .backend import ensure_registered, fa3_backend
 from .explain import ExplainReport, explain
-from .lowering.report import (clear_lowered_sites, lowered_backward_sites, lowered_sites,
-                               recognized_sites)
+from .report import clear_lowered_sites, lowered_backward_sites, lowered_sites, recognized_sites
 from .runtime.ops import last_template
 
 __all__ = ["flex", "mods", "fa3_backend", "lowered_sites", "lowered_backward_sites",

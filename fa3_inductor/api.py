@@ -15,7 +15,7 @@ from . import _compat, direct
 from ._log import info_once
 from .backend import fa3_backend
 from .block_masks import build_block_mask, cached_block_mask
-from .config import TEMPLATES
+from .config import templates
 from .runtime.ops import last_template, record_template
 
 _MAX_COMPILED = 64
@@ -208,8 +208,8 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
         if hit is not None:
             return hit if return_lse else hit[0]
     _check_inputs(q, k, v, score_mod, mask_mod, block_mask, scale, enable_gqa)
-    if template not in TEMPLATES:
-        raise ValueError(f"flex: template must be one of {TEMPLATES}, got {template!r}")
+    if template not in templates():
+        raise ValueError(f"flex: template must be one of {templates()}, got {template!r}")
     if mask_mod is not None:
         block_mask = _block_mask_of(mask_mod, q, k)
     _check_block_mask_fits(block_mask, q, k)

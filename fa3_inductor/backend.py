@@ -18,12 +18,13 @@ import torch
 
 from . import _compat
 from .config import split_options
-from .lowering import flex_lowering, module_state
+from .lowering import flex_lowering, registration
 from .lowering.passes import Fa3PostGradPass
-from .lowering.recognize_flex import flex_call_sites, tag_rewritten
-from .lowering.recognize_sdpa import rewrite_sdpa
-from .lowering.rewrite_pays import unless_small
-from .lowering.report import record_recognized
+from .recognition import module_state
+from .recognition.recognize_flex import flex_call_sites, tag_rewritten
+from .recognition.recognize_sdpa import rewrite_sdpa
+from .recognition.rewrite_pays import unless_small
+from .report import record_recognized
 
 
 def fa3_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
@@ -50,7 +51,7 @@ def fa3_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
         raise ValueError("backend 'fa3' installs its own post_grad_custom_post_pass; compose "
                          "your pass with backend='inductor' or ask for a hook")
     patches["post_grad_custom_post_pass"] = Fa3PostGradPass(settings)
-    flex_lowering.install()
+    registration.install()
     extra_inputs: list = []
     guards: list = []
     if settings.recognize and settings.template != "torch":
@@ -69,7 +70,7 @@ def fa3_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
 
 def _with_extra_inputs(inner: Any, extra: list, guards: list) -> Any:
     """The compiled graph takes recognition's constants after the caller's inputs, and first
-    checks the module buffers recognition read as constants (lowering/module_state.py)."""
+    checks the module buffers recognition read as constants (recognition/module_state.py)."""
     def run(*args: Any) -> Any:
         for guard in guards:
             guard.check(args[guard.index])
@@ -128,7 +129,7 @@ def recognize(gm: torch.fx.GraphModule, example_inputs: Optional[list] = None
     with module_state.constants(_module_buffers(gm, example_inputs or [])) as guards:
         served = unless_small(flex_lowering.unserved_reason)   # small CUDA sites stay as written
         sites, extra_inputs = rewrite_sdpa(gm, served)
-        from .lowering.recognize_manual import rewrite_manual
+        from .recognition.recognize_manual import rewrite_manual
         manual_sites, manual_inputs = rewrite_manual(gm, served)
     sites, extra_inputs = sites + manual_sites, extra_inputs + manual_inputs
     # (every rewriting pass runs above this line: the next one tags the nodes they made)

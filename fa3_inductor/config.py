@@ -10,16 +10,28 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-TEMPLATES = ("auto", "hopper", "generic", "torch")
+
+
+def templates() -> tuple[str, ...]:
+    """What the ``template`` option may name: "auto" and every kernel family (templates/registry.py).
+
+    Example::
+
+        >>> templates()
+        ('auto', 'hopper', 'generic', 'torch')
+    """
+    from .templates.registry import names
+
+    return ("auto", *names())
 
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """What the fa3 backend may do.
 
-    template:  "auto" picks the best of ours per site; "hopper"/"generic" force a family
-               (sites it cannot serve fall back, with the reason logged); "torch" turns our
-               lowering off (torch's own flex kernels run).
+    template:  "auto" picks the best of ours per site; a family's name ("hopper", "generic") starts
+               there (families it cannot serve fall back, in the registry's order, with the reason
+               logged); "torch" turns our lowering off (torch's own flex kernels run).
     recognize: rewrite attention written another way (today: SDPA calls) into the
                flex_attention op our lowering serves; False leaves the graph as Dynamo made it.
     """
@@ -28,8 +40,8 @@ class Settings:
     recognize: bool = True
 
     def __post_init__(self) -> None:
-        if self.template not in TEMPLATES:
-            raise ValueError(f"fa3 option 'fa3.template' must be one of {TEMPLATES}, "
+        if self.template not in templates():
+            raise ValueError(f"fa3 option 'fa3.template' must be one of {templates()}, "
                              f"got {self.template!r}")
 
 

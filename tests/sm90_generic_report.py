@@ -12,7 +12,7 @@ DOC_DTYPE = torch.int64  # what document ids usually are
 from torch.nn.attention.flex_attention import create_block_mask
 
 from fa3_inductor import mods
-from fa3_inductor.runtime.generic import compile_generic
+from fa3_inductor.templates.generic.host import compile_generic
 from fa3_inductor.templates.aot import sass_report
 from fa3_inductor.templates.modgen import BufferSpec, generate_mod_source, load_mod, trace_mod
 

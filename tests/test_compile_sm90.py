@@ -28,9 +28,9 @@ def test_every_variant_uses_wgmma_without_spills(generic_reports):
 
 
 def test_compiled_with_the_shipped_tiles(generic_reports):
-    # sm90 runs a software-pipelined loop (runtime/configs.py says why not Triton 3.6's
+    # sm90 runs a software-pipelined loop (templates/generic/configs.py says why not Triton 3.6's
     # warp specialization): the warps the table gives, and no register reallocation.
-    from fa3_inductor.runtime.configs import generic_config
+    from fa3_inductor.templates.generic.configs import generic_config
 
     for r in generic_reports:
         name = f"D{r['D']} {r['dtype']} {r['variant']}"
@@ -88,7 +88,7 @@ def test_generated_gluon_mods_compile_into_the_hopper_kernel(name):
                       sm_scale=0.088, **kw)
     r = sass_report(ck)
     assert r.hgmma > 0 and len(r.setmaxnreg) >= 2
-    # A mod that gathers per-position values costs a few spilled registers (hopper/DESIGN.md).
+    # A mod that gathers per-position values costs a few spilled registers (docs/design/hopper_kernel.md).
     assert r.stack <= (128 if name in ("document", "learned_table") else 0), r.stack
     if name == "softcap":
         assert "MUFU.TANH" in r.sass
@@ -100,7 +100,7 @@ def test_generic_kernel_with_in_kernel_descriptors_compiles_for_sm80(D):
     loads there): it must compile without spills, with the Ampere tile table."""
     import torch
 
-    from fa3_inductor.runtime.generic import compile_generic
+    from fa3_inductor.templates.generic.host import compile_generic
     from fa3_inductor.templates.aot import sass_report
 
     q = torch.randn(2, 4, 512, D, dtype=torch.bfloat16)

@@ -15,7 +15,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import fa3_inductor
 from fa3_inductor.explain import ExplainReport, _link
-from fa3_inductor.lowering.report import LoweredSite, RecognizedSite
+from fa3_inductor.report import LoweredSite, RecognizedSite
 
 
 @pytest.fixture(autouse=True)
@@ -171,8 +171,8 @@ def test_torch_logs_channel_shows_recognition_and_lowering(torch_logs):
 
 
 def test_rewritten_sites_pair_with_new_flex_nodes_in_program_order():
-    from fa3_inductor.lowering.recognize_flex import FLEX_OP, tag_rewritten
-    from fa3_inductor.lowering.report import site_tag
+    from fa3_inductor.recognition.recognize_flex import FLEX_OP, tag_rewritten
+    from fa3_inductor.report import site_tag
 
     graph = torch.fx.Graph()
     x = graph.placeholder("x")

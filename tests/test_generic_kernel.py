@@ -9,7 +9,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 from fa3_inductor import mods
-from fa3_inductor.runtime.generic import launch_generic
+from fa3_inductor.templates.generic.host import launch_generic
 from fa3_inductor.templates.modgen import generate_mod_source, load_mod, trace_mod
 from reference import assert_lse_matches, assert_matches_reference, reference_attention
 
@@ -209,7 +209,7 @@ def test_kv_batch_of_one_broadcasts_over_the_query_batch(device, host_descriptor
 def test_long_plain_sites_take_128x128_tiles_and_match_float64(n):
     """The tile table's long-plain entry (no mod, no mask, >= 2048 keys on sm90: 128x128, 8 warps)
     against float64; GQA and a query length that is not a multiple of 128."""
-    from fa3_inductor.runtime.generic import prepare_generic
+    from fa3_inductor.templates.generic.host import prepare_generic
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the long-plain tiles are an sm90 entry")
     dtype = torch.bfloat16
@@ -225,7 +225,7 @@ def test_long_plain_sites_take_128x128_tiles_and_match_float64(n):
 
 
 def test_tile_table_picks_long_plain_tiles_and_reads_a_tuning_override(monkeypatch):
-    from fa3_inductor.runtime.configs import GenericConfig, generic_config
+    from fa3_inductor.templates.generic.configs import GenericConfig, generic_config
 
     assert generic_config(128, (9, 0)) == GenericConfig(64, 64, 4, 3, False)
     assert generic_config(128, (9, 0), plain_kv_len=4096) == GenericConfig(128, 128, 8, 3, False)

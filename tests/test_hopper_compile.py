@@ -136,12 +136,11 @@ def test_mod_and_sparse_variants_compile(D, variant):
         ck = compile_sm90(q, k, v, o, lse, mx, sm_scale=0.1, score_mod=head_bias_mod, mask_mod=document_mask,
                           score_bufs=(bias,), mask_bufs=(doc,), config=cfg)
     # Known cost: a mask_mod that gathers [BLOCK_N] ids per KV tile from a buffer spills a few registers
-    # (measured STACK 24-96 bytes, 4-16 LDL/STL; see hopper/DESIGN.md). Bounded here so it cannot grow.
+    # (measured STACK 24-96 bytes, 4-16 LDL/STL; see docs/design/hopper_kernel.md). Bounded here so it cannot grow.
     _check(ck, cfg, D, cfg.block_n, "BF16", max_stack=128)
 
 
-@pytest.mark.parametrize("over", [dict(pingpong=False), dict(overlap=False), dict(num_stages=3),
-                                  dict(persistent=True), dict(persistent=True, o_stage=False),
+@pytest.mark.parametrize("over", [dict(overlap=False), dict(num_stages=3), dict(persistent=True),
                                   dict(persistent=None)], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 def test_ablation_variants_compile(over):
     cfg = get_config(128, torch.bfloat16, **over)
@@ -167,7 +166,6 @@ def test_padded_head_dim_skips_the_zero_columns(D, fixed_base):
     the 64xNx16 instructions' N) is sites x 2 x BLOCK_N x D / 16, with sites counted from the 64 x HI ones
     (64 x LO where HI = BLOCK_N)."""
     cfg = get_config(D, torch.bfloat16, fixed_base=fixed_base)
-    assert cfg.split_smem
     q, k, v, o, lse, mx = _inputs(D, torch.bfloat16)
     r = sass_report(compile_sm90(q, k, v, o, lse, mx, sm_scale=D ** -0.5, config=cfg))
     assert r.spill_instructions == 0 and "USETMAXREG" in r.sass
@@ -194,16 +192,6 @@ def test_persistent_o_stage_fits(D):
     assert (shared >= cfg.smem_bytes(D, o_stage=True)) == (D in (64, 128)), (D, shared)
 
 
-def test_pingpong_switch_changes_code():
-    """The pingpong switch must really remove the turn barriers (guards against a dead constexpr)."""
-    q, k, v, o, lse, mx = _inputs(128, torch.bfloat16)
-    on = compile_sm90(q, k, v, o, lse, mx, sm_scale=0.088, config=get_config(128, torch.bfloat16))
-    off = compile_sm90(q, k, v, o, lse, mx, sm_scale=0.088, config=get_config(128, torch.bfloat16, pingpong=False))
-    n_on = on.asm["ptx"].count("mbarrier.arrive")
-    n_off = off.asm["ptx"].count("mbarrier.arrive")
-    assert n_on > n_off, (n_on, n_off)
-
-
 def _generated(fn, kind):
     """A score_mod / mask_mod generated the product's way for the Hopper kernel, with its captured buffers."""
     from fa3_inductor.templates.modgen import BufferSpec, generate_mod_source, load_mod, trace_mod
@@ -220,22 +208,22 @@ def _mix(sass, *names):
 
 
 @pytest.mark.parametrize("D", [64, 128, 256])
-@pytest.mark.parametrize("emu", [1, 2])
-def test_exp2_split_moves_work_off_mufu(D, emu):
-    """Quarters of the softmax exp2 on the FMA pipe: MUFU.EX2 drops by that fraction, the column split
-    and join move no data (no extra shared-memory traffic or shuffles), and nothing spills."""
+def test_exp2_split_moves_work_off_mufu(D):
+    """Half of the softmax exp2 on the FMA pipe (sfu_mod_exp2_emu, for an SFU-bound mod): MUFU.EX2 drops by
+    half, the column split and join move no data (no extra shared-memory traffic or shuffles), and nothing
+    spills."""
     from fa3_inductor import mods
     dtype = torch.bfloat16
     soft = _generated_score_mod(mods.softcap(30.0))
     q, k, v, o, lse, mx = _inputs(D, dtype)
-    cfg0 = get_config(D, dtype, exp2_emu=0, sfu_mod_exp2_emu=0)
-    cfg = get_config(D, dtype, exp2_emu=emu)
+    cfg0 = get_config(D, dtype, sfu_mod_exp2_emu=False)
+    cfg = get_config(D, dtype, sfu_mod_exp2_emu=True)
     r0 = sass_report(compile_sm90(q, k, v, o, lse, mx, sm_scale=0.1, score_mod=soft, config=cfg0))
     ck = compile_sm90(q, k, v, o, lse, mx, sm_scale=0.1, score_mod=soft, config=cfg)
     _check(ck, cfg, D, cfg.block_n, "BF16")
     r = sass_report(ck)
     a, b = _mix(r0.sass, "MUFU.EX2", "STS", "LDS", "SHFL.BFLY"), _mix(r.sass, "MUFU.EX2", "STS", "LDS", "SHFL.BFLY")
-    assert b["MUFU.EX2"] < a["MUFU.EX2"] * (1 - emu / 4 + 0.05), (a, b)
+    assert b["MUFU.EX2"] < a["MUFU.EX2"] * (1 - 2 / 4 + 0.05), (a, b)
     assert (b["STS"], b["LDS"], b["SHFL.BFLY"]) == (a["STS"], a["LDS"], a["SHFL.BFLY"]), (a, b)
 
 
@@ -290,27 +278,31 @@ def test_fixed_base_is_chosen_only_where_p_keeps_its_range(dtype, cap, max_neede
     soft = _generated_score_mod(mods.softcap(cap))
     _, kwargs, _ = _prepare(q, k, v, o, lse, mx, 0.1, soft, None, (), (), None, None, None, None, 128, 128,
                             None, 132, max_needed)
-    assert kwargs["FIXED_BASE"] == fixed
+    assert kwargs["FLAGS"].FIXED_BASE == fixed
 
 
 @pytest.mark.parametrize("D, mod, emu, folded", [
-    (64, "softcap", 2, None),     # tanh per score: MUFU-bound at D=64, half the exp2 on the FMA pipe
-    (64, "noop", 0, None),
-    (128, "softcap", 0, None),
-    (64, "alibi", 0, False),      # measured: D=64 runs `score + x` mods unfolded, D=128 folded
-    (128, "alibi", 0, True),
+    (64, "softcap", True, None),     # tanh per score: MUFU-bound at D=64, half the exp2 on the FMA pipe
+    (64, "noop", False, None),
+    (128, "softcap", False, None),
+    (64, "alibi", False, False),     # measured: D=64 runs `score + x` mods unfolded, D=128 folded
+    (128, "alibi", False, True),
 ])
 def test_table_choices_per_head_dim_and_mod(D, mod, emu, folded):
     from fa3_inductor import mods
-    from fa3_inductor.templates.hopper.fwd_sm90 import _prepare
+    from fa3_inductor.templates.hopper.fwd_sm90 import _prepare, fa3_fwd_sm90_kernel
+    from fa3_inductor.templates.modgen import unfolded_of
     q, k, v, o, lse, mx = _inputs(D, torch.bfloat16)
     fn = {"softcap": lambda: _generated_score_mod(mods.softcap(30.0)), "noop": lambda: None,
           "alibi": lambda: _generated_score_mod(mods.alibi(4))}[mod]()
-    _, kwargs, _ = _prepare(q, k, v, o, lse, mx, 0.1, fn, None, (), (), None, None, None, None, 128, 128,
-                            None, 132, False)
-    assert kwargs["EXP2_EMU"] == emu
+    args, kwargs, _ = _prepare(q, k, v, o, lse, mx, 0.1, fn, None, (), (), None, None, None, None, 128, 128,
+                               None, 132, False)
+    assert kwargs["FLAGS"].EXP2_EMU == emu
     if folded is not None:
-        assert kwargs["SCORE_MOD"] is (fn if folded else fn.unfolded)
+        assert kwargs["SCORE_MOD"] is (fn if folded else unfolded_of(fn))
+        # the folded form's tile is in units of sm_scale (qk + x / sm_scale), the unfolded twin's is not
+        qk_unit = args[fa3_fwd_sm90_kernel.arg_names.index("qk_unit")]
+        assert qk_unit == (1.0 if folded else 0.1)
 
 
 def _band_block_mask(n_blocks, width):
@@ -351,7 +343,7 @@ def test_schedule_follows_the_longest_tile_of_a_block_mask(width, persistent):
     num, idx = _band_block_mask(128, width)
     _, kwargs, grid = _prepare(q, k, v, o, lse, mx, 0.1, None, causal_mask, (), (), num, idx, None, None, 128, 128,
                                None, 132, False)
-    assert kwargs["PERSISTENT"] == persistent
+    assert kwargs["SCHED"].PERSISTENT == persistent
     assert grid == ((132,) if persistent else (16 * 128,))
 
 
@@ -374,7 +366,7 @@ def test_generated_index_mods_in_the_persistent_schedule(D):
                lambda s, b, h, qi, ki: s + table[h % 4, torch.clamp((qi - ki).abs(), max=63)]):
         mod, bufs = _generated(fn, "score")
         _, kwargs, _ = _prepare_for(q, k, v, o, lse, mx, mod, bufs)
-        assert kwargs["PERSISTENT"], "this shape must take the persistent schedule"
+        assert kwargs["SCHED"].PERSISTENT, "this shape must take the persistent schedule"
         r = sass_report(compile_sm90(q, k, v, o, lse, mx, sm_scale=0.1, score_mod=mod, score_bufs=bufs,
                                      max_needed=False))
         assert "USETMAXREG" in r.sass, "setmaxnreg dropped"
@@ -400,7 +392,7 @@ def test_a_masked_tile_selects_once_per_score(name):
     FSEL per score (ANDed conditions chain into the comparisons' predicates, no bound test, no clamp) and
     no per-score IMAD (the window's `q - kv < w` compares kv with a row bound), and nothing spills."""
     from fa3_inductor import mods
-    from fa3_inductor.lowering.canonical import dense_block_mask
+    from fa3_inductor.recognition.canonical import dense_block_mask
     S, D = 1024, 128
     doc = torch.randint(0, 3, (S,), dtype=torch.int32).sort().values
     fn = {"causal": mods.causal, "window": mods.sliding_window(256), "document": mods.document(doc),

@@ -162,7 +162,7 @@ def reference(q, k, v, sm_scale, score_name=None, mask_name=None, bias=None, doc
 
 def block_mask_from_dense(keep, M, N, qb, kvb):
     """torch BlockMask-format tensors (Bm=Hm=1) from a dense [M, N] keep-mask, as the lowering builds them."""
-    from fa3_inductor.lowering.canonical import SPARSE_BLOCK, dense_block_mask
+    from fa3_inductor.recognition.canonical import SPARSE_BLOCK, dense_block_mask
     assert qb == kvb == SPARSE_BLOCK, (qb, kvb)
     bm = dense_block_mask(keep, 1, 1, M, N, keep.device)
     return bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices
@@ -301,8 +301,7 @@ def test_value_head_dim_schedules(persistent):
     _run_case(2, 8, 2, 640, 640, 192, torch.bfloat16, None, "causal", True, "bhsd", config=cfg, seed=31, Dv=128)
 
 
-ABLATIONS = [dict(pingpong=False), dict(overlap=False), dict(overlap=False, pingpong=False), dict(num_stages=3),
-             dict(persistent=True), dict(lazy_rescale=False)]
+ABLATIONS = [dict(overlap=False), dict(num_stages=3), dict(persistent=True)]
 
 
 @pytest.mark.parametrize("over", ABLATIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
@@ -312,12 +311,12 @@ def test_variants(over):
     _run_case(1, 4, 4, 700, 700, 128, torch.bfloat16, None, "causal", True, "bhsd", config=cfg, seed=2)
 
 
-@pytest.mark.parametrize("D,o_stage", [(64, True), (96, True), (128, True), (128, False), (192, True), (256, True)])
-def test_persistent_many_tiles_per_cta(D, o_stage):
+@pytest.mark.parametrize("D", [64, 96, 128, 192, 256])
+def test_persistent_many_tiles_per_cta(D):
     # persistent CTAs walk several tile pairs (> 2 tiles per SM): the ring / Q / turn phases across tiles,
     # the O staging buffer's deferred store wait (dropped at D=256: smem), an odd tile count (945: the
     # last pair is half empty), ragged M / N, GQA + strided layout, block-sparse causal with empty rows
-    cfg = get_config(D, torch.bfloat16, persistent=True, o_stage=o_stage)
+    cfg = get_config(D, torch.bfloat16, persistent=True)
     _run_case(3, 40, 8, 640, 700, D, torch.bfloat16, None, None, False, "bshd", config=cfg, seed=11)   # 600 tiles
     _run_case(5, 21, 21, 1100, 1100, D, torch.bfloat16, None, "holes", True, "bhsd", config=cfg, seed=12)
     _run_case(2, 37, 37, 1000, 1000, D, torch.bfloat16, "softcap", "causal", True, "bhsd", config=cfg, seed=13)
@@ -352,19 +351,20 @@ def test_padded_head_dim_runs_on_the_hopper_template():
     assert _rel(out, ref) <= 1e-2
 
 
-@pytest.mark.parametrize("emu", [0, 1, 2])
+@pytest.mark.parametrize("emu", [False, True])
 def test_exp2_on_the_fma_pipe(emu):
-    # quarters of the exp2 work on the polynomial: ragged tail, fully masked rows (2^-inf must be exactly 0)
-    cfg = get_config(128, torch.bfloat16, exp2_emu=emu)
-    _run_case(2, 4, 4, 400, 450, 128, torch.bfloat16, "softcap", None, False, "bhsd", config=cfg, seed=3)
-    _run_case(1, 4, 4, 500, 500, 128, torch.bfloat16, "softcap", "holes", True, "bhsd", config=cfg, seed=4)
-    _run_case(1, 4, 4, 300, 333, 64, torch.float16, None, "holes", False, "bhsd",
-              config=get_config(64, torch.float16, exp2_emu=emu), seed=5)
+    # half of the exp2 work on the polynomial (for a generated SFU-bound mod): ragged tail, fully masked rows
+    # (2^-inf must be exactly 0)
+    cfg = get_config(128, torch.bfloat16, sfu_mod_exp2_emu=emu)
+    _run_case(2, 4, 4, 400, 450, 128, torch.bfloat16, "gen_softcap", None, False, "bhsd", config=cfg, seed=3)
+    _run_case(1, 4, 4, 500, 500, 128, torch.bfloat16, "gen_softcap", "holes", True, "bhsd", config=cfg, seed=4)
+    _run_case(1, 4, 4, 300, 333, 64, torch.float16, "gen_softcap", "holes", False, "bhsd",
+              config=get_config(64, torch.float16, sfu_mod_exp2_emu=emu), seed=5)
 
 
 @pytest.mark.parametrize("name", ["gen_softcap", "gen_alibi", "gen_relbias"])
 def test_generated_mods(name):
-    # gen_alibi's bias grows along kv by up to ~360 natural units: the lazy rescale moves its base often
+    # gen_alibi's bias grows along kv by up to ~360 natural units: the exponent base moves often
     _run_case(2, 4, 4, 333, 517, 128, torch.bfloat16, name, None, False, "bhsd", seed=6)
     _run_case(1, 4, 4, 700, 700, 128, torch.bfloat16, name, "causal", True, "bhsd", seed=7)
 
@@ -381,7 +381,7 @@ def test_kv_affine_mods(D, name):
     out, lse = torch.empty_like(q), torch.empty(1, 4, 256, device="cuda")
     _, kwargs, _ = _prepare(q, q, q, out, lse, lse, 0.1, mod, None, (), (), None, None, None, None, 128, 128,
                             None, 132, True)
-    assert kwargs["KV_AFFINE"], "the generated mod must take the column / tile / row path"
+    assert kwargs["FLAGS"].KV_AFFINE, "the generated mod must take the column / tile / row path"
     _run_case(1, 8, 2, 333, 517, D, torch.bfloat16, name, None, False, "bshd",
               config=get_config(D, torch.bfloat16, persistent=True), seed=21)
     _run_case(1, 4, 4, 500, 500, D, torch.bfloat16, name, "holes", True, "bhsd",
@@ -443,8 +443,8 @@ def test_bounded_softcap_with_a_fixed_exponent_base(D, dtype, cap, mask, saturat
                                                           "causal": causal_mask}[mask])
     _, kwargs, _ = _prepare(q, k, v, out, lse, mx, kw["sm_scale"], mod, kw["mask_mod"], (), (),
                             None, None, None, None, 128, 128, None, 132, False)
-    assert kwargs["FIXED_BASE"], "this case must take the fixed-base path"
-    assert kwargs["BLOCK_N"] == get_config(D, dtype, fixed_base=True).block_n
+    assert kwargs["FLAGS"].FIXED_BASE, "this case must take the fixed-base path"
+    assert kwargs["TILE"].BLOCK_N == get_config(D, dtype, fixed_base=True).block_n
     launch_fwd_sm90(q, k, v, out, lse, mx, max_needed=False, **kw)
     torch.cuda.synchronize()
 

@@ -14,21 +14,22 @@ import fa3_inductor
 from fa3_inductor import mods
 from fa3_inductor.lowering import site_plan
 from fa3_inductor.runtime import kernel_failures
+from fa3_inductor.templates.modgen import GeneratedSource
 from reference import assert_matches_reference, reference_attention
-
 
 
 @pytest.fixture
 def unbuildable_score_mods(monkeypatch):
-    real = site_plan.generate_mod_source
+    real = site_plan.generate_in_dialect
 
-    def broken(gm, kind, specs, dialect="tl"):
+    def broken(gm, kind, specs, dialect):
         source = real(gm, kind, specs, dialect)
-        if kind != "score":
+        if kind != "score" or dialect == "torch":
             return source
-        return source.replace("    return ", "    qk = tl.no_such_function(qk)\n    return ", 1)
+        return GeneratedSource(source.replace("    return ", "    qk = tl.no_such_function(qk)\n    return ", 1),
+                               source.info)
 
-    monkeypatch.setattr(site_plan, "generate_mod_source", broken)
+    monkeypatch.setattr(site_plan, "generate_in_dialect", broken)
     kernel_failures.clear()
     yield
     kernel_failures.clear()

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from fa3_inductor import mods
-from fa3_inductor.runtime.variants import family_variants, specialization_key
+from fa3_inductor.runtime.variants import specialization_key
+from fa3_inductor.templates.generic.host import prepare_generic_variants
 from fa3_inductor.templates.modgen import BufferSpec, generate_mod_source, load_mod, trace_mod
 
 FAMILIES = {  # name: (family, dialect of the mods, GPU target (capability))
@@ -82,9 +83,11 @@ def _variants(name: str, site: str, D: int, B: int, L: int):
     q, k, v = torch.empty(B, H, L, D, **meta), torch.empty(B, hkv, L, D, **meta), torch.empty(B, hkv, L, D, **meta)
     out, lse, mx = torch.empty_like(q), torch.empty(B, H, L, device="meta"), torch.empty(B, H, L, device="meta")
     options = _launch_options(site, dialect, L, D)
-    if family == "generic":
-        options["plan_for"] = capability
-    return family_variants(family, q, k, v, out, lse, mx, **options)
+    if family == "generic":   # what GenericFamily.prepare calls, planned for a GPU the tensors are not on
+        return prepare_generic_variants(q, k, v, out, lse, mx, plan_for=capability, **options)
+    from fa3_inductor.templates.hopper import prepare_fwd_sm90_variants   # what HopperFamily.prepare calls
+
+    return prepare_fwd_sm90_variants(q, k, v, out, lse, mx, **options)
 
 
 def _key(name: str, launch) -> str:
@@ -115,7 +118,8 @@ def test_warm_up_prepares_each_length_choice(name):
     """The siblings span exactly the choices a length makes: EVEN_N, the Hopper schedule (persistent
     with or without the O staging buffer) and the generic tiles of long plain sites on sm90."""
     launch, siblings = _variants(name, "noop", 128, 2, 1000)
-    kinds = {(s[2]["EVEN_N"], s[2].get("PERSISTENT"), s[2].get("BLOCK_M")) for s in [launch, *siblings]}
+    kinds = {(s[2]["FLAGS"].EVEN_N, s[2]["SCHED"].PERSISTENT, None) if "FLAGS" in s[2]   # Hopper: bundles
+             else (s[2]["EVEN_N"], None, s[2].get("BLOCK_M")) for s in [launch, *siblings]}
     expected = {"hopper": 4, "generic_sm90": 4, "generic_sm80": 2}[name]
     assert len(kinds) == expected, kinds
     causal_launch, causal_siblings = _variants(name, "causal", 128, 2, 1000)

@@ -7,7 +7,7 @@ import torch
 from expecttest import assert_expected_inline
 
 from fa3_inductor import mods
-from fa3_inductor.templates.modgen import (BufferSpec, UnsupportedMod, generate_mod_source,
+from fa3_inductor.templates.modgen import (BufferSpec, ModInfo, UnsupportedMod, generate_mod_source,
                                            is_constant_true_mask, is_identity_score, trace_mod)
 
 
@@ -16,13 +16,15 @@ def _source(fn, kind, dialect="tl"):
     return generate_mod_source(gm, kind, [BufferSpec.of(b) for b in bufs], dialect)
 
 
+def _shown(src) -> str:
+    """A snapshot of generated source: the generator's record (its fields other than the defaults), then the text."""
+    fields = [f"{k}={v!r}" for k, v in src.info.to_items() if v != getattr(ModInfo(), k)]
+    return f"# {', '.join(fields) or 'defaults'}\n{src}"
+
+
 def test_softcap_uses_the_tanh_helper():
-    assert_expected_inline(_source(mods.softcap(30.0), "score"), """\
-OUT_SCALE = 30.0
-OUT_RANGE = (-1.0, 1.0)
-SFU_OPS = 1
-
-
+    assert_expected_inline(_shown(_source(mods.softcap(30.0), "score")), """\
+# out_scale=30.0, out_range=(-1.0, 1.0), sfu_ops=1
 @triton.jit
 def score_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs):
     v0 = sm_scale * 0.03333333333333333
@@ -35,13 +37,8 @@ def score_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs):
 def test_alibi_slopes_are_computed_from_the_head_index():
     # Folded as qk + slope' * (kv - q), slope' = slope(h) / sm_scale computed once: one FFMA per score
     # after the index difference. The unfolded twin (for sm_scale <= 0) keeps score = qk * sm_scale.
-    assert_expected_inline(_source(mods.alibi(8), "score", "gl"), """\
-OUT_SCALE = 1.0
-OUT_RANGE = None
-SM_SCALED = True
-KV_AFFINE = True
-
-
+    assert_expected_inline(_shown(_source(mods.alibi(8), "score", "gl")), """\
+# sm_scaled=True, kv_affine=True
 @gluon.jit
 def score_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs):
     v0 = (h + 1)
@@ -79,10 +76,8 @@ def score_mod_unfolded(qk, sm_scale, b, h, q_idx, kv_idx, bufs):
 
 
 def test_document_mask_gathers_from_captured_buffers():
-    assert_expected_inline(_source(mods.document(torch.tensor([0, 0, 1, 1])), "mask"), """\
-MASK_AND = True
-
-
+    assert_expected_inline(_shown(_source(mods.document(torch.tensor([0, 0, 1, 1])), "mask")), """\
+# mask_and=True, gathers=True
 @triton.jit
 def mask_mod(b, h, q_idx, kv_idx, bufs):
     v0 = tl.load(bufs[0] + (q_idx))
@@ -96,10 +91,8 @@ def mask_mod(b, h, q_idx, kv_idx, bufs):
 
 def test_a_window_compares_kv_with_a_row_bound():
     """`q - kv < w` is generated as `kv > q - w`: the difference is taken once per row, not per score."""
-    assert_expected_inline(_source(mods.sliding_window(256), "mask", "gl"), """\
-MASK_AND = True
-
-
+    assert_expected_inline(_shown(_source(mods.sliding_window(256), "mask", "gl")), """\
+# mask_and=True
 @gluon.jit
 def mask_mod(b, h, q_idx, kv_idx, bufs):
     v0 = (q_idx >= kv_idx)
@@ -159,12 +152,8 @@ def test_learned_table_bakes_in_strides():
     # q - kv + 5 can be negative: such an index counts from the end, as torch's indexing does.
     table = torch.randn(4, 10)
     src = _source(lambda s, b, h, q, kv: s + table[h, q - kv + 5], "score")
-    assert_expected_inline(src, """\
-OUT_SCALE = 1.0
-OUT_RANGE = None
-SM_SCALED = True
-
-
+    assert_expected_inline(_shown(src), """\
+# sm_scaled=True, gathers=True
 @triton.jit
 def score_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs):
     v0 = (q_idx - kv_idx)
@@ -240,16 +229,13 @@ def test_indexing_a_buffer_with_too_few_indices_is_refused():
 ])
 def test_constant_multiplies_at_the_ends_fold(fn, out_scale, reads_score):
     src = _source(fn, "score")
-    assert src.startswith(f"OUT_SCALE = {out_scale!r}\n"), src
+    assert src.info.out_scale == out_scale, src
     assert ("score = qk * sm_scale" in src) == reads_score, src
 
 
 def test_a_folded_input_multiply_scales_qk_once():
-    assert_expected_inline(_source(lambda s, b, h, q, kv: (s / 4 + s) / 8, "score"), """\
-OUT_SCALE = 0.125
-OUT_RANGE = None
-
-
+    assert_expected_inline(_shown(_source(lambda s, b, h, q, kv: (s / 4 + s) / 8, "score")), """\
+# out_scale=0.125
 @triton.jit
 def score_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs):
     score = qk * sm_scale
@@ -271,7 +257,7 @@ def score_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs):
 ])
 def test_a_score_plus_term_is_folded_into_qk_units(fn, sm_scaled):
     src = _source(fn, "score")
-    assert ("SM_SCALED = True" in src) == sm_scaled, src
+    assert src.info.sm_scaled == sm_scaled, src
     assert ("def score_mod_unfolded(" in src) == sm_scaled, src
     if sm_scaled:   # the folded mod never forms qk * sm_scale; its twin does
         folded, twin = src.split("def score_mod_unfolded(")
@@ -314,7 +300,7 @@ _NOT_ALONG_Q = {"head_bias": (lambda s, b, h, q, kv: s + _HEAD[h]), "kv_only": (
 def test_kv_affine_flag(name):
     fn, affine = _AFFINE[name] if name in _AFFINE else (_NOT_ALONG_Q[name], False)
     src = _source(fn, "score", "gl")
-    assert ("KV_AFFINE = True" in src) == affine, src
+    assert src.info.kv_affine == affine, src
 
 
 def _x(fn, q, kv, h=3):

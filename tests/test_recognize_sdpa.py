@@ -80,7 +80,7 @@ def test_recognition_can_be_turned_off():
     ([2, 16, 8192, 128], False, True, "training"),
 ])
 def test_plain_sdpa_calls_stay_sdpa_where_sdpa_is_faster_on_cuda(shape, causal, training, kept):
-    from fa3_inductor.lowering.rewrite_pays import sdpa_keeps_plain_call
+    from fa3_inductor.recognition.rewrite_pays import sdpa_keeps_plain_call
 
     reason = sdpa_keeps_plain_call(torch.device("cuda"), shape, shape[2], causal, training)
     assert (reason is None) if kept is None else (kept in reason and "left to SDPA" in reason)
@@ -91,7 +91,7 @@ def test_plain_sdpa_calls_stay_sdpa_where_sdpa_is_faster_on_cuda(shape, causal, 
 def test_small_recognized_sites_stay_as_written_on_cuda():
     from types import SimpleNamespace
 
-    from fa3_inductor.lowering.rewrite_pays import MIN_WORK, small_site_reason, unless_small
+    from fa3_inductor.recognition.rewrite_pays import MIN_WORK, small_site_reason, unless_small
 
     def example(device, *shape):
         return SimpleNamespace(device=torch.device(device), shape=shape)

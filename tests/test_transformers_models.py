@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 import fa3_inductor  # noqa: E402
 from fa3_inductor.integrations import transformers as fa3_hf  # noqa: E402
-from fa3_inductor.lowering.report import site_records  # noqa: E402
+from fa3_inductor.report import site_records  # noqa: E402
 
 MODELS = ("llama", "mistral", "qwen2", "gemma2", "phi3", "deepseek")
 LAYERS = 2

@@ -26,7 +26,7 @@ import fa3_inductor
 from fa3_inductor import lowered_backward_sites, mods
 from fa3_inductor.config import Settings
 from fa3_inductor.lowering.site_plan import plan_site
-from fa3_inductor.runtime.generic import launch_generic
+from fa3_inductor.templates.generic.host import launch_generic
 from fa3_inductor.templates.modgen import generate_mod_source, load_mod, trace_mod
 from reference import (assert_lse_matches, assert_matches_reference, reference_attention,
                        reference_gradients)

@@ -7,7 +7,7 @@ import fa3_old.templates.hopper as old_h
 import fa3_old.templates.modgen as old_g
 import fa3_inductor.templates.hopper as new_h
 import fa3_inductor.templates.modgen as new_g
-from fa3_inductor.lowering.canonical import dense_block_mask
+from fa3_inductor.recognition.canonical import dense_block_mask
 from fa3_inductor import mods
 print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
 D, H = 128, 16

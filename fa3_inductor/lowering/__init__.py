@@ -1,1 +1,2 @@
-"""Recognition and lowering: everything that runs while Inductor compiles a graph."""
+"""Lowering: our Inductor lowerings of flex_attention (forward, backward), site planning and the
+marker pass that switches them on. Registered from one place: ``registration.install()``."""

@@ -22,8 +22,8 @@ from .. import _compat
 from ..runtime.backward_cpu import BackwardSpec
 from ..templates.modgen import UnsupportedMod, is_constant_true_mask, is_identity_score
 from ..templates.modgen_torch import generate_torch_mod_source, torch_buffer_specs
-from .flex_lowering import active_pass, site_shape
-from .report import LoweredBackwardSite, record_backward_site as _record
+from ..report import LoweredBackwardSite, record_backward_site as _record
+from .common import active_pass, site_shape
 
 _BWD_OP = torch.ops.higher_order.flex_attention_backward
 _original_lowering: Optional[Any] = None
@@ -77,7 +77,7 @@ def _lower_on_cpu(a: _compat.FlexBackwardArgs, shape: str):
     is_tensor = [isinstance(b, ir.IRNode) for b in buffers]
     needs = _compat.joint_graph_buffer_grads(a.joint_graph.graph_module, len(buffers))
     tensor_grads = tuple(n for n, t in zip(needs, is_tensor) if t)
-    spec = BackwardSpec(score_mod_torch=score_src, mask_mod_torch=mask_src,
+    spec = BackwardSpec(score_source=score_src, mask_source=mask_src,
                         buffer_grads=tensor_grads, description=shape)
 
     def realized(x):

@@ -8,7 +8,7 @@ other backend it calls the original untouched. When it acts it either
   ``torch.ops.fa3_inductor.flex_fwd`` (runtime/ops.py), or
 - hands the site to torch's lowering, recording why (unsupported mod, head dim, device...).
 
-Backward: flex_backward_lowering.py (installed with this one). On CUDA torch's
+Backward: flex_backward_lowering.py (registration.py installs both). On CUDA torch's
 flex_attention_backward lowering reads our (out, lse), which follow the op's conventions (LSE
 in log2 units); on the CPU our dense-recompute op serves it.
 """
@@ -22,57 +22,28 @@ import torch
 
 from .. import _compat
 from ..config import Settings
+from ..sizes import static_ints
 from ..runtime.spec import SiteSpec
-from ..templates.modgen import BufferSpec, UnsupportedMod, describe_mod_source
-from .passes import Fa3PostGradPass
-from .report import LoweredSite, record_site, site_tag
+from ..templates.modgen import BufferSpec, ModInfo, UnsupportedMod, describe_mod_source
+from ..report import LoweredSite, record_site, site_tag
+from .common import active_pass, site_shape
 from .site_plan import plan_site, unserved
 
 _FLEX_OP = torch.ops.higher_order.flex_attention
 _original_lowering: Optional[Any] = None
 
-def active_pass() -> Optional[Fa3PostGradPass]:
-    """The fa3 backend's marker pass if the current compile belongs to the fa3 backend."""
-    from torch._inductor import config
-
-    p = config.post_grad_custom_post_pass
-    return p if isinstance(p, Fa3PostGradPass) else None
-
-
 def install() -> None:
-    """Wrap Inductor's flex_attention lowering (idempotent).
+    """Wrap Inductor's flex_attention lowering (idempotent). The backend installs it together
+    with the backward's, from registration.install().
 
     Example::
 
         >>> from fa3_inductor.lowering import flex_lowering; flex_lowering.install()
     """
     global _original_lowering
-    from . import flex_backward_lowering  # imports this module: a cycle at import time
-
-    flex_backward_lowering.install()
     replaced = _compat.wrap_lowering(_FLEX_OP, _fa3_flex_lowering)
     if replaced is not None:
         _original_lowering = replaced
-
-
-def site_shape(query, key, value=None) -> str:
-    """"q[B,H,M,D] kv[B,Hkv,N,D] dtype device" of a site's IR nodes, for records and logs;
-    "... kv[B,Hkv,N,D] v[B,Hkv,N,Dv] ..." when the value's head dim differs."""
-    kv = f"kv{list(key.get_size())}"
-    if value is not None and str(value.get_size()[-1]) != str(key.get_size()[-1]):
-        kv += f" v{list(value.get_size())}"
-    return (f"q{list(query.get_size())} {kv} "
-            f"{str(query.get_dtype()).replace('torch.', '')} {query.get_device().type}")
-
-
-def static_ints(values) -> Optional[list[int]]:
-    out = []
-    for v in values:
-        try:
-            out.append(int(v))
-        except (TypeError, ValueError):
-            return None
-    return out
 
 
 def _buffer_specs(buffers) -> tuple[Optional[list[Optional[BufferSpec]]], Optional[str]]:
@@ -195,8 +166,10 @@ def _fa3_flex_lowering(query, key, value, subgraph, block_mask, scale, kernel_op
         return _original_lowering(query, key, value, subgraph, block_mask, scale,
                                   kernel_options, score_mod_other_buffers,
                                   mask_mod_other_buffers)
-    record_site(LoweredSite(spec.template, describe_mod_source(spec.score_mod_tl),
-                            describe_mod_source(spec.mask_mod_tl), shape, site_id=tag, note=spec.note))
+    score_source, mask_source = spec.planned_sources()
+    record_site(LoweredSite(spec.template, describe_mod_source(score_source, ModInfo.from_items(spec.score_info)),
+                            describe_mod_source(mask_source, ModInfo.from_items(spec.mask_info)), shape,
+                            site_id=tag, note=spec.note))
     q, k, v = (ir.ExternKernel.require_stride1(ir.ExternKernel.realize_input(x))
                for x in (query, key, value))
     score_bufs = [ir.ExternKernel.require_contiguous(b) for b in score_mod_other_buffers
@@ -238,7 +211,7 @@ def _max_scores_read(node) -> bool:
 def _is_no_mask(spec: SiteSpec, sparse_q: int, sparse_kv: int) -> bool:
     """torch's "no mask": an always-true mask_mod over blocks of 2**30 (one block covers any
     sequence; torch lists it, so every key is visible)."""
-    return spec.mask_mod_tl is None and sparse_q >= (1 << 30) and sparse_kv >= (1 << 30)
+    return spec.planned_sources()[1] is None and sparse_q >= (1 << 30) and sparse_kv >= (1 << 30)
 
 
 _fa3_flex_lowering._fa3_wrapper = True  # type: ignore[attr-defined]

@@ -1,6 +1,6 @@
 """The custom graph pass the fa3 backend installs into Inductor's config.
 
-Its presence is what turns our flex_attention lowering on (see ``flex_lowering.active_pass``),
+Its presence is what turns our flex_attention lowering on (see ``common.active_pass``),
 it carries the backend's Settings into lowering (forward and the lazily compiled backward
 alike: compile_fx re-applies config patches there), and its ``uuid()`` covers this package's
 sources and settings so Inductor's FX graph cache never serves a graph lowered by other code.

@@ -4,9 +4,12 @@ Given the mods' graphs and the site's static facts (device, dtype, head counts a
 sizes), either a SiteSpec (template + generated mod sources) or the reason our kernels do not
 serve it. Both front doors thereby make the same choice for the same site.
 
-The value head dim may differ from the query/key head dim (DeepSeek-V2/V3's multi-head latent
-attention trains with q/k 192, v 128): the generic template serves any such pair within the
-head-dim range, the Hopper template the pairs its config table has tiles for.
+Which kernel families may serve the site is the registry's answer (templates/registry.py), in
+preference order; the spec carries the site's mods in each of their dialects, and the runtime runs
+each call on the first family that serves it (runtime/ops.py). The value head dim may differ from
+the query/key head dim (DeepSeek-V2/V3's multi-head latent attention trains with q/k 192, v 128):
+the generic family serves any such pair within the head-dim range, the Hopper family the pairs its
+config table has tiles for.
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ import torch
 from ..config import Settings
 from ..runtime.kernel_failures import kernel_failure
 from ..runtime.spec import SiteSpec
-from ..templates.modgen import (BufferSpec, generate_mod_source, is_constant_true_mask,
+from ..templates.family import SiteFacts
+from ..templates.modgen import (BufferSpec, GeneratedSource, generate_in_dialect, is_constant_true_mask,
                                 is_identity_score)
-from ..templates.modgen_torch import generate_torch_mod_source
+from ..templates.registry import candidates
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -87,65 +91,26 @@ def plan_site(score_gm: torch.fx.GraphModule, mask_gm: torch.fx.GraphModule,
     if not all(_is_pow2_at_least_16(s) for s in sparse_blocks):
         return None, (f"block-mask block size {sparse_blocks[0]}x{sparse_blocks[1]} "
                       "(fa3 serves powers of two >= 16)")
-    sources: dict[str, Optional[str]] = {}
+    site = SiteFacts(device, dtype, head_dim, value_head_dim)
+    families, notes = candidates(site, settings.template)
     identity, all_true = is_identity_score(score_gm), is_constant_true_mask(mask_gm)
-    for dialect in ("tl", "gl"):
-        sources[f"score_mod_{dialect}"] = None if identity else \
-            generate_mod_source(score_gm, "score", score_specs, dialect)
-        sources[f"mask_mod_{dialect}"] = None if all_true else \
-            generate_mod_source(mask_gm, "mask", mask_specs, dialect)
-    sources["score_mod_torch"] = None if identity else \
-        generate_torch_mod_source(score_gm, "score", score_specs)
-    sources["mask_mod_torch"] = None if all_true else \
-        generate_torch_mod_source(mask_gm, "mask", mask_specs)
-    template, note = "generic", ""
-    on_hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-    if on_hopper and settings.template in ("auto", "hopper"):
-        why_not = _why_not_hopper(dtype, head_dim, value_head_dim)
-        template, note = (("generic", why_not) if why_not else
-                          ("hopper", _hopper_tiles(dtype, head_dim, value_head_dim)))
-    spec = SiteSpec(template=template, description=description, needs_max=needs_max, note=note,
-                    **sources)
+    mods, infos = [], {"score": (), "mask": ()}
+    for dialect in dict.fromkeys(f.dialect for f in families):   # each dialect once
+        score = None if identity else generate_in_dialect(score_gm, "score", score_specs, dialect)
+        mask = None if all_true else generate_in_dialect(mask_gm, "mask", mask_specs, dialect)
+        for kind, source in (("score", score), ("mask", mask)):
+            if isinstance(source, GeneratedSource) and not infos[kind]:
+                infos[kind] = source.info.to_items()
+        mods.append((dialect, score and str(score), mask and str(mask)))   # the spec holds plain text
+    first = families[0]
+    note = (f"{'; '.join(notes)}; {first.name} runs" if notes else first.describe(site))
+    spec = SiteSpec(families=tuple(f.name for f in families), mods=tuple(mods),
+                    score_info=infos["score"], mask_info=infos["mask"], description=description,
+                    needs_max=needs_max, note=note)
     failed = kernel_failure(spec)
-    if failed is not None:   # ours failed to build for these mods earlier in this process
+    if failed is not None:   # our families failed to build for these mods earlier in this process
         return None, failed
     return spec, None
-
-
-def _why_not_hopper(dtype: torch.dtype, head_dim: int, value_head_dim: Optional[int] = None) -> str:
-    """Why the Hopper template cannot take a site on an sm90 GPU ("" when it can).
-
-    Example::
-
-        >>> _why_not_hopper(torch.bfloat16, 112)   # doctest: +SKIP
-        'Hopper template: no tiles for head dim 112 (it serves 64, 80, 96, 128, 160, 192, 256, and q/k 192 with v 128); generic runs'
-    """
-    try:
-        from ..templates.hopper.configs import served_head_dims_text, serves_head_dims
-    except ImportError:
-        return "Hopper template unavailable (triton's Gluon could not be imported); generic runs"
-    if dtype == torch.float32:
-        return "Hopper template: float32 inputs (it serves float16 and bfloat16); generic runs"
-    if not serves_head_dims(head_dim, value_head_dim):
-        dims = (f"head dim {head_dim}" if value_head_dim in (None, head_dim) else
-                f"q/k head dim {head_dim} with v head dim {value_head_dim}")
-        return (f"Hopper template: no tiles for {dims} (it serves {served_head_dims_text()}); "
-                "generic runs")
-    return ""
-
-
-def _hopper_tiles(dtype: torch.dtype, head_dim: int, value_head_dim: Optional[int] = None) -> str:
-    """What the Hopper template will run a site with, for the log and explain() (its config table's words).
-
-    Example::
-
-        >>> _hopper_tiles(torch.bfloat16, 128)   # doctest: +SKIP
-        'Hopper template: tiles 128x128, 2 K/V stages, pingpong, overlap; schedule per launch'
-    """
-    from ..templates.hopper.configs import describe
-
-    tiles = describe(head_dim, dtype, value_head_dim=value_head_dim)
-    return f"Hopper template: {tiles}; schedule per launch"
 
 
 def _is_pow2_at_least_16(x: int) -> bool:

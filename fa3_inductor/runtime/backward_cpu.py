@@ -31,6 +31,8 @@ import torch
 from torch import Tensor
 
 from ..templates.modgen_torch import load_torch_mod
+from ..templates.torch_dense.dense import index_tensors as _index_tensors
+from ..templates.torch_dense.dense import keep_scores as _keep
 
 _LN2 = math.log(2.0)
 
@@ -46,8 +48,8 @@ class BackwardSpec:
         (True,)
     """
 
-    score_mod_torch: Optional[str]
-    mask_mod_torch: Optional[str]
+    score_source: Optional[str]
+    mask_source: Optional[str]
     buffer_grads: tuple[bool, ...] = ()
     description: str = ""
 
@@ -68,57 +70,6 @@ _LIB.define(
     "Tensor? kv_num_blocks, Tensor? kv_indices, Tensor? full_kv_num_blocks, "
     "Tensor? full_kv_indices, Tensor[] score_bufs, Tensor[] mask_bufs, float scale, "
     "int sparse_q_block, int sparse_kv_block, str spec) -> (Tensor, Tensor, Tensor, Tensor[])")
-
-
-def _listed(num_blocks: Optional[Tensor], indices: Optional[Tensor], rows: Tensor,
-            cols: Tensor) -> Optional[Tensor]:
-    """Whether each (q, kv) position lies in a block the tables list: bool [Bm, Hm, M, N]."""
-    if num_blocks is None or indices is None:
-        return None
-    n_cols = max(int(cols.max().item()) + 1 if cols.numel() else 1, indices.shape[-1])
-    slot = torch.arange(indices.shape[-1], device=indices.device)
-    real = slot < num_blocks.unsqueeze(-1)
-    target = torch.where(real, indices.long(), n_cols)  # unused slots go to a spill column
-    blocks = torch.zeros((*indices.shape[:-1], n_cols + 1), dtype=torch.bool,
-                         device=indices.device)
-    blocks.scatter_(-1, target, True)
-    rows = rows.clamp(max=blocks.shape[-2] - 1)
-    return blocks[..., :n_cols][:, :, rows][..., cols]
-
-
-def _keep(mask_fn: Optional[Callable], mask_bufs: list[Tensor], tables: tuple,
-          b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor,
-          sparse_q_block: int, sparse_kv_block: int) -> Tensor:
-    """Which scores survive the mask, broadcastable to [B, H, M, N] (B, H of the indices)."""
-    kv_num_blocks, kv_indices, full_num_blocks, full_indices = tables
-    rows = q_idx.view(-1).long() // sparse_q_block
-    cols = kv_idx.view(-1).long() // sparse_kv_block
-    partial = _listed(kv_num_blocks, kv_indices, rows, cols)
-    full = _listed(full_num_blocks, full_indices, rows, cols)
-    keep = torch.ones((), dtype=torch.bool, device=q_idx.device)
-    if mask_fn is not None:
-        keep = torch.as_tensor(mask_fn(b, h, q_idx, kv_idx, mask_bufs), device=q_idx.device)
-    if partial is not None:
-        keep = keep & _batch_rows(partial, b)
-    if full is not None:
-        keep = keep | _batch_rows(full, b)
-    return keep
-
-
-def _batch_rows(table: Tensor, b: Tensor) -> Tensor:
-    """The rows of a block-mask table for batch entries ``b`` (a table of batch 1 broadcasts)."""
-    return table if table.shape[0] == 1 else table[b.view(-1).long()]
-
-
-def _index_tensors(b0: int, H: int, M: int, N: int, device: torch.device
-                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """b [1,1,1,1], h [1,H,1,1], q_idx [1,1,M,1], kv_idx [1,1,1,N] as int32 (flex's dtype)."""
-    def ar(n: int, dim: int, start: int = 0) -> Tensor:
-        shape = [1, 1, 1, 1]
-        shape[dim] = n
-        return torch.arange(start, start + n, dtype=torch.int32, device=device).view(shape)
-
-    return ar(1, 0, b0), ar(H, 1), ar(M, 2), ar(N, 3)
 
 
 def _loss_of_batch_entry(b0: int, q: Tensor, k: Tensor, v: Tensor, grad_out: Optional[Tensor],
@@ -177,8 +128,8 @@ def flex_bwd(q: Tensor, k: Tensor, v: Tensor, grad_out: Optional[Tensor],
             f"fa3_inductor::flex_bwd: spec lists {len(site.buffer_grads)} score_mod buffers, "
             f"the call passed {len(tensor_bufs)}; the spec and the call come from one "
             "lowering, so this is a bug: report it with the graph")
-    score_fn = load_torch_mod(site.score_mod_torch) if site.score_mod_torch else None
-    mask_fn = load_torch_mod(site.mask_mod_torch) if site.mask_mod_torch else None
+    score_fn = load_torch_mod(site.score_source) if site.score_source else None
+    mask_fn = load_torch_mod(site.mask_source) if site.mask_source else None
     tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
     # float64 throughout: the gradients come back rounded once to the inputs' dtype, so they do not
     # depend on which CPU BLAS kernel ran (a graph served from Inductor's cache in a fresh process

@@ -118,10 +118,23 @@ def recorded(key: Hashable) -> Optional[_Launch]:
 
     Example::
 
-        >>> entry = recorded(key); launcher(entry)(inputs)   # doctest: +SKIP
+        >>> entry = recorded(key); relaunch(entry, inputs)   # doctest: +SKIP
     """
     entry = _CACHE.get(key)
     return entry if entry is not None and entry.kernel is not None else None
+
+
+def relaunch(entry: _Launch, inputs: Sequence[Optional[torch.Tensor]]) -> Any:
+    """Launch a recorded entry (from :func:`recorded`) on new ``inputs`` of the same signature;
+    returns its tag. The caller guarantees the signature (shapes, strides, dtypes, alignment).
+
+    Example::
+
+        >>> relaunch(recorded(key), [q, k, v, out])   # doctest: +SKIP
+        'hopper'
+    """
+    _relaunch(entry, inputs)
+    return entry.tag
 
 
 def launcher(entry: _Launch) -> Callable[[Sequence[Optional[torch.Tensor]]], None]:

@@ -1,13 +1,19 @@
 """The op Inductor's output code calls for every attention site we serve.
 
 ``torch.ops.fa3_inductor.flex_fwd`` is an opaque custom op: Inductor emits one extern call to
-it, and it launches our kernel. One mechanism serves both template families (Gluon kernels do
+it, and it launches our kernel. One mechanism serves every kernel family (Gluon kernels do
 not survive Inductor's ``wrap_triton`` re-emission: docs/facts.md). Mods reach it as generated
 source inside the ``spec`` string, so a graph served from Inductor's cache rebuilds them.
+
+The op walks the site's candidate families (SiteSpec.families, from the plan) and runs the call on
+the first that serves it (templates/family.py): a family may refuse a call's layout (NotServed), or
+fail to build its kernel (recorded in kernel_failures.py); torch's dense kernel, last, always serves.
+On CUDA the choice is made once per launch signature: later calls re-launch it (fast_launch.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Callable, Optional
 
@@ -15,24 +21,23 @@ import torch
 from torch import Tensor
 
 from .._log import info_once, warn_once
-from ..templates.modgen import load_mod
+from ..templates.family import Call, NotServed
+from ..templates.modgen import ModInfo
+from ..templates.registry import family as family_named
 from . import backward_cpu  # noqa: F401  (defines fa3_inductor::flex_bwd beside flex_fwd)
-from .fast_launch import launch_cached, launcher, recorded, tensor_signature
-from .generic import launch_generic
-from .kernel_failures import is_build_error, kernel_failure, record_kernel_failure, torch_forward
+from .fast_launch import launch_cached, launcher, recorded, relaunch, tensor_signature
+from .kernel_failures import family_failure, is_build_error, record_kernel_failure
 from .spec import SiteSpec
-from .variants import prepare_launch
+from .variants import start_variants
 
 _state = threading.local()
-# Input dtypes the CPU interpreter cannot compute a dot in (computed in float32 instead).
-_INTERPRETER_UPCAST = (torch.bfloat16,)
 
 
 def last_template() -> Optional[str]:
-    """Which template served the most recent attention call in this thread.
+    """Which kernel family served the most recent attention call in this thread.
 
     "hopper" or "generic" when our kernels ran, "torch" when the call went to torch's own
-    implementation, None before any call.
+    implementation (its FlexAttention, or our dense last resort), None before any call.
 
     Example::
 
@@ -44,23 +49,6 @@ def last_template() -> Optional[str]:
 
 def record_template(name: Optional[str]) -> None:
     _state.template = name
-
-
-def _hopper_serves(q: Tensor, k: Tensor, v: Tensor, out: Tensor, blocks: dict) -> bool:
-    """Whether the Hopper kernel can serve these tensors (the reason is logged once if not)."""
-    try:
-        from ..templates.hopper import supports_sm90
-    except ImportError as exc:  # the Hopper family is optional at run time
-        warn_once(f"fa3_inductor: Hopper template unavailable ({exc}); using the generic one")
-        return False
-    if not supports_sm90(q, k, v, out, kv_num_blocks=blocks["kv_num_blocks"],
-                         sparse_q_block=blocks["sparse_q_block"],
-                         sparse_kv_block=blocks["sparse_kv_block"]):
-        info_once(f"fa3_inductor: Hopper template cannot serve q{tuple(q.shape)} "
-                  f"k{tuple(k.shape)} strides {q.stride()} with block-mask blocks "
-                  f"{blocks['sparse_q_block']}x{blocks['sparse_kv_block']}; generic template runs")
-        return False
-    return True
 
 
 def _out_like(q: Tensor, v: Tensor) -> Tensor:
@@ -113,7 +101,7 @@ def flex_fwd(
     Example::
 
         >>> out, lse, mx = torch.ops.fa3_inductor.flex_fwd(q, k, v, None, None, None, None,
-        ...     [], [], 0.125, 128, 128, SiteSpec("generic").to_json())   # doctest: +SKIP
+        ...     [], [], 0.125, 128, 128, spec)   # doctest: +SKIP (spec: lowering/site_plan.plan_site)
     """
     Z, H, M, _ = q.shape
     out = _out_like(q, v)
@@ -122,80 +110,61 @@ def flex_fwd(
     sparse_q_block = _one_block_size(sparse_q_block, M)
     sparse_kv_block = _one_block_size(sparse_kv_block, k.shape[2])
 
-    def blocks() -> dict:  # only when planning a launch: not on the re-launch path
-        return dict(kv_num_blocks=kv_num_blocks, kv_indices=kv_indices,
-                    full_kv_num_blocks=full_kv_num_blocks, full_kv_indices=full_kv_indices,
-                    sparse_q_block=sparse_q_block, sparse_kv_block=sparse_kv_block)
-
     site = SiteSpec.from_json(spec)
     tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
-
-    def torch_kernel() -> tuple[Tensor, Tensor, Tensor]:
-        """Our kernel could not be built for these mods: torch ops compute the call densely."""
-        out_t, lse_t, max_t = torch_forward(q, k, v, tables, score_bufs, mask_bufs, scale,
-                                            sparse_q_block, sparse_kv_block, site)
-        record_template("torch")
-        return out.copy_(out_t), lse.copy_(lse_t), max_scores.copy_(max_t)
-
-    if kernel_failure(site) is not None:
-        return torch_kernel()
-    if not q.is_cuda:
-        _check_interpreter()
-        try:
-            _launch_interpreted(q, k, v, out, lse, max_scores, scale, site, score_bufs, mask_bufs,
-                                blocks())
-        except Exception as exc:
-            if not is_build_error(exc):
-                raise
-            record_kernel_failure(site, "generic", exc)
-            return torch_kernel()
-        record_template("generic")
-        return out, lse, max_scores
-    # CUDA: everything but the tensors' addresses is fixed by this key, so after the first
-    # call the compiled kernel is re-launched without re-planning (runtime/fast_launch.py).
-    inputs = (q, k, v, out, lse, max_scores, *tables, *score_bufs, *mask_bufs)
-    key = _launch_key(spec, scale, sparse_q_block, sparse_kv_block, len(score_bufs), inputs)
-
-    chosen = [site.template]
-
-    def prepare():
-        template = chosen[0] = _choose_template(site, q, k, v, out, blocks())
-        dialect = "gl" if template == "hopper" else "tl"
-        score_src = site.score_mod_gl if template == "hopper" else site.score_mod_tl
-        mask_src = site.mask_mod_gl if template == "hopper" else site.mask_mod_tl
-        mods = dict(sm_scale=scale, score_mod=score_src and load_mod(score_src, dialect),
-                    mask_mod=mask_src and load_mod(mask_src, dialect),
-                    score_bufs=tuple(score_bufs), mask_bufs=tuple(mask_bufs), **blocks())
-        # The launch, with its other length variants compiled ahead (runtime/variants.py).
-        return (*prepare_launch(template, q, k, v, out, lse, max_scores,
-                                max_needed=site.needs_max, **mods), template)
-
-    try:
-        record_template(launch_cached(key, inputs, prepare))
-    except Exception as exc:
-        if not is_build_error(exc):
-            raise
-        record_kernel_failure(site, chosen[0], exc)
-        return torch_kernel()
+    key = inputs = None
+    if q.is_cuda:
+        # Everything but the tensors' addresses is fixed by this key, so after the first call the
+        # chosen family's kernel is re-launched without walking the families again.
+        inputs = (q, k, v, out, lse, max_scores, *tables, *score_bufs, *mask_bufs)
+        key = _launch_key(spec, scale, sparse_q_block, sparse_kv_block, len(score_bufs), inputs)
+        entry = recorded(key)
+        if entry is not None:
+            record_template(relaunch(entry, inputs))
+            return out, lse, max_scores
+    call = Call(q, k, v, out, lse, max_scores, tables, tuple(score_bufs), tuple(mask_bufs), scale,
+                sparse_q_block, sparse_kv_block, site.needs_max)
+    record_template(_serve(site, call, key, inputs))
     return out, lse, max_scores
 
 
-def _launch_interpreted(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, max_scores: Tensor,
-                        scale: float, site: SiteSpec, score_bufs: list, mask_bufs: list,
-                        blocks: dict) -> None:
-    """The generic kernel under Triton's interpreter (CPU tensors)."""
-    out32 = out
-    if q.dtype in _INTERPRETER_UPCAST:
-        # Triton 3.6's interpreter computes tl.dot on bfloat16 wrongly (relative error ~1e9,
-        # fp16/fp32 right): run the kernel on float32 copies, hand back the caller's dtype.
-        q, k, v = q.float(), k.float(), v.float()
-        out32 = _out_like(q, v)
-    launch_generic(q, k, v, out32, lse, max_scores, sm_scale=scale,
-                   score_mod=site.score_mod_tl and load_mod(site.score_mod_tl, "tl"),
-                   mask_mod=site.mask_mod_tl and load_mod(site.mask_mod_tl, "tl"),
-                   score_bufs=score_bufs, mask_bufs=mask_bufs, **blocks)
-    if out32 is not out:
-        out.copy_(out32)
+def _serve(site: SiteSpec, call: Call, key: Optional[tuple], inputs: Optional[tuple]) -> str:
+    """Run ``call`` on the first of the site's families that serves it; returns that family's name."""
+    passed_over = []
+    for name in site.families:
+        family = family_named(name)
+        failed = family_failure(site, name)
+        if failed is not None:
+            passed_over.append(failed)
+            continue
+        score_source, mask_source = site.sources(family.dialect)
+        mine = dataclasses.replace(call, score_source=score_source, mask_source=mask_source,
+                                   score_info=ModInfo.from_items(site.score_info),
+                                   mask_info=ModInfo.from_items(site.mask_info))
+        try:
+            variants = family.prepare(mine)
+            if variants is None:       # the family computes the call itself
+                family.launch(mine)
+            elif key is None:          # no launch cache off CUDA
+                kernel, args, kwargs, grid = start_variants(variants, call.q.device)
+                kernel[grid](*args, **kwargs)
+            else:
+                launch_cached(key, inputs, lambda: (*start_variants(variants, call.q.device), name))
+        except NotServed as why:
+            info_once(f"fa3_inductor: {why}; the next kernel family runs ({site.description})")
+            passed_over.append(str(why))
+            continue
+        except Exception as exc:
+            if not is_build_error(exc):
+                raise
+            passed_over.append(record_kernel_failure(site, name, exc))
+            continue
+        if passed_over:
+            warn_once(f"fa3_inductor: {name} runs {site.description or 'a site'}: {'; '.join(passed_over)}")
+        return name
+    raise RuntimeError(f"fa3_inductor: no kernel family served {site.description or 'a site'} "
+                       f"({'; '.join(passed_over)}); the last family must serve every site: "
+                       "check templates/registry.py")
 
 
 def _launch_key(spec: str, scale: float, sparse_q_block: int, sparse_kv_block: int, n_score_bufs: int,
@@ -243,24 +212,6 @@ def bound_launch(q: Tensor, k: Tensor, v: Tensor, tables: tuple, score_bufs: lis
         return out, lse_out if want_lse else None
 
     return launch
-
-
-def _choose_template(site: SiteSpec, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                     blocks: dict) -> str:
-    if site.template == "hopper" and _hopper_serves(q, k, v, out, blocks):
-        return "hopper"
-    return "generic"
-
-
-def _check_interpreter() -> None:
-    from triton import knobs
-
-    if not knobs.runtime.interpret:
-        raise RuntimeError(
-            "fa3_inductor::flex_fwd got CPU tensors but Triton's interpreter is off. "
-            "Set TRITON_INTERPRET=1 before importing triton to run the generic kernel on "
-            "the CPU, or move the tensors to a CUDA device.")
-    info_once("fa3_inductor: running the generic template under the Triton interpreter (CPU)")
 
 
 _LIB.impl("flex_fwd", flex_fwd, "CUDA")

@@ -6,9 +6,9 @@ pointer). Our kernels read sequence lengths at run time and mark the integers th
 lengths ``do_not_specialize``, so a new length gives the same key, except where a length picks a
 variant that is worth its own code: a KV length that is a multiple of the tile (EVEN_N: no bound
 mask), the Hopper kernel's persistent schedule (short KV tiles), the generic kernel's tiles for long
-plain sites. The family's ``*_variants`` function returns a launch together with its *siblings*
-(the same site under the other choices); :func:`prepare_launch` returns the launch and compiles the
-siblings in background threads, so that later lengths find their kernel compiled.
+plain sites. A family's ``prepare`` returns a launch together with its *siblings* (the same site under the
+other choices); :func:`start_variants` compiles the launch and then the siblings in a background
+thread, so that later lengths find their kernel compiled.
 
 Why in the background: a Hopper compile takes 2.5-4 s; compiling the three siblings first would
 quadruple the first call. The compiles mostly run outside the GIL (measured on the CPU machine: the
@@ -92,24 +92,21 @@ def disk_cache_key(kernel: Any, args: Sequence, kwargs: dict, target: Any = None
     return get_cache_key(src, backend, options, get_cache_invalidating_env_vars())
 
 
-def prepare_launch(family: str, *inputs: torch.Tensor, **options: Any) -> Launch:
-    """``(kernel, args, kwargs, grid)`` of one launch of ``family`` ("hopper" or "generic"), with the
-    site's sibling variants compiled ahead (see the module docstring).
-
-    ``inputs`` are ``(q, k, v, out, lse, max_scores)``; ``options`` the family's prepare keywords
-    (``prepare_fwd_sm90`` / ``prepare_generic``; ``max_needed`` is the Hopper family's only). Where a
-    background compile of this very launch is under way, waits for it instead of compiling again.
+def start_variants(variants: tuple, device: torch.device) -> Launch:
+    """Of a family's ``(launch, siblings)`` (``KernelFamily.prepare``): compile ``launch`` now and its
+    siblings in the background (see the module docstring); returns ``launch`` as
+    ``(kernel, args, kwargs, grid)``. Where a background compile of this very launch is under way,
+    waits for it instead of compiling again.
 
     Example::
 
-        >>> kernel, args, kwargs, grid = prepare_launch("generic", q, k, v, out, lse, mx, sm_scale=0.1)  # doctest: +SKIP
-        >>> kernel[grid](*args, **kwargs)                                                               # doctest: +SKIP
+        >>> kernel, args, kwargs, grid = start_variants(family.prepare(call), q.device)  # doctest: +SKIP
+        >>> kernel[grid](*args, **kwargs)                                                # doctest: +SKIP
     """
-    launch, siblings = family_variants(family, *inputs, **options)
+    launch, siblings = variants
     mode = os.environ.get("FA3_INDUCTOR_VARIANTS", "background")
-    if not inputs[0].is_cuda or mode == "off":
+    if device.type != "cuda" or mode == "off":
         return launch
-    device = inputs[0].device
     own = _inflight_future(launch, device)
     if own is not None:
         own.result()
@@ -122,23 +119,6 @@ def prepare_launch(family: str, *inputs: torch.Tensor, **options: Any) -> Launch
         for f in futures:
             f.result()
     return launch
-
-
-def family_variants(family: str, *inputs: torch.Tensor, **options: Any) -> tuple[Launch, list[Launch]]:
-    """``(launch, siblings)`` of a family's launch at these inputs.
-
-    Example::
-
-        >>> launch, siblings = family_variants("hopper", q, k, v, out, lse, mx, sm_scale=0.1)  # doctest: +SKIP
-        >>> len(siblings)                                                                       # doctest: +SKIP
-        3
-    """
-    if family == "hopper":
-        from ..templates.hopper.fwd_sm90 import prepare_fwd_sm90_variants
-        return prepare_fwd_sm90_variants(*inputs, **options)
-    from .generic import prepare_generic_variants
-    options.pop("max_needed", None)
-    return prepare_generic_variants(*inputs, **options)
 
 
 def compile_ahead(launch: Launch, device: torch.device) -> Future:

@@ -9,18 +9,19 @@ is the source of one function in either dialect:
     gl  ``@gluon.jit`` with the same signature, for the Hopper (Gluon) template
 
 A score_mod is handed the raw ``qk`` tile and the scale rather than ``score = qk * sm_scale``,
-and returns its result divided by a positive constant, ``OUT_SCALE`` (a module constant in the
-source; 1.0 unless the mod ends in a multiply by a positive constant). Both are free multiplies
+and returns its result divided by a positive constant, ``out_scale`` (1.0 unless the mod ends in
+a multiply by a positive constant). What the generator knows of a mod it wrote travels beside the
+source as a typed record, :class:`ModInfo` (``generate_mod``); nothing reads it back from the text. Both are free multiplies
 folded away: ``score / c`` becomes ``qk * (sm_scale / c)`` (one multiply per score, not two), and
-the kernels fold ``OUT_SCALE`` into the exp2 FMA that converts to log2 units (softcap's final
+the kernels fold ``out_scale`` into the exp2 FMA that converts to log2 units (softcap's final
 ``* cap`` costs nothing). A mod that adds a term to the score (``score + x``, ALiBi, biases) is
-generated in units of sm_scale, ``qk + x / sm_scale`` with ``SM_SCALED = True`` (the tile times
-``OUT_SCALE * sm_scale`` is the score): no ``qk * sm_scale`` per score, and a narrow factor of x
+generated in units of sm_scale, ``qk + x / sm_scale`` (``sm_scaled``: the tile times
+``out_scale * sm_scale`` is the score): no ``qk * sm_scale`` per score, and a narrow factor of x
 (ALiBi's per-head slope) takes the ``1 / sm_scale`` once, so that the sum is one FFMA. That form
 needs sm_scale > 0; the source also holds ``score_mod_unfolded`` for any other scale, and
-:func:`kernel_score_mod` picks. ``OUT_RANGE`` bounds the returned tile where the last op bounds it
+:func:`kernel_score_mod` picks. ``out_range`` bounds the returned tile where the last op bounds it
 (tanh, sigmoid, clamp): the Hopper kernel may then exponentiate against a fixed base instead of
-the running row max. ``KV_AFFINE`` marks a ``score + x`` whose x is ``alpha(b, h) * kv + B(b, h, q)``
+the running row max. ``kv_affine`` marks a ``score + x`` whose x is ``alpha(b, h) * kv + B(b, h, q)``
 (ALiBi, relative and head biases): the Hopper kernel then evaluates the same function as a column
 vector, a scalar per KV tile and a row vector instead of per score. Mask mods take
 ``(b, h, q_idx, kv_idx, bufs)``.
@@ -231,6 +232,61 @@ def _additive_term(node: Any, score: torch.fx.Node) -> Optional[tuple[torch.fx.N
     return b, "+" if packet is aten.add else "-"
 
 
+@dataclasses.dataclass(frozen=True)
+class ModInfo:
+    """What the generator knows of a mod it wrote: the planners and the kernels' host code read it
+    (typed: a misspelt field is an error, not a silent default). A hand-written mod has the defaults.
+
+    Example::
+
+        >>> generate_mod_source(softcap_graph, "score", [], "gl").info.out_range   # doctest: +SKIP
+        (-1.0, 1.0)
+    """
+
+    out_scale: float = 1.0   # the returned tile times this (times sm_scale if sm_scaled) is the score
+    out_range: Optional[tuple[float, float]] = None   # bounds of every returned value, if the last op bounds them
+    sm_scaled: bool = False  # generated as qk + x / sm_scale (needs sm_scale > 0; else the unfolded twin)
+    kv_affine: bool = False  # score + alpha(b, h) * kv + B(b, h, q): evaluated per column, tile and row
+    sfu_ops: int = 0         # special-function (MUFU) ops per score
+    mask_and: bool = False   # a mask_mod returning an AND of conditions (one select per score)
+    gathers: bool = False    # reads a captured buffer
+
+    def to_items(self) -> tuple:
+        """The record as (field, value) pairs, for a JSON spec."""
+        return tuple(dataclasses.asdict(self).items())
+
+    @staticmethod
+    def from_items(items: Sequence) -> "ModInfo":
+        """The record back from :meth:`to_items` (after a JSON round trip).
+
+        Example::
+
+            >>> ModInfo.from_items(ModInfo(out_range=(-1.0, 1.0)).to_items()).out_range
+            (-1.0, 1.0)
+        """
+        fields = dict(items)
+        if fields.get("out_range") is not None:
+            fields["out_range"] = tuple(fields["out_range"])
+        return ModInfo(**fields)
+
+
+HAND_WRITTEN = ModInfo()
+
+
+class GeneratedSource(str):
+    """A generated mod's source text, with the generator's record of it (``info``)."""
+
+    info: ModInfo
+
+    def __new__(cls, text: str, info: ModInfo) -> "GeneratedSource":
+        obj = super().__new__(cls, text)
+        obj.info = info
+        return obj
+
+    def __reduce__(self) -> tuple:   # copies and pickles keep the record
+        return GeneratedSource, (str(self), self.info)
+
+
 class _Emitter:
     # Kernel dialects take (qk, sm_scale) and fold constant multiplies (module docstring).
     FOLD_SCALES = True
@@ -250,6 +306,8 @@ class _Emitter:
         # `q - kv < c` emitted as `kv > q - c` (see isolate_kv): comparison -> (op, kv side, other side)
         self.isolated: dict[torch.fx.Node, tuple[Any, str, str]] = {}
         self.sfu_ops = 0  # special-function (MUFU) ops per score: tanh, exp, ... on a score tile
+        self.gathers = False  # reads a captured buffer (gather)
+        self.info: Optional[ModInfo] = None   # set by emit()
         self.L = "tl" if dialect == "tl" else "gl"
         self.names: dict[torch.fx.Node, str] = {}
         self.lines: list[str] = []
@@ -394,16 +452,15 @@ class _Emitter:
                         + index_params + ["bufs"])
         deco = "@triton.jit" if self.dialect == "tl" else "@gluon.jit"
         body = "\n".join(f"    {line}" for line in self.prologue + self.lines + [f"return {ret}"])
-        if fold:
-            head = (f"OUT_SCALE = {out_scale!r}\nOUT_RANGE = {_value_range(result)!r}\n"
-                    + ("SM_SCALED = True\n" if self.additive else "")
-                    + ("KV_AFFINE = True\n" if self.kv_affine else "")
-                    + (f"SFU_OPS = {self.sfu_ops}\n" if self.sfu_ops else "") + "\n\n")
-        elif self.kind == "mask" and isinstance(result, torch.fx.Node) and result.op == "call_function" \
-                and _packet(result.target) in (aten.bitwise_and, aten.logical_and):
-            head = "MASK_AND = True\n\n\n"   # conditions ANDed: see mask_and_of
-        else:
-            head = ""
+        self.info = ModInfo(
+            out_scale=float(out_scale) if fold else 1.0,
+            out_range=_value_range(result) if fold else None,
+            sm_scaled=bool(fold and self.additive), kv_affine=bool(fold and self.kv_affine),
+            sfu_ops=self.sfu_ops if fold else 0, gathers=self.gathers,
+            mask_and=(self.kind == "mask" and isinstance(result, torch.fx.Node)
+                      and result.op == "call_function"
+                      and _packet(result.target) in (aten.bitwise_and, aten.logical_and)))
+        head = ""
         return f"{head}{deco}\ndef {fn}({sig}):\n{body}\n"
 
     def affine_in_kv(self, node: Any) -> bool:
@@ -843,6 +900,7 @@ class _Emitter:
     def gather(self, buf: torch.fx.Node, spec: BufferSpec, indices: Sequence[Any]) -> str:
         """Load of ``buf[indices]`` (one index per dimension); strides are baked in. A negative
         index counts from the end as in torch, unless its interval shows it never is negative."""
+        self.gathers = True
         terms = []
         for i, size, stride in zip(indices, spec.shape, spec.strides):
             if stride == 0:
@@ -1023,8 +1081,9 @@ class _Emitter:
 
 
 def generate_mod_source(gm: torch.fx.GraphModule, kind: str,
-                        buffers: Sequence[Optional[BufferSpec]], dialect: str = "tl") -> str:
-    """Source of a jit function computing ``gm`` on a tile (see the module docstring).
+                        buffers: Sequence[Optional[BufferSpec]], dialect: str = "tl") -> GeneratedSource:
+    """Source of a jit function computing ``gm`` on a tile (see the module docstring), with the
+    generator's record of it as ``.info`` (:class:`ModInfo`).
 
     ``buffers`` describes the captured inputs after the index arguments, in order; None marks
     a captured scalar (e.g. a size symbol under dynamic shapes), allowed only if unused.
@@ -1044,8 +1103,25 @@ def generate_mod_source(gm: torch.fx.GraphModule, kind: str,
     if emitter.additive:
         # The folded form needs sm_scale > 0; launchers take this one otherwise (kernel_score_mod).
         plain = _Emitter(gm, kind, buffers, dialect, fold_sm_scale=False).emit()
-        source += "\n\n" + plain[plain.index("@"):].replace("def score_mod(", "def score_mod_unfolded(", 1)
-    return source
+        source += "\n\n" + plain.replace("def score_mod(", "def score_mod_unfolded(", 1)
+    return GeneratedSource(source, emitter.info)
+
+
+def generate_in_dialect(gm: torch.fx.GraphModule, kind: str, buffers: Sequence[Optional[BufferSpec]],
+                        dialect: str) -> str:
+    """:func:`generate_mod_source` for the ``tl`` and ``gl`` dialects, templates/modgen_torch.py's
+    generator for ``torch``: the source a kernel family of that dialect calls.
+
+    Example::
+
+        >>> generate_in_dialect(gm, "mask", [], "torch").startswith("def mask_mod")   # doctest: +SKIP
+        True
+    """
+    if dialect == "torch":
+        from .modgen_torch import generate_torch_mod_source
+
+        return generate_torch_mod_source(gm, kind, buffers)
+    return generate_mod_source(gm, kind, buffers, dialect)
 
 
 def trace_mod(fn: Any, kind: str) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
@@ -1121,6 +1197,17 @@ def _cache_dir() -> str:
     return path
 
 
+def mod_info(fn: Any) -> ModInfo:
+    """The generator's record of a loaded mod (:func:`load_mod`); a hand-written one has the defaults.
+
+    Example::
+
+        >>> mod_info(load_mod(generate_mod_source(softcap_graph, "score", []))).out_scale  # doctest: +SKIP
+        30.0
+    """
+    return _INFO.get(fn, HAND_WRITTEN)
+
+
 def out_scale_of(score_mod: Any) -> float:
     """The positive constant a score_mod's returned tile is to be multiplied by (1.0 for a
     hand-written mod, which returns the score itself).
@@ -1130,12 +1217,12 @@ def out_scale_of(score_mod: Any) -> float:
         >>> out_scale_of(load_mod(generate_mod_source(softcap_graph, "score", [])))  # doctest: +SKIP
         30.0
     """
-    return float(getattr(score_mod, "out_scale", 1.0))
+    return mod_info(score_mod).out_scale
 
 
 def kernel_score_mod(score_mod: Any, sm_scale: float, fold: bool = True) -> tuple[Any, float]:
     """(the score_mod to launch, the factor from its returned tile to the score) for a launch
-    with ``sm_scale``. A mod folded as ``qk + x / sm_scale`` (SM_SCALED) is valid for
+    with ``sm_scale``. A mod folded as ``qk + x / sm_scale`` (sm_scaled) is valid for
     sm_scale > 0 only; otherwise, or with ``fold=False`` (a kernel config that measured the
     unfolded form faster), its unfolded twin is launched.
 
@@ -1145,11 +1232,22 @@ def kernel_score_mod(score_mod: Any, sm_scale: float, fold: bool = True) -> tupl
         >>> factor                                                              # doctest: +SKIP
         0.125
     """
-    if getattr(score_mod, "sm_scaled", False):
+    if mod_info(score_mod).sm_scaled:
         if fold and sm_scale > 0:
             return score_mod, out_scale_of(score_mod) * sm_scale
-        score_mod = score_mod.unfolded
+        score_mod = unfolded_of(score_mod)
     return score_mod, out_scale_of(score_mod)
+
+
+def unfolded_of(score_mod: Any) -> Any:
+    """The unfolded twin of an sm_scaled score_mod (``qk * sm_scale`` first, then the mod).
+
+    Example::
+
+        >>> unfolded_of(load_mod(alibi_source, "gl")).__name__   # doctest: +SKIP
+        'score_mod_unfolded'
+    """
+    return _UNFOLDED[score_mod]
 
 
 def sfu_ops_of(score_mod: Any) -> int:
@@ -1160,11 +1258,11 @@ def sfu_ops_of(score_mod: Any) -> int:
         >>> sfu_ops_of(load_mod(generate_mod_source(softcap_graph, "score", []), "gl"))  # doctest: +SKIP
         1
     """
-    return int(getattr(score_mod, "sfu_ops", 0))
+    return mod_info(score_mod).sfu_ops
 
 
 def kv_affine_of(score_mod: Any) -> bool:
-    """True if a generated score_mod is ``score + alpha(b, h) * kv + B(b, h, q)`` (KV_AFFINE):
+    """True if a generated score_mod is ``score + alpha(b, h) * kv + B(b, h, q)`` (kv_affine):
     the kernel may then evaluate it once per column, per tile and per row instead of per score.
 
     Example::
@@ -1172,11 +1270,11 @@ def kv_affine_of(score_mod: Any) -> bool:
         >>> kv_affine_of(load_mod(generate_mod_source(alibi_graph, "score", []), "gl"))  # doctest: +SKIP
         True
     """
-    return bool(getattr(score_mod, "kv_affine", False))
+    return mod_info(score_mod).kv_affine
 
 
 def mask_and_of(mask_mod: Any) -> bool:
-    """True if a generated mask_mod returns an AND of conditions (MASK_AND): the Hopper kernel then
+    """True if a generated mask_mod returns an AND of conditions (mask_and): the Hopper kernel then
     applies it through a select that ptxas can chain into the comparisons (one FSEL per score).
 
     Example::
@@ -1184,10 +1282,10 @@ def mask_and_of(mask_mod: Any) -> bool:
         >>> mask_and_of(load_mod(generate_mod_source(window_graph, "mask", []), "gl"))  # doctest: +SKIP
         True
     """
-    return bool(getattr(mask_mod, "mask_and", False))
+    return mod_info(mask_mod).mask_and
 
 
-def describe_mod_source(source: Optional[str]) -> str:
+def describe_mod_source(source: Optional[str], info: Optional[ModInfo] = None) -> str:
     """A generated mod's body on one line (for reports), with the factor its kernel applies.
 
     Example::
@@ -1197,13 +1295,12 @@ def describe_mod_source(source: Optional[str]) -> str:
     """
     if source is None:
         return "none"
+    if info is None:
+        info = source.info if isinstance(source, GeneratedSource) else HAND_WRITTEN
     lines = source.split("def score_mod_unfolded")[0].splitlines()   # not the unfolded twin
     start = next(i for i, line in enumerate(lines) if line.startswith("def ")) + 1
     summary = "; ".join(line.strip() for line in lines[start:] if line.strip() and line[0] != "@")
-    scale = next((line.split("=", 1)[1].strip() for line in lines[:start]
-                  if line.startswith("OUT_SCALE")), "1.0")
-    factors = ([] if scale == "1.0" else [scale]) + \
-        (["sm_scale"] if "SM_SCALED = True" in lines[:start] else [])
+    factors = ([] if info.out_scale == 1.0 else [repr(info.out_scale)]) + (["sm_scale"] if info.sm_scaled else [])
     return f"{summary} (x {' x '.join(factors)}, folded into the kernel)" if factors else summary
 
 
@@ -1215,13 +1312,14 @@ def out_range_of(score_mod: Any) -> Optional[tuple[float, float]]:
         >>> out_range_of(load_mod(generate_mod_source(softcap_graph, "score", [])))  # doctest: +SKIP
         (-1.0, 1.0)
     """
-    return getattr(score_mod, "out_range", None)
+    return mod_info(score_mod).out_range
 
 
-def load_mod(source: str, dialect: str = "tl") -> Any:
-    """Import generated mod source as a module (jit functions need a real file) and return
-    its ``score_mod`` or ``mask_mod`` function (a score_mod carries its ``OUT_SCALE``, see
-    :func:`out_scale_of`). Cached by the hash of the source.
+def load_mod(source: str, dialect: str = "tl", info: Optional[ModInfo] = None) -> Any:
+    """Import generated mod source as a module (jit functions need a real file) and return its
+    ``score_mod`` or ``mask_mod`` jit function, registered with the generator's record of it
+    (``info``, or the source's own ``.info`` when it came from :func:`generate_mod_source`; see
+    :func:`mod_info`). Cached by the source text.
 
     Example::
 
@@ -1230,6 +1328,8 @@ def load_mod(source: str, dialect: str = "tl") -> Any:
     cached = _LOADED.get((dialect, source))  # the hot path: no hashing of the text per call
     if cached is not None:
         return cached
+    if info is None:
+        info = source.info if isinstance(source, GeneratedSource) else HAND_WRITTEN
     text = _HEADER[dialect] + source
     key = hashlib.sha256(text.encode()).hexdigest()[:20]
     path = os.path.join(_cache_dir(), f"mod_{dialect}_{key}.py")
@@ -1244,16 +1344,15 @@ def load_mod(source: str, dialect: str = "tl") -> Any:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     fn = getattr(module, "score_mod", None) or getattr(module, "mask_mod")
-    fn.mask_and = bool(getattr(module, "MASK_AND", False))
-    if hasattr(module, "OUT_SCALE"):  # read by the launchers: see kernel_score_mod, out_range_of
-        fn.out_scale = float(module.OUT_SCALE)
-        fn.out_range = module.OUT_RANGE
-        fn.sm_scaled = bool(getattr(module, "SM_SCALED", False))
-        fn.sfu_ops = int(getattr(module, "SFU_OPS", 0))
-        fn.kv_affine = bool(getattr(module, "KV_AFFINE", False))
-        fn.unfolded = getattr(module, "score_mod_unfolded", None)
-        if fn.unfolded is not None:
-            fn.unfolded.out_scale, fn.unfolded.out_range = fn.out_scale, fn.out_range
-            fn.unfolded.sfu_ops, fn.unfolded.kv_affine = fn.sfu_ops, fn.kv_affine
+    _INFO[fn] = info
+    unfolded = getattr(module, "score_mod_unfolded", None)
+    if unfolded is not None:   # the twin computes qk * sm_scale itself: not sm_scaled
+        _UNFOLDED[fn] = unfolded
+        _INFO[unfolded] = dataclasses.replace(info, sm_scaled=False)
     _LOADED[(dialect, source)] = fn
     return fn
+
+
+# Loaded mods (kept for the process: their identities key the tables below) and their records.
+_INFO: dict[Any, ModInfo] = {}
+_UNFOLDED: dict[Any, Any] = {}

@@ -46,7 +46,7 @@ def index_to_float(x: Any) -> Any:
 
 
 def _is_tensor(x: Any) -> bool:
-    # fx Proxies count: recognition (lowering/lift.py) evaluates the same helpers while it
+    # fx Proxies count: recognition (recognition/lift.py) evaluates the same helpers while it
     # writes mask computations into a graph.
     return isinstance(x, (torch.Tensor, torch.fx.Proxy))
 

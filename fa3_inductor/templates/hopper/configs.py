@@ -3,7 +3,7 @@
 One entry per (head dim, dtype). Every entry is compiled for sm90 by
 tests/test_hopper_compile.py (HGMMA present, setmaxnreg present, no spills), and the
 reason / measurement for each choice sits beside it. Figures are TFLOP/s, bf16,
-`triton.testing.do_bench` medians, same run as cuDNN; see DESIGN.md in this folder for the
+`triton.testing.do_bench` medians, same run as cuDNN; see docs/design/hopper_kernel.md for the
 full ablation and the device each figure came from.
 
 Register budget (all entries): 3 warpgroups (2 consumer warpgroups + a 1-warp producer padded
@@ -13,8 +13,12 @@ Gluon silently drops setmaxnreg: the compile test catches that.
 
 Shared memory (bytes): Q tile BLOCK_M*W*2, plus NUM_STAGES K tiles and V_STAGES V tiles of BLOCK_N*W*2,
 plus in persistent mode an O staging tile BLOCK_M*W*2 where it fits (D=64: 128 KB, D=128: 192 KB in all).
-W is the head dim (split_smem: two tiles per operand, LO + HI columns) or the next power of two (padded).
+W is the head dim: a head dim that is not a power of two sits in two tiles per operand, LO + HI columns.
 Limit on sm90: 227 KB per CTA.
+
+Every field below takes more than one value across the shipped entries (or, `persistent`, pins a choice that
+shipped launches make both ways); switches that every entry left at one value were removed with their kernel
+code (last at commit 7bfe679; the measurements that retired them are noted where the choice is made).
 """
 from __future__ import annotations
 
@@ -29,61 +33,49 @@ class Sm90Config:
     block_n: int = 128          # KV rows per pipeline stage
     num_stages: int = 2         # depth of the K/V shared-memory ring
     v_stages: int | None = None  # depth of the V ring where it differs from the K ring's (None: num_stages)
-    # A padded head dim (80, 96, 160, 192) in two shared tiles per operand, [.., LO] and [.., HI], holding
-    # exactly D columns, instead of one tile padded to the next power of two (whose zero columns take
-    # shared memory but no wgmma): what lets D=160 / 192 hold BLOCK_N 128 tiles.
-    split_smem: bool = False
-    pingpong: bool = True       # mbarrier pingpong between the two consumer warpgroups
+    # Always on, no longer fields (7bfe679): a padded head dim (80, 96, 160, 192) in two shared tiles per
+    # operand of exactly D columns, not one padded to a power of two (D=96 split / padded noop S8k 516 / 482,
+    # hopper-mods-nvidia-h200-2026-11-22-1653-split-d96-d80; what lets D=160 / 192 hold BLOCK_N 128 tiles);
+    # mbarrier pingpong between the two consumer warpgroups (+1-4% non-causal at D=128 / 256 on an H200, noise
+    # elsewhere: hopper-ablation-nvidia-h200-2026-11-22-0715).
     overlap: bool = True        # intra-warpgroup overlap: QK^T of tile j+1 before softmax of tile j
     # grid = #SMs, each CTA walks tile pairs (longest + shortest query block of a head); None (every
-    # table entry): decided per launch by use_persistent() from the tile count and the KV length
+    # table entry): decided per launch by use_persistent() from the tile count and the KV length. True /
+    # False pin the schedule (tests, benchmarks: both are shipped, chosen per launch).
     persistent: bool | None = None
     # use_persistent(): tiles of up to 8192 keys' worth of KV tiles also go persistent while kv_len <= 8192
     # (measured at D=128 only; see PERSISTENT_MAX_N_SHORT_KV)
     persistent_to_8k: bool = False
-    # persistent only: a separate O staging buffer (2 x 64 x D), so that a consumer releases its Q half
-    # after its last QK^T and the next tile's Q and K/V load under the tail PV and the epilogue; the O
-    # TMA store is waited for one tile later. Dropped where shared memory does not allow it (D=256).
-    o_stage: bool = True
+    # (Persistent launches stage O in a buffer of its own wherever shared memory allows it, D=64 / 128; the
+    # `o_stage` field that could turn that off went in 7bfe679: persistent with the O buffer is the schedule
+    # measured in hopper-sched-nvidia-h200-2026-11-22-0304, "O in Q" was hopper_ablation.py's variant.)
     consumer_regs: int = 240    # setmaxnreg of the second consumer warpgroup (the default one gets the rest)
     producer_regs: int = 24     # setmaxnreg of the TMA producer warp(group)
     maxnreg: int = 168          # register cap at kernel entry (12 warps)
-    # Ablation knobs, both measured slower on H200 and off in every table entry (DESIGN.md, "Mod cost"):
-    # exp2 of the softmax on the FMA pipe for this many quarters of the score columns (0-2), as
-    # FlashAttention-4 does: softcap B4 H16 S4096 484 (0) / 453 (1) / 443 (2) TFLOP/s, same run: the
-    # tile is issue-bound, not MUFU-bound, and the polynomial costs 9 instructions for 1 MUFU op.
-    exp2_emu: int = 0
-    # exp2_emu for score mods that spend the special-function unit per score themselves (SFU_OPS > 0:
-    # softcap's tanh), where exp2_emu is 0. Only D=64 sets it (2): there the tile's two GEMMs are half as
-    # long as at D=128 and MUFU is the bound. H200, bf16, softcap 30, same run, emu 0 / 1 / 2 (TFLOP/s,
-    # hopper-mods-nvidia-h200-2026-11-22-0630): B8 H32 S2k 315 / 324 / 334, B4 H32 S4k 320 / 330 / 342,
-    # B1 H32 S16k 329 / 352 / 372; at D=128 it loses (B8 H16 S2k 521 / 509 / 497, B2 S8k 534 / 527 / 526),
-    # and noop loses at both (D=64 S4k 447 / 421 / 382).
-    sfu_mod_exp2_emu: int = 0
+    # exp2 of the softmax on the FMA pipe (FlashAttention-4's polynomial) for half of the score columns, for
+    # score mods that spend the special-function unit per score themselves (SFU_OPS > 0: softcap's tanh).
+    # Only D=64 sets it: there the tile's two GEMMs are half as long as at D=128 and MUFU is the bound.
+    # H200, bf16, softcap 30, same run, off / quarter / half (TFLOP/s, hopper-mods-nvidia-h200-2026-11-22-0630):
+    # B8 H32 S2k 315 / 324 / 334, B4 H32 S4k 320 / 330 / 342, B1 H32 S16k 329 / 352 / 372; at D=128 it loses
+    # (B8 H16 S2k 521 / 509 / 497, B2 S8k 534 / 527 / 526; earlier B4 H16 S4096 484 / 453 / 443, -0228), and
+    # for every launch without such a mod (noop D=64 S4k 447 / 421 / 382): the quarter split and the emulation
+    # outside SFU-bound mods were removed (last at 7bfe679).
+    sfu_mod_exp2_emu: bool = False
     # Take a `score + x` mod in its folded form qk + x / sm_scale (modgen SM_SCALED) or the unfolded twin.
     # Measured (H200, bf16, ALiBi, same run, folded / unfolded TFLOP/s, hopper-mods-…-0625, -0630, -0650):
     # D=128 S2k 495 / 471, S4k 524 / 486, S8k 526 / 512 and 532 / 513, S16k 533 / 515 and 523 / 520;
     # D=64 S2k 346 / 358, S4k 349 / 366 (both runs), S16k 364 / 363 (twice). The folded SASS has 240 fewer FMULs at either head dim; why D=64 runs
     # slower with it is not understood: D=64 keeps the unfolded form.
     fold_sm_scale: bool = True
-    # FlashAttention-4's lazy rescale (rescale O only when a row max outgrew the exponent base by
-    # > 2^8): noop 556 vs 570 / 564 vs 600, softcap 466 vs 479 / 477 vs 499 (B4 S4096 / B1 S16384,
-    # on vs off, same run): its per-tile warpgroup-wide max (shared memory + barrier) costs more than
-    # the FMULs it saves, and at D=256 it spills (STACK 8-16 bytes).
-    lazy_rescale: bool = False
-    # A score_mod with a bounded output (softcap's tanh) exponentiates against a fixed base instead of
-    # the running row max, where P's dtype has the range for it and the row max (MAX) is not asked
-    # for: no max, no O / l rescale (fixed_base_for). Measured in DESIGN.md, "Mod cost".
-    fixed_base: bool = True
-    # A `score + alpha(b, h)·kv + B(b, h, q)` mod (modgen KV_AFFINE: ALiBi, relative bias, head bias) is
-    # evaluated as a column vector (once per query tile), a scalar per KV tile (into the row max and the
-    # exp2 bias) and a row vector (into LSE / MAX at the end): one FFMA per score instead of the index
-    # conversion, difference and multiply-add (SASS, D=128 S8k, one consumer's KV loop: noop 459, ALiBi
-    # 656 -> 532 instructions). H200, bf16, kernel launched directly, same run, on / off, × our noop
-    # (hopper-mods-nvidia-h200-2026-11-22-0825, -0827): ALiBi D=128 S2k-16k 0.91 / 0.91 / 0.96 / 0.96
-    # against 0.84 / 0.84 / 0.85 / 0.85; D=64 0.90-0.95 against 0.80-0.82; D=256 0.96-0.99 against
-    # 0.93-0.95; relative bias D=128 S2k-8k 1.03 / 1.04 / 0.95 against 0.89 / 0.90 / 0.91.
-    affine_mods: bool = True
+    # No longer fields (7bfe679), on wherever a launch qualifies:
+    # - a bounded score_mod (softcap) with MAX not asked for runs against a fixed exponent base (no row max,
+    #   no O / l rescale; fixed_base_for; docs/design/hopper_mods.md);
+    # - a `score + alpha(b, h)·kv + B(b, h, q)` mod (modgen KV_AFFINE: ALiBi, relative bias) is evaluated as
+    #   column / tile / row parts, one FFMA per score: ALiBi D=128 S2k-16k 0.91-0.96 of noop against 0.84-0.85
+    #   unfolded per score (hopper-mods-nvidia-h200-2026-11-22-0825, -0827).
+    # Removed: FlashAttention-4's lazy rescale (rescale O only when a row max outgrew the base by > 2^8): noop
+    # B4 S4096 556 vs 570, B1 S16384 564 vs 600 TFLOP/s on vs off (hopper-mods-nvidia-h200-2026-11-22-0250),
+    # still 4-7% slower at D=96 / 192 / 256 (-1405-lazy).
 
     @property
     def v_ring_stages(self) -> int:
@@ -94,11 +86,9 @@ class Sm90Config:
                    value_head_dim: int | None = None) -> int:
         """Shared memory of the Q tile, the K and V rings and (o_stage) the O staging tile, barriers aside."""
         dv = head_dim if value_head_dim is None else value_head_dim
-        qk_width = head_dim if self.split_smem else tile_head_dim(head_dim)
-        v_width = dv if self.split_smem else tile_head_dim(dv)
-        o_rows = self.block_m if o_stage else 0
-        return elem_bytes * (qk_width * (self.block_m + self.num_stages * self.block_n)
-                             + v_width * (o_rows + self.v_ring_stages * self.block_n))
+        o_rows = self.block_m if o_stage else 0   # shared tiles hold exactly the head dim's columns
+        return elem_bytes * (head_dim * (self.block_m + self.num_stages * self.block_n)
+                             + dv * (o_rows + self.v_ring_stages * self.block_n))
 
 
 SMEM_LIMIT = 227 * 1024   # bytes of shared memory a CTA may use on sm90 (barriers need a few more)
@@ -171,24 +161,24 @@ _TABLE: dict[int, Sm90Config] = {
     # D=64: 128x128 tiles, 3 stages (96 KB of K/V ring + 16 KB Q): tiles are cheap to hold and
     # short to compute, so a deeper ring could hide more TMA latency. S=64 regs, O=32 regs/thread.
     # H100, B4 H32 S4096: 3 stages 415, 2 stages 416 TFLOP/s (a tie), cuDNN 454 in the same run.
-    64: Sm90Config(block_m=128, block_n=128, num_stages=3, sfu_mod_exp2_emu=2, fold_sm_scale=False),
-    # D=128: the FACTS.md prototype structure: 128x128, 2 stages (164 KB), pingpong + overlap.
+    64: Sm90Config(block_m=128, block_n=128, num_stages=3, sfu_mod_exp2_emu=True, fold_sm_scale=False),
+    # D=128: the prototype structure of docs/facts.md: 128x128, 2 stages (164 KB), pingpong + overlap.
     # H100 (this kernel, 3 rounds): B4 H32 S4096 583-585 vs cuDNN 573-591; B2 H16 S8192 599 vs 581;
     # 3 stages is slower in every run (565 / 577), as in the H200 prototype (585 / 600 vs 594 / 608).
-    # Pingpong on vs off is inside the run-to-run noise on H100 (see DESIGN.md); kept on, as on H200.
+    # Pingpong on vs off is inside the run-to-run noise on H100 (see docs/design/hopper_kernel.md); kept on, as on H200.
     128: Sm90Config(block_m=128, block_n=128, num_stages=2, persistent_to_8k=True),
     # D=96: the D=128 tiles, QK^T stopping at 96 and O as 64 + 32 columns, so no wgmma multiplies padding;
-    # Q / K / V / O as two shared tiles each, 64 + 32 columns (split_smem). H200, product path, same run as
+    # Q / K / V / O as two shared tiles each, 64 + 32 columns (split tiles). H200, product path, same run as
     # cuDNN (bench-nvidia-h200-2026-11-22-1402, 21 heads, one 128-wide padded tile per operand then): noop
     # S2k / 8k 484 / 509 against cuDNN 458 / 437, causal 413 / 460 against 378 / 413; with O padded to 128
     # columns 470 / 498 (-1354-pv-padded). Split against padded shared tiles, kernel launched directly, same
     # run (hopper-mods-nvidia-h200-2026-11-22-1653-split-d96-d80): noop S8k 516 / 482, S2k 487 / 485; softcap and
     # ALiBi within 3% either way; 3 stages 514 / 487 (no gain).
-    96: Sm90Config(block_m=128, block_n=128, num_stages=2, persistent_to_8k=True, split_smem=True),
+    96: Sm90Config(block_m=128, block_n=128, num_stages=2, persistent_to_8k=True),
     # D=80 (Phi-2, Pythia): the same, 64 + 16 columns. Same run as cuDNN (bench-…-1421, 25 heads, padded
     # tiles): noop S2k / 8k 436 / 440 against 380 / 371, causal 357 / 407 against 321 / 338. Split against
     # padded (-1653-split-d96-d80): noop S8k 465 / 427, S2k 439 / 431; softcap 385 / 378 and 363 / 369.
-    80: Sm90Config(block_m=128, block_n=128, num_stages=2, persistent_to_8k=True, split_smem=True),
+    80: Sm90Config(block_m=128, block_n=128, num_stages=2, persistent_to_8k=True),
     # D=256: O alone is 128 fp32 regs/thread, so BLOCK_N 64 (S 32 regs, P 16); 2 stages:
     # 64 KB Q + 128 KB K/V = 192 KB (3 stages would be 256 KB > 227 KB).
     # H100, B4 H16 S4096: 647 TFLOP/s vs cuDNN 637 in the same run. No room for the persistent mode's
@@ -203,21 +193,20 @@ _TABLE: dict[int, Sm90Config] = {
     # rescale) loses with it, 613 -> 544 and 562 -> 541: bounded launches take FIXED_BASE_TABLE's entry.
     # Product path, same run as cuDNN (bench-nvidia-h200-2026-11-22-1703, 10 heads): noop S2k / 8k 580 / 618
     # against 601 / 617, causal 499 / 562 against 501 / 565 (the previous entry: 0.92-0.93x and 0.88-0.91x).
-    192: Sm90Config(block_m=128, block_n=128, num_stages=1, v_stages=2, overlap=False, split_smem=True),
+    192: Sm90Config(block_m=128, block_n=128, num_stages=1, v_stages=2, overlap=False),
     # D=160: split shared tiles (128 + 32 columns) fit BLOCK_N 128 with two K/V stages (40 + 160 = 200 KB),
     # and S of two tiles + O (80 registers) fit 240 with the overlap. Same kind of run (-1652-split-d160), B2 H12 S8k / B8 H12
     # S2k: padded BLOCK_N 64 tiles (the previous entry) noop 457 / 435, softcap 454 / 438; split BLOCK_N 64
     # with 3 stages 542 / 532; split 128 noop 634 / 587 (without the overlap 568 / 523), softcap 604 / 571.
     # Product path, same run as cuDNN (bench-…-1703, 12 heads): noop S2k / 8k 608 / 631 against 502 / 538,
     # causal 496 / 583 against 429 / 487.
-    160: Sm90Config(block_m=128, block_n=128, num_stages=2, split_smem=True),
+    160: Sm90Config(block_m=128, block_n=128, num_stages=2),
 }
 
 
 def tile_head_dim(head_dim: int) -> int:
-    """The padded head-dim width: the next power of two (Gluon tensors and descriptor blocks have
-    power-of-two shapes). Without split_smem (an ablation), D=96 / 192 run in 128 / 256-wide shared tiles:
-    TMA zero-fills the columns past D on loads and clips them on the O store.
+    """The head dim rounded up to a power of two (Gluon tensors and descriptor blocks have power-of-two
+    shapes): split_head_dim's LO is half of it for a head dim that is not a power of two.
 
     Example::
 
@@ -245,7 +234,7 @@ def split_head_dim(head_dim: int) -> tuple[int, int]:
 # rescale) where that wants other tiles than the table's: at D=192 the rescale the BLOCK_N 128 entry saves
 # is not there to save, and the overlap it gives up is worth more (see the 192 entry).
 FIXED_BASE_TABLE: dict[int, Sm90Config] = {
-    192: Sm90Config(block_m=128, block_n=64, num_stages=2, split_smem=True),
+    192: Sm90Config(block_m=128, block_n=64, num_stages=2),
 }
 
 # V (and O) with a head dim other than Q's and K's: (q/k head dim, v head dim) -> config. DeepSeek-V2/V3's
@@ -254,7 +243,7 @@ FIXED_BASE_TABLE: dict[int, Sm90Config] = {
 # stage, so two stages of each fit (48 + 2 * (48 + 32) = 208 KB), and O is the D=128 accumulator (64
 # registers), so the intra-warpgroup overlap fits too.
 PAIR_TABLE: dict[tuple[int, int], Sm90Config] = {
-    (192, 128): Sm90Config(block_m=128, block_n=128, num_stages=2, split_smem=True),
+    (192, 128): Sm90Config(block_m=128, block_n=128, num_stages=2),
 }
 
 SUPPORTED_HEAD_DIMS = tuple(sorted(_TABLE))
@@ -329,12 +318,11 @@ def describe(head_dim: int, dtype: torch.dtype = torch.bfloat16, value_head_dim:
         parts = [f"tiles {cfg.block_m}x{cfg.block_n}", stages]
         lo, hi = split_head_dim(head_dim)
         if hi:
-            parts.append(f"shared tiles of {lo} + {hi} columns" if cfg.split_smem
-                         else f"{tile_head_dim(head_dim)}-column shared tiles")
+            parts.append(f"shared tiles of {lo} + {hi} columns")
         if dv != head_dim:
             vlo, vhi = split_head_dim(dv)
             parts.append(f"v {vlo} + {vhi} columns" if vhi else f"v {dv} columns")
-        parts.append("pingpong" if cfg.pingpong else "no pingpong")
+        parts.append("pingpong")
         parts.append("overlap" if cfg.overlap else "no overlap")
         return ", ".join(parts)
 
@@ -363,7 +351,7 @@ def all_pair_configs():
             yield d, dv, dt, cfg
 
 
-# Fixed exponent base (Sm90Config.fixed_base): p = 2^(t - base) for t within a bounded range of width
+# Fixed exponent base (the kernel's FIXED_BASE): p = 2^(t - base) for t within a bounded range of width
 # W (log2 units). The base sits HEADROOM below the top, so p <= 2^HEADROOM (P, l and O stay finite) and
 # p >= 2^(HEADROOM - W), which must stay a normal number of P's dtype (bf16: 2^-126, fp16: 2^-14).
 _FIXED_BASE_RANGE = {torch.bfloat16: (64.0, 180.0), torch.float16: (15.0, 28.0)}   # (HEADROOM, max W)

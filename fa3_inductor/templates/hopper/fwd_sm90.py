@@ -9,11 +9,12 @@ Notation
   M, N, D            query length, key/value length, head dim. M and N are arbitrary (ragged tails are
                      handled by TMA zero-fill on loads, TMA clipping on the O store, and an explicit
                      kv_idx < N mask on the last KV tile). A head dim that is not a power of two (80, 96,
-                     160, 192) splits into LO + HI columns, both powers of two (HEAD_DIM = 2 * LO is the
-                     padded width, QK_DIM = D): Q, K, V and O sit in two shared tiles each (SPLIT_SMEM, two
-                     TMA copies per tile), QK^T is two wgmmas and O two accumulators (_qk_mma, _pv_mma).
-                     Without SPLIT_SMEM (an ablation) one HEAD_DIM-wide tile per operand is zero-filled past D.
-                     V and O follow their own head dim the same way (V_HEAD_DIM, V_DIM, V_SPLIT).
+                     160, 192) splits into LO + HI columns, both powers of two (QK_LO + QK_HI = D): Q and K
+                     sit in two shared tiles each (SPLIT_QK, two TMA copies per tile) and QK^T is two
+                     wgmmas (_qk_mma). V and O follow their own head dim Dv the same way (V_LO + V_HI,
+                     SPLIT_V: two V tiles, two O accumulators, _pv_mma). A power of two: LO = D, HI = 0.
+  BLOCK_M, BLOCK_N   query rows of a CTA tile (128: two consumer warpgroups of HALF_M = 64 rows each) and KV
+                     rows of a ring stage; NUM_STAGES / V_STAGES: depth of the K / V rings.
   LSE[z, hq, m]      log2-domain logsumexp of the (modded, masked) scores: logsumexp_e(s) / ln 2
   MAX[z, hq, m]      log2-domain row max:  max(s) / ln 2.   Fully masked row: O = 0, LSE = MAX = -inf.
   score_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs) -> the score (q . k) * sm_scale after the mod,
@@ -55,6 +56,17 @@ Barriers (all in shared memory):
   turn[w]     (count 1)           pingpong: warpgroup w may issue its next GEMMs; w arrives on
                                   turn[1-w] right after issuing. Warpgroup 1 pre-arrives turn[0].
 
+Compile-time parameters (kernel constexprs, one named bundle each; frozen dataclasses defined below):
+  SCORE_MOD, MASK_MOD  the @gluon.jit mods (or None)
+  TILE    TileShape      BLOCK_M, BLOCK_N, QK_LO, QK_HI, V_LO, V_HI, NUM_STAGES, V_STAGES (HALF_M, SPLIT_QK,
+                         SPLIT_V derived)
+  SCHED   Schedule       PERSISTENT, O_STAGE, OVERLAP, CONSUMER_REGS, PRODUCER_REGS
+  SPARSE  BlockSparsity  HAS_SPARSE, HAS_FULL, SPARSE_Q_DIV, SPARSE_KV_MULT
+  FLAGS   ModFlags       HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, MASK_AND, EVEN_N, KV_AFFINE, FIXED_BASE, EXP2_EMU
+Every switch in them takes both of its values in some shipped launch (configs.all_configs() times the host's
+per-launch choices); measured-and-dropped ablations (lazy rescale, pingpong off, padded shared tiles, exp2
+emulation outside SFU-bound mods) last existed at commit 7bfe679 (benchmarks/hopper_ablation.py lists them).
+
 Mods and captured buffers: `score_mod` / `mask_mod` are `@gluon.jit` functions passed as constexpr
 kernel arguments. Captured buffers travel as a *tuple of tensors* kernel argument (`score_bufs`,
 `mask_bufs`; tuples, possibly empty, are ordinary Triton/Gluon kernel arguments: each entry becomes a
@@ -71,12 +83,13 @@ and PERSISTENT (with O_STAGE following it): prepare_fwd_sm90_variants gives a la
 runtime/variants.py compiles ahead.
 
 Per-score cost matters more than anything else in the softmax: the consumer warpgroups are issue-bound
-(hopper/DESIGN.md, "Mod cost"), so every instruction a mod or a mask check adds per score shows up.
+(docs/design/hopper_mods.md), so every instruction a mod or a mask check adds per score shows up.
 """
 from __future__ import annotations
 
 import functools
 import weakref
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -91,12 +104,76 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..modgen import kernel_score_mod, kv_affine_of, mask_and_of, out_range_of, sfu_ops_of
+from ..modgen import kernel_score_mod, kv_affine_of, mask_and_of, mod_info, out_range_of, sfu_ops_of
 from ..tma import tma_aligned
 from .configs import (SMEM_LIMIT, Sm90Config, fixed_base_for, get_config, serves_head_dims, split_head_dim,
-                      tile_head_dim, use_persistent)
+                      use_persistent)
 
 LOG2E = 1.4426950408889634
+
+
+# ----------------------------------------------------------------------------------------------
+# Constexpr bundles: the kernel's compile-time parameters, by name. Each is a frozen dataclass passed as one
+# `gl.constexpr` argument (a Python value: `TILE.BLOCK_N` reads a field, a property computes from the fields at
+# compile time). Frozen dataclasses hash and print by their fields, which is what Triton's specialization key
+# needs; the mods stay separate constexprs (SCORE_MOD, MASK_MOD) so that Triton keys them by their source.
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TileShape:
+    """Tile sizes and shared-memory rings. A head dim splits into LO + HI columns (split_head_dim): HI = 0 for
+    a power of two, else Q / K (V / O) sit in two shared tiles per operand, [.., LO] and [.., HI]."""
+    BLOCK_M: int       # query rows per CTA tile (two consumer warpgroups x HALF_M)
+    BLOCK_N: int       # KV rows per ring stage
+    QK_LO: int         # Q / K head-dim columns of the first tile (D itself where D is a power of two)
+    QK_HI: int         # Q / K columns of the second tile (0: no second tile)
+    V_LO: int          # V / O: the same for V's head dim Dv
+    V_HI: int
+    NUM_STAGES: int    # depth of the K ring
+    V_STAGES: int      # depth of the V ring
+
+    @property
+    def HALF_M(self) -> int:
+        return self.BLOCK_M // 2
+
+    @property
+    def SPLIT_QK(self) -> bool:
+        return self.QK_HI > 0
+
+    @property
+    def SPLIT_V(self) -> bool:
+        return self.V_HI > 0
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How CTAs walk tiles and how the warpgroups take turns."""
+    PERSISTENT: bool    # grid = #SMs CTAs walking tile pairs (else one CTA per tile)
+    O_STAGE: bool       # persistent only: O staged in its own buffer, Q released after the last QK^T
+    OVERLAP: bool       # intra-warpgroup overlap: QK^T of tile j+1 issued before the softmax of tile j
+    CONSUMER_REGS: int  # setmaxnreg of the consumer warpgroups
+    PRODUCER_REGS: int  # setmaxnreg of the TMA producer
+
+
+@dataclass(frozen=True)
+class BlockSparsity:
+    """The block mask's shape (torch BlockMask format; module docstring, "Block sparsity")."""
+    HAS_SPARSE: bool      # KV tiles come from kv_num_blocks / kv_indices (else every KV tile)
+    HAS_FULL: bool        # full_kv_num_blocks / full_kv_indices given (tiles where the mask_mod is all true)
+    SPARSE_Q_DIV: int     # SPARSE_Q // BLOCK_M
+    SPARSE_KV_MULT: int   # SPARSE_KV // BLOCK_N: kernel KV tiles per sparse KV block
+
+
+@dataclass(frozen=True)
+class ModFlags:
+    """What the mods and the lengths ask of the score tile and the softmax."""
+    HAS_SCORE_MOD: bool
+    HAS_MASK_MOD: bool
+    DENSE_MASK: bool      # a mask_mod without a block mask: applied on every tile
+    MASK_AND: bool        # the mask_mod ANDs conditions (modgen MASK_AND): one opaque select per score
+    EVEN_N: bool          # N % BLOCK_N == 0: no KV tile crosses N (no bound mask, no index clamp)
+    KV_AFFINE: bool       # `score + alpha(b, h)·kv + B(b, h, q)` evaluated as column / tile / row parts
+    FIXED_BASE: bool      # bounded score_mod, MAX not asked for: exp2 against a fixed base, no row max
+    EXP2_EMU: bool        # half of the score columns' exp2 on the FMA pipe (_exp2_fma) instead of MUFU
 
 
 # ----------------------------------------------------------------------------------------------
@@ -150,47 +227,45 @@ def _tile_id(it, pid, nprog, PERSISTENT: gl.constexpr):
 
 
 @gluon.jit
-def _kv_counts(b, h, mt, N, sp_ptrs, sp_meta, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HAS_SPARSE: gl.constexpr, HAS_FULL: gl.constexpr, SPARSE_Q_DIV: gl.constexpr,
-               SPARSE_KV_MULT: gl.constexpr):
+def _kv_counts(b, h, mt, N, sp_ptrs, sp_meta, TILE: gl.constexpr, SPARSE: gl.constexpr):
     """Returns (n_partial, n_total): KV tiles of this query tile; the partial ones come first."""
     kvnb_ptr, kvidx_ptr, fnb_ptr, fidx_ptr = sp_ptrs
     BM, HM, nb_sb, nb_sh, idx_sb, idx_sh, idx_sm, fnb_sb, fnb_sh, fidx_sb, fidx_sh, fidx_sm = sp_meta
-    if HAS_SPARSE:
+    if SPARSE.HAS_SPARSE:
         bb = b % BM
         hh = h % HM
-        qb = mt // SPARSE_Q_DIV
-        n_partial = gl.load(kvnb_ptr + bb * nb_sb + hh * nb_sh + qb) * SPARSE_KV_MULT
-        if HAS_FULL:
-            n_full = gl.load(fnb_ptr + bb * fnb_sb + hh * fnb_sh + qb) * SPARSE_KV_MULT
+        qb = mt // SPARSE.SPARSE_Q_DIV
+        n_partial = gl.load(kvnb_ptr + bb * nb_sb + hh * nb_sh + qb) * SPARSE.SPARSE_KV_MULT
+        if SPARSE.HAS_FULL:
+            n_full = gl.load(fnb_ptr + bb * fnb_sb + hh * fnb_sh + qb) * SPARSE.SPARSE_KV_MULT
         else:
             n_full = n_partial * 0
     else:
         n_partial = N * 0
-        n_full = gl.cdiv(N, BLOCK_N)
+        n_full = gl.cdiv(N, TILE.BLOCK_N)
     return n_partial, n_partial + n_full
 
 
 @gluon.jit
-def _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, BLOCK_N: gl.constexpr, HAS_SPARSE: gl.constexpr,
-              SPARSE_Q_DIV: gl.constexpr, SPARSE_KV_MULT: gl.constexpr):
+def _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE: gl.constexpr, SPARSE: gl.constexpr):
     """First KV position of the i-th KV tile of this query tile."""
     kvnb_ptr, kvidx_ptr, fnb_ptr, fidx_ptr = sp_ptrs
     BM, HM, nb_sb, nb_sh, idx_sb, idx_sh, idx_sm, fnb_sb, fnb_sh, fidx_sb, fidx_sh, fidx_sm = sp_meta
-    if HAS_SPARSE:
+    MULT: gl.constexpr = SPARSE.SPARSE_KV_MULT
+    if SPARSE.HAS_SPARSE:
         bb = b % BM
         hh = h % HM
-        qb = mt // SPARSE_Q_DIV
+        qb = mt // SPARSE.SPARSE_Q_DIV
         if i < n_partial:
-            blk = gl.load(kvidx_ptr + bb * idx_sb + hh * idx_sh + qb * idx_sm + i // SPARSE_KV_MULT)
-            sub = i % SPARSE_KV_MULT
+            blk = gl.load(kvidx_ptr + bb * idx_sb + hh * idx_sh + qb * idx_sm + i // MULT)
+            sub = i % MULT
         else:
             j = i - n_partial
-            blk = gl.load(fidx_ptr + bb * fidx_sb + hh * fidx_sh + qb * fidx_sm + j // SPARSE_KV_MULT)
-            sub = j % SPARSE_KV_MULT
-        start = (blk * SPARSE_KV_MULT + sub) * BLOCK_N
+            blk = gl.load(fidx_ptr + bb * fidx_sb + hh * fidx_sh + qb * fidx_sm + j // MULT)
+            sub = j % MULT
+        start = (blk * MULT + sub) * TILE.BLOCK_N
     else:
-        start = i * BLOCK_N
+        start = i * TILE.BLOCK_N
     return start
 
 
@@ -198,45 +273,32 @@ def _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, BLOCK_N: gl.constexpr, H
 # Producer / load partition: 1 warp issuing TMA.
 # ----------------------------------------------------------------------------------------------
 @gluon.jit
-def _producer(descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_consts):
+def _producer(descs, bars, smem, sizes, sp_ptrs, sp_meta, TILE: gl.constexpr, SCHED: gl.constexpr,
+              SPARSE: gl.constexpr):
     q_desc, k_desc, v_desc, o_desc, q_desc_hi, k_desc_hi, v_desc_hi, o_desc_hi = descs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
     q_smem, k_smem, v_smem, o_smem, q_hi, k_hi, v_hi = smem
-    num_tiles, num_m_tiles, HQ, GQA, M, N = sched
-    BLOCK_M: gl.constexpr = cfg_consts[0]
-    BLOCK_N: gl.constexpr = cfg_consts[1]
-    HEAD_DIM: gl.constexpr = cfg_consts[2]
-    NUM_STAGES: gl.constexpr = cfg_consts[3]
-    HALF_M: gl.constexpr = cfg_consts[4]
-    HAS_SPARSE: gl.constexpr = cfg_consts[5]
-    HAS_FULL: gl.constexpr = cfg_consts[6]
-    SPARSE_Q_DIV: gl.constexpr = cfg_consts[7]
-    SPARSE_KV_MULT: gl.constexpr = cfg_consts[8]
-    PERSISTENT: gl.constexpr = cfg_consts[9]
-    V_STAGES: gl.constexpr = cfg_consts[12]
-    SPLIT_SMEM: gl.constexpr = cfg_consts[13]
-    V_HEAD_DIM: gl.constexpr = cfg_consts[14]
-    V_SPLIT: gl.constexpr = cfg_consts[16]
-    LO: gl.constexpr = HEAD_DIM // 2   # SPLIT_SMEM: the Q / K hi tiles start at this column
-    V_LO: gl.constexpr = V_HEAD_DIM // 2   # V_SPLIT: the V hi tiles start at this column
+    num_tiles, num_m_tiles, HQ, GQA, M, N = sizes
+    BLOCK_M: gl.constexpr = TILE.BLOCK_M
+    HALF_M: gl.constexpr = TILE.HALF_M
 
-    if SPLIT_SMEM:
+    if TILE.SPLIT_QK:
         q_bytes: gl.constexpr = q_desc.block_type.nbytes + q_desc_hi.block_type.nbytes
         k_bytes: gl.constexpr = k_desc.block_type.nbytes + k_desc_hi.block_type.nbytes
     else:
         q_bytes: gl.constexpr = q_desc.block_type.nbytes
         k_bytes: gl.constexpr = k_desc.block_type.nbytes
-    if V_SPLIT:
+    if TILE.SPLIT_V:
         v_bytes: gl.constexpr = v_desc.block_type.nbytes + v_desc_hi.block_type.nbytes
     else:
         v_bytes: gl.constexpr = v_desc.block_type.nbytes
 
-    n_it, pid, nprog = _tile_loop(num_tiles, PERSISTENT)
+    n_it, pid, nprog = _tile_loop(num_tiles, SCHED.PERSISTENT)
     cnt = 0   # KV tiles loaded so far (global ring counter)
     t_local = 0
     for it in range(n_it):
-        tile_id = _tile_id(it, pid, nprog, PERSISTENT)
-        b, h, mt = _tile_coords(tile_id, num_m_tiles, HQ, PERSISTENT)
+        tile_id = _tile_id(it, pid, nprog, SCHED.PERSISTENT)
+        b, h, mt = _tile_coords(tile_id, num_m_tiles, HQ, SCHED.PERSISTENT)
         hkv = h // GQA
         m0 = mt * BLOCK_M
         # Q halves: wait until the consumer released the half (O_STAGE: its last QK^T retired;
@@ -246,33 +308,31 @@ def _producer(descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_consts):
             mbarrier.wait(q_empty.index(w), (t_local & 1) ^ 1)
             mbarrier.expect(q_ready.index(w), q_bytes)
             tma.async_copy_global_to_shared(q_desc, [b, h, m0 + w * HALF_M, 0], q_ready.index(w), q_smem.index(w))
-            if SPLIT_SMEM:
-                tma.async_copy_global_to_shared(q_desc_hi, [b, h, m0 + w * HALF_M, LO], q_ready.index(w),
+            if TILE.SPLIT_QK:
+                tma.async_copy_global_to_shared(q_desc_hi, [b, h, m0 + w * HALF_M, TILE.QK_LO], q_ready.index(w),
                                                 q_hi.index(w))
-        n_partial, n_total = _kv_counts(b, h, mt, N, sp_ptrs, sp_meta, BLOCK_M, BLOCK_N, HAS_SPARSE, HAS_FULL,
-                                        SPARSE_Q_DIV, SPARSE_KV_MULT)
+        n_partial, n_total = _kv_counts(b, h, mt, N, sp_ptrs, sp_meta, TILE, SPARSE)
         for i in range(n_total):
-            start = _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, BLOCK_N, HAS_SPARSE, SPARSE_Q_DIV,
-                              SPARSE_KV_MULT)
+            start = _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE)
             _load_ring_stage(k_desc, k_desc_hi, k_ready, k_empty, k_smem, k_hi, cnt, [b, hkv, start], k_bytes,
-                             NUM_STAGES, LO, SPLIT_SMEM)
+                             TILE.NUM_STAGES, TILE.QK_LO, TILE.SPLIT_QK)
             _load_ring_stage(v_desc, v_desc_hi, v_ready, v_empty, v_smem, v_hi, cnt, [b, hkv, start], v_bytes,
-                             V_STAGES, V_LO, V_SPLIT)
+                             TILE.V_STAGES, TILE.V_LO, TILE.SPLIT_V)
             cnt += 1
         t_local += 1
 
 
 @gluon.jit
 def _load_ring_stage(desc, desc_hi, ready, empty, tiles, tiles_hi, cnt, row, nbytes: gl.constexpr,
-                     STAGES: gl.constexpr, LO: gl.constexpr, SPLIT_SMEM: gl.constexpr):
+                     STAGES: gl.constexpr, LO: gl.constexpr, SPLIT: gl.constexpr):
     """TMA-load the rows at `row` ([b, head, first row]) into stage cnt % STAGES of a K or V ring, once both
-    consumer warpgroups released it; SPLIT_SMEM: columns [0, LO) and [LO, D) into the two tiles."""
+    consumer warpgroups released it; SPLIT: columns [0, LO) and [LO, D) into the two tiles."""
     s = cnt % STAGES
     ph = (cnt // STAGES) & 1
     mbarrier.wait(empty.index(s), ph ^ 1)
     mbarrier.expect(ready.index(s), nbytes)
     tma.async_copy_global_to_shared(desc, row + [0], ready.index(s), tiles.index(s))
-    if SPLIT_SMEM:
+    if SPLIT:
         tma.async_copy_global_to_shared(desc_hi, row + [LO], ready.index(s), tiles_hi.index(s))
 
 
@@ -281,10 +341,8 @@ def _load_ring_stage(desc, desc_hi, ready, empty, tiles, tiles_hi, cnt, row, nby
 # ----------------------------------------------------------------------------------------------
 @gluon.jit
 def _score_tile(acc, start, is_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit, col_bias, N, score_bufs,
-                mask_bufs, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-                SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr, HAS_SCORE_MOD: gl.constexpr,
-                HAS_MASK_MOD: gl.constexpr, DENSE_MASK: gl.constexpr, EVEN_N: gl.constexpr,
-                KV_AFFINE: gl.constexpr, MASK_AND: gl.constexpr):
+                mask_bufs, s_layout: gl.constexpr, SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr,
+                TILE: gl.constexpr, FLAGS: gl.constexpr):
     """QK^T accumulator -> (score tile in the kernel's working units, the tile's shift).
 
     Without score_mod the tile stays in raw q.k units (scale folded into the exp2 FMA later);
@@ -294,9 +352,11 @@ def _score_tile(acc, start, is_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk
     plus `shift` (a scalar, handed to the softmax) plus the row part (added to LSE / MAX at the end).
     Otherwise shift is 0.
     """
+    BLOCK_N: gl.constexpr = TILE.BLOCK_N
+    EVEN_N: gl.constexpr = FLAGS.EVEN_N
     shift = 0.0
-    if HAS_SCORE_MOD:
-        if KV_AFFINE:
+    if FLAGS.HAS_SCORE_MOD:
+        if FLAGS.KV_AFFINE:
             s = acc * qk_unit + col_bias
             shift = SCORE_MOD(sm_scale * 0.0, sm_scale, b, h, row0, start, score_bufs)
         else:
@@ -313,8 +373,8 @@ def _score_tile(acc, start, is_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk
         need_mask = False
     else:
         need_mask = (start + BLOCK_N > N)
-    if HAS_MASK_MOD:
-        if DENSE_MASK:
+    if FLAGS.HAS_MASK_MOD:
+        if FLAGS.DENSE_MASK:
             need_mask = True
         else:
             need_mask = need_mask | is_partial
@@ -323,18 +383,18 @@ def _score_tile(acc, start, is_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk
         if EVEN_N:
             # no tile crosses N: no bound to test, no clamp, and only partial tiles get here (DENSE_MASK:
             # every tile is partial), so the mask alone decides: one select per score after the mask
-            if HAS_MASK_MOD:
+            if FLAGS.HAS_MASK_MOD:
                 keep = MASK_MOD(b, h, q_idx_c, kv_idx, mask_bufs)
-                if MASK_AND:
+                if FLAGS.MASK_AND:
                     s = _keep_or_neg_inf(keep, s)
                 else:
                     s = gl.where(keep, s, -float("inf"))
         else:
             valid = kv_idx < N
-            if HAS_MASK_MOD:
+            if FLAGS.HAS_MASK_MOD:
                 kv_idx_c = gl.minimum(kv_idx, N - 1)
                 mm = MASK_MOD(b, h, q_idx_c, kv_idx_c, mask_bufs)
-                if DENSE_MASK:
+                if FLAGS.DENSE_MASK:
                     valid = valid & mm
                 else:
                     valid = valid & (mm | (~is_partial))
@@ -378,9 +438,6 @@ def _affine_rows(SCORE_MOD: gl.constexpr, sm_scale, b, h, row0, q_idx_c, bufs):
     return gl.sum(r, axis=1)
 
 
-# Lazy rescaling threshold (log2 units): FlashAttention-4 uses 8.0, i.e. P entries up to 256.
-RESCALE_LOG2 = gl.constexpr(8.0)
-
 # 2^f on [-0.5, 0.5] as 1 + f*(C1 + f*(C2 + f*C3)): relative-error fit with p(0) = 1 exactly (so that
 # 2^-inf comes out as +0.0, see _exp2_fma); max relative error 1.01e-4 (numpy, float32, 1e6 points), 19x
 # under bf16's half-ulp 2^-9 that P is rounded to anyway.
@@ -423,18 +480,13 @@ def _join_cols(a, b, layout: gl.constexpr):
 
 @gluon.jit
 def _exp2_tile(x, EXP2_EMU: gl.constexpr):
-    """exp2 of a score tile with EXP2_EMU quarters of its columns (0-2) computed by _exp2_fma."""
+    """exp2 of a score tile; EXP2_EMU: the upper half of its columns by _exp2_fma (the FMA pipe)."""
     layout: gl.constexpr = x.type.layout
-    if EXP2_EMU == 0:
-        p = gl.exp2(x)
-    else:
+    if EXP2_EMU:
         lo, hi = _split_cols(x)
-        if EXP2_EMU == 2:
-            p = _join_cols(gl.exp2(lo), _exp2_fma(hi), layout)
-        else:
-            h0, h1 = _split_cols(hi)
-            hi_layout: gl.constexpr = hi.type.layout
-            p = _join_cols(gl.exp2(lo), _join_cols(gl.exp2(h0), _exp2_fma(h1), hi_layout), layout)
+        p = _join_cols(gl.exp2(lo), _exp2_fma(hi), layout)
+    else:
+        p = gl.exp2(x)
     return p
 
 
@@ -447,32 +499,29 @@ def _mul_rn(a, b):
 
 @gluon.jit
 def _online_softmax(s, shift, m_i, m_run, l_i, qk_scale, p_layout: gl.constexpr, o_layout: gl.constexpr,
-                    dtype: gl.constexpr, EXP2_EMU: gl.constexpr, LAZY_RESCALE: gl.constexpr,
-                    FIXED_BASE: gl.constexpr, SHIFTED: gl.constexpr):
+                    dtype: gl.constexpr, FLAGS: gl.constexpr):
     """One online-softmax step on a score tile (units: s * qk_scale is log2 units).
 
     m_i is the true running row max (s units; written out as MAX). m_run is the exponent base in use
-    (log2 units; -inf while a row has seen no unmasked score). As in FlashAttention-4, the base moves
-    (and O and l are rescaled) only when some row of the warpgroup has outgrown it by more than
-    RESCALE_LOG2: otherwise p <= 2^RESCALE_LOG2 stays well inside fp32 / bf16 range and the O rescale,
-    one FMUL per O element per tile, is skipped. Returns `rescale` for the caller's O update (_rescale_o).
-    Without LAZY_RESCALE the base follows the max on every tile.
+    (log2 units; -inf while a row has seen no unmasked score): the row max times qk_scale, so O and l
+    are rescaled by alpha = 2^(old base - new base) on every tile. Returns alpha for the caller's O
+    update (_rescale_o).
 
     FIXED_BASE: the score_mod's output is bounded (softcap), and m_run is a constant base chosen
     by the host so that every unmasked p lies within fp32 / P's dtype range (see _prepare): no row
     max, no rescale of O and l (m_i, the MAX output, is not tracked).
 
-    SHIFTED: the tile's scores are s + shift (a scalar; KV_AFFINE mods): the shift enters the row max
-    and the per-row exp2 bias, never a per-score instruction.
+    KV_AFFINE: the tile's scores are s + shift (a scalar): the shift enters the row max and the per-row
+    exp2 bias, never a per-score instruction.
     """
-    if FIXED_BASE:
-        p = _exp2_tile(s * qk_scale - m_run[:, None], EXP2_EMU)
+    if FLAGS.FIXED_BASE:
+        p = _exp2_tile(s * qk_scale - m_run[:, None], FLAGS.EXP2_EMU)
         l_new = l_i + gl.sum(p, axis=1)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         alpha_o = gl.convert_layout(gl.full_like(l_i, 1.0), gl.SliceLayout(1, o_layout))  # unused
-        return p_op, m_i, m_run, l_new, alpha_o, False
+        return p_op, m_i, m_run, l_new, alpha_o
     row_max = gl.max(s, axis=1)
-    if SHIFTED:
+    if FLAGS.KV_AFFINE:
         row_max = row_max + shift
     m_new = gl.maximum(m_i, row_max)
     # The exponent base must be the rounded product that is also subtracted below: a contracted
@@ -481,76 +530,62 @@ def _online_softmax(s, shift, m_i, m_run, l_i, qk_scale, p_layout: gl.constexpr,
     # unaffected: it is rescaled alike). Measured before this: 0.125 log2 units of LSE error after 128
     # KV tiles with the row max in the first one (relative bias, 16k keys).
     m_new2 = _mul_rn(m_new, qk_scale)
-    if LAZY_RESCALE:
-        growth = gl.where(m_new2 > m_run, m_new2 - m_run, 0.0)   # +inf on a row's first unmasked score
-        rescale = gl.max(growth, axis=0) > RESCALE_LOG2            # one decision for the warpgroup
-    else:
-        rescale = True
-    if rescale:
-        # every row moves to its true max; a row still empty keeps -inf (alpha 1: its O and l are 0)
-        alpha = gl.where(m_new2 == -float("inf"), 1.0, gl.exp2(m_run - m_new2))
-        m_run = m_new2
-    else:
-        alpha = gl.full_like(m_run, 1.0)
+    # every row moves to its true max; a row still empty keeps -inf (alpha 1: its O and l are 0)
+    alpha = gl.where(m_new2 == -float("inf"), 1.0, gl.exp2(m_run - m_new2))
+    m_run = m_new2
     # Empty row: a finite base so that exp2(-inf - base) = 0, never NaN.
     m_base = gl.where(m_run == -float("inf"), 0.0, m_run)
-    if SHIFTED:
+    if FLAGS.KV_AFFINE:
         m_base = m_base - shift * qk_scale
-    p = _exp2_tile(s * qk_scale - m_base[:, None], EXP2_EMU)
+    p = _exp2_tile(s * qk_scale - m_base[:, None], FLAGS.EXP2_EMU)
     l_new = l_i * alpha + gl.sum(p, axis=1)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     # Row vectors of the S and O accumulators hold the same rows in the same threads: a free conversion.
     alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
-    return p_op, m_new, m_run, l_new, alpha_o, rescale
+    return p_op, m_new, m_run, l_new, alpha_o
 
 
 @gluon.jit
-def _rescale_o(acc, alpha, rescale, LAZY_RESCALE: gl.constexpr, FIXED_BASE: gl.constexpr):
+def _rescale_o(acc, alpha, FIXED_BASE: gl.constexpr):
     if FIXED_BASE:
         return acc
-    if LAZY_RESCALE:
-        if rescale:     # warpgroup-uniform: a real branch around the 64 FMULs per thread
-            acc = acc * alpha[:, None]
-    else:
-        acc = acc * alpha[:, None]
+    acc = acc * alpha[:, None]
     return acc
 
 
 @gluon.jit
-def _rescale_o_hi(acc_hi, alpha, rescale, LAZY_RESCALE: gl.constexpr, FIXED_BASE: gl.constexpr,
-                  SPLIT_O: gl.constexpr):
+def _rescale_o_hi(acc_hi, alpha, FIXED_BASE: gl.constexpr, SPLIT_O: gl.constexpr):
     """_rescale_o for the second O accumulator of a split O (a no-op otherwise)."""
     if SPLIT_O:
         alpha_hi = gl.convert_layout(alpha, gl.SliceLayout(1, acc_hi.type.layout))   # same rows: no data moves
-        acc_hi = _rescale_o(acc_hi, alpha_hi, rescale, LAZY_RESCALE, FIXED_BASE)
+        acc_hi = _rescale_o(acc_hi, alpha_hi, FIXED_BASE)
     return acc_hi
 
 
 @gluon.jit
-def _pingpong_wait(turn, t, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    if PINGPONG:
-        mbarrier.wait(turn.index(WG), t & 1)
+def _pingpong_wait(turn, t, WG: gl.constexpr):
+    """Pingpong: wait for this warpgroup's turn to issue its GEMMs (t: turns taken so far)."""
+    mbarrier.wait(turn.index(WG), t & 1)
     return t + 1
 
 
 @gluon.jit
-def _pingpong_signal(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    if PINGPONG:
-        mbarrier.arrive(turn.index(1 - WG), count=1)
+def _pingpong_signal(turn, WG: gl.constexpr):
+    """Pingpong: hand the turn to the other warpgroup right after issuing."""
+    mbarrier.arrive(turn.index(1 - WG), count=1)
 
 
 @gluon.jit
 def _epilogue(acc, acc_hi, m_i, m_run, l_i, qk_scale, o_half, o_half_hi, o_desc, o_desc_hi, lse_ptr, max_ptr,
               b, h, row0, HQ, M, o_layout: gl.constexpr, HALF_M: gl.constexpr, dtype: gl.constexpr,
-              O_STAGE: gl.constexpr, SPLIT_O: gl.constexpr, SPLIT_SMEM: gl.constexpr):
+              O_STAGE: gl.constexpr, SPLIT_O: gl.constexpr):
     """Normalise O, stage it in shared memory, TMA-store it; write LSE / MAX (log2 units).
 
     O_STAGE: o_half is this warpgroup's own O buffer; the store is left in flight (the next tile's
     epilogue, or the kernel's end, waits for it). Otherwise o_half is the warpgroup's Q half and the
     store is waited for here, before the caller hands the half back to the producer.
-    SPLIT_O: O is acc (columns [0, LO)) and acc_hi (the next HI columns); the staged tile's columns past
-    them are left as they are, and the TMA store clips them (they lie past the head dim). SPLIT_SMEM: the
-    two parts are staged in o_half and o_half_hi (the Q tiles) and stored by o_desc and o_desc_hi."""
+    SPLIT_O: O is acc (columns [0, LO)) and acc_hi (the next HI columns), staged in o_half and o_half_hi
+    (the Q tiles) and stored by o_desc and o_desc_hi."""
     empty_row = l_i == 0.0
     l_safe = gl.where(empty_row, 1.0, l_i)
     inv_l = 1.0 / l_safe
@@ -559,20 +594,15 @@ def _epilogue(acc, acc_hi, m_i, m_run, l_i, qk_scale, o_half, o_half_hi, o_desc,
         tma.store_wait(0)   # the previous tile's O store has finished reading o_half
     o_tile = o_half.reshape([HALF_M, o_desc.block_type.shape[3]])
     if SPLIT_O:
-        LO: gl.constexpr = acc.shape[1]
         HI: gl.constexpr = acc_hi.shape[1]
         o_hi = acc_hi * gl.convert_layout(inv_l, gl.SliceLayout(1, acc_hi.type.layout))[:, None]
-        if SPLIT_SMEM:
-            o_tile.store(o.to(dtype))
-            o_half_hi.reshape([HALF_M, HI]).store(o_hi.to(dtype))
-        else:
-            o_tile.slice(0, LO, dim=1).store(o.to(dtype))
-            o_tile.slice(LO, HI, dim=1).store(o_hi.to(dtype))
+        o_tile.store(o.to(dtype))
+        o_half_hi.reshape([HALF_M, HI]).store(o_hi.to(dtype))
     else:
         o_tile.store(o.to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], o_half)
-    if SPLIT_SMEM:
+    if SPLIT_O:
         tma.async_copy_shared_to_global(o_desc_hi, [b, h, row0, acc.shape[1]], o_half_hi)
 
     # l is relative to the exponent base m_run (log2 units); the true max m_i can be above it.
@@ -587,27 +617,19 @@ def _epilogue(acc, acc_hi, m_i, m_run, l_i, qk_scale, o_half, o_half_hi, o_desc,
 
 
 @gluon.jit
-def _qk_mma(q_op, q_hi, k_t, k_hi, s_zero, LO: gl.constexpr, HI: gl.constexpr, SPLIT_SMEM: gl.constexpr):
-    """Issue S = Q K^T (async) over the LO + HI head-dim columns that hold data (the consumer's O_LO / O_HI).
-    HI = 0: one wgmma over the whole tile. Padded tiles (D=96 in 128 columns: 64 + 32): two wgmmas over
-    column slices skip the zero-filled tail's K steps. SPLIT_SMEM (D=160 / 192): Q and K sit in two shared
-    tiles each, [.., LO] and [.., HI] (q_hi, k_hi); the same two wgmmas read one tile each."""
-    if HI == 0:
-        tok = warpgroup_mma(q_op, k_t, s_zero, use_acc=False, is_async=True)
-    elif SPLIT_SMEM:
-        tok = warpgroup_mma(q_op, k_t, s_zero, use_acc=False, is_async=True)
+def _qk_mma(q_op, q_hi, k_t, k_hi, s_zero, SPLIT: gl.constexpr):
+    """Issue S = Q K^T (async). SPLIT (a head dim of LO + HI columns): Q and K sit in two shared tiles each,
+    [.., LO] and [.., HI] (q_hi, k_hi), and QK^T is two wgmmas, one per tile: no padding is multiplied."""
+    tok = warpgroup_mma(q_op, k_t, s_zero, use_acc=False, is_async=True)
+    if SPLIT:
         tok = warpgroup_mma(q_hi, k_hi, tok, is_async=True)
-    else:
-        tok = warpgroup_mma(q_op.slice(0, LO, dim=1), k_t.slice(0, LO, dim=0), s_zero, use_acc=False,
-                            is_async=True)
-        tok = warpgroup_mma(q_op.slice(LO, HI, dim=1), k_t.slice(LO, HI, dim=0), tok, is_async=True)
     return tok
 
 
 @gluon.jit
-def _qk_done(s_tok, q_op, q_hi, k_t, k_hi, SPLIT_SMEM: gl.constexpr):
+def _qk_done(s_tok, q_op, q_hi, k_t, k_hi, SPLIT: gl.constexpr):
     """Wait until the QK^T issued by _qk_mma has retired (nothing else in flight); returns S."""
-    if SPLIT_SMEM:
+    if SPLIT:
         s_acc, _q, _qh, _k, _kh = warpgroup_mma_wait(0, deps=[s_tok, q_op, q_hi, k_t, k_hi])
     else:
         s_acc, _q, _k = warpgroup_mma_wait(0, deps=[s_tok, q_op, k_t])
@@ -615,18 +637,18 @@ def _qk_done(s_tok, q_op, q_hi, k_t, k_hi, SPLIT_SMEM: gl.constexpr):
 
 
 @gluon.jit
-def _ring_operands(tiles, tiles_hi, st, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, LO: gl.constexpr,
-                   HI: gl.constexpr, SPLIT_SMEM: gl.constexpr, TRANSPOSE: gl.constexpr):
-    """Stage st of the K or V ring as wgmma B operand(s): (whole tile, same) or, SPLIT_SMEM, (lo, hi).
-    TRANSPOSE: K^T for QK^T (V is used as stored)."""
-    if SPLIT_SMEM:
+def _ring_operands(tiles, tiles_hi, st, BLOCK_N: gl.constexpr, LO: gl.constexpr, HI: gl.constexpr,
+                   TRANSPOSE: gl.constexpr):
+    """Stage st of the K or V ring as wgmma B operand(s): (the tile, the same tile) or, HI > 0 (split
+    tiles), (lo tile, hi tile). TRANSPOSE: K^T for QK^T (V is used as stored)."""
+    if HI > 0:
         op = tiles.index(st).reshape([BLOCK_N, LO])
         op_hi = tiles_hi.index(st).reshape([BLOCK_N, HI])
         if TRANSPOSE:
             op = op.permute((1, 0))
             op_hi = op_hi.permute((1, 0))
     else:
-        op = tiles.index(st).reshape([BLOCK_N, HEAD_DIM])
+        op = tiles.index(st).reshape([BLOCK_N, LO])
         if TRANSPOSE:
             op = op.permute((1, 0))
         op_hi = op
@@ -634,26 +656,17 @@ def _ring_operands(tiles, tiles_hi, st, BLOCK_N: gl.constexpr, HEAD_DIM: gl.cons
 
 
 @gluon.jit
-def _pv_mma(p, v, v_hi, acc, acc_hi, SPLIT_O: gl.constexpr, SPLIT_SMEM: gl.constexpr):
-    """Issue O += P V (async). SPLIT_O: O is two accumulators over V's columns [0, LO) and [LO, LO + HI)
-    (a padded head dim: the zero-filled columns past it are never multiplied), read as column slices of
-    one V tile, or (SPLIT_SMEM) as the two V tiles v and v_hi. Returns the two O tokens and the P operand
-    of the second wgmma, all three to be kept alive through warpgroup_mma_wait (two wgmma groups in
-    flight when split; _pv_done waits for them)."""
+def _pv_mma(p, v, v_hi, acc, acc_hi, SPLIT_O: gl.constexpr):
+    """Issue O += P V (async). SPLIT_O: O is two accumulators over V's columns [0, LO) and [LO, LO + HI),
+    multiplied from the two V tiles v and v_hi. Returns the two O tokens and the P operand of the second
+    wgmma, all three to be kept alive through warpgroup_mma_wait (two wgmma groups in flight when split;
+    _pv_done waits for them)."""
     if SPLIT_O:
-        LO: gl.constexpr = acc.shape[1]
-        HI: gl.constexpr = acc_hi.shape[1]
-        if SPLIT_SMEM:
-            v_lo_op = v
-            v_hi_op = v_hi
-        else:
-            v_lo_op = v.slice(0, LO, dim=1)
-            v_hi_op = v.slice(LO, HI, dim=1)
-        tok = warpgroup_mma(p, v_lo_op, acc, is_async=True)
+        tok = warpgroup_mma(p, v, acc, is_async=True)
         # P's registers in the operand layout of the second accumulator (the same rows and columns per
         # thread: the conversion moves no data)
         p_hi = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=acc_hi.type.layout, k_width=2))
-        tok_hi = warpgroup_mma(p_hi, v_hi_op, acc_hi, is_async=True)
+        tok_hi = warpgroup_mma(p_hi, v_hi, acc_hi, is_async=True)
     else:
         tok = warpgroup_mma(p, v, acc, is_async=True)
         tok_hi = acc_hi
@@ -662,12 +675,10 @@ def _pv_mma(p, v, v_hi, acc, acc_hi, SPLIT_O: gl.constexpr, SPLIT_SMEM: gl.const
 
 
 @gluon.jit
-def _pv_done(o_tok, o_tok_hi, p, p_hi, v, v_hi, SPLIT_O: gl.constexpr, SPLIT_SMEM: gl.constexpr):
+def _pv_done(o_tok, o_tok_hi, p, p_hi, v, v_hi, SPLIT_O: gl.constexpr):
     """Wait until every wgmma (the PV issued by _pv_mma last) has retired; returns the O accumulators."""
-    if SPLIT_SMEM:
+    if SPLIT_O:
         acc, acc_hi, _p, _ph, _v, _vh = warpgroup_mma_wait(0, deps=[o_tok, o_tok_hi, p, p_hi, v, v_hi])
-    elif SPLIT_O:
-        acc, acc_hi, _p, _ph, _v = warpgroup_mma_wait(0, deps=[o_tok, o_tok_hi, p, p_hi, v])
     else:
         acc, _p, _v = warpgroup_mma_wait(0, deps=[o_tok, p, v])
         acc_hi = o_tok_hi
@@ -675,87 +686,65 @@ def _pv_done(o_tok, o_tok_hi, p, p_hi, v, v_hi, SPLIT_O: gl.constexpr, SPLIT_SME
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_consts, outs, scale_args,
-              mods, mod_bufs):
+def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs,
+              SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, SCHED: gl.constexpr,
+              SPARSE: gl.constexpr, FLAGS: gl.constexpr):
     q_desc, k_desc, v_desc, o_desc, q_desc_hi, k_desc_hi, v_desc_hi, o_desc_hi = descs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
     q_smem, k_smem, v_smem, o_smem, q_smem_hi, k_smem_hi, v_smem_hi = smem
-    num_tiles, num_m_tiles, HQ, GQA, M, N = sched
-    BLOCK_M: gl.constexpr = cfg_consts[0]
-    BLOCK_N: gl.constexpr = cfg_consts[1]
-    HEAD_DIM: gl.constexpr = cfg_consts[2]
-    NUM_STAGES: gl.constexpr = cfg_consts[3]
-    HALF_M: gl.constexpr = cfg_consts[4]
-    HAS_SPARSE: gl.constexpr = cfg_consts[5]
-    HAS_FULL: gl.constexpr = cfg_consts[6]
-    SPARSE_Q_DIV: gl.constexpr = cfg_consts[7]
-    SPARSE_KV_MULT: gl.constexpr = cfg_consts[8]
-    PERSISTENT: gl.constexpr = cfg_consts[9]
-    O_STAGE: gl.constexpr = cfg_consts[10]
-    QK_DIM: gl.constexpr = cfg_consts[11]   # head-dim columns holding data (HEAD_DIM: the padded tile width)
-    V_STAGES: gl.constexpr = cfg_consts[12]   # depth of the V ring (the K ring's is NUM_STAGES)
-    SPLIT_SMEM: gl.constexpr = cfg_consts[13]   # Q / K tiles as [.., QK_LO] + [.., QK_HI] (no padding)
-    V_HEAD_DIM: gl.constexpr = cfg_consts[14]   # V / O: the padded tile width (HEAD_DIM's twin)
-    V_DIM: gl.constexpr = cfg_consts[15]        # V / O: head-dim columns holding data (QK_DIM's twin)
-    V_SPLIT: gl.constexpr = cfg_consts[16]      # V / O tiles as [.., O_LO] + [.., O_HI] (SPLIT_SMEM's twin)
+    num_tiles, num_m_tiles, HQ, GQA, M, N = sizes
     lse_ptr, max_ptr = outs
     # qk_scale: score tile -> log2 units, folded into the exp2 argument: sm_scale·log2e for raw q.k,
     # the mod's OUT_SCALE·log2e after a score_mod (the host picks; see _prepare).
     sm_scale, qk_scale, fixed_base, qk_unit = scale_args
-    SCORE_MOD: gl.constexpr = mods[0]
-    MASK_MOD: gl.constexpr = mods[1]
-    HAS_SCORE_MOD: gl.constexpr = mods[2]
-    HAS_MASK_MOD: gl.constexpr = mods[3]
-    DENSE_MASK: gl.constexpr = mods[4]
-    PINGPONG: gl.constexpr = mods[5]
-    OVERLAP: gl.constexpr = mods[6]
-    EXP2_EMU: gl.constexpr = mods[7]
-    EVEN_N: gl.constexpr = mods[8]
-    LAZY_RESCALE: gl.constexpr = mods[9]
-    FIXED_BASE: gl.constexpr = mods[10]
-    KV_AFFINE: gl.constexpr = mods[11]
-    MASK_AND: gl.constexpr = mods[12]
     score_bufs, mask_bufs = mod_bufs
+    BLOCK_M: gl.constexpr = TILE.BLOCK_M
+    BLOCK_N: gl.constexpr = TILE.BLOCK_N
+    HALF_M: gl.constexpr = TILE.HALF_M
+    NUM_STAGES: gl.constexpr = TILE.NUM_STAGES
+    V_STAGES: gl.constexpr = TILE.V_STAGES
+    # QK^T runs over QK_LO + QK_HI head-dim columns, O is accumulated over O_LO + O_HI (two accumulators
+    # where O_HI > 0); a second tile / accumulator exists only for a head dim that is not a power of two.
+    QK_LO: gl.constexpr = TILE.QK_LO
+    QK_HI: gl.constexpr = TILE.QK_HI
+    O_LO: gl.constexpr = TILE.V_LO
+    O_HI: gl.constexpr = TILE.V_HI
+    SPLIT_QK: gl.constexpr = TILE.SPLIT_QK
+    SPLIT_O: gl.constexpr = TILE.SPLIT_V
+    PERSISTENT: gl.constexpr = SCHED.PERSISTENT
+    O_STAGE: gl.constexpr = SCHED.O_STAGE
+    FIXED_BASE: gl.constexpr = FLAGS.FIXED_BASE
+    KV_AFFINE: gl.constexpr = FLAGS.KV_AFFINE
 
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
-    # A padded head dim (QK_DIM < HEAD_DIM) splits QK^T into wgmmas over QK_LO + QK_HI = QK_DIM columns,
-    # and a padded V head dim (V_DIM < V_HEAD_DIM) O into accumulators of O_LO + O_HI = V_DIM columns.
-    QK_LO: gl.constexpr = HEAD_DIM if QK_DIM == HEAD_DIM else HEAD_DIM // 2
-    QK_HI: gl.constexpr = QK_DIM - QK_LO
-    O_LO: gl.constexpr = V_HEAD_DIM if V_DIM == V_HEAD_DIM else V_HEAD_DIM // 2
-    O_HI: gl.constexpr = V_DIM - O_LO
-    SPLIT_O: gl.constexpr = O_HI > 0
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, O_LO, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-
     q_half = q_smem.index(WG)
-    if SPLIT_SMEM:
-        q_op = q_half.reshape([HALF_M, QK_LO])
+    q_op = q_half.reshape([HALF_M, QK_LO])
+    if SPLIT_QK:
         q_half_hi = q_smem_hi.index(WG)
         q_op_hi = q_half_hi.reshape([HALF_M, QK_HI])
     else:
-        q_op = q_half.reshape([HALF_M, HEAD_DIM])
         q_half_hi = q_half
         q_op_hi = q_op
     if O_STAGE:
-        gl.static_assert(not SPLIT_SMEM and not V_SPLIT, "split shared tiles reuse the Q tiles for O")
+        gl.static_assert(not SPLIT_QK and not SPLIT_O, "split shared tiles reuse the Q tiles for O")
         o_half = o_smem.index(WG)
     else:   # O is staged in the Q tiles: the same shapes (a V head dim other than Q's: V in Q's lo tile)
         gl.static_assert(o_desc.block_type.nbytes == q_desc.block_type.nbytes, "O is staged in the Q tile")
-        if V_SPLIT:
-            gl.static_assert(SPLIT_SMEM and O_HI == QK_HI, "O's hi part is staged in Q's hi tile")
+        if SPLIT_O:
+            gl.static_assert(SPLIT_QK and O_HI == QK_HI, "O's hi part is staged in Q's hi tile")
         o_half = q_half
 
     n_it, pid, nprog = _tile_loop(num_tiles, PERSISTENT)
 
-    if PINGPONG:
-        if WG == 1:
-            mbarrier.arrive(turn.index(0), count=1)   # warpgroup 0 takes the first turn
+    if WG == 1:
+        mbarrier.arrive(turn.index(0), count=1)   # pingpong: warpgroup 0 takes the first turn
 
     cnt = 0   # KV tiles consumed so far (global ring counter, same sequence as the producer)
     t = 0     # pingpong turns taken
@@ -770,8 +759,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
             col_bias = _affine_columns(SCORE_MOD, sm_scale, b, h, row0, score_bufs, s_layout, BLOCK_N)
         else:
             col_bias = 0.0
-        n_partial, n_total = _kv_counts(b, h, mt, N, sp_ptrs, sp_meta, BLOCK_M, BLOCK_N, HAS_SPARSE, HAS_FULL,
-                                        SPARSE_Q_DIV, SPARSE_KV_MULT)
+        n_partial, n_total = _kv_counts(b, h, mt, N, sp_ptrs, sp_meta, TILE, SPARSE)
 
         if FIXED_BASE:   # MAX is not tracked: NaN marks it so (rows with no key still get -inf)
             m_i = gl.full([HALF_M], float("nan"), gl.float32, layout=row_layout)
@@ -790,30 +778,26 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
 
         mbarrier.wait(q_ready.index(WG), t_local & 1)
 
-        if OVERLAP:
+        if SCHED.OVERLAP:
             if n_total > 0:
                 # ---- prologue: S_0 and its softmax ----
                 st = cnt % NUM_STAGES
                 ph = (cnt // NUM_STAGES) & 1
-                start = _kv_start(0, n_partial, b, h, mt, sp_ptrs, sp_meta, BLOCK_N, HAS_SPARSE, SPARSE_Q_DIV,
-                                  SPARSE_KV_MULT)
-                k_t, k_t_hi = _ring_operands(k_smem, k_smem_hi, st, BLOCK_N, HEAD_DIM, QK_LO, QK_HI, SPLIT_SMEM, True)
+                start = _kv_start(0, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE)
+                k_t, k_t_hi = _ring_operands(k_smem, k_smem_hi, st, BLOCK_N, QK_LO, QK_HI, True)
                 mbarrier.wait(k_ready.index(st), ph)
-                t = _pingpong_wait(turn, t, WG, PINGPONG)
-                s_tok = _qk_mma(q_op, q_op_hi, k_t, k_t_hi, s_zero, QK_LO, QK_HI, SPLIT_SMEM)
-                _pingpong_signal(turn, WG, PINGPONG)
-                s_acc = _qk_done(s_tok, q_op, q_op_hi, k_t, k_t_hi, SPLIT_SMEM)
+                t = _pingpong_wait(turn, t, WG)
+                s_tok = _qk_mma(q_op, q_op_hi, k_t, k_t_hi, s_zero, SPLIT_QK)
+                _pingpong_signal(turn, WG)
+                s_acc = _qk_done(s_tok, q_op, q_op_hi, k_t, k_t_hi, SPLIT_QK)
                 mbarrier.arrive(k_empty.index(st), count=1)
                 if O_STAGE:
                     if n_total == 1:   # the tile's only QK^T retired: release the Q half (see below)
                         mbarrier.arrive(q_empty.index(WG), count=1)
                 s, shift = _score_tile(s_acc, start, n_partial > 0, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit,
-                                       col_bias, N, score_bufs, mask_bufs, s_layout, BLOCK_N, SCORE_MOD, MASK_MOD,
-                                       HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, EVEN_N, KV_AFFINE,
-                                       MASK_AND)
-                p, m_i, m_run, l_i, alpha, resc = _online_softmax(s, shift, m_i, m_run, l_i, qk_scale, p_layout,
-                                                                  o_layout, dtype, EXP2_EMU, LAZY_RESCALE,
-                                                                  FIXED_BASE, KV_AFFINE)
+                                       col_bias, N, score_bufs, mask_bufs, s_layout, SCORE_MOD, MASK_MOD, TILE, FLAGS)
+                p, m_i, m_run, l_i, alpha = _online_softmax(s, shift, m_i, m_run, l_i, qk_scale, p_layout, o_layout,
+                                                            dtype, FLAGS)
                 prev_vst = cnt % V_STAGES
                 prev_vph = (cnt // V_STAGES) & 1
                 cnt += 1
@@ -821,18 +805,15 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                 for i in range(1, n_total):
                     st = cnt % NUM_STAGES
                     ph = (cnt // NUM_STAGES) & 1
-                    start = _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, BLOCK_N, HAS_SPARSE,
-                                      SPARSE_Q_DIV, SPARSE_KV_MULT)
-                    k_t, k_t_hi = _ring_operands(k_smem, k_smem_hi, st, BLOCK_N, HEAD_DIM, QK_LO, QK_HI, SPLIT_SMEM,
-                                                 True)
-                    v_prev, v_prev_hi = _ring_operands(v_smem, v_smem_hi, prev_vst, BLOCK_N, V_HEAD_DIM, O_LO, O_HI,
-                                                       V_SPLIT, False)
+                    start = _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE)
+                    k_t, k_t_hi = _ring_operands(k_smem, k_smem_hi, st, BLOCK_N, QK_LO, QK_HI, True)
+                    v_prev, v_prev_hi = _ring_operands(v_smem, v_smem_hi, prev_vst, BLOCK_N, O_LO, O_HI, False)
                     mbarrier.wait(k_ready.index(st), ph)
                     mbarrier.wait(v_ready.index(prev_vst), prev_vph)
-                    t = _pingpong_wait(turn, t, WG, PINGPONG)
-                    s_tok = _qk_mma(q_op, q_op_hi, k_t, k_t_hi, s_zero, QK_LO, QK_HI, SPLIT_SMEM)
-                    o_tok, o_tok_hi, p_hi = _pv_mma(p, v_prev, v_prev_hi, acc, acc_hi, SPLIT_O, V_SPLIT)
-                    _pingpong_signal(turn, WG, PINGPONG)
+                    t = _pingpong_wait(turn, t, WG)
+                    s_tok = _qk_mma(q_op, q_op_hi, k_t, k_t_hi, s_zero, SPLIT_QK)
+                    o_tok, o_tok_hi, p_hi = _pv_mma(p, v_prev, v_prev_hi, acc, acc_hi, SPLIT_O)
+                    _pingpong_signal(turn, WG)
                     if SPLIT_O:   # wgmma groups retire in order: QK^T done, the two PV groups may not be
                         s_acc, o_tok, o_tok_hi = warpgroup_mma_wait(2, deps=[s_tok, o_tok, o_tok_hi])
                     else:
@@ -844,68 +825,60 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
                             # (and then its K/V) under this softmax, the tail PV and the epilogue
                             mbarrier.arrive(q_empty.index(WG), count=1)
                     s, shift = _score_tile(s_acc, start, i < n_partial, b, h, q_idx, q_idx_c, row0, sm_scale,
-                                           qk_unit, col_bias, N, score_bufs, mask_bufs, s_layout, BLOCK_N,
-                                           SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, EVEN_N,
-                                           KV_AFFINE, MASK_AND)
-                    p_new, m_i, m_run, l_i, alpha, resc = _online_softmax(s, shift, m_i, m_run, l_i, qk_scale, p_layout,
-                                                                          o_layout, dtype, EXP2_EMU, LAZY_RESCALE,
-                                                                          FIXED_BASE, KV_AFFINE)
-                    acc, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_prev, v_prev_hi, SPLIT_O, V_SPLIT)
+                                           qk_unit, col_bias, N, score_bufs, mask_bufs, s_layout, SCORE_MOD,
+                                           MASK_MOD, TILE, FLAGS)
+                    p_new, m_i, m_run, l_i, alpha = _online_softmax(s, shift, m_i, m_run, l_i, qk_scale, p_layout,
+                                                                    o_layout, dtype, FLAGS)
+                    acc, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_prev, v_prev_hi, SPLIT_O)
                     mbarrier.arrive(v_empty.index(prev_vst), count=1)
-                    acc = _rescale_o(acc, alpha, resc, LAZY_RESCALE, FIXED_BASE)
-                    acc_hi = _rescale_o_hi(acc_hi, alpha, resc, LAZY_RESCALE, FIXED_BASE, SPLIT_O)
+                    acc = _rescale_o(acc, alpha, FIXED_BASE)
+                    acc_hi = _rescale_o_hi(acc_hi, alpha, FIXED_BASE, SPLIT_O)
                     p = p_new
                     prev_vst = cnt % V_STAGES
                     prev_vph = (cnt // V_STAGES) & 1
                     cnt += 1
                 # ---- tail: O += P_last V_last ----
-                v_prev, v_prev_hi = _ring_operands(v_smem, v_smem_hi, prev_vst, BLOCK_N, V_HEAD_DIM, O_LO, O_HI,
-                                                   V_SPLIT, False)
+                v_prev, v_prev_hi = _ring_operands(v_smem, v_smem_hi, prev_vst, BLOCK_N, O_LO, O_HI, False)
                 mbarrier.wait(v_ready.index(prev_vst), prev_vph)
-                t = _pingpong_wait(turn, t, WG, PINGPONG)
-                o_tok, o_tok_hi, p_hi = _pv_mma(p, v_prev, v_prev_hi, acc, acc_hi, SPLIT_O, V_SPLIT)
-                _pingpong_signal(turn, WG, PINGPONG)
-                acc, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_prev, v_prev_hi, SPLIT_O, V_SPLIT)
+                t = _pingpong_wait(turn, t, WG)
+                o_tok, o_tok_hi, p_hi = _pv_mma(p, v_prev, v_prev_hi, acc, acc_hi, SPLIT_O)
+                _pingpong_signal(turn, WG)
+                acc, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_prev, v_prev_hi, SPLIT_O)
                 mbarrier.arrive(v_empty.index(prev_vst), count=1)
         else:
             # No intra-warpgroup overlap: S_i, softmax_i, O += P_i V_i strictly in sequence.
             for i in range(n_total):
                 st = cnt % NUM_STAGES
                 ph = (cnt // NUM_STAGES) & 1
-                start = _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, BLOCK_N, HAS_SPARSE, SPARSE_Q_DIV,
-                                  SPARSE_KV_MULT)
-                k_t, k_t_hi = _ring_operands(k_smem, k_smem_hi, st, BLOCK_N, HEAD_DIM, QK_LO, QK_HI, SPLIT_SMEM, True)
+                start = _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE)
+                k_t, k_t_hi = _ring_operands(k_smem, k_smem_hi, st, BLOCK_N, QK_LO, QK_HI, True)
                 mbarrier.wait(k_ready.index(st), ph)
-                t = _pingpong_wait(turn, t, WG, PINGPONG)
-                s_tok = _qk_mma(q_op, q_op_hi, k_t, k_t_hi, s_zero, QK_LO, QK_HI, SPLIT_SMEM)
-                _pingpong_signal(turn, WG, PINGPONG)
-                s_acc = _qk_done(s_tok, q_op, q_op_hi, k_t, k_t_hi, SPLIT_SMEM)
+                t = _pingpong_wait(turn, t, WG)
+                s_tok = _qk_mma(q_op, q_op_hi, k_t, k_t_hi, s_zero, SPLIT_QK)
+                _pingpong_signal(turn, WG)
+                s_acc = _qk_done(s_tok, q_op, q_op_hi, k_t, k_t_hi, SPLIT_QK)
                 vst = cnt % V_STAGES
                 vph = (cnt // V_STAGES) & 1
-                v_cur, v_cur_hi = _ring_operands(v_smem, v_smem_hi, vst, BLOCK_N, V_HEAD_DIM, O_LO, O_HI, V_SPLIT,
-                                              False)
+                v_cur, v_cur_hi = _ring_operands(v_smem, v_smem_hi, vst, BLOCK_N, O_LO, O_HI, False)
                 mbarrier.arrive(k_empty.index(st), count=1)
                 s, shift = _score_tile(s_acc, start, i < n_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit,
-                                       col_bias, N, score_bufs, mask_bufs, s_layout, BLOCK_N, SCORE_MOD, MASK_MOD,
-                                       HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, EVEN_N, KV_AFFINE,
-                                       MASK_AND)
-                p, m_i, m_run, l_i, alpha, resc = _online_softmax(s, shift, m_i, m_run, l_i, qk_scale, p_layout,
-                                                                  o_layout, dtype, EXP2_EMU, LAZY_RESCALE,
-                                                                  FIXED_BASE, KV_AFFINE)
-                acc = _rescale_o(acc, alpha, resc, LAZY_RESCALE, FIXED_BASE)
-                acc_hi = _rescale_o_hi(acc_hi, alpha, resc, LAZY_RESCALE, FIXED_BASE, SPLIT_O)
+                                       col_bias, N, score_bufs, mask_bufs, s_layout, SCORE_MOD, MASK_MOD, TILE, FLAGS)
+                p, m_i, m_run, l_i, alpha = _online_softmax(s, shift, m_i, m_run, l_i, qk_scale, p_layout, o_layout,
+                                                            dtype, FLAGS)
+                acc = _rescale_o(acc, alpha, FIXED_BASE)
+                acc_hi = _rescale_o_hi(acc_hi, alpha, FIXED_BASE, SPLIT_O)
                 mbarrier.wait(v_ready.index(vst), vph)
-                t = _pingpong_wait(turn, t, WG, PINGPONG)
-                o_tok, o_tok_hi, p_hi = _pv_mma(p, v_cur, v_cur_hi, acc, acc_hi, SPLIT_O, V_SPLIT)
-                _pingpong_signal(turn, WG, PINGPONG)
-                acc, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_cur, v_cur_hi, SPLIT_O, V_SPLIT)
+                t = _pingpong_wait(turn, t, WG)
+                o_tok, o_tok_hi, p_hi = _pv_mma(p, v_cur, v_cur_hi, acc, acc_hi, SPLIT_O)
+                _pingpong_signal(turn, WG)
+                acc, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_cur, v_cur_hi, SPLIT_O)
                 mbarrier.arrive(v_empty.index(vst), count=1)
                 cnt += 1
             if O_STAGE:
                 mbarrier.arrive(q_empty.index(WG), count=1)
 
         if O_STAGE:
-            if OVERLAP:
+            if SCHED.OVERLAP:
                 if n_total == 0:   # no KV tile: Q was never read
                     mbarrier.arrive(q_empty.index(WG), count=1)
 
@@ -917,7 +890,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         r_o = gl.convert_layout(m_run, gl.SliceLayout(1, o_layout))
         _epilogue(acc, acc_hi, m_o, r_o, l_o, qk_scale, o_half, q_half_hi, o_desc, o_desc_hi, lse_ptr, max_ptr,
-                  b, h, row0, HQ, M, o_layout, HALF_M, dtype, O_STAGE, SPLIT_O, V_SPLIT)
+                  b, h, row0, HQ, M, o_layout, HALF_M, dtype, O_STAGE, SPLIT_O)
         if not O_STAGE:
             mbarrier.arrive(q_empty.index(WG), count=1)
         t_local += 1
@@ -926,18 +899,26 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_
 
 
 @gluon.jit
-def _consumer_wg0(descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_consts, outs, scale_args, mods, mod_bufs):
-    _consumer(0, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_consts, outs, scale_args, mods, mod_bufs)
+def _consumer_wg0(descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, SCORE_MOD: gl.constexpr,
+                  MASK_MOD: gl.constexpr, TILE: gl.constexpr, SCHED: gl.constexpr, SPARSE: gl.constexpr,
+                  FLAGS: gl.constexpr):
+    _consumer(0, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, SCORE_MOD, MASK_MOD, TILE,
+              SCHED, SPARSE, FLAGS)
 
 
 @gluon.jit
-def _consumer_wg1(descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_consts, outs, scale_args, mods, mod_bufs):
-    _consumer(1, descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_consts, outs, scale_args, mods, mod_bufs)
+def _consumer_wg1(descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, SCORE_MOD: gl.constexpr,
+                  MASK_MOD: gl.constexpr, TILE: gl.constexpr, SCHED: gl.constexpr, SPARSE: gl.constexpr,
+                  FLAGS: gl.constexpr):
+    _consumer(1, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, SCORE_MOD, MASK_MOD, TILE,
+              SCHED, SPARSE, FLAGS)
 
 
 @gluon.jit
-def _producer_entry(descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_consts, outs, scale_args, mods, mod_bufs):
-    _producer(descs, bars, smem, sched, sp_ptrs, sp_meta, cfg_consts)
+def _producer_entry(descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, SCORE_MOD: gl.constexpr,
+                    MASK_MOD: gl.constexpr, TILE: gl.constexpr, SCHED: gl.constexpr, SPARSE: gl.constexpr,
+                    FLAGS: gl.constexpr):
+    _producer(descs, bars, smem, sizes, sp_ptrs, sp_meta, TILE, SCHED, SPARSE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -953,33 +934,31 @@ _RUNTIME_SIZES = ["nb_sb", "nb_sh", "idx_sb", "idx_sh", "idx_sm", "fnb_sb", "fnb
                   "fidx_sh", "fidx_sm", "num_tiles", "num_m_tiles", "M", "N"]
 
 
+
+
 @gluon.jit(do_not_specialize=_RUNTIME_SIZES)
 def fa3_fwd_sm90_kernel(
     q_desc, k_desc, v_desc, o_desc,
-    q_desc_hi, k_desc_hi, v_desc_hi, o_desc_hi,   # SPLIT_SMEM / V_SPLIT: the hi tiles' descriptors (else None)
+    q_desc_hi, k_desc_hi, v_desc_hi, o_desc_hi,   # TILE.SPLIT_QK / SPLIT_V: the hi tiles' descriptors (else None)
     lse_ptr, max_ptr,
     score_bufs, mask_bufs,
     kvnb_ptr, kvidx_ptr, fnb_ptr, fidx_ptr,
     BM, HM, nb_sb, nb_sh, idx_sb, idx_sh, idx_sm, fnb_sb, fnb_sh, fidx_sb, fidx_sh, fidx_sm,
     sm_scale, qk_scale, fixed_base, qk_unit, num_tiles, num_m_tiles, HQ, GQA, M, N,
-    SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr,
-    HAS_SCORE_MOD: gl.constexpr, HAS_MASK_MOD: gl.constexpr, DENSE_MASK: gl.constexpr,
-    HAS_SPARSE: gl.constexpr, HAS_FULL: gl.constexpr, SPARSE_Q_DIV: gl.constexpr, SPARSE_KV_MULT: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-    PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, PERSISTENT: gl.constexpr, EXP2_EMU: gl.constexpr,
-    EVEN_N: gl.constexpr, LAZY_RESCALE: gl.constexpr, FIXED_BASE: gl.constexpr, KV_AFFINE: gl.constexpr,
-    MASK_AND: gl.constexpr,
-    O_STAGE: gl.constexpr, QK_DIM: gl.constexpr, V_STAGES: gl.constexpr, SPLIT_SMEM: gl.constexpr,
-    V_HEAD_DIM: gl.constexpr, V_DIM: gl.constexpr, V_SPLIT: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr,   # @gluon.jit mods (or None)
+    TILE: gl.constexpr,     # TileShape
+    SCHED: gl.constexpr,    # Schedule
+    SPARSE: gl.constexpr,   # BlockSparsity
+    FLAGS: gl.constexpr,    # ModFlags
 ):
-    HALF_M: gl.constexpr = BLOCK_M // 2
+    NUM_STAGES: gl.constexpr = TILE.NUM_STAGES
+    V_STAGES: gl.constexpr = TILE.V_STAGES
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)
     # The hi parts of a padded head dim's tiles (the tiles above hold the lo columns); without a split the
     # names alias the lo tiles and descriptors, never read.
-    if SPLIT_SMEM:
+    if TILE.SPLIT_QK:
         q_smem_hi = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc_hi.block_type.shape, q_desc_hi.layout)
         k_smem_hi = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc_hi.block_type.shape,
                                               k_desc_hi.layout)
@@ -990,7 +969,7 @@ def fa3_fwd_sm90_kernel(
         k_smem_hi = k_smem
         qh_desc = q_desc
         kh_desc = k_desc
-    if V_SPLIT:
+    if TILE.SPLIT_V:
         v_smem_hi = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES] + v_desc_hi.block_type.shape,
                                               v_desc_hi.layout)
         vh_desc = v_desc_hi
@@ -999,7 +978,7 @@ def fa3_fwd_sm90_kernel(
         v_smem_hi = v_smem
         vh_desc = v_desc
         oh_desc = o_desc
-    if O_STAGE:   # own O staging buffer: Q can be released (and the next Q loaded) before the epilogue
+    if SCHED.O_STAGE:   # own O staging buffer: Q can be released (and the next Q loaded) before the epilogue
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
     else:
         o_smem = q_smem
@@ -1028,41 +1007,21 @@ def fa3_fwd_sm90_kernel(
     descs = (q_desc, k_desc, v_desc, o_desc, qh_desc, kh_desc, vh_desc, oh_desc)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn)
     smem = (q_smem, k_smem, v_smem, o_smem, q_smem_hi, k_smem_hi, v_smem_hi)
-    sched = (num_tiles, num_m_tiles, HQ, GQA, M, N)
+    sizes = (num_tiles, num_m_tiles, HQ, GQA, M, N)
     sp_ptrs = (kvnb_ptr, kvidx_ptr, fnb_ptr, fidx_ptr)
     sp_meta = (BM, HM, nb_sb, nb_sh, idx_sb, idx_sh, idx_sm, fnb_sb, fnb_sh, fidx_sb, fidx_sh, fidx_sm)
     outs = (lse_ptr, max_ptr)
     scale_args = (sm_scale, qk_scale, fixed_base, qk_unit)
     mod_bufs = (score_bufs, mask_bufs)
-    # The two tuples of constexprs are written inline: assigning a tuple to a name turns its constexpr
-    # entries into tensors (triton's visit_Assign); the partitions read them back by index into
-    # `X: gl.constexpr = tup[i]` declarations.
+    # every role gets the same arguments (the producer's entry drops what it does not read)
     gl.warp_specialize([
-        (_consumer_wg0, (descs, bars, smem, sched, sp_ptrs, sp_meta,
-                         (BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, HALF_M, HAS_SPARSE, HAS_FULL, SPARSE_Q_DIV,
-                          SPARSE_KV_MULT, PERSISTENT, O_STAGE, QK_DIM, V_STAGES, SPLIT_SMEM, V_HEAD_DIM, V_DIM,
-                          V_SPLIT),
-                         outs, scale_args,
-                         (SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, PINGPONG, OVERLAP, EXP2_EMU,
-                          EVEN_N, LAZY_RESCALE, FIXED_BASE, KV_AFFINE, MASK_AND),
-                         mod_bufs)),
-        (_consumer_wg1, (descs, bars, smem, sched, sp_ptrs, sp_meta,
-                         (BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, HALF_M, HAS_SPARSE, HAS_FULL, SPARSE_Q_DIV,
-                          SPARSE_KV_MULT, PERSISTENT, O_STAGE, QK_DIM, V_STAGES, SPLIT_SMEM, V_HEAD_DIM, V_DIM,
-                          V_SPLIT),
-                         outs, scale_args,
-                         (SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, PINGPONG, OVERLAP, EXP2_EMU,
-                          EVEN_N, LAZY_RESCALE, FIXED_BASE, KV_AFFINE, MASK_AND),
-                         mod_bufs)),
-        (_producer_entry, (descs, bars, smem, sched, sp_ptrs, sp_meta,
-                           (BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, HALF_M, HAS_SPARSE, HAS_FULL, SPARSE_Q_DIV,
-                            SPARSE_KV_MULT, PERSISTENT, O_STAGE, QK_DIM, V_STAGES, SPLIT_SMEM, V_HEAD_DIM, V_DIM,
-                          V_SPLIT),
-                           outs, scale_args,
-                           (SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, PINGPONG, OVERLAP, EXP2_EMU,
-                          EVEN_N, LAZY_RESCALE, FIXED_BASE, KV_AFFINE, MASK_AND),
-                           mod_bufs)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        (_consumer_wg0, (descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs,
+                         SCORE_MOD, MASK_MOD, TILE, SCHED, SPARSE, FLAGS)),
+        (_consumer_wg1, (descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs,
+                         SCORE_MOD, MASK_MOD, TILE, SCHED, SPARSE, FLAGS)),
+        (_producer_entry, (descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs,
+                           SCORE_MOD, MASK_MOD, TILE, SCHED, SPARSE, FLAGS)),
+    ], [4, 1], [SCHED.CONSUMER_REGS, SCHED.PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1168,6 +1127,43 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
              config, num_sms, max_needed=True, persistent=None, even_n=None):
     """Build (args, kwargs, grid) for fa3_fwd_sm90_kernel; shared by the launcher and compile-only tests.
     `persistent` / `even_n` override the schedule and EVEN_N (siblings compiled ahead: never launched so)."""
+    return _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs, mask_bufs,
+                 kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, sparse_q_block, sparse_kv_block,
+                 config, num_sms, max_needed).launch(persistent, even_n)
+
+
+@dataclass
+class _Site:
+    """One launch site as _site prepared it: the kernel's arguments and its constexpr bundles, built once.
+    The choices a length makes (the schedule with its O_STAGE, EVEN_N) are made per launch (`launch`)."""
+    args: tuple
+    score_mod: object
+    mask_mod: object
+    tile: TileShape
+    sparse: BlockSparsity
+    flags: ModFlags           # EVEN_N as this launch's N decides it
+    cfg: Sm90Config
+    schedules: dict           # persistent -> Schedule
+    num_tiles: int
+    num_sms: int
+    persistent: bool          # as use_persistent decides for this launch
+
+    def launch(self, persistent=None, even_n=None):
+        """(args, kwargs, grid) of this site's launch, or of a sibling: the schedule / EVEN_N overridden."""
+        persistent = self.persistent if persistent is None else persistent
+        flags = self.flags if even_n is None or even_n == self.flags.EVEN_N else replace(self.flags, EVEN_N=even_n)
+        # persistent CTAs take tile pairs
+        grid = (min((self.num_tiles + 1) // 2, self.num_sms),) if persistent else (self.num_tiles,)
+        kwargs = dict(SCORE_MOD=self.score_mod, MASK_MOD=self.mask_mod, TILE=self.tile,
+                      SCHED=self.schedules[persistent], SPARSE=self.sparse, FLAGS=flags,
+                      num_warps=4, maxnreg=self.cfg.maxnreg)
+        return self.args, kwargs, grid
+
+
+def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs, mask_bufs,
+          kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, sparse_q_block, sparse_kv_block,
+          config, num_sms, max_needed=True) -> _Site:
+    """The site behind _prepare: descriptors, block-mask tables, scales and the constexpr bundles."""
     if score_mod is None and sm_scale < 0:
         # The no-mod path keeps raw q.k scores and folds the scale into exp2 / the row max, which is
         # only valid for a positive scale: route negative scales through the (exact) score_mod path.
@@ -1180,36 +1176,34 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
     score_mod, to_score = kernel_score_mod(score_mod, sm_scale, cfg.fold_sm_scale) \
         if score_mod is not None else (None, float(sm_scale))
     to_log2 = to_score * LOG2E
-    exp2_emu = cfg.exp2_emu or (cfg.sfu_mod_exp2_emu if sfu_ops_of(score_mod) else 0)
-    bounds = out_range_of(score_mod) if score_mod is not None and cfg.fixed_base and not max_needed \
-        else None
+    exp2_emu = cfg.sfu_mod_exp2_emu and bool(sfu_ops_of(score_mod))
+    bounds = out_range_of(score_mod) if score_mod is not None and not max_needed else None
     fixed_base = bounds and fixed_base_for(q.dtype, bounds[0] * to_log2, bounds[1] * to_log2)
     if fixed_base is not None and config is None:   # the table's tiles for fixed-base launches
         cfg = get_config(D, q.dtype, fixed_base=True, value_head_dim=Dv)
     # `score + alpha(b, h)·kv + B(b, h, q)`: column / tile / row parts instead of per-score index math;
     # the launched form's tile is qk·qk_unit + x (folded: qk + x / sm_scale)
-    kv_affine = score_mod is not None and kv_affine_of(score_mod) and cfg.affine_mods and not fixed_base
-    qk_unit = 1.0 if getattr(score_mod, "sm_scaled", False) else float(sm_scale)
+    kv_affine = score_mod is not None and kv_affine_of(score_mod) and not fixed_base
+    qk_unit = 1.0 if score_mod is not None and mod_info(score_mod).sm_scaled else float(sm_scale)
     BLOCK_M, BLOCK_N = cfg.block_m, cfg.block_n
     HALF_M = BLOCK_M // 2
-    # tiles span the head dim padded to a power of two (TMA zero-fills / clips the columns past D), or,
-    # split_smem, two tiles per operand of exactly D columns: LO + HI (each a power of two)
-    # (Q and K by D, V and O by Dv, which may differ)
-    D_TILE, DV_TILE = tile_head_dim(D), tile_head_dim(Dv)
-    split = cfg.split_smem and D != D_TILE
-    v_split = cfg.split_smem and Dv != DV_TILE
-    width = split_head_dim(D)[0] if split else D_TILE
-    v_width = split_head_dim(Dv)[0] if v_split else DV_TILE
-    q_desc = _desc(q, [1, 1, HALF_M, width])
-    o_desc = _desc(out, [1, 1, HALF_M, v_width])
-    k_desc = _desc(k, [1, 1, BLOCK_N, width])
-    v_desc = _desc(v, [1, 1, BLOCK_N, v_width])
-    q_hi = k_hi = v_hi = o_hi = None
-    if split:
-        q_hi, k_hi = _desc(q, [1, 1, HALF_M, D - width]), _desc(k, [1, 1, BLOCK_N, D - width])
-    if v_split:
-        v_hi, o_hi = _desc(v, [1, 1, BLOCK_N, Dv - v_width]), _desc(out, [1, 1, HALF_M, Dv - v_width])
-    hi_descs = (q_hi, k_hi, v_hi, o_hi)
+    # a head dim that is a power of two is one tile per operand; any other (80, 96, 160, 192) is two
+    # tiles per operand of exactly D columns, LO + HI, each a power of two (Q and K by D, V and O by Dv,
+    # which may differ)
+    qk_lo, qk_hi = split_head_dim(D)
+    v_lo, v_hi = split_head_dim(Dv)
+    tile = TileShape(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, QK_LO=qk_lo, QK_HI=qk_hi, V_LO=v_lo, V_HI=v_hi,
+                     NUM_STAGES=cfg.num_stages, V_STAGES=cfg.v_ring_stages)
+    q_desc = _desc(q, [1, 1, HALF_M, qk_lo])
+    o_desc = _desc(out, [1, 1, HALF_M, v_lo])
+    k_desc = _desc(k, [1, 1, BLOCK_N, qk_lo])
+    v_desc = _desc(v, [1, 1, BLOCK_N, v_lo])
+    q_desc_hi = k_desc_hi = v_desc_hi = o_desc_hi = None
+    if tile.SPLIT_QK:
+        q_desc_hi, k_desc_hi = _desc(q, [1, 1, HALF_M, qk_hi]), _desc(k, [1, 1, BLOCK_N, qk_hi])
+    if tile.SPLIT_V:
+        v_desc_hi, o_desc_hi = _desc(v, [1, 1, BLOCK_N, v_hi]), _desc(out, [1, 1, HALF_M, v_hi])
+    hi_descs = (q_desc_hi, k_desc_hi, v_desc_hi, o_desc_hi)
 
     has_sparse = kv_num_blocks is not None
     has_full = has_sparse and full_kv_num_blocks is not None
@@ -1234,6 +1228,14 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
     else:
         sp_ptrs = (lse, lse, lse, lse)   # unused placeholders
         sp_meta = (1,) * 12
+    sparse = BlockSparsity(HAS_SPARSE=has_sparse, HAS_FULL=has_full,
+                           SPARSE_Q_DIV=(sparse_q_block // BLOCK_M) if has_sparse else 1,
+                           SPARSE_KV_MULT=(sparse_kv_block // BLOCK_N) if has_sparse else 1)
+    flags = ModFlags(HAS_SCORE_MOD=score_mod is not None, HAS_MASK_MOD=mask_mod is not None,
+                     DENSE_MASK=mask_mod is not None and not has_sparse,
+                     MASK_AND=mask_mod is not None and mask_and_of(mask_mod),
+                     EVEN_N=N % BLOCK_N == 0, KV_AFFINE=bool(kv_affine), FIXED_BASE=fixed_base is not None,
+                     EXP2_EMU=bool(exp2_emu))
 
     num_m_tiles = triton.cdiv(M, BLOCK_M)
     num_tiles = B * Hq * num_m_tiles
@@ -1242,35 +1244,17 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
         longest = _longest_row(kv_num_blocks, full_kv_num_blocks if has_full else None)
         if longest is not None:
             max_kv_tiles = longest * (sparse_kv_block // BLOCK_N)
-    if persistent is None:
-        persistent = use_persistent(cfg, num_tiles, num_sms, N, max_kv_tiles, kv_affine)
-    if even_n is None:
-        even_n = N % BLOCK_N == 0
-    # persistent CTAs take tile pairs; a separate O staging buffer where shared memory allows it
-    grid = (min((num_tiles + 1) // 2, num_sms),) if persistent else (num_tiles,)
-    o_stage = (persistent and cfg.o_stage and not split and not v_split
+    persistent = use_persistent(cfg, num_tiles, num_sms, N, max_kv_tiles, kv_affine)
+    # persistent: a separate O staging buffer where shared memory allows it (split tiles stage O in Q's)
+    o_stage = (not tile.SPLIT_QK and not tile.SPLIT_V
                and cfg.smem_bytes(D, o_stage=True, value_head_dim=Dv) <= SMEM_LIMIT)
+    schedules = {p: Schedule(PERSISTENT=p, O_STAGE=p and o_stage, OVERLAP=cfg.overlap,
+                             CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
+                 for p in (False, True)}
     args = (q_desc, k_desc, v_desc, o_desc, *hi_descs, lse, max_scores, tuple(score_bufs), tuple(mask_bufs),
             *sp_ptrs, *sp_meta, float(sm_scale), to_log2, float(fixed_base or 0.0), qk_unit, num_tiles, num_m_tiles, Hq, Hq // Hkv,
             M, N)
-    kwargs = dict(
-        SCORE_MOD=score_mod, MASK_MOD=mask_mod,
-        HAS_SCORE_MOD=score_mod is not None, HAS_MASK_MOD=mask_mod is not None,
-        DENSE_MASK=(mask_mod is not None and not has_sparse),
-        HAS_SPARSE=has_sparse, HAS_FULL=has_full,
-        SPARSE_Q_DIV=(sparse_q_block // BLOCK_M) if has_sparse else 1,
-        SPARSE_KV_MULT=(sparse_kv_block // BLOCK_N) if has_sparse else 1,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D_TILE, NUM_STAGES=cfg.num_stages,
-        PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, PERSISTENT=persistent,
-        EXP2_EMU=exp2_emu, EVEN_N=even_n,
-        LAZY_RESCALE=cfg.lazy_rescale, FIXED_BASE=fixed_base is not None, KV_AFFINE=kv_affine,
-        MASK_AND=mask_mod is not None and mask_and_of(mask_mod),
-        O_STAGE=o_stage, QK_DIM=D, V_STAGES=cfg.v_ring_stages, SPLIT_SMEM=split,
-        V_HEAD_DIM=DV_TILE, V_DIM=Dv, V_SPLIT=v_split,
-        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
-        num_warps=4, maxnreg=cfg.maxnreg,
-    )
-    return args, kwargs, grid
+    return _Site(args, score_mod, mask_mod, tile, sparse, flags, cfg, schedules, num_tiles, num_sms, persistent)
 
 
 @gluon.jit
@@ -1324,7 +1308,7 @@ def prepare_fwd_sm90_variants(q, k, v, out, lse, max_scores, **options):
     Example::
 
         >>> launch, siblings = prepare_fwd_sm90_variants(q, k, v, out, lse, mx, sm_scale=0.088)   # doctest: +SKIP
-        >>> sorted((s[2]["PERSISTENT"], s[2]["EVEN_N"]) for s in siblings)                        # doctest: +SKIP
+        >>> sorted((s[2]["SCHED"].PERSISTENT, s[2]["FLAGS"].EVEN_N) for s in siblings)            # doctest: +SKIP
         [(False, True), (True, False), (True, True)]
     """
     cfg = options.get("config") or get_config(q.shape[-1], q.dtype, value_head_dim=v.shape[-1])
@@ -1332,12 +1316,13 @@ def prepare_fwd_sm90_variants(q, k, v, out, lse, max_scores, **options):
         num_sms = 0
     else:   # CPU tensors (planning, tests): an H100's SM count
         num_sms = _num_sms(q.device) if q.is_cuda else _PLANNING_SMS
-    launch = _prepare_kernel_launch(q, k, v, out, lse, max_scores, options, num_sms, None, None)
+    site = _site_of_options(q, k, v, out, lse, max_scores, options, num_sms)   # the bundles, built once
+    launch = (fa3_fwd_sm90_kernel, *site.launch())
     schedules = (True, False) if cfg.persistent is None else (cfg.persistent,)
     siblings, seen = [], [launch[2]]
     for persistent in schedules:
         for even_n in (True, False):
-            sib = _prepare_kernel_launch(q, k, v, out, lse, max_scores, options, num_sms, persistent, even_n)
+            sib = (fa3_fwd_sm90_kernel, *site.launch(persistent, even_n))
             if sib[2] not in seen:
                 seen.append(sib[2])
                 siblings.append(sib)
@@ -1347,16 +1332,16 @@ def prepare_fwd_sm90_variants(q, k, v, out, lse, max_scores, **options):
 _PLANNING_SMS = 132
 
 
-def _prepare_kernel_launch(q, k, v, out, lse, max_scores, options, num_sms, persistent, even_n):
+def _site_of_options(q, k, v, out, lse, max_scores, options, num_sms) -> _Site:
     o = dict(options)
-    args, kwargs, grid = _prepare(
+    site = _site(
         q, k, v, out, lse, max_scores, o.pop("sm_scale"), o.pop("score_mod", None), o.pop("mask_mod", None),
         o.pop("score_bufs", ()), o.pop("mask_bufs", ()), o.pop("kv_num_blocks", None), o.pop("kv_indices", None),
         o.pop("full_kv_num_blocks", None), o.pop("full_kv_indices", None), o.pop("sparse_q_block", 128),
-        o.pop("sparse_kv_block", 128), o.pop("config", None), num_sms, o.pop("max_needed", True), persistent, even_n)
+        o.pop("sparse_kv_block", 128), o.pop("config", None), num_sms, o.pop("max_needed", True))
     if o:
         raise TypeError(f"prepare_fwd_sm90_variants: unexpected options {sorted(o)}")
-    return fa3_fwd_sm90_kernel, args, kwargs, grid
+    return site
 
 
 def compile_sm90(q, k, v, out, lse, max_scores, *, sm_scale: float, score_mod=None, mask_mod=None,

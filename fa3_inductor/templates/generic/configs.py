@@ -1,6 +1,6 @@
 """Tile and pipeline choices for the generic template, in one table.
 
-Each entry says why. Figures are from FACTS.md and benchmarks/results (H100/H200, triton 3.6).
+Each entry says why. Figures are from docs/facts.md and benchmarks/results (H100/H200, triton 3.6).
 """
 
 from __future__ import annotations

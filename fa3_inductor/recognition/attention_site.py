@@ -44,7 +44,7 @@ from . import canonical, module_state
 from .fx_ops import example, op_name, static_shape
 from ..templates.torch_mod_helpers import where
 from .lift import Env, Lifted, Lifter, NotLiftable
-from .report import RecognizedSite
+from ..report import RecognizedSite
 
 # Fills at or below this count as "masked" (float16's most negative finite value; HF fills with
 # finfo(dtype).min, older code with -1e4 .. -1e9).

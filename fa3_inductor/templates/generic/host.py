@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import functools
 import math
-import inspect
 from typing import Any, Optional, Sequence
 
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..templates.generic_fwd import attention_fwd_kernel
-from ..templates.modgen import kernel_score_mod
-from ..templates.tma import tma_aligned
-from .._log import warn_once
+from .kernel import attention_fwd_kernel
+from ..modgen import kernel_score_mod, mod_info
+from ..tma import tma_aligned
+from ..._log import warn_once
 from .configs import GenericConfig, generic_config, generic_config_variants
 
 _allocator_set = False
@@ -50,12 +48,6 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-@functools.lru_cache(maxsize=512)
-def _source_of(jit_fn: Any) -> str:
-    # JITFunction keeps .src; the interpreter's InterpretedFunction only has the function.
-    return getattr(jit_fn, "src", None) or inspect.getsource(jit_fn.fn)
-
-
 def _fold_scale(sm_scale: float, score_mod: Any) -> bool:
     return score_mod is None and sm_scale > 0
 
@@ -68,7 +60,7 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
     ``even_n`` overrides EVEN_N (compiling a sibling variant ahead: never launched so)."""
     Z, HQ, M, D = q.shape
     HKV, N, DV = k.shape[1], k.shape[2], v.shape[3]
-    # The kernel's factor from its score tile to the score (generic_fwd._kv_tile takes it in log2
+    # The kernel's factor from its score tile to the score (kernel._kv_tile takes it in log2
     # units): the mod's, or the scale itself when the no-mod path folds it.
     if score_mod is not None:
         score_mod, to_score = kernel_score_mod(score_mod, sm_scale)
@@ -122,7 +114,7 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
         SPARSE_Q=sparse_q_block if has_mask else block_m,
         SPARSE_KV=sparse_kv_block if has_mask else block_n,
         EVEN_N=even_n,
-        # The warp-specialized loop must not read tile positions from the tables (generic_fwd).
+        # The warp-specialized loop must not read tile positions from the tables (kernel.py).
         ITERATE_HULL=hull,
         # Read by the hull walk only: fixed otherwise, so that it does not split sites by length.
         MAX_KV_BLKS=max(2, triton.next_power_of_2(num_kv_blks)) if hull else 2,
@@ -144,7 +136,7 @@ def _site_traits(score_mod: Any, mask_mod: Any, kv_num_blocks: Any) -> tuple[boo
     """(a mod gathers from a captured buffer, the site is plain: no score_mod, no block mask),
     what the tile table asks of a site besides its head dim and dtype. ``score_mod`` is the one
     launched (after kernel_score_mod)."""
-    loads = any(m is not None and "load(" in _source_of(m) for m in (score_mod, mask_mod))
+    loads = any(m is not None and mod_info(m).gathers for m in (score_mod, mask_mod))
     return loads, score_mod is None and kv_num_blocks is None
 
 
@@ -168,7 +160,7 @@ def prepare_generic(
     ``iterate_hull`` picks how a block mask is walked (None: the config's choice); ``config``
     overrides the tile table (sweeps, tests); ``host_descriptors`` picks the kernel's
     descriptors (None: built on the host on sm90 and in the interpreter, in the kernel on other
-    GPUs; see generic_fwd.py); ``even_n`` forces EVEN_N (a sibling compiled ahead, never launched:
+    GPUs; see kernel.py); ``even_n`` forces EVEN_N (a sibling compiled ahead, never launched:
     :func:`prepare_generic_variants`); ``plan_for`` the GPU capability to plan for when the tensors
     are on no GPU (CPU or meta tensors: tests, compile-only; None: the tensors' own device).
 
@@ -198,7 +190,7 @@ def prepare_generic_variants(
     the choices other lengths make (EVEN_N, and the tiles of long plain sites on sm90), as
     ``(kernel, args, kwargs, grid)``. Compiling the siblings ahead (runtime/variants.py) leaves no
     compile for a later length: every other launch argument is length-independent in Triton's
-    specialization key (generic_fwd.py, "Specialization").
+    specialization key (kernel.py, "Specialization").
 
     Example::
 
@@ -235,7 +227,7 @@ def launch_generic(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
 
     ``options`` are :func:`prepare_generic`'s keywords (``sm_scale`` required; mods, captured
     buffers, block-mask tables and block sizes, ``iterate_hull``, ``config``). Shapes and
-    conventions are those of ``templates/generic_fwd.py``; with ``kv_num_blocks=None`` every
+    conventions are those of ``templates/generic/kernel.py``; with ``kv_num_blocks=None`` every
     KV tile is visited and ``mask_mod`` must be None.
 
     Example::
@@ -261,7 +253,7 @@ def compile_generic(q, k, v, out, lse, max_scores, *, sm_scale: float, score_mod
     """
     from triton.backends.compiler import GPUTarget
 
-    from ..templates.aot import compile_launch
+    from ..aot import compile_launch
 
     args, kwargs, _ = _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod,
                                score_bufs, mask_bufs, kv_num_blocks, kv_indices,

@@ -49,7 +49,7 @@ from .fx_ops import arg, example, op_name, static_shape
 from .lift import Lifted, Lifter
 from .operands import (einsum_out_perm, einsum_qk, einsum_v, peel_constant_scale,
                        transposed_source, unrepeat)
-from .report import RecognizedSite
+from ..report import RecognizedSite
 from .spelled_softmax import canonicalize_spelled_softmax
 
 FRONT_DOOR = "matmul-softmax"

@@ -24,8 +24,8 @@ import torch.fx
 import torch.nn.functional as F
 
 from . import canonical
-from .flex_lowering import static_ints
-from .report import RecognizedSite
+from ..sizes import static_ints
+from ..report import RecognizedSite
 from .rewrite_pays import sdpa_keeps_plain_call
 
 _SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)

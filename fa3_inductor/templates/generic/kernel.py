@@ -31,7 +31,7 @@ Specialization (one compile per kind of site, not per length): the integers that
 sequence lengths or the batch (KZ, M, N, NUM_Q_BLKS, NUM_KV_BLKS) are `do_not_specialize`,
 so Triton's hints (divisible by 16, equal to 1) never split a site by length. What a length still
 decides is a constexpr with a sibling compiled ahead (runtime/variants.py): EVEN_N, and on sm90 the
-tiles of long plain sites (runtime/configs.py). MAX_KV_BLKS is read by the hull walk only and is
+tiles of long plain sites (configs.py). MAX_KV_BLKS is read by the hull walk only and is
 fixed (2) when it is off.
 
 All loads and stores go through tensor descriptors (TMA copies on sm90). HOST_DESC (sm90 and

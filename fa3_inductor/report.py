@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from .._log import log
+from ._log import log
 
 
 @dataclasses.dataclass

@@ -19,7 +19,7 @@ import torch
 import torch.fx
 
 from .._log import log
-from .report import RecognizedSite, site_tag, tag_site
+from ..report import RecognizedSite, site_tag, tag_site
 
 FLEX_OP = torch.ops.higher_order.flex_attention
 

@@ -1,0 +1,36 @@
+"""What the forward and backward flex_attention lowerings share, so that neither imports the other.
+
+``active_pass``: whether the current compile belongs to the fa3 backend (its marker pass is in
+Inductor's config; both lowerings act only then). ``site_shape``: how a site's shape is written in
+the records and logs.
+
+Example::
+
+    >>> if active_pass() is None: ...        # another backend compiles: hand over   # doctest: +SKIP
+    >>> site_shape(query, key, value)        # doctest: +SKIP
+    'q[2, 4, 64, 16] kv[2, 4, 64, 16] float16 cpu'
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .passes import Fa3PostGradPass
+
+
+def active_pass() -> Optional[Fa3PostGradPass]:
+    """The fa3 backend's marker pass if the current compile belongs to the fa3 backend."""
+    from torch._inductor import config
+
+    p = config.post_grad_custom_post_pass
+    return p if isinstance(p, Fa3PostGradPass) else None
+
+
+def site_shape(query, key, value=None) -> str:
+    """"q[B,H,M,D] kv[B,Hkv,N,D] dtype device" of a site's IR nodes, for records and logs;
+    "... kv[B,Hkv,N,D] v[B,Hkv,N,Dv] ..." when the value's head dim differs."""
+    kv = f"kv{list(key.get_size())}"
+    if value is not None and str(value.get_size()[-1]) != str(key.get_size()[-1]):
+        kv += f" v{list(value.get_size())}"
+    return (f"q{list(query.get_size())} {kv} "
+            f"{str(query.get_dtype()).replace('torch.', '')} {query.get_device().type}")
