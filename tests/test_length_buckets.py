@@ -190,3 +190,30 @@ def test_queued_variant_compiles_are_dropped_at_exit():
     assert queued.done() and queued.result() is None
     assert ("queued",) not in variants._inflight
     variants._inflight.pop(("running",), None)
+
+
+@pytest.mark.parametrize("site", ["noop", "document"])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_a_queued_sibling_keeps_its_key_and_none_of_the_callers_tensors(name, site):
+    """Siblings are compiled on a background thread from stand-ins (variants.stand_in): meta tensors
+    with the launch's shapes, strides and dtypes, so that no queued job holds memory of the call (CUDA
+    graph trees check that nothing allocated in their pool outlives a warm-up or recording) while Triton
+    compiles exactly the kernel the real launch would need."""
+    from fa3_inductor.runtime.variants import stand_in
+
+    family, dialect, capability = FAMILIES[name]
+    q, k, v = (torch.randn(2, H, 384, 64, dtype=torch.bfloat16) for _ in range(3))
+    out, lse, mx = torch.empty_like(q), torch.empty(2, H, 384), torch.empty(2, H, 384)
+    options = _launch_options(site, dialect, 384, 64)
+    if family == "generic":
+        launch, siblings = prepare_generic_variants(q, k, v, out, lse, mx, plan_for=capability, **options)
+    else:
+        from fa3_inductor.templates.hopper import prepare_fwd_sm90_variants
+
+        launch, siblings = prepare_fwd_sm90_variants(q, k, v, out, lse, mx, **options)
+    for real in (launch, *siblings):
+        standin = stand_in(real)
+        assert _key(name, standin) == _key(name, real)
+        held = [a for a in standin[1] if isinstance(a, torch.Tensor)]
+        held += [a.base for a in standin[1] if isinstance(getattr(a, "base", None), torch.Tensor)]
+        assert held and all(t.device.type == "meta" for t in held)

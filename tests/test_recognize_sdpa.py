@@ -93,13 +93,19 @@ def test_small_recognized_sites_stay_as_written_on_cuda():
 
     from fa3_inductor.recognition.rewrite_pays import MIN_WORK, small_site_reason, unless_small
 
-    def example(device, *shape):
-        return SimpleNamespace(device=torch.device(device), shape=shape)
+    def example(device, *shape, requires_grad=False):
+        return SimpleNamespace(device=torch.device(device), shape=shape, requires_grad=requires_grad)
 
     small = (example("cuda", 1, 16, 1024, 128), example("cuda", 1, 16, 1024, 128))
     large = (example("cuda", 1, 16, 2048, 128), example("cuda", 1, 16, 2048, 128))
     assert "stock Inductor is faster" in small_site_reason(*small)
     assert small_site_reason(*large) is None and 16 * 2048 * 2048 * 128 >= MIN_WORK
+    # in a training graph the bar is higher (TRAIN_MIN_WORK): B1 T2048 stays as written, B2 T2048 not
+    trains = [example("cuda", b, 16, 2048, 128, requires_grad=True) for b in (1, 2)]
+    assert "training graph" in small_site_reason(trains[0], trains[0])
+    assert small_site_reason(trains[1], trains[1]) is None
+    with torch.no_grad():
+        assert small_site_reason(trains[0], trains[0]) is None
     assert small_site_reason(example("cpu", 1, 16, 1024, 128), example("cpu", 1, 16, 1024, 128)) is None
     served = unless_small(lambda q, v: None)
     assert served(*small) is not None and served(*large) is None

@@ -22,6 +22,13 @@ import torch
 
 MIN_WORK = 4e9   # q·k multiply-adds (B·H·M·N·D) below which a recognized site is left as written
 
+# In a training graph the rewrite brings our forward plus torch's flex backward against the stock
+# Inductor's matmul + softmax forward and backward. Measured on an H100 (benchmarks/results/
+# first-use-nvidia-h100-80gb-hbm3-2026-11-24-2017-issue16, run 2004: the hand-written layer, causal,
+# 16 heads, D=128, one training step, default mode): B1 T2048 (8.6e9) 0.91x, B2 T2048 (1.7e10) 1.30x.
+# Training sites below this stay as written; the boundary lies between those two points.
+TRAIN_MIN_WORK = 1.2e10
+
 # A plain SDPA call (no attn_mask) is what torch's own SDPA kernels serve best: on Hopper they are
 # cuDNN's, at the speed of our forward kernel (README), with cuDNN's backward and no host cost of
 # ours. Measured on an H100 (benchmarks/results/first-use-nvidia-h100-80gb-hbm3-2026-11-24-1443,
@@ -60,6 +67,10 @@ def small_site_reason(example_query: torch.Tensor, example_value: Optional[torch
     if work < MIN_WORK:
         return (f"small attention ({work:.1e} multiply-adds of q·k, below {MIN_WORK:.0e}): the stock "
                 "Inductor is faster at this size")
+    training = torch.is_grad_enabled() and (q.requires_grad or example_value.requires_grad)
+    if training and work < TRAIN_MIN_WORK:
+        return (f"small attention in a training graph ({work:.1e} multiply-adds of q·k, below "
+                f"{TRAIN_MIN_WORK:.1e}): the stock Inductor's forward and backward are faster at this size")
     return None
 
 

@@ -20,6 +20,7 @@ them before the first call returns, ``off`` not at all.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import hashlib
 import inspect
 import os
@@ -140,8 +141,39 @@ def compile_ahead(launch: Launch, device: torch.device) -> Future:
             return done
         _inflight[ident] = done
         _start_workers()
-    _jobs.put((ident, launch, device, done))
+    _jobs.put((ident, stand_in(launch), device, done))
     return done
+
+
+def stand_in(launch: Launch) -> Launch:
+    """``launch`` with every tensor (and every TMA descriptor's base) replaced by a meta tensor of the same
+    shape, strides and dtype: what Triton specializes a compile on, without keeping the caller's memory.
+
+    A queued sibling must not hold the call's tensors: under CUDA graph trees (``mode="reduce-overhead"``,
+    ``"max-autotune"``) they come from the graph's private pool, whose check at the end of a warm-up or a
+    recording fails on any allocation still alive that is not an output ("Detected 4 tensor(s) in the
+    cudagraph pool not tracked as outputs", seen on an H100 with the four block-mask tables). A meta tensor's
+    address is 0, which Triton specializes as 16-byte aligned, as it does the addresses a launch has
+    (fast_launch keys launches by alignment too).
+
+    Example::
+
+        >>> stand_in((kernel, (q, 0.5), {}, (1,)))[1][0].device   # doctest: +SKIP
+        device(type='meta')
+    """
+    kernel, args, kwargs, grid = launch
+    return kernel, tuple(_meta(a) for a in args), {k: _meta(v) for k, v in kwargs.items()}, grid
+
+
+def _meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    if isinstance(value, tuple):
+        return tuple(_meta(v) for v in value)
+    base = getattr(value, "base", None)
+    if isinstance(base, torch.Tensor) and dataclasses.is_dataclass(value):
+        return dataclasses.replace(value, base=_meta(base))
+    return value
 
 
 def wait_for_variants(timeout: Optional[float] = None) -> int:
