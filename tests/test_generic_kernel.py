@@ -217,7 +217,7 @@ def test_long_plain_sites_take_128x128_tiles_and_match_float64(n):
     k, v = (torch.randn(2, 2, n, 128, device="cuda", dtype=dtype) for _ in range(2))
     kwargs = prepare_generic(q, k, v, torch.empty_like(q), torch.empty(2, 4, 300, device="cuda"),
                              torch.empty(2, 4, 300, device="cuda"), sm_scale=0.09)[2]
-    assert (kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["num_warps"]) == (128, 128, 8), kwargs
+    assert (kwargs["TILE"].BLOCK_M, kwargs["TILE"].BLOCK_N, kwargs["num_warps"]) == (128, 128, 8), kwargs
     out, lse, _ = _run(q, k, v, sm_scale=0.09)
     ref, ref_lse = reference_attention(q, k, v, scale=0.09)
     assert_matches_reference(out, ref, dtype)

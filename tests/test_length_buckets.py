@@ -118,8 +118,8 @@ def test_warm_up_prepares_each_length_choice(name):
     """The siblings span exactly the choices a length makes: EVEN_N, the Hopper schedule (persistent
     with or without the O staging buffer) and the generic tiles of long plain sites on sm90."""
     launch, siblings = _variants(name, "noop", 128, 2, 1000)
-    kinds = {(s[2]["FLAGS"].EVEN_N, s[2]["SCHED"].PERSISTENT, None) if "FLAGS" in s[2]   # Hopper: bundles
-             else (s[2]["EVEN_N"], None, s[2].get("BLOCK_M")) for s in [launch, *siblings]}
+    kinds = {(s[2]["FLAGS"].EVEN_N, s[2]["SCHED"].PERSISTENT, None) if "SCHED" in s[2]   # Hopper
+             else (s[2]["FLAGS"].EVEN_N, None, s[2]["TILE"].BLOCK_M) for s in [launch, *siblings]}
     expected = {"hopper": 4, "generic_sm90": 4, "generic_sm80": 2}[name]
     assert len(kinds) == expected, kinds
     causal_launch, causal_siblings = _variants(name, "causal", 128, 2, 1000)

@@ -9,7 +9,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .kernel import attention_fwd_kernel
+from .kernel import BlockSparsity, SiteFlags, Tiling, attention_fwd_kernel
 from ..modgen import kernel_score_mod, mod_info
 from ..tma import tma_aligned
 from ..._log import warn_once
@@ -108,27 +108,32 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
             out.stride(0), out.stride(1), out.stride(2),
             HQ, k.shape[0], M, N, D, DV, SZ, SH, num_q_blks, num_kv_blks, sm_scale,
             to_score * math.log2(math.e))
-    kwargs = dict(
-        SCORE_MOD=score_mod, MASK_MOD=mask_mod, GQA_GROUP=HQ // HKV,
+    tile = Tiling(
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        WARP_SPECIALIZE=cfg.warp_specialize,
+        HOST_DESC=host_desc,
+        # float32 inputs follow torch's matmul precision setting ("highest" = IEEE), as
+        # torch's own flex kernel does; 16-bit inputs ignore it.
+        DOT_PRECISION="tf32" if torch.get_float32_matmul_precision() != "highest" else "ieee",
+    )
+    sparse = BlockSparsity(
         HAS_BLOCK_MASK=has_mask, HAS_FULL_BLOCKS=has_full,
         SPARSE_Q=sparse_q_block if has_mask else block_m,
         SPARSE_KV=sparse_kv_block if has_mask else block_n,
-        EVEN_N=even_n,
         # The warp-specialized loop must not read tile positions from the tables (kernel.py).
         ITERATE_HULL=hull,
         # Read by the hull walk only: fixed otherwise, so that it does not split sites by length.
         MAX_KV_BLKS=max(2, triton.next_power_of_2(num_kv_blks)) if hull else 2,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        HOST_DESC=host_desc,
-        WARP_SPECIALIZE=cfg.warp_specialize,
+    )
+    flags = SiteFlags(
+        GQA_GROUP=HQ // HKV,
+        EVEN_N=even_n,
         # Without a score_mod, keep raw q.k scores and fold the scale into the row max and
         # the exp2 argument; valid for a positive scale only.
         FOLD_SCALE=_fold_scale(sm_scale, score_mod),
-        # float32 inputs follow torch's matmul precision setting ("highest" = IEEE), as
-        # torch's own flex kernel does; 16-bit inputs ignore it.
-        DOT_PRECISION="tf32" if torch.get_float32_matmul_precision() != "highest" else "ieee",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    kwargs = dict(SCORE_MOD=score_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse, FLAGS=flags,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return args, kwargs, (triton.cdiv(M, block_m), Z * HQ)
 
 
@@ -195,7 +200,7 @@ def prepare_generic_variants(
     Example::
 
         >>> launch, siblings = prepare_generic_variants(q, k, v, out, lse, mx, sm_scale=0.1)  # doctest: +SKIP
-        >>> sorted(s[2]["EVEN_N"] for s in siblings)                                           # doctest: +SKIP
+        >>> sorted(s[2]["FLAGS"].EVEN_N for s in siblings)                                           # doctest: +SKIP
         [True]
     """
     launch = prepare_generic(q, k, v, out, lse, max_scores, **options)
