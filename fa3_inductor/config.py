@@ -11,7 +11,6 @@ import dataclasses
 from typing import Any
 
 
-
 def templates() -> tuple[str, ...]:
     """What the ``template`` option may name: "auto" and every kernel family (templates/registry.py).
 

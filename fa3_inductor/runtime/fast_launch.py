@@ -137,30 +137,6 @@ def relaunch(entry: _Launch, inputs: Sequence[Optional[torch.Tensor]]) -> Any:
     return entry.tag
 
 
-def launcher(entry: _Launch) -> Callable[[Sequence[Optional[torch.Tensor]]], None]:
-    """A function that launches a recorded entry (from :func:`recorded`) on new inputs of the same
-    signature, with what a launch looks up (the stream getter, the device) looked up once. The caller
-    guarantees the signature (shapes, strides, dtypes, alignment).
-
-    Example::
-
-        >>> go = launcher(recorded(key)); go([q, k, v, out])   # doctest: +SKIP
-    """
-    if entry.direct is None:
-        return lambda inputs: _relaunch(entry, inputs)
-    from triton.runtime.driver import driver
-
-    get_stream, device = driver.active.get_current_stream, entry.device
-
-    def go(inputs: Sequence[Optional[torch.Tensor]]) -> None:
-        if launch_hooks_active():
-            _relaunch(entry, inputs)
-        else:
-            _launch_direct(entry, get_stream(device), inputs)
-
-    return go
-
-
 def clear() -> None:
     """Forget every recorded launch (tests; after changing kernels in-process)."""
     _CACHE.clear()
@@ -217,20 +193,26 @@ def _build(step: tuple, inputs: Sequence) -> Any:
     return desc
 
 
-def _current_stream(device: Optional[int]) -> int:
-    from triton.runtime.driver import driver
+_get_stream = None   # triton's current-stream getter, looked up on the first launch (every hit calls it)
 
-    return driver.active.get_current_stream(device)
+
+def _current_stream(device: Optional[int]) -> int:
+    global _get_stream
+    if _get_stream is None:
+        from triton.runtime.driver import driver
+
+        _get_stream = driver.active.get_current_stream
+    return _get_stream(device)
 
 
 def _relaunch(entry: _Launch, inputs: Sequence) -> None:
-    from triton import knobs
-
     kernel = entry.kernel
     stream = _current_stream(entry.device)
     if entry.direct is not None and not launch_hooks_active():
         _launch_direct(entry, stream, inputs)
         return
+    from triton import knobs
+
     args = list(entry.constants)
     for pos, step in entry.slots:
         args[pos] = _build(step, inputs)

@@ -24,8 +24,6 @@ import torch
 from .._log import warn_once
 from .spec import SiteSpec
 
-LAST_RESORT = "torch"   # the family that serves every site (templates/registry.py): never recorded
-
 _FAILED: dict[tuple, str] = {}
 _MAX_FAILED = 256
 
@@ -59,7 +57,7 @@ def kernel_failure(site: SiteSpec) -> Optional[str]:
         >>> kernel_failure(spec)   # doctest: +SKIP
         "hopper kernel failed to build for these mods (...); generic kernel failed to build ..."
     """
-    ours = [f for f in site.families if f != LAST_RESORT]
+    ours = site.families[:-1]   # the last family serves every site (templates/registry.py): not ours
     reasons = [family_failure(site, f) for f in ours]
     if not ours or any(r is None for r in reasons):
         return None

@@ -25,7 +25,7 @@ from ..templates.family import Call, NotServed
 from ..templates.modgen import ModInfo
 from ..templates.registry import family as family_named
 from . import backward_cpu  # noqa: F401  (defines fa3_inductor::flex_bwd beside flex_fwd)
-from .fast_launch import launch_cached, launcher, recorded, relaunch, tensor_signature
+from .fast_launch import launch_cached, recorded, relaunch, tensor_signature
 from .kernel_failures import family_failure, is_build_error, record_kernel_failure
 from .spec import SiteSpec
 from .variants import start_variants
@@ -131,6 +131,7 @@ def flex_fwd(
 def _serve(site: SiteSpec, call: Call, key: Optional[tuple], inputs: Optional[tuple]) -> str:
     """Run ``call`` on the first of the site's families that serves it; returns that family's name."""
     passed_over = []
+    score_info, mask_info = ModInfo.from_items(site.score_info), ModInfo.from_items(site.mask_info)
     for name in site.families:
         family = family_named(name)
         failed = family_failure(site, name)
@@ -139,8 +140,7 @@ def _serve(site: SiteSpec, call: Call, key: Optional[tuple], inputs: Optional[tu
             continue
         score_source, mask_source = site.sources(family.dialect)
         mine = dataclasses.replace(call, score_source=score_source, mask_source=mask_source,
-                                   score_info=ModInfo.from_items(site.score_info),
-                                   mask_info=ModInfo.from_items(site.mask_info))
+                                   score_info=score_info, mask_info=mask_info)
         try:
             variants = family.prepare(mine)
             if variants is None:       # the family computes the call itself
@@ -200,14 +200,12 @@ def bound_launch(q: Tensor, k: Tensor, v: Tensor, tables: tuple, score_bufs: lis
     if entry is None:
         return None
     rest = (*tables, *score_bufs, *mask_bufs)
-    tag, go = entry.tag, launcher(entry)
-    out_shape, out_strides = probe[3].shape, probe[3].stride()
-    dtype, device = q.dtype, q.device
+    tag = entry.tag
 
     def launch(q: Tensor, k: Tensor, v: Tensor, want_lse: bool) -> tuple[Tensor, Optional[Tensor]]:
-        out = torch.empty_strided(out_shape, out_strides, dtype=dtype, device=device)
+        out = _out_like(q, v)
         lse_out = torch.empty_like(lse) if want_lse else lse
-        go((q, k, v, out, lse_out, row_max, *rest))
+        relaunch(entry, (q, k, v, out, lse_out, row_max, *rest))
         _state.template = tag
         return out, lse_out if want_lse else None
 

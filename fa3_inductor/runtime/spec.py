@@ -29,7 +29,7 @@ class SiteSpec:
     families: tuple[str, ...]
     # (dialect, score_mod source, mask_mod source) per dialect the families call; None: no mod
     mods: tuple[tuple[str, Optional[str], Optional[str]], ...] = ()
-    # the generator's records of the score_mod and the mask_mod (ModInfo fields), {} for none
+    # the generator's records of the score_mod and the mask_mod (ModInfo fields), () for none
     score_info: tuple = ()
     mask_info: tuple = ()
     description: str = ""

@@ -27,6 +27,8 @@ from typing import Any, Optional, Protocol
 import torch
 from torch import Tensor
 
+from .modgen import load_mod
+
 NOT_MEANT_HERE = ""   # serves(): "not for this device", no note
 
 Launch = tuple        # (kernel, args, kwargs, grid)
@@ -102,6 +104,14 @@ class Call:
 
     def outputs(self) -> tuple[Tensor, Tensor, Tensor]:
         return self.out, self.lse, self.max_scores
+
+    def kernel_options(self, dialect: str) -> dict:
+        """The keywords a Triton / Gluon family's host functions take: the scale, the mods loaded in
+        ``dialect`` with their records, the captured buffers and the block-mask options."""
+        return dict(sm_scale=self.scale,
+                    score_mod=self.score_source and load_mod(self.score_source, dialect, self.score_info),
+                    mask_mod=self.mask_source and load_mod(self.mask_source, dialect, self.mask_info),
+                    score_bufs=self.score_bufs, mask_bufs=self.mask_bufs, **self.block_options())
 
 
 class KernelFamily(Protocol):

@@ -10,9 +10,7 @@ is the source of one function in either dialect:
 
 A score_mod is handed the raw ``qk`` tile and the scale rather than ``score = qk * sm_scale``,
 and returns its result divided by a positive constant, ``out_scale`` (1.0 unless the mod ends in
-a multiply by a positive constant). What the generator knows of a mod it wrote travels beside the
-source as a typed record, :class:`ModInfo` (``generate_mod``); nothing reads it back from the text. Both are free multiplies
-folded away: ``score / c`` becomes ``qk * (sm_scale / c)`` (one multiply per score, not two), and
+a multiply by a positive constant). Both are free multiplies folded away: ``score / c`` becomes ``qk * (sm_scale / c)`` (one multiply per score, not two), and
 the kernels fold ``out_scale`` into the exp2 FMA that converts to log2 units (softcap's final
 ``* cap`` costs nothing). A mod that adds a term to the score (``score + x``, ALiBi, biases) is
 generated in units of sm_scale, ``qk + x / sm_scale`` (``sm_scaled``: the tile times
@@ -23,7 +21,9 @@ needs sm_scale > 0; the source also holds ``score_mod_unfolded`` for any other s
 (tanh, sigmoid, clamp): the Hopper kernel may then exponentiate against a fixed base instead of
 the running row max. ``kv_affine`` marks a ``score + x`` whose x is ``alpha(b, h) * kv + B(b, h, q)``
 (ALiBi, relative and head biases): the Hopper kernel then evaluates the same function as a column
-vector, a scalar per KV tile and a row vector instead of per score. Mask mods take
+vector, a scalar per KV tile and a row vector instead of per score. These facts travel beside the
+source as a typed record, :class:`ModInfo` (``generate_mod_source(...).info``); nothing reads them
+back from the text. Mask mods take
 ``(b, h, q_idx, kv_idx, bufs)``.
 
 Buffers arrive as a tuple of pointers; their strides are baked into the code (they are part of
@@ -460,8 +460,7 @@ class _Emitter:
             mask_and=(self.kind == "mask" and isinstance(result, torch.fx.Node)
                       and result.op == "call_function"
                       and _packet(result.target) in (aten.bitwise_and, aten.logical_and)))
-        head = ""
-        return f"{head}{deco}\ndef {fn}({sig}):\n{body}\n"
+        return f"{deco}\ndef {fn}({sig}):\n{body}\n"
 
     def affine_in_kv(self, node: Any) -> bool:
         """True if ``node`` is ``alpha(b, h) * kv_idx + B(b, h, q_idx)``: affine in kv with a slope
@@ -1285,6 +1284,13 @@ def mask_and_of(mask_mod: Any) -> bool:
     return mod_info(mask_mod).mask_and
 
 
+def _record_of(source: str, info: Optional[ModInfo]) -> ModInfo:
+    """``info``, else the record a generated source carries, else a hand-written mod's defaults."""
+    if info is not None:
+        return info
+    return source.info if isinstance(source, GeneratedSource) else HAND_WRITTEN
+
+
 def describe_mod_source(source: Optional[str], info: Optional[ModInfo] = None) -> str:
     """A generated mod's body on one line (for reports), with the factor its kernel applies.
 
@@ -1295,8 +1301,7 @@ def describe_mod_source(source: Optional[str], info: Optional[ModInfo] = None) -
     """
     if source is None:
         return "none"
-    if info is None:
-        info = source.info if isinstance(source, GeneratedSource) else HAND_WRITTEN
+    info = _record_of(source, info)
     lines = source.split("def score_mod_unfolded")[0].splitlines()   # not the unfolded twin
     start = next(i for i, line in enumerate(lines) if line.startswith("def ")) + 1
     summary = "; ".join(line.strip() for line in lines[start:] if line.strip() and line[0] != "@")
@@ -1328,8 +1333,7 @@ def load_mod(source: str, dialect: str = "tl", info: Optional[ModInfo] = None) -
     cached = _LOADED.get((dialect, source))  # the hot path: no hashing of the text per call
     if cached is not None:
         return cached
-    if info is None:
-        info = source.info if isinstance(source, GeneratedSource) else HAND_WRITTEN
+    info = _record_of(source, info)
     text = _HEADER[dialect] + source
     key = hashlib.sha256(text.encode()).hexdigest()[:20]
     path = os.path.join(_cache_dir(), f"mod_{dialect}_{key}.py")

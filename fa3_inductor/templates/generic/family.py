@@ -9,7 +9,6 @@ import torch
 
 from ..._log import info_once
 from ..family import Call, NotServed, SiteFacts, Variants
-from ..modgen import load_mod
 from .host import launch_generic, prepare_generic_variants
 
 # Input dtypes the CPU interpreter cannot compute a dot in (computed in float32 instead).
@@ -34,12 +33,6 @@ class GenericFamily:
     def describe(self, site: SiteFacts) -> str:
         return ""
 
-    def _mods(self, call: Call) -> dict:
-        return dict(sm_scale=call.scale,
-                    score_mod=call.score_source and load_mod(call.score_source, "tl", call.score_info),
-                    mask_mod=call.mask_source and load_mod(call.mask_source, "tl", call.mask_info),
-                    score_bufs=tuple(call.score_bufs), mask_bufs=tuple(call.mask_bufs), **call.block_options())
-
     def prepare(self, call: Call) -> Optional[Variants]:
         if not call.q.is_cuda:
             from triton import knobs
@@ -48,7 +41,7 @@ class GenericFamily:
                 raise NotServed("the generic template got CPU tensors but Triton's interpreter is off "
                                 "(set TRITON_INTERPRET=1 before importing triton to run it on the CPU)")
             return None   # the interpreter runs it now: launch()
-        return prepare_generic_variants(call.q, call.k, call.v, *call.outputs(), **self._mods(call))
+        return prepare_generic_variants(call.q, call.k, call.v, *call.outputs(), **call.kernel_options(self.dialect))
 
     def launch(self, call: Call) -> None:
         """Under Triton's interpreter (CPU tensors)."""
@@ -59,7 +52,7 @@ class GenericFamily:
             # fp16/fp32 right): run the kernel on float32 copies, hand back the caller's dtype.
             q, k, v = q.float(), k.float(), v.float()
             out = torch.empty_like(call.out, dtype=torch.float32)
-        launch_generic(q, k, v, out, call.lse, call.max_scores, **self._mods(call))
+        launch_generic(q, k, v, out, call.lse, call.max_scores, **call.kernel_options(self.dialect))
         if out is not call.out:
             call.out.copy_(out)
 

@@ -8,7 +8,6 @@ from typing import Optional
 import torch
 
 from ..family import NOT_MEANT_HERE, Call, NotServed, SiteFacts, Variants
-from ..modgen import load_mod
 from .configs import describe as describe_tiles
 from .configs import served_head_dims_text, serves_head_dims
 from .fwd_sm90 import prepare_fwd_sm90_variants, supports_sm90
@@ -42,18 +41,13 @@ class HopperFamily:
         return f"Hopper template: {tiles}; schedule per launch"
 
     def prepare(self, call: Call) -> Optional[Variants]:
-        blocks = call.block_options()
-        if not supports_sm90(call.q, call.k, call.v, call.out, kv_num_blocks=blocks["kv_num_blocks"],
+        if not supports_sm90(call.q, call.k, call.v, call.out, kv_num_blocks=call.tables[0],
                              sparse_q_block=call.sparse_q_block, sparse_kv_block=call.sparse_kv_block):
             raise NotServed(f"Hopper template cannot serve q{tuple(call.q.shape)} k{tuple(call.k.shape)} "
                             f"strides {call.q.stride()} with block-mask blocks "
                             f"{call.sparse_q_block}x{call.sparse_kv_block}")
-        return prepare_fwd_sm90_variants(
-            call.q, call.k, call.v, *call.outputs(), sm_scale=call.scale,
-            score_mod=call.score_source and load_mod(call.score_source, "gl", call.score_info),
-            mask_mod=call.mask_source and load_mod(call.mask_source, "gl", call.mask_info),
-            score_bufs=tuple(call.score_bufs), mask_bufs=tuple(call.mask_bufs),
-            max_needed=call.needs_max, **blocks)
+        return prepare_fwd_sm90_variants(call.q, call.k, call.v, *call.outputs(), max_needed=call.needs_max,
+                                         **call.kernel_options(self.dialect))
 
     def launch(self, call: Call) -> None:
         raise NotServed("the Hopper template runs on an sm90 GPU only")
