@@ -358,29 +358,37 @@ def main() -> None:
               f"{now:%Y-%m-%d %H:%M}Z, bf16, do_bench medians")
     print(header, flush=True)
     rows: list = []
-    parts = args.parts.split(",")
-    for part in parts:
-        t0 = time.perf_counter()
-        if part == "mask":
-            part_mask(rows)
-        elif part == "host":
-            part_host(rows)
-        elif part == "layers":
-            part_layers(rows, args.modes.split(","), args.kinds.split(","), args.train,
-                        [int(i) for i in args.shapes.split(",")])
-        elif part == "graphs":
-            part_graphs(rows)
-        print(f"[{part}: {time.perf_counter() - t0:.0f} s]", flush=True)
     os.makedirs(args.out, exist_ok=True)
     slug = device.lower().replace("nvidia ", "nvidia-").replace(" ", "-")
     stem = os.path.join(args.out, f"first-use-{slug}-{now:%Y-%m-%d-%H%M}{args.tag}")
-    with open(stem + ".json", "w") as f:
-        json.dump(dict(device=device, torch=torch.__version__, triton=triton.__version__,
-                       date=now.isoformat(), rows=rows), f, indent=1)
-    md = markdown(rows, header)
-    with open(stem + ".md", "w") as f:
-        f.write(md + "\n")
-    print(md)
+
+    def write() -> str:
+        # After every part: a device call that runs out of time keeps the parts it finished.
+        with open(stem + ".json", "w") as f:
+            json.dump(dict(device=device, torch=torch.__version__, triton=triton.__version__,
+                           date=now.isoformat(), argv=sys.argv[1:], rows=rows), f, indent=1)
+        md = markdown(rows, header)
+        with open(stem + ".md", "w") as f:
+            f.write(md + "\n")
+        return md
+
+    try:
+        for part in args.parts.split(","):
+            t0 = time.perf_counter()
+            if part == "mask":
+                part_mask(rows)
+            elif part == "host":
+                part_host(rows)
+            elif part == "layers":
+                part_layers(rows, args.modes.split(","), args.kinds.split(","), args.train,
+                            [int(i) for i in args.shapes.split(",")])
+            elif part == "graphs":
+                part_graphs(rows)
+            print(f"[{part}: {time.perf_counter() - t0:.0f} s]", flush=True)
+            write()
+    except KeyboardInterrupt:
+        print("interrupted: writing the rows measured so far", flush=True)
+    print(write())
 
 
 if __name__ == "__main__":
