@@ -287,3 +287,17 @@ def launch_hooks_active() -> bool:
 
 
 _runtime_knobs = None
+
+
+def stock_inductor_compiler(mode: Optional[str], options: Optional[dict]) -> Any:
+    """The compiler ``torch.compile(backend="inductor", mode=mode, options=options)`` hands Dynamo:
+    torch's private ``_TorchCompileInductorWrapper``, whose ``(mode, options, dynamic)`` constructor,
+    ``.config`` (the Inductor config patches) and ``(gm, example_inputs)`` call are the same in 2.11
+    and 2.13 (2.13 adds optional ``name`` and ``config_patches``).
+
+    Example::
+
+        >>> stock_inductor_compiler("max-autotune", None).config["max_autotune"]
+        True
+    """
+    return torch._TorchCompileInductorWrapper(mode, options or None, None)

@@ -21,7 +21,7 @@ from .config import split_options
 from .lowering import flex_lowering, registration
 from .lowering.passes import Fa3PostGradPass
 from .recognition import module_state
-from .recognition.recognize_flex import flex_call_sites, tag_rewritten
+from .recognition.recognize_flex import flex_call_sites, flex_nodes, tag_rewritten
 from .recognition.recognize_sdpa import rewrite_sdpa
 from .recognition.rewrite_pays import unless_small
 from .report import record_recognized
@@ -34,23 +34,26 @@ def fa3_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
     ``mode`` is any Inductor mode ("default", "reduce-overhead", "max-autotune", ...);
     ``options`` are Inductor config entries plus ``fa3.*`` settings (see fa3_inductor.config).
 
+    A graph with no flex_attention op left to lower (no attention site, or every site left as
+    written: recognition/rewrite_pays.py) is compiled by the very compiler that
+    ``backend="inductor"`` uses, with the same mode and options: the same config, so the same
+    generated code, the same FX graph / AOT autograd cache entries, and the same callable per call.
+
     Example::
 
         >>> torch.compile(fn, backend="fa3", options={"fa3.template": "torch"})  # doctest: +SKIP
     """
-    from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
     if mode is not None and options:
         raise ValueError("backend 'fa3': give either mode= or options=, not both "
                          "(as for torch.compile's inductor backend)")
     settings, inductor_options = split_options(options)
-    patches: dict[str, Any] = dict(list_mode_options(mode)) if mode else {}
-    patches.update(inductor_options)
-    if "post_grad_custom_post_pass" in patches:
+    stock = _stock_inductor(mode, inductor_options)
+    if "post_grad_custom_post_pass" in stock.config:
         raise ValueError("backend 'fa3' installs its own post_grad_custom_post_pass; compose "
                          "your pass with backend='inductor' or ask for a hook")
-    patches["post_grad_custom_post_pass"] = Fa3PostGradPass(settings)
+    _note_cudagraphs(stock.config)
     registration.install()
     extra_inputs: list = []
     guards: list = []
@@ -59,6 +62,11 @@ def fa3_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
     else:
         for site in flex_call_sites(gm):
             record_recognized(site)
+    if not extra_inputs and not guards and not has_flex_attention(gm):
+        return stock(gm, example_inputs)
+    # Our marker pass turns our lowering on (lowering/common.py) and keys Inductor's caches
+    # to this package's sources and settings (lowering/passes.py).
+    patches = {**stock.config, "post_grad_custom_post_pass": Fa3PostGradPass(settings)}
     if not extra_inputs and not guards:
         return compile_fx(gm, example_inputs, config_patches=patches)
     fake_mode = torch._guards.detect_fake_mode(example_inputs)
@@ -66,6 +74,55 @@ def fa3_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
              for t in extra_inputs]
     inner = compile_fx(gm, list(example_inputs) + fakes, config_patches=patches)
     return _with_extra_inputs(inner, extra_inputs, guards)
+
+
+def _stock_inductor(mode: Optional[str], inductor_options: dict[str, Any]) -> Any:
+    """The compiler ``torch.compile(backend="inductor", mode=mode, options=inductor_options)``
+    hands Dynamo: torch's own wrapper, which turns the mode into config patches, checks and
+    normalizes the options, and applies what else it applies (the compiler bisector's config,
+    the CUPTI settings CUDA graphs need). Its ``config`` is the Inductor config patch dict."""
+    return _compat.stock_inductor_compiler(mode, inductor_options)
+
+
+def has_flex_attention(gm: Any) -> bool:
+    """Whether ``gm`` (or any graph nested in it: a checkpointed region, an invoked subgraph)
+    calls the flex_attention op, the one op our lowering serves (its backward follows from it).
+
+    Example::
+
+        >>> has_flex_attention(gm)   # doctest: +SKIP
+        False
+    """
+    if not isinstance(gm, torch.fx.GraphModule):
+        return True   # not a graph we can read: keep our lowering on
+    return any(isinstance(mod, torch.fx.GraphModule) and flex_nodes(mod)
+               for mod in gm.modules())
+
+
+_cudagraphs_used = False
+
+
+def _note_cudagraphs(patches: dict[str, Any]) -> None:
+    global _cudagraphs_used
+    from torch._inductor import config
+
+    if patches.get("triton.cudagraphs", config.triton.cudagraphs):
+        _cudagraphs_used = True
+
+
+def _reset() -> None:
+    """What ``torch._dynamo.reset()`` calls for ``backend="fa3"`` (torch.compile's wrapper of a
+    named backend calls its ``reset``), as it calls the inductor backend's own reset: the CUDA
+    graph trees our compiles recorded are dropped with the code that replays them."""
+    global _cudagraphs_used
+    if _cudagraphs_used:
+        from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+        reset_cudagraph_trees()
+        _cudagraphs_used = False
+
+
+fa3_backend.reset = _reset  # type: ignore[attr-defined]
 
 
 def _with_extra_inputs(inner: Any, extra: list, guards: list) -> Any:

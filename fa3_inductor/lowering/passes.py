@@ -4,6 +4,10 @@ Its presence is what turns our flex_attention lowering on (see ``common.active_p
 it carries the backend's Settings into lowering (forward and the lazily compiled backward
 alike: compile_fx re-applies config patches there), and its ``uuid()`` covers this package's
 sources and settings so Inductor's FX graph cache never serves a graph lowered by other code.
+
+The backend installs it only for graphs with a flex_attention op to lower (backend.py): a graph
+it leaves alone compiles with stock Inductor's config, so it shares stock Inductor's cache
+entries and code instead of being keyed (and recompiled, re-autotuned) on this package's sources.
 """
 
 from __future__ import annotations
