@@ -110,3 +110,99 @@ def static_shape(node: Any) -> Optional[tuple[int, ...]]:
             return None
         out.append(s)
     return tuple(out)
+
+
+# -- aten-level graphs (AOT autograd, make_fx) and structural equality ----------------------------
+
+def aten_name(node: Any) -> Optional[str]:
+    """``"aten.<op>"`` / ``"prims.<op>"`` for a call of an aten or prims operator overload (the
+    ops of a graph AOT autograd or make_fx traced), else None. :func:`op_name` names only the
+    torch-function spelling Dynamo keeps; the two differ in argument conventions (``x[..., :8]``
+    is ``getitem`` there, ``aten.slice(x, dim, start, end)`` here), so they are kept apart.
+
+    Example::
+
+        >>> aten_name(node_of("torch.ops.aten.mul.Tensor(a, b)"))    # doctest: +SKIP
+        'aten.mul'
+    """
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return None
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload) and target.namespace in ("aten", "prims"):
+        return f"{target.namespace}.{target.overloadpacket.__name__}"
+    return None
+
+
+def meta_value(node: Any) -> Any:
+    """What tracing recorded for a node: Dynamo's ``example_value``, else make_fx's / AOT's
+    ``val`` (a fake tensor, or a tuple of them for ops such as ``split``); None if neither.
+
+    Example::
+
+        >>> meta_value(aot_graph_node).shape    # doctest: +SKIP
+        torch.Size([2, 4, 8, 16])
+    """
+    if not isinstance(node, torch.fx.Node):
+        return None
+    value = node.meta.get("example_value")
+    return value if value is not None else node.meta.get("val")
+
+
+# Ops whose result is not a function of their inputs: two calls never count as the same value.
+_RANDOM_PARTS = ("rand", "dropout", "bernoulli", "normal", "uniform", "multinomial", "poisson",
+                 "exponential", "cauchy", "geometric", "seed")
+
+
+def _is_pure_call(node: torch.fx.Node) -> bool:
+    if node.op not in ("call_function", "call_method"):
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return not target._schema.is_mutable and \
+            torch.Tag.nondeterministic_seeded not in target.tags
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    if name.endswith("_") and not name.endswith("__"):      # in-place: x.mul_(...)
+        return False
+    return not any(part in name.lower() for part in _RANDOM_PARTS)
+
+
+def same_value(a: Any, b: Any, _memo: Optional[dict] = None) -> bool:
+    """True if ``a`` and ``b`` are provably the same value: the same node, or calls of the same
+    pure op on arguments that are the same values (recursively), or equal constants. Graph
+    inputs and attributes are the same only as the same node/attribute; random and in-place ops
+    never match. Used where a model computes one thing twice, e.g. ``cos[:, None]`` once for q and
+    once for k, or ``q[..., :R]`` once per use. False means "not proven", not "different".
+
+    Example::
+
+        >>> same_value(node_of("t[:, None]"), other_node_of("t[:, None]"))   # doctest: +SKIP
+        True
+    """
+    if a is b:
+        return True
+    if isinstance(a, torch.fx.Node) or isinstance(b, torch.fx.Node):
+        if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)):
+            return False
+        if a.op == "get_attr" and b.op == "get_attr":
+            return a.target == b.target
+        if a.op != b.op or a.target != b.target or not _is_pure_call(a):
+            return False
+        memo = {} if _memo is None else _memo
+        key = (id(a), id(b))
+        if key not in memo:
+            memo[key] = False   # a cycle cannot occur in a DAG; this only guards re-entry
+            memo[key] = same_value(a.args, b.args, memo) and same_value(a.kwargs, b.kwargs, memo)
+        return memo[key]
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and \
+            all(same_value(x, y, _memo) for x, y in zip(a, b))
+    if isinstance(a, dict) or isinstance(b, dict):
+        return isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys() and \
+            all(same_value(a[k], b[k], _memo) for k in a)
+    if isinstance(a, slice) or isinstance(b, slice):
+        return isinstance(a, slice) and isinstance(b, slice) and \
+            same_value((a.start, a.stop, a.step), (b.start, b.stop, b.step), _memo)
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:   # a comparison that does not give a bool: not proven equal
+        return False
