@@ -1,0 +1,167 @@
+"""What an FP8 attention call does to its inputs: the recipe (Hadamard, block sizes, smoothing,
+two-level accumulation, seed) and the RoPE that the prologue fuses.
+
+Plain records with no behaviour, below the front doors, the lowering and the kernel families, which
+all read them: ``fa3_inductor.flex(..., fp8=FP8Recipe(...))`` hands one down, the prologue
+(templates/fp8_prologue/) follows it, and the FP8 forward kernel reads the block sizes back.
+
+The method (FlashAttention-3 paper, §3.3 and §4.3) in one paragraph: Q and K are multiplied by the
+same random orthogonal matrix H·diag(±1)/√d_b (d_b: a Hadamard block, a power of two dividing D),
+which leaves QKᵀ unchanged and spreads outliers over the head dim ("incoherent processing"); then Q,
+K and V are quantized to e4m3 with one scale per kernel tile ("block quantization"), V written
+transposed (Vᵀ: FP8 wgmma needs its B operand K-major). Subtracting K's mean over tokens
+(smoothing) adds a per-query constant to every score, which softmax ignores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    import torch
+
+E4M3_MAX = 448.0   # largest finite float8_e4m3fn
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8Recipe:
+    """How an FP8 forward quantizes its inputs. ``FP8Recipe()`` is the shipped default.
+
+    - ``hadamard``: rotate Q and K by the seeded random-sign Hadamard matrix first.
+    - ``block_m`` / ``block_n``: rows of Q / of K and V sharing one scale (the kernel's tiles;
+      0 means one scale per (batch, head), the per-head ablation).
+    - ``smooth_k``: subtract K's mean over tokens (per batch, head and channel) before quantizing.
+    - ``two_level``: PV partial sums kept in the tensor core's accumulator for this many KV tiles,
+      then added into an fp32 accumulator (Hopper's FP8 MMA accumulates in about 22 bits). 0: one
+      accumulator for the whole row (the ablation).
+    - ``seed``: the random signs of the Hadamard matrix.
+
+    Example::
+
+        >>> FP8Recipe(smooth_k=True).block_m
+        128
+        >>> FP8Recipe.of(True) == FP8Recipe()
+        True
+    """
+
+    hadamard: bool = True
+    block_m: int = 128
+    block_n: int = 128
+    smooth_k: bool = False
+    two_level: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            size = getattr(self, name)
+            if size != 0 and (size < 16 or size & (size - 1)):
+                raise ValueError(f"FP8Recipe.{name} must be 0 (per head) or a power of two >= 16, "
+                                 f"got {size}")
+        if self.two_level < 0:
+            raise ValueError(f"FP8Recipe.two_level must be >= 0 (0 turns it off), got {self.two_level}")
+
+    @staticmethod
+    def of(fp8: "bool | FP8Recipe | None") -> Optional["FP8Recipe"]:
+        """The recipe an ``fp8=`` argument asks for: None for False / None, the default for True.
+
+        Example::
+
+            >>> FP8Recipe.of(False) is None
+            True
+        """
+        if fp8 is None or fp8 is False:
+            return None
+        if fp8 is True:
+            return FP8Recipe()
+        if isinstance(fp8, FP8Recipe):
+            return fp8
+        raise TypeError(f"fp8 must be True, False or an fa3_inductor.FP8Recipe, got {type(fp8).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeSpec:
+    """Rotary position embedding for the prologue to apply to Q and K before the Hadamard rotation.
+
+    ``cos`` / ``sin``: tables of shape [P, R] (or [B, P, R]) in the model's convention, R <= D the
+    rotated width (channels past R pass through). ``style``: "half" (rotate_half: channel i pairs
+    with i + R/2, the table repeats its R/2 frequencies twice) or "interleaved" (channel 2i pairs
+    with 2i + 1, the table repeats each frequency twice). ``q_positions`` / ``k_positions``: int
+    tensors [M] / [N] (or [B, M] / [B, N]) selecting table rows; None means 0, 1, 2, ...
+
+    Example::
+
+        >>> RopeSpec(cos, sin, style="half")   # doctest: +SKIP
+    """
+
+    cos: object
+    sin: object
+    style: str = "half"
+    q_positions: object = None
+    k_positions: object = None
+
+    def __post_init__(self) -> None:
+        if self.style not in ("half", "interleaved"):
+            raise ValueError(f"RopeSpec.style must be 'half' or 'interleaved', got {self.style!r}")
+
+    @staticmethod
+    def from_theta(dim: int, length: Optional[int] = None, *, theta: float = 10000.0,
+                   style: str = "half", q_positions: object = None, k_positions: object = None,
+                   device: object = None) -> "RopeSpec":
+        """Float32 tables [length, dim] of the standard RoPE frequencies theta^(-2i/dim), computed
+        in float64 on the host (rows are positions 0 .. length-1). ``length`` None: one past the
+        largest position given (reads the positions back: a device sync on a GPU).
+
+        Example::
+
+            >>> r = RopeSpec.from_theta(64, 4096, theta=10000.0, style="interleaved")
+            >>> tuple(r.cos.shape), r.cos.dtype
+            ((4096, 64), torch.float32)
+        """
+        import torch
+
+        if dim <= 0 or dim % 2:
+            raise ValueError(f"RopeSpec.from_theta: dim must be a positive even number, got {dim}")
+        if length is None:
+            given = [p for p in (q_positions, k_positions) if p is not None]
+            if not given:
+                raise ValueError("RopeSpec.from_theta: pass length (the table's rows) or positions")
+            length = 1 + max(int(p.max()) for p in given)
+        pos = torch.arange(length, dtype=torch.float64)
+        inv_freq = torch.pow(float(theta), -torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+        angles = pos[:, None] * inv_freq[None, :]
+        if style == "half":
+            angles = torch.cat([angles, angles], dim=-1)
+        else:
+            angles = angles.repeat_interleave(2, dim=-1)
+        return RopeSpec(angles.cos().float().to(device), angles.sin().float().to(device), style,
+                        q_positions, k_positions)
+
+
+@dataclasses.dataclass
+class FP8Operands:
+    """What the FP8 prologue (templates/fp8_prologue/) hands the FP8 forward kernel.
+
+    - ``q`` [B, Hq, M, D], ``k`` [B, Hkv, N, D]: float8_e4m3fn, contiguous, after RoPE and the
+      Hadamard rotation (and, for K, the mean subtraction when ``recipe.smooth_k``).
+    - ``vt`` [B, Hkv, Dv, N_pad]: V quantized and transposed (tokens last, contiguous); N_pad is N
+      rounded up to a multiple of 16 (16-byte TMA row strides); the pad columns are 0.
+    - ``q_scale`` [B, Hq, ceil(M / block_m)], ``k_scale`` / ``v_scale`` [B, Hkv, ceil(N / block_n)]
+      float32: q[b, h, i, :].float() * q_scale[b, h, i // block_m] is the dequantized row (block
+      size 0: one scale per head, last dim 1). An all-zero block has scale 1.
+    - ``v_scale_max`` [B, Hkv]: the largest v_scale among blocks that are not all zero (1 when all
+      are), for the forward kernel to fold v_scale / v_scale_max into P.
+    - ``k_mean`` [B, Hkv, D] float32: the mean subtracted from the rotated K (``smooth_k``), else None.
+    - ``n``: N, the number of real tokens (``vt`` is padded).
+    """
+
+    q: "torch.Tensor"
+    k: "torch.Tensor"
+    vt: "torch.Tensor"
+    q_scale: "torch.Tensor"
+    k_scale: "torch.Tensor"
+    v_scale: "torch.Tensor"
+    v_scale_max: "torch.Tensor"
+    k_mean: "Optional[torch.Tensor]"
+    recipe: FP8Recipe
+    n: int

@@ -1,0 +1,296 @@
+"""Host side of the FP8 prologue: check the inputs, allocate the FP8 operands, launch kernel.py.
+
+``quantize(q, k, v, recipe, rope)`` is the entry: one launch of ``prologue_kernel`` (after a
+``k_sums_kernel`` launch when ``recipe.smooth_k``) on CUDA tensors or under Triton's interpreter;
+on CPU tensors without the interpreter, the same math in torch ops (reference.py, float64).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+import triton
+
+from ...fp8_recipe import FP8Operands, FP8Recipe, RopeSpec
+from .hadamard import hadamard_block, sign_hadamard
+from .kernel import Quantization, Rotation, Tiles, k_sums_kernel, prologue_kernel
+
+MAX_HEAD_DIM = 256
+# Rows a program holds at once: 128 (BLOCK_D <= 128), 32 above: a 64-row tile of 256 fp32 columns
+# spilled on sm90 (Triton 3.6, 8 warps: 262 spill instructions; 32 rows: none).
+MAX_TILE = 128
+MAX_TILE_WIDE = 32
+SMOOTH_CHUNKS = 16      # partial K sums per head (smooth_k): parallelism of the reduction pass
+NUM_STAGES = 1         # the group walks (per-head scales) gain nothing from multi-buffered loads
+
+
+@dataclasses.dataclass
+class PrologueLaunch:
+    """The launches of one ``quantize`` call, in order, and the operands they fill.
+
+    ``launches``: ``(kernel, args, kwargs, grid)`` tuples (the reduction pass first when
+    smoothing); ``operands``: the FP8Operands written by them (v_scale_max still holds 0 for heads
+    whose V is all zero until :func:`finish` maps it to 1)."""
+
+    launches: list[tuple[Any, tuple, dict, tuple]]
+    operands: FP8Operands
+
+
+def _check_inputs(q: Any, k: Any, v: Any, recipe: Any, rope: Any) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"quantize: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"quantize: {name} must be 4-D [batch, heads, tokens, head_dim], got "
+                             f"shape {tuple(t.shape)}")
+        if t.dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"quantize: {name} must be bfloat16 or float16, got {t.dtype}; cast it "
+                            "first (e.g. .to(torch.bfloat16))")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"quantize: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"quantize: q, k, v must be on one device, got {q.device}, {k.device}, "
+                         f"{v.device}")
+    if not isinstance(recipe, FP8Recipe):
+        raise TypeError(f"quantize: recipe must be an fa3_inductor FP8Recipe, got "
+                        f"{type(recipe).__name__}")
+    B, Hq, M, D = q.shape
+    _, Hkv, N, Dv = v.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"quantize: q, k, v must share the batch size, got {q.shape[0]}, "
+                         f"{k.shape[0]}, {v.shape[0]}")
+    if k.shape[1] != Hkv or k.shape[2] != N:
+        raise ValueError(f"quantize: k and v must have the same heads and tokens, got k "
+                         f"{tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[3] != D:
+        raise ValueError(f"quantize: q and k must share the head dim, got {D} and {k.shape[3]}")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"quantize: the query heads ({Hq}) must be a multiple of the key/value "
+                         f"heads ({Hkv}) (grouped-query attention)")
+    for name, d in (("q/k head dim", D), ("v head dim", Dv)):
+        if d % 16 or not 16 <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"quantize: the {name} must be a multiple of 16 in [16, "
+                             f"{MAX_HEAD_DIM}], got {d}; pad the head dim with zeros")
+    if B == 0 or Hq == 0 or M == 0 or N == 0:
+        raise ValueError(f"quantize: empty inputs (q {tuple(q.shape)}, k {tuple(k.shape)})")
+    if rope is not None:
+        _check_rope(rope, B, M, N, D, q.device)
+
+
+def _check_rope(rope: Any, B: int, M: int, N: int, D: int, device: torch.device) -> None:
+    if not isinstance(rope, RopeSpec):
+        raise TypeError(f"quantize: rope must be an fa3_inductor RopeSpec, got {type(rope).__name__}")
+    cos, sin = rope.cos, rope.sin
+    for name, t in (("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"quantize: RopeSpec.{name} must be a floating-point tensor")
+        if t.device != device:
+            raise ValueError(f"quantize: RopeSpec.{name} is on {t.device}, the inputs on {device}")
+    if cos.shape != sin.shape or cos.dim() not in (2, 3):
+        raise ValueError(f"quantize: RopeSpec.cos and .sin must both be [P, R] or [B, P, R], got "
+                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    if cos.dim() == 3 and cos.shape[0] not in (1, B):
+        raise ValueError(f"quantize: batched RoPE tables must have batch 1 or {B}, got {cos.shape[0]}")
+    P, R = cos.shape[-2], cos.shape[-1]
+    if R % 2 or not 2 <= R <= D:
+        raise ValueError(f"quantize: the RoPE tables' width R = {R} (rotated channels) must be even "
+                         f"and at most the head dim {D}")
+    for name, pos, length in (("q_positions", rope.q_positions, M),
+                              ("k_positions", rope.k_positions, N)):
+        if pos is None:
+            if length > P:
+                raise ValueError(f"quantize: {length} tokens need {name} or a RoPE table of at "
+                                 f"least {length} rows (it has {P})")
+            continue
+        if not isinstance(pos, torch.Tensor) or pos.is_floating_point() or pos.is_complex():
+            raise TypeError(f"quantize: RopeSpec.{name} must be an integer tensor")
+        if pos.device != device:
+            raise ValueError(f"quantize: RopeSpec.{name} is on {pos.device}, the inputs on {device}")
+        if pos.dim() not in (1, 2) or pos.shape[-1] != length or (pos.dim() == 2
+                                                                  and pos.shape[0] not in (1, B)):
+            raise ValueError(f"quantize: RopeSpec.{name} must be [{length}] or [{B}, {length}], "
+                             f"got {tuple(pos.shape)}")
+        if pos.device.type == "cpu" and (int(pos.min()) < 0 or int(pos.max()) >= P):
+            raise ValueError(f"quantize: RopeSpec.{name} must lie in [0, {P}) (the table's rows), "
+                             f"got [{int(pos.min())}, {int(pos.max())}]")
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _interpreting() -> bool:
+    from triton import knobs
+
+    return bool(knobs.runtime.interpret)
+
+
+def _pow2(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def prepare_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: FP8Recipe,
+                     rope: Optional[RopeSpec] = None, *,
+                     round_in_fp32: Optional[bool] = None) -> PrologueLaunch:
+    """The launches of ``quantize`` (checked inputs, allocated outputs), not yet run.
+    ``round_in_fp32`` None: on under the interpreter only (kernel.py, Quantization).
+
+    Example::
+
+        >>> p = prepare_prologue(q, k, v, FP8Recipe())               # doctest: +SKIP
+        >>> for kernel, args, kwargs, grid in p.launches:             # doctest: +SKIP
+        ...     kernel[grid](*args, **kwargs)
+    """
+    _check_inputs(q, k, v, recipe, rope)
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    B, Hq, M, D = q.shape
+    _, Hkv, N, Dv = v.shape
+    dev = q.device
+    n_pad = -(-N // 16) * 16
+    block_d, block_dv = _pow2(D), _pow2(Dv)
+    cap = MAX_TILE if max(block_d, block_dv) <= 128 else MAX_TILE_WIDE
+    tile_m = min(recipe.block_m or cap, cap)
+    tile_n = min(recipe.block_n or cap, cap)
+    qg = -(-M // recipe.block_m) if recipe.block_m else 1
+    kg = -(-N // recipe.block_n) if recipe.block_n else 1
+    shape = Tiles(D=D, DV=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv, TILE_M=tile_m, TILE_N=tile_n,
+                  Q_ONE_TILE=recipe.block_m == tile_m, KV_ONE_TILE=recipe.block_n == tile_n)
+
+    had = sign_hadamard(D, recipe.seed, torch.float16, dev, pad_to=block_d)
+    if rope is not None:
+        cos, sin = _last_dim_contiguous(rope.cos), _last_dim_contiguous(rope.sin)
+        if cos.dim() == 2:
+            cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
+        stride_tz = cos.stride(0) if cos.shape[0] > 1 else 0
+        stride_tp, P = cos.stride(1), cos.shape[1]
+        # cos and sin share the offsets: same strides.
+        if sin.stride() != cos.stride():
+            sin = sin.contiguous()
+            cos = cos.contiguous()
+            stride_tz, stride_tp = (cos.stride(0) if cos.shape[0] > 1 else 0), cos.stride(1)
+        qpos, kpos = rope.q_positions, rope.k_positions
+    else:
+        cos = sin = had
+        stride_tz = stride_tp = P = 0
+        qpos = kpos = None
+
+    def pos_arg(pos: Optional[torch.Tensor]) -> tuple[torch.Tensor, int]:
+        if pos is None:
+            return had, 0
+        pos = pos if pos.dim() == 2 else pos.unsqueeze(0)
+        pos = _last_dim_contiguous(pos)
+        return pos, (pos.stride(0) if pos.shape[0] > 1 else 0)
+
+    (qpos_t, stride_qpz), (kpos_t, stride_kpz) = pos_arg(qpos), pos_arg(kpos)
+    rope_dim = cos.shape[-1] if rope is not None else 0
+    rot = Rotation(HADAMARD=recipe.hadamard, HAD_SCALE=hadamard_block(D) ** -0.5,
+                   ROPE=rope.style if rope is not None else "", ROPE_DIM=rope_dim,
+                   HALF_BLOCK=_pow2(rope_dim // 2),
+                   REST_BLOCK=_pow2(D - rope_dim) if D > rope_dim else 0,
+                   Q_POS=qpos is not None, K_POS=kpos is not None)
+    quant = Quantization(SMOOTH_K=recipe.smooth_k, SMOOTH_CHUNKS=SMOOTH_CHUNKS,
+                         ROUND_IN_FP32=_interpreting() if round_in_fp32 is None else round_in_fp32)
+
+    fp8 = torch.float8_e4m3fn
+    ops = FP8Operands(
+        q=torch.empty(B, Hq, M, D, dtype=fp8, device=dev),
+        k=torch.empty(B, Hkv, N, D, dtype=fp8, device=dev),
+        vt=torch.empty(B, Hkv, Dv, n_pad, dtype=fp8, device=dev),
+        q_scale=torch.empty(B, Hq, qg, dtype=torch.float32, device=dev),
+        k_scale=torch.empty(B, Hkv, kg, dtype=torch.float32, device=dev),
+        v_scale=torch.empty(B, Hkv, kg, dtype=torch.float32, device=dev),
+        v_scale_max=torch.zeros(B, Hkv, dtype=torch.float32, device=dev),
+        k_mean=torch.empty(B, Hkv, D, dtype=torch.float32, device=dev) if recipe.smooth_k else None,
+        recipe=recipe, n=N)
+
+    # 8 warps for the widest tiles (a 128 x 128 fp32 tile is 64 registers a thread; 256 columns
+    # spilled with 4), else 4: more CTAs per SM.
+    wide = max(block_d, block_dv)
+    num_warps = 8 if max(tile_m, tile_n) * wide >= 128 * 128 or wide > 128 else 4
+    launches = []
+    n_chunks = min(SMOOTH_CHUNKS, -(-N // tile_n))
+    k_part = had
+    if recipe.smooth_k:
+        k_part = torch.empty(B * Hkv, SMOOTH_CHUNKS, block_d, dtype=torch.float32, device=dev)
+        launches.append((k_sums_kernel,
+                         (k, k_part, had, cos, sin, kpos_t, *k.stride()[:3], stride_tz, stride_tp,
+                          stride_kpz, Hkv, N, P, n_chunks),
+                         dict(SHAPE=shape, ROT=rot, QUANT=quant, num_warps=4,
+                              num_stages=NUM_STAGES),
+                         (B * Hkv, n_chunks)))
+    nq, nk = B * Hq * qg, B * Hkv * kg
+    args = (q, k, v, ops.q, ops.k, ops.vt, ops.q_scale, ops.k_scale, ops.v_scale, ops.v_scale_max,
+            k_part, ops.k_mean if ops.k_mean is not None else had, had, cos, sin, qpos_t, kpos_t,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], stride_tz, stride_tp,
+            stride_qpz, stride_kpz,
+            B, Hq, Hkv, M, N, n_pad, P, nq, nk, qg, kg,
+            recipe.block_m or M, recipe.block_n or n_pad, n_chunks)
+    launches.append((prologue_kernel, args,
+                     dict(SHAPE=shape, ROT=rot, QUANT=quant, num_warps=num_warps,
+                          num_stages=NUM_STAGES),
+                     (nq + 2 * nk,)))
+    return PrologueLaunch(launches, ops)
+
+
+def finish(ops: FP8Operands) -> FP8Operands:
+    """After the launches: heads whose V is all zero get v_scale_max 1 (one tiny op)."""
+    ops.v_scale_max = torch.where(ops.v_scale_max > 0, ops.v_scale_max, 1.0)
+    return ops
+
+
+def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: FP8Recipe,
+             rope: Optional[RopeSpec] = None) -> FP8Operands:
+    """Q, K, V (bf16 / fp16) -> FP8 operands for the FP8 forward: RoPE (``rope``), the seeded
+    random-sign Hadamard rotation of Q and K (``recipe.hadamard``), K's mean removed
+    (``recipe.smooth_k``), e4m3 with one float32 scale per block of ``recipe.block_m`` Q rows /
+    ``recipe.block_n`` K and V rows, V written transposed. Layouts: ``fp8_recipe.FP8Operands``.
+
+    q [B, Hq, M, D], k [B, Hkv, N, D], v [B, Hkv, N, Dv]: any strides with the last one 1 (else
+    copied); Hq a multiple of Hkv; D and Dv multiples of 16 up to 256. ``rope`` tables follow
+    RopeSpec's convention (each frequency repeated: the kernel reads columns [0, R/2) for "half",
+    the even ones for "interleaved"); positions must lie in the table (checked for CPU tensors,
+    clamped on the GPU). Raises TypeError / ValueError saying what is wrong. Runs one Triton
+    launch on CUDA (two with smoothing) or under Triton's interpreter; on CPU tensors without it,
+    torch ops in float64 (reference.py).
+
+    Example::
+
+        >>> q = torch.randn(1, 8, 1000, 128, dtype=torch.bfloat16, device="cuda")   # doctest: +SKIP
+        >>> k = v = torch.randn(1, 2, 1000, 128, dtype=torch.bfloat16, device="cuda")  # doctest: +SKIP
+        >>> rope = RopeSpec.from_theta(128, 1000, device="cuda")                   # doctest: +SKIP
+        >>> ops = quantize(q, k, v, FP8Recipe(), rope)                              # doctest: +SKIP
+        >>> ops.vt.shape, ops.q_scale.shape                                        # doctest: +SKIP
+        (torch.Size([1, 2, 128, 1008]), torch.Size([1, 8, 8]))
+    """
+    if not (isinstance(q, torch.Tensor) and q.device.type == "cpu" and not _interpreting()):
+        launch = prepare_prologue(q, k, v, recipe, rope)
+        for kernel, args, kwargs, grid in launch.launches:
+            kernel[grid](*args, **kwargs)
+        return finish(launch.operands)
+    from .reference import quantize_reference
+
+    _check_inputs(q, k, v, recipe, rope)
+    return quantize_reference(q, k, v, recipe, rope, torch.float64)
+
+
+def compile_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: FP8Recipe,
+                     rope: Optional[RopeSpec] = None, capability: tuple[int, int] = (9, 0)) -> list:
+    """Compile (not run) the launches of ``quantize`` for a GPU of ``capability``: the compiled
+    kernels in launch order. Tensors may be on the CPU; needs a process without TRITON_INTERPRET=1.
+
+    Example::
+
+        >>> from fa3_inductor.templates.aot import sass_report                 # doctest: +SKIP
+        >>> [sass_report(c).stack for c in compile_prologue(q, k, v, FP8Recipe())]  # doctest: +SKIP
+        [0]
+    """
+    from triton.backends.compiler import GPUTarget
+
+    from ..aot import compile_launch
+
+    target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
+    launch = prepare_prologue(q, k, v, recipe, rope, round_in_fp32=False)
+    return [compile_launch(kernel, args, kwargs, target)
+            for kernel, args, kwargs, _ in launch.launches]

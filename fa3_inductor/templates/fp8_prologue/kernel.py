@@ -1,0 +1,503 @@
+"""FP8 prologue kernels: RoPE, the random-sign Hadamard rotation and block quantization of Q, K, V
+to e4m3, in one pass over the inputs (plus a reduction pass over K when K is smoothed).
+
+Notation
+--------
+    Q: [Z, HQ, M, D], K: [Z, HKV, N, D], V: [Z, HKV, N, DV]   bf16 / fp16, any strides, last one 1
+    Q8, K8: [Z, HQ, M, D], [Z, HKV, N, D]   float8e4nv, contiguous
+    VT8: [Z, HKV, DV, N_PAD]                V quantized and transposed (tokens last); N_PAD = N
+                                            rounded up to 16; the pad columns are written as 0
+    Q_SCALE [Z, HQ, QG], K_SCALE, V_SCALE [Z, HKV, KG]   float32, one per group (below)
+    V_SCALE_MAX [Z, HKV]     float32, zeroed by the host: atomic max of the scales of the V groups
+                             that are not all zero (the host maps a remaining 0 to 1)
+    HAD [BLOCK_D, BLOCK_D]   fp16 diag(s)·blockdiag(H_b): exact ±1 / 0, zero-padded (hadamard.py);
+                             the rotation is x·HAD·HAD_SCALE, HAD_SCALE = 1/sqrt(b)
+    COS, SIN [TZ, P, R]      RoPE tables (TZ 1 broadcasts over the batch; any float dtype);
+                             QPOS [PZ, M], KPOS [PZ, N] int positions (rows of the tables; clamped
+                             into [0, P) for memory safety), or none: the row index
+    K_PART [Z*HKV, SMOOTH_CHUNKS, BLOCK_D] float32 (smooth_k): rotated column sums of RoPE'd K over
+                             the rows of each chunk (`k_sums_kernel`); K_MEAN [Z, HKV, D]: their
+                             total / N, the mean the K programs subtract
+    z, h                     batch, head (a query head for Q, a kv head for K and V)
+    group                    the rows sharing one scale: BLOCK_M (Q) / BLOCK_N (K, V) rows of a
+                             head, or the whole head when the block size is 0
+    tile                     the rows a program holds at once (TILE_M / TILE_N). A group is one
+                             tile (ONE_TILE), or the program walks its group twice: amax first,
+                             then recompute and store (per-head scales, blocks over 128 rows)
+
+Programs (`prologue_kernel`, 1-D grid): pid in [0, NQ) quantizes one Q group, [NQ, NQ + NK) one K
+group, the rest one V group. Within each kind pid = group * (Z * H) + z * H + h, so neighbouring
+programs read the same RoPE table rows (L2 hits). A Q / K program: load the block in parts (the
+rotated pairs a = channels ia, b = channels ib, and the pass-through rest r; _load_parts), RoPE,
+Hadamard (fp16 tensor-core dots part by part, _hadamard), [K: subtract the mean], amax -> scale,
+store e4m3. A V program: amax -> scale, store the e4m3 tile transposed.
+
+Compile-time parameters (one named bundle each; frozen dataclasses below, read as `SHAPE.TILE_M`):
+    SHAPE  Tiles         D, DV, BLOCK_D, BLOCK_DV, TILE_M, TILE_N, Q_ONE_TILE, KV_ONE_TILE
+    ROT    Rotation      HADAMARD, HAD_SCALE, ROPE, ROPE_DIM, HALF_BLOCK, REST_BLOCK, Q_POS, K_POS
+    QUANT  Quantization  SMOOTH_K, SMOOTH_CHUNKS, ROUND_IN_FP32
+Lengths and program counts are `do_not_specialize`: one compile per kind of call, not per length.
+"""
+
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+
+E4M3_MAX: tl.constexpr = tl.constexpr(448.0)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Head dims and the rows a program holds."""
+    D: int              # Q / K head dim (a multiple of 16)
+    DV: int             # V head dim
+    BLOCK_D: int        # D rounded up to a power of two
+    BLOCK_DV: int       # DV rounded up to a power of two
+    TILE_M: int         # Q rows per tile
+    TILE_N: int         # K / V rows per tile
+    Q_ONE_TILE: bool    # a Q group is one tile (else two walks over the group)
+    KV_ONE_TILE: bool   # a K / V group is one tile
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """What is applied to Q and K before quantization."""
+    HADAMARD: bool      # multiply by HAD, then HAD_SCALE
+    HAD_SCALE: float    # 1 / sqrt(b)
+    ROPE: str           # "" (none), "half" (rotate_half) or "interleaved" (pairs 2i, 2i+1)
+    ROPE_DIM: int       # R: the rotated channels [0, R) (0 without RoPE); the rest pass through
+    HALF_BLOCK: int     # R / 2 rounded up to a power of two (>= 16): the pair parts' width
+    REST_BLOCK: int     # D - R rounded up to a power of two (>= 16), 0 when R = D
+    Q_POS: bool         # QPOS given (else positions are the row indices)
+    K_POS: bool         # KPOS given
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """K smoothing and how values reach the e4m3 grid."""
+    SMOOTH_K: bool      # subtract K's mean over tokens (from K_PART)
+    SMOOTH_CHUNKS: int  # rows of K_PART per head (a power of two); chunks past n_chunks unused
+    ROUND_IN_FP32: bool  # round to the e4m3 grid in fp32 before the cast: Triton 3.6's
+                         # interpreter truncates in its fp8 cast (sm90's cvt.rn.satfinite rounds)
+
+
+@triton.jit
+def _round_e4m3(x):
+    """x rounded to the e4m3 grid (ties to even), still fp32, saturated at ±448: spacing
+    2^(floor(log2|x|) - 3), 2^-9 below 2^-6 (subnormals); rint by the 1.5 * 2^23 trick."""
+    e = tl.abs(x).to(tl.int32, bitcast=True) & 0x7F800000
+    e = tl.maximum(e, (127 - 6) << 23)
+    spacing = (e - (3 << 23)).to(tl.float32, bitcast=True)
+    inv_spacing = ((254 << 23) - e + (3 << 23)).to(tl.float32, bitcast=True)   # 2^(3 - E + 127)
+    r = ((x * inv_spacing + 12582912.0) - 12582912.0) * spacing
+    return tl.minimum(tl.maximum(r, -E4M3_MAX), E4M3_MAX)
+
+
+@triton.jit
+def _scale_of(amax):
+    """amax / 448 correctly rounded; 1 for an all-zero group."""
+    return tl.where(amax > 0, tl.div_rn(amax, E4M3_MAX), 1.0)
+
+
+@triton.jit
+def _pow2_scale_of(amax):
+    """The power of two at or above amax / 448 (1 for an all-zero group): V's block scales, so that
+    the ratio of two of them, which the attention kernel folds into P, is a power of two and P's
+    largest term (1) stays exact in e4m3. A block then spans [224, 448] or less of e4m3's range:
+    relative precision is the same there."""
+    bits = _scale_of(amax).to(tl.int32, bitcast=True)
+    up = tl.where((bits & 0x007FFFFF) != 0, (bits & 0x7F800000) + (1 << 23), bits)
+    return up.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_e4m3(y, scale, inv_scale, QUANT: tl.constexpr):
+    """e4m3 of y / scale. The quotient is y * inv_scale plus one FMA correction step: correctly
+    rounded wherever it is exactly representable, so bf16 data landing exactly on an e4m3 tie
+    (common: amax = 21/16 gives scale 3/1024, whose reciprocal is inexact) rounds to even as a
+    true division would."""
+    if QUANT.ROUND_IN_FP32:
+        y = _round_e4m3(tl.div_rn(y, scale))   # the interpreter: numpy's exact division
+    else:
+        q = y * inv_scale
+        y = tl.fma(tl.fma(-q, scale, y), inv_scale, q)
+    return y.to(tl.float8e4nv)
+
+
+@triton.jit
+def _pair_columns(ROT: tl.constexpr):
+    """Channels of the rotated pairs: a_i = ia[i] turns with b_i = ib[i], i < R / 2 (entries past
+    R / 2 pad the power-of-two vector and are masked)."""
+    j = tl.arange(0, ROT.HALF_BLOCK)
+    if ROT.ROPE == "half":
+        return j, j + ROT.ROPE_DIM // 2
+    else:
+        return 2 * j, 2 * j + 1
+
+
+@triton.jit
+def _load_parts(Xh, stride_x, rows, L, z, POS, stride_pz, COS, SIN, stride_tz, stride_tp, P,
+                HAS_POS: tl.constexpr, ROT: tl.constexpr, SHAPE: tl.constexpr):
+    """Rows `rows` of one head after RoPE, in parts: (a, b) [T, HALF_BLOCK] the rotated pairs
+    (a_i = x_ia·cos - x_ib·sin, b_i = x_ib·cos + x_ia·sin) and r [T, REST_BLOCK] the channels
+    [R, D) passed through; fp32, 0 outside the head; an absent part is 0.0.
+
+    Loading the pairs as two column sets (not a tile and its rotate_half partner) reads each input
+    byte once and each table value once: the table repeats every frequency (RopeSpec), so its
+    columns ia hold them all."""
+    row_ok = rows < L
+    ptrs = Xh + rows[:, None].to(tl.int64) * stride_x
+    a = 0.0
+    b = 0.0
+    r = 0.0
+    if ROT.ROPE != "":
+        ia, ib = _pair_columns(ROT)
+        ok = row_ok[:, None] & _pairs_ok(ROT)[None, :]
+        xa = tl.load(ptrs + ia[None, :], mask=ok, other=0.0).to(tl.float32)
+        xb = tl.load(ptrs + ib[None, :], mask=ok, other=0.0).to(tl.float32)
+        if HAS_POS:
+            pos = tl.load(POS + z.to(tl.int64) * stride_pz + rows, mask=row_ok, other=0)
+        else:
+            pos = rows
+        pos = tl.minimum(tl.maximum(pos, 0), P - 1)
+        t_off = z.to(tl.int64) * stride_tz + pos[:, None].to(tl.int64) * stride_tp + ia[None, :]
+        c = tl.load(COS + t_off, mask=ok, other=0.0).to(tl.float32)
+        s = tl.load(SIN + t_off, mask=ok, other=0.0).to(tl.float32)
+        a = xa * c - xb * s
+        b = xb * c + xa * s
+    if ROT.REST_BLOCK > 0:
+        ir = ROT.ROPE_DIM + tl.arange(0, ROT.REST_BLOCK)
+        r = tl.load(ptrs + ir[None, :], mask=row_ok[:, None] & (ir < SHAPE.D)[None, :],
+                    other=0.0).to(tl.float32)
+    return a, b, r
+
+
+@triton.jit
+def _had_rows(HAD, idx, ok, BLOCK_D: tl.constexpr):
+    """Rows idx (where ok) of HAD, [len(idx), BLOCK_D] fp16; the rest 0."""
+    cols = tl.arange(0, BLOCK_D)
+    return tl.load(HAD + idx[:, None] * BLOCK_D + cols[None, :], mask=ok[:, None], other=0.0)
+
+
+@triton.jit
+def _pairs_ok(ROT: tl.constexpr):
+    """Which entries of the pair parts are real pairs (i < R / 2)."""
+    return tl.arange(0, ROT.HALF_BLOCK) < ROT.ROPE_DIM // 2
+
+
+@triton.jit
+def _split_dot(x, had, acc):
+    """acc + x·had for fp32 x: fp16 hi + lo parts (22 significant bits), fp32 accumulation."""
+    hi = x.to(tl.float16)
+    acc = tl.dot(hi, had, acc)
+    return tl.dot((x - hi.to(tl.float32)).to(tl.float16), had, acc)
+
+
+@triton.jit
+def _hadamard(a, b, r, HAD, T: tl.constexpr, ROT: tl.constexpr, SHAPE: tl.constexpr):
+    """(a, b, r)·HAD·HAD_SCALE, [T, BLOCK_D] fp32 with fp32 accuracy on fp16 tensor cores: the
+    contraction over channels goes part by part (HAD's rows gathered to match), so the parts are
+    never reassembled into a tile.
+
+    Each row is first scaled by the power of two that brings its largest entry into [1, 2) (exact;
+    no fp16 overflow, and what falls below fp16's normals is < 2^-14 of the row max). The RoPE'd
+    parts are fp32: hi + lo fp16 dots. The pass-through part is an input value (bf16 / fp16) times
+    a power of two: one fp16 dot is exact for it (bf16's 8 bits fit fp16's 11; below 2^-17 of the
+    row max the error is under 2^-25 of it). So 2·R + (D - R) multiply-adds per element and output
+    channel, against the exact ±1 matrix: fewer instructions than a log2(b)-stage butterfly of
+    register shuffles, and fp16 (not bf16) is what the interpreter's dot gets right."""
+    BLOCK_D: tl.constexpr = SHAPE.BLOCK_D
+    m = tl.zeros([T], dtype=tl.float32)
+    if ROT.ROPE != "":
+        m = tl.maximum(tl.max(tl.abs(a), axis=1), tl.max(tl.abs(b), axis=1))
+    if ROT.REST_BLOCK > 0:
+        m = tl.maximum(m, tl.max(tl.abs(r), axis=1))
+    e = tl.maximum(m.to(tl.int32, bitcast=True) & 0x7F800000, 1 << 23)
+    up = ((254 << 23) - e).to(tl.float32, bitcast=True)[:, None]          # 2^(127 - E)
+    down = (e.to(tl.float32, bitcast=True) * ROT.HAD_SCALE)[:, None]     # 2^(E - 127) / sqrt(b)
+    acc = tl.zeros([T, BLOCK_D], dtype=tl.float32)
+    if ROT.ROPE != "":
+        ia, ib = _pair_columns(ROT)
+        acc = _split_dot(a * up, _had_rows(HAD, ia, _pairs_ok(ROT), BLOCK_D), acc)
+        acc = _split_dot(b * up, _had_rows(HAD, ib, _pairs_ok(ROT), BLOCK_D), acc)
+    if ROT.REST_BLOCK > 0:
+        ir = ROT.ROPE_DIM + tl.arange(0, ROT.REST_BLOCK)
+        acc = tl.dot((r * up).to(tl.float16), _had_rows(HAD, ir, ir < SHAPE.D, BLOCK_D), acc)
+    return acc * down
+
+
+@triton.jit
+def _qk_tile(Xh, stride_x, rows, L, z, POS, stride_pz, COS, SIN, stride_tz, stride_tp, P, HAD,
+             mean, HAS_POS: tl.constexpr, SMOOTH: tl.constexpr, T: tl.constexpr,
+             ROT: tl.constexpr, SHAPE: tl.constexpr):
+    """Rows `rows` of a Q / K head, rotated (and smoothed); 0 outside the head. With the Hadamard
+    rotation a [T, BLOCK_D] tile (then 0.0, 0.0), else the parts (a, b, r) of _load_parts; `mean`
+    is laid out the same way."""
+    a, b, r = _load_parts(Xh, stride_x, rows, L, z, POS, stride_pz, COS, SIN, stride_tz,
+                          stride_tp, P, HAS_POS, ROT, SHAPE)
+    row_ok = (rows < L)[:, None]
+    if ROT.HADAMARD:
+        y = _hadamard(a, b, r, HAD, T, ROT, SHAPE)
+        if SMOOTH:
+            y = tl.where(row_ok, y - mean[0][None, :], 0.0)
+        return y, 0.0, 0.0
+    else:
+        if SMOOTH:
+            if ROT.ROPE != "":
+                a = tl.where(row_ok, a - mean[0][None, :], 0.0)
+                b = tl.where(row_ok, b - mean[1][None, :], 0.0)
+            if ROT.REST_BLOCK > 0:
+                r = tl.where(row_ok, r - mean[2][None, :], 0.0)
+        return a, b, r
+
+
+@triton.jit
+def _tile_amax(parts, ROT: tl.constexpr):
+    """max |value| over a _qk_tile result."""
+    if ROT.HADAMARD:
+        return tl.max(tl.max(tl.abs(parts[0]), axis=1), axis=0)
+    else:
+        m = tl.zeros([], dtype=tl.float32)
+        if ROT.ROPE != "":
+            m = tl.maximum(tl.max(tl.max(tl.abs(parts[0]), axis=1), axis=0),
+                           tl.max(tl.max(tl.abs(parts[1]), axis=1), axis=0))
+        if ROT.REST_BLOCK > 0:
+            m = tl.maximum(m, tl.max(tl.max(tl.abs(parts[2]), axis=1), axis=0))
+        return m
+
+
+@triton.jit
+def _qk_store(Oh, parts, rows, stop, scale, inv_scale, ROT: tl.constexpr, SHAPE: tl.constexpr,
+              QUANT: tl.constexpr):
+    """Store a _qk_tile result as e4m3 into rows `rows` (< stop) of the contiguous output head."""
+    row_ok = (rows < stop)[:, None]
+    optrs = Oh + rows[:, None].to(tl.int64) * SHAPE.D
+    if ROT.HADAMARD:
+        cols = tl.arange(0, SHAPE.BLOCK_D)
+        tl.store(optrs + cols[None, :], _to_e4m3(parts[0], scale, inv_scale, QUANT),
+                 mask=row_ok & (cols < SHAPE.D)[None, :])
+    else:
+        if ROT.ROPE != "":
+            ia, ib = _pair_columns(ROT)
+            ok = row_ok & _pairs_ok(ROT)[None, :]
+            tl.store(optrs + ia[None, :], _to_e4m3(parts[0], scale, inv_scale, QUANT), mask=ok)
+            tl.store(optrs + ib[None, :], _to_e4m3(parts[1], scale, inv_scale, QUANT), mask=ok)
+        if ROT.REST_BLOCK > 0:
+            ir = ROT.ROPE_DIM + tl.arange(0, ROT.REST_BLOCK)
+            tl.store(optrs + ir[None, :], _to_e4m3(parts[2], scale, inv_scale, QUANT),
+                     mask=row_ok & (ir < SHAPE.D)[None, :])
+
+
+@triton.jit
+def _qk_group(X, stride_xz, stride_xh, stride_x, OUT, SCALE, z, h, H, g, L, n_groups, group_rows,
+              POS, stride_pz, COS, SIN, stride_tz, stride_tp, P, HAD, mean,
+              HAS_POS: tl.constexpr, SMOOTH: tl.constexpr, T: tl.constexpr,
+              ONE_TILE: tl.constexpr, ROT: tl.constexpr, SHAPE: tl.constexpr,
+              QUANT: tl.constexpr):
+    """Quantize group g of Q or K head (z, h): rows [g * group_rows, ...) of L."""
+    zh = z * H + h
+    Xh = X + z.to(tl.int64) * stride_xz + h.to(tl.int64) * stride_xh
+    Oh = OUT + zh.to(tl.int64) * L * SHAPE.D
+    start = g * group_rows
+    if ONE_TILE:
+        rows = start + tl.arange(0, T)
+        parts = _qk_tile(Xh, stride_x, rows, L, z, POS, stride_pz, COS, SIN, stride_tz,
+                         stride_tp, P, HAD, mean, HAS_POS, SMOOTH, T, ROT, SHAPE)
+        scale = _scale_of(_tile_amax(parts, ROT))
+        _qk_store(Oh, parts, rows, L, scale, tl.div_rn(1.0, scale), ROT, SHAPE, QUANT)
+    else:
+        stop = tl.minimum(start + group_rows, L)
+        amax = tl.zeros([], dtype=tl.float32)
+        for r0 in range(start, stop, T):
+            parts = _qk_tile(Xh, stride_x, r0 + tl.arange(0, T), L, z, POS, stride_pz, COS, SIN,
+                             stride_tz, stride_tp, P, HAD, mean, HAS_POS, SMOOTH, T, ROT, SHAPE)
+            amax = tl.maximum(amax, _tile_amax(parts, ROT))
+        scale = _scale_of(amax)
+        inv_scale = tl.div_rn(1.0, scale)
+        for r0 in range(start, stop, T):
+            rows = r0 + tl.arange(0, T)
+            parts = _qk_tile(Xh, stride_x, rows, L, z, POS, stride_pz, COS, SIN, stride_tz,
+                             stride_tp, P, HAD, mean, HAS_POS, SMOOTH, T, ROT, SHAPE)
+            _qk_store(Oh, parts, rows, stop, scale, inv_scale, ROT, SHAPE, QUANT)
+    tl.store(SCALE + zh * n_groups + g, scale)
+
+
+@triton.jit
+def _v_tile(Vh, stride_vn, r0, N, T: tl.constexpr, SHAPE: tl.constexpr):
+    rows = r0 + tl.arange(0, T)
+    cols = tl.arange(0, SHAPE.BLOCK_DV)
+    ok = (rows < N)[:, None] & (cols < SHAPE.DV)[None, :]
+    return tl.load(Vh + rows[:, None].to(tl.int64) * stride_vn + cols[None, :], mask=ok,
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _v_store(VTh, y, scale, inv_scale, r0, stop, N_PAD, T: tl.constexpr, SHAPE: tl.constexpr,
+             QUANT: tl.constexpr):
+    """Store the e4m3 tile transposed: VT8 rows are channels, columns tokens. Columns in
+    [N, N_PAD) hold zeros (the tile read them as 0)."""
+    rows = r0 + tl.arange(0, T)
+    cols = tl.arange(0, SHAPE.BLOCK_DV)
+    yt = tl.trans(_to_e4m3(y, scale, inv_scale, QUANT))
+    ok = (cols < SHAPE.DV)[:, None] & (rows < stop)[None, :]
+    tl.store(VTh + cols[:, None].to(tl.int64) * N_PAD + rows[None, :], yt, mask=ok)
+
+
+@triton.jit
+def _v_group(V, stride_vz, stride_vh, stride_vn, VT, SCALE, SCALE_MAX, z, h, H, g, N, N_PAD,
+             n_groups, group_rows, T: tl.constexpr, ONE_TILE: tl.constexpr,
+             SHAPE: tl.constexpr, QUANT: tl.constexpr):
+    """Quantize group g of V head (z, h) into VT8's columns [g * group_rows, ...)."""
+    zh = z * H + h
+    Vh = V + z.to(tl.int64) * stride_vz + h.to(tl.int64) * stride_vh
+    VTh = VT + zh.to(tl.int64) * SHAPE.DV * N_PAD
+    start = g * group_rows
+    if ONE_TILE:
+        y = _v_tile(Vh, stride_vn, start, N, T, SHAPE)
+        amax = tl.max(tl.max(tl.abs(y), axis=1), axis=0)
+        scale = _pow2_scale_of(amax)
+        _v_store(VTh, y, scale, tl.div_rn(1.0, scale), start, N_PAD, N_PAD, T, SHAPE, QUANT)
+    else:
+        # The last group's pad columns [N, N_PAD) are written too (a tile of T >= 16 rows covers them).
+        stop = tl.minimum(start + group_rows, N_PAD)
+        amax = tl.zeros([], dtype=tl.float32)
+        for r0 in range(start, stop, T):
+            y = _v_tile(Vh, stride_vn, r0, N, T, SHAPE)
+            amax = tl.maximum(amax, tl.max(tl.max(tl.abs(y), axis=1), axis=0))
+        scale = _pow2_scale_of(amax)
+        inv_scale = tl.div_rn(1.0, scale)
+        for r0 in range(start, stop, T):
+            y = _v_tile(Vh, stride_vn, r0, N, T, SHAPE)
+            _v_store(VTh, y, scale, inv_scale, r0, stop, N_PAD, T, SHAPE, QUANT)
+    tl.store(SCALE + zh * n_groups + g, scale)
+    # An all-zero group's scale (1) says nothing about V's range: only the others count.
+    tl.atomic_max(SCALE_MAX + zh, scale, mask=amax > 0, sem="relaxed")
+
+
+@triton.jit
+def _k_mean(K_PART, zh, cols, n, n_chunks, N, QUANT: tl.constexpr, BLOCK_D: tl.constexpr):
+    """K's mean over its N tokens at channels `cols` (those < n; the rest 0): the chunk sums of
+    K_PART added in a fixed order (deterministic)."""
+    c = tl.arange(0, QUANT.SMOOTH_CHUNKS)
+    part = tl.load(K_PART + (zh * QUANT.SMOOTH_CHUNKS + c[:, None]).to(tl.int64) * BLOCK_D
+                   + cols[None, :], mask=(c < n_chunks)[:, None] & (cols < n)[None, :], other=0.0)
+    return tl.div_rn(tl.sum(part, axis=0), N.to(tl.float32))
+
+
+@triton.jit
+def _k_means(K_PART, zh, n_chunks, N, ROT: tl.constexpr, QUANT: tl.constexpr,
+             SHAPE: tl.constexpr):
+    """The mean laid out as _qk_tile's result: the rotated channels, or the parts (a, b, r)."""
+    if ROT.HADAMARD:
+        return (_k_mean(K_PART, zh, tl.arange(0, SHAPE.BLOCK_D), SHAPE.D, n_chunks, N, QUANT,
+                        SHAPE.BLOCK_D), 0.0, 0.0)
+    else:
+        ma = 0.0
+        mb = 0.0
+        mr = 0.0
+        if ROT.ROPE != "":
+            ia, ib = _pair_columns(ROT)
+            ma = _k_mean(K_PART, zh, ia, ROT.ROPE_DIM, n_chunks, N, QUANT, SHAPE.BLOCK_D)
+            mb = _k_mean(K_PART, zh, ib, ROT.ROPE_DIM, n_chunks, N, QUANT, SHAPE.BLOCK_D)
+        if ROT.REST_BLOCK > 0:
+            ir = ROT.ROPE_DIM + tl.arange(0, ROT.REST_BLOCK)
+            mr = _k_mean(K_PART, zh, ir, SHAPE.D, n_chunks, N, QUANT, SHAPE.BLOCK_D)
+        return ma, mb, mr
+
+
+# Sizes that follow the lengths or the batch: no specialization on them (one compile per kind).
+_RUNTIME_SIZES = ["M", "N", "P", "Z", "NQ", "NK", "QG", "KG", "q_group_rows", "kv_group_rows",
+                  "n_chunks"]
+
+
+@triton.jit(do_not_specialize=_RUNTIME_SIZES)
+def prologue_kernel(
+    Q, K, V, Q8, K8, VT8, Q_SCALE, K_SCALE, V_SCALE, V_SCALE_MAX, K_PART, K_MEAN,
+    HAD, COS, SIN, QPOS, KPOS,
+    stride_qz, stride_qh, stride_qm,
+    stride_kz, stride_kh, stride_kn,
+    stride_vz, stride_vh, stride_vn,
+    stride_tz, stride_tp, stride_qpz, stride_kpz,
+    Z, HQ, HKV, M, N, N_PAD, P, NQ, NK, QG, KG, q_group_rows, kv_group_rows, n_chunks,
+    SHAPE: tl.constexpr, ROT: tl.constexpr, QUANT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if pid < NQ:
+        zh = pid % (Z * HQ)
+        _qk_group(Q, stride_qz, stride_qh, stride_qm, Q8, Q_SCALE, zh // HQ, zh % HQ, HQ,
+                  pid // (Z * HQ), M, QG, q_group_rows, QPOS, stride_qpz, COS, SIN, stride_tz,
+                  stride_tp, P, HAD, (0.0, 0.0, 0.0), ROT.Q_POS, False, SHAPE.TILE_M, SHAPE.Q_ONE_TILE,
+                  ROT, SHAPE, QUANT)
+    elif pid < NQ + NK:
+        pid = pid - NQ
+        zh = pid % (Z * HKV)
+        g = pid // (Z * HKV)
+        mean = (0.0, 0.0, 0.0)
+        if QUANT.SMOOTH_K:
+            mean = _k_means(K_PART, zh, n_chunks, N, ROT, QUANT, SHAPE)
+            if g == 0:
+                d = tl.arange(0, SHAPE.BLOCK_D)
+                tl.store(K_MEAN + zh * SHAPE.D + d,
+                         _k_mean(K_PART, zh, d, SHAPE.D, n_chunks, N, QUANT, SHAPE.BLOCK_D),
+                         mask=d < SHAPE.D)
+        _qk_group(K, stride_kz, stride_kh, stride_kn, K8, K_SCALE, zh // HKV, zh % HKV, HKV,
+                  g, N, KG, kv_group_rows, KPOS, stride_kpz, COS, SIN, stride_tz, stride_tp,
+                  P, HAD, mean, ROT.K_POS, QUANT.SMOOTH_K, SHAPE.TILE_N, SHAPE.KV_ONE_TILE,
+                  ROT, SHAPE, QUANT)
+    else:
+        pid = pid - NQ - NK
+        zh = pid % (Z * HKV)
+        _v_group(V, stride_vz, stride_vh, stride_vn, VT8, V_SCALE, V_SCALE_MAX, zh // HKV,
+                 zh % HKV, HKV, pid // (Z * HKV), N, N_PAD, KG, kv_group_rows, SHAPE.TILE_N,
+                 SHAPE.KV_ONE_TILE, SHAPE, QUANT)
+
+
+@triton.jit(do_not_specialize=["N", "P", "n_chunks"])
+def k_sums_kernel(
+    K, K_PART, HAD, COS, SIN, KPOS,
+    stride_kz, stride_kh, stride_kn, stride_tz, stride_tp, stride_kpz,
+    HKV, N, P, n_chunks,
+    SHAPE: tl.constexpr, ROT: tl.constexpr, QUANT: tl.constexpr,
+):
+    """smooth_k's pass over K: program (zh, c) sums the RoPE'd rows of tiles c, c + n_chunks, ...
+    of head zh, rotates the sum (the rotation is linear: rotating the D-vector is cheaper than the
+    tiles) and writes it to K_PART[zh, c]."""
+    zh = tl.program_id(0)
+    c = tl.program_id(1)
+    z = zh // HKV
+    h = zh % HKV
+    T: tl.constexpr = SHAPE.TILE_N
+    BLOCK_D: tl.constexpr = SHAPE.BLOCK_D   # shapes in list literals need constexprs
+    HALF: tl.constexpr = ROT.HALF_BLOCK
+    REST: tl.constexpr = ROT.REST_BLOCK
+    Kh = K + z.to(tl.int64) * stride_kz + h.to(tl.int64) * stride_kh
+    sa = tl.zeros([HALF], dtype=tl.float32)
+    sb = tl.zeros([HALF], dtype=tl.float32)
+    sr = tl.zeros([REST if REST > 0 else 16], dtype=tl.float32)
+    for r0 in range(c * T, N, n_chunks * T):
+        a, b, r = _load_parts(Kh, stride_kn, r0 + tl.arange(0, T), N, z, KPOS, stride_kpz, COS,
+                              SIN, stride_tz, stride_tp, P, ROT.K_POS, ROT, SHAPE)
+        if ROT.ROPE != "":
+            sa += tl.sum(a, axis=0)
+            sb += tl.sum(b, axis=0)
+        if REST > 0:
+            sr += tl.sum(r, axis=0)
+    out = K_PART + (zh * QUANT.SMOOTH_CHUNKS + c).to(tl.int64) * BLOCK_D
+    ia, ib = _pair_columns(ROT)
+    ir = ROT.ROPE_DIM + tl.arange(0, REST if REST > 0 else 16)
+    if ROT.HADAMARD:
+        # Exact ±1 products, fp32 sums: sum_i s[i] * HAD[channel_i, j], part by part.
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        if ROT.ROPE != "":
+            acc += tl.sum(sa[:, None] * _had_rows(HAD, ia, _pairs_ok(ROT), BLOCK_D).to(tl.float32), 0)
+            acc += tl.sum(sb[:, None] * _had_rows(HAD, ib, _pairs_ok(ROT), BLOCK_D).to(tl.float32), 0)
+        if REST > 0:
+            acc += tl.sum(sr[:, None] * _had_rows(HAD, ir, ir < SHAPE.D, BLOCK_D).to(tl.float32), 0)
+        tl.store(out + tl.arange(0, BLOCK_D), acc * ROT.HAD_SCALE)
+    else:
+        if ROT.ROPE != "":
+            tl.store(out + ia, sa, mask=_pairs_ok(ROT))
+            tl.store(out + ib, sb, mask=_pairs_ok(ROT))
+        if REST > 0:
+            tl.store(out + ir, sr, mask=ir < SHAPE.D)

@@ -1,0 +1,215 @@
+"""The FP8 prologue's math in torch ops: RoPE -> Hadamard rotation -> [smooth K] -> block quantization.
+
+Used by the tests and the accuracy benchmark as the reference (float64 by default), and by
+:func:`~fa3_inductor.templates.fp8_prologue.host.quantize` as the CPU path when Triton cannot run.
+Shapes and conventions are those of ``kernel.py``'s notation and ``fp8_recipe.FP8Operands``; inputs
+are assumed valid (``host.quantize`` checks them).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...fp8_recipe import E4M3_MAX, FP8Operands, FP8Recipe, RopeSpec
+from .hadamard import rotation_matrix
+
+E4M3_MIN_NORMAL_EXP = -6   # smallest normal e4m3 is 2^-6; subnormals are spaced 2^-9
+E4M3_MANTISSA_BITS = 3
+
+
+def rope_tables(rope: RopeSpec, positions: Optional[torch.Tensor], batch: int, length: int,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin gathered at ``positions`` (None: 0 .. length-1): [batch or 1, 1, length, R].
+
+    Example::
+
+        >>> cos, sin = rope_tables(RopeSpec.from_theta(8, 16), None, 2, 5, torch.float64)
+        >>> tuple(cos.shape)
+        (1, 1, 5, 8)
+    """
+    def gather(table: torch.Tensor) -> torch.Tensor:
+        t = table.to(dtype)
+        if t.dim() == 2:
+            t = t.unsqueeze(0)
+        pos = torch.arange(length, device=t.device) if positions is None else positions.long()
+        if pos.dim() == 1:
+            pos = pos.unsqueeze(0)
+        rows = max(t.shape[0], pos.shape[0])
+        t = t.expand(rows, *t.shape[1:])
+        pos = pos.expand(rows, length)
+        return t[torch.arange(rows, device=t.device)[:, None], pos].unsqueeze(1)
+
+    return gather(rope.cos), gather(rope.sin)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
+    """x * cos + rotate(x) * sin on the first R = cos.shape[-1] channels; the rest pass through.
+
+    "half": rotate_half(x) = cat(-x2, x1) (transformers' apply_rotary_pos_emb); "interleaved":
+    pairs (2i, 2i+1) rotate as complex numbers (Meta llama's apply_rotary_emb).
+
+    Example::
+
+        >>> x = torch.tensor([[1.0, 0.0]]); c, s = torch.zeros(1, 2), torch.ones(1, 2)
+        >>> apply_rope(x, c, s, "half").tolist()
+        [[0.0, 1.0]]
+    """
+    r = cos.shape[-1]
+    xr, rest = x[..., :r], x[..., r:]
+    if style == "half":
+        x1, x2 = xr[..., : r // 2], xr[..., r // 2:]
+        turned = torch.cat([-x2, x1], dim=-1)
+    else:
+        even, odd = xr[..., 0::2], xr[..., 1::2]
+        turned = torch.stack([-odd, even], dim=-1).flatten(-2)
+    return torch.cat([xr * cos + turned * sin, rest], dim=-1)
+
+
+def rotate(q: torch.Tensor, k: torch.Tensor, recipe: FP8Recipe, rope: Optional[RopeSpec] = None,
+           dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q and K after RoPE and the Hadamard rotation (no smoothing, no quantization), in ``dtype``.
+
+    Example::
+
+        >>> q, k = torch.randn(1, 2, 8, 64), torch.randn(1, 2, 8, 64)
+        >>> qr, kr = rotate(q, k, FP8Recipe())
+        >>> torch.allclose(qr @ kr.mT, q.double() @ k.double().mT)
+        True
+    """
+    q, k = q.to(dtype), k.to(dtype)
+    if rope is not None:
+        q = apply_rope(q, *rope_tables(rope, rope.q_positions, q.shape[0], q.shape[2], dtype),
+                       rope.style)
+        k = apply_rope(k, *rope_tables(rope, rope.k_positions, k.shape[0], k.shape[2], dtype),
+                       rope.style)
+    if recipe.hadamard:
+        h = rotation_matrix(q.shape[-1], recipe.seed).to(device=q.device, dtype=dtype)
+        q, k = q @ h, k @ h
+    return q, k
+
+
+def round_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Round to the nearest float8_e4m3fn value (ties to even), saturating at ±448, computed in
+    x's own dtype (exact in float64 and float32): no double rounding through float32.
+
+    Example::
+
+        >>> round_e4m3(torch.tensor([0.53125, 17.0, 1000.0, 2.0 ** -10], dtype=torch.float64)).tolist()
+        [0.5, 16.0, 448.0, 0.0]
+    """
+    _, exp = torch.frexp(x.abs())          # |x| = m * 2^exp, m in [0.5, 1)
+    exp = torch.clamp(exp - 1, min=E4M3_MIN_NORMAL_EXP)   # floor(log2|x|), subnormals at 2^-6's
+    spacing = torch.ldexp(torch.ones_like(x), exp - E4M3_MANTISSA_BITS)
+    return torch.clamp(torch.round(x / spacing) * spacing, -E4M3_MAX, E4M3_MAX)
+
+
+def block_amax(x: torch.Tensor, block: int) -> torch.Tensor:
+    """max |x| [B, H, ceil(S / block)] of x [B, H, S, C] per block of rows over all channels (block
+    0: the whole head, last dim 1).
+
+    Example::
+
+        >>> block_amax(torch.tensor([[[[1.0], [-3.0], [2.0]]]]), 2).tolist()
+        [[[3.0, 2.0]]]
+    """
+    B, H, S, C = x.shape
+    rows = block or S
+    groups = -(-S // rows)
+    padded = torch.zeros(B, H, groups * rows, C, dtype=x.dtype, device=x.device)
+    padded[:, :, :S] = x
+    return padded.abs().view(B, H, groups, rows * C).amax(-1)
+
+
+def block_scales(x: torch.Tensor, block: int, pow2: bool = False) -> torch.Tensor:
+    """float32 scales amax / 448 (:func:`block_amax`), 1 for an all-zero block; ``pow2``: rounded up
+    to a power of two (V's scales: kernel.py, _pow2_scale_of).
+
+    Example::
+
+        >>> block_scales(torch.full((1, 1, 3, 2), 4.48, dtype=torch.float64), 2).tolist()
+        [[[0.009999999776482582, 0.009999999776482582]]]
+    """
+    amax = block_amax(x, block)
+    scales = torch.where(amax > 0, amax / E4M3_MAX, 1.0).float()
+    if pow2:
+        mantissa, exponent = torch.frexp(scales)   # scales = mantissa * 2^exponent, mantissa in [0.5, 1)
+        scales = torch.where(mantissa == 0.5, scales, torch.ldexp(torch.ones_like(scales), exponent))
+    return scales
+
+
+def quantize_blocks(x: torch.Tensor, block: int, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values rounded to e4m3 in x's dtype, float32 scales) for x [B, H, S, C] by blocks of rows
+    (``pow2``: :func:`block_scales`'s power-of-two scales).
+
+    Example::
+
+        >>> vals, scales = quantize_blocks(torch.randn(1, 1, 5, 16, dtype=torch.float64), 4)
+        >>> tuple(scales.shape), bool(vals.abs().max() <= 448)
+        ((1, 1, 2), True)
+    """
+    S = x.shape[2]
+    scales = block_scales(x, block, pow2)
+    per_row = scales.to(x.dtype).repeat_interleave(block or S, dim=2)[:, :, :S, None]
+    return round_e4m3(x / per_row), scales
+
+
+def quantize_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: FP8Recipe,
+                       rope: Optional[RopeSpec] = None,
+                       dtype: torch.dtype = torch.float64) -> FP8Operands:
+    """What ``host.quantize`` computes, in torch ops carried out in ``dtype``.
+
+    Example::
+
+        >>> q = k = v = torch.randn(1, 2, 40, 64, dtype=torch.bfloat16)
+        >>> ops = quantize_reference(q, k, v, FP8Recipe(block_m=16, block_n=32))
+        >>> tuple(ops.vt.shape), tuple(ops.q_scale.shape), tuple(ops.k_scale.shape)
+        ((1, 2, 64, 48), (1, 2, 3), (1, 2, 2))
+    """
+    qr, kr = rotate(q, k, recipe, rope, dtype)
+    k_mean = None
+    if recipe.smooth_k:
+        mean = kr.mean(dim=2, keepdim=True)
+        kr = kr - mean
+        k_mean = mean.squeeze(2).float()
+    q8, q_scale = quantize_blocks(qr, recipe.block_m)
+    k8, k_scale = quantize_blocks(kr, recipe.block_n)
+    v8, v_scale = quantize_blocks(v.to(dtype), recipe.block_n, pow2=True)
+    B, H, N, Dv = v.shape
+    n_pad = -(-N // 16) * 16
+    vt = torch.zeros(B, H, Dv, n_pad, dtype=dtype, device=v.device)
+    vt[..., :N] = v8.transpose(2, 3)
+    # Only blocks that are not all zero count: an all-zero block's scale 1 says nothing of V's range.
+    nonzero = block_amax(v, recipe.block_n) > 0
+    v_scale_max = torch.where(nonzero, v_scale, 0.0).amax(-1)
+    v_scale_max = torch.where(v_scale_max > 0, v_scale_max, 1.0)
+    fp8 = torch.float8_e4m3fn
+    return FP8Operands(q=q8.to(fp8).contiguous(), k=k8.to(fp8).contiguous(), vt=vt.to(fp8),
+                       q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, v_scale_max=v_scale_max,
+                       k_mean=k_mean, recipe=recipe, n=N)
+
+
+def dequantize(ops: FP8Operands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v) float32 from FP8 operands, in the rotated basis (K with its mean removed when
+    smoothed), V back in [B, H, N, Dv].
+
+    Example::
+
+        >>> q = k = v = torch.randn(1, 1, 16, 32)
+        >>> dq, dk, dv = dequantize(quantize_reference(q, k, v, FP8Recipe(hadamard=False)))
+        >>> bool((dv - v).abs().max() < 0.1 * v.abs().max())
+        True
+    """
+    def expand(scale: torch.Tensor, block: int, length: int) -> torch.Tensor:
+        return scale.repeat_interleave(block or length, dim=2)[:, :, :length, None]
+
+    M, N = ops.q.shape[2], ops.n
+    q = ops.q.float() * expand(ops.q_scale, ops.recipe.block_m, M)
+    k = ops.k.float() * expand(ops.k_scale, ops.recipe.block_n, N)
+    v = ops.vt[..., :N].float().transpose(2, 3) * expand(ops.v_scale, ops.recipe.block_n, N)
+    return q, k, v
+
+
+__all__ = ["apply_rope", "block_amax", "block_scales", "dequantize", "quantize_blocks", "quantize_reference",
+           "rope_tables", "rotate", "round_e4m3"]

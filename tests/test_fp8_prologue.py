@@ -1,0 +1,370 @@
+"""The FP8 prologue (templates/fp8_prologue/): RoPE -> Hadamard -> [smooth K] -> e4m3 blocks.
+
+CPU runs go through Triton's interpreter (conftest sets TRITON_INTERPRET=1) and are compared with
+the float64 reference of the same math (reference.py). FP8 values must be equal, except where the
+float64 quotient x / scale lies within rounding noise of a tie between two e4m3 values: there the
+kernel's fp32 may land on the other side, one e4m3 step away (`assert_fp8_match` checks both the
+closeness to the tie and the step, and that such places are rare). The last test is compile-only
+for sm90 (marker sm90_compile; see conftest.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from fa3_inductor.fp8_recipe import E4M3_MAX, FP8Recipe, RopeSpec
+from fa3_inductor.templates.fp8_prologue import host, quantize
+from fa3_inductor.templates.fp8_prologue.hadamard import (hadamard_block, random_signs,
+                                                          rotation_matrix, sign_hadamard, sylvester)
+from fa3_inductor.templates.fp8_prologue.reference import (apply_rope, block_scales, dequantize,
+                                                           quantize_reference, rope_tables, rotate,
+                                                           round_e4m3)
+
+SCALE_RTOL = 1e-6           # fp32 scales against float64 amax / 448 (seen: 1.4e-7)
+TIE_ATOL = 1e-3             # |x / scale - tie| in e4m3 units for a mismatch to count as a tie ...
+TIE_RTOL = 1e-6             # ... plus this fraction of |tie| (fp32 vs float64 rounding noise)
+MAX_TIE_FRACTION = 0.02     # ties are rare: bf16 data has exact ones (amax = 21/16 -> 3 / 1024)
+
+
+def _e4m3_spacing(x: torch.Tensor) -> torch.Tensor:
+    """Distance from |x| (an e4m3 value) to the next larger e4m3 value."""
+    _, exp = torch.frexp(x.abs())
+    return torch.ldexp(torch.ones_like(x), torch.clamp(exp - 1, min=-6) - 3)
+
+
+def assert_fp8_match(got: torch.Tensor, want: torch.Tensor, unrounded: torch.Tensor, what: str):
+    """got == want, except at near-ties of ``unrounded`` (float64 x / scale), one step apart."""
+    assert got.dtype == torch.float8_e4m3fn, f"{what}: dtype {got.dtype}"
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    g, w = got.double(), want.double()
+    diff = g != w
+    if not diff.any():
+        return
+    g, w, u = g[diff], w[diff], unrounded[diff].double()
+    lo = torch.minimum(g.abs(), w.abs())
+    one_step = ((g - w).abs() == _e4m3_spacing(lo)) & ((g * w) >= 0)
+    mid = (g + w) / 2
+    near_tie = (u - mid).abs() <= TIE_ATOL + TIE_RTOL * mid.abs()
+    bad = ~(one_step & near_tie)
+    assert not bad.any(), (f"{what}: {int(bad.sum())} e4m3 values differ away from a tie, e.g. got "
+                           f"{g[bad][:4].tolist()} want {w[bad][:4].tolist()} (x/scale "
+                           f"{u[bad][:4].tolist()})")
+    frac = diff.double().mean().item()
+    assert frac <= MAX_TIE_FRACTION, f"{what}: {frac:.2%} of the values sit on ties"
+
+
+def _unrounded(x: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    S = x.shape[2]
+    return x / scales.double().repeat_interleave(block or S, dim=2)[:, :, :S, None]
+
+
+def assert_matches_reference(ops, q, k, v, recipe: FP8Recipe, rope=None):
+    """Every field of the kernel's FP8Operands against the float64 reference."""
+    ref = quantize_reference(q, k, v, recipe, rope)
+    B, Hq, M, D = q.shape
+    _, Hkv, N, Dv = v.shape
+    n_pad = -(-N // 16) * 16
+    assert ops.n == N and ops.recipe == recipe
+    assert ops.q.is_contiguous() and ops.k.is_contiguous() and ops.vt.is_contiguous()
+    assert tuple(ops.vt.shape) == (B, Hkv, Dv, n_pad)
+    for name in ("q_scale", "k_scale", "v_scale", "v_scale_max"):
+        got, want = getattr(ops, name), getattr(ref, name)
+        assert got.dtype == torch.float32 and got.shape == want.shape, name
+        err = ((got.double() - want.double()).abs() / want.double()).max().item()
+        assert err <= SCALE_RTOL, f"{name}: relative error {err:.2e}"
+    # The pad columns of Vᵀ are zero bytes.
+    assert ops.vt[..., N:].view(torch.uint8).eq(0).all(), "Vᵀ pad columns are not 0"
+    qr, kr = rotate(q, k, recipe, rope)
+    if recipe.smooth_k:
+        mean = kr.mean(dim=2, keepdim=True)
+        kr = kr - mean
+        assert ops.k_mean is not None and ops.k_mean.dtype == torch.float32
+        scale = mean.abs().max().item()
+        err = (ops.k_mean.double() - mean.squeeze(2)).abs().max().item()
+        assert err <= 1e-5 * max(scale, 1e-3), f"k_mean: abs error {err:.2e} (|mean| {scale:.2e})"
+    else:
+        assert ops.k_mean is None
+    assert_fp8_match(ops.q, ref.q, _unrounded(qr, ref.q_scale, recipe.block_m), "q")
+    assert_fp8_match(ops.k, ref.k, _unrounded(kr, ref.k_scale, recipe.block_n), "k")
+    v_unrounded = _unrounded(v.double(), ref.v_scale, recipe.block_n).transpose(2, 3)
+    assert_fp8_match(ops.vt[..., :N], ref.vt[..., :N], v_unrounded, "vt")
+
+
+def _inputs(B, Hq, Hkv, M, N, D, Dv=None, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    return mk(B, Hq, M, D), mk(B, Hkv, N, D), mk(B, Hkv, N, Dv or D)
+
+
+CASES = {
+    # name: (B, Hq, Hkv, M, N, D, Dv, dtype, recipe, rope builder)
+    "half_gqa_ragged_bf16": (1, 4, 2, 100, 70, 64, 64, torch.bfloat16,
+                             FP8Recipe(block_m=32, block_n=64),
+                             lambda B, M, N, D: RopeSpec.from_theta(D, 128, style="half")),
+    "interleaved_d128_fp16": (1, 2, 1, 40, 90, 128, 128, torch.float16,
+                              FP8Recipe(block_m=64, block_n=32),
+                              lambda B, M, N, D: RopeSpec.from_theta(D, 128, style="interleaved")),
+    "partial_half_positions": (2, 2, 2, 24, 50, 64, 32, torch.bfloat16,
+                               FP8Recipe(block_m=16, block_n=32),
+                               lambda B, M, N, D: RopeSpec.from_theta(
+                                   32, 300, style="half",
+                                   q_positions=torch.randint(0, 300, (M,)),
+                                   k_positions=torch.randint(0, 300, (B, N)))),
+    "partial_interleaved_d96_batched_tables": (2, 2, 1, 33, 20, 96, 64, torch.float16,
+                                               FP8Recipe(block_m=32, block_n=16),
+                                               lambda B, M, N, D: _batched(
+                                                   RopeSpec.from_theta(48, 64, theta=500.0,
+                                                                       style="interleaved"), B)),
+    "no_rope_d96": (1, 2, 2, 50, 50, 96, 96, torch.bfloat16, FP8Recipe(block_m=32, block_n=32),
+                    None),
+    "hadamard_off_rope": (1, 2, 1, 40, 30, 64, 64, torch.bfloat16,
+                          FP8Recipe(hadamard=False, block_m=16, block_n=16),
+                          lambda B, M, N, D: RopeSpec.from_theta(D, 64)),
+    "per_head_blocks": (1, 2, 1, 70, 45, 64, 64, torch.bfloat16, FP8Recipe(block_m=0, block_n=0),
+                        lambda B, M, N, D: RopeSpec.from_theta(D, 128, style="interleaved")),
+    "smooth_k_rope": (1, 4, 2, 20, 75, 64, 64, torch.bfloat16,
+                      FP8Recipe(smooth_k=True, block_m=16, block_n=32, seed=7),
+                      lambda B, M, N, D: RopeSpec.from_theta(D, 128)),
+    "smooth_k_hadamard_off_partial": (1, 2, 2, 20, 40, 64, 64, torch.float16,
+                                      FP8Recipe(smooth_k=True, hadamard=False, block_m=16,
+                                                block_n=16),
+                                      lambda B, M, N, D: RopeSpec.from_theta(32, 64)),
+    "smooth_k_per_head_no_rope": (1, 2, 1, 17, 33, 64, 64, torch.bfloat16,
+                                  FP8Recipe(smooth_k=True, block_m=0, block_n=0), None),
+}
+
+
+def _batched(rope: RopeSpec, B: int) -> RopeSpec:
+    """Per-batch tables [B, P, R]: batch b's angles shifted by b rows."""
+    cos = torch.stack([rope.cos.roll(b, 0) for b in range(B)])
+    sin = torch.stack([rope.sin.roll(b, 0) for b in range(B)])
+    return dataclasses.replace(rope, cos=cos, sin=sin)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_matches_float64_reference(cpu_kernels, case):
+    B, Hq, Hkv, M, N, D, Dv, dtype, recipe, make_rope = CASES[case]
+    q, k, v = _inputs(B, Hq, Hkv, M, N, D, Dv, dtype, seed=len(case))
+    rope = make_rope(B, M, N, D) if make_rope else None
+    ops = quantize(q, k, v, recipe, rope)
+    assert_matches_reference(ops, q, k, v, recipe, rope)
+
+
+def _on(rope, device):
+    if rope is None:
+        return None
+    move = lambda t: t if t is None else t.to(device)  # noqa: E731
+    return RopeSpec(move(rope.cos), move(rope.sin), rope.style, move(rope.q_positions),
+                    move(rope.k_positions))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(CASES))
+def test_gpu_matches_float64_reference(case):
+    """The compiled kernel (wgmma dots, the hardware's e4m3 rounding) under the same rule."""
+    B, Hq, Hkv, M, N, D, Dv, dtype, recipe, make_rope = CASES[case]
+    q, k, v = (t.cuda() for t in _inputs(B, Hq, Hkv, M, N, D, Dv, dtype, seed=len(case)))
+    rope = _on(make_rope(B, M, N, D) if make_rope else None, "cuda")
+    ops = quantize(q, k, v, recipe, rope)
+    assert ops.q.is_cuda and ops.vt.is_cuda
+    assert_matches_reference(ops, q, k, v, recipe, rope)
+
+
+def test_non_contiguous_inputs_give_the_same_operands(cpu_kernels):
+    """Strided heads (a [B, S, H, D] layout transposed) read in place; a non-unit last stride is
+    copied: the result is that of contiguous inputs."""
+    q, k, v = _inputs(1, 2, 2, 40, 40, 64)
+    recipe, rope = FP8Recipe(block_m=16, block_n=16), RopeSpec.from_theta(64, 64)
+    want = quantize(q, k, v, recipe, rope)
+    q_t = q.transpose(1, 2).contiguous().transpose(1, 2)          # strided heads
+    v_t = v.transpose(2, 3).contiguous().transpose(2, 3)          # last stride != 1
+    assert not q_t.is_contiguous() and v_t.stride(-1) != 1
+    got = quantize(q_t, k, v_t, recipe, rope)
+    for name in ("q", "k", "vt", "q_scale", "k_scale", "v_scale"):
+        assert torch.equal(getattr(got, name).view(torch.uint8) if name in ("q", "k", "vt")
+                           else getattr(got, name),
+                           getattr(want, name).view(torch.uint8) if name in ("q", "k", "vt")
+                           else getattr(want, name)), name
+
+
+def test_zero_blocks_take_scale_one_and_leave_v_scale_max_alone(cpu_kernels):
+    q, k, v = _inputs(1, 2, 2, 32, 48, 64)
+    q[:, :, :16] = 0        # one zero Q block
+    v[:, 0, 16:32] = 0      # one zero V block in head 0
+    v[:, 1] = 0             # head 1's V all zero
+    recipe = FP8Recipe(block_m=16, block_n=16, hadamard=False)
+    ops = quantize(q, k, v, recipe)
+    assert ops.q_scale[:, :, 0].eq(1).all() and ops.q[:, :, :16].float().eq(0).all()
+    assert ops.v_scale[0, 0, 1] == 1 and ops.v_scale[0, 1].eq(1).all()
+    want = ops.v_scale[0, 0, [0, 2]].max()
+    assert ops.v_scale_max[0, 0] == want < 1, "a zero block's scale 1 leaked into v_scale_max"
+    assert ops.v_scale_max[0, 1] == 1
+    assert_matches_reference(ops, q, k, v, recipe)
+
+
+def test_dequantized_scores_match_the_original_scores(cpu_kernels):
+    """End to end: (q8·sq)(k8·sk)ᵀ ≈ rope(q) rope(k)ᵀ up to FP8 error (K's mean adds a per-query
+    constant: q·mean, put back here), and V comes back."""
+    q, k, v = _inputs(1, 2, 1, 64, 64, 128, seed=3)
+    rope = RopeSpec.from_theta(128, 64)
+    ops = quantize(q, k, v, FP8Recipe(smooth_k=True, block_m=32, block_n=32), rope)
+    dq, dk, dv = dequantize(ops)
+    q64, k64 = rotate(q, k, FP8Recipe(hadamard=False), rope)
+    want = q64 @ k64.repeat_interleave(2, dim=1).mT
+    got = dq.double() @ dk.double().repeat_interleave(2, dim=1).mT
+    got = got + (dq.double() @ ops.k_mean.double().repeat_interleave(2, dim=1).unsqueeze(-1))
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < 0.05, f"scores: relative error {err:.3f}"
+    err_v = ((dv.double() - v.double()).norm() / v.double().norm()).item()
+    assert err_v < 0.05, f"v: relative error {err_v:.3f}"
+
+
+def test_cpu_path_without_triton_matches_the_interpreter(cpu_kernels, monkeypatch):
+    """Without the interpreter, CPU tensors take reference.py (float64): the same operands."""
+    q, k, v = _inputs(1, 2, 1, 30, 30, 64)
+    recipe, rope = FP8Recipe(block_m=16, block_n=16), RopeSpec.from_theta(64, 32)
+    kernel = quantize(q, k, v, recipe, rope)
+    monkeypatch.setattr(host, "_interpreting", lambda: False)
+    torch_ops = quantize(q, k, v, recipe, rope)
+    assert_matches_reference(kernel, q, k, v, recipe, rope)
+    assert torch.equal(torch_ops.q_scale, quantize_reference(q, k, v, recipe, rope).q_scale)
+
+
+def test_smoothing_is_deterministic(cpu_kernels):
+    q, k, v = _inputs(1, 2, 2, 16, 200, 64)
+    recipe = FP8Recipe(smooth_k=True, block_m=16, block_n=16)
+    a, b = quantize(q, k, v, recipe), quantize(q, k, v, recipe)
+    assert torch.equal(a.k.view(torch.uint8), b.k.view(torch.uint8))
+    assert torch.equal(a.k_mean, b.k_mean)
+
+
+# ---- the reference's own math -------------------------------------------------------------
+
+@pytest.mark.parametrize("D,R,style", [(64, 64, "half"), (96, 96, "interleaved"),
+                                       (128, 64, "half"), (80, 32, "interleaved")])
+def test_rotation_preserves_qk(D, R, style):
+    """RoPE then the Hadamard rotation (float64, no quantization): q·kᵀ is that of RoPE alone."""
+    q, k, _ = _inputs(2, 2, 2, 33, 21, D, dtype=torch.float32, seed=D + R)
+    rope = RopeSpec.from_theta(R, 64, style=style)
+    qr, kr = rotate(q, k, FP8Recipe(seed=11), rope)
+    q0, k0 = rotate(q, k, FP8Recipe(hadamard=False), rope)
+    assert not torch.allclose(qr, q0), "the rotation did nothing"
+    want = q0 @ k0.mT
+    err = ((qr @ kr.mT - want).norm() / want.norm()).item()
+    assert err < 1e-12, err
+
+
+def test_hadamard_matrix():
+    for d in (16, 64, 96, 128, 80, 256):
+        b = hadamard_block(d)
+        m = sign_hadamard(d, seed=5)
+        assert torch.equal(m.abs() > 0, torch.block_diag(*[torch.ones(b, b)] * (d // b)).bool())
+        assert torch.equal(m @ m.T, b * torch.eye(d, dtype=torch.float64)), d
+        r = rotation_matrix(d, seed=5)
+        assert torch.allclose(r @ r.T, torch.eye(d, dtype=torch.float64), atol=1e-14)
+    assert torch.equal(sylvester(4), torch.tensor([[1, 1, 1, 1], [1, -1, 1, -1], [1, 1, -1, -1],
+                                                   [1, -1, -1, 1]], dtype=torch.float64))
+    # The signs: torch.randint bits of a seeded CPU generator, 0 -> -1, 1 -> +1.
+    bits = torch.randint(0, 2, (64,), generator=torch.Generator().manual_seed(9))
+    assert torch.equal(random_signs(64, 9), bits.double() * 2 - 1)
+    assert not torch.equal(random_signs(64, 9), random_signs(64, 10))
+    assert torch.equal(sign_hadamard(64, 9)[:, 0], random_signs(64, 9))
+
+
+def test_reference_rope_matches_transformers_and_llama_conventions():
+    x = torch.randn(2, 3, 7, 16, dtype=torch.float64)
+    rope = RopeSpec.from_theta(12, 10, style="half")
+    cos, sin = rope_tables(rope, None, 2, 7, torch.float64)
+    # transformers: q * cos + rotate_half(q) * sin on the rotary part, the rest passed through.
+    xr = x[..., :12]
+    half = torch.cat([-xr[..., 6:], xr[..., :6]], dim=-1)
+    want = torch.cat([xr * cos + half * sin, x[..., 12:]], dim=-1)
+    assert torch.allclose(apply_rope(x, cos, sin, "half"), want, atol=1e-14)
+    # Meta llama: pairs (2i, 2i+1) as complex numbers times e^{i·pos·freq_i}.
+    rope = RopeSpec.from_theta(12, 10, style="interleaved")
+    cos, sin = rope_tables(rope, None, 2, 7, torch.float64)
+    angles = torch.arange(7, dtype=torch.float64)[:, None] * 10000.0 ** (
+        -torch.arange(0, 12, 2, dtype=torch.float64) / 12)
+    z = torch.view_as_complex(x[..., :12].reshape(2, 3, 7, 6, 2).contiguous()) * torch.polar(
+        torch.ones_like(angles), angles)
+    want = torch.cat([torch.view_as_real(z).flatten(-2), x[..., 12:]], dim=-1)
+    assert torch.allclose(apply_rope(x, cos, sin, "interleaved"), want, atol=1e-12)
+
+
+def test_round_e4m3_and_scales():
+    # Every e4m3 value is a fixed point; midpoints go to the even neighbour; 448 saturates.
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+    codes = codes[codes.isfinite()]
+    assert torch.equal(round_e4m3(codes), codes)
+    assert round_e4m3(torch.tensor([17.0, 19.0, 500.0, -2.0 ** -10], dtype=torch.float64)).tolist() \
+        == [16.0, 20.0, 448.0, -0.0]
+    x = torch.tensor([[[[1.0, -4.48], [0.0, 0.0]]]], dtype=torch.float64)
+    assert block_scales(x, 1).flatten().tolist() == [pytest.approx(4.48 / E4M3_MAX, rel=1e-7), 1.0]
+
+
+@pytest.mark.parametrize("bad,error,match", [
+    (dict(dtype=torch.float32), TypeError, "bfloat16 or float16"),
+    (dict(D=40), ValueError, "multiple of 16"),
+    (dict(Hq=3), ValueError, "multiple of the key/value heads"),
+    (dict(rope_width=80), ValueError, "at most the head dim"),
+    (dict(rope_width=30, odd=True), ValueError, "even"),
+    (dict(k_tokens=7), ValueError, "same heads and tokens"),
+    (dict(short_table=True), ValueError, "table of at least"),
+    (dict(recipe="fp8"), TypeError, "FP8Recipe"),
+])
+def test_bad_inputs_raise_clear_errors(bad, error, match):
+    dtype = bad.get("dtype", torch.bfloat16)
+    D = bad.get("D", 64)
+    q = torch.randn(1, bad.get("Hq", 4), 16, D).to(dtype)
+    k = torch.randn(1, 2, 16, D).to(dtype)
+    v = torch.randn(1, 2, bad.get("k_tokens", 16), D).to(dtype)
+    rope = None
+    if "rope_width" in bad:
+        w = bad["rope_width"] + (1 if bad.get("odd") else 0)
+        rope = RopeSpec(torch.ones(32, w), torch.zeros(32, w))
+    if bad.get("short_table"):
+        rope = RopeSpec.from_theta(64, 8)
+    with pytest.raises(error, match=match):
+        quantize(q, k, v, bad.get("recipe", FP8Recipe()), rope)
+
+
+# ---- sm90 compile (no GPU) ----------------------------------------------------------------
+
+@pytest.mark.sm90_compile
+def test_compiles_for_sm90_without_spills():
+    """D=128 bf16 with RoPE and smoothing: both launches compile for sm90 without register
+    spills, the Hadamard runs on wgmma, the e4m3 casts are the hardware's rounding ones."""
+    from fa3_inductor.templates.aot import sass_report
+
+    q = torch.randn(2, 8, 1024, 128, dtype=torch.bfloat16)
+    k = v = torch.randn(2, 2, 1024, 128, dtype=torch.bfloat16)
+    rope = RopeSpec.from_theta(128, 1024)
+    sums, main = host.compile_prologue(q, k, v, FP8Recipe(smooth_k=True), rope)
+    for name, ck in (("k_sums_kernel", sums), ("prologue_kernel", main)):
+        r = sass_report(ck)
+        assert r.stack == 0 and r.local == 0 and r.spill_instructions == 0, (name, r.registers,
+                                                                             r.stack)
+        assert r.shared <= 227 * 1024, (name, r.shared)
+    r = sass_report(main)
+    assert r.hgmma > 0, "the Hadamard dots did not compile to wgmma"
+    assert "cvt.rn.satfinite.e4m3x2.f32" in r.ptx
+
+
+@pytest.mark.sm90_compile
+@pytest.mark.parametrize("D,Dv,R,recipe", [(256, 256, 256, FP8Recipe()),
+                                           (192, 128, 64, FP8Recipe(block_m=0, block_n=0)),
+                                           (64, 64, 0, FP8Recipe(hadamard=False))])
+def test_other_head_dims_compile_for_sm90_without_spills(D, Dv, R, recipe):
+    from fa3_inductor.templates.aot import sass_report
+
+    q = torch.randn(1, 4, 512, D, dtype=torch.float16)
+    k, v = torch.randn(1, 2, 512, D, dtype=torch.float16), torch.randn(1, 2, 512, Dv,
+                                                                     dtype=torch.float16)
+    rope = RopeSpec.from_theta(R, 512) if R else None
+    (main,) = host.compile_prologue(q, k, v, recipe, rope)
+    r = sass_report(main)
+    assert r.stack == 0 and r.spill_instructions == 0, (r.registers, r.stack)
+    assert r.shared <= 227 * 1024, r.shared
