@@ -17,10 +17,11 @@ from .api import flex
 from ._log import register_torch_log
 from .backend import ensure_registered, fa3_backend
 from .explain import ExplainReport, explain
+from .fp8_recipe import FP8Recipe, RopeSpec
 from .report import clear_lowered_sites, lowered_backward_sites, lowered_sites, recognized_sites
 from .runtime.ops import last_template
 
-__all__ = ["flex", "mods", "fa3_backend", "lowered_sites", "lowered_backward_sites",
+__all__ = ["flex", "mods", "FP8Recipe", "RopeSpec", "fa3_backend", "lowered_sites", "lowered_backward_sites",
            "recognized_sites", "clear_lowered_sites", "last_template", "explain", "ExplainReport"]
 __version__ = "0.1.0"
 

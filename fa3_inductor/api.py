@@ -11,11 +11,12 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from . import _compat, direct
+from . import _compat, direct, direct_fp8
 from ._log import info_once
 from .backend import fa3_backend
 from .block_masks import build_block_mask, cached_block_mask
 from .config import templates
+from .fp8_recipe import FP8Recipe, RopeSpec
 from .runtime.ops import last_template, record_template
 
 _MAX_COMPILED = 64
@@ -166,7 +167,8 @@ def _runs_our_kernels(q: Tensor) -> bool:
 def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
          mask_mod: Optional[Callable] = None, block_mask: Optional[BlockMask] = None,
          scale: Optional[float] = None, enable_gqa: bool = False,
-         return_lse: bool = False, template: str = "auto") -> Union[Tensor, tuple[Tensor, Tensor]]:
+         return_lse: bool = False, template: str = "auto", fp8: Union[bool, FP8Recipe, None] = None,
+         rope: Optional[RopeSpec] = None) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """Attention with FlexAttention's semantics, served by fa3_inductor's kernels.
 
     ``q`` is (B, H, M, D), ``k`` is (B, Hkv, N, D), ``v`` is (B, Hkv, N, Dv). Dv may differ
@@ -188,6 +190,12 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
     CPU inputs that need gradients without the interpreter raise NotImplementedError saying
     what to do.
 
+    ``fp8=True`` (or an :class:`FP8Recipe`) runs FP8 attention for inference: one prologue pass
+    applies ``rope`` (a :class:`RopeSpec`, optional: q and k given before RoPE), rotates q and k by
+    a random-sign Hadamard matrix and quantizes q, k, v to e4m3 with one scale per kernel tile; the
+    FP8 kernel then computes on them (docs/fp8.md). Inference only: inputs that need gradients
+    raise. ``rope`` needs ``fp8``.
+
     Example::
 
         >>> from fa3_inductor import flex, mods
@@ -200,6 +208,10 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
         >>> flex(q, k, v, mask_mod=mods.causal, enable_gqa=True).shape
         torch.Size([1, 8, 256, 128])
     """
+    recipe = FP8Recipe.of(fp8)
+    if recipe is not None or rope is not None:
+        return _flex_fp8(q, k, v, score_mod, mask_mod, block_mask, scale, enable_gqa, return_lse,
+                         template, recipe, rope)
     memo = None
     if isinstance(q, Tensor) and q.is_cuda and not torch.compiler.is_compiling():
         # A repeat of an earlier served call re-launches its kernel at once (direct.py, "call memo").
@@ -244,3 +256,39 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
     if last_template() is None:  # the lowering handed this site to torch's kernel
         record_template("torch")
     return result
+
+
+def _flex_fp8(q, k, v, score_mod, mask_mod, block_mask, scale, enable_gqa, return_lse, template,
+              recipe: Optional[FP8Recipe], rope: Optional[RopeSpec]):
+    """flex() with fp8= (its docstring): checks, then direct_fp8.forward_fp8."""
+    if recipe is None:
+        raise ValueError("flex: rope= is applied by the FP8 prologue; pass fp8=True with it, or "
+                         "apply RoPE to q and k yourself")
+    _check_inputs(q, k, v, score_mod, mask_mod, block_mask, scale, enable_gqa)
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"flex(fp8=...): inputs must be bfloat16 or float16 (got {q.dtype}); the "
+                         "prologue quantizes them to e4m3")
+    if _needs_grad(q, k, v) or torch.compiler.is_compiling():
+        raise NotImplementedError(
+            "flex(fp8=...) is inference-only: backward through an FP8 forward is not supported. "
+            "Call it under torch.no_grad() / torch.inference_mode() with inputs that need no "
+            "gradient, or drop fp8= to train (the bf16/fp16 kernels have a backward)")
+    if template not in ("auto", "fp8"):
+        raise ValueError(f"flex(fp8=...): template must be 'auto' (got {template!r}); FP8 runs the "
+                         "fp8 kernel family")
+    if recipe.smooth_k and score_mod is not None:
+        raise ValueError("flex(fp8=FP8Recipe(smooth_k=True)) with a score_mod: subtracting K's mean "
+                         "shifts each query's scores by a constant, which softmax ignores but a "
+                         "score_mod does not; use smooth_k=False with a score_mod")
+    if not (q.is_cuda or (q.device.type == "cpu" and _triton_interpreting())):
+        raise NotImplementedError(f"flex(fp8=...): {q.device.type} tensors; FP8 runs on CUDA GPUs "
+                                  "with e4m3 tensor cores (sm89+), or on the CPU under "
+                                  "TRITON_INTERPRET=1")
+    if mask_mod is not None:
+        block_mask = _block_mask_of(mask_mod, q, k)
+    _check_block_mask_fits(block_mask, q, k)
+    with torch.no_grad():
+        out, lse = direct_fp8.forward_fp8(q, k, v, score_mod, block_mask,
+                                          scale if scale is not None else q.shape[-1] ** -0.5,
+                                          recipe, rope)
+    return (out, lse) if return_lse else out

@@ -68,7 +68,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable], bloc
         key = (score_mod, mask_mod, site)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _plan(q, k, v, score_mod, mask_mod, block_mask, template)
+        plan = plan_direct(q, k, v, score_mod, mask_mod, block_mask, template)
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = plan
@@ -77,19 +77,30 @@ def forward(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable], bloc
     if torch.is_grad_enabled() and any(b.requires_grad for b in (*plan.score_bufs,
                                                                    *plan.mask_bufs)):
         return None  # a learnable captured tensor: the compiled path gives it a gradient
-    if block_mask is None:
-        tables = (None, None, None, None)
-        sparse_q = sparse_kv = _NO_MASK_BLOCK
-    else:
-        tables = (block_mask.kv_num_blocks, block_mask.kv_indices,
-                  block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
-        sparse_q, sparse_kv = block_mask.BLOCK_SIZE
+    tables, sparse_q, sparse_kv = block_mask_tables(block_mask)
     out, lse, _ = torch.ops.fa3_inductor.flex_fwd.default(
         q, k, v, *tables, plan.score_bufs, plan.mask_bufs, float(scale), int(sparse_q),
         int(sparse_kv), plan.spec)
     if memo is not None:
         _remember(memo, q, k, v, plan, tables, float(scale), int(sparse_q), int(sparse_kv))
     return out, lse.mul_(_LN2)
+
+
+def block_mask_tables(block_mask: Any) -> tuple[tuple, int, int]:
+    """(the four block-mask tables, query block, KV block) a kernel call takes; all None and torch's
+    "no mask" block size without a block mask.
+
+    Example::
+
+        >>> block_mask_tables(None)[1] == 1 << 30
+        True
+    """
+    if block_mask is None:
+        return (None, None, None, None), _NO_MASK_BLOCK, _NO_MASK_BLOCK
+    tables = (block_mask.kv_num_blocks, block_mask.kv_indices,
+              block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+    sparse_q, sparse_kv = (int(x) for x in block_mask.BLOCK_SIZE)
+    return tables, sparse_q, sparse_kv
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -191,8 +202,17 @@ def clear() -> None:
     _CALLS.clear()
 
 
-def _plan(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable],
-          mask_mod: Optional[Callable], block_mask: Any, template: str) -> _Plan:
+def plan_direct(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable],
+                mask_mod: Optional[Callable], block_mask: Any, template: str, fp8: bool = False) -> _Plan:
+    """Plan a direct call's site as the lowering would (mods traced and generated, families
+    chosen; ``fp8``: the inputs reach the kernel from the FP8 prologue). ``.spec`` is None when our
+    kernels do not serve it, with ``.reason``.
+
+    Example::
+
+        >>> plan_direct(q, k, v, None, None, None, "auto").spec is not None   # doctest: +SKIP
+        True
+    """
     try:
         score_gm, score_bufs = trace_mod(score_mod or _identity_score, "score")
         mask_gm, mask_bufs = trace_mod(mask_mod or noop_mask, "mask")
@@ -207,9 +227,10 @@ def _plan(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable],
             [BufferSpec.of(b) for b in mask_bufs], device=q.device, dtype=q.dtype,
             q_heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[3],
             value_head_dim=v.shape[3], batches_match=q.shape[0] == k.shape[0] or k.shape[0] == 1,
-            sparse_blocks=sparse, settings=Settings(template=template), needs_max=False,
+            sparse_blocks=sparse, settings=Settings(template=template), needs_max=False, fp8=fp8,
             description=f"q{list(q.shape)} {kv} "
-                        f"{str(q.dtype).replace('torch.', '')} {q.device.type} (flex, direct)")
+                        f"{str(q.dtype).replace('torch.', '')} {q.device.type} "
+                        f"(flex, {'fp8' if fp8 else 'direct'})")
     except UnsupportedMod as exc:
         return _Plan(None, [], [], f"mod not lowerable: {exc}")
     if spec is None:

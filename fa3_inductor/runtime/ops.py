@@ -167,6 +167,19 @@ def _serve(site: SiteSpec, call: Call, key: Optional[tuple], inputs: Optional[tu
                        "check templates/registry.py")
 
 
+def serve(site: SiteSpec, call: Call) -> str:
+    """Compute ``call`` with the first of ``site``'s families that serves it, with no launch cache
+    (each call prepares its launch); returns that family's name. The FP8 direct path uses it: its
+    operands come fresh from the prologue, and its families differ from the op's.
+
+    Example::
+
+        >>> serve(SiteSpec.from_json(spec), call)   # doctest: +SKIP
+        'fp8'
+    """
+    return _serve(site, call, None, None)
+
+
 def _launch_key(spec: str, scale: float, sparse_q_block: int, sparse_kv_block: int, n_score_bufs: int,
                 inputs: tuple) -> tuple:
     """Everything a CUDA launch depends on but the tensors' addresses (runtime/fast_launch.py)."""

@@ -53,6 +53,7 @@ class SiteFacts:
     dtype: torch.dtype
     head_dim: int         # q's and k's
     value_head_dim: int   # v's and the output's
+    fp8: bool = False     # inputs quantized to e4m3 by the FP8 prologue (fp8_recipe.py)
 
     @property
     def capability(self) -> Optional[tuple[int, int]]:
@@ -94,6 +95,9 @@ class Call:
     mask_source: Optional[str] = None
     score_info: Any = None   # templates/modgen.ModInfo of score_source (None: none or hand-written)
     mask_info: Any = None
+    # FP8 sites: the prologue's FP8Operands (fp8_recipe.py); q, k, v are then its q, k, vt, and a
+    # family that computes in high precision (torch's, the last resort) dequantizes them
+    fp8: Any = None
 
     def block_options(self) -> dict:
         """The block-mask keywords every family's host function takes."""

@@ -16,6 +16,7 @@ from .family import KernelFamily, SiteFacts
 
 FAMILY_FOLDERS = (
     "hopper",        # Gluon, sm90: FlashAttention-3 structure
+    "fp8",           # Triton, e4m3 inputs from the FP8 prologue: sm89+ and the CPU interpreter
     "generic",       # Triton, any CUDA GPU and the CPU interpreter
     "torch_dense",   # torch ops, dense: the last resort
 )
@@ -30,7 +31,7 @@ def families() -> tuple[KernelFamily, ...]:
     Example::
 
         >>> [f.name for f in families()]
-        ['hopper', 'generic', 'torch']
+        ['hopper', 'fp8', 'generic', 'torch']
     """
     global _loaded
     if _loaded is None:

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from ..._log import info_once
-from ..family import Call, NotServed, SiteFacts, Variants
+from ..family import NOT_MEANT_HERE, Call, NotServed, SiteFacts, Variants
 from .host import launch_generic, prepare_generic_variants
 
 # Input dtypes the CPU interpreter cannot compute a dot in (computed in float32 instead).
@@ -28,6 +28,8 @@ class GenericFamily:
     dialect = "tl"
 
     def serves(self, site: SiteFacts) -> Optional[str]:
+        if site.fp8:
+            return NOT_MEANT_HERE   # FP8 operands go to the fp8 family (same kernel, Quant bundle on)
         return None   # the planner has checked dtype, head dims and the interpreter (lowering/site_plan.py)
 
     def describe(self, site: SiteFacts) -> str:

@@ -9,7 +9,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .kernel import BlockSparsity, SiteFlags, Tiling, attention_fwd_kernel
+from .kernel import NO_QUANT, BlockSparsity, Quant, SiteFlags, Tiling, attention_fwd_kernel
 from ..modgen import kernel_score_mod, mod_info
 from ..tma import tma_aligned
 from ..._log import warn_once
@@ -55,11 +55,12 @@ def _fold_scale(sm_scale: float, score_mod: Any) -> bool:
 def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs,
              mask_bufs, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
              sparse_q_block, sparse_kv_block, capability, iterate_hull=None, config=None,
-             host_descriptors=None, even_n=None):
+             host_descriptors=None, even_n=None, fp8=None):
     """(args, kwargs, grid) of one generic-kernel launch; shared by launch and compile-only.
-    ``even_n`` overrides EVEN_N (compiling a sibling variant ahead: never launched so)."""
+    ``even_n`` overrides EVEN_N (compiling a sibling variant ahead: never launched so). ``fp8``: the
+    prologue's FP8Operands, whose q, k, vt are then the q, k, v given here."""
     Z, HQ, M, D = q.shape
-    HKV, N, DV = k.shape[1], k.shape[2], v.shape[3]
+    HKV, N, DV = k.shape[1], k.shape[2], (v.shape[2] if fp8 is not None else v.shape[3])
     # The kernel's factor from its score tile to the score (kernel._kv_tile takes it in log2
     # units): the mod's, or the scale itself when the no-mod path folds it.
     if score_mod is not None:
@@ -77,6 +78,8 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
                                    fp32=q.dtype == torch.float32, plain_kv_len=N if plain else 0)
     block_m = min(cfg.block_m, sparse_q_block)
     block_n = min(cfg.block_n, sparse_kv_block)
+    if fp8 is not None and fp8.recipe.block_n:
+        block_n = min(block_n, fp8.recipe.block_n)   # a KV tile inside one K / V scale block
     has_mask = kv_num_blocks is not None
     if not has_mask and mask_mod is not None:
         raise ValueError("launch_generic: a mask_mod needs block-mask tensors (kv_num_blocks)")
@@ -98,10 +101,19 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
         even_n = N % (sparse_kv_block if has_mask else block_n) == 0 and N % block_n == 0
     qkvo = (q, k, v, out)
     if host_desc:
-        tiles = ((block_m, block_d), (block_n, block_d), (block_n, block_dv), (block_m, block_dv))
+        v_tile = (block_dv, block_n) if fp8 is not None else (block_n, block_dv)   # VT: keys last
+        tiles = ((block_m, block_d), (block_n, block_d), v_tile, (block_m, block_dv))
         qkvo = tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, cols])
                      for t, (rows, cols) in zip(qkvo, tiles))
-    args = (*qkvo, lse, max_scores, *tables, tuple(score_bufs), tuple(mask_bufs),
+    if fp8 is None:
+        quant_args, quant = (dummy, dummy, dummy, dummy, 1, 1), NO_QUANT
+    else:
+        quant_args = (fp8.q_scale, fp8.k_scale, fp8.v_scale, fp8.v_scale_max,
+                      fp8.q_scale.shape[-1], fp8.k_scale.shape[-1])
+        quant = Quant(ON=True, Q_BLOCK=fp8.recipe.block_m, KV_BLOCK=fp8.recipe.block_n,
+                      TWO_LEVEL=fp8.recipe.two_level > 0, OUT_BF16=out.dtype == torch.bfloat16,
+                      ROUND_P_IN_FP32=capability is None)
+    args = (*qkvo, lse, max_scores, *tables, tuple(score_bufs), tuple(mask_bufs), *quant_args,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -133,7 +145,7 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
         FOLD_SCALE=_fold_scale(sm_scale, score_mod),
     )
     kwargs = dict(SCORE_MOD=score_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse, FLAGS=flags,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  QUANT=quant, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return args, kwargs, (triton.cdiv(M, block_m), Z * HQ)
 
 
@@ -155,7 +167,7 @@ def prepare_generic(
     full_kv_indices: Optional[torch.Tensor] = None,
     sparse_q_block: int = 128, sparse_kv_block: int = 128, iterate_hull: Optional[bool] = None,
     config: Optional[GenericConfig] = None, host_descriptors: Optional[bool] = None,
-    even_n: Optional[bool] = None, plan_for: Optional[tuple[int, int]] = None,
+    even_n: Optional[bool] = None, plan_for: Optional[tuple[int, int]] = None, fp8: Any = None,
 ) -> tuple[Any, tuple, dict, tuple]:
     """``(kernel, args, kwargs, grid)`` of one generic-kernel launch.
 
@@ -167,7 +179,9 @@ def prepare_generic(
     descriptors (None: built on the host on sm90 and in the interpreter, in the kernel on other
     GPUs; see kernel.py); ``even_n`` forces EVEN_N (a sibling compiled ahead, never launched:
     :func:`prepare_generic_variants`); ``plan_for`` the GPU capability to plan for when the tensors
-    are on no GPU (CPU or meta tensors: tests, compile-only; None: the tensors' own device).
+    are on no GPU (CPU or meta tensors: tests, compile-only; None: the tensors' own device);
+    ``fp8`` the prologue's FP8Operands (templates/fp8_prologue/): then ``q, k, v`` are its ``q, k,
+    vt`` and ``out`` is bfloat16 or float16.
 
     Example::
 
@@ -183,7 +197,7 @@ def prepare_generic(
                                   score_bufs, mask_bufs, kv_num_blocks, kv_indices,
                                   full_kv_num_blocks, full_kv_indices, sparse_q_block,
                                   sparse_kv_block, _planned_capability(q, plan_for), iterate_hull,
-                                  config, host_descriptors, even_n)
+                                  config, host_descriptors, even_n, fp8)
     return attention_fwd_kernel, args, kwargs, grid
 
 
@@ -208,7 +222,7 @@ def prepare_generic_variants(
     if options.get("config") is not None:
         configs = [options["config"]]
     else:
-        D, DV = q.shape[-1], v.shape[-1]
+        D, DV = q.shape[-1], (v.shape[2] if options.get("fp8") is not None else v.shape[-1])
         score_mod = options.get("score_mod")
         if score_mod is not None:
             score_mod = kernel_score_mod(score_mod, options["sm_scale"])[0]
@@ -247,7 +261,8 @@ def compile_generic(q, k, v, out, lse, max_scores, *, sm_scale: float, score_mod
                     mask_mod: Any = None, score_bufs: Sequence[torch.Tensor] = (),
                     mask_bufs: Sequence[torch.Tensor] = (), kv_num_blocks=None, kv_indices=None,
                     full_kv_num_blocks=None, full_kv_indices=None, sparse_q_block: int = 128,
-                    sparse_kv_block: int = 128, capability: tuple[int, int] = (9, 0)) -> Any:
+                    sparse_kv_block: int = 128, capability: tuple[int, int] = (9, 0),
+                    fp8: Any = None, config: Optional[GenericConfig] = None) -> Any:
     """Compile (not run) what launch_generic would launch on a GPU of ``capability``.
 
     Tensors may be on the CPU; needs a process without TRITON_INTERPRET=1.
@@ -263,6 +278,6 @@ def compile_generic(q, k, v, out, lse, max_scores, *, sm_scale: float, score_mod
     args, kwargs, _ = _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod,
                                score_bufs, mask_bufs, kv_num_blocks, kv_indices,
                                full_kv_num_blocks, full_kv_indices, sparse_q_block,
-                               sparse_kv_block, capability)
+                               sparse_kv_block, capability, config=config, fp8=fp8)
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
     return compile_launch(attention_fwd_kernel, args, kwargs, target)

@@ -7,6 +7,10 @@ Notation
     V: [Z, HKV, N, DV]   value; DV may differ from D (DeepSeek's MLA: D 192, DV 128)
     O: [Z, HQ, M, DV]    output, written in the strides the caller allocated
     LSE, MAX: [Z, HQ, M] float32, log2 units (logsumexp / ln 2, rowmax / ln 2)
+    FP8 inputs (QUANT.ON; the prologue's layout, templates/fp8_prologue/): Q, K float8_e4m3fn as
+    above, V given transposed, VT [Z, HKV, DV, N_pad] (token dim last: FP8 wgmma wants its B
+    operand K-major), and float32 scales QS [Z, HQ, NQB] per QUANT.Q_BLOCK query rows, KS and VS
+    [KZ, HKV, NKB] per QUANT.KV_BLOCK keys, VS_MAX [KZ, HKV] (0 as a block size: one per head)
     z, hq, hkv           batch, query head, kv head of this program
     m, n                 query rows (q_idx), key columns (kv_idx)
     BLOCK_M, BLOCK_N     the tile a program computes / one step of its KV loop (TILE)
@@ -36,6 +40,7 @@ dataclasses below, read as `TILE.BLOCK_N`):
     SPARSE  BlockSparsity  HAS_BLOCK_MASK, HAS_FULL_BLOCKS, SPARSE_Q, SPARSE_KV, ITERATE_HULL,
                            MAX_KV_BLKS
     FLAGS   SiteFlags      GQA_GROUP, EVEN_N, FOLD_SCALE
+    QUANT   Quant          ON, Q_BLOCK, KV_BLOCK, TWO_LEVEL, OUT_BF16 (FP8 inputs; ON=False otherwise)
 The input dtype is no parameter: the kernel reads it off the Q tile (`in_dtype`).
 
 Specialization (one compile per kind of site, not per length): the integers that follow the
@@ -57,6 +62,8 @@ from dataclasses import dataclass
 
 import triton
 import triton.language as tl
+
+from ..fp8_prologue.kernel import _round_e4m3
 
 
 # Constexpr bundles: each a frozen dataclass passed as one `tl.constexpr` argument (as in
@@ -92,6 +99,25 @@ class SiteFlags:
     EVEN_N: bool           # every visited KV tile lies inside [0, N): no bound mask
     FOLD_SCALE: bool       # no score_mod, sm_scale > 0: raw q.k, the scale folded into qk_scale2
 
+
+
+@dataclass(frozen=True)
+class Quant:
+    """FP8 inputs (module docstring, "FP8 inputs"). A tile's score is q8.k8 times the rows' Q scales
+    and the tile's K scale (the kernel's KV tile lies inside one K scale block); P is put in e4m3's
+    range as exp2(x - m + 8) times the tile's V scale over VS_MAX (folded into the exponent), and the
+    output is scaled back by VS_MAX / 2^8 in the epilogue."""
+    ON: bool               # Q, K, VT are float8_e4m3fn with scales (else every other field is unused)
+    Q_BLOCK: int           # query rows per Q scale (0: one per head)
+    KV_BLOCK: int          # keys per K / V scale (0: one per head); a multiple of BLOCK_N
+    TWO_LEVEL: bool        # each tile's PV in a fresh accumulator added into the fp32 O (Hopper's
+                           # FP8 MMA keeps ~22 bits; a 128K-key row chained in it loses accuracy)
+    OUT_BF16: bool         # O is bfloat16 (else float16)
+    ROUND_P_IN_FP32: bool  # round P to the e4m3 grid before the cast: Triton 3.6's interpreter casts
+                           # wrongly where rounding carries into the next binade (124 -> 64)
+
+
+NO_QUANT = Quant(ON=False, Q_BLOCK=0, KV_BLOCK=0, TWO_LEVEL=False, OUT_BF16=False, ROUND_P_IN_FP32=False)
 
 
 @triton.jit
@@ -152,10 +178,15 @@ def _listed_blocks_hull(KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX, row,
 
 @triton.jit
 def _kv_tile(acc, l_i, m_i, q, kv, start_n, offs_m, off_z, off_hq, M, N,
-             qk_scale2, sm_scale, score_bufs, mask_bufs,
+             qk_scale2, sm_scale, score_bufs, mask_bufs, quant,
              SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, APPLY_MASK: tl.constexpr,
-             IN_DTYPE: tl.constexpr, TILE: tl.constexpr, FLAGS: tl.constexpr):
+             IN_DTYPE: tl.constexpr, TILE: tl.constexpr, FLAGS: tl.constexpr,
+             QUANT: tl.constexpr):
     """One KV tile of the online softmax: S = QK^T, mods, rescale, O += PV."""
+    if QUANT.ON:
+        return _kv_tile_fp8(acc, l_i, m_i, q, kv, start_n, offs_m, off_z, off_hq, M, N,
+                            qk_scale2, sm_scale, score_bufs, mask_bufs, quant, SCORE_MOD,
+                            MASK_MOD, APPLY_MASK, TILE, FLAGS, QUANT)
     k_desc, v_desc, kv_z, kv_h = kv
     k = _load_tile(k_desc, kv_z, kv_h, start_n, TILE.BLOCK_N, q.shape[1], TILE.HOST_DESC)
     qk = tl.dot(q, tl.trans(k), input_precision=TILE.DOT_PRECISION)
@@ -195,11 +226,76 @@ def _kv_tile(acc, l_i, m_i, q, kv, start_n, offs_m, off_z, off_hq, M, N,
 
 
 @triton.jit
+def _kv_tile_fp8(acc, l_i, m_i, q, kv, start_n, offs_m, off_z, off_hq, M, N,
+                 qk_scale2, sm_scale, score_bufs, mask_bufs, quant,
+                 SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, APPLY_MASK: tl.constexpr,
+                 TILE: tl.constexpr, FLAGS: tl.constexpr, QUANT: tl.constexpr):
+    """_kv_tile on FP8 inputs (Quant): S = (Q8 K8^T) * q_scale * k_scale, mods on the dequantized
+    fp32 scores, P in e4m3 with the V scale folded in, O += P8 VT^T."""
+    k_desc, v_desc, kv_z, kv_h = kv
+    q_rows, ks_ptr, vs_ptr, vs_max, n_scale_blocks = quant
+    k = _load_tile(k_desc, kv_z, kv_h, start_n, TILE.BLOCK_N, q.shape[1], TILE.HOST_DESC)
+    qk = tl.dot(q, tl.trans(k))
+    # A block-mask block may reach past N (its tiles there are all masked): clamp the scale index.
+    blk = tl.minimum(start_n // QUANT.KV_BLOCK, n_scale_blocks - 1) if QUANT.KV_BLOCK > 0 else 0
+    deq = q_rows * tl.load(ks_ptr + blk)          # [BLOCK_M]: the tile's dequantization per row
+
+    offs_n = start_n + tl.arange(0, TILE.BLOCK_N)
+    q_idx = tl.minimum(offs_m, M - 1)[:, None]
+    kv_idx = tl.minimum(offs_n, N - 1)[None, :]
+    # to_log2 per row: the dequantization folds into the exp2 argument's FMA when nothing else
+    # reads the scores (FOLD_SCALE); a mod reads them dequantized.
+    if SCORE_MOD is not None:
+        s = SCORE_MOD(qk * deq[:, None], sm_scale, off_z, off_hq, q_idx, kv_idx, score_bufs)
+        to_log2 = tl.full([TILE.BLOCK_M], 1.0, tl.float32) * qk_scale2
+    elif FLAGS.FOLD_SCALE:
+        s = qk
+        to_log2 = deq * qk_scale2
+    else:
+        s = qk * (deq * sm_scale)[:, None]
+        to_log2 = tl.full([TILE.BLOCK_M], 1.0, tl.float32) * qk_scale2
+    if APPLY_MASK:
+        keep = MASK_MOD(off_z, off_hq, q_idx, kv_idx, mask_bufs)
+        s = tl.where(keep, s, float("-inf"))
+    if not FLAGS.EVEN_N:
+        s = tl.where(offs_n[None, :] < N, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, 1) * to_log2)
+    m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    # P in [0, 2^8 * vs / vs_max]: e4m3's range (max 448) with the tile's V scale folded in, so one
+    # accumulator holds every tile's P8 VT^T in units of vs_max / 2^8.
+    shift = tl.minimum(8.0 + tl.math.log2(tl.load(vs_ptr + blk) / vs_max), 8.0)   # an all-zero
+    # V block's scale (1) may exceed VS_MAX; its P must still fit e4m3
+    p = tl.math.exp2(s * to_log2[:, None] - (m_base - shift)[:, None])
+    alpha = tl.math.exp2(m_i - m_base)
+    l_i = l_i * alpha + tl.sum(p, 1) * tl.math.exp2(-shift)
+    vt = _load_vt_tile(v_desc, kv_z, kv_h, start_n, acc.shape[1], TILE.BLOCK_N, TILE.HOST_DESC)
+    if QUANT.ROUND_P_IN_FP32:
+        p = _round_e4m3(p)
+    p8 = p.to(tl.float8e4nv)
+    if QUANT.TWO_LEVEL:
+        acc = acc * alpha[:, None] + tl.dot(p8, tl.trans(vt))
+    else:
+        acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _load_vt_tile(desc, z, h, col, ROWS: tl.constexpr, COLS: tl.constexpr, HOST_DESC: tl.constexpr):
+    """[DV, BLOCK_N] tile of VT (keys along the columns) at key `col` of head (z, h)."""
+    if HOST_DESC:
+        tile = desc.load([z, h, 0, col]).reshape([ROWS, COLS])
+    else:
+        tile = desc.load([0, col])
+    return tile
+
+
+@triton.jit
 def _walk_listed_blocks(
     acc, l_i, m_i, q, kv, NUM_BLKS, IDX, row, NUM_KV_BLKS, offs_m, off_z, off_hq,
-    M, N, qk_scale2, sm_scale, score_bufs, mask_bufs, SCORE_MOD: tl.constexpr,
+    M, N, qk_scale2, sm_scale, score_bufs, mask_bufs, quant, SCORE_MOD: tl.constexpr,
     MASK_MOD: tl.constexpr, APPLY_MASK: tl.constexpr, IN_DTYPE: tl.constexpr,
-    TILE: tl.constexpr, SPARSE: tl.constexpr, FLAGS: tl.constexpr,
+    TILE: tl.constexpr, SPARSE: tl.constexpr, FLAGS: tl.constexpr, QUANT: tl.constexpr,
 ):
     """The KV tiles of the blocks one block-mask list (partial or full) gives this row."""
     TILES_PER_BLK: tl.constexpr = SPARSE.SPARSE_KV // TILE.BLOCK_N
@@ -209,8 +305,8 @@ def _walk_listed_blocks(
         start_n = blk * SPARSE.SPARSE_KV + (t % TILES_PER_BLK) * TILE.BLOCK_N
         acc, l_i, m_i = _kv_tile(
             acc, l_i, m_i, q, kv, start_n, offs_m, off_z, off_hq, M, N,
-            qk_scale2, sm_scale, score_bufs, mask_bufs, SCORE_MOD, MASK_MOD, APPLY_MASK,
-            IN_DTYPE, TILE, FLAGS)
+            qk_scale2, sm_scale, score_bufs, mask_bufs, quant, SCORE_MOD, MASK_MOD, APPLY_MASK,
+            IN_DTYPE, TILE, FLAGS, QUANT)
     return acc, l_i, m_i
 
 
@@ -219,9 +315,9 @@ def _attend_kv_tiles(
     acc, l_i, m_i, q, kv,
     KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX, row,
     off_z, off_hq, offs_m, M, N, NUM_KV_BLKS, qk_scale2, sm_scale,
-    score_bufs, mask_bufs,
+    score_bufs, mask_bufs, quant,
     SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, IN_DTYPE: tl.constexpr,
-    TILE: tl.constexpr, SPARSE: tl.constexpr, FLAGS: tl.constexpr,
+    TILE: tl.constexpr, SPARSE: tl.constexpr, FLAGS: tl.constexpr, QUANT: tl.constexpr,
 ):
     """Online softmax over this query tile's KV tiles.
 
@@ -240,13 +336,13 @@ def _attend_kv_tiles(
     if SPARSE.HAS_BLOCK_MASK and not SPARSE.ITERATE_HULL:
         acc, l_i, m_i = _walk_listed_blocks(
             acc, l_i, m_i, q, kv, KV_NUM_BLKS, KV_IDX, row, NUM_KV_BLKS, offs_m,
-            off_z, off_hq, M, N, qk_scale2, sm_scale, score_bufs, mask_bufs, SCORE_MOD,
-            MASK_MOD, APPLY_MASK, IN_DTYPE, TILE, SPARSE, FLAGS)
+            off_z, off_hq, M, N, qk_scale2, sm_scale, score_bufs, mask_bufs, quant, SCORE_MOD,
+            MASK_MOD, APPLY_MASK, IN_DTYPE, TILE, SPARSE, FLAGS, QUANT)
         if SPARSE.HAS_FULL_BLOCKS:
             acc, l_i, m_i = _walk_listed_blocks(
                 acc, l_i, m_i, q, kv, FULL_KV_NUM_BLKS, FULL_KV_IDX, row,
                 NUM_KV_BLKS, offs_m, off_z, off_hq, M, N, qk_scale2, sm_scale, score_bufs,
-                mask_bufs, SCORE_MOD, MASK_MOD, False, IN_DTYPE, TILE, SPARSE, FLAGS)
+                mask_bufs, quant, SCORE_MOD, MASK_MOD, False, IN_DTYPE, TILE, SPARSE, FLAGS, QUANT)
         return acc, l_i, m_i
     start0 = 0
     if SPARSE.HAS_BLOCK_MASK:  # hull walk
@@ -260,15 +356,15 @@ def _attend_kv_tiles(
     for t in tl.range(0, n_tiles, warp_specialize=TILE.WARP_SPECIALIZE):
         acc, l_i, m_i = _kv_tile(
             acc, l_i, m_i, q, kv, start0 + t * TILE.BLOCK_N, offs_m, off_z, off_hq,
-            M, N, qk_scale2, sm_scale, score_bufs, mask_bufs, SCORE_MOD, MASK_MOD,
-            APPLY_MASK, IN_DTYPE, TILE, FLAGS)
+            M, N, qk_scale2, sm_scale, score_bufs, mask_bufs, quant, SCORE_MOD, MASK_MOD,
+            APPLY_MASK, IN_DTYPE, TILE, FLAGS, QUANT)
     return acc, l_i, m_i
 
 
 # Sizes that follow the lengths (and KZ, the batch): their hints made a compile per length class and
 # bought little (Q/K/V/O go through descriptors; the LSE / MAX stores are one row vector per program).
 # SZ / SH stay hinted: the mask's batch / head broadcast (1 for B=None / H=None) is a site property.
-_RUNTIME_SIZES = ["KZ", "M", "N", "NUM_Q_BLKS", "NUM_KV_BLKS"]
+_RUNTIME_SIZES = ["KZ", "M", "N", "NUM_Q_BLKS", "NUM_KV_BLKS", "NQB", "NKB"]
 
 
 @triton.jit(do_not_specialize=_RUNTIME_SIZES)
@@ -276,6 +372,7 @@ def attention_fwd_kernel(
     Q, K, V, O, LSE, MAX,
     KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX,
     score_bufs, mask_bufs,
+    QS, KS, VS, VS_MAX, NQB, NKB,
     stride_qz, stride_qh, stride_qm,
     stride_kz, stride_kh, stride_kn,
     stride_vz, stride_vh, stride_vn,
@@ -284,7 +381,7 @@ def attention_fwd_kernel(
     SZ, SH, NUM_Q_BLKS, NUM_KV_BLKS,
     sm_scale, qk_scale2,
     SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr,
-    TILE: tl.constexpr, SPARSE: tl.constexpr, FLAGS: tl.constexpr,
+    TILE: tl.constexpr, SPARSE: tl.constexpr, FLAGS: tl.constexpr, QUANT: tl.constexpr,
 ):
     # Last query tile first: under a causal mask it has the most KV tiles, so the longest
     # programs start first and the grid's tail is short ones.
@@ -303,8 +400,13 @@ def attention_fwd_kernel(
                             TILE.BLOCK_M, TILE.BLOCK_D)
         k_desc = _head_desc(K + off_zkv * stride_kz + off_hkv * stride_kh, N, stride_kn, D,
                             TILE.BLOCK_N, TILE.BLOCK_D)
-        v_desc = _head_desc(V + off_zkv * stride_vz + off_hkv * stride_vh, N, stride_vn, DV,
-                            TILE.BLOCK_N, TILE.BLOCK_DV)
+        if QUANT.ON:   # VT: [DV, N_pad] per head, stride_vn its row stride
+            v_desc = tl.make_tensor_descriptor(V + off_zkv * stride_vz + off_hkv * stride_vh,
+                                               shape=[DV, N], strides=[stride_vn, 1],
+                                               block_shape=[TILE.BLOCK_DV, TILE.BLOCK_N])
+        else:
+            v_desc = _head_desc(V + off_zkv * stride_vz + off_hkv * stride_vh, N, stride_vn, DV,
+                                TILE.BLOCK_N, TILE.BLOCK_DV)
         o_desc = _head_desc(O + off_z * stride_oz + off_hq * stride_oh, M, stride_om, DV,
                             TILE.BLOCK_M, TILE.BLOCK_DV)
     kv = (k_desc, v_desc, off_zkv, off_hkv)
@@ -321,19 +423,34 @@ def attention_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
 
+    if QUANT.ON:
+        q_blk = offs_m // QUANT.Q_BLOCK if QUANT.Q_BLOCK > 0 else offs_m * 0
+        q_rows = tl.load(QS + off_zh * NQB + q_blk, mask=offs_m < M, other=1.0)
+        kv_head = off_zkv * (HQ // FLAGS.GQA_GROUP) + off_hkv
+        quant = (q_rows, KS + kv_head * NKB, VS + kv_head * NKB, tl.load(VS_MAX + kv_head), NKB)
+    else:
+        quant = (0.0, 0, 0, 1.0, 1)
+
     # Row of the block-mask tables for this (batch, head, query block).
     row = ((off_z % SZ) * SH + (off_hq % SH)) * NUM_Q_BLKS + start_m // SPARSE.SPARSE_Q
     acc, l_i, m_i = _attend_kv_tiles(
         acc, l_i, m_i, q, kv,
         KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX, row,
         off_z, off_hq, offs_m, M, N, NUM_KV_BLKS, qk_scale2, sm_scale, score_bufs, mask_bufs,
-        SCORE_MOD, MASK_MOD, in_dtype, TILE, SPARSE, FLAGS)
+        quant, SCORE_MOD, MASK_MOD, in_dtype, TILE, SPARSE, FLAGS, QUANT)
 
     # Epilogue: rows that saw no key get O = 0, LSE = MAX = -inf (FlexAttention's convention).
     empty_row = l_i == 0.0
     l_safe = tl.where(empty_row, 1.0, l_i)
-    o = acc / l_safe[:, None]
-    _store_tile(o_desc, off_z, off_hq, start_m, o.to(in_dtype), TILE.HOST_DESC)
+    if QUANT.ON:
+        o = acc * (quant[3] * (1.0 / 256.0) / l_safe)[:, None]   # P was scaled by 2^8 / VS_MAX
+        if QUANT.OUT_BF16:
+            o = o.to(tl.bfloat16)
+        else:
+            o = o.to(tl.float16)
+    else:
+        o = (acc / l_safe[:, None]).to(in_dtype)
+    _store_tile(o_desc, off_z, off_hq, start_m, o, TILE.HOST_DESC)
     lse = tl.where(empty_row, float("-inf"), m_i + tl.math.log2(l_safe))
     row_ptr = off_zh * M + offs_m
     tl.store(LSE + row_ptr, lse, mask=offs_m < M)

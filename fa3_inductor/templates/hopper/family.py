@@ -28,6 +28,8 @@ class HopperFamily:
     def serves(self, site: SiteFacts) -> Optional[str]:
         if site.capability is None or site.capability[0] != 9:
             return NOT_MEANT_HERE
+        if site.fp8:
+            return "Hopper template: bf16/fp16 only (FP8 runs in the fp8 family's Triton kernel)"
         if site.dtype == torch.float32:
             return "Hopper template: float32 inputs (it serves float16 and bfloat16)"
         if not serves_head_dims(site.head_dim, site.value_head_dim):

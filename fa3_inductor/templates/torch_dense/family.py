@@ -32,7 +32,14 @@ class TorchFamily:
         return None   # computed in launch(): no kernel to compile
 
     def launch(self, call: Call) -> None:
-        out, lse, row_max = dense_forward(call.q, call.k, call.v, call.tables, list(call.score_bufs),
+        q, k, v = call.q, call.k, call.v
+        if call.fp8 is not None:
+            # FP8 operands (RoPE and the rotation applied, QK^T unchanged): attention on their
+            # dequantized values, so the last resort keeps the quantization's numbers.
+            from ..fp8_prologue.reference import dequantize
+
+            q, k, v = (t.to(call.out.dtype) for t in dequantize(call.fp8))
+        out, lse, row_max = dense_forward(q, k, v, call.tables, list(call.score_bufs),
                                           list(call.mask_bufs), call.scale, call.sparse_q_block,
                                           call.sparse_kv_block, call.score_source, call.mask_source)
         call.out.copy_(out)

@@ -1,0 +1,93 @@
+"""`fa3_inductor.flex(..., fp8=...)`: FP8 attention for inference, without torch.compile.
+
+One call runs the FP8 prologue (templates/fp8_prologue/: RoPE, Hadamard rotation, block
+quantization, Vᵀ) and then the first kernel family that serves an FP8 site (templates/registry.py:
+the ``fp8`` family; torch's dense kernel on the dequantized inputs as the last resort). The site is
+planned once per (what the mods compute, shapes' kind, device), as the bf16 direct path does
+(direct.py).
+
+FP8 is inference-only: backward through it raises (api.flex checks before coming here).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable, Optional
+
+import torch
+from torch import Tensor
+
+from .direct import block_mask_tables, plan_direct
+from .fp8_recipe import FP8Recipe, RopeSpec
+from .mod_keys import Unkeyable, mod_key
+from .runtime.ops import record_template, serve
+from .runtime.spec import SiteSpec
+from .templates.family import Call
+from .templates.fp8_prologue.host import quantize
+
+_LN2 = 0.6931471805599453
+_MAX_PLANS = 256
+_PLANS: dict[Hashable, Any] = {}
+
+
+class FP8Unserved(RuntimeError):
+    """No FP8 kernel can run this call; the message says why and what to do."""
+
+
+def forward_fp8(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable], block_mask: Any,
+                scale: float, recipe: FP8Recipe, rope: Optional[RopeSpec]) -> tuple[Tensor, Tensor]:
+    """(out in q's dtype, lse in natural-log units) of FP8 attention on ``q, k, v`` (bf16/fp16),
+    quantized per ``recipe`` after ``rope``. Inputs are validated by the caller (api.flex).
+
+    Example::
+
+        >>> out, lse = forward_fp8(q, k, v, None, None, 0.125, FP8Recipe(), None)   # doctest: +SKIP
+    """
+    site, call = fp8_call(q, k, v, score_mod, block_mask, scale, recipe, rope)
+    record_template(serve(site, call))
+    return call.out, call.lse.mul_(_LN2)
+
+
+def fp8_call(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable], block_mask: Any,
+             scale: float, recipe: FP8Recipe, rope: Optional[RopeSpec]) -> tuple[SiteSpec, Call]:
+    """The planned FP8 site and its call: the prologue has run (``call.fp8``) and the outputs are
+    allocated, not yet computed (``runtime.ops.serve(site, call)`` computes them; benchmarks time
+    the kernel alone from here).
+
+    Example::
+
+        >>> site, call = fp8_call(q, k, v, None, None, 0.125, FP8Recipe(), None)   # doctest: +SKIP
+        >>> site.families
+        ('fp8', 'torch')
+    """
+    mask_mod = block_mask.mask_mod if block_mask is not None else None
+    plan = _plan(q, k, v, score_mod, mask_mod, block_mask)
+    ops = quantize(q, k, v, recipe, rope)
+    B, H, M, _ = q.shape
+    out = q.new_empty(B, H, M, v.shape[3])
+    lse = torch.empty(B, H, M, device=q.device, dtype=torch.float32)
+    tables, sparse_q, sparse_kv = block_mask_tables(block_mask)
+    call = Call(ops.q, ops.k, ops.vt, out, lse, torch.empty_like(lse), tables, tuple(plan.score_bufs),
+                tuple(plan.mask_bufs), float(scale), sparse_q, sparse_kv, needs_max=False, fp8=ops)
+    return SiteSpec.from_json(plan.spec), call
+
+
+def _plan(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable],
+          mask_mod: Optional[Callable], block_mask: Any) -> Any:
+    """direct.py's plan of the site with FP8 on, cached by what the mods compute (as direct.py)."""
+    site = (q.device, q.dtype, q.shape[1], q.shape[3], k.shape[1], v.shape[3],
+            None if block_mask is None else tuple(block_mask.BLOCK_SIZE))
+    try:
+        key: Hashable = (mod_key(score_mod), mod_key(mask_mod), site)
+    except Unkeyable:
+        key = (score_mod, mask_mod, site)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = plan_direct(q, k, v, score_mod, mask_mod, block_mask, "auto", fp8=True)
+        if plan.spec is None:
+            raise FP8Unserved(f"flex(fp8=...): no FP8 kernel serves this call ({plan.reason}); "
+                              "rewrite the mods with supported ops, or drop fp8= to run it in "
+                              "bf16/fp16")
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan

@@ -1,0 +1,197 @@
+"""FP8 forward: ``flex(..., fp8=...)`` through the prologue and the fp8 family (the generic kernel with
+its Quant bundle), under Triton's interpreter; its sm90 compile; the front door's checks.
+
+References are float64 attention on the *dequantized* operands (exactly what the kernel was given);
+the kernel adds one rounding the reference lacks, P to e4m3 (3 mantissa bits), so two rules apply:
+- the float64 emulation of the kernel's arithmetic, that rounding included (``_emulated``), must
+  match to bf16 output rounding;
+- the dequantized reference, below FP8_REL: P's rounding is up to 2^-4 per element (about 3.6%
+  RMS), and it does not average out relative to an output that is itself an average over random
+  values (measured 3-7% here on N(0,1) inputs; cosine to bf16 0.9985 on the GPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fa3_inductor import FP8Recipe, flex, last_template, mods
+from fa3_inductor.templates.fp8_prologue.host import quantize
+from fa3_inductor.templates.fp8_prologue.reference import dequantize, quantize_reference, round_e4m3
+from reference import reference_attention, rel_error
+
+FP8_REL = 0.1
+
+
+def _inputs(B, H, HKV, M, N, D, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(*shape, generator=g).to(dtype)
+                 for shape in ((B, H, M, D), (B, HKV, N, D), (B, HKV, N, D)))
+
+
+def _dequantized_reference(q, k, v, recipe, score_mod=None, mask_mod=None):
+    # the operands flex() hands the kernel (the prologue has tests of its own: test_fp8_prologue.py)
+    dq, dk, dv = dequantize(quantize(q, k, v, recipe))
+    return reference_attention(dq, dk, dv, score_mod, mask_mod, scale=q.shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize("two_level", [1, 0])
+@pytest.mark.parametrize("B,H,HKV,M,N,D", [(1, 2, 2, 100, 130, 64), (2, 4, 2, 64, 200, 32),
+                                           (1, 2, 1, 1, 77, 128)])
+def test_fp8_matches_dequantized_reference(cpu_kernels, two_level, B, H, HKV, M, N, D):
+    q, k, v = _inputs(B, H, HKV, M, N, D)
+    recipe = FP8Recipe(block_m=64, block_n=64, two_level=two_level)
+    out, lse = flex(q, k, v, fp8=recipe, enable_gqa=H != HKV, return_lse=True)
+    assert last_template() == "fp8"
+    assert out.dtype == torch.bfloat16 and out.shape == (B, H, M, D)
+    ref, ref_lse = _dequantized_reference(q, k, v, recipe)
+    assert rel_error(out, ref) < FP8_REL
+    # LSE is computed from the unrounded P: float32 accuracy
+    assert torch.allclose(lse.double(), ref_lse, atol=1e-4, rtol=1e-5)
+
+
+def _emulated(q, k, v, recipe):
+    """The kernel's arithmetic in float64: the online softmax over KV tiles (the interpreter's 64
+    keys, or the recipe's smaller scale block), S from the e4m3 operands and their scales, each
+    tile's P rounded to e4m3 as round(2^8 exp(s - running max) vs / vs_max), the row sum from the
+    unrounded P."""
+    block_n = min(64, recipe.block_n or 64)
+    ops = quantize(q, k, v, recipe)
+    dq, dk, _ = (t.double() for t in dequantize(ops))
+    group = q.shape[1] // k.shape[1]
+    dk = dk.repeat_interleave(group, 1)
+    v8 = ops.vt.double()[..., :k.shape[2]].transpose(-1, -2).repeat_interleave(group, 1)
+    vs = ops.v_scale.double().repeat_interleave(group, 1)
+    vs_max = ops.v_scale_max.double().repeat_interleave(group, 1)[..., None, None]
+    s_all = dq @ dk.transpose(-1, -2) * q.shape[-1] ** -0.5
+    B, H, M, N = s_all.shape
+    acc = torch.zeros(B, H, M, v8.shape[-1], dtype=torch.float64)
+    run_max = torch.full((B, H, M, 1), float("-inf"), dtype=torch.float64)
+    row_sum = torch.zeros(B, H, M, 1, dtype=torch.float64)
+    for start in range(0, N, block_n):
+        s = s_all[..., start:start + block_n]
+        new_max = torch.maximum(run_max, s.amax(-1, keepdim=True))
+        alpha = torch.exp(run_max - new_max)
+        e = torch.exp(s - new_max)
+        blk = start // recipe.block_n if recipe.block_n else 0
+        fold = torch.clamp(256.0 * vs[..., blk, None, None] / vs_max, max=256.0)
+        acc = acc * alpha + round_e4m3(e * fold) @ v8[..., start:start + block_n, :]
+        row_sum = row_sum * alpha + e.sum(-1, keepdim=True)
+        run_max = new_max
+    return acc * (vs_max / 256.0) / row_sum
+
+
+@pytest.mark.parametrize("B,H,HKV,M,N,D,block_n", [(1, 2, 2, 40, 64, 64, 64), (1, 2, 1, 70, 200, 64, 64),
+                                                   (1, 2, 2, 64, 150, 32, 0), (1, 2, 2, 64, 150, 32, 32)])
+def test_fp8_equals_its_float64_emulation(cpu_kernels, B, H, HKV, M, N, D, block_n):
+    q, k, v = _inputs(B, H, HKV, M, N, D, seed=3)
+    v[:, :, 64:128] *= 30.0   # a V block far above the others: its scale folds into P
+    recipe = FP8Recipe(block_m=64, block_n=block_n)
+    out = flex(q, k, v, fp8=recipe, enable_gqa=H != HKV)
+    emu = _emulated(q, k, v, recipe)
+    # bf16 output rounding (2^-9) and rare e4m3 ties that fp32 and float64 round apart
+    assert rel_error(out, emu) < 4e-3
+    ref, _ = _dequantized_reference(q, k, v, recipe)
+    assert rel_error(out, ref) > 3 * rel_error(out, emu)   # the emulation models something real
+
+
+def test_fp8_block_scales_are_applied_per_block(cpu_kernels):
+    # One query block and one key block 100x larger than the rest: a wrong scale index (Q rows,
+    # K tile, V block folded into P) puts the output off by orders of magnitude.
+    q, k, v = _inputs(1, 2, 2, 128, 192, 64, seed=5)
+    q[:, :, 64:] *= 100.0
+    k[:, :, 64:128] *= 0.01
+    v[:, :, 128:] *= 100.0
+    recipe = FP8Recipe(block_m=64, block_n=64)
+    out = flex(q, k, v, fp8=recipe)
+    ref, _ = _dequantized_reference(q, k, v, recipe)
+    assert rel_error(out, ref) < FP8_REL
+
+
+@pytest.mark.parametrize("recipe", [FP8Recipe(block_m=0, block_n=0), FP8Recipe(hadamard=False),
+                                    FP8Recipe(smooth_k=True)])
+def test_fp8_recipe_variants(cpu_kernels, recipe):
+    q, k, v = _inputs(1, 2, 2, 96, 150, 64, seed=7)
+    out = flex(q, k, v, fp8=recipe)
+    ref, _ = reference_attention(q, k, v)
+    assert rel_error(out, ref) < 0.06   # against the exact inputs: quantization of q, k, v too
+
+
+def test_fp8_with_mods_and_block_mask(cpu_kernels):
+    q, k, v = _inputs(1, 2, 2, 130, 130, 64, seed=11)
+    recipe = FP8Recipe(block_m=64, block_n=64)
+    score_mod = mods.softcap(20.0)
+    out = flex(q, k, v, score_mod=score_mod, mask_mod=mods.causal, fp8=recipe)
+    ref, _ = _dequantized_reference(q, k, v, recipe, score_mod, mods.causal)
+    assert rel_error(out, ref) < FP8_REL
+
+
+def test_fp8_accuracy_beats_per_tensor_on_outliers(cpu_kernels):
+    # The FlashAttention-3 inputs (N(0,1) + N(0,100)·Bernoulli(0.001)): block scales and the
+    # Hadamard rotation must do better than plain per-head scales without rotation.
+    g = torch.Generator().manual_seed(0)
+
+    def outliers(*shape):
+        x = torch.randn(*shape, generator=g)
+        return (x + 10 * torch.randn(*shape, generator=g) * (torch.rand(*shape, generator=g) < 0.001))
+
+    q, k, v = (outliers(1, 2, 256, 64).to(torch.bfloat16) for _ in range(3))
+    ref, _ = reference_attention(q, k, v)
+    ours = rel_error(flex(q, k, v, fp8=FP8Recipe(block_m=64, block_n=64)), ref)
+    plain = rel_error(flex(q, k, v, fp8=FP8Recipe(hadamard=False, block_m=0, block_n=0)), ref)
+    assert ours < plain
+
+
+def test_fp8_errors():
+    q, k, v = _inputs(1, 2, 2, 16, 16, 32)
+    with pytest.raises(NotImplementedError, match="inference-only"):
+        flex(q.requires_grad_(), k, v, fp8=True)
+    q = q.detach()
+    with pytest.raises(ValueError, match="pass fp8=True"):
+        from fa3_inductor import RopeSpec
+
+        flex(q, k, v, rope=RopeSpec(torch.ones(16, 32), torch.zeros(16, 32)))
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        flex(q.float(), k.float(), v.float(), fp8=True)
+    with pytest.raises(ValueError, match="smooth_k"):
+        flex(q, k, v, score_mod=mods.softcap(5.0), fp8=FP8Recipe(smooth_k=True))
+    with pytest.raises(TypeError, match="fp8 must be"):
+        flex(q, k, v, fp8="yes")
+
+
+@pytest.mark.sm90_compile
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_fp8_kernel_compiles_to_e4m3_wgmma_without_spills(D):
+    from fa3_inductor.templates.aot import sass_report
+    from fa3_inductor.templates.fp8.configs import fp8_config
+    from fa3_inductor.templates.generic.host import compile_generic
+
+    q = torch.randn(2, 4, 512, D, dtype=torch.bfloat16)
+    k = v = torch.randn(2, 2, 512, D, dtype=torch.bfloat16)
+    ops = quantize_reference(q, k, v, FP8Recipe())
+    out, lse, mx = torch.empty_like(q), torch.empty(2, 4, 512), torch.empty(2, 4, 512)
+    compiled = compile_generic(ops.q, ops.k, ops.vt, out, lse, mx, sm_scale=D ** -0.5, fp8=ops,
+                               config=fp8_config(D, (9, 0)))
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and ".e4m3.e4m3" in ptx, "no e4m3 wgmma in the PTX"
+    r = sass_report(compiled)
+    assert r.stack == 0 and r.spill_instructions == 0, f"D={D}: spills, {r.registers} registers"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("mod", ["noop", "causal", "softcap"])
+def test_fp8_on_gpu(D, mod):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a GPU with e4m3 tensor cores (sm89+)")
+    q, k, v = (t.cuda() for t in _inputs(2, 4, 2, 1000, 1000, D, seed=D))
+    score_mod = mods.softcap(30.0) if mod == "softcap" else None
+    mask_mod = mods.causal if mod == "causal" else None
+    recipe = FP8Recipe()
+    with torch.no_grad():
+        out = flex(q, k, v, score_mod=score_mod, mask_mod=mask_mod, fp8=recipe, enable_gqa=True)
+    assert last_template() == "fp8"
+    ops = quantize(q, k, v, recipe)   # the GPU prologue's operands, as flex() used them
+    dq, dk, dv = (t.cpu() for t in dequantize(ops))
+    ref, _ = reference_attention(dq, dk, dv, score_mod, mask_mod, scale=D ** -0.5)
+    assert rel_error(out.cpu(), ref) < FP8_REL
