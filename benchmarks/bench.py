@@ -16,6 +16,22 @@ and ``template="generic"`` (the portable kernel family). Both rows have ``impl: 
 ``template_requested`` says which was asked for, ``template`` what actually ran
 (``fa3_inductor.last_template()``: hopper, generic, or torch when the site went to torch's kernel).
 
+FP8 (``--fp8``, or ``--preset fp8``; off by default): every forward case also gets three FP8 rows,
+timed in the same interleaved rounds as the rows above, all with ``dtype: "fp8"`` (``input_dtype``:
+what the prologue read, bfloat16 or float16):
+
+* ``impl: "fa3_inductor", template_requested: "fp8", what: "with prologue"``:
+  ``fa3_inductor.flex(q, k, v, ..., fp8=True)`` end to end (prologue + FP8 kernel);
+* ``impl: "fa3_inductor", template_requested: "fp8", what: "kernel"``: the FP8 kernel alone on operands
+  quantized once, with the case's mods and block mask (its launch built once by the fp8 kernel family);
+* ``impl: "prologue", what: "quantize"``: the prologue alone, with ``bytes`` (inputs read + FP8 operands
+  and scales written) and ``gbps``; no TFLOP/s.
+
+FP8 is inference-only: fwd+bwd cases get no fp8 rows (nor do CPU runs without TRITON_INTERPRET=1,
+float32 inputs, or GPUs below sm89); each skip is listed with its reason in ``fp8_skipped`` and the table.
+Every fa3_inductor callable waits for its background sibling compiles
+(``fa3_inductor.runtime.variants.wait_for_variants()``) after its first call, before any timing.
+
 The ratio table is printed last.
 
 Examples::
@@ -24,6 +40,8 @@ Examples::
     python3 benchmarks/bench.py --preset full --budget-s 3000
     python3 benchmarks/bench.py --preset quick --mods softcap --head-dims 128
     python3 benchmarks/bench.py --preset padded            # D=80 / 96 / 160 / 192 (Hopper tiles of 128 / 256)
+    python3 benchmarks/bench.py --preset fp8               # quick's fwd noop/causal/softcap cases + FP8 rows
+    python3 benchmarks/bench.py --preset quick --fp8 --mods causal --directions fwd
     python3 benchmarks/bench.py --preset smoke --out /tmp/b   # CPU: checks the harness itself
     python3 benchmarks/bench.py --render benchmarks/results/bench-nvidia-h200-....json
 
@@ -31,12 +49,14 @@ FLOP rule (one rule for every impl): forward FLOPs = 4·B·H·N²·D × density 
 head dim Dv differs from q/k's D: the mla preset), where density is the
 exact fraction of (q, kv) pairs the mod's mask keeps (1 for noop/softcap/alibi, (N+1)/2N for
 causal, measured by evaluating the mask_mod for sliding_window/document). fwd+bwd counts 3.5× the
-forward FLOPs. TFLOP/s = counted FLOPs / median time.
+forward FLOPs. TFLOP/s = counted FLOPs / median time. FP8 rows count the same FLOPs as the bf16 rows
+of their case.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import json
 import math
@@ -67,7 +87,16 @@ SERIES_STYLE = {
     ("cudnn", None): ("cuDNN", "C1", "-"),
     ("fa2", None): ("FA2", "C2", "-"),
     ("flex", None): ("flex", "C3", ":"),
+    ("fa3_inductor", "fp8"): ("fa3_inductor fp8 + prologue", "C5", "-"),
+    ("fa3_inductor", "fp8 kernel"): ("fa3_inductor fp8 kernel", "C5", ":"),
 }
+# FP8 rows (--fp8): (impl, template_requested, what), timed after the bf16 rows of a forward case.
+FP8_WITH_PROLOGUE, FP8_KERNEL, FP8_PROLOGUE = "with prologue", "kernel", "quantize"
+FP8_ENTRIES = (("fa3_inductor", "fp8", FP8_WITH_PROLOGUE), ("fa3_inductor", "fp8", FP8_KERNEL),
+               ("prologue", None, FP8_PROLOGUE))
+FP8_INPUT_DTYPES = ("bfloat16", "float16")
+FP8_MIN_CAPABILITY = (8, 9)   # e4m3 tensor-core MMA: Ada, Hopper
+DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 SDPA_MODS = ("noop", "causal")  # cuDNN / FA2 SDPA serve only these
 SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION}
 DIRECTIONS = ("fwd", "fwd+bwd")
@@ -108,6 +137,9 @@ MOD_DEFINITIONS = {
 # --------------------------------------------------------------------------------------------
 # Cases and presets
 # --------------------------------------------------------------------------------------------
+
+
+PRESETS = ("smoke", "quick", "fp8", "padded", "mla", "full")
 
 
 @dataclass(frozen=True)
@@ -153,6 +185,12 @@ def preset_cases(preset: str) -> list[Case]:
         cases += [P(m, 128, 4096, "fwd+bwd") for m in core]
         cases += [P(m, 128, n, "fwd") for m in ("alibi", "sliding_window", "document") for n in SEQLENS]
         return cases
+    if preset == "fp8":
+        # quick's forward noop / causal / softcap cases (D=128 at every seqlen, D=64 / 256 at 4k and 16k);
+        # the preset turns --fp8 on
+        core = ("noop", "causal", "softcap")
+        cases = [P(m, 128, n, "fwd") for m in core for n in SEQLENS]
+        return cases + [P(m, d, n, "fwd") for d in (64, 256) for m in core for n in (4096, 16384)]
     if preset == "padded":
         # head dims that the Hopper template runs in power-of-two tiles (80 / 96 in 128, 160 / 192 in 256):
         # heads = 2048 // D (25, 21, 12, 10), so the hidden size is 2000 / 2016 / 1920 / 1920
@@ -166,7 +204,7 @@ def preset_cases(preset: str) -> list[Case]:
         return cases + [Case("causal", 192, 4096, "fwd+bwd", batch=TOKENS // 4096, heads=16, value_head_dim=128)]
     if preset == "full":
         return [P(m, d, n, direction) for direction in DIRECTIONS for d in (128, 64, 256) for m in MODS for n in SEQLENS]
-    raise ValueError(f"unknown preset {preset!r}; expected one of smoke, quick, padded, mla, full")
+    raise ValueError(f"unknown preset {preset!r}; expected one of {', '.join(PRESETS)}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -316,6 +354,114 @@ def make_impl_fn(impl: str, spec: ModSpec, block_mask: Optional[BlockMask], q, k
     raise ValueError(f"unknown impl {impl!r}; expected one of {', '.join(IMPLS)}")
 
 
+def _triton_interpreting() -> bool:
+    try:
+        from triton import knobs  # noqa: PLC0415
+    except ImportError:
+        return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return bool(knobs.runtime.interpret)
+
+
+def fp8_skip_reason(case: Case, device, dtype, impls) -> Optional[str]:
+    """Why ``case`` gets no FP8 rows under --fp8, or None when it gets them.
+
+    >>> fp8_skip_reason(Case.paper("causal", 128, 4096, "fwd+bwd"), "cpu", torch.bfloat16, ["fa3_inductor"])
+    'FP8 is inference-only: flex(fp8=True) has no backward'
+    >>> fp8_skip_reason(Case.paper("causal", 128, 4096, "fwd"), "cpu", torch.float32, ["fa3_inductor"])[:45]
+    'the FP8 prologue reads bfloat16 or float16 in'
+    """
+    if case.direction != "fwd":
+        return "FP8 is inference-only: flex(fp8=True) has no backward"
+    if "fa3_inductor" not in impls:
+        return "--impls leaves out fa3_inductor"
+    name = str(dtype).replace("torch.", "")
+    if name not in FP8_INPUT_DTYPES:
+        return f"the FP8 prologue reads bfloat16 or float16 inputs; this run's are {name} (pass --dtype bfloat16)"
+    device = torch.device(device)
+    if device.type == "cuda":
+        cap = tuple(torch.cuda.get_device_capability(device))
+        if cap < FP8_MIN_CAPABILITY:
+            return f"FP8 needs e4m3 tensor cores (sm89 or newer); this GPU is sm{cap[0]}{cap[1]}"
+        return None
+    if device.type == "cpu" and not _triton_interpreting():
+        return "FP8 on the CPU runs only under Triton's interpreter (TRITON_INTERPRET=1)"
+    if device.type not in ("cpu", "cuda"):
+        return f"FP8 runs on CUDA GPUs (sm89+) or the CPU under TRITON_INTERPRET=1, not {device.type}"
+    return None
+
+
+def _tensor_bytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def fp8_kernel_fn(score_mod: Optional[Callable], block_mask: Optional[BlockMask], q, k, v, recipe,
+                  scale: Optional[float] = None) -> Callable[[], torch.Tensor]:
+    """The FP8 kernel alone, as ``flex(q, k, v, score_mod=..., block_mask=..., fp8=recipe)`` runs it,
+    on operands quantized once here: the site is planned as flex(fp8=...) plans it
+    (fa3_inductor.direct_fp8), the launch built once by the fp8 kernel family
+    (templates/fp8/family.py: prepare_generic with the prologue's FP8Operands and fp8_config), and the
+    returned callable only launches ``kernel[grid](*args, **kwargs)`` (under Triton's interpreter,
+    where the family gives no launch to keep, its ``launch(call)``). It returns the output tensor
+    (written in place; the LSE is left in log2 units, as the kernel writes it)."""
+    from fa3_inductor import direct_fp8  # noqa: PLC0415
+    from fa3_inductor.templates.fp8.family import FP8  # noqa: PLC0415
+    from fa3_inductor.templates.modgen import ModInfo  # noqa: PLC0415
+
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    # the plan and prologue flex(fp8=...) makes (fa3_inductor.direct_fp8), the launch built once here
+    site, call = direct_fp8.fp8_call(q, k, v, score_mod, block_mask, scale, recipe, None)
+    if FP8.name not in site.families:
+        raise RuntimeError(f"the site's plan has no {FP8.name} family (families {site.families}): "
+                           f"{site.note or site.description}")
+    score_source, mask_source = site.sources(FP8.dialect)
+    call = dataclasses.replace(call, score_source=score_source, mask_source=mask_source,
+                               score_info=ModInfo.from_items(site.score_info),
+                               mask_info=ModInfo.from_items(site.mask_info))
+    out = call.out
+    variants = FP8.prepare(call)
+    if variants is None:  # Triton's interpreter: the family computes the call itself
+
+        def interpreted():
+            FP8.launch(call)
+            return out
+
+        return interpreted
+    (kernel, args, kwargs, grid), _siblings = variants   # the siblings serve other lengths: not needed
+
+    def launch():
+        kernel[grid](*args, **kwargs)
+        return out
+
+    return launch
+
+
+def make_fp8_fn(what: str, spec: ModSpec, block_mask: Optional[BlockMask], q, k, v,
+                recipe) -> tuple[Callable[[], Optional[torch.Tensor]], dict]:
+    """(callable, extra row fields) of one FP8 row (FP8_ENTRIES): ``what`` is "with prologue"
+    (flex(..., fp8=recipe) end to end), "kernel" (fp8_kernel_fn) or "quantize" (the prologue alone;
+    its row gets ``bytes``: q, k, v read once, or K twice when smoothing, plus the FP8 operands and
+    scales written)."""
+    fa3 = _import_fa3()
+    if what == FP8_WITH_PROLOGUE:
+        return (lambda: fa3.flex(q, k, v, score_mod=spec.score_mod, block_mask=block_mask, fp8=recipe)), {}
+    if what == FP8_KERNEL:
+        return fp8_kernel_fn(spec.score_mod, block_mask, q, k, v, recipe), {"template": "fp8"}
+    if what == FP8_PROLOGUE:
+        from fa3_inductor.templates.fp8_prologue.host import quantize  # noqa: PLC0415
+
+        ops = quantize(q, k, v, recipe)
+        written = _tensor_bytes(*(getattr(ops, f) for f in ("q", "k", "vt", "q_scale", "k_scale", "v_scale",
+                                                              "v_scale_max", "k_mean")))
+        read = _tensor_bytes(q, k, v) + (_tensor_bytes(k) if recipe.smooth_k else 0)
+        del ops
+
+        def prologue():
+            quantize(q, k, v, recipe)
+
+        return prologue, {"bytes": read + written, "bytes_read": read, "bytes_written": written}
+    raise ValueError(f"unknown fp8 row {what!r}; expected one of {[e[2] for e in FP8_ENTRIES]}")
+
+
 # --------------------------------------------------------------------------------------------
 # Timing
 # --------------------------------------------------------------------------------------------
@@ -343,6 +489,26 @@ def time_ms(fn: Callable[[], object], device, grad_to_none=None) -> tuple[float,
         fn()
         samples.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(samples), "time.perf_counter median of 5 (CPU; not a performance figure)"
+
+
+def copy_bandwidth(device) -> Optional[float]:
+    """Bytes read + written per second by a 1 GiB device-to-device copy (the FP8 prologue's yardstick);
+    None where it cannot be measured."""
+    def timed() -> float:
+        src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        _sync(device)
+        return time_ms(lambda: dst.copy_(src), device)[0]
+
+    try:
+        ms = timed()
+    except Exception:
+        return None
+    finally:
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
+    return 2 * (1 << 30) / (ms * 1e-3)
 
 
 def _sync(device):
@@ -373,9 +539,11 @@ def impl_variants(impls: list[str], fa3_templates=FA3_TEMPLATES) -> list[tuple[s
 
 
 def run_case(case: Case, impls: list[str], device, dtype, log, fa3_templates=FA3_TEMPLATES,
-             rounds: int = TIMING_ROUNDS, window: int = WINDOW) -> list[dict]:
+             rounds: int = TIMING_ROUNDS, window: int = WINDOW, fp8: bool = False,
+             fp8_skipped: Optional[list] = None) -> list[dict]:
     """Time every impl (fa3_inductor once per requested template) on one case; returns its rows
-    (errors are recorded, never raised).
+    (errors are recorded, never raised). ``fp8``: also the FP8 rows (FP8_ENTRIES) where
+    fp8_skip_reason allows; otherwise the reason is appended to ``fp8_skipped``.
 
     Every impl is compiled, warmed up and checked first; then all are timed in ``rounds``
     interleaved rounds, odd rounds in reverse order, and each row takes the median of its rounds:
@@ -403,10 +571,25 @@ def run_case(case: Case, impls: list[str], device, dtype, log, fa3_templates=FA3
         for t in (q, k, v):
             t.requires_grad_(True)
 
-    # The reference (flex) runs first so every other impl can be compared against it.
+    # The reference (flex) runs first so every other impl can be compared against it; FP8 rows last.
+    entries = [(impl, requested, None) for impl, requested in impl_variants(impls, fa3_templates)]
+    recipe = None
+    if fp8:
+        reason = fp8_skip_reason(case, device, dtype, impls)
+        if reason is None:
+            try:
+                recipe = _import_fa3().FP8Recipe()
+            except Exception as exc:   # the package failed to import: the bf16 baselines still run
+                reason = f"fa3_inductor.FP8Recipe unavailable: {_describe(exc)}"
+        if reason is None:
+            entries += list(FP8_ENTRIES)
+        else:
+            log(f"  fp8 rows skipped: {reason}")
+            if fp8_skipped is not None:
+                fp8_skipped.append({**vars(case), "reason": reason})
     ref_out = ref_grads = None
     rows, ready = [], []   # ready: (row, step) of the impls that compiled and ran
-    for impl, requested in impl_variants(impls, fa3_templates):
+    for impl, requested, what in entries:
         row = {
             "impl": impl,
             "template": None,
@@ -428,9 +611,17 @@ def run_case(case: Case, impls: list[str], device, dtype, log, fa3_templates=FA3
             "flops": flops,
             "max_abs_diff_vs_ref": None,
         }
+        if what is not None:   # an FP8 row: the inputs' dtype is what the prologue read
+            row.update(what=what, dtype="fp8", input_dtype=row["dtype"])
+            if impl == "prologue":
+                row["flops"] = None   # moves bytes: GB/s, no TFLOP/s
         rows.append(row)
         try:
-            fwd = make_impl_fn(impl, spec, block_mask, q, k, v, template=requested)
+            if what is None:
+                fwd = make_impl_fn(impl, spec, block_mask, q, k, v, template=requested)
+            else:
+                fwd, extra = make_fp8_fn(what, spec, block_mask, q, k, v, recipe)
+                row.update(extra)
         except Skip:
             rows.pop()
             continue
@@ -453,15 +644,20 @@ def run_case(case: Case, impls: list[str], device, dtype, log, fa3_templates=FA3
                 out = step()
                 _sync(device)
                 row["compile_s"] = round(time.perf_counter() - t0, 3)
+                if impl == "fa3_inductor" or what is not None:
+                    _wait_for_variants(row)   # background sibling compiles must not land in a timing
                 grads = [t.grad.detach().clone() for t in (q, k, v)] if backward else None
-                out = out.detach()
-                if impl == "fa3_inductor":
+                out = out.detach() if isinstance(out, torch.Tensor) else None   # the prologue row: None
+                if impl == "fa3_inductor" and what != FP8_KERNEL:
                     row["template"] = _import_fa3().last_template()
                 step()  # a second call: no recompile may hide in the timed region
                 _sync(device)
             if impl == REF_IMPL:
                 ref_out, ref_grads = out, grads
             row["max_abs_diff_vs_ref"] = _max_abs_diff(out, ref_out)
+            if what is not None and out is not None and ref_out is not None:
+                row["cosine_vs_ref"] = float(F.cosine_similarity(out.float().flatten(), ref_out.float().flatten(),
+                                                                 dim=0).item())
             if backward and ref_grads is not None:
                 row["max_abs_grad_diff_vs_ref"] = max(_max_abs_diff(a, b) for a, b in zip(grads, ref_grads))
             del out, grads
@@ -491,10 +687,28 @@ def run_case(case: Case, impls: list[str], device, dtype, log, fa3_templates=FA3
         if ts and "error" not in row:
             row["ms"] = statistics.median(ts)
             row["ms_rounds"] = ts
-            row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
+            if row["flops"] is not None:
+                row["tflops"] = row["flops"] / (row["ms"] * 1e-3) / 1e12
+            if row.get("bytes"):
+                row["gbps"] = row["bytes"] / (row["ms"] * 1e-3) / 1e9
     for row in rows:
         log(_row_line(row))
     return rows
+
+
+def _wait_for_variants(row: dict) -> None:
+    """Wait for fa3_inductor's background sibling compiles (runtime/variants.py) after a callable's first
+    call; a sibling's failure (a launch other lengths would need) is recorded, not this row's error."""
+    try:
+        from fa3_inductor.runtime.variants import wait_for_variants  # noqa: PLC0415
+    except ImportError:   # a package without background compiles: nothing to wait for
+        return
+    t0 = time.perf_counter()
+    try:
+        row["variants_waited"] = wait_for_variants()
+    except Exception as exc:
+        row["variants_error"] = _describe(exc)
+    row["variants_wait_s"] = round(time.perf_counter() - t0, 3)
 
 
 def _describe(exc: BaseException) -> str:
@@ -503,12 +717,22 @@ def _describe(exc: BaseException) -> str:
     return text if len(text) <= 400 else text[:397] + "..."
 
 
-def _row_line(row: dict) -> str:
+def _row_name(row: dict) -> str:
+    """'fa3_inductor[generic]', 'fa3_inductor[fp8] kernel', 'prologue quantize'."""
     name = row["impl"] + (f"[{row['template_requested']}]" if row.get("template_requested") else "")
+    return name + (f" {row['what']}" if row.get("what") else "")
+
+
+def _row_line(row: dict) -> str:
+    name = _row_name(row)
     if row["ms"] is None:
         return f"  {name:22s} ERROR {row.get('error')}"
+    if row.get("tflops") is None:   # the FP8 prologue: bytes, not FLOPs
+        rate = f"{row['gbps']:8.0f} GB/s   " if row.get("gbps") is not None else " " * 16
+        return f"  {name:22s} {row['ms']:9.3f} ms {rate}  {row.get('bytes', 0) / 1e6:.1f} MB moved"
     diff = row["max_abs_diff_vs_ref"]
     extra = f" template={row['template']}" if row["template"] else ""
+    extra += f" cos={row['cosine_vs_ref']:.5f}" if row.get("cosine_vs_ref") is not None else ""
     return (
         f"  {name:22s} {row['ms']:9.3f} ms {row['tflops']:8.1f} TFLOP/s"
         f"  max|out-ref|={'n/a' if diff is None else f'{diff:.2e}'}{extra}"
@@ -526,8 +750,15 @@ def device_slug(name: str) -> str:
 
 
 def _group_key(row: dict) -> tuple:
+    """The case of a row; an FP8 row (dtype "fp8") joins its case's rows by the dtype of its inputs."""
     dims = (row["head_dim"], row.get("value_head_dim") or row["head_dim"])
-    return (row["direction"], row["mod"], dims, row["seqlen"], row["batch"], row["heads"], row["dtype"])
+    dtype = row.get("input_dtype") or row.get("dtype")
+    return (row["direction"], row["mod"], dims, row["seqlen"], row["batch"], row["heads"], dtype)
+
+
+def _case_order(key: tuple) -> tuple:
+    return (DIRECTIONS.index(key[0]) if key[0] in DIRECTIONS else 9, MODS.index(key[1]) if key[1] in MODS else 99,
+            key[2], key[3])
 
 
 def _fmt_dims(dims: tuple[int, int]) -> str:
@@ -544,14 +775,24 @@ def _fmt_ratio(x: float) -> str:
 
 
 def series_of(row: dict) -> tuple[str, Optional[str]]:
-    """(impl, template_requested) of a row; fa3_inductor rows of older files (no such key) were "auto"."""
+    """(impl, template_requested) of a row; fa3_inductor rows of older files (no such key) were "auto".
+    The FP8 kernel-alone row is its own series, ("fa3_inductor", "fp8 kernel").
+
+    >>> series_of({"impl": "fa3_inductor", "template_requested": "fp8", "what": "kernel"})
+    ('fa3_inductor', 'fp8 kernel')
+    """
     if row["impl"] == "fa3_inductor":
-        return row["impl"], row.get("template_requested") or "auto"
+        requested = row.get("template_requested") or "auto"
+        if requested == "fp8" and row.get("what") == FP8_KERNEL:
+            return row["impl"], "fp8 kernel"
+        return row["impl"], requested
     return row["impl"], None
 
 
 FA3_AUTO, FA3_GENERIC = ("fa3_inductor", "auto"), ("fa3_inductor", "generic")
+FP8_FULL, FP8_KERNEL_ONLY, FP8_PROLOGUE_ONLY = ("fa3_inductor", "fp8"), ("fa3_inductor", "fp8 kernel"), ("prologue", None)
 BASELINES = (("cudnn", "cuDNN"), ("fa2", "FA2"), ("flex", "flex"))
+FP8_RATIOS = ("+prologue ÷cuDNN", "+prologue ÷fa3 auto", "kernel ÷cuDNN")
 
 
 def markdown_table(result: dict) -> str:
@@ -593,9 +834,10 @@ def markdown_table(result: dict) -> str:
     # summary[(direction, mod)][("auto"|"generic", baseline)] = [ratios]
     summary: dict[tuple, dict[tuple, list[float]]] = {}
     not_generic = 0
-    for key in sorted(groups, key=lambda k: (DIRECTIONS.index(k[0]) if k[0] in DIRECTIONS else 9,
-                                             MODS.index(k[1]) if k[1] in MODS else 99, k[2], k[3])):
+    for key in sorted(groups, key=_case_order):
         g = groups[key]
+        if not any(s in g for s in (FA3_AUTO, FA3_GENERIC) + tuple((impl, None) for impl, _ in BASELINES)):
+            continue   # FP8 rows only: the FP8 table has them
         direction, mod, d, n, b, h, _ = key
         auto, auto_s = tf(g, FA3_AUTO)
         gen, gen_s = tf(g, FA3_GENERIC)
@@ -636,10 +878,9 @@ def markdown_table(result: dict) -> str:
                     cells.append("—" if not vals else f"{_fmt_ratio(math.exp(sum(map(math.log, vals)) / len(vals)))} (min {_fmt_ratio(min(vals))})")
             lines.append(f"| {direction} | {mod} | " + " | ".join(cells) + " |")
 
-    def who(r):
-        return r["impl"] + (f"[{r['template_requested']}]" if r.get("template_requested") else "")
+    lines += fp8_table(result, groups, tf, ratio)
 
-    problems = [f"- {who(r)} {r['direction']} {r['mod']} D={r['head_dim']} N={r['seqlen']}: {r['error']}"
+    problems = [f"- {_row_name(r)} {r['direction']} {r['mod']} D={r['head_dim']} N={r['seqlen']}: {r['error']}"
                 for r in result["rows"] if r.get("error")]
     problems += [f"- whole case {c['direction']} {c['mod']} D={c['head_dim']} N={c['seqlen']}: {c['error']}"
                  for c in result.get("cases_failed", [])]
@@ -650,6 +891,90 @@ def markdown_table(result: dict) -> str:
     if result.get("budget_exhausted"):
         lines += ["", f"Budget of {result['budget_s']} s exhausted: {len(result.get('cases_skipped', []))} case(s) not run."]
     return "\n".join(lines) + "\n"
+
+
+def fp8_table(result: dict, groups: dict, tf: Callable, ratio: Callable) -> list[str]:
+    """The FP8 section of markdown_table (no lines when the run had no --fp8 and no FP8 rows): per
+    forward case, the inputs' dtype, cuDNN and fa3 auto TFLOP/s in that dtype, FP8 with its prologue and
+    the kernel alone, the prologue's time and GB/s, and the ratios FP8_RATIOS; then their geometric
+    means per mod, and why cases got no FP8 rows."""
+    fp8_groups = {k: g for k, g in groups.items() if any(s in g for s in (FP8_FULL, FP8_KERNEL_ONLY, FP8_PROLOGUE_ONLY))}
+    skipped = result.get("fp8_skipped") or []
+    if not fp8_groups and not skipped and not result.get("fp8"):
+        return []
+    copy_bw = result.get("copy_bytes_per_s")
+    lines = [
+        "", "#### FP8 forward: `flex(..., fp8=True)`, inference only", "",
+        "fp8 + prologue: `fa3_inductor.flex(q, k, v, ..., fp8=True)` end to end (template: what served it); "
+        "fp8 kernel: the FP8 kernel alone on operands quantized once, same mods and block mask; prologue: "
+        "the quantize pass alone, bytes read + written per second"
+        + (" (% of a 1 GiB device-to-device copy's)" if copy_bw else "")
+        + ". TFLOP/s count the same FLOPs as the case's other rows. dtype: the inputs' (what cuDNN and fa3 auto "
+        "ran in and what the prologue reads). Ratios: TFLOP/s ÷ TFLOP/s (>1 = FP8 faster). cos: cosine "
+        "similarity of the fp8 + prologue output to the reference's (flex in the inputs' dtype). FP8 is "
+        "inference-only: fwd+bwd cases have no FP8 rows.",
+        "",
+        "| mod | D | seqlen | B×H | dtype | cuDNN | fa3 auto | fp8 + prologue | template | fp8 kernel | prologue ms "
+        "| prologue GB/s | " + " | ".join(FP8_RATIOS) + " | cos vs ref |",
+        "|" + "---|" * 16,
+    ]
+    summary: dict[str, dict[str, list[float]]] = {}
+    not_fp8 = 0
+    for key in sorted(fp8_groups, key=_case_order):
+        g = fp8_groups[key]
+        _, mod, d, n, b, h, in_dtype = key
+        cud, cud_s = tf(g, ("cudnn", None))
+        auto, auto_s = tf(g, FA3_AUTO)
+        full, full_s = tf(g, FP8_FULL)
+        kern, kern_s = tf(g, FP8_KERNEL_ONLY)
+        full_row = g.get(FP8_FULL) or {}
+        template = full_row.get("template")
+        if template is not None and template != "fp8":
+            not_fp8 += 1
+            template = f"**{template}**"   # not the FP8 kernel: never to be read as one
+        pro = g.get(FP8_PROLOGUE_ONLY)
+        if pro is None:
+            pro_ms = pro_bw = "—"
+        elif pro.get("ms") is None:
+            pro_ms = pro_bw = "err"
+        else:
+            pro_ms = f"{pro['ms']:.3f}"
+            pro_bw = "—" if pro.get("gbps") is None else f"{pro['gbps']:.0f}"
+            if copy_bw and pro.get("gbps") is not None:
+                pro_bw += f" ({100 * pro['gbps'] * 1e9 / copy_bw:.0f}%)"
+        ratios = (ratio(full, cud), ratio(full, auto), ratio(kern, cud))
+        per = summary.setdefault(mod, {})
+        for name, r, counts in zip(FP8_RATIOS, ratios, (template == "fp8", template == "fp8", True)):
+            if r is not None and counts:
+                per.setdefault(name, []).append(r)
+        cos = full_row.get("cosine_vs_ref")
+        cells = [cud_s, auto_s, full_s, template or "—", kern_s, pro_ms, pro_bw]
+        cells += ["—" if r is None else _fmt_ratio(r) for r in ratios]
+        cells.append("—" if cos is None else f"{cos:.5f}")
+        lines.append(f"| {mod} | {_fmt_dims(d)} | {n} | {b}×{h} | {DTYPE_SHORT.get(in_dtype, in_dtype)} | "
+                     + " | ".join(cells) + " |")
+    if not fp8_groups:
+        lines.append("| (no FP8 rows) |" + " |" * 15)
+    if not_fp8:
+        lines += ["", f"{not_fp8} case(s) asked for fp8=True but ran the template shown in bold (not the FP8 "
+                      "kernel); their fp8 + prologue ratios are left out of the summary."]
+    summary = {m: per for m, per in summary.items() if per}
+    if summary:
+        lines += ["", "FP8 ratios (geometric mean, min) per mod:", "",
+                  "| mod | " + " | ".join(FP8_RATIOS) + " |", "|---|" + "---|" * len(FP8_RATIOS)]
+        for mod in sorted(summary, key=lambda m: MODS.index(m) if m in MODS else 99):
+            cells = []
+            for name in FP8_RATIOS:
+                vals = summary[mod].get(name)
+                cells.append("—" if not vals else f"{_fmt_ratio(math.exp(sum(map(math.log, vals)) / len(vals)))} "
+                                                  f"(min {_fmt_ratio(min(vals))})")
+            lines.append(f"| {mod} | " + " | ".join(cells) + " |")
+    if skipped:
+        reasons: dict[str, int] = {}
+        for c in skipped:
+            reasons[c["reason"]] = reasons.get(c["reason"], 0) + 1
+        lines += ["", "No FP8 rows for:"] + [f"- {count} case(s): {reason}" for reason, count in reasons.items()]
+    return lines
 
 
 def write_plot(result: dict, path: Path) -> Optional[Path]:
@@ -722,10 +1047,15 @@ def _csv(kind, allowed, cast=str):
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="FLOP rule: " + FLOP_RULE)
-    p.add_argument("--preset", choices=("smoke", "quick", "padded", "mla", "full"), default="quick",
-                   help="smoke: tiny CPU harness check; quick: fits a 10-minute GPU command; padded: head dims 80, "
-                        "96, 160 and 192 (hidden 2000 / 2016 / 1920); mla: q/k head dim 192 with v 128 (DeepSeek's "
-                        "latent attention, 16 heads); full: everything")
+    p.add_argument("--preset", choices=PRESETS, default="quick",
+                   help="smoke: tiny CPU harness check; quick: fits a 10-minute GPU command; fp8: quick's forward "
+                        "noop/causal/softcap cases (D=128, and D=64/256 at 4k/16k) with --fp8 on; padded: head dims "
+                        "80, 96, 160 and 192 (hidden 2000 / 2016 / 1920); mla: q/k head dim 192 with v 128 "
+                        "(DeepSeek's latent attention, 16 heads); full: everything")
+    p.add_argument("--fp8", action="store_true",
+                   help="also time FP8 on every forward case (rows with dtype fp8: flex(..., fp8=True) with its "
+                        "prologue, the FP8 kernel alone, the prologue alone); off by default, on with --preset fp8. "
+                        "Inference-only: fwd+bwd cases get none")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="output directory")
     p.add_argument("--rounds", type=int, default=TIMING_ROUNDS,
                    help="interleaved timing rounds per case (odd rounds in reverse order); the median is reported")
@@ -754,6 +1084,7 @@ def main(argv=None) -> int:
         print(markdown_table(json.loads(Path(args.render).read_text())), end="")
         return 0
 
+    fp8 = args.fp8 or args.preset == "fp8"
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     if device.type == "cuda":
@@ -792,8 +1123,18 @@ def main(argv=None) -> int:
         "budget_exhausted": False,
         "cases_skipped": [],
         "cases_failed": [],
+        "fp8": fp8,
         "rows": [],
     }
+    if fp8:
+        result["fp8_skipped"] = []   # {case fields, reason} of the cases that got no FP8 rows
+        try:
+            result["fp8_recipe"] = dataclasses.asdict(_import_fa3().FP8Recipe())
+        except Exception as exc:   # recorded; each case's FP8 rows then carry the error themselves
+            result["fp8_recipe"] = None
+            print(f"bench: fp8 recipe unavailable: {_describe(exc)}", file=sys.stderr)
+        if device.type == "cuda":
+            result["copy_bytes_per_s"] = copy_bandwidth(device)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"bench-{device_slug(device_name)}-{now.strftime('%Y-%m-%d-%H%M')}"
@@ -802,7 +1143,7 @@ def main(argv=None) -> int:
         print(msg, flush=True)
 
     log(f"bench: {device_name}, torch {torch.__version__}, triton {triton.__version__}, {dtype}, "
-        f"preset {args.preset}: {len(cases)} case(s), budget {args.budget_s:.0f} s")
+        f"preset {args.preset}: {len(cases)} case(s), budget {args.budget_s:.0f} s" + (", fp8 rows on" if fp8 else ""))
     start = time.monotonic()
     for i, case in enumerate(cases):
         elapsed = time.monotonic() - start
@@ -815,13 +1156,17 @@ def main(argv=None) -> int:
         log(f"[{i + 1}/{len(cases)} {elapsed:5.0f}s] {case.label()}")
         try:
             result["rows"] += run_case(case, args.impls, device, dtype, log, args.fa3_templates, args.rounds,
-                                       args.window)
+                                       args.window, fp8=fp8, fp8_skipped=result.get("fp8_skipped"))
         except Exception as exc:  # the case's own set-up (inputs, block mask) failed
             result["cases_failed"].append({**vars(case), "error": _describe(exc)})
             log(f"  case failed: {_describe(exc)}")
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     result["elapsed_s"] = round(time.monotonic() - start, 1)
+    if result.get("copy_bytes_per_s"):
+        for row in result["rows"]:
+            if row.get("gbps") is not None:
+                row["fraction_of_copy"] = row["gbps"] * 1e9 / result["copy_bytes_per_s"]
 
     json_path = out_dir / f"{stem}.json"
     json_path.write_text(json.dumps(result, indent=1) + "\n")

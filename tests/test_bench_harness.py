@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks" / "bench.py"
@@ -80,6 +81,7 @@ def test_smoke_json_schema(smoke_run):
     for key, typ in {"device": str, "torch": str, "triton": str, "date": str, "preset": str, "rows": list}.items():
         assert isinstance(result.get(key), typ), f"top-level key {key!r}: {result.get(key)!r}"
     assert result["preset"] == "smoke"
+    assert result["fp8"] is False and "fp8_skipped" not in result, "FP8 rows are off unless --fp8"
     assert result["rows"], "no rows"
     for row in result["rows"]:
         for key, typ in ROW_TYPES.items():
@@ -267,3 +269,165 @@ def test_render_old_result_without_template_requested(tmp_path, capsys):
 def test_device_slug():
     assert bench.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
     assert bench.device_slug("cpu x86_64") == "cpu-x86-64"
+
+
+# --------------------------------------------------------------------------------------------
+# FP8 rows (--fp8 / --preset fp8)
+# --------------------------------------------------------------------------------------------
+
+
+def _fp8_rows(full, kernel, prologue_ms=0.2, gbps=2500.0, template="fp8", **kw):
+    """The three FP8 rows of one case as run_case writes them (dtype fp8, inputs in input_dtype)."""
+    input_dtype = kw.pop("input_dtype", "bfloat16")
+    fp8 = dict(dtype="fp8", input_dtype=input_dtype, **kw)
+    return [
+        _row("fa3_inductor", full, "fp8", template, what="with prologue", cosine_vs_ref=0.99871, **fp8),
+        _row("fa3_inductor", kernel, "fp8", "fp8", what="kernel", cosine_vs_ref=0.99871, **fp8),
+        _row("prologue", None, what="quantize", ms=prologue_ms, flops=None, bytes=int(gbps * 1e9 * prologue_ms * 1e-3),
+             gbps=gbps, **fp8),
+    ]
+
+
+def test_markdown_fp8_rows():
+    """FP8 rows get their own table: dtype column (the inputs'), ratios of fp8 + prologue over cuDNN and over
+    fa3 auto, kernel alone over cuDNN, the prologue's GB/s against the copy bandwidth; the main table is
+    unchanged by them; the JSON round trip renders the same."""
+    bf16 = [_row("fa3_inductor", 600.0, "auto", "hopper"), _row("fa3_inductor", 480.0, "generic", "generic"),
+            _row("cudnn", 500.0), _row("fa2", 300.0), _row("flex", 400.0)]
+    fp16 = [_row(r["impl"], r["tflops"] * 1.02, r.get("template_requested"), r["template"], dtype="float16")
+            for r in bf16]
+    rows = bf16 + _fp8_rows(750.0, 900.0) + fp16 + _fp8_rows(612.0, 918.0, input_dtype="float16")
+    # a case whose fp8=True call fell back to torch's kernel: shown in bold, out of the +prologue summary
+    rows += [_row("fa3_inductor", 610.0, "auto", "hopper", mod="noop", causal=False),
+             _row("cudnn", 550.0, mod="noop", causal=False)]
+    rows += _fp8_rows(110.0, 1100.0, template="torch", mod="noop", causal=False)
+    result = _result(rows)
+    result.update(fp8=True, copy_bytes_per_s=3.0e12,
+                  fp8_skipped=[dict(direction="fwd+bwd", mod="causal", head_dim=128, seqlen=4096,
+                                    reason="FP8 is inference-only: flex(fp8=True) has no backward")])
+    table = bench.markdown_table(result)
+    # the main table reads the bf16 rows only, as without FP8 rows
+    assert _cells(table, "| fwd | causal | 128 | 4096 |")[5:] == [
+        "600", "hopper", "480", "generic", "500", "300", "400", "1.20", "1.50", "1.20", "0.96"]
+    head = _cells(table, "| mod | D | seqlen | B×H | dtype |")
+    assert head == ["mod", "D", "seqlen", "B×H", "dtype", "cuDNN", "fa3 auto", "fp8 + prologue", "template",
+                    "fp8 kernel", "prologue ms", "prologue GB/s", "+prologue ÷cuDNN", "+prologue ÷fa3 auto",
+                    "kernel ÷cuDNN", "cos vs ref"]
+    # 750 / 500, 750 / 600, 900 / 500; 2500 GB/s of a 3 TB/s copy
+    assert _cells(table, "| causal | 128 | 4096 | 4×16 | bf16 |")[5:] == [
+        "500", "600", "750", "fp8", "900", "0.200", "2500 (83%)", "1.50", "1.25", "1.80", "0.99871"]
+    assert _cells(table, "| causal | 128 | 4096 | 4×16 | fp16 |")[5:12] == [
+        "510", "612", "612", "fp8", "918", "0.200", "2500 (83%)"]
+    assert _cells(table, "| causal | 128 | 4096 | 4×16 | fp16 |")[12:15] == ["1.20", "1.00", "1.80"]
+    noop = _cells(table, "| noop | 128 | 4096 | 4×16 | bf16 |")
+    assert noop[8] == "**torch**" and noop[12:15] == ["0.20", "0.18", "2.00"]
+    assert "1 case(s) asked for fp8=True but ran the template shown in bold" in table
+    # summary: geometric means over bf16 and fp16 (sqrt(1.5 * 1.2) = 1.34, sqrt(1.25 * 1.0) = 1.12, 1.80);
+    # the torch fallback's +prologue ratios left out, its kernel ratio kept
+    assert _cells(table, "| causal | 1.34 (min") == ["causal", "1.34 (min 1.20)", "1.12 (min 1.00)", "1.80 (min 1.80)"]
+    assert _cells(table, "| noop | — |") == ["noop", "—", "—", "2.00 (min 2.00)"]
+    assert "fwd+bwd cases have no FP8 rows" in table
+    assert "- 1 case(s): FP8 is inference-only: flex(fp8=True) has no backward" in table
+    assert "failure(s)" not in table
+
+
+def test_markdown_fp8_errors_and_absence(tmp_path, capsys):
+    rows = [_row("fa3_inductor", 600.0, "auto", "hopper"), _row("cudnn", 500.0)]
+    assert "FP8" not in bench.markdown_table(_result(rows)), "no FP8 section without --fp8 and FP8 rows"
+    broken = _fp8_rows(750.0, 900.0)
+    broken[1].update(ms=None, tflops=None, error="RuntimeError: boom")
+    broken[2].update(ms=None, gbps=None, error="RuntimeError: bang")
+    result = _result(rows + broken)
+    path = tmp_path / "fp8.json"
+    path.write_text(json.dumps(result))
+    assert bench.main(["--render", str(path)]) == 0
+    table = capsys.readouterr().out
+    assert table == bench.markdown_table(result)
+    cells = _cells(table, "| causal | 128 | 4096 | 4×16 | bf16 |")
+    assert cells[7:12] == ["750", "fp8", "err", "err", "err"]
+    assert cells[12:15] == ["1.50", "1.25", "—"]
+    assert "- fa3_inductor[fp8] kernel fwd causal D=128 N=4096: RuntimeError: boom" in table
+    assert "- prologue quantize fwd causal D=128 N=4096: RuntimeError: bang" in table
+
+
+def test_fp8_series_and_case_keys():
+    full, kernel, prologue = _fp8_rows(750.0, 900.0)
+    assert [bench.series_of(r) for r in (full, kernel, prologue)] == [
+        ("fa3_inductor", "fp8"), ("fa3_inductor", "fp8 kernel"), ("prologue", None)]
+    plain = _row("cudnn", 500.0)
+    assert bench._group_key(full) == bench._group_key(kernel) == bench._group_key(plain)
+    assert bench._group_key(_fp8_rows(1.0, 1.0, input_dtype="float16")[0]) != bench._group_key(plain)
+
+
+def test_fp8_option_preset_and_skips():
+    assert bench.parse_args([]).fp8 is False
+    assert bench.parse_args(["--fp8"]).fp8 is True
+    assert bench.parse_args(["--preset", "fp8"]).preset == "fp8"
+    cases = bench.preset_cases("fp8")
+    quick = bench.preset_cases("quick")
+    assert len(cases) == len(set(cases)) == 30 and set(cases) <= set(quick)
+    assert {c.direction for c in cases} == {"fwd"} and {c.mod for c in cases} == {"noop", "causal", "softcap"}
+    assert {(c.mod, c.seqlen) for c in cases if c.head_dim == 128} == {
+        (m, n) for m in ("noop", "causal", "softcap") for n in bench.SEQLENS}
+    assert {(c.head_dim, c.seqlen) for c in cases if c.head_dim != 128} == {
+        (d, n) for d in (64, 256) for n in (4096, 16384)}
+    assert all(c.batch * c.seqlen == 16384 and c.heads * c.head_dim == 2048 for c in cases)
+    skip = bench.fp8_skip_reason
+    fwd, bwd = bench.Case.paper("causal", 128, 4096, "fwd"), bench.Case.paper("causal", 128, 4096, "fwd+bwd")
+    assert "inference-only" in skip(bwd, "cpu", torch.bfloat16, ["fa3_inductor"])
+    assert "float32" in skip(fwd, "cpu", torch.float32, ["fa3_inductor"])
+    assert "fa3_inductor" in skip(fwd, "cpu", torch.bfloat16, ["cudnn", "flex"])
+    from triton import knobs
+
+    cpu = skip(fwd, "cpu", torch.float16, ["fa3_inductor"])
+    assert (cpu is None) if knobs.runtime.interpret else ("TRITON_INTERPRET=1" in cpu)
+
+
+@pytest.fixture(scope="module")
+def smoke_fp8_run(tmp_path_factory):
+    """One tiny causal case with --fp8 on the CPU: under Triton's interpreter (conftest sets it without
+    CUDA) the FP8 rows run our kernel; without it they are skipped with the reason."""
+    out = tmp_path_factory.mktemp("bench_fp8")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(ROOT)) if p)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--preset", "smoke", "--fp8", "--dtype", "bfloat16", "--mods", "causal",
+         "--impls", "fa3_inductor,flex", "--fa3-templates", "auto", "--rounds", "1", "--out", str(out), "--no-plot"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, f"bench.py failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return json.loads(next(out.glob("*.json")).read_text()), next(out.glob("*.md")).read_text(), env
+
+
+def test_smoke_fp8_rows(smoke_fp8_run):
+    result, table, env = smoke_fp8_run
+    assert result["fp8"] is True and result["fp8_recipe"]["block_m"] == 128
+    fp8 = [r for r in result["rows"] if r["dtype"] == "fp8"]
+    plain = [r for r in result["rows"] if r["dtype"] != "fp8"]
+    assert {r["dtype"] for r in plain} == {"bfloat16"} and len(plain) == 2
+    if env.get("TRITON_INTERPRET", "0") in ("", "0"):
+        assert not fp8 and "TRITON_INTERPRET=1" in result["fp8_skipped"][0]["reason"]
+        assert "No FP8 rows for:" in table
+        return
+    assert result["fp8_skipped"] == []
+    by_what = {r["what"]: r for r in fp8}
+    assert set(by_what) == {"with prologue", "kernel", "quantize"}
+    for r in fp8:
+        assert "error" not in r, r
+        assert r["input_dtype"] == "bfloat16" and r["direction"] == "fwd" and r["mod"] == "causal"
+        assert isinstance(r["ms"], float) and r["ms"] > 0
+    full, kernel, pro = by_what["with prologue"], by_what["kernel"], by_what["quantize"]
+    for r in (full, kernel):
+        assert (r["impl"], r["template_requested"], r["template"]) == ("fa3_inductor", "fp8", "fp8")
+        assert r["flops"] == plain[0]["flops"], "FP8 rows count the FLOPs of the bf16 rows"
+        assert math.isclose(r["tflops"], r["flops"] / (r["ms"] * 1e-3) / 1e12, rel_tol=1e-9)
+        assert r["cosine_vs_ref"] > 0.99 and "variants_waited" in r
+    # the kernel alone computes what flex(fp8=True) computes: same operands, mods and block mask
+    assert kernel["max_abs_diff_vs_ref"] == full["max_abs_diff_vs_ref"]
+    assert (pro["impl"], pro["template_requested"], pro["tflops"], pro["flops"]) == ("prologue", None, None, None)
+    numel = 1 * 2 * 256 * 64
+    assert pro["bytes_read"] == 3 * numel * 2 and pro["bytes_written"] >= 3 * numel
+    assert pro["bytes"] == pro["bytes_read"] + pro["bytes_written"]
+    assert math.isclose(pro["gbps"], pro["bytes"] / (pro["ms"] * 1e-3) / 1e9, rel_tol=1e-9)
+    assert _cells(table, "| causal | 64 | 256 | 1×2 | bf16 |")[8] == "fp8"

@@ -18,9 +18,8 @@ import torch
 from fa3_inductor import FP8Recipe, flex, last_template, mods
 from fa3_inductor.templates.fp8_prologue.host import quantize
 from fa3_inductor.templates.fp8_prologue.reference import dequantize, quantize_reference, round_e4m3
+from reference import FP8_TOLERANCE as FP8_REL
 from reference import reference_attention, rel_error
-
-FP8_REL = 0.1
 
 
 def _inputs(B, H, HKV, M, N, D, dtype=torch.bfloat16, seed=0):
