@@ -68,3 +68,41 @@ def test_bad_mask_type_is_refused():
     q = torch.randn(1, 2, 16, 16)
     with pytest.raises(TypeError, match="expects its mask as a BlockMask"):
         fa3_hf.fa3_attention_forward(torch.nn.Module(), q, q, q, torch.ones(1, 1, 16, 16))
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_fa3_fp8_attention_is_close_to_eager(name):
+    """attn_implementation="fa3_fp8": FP8 attention (inference), bf16 model; within the FP8 rule of
+    tests/reference.py of eager bf16 at every non-padded position."""
+    from triton import knobs
+    from transformers import AutoModelForCausalLM
+
+    if not knobs.runtime.interpret and not torch.cuda.is_available():
+        pytest.skip("our kernels need CUDA or TRITON_INTERPRET=1")
+    from reference import FP8_TOLERANCE
+
+    fa3_hf.register()
+    torch.manual_seed(0)
+    cfg = _configs()[name]
+    eager = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager")
+    ours = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="fa3_fp8")
+    ours.load_state_dict(eager.state_dict())
+    eager, ours = eager.to(torch.bfloat16).eval(), ours.to(torch.bfloat16).eval()
+    ids = torch.randint(1, cfg.vocab_size, (2, 40))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    with torch.no_grad():
+        ref = eager(ids, attention_mask=mask).logits.float()
+        out = ours(ids, attention_mask=mask).logits.float()
+    assert fa3_inductor.last_template() == "fp8"
+    keep = mask.bool()
+    err = ((out[keep] - ref[keep]).norm() / ref[keep].norm()).item()
+    assert 0 < err <= FP8_TOLERANCE, f"{name}: relative error {err:.2e} against eager bf16"
+
+
+def test_fa3_fp8_refuses_training():
+    fa3_hf.register()
+    layer = torch.nn.Module().train()
+    q = torch.randn(1, 2, 16, 16, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="inference-only"):
+        fa3_hf.fa3_fp8_attention_forward(layer, q, q, q, None, scaling=0.25)

@@ -1,7 +1,10 @@
 """Hugging Face transformers integration: ``attn_implementation="fa3"``.
 
 ``register()`` adds an attention function and a mask function named "fa3" to transformers'
-interfaces. Masks are built by transformers' own FlexAttention mask builder (causal, sliding
+interfaces, and "fa3_fp8": the same with FP8 attention for inference (``flex(..., fp8=...)``: q and k
+rotated by a random-sign Hadamard matrix, e4m3 with block scales; docs/fp8.md). Under "fa3_fp8" the
+model's RoPE runs in the model, before the attention function (the prologue's fused RoPE needs the
+compiled path, not there yet). Masks are built by transformers' own FlexAttention mask builder (causal, sliding
 window per layer type, padding, packed sequences), so they arrive as a BlockMask; softcapping
 comes from the model's config through the ``softcap`` argument transformers passes.
 
@@ -21,8 +24,10 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from .. import mods
 from ..api import flex
+from ..fp8_recipe import FP8Recipe
 
 NAME = "fa3"
+NAME_FP8 = "fa3_fp8"
 
 
 def fa3_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -30,8 +35,9 @@ def fa3_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
                           scaling: Optional[float] = None, softcap: Optional[float] = None,
                           dropout: float = 0.0, s_aux: Optional[torch.Tensor] = None,
                           position_bias: Optional[torch.Tensor] = None,
-                          **kwargs: Any) -> tuple[torch.Tensor, None]:
+                          fp8: Optional[FP8Recipe] = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers attention function: (B, H, S, D) inputs -> ((B, S, H, D) output, None).
+    ``fp8``: run FP8 attention with this recipe (``attn_implementation="fa3_fp8"``).
 
     Example::
 
@@ -47,16 +53,35 @@ def fa3_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     if attention_mask is not None and not isinstance(attention_mask, BlockMask):
         raise TypeError("attn_implementation='fa3' expects its mask as a BlockMask (built by the "
                         f"'fa3' mask function); got {type(attention_mask).__name__}")
+    if fp8 is not None and (module.training or torch.is_grad_enabled() and query.requires_grad):
+        raise NotImplementedError(
+            "attn_implementation='fa3_fp8' is inference-only (no backward through FP8 attention): "
+            "call model.eval() under torch.no_grad(), or use attn_implementation='fa3' to train")
     out = flex(query, key, value, score_mod=mods.softcap(softcap) if softcap else None,
                block_mask=attention_mask, scale=scaling,
-               enable_gqa=query.shape[1] != key.shape[1])
+               enable_gqa=query.shape[1] != key.shape[1], fp8=fp8)
     # Our output keeps q's stride order: q from view(B, S, H, D).transpose(1, 2) makes this a
     # free view back to (B, S, H, D).
     return out.transpose(1, 2), None
 
 
+def fa3_fp8_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                              value: torch.Tensor, attention_mask: Optional[Any],
+                              **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """:func:`fa3_attention_forward` with FP8 attention (the default :class:`FP8Recipe`; a model
+    may set ``config.fa3_fp8_recipe`` to another one). Inference only.
+
+    Example::
+
+        >>> out, _ = fa3_fp8_attention_forward(layer, q, k, v, block_mask, scaling=0.125)  # doctest: +SKIP
+    """
+    config = getattr(module, "config", None)
+    recipe = getattr(config, "fa3_fp8_recipe", None) or FP8Recipe()
+    return fa3_attention_forward(module, query, key, value, attention_mask, fp8=recipe, **kwargs)
+
+
 def register() -> None:
-    """Register "fa3" as a transformers attention implementation (idempotent).
+    """Register "fa3" and "fa3_fp8" as transformers attention implementations (idempotent).
 
     Example::
 
@@ -67,3 +92,5 @@ def register() -> None:
 
     AttentionInterface.register(NAME, fa3_attention_forward)
     AttentionMaskInterface.register(NAME, flex_attention_mask)
+    AttentionInterface.register(NAME_FP8, fa3_fp8_attention_forward)
+    AttentionMaskInterface.register(NAME_FP8, flex_attention_mask)
