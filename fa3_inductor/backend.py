@@ -49,6 +49,12 @@ def fa3_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
         raise ValueError("backend 'fa3': give either mode= or options=, not both "
                          "(as for torch.compile's inductor backend)")
     settings, inductor_options = split_options(options)
+    if settings.fp8 is not None and torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs):
+        raise NotImplementedError(
+            "backend 'fa3' with options={'fa3.fp8': ...} is inference-only (no backward through FP8 "
+            "attention): run the model under torch.no_grad() / torch.inference_mode(), or drop "
+            "'fa3.fp8' to train")
     stock = _stock_inductor(mode, inductor_options)
     if "post_grad_custom_post_pass" in stock.config:
         raise ValueError("backend 'fa3' installs its own post_grad_custom_post_pass; compose "

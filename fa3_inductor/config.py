@@ -17,7 +17,7 @@ def templates() -> tuple[str, ...]:
     Example::
 
         >>> templates()
-        ('auto', 'hopper', 'generic', 'torch')
+        ('auto', 'hopper', 'fp8', 'generic', 'torch')
     """
     from .templates.registry import names
 
@@ -33,15 +33,24 @@ class Settings:
                logged); "torch" turns our lowering off (torch's own flex kernels run).
     recognize: rewrite attention written another way (today: SDPA calls) into the
                flex_attention op our lowering serves; False leaves the graph as Dynamo made it.
+    fp8:       True or an FP8Recipe: FP8 attention (inference graphs only) for every bf16/fp16 site
+               our kernels serve (docs/fp8.md); None / False: off.
     """
 
     template: str = "auto"
     recognize: bool = True
+    fp8: Any = None
 
     def __post_init__(self) -> None:
         if self.template not in templates():
             raise ValueError(f"fa3 option 'fa3.template' must be one of {templates()}, "
                              f"got {self.template!r}")
+        from .fp8_recipe import FP8Recipe
+
+        try:
+            object.__setattr__(self, "fp8", FP8Recipe.of(self.fp8))
+        except TypeError as exc:
+            raise ValueError(f"fa3 option 'fa3.fp8': {exc}") from exc
 
 
 def split_options(options: dict[str, Any] | None) -> tuple[Settings, dict[str, Any]]:
@@ -50,7 +59,7 @@ def split_options(options: dict[str, Any] | None) -> tuple[Settings, dict[str, A
     Example::
 
         >>> split_options({"fa3.template": "generic", "max_autotune": True})
-        (Settings(template='generic', recognize=True), {'max_autotune': True})
+        (Settings(template='generic', recognize=True, fp8=None), {'max_autotune': True})
     """
     ours, inductor = {}, {}
     names = {f.name for f in dataclasses.fields(Settings)}

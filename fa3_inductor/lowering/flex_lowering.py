@@ -23,6 +23,7 @@ import torch
 from .. import _compat
 from ..config import Settings
 from ..sizes import static_ints
+from ..runtime.ops_fp8 import recipe_text  # also defines fa3_inductor::flex_fwd_fp8
 from ..runtime.spec import SiteSpec
 from ..templates.modgen import BufferSpec, ModInfo, UnsupportedMod, describe_mod_source
 from ..report import LoweredSite, record_site, site_tag
@@ -108,10 +109,16 @@ def _plan(query, key, value, subgraph, bm: _compat.FlexBlockMask, score_bufs, ma
             subgraph.graph_module, bm.mask_graph.graph_module, score_specs, mask_specs,
             device=device, dtype=dtype, q_heads=hq, kv_heads=hkv, head_dim=d,
             value_head_dim=dv, batches_match=batches_match, sparse_blocks=sparse,
-            settings=settings, description=shape, needs_max=needs_max)
+            settings=settings, description=shape, needs_max=needs_max and not _fp8(settings, dtype),
+            fp8=_fp8(settings, dtype))
     except UnsupportedMod as exc:
         return None, f"mod not lowerable: {exc}", shape
     return spec, reason, shape
+
+
+def _fp8(settings: Settings, dtype: torch.dtype) -> bool:
+    """Whether a site of ``dtype`` runs FP8: option fa3.fp8 on, inputs bf16 or fp16 (the prologue's)."""
+    return settings.fp8 is not None and dtype in (torch.float16, torch.bfloat16)
 
 
 def unserved_reason(example_query: torch.Tensor,
@@ -185,10 +192,16 @@ def _fa3_flex_lowering(query, key, value, subgraph, block_mask, scale, kernel_op
         # the kernel's dense path is the same attention, and the tables' in-graph
         # construction (a few tiny kernels per call) is then dead code Inductor removes.
         tables = (None, None, None, None)
-    call = _compat.fallback_kernel(torch.ops.fa3_inductor.flex_fwd.default)
-    out, lse, max_scores = call(
-        q, k, v, *tables, score_bufs, mask_bufs, float(scale), sparse_q, sparse_kv,
-        spec.to_json())
+    if "fp8" in spec.families:   # an FP8 site (option fa3.fp8): the prologue runs inside the op
+        call = _compat.fallback_kernel(torch.ops.fa3_inductor.flex_fwd_fp8.default)
+        out, lse, max_scores = call(
+            q, k, v, *tables, score_bufs, mask_bufs, float(scale), sparse_q, sparse_kv,
+            spec.to_json(), recipe_text(marker.settings.fp8))
+    else:
+        call = _compat.fallback_kernel(torch.ops.fa3_inductor.flex_fwd.default)
+        out, lse, max_scores = call(
+            q, k, v, *tables, score_bufs, mask_bufs, float(scale), sparse_q, sparse_kv,
+            spec.to_json())
     if _compat.flex_op_returns_max_scores():
         return out, lse, max_scores
     return out, lse

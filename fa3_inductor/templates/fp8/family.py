@@ -43,7 +43,8 @@ class FP8Family:
         return None
 
     def describe(self, site: SiteFacts) -> str:
-        return "FP8 e4m3 (Triton), block scales, two-level PV accumulation per the recipe"
+        return ("FP8 e4m3 (Triton kernel, prologue: Hadamard + block scales); RoPE fused only "
+                "through flex(rope=) for now")
 
     def prepare(self, call: Call) -> Optional[Variants]:
         ops = _operands(call)

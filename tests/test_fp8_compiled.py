@@ -1,0 +1,65 @@
+"""FP8 through the compiled front door: ``torch.compile(model, backend="fa3", options={"fa3.fp8": ...})``
+lowers every bf16/fp16 site our kernels serve to ``fa3_inductor::flex_fwd_fp8`` (the prologue, then
+the fp8 family), for inference graphs; training graphs are refused. CPU: under Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+import fa3_inductor
+from fa3_inductor import FP8Recipe, mods
+from reference import FP8_TOLERANCE, reference_attention, rel_error
+
+
+class SdpaCausal(torch.nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class FlexSoftcap(torch.nn.Module):
+    def forward(self, q, k, v, block_mask):
+        return flex_attention(q, k, v, score_mod=mods.softcap(20.0), block_mask=block_mask)
+
+
+def _qkv(seed, M=128, N=128, D=64, H=2):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(1, H, n, D, generator=g).to(torch.bfloat16) for n in (M, N, N))
+
+
+def test_sdpa_site_runs_fp8(cpu_kernels, fresh_compiles):
+    q, k, v = _qkv(0)
+    report = fa3_inductor.explain(SdpaCausal(), q, k, v, compile_options={"fa3.fp8": True})
+    assert [s.template for s in report.sites] == ["fp8"], report
+    with torch.no_grad():
+        out = torch.compile(SdpaCausal(), backend="fa3", options={"fa3.fp8": True})(q, k, v)
+    assert fa3_inductor.last_template() == "fp8"
+    ref, _ = reference_attention(q, k, v, mask_mod=mods.causal)
+    assert rel_error(out, ref) < FP8_TOLERANCE
+
+
+def test_flex_site_with_mods_runs_fp8_with_a_recipe(cpu_kernels, fresh_compiles):
+    q, k, v = _qkv(1, M=100, N=160)
+    block_mask = create_block_mask(mods.causal, None, None, 100, 160, device="cpu")
+    model = torch.compile(FlexSoftcap(), backend="fa3",
+                          options={"fa3.fp8": FP8Recipe(block_m=64, block_n=64)})
+    with torch.no_grad():
+        out = model(q, k, v, block_mask)
+    assert fa3_inductor.last_template() == "fp8"
+    ref, _ = reference_attention(q, k, v, mods.softcap(20.0), mods.causal)
+    assert rel_error(out, ref) < FP8_TOLERANCE
+
+
+def test_training_graph_is_refused(cpu_kernels, fresh_compiles):
+    q, k, v = (t.requires_grad_() for t in _qkv(2))
+    model = torch.compile(SdpaCausal(), backend="fa3", options={"fa3.fp8": True})
+    with pytest.raises(Exception, match="inference-only"):
+        model(q, k, v)
+
+
+def test_bad_fp8_option_is_refused():
+    with pytest.raises(ValueError, match="fa3.fp8"):
+        fa3_inductor.config.split_options({"fa3.fp8": "yes"})
