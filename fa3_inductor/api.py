@@ -273,9 +273,9 @@ def _flex_fp8(q, k, v, score_mod, mask_mod, block_mask, scale, enable_gqa, retur
             "flex(fp8=...) is inference-only: backward through an FP8 forward is not supported. "
             "Call it under torch.no_grad() / torch.inference_mode() with inputs that need no "
             "gradient, or drop fp8= to train (the bf16/fp16 kernels have a backward)")
-    if template not in ("auto", "fp8"):
-        raise ValueError(f"flex(fp8=...): template must be 'auto' (got {template!r}); FP8 runs the "
-                         "fp8 kernel family")
+    if template != "auto":
+        raise ValueError(f"flex(fp8=...): template must be 'auto' (got {template!r}); FP8 sites are "
+                         "served by the FP8 kernel families in the registry's order")
     if recipe.smooth_k and score_mod is not None:
         raise ValueError("flex(fp8=FP8Recipe(smooth_k=True)) with a score_mod: subtracting K's mean "
                          "shifts each query's scores by a constant, which softmax ignores but a "

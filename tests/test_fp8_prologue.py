@@ -368,3 +368,12 @@ def test_other_head_dims_compile_for_sm90_without_spills(D, Dv, R, recipe):
     r = sass_report(main)
     assert r.stack == 0 and r.spill_instructions == 0, (r.registers, r.stack)
     assert r.shared <= 227 * 1024, r.shared
+
+
+def test_rope_tables_that_do_not_repeat_are_refused():
+    q = k = v = torch.randn(1, 1, 16, 32, dtype=torch.bfloat16)
+    angles = torch.arange(16.0)[:, None] * torch.rand(32)   # 32 different frequencies: no repeat
+    with pytest.raises(ValueError, match="must repeat its frequencies"):
+        quantize(q, k, v, FP8Recipe(), RopeSpec(angles.cos(), angles.sin(), style="half"))
+    with pytest.raises(ValueError, match="must repeat its frequencies"):
+        quantize(q, k, v, FP8Recipe(), RopeSpec(angles.cos(), angles.sin(), style="interleaved"))

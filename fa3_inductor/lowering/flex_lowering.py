@@ -192,7 +192,7 @@ def _fa3_flex_lowering(query, key, value, subgraph, block_mask, scale, kernel_op
         # the kernel's dense path is the same attention, and the tables' in-graph
         # construction (a few tiny kernels per call) is then dead code Inductor removes.
         tables = (None, None, None, None)
-    if "fp8" in spec.families:   # an FP8 site (option fa3.fp8): the prologue runs inside the op
+    if _fp8(marker.settings, query.get_dtype()):   # planned FP8: the prologue runs inside the op
         call = _compat.fallback_kernel(torch.ops.fa3_inductor.flex_fwd_fp8.default)
         out, lse, max_scores = call(
             q, k, v, *tables, score_bufs, mask_bufs, float(scale), sparse_q, sparse_kv,

@@ -79,6 +79,31 @@ def _check_inputs(q: Any, k: Any, v: Any, recipe: Any, rope: Any) -> None:
         _check_rope(rope, B, M, N, D, q.device)
 
 
+_CHECKED_TABLES: dict = {}   # (data_ptr, version, shape, style) of tables seen to repeat their frequencies
+
+
+def _check_tables_repeat(style: str, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """The kernel reads one column of each rotated pair (RopeSpec: the table repeats every frequency,
+    as transformers' and Meta's tables do). A table that does not would give wrong rotations
+    silently: check it once per table (by address and version: models reuse one table for every
+    layer and call), at the cost of one device sync the first time."""
+    key = tuple((t.data_ptr(), t._version, tuple(t.shape), style) for t in (cos, sin))
+    if key in _CHECKED_TABLES:
+        return
+    R = cos.shape[-1]
+    for name, t in (("cos", cos), ("sin", sin)):
+        a, b = (t[..., : R // 2], t[..., R // 2:]) if style == "half" else (t[..., 0::2], t[..., 1::2])
+        if not torch.equal(a, b):
+            layout = ("its two halves equal (cat(freqs, freqs))" if style == "half"
+                      else "each frequency twice in a row")
+            raise ValueError(f"quantize: RopeSpec.{name} with style={style!r} must repeat its "
+                             f"frequencies ({layout}), as transformers' and Meta's tables do; "
+                             "build it that way or use the other style")
+    if len(_CHECKED_TABLES) >= 64:
+        _CHECKED_TABLES.clear()
+    _CHECKED_TABLES[key] = True
+
+
 def _check_rope(rope: Any, B: int, M: int, N: int, D: int, device: torch.device) -> None:
     if not isinstance(rope, RopeSpec):
         raise TypeError(f"quantize: rope must be an fa3_inductor RopeSpec, got {type(rope).__name__}")
@@ -97,6 +122,7 @@ def _check_rope(rope: Any, B: int, M: int, N: int, D: int, device: torch.device)
     if R % 2 or not 2 <= R <= D:
         raise ValueError(f"quantize: the RoPE tables' width R = {R} (rotated channels) must be even "
                          f"and at most the head dim {D}")
+    _check_tables_repeat(rope.style, cos, sin)
     for name, pos, length in (("q_positions", rope.q_positions, M),
                               ("k_positions", rope.k_positions, N)):
         if pos is None:
