@@ -215,7 +215,11 @@ LAYER_SHAPES = ((4, 512, 1024, 16), (1, 1024, 2048, 16), (1, 2048, 2048, 16), (2
                 (1, 4096, 2048, 16), (4, 2048, 2048, 16))
 
 
-def part_layers(rows: list, modes: list[str], kinds: list[str], train: bool, shapes: list[int]) -> None:
+def part_layers(rows: list, modes: list[str], kinds: list[str], train: bool, shapes: list[int],
+                aa: bool = False) -> None:
+    """Attention layers under fa3 and stock Inductor per mode, timed in interleaved rounds; ``aa``
+    adds a second stock compile of the same layer ("inductor A/A") to the rounds, so the spread of
+    two handles to one artifact is measured beside the fa3 / Inductor ratio."""
     import torch._dynamo
 
     for kind, cls in (("sdpa", AttentionLayer), ("hand-written", HandWrittenLayer)):
@@ -229,8 +233,10 @@ def part_layers(rows: list, modes: list[str], kinds: list[str], train: bool, sha
                 for mode in modes:
                     torch._dynamo.reset()
                     fns, ms = {}, {}
-                    for backend in ("fa3", "inductor"):   # both compiled first, then timed in turn
-                        fn = torch.compile(layer, backend=backend, mode=None if mode == "default" else mode)
+                    for backend in ("fa3", "inductor", *(("inductor A/A",) if aa else ())):
+                        # all compiled first, then timed in turn
+                        fn = torch.compile(layer, backend=backend.split()[0],
+                                           mode=None if mode == "default" else mode)
                         t0 = time.perf_counter()
                         fa3_inductor.clear_lowered_sites()
                         try:
@@ -243,7 +249,7 @@ def part_layers(rows: list, modes: list[str], kinds: list[str], train: bool, sha
                         fns[backend] = (fn, time.perf_counter() - t0, ((y.float() - ref).norm() / ref.norm()).item(),
                                         len(fa3_inductor.lowered_sites()) if backend == "fa3" else None,
                                         fa3_inductor.last_template() if backend == "fa3" else None)
-                    if len(fns) < 2:
+                    if "fa3" not in fns or "inductor" not in fns:
                         continue
                     ms = interleaved_ms({name: (lambda f=f: f(x)) for name, (f, *_) in fns.items()})
                     for backend, (fn, compile_s, err, fused, template) in fns.items():
@@ -253,6 +259,10 @@ def part_layers(rows: list, modes: list[str], kinds: list[str], train: bool, sha
                     rows.append(dict(part="layers", case=f"{kind} ratio inductor/fa3 {mode}",
                                      shape=f"B{b} T{t} d{d} H{h}", ratio=ms["inductor"] / ms["fa3"],
                                      fused=fns["fa3"][3]))
+                    if "inductor A/A" in ms:
+                        rows.append(dict(part="layers", case=f"{kind} ratio inductor/inductor A/A {mode}",
+                                         shape=f"B{b} T{t} d{d} H{h}",
+                                         ratio=ms["inductor"] / ms["inductor A/A"]))
             if train:   # one training step (forward + backward), default mode
                 layer.train()
                 torch._dynamo.reset()
@@ -348,6 +358,8 @@ def main() -> None:
     ap.add_argument("--modes", default="default,reduce-overhead,max-autotune-no-cudagraphs")
     ap.add_argument("--kinds", default="sdpa,hand-written", help="layer kinds (layers part)")
     ap.add_argument("--train", action="store_true", help="also time a training step per layer")
+    ap.add_argument("--aa", action="store_true",
+                    help="layers: also time a second stock compile (the A/A spread beside fa3 / inductor)")
     ap.add_argument("--shapes", default=",".join(str(i) for i in range(len(LAYER_SHAPES))),
                     help="indices into LAYER_SHAPES (layers part)")
     ap.add_argument("--tag", default="")
@@ -381,7 +393,7 @@ def main() -> None:
                 part_host(rows)
             elif part == "layers":
                 part_layers(rows, args.modes.split(","), args.kinds.split(","), args.train,
-                            [int(i) for i in args.shapes.split(",")])
+                            [int(i) for i in args.shapes.split(",")], aa=args.aa)
             elif part == "graphs":
                 part_graphs(rows)
             print(f"[{part}: {time.perf_counter() - t0:.0f} s]", flush=True)
