@@ -22,9 +22,10 @@ from .lowering import flex_lowering, registration
 from .lowering.passes import Fa3PostGradPass
 from .recognition import module_state
 from .recognition.recognize_flex import flex_call_sites, flex_nodes, tag_rewritten
+from .recognition.rope import rope_pair
 from .recognition.recognize_sdpa import rewrite_sdpa
 from .recognition.rewrite_pays import unless_small
-from .report import record_recognized
+from .report import record_recognized, site_tag
 
 
 def fa3_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
@@ -64,7 +65,7 @@ def fa3_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
     extra_inputs: list = []
     guards: list = []
     if settings.recognize and settings.template != "torch":
-        gm, extra_inputs, guards = recognize(gm, example_inputs)
+        gm, extra_inputs, guards = recognize(gm, example_inputs, look_for_rope=settings.fp8 is not None)
     else:
         for site in flex_call_sites(gm):
             record_recognized(site)
@@ -174,11 +175,12 @@ def _own_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return copy
 
 
-def recognize(gm: torch.fx.GraphModule, example_inputs: Optional[list] = None
-              ) -> tuple[torch.fx.GraphModule, list, list]:
+def recognize(gm: torch.fx.GraphModule, example_inputs: Optional[list] = None,
+              look_for_rope: bool = False) -> tuple[torch.fx.GraphModule, list, list]:
     """Run the recognition passes on a copy of a Dynamo graph; log what they saw. Returns the
     graph to compile, the constant tensors appended to its inputs (empty: ``gm`` itself), and
     the guards on module buffers read as constants (checked before every call).
+    ``look_for_rope``: note RoPE applied to each site's q and k (recognition/rope.py), for FP8.
 
     Example::
 
@@ -197,11 +199,23 @@ def recognize(gm: torch.fx.GraphModule, example_inputs: Optional[list] = None
     sites, extra_inputs = sites + manual_sites, extra_inputs + manual_inputs
     # (every rewriting pass runs above this line: the next one tags the nodes they made)
     tag_rewritten(gm, before, positions, sites)
+    if look_for_rope:
+        _note_rope(gm, user_calls + sites)
     for site in sorted(user_calls + sites, key=lambda s: positions.get(s.node, len(positions))):
         record_recognized(site)
     if not any(site.rewritten for site in sites):
         return original, [], []
     return gm, extra_inputs, guards
+
+
+def _note_rope(gm: torch.fx.GraphModule, sites: list) -> None:
+    """Record on each site the RoPE its flex_attention's q and k come from (explain() shows it)."""
+    by_id = {site.site_id: site for site in sites if site.site_id is not None}
+    for node in flex_nodes(gm):
+        site = by_id.get(site_tag(node))
+        pair = rope_pair(node.args[0], node.args[1]) if site is not None else None
+        if pair is not None:
+            site.rope = f"{pair[0].style} R={pair[0].rotary_dim}"
 
 
 def ensure_registered() -> None:

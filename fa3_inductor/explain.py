@@ -140,6 +140,10 @@ def _link(recognized: list[RecognizedSite], lowered: list[LoweredSite]
             unmatched.append(site)
         else:
             _take_lowering(site, low)
+        if rec.rope:
+            site.note = (f"{site.note}; " if site.note else "") + (
+                f"RoPE ({rec.rope}) in the model runs before the FP8 prologue: fused only through "
+                "flex(rope=) for now")
         fused.append(site)
     # Sites whose tag did not reach the lowering (an older torch that drops node meta): within
     # one explain() call the lowering meets them in program order, so pair them up in order

@@ -116,6 +116,7 @@ class RecognizedSite:
     gqa_groups: int = 1           # query heads per kv head
     training: bool = False        # the graph needs gradients through this site
     site_id: Optional[int] = None  # set when the site's flex_attention node is tagged (SITE_TAG)
+    rope: Optional[str] = None    # RoPE found on q and k right before it (FP8 only), e.g. "half R=64"
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -63,3 +63,28 @@ def test_training_graph_is_refused(cpu_kernels, fresh_compiles):
 def test_bad_fp8_option_is_refused():
     with pytest.raises(ValueError, match="fa3.fp8"):
         fa3_inductor.config.split_options({"fa3.fp8": "yes"})
+
+
+class RopeThenSdpa(torch.nn.Module):
+    """transformers' spelling: q * cos + rotate_half(q) * sin on q and k, then SDPA."""
+
+    def forward(self, q, k, v, cos, sin):
+        def rotate_half(x):
+            x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+            return torch.cat((-x2, x1), dim=-1)
+
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_explain_names_the_rope_before_an_fp8_site(cpu_kernels, fresh_compiles):
+    q, k, v = _qkv(3)
+    angles = torch.arange(128.0)[:, None] * (10000.0 ** (-torch.arange(0, 64, 2) / 64))
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    report = fa3_inductor.explain(RopeThenSdpa(), q, k, v, cos, sin, compile_options={"fa3.fp8": True})
+    assert [s.template for s in report.sites] == ["fp8"], report
+    assert "RoPE (half R=64)" in report.sites[0].note, report
+    plain = fa3_inductor.explain(RopeThenSdpa(), q, k, v, cos, sin)
+    assert "RoPE" not in plain.sites[0].note   # looked for only with FP8 on
