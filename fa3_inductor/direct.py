@@ -59,19 +59,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable], bloc
         >>> out, lse = forward(q, k, v, None, None, 0.125, "auto")   # doctest: +SKIP
     """
     mask_mod = block_mask.mask_mod if block_mask is not None else None
-    site = (template, q.device, q.dtype, q.shape[1], q.shape[3], k.shape[1], v.shape[3],
-            q.shape[0] == k.shape[0] or k.shape[0] == 1,
-            None if block_mask is None else tuple(block_mask.BLOCK_SIZE))
-    try:
-        key = (mod_key(score_mod), mod_key(mask_mod), site)
-    except Unkeyable:
-        key = (score_mod, mask_mod, site)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = plan_direct(q, k, v, score_mod, mask_mod, block_mask, template)
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
+    plan = cached_plan(q, k, v, score_mod, mask_mod, block_mask, template)
     if plan.spec is None or kernel_failure(SiteSpec.from_json(plan.spec)) is not None:
         return None   # the compiled path plans it again and records why torch's kernel runs
     if torch.is_grad_enabled() and any(b.requires_grad for b in (*plan.score_bufs,
@@ -200,6 +188,32 @@ def clear() -> None:
     """Forget every plan and remembered call (tests; after redefining mods in place)."""
     _PLANS.clear()
     _CALLS.clear()
+
+
+def cached_plan(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable],
+                mask_mod: Optional[Callable], block_mask: Any, template: str, fp8: bool = False) -> _Plan:
+    """:func:`plan_direct`'s plan, cached by what the mods compute (module docstring) and the
+    site's kind (device, dtype, heads, head dims, batch broadcast, block sizes, FP8 or not).
+
+    Example::
+
+        >>> cached_plan(q, k, v, None, None, None, "auto") is cached_plan(q, k, v, None, None, None, "auto")  # doctest: +SKIP
+        True
+    """
+    site = (template, fp8, q.device, q.dtype, q.shape[1], q.shape[3], k.shape[1], v.shape[3],
+            q.shape[0] == k.shape[0] or k.shape[0] == 1,
+            None if block_mask is None else tuple(block_mask.BLOCK_SIZE))
+    try:
+        key = (mod_key(score_mod), mod_key(mask_mod), site)
+    except Unkeyable:
+        key = (score_mod, mask_mod, site)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = plan_direct(q, k, v, score_mod, mask_mod, block_mask, template, fp8)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
 
 
 def plan_direct(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable],

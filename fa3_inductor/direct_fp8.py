@@ -11,22 +11,19 @@ FP8 is inference-only: backward through it raises (api.flex checks before coming
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
-from .direct import block_mask_tables, plan_direct
+from .direct import block_mask_tables, cached_plan
 from .fp8_recipe import FP8Recipe, RopeSpec
-from .mod_keys import Unkeyable, mod_key
 from .runtime.ops import record_template, serve
 from .runtime.spec import SiteSpec
 from .templates.family import Call
 from .templates.fp8_prologue.host import quantize
 
 _LN2 = 0.6931471805599453
-_MAX_PLANS = 256
-_PLANS: dict[Hashable, Any] = {}
 
 
 class FP8Unserved(RuntimeError):
@@ -73,21 +70,10 @@ def fp8_call(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable], blo
 
 def _plan(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable],
           mask_mod: Optional[Callable], block_mask: Any) -> Any:
-    """direct.py's plan of the site with FP8 on, cached by what the mods compute (as direct.py)."""
-    site = (q.device, q.dtype, q.shape[1], q.shape[3], k.shape[1], v.shape[3],
-            None if block_mask is None else tuple(block_mask.BLOCK_SIZE))
-    try:
-        key: Hashable = (mod_key(score_mod), mod_key(mask_mod), site)
-    except Unkeyable:
-        key = (score_mod, mask_mod, site)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = plan_direct(q, k, v, score_mod, mask_mod, block_mask, "auto", fp8=True)
-        if plan.spec is None:
-            raise FP8Unserved(f"flex(fp8=...): no FP8 kernel serves this call ({plan.reason}); "
-                              "rewrite the mods with supported ops, or drop fp8= to run it in "
-                              "bf16/fp16")
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
+    """direct.py's cached plan of the site with FP8 on; raises when no FP8 kernel serves it."""
+    plan = cached_plan(q, k, v, score_mod, mask_mod, block_mask, "auto", fp8=True)
+    if plan.spec is None:
+        raise FP8Unserved(f"flex(fp8=...): no FP8 kernel serves this call ({plan.reason}); "
+                          "rewrite the mods with supported ops, or drop fp8= to run it in "
+                          "bf16/fp16")
     return plan
