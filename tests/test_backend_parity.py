@@ -11,35 +11,32 @@ CUDA rule answer "keep the call" for every site, as it does on an H100 at those 
 from __future__ import annotations
 
 import cProfile
+import importlib.util
 import os
+import pathlib
 import pstats
 import re
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import fa3_inductor
 from fa3_inductor.recognition import recognize_sdpa
+from generated_code import normalize_code
 
 pytestmark = pytest.mark.usefixtures("fresh_compiles")
 
 
-class AttentionLayer(nn.Module):
-    """benchmarks/first_use.py's AttentionLayer."""
+def _first_use_module():
+    """benchmarks/first_use.py, loaded as a module (its layers are what these tests pin)."""
+    spec = importlib.util.spec_from_file_location(
+        "fa3_first_use", pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "first_use.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    def __init__(self, dim: int = 32, heads: int = 2):
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
-        self.out = nn.Linear(dim, dim, bias=False)
 
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(o.transpose(1, 2).reshape(b, t, d))
+AttentionLayer = _first_use_module().AttentionLayer
 
 
 @pytest.fixture
@@ -49,23 +46,9 @@ def sites_left_alone(monkeypatch):
                         lambda *a, **k: "left alone by the test (as on CUDA at this size)")
 
 
-_VOLATILE = [
-    (re.compile(r"/tmp/[^\s'\"]*"), "<path>"),                    # cache dirs, kernel files
-    (re.compile(r"\b[a-z0-9]{40,}\b"), "<hash>"),                 # content hashes
-    (re.compile(r"0x[0-9a-f]{6,}"), "<address>"),
-    (re.compile(r"# AOT ID: \['\d+_"), "# AOT ID: ['<n>_"),        # per-process compile counter
-]
-
-
-def _normalize(code: str) -> str:
-    for pattern, replacement in _VOLATILE:
-        code = pattern.sub(replacement, code)
-    return code
-
-
 def _layer_and_input():
     torch.manual_seed(0)
-    return AttentionLayer().eval(), torch.randn(2, 16, 32)
+    return AttentionLayer(32, 2).eval(), torch.randn(2, 16, 32)
 
 
 def _code(backend: str, layer, x, **compile_kwargs) -> list[str]:
@@ -74,7 +57,7 @@ def _code(backend: str, layer, x, **compile_kwargs) -> list[str]:
     torch._dynamo.reset()
     with torch.no_grad():
         _, code = run_and_get_code(torch.compile(layer, backend=backend, **compile_kwargs), x)
-    return [_normalize(c) for c in code]
+    return [normalize_code(c) for c in code]
 
 
 @pytest.mark.parametrize("mode", [None, "max-autotune-no-cudagraphs"])

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import textwrap
+
+from generated_code import normalize_code
 
 _PROGRAM = textwrap.dedent("""
     import json, os, sys
@@ -76,19 +77,6 @@ _PROGRAM = textwrap.dedent("""
     print("@@CODES@@" + json.dumps(codes))
 """)
 
-_VOLATILE = [
-    (re.compile(r"/tmp/[^\s'\"]*"), "<path>"),                    # cache dirs, kernel files
-    (re.compile(r"\b[a-z0-9]{40,}\b"), "<hash>"),                 # content hashes
-    (re.compile(r"0x[0-9a-f]{6,}"), "<address>"),
-    (re.compile(r"# AOT ID: \['\d+_"), "# AOT ID: ['<n>_"),        # per-process compile counter
-]
-
-
-def _normalize(code: str) -> str:
-    for pattern, replacement in _VOLATILE:
-        code = pattern.sub(replacement, code)
-    return code
-
 
 def _generated_code(variant: str) -> dict:
     # With the interpreter on, the fa3 compile really runs our lowering and kernels on the CPU.
@@ -111,8 +99,8 @@ def test_stock_inductor_code_is_unchanged_by_fa3_inductor():
     # (fa3.template='torch') on torch's.
     assert "generic" in after["fa3_sites"] and after["fa3_sites"][-1] == "torch", after
     for name in ("model", "flex"):
-        a = [_normalize(c) for c in without[name]]
-        b = [_normalize(c) for c in after[name]]
+        a = [normalize_code(c) for c in without[name]]
+        b = [normalize_code(c) for c in after[name]]
         assert a, f"{name}: Inductor produced no output code"
         if a != b:
             import difflib
