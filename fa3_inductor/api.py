@@ -268,7 +268,11 @@ def _flex_fp8(q, k, v, score_mod, mask_mod, block_mask, scale, enable_gqa, retur
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"flex(fp8=...): inputs must be bfloat16 or float16 (got {q.dtype}); the "
                          "prologue quantizes them to e4m3")
-    if _needs_grad(q, k, v) or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        raise NotImplementedError(
+            "flex(fp8=...) inside torch.compile is not supported: compile the model with "
+            "backend='fa3', options={'fa3.fp8': True} instead (inference graphs)")
+    if _needs_grad(q, k, v):
         raise NotImplementedError(
             "flex(fp8=...) is inference-only: backward through an FP8 forward is not supported. "
             "Call it under torch.no_grad() / torch.inference_mode() with inputs that need no "

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..family import NOT_MEANT_HERE, Call, NotServed, SiteFacts, Variants
 import torch
 
+from ..family import NOT_MEANT_HERE, Call, NotServed, SiteFacts, Variants
 from ..generic.host import launch_generic, prepare_generic_variants
 from .configs import fp8_config
 
