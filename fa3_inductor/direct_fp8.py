@@ -13,15 +13,14 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-import torch
 from torch import Tensor
 
 from .direct import block_mask_tables, cached_plan
 from .fp8_recipe import FP8Recipe, RopeSpec
 from .runtime.ops import record_template, serve
+from .runtime.ops_fp8 import fp8_call as runtime_fp8_call
 from .runtime.spec import SiteSpec
 from .templates.family import Call
-from .templates.fp8_prologue.host import quantize
 
 _LN2 = 0.6931471805599453
 
@@ -58,13 +57,9 @@ def fp8_call(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable], blo
     """
     mask_mod = block_mask.mask_mod if block_mask is not None else None
     plan = _plan(q, k, v, score_mod, mask_mod, block_mask)
-    ops = quantize(q, k, v, recipe, rope)
-    B, H, M, _ = q.shape
-    out = q.new_empty(B, H, M, v.shape[3])
-    lse = torch.empty(B, H, M, device=q.device, dtype=torch.float32)
     tables, sparse_q, sparse_kv = block_mask_tables(block_mask)
-    call = Call(ops.q, ops.k, ops.vt, out, lse, torch.empty_like(lse), tables, tuple(plan.score_bufs),
-                tuple(plan.mask_bufs), float(scale), sparse_q, sparse_kv, needs_max=False, fp8=ops)
+    call = runtime_fp8_call(q, k, v, tables, plan.score_bufs, plan.mask_bufs, scale, sparse_q,
+                            sparse_kv, recipe, rope)
     return SiteSpec.from_json(plan.spec), call
 
 

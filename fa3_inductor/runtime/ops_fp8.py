@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from ..fp8_recipe import FP8Recipe
+from ..fp8_recipe import FP8Recipe, RopeSpec
 from ..templates.family import Call
 from ..templates.fp8_prologue.host import quantize
 from .spec import SiteSpec
@@ -50,26 +50,41 @@ def flex_fwd_fp8(q: Tensor, k: Tensor, v: Tensor, kv_num_blocks: Optional[Tensor
                  scale: float, sparse_q_block: int, sparse_kv_block: int, spec: str,
                  recipe: str) -> tuple[Tensor, Tensor, Tensor]:
     """(out, lse_log2, max_log2) of FP8 attention, as ``flex_fwd`` returns them (the row max is not
-    computed: FP8 sites are planned with needs_max=False, and its buffer is left empty).
+    computed: FP8 sites are planned with needs_max=False, and its buffer is left empty): the call
+    :func:`fp8_call` makes, served by the site's families.
 
     Example::
 
         >>> out, lse, mx = torch.ops.fa3_inductor.flex_fwd_fp8(q, k, v, None, None, None, None,
         ...     [], [], 0.125, 128, 128, spec, recipe_text(FP8Recipe()))   # doctest: +SKIP
     """
-    from .ops import _out_like, record_template, serve
+    from .ops import record_template, serve
+
+    call = fp8_call(q, k, v, (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices),
+                    score_bufs, mask_bufs, scale, sparse_q_block, sparse_kv_block, recipe_of(recipe))
+    record_template(serve(SiteSpec.from_json(spec), call))
+    return call.out, call.lse, call.max_scores
+
+
+def fp8_call(q: Tensor, k: Tensor, v: Tensor, tables: tuple, score_bufs: Sequence[Tensor],
+             mask_bufs: Sequence[Tensor], scale: float, sparse_q_block: int, sparse_kv_block: int,
+             recipe: FP8Recipe, rope: Optional[RopeSpec] = None) -> Call:
+    """One FP8 call ready for ``runtime.ops.serve``: the prologue run on q, k, v (``call.fp8``), the
+    outputs allocated as ``flex_fwd``'s (the output in q's stride order; the row max is not computed:
+    FP8 sites are planned with needs_max=False).
+
+    Example::
+
+        >>> call = fp8_call(q, k, v, (None,) * 4, [], [], 0.125, 1 << 30, 1 << 30, FP8Recipe())  # doctest: +SKIP
+    """
+    from .ops import _out_like
 
     Z, H, M, _ = q.shape
-    out = _out_like(q, v)
+    ops = quantize(q, k, v, recipe, rope)
     lse = q.new_empty((Z, H, M), dtype=torch.float32)
-    max_scores = q.new_empty((Z, H, M), dtype=torch.float32)
-    ops = quantize(q, k, v, recipe_of(recipe))
-    call = Call(ops.q, ops.k, ops.vt, out, lse, max_scores,
-                (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices),
-                tuple(score_bufs), tuple(mask_bufs), scale, sparse_q_block, sparse_kv_block,
+    return Call(ops.q, ops.k, ops.vt, _out_like(q, v), lse, torch.empty_like(lse), tables,
+                tuple(score_bufs), tuple(mask_bufs), float(scale), sparse_q_block, sparse_kv_block,
                 needs_max=False, fp8=ops)
-    record_template(serve(SiteSpec.from_json(spec), call))
-    return out, lse, max_scores
 
 
 _LIB.impl("flex_fwd_fp8", flex_fwd_fp8, "CUDA")
