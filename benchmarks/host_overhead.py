@@ -3,7 +3,9 @@
 A tiny problem (B1 H1 S128 D128 bf16: a few µs of GPU work) is called N times back to back with
 no synchronisation inside the loop, so the wall time per call is the host's cost. Each layer of
 our path is timed on its own, next to torch's compiled FlexAttention and cuDNN SDPA, then
-cProfile lists the most expensive functions of the full `fa3_inductor.flex` call.
+cProfile lists the most expensive functions of the full `fa3_inductor.flex` call. Last, each step of a
+repeated call's memo path (direct.replay -> runtime/ops.bound_launch -> runtime/fast_launch) is timed
+alone, beside one plain Triton launch and the C launcher with its argument tuple prebuilt: the floor.
 
     python benchmarks/host_overhead.py [--head-dim 96]   # on a GPU machine; prints a table
 
@@ -102,9 +104,58 @@ def main() -> None:
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(22)
     print(buf.getvalue())
+    rows += memo_steps(q, k, v)
     print(f"host cost per call, {torch.cuda.get_device_name()}, torch {torch.__version__}, B1 H1 S128 D{D} bf16:")
     for name, us in rows:
         print(f"  {name:45s} {us:8.1f} us")
+
+
+def memo_steps(q, k, v, rounds: int = 7) -> list:
+    """(step, median µs over ``rounds`` interleaved rounds) for each step of a repeated flex() call."""
+    import statistics
+
+    import triton
+    import triton.language as tl
+
+    from fa3_inductor import direct
+    from fa3_inductor.runtime import fast_launch
+
+    @triton.jit
+    def _copy_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+    x, y = torch.randn(4096, device="cuda"), torch.empty(4096, device="cuda")
+    fa3_inductor.flex(q, k, v)
+    fa3_inductor.flex(q, k, v)
+    key = direct.memo_key(None, None, None, None, False, "auto")
+    call = direct._CALLS[key]
+    cells = {type(c.cell_contents).__name__: c.cell_contents for c in call.launch.__closure__}
+    entry = cells["_Launch"]
+    lse = torch.empty(q.shape[:3], device="cuda")
+    inputs = (q, k, v, torch.empty_like(q), lse, torch.empty_like(lse), *cells["tuple"])
+    stream = fast_launch._current_stream(entry.device)
+    cases = {
+        "plain Triton launch (copy kernel)": lambda: _copy_kernel[(4,)](x, y, 4096, BLOCK=1024),
+        "torch.empty_like(q)": lambda: torch.empty_like(q),
+        "fa3 flex(), repeated (memo hit)": lambda: fa3_inductor.flex(q, k, v),
+        "  direct.replay": lambda: direct.replay(key, q, k, v, False),
+        "  direct._signature": lambda: direct._signature(q, k, v),
+        "  bound launch (output + relaunch)": lambda: call.launch(q, k, v, False),
+        "  fast_launch.relaunch": lambda: fast_launch.relaunch(entry, inputs),
+    }
+    if entry.direct is not None:
+        args = entry.args.build(entry, stream, inputs)
+        cases["  _launch_direct"] = lambda: fast_launch._launch_direct(entry, stream, inputs)
+        cases[f"  C launcher alone ({len(args)} arguments prebuilt)"] = lambda: entry.direct.launch(*args)
+    for fn in cases.values():
+        fn()
+    times: dict = {name: [] for name in cases}
+    for _ in range(rounds):   # in turn: a slow spell of the host falls on every step
+        for name, fn in cases.items():
+            times[name].append(per_call_us(fn, n=2000))
+    return [(f"{name} [{entry.tag}]" if name.startswith("  ") else name, statistics.median(t))
+            for name, t in times.items()]
 
 
 if __name__ == "__main__":

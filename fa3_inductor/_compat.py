@@ -226,42 +226,45 @@ def source_name(source) -> str:
     return name() if callable(name) else name
 
 
-class DescriptorLauncher(NamedTuple):
-    """A compiled kernel's C launcher with the host TMA descriptors expanded by the caller (tensordesc_launcher)."""
+class CLauncher(NamedTuple):
+    """A compiled kernel's C launcher, host TMA descriptors expanded by the caller (c_launcher)."""
 
     launch: Any                 # the C launch(grid x/y/z, stream, function, coop, pdl, scratch x2, meta, hooks x3, *args)
     cooperative: bool
     pdl: bool
-    descriptor_meta: dict       # kernel argument position -> its tensordesc metadata
+    descriptor_meta: dict       # kernel argument position -> its tensordesc metadata (empty: no descriptors)
     expand: Any                 # (descriptor, metadata) -> the C arguments it stands for (encodes a CUtensorMap)
 
 
-def tensordesc_launcher(kernel) -> Optional[DescriptorLauncher]:
-    """The C launcher under triton 3.6's CudaLauncher for a kernel with host TMA descriptor arguments, so that a
-    caller may encode each descriptor once per address instead of on every launch. The layout it reads
-    (`wrap_handle_tensordesc`'s closure, `make_tensordesc_arg`) is triton 3.6's NVIDIA backend; anything else
-    (another version or backend, a kernel with scratch buffers, no descriptors) gives None, and the caller
-    launches through `kernel.run` as usual.
+def c_launcher(kernel) -> Optional[CLauncher]:
+    """The C launcher under triton 3.6's CudaLauncher, so that a caller may launch without its Python wrapper
+    and encode each host TMA descriptor once per address instead of on every launch. The layout it reads
+    (`CudaLauncher.launch`: the C function itself, or `wrap_handle_tensordesc`'s closure over it;
+    `make_tensordesc_arg`) is triton 3.6's NVIDIA backend; anything else (another version or backend, a
+    kernel with scratch buffers) gives None, and the caller launches through `kernel.run` as usual.
 
     Example::
 
-        >>> tensordesc_launcher(compiled_kernel).descriptor_meta    # doctest: +SKIP
+        >>> c_launcher(compiled_kernel).descriptor_meta    # doctest: +SKIP
         {0: {'swizzle': 3, ...}, 1: {...}}
     """
     try:
         from triton.backends.nvidia import driver as nv
 
         run = kernel.run
+        if not isinstance(run, nv.CudaLauncher) or run.global_scratch_size or run.profile_scratch_size:
+            return None
         inner = run.launch
-        cells = dict(zip(inner.__code__.co_freevars, (c.cell_contents for c in inner.__closure__ or ())))
-        raw, indices, metas = cells["launcher"], cells["tensordesc_indices"], cells["tensordesc_meta"]
-        if run.global_scratch_size or run.profile_scratch_size or not indices or not metas:
-            return None
-        positions = sorted(indices)
-        if len(metas) != len(positions) or any(m is None for m in metas):
-            return None
-        return DescriptorLauncher(raw, bool(run.launch_cooperative_grid), bool(run.launch_pdl),
-                                  dict(zip(positions, metas)), nv.make_tensordesc_arg)
+        if type(inner).__name__ == "builtin_function_or_method":   # no descriptor arguments
+            raw, metas, positions = inner, [], []
+        else:
+            cells = dict(zip(inner.__code__.co_freevars, (c.cell_contents for c in inner.__closure__ or ())))
+            raw, indices, metas = cells["launcher"], cells["tensordesc_indices"], cells["tensordesc_meta"]
+            positions = sorted(indices)
+            if not metas or len(metas) != len(positions) or any(m is None for m in metas):
+                return None
+        return CLauncher(raw, bool(run.launch_cooperative_grid), bool(run.launch_pdl),
+                         dict(zip(positions, metas)), nv.make_tensordesc_arg)
     except (AttributeError, ImportError, KeyError, TypeError, ValueError):
         return None
 

@@ -208,12 +208,13 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
         >>> flex(q, k, v, mask_mod=mods.causal, enable_gqa=True).shape
         torch.Size([1, 8, 256, 128])
     """
-    recipe = FP8Recipe.of(fp8)
-    if recipe is not None or rope is not None:
-        return _flex_fp8(q, k, v, score_mod, mask_mod, block_mask, scale, enable_gqa, return_lse,
-                         template, recipe, rope)
+    if fp8 is not None or rope is not None:
+        recipe = FP8Recipe.of(fp8)
+        if recipe is not None or rope is not None:
+            return _flex_fp8(q, k, v, score_mod, mask_mod, block_mask, scale, enable_gqa, return_lse,
+                             template, recipe, rope)
     memo = None
-    if isinstance(q, Tensor) and q.is_cuda and not torch.compiler.is_compiling():
+    if type(q) is Tensor and q.is_cuda and not torch.compiler.is_compiling():
         # A repeat of an earlier served call re-launches its kernel at once (direct.py, "call memo").
         memo = direct.memo_key(score_mod, mask_mod, block_mask, scale, enable_gqa, template)
         hit = direct.replay(memo, q, k, v, return_lse)

@@ -38,8 +38,8 @@ def forward_fp8(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable], 
 
         >>> out, lse = forward_fp8(q, k, v, None, None, 0.125, FP8Recipe(), None)   # doctest: +SKIP
     """
-    site, call = fp8_call(q, k, v, score_mod, block_mask, scale, recipe, rope)
-    record_template(serve(site, call))
+    spec, call = _planned_call(q, k, v, score_mod, block_mask, scale, recipe, rope)
+    record_template(serve(SiteSpec.from_json(spec), call, spec))
     return call.out, call.lse.mul_(_LN2)
 
 
@@ -55,12 +55,19 @@ def fp8_call(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable], blo
         >>> site.families
         ('fp8', 'torch')
     """
+    spec, call = _planned_call(q, k, v, score_mod, block_mask, scale, recipe, rope)
+    return SiteSpec.from_json(spec), call
+
+
+def _planned_call(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable], block_mask: Any,
+                  scale: float, recipe: FP8Recipe, rope: Optional[RopeSpec]) -> tuple[str, Call]:
+    """(the plan's SiteSpec JSON, the call with the prologue run)."""
     mask_mod = block_mask.mask_mod if block_mask is not None else None
     plan = _plan(q, k, v, score_mod, mask_mod, block_mask)
     tables, sparse_q, sparse_kv = block_mask_tables(block_mask)
     call = runtime_fp8_call(q, k, v, tables, plan.score_bufs, plan.mask_bufs, scale, sparse_q,
                             sparse_kv, recipe, rope)
-    return SiteSpec.from_json(plan.spec), call
+    return plan.spec, call
 
 
 def _plan(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable],

@@ -124,10 +124,10 @@ def test_a_derived_tensor_makes_the_launch_uncacheable():
 
 
 def test_descriptors_are_encoded_once_per_address(monkeypatch):
-    """Where the C launcher is reachable (_compat.tensordesc_launcher), a descriptor argument is encoded on
-    the first launch at an address and taken from the entry's cache after that; a new address encodes anew,
-    and every launch gets the encoding of its own address."""
-    from fa3_inductor._compat import DescriptorLauncher
+    """Where the C launcher is reachable (_compat.c_launcher), a descriptor argument is encoded on the first
+    launch at an address and taken from the entry's cache after that; a new address encodes anew, every
+    launch gets the encoding of its own address, and input tensors go to the launcher as their addresses."""
+    from fa3_inductor._compat import CLauncher
 
     encodings, launches = [], []
 
@@ -135,8 +135,8 @@ def test_descriptors_are_encoded_once_per_address(monkeypatch):
         encodings.append(desc.base.data_ptr())
         return [("map", desc.base.data_ptr(), meta), *desc.shape, *desc.strides]
 
-    direct = DescriptorLauncher(lambda *a: launches.append(a), False, False, {0: "meta0"}, expand)
-    monkeypatch.setattr(fast_launch, "tensordesc_launcher", lambda kernel: direct)
+    direct = CLauncher(lambda *a: launches.append(a), False, False, {0: "meta0"}, expand)
+    monkeypatch.setattr(fast_launch, "c_launcher", lambda kernel: direct)
     jit = FakeJit(kernel_signature)
     a, b = _inputs(), _inputs()
     key = ("d", fast_launch.tensor_signature(a))
@@ -147,7 +147,7 @@ def test_descriptors_are_encoded_once_per_address(monkeypatch):
     assert [call[13][1] for call in launches] == [t[0].data_ptr() for t in (a, b, a, b)]
     first = launches[-1]
     assert first[:3] == (3, 2, 1) and first[13:18] == (("map", b[0].data_ptr(), "meta0"), 4, 8, 8, 1)
-    assert first[18] is b[1] and first[19][0] is b[2]   # the arguments after the descriptor, in order
+    assert first[18] == b[1].data_ptr() and first[19][0] is b[2]   # the arguments after the descriptor
 
 
 def test_direct_args_mark_the_per_call_places_in_argument_order():
@@ -155,12 +155,12 @@ def test_direct_args_mark_the_per_call_places_in_argument_order():
     order, constants in place and None where an input, a per-call tuple or a descriptor's encoding (its
     width taken from the first call's, which is kept) goes; a metadata slot that holds no descriptor makes
     the direct path unusable."""
-    from fa3_inductor._compat import DescriptorLauncher
+    from fa3_inductor._compat import CLauncher
 
     x, y, b = _inputs()
     desc = ("descriptor", 0, Descriptor, dict(shape=[4, 8], strides=[8, 1], block_shape=[2, 8]))
     recipe = (desc, ("input", 1), ("tuple", (("input", 2),)), ("const", 7), ("const", 0.5), ("const", None))
-    direct = DescriptorLauncher(None, False, True, {0: "m"},
+    direct = CLauncher(None, False, True, {0: "m"},
                                 lambda d, meta: [("map", d.base.data_ptr()), *d.shape, *d.strides])
     kernel = types.SimpleNamespace(function="fn", packed_metadata="pm")
     seed = {}
@@ -174,6 +174,43 @@ def test_direct_args_mark_the_per_call_places_in_argument_order():
     no_descriptor = direct._replace(descriptor_meta={3: "m"})
     with pytest.raises(fast_launch._Uncacheable):
         fast_launch._DirectArgs.of(kernel, (3, 2, 1), recipe, no_descriptor, (x, y, b), {})
+
+
+def _prepare_flat(jit, inputs):   # no tuple argument: nothing is built per call
+    x, y, _ = inputs
+    args = (Descriptor(x, list(x.shape), list(x.stride()), [2, 8]), y, (), torch.zeros(1), 4, 0.5)
+    return lambda: (jit, args, {}, (1,), "tag")
+
+
+def test_argument_tuples_are_kept_per_address(monkeypatch):
+    """A repeat at the same (stream, input addresses) launches the kept argument tuple, built nothing anew;
+    new addresses build a new tuple; the kept tuples hold addresses, never the callers' tensors."""
+    import gc
+    import weakref
+
+    from fa3_inductor._compat import CLauncher
+
+    launches, builds = [], []
+    direct = CLauncher(lambda *a: launches.append(a), False, False, {0: "meta0"},
+                       lambda desc, meta: [("map", desc.base.data_ptr()), *desc.shape, *desc.strides])
+    monkeypatch.setattr(fast_launch, "c_launcher", lambda kernel: direct)
+    build = fast_launch._DirectArgs.build
+    monkeypatch.setattr(fast_launch._DirectArgs, "build",
+                        lambda self, *a: builds.append(1) or build(self, *a))
+    jit = FakeJit(kernel_signature)
+    a, b = _inputs(), _inputs()
+    key = ("flat", fast_launch.tensor_signature(a))
+    fast_launch.launch_cached(key, a, _prepare_flat(jit, a))
+    for inputs in (a, a, b, a, b):
+        fast_launch.launch_cached(key, inputs, lambda: pytest.fail("prepare ran"))
+    assert len(builds) == 2 and len(launches) == 5
+    assert [call[13][1] for call in launches] == [t[0].data_ptr() for t in (a, a, b, a, b)]
+    assert [call[18] for call in launches] == [t[1].data_ptr() for t in (a, a, b, a, b)]
+    refs = [weakref.ref(t) for t in (*a, *b)]
+    jit.first_calls.clear()   # the stand-in JIT's own record of the first call
+    del a, b, inputs
+    gc.collect()
+    assert all(r() is None for r in refs)
 
 
 def test_signature_tells_alignment_and_layout_apart():

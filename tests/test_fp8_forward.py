@@ -194,3 +194,24 @@ def test_fp8_on_gpu(D, mod):
     dq, dk, dv = (t.cpu() for t in dequantize(ops))
     ref, _ = reference_attention(dq, dk, dv, score_mod, mask_mod, scale=D ** -0.5)
     assert rel_error(out.cpu(), ref) < FP8_REL
+
+
+@pytest.mark.gpu
+def test_fp8_repeat_calls_relaunch_on_new_inputs():
+    """The second and later FP8 calls of one signature re-launch the recorded kernel (runtime/ops.serve's
+    launch cache) on the new call's operands and scales: each output matches its own inputs."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a GPU with e4m3 tensor cores (sm89+)")
+    from fa3_inductor.runtime import fast_launch
+
+    fast_launch.clear()
+    recipe = FP8Recipe()
+    for seed in range(3):
+        q, k, v = (t.cuda() for t in _inputs(1, 4, 4, 300, 300, 128, seed=seed))
+        q = q * (seed + 1)   # new scales per call, not only new addresses
+        with torch.no_grad():
+            out = flex(q, k, v, mask_mod=mods.causal, fp8=recipe)
+        ops = quantize(q, k, v, recipe)
+        ref, _ = reference_attention(*(t.cpu() for t in dequantize(ops)), None, mods.causal, scale=128 ** -0.5)
+        assert rel_error(out.cpu(), ref) < FP8_REL, f"call {seed}"
+    assert any(e.tag == "fp8" for e in fast_launch._CACHE.values()), "the FP8 launch was never recorded"

@@ -8,10 +8,12 @@ and 16-byte alignment, so we do it once per such signature: the first call launc
 which is a TMA descriptor over which input, which are constants); later calls with the same
 signature substitute the new tensors and call the compiled kernel's launcher directly.
 
-Host TMA descriptors (the Hopper template passes four, eight for a head dim split into two tiles) are
-otherwise encoded by triton on every launch. Where triton's C launcher is reachable
-(`_compat.tensordesc_launcher`) and no launch hook is active, a hit launches through it directly and
-encodes each descriptor once per (argument, address): compiled graphs reuse their buffers' addresses.
+Where triton's C launcher is reachable (`_compat.c_launcher`) and no launch hook is active, a hit calls
+it directly, skipping triton's Python wrapper, and passes tensors as their addresses (ints), which spares
+the launcher a `data_ptr()` call and a `cuPointerGetAttribute` per pointer. Host TMA descriptors (the
+Hopper template passes four, eight for a head dim split into two tiles) are encoded once per (argument,
+address), and the whole argument tuple is kept per (stream, input addresses): the caching allocator hands
+a loop, and a compiled graph, the same addresses call after call, so a repeat costs one key and one call.
 
 The recipe holds no reference to the first call's tensors (they may be large and are the
 caller's), only tiny placeholder tensors the kernel never reads. Anything it cannot account
@@ -27,7 +29,7 @@ from typing import Any, Callable, Hashable, Optional, Sequence
 
 import torch
 
-from .._compat import launch_hooks_active, tensordesc_launcher
+from .._compat import c_launcher, launch_hooks_active
 
 _MAX_ENTRIES = 1024
 
@@ -43,8 +45,8 @@ class _Launch:
     constants: tuple             # the argument list with the per-call slots left as None
     slots: tuple                 # (position, step) pairs filled per call, see _step
     tag: Any                     # what the caller launched (returned on every hit)
-    # The C launcher, where its host TMA descriptors can be encoded once per address (_compat), and those
-    # encodings: (argument position, data_ptr) -> the C arguments. None: launch through kernel.run.
+    # The C launcher (_compat.c_launcher) and its host TMA descriptors' encodings: (argument position,
+    # data_ptr) -> the C arguments. None: launch through kernel.run.
     direct: Any = None
     encoded: Optional[dict] = None
     args: Optional["_DirectArgs"] = None   # the C launcher's argument list, see _DirectArgs
@@ -101,7 +103,7 @@ def launch_cached(key: Hashable, inputs: Sequence[Optional[torch.Tensor]],
     grid = tuple(grid) + (1,) * (3 - len(grid))
     constants = tuple(step[1] if step[0] == "const" else None for step in recipe)
     slots = tuple((pos, step) for pos, step in enumerate(recipe) if step[0] != "const")
-    direct = tensordesc_launcher(kernel)
+    direct = c_launcher(kernel)
     direct_args, encoded = None, {}
     if direct is not None:
         try:
@@ -164,7 +166,10 @@ def _step(value: Any, index_of: dict) -> tuple:
             return ("const", value)
         raise _Uncacheable()
     if isinstance(value, tuple):
-        return ("tuple", tuple(_step(v, index_of) for v in value))
+        steps = tuple(_step(v, index_of) for v in value)
+        if all(s[0] == "const" for s in steps):
+            return ("const", value)
+        return ("tuple", steps)
     base = getattr(value, "base", None)
     if isinstance(base, torch.Tensor) and hasattr(value, "block_shape"):
         i = index_of.get(id(base))
@@ -224,26 +229,30 @@ def _relaunch(entry: _Launch, inputs: Sequence) -> None:
 
 
 _MAX_ENCODED = 64   # encoded descriptors kept per launch entry
+_MAX_CALLS = 64     # whole argument tuples kept per launch entry, one per (stream, input addresses)
 _HEAD = 13          # the C launcher's arguments before the kernel's: grid, stream, function, flags, metadata, hooks
 
 
 class _DirectArgs:
     """The C launcher's whole argument list for one entry, with the per-call places marked.
 
-    A hit copies ``template`` (the launch head, the constants, and None where a call's values go) and fills
-    in the stream, the input tensors, the few arguments built per call, and each TMA descriptor's encoding
-    (a CUtensorMap plus its shape and strides). The entry's key fixes every descriptor's shape, strides,
-    dtype and block, so its encoding depends only on the base address: a compiled graph that reuses its
-    buffers' addresses skips cuTensorMapEncodeTiled and triton's Python wrapper per call.
+    A call's list is the launch head, the constants, and in the marked places the stream, the input
+    tensors' addresses, the few arguments built per call, and each TMA descriptor's encoding (a CUtensorMap
+    plus its shape and strides). The entry's key fixes every descriptor's shape, strides, dtype and block,
+    so its encoding depends only on the base address, and the whole list only on the stream and the inputs'
+    addresses: ``calls`` keeps it under those (unless an argument is built per call, e.g. a tuple of
+    tensors), so a repeat at the same addresses builds nothing.
     """
 
-    __slots__ = ("template", "inputs", "built", "descriptors")
+    __slots__ = ("template", "inputs", "built", "descriptors", "used", "calls")
 
     def __init__(self, template: list, inputs: tuple, built: tuple, descriptors: tuple):
         self.template = template        # [grid x/y/z, None (stream), function, ..., kernel arguments]
         self.inputs = inputs            # (index in the list, input index)
         self.built = built              # (index in the list, recipe step) built per call
         self.descriptors = descriptors  # (index in the list, length, argument position, input index, step, meta)
+        self.used = tuple(sorted({i for _, i in inputs} | {d[3] for d in descriptors}))  # inputs read per call
+        self.calls: Optional[dict] = None if built else {}   # (stream, *addresses) -> the argument tuple
 
     @staticmethod
     def of(kernel: Any, grid: tuple, recipe: tuple, direct: Any, inputs: Sequence,
@@ -264,7 +273,10 @@ class _DirectArgs:
                 at_desc.append((len(template), width, pos, step[1], step, meta))
                 template.extend([None] * width)
             elif step[0] == "const":
-                template.append(step[1])
+                value = step[1]
+                # a placeholder tensor as its address (the entry's constants keep it alive)
+                template.append(value.data_ptr() if isinstance(value, torch.Tensor) and value.is_cuda
+                                else value)
             elif step[0] == "input":
                 at_input.append((len(template), step[1]))
                 template.append(None)
@@ -273,22 +285,37 @@ class _DirectArgs:
                 template.append(None)
         return _DirectArgs(template, tuple(at_input), tuple(at_built), tuple(at_desc))
 
+    def build(self, entry: _Launch, stream: int, inputs: Sequence) -> list:
+        """The argument list of one call (descriptors from the entry's per-address encodings)."""
+        encoded = entry.encoded
+        args = self.template.copy()
+        args[3] = stream
+        for at, i in self.inputs:
+            args[at] = inputs[i].data_ptr()
+        for at, step in self.built:
+            args[at] = _build(step, inputs)
+        for at, width, pos, i, step, meta in self.descriptors:
+            key = (pos, inputs[i].data_ptr())
+            enc = encoded.get(key)
+            if enc is None:
+                if len(encoded) >= _MAX_ENCODED:
+                    encoded.clear()
+                enc = encoded[key] = entry.direct.expand(_build(step, inputs), meta)
+            args[at:at + width] = enc
+        return args
+
 
 def _launch_direct(entry: _Launch, stream: int, inputs: Sequence) -> None:
-    """Launch through the C launcher with each TMA descriptor encoded once per (argument, address)."""
-    plan, encoded = entry.args, entry.encoded
-    args = plan.template.copy()
-    args[3] = stream
-    for at, i in plan.inputs:
-        args[at] = inputs[i]
-    for at, step in plan.built:
-        args[at] = _build(step, inputs)
-    for at, width, pos, i, step, meta in plan.descriptors:
-        key = (pos, inputs[i].data_ptr())
-        enc = encoded.get(key)
-        if enc is None:
-            if len(encoded) >= _MAX_ENCODED:
-                encoded.clear()
-            enc = encoded[key] = entry.direct.expand(_build(step, inputs), meta)
-        args[at:at + width] = enc
+    """Launch through the C launcher: the argument tuple of these addresses, built on their first call."""
+    plan = entry.args
+    calls = plan.calls
+    if calls is None:
+        entry.direct.launch(*plan.build(entry, stream, inputs))
+        return
+    key = (stream, *[inputs[i].data_ptr() for i in plan.used])
+    args = calls.get(key)
+    if args is None:
+        if len(calls) >= _MAX_CALLS:
+            calls.clear()
+        args = calls[key] = tuple(plan.build(entry, stream, inputs))
     entry.direct.launch(*args)

@@ -167,17 +167,32 @@ def _serve(site: SiteSpec, call: Call, key: Optional[tuple], inputs: Optional[tu
                        "check templates/registry.py")
 
 
-def serve(site: SiteSpec, call: Call) -> str:
-    """Compute ``call`` with the first of ``site``'s families that serves it, with no launch cache
-    (each call prepares its launch); returns that family's name. The FP8 direct path uses it: its
-    operands come fresh from the prologue, and its families differ from the op's.
+def serve(site: SiteSpec, call: Call, spec: str) -> str:
+    """Compute ``call`` with the first of ``site``'s families that serves it; returns that family's
+    name. The FP8 paths use it (their operands come fresh from the prologue, and their families
+    differ from the op's); on CUDA, as in ``flex_fwd``, the family's launch is chosen and prepared once
+    per launch signature and re-launched after that (fast_launch.py). ``spec``: ``site`` as JSON (the
+    plan's own text: it keys the launch).
 
     Example::
 
-        >>> serve(SiteSpec.from_json(spec), call)   # doctest: +SKIP
+        >>> serve(SiteSpec.from_json(spec), call, spec)   # doctest: +SKIP
         'fp8'
     """
-    return _serve(site, call, None, None)
+    if not call.q.is_cuda:
+        return _serve(site, call, None, None)
+    fp8 = call.fp8
+    inputs = (call.q, call.k, call.v, call.out, call.lse, call.max_scores, *call.tables,
+              *call.score_bufs, *call.mask_bufs,
+              *(() if fp8 is None else (fp8.q_scale, fp8.k_scale, fp8.v_scale, fp8.v_scale_max)))
+    # the recipe fixes the kernel's quantization constexprs; the signature fixes the rest
+    key = (spec, None if fp8 is None else fp8.recipe, call.scale, call.sparse_q_block,
+           call.sparse_kv_block, len(call.score_bufs), call.needs_max,
+           torch.get_float32_matmul_precision(), tensor_signature(inputs))
+    entry = recorded(key)
+    if entry is not None:
+        return relaunch(entry, inputs)
+    return _serve(site, call, key, inputs)
 
 
 def _launch_key(spec: str, scale: float, sparse_q_block: int, sparse_kv_block: int, n_score_bufs: int,
@@ -214,9 +229,10 @@ def bound_launch(q: Tensor, k: Tensor, v: Tensor, tables: tuple, score_bufs: lis
         return None
     rest = (*tables, *score_bufs, *mask_bufs)
     tag = entry.tag
+    same_dv = v.shape[3] == q.shape[3]   # the output is then empty_like(q) (_out_like)
 
     def launch(q: Tensor, k: Tensor, v: Tensor, want_lse: bool) -> tuple[Tensor, Optional[Tensor]]:
-        out = _out_like(q, v)
+        out = torch.empty_like(q) if same_dv else _out_like(q, v)
         lse_out = torch.empty_like(lse) if want_lse else lse
         relaunch(entry, (q, k, v, out, lse_out, row_max, *rest))
         _state.template = tag

@@ -62,7 +62,7 @@ def flex_fwd_fp8(q: Tensor, k: Tensor, v: Tensor, kv_num_blocks: Optional[Tensor
 
     call = fp8_call(q, k, v, (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices),
                     score_bufs, mask_bufs, scale, sparse_q_block, sparse_kv_block, recipe_of(recipe))
-    record_template(serve(SiteSpec.from_json(spec), call))
+    record_template(serve(SiteSpec.from_json(spec), call, spec))
     return call.out, call.lse, call.max_scores
 
 
