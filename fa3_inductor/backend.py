@@ -65,7 +65,7 @@ def fa3_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
     extra_inputs: list = []
     guards: list = []
     if settings.recognize and settings.template != "torch":
-        gm, extra_inputs, guards = recognize(gm, example_inputs, look_for_rope=settings.fp8 is not None)
+        gm, extra_inputs, guards = recognize(gm, example_inputs, fp8=settings.fp8 is not None)
     else:
         for site in flex_call_sites(gm):
             record_recognized(site)
@@ -176,11 +176,13 @@ def _own_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 def recognize(gm: torch.fx.GraphModule, example_inputs: Optional[list] = None,
-              look_for_rope: bool = False) -> tuple[torch.fx.GraphModule, list, list]:
+              fp8: bool = False) -> tuple[torch.fx.GraphModule, list, list]:
     """Run the recognition passes on a copy of a Dynamo graph; log what they saw. Returns the
     graph to compile, the constant tensors appended to its inputs (empty: ``gm`` itself), and
     the guards on module buffers read as constants (checked before every call).
-    ``look_for_rope``: note RoPE applied to each site's q and k (recognition/rope.py), for FP8.
+    ``fp8`` (options fa3.fp8): the user asked for FP8 attention, so every site our kernels serve is
+    rewritten whatever its size (rewrite_pays.py's rules weigh bf16 speed), and the RoPE applied to
+    each site's q and k is noted (recognition/rope.py).
 
     Example::
 
@@ -192,14 +194,15 @@ def recognize(gm: torch.fx.GraphModule, example_inputs: Optional[list] = None,
     positions = {node.name: i for i, node in enumerate(original.graph.nodes)}
     gm = _own_copy(gm)
     with module_state.constants(_module_buffers(gm, example_inputs or [])) as guards:
-        served = unless_small(flex_lowering.unserved_reason)   # small CUDA sites stay as written
-        sites, extra_inputs = rewrite_sdpa(gm, served)
+        # small CUDA sites stay as written, unless FP8 was asked for
+        served = flex_lowering.unserved_reason if fp8 else unless_small(flex_lowering.unserved_reason)
+        sites, extra_inputs = rewrite_sdpa(gm, served, keep_plain=not fp8)
         from .recognition.recognize_manual import rewrite_manual
         manual_sites, manual_inputs = rewrite_manual(gm, served)
     sites, extra_inputs = sites + manual_sites, extra_inputs + manual_inputs
     # (every rewriting pass runs above this line: the next one tags the nodes they made)
     tag_rewritten(gm, before, positions, sites)
-    if look_for_rope:
+    if fp8:
         _note_rope(gm, user_calls + sites)
     for site in sorted(user_calls + sites, key=lambda s: positions.get(s.node, len(positions))):
         record_recognized(site)

@@ -88,3 +88,25 @@ def test_explain_names_the_rope_before_an_fp8_site(cpu_kernels, fresh_compiles):
     assert "RoPE (half R=64)" in report.sites[0].note, report
     plain = fa3_inductor.explain(RopeThenSdpa(), q, k, v, cos, sin)
     assert "RoPE" not in plain.sites[0].note   # looked for only with FP8 on
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("module", ["sdpa", "flex"])
+def test_compiled_fp8_on_gpu(module, fresh_compiles):
+    """On an FP8 GPU the compiled site runs the FP8 op (prologue + fp8 family), even a plain SDPA call
+    too small for the bf16 rewrite to pay (FP8 was asked for), within the FP8 tolerance rule."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a GPU with e4m3 tensor cores (sm89+)")
+    q, k, v = (t.cuda() for t in _qkv(3, M=384, N=384, D=128, H=4))
+    if module == "sdpa":
+        model, args, ref_mods = SdpaCausal(), (q, k, v), (None, mods.causal)
+    else:
+        block_mask = create_block_mask(mods.causal, None, None, 384, 384, device="cuda")
+        model, args, ref_mods = FlexSoftcap(), (q, k, v, block_mask), (mods.softcap(20.0), mods.causal)
+    report = fa3_inductor.explain(model, *args, compile_options={"fa3.fp8": True})
+    assert [s.template for s in report.sites] == ["fp8"], report
+    with torch.no_grad():
+        out = torch.compile(model, backend="fa3", options={"fa3.fp8": True})(*args)
+    assert fa3_inductor.last_template() == "fp8"
+    ref, _ = reference_attention(q.cpu(), k.cpu(), v.cpu(), *ref_mods)
+    assert rel_error(out.cpu(), ref) < FP8_TOLERANCE

@@ -42,8 +42,8 @@ def _example(node: Any) -> Optional[torch.Tensor]:
     return None
 
 
-def _why_not(args: dict[str, Any], served: Callable[[torch.Tensor, torch.Tensor], Optional[str]]
-             ) -> Optional[str]:
+def _why_not(args: dict[str, Any], served: Callable[[torch.Tensor, torch.Tensor], Optional[str]],
+             keep_plain: bool = True) -> Optional[str]:
     mask = args["attn_mask"]
     if mask is not None:
         if args["is_causal"] is not False:
@@ -74,7 +74,7 @@ def _why_not(args: dict[str, Any], served: Callable[[torch.Tensor, torch.Tensor]
                 "length or q/k head dim")
     if hq != hk and (not args["enable_gqa"] or hq % hk):
         return f"{hq} query heads vs {hk} kv heads without enable_gqa"
-    if mask is None:
+    if mask is None and keep_plain:
         kept = sdpa_keeps_plain_call(q.device, shapes[0], shapes[1][2], args["is_causal"],
                                      any(t.requires_grad for t in (q, k, v)))
         if kept is not None:
@@ -84,12 +84,14 @@ def _why_not(args: dict[str, Any], served: Callable[[torch.Tensor, torch.Tensor]
 
 
 def rewrite_sdpa(gm: torch.fx.GraphModule,
-                 served: Callable[[torch.Tensor, torch.Tensor], Optional[str]]
-                 ) -> tuple[list[RecognizedSite], list[torch.Tensor]]:
+                 served: Callable[[torch.Tensor, torch.Tensor], Optional[str]],
+                 keep_plain: bool = True) -> tuple[list[RecognizedSite], list[torch.Tensor]]:
     """Rewrite every exact, servable SDPA call of ``gm`` into the flex_attention op, in place.
 
     ``served(example_query, example_value)`` returns None if our kernels serve that
     device/dtype/head dims (the value's may differ from the query's), else the reason.
+    ``keep_plain``: a plain call (no attn_mask) stays SDPA where that is faster (rewrite_pays.py);
+    False rewrites it whatever its size (FP8 on: the user asked for FP8 attention at every site).
     Returns one RecognizedSite per SDPA call seen, and the constant tensors (block-mask tables)
     the rewrite appended to the graph's inputs: the caller passes them after the original
     inputs on every call.
@@ -108,7 +110,7 @@ def rewrite_sdpa(gm: torch.fx.GraphModule,
         args = dict(_SDPA_DEFAULTS)
         args.update(zip(_SDPA_ARGS, node.args))
         args.update(node.kwargs)
-        reason = _why_not(args, served)
+        reason = _why_not(args, served, keep_plain)
         if reason is not None:
             sites.append(RecognizedSite("sdpa", node.name, False, reason))
             continue
