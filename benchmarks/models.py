@@ -13,7 +13,10 @@ batch 1) and seqlen 2k/4k/8k, times the base model's forward (no LM head) as:
 
 and per model how many attention layers the fa3 backend fused, and on which template, and
 each output's relative error against the eager-attention model run without compiling.
-``--impls`` adds ``inductor_sdpa`` (the sdpa model compiled by stock Inductor) or ``fa3_sdpa``.
+``--impls`` adds ``inductor_sdpa`` (the sdpa model compiled by stock Inductor), ``fa3_sdpa``, and the FP8
+inference paths (issue 18): ``fa3_fp8`` (the eager-attention model compiled with ``backend="fa3"``,
+``options={"fa3.fp8": True}``) and ``hf_fa3_fp8`` (``attn_implementation="fa3_fp8"``, not compiled);
+their ``rel_err_vs_eager`` is the FP8 accuracy on the model, their ratio the speed against bf16 fa3.
 
 Writes ``models-<device>-<date>.json`` (one object: device, torch, triton, date, rows, ...) and
 ``.md`` into ``--out`` (default ``$OUT`` or ``benchmarks/results``); the table is printed last.
@@ -47,7 +50,7 @@ import torch
 
 MODELS = ("llama", "mistral", "qwen2", "gemma2", "phi3", "phi3mini", "deepseek")
 IMPLS = ("fa3", "inductor", "sdpa")
-EXTRA_IMPLS = ("inductor_sdpa", "fa3_sdpa")
+EXTRA_IMPLS = ("inductor_sdpa", "fa3_sdpa", "fa3_fp8", "hf_fa3_fp8")
 SEQLENS = (4096, 2048, 8192)  # most telling first: a budget cut loses the least
 LAYERS = 2
 
@@ -187,13 +190,19 @@ def run_case(name: str, seqlen: int, impls: list[str], device: torch.device, dty
         reference = model("eager")(ids).last_hidden_state.float()
     rows = []
     for impl in impls:
-        backend = {"fa3": "fa3", "fa3_sdpa": "fa3", "inductor": "inductor",
+        backend = {"fa3": "fa3", "fa3_sdpa": "fa3", "fa3_fp8": "fa3", "inductor": "inductor",
                    "inductor_sdpa": "inductor"}.get(impl)
-        attn = "sdpa" if impl in ("sdpa", "inductor_sdpa", "fa3_sdpa") else "eager"
+        attn = {"sdpa": "sdpa", "inductor_sdpa": "sdpa", "fa3_sdpa": "sdpa",
+                "hf_fa3_fp8": "fa3_fp8"}.get(impl, "eager")
         row = dict(base, impl=impl, attn_implementation=attn, backend=backend or "eager")
         try:
+            if attn == "fa3_fp8":
+                from fa3_inductor.integrations.transformers import register
+
+                register()
             m = model(attn)
-            fn = torch.compile(m, backend=backend, dynamic=False) if backend else m
+            options = {"fa3.fp8": True} if impl == "fa3_fp8" else None
+            fn = torch.compile(m, backend=backend, dynamic=False, options=options) if backend else m
             recognized_before, lowered_before = (len(x) for x in site_records())
             t0 = time.perf_counter()
             with torch.no_grad(), _fresh_caches():
@@ -201,6 +210,10 @@ def run_case(name: str, seqlen: int, impls: list[str], device: torch.device, dty
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
             row["first_call_s"] = round(time.perf_counter() - t0, 2)
+            if attn == "fa3_fp8":   # flex(fp8=) per layer, no compile: the family that served it
+                from fa3_inductor import last_template
+
+                row["templates"] = {last_template(): layers}
             if backend == "fa3":
                 recognized, lowered = site_records()
                 row.update(_fused_summary(recognized[recognized_before:],
@@ -234,13 +247,15 @@ def markdown_table(result: dict) -> str:
         if (r["model"], r["seqlen"]) not in keys:
             keys.append((r["model"], r["seqlen"]))
     others = [i for i in impls if i != "fa3"] if "fa3" in impls else []
+    fp8 = [i for i in impls if i.endswith("fp8")]
     head = (["model", "seqlen"] + [f"{i} ms" for i in impls]
-            + [f"{i}/fa3" for i in others] + ["fa3 fused", "fa3 err"])
+            + [f"{i}/fa3" for i in others] + ["fa3 fused", "fa3 err"] + [f"{i} err" for i in fp8])
     lines = [f"Forward ms, {result['device']}, torch {result['torch']}, triton "
              f"{result['triton']}, {result['date']}; ratio = other impl's ms / fa3's ms "
              "(> 1: fa3 faster). fa3 fused: attention layers fused / layers, and the templates "
              "that ran them. fa3 err: relative error of fa3's output against the eager-attention "
-             "model. sdpa ignores Gemma2's attention softcap (transformers' sdpa has none).", "",
+             "model (FP8 impls: theirs). sdpa ignores Gemma2's attention softcap (transformers' sdpa "
+             "has none).", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for model, seqlen in keys:
         by = {r["impl"]: r for r in rows if (r["model"], r["seqlen"]) == (model, seqlen)}
@@ -253,7 +268,8 @@ def markdown_table(result: dict) -> str:
         fused = (f"{fa3['fused']}/{fa3['layers']} "
                  + ",".join(f"{k}:{v}" for k, v in fa3.get("templates", {}).items())
                  if "fused" in fa3 else "-")
-        cells += [fused, f"{fa3['rel_err_vs_eager']:.1e}" if "rel_err_vs_eager" in fa3 else "-"]
+        cells += [fused] + [f"{by[i]['rel_err_vs_eager']:.1e}" if "rel_err_vs_eager" in by.get(i, {})
+                            else "-" for i in ("fa3", *fp8)]
         lines.append("| " + " | ".join(cells) + " |")
     failed = [r for r in rows if "error" in r]
     if failed:
@@ -324,7 +340,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                         'dynamic=False)',
             "sdpa": 'attn_implementation="sdpa", eager (not compiled)',
             "inductor_sdpa": 'attn_implementation="sdpa", torch.compile(backend="inductor")',
-            "fa3_sdpa": 'attn_implementation="sdpa", torch.compile(backend="fa3")'},
+            "fa3_sdpa": 'attn_implementation="sdpa", torch.compile(backend="fa3")',
+            "fa3_fp8": 'attn_implementation="eager", torch.compile(backend="fa3", '
+                       'options={"fa3.fp8": True}) (FP8 attention, inference)',
+            "hf_fa3_fp8": 'attn_implementation="fa3_fp8", eager (not compiled; FP8 attention)'},
         "what": "base model forward (no LM head), torch.no_grad(), random weights",
         "cases_skipped": [], "rows": []}
 

@@ -38,22 +38,23 @@ def _configs():
     }
 
 
-def _eager_vs(name, implementation, dtype=torch.float32):
+def _eager_vs(name, implementation, dtype=torch.float32, device="cpu"):
     """(relative error of ``implementation``'s logits against eager's at every non-padded position,
     the family that served the last call): same weights, two sequences, one left-padded."""
     from triton import knobs
     from transformers import AutoModelForCausalLM
 
-    if not knobs.runtime.interpret and not torch.cuda.is_available():
-        pytest.skip("our kernels need CUDA or TRITON_INTERPRET=1")
+    if device == "cpu" and not knobs.runtime.interpret:
+        pytest.skip("runs our kernels on CPU tensors: needs TRITON_INTERPRET=1 (set by conftest "
+                    "on machines without a GPU)")
     fa3_hf.register()
     torch.manual_seed(0)
     cfg = _configs()[name]
     eager = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager")
     ours = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=implementation)
     ours.load_state_dict(eager.state_dict())
-    eager, ours = eager.to(dtype).eval(), ours.to(dtype).eval()
-    ids = torch.randint(1, cfg.vocab_size, (2, 40))
+    eager, ours = eager.to(device, dtype).eval(), ours.to(device, dtype).eval()
+    ids = torch.randint(1, cfg.vocab_size, (2, 40), device=device)
     mask = torch.ones_like(ids)
     mask[1, :7] = 0  # left padding in the second sequence
     with torch.no_grad():
@@ -83,6 +84,19 @@ def test_fa3_fp8_attention_is_close_to_eager(name):
     from reference import FP8_TOLERANCE
 
     err, template = _eager_vs(name, "fa3_fp8", torch.bfloat16)
+    assert template == "fp8"
+    assert 0 < err <= FP8_TOLERANCE, f"{name}: relative error {err:.2e} against eager bf16"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_fa3_fp8_attention_on_gpu(name):
+    """The same check on CUDA tensors: the FP8 family serves every layer on an FP8 GPU."""
+    from reference import FP8_TOLERANCE
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a GPU with e4m3 tensor cores (sm89+)")
+    err, template = _eager_vs(name, "fa3_fp8", torch.bfloat16, device="cuda")
     assert template == "fp8"
     assert 0 < err <= FP8_TOLERANCE, f"{name}: relative error {err:.2e} against eager bf16"
 
