@@ -354,6 +354,30 @@ def test_compiles_for_sm90_without_spills():
 
 
 @pytest.mark.sm90_compile
+@pytest.mark.parametrize("D,rope", [(128, False), (128, True), (64, True)])
+def test_sm90_memory_instructions_are_wide_and_pipelined(D, rope):
+    """What bandwidth hangs on (docs/design/fp8_prologue.md): every global store is 16 bytes wide
+    (the transposed Vᵀ store included: one byte per instruction before), bf16 tiles are loaded 16
+    bytes at a time, and the persistent loops prefetch the next group (cp.async) by default."""
+    import re
+
+    from fa3_inductor.templates.aot import sass_report
+
+    q = torch.randn(2, 8, 1024, D, dtype=torch.bfloat16)
+    k = v = torch.randn(2, 8, 1024, D, dtype=torch.bfloat16)
+    r = RopeSpec.from_theta(D, 1024) if rope else None
+    (main,) = host.compile_prologue(q, k, v, FP8Recipe(), r)
+    rep = sass_report(main)
+    stores = re.findall(r"\bst\.global(?:\.\w+)*", rep.ptx)
+    wide = [s for s in stores if ".v4" in s]
+    scalar = [s for s in stores if ".v" not in s]
+    assert len(wide) >= 12 and all(s.endswith(".b32") for s in scalar) and len(scalar) <= 4, stores
+    assert not re.search(r"\bld\.global(?:\.\w+)*\.(?:b16|u16|b8|u8)\b", rep.ptx), "narrow loads"
+    assert "cp.async" in rep.ptx, "the persistent loops are not pipelined"
+    assert rep.stack == 0 and rep.spill_instructions == 0, (rep.registers, rep.stack)
+
+
+@pytest.mark.sm90_compile
 @pytest.mark.parametrize("D,Dv,R,recipe", [(256, 256, 256, FP8Recipe()),
                                            (192, 128, 64, FP8Recipe(block_m=0, block_n=0)),
                                            (64, 64, 0, FP8Recipe(hadamard=False))])

@@ -23,7 +23,35 @@ MAX_HEAD_DIM = 256
 MAX_TILE = 128
 MAX_TILE_WIDE = 32
 SMOOTH_CHUNKS = 16      # partial K sums per head (smooth_k): parallelism of the reduction pass
-NUM_STAGES = 1         # the group walks (per-head scales) gain nothing from multi-buffered loads
+INTERPRETER_SMS = 2     # the interpreter runs programs one by one: a small grid walks the loops
+
+
+@dataclasses.dataclass(frozen=True)
+class PrologueTuning:
+    """Launch parameters of ``prologue_kernel`` (never its math): ``benchmarks/fp8_prologue_bw.py
+    --sweep`` times the candidates on a GPU.
+
+    - ``num_warps``: None picks 8 for heads wider than 128 (and 128 with RoPE), else 4;
+    - ``num_stages``: software pipelining depth of the persistent loops: 2 loads the next group
+      (cp.async into shared memory) while the current one is rotated and stored; 1: no overlap
+      within a program;
+    - ``programs_per_sm``: persistent programs per SM; None: as many as fit at once (the compiled
+      kernel's registers and shared memory); 0: one program per group (no loop);
+    - ``maxnreg``: a register cap per thread (None: the compiler's choice).
+
+    Example::
+
+        >>> PrologueTuning(num_warps=4).num_stages
+        2
+    """
+
+    num_warps: Optional[int] = None
+    num_stages: int = 2
+    programs_per_sm: Optional[int] = None
+    maxnreg: Optional[int] = None
+
+
+DEFAULT_TUNING = PrologueTuning()
 
 
 @dataclasses.dataclass
@@ -157,11 +185,43 @@ def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
+_RESIDENT: dict = {}     # (device, launch key) -> programs per SM that fit at once
+
+
+def _programs(kernel: Any, args: tuple, kwargs: dict, groups: int, tuning: PrologueTuning,
+              device: torch.device) -> int:
+    """The persistent grid: programs per SM (tuning, else as many as the compiled kernel's
+    registers, shared memory and warps let one SM hold) times the SM count, at most ``groups``."""
+    if tuning.programs_per_sm == 0:
+        return groups
+    if device.type != "cuda":
+        return min(groups, (tuning.programs_per_sm or 1) * INTERPRETER_SMS)
+    props = torch.cuda.get_device_properties(device)
+    per_sm = tuning.programs_per_sm
+    if per_sm is None:
+        key = (device.index, *sorted(kwargs.items()))     # frozen dataclasses and ints
+        per_sm = _RESIDENT.get(key)
+        if per_sm is None:
+            with torch.cuda.device(device):
+                compiled = kernel.warmup(*args, grid=(1,), **kwargs)
+                compiled._init_handles()          # loads the cubin: n_regs is known from here
+            warps = kwargs["num_warps"]
+            regs = -(-max(compiled.n_regs, 1) // 8) * 8 * 32 * warps   # allocated per warp, by 256
+            smem = compiled.metadata.shared + 1024                    # 1 KB reserved per CTA
+            per_sm = max(1, min(getattr(props, "regs_per_multiprocessor", 65536) // regs,
+                                props.shared_memory_per_multiprocessor // smem,
+                                props.max_threads_per_multi_processor // (32 * warps)))
+            _RESIDENT[key] = per_sm
+    return min(groups, per_sm * props.multi_processor_count)
+
+
 def prepare_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: FP8Recipe,
                      rope: Optional[RopeSpec] = None, *,
-                     round_in_fp32: Optional[bool] = None) -> PrologueLaunch:
+                     round_in_fp32: Optional[bool] = None,
+                     tuning: PrologueTuning = DEFAULT_TUNING) -> PrologueLaunch:
     """The launches of ``quantize`` (checked inputs, allocated outputs), not yet run.
-    ``round_in_fp32`` None: on under the interpreter only (kernel.py, Quantization).
+    ``round_in_fp32`` None: on under the interpreter only (kernel.py, Quantization); ``tuning``:
+    the main launch's parameters (:class:`PrologueTuning`).
 
     Example::
 
@@ -231,10 +291,12 @@ def prepare_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: 
         k_mean=torch.empty(B, Hkv, D, dtype=torch.float32, device=dev) if recipe.smooth_k else None,
         recipe=recipe, n=N)
 
-    # 8 warps for the widest tiles (a 128 x 128 fp32 tile is 64 registers a thread; 256 columns
-    # spilled with 4), else 4: more CTAs per SM.
+    # 4 warps keep more programs per SM: 128 x 128 tiles at D=128 moved 2.04-2.09 TB/s with 4 warps
+    # against 1.55-1.60 with 8 (H100, benchmarks/results/fp8-prologue-bw-nvidia-h100-80gb-hbm3-
+    # 2026-11-25-0026, --sweep). 8 past 128 columns, and at 128 with RoPE: 4 spill there (255
+    # registers, 256 bytes of stack at sm90).
     wide = max(block_d, block_dv)
-    num_warps = 8 if max(tile_m, tile_n) * wide >= 128 * 128 or wide > 128 else 4
+    num_warps = tuning.num_warps or (8 if wide > 128 or (rope is not None and wide == 128) else 4)
     launches = []
     n_chunks = min(SMOOTH_CHUNKS, -(-N // tile_n))
     k_part = had
@@ -243,8 +305,7 @@ def prepare_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: 
         launches.append((k_sums_kernel,
                          (k, k_part, had, cos, sin, kpos_t, *k.stride()[:3], stride_tz, stride_tp,
                           stride_kpz, Hkv, N, P, n_chunks),
-                         dict(SHAPE=shape, ROT=rot, QUANT=quant, num_warps=4,
-                              num_stages=NUM_STAGES),
+                         dict(SHAPE=shape, ROT=rot, QUANT=quant, num_warps=4, num_stages=1),
                          (B * Hkv, n_chunks)))
     nq, nk = B * Hq * qg, B * Hkv * kg
     args = (q, k, v, ops.q, ops.k, ops.vt, ops.q_scale, ops.k_scale, ops.v_scale, ops.v_scale_max,
@@ -253,10 +314,13 @@ def prepare_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: 
             stride_qpz, stride_kpz,
             B, Hq, Hkv, M, N, n_pad, P, nq, nk, qg, kg,
             recipe.block_m or M, recipe.block_n or n_pad, n_chunks)
-    launches.append((prologue_kernel, args,
-                     dict(SHAPE=shape, ROT=rot, QUANT=quant, num_warps=num_warps,
-                          num_stages=NUM_STAGES),
-                     (nq + 2 * nk,)))
+    # Persistent programs loop over the groups (kernel.py): as many as the SMs hold at once.
+    kwargs = dict(SHAPE=shape, ROT=rot, QUANT=quant, num_warps=num_warps,
+                  num_stages=tuning.num_stages)
+    if tuning.maxnreg:
+        kwargs["maxnreg"] = tuning.maxnreg
+    launches.append((prologue_kernel, args, kwargs,
+                     (_programs(prologue_kernel, args, kwargs, max(nq, nk), tuning, dev),)))
     return PrologueLaunch(launches, ops)
 
 
@@ -302,7 +366,8 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: FP8Recip
 
 
 def compile_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: FP8Recipe,
-                     rope: Optional[RopeSpec] = None, capability: tuple[int, int] = (9, 0)) -> list:
+                     rope: Optional[RopeSpec] = None, capability: tuple[int, int] = (9, 0),
+                     tuning: PrologueTuning = DEFAULT_TUNING) -> list:
     """Compile (not run) the launches of ``quantize`` for a GPU of ``capability``: the compiled
     kernels in launch order. Tensors may be on the CPU; needs a process without TRITON_INTERPRET=1.
 
@@ -317,6 +382,6 @@ def compile_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: 
     from ..aot import compile_launch
 
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
-    launch = prepare_prologue(q, k, v, recipe, rope, round_in_fp32=False)
+    launch = prepare_prologue(q, k, v, recipe, rope, round_in_fp32=False, tuning=tuning)
     return [compile_launch(kernel, args, kwargs, target)
             for kernel, args, kwargs, _ in launch.launches]

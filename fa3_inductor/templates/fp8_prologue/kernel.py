@@ -25,12 +25,16 @@ Notation
                              tile (ONE_TILE), or the program walks its group twice: amax first,
                              then recompute and store (per-head scales, blocks over 128 rows)
 
-Programs (`prologue_kernel`, 1-D grid): pid in [0, NQ) quantizes one Q group, [NQ, NQ + NK) one K
-group, the rest one V group. Within each kind pid = group * (Z * H) + z * H + h, so neighbouring
-programs read the same RoPE table rows (L2 hits). A Q / K program: load the block in parts (the
-rotated pairs a = channels ia, b = channels ib, and the pass-through rest r; _load_parts), RoPE,
-Hadamard (fp16 tensor-core dots part by part, _hadamard), [K: subtract the mean], amax -> scale,
-store e4m3. A V program: amax -> scale, store the e4m3 tile transposed.
+Programs (`prologue_kernel`, 1-D persistent grid of as many programs as the SMs hold at once,
+host.py): program p quantizes Q groups p, p + n_programs, ..., then K groups, then V groups, the
+same way. Group t of a kind is (group = t // (Z * H), z, h): neighbouring programs take the heads
+of one row block at the same time, so they read the same RoPE table rows (L2 hits). HAD's rows are
+loaded once per program (_had_parts) and stay in shared memory for every group; with num_stages 2
+the loops load the next group (cp.async) while the current one is rotated and stored. A Q / K
+group: load the block in parts (the rotated pairs a = channels ia, b = channels ib, and the
+pass-through rest r; _load_parts), RoPE, Hadamard (fp16 tensor-core dots part by part, _hadamard),
+[K: subtract the mean], amax -> scale, store e4m3. A V group: amax -> scale, store the e4m3 tile
+transposed (16-byte vectors along tokens, _v_store).
 
 Compile-time parameters (one named bundle each; frozen dataclasses below, read as `SHAPE.TILE_M`):
     SHAPE  Tiles         D, DV, BLOCK_D, BLOCK_DV, TILE_M, TILE_N, Q_ONE_TILE, KV_ONE_TILE
@@ -195,9 +199,27 @@ def _split_dot(x, had, acc):
 
 
 @triton.jit
-def _hadamard(a, b, r, HAD, T: tl.constexpr, ROT: tl.constexpr, SHAPE: tl.constexpr):
+def _had_parts(HAD, ROT: tl.constexpr, SHAPE: tl.constexpr):
+    """HAD's rows matching the parts of _load_parts, fp16: (rows ia, rows ib, rows [R, D)); an
+    absent part is 0.0. Loaded once per program: the persistent loops reuse them for every tile."""
+    ha = 0.0
+    hb = 0.0
+    hr = 0.0
+    if ROT.HADAMARD:
+        if ROT.ROPE != "":
+            ia, ib = _pair_columns(ROT)
+            ha = _had_rows(HAD, ia, _pairs_ok(ROT), SHAPE.BLOCK_D)
+            hb = _had_rows(HAD, ib, _pairs_ok(ROT), SHAPE.BLOCK_D)
+        if ROT.REST_BLOCK > 0:
+            ir = ROT.ROPE_DIM + tl.arange(0, ROT.REST_BLOCK)
+            hr = _had_rows(HAD, ir, ir < SHAPE.D, SHAPE.BLOCK_D)
+    return ha, hb, hr
+
+
+@triton.jit
+def _hadamard(a, b, r, had, T: tl.constexpr, ROT: tl.constexpr, SHAPE: tl.constexpr):
     """(a, b, r)·HAD·HAD_SCALE, [T, BLOCK_D] fp32 with fp32 accuracy on fp16 tensor cores: the
-    contraction over channels goes part by part (HAD's rows gathered to match), so the parts are
+    contraction over channels goes part by part against `had` (_had_parts), so the parts are
     never reassembled into a tile.
 
     Each row is first scaled by the power of two that brings its largest entry into [1, 2) (exact;
@@ -218,27 +240,25 @@ def _hadamard(a, b, r, HAD, T: tl.constexpr, ROT: tl.constexpr, SHAPE: tl.conste
     down = (e.to(tl.float32, bitcast=True) * ROT.HAD_SCALE)[:, None]     # 2^(E - 127) / sqrt(b)
     acc = tl.zeros([T, BLOCK_D], dtype=tl.float32)
     if ROT.ROPE != "":
-        ia, ib = _pair_columns(ROT)
-        acc = _split_dot(a * up, _had_rows(HAD, ia, _pairs_ok(ROT), BLOCK_D), acc)
-        acc = _split_dot(b * up, _had_rows(HAD, ib, _pairs_ok(ROT), BLOCK_D), acc)
+        acc = _split_dot(a * up, had[0], acc)
+        acc = _split_dot(b * up, had[1], acc)
     if ROT.REST_BLOCK > 0:
-        ir = ROT.ROPE_DIM + tl.arange(0, ROT.REST_BLOCK)
-        acc = tl.dot((r * up).to(tl.float16), _had_rows(HAD, ir, ir < SHAPE.D, BLOCK_D), acc)
+        acc = tl.dot((r * up).to(tl.float16), had[2], acc)
     return acc * down
 
 
 @triton.jit
-def _qk_tile(Xh, stride_x, rows, L, z, POS, stride_pz, COS, SIN, stride_tz, stride_tp, P, HAD,
+def _qk_tile(Xh, stride_x, rows, L, z, POS, stride_pz, COS, SIN, stride_tz, stride_tp, P, had,
              mean, HAS_POS: tl.constexpr, SMOOTH: tl.constexpr, T: tl.constexpr,
              ROT: tl.constexpr, SHAPE: tl.constexpr):
-    """Rows `rows` of a Q / K head, rotated (and smoothed); 0 outside the head. With the Hadamard
-    rotation a [T, BLOCK_D] tile (then 0.0, 0.0), else the parts (a, b, r) of _load_parts; `mean`
-    is laid out the same way."""
+    """Rows `rows` of a Q / K head, rotated by `had` (_had_parts) and smoothed; 0 outside the
+    head. With the Hadamard rotation a [T, BLOCK_D] tile (then 0.0, 0.0), else the parts (a, b, r)
+    of _load_parts; `mean` is laid out the same way."""
     a, b, r = _load_parts(Xh, stride_x, rows, L, z, POS, stride_pz, COS, SIN, stride_tz,
                           stride_tp, P, HAS_POS, ROT, SHAPE)
     row_ok = (rows < L)[:, None]
     if ROT.HADAMARD:
-        y = _hadamard(a, b, r, HAD, T, ROT, SHAPE)
+        y = _hadamard(a, b, r, had, T, ROT, SHAPE)
         if SMOOTH:
             y = tl.where(row_ok, y - mean[0][None, :], 0.0)
         return y, 0.0, 0.0
@@ -291,7 +311,7 @@ def _qk_store(Oh, parts, rows, stop, scale, inv_scale, ROT: tl.constexpr, SHAPE:
 
 @triton.jit
 def _qk_group(X, stride_xz, stride_xh, stride_x, OUT, SCALE, z, h, H, g, L, n_groups, group_rows,
-              POS, stride_pz, COS, SIN, stride_tz, stride_tp, P, HAD, mean,
+              POS, stride_pz, COS, SIN, stride_tz, stride_tp, P, had, mean,
               HAS_POS: tl.constexpr, SMOOTH: tl.constexpr, T: tl.constexpr,
               ONE_TILE: tl.constexpr, ROT: tl.constexpr, SHAPE: tl.constexpr,
               QUANT: tl.constexpr):
@@ -303,7 +323,7 @@ def _qk_group(X, stride_xz, stride_xh, stride_x, OUT, SCALE, z, h, H, g, L, n_gr
     if ONE_TILE:
         rows = start + tl.arange(0, T)
         parts = _qk_tile(Xh, stride_x, rows, L, z, POS, stride_pz, COS, SIN, stride_tz,
-                         stride_tp, P, HAD, mean, HAS_POS, SMOOTH, T, ROT, SHAPE)
+                         stride_tp, P, had, mean, HAS_POS, SMOOTH, T, ROT, SHAPE)
         scale = _scale_of(_tile_amax(parts, ROT))
         _qk_store(Oh, parts, rows, L, scale, tl.div_rn(1.0, scale), ROT, SHAPE, QUANT)
     else:
@@ -311,14 +331,14 @@ def _qk_group(X, stride_xz, stride_xh, stride_x, OUT, SCALE, z, h, H, g, L, n_gr
         amax = tl.zeros([], dtype=tl.float32)
         for r0 in range(start, stop, T):
             parts = _qk_tile(Xh, stride_x, r0 + tl.arange(0, T), L, z, POS, stride_pz, COS, SIN,
-                             stride_tz, stride_tp, P, HAD, mean, HAS_POS, SMOOTH, T, ROT, SHAPE)
+                             stride_tz, stride_tp, P, had, mean, HAS_POS, SMOOTH, T, ROT, SHAPE)
             amax = tl.maximum(amax, _tile_amax(parts, ROT))
         scale = _scale_of(amax)
         inv_scale = tl.div_rn(1.0, scale)
         for r0 in range(start, stop, T):
             rows = r0 + tl.arange(0, T)
             parts = _qk_tile(Xh, stride_x, rows, L, z, POS, stride_pz, COS, SIN, stride_tz,
-                             stride_tp, P, HAD, mean, HAS_POS, SMOOTH, T, ROT, SHAPE)
+                             stride_tp, P, had, mean, HAS_POS, SMOOTH, T, ROT, SHAPE)
             _qk_store(Oh, parts, rows, stop, scale, inv_scale, ROT, SHAPE, QUANT)
     tl.store(SCALE + zh * n_groups + g, scale)
 
@@ -336,7 +356,12 @@ def _v_tile(Vh, stride_vn, r0, N, T: tl.constexpr, SHAPE: tl.constexpr):
 def _v_store(VTh, y, scale, inv_scale, r0, stop, N_PAD, T: tl.constexpr, SHAPE: tl.constexpr,
              QUANT: tl.constexpr):
     """Store the e4m3 tile transposed: VT8 rows are channels, columns tokens. Columns in
-    [N, N_PAD) hold zeros (the tile read them as 0)."""
+    [N, N_PAD) hold zeros (the tile read them as 0).
+
+    N_PAD, r0 and stop are multiples of 16 that the compiler knows as such (N_PAD and
+    kv_group_rows are specialized, not do_not_specialize): that is what lets the store go out as
+    16 tokens per thread (st.global.v4, after a layout conversion through shared memory) rather
+    than one byte per thread and instruction (64 st.global.b8 per thread for a 128 x 128 tile)."""
     rows = r0 + tl.arange(0, T)
     cols = tl.arange(0, SHAPE.BLOCK_DV)
     yt = tl.trans(_to_e4m3(y, scale, inv_scale, QUANT))
@@ -407,8 +432,9 @@ def _k_means(K_PART, zh, n_chunks, N, ROT: tl.constexpr, QUANT: tl.constexpr,
 
 
 # Sizes that follow the lengths or the batch: no specialization on them (one compile per kind).
-_RUNTIME_SIZES = ["M", "N", "P", "Z", "NQ", "NK", "QG", "KG", "q_group_rows", "kv_group_rows",
-                  "n_chunks"]
+# kv_group_rows (a power of two >= 16, or N_PAD) and N_PAD stay specialized: their divisibility
+# by 16 is what vectorizes the Vᵀ store (_v_store).
+_RUNTIME_SIZES = ["M", "N", "P", "Z", "NQ", "NK", "QG", "KG", "q_group_rows", "n_chunks"]
 
 
 @triton.jit(do_not_specialize=_RUNTIME_SIZES)
@@ -422,17 +448,21 @@ def prologue_kernel(
     Z, HQ, HKV, M, N, N_PAD, P, NQ, NK, QG, KG, q_group_rows, kv_group_rows, n_chunks,
     SHAPE: tl.constexpr, ROT: tl.constexpr, QUANT: tl.constexpr,
 ):
+    """Persistent: program p takes Q groups p, p + n_programs, ..., then the K groups, then the V
+    groups the same way. HAD's rows are loaded once per program, not once per group; a loop of
+    groups lets the compiler keep the next group's loads in flight (num_stages > 1)."""
     pid = tl.program_id(0)
-    if pid < NQ:
-        zh = pid % (Z * HQ)
+    n_programs = tl.num_programs(0)
+    had = _had_parts(HAD, ROT, SHAPE)
+    for t in tl.range(pid, NQ, n_programs):
+        zh = t % (Z * HQ)
         _qk_group(Q, stride_qz, stride_qh, stride_qm, Q8, Q_SCALE, zh // HQ, zh % HQ, HQ,
-                  pid // (Z * HQ), M, QG, q_group_rows, QPOS, stride_qpz, COS, SIN, stride_tz,
-                  stride_tp, P, HAD, (0.0, 0.0, 0.0), ROT.Q_POS, False, SHAPE.TILE_M, SHAPE.Q_ONE_TILE,
-                  ROT, SHAPE, QUANT)
-    elif pid < NQ + NK:
-        pid = pid - NQ
-        zh = pid % (Z * HKV)
-        g = pid // (Z * HKV)
+                  t // (Z * HQ), M, QG, q_group_rows, QPOS, stride_qpz, COS, SIN, stride_tz,
+                  stride_tp, P, had, (0.0, 0.0, 0.0), ROT.Q_POS, False, SHAPE.TILE_M,
+                  SHAPE.Q_ONE_TILE, ROT, SHAPE, QUANT)
+    for t in tl.range(pid, NK, n_programs):
+        zh = t % (Z * HKV)
+        g = t // (Z * HKV)
         mean = (0.0, 0.0, 0.0)
         if QUANT.SMOOTH_K:
             mean = _k_means(K_PART, zh, n_chunks, N, ROT, QUANT, SHAPE)
@@ -443,13 +473,12 @@ def prologue_kernel(
                          mask=d < SHAPE.D)
         _qk_group(K, stride_kz, stride_kh, stride_kn, K8, K_SCALE, zh // HKV, zh % HKV, HKV,
                   g, N, KG, kv_group_rows, KPOS, stride_kpz, COS, SIN, stride_tz, stride_tp,
-                  P, HAD, mean, ROT.K_POS, QUANT.SMOOTH_K, SHAPE.TILE_N, SHAPE.KV_ONE_TILE,
+                  P, had, mean, ROT.K_POS, QUANT.SMOOTH_K, SHAPE.TILE_N, SHAPE.KV_ONE_TILE,
                   ROT, SHAPE, QUANT)
-    else:
-        pid = pid - NQ - NK
-        zh = pid % (Z * HKV)
+    for t in tl.range(pid, NK, n_programs):
+        zh = t % (Z * HKV)
         _v_group(V, stride_vz, stride_vh, stride_vn, VT8, V_SCALE, V_SCALE_MAX, zh // HKV,
-                 zh % HKV, HKV, pid // (Z * HKV), N, N_PAD, KG, kv_group_rows, SHAPE.TILE_N,
+                 zh % HKV, HKV, t // (Z * HKV), N, N_PAD, KG, kv_group_rows, SHAPE.TILE_N,
                  SHAPE.KV_ONE_TILE, SHAPE, QUANT)
 
 

@@ -1,0 +1,312 @@
+#!/usr/bin/env python3
+"""FP8 prologue bandwidth: bytes moved per second by the prologue alone, against a device copy of
+the same byte count (templates/fp8_prologue/; target: >= 70% of copy, docs/design/fp8_prologue.md).
+
+Shapes: B = 16384 / N, Hq 16, Hkv 16 and 4 (GQA), D 64 and 128, N 4096 and 16384, bf16; recipes:
+plain (Hadamard), + RoPE (transformers' "half" style, bf16 tables as transformers builds them),
++ smooth_k, both. Bytes moved = what the method must move: Q, K, V read once (bf16), Q8, K8, Vᵀ8
+and the scales written once; RoPE tables and smooth_k's second read of K are not counted (they are
+the cost of the method, not of the bytes). The copy is ``dst.copy_(src)`` of half that many bytes
+(read + write = the same total). Times are ``triton.testing.do_bench`` medians (CUDA events, L2
+flushed between calls) of the prologue's launches prepared once (``prepare_prologue``): no host
+work is timed.
+
+Options:
+- ``--sweep``: also times the candidate launch parameters (``host.PrologueTuning``: warps, pipeline
+  stages, persistent or one program per group, register cap) on the Hkv 16 shapes, checks each
+  gives the default's bytes, and prints the best per shape;
+- ``--against PATH``: times the prologue of another tree (``fa3_inductor`` imported from PATH in a
+  subprocess running this file) on the same shapes: old vs new in one run. Make the old tree with
+  ``git worktree add /tmp/fp8_old HEAD`` (or any commit).
+
+    python benchmarks/fp8_prologue_bw.py --out benchmarks/results [--sweep] [--against /tmp/fp8_old]
+
+Writes ``fp8-prologue-bw-<device>-<date>.json`` and ``.md`` to ``--out`` (device, torch, triton,
+date in both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as _dt
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKENS, HQ = 16384, 16
+RECIPES = ("plain", "rope", "smooth", "rope+smooth")
+
+
+def _import_tree(root: str):
+    """fa3_inductor from ``root`` (this repository by default), checked."""
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    import fa3_inductor
+
+    where = os.path.realpath(os.path.dirname(fa3_inductor.__file__))
+    if not where.startswith(os.path.realpath(root) + os.sep):
+        raise RuntimeError(f"fa3_inductor imported from {where}, not from {root}")
+    return fa3_inductor
+
+
+def _cases(head_dims: list[int], seqlens: list[int], hkvs: list[int]) -> list[dict]:
+    return [dict(D=D, N=N, B=TOKENS // N, Hq=HQ, Hkv=hkv, recipe=r)
+            for D in head_dims for N in seqlens for hkv in hkvs for r in RECIPES]
+
+
+def _key(c: dict) -> str:
+    return f"D{c['D']} N{c['N']} B{c['B']} Hq{c['Hq']} Hkv{c['Hkv']} {c['recipe']}"
+
+
+def _bytes_moved(c: dict, block: int = 128) -> int:
+    B, Hq, Hkv, N, D = c["B"], c["Hq"], c["Hkv"], c["N"], c["D"]
+    n_pad = -(-N // 16) * 16
+    read = 2 * (B * Hq * N * D + 2 * B * Hkv * N * D)
+    written = B * Hq * N * D + B * Hkv * N * D + B * Hkv * D * n_pad
+    scales = 4 * (B * Hq * -(-N // block) + 2 * B * Hkv * -(-N // block) + B * Hkv)
+    return read + written + scales
+
+
+def _inputs(c: dict):
+    import torch
+
+    from fa3_inductor.fp8_recipe import FP8Recipe, RopeSpec
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda h: torch.randn(c["B"], h, c["N"], c["D"], device="cuda", dtype=torch.bfloat16,  # noqa: E731
+                               generator=g)
+    q, k, v = mk(c["Hq"]), mk(c["Hkv"]), mk(c["Hkv"])
+    recipe = FP8Recipe(smooth_k="smooth" in c["recipe"])
+    rope = None
+    if "rope" in c["recipe"]:
+        r = RopeSpec.from_theta(c["D"], c["N"], device="cuda")
+        rope = RopeSpec(r.cos.to(torch.bfloat16), r.sin.to(torch.bfloat16), r.style)
+    return q, k, v, recipe, rope
+
+
+def _launcher(prepared):
+    """A callable running the prepared launches (the prologue alone, no host preparation)."""
+    launches = [(kernel[grid], args, kwargs) for kernel, args, kwargs, grid in prepared.launches]
+
+    def run():
+        for fn, args, kwargs in launches:
+            fn(*args, **kwargs)
+    return run
+
+
+def _time(fn) -> float:
+    import torch
+    from triton.testing import do_bench
+
+    fn()
+    torch.cuda.synchronize()
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _prologue_ms(c: dict, tuning=None) -> tuple[float, object]:
+    """Median ms of the prologue's launches on case ``c`` (``tuning``: host.PrologueTuning, where
+    the tree has it), and the operands it wrote."""
+    from fa3_inductor.templates.fp8_prologue import host
+
+    q, k, v, recipe, rope = _inputs(c)
+    if hasattr(host, "prepare_prologue"):
+        kw = {} if tuning is None else dict(tuning=tuning)
+        prepared = host.prepare_prologue(q, k, v, recipe, rope, **kw)
+        run = _launcher(prepared)
+        ms = _time(run)
+        return ms, host.finish(prepared.operands)
+    ops = host.quantize(q, k, v, recipe, rope)     # a tree without prepare_prologue: host work timed
+    return _time(lambda: host.quantize(q, k, v, recipe, rope)), ops
+
+
+def copy_ms(nbytes: int) -> float:
+    """Median ms of a device copy moving ``nbytes`` (read + write)."""
+    import torch
+
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return _time(lambda: dst.copy_(src))
+
+
+def _same_operands(a, b) -> bool:
+    import torch
+
+    for name in ("q", "k", "vt"):
+        if not torch.equal(getattr(a, name).view(torch.uint8), getattr(b, name).view(torch.uint8)):
+            return False
+    return all(torch.equal(getattr(a, n), getattr(b, n)) for n in ("q_scale", "k_scale", "v_scale"))
+
+
+def sweep_candidates() -> list:
+    """The launch parameters --sweep times (host.PrologueTuning)."""
+    from fa3_inductor.templates.fp8_prologue.host import PrologueTuning
+
+    out = [PrologueTuning(num_warps=w, num_stages=s, programs_per_sm=p)
+           for w in (4, 8) for s in (1, 2, 3) for p in (None, 0)]
+    out += [PrologueTuning(num_warps=8, num_stages=s, maxnreg=128) for s in (1, 2)]
+    out += [PrologueTuning(num_warps=8, num_stages=2, programs_per_sm=2),
+            PrologueTuning(num_warps=4, num_stages=2, programs_per_sm=4)]
+    return out
+
+
+def _tuning_text(t) -> str:
+    per_sm = {None: "fit", 0: "grid"}.get(t.programs_per_sm, str(t.programs_per_sm))
+    return (f"w{t.num_warps} s{t.num_stages} per_sm={per_sm}"
+            + (f" maxnreg={t.maxnreg}" if t.maxnreg else ""))
+
+
+def run_worker(root: str, cases: list[dict], out_json: str) -> None:
+    """--worker: time the prologue of the tree at ``root`` on ``cases``; rows to ``out_json``."""
+    _import_tree(root)
+    rows = []
+    for c in cases:
+        try:
+            ms, _ = _prologue_ms(c)
+            rows.append(dict(c, key=_key(c), ms=ms))
+        except Exception as exc:   # keep the other shapes
+            rows.append(dict(c, key=_key(c), error=f"{type(exc).__name__}: {exc}"[:500]))
+        print(f"[{root}] {_key(c)}: {rows[-1].get('ms', rows[-1].get('error'))}", flush=True)
+    with open(out_json, "w") as f:
+        json.dump(rows, f)
+
+
+def _against(root: str, cases: list[dict]) -> dict:
+    """Rows of the tree at ``root`` by key, timed in a subprocess (its own imports and caches)."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "rows.json")
+        env = dict(os.environ)
+        env.pop("TRITON_INTERPRET", None)
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "--root",
+                        os.path.abspath(root), "--cases-json", json.dumps(cases), "--worker-out",
+                        path], check=True, env=env, cwd=os.path.abspath(root))
+        with open(path) as f:
+            return {r["key"]: r for r in json.load(f)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--head-dims", default="64,128")
+    ap.add_argument("--seqlens", default="4096,16384")
+    ap.add_argument("--hkv", default="16,4")
+    ap.add_argument("--sweep", action="store_true", help="time the candidate launch parameters")
+    ap.add_argument("--against", metavar="PATH", help="another tree to time on the same shapes")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--root", default=REPO, help=argparse.SUPPRESS)
+    ap.add_argument("--cases-json", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    os.environ.pop("TRITON_INTERPRET", None)
+    if args.worker:
+        run_worker(args.root, json.loads(args.cases_json), args.worker_out)
+        return
+
+    _import_tree(REPO)
+    import torch
+    import triton
+
+    ints = lambda s: [int(x) for x in s.split(",")]   # noqa: E731
+    cases = _cases(ints(args.head_dims), ints(args.seqlens), ints(args.hkv))
+    now = _dt.datetime.now(_dt.timezone.utc)
+    device = torch.cuda.get_device_name()
+    head = (f"{device}, torch {torch.__version__}, triton {triton.__version__}, "
+            f"{now:%Y-%m-%d %H:%M} UTC")
+    print(head, flush=True)
+    old = _against(args.against, cases) if args.against else {}
+
+    rows = []
+    for c in cases:
+        row = dict(c, key=_key(c), bytes=_bytes_moved(c))
+        try:
+            row["copy_ms"] = copy_ms(row["bytes"])
+            row["ms"], _ = _prologue_ms(c)
+        except Exception as exc:   # keep the other shapes
+            row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        for tag, src in (("", row), ("old_", old.get(row["key"], {}))):
+            if "ms" in src and "copy_ms" in row:
+                row[tag + "gbps"] = row["bytes"] / (src["ms"] * 1e-3) / 1e9
+                row[tag + "of_copy"] = row["copy_ms"] / src["ms"]
+            if tag and "ms" in src:
+                row["old_ms"] = src["ms"]
+            if tag and "error" in src:
+                row["old_error"] = src["error"]
+        rows.append(row)
+        print(f"{row['key']}: {row.get('ms', row.get('error'))} ms"
+              + (f", {row['gbps']:.0f} GB/s ({100 * row['of_copy']:.0f}% of copy)"
+                 if "gbps" in row else ""), flush=True)
+
+    sweep = []
+    if args.sweep:
+        for c in cases:
+            if c["Hkv"] != HQ or "smooth" in c["recipe"]:
+                continue      # the main launch is the same kernel with smoothing; GQA: fewer K/V groups
+            base = None
+            nbytes = _bytes_moved(c)
+            for t in sweep_candidates():
+                entry = dict(key=_key(c), tuning=dataclasses.asdict(t), tuning_text=_tuning_text(t))
+                try:
+                    ms, ops = _prologue_ms(c, t)
+                    if base is None:
+                        base = ops
+                    entry.update(ms=ms, gbps=nbytes / (ms * 1e-3) / 1e9,
+                                 same_bytes=_same_operands(ops, base))
+                except Exception as exc:
+                    entry["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                sweep.append(entry)
+                print(f"  sweep {entry['key']} {entry['tuning_text']}: "
+                      f"{entry.get('ms', entry.get('error'))}", flush=True)
+
+    slug = device.lower().replace("nvidia ", "nvidia-").replace(" ", "-")
+    stem = os.path.join(args.out, f"fp8-prologue-bw-{slug}-{now:%Y-%m-%d-%H%M}")
+    os.makedirs(args.out, exist_ok=True)
+    result = dict(device=device, torch=torch.__version__, triton=triton.__version__,
+                  date=now.isoformat(), argv=sys.argv[1:], against=args.against,
+                  bytes_rule="2*(B*Hq*N*D + 2*B*Hkv*N*D) read + B*Hq*N*D + B*Hkv*N*D + "
+                             "B*Hkv*D*N_pad written + scales", rows=rows, sweep=sweep)
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    lines = [f"# FP8 prologue bandwidth: {device}", "", head + "; bytes moved = inputs read once + "
+             "outputs written once; copy = `copy_` of the same byte count", ""]
+    cols = "| D | N | B | Hkv | recipe | MB moved | ms | GB/s | % of copy | copy GB/s |"
+    sep = "|---|---|---|---|---|---|---|---|---|---|"
+    if args.against:
+        cols += " old ms | old GB/s | old % of copy | speedup |"
+        sep += "---|---|---|---|"
+    lines += [cols, sep]
+    for r in rows:
+        copy_gbps = r["bytes"] / (r["copy_ms"] * 1e-3) / 1e9 if "copy_ms" in r else None
+        line = (f"| {r['D']} | {r['N']} | {r['B']} | {r['Hkv']} | {r['recipe']} | "
+                f"{r['bytes'] / 1e6:.0f} | " + (f"{r['ms']:.4f} | {r['gbps']:.0f} | "
+                                                f"{100 * r['of_copy']:.0f}% | {copy_gbps:.0f} |"
+                                                if "gbps" in r else f"{r.get('error', '')} | | | |"))
+        if args.against:
+            line += (f" {r['old_ms']:.4f} | {r['old_gbps']:.0f} | {100 * r['old_of_copy']:.0f}% | "
+                     f"{r['old_ms'] / r['ms']:.2f}x |" if "old_gbps" in r and "ms" in r
+                     else f" {r.get('old_error', '')} | | | |")
+        lines.append(line)
+    if sweep:
+        lines += ["", "## Launch parameters (--sweep)", "",
+                  "| shape | tuning | ms | GB/s | same bytes |", "|---|---|---|---|---|"]
+        for e in sweep:
+            lines.append(f"| {e['key']} | {e['tuning_text']} | " + (
+                f"{e['ms']:.4f} | {e['gbps']:.0f} | {e['same_bytes']} |" if "ms" in e
+                else f"{e['error']} | | |"))
+        lines += ["", "Best per shape:", ""]
+        for key in dict.fromkeys(e["key"] for e in sweep):
+            ok = [e for e in sweep if e["key"] == key and "ms" in e and e["same_bytes"]]
+            if ok:
+                best = min(ok, key=lambda e: e["ms"])
+                lines.append(f"- {key}: {best['tuning_text']} {best['ms']:.4f} ms "
+                             f"({best['gbps']:.0f} GB/s)")
+    with open(stem + ".md", "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"wrote {stem}.json and .md")
+
+
+if __name__ == "__main__":
+    main()
