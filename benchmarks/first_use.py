@@ -216,10 +216,11 @@ LAYER_SHAPES = ((4, 512, 1024, 16), (1, 1024, 2048, 16), (1, 2048, 2048, 16), (2
 
 
 def part_layers(rows: list, modes: list[str], kinds: list[str], train: bool, shapes: list[int],
-                aa: bool = False) -> None:
+                aa: bool = False, stock_first: bool = False) -> None:
     """Attention layers under fa3 and stock Inductor per mode, timed in interleaved rounds; ``aa``
     adds a second stock compile of the same layer ("inductor A/A") to the rounds, so the spread of
-    two handles to one artifact is measured beside the fa3 / Inductor ratio."""
+    two handles to one artifact is measured beside the fa3 / Inductor ratio. ``stock_first``
+    compiles the stock backend before fa3 (Dynamo checks a code object's newest cache entry first)."""
     import torch._dynamo
 
     for kind, cls in (("sdpa", AttentionLayer), ("hand-written", HandWrittenLayer)):
@@ -233,7 +234,8 @@ def part_layers(rows: list, modes: list[str], kinds: list[str], train: bool, sha
                 for mode in modes:
                     torch._dynamo.reset()
                     fns, ms = {}, {}
-                    for backend in ("fa3", "inductor", *(("inductor A/A",) if aa else ())):
+                    order = ("inductor", "fa3") if stock_first else ("fa3", "inductor")
+                    for backend in (*order, *(("inductor A/A",) if aa else ())):
                         # all compiled first, then timed in turn
                         fn = torch.compile(layer, backend=backend.split()[0],
                                            mode=None if mode == "default" else mode)
@@ -360,6 +362,8 @@ def main() -> None:
     ap.add_argument("--train", action="store_true", help="also time a training step per layer")
     ap.add_argument("--aa", action="store_true",
                     help="layers: also time a second stock compile (the A/A spread beside fa3 / inductor)")
+    ap.add_argument("--stock-first", action="store_true",
+                    help="layers: compile the stock backend before fa3 (cache-entry order check)")
     ap.add_argument("--shapes", default=",".join(str(i) for i in range(len(LAYER_SHAPES))),
                     help="indices into LAYER_SHAPES (layers part)")
     ap.add_argument("--tag", default="")
@@ -393,7 +397,8 @@ def main() -> None:
                 part_host(rows)
             elif part == "layers":
                 part_layers(rows, args.modes.split(","), args.kinds.split(","), args.train,
-                            [int(i) for i in args.shapes.split(",")], aa=args.aa)
+                            [int(i) for i in args.shapes.split(",")], aa=args.aa,
+                            stock_first=args.stock_first)
             elif part == "graphs":
                 part_graphs(rows)
             print(f"[{part}: {time.perf_counter() - t0:.0f} s]", flush=True)

@@ -92,7 +92,8 @@ def _preset(data: dict) -> str:
     label = str(data.get("preset", ""))
     dtypes = sorted({str(r.get("dtype")) for r in data.get("rows", []) if r.get("dtype")})
     if dtypes and dtypes != ["bfloat16"]:
-        label += " " + "+".join(d.replace("float", "fp") for d in dtypes)
+        short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+        label += " " + "+".join(short.get(d, d) for d in dtypes)
     if data.get("window") not in (None, 256):
         label += f" window {data['window']}"
     return label
