@@ -12,17 +12,19 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import torch
 
 from . import _compat
-from .config import split_options
+from .config import Settings, split_options
 from .lowering import flex_lowering, registration
 from .lowering.passes import Fa3PostGradPass
+from .lowering.site_plan import plan_site
 from .recognition import module_state
 from .recognition.recognize_flex import flex_call_sites, flex_nodes, tag_rewritten
-from .recognition.rope import rope_pair
+from .recognition.rope_fusion import fuse_rope
 from .recognition.recognize_sdpa import rewrite_sdpa
 from .recognition.rewrite_pays import unless_small
 from .report import record_recognized, site_tag
@@ -65,7 +67,8 @@ def fa3_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
     extra_inputs: list = []
     guards: list = []
     if settings.recognize and settings.template != "torch":
-        gm, extra_inputs, guards = recognize(gm, example_inputs, fp8=settings.fp8 is not None)
+        gm, extra_inputs, guards = recognize(gm, example_inputs, fp8=settings.fp8 is not None,
+                                             settings=settings)
     else:
         for site in flex_call_sites(gm):
             record_recognized(site)
@@ -176,13 +179,17 @@ def _own_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 def recognize(gm: torch.fx.GraphModule, example_inputs: Optional[list] = None,
-              fp8: bool = False) -> tuple[torch.fx.GraphModule, list, list]:
+              fp8: bool = False, settings: Optional[Settings] = None
+              ) -> tuple[torch.fx.GraphModule, list, list]:
     """Run the recognition passes on a copy of a Dynamo graph; log what they saw. Returns the
     graph to compile, the constant tensors appended to its inputs (empty: ``gm`` itself), and
     the guards on module buffers read as constants (checked before every call).
     ``fp8`` (options fa3.fp8): the user asked for FP8 attention, so every site our kernels serve is
     rewritten whatever its size (rewrite_pays.py's rules weigh bf16 speed), and the RoPE applied to
-    each site's q and k is noted (recognition/rope.py).
+    each site's q and k is fused into the FP8 prologue where it fits (recognition/rope_fusion.py;
+    the site then runs ``fa3_inductor::flex_fwd_fp8_rope``), else noted with the reason.
+    ``settings``: the backend's (the recipe and template the fused sites are planned with); the
+    default recipe when ``fp8`` and it names none.
 
     Example::
 
@@ -202,23 +209,34 @@ def recognize(gm: torch.fx.GraphModule, example_inputs: Optional[list] = None,
     sites, extra_inputs = sites + manual_sites, extra_inputs + manual_inputs
     # (every rewriting pass runs above this line: the next one tags the nodes they made)
     tag_rewritten(gm, before, positions, sites)
+    fused_rope = False
     if fp8:
-        _note_rope(gm, user_calls + sites)
+        if settings is None or settings.fp8 is None:
+            settings = dataclasses.replace(settings or Settings(), fp8=True)
+        fused_rope = _fuse_rope(gm, user_calls + sites, settings)
     for site in sorted(user_calls + sites, key=lambda s: positions.get(s.node, len(positions))):
         record_recognized(site)
-    if not any(site.rewritten for site in sites):
+    if not fused_rope and not any(site.rewritten for site in sites):
         return original, [], []
     return gm, extra_inputs, guards
 
 
-def _note_rope(gm: torch.fx.GraphModule, sites: list) -> None:
-    """Record on each site the RoPE its flex_attention's q and k come from (explain() shows it)."""
+def _fuse_rope(gm: torch.fx.GraphModule, sites: list, settings: Settings) -> bool:
+    """Fuse the RoPE before each flex_attention site into the FP8 prologue where it fits, and
+    record on the site what became of it (explain() shows it). Returns whether any was fused."""
     by_id = {site.site_id: site for site in sites if site.site_id is not None}
+    fused_any = False
     for node in flex_nodes(gm):
         site = by_id.get(site_tag(node))
-        pair = rope_pair(node.args[0], node.args[1]) if site is not None else None
-        if pair is not None:
-            site.rope = f"{pair[0].style} R={pair[0].rotary_dim}"
+        fusion = fuse_rope(gm, node, settings, plan_site)
+        if fusion is None:
+            continue
+        fused_any |= fusion.fused
+        if site is not None:
+            site.rope, site.rope_fused, site.rope_reason = fusion.rope, fusion.fused, fusion.reason
+    if fused_any:
+        gm.recompile()
+    return fused_any
 
 
 def ensure_registered() -> None:

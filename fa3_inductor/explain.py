@@ -141,9 +141,7 @@ def _link(recognized: list[RecognizedSite], lowered: list[LoweredSite]
         else:
             _take_lowering(site, low)
         if rec.rope:
-            site.note = (f"{site.note}; " if site.note else "") + (
-                f"RoPE ({rec.rope}) in the model runs before the FP8 prologue: fused only through "
-                "flex(rope=) for now")
+            site.note = (f"{site.note}; " if site.note else "") + _rope_note(rec)
         fused.append(site)
     # Sites whose tag did not reach the lowering (an older torch that drops node meta): within
     # one explain() call the lowering meets them in program order, so pair them up in order
@@ -152,6 +150,14 @@ def _link(recognized: list[RecognizedSite], lowered: list[LoweredSite]
         for site, low in zip(unmatched, untagged):
             _take_lowering(site, low)
     return fused, unfused
+
+
+def _rope_note(rec: RecognizedSite) -> str:
+    """What became of the RoPE found before an FP8 site (recognition/rope_fusion.py)."""
+    if rec.rope_fused:
+        return f"RoPE ({rec.rope}) fused into the FP8 prologue"
+    return (f"RoPE ({rec.rope}) in the model runs before the FP8 prologue: "
+            f"{rec.rope_reason or 'not fused'}")
 
 
 def _take_lowering(site: FusedSite, low: LoweredSite) -> None:

@@ -117,6 +117,8 @@ class RecognizedSite:
     training: bool = False        # the graph needs gradients through this site
     site_id: Optional[int] = None  # set when the site's flex_attention node is tagged (SITE_TAG)
     rope: Optional[str] = None    # RoPE found on q and k right before it (FP8 only), e.g. "half R=64"
+    rope_fused: bool = False      # that RoPE now runs in the FP8 prologue (recognition/rope_fusion.py)
+    rope_reason: Optional[str] = None  # why it was not fused (None when fused or no RoPE)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -2,6 +2,10 @@
 (``options={"fa3.fp8": ...}``, lowering/flex_lowering.py): the FP8 prologue on q, k, v, then the
 site's families (templates/registry.py: the fp8 family; torch's dense kernel on the dequantized
 operands as the last resort). Inference only: no autograd (the backend refuses training graphs).
+
+``torch.ops.fa3_inductor.flex_fwd_fp8_rope``: the same with the model's RoPE moved into the
+prologue: it takes q and k before RoPE and the cos/sin tables (recognition/rope_fusion.py puts it
+in the graph in place of a flex_attention node whose q and k the model rotated).
 """
 
 from __future__ import annotations
@@ -87,6 +91,72 @@ def fp8_call(q: Tensor, k: Tensor, v: Tensor, tables: tuple, score_bufs: Sequenc
                 needs_max=False, fp8=ops)
 
 
+_LIB.define(
+    "flex_fwd_fp8_rope(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, str rope_style, "
+    "Tensor? kv_num_blocks, Tensor? kv_indices, Tensor? full_kv_num_blocks, "
+    "Tensor? full_kv_indices, Tensor[] score_bufs, Tensor[] mask_bufs, float scale, "
+    "int sparse_q_block, int sparse_kv_block, str spec, str recipe) -> (Tensor, Tensor, Tensor)")
+
+
+def flex_fwd_fp8_rope(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, rope_style: str,
+                      kv_num_blocks: Optional[Tensor], kv_indices: Optional[Tensor],
+                      full_kv_num_blocks: Optional[Tensor], full_kv_indices: Optional[Tensor],
+                      score_bufs: list[Tensor], mask_bufs: list[Tensor], scale: float,
+                      sparse_q_block: int, sparse_kv_block: int, spec: str,
+                      recipe: str) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`flex_fwd_fp8` on q and k *before* RoPE: the prologue rotates them by ``cos`` /
+    ``sin`` (RopeSpec's convention: [S, R] or [B, S, R], row i for token i of q and of k, the
+    first R channels rotated; ``rope_style`` "half" or "interleaved") before the Hadamard rotation
+    and the quantization. RoPE is applied whatever family serves the call: every family reads the
+    prologue's (rotated) operands. Captured buffers are made contiguous (the plan bakes in
+    contiguous strides, as the lowering's ``require_contiguous`` does for ``flex_fwd_fp8``).
+
+    Tables that do not repeat each frequency (the prologue reads one column per rotated pair) are
+    applied by torch ops on q and k first instead, so the result is the model's RoPE either way.
+
+    Example::
+
+        >>> out, lse, _ = torch.ops.fa3_inductor.flex_fwd_fp8_rope(q, k, v, cos, sin, "half",
+        ...     None, None, None, None, [], [], 0.125, 1 << 30, 1 << 30, spec,
+        ...     recipe_text(FP8Recipe()))                                  # doctest: +SKIP
+    """
+    from .ops import record_template, serve
+
+    rope: Optional[RopeSpec] = RopeSpec(cos, sin, rope_style)
+    if not _tables_repeat(rope):
+        q, k = _rotated_by_torch(q, k, rope)
+        rope = None
+    call = fp8_call(q, k, v, (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices),
+                    [b.contiguous() for b in score_bufs], [b.contiguous() for b in mask_bufs],
+                    scale, sparse_q_block, sparse_kv_block, recipe_of(recipe), rope)
+    record_template(serve(SiteSpec.from_json(spec), call, spec))
+    return call.out, call.lse, call.max_scores
+
+
+def _tables_repeat(rope: RopeSpec) -> bool:
+    """Whether the tables repeat each frequency as the prologue reads them (checked once per
+    table by the prologue's own check, which remembers the tables it has seen)."""
+    from ..templates.fp8_prologue.host import _check_tables_repeat
+
+    try:
+        _check_tables_repeat(rope.style, rope.cos, rope.sin)
+    except ValueError:
+        return False
+    return True
+
+
+def _rotated_by_torch(q: Tensor, k: Tensor, rope: RopeSpec) -> tuple[Tensor, Tensor]:
+    """q and k rotated by ``rope`` with torch ops in float32, back in their dtype and strides (the
+    output follows q's stride order, as the fake implementation promised)."""
+    from ..templates.fp8_prologue.reference import apply_rope, rope_tables
+
+    def rotate(x: Tensor) -> Tensor:
+        tables = rope_tables(rope, None, x.shape[0], x.shape[2], torch.float32)
+        return torch.empty_like(x).copy_(apply_rope(x.float(), *tables, rope.style))
+
+    return rotate(q), rotate(k)
+
+
 _LIB.impl("flex_fwd_fp8", flex_fwd_fp8, "CUDA")
 _LIB.impl("flex_fwd_fp8", flex_fwd_fp8, "CPU")
 
@@ -99,3 +169,17 @@ def _flex_fwd_fp8_fake(q, k, v, kv_num_blocks, kv_indices, full_kv_num_blocks, f
     Z, H, M, _ = q.shape
     return (_out_like(q, v), q.new_empty((Z, H, M), dtype=torch.float32),
             q.new_empty((Z, H, M), dtype=torch.float32))
+
+
+_LIB.impl("flex_fwd_fp8_rope", flex_fwd_fp8_rope, "CUDA")
+_LIB.impl("flex_fwd_fp8_rope", flex_fwd_fp8_rope, "CPU")
+
+
+@torch.library.register_fake("fa3_inductor::flex_fwd_fp8_rope", lib=_LIB)
+def _flex_fwd_fp8_rope_fake(q, k, v, cos, sin, rope_style, kv_num_blocks, kv_indices,
+                            full_kv_num_blocks, full_kv_indices, score_bufs, mask_bufs, scale,
+                            sparse_q_block, sparse_kv_block, spec, recipe):
+    # RoPE keeps q's shape: the outputs are flex_fwd_fp8's
+    return _flex_fwd_fp8_fake(q, k, v, kv_num_blocks, kv_indices, full_kv_num_blocks,
+                              full_kv_indices, score_bufs, mask_bufs, scale, sparse_q_block,
+                              sparse_kv_block, spec, recipe)

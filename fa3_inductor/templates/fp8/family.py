@@ -43,8 +43,7 @@ class FP8Family:
         return None
 
     def describe(self, site: SiteFacts) -> str:
-        return ("FP8 e4m3 (Triton kernel, prologue: Hadamard + block scales); RoPE fused only "
-                "through flex(rope=) for now")
+        return "FP8 e4m3 (Triton kernel, prologue: Hadamard + block scales)"
 
     def prepare(self, call: Call) -> Optional[Variants]:
         ops = _operands(call)
