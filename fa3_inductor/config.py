@@ -17,7 +17,7 @@ def templates() -> tuple[str, ...]:
     Example::
 
         >>> templates()
-        ('auto', 'hopper', 'fp8', 'generic', 'torch')
+        ('auto', 'hopper_fp8', 'hopper', 'fp8', 'generic', 'torch')
     """
     from .templates.registry import names
 

@@ -38,7 +38,7 @@ class FusedSite:
     mask: str                        # e.g. "causal", "none"
     gqa_groups: int                  # query heads per kv head
     training: bool                   # gradients flow through it
-    template: str                    # a kernel family ("hopper", "fp8", "generic", "torch") or "unknown"
+    template: str                    # a kernel family ("hopper", "hopper_fp8", "fp8", "generic", "torch") or "unknown"
     fallback_reason: Optional[str] = None   # why torch's kernel runs it (template "torch")
     shape: str = ""                  # as the lowering saw it: "q[B, H, M, D] kv[...] dtype dev"
     note: str = ""                   # on sm90: the Hopper tiles, or why the generic template runs

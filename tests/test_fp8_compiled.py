@@ -36,7 +36,7 @@ def test_sdpa_site_runs_fp8(cpu_kernels, fresh_compiles):
     assert [s.template for s in report.sites] == ["fp8"], report
     with torch.no_grad():
         out = torch.compile(SdpaCausal(), backend="fa3", options={"fa3.fp8": True})(q, k, v)
-    assert fa3_inductor.last_template() == "fp8"
+    assert fa3_inductor.last_template() in ("fp8", "hopper_fp8")
     ref, _ = reference_attention(q, k, v, mask_mod=mods.causal)
     assert rel_error(out, ref) < FP8_TOLERANCE
 
@@ -48,7 +48,7 @@ def test_flex_site_with_mods_runs_fp8_with_a_recipe(cpu_kernels, fresh_compiles)
                           options={"fa3.fp8": FP8Recipe(block_m=64, block_n=64)})
     with torch.no_grad():
         out = model(q, k, v, block_mask)
-    assert fa3_inductor.last_template() == "fp8"
+    assert fa3_inductor.last_template() in ("fp8", "hopper_fp8")
     ref, _ = reference_attention(q, k, v, mods.softcap(20.0), mods.causal)
     assert rel_error(out, ref) < FP8_TOLERANCE
 
@@ -104,9 +104,9 @@ def test_compiled_fp8_on_gpu(module, fresh_compiles):
         block_mask = create_block_mask(mods.causal, None, None, 384, 384, device="cuda")
         model, args, ref_mods = FlexSoftcap(), (q, k, v, block_mask), (mods.softcap(20.0), mods.causal)
     report = fa3_inductor.explain(model, *args, compile_options={"fa3.fp8": True})
-    assert [s.template for s in report.sites] == ["fp8"], report
+    assert [s.template for s in report.sites] in (["fp8"], ["hopper_fp8"]), report
     with torch.no_grad():
         out = torch.compile(model, backend="fa3", options={"fa3.fp8": True})(*args)
-    assert fa3_inductor.last_template() == "fp8"
+    assert fa3_inductor.last_template() in ("fp8", "hopper_fp8")
     ref, _ = reference_attention(q.cpu(), k.cpu(), v.cpu(), *ref_mods)
     assert rel_error(out.cpu(), ref) < FP8_TOLERANCE

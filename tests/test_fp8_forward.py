@@ -1,8 +1,10 @@
 """FP8 forward: ``flex(..., fp8=...)`` through the prologue and the fp8 family (the generic kernel with
 its Quant bundle), under Triton's interpreter; its sm90 compile; the front door's checks.
 
-References are float64 attention on the *dequantized* operands (exactly what the kernel was given);
-the kernel adds one rounding the reference lacks, P to e4m3 (3 mantissa bits), so two rules apply:
+Q and K reach the kernel as int8 (FP8Recipe's default, QKᵀ an s8 MMA with int32 sums) or e4m3
+(qk="e4m3", FlashAttention-3's form); the tests that look at the arithmetic run both. References are
+float64 attention on the *dequantized* operands (exactly what the kernel was given); the kernel adds
+one rounding the reference lacks, P to e4m3 (3 mantissa bits), so two rules apply:
 - the float64 emulation of the kernel's arithmetic, that rounding included (``_emulated``), must
   match to bf16 output rounding;
 - the dequantized reference, below FP8_REL: P's rounding is up to 2^-4 per element (about 3.6%
@@ -34,14 +36,15 @@ def _dequantized_reference(q, k, v, recipe, score_mod=None, mask_mod=None):
     return reference_attention(dq, dk, dv, score_mod, mask_mod, scale=q.shape[-1] ** -0.5)
 
 
+@pytest.mark.parametrize("qk", ["int8", "e4m3"])
 @pytest.mark.parametrize("two_level", [1, 0])
 @pytest.mark.parametrize("B,H,HKV,M,N,D", [(1, 2, 2, 100, 130, 64), (2, 4, 2, 64, 200, 32),
                                            (1, 2, 1, 1, 77, 128)])
-def test_fp8_matches_dequantized_reference(cpu_kernels, two_level, B, H, HKV, M, N, D):
+def test_fp8_matches_dequantized_reference(cpu_kernels, qk, two_level, B, H, HKV, M, N, D):
     q, k, v = _inputs(B, H, HKV, M, N, D)
-    recipe = FP8Recipe(block_m=64, block_n=64, two_level=two_level)
+    recipe = FP8Recipe(block_m=64, block_n=64, two_level=two_level, qk=qk)
     out, lse = flex(q, k, v, fp8=recipe, enable_gqa=H != HKV, return_lse=True)
-    assert last_template() == "fp8"
+    assert last_template() in ("fp8", "hopper_fp8")
     assert out.dtype == torch.bfloat16 and out.shape == (B, H, M, D)
     ref, ref_lse = _dequantized_reference(q, k, v, recipe)
     assert rel_error(out, ref) < FP8_REL
@@ -51,7 +54,8 @@ def test_fp8_matches_dequantized_reference(cpu_kernels, two_level, B, H, HKV, M,
 
 def _emulated(q, k, v, recipe):
     """The kernel's arithmetic in float64: the online softmax over KV tiles (the interpreter's 64
-    keys, or the recipe's smaller scale block), S from the e4m3 operands and their scales, each
+    keys, or the recipe's smaller scale block), S from the int8 / e4m3 operands and their scales
+    (exact products and sums: the kernel's int32 or fp32 dot is exact on them at these D), each
     tile's P rounded to e4m3 as round(2^8 exp(s - running max) vs / vs_max), the row sum from the
     unrounded P."""
     block_n = min(64, recipe.block_n or 64)
@@ -80,12 +84,13 @@ def _emulated(q, k, v, recipe):
     return acc * (vs_max / 256.0) / row_sum
 
 
+@pytest.mark.parametrize("qk", ["int8", "e4m3"])
 @pytest.mark.parametrize("B,H,HKV,M,N,D,block_n", [(1, 2, 2, 40, 64, 64, 64), (1, 2, 1, 70, 200, 64, 64),
                                                    (1, 2, 2, 64, 150, 32, 0), (1, 2, 2, 64, 150, 32, 32)])
-def test_fp8_equals_its_float64_emulation(cpu_kernels, B, H, HKV, M, N, D, block_n):
+def test_fp8_equals_its_float64_emulation(cpu_kernels, qk, B, H, HKV, M, N, D, block_n):
     q, k, v = _inputs(B, H, HKV, M, N, D, seed=3)
     v[:, :, 64:128] *= 30.0   # a V block far above the others: its scale folds into P
-    recipe = FP8Recipe(block_m=64, block_n=block_n)
+    recipe = FP8Recipe(block_m=64, block_n=block_n, qk=qk)
     out = flex(q, k, v, fp8=recipe, enable_gqa=H != HKV)
     emu = _emulated(q, k, v, recipe)
     # bf16 output rounding (2^-9) and rare e4m3 ties that fp32 and float64 round apart
@@ -94,21 +99,23 @@ def test_fp8_equals_its_float64_emulation(cpu_kernels, B, H, HKV, M, N, D, block
     assert rel_error(out, ref) > 3 * rel_error(out, emu)   # the emulation models something real
 
 
-def test_fp8_block_scales_are_applied_per_block(cpu_kernels):
+@pytest.mark.parametrize("qk", ["int8", "e4m3"])
+def test_fp8_block_scales_are_applied_per_block(cpu_kernels, qk):
     # One query block and one key block 100x larger than the rest: a wrong scale index (Q rows,
     # K tile, V block folded into P) puts the output off by orders of magnitude.
     q, k, v = _inputs(1, 2, 2, 128, 192, 64, seed=5)
     q[:, :, 64:] *= 100.0
     k[:, :, 64:128] *= 0.01
     v[:, :, 128:] *= 100.0
-    recipe = FP8Recipe(block_m=64, block_n=64)
+    recipe = FP8Recipe(block_m=64, block_n=64, qk=qk)
     out = flex(q, k, v, fp8=recipe)
     ref, _ = _dequantized_reference(q, k, v, recipe)
     assert rel_error(out, ref) < FP8_REL
 
 
 @pytest.mark.parametrize("recipe", [FP8Recipe(block_m=0, block_n=0), FP8Recipe(hadamard=False),
-                                    FP8Recipe(smooth_k=True)])
+                                    FP8Recipe(smooth_k=True), FP8Recipe(qk="e4m3"),
+                                    FP8Recipe(qk="e4m3", smooth_k=True, hadamard=False)])
 def test_fp8_recipe_variants(cpu_kernels, recipe):
     q, k, v = _inputs(1, 2, 2, 96, 150, 64, seed=7)
     out = flex(q, k, v, fp8=recipe)
@@ -116,9 +123,11 @@ def test_fp8_recipe_variants(cpu_kernels, recipe):
     assert rel_error(out, ref) < 0.06   # against the exact inputs: quantization of q, k, v too
 
 
-def test_fp8_with_mods_and_block_mask(cpu_kernels):
+@pytest.mark.parametrize("qk", ["int8", "e4m3"])
+def test_fp8_with_mods_and_block_mask(cpu_kernels, qk):
+    # a score_mod reads the dequantized scores (int32 -> fp32 times the scales under int8)
     q, k, v = _inputs(1, 2, 2, 130, 130, 64, seed=11)
-    recipe = FP8Recipe(block_m=64, block_n=64)
+    recipe = FP8Recipe(block_m=64, block_n=64, qk=qk)
     score_mod = mods.softcap(20.0)
     out = flex(q, k, v, score_mod=score_mod, mask_mod=mods.causal, fp8=recipe)
     ref, _ = _dequantized_reference(q, k, v, recipe, score_mod, mods.causal)
@@ -127,7 +136,8 @@ def test_fp8_with_mods_and_block_mask(cpu_kernels):
 
 def test_fp8_accuracy_beats_per_tensor_on_outliers(cpu_kernels):
     # The FlashAttention-3 inputs (N(0,1) + N(0,100)·Bernoulli(0.001)): block scales and the
-    # Hadamard rotation must do better than plain per-head scales without rotation.
+    # Hadamard rotation must do better than plain per-head e4m3 scales without rotation, and int8
+    # Q, K (the default) better than e4m3 ones.
     g = torch.Generator().manual_seed(0)
 
     def outliers(*shape):
@@ -137,8 +147,50 @@ def test_fp8_accuracy_beats_per_tensor_on_outliers(cpu_kernels):
     q, k, v = (outliers(1, 2, 256, 64).to(torch.bfloat16) for _ in range(3))
     ref, _ = reference_attention(q, k, v)
     ours = rel_error(flex(q, k, v, fp8=FP8Recipe(block_m=64, block_n=64)), ref)
-    plain = rel_error(flex(q, k, v, fp8=FP8Recipe(hadamard=False, block_m=0, block_n=0)), ref)
-    assert ours < plain
+    fa3 = rel_error(flex(q, k, v, fp8=FP8Recipe(block_m=64, block_n=64, qk="e4m3")), ref)
+    plain = rel_error(flex(q, k, v, fp8=FP8Recipe(hadamard=False, block_m=0, block_n=0, qk="e4m3")), ref)
+    assert ours < fa3 < plain
+
+
+def test_int8_scores_are_finer_than_e4m3(cpu_kernels):
+    """The reason for the default (docs/fp8_accuracy.md, "Error budget on real activations"): on
+    rotated Gaussian-like rows, int8 Q and K with amax/127 block scales give scores several times
+    closer to the exact ones than e4m3's 3-bit mantissa."""
+    q, k, v = _inputs(1, 2, 2, 128, 128, 64, seed=13)
+    exact = q.double() @ k.double().mT
+    err = {}
+    for qk in ("int8", "e4m3"):
+        dq, dk, _ = dequantize(quantize(q, k, v, FP8Recipe(block_m=64, block_n=64, qk=qk)))
+        err[qk] = ((dq.double() @ dk.double().mT - exact).norm() / exact.norm()).item()
+    assert err["int8"] * 2 < err["e4m3"], err
+
+
+def test_interpreter_int8_dot_is_exact():
+    """The kernel's int8 QKᵀ under Triton's interpreter: s8·s8 -> s32 exact up to |sum| = D·127²
+    (its bf16 dots are wrong in 3.6, its e4m3 dots right: docs/fp8.md, interpreter quirks). Runs
+    in any session: it launches a kernel of its own only under the interpreter."""
+    from triton import knobs
+
+    if not knobs.runtime.interpret:
+        pytest.skip("checks Triton's interpreter (TRITON_INTERPRET=1)")
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def dot_kernel(A, B, C, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr):
+        a = tl.load(A + tl.arange(0, M)[:, None] * K + tl.arange(0, K)[None, :])
+        b = tl.load(B + tl.arange(0, N)[:, None] * K + tl.arange(0, K)[None, :])
+        c = tl.dot(a, tl.trans(b), out_dtype=tl.int32).to(tl.float32)
+        tl.store(C + tl.arange(0, M)[:, None] * N + tl.arange(0, N)[None, :], c)
+
+    g = torch.Generator().manual_seed(0)
+    for K in (64, 256):
+        a = torch.randint(-127, 128, (32, K), generator=g, dtype=torch.int8)
+        b = torch.randint(-127, 128, (16, K), generator=g, dtype=torch.int8)
+        a[0], b[0], a[1] = 127, 127, -127              # the extremes: +-K * 127^2
+        c = torch.empty(32, 16)
+        dot_kernel[(1,)](a, b, c, 32, 16, K)
+        assert torch.equal(c.double(), (a.double() @ b.double().T)), K
 
 
 def test_fp8_errors():
@@ -156,40 +208,67 @@ def test_fp8_errors():
         flex(q, k, v, score_mod=mods.softcap(5.0), fp8=FP8Recipe(smooth_k=True))
     with pytest.raises(TypeError, match="fp8 must be"):
         flex(q, k, v, fp8="yes")
+    with pytest.raises(ValueError, match="FP8Recipe.qk must be"):
+        FP8Recipe(qk="int4")
+
+
+def test_fp8_kernel_refuses_operands_of_another_format():
+    """Operands quantized for one Q/K format handed to the kernel under the other: a clear error
+    before any launch (an int8 tensor read as e4m3 would give wrong scores silently)."""
+    from fa3_inductor.templates.generic.host import prepare_generic
+
+    q, k, v = _inputs(1, 2, 2, 64, 64, 64)
+    ops = quantize_reference(q, k, v, FP8Recipe(qk="e4m3"))
+    ops.recipe = FP8Recipe()
+    out, lse, mx = torch.empty_like(q), torch.empty(1, 2, 64), torch.empty(1, 2, 64)
+    with pytest.raises(ValueError, match="needs q, k as torch.int8"):
+        prepare_generic(ops.q, ops.k, ops.vt, out, lse, mx, sm_scale=0.125, fp8=ops)
 
 
 @pytest.mark.sm90_compile
+@pytest.mark.parametrize("qk", ["int8", "e4m3"])
 @pytest.mark.parametrize("D", [64, 128, 256])
-def test_fp8_kernel_compiles_to_e4m3_wgmma_without_spills(D):
+def test_fp8_kernel_compiles_to_s8_and_e4m3_wgmma_without_spills(D, qk):
+    """QKᵀ an s8 wgmma into s32 (qk="int8") or an e4m3 one into f32; PV an e4m3 wgmma either way;
+    no spills (sm90, the fp8 family's tiles). Registers per thread (triton 3.6): int8 128 / 208 /
+    195 at D 64 / 128 / 256, e4m3 128 / 178 / 180 (the int32 scores and their fp32 copy)."""
+    import re
+
     from fa3_inductor.templates.aot import sass_report
     from fa3_inductor.templates.fp8.configs import fp8_config
     from fa3_inductor.templates.generic.host import compile_generic
 
     q = torch.randn(2, 4, 512, D, dtype=torch.bfloat16)
     k = v = torch.randn(2, 2, 512, D, dtype=torch.bfloat16)
-    ops = quantize_reference(q, k, v, FP8Recipe())
+    ops = quantize_reference(q, k, v, FP8Recipe(qk=qk))
     out, lse, mx = torch.empty_like(q), torch.empty(2, 4, 512), torch.empty(2, 4, 512)
     compiled = compile_generic(ops.q, ops.k, ops.vt, out, lse, mx, sm_scale=D ** -0.5, fp8=ops,
                                config=fp8_config(D, (9, 0)))
     ptx = compiled.asm["ptx"]
-    assert "wgmma.mma_async" in ptx and ".e4m3.e4m3" in ptx, "no e4m3 wgmma in the PTX"
+    kinds = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.(\w+\.\w+\.\w+)", ptx))
+    want = {"s32.s8.s8", "f32.e4m3.e4m3"} if qk == "int8" else {"f32.e4m3.e4m3"}
+    assert kinds == want, f"wgmma kinds {sorted(kinds)}, want {sorted(want)}"
     r = sass_report(compiled)
     assert r.stack == 0 and r.spill_instructions == 0, f"D={D}: spills, {r.registers} registers"
+    if qk == "int8":   # the KV loop: the s8 wgmma, and one int32 -> fp32 conversion per score
+        loop = [" ".join(b) for b in r.inner_loops() if "MUFU.EX2" in " ".join(b)]
+        assert loop and all("IGMMA" in b and "I2FP.F32.S32" in b for b in loop)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("qk", ["int8", "e4m3"])
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("mod", ["noop", "causal", "softcap"])
-def test_fp8_on_gpu(D, mod):
+def test_fp8_on_gpu(D, mod, qk):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs a GPU with e4m3 tensor cores (sm89+)")
     q, k, v = (t.cuda() for t in _inputs(2, 4, 2, 1000, 1000, D, seed=D))
     score_mod = mods.softcap(30.0) if mod == "softcap" else None
     mask_mod = mods.causal if mod == "causal" else None
-    recipe = FP8Recipe()
+    recipe = FP8Recipe(qk=qk)
     with torch.no_grad():
         out = flex(q, k, v, score_mod=score_mod, mask_mod=mask_mod, fp8=recipe, enable_gqa=True)
-    assert last_template() == "fp8"
+    assert last_template() in ("fp8", "hopper_fp8")
     ops = quantize(q, k, v, recipe)   # the GPU prologue's operands, as flex() used them
     dq, dk, dv = (t.cpu() for t in dequantize(ops))
     ref, _ = reference_attention(dq, dk, dv, score_mod, mask_mod, scale=D ** -0.5)

@@ -199,7 +199,7 @@ def test_rope_is_fused_into_the_prologue(style, cpu_kernels, fresh_compiles):
     want = "interleaved" if style in ("interleaved", "complex") else "half"
     assert f"RoPE ({want} R={width}) fused into the FP8 prologue" in report.sites[0].note, report
     out, code = compiled_code(model, q, k, v, *tables)
-    assert fa3_inductor.last_template() == "fp8"
+    assert fa3_inductor.last_template() in ("fp8", "hopper_fp8")
     assert FUSED_OP in code and UNFUSED_OP not in code
     assert rope_kernels(code) == [], f"RoPE still runs as its own kernels: {rope_kernels(code)}"
     check_output(out, q, k, v, cos, sin, want, mask)
@@ -307,9 +307,9 @@ def test_rope_is_fused_on_gpu(fresh_compiles):
     q, k, v = qkv(5, device="cuda")
     cos, sin = half_tables("cuda")
     report = fa3_inductor.explain(HalfRope(), q, k, v, cos, sin, compile_options=FP8)
-    assert [s.template for s in report.sites] == ["fp8"], report
+    assert [s.template for s in report.sites] in (["fp8"], ["hopper_fp8"]), report
     assert "RoPE (half R=64) fused into the FP8 prologue" in report.sites[0].note, report
     out, code = compiled_code(HalfRope(), q, k, v, cos, sin)
-    assert fa3_inductor.last_template() == "fp8"
+    assert fa3_inductor.last_template() in ("fp8", "hopper_fp8")
     assert FUSED_OP in code and rope_kernels(code) == []
     check_output(out, q, k, v, cos, sin)

@@ -17,6 +17,16 @@ Notation
                      rows of a ring stage; NUM_STAGES / V_STAGES: depth of the K / V rings.
   LSE[z, hq, m]      log2-domain logsumexp of the (modded, masked) scores: logsumexp_e(s) / ln 2
   MAX[z, hq, m]      log2-domain row max:  max(s) / ln 2.   Fully masked row: O = 0, LSE = MAX = -inf.
+  FP8 (QUANT.ON; operands from templates/fp8_prologue, layout in fp8_recipe.FP8Operands):
+  Q8, K8             Q, K as float8_e4m3fn (after the prologue's Hadamard rotation), same shapes
+  VT [z, hkv, dv, n_pad]  V quantized and transposed (keys last; FP8 wgmma reads both operands K-major)
+  QS [z, hq, ceil(M / Q_BLOCK)], KS / VS [z, hkv, ceil(N / KV_BLOCK)], VS_MAX [z, hkv]   float32 scales
+                     (a block size 0: one scale per head). A KV tile lies inside one K / V scale block.
+                     S = (Q8 K8^T)·QS[row]·KS[tile]; P = 2^(s·c - m + shift) in e4m3, shift =
+                     min(8 + log2(VS[tile] / VS_MAX), 8) (P <= 2^8 < 448 with the tile's V scale folded
+                     in); O accumulates P8 VT^T in units of VS_MAX / 2^8 (TWO_LEVEL: each tile's PV in a
+                     fresh wgmma accumulator added into the fp32 O); O = acc·VS_MAX / 2^8 / l, 16-bit.
+                     The generic kernel's _kv_tile_fp8 is the same arithmetic (templates/generic/kernel.py).
   score_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs) -> the score (q . k) * sm_scale after the mod,
                      divided by the mod's positive OUT_SCALE (templates/modgen.py); qk is raw q . k
   mask_mod(b, h, q_idx, kv_idx, bufs) -> bool   False means "masked" (-inf)
@@ -63,6 +73,8 @@ Compile-time parameters (kernel constexprs, one named bundle each; frozen datacl
   SCHED   Schedule       PERSISTENT, O_STAGE, OVERLAP, CONSUMER_REGS, PRODUCER_REGS
   SPARSE  BlockSparsity  HAS_SPARSE, HAS_FULL, SPARSE_Q_DIV, SPARSE_KV_MULT
   FLAGS   ModFlags       HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, MASK_AND, EVEN_N, KV_AFFINE, FIXED_BASE, EXP2_EMU
+  QUANT   Quant          ON, Q_BLOCK, KV_BLOCK, TWO_LEVEL (FP8 inputs; NO_QUANT for bf16 / fp16, whose code it
+                         leaves untouched: the scales travel in a tuple argument that is empty there)
 Every switch in them takes both of its values in some shipped launch (configs.all_configs() times the host's
 per-launch choices); measured-and-dropped ablations (lazy rescale, pingpong off, padded shared tiles, exp2
 emulation outside SFU-bound mods) last existed at commit 7bfe679 (benchmarks/hopper_ablation.py lists them).
@@ -148,7 +160,7 @@ class TileShape:
 class Schedule:
     """How CTAs walk tiles and how the warpgroups take turns."""
     PERSISTENT: bool    # grid = #SMs CTAs walking tile pairs (else one CTA per tile)
-    O_STAGE: bool       # persistent only: O staged in its own buffer, Q released after the last QK^T
+    O_STAGE: bool       # persistent (and every FP8 launch): O staged in its own buffer, Q released after the last QK^T
     OVERLAP: bool       # intra-warpgroup overlap: QK^T of tile j+1 issued before the softmax of tile j
     CONSUMER_REGS: int  # setmaxnreg of the consumer warpgroups
     PRODUCER_REGS: int  # setmaxnreg of the TMA producer
@@ -174,6 +186,20 @@ class ModFlags:
     KV_AFFINE: bool       # `score + alpha(b, h)·kv + B(b, h, q)` evaluated as column / tile / row parts
     FIXED_BASE: bool      # bounded score_mod, MAX not asked for: exp2 against a fixed base, no row max
     EXP2_EMU: bool        # half of the score columns' exp2 on the FMA pipe (_exp2_fma) instead of MUFU
+
+
+@dataclass(frozen=True)
+class Quant:
+    """FP8 inputs (module docstring, "FP8"): e4m3 Q, K, VT with float32 block scales. ON=False (NO_QUANT) for
+    16-bit inputs. The output dtype is O's descriptor's (bf16 or fp16), so it needs no field here."""
+    ON: bool          # Q, K, VT are e4m3 with scales (else every other field is unused)
+    Q_BLOCK: int      # query rows per Q scale (0: one per head)
+    KV_BLOCK: int     # keys per K / V scale (0: one per head); a multiple of BLOCK_N
+    TWO_LEVEL: bool   # each tile's P8 VT^T in a fresh wgmma accumulator, added into the fp32 O (Hopper's FP8
+                      # MMA accumulates in about 22 bits: a long row chained in one accumulator loses accuracy)
+
+
+NO_QUANT = Quant(ON=False, Q_BLOCK=0, KV_BLOCK=0, TWO_LEVEL=False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -274,7 +300,7 @@ def _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE: gl.constexpr, SPAR
 # ----------------------------------------------------------------------------------------------
 @gluon.jit
 def _producer(descs, bars, smem, sizes, sp_ptrs, sp_meta, TILE: gl.constexpr, SCHED: gl.constexpr,
-              SPARSE: gl.constexpr):
+              SPARSE: gl.constexpr, QUANT: gl.constexpr):
     q_desc, k_desc, v_desc, o_desc, q_desc_hi, k_desc_hi, v_desc_hi, o_desc_hi = descs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
     q_smem, k_smem, v_smem, o_smem, q_hi, k_hi, v_hi = smem
@@ -315,25 +341,31 @@ def _producer(descs, bars, smem, sizes, sp_ptrs, sp_meta, TILE: gl.constexpr, SC
         for i in range(n_total):
             start = _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE)
             _load_ring_stage(k_desc, k_desc_hi, k_ready, k_empty, k_smem, k_hi, cnt, [b, hkv, start], k_bytes,
-                             TILE.NUM_STAGES, TILE.QK_LO, TILE.SPLIT_QK)
+                             TILE.NUM_STAGES, TILE.QK_LO, TILE.SPLIT_QK, False)
+            # FP8: V comes as VT, the tile's keys along its columns (KEYS_LAST)
             _load_ring_stage(v_desc, v_desc_hi, v_ready, v_empty, v_smem, v_hi, cnt, [b, hkv, start], v_bytes,
-                             TILE.V_STAGES, TILE.V_LO, TILE.SPLIT_V)
+                             TILE.V_STAGES, TILE.V_LO, TILE.SPLIT_V, QUANT.ON)
             cnt += 1
         t_local += 1
 
 
 @gluon.jit
 def _load_ring_stage(desc, desc_hi, ready, empty, tiles, tiles_hi, cnt, row, nbytes: gl.constexpr,
-                     STAGES: gl.constexpr, LO: gl.constexpr, SPLIT: gl.constexpr):
+                     STAGES: gl.constexpr, LO: gl.constexpr, SPLIT: gl.constexpr, KEYS_LAST: gl.constexpr):
     """TMA-load the rows at `row` ([b, head, first row]) into stage cnt % STAGES of a K or V ring, once both
-    consumer warpgroups released it; SPLIT: columns [0, LO) and [LO, D) into the two tiles."""
+    consumer warpgroups released it; SPLIT: columns [0, LO) and [LO, D) into the two tiles. KEYS_LAST (FP8's
+    VT [b, head, dv, n]): `row` is the first key, a column of the tile."""
     s = cnt % STAGES
     ph = (cnt // STAGES) & 1
     mbarrier.wait(empty.index(s), ph ^ 1)
     mbarrier.expect(ready.index(s), nbytes)
-    tma.async_copy_global_to_shared(desc, row + [0], ready.index(s), tiles.index(s))
-    if SPLIT:
-        tma.async_copy_global_to_shared(desc_hi, row + [LO], ready.index(s), tiles_hi.index(s))
+    if KEYS_LAST:
+        gl.static_assert(not SPLIT, "VT tiles are not split")
+        tma.async_copy_global_to_shared(desc, [row[0], row[1], 0, row[2]], ready.index(s), tiles.index(s))
+    else:
+        tma.async_copy_global_to_shared(desc, row + [0], ready.index(s), tiles.index(s))
+        if SPLIT:
+            tma.async_copy_global_to_shared(desc_hi, row + [LO], ready.index(s), tiles_hi.index(s))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -562,6 +594,150 @@ def _rescale_o_hi(acc_hi, alpha, FIXED_BASE: gl.constexpr, SPLIT_O: gl.constexpr
     return acc_hi
 
 
+# ----------------------------------------------------------------------------------------------
+# FP8 (QUANT.ON): the tile's scales, the softmax on e4m3 scores, the two-level PV accumulation.
+# ----------------------------------------------------------------------------------------------
+@gluon.jit
+def _fp8_row_scales(quant_bufs, b, h, row0, HQ, GQA, M, N, row_layout: gl.constexpr, HALF_M: gl.constexpr,
+                    QUANT: gl.constexpr):
+    """Per query tile: (the rows' Q scales, this head's K / V scale rows, VS_MAX, #K / V scale blocks)."""
+    qs_ptr, ks_ptr, vs_ptr, vs_max_ptr = quant_bufs
+    rows = row0 + gl.arange(0, HALF_M, layout=row_layout)
+    if QUANT.Q_BLOCK > 0:
+        n_q_blocks = gl.cdiv(M, QUANT.Q_BLOCK)
+        q_blk = rows // QUANT.Q_BLOCK
+    else:
+        n_q_blocks = 1
+        q_blk = rows * 0
+    # rows past M (clipped by the O store) read scale 1: finite scores, never NaN
+    q_rows = gl.load(qs_ptr + (b * HQ + h) * n_q_blocks + q_blk, mask=rows < M, other=1.0)
+    if QUANT.KV_BLOCK > 0:
+        n_kv_blocks = gl.cdiv(N, QUANT.KV_BLOCK)
+    else:
+        n_kv_blocks = N * 0 + 1
+    kv_head = b * (HQ // GQA) + h // GQA
+    vs_max = gl.load(vs_max_ptr + kv_head)
+    return q_rows, ks_ptr + kv_head * n_kv_blocks, vs_ptr + kv_head * n_kv_blocks, vs_max, n_kv_blocks
+
+
+@gluon.jit
+def _fp8_tile_scales(start, fp8_rows, QUANT: gl.constexpr):
+    """Per KV tile starting at key `start`: (the rows' dequantization factor QS·KS, P's shift in log2 units).
+    Loaded before the tile's barrier waits, so their latency hides under the wgmma."""
+    if QUANT.ON:
+        q_rows, ks_head, vs_head, vs_max, n_kv_blocks = fp8_rows
+        if QUANT.KV_BLOCK > 0:
+            # a block-mask block may reach past N (its tiles there are all masked): clamp the scale index
+            blk = gl.minimum(start // QUANT.KV_BLOCK, n_kv_blocks - 1)
+        else:
+            blk = start * 0
+        deq = q_rows * gl.load(ks_head + blk)
+        # P = 2^(... + shift) <= 2^8 with the tile's V scale folded in; an all-zero V block's scale (1) may
+        # exceed VS_MAX, and its P must still fit e4m3
+        v_shift = gl.minimum(8.0 + gl.log2(gl.load(vs_head + blk) / vs_max), 8.0)
+        scales = (deq, v_shift)
+    else:
+        scales = (0.0, 0.0)
+    return scales
+
+
+@gluon.jit
+def _online_softmax_fp8(s, shift, m_i, m_run, l_i, qk_scale, deq, v_shift, p_layout: gl.constexpr,
+                        o_layout: gl.constexpr, FLAGS: gl.constexpr):
+    """_online_softmax on an FP8 tile. Without a score_mod, s is raw Q8·K8 and deq (per row) takes it to
+    dequantized scores inside the row max and the exp2 FMA (no extra multiply per score); after a score_mod s
+    is dequantized already. m_i is in dequantized units (MAX), m_run in log2 units. P = 2^(x - m_run + v_shift)
+    goes to e4m3 with the tile's V scale folded in; the row sum is the unrounded P's, without the shift."""
+    gl.static_assert(not FLAGS.FIXED_BASE, "FP8: P's range needs the row max (no fixed exponent base)")
+    if FLAGS.HAS_SCORE_MOD:
+        row_max = gl.max(s, axis=1)
+        if FLAGS.KV_AFFINE:
+            row_max = row_max + shift
+    else:
+        row_max = gl.max(s, axis=1) * deq
+    m_new = gl.maximum(m_i, row_max)
+    m_new2 = _mul_rn(m_new, qk_scale)   # as in _online_softmax: the rounded base, also subtracted below
+    alpha = gl.where(m_new2 == -float("inf"), 1.0, gl.exp2(m_run - m_new2))
+    m_run = m_new2
+    m_base = gl.where(m_run == -float("inf"), 0.0, m_run) - v_shift
+    if FLAGS.KV_AFFINE:
+        m_base = m_base - shift * qk_scale
+    if FLAGS.HAS_SCORE_MOD:
+        x = s * qk_scale - m_base[:, None]
+    else:
+        x = s * (deq * qk_scale)[:, None] - m_base[:, None]
+    p = _exp2_tile(x, FLAGS.EXP2_EMU)
+    l_new = l_i * alpha + gl.sum(p, axis=1) * gl.exp2(-v_shift)
+    p_op = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+    alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+    return p_op, m_new, m_run, l_new, alpha_o
+
+
+@gluon.jit
+def _softmax_step(s_acc, start, is_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit, col_bias, N, score_bufs,
+                  mask_bufs, m_i, m_run, l_i, qk_scale, tile_scales, s_layout: gl.constexpr, p_layout: gl.constexpr,
+                  o_layout: gl.constexpr, dtype: gl.constexpr, SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr,
+                  TILE: gl.constexpr, FLAGS: gl.constexpr, QUANT: gl.constexpr):
+    """The QK^T accumulator of one KV tile -> (P as the PV wgmma's A operand, m_i, m_run, l_i, alpha for O):
+    _score_tile, then the online softmax. FP8: a score_mod sees the dequantized scores (the per-row factor
+    folds into KV_AFFINE's column FFMA)."""
+    if QUANT.ON:
+        deq, v_shift = tile_scales
+        if FLAGS.KV_AFFINE:
+            qk_unit = (deq * qk_unit)[:, None]
+        elif FLAGS.HAS_SCORE_MOD:
+            s_acc = s_acc * deq[:, None]
+        s, shift = _score_tile(s_acc, start, is_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit, col_bias, N,
+                               score_bufs, mask_bufs, s_layout, SCORE_MOD, MASK_MOD, TILE, FLAGS)
+        out = _online_softmax_fp8(s, shift, m_i, m_run, l_i, qk_scale, deq, v_shift, p_layout, o_layout, FLAGS)
+    else:
+        s, shift = _score_tile(s_acc, start, is_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit, col_bias, N,
+                               score_bufs, mask_bufs, s_layout, SCORE_MOD, MASK_MOD, TILE, FLAGS)
+        out = _online_softmax(s, shift, m_i, m_run, l_i, qk_scale, p_layout, o_layout, dtype, FLAGS)
+    return out
+
+
+@gluon.jit
+def _pv_issue(p, v, v_hi, acc, acc_hi, o_zero, SPLIT_O: gl.constexpr, QUANT: gl.constexpr):
+    """Issue the PV wgmma: O += P V (_pv_mma), or TWO_LEVEL: P V into a fresh accumulator (use_acc=False; o_zero
+    gives its shape), added into O by _o_update / _o_add once retired."""
+    if QUANT.TWO_LEVEL:
+        tok = warpgroup_mma(p, v, o_zero, use_acc=False, is_async=True)
+        toks = (tok, acc_hi, p)
+    else:
+        toks = _pv_mma(p, v, v_hi, acc, acc_hi, SPLIT_O)
+    return toks
+
+
+@gluon.jit
+def _o_rescale_early(acc, alpha, FIXED_BASE: gl.constexpr, QUANT: gl.constexpr):
+    """TWO_LEVEL: O is no operand of the PV in flight, so its rescale runs under it (see _o_update)."""
+    if QUANT.TWO_LEVEL:
+        acc = _rescale_o(acc, alpha, FIXED_BASE)
+    return acc
+
+
+@gluon.jit
+def _o_update(acc, pv, alpha, FIXED_BASE: gl.constexpr, QUANT: gl.constexpr):
+    """O after a retired PV wgmma, rescaled to the new row max: the wgmma's accumulator times alpha, or TWO_LEVEL:
+    O (rescaled already by _o_rescale_early) + PV·alpha, one FFMA per element."""
+    if QUANT.TWO_LEVEL:
+        acc = acc + pv * alpha[:, None]
+    else:
+        acc = _rescale_o(pv, alpha, FIXED_BASE)
+    return acc
+
+
+@gluon.jit
+def _o_add(acc, pv, QUANT: gl.constexpr):
+    """O after the last PV wgmma of a row (no rescale follows)."""
+    if QUANT.TWO_LEVEL:
+        acc = acc + pv
+    else:
+        acc = pv
+    return acc
+
+
 @gluon.jit
 def _pingpong_wait(turn, t, WG: gl.constexpr):
     """Pingpong: wait for this warpgroup's turn to issue its GEMMs (t: turns taken so far)."""
@@ -656,6 +832,19 @@ def _ring_operands(tiles, tiles_hi, st, BLOCK_N: gl.constexpr, LO: gl.constexpr,
 
 
 @gluon.jit
+def _v_operands(tiles, tiles_hi, st, BLOCK_N: gl.constexpr, LO: gl.constexpr, HI: gl.constexpr,
+                QUANT: gl.constexpr):
+    """Stage st of the V ring as the PV wgmma's B operand(s) (_ring_operands). FP8: the stage holds VT
+    [Dv, BLOCK_N] (keys contiguous); its transpose view [BLOCK_N, Dv] is the K-major B that e4m3 wgmma needs."""
+    if QUANT.ON:
+        op = tiles.index(st).reshape([LO, BLOCK_N]).permute((1, 0))
+        ops = (op, op)
+    else:
+        ops = _ring_operands(tiles, tiles_hi, st, BLOCK_N, LO, HI, False)
+    return ops
+
+
+@gluon.jit
 def _pv_mma(p, v, v_hi, acc, acc_hi, SPLIT_O: gl.constexpr):
     """Issue O += P V (async). SPLIT_O: O is two accumulators over V's columns [0, LO) and [LO, LO + HI),
     multiplied from the two V tiles v and v_hi. Returns the two O tokens and the P operand of the second
@@ -675,9 +864,16 @@ def _pv_mma(p, v, v_hi, acc, acc_hi, SPLIT_O: gl.constexpr):
 
 
 @gluon.jit
-def _pv_done(o_tok, o_tok_hi, p, p_hi, v, v_hi, SPLIT_O: gl.constexpr):
-    """Wait until every wgmma (the PV issued by _pv_mma last) has retired; returns the O accumulators."""
-    if SPLIT_O:
+def _pv_done(o_tok, o_tok_hi, p, p_hi, v, v_hi, SPLIT_O: gl.constexpr, P8: gl.constexpr = False):
+    """Wait until every wgmma (the PV issued by _pv_mma last) has retired; returns the O accumulators.
+    P8 (an e4m3 P): P stays out of the wait's operands, whose lowering takes 16- and 32-bit registers only
+    (triton 3.6: "Unexpected bitwidth in WGMMAWaitGroupOp: 8"); ptxas itself keeps a wgmma's register operands
+    alive until the wgmma.wait_group that retires it."""
+    if P8:
+        gl.static_assert(not SPLIT_O, "FP8: O is one accumulator")
+        acc, _v = warpgroup_mma_wait(0, deps=[o_tok, v])
+        acc_hi = o_tok_hi
+    elif SPLIT_O:
         acc, acc_hi, _p, _ph, _v, _vh = warpgroup_mma_wait(0, deps=[o_tok, o_tok_hi, p, p_hi, v, v_hi])
     else:
         acc, _p, _v = warpgroup_mma_wait(0, deps=[o_tok, p, v])
@@ -686,9 +882,9 @@ def _pv_done(o_tok, o_tok_hi, p, p_hi, v, v_hi, SPLIT_O: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs,
+def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs,
               SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, SCHED: gl.constexpr,
-              SPARSE: gl.constexpr, FLAGS: gl.constexpr):
+              SPARSE: gl.constexpr, FLAGS: gl.constexpr, QUANT: gl.constexpr):
     q_desc, k_desc, v_desc, o_desc, q_desc_hi, k_desc_hi, v_desc_hi, o_desc_hi = descs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
     q_smem, k_smem, v_smem, o_smem, q_smem_hi, k_smem_hi, v_smem_hi = smem
@@ -716,12 +912,19 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
     FIXED_BASE: gl.constexpr = FLAGS.FIXED_BASE
     KV_AFFINE: gl.constexpr = FLAGS.KV_AFFINE
 
-    dtype: gl.constexpr = q_desc.dtype
+    dtype: gl.constexpr = q_desc.dtype     # of Q, K, V and P (e4m3 with QUANT.ON)
+    o_dtype: gl.constexpr = o_desc.dtype   # of O (bf16 / fp16)
+    # wgmma's K step is 32 bytes: 16 elements of a 16-bit type, 32 of e4m3; a register A operand holds
+    # k_width consecutive K elements per 32-bit register (2 of 16 bits, 4 of e4m3)
+    INSTR_K: gl.constexpr = 32 if QUANT.ON else 16
+    K_WIDTH: gl.constexpr = 4 if QUANT.ON else 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, INSTR_K])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, O_LO, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+                                                       instr_shape=[16, O_LO, INSTR_K])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=K_WIDTH)
+    if QUANT.ON:
+        gl.static_assert(not SPLIT_QK and not SPLIT_O and O_STAGE, "FP8: power-of-two head dims, O staged apart")
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     q_half = q_smem.index(WG)
@@ -760,6 +963,10 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
         else:
             col_bias = 0.0
         n_partial, n_total = _kv_counts(b, h, mt, N, sp_ptrs, sp_meta, TILE, SPARSE)
+        if QUANT.ON:
+            fp8_rows = _fp8_row_scales(quant_bufs, b, h, row0, HQ, GQA, M, N, row_layout, HALF_M, QUANT)
+        else:
+            fp8_rows = 0.0
 
         if FIXED_BASE:   # MAX is not tracked: NaN marks it so (rows with no key still get -inf)
             m_i = gl.full([HALF_M], float("nan"), gl.float32, layout=row_layout)
@@ -775,6 +982,10 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
         else:
             acc_hi = 0.0
         s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
+        if QUANT.TWO_LEVEL:   # the fresh PV accumulator's shape (use_acc=False: its values are never read)
+            o_zero = gl.zeros([HALF_M, O_LO], gl.float32, layout=o_layout)
+        else:
+            o_zero = 0.0
 
         mbarrier.wait(q_ready.index(WG), t_local & 1)
 
@@ -784,6 +995,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
                 st = cnt % NUM_STAGES
                 ph = (cnt // NUM_STAGES) & 1
                 start = _kv_start(0, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE)
+                tile_scales = _fp8_tile_scales(start, fp8_rows, QUANT)
                 k_t, k_t_hi = _ring_operands(k_smem, k_smem_hi, st, BLOCK_N, QK_LO, QK_HI, True)
                 mbarrier.wait(k_ready.index(st), ph)
                 t = _pingpong_wait(turn, t, WG)
@@ -794,10 +1006,10 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
                 if O_STAGE:
                     if n_total == 1:   # the tile's only QK^T retired: release the Q half (see below)
                         mbarrier.arrive(q_empty.index(WG), count=1)
-                s, shift = _score_tile(s_acc, start, n_partial > 0, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit,
-                                       col_bias, N, score_bufs, mask_bufs, s_layout, SCORE_MOD, MASK_MOD, TILE, FLAGS)
-                p, m_i, m_run, l_i, alpha = _online_softmax(s, shift, m_i, m_run, l_i, qk_scale, p_layout, o_layout,
-                                                            dtype, FLAGS)
+                p, m_i, m_run, l_i, alpha = _softmax_step(
+                    s_acc, start, n_partial > 0, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit, col_bias, N, score_bufs,
+                    mask_bufs, m_i, m_run, l_i, qk_scale, tile_scales, s_layout, p_layout, o_layout, dtype, SCORE_MOD,
+                    MASK_MOD, TILE, FLAGS, QUANT)
                 prev_vst = cnt % V_STAGES
                 prev_vph = (cnt // V_STAGES) & 1
                 cnt += 1
@@ -806,13 +1018,14 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
                     st = cnt % NUM_STAGES
                     ph = (cnt // NUM_STAGES) & 1
                     start = _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE)
+                    tile_scales = _fp8_tile_scales(start, fp8_rows, QUANT)
                     k_t, k_t_hi = _ring_operands(k_smem, k_smem_hi, st, BLOCK_N, QK_LO, QK_HI, True)
-                    v_prev, v_prev_hi = _ring_operands(v_smem, v_smem_hi, prev_vst, BLOCK_N, O_LO, O_HI, False)
+                    v_prev, v_prev_hi = _v_operands(v_smem, v_smem_hi, prev_vst, BLOCK_N, O_LO, O_HI, QUANT)
                     mbarrier.wait(k_ready.index(st), ph)
                     mbarrier.wait(v_ready.index(prev_vst), prev_vph)
                     t = _pingpong_wait(turn, t, WG)
                     s_tok = _qk_mma(q_op, q_op_hi, k_t, k_t_hi, s_zero, SPLIT_QK)
-                    o_tok, o_tok_hi, p_hi = _pv_mma(p, v_prev, v_prev_hi, acc, acc_hi, SPLIT_O)
+                    o_tok, o_tok_hi, p_hi = _pv_issue(p, v_prev, v_prev_hi, acc, acc_hi, o_zero, SPLIT_O, QUANT)
                     _pingpong_signal(turn, WG)
                     if SPLIT_O:   # wgmma groups retire in order: QK^T done, the two PV groups may not be
                         s_acc, o_tok, o_tok_hi = warpgroup_mma_wait(2, deps=[s_tok, o_tok, o_tok_hi])
@@ -824,26 +1037,27 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
                             # the tile's last QK^T retired: the producer may load the next tile's Q half
                             # (and then its K/V) under this softmax, the tail PV and the epilogue
                             mbarrier.arrive(q_empty.index(WG), count=1)
-                    s, shift = _score_tile(s_acc, start, i < n_partial, b, h, q_idx, q_idx_c, row0, sm_scale,
-                                           qk_unit, col_bias, N, score_bufs, mask_bufs, s_layout, SCORE_MOD,
-                                           MASK_MOD, TILE, FLAGS)
-                    p_new, m_i, m_run, l_i, alpha = _online_softmax(s, shift, m_i, m_run, l_i, qk_scale, p_layout,
-                                                                    o_layout, dtype, FLAGS)
-                    acc, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_prev, v_prev_hi, SPLIT_O)
+                    p_new, m_i, m_run, l_i, alpha = _softmax_step(
+                        s_acc, start, i < n_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit, col_bias, N,
+                        score_bufs, mask_bufs, m_i, m_run, l_i, qk_scale, tile_scales, s_layout, p_layout, o_layout,
+                        dtype, SCORE_MOD, MASK_MOD, TILE, FLAGS, QUANT)
+                    acc = _o_rescale_early(acc, alpha, FIXED_BASE, QUANT)
+                    pv, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_prev, v_prev_hi, SPLIT_O, QUANT.ON)
                     mbarrier.arrive(v_empty.index(prev_vst), count=1)
-                    acc = _rescale_o(acc, alpha, FIXED_BASE)
+                    acc = _o_update(acc, pv, alpha, FIXED_BASE, QUANT)
                     acc_hi = _rescale_o_hi(acc_hi, alpha, FIXED_BASE, SPLIT_O)
                     p = p_new
                     prev_vst = cnt % V_STAGES
                     prev_vph = (cnt // V_STAGES) & 1
                     cnt += 1
                 # ---- tail: O += P_last V_last ----
-                v_prev, v_prev_hi = _ring_operands(v_smem, v_smem_hi, prev_vst, BLOCK_N, O_LO, O_HI, False)
+                v_prev, v_prev_hi = _v_operands(v_smem, v_smem_hi, prev_vst, BLOCK_N, O_LO, O_HI, QUANT)
                 mbarrier.wait(v_ready.index(prev_vst), prev_vph)
                 t = _pingpong_wait(turn, t, WG)
-                o_tok, o_tok_hi, p_hi = _pv_mma(p, v_prev, v_prev_hi, acc, acc_hi, SPLIT_O)
+                o_tok, o_tok_hi, p_hi = _pv_issue(p, v_prev, v_prev_hi, acc, acc_hi, o_zero, SPLIT_O, QUANT)
                 _pingpong_signal(turn, WG)
-                acc, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_prev, v_prev_hi, SPLIT_O)
+                pv, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_prev, v_prev_hi, SPLIT_O, QUANT.ON)
+                acc = _o_add(acc, pv, QUANT)
                 mbarrier.arrive(v_empty.index(prev_vst), count=1)
         else:
             # No intra-warpgroup overlap: S_i, softmax_i, O += P_i V_i strictly in sequence.
@@ -851,6 +1065,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
                 st = cnt % NUM_STAGES
                 ph = (cnt // NUM_STAGES) & 1
                 start = _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE)
+                tile_scales = _fp8_tile_scales(start, fp8_rows, QUANT)
                 k_t, k_t_hi = _ring_operands(k_smem, k_smem_hi, st, BLOCK_N, QK_LO, QK_HI, True)
                 mbarrier.wait(k_ready.index(st), ph)
                 t = _pingpong_wait(turn, t, WG)
@@ -859,19 +1074,20 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
                 s_acc = _qk_done(s_tok, q_op, q_op_hi, k_t, k_t_hi, SPLIT_QK)
                 vst = cnt % V_STAGES
                 vph = (cnt // V_STAGES) & 1
-                v_cur, v_cur_hi = _ring_operands(v_smem, v_smem_hi, vst, BLOCK_N, O_LO, O_HI, False)
+                v_cur, v_cur_hi = _v_operands(v_smem, v_smem_hi, vst, BLOCK_N, O_LO, O_HI, QUANT)
                 mbarrier.arrive(k_empty.index(st), count=1)
-                s, shift = _score_tile(s_acc, start, i < n_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit,
-                                       col_bias, N, score_bufs, mask_bufs, s_layout, SCORE_MOD, MASK_MOD, TILE, FLAGS)
-                p, m_i, m_run, l_i, alpha = _online_softmax(s, shift, m_i, m_run, l_i, qk_scale, p_layout, o_layout,
-                                                            dtype, FLAGS)
+                p, m_i, m_run, l_i, alpha = _softmax_step(
+                    s_acc, start, i < n_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit, col_bias, N, score_bufs,
+                    mask_bufs, m_i, m_run, l_i, qk_scale, tile_scales, s_layout, p_layout, o_layout, dtype, SCORE_MOD,
+                    MASK_MOD, TILE, FLAGS, QUANT)
                 acc = _rescale_o(acc, alpha, FIXED_BASE)
                 acc_hi = _rescale_o_hi(acc_hi, alpha, FIXED_BASE, SPLIT_O)
                 mbarrier.wait(v_ready.index(vst), vph)
                 t = _pingpong_wait(turn, t, WG)
-                o_tok, o_tok_hi, p_hi = _pv_mma(p, v_cur, v_cur_hi, acc, acc_hi, SPLIT_O)
+                o_tok, o_tok_hi, p_hi = _pv_issue(p, v_cur, v_cur_hi, acc, acc_hi, o_zero, SPLIT_O, QUANT)
                 _pingpong_signal(turn, WG)
-                acc, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_cur, v_cur_hi, SPLIT_O)
+                pv, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_cur, v_cur_hi, SPLIT_O, QUANT.ON)
+                acc = _o_add(acc, pv, QUANT)
                 mbarrier.arrive(v_empty.index(vst), count=1)
                 cnt += 1
             if O_STAGE:
@@ -889,8 +1105,11 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
         m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         r_o = gl.convert_layout(m_run, gl.SliceLayout(1, o_layout))
+        if QUANT.ON:   # P carried 2^8 / VS_MAX
+            vs_max = fp8_rows[3]
+            acc = acc * (vs_max * (1.0 / 256.0))
         _epilogue(acc, acc_hi, m_o, r_o, l_o, qk_scale, o_half, q_half_hi, o_desc, o_desc_hi, lse_ptr, max_ptr,
-                  b, h, row0, HQ, M, o_layout, HALF_M, dtype, O_STAGE, SPLIT_O)
+                  b, h, row0, HQ, M, o_layout, HALF_M, o_dtype, O_STAGE, SPLIT_O)
         if not O_STAGE:
             mbarrier.arrive(q_empty.index(WG), count=1)
         t_local += 1
@@ -899,26 +1118,26 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
 
 
 @gluon.jit
-def _consumer_wg0(descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, SCORE_MOD: gl.constexpr,
-                  MASK_MOD: gl.constexpr, TILE: gl.constexpr, SCHED: gl.constexpr, SPARSE: gl.constexpr,
-                  FLAGS: gl.constexpr):
-    _consumer(0, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, SCORE_MOD, MASK_MOD, TILE,
-              SCHED, SPARSE, FLAGS)
+def _consumer_wg0(descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs,
+                  SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, SCHED: gl.constexpr,
+                  SPARSE: gl.constexpr, FLAGS: gl.constexpr, QUANT: gl.constexpr):
+    _consumer(0, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs, SCORE_MOD,
+              MASK_MOD, TILE, SCHED, SPARSE, FLAGS, QUANT)
 
 
 @gluon.jit
-def _consumer_wg1(descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, SCORE_MOD: gl.constexpr,
-                  MASK_MOD: gl.constexpr, TILE: gl.constexpr, SCHED: gl.constexpr, SPARSE: gl.constexpr,
-                  FLAGS: gl.constexpr):
-    _consumer(1, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, SCORE_MOD, MASK_MOD, TILE,
-              SCHED, SPARSE, FLAGS)
+def _consumer_wg1(descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs,
+                  SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, SCHED: gl.constexpr,
+                  SPARSE: gl.constexpr, FLAGS: gl.constexpr, QUANT: gl.constexpr):
+    _consumer(1, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs, SCORE_MOD,
+              MASK_MOD, TILE, SCHED, SPARSE, FLAGS, QUANT)
 
 
 @gluon.jit
-def _producer_entry(descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, SCORE_MOD: gl.constexpr,
-                    MASK_MOD: gl.constexpr, TILE: gl.constexpr, SCHED: gl.constexpr, SPARSE: gl.constexpr,
-                    FLAGS: gl.constexpr):
-    _producer(descs, bars, smem, sizes, sp_ptrs, sp_meta, TILE, SCHED, SPARSE)
+def _producer_entry(descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs,
+                    SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, SCHED: gl.constexpr,
+                    SPARSE: gl.constexpr, FLAGS: gl.constexpr, QUANT: gl.constexpr):
+    _producer(descs, bars, smem, sizes, sp_ptrs, sp_meta, TILE, SCHED, SPARSE, QUANT)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -942,6 +1161,7 @@ def fa3_fwd_sm90_kernel(
     q_desc_hi, k_desc_hi, v_desc_hi, o_desc_hi,   # TILE.SPLIT_QK / SPLIT_V: the hi tiles' descriptors (else None)
     lse_ptr, max_ptr,
     score_bufs, mask_bufs,
+    quant_bufs,     # QUANT.ON: (QS, KS, VS, VS_MAX) scale pointers; () for 16-bit inputs (no kernel parameter)
     kvnb_ptr, kvidx_ptr, fnb_ptr, fidx_ptr,
     BM, HM, nb_sb, nb_sh, idx_sb, idx_sh, idx_sm, fnb_sb, fnb_sh, fidx_sb, fidx_sh, fidx_sm,
     sm_scale, qk_scale, fixed_base, qk_unit, num_tiles, num_m_tiles, HQ, GQA, M, N,
@@ -950,6 +1170,7 @@ def fa3_fwd_sm90_kernel(
     SCHED: gl.constexpr,    # Schedule
     SPARSE: gl.constexpr,   # BlockSparsity
     FLAGS: gl.constexpr,    # ModFlags
+    QUANT: gl.constexpr,    # Quant
 ):
     NUM_STAGES: gl.constexpr = TILE.NUM_STAGES
     V_STAGES: gl.constexpr = TILE.V_STAGES
@@ -1015,12 +1236,12 @@ def fa3_fwd_sm90_kernel(
     mod_bufs = (score_bufs, mask_bufs)
     # every role gets the same arguments (the producer's entry drops what it does not read)
     gl.warp_specialize([
-        (_consumer_wg0, (descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs,
-                         SCORE_MOD, MASK_MOD, TILE, SCHED, SPARSE, FLAGS)),
-        (_consumer_wg1, (descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs,
-                         SCORE_MOD, MASK_MOD, TILE, SCHED, SPARSE, FLAGS)),
-        (_producer_entry, (descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs,
-                           SCORE_MOD, MASK_MOD, TILE, SCHED, SPARSE, FLAGS)),
+        (_consumer_wg0, (descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs,
+                         SCORE_MOD, MASK_MOD, TILE, SCHED, SPARSE, FLAGS, QUANT)),
+        (_consumer_wg1, (descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs,
+                         SCORE_MOD, MASK_MOD, TILE, SCHED, SPARSE, FLAGS, QUANT)),
+        (_producer_entry, (descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs,
+                           SCORE_MOD, MASK_MOD, TILE, SCHED, SPARSE, FLAGS, QUANT)),
     ], [4, 1], [SCHED.CONSUMER_REGS, SCHED.PRODUCER_REGS])
 
 
@@ -1038,7 +1259,7 @@ def _num_sms(device) -> int:
 
 
 def _gl_dtype(dtype):
-    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}[dtype]
 
 
 @functools.lru_cache(maxsize=64)
@@ -1124,12 +1345,12 @@ def _longest_row(kv_num_blocks, full_kv_num_blocks):
 
 def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs, mask_bufs,
              kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, sparse_q_block, sparse_kv_block,
-             config, num_sms, max_needed=True, persistent=None, even_n=None):
+             config, num_sms, max_needed=True, persistent=None, even_n=None, fp8=None):
     """Build (args, kwargs, grid) for fa3_fwd_sm90_kernel; shared by the launcher and compile-only tests.
     `persistent` / `even_n` override the schedule and EVEN_N (siblings compiled ahead: never launched so)."""
     return _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs, mask_bufs,
                  kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, sparse_q_block, sparse_kv_block,
-                 config, num_sms, max_needed).launch(persistent, even_n)
+                 config, num_sms, max_needed, fp8).launch(persistent, even_n)
 
 
 @dataclass
@@ -1142,6 +1363,7 @@ class _Site:
     tile: TileShape
     sparse: BlockSparsity
     flags: ModFlags           # EVEN_N as this launch's N decides it
+    quant: Quant
     cfg: Sm90Config
     schedules: dict           # persistent -> Schedule
     num_tiles: int
@@ -1155,23 +1377,27 @@ class _Site:
         # persistent CTAs take tile pairs
         grid = (min((self.num_tiles + 1) // 2, self.num_sms),) if persistent else (self.num_tiles,)
         kwargs = dict(SCORE_MOD=self.score_mod, MASK_MOD=self.mask_mod, TILE=self.tile,
-                      SCHED=self.schedules[persistent], SPARSE=self.sparse, FLAGS=flags,
+                      SCHED=self.schedules[persistent], SPARSE=self.sparse, FLAGS=flags, QUANT=self.quant,
                       num_warps=4, maxnreg=self.cfg.maxnreg)
         return self.args, kwargs, grid
 
 
 def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs, mask_bufs,
           kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, sparse_q_block, sparse_kv_block,
-          config, num_sms, max_needed=True) -> _Site:
-    """The site behind _prepare: descriptors, block-mask tables, scales and the constexpr bundles."""
+          config, num_sms, max_needed=True, fp8=None) -> _Site:
+    """The site behind _prepare: descriptors, block-mask tables, scales and the constexpr bundles.
+    `fp8`: the FP8 prologue's FP8Operands (q, k, v are then its q, k and vt; `out` is bf16 / fp16)."""
     if score_mod is None and sm_scale < 0:
         # The no-mod path keeps raw q.k scores and folds the scale into exp2 / the row max, which is
         # only valid for a positive scale: route negative scales through the (exact) score_mod path.
         score_mod = _identity_score_mod
     B, Hq, M, D = q.shape
     _, Hkv, N, _ = k.shape
-    Dv = v.shape[-1]
-    cfg = config or get_config(D, q.dtype, value_head_dim=Dv)
+    Dv = v.shape[2] if fp8 is not None else v.shape[-1]
+    if fp8 is not None:
+        cfg = _fp8_site_config(q, k, v, out, fp8, config)
+    else:
+        cfg = config or get_config(D, q.dtype, value_head_dim=Dv)
     # score tile -> log2 units (the kernel's qk_scale)
     score_mod, to_score = kernel_score_mod(score_mod, sm_scale, cfg.fold_sm_scale) \
         if score_mod is not None else (None, float(sm_scale))
@@ -1179,11 +1405,17 @@ def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bu
     exp2_emu = cfg.sfu_mod_exp2_emu and bool(sfu_ops_of(score_mod))
     bounds = out_range_of(score_mod) if score_mod is not None and not max_needed else None
     fixed_base = bounds and fixed_base_for(q.dtype, bounds[0] * to_log2, bounds[1] * to_log2)
+    if fp8 is not None:   # P's e4m3 range needs the row max (a fixed base would flush rows far below it to 0)
+        fixed_base = None
     if fixed_base is not None and config is None:   # the table's tiles for fixed-base launches
         cfg = get_config(D, q.dtype, fixed_base=True, value_head_dim=Dv)
     # `score + alpha(b, h)·kv + B(b, h, q)`: column / tile / row parts instead of per-score index math;
     # the launched form's tile is qk·qk_unit + x (folded: qk + x / sm_scale)
     kv_affine = score_mod is not None and kv_affine_of(score_mod) and not fixed_base
+    if fp8 is not None and fp8.recipe.two_level:
+        # its [BLOCK_N] column vector next to the fresh PV accumulator spills (D=128: 209 spill instructions);
+        # the mod is evaluated per score instead
+        kv_affine = False
     qk_unit = 1.0 if score_mod is not None and mod_info(score_mod).sm_scaled else float(sm_scale)
     BLOCK_M, BLOCK_N = cfg.block_m, cfg.block_n
     HALF_M = BLOCK_M // 2
@@ -1197,7 +1429,7 @@ def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bu
     q_desc = _desc(q, [1, 1, HALF_M, qk_lo])
     o_desc = _desc(out, [1, 1, HALF_M, v_lo])
     k_desc = _desc(k, [1, 1, BLOCK_N, qk_lo])
-    v_desc = _desc(v, [1, 1, BLOCK_N, v_lo])
+    v_desc = _desc(v, [1, 1, v_lo, BLOCK_N] if fp8 is not None else [1, 1, BLOCK_N, v_lo])   # FP8: VT
     q_desc_hi = k_desc_hi = v_desc_hi = o_desc_hi = None
     if tile.SPLIT_QK:
         q_desc_hi, k_desc_hi = _desc(q, [1, 1, HALF_M, qk_hi]), _desc(k, [1, 1, BLOCK_N, qk_hi])
@@ -1245,16 +1477,55 @@ def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bu
         if longest is not None:
             max_kv_tiles = longest * (sparse_kv_block // BLOCK_N)
     persistent = use_persistent(cfg, num_tiles, num_sms, N, max_kv_tiles, kv_affine)
-    # persistent: a separate O staging buffer where shared memory allows it (split tiles stage O in Q's)
+    # persistent: a separate O staging buffer where shared memory allows it (split tiles stage O in Q's).
+    # FP8: always (an e4m3 Q tile has half the bytes of a 16-bit O tile; _fp8_site_config checked the room)
     o_stage = (not tile.SPLIT_QK and not tile.SPLIT_V
                and cfg.smem_bytes(D, o_stage=True, value_head_dim=Dv) <= SMEM_LIMIT)
-    schedules = {p: Schedule(PERSISTENT=p, O_STAGE=p and o_stage, OVERLAP=cfg.overlap,
+    schedules = {p: Schedule(PERSISTENT=p, O_STAGE=(p and o_stage) or fp8 is not None, OVERLAP=cfg.overlap,
                              CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
                  for p in (False, True)}
+    if fp8 is None:
+        quant, quant_bufs = NO_QUANT, ()
+    else:
+        quant = Quant(ON=True, Q_BLOCK=fp8.recipe.block_m, KV_BLOCK=fp8.recipe.block_n,
+                      TWO_LEVEL=fp8.recipe.two_level > 0)
+        quant_bufs = (fp8.q_scale, fp8.k_scale, fp8.v_scale, fp8.v_scale_max)
     args = (q_desc, k_desc, v_desc, o_desc, *hi_descs, lse, max_scores, tuple(score_bufs), tuple(mask_bufs),
-            *sp_ptrs, *sp_meta, float(sm_scale), to_log2, float(fixed_base or 0.0), qk_unit, num_tiles, num_m_tiles, Hq, Hq // Hkv,
-            M, N)
-    return _Site(args, score_mod, mask_mod, tile, sparse, flags, cfg, schedules, num_tiles, num_sms, persistent)
+            quant_bufs, *sp_ptrs, *sp_meta, float(sm_scale), to_log2, float(fixed_base or 0.0), qk_unit, num_tiles,
+            num_m_tiles, Hq, Hq // Hkv, M, N)
+    return _Site(args, score_mod, mask_mod, tile, sparse, flags, quant, cfg, schedules, num_tiles, num_sms, persistent)
+
+
+def _fp8_site_config(q, k, vt, out, fp8, config) -> Sm90Config:
+    """The tiles of an FP8 launch (templates/hopper_fp8/configs.py unless `config` is given), after checking the
+    operands against what the kernel reads: the prologue's layout (fp8_recipe.FP8Operands), 16-bit O, head dims
+    the FP8 table has, KV tiles inside one K / V scale block. Raises ValueError saying what does not fit."""
+    from ..hopper_fp8.configs import fp8_smem_bytes, get_fp8_config
+
+    B, Hq, M, D = q.shape
+    Dv = vt.shape[2]
+    e4m3 = torch.float8_e4m3fn
+    if q.dtype != e4m3 or k.dtype != e4m3 or vt.dtype != e4m3:
+        raise ValueError(f"sm90 FP8 forward: q, k, vt must be float8_e4m3fn (the FP8 prologue's output), got "
+                         f"{q.dtype}, {k.dtype}, {vt.dtype}")
+    if out.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"sm90 FP8 forward: out must be bfloat16 or float16, got {out.dtype}")
+    if tuple(vt.shape[:2]) != tuple(k.shape[:2]) or vt.shape[3] < k.shape[2] or vt.shape[3] % 16:
+        raise ValueError(f"sm90 FP8 forward: vt must be [B, Hkv, Dv, N_pad] with N_pad >= N = {k.shape[2]} a multiple "
+                         f"of 16 (the prologue's V transposed), got {tuple(vt.shape)} for k {tuple(k.shape)}")
+    cfg = config or get_fp8_config(D, Dv)
+    recipe = fp8.recipe
+    if recipe.block_n and recipe.block_n % cfg.block_n:
+        raise ValueError(f"sm90 FP8 forward: K / V scale blocks of {recipe.block_n} keys are smaller than its "
+                         f"{cfg.block_n}-key tiles; use FP8Recipe(block_n={cfg.block_n}) or larger (or 0: per head)")
+    for name, t in (("q_scale", fp8.q_scale), ("k_scale", fp8.k_scale), ("v_scale", fp8.v_scale),
+                    ("v_scale_max", fp8.v_scale_max)):
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"sm90 FP8 forward: {name} must be contiguous float32, got {t.dtype} strides {t.stride()}")
+    if fp8_smem_bytes(cfg, D, Dv) > SMEM_LIMIT:
+        raise ValueError(f"sm90 FP8 forward: tiles {cfg} need {fp8_smem_bytes(cfg, D, Dv)} bytes of shared memory "
+                         f"(limit {SMEM_LIMIT})")
+    return cfg
 
 
 @gluon.jit
@@ -1304,6 +1575,8 @@ def prepare_fwd_sm90_variants(q, k, v, out, lse, max_scores, **options):
     make (EVEN_N, and the persistent schedule where the config leaves it to use_persistent), each as
     (kernel, args, kwargs, grid). Every other launch argument is length-independent in Triton's specialization key
     (module docstring, "Specialization"), so a site compiled in these (at most four) variants compiles no more.
+    With `fp8=` (the FP8 prologue's FP8Operands) q, k, v are its q, k and vt, and the tiles come from
+    templates/hopper_fp8/configs.py; a ValueError says what of the operands the kernel cannot take.
 
     Example::
 
@@ -1311,7 +1584,11 @@ def prepare_fwd_sm90_variants(q, k, v, out, lse, max_scores, **options):
         >>> sorted((s[2]["SCHED"].PERSISTENT, s[2]["FLAGS"].EVEN_N) for s in siblings)            # doctest: +SKIP
         [(False, True), (True, False), (True, True)]
     """
-    cfg = options.get("config") or get_config(q.shape[-1], q.dtype, value_head_dim=v.shape[-1])
+    if options.get("fp8") is not None:
+        from ..hopper_fp8.configs import get_fp8_config
+        cfg = options.get("config") or get_fp8_config(q.shape[-1], v.shape[2])
+    else:
+        cfg = options.get("config") or get_config(q.shape[-1], q.dtype, value_head_dim=v.shape[-1])
     if cfg.persistent is False:
         num_sms = 0
     else:   # CPU tensors (planning, tests): an H100's SM count
@@ -1338,7 +1615,7 @@ def _site_of_options(q, k, v, out, lse, max_scores, options, num_sms) -> _Site:
         q, k, v, out, lse, max_scores, o.pop("sm_scale"), o.pop("score_mod", None), o.pop("mask_mod", None),
         o.pop("score_bufs", ()), o.pop("mask_bufs", ()), o.pop("kv_num_blocks", None), o.pop("kv_indices", None),
         o.pop("full_kv_num_blocks", None), o.pop("full_kv_indices", None), o.pop("sparse_q_block", 128),
-        o.pop("sparse_kv_block", 128), o.pop("config", None), num_sms, o.pop("max_needed", True))
+        o.pop("sparse_kv_block", 128), o.pop("config", None), num_sms, o.pop("max_needed", True), o.pop("fp8", None))
     if o:
         raise TypeError(f"prepare_fwd_sm90_variants: unexpected options {sorted(o)}")
     return site
@@ -1347,15 +1624,17 @@ def _site_of_options(q, k, v, out, lse, max_scores, options, num_sms) -> _Site:
 def compile_sm90(q, k, v, out, lse, max_scores, *, sm_scale: float, score_mod=None, mask_mod=None,
                  score_bufs: tuple = (), mask_bufs: tuple = (), kv_num_blocks=None, kv_indices=None,
                  full_kv_num_blocks=None, full_kv_indices=None, sparse_q_block: int = 128,
-                 sparse_kv_block: int = 128, config=None, target=None, max_needed: bool = True):
+                 sparse_kv_block: int = 128, config=None, target=None, max_needed: bool = True, persistent=None,
+                 fp8=None):
     """Compile (not run) exactly what launch_fwd_sm90 would launch, for `target` (default sm90).
 
     Works on a CPU-only machine with CPU tensors: the arguments are specialised the same way the
     JIT specialises them, then handed to triton.compile. Returns the CompiledKernel (asm['ptx'],
-    asm['cubin'], ...)."""
+    asm['cubin'], ...). `persistent` overrides the schedule; `fp8` the FP8 prologue's operands (q, k, v
+    are then its q, k, vt: prepare_fwd_sm90_variants)."""
     from ..aot import compile_launch
 
     args, kwargs, _ = _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs,
                                mask_bufs, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-                               sparse_q_block, sparse_kv_block, config, 132, max_needed)
+                               sparse_q_block, sparse_kv_block, config, 132, max_needed, persistent, fp8=fp8)
     return compile_launch(fa3_fwd_sm90_kernel, args, kwargs, target)
