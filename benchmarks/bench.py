@@ -90,6 +90,7 @@ SERIES_STYLE = {
     ("fa3_inductor", "fp8"): ("fa3_inductor fp8 + prologue", "C5", "-"),
     ("fa3_inductor", "fp8 kernel"): ("fa3_inductor fp8 kernel", "C5", ":"),
 }
+FP8_FAMILIES = ("hopper_fp8", "fp8")   # the kernel families that compute an FP8 site (templates/registry.py)
 # FP8 rows (--fp8): (impl, template_requested, what), timed after the bf16 rows of a forward case.
 FP8_WITH_PROLOGUE, FP8_KERNEL, FP8_PROLOGUE = "with prologue", "kernel", "quantize"
 FP8_ENTRIES = (("fa3_inductor", "fp8", FP8_WITH_PROLOGUE), ("fa3_inductor", "fp8", FP8_KERNEL),
@@ -395,44 +396,51 @@ def _tensor_bytes(*tensors) -> int:
 
 
 def fp8_kernel_fn(score_mod: Optional[Callable], block_mask: Optional[BlockMask], q, k, v, recipe,
-                  scale: Optional[float] = None) -> Callable[[], torch.Tensor]:
-    """The FP8 kernel alone, as ``flex(q, k, v, score_mod=..., block_mask=..., fp8=recipe)`` runs it,
-    on operands quantized once here: the site is planned as flex(fp8=...) plans it
-    (fa3_inductor.direct_fp8), the launch built once by the fp8 kernel family
-    (templates/fp8/family.py: prepare_generic with the prologue's FP8Operands and fp8_config), and the
-    returned callable only launches ``kernel[grid](*args, **kwargs)`` (under Triton's interpreter,
-    where the family gives no launch to keep, its ``launch(call)``). It returns the output tensor
-    (written in place; the LSE is left in log2 units, as the kernel writes it)."""
+                  scale: Optional[float] = None) -> tuple[Callable[[], torch.Tensor], str]:
+    """(the FP8 kernel alone, its family's name), as ``flex(q, k, v, score_mod=..., block_mask=...,
+    fp8=recipe)`` runs it, on operands quantized once here: the site is planned as flex(fp8=...) plans
+    it (fa3_inductor.direct_fp8), the launch built once by the first FP8 family of the plan that takes
+    the call (hopper_fp8, then fp8: templates/registry.py), and the returned callable only launches
+    ``kernel[grid](*args, **kwargs)`` (under Triton's interpreter, where the family gives no launch to
+    keep, its ``launch(call)``). The callable returns the output tensor (written in place; the LSE is
+    left in log2 units, as the kernel writes it)."""
     from fa3_inductor import direct_fp8  # noqa: PLC0415
-    from fa3_inductor.templates.fp8.family import FP8  # noqa: PLC0415
+    from fa3_inductor.templates.family import NotServed  # noqa: PLC0415
     from fa3_inductor.templates.modgen import ModInfo  # noqa: PLC0415
+    from fa3_inductor.templates.registry import family  # noqa: PLC0415
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     # the plan and prologue flex(fp8=...) makes (fa3_inductor.direct_fp8), the launch built once here
-    site, call = direct_fp8.fp8_call(q, k, v, score_mod, block_mask, scale, recipe, None)
-    if FP8.name not in site.families:
-        raise RuntimeError(f"the site's plan has no {FP8.name} family (families {site.families}): "
-                           f"{site.note or site.description}")
-    score_source, mask_source = site.sources(FP8.dialect)
-    call = dataclasses.replace(call, score_source=score_source, mask_source=mask_source,
-                               score_info=ModInfo.from_items(site.score_info),
-                               mask_info=ModInfo.from_items(site.mask_info))
-    out = call.out
-    variants = FP8.prepare(call)
-    if variants is None:  # Triton's interpreter: the family computes the call itself
+    site, planned = direct_fp8.fp8_call(q, k, v, score_mod, block_mask, scale, recipe, None)
+    refused = []
+    for name in (n for n in site.families if n in FP8_FAMILIES):
+        fam = family(name)
+        score_source, mask_source = site.sources(fam.dialect)
+        call = dataclasses.replace(planned, score_source=score_source, mask_source=mask_source,
+                                   score_info=ModInfo.from_items(site.score_info),
+                                   mask_info=ModInfo.from_items(site.mask_info))
+        try:
+            variants = fam.prepare(call)
+        except NotServed as why:
+            refused.append(f"{name}: {why}")
+            continue
+        out = call.out
+        if variants is None:  # Triton's interpreter: the family computes the call itself
 
-        def interpreted():
-            FP8.launch(call)
+            def interpreted(fam=fam, call=call, out=out):
+                fam.launch(call)
+                return out
+
+            return interpreted, name
+        (kernel, args, kwargs, grid), _siblings = variants   # the siblings serve other lengths: not needed
+
+        def launch(kernel=kernel, args=args, kwargs=kwargs, grid=grid, out=out):
+            kernel[grid](*args, **kwargs)
             return out
 
-        return interpreted
-    (kernel, args, kwargs, grid), _siblings = variants   # the siblings serve other lengths: not needed
-
-    def launch():
-        kernel[grid](*args, **kwargs)
-        return out
-
-    return launch
+        return launch, name
+    raise RuntimeError(f"no FP8 family takes this call (plan {site.families}; {'; '.join(refused)}): "
+                       f"{site.note or site.description}")
 
 
 def make_fp8_fn(what: str, spec: ModSpec, block_mask: Optional[BlockMask], q, k, v,
@@ -445,7 +453,8 @@ def make_fp8_fn(what: str, spec: ModSpec, block_mask: Optional[BlockMask], q, k,
     if what == FP8_WITH_PROLOGUE:
         return (lambda: fa3.flex(q, k, v, score_mod=spec.score_mod, block_mask=block_mask, fp8=recipe)), {}
     if what == FP8_KERNEL:
-        return fp8_kernel_fn(spec.score_mod, block_mask, q, k, v, recipe), {"template": "fp8"}
+        fn, name = fp8_kernel_fn(spec.score_mod, block_mask, q, k, v, recipe)
+        return fn, {"template": name}
     if what == FP8_PROLOGUE:
         from fa3_inductor.templates.fp8_prologue.host import quantize  # noqa: PLC0415
 
@@ -929,7 +938,7 @@ def fp8_table(result: dict, groups: dict, tf: Callable, ratio: Callable) -> list
         kern, kern_s = tf(g, FP8_KERNEL_ONLY)
         full_row = g.get(FP8_FULL) or {}
         template = full_row.get("template")
-        if template is not None and template != "fp8":
+        if template is not None and template not in FP8_FAMILIES:
             not_fp8 += 1
             template = f"**{template}**"   # not the FP8 kernel: never to be read as one
         pro = g.get(FP8_PROLOGUE_ONLY)
@@ -944,7 +953,8 @@ def fp8_table(result: dict, groups: dict, tf: Callable, ratio: Callable) -> list
                 pro_bw += f" ({100 * pro['gbps'] * 1e9 / copy_bw:.0f}%)"
         ratios = (ratio(full, cud), ratio(full, auto), ratio(kern, cud))
         per = summary.setdefault(mod, {})
-        for name, r, counts in zip(FP8_RATIOS, ratios, (template == "fp8", template == "fp8", True)):
+        is_fp8 = template in FP8_FAMILIES
+        for name, r, counts in zip(FP8_RATIOS, ratios, (is_fp8, is_fp8, True)):
             if r is not None and counts:
                 per.setdefault(name, []).append(r)
         cos = full_row.get("cosine_vs_ref")
