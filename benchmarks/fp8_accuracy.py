@@ -5,8 +5,10 @@ inputs); B=1, H=8, N=8192, non-causal, seeds 0-7. Reference: float64 attention o
 tensors, computed in query chunks. Metric: RMSE of the output, with cosine similarity, relative L1
 (sum|o - ref| / sum|ref|) and max abs. Rows:
 
-    ours              FP8Recipe(): Hadamard, 128-row block scales, two-level PV accumulation
+    ours              FP8Recipe(): Hadamard, int8 Q and K (QKᵀ an int8 MMA), e4m3 P and V, 128-row
+                      block scales, two-level PV accumulation
     ours+smooth_k     FP8Recipe(smooth_k=True)
+    e4m3 Q/K (FA3)    FP8Recipe(qk="e4m3"): Q and K in e4m3 as FlashAttention-3 (the ablation of int8)
     no hadamard       FP8Recipe(hadamard=False)
     per-head scales   FP8Recipe(block_m=0, block_n=0)
     no two-level      FP8Recipe(two_level=0)
@@ -21,7 +23,8 @@ per shape: D = 64, 128, 256 at N = 8192 (B1 H8), and a long-context sweep N = 8K
     python benchmarks/fp8_accuracy.py --budget-s 540 --long 8192,32768,131072 --long-seeds 0-1
 
 ``--impl emulate`` runs :func:`emulate_fp8_attention`: the recipe in float32 torch ops with
-``torch.float8_e4m3fn`` casts (rotation, smoothing, block scales, P×2^8 with V's block scale folded in,
+``torch.float8_e4m3fn`` casts and int8 rounding (rotation, smoothing, block scales, Q and K in int8 or
+e4m3 per ``FP8Recipe.qk``, P×2^8 with V's block scale folded in,
 online softmax over KV tiles, and a model of the FP8 tensor core's ~22-bit accumulator: after every
 ``k_step``-wide k-step of PV the accumulator is rounded to ``bits`` mantissa bits, see
 :class:`Accumulator`). Other code imports it: ``from fp8_accuracy import emulate_fp8_attention``
@@ -54,7 +57,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from fa3_inductor.fp8_recipe import E4M3_MAX, FP8Recipe, RopeSpec  # noqa: E402
+from fa3_inductor.fp8_recipe import E4M3_MAX, INT8_MAX, FP8Recipe, RopeSpec  # noqa: E402
 
 Tensor = torch.Tensor
 LOG2E = 1.4426950408889634
@@ -65,6 +68,7 @@ OUTLIER_STD = 10.0       # N(0, 100): variance 100
 ROWS: dict[str, Optional[FP8Recipe]] = {
     "ours": FP8Recipe(),
     "ours+smooth_k": FP8Recipe(smooth_k=True),
+    "e4m3 Q/K (FA3)": FP8Recipe(qk="e4m3"),
     "no hadamard": FP8Recipe(hadamard=False),
     "per-head scales": FP8Recipe(block_m=0, block_n=0),
     "no two-level": FP8Recipe(two_level=0),
@@ -247,6 +251,18 @@ def to_e4m3(x: Tensor) -> Tensor:
     return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
 
 
+def to_int8(x: Tensor) -> Tensor:
+    """``x`` rounded to the nearest integer (ties to even) in [-127, 127], returned in float32: the
+    prologue's int8 Q and K values.
+
+    Example::
+
+        >>> to_int8(torch.tensor([2.5, -3.5, 300.0])).tolist()
+        [2.0, -4.0, 127.0]
+    """
+    return torch.round(x.float()).clamp(-INT8_MAX, INT8_MAX)
+
+
 # ------------------------------------------------------------------------------- baseline (torch)
 def baseline_fp8_attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None,
                            causal: bool = False, rope: Optional[RopeSpec] = None, quantize: bool = True,
@@ -339,8 +355,9 @@ class Accumulator:
 
 @dataclasses.dataclass
 class EmulatedOperands:
-    """What the prologue hands the FP8 kernel, as float32 values: e4m3 codes of Q, K, V and their
-    per-row scales (block scales expanded to rows), V's block scales relative to their maximum.
+    """What the prologue hands the FP8 kernel, as float32 values: int8 or e4m3 values of Q and K
+    (``FP8Recipe.qk``), e4m3 values of V, their per-row scales (block scales expanded to rows), V's
+    block scales relative to their maximum.
 
     ``q`` (B, H, M, D), ``q_scale`` (B, H, M, 1); ``k`` (B, Hkv, N, D), ``k_scale`` (B, Hkv, N, 1);
     ``v`` (B, Hkv, N, Dv), ``v_scale`` (B, Hkv, N, 1), ``v_scale_max`` (B, Hkv, 1, 1).
@@ -399,10 +416,11 @@ def hadamard_rotation(d: int, seed: int) -> Tensor:
     return hadamard_signs(d, seed).unsqueeze(1) * blocks
 
 
-def _block_scales(x: Tensor, block: int, zero_scale: float = 1.0, pow2: bool = False) -> Tensor:
-    """Per-row e4m3 scales amax/448 of ``x`` (B, H, T, D), one per ``block`` rows (0: per (B, H));
-    all-zero blocks get ``zero_scale``; ``pow2``: rounded up to a power of two (the prologue's V
-    scales). Returns (B, H, T, 1) float32."""
+def _block_scales(x: Tensor, block: int, zero_scale: float = 1.0, pow2: bool = False,
+                  top: float = E4M3_MAX) -> Tensor:
+    """Per-row scales amax/``top`` of ``x`` (B, H, T, D) (448: e4m3, 127: int8), one per ``block``
+    rows (0: per (B, H)); all-zero blocks get ``zero_scale``; ``pow2``: rounded up to a power of
+    two (the prologue's V scales). Returns (B, H, T, 1) float32."""
     B, H, T, _ = x.shape
     a = x.abs().amax(dim=-1)                                  # (B, H, T)
     if block == 0 or block >= T:
@@ -413,7 +431,7 @@ def _block_scales(x: Tensor, block: int, zero_scale: float = 1.0, pow2: bool = F
         if pad:
             a = torch.nn.functional.pad(a, (0, pad))
         amax = a.view(B, H, nb, block).amax(dim=-1).repeat_interleave(block, dim=-1)[..., :T]
-    s = amax.float() / E4M3_MAX
+    s = amax.float() / top
     if pow2:
         mantissa, exponent = torch.frexp(s)
         s = torch.where((mantissa == 0.5) | (s == 0), s, torch.ldexp(torch.ones_like(s), exponent))
@@ -423,7 +441,8 @@ def _block_scales(x: Tensor, block: int, zero_scale: float = 1.0, pow2: bool = F
 def emulate_quantize(q: Tensor, k: Tensor, v: Tensor, recipe: FP8Recipe,
                      rope: Optional[RopeSpec] = None) -> EmulatedOperands:
     """The prologue's job in float32 torch ops: RoPE (if given), the Hadamard rotation of Q and K,
-    K smoothing (mean over tokens subtracted after the rotation), then e4m3 with one scale amax/448
+    K smoothing (mean over tokens subtracted after the rotation), then Q and K in int8 (scale
+    amax/127, round half to even) or e4m3 (amax/448) per ``recipe.qk``, V in e4m3, with one scale
     per ``block_m`` rows of Q / ``block_n`` rows of K and V (0: per (batch, head)); an all-zero
     block has scale 1 and does not count for ``v_scale_max``. V's scales are rounded up to powers of two,
     as the prologue's, so that the factor folded into P is a power of two and P = 1 stays exact.
@@ -443,12 +462,13 @@ def emulate_quantize(q: Tensor, k: Tensor, v: Tensor, recipe: FP8Recipe,
     if recipe.smooth_k:
         k32 = k32 - k32.mean(dim=-2, keepdim=True)
     v32 = v.float()
-    sq, sk, sv = _block_scales(q32, recipe.block_m), _block_scales(k32, recipe.block_n), \
-        _block_scales(v32, recipe.block_n, pow2=True)
+    qk_top, qk_round = (INT8_MAX, to_int8) if recipe.qk == "int8" else (E4M3_MAX, to_e4m3)
+    sq, sk = _block_scales(q32, recipe.block_m, top=qk_top), _block_scales(k32, recipe.block_n, top=qk_top)
+    sv = _block_scales(v32, recipe.block_n, pow2=True)
     # v_scale_max: the largest scale among blocks that are not all zero (1 when all are)
     svmax = _block_scales(v32, recipe.block_n, zero_scale=0.0, pow2=True).amax(dim=-2, keepdim=True)
     svmax = torch.where(svmax > 0, svmax, torch.ones_like(svmax))
-    return EmulatedOperands(q=to_e4m3(q32 / sq), q_scale=sq, k=to_e4m3(k32 / sk), k_scale=sk,
+    return EmulatedOperands(q=qk_round(q32 / sq), q_scale=sq, k=qk_round(k32 / sk), k_scale=sk,
                             v=to_e4m3(v32 / sv), v_scale=sv, v_scale_max=svmax)
 
 
@@ -457,7 +477,8 @@ def emulate_fp8_forward(ops: EmulatedOperands, scale: float, causal: bool = Fals
                         out_dtype: Optional[torch.dtype] = torch.bfloat16,
                         max_elems: int = 1 << 28) -> Tensor:
     """The FP8 kernel's arithmetic on prologue output: per KV tile of ``tile_n`` keys (in order),
-    S = (q8·k8ᵀ)·sq·sk in fp32 and in log2 units (× scale·log2 e), online softmax (running max m,
+    S = (q8·k8ᵀ)·sq·sk in fp32 (q8·k8ᵀ exact for int8 values: integer sums below 2^24, as the
+    kernel's int32 ones) and in log2 units (× scale·log2 e), online softmax (running max m,
     P = exp2(S - m), row sum l from the fp32 P), P ×2^8 × v_scale/v_scale_max cast to e4m3, PV
     accumulated per ``acc`` (k-steps rounded to ~22 bits) and added into an fp32 accumulator every
     ``two_level`` tiles (0: never); output = acc · v_scale_max · 2^-8 / l. Causal rows go in chunks

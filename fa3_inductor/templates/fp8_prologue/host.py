@@ -276,13 +276,15 @@ def prepare_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: 
                    HALF_BLOCK=_pow2(rope_dim // 2),
                    REST_BLOCK=_pow2(D - rope_dim) if D > rope_dim else 0,
                    Q_POS=qpos is not None, K_POS=kpos is not None)
-    quant = Quantization(SMOOTH_K=recipe.smooth_k, SMOOTH_CHUNKS=SMOOTH_CHUNKS,
+    quant = Quantization(QK_INT8=recipe.qk == "int8", SMOOTH_K=recipe.smooth_k,
+                         SMOOTH_CHUNKS=SMOOTH_CHUNKS,
                          ROUND_IN_FP32=_interpreting() if round_in_fp32 is None else round_in_fp32)
 
     fp8 = torch.float8_e4m3fn
+    qk_dtype = torch.int8 if recipe.qk == "int8" else fp8
     ops = FP8Operands(
-        q=torch.empty(B, Hq, M, D, dtype=fp8, device=dev),
-        k=torch.empty(B, Hkv, N, D, dtype=fp8, device=dev),
+        q=torch.empty(B, Hq, M, D, dtype=qk_dtype, device=dev),
+        k=torch.empty(B, Hkv, N, D, dtype=qk_dtype, device=dev),
         vt=torch.empty(B, Hkv, Dv, n_pad, dtype=fp8, device=dev),
         q_scale=torch.empty(B, Hq, qg, dtype=torch.float32, device=dev),
         k_scale=torch.empty(B, Hkv, kg, dtype=torch.float32, device=dev),
@@ -334,8 +336,10 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: FP8Recip
              rope: Optional[RopeSpec] = None) -> FP8Operands:
     """Q, K, V (bf16 / fp16) -> FP8 operands for the FP8 forward: RoPE (``rope``), the seeded
     random-sign Hadamard rotation of Q and K (``recipe.hadamard``), K's mean removed
-    (``recipe.smooth_k``), e4m3 with one float32 scale per block of ``recipe.block_m`` Q rows /
-    ``recipe.block_n`` K and V rows, V written transposed. Layouts: ``fp8_recipe.FP8Operands``.
+    (``recipe.smooth_k``), one float32 scale per block of ``recipe.block_m`` Q rows /
+    ``recipe.block_n`` K and V rows; Q and K in int8 (amax / 127, round half to even) or e4m3
+    (amax / 448) per ``recipe.qk``, V in e4m3 (power-of-two scales) written transposed. Layouts:
+    ``fp8_recipe.FP8Operands``.
 
     q [B, Hq, M, D], k [B, Hkv, N, D], v [B, Hkv, N, Dv]: any strides with the last one 1 (else
     copied); Hq a multiple of Hkv; D and Dv multiples of 16 up to 256. ``rope`` tables follow
@@ -353,6 +357,8 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: FP8Recip
         >>> ops = quantize(q, k, v, FP8Recipe(), rope)                              # doctest: +SKIP
         >>> ops.vt.shape, ops.q_scale.shape                                        # doctest: +SKIP
         (torch.Size([1, 2, 128, 1008]), torch.Size([1, 8, 8]))
+        >>> ops.q.dtype, ops.vt.dtype                                               # doctest: +SKIP
+        (torch.int8, torch.float8_e4m3fn)
     """
     if not (isinstance(q, torch.Tensor) and q.device.type == "cpu" and not _interpreting()):
         launch = prepare_prologue(q, k, v, recipe, rope)

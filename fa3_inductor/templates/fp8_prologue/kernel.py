@@ -1,13 +1,16 @@
-"""FP8 prologue kernels: RoPE, the random-sign Hadamard rotation and block quantization of Q, K, V
-to e4m3, in one pass over the inputs (plus a reduction pass over K when K is smoothed).
+"""FP8 prologue kernels: RoPE, the random-sign Hadamard rotation and block quantization of Q and K
+(int8 or e4m3) and V (e4m3), in one pass over the inputs (plus a reduction pass over K when K is
+smoothed).
 
 Notation
 --------
     Q: [Z, HQ, M, D], K: [Z, HKV, N, D], V: [Z, HKV, N, DV]   bf16 / fp16, any strides, last one 1
-    Q8, K8: [Z, HQ, M, D], [Z, HKV, N, D]   float8e4nv, contiguous
+    Q8, K8: [Z, HQ, M, D], [Z, HKV, N, D]   contiguous; int8 in [-127, 127] (QUANT.QK_INT8) or
+                                            float8e4nv
     VT8: [Z, HKV, DV, N_PAD]                V quantized and transposed (tokens last); N_PAD = N
                                             rounded up to 16; the pad columns are written as 0
-    Q_SCALE [Z, HQ, QG], K_SCALE, V_SCALE [Z, HKV, KG]   float32, one per group (below)
+    Q_SCALE [Z, HQ, QG], K_SCALE, V_SCALE [Z, HKV, KG]   float32, one per group (below): Q / K
+                             amax / QK_MAX (127 int8, 448 e4m3), V a power of two >= amax / 448
     V_SCALE_MAX [Z, HKV]     float32, zeroed by the host: atomic max of the scales of the V groups
                              that are not all zero (the host maps a remaining 0 to 1)
     HAD [BLOCK_D, BLOCK_D]   fp16 diag(s)·blockdiag(H_b): exact ±1 / 0, zero-padded (hadamard.py);
@@ -33,13 +36,13 @@ loaded once per program (_had_parts) and stay in shared memory for every group; 
 the loops load the next group (cp.async) while the current one is rotated and stored. A Q / K
 group: load the block in parts (the rotated pairs a = channels ia, b = channels ib, and the
 pass-through rest r; _load_parts), RoPE, Hadamard (fp16 tensor-core dots part by part, _hadamard),
-[K: subtract the mean], amax -> scale, store e4m3. A V group: amax -> scale, store the e4m3 tile
-transposed (16-byte vectors along tokens, _v_store).
+[K: subtract the mean], amax -> scale, store int8 or e4m3 (_to_qk). A V group: amax -> scale,
+store the e4m3 tile transposed (16-byte vectors along tokens, _v_store).
 
 Compile-time parameters (one named bundle each; frozen dataclasses below, read as `SHAPE.TILE_M`):
     SHAPE  Tiles         D, DV, BLOCK_D, BLOCK_DV, TILE_M, TILE_N, Q_ONE_TILE, KV_ONE_TILE
     ROT    Rotation      HADAMARD, HAD_SCALE, ROPE, ROPE_DIM, HALF_BLOCK, REST_BLOCK, Q_POS, K_POS
-    QUANT  Quantization  SMOOTH_K, SMOOTH_CHUNKS, ROUND_IN_FP32
+    QUANT  Quantization  QK_INT8, SMOOTH_K, SMOOTH_CHUNKS, ROUND_IN_FP32
 Lengths and program counts are `do_not_specialize`: one compile per kind of call, not per length.
 """
 
@@ -49,6 +52,8 @@ import triton
 import triton.language as tl
 
 E4M3_MAX: tl.constexpr = tl.constexpr(448.0)
+INT8_MAX: tl.constexpr = tl.constexpr(127.0)
+RINT_MAGIC: tl.constexpr = tl.constexpr(12582912.0)   # 1.5 * 2^23: (x + it) - it = rint(x), |x| < 2^22
 
 
 @dataclass(frozen=True)
@@ -79,7 +84,8 @@ class Rotation:
 
 @dataclass(frozen=True)
 class Quantization:
-    """K smoothing and how values reach the e4m3 grid."""
+    """Q / K's format, K smoothing and how values reach the e4m3 grid."""
+    QK_INT8: bool       # Q8, K8 are int8 with scale amax / 127 (else e4m3, amax / 448)
     SMOOTH_K: bool      # subtract K's mean over tokens (from K_PART)
     SMOOTH_CHUNKS: int  # rows of K_PART per head (a power of two); chunks past n_chunks unused
     ROUND_IN_FP32: bool  # round to the e4m3 grid in fp32 before the cast: Triton 3.6's
@@ -94,7 +100,7 @@ def _round_e4m3(x):
     e = tl.maximum(e, (127 - 6) << 23)
     spacing = (e - (3 << 23)).to(tl.float32, bitcast=True)
     inv_spacing = ((254 << 23) - e + (3 << 23)).to(tl.float32, bitcast=True)   # 2^(3 - E + 127)
-    r = ((x * inv_spacing + 12582912.0) - 12582912.0) * spacing
+    r = ((x * inv_spacing + RINT_MAGIC) - RINT_MAGIC) * spacing
     return tl.minimum(tl.maximum(r, -E4M3_MAX), E4M3_MAX)
 
 
@@ -102,6 +108,16 @@ def _round_e4m3(x):
 def _scale_of(amax):
     """amax / 448 correctly rounded; 1 for an all-zero group."""
     return tl.where(amax > 0, tl.div_rn(amax, E4M3_MAX), 1.0)
+
+
+@triton.jit
+def _qk_scale_of(amax, QUANT: tl.constexpr):
+    """A Q / K group's scale: amax / 127 (int8) or amax / 448 (e4m3), correctly rounded; 1 for an
+    all-zero group."""
+    if QUANT.QK_INT8:
+        return tl.where(amax > 0, tl.div_rn(amax, INT8_MAX), 1.0)
+    else:
+        return _scale_of(amax)
 
 
 @triton.jit
@@ -116,17 +132,47 @@ def _pow2_scale_of(amax):
 
 
 @triton.jit
-def _to_e4m3(y, scale, inv_scale, QUANT: tl.constexpr):
-    """e4m3 of y / scale. The quotient is y * inv_scale plus one FMA correction step: correctly
-    rounded wherever it is exactly representable, so bf16 data landing exactly on an e4m3 tie
-    (common: amax = 21/16 gives scale 3/1024, whose reciprocal is inexact) rounds to even as a
-    true division would."""
+def _quotient(y, scale, inv_scale, QUANT: tl.constexpr):
+    """y / scale in fp32: y * inv_scale plus one FMA correction step, correctly rounded wherever
+    the quotient is exactly representable, so bf16 data landing exactly on a tie (common: amax =
+    21/16 gives scale 3/1024, whose reciprocal is inexact) rounds to even as a true division
+    would. The interpreter (ROUND_IN_FP32) divides: numpy's division is exact."""
     if QUANT.ROUND_IN_FP32:
-        y = _round_e4m3(tl.div_rn(y, scale))   # the interpreter: numpy's exact division
+        return tl.div_rn(y, scale)
     else:
         q = y * inv_scale
-        y = tl.fma(tl.fma(-q, scale, y), inv_scale, q)
-    return y.to(tl.float8e4nv)
+        return tl.fma(tl.fma(-q, scale, y), inv_scale, q)
+
+
+@triton.jit
+def _to_e4m3(y, scale, inv_scale, QUANT: tl.constexpr):
+    """e4m3 of y / scale (sm90: cvt.rn.satfinite; the interpreter rounds in fp32 first, its cast
+    being wrong: Quantization.ROUND_IN_FP32)."""
+    x = _quotient(y, scale, inv_scale, QUANT)
+    if QUANT.ROUND_IN_FP32:
+        x = _round_e4m3(x)
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _to_int8(y, scale, inv_scale, QUANT: tl.constexpr):
+    """int8 of y / scale, clamped to [-127, 127] (the quotient of amax itself may pass 127 by an
+    ulp), rounded half to even by one fp32 add: x + 1.5 * 2^23 has the bits 0x4B400000 + rint(x),
+    whose low byte is rint(x) in two's complement. No float -> int conversion (F2I, a conversion-
+    pipe instruction at a fraction of the FMA rate: one per value in the first version); the same
+    arithmetic on sm90 and in the interpreter."""
+    x = _quotient(y, scale, inv_scale, QUANT)
+    x = tl.minimum(tl.maximum(x, -INT8_MAX), INT8_MAX)
+    return (x + RINT_MAGIC).to(tl.int32, bitcast=True).to(tl.int8)
+
+
+@triton.jit
+def _to_qk(y, scale, inv_scale, QUANT: tl.constexpr):
+    """Q / K values y / scale in their format (Quantization.QK_INT8)."""
+    if QUANT.QK_INT8:
+        return _to_int8(y, scale, inv_scale, QUANT)
+    else:
+        return _to_e4m3(y, scale, inv_scale, QUANT)
 
 
 @triton.jit
@@ -290,22 +336,23 @@ def _tile_amax(parts, ROT: tl.constexpr):
 @triton.jit
 def _qk_store(Oh, parts, rows, stop, scale, inv_scale, ROT: tl.constexpr, SHAPE: tl.constexpr,
               QUANT: tl.constexpr):
-    """Store a _qk_tile result as e4m3 into rows `rows` (< stop) of the contiguous output head."""
+    """Store a _qk_tile result as int8 or e4m3 (_to_qk) into rows `rows` (< stop) of the contiguous
+    output head."""
     row_ok = (rows < stop)[:, None]
     optrs = Oh + rows[:, None].to(tl.int64) * SHAPE.D
     if ROT.HADAMARD:
         cols = tl.arange(0, SHAPE.BLOCK_D)
-        tl.store(optrs + cols[None, :], _to_e4m3(parts[0], scale, inv_scale, QUANT),
+        tl.store(optrs + cols[None, :], _to_qk(parts[0], scale, inv_scale, QUANT),
                  mask=row_ok & (cols < SHAPE.D)[None, :])
     else:
         if ROT.ROPE != "":
             ia, ib = _pair_columns(ROT)
             ok = row_ok & _pairs_ok(ROT)[None, :]
-            tl.store(optrs + ia[None, :], _to_e4m3(parts[0], scale, inv_scale, QUANT), mask=ok)
-            tl.store(optrs + ib[None, :], _to_e4m3(parts[1], scale, inv_scale, QUANT), mask=ok)
+            tl.store(optrs + ia[None, :], _to_qk(parts[0], scale, inv_scale, QUANT), mask=ok)
+            tl.store(optrs + ib[None, :], _to_qk(parts[1], scale, inv_scale, QUANT), mask=ok)
         if ROT.REST_BLOCK > 0:
             ir = ROT.ROPE_DIM + tl.arange(0, ROT.REST_BLOCK)
-            tl.store(optrs + ir[None, :], _to_e4m3(parts[2], scale, inv_scale, QUANT),
+            tl.store(optrs + ir[None, :], _to_qk(parts[2], scale, inv_scale, QUANT),
                      mask=row_ok & (ir < SHAPE.D)[None, :])
 
 
@@ -324,7 +371,7 @@ def _qk_group(X, stride_xz, stride_xh, stride_x, OUT, SCALE, z, h, H, g, L, n_gr
         rows = start + tl.arange(0, T)
         parts = _qk_tile(Xh, stride_x, rows, L, z, POS, stride_pz, COS, SIN, stride_tz,
                          stride_tp, P, had, mean, HAS_POS, SMOOTH, T, ROT, SHAPE)
-        scale = _scale_of(_tile_amax(parts, ROT))
+        scale = _qk_scale_of(_tile_amax(parts, ROT), QUANT)
         _qk_store(Oh, parts, rows, L, scale, tl.div_rn(1.0, scale), ROT, SHAPE, QUANT)
     else:
         stop = tl.minimum(start + group_rows, L)
@@ -333,7 +380,7 @@ def _qk_group(X, stride_xz, stride_xh, stride_x, OUT, SCALE, z, h, H, g, L, n_gr
             parts = _qk_tile(Xh, stride_x, r0 + tl.arange(0, T), L, z, POS, stride_pz, COS, SIN,
                              stride_tz, stride_tp, P, had, mean, HAS_POS, SMOOTH, T, ROT, SHAPE)
             amax = tl.maximum(amax, _tile_amax(parts, ROT))
-        scale = _scale_of(amax)
+        scale = _qk_scale_of(amax, QUANT)
         inv_scale = tl.div_rn(1.0, scale)
         for r0 in range(start, stop, T):
             rows = r0 + tl.arange(0, T)

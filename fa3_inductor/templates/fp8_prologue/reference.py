@@ -1,4 +1,5 @@
-"""The FP8 prologue's math in torch ops: RoPE -> Hadamard rotation -> [smooth K] -> block quantization.
+"""The FP8 prologue's math in torch ops: RoPE -> Hadamard rotation -> [smooth K] -> block quantization
+(Q and K to int8 or e4m3 per ``FP8Recipe.qk``, V to e4m3).
 
 Used by the tests and the accuracy benchmark as the reference (float64 by default), and by
 :func:`~fa3_inductor.templates.fp8_prologue.host.quantize` as the CPU path when Triton cannot run.
@@ -12,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from ...fp8_recipe import E4M3_MAX, FP8Operands, FP8Recipe, RopeSpec
+from ...fp8_recipe import E4M3_MAX, INT8_MAX, FP8Operands, FP8Recipe, RopeSpec
 from .hadamard import rotation_matrix
 
 E4M3_MIN_NORMAL_EXP = -6   # smallest normal e4m3 is 2^-6; subnormals are spaced 2^-9
@@ -122,37 +123,61 @@ def block_amax(x: torch.Tensor, block: int) -> torch.Tensor:
     return padded.abs().view(B, H, groups, rows * C).amax(-1)
 
 
-def block_scales(x: torch.Tensor, block: int, pow2: bool = False) -> torch.Tensor:
-    """float32 scales amax / 448 (:func:`block_amax`), 1 for an all-zero block; ``pow2``: rounded up
-    to a power of two (V's scales: kernel.py, _pow2_scale_of).
+def round_int8(x: torch.Tensor) -> torch.Tensor:
+    """Round to the nearest integer (ties to even) and clamp to [-127, 127], in x's own dtype: the
+    prologue's int8 Q and K values (kernel.py, _to_int8).
+
+    Example::
+
+        >>> round_int8(torch.tensor([2.5, 3.5, -0.5, 127.4, -200.0], dtype=torch.float64)).tolist()
+        [2.0, 4.0, -0.0, 127.0, -127.0]
+    """
+    return torch.clamp(torch.round(x), -INT8_MAX, INT8_MAX)
+
+
+def block_scales(x: torch.Tensor, block: int, pow2: bool = False,
+                 top: float = E4M3_MAX) -> torch.Tensor:
+    """float32 scales amax / ``top`` (:func:`block_amax`; 448 for e4m3, 127 for int8), 1 for an
+    all-zero block; ``pow2``: rounded up to a power of two (V's scales: kernel.py, _pow2_scale_of).
 
     Example::
 
         >>> block_scales(torch.full((1, 1, 3, 2), 4.48, dtype=torch.float64), 2).tolist()
         [[[0.009999999776482582, 0.009999999776482582]]]
+        >>> block_scales(torch.full((1, 1, 2, 2), 12.7, dtype=torch.float64), 0, top=127.0).tolist()
+        [[[0.10000000149011612]]]
     """
     amax = block_amax(x, block)
-    scales = torch.where(amax > 0, amax / E4M3_MAX, 1.0).float()
+    scales = torch.where(amax > 0, amax / top, 1.0).float()
     if pow2:
         mantissa, exponent = torch.frexp(scales)   # scales = mantissa * 2^exponent, mantissa in [0.5, 1)
         scales = torch.where(mantissa == 0.5, scales, torch.ldexp(torch.ones_like(scales), exponent))
     return scales
 
 
-def quantize_blocks(x: torch.Tensor, block: int, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values rounded to e4m3 in x's dtype, float32 scales) for x [B, H, S, C] by blocks of rows
-    (``pow2``: :func:`block_scales`'s power-of-two scales).
+def quantize_blocks(x: torch.Tensor, block: int, pow2: bool = False,
+                    fmt: str = "e4m3") -> tuple[torch.Tensor, torch.Tensor]:
+    """(values rounded to ``fmt``'s grid in x's dtype, float32 scales) for x [B, H, S, C] by blocks
+    of rows. ``fmt`` "e4m3": scales amax / 448 (``pow2``: :func:`block_scales`'s power-of-two
+    scales), :func:`round_e4m3`; "int8": scales amax / 127, :func:`round_int8`. The quotient
+    x / scale is taken in x's dtype (float64: exact ties, see docs/design/fp8_prologue.md).
 
     Example::
 
         >>> vals, scales = quantize_blocks(torch.randn(1, 1, 5, 16, dtype=torch.float64), 4)
         >>> tuple(scales.shape), bool(vals.abs().max() <= 448)
         ((1, 1, 2), True)
+        >>> vals, _ = quantize_blocks(torch.randn(1, 1, 5, 16, dtype=torch.float64), 4, fmt="int8")
+        >>> bool(vals.abs().max() == 127 and torch.equal(vals, vals.round()))
+        True
     """
+    if fmt not in ("e4m3", "int8"):
+        raise ValueError(f"quantize_blocks: fmt must be 'e4m3' or 'int8', got {fmt!r}")
     S = x.shape[2]
-    scales = block_scales(x, block, pow2)
+    scales = block_scales(x, block, pow2, E4M3_MAX if fmt == "e4m3" else INT8_MAX)
     per_row = scales.to(x.dtype).repeat_interleave(block or S, dim=2)[:, :, :S, None]
-    return round_e4m3(x / per_row), scales
+    rounded = round_e4m3 if fmt == "e4m3" else round_int8
+    return rounded(x / per_row), scales
 
 
 def quantize_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: FP8Recipe,
@@ -173,8 +198,8 @@ def quantize_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe
         mean = kr.mean(dim=2, keepdim=True)
         kr = kr - mean
         k_mean = mean.squeeze(2).float()
-    q8, q_scale = quantize_blocks(qr, recipe.block_m)
-    k8, k_scale = quantize_blocks(kr, recipe.block_n)
+    q8, q_scale = quantize_blocks(qr, recipe.block_m, fmt=recipe.qk)
+    k8, k_scale = quantize_blocks(kr, recipe.block_n, fmt=recipe.qk)
     v8, v_scale = quantize_blocks(v.to(dtype), recipe.block_n, pow2=True)
     B, H, N, Dv = v.shape
     n_pad = -(-N // 16) * 16
@@ -185,20 +210,23 @@ def quantize_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe
     v_scale_max = torch.where(nonzero, v_scale, 0.0).amax(-1)
     v_scale_max = torch.where(v_scale_max > 0, v_scale_max, 1.0)
     fp8 = torch.float8_e4m3fn
-    return FP8Operands(q=q8.to(fp8).contiguous(), k=k8.to(fp8).contiguous(), vt=vt.to(fp8),
+    qk_dtype = torch.int8 if recipe.qk == "int8" else fp8
+    return FP8Operands(q=q8.to(qk_dtype).contiguous(), k=k8.to(qk_dtype).contiguous(), vt=vt.to(fp8),
                        q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, v_scale_max=v_scale_max,
                        k_mean=k_mean, recipe=recipe, n=N)
 
 
 def dequantize(ops: FP8Operands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q, k, v) float32 from FP8 operands, in the rotated basis (K with its mean removed when
-    smoothed), V back in [B, H, N, Dv].
+    """(q, k, v) float32 from FP8 operands (int8 or e4m3 Q and K, e4m3 Vᵀ), in the rotated basis
+    (K with its mean removed when smoothed), V back in [B, H, N, Dv].
 
     Example::
 
         >>> q = k = v = torch.randn(1, 1, 16, 32)
         >>> dq, dk, dv = dequantize(quantize_reference(q, k, v, FP8Recipe(hadamard=False)))
         >>> bool((dv - v).abs().max() < 0.1 * v.abs().max())
+        True
+        >>> bool((dq - q).abs().max() < 0.01 * q.abs().max())     # int8 Q: steps of amax / 127
         True
     """
     def expand(scale: torch.Tensor, block: int, length: int) -> torch.Tensor:
@@ -212,4 +240,4 @@ def dequantize(ops: FP8Operands) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 
 __all__ = ["apply_rope", "block_amax", "block_scales", "dequantize", "quantize_blocks", "quantize_reference",
-           "rope_tables", "rotate", "round_e4m3"]
+           "rope_tables", "rotate", "round_e4m3", "round_int8"]

@@ -108,9 +108,11 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
     if fp8 is None:
         quant_args, quant = (dummy, dummy, dummy, dummy, 1, 1), NO_QUANT
     else:
+        _check_fp8_dtypes(q, k, v, fp8)
         quant_args = (fp8.q_scale, fp8.k_scale, fp8.v_scale, fp8.v_scale_max,
                       fp8.q_scale.shape[-1], fp8.k_scale.shape[-1])
-        quant = Quant(ON=True, Q_BLOCK=fp8.recipe.block_m, KV_BLOCK=fp8.recipe.block_n,
+        quant = Quant(ON=True, QK_INT8=fp8.recipe.qk == "int8", Q_BLOCK=fp8.recipe.block_m,
+                      KV_BLOCK=fp8.recipe.block_n,
                       TWO_LEVEL=fp8.recipe.two_level > 0, OUT_BF16=out.dtype == torch.bfloat16,
                       ROUND_P_IN_FP32=capability is None)
     args = (*qkvo, lse, max_scores, *tables, tuple(score_bufs), tuple(mask_bufs), *quant_args,
@@ -147,6 +149,17 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
     kwargs = dict(SCORE_MOD=score_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse, FLAGS=flags,
                   QUANT=quant, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return args, kwargs, (triton.cdiv(M, block_m), Z * HQ)
+
+
+def _check_fp8_dtypes(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, fp8: Any) -> None:
+    """The FP8 operands' dtypes are those ``fp8.recipe`` makes (fp8_recipe.FP8Operands): int8 or
+    e4m3 Q and K per ``recipe.qk``, e4m3 Vᵀ. The kernel's QUANT.QK_INT8 follows the recipe, and an
+    int8 tensor read as e4m3 (or back) would give wrong scores silently."""
+    want = torch.int8 if fp8.recipe.qk == "int8" else torch.float8_e4m3fn
+    if q.dtype != want or k.dtype != want or vt.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fa3 generic kernel, FP8: FP8Recipe(qk={fp8.recipe.qk!r}) needs q, k as {want} "
+                         f"and vt as torch.float8_e4m3fn, got {q.dtype}, {k.dtype}, {vt.dtype}; pass "
+                         "the operands that templates/fp8_prologue.quantize made with this recipe")
 
 
 def _site_traits(score_mod: Any, mask_mod: Any, kv_num_blocks: Any) -> tuple[bool, bool]:

@@ -7,10 +7,11 @@ Notation
     V: [Z, HKV, N, DV]   value; DV may differ from D (DeepSeek's MLA: D 192, DV 128)
     O: [Z, HQ, M, DV]    output, written in the strides the caller allocated
     LSE, MAX: [Z, HQ, M] float32, log2 units (logsumexp / ln 2, rowmax / ln 2)
-    FP8 inputs (QUANT.ON; the prologue's layout, templates/fp8_prologue/): Q, K float8_e4m3fn as
-    above, V given transposed, VT [Z, HKV, DV, N_pad] (token dim last: FP8 wgmma wants its B
-    operand K-major), and float32 scales QS [Z, HQ, NQB] per QUANT.Q_BLOCK query rows, KS and VS
-    [KZ, HKV, NKB] per QUANT.KV_BLOCK keys, VS_MAX [KZ, HKV] (0 as a block size: one per head)
+    FP8 inputs (QUANT.ON; the prologue's layout, templates/fp8_prologue/): Q, K as above in int8
+    (QUANT.QK_INT8: QK^T an int8 MMA, exact int32 sums) or float8_e4m3fn, V in e4m3 given
+    transposed, VT [Z, HKV, DV, N_pad] (token dim last: FP8 wgmma wants its B operand K-major),
+    and float32 scales QS [Z, HQ, NQB] per QUANT.Q_BLOCK query rows, KS and VS [KZ, HKV, NKB] per
+    QUANT.KV_BLOCK keys, VS_MAX [KZ, HKV] (0 as a block size: one per head)
     z, hq, hkv           batch, query head, kv head of this program
     m, n                 query rows (q_idx), key columns (kv_idx)
     BLOCK_M, BLOCK_N     the tile a program computes / one step of its KV loop (TILE)
@@ -40,7 +41,8 @@ dataclasses below, read as `TILE.BLOCK_N`):
     SPARSE  BlockSparsity  HAS_BLOCK_MASK, HAS_FULL_BLOCKS, SPARSE_Q, SPARSE_KV, ITERATE_HULL,
                            MAX_KV_BLKS
     FLAGS   SiteFlags      GQA_GROUP, EVEN_N, FOLD_SCALE
-    QUANT   Quant          ON, Q_BLOCK, KV_BLOCK, TWO_LEVEL, OUT_BF16 (FP8 inputs; ON=False otherwise)
+    QUANT   Quant          ON, QK_INT8, Q_BLOCK, KV_BLOCK, TWO_LEVEL, OUT_BF16, ROUND_P_IN_FP32
+                           (FP8 inputs; ON=False otherwise)
 The input dtype is no parameter: the kernel reads it off the Q tile (`in_dtype`).
 
 Specialization (one compile per kind of site, not per length): the integers that follow the
@@ -107,7 +109,9 @@ class Quant:
     and the tile's K scale (the kernel's KV tile lies inside one K scale block); P is put in e4m3's
     range as exp2(x - m + 8) times the tile's V scale over VS_MAX (folded into the exponent), and the
     output is scaled back by VS_MAX / 2^8 in the epilogue."""
-    ON: bool               # Q, K, VT are float8_e4m3fn with scales (else every other field is unused)
+    ON: bool               # Q, K, VT are quantized with scales (else every other field is unused)
+    QK_INT8: bool          # Q, K int8: q8.k8 an s8 MMA into int32, converted to fp32 (exact: |q8.k8|
+                           # <= D 127^2 < 2^24 for D <= 256); else e4m3 into fp32
     Q_BLOCK: int           # query rows per Q scale (0: one per head)
     KV_BLOCK: int          # keys per K / V scale (0: one per head); a multiple of BLOCK_N
     TWO_LEVEL: bool        # each tile's PV in a fresh accumulator added into the fp32 O (Hopper's
@@ -117,7 +121,8 @@ class Quant:
                            # wrongly where rounding carries into the next binade (124 -> 64)
 
 
-NO_QUANT = Quant(ON=False, Q_BLOCK=0, KV_BLOCK=0, TWO_LEVEL=False, OUT_BF16=False, ROUND_P_IN_FP32=False)
+NO_QUANT = Quant(ON=False, QK_INT8=False, Q_BLOCK=0, KV_BLOCK=0, TWO_LEVEL=False, OUT_BF16=False,
+                 ROUND_P_IN_FP32=False)
 
 
 @triton.jit
@@ -230,12 +235,16 @@ def _kv_tile_fp8(acc, l_i, m_i, q, kv, start_n, offs_m, off_z, off_hq, M, N,
                  qk_scale2, sm_scale, score_bufs, mask_bufs, quant,
                  SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, APPLY_MASK: tl.constexpr,
                  TILE: tl.constexpr, FLAGS: tl.constexpr, QUANT: tl.constexpr):
-    """_kv_tile on FP8 inputs (Quant): S = (Q8 K8^T) * q_scale * k_scale, mods on the dequantized
-    fp32 scores, P in e4m3 with the V scale folded in, O += P8 VT^T."""
+    """_kv_tile on FP8 inputs (Quant): S = (Q8 K8^T) * q_scale * k_scale (Q8, K8 int8 or e4m3),
+    mods on the dequantized fp32 scores, P in e4m3 with the V scale folded in, O += P8 VT^T."""
     k_desc, v_desc, kv_z, kv_h = kv
     q_rows, ks_ptr, vs_ptr, vs_max, n_scale_blocks = quant
     k = _load_tile(k_desc, kv_z, kv_h, start_n, TILE.BLOCK_N, q.shape[1], TILE.HOST_DESC)
-    qk = tl.dot(q, tl.trans(k))
+    if QUANT.QK_INT8:
+        # s8 wgmma, int32 sums (exact, no ~22-bit FP8 accumulator), one int -> fp32 per score
+        qk = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
+    else:
+        qk = tl.dot(q, tl.trans(k))
     # A block-mask block may reach past N (its tiles there are all masked): clamp the scale index.
     blk = tl.minimum(start_n // QUANT.KV_BLOCK, n_scale_blocks - 1) if QUANT.KV_BLOCK > 0 else 0
     deq = q_rows * tl.load(ks_ptr + blk)          # [BLOCK_M]: the tile's dequantization per row
@@ -417,7 +426,9 @@ def attention_fwd_kernel(
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = _load_tile(q_desc, off_z, off_hq, start_m, BLOCK_M, TILE.BLOCK_D, TILE.HOST_DESC)
-    in_dtype = q.dtype
+    # P's MMA type. FP8: e4m3 (the _kv_tile_fp8 path). Triton still type-checks _kv_tile's 16-bit
+    # body after that path's return, P against the e4m3 Vᵀ: int8 Q would fail it.
+    in_dtype = tl.float8e4nv if QUANT.ON else q.dtype
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
