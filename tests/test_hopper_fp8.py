@@ -14,7 +14,6 @@ Quant bundle on, tiles in templates/hopper_fp8/configs.py).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import re
 
 import pytest
@@ -30,9 +29,8 @@ SMEM_LIMIT = 227 * 1024
 
 
 def _recipe(**fields) -> FP8Recipe:
-    """An FP8Recipe with Q and K in e4m3, the format this kernel takes (recipes that know ``qk`` default to int8)."""
-    if "qk" in {f.name for f in dataclasses.fields(FP8Recipe)}:
-        fields.setdefault("qk", "e4m3")
+    """An FP8Recipe with Q and K in e4m3 unless ``qk`` says otherwise (FP8Recipe's default is int8)."""
+    fields.setdefault("qk", "e4m3")
     return FP8Recipe(**fields)
 
 
@@ -81,11 +79,10 @@ def test_prepare_needs_the_prologue_operands_and_a_gpu():
     call.q, call.k, call.v, call.fp8 = ops.q, ops.k, ops.vt, ops
     with pytest.raises(NotServed, match="sm90 GPU"):
         HOPPER_FP8.prepare(call)
-    if "qk" in {f.name for f in dataclasses.fields(FP8Recipe)}:   # int8 Q / K: not in this kernel yet
-        ops = quantize_reference(q, k, v, FP8Recipe(qk="int8"))
-        call.q, call.k, call.v, call.fp8 = ops.q, ops.k, ops.vt, ops
-        with pytest.raises(NotServed, match="qk='e4m3'"):
-            HOPPER_FP8.prepare(call)
+    ops = quantize_reference(q, k, v, FP8Recipe(qk="int8"))   # int8 Q / K reach the same device check
+    call.q, call.k, call.v, call.fp8 = ops.q, ops.k, ops.vt, ops
+    with pytest.raises(NotServed, match="sm90 GPU"):
+        HOPPER_FP8.prepare(call)
     with pytest.raises(NotServed, match="sm90 GPU"):
         HOPPER_FP8.launch(call)
 
@@ -143,9 +140,10 @@ def _wgmma_forms(ptx: str) -> set:
     return forms
 
 
-def _check_fp8(ck, cfg, D, max_stack=0):
+def _check_fp8(ck, cfg, D, max_stack=0, qk="e4m3"):
     """The checks every FP8 compile must pass; returns the SASS report. `max_stack`: the bound on spills where
-    they are a known cost (test_hopper_compile.py's rule for mask_mods that gather from a buffer)."""
+    they are a known cost (test_hopper_compile.py's rule for mask_mods that gather from a buffer). `qk`: Q and
+    K's format (FP8Recipe.qk): QK^T is an e4m3 or an s8 wgmma, PV e4m3 either way."""
     from fa3_inductor.templates.aot import sass_report
 
     r = sass_report(ck)
@@ -156,13 +154,16 @@ def _check_fp8(ck, cfg, D, max_stack=0):
     assert {cfg.consumer_regs, cfg.producer_regs} <= r.setmaxnreg, f"setmaxnreg dropped: {r.setmaxnreg}"
     assert "USETMAXREG" in r.sass
     forms = _wgmma_forms(r.ptx)
-    qk = f"wgmma.mma_async.sync.aligned.m64n{cfg.block_n}k32.f32.e4m3.e4m3"
+    qk_type = "s32.s8.s8" if qk == "int8" else "f32.e4m3.e4m3"
+    qk_form = f"wgmma.mma_async.sync.aligned.m64n{cfg.block_n}k32.{qk_type}"
     pv = f"wgmma.mma_async.sync.aligned.m64n{D}k32.f32.e4m3.e4m3"
-    assert (qk, "smem") in forms, f"no e4m3 QK^T wgmma from shared memory: {forms}"
+    assert (qk_form, "smem") in forms, f"no {qk} QK^T wgmma from shared memory: {forms}"
     assert (pv, "regs") in forms, f"no e4m3 PV wgmma with P in registers: {forms}"
-    assert all("e4m3.e4m3" in shape for shape, _ in forms), f"a wgmma that is not e4m3: {forms}"
-    gmma = set(re.findall(r"\b[HQ]GMMA\.\w+\.\w+(?:\.\w+)*", r.sass))
-    assert f"QGMMA.64x{cfg.block_n}x32.F32.E4M3.E4M3" in gmma and f"QGMMA.64x{D}x32.F32.E4M3.E4M3" in gmma, gmma
+    assert all(shape.endswith((qk_type, "e4m3.e4m3")) for shape, _ in forms), f"an unexpected wgmma: {forms}"
+    gmma = set(re.findall(r"\b[HQI]GMMA\.\w+\.\w+(?:\.\w+)*", r.sass))
+    assert f"QGMMA.64x{D}x32.F32.E4M3.E4M3" in gmma, gmma
+    if qk == "e4m3":
+        assert f"QGMMA.64x{cfg.block_n}x32.F32.E4M3.E4M3" in gmma, gmma
     assert fp8_smem_bytes(cfg, D, D) <= r.shared < fp8_smem_bytes(cfg, D, D) + 1024 and r.shared <= SMEM_LIMIT
     # P: fp32 accumulator -> e4m3 (F2FP) -> the A operand's layout by shuffles and byte permutes, no shared memory
     loops = [" ".join(body) for body in r.inner_loops() if "QGMMA" in " ".join(body)]
@@ -187,16 +188,18 @@ def _compile_variants(D, recipe, **options):
 
 @pytest.mark.sm90_compile
 @pytest.mark.parametrize("D,cfg", list(all_fp8_configs()), ids=lambda x: str(x) if isinstance(x, int) else "")
-def test_fp8_config_compiles_to_e4m3_wgmma(D, cfg):
-    recipe = _recipe(two_level=0 if D in UNSERVED_TWO_LEVEL else 1)
+@pytest.mark.parametrize("qk", ["e4m3", "int8"])
+def test_fp8_config_compiles_to_e4m3_wgmma(D, cfg, qk):
+    recipe = _recipe(two_level=0 if D in UNSERVED_TWO_LEVEL else 1, qk=qk)
     compiled = _compile_variants(D, recipe)
     schedules = {(kw["SCHED"].PERSISTENT, kw["FLAGS"].EVEN_N) for kw, _ in compiled}
     persistent = (False, True) if cfg.persistent is None else (cfg.persistent,)
     assert schedules == {(p, even_n) for p in persistent for even_n in (False, True)}
     for kwargs, ck in compiled:
         assert kwargs["QUANT"].ON and kwargs["QUANT"].TWO_LEVEL == (recipe.two_level > 0)
+        assert kwargs["QUANT"].QK_INT8 == (qk == "int8")
         assert kwargs["SCHED"].O_STAGE   # FP8 always stages O apart from the (e4m3) Q tile
-        _check_fp8(ck, cfg, D)
+        _check_fp8(ck, cfg, D, qk=qk)
 
 
 def _softcap_causal(M, N):
@@ -359,13 +362,14 @@ def _check_gpu(q, k, v, recipe, score_mod=None, mask_mod=None, enable_gqa=False)
 @pytest.mark.gpu
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("mod", ["noop", "causal", "softcap"])
-def test_hopper_fp8_matches_reference(hopper_fp8_first, D, mod):
+@pytest.mark.parametrize("qk", ["int8", "e4m3"])
+def test_hopper_fp8_matches_reference(hopper_fp8_first, D, mod, qk):
     from fa3_inductor import mods
 
     q, k, v = _gpu_inputs(2, 4, 4, 1000, 1000, D, seed=D)   # ragged: 1000 = 7 x 128 + 104
     score_mod = mods.softcap(30.0) if mod == "softcap" else None
     mask_mod = mods.causal if mod == "causal" else None
-    _check_gpu(q, k, v, _recipe(two_level=0 if D in UNSERVED_TWO_LEVEL else 1), score_mod, mask_mod)
+    _check_gpu(q, k, v, _recipe(two_level=0 if D in UNSERVED_TWO_LEVEL else 1, qk=qk), score_mod, mask_mod)
 
 
 @pytest.mark.gpu

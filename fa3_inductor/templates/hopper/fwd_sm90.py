@@ -18,7 +18,8 @@ Notation
   LSE[z, hq, m]      log2-domain logsumexp of the (modded, masked) scores: logsumexp_e(s) / ln 2
   MAX[z, hq, m]      log2-domain row max:  max(s) / ln 2.   Fully masked row: O = 0, LSE = MAX = -inf.
   FP8 (QUANT.ON; operands from templates/fp8_prologue, layout in fp8_recipe.FP8Operands):
-  Q8, K8             Q, K as float8_e4m3fn (after the prologue's Hadamard rotation), same shapes
+  Q8, K8             Q, K as float8_e4m3fn, or int8 (QUANT.QK_INT8: an s8 wgmma, exact int32 scores), after the
+                     prologue's Hadamard rotation, same shapes
   VT [z, hkv, dv, n_pad]  V quantized and transposed (keys last; FP8 wgmma reads both operands K-major)
   QS [z, hq, ceil(M / Q_BLOCK)], KS / VS [z, hkv, ceil(N / KV_BLOCK)], VS_MAX [z, hkv]   float32 scales
                      (a block size 0: one scale per head). A KV tile lies inside one K / V scale block.
@@ -197,6 +198,8 @@ class Quant:
     KV_BLOCK: int     # keys per K / V scale (0: one per head); a multiple of BLOCK_N
     TWO_LEVEL: bool   # each tile's P8 VT^T in a fresh wgmma accumulator, added into the fp32 O (Hopper's FP8
                       # MMA accumulates in about 22 bits: a long row chained in one accumulator loses accuracy)
+    QK_INT8: bool = False   # Q and K are int8 (FP8Recipe.qk): S = Q8 K8^T in an s32 wgmma accumulator, exact,
+                            # converted to fp32 before the scales (V and P stay e4m3)
 
 
 NO_QUANT = Quant(ON=False, Q_BLOCK=0, KV_BLOCK=0, TWO_LEVEL=False)
@@ -682,6 +685,8 @@ def _softmax_step(s_acc, start, is_partial, b, h, q_idx, q_idx_c, row0, sm_scale
     _score_tile, then the online softmax. FP8: a score_mod sees the dequantized scores (the per-row factor
     folds into KV_AFFINE's column FFMA)."""
     if QUANT.ON:
+        if QUANT.QK_INT8:
+            s_acc = s_acc.to(gl.float32)   # |Q8 K8| <= D * 127^2 < 2^24: exact in fp32
         deq, v_shift = tile_scales
         if FLAGS.KV_AFFINE:
             qk_unit = (deq * qk_unit)[:, None]
@@ -981,7 +986,10 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
                 version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, O_HI, 16]))
         else:
             acc_hi = 0.0
-        s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
+        if QUANT.QK_INT8:   # the QK^T accumulator's type (use_acc=False: its values are never read)
+            s_zero = gl.zeros([HALF_M, BLOCK_N], gl.int32, layout=s_layout)
+        else:
+            s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
         if QUANT.TWO_LEVEL:   # the fresh PV accumulator's shape (use_acc=False: its values are never read)
             o_zero = gl.zeros([HALF_M, O_LO], gl.float32, layout=o_layout)
         else:
@@ -1259,7 +1267,8 @@ def _num_sms(device) -> int:
 
 
 def _gl_dtype(dtype):
-    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}[dtype]
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv,
+            torch.int8: gl.int8}[dtype]
 
 
 @functools.lru_cache(maxsize=64)
@@ -1488,7 +1497,7 @@ def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bu
         quant, quant_bufs = NO_QUANT, ()
     else:
         quant = Quant(ON=True, Q_BLOCK=fp8.recipe.block_m, KV_BLOCK=fp8.recipe.block_n,
-                      TWO_LEVEL=fp8.recipe.two_level > 0)
+                      TWO_LEVEL=fp8.recipe.two_level > 0, QK_INT8=q.dtype == torch.int8)
         quant_bufs = (fp8.q_scale, fp8.k_scale, fp8.v_scale, fp8.v_scale_max)
     args = (q_desc, k_desc, v_desc, o_desc, *hi_descs, lse, max_scores, tuple(score_bufs), tuple(mask_bufs),
             quant_bufs, *sp_ptrs, *sp_meta, float(sm_scale), to_log2, float(fixed_base or 0.0), qk_unit, num_tiles,
@@ -1505,9 +1514,10 @@ def _fp8_site_config(q, k, vt, out, fp8, config) -> Sm90Config:
     B, Hq, M, D = q.shape
     Dv = vt.shape[2]
     e4m3 = torch.float8_e4m3fn
-    if q.dtype != e4m3 or k.dtype != e4m3 or vt.dtype != e4m3:
-        raise ValueError(f"sm90 FP8 forward: q, k, vt must be float8_e4m3fn (the FP8 prologue's output), got "
-                         f"{q.dtype}, {k.dtype}, {vt.dtype}")
+    qk_dtype = torch.int8 if getattr(fp8.recipe, "qk", "e4m3") == "int8" else e4m3
+    if q.dtype != qk_dtype or k.dtype != qk_dtype or vt.dtype != e4m3:
+        raise ValueError(f"sm90 FP8 forward: q, k must be {qk_dtype} (FP8Recipe.qk) and vt float8_e4m3fn (the FP8 "
+                         f"prologue's output), got {q.dtype}, {k.dtype}, {vt.dtype}")
     if out.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"sm90 FP8 forward: out must be bfloat16 or float16, got {out.dtype}")
     if tuple(vt.shape[:2]) != tuple(k.shape[:2]) or vt.shape[3] < k.shape[2] or vt.shape[3] % 16:

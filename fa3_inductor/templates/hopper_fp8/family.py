@@ -57,9 +57,6 @@ class HopperFP8Family:
         ops = _operands(call)
         q, k, vt, out = ops.q, ops.k, ops.vt, call.out
         D, Dv = q.shape[-1], vt.shape[2]
-        if getattr(ops.recipe, "qk", "e4m3") != "e4m3":
-            raise NotServed(f"Hopper FP8 template: Q and K in {ops.recipe.qk} (FP8Recipe.qk) are not implemented in "
-                            "the Gluon kernel yet, only e4m3 (FP8Recipe(qk='e4m3')); the fp8 family runs this call")
         if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
             raise NotServed("the Hopper FP8 template runs on an sm90 GPU only")
         if not serves_fp8_head_dims(D, Dv, ops.recipe.two_level > 0):
