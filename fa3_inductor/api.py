@@ -192,8 +192,8 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
 
     ``fp8=True`` (or an :class:`FP8Recipe`) runs FP8 attention for inference: one prologue pass
     applies ``rope`` (a :class:`RopeSpec`, optional: q and k given before RoPE), rotates q and k by
-    a random-sign Hadamard matrix and quantizes q, k, v to e4m3 with one scale per kernel tile; the
-    FP8 kernel then computes on them (docs/fp8.md). Inference only: inputs that need gradients
+    a random-sign Hadamard matrix and quantizes q and k to int8 (``FP8Recipe(qk="e4m3")``: e4m3) and
+    v to e4m3, with one scale per kernel tile; the FP8 kernel then computes on them (docs/fp8.md). Inference only: inputs that need gradients
     raise. ``rope`` needs ``fp8``.
 
     Example::

@@ -2,9 +2,9 @@
 
 ``register()`` adds an attention function and a mask function named "fa3" to transformers'
 interfaces, and "fa3_fp8": the same with FP8 attention for inference (``flex(..., fp8=...)``: q and k
-rotated by a random-sign Hadamard matrix, e4m3 with block scales; docs/fp8.md). Under "fa3_fp8" the
-model's RoPE runs in the model, before the attention function (the prologue's fused RoPE needs the
-compiled path, not there yet). Masks are built by transformers' own FlexAttention mask builder (causal, sliding
+rotated by a random-sign Hadamard matrix, one-byte operands with block scales; docs/fp8.md). Under
+"fa3_fp8" the model's RoPE runs in the model, before the attention function (the prologue fuses it
+only on the compiled path: eager attention compiled with options fa3.fp8). Masks are built by transformers' own FlexAttention mask builder (causal, sliding
 window per layer type, padding, packed sequences), so they arrive as a BlockMask; softcapping
 comes from the model's config through the ``softcap`` argument transformers passes.
 

@@ -1,10 +1,10 @@
-"""The FP8 family behind the kernel-family interface (templates/family.py): e4m3 Q, K and Vᵀ with
-block scales from the prologue (templates/fp8_prologue/), computed by the generic Triton kernel with
+"""The FP8 family behind the kernel-family interface (templates/family.py): int8 or e4m3 Q and K,
+e4m3 Vᵀ, with block scales from the prologue (templates/fp8_prologue/), computed by the generic Triton kernel with
 its Quant bundle on (templates/generic/kernel.py), mods in the ``tl`` dialect.
 
 It serves only sites planned with FP8 on (``SiteFacts.fp8``), on GPUs with FP8 tensor cores (sm89
-and newer) and under Triton's interpreter. A Gluon FP8 kernel with the Hopper family's structure
-(warp specialization, pingpong) is the planned fast path; this one is the correct and portable one.
+and newer) and under Triton's interpreter. On sm90 the Gluon kernel's FP8 mode (templates/hopper_fp8/,
+first in the registry) is the fast path; this one is the portable one and its fallback.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class FP8Family:
         return None
 
     def describe(self, site: SiteFacts) -> str:
-        return "FP8 e4m3 (Triton kernel, prologue: Hadamard + block scales)"
+        return "FP8 (Triton kernel; prologue: Hadamard, block scales, int8 or e4m3 Q/K, e4m3 V)"
 
     def prepare(self, call: Call) -> Optional[Variants]:
         ops = _operands(call)
