@@ -1,7 +1,8 @@
-"""The hopper_fp8 family behind the kernel-family interface (templates/family.py): e4m3 Q, K and Vᵀ with block
-scales from the FP8 prologue (templates/fp8_prologue/), computed by the Gluon Hopper kernel
-(templates/hopper/fwd_sm90.py) with its Quant bundle on: warp specialization, pingpong, K / Vᵀ rings, e4m3
-wgmma for QKᵀ and PV, P converted to e4m3 in registers. Mods in the ``gl`` dialect.
+"""The hopper_fp8 family behind the kernel-family interface (templates/family.py): int8 or e4m3 Q and K
+(FP8Recipe.qk), e4m3 Vᵀ, with block scales from the FP8 prologue (templates/fp8_prologue/), computed by the
+Gluon Hopper kernel (templates/hopper/fwd_sm90.py) with its Quant bundle on: warp specialization, pingpong,
+K / Vᵀ rings, an s8 or e4m3 wgmma for QKᵀ and an e4m3 one for PV, P converted to e4m3 in registers. Mods in
+the ``gl`` dialect.
 
 It serves only sites planned with FP8 on (``SiteFacts.fp8``) on sm90, for the head dims of its tile table
 (configs.py); other FP8 sites fall through to the ``fp8`` family (the generic Triton kernel), which it
