@@ -113,14 +113,21 @@ class RopeSpec:
     """Rotary position embedding for the prologue to apply to Q and K before the Hadamard rotation.
 
     ``cos`` / ``sin``: tables of shape [P, R] (or [B, P, R]) in the model's convention, R <= D the
-    rotated width (channels past R pass through). ``style``: "half" (rotate_half: channel i pairs
-    with i + R/2, the table repeats its R/2 frequencies twice) or "interleaved" (channel 2i pairs
-    with 2i + 1, the table repeats each frequency twice). ``q_positions`` / ``k_positions``: int
-    tensors [M] / [N] (or [B, M] / [B, N]) selecting table rows; None means 0, 1, 2, ...
+    rotated width (channels past R pass through); any values, each channel rotated by its own
+    column: x·cos + rotate(x)·sin. ``style``: "half" (rotate_half: channel i pairs with i + R/2;
+    out[i] = x[i]·cos[i] - x[i+R/2]·sin[i], out[i+R/2] = x[i+R/2]·cos[i+R/2] + x[i]·sin[i+R/2])
+    or "interleaved" (channel 2i pairs with 2i + 1; out[2i] = x[2i]·cos[2i] - x[2i+1]·sin[2i],
+    out[2i+1] = x[2i+1]·cos[2i+1] + x[2i]·sin[2i+1]). Models' tables repeat each frequency over
+    the two channels of a pair (as :meth:`from_theta` builds them); nothing requires it.
+    ``q_positions`` / ``k_positions``: int tensors [M] / [N] (or [B, M] / [B, N]) selecting table
+    rows; None means 0, 1, 2, ...
 
     Example::
 
-        >>> RopeSpec(cos, sin, style="half")   # doctest: +SKIP
+        >>> import torch
+        >>> angles = torch.arange(16.0)[:, None] * torch.rand(64)   # 64 frequencies, no repeat
+        >>> RopeSpec(angles.cos(), angles.sin(), style="half").style
+        'half'
     """
 
     cos: object
@@ -138,7 +145,8 @@ class RopeSpec:
                    style: str = "half", q_positions: object = None, k_positions: object = None,
                    device: object = None) -> "RopeSpec":
         """Float32 tables [length, dim] of the standard RoPE frequencies theta^(-2i/dim), computed
-        in float64 on the host (rows are positions 0 .. length-1). ``length`` None: one past the
+        in float64 on the host (rows are positions 0 .. length-1), each frequency on both channels
+        of its pair (columns i and i + dim/2 for "half", 2i and 2i + 1 for "interleaved"). ``length`` None: one past the
         largest position given (reads the positions back: a device sync on a GPU).
 
         Example::

@@ -141,7 +141,27 @@ CASES = {
                                       lambda B, M, N, D: RopeSpec.from_theta(32, 64)),
     "smooth_k_per_head_no_rope": (1, 2, 1, 17, 33, 64, 64, torch.bfloat16,
                                   FP8Recipe(smooth_k=True, block_m=0, block_n=0), None),
+    # Tables whose pairs do not share a frequency: both columns of each pair are applied.
+    "random_tables_half_smooth_k": (1, 2, 1, 40, 50, 64, 64, torch.bfloat16,
+                                    FP8Recipe(smooth_k=True, block_m=16, block_n=32),
+                                    lambda B, M, N, D: _random_tables(D, 64, "half")),
+    "random_tables_interleaved_partial": (2, 2, 1, 24, 30, 64, 64, torch.float16,
+                                          FP8Recipe(hadamard=False, block_m=16, block_n=16),
+                                          lambda B, M, N, D: _random_tables(
+                                              32, 40, "interleaved", batch=B,
+                                              q_positions=torch.randint(0, 40, (M,)),
+                                              k_positions=torch.randint(0, 40, (B, N)),
+                                              dtype=torch.bfloat16)),
 }
+
+
+def _random_tables(R, P, style, batch=None, dtype=torch.float32, **positions) -> RopeSpec:
+    """cos, sin [P, R] (or [batch, P, R]) uniform in [-1, 1]: no two columns alike, so the two
+    members of a rotated pair never share a table value (unlike RopeSpec.from_theta's)."""
+    g = torch.Generator().manual_seed(R + P)
+    shape = (P, R) if batch is None else (batch, P, R)
+    cos, sin = ((torch.rand(shape, generator=g) * 2 - 1).to(dtype) for _ in range(2))
+    return RopeSpec(cos, sin, style, **positions)
 
 
 def _batched(rope: RopeSpec, B: int) -> RopeSpec:
@@ -160,6 +180,28 @@ def test_kernel_matches_float64_reference(cpu_kernels, case, qk):
     rope = make_rope(B, M, N, D) if make_rope else None
     ops = quantize(q, k, v, recipe, rope)
     assert_matches_reference(ops, q, k, v, recipe, rope)
+
+
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+def test_rope_applies_both_table_columns_of_each_pair(cpu_kernels, style):
+    """Tables that do not repeat their frequencies: the prologue's RoPE is the model's (each
+    channel by its own cos / sin column), not the repeating tables' shortcut (one column per
+    pair), against the float64 reference."""
+    q, k, v = _inputs(1, 2, 1, 32, 48, 64, seed=5)
+    rope = _random_tables(64, 48, style)
+    a, b = ((rope.cos[:, :32], rope.cos[:, 32:]) if style == "half"
+            else (rope.cos[:, 0::2], rope.cos[:, 1::2]))
+    assert not torch.equal(a, b), "the tables repeat: nothing tested"
+    recipe = FP8Recipe(hadamard=False, block_m=16, block_n=16)
+    ops = quantize(q, k, v, recipe, rope)
+    assert_matches_reference(ops, q, k, v, recipe, rope)
+    # One column per pair (the old reading) gives other operands: the test would catch it.
+    def first_columns(t):
+        return t[:, :32].repeat(1, 2) if style == "half" else t[:, 0::2].repeat_interleave(2, -1)
+
+    one_column = quantize_reference(q, k, v, recipe, RopeSpec(first_columns(rope.cos),
+                                                              first_columns(rope.sin), style))
+    assert not torch.equal(one_column.q.view(torch.uint8), ops.q.view(torch.uint8))
 
 
 def test_int8_exact_ties_round_to_even_and_blocks_reach_127(cpu_kernels):
@@ -312,11 +354,14 @@ def test_reference_rope_matches_transformers_and_llama_conventions():
     half = torch.cat([-xr[..., 6:], xr[..., :6]], dim=-1)
     want = torch.cat([xr * cos + half * sin, x[..., 12:]], dim=-1)
     assert torch.allclose(apply_rope(x, cos, sin, "half"), want, atol=1e-14)
-    # Meta llama: pairs (2i, 2i+1) as complex numbers times e^{i·pos·freq_i}.
-    rope = RopeSpec.from_theta(12, 10, style="interleaved")
-    cos, sin = rope_tables(rope, None, 2, 7, torch.float64)
+    # Meta llama: pairs (2i, 2i+1) as complex numbers times e^{i·pos·freq_i}. The tables are built here
+    # in float64 from the same angles (from_theta's are float32: their rounding, ~6e-8, exceeds allclose's
+    # bound wherever an output lands near 0, which made this check fail on some random draws).
     angles = torch.arange(7, dtype=torch.float64)[:, None] * 10000.0 ** (
         -torch.arange(0, 12, 2, dtype=torch.float64) / 12)
+    pairs = angles.repeat_interleave(2, dim=-1)
+    rope = RopeSpec(pairs.cos(), pairs.sin(), style="interleaved")
+    cos, sin = rope_tables(rope, None, 2, 7, torch.float64)
     z = torch.view_as_complex(x[..., :12].reshape(2, 3, 7, 6, 2).contiguous()) * torch.polar(
         torch.ones_like(angles), angles)
     want = torch.cat([torch.view_as_real(z).flatten(-2), x[..., 12:]], dim=-1)
@@ -369,14 +414,16 @@ def test_bad_inputs_raise_clear_errors(bad, error, match):
 # ---- sm90 compile (no GPU) ----------------------------------------------------------------
 
 @pytest.mark.sm90_compile
-def test_compiles_for_sm90_without_spills():
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+def test_compiles_for_sm90_without_spills(style):
     """D=128 bf16 with RoPE and smoothing: both launches compile for sm90 without register
-    spills, the Hadamard runs on wgmma, the e4m3 casts are the hardware's rounding ones."""
+    spills (the reduction pass holds 4 table parts: host.py gives it 8 warps with RoPE), the
+    Hadamard runs on wgmma, the e4m3 casts are the hardware's rounding ones."""
     from fa3_inductor.templates.aot import sass_report
 
     q = torch.randn(2, 8, 1024, 128, dtype=torch.bfloat16)
     k = v = torch.randn(2, 2, 1024, 128, dtype=torch.bfloat16)
-    rope = RopeSpec.from_theta(128, 1024)
+    rope = RopeSpec.from_theta(128, 1024, style=style)
     sums, main = host.compile_prologue(q, k, v, FP8Recipe(smooth_k=True), rope)
     for name, ck in (("k_sums_kernel", sums), ("prologue_kernel", main)):
         r = sass_report(ck)
@@ -427,12 +474,3 @@ def test_other_head_dims_compile_for_sm90_without_spills(D, Dv, R, recipe):
     r = sass_report(main)
     assert r.stack == 0 and r.spill_instructions == 0, (r.registers, r.stack)
     assert r.shared <= 227 * 1024, r.shared
-
-
-def test_rope_tables_that_do_not_repeat_are_refused():
-    q = k = v = torch.randn(1, 1, 16, 32, dtype=torch.bfloat16)
-    angles = torch.arange(16.0)[:, None] * torch.rand(32)   # 32 different frequencies: no repeat
-    with pytest.raises(ValueError, match="must repeat its frequencies"):
-        quantize(q, k, v, FP8Recipe(), RopeSpec(angles.cos(), angles.sin(), style="half"))
-    with pytest.raises(ValueError, match="must repeat its frequencies"):
-        quantize(q, k, v, FP8Recipe(), RopeSpec(angles.cos(), angles.sin(), style="interleaved"))

@@ -219,17 +219,33 @@ def test_rotated_k_read_elsewhere_stays(cpu_kernels, fresh_compiles):
                                atol=1e-5)
 
 
-def test_tables_that_do_not_repeat_are_still_applied_exactly(cpu_kernels, fresh_compiles):
-    """The prologue reads one column per rotated pair (RopeSpec's tables repeat each frequency);
-    a model's arbitrary tables, graph inputs the rewrite cannot read, make the op rotate q and k
-    by torch ops first: the result is the model's RoPE all the same. q and k come in a transposed
-    storage ([B, S, H, D] viewed as [B, H, S, D]), which the output's strides follow."""
+def test_tables_that_do_not_repeat_are_applied_by_the_prologue(cpu_kernels, fresh_compiles,
+                                                               monkeypatch):
+    """A model's arbitrary tables (graph inputs whose two halves differ) go to the prologue as they
+    are: it reads both table columns of each rotated pair, so the result is the model's RoPE with
+    no check of the tables. q and k come in a transposed storage ([B, S, H, D] viewed as
+    [B, H, S, D]), which the output's strides follow."""
+    from fa3_inductor.runtime import ops_fp8
+
+    seen = []
+
+    def spy(q, k, v, recipe, rope=None):
+        seen.append(rope)
+        return quantize(q, k, v, recipe, rope)
+
+    quantize = ops_fp8.quantize
+    monkeypatch.setattr(ops_fp8, "quantize", spy)
     v = qkv(6)[2]
     q, k = (t.transpose(1, 2) for t in qkv(6, layout="bshd")[:2])
     g = torch.Generator().manual_seed(7)
     cos, sin = (torch.rand(S, D, generator=g).bfloat16() for _ in range(2))
+    assert not torch.equal(cos[:, : D // 2], cos[:, D // 2:])
     out, code = compiled_code(HalfRope(), q, k, v, cos, sin)
     assert FUSED_OP in code and rope_kernels(code) == []
+    assert seen and all(r is not None and r.style == "half" for r in seen), seen
+    assert torch.equal(seen[-1].cos.reshape(S, D), cos)
+    assert torch.equal(seen[-1].sin.reshape(S, D), sin)
+    assert out.stride() == q.stride(), "the output does not follow q's strides"
     check_output(out, q, k, v, cos, sin)
 
 

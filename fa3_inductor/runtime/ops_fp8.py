@@ -110,9 +110,8 @@ def flex_fwd_fp8_rope(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
     and the quantization. RoPE is applied whatever family serves the call: every family reads the
     prologue's (rotated) operands. Captured buffers are made contiguous (the plan bakes in
     contiguous strides, as the lowering's ``require_contiguous`` does for ``flex_fwd_fp8``).
-
-    Tables that do not repeat each frequency (the prologue reads one column per rotated pair) are
-    applied by torch ops on q and k first instead, so the result is the model's RoPE either way.
+    Any tables are applied exactly as the model applies them (the prologue reads both table columns
+    of each rotated pair): no check of the tables, no device sync.
 
     Example::
 
@@ -122,39 +121,12 @@ def flex_fwd_fp8_rope(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
     """
     from .ops import record_template, serve
 
-    rope: Optional[RopeSpec] = RopeSpec(cos, sin, rope_style)
-    if not _tables_repeat(rope):
-        q, k = _rotated_by_torch(q, k, rope)
-        rope = None
+    rope = RopeSpec(cos, sin, rope_style)
     call = fp8_call(q, k, v, (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices),
                     [b.contiguous() for b in score_bufs], [b.contiguous() for b in mask_bufs],
                     scale, sparse_q_block, sparse_kv_block, recipe_of(recipe), rope)
     record_template(serve(SiteSpec.from_json(spec), call, spec))
     return call.out, call.lse, call.max_scores
-
-
-def _tables_repeat(rope: RopeSpec) -> bool:
-    """Whether the tables repeat each frequency as the prologue reads them (checked once per
-    table by the prologue's own check, which remembers the tables it has seen)."""
-    from ..templates.fp8_prologue.host import _check_tables_repeat
-
-    try:
-        _check_tables_repeat(rope.style, rope.cos, rope.sin)
-    except ValueError:
-        return False
-    return True
-
-
-def _rotated_by_torch(q: Tensor, k: Tensor, rope: RopeSpec) -> tuple[Tensor, Tensor]:
-    """q and k rotated by ``rope`` with torch ops in float32, back in their dtype and strides (the
-    output follows q's stride order, as the fake implementation promised)."""
-    from ..templates.fp8_prologue.reference import apply_rope, rope_tables
-
-    def rotate(x: Tensor) -> Tensor:
-        tables = rope_tables(rope, None, x.shape[0], x.shape[2], torch.float32)
-        return torch.empty_like(x).copy_(apply_rope(x.float(), *tables, rope.style))
-
-    return rotate(q), rotate(k)
 
 
 _LIB.impl("flex_fwd_fp8", flex_fwd_fp8, "CUDA")

@@ -107,31 +107,6 @@ def _check_inputs(q: Any, k: Any, v: Any, recipe: Any, rope: Any) -> None:
         _check_rope(rope, B, M, N, D, q.device)
 
 
-_CHECKED_TABLES: dict = {}   # (data_ptr, version, shape, style) of tables seen to repeat their frequencies
-
-
-def _check_tables_repeat(style: str, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """The kernel reads one column of each rotated pair (RopeSpec: the table repeats every frequency,
-    as transformers' and Meta's tables do). A table that does not would give wrong rotations
-    silently: check it once per table (by address and version: models reuse one table for every
-    layer and call), at the cost of one device sync the first time."""
-    key = tuple((t.data_ptr(), t._version, tuple(t.shape), style) for t in (cos, sin))
-    if key in _CHECKED_TABLES:
-        return
-    R = cos.shape[-1]
-    for name, t in (("cos", cos), ("sin", sin)):
-        a, b = (t[..., : R // 2], t[..., R // 2:]) if style == "half" else (t[..., 0::2], t[..., 1::2])
-        if not torch.equal(a, b):
-            layout = ("its two halves equal (cat(freqs, freqs))" if style == "half"
-                      else "each frequency twice in a row")
-            raise ValueError(f"quantize: RopeSpec.{name} with style={style!r} must repeat its "
-                             f"frequencies ({layout}), as transformers' and Meta's tables do; "
-                             "build it that way or use the other style")
-    if len(_CHECKED_TABLES) >= 64:
-        _CHECKED_TABLES.clear()
-    _CHECKED_TABLES[key] = True
-
-
 def _check_rope(rope: Any, B: int, M: int, N: int, D: int, device: torch.device) -> None:
     if not isinstance(rope, RopeSpec):
         raise TypeError(f"quantize: rope must be an fa3_inductor RopeSpec, got {type(rope).__name__}")
@@ -150,7 +125,6 @@ def _check_rope(rope: Any, B: int, M: int, N: int, D: int, device: torch.device)
     if R % 2 or not 2 <= R <= D:
         raise ValueError(f"quantize: the RoPE tables' width R = {R} (rotated channels) must be even "
                          f"and at most the head dim {D}")
-    _check_tables_repeat(rope.style, cos, sin)
     for name, pos, length in (("q_positions", rope.q_positions, M),
                               ("k_positions", rope.k_positions, N)):
         if pos is None:
@@ -299,6 +273,11 @@ def prepare_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: 
     # registers, 256 bytes of stack at sm90).
     wide = max(block_d, block_dv)
     num_warps = tuning.num_warps or (8 if wide > 128 or (rope is not None and wide == 128) else 4)
+    # The reduction pass holds a K tile and its 4 table parts (both columns of each pair): with
+    # RoPE at 4 warps it spilled at D = 128 (sm90: 158 spill instructions "half", 509
+    # "interleaved"); 8 warps: none (215 registers "half", 255 "interleaved", whose stride-2
+    # loads take an address per element).
+    sums_warps = 8 if rope is not None else 4
     launches = []
     n_chunks = min(SMOOTH_CHUNKS, -(-N // tile_n))
     k_part = had
@@ -307,7 +286,8 @@ def prepare_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: 
         launches.append((k_sums_kernel,
                          (k, k_part, had, cos, sin, kpos_t, *k.stride()[:3], stride_tz, stride_tp,
                           stride_kpz, Hkv, N, P, n_chunks),
-                         dict(SHAPE=shape, ROT=rot, QUANT=quant, num_warps=4, num_stages=1),
+                         dict(SHAPE=shape, ROT=rot, QUANT=quant, num_warps=sums_warps,
+                              num_stages=1),
                          (B * Hkv, n_chunks)))
     nq, nk = B * Hq * qg, B * Hkv * kg
     args = (q, k, v, ops.q, ops.k, ops.vt, ops.q_scale, ops.k_scale, ops.v_scale, ops.v_scale_max,
@@ -342,12 +322,11 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: FP8Recip
     ``fp8_recipe.FP8Operands``.
 
     q [B, Hq, M, D], k [B, Hkv, N, D], v [B, Hkv, N, Dv]: any strides with the last one 1 (else
-    copied); Hq a multiple of Hkv; D and Dv multiples of 16 up to 256. ``rope`` tables follow
-    RopeSpec's convention (each frequency repeated: the kernel reads columns [0, R/2) for "half",
-    the even ones for "interleaved"); positions must lie in the table (checked for CPU tensors,
-    clamped on the GPU). Raises TypeError / ValueError saying what is wrong. Runs one Triton
-    launch on CUDA (two with smoothing) or under Triton's interpreter; on CPU tensors without it,
-    torch ops in float64 (reference.py).
+    copied); Hq a multiple of Hkv; D and Dv multiples of 16 up to 256. ``rope``: any cos / sin
+    tables (RopeSpec), applied as the model applies them; positions must lie in the table (checked
+    for CPU tensors, clamped on the GPU). Raises TypeError / ValueError saying what is wrong. Runs
+    one Triton launch on CUDA (two with smoothing) or under Triton's interpreter; on CPU tensors
+    without it, torch ops in float64 (reference.py).
 
     Example::
 

@@ -190,12 +190,13 @@ def _pair_columns(ROT: tl.constexpr):
 def _load_parts(Xh, stride_x, rows, L, z, POS, stride_pz, COS, SIN, stride_tz, stride_tp, P,
                 HAS_POS: tl.constexpr, ROT: tl.constexpr, SHAPE: tl.constexpr):
     """Rows `rows` of one head after RoPE, in parts: (a, b) [T, HALF_BLOCK] the rotated pairs
-    (a_i = x_ia·cos - x_ib·sin, b_i = x_ib·cos + x_ia·sin) and r [T, REST_BLOCK] the channels
-    [R, D) passed through; fp32, 0 outside the head; an absent part is 0.0.
+    (a_i = x_ia·cos_ia - x_ib·sin_ia, b_i = x_ib·cos_ib + x_ia·sin_ib) and r [T, REST_BLOCK] the
+    channels [R, D) passed through; fp32, 0 outside the head; an absent part is 0.0.
 
     Loading the pairs as two column sets (not a tile and its rotate_half partner) reads each input
-    byte once and each table value once: the table repeats every frequency (RopeSpec), so its
-    columns ia hold them all."""
+    byte and each table value once. Both members' table columns are read, so any table is applied
+    as the model applies it (no check that it repeats its frequencies, RopeSpec); the table rows
+    are small and shared by the heads that neighbouring programs take (L2 hits)."""
     row_ok = rows < L
     ptrs = Xh + rows[:, None].to(tl.int64) * stride_x
     a = 0.0
@@ -211,11 +212,14 @@ def _load_parts(Xh, stride_x, rows, L, z, POS, stride_pz, COS, SIN, stride_tz, s
         else:
             pos = rows
         pos = tl.minimum(tl.maximum(pos, 0), P - 1)
-        t_off = z.to(tl.int64) * stride_tz + pos[:, None].to(tl.int64) * stride_tp + ia[None, :]
-        c = tl.load(COS + t_off, mask=ok, other=0.0).to(tl.float32)
-        s = tl.load(SIN + t_off, mask=ok, other=0.0).to(tl.float32)
-        a = xa * c - xb * s
-        b = xb * c + xa * s
+        t_row = z.to(tl.int64) * stride_tz + pos[:, None].to(tl.int64) * stride_tp
+        # Each channel by its own table column: a pair's two columns may differ (RopeSpec).
+        cos_a = tl.load(COS + t_row + ia[None, :], mask=ok, other=0.0).to(tl.float32)
+        sin_a = tl.load(SIN + t_row + ia[None, :], mask=ok, other=0.0).to(tl.float32)
+        a = xa * cos_a - xb * sin_a
+        cos_b = tl.load(COS + t_row + ib[None, :], mask=ok, other=0.0).to(tl.float32)
+        sin_b = tl.load(SIN + t_row + ib[None, :], mask=ok, other=0.0).to(tl.float32)
+        b = xb * cos_b + xa * sin_b
     if ROT.REST_BLOCK > 0:
         ir = ROT.ROPE_DIM + tl.arange(0, ROT.REST_BLOCK)
         r = tl.load(ptrs + ir[None, :], mask=row_ok[:, None] & (ir < SHAPE.D)[None, :],

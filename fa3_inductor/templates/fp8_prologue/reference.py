@@ -49,13 +49,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str
     """x * cos + rotate(x) * sin on the first R = cos.shape[-1] channels; the rest pass through.
 
     "half": rotate_half(x) = cat(-x2, x1) (transformers' apply_rotary_pos_emb); "interleaved":
-    pairs (2i, 2i+1) rotate as complex numbers (Meta llama's apply_rotary_emb).
+    pairs (2i, 2i+1) rotate as complex numbers (Meta llama's apply_rotary_emb). Each channel takes
+    its own table column, so any tables work (the two members of a pair need not share a
+    frequency): "half" out[i] = x[i]·cos[i] - x[i+R/2]·sin[i], out[i+R/2] = x[i+R/2]·cos[i+R/2] +
+    x[i]·sin[i+R/2]; "interleaved" the same with i+R/2 -> 2i+1.
 
     Example::
 
         >>> x = torch.tensor([[1.0, 0.0]]); c, s = torch.zeros(1, 2), torch.ones(1, 2)
         >>> apply_rope(x, c, s, "half").tolist()
         [[0.0, 1.0]]
+        >>> x, c, s = torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, 5.0]]), torch.tensor([[7.0, 11.0]])
+        >>> apply_rope(x, c, s, "interleaved").tolist()      # [1·3 - 2·7, 2·5 + 1·11]
+        [[-11.0, 21.0]]
     """
     r = cos.shape[-1]
     xr, rest = x[..., :r], x[..., r:]
