@@ -182,6 +182,18 @@ def _listed_blocks_hull(KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX, row,
 
 
 @triton.jit
+def _masked(s, off_z, off_hq, q_idx, kv_idx, offs_n, N, mask_bufs, MASK_MOD: tl.constexpr,
+            APPLY_MASK: tl.constexpr, FLAGS: tl.constexpr):
+    """The score tile with mask_mod's hidden scores and the key columns past N at -inf."""
+    if APPLY_MASK:
+        keep = MASK_MOD(off_z, off_hq, q_idx, kv_idx, mask_bufs)
+        s = tl.where(keep, s, float("-inf"))
+    if not FLAGS.EVEN_N:
+        s = tl.where(offs_n[None, :] < N, s, float("-inf"))
+    return s
+
+
+@triton.jit
 def _kv_tile(acc, l_i, m_i, q, kv, start_n, offs_m, off_z, off_hq, M, N,
              qk_scale2, sm_scale, score_bufs, mask_bufs, quant,
              SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, APPLY_MASK: tl.constexpr,
@@ -212,11 +224,7 @@ def _kv_tile(acc, l_i, m_i, q, kv, start_n, offs_m, off_z, off_hq, M, N,
         s = qk  # raw q.k; the scale is positive
     else:
         s = qk * sm_scale
-    if APPLY_MASK:
-        keep = MASK_MOD(off_z, off_hq, q_idx, kv_idx, mask_bufs)
-        s = tl.where(keep, s, float("-inf"))
-    if not FLAGS.EVEN_N:
-        s = tl.where(offs_n[None, :] < N, s, float("-inf"))
+    s = _masked(s, off_z, off_hq, q_idx, kv_idx, offs_n, N, mask_bufs, MASK_MOD, APPLY_MASK, FLAGS)
 
     m_new = tl.maximum(m_i, tl.max(s, 1) * to_log2)
     # A row with nothing visible yet keeps m = -inf; exponentiate against 0 instead.
@@ -263,11 +271,7 @@ def _kv_tile_fp8(acc, l_i, m_i, q, kv, start_n, offs_m, off_z, off_hq, M, N,
     else:
         s = qk * (deq * sm_scale)[:, None]
         to_log2 = tl.full([TILE.BLOCK_M], 1.0, tl.float32) * qk_scale2
-    if APPLY_MASK:
-        keep = MASK_MOD(off_z, off_hq, q_idx, kv_idx, mask_bufs)
-        s = tl.where(keep, s, float("-inf"))
-    if not FLAGS.EVEN_N:
-        s = tl.where(offs_n[None, :] < N, s, float("-inf"))
+    s = _masked(s, off_z, off_hq, q_idx, kv_idx, offs_n, N, mask_bufs, MASK_MOD, APPLY_MASK, FLAGS)
 
     m_new = tl.maximum(m_i, tl.max(s, 1) * to_log2)
     m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
