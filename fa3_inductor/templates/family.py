@@ -109,6 +109,18 @@ class Call:
     def outputs(self) -> tuple[Tensor, Tensor, Tensor]:
         return self.out, self.lse, self.max_scores
 
+    def fp8_operands(self, family: str) -> Any:
+        """The prologue's FP8Operands, or NotServed naming ``family`` for a call made without them.
+
+        Example::
+
+            >>> call.fp8_operands("the FP8 family").q.dtype   # doctest: +SKIP
+            torch.int8
+        """
+        if self.fp8 is None:
+            raise NotServed(f"{family} needs the prologue's operands (Call.fp8)")
+        return self.fp8
+
     def kernel_options(self, dialect: str) -> dict:
         """The keywords a Triton / Gluon family's host functions take: the scale, the mods loaded in
         ``dialect`` with their records, the captured buffers and the block-mask options."""

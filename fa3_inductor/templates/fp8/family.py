@@ -46,7 +46,7 @@ class FP8Family:
         return "FP8 (Triton kernel; prologue: Hadamard, block scales, int8 or e4m3 Q/K, e4m3 V)"
 
     def prepare(self, call: Call) -> Optional[Variants]:
-        ops = _operands(call)
+        ops = call.fp8_operands("the FP8 family")
         if not ops.q.is_cuda:
             from triton import knobs
 
@@ -59,7 +59,7 @@ class FP8Family:
 
     def launch(self, call: Call) -> None:
         """Under Triton's interpreter (CPU tensors)."""
-        ops = _operands(call)
+        ops = call.fp8_operands("the FP8 family")
         launch_generic(ops.q, ops.k, ops.vt, *call.outputs(), fp8=ops, config=_config(ops),
                        **call.kernel_options(self.dialect))
 
@@ -67,12 +67,6 @@ class FP8Family:
 def _config(ops):
     cap = torch.cuda.get_device_capability(ops.q.device) if ops.q.is_cuda else None
     return fp8_config(max(ops.q.shape[-1], ops.vt.shape[2]), cap)
-
-
-def _operands(call: Call):
-    if call.fp8 is None:
-        raise NotServed("the FP8 family needs the prologue's operands (Call.fp8)")
-    return call.fp8
 
 
 FAMILY = FP8Family()

@@ -55,7 +55,7 @@ class HopperFP8Family:
     def prepare(self, call: Call) -> Optional[Variants]:
         from ..hopper.fwd_sm90 import prepare_fwd_sm90_variants
 
-        ops = _operands(call)
+        ops = call.fp8_operands("the Hopper FP8 family")
         q, k, vt, out = ops.q, ops.k, ops.vt, call.out
         D, Dv = q.shape[-1], vt.shape[2]
         if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
@@ -75,12 +75,6 @@ class HopperFP8Family:
 
     def launch(self, call: Call) -> None:
         raise NotServed("the Hopper FP8 template runs on an sm90 GPU only")
-
-
-def _operands(call: Call):
-    if call.fp8 is None:
-        raise NotServed("the Hopper FP8 family needs the prologue's operands (Call.fp8)")
-    return call.fp8
 
 
 FAMILY = HopperFP8Family()
