@@ -405,8 +405,8 @@ def fp8_kernel_fn(score_mod: Optional[Callable], block_mask: Optional[BlockMask]
     keep, its ``launch(call)``). The callable returns the output tensor (written in place; the LSE is
     left in log2 units, as the kernel writes it)."""
     from fa3_inductor import direct_fp8  # noqa: PLC0415
+    from fa3_inductor.runtime.ops import call_for  # noqa: PLC0415
     from fa3_inductor.templates.family import NotServed  # noqa: PLC0415
-    from fa3_inductor.templates.modgen import ModInfo  # noqa: PLC0415
     from fa3_inductor.templates.registry import family  # noqa: PLC0415
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -415,10 +415,7 @@ def fp8_kernel_fn(score_mod: Optional[Callable], block_mask: Optional[BlockMask]
     refused = []
     for name in (n for n in site.families if n in FP8_FAMILIES):
         fam = family(name)
-        score_source, mask_source = site.sources(fam.dialect)
-        call = dataclasses.replace(planned, score_source=score_source, mask_source=mask_source,
-                                   score_info=ModInfo.from_items(site.score_info),
-                                   mask_info=ModInfo.from_items(site.mask_info))
+        call = call_for(site, planned, fam.dialect)
         try:
             variants = fam.prepare(call)
         except NotServed as why:

@@ -128,19 +128,30 @@ def flex_fwd(
     return out, lse, max_scores
 
 
+def call_for(site: SiteSpec, call: Call, dialect: str) -> Call:
+    """``call`` with ``site``'s mods in ``dialect`` (the generated source and its records): what a
+    family of that dialect prepares.
+
+    Example::
+
+        >>> FAMILY.prepare(call_for(site, call, FAMILY.dialect))   # doctest: +SKIP
+    """
+    score_source, mask_source = site.sources(dialect)
+    return dataclasses.replace(call, score_source=score_source, mask_source=mask_source,
+                               score_info=ModInfo.from_items(site.score_info),
+                               mask_info=ModInfo.from_items(site.mask_info))
+
+
 def _serve(site: SiteSpec, call: Call, key: Optional[tuple], inputs: Optional[tuple]) -> str:
     """Run ``call`` on the first of the site's families that serves it; returns that family's name."""
     passed_over = []
-    score_info, mask_info = ModInfo.from_items(site.score_info), ModInfo.from_items(site.mask_info)
     for name in site.families:
         family = family_named(name)
         failed = family_failure(site, name)
         if failed is not None:
             passed_over.append(failed)
             continue
-        score_source, mask_source = site.sources(family.dialect)
-        mine = dataclasses.replace(call, score_source=score_source, mask_source=mask_source,
-                                   score_info=score_info, mask_info=mask_info)
+        mine = call_for(site, call, family.dialect)
         try:
             variants = family.prepare(mine)
             if variants is None:       # the family computes the call itself
@@ -185,10 +196,11 @@ def serve(site: SiteSpec, call: Call, spec: str) -> str:
     inputs = (call.q, call.k, call.v, call.out, call.lse, call.max_scores, *call.tables,
               *call.score_bufs, *call.mask_bufs,
               *(() if fp8 is None else (fp8.q_scale, fp8.k_scale, fp8.v_scale, fp8.v_scale_max)))
-    # the recipe fixes the kernel's quantization constexprs; the signature fixes the rest
-    key = (spec, None if fp8 is None else fp8.recipe, call.scale, call.sparse_q_block,
-           call.sparse_kv_block, len(call.score_bufs), call.needs_max,
-           torch.get_float32_matmul_precision(), tensor_signature(inputs))
+    # flex_fwd's key, plus what a Call may vary beyond it: the recipe (the kernel's quantization
+    # constexprs) and whether the row max is wanted
+    key = (_launch_key(spec, call.scale, call.sparse_q_block, call.sparse_kv_block,
+                       len(call.score_bufs), inputs),
+           None if fp8 is None else fp8.recipe, call.needs_max)
     entry = recorded(key)
     if entry is not None:
         return relaunch(entry, inputs)
