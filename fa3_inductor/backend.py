@@ -12,7 +12,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Optional
 
 import torch
@@ -67,8 +66,7 @@ def fa3_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
     extra_inputs: list = []
     guards: list = []
     if settings.recognize and settings.template != "torch":
-        gm, extra_inputs, guards = recognize(gm, example_inputs, fp8=settings.fp8 is not None,
-                                             settings=settings)
+        gm, extra_inputs, guards = recognize(gm, example_inputs, settings)
     else:
         for site in flex_call_sites(gm):
             record_recognized(site)
@@ -179,22 +177,21 @@ def _own_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 def recognize(gm: torch.fx.GraphModule, example_inputs: Optional[list] = None,
-              fp8: bool = False, settings: Optional[Settings] = None
-              ) -> tuple[torch.fx.GraphModule, list, list]:
+              settings: Optional[Settings] = None) -> tuple[torch.fx.GraphModule, list, list]:
     """Run the recognition passes on a copy of a Dynamo graph; log what they saw. Returns the
     graph to compile, the constant tensors appended to its inputs (empty: ``gm`` itself), and
     the guards on module buffers read as constants (checked before every call).
-    ``fp8`` (options fa3.fp8): the user asked for FP8 attention, so every site our kernels serve is
-    rewritten whatever its size (rewrite_pays.py's rules weigh bf16 speed), and the RoPE applied to
-    each site's q and k is fused into the FP8 prologue where it fits (recognition/rope_fusion.py;
-    the site then runs ``fa3_inductor::flex_fwd_fp8_rope``), else noted with the reason.
-    ``settings``: the backend's (the recipe and template the fused sites are planned with); the
-    default recipe when ``fp8`` and it names none.
+    ``settings``: the backend's. With FP8 on (options fa3.fp8) the user asked for FP8 attention, so
+    every site our kernels serve is rewritten whatever its size (rewrite_pays.py's rules weigh bf16
+    speed), and the RoPE applied to each site's q and k is fused into the FP8 prologue where it fits
+    (recognition/rope_fusion.py; the site then runs ``fa3_inductor::flex_fwd_fp8_rope``, planned
+    with these settings' recipe and template), else noted with the reason.
 
     Example::
 
         >>> gm, extra_inputs, guards = recognize(gm, example_inputs)   # doctest: +SKIP
     """
+    fp8 = settings is not None and settings.fp8 is not None
     original = gm
     user_calls = flex_call_sites(original)  # flex_attention the user wrote: tagged, kept as is
     before = [site.node for site in user_calls]
@@ -211,8 +208,6 @@ def recognize(gm: torch.fx.GraphModule, example_inputs: Optional[list] = None,
     tag_rewritten(gm, before, positions, sites)
     fused_rope = False
     if fp8:
-        if settings is None or settings.fp8 is None:
-            settings = dataclasses.replace(settings or Settings(), fp8=True)
         fused_rope = _fuse_rope(gm, user_calls + sites, settings)
     for site in sorted(user_calls + sites, key=lambda s: positions.get(s.node, len(positions))):
         record_recognized(site)
