@@ -910,6 +910,35 @@ def device_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
 
 
+def command_line(script: str, argv: Optional[Sequence[str]]) -> str:
+    """The command a result file records: ``python benchmarks/<script> <args as given>``.
+
+    Example::
+
+        >>> command_line("fp8_accuracy.py", ["--d", "128"])
+        'python benchmarks/fp8_accuracy.py --d 128'
+    """
+    return f"python benchmarks/{script} " + " ".join(
+        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+
+
+def write_result(out_dir: str, stem: str, payload: dict, table: str) -> Path:
+    """Write ``<stem>.json`` (``payload``) and ``<stem>.md`` (``table``) into ``out_dir``; returns
+    the path of both without their suffix (the FP8 benchmarks' result files).
+
+    Example::
+
+        >>> write_result("/tmp/r", "fp8-accuracy-cpu-2026-01-01-0000", {"rows": []}, "| |")  # doctest: +SKIP
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / stem
+    Path(f"{path}.json").write_text(json.dumps(payload, indent=1, default=str))
+    Path(f"{path}.md").write_text(table)
+    print(f"wrote {path}.json and {path}.md")
+    return path
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -997,19 +1026,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     now = datetime.datetime.now()
     payload = dict(device=name, torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
                    date=now.strftime("%Y-%m-%d %H:%M"),
-                   command="python benchmarks/fp8_accuracy.py " + " ".join(
-                       shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
+                   command=command_line("fp8_accuracy.py", argv),
                    impl=args.impl, accumulator=dataclasses.asdict(acc), budget_s=args.budget_s,
                    long_rows=[r.strip() for r in args.long_rows.split(",") if r.strip()],
                    seconds=round(time.perf_counter() - started, 1),
                    protocol="FA3 paper §4.3: N(0,1) + N(0,100)*Bernoulli(0.001), bf16, non-causal, float64 reference",
                    table=aggregate(results), results=results, skipped=skipped)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"fp8-accuracy-{device_slug(name)}-{now.strftime('%Y-%m-%d-%H%M')}"
-    Path(f"{stem}.json").write_text(json.dumps(payload, indent=1, default=str))
-    Path(f"{stem}.md").write_text(markdown(payload) + "\n")
-    print(f"wrote {stem}.json and {stem}.md")
+    write_result(args.out, f"fp8-accuracy-{device_slug(name)}-{now.strftime('%Y-%m-%d-%H%M')}", payload,
+                 markdown(payload) + "\n")
     print(short_table(payload["table"]))
     return 1 if any("error" in r for r in results) else 0
 

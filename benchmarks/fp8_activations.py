@@ -32,10 +32,8 @@ import argparse
 import contextlib
 import datetime
 import io
-import json
 import os
 import platform
-import shlex
 import statistics
 import sys
 import time
@@ -376,17 +374,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     meta = {k: v for k, v in snap["meta"].items() if k != "text"}
     payload = dict(device=name, torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
                    date=now.strftime("%Y-%m-%d %H:%M"), impl=args.impl, rows=rows,
-                   command="python benchmarks/fp8_activations.py " + " ".join(
-                       shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
+                   command=fa.command_line("fp8_activations.py", argv),
                    rope_where=("in the prologue (rope=)" if args.impl == "emulate" or fa.kernel_takes_rope()
                                else "applied before the kernel (flex has no rope=)"),
                    capture=meta, **res)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"fp8-activations-{fa.device_slug(name)}-{now.strftime('%Y-%m-%d-%H%M')}"
-    Path(f"{stem}.json").write_text(json.dumps(payload, indent=1, default=str))
-    Path(f"{stem}.md").write_text(markdown(payload))
-    print(f"wrote {stem}.json and {stem}.md")
+    fa.write_result(args.out, f"fp8-activations-{fa.device_slug(name)}-{now.strftime('%Y-%m-%d-%H%M')}",
+                    payload, markdown(payload))
     print(f"{'row':<20} {'mean cos':>9} {'min cos':>9} {'mean RMSE':>10}")
     for r in rows:
         s = res["summary"].get(r)

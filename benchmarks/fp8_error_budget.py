@@ -43,10 +43,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import math
 import platform
-import shlex
 import statistics
 import sys
 import time
@@ -589,19 +587,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        late=statistics.fmean(pl["rows_cosine"][n + " (rows >= 128)"] for pl in res["per_layer"]))
     payload = dict(device=fa.device_name("cpu"), torch=torch.__version__, python=platform.python_version(),
                    date=now.strftime("%Y-%m-%d %H:%M"), threads=args.threads,
-                   command="python benchmarks/fp8_error_budget.py " + " ".join(
-                       shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
+                   command=fa.command_line("fp8_error_budget.py", argv),
                    impl="CPU emulation (float64 with e4m3/int8/bf16 roundings)",
                    capture={k: v for k, v in snap["meta"].items() if k != "text"}, layers_run=args.layers or "all",
                    configs={n: dict(group=CONFIGS[n][0], cost=CONFIGS[n][2], **dataclasses.asdict(CONFIGS[n][1]))
                             for n in names},
                    speed_bounds=speed_bounds(), rows=rows, highlight=list(HIGHLIGHT), seconds=time.perf_counter() - t0, **res)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"fp8-error-budget-cpu-emulation-{now.strftime('%Y-%m-%d-%H%M')}"
-    Path(f"{stem}.json").write_text(json.dumps(payload, indent=1, default=str))
-    Path(f"{stem}.md").write_text(markdown(payload))
-    print(f"wrote {stem}.json and {stem}.md")
+    fa.write_result(args.out, f"fp8-error-budget-cpu-emulation-{now.strftime('%Y-%m-%d-%H%M')}", payload,
+                    markdown(payload))
     print(f"{'configuration':<66} {'mean cos':>9} {'worst':>9} {'layer':>5}")
     for n, r in res["summary"].items():
         print(f"{n:<66} {r['cosine_mean']:>9.6f} {r['cosine_min']:>9.6f} {r['worst_layer']:>5}")
