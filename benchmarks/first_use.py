@@ -60,10 +60,11 @@ def bench_ms(fn, reps: int = 50) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=reps, return_mode="median")
 
 
-def interleaved_ms(fns: dict, rounds: int = 5, reps: int = 50) -> dict:
-    """Median ms of each function over ``rounds`` rounds that time them in turn (A B A B ...): two
-    compiles of the same layer are compared under the same clocks and the same neighbours, and no
-    function is favoured by running first in the process."""
+def interleaved_ms(fns: dict, rounds: int = 8, reps: int = 50) -> dict:
+    """Median ms of each function over ``rounds`` rounds that time them in turn, the order reversed
+    every other round (A B B A A B ...): two compiles of the same layer are compared under the same
+    clocks and the same neighbours, and neither a drift over the rounds nor the position in a round
+    favours one of them."""
     import statistics
 
     import triton
@@ -72,8 +73,8 @@ def interleaved_ms(fns: dict, rounds: int = 5, reps: int = 50) -> dict:
         fn()
     quiet()
     times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    for r in range(rounds):
+        for name, fn in (reversed(fns.items()) if r % 2 else fns.items()):
             times[name].append(triton.testing.do_bench(fn, warmup=10, rep=reps, return_mode="median"))
     return {name: statistics.median(t) for name, t in times.items()}
 
@@ -215,11 +216,21 @@ LAYER_SHAPES = ((4, 512, 1024, 16), (1, 1024, 2048, 16), (1, 2048, 2048, 16), (2
                 (1, 4096, 2048, 16), (4, 2048, 2048, 16))
 
 
+def _second_stock_compile(mode: str):
+    """Stock Inductor under ``mode`` as a backend object of its own: Dynamo compiles the layer again
+    for it (``backend="inductor"`` a second time would reuse the first compile's callable), so the
+    A/A pair is two compiles of one layer, as fa3 and stock Inductor are."""
+    from fa3_inductor import _compat
+
+    compiler = _compat.stock_inductor_compiler(None if mode == "default" else mode, None)
+    return lambda gm, example_inputs: compiler(gm, example_inputs)
+
+
 def part_layers(rows: list, modes: list[str], kinds: list[str], train: bool, shapes: list[int],
                 aa: bool = False, stock_first: bool = False) -> None:
     """Attention layers under fa3 and stock Inductor per mode, timed in interleaved rounds; ``aa``
     adds a second stock compile of the same layer ("inductor A/A") to the rounds, so the spread of
-    two handles to one artifact is measured beside the fa3 / Inductor ratio. ``stock_first``
+    two compiles of one layer is measured beside the fa3 / Inductor ratio. ``stock_first``
     compiles the stock backend before fa3 (Dynamo checks a code object's newest cache entry first)."""
     import torch._dynamo
 
@@ -237,8 +248,9 @@ def part_layers(rows: list, modes: list[str], kinds: list[str], train: bool, sha
                     order = ("inductor", "fa3") if stock_first else ("fa3", "inductor")
                     for backend in (*order, *(("inductor A/A",) if aa else ())):
                         # all compiled first, then timed in turn
-                        fn = torch.compile(layer, backend=backend.split()[0],
-                                           mode=None if mode == "default" else mode)
+                        fn = torch.compile(layer, backend=_second_stock_compile(mode)) \
+                            if backend == "inductor A/A" else \
+                            torch.compile(layer, backend=backend, mode=None if mode == "default" else mode)
                         t0 = time.perf_counter()
                         fa3_inductor.clear_lowered_sites()
                         try:
