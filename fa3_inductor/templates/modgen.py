@@ -24,7 +24,8 @@ the running row max. ``kv_affine`` marks a ``score + x`` whose x is ``alpha(b, h
 vector, a scalar per KV tile and a row vector instead of per score. These facts travel beside the
 source as a typed record, :class:`ModInfo` (``generate_mod_source(...).info``); nothing reads them
 back from the text. Mask mods take
-``(b, h, q_idx, kv_idx, bufs)``.
+``(b, h, q_idx, kv_idx, bufs)``, as does ``index_mod`` (:func:`generate_offset_source`: the element
+offset of a scatter-add into a captured buffer's gradient).
 
 Buffers arrive as a tuple of pointers; their strides are baked into the code (they are part of
 the spec hash).
@@ -445,9 +446,9 @@ class _Emitter:
                 # The kernel needs a [BLOCK_M, BLOCK_N] fp32 tile even if the mod ignored score.
                 tile = "qk" if fold else "score"
                 ret = f"({ret} + {self.L}.zeros_like({tile})).to({self.L}.float32)"
-        elif self.dtype_of(result) not in (torch.bool, None):
+        elif self.kind == "mask" and self.dtype_of(result) not in (torch.bool, None):
             ret = f"({ret} != 0)"
-        fn = "score_mod" if self.kind == "score" else "mask_mod"
+        fn = f"{self.kind}_mod"   # score_mod, mask_mod, index_mod (generate_offset_source)
         sig = ", ".join((["qk", "sm_scale"] if fold else params[:1] if self.kind == "score" else [])
                         + index_params + ["bufs"])
         deco = "@triton.jit" if self.dialect == "tl" else "@gluon.jit"
@@ -900,6 +901,10 @@ class _Emitter:
         """Load of ``buf[indices]`` (one index per dimension); strides are baked in. A negative
         index counts from the end as in torch, unless its interval shows it never is negative."""
         self.gathers = True
+        return f"{self.L}.load({self.names[buf]} + {self.element_offset(spec, indices)})"
+
+    def element_offset(self, spec: BufferSpec, indices: Sequence[Any]) -> str:
+        """The element offset of ``buf[indices]`` in a buffer of ``spec`` (gather's address)."""
         terms = []
         for i, size, stride in zip(indices, spec.shape, spec.strides):
             if stride == 0:
@@ -914,8 +919,7 @@ class _Emitter:
             else:
                 index = _literal(i % size if isinstance(i, int) else i)
             terms.append(f"({index}) * {stride}" if stride != 1 else f"({index})")
-        offset = " + ".join(terms) if terms else "0"
-        return f"{self.L}.load({self.names[buf]} + {offset})"
+        return " + ".join(terms) if terms else "0"
 
     def lower_rounding_division(self, node: torch.fx.Node, mode: str, args: Sequence[Any],
                                 out_dtype) -> None:
@@ -1104,6 +1108,58 @@ def generate_mod_source(gm: torch.fx.GraphModule, kind: str,
         plain = _Emitter(gm, kind, buffers, dialect, fold_sm_scale=False).emit()
         source += "\n\n" + plain.replace("def score_mod(", "def score_mod_unfolded(", 1)
     return GeneratedSource(source, emitter.info)
+
+
+class _OffsetEmitter(_Emitter):
+    """The emitter of :func:`generate_offset_source`: its last buffer is the one addressed, whose
+    element offset is the result (not a load)."""
+
+    def gather(self, buf: torch.fx.Node, spec: BufferSpec, indices: Sequence[Any]) -> str:
+        if self.buffer_of[buf] == len(self.buffers) - 1:
+            return self.element_offset(spec, indices)
+        return super().gather(buf, spec, indices)
+
+
+def generate_offset_source(gm: torch.fx.GraphModule, buffers: Sequence[Optional[BufferSpec]],
+                           shape: Sequence[int], dialect: str = "tl") -> GeneratedSource:
+    """Source of ``index_mod(b, h, q_idx, kv_idx, bufs)``: the element offset of
+    ``x[i_0, ..., i_r]`` in a contiguous tensor x of ``shape``, where ``gm`` is a graph
+    ``(b, h, q_idx, kv_idx, *buffers) -> [i_0, ..., i_r]`` of the index expressions (integer
+    nodes or ints). The offset is a gather's address (a negative index counts from the end unless
+    its interval shows it never is negative) and broadcasts like the indices: a scalar when they
+    read neither q_idx nor kv_idx. For scatter-adds into a captured buffer's gradient
+    (templates/generic_bwd/buffer_grad.py); ``gm`` is not modified.
+
+    Example::
+
+        >>> gm = torch.fx.symbolic_trace(lambda b, h, q, kv: [h, q - kv + 63])   # doctest: +SKIP
+        >>> src = generate_offset_source(gm, [], (2, 127))                      # doctest: +SKIP
+        >>> "def index_mod(b, h, q_idx, kv_idx, bufs)" in src                   # doctest: +SKIP
+        True
+    """
+    import copy
+
+    if dialect not in ("tl", "gl"):
+        raise ValueError(f"dialect must be 'tl' or 'gl', got {dialect!r}")
+    gm = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    graph = gm.graph
+    output = next(n for n in graph.nodes if n.op == "output")
+    indices = output.args[0]
+    indices = list(indices) if isinstance(indices, (tuple, list)) else [indices]
+    if len(indices) != len(shape):
+        raise UnsupportedMod(f"{len(indices)} indices into a tensor of shape {list(shape)}; index "
+                             "every dimension with a scalar index expression")
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(last):
+        target = graph.placeholder("addressed")
+    with graph.inserting_before(output):
+        element = graph.call_function(aten.index.Tensor, (target, indices))
+    element.meta["val"] = torch.zeros((), dtype=torch.int32)
+    output.args = (element,)
+    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    spec = BufferSpec(tuple(shape), tuple(strides), torch.int32)
+    emitter = _OffsetEmitter(gm, "index", [*buffers, spec], dialect)
+    return GeneratedSource(emitter.emit(), emitter.info)
 
 
 def generate_in_dialect(gm: torch.fx.GraphModule, kind: str, buffers: Sequence[Optional[BufferSpec]],
@@ -1347,7 +1403,8 @@ def load_mod(source: str, dialect: str = "tl", info: Optional[ModInfo] = None) -
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
-    fn = getattr(module, "score_mod", None) or getattr(module, "mask_mod")
+    fn = getattr(module, "score_mod", None) or getattr(module, "mask_mod", None) or \
+        getattr(module, "index_mod")
     _INFO[fn] = info
     unfolded = getattr(module, "score_mod_unfolded", None)
     if unfolded is not None:   # the twin computes qk * sm_scale itself: not sm_scaled

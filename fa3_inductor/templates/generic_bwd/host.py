@@ -3,7 +3,8 @@
 Shapes and conventions are kernel.py's; the arguments mirror the forward's
 ``prepare_generic`` / ``launch_generic`` (templates/generic/host.py), plus the forward's ``out`` and
 ``lse``, the incoming ``dout`` (and optionally ``grad_lse``), the outputs ``dq, dk, dv`` and the
-score_mod's derivative ``score_grad_mod`` (score_grad.py).
+score_mod's derivative ``score_grad_mod`` (score_grad.py), and optionally the captured buffers'
+gradients ``buffer_grads`` (buffer_grad.py; their host steps are buffer_grad_host.py's).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import torch
 import triton
 
 from ..modgen import kernel_score_mod
+from .buffer_grad import BufferGradSource
+from .buffer_grad_host import TorchStep, buffer_grad_launches
 from .configs import PREPROCESS_BLOCK_M, BackwardConfig, backward_config
 from .kernel import (BwdFlags, BwdSparsity, BwdTiling, attention_bwd_dkdv_kernel,
                      attention_bwd_dq_kernel, attention_bwd_preprocess_kernel)
@@ -113,10 +116,20 @@ def prepare_generic_backward(
     full_q_num_blocks: Optional[torch.Tensor] = None, full_q_indices: Optional[torch.Tensor] = None,
     sparse_q_block: int = 128, sparse_kv_block: int = 128,
     config: Optional[BackwardConfig] = None, plan_for: Optional[tuple[int, int]] = None,
+    buffer_grads: Sequence[tuple[BufferGradSource, torch.Tensor]] = (),
+    deterministic: bool = False,
 ) -> list[Launch]:
     """The three launches of one backward, ``[(kernel, args, kwargs, grid)]`` in the order they
     must run: delta (preprocess), dK/dV, dQ. ``dq``, ``dk``, ``dv`` are written by the last two
     (in their own dtype, each element once).
+
+    ``buffer_grads``: (source, gradient) pairs for the score_mod's captured buffers that need a
+    gradient, the sources from ``buffer_grad.buffer_grad_sources`` and each gradient a contiguous
+    tensor of the buffer's shape, overwritten. The dQ pass then also sums them (fp32) and more steps
+    follow it: a :class:`TorchStep` (zeroing, before the dQ pass) and one conversion kernel per
+    buffer with fp32 atomics; with ``deterministic=True`` no atomics, bitwise-reproducible, at the
+    cost of entry scratch (one entry per score for a table indexed by q_idx and kv_idx) and a sort
+    (kernel.py, "Buffer gradients"). dq, dk, dv are deterministic either way.
 
     ``lse`` is the forward's, float32 [Z, HQ, M] in log2 units (-inf on fully masked rows);
     ``grad_lse`` its incoming gradient (same units), if the LSE was an output that got one.
@@ -141,6 +154,9 @@ def prepare_generic_backward(
                          "from flex's joint graph (pass SCORE_GRAD_ONE when that returns None)")
     if score_mod is None and score_grad_mod is not None and score_grad_mod is not SCORE_GRAD_ONE:
         raise ValueError("generic backward: score_grad_mod given without its score_mod")
+    if buffer_grads and score_mod is None:
+        raise ValueError("generic backward: buffer_grads given without the score_mod whose "
+                         "captured buffers they are; pass score_mod and score_bufs too")
     has_mask = kv_num_blocks is not None
     if mask_mod is not None and not has_mask:
         raise ValueError("generic backward: a mask_mod needs block-mask tensors (kv_num_blocks, "
@@ -221,15 +237,18 @@ def prepare_generic_backward(
         (triton.cdiv(N, tile.BLOCK_N), KZ * HKV))
 
     tile, sparse = bundles(cfg.dq_block_m, cfg.dq_block_n)
+    bgrads, bg_out, bg_idx, before_dq, after_dq = buffer_grad_launches(
+        buffer_grads, deterministic, sm_scale, triton.cdiv(M, tile.BLOCK_M) * Z * HQ,
+        triton.cdiv(N, tile.BLOCK_N), tile.BLOCK_M, tile.BLOCK_N, q.device)
     dq_pass = (
         attention_bwd_dq_kernel,
         (q, k, v, dout, dq, lse, delta, *kv_tables, tuple(score_bufs), tuple(mask_bufs),
          _strides(q), _strides(k), _strides(v), _strides(dout), _strides(dq),
-         HQ, KZ, M, N, D, DV, SZ, SH, num_q_blks, num_kv_blks, *scalars),
-        dict(**mods, TILE=tile, SPARSE=sparse, FLAGS=flags, num_warps=cfg.dq_warps,
-             num_stages=cfg.num_stages),
+         HQ, KZ, M, N, D, DV, SZ, SH, num_q_blks, num_kv_blks, *scalars, bg_out, bg_idx),
+        dict(**mods, TILE=tile, SPARSE=sparse, FLAGS=flags, BGRADS=bgrads,
+             num_warps=cfg.dq_warps, num_stages=cfg.num_stages),
         (triton.cdiv(M, tile.BLOCK_M), Z * HQ))
-    return [preprocess, dkdv, dq_pass]
+    return [preprocess, dkdv, *before_dq, dq_pass, *after_dq]
 
 
 def launch_generic_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -276,8 +295,9 @@ def generic_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
 def compile_generic_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, *,
                              capability: tuple[int, int] = (9, 0), **options: Any) -> list[Any]:
-    """Compile (not run) the three kernels :func:`launch_generic_backward` would launch on a GPU of
-    ``capability``: the compiled kernels, in launch order. Tensors may be on the CPU; needs a
+    """Compile (not run) the kernels :func:`launch_generic_backward` would launch on a GPU of
+    ``capability``: the compiled kernels, in launch order (delta, dK/dV, dQ, then one per buffer
+    gradient; :class:`TorchStep` entries are skipped). Tensors may be on the CPU; needs a
     process without TRITON_INTERPRET=1.
 
     Example::
@@ -294,4 +314,5 @@ def compile_generic_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     launches = prepare_generic_backward(q, k, v, out, dout, lse, dq, dk, dv,
                                         plan_for=capability, **options)
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
-    return [compile_launch(kernel, args, kwargs, target) for kernel, args, kwargs, _ in launches]
+    return [compile_launch(kernel, args, kwargs, target) for kernel, args, kwargs, _ in launches
+            if not isinstance(kernel, TorchStep)]

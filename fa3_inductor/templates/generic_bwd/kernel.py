@@ -41,12 +41,26 @@ Mods (templates/modgen.py, ``tl`` dialect, constexpr jit functions, as the forwa
     [BLOCK_M, 1] x [1, BLOCK_N] in the dQ kernel, [1, BLOCK_M] x [BLOCK_N, 1] in the dK/dV kernel
     (generated mods are elementwise, so either works).
 
+Buffer gradients (the score_mod's captured tensors that need one, buffer_grad.py), in the dQ pass:
+    G_i[INDEX_i(b, h, q_idx, kv_idx)] += dS · VALUE_i(qk, ...)     per score, dS before f'
+    BG_OUT[i]   fp32 accumulator of G_i (atomic mode), or entry values (DETERMINISTIC)
+    BG_IDX[i]   int32 entry offsets, -1 for none (DETERMINISTIC; unused otherwise)
+    Summed in registers where the offset allows: along the keys when it ignores kv_idx (one value
+    per query row, or per program when it ignores q_idx too: ALiBi slopes, per-head biases), along
+    the rows of a KV tile when it ignores q_idx; else one value per score (tables indexed by
+    q_idx - kv_idx or [q_idx, kv_idx], scores with P = 0 skipped). The atomic mode adds those with
+    fp32 atomics, in an order that varies between runs. DETERMINISTIC writes them as (offset, value)
+    entries, each program (and KV tile) in its own slot; the host sorts them stably by offset and
+    buffer_grad_segment_sum_kernel adds each offset's run in one fixed order.
+
 Compile-time parameters (the mods, then one frozen-dataclass bundle each, read as TILE.BLOCK_N):
     TILE    BwdTiling       BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION
     SPARSE  BwdSparsity     HAS_BLOCK_MASK, HAS_FULL_BLOCKS, SPARSE_Q, SPARSE_KV
     FLAGS   BwdFlags        GQA_GROUP, FOLD_SCALE
+    BGRADS  BwdBufferGrads  GRADS (BwdBufferGrad: VALUE, INDEX, ALONG_Q, ALONG_KV), DETERMINISTIC
 The input dtype is read off the loaded tiles; gradients are stored in Q's / K's / V's dtype
-straight from the fp32 accumulators (every output tile has exactly one writer: no fp32 buffers).
+straight from the fp32 accumulators (every output tile has exactly one writer: no fp32 buffers;
+only buffer gradients use atomics, and not in DETERMINISTIC mode).
 
 Loop orders:
     delta    one program per (query tile, z·HQ + hq)
@@ -89,6 +103,25 @@ class BwdFlags:
     """What the site's shapes and scale ask of the score tile."""
     GQA_GROUP: int         # HQ // HKV
     FOLD_SCALE: bool       # no score_mod, sm_scale > 0: raw q.k, the scale folded into qk_scale2
+
+
+@dataclass(frozen=True)
+class BwdBufferGrad:
+    """One captured buffer's gradient (module docstring, "Buffer gradients"; buffer_grad.py)."""
+    VALUE: object          # w / factor: a score_mod-shaped jit function; None when w = 1
+    INDEX: object          # jit function (b, h, q_idx, kv_idx, bufs) -> element offset
+    ALONG_Q: bool          # INDEX varies with q_idx
+    ALONG_KV: bool         # INDEX varies with kv_idx
+
+
+@dataclass(frozen=True)
+class BwdBufferGrads:
+    """The captured-buffer gradients the dQ kernel accumulates (none: GRADS empty)."""
+    GRADS: tuple           # one BwdBufferGrad per buffer that needs a gradient
+    DETERMINISTIC: bool    # entries per program (summed later in a fixed order), no atomics
+
+
+NO_BUFFER_GRADS = BwdBufferGrads(GRADS=(), DETERMINISTIC=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,10 +340,11 @@ def attention_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_kv_tile(dq, q, do, lse, delta, start_n, offs_m, k_base, v_base, k_strides, v_strides,
-                z, hq, M, N, D, DV, sm_scale, qk_scale2, score_bufs, mask_bufs,
-                SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
-                APPLY_MASK: tl.constexpr, TILE: tl.constexpr, FLAGS: tl.constexpr):
+def _dq_kv_tile(dq, bg_accs, q, do, lse, delta, start_n, offs_m, k_base, v_base, k_strides,
+                v_strides, z, hq, M, N, D, DV, sm_scale, qk_scale2, score_bufs, mask_bufs, bg_out,
+                bg_idx, bg_slot, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
+                MASK_MOD: tl.constexpr, APPLY_MASK: tl.constexpr, TILE: tl.constexpr,
+                FLAGS: tl.constexpr, BGRADS: tl.constexpr):
     """One KV tile of the dQ pass, in the forward's orientation ([BLOCK_M, BLOCK_N])."""
     offs_n = start_n + tl.arange(0, TILE.BLOCK_N)
     k = _load_rows(k_base, offs_n, N, k_strides[2], TILE.BLOCK_D, D)
@@ -320,27 +354,32 @@ def _dq_kv_tile(dq, q, do, lse, delta, start_n, offs_m, k_base, v_base, k_stride
                        qk_scale2, score_bufs, mask_bufs, SCORE_MOD, MASK_MOD, APPLY_MASK, FLAGS)
     dp = tl.dot(do, tl.trans(v), input_precision=TILE.DOT_PRECISION)
     ds = p * (dp - delta[:, None])
+    # Buffer gradients take dS before f' (the joint graph's incoming gradient).
+    bg_accs = _buffer_grads_tile(bg_accs, ds, qk, offs_m, start_n, z, hq, M, N, sm_scale,
+                                 score_bufs, bg_out, bg_idx, bg_slot, BGRADS, TILE)
     ds = _score_gradient(ds, p, qk, offs_m[:, None], offs_n[None, :], z, hq, M, N, sm_scale,
                          score_bufs, SCORE_GRAD)
-    return tl.dot(ds.to(k.dtype), k, dq, input_precision=TILE.DOT_PRECISION)
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision=TILE.DOT_PRECISION), bg_accs
 
 
 @triton.jit
-def _dq_listed_kv_tiles(dq, q, do, lse, delta, NUM_BLKS, IDX, row, NUM_KV_BLKS, offs_m, k_base,
-                        v_base, k_strides, v_strides, z, hq, M, N, D, DV, sm_scale, qk_scale2,
-                        score_bufs, mask_bufs, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
-                        MASK_MOD: tl.constexpr, APPLY_MASK: tl.constexpr, TILE: tl.constexpr,
-                        SPARSE: tl.constexpr, FLAGS: tl.constexpr):
+def _dq_listed_kv_tiles(dq, bg_accs, q, do, lse, delta, NUM_BLKS, IDX, row, NUM_KV_BLKS, offs_m,
+                        k_base, v_base, k_strides, v_strides, z, hq, M, N, D, DV, sm_scale,
+                        qk_scale2, score_bufs, mask_bufs, bg_out, bg_idx, bg_slot,
+                        SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
+                        APPLY_MASK: tl.constexpr, TILE: tl.constexpr, SPARSE: tl.constexpr,
+                        FLAGS: tl.constexpr, BGRADS: tl.constexpr):
     """The KV tiles of the blocks one block-mask list (partial or full) gives this query block."""
     TILES_PER_BLK: tl.constexpr = SPARSE.SPARSE_KV // TILE.BLOCK_N
     n_tiles = tl.load(NUM_BLKS + row) * TILES_PER_BLK
     for t in tl.range(0, n_tiles):
         blk = tl.load(IDX + row * NUM_KV_BLKS + t // TILES_PER_BLK)
         start_n = blk * SPARSE.SPARSE_KV + (t % TILES_PER_BLK) * TILE.BLOCK_N
-        dq = _dq_kv_tile(dq, q, do, lse, delta, start_n, offs_m, k_base, v_base, k_strides,
-                         v_strides, z, hq, M, N, D, DV, sm_scale, qk_scale2, score_bufs,
-                         mask_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD, APPLY_MASK, TILE, FLAGS)
-    return dq
+        dq, bg_accs = _dq_kv_tile(dq, bg_accs, q, do, lse, delta, start_n, offs_m, k_base,
+                                  v_base, k_strides, v_strides, z, hq, M, N, D, DV, sm_scale,
+                                  qk_scale2, score_bufs, mask_bufs, bg_out, bg_idx, bg_slot,
+                                  SCORE_MOD, SCORE_GRAD, MASK_MOD, APPLY_MASK, TILE, FLAGS, BGRADS)
+    return dq, bg_accs
 
 
 _DQ_RUNTIME_SIZES = ["KZ", "M", "N", "NUM_Q_BLKS", "NUM_KV_BLKS"]
@@ -353,9 +392,9 @@ def attention_bwd_dq_kernel(
     score_bufs, mask_bufs,
     q_strides, k_strides, v_strides, do_strides, dq_strides,
     HQ, KZ, M, N, D, DV, SZ, SH, NUM_Q_BLKS, NUM_KV_BLKS,
-    sm_scale, qk_scale2, ds_scale,
+    sm_scale, qk_scale2, ds_scale, bg_out, bg_idx,
     SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
-    TILE: tl.constexpr, SPARSE: tl.constexpr, FLAGS: tl.constexpr,
+    TILE: tl.constexpr, SPARSE: tl.constexpr, FLAGS: tl.constexpr, BGRADS: tl.constexpr,
 ):
     # Last query tile first, as in the forward: under a causal mask it has the most KV tiles.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -378,25 +417,169 @@ def attention_bwd_dq_kernel(
     v_base = V + off_kz * v_strides[0] + off_hkv * v_strides[1]
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     APPLY_MASK: tl.constexpr = MASK_MOD is not None
+    # Buffer gradients: a row-sum accumulator per buffer, and this program's entry slot.
+    bg_accs = _buffer_grad_accumulators(BGRADS, BLOCK_M)
+    bg_slot = off_zh * tl.num_programs(0) + pid_m
 
     if SPARSE.HAS_BLOCK_MASK:
         row = ((z % SZ) * SH + (hq % SH)) * NUM_Q_BLKS + start_m // SPARSE.SPARSE_Q
-        dq = _dq_listed_kv_tiles(dq, q, do, lse, delta, KV_NUM_BLKS, KV_IDX, row, NUM_KV_BLKS,
-                                 offs_m, k_base, v_base, k_strides, v_strides, z, hq, M, N, D,
-                                 DV, sm_scale, qk_scale2, score_bufs, mask_bufs, SCORE_MOD,
-                                 SCORE_GRAD, MASK_MOD, APPLY_MASK, TILE, SPARSE, FLAGS)
+        dq, bg_accs = _dq_listed_kv_tiles(
+            dq, bg_accs, q, do, lse, delta, KV_NUM_BLKS, KV_IDX, row, NUM_KV_BLKS, offs_m, k_base,
+            v_base, k_strides, v_strides, z, hq, M, N, D, DV, sm_scale, qk_scale2, score_bufs,
+            mask_bufs, bg_out, bg_idx, bg_slot, SCORE_MOD, SCORE_GRAD, MASK_MOD, APPLY_MASK, TILE,
+            SPARSE, FLAGS, BGRADS)
         if SPARSE.HAS_FULL_BLOCKS:
-            dq = _dq_listed_kv_tiles(dq, q, do, lse, delta, FULL_KV_NUM_BLKS, FULL_KV_IDX, row,
-                                     NUM_KV_BLKS, offs_m, k_base, v_base, k_strides, v_strides,
-                                     z, hq, M, N, D, DV, sm_scale, qk_scale2, score_bufs,
-                                     mask_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD, False, TILE,
-                                     SPARSE, FLAGS)
+            dq, bg_accs = _dq_listed_kv_tiles(
+                dq, bg_accs, q, do, lse, delta, FULL_KV_NUM_BLKS, FULL_KV_IDX, row, NUM_KV_BLKS,
+                offs_m, k_base, v_base, k_strides, v_strides, z, hq, M, N, D, DV, sm_scale,
+                qk_scale2, score_bufs, mask_bufs, bg_out, bg_idx, bg_slot, SCORE_MOD, SCORE_GRAD,
+                MASK_MOD, False, TILE, SPARSE, FLAGS, BGRADS)
     else:
         for t in tl.range(0, tl.cdiv(N, TILE.BLOCK_N)):
-            dq = _dq_kv_tile(dq, q, do, lse, delta, t * TILE.BLOCK_N, offs_m, k_base, v_base,
-                             k_strides, v_strides, z, hq, M, N, D, DV, sm_scale, qk_scale2,
-                             score_bufs, mask_bufs, SCORE_MOD, SCORE_GRAD, None, False, TILE,
-                             FLAGS)
+            dq, bg_accs = _dq_kv_tile(
+                dq, bg_accs, q, do, lse, delta, t * TILE.BLOCK_N, offs_m, k_base, v_base,
+                k_strides, v_strides, z, hq, M, N, D, DV, sm_scale, qk_scale2, score_bufs,
+                mask_bufs, bg_out, bg_idx, bg_slot, SCORE_MOD, SCORE_GRAD, None, False, TILE,
+                FLAGS, BGRADS)
 
+    _flush_buffer_grads(bg_accs, offs_m, z, hq, M, score_bufs, bg_out, bg_idx, bg_slot, BGRADS,
+                        TILE)
     _store_rows(DQ + z * dq_strides[0] + hq * dq_strides[1], offs_m, M, dq_strides[2],
                 (dq * ds_scale).to(q.dtype), D)
+
+
+# ---------------------------------------------------------------------------------------------
+# Buffer gradients (in the dQ pass; module docstring)
+
+
+@triton.jit
+def _buffer_grad_accumulators(BGRADS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One fp32 row-sum accumulator per buffer gradient (used where INDEX ignores kv_idx)."""
+    accs = ()
+    for i in tl.static_range(len(BGRADS.GRADS)):
+        accs = accs + (tl.zeros([BLOCK_M], dtype=tl.float32),)
+    return accs
+
+
+@triton.jit
+def _buffer_grads_tile(accs, ds, qk, offs_m, start_n, z, hq, M, N, sm_scale, score_bufs,
+                       bg_out, bg_idx, bg_slot, BGRADS: tl.constexpr, TILE: tl.constexpr):
+    """Every buffer gradient's share of one [BLOCK_M, BLOCK_N] tile; returns the accumulators.
+    A deterministic entry slot is (program, KV tile): each program visits a KV tile once."""
+    offs_n = start_n + tl.arange(0, TILE.BLOCK_N)
+    q_idx = tl.minimum(offs_m[:, None], M - 1)
+    kv_idx = tl.minimum(offs_n[None, :], N - 1)
+    num_kv_tiles = tl.cdiv(N, TILE.BLOCK_N)
+    kv_tile = start_n // TILE.BLOCK_N
+    updated = ()
+    for i in tl.static_range(len(BGRADS.GRADS)):
+        updated = updated + (_buffer_grad_tile(
+            accs[i], ds, qk, q_idx, kv_idx, offs_n, z, hq, N, sm_scale, score_bufs, bg_out[i],
+            bg_idx[i], bg_slot * num_kv_tiles + kv_tile, BGRADS, i, TILE),)
+    return updated
+
+
+@triton.jit
+def _buffer_grad_tile(acc, ds, qk, q_idx, kv_idx, offs_n, z, hq, N, sm_scale, score_bufs, out,
+                      out_idx, tile_slot, BGRADS: tl.constexpr, I: tl.constexpr,
+                      TILE: tl.constexpr):
+    """One buffer's values dS · w on a tile: summed into ``acc`` along the keys where the offset
+    ignores kv_idx (added at the end, _flush_buffer_grad); else added now, per column or per
+    score: by atomics, or (DETERMINISTIC) as entries in this tile's slot."""
+    # Indexed here: a bundle taken out of the tuple cannot be passed as an argument.
+    G: tl.constexpr = BGRADS.GRADS[I]
+    BLOCK_M: tl.constexpr = TILE.BLOCK_M
+    BLOCK_N: tl.constexpr = TILE.BLOCK_N
+    if G.VALUE is None:
+        val = ds   # already 0 wherever P is
+    else:
+        # Masked scores (dS = P = 0) add nothing even where w is not finite there. (Testing dS,
+        # not P, lets P die earlier: fewer registers.)
+        w = G.VALUE(qk, sm_scale, z, hq, q_idx, kv_idx, score_bufs)
+        val = tl.where(ds != 0.0, ds * w, 0.0)
+    if not G.ALONG_KV:
+        acc += tl.sum(val, 1)
+    else:
+        offset = tl.cast(G.INDEX(z, hq, q_idx, kv_idx, score_bufs), tl.int32)
+        if G.ALONG_Q:   # one value per score
+            offset = tl.broadcast_to(offset, [BLOCK_M, BLOCK_N])
+            keep = val != 0.0   # masked scores, padding: adding 0 is skipped
+            if BGRADS.DETERMINISTIC:
+                rows = tl.arange(0, BLOCK_M)[:, None]
+                slots = (tile_slot.to(tl.int64) * (BLOCK_M * BLOCK_N) + rows * BLOCK_N
+                         + tl.arange(0, BLOCK_N)[None, :])
+                tl.store(out_idx + slots, tl.where(keep, offset, -1))
+                tl.store(out + slots, val)
+            else:
+                tl.atomic_add(out + offset, val, mask=keep, sem="relaxed")
+        else:           # one value per key column
+            offset = tl.reshape(tl.broadcast_to(offset, [1, BLOCK_N]), [BLOCK_N])
+            column = tl.sum(val, 0)
+            keep = offs_n < N
+            if BGRADS.DETERMINISTIC:
+                slots = tile_slot.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+                tl.store(out_idx + slots, tl.where(keep, offset, -1))
+                tl.store(out + slots, column)
+            else:
+                tl.atomic_add(out + offset, column, mask=keep, sem="relaxed")
+    return acc
+
+
+@triton.jit
+def _flush_buffer_grads(accs, offs_m, z, hq, M, score_bufs, bg_out, bg_idx, bg_slot,
+                        BGRADS: tl.constexpr, TILE: tl.constexpr):
+    """Add the accumulated row sums of the buffers whose offset ignores kv_idx."""
+    q_idx = tl.minimum(offs_m[:, None], M - 1)
+    for i in tl.static_range(len(BGRADS.GRADS)):
+        _flush_buffer_grad(accs[i], offs_m, q_idx, z, hq, M, score_bufs, bg_out[i], bg_idx[i],
+                           bg_slot, BGRADS, i, TILE)
+
+
+@triton.jit
+def _flush_buffer_grad(acc, offs_m, q_idx, z, hq, M, score_bufs, out, out_idx, slot,
+                       BGRADS: tl.constexpr, I: tl.constexpr, TILE: tl.constexpr):
+    """One value per query row (offset of q_idx) or per program (offset of b, h only)."""
+    G: tl.constexpr = BGRADS.GRADS[I]
+    BLOCK_M: tl.constexpr = TILE.BLOCK_M
+    if not G.ALONG_KV:
+        offset = tl.cast(G.INDEX(z, hq, q_idx, 0, score_bufs), tl.int32)
+        if G.ALONG_Q:
+            offset = tl.reshape(tl.broadcast_to(offset, [BLOCK_M, 1]), [BLOCK_M])
+            keep = offs_m < M
+            if BGRADS.DETERMINISTIC:
+                slots = slot.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+                tl.store(out_idx + slots, tl.where(keep, offset, -1))
+                tl.store(out + slots, acc)
+            else:
+                tl.atomic_add(out + offset, acc, mask=keep, sem="relaxed")
+        else:   # ALiBi slopes, per-head biases: one value per program
+            total = tl.sum(acc, 0)
+            if BGRADS.DETERMINISTIC:
+                tl.store(out_idx + slot, offset)
+                tl.store(out + slot, total)
+            else:
+                tl.atomic_add(out + offset, total, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["numel"])
+def buffer_grad_store_kernel(ACC, OUT, factor, numel, BLOCK: tl.constexpr):
+    """OUT = ACC · factor in OUT's dtype (the atomic mode's last step)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.load(ACC + offs, mask=offs < numel, other=0.0)
+    tl.store(OUT + offs, (acc * factor).to(OUT.dtype.element_ty), mask=offs < numel)
+
+
+@triton.jit(do_not_specialize=["numel"])
+def buffer_grad_segment_sum_kernel(VALS, STARTS, ENDS, OUT, factor, numel,
+                                   BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """OUT[e] = factor · Σ VALS[STARTS[e]:ENDS[e]] (the deterministic mode's last step: VALS are
+    the entries sorted stably by offset), always summed in the same order."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < numel
+    start = tl.load(STARTS + offs, mask=live, other=0)
+    end = tl.load(ENDS + offs, mask=live, other=0)
+    partial = tl.zeros([BLOCK, CHUNK], dtype=tl.float32)
+    for j in range(0, tl.max(end - start, 0), CHUNK):
+        at = start[:, None] + j + tl.arange(0, CHUNK)[None, :]
+        partial += tl.load(VALS + at, mask=at < end[:, None], other=0.0)
+    tl.store(OUT + offs, (tl.sum(partial, 1) * factor).to(OUT.dtype.element_ty), mask=live)

@@ -16,7 +16,8 @@ module rewrites the joint graph into that shape, then hands it to the generator 
   ``relu`` becomes ``clamp_min``; in-place twins (``logical_and_``) become their functional form
   when nothing else reads the mutated value.
 - only ``d score`` is kept. Gradients of the captured buffers (a learnable bias table) are a
-  scatter-add over the score tile into the buffer: not generated here (docs/design/backward.md).
+  scatter-add over the score tile into the buffer: buffer_grad.py generates those, through the
+  same rewrite (:func:`pointwise_joint_graph`) with another value picked.
 
 The result is a ``score_mod``-shaped source: ``score_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs)``
 returning ``f'(score) / out_scale`` (templates/modgen.kernel_score_mod gives the factor), or None
@@ -26,7 +27,7 @@ when ``d score = grad`` (a score_mod that adds a term: ALiBi, biases): then dS p
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx
@@ -88,34 +89,31 @@ def _rewrite_backward_op(graph: torch.fx.Graph, node: torch.fx.Node) -> Optional
     return out
 
 
-def score_grad_graph(joint_gm: torch.fx.GraphModule, n_buffers: int) -> Optional[torch.fx.GraphModule]:
-    """The joint graph rewritten as ``(score, b, h, q_idx, kv_idx, *buffers) -> f'(score)`` (module
-    docstring), or None when the score's gradient is the incoming one unchanged.
+def pointwise_joint_graph(joint_gm: torch.fx.GraphModule, n_buffers: int,
+                          pick: Callable[[list], Any], what: str = "score gradient"
+                          ) -> Optional[torch.fx.GraphModule]:
+    """One value of the joint graph as ``(score, b, h, q_idx, kv_idx, *buffers) -> value`` with
+    the incoming gradient set to 1.0 (module docstring), or None when the value is the incoming
+    gradient itself. ``pick`` chooses the value from the copied graph's results (d score, None × 4,
+    d buffer...); ``what`` names it in errors. The joint graph is not modified.
 
     Example::
 
-        >>> from torch._higher_order_ops.flex_attention import create_fw_bw_graph   # doctest: +SKIP
-        >>> _, joint = create_fw_bw_graph(softcap, index_values, ())              # doctest: +SKIP
-        >>> print(score_grad_graph(joint, 0).code)                                 # doctest: +SKIP
+        >>> gm = pointwise_joint_graph(joint_gm, 0, lambda results: results[0])   # doctest: +SKIP
     """
     gm = torch.fx.GraphModule(joint_gm, copy.deepcopy(joint_gm.graph))
     graph = gm.graph
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    if len(placeholders) != 1 + _N_INDEX + 1 + n_buffers:
-        raise UnsupportedMod(
-            f"the flex backward joint graph has {len(placeholders)} inputs; expected score, 4 "
-            f"indices, the incoming gradient and {n_buffers} captured buffers (torch 2.11-2.13's "
-            "create_fw_bw_graph); report the torch version")
+    placeholders = joint_placeholders(gm, n_buffers)
     output = next(n for n in graph.nodes if n.op == "output")
     results = output.args[0]
-    d_score = results[0] if isinstance(results, (tuple, list)) else results
+    value = pick(list(results) if isinstance(results, (tuple, list)) else [results])
     grad = placeholders[1 + _N_INDEX]
-    if d_score is grad:
+    if value is grad:
         return None
-    if not isinstance(d_score, torch.fx.Node):
-        raise UnsupportedMod(f"the joint graph's score gradient is the constant {d_score!r}")
-    # Only d score is generated: drop the buffer gradients before anything else reads the graph.
-    output.args = (d_score,)
+    if not isinstance(value, torch.fx.Node):
+        raise UnsupportedMod(f"the joint graph's {what} is the constant {value!r}")
+    # Only this value is generated: drop the others before anything else reads the graph.
+    output.args = (value,)
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
@@ -140,6 +138,36 @@ def score_grad_graph(joint_gm: torch.fx.GraphModule, n_buffers: int) -> Optional
     graph.lint()
     gm.recompile()
     return gm
+
+
+def joint_placeholders(gm: torch.fx.GraphModule, n_buffers: int) -> list[torch.fx.Node]:
+    """The joint graph's inputs (score, 4 indices, the incoming gradient, buffers), checked.
+
+    Example::
+
+        >>> [n.name for n in joint_placeholders(joint_gm, 0)][:2]   # doctest: +SKIP
+        ['arg0_1', 'arg1_1']
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != 1 + _N_INDEX + 1 + n_buffers:
+        raise UnsupportedMod(
+            f"the flex backward joint graph has {len(placeholders)} inputs; expected score, 4 "
+            f"indices, the incoming gradient and {n_buffers} captured buffers (torch 2.11-2.13's "
+            "create_fw_bw_graph); report the torch version")
+    return placeholders
+
+
+def score_grad_graph(joint_gm: torch.fx.GraphModule, n_buffers: int) -> Optional[torch.fx.GraphModule]:
+    """The joint graph rewritten as ``(score, b, h, q_idx, kv_idx, *buffers) -> f'(score)`` (module
+    docstring), or None when the score's gradient is the incoming one unchanged.
+
+    Example::
+
+        >>> from torch._higher_order_ops.flex_attention import create_fw_bw_graph   # doctest: +SKIP
+        >>> _, joint = create_fw_bw_graph(softcap, index_values, ())              # doctest: +SKIP
+        >>> print(score_grad_graph(joint, 0).code)                                 # doctest: +SKIP
+    """
+    return pointwise_joint_graph(joint_gm, n_buffers, lambda results: results[0])
 
 
 def score_grad_source(joint_gm: torch.fx.GraphModule,
