@@ -1,0 +1,325 @@
+"""Training speed of the sm90 backward (templates/hopper_bwd/): fwd+bwd and bwd alone against cuDNN / FA2 SDPA and
+torch's compiled FlexAttention, on an H100 / H200.
+
+    python benchmarks/bwd_speed.py --out benchmarks/results/bwd-speed     # writes .json and .md
+
+Shapes: B * N = 16k tokens (B = 16384 / N), H 16, N in {2k, 4k, 8k}; head dims 64 / 128 / 256 and q/k 192 with v 128;
+noop, causal, softcap 30, ALiBi. Ours is our Hopper forward (templates/hopper) plus this backward, launched directly
+through the host functions (no torch.compile); a head dim the backward does not serve is reported as such. TFLOP/s
+count fwd+bwd as 3.5 forwards (forward = 4 B H M N D, halved under causal). CUDA events, warm-up, the median of
+--reps repetitions; L2 is not flushed between repetitions (all impls alike). Peak memory is the
+max_memory_allocated delta of one fwd+bwd. SDPA has no score_mod: its softcap / ALiBi cells are empty and ours
+is compared with our noop. Before timing, one case is checked against a float64 reference.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+
+from fa3_inductor import mods
+
+LN2 = math.log(2.0)
+VARIANTS = ("noop", "causal", "softcap", "alibi")
+HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))
+
+
+def _time_ms(fn, reps: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _peak_mb(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+
+
+def _score_mod(variant, H):
+    return {"softcap": mods.softcap(30.0), "alibi": mods.alibi(H)}.get(variant)
+
+
+def _mod(fn, kind, dialect):
+    from fa3_inductor.templates.modgen import BufferSpec, generate_mod_source, load_mod, trace_mod
+
+    gm, bufs = trace_mod(fn, kind)
+    src = generate_mod_source(gm, kind, [BufferSpec.of(b) for b in bufs], dialect)
+    return load_mod(src, dialect), tuple(bufs), gm
+
+
+def _our_options(variant, H, M, N, dialect="gl"):
+    """(forward options, backward options) of our kernels for a variant; the backward's mods in
+    ``dialect`` (gl: the Hopper backward, tl: the generic one)."""
+    from torch._higher_order_ops.flex_attention import create_fw_bw_graph
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from fa3_inductor.templates.generic_bwd import SCORE_GRAD_ONE
+    from fa3_inductor.templates.generic_bwd import score_grad_source
+    from fa3_inductor.templates.hopper_bwd import score_grad_gl
+    from fa3_inductor.templates.modgen import BufferSpec, load_mod
+
+    fwd, bwd = {}, {}
+    score_mod = _score_mod(variant, H)
+    if score_mod is not None:
+        fn, bufs, gm = _mod(score_mod, "score", "gl")
+        bwd_fn = fn if dialect == "gl" else _mod(score_mod, "score", dialect)[0]
+        index_values = (torch.zeros((), requires_grad=True), *(torch.zeros((), dtype=torch.int32) for _ in range(4)))
+        derive = score_grad_gl if dialect == "gl" else score_grad_source
+        src = derive(create_fw_bw_graph(gm, index_values, bufs)[1], [BufferSpec.of(b) for b in bufs])
+        fwd.update(score_mod=fn, score_bufs=bufs)
+        bwd.update(score_mod=bwd_fn, score_bufs=bufs,
+                   score_grad_mod=SCORE_GRAD_ONE if src is None else load_mod(src, dialect))
+    if variant == "causal":
+        bm = create_block_mask(mods.causal, None, None, M, N, device="cuda")
+        fn, bufs, _ = _mod(mods.causal, "mask", "gl")
+        bwd_fn = fn if dialect == "gl" else _mod(mods.causal, "mask", dialect)[0]
+        tables = dict(kv_num_blocks=bm.kv_num_blocks, kv_indices=bm.kv_indices,
+                      full_kv_num_blocks=bm.full_kv_num_blocks, full_kv_indices=bm.full_kv_indices)
+        fwd.update(mask_mod=fn, mask_bufs=bufs, **tables)
+        bwd.update(mask_mod=bwd_fn, mask_bufs=bufs, **tables, q_num_blocks=bm.q_num_blocks, q_indices=bm.q_indices,
+                   full_q_num_blocks=bm.full_q_num_blocks, full_q_indices=bm.full_q_indices)
+    return fwd, bwd
+
+
+def ours(q, k, v, dout, variant, scale, backward_family="hopper"):
+    """((fwd+bwd callable, bwd callable, (dq, dk, dv), fwd+bwd allocating its buffers afresh), None), or
+    (None, why) where the backward does not serve the case. The timed callables replay prepared launches.
+    ``backward_family``: "hopper" (templates/hopper_bwd) or "generic" (templates/generic_bwd, the
+    plain-Triton backward with dQ in its own pass); the forward is our Hopper kernel either way."""
+    from fa3_inductor.templates.generic_bwd.host import launch_generic_backward, prepare_generic_backward
+    from fa3_inductor.templates.hopper import launch_fwd_sm90
+    from fa3_inductor.templates.hopper_bwd import launch_hopper_backward, prepare_hopper_backward
+
+    prepare_backward, launch_backward = {
+        "hopper": (prepare_hopper_backward, launch_hopper_backward),
+        "generic": (prepare_generic_backward, launch_generic_backward)}[backward_family]
+    B, H, M, D = q.shape
+    N, Dv = k.shape[2], v.shape[-1]
+    fwd_opts, bwd_opts = _our_options(variant, H, M, N, "gl" if backward_family == "hopper" else "tl")
+    out = torch.empty(B, H, M, Dv, device="cuda", dtype=q.dtype)
+    lse, mx = torch.empty(B, H, M, device="cuda"), torch.empty(B, H, M, device="cuda")
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def forward():
+        launch_fwd_sm90(q, k, v, out, lse, mx, sm_scale=scale, **fwd_opts)
+
+    forward()
+    try:
+        launches = prepare_backward(q, k, v, out, dout, lse, dq, dk, dv, sm_scale=scale, **bwd_opts)
+    except ValueError as e:
+        return None, str(e)
+
+    def backward():
+        for kernel, args, kwargs, grid in launches:
+            kernel[grid](*args, **kwargs)
+
+    def both():
+        forward()
+        backward()
+
+    def fresh():   # what a training step allocates: out, LSE, gradients, the backward's scratch
+        o = torch.empty(B, H, M, Dv, device="cuda", dtype=q.dtype)
+        lse2, mx2 = torch.empty(B, H, M, device="cuda"), torch.empty(B, H, M, device="cuda")
+        launch_fwd_sm90(q, k, v, o, lse2, mx2, sm_scale=scale, **fwd_opts)
+        launch_backward(q, k, v, o, dout, lse2, torch.empty_like(q), torch.empty_like(k),
+                        torch.empty_like(v), sm_scale=scale, **bwd_opts)
+
+    backward()
+    return (both, backward, (dq, dk, dv), fresh), None
+
+
+def torch_impl(name, q, k, v, dout, variant, scale, flex_compiled):
+    """(fwd+bwd callable, fwd callable) of an SDPA backend or compiled flex; None where it has no such variant."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    if name in ("cudnn", "fa2"):
+        if variant in ("softcap", "alibi") or q.shape[-1] != v.shape[-1] and name == "fa2":
+            return None
+        backend = SDPBackend.CUDNN_ATTENTION if name == "cudnn" else SDPBackend.FLASH_ATTENTION
+
+        def fwd():
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=variant == "causal",
+                                                                        scale=scale)
+    else:
+        block_mask = None
+        if variant == "causal":
+            block_mask = create_block_mask(mods.causal, None, None, q.shape[2], k.shape[2], device="cuda")
+        score_mod = _score_mod(variant, q.shape[1])
+
+        def fwd():
+            return flex_compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale)
+
+    def both():
+        out = fwd()
+        torch.autograd.grad(out, (q, k, v), dout)
+
+    try:
+        both()
+    except RuntimeError:
+        return None
+    return both, fwd
+
+
+def check_once() -> float:
+    """Our fwd+bwd against float64 autograd on one small causal + softcap case; returns the worst relative error."""
+    import sys
+    sys.path.insert(0, "tests")
+    from reference import rel_error, reference_gradients
+
+    torch.manual_seed(0)
+    q, k, v, dout = (torch.randn(1, 2, 1000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    impl, why = ours(q, k, v, dout, "softcap", 128 ** -0.5)
+    assert impl is not None, why
+    _, _, got, _ = impl
+    _, dq, dk, dv, _ = reference_gradients(q, k, v, dout, mods.softcap(30.0), None, 128 ** -0.5)
+    worst = max(rel_error(g, w) for g, w in zip(got, (dq, dk, dv)))
+    assert worst <= 2e-2, f"our backward does not match float64: relative error {worst:.3e}"
+    return worst
+
+
+def run(args) -> list[dict]:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # a compile per shape and mod: without room for them Dynamo falls back to eager flex (slow, huge memory)
+    torch._dynamo.config.cache_size_limit = 256
+    torch._dynamo.config.accumulated_cache_size_limit = 4096
+    flex_compiled = torch.compile(flex_attention, dynamic=False)
+    rows = []
+    deadline = time.time() + args.budget_s
+    for N in args.seqlens:
+        B = args.tokens // N
+        for D, Dv in HEAD_DIMS:
+            for variant in VARIANTS:
+                torch.manual_seed(0)
+                q = torch.randn(B, args.heads, N, D, device="cuda", dtype=torch.bfloat16)
+                k = torch.randn(B, args.heads, N, D, device="cuda", dtype=torch.bfloat16)
+                v = torch.randn(B, args.heads, N, Dv, device="cuda", dtype=torch.bfloat16)
+                dout = torch.randn(B, args.heads, N, Dv, device="cuda", dtype=torch.bfloat16)
+                scale = D ** -0.5
+                flops = 4 * B * args.heads * N * N * (D + Dv) / 2 * (0.5 if variant == "causal" else 1.0) * 3.5
+                row = dict(B=B, H=args.heads, N=N, D=D, Dv=Dv, variant=variant)
+                impl, why = ours(q, k, v, dout, variant, scale)
+                if impl is None:
+                    row["ours_note"] = why
+                else:
+                    both, bwd, _, fresh = impl
+                    row["ours_ms"] = _time_ms(both, args.reps)
+                    row["ours_bwd_ms"] = _time_ms(bwd, args.reps)
+                    row["ours_mb"] = _peak_mb(fresh)
+                if args.generic:
+                    impl, why = ours(q, k, v, dout, variant, scale, "generic")
+                    if impl is None:
+                        row["generic_note"] = why
+                    else:
+                        both, bwd, _, _ = impl
+                        row["generic_ms"] = _time_ms(both, args.reps)
+                        row["generic_bwd_ms"] = _time_ms(bwd, args.reps)
+                for name in ("cudnn", "fa2", "flex"):
+                    if name == "flex" and (D != Dv or D not in args.flex_head_dims or time.time() > deadline):
+                        row["flex_note"] = "skipped: head dim or time budget (--flex-head-dims, --budget-s)"
+                        continue
+                    got = torch_impl(name, q, k, v, dout, variant, scale, flex_compiled)
+                    if got is None:
+                        continue
+                    both, fwd = got
+                    row[f"{name}_ms"] = _time_ms(both, args.reps)
+                    row[f"{name}_bwd_ms"] = row[f"{name}_ms"] - _time_ms(fwd, args.reps)
+                    row[f"{name}_mb"] = _peak_mb(both)
+                for name in ("ours", "generic", "cudnn", "fa2", "flex"):
+                    if f"{name}_ms" in row:
+                        row[f"{name}_tflops"] = flops / row[f"{name}_ms"] / 1e9
+                if "ours_ms" in row:
+                    for ref in ("cudnn", "flex"):
+                        if f"{ref}_ms" in row:
+                            row[f"vs_{ref}"] = row[f"{ref}_ms"] / row["ours_ms"]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    for row in rows:   # mods against our own noop of the same shape
+        if row["variant"] in ("softcap", "alibi") and "ours_ms" in row:
+            noop = next((r for r in rows if r["variant"] == "noop" and (r["N"], r["D"], r["Dv"]) ==
+                         (row["N"], row["D"], row["Dv"]) and "ours_ms" in r), None)
+            if noop:
+                row["vs_our_noop"] = noop["ours_ms"] / row["ours_ms"]
+    return rows
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    def cell(row, key, fmt="{:.0f}"):
+        return fmt.format(row[key]) if key in row else "-"
+
+    lines = [f"# bwd_speed on {meta['device']} (bf16, fwd+bwd TFLOP/s = 3.5 forwards; L2 not flushed)", "",
+             f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}; command: `{meta['command']}`; "
+             f"check against float64: worst relative error {meta['check_error']:.2e}. 'ours' is our Hopper forward "
+             "plus the Hopper backward (templates/hopper_bwd), 'generic' the same forward plus the generic backward "
+             "(templates/generic_bwd), 'flex' torch's compiled FlexAttention (forward and backward).", "",
+             "| N | D | variant | ours | generic | cuDNN | FA2 | flex | ours/cuDNN | ours/flex | ours/our noop |"
+             " bwd ms ours / generic / cuDNN / flex | peak MB ours / cuDNN / flex |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        d = f"{r['D']}" if r["D"] == r["Dv"] else f"{r['D']}/{r['Dv']}"
+        lines.append(f"| {r['N']} | {d} | {r['variant']} | {cell(r, 'ours_tflops')} | {cell(r, 'generic_tflops')} | "
+                     f"{cell(r, 'cudnn_tflops')} | {cell(r, 'fa2_tflops')} | {cell(r, 'flex_tflops')} | "
+                     f"{cell(r, 'vs_cudnn', '{:.2f}')} | {cell(r, 'vs_flex', '{:.2f}')} | "
+                     f"{cell(r, 'vs_our_noop', '{:.2f}')} | {cell(r, 'ours_bwd_ms', '{:.2f}')} / "
+                     f"{cell(r, 'generic_bwd_ms', '{:.2f}')} / {cell(r, 'cudnn_bwd_ms', '{:.2f}')} / "
+                     f"{cell(r, 'flex_bwd_ms', '{:.2f}')} | {cell(r, 'ours_mb')} / {cell(r, 'cudnn_mb')} / "
+                     f"{cell(r, 'flex_mb')} |")
+    notes = sorted({r["ours_note"] for r in rows if "ours_note" in r})
+    return "\n".join(lines + [""] + [f"- not served by ours: {n}" for n in notes]) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="path prefix: writes OUT.json and OUT.md")
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--budget-s", type=float, default=150.0,
+                        help="after this many seconds, compiled flex (a compile per shape) is skipped")
+    parser.add_argument("--generic", action="store_true",
+                        help="also time our forward + the generic (plain Triton) backward")
+    parser.add_argument("--flex-head-dims", type=int, nargs="+", default=[64, 128],
+                        help="head dims timed with compiled flex (each shape and mod is a compile)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        raise SystemExit("bwd_speed needs an sm90 GPU (H100 / H200)")
+    err = check_once()
+    print(f"check: worst relative error {err:.3e} against float64", flush=True)
+    rows = run(args)
+    import datetime
+    import sys
+
+    import triton
+
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%MZ}",
+                command="python benchmarks/bwd_speed.py " + " ".join(sys.argv[1:]), check_error=err)
+    with open(args.out + ".json", "w") as f:
+        json.dump(dict(meta, rows=rows), f, indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write(markdown(rows, meta))
+    print(markdown(rows, meta))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,521 @@
+"""FlashAttention-3-structure attention backward for Hopper (sm90): Gluon main kernel, Triton pre/post passes.
+
+Notation
+--------
+  Q, dQ   [Z, HQ, M, D]      queries and their gradient (z = batch, hq = query head, m = query position)
+  K, dK   [KZ, HKV, N, D]    keys; hkv = hq // GQA_GROUP; KZ is Z or 1 (a K/V batch of 1 serves every z)
+  V, dV   [KZ, HKV, N, DV]   values (DV = D here: the host refuses other pairs)
+  O, dO   [Z, HQ, M, DV]     the forward's output and its incoming gradient
+  LSE     [Z, HQ, M] fp32    the forward's logsumexp in log2 units (-inf on fully masked rows)
+  STATS   [Z * HQ, 2, M_PAD] fp32   what the main kernel reads (preprocess kernel): LSE_P = LSE with +inf on
+                             rows past M and on fully masked rows (so that P = 0 there without a mask), then
+                             DELTA_P = rowsum(dO * O) - dLSE * log2(e) (0 past M); padded: no load is masked
+  DQ_ACC  [Z * HQ, M_PAD, D] fp32   dQ accumulated in score units; M_PAD = M rounded up to the block-mask query
+                             block (BLOCK_M without a mask), so every visited tile lies inside it. Zeroed by the
+                             preprocess kernel, added into by every KV tile's CTA (atomics), scaled and converted
+                             to dQ's dtype by the convert kernel
+  BLOCK_N = 128              keys of one CTA: consumer warpgroup w owns keys [64w, 64w + 64) (HALF_N = 64)
+  BLOCK_M = 64               query rows of one step (one 64-row wgmma per warpgroup)
+
+The math, per (KV tile, query tile), in the forward's orientation (rows = queries, columns = keys):
+
+  S   = Q K^T (score units: raw q.k without a mod, the mod's tile with one)   masked where mask_mod says so
+  P   = exp2(min(S * qk_scale2 - LSE[row], 0))     (+inf LSE on rows past M and fully masked rows: P = 0)
+  dV += P^T dO                  dP = dO V^T
+  dS  = P * (dP - DELTA[row]) * f'(S)              (f' = SCORE_GRAD's tile; 1 without a score_mod)
+  dK += dS^T Q                  dQ += dS K         (the scale and f's factor, ds_scale, applied once at the end)
+
+Kernel roles (one CTA per (KV tile, kz * HKV + hkv); 3 warpgroups):
+  * producer  (1 warp, padded to a warpgroup, PRODUCER_REGS): TMA-loads K and V once, then walks the query
+              steps (every z of this K/V batch, every query head of the GQA group, every query tile the
+              transposed block mask lists) and loads Q and dO tiles into a ring of NUM_STAGES stages.
+  * consumers (2 x 4 warps, CONSUMER_REGS): warpgroup w computes S, P, dP, dS for its 64 keys with wgmma;
+              dK, dV accumulate in registers across all steps (GQA and a broadcast K/V batch are sums in
+              registers: one store per output tile). P and dS go through shared memory (the A operands of the
+              dV / dK wgmmas, transposed views; dS also for dQ). Once both dS halves are there, dQ = dS K over
+              all 128 keys is added into DQ_ACC with fp32 atomics: DQ_SPLIT (D >= 128), each warpgroup D / 2
+              head-dim columns every step; else one warpgroup the whole tile, the two in turn (FA3's order of
+              work; its TMA reduce-add has no Gluon 3.6 binding).
+
+Barriers (shared memory):
+  kv_ready        (count 1, TMA tx)  K and V landed                                 producer -> consumers
+  qdo_ready[s]    (count 1, TMA tx)  ring stage s holds this step's Q and dO        producer -> consumers
+  qdo_empty[s]    (count 2)          both warpgroups' wgmmas reading stage s retired consumers -> producer
+  ds_ready[b]     (count 2)          both halves of dS are in buffer b (b = step % 2) consumer <-> consumer
+  Two dS buffers suffice: a warpgroup writes buffer b at step j + 2 only after its own step-j dQ wgmma, and
+  after waiting on ds_ready of step j + 1 (DQ_SPLIT: always; in turn: it is the reader of step j + 1 when the
+  other warpgroup read step j), which the other warpgroup signals only after its step-j dQ wgmma retired.
+
+Block mask (torch BlockMask, transposed tables: for each KV block, the query blocks that see it):
+  Q_NUM_BLKS[SZ, SH, NUM_KV_BLKS], Q_IDX[.., NUM_Q_BLKS]       partial query blocks (mask_mod applied)
+  FULL_Q_NUM_BLKS / FULL_Q_IDX                                all-true query blocks (mask_mod skipped)
+  SPARSE_Q % BLOCK_M == 0 and SPARSE_KV % BLOCK_N == 0; unlisted blocks are dropped (the forward's semantics).
+
+Mods (templates/modgen.py, ``gl`` dialect, called as the forward calls them):
+  SCORE_MOD(qk, sm_scale, b, h, q_idx, kv_idx, bufs) -> the score / OUT_SCALE
+  SCORE_GRAD(qk, sm_scale, b, h, q_idx, kv_idx, bufs) -> f'(score) / GRAD_SCALE (generic_bwd/score_grad.py's
+                                                        graph in the gl dialect: host.score_grad_gl)
+  MASK_MOD(b, h, q_idx, kv_idx, bufs) -> bool
+  q_idx is a [BLOCK_M, 1] column and kv_idx a [1, HALF_N] row, clamped into [0, M) / [0, N), so a mod
+  gathering by position never reads past its buffer.
+
+Compile-time parameters (one frozen-dataclass bundle each, read as TILE.BLOCK_M):
+  TILE    BwdTile       HEAD_D, NUM_STAGES (BLOCK_M, BLOCK_N, HALF_N, DQ_SPLIT, DQ_N derived)
+  SPARSE  BwdSparsity   HAS_BLOCK_MASK, HAS_FULL_BLOCKS, Q_TILES_PER_BLK, SPARSE_KV
+  FLAGS   BwdFlags      GQA_GROUP, FOLD_SCALE, EVEN_N, CONSUMER_REGS, PRODUCER_REGS
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class BwdTile:
+    """Tile sizes of the main kernel. BLOCK_M and BLOCK_N are fixed by the structure: one 64-row wgmma per
+    warpgroup and step, two consumer warpgroups of 64 key rows."""
+    HEAD_D: int        # D (= DV), a power of two
+    NUM_STAGES: int    # depth of the Q / dO ring
+
+    @property
+    def BLOCK_M(self) -> int:
+        return 64
+
+    @property
+    def BLOCK_N(self) -> int:
+        return 128
+
+    @property
+    def HALF_N(self) -> int:
+        return 64
+
+    @property
+    def DQ_SPLIT(self) -> bool:
+        """dQ's head-dim columns split between the warpgroups (D >= 128: halves of whole 64-column swizzle atoms,
+        so the K column slice is a plain shared-memory view); at D = 64 each step's dQ goes to one
+        warpgroup, the two in turn."""
+        return self.HEAD_D >= 128
+
+    @property
+    def DQ_N(self) -> int:
+        return self.HEAD_D // 2 if self.DQ_SPLIT else self.HEAD_D
+
+
+@dataclass(frozen=True)
+class BwdSparsity:
+    """The transposed block mask (module docstring, "Block mask")."""
+    HAS_BLOCK_MASK: bool    # query tiles come from the tables (else every query tile, no mask_mod)
+    HAS_FULL_BLOCKS: bool   # the FULL_Q_* tables are given
+    Q_TILES_PER_BLK: int    # SPARSE_Q // BLOCK_M
+    SPARSE_KV: int          # block-mask KV block (a multiple of BLOCK_N)
+
+
+@dataclass(frozen=True)
+class BwdFlags:
+    """What the site's shapes and scale ask of the kernel, and the register split."""
+    GQA_GROUP: int          # HQ // HKV
+    FOLD_SCALE: bool        # no score_mod, sm_scale > 0: raw q.k, the scale folded into qk_scale2
+    EVEN_N: bool            # N % BLOCK_N == 0: no KV tile crosses N (no exponent clamp, _probabilities)
+    CONSUMER_REGS: int      # setmaxnreg of the consumer warpgroups
+    PRODUCER_REGS: int      # setmaxnreg of the TMA producer
+
+
+# ----------------------------------------------------------------------------------------------
+# The query steps of one CTA: producer and consumers walk the same sequence (or the ring's phases
+# fall out of step): z of this K/V batch, then the GQA group's heads, then the listed query tiles.
+# ----------------------------------------------------------------------------------------------
+@gluon.jit
+def _q_tile_counts(z, hq, kv_blk, M, tables, table_meta, TILE: gl.constexpr, SPARSE: gl.constexpr):
+    """(partial, total) query tiles of head (z, hq) for this CTA's KV block; the partial ones come first."""
+    qnb, qidx, fqnb, fqidx = tables
+    SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS = table_meta
+    if SPARSE.HAS_BLOCK_MASK:
+        row = ((z % SZ) * SH + (hq % SH)) * NUM_KV_BLKS + kv_blk
+        n_partial = gl.load(qnb + row) * SPARSE.Q_TILES_PER_BLK
+        if SPARSE.HAS_FULL_BLOCKS:
+            n_full = gl.load(fqnb + row) * SPARSE.Q_TILES_PER_BLK
+        else:
+            n_full = n_partial * 0
+    else:
+        n_partial = M * 0
+        n_full = gl.cdiv(M, TILE.BLOCK_M)
+    return n_partial, n_partial + n_full
+
+
+@gluon.jit
+def _q_tile_start(i, n_partial, z, hq, kv_blk, tables, table_meta, TILE: gl.constexpr,
+                  SPARSE: gl.constexpr):
+    """First query row of the i-th query tile of head (z, hq)."""
+    qnb, qidx, fqnb, fqidx = tables
+    SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS = table_meta
+    PER: gl.constexpr = SPARSE.Q_TILES_PER_BLK
+    if SPARSE.HAS_BLOCK_MASK:
+        row = ((z % SZ) * SH + (hq % SH)) * NUM_KV_BLKS + kv_blk
+        if i < n_partial:
+            blk = gl.load(qidx + row * NUM_Q_BLKS + i // PER)
+            sub = i % PER
+        else:
+            j = i - n_partial
+            blk = gl.load(fqidx + row * NUM_Q_BLKS + j // PER)
+            sub = j % PER
+        start = (blk * PER + sub) * TILE.BLOCK_M
+    else:
+        start = i * TILE.BLOCK_M
+    return start
+
+
+# ----------------------------------------------------------------------------------------------
+# Producer: one warp issuing TMA.
+# ----------------------------------------------------------------------------------------------
+@gluon.jit
+def _producer(descs, bars, smem, sizes, tables, table_meta, TILE: gl.constexpr, SPARSE: gl.constexpr,
+              FLAGS: gl.constexpr):
+    q_desc, do_desc, k_desc, v_desc = descs
+    kv_ready, qdo_ready, qdo_empty, ds_ready = bars
+    q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem = smem
+    Z, HQ, KZ, M, N = sizes
+    NUM_STAGES: gl.constexpr = TILE.NUM_STAGES
+    n0 = gl.program_id(0) * TILE.BLOCK_N
+    kvh = gl.program_id(1)
+    HKV = HQ // FLAGS.GQA_GROUP
+    kz = kvh // HKV
+    hkv = kvh % HKV
+    kv_blk = n0 // SPARSE.SPARSE_KV
+
+    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [kz, hkv, n0, 0], kv_ready, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [kz, hkv, n0, 0], kv_ready, v_smem)
+
+    qdo_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
+    cnt = 0
+    # every query batch that reads this K/V batch (all of them when KZ = 1), every head of the GQA
+    # group: one flat loop (a nested one holds more loop state in registers)
+    for hh in range((Z // KZ) * FLAGS.GQA_GROUP):
+        z = kz + (hh // FLAGS.GQA_GROUP) * KZ
+        hq = hkv * FLAGS.GQA_GROUP + hh % FLAGS.GQA_GROUP
+        n_partial, n_total = _q_tile_counts(z, hq, kv_blk, M, tables, table_meta, TILE, SPARSE)
+        for i in range(n_total):
+            m0 = _q_tile_start(i, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
+            st = cnt % NUM_STAGES
+            mbarrier.wait(qdo_empty.index(st), ((cnt // NUM_STAGES) & 1) ^ 1)
+            mbarrier.expect(qdo_ready.index(st), qdo_bytes)
+            tma.async_copy_global_to_shared(q_desc, [z, hq, m0, 0], qdo_ready.index(st), q_smem.index(st))
+            tma.async_copy_global_to_shared(do_desc, [z, hq, m0, 0], qdo_ready.index(st), do_smem.index(st))
+            cnt += 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Consumers: 64 key rows each.
+# ----------------------------------------------------------------------------------------------
+@gluon.jit
+def _probabilities(qk, lse, z, hq, q_idx, kv_idx, is_partial, sm_scale, qk_scale2, score_bufs, mask_bufs,
+                   SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr, FLAGS: gl.constexpr):
+    """P of one step: the forward's score (same mods, units and index clamping) against the saved LSE.
+
+    Keys past N (the last KV tile, not EVEN_N) get no mask: their K and V rows read as zero, so they add nothing
+    to dQ (dS * 0) and their own dK, dV rows are never stored, provided P stays finite. P <= 1 holds for every
+    real key (the LSE counts it), so clamping the exponent at 0 keeps the padded ones finite: one FMNMX a score
+    instead of a bound test that would hold a column vector of key positions."""
+    if SCORE_MOD is not None:
+        s = SCORE_MOD(qk, sm_scale, z, hq, q_idx, kv_idx, score_bufs)
+    elif FLAGS.FOLD_SCALE:
+        s = qk
+    else:
+        s = qk * sm_scale
+    if MASK_MOD is not None:
+        if is_partial:
+            s = gl.where(MASK_MOD(z, hq, q_idx, kv_idx, mask_bufs), s, -float("inf"))
+    x = s * qk_scale2 - lse[:, None]
+    if not FLAGS.EVEN_N:
+        x = gl.minimum(x, 0.0)
+    return gl.exp2(x)
+
+
+@gluon.jit
+def _opaque(x):
+    """x, through an asm the compiler cannot see into or move: the dQ tile's row offsets are loop invariant,
+    and hoisted out of the loop they became 64-bit addresses of every atomic, kept live (and spilled) across
+    it. Made per step, they are two row addresses a thread plus the columns as immediate offsets."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+              SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
+              SPARSE: gl.constexpr, FLAGS: gl.constexpr):
+    q_desc, do_desc, k_desc, v_desc = descs
+    kv_ready, qdo_ready, qdo_empty, ds_ready = bars
+    q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem = smem
+    Z, HQ, KZ, M, N = sizes
+    stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD = rows   # STATS, DQ_ACC, dK, dV
+    sm_scale, qk_scale2, ds_scale = scalars
+    score_bufs, mask_bufs = mod_bufs
+    BLOCK_M: gl.constexpr = TILE.BLOCK_M
+    BLOCK_N: gl.constexpr = TILE.BLOCK_N
+    HALF_N: gl.constexpr = TILE.HALF_N
+    D: gl.constexpr = TILE.HEAD_D
+    NUM_STAGES: gl.constexpr = TILE.NUM_STAGES
+    DQ_N: gl.constexpr = TILE.DQ_N
+    dtype: gl.constexpr = q_desc.dtype
+
+    # Accumulator layouts of the wgmmas (64 rows per warpgroup).
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF_N, 16])
+    d_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_N, 16])
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    n0 = gl.program_id(0) * BLOCK_N
+    kvh = gl.program_id(1)
+    HKV = HQ // FLAGS.GQA_GROUP
+    kz = kvh // HKV
+    hkv = kvh % HKV
+    kv_blk = n0 // SPARSE.SPARSE_KV
+
+    k_rows = k_smem.reshape([BLOCK_N, D])
+    v_rows = v_smem.reshape([BLOCK_N, D])
+    k_t = k_rows.slice(WG * HALF_N, HALF_N, dim=0).permute((1, 0))   # B of S = Q K^T (this warpgroup's keys)
+    v_t = v_rows.slice(WG * HALF_N, HALF_N, dim=0).permute((1, 0))   # B of dP = dO V^T
+    p_mine = p_smem.index(WG)                                        # [BLOCK_M, HALF_N]
+    p_t = p_mine.permute((1, 0))                                     # A of dV += P^T dO
+
+    dk = gl.zeros([HALF_N, D], gl.float32, layout=d_layout)
+    dv = gl.zeros([HALF_N, D], gl.float32, layout=d_layout)
+    s_zero = gl.zeros([BLOCK_M, HALF_N], gl.float32, layout=s_layout)
+    dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
+    DQ_COL0: gl.constexpr = WG * DQ_N if TILE.DQ_SPLIT else 0
+    k_dq = k_rows.slice(DQ_COL0, DQ_N, dim=1)   # B of dQ[:, this warpgroup's columns] = dS K[:, columns]
+
+    mbarrier.wait(kv_ready, 0)
+    cnt = 0
+    # every query batch that reads this K/V batch (all of them when KZ = 1), every head of the GQA
+    # group: one flat loop (a nested one holds more loop state in registers)
+    for hh in range((Z // KZ) * FLAGS.GQA_GROUP):
+        z = kz + (hh // FLAGS.GQA_GROUP) * KZ
+        hq = hkv * FLAGS.GQA_GROUP + hh % FLAGS.GQA_GROUP
+        zh = z * HQ + hq
+        n_partial, n_total = _q_tile_counts(z, hq, kv_blk, M, tables, table_meta, TILE, SPARSE)
+        for i in range(n_total):
+            m0 = _q_tile_start(i, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
+            st = cnt % NUM_STAGES
+            buf = cnt % 2
+            row_off = zh.to(gl.int64) * M_PAD + m0                  # of DQ_ACC (rows of D)
+            stats = stats_ptr + (row_off + zh.to(gl.int64) * M_PAD)   # LSE_P; DELTA_P is M_PAD further
+            rows_ = gl.arange(0, BLOCK_M, layout=row_layout)
+            lse = gl.load(stats + rows_)
+            q_t = q_smem.index(st).reshape([BLOCK_M, D])
+            do_t = do_smem.index(st).reshape([BLOCK_M, D])
+            mbarrier.wait(qdo_ready.index(st), (cnt // NUM_STAGES) & 1)
+            # Registers decide the order: dK and dV hold D registers a thread across the loop, a [64, 64]
+            # fp32 tile 32. So dP is issued once P is made (S and dP in flight beside P spill), and P and
+            # f' are read back from shared memory in 16 bits for dS rather than held across the dP wgmma
+            # (P is rounded to 16 bits for the dV wgmma anyway); the other warpgroup's wgmmas run under
+            # this one's exponentials.
+            s_tok = warpgroup_mma(q_t, k_t, s_zero, use_acc=False, is_async=True)
+            qk, _q, _k = warpgroup_mma_wait(0, deps=[s_tok, q_t, k_t])
+            q_idx = gl.minimum(m0 + rows_, M - 1)[:, None]
+            kv0 = n0 + WG * HALF_N
+            # a column vector is HALF_N / 4 registers a thread: made per step, not held across the loop
+            kv_idx = gl.minimum(kv0 + _opaque(gl.arange(0, HALF_N, layout=col_layout)), N - 1)[None, :]
+            p = _probabilities(qk, lse, z, hq, q_idx, kv_idx, i < n_partial, sm_scale, qk_scale2, score_bufs,
+                               mask_bufs, SCORE_MOD, MASK_MOD, FLAGS)
+            p_mine.store(p.to(dtype))
+            if SCORE_GRAD is not None:
+                # masked scores (P = 0) take no gradient, even where f' is not finite there
+                grad = gl.where(p > 0.0, SCORE_GRAD(qk, sm_scale, z, hq, q_idx, kv_idx, score_bufs), 0.0)
+                p_smem.index(2 + WG).store(grad.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()        # every thread's part of P is in shared memory before the wgmma reads it
+            dp_tok = warpgroup_mma(do_t, v_t, s_zero, use_acc=False, is_async=True)
+            dv_tok = warpgroup_mma(p_t, do_t, dv, is_async=True)
+            delta = gl.load(stats + M_PAD + rows_)
+            dp, _do, _v = warpgroup_mma_wait(1, deps=[dp_tok, do_t, v_t])
+            # P back from shared memory: held in registers across the dP wgmma it would spill
+            ds = p_mine.load(s_layout).to(gl.float32) * (dp - delta[:, None])
+            if SCORE_GRAD is not None:
+                ds = ds * p_smem.index(2 + WG).load(s_layout).to(gl.float32)
+            # dS to shared memory: this warpgroup's dK wgmma reads its half, the dQ wgmma both halves.
+            ds_tile = ds_smem.index(buf)                              # [BLOCK_M, BLOCK_N]
+            ds_mine = ds_tile.slice(WG * HALF_N, HALF_N, dim=1)
+            ds_mine.store(ds.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(ds_ready.index(buf), count=1)
+            dk_tok = warpgroup_mma(ds_mine.permute((1, 0)), q_t, dk, is_async=True)
+            dv, dk, _p, _ds, _do2, _q2 = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_t, ds_mine, do_t, q_t])
+            mbarrier.arrive(qdo_empty.index(st), count=1)
+            # dQ = dS K over all 128 keys (both warpgroups' dS), added into the fp32 accumulator: DQ_SPLIT,
+            # each warpgroup D / 2 columns every step; else (D = 64) all columns every other step.
+            if TILE.DQ_SPLIT:
+                mine = True
+            else:
+                mine = cnt % 2 == WG
+            if mine:
+                mbarrier.wait(ds_ready.index(buf), (cnt // 2) & 1)
+                dq_tok = warpgroup_mma(ds_tile, k_dq, dq_zero, use_acc=False, is_async=True)
+                dq, _a, _b = warpgroup_mma_wait(0, deps=[dq_tok, ds_tile, k_dq])
+                dq_rows = _opaque(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout)))
+                # the column offset goes with the rows: columns from 0 become the atomics' immediates
+                dq_cols = gl.arange(0, DQ_N, layout=gl.SliceLayout(0, dq_layout))
+                dq_ptrs = dq_acc_ptr + ((row_off + dq_rows) * D + DQ_COL0)[:, None] + dq_cols[None, :]
+                gl.atomic_add(dq_ptrs, dq, sem="relaxed")
+            cnt += 1
+
+    # dK, dV: one store per output tile (rows past N clipped); dK takes the scale and f's factor here.
+    out_rows = n0 + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, d_layout))[:, None]
+    out_cols = gl.arange(0, D, layout=gl.SliceLayout(0, d_layout))[None, :]
+    keep = (out_rows < N) & (out_cols < D)
+    head = (kz * HKV + hkv).to(gl.int64) * N * D     # dK, dV are contiguous (the host sees to it)
+    gl.store(dk_ptr + head + out_rows * D + out_cols, (dk * ds_scale).to(dtype), mask=keep)
+    gl.store(dv_ptr + head + out_rows * D + out_cols, dv.to(dtype), mask=keep)
+
+
+@gluon.jit
+def _consumer_wg0(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+                  SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
+                  SPARSE: gl.constexpr, FLAGS: gl.constexpr):
+    _consumer(0, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD,
+              MASK_MOD, TILE, SPARSE, FLAGS)
+
+
+@gluon.jit
+def _consumer_wg1(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+                  SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
+                  SPARSE: gl.constexpr, FLAGS: gl.constexpr):
+    _consumer(1, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD,
+              MASK_MOD, TILE, SPARSE, FLAGS)
+
+
+@gluon.jit
+def _producer_entry(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+                    SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
+                    TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr):
+    _producer(descs, bars, smem, sizes, tables, table_meta, TILE, SPARSE, FLAGS)
+
+
+# Sizes that follow the sequence lengths: no divisibility / equal-to-1 specialization (one compile per site).
+_RUNTIME_SIZES = ["Z", "KZ", "M", "N", "M_PAD", "NUM_KV_BLKS", "NUM_Q_BLKS"]
+
+
+@gluon.jit(do_not_specialize=_RUNTIME_SIZES)
+def fa3_bwd_sm90_kernel(
+    q_desc, do_desc, k_desc, v_desc,
+    stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr,
+    qnb_ptr, qidx_ptr, fqnb_ptr, fqidx_ptr,
+    score_bufs, mask_bufs,
+    Z, HQ, KZ, M, N, M_PAD, SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS,
+    sm_scale, qk_scale2, ds_scale,
+    SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,   # @gluon.jit mods or None
+    TILE: gl.constexpr,      # BwdTile
+    SPARSE: gl.constexpr,    # BwdSparsity
+    FLAGS: gl.constexpr,     # BwdFlags
+):
+    NUM_STAGES: gl.constexpr = TILE.NUM_STAGES
+    BLOCK_M: gl.constexpr = TILE.BLOCK_M
+    BLOCK_N: gl.constexpr = TILE.BLOCK_N
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
+    HALF_N: gl.constexpr = TILE.HALF_N
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF_N], q_desc.dtype)
+    # P of each warpgroup; with a score_mod also f' (both parked in shared memory across the dP wgmma)
+    P_SLOTS: gl.constexpr = 4 if SCORE_GRAD is not None else 2
+    p_smem = gl.allocate_shared_memory(q_desc.dtype, [P_SLOTS, BLOCK_M, HALF_N], p_layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], q_desc.dtype)
+    ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, BLOCK_N], ds_layout)
+
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    qdo_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    qdo_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(qdo_ready.index(s), count=1)
+        mbarrier.init(qdo_empty.index(s), count=2)
+    for b in gl.static_range(2):
+        mbarrier.init(ds_ready.index(b), count=2)
+
+    descs = (q_desc, do_desc, k_desc, v_desc)
+    bars = (kv_ready, qdo_ready, qdo_empty, ds_ready)
+    smem = (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem)
+    sizes = (Z, HQ, KZ, M, N)
+    tables = (qnb_ptr, qidx_ptr, fqnb_ptr, fqidx_ptr)
+    table_meta = (SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS)
+    rows = (stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD)
+    scalars = (sm_scale, qk_scale2, ds_scale)
+    mod_bufs = (score_bufs, mask_bufs)
+    # every role gets the same arguments (the producer's entry drops what it does not read)
+    gl.warp_specialize([
+        (_consumer_wg0, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+                         SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)),
+        (_consumer_wg1, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+                         SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)),
+        (_producer_entry, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+                           SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)),
+    ], [4, 1], [FLAGS.CONSUMER_REGS, FLAGS.PRODUCER_REGS])
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory-bound passes (plain Triton): DELTA and the zeroed dQ accumulator before, dQ after.
+# ----------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["M", "M_PAD"])
+def bwd_sm90_preprocess_kernel(O, DO, LSE, DLSE, STATS, DQ_ACC, o_strides, do_strides, HQ, M, M_PAD,
+                               HAS_DLSE: tl.constexpr, BLOCK: tl.constexpr, HEAD_D: tl.constexpr):
+    """STATS (LSE_P, DELTA_P) for rows [BLOCK * pid, ...) of head z * HQ + hq (up to M_PAD), and zeros into the
+    same rows of DQ_ACC."""
+    pid = tl.program_id(0)
+    zh = tl.program_id(1)
+    z = zh // HQ
+    hq = zh % HQ
+    rows = pid * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, HEAD_D)
+    in_rows = rows < M
+    o = tl.load(O + z * o_strides[0] + hq * o_strides[1] + rows[:, None] * o_strides[2] + cols[None, :],
+                mask=in_rows[:, None], other=0.0)
+    do = tl.load(DO + z * do_strides[0] + hq * do_strides[1] + rows[:, None] * do_strides[2] + cols[None, :],
+                 mask=in_rows[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_DLSE:
+        # sum LSE2 * dLSE2 adds dLSE2 * log2(e) * P to dS: the same as lowering DELTA by dLSE2 * log2(e)
+        delta -= tl.load(DLSE + zh * M + rows, mask=in_rows, other=0.0) * 1.4426950408889634
+    lse = tl.load(LSE + zh * M + rows, mask=in_rows, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse)   # a fully masked row: P = 0, no gradient
+    padded = zh.to(tl.int64) * M_PAD + rows
+    in_pad = rows < M_PAD
+    tl.store(STATS + padded + zh * M_PAD, lse, mask=in_pad)
+    tl.store(STATS + padded + (zh + 1) * M_PAD, delta, mask=in_pad)
+    tl.store(DQ_ACC + padded[:, None] * HEAD_D + cols[None, :], tl.zeros([BLOCK, HEAD_D], tl.float32),
+             mask=in_pad[:, None])
+
+
+@triton.jit(do_not_specialize=["M", "M_PAD"])
+def bwd_sm90_dq_convert_kernel(DQ_ACC, DQ, dq_strides, HQ, M, M_PAD, ds_scale,
+                               BLOCK: tl.constexpr, HEAD_D: tl.constexpr):
+    """dQ = DQ_ACC * ds_scale in dQ's dtype, rows [BLOCK * pid, ...) of head z * HQ + hq."""
+    pid = tl.program_id(0)
+    zh = tl.program_id(1)
+    z = zh // HQ
+    hq = zh % HQ
+    rows = pid * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, HEAD_D)
+    in_rows = (rows < M)[:, None]
+    acc = tl.load(DQ_ACC + (zh.to(tl.int64) * M_PAD + rows)[:, None] * HEAD_D + cols[None, :], mask=in_rows)
+    ptrs = DQ + z * dq_strides[0] + hq * dq_strides[1] + rows[:, None] * dq_strides[2] + cols[None, :]
+    tl.store(ptrs, (acc * ds_scale).to(DQ.dtype.element_ty), mask=in_rows)

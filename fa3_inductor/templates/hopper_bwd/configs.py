@@ -1,0 +1,59 @@
+"""Tile table of the sm90 (Hopper) backward, one entry per head dim; each entry says why.
+
+Register budget (every entry): 3 warpgroups (two consumer warpgroups + a 1-warp producer padded to a
+warpgroup) start with maxnreg 168 (3 * 128 * 168 = 64512 registers), then setmaxnreg moves them to
+240 / 240 / 24. A consumer thread holds dK and dV of its 64 keys (D / 2 fp32 registers each) across the loop,
+and per step a [64, 64] fp32 tile (S, then dP: 32) and its part of the dQ tile (32).
+
+Shared memory: K and V of the CTA's 128 keys (2 * 128 * D * 2 bytes), NUM_STAGES stages of Q and dO
+(2 * 64 * D * 2 each), P of both warpgroups (2 * 64 * 64 * 2; twice that with a score_mod, whose f' is parked
+beside it) and two dS buffers (2 * 64 * 128 * 2); 227 KB per CTA on sm90.
+
+Not measured on a GPU yet (compile-only: tests/test_hopper_bwd_compile.py reports registers and spills).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+SMEM_LIMIT = 227 * 1024
+
+
+@dataclass(frozen=True)
+class BwdSm90Config:
+    num_stages: int              # depth of the Q / dO ring
+    consumer_regs: int = 240
+    producer_regs: int = 24
+    maxnreg: int = 168           # register cap at kernel entry (12 warps)
+
+    def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
+        """Shared memory of K, V, the Q / dO ring, P and the two dS buffers (no score_mod), barriers aside."""
+        kv = 2 * 128 * head_dim                  # K, V of the CTA's 128 keys
+        ring = self.num_stages * 2 * 64 * head_dim    # Q, dO of 64 query rows per stage
+        p_ds = 2 * 64 * 64 + 2 * 64 * 128           # P (one [64, 64] tile per warpgroup), two dS buffers
+        return elem_bytes * (kv + ring + p_ds)
+
+
+_TABLE: dict[int, BwdSm90Config] = {
+    # D=64: 32 KB K/V + 2 x 16 KB ring + 16 KB P + 32 KB dS = 112 KB (a deeper ring fits: not measured yet).
+    64: BwdSm90Config(num_stages=2),
+    # D=128: 64 KB K/V + 2 x 32 KB ring + 16 KB P + 32 KB dS = 176 KB (192 KB with a score_mod).
+    128: BwdSm90Config(num_stages=2),
+}
+
+SUPPORTED_HEAD_DIMS = tuple(sorted(_TABLE))
+
+
+def get_bwd_config(head_dim: int, **overrides) -> BwdSm90Config:
+    """The table's tiles for a head dim (D = DV), with optional field overrides (tests, sweeps).
+
+    Example::
+
+        >>> get_bwd_config(128).num_stages
+        2
+    """
+    if head_dim not in _TABLE:
+        raise ValueError(f"sm90 backward: head dim {head_dim} is not served (it serves "
+                         f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}); use the generic backward "
+                         "(templates/generic_bwd)")
+    cfg = _TABLE[head_dim]
+    return replace(cfg, **overrides) if overrides else cfg

@@ -1,0 +1,261 @@
+"""Launch the sm90 backward (bwd_sm90.py): preprocess (padded LSE and DELTA, zeroed dQ accumulator), main kernel, dQ convert.
+
+The keywords are :func:`templates.generic_bwd.host.prepare_generic_backward`'s, plus ``deterministic``; the mods
+are loaded ``gl`` mods (``score_grad_gl`` makes the derivative one from flex's joint graph).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Optional, Sequence
+
+import torch
+import triton
+
+from ..generic_bwd.host import SCORE_GRAD_ONE, transpose_block_tables
+from ..modgen import BufferSpec, GeneratedSource, generate_mod_source, kernel_score_mod
+from ..tma import tma_aligned
+from .bwd_sm90 import (BwdFlags, BwdSparsity, BwdTile, bwd_sm90_dq_convert_kernel, bwd_sm90_preprocess_kernel,
+                       fa3_bwd_sm90_kernel)
+from .configs import SMEM_LIMIT, SUPPORTED_HEAD_DIMS, BwdSm90Config, get_bwd_config
+
+_MAX_SEQ = 1 << 23
+_LOG2E = math.log2(math.e)
+_PASS_BLOCK = 64          # rows per program of the preprocess and convert passes
+_DTYPES = (torch.bfloat16, torch.float16)
+
+Launch = tuple   # (kernel, args, kwargs, grid)
+
+
+def score_grad_gl(joint_gm: torch.fx.GraphModule,
+                  buffers: Sequence[Optional[BufferSpec]]) -> Optional[GeneratedSource]:
+    """``gl`` source of a score_mod's derivative from flex's joint graph (generic_bwd/score_grad.py's rewrite),
+    None when it is 1 (pass :data:`SCORE_GRAD_ONE` then). Load it with ``modgen.load_mod(src, "gl")``.
+
+    Example::
+
+        >>> src = score_grad_gl(joint_gm, [])                             # doctest: +SKIP
+        >>> grad_mod = load_mod(src, "gl") if src is not None else SCORE_GRAD_ONE   # doctest: +SKIP
+    """
+    from ..generic_bwd.score_grad import score_grad_graph
+
+    gm = score_grad_graph(joint_gm, len(buffers))
+    return None if gm is None else generate_mod_source(gm, "score", list(buffers), "gl")
+
+
+def _refuse(problem: str) -> None:
+    raise ValueError(f"sm90 backward: {problem}")
+
+
+def _check_inputs(q, k, v, out, dout, lse, dq, dk, dv) -> None:
+    Z, HQ, M, D = q.shape
+    KZ, HKV, N, DV = v.shape
+    problems = []
+    if q.dtype not in _DTYPES or any(t.dtype != q.dtype for t in (k, v, dq, dk, dv)):
+        problems.append(f"q, k, v, dq, dk, dv must share one dtype of {_DTYPES}, got "
+                        f"{[str(t.dtype) for t in (q, k, v, dq, dk, dv)]} (use the generic backward otherwise)")
+    if D != DV or D not in SUPPORTED_HEAD_DIMS:
+        problems.append(f"head dims {D} (q, k) / {DV} (v) are not served: it serves D = DV in "
+                        f"{SUPPORTED_HEAD_DIMS}; use the generic backward")
+    if tuple(k.shape) != (KZ, HKV, N, D):
+        problems.append(f"k is {tuple(k.shape)}, expected {(KZ, HKV, N, D)}")
+    if KZ not in (1, Z) or HKV == 0 or HQ % HKV:
+        problems.append(f"K/V batch {KZ} must be 1 or {Z}, and {HQ} query heads a multiple of {HKV}")
+    for name, t, shape in (("out", out, (Z, HQ, M, DV)), ("dout", dout, (Z, HQ, M, DV)),
+                           ("lse", lse, (Z, HQ, M)), ("dq", dq, q.shape), ("dk", dk, k.shape),
+                           ("dv", dv, v.shape)):
+        if tuple(t.shape) != tuple(shape):
+            problems.append(f"{name} is {tuple(t.shape)}, expected {tuple(shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("dout", dout)):
+        if not tma_aligned(t):
+            problems.append(f"{name} is not TMA-aligned (last stride 1, 16-byte base and strides); "
+                            "pass a contiguous copy")
+    for name, t in (("out", out), ("dq", dq)):
+        if t.stride(-1) != 1:
+            problems.append(f"{name} has last stride {t.stride(-1)} (must be 1)")
+    for name, t in (("dk", dk), ("dv", dv)):
+        if not t.is_contiguous():
+            problems.append(f"{name} must be contiguous (the kernel stores it with computed strides); "
+                            f"allocate it with torch.empty_like({name[1]}.contiguous())")
+    if M < 1 or N < 1 or max(M, N) >= _MAX_SEQ:
+        problems.append(f"sequence lengths must be in [1, {_MAX_SEQ}) (generated mods turn indices into floats "
+                        "exactly only below 2**23)")
+    if problems:
+        _refuse("; ".join(problems))
+
+
+@functools.lru_cache(maxsize=64)
+def _smem_layout(block_shape: tuple, dtype: torch.dtype):
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), {torch.bfloat16: gl.bfloat16,
+                                                                    torch.float16: gl.float16}[dtype])
+
+
+def _desc(t: torch.Tensor, block_shape: list[int]):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block_shape, _smem_layout(tuple(block_shape),
+                                                                                           t.dtype))
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def prepare_hopper_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
+    lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
+    sm_scale: float, grad_lse: Optional[torch.Tensor] = None,
+    score_mod: Any = None, score_grad_mod: Any = None, mask_mod: Any = None,
+    score_bufs: Sequence[torch.Tensor] = (), mask_bufs: Sequence[torch.Tensor] = (),
+    kv_num_blocks: Optional[torch.Tensor] = None, kv_indices: Optional[torch.Tensor] = None,
+    full_kv_num_blocks: Optional[torch.Tensor] = None,
+    full_kv_indices: Optional[torch.Tensor] = None,
+    q_num_blocks: Optional[torch.Tensor] = None, q_indices: Optional[torch.Tensor] = None,
+    full_q_num_blocks: Optional[torch.Tensor] = None, full_q_indices: Optional[torch.Tensor] = None,
+    sparse_q_block: int = 128, sparse_kv_block: int = 128, deterministic: bool = False,
+    config: Optional[BwdSm90Config] = None, plan_for: Optional[tuple[int, int]] = None,
+) -> list[Launch]:
+    """The three launches of one sm90 backward, ``[(kernel, args, kwargs, grid)]`` in the order they must run:
+    preprocess (padded LSE and DELTA, zeroed dQ accumulator), the main kernel (dK, dV; dQ into the accumulator), dQ convert.
+
+    Conventions are :func:`prepare_generic_backward`'s (LSE in log2 units, -inf on fully masked rows;
+    ``grad_lse`` in the same units; a ``score_mod`` needs ``score_grad_mod``, :data:`SCORE_GRAD_ONE` when
+    its derivative is 1), with ``gl`` mods. Each call allocates the fp32 dQ accumulator and the padded LSE and DELTA; the
+    preprocess launch zeroes the accumulator, so the launches may be replayed. ``deterministic=True`` is
+    refused (dQ is summed with atomics): the generic backward is deterministic. ``plan_for`` is accepted
+    for the generic interface (compile-only planning is always for sm90 here).
+
+    Example::
+
+        >>> for kernel, args, kwargs, grid in prepare_hopper_backward(
+        ...         q, k, v, out, dout, lse, dq, dk, dv, sm_scale=0.125):       # doctest: +SKIP
+        ...     kernel[grid](*args, **kwargs)
+    """
+    del plan_for
+    if deterministic:
+        _refuse("deterministic=True is not served (dQ is summed with fp32 atomics in an order that varies "
+                "from run to run); use the generic backward, which is deterministic")
+    _check_inputs(q, k, v, out, dout, lse, dq, dk, dv)
+    if score_mod is not None and score_grad_mod is None:
+        _refuse("a score_mod needs its derivative, score_grad_mod: generate it with "
+                "hopper_bwd.host.score_grad_gl from flex's joint graph (SCORE_GRAD_ONE when that returns None)")
+    if score_mod is None and score_grad_mod is not None and score_grad_mod is not SCORE_GRAD_ONE:
+        _refuse("score_grad_mod given without its score_mod")
+    has_mask = kv_num_blocks is not None or q_num_blocks is not None
+    if mask_mod is not None and not has_mask:
+        _refuse("a mask_mod needs block-mask tensors (kv_num_blocks, kv_indices), as in the forward")
+    if has_mask and q_num_blocks is None:
+        q_num_blocks, q_indices = transpose_block_tables(kv_num_blocks, kv_indices)
+    has_full = has_mask and (full_q_num_blocks is not None or full_kv_num_blocks is not None)
+    if has_full and full_q_num_blocks is None:
+        full_q_num_blocks, full_q_indices = transpose_block_tables(full_kv_num_blocks, full_kv_indices)
+
+    Z, HQ, M, D = q.shape
+    KZ, HKV, N, _ = v.shape
+    cfg = config or get_bwd_config(D)
+    if cfg.smem_bytes(D) > SMEM_LIMIT:
+        _refuse(f"config {cfg} needs {cfg.smem_bytes(D)} bytes of shared memory (limit {SMEM_LIMIT})")
+    tile = BwdTile(HEAD_D=D, NUM_STAGES=cfg.num_stages)
+    if has_mask and (sparse_q_block % tile.BLOCK_M or sparse_kv_block % tile.BLOCK_N):
+        _refuse(f"block-mask blocks {sparse_q_block}x{sparse_kv_block} are not multiples of the tiles "
+                f"{tile.BLOCK_M}x{tile.BLOCK_N}; build the BlockMask with BLOCK_SIZE 128 (torch's default)")
+
+    # The forward's score units: the launched mod and the factor from its tile to the score; without a mod
+    # and with a positive scale, raw q.k (FOLD_SCALE). dS is in score units: dQ and dK take the derivative's
+    # factor and the scale once, at the end (ds_scale).
+    fold = score_mod is None and sm_scale > 0
+    if score_mod is not None:
+        score_mod, to_score = kernel_score_mod(score_mod, sm_scale)
+    else:
+        to_score = sm_scale if fold else 1.0
+    if score_grad_mod is not None and score_grad_mod is not SCORE_GRAD_ONE:
+        score_grad_mod, grad_factor = kernel_score_mod(score_grad_mod, sm_scale)
+    else:
+        score_grad_mod, grad_factor = None, 1.0
+    ds_scale = float(sm_scale * grad_factor)
+    scalars = (float(sm_scale), float(to_score * _LOG2E), ds_scale)
+
+    dout = dout if dout.dtype == q.dtype and tma_aligned(dout) else dout.to(q.dtype).contiguous()
+    out = out.to(q.dtype)
+    lse = lse.float().contiguous()
+    # Every query tile the kernel may visit lies inside the padded rows (a block mask's last block can reach
+    # past M by up to a block): their LSE reads +inf (P = 0) and their dQ rows land in padding.
+    row_block = sparse_q_block if has_mask else tile.BLOCK_M
+    m_pad = triton.cdiv(M, row_block) * row_block
+    stats = torch.empty((Z * HQ, 2, m_pad), dtype=torch.float32, device=q.device)   # padded LSE, DELTA
+    dq_acc = torch.empty((Z * HQ, m_pad, D), dtype=torch.float32, device=q.device)
+    dummy = q.new_empty(1, dtype=torch.int32)
+
+    def table(t: Optional[torch.Tensor]) -> torch.Tensor:   # indexed as dense row-major int32
+        return dummy if t is None else t.to(torch.int32).contiguous()
+
+    tables = tuple(table(t) for t in (q_num_blocks, q_indices, full_q_num_blocks, full_q_indices))
+    SZ, SH, num_kv_blks = q_num_blocks.shape if has_mask else (1, 1, 1)
+    num_q_blks = q_indices.shape[-1] if has_mask else 1
+    sparse = BwdSparsity(HAS_BLOCK_MASK=has_mask, HAS_FULL_BLOCKS=has_full,
+                         Q_TILES_PER_BLK=sparse_q_block // tile.BLOCK_M if has_mask else 1,
+                         SPARSE_KV=sparse_kv_block if has_mask else tile.BLOCK_N)
+    flags = BwdFlags(GQA_GROUP=HQ // HKV, FOLD_SCALE=fold, EVEN_N=N % tile.BLOCK_N == 0,
+                     CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
+
+    preprocess = (
+        bwd_sm90_preprocess_kernel,
+        (out, dout, lse, grad_lse.float().contiguous() if grad_lse is not None else lse, stats, dq_acc,
+         _strides(out), _strides(dout), HQ, M, m_pad),
+        dict(HAS_DLSE=grad_lse is not None, BLOCK=_PASS_BLOCK, HEAD_D=D, num_warps=4),
+        (triton.cdiv(m_pad, _PASS_BLOCK), Z * HQ))
+    main = (
+        fa3_bwd_sm90_kernel,
+        (_desc(q, [1, 1, tile.BLOCK_M, D]), _desc(dout, [1, 1, tile.BLOCK_M, D]),
+         _desc(k, [1, 1, tile.BLOCK_N, D]), _desc(v, [1, 1, tile.BLOCK_N, D]),
+         stats, dq_acc, dk, dv, *tables, tuple(score_bufs), tuple(mask_bufs),
+         Z, HQ, KZ, M, N, m_pad, SZ, SH, num_kv_blks, num_q_blks, *scalars),
+        dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse,
+             FLAGS=flags, num_warps=4, maxnreg=cfg.maxnreg),
+        (triton.cdiv(N, tile.BLOCK_N), KZ * HKV))
+    convert = (
+        bwd_sm90_dq_convert_kernel,
+        (dq_acc, dq, _strides(dq), HQ, M, m_pad, ds_scale),
+        dict(BLOCK=_PASS_BLOCK, HEAD_D=D, num_warps=4),
+        (triton.cdiv(M, _PASS_BLOCK), Z * HQ))
+    return [preprocess, main, convert]
+
+
+def launch_hopper_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                           dout: torch.Tensor, lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
+                           dv: torch.Tensor, **options: Any) -> None:
+    """Run the sm90 backward; ``dq``, ``dk``, ``dv`` are written in place. ``options`` are
+    :func:`prepare_hopper_backward`'s keywords (``sm_scale`` required).
+
+    Example::
+
+        >>> launch_hopper_backward(q, k, v, out, dout, lse, dq, dk, dv, sm_scale=0.125)   # doctest: +SKIP
+    """
+    for kernel, args, kwargs, grid in prepare_hopper_backward(q, k, v, out, dout, lse, dq, dk, dv, **options):
+        kernel[grid](*args, **kwargs)
+
+
+def compile_hopper_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                            dout: torch.Tensor, lse: torch.Tensor, *, capability: tuple[int, int] = (9, 0),
+                            **options: Any) -> list[Any]:
+    """Compile (not run) the three kernels :func:`launch_hopper_backward` would launch, for sm90: the compiled
+    kernels in launch order. Tensors may be on the CPU; needs a process without TRITON_INTERPRET=1.
+
+    Example::
+
+        >>> pre, main, convert = compile_hopper_backward(q, k, v, out, dout, lse, sm_scale=0.125)  # doctest: +SKIP
+        >>> sass_report(main).hgmma > 0                                                          # doctest: +SKIP
+        True
+    """
+    from triton.backends.compiler import GPUTarget
+
+    from ..aot import compile_launch
+
+    if capability != (9, 0):
+        _refuse(f"compiles for sm90 only (capability (9, 0)), got {capability}")
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    launches = prepare_hopper_backward(q, k, v, out, dout, lse, dq, dk, dv, **options)
+    target = GPUTarget("cuda", 90, 32)
+    return [compile_launch(kernel, args, kwargs, target) for kernel, args, kwargs, _ in launches]

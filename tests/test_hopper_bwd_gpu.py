@@ -1,0 +1,186 @@
+"""The sm90 backward (templates/hopper_bwd/) on an H100 / H200: dq, dk, dv against float64 autograd.
+
+Skipped without a CUDA sm90 device. The forward's out and LSE come from the float64 reference (out rounded to the
+input dtype, LSE in log2 units, as our forward writes them); one test takes them from our Hopper forward. The
+tolerance is the README's rule (tests/reference.py).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fa3_inductor import mods
+from reference import assert_matches_reference, reference_attention, reference_gradients
+
+pytestmark = pytest.mark.gpu
+
+LN2 = math.log(2.0)
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.fixture(autouse=True)
+def _needs_sm90():
+    if not _sm90():
+        pytest.skip("needs a CUDA device of capability (9, 0) (H100 / H200)")
+
+
+def _gl_mod(fn, kind):
+    """(loaded gl mod, captured buffers, traced graph) of a Python mod."""
+    from fa3_inductor.templates.modgen import BufferSpec, generate_mod_source, load_mod, trace_mod
+
+    gm, bufs = trace_mod(fn, kind)
+    return (load_mod(generate_mod_source(gm, kind, [BufferSpec.of(b) for b in bufs], "gl"), "gl"),
+            tuple(b.cuda() for b in bufs), gm, bufs)
+
+
+def _score_options(score_mod):
+    from torch._higher_order_ops.flex_attention import create_fw_bw_graph
+
+    from fa3_inductor.templates.generic_bwd import SCORE_GRAD_ONE
+    from fa3_inductor.templates.hopper_bwd import score_grad_gl
+    from fa3_inductor.templates.modgen import BufferSpec, load_mod
+
+    if score_mod is None:
+        return {}
+    fn, bufs, gm, cpu_bufs = _gl_mod(score_mod, "score")
+    index_values = (torch.zeros((), requires_grad=True), *(torch.zeros((), dtype=torch.int32) for _ in range(4)))
+    joint = create_fw_bw_graph(gm, index_values, tuple(cpu_bufs))[1]
+    src = score_grad_gl(joint, [BufferSpec.of(b) for b in cpu_bufs])
+    return dict(score_mod=fn, score_bufs=bufs,
+                score_grad_mod=SCORE_GRAD_ONE if src is None else load_mod(src, "gl"))
+
+
+def _mask_options(mask_mod, M, N):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if mask_mod is None:
+        return {}
+    bm = create_block_mask(mask_mod, None, None, M, N, device="cuda")
+    fn, bufs, _, _ = _gl_mod(mask_mod, "mask")
+    return dict(mask_mod=fn, mask_bufs=bufs, kv_num_blocks=bm.kv_num_blocks, kv_indices=bm.kv_indices,
+                full_kv_num_blocks=bm.full_kv_num_blocks, full_kv_indices=bm.full_kv_indices,
+                q_num_blocks=bm.q_num_blocks, q_indices=bm.q_indices, full_q_num_blocks=bm.full_q_num_blocks,
+                full_q_indices=bm.full_q_indices, sparse_q_block=bm.BLOCK_SIZE[0], sparse_kv_block=bm.BLOCK_SIZE[1])
+
+
+def _inputs(Z, HQ, HKV, M, N, D, KZ=None, dtype=torch.bfloat16):
+    KZ = KZ or Z
+    return (torch.randn(Z, HQ, M, D, device="cuda", dtype=dtype), torch.randn(KZ, HKV, N, D, device="cuda", dtype=dtype),
+            torch.randn(KZ, HKV, N, D, device="cuda", dtype=dtype), torch.randn(Z, HQ, M, D, device="cuda", dtype=dtype))
+
+
+def _run(q, k, v, out, dout, lse2, **options):
+    from fa3_inductor.templates.hopper_bwd import launch_hopper_backward
+
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    launch_hopper_backward(q, k, v, out, dout, lse2, dq, dk, dv, **options)
+    return dq, dk, dv
+
+
+def _check(q, k, v, dout, score_mod=None, mask_mod=None, grad_lse=None):
+    Z, HQ, M, D = q.shape
+    N = k.shape[2]
+    scale = D ** -0.5
+    kk, vv = (k.expand(Z, *k.shape[1:]), v.expand(Z, *v.shape[1:])) if k.shape[0] != Z else (k, v)
+    out, dq, dk, dv, _ = reference_gradients(q, kk, vv, dout, score_mod, mask_mod, scale)
+    _, lse = reference_attention(q, kk, vv, score_mod, mask_mod, scale)
+    if grad_lse is not None:   # sum LSE2 * dLSE2 added to the loss (backward_cpu's convention)
+        leaves = [t.detach().double().requires_grad_() for t in (q, kk, vv)]
+        o64, lse64 = reference_attention(*leaves, score_mod, mask_mod, scale)
+        loss = (o64 * dout.double()).sum() + (lse64 / LN2 * grad_lse.double()).sum()
+        dq, dk, dv = torch.autograd.grad(loss, leaves)
+    if k.shape[0] != Z:
+        dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
+    got = _run(q, k, v, torch.nan_to_num(out).to(q.dtype), dout, (lse / LN2).float(), sm_scale=scale,
+               grad_lse=grad_lse, **_score_options(score_mod), **_mask_options(mask_mod, M, N))
+    for name, g, want in zip(("dq", "dk", "dv"), got, (dq, dk, dv)):
+        assert torch.isfinite(g).all(), f"{name}: not finite"
+        assert_matches_reference(g, want, q.dtype, name)
+
+
+def _document(n):
+    return mods.document((torch.arange(n, device="cuda") // 300).to(torch.int32))
+
+
+# (id, score_mod, mask_mod, Z, HQ, HKV, M, N, KZ): ragged lengths, M != N, GQA 4:1, a K/V batch of 1,
+# block-sparse masks with partial and full blocks.
+CASES = [
+    ("noop-ragged", None, None, 1, 2, 2, 1000, 777, None),
+    ("noop-even", None, None, 2, 2, 2, 512, 1024, None),
+    ("causal", None, mods.causal, 1, 2, 2, 1000, 1000, None),
+    ("softcap", mods.softcap(20.0), None, 1, 2, 2, 640, 700, None),
+    ("alibi-causal", mods.alibi(4), mods.causal, 1, 4, 4, 384, 384, None),
+    ("document", None, "document", 1, 2, 2, 900, 900, None),
+    ("gqa4-causal", None, mods.causal, 1, 8, 2, 512, 512, None),
+    ("kv-batch-1", None, None, 3, 4, 2, 256, 300, 1),
+]
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_gradients_match_float64(case, D):
+    _, score_mod, mask_mod, Z, HQ, HKV, M, N, KZ = case
+    if mask_mod == "document":
+        mask_mod = _document(M)
+    torch.manual_seed(0)
+    q, k, v, dout = _inputs(Z, HQ, HKV, M, N, D, KZ)
+    _check(q, k, v, dout, score_mod, mask_mod)
+
+
+def test_lse_gradient():
+    torch.manual_seed(1)
+    q, k, v, dout = _inputs(1, 2, 2, 300, 300, 128)
+    _check(q, k, v, dout, mods.softcap(20.0), mods.causal, grad_lse=torch.randn(1, 2, 300, device="cuda"))
+
+
+def test_fp16():
+    torch.manual_seed(2)
+    q, k, v, dout = _inputs(1, 2, 2, 500, 400, 128, dtype=torch.float16)
+    _check(q, k, v, dout, None, mods.causal)
+
+
+def test_fully_masked_rows_get_zero_gradient():
+    def late_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx >= 20)
+
+    torch.manual_seed(3)
+    q, k, v, dout = _inputs(1, 2, 2, 256, 256, 64)
+    out, lse = reference_attention(q, k, v, None, late_causal)
+    dq, dk, dv = _run(q, k, v, torch.nan_to_num(out).to(q.dtype), dout, (lse / LN2).float(), sm_scale=0.125,
+                      **_mask_options(late_causal, 256, 256))
+    assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
+    assert (dq[:, :, :20] == 0).all()
+
+
+def test_with_our_hopper_forward():
+    """out and LSE from templates/hopper's forward kernel (log2 LSE), causal + softcap, D 128."""
+    from fa3_inductor.templates.hopper import launch_fwd_sm90
+
+    torch.manual_seed(4)
+    M = N = 1024
+    q, k, v, dout = _inputs(2, 4, 4, M, N, 128)
+    score = _score_options(mods.softcap(20.0))
+    mask = _mask_options(mods.causal, M, N)
+    fwd_mask = {key: mask[key] for key in ("mask_mod", "mask_bufs", "kv_num_blocks", "kv_indices",
+                                            "full_kv_num_blocks", "full_kv_indices")}
+    out, lse, mx = torch.empty_like(q), torch.empty(2, 4, M, device="cuda"), torch.empty(2, 4, M, device="cuda")
+    launch_fwd_sm90(q, k, v, out, lse, mx, sm_scale=128 ** -0.5, score_mod=score["score_mod"],
+                    score_bufs=score["score_bufs"], **fwd_mask)
+    got = _run(q, k, v, out, dout, lse, sm_scale=128 ** -0.5, **score, **mask)
+    _, dq, dk, dv, _ = reference_gradients(q, k, v, dout, mods.softcap(20.0), mods.causal, 128 ** -0.5)
+    for name, g, want in zip(("dq", "dk", "dv"), got, (dq, dk, dv)):
+        assert_matches_reference(g, want, q.dtype, name)
+
+
+def test_deterministic_is_refused():
+    from fa3_inductor.templates.hopper_bwd import prepare_hopper_backward
+
+    q, k, v, dout = _inputs(1, 2, 2, 128, 128, 64)
+    with pytest.raises(ValueError, match="deterministic"):
+        prepare_hopper_backward(q, k, v, dout, dout, torch.zeros(1, 2, 128, device="cuda"), torch.empty_like(q),
+                                torch.empty_like(k), torch.empty_like(v), sm_scale=0.125, deterministic=True)
