@@ -210,6 +210,11 @@ def run_case(name: str, seqlen: int, impls: list[str], device: torch.device, dty
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
             row["first_call_s"] = round(time.perf_counter() - t0, 2)
+            # sibling variants compile on a background thread (runtime/variants.py) and hold the GIL
+            # part of the time: timed with them running, a host-bound eager model reads slow
+            from fa3_inductor.runtime.variants import wait_for_variants
+
+            wait_for_variants()
             if attn == "fa3_fp8":   # flex(fp8=) per layer, no compile: the family that served it
                 from fa3_inductor import last_template
 
