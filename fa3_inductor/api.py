@@ -97,7 +97,7 @@ def _flex_call(q, k, v, score_mod, block_mask, scale, enable_gqa, return_lse, di
 def _compiled_for(score_code: Any, mask_code: Any, template: str, shapes: tuple) -> Callable:
     """One static-shape compiled callable per (mods, template, shapes).
 
-    Static shapes: torch's flex backward kernel runs faster on them and guards are cheaper.
+    Static shapes: the kernels specialize on them and guards are cheaper.
     Dynamo keeps compiled variants per code object and stops recompiling after a limit (then
     runs eager), so each key gets its own copy of _flex_call's code; the LRU bounds them.
     """
@@ -186,7 +186,10 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
     On CUDA the call is compiled with the fa3 backend (first call per mod compiles). On the
     CPU it runs torch's own implementation, unless TRITON_INTERPRET=1 is set, in which case
     our generic kernel runs under Triton's interpreter (how CI checks kernel numerics), and
-    backward runs too (a dense float32 recompute; torch's FlexAttention has no CPU backward).
+    backward runs too (our generic backward under the interpreter, or a dense float64 recompute
+    for a site it does not serve; torch's FlexAttention has no CPU backward). On CUDA the
+    backward is one of our backward families (the generic Triton backward), or torch's flex
+    backward kernel for a site none serves (``lowered_backward_sites()`` says which and why).
     CPU inputs that need gradients without the interpreter raise NotImplementedError saying
     what to do.
 

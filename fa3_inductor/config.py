@@ -35,16 +35,23 @@ class Settings:
                flex_attention op our lowering serves; False leaves the graph as Dynamo made it.
     fp8:       True or an FP8Recipe: FP8 attention (inference graphs only) for every bf16/fp16 site
                our kernels serve (docs/fp8.md); None / False: off.
+    deterministic_backward: bitwise-reproducible attention gradients: only backward families that
+               guarantee it serve (the generic backward always does: its dQ has its own pass, no
+               atomics); the choice is recorded per backward site (docs/design/backward.md).
     """
 
     template: str = "auto"
     recognize: bool = True
     fp8: Any = None
+    deterministic_backward: bool = False
 
     def __post_init__(self) -> None:
         if self.template not in templates():
             raise ValueError(f"fa3 option 'fa3.template' must be one of {templates()}, "
                              f"got {self.template!r}")
+        if not isinstance(self.deterministic_backward, bool):
+            raise ValueError("fa3 option 'fa3.deterministic_backward' must be True or False, "
+                             f"got {self.deterministic_backward!r}")
         from .fp8_recipe import FP8Recipe
 
         try:
@@ -59,7 +66,7 @@ def split_options(options: dict[str, Any] | None) -> tuple[Settings, dict[str, A
     Example::
 
         >>> split_options({"fa3.template": "generic", "max_autotune": True})
-        (Settings(template='generic', recognize=True, fp8=None), {'max_autotune': True})
+        (Settings(template='generic', recognize=True, fp8=None, deterministic_backward=False), {'max_autotune': True})
     """
     ours, inductor = {}, {}
     names = {f.name for f in dataclasses.fields(Settings)}

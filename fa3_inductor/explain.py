@@ -2,7 +2,8 @@
 
 It compiles the callable with the fa3 backend, runs it once, and reports every attention site:
 the front door it came through, the score mods, mask and GQA groups recognition found, and
-which template runs it (or why torch's kernel does); plus the attention it left alone, with
+which template runs it (or why torch's kernel does); for a training graph, which backward family
+computes its gradients (or why the last resort does); plus the attention it left alone, with
 the reason.
 
 Example::
@@ -22,7 +23,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .report import LoweredSite, RecognizedSite, site_records
+from .report import LoweredBackwardSite, LoweredSite, RecognizedSite, backward_records, site_records
 
 NOT_OURS = (None, "torch")   # a site left to torch's own kernels
 _CALLS = itertools.count()
@@ -42,6 +43,8 @@ class FusedSite:
     fallback_reason: Optional[str] = None   # why torch's kernel runs it (template "torch")
     shape: str = ""                  # as the lowering saw it: "q[B, H, M, D] kv[...] dtype dev"
     note: str = ""                   # on sm90: the Hopper tiles, or why the generic template runs
+    backward: str = ""               # training: the backward family ("generic_bwd", ...), "dense", "torch"
+    backward_reason: str = ""        # why that one (for "dense" / "torch": why none of ours serves it)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -87,12 +90,13 @@ class ExplainReport:
                 f"({self.graph_count} graph(s))")
         lines = [head]
         if self.sites:
-            rows = [("#", "front door", "node", "score mods", "mask", "GQA", "template", "note")]
+            rows = [("#", "front door", "node", "score mods", "mask", "GQA", "template", "backward",
+                     "note")]
             for i, s in enumerate(self.sites, 1):
                 rows.append((str(i), s.front_door, s.node, ", ".join(s.score_mods) or "-",
                              s.mask, str(s.gqa_groups),
-                             s.template + (" (train)" if s.training else ""),
-                             s.fallback_reason or s.note or ""))
+                             s.template + (" (train)" if s.training else ""), s.backward or "-",
+                             _note(s)))
             widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]) - 1)]
             for r in rows:
                 cells = [r[c].ljust(widths[c]) for c in range(len(widths))] + [r[-1]]
@@ -101,6 +105,15 @@ class ExplainReport:
             lines.append("left alone:")
             lines += [f"  {u.front_door} {u.node}: {u.reason}" for u in self.unfused]
         return "\n".join(lines)
+
+
+def _note(site: FusedSite) -> str:
+    """The report row's last column: why torch's forward runs, or the forward's note, then the
+    backward's reason when a last resort computes the gradients."""
+    parts = [site.fallback_reason or site.note]
+    if site.backward in ("dense", "torch"):
+        parts.append(f"backward: {site.backward_reason}")
+    return "; ".join(p for p in parts if p)
 
 
 def _unwrap(fn: Any) -> Any:
@@ -121,12 +134,14 @@ def _fresh_entry(target: Callable) -> Callable:
                               entry.__closure__)
 
 
-def _link(recognized: list[RecognizedSite], lowered: list[LoweredSite]
+def _link(recognized: list[RecognizedSite], lowered: list[LoweredSite],
+          backward: Optional[list[LoweredBackwardSite]] = None
           ) -> tuple[list[FusedSite], list[UnfusedSite]]:
     by_id: dict[int, LoweredSite] = {}
     for low in lowered:
         if low.site_id is not None:
             by_id.setdefault(low.site_id, low)   # first record: the forward lowering
+    backward_by_id = {b.site_id: b for b in backward or () if b.site_id is not None}
     untagged = [low for low in lowered if low.site_id is None]
     fused, unfused, unmatched = [], [], []
     for rec in recognized:
@@ -140,6 +155,9 @@ def _link(recognized: list[RecognizedSite], lowered: list[LoweredSite]
             unmatched.append(site)
         else:
             _take_lowering(site, low)
+        bwd = backward_by_id.get(rec.site_id) if rec.site_id is not None else None
+        if bwd is not None:
+            site.backward, site.backward_reason = bwd.family, bwd.reason
         if rec.rope:
             site.note = (f"{site.note}; " if site.note else "") + _rope_note(rec)
         fused.append(site)
@@ -177,8 +195,9 @@ def explain(fn_or_module: Callable, *args: Any, compile_options: Optional[dict] 
     Inductor's and AOT autograd's on-disk caches are off while it runs (a cached graph would
     skip recognition and lowering, and report nothing).
     ``compile_options`` are the backend's ``options`` (``{"fa3.template": "generic"}``, ...).
-    The call runs under the caller's grad mode: with gradients on it compiles a training graph
-    (forward only is run).
+    The call runs under the caller's grad mode: with gradients on it compiles a training graph,
+    whose backward is lowered right away (not at the first backward call, as usual), so the report
+    says which backward family serves each site; only the forward is run.
 
     Example::
 
@@ -202,10 +221,12 @@ def explain(fn_or_module: Callable, *args: Any, compile_options: Optional[dict] 
         return fa3_backend(gm, example_inputs, options=compile_options)
 
     recognized_before, lowered_before = (len(x) for x in site_records())
+    backward_before = len(backward_records())
     compiled = torch.compile(_fresh_entry(_unwrap(fn_or_module)), backend=backend)
     with inductor_config.patch(fx_graph_cache=False), \
-            functorch_config.patch(enable_autograd_cache=False):
+            functorch_config.patch(enable_autograd_cache=False, force_non_lazy_backward_lowering=True):
         compiled(*args, **kwargs)
     recognized, lowered = site_records()
-    fused, unfused = _link(recognized[recognized_before:], lowered[lowered_before:])
+    fused, unfused = _link(recognized[recognized_before:], lowered[lowered_before:],
+                           backward_records()[backward_before:])
     return ExplainReport(fused, unfused, graphs[0])

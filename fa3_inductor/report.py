@@ -65,10 +65,23 @@ def lowered_sites() -> list[dict[str, Any]]:
 class LoweredBackwardSite:
     """One flex_attention_backward site as the backward lowering saw it."""
 
-    kernel: str          # "fa3_inductor.flex_bwd (dense CPU recompute)" | "torch"
+    kernel: str          # the op or kernel Inductor's code calls: "fa3_inductor.flex_bwd" | "torch"
     shape: str           # "q[B,H,M,D] kv[B,Hkv,N,D] dtype device"
     buffer_grads: Optional[int]  # captured score_mod buffers given a gradient (None: torch's)
-    reason: str          # why this kernel
+    reason: str          # why this family (for a fallback: why none of our backward families serves it)
+    # Who computes it: a backward family ("hopper_bwd", "generic_bwd", first of the planned list; the
+    # op may move down it per call), "dense" (the recompute op) or "torch" (torch's flex backward kernel).
+    family: str = ""
+    site_id: Optional[int] = None   # the RecognizedSite this came from (see SITE_TAG)
+    deterministic: bool = False     # option fa3.deterministic_backward was on
+
+    @property
+    def ours(self) -> bool:
+        """Whether one of our backward families (not a last resort) serves it."""
+        return self.family not in ("", "dense", "torch")
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 _BACKWARD: list[LoweredBackwardSite] = []
@@ -76,19 +89,23 @@ _BACKWARD: list[LoweredBackwardSite] = []
 
 def record_backward_site(site: LoweredBackwardSite) -> None:
     _BACKWARD.append(site)
-    log.info("fa3_inductor: flex_attention_backward %s -> %s (%s)", site.shape, site.kernel,
-             site.reason)
+    log.info("fa3_inductor: flex_attention_backward %s -> %s via %s (%s)%s", site.shape,
+             site.family or site.kernel, site.kernel, site.reason, _site_suffix(site.site_id))
 
 
 def lowered_backward_sites() -> list[dict[str, Any]]:
-    """The flex_attention_backward sites lowered by the fa3 backend in this process.
+    """The flex_attention_backward sites lowered by the fa3 backend in this process, oldest first.
+
+    Each is a dict with ``kernel`` (the op called), ``family`` (who computes it: a backward family
+    such as "generic_bwd", "dense" for the recompute op, "torch" for torch's kernel), ``reason``,
+    ``shape``, ``buffer_grads``, ``site_id`` and ``deterministic``.
 
     Example::
 
-        >>> [s["kernel"] for s in fa3_inductor.lowered_backward_sites()]   # doctest: +SKIP
-        ['fa3_inductor.flex_bwd (dense CPU recompute)']
+        >>> [s["family"] for s in fa3_inductor.lowered_backward_sites()]   # doctest: +SKIP
+        ['generic_bwd']
     """
-    return [dataclasses.asdict(s) for s in _BACKWARD]
+    return [s.as_dict() for s in _BACKWARD]
 
 
 def clear_lowered_sites() -> None:
@@ -177,3 +194,8 @@ def site_tag(node: Any) -> Optional[int]:
 def site_records() -> tuple[list[RecognizedSite], list[LoweredSite]]:
     """The recorded sites as objects (copies of the lists), oldest first: for explain()."""
     return list(_RECOGNIZED), list(_SITES)
+
+
+def backward_records() -> list[LoweredBackwardSite]:
+    """The recorded backward sites as objects (a copy of the list), oldest first: for explain()."""
+    return list(_BACKWARD)

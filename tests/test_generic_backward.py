@@ -284,13 +284,13 @@ def test_joint_graph_from_the_lowering(cpu_kernels, fresh_compiles, monkeypatch)
     from fa3_inductor.templates.modgen import BufferSpec, load_mod
 
     joints = []
-    lower = flex_backward_lowering._lower_on_cpu
+    plan = flex_backward_lowering._plan
 
-    def spy(a, shape):
+    def spy(a, bm, settings, shape):
         joints.append(a.joint_graph.graph_module)
-        return lower(a, shape)
+        return plan(a, bm, settings, shape)
 
-    monkeypatch.setattr(flex_backward_lowering, "_lower_on_cpu", spy)
+    monkeypatch.setattr(flex_backward_lowering, "_plan", spy)
     slopes = torch.tensor([0.5, 0.25], requires_grad=True)
 
     def score_mod(s, b, h, q_idx, kv_idx):

@@ -200,13 +200,13 @@ def test_joint_graph_from_the_lowering(cpu_kernels, fresh_compiles, monkeypatch)
     from fa3_inductor.lowering import flex_backward_lowering
 
     joints = []
-    lower = flex_backward_lowering._lower_on_cpu
+    plan = flex_backward_lowering._plan
 
-    def spy(a, shape):
+    def spy(a, bm, settings, shape):
         joints.append(a.joint_graph.graph_module)
-        return lower(a, shape)
+        return plan(a, bm, settings, shape)
 
-    monkeypatch.setattr(flex_backward_lowering, "_lower_on_cpu", spy)
+    monkeypatch.setattr(flex_backward_lowering, "_plan", spy)
     N = 64
     tables = (_param(2), _param(2 * N - 1))
     make = lambda slopes, rel: lambda s, b, h, q, kv: (   # noqa: E731

@@ -1,12 +1,15 @@
 """Training through every fused attention: forward + backward against float64 autograd.
 
 CPU (conftest sets TRITON_INTERPRET=1): the forward is our generic kernel under the
-interpreter, the backward our dense-recompute op ``fa3_inductor::flex_bwd``
-(lowering/flex_backward_lowering.py). Front doors: ``fa3_inductor.flex`` called eagerly,
-the same call inside ``torch.compile(backend="fa3")``, and ``F.scaled_dot_product_attention``
-recognized by the fa3 backend. Gradients of q, k, v and of a learnable bias table are
-compared with float64 autograd under the tolerance rule (reference.py). GPU twins are marked
-``gpu`` (forward ours, backward torch's flex kernel).
+interpreter, the backward our op ``fa3_inductor::flex_bwd.families``
+(lowering/flex_backward_lowering.py, runtime/ops_bwd.py): the generic backward family
+(templates/generic_bwd/) under the interpreter, learnable tables' gradients included, with the
+dense recompute ``fa3_inductor::flex_bwd`` as its last resort. Front doors: ``fa3_inductor.flex``
+called eagerly, the same call inside ``torch.compile(backend="fa3")``, and
+``F.scaled_dot_product_attention`` recognized by the fa3 backend. Gradients of q, k, v and of a
+learnable bias table are compared with float64 autograd under the tolerance rule (reference.py).
+GPU twins are marked ``gpu`` (forward ours, backward one of our backward families, or torch's
+flex kernel for a site none serves).
 """
 
 from __future__ import annotations
@@ -363,8 +366,9 @@ GPU_CASES = ["noop", "causal", "softcap", "alibi", "sliding_window", "document",
 @pytest.mark.parametrize("name, dtype", [(n, torch.bfloat16) for n in GPU_CASES] + [
     ("causal", torch.float16), ("learned_table", torch.float16)])
 def test_gpu_training(door, name, dtype):
-    """Forward by our kernel (Hopper template for bf16/fp16 D=64), backward by torch's flex
-    backward kernel reading our out/LSE; GQA, ragged length."""
+    """Forward by our kernel (Hopper template for bf16/fp16 D=64), backward by one of our backward
+    families (generic_bwd, hopper_bwd) or, for a site none serves, torch's flex backward kernel
+    reading our out/LSE; GQA, ragged length."""
     if door == "compile_sdpa" and name not in ("noop", "causal"):
         pytest.skip("SDPA spells only noop and causal")
     q, k, v = _inputs(2, 4, 2, 200, 200, dtype, "cuda", d=64)  # GQA, ragged (128 + 72)
@@ -385,5 +389,15 @@ def test_gpu_training(door, name, dtype):
         site = fa3_inductor.recognized_sites()[-1]
         assert not site["rewritten"] and "left to SDPA" in site["reason"], site
         return
-    kernels = [s["kernel"] for s in lowered_backward_sites()]
-    assert kernels and kernels[-1] == "torch", kernels
+    from fa3_inductor.templates.registry import BACKWARD_FOLDERS, TORCH_BACKWARD
+
+    sites = lowered_backward_sites()
+    assert sites, "no backward site was lowered"
+    site = sites[-1]
+    ours = site["family"] in BACKWARD_FOLDERS
+    assert ours or site["family"] == TORCH_BACKWARD, site
+    assert site["kernel"] == ("fa3_inductor.flex_bwd" if ours else "torch"), site
+    if ours:   # the op ran one of ours or, refused at run time, the dense recompute
+        from fa3_inductor.runtime.ops_bwd import last_backward_family
+
+        assert last_backward_family() in (*BACKWARD_FOLDERS, "dense"), last_backward_family()

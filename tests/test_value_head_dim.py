@@ -6,8 +6,9 @@ under ``torch.compile(backend="fa3")`` SDPA calls, hand-written ``softmax(q @ ká
 flex_attention calls.
 
 CPU (conftest sets TRITON_INTERPRET=1): the generic kernel under Triton's interpreter, the
-backward our dense recompute. Small dims stand in for 192 / 128 (the interpreter's time grows
-with them). GPU (marked ``gpu``): D 192, Dv 128 in bf16 against float64, forward and backward.
+backward our generic backward family (the dense recompute where it does not serve). Small dims
+stand in for 192 / 128 (the interpreter's time grows with them). GPU (marked ``gpu``): D 192,
+Dv 128 in bf16 against float64, forward and backward.
 Every numeric check is the tolerance rule of tests/reference.py.
 """
 
@@ -404,7 +405,8 @@ def test_gpu_flex_deepseek_dims(template):
 @pytest.mark.gpu
 @pytest.mark.parametrize("template", ["hopper", "generic"])
 def test_gpu_flex_deepseek_dims_gradients(template):
-    """Forward ours, backward torch's flex kernel reading our out and LSE."""
+    """Forward ours, backward one of our backward families (torch's flex kernel, reading our out
+    and LSE, for a site none serves)."""
     q, k, v = (t.requires_grad_() for t in _gpu_case(template))
     out = fa3_inductor.flex(q, k, v, score_mod=mods.softcap(20.0), mask_mod=mods.causal,
                             enable_gqa=True, template=template)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..sizes import static_ints
+from ..templates.modgen import BufferSpec
 from .passes import Fa3PostGradPass
 
 
@@ -34,3 +36,37 @@ def site_shape(query, key, value=None) -> str:
         kv += f" v{list(value.get_size())}"
     return (f"q{list(query.get_size())} {kv} "
             f"{str(query.get_dtype()).replace('torch.', '')} {query.get_device().type}")
+
+
+def buffer_specs(buffers) -> tuple[Optional[list[Optional[BufferSpec]]], Optional[str]]:
+    """The captured buffers as the generated mods see them (None for a scalar), or (None, why not).
+    Both lowerings use it, so the backward recomputes exactly the forward's scores.
+
+    Example::
+
+        >>> specs, why = buffer_specs(score_mod_other_buffers)   # doctest: +SKIP
+    """
+    from torch._inductor import ir
+
+    specs = []
+    for buf in buffers:
+        if not isinstance(buf, ir.IRNode):
+            specs.append(None)  # a scalar (a size symbol): the generator checks it is unused
+            continue
+        # Buffers are made contiguous before the call, so only their strides are baked into
+        # the mod: a leading dimension may stay symbolic (a document-id vector whose length
+        # follows a dynamic sequence length), the inner ones must be static.
+        dims = list(buf.get_size())
+        inner = static_ints(dims[1:])
+        if inner is None:
+            return None, "a captured buffer has a dynamic inner dimension"
+        lead = static_ints(dims[:1])
+        size = (lead if lead is not None else [-1]) + inner if dims else []
+        strides, stride = [], 1
+        for s in reversed(inner):
+            strides.append(stride)
+            stride *= max(s, 1)
+        if dims:
+            strides.append(stride)
+        specs.append(BufferSpec(tuple(size), tuple(reversed(strides)), buf.get_dtype()))
+    return specs, None

@@ -2,14 +2,21 @@
 
 Installed as a wrapper around Inductor's own lowering in ``lowerings[flex_attention_backward]``,
 gated like the forward wrapper (flex_lowering.py): it acts only while the fa3 backend compiles;
-under any other backend it calls the original untouched. When it acts:
+under any other backend it calls the original untouched. When it acts it plans the site against
+the registry's backward families (templates/registry.py) and either
 
-- CUDA: torch's Triton backward kernel serves the site (it reads our forward's out and LSE,
-  which follow the op's conventions); the decision is logged and recorded.
-- CPU: Inductor has no flex backward there, so the site becomes one extern call to
-  ``torch.ops.fa3_inductor.flex_bwd`` (runtime/backward_cpu.py), a dense float32 recompute
-  under autograd. The score_mod / mask_mod travel as torch-dialect source in its spec string
-  (templates/modgen_torch.py), so an FX-cache-served graph rebuilds them in a fresh process.
+- generates the score_mod, the mask_mod, the score_mod's derivative (from the joint graph:
+  templates/generic_bwd/score_grad.py) and the gradients of captured tensors that need one (a
+  learnable bias table: templates/generic_bwd/buffer_grad.py) in each serving family's dialect,
+  records the planned family, and emits one extern call to
+  ``torch.ops.fa3_inductor.flex_bwd.families`` (runtime/ops_bwd.py), which runs the first family
+  that serves the call and returns the captured tensors' gradients too; the sources travel in its
+  spec string, so an FX-cache-served graph rebuilds them in a fresh process; or
+- keeps the site on the last resort, recording why (a derivative or captured-tensor gradient the
+  generator cannot write, a dtype or head dim no family takes, option fa3.template='torch'): on
+  CUDA torch's flex backward Triton kernel (it reads our forward's out and log2 LSE), elsewhere
+  one extern call to ``torch.ops.fa3_inductor.flex_bwd``, a dense float recompute under autograd
+  (runtime/backward_cpu.py; Inductor has no CPU flex backward).
 """
 
 from __future__ import annotations
@@ -19,14 +26,24 @@ from typing import Any, Optional
 import torch
 
 from .. import _compat
+from ..config import Settings
+from ..report import LoweredBackwardSite, record_backward_site as _record, site_tag
 from ..runtime.backward_cpu import BackwardSpec
-from ..templates.modgen import UnsupportedMod, is_constant_true_mask, is_identity_score
+from ..runtime.kernel_failures import family_failure
+from ..runtime.ops_bwd import BackwardSiteSpec, buffer_grad_items  # also defines flex_bwd.families
+from ..templates.family import BackwardSiteFacts
+from ..templates.generic_bwd.buffer_grad import buffer_grad_sources
+from ..templates.generic_bwd.score_grad import score_grad_graph
+from ..templates.modgen import (GeneratedSource, UnsupportedMod, generate_in_dialect,
+                                is_constant_true_mask, is_identity_score)
 from ..templates.modgen_torch import generate_torch_mod_source, torch_buffer_specs
-from ..report import LoweredBackwardSite, record_backward_site as _record
-from .common import active_pass, site_shape
+from ..templates.registry import DENSE_BACKWARD, backward_candidates, backward_last_resort
+from .common import active_pass, buffer_specs, site_shape
+from .site_plan import unserved
 
 _BWD_OP = torch.ops.higher_order.flex_attention_backward
 _original_lowering: Optional[Any] = None
+_NO_MASK_BLOCK = 1 << 30   # torch's "no mask": one block of 2**30 covers any sequence
 
 
 def install() -> None:
@@ -62,6 +79,7 @@ def _torch_sources(a: _compat.FlexBackwardArgs, bm: _compat.FlexBlockMask
 
 
 def _lower_on_cpu(a: _compat.FlexBackwardArgs, shape: str):
+    """The dense recompute op ``fa3_inductor::flex_bwd`` for one site: (dq, dk, dv, captured grads)."""
     from torch._inductor import ir
     from torch._inductor.virtualized import V
 
@@ -96,23 +114,193 @@ def _lower_on_cpu(a: _compat.FlexBackwardArgs, shape: str):
         spec.to_json())
     grads = iter(dbufs)
     captured = tuple(next(grads) if t and n else None for t, n in zip(is_tensor, needs))
-    _record(LoweredBackwardSite("fa3_inductor.flex_bwd", shape, len(dbufs),
-                                "CPU: dense float32 recompute (Inductor has no CPU flex "
-                                "backward)"))
+    return dq, dk, dv, captured
+
+
+def _site_facts(a: _compat.FlexBackwardArgs, bm: _compat.FlexBlockMask, settings: Settings
+                ) -> tuple[Optional[BackwardSiteFacts], Optional[str]]:
+    """(the site's facts, None), or (None, why no backward family of ours can take it)."""
+    from torch._inductor import ir
+    from torch._inductor.virtualized import V
+
+    sizevars = V.graph.sizevars
+    q, k, v = a.query, a.key, a.value
+    if settings.template == "torch":
+        return None, "option fa3.template='torch'"
+    hq, hkv, d, dv = (sizevars.guard_int(x) for x in (
+        q.get_size()[1], k.get_size()[1], q.get_size()[-1], v.get_size()[-1]))
+    reason = unserved(q.get_device(), q.get_dtype(), d, dv)
+    if reason is not None:
+        return None, reason
+    if hq % hkv:
+        return None, f"{hq} query heads are not a multiple of {hkv} kv heads"
+    bq, bkv = q.get_size()[0], k.get_size()[0]
+    if not (sizevars.statically_known_equals(bq, bkv) or sizevars.statically_known_equals(bkv, 1)):
+        return None, "key/value batch differs from the query's (and is not 1)"
+    sparse = [sizevars.guard_int(x) for x in (bm.sparse_q_block, bm.sparse_kv_block)]
+    if not all(s >= 16 and s & (s - 1) == 0 for s in sparse):
+        return None, f"block-mask block size {sparse[0]}x{sparse[1]} (fa3 serves powers of two >= 16)"
+    buffers = list(a.score_mod_other_buffers)
+    needs = _compat.joint_graph_buffer_grads(a.joint_graph.graph_module, len(buffers))
+    buffer_grads = any(n and isinstance(b, ir.IRNode) for n, b in zip(needs, buffers))
+    return BackwardSiteFacts(q.get_device(), q.get_dtype(), d, dv, buffer_grads=buffer_grads,
+                             deterministic=settings.deterministic_backward), None
+
+
+def _sources(a: _compat.FlexBackwardArgs, bm: _compat.FlexBlockMask, dialects: list[str],
+             score_specs: list, mask_specs: list) -> tuple[tuple, dict]:
+    """The spec's mods: (dialect, score_mod, derivative, mask_mod) per dialect (the families' and
+    ``torch`` for the dense last resort), and the generator's records of each kind.
+    Raises UnsupportedMod when a mod or the derivative cannot be generated."""
+    score_gm, mask_gm = a.fw_graph.graph_module, bm.mask_graph.graph_module
+    identity, all_true = is_identity_score(score_gm), is_constant_true_mask(mask_gm)
+    # the derivative's graph (score_grad.py): None for no score_mod or one that adds a term (f' = 1)
+    grad_gm = None if identity else score_grad_graph(a.joint_graph.graph_module, len(score_specs))
+    mods, infos = [], {"score": (), "score_grad": (), "mask": ()}
+    for dialect in dict.fromkeys([*dialects, "torch"]):
+        score = None if identity else generate_in_dialect(score_gm, "score", score_specs, dialect)
+        grad = None if grad_gm is None or dialect == "torch" else generate_in_dialect(
+            grad_gm, "score", score_specs, dialect)
+        mask = None if all_true else generate_in_dialect(mask_gm, "mask", mask_specs, dialect)
+        for kind, source in (("score", score), ("score_grad", grad), ("mask", mask)):
+            if isinstance(source, GeneratedSource) and not infos[kind]:
+                infos[kind] = source.info.to_items()
+        mods.append((dialect, score and str(score), grad and str(grad), mask and str(mask)))
+    return tuple(mods), infos
+
+
+def _tensor_buffer_grads(a: _compat.FlexBackwardArgs) -> tuple[bool, ...]:
+    """Per tensor the score_mod captures (scalars left out, as the ops' ``score_bufs``), whether
+    the joint graph gives it a gradient."""
+    from torch._inductor import ir
+
+    buffers = list(a.score_mod_other_buffers)
+    needs = _compat.joint_graph_buffer_grads(a.joint_graph.graph_module, len(buffers))
+    return tuple(n for n, b in zip(needs, buffers) if isinstance(b, ir.IRNode))
+
+
+def _buffer_grad_mods(a: _compat.FlexBackwardArgs, dialects: list[str], score_specs: list
+                      ) -> tuple:
+    """The spec's captured-tensor gradients: (dialect, items per buffer needing one) per family
+    dialect (the dense recompute differentiates by autograd: no ``torch`` entry).
+    Raises UnsupportedMod when one cannot be generated."""
+    joint = a.joint_graph.graph_module
+    return tuple((dialect, tuple(buffer_grad_items(s) for s in
+                                 buffer_grad_sources(joint, score_specs, dialect)))
+                 for dialect in dict.fromkeys(dialects))
+
+
+def _plan(a: _compat.FlexBackwardArgs, bm: _compat.FlexBlockMask, settings: Settings, shape: str
+          ) -> tuple[Optional[BackwardSiteSpec], str]:
+    """(spec, note) when one of our backward families serves the site, else (None, reason)."""
+    facts, reason = _site_facts(a, bm, settings)
+    if facts is None:
+        return None, reason
+    families, notes = backward_candidates(facts, f"{settings.template}_bwd")
+    if not families:
+        return None, "; ".join(notes) or "no backward family serves this site"
+    score_specs, why = buffer_specs(a.score_mod_other_buffers)
+    mask_specs, why_mask = buffer_specs(a.mask_mod_other_buffers)
+    if why or why_mask:
+        return None, why or why_mask
+    dialects = [f.dialect for f in families]
+    try:
+        mods, infos = _sources(a, bm, dialects, score_specs, mask_specs)
+    except UnsupportedMod as exc:
+        return None, f"mod not lowerable for the backward: {exc}"
+    flags, grad_mods = _tensor_buffer_grads(a), ()
+    if facts.buffer_grads:
+        try:
+            grad_mods = _buffer_grad_mods(a, dialects, score_specs)
+        except UnsupportedMod as exc:
+            return None, f"captured-tensor gradient not lowerable for the backward: {exc}"
+        if any(len(items) != sum(flags) for _, items in grad_mods):   # a generator bug: say so
+            return None, (f"captured-tensor gradients: {sum(flags)} tensors need one, "
+                          f"{[len(items) for _, items in grad_mods]} were generated (a bug in "
+                          "generic_bwd/buffer_grad.py: report it with the score_mod)")
+    spec = BackwardSiteSpec(families=tuple(f.name for f in families), mods=mods,
+                            score_info=infos["score"], score_grad_info=infos["score_grad"],
+                            mask_info=infos["mask"], deterministic=facts.deterministic,
+                            description=shape, buffer_grads=flags if any(flags) else (),
+                            buffer_grad_mods=grad_mods)
+    failed = [family_failure(spec.build_key(), f) for f in spec.families]
+    if all(failed):   # every family failed to build for these mods earlier in this process
+        return None, "; ".join(failed)
+    if facts.deterministic:   # every family listed guarantees it or refused the site
+        notes.append("deterministic gradients (fa3.deterministic_backward)")
+    if any(flags):
+        notes.append(f"gradients of {sum(flags)} captured tensor(s)")
+    # the op runs each call on the first of these that serves it
+    return spec, "; ".join([*notes, f"backward families: {', '.join(spec.families)}"])
+
+
+def _emit(a: _compat.FlexBackwardArgs, bm: _compat.FlexBlockMask, spec: BackwardSiteSpec):
+    """One extern call to fa3_inductor::flex_bwd.families: (dq, dk, dv, a gradient or None per
+    captured buffer of the score_mod)."""
+    from torch._inductor import ir
+    from torch._inductor.virtualized import V
+
+    def stride1(x):
+        return ir.ExternKernel.require_stride1(ir.ExternKernel.realize_input(x))
+
+    def realized(x):
+        return None if x is None else ir.ExternKernel.realize_input(x)
+
+    buffers = list(a.score_mod_other_buffers)
+    score_bufs = [ir.ExternKernel.require_contiguous(b) for b in buffers if isinstance(b, ir.IRNode)]
+    mask_bufs = [ir.ExternKernel.require_contiguous(b) for b in a.mask_mod_other_buffers
+                 if isinstance(b, ir.IRNode)]
+    sizevars = V.graph.sizevars
+    sparse_q, sparse_kv = (sizevars.guard_int(bm.sparse_q_block), sizevars.guard_int(bm.sparse_kv_block))
+    tables = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
+    # The transposed tables (q_num_blocks, q_indices, full_q_*) are entries 6-9 of the block-mask
+    # tuple on torch 2.11 and 2.13 alike (_compat.FlexBlockMask); they may be None (derived then).
+    q_tables = tuple(a.block_mask[6:10])
+    no_mask = spec.mods[0][3] is None and sparse_q >= _NO_MASK_BLOCK and sparse_kv >= _NO_MASK_BLOCK
+    if no_mask:   # as the forward: the dense path, and the tables' construction becomes dead code
+        tables = q_tables = (None,) * 4
+    call = _compat.fallback_kernel(torch.ops.fa3_inductor.flex_bwd.families)
+    dq, dk, dv, dbufs = call(
+        stride1(a.query), stride1(a.key), stride1(a.value), stride1(a.out),
+        realized(a.logsumexp), None if a.grad_out is None else stride1(a.grad_out),
+        realized(a.grad_logsumexp), *tables, *q_tables, score_bufs, mask_bufs, float(a.scale),
+        sparse_q, sparse_kv, spec.to_json())
+    # the op returns the gradients of the tensor buffers flagged in the spec, in order
+    flags, grads = iter(spec.buffer_grads or (False,) * len(score_bufs)), iter(dbufs)
+    captured = tuple(next(grads) if isinstance(b, ir.IRNode) and next(flags) else None
+                     for b in buffers)
     return dq, dk, dv, captured
 
 
 def _fa3_flex_backward_lowering(*args, **kwargs):
-    if active_pass() is None:
+    marker = active_pass()
+    if marker is None:
         return _original_lowering(*args, **kwargs)
-    # q, k, v first on every version; the rest is read on the CPU only
-    query, key, value = args[0], args[1], args[2]
-    shape = site_shape(query, key, value)
-    device = query.get_device().type
-    if device == "cpu":
-        return _lower_on_cpu(_compat.unpack_flex_backward_args(args, kwargs), shape)
-    _record(LoweredBackwardSite("torch", shape, None, f"{device}: torch's flex backward kernel "
-                                "(reads our forward's out and log2 LSE)"))
+    from torch._inductor.virtualized import V
+
+    a = _compat.unpack_flex_backward_args(args, kwargs)
+    bm = _compat.unpack_block_mask(a.block_mask)
+    shape = site_shape(a.query, a.key, a.value)
+    tag = site_tag(getattr(V.graph, "current_node", None))
+    deterministic = marker.settings.deterministic_backward
+    spec, why = _plan(a, bm, marker.settings, shape)
+    if spec is not None:
+        result = _emit(a, bm, spec)
+        _record(LoweredBackwardSite("fa3_inductor.flex_bwd", shape, sum(spec.buffer_grads), why,
+                                    family=spec.families[0], site_id=tag,
+                                    deterministic=deterministic))
+        return result
+    device = a.query.get_device()
+    if backward_last_resort(device) == DENSE_BACKWARD:
+        dq, dk, dv, captured = _lower_on_cpu(a, shape)
+        _record(LoweredBackwardSite(
+            "fa3_inductor.flex_bwd", shape, sum(g is not None for g in captured),
+            f"{why} (the dense recompute runs it: Inductor has no CPU flex backward)", family="dense",
+            site_id=tag, deterministic=deterministic))
+        return dq, dk, dv, captured
+    _record(LoweredBackwardSite("torch", shape, None, f"{why} (torch's flex backward kernel runs it, "
+                                "reading our forward's out and log2 LSE)", family="torch",
+                                site_id=tag, deterministic=deterministic))
     return _original_lowering(*args, **kwargs)
 
 

@@ -8,9 +8,11 @@ other backend it calls the original untouched. When it acts it either
   ``torch.ops.fa3_inductor.flex_fwd`` (runtime/ops.py), or
 - hands the site to torch's lowering, recording why (unsupported mod, head dim, device...).
 
-Backward: flex_backward_lowering.py (registration.py installs both). On CUDA torch's
-flex_attention_backward lowering reads our (out, lse), which follow the op's conventions (LSE
-in log2 units); on the CPU our dense-recompute op serves it.
+Backward: flex_backward_lowering.py (registration.py installs both). It plans each site against
+our backward families (the generic Triton backward on any GPU and on the CPU under Triton's
+interpreter, learnable tables' gradients included), which read our (out, lse) in the op's
+conventions (LSE in log2 units); a site none serves keeps torch's flex backward kernel on CUDA
+and our dense-recompute op on the CPU.
 """
 
 from __future__ import annotations
@@ -22,12 +24,11 @@ import torch
 
 from .. import _compat
 from ..config import Settings
-from ..sizes import static_ints
 from ..runtime.ops_fp8 import recipe_text  # also defines fa3_inductor::flex_fwd_fp8
 from ..runtime.spec import SiteSpec
-from ..templates.modgen import BufferSpec, ModInfo, UnsupportedMod, describe_mod_source
+from ..templates.modgen import ModInfo, UnsupportedMod, describe_mod_source
 from ..report import LoweredSite, record_site, site_tag
-from .common import active_pass, site_shape
+from .common import active_pass, buffer_specs, site_shape
 from .site_plan import plan_site, unserved
 
 _FLEX_OP = torch.ops.higher_order.flex_attention
@@ -45,33 +46,6 @@ def install() -> None:
     replaced = _compat.wrap_lowering(_FLEX_OP, _fa3_flex_lowering)
     if replaced is not None:
         _original_lowering = replaced
-
-
-def _buffer_specs(buffers) -> tuple[Optional[list[Optional[BufferSpec]]], Optional[str]]:
-    from torch._inductor import ir
-
-    specs = []
-    for buf in buffers:
-        if not isinstance(buf, ir.IRNode):
-            specs.append(None)  # a scalar (a size symbol): the generator checks it is unused
-            continue
-        # Buffers are made contiguous before the call, so only their strides are baked into
-        # the mod: a leading dimension may stay symbolic (a document-id vector whose length
-        # follows a dynamic sequence length), the inner ones must be static.
-        dims = list(buf.get_size())
-        inner = static_ints(dims[1:])
-        if inner is None:
-            return None, "a captured buffer has a dynamic inner dimension"
-        lead = static_ints(dims[:1])
-        size = (lead if lead is not None else [-1]) + inner if dims else []
-        strides, stride = [], 1
-        for s in reversed(inner):
-            strides.append(stride)
-            stride *= max(s, 1)
-        if dims:
-            strides.append(stride)
-        specs.append(BufferSpec(tuple(size), tuple(reversed(strides)), buf.get_dtype()))
-    return specs, None
 
 
 def _plan(query, key, value, subgraph, bm: _compat.FlexBlockMask, score_bufs, mask_bufs,
@@ -98,10 +72,10 @@ def _plan(query, key, value, subgraph, bm: _compat.FlexBlockMask, score_bufs, ma
     batches_match = (sizevars.statically_known_equals(bq, bkv)
                      or sizevars.statically_known_equals(bkv, 1))
     sparse = tuple(sizevars.guard_int(x) for x in (bm.sparse_q_block, bm.sparse_kv_block))
-    score_specs, why = _buffer_specs(score_bufs)
+    score_specs, why = buffer_specs(score_bufs)
     if why:
         return None, why, shape
-    mask_specs, why = _buffer_specs(mask_bufs)
+    mask_specs, why = buffer_specs(mask_bufs)
     if why:
         return None, why, shape
     try:

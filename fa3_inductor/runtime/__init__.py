@@ -1,1 +1,2 @@
-"""Runtime: the custom op Inductor's output code calls, kernel launch, tile choice."""
+"""Runtime: the custom ops Inductor's output code calls (ops.py: the forward; ops_bwd.py: the backward
+families; backward_cpu.py: the dense backward recompute), kernel launch, tile choice."""

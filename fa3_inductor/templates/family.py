@@ -17,6 +17,12 @@ preference order:
 
 The runtime walks a site's candidate families in order and takes the first that serves the call,
 so the choice is made in one place, once per launch signature (runtime/fast_launch.py caches it).
+
+The backward (flex_attention_backward) has the same shape, in :class:`BackwardFamily`:
+``serves_backward(site)`` (a :class:`BackwardSiteFacts`), ``prepare_backward(call)`` (a
+:class:`BackwardCall`; the launches in order, or ``None`` to compute in ``launch_backward(call)``),
+with the same NotServed / NOT_MEANT_HERE conventions. The registry lists them separately
+(``backward_families()``); runtime/ops_bwd.py walks them.
 """
 
 from __future__ import annotations
@@ -143,3 +149,132 @@ class KernelFamily(Protocol):
     def prepare(self, call: Call) -> Optional[Variants]: ...
 
     def launch(self, call: Call) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardSiteFacts(SiteFacts):
+    """What is known of a backward site when it is planned: the forward's facts plus what only the
+    backward asks for.
+
+    Example::
+
+        >>> BackwardSiteFacts(torch.device("cpu"), torch.float32, 64, 64, buffer_grads=True).deterministic
+        False
+    """
+
+    # a tensor the score_mod captures needs a gradient (a learnable bias): a family that cannot
+    # compute it (BackwardCall.buffer_grad_sources) refuses the site
+    buffer_grads: bool = False
+    deterministic: bool = False   # option fa3.deterministic_backward: bitwise-reproducible gradients
+
+
+@dataclasses.dataclass
+class BackwardCall:
+    """One backward call as a family sees it: the forward's inputs and outputs, the incoming
+    gradients, the gradients written in place, and the site's mods as generated source in the
+    family's dialect (with the generator's record of each).
+
+    ``lse`` is the forward's (float32, log2 units, -inf on fully masked rows), ``grad_lse`` its
+    gradient in the same units or None. ``tables`` are the forward's four block-mask tables
+    (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices), ``q_tables`` the four
+    transposed ones (torch's BlockMask: q_num_blocks, q_indices, full_q_num_blocks,
+    full_q_indices); all None without a mask. ``score_grad_source`` is the score_mod's derivative
+    (templates/generic_bwd/score_grad.py); None with a score_mod means the derivative is 1 (the mod
+    adds a term). ``buffer_grad_sources`` are the generated gradients of the score_mod's captured
+    tensors that need one (generic_bwd/buffer_grad.py's ``BufferGradSource``, in buffer order, in
+    the family's dialect) and ``dbufs`` the tensors they are written to, one each, overwritten.
+    ``deterministic``: the user asked for bitwise-reproducible gradients.
+
+    Example::
+
+        >>> call = BackwardCall(q, k, v, out, dout, lse, None, dq, dk, dv, (None,) * 4, (None,) * 4,
+        ...                     (), (), 0.125, 128, 128)                        # doctest: +SKIP
+        >>> family.prepare_backward(call)                                      # doctest: +SKIP
+    """
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    out: Tensor
+    dout: Tensor
+    lse: Tensor
+    grad_lse: Optional[Tensor]
+    dq: Tensor
+    dk: Tensor
+    dv: Tensor
+    tables: tuple
+    q_tables: tuple
+    score_bufs: tuple
+    mask_bufs: tuple
+    scale: float
+    sparse_q_block: int
+    sparse_kv_block: int
+    score_source: Optional[str] = None
+    score_grad_source: Optional[str] = None
+    mask_source: Optional[str] = None
+    score_info: Any = None        # templates/modgen.ModInfo of each source (None: none)
+    score_grad_info: Any = None
+    mask_info: Any = None
+    deterministic: bool = False
+    buffer_grad_sources: tuple = ()   # generic_bwd.buffer_grad.BufferGradSource, one per dbufs entry
+    dbufs: tuple = ()                 # the captured tensors' gradients, written by the family
+
+    def kernel_options(self, dialect: str, unit_gradient: Any) -> dict:
+        """The keywords a Triton / Gluon family's backward host function takes (those of
+        generic_bwd.host.prepare_generic_backward): the scale, the LSE's gradient, the mods loaded
+        in ``dialect`` with their records, the buffers, the eight block-mask options and
+        ``deterministic``; plus ``buffer_grads`` ((source, gradient) pairs) when the call has
+        captured-tensor gradients, so a host without that keyword (a family that refuses such
+        sites in ``serves_backward``) never sees it. ``unit_gradient`` is what that host takes
+        for a derivative of 1 (generic_bwd's SCORE_GRAD_ONE).
+
+        Example::
+
+            >>> prepare_generic_backward(*call.tensors(), **call.kernel_options("tl", SCORE_GRAD_ONE))  # doctest: +SKIP
+        """
+        score_grad = None
+        if self.score_source is not None:
+            score_grad = (unit_gradient if self.score_grad_source is None else
+                          load_mod(self.score_grad_source, dialect, self.score_grad_info))
+        kv_num, kv_idx, full_kv_num, full_kv_idx = self.tables
+        q_num, q_idx, full_q_num, full_q_idx = self.q_tables
+        if len(self.buffer_grad_sources) != len(self.dbufs):
+            raise ValueError(f"BackwardCall has {len(self.buffer_grad_sources)} buffer-gradient "
+                             f"sources for {len(self.dbufs)} gradient tensors; give one tensor "
+                             "per source (runtime/ops_bwd.py allocates them)")
+        extra = {"buffer_grads": tuple(zip(self.buffer_grad_sources, self.dbufs))} if self.dbufs else {}
+        return dict(
+            sm_scale=self.scale, grad_lse=self.grad_lse,
+            score_mod=self.score_source and load_mod(self.score_source, dialect, self.score_info),
+            score_grad_mod=score_grad,
+            mask_mod=self.mask_source and load_mod(self.mask_source, dialect, self.mask_info),
+            score_bufs=self.score_bufs, mask_bufs=self.mask_bufs,
+            kv_num_blocks=kv_num, kv_indices=kv_idx, full_kv_num_blocks=full_kv_num,
+            full_kv_indices=full_kv_idx, q_num_blocks=q_num, q_indices=q_idx,
+            full_q_num_blocks=full_q_num, full_q_indices=full_q_idx,
+            sparse_q_block=self.sparse_q_block, sparse_kv_block=self.sparse_kv_block,
+            deterministic=self.deterministic, **extra)
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        """(q, k, v, out, dout, lse, dq, dk, dv): the backward host functions' positional arguments."""
+        return self.q, self.k, self.v, self.out, self.dout, self.lse, self.dq, self.dk, self.dv
+
+
+class BackwardFamily(Protocol):
+    """The interface of a backward kernel family (module docstring).
+
+    ``serves_backward`` answers from the planned facts (None: it serves; a reason; NOT_MEANT_HERE);
+    ``prepare_backward`` returns the launches ``[(kernel, args, kwargs, grid)]`` in the order they
+    must run, or None when ``launch_backward`` computes the call itself, and raises NotServed for a
+    call whose tensors it cannot take. A family that is not deterministic refuses a site with
+    ``deterministic`` set (or honours it).
+    """
+
+    name: str      # what explain() and the backward records call it ("generic_bwd")
+    dialect: str   # the mod dialect its kernels call: "gl" or "tl"
+
+    def serves_backward(self, site: BackwardSiteFacts) -> Optional[str]: ...
+
+    def prepare_backward(self, call: BackwardCall) -> Optional[list[Launch]]: ...
+
+    def launch_backward(self, call: BackwardCall) -> None: ...

@@ -1,0 +1,61 @@
+"""The Hopper backward behind the backward-family interface (templates/family.py): sm90 GPUs, float16
+and bfloat16, D = DV in configs.SUPPORTED_HEAD_DIMS; mods in the ``gl`` dialect. dQ is summed with
+fp32 atomics, so it is not bitwise reproducible: a site that asks for deterministic gradients, or for
+gradients of captured tensors (not computed here yet), goes to the generic backward."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..family import NOT_MEANT_HERE, BackwardCall, BackwardSiteFacts, Launch, NotServed
+from ..generic_bwd.host import SCORE_GRAD_ONE
+from .configs import SUPPORTED_HEAD_DIMS
+from .host import prepare_hopper_backward
+
+
+class HopperBackwardFamily:
+    """FlashAttention-3-structure Gluon backward for sm90 (kernels: bwd_sm90.py).
+
+    Example::
+
+        >>> HOPPER_BWD.serves_backward(BackwardSiteFacts(torch.device("cpu"), torch.bfloat16, 128, 128))
+        ''
+    """
+
+    name = "hopper_bwd"
+    dialect = "gl"
+
+    def serves_backward(self, site: BackwardSiteFacts) -> Optional[str]:
+        if site.capability is None or site.capability[0] != 9 or site.fp8:
+            return NOT_MEANT_HERE
+        if site.dtype not in (torch.float16, torch.bfloat16):
+            return f"Hopper backward: {site.dtype} inputs (it serves float16 and bfloat16)"
+        if site.head_dim != site.value_head_dim or site.head_dim not in SUPPORTED_HEAD_DIMS:
+            return (f"Hopper backward: head dims {site.head_dim}/{site.value_head_dim} (it serves "
+                    f"D = Dv in {SUPPORTED_HEAD_DIMS})")
+        if site.deterministic:
+            return "Hopper backward: dQ by fp32 atomics is not bitwise reproducible (fa3.deterministic_backward)"
+        if site.buffer_grads:
+            return "Hopper backward: gradients of captured tensors not computed here yet"
+        return None
+
+    def prepare_backward(self, call: BackwardCall) -> Optional[list[Launch]]:
+        if not call.q.is_cuda:
+            raise NotServed("the Hopper backward runs on an sm90 GPU only")
+        options = call.kernel_options(self.dialect, SCORE_GRAD_ONE)
+        if options.pop("buffer_grads", None):
+            raise NotServed("the Hopper backward does not compute gradients of captured tensors")
+        options["deterministic"] = call.deterministic
+        try:
+            return prepare_hopper_backward(*call.tensors(), **options)
+        except ValueError as exc:   # a layout, head dim or block size it does not take: the next family runs
+            raise NotServed(str(exc)) from exc
+
+    def launch_backward(self, call: BackwardCall) -> None:
+        raise NotServed("the Hopper backward runs on an sm90 GPU only")
+
+
+FAMILY = HopperBackwardFamily()
+HOPPER_BWD = FAMILY
