@@ -143,8 +143,13 @@ def _site_facts(a: _compat.FlexBackwardArgs, bm: _compat.FlexBlockMask, settings
     buffers = list(a.score_mod_other_buffers)
     needs = _compat.joint_graph_buffer_grads(a.joint_graph.graph_module, len(buffers))
     buffer_grads = any(n and isinstance(b, ir.IRNode) for n, b in zip(needs, buffers))
+    try:
+        score_grad = (not is_identity_score(a.fw_graph.graph_module) and
+                      score_grad_graph(a.joint_graph.graph_module, len(buffers)) is not None)
+    except UnsupportedMod:   # _sources() meets it again and records the reason
+        score_grad = True
     return BackwardSiteFacts(q.get_device(), q.get_dtype(), d, dv, buffer_grads=buffer_grads,
-                             deterministic=settings.deterministic_backward), None
+                             deterministic=settings.deterministic_backward, score_grad=score_grad), None
 
 
 def _sources(a: _compat.FlexBackwardArgs, bm: _compat.FlexBlockMask, dialects: list[str],

@@ -166,6 +166,7 @@ class BackwardSiteFacts(SiteFacts):
     # compute it (BackwardCall.buffer_grad_sources) refuses the site
     buffer_grads: bool = False
     deterministic: bool = False   # option fa3.deterministic_backward: bitwise-reproducible gradients
+    score_grad: bool = False      # a score_mod whose derivative is not 1 (softcap: not an added bias)
 
 
 @dataclasses.dataclass

@@ -15,6 +15,15 @@ from .configs import SUPPORTED_HEAD_DIMS
 from .host import prepare_hopper_backward
 
 
+# Measured on an H100, backward alone, B4 H16 N4096 (benchmarks/results/bwd-speed-nvidia-h100-80gb-hbm3-
+# 2026-11-25-0315 for ours, -0334 for torch's, which that run timed at 4k): at D128 torch's flex backward kernel is faster without a score_mod derivative (noop 3.41
+# against 3.87 ms, ALiBi 3.61 against 3.86, causal 2.07 against 2.14), ours with one (softcap 4.69 against
+# 6.99); at D64 ours is as fast or faster in every case (noop 2.15 against 2.38, softcap 2.49 against 5.67).
+_D128_SLOWER = ("Hopper backward: torch's flex backward kernel is faster at head dim 128 without a score_mod "
+                "derivative (H100, 4k: 3.41 against 3.87 ms noop); ours serves D128 sites whose score_mod "
+                "has one (softcap: 4.69 against 6.99 ms)")
+
+
 class HopperBackwardFamily:
     """FlashAttention-3-structure Gluon backward for sm90 (kernels: bwd_sm90.py).
 
@@ -39,6 +48,8 @@ class HopperBackwardFamily:
             return "Hopper backward: dQ by fp32 atomics is not bitwise reproducible (fa3.deterministic_backward)"
         if site.buffer_grads:
             return "Hopper backward: gradients of captured tensors not computed here yet"
+        if site.head_dim == 128 and not site.score_grad:
+            return _D128_SLOWER
         return None
 
     def prepare_backward(self, call: BackwardCall) -> Optional[list[Launch]]:
