@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import threading
+import types
 from typing import NamedTuple, Optional
 
 import torch
@@ -33,7 +33,9 @@ from .backward_cpu import BackwardSpec, flex_bwd
 from .kernel_failures import family_failure, is_build_error, record_kernel_failure
 from .ops import _one_block_size
 
-_state = threading.local()
+# Process-wide, not per thread: autograd runs a CUDA backward on its own device thread, not the
+# caller's.
+_state = types.SimpleNamespace(family=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,15 +164,16 @@ def _source_of(item: tuple) -> BufferGradSource:
 
 
 def last_backward_family() -> Optional[str]:
-    """Which backward family computed the most recent ``flex_bwd.families`` call in this thread
-    ("generic_bwd", ..., or "dense" for the recompute), None before any.
+    """Which backward family computed the most recent ``flex_bwd.families`` call in this process
+    ("generic_bwd", ..., or "dense" for the recompute), None before any. Process-wide: autograd runs
+    a CUDA backward on its own thread.
 
     Example::
 
         >>> loss.backward(); last_backward_family()   # doctest: +SKIP
         'generic_bwd'
     """
-    return getattr(_state, "family", None)
+    return _state.family
 
 
 def backward_call_for(site: BackwardSiteSpec, call: BackwardCall, dialect: str) -> BackwardCall:
