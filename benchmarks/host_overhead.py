@@ -6,6 +6,8 @@ our path is timed on its own, next to torch's compiled FlexAttention and cuDNN S
 cProfile lists the most expensive functions of the full `fa3_inductor.flex` call. Last, each step of a
 repeated call's memo path (direct.replay -> runtime/ops.bound_launch -> runtime/fast_launch) is timed
 alone, beside one plain Triton launch and the C launcher with its argument tuple prebuilt: the floor.
+The backward op (``flex_bwd.families``) is timed on a launch-cache hit, beside what it costs to plan and
+launch the same call through Triton every time (the family's prepare_backward and JITFunction.run).
 
     python benchmarks/host_overhead.py [--head-dim 96]   # on a GPU machine; prints a table
 
@@ -105,6 +107,7 @@ def main() -> None:
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(22)
     print(buf.getvalue())
     rows += memo_steps(q, k, v)
+    rows += backward_steps(q, k, v)
     print(f"host cost per call, {torch.cuda.get_device_name()}, torch {torch.__version__}, B1 H1 S128 D{D} bf16:")
     for name, us in rows:
         print(f"  {name:45s} {us:8.1f} us")
@@ -156,6 +159,41 @@ def memo_steps(q, k, v, rounds: int = 7) -> list:
             times[name].append(per_call_us(fn, n=2000))
     return [(f"{name} [{entry.tag}]" if name.startswith("  ") else name, statistics.median(t))
             for name, t in times.items()]
+
+
+def backward_steps(q, k, v) -> list:
+    """(step, µs per call) of the backward op on a launch-cache hit and of planning the call anew, per
+    backward family that takes ``q``'s head dim on this GPU (generic_bwd with fa3.deterministic_backward)."""
+    from fa3_inductor.runtime.ops_bwd import BackwardSiteSpec, backward_call_for
+    from fa3_inductor.templates.family import BackwardCall
+    from fa3_inductor.templates.hopper_bwd.configs import SUPPORTED_HEAD_DIMS
+
+    D = q.shape[-1]
+    out, dout = torch.randn_like(q), torch.randn_like(q)
+    lse = torch.zeros(q.shape[:3], device=q.device)
+    names = ["generic_bwd"]
+    if torch.cuda.get_device_capability() == (9, 0) and D in SUPPORTED_HEAD_DIMS:
+        names.insert(0, "hopper_bwd")
+    op = torch.ops.fa3_inductor.flex_bwd.families
+    rows = []
+    for name in names:
+        family = registry.backward_family(name)
+        site = BackwardSiteSpec((name,), ((family.dialect, None, None, None), ("torch", None, None, None)),
+                                deterministic=name == "generic_bwd")
+        spec = site.to_json()
+        rows.append((f"op flex_bwd.families ({name}), hit",
+                     per_call_us(lambda s=spec: op(q, k, v, out, lse, dout, None, *(None,) * 8, [], [],
+                                                   D ** -0.5, 128, 128, s))))
+
+        def planned(family=family, site=site):
+            grads = [torch.empty_like(t) for t in (q, k, v)]
+            call = BackwardCall(q, k, v, out, dout, lse, None, *grads, (None,) * 4, (None,) * 4, (), (),
+                                D ** -0.5, 128, 128)
+            for kernel, args, kwargs, grid in family.prepare_backward(backward_call_for(site, call, family.dialect)):
+                kernel[grid](*args, **kwargs)
+
+        rows.append((f"  planned every call: prepare + JIT launches ({name})", per_call_us(planned)))
+    return rows
 
 
 if __name__ == "__main__":

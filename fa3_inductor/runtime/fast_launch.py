@@ -140,8 +140,26 @@ def relaunch(entry: _Launch, inputs: Sequence[Optional[torch.Tensor]]) -> Any:
 
 
 def clear() -> None:
-    """Forget every recorded launch (tests; after changing kernels in-process)."""
+    """Forget every recorded launch (tests; after changing kernels in-process), and whatever the
+    callers registered with :func:`on_clear` holds of them."""
     _CACHE.clear()
+    for forget in _ON_CLEAR:
+        forget()
+
+
+_ON_CLEAR: list[Callable[[], None]] = []
+
+
+def on_clear(forget: Callable[[], None]) -> None:
+    """Call ``forget`` on every :func:`clear`: for a caller that keeps recorded entries (from
+    :func:`recorded`) of its own, so that they go with the cache's.
+
+    Example::
+
+        >>> on_clear(_PLANS.clear)   # doctest: +SKIP
+    """
+    if forget not in _ON_CLEAR:
+        _ON_CLEAR.append(forget)
 
 
 def _record(jit_fn: Any, args: tuple, kwargs: dict, inputs: Sequence) -> tuple:

@@ -11,6 +11,14 @@ reasons logged. Mods reach it as generated source inside the ``spec`` string (th
 derivative and the mask_mod per dialect, and the gradients of captured tensors that need one:
 templates/generic_bwd/buffer_grad.py), so a graph served from Inductor's cache rebuilds them. It
 returns (dq, dk, dv, [the gradient of each captured tensor that needs one]), as the dense op does.
+
+On CUDA the walk and the family's planning (mods loaded, tiles, TMA descriptors: ~100 us of Python)
+happen once per launch signature: the op allocates the family's scratch itself
+(``backward_scratch``), so every tensor the launches touch is one of its own, records each launch
+(runtime/fast_launch.py) and keeps a :class:`_Plan`; a later call with the same signature allocates
+the outputs and the scratch and re-launches the recorded kernels in order. A call whose launches
+cannot be recorded (torch steps for captured-tensor gradients, a tensor made while planning, a family
+that computes the call itself) is planned on every call, as without the cache.
 """
 
 from __future__ import annotations
@@ -25,11 +33,12 @@ import torch
 from torch import Tensor
 
 from .._log import info_once, warn_once
-from ..templates.family import BackwardCall, NotServed
+from ..templates.family import BackwardCall, BackwardFamily, NotServed
 from ..templates.generic_bwd.buffer_grad import BufferGradSource
 from ..templates.modgen import GeneratedSource, ModInfo
 from ..templates.registry import DENSE_BACKWARD, backward_family
 from .backward_cpu import BackwardSpec, flex_bwd
+from .fast_launch import launch_cached, on_clear, recorded, relaunch, tensor_signature
 from .kernel_failures import family_failure, is_build_error, record_kernel_failure
 from .ops import _one_block_size
 
@@ -233,6 +242,17 @@ def flex_bwd_families(
     dout = grad_out if grad_out is not None else torch.zeros_like(out)
     tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
     q_tables = (q_num_blocks, q_indices, full_q_num_blocks, full_q_indices)
+    key = tensors = None
+    if _caches(q):
+        tensors = (q, k, v, out, dout, lse, grad_lse, dq, dk, dv, *tables, *q_tables, *score_bufs,
+                   *mask_bufs, *dbufs)
+        key = (spec, scale, sparse_q_block, sparse_kv_block, len(score_bufs), len(mask_bufs),
+               torch.get_float32_matmul_precision(), tensor_signature(tensors), _aliasing(tensors))
+        plan = _PLANS.get(key)
+        if plan is not None and plan.launches is not None:
+            plan.run(tensors, q.device)
+            _state.family = plan.family
+            return dq, dk, dv, dbufs
     call = BackwardCall(q, k, v, out, dout, lse, grad_lse, dq, dk, dv, tables, q_tables,
                         tuple(score_bufs), tuple(mask_bufs), scale, sparse_q_block, sparse_kv_block,
                         dbufs=tuple(dbufs))
@@ -249,12 +269,7 @@ def flex_bwd_families(
             continue
         mine = backward_call_for(site, call, family.dialect)
         try:
-            launches = family.prepare_backward(mine)
-            if launches is None:       # the family computes the call itself
-                family.launch_backward(mine)
-            else:
-                for kernel, args, kwargs, grid in launches:
-                    kernel[grid](*args, **kwargs)
+            _serve_with(family, mine, key, tensors)
         except NotServed as why:
             info_once(f"fa3_inductor: backward: {why}; the next backward family runs ({site.description})")
             passed_over.append(str(why))
@@ -276,6 +291,88 @@ def flex_bwd_families(
     dense_spec = BackwardSpec(score, mask, flags, site.description).to_json()
     return flex_bwd(q, k, v, grad_out, grad_lse, *tables, score_bufs, mask_bufs, scale,
                     sparse_q_block, sparse_kv_block, dense_spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What a call of one launch signature runs: the family, its scratch as (shape, strides, dtype)
+    and its recorded launches in order (fast_launch entries; None: not recordable, plan every call).
+    It holds no tensor of any call."""
+
+    family: str
+    scratch: tuple
+    launches: Optional[tuple]
+
+    def run(self, tensors: tuple, device: torch.device) -> None:
+        """Re-launch on the call's ``tensors`` (the op's, in the key's order) and fresh scratch."""
+        scratch = tuple(torch.empty_strided(shape, strides, dtype=dtype, device=device)
+                        for shape, strides, dtype in self.scratch)
+        inputs = (*tensors, *scratch)
+        for entry in self.launches:
+            relaunch(entry, inputs)
+
+
+_PLANS: dict[tuple, _Plan] = {}
+_MAX_PLANS = 256
+on_clear(_PLANS.clear)   # a plan holds fast_launch entries: it goes with them
+
+
+def _caches(q: Tensor) -> bool:
+    """Whether this call's launches go through the launch cache (CUDA only: the interpreter has no
+    compiled kernel to re-launch)."""
+    return q.is_cuda
+
+
+def _aliasing(tensors: tuple) -> Optional[tuple]:
+    """None when no tensor is passed twice (the usual case), else which position repeats which: a
+    recording maps a repeated tensor to one position, right only for calls that repeat it alike
+    (a captured tensor both mods read)."""
+    ids = [id(t) for t in tensors if t is not None]
+    if len(set(ids)) == len(ids):
+        return None
+    first: dict = {}
+    return tuple(None if t is None else first.setdefault(id(t), i) for i, t in enumerate(tensors))
+
+
+def _serve_with(family: BackwardFamily, call: BackwardCall, key: Optional[tuple],
+                tensors: Optional[tuple]) -> None:
+    """Compute ``call`` with ``family``. With a ``key`` (CUDA): the op allocates the family's scratch
+    and, the first time, records the launches under ``key`` and keeps the plan (a plan kept already
+    is one that could not be recorded: launch plainly, no new attempt)."""
+    record = key is not None and key not in _PLANS
+    hook = getattr(family, "backward_scratch", None)   # optional (templates/family.py)
+    if key is not None and hook is not None:
+        call = dataclasses.replace(call, scratch=tuple(hook(call)))
+    launches = family.prepare_backward(call)
+    entries = None
+    if launches is None:       # the family computes the call itself
+        family.launch_backward(call)
+    elif record:
+        entries = _record_launches(family.name, launches, key, tensors, call.scratch or ())
+    else:
+        for kernel, args, kwargs, grid in launches:
+            kernel[grid](*args, **kwargs)
+    if record:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        scratch = tuple((tuple(t.shape), t.stride(), t.dtype) for t in call.scratch or ())
+        _PLANS[key] = _Plan(family.name, scratch, entries)
+
+
+def _record_launches(name: str, launches: list, key: tuple, tensors: tuple, scratch: tuple
+                     ) -> Optional[tuple]:
+    """Run ``launches`` through the launch cache on the op's ``tensors`` and the family's ``scratch``;
+    their recorded entries, or None if any could not be recorded (a torch step, a tensor that is
+    neither the op's nor the scratch)."""
+    inputs = (*tensors, *scratch)
+    scratch_signature = tensor_signature(scratch)
+    entries = []
+    for i, launch in enumerate(launches):
+        launch_key = (key, name, scratch_signature, i)
+        launch_cached(launch_key, inputs, lambda launch=launch: (*launch, name))
+        # read at once: a full launch cache is cleared when the next launch is recorded
+        entries.append(recorded(launch_key))
+    return None if any(e is None for e in entries) else tuple(entries)
 
 
 def _buffer_grad_flags(site: BackwardSiteSpec, score_bufs: list[Tensor]) -> tuple[bool, ...]:

@@ -22,7 +22,10 @@ The backward (flex_attention_backward) has the same shape, in :class:`BackwardFa
 ``serves_backward(site)`` (a :class:`BackwardSiteFacts`), ``prepare_backward(call)`` (a
 :class:`BackwardCall`; the launches in order, or ``None`` to compute in ``launch_backward(call)``),
 with the same NotServed / NOT_MEANT_HERE conventions. The registry lists them separately
-(``backward_families()``); runtime/ops_bwd.py walks them.
+(``backward_families()``); runtime/ops_bwd.py walks them. A backward family may also name the
+scratch its launches need (``backward_scratch(call)``): the op then allocates it and hands it over
+in ``BackwardCall.scratch``, so every tensor a launch touches is the op's and the launches can be
+recorded and re-launched per launch signature (runtime/fast_launch.py).
 """
 
 from __future__ import annotations
@@ -219,6 +222,9 @@ class BackwardCall:
     deterministic: bool = False
     buffer_grad_sources: tuple = ()   # generic_bwd.buffer_grad.BufferGradSource, one per dbufs entry
     dbufs: tuple = ()                 # the captured tensors' gradients, written by the family
+    # the family's scratch, from its backward_scratch(call), allocated by the caller; None: the
+    # family's host allocates its own (then its launches cannot be re-launched from a recording)
+    scratch: Optional[tuple] = None
 
     def kernel_options(self, dialect: str, unit_gradient: Any) -> dict:
         """The keywords a Triton / Gluon family's backward host function takes (those of
@@ -269,6 +275,11 @@ class BackwardFamily(Protocol):
     must run, or None when ``launch_backward`` computes the call itself, and raises NotServed for a
     call whose tensors it cannot take. A family that is not deterministic refuses a site with
     ``deterministic`` set (or honours it).
+
+    ``backward_scratch`` (optional) returns the scratch tensors ``prepare_backward`` would otherwise
+    allocate for ``call``, freshly allocated (their contents are never read before the launches
+    write them); ``prepare_backward`` then uses ``call.scratch``. A family without it, or whose
+    launches read a tensor the op did not give it, has its launches planned anew on every call.
     """
 
     name: str      # what explain() and the backward records call it ("generic_bwd")
@@ -279,3 +290,5 @@ class BackwardFamily(Protocol):
     def prepare_backward(self, call: BackwardCall) -> Optional[list[Launch]]: ...
 
     def launch_backward(self, call: BackwardCall) -> None: ...
+
+    def backward_scratch(self, call: BackwardCall) -> tuple[Tensor, ...]: ...

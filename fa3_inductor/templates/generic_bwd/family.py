@@ -14,7 +14,7 @@ import torch
 
 from ..._log import info_once
 from ..family import NOT_MEANT_HERE, BackwardCall, BackwardSiteFacts, Launch, NotServed
-from .host import SCORE_GRAD_ONE, launch_generic_backward, prepare_generic_backward
+from .host import SCORE_GRAD_ONE, generic_backward_scratch, launch_generic_backward, prepare_generic_backward
 
 # Input dtypes Triton 3.6's interpreter cannot compute a dot in (run on float32 copies).
 _INTERPRETER_UPCAST = (torch.bfloat16,)
@@ -65,9 +65,14 @@ class GenericBackwardFamily:
                                 "(set TRITON_INTERPRET=1 before importing triton to run it on the CPU)")
             return None   # the interpreter runs it now: launch_backward()
         try:
-            return prepare_generic_backward(*call.tensors(), **call.kernel_options(self.dialect, SCORE_GRAD_ONE))
+            return prepare_generic_backward(*call.tensors(), scratch=call.scratch,
+                                            **call.kernel_options(self.dialect, SCORE_GRAD_ONE))
         except ValueError as exc:   # a layout or block size the kernels do not take: the next family runs
             raise NotServed(str(exc)) from exc
+
+    def backward_scratch(self, call: BackwardCall) -> tuple[torch.Tensor, ...]:
+        """(DELTA,) for ``call`` (host.generic_backward_scratch)."""
+        return generic_backward_scratch(call.q)
 
     def launch_backward(self, call: BackwardCall) -> None:
         """Under Triton's interpreter (CPU tensors)."""

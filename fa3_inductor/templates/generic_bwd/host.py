@@ -103,6 +103,31 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+def generic_backward_scratch(q: torch.Tensor) -> tuple[torch.Tensor]:
+    """The scratch of one generic backward of ``q``'s shape, freshly allocated: (DELTA,), the rows'
+    dO . O, float32 [Z, HQ, M], written by the preprocess launch before anything reads it. Pass it as
+    ``prepare_generic_backward(..., scratch=...)`` to own every tensor the three kernels touch
+    (runtime/ops_bwd.py re-launches them so).
+
+    Example::
+
+        >>> tuple(generic_backward_scratch(torch.empty(2, 3, 40, 16))[0].shape)
+        (2, 3, 40)
+    """
+    return (torch.empty(q.shape[:3], dtype=torch.float32, device=q.device),)
+
+
+def _scratch_delta(scratch: Sequence[torch.Tensor], q: torch.Tensor) -> torch.Tensor:
+    (delta,) = scratch if len(scratch) == 1 else (None,)
+    if delta is None or tuple(delta.shape) != tuple(q.shape[:3]) or delta.dtype != torch.float32 or \
+            delta.device != q.device or not delta.is_contiguous():
+        got = [f"{t.dtype} {tuple(t.shape)} on {t.device}" for t in scratch]
+        raise ValueError(f"generic backward: scratch must be one contiguous torch.float32 tensor of shape "
+                         f"{tuple(q.shape[:3])} on {q.device} (DELTA), got {got}; allocate it with "
+                         "generic_backward_scratch(q)")
+    return delta
+
+
 def prepare_generic_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
     lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
@@ -117,7 +142,7 @@ def prepare_generic_backward(
     sparse_q_block: int = 128, sparse_kv_block: int = 128,
     config: Optional[BackwardConfig] = None, plan_for: Optional[tuple[int, int]] = None,
     buffer_grads: Sequence[tuple[BufferGradSource, torch.Tensor]] = (),
-    deterministic: bool = False,
+    deterministic: bool = False, scratch: Optional[Sequence[torch.Tensor]] = None,
 ) -> list[Launch]:
     """The three launches of one backward, ``[(kernel, args, kwargs, grid)]`` in the order they
     must run: delta (preprocess), dK/dV, dQ. ``dq``, ``dk``, ``dv`` are written by the last two
@@ -139,6 +164,7 @@ def prepare_generic_backward(
     None. The transposed tables ``q_num_blocks`` ... ``full_q_indices`` (torch's BlockMask has them)
     are derived from the forward's when not given. ``config`` overrides the tile table;
     ``plan_for`` the GPU capability to plan for when the tensors are on no GPU (compile-only).
+    ``scratch``: (DELTA,) from :func:`generic_backward_scratch`; None allocates it here.
 
     Example::
 
@@ -191,7 +217,7 @@ def prepare_generic_backward(
     dout = dout.to(q.dtype)
     out = out.to(q.dtype)
     lse = lse.float().contiguous()
-    delta = torch.empty((Z, HQ, M), dtype=torch.float32, device=q.device)
+    (delta,) = generic_backward_scratch(q) if scratch is None else (_scratch_delta(scratch, q),)
     dummy = q.new_empty(1, dtype=torch.int32)
 
     def table(t: Optional[torch.Tensor]) -> torch.Tensor:   # indexed as dense row-major

@@ -12,7 +12,7 @@ import torch
 from ..family import NOT_MEANT_HERE, BackwardCall, BackwardSiteFacts, Launch, NotServed
 from ..generic_bwd.host import SCORE_GRAD_ONE
 from .configs import SUPPORTED_HEAD_DIMS
-from .host import prepare_hopper_backward
+from .host import hopper_backward_scratch, prepare_hopper_backward
 
 
 # Measured on an H100, backward alone, B4 H16 N4096 (benchmarks/results/bwd-speed-nvidia-h100-80gb-hbm3-
@@ -60,8 +60,16 @@ class HopperBackwardFamily:
             raise NotServed("the Hopper backward does not compute gradients of captured tensors")
         options["deterministic"] = call.deterministic
         try:
-            return prepare_hopper_backward(*call.tensors(), **options)
+            return prepare_hopper_backward(*call.tensors(), scratch=call.scratch, **options)
         except ValueError as exc:   # a layout, head dim or block size it does not take: the next family runs
+            raise NotServed(str(exc)) from exc
+
+    def backward_scratch(self, call: BackwardCall) -> tuple[torch.Tensor, ...]:
+        """(STATS, DQ_ACC) for ``call`` (host.hopper_backward_scratch)."""
+        has_mask = call.tables[0] is not None or call.q_tables[0] is not None
+        try:
+            return hopper_backward_scratch(call.q, has_mask=has_mask, sparse_q_block=call.sparse_q_block)
+        except ValueError as exc:   # a head dim it does not take: the next family runs
             raise NotServed(str(exc)) from exc
 
     def launch_backward(self, call: BackwardCall) -> None:

@@ -103,6 +103,49 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+def hopper_backward_scratch(q: torch.Tensor, *, has_mask: bool, sparse_q_block: int = 128,
+                            config: Optional[BwdSm90Config] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scratch of one sm90 backward of ``q``'s shape, freshly allocated: (STATS, DQ_ACC), the padded LSE and
+    DELTA [Z * HQ, 2, M_PAD] and the fp32 dQ accumulator [Z * HQ, M_PAD, D]. The preprocess launch writes both
+    before anything reads them. ``has_mask``: the call passes block-mask tables (rows are then padded to
+    ``sparse_q_block``). Pass the result as ``prepare_hopper_backward(..., scratch=...)`` to own every tensor
+    its launches touch (runtime/ops_bwd.py re-launches them so).
+
+    Example::
+
+        >>> stats, dq_acc = hopper_backward_scratch(torch.empty(1, 2, 100, 64), has_mask=False)
+        >>> tuple(stats.shape), tuple(dq_acc.shape)
+        ((2, 2, 128), (2, 128, 64))
+    """
+    Z, HQ, M, D = q.shape
+    cfg = config or get_bwd_config(D)
+    m_pad = _padded_rows(M, has_mask, sparse_q_block, BwdTile(HEAD_D=D, NUM_STAGES=cfg.num_stages))
+    return (torch.empty((Z * HQ, 2, m_pad), dtype=torch.float32, device=q.device),
+            torch.empty((Z * HQ, m_pad, D), dtype=torch.float32, device=q.device))
+
+
+def _padded_rows(M: int, has_mask: bool, sparse_q_block: int, tile: BwdTile) -> int:
+    """Every query tile the kernel may visit lies inside the padded rows (a block mask's last block can reach
+    past M by up to a block): their LSE reads +inf (P = 0) and their dQ rows land in padding."""
+    row_block = sparse_q_block if has_mask else tile.BLOCK_M
+    return triton.cdiv(M, row_block) * row_block
+
+
+def _check_scratch(scratch: Sequence[torch.Tensor], shapes: tuple[tuple, tuple], device: torch.device) -> None:
+    problems = []
+    if len(scratch) != 2:
+        problems.append(f"scratch has {len(scratch)} tensors, expected 2 (STATS, DQ_ACC)")
+    else:
+        for name, got, shape in zip(("STATS", "DQ_ACC"), scratch, shapes):
+            if tuple(got.shape) != shape or got.dtype != torch.float32 or got.device != device or \
+                    not got.is_contiguous():
+                problems.append(f"scratch {name} is {got.dtype} {tuple(got.shape)} on {got.device} (contiguous: "
+                                f"{got.is_contiguous()}), expected a contiguous torch.float32 {shape} on {device}")
+    if problems:
+        _refuse("; ".join(problems) + ": allocate it with hopper_backward_scratch(q, has_mask=..., "
+                "sparse_q_block=...) for this call")
+
+
 def prepare_hopper_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
     lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
@@ -116,16 +159,18 @@ def prepare_hopper_backward(
     full_q_num_blocks: Optional[torch.Tensor] = None, full_q_indices: Optional[torch.Tensor] = None,
     sparse_q_block: int = 128, sparse_kv_block: int = 128, deterministic: bool = False,
     config: Optional[BwdSm90Config] = None, plan_for: Optional[tuple[int, int]] = None,
+    scratch: Optional[Sequence[torch.Tensor]] = None,
 ) -> list[Launch]:
     """The three launches of one sm90 backward, ``[(kernel, args, kwargs, grid)]`` in the order they must run:
     preprocess (padded LSE and DELTA, zeroed dQ accumulator), the main kernel (dK, dV; dQ into the accumulator), dQ convert.
 
     Conventions are :func:`prepare_generic_backward`'s (LSE in log2 units, -inf on fully masked rows;
     ``grad_lse`` in the same units; a ``score_mod`` needs ``score_grad_mod``, :data:`SCORE_GRAD_ONE` when
-    its derivative is 1), with ``gl`` mods. Each call allocates the fp32 dQ accumulator and the padded LSE and DELTA; the
-    preprocess launch zeroes the accumulator, so the launches may be replayed. ``deterministic=True`` is
-    refused (dQ is summed with atomics): the generic backward is deterministic. ``plan_for`` is accepted
-    for the generic interface (compile-only planning is always for sm90 here).
+    its derivative is 1), with ``gl`` mods. ``scratch``: (STATS, DQ_ACC) from :func:`hopper_backward_scratch` for
+    this call; None allocates them here. The preprocess launch fills STATS and zeroes the accumulator, so the
+    launches may be replayed. ``deterministic=True`` is refused (dQ is summed with atomics): the generic
+    backward is deterministic. ``plan_for`` is accepted for the generic interface (compile-only planning is
+    always for sm90 here).
 
     Example::
 
@@ -180,12 +225,12 @@ def prepare_hopper_backward(
     dout = dout if dout.dtype == q.dtype and tma_aligned(dout) else dout.to(q.dtype).contiguous()
     out = out.to(q.dtype)
     lse = lse.float().contiguous()
-    # Every query tile the kernel may visit lies inside the padded rows (a block mask's last block can reach
-    # past M by up to a block): their LSE reads +inf (P = 0) and their dQ rows land in padding.
-    row_block = sparse_q_block if has_mask else tile.BLOCK_M
-    m_pad = triton.cdiv(M, row_block) * row_block
-    stats = torch.empty((Z * HQ, 2, m_pad), dtype=torch.float32, device=q.device)   # padded LSE, DELTA
-    dq_acc = torch.empty((Z * HQ, m_pad, D), dtype=torch.float32, device=q.device)
+    m_pad = _padded_rows(M, has_mask, sparse_q_block, tile)
+    if scratch is None:
+        stats, dq_acc = hopper_backward_scratch(q, has_mask=has_mask, sparse_q_block=sparse_q_block, config=cfg)
+    else:
+        _check_scratch(scratch, ((Z * HQ, 2, m_pad), (Z * HQ, m_pad, D)), q.device)
+        stats, dq_acc = scratch
     dummy = q.new_empty(1, dtype=torch.int32)
 
     def table(t: Optional[torch.Tensor]) -> torch.Tensor:   # indexed as dense row-major int32
