@@ -52,14 +52,21 @@ def families() -> tuple[KernelFamily, ...]:
     """
     global _loaded
     if _loaded is None:
-        found = []
-        for folder in FAMILY_FOLDERS:
-            try:
-                found.append(importlib.import_module(f"{__package__}.{folder}.family").FAMILY)
-            except ImportError as exc:
-                warn_once(f"fa3_inductor: kernel family {folder!r} unavailable ({exc})")
-        _loaded = found
+        _loaded = _import_families(FAMILY_FOLDERS, "kernel family", quiet_if_absent=False)
     return tuple(_loaded)
+
+
+def _import_families(folders: tuple[str, ...], kind: str, quiet_if_absent: bool) -> list:
+    """The ``FAMILY`` of each folder's ``family`` module that imports, in order; a failed import is
+    warned about once, except (``quiet_if_absent``) a folder that has no family module yet."""
+    found = []
+    for folder in folders:
+        try:
+            found.append(importlib.import_module(f"{__package__}.{folder}.family").FAMILY)
+        except ImportError as exc:
+            if not (quiet_if_absent and _absent(exc, folder)):
+                warn_once(f"fa3_inductor: {kind} {folder!r} unavailable ({exc})")
+    return found
 
 
 def family(name: str) -> KernelFamily:
@@ -146,18 +153,11 @@ def backward_families() -> tuple[BackwardFamily, ...]:
     Example::
 
         >>> [f.name for f in backward_families()]   # doctest: +SKIP
-        ['generic_bwd']
+        ['hopper_bwd', 'generic_bwd']
     """
     global _loaded_backward
     if _loaded_backward is None:
-        found = []
-        for folder in BACKWARD_FOLDERS:
-            try:
-                found.append(importlib.import_module(f"{__package__}.{folder}.family").FAMILY)
-            except ImportError as exc:
-                if not _absent(exc, folder):
-                    warn_once(f"fa3_inductor: backward family {folder!r} unavailable ({exc})")
-        _loaded_backward = found
+        _loaded_backward = _import_families(BACKWARD_FOLDERS, "backward family", quiet_if_absent=True)
     return tuple(_loaded_backward)
 
 
