@@ -1,0 +1,278 @@
+"""Launch the split-KV decode kernels (kernel.py): checks, split choice, scratch, launches."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+import torch
+import triton
+
+from ..modgen import kernel_score_mod
+from .configs import DecodeConfig, choose_num_splits, decode_config, sm_count
+from .kernel import CacheLayout, DecodeSite, DecodeTiling, decode_combine_kernel, decode_split_kernel
+
+Launch = tuple   # (kernel, args, kwargs, grid)
+
+_MAX_SEQ = 1 << 23    # generated mods turn indices into floats exactly below 2**23 (mod_helpers)
+_MAX_ROWS = 128       # packed rows (GQA group x new tokens) one program holds in registers
+_COMBINE_SPLITS = 16  # splits the combine kernel reads per step
+
+
+def _fail(what: str, fix: str) -> None:
+    raise ValueError(f"fa3 decode kernel: {what}; {fix}")
+
+
+def _interpreting() -> bool:
+    from triton import knobs
+
+    return bool(knobs.runtime.interpret)
+
+
+def _check_unit_last_stride(name: str, t: torch.Tensor) -> None:
+    if t.stride(-1) != 1:
+        _fail(f"{name} has strides {t.stride()}, its last dim is not contiguous",
+              f"pass {name}.contiguous() (or a view whose last stride is 1)")
+
+
+def _cache_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: Any,
+                 page_size: Optional[int]) -> tuple[int, int, int, int]:
+    """(HKV, DV, max cache length, page size or 0) after checking the cache against q."""
+    B, HQ, _, D = q.shape
+    if k.dim() != 4 or v.dim() != 4:
+        _fail(f"k and v must be 4-D, got {tuple(k.shape)} and {tuple(v.shape)}",
+              "pass [B, HKV, N, D] caches, or [num_pages, page_size, HKV, D] with a block_table")
+    if block_table is None:
+        if page_size is not None:
+            _fail("page_size was given without a block_table", "pass the block_table of the pages")
+        _, HKV, N, Dk = k.shape
+        if k.shape[0] != B or tuple(v.shape[:3]) != tuple(k.shape[:3]):
+            _fail(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not agree on "
+                  "[B, HKV, N]", "pass k, v as [B, HKV, N, D] with q's batch")
+        max_len, page = N, 0
+    else:
+        P, page, HKV, Dk = k.shape
+        if tuple(v.shape[:3]) != tuple(k.shape[:3]):
+            _fail(f"paged k {tuple(k.shape)} and v {tuple(v.shape)} differ in [pages, page_size, HKV]",
+                  "pass both caches as [num_pages, page_size, HKV, D]")
+        if page_size is not None and page_size != page:
+            _fail(f"page_size={page_size} but the cache's pages hold {page} keys",
+                  "pass page_size=k.shape[1] or leave it None")
+        if page % 16:
+            _fail(f"page size {page} is not a multiple of 16 (a KV tile must lie in one page "
+                  "and tl.dot needs 16 keys)", "allocate the cache with pages of 16, 32, 64, ... keys")
+        if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != B \
+                or block_table.stride(1) != 1:
+            _fail(f"block_table must be a [B={B}, max_pages] int32 tensor with unit last stride, got "
+                  f"{block_table.dtype} {tuple(block_table.shape)} strides {block_table.stride()}",
+                  "pass block_table.to(torch.int32).contiguous()")
+        max_len = block_table.shape[1] * page
+    if Dk != D:
+        _fail(f"q's head dim {D} differs from k's {Dk}", "pass q and k with the same head dim")
+    if HQ % HKV:
+        _fail(f"{HQ} query heads are not a multiple of {HKV} kv heads", "check the head layout")
+    return HKV, v.shape[-1], max_len, page
+
+
+def _check_lengths(name: str, t: Optional[torch.Tensor], q: torch.Tensor) -> None:
+    if t is not None and (t.dtype != torch.int32 or tuple(t.shape) != (q.shape[0],)
+                          or t.device != q.device or t.stride(0) != 1):
+        _fail(f"{name} must be a contiguous [B={q.shape[0]}] int32 tensor on {q.device}, got "
+              f"{t.dtype} {tuple(t.shape)} on {t.device}",
+              f"pass {name}.to(device=q.device, dtype=torch.int32).contiguous()")
+
+
+def _block_n(cfg: DecodeConfig, page: int) -> int:
+    """cfg.block_n, or the largest power of two below it that divides the page size."""
+    block_n = cfg.block_n
+    while page and page % block_n:
+        block_n //= 2
+    return block_n
+
+
+def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_bufs, seq_lens,
+          q_offset, block_table, page_size, num_splits, config, scratch, capability):
+    """The launches of one decode call on a GPU of ``capability`` (None: the interpreter)."""
+    if q.dim() != 4:
+        _fail(f"q must be [B, HQ, M_new, D], got {tuple(q.shape)}", "add the new-token dim")
+    B, HQ, M_new, D = q.shape
+    HKV, DV, max_len, page = _cache_shape(q, k, v, block_table, page_size)
+    group = HQ // HKV
+    rows = group * M_new
+    if q.dtype != k.dtype or k.dtype != v.dtype or q.dtype not in (torch.float16, torch.bfloat16,
+                                                                    torch.float32):
+        _fail(f"q, k, v are {q.dtype}, {k.dtype}, {v.dtype}",
+              "pass all three as float16, bfloat16 (or float32, the slow path)")
+    if rows > _MAX_ROWS:
+        _fail(f"{group} query heads per kv head x {M_new} new tokens = {rows} packed rows "
+              f"(> {_MAX_ROWS})", "run long query chunks through the prefill (generic) kernel")
+    if max_len >= _MAX_SEQ:
+        _fail(f"cache capacity {max_len} is not below {_MAX_SEQ}", "split the cache into chunks")
+    if block_table is not None and seq_lens is None:
+        _fail("a paged cache needs seq_lens", "pass seq_lens, the [B] int32 cache lengths")
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        _check_unit_last_stride(name, t)
+    if tuple(out.shape) != (B, HQ, M_new, DV) or out.dtype != q.dtype:
+        _fail(f"out must be {q.dtype} [{B}, {HQ}, {M_new}, {DV}], got {out.dtype} {tuple(out.shape)}",
+              "allocate it with q.new_empty(B, HQ, M_new, DV)")
+    if tuple(lse.shape) != (B, HQ, M_new) or lse.dtype != torch.float32 or not lse.is_contiguous():
+        _fail(f"lse must be a contiguous float32 [{B}, {HQ}, {M_new}], got {lse.dtype} "
+              f"{tuple(lse.shape)}", "allocate it with torch.empty(B, HQ, M_new, dtype=torch.float32)")
+    _check_lengths("seq_lens", seq_lens, q)
+    _check_lengths("q_offset", q_offset, q)
+    if seq_lens is None:   # contiguous, every batch the whole cache
+        seq_lens = torch.full((B,), max_len, dtype=torch.int32, device=q.device)
+
+    cfg = config or decode_config(max(D, DV), capability, fp32=q.dtype == torch.float32)
+    block_n = _block_n(cfg, page)
+    if num_splits is None:
+        device_index = q.device.index if q.is_cuda else None
+        if q.is_cuda and device_index is None:
+            device_index = torch.cuda.current_device()
+        num_splits = choose_num_splits(B, HKV, max_len, block_n, sm_count(capability, device_index))
+    if num_splits < 1:
+        _fail(f"num_splits={num_splits}", "pass a positive split count or None (chosen)")
+    split = num_splits > 1
+
+    if score_mod is not None:
+        score_mod, to_score = kernel_score_mod(score_mod, sm_scale)
+    else:
+        to_score = sm_scale if sm_scale > 0 else 1.0
+    fold = score_mod is None and sm_scale > 0
+    if split:
+        o_part, lse_part = scratch if scratch is not None else decode_scratch(q, HKV, DV, num_splits)
+        if o_part.numel() < B * HKV * num_splits * rows * DV or lse_part.numel() < B * HKV * num_splits * rows:
+            _fail("the scratch given is too small for this call", "allocate it with decode_scratch()")
+    else:
+        o_part = lse_part = q.new_empty(1, dtype=torch.float32)
+    dummy = q.new_empty(1, dtype=torch.int32)
+    if block_table is None:
+        k_strides, v_strides = (k.stride(0), k.stride(1), k.stride(2)), (v.stride(0), v.stride(1), v.stride(2))
+        table, table_stride = dummy, 0
+    else:   # [page, row in page, head, d]: batch stride = page stride, row stride = dim 1
+        k_strides, v_strides = (k.stride(0), k.stride(2), k.stride(1)), (v.stride(0), v.stride(2), v.stride(1))
+        table, table_stride = block_table, block_table.stride(0)
+    args = (q, k, v, out, lse, o_part, lse_part, seq_lens,
+            q_offset if q_offset is not None else dummy, table, tuple(score_bufs), tuple(mask_bufs),
+            q.stride(0), q.stride(1), q.stride(2), *k_strides, *v_strides,
+            out.stride(0), out.stride(1), out.stride(2),
+            table_stride, HKV, M_new, D, DV, sm_scale, to_score * math.log2(math.e))
+    tile = DecodeTiling(
+        BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(DV)),
+        # float32 inputs follow torch's matmul precision ("highest" = IEEE), as the forward does
+        DOT_PRECISION="tf32" if torch.get_float32_matmul_precision() != "highest" else "ieee")
+    kwargs = dict(SCORE_MOD=score_mod, MASK_MOD=mask_mod, TILE=tile,
+                  CACHE=CacheLayout(PAGED=block_table is not None, PAGE_SIZE=page or block_n),
+                  SITE=DecodeSite(GQA_GROUP=group, HAS_Q_OFFSET=q_offset is not None,
+                                  FOLD_SCALE=fold, SPLIT=split),
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    launches = [(decode_split_kernel, args, kwargs, (num_splits, B * HKV))]
+    if split:
+        launches.append((decode_combine_kernel,
+                         (o_part, lse_part, out, lse, out.stride(0), out.stride(1), out.stride(2),
+                          HKV, M_new, num_splits, DV),
+                         dict(GQA_GROUP=group, BLOCK_S=_COMBINE_SPLITS, BLOCK_DV=tile.BLOCK_DV,
+                              num_warps=4 if tile.BLOCK_DV <= 128 else 8),
+                         (B * HKV * rows,)))
+    return launches
+
+
+def decode_scratch(q: torch.Tensor, kv_heads: int, value_head_dim: int,
+                   num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O_PART, LSE_PART) float32 scratch for ``num_splits`` splits (kernel.py's notation), to
+    allocate once and pass as ``scratch=`` (a CUDA graph then owns every tensor it touches).
+
+    Example::
+
+        >>> o_part, lse_part = decode_scratch(q, 8, 128, 4)   # doctest: +SKIP
+    """
+    B, HQ, M_new, _ = q.shape
+    rows = HQ // kv_heads * M_new
+    return (torch.empty(B * kv_heads, num_splits, rows, value_head_dim, dtype=torch.float32,
+                        device=q.device),
+            torch.empty(B * kv_heads, num_splits, rows, dtype=torch.float32, device=q.device))
+
+
+def prepare_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,
+    sm_scale: float, score_mod: Any = None, mask_mod: Any = None,
+    score_bufs: Sequence[torch.Tensor] = (), mask_bufs: Sequence[torch.Tensor] = (),
+    seq_lens: Optional[torch.Tensor] = None, q_offset: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None, page_size: Optional[int] = None,
+    num_splits: Optional[int] = None, config: Optional[DecodeConfig] = None,
+    scratch: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    plan_for: Optional[tuple[int, int]] = None,
+) -> list[Launch]:
+    """The launches ``[(kernel, args, kwargs, grid)]`` of one decode call, to run in order: the
+    split kernel, then (``num_splits`` > 1) the combine. ``out`` [B, HQ, M_new, DV] (q's dtype) and
+    ``lse`` [B, HQ, M_new] (float32, log2 units) are written.
+
+    ``k``/``v``: a [B, HKV, N, D] cache, or pages [num_pages, page_size, HKV, D] with
+    ``block_table`` [B, max_pages] int32 (``page_size`` a multiple of 16; optional, checked);
+    ``seq_lens`` [B] int32 the cache lengths (required when paged; default N), read on the device;
+    ``q_offset`` [B] int32 the absolute position of each batch's first new token (default
+    ``seq_lens - M_new``: the new tokens are the cache's last ones); mods as the generic forward
+    takes them (kernel.py: h is a per-row column); ``num_splits`` None chooses from the batch,
+    heads, capacity and SM count (configs.py); ``scratch`` from :func:`decode_scratch` (else
+    allocated here); ``plan_for`` the capability to plan for with no GPU tensors (compile-only).
+
+    Example::
+
+        >>> for kernel, args, kwargs, grid in prepare_decode(q, k, v, out, lse, sm_scale=0.125,
+        ...                                                  seq_lens=lens):  # doctest: +SKIP
+        ...     kernel[grid](*args, **kwargs)
+    """
+    if _interpreting() and not q.is_cuda and q.dtype == torch.bfloat16:
+        _fail("bfloat16 on the CPU interpreter (Triton 3.6 computes bf16 dots wrongly there)",
+              "call decode_attention, which runs float32 copies, or pass float32 tensors")
+    capability = plan_for if plan_for is not None and not q.is_cuda else (
+        tuple(torch.cuda.get_device_capability(q.device)) if q.is_cuda else None)
+    return _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_bufs, seq_lens,
+                 q_offset, block_table, page_size, num_splits, config, scratch, capability)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                     sm_scale: Optional[float] = None, **options: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention: ``(out, lse)``, out [B, HQ, M_new, DV] in q's dtype, lse [B, HQ, M_new]
+    float32 in log2 units (-inf, with out 0, on rows that see no key). ``options`` are
+    :func:`prepare_decode`'s keywords; ``sm_scale`` defaults to D ** -0.5. On the CPU interpreter a
+    bfloat16 call runs on float32 copies (Triton 3.6's interpreter computes bf16 dots wrongly).
+
+    Example::
+
+        >>> out, lse = decode_attention(q, k_pages, v_pages, block_table=table, seq_lens=lens)  # doctest: +SKIP
+    """
+    scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    B, HQ, M_new, _ = q.shape
+    out = q.new_empty(B, HQ, M_new, v.shape[-1])
+    lse = torch.empty(B, HQ, M_new, dtype=torch.float32, device=q.device)
+    run_q, run_k, run_v, run_out = q, k, v, out
+    if _interpreting() and not q.is_cuda and q.dtype == torch.bfloat16:
+        run_q, run_k, run_v = q.float(), k.float(), v.float()
+        run_out = out.float()
+    for kernel, args, kwargs, grid in prepare_decode(run_q, run_k, run_v, run_out, lse,
+                                                     sm_scale=scale, **options):
+        kernel[grid](*args, **kwargs)
+    if run_out is not out:
+        out.copy_(run_out)
+    return out, lse
+
+
+def compile_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, *, capability: tuple[int, int] = (9, 0),
+                   **options: Any) -> list[Any]:
+    """Compile (not run) the launches :func:`prepare_decode` would make on a GPU of
+    ``capability``; tensors may be on the CPU. Needs a process without TRITON_INTERPRET=1.
+
+    Example::
+
+        >>> split_ck, combine_ck = compile_decode(q, k, v, out, lse, sm_scale=0.125, num_splits=4)  # doctest: +SKIP
+    """
+    from triton.backends.compiler import GPUTarget
+
+    from ..aot import compile_launch
+
+    target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
+    launches = prepare_decode(q, k, v, out, lse, plan_for=capability, **options)
+    return [compile_launch(kernel, args, kwargs, target) for kernel, args, kwargs, _ in launches]

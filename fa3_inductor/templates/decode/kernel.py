@@ -1,0 +1,252 @@
+"""Split-KV decode kernels (Flash-Decoding): plain Triton, any CUDA GPU and the CPU interpreter.
+
+Notation
+--------
+    Q: [Z, HQ, M_NEW, D]     the new query tokens (M_NEW small: 1 decode, a few speculative), any
+                             strides with the last one 1
+    K: [Z, HKV, N, D]        contiguous cache (any strides, last one 1), or paged (CACHE.PAGED):
+       [P, PAGE, HKV, D]     P pages of PAGE keys, addressed through BLOCK_TABLE
+    V: like K with DV        DV may differ from D
+    BLOCK_TABLE: [Z, MAX_PAGES] int32   page of key block j of batch z (paged only)
+    SEQ_LENS: [Z] int32      cache length L of each batch (keys [0, L) are visible); read in the
+                             kernel, so a CUDA graph replays with a changed length, no recompile
+    Q_OFFSET: [Z] int32      absolute position of query row 0 (SITE.HAS_Q_OFFSET); else L - M_NEW
+                             (the new tokens are the cache's last ones)
+    O: [Z, HQ, M_NEW, DV]    output, input dtype; LSE: [Z, HQ, M_NEW] float32, log2 units
+    O_PART: [Z*HKV, S, R, DV], LSE_PART: [Z*HKV, S, R] float32: each split's normalized output and
+                             log2-LSE (-inf: the split saw no key), R = GQA_GROUP * M_NEW
+    z, hkv, s                batch, kv head, split of a program (grid: (S, Z * HKV))
+    r                        packed row: query head hq = hkv * GQA_GROUP + r // M_NEW,
+                             new token i = r % M_NEW (GQA packing: K/V read once per group)
+    BLOCK_M                  R rounded up to a power of two >= 16 (tl.dot's minimum)
+    BLOCK_N                  keys per step; PAGE % BLOCK_N == 0, so a tile lies in one page
+    BLOCK_D, BLOCK_DV        D, DV rounded up to a power of two >= 16 (masked loads pad zeros)
+
+Splits: batch z's keys [0, L) are cut into S chunks of cdiv(cdiv(L, S), BLOCK_N) * BLOCK_N keys,
+so every batch spreads over every split whatever its length; a split past L writes LSE -inf.
+
+Mods (templates/modgen.py, ``tl`` dialect; the generic forward's argument order):
+    SCORE_MOD(qk, sm_scale, b, h, q_idx, kv_idx, bufs) -> score / OUT_SCALE (qk raw)
+    MASK_MOD(b, h, q_idx, kv_idx, bufs) -> bool, False -> score = -inf
+    b the batch (scalar); h the query head, a [BLOCK_M, 1] column (packed rows span the group's
+    heads); q_idx [BLOCK_M, 1] the absolute query position, clamped to >= 0; kv_idx [1, BLOCK_N]
+    clamped into [0, L). Keys past L are -inf whatever the mods say.
+
+Compile-time parameters (the mods, then one frozen-dataclass bundle each):
+    TILE   DecodeTiling   BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION
+    CACHE  CacheLayout    PAGED, PAGE_SIZE
+    SITE   DecodeSite     GQA_GROUP, HAS_Q_OFFSET, FOLD_SCALE, SPLIT (write partials; else O, LSE)
+Lengths are never constexprs: they live in SEQ_LENS. MAX_PAGES (the table's row stride) is
+do_not_specialize, so a bigger table does not recompile.
+"""
+
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class DecodeTiling:
+    """The tile a program computes and how it multiplies."""
+    BLOCK_M: int           # packed query rows (GQA_GROUP * M_NEW, padded to a power of two >= 16)
+    BLOCK_N: int           # keys per step of the KV loop
+    BLOCK_D: int           # D rounded up to a power of two (>= 16)
+    BLOCK_DV: int          # DV rounded up to a power of two (>= 16)
+    DOT_PRECISION: str     # tl.dot input_precision: "tf32" or "ieee" (fp32 inputs only)
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """How a key's row is addressed."""
+    PAGED: bool            # K, V are [P, PAGE, HKV, D] pages through BLOCK_TABLE (else [Z, HKV, N, D])
+    PAGE_SIZE: int         # keys per page, a multiple of BLOCK_N (BLOCK_N when not paged)
+
+
+@dataclass(frozen=True)
+class DecodeSite:
+    """What the call asks of the score tile and the epilogue."""
+    GQA_GROUP: int         # HQ // HKV
+    HAS_Q_OFFSET: bool     # query positions from Q_OFFSET (else L - M_NEW)
+    FOLD_SCALE: bool       # no score_mod, sm_scale > 0: raw q.k, the scale folded into qk_scale2
+    SPLIT: bool            # write O_PART / LSE_PART for the combine kernel (else O, LSE directly)
+
+
+@triton.jit
+def _tile_base(z, hkv, start_n, bt_row, stride_b, stride_h, stride_n, CACHE: tl.constexpr):
+    """Element offset of key row `start_n` of kv head `hkv` (int64: caches pass 2**31 elements)."""
+    if CACHE.PAGED:
+        page = tl.load(bt_row + start_n // CACHE.PAGE_SIZE).to(tl.int64)
+        base = page * stride_b + (start_n % CACHE.PAGE_SIZE) * stride_n
+    else:
+        base = z.to(tl.int64) * stride_b + start_n.to(tl.int64) * stride_n
+    return base + hkv * stride_h
+
+
+@triton.jit
+def _kv_step(acc, l_i, m_i, q, K, V, z, hkv, h, q_idx, start_n, L, bt_row,
+             stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+             D, DV, sm_scale, qk_scale2, score_bufs, mask_bufs,
+             SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, TILE: tl.constexpr,
+             CACHE: tl.constexpr, SITE: tl.constexpr):
+    """One KV tile of the online softmax: S = QK^T, mods, key bound, rescale, O += PV."""
+    offs_j = tl.arange(0, TILE.BLOCK_N)
+    offs_n = start_n + offs_j
+    key_ok = offs_n < L
+    offs_d = tl.arange(0, TILE.BLOCK_D)
+    k_ptr = K + _tile_base(z, hkv, start_n, bt_row, stride_kb, stride_kh, stride_kn, CACHE)
+    k = tl.load(k_ptr + offs_j[:, None] * stride_kn + offs_d[None, :],
+                mask=key_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+    qk = tl.dot(q, tl.trans(k), input_precision=TILE.DOT_PRECISION)
+
+    kv_idx = tl.minimum(offs_n, L - 1)[None, :]
+    if SCORE_MOD is not None:
+        s = SCORE_MOD(qk, sm_scale, z, h, q_idx, kv_idx, score_bufs)
+    elif SITE.FOLD_SCALE:
+        s = qk   # raw q.k; the positive scale is in qk_scale2
+    else:
+        s = qk * sm_scale
+    if MASK_MOD is not None:
+        s = tl.where(MASK_MOD(z, h, q_idx, kv_idx, mask_bufs), s, float("-inf"))
+    s = tl.where(key_ok[None, :], s, float("-inf"))
+
+    # Row max in log2 units; qk_scale2 carries the tile to them inside the exp2 FMA.
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale2)
+    m_base = tl.where(m_new == float("-inf"), 0.0, m_new)   # nothing visible yet: no NaN
+    p = tl.math.exp2(s * qk_scale2 - m_base[:, None])
+    alpha = tl.math.exp2(m_i - m_base)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    offs_dv = tl.arange(0, TILE.BLOCK_DV)
+    v_ptr = V + _tile_base(z, hkv, start_n, bt_row, stride_vb, stride_vh, stride_vn, CACHE)
+    v = tl.load(v_ptr + offs_j[:, None] * stride_vn + offs_dv[None, :],
+                mask=key_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=TILE.DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit(do_not_specialize=["MAX_PAGES"])
+def decode_split_kernel(
+    Q, K, V, O, LSE, O_PART, LSE_PART,
+    SEQ_LENS, Q_OFFSET, BLOCK_TABLE,
+    score_bufs, mask_bufs,
+    stride_qz, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_oz, stride_oh, stride_om,
+    MAX_PAGES, HKV, M_NEW, D, DV,
+    sm_scale, qk_scale2,
+    SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr,
+    TILE: tl.constexpr, CACHE: tl.constexpr, SITE: tl.constexpr,
+):
+    split = tl.program_id(0)
+    num_splits = tl.num_programs(0)
+    zk = tl.program_id(1)
+    z = zk // HKV
+    hkv = zk % HKV
+    L = tl.load(SEQ_LENS + z)
+
+    BLOCK_M: tl.constexpr = TILE.BLOCK_M
+    BLOCK_DV: tl.constexpr = TILE.BLOCK_DV
+    n_rows = SITE.GQA_GROUP * M_NEW
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
+    # Padding rows repeat the last real row (in-range indices for the mods); never stored.
+    r = tl.minimum(rows, n_rows - 1)
+    i = r % M_NEW
+    hq = hkv * SITE.GQA_GROUP + r // M_NEW
+    offs_d = tl.arange(0, TILE.BLOCK_D)
+    q = tl.load(Q + z.to(tl.int64) * stride_qz + hq[:, None] * stride_qh + i[:, None] * stride_qm
+                + offs_d[None, :], mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+    if SITE.HAS_Q_OFFSET:
+        q_first = tl.load(Q_OFFSET + z)
+    else:
+        q_first = L - M_NEW
+    q_idx = tl.maximum(q_first + i, 0)[:, None]
+    h = hq[:, None]
+
+    # This split's keys: chunks of whole tiles, so only the tile holding L is partial.
+    chunk = tl.cdiv(tl.cdiv(L, num_splits), TILE.BLOCK_N) * TILE.BLOCK_N
+    lo = split * chunk
+    n_tiles = tl.cdiv(tl.maximum(tl.minimum(lo + chunk, L) - lo, 0), TILE.BLOCK_N)
+    bt_row = BLOCK_TABLE + z.to(tl.int64) * MAX_PAGES
+
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for t in tl.range(0, n_tiles):
+        acc, l_i, m_i = _kv_step(
+            acc, l_i, m_i, q, K, V, z, hkv, h, q_idx, lo + t * TILE.BLOCK_N, L, bt_row,
+            stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+            D, DV, sm_scale, qk_scale2, score_bufs, mask_bufs,
+            SCORE_MOD, MASK_MOD, TILE, CACHE, SITE)
+
+    # Rows that saw no key: O = 0, LSE = -inf (the forward's convention; the combine gives them
+    # weight 0).
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < DV
+    if SITE.SPLIT:
+        part = (zk * num_splits + split) * n_rows + rows
+        tl.store(O_PART + part[:, None] * DV + offs_dv[None, :], o,
+                 mask=row_ok[:, None] & dv_ok[None, :])
+        tl.store(LSE_PART + part, lse, mask=row_ok)
+    else:
+        o_ptr = O + z.to(tl.int64) * stride_oz + hq[:, None] * stride_oh + i[:, None] * stride_om
+        tl.store(o_ptr + offs_dv[None, :], o.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & dv_ok[None, :])
+        tl.store(LSE + (z * (HKV * SITE.GQA_GROUP) + hq) * M_NEW + i, lse, mask=row_ok)
+
+
+@triton.jit
+def decode_combine_kernel(
+    O_PART, LSE_PART, O, LSE,
+    stride_oz, stride_oh, stride_om,
+    HKV, M_NEW, NUM_SPLITS, DV,
+    GQA_GROUP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Merge one output row's splits: O = sum_s w_s O_s / sum_s w_s, w_s = exp2(LSE_s - max LSE).
+
+    One program per (z, hkv, packed row r) (the split kernel's notation); splits are read
+    BLOCK_S at a time, so the split count is a runtime value (no compile per count)."""
+    pid = tl.program_id(0)
+    n_rows = GQA_GROUP * M_NEW
+    zk = pid // n_rows
+    r = pid % n_rows
+    z = zk // HKV
+    hq = (zk % HKV) * GQA_GROUP + r // M_NEW
+    i = r % M_NEW
+    first = zk * NUM_SPLITS   # this (z, hkv)'s split 0 in O_PART / LSE_PART
+
+    offs_s = tl.arange(0, BLOCK_S)
+    m = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, NUM_SPLITS, BLOCK_S):
+        s = s0 + offs_s
+        lse_s = tl.load(LSE_PART + (first + s) * n_rows + r, mask=s < NUM_SPLITS,
+                        other=float("-inf"))
+        m = tl.maximum(m, lse_s)
+    m_max = tl.max(m, 0)
+    m_base = tl.where(m_max == float("-inf"), 0.0, m_max)   # every split empty: weights 0, no NaN
+
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < DV
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    w_sum = tl.zeros([BLOCK_S], dtype=tl.float32)
+    for s0 in range(0, NUM_SPLITS, BLOCK_S):
+        s = s0 + offs_s
+        s_ok = s < NUM_SPLITS
+        part = (first + s) * n_rows + r
+        w = tl.math.exp2(tl.load(LSE_PART + part, mask=s_ok, other=float("-inf")) - m_base)
+        o_s = tl.load(O_PART + part[:, None] * DV + offs_dv[None, :],
+                      mask=s_ok[:, None] & dv_ok[None, :], other=0.0)
+        acc += tl.sum(w[:, None] * o_s, 0)
+        w_sum += w
+    total = tl.sum(w_sum, 0)
+    seen = total > 0.0
+    o = acc / tl.where(seen, total, 1.0)
+    o_ptr = O + z.to(tl.int64) * stride_oz + hq * stride_oh + i * stride_om
+    tl.store(o_ptr + offs_dv, o.to(O.dtype.element_ty), mask=dv_ok)
+    lse = tl.where(seen, m_base + tl.math.log2(tl.where(seen, total, 1.0)), float("-inf"))
+    tl.store(LSE + (z * (HKV * GQA_GROUP) + hq) * M_NEW + i, lse)

@@ -1,0 +1,246 @@
+"""The split-KV decode kernels (templates/decode/) against float64: CPU interpreter, tiny shapes.
+
+Ragged cache lengths per batch, GQA packing, split counts (the combine), paged caches through a
+shuffled block table, mods with absolute query positions, fully masked rows, lengths changed in
+place between re-launches of the same prepared launches; and one compile-only sm90 build
+(``pytest -m sm90_compile``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fa3_inductor import mods
+from fa3_inductor.templates.decode import decode_attention, prepare_decode
+from fa3_inductor.templates.decode.configs import choose_num_splits
+from fa3_inductor.templates.modgen import generate_mod_source, load_mod, trace_mod
+from reference import assert_lse_matches, assert_matches_reference, reference_attention
+
+LN2 = math.log(2.0)
+
+CAUSAL_TL = """@triton.jit
+def mask_mod(b, h, q_idx, kv_idx, bufs):
+    return q_idx >= kv_idx
+"""
+SOFTCAP_BIAS_TL = """@triton.jit
+def score_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs):
+    score = qk * sm_scale
+    return 4.0 * H.tanh(score / 4.0) + tl.load(bufs[0] + h)
+"""
+# Head 1 sees nothing; the others see everything.
+HIDE_HEAD1_TL = """@triton.jit
+def mask_mod(b, h, q_idx, kv_idx, bufs):
+    return (h != 1) & (kv_idx >= 0)
+"""
+
+
+def _inputs(B, HQ, HKV, M_new, N, D, dtype=torch.float32):
+    q = torch.randn(B, HQ, M_new, D, dtype=dtype)
+    k = torch.randn(B, HKV, N, D, dtype=dtype)
+    v = torch.randn(B, HKV, N, D, dtype=dtype)
+    return q, k, v
+
+
+def _reference(q, k, v, lens, q_first=None, score_mod=None, mask_mod=None, scale=None):
+    """Float64 (out, natural LSE), batch by batch over each cache's first lens[z] keys; the mods
+    see absolute query positions q_first[z] + i (default lens[z] - M_new)."""
+    M_new = q.shape[2]
+    outs, lses = [], []
+    for z, L in enumerate(lens.tolist()):
+        first = L - M_new if q_first is None else int(q_first[z])
+
+        def shift_score(s, b, h, qi, ki, first=first):
+            return score_mod(s, b, h, qi + first, ki)
+
+        def shift_mask(b, h, qi, ki, first=first):
+            return mask_mod(b, h, qi + first, ki)
+
+        out, lse = reference_attention(q[z:z + 1], k[z:z + 1, :, :L], v[z:z + 1, :, :L],
+                                       shift_score if score_mod else None,
+                                       shift_mask if mask_mod else None, scale=scale)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _check(out, lse, ref, ref_lse, dtype):
+    assert_matches_reference(out, ref, dtype)
+    assert_lse_matches(lse * LN2, ref_lse, dtype)
+
+
+def _paged(k, v, page, spare=3):
+    """The contiguous cache's pages in a shuffled page pool (plus unused pages of noise):
+    (k_pages, v_pages, block_table)."""
+    B, HKV, N, D = k.shape
+    per_batch = N // page
+    pool = B * per_batch + spare
+    order = torch.randperm(pool)[:B * per_batch]
+    k_pages = torch.randn(pool, page, HKV, D, dtype=k.dtype)
+    v_pages = torch.randn(pool, page, HKV, v.shape[-1], dtype=v.dtype)
+    k_pages[order] = k.view(B, HKV, per_batch, page, D).permute(0, 2, 3, 1, 4).reshape(-1, page, HKV, D)
+    v_pages[order] = v.view(B, HKV, per_batch, page, -1).permute(0, 2, 3, 1, 4).reshape(
+        -1, page, HKV, v.shape[-1])
+    return k_pages, v_pages, order.view(B, per_batch).to(torch.int32)
+
+
+@pytest.mark.parametrize("M_new, HQ, HKV, D, dtype, splits", [
+    (1, 8, 2, 16, torch.float32, 1),     # GQA 4:1, one split: O and LSE written directly
+    (3, 8, 2, 32, torch.bfloat16, 3),    # speculative tokens x GQA packed into one tile
+    (3, 2, 2, 16, torch.bfloat16, 1),    # MHA
+    (1, 2, 2, 32, torch.float32, 2),
+    (2, 4, 1, 16, torch.float16, 2),     # MQA
+])
+def test_ragged_lengths_match_float64(cpu_kernels, M_new, HQ, HKV, D, dtype, splits):
+    q, k, v = _inputs(3, HQ, HKV, M_new, 48, D, dtype)
+    lens = torch.tensor([1, 37, 48], dtype=torch.int32)   # 37: a partial last tile
+    out, lse = decode_attention(q, k, v, seq_lens=lens, num_splits=splits)
+    assert out.dtype == dtype
+    ref, ref_lse = _reference(q, k, v, lens)
+    _check(out, lse, ref, ref_lse, dtype)
+
+
+def test_split_counts_agree_through_the_combine(cpu_kernels):
+    q, k, v = _inputs(2, 4, 1, 1, 80, 16)
+    lens = torch.tensor([80, 19], dtype=torch.int32)   # 19 keys over 5 splits: most splits empty
+    results = [decode_attention(q, k, v, seq_lens=lens, num_splits=s) for s in (1, 2, 5)]
+    ref, ref_lse = _reference(q, k, v, lens)
+    for out, lse in results:
+        _check(out, lse, ref, ref_lse, torch.float32)
+        torch.testing.assert_close(out, results[0][0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, results[0][1], atol=1e-5, rtol=1e-5)
+
+
+def test_strided_cache_views_and_a_wider_value_head(cpu_kernels):
+    """[B, N, HKV, D] storage read through [B, HKV, N, D] views (no copy); DV != D."""
+    B, HKV, N = 2, 2, 40
+    q = torch.randn(B, 4, 1, 16)
+    k = torch.randn(B, N, HKV, 16).transpose(1, 2)
+    v = torch.randn(B, N, HKV, 32).transpose(1, 2)
+    lens = torch.tensor([40, 23], dtype=torch.int32)
+    out, lse = decode_attention(q, k, v, seq_lens=lens, num_splits=2)
+    assert out.shape == (B, 4, 1, 32)
+    ref, ref_lse = _reference(q, k, v, lens)
+    _check(out, lse, ref, ref_lse, torch.float32)
+
+
+@pytest.mark.parametrize("dtype, page", [(torch.float32, 16), (torch.bfloat16, 32)])
+def test_paged_shuffled_table_equals_contiguous(cpu_kernels, dtype, page):
+    q, k, v = _inputs(2, 4, 2, 2, 64, 16, dtype)
+    lens = torch.tensor([64, 21], dtype=torch.int32)
+    k_pages, v_pages, table = _paged(k, v, page)
+    out_c, lse_c = decode_attention(q, k, v, seq_lens=lens, num_splits=2)
+    out_p, lse_p = decode_attention(q, k_pages, v_pages, seq_lens=lens, block_table=table,
+                                    page_size=page, num_splits=2)
+    torch.testing.assert_close(out_p, out_c, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse_p, lse_c, atol=1e-6, rtol=1e-6)
+    ref, ref_lse = _reference(q, k, v, lens)
+    _check(out_p, lse_p, ref, ref_lse, dtype)
+
+
+@pytest.mark.parametrize("explicit_offset", [False, True], ids=["last_tokens", "q_offset"])
+def test_causal_mask_mod_sees_absolute_positions(cpu_kernels, explicit_offset):
+    q, k, v = _inputs(2, 4, 2, 3, 40, 16)
+    lens = torch.tensor([40, 30], dtype=torch.int32)
+    # explicit: the new tokens sit before the end (a chunk whose later keys are already cached)
+    first = torch.tensor([20, 3], dtype=torch.int32) if explicit_offset else None
+    out, lse = decode_attention(q, k, v, seq_lens=lens, q_offset=first, num_splits=2,
+                                mask_mod=load_mod(CAUSAL_TL))
+    ref, ref_lse = _reference(q, k, v, lens, first, mask_mod=mods.causal)
+    _check(out, lse, ref, ref_lse, torch.float32)
+
+
+def test_score_mods_with_per_row_heads(cpu_kernels):
+    """Packed rows span the GQA group's heads: a mod reading h must see each row's own head."""
+    q, k, v = _inputs(1, 4, 1, 2, 40, 16)
+    lens = torch.tensor([33], dtype=torch.int32)
+    bias = torch.randn(4)
+    out, lse = decode_attention(q, k, v, seq_lens=lens, num_splits=2,
+                                score_mod=load_mod(SOFTCAP_BIAS_TL), score_bufs=(bias,))
+    ref, ref_lse = _reference(q, k, v, lens, score_mod=lambda s, b, h, qi, ki:
+                              4.0 * torch.tanh(s / 4.0) + bias.double()[h])
+    _check(out, lse, ref, ref_lse, torch.float32)
+
+    gm, _ = trace_mod(mods.alibi(4), "score")   # generated, sm_scaled: folded into qk_scale2
+    out, lse = decode_attention(q, k, v, seq_lens=lens, num_splits=1,
+                                score_mod=load_mod(generate_mod_source(gm, "score", [])))
+    ref, ref_lse = _reference(q, k, v, lens, score_mod=mods.alibi(4))
+    _check(out, lse, ref, ref_lse, torch.float32)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_fully_masked_rows_give_zero_and_neg_inf(cpu_kernels, splits):
+    lens = torch.tensor([32, 5, 0], dtype=torch.int32)   # an empty cache: every row masked
+    q, k, v = _inputs(3, 4, 2, 1, 32, 16)
+    out, lse = decode_attention(q, k, v, seq_lens=lens, num_splits=splits,
+                                mask_mod=load_mod(HIDE_HEAD1_TL))
+    assert torch.all(out[:, 1] == 0) and torch.all(lse[:, 1].isneginf())
+    assert torch.all(out[2] == 0) and torch.all(lse[2].isneginf())
+    ref, ref_lse = _reference(q, k, v, lens, mask_mod=lambda b, h, qi, ki: (h != 1) & (ki >= 0))
+    _check(out, lse, ref, ref_lse, torch.float32)
+
+
+def test_prepared_launches_read_lengths_at_run_time(cpu_kernels):
+    """What a CUDA graph replay relies on: the same launches, lengths changed in place."""
+    q, k, v = _inputs(2, 2, 1, 1, 48, 16)
+    k_pages, v_pages, table = _paged(k, v, 16)
+    lens = torch.tensor([48, 10], dtype=torch.int32)
+    out, lse = torch.empty_like(q), torch.empty(2, 2, 1)
+    launches = prepare_decode(q, k_pages, v_pages, out, lse, sm_scale=0.25, seq_lens=lens,
+                              block_table=table, num_splits=2)
+    for new_lens in ([48, 10], [17, 33]):
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        for kernel, args, kwargs, grid in launches:
+            kernel[grid](*args, **kwargs)
+        ref, ref_lse = _reference(q, k, v, lens, scale=0.25)
+        _check(out, lse, ref, ref_lse, torch.float32)
+
+
+def test_split_count_fills_the_sms_and_keeps_splits_long():
+    assert choose_num_splits(8, 8, 8192, 64, 132) == 4          # 64 programs -> 256
+    assert choose_num_splits(1, 8, 131072, 64, 132) == 33        # 1x1x128k: 264 programs
+    assert choose_num_splits(64, 8, 8192, 64, 132) == 1          # already 4 waves of programs
+    assert choose_num_splits(1, 1, 300, 64, 132) == 1            # too short to split
+    assert choose_num_splits(1, 1, 1 << 22, 64, 132) == 128      # capped
+
+
+def test_unsupported_inputs_say_what_to_do(cpu_kernels):
+    q, k, v = _inputs(1, 2, 1, 1, 32, 16)
+    out, lse = torch.empty_like(q), torch.empty(1, 2, 1)
+    lens = torch.tensor([32], dtype=torch.int32)
+    table = torch.zeros(1, 2, dtype=torch.int32)
+    pages = torch.randn(4, 24, 1, 16)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        prepare_decode(q, pages, pages, out, lse, sm_scale=1.0, seq_lens=lens, block_table=table)
+    pages = torch.randn(4, 16, 1, 16)
+    with pytest.raises(ValueError, match="needs seq_lens"):
+        prepare_decode(q, pages, pages, out, lse, sm_scale=1.0, block_table=table)
+    with pytest.raises(ValueError, match="int32"):
+        prepare_decode(q, k, v, out, lse, sm_scale=1.0, seq_lens=lens.long())
+    with pytest.raises(ValueError, match="decode_attention"):
+        prepare_decode(q.bfloat16(), k.bfloat16(), v.bfloat16(), out.bfloat16(), lse, sm_scale=1.0)
+
+
+@pytest.mark.sm90_compile
+def test_sm90_compile_no_spills():
+    """The split and combine kernels compile for sm90 without spills (D 64 / 128, one new token,
+    GQA 4, paged bf16); registers reported."""
+    from fa3_inductor.templates.aot import sass_report
+    from fa3_inductor.templates.decode import compile_decode
+
+    reports = []
+    for D in (64, 128):
+        q = torch.randn(2, 16, 1, D, dtype=torch.bfloat16)
+        pages = torch.randn(64, 64, 4, D, dtype=torch.bfloat16)
+        table = torch.arange(64, dtype=torch.int32).view(2, 32)
+        lens = torch.tensor([2048, 1000], dtype=torch.int32)
+        kernels = compile_decode(q, pages, pages, torch.empty_like(q), torch.empty(2, 16, 1),
+                                 sm_scale=D ** -0.5, seq_lens=lens, block_table=table, num_splits=8)
+        for name, ck in zip(("split", "combine"), kernels):
+            r = sass_report(ck)
+            reports.append(f"D{D} {name}: {r.registers} registers, {r.spill_instructions} spills, "
+                           f"{r.shared} B shared")
+            assert r.stack == 0 and r.local == 0 and r.spill_instructions == 0, reports[-1]
+    print("\n".join(reports))
