@@ -3,6 +3,8 @@
 Front doors:
     ``torch.compile(model, backend="fa3")``   compile with our attention lowering
     ``fa3_inductor.flex(q, k, v, ...)``       FlexAttention's signature, our kernels
+    ``fa3_inductor.flex_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...)``   packed variable-length
+                                              batches (inference; no tile spans two sequences)
 
 What the backend did: ``fa3_inductor.explain(model, *inputs)``, or ``TORCH_LOGS=fa3_inductor``.
 
@@ -20,8 +22,9 @@ from .explain import ExplainReport, explain
 from .fp8_recipe import FP8Recipe, RopeSpec
 from .report import clear_lowered_sites, lowered_backward_sites, lowered_sites, recognized_sites
 from .runtime.ops import last_template
+from .varlen import flex_varlen
 
-__all__ = ["flex", "mods", "FP8Recipe", "RopeSpec", "fa3_backend", "lowered_sites", "lowered_backward_sites",
+__all__ = ["flex", "flex_varlen", "mods", "FP8Recipe", "RopeSpec", "fa3_backend", "lowered_sites", "lowered_backward_sites",
            "recognized_sites", "clear_lowered_sites", "last_template", "explain", "ExplainReport"]
 __version__ = "0.1.0"
 
