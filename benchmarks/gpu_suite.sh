@@ -6,6 +6,7 @@
 #     PRESET=full bash benchmarks/gpu_suite.sh
 #     DEMO=1 bash benchmarks/gpu_suite.sh       # also run examples/demo.py (GPU timings vs stock Inductor)
 #     MODELS=0 bash benchmarks/gpu_suite.sh     # skip benchmarks/models.py (transformers models)
+#     TESTS=0 BENCH=0 MODELS=0 TRAINING=1 bash benchmarks/gpu_suite.sh   # bwd_speed.py + train_small.py
 #
 # Knobs (environment): PRESET (quick), TEST_TIMEOUT_S (240), SUITE_BUDGET_S (540: the benchmark's
 # budget is cut so the suite ends in time), BENCH_BUDGET_S (fixes the benchmark's budget instead),
@@ -158,6 +159,21 @@ if [ "${MODELS:-1}" = 1 ]; then
     models_rc=$?
 fi
 
+training_rc=0
+if [ "${TRAINING:-0}" = 1 ]; then
+    # The backward's speed against cuDNN / FA2 / compiled flex (issue 19), then the small-model training
+    # run; ~5 and ~1.5 minutes on an H100: give them their own device command (TESTS=0 BENCH=0 MODELS=0).
+    stamp=$(date -u +%Y-%m-%d-%H%M)
+    dev=$(python3 -c "import torch; print(torch.cuda.get_device_name().lower().replace(' ', '-'))")
+    echo "== training: bwd_speed, train_small (${SECONDS} s into the suite)" | tee -a "$OUT/bench.log"
+    python3 benchmarks/bwd_speed.py --seqlens 2048 4096 8192 --out "$OUT/bwd-speed-$dev-$stamp" 2>&1 \
+        | tee -a "$OUT/bench.log"
+    training_rc=$?
+    python3 benchmarks/train_small.py --out "$OUT" 2>&1 | tee -a "$OUT/bench.log"
+    train_rc=$?
+    [ "$training_rc" -eq 0 ] && training_rc=$train_rc
+fi
+
 if [ "${DEMO:-0}" = 1 ]; then
     echo "== demo" | tee -a "$OUT/bench.log"
     python3 examples/demo.py 2>&1 | tee -a "$OUT/bench.log"
@@ -188,6 +204,7 @@ for suite in suites:
             print(f"  FAILED {case.get('classname')}::{case.get('name')}: {msg[0][:160] if msg else ''}")
 PY
 echo "benchmark exit code: $bench_rc"
+[ "${TRAINING:-0}" = 1 ] && echo "training benchmarks exit code: $training_rc"
 [ "${MODELS:-1}" = 1 ] && echo "model benchmark exit code: $models_rc"
 table=$(ls -t "$OUT"/bench-*.md 2>/dev/null | head -1)
 if [ -n "$table" ]; then
