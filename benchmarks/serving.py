@@ -1,0 +1,810 @@
+"""Serving kernels on a GPU (issue 20): split-KV decode, paged KV, varlen prefill, against torch.
+
+Three parts, chosen with --part (default: all three):
+
+  decode  rows (batch, new tokens, cache length, HQ/HKV, D), bf16, no mask (every new token sees
+          the whole cache). Ours: templates/decode's launches prepared once (prepare_decode) and
+          replayed, so the launches are timed and not the planning; the host time of one whole
+          decode_attention call is reported beside it. Against: SDPA's fastest backend of cuDNN /
+          flash / efficient (GQA through enable_gqa, else K/V repeated outside the timed region),
+          torch's compiled FlexAttention (a query of new_tokens rows: torch picks flex_decoding),
+          and a device copy (torch copy_) of a K+V-sized buffer: the bandwidth reference.
+  paged   a subset of the decode rows with the cache in pages (page size 64 or 128) behind a
+          shuffled block table: ours paged against ours contiguous, timed in the same rounds.
+  varlen  a 16k-token pack of 6 documents of uneven (seeded) lengths, H16 D128 bf16, causal within
+          documents: ours flex_varlen; cuDNN SDPA called per document (the loop timed); our
+          document-mask path (fa3_inductor.flex on [1, H, 16k, D] with and_masks(document, causal),
+          block mask built once); torch's compiled FlexAttention on the same block mask.
+
+Units. Decode "TB/s" is K+V bytes read once / time; copy TB/s counts read + write (2 x K+V bytes)
+/ time, a copy's usual figure; "% copy" is ours over the copy's. Varlen TFLOP/s count only the
+within-document causal work, 4 * H * D * L(L+1)/2 per document, for every impl. Ratios "ours/X"
+are X's time over ours (> 1: ours faster); "paged/contig" is paged time over contiguous time.
+
+Timing: CUDA events around each call, warm-up first, the median of --reps; before every timed call
+a 256 MB scratch is zeroed (flushes the 50 MB L2: decode is bandwidth-bound and a warm L2 would
+flatter it), then the GPU sleeps ~0.2 ms so that the host has queued the call before the start
+event fires; neither is inside the events. Impls of one row that are compared directly (ours and
+the copy; ours paged and contiguous) are timed in the same interleaved rounds.
+
+Before timing, ours is checked against a float64 reference on one small decode case (contiguous and
+paged) and one small pack; each timed row also records every impl's relative difference to ours.
+
+    python benchmarks/serving.py                        # default rows (budget 300 s; aimed at < 8 min on an H100)
+    python benchmarks/serving.py --part decode --full   # every decode row (K+V <= 16 GiB)
+    TRITON_INTERPRET=1 python benchmarks/serving.py --smoke --out /tmp/s   # CPU: the harness only
+
+Writes serving-<device>-<YYYY-MM-DD-HHMM>.{json,md} into --out and prints the tables last.
+--budget-s: once a part's share of it has passed, that part adds no more rows (each part runs at
+least one); the rows left out are listed in the files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))   # reference.py: the float64 reference
+
+PARTS = ("decode", "paged", "varlen")
+BUDGET_SHARE = {"decode": 0.7, "paged": 0.85, "varlen": 1.0}   # cumulative share of --budget-s
+KV_CAP = 16 * 2 ** 30        # decode rows over this many K+V bytes are left out
+PAGED_KV_CAP = 4 * 2 ** 30   # paged rows hold the cache twice (contiguous and pages) plus a copy
+FLUSH_BYTES = 256 * 2 ** 20  # > 64 MB: the H100's L2 is 50 MB
+COPY_REF_BYTES = 2 * 2 ** 30 # one large copy per run: the device's copy bandwidth, for reference
+SLEEP_CYCLES = 400_000       # ~0.2 ms at 2 GHz: the host's head start before each timed call
+SDPA_BACKENDS = ("cudnn", "flash", "efficient")
+AGREE_TOL = 2e-2             # bf16's tolerance (tests/reference.py): impls must agree with ours
+K = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCase:
+    batch: int
+    new: int
+    cache: int
+    hq: int
+    hkv: int
+    d: int
+    page: int = 0   # paged rows only
+
+    def kv_bytes(self, itemsize: int = 2) -> int:
+        """K+V bytes of the cache, read once by a decode step.
+
+        Example::
+
+            >>> DecodeCase(8, 1, 8192, 32, 8, 128).kv_bytes()
+            268435456
+        """
+        return 2 * self.batch * self.hkv * self.cache * self.d * itemsize
+
+    def label(self) -> str:
+        paged = f" page{self.page}" if self.page else ""
+        return f"{self.batch}x{self.new}x{_cache(self.cache)} {self.hq}/{self.hkv} D{self.d}{paged}"
+
+
+def decode_cases(full: bool) -> list[DecodeCase]:
+    """Decode rows: the whole grid with --full, else a default set that fits the 8-minute run (the
+    two headline rows first, then one of each kind, then the rest of the GQA D128 one-token grid).
+
+    Example::
+
+        >>> decode_cases(False)[0]
+        DecodeCase(batch=8, new=1, cache=8192, hq=32, hkv=8, d=128, page=0)
+    """
+    if full:
+        grid = [DecodeCase(b, n, c * K, 32, hkv, d) for hkv in (8, 32) for d in (128, 64)
+                for n in (1, 4) for b in (1, 8, 32, 64) for c in (4, 8, 32, 128)]
+        return [c for c in grid if c.kv_bytes() <= KV_CAP]
+    first = [DecodeCase(8, 1, 8 * K, 32, 8, 128), DecodeCase(1, 1, 128 * K, 32, 8, 128),
+             DecodeCase(8, 1, 8 * K, 32, 32, 128), DecodeCase(8, 1, 8 * K, 32, 8, 64),
+             DecodeCase(8, 4, 8 * K, 32, 8, 128), DecodeCase(1, 4, 128 * K, 32, 8, 128),
+             DecodeCase(1, 1, 128 * K, 32, 32, 128), DecodeCase(1, 1, 128 * K, 32, 8, 64),
+             DecodeCase(64, 1, 4 * K, 32, 32, 128), DecodeCase(64, 1, 32 * K, 32, 8, 64),
+             DecodeCase(8, 4, 32 * K, 32, 32, 64)]
+    grid = [DecodeCase(b, 1, c * K, 32, 8, 128) for b in (1, 8, 32, 64) for c in (4, 8, 32, 128)]
+    return first + [c for c in grid if c not in first and c.kv_bytes() <= KV_CAP]
+
+
+def paged_cases(full: bool) -> list[DecodeCase]:
+    """Paged rows: decode shapes with a page size (K+V at most PAGED_KV_CAP).
+
+    Example::
+
+        >>> paged_cases(False)[0].page
+        64
+    """
+    if full:
+        cases = [dataclasses.replace(c, page=p) for c in decode_cases(True) for p in (64, 128)]
+    else:
+        cases = [DecodeCase(8, 1, 8 * K, 32, 8, 128, 64), DecodeCase(8, 1, 8 * K, 32, 8, 128, 128),
+                 DecodeCase(1, 1, 128 * K, 32, 8, 128, 64), DecodeCase(32, 1, 32 * K, 32, 8, 128, 128),
+                 DecodeCase(64, 1, 4 * K, 32, 8, 128, 64), DecodeCase(8, 4, 8 * K, 32, 8, 128, 64),
+                 DecodeCase(8, 1, 8 * K, 32, 32, 128, 128), DecodeCase(8, 1, 32 * K, 32, 8, 64, 64)]
+    return [c for c in cases if c.kv_bytes() <= PAGED_KV_CAP]
+
+
+SMOKE_DECODE = [DecodeCase(2, 1, 64, 4, 2, 16), DecodeCase(1, 2, 128, 2, 1, 32)]   # the second splits
+SMOKE_PAGED = [DecodeCase(2, 1, 64, 4, 2, 16, 16), DecodeCase(1, 2, 64, 2, 2, 32, 32)]
+
+
+@dataclasses.dataclass(frozen=True)
+class VarlenCase:
+    tokens: int
+    docs: int
+    heads: int
+    d: int
+    seed: int = 0
+
+
+VARLEN = VarlenCase(16 * K, 6, 16, 128)
+SMOKE_VARLEN = VarlenCase(96, 6, 2, 16)
+
+
+def doc_lengths(case: VarlenCase) -> list[int]:
+    """Uneven document lengths summing to ``case.tokens`` (seeded; each at least tokens / 8 docs).
+
+    Example::
+
+        >>> sum(doc_lengths(VarlenCase(16384, 6, 16, 128)))
+        16384
+    """
+    gen = torch.Generator().manual_seed(case.seed)
+    floor = case.tokens // (8 * case.docs)
+    weights = torch.rand(case.docs, generator=gen) ** 2 + 0.05
+    extra = (weights / weights.sum() * (case.tokens - floor * case.docs)).floor().long()
+    lengths = [floor + int(x) for x in extra]
+    lengths[int(weights.argmax())] += case.tokens - sum(lengths)
+    return lengths
+
+
+def causal_pairs(lengths: list[int]) -> int:
+    """(q, kv) pairs causal attention computes within documents of these lengths.
+
+    Example::
+
+        >>> causal_pairs([2, 3])
+        9
+    """
+    return sum(n * (n + 1) // 2 for n in lengths)
+
+
+def within_budget(now: float, deadline: float, rows_done: int) -> bool:
+    """Whether a part may add a row: always its first, later ones only before its deadline.
+
+    Example::
+
+        >>> within_budget(10.0, 5.0, 0), within_budget(10.0, 5.0, 1)
+        (True, False)
+    """
+    return rows_done == 0 or now < deadline
+
+
+# ------------------------------------------------------------------------------------ timing
+class Clock:
+    """Median ms of callables; on a CPU (--smoke) one wall-clock call each, not a measurement."""
+
+    def __init__(self, device: torch.device, reps: int, warmup: int):
+        self.cuda = device.type == "cuda"
+        self.reps, self.warmup = (reps, warmup) if self.cuda else (1, 0)
+        self.scratch = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device) if self.cuda else None
+
+    def times(self, fns: dict[str, Callable]) -> dict[str, float]:
+        """Median ms of each function, timed in turn within each round (same clocks for all).
+
+        Example::
+
+            >>> Clock(torch.device("cpu"), 5, 1).times({"add": lambda: torch.ones(4) + 1})["add"] >= 0
+            True
+        """
+        for fn in fns.values():
+            for _ in range(self.warmup):
+                fn()
+        if not self.cuda:
+            out = {}
+            for name, fn in fns.items():
+                t = time.perf_counter()
+                fn()
+                out[name] = (time.perf_counter() - t) * 1e3
+            return out
+        torch.cuda.synchronize()
+        events: dict[str, list] = {name: [] for name in fns}
+        for _ in range(self.reps):
+            for name, fn in fns.items():
+                self.scratch.zero_()                 # L2 flush, outside the events
+                torch.cuda._sleep(SLEEP_CYCLES)      # the host queues fn before start fires
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                events[name].append((start, end))
+        torch.cuda.synchronize()
+        return {name: statistics.median(s.elapsed_time(e) for s, e in ev) for name, ev in events.items()}
+
+    def ms(self, fn: Callable) -> float:
+        return self.times({"fn": fn})["fn"]
+
+    def host_us(self, fn: Callable, n: int = 20) -> float:
+        """Median host µs of one call, the queue drained before each (launches are asynchronous)."""
+        samples = []
+        for _ in range(n if self.cuda else 1):
+            if self.cuda:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t) * 1e6)
+        return statistics.median(samples)
+
+
+def _error(exc: BaseException) -> str:
+    """The exception's type and the start of its first line (enough to tell failures apart)."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:120] if text else ''}"
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    from reference import rel_error
+
+    return rel_error(out.float(), ref.float())
+
+
+def _release(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def _free_bytes(device: torch.device) -> int:
+    """Bytes a new tensor can take: the driver's free memory plus what torch's allocator caches."""
+    if device.type != "cuda":
+        return 1 << 62
+    return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def _replay(launches: list) -> Callable[[], None]:
+    def run() -> None:
+        for kernel, args, kwargs, grid in launches:
+            kernel[grid](*args, **kwargs)
+    return run
+
+
+# ------------------------------------------------------------------------------------ checks
+def check_decode(device: torch.device, dtype: torch.dtype) -> dict:
+    """Ours (contiguous and paged, GQA, 4 new tokens, a partial last tile) against float64."""
+    from reference import TOLERANCE, reference_attention, rel_error
+
+    from fa3_inductor.templates.decode import decode_attention
+
+    small = device.type == "cpu"
+    B, HQ, HKV, M, D, page = (2, 4, 2, 2, 16, 16) if small else (3, 32, 8, 4, 128, 64)
+    N = 4 * page
+    lens = torch.tensor([N, N - page // 2 - 3, page + 1][:B], dtype=torch.int32, device=device)
+    q = torch.randn(B, HQ, M, D, device=device, dtype=dtype)
+    k, v = (torch.randn(B, HKV, N, D, device=device, dtype=dtype) for _ in range(2))
+    k_pages, v_pages, table = _pages(k, v, page, spare=2)
+    out_c, _ = decode_attention(q, k, v, seq_lens=lens)
+    out_p, _ = decode_attention(q, k_pages, v_pages, seq_lens=lens, block_table=table, page_size=page)
+    errors = {}
+    for name, out in (("contiguous", out_c), ("paged", out_p)):
+        worst = 0.0
+        for z, L in enumerate(lens.tolist()):
+            ref, _ = reference_attention(q[z:z + 1], k[z:z + 1, :, :L], v[z:z + 1, :, :L])
+            worst = max(worst, rel_error(out[z:z + 1], ref))
+        errors[name] = worst
+    tol = TOLERANCE[dtype]
+    if max(errors.values()) > tol:
+        raise SystemExit(f"serving: our decode kernel does not match float64 ({errors}, tolerance "
+                         f"{tol}); fix templates/decode before timing it (tests/test_decode_kernel.py)")
+    return dict(shape=f"B{B} HQ{HQ}/HKV{HKV} new{M} N{N} D{D} page{page}", rel_error=errors, tol=tol)
+
+
+def check_varlen(device: torch.device, dtype: torch.dtype) -> dict:
+    """flex_varlen (causal) on a small pack of ragged documents against float64, per document."""
+    from reference import TOLERANCE, reference_attention, rel_error
+
+    from fa3_inductor import mods
+    from fa3_inductor.varlen import flex_varlen
+
+    lengths = [9, 40, 23] if device.type == "cpu" else [300, 37, 700]
+    H, D = (2, 16) if device.type == "cpu" else (4, 128)
+    q, k, v = (torch.randn(sum(lengths), H, D, device=device, dtype=dtype) for _ in range(3))
+    cu = F.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(device=device, dtype=torch.int32)
+    out = flex_varlen(q, k, v, cu, cu, max(lengths), max(lengths), mask_mod=mods.causal)
+    worst, start = 0.0, 0
+    for n in lengths:
+        seq = [t[start:start + n].transpose(0, 1).unsqueeze(0) for t in (q, k, v, out)]
+        ref, _ = reference_attention(*seq[:3], mask_mod=mods.causal)
+        worst = max(worst, rel_error(seq[3], ref))
+        start += n
+    if worst > TOLERANCE[dtype]:
+        raise SystemExit(f"serving: flex_varlen does not match float64 (relative error {worst:.3e} > "
+                         f"{TOLERANCE[dtype]}); fix the varlen kernel before timing it (tests/test_varlen.py)")
+    return dict(lengths=lengths, heads=H, d=D, rel_error=worst, tol=TOLERANCE[dtype])
+
+
+# ------------------------------------------------------------------------------------ decode
+def _pages(k: torch.Tensor, v: torch.Tensor, page: int, spare: int = 4):
+    """The cache's pages scattered over a shuffled pool with spare pages: (k_pages, v_pages, table)."""
+    B, HKV, N, D = k.shape
+    per = N // page
+    pool = B * per + spare
+    order = torch.randperm(pool, device=k.device)[:B * per]
+
+    def scatter(t: torch.Tensor) -> torch.Tensor:
+        pages = t.new_empty(pool, page, HKV, t.shape[-1])
+        pages[order] = t.view(B, HKV, per, page, -1).permute(0, 2, 3, 1, 4).reshape(B * per, page, HKV, -1)
+        return pages
+
+    return scatter(k), scatter(v), order.view(B, per).to(torch.int32)
+
+
+def _sdpa(name: str):
+    from torch.nn.attention import SDPBackend
+
+    return {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
+
+
+def _sdpa_decode(row: dict, q, k, v, clock: Clock, ours_out: torch.Tensor) -> None:
+    """Each SDPA backend, GQA natively if it takes enable_gqa, else on K/V repeated beforehand."""
+    from torch.nn.attention import sdpa_kernel
+
+    group = q.shape[1] // k.shape[1]
+    for name in SDPA_BACKENDS:
+        backend = _sdpa(name)
+        tried = []
+        for gqa in (("native", "repeat") if group > 1 else ("none",)):
+            if gqa == "repeat" and k.numel() * k.element_size() * 2 * group > 0.85 * _free_bytes(q.device):
+                tried.append("repeat: K/V repeated would not fit in memory")
+                continue
+            kk, vv = (k, v) if gqa != "repeat" else (k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
+
+            def call(kk=kk, vv=vv, gqa=gqa):
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q, kk, vv, enable_gqa=gqa == "native")
+            try:
+                row[f"sdpa_{name}_diff"] = _rel(call(), ours_out)
+                row[f"sdpa_{name}_ms"] = clock.ms(call)
+                row[f"sdpa_{name}_gqa"] = gqa
+                break
+            except Exception as exc:   # this backend does not take the case: say why, try the next
+                tried.append(f"{gqa}: {_error(exc)}")
+            finally:
+                kk = vv = call = None
+        if f"sdpa_{name}_ms" not in row:
+            row.setdefault("errors", {})[f"sdpa_{name}"] = "; ".join(tried)
+    timed = [n for n in SDPA_BACKENDS if f"sdpa_{n}_ms" in row]
+    if timed:
+        best = min(timed, key=lambda n: row[f"sdpa_{n}_ms"])
+        row.update(sdpa_best=best, sdpa_ms=row[f"sdpa_{best}_ms"], sdpa_gqa=row[f"sdpa_{best}_gqa"])
+
+
+def _flex_decode(row: dict, q, k, v, clock: Clock, flex_fn, ours_out: torch.Tensor) -> None:
+    from torch.nn.attention.flex_attention import create_block_mask, noop_mask
+
+    try:
+        bm = create_block_mask(noop_mask, None, None, q.shape[2], k.shape[2], device=q.device)
+        gqa = q.shape[1] != k.shape[1]
+        t = time.perf_counter()
+        out = flex_fn(q, k, v, block_mask=bm, enable_gqa=gqa)
+        row["flex_first_call_s"] = time.perf_counter() - t   # the compile, on a GPU
+        row["flex_diff"] = _rel(out, ours_out)
+        row["flex_ms"] = clock.ms(lambda: flex_fn(q, k, v, block_mask=bm, enable_gqa=gqa))
+    except Exception as exc:   # a compile failure is a result to report, not a reason to stop
+        row.setdefault("errors", {})["flex"] = _error(exc)
+
+
+def _ratios(row: dict, bytes_read: int) -> None:
+    if "ours_ms" in row:
+        row["ours_tbps"] = bytes_read / row["ours_ms"] / 1e9
+        for other in ("sdpa", "flex"):
+            if f"{other}_ms" in row:
+                row[f"vs_{other}"] = row[f"{other}_ms"] / row["ours_ms"]
+                row[f"{other}_tbps"] = bytes_read / row[f"{other}_ms"] / 1e9
+    if "copy_ms" in row:
+        row["copy_tbps"] = 2 * bytes_read / row["copy_ms"] / 1e9
+        if "ours_tbps" in row:
+            row["pct_copy"] = 100 * row["ours_tbps"] / row["copy_tbps"]
+
+
+def _case_row(part: str, c: DecodeCase, itemsize: int = 2) -> dict:
+    row = dict(part=part, B=c.batch, new=c.new, N=c.cache, HQ=c.hq, HKV=c.hkv, D=c.d,
+               kv_gb=c.kv_bytes(itemsize) / 1e9)
+    if c.page:
+        row["page"] = c.page
+    return row
+
+
+def _ours_decode(c: DecodeCase, q, k, v, lens) -> tuple[Callable, torch.Tensor, int]:
+    """(replay of the prepared launches, their output buffer, split count)."""
+    from fa3_inductor.templates.decode import decode_scratch, prepare_decode
+
+    out = q.new_empty(q.shape)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    launches = prepare_decode(q, k, v, out, lse, sm_scale=c.d ** -0.5, seq_lens=lens)
+    splits = launches[0][3][0]
+    if splits > 1:   # scratch allocated once, as a server (or a CUDA graph) would
+        launches = prepare_decode(q, k, v, out, lse, sm_scale=c.d ** -0.5, seq_lens=lens,
+                                  num_splits=splits, scratch=decode_scratch(q, c.hkv, c.d, splits))
+    return _replay(launches), out, splits
+
+
+def decode_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: Clock, flex_fn) -> dict:
+    """One decode row: ours and the copy in the same rounds, then SDPA's backends and flex."""
+    from fa3_inductor.templates.decode import decode_attention
+
+    row = _case_row("decode", c, dtype.itemsize)
+    q = torch.randn(c.batch, c.hq, c.new, c.d, device=device, dtype=dtype)
+    k, v = (torch.randn(c.batch, c.hkv, c.cache, c.d, device=device, dtype=dtype) for _ in range(2))
+    lens = torch.full((c.batch,), c.cache, dtype=torch.int32, device=device)
+    src = torch.empty(c.kv_bytes(dtype.itemsize), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    fns = {"copy": lambda: dst.copy_(src)}
+    ours = out = None
+    try:
+        ours, out, row["splits"] = _ours_decode(c, q, k, v, lens)
+        ours()
+        fns["ours"] = ours
+    except Exception as exc:   # reported in the row; the others are still timed
+        row.setdefault("errors", {})["ours"] = _error(exc)
+        ours = None
+    timed = clock.times(fns)
+    row.update({f"{name}_ms": ms for name, ms in timed.items()})
+    src = dst = fns = None
+    if ours is not None:
+        row["host_us"] = clock.host_us(lambda: decode_attention(q, k, v, seq_lens=lens))
+        row["launch_host_us"] = clock.host_us(ours)
+        ours()   # out holds ours again for the comparisons below
+    else:
+        out = torch.zeros_like(q)
+    _sdpa_decode(row, q, k, v, clock, out)
+    _flex_decode(row, q, k, v, clock, flex_fn, out)
+    _ratios(row, c.kv_bytes(dtype.itemsize))
+    return row
+
+
+def paged_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: Clock) -> dict:
+    """One paged row: ours paged and ours contiguous (and the copy) in the same rounds."""
+    from fa3_inductor.templates.decode import prepare_decode
+
+    row = _case_row("paged", c, dtype.itemsize)
+    q = torch.randn(c.batch, c.hq, c.new, c.d, device=device, dtype=dtype)
+    k, v = (torch.randn(c.batch, c.hkv, c.cache, c.d, device=device, dtype=dtype) for _ in range(2))
+    k_pages, v_pages, table = _pages(k, v, c.page)
+    lens = torch.full((c.batch,), c.cache, dtype=torch.int32, device=device)
+    outs = {name: q.new_empty(q.shape) for name in ("contig", "paged")}
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=device)
+    contig = prepare_decode(q, k, v, outs["contig"], lse, sm_scale=c.d ** -0.5, seq_lens=lens)
+    paged = prepare_decode(q, k_pages, v_pages, outs["paged"], lse.clone(), sm_scale=c.d ** -0.5,
+                           seq_lens=lens, block_table=table, page_size=c.page)
+    row.update(splits_contig=contig[0][3][0], splits_paged=paged[0][3][0])
+    src = torch.empty(c.kv_bytes(dtype.itemsize), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    timed = clock.times({"contig": _replay(contig), "paged": _replay(paged), "copy": lambda: dst.copy_(src)})
+    row.update(contig_ms=timed["contig"], paged_ms=timed["paged"], copy_ms=timed["copy"],
+               paged_over_contig=timed["paged"] / timed["contig"],
+               paged_diff=_rel(outs["paged"], outs["contig"]))
+    row["ours_ms"] = row["paged_ms"]
+    _ratios(row, c.kv_bytes(dtype.itemsize))
+    return row
+
+
+# ------------------------------------------------------------------------------------ varlen
+def varlen_row(c: VarlenCase, device: torch.device, dtype: torch.dtype, clock: Clock, flex_fn) -> dict:
+    """The pack through flex_varlen, per-document SDPA, our document-mask path and torch flex."""
+    from torch.nn.attention import sdpa_kernel
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    import fa3_inductor
+    from fa3_inductor import mods
+    from fa3_inductor.runtime.variants import wait_for_variants
+
+    lengths = doc_lengths(c)
+    T, H, D = c.tokens, c.heads, c.d
+    row = dict(part="varlen", tokens=T, docs=c.docs, lengths=lengths, H=H, D=D, seed=c.seed)
+    flops = 4 * H * D * causal_pairs(lengths)
+    q, k, v = (torch.randn(T, H, D, device=device, dtype=dtype) for _ in range(3))
+    cu = F.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(device=device, dtype=torch.int32)
+    longest = max(lengths)
+    q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))
+    docs = [[t[:, :, s:s + n].contiguous() for t in (q4, k4, v4)]
+            for s, n in zip(cu[:-1].tolist(), lengths)]
+    ids = torch.repeat_interleave(torch.arange(c.docs, device=device), torch.tensor(lengths, device=device))
+    doc_mask = mods.and_masks(mods.document(ids, causal=False), mods.causal)
+    bm = create_block_mask(doc_mask, None, None, T, T, device=device)
+
+    def per_doc(name: str) -> Callable:
+        def run():   # one output per document (joined for the comparison, outside the timing)
+            with sdpa_kernel(_sdpa(name)):
+                return [F.scaled_dot_product_attention(*d, is_causal=True) for d in docs]
+        return run
+
+    impls = {
+        "ours": lambda: fa3_inductor.flex_varlen(q, k, v, cu, cu, longest, longest, mask_mod=mods.causal),
+        "sdpa_cudnn_per_doc": per_doc("cudnn"),
+        "sdpa_flash_per_doc": per_doc("flash"),
+        "docmask": lambda: fa3_inductor.flex(q4, k4, v4, block_mask=bm),
+        "flex": lambda: flex_fn(q4, k4, v4, block_mask=bm),
+    }
+    ref = impls["ours"]().transpose(0, 1).unsqueeze(0)
+    for name, fn in impls.items():
+        try:
+            out = fn()
+            if name == "ours":   # packed [T, H, D] -> [1, H, T, D], the layout of the others
+                out = out.transpose(0, 1).unsqueeze(0)
+            elif isinstance(out, list):
+                out = torch.cat(out, dim=2)
+            if name == "docmask":
+                row["docmask_template"] = fa3_inductor.last_template()
+                wait_for_variants()   # its background compiles would slow the host while timed
+            row[f"{name}_diff"] = _rel(out, ref)
+            row[f"{name}_ms"] = clock.ms(fn)
+            row[f"{name}_tflops"] = flops / row[f"{name}_ms"] / 1e9
+        except Exception as exc:   # an impl that cannot run this pack is reported, not fatal
+            row.setdefault("errors", {})[name] = _error(exc)
+    for other in ("sdpa_cudnn_per_doc", "sdpa_flash_per_doc", "docmask", "flex"):
+        if "ours_ms" in row and f"{other}_ms" in row:
+            row[f"vs_{other}"] = row[f"{other}_ms"] / row["ours_ms"]
+    return row
+
+
+# ------------------------------------------------------------------------------------ report
+def targets(rows: list[dict]) -> list[str]:
+    """Issue 20's targets, met or not, row by row counted.
+
+    Example::
+
+        >>> targets([dict(part="paged", paged_over_contig=1.02, paged_diff=0.0)])[1]
+        'paged within 5% of contiguous: 1/1 rows'
+    """
+    def count(sel, ok) -> str:
+        sel = list(sel)
+        return f"{sum(1 for r in sel if ok(r))}/{len(sel)} rows"
+
+    dec = [r for r in rows if r["part"] == "decode"]
+    compared = [r for r in rows if any(key.endswith("_diff") for key in r)]
+    lines = [f"every impl within {AGREE_TOL} (relative) of ours: "
+             f"{count(compared, lambda r: max(r[k] for k in r if k.endswith('_diff')) <= AGREE_TOL)}"]
+    if dec:
+        long = [r for r in dec if r["N"] >= 8 * K]
+        lines += [f"decode KV bandwidth >= 85% of copy at cache >= 8k: "
+                  f"{count(long, lambda r: r.get('pct_copy', 0) >= 85)}",
+                  f"decode ours >= 1.0x best SDPA: {count(dec, lambda r: r.get('vs_sdpa', 0) >= 1.0)}",
+                  f"decode ours >= 1.0x flex: {count(dec, lambda r: r.get('vs_flex', 0) >= 1.0)}"]
+    paged = [r for r in rows if r["part"] == "paged"]
+    if paged:
+        lines.append("paged within 5% of contiguous: "
+                     f"{count(paged, lambda r: r.get('paged_over_contig', 9) <= 1.05)}")
+    for r in (r for r in rows if r["part"] == "varlen"):
+        lines += [f"varlen ours >= 1.0x per-document cuDNN: {_yes(r.get('vs_sdpa_cudnn_per_doc'), 1.0)}",
+                  f"varlen ours >= 1.2x our document-mask path: {_yes(r.get('vs_docmask'), 1.2)}"]
+    return lines
+
+
+def _yes(ratio: Optional[float], need: float) -> str:
+    return "not measured" if ratio is None else f"{'yes' if ratio >= need else 'no'} ({ratio:.2f}x)"
+
+
+def _f(row: dict, key: str, fmt: str = "{:.3f}") -> str:
+    val = row.get(key)
+    return "-" if val is None else fmt.format(val)
+
+
+def _cache(n: int) -> str:
+    return f"{n // K}k" if n >= K else str(n)
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    smoke = meta["smoke"]
+    lines = [f"# serving on {meta['device']} ({meta['dtype']})", "",
+             f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}; command: `{meta['command']}`.",
+             meta["timing"] + (f" A 2 GiB copy: {meta['copy_tbps_2gib']:.2f} TB/s (read + write)."
+                               if "copy_tbps_2gib" in meta else ""), "",
+             f"Checks against float64: decode {meta['checks'].get('decode')}, "
+             f"varlen {meta['checks'].get('varlen')}.", ""]
+    if smoke:
+        lines += ["**--smoke: tiny shapes on the CPU; the times are single calls, not measurements.**", ""]
+    dec = [r for r in rows if r["part"] == "decode"]
+    if dec:
+        lines += ["## decode (no mask; TB/s = K+V bytes once / time; copy TB/s = read + write; "
+                  "ours/X = X's time over ours)", "",
+                  "| B | new | cache | HQ/HKV | D | KV GB | splits | ours ms | ours TB/s | copy TB/s | % copy "
+                  "| SDPA best | SDPA ms | flex ms | ours/SDPA | ours/flex | host µs call / launches | max diff |",
+                  "|" + "---|" * 18]
+        for r in dec:
+            diff = max([r[k] for k in r if k.endswith("_diff")], default=None)
+            best = f"{r['sdpa_best']} ({r['sdpa_gqa']})" if "sdpa_best" in r else "-"
+            lines.append(f"| {r['B']} | {r['new']} | {_cache(r['N'])} | {r['HQ']}/{r['HKV']} | {r['D']} | "
+                         f"{r['kv_gb']:.2f} | {r.get('splits', '-')} | {_f(r, 'ours_ms')} | "
+                         f"{_f(r, 'ours_tbps', '{:.2f}')} | "
+                         f"{_f(r, 'copy_tbps', '{:.2f}')} | {_f(r, 'pct_copy', '{:.0f}')} | {best} | "
+                         f"{_f(r, 'sdpa_ms')} | {_f(r, 'flex_ms')} | {_f(r, 'vs_sdpa', '{:.2f}')} | "
+                         f"{_f(r, 'vs_flex', '{:.2f}')} | {_f(r, 'host_us', '{:.0f}')} / "
+                         f"{_f(r, 'launch_host_us', '{:.0f}')} | {'-' if diff is None else f'{diff:.1e}'} |")
+        lines.append("")
+    paged = [r for r in rows if r["part"] == "paged"]
+    if paged:
+        lines += ["## paged (ours; shuffled block table; same rounds as contiguous)", "",
+                  "| B | new | cache | HQ/HKV | D | page | splits | contig ms | paged ms | paged/contig | "
+                  "paged TB/s | % copy | diff |", "|" + "---|" * 13]
+        for r in paged:
+            lines.append(f"| {r['B']} | {r['new']} | {_cache(r['N'])} | {r['HQ']}/{r['HKV']} | {r['D']} | "
+                         f"{r['page']} | {r.get('splits_paged', '-')} | {_f(r, 'contig_ms')} | {_f(r, 'paged_ms')} | "
+                         f"{_f(r, 'paged_over_contig', '{:.3f}')} | {_f(r, 'ours_tbps', '{:.2f}')} | "
+                         f"{_f(r, 'pct_copy', '{:.0f}')} | {_f(r, 'paged_diff', '{:.1e}')} |")
+        lines.append("")
+    for r in (r for r in rows if r["part"] == "varlen" and "lengths" in r):
+        lines += [f"## varlen ({r['tokens']} tokens, documents {r['lengths']}, H{r['H']} D{r['D']}, causal "
+                  "within documents; TFLOP/s of that work only)", "",
+                  "| impl | ms | TFLOP/s | ours speedup | diff to ours |", "|---|---|---|---|---|"]
+        names = {"ours": "ours flex_varlen", "sdpa_cudnn_per_doc": "cuDNN SDPA per document (sum)",
+                 "sdpa_flash_per_doc": "flash SDPA per document (sum)",
+                 "docmask": f"ours flex + document mask ({r.get('docmask_template', '?')})",
+                 "flex": "torch flex (compiled), document block mask"}
+        for key, name in names.items():
+            lines.append(f"| {name} | {_f(r, key + '_ms')} | {_f(r, key + '_tflops', '{:.0f}')} | "
+                         f"{_f(r, 'vs_' + key, '{:.2f}') if key != 'ours' else '1.00'} | "
+                         f"{_f(r, key + '_diff', '{:.1e}') if key != 'ours' else '-'} |")
+        lines.append("")
+    errors = [f"- {r.get('label', r['part'])}: {name}: {msg}" for r in rows
+              for name, msg in r.get("errors", {}).items()]
+    if errors:
+        lines += ["## impls that did not run", "", *errors, ""]
+    if meta["budget_stops"]:
+        lines += ["## left out by --budget-s", ""]
+        lines += [f"- {part}: {len(left)} rows ({', '.join(left)})" for part, left in meta["budget_stops"].items()]
+        lines.append("")
+    lines += ["## targets (issue 20)" + (" (smoke: not meaningful)" if smoke else ""), "",
+              *[f"- {t}" for t in targets(rows)], ""]
+    return "\n".join(lines)
+
+
+def _slug(name: str) -> str:
+    return name.lower().replace("nvidia ", "nvidia-").replace(" ", "-")
+
+
+def _flex_function(smoke: bool):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if smoke:   # eager on the CPU: the call's path without a minute of compiling
+        return flex_attention
+    # a compile per shape: without room for them Dynamo falls back to eager flex (slow, huge memory)
+    for knob, value in (("recompile_limit", 512), ("cache_size_limit", 512),
+                        ("accumulated_recompile_limit", 8192), ("accumulated_cache_size_limit", 8192)):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, value)
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, meta: dict,
+        rows: list[dict], write: Callable[[], None]) -> None:
+    clock = Clock(device, args.reps, args.warmup)
+    flex_fn = _flex_function(args.smoke)
+    t0 = time.time()
+    for part in args.part:
+        deadline = t0 + args.budget_s * BUDGET_SHARE[part]
+        if part == "varlen":
+            todo = [SMOKE_VARLEN if args.smoke else VARLEN]
+        elif part == "decode":
+            todo = SMOKE_DECODE if args.smoke else decode_cases(args.full)
+        else:
+            todo = SMOKE_PAGED if args.smoke else paged_cases(args.full)
+        done = 0
+        for i, case in enumerate(todo):
+            if not within_budget(time.time(), deadline, done):
+                meta["budget_stops"][part] = [getattr(c, "label", lambda: str(c))() for c in todo[i:]]
+                break
+            torch.manual_seed(0)
+            started = time.time()
+            try:
+                if part == "decode":
+                    row = decode_row(case, device, dtype, clock, flex_fn)
+                elif part == "paged":
+                    row = paged_row(case, device, dtype, clock)
+                else:
+                    row = varlen_row(case, device, dtype, clock, flex_fn)
+            except Exception as exc:   # one row's failure (out of memory, a compile) is a result
+                row = _case_row(part, case, dtype.itemsize) if part != "varlen" else dict(part=part)
+                row["errors"] = {"row": _error(exc)}
+            row.update(label=getattr(case, "label", lambda: part)(), wall_s=time.time() - started)
+            rows.append(row)
+            done += 1
+            print(json.dumps(row), flush=True)
+            _release(device)
+            write()   # a run cut short keeps the rows it finished
+
+
+def _gpu_meta(device: torch.device, args: argparse.Namespace) -> dict:
+    """SMs, memory, capability, and one large copy's bandwidth (read + write) for reference."""
+    props = torch.cuda.get_device_properties(device)
+    clock = Clock(device, args.reps, args.warmup)
+    src = torch.empty(COPY_REF_BYTES, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_ms = clock.ms(lambda: dst.copy_(src))
+    return dict(sms=props.multi_processor_count, memory_gb=props.total_memory / 1e9,
+                capability=list(torch.cuda.get_device_capability(device)),
+                copy_tbps_2gib=2 * COPY_REF_BYTES / copy_ms / 1e9)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", default=",".join(PARTS), help="comma-separated subset of decode,paged,varlen")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"), help="folder for the files")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="seconds after which parts add no more rows (default 300; 7200 with --full)")
+    ap.add_argument("--reps", type=int, default=20, help="timed repetitions per impl (median)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--full", action="store_true", help="every row (decode grid, paged subset)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shapes on the CPU under TRITON_INTERPRET=1: the harness, not a measurement")
+    args = ap.parse_args()
+    args.part = [p.strip() for p in args.part.split(",") if p.strip()]
+    bad = [p for p in args.part if p not in PARTS]
+    if bad or not args.part:
+        raise SystemExit(f"serving: unknown --part {bad or args.part}; choose from {','.join(PARTS)}")
+    if args.budget_s is None:
+        args.budget_s = 7200.0 if args.full else 300.0
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from triton import knobs
+
+    if args.smoke and not knobs.runtime.interpret:
+        raise SystemExit("serving --smoke runs our kernels under Triton's interpreter: set TRITON_INTERPRET=1")
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("serving needs a CUDA GPU; on a CPU run --smoke (TRITON_INTERPRET=1) to check the harness")
+    import triton
+
+    device = torch.device("cpu") if args.smoke else torch.device("cuda")
+    # the interpreter computes bf16 dots wrongly (Triton 3.6): the smoke run is float32
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    name = "cpu" if args.smoke else torch.cuda.get_device_name()
+    now = datetime.datetime.now(datetime.timezone.utc)
+    meta = dict(device=name, torch=torch.__version__, triton=triton.__version__,
+                date=f"{now:%Y-%m-%d %H:%M}Z", command="python benchmarks/serving.py " + " ".join(sys.argv[1:]),
+                dtype=str(dtype).replace("torch.", ""), smoke=args.smoke, parts=args.part, reps=args.reps,
+                budget_s=args.budget_s, full=args.full, budget_stops={},
+                timing=("--smoke: one wall-clock call per impl (no timing)" if args.smoke else
+                        f"CUDA events, {args.warmup} warm-up calls, median of {args.reps}; before every timed "
+                        f"call a {FLUSH_BYTES >> 20} MB scratch write flushes L2 (outside the events)."))
+    if device.type == "cuda":
+        meta.update(_gpu_meta(device, args))
+    torch.manual_seed(0)
+    meta["checks"] = {}
+    if "decode" in args.part or "paged" in args.part:
+        meta["checks"]["decode"] = check_decode(device, dtype)
+    if "varlen" in args.part:
+        meta["checks"]["varlen"] = check_varlen(device, dtype)
+    print("checks:", json.dumps(meta["checks"]), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"serving-{_slug(name)}-{now:%Y-%m-%d-%H%M}")
+    rows: list[dict] = []
+
+    def write() -> None:
+        with open(stem + ".json", "w") as f:
+            json.dump(dict(meta, rows=rows), f, indent=1)
+        with open(stem + ".md", "w") as f:
+            f.write(markdown(meta, rows))
+
+    try:
+        run(args, device, dtype, meta, rows, write)
+    except KeyboardInterrupt:
+        print("interrupted: writing the rows measured so far", flush=True)
+    write()
+    print(f"wrote {stem}.json and {stem}.md", flush=True)
+    print(markdown(meta, rows), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""benchmarks/serving.py --smoke on the CPU: every part runs end to end under Triton's interpreter
+(float32, tiny shapes), every impl that can run on a CPU agrees with ours, and both files are written
+with the tables last; plus the row sets and the budget rule."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "serving.py"
+
+
+def _module():
+    """The script as a module (registered first: its dataclasses look their module up)."""
+    if "serving_bench" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("serving_bench", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["serving_bench"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["serving_bench"]
+
+
+def test_smoke_run_writes_every_part(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env.pop("TORCH_LOGS", None)
+    run = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    [json_path] = tmp_path.glob("serving-cpu-*.json")
+    [md_path] = tmp_path.glob("serving-cpu-*.md")
+    result = json.loads(json_path.read_text())
+    assert {"device", "torch", "triton", "date", "command", "timing", "checks", "rows"} <= set(result)
+    assert set(result["checks"]) == {"decode", "varlen"} and not result["budget_stops"]
+    rows = result["rows"]
+    assert [r["part"] for r in rows] == ["decode", "decode", "paged", "paged", "varlen"], rows
+    for r in rows:
+        assert "ours" not in r.get("errors", {}) and "row" not in r.get("errors", {}), r
+        diffs = {k: v for k, v in r.items() if k.endswith("_diff")}
+        assert diffs and max(diffs.values()) < 1e-4, diffs   # float32: the impls agree with ours
+    decode = rows[0]
+    assert {"ours_ms", "copy_ms", "sdpa_ms", "flex_ms", "host_us", "launch_host_us", "vs_sdpa",
+            "vs_flex", "pct_copy"} <= set(decode), decode
+    assert rows[1]["splits"] > 1                              # the split + combine path ran
+    assert all("paged_over_contig" in r for r in rows[2:4])
+    varlen = rows[4]
+    assert sum(varlen["lengths"]) == varlen["tokens"] and len(varlen["lengths"]) == 6
+    assert {"ours_ms", "docmask_ms", "flex_ms", "vs_docmask", "ours_tflops"} <= set(varlen), varlen
+    table = md_path.read_text()
+    for heading in ("## decode", "## paged", "## varlen", "## targets"):
+        assert heading in table
+    assert run.stdout.rstrip().endswith(table.rstrip().splitlines()[-1])   # the tables come last
+
+
+def test_row_sets_and_budget():
+    sb = _module()
+    default, full = sb.decode_cases(False), sb.decode_cases(True)
+    assert len(set(default)) == len(default) and set(default) <= set(full)
+    assert all(c.kv_bytes() <= sb.KV_CAP for c in full)
+    assert {(c.batch, c.new, c.cache, c.hkv, c.d) for c in full} >= {(64, 4, 128 * 1024, 8, 64)}
+    assert (64, 1, 128 * 1024, 8, 128) not in {(c.batch, c.new, c.cache, c.hkv, c.d) for c in full}
+    assert all(c.page in (64, 128) and c.kv_bytes() <= sb.PAGED_KV_CAP for c in sb.paged_cases(True))
+    assert set(sb.paged_cases(False)) <= set(sb.paged_cases(True))
+    lengths = sb.doc_lengths(sb.VARLEN)
+    assert sum(lengths) == 16384 and min(lengths) >= 16384 // 48 and max(lengths) > 2 * min(lengths)
+    assert sb.doc_lengths(sb.VARLEN) == lengths                          # seeded
+    assert sb.within_budget(100.0, 1.0, 0) and not sb.within_budget(100.0, 1.0, 3)
+    assert sb.within_budget(0.5, 1.0, 3)
