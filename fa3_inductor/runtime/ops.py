@@ -20,13 +20,12 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from .._log import info_once, warn_once
-from ..templates.family import Call, NotServed
+from ..templates.family import Call
 from ..templates.modgen import ModInfo
 from ..templates.registry import family as family_named
 from . import backward_cpu  # noqa: F401  (defines fa3_inductor::flex_bwd beside flex_fwd)
 from .fast_launch import launch_cached, recorded, relaunch, tensor_signature
-from .kernel_failures import family_failure, is_build_error, record_kernel_failure
+from .family_walk import first_serving
 from .spec import SiteSpec
 from .variants import start_variants
 
@@ -144,34 +143,20 @@ def call_for(site: SiteSpec, call: Call, dialect: str) -> Call:
 
 def _serve(site: SiteSpec, call: Call, key: Optional[tuple], inputs: Optional[tuple]) -> str:
     """Run ``call`` on the first of the site's families that serves it; returns that family's name."""
-    passed_over = []
-    for name in site.families:
-        family = family_named(name)
-        failed = family_failure(site, name)
-        if failed is not None:
-            passed_over.append(failed)
-            continue
+    def run(family) -> None:
         mine = call_for(site, call, family.dialect)
-        try:
-            variants = family.prepare(mine)
-            if variants is None:       # the family computes the call itself
-                family.launch(mine)
-            elif key is None:          # no launch cache off CUDA
-                kernel, args, kwargs, grid = start_variants(variants, call.q.device)
-                kernel[grid](*args, **kwargs)
-            else:
-                launch_cached(key, inputs, lambda: (*start_variants(variants, call.q.device), name))
-        except NotServed as why:
-            info_once(f"fa3_inductor: {why}; the next kernel family runs ({site.description})")
-            passed_over.append(str(why))
-            continue
-        except Exception as exc:
-            if not is_build_error(exc):
-                raise
-            passed_over.append(record_kernel_failure(site, name, exc))
-            continue
-        if passed_over:
-            warn_once(f"fa3_inductor: {name} runs {site.description or 'a site'}: {'; '.join(passed_over)}")
+        variants = family.prepare(mine)
+        if variants is None:       # the family computes the call itself
+            family.launch(mine)
+        elif key is None:          # no launch cache off CUDA
+            kernel, args, kwargs, grid = start_variants(variants, call.q.device)
+            kernel[grid](*args, **kwargs)
+        else:
+            launch_cached(key, inputs, lambda: (*start_variants(variants, call.q.device), family.name))
+
+    name, passed_over = first_serving(site.families, site, site.description, "kernel family",
+                                      family_named, run)
+    if name is not None:
         return name
     raise RuntimeError(f"fa3_inductor: no kernel family served {site.description or 'a site'} "
                        f"({'; '.join(passed_over)}); the last family must serve every site: "

@@ -32,14 +32,14 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from .._log import info_once, warn_once
-from ..templates.family import BackwardCall, BackwardFamily, NotServed
+from .._log import warn_once
+from ..templates.family import BackwardCall, BackwardFamily
 from ..templates.generic_bwd.buffer_grad import BufferGradSource
 from ..templates.modgen import GeneratedSource, ModInfo
 from ..templates.registry import DENSE_BACKWARD, backward_family
 from .backward_cpu import BackwardSpec, flex_bwd
 from .fast_launch import launch_cached, on_clear, recorded, relaunch, tensor_signature
-from .kernel_failures import family_failure, is_build_error, record_kernel_failure
+from .family_walk import first_serving
 from .ops import _one_block_size
 
 # Process-wide, not per thread: autograd runs a CUDA backward on its own device thread, not the
@@ -256,32 +256,11 @@ def flex_bwd_families(
     call = BackwardCall(q, k, v, out, dout, lse, grad_lse, dq, dk, dv, tables, q_tables,
                         tuple(score_bufs), tuple(mask_bufs), scale, sparse_q_block, sparse_kv_block,
                         dbufs=tuple(dbufs))
-    passed_over = []
-    for name in site.families:
-        failed = family_failure(site.build_key(), name)
-        if failed is not None:
-            passed_over.append(failed)
-            continue
-        try:
-            family = backward_family(name)
-        except KeyError:   # a cache-served graph planned in a process that had this family
-            passed_over.append(f"backward family {name} is not available in this process")
-            continue
-        mine = backward_call_for(site, call, family.dialect)
-        try:
-            _serve_with(family, mine, key, tensors)
-        except NotServed as why:
-            info_once(f"fa3_inductor: backward: {why}; the next backward family runs ({site.description})")
-            passed_over.append(str(why))
-            continue
-        except Exception as exc:
-            if not is_build_error(exc):
-                raise
-            passed_over.append(record_kernel_failure(site.build_key(), name, exc))
-            continue
-        if passed_over:
-            warn_once(f"fa3_inductor: {name} runs the backward of {site.description or 'a site'}: "
-                      f"{'; '.join(passed_over)}")
+    name, passed_over = first_serving(
+        site.families, site.build_key(), f"the backward of {site.description or 'a site'}",
+        "backward family", _backward_family_here,
+        lambda family: _serve_with(family, backward_call_for(site, call, family.dialect), key, tensors))
+    if name is not None:
         _state.family = name
         return dq, dk, dv, dbufs
     warn_once(f"fa3_inductor: the dense recompute runs the backward of {site.description or 'a site'}: "
@@ -315,6 +294,14 @@ class _Plan:
 _PLANS: dict[tuple, _Plan] = {}
 _MAX_PLANS = 256
 on_clear(_PLANS.clear)   # a plan holds fast_launch entries: it goes with them
+
+
+def _backward_family_here(name: str) -> Optional[BackwardFamily]:
+    """The backward family called ``name``, None when this process does not have it."""
+    try:
+        return backward_family(name)
+    except KeyError:
+        return None
 
 
 def _caches(q: Tensor) -> bool:
