@@ -117,10 +117,11 @@ def _lower_on_cpu(a: _compat.FlexBackwardArgs, shape: str):
     return dq, dk, dv, captured
 
 
-def _site_facts(a: _compat.FlexBackwardArgs, bm: _compat.FlexBlockMask, settings: Settings
-                ) -> tuple[Optional[BackwardSiteFacts], Optional[str]]:
-    """(the site's facts, None), or (None, why no backward family of ours can take it)."""
-    from torch._inductor import ir
+def _site_facts(a: _compat.FlexBackwardArgs, bm: _compat.FlexBlockMask, settings: Settings,
+                buffer_grads: bool, score_grad: bool) -> tuple[Optional[BackwardSiteFacts], Optional[str]]:
+    """(the site's facts, None), or (None, why no backward family of ours can take it).
+    ``buffer_grads``: a captured tensor needs a gradient; ``score_grad``: the score_mod's derivative
+    is not 1 (or could not be written: the plan reports that)."""
     from torch._inductor.virtualized import V
 
     sizevars = V.graph.sizevars
@@ -140,27 +141,29 @@ def _site_facts(a: _compat.FlexBackwardArgs, bm: _compat.FlexBlockMask, settings
     sparse = [sizevars.guard_int(x) for x in (bm.sparse_q_block, bm.sparse_kv_block)]
     if not all(s >= 16 and s & (s - 1) == 0 for s in sparse):
         return None, f"block-mask block size {sparse[0]}x{sparse[1]} (fa3 serves powers of two >= 16)"
-    buffers = list(a.score_mod_other_buffers)
-    needs = _compat.joint_graph_buffer_grads(a.joint_graph.graph_module, len(buffers))
-    buffer_grads = any(n and isinstance(b, ir.IRNode) for n, b in zip(needs, buffers))
-    try:
-        score_grad = (not is_identity_score(a.fw_graph.graph_module) and
-                      score_grad_graph(a.joint_graph.graph_module, len(buffers)) is not None)
-    except UnsupportedMod:   # _sources() meets it again and records the reason
-        score_grad = True
     return BackwardSiteFacts(q.get_device(), q.get_dtype(), d, dv, buffer_grads=buffer_grads,
                              deterministic=settings.deterministic_backward, score_grad=score_grad), None
 
 
+def _derivative_graph(a: _compat.FlexBackwardArgs) -> tuple[Optional[Any], Optional[UnsupportedMod]]:
+    """The score_mod's derivative as a mod graph (score_grad.py): None for no score_mod or one that
+    adds a term (f' = 1); or the UnsupportedMod the rewrite raised."""
+    if is_identity_score(a.fw_graph.graph_module):
+        return None, None
+    try:
+        return score_grad_graph(a.joint_graph.graph_module, len(a.score_mod_other_buffers)), None
+    except UnsupportedMod as exc:
+        return None, exc
+
+
 def _sources(a: _compat.FlexBackwardArgs, bm: _compat.FlexBlockMask, dialects: list[str],
-             score_specs: list, mask_specs: list) -> tuple[tuple, dict]:
+             score_specs: list, mask_specs: list, grad_gm: Optional[Any]) -> tuple[tuple, dict]:
     """The spec's mods: (dialect, score_mod, derivative, mask_mod) per dialect (the families' and
-    ``torch`` for the dense last resort), and the generator's records of each kind.
-    Raises UnsupportedMod when a mod or the derivative cannot be generated."""
+    ``torch`` for the dense last resort), and the generator's records of each kind. ``grad_gm``:
+    the derivative's graph (:func:`_derivative_graph`). Raises UnsupportedMod when a mod or the
+    derivative cannot be generated."""
     score_gm, mask_gm = a.fw_graph.graph_module, bm.mask_graph.graph_module
     identity, all_true = is_identity_score(score_gm), is_constant_true_mask(mask_gm)
-    # the derivative's graph (score_grad.py): None for no score_mod or one that adds a term (f' = 1)
-    grad_gm = None if identity else score_grad_graph(a.joint_graph.graph_module, len(score_specs))
     mods, infos = [], {"score": (), "score_grad": (), "mask": ()}
     for dialect in dict.fromkeys([*dialects, "torch"]):
         score = None if identity else generate_in_dialect(score_gm, "score", score_specs, dialect)
@@ -198,7 +201,10 @@ def _buffer_grad_mods(a: _compat.FlexBackwardArgs, dialects: list[str], score_sp
 def _plan(a: _compat.FlexBackwardArgs, bm: _compat.FlexBlockMask, settings: Settings, shape: str
           ) -> tuple[Optional[BackwardSiteSpec], str]:
     """(spec, note) when one of our backward families serves the site, else (None, reason)."""
-    facts, reason = _site_facts(a, bm, settings)
+    flags = _tensor_buffer_grads(a)
+    grad_gm, grad_error = _derivative_graph(a)
+    facts, reason = _site_facts(a, bm, settings, buffer_grads=any(flags),
+                                score_grad=grad_gm is not None or grad_error is not None)
     if facts is None:
         return None, reason
     families, notes = backward_candidates(facts, f"{settings.template}_bwd")
@@ -210,10 +216,12 @@ def _plan(a: _compat.FlexBackwardArgs, bm: _compat.FlexBlockMask, settings: Sett
         return None, why or why_mask
     dialects = [f.dialect for f in families]
     try:
-        mods, infos = _sources(a, bm, dialects, score_specs, mask_specs)
+        if grad_error is not None:
+            raise grad_error
+        mods, infos = _sources(a, bm, dialects, score_specs, mask_specs, grad_gm)
     except UnsupportedMod as exc:
         return None, f"mod not lowerable for the backward: {exc}"
-    flags, grad_mods = _tensor_buffer_grads(a), ()
+    grad_mods = ()
     if facts.buffer_grads:
         try:
             grad_mods = _buffer_grad_mods(a, dialects, score_specs)
