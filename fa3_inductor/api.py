@@ -149,11 +149,6 @@ _CPU_BACKWARD_HELP = (
     "run without gradients (torch.no_grad(), or inputs with requires_grad=False).")
 
 
-@torch.compiler.assume_constant_result  # the registry imports family modules: Dynamo cannot trace that
-def _known_templates() -> tuple[str, ...]:
-    return templates()
-
-
 @torch.compiler.assume_constant_result  # Dynamo cannot trace triton's getenv: ask, don't trace
 def _triton_interpreting() -> bool:
     from triton import knobs
@@ -229,8 +224,8 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
         if hit is not None:
             return hit if return_lse else hit[0]
     _check_inputs(q, k, v, score_mod, mask_mod, block_mask, scale, enable_gqa)
-    if template not in _known_templates():
-        raise ValueError(f"flex: template must be one of {_known_templates()}, got {template!r}")
+    if template not in templates():
+        raise ValueError(f"flex: template must be one of {templates()}, got {template!r}")
     if mask_mod is not None:
         block_mask = _block_mask_of(mask_mod, q, k)
     _check_block_mask_fits(block_mask, q, k)

@@ -10,7 +10,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
 
+
+@torch.compiler.assume_constant_result  # the registry imports family modules: Dynamo cannot trace that
 def templates() -> tuple[str, ...]:
     """What the ``template`` option may name: "auto" and every kernel family (templates/registry.py).
 
