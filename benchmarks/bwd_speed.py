@@ -4,12 +4,24 @@ torch's compiled FlexAttention, on an H100 / H200.
     python benchmarks/bwd_speed.py --out benchmarks/results/bwd-speed     # writes .json and .md
 
 Shapes: B * N = 16k tokens (B = 16384 / N), H 16, N in {2k, 4k, 8k}; head dims 64 / 128 / 256 and q/k 192 with v 128;
-noop, causal, softcap 30, ALiBi. Ours is our Hopper forward (templates/hopper) plus this backward, launched directly
+noop, causal, softcap 30, ALiBi, and block-sparse masks (sliding window 1024, causal documents of N / 4). Ours is our Hopper forward (templates/hopper) plus this backward, launched directly
 through the host functions (no torch.compile); a head dim the backward does not serve is reported as such. TFLOP/s
 count fwd+bwd as 3.5 forwards (forward = 4 B H M N D, halved under causal). CUDA events, warm-up, the median of
 --reps repetitions; L2 is not flushed between repetitions (all impls alike). Peak memory is the
 max_memory_allocated delta of one fwd+bwd. SDPA has no score_mod: its softcap / ALiBi cells are empty and ours
 is compared with our noop. Before timing, one case is checked against a float64 reference.
+
+Masks: ``tile_density`` is the fraction of (query block, KV block) pairs of the 128 x 128 block mask that the kernels
+visit (partial and full); their TFLOP/s count the visited tiles' FLOPs (dense FLOPs x tile_density), and
+``vs_tile_bound`` = our noop time x tile_density / our time: 1.0 would mean each visited tile runs as fast as a dense
+one (issue 19 asks >= 0.85; mask_mod work on partial tiles is what keeps it below).
+
+Schedule A/B of the Hopper backward (templates/hopper_bwd/configs.VARIANTS) in one run, e.g. on an H100::
+
+    python benchmarks/bwd_speed.py --seqlens 4096 --head-dims 64 128 --variants noop causal softcap \
+        --bwd-variants default atomic_dq --flex-head-dims 0 --out /root/out/bwd-ab
+
+times our fwd+bwd and bwd alone once per named schedule, in the same process and on the same inputs.
 """
 from __future__ import annotations
 
@@ -24,7 +36,8 @@ import torch
 from fa3_inductor import mods
 
 LN2 = math.log(2.0)
-VARIANTS = ("noop", "causal", "softcap", "alibi")
+MASKS = ("causal", "sliding_window", "document")
+VARIANTS = ("noop", "causal", "softcap", "alibi", "sliding_window", "document")
 HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))
 
 
@@ -53,6 +66,34 @@ def _peak_mb(fn) -> float:
 
 def _score_mod(variant, H):
     return {"softcap": mods.softcap(30.0), "alibi": mods.alibi(H)}.get(variant)
+
+
+def _mask_mod(variant, N):
+    """The mask_mod of a mask variant (None for the others): causal, a 1024-key causal window, causal documents of
+    N / 4 positions."""
+    if variant == "causal":
+        return mods.causal
+    if variant == "sliding_window":
+        return mods.sliding_window(1024)
+    if variant == "document":
+        return mods.document((torch.arange(N, device="cuda") // max(N // 4, 1)).to(torch.int32))
+    return None
+
+
+def tile_density(block_mask) -> float:
+    """Fraction of (query block, KV block) pairs a BlockMask visits (partial and full blocks), over its batch and
+    heads.
+
+    Example::
+
+        >>> tile_density(create_block_mask(mods.causal, None, None, 1024, 1024))   # doctest: +SKIP
+        0.5625
+    """
+    visited = block_mask.kv_num_blocks.sum()
+    if block_mask.full_kv_num_blocks is not None:
+        visited = visited + block_mask.full_kv_num_blocks.sum()
+    n_q, n_kv = block_mask.kv_indices.shape[-2], block_mask.kv_indices.shape[-1]
+    return float(visited) / (block_mask.kv_num_blocks.numel() // n_q * n_q * n_kv)
 
 
 def _mod(fn, kind, dialect):
@@ -85,10 +126,11 @@ def _our_options(variant, H, M, N, dialect="gl"):
         fwd.update(score_mod=fn, score_bufs=bufs)
         bwd.update(score_mod=bwd_fn, score_bufs=bufs,
                    score_grad_mod=SCORE_GRAD_ONE if src is None else load_mod(src, dialect))
-    if variant == "causal":
-        bm = create_block_mask(mods.causal, None, None, M, N, device="cuda")
-        fn, bufs, _ = _mod(mods.causal, "mask", "gl")
-        bwd_fn = fn if dialect == "gl" else _mod(mods.causal, "mask", dialect)[0]
+    mask_mod = _mask_mod(variant, N)
+    if mask_mod is not None:
+        bm = create_block_mask(mask_mod, None, None, M, N, device="cuda")
+        fn, bufs, _ = _mod(mask_mod, "mask", "gl")
+        bwd_fn = fn if dialect == "gl" else _mod(mask_mod, "mask", dialect)[0]
         tables = dict(kv_num_blocks=bm.kv_num_blocks, kv_indices=bm.kv_indices,
                       full_kv_num_blocks=bm.full_kv_num_blocks, full_kv_indices=bm.full_kv_indices)
         fwd.update(mask_mod=fn, mask_bufs=bufs, **tables)
@@ -97,11 +139,12 @@ def _our_options(variant, H, M, N, dialect="gl"):
     return fwd, bwd
 
 
-def ours(q, k, v, dout, variant, scale, backward_family="hopper"):
+def ours(q, k, v, dout, variant, scale, backward_family="hopper", schedule="default"):
     """((fwd+bwd callable, bwd callable, (dq, dk, dv), fwd+bwd allocating its buffers afresh), None), or
     (None, why) where the backward does not serve the case. The timed callables replay prepared launches.
     ``backward_family``: "hopper" (templates/hopper_bwd) or "generic" (templates/generic_bwd, the
-    plain-Triton backward with dQ in its own pass); the forward is our Hopper kernel either way."""
+    plain-Triton backward with dQ in its own pass); the forward is our Hopper kernel either way. ``schedule``:
+    a name of hopper_bwd.configs.VARIANTS (the Hopper backward only)."""
     from fa3_inductor.templates.generic_bwd.host import launch_generic_backward, prepare_generic_backward
     from fa3_inductor.templates.hopper import launch_fwd_sm90
     from fa3_inductor.templates.hopper_bwd import launch_hopper_backward, prepare_hopper_backward
@@ -112,6 +155,14 @@ def ours(q, k, v, dout, variant, scale, backward_family="hopper"):
     B, H, M, D = q.shape
     N, Dv = k.shape[2], v.shape[-1]
     fwd_opts, bwd_opts = _our_options(variant, H, M, N, "gl" if backward_family == "hopper" else "tl")
+    if backward_family == "hopper" and schedule != "default":
+        from fa3_inductor.templates.hopper_bwd import get_bwd_config
+        from fa3_inductor.templates.hopper_bwd.configs import VARIANTS as SCHEDULES
+
+        try:
+            bwd_opts["config"] = get_bwd_config(D, **SCHEDULES[schedule])
+        except ValueError as e:
+            return None, str(e)
     out = torch.empty(B, H, M, Dv, device="cuda", dtype=q.dtype)
     lse, mx = torch.empty(B, H, M, device="cuda"), torch.empty(B, H, M, device="cuda")
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -151,7 +202,7 @@ def torch_impl(name, q, k, v, dout, variant, scale, flex_compiled):
 
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     if name in ("cudnn", "fa2"):
-        if variant in ("softcap", "alibi") or q.shape[-1] != v.shape[-1] and name == "fa2":
+        if variant not in ("noop", "causal") or q.shape[-1] != v.shape[-1] and name == "fa2":
             return None
         backend = SDPBackend.CUDNN_ATTENTION if name == "cudnn" else SDPBackend.FLASH_ATTENTION
 
@@ -161,8 +212,9 @@ def torch_impl(name, q, k, v, dout, variant, scale, flex_compiled):
                                                                         scale=scale)
     else:
         block_mask = None
-        if variant == "causal":
-            block_mask = create_block_mask(mods.causal, None, None, q.shape[2], k.shape[2], device="cuda")
+        if _mask_mod(variant, k.shape[2]) is not None:
+            block_mask = create_block_mask(_mask_mod(variant, k.shape[2]), None, None, q.shape[2], k.shape[2],
+                                           device="cuda")
         score_mod = _score_mod(variant, q.shape[1])
 
         def fwd():
@@ -208,7 +260,9 @@ def run(args) -> list[dict]:
     for N in args.seqlens:
         B = args.tokens // N
         for D, Dv in HEAD_DIMS:
-            for variant in VARIANTS:
+            if D not in args.head_dims:
+                continue
+            for variant in args.variants:
                 torch.manual_seed(0)
                 q = torch.randn(B, args.heads, N, D, device="cuda", dtype=torch.bfloat16)
                 k = torch.randn(B, args.heads, N, D, device="cuda", dtype=torch.bfloat16)
@@ -217,6 +271,13 @@ def run(args) -> list[dict]:
                 scale = D ** -0.5
                 flops = 4 * B * args.heads * N * N * (D + Dv) / 2 * (0.5 if variant == "causal" else 1.0) * 3.5
                 row = dict(B=B, H=args.heads, N=N, D=D, Dv=Dv, variant=variant)
+                if variant in MASKS:
+                    from torch.nn.attention.flex_attention import create_block_mask
+
+                    row["tile_density"] = tile_density(create_block_mask(_mask_mod(variant, N), None, None, N, N,
+                                                                         device="cuda"))
+                    if variant != "causal":   # causal keeps the usual half-of-dense count
+                        flops = flops * row["tile_density"]
                 impl, why = ours(q, k, v, dout, variant, scale)
                 if impl is None:
                     row["ours_note"] = why
@@ -225,6 +286,16 @@ def run(args) -> list[dict]:
                     row["ours_ms"] = _time_ms(both, args.reps)
                     row["ours_bwd_ms"] = _time_ms(bwd, args.reps)
                     row["ours_mb"] = _peak_mb(fresh)
+                for schedule in args.bwd_variants:
+                    if schedule == "default":
+                        continue
+                    impl, why = ours(q, k, v, dout, variant, scale, schedule=schedule)
+                    if impl is None:
+                        row[f"ours[{schedule}]_note"] = why
+                    else:
+                        both, bwd, _, _ = impl
+                        row[f"ours[{schedule}]_ms"] = _time_ms(both, args.reps)
+                        row[f"ours[{schedule}]_bwd_ms"] = _time_ms(bwd, args.reps)
                 if args.generic:
                     impl, why = ours(q, k, v, dout, variant, scale, "generic")
                     if impl is None:
@@ -253,12 +324,15 @@ def run(args) -> list[dict]:
                             row[f"vs_{ref}"] = row[f"{ref}_ms"] / row["ours_ms"]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    for row in rows:   # mods against our own noop of the same shape
-        if row["variant"] in ("softcap", "alibi") and "ours_ms" in row:
-            noop = next((r for r in rows if r["variant"] == "noop" and (r["N"], r["D"], r["Dv"]) ==
-                         (row["N"], row["D"], row["Dv"]) and "ours_ms" in r), None)
-            if noop:
-                row["vs_our_noop"] = noop["ours_ms"] / row["ours_ms"]
+    for row in rows:   # mods against our own noop of the same shape; masks against their visited tiles
+        noop = next((r for r in rows if r["variant"] == "noop" and (r["N"], r["D"], r["Dv"]) ==
+                     (row["N"], row["D"], row["Dv"]) and "ours_ms" in r), None)
+        if noop is None or "ours_ms" not in row:
+            continue
+        if row["variant"] in ("softcap", "alibi"):
+            row["vs_our_noop"] = noop["ours_ms"] / row["ours_ms"]
+        if "tile_density" in row:
+            row["vs_tile_bound"] = noop["ours_ms"] * row["tile_density"] / row["ours_ms"]
     return rows
 
 
@@ -272,17 +346,34 @@ def markdown(rows: list[dict], meta: dict) -> str:
              "plus the Hopper backward (templates/hopper_bwd), 'generic' the same forward plus the generic backward "
              "(templates/generic_bwd), 'flex' torch's compiled FlexAttention (forward and backward).", "",
              "| N | D | variant | ours | generic | cuDNN | FA2 | flex | ours/cuDNN | ours/flex | ours/our noop |"
-             " bwd ms ours / generic / cuDNN / flex | peak MB ours / cuDNN / flex |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             " tile density | ours/tile bound | bwd ms ours / generic / cuDNN / flex | peak MB ours / cuDNN / flex |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         d = f"{r['D']}" if r["D"] == r["Dv"] else f"{r['D']}/{r['Dv']}"
         lines.append(f"| {r['N']} | {d} | {r['variant']} | {cell(r, 'ours_tflops')} | {cell(r, 'generic_tflops')} | "
                      f"{cell(r, 'cudnn_tflops')} | {cell(r, 'fa2_tflops')} | {cell(r, 'flex_tflops')} | "
                      f"{cell(r, 'vs_cudnn', '{:.2f}')} | {cell(r, 'vs_flex', '{:.2f}')} | "
-                     f"{cell(r, 'vs_our_noop', '{:.2f}')} | {cell(r, 'ours_bwd_ms', '{:.2f}')} / "
+                     f"{cell(r, 'vs_our_noop', '{:.2f}')} | {cell(r, 'tile_density', '{:.3f}')} | "
+                     f"{cell(r, 'vs_tile_bound', '{:.2f}')} | {cell(r, 'ours_bwd_ms', '{:.2f}')} / "
                      f"{cell(r, 'generic_bwd_ms', '{:.2f}')} / {cell(r, 'cudnn_bwd_ms', '{:.2f}')} / "
                      f"{cell(r, 'flex_bwd_ms', '{:.2f}')} | {cell(r, 'ours_mb')} / {cell(r, 'cudnn_mb')} / "
                      f"{cell(r, 'flex_mb')} |")
+    schedules = [s for s in meta.get("bwd_variants", ["default"]) if s != "default"]
+    if schedules:
+        lines += ["", "Hopper backward schedules (templates/hopper_bwd/configs.VARIANTS), same run and inputs: "
+                  "fwd+bwd ms / bwd ms, and bwd speed-up over the default schedule.", "",
+                  "| N | D | variant | default | " + " | ".join(schedules) + " |",
+                  "|---|---|---|---|" + "---|" * len(schedules)]
+        for r in rows:
+            if "ours_ms" not in r:
+                continue
+            cells = [f"{r['ours_ms']:.2f} / {r['ours_bwd_ms']:.2f}"]
+            for sch in schedules:
+                key = f"ours[{sch}]"
+                cells.append(f"{r[key + '_ms']:.2f} / {r[key + '_bwd_ms']:.2f} "
+                             f"({r['ours_bwd_ms'] / r[key + '_bwd_ms']:.2f}x)" if key + "_ms" in r else "-")
+            d = f"{r['D']}" if r["D"] == r["Dv"] else f"{r['D']}/{r['Dv']}"
+            lines.append(f"| {r['N']} | {d} | {r['variant']} | " + " | ".join(cells) + " |")
     notes = sorted({r["ours_note"] for r in rows if "ours_note" in r})
     return "\n".join(lines + [""] + [f"- not served by ours: {n}" for n in notes]) + "\n"
 
@@ -300,7 +391,18 @@ def main() -> None:
                         help="also time our forward + the generic (plain Triton) backward")
     parser.add_argument("--flex-head-dims", type=int, nargs="+", default=[64, 128],
                         help="head dims timed with compiled flex (each shape and mod is a compile)")
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[D for D, _ in HEAD_DIMS],
+                        help="q/k head dims to run (192 is the 192/128 pair)")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
+                        help="mods and masks to run")
+    parser.add_argument("--bwd-variants", nargs="+", default=["default"],
+                        help="Hopper backward schedules to A/B (names of templates/hopper_bwd/configs.VARIANTS)")
     args = parser.parse_args()
+    from fa3_inductor.templates.hopper_bwd.configs import VARIANTS as SCHEDULES
+
+    unknown = sorted(set(args.bwd_variants) - set(SCHEDULES))
+    if unknown:
+        raise SystemExit(f"--bwd-variants: unknown {unknown}; choose from {sorted(SCHEDULES)}")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         raise SystemExit("bwd_speed needs an sm90 GPU (H100 / H200)")
     err = check_once()
@@ -313,7 +415,8 @@ def main() -> None:
 
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%MZ}",
-                command="python benchmarks/bwd_speed.py " + " ".join(sys.argv[1:]), check_error=err)
+                command="python benchmarks/bwd_speed.py " + " ".join(sys.argv[1:]), check_error=err,
+                bwd_variants=args.bwd_variants)
     with open(args.out + ".json", "w") as f:
         json.dump(dict(meta, rows=rows), f, indent=1)
     with open(args.out + ".md", "w") as f:

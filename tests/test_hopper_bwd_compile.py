@@ -1,7 +1,8 @@
 """CPU-only: compile the sm90 backward (templates/hopper_bwd/) for GPUTarget("cuda", 90, 32) and read the result.
 
 Run in a session without TRITON_INTERPRET: ``pytest -m "sm90_compile and not gpu" tests/test_hopper_bwd_compile.py``.
-Six compiles (D 64 / 128 x noop, causal mask_mod, softcap score_mod): wgmma (HGMMA) present, setmaxnreg at the
+Six compiles (D 64 / 128 x noop, causal mask_mod, softcap score_mod), plus four of the dQ schedules
+(configs.VARIANTS: dq_tma must issue UTMAREDG and no REDG): wgmma (HGMMA) present, setmaxnreg at the
 configured budgets, shared memory within sm90's 227 KB, and spills: none at D = 64; at D = 128 a known few
 outside the inner loop, bounded here so they cannot grow (docs/design/hopper_backward.md). Registers and spill
 counts are printed (``-s``).
@@ -71,3 +72,37 @@ def test_compiles_with_wgmma_within_budgets(D, variant):
     assert cfg.smem_bytes(D) <= main.shared
     for r in (pre, convert):
         assert r.spill_instructions == 0 and r.stack == 0
+
+
+# Schedule variants (configs.VARIANTS), measured with triton 3.6 at M = N = 1000: spill instructions of the whole
+# kernel / in the busier step loop. dq_tma moves dQ to one TMA reduce-add a warpgroup and step (UTMAREDG, no REDG)
+# and frees the atomics' 64-bit addresses (D128 noop 17 -> 2 spills); the dP-beside-S order costs registers at
+# D128 (docs/design/hopper_backward.md, "Gap").
+VARIANT_SPILLS = {
+    (128, "noop", "default"): (2, 0), (128, "softcap", "default"): (2, 0), (64, "causal", "default"): (0, 0),
+    (128, "noop", "atomic_dq"): (17, 1),
+}
+
+
+@pytest.mark.parametrize("D, variant, schedule", sorted(VARIANT_SPILLS))
+def test_schedule_variants_compile(D, variant, schedule):
+    from fa3_inductor.templates.aot import sass_report
+    from fa3_inductor.templates.hopper_bwd import compile_hopper_backward, get_bwd_config
+    from fa3_inductor.templates.hopper_bwd.configs import VARIANTS
+
+    M = N = 1000
+    cfg = get_bwd_config(D, **VARIANTS[schedule])
+    q = torch.randn(2, 4, M, D, dtype=torch.bfloat16)
+    k = v = torch.randn(2, 2, N, D, dtype=torch.bfloat16)
+    _, ck, _ = compile_hopper_backward(q, k, v, torch.empty_like(q), torch.empty_like(q), torch.empty(2, 4, M),
+                                       sm_scale=D ** -0.5, config=cfg, **_options(variant, M, N))
+    main = sass_report(ck)
+    loops = [body for body in main.inner_loops() if any("HGMMA" in t for t in body)]
+    loop_spills = max(sum(("LDL" in t or "STL" in t) for t in body) for body in loops)
+    print(f"\nD{D} {variant} {schedule}: {main.spill_instructions} spills ({loop_spills} in a step loop), "
+          f"loops {[len(b) for b in loops]}, shared {main.shared}")
+    assert main.hgmma > 0 and main.shared <= SMEM_LIMIT and cfg.smem_bytes(D) <= main.shared
+    if cfg.dq_tma:
+        assert "UTMAREDG" in main.sass and "REDG" not in main.sass.replace("UTMAREDG", ""), "dQ not by TMA reduce"
+    max_total, max_loop = VARIANT_SPILLS[D, variant, schedule]
+    assert main.spill_instructions <= max_total and loop_spills <= max_loop, (main.spill_instructions, loop_spills)

@@ -82,7 +82,7 @@ def _run(q, k, v, out, dout, lse2, **options):
     return dq, dk, dv
 
 
-def _check(q, k, v, dout, score_mod=None, mask_mod=None, grad_lse=None):
+def _check(q, k, v, dout, score_mod=None, mask_mod=None, grad_lse=None, config=None):
     Z, HQ, M, D = q.shape
     N = k.shape[2]
     scale = D ** -0.5
@@ -97,7 +97,7 @@ def _check(q, k, v, dout, score_mod=None, mask_mod=None, grad_lse=None):
     if k.shape[0] != Z:
         dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
     got = _run(q, k, v, torch.nan_to_num(out).to(q.dtype), dout, (lse / LN2).float(), sm_scale=scale,
-               grad_lse=grad_lse, **_score_options(score_mod), **_mask_options(mask_mod, M, N))
+               grad_lse=grad_lse, config=config, **_score_options(score_mod), **_mask_options(mask_mod, M, N))
     for name, g, want in zip(("dq", "dk", "dv"), got, (dq, dk, dv)):
         assert torch.isfinite(g).all(), f"{name}: not finite"
         assert_matches_reference(g, want, q.dtype, name)
@@ -130,6 +130,29 @@ def test_gradients_match_float64(case, D):
     torch.manual_seed(0)
     q, k, v, dout = _inputs(Z, HQ, HKV, M, N, D, KZ)
     _check(q, k, v, dout, score_mod, mask_mod)
+
+
+# The atomic dQ schedule (configs.VARIANTS["atomic_dq"]; dQ by TMA reduce-add is the default): ragged noop, causal,
+# softcap, GQA 4:1 with a K/V batch of 1 (the dQ of two query batches and four heads lands in one accumulator row set).
+VARIANT_CASES = [
+    ("noop-ragged", None, None, 1, 2, 2, 1000, 777, None),
+    ("causal", None, mods.causal, 1, 2, 2, 1000, 1000, None),
+    ("softcap", mods.softcap(20.0), None, 1, 2, 2, 640, 700, None),
+    ("gqa4-kv-batch-1", None, mods.causal, 2, 8, 2, 384, 384, 1),
+]
+
+
+@pytest.mark.parametrize("variant", ["atomic_dq"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
+def test_schedule_variants_match_float64(case, D, variant):
+    from fa3_inductor.templates.hopper_bwd import get_bwd_config
+    from fa3_inductor.templates.hopper_bwd.configs import VARIANTS
+
+    _, score_mod, mask_mod, Z, HQ, HKV, M, N, KZ = case
+    torch.manual_seed(5)
+    q, k, v, dout = _inputs(Z, HQ, HKV, M, N, D, KZ)
+    _check(q, k, v, dout, score_mod, mask_mod, config=get_bwd_config(D, **VARIANTS[variant]))
 
 
 def test_lse_gradient():

@@ -33,15 +33,17 @@ Kernel roles (one CTA per (KV tile, kz * HKV + hkv); 3 warpgroups):
               dK, dV accumulate in registers across all steps (GQA and a broadcast K/V batch are sums in
               registers: one store per output tile). P and dS go through shared memory (the A operands of the
               dV / dK wgmmas, transposed views; dS also for dQ). Once both dS halves are there, dQ = dS K over
-              all 128 keys is added into DQ_ACC with fp32 atomics: DQ_SPLIT (D >= 128), each warpgroup D / 2
-              head-dim columns every step; else one warpgroup the whole tile, the two in turn (FA3's order of
-              work; its TMA reduce-add has no Gluon 3.6 binding).
+              all 128 keys is added into DQ_ACC: DQ_SPLIT (D >= 128), each warpgroup D / 2 head-dim columns
+              every step; else one warpgroup the whole tile, the two in turn. How it is added and the order of
+              the wgmmas are the SCHED bundle (below; defaults: red.v2 atomics, S / P / dP / dV / dS / dK / dQ
+              in turn).
 
 Barriers (shared memory):
   kv_ready        (count 1, TMA tx)  K and V landed                                 producer -> consumers
   qdo_ready[s]    (count 1, TMA tx)  ring stage s holds this step's Q and dO        producer -> consumers
   qdo_empty[s]    (count 2)          both warpgroups' wgmmas reading stage s retired consumers -> producer
   ds_ready[b]     (count 2)          both halves of dS are in buffer b (b = step % 2) consumer <-> consumer
+  (DQ_TMA: no barrier; each warpgroup's dQ staging tile is reused after tma.store_wait(0))
   Two dS buffers suffice: a warpgroup writes buffer b at step j + 2 only after its own step-j dQ wgmma, and
   after waiting on ds_ready of step j + 1 (DQ_SPLIT: always; in turn: it is the reader of step j + 1 when the
   other warpgroup read step j), which the other warpgroup signals only after its step-j dQ wgmma retired.
@@ -63,6 +65,7 @@ Compile-time parameters (one frozen-dataclass bundle each, read as TILE.BLOCK_M)
   TILE    BwdTile       HEAD_D, NUM_STAGES (BLOCK_M, BLOCK_N, HALF_N, DQ_SPLIT, DQ_N derived)
   SPARSE  BwdSparsity   HAS_BLOCK_MASK, HAS_FULL_BLOCKS, Q_TILES_PER_BLK, SPARSE_KV
   FLAGS   BwdFlags      GQA_GROUP, FOLD_SCALE, EVEN_N, CONSUMER_REGS, PRODUCER_REGS
+  SCHED   BwdSchedule   DQ_TMA (configs.BwdSm90Config.dq_tma)
 """
 from __future__ import annotations
 
@@ -71,7 +74,9 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 from triton.experimental import gluon
+from triton._C.libtriton import ir
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -133,6 +138,20 @@ class BwdFlags:
     PRODUCER_REGS: int      # setmaxnreg of the TMA producer
 
 
+@dataclass(frozen=True)
+class BwdSchedule:
+    """How a step's wgmmas are ordered and how dQ leaves the CTA (docs/design/hopper_backward.md, "Gap")."""
+    DQ_TMA: bool        # dQ staged in shared memory (fp32) and added by TMA reduce-add, not per-thread red.v2
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """cp.reduce.async.bulk.tensor (add) of the shared tile ``src`` into ``tensor_desc`` at ``coord``: the
+    builder op exists in triton 3.6, the Gluon wrapper does not. Completes like a TMA store (tma.store_wait)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
 # ----------------------------------------------------------------------------------------------
 # The query steps of one CTA: producer and consumers walk the same sequence (or the ring's phases
 # fall out of step): z of this K/V batch, then the GQA group's heads, then the listed query tiles.
@@ -183,9 +202,9 @@ def _q_tile_start(i, n_partial, z, hq, kv_blk, tables, table_meta, TILE: gl.cons
 @gluon.jit
 def _producer(descs, bars, smem, sizes, tables, table_meta, TILE: gl.constexpr, SPARSE: gl.constexpr,
               FLAGS: gl.constexpr):
-    q_desc, do_desc, k_desc, v_desc = descs
+    q_desc, do_desc, k_desc, v_desc, dq_desc = descs
     kv_ready, qdo_ready, qdo_empty, ds_ready = bars
-    q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem = smem
+    q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem = smem
     Z, HQ, KZ, M, N = sizes
     NUM_STAGES: gl.constexpr = TILE.NUM_STAGES
     n0 = gl.program_id(0) * TILE.BLOCK_N
@@ -255,10 +274,10 @@ def _opaque(x):
 @gluon.jit
 def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
               SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
-              SPARSE: gl.constexpr, FLAGS: gl.constexpr):
-    q_desc, do_desc, k_desc, v_desc = descs
+              SPARSE: gl.constexpr, FLAGS: gl.constexpr, SCHED: gl.constexpr):
+    q_desc, do_desc, k_desc, v_desc, dq_desc = descs
     kv_ready, qdo_ready, qdo_empty, ds_ready = bars
-    q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem = smem
+    q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem = smem
     Z, HQ, KZ, M, N = sizes
     stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD = rows   # STATS, DQ_ACC, dK, dV
     sm_scale, qk_scale2, ds_scale = scalars
@@ -322,11 +341,10 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
             q_t = q_smem.index(st).reshape([BLOCK_M, D])
             do_t = do_smem.index(st).reshape([BLOCK_M, D])
             mbarrier.wait(qdo_ready.index(st), (cnt // NUM_STAGES) & 1)
-            # Registers decide the order: dK and dV hold D registers a thread across the loop, a [64, 64]
-            # fp32 tile 32. So dP is issued once P is made (S and dP in flight beside P spill), and P and
-            # f' are read back from shared memory in 16 bits for dS rather than held across the dP wgmma
-            # (P is rounded to 16 bits for the dV wgmma anyway); the other warpgroup's wgmmas run under
-            # this one's exponentials.
+            # dP is issued once P is made: S and dP in flight beside P spill at D = 128 with a mod (issuing dP
+            # beside S, FA3's order, measured 0.90-0.97x on an H100: configs.py), and P and f' are read back from
+            # shared memory in 16 bits for dS rather than held across the dP wgmma (P is rounded to 16 bits for
+            # the dV wgmma anyway).
             s_tok = warpgroup_mma(q_t, k_t, s_zero, use_acc=False, is_async=True)
             qk, _q, _k = warpgroup_mma_wait(0, deps=[s_tok, q_t, k_t])
             q_idx = gl.minimum(m0 + rows_, M - 1)[:, None]
@@ -357,24 +375,21 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(ds_ready.index(buf), count=1)
-            dk_tok = warpgroup_mma(ds_mine.permute((1, 0)), q_t, dk, is_async=True)
-            dv, dk, _p, _ds, _do2, _q2 = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_t, ds_mine, do_t, q_t])
-            mbarrier.arrive(qdo_empty.index(st), count=1)
-            # dQ = dS K over all 128 keys (both warpgroups' dS), added into the fp32 accumulator: DQ_SPLIT,
-            # each warpgroup D / 2 columns every step; else (D = 64) all columns every other step.
+            # dQ = dS K over all 128 keys (both warpgroups' dS): DQ_SPLIT, each warpgroup D / 2 columns every
+            # step; else (D = 64) all columns every other step.
             if TILE.DQ_SPLIT:
                 mine = True
             else:
                 mine = cnt % 2 == WG
+            # dK, then dQ (dQ before dK measured 0.84-1.05x: configs.py)
+            dk_tok = warpgroup_mma(ds_mine.permute((1, 0)), q_t, dk, is_async=True)
+            dv, dk, _p, _ds, _do2, _q2 = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_t, ds_mine, do_t, q_t])
+            mbarrier.arrive(qdo_empty.index(st), count=1)
             if mine:
                 mbarrier.wait(ds_ready.index(buf), (cnt // 2) & 1)
                 dq_tok = warpgroup_mma(ds_tile, k_dq, dq_zero, use_acc=False, is_async=True)
                 dq, _a, _b = warpgroup_mma_wait(0, deps=[dq_tok, ds_tile, k_dq])
-                dq_rows = _opaque(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout)))
-                # the column offset goes with the rows: columns from 0 become the atomics' immediates
-                dq_cols = gl.arange(0, DQ_N, layout=gl.SliceLayout(0, dq_layout))
-                dq_ptrs = dq_acc_ptr + ((row_off + dq_rows) * D + DQ_COL0)[:, None] + dq_cols[None, :]
-                gl.atomic_add(dq_ptrs, dq, sem="relaxed")
+                _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, m0, row_off, WG, TILE, SCHED)
             cnt += 1
 
     # dK, dV: one store per output tile (rows past N clipped); dK takes the scale and f's factor here.
@@ -384,28 +399,56 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
     head = (kz * HKV + hkv).to(gl.int64) * N * D     # dK, dV are contiguous (the host sees to it)
     gl.store(dk_ptr + head + out_rows * D + out_cols, (dk * ds_scale).to(dtype), mask=keep)
     gl.store(dv_ptr + head + out_rows * D + out_cols, dv.to(dtype), mask=keep)
+    if SCHED.DQ_TMA:
+        tma.store_wait(0)   # the last dQ reduce has read the staging tile before the CTA exits
+
+
+@gluon.jit
+def _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, m0, row_off, WG: gl.constexpr, TILE: gl.constexpr,
+            SCHED: gl.constexpr):
+    """Add this warpgroup's dQ tile [BLOCK_M, DQ_N] (wgmma layout, fp32) into DQ_ACC rows [m0, m0 + BLOCK_M) of
+    head zh. SCHED.DQ_TMA: staged in the warpgroup's shared tile and added by one TMA reduce-add (whole 128-byte
+    lines at L2; the tile is reused once the previous reduce has read it). Else red.global.add.v2.f32, 16 a
+    thread (a thread's fragment holds 2 adjacent columns per 8: v2 is the widest without a shuffle)."""
+    BLOCK_M: gl.constexpr = TILE.BLOCK_M
+    DQ_N: gl.constexpr = TILE.DQ_N
+    D: gl.constexpr = TILE.HEAD_D
+    DQ_COL0: gl.constexpr = WG * DQ_N if TILE.DQ_SPLIT else 0
+    if SCHED.DQ_TMA:
+        stage = dq_smem.index(WG)                    # [1, BLOCK_M, DQ_N]
+        tma.store_wait(0)                            # the previous reduce has read this warpgroup's tile
+        stage.reshape([BLOCK_M, DQ_N]).store(dq)
+        fence_async_shared()
+        _tma_reduce_add(dq_desc, [zh, m0, DQ_COL0], stage)
+    else:
+        dq_layout: gl.constexpr = dq.type.layout
+        dq_rows = _opaque(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout)))
+        # the column offset goes with the rows: columns from 0 become the atomics' immediates
+        dq_cols = gl.arange(0, DQ_N, layout=gl.SliceLayout(0, dq_layout))
+        dq_ptrs = dq_acc_ptr + ((row_off + dq_rows) * D + DQ_COL0)[:, None] + dq_cols[None, :]
+        gl.atomic_add(dq_ptrs, dq, sem="relaxed")
 
 
 @gluon.jit
 def _consumer_wg0(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
                   SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
-                  SPARSE: gl.constexpr, FLAGS: gl.constexpr):
+                  SPARSE: gl.constexpr, FLAGS: gl.constexpr, SCHED: gl.constexpr):
     _consumer(0, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD,
-              MASK_MOD, TILE, SPARSE, FLAGS)
+              MASK_MOD, TILE, SPARSE, FLAGS, SCHED)
 
 
 @gluon.jit
 def _consumer_wg1(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
                   SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
-                  SPARSE: gl.constexpr, FLAGS: gl.constexpr):
+                  SPARSE: gl.constexpr, FLAGS: gl.constexpr, SCHED: gl.constexpr):
     _consumer(1, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD,
-              MASK_MOD, TILE, SPARSE, FLAGS)
+              MASK_MOD, TILE, SPARSE, FLAGS, SCHED)
 
 
 @gluon.jit
 def _producer_entry(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
                     SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
-                    TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr):
+                    TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr, SCHED: gl.constexpr):
     _producer(descs, bars, smem, sizes, tables, table_meta, TILE, SPARSE, FLAGS)
 
 
@@ -415,7 +458,7 @@ _RUNTIME_SIZES = ["Z", "KZ", "M", "N", "M_PAD", "NUM_KV_BLKS", "NUM_Q_BLKS"]
 
 @gluon.jit(do_not_specialize=_RUNTIME_SIZES)
 def fa3_bwd_sm90_kernel(
-    q_desc, do_desc, k_desc, v_desc,
+    q_desc, do_desc, k_desc, v_desc, dq_desc,       # dq_desc: DQ_ACC [Z * HQ, M_PAD, D] with SCHED.DQ_TMA, else None
     stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr,
     qnb_ptr, qidx_ptr, fqnb_ptr, fqidx_ptr,
     score_bufs, mask_bufs,
@@ -425,6 +468,7 @@ def fa3_bwd_sm90_kernel(
     TILE: gl.constexpr,      # BwdTile
     SPARSE: gl.constexpr,    # BwdSparsity
     FLAGS: gl.constexpr,     # BwdFlags
+    SCHED: gl.constexpr,     # BwdSchedule
 ):
     NUM_STAGES: gl.constexpr = TILE.NUM_STAGES
     BLOCK_M: gl.constexpr = TILE.BLOCK_M
@@ -440,6 +484,12 @@ def fa3_bwd_sm90_kernel(
     p_smem = gl.allocate_shared_memory(q_desc.dtype, [P_SLOTS, BLOCK_M, HALF_N], p_layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], q_desc.dtype)
     ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, BLOCK_N], ds_layout)
+    if SCHED.DQ_TMA:   # one fp32 dQ staging tile per consumer warpgroup
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+        dq_tma_desc = dq_desc
+    else:              # placeholders (never read): a role's argument tuple holds no None
+        dq_smem = ds_smem
+        dq_tma_desc = q_desc
 
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     qdo_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -452,9 +502,9 @@ def fa3_bwd_sm90_kernel(
     for b in gl.static_range(2):
         mbarrier.init(ds_ready.index(b), count=2)
 
-    descs = (q_desc, do_desc, k_desc, v_desc)
+    descs = (q_desc, do_desc, k_desc, v_desc, dq_tma_desc)
     bars = (kv_ready, qdo_ready, qdo_empty, ds_ready)
-    smem = (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem)
+    smem = (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem)
     sizes = (Z, HQ, KZ, M, N)
     tables = (qnb_ptr, qidx_ptr, fqnb_ptr, fqidx_ptr)
     table_meta = (SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS)
@@ -464,11 +514,11 @@ def fa3_bwd_sm90_kernel(
     # every role gets the same arguments (the producer's entry drops what it does not read)
     gl.warp_specialize([
         (_consumer_wg0, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
-                         SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)),
+                         SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, SCHED)),
         (_consumer_wg1, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
-                         SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)),
+                         SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, SCHED)),
         (_producer_entry, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
-                           SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)),
+                           SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, SCHED)),
     ], [4, 1], [FLAGS.CONSUMER_REGS, FLAGS.PRODUCER_REGS])
 
 

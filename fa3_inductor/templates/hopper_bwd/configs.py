@@ -7,9 +7,14 @@ and per step a [64, 64] fp32 tile (S, then dP: 32) and its part of the dQ tile (
 
 Shared memory: K and V of the CTA's 128 keys (2 * 128 * D * 2 bytes), NUM_STAGES stages of Q and dO
 (2 * 64 * D * 2 each), P of both warpgroups (2 * 64 * 64 * 2; twice that with a score_mod, whose f' is parked
-beside it) and two dS buffers (2 * 64 * 128 * 2); 227 KB per CTA on sm90.
+beside it) and two dS buffers (2 * 64 * 128 * 2); with dq_tma two fp32 dQ staging tiles (2 * 64 * 64 * 4);
+227 KB per CTA on sm90.
 
-Not measured on a GPU yet (compile-only: tests/test_hopper_bwd_compile.py reports registers and spills).
+dq_tma and two schedule orders were the candidates docs/design/hopper_backward.md ("Gap") derived from the
+compiled kernel (dP's wgmma beside S's, FA3's order; dQ's wgmma before dK's). Measured on an H100 (benchmarks/results/bwd-ab-nvidia-h100-80gb-hbm3-
+2026-11-25-0609, B4 H16 N4096, backward alone against the atomic dQ): dq_tma 1.31x / 1.21x faster at D128
+noop / causal, 1.07x / 1.09x at D64; dp_with_s 0.90-0.97x; dq_before_dk 0.84-1.05x; all three 0.96-1.20x.
+So dq_tma is on in every entry and the two orders were removed from the kernel.
 """
 from __future__ import annotations
 
@@ -24,23 +29,36 @@ class BwdSm90Config:
     consumer_regs: int = 240
     producer_regs: int = 24
     maxnreg: int = 168           # register cap at kernel entry (12 warps)
+    dq_tma: bool = True          # dQ staged in shared memory, one TMA reduce-add per warpgroup and step (else
+                                 # per-thread red.v2 atomics: 32 KB less shared memory, for tiles that need it)
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
-        """Shared memory of K, V, the Q / dO ring, P and the two dS buffers (no score_mod), barriers aside."""
+        """Shared memory of K, V, the Q / dO ring, P, the two dS buffers and the dQ staging tiles (no score_mod),
+        barriers aside."""
         kv = 2 * 128 * head_dim                  # K, V of the CTA's 128 keys
         ring = self.num_stages * 2 * 64 * head_dim    # Q, dO of 64 query rows per stage
         p_ds = 2 * 64 * 64 + 2 * 64 * 128           # P (one [64, 64] tile per warpgroup), two dS buffers
-        return elem_bytes * (kv + ring + p_ds)
+        dq_stage = 2 * 64 * 64 * 4 if self.dq_tma else 0   # fp32 [64, 64] per consumer warpgroup
+        return elem_bytes * (kv + ring + p_ds) + dq_stage
 
 
 _TABLE: dict[int, BwdSm90Config] = {
-    # D=64: 32 KB K/V + 2 x 16 KB ring + 16 KB P + 32 KB dS = 112 KB (a deeper ring fits: not measured yet).
+    # D=64: 32 KB K/V + 2 x 16 KB ring + 16 KB P + 32 KB dS + 32 KB dQ staging = 144 KB (a deeper ring fits:
+    # not measured yet).
     64: BwdSm90Config(num_stages=2),
-    # D=128: 64 KB K/V + 2 x 32 KB ring + 16 KB P + 32 KB dS = 176 KB (192 KB with a score_mod).
+    # D=128: 64 KB K/V + 2 x 32 KB ring + 16 KB P + 32 KB dS + 32 KB dQ staging = 208 KB (224 KB with a
+    # score_mod).
     128: BwdSm90Config(num_stages=2),
 }
 
 SUPPORTED_HEAD_DIMS = tuple(sorted(_TABLE))
+
+
+# Named schedules for A/B runs (benchmarks/bwd_speed.py --bwd-variants): field overrides of the table's entry.
+VARIANTS: dict[str, dict[str, bool]] = {
+    "default": {},
+    "atomic_dq": {"dq_tma": False},
+}
 
 
 def get_bwd_config(head_dim: int, **overrides) -> BwdSm90Config:
@@ -50,6 +68,8 @@ def get_bwd_config(head_dim: int, **overrides) -> BwdSm90Config:
 
         >>> get_bwd_config(128).num_stages
         2
+        >>> get_bwd_config(128, **VARIANTS["atomic_dq"]).dq_tma
+        False
     """
     if head_dim not in _TABLE:
         raise ValueError(f"sm90 backward: head dim {head_dim} is not served (it serves "

@@ -1,6 +1,6 @@
 """The Hopper backward behind the backward-family interface (templates/family.py): sm90 GPUs, float16
 and bfloat16, D = DV in configs.SUPPORTED_HEAD_DIMS; mods in the ``gl`` dialect. dQ is summed with
-fp32 atomics, so it is not bitwise reproducible: a site that asks for deterministic gradients, or for
+fp32 reduce-adds (TMA, in arrival order), so it is not bitwise reproducible: a site that asks for deterministic gradients, or for
 gradients of captured tensors (not computed here yet), goes to the generic backward."""
 
 from __future__ import annotations
@@ -15,13 +15,10 @@ from .configs import SUPPORTED_HEAD_DIMS
 from .host import hopper_backward_scratch, prepare_hopper_backward
 
 
-# Measured on an H100, backward alone, B4 H16 N4096 (benchmarks/results/bwd-speed-nvidia-h100-80gb-hbm3-
-# 2026-11-25-0315 for ours, -0334 for torch's, which that run timed at 4k): at D128 torch's flex backward kernel is faster without a score_mod derivative (noop 3.41
-# against 3.87 ms, ALiBi 3.61 against 3.86, causal 2.07 against 2.14), ours with one (softcap 4.69 against
-# 6.99); at D64 ours is as fast or faster in every case (noop 2.15 against 2.38, softcap 2.49 against 5.67).
-_D128_SLOWER = ("Hopper backward: torch's flex backward kernel is faster at head dim 128 without a score_mod "
-                "derivative (H100, 4k: 3.41 against 3.87 ms noop); ours serves D128 sites whose score_mod "
-                "has one (softcap: 4.69 against 6.99 ms)")
+# Measured on an H100, backward alone, B4 H16 N4096, dQ by TMA reduce-add (benchmarks/results/bwd-speed-nvidia-
+# h100-80gb-hbm3-2026-11-25-0615): ours is faster than torch's flex backward kernel in every row, D128 noop 3.13
+# against 3.42 ms, causal 1.69 / 1.96, ALiBi 3.02 / 3.64, softcap 3.46 / 6.70; D64 noop 2.07 / 2.33. (With dQ by
+# atomics, -0315, torch's was faster at D128 without a score_mod derivative, and served those sites.)
 
 
 class HopperBackwardFamily:
@@ -45,11 +42,9 @@ class HopperBackwardFamily:
             return (f"Hopper backward: head dims {site.head_dim}/{site.value_head_dim} (it serves "
                     f"D = Dv in {SUPPORTED_HEAD_DIMS})")
         if site.deterministic:
-            return "Hopper backward: dQ by fp32 atomics is not bitwise reproducible (fa3.deterministic_backward)"
+            return "Hopper backward: dQ summed by fp32 reduce-adds in arrival order is not bitwise reproducible (fa3.deterministic_backward)"
         if site.buffer_grads:
             return "Hopper backward: gradients of captured tensors not computed here yet"
-        if site.head_dim == 128 and not site.score_grad:
-            return _D128_SLOWER
         return None
 
     def prepare_backward(self, call: BackwardCall) -> Optional[list[Launch]]:

@@ -15,8 +15,8 @@ import triton
 from ..generic_bwd.host import SCORE_GRAD_ONE, transpose_block_tables
 from ..modgen import BufferSpec, GeneratedSource, generate_mod_source, kernel_score_mod
 from ..tma import tma_aligned
-from .bwd_sm90 import (BwdFlags, BwdSparsity, BwdTile, bwd_sm90_dq_convert_kernel, bwd_sm90_preprocess_kernel,
-                       fa3_bwd_sm90_kernel)
+from .bwd_sm90 import (BwdFlags, BwdSchedule, BwdSparsity, BwdTile, bwd_sm90_dq_convert_kernel,
+                       bwd_sm90_preprocess_kernel, fa3_bwd_sm90_kernel)
 from .configs import SMEM_LIMIT, SUPPORTED_HEAD_DIMS, BwdSm90Config, get_bwd_config
 
 _MAX_SEQ = 1 << 23
@@ -97,6 +97,17 @@ def _desc(t: torch.Tensor, block_shape: list[int]):
 
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block_shape, _smem_layout(tuple(block_shape),
                                                                                            t.dtype))
+
+
+def _dq_acc_desc(dq_acc: torch.Tensor, tile: BwdTile):
+    """TMA descriptor of DQ_ACC [Z * HQ, M_PAD, D] (fp32) by [1, BLOCK_M, DQ_N] tiles, 128-byte swizzled (the
+    compiler splits a tile into 32-column boxes): what the dQ_TMA schedule reduce-adds into."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    block = [1, tile.BLOCK_M, tile.DQ_N]
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=3)
+    return TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), block, layout)
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -244,6 +255,7 @@ def prepare_hopper_backward(
                          SPARSE_KV=sparse_kv_block if has_mask else tile.BLOCK_N)
     flags = BwdFlags(GQA_GROUP=HQ // HKV, FOLD_SCALE=fold, EVEN_N=N % tile.BLOCK_N == 0,
                      CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
+    sched = BwdSchedule(DQ_TMA=cfg.dq_tma)
 
     preprocess = (
         bwd_sm90_preprocess_kernel,
@@ -255,10 +267,11 @@ def prepare_hopper_backward(
         fa3_bwd_sm90_kernel,
         (_desc(q, [1, 1, tile.BLOCK_M, D]), _desc(dout, [1, 1, tile.BLOCK_M, D]),
          _desc(k, [1, 1, tile.BLOCK_N, D]), _desc(v, [1, 1, tile.BLOCK_N, D]),
+         _dq_acc_desc(dq_acc, tile) if cfg.dq_tma else None,
          stats, dq_acc, dk, dv, *tables, tuple(score_bufs), tuple(mask_bufs),
          Z, HQ, KZ, M, N, m_pad, SZ, SH, num_kv_blks, num_q_blks, *scalars),
         dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse,
-             FLAGS=flags, num_warps=4, maxnreg=cfg.maxnreg),
+             FLAGS=flags, SCHED=sched, num_warps=4, maxnreg=cfg.maxnreg),
         (triton.cdiv(N, tile.BLOCK_N), KZ * HKV))
     convert = (
         bwd_sm90_dq_convert_kernel,
