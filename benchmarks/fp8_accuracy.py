@@ -441,7 +441,7 @@ def _block_scales(x: Tensor, block: int, zero_scale: float = 1.0, pow2: bool = F
 def emulate_quantize(q: Tensor, k: Tensor, v: Tensor, recipe: FP8Recipe,
                      rope: Optional[RopeSpec] = None) -> EmulatedOperands:
     """The prologue's job in float32 torch ops: RoPE (if given), the Hadamard rotation of Q and K,
-    K smoothing (mean over tokens subtracted after the rotation), then Q and K in int8 (scale
+    K smoothing (mean over a token sample subtracted after the rotation), then Q and K in int8 (scale
     amax/127, round half to even) or e4m3 (amax/448) per ``recipe.qk``, V in e4m3, with one scale
     per ``block_m`` rows of Q / ``block_n`` rows of K and V (0: per (batch, head)); an all-zero
     block has scale 1 and does not count for ``v_scale_max``. V's scales are rounded up to powers of two,
@@ -459,8 +459,10 @@ def emulate_quantize(q: Tensor, k: Tensor, v: Tensor, recipe: FP8Recipe,
     if recipe.hadamard:
         r = hadamard_rotation(q.shape[-1], recipe.seed).to(q.device, torch.float32)
         q32, k32 = q32 @ r, k32 @ r
-    if recipe.smooth_k:
-        k32 = k32 - k32.mean(dim=-2, keepdim=True)
+    if recipe.smooth_k:   # the prologue's mean: over its sample of at most 256 tokens
+        from fa3_inductor.templates.fp8_prologue.reference import smooth_sample
+
+        k32 = k32 - k32[..., smooth_sample(k32.shape[-2]).to(k32.device), :].mean(dim=-2, keepdim=True)
     v32 = v.float()
     qk_top, qk_round = (INT8_MAX, to_int8) if recipe.qk == "int8" else (E4M3_MAX, to_e4m3)
     sq, sk = _block_scales(q32, recipe.block_m, top=qk_top), _block_scales(k32, recipe.block_n, top=qk_top)

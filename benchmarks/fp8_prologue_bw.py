@@ -4,17 +4,19 @@ the same byte count (templates/fp8_prologue/; target: >= 70% of copy, docs/desig
 
 Shapes: B = 16384 / N, Hq 16, Hkv 16 and 4 (GQA), D 64 and 128, N 4096 and 16384, bf16; recipes:
 plain (Hadamard), + RoPE (transformers' "half" style, bf16 tables as transformers builds them),
-+ smooth_k, both. Bytes moved = what the method must move: Q, K, V read once (bf16), Q8, K8, Vᵀ8
++ RoPE "interleaved" (Meta's pairs), + smooth_k (K's mean over a 256-token sample), RoPE + smooth_k. Bytes moved = what the method must move: Q, K, V read once (bf16), Q8, K8, Vᵀ8
 and the scales written once; RoPE tables and smooth_k's second read of K are not counted (they are
-the cost of the method, not of the bytes). The copy is ``dst.copy_(src)`` of half that many bytes
+the cost of the method, not of the bytes; smooth_k's pre-pass reads 256 rows per head). The copy is ``dst.copy_(src)`` of half that many bytes
 (read + write = the same total). Times are ``triton.testing.do_bench`` medians (CUDA events, L2
 flushed between calls) of the prologue's launches prepared once (``prepare_prologue``): no host
 work is timed.
 
 Options:
 - ``--sweep``: also times the candidate launch parameters (``host.PrologueTuning``: warps, pipeline
-  stages, persistent or one program per group, register cap) on the Hkv 16 shapes, checks each
-  gives the default's bytes, and prints the best per shape;
+  stages, persistent or one program per group, register cap) on the Hkv 16 shapes of the last
+  ``--seqlens`` entry (plain and RoPE "half": the main launch is the same kernel with smoothing
+  or interleaved pairs), checks each gives the default's bytes, and prints the best per shape
+  (``host.tuned_launch``'s table takes the winners);
 - ``--against PATH``: times the prologue of another tree (``fa3_inductor`` imported from PATH in a
   subprocess running this file) on the same shapes: old vs new in one run. Make the old tree with
   ``git worktree add /tmp/fp8_old HEAD`` (or any commit).
@@ -38,7 +40,7 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENS, HQ = 16384, 16
-RECIPES = ("plain", "rope", "smooth", "rope+smooth")
+RECIPES = ("plain", "rope", "rope-il", "smooth", "rope+smooth")
 
 
 def _import_tree(root: str):
@@ -83,7 +85,8 @@ def _inputs(c: dict):
     recipe = FP8Recipe(smooth_k="smooth" in c["recipe"])
     rope = None
     if "rope" in c["recipe"]:
-        r = RopeSpec.from_theta(c["D"], c["N"], device="cuda")
+        style = "interleaved" if c["recipe"] == "rope-il" else "half"
+        r = RopeSpec.from_theta(c["D"], c["N"], device="cuda", style=style)
         rope = RopeSpec(r.cos.to(torch.bfloat16), r.sin.to(torch.bfloat16), r.style)
     return q, k, v, recipe, rope
 
@@ -145,11 +148,9 @@ def sweep_candidates() -> list:
     """The launch parameters --sweep times (host.PrologueTuning)."""
     from fa3_inductor.templates.fp8_prologue.host import PrologueTuning
 
-    out = [PrologueTuning(num_warps=w, num_stages=s, programs_per_sm=p)
-           for w in (4, 8) for s in (1, 2, 3) for p in (None, 0)]
-    out += [PrologueTuning(num_warps=8, num_stages=s, maxnreg=128) for s in (1, 2)]
-    out += [PrologueTuning(num_warps=8, num_stages=2, programs_per_sm=2),
-            PrologueTuning(num_warps=4, num_stages=2, programs_per_sm=4)]
+    out = [PrologueTuning(num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3)]
+    out += [PrologueTuning(num_warps=4, num_stages=2, programs_per_sm=0),
+            PrologueTuning(num_warps=8, num_stages=1, maxnreg=128)]
     return out
 
 
@@ -242,8 +243,9 @@ def main() -> None:
     sweep = []
     if args.sweep:
         for c in cases:
-            if c["Hkv"] != HQ or "smooth" in c["recipe"]:
-                continue      # the main launch is the same kernel with smoothing; GQA: fewer K/V groups
+            if (c["Hkv"] != HQ or c["recipe"] not in ("plain", "rope")
+                    or c["N"] != cases[-1]["N"]):
+                continue      # the same kernel with smoothing or interleaved pairs; GQA: fewer K/V groups
             base = None
             nbytes = _bytes_moved(c)
             for t in sweep_candidates():

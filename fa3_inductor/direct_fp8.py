@@ -17,8 +17,8 @@ from torch import Tensor
 
 from .direct import block_mask_tables, cached_plan
 from .fp8_recipe import FP8Recipe, RopeSpec
-from .runtime.ops import record_template, serve
 from .runtime.ops_fp8 import fp8_call as runtime_fp8_call
+from .runtime.ops_fp8 import serve_fp8
 from .runtime.spec import SiteSpec
 from .templates.family import Call
 
@@ -39,7 +39,7 @@ def forward_fp8(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable], 
         >>> out, lse = forward_fp8(q, k, v, None, None, 0.125, FP8Recipe(), None)   # doctest: +SKIP
     """
     spec, call = _planned_call(q, k, v, score_mod, block_mask, scale, recipe, rope)
-    record_template(serve(SiteSpec.from_json(spec), call, spec))
+    serve_fp8(spec, call)
     return call.out, call.lse.mul_(_LN2)
 
 

@@ -39,7 +39,8 @@ class FP8Recipe:
     - ``hadamard``: rotate Q and K by the seeded random-sign Hadamard matrix first.
     - ``block_m`` / ``block_n``: rows of Q / of K and V sharing one scale (the kernel's tiles;
       0 means one scale per (batch, head), the per-head ablation).
-    - ``smooth_k``: subtract K's mean over tokens (per batch, head and channel) before quantizing.
+    - ``smooth_k``: subtract K's mean over tokens (per batch, head and channel) before quantizing,
+      taken over a stratified sample of at most 256 tokens (exact under softmax for any vector).
     - ``two_level``: PV partial sums kept in the tensor core's accumulator for this many KV tiles,
       then added into an fp32 accumulator (Hopper's FP8 MMA accumulates in about 22 bits). 0: one
       accumulator for the whole row (the ablation).

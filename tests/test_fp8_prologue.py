@@ -22,7 +22,8 @@ from fa3_inductor.templates.fp8_prologue.hadamard import (hadamard_block, random
                                                           rotation_matrix, sign_hadamard, sylvester)
 from fa3_inductor.templates.fp8_prologue.reference import (apply_rope, block_scales, dequantize,
                                                            quantize_blocks, quantize_reference,
-                                                           rope_tables, rotate, round_e4m3, round_int8)
+                                                           rope_tables, rotate, round_e4m3, round_int8,
+                                                           smooth_sample)
 
 SCALE_RTOL = 1e-6           # fp32 scales against float64 amax / 448 or / 127 (seen: 1.4e-7)
 TIE_ATOL = 1e-3             # |x / scale - tie| (units of x / scale) for a mismatch to count as a tie ...
@@ -85,7 +86,7 @@ def assert_matches_reference(ops, q, k, v, recipe: FP8Recipe, rope=None):
     assert ops.vt[..., N:].view(torch.uint8).eq(0).all(), "Vᵀ pad columns are not 0"
     qr, kr = rotate(q, k, recipe, rope)
     if recipe.smooth_k:
-        mean = kr.mean(dim=2, keepdim=True)
+        mean = kr[:, :, smooth_sample(N)].mean(dim=2, keepdim=True)
         kr = kr - mean
         assert ops.k_mean is not None and ops.k_mean.dtype == torch.float32
         scale = mean.abs().max().item()
@@ -304,6 +305,29 @@ def test_cpu_path_without_triton_matches_the_interpreter(cpu_kernels, monkeypatc
     assert torch.equal(torch_ops.q_scale, quantize_reference(q, k, v, recipe, rope).q_scale)
 
 
+def test_smooth_k_subtracts_the_mean_of_a_stratified_sample(cpu_kernels):
+    """Past 256 tokens smooth_k's mean is over reference.smooth_sample's tokens (one per stratum,
+    hashed offsets): the kernel's pre-pass picks the same tokens (k_mean and the operands match the
+    float64 reference), and the sampled mean centres K nearly as well as the full one."""
+    N = 400
+    q, k, v = _inputs(1, 1, 1, 16, N, 64, seed=11)
+    k = k + 3.0          # a large token mean, as real keys have
+    positions = torch.randint(0, 1024, (N,), generator=torch.Generator().manual_seed(1))
+    rope = RopeSpec.from_theta(64, 1024, style="interleaved", k_positions=positions)
+    recipe = FP8Recipe(smooth_k=True, block_m=16, block_n=64)
+    idx = smooth_sample(N)
+    j = torch.arange(256)
+    assert len(idx) == 256 and ((j * N // 256 <= idx) & (idx < (j + 1) * N // 256)).all(), \
+        "not one token per stratum"
+    assert len(set(torch.diff(idx).tolist())) > 1, "the offsets are not hashed: a plain stride"
+    ops = quantize(q, k, v, recipe, rope)
+    assert_matches_reference(ops, q, k, v, recipe, rope)
+    _, kr = rotate(q, k, recipe, rope)
+    full = kr.mean(dim=2)
+    residual = (full - ops.k_mean.double()).norm() / full.norm()
+    assert residual < 0.1, f"the sampled mean is {residual:.3f} of the full mean away from it"
+
+
 def test_smoothing_is_deterministic(cpu_kernels):
     q, k, v = _inputs(1, 2, 2, 16, 200, 64)
     recipe = FP8Recipe(smooth_k=True, block_m=16, block_n=16)
@@ -436,18 +460,19 @@ def test_compiles_for_sm90_without_spills(style):
 
 
 @pytest.mark.sm90_compile
-@pytest.mark.parametrize("D,rope", [(128, False), (128, True), (64, True)])
+@pytest.mark.parametrize("D,rope", [(128, ""), (128, "half"), (64, "half"), (128, "interleaved")])
 def test_sm90_memory_instructions_are_wide_and_pipelined(D, rope):
     """What bandwidth hangs on (docs/design/fp8_prologue.md): every global store is 16 bytes wide
     (the transposed Vᵀ store included: one byte per instruction before), bf16 tiles are loaded 16
-    bytes at a time, and the persistent loops prefetch the next group (cp.async) by default."""
+    bytes at a time (interleaved RoPE too: its pairs are split in registers, not gathered 2 bytes
+    at a time), and the persistent loops prefetch the next group (cp.async) by default."""
     import re
 
     from fa3_inductor.templates.aot import sass_report
 
     q = torch.randn(2, 8, 1024, D, dtype=torch.bfloat16)
     k = v = torch.randn(2, 8, 1024, D, dtype=torch.bfloat16)
-    r = RopeSpec.from_theta(D, 1024) if rope else None
+    r = RopeSpec.from_theta(D, 1024, style=rope) if rope else None
     (main,) = host.compile_prologue(q, k, v, FP8Recipe(), r)
     rep = sass_report(main)
     stores = re.findall(r"\bst\.global(?:\.\w+)*", rep.ptx)
@@ -455,6 +480,8 @@ def test_sm90_memory_instructions_are_wide_and_pipelined(D, rope):
     scalar = [s for s in stores if ".v" not in s]
     assert len(wide) >= 12 and all(s.endswith(".b32") for s in scalar) and len(scalar) <= 4, stores
     assert not re.search(r"\bld\.global(?:\.\w+)*\.(?:b16|u16|b8|u8)\b", rep.ptx), "narrow loads"
+    sizes = re.findall(r"\bcp\.async\.\w+\.shared\.global\s+\[[^]]+\],\s*\[[^]]+\],\s*(\w+)", rep.ptx)
+    assert sizes and set(sizes) == {"0x10"}, f"cp.async sizes {set(sizes)}: 16 bytes each expected"
     assert "cp.async" in rep.ptx, "the persistent loops are not pipelined"
     assert rep.stack == 0 and rep.spill_instructions == 0, (rep.registers, rep.stack)
 

@@ -62,12 +62,41 @@ def flex_fwd_fp8(q: Tensor, k: Tensor, v: Tensor, kv_num_blocks: Optional[Tensor
         >>> out, lse, mx = torch.ops.fa3_inductor.flex_fwd_fp8(q, k, v, None, None, None, None,
         ...     [], [], 0.125, 128, 128, spec, recipe_text(FP8Recipe()))   # doctest: +SKIP
     """
-    from .ops import record_template, serve
-
     call = fp8_call(q, k, v, (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices),
                     score_bufs, mask_bufs, scale, sparse_q_block, sparse_kv_block, recipe_of(recipe))
-    record_template(serve(SiteSpec.from_json(spec), call, spec))
+    serve_fp8(spec, call)
     return call.out, call.lse, call.max_scores
+
+
+_LOG2E = 1.4426950408889634
+
+
+def serve_fp8(spec: str, call: Call) -> None:
+    """Compute ``call`` (the site's families, runtime.ops.serve), record the template, and put back
+    into the LSE what K smoothing took out of it.
+
+    ``smooth_k`` subtracts one vector mu from every key of a head, which shifts each query row's
+    scores by the constant ``scale * q.mu``: softmax, and so the output, ignores it, the LSE does
+    not. The shift is added back from the prologue's own operands (the dequantized rotated q, as
+    the kernel's scores use it; rotation keeps dot products), in log2 units as ``call.lse`` holds it.
+
+    Example::
+
+        >>> serve_fp8(spec, fp8_call(q, k, v, (None,) * 4, [], [], 0.125, 1 << 30, 1 << 30,
+        ...                          FP8Recipe(smooth_k=True)))        # doctest: +SKIP
+    """
+    from .ops import record_template, serve
+
+    record_template(serve(SiteSpec.from_json(spec), call, spec))
+    ops = call.fp8
+    if ops is None or ops.k_mean is None:
+        return
+    B, Hq, M, _ = ops.q.shape
+    mu = ops.k_mean.expand(B, -1, -1).repeat_interleave(Hq // ops.k_mean.shape[1], dim=1)
+    block = ops.recipe.block_m or M
+    row_scale = ops.q_scale.repeat_interleave(block, dim=-1)[..., :M]
+    q_dot_mu = torch.matmul(ops.q.to(torch.float32), mu.unsqueeze(-1)).squeeze(-1)
+    call.lse.add_(q_dot_mu * row_scale * (call.scale * _LOG2E))
 
 
 def fp8_call(q: Tensor, k: Tensor, v: Tensor, tables: tuple, score_bufs: Sequence[Tensor],
@@ -119,13 +148,11 @@ def flex_fwd_fp8_rope(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
         ...     None, None, None, None, [], [], 0.125, 1 << 30, 1 << 30, spec,
         ...     recipe_text(FP8Recipe()))                                  # doctest: +SKIP
     """
-    from .ops import record_template, serve
-
     rope = RopeSpec(cos, sin, rope_style)
     call = fp8_call(q, k, v, (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices),
                     [b.contiguous() for b in score_bufs], [b.contiguous() for b in mask_bufs],
                     scale, sparse_q_block, sparse_kv_block, recipe_of(recipe), rope)
-    record_template(serve(SiteSpec.from_json(spec), call, spec))
+    serve_fp8(spec, call)
     return call.out, call.lse, call.max_scores
 
 

@@ -16,13 +16,15 @@ import triton
 from ...fp8_recipe import FP8Operands, FP8Recipe, RopeSpec
 from .hadamard import hadamard_block, sign_hadamard
 from .kernel import Quantization, Rotation, Tiles, k_sums_kernel, prologue_kernel
+from .reference import SMOOTH_SAMPLE
 
 MAX_HEAD_DIM = 256
 # Rows a program holds at once: 128 (BLOCK_D <= 128), 32 above: a 64-row tile of 256 fp32 columns
 # spilled on sm90 (Triton 3.6, 8 warps: 262 spill instructions; 32 rows: none).
 MAX_TILE = 128
 MAX_TILE_WIDE = 32
-SMOOTH_CHUNKS = 16      # partial K sums per head (smooth_k): parallelism of the reduction pass
+SMOOTH_ROWS = 32        # smooth_k's pre-pass: sample rows per program (one partial sum each)
+SMOOTH_CHUNKS = SMOOTH_SAMPLE // SMOOTH_ROWS   # partial K sums per head, at most
 INTERPRETER_SMS = 2     # the interpreter runs programs one by one: a small grid walks the loops
 
 
@@ -31,27 +33,49 @@ class PrologueTuning:
     """Launch parameters of ``prologue_kernel`` (never its math): ``benchmarks/fp8_prologue_bw.py
     --sweep`` times the candidates on a GPU.
 
-    - ``num_warps``: None picks 8 for heads wider than 128 (and 128 with RoPE), else 4;
+    - ``num_warps``: None: :func:`tuned_launch`'s choice for the head dim and RoPE;
     - ``num_stages``: software pipelining depth of the persistent loops: 2 loads the next group
       (cp.async into shared memory) while the current one is rotated and stored; 1: no overlap
-      within a program;
+      within a program; None: :func:`tuned_launch`'s choice;
     - ``programs_per_sm``: persistent programs per SM; None: as many as fit at once (the compiled
       kernel's registers and shared memory); 0: one program per group (no loop);
     - ``maxnreg``: a register cap per thread (None: the compiler's choice).
 
     Example::
 
-        >>> PrologueTuning(num_warps=4).num_stages
-        2
+        >>> PrologueTuning(num_warps=4, num_stages=1).programs_per_sm is None
+        True
     """
 
     num_warps: Optional[int] = None
-    num_stages: int = 2
+    num_stages: Optional[int] = None
     programs_per_sm: Optional[int] = None
     maxnreg: Optional[int] = None
 
 
 DEFAULT_TUNING = PrologueTuning()
+
+# (widest head dim rounded up to a power of two, <= 64 or 128; RoPE) -> (warps, stages, register cap):
+# the --sweep of fp8-prologue-bw-nvidia-h100-80gb-hbm3-2026-11-25-0627 (H100, this kernel, N 16384
+# Hkv 16): the fastest of 8 candidates per row. D64: 4 warps, 2 stages without RoPE (2.45 TB/s, one
+# stage 2.34), 3 with (1.60); D128 without RoPE 4 warps, 2 stages (2.45; 8 warps 2.46, equal); D128
+# with RoPE one stage of 8 warps capped at 128 registers (1.56 against 1.29 with two uncapped
+# stages, 1.43 with 4 warps). Re-run the sweep after kernel changes.
+_TUNED = {(64, False): (4, 2, None), (64, True): (4, 3, None), (128, False): (4, 2, None),
+          (128, True): (8, 1, 128)}
+
+
+def tuned_launch(head_dim: int, rope: bool) -> tuple[int, int, Optional[int]]:
+    """(num_warps, num_stages, maxnreg) of ``prologue_kernel`` for the widest of the Q/K and V head
+    dims, with or without RoPE: the measured table above; 8 warps, 2 stages past 128 columns.
+
+    Example::
+
+        >>> tuned_launch(128, rope=True)
+        (8, 1, 128)
+    """
+    wide = max(64, triton.next_power_of_2(head_dim))
+    return _TUNED.get((wide, rope), (8, 2, None))
 
 
 @dataclasses.dataclass
@@ -218,7 +242,9 @@ def prepare_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: 
     shape = Tiles(D=D, DV=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv, TILE_M=tile_m, TILE_N=tile_n,
                   Q_ONE_TILE=recipe.block_m == tile_m, KV_ONE_TILE=recipe.block_n == tile_n)
 
-    had = sign_hadamard(D, recipe.seed, torch.float16, dev, pad_to=block_d)
+    # fp16 for RoPE's hi + lo dots; without RoPE the tile's own dtype (kernel.py, _input_dot).
+    had = sign_hadamard(D, recipe.seed, torch.float16 if rope is not None else q.dtype, dev,
+                        pad_to=block_d)
     if rope is not None:
         cos, sin = _last_dim_contiguous(rope.cos), _last_dim_contiguous(rope.sin)
         if cos.dim() == 2:
@@ -244,15 +270,17 @@ def prepare_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: 
         return pos, (pos.stride(0) if pos.shape[0] > 1 else 0)
 
     (qpos_t, stride_qpz), (kpos_t, stride_kpz) = pos_arg(qpos), pos_arg(kpos)
+    interpret = _interpreting()
     rope_dim = cos.shape[-1] if rope is not None else 0
     rot = Rotation(HADAMARD=recipe.hadamard, HAD_SCALE=hadamard_block(D) ** -0.5,
                    ROPE=rope.style if rope is not None else "", ROPE_DIM=rope_dim,
                    HALF_BLOCK=_pow2(rope_dim // 2),
                    REST_BLOCK=_pow2(D - rope_dim) if D > rope_dim else 0,
-                   Q_POS=qpos is not None, K_POS=kpos is not None)
+                   Q_POS=qpos is not None, K_POS=kpos is not None,
+                   DOT_IN_FP32=interpret)
     quant = Quantization(QK_INT8=recipe.qk == "int8", SMOOTH_K=recipe.smooth_k,
-                         SMOOTH_CHUNKS=SMOOTH_CHUNKS,
-                         ROUND_IN_FP32=_interpreting() if round_in_fp32 is None else round_in_fp32)
+                         SMOOTH_CHUNKS=SMOOTH_CHUNKS, SMOOTH_ROWS=SMOOTH_ROWS,
+                         ROUND_IN_FP32=interpret if round_in_fp32 is None else round_in_fp32)
 
     fp8 = torch.float8_e4m3fn
     qk_dtype = torch.int8 if recipe.qk == "int8" else fp8
@@ -267,27 +295,23 @@ def prepare_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: 
         k_mean=torch.empty(B, Hkv, D, dtype=torch.float32, device=dev) if recipe.smooth_k else None,
         recipe=recipe, n=N)
 
-    # 4 warps keep more programs per SM: 128 x 128 tiles at D=128 moved 2.04-2.09 TB/s with 4 warps
-    # against 1.55-1.60 with 8 (H100, benchmarks/results/fp8-prologue-bw-nvidia-h100-80gb-hbm3-
-    # 2026-11-25-0026, --sweep). 8 past 128 columns, and at 128 with RoPE: 4 spill there (255
-    # registers, 256 bytes of stack at sm90).
-    wide = max(block_d, block_dv)
-    num_warps = tuning.num_warps or (8 if wide > 128 or (rope is not None and wide == 128) else 4)
-    # The reduction pass holds a K tile and its 4 table parts (both columns of each pair): with
-    # RoPE at 4 warps it spilled at D = 128 (sm90: 158 spill instructions "half", 509
-    # "interleaved"); 8 warps: none (215 registers "half", 255 "interleaved", whose stride-2
-    # loads take an address per element).
-    sums_warps = 8 if rope is not None else 4
+    warps, stages, regs = tuned_launch(max(D, Dv), rope is not None)
+    num_warps = tuning.num_warps or warps
+    num_stages = tuning.num_stages or stages
+    maxnreg = tuning.maxnreg if tuning.num_warps or tuning.num_stages or tuning.maxnreg else regs
+    # smooth_k's pre-pass reads S = min(N, 256) sampled rows per head (reference.smooth_sample),
+    # SMOOTH_ROWS per program: a few percent of K's bytes, where a pass over all of K cost 15-30%
+    # of the prologue (H100, fp8-prologue-bw-nvidia-h100-80gb-hbm3-2026-11-25-0026).
     launches = []
-    n_chunks = min(SMOOTH_CHUNKS, -(-N // tile_n))
+    n_sample = min(N, SMOOTH_SAMPLE)
+    n_chunks = -(-n_sample // SMOOTH_ROWS)
     k_part = had
     if recipe.smooth_k:
         k_part = torch.empty(B * Hkv, SMOOTH_CHUNKS, block_d, dtype=torch.float32, device=dev)
         launches.append((k_sums_kernel,
                          (k, k_part, had, cos, sin, kpos_t, *k.stride()[:3], stride_tz, stride_tp,
-                          stride_kpz, Hkv, N, P, n_chunks),
-                         dict(SHAPE=shape, ROT=rot, QUANT=quant, num_warps=sums_warps,
-                              num_stages=1),
+                          stride_kpz, Hkv, N, n_sample, P),
+                         dict(SHAPE=shape, ROT=rot, QUANT=quant, num_warps=4, num_stages=1),
                          (B * Hkv, n_chunks)))
     nq, nk = B * Hq * qg, B * Hkv * kg
     args = (q, k, v, ops.q, ops.k, ops.vt, ops.q_scale, ops.k_scale, ops.v_scale, ops.v_scale_max,
@@ -295,12 +319,11 @@ def prepare_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: 
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], stride_tz, stride_tp,
             stride_qpz, stride_kpz,
             B, Hq, Hkv, M, N, n_pad, P, nq, nk, qg, kg,
-            recipe.block_m or M, recipe.block_n or n_pad, n_chunks)
+            recipe.block_m or M, recipe.block_n or n_pad, n_chunks, n_sample)
     # Persistent programs loop over the groups (kernel.py): as many as the SMs hold at once.
-    kwargs = dict(SHAPE=shape, ROT=rot, QUANT=quant, num_warps=num_warps,
-                  num_stages=tuning.num_stages)
-    if tuning.maxnreg:
-        kwargs["maxnreg"] = tuning.maxnreg
+    kwargs = dict(SHAPE=shape, ROT=rot, QUANT=quant, num_warps=num_warps, num_stages=num_stages)
+    if maxnreg:
+        kwargs["maxnreg"] = maxnreg
     launches.append((prologue_kernel, args, kwargs,
                      (_programs(prologue_kernel, args, kwargs, max(nq, nk), tuning, dev),)))
     return PrologueLaunch(launches, ops)
@@ -315,8 +338,8 @@ def finish(ops: FP8Operands) -> FP8Operands:
 def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: FP8Recipe,
              rope: Optional[RopeSpec] = None) -> FP8Operands:
     """Q, K, V (bf16 / fp16) -> FP8 operands for the FP8 forward: RoPE (``rope``), the seeded
-    random-sign Hadamard rotation of Q and K (``recipe.hadamard``), K's mean removed
-    (``recipe.smooth_k``), one float32 scale per block of ``recipe.block_m`` Q rows /
+    random-sign Hadamard rotation of Q and K (``recipe.hadamard``), K's mean over a 256-token
+    sample removed (``recipe.smooth_k``, reference.smooth_sample), one float32 scale per block of ``recipe.block_m`` Q rows /
     ``recipe.block_n`` K and V rows; Q and K in int8 (amax / 127, round half to even) or e4m3
     (amax / 448) per ``recipe.qk``, V in e4m3 (power-of-two scales) written transposed. Layouts:
     ``fp8_recipe.FP8Operands``.

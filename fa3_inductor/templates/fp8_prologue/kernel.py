@@ -1,6 +1,6 @@
 """FP8 prologue kernels: RoPE, the random-sign Hadamard rotation and block quantization of Q and K
-(int8 or e4m3) and V (e4m3), in one pass over the inputs (plus a reduction pass over K when K is
-smoothed).
+(int8 or e4m3) and V (e4m3), in one pass over the inputs (plus a small pre-pass over a sample of
+K's tokens when K is smoothed).
 
 Notation
 --------
@@ -13,14 +13,17 @@ Notation
                              amax / QK_MAX (127 int8, 448 e4m3), V a power of two >= amax / 448
     V_SCALE_MAX [Z, HKV]     float32, zeroed by the host: atomic max of the scales of the V groups
                              that are not all zero (the host maps a remaining 0 to 1)
-    HAD [BLOCK_D, BLOCK_D]   fp16 diag(s)·blockdiag(H_b): exact ±1 / 0, zero-padded (hadamard.py);
-                             the rotation is x·HAD·HAD_SCALE, HAD_SCALE = 1/sqrt(b)
+    HAD [BLOCK_D, BLOCK_D]   diag(s)·blockdiag(H_b): exact ±1 / 0, zero-padded (hadamard.py); fp16
+                             with RoPE, else the input dtype; the rotation is x·HAD·HAD_SCALE,
+                             HAD_SCALE = 1/sqrt(b)
     COS, SIN [TZ, P, R]      RoPE tables (TZ 1 broadcasts over the batch; any float dtype);
                              QPOS [PZ, M], KPOS [PZ, N] int positions (rows of the tables; clamped
                              into [0, P) for memory safety), or none: the row index
+    S                        smooth_k's sample: min(N, 256) tokens per head, one per stratum of
+                             N / S tokens (_sample_tokens; reference.smooth_sample)
     K_PART [Z*HKV, SMOOTH_CHUNKS, BLOCK_D] float32 (smooth_k): rotated column sums of RoPE'd K over
-                             the rows of each chunk (`k_sums_kernel`); K_MEAN [Z, HKV, D]: their
-                             total / N, the mean the K programs subtract
+                             the sample rows of each chunk (`k_sums_kernel`); K_MEAN [Z, HKV, D]:
+                             their total / S, the mean the K programs subtract
     z, h                     batch, head (a query head for Q, a kv head for K and V)
     group                    the rows sharing one scale: BLOCK_M (Q) / BLOCK_N (K, V) rows of a
                              head, or the whole head when the block size is 0
@@ -35,14 +38,15 @@ of one row block at the same time, so they read the same RoPE table rows (L2 hit
 loaded once per program (_had_parts) and stay in shared memory for every group; with num_stages 2
 the loops load the next group (cp.async) while the current one is rotated and stored. A Q / K
 group: load the block in parts (the rotated pairs a = channels ia, b = channels ib, and the
-pass-through rest r; _load_parts), RoPE, Hadamard (fp16 tensor-core dots part by part, _hadamard),
+pass-through rest r; _load_parts), RoPE, Hadamard (tensor-core dots part by part, _hadamard),
 [K: subtract the mean], amax -> scale, store int8 or e4m3 (_to_qk). A V group: amax -> scale,
 store the e4m3 tile transposed (16-byte vectors along tokens, _v_store).
 
 Compile-time parameters (one named bundle each; frozen dataclasses below, read as `SHAPE.TILE_M`):
     SHAPE  Tiles         D, DV, BLOCK_D, BLOCK_DV, TILE_M, TILE_N, Q_ONE_TILE, KV_ONE_TILE
-    ROT    Rotation      HADAMARD, HAD_SCALE, ROPE, ROPE_DIM, HALF_BLOCK, REST_BLOCK, Q_POS, K_POS
-    QUANT  Quantization  QK_INT8, SMOOTH_K, SMOOTH_CHUNKS, ROUND_IN_FP32
+    ROT    Rotation      HADAMARD, HAD_SCALE, ROPE, ROPE_DIM, HALF_BLOCK, REST_BLOCK, Q_POS, K_POS,
+                         DOT_IN_FP32
+    QUANT  Quantization  QK_INT8, SMOOTH_K, SMOOTH_CHUNKS, SMOOTH_ROWS, ROUND_IN_FP32
 Lengths and program counts are `do_not_specialize`: one compile per kind of call, not per length.
 """
 
@@ -51,9 +55,12 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
+from . import reference
+
 E4M3_MAX: tl.constexpr = tl.constexpr(448.0)
 INT8_MAX: tl.constexpr = tl.constexpr(127.0)
 RINT_MAGIC: tl.constexpr = tl.constexpr(12582912.0)   # 1.5 * 2^23: (x + it) - it = rint(x), |x| < 2^22
+KNUTH_HASH: tl.constexpr = tl.constexpr(reference.KNUTH_HASH)   # smooth_k's sample offsets
 
 
 @dataclass(frozen=True)
@@ -80,14 +87,17 @@ class Rotation:
     REST_BLOCK: int     # D - R rounded up to a power of two (>= 16), 0 when R = D
     Q_POS: bool         # QPOS given (else positions are the row indices)
     K_POS: bool         # KPOS given
+    DOT_IN_FP32: bool   # the interpreter: the input-dtype dot (no RoPE) in fp32, Triton 3.6's
+                        # interpreter computing bf16 dots wrongly (sm90: the input dtype's wgmma)
 
 
 @dataclass(frozen=True)
 class Quantization:
     """Q / K's format, K smoothing and how values reach the e4m3 grid."""
     QK_INT8: bool       # Q8, K8 are int8 with scale amax / 127 (else e4m3, amax / 448)
-    SMOOTH_K: bool      # subtract K's mean over tokens (from K_PART)
+    SMOOTH_K: bool      # subtract K's mean over a sample of its tokens (from K_PART)
     SMOOTH_CHUNKS: int  # rows of K_PART per head (a power of two); chunks past n_chunks unused
+    SMOOTH_ROWS: int    # sample rows per k_sums_kernel program (one K_PART row each)
     ROUND_IN_FP32: bool  # round to the e4m3 grid in fp32 before the cast: Triton 3.6's
                          # interpreter truncates in its fp8 cast (sm90's cvt.rn.satfinite rounds)
 
@@ -141,7 +151,7 @@ def _quotient(y, scale, inv_scale, QUANT: tl.constexpr):
         return tl.div_rn(y, scale)
     else:
         q = y * inv_scale
-        return tl.fma(tl.fma(-q, scale, y), inv_scale, q)
+        return tl.fma(tl.fma(q, -scale, y), inv_scale, q)   # -scale: one FFMA, not two
 
 
 @triton.jit
@@ -156,14 +166,23 @@ def _to_e4m3(y, scale, inv_scale, QUANT: tl.constexpr):
 
 @triton.jit
 def _to_int8(y, scale, inv_scale, QUANT: tl.constexpr):
-    """int8 of y / scale, clamped to [-127, 127] (the quotient of amax itself may pass 127 by an
-    ulp), rounded half to even by one fp32 add: x + 1.5 * 2^23 has the bits 0x4B400000 + rint(x),
-    whose low byte is rint(x) in two's complement. No float -> int conversion (F2I, a conversion-
-    pipe instruction at a fraction of the FMA rate: one per value in the first version); the same
-    arithmetic on sm90 and in the interpreter."""
+    """int8 of y / scale, rounded half to even by one fp32 add: x + 1.5 * 2^23 has the bits
+    0x4B400000 + rint(x), whose low byte is rint(x) in two's complement. No float -> int
+    conversion (F2I, a conversion-pipe instruction at a fraction of the FMA rate), the same
+    arithmetic on sm90 and in the interpreter. No clamp: |y| <= amax and scale = RN(amax / 127),
+    so |y / scale| <= 127 (1 + 2^-23) and the quotient (correctly rounded up to an ulp) rounds to
+    at most 127 in magnitude."""
     x = _quotient(y, scale, inv_scale, QUANT)
-    x = tl.minimum(tl.maximum(x, -INT8_MAX), INT8_MAX)
     return (x + RINT_MAGIC).to(tl.int32, bitcast=True).to(tl.int8)
+
+
+@triton.jit
+def _to_e4m3_pow2(y, inv_scale, QUANT: tl.constexpr):
+    """e4m3 of y / scale for a power-of-two scale (V): y * (1 / scale) is exact, no correction."""
+    x = y * inv_scale
+    if QUANT.ROUND_IN_FP32:
+        x = _round_e4m3(x)
+    return x.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -187,11 +206,30 @@ def _pair_columns(ROT: tl.constexpr):
 
 
 @triton.jit
+def _pair_tile(base, rows_off, row_ok, ROT: tl.constexpr):
+    """The rotated channels [0, R) of a row set as its pair parts (members ia, members ib), fp32:
+    "half" two contiguous column blocks, "interleaved" one contiguous [T, R] load split into even
+    and odd channels in registers (16-byte loads; a stride-2 gather was one 2-byte load each)."""
+    if ROT.ROPE == "half":
+        j = tl.arange(0, ROT.HALF_BLOCK)
+        ok = row_ok[:, None] & _pairs_ok(ROT)[None, :]
+        xa = tl.load(base + rows_off + j[None, :], mask=ok, other=0.0)
+        xb = tl.load(base + rows_off + (j + ROT.ROPE_DIM // 2)[None, :], mask=ok, other=0.0)
+    else:
+        c = tl.arange(0, 2 * ROT.HALF_BLOCK)
+        x = tl.load(base + rows_off + c[None, :], mask=row_ok[:, None] & (c < ROT.ROPE_DIM)[None, :],
+                    other=0.0)
+        xa, xb = tl.split(tl.reshape(x, [x.shape[0], ROT.HALF_BLOCK, 2]))
+    return xa.to(tl.float32), xb.to(tl.float32)
+
+
+@triton.jit
 def _load_parts(Xh, stride_x, rows, L, z, POS, stride_pz, COS, SIN, stride_tz, stride_tp, P,
                 HAS_POS: tl.constexpr, ROT: tl.constexpr, SHAPE: tl.constexpr):
-    """Rows `rows` of one head after RoPE, in parts: (a, b) [T, HALF_BLOCK] the rotated pairs
-    (a_i = x_ia·cos_ia - x_ib·sin_ia, b_i = x_ib·cos_ib + x_ia·sin_ib) and r [T, REST_BLOCK] the
-    channels [R, D) passed through; fp32, 0 outside the head; an absent part is 0.0.
+    """Rows `rows` of one head after RoPE, in parts: (a, b) [T, HALF_BLOCK] fp32, the rotated
+    pairs (a_i = x_ia·cos_ia - x_ib·sin_ia, b_i = x_ib·cos_ib + x_ia·sin_ib), and r [T, REST_BLOCK]
+    the channels [R, D) passed through, in the input dtype; 0 outside the head; an absent part is
+    0.0.
 
     Loading the pairs as two column sets (not a tile and its rotate_half partner) reads each input
     byte and each table value once. Both members' table columns are read, so any table is applied
@@ -203,10 +241,7 @@ def _load_parts(Xh, stride_x, rows, L, z, POS, stride_pz, COS, SIN, stride_tz, s
     b = 0.0
     r = 0.0
     if ROT.ROPE != "":
-        ia, ib = _pair_columns(ROT)
-        ok = row_ok[:, None] & _pairs_ok(ROT)[None, :]
-        xa = tl.load(ptrs + ia[None, :], mask=ok, other=0.0).to(tl.float32)
-        xb = tl.load(ptrs + ib[None, :], mask=ok, other=0.0).to(tl.float32)
+        xa, xb = _pair_tile(ptrs, 0, row_ok, ROT)
         if HAS_POS:
             pos = tl.load(POS + z.to(tl.int64) * stride_pz + rows, mask=row_ok, other=0)
         else:
@@ -214,16 +249,13 @@ def _load_parts(Xh, stride_x, rows, L, z, POS, stride_pz, COS, SIN, stride_tz, s
         pos = tl.minimum(tl.maximum(pos, 0), P - 1)
         t_row = z.to(tl.int64) * stride_tz + pos[:, None].to(tl.int64) * stride_tp
         # Each channel by its own table column: a pair's two columns may differ (RopeSpec).
-        cos_a = tl.load(COS + t_row + ia[None, :], mask=ok, other=0.0).to(tl.float32)
-        sin_a = tl.load(SIN + t_row + ia[None, :], mask=ok, other=0.0).to(tl.float32)
+        cos_a, cos_b = _pair_tile(COS, t_row, row_ok, ROT)
+        sin_a, sin_b = _pair_tile(SIN, t_row, row_ok, ROT)
         a = xa * cos_a - xb * sin_a
-        cos_b = tl.load(COS + t_row + ib[None, :], mask=ok, other=0.0).to(tl.float32)
-        sin_b = tl.load(SIN + t_row + ib[None, :], mask=ok, other=0.0).to(tl.float32)
         b = xb * cos_b + xa * sin_b
     if ROT.REST_BLOCK > 0:
         ir = ROT.ROPE_DIM + tl.arange(0, ROT.REST_BLOCK)
-        r = tl.load(ptrs + ir[None, :], mask=row_ok[:, None] & (ir < SHAPE.D)[None, :],
-                    other=0.0).to(tl.float32)
+        r = tl.load(ptrs + ir[None, :], mask=row_ok[:, None] & (ir < SHAPE.D)[None, :], other=0.0)
     return a, b, r
 
 
@@ -267,31 +299,52 @@ def _had_parts(HAD, ROT: tl.constexpr, SHAPE: tl.constexpr):
 
 
 @triton.jit
+def _input_dot(x, had, ROT: tl.constexpr):
+    """x·had for x in its input dtype (bf16 / fp16) and had the ±1 matrix in the same dtype: exact
+    products summed in fp32, so no scaling and no fp32 copy of the tile (without RoPE the loaded
+    tile is only the dot's operand)."""
+    if ROT.DOT_IN_FP32:
+        return tl.dot(x.to(tl.float32), had.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(x, had)
+
+
+@triton.jit
 def _hadamard(a, b, r, had, T: tl.constexpr, ROT: tl.constexpr, SHAPE: tl.constexpr):
-    """(a, b, r)·HAD·HAD_SCALE, [T, BLOCK_D] fp32 with fp32 accuracy on fp16 tensor cores: the
+    """(a, b, r)·HAD·HAD_SCALE, [T, BLOCK_D] fp32 with fp32 accuracy on the tensor cores: the
     contraction over channels goes part by part against `had` (_had_parts), so the parts are
     never reassembled into a tile.
 
-    Each row is first scaled by the power of two that brings its largest entry into [1, 2) (exact;
+    Without RoPE the tile is input values: one dot in the input dtype is exact (_input_dot). With
+    RoPE each row is first scaled by the power of two that brings its largest entry into [1, 2) (exact;
     no fp16 overflow, and what falls below fp16's normals is < 2^-14 of the row max). The RoPE'd
     parts are fp32: hi + lo fp16 dots. The pass-through part is an input value (bf16 / fp16) times
     a power of two: one fp16 dot is exact for it (bf16's 8 bits fit fp16's 11; below 2^-17 of the
     row max the error is under 2^-25 of it). So 2·R + (D - R) multiply-adds per element and output
     channel, against the exact ±1 matrix: fewer instructions than a log2(b)-stage butterfly of
     register shuffles, and fp16 (not bf16) is what the interpreter's dot gets right."""
+    if ROT.ROPE == "":
+        y = _input_dot(r, had[2], ROT) * ROT.HAD_SCALE
+    else:
+        y = _rope_hadamard(a, b, r, had, T, ROT, SHAPE)
+    return y
+
+
+@triton.jit
+def _rope_hadamard(a, b, r, had, T: tl.constexpr, ROT: tl.constexpr, SHAPE: tl.constexpr):
+    """_hadamard with RoPE: per-row power-of-two scaling, hi + lo fp16 dots of the pair parts,
+    one fp16 dot of the pass-through part."""
     BLOCK_D: tl.constexpr = SHAPE.BLOCK_D
-    m = tl.zeros([T], dtype=tl.float32)
-    if ROT.ROPE != "":
-        m = tl.maximum(tl.max(tl.abs(a), axis=1), tl.max(tl.abs(b), axis=1))
+    r = r.to(tl.float32)
+    m = tl.maximum(tl.max(tl.abs(a), axis=1), tl.max(tl.abs(b), axis=1))
     if ROT.REST_BLOCK > 0:
         m = tl.maximum(m, tl.max(tl.abs(r), axis=1))
     e = tl.maximum(m.to(tl.int32, bitcast=True) & 0x7F800000, 1 << 23)
     up = ((254 << 23) - e).to(tl.float32, bitcast=True)[:, None]          # 2^(127 - E)
     down = (e.to(tl.float32, bitcast=True) * ROT.HAD_SCALE)[:, None]     # 2^(E - 127) / sqrt(b)
     acc = tl.zeros([T, BLOCK_D], dtype=tl.float32)
-    if ROT.ROPE != "":
-        acc = _split_dot(a * up, had[0], acc)
-        acc = _split_dot(b * up, had[1], acc)
+    acc = _split_dot(a * up, had[0], acc)
+    acc = _split_dot(b * up, had[1], acc)
     if ROT.REST_BLOCK > 0:
         acc = tl.dot((r * up).to(tl.float16), had[2], acc)
     return acc * down
@@ -313,6 +366,8 @@ def _qk_tile(Xh, stride_x, rows, L, z, POS, stride_pz, COS, SIN, stride_tz, stri
             y = tl.where(row_ok, y - mean[0][None, :], 0.0)
         return y, 0.0, 0.0
     else:
+        if ROT.REST_BLOCK > 0:
+            r = r.to(tl.float32)
         if SMOOTH:
             if ROT.ROPE != "":
                 a = tl.where(row_ok, a - mean[0][None, :], 0.0)
@@ -404,7 +459,7 @@ def _v_tile(Vh, stride_vn, r0, N, T: tl.constexpr, SHAPE: tl.constexpr):
 
 
 @triton.jit
-def _v_store(VTh, y, scale, inv_scale, r0, stop, N_PAD, T: tl.constexpr, SHAPE: tl.constexpr,
+def _v_store(VTh, y, inv_scale, r0, stop, N_PAD, T: tl.constexpr, SHAPE: tl.constexpr,
              QUANT: tl.constexpr):
     """Store the e4m3 tile transposed: VT8 rows are channels, columns tokens. Columns in
     [N, N_PAD) hold zeros (the tile read them as 0).
@@ -415,7 +470,7 @@ def _v_store(VTh, y, scale, inv_scale, r0, stop, N_PAD, T: tl.constexpr, SHAPE: 
     than one byte per thread and instruction (64 st.global.b8 per thread for a 128 x 128 tile)."""
     rows = r0 + tl.arange(0, T)
     cols = tl.arange(0, SHAPE.BLOCK_DV)
-    yt = tl.trans(_to_e4m3(y, scale, inv_scale, QUANT))
+    yt = tl.trans(_to_e4m3_pow2(y, inv_scale, QUANT))
     ok = (cols < SHAPE.DV)[:, None] & (rows < stop)[None, :]
     tl.store(VTh + cols[:, None].to(tl.int64) * N_PAD + rows[None, :], yt, mask=ok)
 
@@ -433,7 +488,7 @@ def _v_group(V, stride_vz, stride_vh, stride_vn, VT, SCALE, SCALE_MAX, z, h, H, 
         y = _v_tile(Vh, stride_vn, start, N, T, SHAPE)
         amax = tl.max(tl.max(tl.abs(y), axis=1), axis=0)
         scale = _pow2_scale_of(amax)
-        _v_store(VTh, y, scale, tl.div_rn(1.0, scale), start, N_PAD, N_PAD, T, SHAPE, QUANT)
+        _v_store(VTh, y, tl.div_rn(1.0, scale), start, N_PAD, N_PAD, T, SHAPE, QUANT)
     else:
         # The last group's pad columns [N, N_PAD) are written too (a tile of T >= 16 rows covers them).
         stop = tl.minimum(start + group_rows, N_PAD)
@@ -445,7 +500,7 @@ def _v_group(V, stride_vz, stride_vh, stride_vn, VT, SCALE, SCALE_MAX, z, h, H, 
         inv_scale = tl.div_rn(1.0, scale)
         for r0 in range(start, stop, T):
             y = _v_tile(Vh, stride_vn, r0, N, T, SHAPE)
-            _v_store(VTh, y, scale, inv_scale, r0, stop, N_PAD, T, SHAPE, QUANT)
+            _v_store(VTh, y, inv_scale, r0, stop, N_PAD, T, SHAPE, QUANT)
     tl.store(SCALE + zh * n_groups + g, scale)
     # An all-zero group's scale (1) says nothing about V's range: only the others count.
     tl.atomic_max(SCALE_MAX + zh, scale, mask=amax > 0, sem="relaxed")
@@ -453,8 +508,8 @@ def _v_group(V, stride_vz, stride_vh, stride_vn, VT, SCALE, SCALE_MAX, z, h, H, 
 
 @triton.jit
 def _k_mean(K_PART, zh, cols, n, n_chunks, N, QUANT: tl.constexpr, BLOCK_D: tl.constexpr):
-    """K's mean over its N tokens at channels `cols` (those < n; the rest 0): the chunk sums of
-    K_PART added in a fixed order (deterministic)."""
+    """K's mean over its N sampled tokens at channels `cols` (those < n; the rest 0): the chunk
+    sums of K_PART added in a fixed order (deterministic)."""
     c = tl.arange(0, QUANT.SMOOTH_CHUNKS)
     part = tl.load(K_PART + (zh * QUANT.SMOOTH_CHUNKS + c[:, None]).to(tl.int64) * BLOCK_D
                    + cols[None, :], mask=(c < n_chunks)[:, None] & (cols < n)[None, :], other=0.0)
@@ -485,7 +540,8 @@ def _k_means(K_PART, zh, n_chunks, N, ROT: tl.constexpr, QUANT: tl.constexpr,
 # Sizes that follow the lengths or the batch: no specialization on them (one compile per kind).
 # kv_group_rows (a power of two >= 16, or N_PAD) and N_PAD stay specialized: their divisibility
 # by 16 is what vectorizes the Vᵀ store (_v_store).
-_RUNTIME_SIZES = ["M", "N", "P", "Z", "NQ", "NK", "QG", "KG", "q_group_rows", "n_chunks"]
+_RUNTIME_SIZES = ["M", "N", "P", "Z", "NQ", "NK", "QG", "KG", "q_group_rows", "n_chunks",
+                  "n_sample"]
 
 
 @triton.jit(do_not_specialize=_RUNTIME_SIZES)
@@ -496,7 +552,7 @@ def prologue_kernel(
     stride_kz, stride_kh, stride_kn,
     stride_vz, stride_vh, stride_vn,
     stride_tz, stride_tp, stride_qpz, stride_kpz,
-    Z, HQ, HKV, M, N, N_PAD, P, NQ, NK, QG, KG, q_group_rows, kv_group_rows, n_chunks,
+    Z, HQ, HKV, M, N, N_PAD, P, NQ, NK, QG, KG, q_group_rows, kv_group_rows, n_chunks, n_sample,
     SHAPE: tl.constexpr, ROT: tl.constexpr, QUANT: tl.constexpr,
 ):
     """Persistent: program p takes Q groups p, p + n_programs, ..., then the K groups, then the V
@@ -516,11 +572,11 @@ def prologue_kernel(
         g = t // (Z * HKV)
         mean = (0.0, 0.0, 0.0)
         if QUANT.SMOOTH_K:
-            mean = _k_means(K_PART, zh, n_chunks, N, ROT, QUANT, SHAPE)
+            mean = _k_means(K_PART, zh, n_chunks, n_sample, ROT, QUANT, SHAPE)
             if g == 0:
                 d = tl.arange(0, SHAPE.BLOCK_D)
                 tl.store(K_MEAN + zh * SHAPE.D + d,
-                         _k_mean(K_PART, zh, d, SHAPE.D, n_chunks, N, QUANT, SHAPE.BLOCK_D),
+                         _k_mean(K_PART, zh, d, SHAPE.D, n_chunks, n_sample, QUANT, SHAPE.BLOCK_D),
                          mask=d < SHAPE.D)
         _qk_group(K, stride_kz, stride_kh, stride_kn, K8, K_SCALE, zh // HKV, zh % HKV, HKV,
                   g, N, KG, kv_group_rows, KPOS, stride_kpz, COS, SIN, stride_tz, stride_tp,
@@ -533,36 +589,46 @@ def prologue_kernel(
                  SHAPE.KV_ONE_TILE, SHAPE, QUANT)
 
 
-@triton.jit(do_not_specialize=["N", "P", "n_chunks"])
+@triton.jit
+def _sample_tokens(j, N, S):
+    """Token of smooth_k's sample entry j (< S) in a head of N tokens: one token per stratum
+    [j·N / S, (j + 1)·N / S), at an offset in it hashed from j (Knuth's multiplicative hash, the
+    top 32 bits of hash · width); every token when S = N (reference.smooth_sample, the same
+    integer arithmetic)."""
+    j64 = j.to(tl.int64)
+    lo = j64 * N // S
+    width = (j64 + 1) * N // S - lo
+    h = (j64 * KNUTH_HASH) & 0xFFFFFFFF
+    return lo + ((h * width) >> 32)
+
+
+@triton.jit(do_not_specialize=["N", "S", "P"])
 def k_sums_kernel(
     K, K_PART, HAD, COS, SIN, KPOS,
     stride_kz, stride_kh, stride_kn, stride_tz, stride_tp, stride_kpz,
-    HKV, N, P, n_chunks,
+    HKV, N, S, P,
     SHAPE: tl.constexpr, ROT: tl.constexpr, QUANT: tl.constexpr,
 ):
-    """smooth_k's pass over K: program (zh, c) sums the RoPE'd rows of tiles c, c + n_chunks, ...
-    of head zh, rotates the sum (the rotation is linear: rotating the D-vector is cheaper than the
-    tiles) and writes it to K_PART[zh, c]."""
+    """smooth_k's pre-pass over a sample of S tokens of K (_sample_tokens): program (zh, c) sums
+    the RoPE'd sample rows [c·SMOOTH_ROWS, (c + 1)·SMOOTH_ROWS) of head zh, rotates the sum (the
+    rotation is linear: rotating the D-vector is cheaper than the tiles) and writes it to
+    K_PART[zh, c]."""
     zh = tl.program_id(0)
     c = tl.program_id(1)
     z = zh // HKV
     h = zh % HKV
-    T: tl.constexpr = SHAPE.TILE_N
     BLOCK_D: tl.constexpr = SHAPE.BLOCK_D   # shapes in list literals need constexprs
-    HALF: tl.constexpr = ROT.HALF_BLOCK
     REST: tl.constexpr = ROT.REST_BLOCK
     Kh = K + z.to(tl.int64) * stride_kz + h.to(tl.int64) * stride_kh
-    sa = tl.zeros([HALF], dtype=tl.float32)
-    sb = tl.zeros([HALF], dtype=tl.float32)
-    sr = tl.zeros([REST if REST > 0 else 16], dtype=tl.float32)
-    for r0 in range(c * T, N, n_chunks * T):
-        a, b, r = _load_parts(Kh, stride_kn, r0 + tl.arange(0, T), N, z, KPOS, stride_kpz, COS,
-                              SIN, stride_tz, stride_tp, P, ROT.K_POS, ROT, SHAPE)
-        if ROT.ROPE != "":
-            sa += tl.sum(a, axis=0)
-            sb += tl.sum(b, axis=0)
-        if REST > 0:
-            sr += tl.sum(r, axis=0)
+    j = c * QUANT.SMOOTH_ROWS + tl.arange(0, QUANT.SMOOTH_ROWS)
+    rows = tl.where(j < S, _sample_tokens(j, N, S), N)      # past the sample: row N, masked
+    a, b, r = _load_parts(Kh, stride_kn, rows, N, z, KPOS, stride_kpz, COS, SIN, stride_tz,
+                          stride_tp, P, ROT.K_POS, ROT, SHAPE)
+    if ROT.ROPE != "":
+        sa = tl.sum(a, axis=0)
+        sb = tl.sum(b, axis=0)
+    if REST > 0:
+        sr = tl.sum(r.to(tl.float32), axis=0)
     out = K_PART + (zh * QUANT.SMOOTH_CHUNKS + c).to(tl.int64) * BLOCK_D
     ia, ib = _pair_columns(ROT)
     ir = ROT.ROPE_DIM + tl.arange(0, REST if REST > 0 else 16)

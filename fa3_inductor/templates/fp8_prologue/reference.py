@@ -18,6 +18,32 @@ from .hadamard import rotation_matrix
 
 E4M3_MIN_NORMAL_EXP = -6   # smallest normal e4m3 is 2^-6; subnormals are spaced 2^-9
 E4M3_MANTISSA_BITS = 3
+SMOOTH_SAMPLE = 256        # smooth_k: K's mean is taken over at most this many tokens per head
+KNUTH_HASH = 2654435761    # round(2^32 / golden ratio): the offsets of the sampled tokens
+
+
+def smooth_sample(n: int, sample: int = SMOOTH_SAMPLE) -> torch.Tensor:
+    """The tokens whose mean ``smooth_k`` subtracts from K: all ``n`` when n <= ``sample``, else one
+    per stratum [j·n / s, (j + 1)·n / s) of s = ``sample`` strata, at an offset in it hashed from j
+    (the top 32 bits of ((j·KNUTH_HASH) mod 2^32)·width): a stratified sample, so an unbiased
+    estimate of the mean over all tokens that no period in K (RoPE's rotations) can alias. Any
+    per-head vector subtracted from every key shifts each query's scores by one constant, which
+    softmax ignores: the sample changes how well K is centred, never the attention output. The
+    kernel (kernel.py, _sample_tokens) does the same integer arithmetic.
+
+    Example::
+
+        >>> smooth_sample(5).tolist()
+        [0, 1, 2, 3, 4]
+        >>> idx = smooth_sample(4096); len(idx), bool(((idx // 16) == torch.arange(256)).all())
+        (256, True)
+    """
+    s = min(n, sample)
+    j = torch.arange(s, dtype=torch.int64)
+    lo = j * n // s
+    width = (j + 1) * n // s - lo
+    h = (j * KNUTH_HASH) & 0xFFFFFFFF
+    return lo + ((h * width) >> 32)
 
 
 def rope_tables(rope: RopeSpec, positions: Optional[torch.Tensor], batch: int, length: int,
@@ -201,7 +227,7 @@ def quantize_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe
     qr, kr = rotate(q, k, recipe, rope, dtype)
     k_mean = None
     if recipe.smooth_k:
-        mean = kr.mean(dim=2, keepdim=True)
+        mean = kr[:, :, smooth_sample(kr.shape[2]).to(kr.device)].mean(dim=2, keepdim=True)
         kr = kr - mean
         k_mean = mean.squeeze(2).float()
     q8, q_scale = quantize_blocks(qr, recipe.block_m, fmt=recipe.qk)
@@ -246,4 +272,4 @@ def dequantize(ops: FP8Operands) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 
 __all__ = ["apply_rope", "block_amax", "block_scales", "dequantize", "quantize_blocks", "quantize_reference",
-           "rope_tables", "rotate", "round_e4m3", "round_int8"]
+           "rope_tables", "rotate", "round_e4m3", "round_int8", "smooth_sample"]
