@@ -1,0 +1,366 @@
+"""Context parallelism on the CPU: 2 and 4 gloo ranks against one float64 single-process run.
+
+Each world size forks its ranks once and runs every case there (forked ranks share the parent's
+imports: four spawned interpreters would spend ~25 s importing on CI's two cores; the parent also
+imports the compiler, which each rank's first compile would otherwise import); a case's result per
+rank is None or the failure, read back from a JSON file per rank. Most cases run the ring on the
+dense kernel (torch ops); ``real_kernel`` runs our generic kernel under Triton's interpreter,
+forward and backward (small B and H: the interpreter's cost grows with them). ``bench_dist`` runs
+``benchmarks/ring_attention.py dist`` on the same gloo group. Inputs are fresh random numbers per
+session (one seed, given to every rank); tolerances are the README's rule (tests/reference.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import importlib
+import importlib.util
+import io
+import json
+import os
+import random
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Callable, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from reference import TOLERANCE, assert_lse_matches, reference_attention, reference_gradients
+
+B, H, D, T = 2, 4, 16, 32          # T: global length (16 per rank on 2 ranks, 8 on 4)
+_SPAWN_TIMEOUT_S = 120
+_BENCH = _SDPA = None              # set before forking: the benchmark module, torch's SDPA
+
+
+def _doc_ids() -> torch.Tensor:
+    return torch.tensor([0] * 11 + [1] * 14 + [2] * 7)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One ring case: mods, K/V heads, method, layout, shard kernel, shapes, LSE in the loss."""
+
+    mask_mod: Optional[Callable]
+    score_mod: Optional[Callable]
+    kv_heads: int = H
+    method: str = "ring"
+    head_tail: bool = True
+    kernel: str = "dense"
+    batch: int = B
+    heads: int = H
+    lse_grad: bool = False
+
+
+def _case(name: str) -> Case:
+    from fa3_inductor import mods
+
+    causal = mods.causal
+    return {
+        "causal": Case(causal, None),
+        "document": Case(mods.document(_doc_ids()), None),
+        "sliding_window": Case(mods.sliding_window(6), None),
+        "softcap": Case(causal, mods.softcap(2.0)),
+        "gqa": Case(causal, mods.alibi(H), kv_heads=2),
+        "lse_grad": Case(mods.document(_doc_ids()), mods.softcap(2.0), kv_heads=2, lse_grad=True),
+        "allgather_gqa": Case(causal, mods.softcap(2.0), kv_heads=2, method="allgather"),
+        "allgather_document": Case(mods.document(_doc_ids()), None, method="allgather"),
+        "allgather_window": Case(mods.sliding_window(6), None, method="allgather", lse_grad=True),
+        "contiguous": Case(causal, None, head_tail=False),
+        "no_mask": Case(None, mods.relative_bias),
+        # our generic kernel under the interpreter: its cost grows with B x H, so they are small
+        "real_kernel": Case(causal, mods.softcap(2.0), kv_heads=1, kernel="fa3", batch=1, heads=2),
+    }[name]
+
+
+def _inputs(seed: int, case: Case):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(case.batch, case.heads, T, D, generator=g)
+    k, v = (torch.randn(case.batch, case.kv_heads, T, D, generator=g) for _ in range(2))
+    dout = torch.randn(case.batch, case.heads, T, D, generator=g)
+    return q, k, v, dout, torch.randn(case.batch, case.heads, T, generator=g)
+
+
+def _check(what: str, got: torch.Tensor, ref: torch.Tensor) -> None:
+    err = (got.double() - ref).norm().item() / max(ref.norm().item(), 1e-30)
+    assert err <= TOLERANCE[torch.float32], f"{what}: relative error {err:.2e}"
+
+
+def _reference(case: Case, q, k, v, dout, dlse):
+    """Float64 out, lse, dq, dk, dv of the whole sequence (LSE in the loss when the case asks)."""
+    if not case.lse_grad:
+        ref, dq, dk, dv, _ = reference_gradients(q, k, v, dout, case.score_mod, case.mask_mod)
+        _, ref_lse = reference_attention(q, k, v, case.score_mod, case.mask_mod)
+        return ref, ref_lse, dq, dk, dv
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = reference_attention(*leaves, case.score_mod, case.mask_mod)
+    loss = (ref * dout.double()).sum() + (torch.where(ref_lse.isinf(), 0.0, ref_lse) * dlse).sum()
+    return (ref.detach(), ref_lse.detach(), *torch.autograd.grad(loss, leaves))
+
+
+def _run_ring_case(name: str, rank: int, world: int, seed: int) -> None:
+    from fa3_inductor.distributed import SeqLayout, ring_flex, stats
+
+    case = _case(name)
+    q, k, v, dout, dlse = _inputs(seed, case)
+    layout = SeqLayout(world, head_tail=case.head_tail)
+    shards = [layout.shard(t, 2, rank).requires_grad_() for t in (q, k, v)]
+    before = stats()
+    out, lse = ring_flex(*shards, case.score_mod, case.mask_mod, layout=layout,
+                         enable_gqa=case.kv_heads != case.heads, return_lse=True,
+                         method=case.method, kernel=case.kernel)
+    loss = (out * layout.shard(dout, 2, rank)).sum()
+    if case.lse_grad:
+        loss = loss + (torch.where(lse.isinf(), 0.0, lse) * layout.shard(dlse, 2, rank)).sum()
+    loss.backward()
+    ref, ref_lse, dq, dk, dv = _reference(case, q, k, v, dout, dlse)
+    _check("out", out, layout.shard(ref, 2, rank))
+    assert_lse_matches(lse, layout.shard(ref_lse, 2, rank), torch.float32)
+    for what, got, want in (("dq", shards[0].grad, dq), ("dk", shards[1].grad, dk),
+                            ("dv", shards[2].grad, dv)):
+        _check(what, got, layout.shard(want, 2, rank))
+    if name == "contiguous" and rank == 0:
+        # causal, contiguous: rank 0's queries precede every other shard's keys: skipped
+        skipped = stats()["skipped"] - before["skipped"]
+        want = 2 * (world - 1)
+        assert skipped == want, f"rank 0 skipped {skipped} steps, expected {want}"
+
+
+def _run_context_parallel_case(name: str, rank: int, world: int, seed: int) -> None:
+    """torch's context_parallel API: SDPA eager, flex_attention under torch.compile("fa3")."""
+    import torch.nn.attention.flex_attention as flex_module
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fa3_inductor import mods
+    from fa3_inductor.distributed import SeqLayout, context_parallel
+
+    mesh = init_device_mesh("cpu", (world,))
+    q, k, v, _, _ = _inputs(seed, Case(None, None))
+    if name == "cp_sdpa":
+        mask_mod, score_mod = mods.causal, None
+
+        def model(q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:
+        mask_mod, score_mod = mods.document(_doc_ids()), mods.softcap(2.0)
+        block_mask = flex_module.create_block_mask(mask_mod, None, None, T, T, device="cpu")
+
+        def attend(q, k, v):   # the call graph-breaks into ring_flex (no Inductor graph to build)
+            return flex_module.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
+        model = torch.compile(attend, backend="fa3")
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 1))
+    ref, dq, dk, dv, _ = reference_gradients(q, k, v, dout, score_mod, mask_mod)
+    layout = SeqLayout(world)
+    buffers = [q.clone(), k.clone(), v.clone()]
+    with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2], kernel="dense"):
+        assert buffers[0].shape[2] == T // world, "torch's context_parallel did not shard in place"
+        leaves = [b.detach().requires_grad_() for b in buffers]
+        out = model(*leaves)
+        out.backward(layout.shard(dout, 2, rank))
+    for what, got, want in (("out", out, ref), ("dq", leaves[0].grad, dq),
+                            ("dk", leaves[1].grad, dk), ("dv", leaves[2].grad, dv)):
+        _check(what, got, layout.shard(want, 2, rank))
+    assert F.scaled_dot_product_attention is _SDPA and buffers[0].shape[2] == T
+    if name == "cp_sdpa":   # an error inside the context still restores torch's SDPA and buffers
+        with pytest.raises(NotImplementedError, match="attn_mask"):
+            with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2]):
+                F.scaled_dot_product_attention(*buffers, attn_mask=torch.ones(T, T).bool())
+        assert F.scaled_dot_product_attention is _SDPA and torch.equal(buffers[0], q)
+
+
+def _bench_module():
+    """benchmarks/ring_attention.py as a module (it is a script, not part of the package)."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "ring_attention.py"
+    spec = importlib.util.spec_from_file_location("ring_attention_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run_bench_case(rank: int, world: int, out_dir: str) -> None:
+    """The benchmark's dist mode on this gloo group, tiny sizes, dense kernel: every row is
+    recorded (torch's CP SDPA has no CPU sharding rule: an error row, not a crash), the
+    correctness check passes, files are written; --budget-s 0 skips every size."""
+    bench = _BENCH
+    stem = Path(out_dir) / "bench"
+    argv = ["dist", "--device", "cpu", "--kernel", "dense", "--per-gpu", "16", "32",
+            "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--reps", "1",
+            "--check-per-gpu", "8"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        rows = bench.run_dist(bench.parse_args(argv), comm=bench.Comm("cpu"), out_stem=stem)
+        skipped = bench.run_dist(bench.parse_args(argv + ["--budget-s", "0"]),
+                                 comm=bench.Comm("cpu"), out_stem=Path(out_dir) / "skipped")
+    if rank != 0:
+        assert rows == [] and skipped == []
+        return
+    by = {(r["impl"], r["per_gpu"]): r for r in rows}
+    assert by[("check", 8)]["status"] == "ok", by[("check", 8)]
+    for per_gpu in (16, 32):
+        for impl in ("single", "ring", "allgather"):
+            row = by[(impl, per_gpu)]
+            assert row["status"] == "ok" and row["fwd_tflops"] > 0 and row["fwdbwd_tflops"] > 0, row
+        for impl in ("torch_cp_flash", "torch_cp_cudnn"):
+            assert by[(impl, per_gpu)]["status"].startswith("error"), by[(impl, per_gpu)]
+    assert {r["status"].split(":")[0] for r in skipped if r["impl"] != "check"} == {"skipped"}
+    saved = json.loads(stem.with_suffix(".json").read_text())
+    assert saved["finished"] and len(saved["rows"]) == len(rows) and saved["torch"]
+    assert saved["env"]["NCCL_NVLS_ENABLE"] == "0"
+    assert "| 2 | 32 | 64 | ring |" in stem.with_suffix(".md").read_text()
+
+
+def _worker(rank: int, world: int, store: str, out_dir: str, names: list, seed: int) -> None:
+    torch.set_num_threads(1)   # forked from a process that may have used OpenMP
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    results = {}
+    for name in names:
+        try:
+            if name.startswith("cp_"):
+                _run_context_parallel_case(name, rank, world, seed)
+            elif name == "bench_dist":
+                _run_bench_case(rank, world, out_dir)
+            else:
+                _run_ring_case(name, rank, world, seed)
+            results[name] = None
+        except Exception as exc:  # reported per case by the test
+            results[name] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def _run_world(world: int, names: list) -> dict:
+    """{case: [None or failure text per rank]} from one fork of ``world`` gloo ranks."""
+    import time
+
+    global _BENCH, _SDPA
+    # imported once, before forking: the ranks' first compile would import these in each rank
+    for module in ("fa3_inductor.distributed", "fa3_inductor.backend",
+                   "torch._inductor.compile_fx"):
+        importlib.import_module(module)
+    import torch.nn.functional as F
+
+    _BENCH, _SDPA = _bench_module(), F.scaled_dot_product_attention
+
+    seed = random.randrange(1 << 30)
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), tmp, names,
+                                                seed), nprocs=world, join=False,
+                                 start_method="fork")
+        deadline = time.monotonic() + _SPAWN_TIMEOUT_S
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                pytest.fail(f"{world} gloo ranks did not finish in {_SPAWN_TIMEOUT_S} s (seed {seed})")
+        per_rank = []
+        for r in range(world):
+            with open(os.path.join(tmp, f"rank{r}.json")) as f:
+                per_rank.append(json.load(f))
+    return {name: [res[name] for res in per_rank] for name in names}
+
+
+TWO_RANKS = ["causal", "document", "sliding_window", "softcap", "gqa", "lse_grad",
+             "allgather_gqa", "allgather_window", "contiguous", "no_mask", "cp_sdpa",
+             "cp_flex_compiled", "bench_dist"]
+FOUR_RANKS = ["causal", "document", "sliding_window", "softcap", "gqa", "lse_grad",
+              "allgather_document", "contiguous"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return _run_world(2, TWO_RANKS)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return _run_world(4, FOUR_RANKS)
+
+
+def _assert_ok(results: dict, name: str) -> None:
+    failures = [f"rank {r}: {text}" for r, text in enumerate(results[name]) if text is not None]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("name", TWO_RANKS)
+def test_two_ranks(two_ranks, name):
+    _assert_ok(two_ranks, name)
+
+
+@pytest.mark.parametrize("name", FOUR_RANKS)
+def test_four_ranks(four_ranks, name):
+    _assert_ok(four_ranks, name)
+
+
+def test_real_kernel_two_ranks(cpu_kernels):
+    """Our generic kernel (Triton interpreter) per shard, forward and backward, 2 ranks."""
+    _assert_ok(_run_world(2, ["real_kernel"]), "real_kernel")
+
+
+def test_layout_matches_torch_head_tail():
+    from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
+
+    from fa3_inductor.distributed import SeqLayout
+
+    for world in (2, 4):
+        ours = SeqLayout(world).order(32)
+        torch_order = _HeadTailLoadBalancer(32, world, "cpu")._generate_indices()[0]
+        assert torch.equal(ours, torch_order.long())
+        x = torch.randn(3, 32)
+        lay = SeqLayout(world)
+        assert torch.equal(lay.unshard([lay.shard(x, 1, r) for r in range(world)], 1), x)
+
+
+def test_merge_matches_one_softmax():
+    from fa3_inductor.distributed.merge import Merger
+
+    s = torch.randn(3, 10, dtype=torch.float64)
+    s[1, :6] = float("-inf")
+    s[2] = float("-inf")                        # a row nothing reaches
+    v = torch.randn(10, 4, dtype=torch.float64)
+    m = Merger()
+    for cols in (slice(0, 6), slice(6, 10)):
+        lse = torch.logsumexp(s[:, cols], -1)
+        m.add(torch.softmax(s[:, cols], -1).nan_to_num(0.0) @ v[cols], lse)
+    out, lse = m.result(torch.float64, torch.empty(3, 4), (3,))
+    ref = torch.softmax(s, -1).nan_to_num(0.0) @ v
+    assert torch.allclose(out, ref) and torch.equal(lse.isneginf(), torch.tensor([False, False, True]))
+
+
+@pytest.mark.parametrize("max_elements", [1 << 20])   # chunks of several block rows + a rest
+def test_chunked_block_mask_matches_torch(max_elements):
+    """The ring's bounded-memory block masks equal create_block_mask's, chunked or not."""
+    import itertools
+
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from fa3_inductor import mods
+    from fa3_inductor.distributed.block_mask import chunked_block_mask
+    from fa3_inductor.distributed.shard_attention import ShardMods
+
+    def per_head(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & ((h % 2 == 0) | (q_idx - kv_idx < 100))
+
+    shard = ShardMods(None, mods.causal, torch.tensor([0, 384, 128, 256], dtype=torch.int32),
+                      128, 128).global_mask_mod()
+    doc = torch.tensor([0] * 300 + [1] * 200 + [2] * 268)
+    for mask_mod, heads, m, n in ((mods.causal, 1, 300, 500), (mods.document(doc), 1, 768, 768),
+                                  (mods.sliding_window(200), 1, 768, 768), (per_head, 3, 384, 640),
+                                  (shard, 1, 256, 256)):
+        want = create_block_mask(mask_mod, 2, heads, m, n, device="cpu")
+        got = chunked_block_mask(mask_mod, torch.zeros(2, heads, m, 8), torch.zeros(2, heads, n, 8),
+                                 max_elements=max_elements, reads=(True, True))
+        assert got.seq_lengths == want.seq_lengths and got.BLOCK_SIZE == want.BLOCK_SIZE
+        for name in ("kv", "full_kv", "q", "full_q"):
+            num, idx = getattr(got, f"{name}_num_blocks"), getattr(got, f"{name}_indices")
+            assert torch.equal(num, getattr(want, f"{name}_num_blocks")), (mask_mod, name)
+            ref_idx = getattr(want, f"{name}_indices")
+            for pos in itertools.product(*map(range, num.shape)):   # the listed blocks, in order
+                n_listed = int(num[pos])
+                assert torch.equal(idx[pos][:n_listed], ref_idx[pos][:n_listed]), (name, pos)
