@@ -29,14 +29,20 @@ from __future__ import annotations
 import collections
 from typing import Callable, Hashable
 
+import torch
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask
 
 from ._log import info_once
 from .mod_keys import Unkeyable, mod_key
 from .templates.modgen import trace_mod
 
 MAX_MASKS = 32
+BLOCK = 128                    # torch's default sparse block size, as flex() builds masks
+# Mask entries evaluated at once. torch's eager create_block_mask evaluates the whole B x H x M x N
+# grid and pads a copy (2 bytes an entry: 32 GiB at 128k x 128k); larger masks are built
+# MAX_ELEMENTS entries at a time (chunked_block_mask), 256 MiB (twice that with the pad).
+MAX_ELEMENTS = 1 << 28
 _MASKS: collections.OrderedDict[Hashable, BlockMask] = collections.OrderedDict()
 _READS: dict[Hashable, tuple[bool, bool]] = {}   # mask key -> (reads b, reads h)
 _stats = {"built": 0, "reused": 0}
@@ -107,9 +113,11 @@ def build_block_mask(mask_mod: Callable, q: Tensor, k: Tensor) -> BlockMask:
 
 def _build(mask_mod: Callable, reads_b: bool, reads_h: bool, q: Tensor, k: Tensor) -> BlockMask:
     _stats["built"] += 1
-    return create_block_mask(mask_mod, q.shape[0] if reads_b else None,
-                             q.shape[1] if reads_h else None, q.shape[2], k.shape[2],
-                             device=q.device)
+    B, H = q.shape[0] if reads_b else None, q.shape[1] if reads_h else None
+    entries = (B or 1) * (H or 1) * q.shape[2] * k.shape[2]
+    if entries > MAX_ELEMENTS and not torch.compiler.is_compiling():
+        return chunked_block_mask(mask_mod, q, k, max_elements=MAX_ELEMENTS, reads=(reads_b, reads_h))
+    return create_block_mask(mask_mod, B, H, q.shape[2], k.shape[2], device=q.device)
 
 
 def _reads_batch_or_head(mask_mod: Callable) -> tuple[bool, bool]:
@@ -120,3 +128,58 @@ def _reads_batch_or_head(mask_mod: Callable) -> tuple[bool, bool]:
         return True, True
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     return bool(placeholders[0].users), bool(placeholders[1].users)
+
+
+def chunked_block_mask(mask_mod: Callable, q: Tensor, k: Tensor, block: int = BLOCK,
+                       max_elements: int = MAX_ELEMENTS, reads: tuple | None = None) -> BlockMask:
+    """The BlockMask ``create_block_mask(mask_mod, B?, H?, M, N, device)`` makes, evaluated at most
+    about ``max_elements`` mask entries at a time. ``reads``: whether the mask reads (b, h)
+    (traced when not given); only then does the block mask get those dimensions.
+
+    Example::
+
+        >>> import torch; from fa3_inductor import mods
+        >>> q = torch.zeros(1, 1, 300, 16)                   # edge blocks padded, as torch does
+        >>> chunked_block_mask(mods.causal, q, q, max_elements=1).kv_num_blocks.tolist()
+        [[[1, 1, 3]]]
+    """
+    reads_b, reads_h = reads if reads is not None else _reads_batch_or_head(mask_mod)
+    B = q.shape[0] if reads_b else 1
+    H = q.shape[1] if reads_h else 1
+    M, N, device = q.shape[2], k.shape[2], q.device
+    q_blocks, kv_blocks = -(-M // block), -(-N // block)
+    per_row = B * H * kv_blocks * block
+    rows = max(block, (max_elements // per_row) // block * block)
+    counts = torch.empty(B, H, q_blocks, kv_blocks, dtype=torch.int32, device=device)
+    for start in range(0, M, rows):
+        length = min(rows, M - start)
+        keep = create_mask(_shifted(mask_mod, start), B if reads_b else None,
+                           H if reads_h else None, length, N, device)
+        keep = keep.expand(B, H, length, N)
+        pad_rows, pad_cols = -length % block, -N % block
+        if pad_rows or pad_cols:   # positions past the end are masked, as in torch's padding
+            keep = torch.nn.functional.pad(keep, (0, pad_cols, 0, pad_rows))
+        first = start // block
+        n_rows = keep.shape[2] // block
+        counts[:, :, first:first + n_rows] = keep.reshape(B, H, n_rows, block, kv_blocks, block) \
+            .sum(dim=(3, 5), dtype=torch.int32)
+    full = counts == block * block
+    partial = (counts > 0) & ~full
+    kv_num, kv_idx = _ordered(partial)
+    full_num, full_idx = _ordered(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(block, block),
+                                    mask_mod=mask_mod, seq_lengths=(M, N))
+
+
+def _shifted(mask_mod: Callable, start: int) -> Callable:
+    """``mask_mod`` for query rows counted from ``start``."""
+    def shifted(b, h, q_idx, kv_idx):
+        return mask_mod(b, h, q_idx + start, kv_idx)
+    return shifted
+
+
+def _ordered(dense: Tensor) -> tuple[Tensor, Tensor]:
+    """(blocks per row, their column indices first) of a (B, H, rows, cols) block boolean."""
+    as_int = dense.to(torch.int32)
+    order = torch.argsort(as_int, dim=-1, descending=True, stable=True)
+    return as_int.sum(-1, dtype=torch.int32).contiguous(), order.to(torch.int32).contiguous()

@@ -96,3 +96,24 @@ def test_the_cache_is_bounded():
     for w in range(block_masks.MAX_MASKS + 5):
         block_masks.cached_block_mask(mods.sliding_window(w + 1), q, k)
     assert block_masks.stats()["cached"] == block_masks.MAX_MASKS
+
+
+def test_masks_larger_than_max_elements_are_built_in_chunks(monkeypatch):
+    """Past MAX_ELEMENTS mask entries the mask is evaluated a few block rows at a time (torch's
+    eager builder would take 2 bytes per query-key pair) and equals create_block_mask's."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    monkeypatch.setattr(block_masks, "MAX_ELEMENTS", 128 * 400)
+    q, k, _ = _qkv(H=2, M=300, N=400)
+    calls = []
+    real = block_masks.chunked_block_mask
+    monkeypatch.setattr(block_masks, "chunked_block_mask",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    doc = torch.randint(0, 3, (400,)).sort().values
+    for mask_mod in (mods.causal, mods.document(doc), mods.sliding_window(100)):
+        got = block_masks.cached_block_mask(mask_mod, q, k)
+        want = create_block_mask(mask_mod, None, None, 300, 400, device="cpu")
+        for name in ("kv_num_blocks", "full_kv_num_blocks"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        assert torch.equal(got.to_dense(), want.to_dense())
+    assert len(calls) == 3

@@ -341,7 +341,7 @@ def test_chunked_block_mask_matches_torch(max_elements):
     from torch.nn.attention.flex_attention import create_block_mask
 
     from fa3_inductor import mods
-    from fa3_inductor.distributed.block_mask import chunked_block_mask
+    from fa3_inductor.block_masks import chunked_block_mask
     from fa3_inductor.distributed.shard_attention import ShardMods
 
     def per_head(b, h, q_idx, kv_idx):
