@@ -12,12 +12,14 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from . import _compat, direct, direct_fp8
+from .flex_sinks import flex_with_sinks
 from ._log import info_once
 from .backend import fa3_backend
 from .block_masks import build_block_mask, cached_block_mask
 from .config import templates
 from .fp8_recipe import FP8Recipe, RopeSpec
 from .runtime.ops import last_template, record_template
+from .runtime.sinks import check_sinks
 
 _MAX_COMPILED = 64
 
@@ -79,7 +81,10 @@ def _block_mask_of(mask_mod: Callable, q: Tensor, k: Tensor) -> BlockMask:
     return cached_block_mask(mask_mod, q, k)
 
 
-def _flex_call(q, k, v, score_mod, block_mask, scale, enable_gqa, return_lse, direct_op=False):
+def _flex_call(q, k, v, score_mod, block_mask, scale, enable_gqa, return_lse, direct_op=False,
+               sinks=None):
+    if sinks is not None:   # flex_attention's op has no sinks argument: an exact correction follows
+        return flex_with_sinks(q, k, v, score_mod, block_mask, scale, enable_gqa, sinks, return_lse)
     if direct_op:  # CPU training: torch's front door refuses it, our lowerings serve it
         out, lse = _compat.call_flex_hop(q, k, v, score_mod, block_mask, scale)
         return (out, lse) if return_lse else out
@@ -114,14 +119,23 @@ def _code_of(fn: Optional[Callable]) -> Any:
     return getattr(fn, "__code__", None) if fn is not None else None
 
 
-def _needs_grad(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+def _needs_grad(q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor] = None) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or
+                                        (sinks is not None and sinks.requires_grad))
 
 
-def _cpu_training(q: Tensor, k: Tensor, v: Tensor) -> bool:
+def _cpu_training(q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor] = None) -> bool:
     """Whether this call needs a backward on the CPU (torch's FlexAttention has none)."""
-    return (q.device.type == "cpu" and torch.is_grad_enabled()
-            and any(t.requires_grad for t in (q, k, v)))
+    return q.device.type == "cpu" and _needs_grad(q, k, v, sinks)
+
+
+def _check_sinks(sinks: Optional[Tensor], q: Tensor) -> None:
+    if sinks is None:
+        return
+    check_sinks(sinks, q.shape[1], "flex")
+    if sinks.device != q.device:
+        raise ValueError(f"flex: sinks are on {sinks.device}, q/k/v on {q.device}; move them to "
+                         "the inputs' device")
 
 
 def _check_block_mask_fits(block_mask: Optional[BlockMask], q: Tensor, k: Tensor) -> None:
@@ -168,7 +182,8 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
          mask_mod: Optional[Callable] = None, block_mask: Optional[BlockMask] = None,
          scale: Optional[float] = None, enable_gqa: bool = False,
          return_lse: bool = False, template: str = "auto", fp8: Union[bool, FP8Recipe, None] = None,
-         rope: Optional[RopeSpec] = None) -> Union[Tensor, tuple[Tensor, Tensor]]:
+         rope: Optional[RopeSpec] = None, sinks: Optional[Tensor] = None
+         ) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """Attention with FlexAttention's semantics, served by fa3_inductor's kernels.
 
     ``q`` is (B, H, M, D), ``k`` is (B, Hkv, N, D), ``v`` is (B, Hkv, N, Dv). Dv may differ
@@ -199,6 +214,12 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
     v to e4m3, with one scale per kernel tile; the FP8 kernel then computes on them (docs/fp8.md). Inference only: inputs that need gradients
     raise. ``rope`` needs ``fp8``.
 
+    ``sinks`` (gpt-oss's attention sinks): a float tensor of shape (H,), one logit per query head,
+    that joins every row's softmax denominator: out = Σ_j exp(s_j - LSE) v_j with
+    LSE = log(Σ_j exp(s_j) + exp(sinks[h])); the returned LSE includes it, and a row that sees no key
+    gets out 0 and LSE = sinks[h]. It may require grad (d sinks[h] = -Σ exp(sinks[h] - LSE) ·
+    rowsum(dO·O) over batch and rows). Our kernels add it in their epilogue (docs/design/sinks.md).
+
     Example::
 
         >>> from fa3_inductor import flex, mods
@@ -210,33 +231,39 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
         >>> v = torch.randn(1, 2, 256, 128)
         >>> flex(q, k, v, mask_mod=mods.causal, enable_gqa=True).shape
         torch.Size([1, 8, 256, 128])
+        >>> flex(q, k, v, enable_gqa=True, sinks=torch.zeros(8)).shape   # gpt-oss's sinks
+        torch.Size([1, 8, 256, 128])
     """
     if fp8 is not None or rope is not None:
         recipe = FP8Recipe.of(fp8)
+        if sinks is not None and recipe is not None:
+            raise NotImplementedError("flex(fp8=..., sinks=...): the FP8 kernels do not add sinks; "
+                                      "drop fp8= for a site with attention sinks")
         if recipe is not None or rope is not None:
             return _flex_fp8(q, k, v, score_mod, mask_mod, block_mask, scale, enable_gqa, return_lse,
                              template, recipe, rope)
     memo = None
-    if type(q) is Tensor and q.is_cuda and not torch.compiler.is_compiling():
+    if type(q) is Tensor and q.is_cuda and sinks is None and not torch.compiler.is_compiling():
         # A repeat of an earlier served call re-launches its kernel at once (direct.py, "call memo").
         memo = direct.memo_key(score_mod, mask_mod, block_mask, scale, enable_gqa, template)
         hit = direct.replay(memo, q, k, v, return_lse)
         if hit is not None:
             return hit if return_lse else hit[0]
     _check_inputs(q, k, v, score_mod, mask_mod, block_mask, scale, enable_gqa)
+    _check_sinks(sinks, q)
     if template not in templates():
         raise ValueError(f"flex: template must be one of {templates()}, got {template!r}")
     if mask_mod is not None:
         block_mask = _block_mask_of(mask_mod, q, k)
     _check_block_mask_fits(block_mask, q, k)
-    training_on_cpu = _cpu_training(q, k, v)
+    training_on_cpu = _cpu_training(q, k, v, sinks)
     if training_on_cpu and not _runs_our_kernels(q):
         raise NotImplementedError(_CPU_BACKWARD_HELP)
     if q.device.type == "cpu" and not torch.is_grad_enabled():
         # Nothing is recorded without grad mode; torch's CPU check refuses inputs that merely
         # carry requires_grad, so hand it detached views.
         q, k, v = q.detach(), k.detach(), v.detach()
-    args = (q, k, v, score_mod, block_mask, scale, enable_gqa, return_lse, training_on_cpu)
+    args = (q, k, v, score_mod, block_mask, scale, enable_gqa, return_lse, training_on_cpu, sinks)
     if torch.compiler.is_compiling():
         return _flex_call(*args)  # an enclosing torch.compile captures the op itself
     if not _runs_our_kernels(q):
@@ -244,16 +271,16 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
                   "(fa3 kernels need CUDA, or TRITON_INTERPRET=1 on the CPU)")
         record_template("torch")
         return _flex_call(*args)
-    if q.is_cuda and template != "torch" and not _needs_grad(q, k, v):
+    if q.is_cuda and template != "torch" and not _needs_grad(q, k, v, sinks):
         # Inference: plan once, then call our op directly (no Dynamo/AOT/Inductor per call).
         served = direct.forward(q, k, v, score_mod, block_mask,
                                 scale if scale is not None else q.shape[-1] ** -0.5, template,
-                                memo=memo and (memo, score_mod, mask_mod, block_mask))
+                                memo=memo and (memo, score_mod, mask_mod, block_mask), sinks=sinks)
         if served is not None:
             return served if return_lse else served[0]
     mask_fn = block_mask.mask_mod if block_mask is not None else None
     shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device,
-              q.requires_grad)
+              q.requires_grad, sinks is not None)
     compiled = _compiled_for(_code_of(score_mod), _code_of(mask_fn), template, shapes)
     record_template(None)
     result = compiled(*args)

@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -20,13 +21,15 @@ from . import _compat
 from .config import Settings, split_options
 from .lowering import flex_lowering, registration
 from .lowering.passes import Fa3PostGradPass
+from .lowering.sinks_fusion import SinksJointPass
 from .lowering.site_plan import plan_site
 from .recognition import module_state
 from .recognition.recognize_flex import flex_call_sites, flex_nodes, tag_rewritten
 from .recognition.rope_fusion import fuse_rope
 from .recognition.recognize_sdpa import rewrite_sdpa
 from .recognition.rewrite_pays import unless_small
-from .report import record_recognized, site_tag
+from ._log import log
+from .report import RecognizedSite, record_recognized, site_records, site_tag
 
 
 def fa3_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
@@ -41,12 +44,17 @@ def fa3_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
     ``backend="inductor"`` uses, with the same mode and options: the same config, so the same
     generated code, the same FX graph / AOT autograd cache entries, and the same callable per call.
 
+    No crash of ours reaches the user: if recognition raises, the graph is compiled as written
+    (recognition edits a copy); if compiling with our lowering raises, stock Inductor compiles the
+    graph as Dynamo gave it, and only if that raises too does its error (the user's) propagate.
+    Either way the failure is warned about once and is the reason on the graph's sites in
+    explain() (``_gave_up``). Argument errors (``mode`` with ``options``, FP8 with gradients)
+    are raised as before.
+
     Example::
 
         >>> torch.compile(fn, backend="fa3", options={"fa3.template": "torch"})  # doctest: +SKIP
     """
-    from torch._inductor.compile_fx import compile_fx
-
     if mode is not None and options:
         raise ValueError("backend 'fa3': give either mode= or options=, not both "
                          "(as for torch.compile's inductor backend)")
@@ -63,18 +71,42 @@ def fa3_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
                          "your pass with backend='inductor' or ask for a hook")
     _note_cudagraphs(stock.config)
     registration.install()
+    records_from = len(site_records()[0])
+    original = gm
     extra_inputs: list = []
     guards: list = []
     if settings.recognize and settings.template != "torch":
-        gm, extra_inputs, guards = recognize(gm, example_inputs, settings)
+        try:
+            gm, extra_inputs, guards = recognize(gm, example_inputs, settings)
+        except Exception as exc:  # our bug: the graph stays as written (recognize works on a copy)
+            _gave_up("recognition", exc, records_from)
+            gm, extra_inputs, guards = original, [], []
     else:
         for site in flex_call_sites(gm):
             record_recognized(site)
     if not extra_inputs and not guards and not has_flex_attention(gm):
         return stock(gm, example_inputs)
+    pristine = _own_copy(original)   # Inductor's passes edit the graph they compile
+    try:
+        return _compile_ours(gm, example_inputs, extra_inputs, guards, settings, stock)
+    except Exception as exc:
+        # Stock Inductor on the graph as Dynamo gave it: if it raises too, the error is the
+        # user's (theirs propagates); if not, the failure was ours and the graph runs as written.
+        compiled = stock(pristine, example_inputs)
+        _gave_up("compilation", exc, records_from)
+        return compiled
+
+
+def _compile_ours(gm: torch.fx.GraphModule, example_inputs: list, extra_inputs: list, guards: list,
+                  settings: Settings, stock: Any) -> Any:
+    """compile_fx with our lowering on; recognition's constants appended to the inputs."""
+    from torch._inductor.compile_fx import compile_fx
+
     # Our marker pass turns our lowering on (lowering/common.py) and keys Inductor's caches
     # to this package's sources and settings (lowering/passes.py).
-    patches = {**stock.config, "post_grad_custom_post_pass": Fa3PostGradPass(settings)}
+    # (attention sinks: the joint pass lets their backward read the kernel's outputs, sinks_fusion.py)
+    patches = {"joint_custom_post_pass": SinksJointPass(), **stock.config,
+               "post_grad_custom_post_pass": Fa3PostGradPass(settings)}
     if not extra_inputs and not guards:
         return compile_fx(gm, example_inputs, config_patches=patches)
     fake_mode = torch._guards.detect_fake_mode(example_inputs)
@@ -82,6 +114,32 @@ def fa3_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
              for t in extra_inputs]
     inner = compile_fx(gm, list(example_inputs) + fakes, config_patches=patches)
     return _with_extra_inputs(inner, extra_inputs, guards)
+
+
+def _gave_up(stage: str, exc: Exception, records_from: int) -> None:
+    """Our ``stage`` raised on a graph that is now served as written: say so once per distinct
+    failure (a warning and the log), and put the reason on the graph's sites for explain()."""
+    lines = str(exc).strip().splitlines()
+    what = f"{type(exc).__name__}: {lines[0][:300] if lines else ''}"
+    outcome = ("its attention runs as written" if stage == "recognition" else
+               "stock Inductor compiled it, every attention as written")
+    reason = (f"fa3 {stage} failed on this graph ({what}); {outcome}. This is a bug in "
+              "fa3_inductor: please report it with TORCH_LOGS=+fa3_inductor")
+    recorded = site_records()[0][records_from:]
+    for site in recorded:
+        if site.rewritten:
+            site.rewritten, site.reason = False, reason
+    if not recorded:
+        record_recognized(RecognizedSite("graph", "(whole graph)", False, reason))
+    log.debug("fa3_inductor: %s failed", stage, exc_info=exc)
+    key = f"{stage}: {what}"
+    if key not in _failures_warned:
+        _failures_warned.add(key)
+        log.warning("fa3_inductor: %s", reason)
+        warnings.warn(f"fa3_inductor: {reason}", RuntimeWarning, stacklevel=2)
+
+
+_failures_warned: set[str] = set()
 
 
 def _stock_inductor(mode: Optional[str], inductor_options: dict[str, Any]) -> Any:

@@ -20,7 +20,7 @@ def templates() -> tuple[str, ...]:
     Example::
 
         >>> templates()
-        ('auto', 'hopper_fp8', 'hopper', 'fp8', 'generic', 'torch')
+        ('auto', 'hopper_fp8', 'decode', 'hopper', 'fp8', 'generic', 'torch')
     """
     from .templates.registry import names
 

@@ -28,6 +28,7 @@ from .lowering.site_plan import plan_site
 from .mod_keys import ModWatch, Unkeyable, mod_key
 from .runtime.kernel_failures import kernel_failure
 from .runtime.spec import SiteSpec
+from .templates.decode.shape import decode_fit
 from .templates.modgen import BufferSpec, UnsupportedMod, trace_mod
 
 _NO_MASK_BLOCK = 1 << 30   # torch's "no mask" block size
@@ -46,30 +47,33 @@ class _Plan:
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable], block_mask: Any,
-            scale: float, template: str, memo: Optional[tuple] = None) -> Optional[tuple[Tensor, Tensor]]:
+            scale: float, template: str, memo: Optional[tuple] = None,
+            sinks: Optional[Tensor] = None) -> Optional[tuple[Tensor, Tensor]]:
     """(out, lse in natural-log units) from our kernel, or None when it cannot serve the call
     (the caller then takes the compiled path, which records why).
 
     Inputs are validated by the caller, and q, k, v need no gradient; a captured tensor that
     needs one sends the call to the compiled path too. ``memo``: flex()'s ``(key, score_mod,
-    mask_mod, block_mask)`` to remember this call by for :func:`replay`, or None.
+    mask_mod, block_mask)`` to remember this call by for :func:`replay`, or None. ``sinks``: [HQ]
+    per-head logits added to each row's denominator in the kernel's epilogue (out and lse include
+    them); such calls are not memoized (the memo's launch has no sinks argument).
 
     Example::
 
         >>> out, lse = forward(q, k, v, None, None, 0.125, "auto")   # doctest: +SKIP
     """
     mask_mod = block_mask.mask_mod if block_mask is not None else None
-    plan = cached_plan(q, k, v, score_mod, mask_mod, block_mask, template)
+    plan = cached_plan(q, k, v, score_mod, mask_mod, block_mask, template, sinks=sinks is not None)
     if plan.spec is None or kernel_failure(SiteSpec.from_json(plan.spec)) is not None:
         return None   # the compiled path plans it again and records why torch's kernel runs
-    if torch.is_grad_enabled() and any(b.requires_grad for b in (*plan.score_bufs,
-                                                                   *plan.mask_bufs)):
+    if torch.is_grad_enabled() and any(b.requires_grad for b in (*plan.score_bufs, *plan.mask_bufs,
+                                                                   *([] if sinks is None else [sinks]))):
         return None  # a learnable captured tensor: the compiled path gives it a gradient
     tables, sparse_q, sparse_kv = block_mask_tables(block_mask)
     out, lse, _ = torch.ops.fa3_inductor.flex_fwd.default(
         q, k, v, *tables, plan.score_bufs, plan.mask_bufs, float(scale), int(sparse_q),
-        int(sparse_kv), plan.spec)
-    if memo is not None:
+        int(sparse_kv), plan.spec, sinks)
+    if memo is not None and sinks is None:
         _remember(memo, q, k, v, plan, tables, float(scale), int(sparse_q), int(sparse_kv))
     return out, lse.mul_(_LN2)
 
@@ -191,9 +195,11 @@ def clear() -> None:
 
 
 def cached_plan(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable],
-                mask_mod: Optional[Callable], block_mask: Any, template: str, fp8: bool = False) -> _Plan:
+                mask_mod: Optional[Callable], block_mask: Any, template: str, fp8: bool = False,
+                sinks: bool = False) -> _Plan:
     """:func:`plan_direct`'s plan, cached by what the mods compute (module docstring) and the
-    site's kind (device, dtype, heads, head dims, batch broadcast, block sizes, FP8 or not).
+    site's kind (device, dtype, heads, head dims, batch broadcast, block sizes, FP8 or not, sinks
+    or not).
 
     Example::
 
@@ -202,14 +208,16 @@ def cached_plan(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable],
     """
     site = (template, fp8, q.device, q.dtype, q.shape[1], q.shape[3], k.shape[1], v.shape[3],
             q.shape[0] == k.shape[0] or k.shape[0] == 1,
-            None if block_mask is None else tuple(block_mask.BLOCK_SIZE))
+            None if block_mask is None else tuple(block_mask.BLOCK_SIZE),
+            decode_fit(q.shape[2], q.shape[1], k.shape[1]),   # the decode family's or not
+            sinks)
     try:
         key = (mod_key(score_mod), mod_key(mask_mod), site)
     except Unkeyable:
         key = (score_mod, mask_mod, site)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = plan_direct(q, k, v, score_mod, mask_mod, block_mask, template, fp8)
+        plan = plan_direct(q, k, v, score_mod, mask_mod, block_mask, template, fp8, sinks)
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = plan
@@ -217,10 +225,11 @@ def cached_plan(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable],
 
 
 def plan_direct(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable],
-                mask_mod: Optional[Callable], block_mask: Any, template: str, fp8: bool = False) -> _Plan:
+                mask_mod: Optional[Callable], block_mask: Any, template: str, fp8: bool = False,
+                sinks: bool = False) -> _Plan:
     """Plan a direct call's site as the lowering would (mods traced and generated, families
-    chosen; ``fp8``: the inputs reach the kernel from the FP8 prologue). ``.spec`` is None when our
-    kernels do not serve it, with ``.reason``.
+    chosen; ``fp8``: the inputs reach the kernel from the FP8 prologue; ``sinks``: the call passes
+    per-head sinks). ``.spec`` is None when our kernels do not serve it, with ``.reason``.
 
     Example::
 
@@ -242,6 +251,7 @@ def plan_direct(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable],
             q_heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[3],
             value_head_dim=v.shape[3], batches_match=q.shape[0] == k.shape[0] or k.shape[0] == 1,
             sparse_blocks=sparse, settings=Settings(template=template), needs_max=False, fp8=fp8,
+            query_len=q.shape[2], sinks=sinks,
             description=f"q{list(q.shape)} {kv} "
                         f"{str(q.dtype).replace('torch.', '')} {q.device.type} "
                         f"(flex, {'fp8' if fp8 else 'direct'})")

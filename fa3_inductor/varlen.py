@@ -97,9 +97,16 @@ def _check_cu_seqlens(cu_q: Any, cu_k: Any, q: Tensor, k: Tensor, max_q: Any, ma
                         f"is {longest}; pass the longest length")
 
 
-def _generated(fn: Optional[Callable], kind: str) -> tuple[Any, tuple, Optional[str]]:
-    """(tl jit function or None, captured buffers, generated source) of a Python mod; None for a
-    mod that changes nothing (identity score, all-true mask). Cached by what the mod computes."""
+def generated_mod(fn: Optional[Callable], kind: str) -> tuple[Any, tuple, Optional[str]]:
+    """(tl jit function or None, captured buffers, generated source) of a Python mod (``kind``
+    "score" or "mask"); None for a mod that changes nothing (identity score, all-true mask).
+    Cached by what the mod computes (mod_keys.py). Raises UnsupportedMod when it cannot be
+    generated. flex_varlen and flex_decode use it.
+
+    Example::
+
+        >>> fn, bufs, source = generated_mod(mods.causal, "mask")   # doctest: +SKIP
+    """
     if fn is None:
         return None, (), None
     try:
@@ -194,8 +201,8 @@ def flex_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
     if needs_grad or not _runs_kernel(q):
         return _dense(q, k, v, cu_seqlens_q, cu_seqlens_k, score_mod, mask_mod, scale, return_lse)
     try:
-        score_fn, score_bufs, _ = _generated(score_mod, "score")
-        mask_fn, mask_bufs, mask_source = _generated(mask_mod, "mask")
+        score_fn, score_bufs, _ = generated_mod(score_mod, "score")
+        mask_fn, mask_bufs, mask_source = generated_mod(mask_mod, "mask")
     except UnsupportedMod as exc:
         warn_once(f"flex_varlen: a mod cannot be generated for the kernel ({exc}); running the "
                   "dense torch path per sequence (slow)")

@@ -75,15 +75,19 @@ def _paged(k, v, page, spare=3):
     """The contiguous cache's pages in a shuffled page pool (plus unused pages of noise):
     (k_pages, v_pages, block_table)."""
     B, HKV, N, D = k.shape
-    per_batch = N // page
+    per_batch = -(-N // page)   # the last page partly filled (with noise) when page does not divide N
     pool = B * per_batch + spare
     order = torch.randperm(pool)[:B * per_batch]
-    k_pages = torch.randn(pool, page, HKV, D, dtype=k.dtype)
-    v_pages = torch.randn(pool, page, HKV, v.shape[-1], dtype=v.dtype)
-    k_pages[order] = k.view(B, HKV, per_batch, page, D).permute(0, 2, 3, 1, 4).reshape(-1, page, HKV, D)
-    v_pages[order] = v.view(B, HKV, per_batch, page, -1).permute(0, 2, 3, 1, 4).reshape(
-        -1, page, HKV, v.shape[-1])
-    return k_pages, v_pages, order.view(B, per_batch).to(torch.int32)
+    pad = per_batch * page - N
+
+    def scatter(t):
+        pages = torch.randn(pool, page, HKV, t.shape[-1], dtype=t.dtype)
+        t = torch.cat([t, torch.randn(B, HKV, pad, t.shape[-1], dtype=t.dtype)], dim=2)
+        pages[order] = t.view(B, HKV, per_batch, page, -1).permute(0, 2, 3, 1, 4).reshape(
+            -1, page, HKV, t.shape[-1])
+        return pages
+
+    return scatter(k), scatter(v), order.view(B, per_batch).to(torch.int32)
 
 
 @pytest.mark.parametrize("M_new, HQ, HKV, D, dtype, splits", [
@@ -126,7 +130,12 @@ def test_strided_cache_views_and_a_wider_value_head(cpu_kernels):
     _check(out, lse, ref, ref_lse, torch.float32)
 
 
-@pytest.mark.parametrize("dtype, page", [(torch.float32, 16), (torch.bfloat16, 32)])
+@pytest.mark.parametrize("dtype, page", [
+    (torch.float32, 16), (torch.bfloat16, 32),
+    (torch.float32, 8),     # a 16-key tile spans two pages
+    (torch.float16, 24),    # a page size that is no power of two: tiles straddle page ends
+    (torch.float32, 1),     # one key per page
+])
 def test_paged_shuffled_table_equals_contiguous(cpu_kernels, dtype, page):
     q, k, v = _inputs(2, 4, 2, 2, 64, 16, dtype)
     lens = torch.tensor([64, 21], dtype=torch.int32)
@@ -198,10 +207,25 @@ def test_prepared_launches_read_lengths_at_run_time(cpu_kernels):
         _check(out, lse, ref, ref_lse, torch.float32)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_lengths_outside_the_cache_are_clamped(cpu_kernels, paged):
+    """A length past the capacity (or negative) reads no key outside the cache or the table: it
+    counts as the capacity (or 0). The host never sees the lengths, so the kernel clamps them."""
+    q, k, v = _inputs(2, 2, 1, 1, 32, 16)
+    cache = _paged(k, v, 16, spare=0) if paged else (k, v, None)
+    out, lse = decode_attention(q, cache[0], cache[1], block_table=cache[2], num_splits=2,
+                                seq_lens=torch.tensor([1000, -3], dtype=torch.int32))
+    ref, ref_lse = _reference(q, k, v, torch.tensor([32, 0]))
+    _check(out, lse, ref, ref_lse, torch.float32)
+
+
 def test_split_count_fills_the_sms_and_keeps_splits_long():
     assert choose_num_splits(8, 8, 8192, 64, 132) == 4          # 64 programs -> 256
     assert choose_num_splits(1, 8, 131072, 64, 132) == 33        # 1x1x128k: 264 programs
-    assert choose_num_splits(64, 8, 8192, 64, 132) == 1          # already 4 waves of programs
+    assert choose_num_splits(64, 8, 8192, 64, 132) == 3          # 512 programs: 1.3 waves -> 3.9
+    assert choose_num_splits(64, 32, 8192, 64, 132) == 1         # 2048: 5.2 waves, tail small
+    assert choose_num_splits(32, 8, 8192, 64, 132) == 1          # 256: all resident at once
+    assert choose_num_splits(64, 8, 8192, 64, 132, resident=1) == 1   # 512 over 132: 3.9 waves
     assert choose_num_splits(1, 1, 300, 64, 132) == 1            # too short to split
     assert choose_num_splits(1, 1, 1 << 22, 64, 132) == 128      # capped
 
@@ -211,10 +235,13 @@ def test_unsupported_inputs_say_what_to_do(cpu_kernels):
     out, lse = torch.empty_like(q), torch.empty(1, 2, 1)
     lens = torch.tensor([32], dtype=torch.int32)
     table = torch.zeros(1, 2, dtype=torch.int32)
-    pages = torch.randn(4, 24, 1, 16)
-    with pytest.raises(ValueError, match="multiple of 16"):
-        prepare_decode(q, pages, pages, out, lse, sm_scale=1.0, seq_lens=lens, block_table=table)
     pages = torch.randn(4, 16, 1, 16)
+    with pytest.raises(ValueError, match=r"block_table must be a \[B=1, max_pages\] int32"):
+        prepare_decode(q, pages, pages, out, lse, sm_scale=1.0, seq_lens=lens,
+                       block_table=table.long())
+    with pytest.raises(ValueError, match="differ in"):
+        prepare_decode(q, pages, pages[:, :8], out, lse, sm_scale=1.0, seq_lens=lens,
+                       block_table=table)
     with pytest.raises(ValueError, match="needs seq_lens"):
         prepare_decode(q, pages, pages, out, lse, sm_scale=1.0, block_table=table)
     with pytest.raises(ValueError, match="int32"):
@@ -225,22 +252,34 @@ def test_unsupported_inputs_say_what_to_do(cpu_kernels):
 
 @pytest.mark.sm90_compile
 def test_sm90_compile_no_spills():
-    """The split and combine kernels compile for sm90 without spills (D 64 / 128, one new token,
-    GQA 4, paged bf16); registers reported."""
+    """The split and combine kernels compile for sm90 without spills, K/V read by 16-byte cp.async
+    (LDGSTS.128): D 64 / 128 paged (pages of 64; D64's 128-key tile spans two), D128 contiguous,
+    and 128 packed rows (GQA 32 x 4 tokens, 8 warps); registers and shared memory reported."""
+    import re
+
     from fa3_inductor.templates.aot import sass_report
     from fa3_inductor.templates.decode import compile_decode
 
     reports = []
-    for D in (64, 128):
-        q = torch.randn(2, 16, 1, D, dtype=torch.bfloat16)
-        pages = torch.randn(64, 64, 4, D, dtype=torch.bfloat16)
-        table = torch.arange(64, dtype=torch.int32).view(2, 32)
+    for D, group, M_new, paged in ((64, 4, 1, True), (128, 4, 1, True), (128, 4, 1, False),
+                                   (128, 32, 4, False)):
+        q = torch.randn(2, 2 * group, M_new, D, dtype=torch.bfloat16)
         lens = torch.tensor([2048, 1000], dtype=torch.int32)
-        kernels = compile_decode(q, pages, pages, torch.empty_like(q), torch.empty(2, 16, 1),
-                                 sm_scale=D ** -0.5, seq_lens=lens, block_table=table, num_splits=8)
+        if paged:
+            k = torch.randn(64, 64, 2, D, dtype=torch.bfloat16)
+            extra = dict(block_table=torch.arange(64, dtype=torch.int32).view(2, 32))
+        else:
+            k = torch.randn(2, 2, 2048, D, dtype=torch.bfloat16)
+            extra = {}
+        kernels = compile_decode(q, k, k, torch.empty_like(q), torch.empty(q.shape[:3]),
+                                 sm_scale=D ** -0.5, seq_lens=lens, num_splits=8, **extra)
+        kernels = kernels if paged and group == 4 and D == 64 else kernels[:1]   # one combine
         for name, ck in zip(("split", "combine"), kernels):
             r = sass_report(ck)
-            reports.append(f"D{D} {name}: {r.registers} registers, {r.spill_instructions} spills, "
-                           f"{r.shared} B shared")
+            wide = len(re.findall(r"LDGSTS\.E\.BYPASS\.128", r.sass))
+            reports.append(f"D{D} {group * M_new} rows {'paged' if paged else 'contiguous'} {name}: "
+                           f"{r.registers} registers, {r.spill_instructions} spills, {r.shared} B "
+                           f"shared, {wide} LDGSTS.128")
             assert r.stack == 0 and r.local == 0 and r.spill_instructions == 0, reports[-1]
+            assert name == "combine" or wide > 0, reports[-1]
     print("\n".join(reports))

@@ -2,10 +2,12 @@
 Quant bundle on, tiles in templates/hopper_fp8/configs.py).
 
 - CPU: what the family serves and declines, and why.
+- CPU: the int32 -> float32 bit trick of int8 Q·K^T (fwd_sm90._s32_to_f32) is exact over every score D <= 256 gives.
 - ``sm90_compile`` (no GPU): every FP8 table entry and the mod / block-mask / schedule variants compile for
-  sm90 with e4m3 wgmma for both GEMMs (QK^T from shared memory, PV with P in registers), setmaxnreg kept, no
-  spills, the shared memory configs.fp8_smem_bytes accounts for, and P's fp32 -> e4m3 operand conversion in
-  registers (no shared-memory traffic inside the KV loops).
+  sm90 with e4m3 wgmma for both GEMMs (QK^T from shared memory, PV with P in registers), wgmma not serialized,
+  setmaxnreg kept, no spills (mod variants: none inside the KV loops, but the document mask's few), the shared
+  memory configs.fp8_smem_bytes accounts for, P's fp32 -> e4m3 operand conversion in registers (no shared-memory
+  traffic inside the KV loops, one byte permute per A register at most) and, with int8 Q / K, no I2F per score.
 - ``gpu`` (an H100 / H200): ``flex(..., fp8=...)`` served by this family against float64 attention on the same
   dequantized operands (test_fp8_forward.py's rule, reference.FP8_TOLERANCE), and against a float64 emulation
   of the kernel's own arithmetic (P rounded to e4m3 per KV tile of the kernel's width).
@@ -87,6 +89,23 @@ def test_prepare_needs_the_prologue_operands_and_a_gpu():
         HOPPER_FP8.launch(call)
 
 
+def test_s32_to_f32_bit_trick_is_exact_over_the_score_range():
+    """fwd_sm90._s32_to_f32 (int8 Q·K^T's scores to fp32 by an integer add to the bits of 1.5·2^23 and a float
+    subtract, instead of I2F), emulated in float32 over every integer the s8 wgmma can produce at D <= 256
+    (|Q8·K8| <= 256·128^2 = 2^22, even with -128, which the prologue never writes): equal to the exact conversion,
+    and wrong right past the bound, so the bound is the trick's."""
+    from fa3_inductor.templates.hopper.fwd_sm90 import S32_MAGIC, S32_MAGIC_BITS
+
+    def convert(x):   # the kernel's two instructions, in float32
+        return (x + S32_MAGIC_BITS.value).view(torch.float32) - torch.tensor(S32_MAGIC.value, dtype=torch.float32)
+
+    assert 256 * 127 ** 2 < 2 ** 22 == 256 * 128 ** 2
+    x = torch.arange(-2 ** 22, 2 ** 22 + 1, dtype=torch.int32)
+    assert torch.equal(convert(x), x.to(torch.float32))
+    outside = torch.tensor([2 ** 22 + 1, -2 ** 22 - 1], dtype=torch.int32)
+    assert not torch.equal(convert(outside), outside.to(torch.float32))
+
+
 def test_config_table_fits_shared_memory_and_scale_blocks():
     for d, cfg in all_fp8_configs():
         assert fp8_smem_bytes(cfg, d, d) <= SMEM_LIMIT - 1024   # barriers take a few more bytes
@@ -140,10 +159,11 @@ def _wgmma_forms(ptx: str) -> set:
     return forms
 
 
-def _check_fp8(ck, cfg, D, max_stack=0, qk="e4m3"):
+def _check_fp8(ck, cfg, D, max_stack=0, qk="e4m3", max_loop_spills=0):
     """The checks every FP8 compile must pass; returns the SASS report. `max_stack`: the bound on spills where
-    they are a known cost (test_hopper_compile.py's rule for mask_mods that gather from a buffer). `qk`: Q and
-    K's format (FP8Recipe.qk): QK^T is an e4m3 or an s8 wgmma, PV e4m3 either way."""
+    they are a known cost (test_hopper_compile.py's rule for mask_mods that gather from a buffer), kernel-wide
+    scalars reloaded once per tile; `max_loop_spills`: LDL / STL allowed inside a KV loop. `qk`: Q and K's format
+    (FP8Recipe.qk): QK^T is an e4m3 or an s8 wgmma, PV e4m3 either way."""
     from fa3_inductor.templates.aot import sass_report
 
     r = sass_report(ck)
@@ -168,9 +188,17 @@ def _check_fp8(ck, cfg, D, max_stack=0, qk="e4m3"):
     # P: fp32 accumulator -> e4m3 (F2FP) -> the A operand's layout by shuffles and byte permutes, no shared memory
     loops = [" ".join(body) for body in r.inner_loops() if "QGMMA" in " ".join(body)]
     assert loops, "no KV loop with QGMMA found"
+    a_regs = 64 * cfg.block_n // (128 * 4)   # 32-bit A-operand registers of P per thread
     for body in loops:
         assert "F2FP" in body and "MUFU.EX2" in body
         assert not re.search(r"\b(STS|LDS|STSM|LDSM)\b", body), "P's conversion goes through shared memory"
+        # P converted in place, not held a byte per register and repacked (what a loop-carried e4m3 P costs)
+        assert len(re.findall(r"\bPRMT\b", body)) <= a_regs, "P repacked byte by byte"
+        # ptxas serializes wgmma (C7513 / C7514) by waiting after every one: gsb0 on each instead of each group's last
+        assert len(re.findall(r"GMMA[^;]*gsb0", body)) <= 2, "wgmma serialized"
+        assert len(re.findall(r"\b(LDL|STL)\b", body)) <= max_loop_spills, "spills inside the KV loop"
+        if qk == "int8":   # the s32 scores become fp32 by an integer add, not I2F (a per-tile scalar's may remain)
+            assert len(re.findall(r"\bI2FP?\.", body)) <= 2, "int8 scores converted by I2F"
     return r
 
 
@@ -237,10 +265,11 @@ def test_fp8_mod_variants_compile(variant, D, two_level):
         assert not kwargs["FLAGS"].FIXED_BASE
         if variant is _alibi:
             assert kwargs["FLAGS"].KV_AFFINE == (two_level == 0)
-        # known costs, as in bf16 (test_hopper_compile.py, configs.py's persistent notes): a mask_mod gathering
-        # [BLOCK_N] ids per KV tile and ALiBi's column / index vectors may spill a little (D=256 document: stack 8
-        # bytes, 5 LDL/STL; ALiBi D=64 two-level 16 bytes / 16, D=256 8 / 6); bounded so that it cannot grow
-        _check_fp8(ck, cfg, D, max_stack=0 if variant is _softcap_causal else 128)
+        # known costs (test_hopper_compile.py, hopper_fp8/configs.py's notes): at D=128 with two-level accumulation
+        # and the overlap, a few kernel-wide scalars spill outside the KV loop, reloaded once per tile (stack: softcap
+        # + causal 32 bytes, ALiBi 24, document 48); the document mask, gathering [BLOCK_N] ids per KV tile, reloads a
+        # few inside it too (<= 8 LDL / STL; 6 before the overlap). Bounded so that they cannot grow.
+        _check_fp8(ck, cfg, D, max_stack=64, max_loop_spills=8 if variant is _document_window else 0)
 
 
 def test_fp8_operand_checks_say_what_is_wrong():
@@ -402,6 +431,20 @@ def test_hopper_fp8_kv_affine_score_mod(hopper_fp8_first):
 
     q, k, v = _gpu_inputs(2, 4, 4, 700, 900, 128, seed=3)
     _check_gpu(q, k, v, _recipe(), score_mod=mods.alibi(4), mask_mod=mods.causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,N", [(128, 200), (128, 1000), (256, 300)])
+def test_hopper_fp8_int8_scores_at_the_range_ends(hopper_fp8_first, D, N):
+    """int8 Q / K whose every entry is +-127 (no rotation, rows of +-1): Q8·K8 = +-D·127^2, the ends of the range
+    that fwd_sm90._s32_to_f32 converts (2^22 bounds it for D <= 256); two KV tiles, several, and D=256."""
+    g = torch.Generator().manual_seed(D + N)
+    sign = lambda n: (torch.randint(0, 2, (n, 1), generator=g) * 2 - 1).float()   # noqa: E731
+    q = (sign(2 * 4 * 333).view(2, 4, 333, 1) * torch.ones(D)).to(torch.bfloat16).cuda()
+    k = (sign(2 * 4 * N).view(2, 4, N, 1) * torch.ones(D)).to(torch.bfloat16).cuda()
+    v = torch.randn(2, 4, N, D, generator=g).to(torch.bfloat16).cuda()
+    recipe = FP8Recipe(qk="int8", hadamard=False, two_level=0 if D in UNSERVED_TWO_LEVEL else 1)
+    _check_gpu(q, k, v, recipe)
 
 
 @pytest.mark.gpu

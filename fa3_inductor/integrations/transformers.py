@@ -25,6 +25,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from .. import mods
 from ..api import flex
 from ..fp8_recipe import FP8Recipe
+from .hf_sinks import hf_sinks
 
 NAME = "fa3"
 NAME_FP8 = "fa3_fp8"
@@ -46,10 +47,11 @@ def fa3_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     if dropout and module.training:
         raise ValueError("attn_implementation='fa3' has no attention dropout; set the config's "
                          "attention_dropout to 0 or call model.eval()")
-    if s_aux is not None or position_bias is not None:
+    if position_bias is not None:
         raise NotImplementedError(
-            "attn_implementation='fa3' does not serve attention sinks or position biases yet; "
-            "use attn_implementation='flex_attention' for this model")
+            "attn_implementation='fa3' does not serve position biases passed as tensors yet; "
+            "use attn_implementation='eager' with torch.compile(backend='fa3'), which fuses them")
+    sinks = hf_sinks(query, s_aux, fp8)   # gpt-oss: one logit per query head, or None
     if attention_mask is not None and not isinstance(attention_mask, BlockMask):
         raise TypeError("attn_implementation='fa3' expects its mask as a BlockMask (built by the "
                         f"'fa3' mask function); got {type(attention_mask).__name__}")
@@ -57,12 +59,94 @@ def fa3_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
         raise NotImplementedError(
             "attn_implementation='fa3_fp8' is inference-only (no backward through FP8 attention): "
             "call model.eval() under torch.no_grad(), or use attn_implementation='fa3' to train")
-    out = flex(query, key, value, score_mod=mods.softcap(softcap) if softcap else None,
-               block_mask=attention_mask, scale=scaling,
-               enable_gqa=query.shape[1] != key.shape[1], fp8=fp8)
+    score_mod = mods.softcap(softcap) if softcap else None
+    packed = None if fp8 is not None else packed_sequences(query, key, kwargs)
+    if packed is not None:
+        return _packed_attention(query, key, value, packed, score_mod, scaling, sinks,
+                                 kwargs.get("sliding_window")), None
+    # A decode step (a few new tokens against the static cache, its mask a BlockMask over the
+    # cache) reaches the decode family through flex(): the plan picks it for short queries.
+    out = flex(query, key, value, score_mod=score_mod, block_mask=attention_mask, scale=scaling,
+               enable_gqa=query.shape[1] != key.shape[1], fp8=fp8, sinks=sinks)
     # Our output keeps q's stride order: q from view(B, S, H, D).transpose(1, 2) makes this a
     # free view back to (B, S, H, D).
     return out.transpose(1, 2), None
+
+
+_POSITIONS_MEMO: dict = {}   # one position_ids tensor serves every layer of a forward: read it once
+
+
+def packed_sequences(query: torch.Tensor, key: torch.Tensor, kwargs: dict
+                     ) -> Optional[tuple[torch.Tensor, torch.Tensor, int, int]]:
+    """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) when the call is a packed batch of
+    sequences, else None: FlashAttention kwargs (``cu_seq_lens_q/k``, ``max_length_q/k``, from
+    transformers' ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), or, for one row
+    with no cache (query and key equally long), ``position_ids`` that restart at 0. The latter is
+    read on the host once per position_ids tensor (the lengths size the launch grid), as
+    transformers' FlashAttention path does.
+
+    Example::
+
+        >>> packed_sequences(q, k, {"position_ids": torch.tensor([[0, 1, 2, 0, 1]])})[0]   # doctest: +SKIP
+        tensor([0, 3, 5], dtype=torch.int32)
+    """
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None and cu_k is not None:
+        max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+        if max_q is None or max_k is None:
+            raise ValueError("attn_implementation='fa3' got cu_seq_lens_q/k without max_length_q/k; "
+                             "pass both (DataCollatorWithFlattening(return_flash_attn_kwargs=True) does)")
+        return cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k)
+    positions = kwargs.get("position_ids")
+    if (positions is None or positions.dim() != 2 or positions.shape[0] != 1 or query.shape[0] != 1
+            or query.shape[2] != key.shape[2] or positions.shape[1] != query.shape[2]
+            or query.shape[2] < 2):
+        return None
+    memo_key = (id(positions), positions.data_ptr(), positions._version)
+    hit = _POSITIONS_MEMO.get(memo_key)
+    if hit is None:
+        starts = (positions[0] == 0).nonzero().flatten()
+        total = positions.shape[1]
+        packed = starts.numel() > 1 and int(starts[0]) == 0
+        if packed:
+            cu = torch.cat([starts, starts.new_tensor([total])]).to(torch.int32)
+            longest = int(cu.diff().max())
+            hit = (positions, (cu, cu, longest, longest))
+        else:
+            hit = (positions, None)
+        _POSITIONS_MEMO.clear()   # the memo keeps the tensor alive: hold only the latest
+        _POSITIONS_MEMO[memo_key] = hit
+    return hit[1]
+
+
+def _packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed: tuple,
+                      score_mod: Any, scaling: Optional[float], sinks: Optional[torch.Tensor] = None,
+                      window: Optional[int] = None) -> torch.Tensor:
+    """Causal attention within each packed sequence (within the layer's sliding ``window`` when it
+    has one): (1, T, H, D) output. flex_varlen computes it (no tile spans two sequences) except
+    where it has no backward (CUDA inputs that need gradients) or the layer has attention sinks:
+    there flex() with a document mask over the same packing does."""
+    from ..varlen import flex_varlen
+
+    cu_q, cu_k, max_q, max_k = packed
+    gqa = query.shape[1] != key.shape[1]
+    causal = mods.sliding_window(window) if window else mods.causal
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    if sinks is not None or (needs_grad and query.is_cuda):
+        if not torch.equal(cu_q, cu_k):   # one sync
+            raise NotImplementedError("attn_implementation='fa3' trains packed batches (or runs them "
+                                      "with attention sinks) only when the query and key packings "
+                                      "agree (no cache)")
+        tokens = torch.arange(query.shape[2], device=query.device)
+        doc_ids = torch.searchsorted(cu_q[1:], tokens, right=True)
+        mask = mods.and_masks(mods.document(doc_ids), causal)
+        out = flex(query, key, value, score_mod=score_mod, mask_mod=mask, scale=scaling,
+                   enable_gqa=gqa, sinks=sinks)
+        return out.transpose(1, 2)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))   # (T, H, D) views
+    out = flex_varlen(q, k, v, cu_q, cu_k, max_q, max_k, score_mod=score_mod, mask_mod=causal,
+                      scale=scaling, enable_gqa=gqa)
+    return out.unsqueeze(0)
 
 
 def fa3_fp8_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -80,6 +164,56 @@ def fa3_fp8_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     return fa3_attention_forward(module, query, key, value, attention_mask, fp8=recipe, **kwargs)
 
 
+_OFFSETS: dict = {}   # id of a cache's offset tensor -> (that tensor, the snapshot fa3_mask reads)
+
+
+def _snapshot(offset: Any) -> Any:
+    """``offset`` as it is now, when it is a tensor: a copy made into one buffer kept per offset
+    tensor, so that masks of later steps capture the same tensor (their key, hence the plan, stays
+    the same) and the kernels read the value of mask-building time.
+
+    Why: transformers' StaticCache passes its cumulative length tensor as the mask's query offset,
+    and the first layer's cache update advances it in place before attention runs. A BlockMask's
+    mask_mod is evaluated by the kernel at run time, so without the copy every decode step's
+    partial block would let the query see one key more (the unwritten next slot) than sdpa's
+    mask, built eagerly, does.
+
+    Example::
+
+        >>> length = torch.tensor(12)
+        >>> seen = _snapshot(length); length.add_(1); int(seen)
+        12
+    """
+    if not isinstance(offset, torch.Tensor):
+        return offset
+    if torch.compiler.is_compiling():
+        return offset.clone()
+    hit = _OFFSETS.get(id(offset))
+    if hit is None or hit[0] is not offset or hit[1].shape != offset.shape \
+            or hit[1].dtype != offset.dtype or hit[1].device != offset.device:
+        if len(_OFFSETS) >= 64:
+            _OFFSETS.clear()
+        hit = _OFFSETS[id(offset)] = (offset, offset.clone())
+    else:
+        hit[1].copy_(offset)
+    return hit[1]
+
+
+def fa3_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: Any = 0,
+             *args: Any, **kwargs: Any) -> BlockMask:
+    """transformers' ``flex_attention_mask`` (its arguments) with tensor offsets copied when the
+    mask is built (:func:`_snapshot`): the mask function registered for "fa3" and "fa3_fp8".
+
+    Example::
+
+        >>> bm = fa3_mask(1, 1, 16, torch.tensor(12), 0, device="cpu")  # doctest: +SKIP
+    """
+    from transformers.masking_utils import flex_attention_mask
+
+    return flex_attention_mask(batch_size, q_length, kv_length, _snapshot(q_offset),
+                               _snapshot(kv_offset), *args, **kwargs)
+
+
 def register() -> None:
     """Register "fa3" and "fa3_fp8" as transformers attention implementations (idempotent).
 
@@ -87,10 +221,10 @@ def register() -> None:
 
         >>> register(); model = AutoModel.from_config(cfg, attn_implementation="fa3")  # doctest: +SKIP
     """
-    from transformers.masking_utils import AttentionMaskInterface, flex_attention_mask
+    from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
     AttentionInterface.register(NAME, fa3_attention_forward)
-    AttentionMaskInterface.register(NAME, flex_attention_mask)
+    AttentionMaskInterface.register(NAME, fa3_mask)
     AttentionInterface.register(NAME_FP8, fa3_fp8_attention_forward)
-    AttentionMaskInterface.register(NAME_FP8, flex_attention_mask)
+    AttentionMaskInterface.register(NAME_FP8, fa3_mask)

@@ -28,6 +28,7 @@ from ..runtime.ops_fp8 import recipe_text  # also defines fa3_inductor::flex_fwd
 from ..runtime.spec import SiteSpec
 from ..templates.modgen import ModInfo, UnsupportedMod, describe_mod_source
 from ..report import LoweredSite, record_site, site_tag
+from . import sinks_fusion
 from .common import active_pass, buffer_specs, site_shape
 from .site_plan import plan_site, unserved
 
@@ -46,12 +47,14 @@ def install() -> None:
     replaced = _compat.wrap_lowering(_FLEX_OP, _fa3_flex_lowering)
     if replaced is not None:
         _original_lowering = replaced
+    sinks_fusion.install()   # a site's attention sinks fold into its kernel (sinks_fusion.py)
 
 
 def _plan(query, key, value, subgraph, bm: _compat.FlexBlockMask, score_bufs, mask_bufs,
-          settings: Settings, needs_max: bool = True
+          settings: Settings, needs_max: bool = True, sinks: bool = False
           ) -> tuple[Optional[SiteSpec], Optional[str], str]:
-    """Decide how to serve one site: (spec, None, shape) or (None, reason, shape)."""
+    """Decide how to serve one site: (spec, None, shape) or (None, reason, shape). ``sinks``: the
+    kernel is to add the site's attention sinks (sinks_fusion.py)."""
     from torch._inductor.virtualized import V
 
     sizevars = V.graph.sizevars
@@ -84,10 +87,18 @@ def _plan(query, key, value, subgraph, bm: _compat.FlexBlockMask, score_bufs, ma
             device=device, dtype=dtype, q_heads=hq, kv_heads=hkv, head_dim=d,
             value_head_dim=dv, batches_match=batches_match, sparse_blocks=sparse,
             settings=settings, description=shape, needs_max=needs_max and not _fp8(settings, dtype),
-            fp8=_fp8(settings, dtype))
+            fp8=_fp8(settings, dtype), query_len=_static_len(query.get_size()[2]), sinks=sinks)
     except UnsupportedMod as exc:
         return None, f"mod not lowerable: {exc}", shape
     return spec, reason, shape
+
+
+def _static_len(size) -> Optional[int]:
+    """A length known at compile time, None when symbolic (the decode family needs it)."""
+    try:
+        return int(size)
+    except TypeError:
+        return None
 
 
 def _fp8(settings: Settings, dtype: torch.dtype) -> bool:
@@ -138,8 +149,11 @@ def _fa3_flex_lowering(query, key, value, subgraph, block_mask, scale, kernel_op
     bm = _compat.unpack_block_mask(block_mask)
     node = getattr(V.graph, "current_node", None)
     tag = site_tag(node)  # links to a RecognizedSite
+    # attention sinks right after the op: added in the kernel's epilogue (not by the FP8 kernels)
+    absorbed = None if _fp8(marker.settings, query.get_dtype()) else sinks_fusion.absorbable(node)
     spec, reason, shape = _plan(query, key, value, subgraph, bm, score_mod_other_buffers,
-                                mask_mod_other_buffers, marker.settings, _max_scores_read(node))
+                                mask_mod_other_buffers, marker.settings, _max_scores_read(node),
+                                sinks=absorbed is not None)
     if spec is None:
         record_site(LoweredSite("torch", "?", "?", shape, reason, site_id=tag))
         if query.get_device().type == "cpu":
@@ -150,7 +164,8 @@ def _fa3_flex_lowering(query, key, value, subgraph, block_mask, scale, kernel_op
     score_source, mask_source = spec.planned_sources()
     record_site(LoweredSite(spec.template, describe_mod_source(score_source, ModInfo.from_items(spec.score_info)),
                             describe_mod_source(mask_source, ModInfo.from_items(spec.mask_info)), shape,
-                            site_id=tag, note=spec.note))
+                            site_id=tag, note="; ".join(filter(None, (
+                                spec.note, absorbed and "attention sinks added in the kernel's epilogue")))))
     q, k, v = (ir.ExternKernel.require_stride1(ir.ExternKernel.realize_input(x))
                for x in (query, key, value))
     score_bufs = [ir.ExternKernel.require_contiguous(b) for b in score_mod_other_buffers
@@ -172,10 +187,14 @@ def _fa3_flex_lowering(query, key, value, subgraph, block_mask, scale, kernel_op
             q, k, v, *tables, score_bufs, mask_bufs, float(scale), sparse_q, sparse_kv,
             spec.to_json(), recipe_text(marker.settings.fp8))
     else:
+        sinks = None
+        if absorbed is not None:
+            sinks = ir.ExternKernel.require_contiguous(V.graph.env[absorbed[1]])
+            sinks_fusion.mark_absorbed(absorbed[0])
         call = _compat.fallback_kernel(torch.ops.fa3_inductor.flex_fwd.default)
         out, lse, max_scores = call(
             q, k, v, *tables, score_bufs, mask_bufs, float(scale), sparse_q, sparse_kv,
-            spec.to_json())
+            spec.to_json(), sinks)
     if _compat.flex_op_returns_max_scores():
         return out, lse, max_scores
     return out, lse

@@ -67,10 +67,14 @@ def plan_site(score_gm: torch.fx.GraphModule, mask_gm: torch.fx.GraphModule,
               dtype: torch.dtype, q_heads: int, kv_heads: int, head_dim: int,
               value_head_dim: int, batches_match: bool, sparse_blocks: tuple[int, int],
               settings: Settings, description: str,
-              needs_max: bool = True, fp8: bool = False) -> tuple[Optional[SiteSpec], Optional[str]]:
+              needs_max: bool = True, fp8: bool = False,
+              query_len: Optional[int] = None, sinks: bool = False
+              ) -> tuple[Optional[SiteSpec], Optional[str]]:
     """(spec, None) when our kernels serve the site, else (None, reason). ``needs_max``: whether
     the row-max output is read (flex_attention's max_scores); ``fp8``: the inputs reach the kernel
-    quantized by the FP8 prologue (the fp8 family serves it).
+    quantized by the FP8 prologue (the fp8 family serves it); ``query_len``: the query's length
+    when known (None: dynamic), which the decode family serves short; ``sinks``: the call passes
+    per-head sinks (runtime/ops.flex_fwd), so only families that add them are listed.
 
     Raises UnsupportedMod (templates/modgen.py) when a mod cannot be generated.
 
@@ -92,7 +96,8 @@ def plan_site(score_gm: torch.fx.GraphModule, mask_gm: torch.fx.GraphModule,
     if not all(_is_pow2_at_least_16(s) for s in sparse_blocks):
         return None, (f"block-mask block size {sparse_blocks[0]}x{sparse_blocks[1]} "
                       "(fa3 serves powers of two >= 16)")
-    site = SiteFacts(device, dtype, head_dim, value_head_dim, fp8=fp8)
+    site = SiteFacts(device, dtype, head_dim, value_head_dim, fp8=fp8, query_len=query_len,
+                     q_heads=q_heads, kv_heads=kv_heads, needs_max=needs_max, sinks=sinks)
     families, notes = candidates(site, settings.template)
     identity, all_true = is_identity_score(score_gm), is_constant_true_mask(mask_gm)
     mods, infos = [], {"score": (), "mask": ()}

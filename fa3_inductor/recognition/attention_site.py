@@ -45,6 +45,7 @@ from .fx_ops import example, op_name, static_shape
 from ..templates.torch_mod_helpers import where
 from .lift import Env, Lifted, Lifter, NotLiftable
 from ..report import RecognizedSite
+from .sinks import attach_sinks
 
 # Fills at or below this count as "masked" (float16's most negative finite value; HF fills with
 # finfo(dtype).min, older code with -1e4 .. -1e9).
@@ -95,6 +96,7 @@ class AttentionSite:
     zero_rows = False    # rows with no key: eager gives NaN / uniform (SDPA: 0, as flex)
     layers: Optional[list] = None
     scores: Optional[torch.fx.Node] = None
+    sink = None          # attention sinks (recognition/sinks.py's SinkMatch): rows with no key give 0
 
     @classmethod
     def from_parts(cls, gm: torch.fx.GraphModule, node: torch.fx.Node, q: torch.fx.Node,
@@ -237,7 +239,7 @@ class AttentionSite:
                         biases=score_adds)
         keep = _and_all(keeps)
         dense = _evaluate(keep, self._grid())
-        if bool(dense.any(-1).all()) or (self.zero_rows and not finite_fill):
+        if bool(dense.any(-1).all()) or (self.zero_rows and not finite_fill) or self.sink is not None:
             return self._static_plan(score_root, score_adds, keep, dense)
         # flex works in log2 units: a finfo.min fill overflows to -inf there, so no spelling
         # of such rows reproduces eager's NaN (-inf fill) or uniform (finite fill) result.
@@ -343,7 +345,9 @@ class AttentionSite:
                 scale=self.scale, example_qkv=[example(o.node) for o in (self.q, self.k,
                                                                          self.v)],
                 prefix=prefix)
-            if plan["kind"] == "runtime":
+            if self.sink is not None:   # eager gives rows with no key 0 (the sink's column takes it all)
+                out = attach_sinks(graph, out, self.sink)
+            elif plan["kind"] == "runtime":
                 # Rows with no key: flex gives 0 (a finfo.min fill overflows to -inf in its
                 # log2 units). Eager gives uniform weights (finite fill: the mean of V) or
                 # NaN (every score -inf).
@@ -369,7 +373,8 @@ class AttentionSite:
             [example(o.node) for o in (self.q, self.k, self.v)] +
             [example(b.node) for b in score_lifter.buffers])
         return RecognizedSite(self.front_door, self.pv.name, True,
-                              score_mods=tuple(self._describe_score(plan["described"])),
+                              score_mods=tuple(self._describe_score(plan["described"])) +
+                              (("attention sinks",) if self.sink is not None else ()),
                               mask=mask_desc, gqa_groups=self.gqa, training=training)
 
     def _runtime_mask_nodes(self, plan: dict):
@@ -628,4 +633,6 @@ def shape_after(op: Operand) -> tuple[int, ...]:
             shape[a], shape[b] = shape[b], shape[a]
         elif method == "permute":
             shape = [shape[d] for d in args]
+        elif method == "reshape":
+            shape = list(args)
     return tuple(shape)

@@ -8,7 +8,8 @@ gets its gradient.
 How a site is found, and why not with fixed patterns. The anchor is ``softmax(S, dim=-1)``
 (any spelling, optional ``dtype=``; a softmax written out as ``exp(S - max) / sum`` is first
 turned into one by spelled_softmax.py), then casts and eval-mode / p=0 dropout, then a matmul with
-V (``@``, ``matmul``, ``bmm``, ``einsum``). ``S`` is an arbitrary elementwise expression of one
+V (``@``, ``matmul``, ``bmm``, ``einsum``). Scores by ``baddbmm`` are first spelled out as bmm,
+scale and bias (baddbmm.py). ``S`` is an arbitrary elementwise expression of one
 ``q @ kᵀ`` product and of tensors built from positions, constants, tables and inputs. Written as
 ``torch._inductor.pattern_matcher`` patterns, every spelling of every stage multiplies (matmul
 forms × K transposes × scale forms × softcap arrangements × bias/mask forms × mask fills × softmax
@@ -28,7 +29,8 @@ GQA repeats, folded scales), lift.py the score expression, attention_site.py pla
 canonical.py builds the op.
 
 Left alone, with the reason recorded: symbolic shapes, softmax over another dim, anything between
-softmax and the matmul other than casts and inactive dropout, probabilities used elsewhere,
+softmax and the matmul other than casts, inactive dropout and views that merge or split the
+batch/head dims (V is then viewed the same way), probabilities used elsewhere,
 score expressions that are not elementwise, sites our kernels do not serve.
 
 Example::
@@ -38,6 +40,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional
 
 import torch
@@ -50,11 +53,14 @@ from .lift import Lifted, Lifter
 from .operands import (einsum_out_perm, einsum_qk, einsum_v, peel_constant_scale,
                        transposed_source, unrepeat)
 from ..report import RecognizedSite
+from .sinks import match_sinks
 from .spelled_softmax import canonicalize_spelled_softmax
+from .baddbmm import canonicalize_baddbmm
 
 FRONT_DOOR = "matmul-softmax"
 _CASTS = {"to", "type_as", "float", "half", "bfloat16", "double", "contiguous", "type"}
 _PV_OPS = {"matmul", "bmm", "einsum"}
+_VIEWS = {"view", "reshape", "_unsafe_view", "flatten", "unflatten"}
 
 
 def rewrite_manual(gm: torch.fx.GraphModule,
@@ -76,6 +82,7 @@ def rewrite_manual(gm: torch.fx.GraphModule,
     sites: list[RecognizedSite] = []
     extra_inputs: list[torch.Tensor] = []
     canonicalize_spelled_softmax(gm)
+    canonicalize_baddbmm(gm)   # scores by baddbmm (diffusers, BLOOM): bmm, scale, bias
     for node in list(gm.graph.nodes):
         if op_name(node) not in _PV_OPS or not _follows_softmax(node):
             continue
@@ -99,6 +106,16 @@ def rewrite_manual(gm: torch.fx.GraphModule,
         gm.graph.lint()
         gm.recompile()
     return sites, extra_inputs
+
+
+def _merges_leading_dims(view: torch.fx.Node) -> bool:
+    """A view (``view``/``reshape``/``flatten``/``unflatten``) that keeps the last two dims (query
+    and key rows) and only merges or splits the ones before them: attention per (batch, head) row
+    is unchanged, so V can be viewed the same way instead."""
+    src = view.args[0] if view.args else None
+    before, after = static_shape(src), static_shape(view)
+    return (before is not None and after is not None and len(before) >= 2 and len(after) >= 2
+            and tuple(before[-2:]) == tuple(after[-2:]) and math.prod(before) == math.prod(after))
 
 
 def _follows_softmax(pv: torch.fx.Node) -> bool:
@@ -140,6 +157,8 @@ class ManualSite(AttentionSite):
         probs, v = _pv_operands(pv)
         self.softmax = self._peel_probs(probs)
         self.scores = self.softmax.args[0] if self.softmax.args else self.softmax.kwargs["input"]
+        if self.sink is not None:
+            self.scores = self.sink.scores   # the softmax's input is cat([scores, sinks column])
         shape = static_shape(self.scores)
         if shape is None or static_shape(pv) is None:
             raise Refused("symbolic shapes (fa3 recognizes static shapes; compile with "
@@ -148,6 +167,10 @@ class ManualSite(AttentionSite):
             raise Refused(f"scores of rank {len(shape)} (expected [B, H, M, N] or [BH, M, N])")
         self.rank = len(shape)
         self.score_shape = shape
+        # The matmul with V may see the probabilities through a view that merges or splits the
+        # batch/head dims ([B, H, M, N] as [B*H, M, N], BLOOM; or back): V is viewed the other
+        # way, and the output back.
+        self.probs_shape = static_shape(probs)
         self.core = self._find_core()
         self.q, self.k, self.scale, self.score_node = self._split_core()
         self.v = self._value(v)
@@ -185,8 +208,15 @@ class ManualSite(AttentionSite):
             if name in _CASTS:
                 n = n.args[0]
                 continue
+            if name in _VIEWS and _merges_leading_dims(n):
+                n = n.args[0]
+                continue
+            self.sink = match_sinks(n)   # gpt-oss's sinks: softmax(cat([S, sinks]))[..., :-1]
+            if self.sink is not None:
+                n = self.sink.softmax
+                break
             raise Refused(f"{n.name} ({name or n.target}) between softmax and the matmul with "
-                          "V is not a cast or an inactive dropout")
+                          "V is not a cast, an inactive dropout or a view of the batch/head dims")
         dim = arg(n, 1, "dim")
         rank = len(example(n).shape)
         if dim is None or dim % rank != rank - 1:
@@ -249,11 +279,23 @@ class ManualSite(AttentionSite):
 
     def _value(self, v: Any) -> Operand:
         if op_name(self.pv) == "einsum":
+            if self._probs_viewed():
+                raise Refused("einsum with V over a view of the probabilities")
             return einsum_v(self.pv.args[0], self.rank, v)
-        if static_shape(v) is None or len(static_shape(v)) != self.rank:
-            raise Refused(f"V of shape {static_shape(v)} does not match scores of rank "
-                          f"{self.rank}")
+        shape = static_shape(v)
+        if self._probs_viewed():
+            lead = tuple(self.score_shape[:-2])
+            if shape is None or tuple(shape[:-2]) != tuple(self.probs_shape[:-2]):
+                raise Refused(f"V of shape {shape} does not match the probabilities' view "
+                              f"{list(self.probs_shape)}")
+            return Operand(v, [("reshape", lead + tuple(shape[-2:]))])
+        if shape is None or len(shape) != self.rank:
+            raise Refused(f"V of shape {shape} does not match scores of rank {self.rank}")
         return Operand(v)
+
+    def _probs_viewed(self) -> bool:
+        return self.probs_shape is not None and \
+            tuple(self.probs_shape[:-2]) != tuple(self.score_shape[:-2])
 
     def _undo_repeat(self) -> int:
         """GQA: use the un-repeated K/V (flex indexes kv head h // groups), no copy."""
@@ -308,4 +350,6 @@ class ManualSite(AttentionSite):
             perm = einsum_out_perm(self.pv.args[0], self.rank)
             if perm is not None:
                 out = graph.call_method("permute", (out, *perm))
+        if self._probs_viewed():
+            out = graph.call_method("reshape", (out, *static_shape(self.pv)))
         return out

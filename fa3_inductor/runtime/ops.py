@@ -26,6 +26,7 @@ from ..templates.registry import family as family_named
 from . import backward_cpu  # noqa: F401  (defines fa3_inductor::flex_bwd beside flex_fwd)
 from .fast_launch import launch_cached, recorded, relaunch, tensor_signature
 from .family_walk import first_serving
+from .sinks import check_sinks
 from .spec import SiteSpec
 from .variants import start_variants
 
@@ -83,8 +84,8 @@ _LIB = torch.library.Library("fa3_inductor", "DEF")
 _LIB.define(
     "flex_fwd(Tensor q, Tensor k, Tensor v, Tensor? kv_num_blocks, Tensor? kv_indices, "
     "Tensor? full_kv_num_blocks, Tensor? full_kv_indices, Tensor[] score_bufs, "
-    "Tensor[] mask_bufs, float scale, int sparse_q_block, int sparse_kv_block, str spec) "
-    "-> (Tensor, Tensor, Tensor)")
+    "Tensor[] mask_bufs, float scale, int sparse_q_block, int sparse_kv_block, str spec, "
+    "Tensor? sinks=None) -> (Tensor, Tensor, Tensor)")
 
 
 def flex_fwd(
@@ -93,9 +94,12 @@ def flex_fwd(
     full_kv_num_blocks: Optional[Tensor], full_kv_indices: Optional[Tensor],
     score_bufs: list[Tensor], mask_bufs: list[Tensor],
     scale: float, sparse_q_block: int, sparse_kv_block: int, spec: str,
+    sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``torch.ops.fa3_inductor.flex_fwd``: attention forward with generated mods; returns
-    (out, lse_log2, max_log2).
+    (out, lse_log2, max_log2). ``sinks``: [HQ] per-head logits (natural-log units) that join each
+    row's softmax denominator (gpt-oss's attention sinks): out and lse then include them, max does
+    not (docs/design/sinks.md); the site must have been planned with sinks (``SiteFacts.sinks``).
 
     Example::
 
@@ -111,20 +115,31 @@ def flex_fwd(
 
     site = SiteSpec.from_json(spec)
     tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
+    if sinks is not None:
+        _check_sinks(sinks, q)
+        sinks = sinks.to(torch.float32).contiguous()   # the kernels read float32 (itself if it is)
     key = inputs = None
     if q.is_cuda:
         # Everything but the tensors' addresses is fixed by this key, so after the first call the
         # chosen family's kernel is re-launched without walking the families again.
-        inputs = (q, k, v, out, lse, max_scores, *tables, *score_bufs, *mask_bufs)
+        inputs = (q, k, v, out, lse, max_scores, *tables, *score_bufs, *mask_bufs,
+                  *(() if sinks is None else (sinks,)))
         key = _launch_key(spec, scale, sparse_q_block, sparse_kv_block, len(score_bufs), inputs)
         entry = recorded(key)
         if entry is not None:
             record_template(relaunch(entry, inputs))
             return out, lse, max_scores
     call = Call(q, k, v, out, lse, max_scores, tables, tuple(score_bufs), tuple(mask_bufs), scale,
-                sparse_q_block, sparse_kv_block, site.needs_max)
+                sparse_q_block, sparse_kv_block, site.needs_max, sinks=sinks)
     record_template(_serve(site, call, key, inputs))
     return out, lse, max_scores
+
+
+def _check_sinks(sinks: Tensor, q: Tensor) -> None:
+    check_sinks(sinks, q.shape[1], "fa3_inductor.flex_fwd")
+    if sinks.device != q.device:
+        raise ValueError(f"fa3_inductor.flex_fwd: sinks are on {sinks.device}, q on {q.device}; "
+                         "move them to q's device")
 
 
 def call_for(site: SiteSpec, call: Call, dialect: str) -> Call:
@@ -244,7 +259,7 @@ _LIB.impl("flex_fwd", flex_fwd, "CPU")
 
 @torch.library.register_fake("fa3_inductor::flex_fwd", lib=_LIB)
 def _flex_fwd_fake(q, k, v, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-                   score_bufs, mask_bufs, scale, sparse_q_block, sparse_kv_block, spec):
+                   score_bufs, mask_bufs, scale, sparse_q_block, sparse_kv_block, spec, sinks=None):
     Z, H, M, _ = q.shape
     return (_out_like(q, v), q.new_empty((Z, H, M), dtype=torch.float32),
             q.new_empty((Z, H, M), dtype=torch.float32))

@@ -63,6 +63,14 @@ class SiteFacts:
     head_dim: int         # q's and k's
     value_head_dim: int   # v's and the output's
     fp8: bool = False     # inputs quantized to e4m3 by the FP8 prologue (fp8_recipe.py)
+    sinks: bool = False   # per-head logits join the softmax denominator (gpt-oss; Call.sinks):
+                          # a family that cannot add them says so in serves()
+    # The query's length and the head counts when the planner knows them (None: a dynamic length):
+    # the decode family serves short queries only.
+    query_len: Optional[int] = None
+    q_heads: int = 1
+    kv_heads: int = 1
+    needs_max: bool = True   # the row-max output is read (flex_attention's max_scores)
 
     @property
     def capability(self) -> Optional[tuple[int, int]]:
@@ -107,6 +115,9 @@ class Call:
     # FP8 sites: the prologue's FP8Operands (fp8_recipe.py); q, k, v are then its q, k, vt, and a
     # family that computes in high precision (torch's, the last resort) dequantizes them
     fp8: Any = None
+    # [HQ] per-head logits that join each row's softmax denominator (attention sinks), or None;
+    # out and lse then include them (docs/design/sinks.md)
+    sinks: Optional[Tensor] = None
 
     def block_options(self) -> dict:
         """The block-mask keywords every family's host function takes."""
@@ -132,11 +143,15 @@ class Call:
 
     def kernel_options(self, dialect: str) -> dict:
         """The keywords a Triton / Gluon family's host functions take: the scale, the mods loaded in
-        ``dialect`` with their records, the captured buffers and the block-mask options."""
+        ``dialect`` with their records, the captured buffers and the block-mask options; plus
+        ``sinks`` when the call has them, so a host without that keyword (a family that refuses
+        sinks in ``serves``) never sees it."""
+        extra = {} if self.sinks is None else {"sinks": self.sinks}
         return dict(sm_scale=self.scale,
                     score_mod=self.score_source and load_mod(self.score_source, dialect, self.score_info),
                     mask_mod=self.mask_source and load_mod(self.mask_source, dialect, self.mask_info),
-                    score_bufs=self.score_bufs, mask_bufs=self.mask_bufs, **self.block_options())
+                    score_bufs=self.score_bufs, mask_bufs=self.mask_bufs, **self.block_options(),
+                    **extra)
 
 
 class KernelFamily(Protocol):

@@ -23,6 +23,7 @@ from .family import BackwardFamily, BackwardSiteFacts, KernelFamily, SiteFacts
 
 FAMILY_FOLDERS = (
     "hopper_fp8",    # Gluon, sm90: e4m3 inputs from the FP8 prologue (FP8 sites only)
+    "decode",        # Triton, short queries (GQA group x tokens <= 128 rows): split-KV, any GPU
     "hopper",        # Gluon, sm90: FlashAttention-3 structure
     "fp8",           # Triton, e4m3 inputs from the FP8 prologue: sm89+ and the CPU interpreter
     "generic",       # Triton, any CUDA GPU and the CPU interpreter
@@ -48,7 +49,7 @@ def families() -> tuple[KernelFamily, ...]:
     Example::
 
         >>> [f.name for f in families()]
-        ['hopper_fp8', 'hopper', 'fp8', 'generic', 'torch']
+        ['hopper_fp8', 'decode', 'hopper', 'fp8', 'generic', 'torch']
     """
     global _loaded
     if _loaded is None:

@@ -1,7 +1,7 @@
 """The decode kernels: split-KV (Flash-Decoding) with GQA packing and paged KV, plain Triton.
 
 kernel.py (split and combine kernels), host.py (checks, split choice, launches), configs.py (tiles
-and the split count). Not registered as a family yet (docs/design/decode.md).
+and the split count), family.py (the registered "decode" family; docs/design/decode.md).
 """
 
 from .host import compile_decode, decode_attention, decode_scratch, prepare_decode

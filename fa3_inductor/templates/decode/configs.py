@@ -1,7 +1,11 @@
 """Tile and split choices for the decode kernels, in one place.
 
-Nothing here is measured yet (the brief's H100 figures are for the prefill kernel used for
-decode); each entry says what it assumes, for the GPU session to confirm or replace.
+Measured once on an H100 (benchmarks/results/serving-nvidia-h100-80gb-hbm3-2026-11-25-0547.md, the
+tiles and split rule below except the tail rule and the 8-warp tiles): decode time fits
+bytes / 3.13 TB/s + ~20 µs over 0.13-17 GB whatever the split count, cuDNN's the same; the rows
+below SDPA are B=64 x 8 kv heads (512 programs, a partial second wave: the tail rule) and small
+caches (the ~20 µs). The sweep in benchmarks/serving.py (part "splits") is there to replace the
+constants here with measured ones.
 """
 
 from __future__ import annotations
@@ -14,12 +18,17 @@ class DecodeConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    # Programs one sm90 SM holds at once with these tiles (bf16; sass_report of the compiled
+    # kernel): 16-32 rows with 4 warps take 127-167 registers and 39-72 KB of shared, so 3 (by
+    # shared memory at 72 KB, by registers at 160+); 64-128 rows with 8 warps 98-131 KB, so 1.
+    resident: int = 3
 
 
-# Resident split programs per SM the split count aims for: a decode program is small (4 warps,
-# 16-row tiles; K+V stages ~32 KB each at D128, 3 stages), so two fit an SM and keep more loads
-# in flight than one.
+# Split programs per SM the split count aims for when the (batch, kv head) programs are few:
+# two per SM keep enough loads in flight (measured: 84-101% of copy at 0.27+ GB).
 PROGRAMS_PER_SM = 2
+# The tail rule applies while the programs are at most this many waves of resident ones.
+TAIL_WAVES = 2
 # A split streams at least this many tiles: fewer make the combine's traffic and each program's
 # fixed cost (Q load, epilogue) a visible share.
 MIN_TILES_PER_SPLIT = 4
@@ -30,47 +39,69 @@ INTERPRETER_SMS = 2
 
 
 def decode_config(head_dim: int, capability: tuple[int, int] | None,
-                  fp32: bool = False) -> DecodeConfig:
-    """Tiles for the split kernel. ``capability`` None means the CPU interpreter.
+                  fp32: bool = False, block_m: int = 16) -> DecodeConfig:
+    """Tiles for the split kernel of ``block_m`` packed rows. ``capability`` None means the CPU
+    interpreter.
 
     Example::
 
-        >>> decode_config(128, (9, 0)).block_n
-        64
+        >>> decode_config(128, (9, 0)).block_n, decode_config(128, (9, 0), block_m=128).num_warps
+        (64, 8)
     """
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     if capability is None:
         # Interpreter: numpy cost follows the number of steps; 16 keys a step exercises the
         # loop, the partial last tile and the page boundaries on tiny caches.
         return DecodeConfig(16, 4, 1)
+    # 64+ packed rows (a speculative draft, or MQA): the rows x DV fp32 accumulator and the P tile
+    # need 8 warps; with 4, 128 rows at D128 spill (255 registers, 62 spill instructions on sm90;
+    # 8 warps: 187 registers, none). Up to 32 rows 4 warps hold it (<= 167 registers).
+    warps, resident = (8, 1) if block_m >= 64 else (4, 3)
     if fp32:
-        return DecodeConfig(32, 4, 2)   # FMA path: a correctness path, small tiles
+        return DecodeConfig(32, warps, 2, resident)   # FMA path: a correctness path, small tiles
     # Memory-bound: the K and V tiles of a step are the bytes in flight. 64 keys at D128 is
-    # 32 KB per stage (bf16), three stages 96 KB: two programs per SM on sm90 (228 KB).
+    # 32 KB per stage (bf16); sm90 builds (bf16, 16 rows) take ~128-160 registers and 72 KB of
+    # shared (contiguous: two tiles ahead) or 39 KB (paged: one tile ahead, the page lookup takes
+    # a stage).
     if block_d <= 64:
-        return DecodeConfig(128, 4, 3)
+        return DecodeConfig(128, warps, 3, resident)
     if block_d <= 128:
-        return DecodeConfig(64, 4, 3)
-    return DecodeConfig(32, 4, 3)
+        return DecodeConfig(64, warps, 3, resident)
+    return DecodeConfig(32, warps, 3, resident)
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_len: int, block_n: int,
-                      num_sms: int) -> int:
-    """Splits per (batch, kv head) so that the grid fills every SM: ``PROGRAMS_PER_SM`` programs
-    per SM, rounded down (a partial second wave would idle most SMs on its tail), each split at
-    least ``MIN_TILES_PER_SPLIT`` tiles of the longest cache, at most ``MAX_SPLITS``.
+                      num_sms: int, resident: int = 3) -> int:
+    """Splits per (batch, kv head) program.
+
+    Few programs (fewer than ``PROGRAMS_PER_SM`` per SM): split so that the grid holds that many
+    per SM, rounded down, each split at least ``MIN_TILES_PER_SPLIT`` tiles of the longest cache,
+    at most ``MAX_SPLITS``. More programs than the SMs hold at once (``resident`` per SM) but
+    fewer than ``TAIL_WAVES`` waves of them (the tail rule): the split count of 1 to 4 whose last
+    wave is fullest, so that the second wave is not a tail of a few programs on idle SMs (B=64 x 8
+    kv heads: 512 programs over 396 resident, 1.3 waves, ran 0.82-0.95x cuDNN's time at one
+    split; three splits make 3.9 waves). Otherwise 1.
 
     Example::
 
         >>> choose_num_splits(8, 8, 8192, 64, 132)      # 64 programs: 4 splits fill 132 SMs x 2
         4
-        >>> choose_num_splits(64, 8, 8192, 64, 132)     # 512 programs already fill them
+        >>> choose_num_splits(64, 8, 4096, 64, 132)     # 512 programs: 1.3 waves; 3 splits 3.9
+        3
+        >>> choose_num_splits(64, 32, 4096, 64, 132)    # 2048 programs: 5.2 waves already
         1
     """
-    programs = batch * kv_heads
-    by_sms = (PROGRAMS_PER_SM * num_sms) // max(programs, 1)
-    by_len = max_len // (MIN_TILES_PER_SPLIT * block_n)
-    return max(1, min(by_sms, by_len, MAX_SPLITS))
+    programs = max(batch * kv_heads, 1)
+    by_len = max(1, max_len // (MIN_TILES_PER_SPLIT * block_n))
+    slots = resident * num_sms
+    if programs < PROGRAMS_PER_SM * num_sms:
+        return max(1, min((PROGRAMS_PER_SM * num_sms) // programs, by_len, MAX_SPLITS))
+    if slots < programs < TAIL_WAVES * slots:
+        def fullness(s: int) -> float:   # the last wave's share of busy slots
+            waves = programs * s / slots
+            return waves / -(-programs * s // slots)
+        return max(range(1, min(4, by_len) + 1), key=lambda s: (round(fullness(s), 2), -s))
+    return 1
 
 
 def sm_count(capability: tuple[int, int] | None, device_index: int | None = None) -> int:

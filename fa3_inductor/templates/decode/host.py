@@ -10,12 +10,13 @@ import triton
 
 from ..modgen import kernel_score_mod
 from .configs import DecodeConfig, choose_num_splits, decode_config, sm_count
-from .kernel import CacheLayout, DecodeSite, DecodeTiling, decode_combine_kernel, decode_split_kernel
+from .kernel import (BlockSparsity, CacheLayout, DecodeSite, DecodeTiling, decode_combine_kernel,
+                     decode_split_kernel)
+from .shape import MAX_ROWS as _MAX_ROWS
 
 Launch = tuple   # (kernel, args, kwargs, grid)
 
 _MAX_SEQ = 1 << 23    # generated mods turn indices into floats exactly below 2**23 (mod_helpers)
-_MAX_ROWS = 128       # packed rows (GQA group x new tokens) one program holds in registers
 _COMBINE_SPLITS = 16  # splits the combine kernel reads per step
 
 
@@ -58,9 +59,9 @@ def _cache_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table:
         if page_size is not None and page_size != page:
             _fail(f"page_size={page_size} but the cache's pages hold {page} keys",
                   "pass page_size=k.shape[1] or leave it None")
-        if page % 16:
-            _fail(f"page size {page} is not a multiple of 16 (a KV tile must lie in one page "
-                  "and tl.dot needs 16 keys)", "allocate the cache with pages of 16, 32, 64, ... keys")
+        if page < 1:
+            _fail(f"the paged cache {tuple(k.shape)} has pages of {page} keys",
+                  "pass [num_pages, page_size >= 1, HKV, D] pages")
         if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != B \
                 or block_table.stride(1) != 1:
             _fail(f"block_table must be a [B={B}, max_pages] int32 tensor with unit last stride, got "
@@ -82,16 +83,42 @@ def _check_lengths(name: str, t: Optional[torch.Tensor], q: torch.Tensor) -> Non
               f"pass {name}.to(device=q.device, dtype=torch.int32).contiguous()")
 
 
-def _block_n(cfg: DecodeConfig, page: int) -> int:
-    """cfg.block_n, or the largest power of two below it that divides the page size."""
+def _block_n(cfg: DecodeConfig, sparse_kv_block: int) -> int:
+    """cfg.block_n, or the largest power of two below it that divides the mask's KV block (a
+    multiple of 16), so that a tile lies in one mask block. Pages do not constrain it: the kernel
+    looks up each row's page."""
     block_n = cfg.block_n
-    while page and page % block_n:
+    while sparse_kv_block and sparse_kv_block % block_n:
         block_n //= 2
     return block_n
 
 
+def _sparsity(tables: Optional[tuple], sparse_q_block: int, sparse_kv_block: int, max_len: int,
+              M_new: int, group: int, q_pos: str) -> tuple[str, tuple]:
+    """(SPARSE mode, the table arguments: four tensors and eight strides) of a block mask."""
+    if tables is None or tables[0] is None:
+        return "none", (None,) * 4 + (0,) * 8
+    num, idx, full_num, full_idx = tables
+    if q_pos != "start" or M_new > sparse_q_block:
+        _fail(f"a block mask with {M_new} new tokens at positions {q_pos!r} and query blocks of "
+              f"{sparse_q_block}: the kernel reads query block 0 only",
+              "pass the mask as mask_mod, or run the call through the prefill kernel")
+    if sparse_kv_block % 16:
+        _fail(f"a block mask with KV blocks of {sparse_kv_block}", "use blocks of a multiple of 16 keys")
+
+    def strides(t: Optional[torch.Tensor]) -> tuple[int, int]:   # broadcast dims read row 0
+        if t is None:
+            return 0, 0
+        return (t.stride(0) if t.shape[0] > 1 else 0), (t.stride(1) if t.shape[1] > 1 else 0)
+
+    mode = "one_block" if sparse_kv_block >= max_len else "blocks"
+    return mode, (num, idx, full_num, full_idx,
+                  *strides(num), *strides(idx), *strides(full_num), *strides(full_idx))
+
+
 def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_bufs, seq_lens,
-          q_offset, block_table, page_size, num_splits, config, scratch, capability):
+          q_offset, q_start_zero, tables, sparse_q_block, sparse_kv_block, block_table, page_size,
+          num_splits, config, scratch, capability):
     """The launches of one decode call on a GPU of ``capability`` (None: the interpreter)."""
     if q.dim() != 4:
         _fail(f"q must be [B, HQ, M_new, D], got {tuple(q.shape)}", "add the new-token dim")
@@ -120,16 +147,24 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
               f"{tuple(lse.shape)}", "allocate it with torch.empty(B, HQ, M_new, dtype=torch.float32)")
     _check_lengths("seq_lens", seq_lens, q)
     _check_lengths("q_offset", q_offset, q)
-    if seq_lens is None:   # contiguous, every batch the whole cache
-        seq_lens = torch.full((B,), max_len, dtype=torch.int32, device=q.device)
+    if q_start_zero and q_offset is not None:
+        _fail("q_start_zero and q_offset both given", "pass one of them")
+    q_pos = "offset" if q_offset is not None else ("start" if q_start_zero else "end")
+    mode, table_args = _sparsity(tables, sparse_q_block, sparse_kv_block, max_len, M_new, group, q_pos)
+    # a block mask that differs per head: one program per query head, each walking its own row
+    heads = 1 if mode != "none" and table_args[0].shape[1] > 1 else group
+    rows = heads * M_new
 
-    cfg = config or decode_config(max(D, DV), capability, fp32=q.dtype == torch.float32)
-    block_n = _block_n(cfg, page)
+    block_m = max(16, triton.next_power_of_2(rows))
+    cfg = config or decode_config(max(D, DV), capability, fp32=q.dtype == torch.float32,
+                                  block_m=block_m)
+    block_n = _block_n(cfg, sparse_kv_block if mode == "blocks" else 0)
     if num_splits is None:
         device_index = q.device.index if q.is_cuda else None
         if q.is_cuda and device_index is None:
             device_index = torch.cuda.current_device()
-        num_splits = choose_num_splits(B, HKV, max_len, block_n, sm_count(capability, device_index))
+        num_splits = choose_num_splits(B, HQ // heads, max_len, block_n,
+                                       sm_count(capability, device_index), cfg.resident)
     if num_splits < 1:
         _fail(f"num_splits={num_splits}", "pass a positive split count or None (chosen)")
     split = num_splits > 1
@@ -141,40 +176,48 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
     fold = score_mod is None and sm_scale > 0
     if split:
         o_part, lse_part = scratch if scratch is not None else decode_scratch(q, HKV, DV, num_splits)
-        if o_part.numel() < B * HKV * num_splits * rows * DV or lse_part.numel() < B * HKV * num_splits * rows:
-            _fail("the scratch given is too small for this call", "allocate it with decode_scratch()")
+        programs = B * HQ // heads
+        if o_part.numel() < programs * num_splits * rows * DV or lse_part.numel() < programs * num_splits * rows:
+            _fail(f"the scratch given ({tuple(o_part.shape)}, {tuple(lse_part.shape)}) is smaller than "
+                  f"{num_splits} splits need ({programs * num_splits * rows * DV} and "
+                  f"{programs * num_splits * rows} floats)",
+                  "allocate it with decode_scratch(q, HKV, Dv, num_splits) and pass that num_splits")
     else:
         o_part = lse_part = q.new_empty(1, dtype=torch.float32)
     dummy = q.new_empty(1, dtype=torch.int32)
+    table_args = tuple(dummy if t is None else t for t in table_args[:4]) + table_args[4:]
     if block_table is None:
         k_strides, v_strides = (k.stride(0), k.stride(1), k.stride(2)), (v.stride(0), v.stride(1), v.stride(2))
         table, table_stride = dummy, 0
     else:   # [page, row in page, head, d]: batch stride = page stride, row stride = dim 1
         k_strides, v_strides = (k.stride(0), k.stride(2), k.stride(1)), (v.stride(0), v.stride(2), v.stride(1))
         table, table_stride = block_table, block_table.stride(0)
-    args = (q, k, v, out, lse, o_part, lse_part, seq_lens,
-            q_offset if q_offset is not None else dummy, table, tuple(score_bufs), tuple(mask_bufs),
+    args = (q, k, v, out, lse, o_part, lse_part, dummy if seq_lens is None else seq_lens,
+            q_offset if q_offset is not None else dummy, table, *table_args[:4],
+            tuple(score_bufs), tuple(mask_bufs),
             q.stride(0), q.stride(1), q.stride(2), *k_strides, *v_strides,
-            out.stride(0), out.stride(1), out.stride(2),
-            table_stride, HKV, M_new, D, DV, sm_scale, to_score * math.log2(math.e))
+            out.stride(0), out.stride(1), out.stride(2), *table_args[4:],
+            table_stride, max_len, HKV, M_new, D, DV, sm_scale, to_score * math.log2(math.e))
     tile = DecodeTiling(
-        BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n,
+        BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(DV)),
         # float32 inputs follow torch's matmul precision ("highest" = IEEE), as the forward does
         DOT_PRECISION="tf32" if torch.get_float32_matmul_precision() != "highest" else "ieee")
     kwargs = dict(SCORE_MOD=score_mod, MASK_MOD=mask_mod, TILE=tile,
                   CACHE=CacheLayout(PAGED=block_table is not None, PAGE_SIZE=page or block_n),
-                  SITE=DecodeSite(GQA_GROUP=group, HAS_Q_OFFSET=q_offset is not None,
+                  SITE=DecodeSite(GQA_GROUP=group, HEADS=heads, Q_POS=q_pos, HAS_SEQ_LENS=seq_lens is not None,
                                   FOLD_SCALE=fold, SPLIT=split),
+                  SPARSE=BlockSparsity(MODE=mode, KV_BLOCK=sparse_kv_block if mode == "blocks" else 0,
+                                       HAS_FULL=table_args[2] is not dummy),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    launches = [(decode_split_kernel, args, kwargs, (num_splits, B * HKV))]
+    launches = [(decode_split_kernel, args, kwargs, (num_splits, B * HQ // heads))]
     if split:
         launches.append((decode_combine_kernel,
                          (o_part, lse_part, out, lse, out.stride(0), out.stride(1), out.stride(2),
                           HKV, M_new, num_splits, DV),
-                         dict(GQA_GROUP=group, BLOCK_S=_COMBINE_SPLITS, BLOCK_DV=tile.BLOCK_DV,
-                              num_warps=4 if tile.BLOCK_DV <= 128 else 8),
-                         (B * HKV * rows,)))
+                         dict(GQA_GROUP=group, HEADS=heads, BLOCK_S=_COMBINE_SPLITS,
+                              BLOCK_DV=tile.BLOCK_DV, num_warps=4 if tile.BLOCK_DV <= 128 else 8),
+                         (B * HQ // heads * rows,)))
     return launches
 
 
@@ -199,6 +242,8 @@ def prepare_decode(
     sm_scale: float, score_mod: Any = None, mask_mod: Any = None,
     score_bufs: Sequence[torch.Tensor] = (), mask_bufs: Sequence[torch.Tensor] = (),
     seq_lens: Optional[torch.Tensor] = None, q_offset: Optional[torch.Tensor] = None,
+    q_start_zero: bool = False, block_mask_tables: Optional[tuple] = None,
+    sparse_q_block: int = 1 << 30, sparse_kv_block: int = 1 << 30,
     block_table: Optional[torch.Tensor] = None, page_size: Optional[int] = None,
     num_splits: Optional[int] = None, config: Optional[DecodeConfig] = None,
     scratch: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
@@ -209,10 +254,13 @@ def prepare_decode(
     ``lse`` [B, HQ, M_new] (float32, log2 units) are written.
 
     ``k``/``v``: a [B, HKV, N, D] cache, or pages [num_pages, page_size, HKV, D] with
-    ``block_table`` [B, max_pages] int32 (``page_size`` a multiple of 16; optional, checked);
+    ``block_table`` [B, max_pages] int32 (``page_size`` any; optional, checked);
     ``seq_lens`` [B] int32 the cache lengths (required when paged; default N), read on the device;
     ``q_offset`` [B] int32 the absolute position of each batch's first new token (default
-    ``seq_lens - M_new``: the new tokens are the cache's last ones); mods as the generic forward
+    ``seq_lens - M_new``: the new tokens are the cache's last ones; ``q_start_zero``: 0, i.e.
+    FlexAttention's q_idx); ``block_mask_tables`` a BlockMask's four tables (kv_num_blocks,
+    kv_indices, full_kv_num_blocks, full_kv_indices; with ``q_start_zero``, query block 0 read for
+    every row, heads broadcast under GQA) and its block sizes; mods as the generic forward
     takes them (kernel.py: h is a per-row column); ``num_splits`` None chooses from the batch,
     heads, capacity and SM count (configs.py); ``scratch`` from :func:`decode_scratch` (else
     allocated here); ``plan_for`` the capability to plan for with no GPU tensors (compile-only).
@@ -229,7 +277,8 @@ def prepare_decode(
     capability = plan_for if plan_for is not None and not q.is_cuda else (
         tuple(torch.cuda.get_device_capability(q.device)) if q.is_cuda else None)
     return _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_bufs, seq_lens,
-                 q_offset, block_table, page_size, num_splits, config, scratch, capability)
+                 q_offset, q_start_zero, block_mask_tables, sparse_q_block, sparse_kv_block,
+                 block_table, page_size, num_splits, config, scratch, capability)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,

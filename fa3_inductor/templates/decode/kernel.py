@@ -9,21 +9,30 @@ Notation
     V: like K with DV        DV may differ from D
     BLOCK_TABLE: [Z, MAX_PAGES] int32   page of key block j of batch z (paged only)
     SEQ_LENS: [Z] int32      cache length L of each batch (keys [0, L) are visible); read in the
-                             kernel, so a CUDA graph replays with a changed length, no recompile
-    Q_OFFSET: [Z] int32      absolute position of query row 0 (SITE.HAS_Q_OFFSET); else L - M_NEW
-                             (the new tokens are the cache's last ones)
+                             kernel, so a CUDA graph replays with a changed length, no recompile;
+                             clamped into [0, N_KEYS], N_KEYS the capacity (N, or MAX_PAGES * PAGE).
+                             Without it (SITE.HAS_SEQ_LENS False) L = N_KEYS for every batch
+    Q_OFFSET: [Z] int32      position of query row 0 (SITE.Q_POS "offset"); "end": L - M_NEW (the
+                             new tokens are the cache's last ones); "start": 0 (FlexAttention's
+                             q_idx, what the family serves)
+    KV_NUM, KV_IDX, FULL_NUM, FULL_IDX   a BlockMask's tables (torch's layout [TB, TH, QB(, KVB)]
+                             int32), read at query block 0 of batch z and the group's first head:
+                             the host checks that this is every row's (SPARSE.MODE != "none")
     O: [Z, HQ, M_NEW, DV]    output, input dtype; LSE: [Z, HQ, M_NEW] float32, log2 units
-    O_PART: [Z*HKV, S, R, DV], LSE_PART: [Z*HKV, S, R] float32: each split's normalized output and
-                             log2-LSE (-inf: the split saw no key), R = GQA_GROUP * M_NEW
-    z, hkv, s                batch, kv head, split of a program (grid: (S, Z * HKV))
-    r                        packed row: query head hq = hkv * GQA_GROUP + r // M_NEW,
-                             new token i = r % M_NEW (GQA packing: K/V read once per group)
-    BLOCK_M                  R rounded up to a power of two >= 16 (tl.dot's minimum)
-    BLOCK_N                  keys per step; PAGE % BLOCK_N == 0, so a tile lies in one page
+    O_PART: [Z*HQ/HEADS, S, R, DV], LSE_PART: [Z*HQ/HEADS, S, R] float32: each split's normalized
+                             output and log2-LSE (-inf: the split saw no key)
+    z, hkv, s                batch, kv head, split of a program (grid: (S, Z * HQ / HEADS))
+    r                        packed row: query head hq = hq0 + r // M_NEW (hq0 the program's
+                             first of its HEADS heads), new token i = r % M_NEW (GQA packing:
+                             HEADS = GQA_GROUP, K/V read once per group)
+    BLOCK_M                  R = HEADS * M_NEW rounded up to a power of two >= 16 (tl.dot's minimum)
+    BLOCK_N                  keys per step; a tile may span pages (each row looks up its page)
     BLOCK_D, BLOCK_DV        D, DV rounded up to a power of two >= 16 (masked loads pad zeros)
 
 Splits: batch z's keys [0, L) are cut into S chunks of cdiv(cdiv(L, S), BLOCK_N) * BLOCK_N keys,
 so every batch spreads over every split whatever its length; a split past L writes LSE -inf.
+Block-sparse ("blocks"): the program's listed KV blocks, partial ones then full ones, are a flat
+list of tiles (KV_BLOCK // BLOCK_N each) cut into S chunks; tiles at or past L are skipped.
 
 Mods (templates/modgen.py, ``tl`` dialect; the generic forward's argument order):
     SCORE_MOD(qk, sm_scale, b, h, q_idx, kv_idx, bufs) -> score / OUT_SCALE (qk raw)
@@ -35,7 +44,8 @@ Mods (templates/modgen.py, ``tl`` dialect; the generic forward's argument order)
 Compile-time parameters (the mods, then one frozen-dataclass bundle each):
     TILE   DecodeTiling   BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION
     CACHE  CacheLayout    PAGED, PAGE_SIZE
-    SITE   DecodeSite     GQA_GROUP, HAS_Q_OFFSET, FOLD_SCALE, SPLIT (write partials; else O, LSE)
+    SITE   DecodeSite     GQA_GROUP, Q_POS, HAS_SEQ_LENS, FOLD_SCALE, SPLIT (write partials)
+    SPARSE BlockSparsity  MODE ("none" / "one_block" / "blocks"), KV_BLOCK, HAS_FULL
 Lengths are never constexprs: they live in SEQ_LENS. MAX_PAGES (the table's row stride) is
 do_not_specialize, so a bigger table does not recompile.
 """
@@ -60,42 +70,66 @@ class DecodeTiling:
 class CacheLayout:
     """How a key's row is addressed."""
     PAGED: bool            # K, V are [P, PAGE, HKV, D] pages through BLOCK_TABLE (else [Z, HKV, N, D])
-    PAGE_SIZE: int         # keys per page, a multiple of BLOCK_N (BLOCK_N when not paged)
+    PAGE_SIZE: int         # keys per page, any size (a tile may span pages; BLOCK_N when not paged)
 
 
 @dataclass(frozen=True)
 class DecodeSite:
     """What the call asks of the score tile and the epilogue."""
     GQA_GROUP: int         # HQ // HKV
-    HAS_Q_OFFSET: bool     # query positions from Q_OFFSET (else L - M_NEW)
+    HEADS: int             # query heads per program: GQA_GROUP (packed), or 1 when a block mask
+                           # differs per head (each head walks its own table row)
+    Q_POS: str             # query row 0's position: "offset" (Q_OFFSET), "end" (L - M_NEW), "start" (0)
+    HAS_SEQ_LENS: bool     # L from SEQ_LENS (else N_KEYS for every batch)
     FOLD_SCALE: bool       # no score_mod, sm_scale > 0: raw q.k, the scale folded into qk_scale2
     SPLIT: bool            # write O_PART / LSE_PART for the combine kernel (else O, LSE directly)
 
 
+@dataclass(frozen=True)
+class BlockSparsity:
+    """Which keys a BlockMask's tables let the program visit.
+
+    "none": every key below L. "one_block": the mask has one KV block covering the cache, so the
+    tables only say whether the row sees it at all (no listed block: nothing) and whether it is
+    full (mask_mod skipped); the keys are split by position. "blocks": the listed blocks only."""
+    MODE: str
+    KV_BLOCK: int          # keys per mask block (a multiple of BLOCK_N); 0 with MODE "none"
+    HAS_FULL: bool         # FULL_NUM / FULL_IDX given (blocks whose mask_mod is all true)
+
+
 @triton.jit
-def _tile_base(z, hkv, start_n, bt_row, stride_b, stride_h, stride_n, CACHE: tl.constexpr):
-    """Element offset of key row `start_n` of kv head `hkv` (int64: caches pass 2**31 elements)."""
+def _tile_ptrs(X, page, z, hkv, start_n, offs_j, offs_d, stride_b, stride_h, stride_n,
+               CACHE: tl.constexpr):
+    """Pointers [BLOCK_N, BLOCK_D] to key rows `start_n + offs_j`, columns `offs_d`, of kv head
+    `hkv` (int64 offsets: caches pass 2**31 elements). Paged: `page` [BLOCK_N] is each row's page
+    (a tile may span pages: any page size works)."""
     if CACHE.PAGED:
-        page = tl.load(bt_row + start_n // CACHE.PAGE_SIZE).to(tl.int64)
-        base = page * stride_b + (start_n % CACHE.PAGE_SIZE) * stride_n
-    else:
-        base = z.to(tl.int64) * stride_b + start_n.to(tl.int64) * stride_n
-    return base + hkv * stride_h
+        rows = page * stride_b + ((start_n + offs_j) % CACHE.PAGE_SIZE) * stride_n + hkv * stride_h
+        return X + rows[:, None] + offs_d[None, :]
+    base = z.to(tl.int64) * stride_b + start_n.to(tl.int64) * stride_n + hkv * stride_h
+    return (X + base) + offs_j[:, None] * stride_n + offs_d[None, :]
 
 
 @triton.jit
 def _kv_step(acc, l_i, m_i, q, K, V, z, hkv, h, q_idx, start_n, L, bt_row,
              stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-             D, DV, sm_scale, qk_scale2, score_bufs, mask_bufs,
+             D, DV, sm_scale, qk_scale2, score_bufs, mask_bufs, full_tile,
              SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, TILE: tl.constexpr,
              CACHE: tl.constexpr, SITE: tl.constexpr):
-    """One KV tile of the online softmax: S = QK^T, mods, key bound, rescale, O += PV."""
+    """One KV tile of the online softmax: S = QK^T, mods, key bound, rescale, O += PV.
+    ``full_tile``: a block mask says mask_mod is all true here (FlexAttention skips it)."""
     offs_j = tl.arange(0, TILE.BLOCK_N)
     offs_n = start_n + offs_j
     key_ok = offs_n < L
     offs_d = tl.arange(0, TILE.BLOCK_D)
-    k_ptr = K + _tile_base(z, hkv, start_n, bt_row, stride_kb, stride_kh, stride_kn, CACHE)
-    k = tl.load(k_ptr + offs_j[:, None] * stride_kn + offs_d[None, :],
+    if CACHE.PAGED:
+        # each row's page (rows past L read no table entry: the table may end there), a
+        # [BLOCK_N] vector load that Triton's pipeliner issues a stage ahead of the K/V loads
+        page = tl.load(bt_row + offs_n // CACHE.PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+    else:
+        page = 0
+    k = tl.load(_tile_ptrs(K, page, z, hkv, start_n, offs_j, offs_d, stride_kb, stride_kh,
+                           stride_kn, CACHE),
                 mask=key_ok[:, None] & (offs_d < D)[None, :], other=0.0)
     qk = tl.dot(q, tl.trans(k), input_precision=TILE.DOT_PRECISION)
 
@@ -107,7 +141,7 @@ def _kv_step(acc, l_i, m_i, q, K, V, z, hkv, h, q_idx, start_n, L, bt_row,
     else:
         s = qk * sm_scale
     if MASK_MOD is not None:
-        s = tl.where(MASK_MOD(z, h, q_idx, kv_idx, mask_bufs), s, float("-inf"))
+        s = tl.where(MASK_MOD(z, h, q_idx, kv_idx, mask_bufs) | full_tile, s, float("-inf"))
     s = tl.where(key_ok[None, :], s, float("-inf"))
 
     # Row max in log2 units; qk_scale2 carries the tile to them inside the exp2 FMA.
@@ -117,68 +151,134 @@ def _kv_step(acc, l_i, m_i, q, K, V, z, hkv, h, q_idx, start_n, L, bt_row,
     alpha = tl.math.exp2(m_i - m_base)
     l_i = l_i * alpha + tl.sum(p, 1)
     offs_dv = tl.arange(0, TILE.BLOCK_DV)
-    v_ptr = V + _tile_base(z, hkv, start_n, bt_row, stride_vb, stride_vh, stride_vn, CACHE)
-    v = tl.load(v_ptr + offs_j[:, None] * stride_vn + offs_dv[None, :],
+    v = tl.load(_tile_ptrs(V, page, z, hkv, start_n, offs_j, offs_dv, stride_vb, stride_vh,
+                           stride_vn, CACHE),
                 mask=key_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=TILE.DOT_PRECISION)
     return acc, l_i, m_new
 
 
-@triton.jit(do_not_specialize=["MAX_PAGES"])
+@triton.jit
+def _table_row(NUM, IDX, z, h0, s_nb, s_nh, s_ib, s_ih):
+    """(block count, pointer to the block list) of the mask row of batch z, head h0, query
+    block 0."""
+    n = tl.load(NUM + z.to(tl.int64) * s_nb + h0 * s_nh)
+    return n, IDX + z.to(tl.int64) * s_ib + h0 * s_ih
+
+
+@triton.jit(do_not_specialize=["MAX_PAGES", "N_KEYS"])
 def decode_split_kernel(
     Q, K, V, O, LSE, O_PART, LSE_PART,
     SEQ_LENS, Q_OFFSET, BLOCK_TABLE,
+    KV_NUM, KV_IDX, FULL_NUM, FULL_IDX,
     score_bufs, mask_bufs,
     stride_qz, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_oz, stride_oh, stride_om,
-    MAX_PAGES, HKV, M_NEW, D, DV,
+    stride_knb, stride_knh, stride_kib, stride_kih,
+    stride_fnb, stride_fnh, stride_fib, stride_fih,
+    MAX_PAGES, N_KEYS, HKV, M_NEW, D, DV,
     sm_scale, qk_scale2,
     SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr,
-    TILE: tl.constexpr, CACHE: tl.constexpr, SITE: tl.constexpr,
+    TILE: tl.constexpr, CACHE: tl.constexpr, SITE: tl.constexpr, SPARSE: tl.constexpr,
 ):
     split = tl.program_id(0)
     num_splits = tl.num_programs(0)
     zk = tl.program_id(1)
-    z = zk // HKV
-    hkv = zk % HKV
-    L = tl.load(SEQ_LENS + z)
+    n_hp = HKV * (SITE.GQA_GROUP // SITE.HEADS)   # programs per batch along the heads
+    z = zk // n_hp
+    hq0 = (zk % n_hp) * SITE.HEADS                 # the program's first query head
+    hkv = hq0 // SITE.GQA_GROUP
+    if SITE.HAS_SEQ_LENS:
+        # clamped into [0, capacity]: a bad length reads no key outside the cache or the table
+        L = tl.minimum(tl.maximum(tl.load(SEQ_LENS + z), 0), N_KEYS)
+    else:
+        L = N_KEYS + 0 * z   # a tensor like the loaded length
 
     BLOCK_M: tl.constexpr = TILE.BLOCK_M
+    BLOCK_N: tl.constexpr = TILE.BLOCK_N
     BLOCK_DV: tl.constexpr = TILE.BLOCK_DV
-    n_rows = SITE.GQA_GROUP * M_NEW
+    n_rows = SITE.HEADS * M_NEW
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < n_rows
     # Padding rows repeat the last real row (in-range indices for the mods); never stored.
     r = tl.minimum(rows, n_rows - 1)
     i = r % M_NEW
-    hq = hkv * SITE.GQA_GROUP + r // M_NEW
+    hq = hq0 + r // M_NEW
     offs_d = tl.arange(0, TILE.BLOCK_D)
     q = tl.load(Q + z.to(tl.int64) * stride_qz + hq[:, None] * stride_qh + i[:, None] * stride_qm
                 + offs_d[None, :], mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0)
-    if SITE.HAS_Q_OFFSET:
+    if SITE.Q_POS == "offset":
         q_first = tl.load(Q_OFFSET + z)
-    else:
+    elif SITE.Q_POS == "end":
         q_first = L - M_NEW
+    else:
+        q_first = 0 * L
     q_idx = tl.maximum(q_first + i, 0)[:, None]
     h = hq[:, None]
-
-    # This split's keys: chunks of whole tiles, so only the tile holding L is partial.
-    chunk = tl.cdiv(tl.cdiv(L, num_splits), TILE.BLOCK_N) * TILE.BLOCK_N
-    lo = split * chunk
-    n_tiles = tl.cdiv(tl.maximum(tl.minimum(lo + chunk, L) - lo, 0), TILE.BLOCK_N)
     bt_row = BLOCK_TABLE + z.to(tl.int64) * MAX_PAGES
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for t in tl.range(0, n_tiles):
-        acc, l_i, m_i = _kv_step(
-            acc, l_i, m_i, q, K, V, z, hkv, h, q_idx, lo + t * TILE.BLOCK_N, L, bt_row,
-            stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-            D, DV, sm_scale, qk_scale2, score_bufs, mask_bufs,
-            SCORE_MOD, MASK_MOD, TILE, CACHE, SITE)
+    if SPARSE.MODE == "blocks":
+        n_part, part_row = _table_row(KV_NUM, KV_IDX, z, hq0, stride_knb, stride_knh,
+                                      stride_kib, stride_kih)
+        if SPARSE.HAS_FULL:
+            n_full, full_row = _table_row(FULL_NUM, FULL_IDX, z, hq0, stride_fnb, stride_fnh,
+                                          stride_fib, stride_fih)
+        else:
+            n_full, full_row = 0 * n_part, part_row
+        TPB: tl.constexpr = SPARSE.KV_BLOCK // BLOCK_N   # tiles per mask block
+        n_work = (n_part + n_full) * TPB
+        chunk = tl.cdiv(n_work, num_splits)
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, n_work)
+        part_end = n_part * TPB
+        # partial blocks: mask_mod applies
+        for w in tl.range(lo, tl.minimum(hi, part_end)):
+            start_n = tl.load(part_row + w // TPB) * SPARSE.KV_BLOCK + (w % TPB) * BLOCK_N
+            if start_n < L:
+                acc, l_i, m_i = _kv_step(
+                    acc, l_i, m_i, q, K, V, z, hkv, h, q_idx, start_n, L, bt_row,
+                    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+                    D, DV, sm_scale, qk_scale2, score_bufs, mask_bufs, False,
+                    SCORE_MOD, MASK_MOD, TILE, CACHE, SITE)
+        # full blocks: mask_mod is all true there
+        for w in tl.range(tl.maximum(lo, part_end), hi):
+            start_n = (tl.load(full_row + (w - part_end) // TPB) * SPARSE.KV_BLOCK
+                       + ((w - part_end) % TPB) * BLOCK_N)
+            if start_n < L:
+                acc, l_i, m_i = _kv_step(
+                    acc, l_i, m_i, q, K, V, z, hkv, h, q_idx, start_n, L, bt_row,
+                    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+                    D, DV, sm_scale, qk_scale2, score_bufs, mask_bufs, True,
+                    SCORE_MOD, MASK_MOD, TILE, CACHE, SITE)
+    else:
+        full_tile = False
+        visible = L
+        if SPARSE.MODE == "one_block":
+            # one mask block holds every key: the tables say whether the row sees it, and whether
+            # mask_mod is all true on it
+            n_part, _ = _table_row(KV_NUM, KV_IDX, z, hq0, stride_knb, stride_knh,
+                                   stride_kib, stride_kih)
+            n_full = 0 * n_part
+            if SPARSE.HAS_FULL:
+                n_full, _ = _table_row(FULL_NUM, FULL_IDX, z, hq0, stride_fnb, stride_fnh,
+                                       stride_fib, stride_fih)
+            full_tile = n_full > 0
+            visible = tl.where(n_part + n_full > 0, L, 0)
+        # This split's keys: chunks of whole tiles, so only the tile holding L is partial.
+        chunk = tl.cdiv(tl.cdiv(visible, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        n_tiles = tl.cdiv(tl.maximum(tl.minimum(lo + chunk, visible) - lo, 0), BLOCK_N)
+        for t in tl.range(0, n_tiles):
+            acc, l_i, m_i = _kv_step(
+                acc, l_i, m_i, q, K, V, z, hkv, h, q_idx, lo + t * BLOCK_N, L, bt_row,
+                stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+                D, DV, sm_scale, qk_scale2, score_bufs, mask_bufs, full_tile,
+                SCORE_MOD, MASK_MOD, TILE, CACHE, SITE)
 
     # Rows that saw no key: O = 0, LSE = -inf (the forward's convention; the combine gives them
     # weight 0).
@@ -205,18 +305,19 @@ def decode_combine_kernel(
     O_PART, LSE_PART, O, LSE,
     stride_oz, stride_oh, stride_om,
     HKV, M_NEW, NUM_SPLITS, DV,
-    GQA_GROUP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+    GQA_GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Merge one output row's splits: O = sum_s w_s O_s / sum_s w_s, w_s = exp2(LSE_s - max LSE).
 
-    One program per (z, hkv, packed row r) (the split kernel's notation); splits are read
-    BLOCK_S at a time, so the split count is a runtime value (no compile per count)."""
+    One program per (split-kernel program zk, packed row r) (the split kernel's notation); splits
+    are read BLOCK_S at a time, so the split count is a runtime value (no compile per count)."""
     pid = tl.program_id(0)
-    n_rows = GQA_GROUP * M_NEW
+    n_rows = HEADS * M_NEW
     zk = pid // n_rows
     r = pid % n_rows
-    z = zk // HKV
-    hq = (zk % HKV) * GQA_GROUP + r // M_NEW
+    n_hp = HKV * (GQA_GROUP // HEADS)
+    z = zk // n_hp
+    hq = (zk % n_hp) * HEADS + r // M_NEW
     i = r % M_NEW
     first = zk * NUM_SPLITS   # this (z, hkv)'s split 0 in O_PART / LSE_PART
 

@@ -37,6 +37,8 @@ class FP8Family:
     def serves(self, site: SiteFacts) -> Optional[str]:
         if not site.fp8:
             return NOT_MEANT_HERE
+        if site.sinks:
+            return "the FP8 kernels do not add attention sinks"
         cap = site.capability
         if cap is not None and cap < FP8_MIN_CAPABILITY:
             return f"FP8 needs e4m3 tensor cores (sm89 or newer); this GPU is sm{cap[0]}{cap[1]}"

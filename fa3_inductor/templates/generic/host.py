@@ -55,10 +55,11 @@ def _fold_scale(sm_scale: float, score_mod: Any) -> bool:
 def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs,
              mask_bufs, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
              sparse_q_block, sparse_kv_block, capability, iterate_hull=None, config=None,
-             host_descriptors=None, even_n=None, fp8=None):
+             host_descriptors=None, even_n=None, fp8=None, sinks=None):
     """(args, kwargs, grid) of one generic-kernel launch; shared by launch and compile-only.
     ``even_n`` overrides EVEN_N (compiling a sibling variant ahead: never launched so). ``fp8``: the
-    prologue's FP8Operands, whose q, k, vt are then the q, k, v given here."""
+    prologue's FP8Operands, whose q, k, vt are then the q, k, v given here. ``sinks``: [HQ] logits
+    joining each row's softmax denominator (kernel.py's SINKS), or None."""
     Z, HQ, M, D = q.shape
     HKV, N, DV = k.shape[1], k.shape[2], (v.shape[2] if fp8 is not None else v.shape[3])
     # The kernel's factor from its score tile to the score (kernel._kv_tile takes it in log2
@@ -115,7 +116,8 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
                       KV_BLOCK=fp8.recipe.block_n,
                       TWO_LEVEL=fp8.recipe.two_level > 0, OUT_BF16=out.dtype == torch.bfloat16,
                       ROUND_P_IN_FP32=capability is None)
-    args = (*qkvo, lse, max_scores, *tables, tuple(score_bufs), tuple(mask_bufs), *quant_args,
+    args = (*qkvo, lse, max_scores, _sink_bufs(sinks, q, fp8), *tables, tuple(score_bufs),
+            tuple(mask_bufs), *quant_args,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -145,10 +147,29 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
         # Without a score_mod, keep raw q.k scores and fold the scale into the row max and
         # the exp2 argument; valid for a positive scale only.
         FOLD_SCALE=_fold_scale(sm_scale, score_mod),
+        HAS_SINKS=sinks is not None,
     )
     kwargs = dict(SCORE_MOD=score_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse, FLAGS=flags,
                   QUANT=quant, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return args, kwargs, (triton.cdiv(M, block_m), Z * HQ)
+
+
+def _sink_bufs(sinks: Optional[torch.Tensor], q: torch.Tensor, fp8: Any) -> tuple:
+    """The kernel's ``sink_bufs``: (SINKS,) as a contiguous float32 [HQ] vector, or () without sinks (no
+    kernel parameter: a site without sinks compiles as it did before they existed)."""
+    if sinks is None:
+        return ()
+    heads = q.shape[1]
+    if fp8 is not None:
+        raise ValueError("fa3 generic kernel: FP8 operands with sinks; the FP8 kernels do not add sinks "
+                         "(serve the site in bf16 / fp16)")
+    if sinks.shape != (heads,) or not sinks.is_floating_point():
+        raise ValueError(f"fa3 generic kernel: sinks must be a floating-point tensor of shape ({heads},), "
+                         f"one logit per query head; got {sinks.dtype} {tuple(sinks.shape)}")
+    if sinks.device != q.device:
+        raise ValueError(f"fa3 generic kernel: sinks are on {sinks.device}, q on {q.device}; move them to "
+                         "q's device")
+    return (sinks.to(torch.float32).contiguous(),)   # itself when it already is (the launch cache keys on it)
 
 
 def _check_fp8_dtypes(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, fp8: Any) -> None:
@@ -181,6 +202,7 @@ def prepare_generic(
     sparse_q_block: int = 128, sparse_kv_block: int = 128, iterate_hull: Optional[bool] = None,
     config: Optional[GenericConfig] = None, host_descriptors: Optional[bool] = None,
     even_n: Optional[bool] = None, plan_for: Optional[tuple[int, int]] = None, fp8: Any = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> tuple[Any, tuple, dict, tuple]:
     """``(kernel, args, kwargs, grid)`` of one generic-kernel launch.
 
@@ -194,7 +216,8 @@ def prepare_generic(
     :func:`prepare_generic_variants`); ``plan_for`` the GPU capability to plan for when the tensors
     are on no GPU (CPU or meta tensors: tests, compile-only; None: the tensors' own device);
     ``fp8`` the prologue's FP8Operands (templates/fp8_prologue/): then ``q, k, v`` are its ``q, k,
-    vt`` and ``out`` is bfloat16 or float16.
+    vt`` and ``out`` is bfloat16 or float16; ``sinks`` a [HQ] tensor of per-head logits that join each
+    row's softmax denominator (gpt-oss; ``lse`` then includes them), or None.
 
     Example::
 
@@ -210,7 +233,7 @@ def prepare_generic(
                                   score_bufs, mask_bufs, kv_num_blocks, kv_indices,
                                   full_kv_num_blocks, full_kv_indices, sparse_q_block,
                                   sparse_kv_block, _planned_capability(q, plan_for), iterate_hull,
-                                  config, host_descriptors, even_n, fp8)
+                                  config, host_descriptors, even_n, fp8, sinks)
     return attention_fwd_kernel, args, kwargs, grid
 
 
@@ -275,7 +298,8 @@ def compile_generic(q, k, v, out, lse, max_scores, *, sm_scale: float, score_mod
                     mask_bufs: Sequence[torch.Tensor] = (), kv_num_blocks=None, kv_indices=None,
                     full_kv_num_blocks=None, full_kv_indices=None, sparse_q_block: int = 128,
                     sparse_kv_block: int = 128, capability: tuple[int, int] = (9, 0),
-                    fp8: Any = None, config: Optional[GenericConfig] = None) -> Any:
+                    fp8: Any = None, config: Optional[GenericConfig] = None,
+                    sinks: Optional[torch.Tensor] = None) -> Any:
     """Compile (not run) what launch_generic would launch on a GPU of ``capability``.
 
     Tensors may be on the CPU; needs a process without TRITON_INTERPRET=1.
@@ -291,6 +315,6 @@ def compile_generic(q, k, v, out, lse, max_scores, *, sm_scale: float, score_mod
     args, kwargs, _ = _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod,
                                score_bufs, mask_bufs, kv_num_blocks, kv_indices,
                                full_kv_num_blocks, full_kv_indices, sparse_q_block,
-                               sparse_kv_block, capability, config=config, fp8=fp8)
+                               sparse_kv_block, capability, config=config, fp8=fp8, sinks=sinks)
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
     return compile_launch(attention_fwd_kernel, args, kwargs, target)

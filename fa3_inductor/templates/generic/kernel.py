@@ -7,6 +7,10 @@ Notation
     V: [Z, HKV, N, DV]   value; DV may differ from D (DeepSeek's MLA: D 192, DV 128)
     O: [Z, HQ, M, DV]    output, written in the strides the caller allocated
     LSE, MAX: [Z, HQ, M] float32, log2 units (logsumexp / ln 2, rowmax / ln 2)
+    SINKS: [HQ] float32, natural-log units (FLAGS.HAS_SINKS; the kernel's `sink_bufs` is (SINKS,), else ()
+                         and no kernel parameter): one logit per query head that joins
+                         each row's softmax denominator (gpt-oss); LSE then includes it, O is
+                         Σ_j exp(s_j - LSE) v_j (acc / (l + 2^(sink - m))), MAX stays the scores' own row max
     FP8 inputs (QUANT.ON; the prologue's layout, templates/fp8_prologue/): Q, K as above in int8
     (QUANT.QK_INT8: QK^T an int8 MMA, exact int32 sums) or float8_e4m3fn, V in e4m3 given
     transposed, VT [Z, HKV, DV, N_pad] (token dim last: FP8 wgmma wants its B operand K-major),
@@ -40,7 +44,7 @@ dataclasses below, read as `TILE.BLOCK_N`):
                            DOT_PRECISION
     SPARSE  BlockSparsity  HAS_BLOCK_MASK, HAS_FULL_BLOCKS, SPARSE_Q, SPARSE_KV, ITERATE_HULL,
                            MAX_KV_BLKS
-    FLAGS   SiteFlags      GQA_GROUP, EVEN_N, FOLD_SCALE
+    FLAGS   SiteFlags      GQA_GROUP, EVEN_N, FOLD_SCALE, HAS_SINKS
     QUANT   Quant          ON, QK_INT8, Q_BLOCK, KV_BLOCK, TWO_LEVEL, OUT_BF16, ROUND_P_IN_FP32
                            (FP8 inputs; ON=False otherwise)
 The input dtype is no parameter: the kernel reads it off the Q tile (`in_dtype`).
@@ -100,7 +104,7 @@ class SiteFlags:
     GQA_GROUP: int         # HQ // HKV
     EVEN_N: bool           # every visited KV tile lies inside [0, N): no bound mask
     FOLD_SCALE: bool       # no score_mod, sm_scale > 0: raw q.k, the scale folded into qk_scale2
-
+    HAS_SINKS: bool = False  # SINKS given: the epilogue adds each head's sink to the denominator
 
 
 @dataclass(frozen=True)
@@ -374,6 +378,22 @@ def _attend_kv_tiles(
     return acc, l_i, m_i
 
 
+@triton.jit
+def _with_sink(l_i, m_i, SINKS, off_hq):
+    """(the row's denominator, its LSE), log2 units, with this head's sink in the denominator: the sink joins
+    l relative to the exponent base m_i, d = l + 2^(sink - m_i); O' = acc / d, LSE' = m_i + log2(d)
+    (docs/design/sinks.md; the Hopper kernel's _with_sink). Where the sink's term overflows (the sink 128 or
+    more above the base, or a row with no key: m_i = -inf) LSE' = the sink and O' = 0; a -inf sink adds
+    nothing; d = 0 gives O' = 0 and LSE' = -inf."""
+    sink = tl.load(SINKS + off_hq) * 1.4426950408889634   # log2(e): natural-log logit -> log2
+    e = tl.math.exp2(sink - tl.maximum(m_i, -3.0e38))     # m_i = -inf: +inf for a finite sink, not NaN
+    d = l_i + e
+    none = d == 0.0
+    d_safe = tl.where(none, 1.0, d)
+    lse = tl.where(e == float("inf"), sink, m_i + tl.math.log2(d_safe))
+    return d_safe, tl.where(none, float("-inf"), lse)
+
+
 # Sizes that follow the lengths (and KZ, the batch): their hints made a compile per length class and
 # bought little (Q/K/V/O go through descriptors; the LSE / MAX stores are one row vector per program).
 # SZ / SH stay hinted: the mask's batch / head broadcast (1 for B=None / H=None) is a site property.
@@ -382,7 +402,7 @@ _RUNTIME_SIZES = ["KZ", "M", "N", "NUM_Q_BLKS", "NUM_KV_BLKS", "NQB", "NKB"]
 
 @triton.jit(do_not_specialize=_RUNTIME_SIZES)
 def attention_fwd_kernel(
-    Q, K, V, O, LSE, MAX,
+    Q, K, V, O, LSE, MAX, sink_bufs,
     KV_NUM_BLKS, KV_IDX, FULL_KV_NUM_BLKS, FULL_KV_IDX,
     score_bufs, mask_bufs,
     QS, KS, VS, VS_MAX, NQB, NKB,
@@ -457,6 +477,8 @@ def attention_fwd_kernel(
     # Epilogue: rows that saw no key get O = 0, LSE = MAX = -inf (FlexAttention's convention).
     empty_row = l_i == 0.0
     l_safe = tl.where(empty_row, 1.0, l_i)
+    if FLAGS.HAS_SINKS:   # the sink joins O's normaliser; without sinks the LSE follows O's store
+        l_safe, lse = _with_sink(l_i, m_i, sink_bufs[0], off_hq)
     if QUANT.ON:
         o = acc * (quant[3] * (1.0 / 256.0) / l_safe)[:, None]   # P was scaled by 2^8 / VS_MAX
         if QUANT.OUT_BF16:
@@ -466,7 +488,8 @@ def attention_fwd_kernel(
     else:
         o = (acc / l_safe[:, None]).to(in_dtype)
     _store_tile(o_desc, off_z, off_hq, start_m, o, TILE.HOST_DESC)
-    lse = tl.where(empty_row, float("-inf"), m_i + tl.math.log2(l_safe))
+    if not FLAGS.HAS_SINKS:
+        lse = tl.where(empty_row, float("-inf"), m_i + tl.math.log2(l_safe))
     row_ptr = off_zh * M + offs_m
     tl.store(LSE + row_ptr, lse, mask=offs_m < M)
     tl.store(MAX + row_ptr, m_i, mask=offs_m < M)

@@ -17,6 +17,9 @@ Notation
                      rows of a ring stage; NUM_STAGES / V_STAGES: depth of the K / V rings.
   LSE[z, hq, m]      log2-domain logsumexp of the (modded, masked) scores: logsumexp_e(s) / ln 2
   MAX[z, hq, m]      log2-domain row max:  max(s) / ln 2.   Fully masked row: O = 0, LSE = MAX = -inf.
+  SINKS[hq]          FLAGS.HAS_SINKS (attention sinks, gpt-oss): float32 logits, natural-log units, that join
+                     each row's denominator in the epilogue (_with_sink): LSE includes them, O = acc / (l + 2^(sink -
+                     m_run)), MAX is unchanged; a fully masked row gets O = 0, LSE = the sink.
   FP8 (QUANT.ON; operands from templates/fp8_prologue, layout in fp8_recipe.FP8Operands):
   Q8, K8             Q, K as float8_e4m3fn, or int8 (QUANT.QK_INT8: an s8 wgmma, exact int32 scores), after the
                      prologue's Hadamard rotation, same shapes
@@ -187,6 +190,7 @@ class ModFlags:
     KV_AFFINE: bool       # `score + alpha(b, h)·kv + B(b, h, q)` evaluated as column / tile / row parts
     FIXED_BASE: bool      # bounded score_mod, MAX not asked for: exp2 against a fixed base, no row max
     EXP2_EMU: bool        # half of the score columns' exp2 on the FMA pipe (_exp2_fma) instead of MUFU
+    HAS_SINKS: bool = False   # sink_bufs holds SINKS: the epilogue adds each head's sink (_with_sink)
 
 
 @dataclass(frozen=True)
@@ -600,6 +604,20 @@ def _rescale_o_hi(acc_hi, alpha, FIXED_BASE: gl.constexpr, SPLIT_O: gl.constexpr
 # ----------------------------------------------------------------------------------------------
 # FP8 (QUANT.ON): the tile's scales, the softmax on e4m3 scores, the two-level PV accumulation.
 # ----------------------------------------------------------------------------------------------
+# The bit pattern of 1.5 * 2^23 and its value. Floats in [2^23, 2^24] are exactly the integers there, so adding an
+# int32 x with |x| <= 2^22 to the pattern gives the float 1.5 * 2^23 + x (docs/design/hopper_fp8.md, "I2F").
+S32_MAGIC_BITS = gl.constexpr(0x4B400000)
+S32_MAGIC = gl.constexpr(12582912.0)
+
+
+@gluon.jit
+def _s32_to_f32(x):
+    """int32 -> float32, exact for |x| <= 2^22 (|Q8·K8| <= D·127^2 < 2^22 for D <= 256), with an integer add and a
+    float subtract (both exact: Sterbenz) instead of I2F, which runs at a quarter of the FP32 rate on sm90 next to
+    the softmax's MUFU.EX2 and P's F2FP."""
+    return (x + S32_MAGIC_BITS).to(gl.float32, bitcast=True) - S32_MAGIC
+
+
 @gluon.jit
 def _fp8_row_scales(quant_bufs, b, h, row0, HQ, GQA, M, N, row_layout: gl.constexpr, HALF_M: gl.constexpr,
                     QUANT: gl.constexpr):
@@ -686,7 +704,7 @@ def _softmax_step(s_acc, start, is_partial, b, h, q_idx, q_idx_c, row0, sm_scale
     folds into KV_AFFINE's column FFMA)."""
     if QUANT.ON:
         if QUANT.QK_INT8:
-            s_acc = s_acc.to(gl.float32)   # |Q8 K8| <= D * 127^2 < 2^24: exact in fp32
+            s_acc = _s32_to_f32(s_acc)
         deq, v_shift = tile_scales
         if FLAGS.KV_AFFINE:
             qk_unit = (deq * qk_unit)[:, None]
@@ -705,32 +723,13 @@ def _softmax_step(s_acc, start, is_partial, b, h, q_idx, q_idx_c, row0, sm_scale
 @gluon.jit
 def _pv_issue(p, v, v_hi, acc, acc_hi, o_zero, SPLIT_O: gl.constexpr, QUANT: gl.constexpr):
     """Issue the PV wgmma: O += P V (_pv_mma), or TWO_LEVEL: P V into a fresh accumulator (use_acc=False; o_zero
-    gives its shape), added into O by _o_update / _o_add once retired."""
+    gives its shape), added into O by _o_add once retired."""
     if QUANT.TWO_LEVEL:
         tok = warpgroup_mma(p, v, o_zero, use_acc=False, is_async=True)
         toks = (tok, acc_hi, p)
     else:
         toks = _pv_mma(p, v, v_hi, acc, acc_hi, SPLIT_O)
     return toks
-
-
-@gluon.jit
-def _o_rescale_early(acc, alpha, FIXED_BASE: gl.constexpr, QUANT: gl.constexpr):
-    """TWO_LEVEL: O is no operand of the PV in flight, so its rescale runs under it (see _o_update)."""
-    if QUANT.TWO_LEVEL:
-        acc = _rescale_o(acc, alpha, FIXED_BASE)
-    return acc
-
-
-@gluon.jit
-def _o_update(acc, pv, alpha, FIXED_BASE: gl.constexpr, QUANT: gl.constexpr):
-    """O after a retired PV wgmma, rescaled to the new row max: the wgmma's accumulator times alpha, or TWO_LEVEL:
-    O (rescaled already by _o_rescale_early) + PV·alpha, one FFMA per element."""
-    if QUANT.TWO_LEVEL:
-        acc = acc + pv * alpha[:, None]
-    else:
-        acc = _rescale_o(pv, alpha, FIXED_BASE)
-    return acc
 
 
 @gluon.jit
@@ -757,19 +756,44 @@ def _pingpong_signal(turn, WG: gl.constexpr):
 
 
 @gluon.jit
+def _row_lse(m_run, l_safe, empty_row):
+    """The row's LSE (log2 units); l is relative to the exponent base m_run, the true max m_i can be above it."""
+    return gl.where(empty_row, -float("inf"), m_run + gl.log2(l_safe))
+
+
+@gluon.jit
+def _with_sink(l_i, m_run, sinks_ptr, h):
+    """(1 / the row's denominator, its LSE), log2 units, with head h's sink in the denominator: the sink joins l
+    relative to the exponent base m_run, d = l + 2^(sink - m_run); O' = acc / d, LSE' = m_run + log2(d)
+    (docs/design/sinks.md). Where the sink's term overflows (the sink 128 or more above the base, or a row with no
+    key: m_run = -inf) LSE' = the sink and O' = 0, the limits. A -inf sink adds nothing; d = 0 gives O' = 0 and
+    LSE' = -inf. Two registers per row at most beside O: no spills, the KV loops untouched (tests/test_sinks_sm90.py)."""
+    sink = gl.load(sinks_ptr + h) * 1.4426950408889634   # natural-log logit -> log2 units
+    e = gl.exp2(sink - gl.maximum(m_run, -3.0e38))       # m_run = -inf: +inf for a finite sink, not NaN
+    d = l_i + e
+    none = d == 0.0
+    d_safe = gl.where(none, 1.0, d)
+    lse = gl.where(e == float("inf"), sink, m_run + gl.log2(d_safe))
+    return 1.0 / d_safe, gl.where(none, -float("inf"), lse)
+
+
+@gluon.jit
 def _epilogue(acc, acc_hi, m_i, m_run, l_i, qk_scale, o_half, o_half_hi, o_desc, o_desc_hi, lse_ptr, max_ptr,
-              b, h, row0, HQ, M, o_layout: gl.constexpr, HALF_M: gl.constexpr, dtype: gl.constexpr,
-              O_STAGE: gl.constexpr, SPLIT_O: gl.constexpr):
+              sink_bufs, b, h, row0, HQ, M, o_layout: gl.constexpr, HALF_M: gl.constexpr, dtype: gl.constexpr,
+              O_STAGE: gl.constexpr, SPLIT_O: gl.constexpr, HAS_SINKS: gl.constexpr):
     """Normalise O, stage it in shared memory, TMA-store it; write LSE / MAX (log2 units).
 
     O_STAGE: o_half is this warpgroup's own O buffer; the store is left in flight (the next tile's
     epilogue, or the kernel's end, waits for it). Otherwise o_half is the warpgroup's Q half and the
     store is waited for here, before the caller hands the half back to the producer.
     SPLIT_O: O is acc (columns [0, LO)) and acc_hi (the next HI columns), staged in o_half and o_half_hi
-    (the Q tiles) and stored by o_desc and o_desc_hi."""
+    (the Q tiles) and stored by o_desc and o_desc_hi. HAS_SINKS: sink_bufs[0] is SINKS (module docstring)."""
     empty_row = l_i == 0.0
     l_safe = gl.where(empty_row, 1.0, l_i)
-    inv_l = 1.0 / l_safe
+    if HAS_SINKS:   # the sink joins O's normaliser; without sinks the LSE follows O's store (as before sinks)
+        inv_l, lse = _with_sink(l_i, m_run, sink_bufs[0], h)
+    else:
+        inv_l = 1.0 / l_safe
     o = acc * inv_l[:, None]
     if O_STAGE:
         tma.store_wait(0)   # the previous tile's O store has finished reading o_half
@@ -786,8 +810,8 @@ def _epilogue(acc, acc_hi, m_i, m_run, l_i, qk_scale, o_half, o_half_hi, o_desc,
     if SPLIT_O:
         tma.async_copy_shared_to_global(o_desc_hi, [b, h, row0, acc.shape[1]], o_half_hi)
 
-    # l is relative to the exponent base m_run (log2 units); the true max m_i can be above it.
-    lse = gl.where(empty_row, -float("inf"), m_run + gl.log2(l_safe))
+    if not HAS_SINKS:
+        lse = _row_lse(m_run, l_safe, empty_row)
     mx = gl.where(empty_row, -float("inf"), m_i * qk_scale)
     rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
     off = (b * HQ + h).to(gl.int64) * M + rows
@@ -887,6 +911,103 @@ def _pv_done(o_tok, o_tok_hi, p, p_hi, v, v_hi, SPLIT_O: gl.constexpr, P8: gl.co
 
 
 @gluon.jit
+def _fp8_o_before_pv(acc, alpha, QUANT: gl.constexpr):
+    """O before the PV of a tile is issued (_fp8_overlap_loop): a chained accumulator is rescaled to the tile's base
+    first (the wgmma adds into it); TWO_LEVEL leaves O alone (_fp8_o_after_pv)."""
+    if not QUANT.TWO_LEVEL:
+        acc = acc * alpha[:, None]
+    return acc
+
+
+@gluon.jit
+def _fp8_o_after_pv(acc, pv, alpha, QUANT: gl.constexpr):
+    """O once the PV of a tile retired: TWO_LEVEL: O·alpha + PV, one FFMA per element (a rescale before the wgmma and
+    an add after it are not contracted across the wait); else the chained accumulator itself."""
+    if QUANT.TWO_LEVEL:
+        acc = acc * alpha[:, None] + pv
+    else:
+        acc = pv
+    return acc
+
+
+@gluon.jit
+def _fp8_overlap_loop(q_op, k_smem, v_smem, bars, n_partial, n_total, b, h, mt, sp_ptrs, sp_meta, q_idx, q_idx_c,
+                      row0, sm_scale, qk_unit, col_bias, N, score_bufs, mask_bufs, m_i, m_run, l_i, acc, qk_scale,
+                      fp8_rows, s_zero, o_zero, cnt, t, s_layout: gl.constexpr, p_layout: gl.constexpr,
+                      o_layout: gl.constexpr, SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr, WG: gl.constexpr,
+                      TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr, QUANT: gl.constexpr):
+    """The KV loop of an FP8 tile (n_total >= 1 KV tiles) with the intra-warpgroup overlap; returns
+    (acc, m_i, m_run, l_i, cnt, t). Iteration i: the softmax of S_i, then QK^T of tile i+1 and the PV of tile i
+    issued in one pingpong turn, both waited for before the next softmax.
+
+    The 16-bit loop instead issues QK_{i+1} with PV_i at the top of iteration i+1, so P_i crosses the iteration, and
+    triton 3.6 holds a loop-carried e4m3 tensor one byte per 32-bit register, repacked before every wgmma (D=128:
+    174 PRMT + 64 LOP3 per KV tile and 48 registers more). Its softmax does not run under its own PV either: ptxas
+    hoists that PV's wait above the softmax (docs/design/hopper_mods.md), which this loop writes out. Rotating the
+    16-bit loop so that PV_i stays in flight across the iteration makes ptxas serialize every wgmma (C7514)."""
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
+    BLOCK_N: gl.constexpr = TILE.BLOCK_N
+    NUM_STAGES: gl.constexpr = TILE.NUM_STAGES
+    V_STAGES: gl.constexpr = TILE.V_STAGES
+    # ---- prologue: S_0 ----
+    st = cnt % NUM_STAGES
+    start = _kv_start(0, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE)
+    tile_scales = _fp8_tile_scales(start, fp8_rows, QUANT)
+    k_t, _k = _ring_operands(k_smem, k_smem, st, BLOCK_N, TILE.QK_LO, 0, True)
+    mbarrier.wait(k_ready.index(st), (cnt // NUM_STAGES) & 1)
+    t = _pingpong_wait(turn, t, WG)
+    s_tok = _qk_mma(q_op, q_op, k_t, k_t, s_zero, False)
+    _pingpong_signal(turn, WG)
+    s_acc = _qk_done(s_tok, q_op, q_op, k_t, k_t, False)
+    mbarrier.arrive(k_empty.index(st), count=1)
+    if n_total == 1:   # the tile's only QK^T retired: the producer may load the next tile's Q half
+        mbarrier.arrive(q_empty.index(WG), count=1)
+    # ---- steady state: softmax S_i; issue QK_{i+1} and PV_i ----
+    for i in range(n_total - 1):
+        p, m_i, m_run, l_i, alpha = _softmax_step(
+            s_acc, start, i < n_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit, col_bias, N, score_bufs,
+            mask_bufs, m_i, m_run, l_i, qk_scale, tile_scales, s_layout, p_layout, o_layout, gl.float8e4nv, SCORE_MOD,
+            MASK_MOD, TILE, FLAGS, QUANT)
+        acc = _fp8_o_before_pv(acc, alpha, QUANT)
+        vst = cnt % V_STAGES
+        v_cur, _v = _v_operands(v_smem, v_smem, vst, BLOCK_N, TILE.V_LO, 0, QUANT)
+        nxt = cnt + 1
+        st = nxt % NUM_STAGES
+        start = _kv_start(i + 1, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE)
+        tile_scales = _fp8_tile_scales(start, fp8_rows, QUANT)
+        k_t, _k = _ring_operands(k_smem, k_smem, st, BLOCK_N, TILE.QK_LO, 0, True)
+        mbarrier.wait(k_ready.index(st), (nxt // NUM_STAGES) & 1)
+        mbarrier.wait(v_ready.index(vst), (cnt // V_STAGES) & 1)
+        t = _pingpong_wait(turn, t, WG)
+        s_tok = _qk_mma(q_op, q_op, k_t, k_t, s_zero, False)
+        pv_tok, _th, _ph = _pv_issue(p, v_cur, v_cur, acc, 0.0, o_zero, False, QUANT)
+        _pingpong_signal(turn, WG)
+        s_acc, pv, _kw, _vw = warpgroup_mma_wait(0, deps=[s_tok, pv_tok, k_t, v_cur])
+        mbarrier.arrive(k_empty.index(st), count=1)
+        mbarrier.arrive(v_empty.index(vst), count=1)
+        if i == n_total - 2:   # the tile's last QK^T retired: release the Q half (as above)
+            mbarrier.arrive(q_empty.index(WG), count=1)
+        acc = _fp8_o_after_pv(acc, pv, alpha, QUANT)
+        cnt = nxt
+    # ---- the last KV tile: its softmax and its PV ----
+    p, m_i, m_run, l_i, alpha = _softmax_step(
+        s_acc, start, n_total - 1 < n_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit, col_bias, N, score_bufs,
+        mask_bufs, m_i, m_run, l_i, qk_scale, tile_scales, s_layout, p_layout, o_layout, gl.float8e4nv, SCORE_MOD,
+        MASK_MOD, TILE, FLAGS, QUANT)
+    acc = _fp8_o_before_pv(acc, alpha, QUANT)
+    vst = cnt % V_STAGES
+    v_cur, _v = _v_operands(v_smem, v_smem, vst, BLOCK_N, TILE.V_LO, 0, QUANT)
+    mbarrier.wait(v_ready.index(vst), (cnt // V_STAGES) & 1)
+    t = _pingpong_wait(turn, t, WG)
+    pv_tok, _th, _ph = _pv_issue(p, v_cur, v_cur, acc, 0.0, o_zero, False, QUANT)
+    _pingpong_signal(turn, WG)
+    pv, _v = _pv_done(pv_tok, 0.0, p, p, v_cur, v_cur, False, True)
+    acc = _fp8_o_after_pv(acc, pv, alpha, QUANT)
+    mbarrier.arrive(v_empty.index(vst), count=1)
+    return acc, m_i, m_run, l_i, cnt + 1, t
+
+
+@gluon.jit
 def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs,
               SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, SCHED: gl.constexpr,
               SPARSE: gl.constexpr, FLAGS: gl.constexpr, QUANT: gl.constexpr):
@@ -894,7 +1015,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
     q_smem, k_smem, v_smem, o_smem, q_smem_hi, k_smem_hi, v_smem_hi = smem
     num_tiles, num_m_tiles, HQ, GQA, M, N = sizes
-    lse_ptr, max_ptr = outs
+    lse_ptr, max_ptr, sink_bufs = outs
     # qk_scale: score tile -> log2 units, folded into the exp2 argument: sm_scale·log2e for raw q.k,
     # the mod's OUT_SCALE·log2e after a score_mod (the host picks; see _prepare).
     sm_scale, qk_scale, fixed_base, qk_unit = scale_args
@@ -997,7 +1118,14 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
 
         mbarrier.wait(q_ready.index(WG), t_local & 1)
 
-        if SCHED.OVERLAP:
+        if SCHED.OVERLAP and QUANT.ON:
+            if n_total > 0:
+                acc, m_i, m_run, l_i, cnt, t = _fp8_overlap_loop(
+                    q_op, k_smem, v_smem, bars, n_partial, n_total, b, h, mt, sp_ptrs, sp_meta, q_idx, q_idx_c, row0,
+                    sm_scale, qk_unit, col_bias, N, score_bufs, mask_bufs, m_i, m_run, l_i, acc, qk_scale, fp8_rows,
+                    s_zero, o_zero, cnt, t, s_layout, p_layout, o_layout, SCORE_MOD, MASK_MOD, WG, TILE, SPARSE, FLAGS,
+                    QUANT)
+        elif SCHED.OVERLAP:
             if n_total > 0:
                 # ---- prologue: S_0 and its softmax ----
                 st = cnt % NUM_STAGES
@@ -1049,10 +1177,9 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
                         s_acc, start, i < n_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit, col_bias, N,
                         score_bufs, mask_bufs, m_i, m_run, l_i, qk_scale, tile_scales, s_layout, p_layout, o_layout,
                         dtype, SCORE_MOD, MASK_MOD, TILE, FLAGS, QUANT)
-                    acc = _o_rescale_early(acc, alpha, FIXED_BASE, QUANT)
-                    pv, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_prev, v_prev_hi, SPLIT_O, QUANT.ON)
+                    pv, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_prev, v_prev_hi, SPLIT_O)
                     mbarrier.arrive(v_empty.index(prev_vst), count=1)
-                    acc = _o_update(acc, pv, alpha, FIXED_BASE, QUANT)
+                    acc = _rescale_o(pv, alpha, FIXED_BASE)
                     acc_hi = _rescale_o_hi(acc_hi, alpha, FIXED_BASE, SPLIT_O)
                     p = p_new
                     prev_vst = cnt % V_STAGES
@@ -1064,7 +1191,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
                 t = _pingpong_wait(turn, t, WG)
                 o_tok, o_tok_hi, p_hi = _pv_issue(p, v_prev, v_prev_hi, acc, acc_hi, o_zero, SPLIT_O, QUANT)
                 _pingpong_signal(turn, WG)
-                pv, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_prev, v_prev_hi, SPLIT_O, QUANT.ON)
+                pv, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_prev, v_prev_hi, SPLIT_O)
                 acc = _o_add(acc, pv, QUANT)
                 mbarrier.arrive(v_empty.index(prev_vst), count=1)
         else:
@@ -1117,7 +1244,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
             vs_max = fp8_rows[3]
             acc = acc * (vs_max * (1.0 / 256.0))
         _epilogue(acc, acc_hi, m_o, r_o, l_o, qk_scale, o_half, q_half_hi, o_desc, o_desc_hi, lse_ptr, max_ptr,
-                  b, h, row0, HQ, M, o_layout, HALF_M, o_dtype, O_STAGE, SPLIT_O)
+                  sink_bufs, b, h, row0, HQ, M, o_layout, HALF_M, o_dtype, O_STAGE, SPLIT_O, FLAGS.HAS_SINKS)
         if not O_STAGE:
             mbarrier.arrive(q_empty.index(WG), count=1)
         t_local += 1
@@ -1170,6 +1297,7 @@ def fa3_fwd_sm90_kernel(
     lse_ptr, max_ptr,
     score_bufs, mask_bufs,
     quant_bufs,     # QUANT.ON: (QS, KS, VS, VS_MAX) scale pointers; () for 16-bit inputs (no kernel parameter)
+    sink_bufs,      # FLAGS.HAS_SINKS: (SINKS,); () without sinks (no kernel parameter)
     kvnb_ptr, kvidx_ptr, fnb_ptr, fidx_ptr,
     BM, HM, nb_sb, nb_sh, idx_sb, idx_sh, idx_sm, fnb_sb, fnb_sh, fidx_sb, fidx_sh, fidx_sm,
     sm_scale, qk_scale, fixed_base, qk_unit, num_tiles, num_m_tiles, HQ, GQA, M, N,
@@ -1239,7 +1367,7 @@ def fa3_fwd_sm90_kernel(
     sizes = (num_tiles, num_m_tiles, HQ, GQA, M, N)
     sp_ptrs = (kvnb_ptr, kvidx_ptr, fnb_ptr, fidx_ptr)
     sp_meta = (BM, HM, nb_sb, nb_sh, idx_sb, idx_sh, idx_sm, fnb_sb, fnb_sh, fidx_sb, fidx_sh, fidx_sm)
-    outs = (lse_ptr, max_ptr)
+    outs = (lse_ptr, max_ptr, sink_bufs)
     scale_args = (sm_scale, qk_scale, fixed_base, qk_unit)
     mod_bufs = (score_bufs, mask_bufs)
     # every role gets the same arguments (the producer's entry drops what it does not read)
@@ -1354,12 +1482,12 @@ def _longest_row(kv_num_blocks, full_kv_num_blocks):
 
 def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs, mask_bufs,
              kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, sparse_q_block, sparse_kv_block,
-             config, num_sms, max_needed=True, persistent=None, even_n=None, fp8=None):
+             config, num_sms, max_needed=True, persistent=None, even_n=None, fp8=None, sinks=None):
     """Build (args, kwargs, grid) for fa3_fwd_sm90_kernel; shared by the launcher and compile-only tests.
     `persistent` / `even_n` override the schedule and EVEN_N (siblings compiled ahead: never launched so)."""
     return _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs, mask_bufs,
                  kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, sparse_q_block, sparse_kv_block,
-                 config, num_sms, max_needed, fp8).launch(persistent, even_n)
+                 config, num_sms, max_needed, fp8, sinks).launch(persistent, even_n)
 
 
 @dataclass
@@ -1391,11 +1519,28 @@ class _Site:
         return self.args, kwargs, grid
 
 
+def _sink_bufs(sinks, q, Hq, fp8) -> tuple:
+    """The kernel's sink_bufs: (SINKS,) as a contiguous float32 [Hq] vector (itself if it is one: the launch cache
+    keys on it), or () without sinks (no kernel parameter)."""
+    if sinks is None:
+        return ()
+    if fp8 is not None:
+        raise ValueError("sm90 forward: FP8 operands with sinks; the FP8 kernels do not add sinks (serve the site "
+                         "in bf16 / fp16)")
+    if sinks.shape != (Hq,) or not sinks.is_floating_point():
+        raise ValueError(f"sm90 forward: sinks must be a floating-point tensor of shape ({Hq},), one logit per query "
+                         f"head; got {sinks.dtype} {tuple(sinks.shape)}")
+    if sinks.device != q.device:
+        raise ValueError(f"sm90 forward: sinks are on {sinks.device}, q on {q.device}; move them to q's device")
+    return (sinks.to(torch.float32).contiguous(),)
+
+
 def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs, mask_bufs,
           kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, sparse_q_block, sparse_kv_block,
-          config, num_sms, max_needed=True, fp8=None) -> _Site:
+          config, num_sms, max_needed=True, fp8=None, sinks=None) -> _Site:
     """The site behind _prepare: descriptors, block-mask tables, scales and the constexpr bundles.
-    `fp8`: the FP8 prologue's FP8Operands (q, k, v are then its q, k and vt; `out` is bf16 / fp16)."""
+    `fp8`: the FP8 prologue's FP8Operands (q, k, v are then its q, k and vt; `out` is bf16 / fp16).
+    `sinks`: [Hq] per-head logits joining each row's denominator (module docstring, SINKS), or None."""
     if score_mod is None and sm_scale < 0:
         # The no-mod path keeps raw q.k scores and folds the scale into exp2 / the row max, which is
         # only valid for a positive scale: route negative scales through the (exact) score_mod path.
@@ -1476,7 +1621,7 @@ def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bu
                      DENSE_MASK=mask_mod is not None and not has_sparse,
                      MASK_AND=mask_mod is not None and mask_and_of(mask_mod),
                      EVEN_N=N % BLOCK_N == 0, KV_AFFINE=bool(kv_affine), FIXED_BASE=fixed_base is not None,
-                     EXP2_EMU=bool(exp2_emu))
+                     EXP2_EMU=bool(exp2_emu), HAS_SINKS=sinks is not None)
 
     num_m_tiles = triton.cdiv(M, BLOCK_M)
     num_tiles = B * Hq * num_m_tiles
@@ -1499,8 +1644,9 @@ def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bu
         quant = Quant(ON=True, Q_BLOCK=fp8.recipe.block_m, KV_BLOCK=fp8.recipe.block_n,
                       TWO_LEVEL=fp8.recipe.two_level > 0, QK_INT8=q.dtype == torch.int8)
         quant_bufs = (fp8.q_scale, fp8.k_scale, fp8.v_scale, fp8.v_scale_max)
+    sink_bufs = _sink_bufs(sinks, q, Hq, fp8)
     args = (q_desc, k_desc, v_desc, o_desc, *hi_descs, lse, max_scores, tuple(score_bufs), tuple(mask_bufs),
-            quant_bufs, *sp_ptrs, *sp_meta, float(sm_scale), to_log2, float(fixed_base or 0.0), qk_unit, num_tiles,
+            quant_bufs, sink_bufs, *sp_ptrs, *sp_meta, float(sm_scale), to_log2, float(fixed_base or 0.0), qk_unit, num_tiles,
             num_m_tiles, Hq, Hq // Hkv, M, N)
     return _Site(args, score_mod, mask_mod, tile, sparse, flags, quant, cfg, schedules, num_tiles, num_sms, persistent)
 
@@ -1547,11 +1693,11 @@ def launch_fwd_sm90(q, k, v, out, lse, max_scores, *, sm_scale: float,
                     score_mod=None, mask_mod=None, score_bufs: tuple = (), mask_bufs: tuple = (),
                     kv_num_blocks=None, kv_indices=None, full_kv_num_blocks=None, full_kv_indices=None,
                     sparse_q_block: int = 128, sparse_kv_block: int = 128, config=None,
-                    max_needed: bool = True) -> None:
+                    max_needed: bool = True, sinks=None) -> None:
     """Run the sm90 forward kernel, writing out ([B, Hq, M, Dv]: q's shape with v's head dim), lse and
     max_scores (fp32 [B, Hq, M], contiguous, log2 units) in place. See the module docstring for the conventions. With
     max_needed=False a bounded score_mod may skip the row max: max_scores is then NaN (-inf for rows
-    with no key)."""
+    with no key). `sinks`: a [Hq] tensor of attention sinks (module docstring, SINKS), or None."""
     B, Hq, M, D = q.shape
     assert out.shape == (B, Hq, M, v.shape[-1]) and out.dtype == q.dtype
     assert lse.shape == (B, Hq, M) and lse.dtype == torch.float32 and lse.is_contiguous()
@@ -1561,7 +1707,7 @@ def launch_fwd_sm90(q, k, v, out, lse, max_scores, *, sm_scale: float,
         score_bufs=score_bufs, mask_bufs=mask_bufs, kv_num_blocks=kv_num_blocks, kv_indices=kv_indices,
         full_kv_num_blocks=full_kv_num_blocks, full_kv_indices=full_kv_indices,
         sparse_q_block=sparse_q_block, sparse_kv_block=sparse_kv_block, config=config,
-        max_needed=max_needed)
+        max_needed=max_needed, sinks=sinks)
     kernel[grid](*args, **kwargs)
 
 
@@ -1569,14 +1715,14 @@ def prepare_fwd_sm90(q, k, v, out, lse, max_scores, *, sm_scale: float,
                      score_mod=None, mask_mod=None, score_bufs: tuple = (), mask_bufs: tuple = (),
                      kv_num_blocks=None, kv_indices=None, full_kv_num_blocks=None, full_kv_indices=None,
                      sparse_q_block: int = 128, sparse_kv_block: int = 128, config=None,
-                     max_needed: bool = True):
+                     max_needed: bool = True, sinks=None):
     """(kernel, args, kwargs, grid) of the launch launch_fwd_sm90 makes, for callers that cache launches
     (runtime/fast_launch.py). Same arguments as launch_fwd_sm90."""
     cfg = config or get_config(q.shape[-1], q.dtype, value_head_dim=v.shape[-1])
     num_sms = _num_sms(q.device) if cfg.persistent is not False else 0
     args, kwargs, grid = _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs,
                                   mask_bufs, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-                                  sparse_q_block, sparse_kv_block, config, num_sms, max_needed)
+                                  sparse_q_block, sparse_kv_block, config, num_sms, max_needed, sinks=sinks)
     return fa3_fwd_sm90_kernel, args, kwargs, grid
 
 
@@ -1625,7 +1771,8 @@ def _site_of_options(q, k, v, out, lse, max_scores, options, num_sms) -> _Site:
         q, k, v, out, lse, max_scores, o.pop("sm_scale"), o.pop("score_mod", None), o.pop("mask_mod", None),
         o.pop("score_bufs", ()), o.pop("mask_bufs", ()), o.pop("kv_num_blocks", None), o.pop("kv_indices", None),
         o.pop("full_kv_num_blocks", None), o.pop("full_kv_indices", None), o.pop("sparse_q_block", 128),
-        o.pop("sparse_kv_block", 128), o.pop("config", None), num_sms, o.pop("max_needed", True), o.pop("fp8", None))
+        o.pop("sparse_kv_block", 128), o.pop("config", None), num_sms, o.pop("max_needed", True), o.pop("fp8", None),
+        o.pop("sinks", None))
     if o:
         raise TypeError(f"prepare_fwd_sm90_variants: unexpected options {sorted(o)}")
     return site
@@ -1635,16 +1782,17 @@ def compile_sm90(q, k, v, out, lse, max_scores, *, sm_scale: float, score_mod=No
                  score_bufs: tuple = (), mask_bufs: tuple = (), kv_num_blocks=None, kv_indices=None,
                  full_kv_num_blocks=None, full_kv_indices=None, sparse_q_block: int = 128,
                  sparse_kv_block: int = 128, config=None, target=None, max_needed: bool = True, persistent=None,
-                 fp8=None):
+                 fp8=None, sinks=None):
     """Compile (not run) exactly what launch_fwd_sm90 would launch, for `target` (default sm90).
 
     Works on a CPU-only machine with CPU tensors: the arguments are specialised the same way the
     JIT specialises them, then handed to triton.compile. Returns the CompiledKernel (asm['ptx'],
     asm['cubin'], ...). `persistent` overrides the schedule; `fp8` the FP8 prologue's operands (q, k, v
-    are then its q, k, vt: prepare_fwd_sm90_variants)."""
+    are then its q, k, vt: prepare_fwd_sm90_variants); `sinks` a [Hq] tensor of attention sinks."""
     from ..aot import compile_launch
 
     args, kwargs, _ = _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs,
                                mask_bufs, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-                               sparse_q_block, sparse_kv_block, config, 132, max_needed, persistent, fp8=fp8)
+                               sparse_q_block, sparse_kv_block, config, 132, max_needed, persistent, fp8=fp8,
+                               sinks=sinks)
     return compile_launch(fa3_fwd_sm90_kernel, args, kwargs, target)

@@ -2,24 +2,29 @@
 bundle on, one entry per head dim (Q, K and V share it: the prologue serves D = Dv here).
 
 Budget (why these tiles): an e4m3 tile is half the bytes of a bf16 one, so shared memory allows deeper rings,
-but registers do not grow: each consumer warpgroup holds, per thread, S of the next KV tile (HALF_M x BLOCK_N
-fp32: BLOCK_N / 2 registers), O (Dv / 2), and with two-level accumulation (FP8Recipe.two_level, the default)
-the fresh PV accumulator of the tile in flight (Dv / 2 more), plus P in e4m3 (BLOCK_N / 8). With 240 registers
-a consumer (setmaxnreg, as the bf16 table):
+but registers do not grow. Each consumer warpgroup holds, per thread, S of a KV tile (HALF_M x BLOCK_N fp32:
+BLOCK_N / 2 registers), O (Dv / 2), with two-level accumulation (FP8Recipe.two_level, the default) the fresh PV
+accumulator of the tile in flight (Dv / 2 more), and P in e4m3 (BLOCK_N / 8). With 240 registers a consumer
+(setmaxnreg, as the bf16 table). The intra-warpgroup overlap (fwd_sm90._fp8_overlap_loop: QK^T of tile i+1 issued
+with the PV of tile i, both retired before the next softmax) keeps S of the next tile, the PV accumulator and P
+live at the issue, not during the softmax: S + O + PV + P, the same peak as without it.
   D=64   BLOCK_N 128: S 64 + O 32 + PV 32 + P 16 = 144. Ring: K and V stages of 8 KB each; 4 stages:
-         Q 8 + K/V 64 + O staging 16 = 88 KB.
-  D=128  BLOCK_N 128: S 64 + O 64 + PV 64 + P 16 = 208, 224 with the intra-warpgroup overlap's second P: that
-         spills under masks and the persistent schedule, so this entry runs without the overlap. Ring: 16 KB
-         per K or V stage; 3 stages: Q 16 + K/V 96 + O 32 = 144 KB. (BLOCK_N 256 would need 128 + 64 + 64 for S,
-         O and PV alone; a BLOCK_N that is not a power of two (176) is no Gluon tensor shape.)
+         Q 8 + K/V 64 + O staging 16 = 88 KB. Overlap: every variant spill-free.
+  D=128  BLOCK_N 128: S 64 + O 64 + PV 64 + P 16 = 208. Overlap: noop and softcap spill-free in every schedule;
+         block masks, ragged lengths under masks and ALiBi spill a few kernel-wide scalars outside the KV loop
+         (<= 48 bytes of stack, no LDL / STL inside it; tests/test_hopper_fp8.py). Ring: 16 KB per K or V stage;
+         3 stages: Q 16 + K/V 96 + O 32 = 144 KB. (BLOCK_N 256 would need 128 + 64 + 64 for S, O and PV alone;
+         a BLOCK_N that is not a power of two (176) is no Gluon tensor shape.)
   D=256  O alone is 128 registers and a fresh PV accumulator another 128: two-level accumulation does not fit
          a 64-row warpgroup at D=256 (see UNSERVED_TWO_LEVEL). Without it (FP8Recipe(two_level=0)) the bf16
-         entry's shape: BLOCK_N 64 (S 32, P 8), 2 stages: Q 32 + K/V 2 x (16 + 16) + O 64 = 160 KB.
+         entry's shape: BLOCK_N 64 (S 32, P 8), 2 stages: Q 32 + K/V 2 x (16 + 16) + O 64 = 160 KB. No overlap:
+         with it the ragged-length launches spill (16 bytes), without it none does.
 The kernel's tiles must lie inside one K / V scale block (FP8Recipe.block_n, default 128): BLOCK_N <= 128.
 Schedule: D=64 and 128 leave it to use_persistent per launch (as the bf16 table); D=256 runs one CTA per tile
 (the persistent schedule spills there): short sequences lose what persistence hid in bf16.
-Chosen from sm90 compiles on the CPU (triton 3.6; tests/test_hopper_fp8.py checks every entry: e4m3 wgmma for
-both GEMMs, setmaxnreg kept, no spills); no GPU timing yet.
+Chosen from sm90 compiles on the CPU (triton 3.6; tests/test_hopper_fp8.py checks every entry: s8 or e4m3 wgmma for
+QK^T and e4m3 for PV, not serialized, setmaxnreg kept, no spills, none inside a KV loop under mods); the D=128 overlap
+not yet timed (docs/design/hopper_fp8.md).
 """
 
 from __future__ import annotations
@@ -28,14 +33,13 @@ from ..hopper.configs import Sm90Config
 
 _TABLE: dict[int, Sm90Config] = {
     64: Sm90Config(block_m=128, block_n=128, num_stages=4),
-    # overlap=False: with the intra-warpgroup overlap, S of the next tile + O + the PV accumulator + two P tiles
-    # (224 registers) leave too little for the rest: the plain launch fit, but the persistent schedule (16 / 74
-    # spill instructions, EVEN_N or not), a causal block mask with softcap (199) and a gathering mask_mod (279)
-    # spilled. Without it all of them compile spill-free, persistent included; the pingpong between the two
-    # warpgroups still hides one's softmax under the other's GEMMs. Not yet timed against the overlap.
-    128: Sm90Config(block_m=128, block_n=128, num_stages=3, overlap=False),
-    # persistent=False: the persistent schedule spills without EVEN_N (17 spill instructions)
-    256: Sm90Config(block_m=128, block_n=64, num_stages=2, persistent=False),
+    # overlap (the default) since the FP8 loop stopped carrying P across iterations (fwd_sm90._fp8_overlap_loop):
+    # before, P was held one byte per register (238 repacking instructions per KV tile) and spilled; the entry ran
+    # without the overlap. Not yet timed against overlap=False (docs/design/hopper_fp8.md, "A/B").
+    128: Sm90Config(block_m=128, block_n=128, num_stages=3),
+    # persistent=False: the persistent schedule spills without EVEN_N (17 spill instructions); overlap=False: with
+    # it the ragged launches spill too (9 instructions, 16 bytes)
+    256: Sm90Config(block_m=128, block_n=64, num_stages=2, persistent=False, overlap=False),
 }
 
 # Head dims whose table entry cannot hold a second O-sized accumulator (two-level PV accumulation).
@@ -92,7 +96,7 @@ def describe(head_dim: int) -> str:
     Example::
 
         >>> describe(128)
-        'tiles 128x128, 3 K/V stages, pingpong, no overlap, e4m3 wgmma'
+        'tiles 128x128, 3 K/V stages, pingpong, overlap, e4m3 wgmma'
     """
     cfg = get_fp8_config(head_dim)
     return (f"tiles {cfg.block_m}x{cfg.block_n}, {cfg.num_stages} K/V stages, pingpong, "

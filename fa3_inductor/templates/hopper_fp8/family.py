@@ -39,6 +39,8 @@ class HopperFP8Family:
             return NOT_MEANT_HERE
         if site.capability is None or site.capability[0] != 9:
             return NOT_MEANT_HERE
+        if site.sinks:   # the lowering applies them after an FP8 kernel (sink_combine), never in it
+            return "Hopper FP8 template: the FP8 kernels do not add attention sinks"
         if site.head_dim != site.value_head_dim or site.head_dim not in SUPPORTED_HEAD_DIMS:
             dims = (f"head dim {site.head_dim}" if site.value_head_dim == site.head_dim else
                     f"q/k head dim {site.head_dim} with v head dim {site.value_head_dim}")

@@ -65,9 +65,10 @@ def index_tensors(b0: int, H: int, M: int, N: int, device: torch.device
 
 def dense_forward(q: Tensor, k: Tensor, v: Tensor, tables: tuple, score_bufs: list, mask_bufs: list,
                   scale: float, sparse_q_block: int, sparse_kv_block: int, score_source: Optional[str],
-                  mask_source: Optional[str]) -> tuple[Tensor, Tensor, Tensor]:
+                  mask_source: Optional[str], sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(out, lse_log2, max_log2) of one site computed densely with torch ops and the site's
     torch-dialect mods, a batch entry and a slice of heads at a time (scores in float32).
+    ``sinks``: [H] per-head logits that join each row's denominator (out and lse include them).
 
     A correctness path for sites our kernels failed to build, not a fast one: torch's own
     FlexAttention cannot be called from inside the op (it re-enters Dynamo / vmap under the
@@ -104,8 +105,13 @@ def dense_forward(q: Tensor, k: Tensor, v: Tensor, tables: tuple, score_bufs: li
                 p = torch.exp(s - torch.where(live, m, 0.0))
                 total = p.sum(-1, keepdim=True)
                 o = (p / torch.where(live, total, 1.0))[0] @ vb[kv_heads].float()
+                row_lse = torch.where(live, m + total.log(), float("-inf"))[0, ..., 0]
+                if sinks is not None:
+                    with_sink = torch.logaddexp(row_lse, sinks[hs].float().view(-1, 1))
+                    o = o * torch.exp(row_lse - with_sink).nan_to_num(0.0).unsqueeze(-1)
+                    row_lse = with_sink
                 out[b0, hs] = o.to(out.dtype)
-                lse[b0, hs] = torch.where(live, m + total.log(), float("-inf"))[0, ..., 0] / math.log(2.0)
+                lse[b0, hs] = row_lse / math.log(2.0)
                 row_max[b0, hs] = m[0, ..., 0] / math.log(2.0)
     return out, lse, row_max
 

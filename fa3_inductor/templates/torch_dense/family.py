@@ -41,7 +41,8 @@ class TorchFamily:
             q, k, v = (t.to(call.out.dtype) for t in dequantize(call.fp8))
         out, lse, row_max = dense_forward(q, k, v, call.tables, list(call.score_bufs),
                                           list(call.mask_bufs), call.scale, call.sparse_q_block,
-                                          call.sparse_kv_block, call.score_source, call.mask_source)
+                                          call.sparse_kv_block, call.score_source, call.mask_source,
+                                          call.sinks)
         call.out.copy_(out)
         call.lse.copy_(lse)
         call.max_scores.copy_(row_max)

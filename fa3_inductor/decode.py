@@ -1,0 +1,285 @@
+"""``fa3_inductor.flex_decode``: attention of a few new tokens against a KV cache, contiguous or
+paged (the serving layout), with per-sequence lengths that live on the device.
+
+Short queries (GQA group x new tokens <= 128 packed rows) run the split-KV decode kernels
+(templates/decode/); longer ones (a prefill chunk reading the cache) gather the pages into a
+contiguous cache and run ``fa3_inductor.flex`` with the lengths and positions folded into the mods.
+The host never reads a length: a step can be captured in a CUDA graph and replayed while
+``seq_lens`` changes in place (tests/test_decode_gpu.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import Tensor
+
+from ._log import warn_once
+from .runtime.fast_launch import tensor_signature
+from .runtime.ops import record_template
+from .templates.decode.host import prepare_decode
+from .templates.decode.launch_cache import launch_decode
+from .templates.decode.shape import MAX_ROWS
+from .templates.modgen import UnsupportedMod
+from .varlen import generated_mod
+
+_LN2 = math.log(2.0)
+_BF16_INTERPRETER = torch.bfloat16   # Triton 3.6's interpreter computes bf16 dots wrongly
+
+
+def _fail(what: str, fix: str) -> ValueError:
+    return ValueError(f"flex_decode: {what}; {fix}")
+
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check(q: Any, k: Any, v: Any, seq_lens: Any, block_table: Any, q_offset: Any,
+           num_splits: Any, scratch: Any, mods_: tuple) -> int:
+    """Check flex_decode's arguments (shapes, dtypes, devices, the table, the lengths) with
+    messages that say what is wrong and what to pass; returns HKV."""
+    for name, t in (("q", q), ("k_cache", k), ("v_cache", v), ("seq_lens", seq_lens)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"flex_decode: {name} must be a torch.Tensor, got {type(t).__name__}")
+    paged = block_table is not None
+    layout = ("[num_pages, page_size, HKV, D] pages (a block_table was given)" if paged
+              else "[B, HKV, N, D] (no block_table)")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise _fail(f"q {tuple(q.shape)}, k_cache {tuple(k.shape)}, v_cache {tuple(v.shape)} must "
+                    "be 4-D", "pass q as [B, HQ, M_new, D] and the caches as [num_pages, page_size, "
+                    "HKV, D] with a block_table, or [B, HKV, N, D] without")
+    devices = {t.device for t in (q, k, v, seq_lens)}
+    if len(devices) > 1:
+        raise _fail(f"q on {q.device}, k_cache on {k.device}, v_cache on {v.device}, seq_lens on "
+                    f"{seq_lens.device}", "put q, the caches and seq_lens on one device")
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise _fail(f"q, k_cache, v_cache are {q.dtype}, {k.dtype}, {v.dtype}",
+                    "pass all three in one of float16, bfloat16 (float32: the slow path)")
+    B, HQ, _, D = q.shape
+    if paged:
+        hkv, kv_dims, v_dims = k.shape[2], tuple(k.shape[:3]), tuple(v.shape[:3])
+    else:
+        hkv, kv_dims, v_dims = k.shape[1], tuple(k.shape[:3]), tuple(v.shape[:3])
+        if k.shape[0] != B:
+            raise _fail(f"k_cache {tuple(k.shape)} is read as {layout} but its batch is not q's "
+                        f"({B})", "pass a block_table for pages, or one cache row per sequence")
+    if kv_dims != v_dims:
+        raise _fail(f"k_cache {tuple(k.shape)} and v_cache {tuple(v.shape)} differ outside the head "
+                    f"dim (both are read as {layout})", "pass caches of one layout and size")
+    if k.shape[3] != D:
+        raise _fail(f"q's head dim {D} differs from k_cache's {k.shape[3]} ({layout})",
+                    "pass q and k_cache with the same head dim")
+    if hkv < 1 or HQ % hkv:
+        raise _fail(f"q's {HQ} query heads are not a multiple of the {hkv} kv heads of k_cache "
+                    f"{tuple(k.shape)} read as {layout}",
+                    "pass the caches in that layout (HKV dividing HQ)")
+    for name, t in (("q", q), ("k_cache", k), ("v_cache", v)):
+        if t.stride(-1) != 1:
+            raise _fail(f"{name}'s last dim is not contiguous (strides {t.stride()})",
+                        f"pass {name}.contiguous(), or a view whose last stride is 1")
+    if paged:
+        if not isinstance(block_table, Tensor):
+            raise TypeError("flex_decode: block_table must be a torch.Tensor ([B, max_pages] int32) "
+                            f"or None, got {type(block_table).__name__}")
+        if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != B \
+                or block_table.device != q.device or block_table.stride(-1) != 1:
+            raise _fail(f"block_table must be a [B={B}, max_pages] int32 tensor on {q.device} with "
+                        f"unit last stride, got {block_table.dtype} {tuple(block_table.shape)} strides "
+                        f"{block_table.stride()} on {block_table.device}",
+                        "pass block_table.to(device=q.device, dtype=torch.int32).contiguous(); row b "
+                        "lists the pages of sequence b in order")
+    for name, t in (("seq_lens", seq_lens), ("q_offset", q_offset)):
+        if t is None:
+            continue
+        if not isinstance(t, Tensor):
+            raise TypeError(f"flex_decode: {name} must be a [B] int32 tensor on q's device, got "
+                            f"{type(t).__name__}; for one value for every sequence pass "
+                            f"torch.full((B,), value, dtype=torch.int32, device=q.device)")
+        if t.dtype != torch.int32 or tuple(t.shape) != (B,) or t.device != q.device or t.stride(0) != 1:
+            raise _fail(f"{name} must be a contiguous [B={B}] int32 tensor on {q.device}, got "
+                        f"{t.dtype} {tuple(t.shape)} on {t.device}",
+                        f"pass {name}.to(device=q.device, dtype=torch.int32).contiguous()")
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or num_splits < 1):
+        raise _fail(f"num_splits={num_splits!r}", "pass a positive int, or None to let the planner choose")
+    if scratch is not None and (not isinstance(scratch, (tuple, list)) or len(scratch) != 2 or not all(
+            isinstance(t, Tensor) and t.dtype == torch.float32 and t.device == q.device for t in scratch)):
+        raise _fail("scratch must be the (O_PART, LSE_PART) float32 pair of "
+                    "templates.decode.decode_scratch", "allocate it with decode_scratch(q, HKV, Dv, "
+                    "num_splits) and pass the same num_splits")
+    for name, fn in zip(("score_mod", "mask_mod"), mods_):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"flex_decode: {name} must be callable, got {type(fn).__name__}")
+    return hkv
+
+
+def _contiguous_view(q: Tensor, k: Tensor, v: Tensor, block_table: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """The cache as [B, HKV, capacity, D]: a gather of the pages (a copy) or the cache itself."""
+    if block_table is None:
+        return k, v
+    B = q.shape[0]
+
+    def gather(pages: Tensor) -> Tensor:
+        P, page, H, D = pages.shape
+        rows = pages[block_table.long().clamp(0, P - 1)]   # [B, max_pages, page, H, D]
+        return rows.reshape(B, -1, H, D).transpose(1, 2)
+
+    return gather(k), gather(v)
+
+
+def _flex_mods(score_mod: Optional[Callable], mask_mod: Optional[Callable], seq_lens: Tensor,
+               first: Tensor) -> tuple[Optional[Callable], Callable]:
+    """FlexAttention mods over the gathered cache: query rows at their absolute positions
+    (``first[b] + q_idx``), keys at or past ``seq_lens[b]`` hidden."""
+    def score(s, b, h, q_idx, kv_idx):
+        return score_mod(s, b, h, q_idx + first[b], kv_idx)
+
+    def mask(b, h, q_idx, kv_idx):
+        keep = kv_idx < seq_lens[b]
+        if mask_mod is not None:
+            keep = keep & mask_mod(b, h, q_idx + first[b], kv_idx)
+        return keep
+
+    return (score if score_mod is not None else None), mask
+
+
+def _runs_kernel(q: Tensor) -> bool:
+    if q.is_cuda:
+        return True
+    from triton import knobs
+
+    return q.device.type == "cpu" and bool(knobs.runtime.interpret)
+
+
+def flex_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, seq_lens: Tensor,
+                block_table: Optional[Tensor] = None, q_offset: Optional[Tensor] = None,
+                score_mod: Optional[Callable] = None, mask_mod: Optional[Callable] = None,
+                scale: Optional[float] = None, return_lse: bool = False,
+                num_splits: Optional[int] = None,
+                scratch: Optional[tuple[Tensor, Tensor]] = None) -> Union[Tensor, tuple[Tensor, Tensor]]:
+    """Attention of ``q`` [B, HQ, M_new, D] (the new tokens, already appended to the cache) against
+    a KV cache whose batch ``b`` holds ``seq_lens[b]`` keys.
+
+    The cache: ``k_cache`` / ``v_cache`` as pages [num_pages, page_size, HKV, D] (any strides with
+    the last one 1; any page size) with ``block_table`` [B, max_pages] int32 (entry ``j`` of row
+    ``b`` is the page holding keys ``j*page_size ..``; entries past a sequence's length are never
+    read), or contiguous [B, HKV, N, D] without one. ``seq_lens`` [B] int32 on the device: the
+    kernels read it, nothing on the host does, so a CUDA graph replays with new lengths (a length
+    past the capacity, N or max_pages * page_size, counts as the capacity; a negative one as 0).
+    HQ a multiple of HKV (GQA, packed: K/V read once per group).
+
+    Mods are FlexAttention's, ``score_mod(score, b, h, q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx,
+    kv_idx)``, with ``q_idx`` the token's absolute position in its sequence: ``q_offset[b] + i``
+    ([B] int32), by default ``seq_lens[b] - M_new + i``. Without a mask every cached key is
+    visible (pass ``mods.causal`` for causal speculative tokens). Default ``scale`` D ** -0.5.
+    Returns the output [B, HQ, M_new, Dv] in q's dtype, plus the natural-log LSE [B, HQ, M_new]
+    float32 if ``return_lse`` (-inf, output 0, for rows that see no key).
+
+    Where it runs: GQA group x M_new <= 128 on CUDA (or the CPU under TRITON_INTERPRET=1) runs the
+    split-KV decode kernels (``num_splits`` None: chosen to fill the GPU; ``scratch`` from
+    ``templates.decode.decode_scratch`` to own every buffer a graph touches). Longer queries
+    (prefill against a paged cache) gather the pages into a contiguous copy and run
+    ``fa3_inductor.flex``; so does the CPU without the interpreter (torch's flex_attention).
+
+    Example::
+
+        >>> import torch
+        >>> from fa3_inductor import flex_decode, mods
+        >>> pages = torch.randn(8, 16, 2, 64)             # 8 pages of 16 keys, 2 kv heads
+        >>> table = torch.tensor([[3, 0, 5], [1, 7, 2]], dtype=torch.int32)
+        >>> lens = torch.tensor([40, 17], dtype=torch.int32)
+        >>> q = torch.randn(2, 8, 1, 64)                   # one new token, 8 query heads
+        >>> flex_decode(q, pages, pages, seq_lens=lens, block_table=table).shape
+        torch.Size([2, 8, 1, 64])
+    """
+    hkv = _check(q, k_cache, v_cache, seq_lens, block_table, q_offset, num_splits, scratch,
+                 (score_mod, mask_mod))
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"flex_decode: scale must be a number, got {type(scale).__name__}")
+    scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
+        raise NotImplementedError("flex_decode is inference-only: call it under torch.no_grad() / "
+                                  "torch.inference_mode(), or train through fa3_inductor.flex")
+    rows = q.shape[1] // hkv * q.shape[2]
+    if rows <= MAX_ROWS and _runs_kernel(q):
+        try:
+            score_fn, score_bufs, score_src = generated_mod(score_mod, "score")
+            mask_fn, mask_bufs, mask_src = generated_mod(mask_mod, "mask")
+        except UnsupportedMod as exc:
+            warn_once(f"flex_decode: a mod cannot be generated for the kernel ({exc}); gathering "
+                      "the cache for flex (slow)")
+        else:
+            out, lse = _kernel(q, k_cache, v_cache, seq_lens, block_table, q_offset, scale,
+                               (score_fn, score_bufs, score_src), (mask_fn, mask_bufs, mask_src),
+                               num_splits, scratch)
+            return (out, lse.mul_(_LN2)) if return_lse else out
+    return _gathered(q, k_cache, v_cache, seq_lens, block_table, q_offset, score_mod, mask_mod,
+                     scale, return_lse)
+
+
+def paged_attention_layout(paged: Any, k_cache: Tensor, v_cache: Tensor,
+                           batch_idx: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """torch's experimental ``PagedAttention`` state as :func:`flex_decode`'s arguments, no copy
+    of the cache: ``(k_pages, v_pages, block_table)`` with the pages [n_pages, page_size, H, D]
+    views of its [1, H, n_pages * page_size, D] caches and the table its ``page_table`` rows
+    (``batch_idx``, default all) as int32 (unassigned entries, -1, lie past each sequence's
+    length, where the kernels read no page).
+
+    Example::
+
+        >>> from torch.nn.attention.experimental._paged_attention import PagedAttention
+        >>> paged = PagedAttention(n_pages=8, page_size=16, max_batch_size=2, device="cpu")
+        >>> k_cache = v_cache = torch.zeros(1, 2, 8 * 16, 64)
+        >>> k_pages, v_pages, table = paged_attention_layout(paged, k_cache, v_cache)
+        >>> k_pages.shape, table.dtype
+        (torch.Size([8, 16, 2, 64]), torch.int32)
+    """
+    def pages(cache: Tensor) -> Tensor:
+        if cache.dim() != 4 or cache.shape[0] != 1 or cache.shape[2] != paged.n_pages * paged.page_size:
+            raise _fail(f"a PagedAttention cache is [1, H, n_pages * page_size = "
+                        f"{paged.n_pages * paged.page_size}, D], got {tuple(cache.shape)}",
+                        "pass the k_cache / v_cache the PagedAttention assigns into")
+        H, _, D = cache.shape[1:]
+        return cache[0].view(H, paged.n_pages, paged.page_size, D).permute(1, 2, 0, 3)
+
+    table = paged.page_table if batch_idx is None else paged.page_table[batch_idx]
+    return pages(k_cache), pages(v_cache), table.to(torch.int32)
+
+
+def _kernel(q, k, v, seq_lens, block_table, q_offset, scale, score, mask, num_splits, scratch):
+    """(out, lse in log2 units) from the decode kernels."""
+    B, HQ, M_new, _ = q.shape
+    out = q.new_empty(B, HQ, M_new, v.shape[-1])
+    lse = torch.empty(B, HQ, M_new, dtype=torch.float32, device=q.device)
+    options = dict(sm_scale=scale, score_mod=score[0], mask_mod=mask[0], score_bufs=score[1],
+                   mask_bufs=mask[1], seq_lens=seq_lens, q_offset=q_offset, block_table=block_table,
+                   num_splits=num_splits)
+    record_template("decode")
+    if not q.is_cuda:   # the interpreter: bf16 on float32 copies
+        run = (q, k, v, out)
+        if q.dtype == _BF16_INTERPRETER:
+            run = (q.float(), k.float(), v.float(), out.float())
+        for kernel, args, kwargs, grid in prepare_decode(*run, lse, scratch=scratch, **options):
+            kernel[grid](*args, **kwargs)
+        if run[3] is not out:
+            out.copy_(run[3])
+        return out, lse
+    inputs = (q, k, v, out, lse, seq_lens, q_offset, block_table, *score[1], *mask[1])
+    key = ("flex_decode", score[2], mask[2], scale, num_splits, torch.get_float32_matmul_precision(),
+           tensor_signature(inputs))
+    launch_decode(key, inputs, lambda: prepare_decode(q, k, v, out, lse, scratch=scratch, **options),
+                  "decode", scratch)
+    return out, lse
+
+
+def _gathered(q, k, v, seq_lens, block_table, q_offset, score_mod, mask_mod, scale, return_lse):
+    """flex over a contiguous copy of the cache, lengths and positions in the mods."""
+    from .api import flex
+
+    kc, vc = _contiguous_view(q, k, v, block_table)
+    first = q_offset if q_offset is not None else seq_lens - q.shape[2]
+    score, mask = _flex_mods(score_mod, mask_mod, seq_lens, first)
+    return flex(q, kc, vc, score_mod=score, mask_mod=mask, scale=scale,
+                enable_gqa=q.shape[1] != kc.shape[1], return_lse=return_lse)

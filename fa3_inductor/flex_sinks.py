@@ -1,0 +1,62 @@
+"""``flex(..., sinks=)`` off the direct path: flex_attention's op followed by the exact sink correction.
+
+Under torch.compile (flex()'s own compiled call, or the user's) the op is called directly, so its
+log2 LSE feeds ``fa3_inductor::sink_combine`` with nothing in between: the shape our lowering folds
+into the kernel's epilogue (lowering/sinks_fusion.py), and whose gradient reaches the sinks
+(runtime/sinks.py). Run eagerly (torch's own kernel: CPU tensors without the interpreter), torch's
+front door computes (out, LSE) and the same correction follows.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import Tensor
+
+from . import _compat
+from .runtime import sinks as _sinks   # noqa: F401  (defines fa3_inductor::sink_combine)
+
+_LN2 = math.log(2.0)
+
+
+def flex_with_sinks(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable], block_mask: Any,
+                    scale: Optional[float], enable_gqa: bool, sinks: Tensor, return_lse: bool
+                    ) -> Union[Tensor, tuple[Tensor, Tensor]]:
+    """Attention whose softmax denominator includes ``sinks[h]`` for query head h: the output, and
+    the natural-log LSE (sink included) if ``return_lse``. Inputs are validated by flex().
+
+    Example::
+
+        >>> q = torch.randn(1, 4, 8, 16)
+        >>> flex_with_sinks(q, q, q, None, None, None, False, torch.zeros(4), False).shape
+        torch.Size([1, 4, 8, 16])
+    """
+    if torch.compiler.is_compiling():
+        out, lse2 = _flex_op(q, k, v, score_mod, block_mask, scale)
+        out, lse2 = torch.ops.fa3_inductor.sink_combine(out, lse2, sinks)
+        return (out, lse2 * _LN2) if return_lse else out
+    out, lse = _compat.flex_attention_with_lse(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                               scale=scale, enable_gqa=enable_gqa)
+    out, lse = _sinks.combine_natural(out, lse, sinks)
+    return (out, lse) if return_lse else out
+
+
+def _flex_op(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable], block_mask,
+             scale: Optional[float]) -> tuple[Tensor, Tensor]:
+    """flex_attention's op called as torch's front door calls it: (out, LSE in log2 units)."""
+    from torch.nn.attention import flex_attention as fa
+
+    if score_mod is None:
+        score_mod = fa._identity
+    if block_mask is None:
+        block_mask = fa._create_empty_block_mask(q, k)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.size(-1))
+    for x in (q, k, v):   # head count and head dim specialize kernels, as torch marks them
+        torch._dynamo.mark_static(x, -3)
+        torch._dynamo.mark_static(x, -1)
+    results = torch.ops.higher_order.flex_attention(
+        q, k, v, score_mod, block_mask.as_tuple(), scale, _compat.flex_hop_kernel_options(q, k, v))
+    return results[0], results[1]

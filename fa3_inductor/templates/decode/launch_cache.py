@@ -1,0 +1,66 @@
+"""Re-launch a decode call's kernels (split, then combine) without planning it again.
+
+A decode step's kernel time is a few microseconds at short caches, so the host path matters:
+``prepare_decode`` checks every tensor and builds the kernels' arguments (tens of microseconds), and
+``JITFunction.run`` binds ~45 arguments per launch. For one launch signature all of that is fixed,
+so the first call records both launches with runtime/fast_launch.py (one entry each) and later calls
+substitute their tensors and call the compiled kernels directly. The split scratch is an input of
+the recording: a later call gets fresh scratch of the recorded shapes (or the caller's).
+
+Keys are the caller's: everything but the tensors' addresses (mods, scale, options) plus
+``tensor_signature`` of the inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Hashable, Optional, Sequence
+
+import torch
+
+from ...runtime.fast_launch import launch_cached, on_clear, recorded, relaunch
+
+_MAX_KEYS = 256
+# key -> (the fast_launch keys of the launches, the scratch shapes)
+_RECORDED: dict = {}
+on_clear(_RECORDED.clear)
+
+
+def launch_decode(key: Hashable, inputs: Sequence[Optional[torch.Tensor]], plan: Callable[[], list],
+                  tag: str, scratch: Optional[tuple] = None) -> None:
+    """Run the launches ``plan()`` returns (``prepare_decode``'s list) for ``inputs`` (every tensor
+    they read or write but the split scratch), recording them under ``key`` on CUDA; a later call
+    with the same key re-launches them. ``scratch``: the caller's (O_PART, LSE_PART), else fresh.
+
+    Example::
+
+        >>> launch_decode(("site", tensor_signature(inputs)), inputs,
+        ...               lambda: prepare_decode(q, k, v, out, lse, sm_scale=0.125), "decode")  # doctest: +SKIP
+    """
+    hit = _RECORDED.get(key)
+    if hit is not None:
+        entries = [recorded(k) for k in hit[0]]
+        if all(e is not None for e in entries):
+            if not hit[1]:
+                scratch = ()   # one split: no scratch
+            elif scratch is None:
+                device = inputs[0].device
+                scratch = tuple(torch.empty(s, dtype=torch.float32, device=device) for s in hit[1])
+            full = (*inputs, *scratch)
+            for entry in entries:
+                relaunch(entry, full)
+            return
+    launches = plan()
+    split_args = launches[0][1]
+    scratch = (split_args[5], split_args[6]) if len(launches) > 1 else ()   # O_PART, LSE_PART
+    full = (*inputs, *scratch)
+    if not inputs[0].is_cuda:
+        for kernel, args, kwargs, grid in launches:
+            kernel[grid](*args, **kwargs)
+        return
+    keys = []
+    for n, launch in enumerate(launches):
+        keys.append((key, n))
+        launch_cached(keys[-1], full, lambda launch=launch: (*launch, tag))
+    if len(_RECORDED) >= _MAX_KEYS:
+        _RECORDED.clear()
+    _RECORDED[key] = (tuple(keys), tuple(tuple(t.shape) for t in scratch))

@@ -1,0 +1,119 @@
+"""The decode family and flex_decode on a GPU (the lead runs these on an H100): the family chosen
+for short queries, paged equal to contiguous (any page size), 128 packed rows (8 warps), and
+CUDA-graph replays with the cache lengths (flex_decode) or the cache (flex) changed in place, no
+recapture. bf16; float64 references. About 30 s, most of it compiling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fa3_inductor
+from fa3_inductor import flex_decode, mods
+from reference import assert_matches_reference, reference_attention
+
+pytestmark = pytest.mark.gpu
+
+
+def _paged(k, v, page):
+    """k, v [B, H, N, D] (N a multiple of page) as shuffled pages among spare ones of noise."""
+    B, H, N, D = k.shape
+    per = N // page
+    order = torch.randperm(B * per + 7, device=k.device)[:B * per]
+    pools = []
+    for t in (k, v):
+        pool = torch.randn(B * per + 7, page, H, D, dtype=t.dtype, device=t.device)
+        pool[order] = t.view(B, H, per, page, D).permute(0, 2, 3, 1, 4).reshape(-1, page, H, D)
+        pools.append(pool)
+    return pools[0], pools[1], order.view(B, per).to(torch.int32)
+
+
+def _reference(q, k, v, lens):
+    """Every new token sees its batch's first lens[b] keys."""
+    outs = []
+    for b, L in enumerate(lens.tolist()):
+        outs.append(reference_attention(q[b:b + 1], k[b:b + 1, :, :L], v[b:b + 1, :, :L])[0])
+    return torch.cat(outs)
+
+
+def _randn(*shape):
+    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+
+
+def test_flex_short_query_runs_the_decode_family():
+    q, k, v = _randn(4, 32, 1, 128), _randn(4, 8, 4096, 128), _randn(4, 8, 4096, 128)
+    out = fa3_inductor.flex(q, k, v, enable_gqa=True)
+    assert fa3_inductor.last_template() == "decode"
+    assert_matches_reference(out, reference_attention(q, k, v)[0], torch.bfloat16)
+    window = mods.sliding_window(1000)   # q_idx 0 (flex's positions): key 0 only
+    out = fa3_inductor.flex(q, k, v, enable_gqa=True, mask_mod=window)
+    assert fa3_inductor.last_template() == "decode"
+    assert_matches_reference(out, reference_attention(q, k, v, mask_mod=window)[0], torch.bfloat16)
+
+
+@pytest.mark.parametrize("page", [64, 16, 24])
+def test_paged_equals_contiguous(page):
+    """Same tiles and split count for both layouts, so bit-equal; page 16 and 24: tiles of 64 keys
+    span several pages (24 does not divide a tile)."""
+    B, N = 3, 7680   # a multiple of 64, 16 and 24
+    q, k, v = _randn(B, 32, 2, 128), _randn(B, 8, N, 128), _randn(B, 8, N, 128)
+    kp, vp, table = _paged(k, v, page)
+    lens = torch.tensor([N, 5000, 17], dtype=torch.int32, device="cuda")
+    out_c = flex_decode(q, k, v, seq_lens=lens)
+    out_p = flex_decode(q, kp, vp, seq_lens=lens, block_table=table)
+    torch.testing.assert_close(out_p, out_c, atol=0, rtol=0)
+    assert_matches_reference(out_p, _reference(q, k, v, lens), torch.bfloat16)
+
+
+def test_128_packed_rows():
+    """GQA 32 x 4 speculative tokens = 128 rows in one program (8 warps), split, causal."""
+    q, k, v = _randn(2, 32, 4, 128), _randn(2, 1, 3000, 128), _randn(2, 1, 3000, 128)
+    lens = torch.tensor([3000, 1234], dtype=torch.int32, device="cuda")
+    out = flex_decode(q, k, v, seq_lens=lens, mask_mod=mods.causal)
+    for b, L in enumerate(lens.tolist()):
+        def causal_at_end(bb, h, q_idx, kv_idx, L=L):   # new tokens are the cache's last 4
+            return kv_idx <= q_idx + L - 4
+        ref, _ = reference_attention(q[b:b + 1], k[b:b + 1, :, :L], v[b:b + 1, :, :L],
+                                     mask_mod=causal_at_end)
+        assert_matches_reference(out[b:b + 1], ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+def test_cuda_graph_replays_with_changed_lengths(paged):
+    B, N = 2, 16384
+    q, k, v = _randn(B, 32, 1, 128), _randn(B, 8, N, 128), _randn(B, 8, N, 128)
+    cache = _paged(k, v, 256) if paged else (k, v, None)
+    lens = torch.tensor([100, 200], dtype=torch.int32, device="cuda")
+
+    def step():
+        return flex_decode(q, cache[0], cache[1], seq_lens=lens, block_table=cache[2])
+
+    for _ in range(2):   # warm-up: compile, plan, record the launches
+        step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for new in ([100, 200], [16384, 1], [7000, 12345]):
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches_reference(out, _reference(q, k, v, lens), torch.bfloat16)
+
+
+def test_flex_decode_step_in_a_cuda_graph():
+    """fa3_inductor.flex with a short query (the decode family) captured, then replayed after the
+    cache and the query change in place."""
+    q, k, v = _randn(4, 32, 1, 128), _randn(4, 8, 8192, 128), _randn(4, 8, 8192, 128)
+    for _ in range(2):
+        fa3_inductor.flex(q, k, v, enable_gqa=True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fa3_inductor.flex(q, k, v, enable_gqa=True)
+    for _ in range(2):
+        q.copy_(torch.randn_like(q))
+        k.copy_(torch.randn_like(k))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches_reference(out, reference_attention(q, k, v)[0], torch.bfloat16)
