@@ -1,20 +1,27 @@
-"""Serving kernels on a GPU (issue 20): split-KV decode, paged KV, varlen prefill, against torch.
+"""Serving attention on a GPU (issue 20): decode through the front doors users call, split-count
+sweeps, paged KV caches and varlen prefill, against torch, in one run.
 
-Three parts, chosen with --part (default: all three):
+Parts (--part, default all):
 
   decode  rows (batch, new tokens, cache length, HQ/HKV, D), bf16, no mask (every new token sees
-          the whole cache). Ours: templates/decode's launches prepared once (prepare_decode) and
-          replayed, so the launches are timed and not the planning; the host time of one whole
-          decode_attention call is reported beside it. Against: SDPA's fastest backend of cuDNN /
-          flash / efficient (GQA through enable_gqa, else K/V repeated outside the timed region),
-          torch's compiled FlexAttention (a query of new_tokens rows: torch picks flex_decoding),
-          and a device copy (torch copy_) of a K+V-sized buffer: the bandwidth reference.
-  paged   a subset of the decode rows with the cache in pages (page size 64 or 128) behind a
-          shuffled block table: ours paged against ours contiguous, timed in the same rounds.
-  varlen  a 16k-token pack of 6 documents of uneven (seeded) lengths, H16 D128 bf16, causal within
-          documents: ours flex_varlen; cuDNN SDPA called per document (the loop timed); our
-          document-mask path (fa3_inductor.flex on [1, H, 16k, D] with and_masks(document, causal),
-          block mask built once); torch's compiled FlexAttention on the same block mask.
+          the whole cache). Ours three ways, as users reach the registered decode family:
+          ``fa3_inductor.flex(q, k, v)`` with a short q ("fa3 flex"; the row records which family
+          ran), ``flex_decode(q, k, v, seq_lens=...)`` on the contiguous cache ("fa3 decode") and on
+          the same cache in pages of 64 behind a shuffled block table ("fa3 paged"); each call
+          timed whole (planning cache, launches), its host time reported apart. Against: SDPA's
+          fastest backend of cuDNN / flash / efficient (GQA through enable_gqa, else K/V repeated
+          outside the timed region), torch's compiled FlexAttention (a query of new_tokens rows:
+          torch picks flex_decoding), and a device copy (torch copy_) of a K+V-sized buffer, timed
+          in the same rounds as ours: the bandwidth reference.
+  splits  a few decode rows through flex_decode at every split count (num_splits=1, 2, 3, 4, 6, ...),
+          the chosen one ("auto") and the copy in the same rounds, plus two probes with every
+          length 0 (no key read: the fixed cost of the launches at the chosen count and at 1).
+  paged   page sizes (16, 64, 128, 256) against the contiguous cache, same rounds.
+  varlen  16k-token packs of documents of uneven (seeded) lengths, H16 D128 bf16, causal within
+          documents: ours flex_varlen; cuDNN and flash SDPA called per document (the loop timed);
+          our document-mask path (fa3_inductor.flex on [1, H, 16k, D] with and_masks(document,
+          causal), block mask built once); torch's compiled FlexAttention on the same block mask;
+          and (first pack) our varlen kernel with other tiles (templates/varlen/configs.py).
 
 Units. Decode "TB/s" is K+V bytes read once / time; copy TB/s counts read + write (2 x K+V bytes)
 / time, a copy's usual figure; "% copy" is ours over the copy's. Varlen TFLOP/s count only the
@@ -24,19 +31,21 @@ are X's time over ours (> 1: ours faster); "paged/contig" is paged time over con
 Timing: CUDA events around each call, warm-up first, the median of --reps; before every timed call
 a 256 MB scratch is zeroed (flushes the 50 MB L2: decode is bandwidth-bound and a warm L2 would
 flatter it), then the GPU sleeps ~0.2 ms so that the host has queued the call before the start
-event fires; neither is inside the events. Impls of one row that are compared directly (ours and
-the copy; ours paged and contiguous) are timed in the same interleaved rounds.
+event fires; neither is inside the events. Impls compared directly (ours, the copy) are timed in
+the same interleaved rounds.
 
 Before timing, ours is checked against a float64 reference on one small decode case (contiguous and
 paged) and one small pack; each timed row also records every impl's relative difference to ours.
 
-    python benchmarks/serving.py                        # default rows (budget 300 s; aimed at < 8 min on an H100)
+    python benchmarks/serving.py --quick --out DIR      # ~2 min on an H100 (budget 140 s all told)
+    python benchmarks/serving.py                        # default rows (budget 300 s)
     python benchmarks/serving.py --part decode --full   # every decode row (K+V <= 16 GiB)
     TRITON_INTERPRET=1 python benchmarks/serving.py --smoke --out /tmp/s   # CPU: the harness only
 
-Writes serving-<device>-<YYYY-MM-DD-HHMM>.{json,md} into --out and prints the tables last.
---budget-s: once a part's share of it has passed, that part adds no more rows (each part runs at
-least one); the rows left out are listed in the files.
+Writes serving-<device>-<YYYY-MM-DD-HHMM>.{json,md} into --out (after every row, so a run cut short
+keeps what it measured) and prints a short summary table last. --budget-s: once a part's share of
+it has passed (counted from the start of the process), that part adds no more rows (each part runs
+at least one); the rows left out are listed in the files.
 """
 
 from __future__ import annotations
@@ -54,20 +63,28 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+STARTED = time.time()
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))   # reference.py: the float64 reference
 
-PARTS = ("decode", "paged", "varlen")
-BUDGET_SHARE = {"decode": 0.7, "paged": 0.85, "varlen": 1.0}   # cumulative share of --budget-s
+PARTS = ("decode", "splits", "paged", "varlen")
+# cumulative share of --budget-s after which a part adds no more rows
+BUDGET_SHARE = {"decode": 0.58, "splits": 0.64, "paged": 0.70, "varlen": 1.0}
+QUICK_BUDGET_S = 140.0       # --quick: the whole run, startup included
 KV_CAP = 16 * 2 ** 30        # decode rows over this many K+V bytes are left out
-PAGED_KV_CAP = 4 * 2 ** 30   # paged rows hold the cache twice (contiguous and pages) plus a copy
+PAGED_KV_CAP = 4 * 2 ** 30   # rows whose paged copy is timed too (it holds the cache twice)
+DECODE_PAGE = 64             # the decode part's paged cache: pages of 64 keys
 FLUSH_BYTES = 256 * 2 ** 20  # > 64 MB: the H100's L2 is 50 MB
 COPY_REF_BYTES = 2 * 2 ** 30 # one large copy per run: the device's copy bandwidth, for reference
 SLEEP_CYCLES = 400_000       # ~0.2 ms at 2 GHz: the host's head start before each timed call
 SDPA_BACKENDS = ("cudnn", "flash", "efficient")
 AGREE_TOL = 2e-2             # bf16's tolerance (tests/reference.py): impls must agree with ours
+SPLIT_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+PAGE_SIZES = (16, 64, 128, 256)
 K = 1024
+# our decode front doors: (row key, table name)
+FRONT_DOORS = (("fa3_flex", "fa3 flex"), ("fa3_decode", "fa3 decode"), ("fa3_paged", "fa3 paged"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,15 +112,33 @@ class DecodeCase:
         return f"{self.batch}x{self.new}x{_cache(self.cache)} {self.hq}/{self.hkv} D{self.d}{paged}"
 
 
-def decode_cases(full: bool) -> list[DecodeCase]:
-    """Decode rows: the whole grid with --full, else a default set that fits the 8-minute run (the
-    two headline rows first, then one of each kind, then the rest of the GQA D128 one-token grid).
+def _d(b: int, n: int, c: int, hkv: int = 8, d: int = 128) -> DecodeCase:
+    return DecodeCase(b, n, c * K, 32, hkv, d)
+
+
+# --quick: batch 1-64 x cache 4k-128k over GQA 32/8 and MHA 32/32 at D128 and D64 (issue 20's grid,
+# one row per corner and the weak rows of the first GPU run), plus a speculative 4-token row.
+# Ordered so that a run cut short by the budget still covers every kind.
+QUICK_DECODE = [_d(8, 1, 8), _d(1, 1, 128), _d(8, 1, 8, d=64), _d(8, 1, 8, hkv=32), _d(64, 1, 4),
+                _d(1, 1, 8), _d(64, 1, 32, d=64), _d(1, 1, 128, hkv=32), _d(1, 1, 32), _d(8, 4, 8),
+                _d(32, 1, 4), _d(1, 1, 128, d=64), _d(64, 1, 4, hkv=32), _d(8, 1, 32, hkv=32, d=64),
+                _d(1, 1, 4), _d(64, 1, 8)]
+QUICK_SPLITS = [_d(1, 1, 8), _d(1, 1, 32), _d(8, 1, 8), _d(8, 1, 8, d=64), _d(64, 1, 4)]
+QUICK_PAGED = [_d(8, 1, 8)]
+
+
+def decode_cases(full: bool, quick: bool = False) -> list[DecodeCase]:
+    """Decode rows: --quick's set, the whole grid with --full, else a default set that fits the
+    5-minute run (the two headline rows first, then one of each kind, then the rest of the GQA
+    D128 one-token grid).
 
     Example::
 
         >>> decode_cases(False)[0]
         DecodeCase(batch=8, new=1, cache=8192, hq=32, hkv=8, d=128, page=0)
     """
+    if quick:
+        return list(QUICK_DECODE)
     if full:
         grid = [DecodeCase(b, n, c * K, 32, hkv, d) for hkv in (8, 32) for d in (128, 64)
                 for n in (1, 4) for b in (1, 8, 32, 64) for c in (4, 8, 32, 128)]
@@ -118,26 +153,41 @@ def decode_cases(full: bool) -> list[DecodeCase]:
     return first + [c for c in grid if c not in first and c.kv_bytes() <= KV_CAP]
 
 
-def paged_cases(full: bool) -> list[DecodeCase]:
-    """Paged rows: decode shapes with a page size (K+V at most PAGED_KV_CAP).
+def split_cases(full: bool, quick: bool = False) -> list[DecodeCase]:
+    """Rows of the split-count sweep (the small caches, where the split count matters most).
 
     Example::
 
-        >>> paged_cases(False)[0].page
-        64
+        >>> split_cases(False, quick=True)[0].label()
+        '1x1x8k 32/8 D128'
     """
+    if quick or not full:
+        return list(QUICK_SPLITS)
+    return list(QUICK_SPLITS) + [_d(1, 1, 4), _d(8, 1, 4), _d(32, 1, 4), _d(1, 1, 128), _d(1, 4, 32)]
+
+
+def paged_cases(full: bool, quick: bool = False) -> list[DecodeCase]:
+    """Rows of the page-size comparison (each timed at every size in PAGE_SIZES; K+V at most
+    PAGED_KV_CAP).
+
+    Example::
+
+        >>> paged_cases(False)[0].label()
+        '8x1x8k 32/8 D128'
+    """
+    cases = list(QUICK_PAGED)
+    if not quick:
+        cases.append(_d(8, 1, 32, d=64))
     if full:
-        cases = [dataclasses.replace(c, page=p) for c in decode_cases(True) for p in (64, 128)]
-    else:
-        cases = [DecodeCase(8, 1, 8 * K, 32, 8, 128, 64), DecodeCase(8, 1, 8 * K, 32, 8, 128, 128),
-                 DecodeCase(1, 1, 128 * K, 32, 8, 128, 64), DecodeCase(32, 1, 32 * K, 32, 8, 128, 128),
-                 DecodeCase(64, 1, 4 * K, 32, 8, 128, 64), DecodeCase(8, 4, 8 * K, 32, 8, 128, 64),
-                 DecodeCase(8, 1, 8 * K, 32, 32, 128, 128), DecodeCase(8, 1, 32 * K, 32, 8, 64, 64)]
+        cases += [_d(1, 1, 128), _d(64, 1, 4), _d(8, 4, 8), _d(8, 1, 8, hkv=32)]
     return [c for c in cases if c.kv_bytes() <= PAGED_KV_CAP]
 
 
 SMOKE_DECODE = [DecodeCase(2, 1, 64, 4, 2, 16), DecodeCase(1, 2, 128, 2, 1, 32)]   # the second splits
-SMOKE_PAGED = [DecodeCase(2, 1, 64, 4, 2, 16, 16), DecodeCase(1, 2, 64, 2, 2, 32, 32)]
+SMOKE_SPLITS = [DecodeCase(1, 1, 128, 4, 2, 16)]
+SMOKE_SPLIT_COUNTS = (1, 2, 4)
+SMOKE_PAGED = [DecodeCase(2, 1, 64, 4, 2, 16)]
+SMOKE_PAGE_SIZES = (8, 16, 32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,9 +198,24 @@ class VarlenCase:
     d: int
     seed: int = 0
 
+    def label(self) -> str:
+        return f"varlen {self.tokens}t/{self.docs} docs H{self.heads} D{self.d}"
 
-VARLEN = VarlenCase(16 * K, 6, 16, 128)
+
+VARLEN = VarlenCase(16 * K, 6, 16, 128)           # the issue's pack
+VARLEN_MANY = VarlenCase(16 * K, 24, 16, 128)     # a serving-like pack of shorter prompts
 SMOKE_VARLEN = VarlenCase(96, 6, 2, 16)
+
+
+def varlen_cases(full: bool, quick: bool = False) -> list[VarlenCase]:
+    """The packs: the issue's 16k pack of 6 documents first, then 24 shorter ones.
+
+    Example::
+
+        >>> [c.docs for c in varlen_cases(False)]
+        [6, 24]
+    """
+    return [VARLEN, VARLEN_MANY]
 
 
 def doc_lengths(case: VarlenCase) -> list[int]:
@@ -273,13 +338,6 @@ def _free_bytes(device: torch.device) -> int:
     return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
-def _replay(launches: list) -> Callable[[], None]:
-    def run() -> None:
-        for kernel, args, kwargs, grid in launches:
-            kernel[grid](*args, **kwargs)
-    return run
-
-
 # ------------------------------------------------------------------------------------ checks
 def check_decode(device: torch.device, dtype: torch.dtype) -> dict:
     """Ours (contiguous and paged, GQA, 4 new tokens, a partial last tile) against float64."""
@@ -336,14 +394,18 @@ def check_varlen(device: torch.device, dtype: torch.dtype) -> dict:
 
 # ------------------------------------------------------------------------------------ decode
 def _pages(k: torch.Tensor, v: torch.Tensor, page: int, spare: int = 4):
-    """The cache's pages scattered over a shuffled pool with spare pages: (k_pages, v_pages, table)."""
+    """The cache's pages scattered over a shuffled pool with spare pages: (k_pages, v_pages, table).
+    A page size that does not divide the cache leaves the last page of each batch part empty."""
     B, HKV, N, D = k.shape
-    per = N // page
+    per = -(-N // page)
     pool = B * per + spare
     order = torch.randperm(pool, device=k.device)[:B * per]
+    pad = per * page - N
 
     def scatter(t: torch.Tensor) -> torch.Tensor:
-        pages = t.new_empty(pool, page, HKV, t.shape[-1])
+        pages = t.new_zeros(pool, page, HKV, t.shape[-1])
+        if pad:
+            t = torch.cat([t, t.new_zeros(B, HKV, pad, t.shape[-1])], dim=2)
         pages[order] = t.view(B, HKV, per, page, -1).permute(0, 2, 3, 1, 4).reshape(B * per, page, HKV, -1)
         return pages
 
@@ -391,7 +453,7 @@ def _sdpa_decode(row: dict, q, k, v, clock: Clock, ours_out: torch.Tensor) -> No
         row.update(sdpa_best=best, sdpa_ms=row[f"sdpa_{best}_ms"], sdpa_gqa=row[f"sdpa_{best}_gqa"])
 
 
-def _flex_decode(row: dict, q, k, v, clock: Clock, flex_fn, ours_out: torch.Tensor) -> None:
+def _torch_flex_decode(row: dict, q, k, v, clock: Clock, flex_fn, ours_out: torch.Tensor) -> None:
     from torch.nn.attention.flex_attention import create_block_mask, noop_mask
 
     try:
@@ -399,24 +461,33 @@ def _flex_decode(row: dict, q, k, v, clock: Clock, flex_fn, ours_out: torch.Tens
         gqa = q.shape[1] != k.shape[1]
         t = time.perf_counter()
         out = flex_fn(q, k, v, block_mask=bm, enable_gqa=gqa)
-        row["flex_first_call_s"] = time.perf_counter() - t   # the compile, on a GPU
-        row["flex_diff"] = _rel(out, ours_out)
-        row["flex_ms"] = clock.ms(lambda: flex_fn(q, k, v, block_mask=bm, enable_gqa=gqa))
+        row["torch_flex_first_call_s"] = time.perf_counter() - t   # the compile, on a GPU
+        row["torch_flex_diff"] = _rel(out, ours_out)
+        row["torch_flex_ms"] = clock.ms(lambda: flex_fn(q, k, v, block_mask=bm, enable_gqa=gqa))
     except Exception as exc:   # a compile failure is a result to report, not a reason to stop
-        row.setdefault("errors", {})["flex"] = _error(exc)
+        row.setdefault("errors", {})["torch_flex"] = _error(exc)
 
 
 def _ratios(row: dict, bytes_read: int) -> None:
-    if "ours_ms" in row:
-        row["ours_tbps"] = bytes_read / row["ours_ms"] / 1e9
-        for other in ("sdpa", "flex"):
-            if f"{other}_ms" in row:
-                row[f"vs_{other}"] = row[f"{other}_ms"] / row["ours_ms"]
-                row[f"{other}_tbps"] = bytes_read / row[f"{other}_ms"] / 1e9
-    if "copy_ms" in row:
-        row["copy_tbps"] = 2 * bytes_read / row["copy_ms"] / 1e9
-        if "ours_tbps" in row:
-            row["pct_copy"] = 100 * row["ours_tbps"] / row["copy_tbps"]
+    """TB/s and % of the copy of every front door timed, and fa3 flex / fa3 decode against SDPA and
+    torch's flex (X's time over ours)."""
+    copy_tbps = 2 * bytes_read / row["copy_ms"] / 1e9 if "copy_ms" in row else None
+    if copy_tbps is not None:
+        row["copy_tbps"] = copy_tbps
+    for key, _ in FRONT_DOORS:
+        if f"{key}_ms" not in row:
+            continue
+        row[f"{key}_tbps"] = bytes_read / row[f"{key}_ms"] / 1e9
+        if copy_tbps is not None:
+            row[f"{key}_pct_copy"] = 100 * row[f"{key}_tbps"] / copy_tbps
+        for other in ("sdpa", "torch_flex"):
+            if f"{other}_ms" in row and key != "fa3_paged":
+                row[f"{key}_vs_{other}"] = row[f"{other}_ms"] / row[f"{key}_ms"]
+    for other in ("sdpa", "torch_flex"):
+        if f"{other}_ms" in row:
+            row[f"{other}_tbps"] = bytes_read / row[f"{other}_ms"] / 1e9
+    if "fa3_paged_ms" in row and "fa3_decode_ms" in row:
+        row["paged_over_contig"] = row["fa3_paged_ms"] / row["fa3_decode_ms"]
 
 
 def _case_row(part: str, c: DecodeCase, itemsize: int = 2) -> dict:
@@ -427,83 +498,157 @@ def _case_row(part: str, c: DecodeCase, itemsize: int = 2) -> dict:
     return row
 
 
-def _ours_decode(c: DecodeCase, q, k, v, lens) -> tuple[Callable, torch.Tensor, int]:
-    """(replay of the prepared launches, their output buffer, split count)."""
-    from fa3_inductor.templates.decode import decode_scratch, prepare_decode
-
-    out = q.new_empty(q.shape)
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    launches = prepare_decode(q, k, v, out, lse, sm_scale=c.d ** -0.5, seq_lens=lens)
-    splits = launches[0][3][0]
-    if splits > 1:   # scratch allocated once, as a server (or a CUDA graph) would
-        launches = prepare_decode(q, k, v, out, lse, sm_scale=c.d ** -0.5, seq_lens=lens,
-                                  num_splits=splits, scratch=decode_scratch(q, c.hkv, c.d, splits))
-    return _replay(launches), out, splits
-
-
-def decode_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: Clock, flex_fn) -> dict:
-    """One decode row: ours and the copy in the same rounds, then SDPA's backends and flex."""
-    from fa3_inductor.templates.decode import decode_attention
-
-    row = _case_row("decode", c, dtype.itemsize)
+def _decode_inputs(c: DecodeCase, device: torch.device, dtype: torch.dtype):
     q = torch.randn(c.batch, c.hq, c.new, c.d, device=device, dtype=dtype)
     k, v = (torch.randn(c.batch, c.hkv, c.cache, c.d, device=device, dtype=dtype) for _ in range(2))
     lens = torch.full((c.batch,), c.cache, dtype=torch.int32, device=device)
+    return q, k, v, lens
+
+
+def _planned_splits(q, k, v, lens, **options) -> int:
+    """The split count flex_decode's plan picks for this call (host-side planning only)."""
+    from fa3_inductor.templates.decode import prepare_decode
+
+    run_q, run_k, run_v = (q, k, v) if q.is_cuda or q.dtype != torch.bfloat16 else (q.float(), k.float(), v.float())
+    out = run_q.new_empty(q.shape[:3] + (v.shape[-1],))
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    return prepare_decode(run_q, run_k, run_v, out, lse, sm_scale=q.shape[-1] ** -0.5, seq_lens=lens,
+                          **options)[0][3][0]
+
+
+def decode_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: Clock, flex_fn) -> dict:
+    """One decode row: our front doors and the copy in the same rounds, then SDPA's backends and
+    torch's flex."""
+    import fa3_inductor
+    from fa3_inductor import flex_decode
+
+    row = _case_row("decode", c, dtype.itemsize)
+    q, k, v, lens = _decode_inputs(c, device, dtype)
+    gqa = c.hq != c.hkv
+    impls = {"fa3_flex": lambda: fa3_inductor.flex(q, k, v, enable_gqa=gqa),
+             "fa3_decode": lambda: flex_decode(q, k, v, seq_lens=lens)}
+    if c.kv_bytes(dtype.itemsize) <= PAGED_KV_CAP and c.cache % DECODE_PAGE == 0:
+        kp, vp, table = _pages(k, v, DECODE_PAGE)
+        impls["fa3_paged"] = lambda: flex_decode(q, kp, vp, seq_lens=lens, block_table=table)
+        row["page"] = DECODE_PAGE
+    fns, outs = {}, {}
+    for name, fn in impls.items():
+        try:
+            outs[name] = fn()
+            if name == "fa3_flex":
+                row["fa3_flex_family"] = fa3_inductor.last_template()
+            fns[name] = fn
+        except Exception as exc:   # reported in the row; the others are still timed
+            row.setdefault("errors", {})[name] = _error(exc)
+    ref = outs.get("fa3_flex", outs.get("fa3_decode"))
+    for name, out in outs.items():
+        if out is not ref:
+            row[f"{name}_diff"] = _rel(out, ref)
+    try:
+        row["splits"] = _planned_splits(q, k, v, lens)
+    except Exception as exc:
+        row.setdefault("errors", {})["splits"] = _error(exc)
     src = torch.empty(c.kv_bytes(dtype.itemsize), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    fns = {"copy": lambda: dst.copy_(src)}
-    ours = out = None
-    try:
-        ours, out, row["splits"] = _ours_decode(c, q, k, v, lens)
-        ours()
-        fns["ours"] = ours
-    except Exception as exc:   # reported in the row; the others are still timed
-        row.setdefault("errors", {})["ours"] = _error(exc)
-        ours = None
-    timed = clock.times(fns)
+    timed = clock.times({**fns, "copy": lambda: dst.copy_(src)})
     row.update({f"{name}_ms": ms for name, ms in timed.items()})
-    src = dst = fns = None
-    if ours is not None:
-        row["host_us"] = clock.host_us(lambda: decode_attention(q, k, v, seq_lens=lens))
-        row["launch_host_us"] = clock.host_us(ours)
-        ours()   # out holds ours again for the comparisons below
-    else:
-        out = torch.zeros_like(q)
-    _sdpa_decode(row, q, k, v, clock, out)
-    _flex_decode(row, q, k, v, clock, flex_fn, out)
+    src = dst = None
+    for name, fn in fns.items():
+        row[f"{name}_host_us"] = clock.host_us(fn)
+    if ref is None:
+        ref = torch.zeros_like(q)
+    _sdpa_decode(row, q, k, v, clock, ref)
+    _torch_flex_decode(row, q, k, v, clock, flex_fn, ref)
     _ratios(row, c.kv_bytes(dtype.itemsize))
     return row
 
 
-def paged_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: Clock) -> dict:
-    """One paged row: ours paged and ours contiguous (and the copy) in the same rounds."""
-    from fa3_inductor.templates.decode import prepare_decode
+def splits_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: Clock, counts=SPLIT_COUNTS) -> dict:
+    """flex_decode at every split count that gives each split a tile or more, the chosen count
+    ("auto") and the copy in the same rounds; then the fixed cost: every length 0 at the chosen
+    count and at 1 split (the launches and the combine, no key read)."""
+    from fa3_inductor import flex_decode
+    from fa3_inductor.templates.decode.configs import decode_config
 
-    row = _case_row("paged", c, dtype.itemsize)
-    q = torch.randn(c.batch, c.hq, c.new, c.d, device=device, dtype=dtype)
-    k, v = (torch.randn(c.batch, c.hkv, c.cache, c.d, device=device, dtype=dtype) for _ in range(2))
-    k_pages, v_pages, table = _pages(k, v, c.page)
-    lens = torch.full((c.batch,), c.cache, dtype=torch.int32, device=device)
-    outs = {name: q.new_empty(q.shape) for name in ("contig", "paged")}
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=device)
-    contig = prepare_decode(q, k, v, outs["contig"], lse, sm_scale=c.d ** -0.5, seq_lens=lens)
-    paged = prepare_decode(q, k_pages, v_pages, outs["paged"], lse.clone(), sm_scale=c.d ** -0.5,
-                           seq_lens=lens, block_table=table, page_size=c.page)
-    row.update(splits_contig=contig[0][3][0], splits_paged=paged[0][3][0])
+    row = _case_row("splits", c, dtype.itemsize)
+    q, k, v, lens = _decode_inputs(c, device, dtype)
+    empty = torch.zeros_like(lens)
+    row["splits"] = auto = _planned_splits(q, k, v, lens)
+    cap = device.type == "cuda" and torch.cuda.get_device_capability(device)
+    block_n = decode_config(c.d, cap or None).block_n
+    counts = sorted({s for s in counts if s * block_n <= c.cache} | {auto})
+    fns = {f"S{s}": (lambda s=s: flex_decode(q, k, v, seq_lens=lens, num_splits=s)) for s in counts}
+    fns["empty_auto"] = lambda: flex_decode(q, k, v, seq_lens=empty)
+    fns["empty_S1"] = lambda: flex_decode(q, k, v, seq_lens=empty, num_splits=1)
+    ref = fns[f"S{auto}"]()
+    worst = 0.0
+    for s in counts:
+        worst = max(worst, _rel(fns[f"S{s}"](), ref))
+    row["splits_diff"] = worst
     src = torch.empty(c.kv_bytes(dtype.itemsize), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    timed = clock.times({"contig": _replay(contig), "paged": _replay(paged), "copy": lambda: dst.copy_(src)})
-    row.update(contig_ms=timed["contig"], paged_ms=timed["paged"], copy_ms=timed["copy"],
-               paged_over_contig=timed["paged"] / timed["contig"],
-               paged_diff=_rel(outs["paged"], outs["contig"]))
-    row["ours_ms"] = row["paged_ms"]
-    _ratios(row, c.kv_bytes(dtype.itemsize))
+    timed = clock.times({**fns, "copy": lambda: dst.copy_(src)})
+    row["by_splits_ms"] = {s: timed[f"S{s}"] for s in counts}
+    best = min(counts, key=lambda s: timed[f"S{s}"])
+    row.update(auto_ms=timed[f"S{auto}"], best_splits=best, best_ms=timed[f"S{best}"],
+               auto_over_best=timed[f"S{auto}"] / timed[f"S{best}"], copy_ms=timed["copy"],
+               empty_auto_ms=timed["empty_auto"], empty_S1_ms=timed["empty_S1"])
+    row["copy_tbps"] = 2 * c.kv_bytes(dtype.itemsize) / row["copy_ms"] / 1e9
+    for key in ("auto", "best"):
+        row[f"{key}_pct_copy"] = 100 * (c.kv_bytes(dtype.itemsize) / row[f"{key}_ms"] / 1e9) / row["copy_tbps"]
+    return row
+
+
+def paged_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: Clock,
+              page_sizes=PAGE_SIZES) -> dict:
+    """flex_decode on the contiguous cache and on pages of each size (shuffled tables), same rounds."""
+    from fa3_inductor import flex_decode
+
+    row = _case_row("paged", c, dtype.itemsize)
+    q, k, v, lens = _decode_inputs(c, device, dtype)
+    fns = {"contig": lambda: flex_decode(q, k, v, seq_lens=lens)}
+    for page in page_sizes:
+        kp, vp, table = _pages(k, v, page)
+        fns[f"page{page}"] = (lambda kp=kp, vp=vp, table=table:
+                              flex_decode(q, kp, vp, seq_lens=lens, block_table=table))
+    ref = fns["contig"]()
+    row["paged_diff"] = max(_rel(fns[f"page{p}"](), ref) for p in page_sizes)
+    timed = clock.times(fns)
+    row["contig_ms"] = timed["contig"]
+    row["by_page_ms"] = {p: timed[f"page{p}"] for p in page_sizes}
+    row["by_page_over_contig"] = {p: timed[f"page{p}"] / timed["contig"] for p in page_sizes}
+    row["paged_over_contig"] = max(row["by_page_over_contig"].values())
     return row
 
 
 # ------------------------------------------------------------------------------------ varlen
-def varlen_row(c: VarlenCase, device: torch.device, dtype: torch.dtype, clock: Clock, flex_fn) -> dict:
-    """The pack through flex_varlen, per-document SDPA, our document-mask path and torch flex."""
+VARLEN_TILES = ((128, 128, 8, 2), (128, 128, 8, 3))   # block_m, block_n, warps, stages (D128)
+SMOKE_VARLEN_TILES = ((16, 16, 4, 1),)
+
+
+def _varlen_tiles(q, k, v, cu, longest, tiles) -> Callable:
+    """Our varlen kernel (causal) with the tiles ``tiles`` instead of configs.py's."""
+    from fa3_inductor import mods
+    from fa3_inductor.templates.varlen.configs import VarlenConfig
+    from fa3_inductor.templates.varlen.host import is_causal_mask_source, launch_varlen
+    from fa3_inductor.varlen import generated_mod
+
+    mask_fn, mask_bufs, source = generated_mod(mods.causal, "mask")
+    out = q.new_empty(q.shape)
+    lse = torch.empty(q.shape[1], q.shape[0], device=q.device, dtype=torch.float32)
+
+    def run() -> torch.Tensor:
+        launch_varlen(q, k, v, out, lse, cu, cu, longest, sm_scale=q.shape[-1] ** -0.5,
+                      mask_mod=mask_fn, causal=is_causal_mask_source(source), mask_bufs=mask_bufs,
+                      config=VarlenConfig(*tiles))
+        return out
+    return run
+
+
+def varlen_row(c: VarlenCase, device: torch.device, dtype: torch.dtype, clock: Clock, flex_fn,
+               tiles: tuple = ()) -> dict:
+    """The pack through flex_varlen (and ``tiles`` variants), per-document SDPA, our document-mask
+    path and torch flex."""
     from torch.nn.attention import sdpa_kernel
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -538,11 +683,13 @@ def varlen_row(c: VarlenCase, device: torch.device, dtype: torch.dtype, clock: C
         "docmask": lambda: fa3_inductor.flex(q4, k4, v4, block_mask=bm),
         "flex": lambda: flex_fn(q4, k4, v4, block_mask=bm),
     }
+    for t in tiles:
+        impls["ours_" + "x".join(map(str, t))] = _varlen_tiles(q, k, v, cu, longest, t)
     ref = impls["ours"]().transpose(0, 1).unsqueeze(0)
     for name, fn in impls.items():
         try:
             out = fn()
-            if name == "ours":   # packed [T, H, D] -> [1, H, T, D], the layout of the others
+            if name.startswith("ours"):   # packed [T, H, D] -> [1, H, T, D], the layout of the others
                 out = out.transpose(0, 1).unsqueeze(0)
             elif isinstance(out, list):
                 out = torch.cat(out, dim=2)
@@ -554,15 +701,16 @@ def varlen_row(c: VarlenCase, device: torch.device, dtype: torch.dtype, clock: C
             row[f"{name}_tflops"] = flops / row[f"{name}_ms"] / 1e9
         except Exception as exc:   # an impl that cannot run this pack is reported, not fatal
             row.setdefault("errors", {})[name] = _error(exc)
-    for other in ("sdpa_cudnn_per_doc", "sdpa_flash_per_doc", "docmask", "flex"):
-        if "ours_ms" in row and f"{other}_ms" in row:
+    for other in impls:
+        if other != "ours" and "ours_ms" in row and f"{other}_ms" in row:
             row[f"vs_{other}"] = row[f"{other}_ms"] / row["ours_ms"]
     return row
 
 
 # ------------------------------------------------------------------------------------ report
 def targets(rows: list[dict]) -> list[str]:
-    """Issue 20's targets, met or not, row by row counted.
+    """Issue 20's targets, met or not, row by row counted (ours: fa3 flex, the registered family
+    as flex() reaches it; fa3 decode, flex_decode's contiguous cache, beside it).
 
     Example::
 
@@ -579,17 +727,24 @@ def targets(rows: list[dict]) -> list[str]:
              f"{count(compared, lambda r: max(r[k] for k in r if k.endswith('_diff')) <= AGREE_TOL)}"]
     if dec:
         long = [r for r in dec if r["N"] >= 8 * K]
-        lines += [f"decode KV bandwidth >= 85% of copy at cache >= 8k: "
-                  f"{count(long, lambda r: r.get('pct_copy', 0) >= 85)}",
-                  f"decode ours >= 1.0x best SDPA: {count(dec, lambda r: r.get('vs_sdpa', 0) >= 1.0)}",
-                  f"decode ours >= 1.0x flex: {count(dec, lambda r: r.get('vs_flex', 0) >= 1.0)}"]
-    paged = [r for r in rows if r["part"] == "paged"]
+        lines.append("decode runs the decode family through flex(): "
+                     f"{count(dec, lambda r: r.get('fa3_flex_family') == 'decode')}")
+        for key, name in FRONT_DOORS[:2]:
+            lines += [f"{name}: KV bandwidth >= 85% of copy at cache >= 8k: "
+                      f"{count(long, lambda r: r.get(f'{key}_pct_copy', 0) >= 85)}",
+                      f"{name}: >= 1.0x best SDPA: {count(dec, lambda r: r.get(f'{key}_vs_sdpa', 0) >= 1.0)}",
+                      f"{name}: >= 1.0x torch flex: "
+                      f"{count(dec, lambda r: r.get(f'{key}_vs_torch_flex', 0) >= 1.0)}"
+                      + (f" ({sum(1 for r in dec if 'torch_flex_ms' not in r)} rows without torch flex)"
+                         if any('torch_flex_ms' not in r for r in dec) else "")]
+    paged = [r for r in rows if r["part"] in ("decode", "paged") and "paged_over_contig" in r]
     if paged:
         lines.append("paged within 5% of contiguous: "
                      f"{count(paged, lambda r: r.get('paged_over_contig', 9) <= 1.05)}")
     for r in (r for r in rows if r["part"] == "varlen"):
-        lines += [f"varlen ours >= 1.0x per-document cuDNN: {_yes(r.get('vs_sdpa_cudnn_per_doc'), 1.0)}",
-                  f"varlen ours >= 1.2x our document-mask path: {_yes(r.get('vs_docmask'), 1.2)}"]
+        tag = f"varlen {r.get('docs', '?')} docs"
+        lines += [f"{tag}: ours >= 1.0x per-document cuDNN: {_yes(r.get('vs_sdpa_cudnn_per_doc'), 1.0)}",
+                  f"{tag}: ours >= 1.2x our document-mask path: {_yes(r.get('vs_docmask'), 1.2)}"]
     return lines
 
 
@@ -606,6 +761,85 @@ def _cache(n: int) -> str:
     return f"{n // K}k" if n >= K else str(n)
 
 
+def _shape(r: dict) -> str:
+    return f"| {r['B']} | {r['new']} | {_cache(r['N'])} | {r['HQ']}/{r['HKV']} | {r['D']} |"
+
+
+def _decode_table(dec: list[dict]) -> list[str]:
+    lines = ["## decode (no mask; TB/s = K+V bytes once / time; copy TB/s = read + write; "
+             "ours/X = X's time over ours)", "",
+             "fa3 flex: `fa3_inductor.flex(q, k, v)` (the family that ran in the last column); fa3 decode: "
+             "`flex_decode` on the contiguous cache; fa3 paged: `flex_decode` on pages of "
+             f"{DECODE_PAGE}. Host µs: one call's host time, the queue drained first.", "",
+             "| B | new | cache | HQ/HKV | D | KV GB | splits | fa3 flex ms | fa3 decode ms | fa3 paged ms | "
+             "copy ms | flex TB/s | decode TB/s | copy TB/s | flex % copy | decode % copy | SDPA best | "
+             "SDPA ms | torch flex ms | flex/SDPA | flex/torch flex | decode/SDPA | paged/contig | "
+             "host µs flex / decode / paged | max diff | family |",
+             "|" + "---|" * 26]
+    for r in dec:
+        diff = max([r[k] for k in r if k.endswith("_diff")], default=None)
+        best = f"{r['sdpa_best']} ({r['sdpa_gqa']})" if "sdpa_best" in r else "-"
+        lines.append(f"{_shape(r)} {r['kv_gb']:.2f} | {r.get('splits', '-')} | {_f(r, 'fa3_flex_ms')} | "
+                     f"{_f(r, 'fa3_decode_ms')} | {_f(r, 'fa3_paged_ms')} | {_f(r, 'copy_ms')} | "
+                     f"{_f(r, 'fa3_flex_tbps', '{:.2f}')} | {_f(r, 'fa3_decode_tbps', '{:.2f}')} | "
+                     f"{_f(r, 'copy_tbps', '{:.2f}')} | {_f(r, 'fa3_flex_pct_copy', '{:.0f}')} | "
+                     f"{_f(r, 'fa3_decode_pct_copy', '{:.0f}')} | {best} | {_f(r, 'sdpa_ms')} | "
+                     f"{_f(r, 'torch_flex_ms')} | {_f(r, 'fa3_flex_vs_sdpa', '{:.2f}')} | "
+                     f"{_f(r, 'fa3_flex_vs_torch_flex', '{:.2f}')} | {_f(r, 'fa3_decode_vs_sdpa', '{:.2f}')} | "
+                     f"{_f(r, 'paged_over_contig', '{:.3f}')} | {_f(r, 'fa3_flex_host_us', '{:.0f}')} / "
+                     f"{_f(r, 'fa3_decode_host_us', '{:.0f}')} / {_f(r, 'fa3_paged_host_us', '{:.0f}')} | "
+                     f"{'-' if diff is None else f'{diff:.1e}'} | {r.get('fa3_flex_family', '-')} |")
+    return lines + [""]
+
+
+def _splits_table(rows: list[dict]) -> list[str]:
+    lines = ["## split counts (flex_decode, num_splits forced; same rounds as the copy)", "",
+             "empty: every length 0, so no key is read: the launches' fixed cost (split kernel, and "
+             "the combine when splits > 1).", "",
+             "| B | new | cache | HQ/HKV | D | auto splits | auto ms | auto % copy | best splits | best ms | "
+             "best % copy | auto/best | empty ms (auto / 1 split) | ms by split count |", "|" + "---|" * 14]
+    for r in rows:
+        by = ", ".join(f"{s}: {ms:.3f}" for s, ms in r.get("by_splits_ms", {}).items())
+        lines.append(f"{_shape(r)} {r.get('splits', '-')} | {_f(r, 'auto_ms')} | {_f(r, 'auto_pct_copy', '{:.0f}')} | "
+                     f"{r.get('best_splits', '-')} | {_f(r, 'best_ms')} | {_f(r, 'best_pct_copy', '{:.0f}')} | "
+                     f"{_f(r, 'auto_over_best', '{:.2f}')} | {_f(r, 'empty_auto_ms')} / {_f(r, 'empty_S1_ms')} | "
+                     f"{by} |")
+    return lines + [""]
+
+
+def _paged_table(rows: list[dict]) -> list[str]:
+    sizes = sorted({int(p) for r in rows for p in r.get("by_page_ms", {})})
+    lines = ["## page sizes (flex_decode; shuffled block tables; same rounds as contiguous)", "",
+             "| B | new | cache | HQ/HKV | D | contig ms | " + " | ".join(f"page {p} ms (/contig)" for p in sizes)
+             + " | diff |", "|" + "---|" * (7 + len(sizes))]
+    for r in rows:
+        cells = []
+        for p in sizes:
+            ms = r.get("by_page_ms", {}).get(p, r.get("by_page_ms", {}).get(str(p)))
+            ratio = r.get("by_page_over_contig", {}).get(p, r.get("by_page_over_contig", {}).get(str(p)))
+            cells.append("-" if ms is None else f"{ms:.3f} ({ratio:.3f})")
+        lines.append(f"{_shape(r)} {_f(r, 'contig_ms')} | " + " | ".join(cells) + f" | {_f(r, 'paged_diff', '{:.1e}')} |")
+    return lines + [""]
+
+
+def _varlen_table(r: dict) -> list[str]:
+    lines = [f"## varlen ({r['tokens']} tokens, documents {r['lengths']}, H{r['H']} D{r['D']}, causal "
+             "within documents; TFLOP/s of that work only)", "",
+             "| impl | ms | TFLOP/s | ours speedup | diff to ours |", "|---|---|---|---|---|"]
+    names = {"ours": "ours flex_varlen", "sdpa_cudnn_per_doc": "cuDNN SDPA per document (sum)",
+             "sdpa_flash_per_doc": "flash SDPA per document (sum)",
+             "docmask": f"ours flex + document mask ({r.get('docmask_template', '?')})",
+             "flex": "torch flex (compiled), document block mask"}
+    names.update({k[:-3]: f"ours flex_varlen's kernel with tiles {k[5:-3]} (block_m x block_n x warps x stages)"
+                  for k in r if k.startswith("ours_") and k.endswith("_ms") and k != "ours_ms"})
+    for key, name in names.items():
+        lines.append(f"| {name} | {_f(r, key + '_ms')} | {_f(r, key + '_tflops', '{:.0f}')} | "
+                     f"{_f(r, 'vs_' + key, '{:.2f}') if key != 'ours' else '1.00'} | "
+                     f"{_f(r, key + '_diff', '{:.1e}') if key != 'ours' else '-'} |")
+    return lines + ["", "ours speedup: the impl's time over flex_varlen's (configs.py tiles); below 1 on a "
+                    "tile variant means those tiles are faster.", ""]
+
+
 def markdown(meta: dict, rows: list[dict]) -> str:
     smoke = meta["smoke"]
     lines = [f"# serving on {meta['device']} ({meta['dtype']})", "",
@@ -616,48 +850,17 @@ def markdown(meta: dict, rows: list[dict]) -> str:
              f"varlen {meta['checks'].get('varlen')}.", ""]
     if smoke:
         lines += ["**--smoke: tiny shapes on the CPU; the times are single calls, not measurements.**", ""]
-    dec = [r for r in rows if r["part"] == "decode"]
+    dec = [r for r in rows if r["part"] == "decode" and "N" in r]
     if dec:
-        lines += ["## decode (no mask; TB/s = K+V bytes once / time; copy TB/s = read + write; "
-                  "ours/X = X's time over ours)", "",
-                  "| B | new | cache | HQ/HKV | D | KV GB | splits | ours ms | ours TB/s | copy TB/s | % copy "
-                  "| SDPA best | SDPA ms | flex ms | ours/SDPA | ours/flex | host µs call / launches | max diff |",
-                  "|" + "---|" * 18]
-        for r in dec:
-            diff = max([r[k] for k in r if k.endswith("_diff")], default=None)
-            best = f"{r['sdpa_best']} ({r['sdpa_gqa']})" if "sdpa_best" in r else "-"
-            lines.append(f"| {r['B']} | {r['new']} | {_cache(r['N'])} | {r['HQ']}/{r['HKV']} | {r['D']} | "
-                         f"{r['kv_gb']:.2f} | {r.get('splits', '-')} | {_f(r, 'ours_ms')} | "
-                         f"{_f(r, 'ours_tbps', '{:.2f}')} | "
-                         f"{_f(r, 'copy_tbps', '{:.2f}')} | {_f(r, 'pct_copy', '{:.0f}')} | {best} | "
-                         f"{_f(r, 'sdpa_ms')} | {_f(r, 'flex_ms')} | {_f(r, 'vs_sdpa', '{:.2f}')} | "
-                         f"{_f(r, 'vs_flex', '{:.2f}')} | {_f(r, 'host_us', '{:.0f}')} / "
-                         f"{_f(r, 'launch_host_us', '{:.0f}')} | {'-' if diff is None else f'{diff:.1e}'} |")
-        lines.append("")
-    paged = [r for r in rows if r["part"] == "paged"]
+        lines += _decode_table(dec)
+    splits = [r for r in rows if r["part"] == "splits" and "N" in r]
+    if splits:
+        lines += _splits_table(splits)
+    paged = [r for r in rows if r["part"] == "paged" and "N" in r]
     if paged:
-        lines += ["## paged (ours; shuffled block table; same rounds as contiguous)", "",
-                  "| B | new | cache | HQ/HKV | D | page | splits | contig ms | paged ms | paged/contig | "
-                  "paged TB/s | % copy | diff |", "|" + "---|" * 13]
-        for r in paged:
-            lines.append(f"| {r['B']} | {r['new']} | {_cache(r['N'])} | {r['HQ']}/{r['HKV']} | {r['D']} | "
-                         f"{r['page']} | {r.get('splits_paged', '-')} | {_f(r, 'contig_ms')} | {_f(r, 'paged_ms')} | "
-                         f"{_f(r, 'paged_over_contig', '{:.3f}')} | {_f(r, 'ours_tbps', '{:.2f}')} | "
-                         f"{_f(r, 'pct_copy', '{:.0f}')} | {_f(r, 'paged_diff', '{:.1e}')} |")
-        lines.append("")
+        lines += _paged_table(paged)
     for r in (r for r in rows if r["part"] == "varlen" and "lengths" in r):
-        lines += [f"## varlen ({r['tokens']} tokens, documents {r['lengths']}, H{r['H']} D{r['D']}, causal "
-                  "within documents; TFLOP/s of that work only)", "",
-                  "| impl | ms | TFLOP/s | ours speedup | diff to ours |", "|---|---|---|---|---|"]
-        names = {"ours": "ours flex_varlen", "sdpa_cudnn_per_doc": "cuDNN SDPA per document (sum)",
-                 "sdpa_flash_per_doc": "flash SDPA per document (sum)",
-                 "docmask": f"ours flex + document mask ({r.get('docmask_template', '?')})",
-                 "flex": "torch flex (compiled), document block mask"}
-        for key, name in names.items():
-            lines.append(f"| {name} | {_f(r, key + '_ms')} | {_f(r, key + '_tflops', '{:.0f}')} | "
-                         f"{_f(r, 'vs_' + key, '{:.2f}') if key != 'ours' else '1.00'} | "
-                         f"{_f(r, key + '_diff', '{:.1e}') if key != 'ours' else '-'} |")
-        lines.append("")
+        lines += _varlen_table(r)
     errors = [f"- {r.get('label', r['part'])}: {name}: {msg}" for r in rows
               for name, msg in r.get("errors", {}).items()]
     if errors:
@@ -669,6 +872,39 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     lines += ["## targets (issue 20)" + (" (smoke: not meaningful)" if smoke else ""), "",
               *[f"- {t}" for t in targets(rows)], ""]
     return "\n".join(lines)
+
+
+def summary(meta: dict, rows: list[dict]) -> str:
+    """The short table printed last: one line per decode row (fa3 flex) and per pack, then the
+    targets.
+
+    Example::
+
+        >>> summary(dict(device="cpu", budget_stops={}), []).splitlines()[0]
+        'serving summary (cpu)'
+    """
+    lines = [f"serving summary ({meta['device']})", "",
+             "| decode row | splits | flex TB/s | % copy | vs SDPA | vs torch flex | paged/contig | host µs |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["part"] == "decode" and "N" in r:
+            lines.append(f"| {r.get('label', '?')} | {r.get('splits', '-')} | {_f(r, 'fa3_flex_tbps', '{:.2f}')} | "
+                         f"{_f(r, 'fa3_flex_pct_copy', '{:.0f}')} | {_f(r, 'fa3_flex_vs_sdpa', '{:.2f}')} | "
+                         f"{_f(r, 'fa3_flex_vs_torch_flex', '{:.2f}')} | {_f(r, 'paged_over_contig', '{:.3f}')} | "
+                         f"{_f(r, 'fa3_flex_host_us', '{:.0f}')} |")
+    for r in rows:
+        if r["part"] == "splits" and "N" in r:
+            lines.append(f"| splits {r.get('label', '?')}: auto {r.get('splits')} {_f(r, 'auto_ms')} ms, best "
+                         f"{r.get('best_splits')} {_f(r, 'best_ms')} ms, empty {_f(r, 'empty_auto_ms')} ms | | | | | | | |")
+        if r["part"] == "varlen" and "lengths" in r:
+            lines.append(f"| varlen {r['docs']} docs: {_f(r, 'ours_tflops', '{:.0f}')} TFLOP/s, "
+                         f"x{_f(r, 'vs_sdpa_cudnn_per_doc', '{:.2f}')} cuDNN/doc, x{_f(r, 'vs_docmask', '{:.2f}')} "
+                         "doc mask | | | | | | | |")
+    if rows:
+        lines += ["", *[f"- {t}" for t in targets(rows)]]
+    if meta["budget_stops"]:
+        lines.append(f"- left out by --budget-s: { {p: len(v) for p, v in meta['budget_stops'].items()} }")
+    return "\n".join(lines) + "\n"
 
 
 def _slug(name: str) -> str:
@@ -688,37 +924,47 @@ def _flex_function(smoke: bool):
     return torch.compile(flex_attention, dynamic=False)
 
 
+def _todo(part: str, args: argparse.Namespace) -> list:
+    if part == "decode":
+        return SMOKE_DECODE if args.smoke else decode_cases(args.full, args.quick)
+    if part == "splits":
+        return SMOKE_SPLITS if args.smoke else split_cases(args.full, args.quick)
+    if part == "paged":
+        return SMOKE_PAGED if args.smoke else paged_cases(args.full, args.quick)
+    return [SMOKE_VARLEN] if args.smoke else varlen_cases(args.full, args.quick)
+
+
 def run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, meta: dict,
         rows: list[dict], write: Callable[[], None]) -> None:
     clock = Clock(device, args.reps, args.warmup)
     flex_fn = _flex_function(args.smoke)
-    t0 = time.time()
     for part in args.part:
-        deadline = t0 + args.budget_s * BUDGET_SHARE[part]
-        if part == "varlen":
-            todo = [SMOKE_VARLEN if args.smoke else VARLEN]
-        elif part == "decode":
-            todo = SMOKE_DECODE if args.smoke else decode_cases(args.full)
-        else:
-            todo = SMOKE_PAGED if args.smoke else paged_cases(args.full)
+        deadline = STARTED + args.budget_s * BUDGET_SHARE[part]
+        todo = _todo(part, args)
         done = 0
         for i, case in enumerate(todo):
             if not within_budget(time.time(), deadline, done):
-                meta["budget_stops"][part] = [getattr(c, "label", lambda: str(c))() for c in todo[i:]]
+                meta["budget_stops"][part] = [c.label() for c in todo[i:]]
                 break
             torch.manual_seed(0)
             started = time.time()
             try:
                 if part == "decode":
                     row = decode_row(case, device, dtype, clock, flex_fn)
+                elif part == "splits":
+                    row = splits_row(case, device, dtype, clock,
+                                     SMOKE_SPLIT_COUNTS if args.smoke else SPLIT_COUNTS)
                 elif part == "paged":
-                    row = paged_row(case, device, dtype, clock)
+                    row = paged_row(case, device, dtype, clock,
+                                    SMOKE_PAGE_SIZES if args.smoke else PAGE_SIZES)
                 else:
-                    row = varlen_row(case, device, dtype, clock, flex_fn)
+                    tiles = () if done else SMOKE_VARLEN_TILES if args.smoke else (
+                        VARLEN_TILES if case.d == 128 else ())
+                    row = varlen_row(case, device, dtype, clock, flex_fn, tiles)
             except Exception as exc:   # one row's failure (out of memory, a compile) is a result
                 row = _case_row(part, case, dtype.itemsize) if part != "varlen" else dict(part=part)
                 row["errors"] = {"row": _error(exc)}
-            row.update(label=getattr(case, "label", lambda: part)(), wall_s=time.time() - started)
+            row.update(label=case.label(), wall_s=time.time() - started)
             rows.append(row)
             done += 1
             print(json.dumps(row), flush=True)
@@ -740,13 +986,17 @@ def _gpu_meta(device: torch.device, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", default=",".join(PARTS), help="comma-separated subset of decode,paged,varlen")
+    ap.add_argument("--part", default=",".join(PARTS), help="comma-separated subset of " + ",".join(PARTS))
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"), help="folder for the files")
     ap.add_argument("--budget-s", type=float, default=None,
-                    help="seconds after which parts add no more rows (default 300; 7200 with --full)")
+                    help=f"seconds from the start after which parts add no more rows (default 300; "
+                         f"{QUICK_BUDGET_S:.0f} with --quick; 7200 with --full)")
     ap.add_argument("--reps", type=int, default=20, help="timed repetitions per impl (median)")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--full", action="store_true", help="every row (decode grid, paged subset)")
+    ap.add_argument("--quick", action="store_true",
+                    help="issue 20's grid in one row per corner, the split sweep, two page-size rows and "
+                         "the packs, within --budget-s (140 s)")
+    ap.add_argument("--full", action="store_true", help="every row (decode grid, more sweeps and pages)")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes on the CPU under TRITON_INTERPRET=1: the harness, not a measurement")
     args = ap.parse_args()
@@ -754,8 +1004,10 @@ def main() -> None:
     bad = [p for p in args.part if p not in PARTS]
     if bad or not args.part:
         raise SystemExit(f"serving: unknown --part {bad or args.part}; choose from {','.join(PARTS)}")
+    if args.quick and args.full:
+        raise SystemExit("serving: --quick and --full exclude each other")
     if args.budget_s is None:
-        args.budget_s = 7200.0 if args.full else 300.0
+        args.budget_s = 7200.0 if args.full else QUICK_BUDGET_S if args.quick else 300.0
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from triton import knobs
@@ -774,7 +1026,7 @@ def main() -> None:
     meta = dict(device=name, torch=torch.__version__, triton=triton.__version__,
                 date=f"{now:%Y-%m-%d %H:%M}Z", command="python benchmarks/serving.py " + " ".join(sys.argv[1:]),
                 dtype=str(dtype).replace("torch.", ""), smoke=args.smoke, parts=args.part, reps=args.reps,
-                budget_s=args.budget_s, full=args.full, budget_stops={},
+                budget_s=args.budget_s, full=args.full, quick=args.quick, budget_stops={},
                 timing=("--smoke: one wall-clock call per impl (no timing)" if args.smoke else
                         f"CUDA events, {args.warmup} warm-up calls, median of {args.reps}; before every timed "
                         f"call a {FLUSH_BYTES >> 20} MB scratch write flushes L2 (outside the events)."))
@@ -782,7 +1034,7 @@ def main() -> None:
         meta.update(_gpu_meta(device, args))
     torch.manual_seed(0)
     meta["checks"] = {}
-    if "decode" in args.part or "paged" in args.part:
+    if {"decode", "splits", "paged"} & set(args.part):
         meta["checks"]["decode"] = check_decode(device, dtype)
     if "varlen" in args.part:
         meta["checks"]["varlen"] = check_varlen(device, dtype)
@@ -792,6 +1044,7 @@ def main() -> None:
     rows: list[dict] = []
 
     def write() -> None:
+        meta["wall_s"] = round(time.time() - STARTED, 1)
         with open(stem + ".json", "w") as f:
             json.dump(dict(meta, rows=rows), f, indent=1)
         with open(stem + ".md", "w") as f:
@@ -802,8 +1055,8 @@ def main() -> None:
     except KeyboardInterrupt:
         print("interrupted: writing the rows measured so far", flush=True)
     write()
-    print(f"wrote {stem}.json and {stem}.md", flush=True)
-    print(markdown(meta, rows), flush=True)
+    print(f"wrote {stem}.json and {stem}.md ({meta['wall_s']} s)", flush=True)
+    print(summary(meta, rows), flush=True)
 
 
 if __name__ == "__main__":

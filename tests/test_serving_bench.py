@@ -28,7 +28,7 @@ def test_smoke_run_writes_every_part(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1")
     env.pop("TORCH_LOGS", None)
     run = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path)],
-                         capture_output=True, text=True, env=env, timeout=120)
+                         capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     [json_path] = tmp_path.glob("serving-cpu-*.json")
     [md_path] = tmp_path.glob("serving-cpu-*.md")
@@ -36,36 +36,47 @@ def test_smoke_run_writes_every_part(tmp_path):
     assert {"device", "torch", "triton", "date", "command", "timing", "checks", "rows"} <= set(result)
     assert set(result["checks"]) == {"decode", "varlen"} and not result["budget_stops"]
     rows = result["rows"]
-    assert [r["part"] for r in rows] == ["decode", "decode", "paged", "paged", "varlen"], rows
+    assert [r["part"] for r in rows] == ["decode", "decode", "splits", "paged", "varlen"], rows
     for r in rows:
-        assert "ours" not in r.get("errors", {}) and "row" not in r.get("errors", {}), r
+        assert not {"fa3_flex", "fa3_decode", "fa3_paged", "ours", "row"} & set(r.get("errors", {})), r
         diffs = {k: v for k, v in r.items() if k.endswith("_diff")}
         assert diffs and max(diffs.values()) < 1e-4, diffs   # float32: the impls agree with ours
     decode = rows[0]
-    assert {"ours_ms", "copy_ms", "sdpa_ms", "flex_ms", "host_us", "launch_host_us", "vs_sdpa",
-            "vs_flex", "pct_copy"} <= set(decode), decode
-    assert rows[1]["splits"] > 1                              # the split + combine path ran
-    assert all("paged_over_contig" in r for r in rows[2:4])
+    assert {"fa3_flex_ms", "fa3_decode_ms", "fa3_paged_ms", "copy_ms", "sdpa_ms", "torch_flex_ms",
+            "fa3_flex_host_us", "fa3_flex_vs_sdpa", "fa3_flex_vs_torch_flex", "fa3_flex_pct_copy",
+            "paged_over_contig"} <= set(decode), decode
+    assert all(r["fa3_flex_family"] == "decode" for r in rows[:2])   # flex() reached the family
+    assert rows[1]["splits"] > 1                                     # the split + combine path ran
+    sweep = rows[2]
+    assert {"by_splits_ms", "best_splits", "empty_auto_ms", "empty_S1_ms"} <= set(sweep), sweep
+    assert set(rows[3]["by_page_ms"]) == {"8", "16", "32"}           # pages below and above a tile
     varlen = rows[4]
     assert sum(varlen["lengths"]) == varlen["tokens"] and len(varlen["lengths"]) == 6
-    assert {"ours_ms", "docmask_ms", "flex_ms", "vs_docmask", "ours_tflops"} <= set(varlen), varlen
+    assert {"ours_ms", "docmask_ms", "flex_ms", "vs_docmask", "ours_tflops", "ours_16x16x4x1_ms"} <= set(varlen), varlen
     table = md_path.read_text()
-    for heading in ("## decode", "## paged", "## varlen", "## targets"):
+    for heading in ("## decode", "## split counts", "## page sizes", "## varlen", "## targets"):
         assert heading in table
-    assert run.stdout.rstrip().endswith(table.rstrip().splitlines()[-1])   # the tables come last
+    out = run.stdout.rstrip()
+    assert "serving summary (cpu)" in out[-3000:] and out.endswith(table.rstrip().splitlines()[-1])
 
 
 def test_row_sets_and_budget():
     sb = _module()
-    default, full = sb.decode_cases(False), sb.decode_cases(True)
+    default, full, quick = sb.decode_cases(False), sb.decode_cases(True), sb.decode_cases(False, True)
     assert len(set(default)) == len(default) and set(default) <= set(full)
+    assert len(set(quick)) == len(quick) and set(quick) <= set(full)
+    # --quick spans issue 20's grid: batch 1-64, cache 4k-128k, GQA 32/8 and MHA, D64 and D128
+    assert {c.batch for c in quick} == {1, 8, 32, 64} and {c.cache for c in quick} == {4096, 8192, 32768, 131072}
+    assert {c.hkv for c in quick} == {8, 32} and {c.d for c in quick} == {64, 128}
     assert all(c.kv_bytes() <= sb.KV_CAP for c in full)
     assert {(c.batch, c.new, c.cache, c.hkv, c.d) for c in full} >= {(64, 4, 128 * 1024, 8, 64)}
     assert (64, 1, 128 * 1024, 8, 128) not in {(c.batch, c.new, c.cache, c.hkv, c.d) for c in full}
-    assert all(c.page in (64, 128) and c.kv_bytes() <= sb.PAGED_KV_CAP for c in sb.paged_cases(True))
-    assert set(sb.paged_cases(False)) <= set(sb.paged_cases(True))
+    assert all(c.kv_bytes() <= sb.PAGED_KV_CAP for c in sb.paged_cases(True))
+    assert set(sb.paged_cases(False, True)) <= set(sb.paged_cases(False)) <= set(sb.paged_cases(True))
+    assert set(sb.split_cases(False, True)) <= set(sb.split_cases(True))
     lengths = sb.doc_lengths(sb.VARLEN)
     assert sum(lengths) == 16384 and min(lengths) >= 16384 // 48 and max(lengths) > 2 * min(lengths)
     assert sb.doc_lengths(sb.VARLEN) == lengths                          # seeded
     assert sb.within_budget(100.0, 1.0, 0) and not sb.within_budget(100.0, 1.0, 3)
     assert sb.within_budget(0.5, 1.0, 3)
+    assert list(sb.BUDGET_SHARE) == list(sb.PARTS) and sb.BUDGET_SHARE["varlen"] == 1.0
