@@ -104,8 +104,14 @@ def _row(stem: str, files: list[str], commit: str, data: dict) -> dict:
     kind, device, date = (m["kind"], m["device"], f"{m['date']} {m['time'] or ''}".strip()) if m \
         else ("other", "", "")
     return dict(stem=stem, kind=kind, device=device, date=date,
-                preset=_preset(data) if kind == "bench" else "",
+                preset=_preset(data) if kind == "bench" else _gpus(device),
                 files=", ".join(f[len(stem):] or f for f in files), commit=commit)
+
+
+def _gpus(device: str) -> str:
+    """Multi-GPU runs (a device name ending in -x<N>) are a measurement of their own per GPU count."""
+    m = re.search(r"-x(\d+)$", device)
+    return f"{m[1]} GPUs" if m else ""
 
 
 def _newest(rows: list[dict]) -> dict[tuple, str]:
