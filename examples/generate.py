@@ -101,10 +101,18 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+# "auto": transformers' own choice, as users get it: with a static cache on CUDA, generate() compiles
+# the decode step with backend="inductor" (CUDA graphs), and flex() calls inside that graph are
+# lowered by stock Inductor (torch's flex kernels, not ours). "off": every step eager (disable_compile).
+COMPILE_MODES = ("auto", "off")
+_compile = {"mode": "auto"}
+
+
 def _generate(model: Any, ids: torch.Tensor, new_tokens: int) -> Any:
     return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                           min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
-                          output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+                          output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+                          disable_compile=_compile["mode"] == "off")
 
 
 def _timed(model: Any, ids: torch.Tensor, new_tokens: int, device: str, repeats: int) -> tuple[Any, float, float]:
@@ -275,7 +283,11 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=90.0,
                         help="cases starting after this many seconds are skipped (default 90)")
     parser.add_argument("--out", default=None, help="folder for the JSON (default: print only)")
+    parser.add_argument("--compile", choices=COMPILE_MODES, default="auto",
+                        help="auto: transformers compiles static-cache decode steps itself (the user's "
+                             "path); off: generate(disable_compile=True), every step eager")
     args = parser.parse_args()
+    _compile["mode"] = args.compile
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("examples/generate.py needs a CUDA GPU (or --smoke for the CPU check)")
     import transformers
@@ -286,6 +298,7 @@ def main() -> None:
                 date=f"{now:%Y-%m-%d %H:%M}Z", smoke=args.smoke,
                 model=dict(TINY if args.smoke else REALISTIC, num_hidden_layers=1 if args.smoke else args.layers),
                 new_tokens=args.new_tokens, repeats=args.repeats, budget_s=args.budget_s,
+                compile=args.compile,
                 command="python examples/generate.py " + " ".join(sys.argv[1:]))
     path = None
     if args.out:
