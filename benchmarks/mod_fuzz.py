@@ -11,7 +11,7 @@ pow in all its forms, clamps, floor, // and % on indices, gathers from 1-D and 2
 several dtypes), crossed with a shape (ragged lengths, M = 1, M != N, GQA, several head dims) and
 a dtype. The mods are real closures (``make(...)`` returns them). Outcomes, one per case:
 
-    match                   our kernel ran (last_template() "hopper"/"generic"), error within TOLERANCE
+    match                   our kernel ran (last_template() "hopper"/"generic"/"decode"), error within TOLERANCE
     fallback                torch's kernel ran (last_template() "torch"), with the reason recorded
     wrong                   error over tolerance, or non-finite output where the reference is finite
     crash                   any exception
@@ -535,7 +535,7 @@ def run_case(case: Case, device: Optional[str] = None) -> dict[str, Any]:
         elif template == "torch":
             outcome = "fallback"
             result["detail"] = _fallback_reason(sites_before, lines.lines)
-        elif template in ("hopper", "generic"):
+        elif template in ("hopper", "generic", "decode"):   # decode: queries of <= 16 tokens
             outcome = "match"
         else:
             outcome = "crash"

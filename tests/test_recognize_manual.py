@@ -500,7 +500,7 @@ class NearMiss(nn.Module):
 
 @pytest.mark.parametrize("how, reason", [
     ("softmax_dim", "softmax over dim -2"),
-    ("nonlinear", "is not a cast or an inactive dropout"),
+    ("nonlinear", "is not a cast, an inactive dropout or a view"),
     ("dropout", "dropout p=0.1 in training mode"),
     ("returned", "also used elsewhere"),
 ])
