@@ -216,6 +216,11 @@ def _run_bench_case(rank: int, world: int, out_dir: str) -> None:
 
 def _worker(rank: int, world: int, store: str, out_dir: str, names: list, seed: int) -> None:
     torch.set_num_threads(1)   # forked from a process that may have used OpenMP
+    # Forked from a pytest process whose earlier tests may have started Inductor's compile pool:
+    # its threads do not exist here, and a compile handed to it would wait forever. Compile in
+    # this thread instead.
+    import torch._inductor.config as inductor_config
+    inductor_config.compile_threads = 1
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     results = {}
