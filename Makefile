@@ -33,8 +33,8 @@ $(STAMP): pyproject.toml Makefile
 	@touch $@
 
 test: venv
-	@rc=0; $(VPY) -m pytest -q tests -m "not gpu and not sm90_compile" || rc=$$?; \
-	if [ $$rc -eq 0 ]; then $(VPY) -m pytest -q tests -m "sm90_compile and not gpu" || rc=$$?; fi; \
+	@rc=0; $(VPY) -m pytest -q --durations=25 tests -m "not gpu and not sm90_compile" || rc=$$?; \
+	if [ $$rc -eq 0 ]; then $(VPY) -m pytest -q --durations=15 tests -m "sm90_compile and not gpu" || rc=$$?; fi; \
 	if [ $$rc -eq 5 ]; then echo "make test: FAILED: pytest collected no tests (exit code 5)" >&2; fi; \
 	exit $$rc
 

@@ -58,8 +58,10 @@ from typing import Any, Callable, Optional
 
 import torch  # noqa: E402  (does not import triton)
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")   # our kernels on CPU tensors, before triton loads
+if __name__ == "__main__" and not torch.cuda.is_available():
+    # our kernels on CPU tensors, before triton loads; as a script only: imported (by a test), it must
+    # not switch the importing process to the interpreter (the sm90 compile session skips then)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")         # tiny configs only: never ask the Hub
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -202,6 +202,21 @@ def call_flex_hop(q, k, v, score_mod, block_mask, scale) -> tuple[torch.Tensor, 
     """
     import math
 
+    out, lse = flex_hop_log2(q, k, v, score_mod, block_mask, scale)
+    return out, lse * math.log(2.0)
+
+
+def flex_hop_log2(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: Any, block_mask: Any,
+                  scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`call_flex_hop` with the op's own LSE (log2 units), nothing computed after the op (the
+    attention sinks' correction is matched right after it: lowering/sinks_fusion.py).
+
+    Example::
+
+        >>> out, lse2 = flex_hop_log2(q, k, v, None, None, None)   # doctest: +SKIP
+    """
+    import math
+
     from torch.nn.attention import flex_attention as fa
 
     if score_mod is None:
@@ -216,8 +231,7 @@ def call_flex_hop(q, k, v, score_mod, block_mask, scale) -> tuple[torch.Tensor, 
             torch._dynamo.mark_static(x, -1)
     results = torch.ops.higher_order.flex_attention(
         q, k, v, score_mod, block_mask.as_tuple(), scale, flex_hop_kernel_options(q, k, v))
-    out, lse = results[0], results[1]
-    return out, lse * math.log(2.0)  # the op's LSE is in log2 units
+    return results[0], results[1]
 
 
 def source_name(source) -> str:

@@ -34,29 +34,10 @@ def flex_with_sinks(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callabl
         torch.Size([1, 4, 8, 16])
     """
     if torch.compiler.is_compiling():
-        out, lse2 = _flex_op(q, k, v, score_mod, block_mask, scale)
+        out, lse2 = _compat.flex_hop_log2(q, k, v, score_mod, block_mask, scale)
         out, lse2 = torch.ops.fa3_inductor.sink_combine(out, lse2, sinks)
         return (out, lse2 * _LN2) if return_lse else out
     out, lse = _compat.flex_attention_with_lse(q, k, v, score_mod=score_mod, block_mask=block_mask,
                                                scale=scale, enable_gqa=enable_gqa)
     out, lse = _sinks.combine_natural(out, lse, sinks)
     return (out, lse) if return_lse else out
-
-
-def _flex_op(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable], block_mask,
-             scale: Optional[float]) -> tuple[Tensor, Tensor]:
-    """flex_attention's op called as torch's front door calls it: (out, LSE in log2 units)."""
-    from torch.nn.attention import flex_attention as fa
-
-    if score_mod is None:
-        score_mod = fa._identity
-    if block_mask is None:
-        block_mask = fa._create_empty_block_mask(q, k)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.size(-1))
-    for x in (q, k, v):   # head count and head dim specialize kernels, as torch marks them
-        torch._dynamo.mark_static(x, -3)
-        torch._dynamo.mark_static(x, -1)
-    results = torch.ops.higher_order.flex_attention(
-        q, k, v, score_mod, block_mask.as_tuple(), scale, _compat.flex_hop_kernel_options(q, k, v))
-    return results[0], results[1]

@@ -11,6 +11,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .kernel import NO_QUANT, BlockSparsity, Quant, SiteFlags, Tiling, attention_fwd_kernel
 from ..modgen import kernel_score_mod, mod_info
+from ..sink_args import sink_bufs as kernel_sink_bufs
 from ..tma import tma_aligned
 from ..._log import warn_once
 from .configs import GenericConfig, generic_config, generic_config_variants
@@ -116,7 +117,8 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
                       KV_BLOCK=fp8.recipe.block_n,
                       TWO_LEVEL=fp8.recipe.two_level > 0, OUT_BF16=out.dtype == torch.bfloat16,
                       ROUND_P_IN_FP32=capability is None)
-    args = (*qkvo, lse, max_scores, _sink_bufs(sinks, q, fp8), *tables, tuple(score_bufs),
+    sinks_arg = kernel_sink_bufs(sinks, q, fp8, "fa3 generic kernel")
+    args = (*qkvo, lse, max_scores, sinks_arg, *tables, tuple(score_bufs),
             tuple(mask_bufs), *quant_args,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
@@ -152,24 +154,6 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
     kwargs = dict(SCORE_MOD=score_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse, FLAGS=flags,
                   QUANT=quant, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return args, kwargs, (triton.cdiv(M, block_m), Z * HQ)
-
-
-def _sink_bufs(sinks: Optional[torch.Tensor], q: torch.Tensor, fp8: Any) -> tuple:
-    """The kernel's ``sink_bufs``: (SINKS,) as a contiguous float32 [HQ] vector, or () without sinks (no
-    kernel parameter: a site without sinks compiles as it did before they existed)."""
-    if sinks is None:
-        return ()
-    heads = q.shape[1]
-    if fp8 is not None:
-        raise ValueError("fa3 generic kernel: FP8 operands with sinks; the FP8 kernels do not add sinks "
-                         "(serve the site in bf16 / fp16)")
-    if sinks.shape != (heads,) or not sinks.is_floating_point():
-        raise ValueError(f"fa3 generic kernel: sinks must be a floating-point tensor of shape ({heads},), "
-                         f"one logit per query head; got {sinks.dtype} {tuple(sinks.shape)}")
-    if sinks.device != q.device:
-        raise ValueError(f"fa3 generic kernel: sinks are on {sinks.device}, q on {q.device}; move them to "
-                         "q's device")
-    return (sinks.to(torch.float32).contiguous(),)   # itself when it already is (the launch cache keys on it)
 
 
 def _check_fp8_dtypes(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, fp8: Any) -> None:

@@ -121,6 +121,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..modgen import kernel_score_mod, kv_affine_of, mask_and_of, mod_info, out_range_of, sfu_ops_of
+from ..sink_args import sink_bufs as kernel_sink_bufs
 from ..tma import tma_aligned
 from .configs import (SMEM_LIMIT, Sm90Config, fixed_base_for, get_config, serves_head_dims, split_head_dim,
                       use_persistent)
@@ -1519,22 +1520,6 @@ class _Site:
         return self.args, kwargs, grid
 
 
-def _sink_bufs(sinks, q, Hq, fp8) -> tuple:
-    """The kernel's sink_bufs: (SINKS,) as a contiguous float32 [Hq] vector (itself if it is one: the launch cache
-    keys on it), or () without sinks (no kernel parameter)."""
-    if sinks is None:
-        return ()
-    if fp8 is not None:
-        raise ValueError("sm90 forward: FP8 operands with sinks; the FP8 kernels do not add sinks (serve the site "
-                         "in bf16 / fp16)")
-    if sinks.shape != (Hq,) or not sinks.is_floating_point():
-        raise ValueError(f"sm90 forward: sinks must be a floating-point tensor of shape ({Hq},), one logit per query "
-                         f"head; got {sinks.dtype} {tuple(sinks.shape)}")
-    if sinks.device != q.device:
-        raise ValueError(f"sm90 forward: sinks are on {sinks.device}, q on {q.device}; move them to q's device")
-    return (sinks.to(torch.float32).contiguous(),)
-
-
 def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs, mask_bufs,
           kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, sparse_q_block, sparse_kv_block,
           config, num_sms, max_needed=True, fp8=None, sinks=None) -> _Site:
@@ -1644,7 +1629,7 @@ def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bu
         quant = Quant(ON=True, Q_BLOCK=fp8.recipe.block_m, KV_BLOCK=fp8.recipe.block_n,
                       TWO_LEVEL=fp8.recipe.two_level > 0, QK_INT8=q.dtype == torch.int8)
         quant_bufs = (fp8.q_scale, fp8.k_scale, fp8.v_scale, fp8.v_scale_max)
-    sink_bufs = _sink_bufs(sinks, q, Hq, fp8)
+    sink_bufs = kernel_sink_bufs(sinks, q, fp8, "sm90 forward")
     args = (q_desc, k_desc, v_desc, o_desc, *hi_descs, lse, max_scores, tuple(score_bufs), tuple(mask_bufs),
             quant_bufs, sink_bufs, *sp_ptrs, *sp_meta, float(sm_scale), to_log2, float(fixed_base or 0.0), qk_unit, num_tiles,
             num_m_tiles, Hq, Hq // Hkv, M, N)
