@@ -129,15 +129,6 @@ def _cpu_training(q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor] = Non
     return q.device.type == "cpu" and _needs_grad(q, k, v, sinks)
 
 
-def _check_sinks(sinks: Optional[Tensor], q: Tensor) -> None:
-    if sinks is None:
-        return
-    check_sinks(sinks, q.shape[1], "flex")
-    if sinks.device != q.device:
-        raise ValueError(f"flex: sinks are on {sinks.device}, q/k/v on {q.device}; move them to "
-                         "the inputs' device")
-
-
 def _check_block_mask_fits(block_mask: Optional[BlockMask], q: Tensor, k: Tensor) -> None:
     """The length and device checks torch's flex_attention makes on a BlockMask (the direct-op
     path for CPU training skips torch's front door, not its validation)."""
@@ -250,7 +241,8 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
         if hit is not None:
             return hit if return_lse else hit[0]
     _check_inputs(q, k, v, score_mod, mask_mod, block_mask, scale, enable_gqa)
-    _check_sinks(sinks, q)
+    if sinks is not None:
+        check_sinks(sinks, q.shape[1], "flex", q.device)
     if template not in templates():
         raise ValueError(f"flex: template must be one of {templates()}, got {template!r}")
     if mask_mod is not None:

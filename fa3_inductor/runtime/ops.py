@@ -116,7 +116,7 @@ def flex_fwd(
     site = SiteSpec.from_json(spec)
     tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
     if sinks is not None:
-        _check_sinks(sinks, q)
+        check_sinks(sinks, H, "fa3_inductor.flex_fwd", q.device)
         sinks = sinks.to(torch.float32).contiguous()   # the kernels read float32 (itself if it is)
     key = inputs = None
     if q.is_cuda:
@@ -133,13 +133,6 @@ def flex_fwd(
                 sparse_q_block, sparse_kv_block, site.needs_max, sinks=sinks)
     record_template(_serve(site, call, key, inputs))
     return out, lse, max_scores
-
-
-def _check_sinks(sinks: Tensor, q: Tensor) -> None:
-    check_sinks(sinks, q.shape[1], "fa3_inductor.flex_fwd")
-    if sinks.device != q.device:
-        raise ValueError(f"fa3_inductor.flex_fwd: sinks are on {sinks.device}, q on {q.device}; "
-                         "move them to q's device")
 
 
 def call_for(site: SiteSpec, call: Call, dialect: str) -> Call:

@@ -55,9 +55,9 @@ def _share(num: Tensor, lse_t: Tensor) -> Tensor:
     return torch.where(lse_t == float("-inf"), 0.0, torch.exp2(num - lse_t))
 
 
-def check_sinks(sinks: Tensor, heads: int, where: str) -> None:
+def check_sinks(sinks: Tensor, heads: int, where: str, device: Optional[torch.device] = None) -> None:
     """Raise TypeError / ValueError, saying what to change, unless ``sinks`` is a floating-point
-    tensor of shape (heads,): one logit per query head.
+    tensor of shape (heads,): one logit per query head (on ``device``, the inputs', when given).
 
     Example::
 
@@ -80,6 +80,9 @@ def check_sinks(sinks: Tensor, heads: int, where: str) -> None:
     if not sinks.is_floating_point():
         raise ValueError(f"{where}: sinks must be a floating-point tensor (natural-log logits); got "
                          f"{sinks.dtype} (pass sinks.float())")
+    if device is not None and sinks.device != device:
+        raise ValueError(f"{where}: sinks are on {sinks.device}, q/k/v on {device}; move them to the "
+                         "inputs' device")
 
 
 @torch.library.custom_op("fa3_inductor::sink_combine", mutates_args=())
