@@ -369,7 +369,7 @@ def single_attention(q, k, v, mask_mod: Callable, gqa: bool, kernel: str):
         return shard_attention(q, k, v, ShardMods(None, mask_mod, zero, n, k.shape[2]),
                                q.shape[-1] ** -0.5, gqa, "dense")[0]
     import fa3_inductor
-    from fa3_inductor.distributed.block_mask import cached_block_mask
+    from fa3_inductor.block_masks import cached_block_mask
 
     # the ring's bounded-memory block mask: an eager create_block_mask at 128k needs 32 GiB
     return fa3_inductor.flex(q, k, v, block_mask=cached_block_mask(mask_mod, q, k),
@@ -509,7 +509,7 @@ def check(args, comm: Comm) -> dict:
                                            args.head_dim ** -0.5, gqa, "dense")
         else:
             import fa3_inductor
-            from fa3_inductor.distributed.block_mask import cached_block_mask
+            from fa3_inductor.block_masks import cached_block_mask
 
             ref, ref_lse = fa3_inductor.flex(*leaves, block_mask=cached_block_mask(mask, *full[:2]),
                                              enable_gqa=gqa, return_lse=True)

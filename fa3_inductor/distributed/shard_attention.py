@@ -14,7 +14,7 @@ Two kernels compute a shard:
 
 A shard the mask hides entirely returns None: the ring skips its work (a causal ring's upper
 triangle costs nothing), and the kernel skips the hidden tiles of the others through the block mask
-(built in bounded memory, once per step: block_mask.py).
+(built in bounded memory and cached: fa3_inductor/block_masks.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from .block_mask import cached_block_mask
+from ..block_masks import cached_block_mask
 
 _MAX_EMPTY = 256
 _EMPTY: collections.OrderedDict = collections.OrderedDict()   # id(block mask) -> (mask, is empty)
