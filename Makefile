@@ -13,7 +13,9 @@ STAMP  := $(VENV)/.fa3_inductor-installed
 
 # Pinned so that a CPU-only machine takes the local CPU wheel instead of a multi-GB CUDA build.
 TORCH_PIN  := torch==2.13.0
-TEST_DEPS  := triton==3.6.0 "numpy<2.4" expecttest pytest transformers==5.17.0
+TEST_DEPS  := triton==3.6.0 "numpy<2.4" expecttest pytest pytest-xdist transformers==5.17.0
+# Test processes: pytest-xdist's "auto" is one per core (CI: 2). TEST_WORKERS=0 runs in-process.
+TEST_WORKERS ?= auto
 
 .PHONY: venv test demo gpu clean
 
@@ -33,8 +35,8 @@ $(STAMP): pyproject.toml Makefile
 	@touch $@
 
 test: venv
-	@rc=0; $(VPY) -m pytest -q --durations=25 tests -m "not gpu and not sm90_compile" || rc=$$?; \
-	if [ $$rc -eq 0 ]; then $(VPY) -m pytest -q --durations=15 tests -m "sm90_compile and not gpu" || rc=$$?; fi; \
+	@rc=0; $(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 tests -m "not gpu and not sm90_compile" || rc=$$?; \
+	if [ $$rc -eq 0 ]; then $(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 tests -m "sm90_compile and not gpu" || rc=$$?; fi; \
 	if [ $$rc -eq 5 ]; then echo "make test: FAILED: pytest collected no tests (exit code 5)" >&2; fi; \
 	exit $$rc
 

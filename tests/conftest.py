@@ -16,6 +16,12 @@ import os
 import pytest
 import torch
 
+# Files whose module-scoped fixtures are expensive (forked gloo ranks, compiled kernels, built
+# models): under pytest-xdist (make test runs `-n auto --dist loadgroup`) each stays on one worker
+# instead of paying its fixtures once per worker.
+_ONE_WORKER_FILES = ("test_ring_attention.py", "test_bench_harness.py", "test_compile_sm90.py",
+                     "test_varlen_transformers.py")
+
 
 def _compile_session(config) -> bool:
     expr = config.option.markexpr or ""
@@ -29,6 +35,10 @@ def pytest_configure(config):
     if not torch.cuda.is_available() and not _compile_session(config):
         os.environ.setdefault("TRITON_INTERPRET", "1")
     _INTERPRETING_AT_START.append(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        # Each worker gets its share of the cores: n workers x all cores oversubscribes (CI: 2 cores).
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -40,6 +50,8 @@ def pytest_collection_modifyitems(config, items):
         reason="compile-only sm90 tests need a session without TRITON_INTERPRET: run "
                "`pytest -m sm90_compile` (make test does)")
     for item in items:
+        if item.path.name in _ONE_WORKER_FILES:
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
         if "sm90_compile" in item.keywords and interpreting:
