@@ -22,14 +22,20 @@ dtype is itself further from float64, at most 4× its error (a key projection's 
 gradient is 0, is noise in any dtype).
 
 On CPU our generic kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``, set here when
-no GPU is visible). ``--device cuda --dtype bfloat16`` is the GPU run; there ``--timing`` also
-times the forward of each family in :data:`TIMED_FAMILIES` at a realistic size against stock
-Inductor (``backend="inductor"``).
+no GPU is visible or ``--device cpu``). ``--device cuda --dtype bfloat16`` is the GPU run. There
+the size rule that leaves small sites to stock Inductor (rewrite_pays.py) is off for the checks
+(``--size-rule`` keeps it), since every site of a tiny model is small; ``--timing`` times the
+forward of each family in :data:`TIMED_FAMILIES` at a realistic size against stock Inductor
+(benchmarks/coverage_timing.py), with the size rule as shipped.
 
 Writes ``coverage-<cpu|gpu name>-<date>.json`` and ``.md`` into ``--out`` (default
-benchmarks/results); both are rewritten after every family, and ``--resume`` skips the families
-already in the JSON. ``--shard i/n`` runs every n-th family; ``--merge a.json b.json`` combines
-shards.
+benchmarks/results); both are rewritten after every family (the table: coverage_table.py).
+Families run most important first (:func:`prioritized`). For a run split over many processes
+(benchmarks/coverage_gpu.sh): ``--claim-dir`` hands each family to the first process that claims
+it, ``--stop-at`` is a wall-clock deadline (no family starts too close to it, and one cut by it is
+marked unfinished), ``--resume-from a.json`` skips the families that file settled (timeouts,
+crashes and tolerance failures run again), ``--merge a.json b.json`` combines the files (later
+rows win). ``--shard i/n`` runs every n-th family; ``--resume`` continues into the same file.
 
 Examples::
 
@@ -37,6 +43,7 @@ Examples::
     python3 benchmarks/coverage.py --sources transformers --budget-s 3600
     python3 benchmarks/coverage.py --families bert,gpt2,t5 --out /tmp/cov
     python3 benchmarks/coverage.py --device cuda --dtype bfloat16 --timing   # H100/H200
+    OUT=/tmp/o bash benchmarks/coverage_gpu.sh 440             # the full set on a 4-GPU machine
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import argparse
 import contextlib
 import copy
 import datetime as _dt
+import gc
 import json
 import os
 import platform
@@ -58,13 +66,19 @@ from typing import Any, Callable, Optional
 
 import torch  # noqa: E402  (does not import triton)
 
-if __name__ == "__main__" and not torch.cuda.is_available():
+if __name__ == "__main__" and (not torch.cuda.is_available() or "--device=cpu" in sys.argv or
+                               "--device cpu" in " ".join(sys.argv)):
     # our kernels on CPU tensors, before triton loads; as a script only: imported (by a test), it must
     # not switch the importing process to the interpreter (the sm90 compile session skips then)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")         # tiny configs only: never ask the Hub
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# (markdown and summarize are used by tests/test_coverage_smoke.py through this module)
+from coverage_table import (STOCK_FAILS as _STOCK_FAILS, _fmt_err, _ok,  # noqa: E402,F401
+                            markdown, merge, settled, summarize, write)
+from coverage_timing import TIMED_FAMILIES, every_size, time_family  # noqa: E402
 
 # Relative error allowed per dtype against float64 (tests/reference.py, README "Tolerance rule").
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -74,20 +88,20 @@ BASELINE_FACTOR = 4.0    # or at most this many times the uncompiled model's own
 # one ALiBi decoder (its bias raises 2 to a tensor power: the compile used to raise on it).
 FAST_FAMILIES = ("bert", "gpt2", "t5", "mpt")
 
-# The 10 families timed at a realistic size on the GPU (--timing): the architectures of the most
-# downloaded models on the Hugging Face Hub, as we read its "most downloads" listings (sentence
-# encoders, CLIP/ViT image towers, Whisper, the Llama/Qwen/Mistral/Gemma decoders, GPT-2, T5).
-# Our reading, not a fetched ranking: this machine cannot reach the Hub. Each: (family, batch,
-# sequence length or image side).
-TIMED_FAMILIES = (
-    ("bert", 8, 512), ("roberta", 8, 512), ("xlm-roberta", 8, 512), ("mpnet", 8, 512),
-    ("gpt2", 4, 1024), ("t5", 4, 512), ("llama", 1, 4096), ("qwen2", 1, 4096),
-    ("mistral", 1, 4096), ("vit", 32, 224),
+# Checked first, in this order, after TIMED_FAMILIES: the transformers types of the most used
+# models (our reading of the Hub's listings, as for TIMED_FAMILIES), then every diffusers family,
+# then these timm modules, then the rest of timm and of transformers in enumeration order.
+POPULAR_HF = (
+    "distilbert", "clip", "siglip", "whisper", "qwen3", "gemma", "gemma2", "gemma3_text", "phi",
+    "phi3", "bart", "albert", "deberta-v2", "electra", "mt5", "wav2vec2", "dinov2", "mixtral",
+    "qwen2_moe", "qwen3_moe", "falcon", "opt", "gpt_neox", "bloom", "camembert", "modernbert",
+    "marian", "pegasus", "swin", "beit", "deit", "detr", "segformer", "blip", "llava", "qwen2_vl",
+    "gpt_oss", "deepseek_v3", "mpt", "gptj", "starcoder2", "olmo2", "cohere", "stablelm",
+    "clip_vision_model", "siglip_vision_model", "xlm-roberta-xl", "layoutlmv3", "longformer",
+    "big_bird", "funnel", "led", "m2m_100", "nllb-moe", "hubert", "wavlm", "data2vec-text", "vit_mae",
 )
-
-_STOCK_FAILS = "stock Inductor raises too"
-_OUR_BUG = "bug in fa3_inductor"   # in the reason of a site our guard left to stock Inductor
-
+POPULAR_TIMM = ("vision_transformer", "swin_transformer", "deit", "eva", "beit",
+                "swin_transformer_v2", "vision_transformer_hybrid", "convit", "cait", "maxxvit")
 
 # ------------------------------------------------------------------------------------------
 # Families
@@ -138,6 +152,31 @@ def families(sources: list[str]) -> list[Family]:
 
 def _size_kwargs(batch: Optional[int], seq: Optional[int]) -> dict:
     return {k: v for k, v in (("batch", batch), ("seq", seq)) if v is not None}
+
+
+def prioritized(fams: list[Family]) -> list[Family]:
+    """The families, most important first: TIMED_FAMILIES, POPULAR_HF, every diffusers family,
+    POPULAR_TIMM, then the rest of timm and of transformers in enumeration order. A run cut
+    short by its deadline has then checked these, and a resumed run does the rest.
+
+    Example::
+
+        >>> [f.name for f in prioritized(families(["transformers"]))][:3]   # doctest: +SKIP
+        ['bert', 'roberta', 'xlm-roberta']
+    """
+    hf_first = [name for name, *_ in TIMED_FAMILIES] + list(POPULAR_HF)
+
+    def key(item: tuple[int, Family]) -> tuple[int, int]:
+        i, fam = item
+        if fam.source == "transformers" and fam.name in hf_first:
+            return 0, hf_first.index(fam.name)
+        if fam.source == "diffusers":
+            return 1, i
+        if fam.source == "timm":
+            return (2, POPULAR_TIMM.index(fam.name)) if fam.name in POPULAR_TIMM else (3, i)
+        return 4, i
+
+    return [fam for _, fam in sorted(enumerate(fams), key=key)]
 
 
 # ------------------------------------------------------------------------------------------
@@ -216,8 +255,9 @@ def _compare(values: dict[str, Any], ref: dict[str, Any], base: dict[str, Any], 
     return worst, ok, who
 
 
-class _Timeout(Exception):
-    pass
+class _Timeout(BaseException):
+    """A family's time limit. Not an Exception: the backend's no-crash guard (and Inductor's
+    error wrapping) would catch one raised inside the compile and carry on with stock Inductor."""
 
 
 @contextlib.contextmanager
@@ -403,139 +443,17 @@ def _generic_reason(reason: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------
-# GPU timing against stock Inductor
+# Files and the command line
 # ------------------------------------------------------------------------------------------
-
-def time_family(fam: Family, batch: int, seq: int, device: torch.device, dtype: torch.dtype
-                ) -> dict[str, Any]:
-    """Forward milliseconds (inference) of ``fam`` at a realistic size, fa3 vs stock Inductor.
-
-    Example::
-
-        >>> time_family(fam, 8, 512, torch.device("cuda"), torch.bfloat16)   # doctest: +SKIP
-    """
-    import triton.testing
-
-    import fa3_inductor
-
-    row: dict[str, Any] = dict(family=fam.name, batch=batch, seq=seq)
-    model, inputs = fam.build(realistic=True, batch=batch, seq=seq)
-    model = model.to(device, dtype).eval()
-    inputs = _cast(inputs, dtype, device)
-    with torch.no_grad():
-        report = fa3_inductor.explain(model, **inputs)
-        row["fused"], row["sites"] = report.fused_count, report.fused_count + len(report.unfused)
-        row["templates"] = dict(Counter(s.template for s in report.sites))
-        for backend in ("fa3", "inductor"):
-            torch._dynamo.reset()
-            compiled = torch.compile(model, backend=backend)
-            compiled(**inputs)
-            row[f"{backend}_ms"] = float(triton.testing.do_bench(
-                lambda: compiled(**inputs), warmup=25, rep=100, return_mode="median"))
-    row["speedup"] = row["inductor_ms"] / row["fa3_ms"]
-    return row
-
-
-# ------------------------------------------------------------------------------------------
-# Summary and files
-# ------------------------------------------------------------------------------------------
-
-def summarize(rows: list[dict]) -> dict[str, Any]:
-    """Totals over the checked rows (sites, fused, crashes, outputs and gradients ok)."""
-    checked = [r for r in rows if "excluded" not in r]
-    ran = [r for r in checked if not r.get("crash")]
-    sites = sum(r.get("sites", 0) for r in ran)
-    fused = sum(r.get("fused", 0) for r in ran)
-    return dict(
-        families=len(rows), checked=len(checked), excluded=len(rows) - len(checked),
-        with_sites=sum(1 for r in ran if r.get("sites")),
-        sites=sites, fused=fused, fused_pct=round(100.0 * fused / sites, 1) if sites else None,
-        crashes_ours=sum(1 for r in checked if r.get("crash") and
-                         not r["crash"].startswith(_STOCK_FAILS)),
-        crashes_stock=sum(1 for r in checked if r.get("crash", "").startswith(_STOCK_FAILS)),
-        outputs_ok=sum(1 for r in ran if r.get("out_ok")),
-        grads_ok=sum(1 for r in ran if r.get("grad_ok")), ran=len(ran),
-        fully_fused=sum(1 for r in ran if r.get("sites") and r.get("fused") == r.get("sites")),
-        no_attention=sum(1 for r in rows if r.get("excluded", "").startswith("no attention")),
-        guarded=sum(1 for r in ran if any(_OUR_BUG in k for k in r.get("left_alone", {}))),
-    )
-
-
-def _fmt_err(x: Optional[float]) -> str:
-    return "-" if x is None else f"{x:.1e}"
-
-
-def markdown(meta: dict, rows: list[dict], timing: list[dict]) -> str:
-    """The committed table: header, summary, one row per family, exclusions, reasons."""
-    s = summarize(rows)
-    lines = [f"# fa3 coverage: {meta['device']}, {meta['dtype']}, {meta['date']}", "",
-             f"Command: `{meta['command']}`  ",
-             f"torch {meta['torch']}, triton {meta['triton']}, transformers "
-             f"{meta.get('transformers')}, timm {meta.get('timm')}, diffusers "
-             f"{meta.get('diffusers')}, Python {meta['python']}, commit {meta.get('commit')}", "",
-             f"Families: {s['families']} enumerated, {s['checked']} built and checked, "
-             f"{s['excluded']} not checked ({s['no_attention']} without attention; the others' "
-             f"reasons below). Attention sites in the checked families: "
-             f"{s['sites']}, fused {s['fused']} ({s['fused_pct']}%); families with sites: "
-             f"{s['with_sites']}, every site fused in {s['fully_fused']}. Compile crashes: "
-             f"{s['crashes_ours']} ours, {s['crashes_stock']} where stock Inductor raises too; "
-             f"graphs our guard handed to stock Inductor: {s['guarded']} famil(ies). "
-             f"Outputs within tolerance: {s['outputs_ok']}/{s['ran']}; gradients: "
-             f"{s['grads_ok']}/{s['ran']}.", "",
-             "Tolerance: relative error against the float64 uncompiled model ≤ 1e-4 (float32) / "
-             "2e-2 (bf16), or ≤ 4× the uncompiled model's own error in that dtype. `grad err`: all parameter "
-             "gradients as one vector; `grad` ok: each parameter's gradient within tolerance. "
-             "`softmaxes`: softmax/SDPA calls of one eager forward (routers included), for "
-             "attention recognition never saw.", ""]
-    lines += ["| family | source | kind | softmaxes | sites | fused | templates | backward | crash "
-              "| out err | out | grad err | grad | left alone (reason × count) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "excluded" in r:
-            continue
-        left = "; ".join(f"{k} ×{v}" for k, v in r.get("left_alone", {}).items())
-        crash = r.get("crash") or "no"
-        lines.append("| " + " | ".join([
-            r["family"], r["source"], r.get("kind", "?"), str(r.get("softmaxes", "-")),
-            str(r.get("sites", "-")), str(r.get("fused", "-")),
-            ", ".join(f"{k}×{v}" for k, v in r.get("templates", {}).items()) or "-",
-            ", ".join(f"{k}×{v}" for k, v in r.get("backward", {}).items()) or "-",
-            crash.replace("|", "/")[:160], _fmt_err(r.get("out_err")),
-            _ok(r.get("out_ok")), _fmt_err(r.get("grad_err")), _ok(r.get("grad_ok")),
-            left.replace("|", "/") or "-"]) + " |")
-    if timing:
-        lines += ["", "## Forward time at a realistic size (inference), fa3 vs stock Inductor", "",
-                  "| family | batch | seq | sites | fused | templates | fa3 ms | inductor ms | "
-                  "inductor ÷ fa3 |", "|---|---|---|---|---|---|---|---|---|"]
-        for t in timing:
-            if "error" in t:
-                lines.append(f"| {t['family']} | {t.get('batch')} | {t.get('seq')} | "
-                             f"{t['error'][:120]} | | | | | |")
-                continue
-            lines.append(f"| {t['family']} | {t['batch']} | {t['seq']} | {t['sites']} | "
-                         f"{t['fused']} | {t['templates']} | {t['fa3_ms']:.3f} | "
-                         f"{t['inductor_ms']:.3f} | {t['speedup']:.2f} |")
-    excluded = [r for r in rows if "excluded" in r]
-    if excluded:
-        lines += ["", "## Excluded families (not built or not run), with the reason", ""]
-        lines += [f"- `{r['family']}` ({r['source']}): {r['excluded'].replace(chr(10), ' ')[:300]}"
-                  for r in excluded]
-    return "\n".join(lines) + "\n"
-
-
-def _ok(v: Optional[bool]) -> str:
-    return "-" if v is None else ("ok" if v else "**FAIL**")
-
 
 def _meta(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    import importlib.metadata
     import subprocess
 
-    import triton
-
-    def version(mod: str) -> Optional[str]:
+    def version(dist: str) -> Optional[str]:
         try:
-            return __import__(mod).__version__
-        except Exception:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
             return None
 
     try:
@@ -544,26 +462,74 @@ def _meta(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) ->
     except OSError:
         commit = None
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)"
+    note = None
+    if device.type == "cuda" and not args.size_rule:
+        note = ("Size rule off in the checks: every site recognition can rewrite is rewritten "
+                "whatever its size (the tiny models' sites are all below rewrite_pays.py's "
+                "thresholds, which leave such sites to stock Inductor in normal use). The timing "
+                "table uses the backend as shipped.")
     return dict(command="python3 " + " ".join(sys.argv), device=name,
                 dtype=str(dtype).replace("torch.", ""),
                 date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                torch=torch.__version__, triton=triton.__version__,
+                torch=torch.__version__, triton=version("triton"),
                 transformers=version("transformers"), timm=version("timm"),
-                diffusers=version("diffusers"), python=platform.python_version(), commit=commit)
+                diffusers=version("diffusers"), python=platform.python_version(), commit=commit,
+                note=note)
 
 
-def _write(path: Path, meta: dict, rows: list[dict], timing: list[dict]) -> None:
-    data = dict(meta, summary=summarize(rows), rows=rows, timing=timing)
-    path.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str))
-    path.with_suffix(".md").write_text(markdown(meta, rows, timing))
-
-
-def _stem(device: torch.device) -> str:
+def _stem(device_name: str) -> str:
+    """coverage-<device>-<date>: the GPU's name in lower case with dashes, or cpu."""
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
-    if device.type == "cuda":
-        dev = torch.cuda.get_device_name().lower().replace(" ", "-")
-        return f"coverage-{dev}-{date}"
-    return f"coverage-cpu-{date}"
+    dev = "cpu" if device_name.startswith("cpu") else device_name.lower().replace(" ", "-")
+    return f"coverage-{dev}-{date}"
+
+
+def _claim(claim_dir: Optional[Path], fam: Family) -> bool:
+    """Whether this process may check ``fam``: the first process to create its claim file."""
+    if claim_dir is None:
+        return True
+    name = f"{fam.source}__{fam.name}".replace("/", "__")
+    try:
+        fd = os.open(claim_dir / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        json.dump([fam.source, fam.name, os.getpid()], f)
+    return True
+
+
+def _claimed(claim_dir: Path) -> list[tuple[str, str]]:
+    return [tuple(json.loads(p.read_text())[:2]) for p in sorted(claim_dir.iterdir())
+            if p.is_file() and p.stat().st_size]
+
+
+def _cuda_broken(device: torch.device) -> Optional[str]:
+    """Why the process's CUDA context is unusable (a sticky error from the last family), or None.
+    Hands the allocator's cached blocks back to the GPU on the way."""
+    if device.type != "cuda":
+        return None
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.ones(1, device=device).add_(1).item()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {_line(exc)}"
+    return None
+
+
+_CUDA_BROKEN_EXIT = 3   # the process's CUDA context is broken: coverage_gpu.sh starts a new one
+_MIN_FAMILY_S = 20.0    # no family starts with less than this left before --stop-at
+NOT_TIMED = "not timed"  # the error of a timed family the deadline left out
+
+
+def _settled_elsewhere(files: list[str]) -> tuple[set, set]:
+    """(source, family) pairs the --resume-from files settled, and the families they timed."""
+    rows, timed = set(), set()
+    for f in files:
+        data = json.loads(Path(f).read_text())
+        rows |= {(r["source"], r["family"]) for r in data.get("rows", []) if settled(r)}
+        timed |= {t["family"] for t in data.get("timing", []) if "speedup" in t}
+    return rows, timed
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -574,76 +540,151 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--fast", action="store_true", help=f"only {', '.join(FAST_FAMILIES)}")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
+    p.add_argument("--size-rule", action="store_true",
+                   help="GPU checks: keep rewrite_pays.py's size rule (then tiny sites stay as written)")
     p.add_argument("--timing", action="store_true", help="GPU: time TIMED_FAMILIES vs inductor")
+    p.add_argument("--timing-shard", default="", help="i/n: every n-th timed family from the i-th")
+    p.add_argument("--timing-every-size", action="store_true",
+                   help="also time fa3 with the size rule off")
+    p.add_argument("--timing-limit-s", type=float, default=300, help="per timed family limit")
+    p.add_argument("--no-checks", action="store_true", help="only the timing (with --timing)")
     p.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
     p.add_argument("--stem", default=None, help="file name without suffix")
-    p.add_argument("--budget-s", type=float, default=0, help="start no family after this")
+    p.add_argument("--budget-s", type=float, default=0,
+                   help="start no family after this many seconds (the last one runs to its limit)")
+    p.add_argument("--stop-at", type=float, default=0,
+                   help="wall-clock deadline (seconds since the epoch): no family starts within "
+                        f"{_MIN_FAMILY_S:.0f} s of it, and each is cut there")
     p.add_argument("--family-limit-s", type=float, default=300, help="per family time limit")
     p.add_argument("--shard", default="", help="i/n: every n-th family from the i-th")
-    p.add_argument("--resume", action="store_true", help="skip families already in the JSON")
+    p.add_argument("--claim-dir", default=None,
+                   help="a folder shared by processes: each family goes to the first that claims it")
+    p.add_argument("--resume", action="store_true", help="continue into the same JSON")
+    p.add_argument("--resume-from", action="append", default=[],
+                   help="skip the families (and timed families) this JSON settled")
     p.add_argument("--merge", nargs="*", default=None, help="combine these JSON files and exit")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / (args.stem or _stem(device))
-    meta = _meta(args, device, dtype)
+    claim_dir = Path(args.claim_dir) if args.claim_dir else None
     if args.merge is not None:
-        rows, timing = [], []
-        for f in args.merge:
-            data = json.loads(Path(f).read_text())
-            rows += data["rows"]
-            timing += data.get("timing", [])
-        rows.sort(key=lambda r: (r["source"], r["family"]))
-        _write(path, meta, rows, timing)
-        print(markdown(meta, rows, timing))
-        return 0
+        return _merge_files(args, out_dir, claim_dir)
+    path = out_dir / (args.stem or _stem(
+        torch.cuda.get_device_name() if device.type == "cuda" else "cpu"))
+    meta = _meta(args, device, dtype)
 
     import logging
-
-    logging.getLogger("transformers").setLevel(logging.ERROR)
     import warnings
 
+    logging.getLogger("transformers").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
-    sources = args.sources.split(",")
-    fams = families(sources)
+    fams = prioritized(families(args.sources.split(",")) if not args.no_checks else [])
     wanted = set(FAST_FAMILIES) if args.fast else set(filter(None, args.families.split(",")))
     if wanted:
         fams = [f for f in fams if f.name in wanted]
+    meta["enumerated"] = [[f.source, f.name] for f in fams]
+    meta["enumerated_count"] = len(fams)
     if args.shard:
         i, n = (int(x) for x in args.shard.split("/"))
         fams = fams[i::n]
     rows: list[dict] = []
-    if args.resume and path.with_suffix(".json").exists():
-        rows = [r for r in json.loads(path.with_suffix(".json").read_text())["rows"]
-                if "excluded" not in r or r["excluded"].startswith("no attention")]   # retry the rest
-    done = {(r["source"], r["family"]) for r in rows}
-    start = time.perf_counter()
-    for fam in fams:
-        if (fam.source, fam.name) in done:
-            continue
-        if args.budget_s and time.perf_counter() - start > args.budget_s:
-            print(f"budget of {args.budget_s:.0f} s spent: stopping before {fam.name}", flush=True)
-            break
-        row = check_family(fam, device, dtype, args.family_limit_s)
-        rows.append(row)
-        print(_one_line(row), flush=True)
-        _write(path, meta, rows, [])
     timing: list[dict] = []
+    if args.resume and path.with_suffix(".json").exists():
+        old = json.loads(path.with_suffix(".json").read_text())
+        rows = [r for r in old["rows"] if settled(r)]
+        timing = [t for t in old.get("timing", []) if "speedup" in t]
+    skip, timed = _settled_elsewhere(args.resume_from)
+    skip |= {(r["source"], r["family"]) for r in rows}
+    timed |= {t["family"] for t in timing}
+    start_by = time.time() + args.budget_s if args.budget_s else float("inf")
+    deadline = args.stop_at   # (0: none)
+    if claim_dir is not None:
+        claim_dir.mkdir(parents=True, exist_ok=True)
+    with every_size() if device.type == "cuda" and not args.size_rule else contextlib.nullcontext():
+        for fam in fams:
+            if (fam.source, fam.name) in skip:
+                continue
+            left = deadline - time.time() if deadline else float("inf")
+            if left < _MIN_FAMILY_S or time.time() > start_by:
+                print(f"budget spent: stopping before {fam.name}", flush=True)
+                break
+            if not _claim(claim_dir, fam):
+                continue
+            limit = min(args.family_limit_s or float("inf"), left)
+            print(f"-- {fam.source}/{fam.name} (limit {limit:.0f} s)", flush=True)
+            row = check_family(fam, device, dtype, 0 if limit == float("inf") else limit)
+            if row.get("excluded", "").startswith("timed out") and limit < args.family_limit_s:
+                row["unfinished"] = True
+                row["excluded"] = f"timed out: cut by the run's deadline after {limit:.0f} s"
+            rows.append(row)
+            print(_one_line(row), flush=True)
+            write(path, meta, rows, timing)
+            gc.collect()
+            broken = _cuda_broken(device)   # (and the cached blocks go back: many processes share a GPU)
+            if broken:
+                print(f"CUDA context broken after {fam.name} ({broken}): exiting for a fresh "
+                      "process", flush=True)
+                return _CUDA_BROKEN_EXIT
     if args.timing:
-        if device.type != "cuda":
-            print("--timing needs --device cuda: skipped", flush=True)
-        else:
-            by_name = {f.name: f for f in families(["transformers"])}
-            for name, batch, seq in TIMED_FAMILIES:
-                try:
-                    timing.append(time_family(by_name[name], batch, seq, device, dtype))
-                except Exception as exc:
-                    timing.append(dict(family=name, batch=batch, seq=seq,
-                                       error=f"{type(exc).__name__}: {_line(exc)}"))
-                print(timing[-1], flush=True)
-    _write(path, meta, rows, timing)
+        timing += _time_all(args, device, dtype, timed, deadline, path, meta, rows, timing)
+    write(path, meta, rows, timing)
+    print(markdown(meta, rows, timing))
+    print(f"wrote {path.with_suffix('.md')} and .json", flush=True)
+    return 0
+
+
+def _time_all(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, done: set,
+              deadline: float, path: Path, meta: dict, rows: list[dict], timing: list[dict]
+              ) -> list[dict]:
+    """Time this process's share of TIMED_FAMILIES (skipping ``done``); returns the new rows."""
+    if device.type != "cuda":
+        print("--timing needs --device cuda: skipped", flush=True)
+        return []
+    todo = [t for t in TIMED_FAMILIES if t[0] not in done]
+    if args.timing_shard:
+        i, n = (int(x) for x in args.timing_shard.split("/"))
+        todo = todo[i::n]
+    by_name = {f.name: f for f in families(["transformers"])}
+    new: list[dict] = []
+    for name, batch, seq in todo:
+        row: dict[str, Any] = dict(family=name, batch=batch, seq=seq)
+        new.append(row)
+        left = deadline - time.time() if deadline else float("inf")
+        if left < _MIN_FAMILY_S:
+            row["error"] = f"{NOT_TIMED}: the run's deadline came first"
+            continue
+        limit = min(args.timing_limit_s or float("inf"), left)
+        print(f"-- timing {name} (limit {limit:.0f} s)", flush=True)
+        torch._dynamo.reset()
+        try:
+            with _time_limit(0 if limit == float("inf") else limit):
+                time_family(by_name[name], batch, seq, device, dtype, row, args.timing_every_size)
+        except (_Timeout, Exception) as exc:   # (what was measured before a timeout stays)
+            row["error"] = f"{type(exc).__name__}: {_line(exc)}"
+        print({k: v for k, v in row.items() if k != "left_alone"}, flush=True)
+        write(path, meta, rows, timing + new)
+        torch.cuda.empty_cache()
+    return new
+
+
+def _merge_files(args: argparse.Namespace, out_dir: Path, claim_dir: Optional[Path]) -> int:
+    """--merge: one table from shard files (and a resumed run's file, given first)."""
+    files = [Path(f) for f in args.merge if Path(f).exists()]
+    missing = [f for f in args.merge if not Path(f).exists()]
+    if missing:
+        print(f"merge: skipping missing files {missing}", flush=True)
+    if not files:
+        print("merge: no input file", file=sys.stderr)
+        return 2
+    meta, rows, timing = merge(files, _claimed(claim_dir) if claim_dir and claim_dir.is_dir()
+                               else None)
+    meta["process_command"] = meta.get("command")
+    meta["command"] = os.environ.get("COVERAGE_COMMAND") or "python3 " + " ".join(sys.argv)
+    meta["date"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    path = out_dir / (args.stem or _stem(meta.get("device", "cpu")))
+    write(path, meta, rows, timing)
     print(markdown(meta, rows, timing))
     print(f"wrote {path.with_suffix('.md')} and .json", flush=True)
     return 0
@@ -651,9 +692,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def _one_line(row: dict) -> str:
     if "excluded" in row:
-        return f"{row['family']:<28} excluded: {row['excluded'][:150]}"
+        return f"{row['family']:<28} excluded: {row['excluded'][:150]} ({row.get('seconds')} s)"
     if row.get("crash"):
-        return f"{row['family']:<28} CRASH: {row['crash'][:150]}"
+        return f"{row['family']:<28} CRASH: {row['crash'][:150]} ({row.get('seconds')} s)"
     left = "; ".join(row.get("left_alone", {}))
     return (f"{row['family']:<28} sites {row.get('sites')} fused {row.get('fused')} "
             f"out {_fmt_err(row.get('out_err'))} {_ok(row.get('out_ok'))} grad "

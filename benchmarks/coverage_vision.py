@@ -4,8 +4,9 @@ timm: every model module of ``timm.models`` whose source names an attention clas
 softmax is one family; its model is the smallest-named of ``timm.list_models(module=...)``
 built with the first of :data:`TIMM_SHAPES` it accepts (tiny images, 2 blocks, 4 heads of 16).
 timm imports torchvision at import time (FrozenBatchNorm2d, its data transforms), and PyPI's
-torchvision does not import beside the CPU torch 2.13 wheel: where torchvision is missing, timm
-is imported against stand-in torchvision modules whose names raise Excluded if a model ever
+torchvision does not import beside the CPU torch 2.13 wheel. Where torchvision imports (the GPU
+machines have one built for their torch) timm uses it; where it is missing or fails to import,
+timm is imported against stand-in torchvision modules whose names raise Excluded if a model ever
 instantiates one (none of the attention models here does), removed from ``sys.modules`` right
 after the import.
 
@@ -25,6 +26,7 @@ import importlib
 import inspect
 import re
 import sys
+import traceback
 import types
 from typing import Any, Callable
 
@@ -75,12 +77,19 @@ class _StandInModule(types.ModuleType):
 
 
 def _import_timm() -> Any:
+    """timm, against the real torchvision where that imports (the GPU machines have one built
+    for their torch), else against the stand-ins."""
     try:
         return importlib.import_module("timm")
     except ModuleNotFoundError as exc:
         if exc.name != "torchvision":
             raise Excluded(f"timm does not import: {exc} (pip install --no-deps timm; it needs "
                            "Pillow)") from None
+    except Exception as exc:   # a torchvision built for another torch raises on import
+        if "torchvision" not in "".join(traceback.format_exception(exc)):
+            raise Excluded(f"timm does not import: {type(exc).__name__}: {exc}") from None
+    for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
+        del sys.modules[name]   # a half-imported torchvision
     stand_in = {name: _StandInModule(name) for name in _TORCHVISION_MODULES}
     for name, module in stand_in.items():
         parent, _, child = name.rpartition(".")

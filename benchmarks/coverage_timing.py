@@ -1,0 +1,101 @@
+"""GPU timing for the coverage harness (benchmarks/coverage.py --timing): the forward of each
+family in :data:`TIMED_FAMILIES` at a realistic size (the family's default config, 2 layers),
+compiled with ``backend="fa3"`` against stock Inductor (``backend="inductor"``), and the switch
+that makes the fa3 backend rewrite every site whatever its size (:func:`every_size`).
+
+Example::
+
+    >>> row = time_family(fam, 8, 512, torch.device("cuda"), torch.bfloat16)   # doctest: +SKIP
+    >>> row["speedup"]                                                          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import Counter
+from typing import Any, Iterator, Optional
+
+import torch
+
+# The 10 families timed at a realistic size on the GPU (--timing): the architectures of the most
+# downloaded models on the Hugging Face Hub, as we read its "most downloads" listings (sentence
+# encoders, CLIP/ViT image towers, Whisper, the Llama/Qwen/Mistral/Gemma decoders, GPT-2, T5).
+# Our reading, not a fetched ranking: this machine cannot reach the Hub. Each: (family, batch,
+# sequence length or image side).
+TIMED_FAMILIES = (
+    ("bert", 8, 512), ("roberta", 8, 512), ("xlm-roberta", 8, 512), ("mpnet", 8, 512),
+    ("gpt2", 4, 1024), ("t5", 4, 512), ("llama", 1, 4096), ("qwen2", 1, 4096),
+    ("mistral", 1, 4096), ("vit", 32, 224),
+)
+
+
+@contextlib.contextmanager
+def every_size() -> Iterator[None]:
+    """Within it, the fa3 backend rewrites every site it recognizes whatever its size: the size
+    rule of ``fa3_inductor/recognition/rewrite_pays.py`` (sites too small to pay stay as written,
+    plain SDPA calls stay SDPA) is off. The coverage run on the GPU uses it, since its tiny models
+    would otherwise leave every site to stock Inductor and check none of our kernels.
+
+    Example::
+
+        >>> with every_size():                                   # doctest: +SKIP
+        ...     report = fa3_inductor.explain(model, **inputs)
+    """
+    from unittest import mock
+
+    from fa3_inductor.recognition import recognize_sdpa, rewrite_pays
+
+    with mock.patch.object(rewrite_pays, "MIN_WORK", 0), \
+            mock.patch.object(rewrite_pays, "TRAIN_MIN_WORK", 0), \
+            mock.patch.object(recognize_sdpa, "sdpa_keeps_plain_call", lambda *a, **k: None):
+        yield
+
+
+def time_family(fam: Any, batch: int, seq: int, device: torch.device, dtype: torch.dtype,
+                row: Optional[dict] = None, every_size_too: bool = False) -> dict[str, Any]:
+    """Forward milliseconds (inference) of ``fam`` (a coverage.Family) at a realistic size, fa3
+    vs stock Inductor, filled into ``row`` as they come (a time limit keeps what was measured).
+    ``every_size_too``: also fa3 with :func:`every_size` on.
+
+    Example::
+
+        >>> time_family(fam, 8, 512, torch.device("cuda"), torch.bfloat16)   # doctest: +SKIP
+    """
+    import triton.testing
+
+    import fa3_inductor
+
+    row = row if row is not None else {}
+    row.update(family=fam.name, batch=batch, seq=seq)
+    t0 = time.perf_counter()
+    model, inputs = fam.build(realistic=True, batch=batch, seq=seq)
+    model = model.to(device, dtype).eval()
+    inputs = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device))
+              if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    row["build_s"] = round(time.perf_counter() - t0, 1)
+    runs = [("fa3", "fa3", False), ("inductor", "inductor", False)]
+    if every_size_too:
+        runs.append(("fa3_every_size", "fa3", True))
+    compile_s = []
+    with torch.no_grad():
+        report = fa3_inductor.explain(model, **inputs)
+        row["fused"], row["sites"] = report.fused_count, report.fused_count + len(report.unfused)
+        row["templates"] = dict(Counter(s.template for s in report.sites))
+        row["left_alone"] = dict(Counter(u.reason[:160] for u in report.unfused))
+        for key, backend, forced in runs:
+            torch._dynamo.reset()
+            with every_size() if forced else contextlib.nullcontext():
+                compiled = torch.compile(model, backend=backend)
+                t = time.perf_counter()
+                compiled(**inputs)
+                torch.cuda.synchronize()
+                compile_s.append(f"{key} {time.perf_counter() - t:.0f}")
+            row[f"{key}_ms"] = float(triton.testing.do_bench(
+                lambda: compiled(**inputs), warmup=25, rep=100, return_mode="median"))
+            row["compile_s"] = ", ".join(compile_s)
+            if key == "inductor":
+                row["speedup"] = row["inductor_ms"] / row["fa3_ms"]
+            elif key == "fa3_every_size":
+                row["speedup_every_size"] = row["inductor_ms"] / row["fa3_every_size_ms"]
+    return row
