@@ -62,16 +62,25 @@ ring() {   # N, GPUs, timeout, arguments...
 }
 mkdir -p "$W/ring"
 ring_on=$(has ring && [ "$NGPU" -ge 2 ] && echo 1)
+# The ring runs: 2 GPUs at 128k then 64k tokens per GPU (256k, 128k in all), 4 GPUs at 128k per GPU
+# (512k). Time model (benchmarks/ring_attention.py plan, 450 TFLOP/s): 32 s and 48 s of attention;
+# startup, the check and the first calls' compiles come on top. Alone (JOBS=ring) each world size
+# gets about 5 minutes, both together under the device's 10-minute command; beside the other jobs
+# they get what those leave (--budget-s skips what would not fit: the 64k size first).
+if [ "$JOBS" = ring ]; then R2_LIMIT=280 R2_BUDGET=200 R4_LIMIT=290 R4_BUDGET=200
+else R2_LIMIT=170 R2_BUDGET=100 R4_LIMIT=190 R4_BUDGET=110; fi
+RING2_ARGS=${RING2_ARGS:---per-gpu 131072 65536 --budget-s $R2_BUDGET}
+RING4_ARGS=${RING4_ARGS:---per-gpu 131072 --check-per-gpu 32768 --budget-s $R4_BUDGET}
 if [ -n "$ring_on" ] && [ "$NGPU" -ge 4 ]; then
     # 2 GPUs as soon as the GPU 2 and 3 jobs are done (the tests may still run on GPU 0)
     for name in fp8 generate; do [ -n "${PIDS[$name]:-}" ] && wait "${PIDS[$name]}"; done
-    ring 2 2,3 150 ${RING2_ARGS:---per-gpu 65536 --budget-s 80}
+    ring 2 2,3 "$R2_LIMIT" $RING2_ARGS
 fi
 for name in "${!PIDS[@]}"; do wait "${PIDS[$name]}"; done
 if [ -n "$ring_on" ] && [ "$NGPU" -lt 4 ]; then
-    ring 2 0,1 150 ${RING2_ARGS:---per-gpu 65536 --budget-s 80}
+    ring 2 0,1 "$R2_LIMIT" $RING2_ARGS
 elif [ -n "$ring_on" ]; then
-    ring 4 0,1,2,3 170 ${RING4_ARGS:---per-gpu 131072 --check-per-gpu 32768 --budget-s 100}
+    ring 4 0,1,2,3 "$R4_LIMIT" $RING4_ARGS
 fi
 
 {

@@ -11,7 +11,8 @@ Modes:
         --heads 2 --head-dim 16 --out /tmp/ring
     # what a dist run will take (model: --assume-tflops per GPU), no GPU needed
     python benchmarks/ring_attention.py plan --world 2 4 --per-gpu 65536 131072
-    # one GPU: every "rank" of an n-rank ring in one process (per-shard speed, overlap)
+    # one GPU: every "rank" of an n-rank ring in one process (per-shard forward and backward
+    # speed, overlap); --device cpu --kernel dense runs it on the CPU
     python benchmarks/ring_attention.py emulate --world 4 --per-gpu 32768
     # CPU: work each rank of a layout gets (visited 128x128 tiles per rank and per ring step)
     python benchmarks/ring_attention.py balance --world 4 --total 131072
@@ -25,7 +26,7 @@ causal only; K/V heads expanded for GQA). Per implementation: forward (no grad) 
 backward. Times: median of --reps wall-clock calls between device synchronizations, every rank
 barrier'd first, the slowest rank's median; the first call (compiles) is timed apart. TFLOP/s per
 GPU = FLOPs of the whole attention / n / time, FLOPs = 4 B H D x visible (q, k) pairs (causal:
-T²/2); forward + backward = 3.5 x forward (ring's recomputation not counted). Peak memory:
+T²/2); forward + backward = 3.5 x forward. Peak memory:
 max_memory_allocated during forward + backward, per GPU (inputs included). A correctness check
 first (--check-per-gpu): ring and all-gather against our kernel on the whole sequence.
 
@@ -553,14 +554,14 @@ def estimate_s(world: int, per_gpu: int, args, impls: Optional[list] = None) -> 
         >>> a = argparse.Namespace(batch=1, heads=16, head_dim=128, mask="causal", reps=3,
         ...                        assume_tflops=450.0, impls=list(IMPLS))
         >>> round(estimate_s(2, 65536, a), 1)
-        6.6
+        6.3
     """
     rate = args.assume_tflops * 1e12
     ring_fwd = attention_flops(args.batch, args.heads, args.head_dim, args.mask,
                                world * per_gpu) / world / rate
     single_fwd = attention_flops(args.batch, args.heads, args.head_dim, args.mask, per_gpu) / rate
-    # forward + (forward + backward) per call; the ring's backward recomputes its forward
-    cost = {"single": single_fwd * 4.5, "ring": ring_fwd * 5.5, "allgather": ring_fwd * 4.5,
+    # forward + (forward + backward) per call
+    cost = {"single": single_fwd * 4.5, "ring": ring_fwd * 4.5, "allgather": ring_fwd * 4.5,
             "torch_cp_flash": ring_fwd * 4.5, "torch_cp_cudnn": ring_fwd * 4.5,
             "torch_cp_efficient": ring_fwd * 4.5, "torch_cp_math": ring_fwd * 4.5}
     impls = impls if impls is not None else args.impls
@@ -871,14 +872,18 @@ def run_dist(args, comm: Optional[Comm] = None, out_stem: Optional[Path] = None)
 
 def run_emulate(args) -> list[dict]:
     """All ranks of an n-rank ring in one process on one device: per (rank, step) shard time,
-    alone and with a concurrent K/V-shard copy on a side stream (CUDA), the merge's time."""
+    alone and with a concurrent K/V-shard copy on a side stream (CUDA), the merge's time, and each
+    step's backward as the ring runs it (the shard's gradients from the merged output and LSE,
+    no forward). The slowest rank's sums give the ring's kernel-bound TFLOP/s per GPU, forward and
+    forward + backward (3.5x the forward's FLOPs, as dist counts them)."""
     import torch
 
     import fa3_inductor
     from fa3_inductor.distributed import SeqLayout
     from fa3_inductor.distributed.merge import Merger
     from fa3_inductor.distributed.ring import _RingCall
-    from fa3_inductor.distributed.shard_attention import shard_attention
+    from fa3_inductor.distributed.shard_attention import (shard_attention,
+                                                          shard_attention_backward)
 
     dev = torch.device(args.device)
     comm = Comm(dev)
@@ -894,13 +899,13 @@ def run_emulate(args) -> list[dict]:
             shards = [[layout.shard(t, 2, r) for t in full] for r in range(world)]
             mask = make_mask(args.mask, total, dev)
             side = torch.cuda.Stream() if dev.type == "cuda" else None
-            per_rank, per_rank_overlap, merge_ms = [], [], 0.0
+            per_rank, per_rank_overlap, per_rank_bwd, merge_ms = [], [], [], 0.0
             for r in range(world):
                 call = _RingCall(None, r, world, layout, total, total, None, mask,
                                  args.head_dim ** -0.5, args.kv_heads != args.heads, kernel)
                 q = shards[r][0]
                 alone = overlap = 0.0
-                parts = []
+                parts, steps = [], []
                 for s in range(world):
                     src = (r - s) % world
                     k, v = shards[src][1], shards[src][2]
@@ -924,18 +929,32 @@ def run_emulate(args) -> list[dict]:
                             return out
                         overlap += time_call(comm, with_copy, args.reps, 60.0)["ms"]
                     parts.append(run())
+                    steps.append((k, v, m))
                 merger = Merger()
                 merge_ms += time_call(comm, lambda: [merger.add(*p) for p in parts], args.reps,
                                       60.0)["ms"] / max(len(parts), 1)
+                merged = Merger()
+                for p in parts:
+                    merged.add(*p)
+                out, lse = merged.result(dtype, torch.empty_like(q), q.shape[:3])
+                dout = torch.randn_like(out)
+                backward = 0.0
+                for k, v, m in steps:
+                    backward += time_call(comm, lambda k=k, v=v, m=m: shard_attention_backward(
+                        q, k, v, out, lse, dout, None, m, call.scale, kernel), args.reps,
+                        60.0)["ms"]
                 per_rank.append(alone)
                 per_rank_overlap.append(overlap if side is not None else None)
+                per_rank_bwd.append(backward)
             flops = attention_flops(args.batch, args.heads, args.head_dim, args.mask, total) / world
             single = time_call(comm, lambda: single_attention(
                 shards[0][0], shards[0][1], shards[0][2], make_mask(args.mask, per_gpu, dev),
                 args.kv_heads != args.heads, kernel), args.reps, 60.0)["ms"]
+            both = [f + b for f, b in zip(per_rank, per_rank_bwd)]
             row = {"world": world, "per_gpu": per_gpu, "mask": args.mask, "rank_ms": per_rank,
-                   "rank_ms_with_copy": per_rank_overlap,
+                   "rank_ms_with_copy": per_rank_overlap, "rank_bwd_ms": per_rank_bwd,
                    "slowest_rank_tflops": flops / max(per_rank) / 1e9,
+                   "slowest_rank_fwdbwd_tflops": 3.5 * flops / max(both) / 1e9,
                    "single_tflops": attention_flops(args.batch, args.heads, args.head_dim,
                                                     args.mask, per_gpu) / single / 1e9,
                    "merge_ms_per_step": merge_ms / world,

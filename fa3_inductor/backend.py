@@ -30,6 +30,7 @@ from .recognition.recognize_sdpa import rewrite_sdpa
 from .recognition.rewrite_pays import unless_small
 from ._log import log
 from .report import RecognizedSite, record_recognized, site_records, site_tag
+from .runtime import cp_state
 
 
 def fa3_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
@@ -50,6 +51,10 @@ def fa3_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
     Either way the failure is warned about once and is the reason on the graph's sites in
     explain() (``_gave_up``). Argument errors (``mode`` with ``options``, FP8 with gradients)
     are raised as before.
+
+    A graph with attention sites (rewritten or left as written) checks on every call whether
+    ``fa3_inductor.distributed.context_parallel`` is active; inside it the graph runs a form with
+    every site as ring attention over the whole sharded sequence (:func:`_ring_variant`).
 
     Example::
 
@@ -84,17 +89,86 @@ def fa3_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
     else:
         for site in flex_call_sites(gm):
             record_recognized(site)
+    # a graph holding attention sites gets a context-parallel form, made from this copy when first
+    # called inside fa3_inductor.distributed.context_parallel (_context_parallel_aware)
+    ring_source = _own_copy(original) if site_records()[0][records_from:] else None
     if not extra_inputs and not guards and not has_flex_attention(gm):
-        return stock(gm, example_inputs)
+        return _context_parallel_aware(stock(gm, example_inputs), ring_source, settings, stock)
     pristine = _own_copy(original)   # Inductor's passes edit the graph they compile
     try:
-        return _compile_ours(gm, example_inputs, extra_inputs, guards, settings, stock)
+        compiled = _compile_ours(gm, example_inputs, extra_inputs, guards, settings, stock)
     except Exception as exc:
         # Stock Inductor on the graph as Dynamo gave it: if it raises too, the error is the
         # user's (theirs propagates); if not, the failure was ours and the graph runs as written.
         compiled = stock(pristine, example_inputs)
         _gave_up("compilation", exc, records_from)
+    return _context_parallel_aware(compiled, ring_source, settings, stock)
+
+
+def _context_parallel_aware(compiled: Any, ring_source: Optional[torch.fx.GraphModule],
+                            settings: Settings, stock: Any) -> Any:
+    """``compiled``, or for a graph with attention sites (``ring_source``: a copy of it as Dynamo
+    gave it) a callable that asks on every call whether a context-parallel region is active
+    (runtime/cp_state.py) and inside one runs the graph's ring variant (:func:`_ring_variant`,
+    built on the first such call): its sites attend over the whole sharded sequence, not this
+    rank's shard."""
+    if ring_source is None:
         return compiled
+    variants: dict = {}   # per input signature: one for a static graph (below)
+
+    def run(*args: Any) -> Any:
+        region = cp_state.active()
+        if region is None:
+            return compiled(*args)
+        # The variant is compiled for these inputs (as Dynamo compiles a specialization: real
+        # inputs, static shapes), so a graph with dynamic sizes gets one per distinct signature.
+        signature = tuple((tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor)
+                          else a for a in args)
+        variant = variants.get(signature)
+        if variant is None:
+            variant = variants[signature] = _ring_variant(ring_source, list(args), settings,
+                                                          stock, region)
+        return variant(*args)
+
+    return run
+
+
+def _every_site(example_query: torch.Tensor, example_value: Optional[torch.Tensor] = None
+                ) -> Optional[str]:
+    return None   # ring attention serves any device, dtype and size (its shard kernels choose)
+
+
+def _ring_variant(graph: torch.fx.GraphModule, args: list, settings: Settings, stock: Any,
+                  region: Any) -> Any:
+    """The graph with every attention site as ring attention: recognition rewrites each site it
+    can express into flex_attention (whatever its size or device: the ring serves them all), the
+    region turns those nodes into opaque ring-attention ops with their own backward
+    (fa3_inductor/distributed/graph_sites.py), and stock Inductor compiles the graph around them
+    for these inputs. Raises NotImplementedError naming a site recognition leaves alone (inside
+    the context it would attend within this rank's shard only) or one the ring cannot make exact."""
+    from .recognition.recognize_manual import rewrite_manual
+
+    if settings.fp8 is not None:
+        raise NotImplementedError(
+            "fa3_inductor.distributed.context_parallel: options={'fa3.fp8': ...} has no "
+            "context-parallel form (FP8 attention is not run per ring step); drop 'fa3.fp8' for "
+            "this model or run it outside context_parallel")
+    gm = _own_copy(graph)
+    with module_state.constants(_module_buffers(gm, args)) as guards:
+        sites, extra_inputs = rewrite_sdpa(gm, _every_site, keep_plain=False)
+        manual_sites, manual_inputs = rewrite_manual(gm, _every_site)
+    left = [site for site in sites + manual_sites if not site.rewritten]
+    if left:
+        raise NotImplementedError(
+            "fa3_inductor.distributed.context_parallel: the compiled graph's attention "
+            + "; ".join(f"site {site.node} ({site.front_door}) cannot run as ring attention: "
+                        f"{site.reason}" for site in left)
+            + ". Inside the context it would attend within this rank's sequence shard only; write "
+            "it as F.scaled_dot_product_attention / flex_attention (looked up inside the context) "
+            "or call fa3_inductor.distributed.ring_flex, or run the model outside the context")
+    gm = region.ring_graph(gm)
+    extra = extra_inputs + manual_inputs
+    return _with_extra_inputs(stock(gm, args + extra), extra, guards)
 
 
 def _compile_ours(gm: torch.fx.GraphModule, example_inputs: list, extra_inputs: list, guards: list,

@@ -117,7 +117,12 @@ def _run_ring_case(name: str, rank: int, world: int, seed: int) -> None:
     loss = (out * layout.shard(dout, 2, rank)).sum()
     if case.lse_grad:
         loss = loss + (torch.where(lse.isinf(), 0.0, lse) * layout.shard(dlse, 2, rank)).sum()
-    loss.backward()
+    with _no_forward():
+        loss.backward()
+    if case.kernel == "fa3":   # our backward family served every step (not a dense fallback)
+        from fa3_inductor.runtime.ops_bwd import last_backward_family
+
+        assert last_backward_family() == "generic_bwd", last_backward_family()
     ref, ref_lse, dq, dk, dv = _reference(case, q, k, v, dout, dlse)
     _check("out", out, layout.shard(ref, 2, rank))
     assert_lse_matches(lse, layout.shard(ref_lse, 2, rank), torch.float32)
@@ -129,6 +134,24 @@ def _run_ring_case(name: str, rank: int, world: int, seed: int) -> None:
         skipped = stats()["skipped"] - before["skipped"]
         want = 2 * (world - 1)
         assert skipped == want, f"rank 0 skipped {skipped} steps, expected {want}"
+
+
+@contextlib.contextmanager
+def _no_forward():
+    """Inside: any shard attention forward (dense, or our kernel through flex()) raises: the ring's
+    backward takes the merged O and LSE and must not recompute a step's forward."""
+    import fa3_inductor.api as api
+    from fa3_inductor.distributed import ring, shard_attention
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the ring's backward ran an attention forward")
+
+    saved = ring.shard_attention, shard_attention._dense, api.flex
+    ring.shard_attention = shard_attention._dense = api.flex = refuse
+    try:
+        yield
+    finally:
+        ring.shard_attention, shard_attention._dense, api.flex = saved
 
 
 def _run_context_parallel_case(name: str, rank: int, world: int, seed: int) -> None:
@@ -172,6 +195,78 @@ def _run_context_parallel_case(name: str, rank: int, world: int, seed: int) -> N
             with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2]):
                 F.scaled_dot_product_attention(*buffers, attn_mask=torch.ones(T, T).bool())
         assert F.scaled_dot_product_attention is _SDPA and torch.equal(buffers[0], q)
+
+
+def _hand_written(mask: str):
+    """Attention written out (softmax(q kᵀ) v), its mask from positions: what recognition finds.
+    ``document`` reads a per-position id tensor (its 4th argument), which a rank holds only for
+    its own shard."""
+    def attend(q, k, v, ids=None):
+        S = q.shape[-2]
+        s = (q @ k.transpose(-2, -1)) * D ** -0.5
+        i = torch.arange(S, device=q.device)
+        d = i[:, None] - i[None, :]
+        keep = {"causal": d >= 0, "window": (d >= 0) & (d < 6),
+                "document": None if ids is None else ids[:, None] == ids[None, :]}[mask]
+        s = s.masked_fill(~keep, float("-inf"))
+        return torch.softmax(s, dim=-1) @ v
+    return attend
+
+
+def _run_cp_manual_case(rank: int, world: int, seed: int, kernel: str = "dense") -> None:
+    """A compiled model whose attention recognition finds (hand-written causal and sliding-window
+    attention, SDPA bound before the context: three sites of one graph, one compile) runs ring
+    attention inside context_parallel: each output and the gradients against the unsharded float64
+    reference. The graph is compiled and run outside the context first (on one shard: local
+    attention, as written), then the same graph runs inside (its backward after the context is
+    left). A site the ring cannot make exact (a mask read from per-position ids) raises."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fa3_inductor import mods
+    from fa3_inductor.distributed import SeqLayout, context_parallel
+
+    mesh = init_device_mesh("cpu", (world,))
+    layout = SeqLayout(world)
+    case = Case(None, None) if kernel == "dense" else Case(None, None, kv_heads=2, batch=1, heads=2)
+    q, k, v, dout, _ = _inputs(seed, case)
+    causal, window, sdpa = _hand_written("causal"), _hand_written("window"), _SDPA
+    masks = (mods.causal, mods.sliding_window(6), mods.causal)
+
+    def three_sites(q, k, v):   # (SDPA: bound before the context patches F's attribute)
+        return causal(q, k, v), window(q, k, v), sdpa(q, k, v, is_causal=True)
+
+    model = torch.compile(three_sites, backend="fa3", dynamic=False)
+    local = [layout.shard(t, 2, rank) for t in (q, k, v)]
+    for got, mask_mod in zip(model(*local), masks):   # outside: within what it is given
+        _check("outside the context", got, reference_attention(*local, None, mask_mod)[0])
+    grads = [torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v)]
+    refs = []
+    for mask_mod in masks:
+        ref, *site_grads, _ = reference_gradients(q, k, v, dout, None, mask_mod)
+        refs.append(ref)
+        grads = [g + s for g, s in zip(grads, site_grads)]
+    buffers = [q.clone(), k.clone(), v.clone()]
+    with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2], kernel=kernel):
+        # (copies: leaving the context restores the buffers in place)
+        leaves = [b.detach().clone().requires_grad_() for b in buffers]
+        outs = model(*leaves)
+    # backward after the context is left: the ring sites keep the context of their forward
+    torch.autograd.backward(outs, [layout.shard(dout, 2, rank)] * 3)
+    if kernel == "fa3":
+        from fa3_inductor.runtime.ops_bwd import last_backward_family
+
+        assert last_backward_family() == "generic_bwd", last_backward_family()
+    for name, out, ref in zip(("causal", "window", "sdpa"), outs, refs):
+        _check(f"{name} out", out, layout.shard(ref, 2, rank))
+    for what, leaf, want in zip(("dq", "dk", "dv"), leaves, grads):
+        _check(what, leaf.grad, layout.shard(want, 2, rank))
+    if kernel != "dense":
+        return
+    model = torch.compile(_hand_written("document"), backend="fa3", dynamic=False)
+    buffers = [q.clone(), k.clone(), v.clone(), _doc_ids()]
+    with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2, 0], kernel="dense"):
+        with pytest.raises(NotImplementedError, match="sequence-shard length"):
+            model(*buffers)
 
 
 def _bench_module():
@@ -226,7 +321,9 @@ def _worker(rank: int, world: int, store: str, out_dir: str, names: list, seed: 
     results = {}
     for name in names:
         try:
-            if name.startswith("cp_"):
+            if name.startswith("cp_manual"):
+                _run_cp_manual_case(rank, world, seed, "fa3" if name.endswith("fa3") else "dense")
+            elif name.startswith("cp_"):
                 _run_context_parallel_case(name, rank, world, seed)
             elif name == "bench_dist":
                 _run_bench_case(rank, world, out_dir)
@@ -273,7 +370,7 @@ def _run_world(world: int, names: list) -> dict:
 
 TWO_RANKS = ["causal", "document", "sliding_window", "softcap", "gqa", "lse_grad",
              "allgather_gqa", "allgather_window", "contiguous", "no_mask", "cp_sdpa",
-             "cp_flex_compiled", "bench_dist"]
+             "cp_flex_compiled", "cp_manual", "bench_dist"]
 FOUR_RANKS = ["causal", "document", "sliding_window", "softcap", "gqa", "lse_grad",
               "allgather_document", "contiguous"]
 
@@ -304,8 +401,24 @@ def test_four_ranks(four_ranks, name):
 
 
 def test_real_kernel_two_ranks(cpu_kernels):
-    """Our generic kernel (Triton interpreter) per shard, forward and backward, 2 ranks."""
-    _assert_ok(_run_world(2, ["real_kernel"]), "real_kernel")
+    """Our generic kernel (Triton interpreter) per shard, forward and backward, 2 ranks: ring_flex
+    and a compiled model's recognized sites inside context_parallel."""
+    results = _run_world(2, ["real_kernel", "cp_manual_fa3"])
+    _assert_ok(results, "real_kernel")
+    _assert_ok(results, "cp_manual_fa3")
+
+
+def test_bench_emulate_cpu():
+    """benchmarks/ring_attention.py emulate on the CPU (dense kernel, tiny, GQA): every rank's
+    steps timed, forward and the backward from the merged output and LSE."""
+    bench = _bench_module()
+    argv = ["emulate", "--device", "cpu", "--kernel", "dense", "--world", "2", "--per-gpu", "32",
+            "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--reps", "1"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        (row,) = bench.run_emulate(bench.parse_args(argv))
+    assert len(row["rank_ms"]) == len(row["rank_bwd_ms"]) == 2, row
+    assert all(t > 0 for t in row["rank_ms"] + row["rank_bwd_ms"]), row
+    assert row["slowest_rank_fwdbwd_tflops"] > 0 and row["template"] == "dense", row
 
 
 def test_layout_matches_torch_head_tail():

@@ -3,7 +3,9 @@
 ``ring_flex`` is the direct call (ring or all-gather of K/V, our kernels per shard, LSE merge,
 backward included); ``SeqLayout`` says which positions each rank holds (head-tail by default);
 ``context_parallel`` runs models inside torch's own ``context_parallel`` API with their SDPA and
-flex_attention calls served by ``ring_flex``. Design: docs/design/context_parallel.md.
+flex_attention calls served by ``ring_flex``, and the attention sites of graphs compiled with
+``backend="fa3"`` (hand-written attention found by recognition) run as ring attention there too
+(graph_sites.py). Design: docs/design/context_parallel.md.
 
 Example::
 

@@ -15,10 +15,11 @@ Here, inside torch's context, ``F.scaled_dot_product_attention`` and
 ``ring_flex`` on this rank's shards, with the layout torch sharded the buffers in, so both run our
 kernels per shard and mods/masks see global positions. A model compiled with ``backend="fa3"``
 traces these calls as graph breaks (``ring_flex`` is ``torch.compiler.disable``d): the attention
-runs eagerly between compiled graphs. Hand-written attention (softmax(q kᵀ) v written out) is NOT
-made ring attention: it computes each rank's local block only (docs/design/context_parallel.md says
-why recognition cannot reroute it today and what that needs). :func:`active` tells code whether a
-context is on.
+runs eagerly between compiled graphs. Attention the compiled graph holds itself (hand-written
+softmax(q kᵀ) v, SDPA or flex_attention bound before the context, all found by recognition) runs
+as ring attention too: the context is pushed to runtime/cp_state.py, which the backend's compiled
+graphs read on every call, and a graph called inside runs its ring variant (graph_sites.py), or
+raises naming a site it cannot make exact. :func:`active` tells code whether a context is on.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Iterator, Optional
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..runtime import cp_state
 from .layout import SeqLayout
 from .ring import ring_flex
 
@@ -41,10 +43,14 @@ class _Active:
     method: str
     kernel: str
 
+    def ring_graph(self, gm):
+        """``gm`` with its flex_attention nodes run as ring attention (cp_state.py's region API)."""
+        from .graph_sites import ring_graph
 
-_ACTIVE: list[_Active] = []
+        return ring_graph(gm)
+
+
 _ORIGINALS: list[tuple] = []   # (sdpa, flex_attention) each patch replaced
-_IN_RING = [False]             # ring_flex's own per-shard flex calls reach torch's function
 
 
 def active() -> Optional[_Active]:
@@ -55,7 +61,8 @@ def active() -> Optional[_Active]:
         >>> active() is None
         True
     """
-    return _ACTIVE[-1] if _ACTIVE else None
+    state = cp_state.active()
+    return state if isinstance(state, _Active) else None
 
 
 @contextlib.contextmanager
@@ -109,12 +116,12 @@ def _patched(state: _Active) -> Iterator[None]:
     saved_sdpa, saved_flex = F.scaled_dot_product_attention, flex_module.flex_attention
     F.scaled_dot_product_attention = _sdpa
     flex_module.flex_attention = _flex
-    _ACTIVE.append(state)
+    cp_state.push(state)
     _ORIGINALS.append((saved_sdpa, saved_flex))
     try:
         yield
     finally:
-        _ACTIVE.pop()
+        cp_state.pop()
         _ORIGINALS.pop()
         F.scaled_dot_product_attention = saved_sdpa
         flex_module.flex_attention = saved_flex
@@ -126,19 +133,15 @@ def _causal(b, h, q_idx, kv_idx):
 
 def _ring(*args, **kwargs):
     state = active()
-    _IN_RING[0] = True
-    try:
-        return ring_flex(*args, group=state.group, layout=state.layout, method=state.method,
-                         kernel=state.kernel, **kwargs)
-    finally:
-        _IN_RING[0] = False
+    return ring_flex(*args, group=state.group, layout=state.layout, method=state.method,
+                     kernel=state.kernel, **kwargs)
 
 
 def _sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
           dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
           enable_gqa: bool = False) -> Tensor:
     """F.scaled_dot_product_attention on this rank's shards, as ring attention."""
-    if _IN_RING[0]:
+    if active() is None:   # the ring's own per-shard calls (cp_state.suspended)
         return _ORIGINALS[-1][0](query, key, value, attn_mask, dropout_p, is_causal, scale,
                                  enable_gqa=enable_gqa)
     if attn_mask is not None or dropout_p != 0.0:
@@ -156,7 +159,7 @@ def _flex(query: Tensor, key: Tensor, value: Tensor, score_mod=None, block_mask=
           kernel_options=None, **unused) -> Tensor:
     """flex_attention on this rank's shards, as ring attention; a block mask contributes its
     mask_mod (which sees global positions), its tables are rebuilt per shard."""
-    if _IN_RING[0]:
+    if active() is None:   # the ring's own per-shard calls (cp_state.suspended)
         return _ORIGINALS[-1][1](query, key, value, score_mod=score_mod, block_mask=block_mask,
                                  scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
                                  kernel_options=kernel_options, **unused)

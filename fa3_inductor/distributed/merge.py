@@ -5,12 +5,15 @@ Notation (per query row): shard j gives o_j = Σ_k∈j p_k v_k / Σ_k∈j p_k an
 
     L = log Σ_j exp(l_j),    w_j = exp(l_j - L),    O = Σ_j w_j o_j.
 
-Backward, for incoming dO and dL:
+Backward, for incoming dO and dL: with ∂w_k/∂l_j = w_k(δ_kj - w_j),
 
-    dO_j = w_j dO,    dl_j = w_j (dO·o_j - dO·O) + w_j dL
+    dO_j = w_j dO,    dl_j = w_j (dO·o_j - dO·O) + w_j dL.
 
-(∂w_k/∂l_j = w_k(δ_kj - w_j)), so each shard's gradients are its own attention's gradients for
-the weighted dO_j and dl_j: any backward that differentiates (out, lse) serves a ring step.
+Shard j's own backward for (dO_j, dl_j) has dS = p_j (dO_j·v - dO_j·o_j + dl_j) with its local
+probabilities p_j = exp(s - l_j); since w_j p_j = exp(s - L) = P (the global probability), this is
+dS = P (dO·v - dO·O + dL): the ordinary attention backward with the GLOBAL O and L, restricted to
+shard j's keys. So a ring step needs no forward and no per-shard (o_j, l_j): our backward kernels
+take O, L, dO, dL as given (shard_attention.shard_attention_backward).
 A shard the mask hides (l_j = -inf) has w_j = 0; a row every shard hides has L = -inf, O = 0.
 """
 
@@ -63,19 +66,3 @@ class Merger:
                     torch.full(like_lse_shape, float("-inf"), device=like_out.device))
         return self.out.to(dtype), self.lse.to(torch.float32 if self.lse.dtype != torch.float64
                                                else torch.float64)
-
-
-def part_grads(dout: Tensor, dlse: Optional[Tensor], lse: Tensor, out_part: Tensor,
-               lse_part: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
-    """(dO_j, dl_j) of the module docstring for one shard; ``delta`` = dO·O per row (float32).
-
-    Example::
-
-        >>> d_out_j, d_lse_j = part_grads(dout, None, lse, o_j, l_j, delta)   # doctest: +SKIP
-    """
-    w = weight(lse_part.to(lse.dtype), lse)
-    d_out = (dout.to(w.dtype) * w.unsqueeze(-1)).to(out_part.dtype)
-    d_lse = w * ((dout.to(w.dtype) * out_part.to(w.dtype)).sum(-1) - delta)
-    if dlse is not None:
-        d_lse = d_lse + w * dlse.to(w.dtype)
-    return d_out, d_lse.to(lse_part.dtype)

@@ -8,14 +8,16 @@ Forward: before step s computes, the shard it holds is already on its way to r +
 one is coming from r - 1 (one ``batch_isend_irecv``), so the transfer overlaps the attention.
 Partial (out, lse) pairs merge in float32 (merge.py). Shards the mask hides are skipped.
 
-Backward (recomputing each step's attention): dq accumulates locally; each K/V shard's dk/dv
-accumulator (float32) travels with it, picking up every rank's contribution, and takes one last
-hop home after step n - 1. Each step's gradients are its attention's own for the weighted dO_j and
-dl_j of merge.py, so any backward that differentiates (out, lse) serves: our backward families
-through ``fa3_inductor.flex``'s autograd, or the dense kernel's autograd.
+Backward, FlashAttention's ring backward: the K/V shards travel the ring again, and each step
+calls the backward kernels for (local q, the visiting shard) with the GLOBAL merged output O, LSE
+L, dO and dL (shard_attention_backward): P = exp(S - L) is already globally normalised, so the
+step's gradients are exactly that shard's share of dq and its dk, dv, and no step's forward runs
+again. dq accumulates locally; each K/V shard's dk/dv accumulator (float32) travels with it,
+picking up every rank's contribution, and takes one last hop home after step n - 1.
 
 ``method="allgather"``: all-gather K/V once (back in global order) and run one attention of the
-local queries against the whole sequence; its backward reduce-scatters dk/dv. It sends (n - 1) S
+local queries against the whole sequence; its backward gathers K/V again, runs the same
+no-forward backward against the whole sequence and reduce-scatters dk/dv. It sends (n - 1) S
 K/V rows per rank like the ring but in one collective, and GQA's smaller K/V make it cheap: the
 right choice for short rings. Its memory holds the whole K/V.
 """
@@ -30,9 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..runtime import cp_state
 from .layout import SeqLayout
-from .merge import Merger, part_grads
-from .shard_attention import ShardMods, shard_attention
+from .merge import Merger
+from .shard_attention import ShardMods, shard_attention, shard_attention_backward
 
 _METHODS = ("ring", "allgather")
 _KERNELS = ("auto", "fa3", "dense")
@@ -68,6 +71,7 @@ class _RingCall:
     scale: float
     enable_gqa: bool
     kernel: str
+    method: str = "ring"
 
     def mods(self, source: Optional[int], device: torch.device) -> ShardMods:
         """The mods of this rank's queries against rank ``source``'s K/V shard (None: the whole
@@ -132,27 +136,9 @@ def _ring_forward(call: _RingCall, q: Tensor, k: Tensor, v: Tensor) -> tuple[Ten
     return merger.result(q.dtype, q.new_empty((*q.shape[:3], v.shape[-1])), q.shape[:3])
 
 
-def _step_grads(call: _RingCall, q: Tensor, k: Tensor, v: Tensor, source: int, dout: Tensor,
-                dlse: Optional[Tensor], lse: Tensor, delta: Tensor):
-    """(dq, dk, dv) of one step (float32), or None when the mask hides the shard."""
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    with torch.enable_grad():
-        part = shard_attention(*leaves, call.mods(source, q.device), call.scale, call.enable_gqa,
-                               call.kernel)
-        _STATS["skipped" if part is None else "computed"] += 1
-        if part is None:
-            return None
-        out_part, lse_part = part
-        d_out, d_lse = part_grads(dout, dlse, lse, out_part.detach(), lse_part.detach(), delta)
-        grads = torch.autograd.grad((out_part, lse_part), leaves, (d_out, d_lse))
-    return tuple(g.float() if g.dtype != torch.float64 else g for g in grads)
-
-
 def _ring_backward(call: _RingCall, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                    dout: Tensor, dlse: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
-    delta = (dout.to(work) * out.to(work)).sum(-1)
-    lse = lse.to(work)
     dq = torch.zeros(q.shape, dtype=work, device=q.device)
     ring = _Neighbours(call.group, call.rank, call.world) if call.world > 1 else None
     kv = (k.contiguous(), v.contiguous())
@@ -161,13 +147,15 @@ def _ring_backward(call: _RingCall, q: Tensor, k: Tensor, v: Tensor, out: Tensor
         if step < call.world - 1:
             pending_kv = ring.shift(kv)
         source = (call.rank - step) % call.world
-        grads = _step_grads(call, q, *kv, source, dout, dlse, lse, delta)
+        grads = shard_attention_backward(q, *kv, out, lse, dout, dlse, call.mods(source, q.device),
+                                         call.scale, call.kernel)
+        _STATS["skipped" if grads is None else "computed"] += 1
         if grads is None:
             gk = torch.zeros(k.shape, dtype=work, device=k.device)
             gv = torch.zeros(v.shape, dtype=work, device=v.device)
         else:
             dq += grads[0]
-            gk, gv = grads[1], grads[2]
+            gk, gv = grads[1].to(work), grads[2].to(work)
         if pending_acc is not None:   # this shard's accumulator, from the rank that held it last
             acc_k, acc_v = pending_acc.wait()
             gk, gv = acc_k + gk, acc_v + gv
@@ -180,58 +168,72 @@ def _ring_backward(call: _RingCall, q: Tensor, k: Tensor, v: Tensor, out: Tensor
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-class _RingAttention(torch.autograd.Function):
+def _gather(x: Tensor, call: _RingCall, total: int) -> Tensor:
+    """All-gather a (B, H, S, D) shard along the sequence into global order."""
+    parts = [torch.empty_like(x) for _ in range(call.world)]
+    dist.all_gather(parts, x.contiguous(), group=call.group)
+    order = call.layout.order(total, x.device)
+    return torch.cat(parts, dim=2).index_select(2, torch.argsort(order))
+
+
+def _sum_to_shards(grad: Tensor, call: _RingCall, total: int) -> Tensor:
+    """Sum every rank's gradient of the gathered sequence and hand each rank its shard
+    (reduce-scatter; all-reduce on gloo, which has no reduce-scatter)."""
+    per_rank = grad.index_select(2, call.layout.order(total, grad.device)).contiguous()
+    local = per_rank.shape[2] // call.world
+    if dist.get_backend(call.group) == "gloo":
+        dist.all_reduce(per_rank, group=call.group)
+        return per_rank.narrow(2, call.rank * local, local).contiguous()
+    out = torch.empty_like(per_rank.narrow(2, 0, local))
+    chunks = [c.contiguous() for c in per_rank.split(local, dim=2)]
+    dist.reduce_scatter(out, chunks, group=call.group)
+    return out
+
+
+def _allgather_forward(call: _RingCall, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    k_all, v_all = _gather(k, call, call.total_kv), _gather(v, call, call.total_kv)
+    part = shard_attention(q, k_all, v_all, call.mods(None, q.device), call.scale,
+                           call.enable_gqa, call.kernel)
+    if part is None:   # every row hidden
+        return (q.new_zeros((*q.shape[:3], v.shape[-1])),
+                torch.full(q.shape[:3], float("-inf"), device=q.device))
+    return part
+
+
+def _allgather_backward(call: _RingCall, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                        lse: Tensor, dout: Tensor, dlse: Optional[Tensor]
+                        ) -> tuple[Tensor, Tensor, Tensor]:
+    # K/V gathered again rather than kept from the forward: the whole sequence's K/V would
+    # otherwise stay in memory from every layer's forward to its backward
+    k_all, v_all = _gather(k, call, call.total_kv), _gather(v, call, call.total_kv)
+    grads = shard_attention_backward(q, k_all, v_all, out, lse, dout, dlse,
+                                     call.mods(None, q.device), call.scale, call.kernel)
+    if grads is None:   # every row hidden; the reduce-scatters still run: they are collective
+        grads = (torch.zeros_like(q), torch.zeros_like(k_all), torch.zeros_like(v_all))
+    dq, dk_all, dv_all = grads
+    dk = _sum_to_shards(dk_all, call, call.total_kv)
+    dv = _sum_to_shards(dv_all, call, call.total_kv)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _Attention(torch.autograd.Function):
+    """Ring or all-gather attention; its backward runs no forward (module docstring)."""
+
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, call: _RingCall):
-        out, lse = _ring_forward(call, q, k, v)
+        out, lse = attention_forward(call, q, k, v)
+        ctx.set_materialize_grads(False)   # an LSE outside the loss sends no dL term
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.call = call
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout: Tensor, dlse: Optional[Tensor]):
+    def backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(ctx.call, q, k, v, out, lse, dout, dlse)
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = attention_backward(ctx.call, q, k, v, out, lse, dout, dlse)
         return dq, dk, dv, None
-
-
-class _GatherSequence(torch.autograd.Function):
-    """All-gather a (B, H, S, D) shard along the sequence into global order; backward sums each
-    rank's gradient and hands every rank its shard (reduce-scatter; all-reduce on gloo)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, call: _RingCall, total: int):
-        parts = [torch.empty_like(x) for _ in range(call.world)]
-        dist.all_gather(parts, x.contiguous(), group=call.group)
-        order = call.layout.order(total, x.device)
-        ctx.call, ctx.order = call, order
-        return torch.cat(parts, dim=2).index_select(2, torch.argsort(order))
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        call = ctx.call
-        per_rank = grad.index_select(2, ctx.order).contiguous()
-        local = per_rank.shape[2] // call.world
-        if dist.get_backend(call.group) == "gloo":   # gloo has no reduce-scatter
-            dist.all_reduce(per_rank, group=call.group)
-            return per_rank.narrow(2, call.rank * local, local).contiguous(), None, None
-        out = torch.empty_like(per_rank.narrow(2, 0, local))
-        chunks = [c.contiguous() for c in per_rank.split(local, dim=2)]
-        dist.reduce_scatter(out, chunks, group=call.group)
-        return out, None, None
-
-
-def _allgather_attention(call: _RingCall, q: Tensor, k: Tensor, v: Tensor
-                         ) -> tuple[Tensor, Tensor]:
-    k_all = _GatherSequence.apply(k, call, call.total_kv)
-    v_all = _GatherSequence.apply(v, call, call.total_kv)
-    part = shard_attention(q, k_all, v_all, call.mods(None, q.device), call.scale,
-                           call.enable_gqa, call.kernel)
-    if part is None:   # every row hidden: keep the gathers in the graph (their backward is collective)
-        anchor = (k_all.sum() + v_all.sum()) * 0
-        out = q.new_zeros((*q.shape[:3], v.shape[-1])) + anchor
-        return out, torch.full(q.shape[:3], float("-inf"), device=q.device) + anchor.float()
-    return part
 
 
 def _default_kernel(q: Tensor) -> str:
@@ -262,6 +264,25 @@ def ring_flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = N
         >>> out = ring_flex(q, k, v, mask_mod=mods.causal, layout=lay)   # this rank's rows
         >>> full = lay.unshard(all_gathered_outs, 2)
     """
+    call = ring_call(q, k, v, score_mod, mask_mod, group=group, layout=layout, scale=scale,
+                     enable_gqa=enable_gqa, method=method, kernel=kernel)
+    out, lse = _Attention.apply(q, k, v, call)
+    return (out, lse) if return_lse else out
+
+
+def ring_call(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
+              mask_mod: Optional[Callable] = None, *, group=None,
+              layout: Optional[SeqLayout] = None, scale: Optional[float] = None,
+              enable_gqa: bool = False, method: str = "ring", kernel: str = "auto") -> _RingCall:
+    """Everything one :func:`ring_flex` call fixes, checked (its arguments' meaning): what
+    :func:`attention_forward` and :func:`attention_backward` take. For callers that keep the
+    forward and the backward apart themselves (the ring sites of compiled graphs: graph_sites.py).
+
+    Example::
+
+        >>> call = ring_call(q, k, v, mask_mod=mods.causal)           # doctest: +SKIP
+        >>> out, lse = attention_forward(call, q, k, v)               # doctest: +SKIP
+    """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("ring_flex: torch.distributed is not initialized; call "
                            "dist.init_process_group (nccl on GPUs, gloo on CPUs) first")
@@ -278,14 +299,38 @@ def ring_flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = N
     _check_shapes(q, k, v, enable_gqa)
     layout.check_length(q.shape[2] * world)
     layout.check_length(k.shape[2] * world)
-    call = _RingCall(group, rank, world, layout, q.shape[2] * world, k.shape[2] * world,
+    return _RingCall(group, rank, world, layout, q.shape[2] * world, k.shape[2] * world,
                      score_mod, mask_mod, scale if scale is not None else q.shape[-1] ** -0.5,
-                     enable_gqa, _default_kernel(q) if kernel == "auto" else kernel)
-    if method == "allgather":
-        out, lse = _allgather_attention(call, q, k, v)
-    else:
-        out, lse = _RingAttention.apply(q, k, v, call)
-    return (out, lse) if return_lse else out
+                     enable_gqa, _default_kernel(q) if kernel == "auto" else kernel, method)
+
+
+def attention_forward(call: _RingCall, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """(out, natural-log lse) of this rank's queries over the whole sequence, no autograd.
+
+    Example::
+
+        >>> out, lse = attention_forward(ring_call(q, k, v), q, k, v)   # doctest: +SKIP
+    """
+    forward = _allgather_forward if call.method == "allgather" else _ring_forward
+    # suspended: the shards' own attention calls (flex(), SDPA / flex_attention patched by
+    # context_parallel) attend within the shards they are given, not as ring sites again
+    with torch.no_grad(), cp_state.suspended():
+        return forward(call, q, k, v)
+
+
+def attention_backward(call: _RingCall, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                       lse: Tensor, dout: Tensor, dlse: Optional[Tensor]
+                       ) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of this rank's shards from the forward's ``out`` / ``lse`` and their incoming
+    gradients (``dlse`` None: the LSE is not in the loss); runs no forward (module docstring).
+
+    Example::
+
+        >>> dq, dk, dv = attention_backward(call, q, k, v, out, lse, dout, None)   # doctest: +SKIP
+    """
+    backward = _allgather_backward if call.method == "allgather" else _ring_backward
+    with torch.no_grad(), cp_state.suspended():
+        return backward(call, q, k, v, out, lse, dout, dlse)
 
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> None:

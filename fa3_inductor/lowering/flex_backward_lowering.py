@@ -1,8 +1,9 @@
 """Our lowering of the flex_attention_backward op (training through every fused attention).
 
 Installed as a wrapper around Inductor's own lowering in ``lowerings[flex_attention_backward]``,
-gated like the forward wrapper (flex_lowering.py): it acts only while the fa3 backend compiles;
-under any other backend it calls the original untouched. When it acts it plans the site against
+gated like the forward wrapper (flex_lowering.py): it acts while the fa3 backend compiles and on
+ops traced from ``fa3_inductor.flex()`` under any Inductor compile; otherwise it calls the original
+untouched. When it acts it plans the site against
 the registry's backward families (templates/registry.py) and either
 
 - generates the score_mod, the mask_mod, the score_mod's derivative (from the joint graph:
@@ -21,6 +22,7 @@ the registry's backward families (templates/registry.py) and either
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import torch
@@ -38,7 +40,7 @@ from ..templates.modgen import (GeneratedSource, UnsupportedMod, generate_in_dia
                                 is_constant_true_mask, is_identity_score)
 from ..templates.modgen_torch import generate_torch_mod_source, torch_buffer_specs
 from ..templates.registry import DENSE_BACKWARD, backward_candidates, backward_last_resort
-from .common import active_pass, buffer_specs, site_shape
+from .common import active_pass, buffer_specs, lowering_settings, site_shape, torch_kernel_options
 from .site_plan import unserved
 
 _BWD_OP = torch.ops.higher_order.flex_attention_backward
@@ -145,24 +147,30 @@ def _site_facts(a: _compat.FlexBackwardArgs, bm: _compat.FlexBlockMask, settings
                              deterministic=settings.deterministic_backward, score_grad=score_grad), None
 
 
-def _derivative_graph(a: _compat.FlexBackwardArgs) -> tuple[Optional[Any], Optional[UnsupportedMod]]:
+def derivative_graph(score_gm: Any, joint_gm: Any, n_buffers: int
+                     ) -> tuple[Optional[Any], Optional[UnsupportedMod]]:
     """The score_mod's derivative as a mod graph (score_grad.py): None for no score_mod or one that
-    adds a term (f' = 1); or the UnsupportedMod the rewrite raised."""
-    if is_identity_score(a.fw_graph.graph_module):
+    adds a term (f' = 1); or the UnsupportedMod the rewrite raised. ``n_buffers``: the score_mod's
+    captured buffers, scalars included.
+
+    Example::
+
+        >>> grad_gm, error = derivative_graph(score_gm, joint_gm, 0)   # doctest: +SKIP
+    """
+    if is_identity_score(score_gm):
         return None, None
     try:
-        return score_grad_graph(a.joint_graph.graph_module, len(a.score_mod_other_buffers)), None
+        return score_grad_graph(joint_gm, n_buffers), None
     except UnsupportedMod as exc:
         return None, exc
 
 
-def _sources(a: _compat.FlexBackwardArgs, bm: _compat.FlexBlockMask, dialects: list[str],
-             score_specs: list, mask_specs: list, grad_gm: Optional[Any]) -> tuple[tuple, dict]:
+def _sources(score_gm: Any, mask_gm: Any, dialects: list[str], score_specs: list,
+             mask_specs: list, grad_gm: Optional[Any]) -> tuple[tuple, dict]:
     """The spec's mods: (dialect, score_mod, derivative, mask_mod) per dialect (the families' and
     ``torch`` for the dense last resort), and the generator's records of each kind. ``grad_gm``:
-    the derivative's graph (:func:`_derivative_graph`). Raises UnsupportedMod when a mod or the
+    the derivative's graph (:func:`derivative_graph`). Raises UnsupportedMod when a mod or the
     derivative cannot be generated."""
-    score_gm, mask_gm = a.fw_graph.graph_module, bm.mask_graph.graph_module
     identity, all_true = is_identity_score(score_gm), is_constant_true_mask(mask_gm)
     mods, infos = [], {"score": (), "score_grad": (), "mask": ()}
     for dialect in dict.fromkeys([*dialects, "torch"]):
@@ -187,14 +195,12 @@ def _tensor_buffer_grads(a: _compat.FlexBackwardArgs) -> tuple[bool, ...]:
     return tuple(n for n, b in zip(needs, buffers) if isinstance(b, ir.IRNode))
 
 
-def _buffer_grad_mods(a: _compat.FlexBackwardArgs, dialects: list[str], score_specs: list
-                      ) -> tuple:
+def _buffer_grad_mods(joint_gm: Any, dialects: list[str], score_specs: list) -> tuple:
     """The spec's captured-tensor gradients: (dialect, items per buffer needing one) per family
     dialect (the dense recompute differentiates by autograd: no ``torch`` entry).
     Raises UnsupportedMod when one cannot be generated."""
-    joint = a.joint_graph.graph_module
     return tuple((dialect, tuple(buffer_grad_items(s) for s in
-                                 buffer_grad_sources(joint, score_specs, dialect)))
+                                 buffer_grad_sources(joint_gm, score_specs, dialect)))
                  for dialect in dict.fromkeys(dialects))
 
 
@@ -202,29 +208,74 @@ def _plan(a: _compat.FlexBackwardArgs, bm: _compat.FlexBlockMask, settings: Sett
           ) -> tuple[Optional[BackwardSiteSpec], str]:
     """(spec, note) when one of our backward families serves the site, else (None, reason)."""
     flags = _tensor_buffer_grads(a)
-    grad_gm, grad_error = _derivative_graph(a)
+    score_gm, joint_gm = a.fw_graph.graph_module, a.joint_graph.graph_module
+    grad_gm, grad_error = derivative_graph(score_gm, joint_gm, len(a.score_mod_other_buffers))
     facts, reason = _site_facts(a, bm, settings, buffer_grads=any(flags),
                                 score_grad=grad_gm is not None or grad_error is not None)
     if facts is None:
         return None, reason
-    families, notes = backward_candidates(facts, f"{settings.template}_bwd")
-    if not families:
-        return None, "; ".join(notes) or "no backward family serves this site"
     score_specs, why = buffer_specs(a.score_mod_other_buffers)
     mask_specs, why_mask = buffer_specs(a.mask_mod_other_buffers)
     if why or why_mask:
         return None, why or why_mask
+    return plan_backward_site(BackwardGraphs(score_gm, joint_gm, bm.mask_graph.graph_module,
+                                             score_specs, mask_specs, flags, grad_gm, grad_error),
+                              facts, settings.template, shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardGraphs:
+    """One backward site's mods as graphs, what the plan generates its sources from.
+
+    ``score_gm`` / ``mask_gm``: the mods, ``(score,) b, h, q_idx, kv_idx, *buffers -> value``;
+    ``joint_gm``: torch's joint graph of the score_mod (``create_fw_bw_graph``); ``score_specs`` /
+    ``mask_specs``: the captured buffers as the generated mods see them (None for a scalar);
+    ``flags``: per captured tensor of the score_mod, whether it needs a gradient; ``grad_gm`` /
+    ``grad_error``: :func:`derivative_graph`'s answer for the score_mod.
+
+    Example::
+
+        >>> grad_gm, err = derivative_graph(score_gm, joint_gm, 0)                  # doctest: +SKIP
+        >>> BackwardGraphs(score_gm, joint_gm, mask_gm, [], [], (), grad_gm, err)   # doctest: +SKIP
+    """
+
+    score_gm: Any
+    joint_gm: Any
+    mask_gm: Any
+    score_specs: list
+    mask_specs: list
+    flags: tuple[bool, ...]
+    grad_gm: Optional[Any]
+    grad_error: Optional[UnsupportedMod]
+
+
+def plan_backward_site(graphs: BackwardGraphs, facts: BackwardSiteFacts, template: str,
+                       description: str) -> tuple[Optional[BackwardSiteSpec], str]:
+    """(spec, note) when one of our backward families serves a site of these mods and facts, else
+    (None, reason): what the lowering plans, from graphs rather than Inductor's IR, so a direct
+    caller of ``flex_bwd.families`` (fa3_inductor/direct_bwd.py) plans exactly as it does.
+    ``template``: the fa3.template setting ("auto" or a family to start from).
+
+    Example::
+
+        >>> spec, note = plan_backward_site(graphs, facts, "auto", "q[1, 2, 64, 16] ...")  # doctest: +SKIP
+    """
+    flags = graphs.flags
+    families, notes = backward_candidates(facts, f"{template}_bwd")
+    if not families:
+        return None, "; ".join(notes) or "no backward family serves this site"
     dialects = [f.dialect for f in families]
     try:
-        if grad_error is not None:
-            raise grad_error
-        mods, infos = _sources(a, bm, dialects, score_specs, mask_specs, grad_gm)
+        if graphs.grad_error is not None:
+            raise graphs.grad_error
+        mods, infos = _sources(graphs.score_gm, graphs.mask_gm, dialects, graphs.score_specs,
+                               graphs.mask_specs, graphs.grad_gm)
     except UnsupportedMod as exc:
         return None, f"mod not lowerable for the backward: {exc}"
     grad_mods = ()
     if facts.buffer_grads:
         try:
-            grad_mods = _buffer_grad_mods(a, dialects, score_specs)
+            grad_mods = _buffer_grad_mods(graphs.joint_gm, dialects, graphs.score_specs)
         except UnsupportedMod as exc:
             return None, f"captured-tensor gradient not lowerable for the backward: {exc}"
         if any(len(items) != sum(flags) for _, items in grad_mods):   # a generator bug: say so
@@ -234,7 +285,7 @@ def _plan(a: _compat.FlexBackwardArgs, bm: _compat.FlexBlockMask, settings: Sett
     spec = BackwardSiteSpec(families=tuple(f.name for f in families), mods=mods,
                             score_info=infos["score"], score_grad_info=infos["score_grad"],
                             mask_info=infos["mask"], deterministic=facts.deterministic,
-                            description=shape, buffer_grads=flags if any(flags) else (),
+                            description=description, buffer_grads=flags if any(flags) else (),
                             buffer_grad_mods=grad_mods)
     failed = [family_failure(spec.build_key(), f) for f in spec.families]
     if all(failed):   # every family failed to build for these mods earlier in this process
@@ -286,17 +337,26 @@ def _emit(a: _compat.FlexBackwardArgs, bm: _compat.FlexBlockMask, spec: Backward
 
 
 def _fa3_flex_backward_lowering(*args, **kwargs):
-    marker = active_pass()
-    if marker is None:
+    try:
+        a = _compat.unpack_flex_backward_args(args, kwargs)
+    except RuntimeError:
+        if active_pass() is None:   # not ours to read: torch's lowering as it was called
+            return _original_lowering(*args, **kwargs)
+        raise
+    settings = lowering_settings(a.kernel_options)
+    stripped = torch_kernel_options(a.kernel_options)
+    if stripped is not a.kernel_options:
+        # torch's templates make every kernel option a constexpr: hand them ours removed
+        args, kwargs = tuple(a._replace(kernel_options=stripped)), {}
+    if settings is None:
         return _original_lowering(*args, **kwargs)
     from torch._inductor.virtualized import V
 
-    a = _compat.unpack_flex_backward_args(args, kwargs)
     bm = _compat.unpack_block_mask(a.block_mask)
     shape = site_shape(a.query, a.key, a.value)
     tag = site_tag(getattr(V.graph, "current_node", None))
-    deterministic = marker.settings.deterministic_backward
-    spec, why = _plan(a, bm, marker.settings, shape)
+    deterministic = settings.deterministic_backward
+    spec, why = _plan(a, bm, settings, shape)
     if spec is not None:
         result = _emit(a, bm, spec)
         _record(LoweredBackwardSite("fa3_inductor.flex_bwd", shape, sum(spec.buffer_grads), why,

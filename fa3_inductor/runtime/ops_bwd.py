@@ -7,10 +7,12 @@ it; it walks the site's backward families (BackwardSiteSpec.families, from the p
 registry's order) and runs the call on the first that serves it (templates/family.py's
 BackwardFamily). A family may refuse a call's tensors (NotServed) or fail to build its kernels
 (recorded in kernel_failures.py); when none serves, the dense recompute computes the call, with the
-reasons logged. Mods reach it as generated source inside the ``spec`` string (the score_mod, its
-derivative and the mask_mod per dialect, and the gradients of captured tensors that need one:
-templates/generic_bwd/buffer_grad.py), so a graph served from Inductor's cache rebuilds them. It
-returns (dq, dk, dv, [the gradient of each captured tensor that needs one]), as the dense op does.
+reasons logged (:func:`run_backward_families` is the walk alone, for callers that must not fall
+back to a recompute: ring attention's steps). Mods reach it as generated source inside the
+``spec`` string (the score_mod, its derivative and the mask_mod per dialect, and the gradients
+of captured tensors that need one: templates/generic_bwd/buffer_grad.py), so a graph served from
+Inductor's cache rebuilds them. It returns (dq, dk, dv, [the gradient of each captured tensor that
+needs one]), as the dense op does.
 
 On CUDA the walk and the family's planning (mods loaded, tiles, TMA descriptors: ~100 us of Python)
 happen once per launch signature: the op allocates the family's scratch itself
@@ -230,6 +232,45 @@ def flex_bwd_families(
         >>> dq, dk, dv, dbufs = torch.ops.fa3_inductor.flex_bwd.families(q, k, v, out, lse, dout,
         ...     None, *(None,) * 8, [], [], 0.125, 128, 128, spec)   # doctest: +SKIP (spec: the lowering)
     """
+    tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
+    q_tables = (q_num_blocks, q_indices, full_q_num_blocks, full_q_indices)
+    served, passed_over = run_backward_families(q, k, v, out, lse, grad_out, grad_lse, tables,
+                                                q_tables, score_bufs, mask_bufs, scale,
+                                                sparse_q_block, sparse_kv_block, spec)
+    if served is not None:
+        return served
+    site = BackwardSiteSpec.from_json(spec)
+    warn_once(f"fa3_inductor: the dense recompute runs the backward of {site.description or 'a site'}: "
+              f"{'; '.join(passed_over) or 'no backward family listed'}")
+    _state.family = DENSE_BACKWARD
+    score, _, mask = site.sources("torch")
+    dense_spec = BackwardSpec(score, mask, _buffer_grad_flags(site, score_bufs),
+                              site.description).to_json()
+    return flex_bwd(q, k, v, grad_out, grad_lse, *tables, score_bufs, mask_bufs, scale,
+                    _one_block_size(sparse_q_block, q.shape[2]),
+                    _one_block_size(sparse_kv_block, k.shape[2]), dense_spec)
+
+
+def run_backward_families(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_out: Optional[Tensor],
+    grad_lse: Optional[Tensor], tables: tuple, q_tables: tuple, score_bufs: list[Tensor],
+    mask_bufs: list[Tensor], scale: float, sparse_q_block: int, sparse_kv_block: int, spec: str,
+) -> tuple[Optional[tuple[Tensor, Tensor, Tensor, list[Tensor]]], list[str]]:
+    """The op's call on the first of ``spec``'s backward families that serves it: ((dq, dk, dv,
+    dbufs), []), or (None, why each family was passed over) when none does. ``out`` and ``lse``
+    (log2 units) are used as given: every family computes P = exp2(S - lse) and dO·O from them.
+
+    The op then runs the dense recompute, which recomputes the softmax from q and k instead: the
+    same thing for a site's own (out, lse), but not for a caller that passes another normalisation
+    (ring attention's global O and L for one K/V shard: fa3_inductor/distributed/), which must
+    handle None itself. ``tables`` / ``q_tables``: the op's four block-mask tables and four
+    transposed ones.
+
+    Example::
+
+        >>> grads, passed_over = run_backward_families(q, k, v, out, lse2, dout, None, (None,) * 4,
+        ...     (None,) * 4, [], [], 0.125, 1 << 30, 1 << 30, spec)   # doctest: +SKIP
+    """
     site = BackwardSiteSpec.from_json(spec)
     flags = _buffer_grad_flags(site, score_bufs)
     M, N = q.shape[2], k.shape[2]
@@ -240,8 +281,6 @@ def flex_bwd_families(
     dbufs = [torch.empty(t.shape, dtype=t.dtype, device=t.device)
              for t, needs in zip(score_bufs, flags) if needs]
     dout = grad_out if grad_out is not None else torch.zeros_like(out)
-    tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
-    q_tables = (q_num_blocks, q_indices, full_q_num_blocks, full_q_indices)
     key = tensors = None
     if _caches(q):
         tensors = (q, k, v, out, dout, lse, grad_lse, dq, dk, dv, *tables, *q_tables, *score_bufs,
@@ -252,24 +291,18 @@ def flex_bwd_families(
         if plan is not None and plan.launches is not None:
             plan.run(tensors, q.device)
             _state.family = plan.family
-            return dq, dk, dv, dbufs
-    call = BackwardCall(q, k, v, out, dout, lse, grad_lse, dq, dk, dv, tables, q_tables,
-                        tuple(score_bufs), tuple(mask_bufs), scale, sparse_q_block, sparse_kv_block,
-                        dbufs=tuple(dbufs))
+            return (dq, dk, dv, dbufs), []
+    call = BackwardCall(q, k, v, out, dout, lse, grad_lse, dq, dk, dv, tuple(tables),
+                        tuple(q_tables), tuple(score_bufs), tuple(mask_bufs), scale,
+                        sparse_q_block, sparse_kv_block, dbufs=tuple(dbufs))
     name, passed_over = first_serving(
         site.families, site.build_key(), f"the backward of {site.description or 'a site'}",
         "backward family", _backward_family_here,
         lambda family: _serve_with(family, backward_call_for(site, call, family.dialect), key, tensors))
-    if name is not None:
-        _state.family = name
-        return dq, dk, dv, dbufs
-    warn_once(f"fa3_inductor: the dense recompute runs the backward of {site.description or 'a site'}: "
-              f"{'; '.join(passed_over) or 'no backward family listed'}")
-    _state.family = DENSE_BACKWARD
-    score, _, mask = site.sources("torch")
-    dense_spec = BackwardSpec(score, mask, flags, site.description).to_json()
-    return flex_bwd(q, k, v, grad_out, grad_lse, *tables, score_bufs, mask_bufs, scale,
-                    sparse_q_block, sparse_kv_block, dense_spec)
+    if name is None:
+        return None, passed_over
+    _state.family = name
+    return (dq, dk, dv, dbufs), []
 
 
 @dataclasses.dataclass(frozen=True)
