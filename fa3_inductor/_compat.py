@@ -182,16 +182,18 @@ def joint_graph_buffer_grads(joint_graph_module: Any, n_buffers: int) -> list[bo
     return [r is not None for r in buffer_results]
 
 
-def flex_hop_kernel_options(q, k, v) -> dict:
+def flex_hop_kernel_options(q, k, v, extra: Optional[dict] = None) -> dict:
     """kernel_options for calling the flex_attention op directly in a training graph: like
     :func:`flex_kernel_options`, but asking for the LSE, which the backward reads (torch's
-    front door turns it off for CPU tensors, where it has no backward)."""
+    front door turns it off for CPU tensors, where it has no backward); ``extra`` entries added."""
     options = dict(flex_kernel_options(q, k, v))
     options["OUTPUT_LOGSUMEXP"] = True
+    options.update(extra or {})
     return options
 
 
-def call_flex_hop(q, k, v, score_mod, block_mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
+def call_flex_hop(q, k, v, score_mod, block_mask, scale, extra_options: Optional[dict] = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Call the flex_attention op the way torch's flex_attention does after its validation;
     returns (out, lse in natural log). For training graphs on devices where torch's front door
     refuses backward (the CPU) but our lowerings serve it. The caller validates the inputs.
@@ -202,12 +204,13 @@ def call_flex_hop(q, k, v, score_mod, block_mask, scale) -> tuple[torch.Tensor, 
     """
     import math
 
-    out, lse = flex_hop_log2(q, k, v, score_mod, block_mask, scale)
+    out, lse = flex_hop_log2(q, k, v, score_mod, block_mask, scale, extra_options)
     return out, lse * math.log(2.0)
 
 
 def flex_hop_log2(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: Any, block_mask: Any,
-                  scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale: Optional[float], extra_options: Optional[dict] = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`call_flex_hop` with the op's own LSE (log2 units), nothing computed after the op (the
     attention sinks' correction is matched right after it: lowering/sinks_fusion.py).
 
@@ -230,7 +233,7 @@ def flex_hop_log2(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: 
             torch._dynamo.mark_static(x, -3)
             torch._dynamo.mark_static(x, -1)
     results = torch.ops.higher_order.flex_attention(
-        q, k, v, score_mod, block_mask.as_tuple(), scale, flex_hop_kernel_options(q, k, v))
+        q, k, v, score_mod, block_mask.as_tuple(), scale, flex_hop_kernel_options(q, k, v, extra_options))
     return results[0], results[1]
 
 

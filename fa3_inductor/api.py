@@ -18,6 +18,8 @@ from .backend import fa3_backend
 from .block_masks import build_block_mask, cached_block_mask
 from .config import templates
 from .fp8_recipe import FP8Recipe, RopeSpec
+from .lowering import registration
+from .lowering.common import FRONT_DOOR_OPTION, front_door_tag
 from .runtime.ops import last_template, record_template
 from .runtime.sinks import check_sinks
 
@@ -82,20 +84,32 @@ def _block_mask_of(mask_mod: Callable, q: Tensor, k: Tensor) -> BlockMask:
 
 
 def _flex_call(q, k, v, score_mod, block_mask, scale, enable_gqa, return_lse, direct_op=False,
-               sinks=None):
+               sinks=None, template="auto"):
+    # Our lowering serves the op under any Inductor compile, not only backend="fa3": an enclosing
+    # torch.compile(model) (transformers' generate() compiles its decode step with "inductor").
+    options = {FRONT_DOOR_OPTION: _front_door_tag(template)}
     if sinks is not None:   # flex_attention's op has no sinks argument: an exact correction follows
-        return flex_with_sinks(q, k, v, score_mod, block_mask, scale, enable_gqa, sinks, return_lse)
+        return flex_with_sinks(q, k, v, score_mod, block_mask, scale, enable_gqa, sinks, return_lse,
+                               kernel_options=options)
     if direct_op:  # CPU training: torch's front door refuses it, our lowerings serve it
-        out, lse = _compat.call_flex_hop(q, k, v, score_mod, block_mask, scale)
+        out, lse = _compat.call_flex_hop(q, k, v, score_mod, block_mask, scale, options)
         return (out, lse) if return_lse else out
     if return_lse:
         return _compat.flex_attention_with_lse(q, k, v, score_mod=score_mod,
                                                block_mask=block_mask, scale=scale,
-                                               enable_gqa=enable_gqa)
+                                               enable_gqa=enable_gqa, kernel_options=options)
     from torch.nn.attention.flex_attention import flex_attention
 
     return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                          enable_gqa=enable_gqa)
+                          enable_gqa=enable_gqa, kernel_options=options)
+
+
+@torch.compiler.assume_constant_result
+def _front_door_tag(template: str) -> str:
+    # Dynamo runs this once while tracing (a constant result), which installs our lowerings in
+    # Inductor's table before the graph is lowered, whichever backend compiles it.
+    registration.install()
+    return front_door_tag(template)
 
 
 @functools.lru_cache(maxsize=_MAX_COMPILED)
@@ -255,7 +269,8 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
         # Nothing is recorded without grad mode; torch's CPU check refuses inputs that merely
         # carry requires_grad, so hand it detached views.
         q, k, v = q.detach(), k.detach(), v.detach()
-    args = (q, k, v, score_mod, block_mask, scale, enable_gqa, return_lse, training_on_cpu, sinks)
+    args = (q, k, v, score_mod, block_mask, scale, enable_gqa, return_lse, training_on_cpu, sinks,
+            template)
     if torch.compiler.is_compiling():
         return _flex_call(*args)  # an enclosing torch.compile captures the op itself
     if not _runs_our_kernels(q):

@@ -27,6 +27,8 @@ Example::
 from __future__ import annotations
 
 import collections
+import dis
+import types
 from typing import Callable, Hashable
 
 import torch
@@ -121,13 +123,30 @@ def _build(mask_mod: Callable, reads_b: bool, reads_h: bool, q: Tensor, k: Tenso
 
 
 def _reads_batch_or_head(mask_mod: Callable) -> tuple[bool, bool]:
-    """Whether mask_mod reads b / h (then the block mask needs those dimensions), by tracing it."""
+    """Whether mask_mod reads b / h (then the block mask needs those dimensions), by tracing it;
+    inside an enclosing torch.compile (which cannot trace a trace), by its bytecode."""
+    if torch.compiler.is_compiling():
+        code = getattr(mask_mod, "__code__", None)
+        return (True, True) if code is None else _code_reads_batch_or_head(code)
     try:
         gm, _ = trace_mod(mask_mod, "mask")
     except Exception:  # cannot tell (data-dependent Python, say): build the full (B, H) mask
         return True, True
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     return bool(placeholders[0].users), bool(placeholders[1].users)
+
+
+@torch.compiler.assume_constant_result
+def _code_reads_batch_or_head(code: types.CodeType) -> tuple[bool, bool]:
+    # Conservative: a parameter named anywhere in the body counts as read (a mask that passes b on
+    # to a helper that ignores it gets a full-batch mask: larger, still exact). Dynamo runs this
+    # once while tracing and keeps the answer as a constant.
+    used = set(code.co_cellvars)   # captured by an inner function
+    for ins in dis.get_instructions(code):
+        if ins.opname.startswith("LOAD_FAST"):   # LOAD_FAST_LOAD_FAST (3.13) names a pair
+            used.update(ins.argval if isinstance(ins.argval, tuple) else (ins.argval,))
+    b, h = code.co_varnames[:2]
+    return b in used, h in used
 
 
 def chunked_block_mask(mask_mod: Callable, q: Tensor, k: Tensor, block: int = BLOCK,

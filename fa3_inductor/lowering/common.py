@@ -1,8 +1,11 @@
 """What the forward and backward flex_attention lowerings share, so that neither imports the other.
 
 ``active_pass``: whether the current compile belongs to the fa3 backend (its marker pass is in
-Inductor's config; both lowerings act only then). ``site_shape``: how a site's shape is written in
-the records and logs.
+Inductor's config). ``lowering_settings``: the Settings a site is lowered with: the fa3 backend's,
+or, under any other Inductor compile, those ``fa3_inductor.flex()`` wrote into the op's
+kernel_options (``front_door_options``); None leaves the site to torch's lowering
+(``torch_kernel_options`` removes our key first). ``site_shape``: how a site's shape is written
+in the records and logs.
 
 Example::
 
@@ -15,9 +18,16 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..config import Settings
 from ..sizes import static_ints
 from ..templates.modgen import BufferSpec
-from .passes import Fa3PostGradPass
+from .passes import Fa3PostGradPass, source_hash
+
+# kernel_options key by which a flex_attention op traced from fa3_inductor.flex() asks for our
+# lowering under any Inductor compile (transformers' generate() compiles the decode step with
+# backend="inductor"). Its value names the template and this package's sources, so Inductor's
+# FX graph cache, which keys on the graph's constants, never serves code lowered by other sources.
+FRONT_DOOR_OPTION = "fa3_inductor_front_door"
 
 
 def active_pass() -> Optional[Fa3PostGradPass]:
@@ -26,6 +36,35 @@ def active_pass() -> Optional[Fa3PostGradPass]:
 
     p = config.post_grad_custom_post_pass
     return p if isinstance(p, Fa3PostGradPass) else None
+
+
+def front_door_tag(template: str) -> str:
+    """The value fa3_inductor.flex() gives :data:`FRONT_DOOR_OPTION` in the op's kernel_options.
+
+    Example::
+
+        >>> front_door_tag("auto")                                   # doctest: +SKIP
+        'auto:3f2a...'
+    """
+    return f"{template}:{source_hash()[:16]}"
+
+
+def lowering_settings(kernel_options: Optional[dict]) -> Optional[Settings]:
+    """Settings for lowering a flex_attention site, or None to leave it to torch's lowering."""
+    marker = active_pass()
+    if marker is not None:
+        return marker.settings
+    tag = (kernel_options or {}).get(FRONT_DOOR_OPTION)
+    if not isinstance(tag, str):
+        return None
+    return Settings(template=tag.split(":", 1)[0])
+
+
+def torch_kernel_options(kernel_options: Optional[dict]) -> Optional[dict]:
+    """kernel_options without our key: torch's templates turn every entry into a constexpr."""
+    if not kernel_options or FRONT_DOOR_OPTION not in kernel_options:
+        return kernel_options
+    return {k: v for k, v in kernel_options.items() if k != FRONT_DOOR_OPTION}
 
 
 def site_shape(query, key, value=None) -> str:

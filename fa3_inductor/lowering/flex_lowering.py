@@ -1,8 +1,9 @@
 """Our lowering of the flex_attention op: the canonical form every front door produces.
 
 Installed as a wrapper around Inductor's own lowering in ``lowerings[flex_attention]``. It
-acts only while the fa3 backend compiles (its marker pass is in Inductor's config); under any
-other backend it calls the original untouched. When it acts it either
+acts while the fa3 backend compiles (its marker pass is in Inductor's config), and under any
+other Inductor compile on the ops that ``fa3_inductor.flex()`` traced (their kernel_options say
+so: ``common.lowering_settings``); otherwise it calls the original untouched. When it acts it either
 
 - generates the mods (templates/modgen.py), picks a template, and emits one extern call to
   ``torch.ops.fa3_inductor.flex_fwd`` (runtime/ops.py), or
@@ -29,7 +30,7 @@ from ..runtime.spec import SiteSpec
 from ..templates.modgen import ModInfo, UnsupportedMod, describe_mod_source
 from ..report import LoweredSite, record_site, site_tag
 from . import sinks_fusion
-from .common import active_pass, buffer_specs, site_shape
+from .common import buffer_specs, lowering_settings, site_shape, torch_kernel_options
 from .site_plan import plan_site, unserved
 
 _FLEX_OP = torch.ops.higher_order.flex_attention
@@ -138,8 +139,9 @@ def _fresh_4d_buffer(x):
 
 def _fa3_flex_lowering(query, key, value, subgraph, block_mask, scale, kernel_options,
                        score_mod_other_buffers, mask_mod_other_buffers):
-    marker = active_pass()
-    if marker is None:
+    settings = lowering_settings(kernel_options)
+    kernel_options = torch_kernel_options(kernel_options)
+    if settings is None:
         return _original_lowering(query, key, value, subgraph, block_mask, scale,
                                   kernel_options, score_mod_other_buffers,
                                   mask_mod_other_buffers)
@@ -150,9 +152,9 @@ def _fa3_flex_lowering(query, key, value, subgraph, block_mask, scale, kernel_op
     node = getattr(V.graph, "current_node", None)
     tag = site_tag(node)  # links to a RecognizedSite
     # attention sinks right after the op: added in the kernel's epilogue (not by the FP8 kernels)
-    absorbed = None if _fp8(marker.settings, query.get_dtype()) else sinks_fusion.absorbable(node)
+    absorbed = None if _fp8(settings, query.get_dtype()) else sinks_fusion.absorbable(node)
     spec, reason, shape = _plan(query, key, value, subgraph, bm, score_mod_other_buffers,
-                                mask_mod_other_buffers, marker.settings, _max_scores_read(node),
+                                mask_mod_other_buffers, settings, _max_scores_read(node),
                                 sinks=absorbed is not None)
     if spec is None:
         record_site(LoweredSite("torch", "?", "?", shape, reason, site_id=tag))
@@ -181,11 +183,11 @@ def _fa3_flex_lowering(query, key, value, subgraph, block_mask, scale, kernel_op
         # the kernel's dense path is the same attention, and the tables' in-graph
         # construction (a few tiny kernels per call) is then dead code Inductor removes.
         tables = (None, None, None, None)
-    if _fp8(marker.settings, query.get_dtype()):   # planned FP8: the prologue runs inside the op
+    if _fp8(settings, query.get_dtype()):   # planned FP8: the prologue runs inside the op
         call = _compat.fallback_kernel(torch.ops.fa3_inductor.flex_fwd_fp8.default)
         out, lse, max_scores = call(
             q, k, v, *tables, score_bufs, mask_bufs, float(scale), sparse_q, sparse_kv,
-            spec.to_json(), recipe_text(marker.settings.fp8))
+            spec.to_json(), recipe_text(settings.fp8))
     else:
         sinks = None
         if absorbed is not None:
