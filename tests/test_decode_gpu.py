@@ -117,3 +117,18 @@ def test_flex_decode_step_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert_matches_reference(out, reference_attention(q, k, v)[0], torch.bfloat16)
+
+
+@pytest.mark.parametrize("kv_len", [256, 4096])   # one split, and several
+def test_flex_in_a_reduce_overhead_compile_of_stock_inductor(kv_len):
+    """transformers' generate() compiles a static-cache decode step with backend="inductor",
+    mode="reduce-overhead": cudagraph trees refuse a pool tensor kept past a call, which the
+    kernels' one-element placeholders were (templates/placeholder.py)."""
+    q, k, v = _randn(2, 8, 1, 128), _randn(2, 2, kv_len, 128), _randn(2, 2, kv_len, 128)
+    step = torch.compile(lambda q, k, v: fa3_inductor.flex(q, k, v, enable_gqa=True),
+                         backend="inductor", mode="reduce-overhead")
+    for _ in range(4):   # warm-up runs, the recording, replays
+        k.add_(0.01)
+        out = step(q, k, v)
+        assert_matches_reference(out, reference_attention(q, k, v)[0], torch.bfloat16)
+    assert fa3_inductor.lowered_sites()[-1]["template"] == "decode"

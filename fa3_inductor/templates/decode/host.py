@@ -8,6 +8,7 @@ from typing import Any, Optional, Sequence
 import torch
 import triton
 
+from ..placeholder import placeholder
 from ..modgen import kernel_score_mod
 from .configs import DecodeConfig, choose_num_splits, decode_config, sm_count
 from .kernel import (BlockSparsity, CacheLayout, DecodeSite, DecodeTiling, decode_combine_kernel,
@@ -183,8 +184,8 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
                   f"{programs * num_splits * rows} floats)",
                   "allocate it with decode_scratch(q, HKV, Dv, num_splits) and pass that num_splits")
     else:
-        o_part = lse_part = q.new_empty(1, dtype=torch.float32)
-    dummy = q.new_empty(1, dtype=torch.int32)
+        o_part = lse_part = placeholder(q.device, torch.float32)
+    dummy = placeholder(q.device, torch.int32)
     table_args = tuple(dummy if t is None else t for t in table_args[:4]) + table_args[4:]
     if block_table is None:
         k_strides, v_strides = (k.stride(0), k.stride(1), k.stride(2)), (v.stride(0), v.stride(1), v.stride(2))

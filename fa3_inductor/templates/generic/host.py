@@ -10,6 +10,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .kernel import NO_QUANT, BlockSparsity, Quant, SiteFlags, Tiling, attention_fwd_kernel
+from ..placeholder import placeholder
 from ..modgen import kernel_score_mod, mod_info
 from ..sink_args import sink_bufs as kernel_sink_bufs
 from ..tma import tma_aligned
@@ -86,7 +87,7 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
     if not has_mask and mask_mod is not None:
         raise ValueError("launch_generic: a mask_mod needs block-mask tensors (kv_num_blocks)")
     has_full = has_mask and full_kv_num_blocks is not None
-    dummy = q.new_empty(1, dtype=torch.int32)
+    dummy = placeholder(q.device, torch.int32)
     tables = [t.contiguous() if t is not None else dummy  # indexed as dense row-major
               for t in (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)]
     SZ, SH, num_q_blks = kv_num_blocks.shape if has_mask else (1, 1, 1)

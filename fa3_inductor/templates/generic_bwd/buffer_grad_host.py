@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import torch
 import triton
 
+from ..placeholder import placeholder
 from ..modgen import kernel_score_mod, load_mod
 from .buffer_grad import BufferGradSource
 from .kernel import (NO_BUFFER_GRADS, BwdBufferGrad, BwdBufferGrads,
@@ -88,7 +89,7 @@ def buffer_grad_launches(buffer_grads: Sequence[tuple[BufferGradSource, torch.Te
     if not buffer_grads:
         return NO_BUFFER_GRADS, (), (), [], []
     bundles, outs, offsets, finals, sorts = [], [], [], [], []
-    no_offsets = torch.empty(1, dtype=torch.int32, device=device)   # bg_idx of the atomic mode
+    no_offsets = placeholder(device, torch.int32)   # bg_idx of the atomic mode
     for item in buffer_grads:
         source, grad = item if isinstance(item, (tuple, list)) and len(item) == 2 else (None, None)
         if not isinstance(source, BufferGradSource) or not isinstance(grad, torch.Tensor):

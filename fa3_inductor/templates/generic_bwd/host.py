@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 import torch
 import triton
 
+from ..placeholder import placeholder
 from ..modgen import kernel_score_mod
 from .buffer_grad import BufferGradSource
 from .buffer_grad_host import TorchStep, buffer_grad_launches
@@ -218,7 +219,7 @@ def prepare_generic_backward(
     out = out.to(q.dtype)
     lse = lse.float().contiguous()
     (delta,) = generic_backward_scratch(q) if scratch is None else (_scratch_delta(scratch, q),)
-    dummy = q.new_empty(1, dtype=torch.int32)
+    dummy = placeholder(q.device, torch.int32)
 
     def table(t: Optional[torch.Tensor]) -> torch.Tensor:   # indexed as dense row-major
         return dummy if t is None else t.contiguous()

@@ -12,6 +12,7 @@ from typing import Any, Optional, Sequence
 import torch
 import triton
 
+from ..placeholder import placeholder
 from ..generic_bwd.host import SCORE_GRAD_ONE, transpose_block_tables
 from ..modgen import BufferSpec, GeneratedSource, generate_mod_source, kernel_score_mod
 from ..tma import tma_aligned
@@ -242,7 +243,7 @@ def prepare_hopper_backward(
     else:
         _check_scratch(scratch, ((Z * HQ, 2, m_pad), (Z * HQ, m_pad, D)), q.device)
         stats, dq_acc = scratch
-    dummy = q.new_empty(1, dtype=torch.int32)
+    dummy = placeholder(q.device, torch.int32)
 
     def table(t: Optional[torch.Tensor]) -> torch.Tensor:   # indexed as dense row-major int32
         return dummy if t is None else t.to(torch.int32).contiguous()
