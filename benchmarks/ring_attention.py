@@ -22,12 +22,17 @@ length S. Implementations, each in its own try (a failure is recorded in its row
 the run): ``single`` (``fa3_inductor.flex`` on one GPU at length S, same mask kind: the
 reference for the issue's ring ÷ single ≥ 0.9), ``ring`` and ``allgather`` (``ring_flex``),
 ``torch_cp_<backend>`` (SDPA inside torch's ``context_parallel``, head-tail sharding like ours;
-causal only; K/V heads expanded for GQA). Per implementation: forward (no grad) and forward +
-backward. Times: median of --reps wall-clock calls between device synchronizations, every rank
-barrier'd first, the slowest rank's median; the first call (compiles) is timed apart. TFLOP/s per
-GPU = FLOPs of the whole attention / n / time, FLOPs = 4 B H D x visible (q, k) pairs (causal:
-T²/2); forward + backward = 3.5 x forward. Peak memory:
-max_memory_allocated during forward + backward, per GPU (inputs included). A correctness check
+causal only; K/V heads expanded for GQA). FP8 rows (inference, forward only; opt-in with
+``--impls ... single_fp8 ring_fp8 allgather_fp8``): ``single_fp8`` (``flex(fp8=True)`` at length
+S), ``ring_fp8`` / ``allgather_fp8`` (``ring_flex(fp8=True)``: each step through the FP8 prologue
+and kernel); their ratios are ÷ ``single_fp8``, and the check adds ring / all-gather FP8 against
+``flex(fp8=True)`` on the whole sequence (tolerance 1e-1: FP8's, tests/reference.py). Per
+implementation: forward (no grad) and forward + backward. Times: median of --reps wall-clock
+calls between device synchronizations, every rank barrier'd first, the slowest rank's median;
+the first call (compiles) is timed apart. TFLOP/s per GPU = FLOPs of the whole attention / n /
+time, FLOPs = 4 B H D x visible (q, k) pairs (causal: T²/2); forward + backward = 3.5 x forward.
+Peak memory: max_memory_allocated during forward + backward (FP8 rows: forward), per GPU (inputs
+included). A correctness check
 first (--check-per-gpu): ring and all-gather against our kernel on the whole sequence.
 
 NVLink multicast stays off: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and
@@ -65,6 +70,9 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 # In run order: once over --budget-s the rest of a size is skipped, so the issue's must-shows
 # (ring against single and against torch's CP SDPA) come first.
 IMPLS = ("single", "ring", "torch_cp_cudnn", "torch_cp_flash", "allgather")
+# FP8 (inference, forward only), opt-in: --impls ... single_fp8 ring_fp8 allgather_fp8
+FP8_IMPLS = ("single_fp8", "ring_fp8", "allgather_fp8")
+FP8_TOLERANCE = 1e-1   # tests/reference.py's FP8_TOLERANCE: P's e4m3 rounding stays in the output
 TORCH_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
                   "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
 SETTINGS = ("per_gpu", "batch", "heads", "kv_heads", "head_dim", "dtype", "mask", "kernel", "impls",
@@ -279,8 +287,9 @@ class Case:
                 "heads": self.args.heads, "kv_heads": self.args.kv_heads,
                 "head_dim": self.args.head_dim, "dtype": self.args.dtype, "status": "ok"}
 
-    def forward_and_step(self, impl: str) -> tuple[Callable, Callable, Callable]:
-        """(forward, forward + backward, cleanup) callables of ``impl``."""
+    def forward_and_step(self, impl: str) -> tuple[Callable, Optional[Callable], Callable]:
+        """(forward, forward + backward, cleanup) callables of ``impl``; FP8 impls (inference)
+        have no forward + backward (None)."""
         import torch
 
         from fa3_inductor.distributed import ring_flex
@@ -288,6 +297,20 @@ class Case:
         leaves = [t.detach().requires_grad_() for t in (self.q, self.k, self.v)]
         kernel = self.args.kernel
 
+        if impl in FP8_IMPLS:
+            if kernel == "dense":
+                raise NotImplementedError("not run: FP8 runs on our kernels (--kernel fa3)")
+            if impl == "single_fp8":
+                def attend(q, k, v):
+                    return single_attention(q, k, v, self.single_mask, self.gqa, kernel, fp8=True)
+            else:
+                method = impl[:-len("_fp8")]
+
+                def attend(q, k, v):
+                    return ring_flex(q, k, v, mask_mod=self.mask, layout=self.layout,
+                                     enable_gqa=self.gqa, method=method, kernel=kernel, fp8=True)
+            forward, _, close = self._closures(attend, leaves, lambda: None)
+            return forward, None, close
         if impl == "single":
             def attend(q, k, v):
                 return single_attention(q, k, v, self.single_mask, self.gqa, kernel)
@@ -349,9 +372,9 @@ class Case:
         return self._closures(attend, leaves, stack.close)
 
 
-def single_attention(q, k, v, mask_mod: Callable, gqa: bool, kernel: str):
-    """Our attention on one device, no communication: ``fa3_inductor.flex`` (kernel "fa3") or the
-    dense shard kernel the CPU ring uses (kernel "dense").
+def single_attention(q, k, v, mask_mod: Callable, gqa: bool, kernel: str, fp8: bool = False):
+    """Our attention on one device, no communication: ``fa3_inductor.flex`` (kernel "fa3"; with
+    ``fp8``, its FP8 path) or the dense shard kernel the CPU ring uses (kernel "dense").
 
     Example::
 
@@ -374,7 +397,7 @@ def single_attention(q, k, v, mask_mod: Callable, gqa: bool, kernel: str):
 
     # the ring's bounded-memory block mask: an eager create_block_mask at 128k needs 32 GiB
     return fa3_inductor.flex(q, k, v, block_mask=cached_block_mask(mask_mod, q, k),
-                             enable_gqa=gqa)
+                             enable_gqa=gqa, fp8=True if fp8 else None)
 
 
 def _dtype(name: str):
@@ -425,17 +448,22 @@ def measure(case: Case, impl: str, max_s: float) -> dict:
     comm, row = case.comm, case.row(impl)
     error = None
     cleanup = lambda: None  # noqa: E731
+    forward_only = impl in FP8_IMPLS   # inference: the peak is the forward's
     try:
         forward, step, cleanup = case.forward_and_step(impl)
+        if forward_only:
+            _memory_reset(comm.device)
         fwd = time_call(comm, forward, case.args.reps, max_s / 2)
         row.update(fwd_ms=fwd["ms"], fwd_first_s=fwd["first_s"], fwd_reps=fwd["reps"])
         if not impl.startswith("torch_cp"):   # the kernel family our last call ran
             import fa3_inductor
 
             row["template"] = fa3_inductor.last_template() if case.args.kernel == "fa3" else "dense"
-        _memory_reset(comm.device)
-        both = time_call(comm, step, case.args.reps, max_s / 2)
-        row.update(fwdbwd_ms=both["ms"], fwdbwd_first_s=both["first_s"], fwdbwd_reps=both["reps"])
+        if step is not None:
+            _memory_reset(comm.device)
+            both = time_call(comm, step, case.args.reps, max_s / 2)
+            row.update(fwdbwd_ms=both["ms"], fwdbwd_first_s=both["first_s"],
+                       fwdbwd_reps=both["reps"])
     except Exception as exc:  # recorded in the row; the run goes on
         error = f"{type(exc).__name__}: {exc}".strip()
         if not error.startswith("NotImplementedError: not run"):
@@ -445,7 +473,8 @@ def measure(case: Case, impl: str, max_s: float) -> dict:
             cleanup()
         except Exception as exc:
             error = (error or "") + f"\ncleanup: {type(exc).__name__}: {exc}"
-    peaks = comm.gather(_memory_peak_gib(comm.device) if "fwdbwd_ms" in row else None)
+    measured = "fwd_ms" in row if forward_only else "fwdbwd_ms" in row
+    peaks = comm.gather(_memory_peak_gib(comm.device) if measured else None)
     errors = comm.gather(error)
     _free(comm.device, collect=any(e is not None for e in errors))
     comm.barrier()
@@ -457,7 +486,7 @@ def measure(case: Case, impl: str, max_s: float) -> dict:
             f"error on ranks {failed}: {first.splitlines()[0]}"
         row["error"] = first
     per_gpu_flops = case.flops / comm.world
-    if impl == "single":
+    if impl in ("single", "single_fp8"):
         per_gpu_flops = case.single_flops
     for key, factor in (("fwd", 1.0), ("fwdbwd", 3.5)):
         if f"{key}_ms" in row:
@@ -525,6 +554,8 @@ def check(args, comm: Comm) -> dict:
             got = [out, lse, *(x.grad for x in shards)]
             for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
                 errs[f"{method}_{name}_rel_err"] = _rel(g, w)
+        if args.kernel != "dense" and any(i in FP8_IMPLS for i in args.impls):
+            errs.update(_check_fp8(full, mask, gqa, layout, comm, args.kernel))
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"
     errors = comm.gather(error)
@@ -536,11 +567,41 @@ def check(args, comm: Comm) -> dict:
         return row
     for key in per_rank[0]:
         row[key] = max(r[key] for r in per_rank)
-    worst = max(v for k, v in row.items() if k.endswith("_rel_err"))
+    worst = max(v for k, v in row.items() if k.endswith("_rel_err") and "_fp8_" not in k)
     row["worst_rel_err"] = worst
     if not worst <= tolerance:
         row["status"] = f"MISMATCH: worst relative error {worst:.2e} > {tolerance:.0e}"
+    fp8 = [v for k, v in row.items() if k.endswith("_rel_err") and "_fp8_" in k]
+    if fp8:
+        row["worst_fp8_rel_err"] = max(fp8)
+        if not max(fp8) <= FP8_TOLERANCE and row["status"] == "ok":
+            row["status"] = (f"MISMATCH: worst FP8 relative error {max(fp8):.2e} > "
+                             f"{FP8_TOLERANCE:.0e}")
     return row
+
+
+def _check_fp8(full: list, mask: Callable, gqa: bool, layout, comm: Comm, kernel: str) -> dict:
+    """Ring and all-gather FP8 forwards against ``flex(fp8=True)`` on the whole sequence (out,
+    lse relative errors): both quantize per tile and round P to e4m3, each its own way, so they
+    agree to FP8's tolerance, not bf16's."""
+    import torch
+
+    import fa3_inductor
+    from fa3_inductor.block_masks import cached_block_mask
+    from fa3_inductor.distributed import ring_flex
+
+    errs = {}
+    with torch.no_grad():
+        ref, ref_lse = fa3_inductor.flex(*full[:3], block_mask=cached_block_mask(mask, *full[:2]),
+                                         enable_gqa=gqa, return_lse=True, fp8=True)
+        want = [layout.shard(t, 2, comm.rank) for t in (ref, ref_lse)]
+        for method in ("ring", "allgather"):
+            shards = [layout.shard(t, 2, comm.rank) for t in full[:3]]
+            got = ring_flex(*shards, mask_mod=mask, layout=layout, enable_gqa=gqa,
+                            return_lse=True, method=method, kernel=kernel, fp8=True)
+            for name, g, w in zip(("out", "lse"), got, want):
+                errs[f"{method}_fp8_{name}_rel_err"] = _rel(g, w)
+    return errs
 
 
 # ---------------------------------------------------------------- time model and budget
@@ -562,6 +623,7 @@ def estimate_s(world: int, per_gpu: int, args, impls: Optional[list] = None) -> 
     single_fwd = attention_flops(args.batch, args.heads, args.head_dim, args.mask, per_gpu) / rate
     # forward + (forward + backward) per call
     cost = {"single": single_fwd * 4.5, "ring": ring_fwd * 4.5, "allgather": ring_fwd * 4.5,
+            "single_fp8": single_fwd, "ring_fp8": ring_fwd, "allgather_fp8": ring_fwd,
             "torch_cp_flash": ring_fwd * 4.5, "torch_cp_cudnn": ring_fwd * 4.5,
             "torch_cp_efficient": ring_fwd * 4.5, "torch_cp_math": ring_fwd * 4.5}
     impls = impls if impls is not None else args.impls
@@ -669,17 +731,19 @@ def table(rows: list[dict]) -> str:
         ... # doctest: +ELLIPSIS
         | GPUs | per GPU | total | impl | ...
     """
-    single = {(r["world"], r["per_gpu"]): r for r in rows if r["impl"] == "single"}
+    single = {(r["world"], r["per_gpu"], r["impl"]): r for r in rows
+              if r["impl"] in ("single", "single_fp8")}
     lines = ["| GPUs | per GPU | total | impl | fwd TFLOP/s/GPU | ÷ single | fwd+bwd TFLOP/s/GPU "
              "| ÷ single | fwd ms | fwd+bwd ms | peak GiB (max GPU) | 1st call s | status |",
              "|" + "---|" * 13]
     for r in rows:
         if r["impl"] == "check":
             continue
-        ref = single.get((r["world"], r["per_gpu"]), {})
+        base = "single_fp8" if r["impl"] in FP8_IMPLS else "single"   # FP8 ÷ FP8 on one GPU
+        ref = single.get((r["world"], r["per_gpu"], base), {})
         ratios = []
         for key in ("fwd_tflops", "fwdbwd_tflops"):
-            ok = r.get(key) is not None and ref.get(key) and r["impl"] != "single"
+            ok = r.get(key) is not None and ref.get(key) and r["impl"] != base
             ratios.append(f"{r[key] / ref[key]:.2f}" if ok else "-")
         firsts = [r[k] for k in ("fwd_first_s", "fwdbwd_first_s") if r.get(k) is not None]
         status = r["status"] if len(r["status"]) <= 110 else r["status"][:107] + "..."
@@ -713,13 +777,14 @@ def write_results(path_stem: Path, env: dict, rows: list[dict], finished: bool) 
           "",
           "TFLOP/s per GPU: FLOPs of the whole attention (causal: 4·B·H·D·T²/2; fwd+bwd 3.5×) ÷ "
           "GPUs ÷ the slowest rank's median time. \"single\": our kernel on one GPU at the "
-          "per-GPU length (its own FLOPs). Peak: max_memory_allocated during fwd+bwd, inputs "
+          "per-GPU length (its own FLOPs); FP8 rows (inference, forward only) ÷ \"single_fp8\". "
+          "Peak: max_memory_allocated during fwd+bwd (FP8 rows: forward), inputs "
           "included. " + ("" if finished else "**Run not finished (written after each size).**"),
           "",
           table(rows), ""]
     for c in checks:
         errs = ", ".join(f"{k[:-8]} {v:.1e}" for k, v in c.items() if k.endswith("_rel_err")
-                         and k != "worst_rel_err")
+                         and not k.startswith("worst_"))
         md.append(f"Check ({c['total']} tokens, against our kernel on the whole sequence): "
                   f"{c['status']}; relative errors: {errs or '-'}")
     if errors:   # each distinct error once, with the sizes it happened at
@@ -1042,8 +1107,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="per-shard kernel: auto = fa3 on CUDA or under TRITON_INTERPRET=1, "
                              "else dense")
     parser.add_argument("--impls", nargs="+",
-                        choices=IMPLS + ("torch_cp_efficient", "torch_cp_math"),
-                        default=None, help=f"default: {' '.join(IMPLS)}")
+                        choices=IMPLS + FP8_IMPLS + ("torch_cp_efficient", "torch_cp_math"),
+                        default=None, help=f"default: {' '.join(IMPLS)}; FP8 (inference, forward "
+                                           f"only): {' '.join(FP8_IMPLS)}")
     parser.add_argument("--reps", type=int, default=3, help="timed calls after the first")
     parser.add_argument("--budget-s", type=float, default=240.0,
                         help="dist: skip sizes / implementations that would end past this")

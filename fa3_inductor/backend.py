@@ -148,11 +148,6 @@ def _ring_variant(graph: torch.fx.GraphModule, args: list, settings: Settings, s
     the context it would attend within this rank's shard only) or one the ring cannot make exact."""
     from .recognition.recognize_manual import rewrite_manual
 
-    if settings.fp8 is not None:
-        raise NotImplementedError(
-            "fa3_inductor.distributed.context_parallel: options={'fa3.fp8': ...} has no "
-            "context-parallel form (FP8 attention is not run per ring step); drop 'fa3.fp8' for "
-            "this model or run it outside context_parallel")
     gm = _own_copy(graph)
     with module_state.constants(_module_buffers(gm, args)) as guards:
         sites, extra_inputs = rewrite_sdpa(gm, _every_site, keep_plain=False)
@@ -166,7 +161,7 @@ def _ring_variant(graph: torch.fx.GraphModule, args: list, settings: Settings, s
             + ". Inside the context it would attend within this rank's sequence shard only; write "
             "it as F.scaled_dot_product_attention / flex_attention (looked up inside the context) "
             "or call fa3_inductor.distributed.ring_flex, or run the model outside the context")
-    gm = region.ring_graph(gm)
+    gm = region.ring_graph(gm, fp8=settings.fp8)   # FP8 sites (inference): the graph's recipe
     extra = extra_inputs + manual_inputs
     return _with_extra_inputs(stock(gm, args + extra), extra, guards)
 

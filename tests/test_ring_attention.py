@@ -6,8 +6,10 @@ imports the compiler, which each rank's first compile would otherwise import); a
 rank is None or the failure, read back from a JSON file per rank. Most cases run the ring on the
 dense kernel (torch ops); ``real_kernel`` runs our generic kernel under Triton's interpreter,
 forward and backward (small B and H: the interpreter's cost grows with them). ``bench_dist`` runs
-``benchmarks/ring_attention.py dist`` on the same gloo group. Inputs are fresh random numbers per
-session (one seed, given to every rank); tolerances are the README's rule (tests/reference.py).
+``benchmarks/ring_attention.py dist`` on the same gloo group. The FP8 cases (``test_fp8_two_ranks``)
+run the FP8 path per ring step (inference, interpreter) against ``flex(fp8=)`` on the whole
+sequence and float64. Inputs are fresh random numbers per session (one seed, given to every
+rank); tolerances are the README's rule (tests/reference.py), FP8's where stated.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from reference import TOLERANCE, assert_lse_matches, reference_attention, reference_gradients
+from reference import (FP8_TOLERANCE, TOLERANCE, assert_lse_matches, reference_attention,
+                       reference_gradients, rel_error)
 
 B, H, D, T = 2, 4, 16, 32          # T: global length (16 per rank on 2 ranks, 8 on 4)
 _SPAWN_TIMEOUT_S = 120
@@ -197,13 +200,13 @@ def _run_context_parallel_case(name: str, rank: int, world: int, seed: int) -> N
         assert F.scaled_dot_product_attention is _SDPA and torch.equal(buffers[0], q)
 
 
-def _hand_written(mask: str):
+def _hand_written(mask: str, head_dim: int = D):
     """Attention written out (softmax(q kᵀ) v), its mask from positions: what recognition finds.
     ``document`` reads a per-position id tensor (its 4th argument), which a rank holds only for
     its own shard."""
     def attend(q, k, v, ids=None):
         S = q.shape[-2]
-        s = (q @ k.transpose(-2, -1)) * D ** -0.5
+        s = (q @ k.transpose(-2, -1)) * head_dim ** -0.5
         i = torch.arange(S, device=q.device)
         d = i[:, None] - i[None, :]
         keep = {"causal": d >= 0, "window": (d >= 0) & (d < 6),
@@ -269,6 +272,210 @@ def _run_cp_manual_case(rank: int, world: int, seed: int, kernel: str = "dense")
             model(*buffers)
 
 
+# ---------------------------------------------------------------- FP8 (inference, interpreter)
+#
+# B1 H2 D64 bf16, T = 128 on 2 ranks: 64 per rank in head-tail pieces of 32. Tolerances:
+# - against float64 on the unquantized inputs: FP8_TOLERANCE (tests/reference.py; measured 3-4%
+#   here, as flex(fp8=) itself on the whole sequence) for the output; the LSE (natural log, from
+#   the unrounded P: only Q/K quantization moves it, measured <= 7e-2) to FP8_TOLERANCE absolute,
+#   a 10% error in the row's softmax denominator;
+# - against flex(fp8=same recipe) on the whole sequence: the output to FP8_TOLERANCE too, not
+#   bf16's: both round P to e4m3 (3 mantissa bits) relative to their own running row maxima (a
+#   ring step's shard against the whole row) and, unless the recipe's blocks align with the
+#   shards' pieces, quantize q/k/v in different blocks: two independent FP8 roundings of one
+#   result (measured 0.6-2.7%). With blocks of 32 (``fp8_causal``: the pieces' length) every
+#   block of q, k and v is the same set of tokens in both runs, so Q/K quantize identically and
+#   the LSE, which the kernel sums from the unrounded P, agrees to float32 rounding (1e-4; measured
+#   5e-7): the merge of per-shard FP8 LSEs is exact.
+FP8_T, FP8_D, FP8_H = 128, 64, 2
+
+
+def _fp8_case(name: str) -> dict:
+    from fa3_inductor import FP8Recipe, mods
+
+    return {
+        "fp8_causal": dict(recipe=FP8Recipe(block_m=32, block_n=32), kv_heads=2, aligned=True),
+        "fp8_softcap_gqa": dict(recipe=True, kv_heads=1, score_mod=mods.softcap(20.0)),
+        # K shifted by +-1.5 per head-tail piece so that the two ranks' K means differ: an
+        # uncorrected merge of smooth_k shards is off by 24-68% (output) and ~4 (LSE) here
+        "fp8_smooth_k": dict(recipe=FP8Recipe(smooth_k=True), kv_heads=2, k_offsets=True),
+        "fp8_rope": dict(recipe=True, kv_heads=1, rope=True),
+    }[name]
+
+
+def _fp8_inputs(seed: int, kv_heads: int, k_offsets: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, FP8_H, FP8_T, FP8_D, generator=g)
+    k, v = (torch.randn(1, kv_heads, FP8_T, FP8_D, generator=g) for _ in range(2))
+    if k_offsets:   # pieces 0 and 3 (rank 0's) +1.5, pieces 1 and 2 (rank 1's) -1.5
+        piece = FP8_T // 4
+        k += torch.tensor([1.5, -1.5, -1.5, 1.5]).repeat_interleave(piece).view(1, 1, -1, 1)
+    return tuple(t.to(torch.bfloat16) for t in (q, k, v))
+
+
+def _check_fp8(what: str, out, lse, ref, ref_lse, out_tol: float, lse_tol: float) -> None:
+    err = rel_error(out, ref)
+    assert err <= out_tol, f"{what}: output relative error {err:.3e} > {out_tol:.0e}"
+    lse, ref_lse = lse.double(), ref_lse.double()
+    assert torch.equal(lse.isneginf(), ref_lse.isneginf()), f"{what}: fully masked rows differ"
+    finite = ~ref_lse.isinf()
+    lse_err = (lse[finite] - ref_lse[finite]).abs().max().item()
+    assert lse_err <= lse_tol, f"{what}: LSE max abs error {lse_err:.3e} > {lse_tol:.0e}"
+
+
+def _fp8_rope_specs():
+    """(the RopeSpec with positions 5 .. T+4 over the whole sequence, the one with table rows
+    0 .. T-1 and no positions)."""
+    from fa3_inductor import RopeSpec
+
+    shifted = torch.arange(FP8_T) + 5
+    with_positions = RopeSpec.from_theta(FP8_D, FP8_T + 5, q_positions=shifted,
+                                         k_positions=shifted)
+    return with_positions, RopeSpec.from_theta(FP8_D, FP8_T)
+
+
+def _run_fp8_case(name: str, rank: int, world: int, seed: int) -> None:
+    """ring_flex(fp8=) against flex(fp8=) on the whole sequence and float64 (tolerances above);
+    ``fp8_rope`` rotates q and k in each step's prologue at their global positions."""
+    from fa3_inductor import FP8Recipe, flex, last_template, mods
+    from fa3_inductor.distributed import SeqLayout, ring_flex
+    from fa3_inductor.templates.fp8_prologue.reference import rotate
+
+    case = _fp8_case(name)
+    q, k, v = _fp8_inputs(seed, case["kv_heads"], case.get("k_offsets", False))
+    layout = SeqLayout(world)
+    score_mod, recipe, gqa = case.get("score_mod"), case["recipe"], case["kv_heads"] != FP8_H
+    runs = [("ring", None)]
+    if case.get("rope"):   # the ring with global positions given, all-gather with table rows
+        with_positions, plain = _fp8_rope_specs()
+        runs = [("ring", with_positions), ("allgather", plain)]
+    for method, rope in runs:
+        shards = [layout.shard(t, 2, rank) for t in (q, k, v)]
+        with torch.no_grad():
+            out, lse = ring_flex(*shards, score_mod, mods.causal, layout=layout, enable_gqa=gqa,
+                                 return_lse=True, method=method, fp8=recipe, rope=rope)
+            assert last_template() in ("fp8", "hopper_fp8"), last_template()
+            whole, whole_lse = flex(q, k, v, score_mod=score_mod, mask_mod=mods.causal,
+                                    enable_gqa=gqa, return_lse=True, fp8=recipe, rope=rope)
+        # RoPE alone in float64 (no rotation: the reference is the exact result)
+        qr, kr = (q, k) if rope is None else rotate(q, k, FP8Recipe(hadamard=False), rope)
+        ref, ref_lse = reference_attention(qr, kr, v, score_mod, mods.causal)
+        what = f"{name} {method}"
+        _check_fp8(f"{what} vs float64", out, lse, layout.shard(ref, 2, rank),
+                   layout.shard(ref_lse, 2, rank), FP8_TOLERANCE, FP8_TOLERANCE)
+        aligned = case.get("aligned", False)
+        _check_fp8(f"{what} vs flex(fp8=) on the whole sequence", out, lse,
+                   layout.shard(whole, 2, rank), layout.shard(whole_lse, 2, rank),
+                   FP8_TOLERANCE, 1e-4 if aligned else FP8_TOLERANCE)
+
+
+def _run_fp8_errors(rank: int, world: int, seed: int) -> None:
+    """What FP8 ring attention refuses, each with an error naming the option and what to do."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fa3_inductor import FP8Recipe, RopeSpec, mods
+    from fa3_inductor.distributed import SeqLayout, context_parallel, ring_flex
+
+    layout = SeqLayout(world)
+    q, k, v = (layout.shard(t, 2, rank) for t in _fp8_inputs(seed, 2))
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    with pytest.raises(NotImplementedError, match=r"ring_flex\(fp8=\.\.\.\) is inference-only"):
+        ring_flex(*leaves, mask_mod=mods.causal, layout=layout, fp8=True)
+    with pytest.raises(ValueError, match="kernel='dense' has no FP8 form"):
+        ring_flex(q, k, v, layout=layout, fp8=True, kernel="dense")
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        ring_flex(q.float(), k.float(), v.float(), layout=layout, fp8=True)
+    with pytest.raises(ValueError, match="smooth_k"):
+        ring_flex(q, k, v, mods.softcap(20.0), layout=layout, fp8=FP8Recipe(smooth_k=True))
+    local = torch.arange(q.shape[2])   # this shard's positions: not what it takes
+    with pytest.raises(ValueError, match="must cover the whole sequence"):
+        ring_flex(q, k, v, layout=layout, fp8=True,
+                  rope=RopeSpec.from_theta(FP8_D, FP8_T, q_positions=local))
+    with pytest.raises(ValueError, match="a row per global position"):
+        ring_flex(q, k, v, layout=layout, fp8=True, rope=RopeSpec.from_theta(FP8_D, q.shape[2]))
+    with pytest.raises(ValueError, match="rope= is applied by the FP8 prologue"):
+        ring_flex(q, k, v, layout=layout, rope=RopeSpec.from_theta(FP8_D, FP8_T))
+    mesh = init_device_mesh("cpu", (world,))
+    full = list(_fp8_inputs(seed, 2))
+    with pytest.raises(NotImplementedError,
+                       match=r"context_parallel\(fp8=\.\.\.\) is inference-only"):
+        with context_parallel(mesh, buffers=full, buffer_seq_dims=[2, 2, 2], fp8=True):
+            F.scaled_dot_product_attention(*(b.detach().requires_grad_() for b in full),
+                                           is_causal=True)
+    assert F.scaled_dot_product_attention is _SDPA and full[0].shape[2] == FP8_T
+
+
+def _run_cp_fp8(rank: int, world: int, seed: int) -> None:
+    """context_parallel(fp8=) under no_grad: SDPA and a compiled graph's recognized site (hand-
+    written causal attention) run FP8 per ring step; a graph compiled with options
+    {"fa3.fp8": True} inside a context without fp8= runs its own recipe once the backend passes
+    it (backend._ring_variant; until then it raises). A graph that needs gradients raises."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fa3_inductor import last_template, mods
+    from fa3_inductor.distributed import SeqLayout, context_parallel
+    from fa3_inductor.runtime.ops import record_template
+
+    mesh = init_device_mesh("cpu", (world,))
+    layout = SeqLayout(world)
+    q, k, v = _fp8_inputs(seed, 2)
+    ref = layout.shard(reference_attention(q, k, v, None, mods.causal)[0], 2, rank)
+    model = torch.compile(_hand_written("causal", FP8_D), backend="fa3", dynamic=False)
+    buffers = [q.clone(), k.clone(), v.clone()]
+    with torch.no_grad(), context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2],
+                                           fp8=True):
+        sdpa = F.scaled_dot_product_attention(*buffers, is_causal=True)
+        record_template(None)
+        compiled = model(*buffers)
+        template = last_template()
+    assert template in ("fp8", "hopper_fp8"), template
+    for what, out in (("sdpa", sdpa), ("compiled site", compiled)):
+        err = rel_error(out, ref)
+        assert err <= FP8_TOLERANCE, f"context_parallel(fp8=True) {what}: {err:.3e}"
+    with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2], fp8=True):
+        leaves = [b.detach().requires_grad_() for b in buffers]
+        with pytest.raises(NotImplementedError, match="inference-only"):
+            model(*leaves)
+    option_model = torch.compile(_hand_written("causal", FP8_D), backend="fa3", dynamic=False,
+                                 options={"fa3.fp8": True})
+    with torch.no_grad(), context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2]):
+        record_template(None)
+        out = option_model(*buffers)
+        template = last_template()
+    assert template in ("fp8", "hopper_fp8"), template
+    err = rel_error(out, ref)
+    assert err <= FP8_TOLERANCE, f"options={{'fa3.fp8': True}} ring site: {err:.3e}"
+
+
+def _run_bench_fp8(rank: int, world: int, out_dir: str) -> None:
+    """The benchmark's FP8 rows (forward only) and its FP8 check, on our kernel (interpreter)."""
+    from fa3_inductor import mods
+    from fa3_inductor.distributed import SeqLayout
+
+    bench = _BENCH
+    argv = ["dist", "--device", "cpu", "--kernel", "fa3", "--per-gpu", "64", "--heads", "2",
+            "--kv-heads", "1", "--head-dim", "64", "--reps", "1", "--check-per-gpu", "0",
+            "--impls", "single_fp8", "ring_fp8", "allgather_fp8"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        rows = bench.run_dist(bench.parse_args(argv), comm=bench.Comm("cpu"),
+                              out_stem=Path(out_dir) / "fp8")
+    # the check's FP8 part (the bf16 part's backward is slow under the interpreter): the same
+    # full sequence on every rank
+    check = bench._check_fp8(list(_fp8_inputs(0, 1)), mods.causal, True, SeqLayout(world),
+                             bench.Comm("cpu"), "fa3")
+    assert max(check.values()) <= bench.FP8_TOLERANCE, check
+    if rank != 0:
+        return
+    by = {r["impl"]: r for r in rows}
+    for impl in ("single_fp8", "ring_fp8", "allgather_fp8"):
+        row = by[impl]
+        assert row["status"] == "ok" and row["fwd_tflops"] > 0, row
+        assert "fwdbwd_ms" not in row and row["template"] in ("fp8", "hopper_fp8"), row
+    assert "| ring_fp8 |" in (Path(out_dir) / "fp8.md").read_text()
+
+
 def _bench_module():
     """benchmarks/ring_attention.py as a module (it is a script, not part of the package)."""
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "ring_attention.py"
@@ -327,6 +534,14 @@ def _worker(rank: int, world: int, store: str, out_dir: str, names: list, seed: 
                 _run_context_parallel_case(name, rank, world, seed)
             elif name == "bench_dist":
                 _run_bench_case(rank, world, out_dir)
+            elif name == "bench_fp8":
+                _run_bench_fp8(rank, world, out_dir)
+            elif name == "fp8_errors":
+                _run_fp8_errors(rank, world, seed)
+            elif name == "cp_fp8":
+                _run_cp_fp8(rank, world, seed)
+            elif name.startswith("fp8_"):
+                _run_fp8_case(name, rank, world, seed)
             else:
                 _run_ring_case(name, rank, world, seed)
             results[name] = None
@@ -406,6 +621,21 @@ def test_real_kernel_two_ranks(cpu_kernels):
     results = _run_world(2, ["real_kernel", "cp_manual_fa3"])
     _assert_ok(results, "real_kernel")
     _assert_ok(results, "cp_manual_fa3")
+
+
+FP8_CASES = ["fp8_causal", "fp8_softcap_gqa", "fp8_smooth_k", "fp8_rope", "fp8_errors", "cp_fp8",
+             "bench_fp8"]
+
+
+def test_fp8_two_ranks(cpu_kernels):
+    """FP8 attention per ring step (inference; the FP8 kernel under the interpreter), 2 ranks:
+    ring_flex(fp8=) causal, softcap + GQA, smooth_k, RoPE fused at global positions (ring and
+    all-gather), against flex(fp8=) on the whole sequence and float64; the errors; context_parallel
+    (fp8=) with SDPA and a compiled graph's site; the benchmark's FP8 rows."""
+    results = _run_world(2, FP8_CASES)
+    failures = [f"{name}: rank {r}: {text}" for name in FP8_CASES
+                for r, text in enumerate(results[name]) if text is not None]
+    assert not failures, "\n".join(failures)
 
 
 def test_bench_emulate_cpu():

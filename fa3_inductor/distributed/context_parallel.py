@@ -20,6 +20,13 @@ softmax(q kᵀ) v, SDPA or flex_attention bound before the context, all found by
 as ring attention too: the context is pushed to runtime/cp_state.py, which the backend's compiled
 graphs read on every call, and a graph called inside runs its ring variant (graph_sites.py), or
 raises naming a site it cannot make exact. :func:`active` tells code whether a context is on.
+
+``fp8=True`` (or an ``FP8Recipe``): the attention the context serves runs FP8 per ring step
+(``ring_flex(fp8=)``; inference only: inputs that need gradients raise, naming the option), the
+SDPA / flex_attention calls and the compiled graphs' ring sites alike (a graph compiled with
+``options={"fa3.fp8": recipe}`` keeps its own recipe: the backend passes it to
+:meth:`_Active.ring_graph`); a compiled site runs FP8 where its inputs are bf16/fp16 and our
+kernels run, as the compiled FP8 path does.
 """
 
 from __future__ import annotations
@@ -31,9 +38,12 @@ from typing import Iterator, Optional
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..fp8_recipe import FP8Recipe
 from ..runtime import cp_state
 from .layout import SeqLayout
-from .ring import ring_flex
+from .ring import check_fp8_inference, ring_flex
+
+_FP8_OPTION = "fa3_inductor.distributed.context_parallel(fp8=...)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,12 +52,16 @@ class _Active:
     layout: SeqLayout
     method: str
     kernel: str
+    fp8: Optional[FP8Recipe] = None
 
-    def ring_graph(self, gm):
-        """``gm`` with its flex_attention nodes run as ring attention (cp_state.py's region API)."""
+    def ring_graph(self, gm, fp8=None):
+        """``gm`` with its flex_attention nodes run as ring attention (cp_state.py's region API).
+        ``fp8``: the compiled graph's own FP8 recipe (its ``fa3.fp8`` option), else this
+        context's."""
         from .graph_sites import ring_graph
 
-        return ring_graph(gm)
+        recipe = FP8Recipe.of(fp8)
+        return ring_graph(gm, fp8=recipe if recipe is not None else self.fp8)
 
 
 _ORIGINALS: list[tuple] = []   # (sdpa, flex_attention) each patch replaced
@@ -69,12 +83,13 @@ def active() -> Optional[_Active]:
 def context_parallel(mesh, *, buffers: Optional[list[Tensor]] = None,
                      buffer_seq_dims: Optional[list[int]] = None,
                      no_restore_buffers: Optional[set] = None, method: str = "ring",
-                     kernel: str = "auto") -> Iterator[None]:
+                     kernel: str = "auto", fp8=None) -> Iterator[None]:
     """torch's ``context_parallel`` (buffers sharded in place, restored on exit) with SDPA and
     flex_attention calls served by :func:`~.ring.ring_flex` on our kernels.
 
-    ``mesh``: a 1-D DeviceMesh; ``method``, ``kernel``: ring_flex's. The global length of
-    the first buffer must divide by 2 x mesh size (torch then shards head-tail).
+    ``mesh``: a 1-D DeviceMesh; ``method``, ``kernel``, ``fp8``: ring_flex's (``fp8``: FP8
+    attention for inference, the compiled graphs' ring sites included: module docstring). The
+    global length of the first buffer must divide by 2 x mesh size (torch then shards head-tail).
 
     Example::
 
@@ -96,7 +111,7 @@ def context_parallel(mesh, *, buffers: Optional[list[Tensor]] = None,
                 f"fa3_inductor.distributed.context_parallel: sequence length {total} must be a "
                 f"multiple of 2 x mesh size ({2 * world}); pad the batch to the next multiple")
         layout = SeqLayout(world, head_tail=bool(_cp_options.enable_load_balance))
-    state = _Active(mesh.get_group(), layout, method, kernel)
+    state = _Active(mesh.get_group(), layout, method, kernel, FP8Recipe.of(fp8))
     torch_context = torch_cp(mesh, buffers=buffers, buffer_seq_dims=dims,
                              no_restore_buffers=no_restore_buffers)
     torch_context.__enter__()
@@ -131,10 +146,12 @@ def _causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
-def _ring(*args, **kwargs):
+def _ring(query: Tensor, key: Tensor, value: Tensor, *args, **kwargs):
     state = active()
-    return ring_flex(*args, group=state.group, layout=state.layout, method=state.method,
-                     kernel=state.kernel, **kwargs)
+    if state.fp8 is not None:
+        check_fp8_inference(query, key, value, _FP8_OPTION)
+    return ring_flex(query, key, value, *args, group=state.group, layout=state.layout,
+                     method=state.method, kernel=state.kernel, fp8=state.fp8, **kwargs)
 
 
 def _sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,

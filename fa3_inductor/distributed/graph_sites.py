@@ -23,6 +23,14 @@ gives no gradient to tensors the mods capture: such a site raises when the varia
 naming it and what to do, rather than attend wrongly. Block-mask tables are not read: the mask_mod
 defines the mask (as for flex_attention calls inside the context: context_parallel.py).
 
+FP8 (a graph compiled with ``options={"fa3.fp8": recipe}``, or a context entered with ``fp8=``):
+:func:`ring_graph` takes the recipe and each site runs ``ring_flex``'s FP8 path (every ring step
+through the FP8 prologue and kernels, LSE merge unchanged) where its inputs are bf16/fp16 and our
+kernels run; elsewhere (float32, the dense shard kernel) it runs as without FP8, as the compiled
+FP8 path leaves such sites to the bf16/fp32 kernels. Inference only: a graph whose attention
+inputs need gradients raises when the variant is built. The model's RoPE runs in the graph (the
+FP8 path's RoPE fusion is not applied to ring sites).
+
 Example::
 
     >>> variant = ring_graph(recognized_gm)   # the backend, inside the context  # doctest: +SKIP
@@ -40,10 +48,11 @@ import torch
 import torch.fx
 from torch import Tensor
 
+from ..fp8_recipe import FP8Recipe
 from ..recognition.recognize_flex import flex_nodes
 from ..templates.modgen import is_constant_true_mask, is_identity_score
 from .context_parallel import active
-from .ring import attention_backward, attention_forward, ring_call
+from .ring import _default_kernel, attention_backward, attention_forward, ring_call
 
 _LN2 = math.log(2.0)
 _HELP = ("call F.scaled_dot_product_attention, flex_attention (torch.nn.attention.flex_attention."
@@ -65,8 +74,10 @@ class RingSite:
     """
 
     def __init__(self, name: str, score_gm: Optional[torch.fx.GraphModule],
-                 mask_gm: Optional[torch.fx.GraphModule], scale: float):
+                 mask_gm: Optional[torch.fx.GraphModule], scale: float,
+                 fp8: Optional[FP8Recipe] = None):
         self.name = name
+        self.fp8 = fp8   # FP8 forward (inference) where the inputs allow: fp8_for
         self.score_gm = None if score_gm is None or is_identity_score(score_gm) else score_gm
         self.mask_gm = None if mask_gm is None or _keeps_everything(mask_gm) else mask_gm
         self.scale = scale
@@ -103,7 +114,15 @@ class RingSite:
         score_mod, mask_mod = self.mods(score_bufs, mask_bufs)
         return ring_call(q, k, v, score_mod, mask_mod, group=state.group, layout=state.layout,
                          scale=self.scale, enable_gqa=q.shape[1] != k.shape[1],
-                         method=state.method, kernel=state.kernel)
+                         method=state.method, kernel=state.kernel,
+                         fp8=None if backward else self.fp8_for(q, state.kernel))
+
+    def fp8_for(self, q: Tensor, kernel: str) -> Optional[FP8Recipe]:
+        """The site's recipe where FP8 can serve it (bf16/fp16 inputs, our shard kernels), else
+        None: as the compiled FP8 path, which leaves other sites to the bf16/fp32 kernels."""
+        if self.fp8 is None or q.dtype not in (torch.bfloat16, torch.float16):
+            return None
+        return self.fp8 if (_default_kernel(q) if kernel == "auto" else kernel) == "fa3" else None
 
 
 @torch.library.custom_op("fa3_inductor::ring_site", mutates_args=())
@@ -139,7 +158,12 @@ def ring_site_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tenso
         >>> dq, dk, dv = torch.ops.fa3_inductor.ring_site_backward(
         ...     q, k, v, out, lse2, dout, None, [], [], site.number)   # doctest: +SKIP
     """
-    call = _SITES[site].call(q, k, v, score_bufs, mask_bufs, backward=True)
+    ring = _SITES[site]
+    if ring.fp8_for(q, ring.state.kernel if ring.state is not None else "auto") is not None:
+        raise NotImplementedError(f"fa3_inductor: ring attention site {ring.name} ran FP8 "
+                                  "(inference only): no backward through an FP8 forward; drop "
+                                  "'fa3.fp8' / context_parallel(fp8=...) to train")
+    call = ring.call(q, k, v, score_bufs, mask_bufs, backward=True)
     # natural-log units: L = L2 ln 2, so dL = dL2 / ln 2
     dlse = None if dlse2 is None else dlse2 / _LN2
     with _eager_dispatch():
@@ -194,19 +218,24 @@ def _backward(ctx, dout: Optional[Tensor], dlse2: Optional[Tensor]):
 ring_site.register_autograd(_backward, setup_context=_setup_context)
 
 
-def ring_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def ring_graph(gm: torch.fx.GraphModule, fp8=None) -> torch.fx.GraphModule:
     """``gm`` (edited in place and returned) with every flex_attention node replaced by
     ``fa3_inductor::ring_site`` on the node's q, k, v and captured buffers. Raises
     NotImplementedError, naming the site, where that cannot be exact (module docstring) or the
-    graph reads the op's row maxima (ring attention gives the output and the LSE).
+    graph reads the op's row maxima (ring attention gives the output and the LSE). ``fp8``
+    (True or an FP8Recipe): the sites run FP8 for inference (module docstring); a site whose
+    q, k or v needs a gradient raises.
 
     Example::
 
         >>> gm = ring_graph(recognized_gm)   # doctest: +SKIP
     """
     graph = gm.graph
+    recipe = FP8Recipe.of(fp8)
     for node in flex_nodes(gm):
         q, k, v, score_node, block_mask, scale = node.args[:6]
+        if recipe is not None:
+            _check_inference(node.name, q, k, v)
         score_bufs = list(node.args[7]) if len(node.args) > 7 else []
         mask_bufs = list(node.args[8]) if len(node.args) > 8 else []
         for user in node.users:
@@ -217,7 +246,7 @@ def ring_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
                     "output and the LSE only); " + _HELP)
         _check_buffers(node.name, _example(q), _example(k), score_bufs, mask_bufs)
         site = RingSite(node.name, _submodule(gm, score_node), _submodule(gm, block_mask[-1]),
-                        float(scale))
+                        float(scale), recipe)
         with graph.inserting_before(node):
             ring = graph.call_function(torch.ops.fa3_inductor.ring_site.default,
                                        (q, k, v, score_bufs, mask_bufs, site.number))
@@ -227,6 +256,23 @@ def ring_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _check_inference(name: str, *inputs: Any) -> None:
+    """Raise when an FP8 ring site's q, k or v needs a gradient (Dynamo's example values record
+    it as traced: a graph traced under no_grad has none). Sites FP8 does not take (float32) are
+    left alone: they run without FP8 (RingSite.fp8_for)."""
+    q = _example(inputs[0])
+    if q is not None and q.dtype not in (torch.bfloat16, torch.float16):
+        return
+    for what, node in zip("qkv", inputs):
+        t = _example(node)
+        if t is not None and t.requires_grad:
+            raise NotImplementedError(
+                f"fa3_inductor.distributed.context_parallel: attention site {name} would run FP8 "
+                f"('fa3.fp8' or context_parallel(fp8=...)), which is inference-only, and its "
+                f"{what} needs a gradient; run the model under torch.no_grad() / torch.inference_mode(), "
+                "or drop the FP8 option to train")
 
 
 def _check_buffers(name: str, q: Any, k: Any, score_bufs: list, mask_bufs: list) -> None:

@@ -20,6 +20,19 @@ local queries against the whole sequence; its backward gathers K/V again, runs t
 no-forward backward against the whole sequence and reduce-scatters dk/dv. It sends (n - 1) S
 K/V rows per rank like the ring but in one collective, and GQA's smaller K/V make it cheap: the
 right choice for short rings. Its memory holds the whole K/V.
+
+FP8 (``fp8=True`` or an ``FP8Recipe``; inference only): every step's shard attention is
+``fa3_inductor.flex(..., fp8=recipe, return_lse=True)`` with the step's position-composed mods and
+block mask, so the FP8 prologue quantizes (q, visiting K/V shard) per step and the LSE merge is
+the bf16 ring's. Per-shard quantization is exact in form: the Hadamard rotation is one fixed
+matrix (the recipe's seed) on every rank, and the block scales belong to the blocks of the tensors
+each call is given. ``smooth_k`` subtracts each shard's own K mean mu_j: the shard's scores shift
+by scale·q·mu_j, a different constant per shard, which the output o_j ignores but its LSE l_j
+carries; the FP8 path adds scale·q·mu_j back to l_j (runtime/ops_fp8.serve_fp8), so every l_j is
+the LSE of the unshifted scores and the merge weights exp(l_j - L) are those of one softmax over
+the whole row. ``rope`` (a RopeSpec over the WHOLE sequence) is applied by each step's prologue at
+the shard's global positions (the layout's map; the spec's own positions, if given, are indexed
+by global position).
 """
 
 from __future__ import annotations
@@ -32,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..fp8_recipe import FP8Recipe, RopeSpec
 from ..runtime import cp_state
 from .layout import SeqLayout
 from .merge import Merger
@@ -42,6 +56,7 @@ _KERNELS = ("auto", "fa3", "dense")
 _MAX_OFFSETS = 256
 _OFFSETS: collections.OrderedDict = collections.OrderedDict()
 _STATS = {"computed": 0, "skipped": 0}
+_POSITIONS: collections.OrderedDict = collections.OrderedDict()
 
 
 def stats() -> dict[str, int]:
@@ -72,6 +87,8 @@ class _RingCall:
     enable_gqa: bool
     kernel: str
     method: str = "ring"
+    fp8: Optional[FP8Recipe] = None
+    rope: Optional[RopeSpec] = None
 
     def mods(self, source: Optional[int], device: torch.device) -> ShardMods:
         """The mods of this rank's queries against rank ``source``'s K/V shard (None: the whole
@@ -80,6 +97,22 @@ class _RingCall:
         ka, kb, ckv = (0, 0, self.total_kv) if source is None else \
             self.layout.affine(source, self.total_kv)
         return ShardMods(self.score_mod, self.mask_mod, _offsets((qa, qb, ka, kb), device), cq, ckv)
+
+    def shard_rope(self, source: Optional[int], device: torch.device) -> Optional[RopeSpec]:
+        """The RopeSpec of this rank's queries against rank ``source``'s K/V shard (None: the
+        whole sequence in global order): table rows at the shards' global positions, or the
+        spec's own positions (over the whole sequence) read at them."""
+        if self.rope is None:
+            return None
+        rope = self.rope
+        qpos = _positions(self.layout, self.rank, self.total_q, device)
+        qpos = qpos if rope.q_positions is None else rope.q_positions.index_select(-1, qpos)
+        if source is None:   # K/V gathered in global order: row i is position i
+            kpos = rope.k_positions
+        else:
+            kpos = _positions(self.layout, source, self.total_kv, device)
+            kpos = kpos if rope.k_positions is None else rope.k_positions.index_select(-1, kpos)
+        return RopeSpec(rope.cos, rope.sin, rope.style, qpos, kpos)
 
 
 def _offsets(values: tuple, device: torch.device) -> Tensor:
@@ -91,6 +124,17 @@ def _offsets(values: tuple, device: torch.device) -> Tensor:
         hit = _OFFSETS[key] = torch.tensor(values, dtype=torch.int32, device=device)
         if len(_OFFSETS) > _MAX_OFFSETS:
             _OFFSETS.popitem(last=False)
+    return hit
+
+
+def _positions(layout: SeqLayout, rank: int, total: int, device: torch.device) -> Tensor:
+    """``layout.positions`` on ``device``, kept per (layout, rank, total, device) (RoPE rows)."""
+    key = (layout, rank, total, device)
+    hit = _POSITIONS.get(key)
+    if hit is None:
+        hit = _POSITIONS[key] = layout.positions(rank, total, device)
+        if len(_POSITIONS) > _MAX_OFFSETS:
+            _POSITIONS.popitem(last=False)
     return hit
 
 
@@ -127,7 +171,7 @@ def _ring_forward(call: _RingCall, q: Tensor, k: Tensor, v: Tensor) -> tuple[Ten
         pending = ring.shift(kv) if step < call.world - 1 else None   # overlaps this step
         source = (call.rank - step) % call.world
         part = shard_attention(q, *kv, call.mods(source, q.device), call.scale, call.enable_gqa,
-                               call.kernel)
+                               call.kernel, fp8=call.fp8, rope=call.shard_rope(source, q.device))
         _STATS["skipped" if part is None else "computed"] += 1
         if part is not None:
             merger.add(*part)
@@ -193,7 +237,8 @@ def _sum_to_shards(grad: Tensor, call: _RingCall, total: int) -> Tensor:
 def _allgather_forward(call: _RingCall, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     k_all, v_all = _gather(k, call, call.total_kv), _gather(v, call, call.total_kv)
     part = shard_attention(q, k_all, v_all, call.mods(None, q.device), call.scale,
-                           call.enable_gqa, call.kernel)
+                           call.enable_gqa, call.kernel, fp8=call.fp8,
+                           rope=call.shard_rope(None, q.device))
     if part is None:   # every row hidden
         return (q.new_zeros((*q.shape[:3], v.shape[-1])),
                 torch.full(q.shape[:3], float("-inf"), device=q.device))
@@ -246,7 +291,9 @@ def _default_kernel(q: Tensor) -> str:
 def ring_flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
               mask_mod: Optional[Callable] = None, *, group=None, layout: Optional[SeqLayout] = None,
               scale: Optional[float] = None, enable_gqa: bool = False, return_lse: bool = False,
-              method: str = "ring", kernel: str = "auto") -> Union[Tensor, tuple[Tensor, Tensor]]:
+              method: str = "ring", kernel: str = "auto",
+              fp8: Union[bool, FP8Recipe, None] = None, rope: Optional[RopeSpec] = None
+              ) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """Context-parallel attention: this rank's shards of q, k, v in, this rank's output shard out.
 
     ``q`` (B, H, S, D), ``k`` (B, Hkv, S_kv, D), ``v`` (B, Hkv, S_kv, Dv) hold the positions
@@ -257,23 +304,39 @@ def ring_flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = N
     "auto" (fa3 where our kernels run: CUDA, or the CPU under TRITON_INTERPRET=1). Gradients flow
     to q, k, v (not to tensors the mods capture).
 
+    ``fp8=True`` (or an :class:`~fa3_inductor.FP8Recipe`): FP8 attention for inference, each
+    step's shard through ``fa3_inductor.flex(..., fp8=)`` (docs/fp8.md), the LSE merge unchanged;
+    ``smooth_k`` is exact (each shard's LSE gets its own shift back: module docstring). Inputs
+    that need gradients raise, as flex(fp8=) does. ``rope`` (a :class:`~fa3_inductor.RopeSpec`,
+    with ``fp8``): q and k given before RoPE, rotated in each step's prologue at their GLOBAL
+    positions; its tables cover the whole sequence (rows 0 .. T-1, or the rows its
+    ``q_positions`` / ``k_positions`` name: those are [T] or [B, T] over the whole sequence in
+    global order, and each shard reads its entries).
+
     Example::
 
         >>> lay = SeqLayout(dist.get_world_size())                       # doctest: +SKIP
         >>> q, k, v = (lay.shard(t, 2, dist.get_rank()) for t in (q_full, k_full, v_full))
         >>> out = ring_flex(q, k, v, mask_mod=mods.causal, layout=lay)   # this rank's rows
         >>> full = lay.unshard(all_gathered_outs, 2)
+        >>> with torch.no_grad():                             # FP8, inference  # doctest: +SKIP
+        ...     out = ring_flex(q, k, v, mask_mod=mods.causal, layout=lay, fp8=True)
     """
     call = ring_call(q, k, v, score_mod, mask_mod, group=group, layout=layout, scale=scale,
-                     enable_gqa=enable_gqa, method=method, kernel=kernel)
-    out, lse = _Attention.apply(q, k, v, call)
+                     enable_gqa=enable_gqa, method=method, kernel=kernel, fp8=fp8, rope=rope)
+    if call.fp8 is not None:   # inference only (ring_call refused gradients): no autograd node
+        out, lse = attention_forward(call, q, k, v)
+    else:
+        out, lse = _Attention.apply(q, k, v, call)
     return (out, lse) if return_lse else out
 
 
 def ring_call(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
               mask_mod: Optional[Callable] = None, *, group=None,
               layout: Optional[SeqLayout] = None, scale: Optional[float] = None,
-              enable_gqa: bool = False, method: str = "ring", kernel: str = "auto") -> _RingCall:
+              enable_gqa: bool = False, method: str = "ring", kernel: str = "auto",
+              fp8: Union[bool, FP8Recipe, None] = None, rope: Optional[RopeSpec] = None
+              ) -> _RingCall:
     """Everything one :func:`ring_flex` call fixes, checked (its arguments' meaning): what
     :func:`attention_forward` and :func:`attention_backward` take. For callers that keep the
     forward and the backward apart themselves (the ring sites of compiled graphs: graph_sites.py).
@@ -299,9 +362,77 @@ def ring_call(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = N
     _check_shapes(q, k, v, enable_gqa)
     layout.check_length(q.shape[2] * world)
     layout.check_length(k.shape[2] * world)
+    resolved = _default_kernel(q) if kernel == "auto" else kernel
+    recipe = FP8Recipe.of(fp8)
+    if rope is not None and recipe is None:
+        raise ValueError("ring_flex: rope= is applied by the FP8 prologue; pass fp8=True with it, "
+                         "or apply RoPE to q and k yourself")
+    if recipe is not None:
+        check_fp8_inference(q, k, v, "fa3_inductor.distributed.ring_flex(fp8=...)")
+        _check_fp8(q, score_mod, recipe, kernel, resolved)
+        if rope is not None:
+            _check_rope(rope, q.shape[2] * world, k.shape[2] * world)
     return _RingCall(group, rank, world, layout, q.shape[2] * world, k.shape[2] * world,
                      score_mod, mask_mod, scale if scale is not None else q.shape[-1] ** -0.5,
-                     enable_gqa, _default_kernel(q) if kernel == "auto" else kernel, method)
+                     enable_gqa, resolved, method, recipe, rope)
+
+
+def check_fp8_inference(q: Tensor, k: Tensor, v: Tensor, option: str) -> None:
+    """Raise, naming ``option``, when FP8 attention is asked of inputs that need gradients (FP8
+    is inference-only, as ``flex(fp8=)``).
+
+    Example::
+
+        >>> check_fp8_inference(q, k, v, "ring_flex(fp8=...)")   # doctest: +SKIP
+    """
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise NotImplementedError(
+            f"{option} is inference-only: backward through an FP8 forward is not supported. Call "
+            "it under torch.no_grad() / torch.inference_mode() with inputs that need no gradient, "
+            "or drop fp8= to train (the bf16/fp16 kernels have a backward)")
+
+
+def _check_fp8(q: Tensor, score_mod: Optional[Callable], recipe: FP8Recipe, kernel: str,
+               resolved: str) -> None:
+    """What flex(fp8=) would refuse, refused before any rank communicates."""
+    if kernel == "dense":
+        raise ValueError("ring_flex(fp8=...): kernel='dense' has no FP8 form (FP8 runs on our "
+                         "kernels); use kernel='auto' or 'fa3'")
+    if resolved != "fa3":
+        raise NotImplementedError(f"ring_flex(fp8=...): {q.device.type} tensors; FP8 runs on "
+                                  "CUDA GPUs with e4m3 tensor cores (sm89+), or on the CPU under "
+                                  "TRITON_INTERPRET=1")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"ring_flex(fp8=...): inputs must be bfloat16 or float16 (got {q.dtype}); "
+                         "the prologue quantizes them to FP8")
+    if recipe.smooth_k and score_mod is not None:
+        raise ValueError("ring_flex(fp8=FP8Recipe(smooth_k=True)) with a score_mod: subtracting "
+                         "K's mean shifts each query's scores by a constant, which softmax ignores "
+                         "but a score_mod does not; use smooth_k=False with a score_mod")
+
+
+def _check_rope(rope: RopeSpec, total_q: int, total_kv: int) -> None:
+    """A RopeSpec of the whole sequence: positions [T] / [B, T] in global order, or tables with
+    a row per global position (the prologue checks the rest per step)."""
+    if not isinstance(rope, RopeSpec):
+        raise TypeError(f"ring_flex: rope must be an fa3_inductor RopeSpec, got "
+                        f"{type(rope).__name__}")
+    rows = rope.cos.shape[-2] if isinstance(rope.cos, Tensor) and rope.cos.dim() >= 2 else None
+    for name, pos, total in (("q_positions", rope.q_positions, total_q),
+                             ("k_positions", rope.k_positions, total_kv)):
+        if pos is None:
+            if rows is not None and rows < total:
+                raise ValueError(
+                    f"ring_flex(rope=...): the RoPE tables have {rows} rows, the whole sequence "
+                    f"{total} tokens; ring_flex rotates each shard at its global positions, so the "
+                    f"tables need a row per global position (or give RopeSpec.{name})")
+            continue
+        if not isinstance(pos, Tensor) or pos.dim() not in (1, 2) or pos.shape[-1] != total:
+            shape = tuple(pos.shape) if isinstance(pos, Tensor) else type(pos).__name__
+            raise ValueError(
+                f"ring_flex(rope=...): RopeSpec.{name} must cover the whole sequence, [{total}] "
+                f"or [B, {total}] in global order (each shard reads the entries of its global "
+                f"positions), got {shape}; this rank's shard positions are not what it takes")
 
 
 def attention_forward(call: _RingCall, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -328,6 +459,9 @@ def attention_backward(call: _RingCall, q: Tensor, k: Tensor, v: Tensor, out: Te
 
         >>> dq, dk, dv = attention_backward(call, q, k, v, out, lse, dout, None)   # doctest: +SKIP
     """
+    if call.fp8 is not None:
+        raise NotImplementedError("ring attention with fp8= is inference-only: no backward "
+                                  "through an FP8 forward; drop fp8= to train")
     backward = _allgather_backward if call.method == "allgather" else _ring_backward
     with torch.no_grad(), cp_state.suspended():
         return backward(call, q, k, v, out, lse, dout, dlse)

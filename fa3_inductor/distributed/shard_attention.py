@@ -8,7 +8,8 @@ mods composed with the layout's position map (layout.py: pos(i) = i + a below c,
 kernel's generated mods read them at run time, so one compiled kernel serves every step.
 
 Two kernels compute a shard:
-- ``fa3``: ``fa3_inductor.flex`` (our kernel families; the generic kernel under the CPU interpreter);
+- ``fa3``: ``fa3_inductor.flex`` (our kernel families; the generic kernel under the CPU interpreter;
+  with ``fp8``, its FP8 path: the prologue on (q, this K/V shard), then the FP8 families);
 - ``dense``: float32 torch ops, for CPUs without the interpreter (torch's flex has no CPU backward)
   and as the reference the tests hold the ring to.
 
@@ -36,6 +37,7 @@ from torch import Tensor
 
 from .._log import warn_once
 from ..block_masks import cached_block_mask
+from ..fp8_recipe import FP8Recipe, RopeSpec
 
 _MAX_EMPTY = 256
 _EMPTY: collections.OrderedDict = collections.OrderedDict()   # id(block mask) -> (mask, is empty)
@@ -88,15 +90,19 @@ class ShardMods:
 
 
 def shard_attention(q: Tensor, k: Tensor, v: Tensor, mods: ShardMods, scale: float,
-                    enable_gqa: bool, kernel: str) -> Optional[tuple[Tensor, Tensor]]:
+                    enable_gqa: bool, kernel: str, *, fp8: Optional[FP8Recipe] = None,
+                    rope: Optional[RopeSpec] = None) -> Optional[tuple[Tensor, Tensor]]:
     """(out, lse) of ``q`` against one K/V shard, differentiable in q, k, v; None when the mask
-    hides the whole shard.
+    hides the whole shard. ``fp8``: FP8 attention (``flex(fp8=)``, inference, ``fa3`` only), with
+    ``rope`` applied in its prologue (positions already the shards' global ones: ring.py).
 
     Example::
 
         >>> out, lse = shard_attention(q, k, v, mods, 0.125, False, "dense")   # doctest: +SKIP
     """
     if kernel == "dense":
+        if fp8 is not None or rope is not None:
+            raise ValueError("shard attention: kernel 'dense' has no FP8 form")
         return _dense(q, k, v, mods, scale)
     block_mask = None
     mask_mod = mods.global_mask_mod()
@@ -107,7 +113,7 @@ def shard_attention(q: Tensor, k: Tensor, v: Tensor, mods: ShardMods, scale: flo
     from ..api import flex
 
     return flex(q, k, v, score_mod=mods.global_score_mod(), block_mask=block_mask, scale=scale,
-                enable_gqa=enable_gqa, return_lse=True)
+                enable_gqa=enable_gqa, return_lse=True, fp8=fp8, rope=rope)
 
 
 def shard_attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,

@@ -7,8 +7,9 @@ list's truthiness: tens of nanoseconds) and, inside a region, run their ring-att
 that neither of the two needs to import the other: data flows front doors -> recognition ->
 lowering -> kernel families -> runtime, and nothing reaches back up.
 
-A region is any object with ``ring_graph(gm) -> gm`` (the graph with its flex_attention sites made
-ring attention); the backend calls nothing else on it. While ring attention computes its shards
+A region is any object with ``ring_graph(gm, fp8=None) -> gm`` (the graph with its flex_attention
+sites made ring attention; ``fp8``: the graph's FP8 recipe, its ``fa3.fp8`` option, or None); the
+backend calls nothing else on it. While ring attention computes its shards
 (:func:`suspended`) no region is active: the per-shard attention it runs (``fa3_inductor.flex``,
 itself a compiled graph with a flex_attention site) must attend within the shards it is given.
 
