@@ -67,6 +67,18 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "maskformer-swin": dict(embed_dim=32, depths=[1, 1], num_heads=[2, 4], window_size=4, patch_size=2),
 }
 
+# The realistic (timing) configs are the config classes' defaults with 2 layers, except where the
+# defaults differ from the checkpoints people download in what the timed size needs. RoBERTa-style
+# models count positions from padding_idx + 1, so their released checkpoints (roberta-base,
+# xlm-roberta-base, microsoft/mpnet-base) have 514 position rows for 512 tokens; the config
+# classes default to 512, which at 512 tokens indexes past the table (a device-side assert on
+# CUDA, that poisons the process's CUDA context). build_hf also checks every position table.
+REALISTIC_OVERRIDES: dict[str, dict[str, Any]] = {
+    "roberta": dict(max_position_embeddings=514),
+    "xlm-roberta": dict(max_position_embeddings=514),
+    "mpnet": dict(max_position_embeddings=514),
+}
+
 
 class Excluded(Exception):
     """The family cannot be built tiny here; the message is the reason listed for it."""
@@ -193,9 +205,9 @@ def hf_config(model_type: str, realistic: bool = False) -> Any:
         raise Excluded(f"default config does not build: {type(exc).__name__}: "
                        f"{_first_line(exc)}") from None
     config = shrink(config, realistic)
-    if not realistic:
-        for dotted, value in OVERRIDES.get(model_type, {}).items():
-            _set_dotted(config, dotted, value)
+    overrides = (REALISTIC_OVERRIDES if realistic else OVERRIDES).get(model_type, {})
+    for dotted, value in overrides.items():
+        _set_dotted(config, dotted, value)
     for attr in ("use_cache", "return_dict"):
         if hasattr(config, attr):
             setattr(config, attr, attr == "return_dict")
@@ -226,6 +238,7 @@ def build_hf(model_type: str, realistic: bool = False, batch: int = BATCH, seq: 
         raise Excluded(f"{cls.__name__} does not build from the tiny config: "
                        f"{type(error).__name__}: {_first_line(error)}")
     model = model.float().eval()
+    _check_position_tables(model, seq)
     candidates = example_inputs(model, config, batch, seq)
     for inputs in candidates[:-1]:
         try:
@@ -235,6 +248,32 @@ def build_hf(model_type: str, realistic: bool = False, batch: int = BATCH, seq: 
         except Exception:
             continue
     return model, candidates[-1]
+
+
+def _check_position_tables(model: torch.nn.Module, seq: int) -> None:
+    """Raise Excluded if the model's learned position table (an Embedding of the config's
+    ``max_position_embeddings`` / ``n_positions`` rows) has fewer rows than ``seq`` tokens need,
+    counting RoBERTa's offset (positions start at padding_idx + 1): an index past it is a
+    device-side assert on CUDA, which breaks the process's CUDA context. (Other tables named
+    for positions, DETR's object queries say, are not indexed by token positions.)
+
+    Example::
+
+        >>> model, _ = build_hf("roberta", realistic=True, seq=512)   # doctest: +SKIP
+        >>> _check_position_tables(model, 513)                         # doctest: +SKIP
+        Traceback (most recent call last):
+        coverage_hf.Excluded: does not build at 513 tokens: ...
+    """
+    config = getattr(model, "config", None)
+    rows = {getattr(config, k, None) for k in ("max_position_embeddings", "n_positions")} - {None}
+    for name, mod in model.named_modules():
+        if not isinstance(mod, torch.nn.Embedding) or mod.num_embeddings not in rows or \
+                not any(k in name.rsplit(".", 1)[-1] for k in ("pos", "wpe")):
+            continue
+        offset = mod.padding_idx + 1 if mod.padding_idx is not None else 0
+        if seq + offset > mod.num_embeddings:
+            raise Excluded(f"does not build at {seq} tokens: {name} has {mod.num_embeddings} "
+                           f"positions, {seq} tokens need {seq + offset} (positions from {offset})")
 
 
 def example_inputs(model: torch.nn.Module, config: Any, batch: int, seq: int) -> list[dict[str, Any]]:

@@ -27,6 +27,28 @@ STOCK_FAILS = "stock Inductor raises too"   # prefix of a crash where stock Indu
 OUR_BUG = "bug in fa3_inductor"             # in the reason of a site our guard left to stock Inductor
 NOT_REACHED = "not reached"                 # prefix of the reason of a family no process finished
 
+# Gradients (coverage.judge_grads): parameter p's error is measured on max(‖ref_p‖, GRAD_FLOOR·
+# ‖ref_all‖). A gradient that is a negligible share of the model's is then judged in absolute
+# terms at that scale: its relative error is rounding noise over a true value near 0 (a key
+# projection's bias has gradient 0 exactly, softmax being shift-invariant; every implementation
+# leaves noise there). 3e-3: in the bf16 GPU run (2026-11-27) the largest such noise was 1.4e-5·
+# ‖ref_all‖ (CLIP's k_proj.bias, eager 2.8e-6), which tol·3e-3 = 6e-5 covers 4x over; at 1e-4
+# CLIP's and PVT's key biases failed on noise alone, at 1e-3 CLIP's passed with 0.014 against
+# 0.02, too close for a floor meant to absorb noise. Any larger floor only loosens the
+# judgement of real, small gradients (q/k weights of these random-init models have shares of
+# 1e-4 to 1e-2 of ‖ref_all‖).
+GRAD_FLOOR = 3e-3
+# ...and where the uncompiled model in that dtype resolves p's gradient (its own relative error
+# at most RESOLVED), ours is at most max(DIRECTION, 4x eager's) relative: a floored gradient that
+# is wrong outright still fails (stock Inductor's query_proj gradient of sew-d, share 3e-5: 100%
+# off against eager's 2%).
+RESOLVED = 0.1
+DIRECTION = 0.5
+# A family out of tolerance is compiled again with stock Inductor: if stock Inductor is out of
+# tolerance by the same rule and ours is within this factor of its error, the failure is stock
+# Inductor's on this model (row "stock_too"), listed apart and not counted against us.
+STOCK_FACTOR = 2.0
+
 # Sites left alone whose math is not one fused attention as flex_attention computes it, or that
 # our kernels do not serve (class, pattern on the reason, what the class means). Every other
 # reason is a miss of ours and counts against the fused share.
@@ -95,14 +117,22 @@ def classify_family(reason: str) -> str:
 
 def row_passes(row: dict) -> bool:
     """A checked family passes: no crash of ours, no graph our guard handed to stock Inductor,
-    outputs and gradients within tolerance."""
+    outputs and gradients within tolerance, or out of tolerance only as far as stock Inductor
+    compiling the same model is too (``stock_too``: benchmarks/coverage.py, then not ours)."""
     crash = row.get("crash")
     if crash and not crash.startswith(STOCK_FAILS):
         return False
     if crash:
         return True   # not ours: stock Inductor raises on the model too
     guarded = any(OUR_BUG in k for k in row.get("left_alone", {}))
-    return bool(row.get("out_ok")) and bool(row.get("grad_ok")) and not guarded
+    within = bool(row.get("out_ok")) and bool(row.get("grad_ok"))
+    return (within or bool(row.get("stock_too"))) and not guarded
+
+
+def out_of_tolerance(row: dict) -> bool:
+    """A compiled family whose outputs or gradients are out of tolerance (ours or not)."""
+    return not row.get("crash") and "excluded" not in row and \
+        not (row.get("out_ok") and row.get("grad_ok"))
 
 
 def settled(row: dict) -> bool:
@@ -158,7 +188,9 @@ def summarize(rows: list[dict], enumerated: Optional[int] = None) -> dict[str, A
         grads_ok=sum(1 for r in ran if r.get("grad_ok")), ran=len(ran),
         passed=sum(1 for r in checked if row_passes(r)),
         tolerance_failures=sorted(r["family"] for r in ran
-                                  if not (r.get("out_ok") and r.get("grad_ok"))),
+                                  if out_of_tolerance(r) and not r.get("stock_too")),
+        tolerance_stock=sorted(r["family"] for r in ran
+                               if out_of_tolerance(r) and r.get("stock_too")),
         fully_fused=sum(1 for r in ran if r.get("sites") and r.get("fused") == r.get("sites")),
         softmax_no_site=sorted(r["family"] for r in ran if r.get("softmaxes") and not r.get("sites")),
         guarded=sum(1 for r in ran if any(OUR_BUG in k for k in r.get("left_alone", {}))),
@@ -211,10 +243,22 @@ def markdown(meta: dict, rows: list[dict], timing: list[dict]) -> str:
     if timing:
         lines += _timing_lines(timing) + [""]
     lines += ["## Families checked", "",
-              "Tolerance: relative error against the float64 uncompiled model ≤ 1e-4 (float32) / "
-              "2e-2 (bf16), or ≤ 4× the uncompiled model's own error in that dtype. `grad err`: "
-              "all parameter gradients as one vector; `grad` ok: each parameter's gradient within "
-              "tolerance. `softmaxes`: softmax/SDPA calls of one eager forward (routers included), "
+              "Tolerance, against the float64 uncompiled model: each output's relative error "
+              "≤ 1e-4 (float32) / 2e-2 (bf16), or ≤ 4× the uncompiled model's own error in that "
+              "dtype. Each parameter's gradient: error ‖g − ref‖ over max(‖ref_p‖, "
+              f"{GRAD_FLOOR:g}·‖ref_all‖) within the same bound (eager's error measured on the same "
+              "scale): a gradient that is a negligible share of the model's (a key bias's is 0 "
+              "exactly) is judged in absolute terms at the model's gradient scale, not relative "
+              "to its own ~0 norm; and where eager's own relative error is at most "
+              f"{RESOLVED:g}, ours is at most max({DIRECTION:g}, 4× eager's) relative (a small "
+              "gradient may not be wrong outright). `grad err`: all parameter gradients as one "
+              "vector. A family "
+              "out of tolerance is compiled with stock Inductor too: where stock Inductor is out "
+              "of tolerance by the same rule and ours is within "
+              f"{STOCK_FACTOR:g}× its error, the row passes as "
+              "not ours (`stock Inductor's own error`). Failing parameters, with their numbers, "
+              "are listed under the table. "
+              "`softmaxes`: softmax/SDPA calls of one eager forward (routers included), "
               "for attention recognition never saw. `fused`: sites that became one flex_attention "
               "op (`ours`: on our templates; the rest on torch's flex kernel). `pass`: no crash of "
               "ours, no graph handed to stock Inductor, outputs and gradients within tolerance.", "",
@@ -233,9 +277,60 @@ def markdown(meta: dict, rows: list[dict], timing: list[dict]) -> str:
             ", ".join(f"{k}×{v}" for k, v in r.get("backward", {}).items()) or "-",
             _cell(r.get("crash") or "no"), _fmt_err(r.get("out_err")),
             _ok(r.get("out_ok")), _fmt_err(r.get("grad_err")), _ok(r.get("grad_ok")),
-            "ok" if row_passes(r) else "**FAIL**", _cell(left, 400) or "-"]) + " |")
+            _pass_cell(r), _cell(left, 400) or "-"]) + " |")
+    lines += _tolerance_lines(rows)
     lines += _excluded_lines(rows, meta)
     return "\n".join(lines) + "\n"
+
+
+def _pass_cell(r: dict) -> str:
+    if not row_passes(r):
+        return "**FAIL**"
+    if out_of_tolerance(r) and r.get("stock_too"):
+        return ("ok: no site of ours, stock Inductor's own error" if not r.get("fused")
+                else "ok: stock Inductor's own error")
+    return "ok"
+
+
+def _param_cell(items: list[dict], limit: int = 4) -> str:
+    out = [f"`{i['param']}` err {_fmt_err(i['err'])} > allowed {_fmt_err(i['allowed'])} "
+           f"(share {_fmt_err(i.get('share'))}, eager {_fmt_err(i.get('base'))})"
+           for i in items[:limit]]
+    if len(items) > limit:
+        out.append(f"and {len(items) - limit} more")
+    return "; ".join(out) or "-"
+
+
+def _tolerance_lines(rows: list[dict]) -> list[str]:
+    """Each family out of tolerance: our errors, the failing parameters (error and allowed on
+    the parameter's scale, its share ‖ref_p‖/‖ref_all‖, eager's error on that scale), and stock
+    Inductor's errors on the same model."""
+    bad = [r for r in rows if out_of_tolerance(r)]
+    if not bad:
+        return []
+    lines = ["", "### Out of tolerance", "",
+             "| family | verdict | out err (eager) | grad err (eager) | failing parameters: err > "
+             "allowed (share, eager) | stock Inductor: out err, grad err, failing |",
+             "|---|---|---|---|---|---|"]
+    for r in bad:
+        stock = r.get("stock") or {}
+        if "error" in stock:
+            theirs = f"not run: {_cell(stock['error'], 100)}"
+        elif stock:
+            theirs = (f"{_fmt_err(stock.get('out_err'))} {_ok(stock.get('out_ok'))}, "
+                      f"{_fmt_err(stock.get('grad_err'))} {_ok(stock.get('grad_ok'))}, "
+                      + _param_cell(stock.get("grad_failing", []), 2))
+        else:
+            theirs = "-"
+        lines.append("| " + " | ".join([
+            r["family"], "not ours" if r.get("stock_too") else "**ours**",
+            f"{_fmt_err(r.get('out_err'))} ({_fmt_err(r.get('baseline_out_err'))})",
+            f"{_fmt_err(r.get('grad_err'))} ({_fmt_err(r.get('baseline_grad_err'))})",
+            _cell(("-" if r.get("grad_ok") else _param_cell(r["grad_failing"])
+                   if "grad_failing" in r else f"`{r.get('grad_worst')}` (worst; per-parameter "
+                   "numbers not recorded by this run)"), 600),
+            _cell(theirs, 400)]) + " |")
+    return lines
 
 
 def _summary_lines(s: dict) -> list[str]:
@@ -256,8 +351,11 @@ def _summary_lines(s: dict) -> list[str]:
            f"stock Inductor: {s['guarded']}.",
            f"- Outputs within tolerance: {s['outputs_ok']}/{s['ran']}; gradients: "
            f"{s['grads_ok']}/{s['ran']}; families passing every check: {s['passed']}/{s['checked']}"
-           + (f"; out of tolerance: {', '.join(s['tolerance_failures'])}"
-              if s["tolerance_failures"] else "") + "."]
+           + (f"; **out of tolerance: {', '.join(s['tolerance_failures'])}**"
+              if s["tolerance_failures"] else "; none out of tolerance by our doing")
+           + (f"; out of tolerance where stock Inductor compiling the same model is out by as "
+              f"much (not ours, passed): {', '.join(s['tolerance_stock'])}"
+              if s.get("tolerance_stock") else "") + "."]
     if s["missed"]:
         out += ["- Sites left alone that count against the share (reason × sites): "
                 + "; ".join(f"`{_cell(k, 200)}` ×{v}" for k, v in s["missed"].items())]
@@ -275,25 +373,35 @@ def _summary_lines(s: dict) -> list[str]:
 def _timing_lines(timing: list[dict]) -> list[str]:
     ts = timing_summary(timing)
     every = any("fa3_every_size_ms" in t for t in timing)
-    head = ("| family | batch | seq | sites | fused | templates | fa3 ms | inductor ms | "
-            "inductor ÷ fa3 |" + (" fa3 every size ms | inductor ÷ that |" if every else "")
-            + " compile s |")
+    head = ("| family | batch | seq | sites | fused | below the size rule | templates | fa3 ms | "
+            "inductor ms | inductor ÷ fa3 |"
+            + (" fa3 every size ms | inductor ÷ that |" if every else "") + " compile s |")
+    ruled = [t["family"] for t in timing if t.get("sites") and not t.get("fused")
+             and _size_ruled(t) == t["sites"]]
+    measured = [t for t in timing if "sites" in t]
     lines = ["## Forward time at a realistic size (inference, 2 layers), fa3 vs stock Inductor", "",
              f"Geometric mean of inductor ÷ fa3 over {ts['timed']} families: "
              + (f"{ts['geomean']:.2f}" if ts["geomean"] else "-")
              + (f"; with every site rewritten whatever its size: {ts['geomean_every_size']:.2f}"
                 if ts["geomean_every_size"] else "") + ". Median of `triton.testing.do_bench`. "
-             "`fa3` is the backend as shipped (sites too small to pay stay as written, "
-             "rewrite_pays.py)" + ("; `every size` rewrites every site it recognizes." if every
-                                   else "."), "",
-             head, "|" + "---|" * (head.count("|") - 1)]
+             "`fa3` is the backend as shipped: sites below the size rule (rewrite_pays.py: "
+             "fewer than 4e9 multiply-adds of q·k in inference) stay as written, so where every "
+             "site is below it fa3 compiles what stock Inductor compiles and the ratio is ~1.0 by "
+             "construction"
+             + (f" ({len(ruled)} of {len(measured)} families here: {', '.join(ruled)})" if ruled
+                else "")
+             + ("; `every size` rewrites every site recognition serves, whatever its size: "
+                "our kernels against stock Inductor at these sizes." if every else
+                "; run with `--timing-every-size` to time our kernels on those sites too."),
+             "", head, "|" + "---|" * (head.count("|") - 1)]
     for t in timing:
         if "error" in t and "fa3_ms" not in t:
             lines.append(f"| {t['family']} | {t.get('batch')} | {t.get('seq')} | "
                          f"{_cell(t['error'], 200)} |" + " |" * (head.count("|") - 5))
             continue
         cells = [t["family"], str(t["batch"]), str(t["seq"]), str(t.get("sites", "-")),
-                 str(t.get("fused", "-")), ", ".join(f"{k}×{v}" for k, v in
+                 str(t.get("fused", "-")), str(_size_ruled(t)) if "sites" in t else "-",
+                 ", ".join(f"{k}×{v}" for k, v in
                                                      t.get("templates", {}).items()) or "-",
                  _ms(t.get("fa3_ms")), _ms(t.get("inductor_ms")), _x(t.get("speedup"))]
         if every:
@@ -303,6 +411,12 @@ def _timing_lines(timing: list[dict]) -> list[str]:
             cells[-1] += f" ({_cell(t['error'], 120)})"
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def _size_ruled(t: dict) -> int:
+    """Sites of a timing row left as written by the size rule (rewrite_pays.py)."""
+    return sum(n for reason, n in t.get("left_alone", {}).items()
+               if re.match(r"small attention|plain SDPA call", reason))
 
 
 def _ms(x: Optional[float]) -> str:

@@ -22,7 +22,11 @@ import torch
 # downloaded models on the Hugging Face Hub, as we read its "most downloads" listings (sentence
 # encoders, CLIP/ViT image towers, Whisper, the Llama/Qwen/Mistral/Gemma decoders, GPT-2, T5).
 # Our reading, not a fetched ranking: this machine cannot reach the Hub. Each: (family, batch,
-# sequence length or image side).
+# sequence length or image side). At these sizes the size rule (rewrite_pays.MIN_WORK, 4e9 q·k
+# multiply-adds per site) leaves every site of the first six and of vit to stock Inductor (1.6e9
+# for the 8 x 512 encoders, 3.2e9 gpt2, 5.4e8 t5's encoder, 9.5e8 vit), so as shipped fa3 equals
+# stock Inductor there; only llama, qwen2 and mistral (6.9e10) are rewritten. --timing-every-size
+# times our kernels on all ten (docs/coverage.md).
 TIMED_FAMILIES = (
     ("bert", 8, 512), ("roberta", 8, 512), ("xlm-roberta", 8, 512), ("mpnet", 8, 512),
     ("gpt2", 4, 1024), ("t5", 4, 512), ("llama", 1, 4096), ("qwen2", 1, 4096),

@@ -53,10 +53,16 @@ def record_template(name: Optional[str]) -> None:
 
 def _out_like(q: Tensor, v: Tensor) -> Tensor:
     """The output (Z, HQ, M, DV) in q's stride order (e.g. a (B, S, H, D) storage stays so): no
-    copy afterwards. DV is v's head dim, which may differ from q's (DeepSeek's MLA)."""
+    copy afterwards. DV is v's head dim, which may differ from q's (DeepSeek's MLA). The head dim
+    is always innermost and every stride 16-byte aligned (the kernels write it through tensor
+    descriptors): a q whose own layout is not so (MViTv2's q after its pooling convolution has
+    strides (H·M·D, 1, H·D, H), heads innermost) gets its stride order with the head dim moved
+    innermost, as torch's flex_attention fake allocates its output."""
     dv = v.shape[-1]
     if dv == q.shape[-1]:
-        return torch.empty_like(q)
+        out = torch.empty_like(q)
+        if _descriptor_ready(out):
+            return out
     # torch's flex_attention fake does the same: fill dims innermost first in q's stride order
     # (equal strides: the inner dim first), the head dim innermost whatever q's stride says.
     shape = (*q.shape[:3], dv)
@@ -67,6 +73,13 @@ def _out_like(q: Tensor, v: Tensor) -> Tensor:
         strides[d] = step
         step *= shape[d]
     return q.new_empty_strided(shape, strides)
+
+
+def _descriptor_ready(t: Tensor) -> bool:
+    """Unit last stride and 16-byte aligned outer strides (templates/tma.py's rule, without the
+    address: a fresh allocation's is aligned)."""
+    stride, size = t.stride(), t.element_size()
+    return stride[-1] == 1 and all((s * size) % 16 == 0 for s in stride[:-1])
 
 
 def _one_block_size(block: int, length: int) -> int:
@@ -228,16 +241,18 @@ def bound_launch(q: Tensor, k: Tensor, v: Tensor, tables: tuple, score_bufs: lis
     sparse_kv_block = _one_block_size(sparse_kv_block, k.shape[2])
     lse = q.new_empty((Z, H, M), dtype=torch.float32)
     row_max = torch.empty_like(lse)
-    probe = (q, k, v, _out_like(q, v), lse, row_max, *tables, *score_bufs, *mask_bufs)
+    probe_out = _out_like(q, v)
+    probe = (q, k, v, probe_out, lse, row_max, *tables, *score_bufs, *mask_bufs)
     entry = recorded(_launch_key(spec, scale, sparse_q_block, sparse_kv_block, len(score_bufs), probe))
     if entry is None:
         return None
     rest = (*tables, *score_bufs, *mask_bufs)
     tag = entry.tag
-    same_dv = v.shape[3] == q.shape[3]   # the output is then empty_like(q) (_out_like)
+    # the output is then empty_like(q) (_out_like), unless q's layout is not descriptor-ready
+    plain = v.shape[3] == q.shape[3] and probe_out.stride() == torch.empty_like(q).stride()
 
     def launch(q: Tensor, k: Tensor, v: Tensor, want_lse: bool) -> tuple[Tensor, Optional[Tensor]]:
-        out = torch.empty_like(q) if same_dv else _out_like(q, v)
+        out = torch.empty_like(q) if plain else _out_like(q, v)
         lse_out = torch.empty_like(lse) if want_lse else lse
         relaunch(entry, (q, k, v, out, lse_out, row_max, *rest))
         _state.template = tag

@@ -42,12 +42,32 @@ def _planned_capability(t: torch.Tensor, plan_for: tuple[int, int] | None) -> tu
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself if tensor descriptors can read it, else a contiguous copy (logged)."""
+    """``t`` itself if tensor descriptors can read it, else a view of it whose size-1 dims carry
+    aligned strides (the stride of a size-1 dim is never used to address it), else a contiguous
+    copy (logged). A one-head q of MViTv2 has strides (M·D, 1, D, 1): torch calls it contiguous
+    (``.contiguous()`` returns it as is), but its head stride is not 16-byte aligned."""
     if tma_aligned(t):
         return t
+    view = _unit_dims_restrided(t)
+    if tma_aligned(view):
+        return view
     warn_once(f"fa3_inductor: a {tuple(t.shape)} input with strides {t.stride()} is not "
               "16-byte aligned for TMA; copying it to a contiguous layout")
-    return t.contiguous()
+    return _unit_dims_restrided(t.contiguous())
+
+
+def _unit_dims_restrided(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed with each size-1 dim's stride set to what a contiguous layout gives it (the
+    next inner dim's stride times its size); ``t`` itself when that changes nothing."""
+    shape, stride = t.shape, list(t.stride())
+    inner = 1
+    for d in range(t.dim() - 1, -1, -1):
+        if shape[d] == 1:
+            stride[d] = inner
+        inner = stride[d] * shape[d]
+    if tuple(stride) == t.stride():
+        return t
+    return t.as_strided(shape, stride, t.storage_offset())
 
 
 def _fold_scale(sm_scale: float, score_mod: Any) -> bool:
