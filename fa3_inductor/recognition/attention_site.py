@@ -79,6 +79,10 @@ class MaskLayer:
     node: torch.fx.Node       # the keep condition (fill) or the added tensor (add)
     fill: float = 0.0
     negate: bool = False      # the node is the *masked* condition (masked_fill)
+    # Indices of the scores -> indices of the tensor the layer applies to, when the layer sits
+    # under a view that merges or splits the batch/head dims (BART's [B*H, M, N] scores viewed
+    # [B, H, M, N] for the mask and back); None: the same indices.
+    remap: Optional[Callable[[list], list]] = None
 
 
 class AttentionSite:
@@ -97,6 +101,7 @@ class AttentionSite:
     layers: Optional[list] = None
     scores: Optional[torch.fx.Node] = None
     sink = None          # attention sinks (recognition/sinks.py's SinkMatch): rows with no key give 0
+    _root_remap = None   # scores' indices -> the score root's, when a batch/head view lies between
 
     @classmethod
     def from_parts(cls, gm: torch.fx.GraphModule, node: torch.fx.Node, q: torch.fx.Node,
@@ -125,8 +130,16 @@ class AttentionSite:
 
     def _check_shapes(self, served) -> None:
         q, k, v = (shape_after(op) for op in (self.q, self.k, self.v))
-        if self.rank == 3:
-            q, k, v = ((1,) + s for s in (q, k, v))
+        if self.rank > 4:
+            # [B, n1, .., nk, M, D]: the dims between batch and rows are merged into flex's
+            # heads (reshaped in emit); every operand must have them all, unbroadcast.
+            lead = tuple(self.score_shape[:-2])
+            if any(len(s) != self.rank or tuple(s[:-2]) != lead for s in (q, k, v)):
+                raise Refused(f"q{list(q)} k{list(k)} v{list(v)} broadcast over the scores' "
+                              f"batch dims {list(lead)} (fa3 merges batch dims into flex's "
+                              "heads only where q, k and v all have them)")
+        if self.rank != 4:
+            q, k, v = (flex_rank(s) for s in (q, k, v))
         (bq, hq, _, d), (bk, hk, n, dk), (bv, hv, nv, dv) = q, k, v
         if (bq, d, n, hk) != (bk, dk, nv, hv) or bv != bk:
             raise Refused(f"q{list(q)} k{list(k)} v{list(v)} are not attention-shaped")
@@ -146,7 +159,27 @@ class AttentionSite:
             raise Refused(why)
 
     def _root_index(self, idx: list) -> list:
-        return idx if self.rank == 4 else idx[1:]
+        """flex's indices [b, h, q_idx, kv_idx] -> indices of the scores (any rank >= 3)."""
+        return root_index(idx, self.score_shape)
+
+    def _flex_score_shape(self) -> tuple[int, ...]:
+        """The scores as flex sees them: [B, H, M, N]."""
+        return flex_rank(self.score_shape)
+
+    def _score_grid(self) -> list:
+        """The static grid in the scores' indices (flex's grid, rooted)."""
+        return self._root_index(self._grid())
+
+    def _lift_layer(self, lifter: Lifter, node: Any, remap=None) -> Lifted:
+        """``lifter.lift(node)`` in the scores' indices, ``remap`` (scores' -> node's indices)
+        applied when the node sits under a view of the batch/head dims."""
+        inner = lifter.lift(node)
+        if remap is None:
+            return inner
+        from .lift import _align
+        return Lifted(tuple(self.score_shape),
+                      lambda env, idx: inner.fn(env, _align(remap(list(idx)), inner.shape)),
+                      inner.uses_score, inner.uses_buffers, inner.dtype)
 
     def rewrite(self, extra_inputs: list[torch.Tensor]) -> RecognizedSite:
         """Plan and emit (raises Refused, leaving the graph untouched, if there is no plan).
@@ -185,9 +218,9 @@ class AttentionSite:
             # What the report calls score mods: the score part and the added biases, not the
             # mask layers (the mask has its own description).
             described = self._lifter()
-            described.lift(score_root)
+            self._lift_layer(described, score_root, self._root_remap)
             for layer in plan.get("biases", []):
-                described.lift(layer.node)
+                self._lift_layer(described, layer.node, layer.remap)
             plan["described"] = described
         except NotLiftable as exc:
             raise Refused(f"score expression: {exc}") from None
@@ -205,7 +238,7 @@ class AttentionSite:
         neg_inf: list[Lifted] = []     # entries eager sets to -inf (NaN rows if all are)
         score_adds: list[MaskLayer] = []
         for layer in layers:
-            lifted = mask_lifter.lift(layer.node)
+            lifted = self._lift_layer(mask_lifter, layer.node, layer.remap)
             if layer.kind == "fill":
                 keep = _not(lifted) if layer.negate else lifted
                 keeps.append(keep)
@@ -214,7 +247,7 @@ class AttentionSite:
                 else:
                     finite_fill = True
                 continue
-            kind = _additive_kind(lifted, self._grid())
+            kind = _additive_kind(lifted, self._score_grid())
             if kind == "runtime" and not _looks_like_mask(layer.node):
                 kind = "bias"   # e.g. ALiBi slopes × distance: no fill value in sight
             if kind == "bias":
@@ -238,7 +271,7 @@ class AttentionSite:
                         neg_inf=neg_inf, finite_fill=finite_fill, lifter=mask_lifter,
                         biases=score_adds)
         keep = _and_all(keeps)
-        dense = _evaluate(keep, self._grid())
+        dense = _evaluate(keep, self._score_grid())
         if bool(dense.any(-1).all()) or (self.zero_rows and not finite_fill) or self.sink is not None:
             return self._static_plan(score_root, score_adds, keep, dense)
         # flex works in log2 units: a finfo.min fill overflows to -inf there, so no spelling
@@ -271,19 +304,18 @@ class AttentionSite:
                      dense: torch.Tensor) -> dict:
         """A mask known now: the score_mod is the score part plus the added biases."""
         score_lifter = self._lifter()
-        body = score_lifter.lift(score_root)
-        adds = [score_lifter.lift(layer.node) for layer in score_adds]
+        body = self._lift_layer(score_lifter, score_root, self._root_remap)
+        adds = [self._lift_layer(score_lifter, layer.node, layer.remap) for layer in score_adds]
         score = _add_all(body, adds) if adds else body
         return dict(kind="static", score=(score_lifter, score), keep=keep, dense=dense,
                     biases=score_adds)
 
     def _lifter(self) -> Lifter:
-        return Lifter(self.score_node, self.score_shape)
+        return Lifter(self.score_node, self.score_shape, read_at=self.pv)
 
     def _grid(self) -> list[torch.Tensor]:
-        """Broadcast position tensors [b, h, q, kv] of the score matrix (real, CPU)."""
-        shape = self.score_shape
-        shape = shape if self.rank == 4 else (1,) + shape
+        """Broadcast position tensors [b, h, q, kv] of flex's score matrix (real, CPU)."""
+        shape = self._flex_score_shape()
         out = []
         for d, s in enumerate(shape):
             view = [1, 1, 1, 1]
@@ -306,8 +338,10 @@ class AttentionSite:
         mask_desc = "none"
         with graph.inserting_before(self.pv):
             q, k, v = (op.build(graph) for op in (self.q, self.k, self.v))
-            if self.rank == 3:
-                q, k, v = (graph.call_method("unsqueeze", (x, 0)) for x in (q, k, v))
+            if self.rank != 4:   # [BH, M, D] or [B, n1, .., nk, M, D]: flex's [B, H, M, D]
+                q, k, v = (graph.call_method("reshape", (x, *flex_rank(s)))
+                           for x, s in zip((q, k, v), (shape_after(o) for o in
+                                                       (self.q, self.k, self.v))))
             score_bufs = _buffer_nodes(graph, score_lifter)
             score_mod = None
             if not (score.uses_score and score_lifter.buffers == [] and
@@ -362,8 +396,9 @@ class AttentionSite:
                     out = graph.call_function(torch.where, (uniform_rows, mean_v, out))
                 if nan_rows is not None and not self.zero_rows:
                     out = graph.call_function(torch.where, (nan_rows, math.nan, out))
-            if self.rank == 3:
-                out = graph.call_method("squeeze", (out, 0))
+            if self.rank != 4:   # back to the scores' batch dims: [..., M, Dv]
+                out = graph.call_method("reshape", (out, *self.score_shape[:-1],
+                                                    self.shapes[2][-1]))
             out = self._output_layout(graph, out)
         out.meta["example_value"] = self.pv.meta.get("example_value")  # for later sites
         self.pv.replace_all_uses_with(out)
@@ -384,8 +419,7 @@ class AttentionSite:
         tracer = torch.fx.proxy.GraphAppendingTracer(graph)
         lifter: Lifter = plan["lifter"]
         bufs = [torch.fx.Proxy(n, tracer) for n in _buffer_nodes(graph, lifter)]
-        shape = self.score_shape
-        shape4 = shape if self.rank == 4 else (1,) + shape
+        shape4 = self._flex_score_shape()
         device = example(self.q.node).device
         idx = [torch.fx.Proxy(graph.call_function(torch.arange, (s,), {"device": device}),
                               tracer).view(*[s if d == i else 1 for i in range(4)])
@@ -436,10 +470,15 @@ class AttentionSite:
         """(the whole score expression lifted, the score part's root, the mask layers)."""
         score_root, layers = self.score_node, self.layers
         full_score = _apply_layers(full.lift(score_root),
-                                   [(la, full.lift(la.node)) for la in layers])
+                                   [(la, self._lift_layer(full, la.node, la.remap))
+                                    for la in layers])
         return full_score, score_root, layers
 
+    out_shape: Optional[tuple] = None   # an SDPA call made 4-D (recognize_sdpa._as_4d)
+
     def _output_layout(self, graph: torch.fx.Graph, out: torch.fx.Node) -> torch.fx.Node:
+        if self.out_shape is not None:
+            out = graph.call_method("reshape", (out, *self.out_shape))
         return out
 
 
@@ -562,8 +601,8 @@ def _evaluate(keep: Lifted, grid: list[torch.Tensor], buffers: list = ()) -> tor
         val = torch.as_tensor(val)
         while val.dim() < 4:
             val = val.unsqueeze(0)
-        return val.to(torch.bool).expand(val.shape[0], val.shape[1], grid[2].shape[2],
-                                         grid[3].shape[3])
+        return val.to(torch.bool).expand(val.shape[0], val.shape[1], grid[-2].shape[-2],
+                                         grid[-1].shape[-1])
 
 
 def _additive_kind(lifted: Lifted, grid: list[torch.Tensor]) -> str:
@@ -613,6 +652,58 @@ def _known_mask(dense: torch.Tensor) -> tuple[str, Optional[Callable]]:
         return f"sliding_window {w}", lambda env, idx: (idx[2] >= idx[3]) & (
             idx[2] - idx[3] < w)
     return shape, None
+
+
+# -- scores of rank 3 or above 4 ---------------------------------------------------------------
+
+
+def flex_rank(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A [.., M, X] shape of attention as flex_attention's 4-D [B, H, M, X]: [BH, M, X] (bmm over
+    merged batch and heads) is [1, BH, M, X]; [B, n1, .., nk, M, X] (heads and windows, blocks,
+    ...) merges n1..nk into flex's heads. Attention is independent per batch index, so merging
+    batch-like dims is exact (a reshape in C order, undone after the op).
+
+    Example::
+
+        >>> flex_rank((6, 32, 16)), flex_rank((2, 3, 4, 32, 16)), flex_rank((2, 3, 32, 16))
+        ((1, 6, 32, 16), (2, 12, 32, 16), (2, 3, 32, 16))
+    """
+    shape = tuple(int(s) for s in shape)
+    if len(shape) == 4:
+        return shape
+    if len(shape) == 3:
+        return (1,) + shape
+    if len(shape) > 4:
+        return (shape[0], math.prod(shape[1:-2])) + shape[-2:]
+    raise ValueError(f"attention of rank {len(shape)}")
+
+
+def root_index(idx: list, score_shape: tuple[int, ...]) -> list:
+    """flex's indices [b, h, q_idx, kv_idx] as indices of scores of ``score_shape`` (the inverse
+    of :func:`flex_rank`): [h, q, kv] for [BH, M, N]; for [B, n1, .., nk, M, N] the head index
+    is split back, h = ((i1 * n2) + i2) * .. + ik. Indices may be ints, tensors or fx proxies.
+
+    Example::
+
+        >>> root_index([0, 7, 1, 2], (2, 3, 4, 32, 32))
+        [0, 1, 3, 1, 2]
+    """
+    rank = len(score_shape)
+    if rank == 4:
+        return list(idx)
+    if rank == 3:
+        return list(idx[1:])
+    mid = [int(s) for s in score_shape[1:-2]]
+    h, parts = idx[1], []
+    for d, size in reversed(list(enumerate(mid))):
+        if size == 1:
+            parts.append(0)
+        elif d == 0:
+            parts.append(h)
+        else:
+            parts.append(h % size)
+            h = h // size
+    return [idx[0]] + parts[::-1] + list(idx[2:])
 
 
 # -- einsum --------------------------------------------------------------------------------

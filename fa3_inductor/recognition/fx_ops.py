@@ -112,6 +112,119 @@ def static_shape(node: Any) -> Optional[tuple[int, ...]]:
     return tuple(out)
 
 
+def constant_number(value: Any) -> Optional[float]:
+    """A Python number, or a node that makes a 0-d tensor of a constant (``torch.tensor(c)``,
+    ``torch.scalar_tensor(c)``, CPM-Ant's mask fills): that number; else None.
+
+    Example::
+
+        >>> constant_number(-1e9), constant_number("x") is None
+        (-1000000000.0, True)
+    """
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if op_name(value) in ("scalar_tensor", "tensor") and value.args and \
+            isinstance(value.args[0], (int, float)) and not isinstance(value.args[0], bool):
+        return float(value.args[0])
+    return None
+
+
+# Ops whose result may share memory with their first argument.
+_ALIASING = {"view", "reshape", "_unsafe_view", "getitem", "unsqueeze", "squeeze", "transpose",
+             "permute", "expand", "expand_as", "narrow", "select", "flatten", "unflatten",
+             "contiguous", "t", "view_as", "as_strided", "unfold", "diagonal", "movedim",
+             "swapaxes", "split", "chunk", "unbind", "tensor_split", "detach", "alias",
+             "broadcast_to", "mT", "T", "real", "imag", "view_as_real", "view_as_complex"}
+
+
+_IN_PLACE_OPERATORS = {
+    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+    operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+    operator.imatmul, operator.ilshift, operator.irshift}
+
+
+def _is_in_place(user: torch.fx.Node, tensor: torch.fx.Node) -> bool:
+    """``user`` writes into ``tensor`` (its first argument): ``x[i] = v``, ``x.add_(..)``,
+    ``torch.relu_(x)``, ``out=x``."""
+    if user.op not in ("call_function", "call_method"):
+        return False
+    if user.kwargs.get("out") is tensor:
+        return True
+    first = user.args[0] if user.args else None
+    if first is not tensor:
+        return False
+    target = user.target
+    if target in _IN_PLACE_OPERATORS:
+        return True
+    if target in _OPERATORS or getattr(target, "__module__", None) in ("_operator", "operator"):
+        return False   # operator.and_, operator.or_: not in place despite the underscore
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    return name.endswith("_") and not name.endswith("__")
+
+
+def _aliases(node: torch.fx.Node, user: torch.fx.Node) -> bool:
+    """``user`` is ``node``'s tensor or a view of it (an aliasing op or an in-place op on it)."""
+    if not user.args or user.args[0] is not node:
+        return False
+    name = op_name(user)
+    return name in _ALIASING or (name == "getattr" and user.args[1] in ("mT", "T")) or \
+        _is_in_place(user, node)
+
+
+def alias_writes(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The in-place ops that write into ``node``'s tensor: directly, through a view of it, or
+    into the tensor it is a view of (``keep[1, :4] = False``, ``m.add_(x)``, ``m += x``).
+
+    Example::
+
+        >>> [w.target for w in alias_writes(keep_node)]   # doctest: +SKIP
+        [<built-in function setitem>]
+    """
+    base = node
+    for _ in range(64):   # up to the tensor the views (and in-place results) alias
+        src = base.args[0] if base.args else None
+        if isinstance(src, torch.fx.Node) and _aliases(src, base):
+            base = src
+            continue
+        break
+    writes, stack, seen = [], [base], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for user in n.users:
+            if _is_in_place(user, n):
+                writes.append(user)
+            if _aliases(n, user):
+                stack.append(user)
+    return writes
+
+
+def graph_positions(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
+    """Each node's index in the graph's order (program order)."""
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def mutated_in_place(node: torch.fx.Node) -> bool:
+    """Whether the graph writes into ``node``'s tensor in place after making it (see
+    :func:`alias_writes`): its op then does not tell its value everywhere it is read. An
+    in-place op's own write (``y = x.add_(1)``: y) is not one after y.
+
+    Example::
+
+        >>> mutated_in_place(keep_node)   # keep[1, :4] = False later in the graph  # doctest: +SKIP
+        True
+    """
+    writes = alias_writes(node)
+    if not writes:
+        return False
+    pos = graph_positions(node.graph)
+    return any(pos[w] > pos[node] for w in writes)
+
+
 # -- aten-level graphs (AOT autograd, make_fx) and structural equality ----------------------------
 
 def aten_name(node: Any) -> Optional[str]:
@@ -170,7 +283,8 @@ def same_value(a: Any, b: Any, _memo: Optional[dict] = None) -> bool:
     """True if ``a`` and ``b`` are provably the same value: the same node, or calls of the same
     pure op on arguments that are the same values (recursively), or equal constants. Graph
     inputs and attributes are the same only as the same node/attribute; random and in-place ops
-    never match. Used where a model computes one thing twice, e.g. ``cos[:, None]`` once for q and
+    never match, nor two reads of a tensor the graph writes into in place, even of one node (the
+    write may fall between them: :func:`mutated_in_place`). Used where a model computes one thing twice, e.g. ``cos[:, None]`` once for q and
     once for k, or ``q[..., :R]`` once per use. False means "not proven", not "different".
 
     Example::
@@ -178,11 +292,13 @@ def same_value(a: Any, b: Any, _memo: Optional[dict] = None) -> bool:
         >>> same_value(node_of("t[:, None]"), other_node_of("t[:, None]"))   # doctest: +SKIP
         True
     """
-    if a is b:
-        return True
     if isinstance(a, torch.fx.Node) or isinstance(b, torch.fx.Node):
         if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)):
             return False
+        if mutated_in_place(a) or (b is not a and mutated_in_place(b)):
+            return False   # written in place between the two reads, maybe
+        if a is b:
+            return True
         if a.op == "get_attr" and b.op == "get_attr":
             return a.target == b.target
         if a.op != b.op or a.target != b.target or not _is_pure_call(a):
@@ -193,6 +309,8 @@ def same_value(a: Any, b: Any, _memo: Optional[dict] = None) -> bool:
             memo[key] = False   # a cycle cannot occur in a DAG; this only guards re-entry
             memo[key] = same_value(a.args, b.args, memo) and same_value(a.kwargs, b.kwargs, memo)
         return memo[key]
+    if a is b:
+        return True
     if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and \
             all(same_value(x, y, _memo) for x, y in zip(a, b))

@@ -41,7 +41,7 @@ import torch
 import torch.fx
 
 from ..templates.torch_mod_helpers import cast, where
-from .fx_ops import arg, example, op_name, static_shape
+from .fx_ops import alias_writes, arg, example, graph_positions, op_name, static_shape
 
 
 class NotLiftable(Exception):
@@ -85,6 +85,56 @@ def _align(idx: list, in_shape: Sequence[int]) -> list:
     r = len(in_shape)
     tail = idx[len(idx) - r:] if r else []
     return [0 if s == 1 else i for s, i in zip(in_shape, tail)]
+
+
+def is_lead_view(before: Optional[Sequence[int]], after: Optional[Sequence[int]]) -> bool:
+    """A view from shape ``before`` to ``after`` that keeps the last two dims (query and key
+    rows) and only merges or splits the ones before them.
+
+    Example::
+
+        >>> is_lead_view((8, 16, 32), (2, 4, 16, 32)), is_lead_view((8, 16, 32), (8, 32, 16))
+        (True, False)
+    """
+    return (before is not None and after is not None and len(before) >= 2 and len(after) >= 2
+            and tuple(before[-2:]) == tuple(after[-2:]) and math.prod(before) == math.prod(after))
+
+
+def lead_remap(out_lead: tuple[int, ...], in_lead: tuple[int, ...]) -> Callable[[list], list]:
+    """Indices of a view whose leading dims are ``out_lead`` -> indices of its source (leading
+    dims ``in_lead``, the same number of elements; the trailing dims are kept): the flat
+    C-order position over the leading dims, unravelled again. Indices may be ints, tensors or
+    fx proxies; size-1 dims read at 0.
+
+    Example::
+
+        >>> lead_remap((2, 3), (6,))([1, 2, 5, 7])
+        [5, 5, 7]
+        >>> lead_remap((6,), (2, 3))([5, 4, 9])
+        [1, 2, 4, 9]
+    """
+    out_lead, in_lead = tuple(out_lead), tuple(in_lead)
+    if out_lead == in_lead:
+        return lambda idx: list(idx)
+    n_out = len(out_lead)
+
+    def mapping(idx: list) -> list:
+        flat = None
+        for i, size in zip(idx[:n_out], out_lead):
+            if size == 1:
+                continue
+            flat = i if flat is None else flat * size + i
+        parts = []
+        for d, size in reversed(list(enumerate(in_lead))):
+            if size == 1 or flat is None:
+                parts.append(0)
+            elif all(s == 1 for s in in_lead[:d]):
+                parts.append(flat)
+            else:
+                parts.append(flat % size)
+                flat = flat // size
+        return parts[::-1] + list(idx[n_out:])
+    return mapping
 
 
 def _broadcast(shapes: Sequence[Sequence[int]]) -> tuple[int, ...]:
@@ -131,13 +181,18 @@ class Lifter:
     """
 
     def __init__(self, score_node: torch.fx.Node,
-                 score_shape: Optional[tuple[int, ...]] = None):
+                 score_shape: Optional[tuple[int, ...]] = None,
+                 read_at: Optional[torch.fx.Node] = None):
         self.score_node = score_node
         self.score_shape = score_shape  # when the score node is not itself the scores (SDPA)
+        self.read_at = read_at          # where the op reads its captured buffers (None: the end)
         self.buffers: list[Buffer] = []
         self.features: list[str] = []   # what the expression does, for the report
         self._memo: dict[torch.fx.Node, Lifted] = {}
         self._depends: dict[torch.fx.Node, bool] = {}
+        self._readers: list[torch.fx.Node] = []   # the node whose operands are being lifted
+        self._positions: Optional[dict[torch.fx.Node, int]] = None
+        self._writes: dict[torch.fx.Node, list[int]] = {}
 
     # -- dependence on the score ---------------------------------------------------------
     def depends_on_score(self, node: Any) -> bool:
@@ -167,15 +222,63 @@ class Lifter:
             raise NotLiftable(f"operand {x!r} of type {type(x).__name__}")
         if x in self._memo:
             return self._memo[x]
+        if x is not self.score_node and self._writes_after(x):
+            return self._lift_written(x)   # its value depends on where it is read: no memo
         lifted = self._lift_node(x)
         self._memo[x] = lifted
         return lifted
+
+    # -- tensors written in place ------------------------------------------------------------
+    def _position(self, node: torch.fx.Node) -> int:
+        if self._positions is None:
+            self._positions = graph_positions(node.graph)
+        return self._positions[node]
+
+    def _writes_after(self, node: torch.fx.Node) -> list[int]:
+        """Positions of the in-place writes into ``node``'s tensor after ``node`` is made."""
+        if node not in self._writes:
+            writes = alias_writes(node)
+            here = self._position(node) if writes else 0
+            self._writes[node] = sorted(p for p in (self._position(w) for w in writes)
+                                        if p > here)
+        return self._writes[node]
+
+    def _lift_written(self, node: torch.fx.Node) -> Lifted:
+        """A tensor the graph writes into in place after making it (``keep = ones(..).tril();
+        keep[1, :4] = False``; T5-style ``buckets += where(..)``). Its op gives its value only
+        where it is read before the first write; a captured buffer gives the value where the
+        op reads it (``read_at``), right only if no write falls between the reads and there."""
+        writes = self._writes_after(node)
+        made = self._position(node)
+        if self._readers:
+            reads = [self._position(self._readers[-1])]
+        else:   # the expression's root: read by its users (those that do not write it)
+            from .fx_ops import _is_in_place
+            reads = [self._position(u) for u in node.users if not _is_in_place(u, node)]
+        end = self._position(self.read_at) if self.read_at is not None else math.inf
+        first, last = (min(reads), max(reads)) if reads else (end, end)
+        if not any(made < w < last for w in writes):
+            return self._lift_node(node)       # every read comes before the first write
+        if not any(first <= w < end for w in writes) and not self.depends_on_score(node):
+            shape = static_shape(node)
+            if shape is None:
+                raise NotLiftable(f"{node.name} has no static tensor shape")
+            return self._buffer(node, shape)   # written before every read, then left alone
+        raise NotLiftable(f"{node.name} is written in place between where it is read and "
+                          "where fa3's op would read it")
 
     def _lift_node(self, node: torch.fx.Node) -> Lifted:
         if node is self.score_node:
             shape = self.score_shape or static_shape(node)
             return Lifted(shape, lambda env, idx: env.score, uses_score=True,
                           dtype=example(node).dtype)
+        self._readers.append(node)
+        try:
+            return self._lift_operation(node)
+        finally:
+            self._readers.pop()
+
+    def _lift_operation(self, node: torch.fx.Node) -> Lifted:
         shape = static_shape(node)
         if shape is None:
             raise NotLiftable(f"{node.name} has no static tensor shape")
@@ -384,8 +487,18 @@ class Lifter:
         return self._view_of(node, node.args[0], mapping)
 
     def _op_reshape(self, node, shape):
+        if any(isinstance(a, torch.dtype) for a in list(node.args[1:]) + list(
+                node.kwargs.values())):
+            return None   # x.view(dtype) reinterprets the bits: not an index map
         src_shape = static_shape(node.args[0])
+        if src_shape is None:
+            return None
         if [s for s in src_shape if s != 1] != [s for s in shape if s != 1]:
+            if self.depends_on_score(node.args[0]) and is_lead_view(src_shape, shape):
+                # The scores viewed with their batch/head dims merged or split ([B*H, M, N]
+                # <-> [B, H, M, N]): the same elements, indexed in C order.
+                return self._view_of(node, node.args[0],
+                                     lead_remap(tuple(shape[:-2]), tuple(src_shape[:-2])))
             return None  # a real reshape (merging or splitting sizes): captured as a buffer
         big = [d for d, s in enumerate(shape) if s != 1]
         src_big = [d for d, s in enumerate(src_shape) if s != 1]
@@ -398,6 +511,7 @@ class Lifter:
         return self._view_of(node, node.args[0], mapping)
 
     _op_view = _op_reshape
+    _op__unsafe_view = _op_reshape
 
     def _op_expand(self, node, shape):
         src_shape = static_shape(node.args[0])
@@ -538,6 +652,8 @@ class Lifter:
         if isinstance(value, (bool, int, float)):
             return self._fill(node, shape, value)
         return None
+
+    _op_scalar_tensor = _op_tensor
 
     def _op_embedding(self, node, shape):
         index, weight = arg(node, 0, "input"), arg(node, 1, "weight")

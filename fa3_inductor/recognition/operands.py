@@ -103,10 +103,21 @@ def _unsqueezed_source(node: torch.fx.Node, dim: int) -> Optional[torch.fx.Node]
 
 
 def _parse_einsum(eq: Any, rank: int) -> Optional[tuple[str, str, str]]:
-    if not isinstance(eq, str) or "->" not in eq or "." in eq:
+    if not isinstance(eq, str) or "->" not in eq:
         return None
     lhs, out = eq.replace(" ", "").split("->")
     ops = lhs.split(",")
+    if "." in eq:
+        # "...qhd,...khd->...hqk" (LongT5): the ellipsis stands for the same leading dims in
+        # every term; spell them out with letters the equation does not use.
+        if any(t.count("...") != 1 or t.replace("...", "").count(".") for t in ops + [out]):
+            return None
+        n_dots = rank - len(out.replace("...", ""))
+        free = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz" if c not in eq]
+        if n_dots < 0 or n_dots > len(free):
+            return None
+        dots = "".join(free[:n_dots])
+        ops, out = [t.replace("...", dots) for t in ops], out.replace("...", dots)
     if len(ops) != 2 or any(len(o) != rank for o in ops + [out]):
         return None
     return ops[0], ops[1], out

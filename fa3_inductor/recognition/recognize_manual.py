@@ -28,10 +28,21 @@ at run time. Module map: operands.py reads the spellings of q/k/v (transposes, e
 GQA repeats, folded scales), lift.py the score expression, attention_site.py plans and emits,
 canonical.py builds the op.
 
+Batch dims. The scores may be [B, H, M, N], [B*H, M, N] (bmm / baddbmm over merged batch and
+heads) or [B, H, n1, .., M, N] (windows, blocks); flex sees them as [B, H', M, N] (attention_site.
+flex_rank). Views that merge or split the batch/head dims may sit between the product and the
+softmax (BLOOM, BART: scores viewed [B, H, M, N] for the mask, then back) and between the softmax
+and the matmul with V: q, k and V are viewed like the scores, mask layers under such a view carry
+the index map to it. Also read: CPM-Ant's zero fill of the probabilities with the scores' own
+-inf mask, GPT-Neo's float32 upcast of q and k (``_drop_upcasts``).
+
 Left alone, with the reason recorded: symbolic shapes, softmax over another dim, anything between
-softmax and the matmul other than casts, inactive dropout and views that merge or split the
-batch/head dims (V is then viewed the same way), probabilities used elsewhere,
-score expressions that are not elementwise, sites our kernels do not serve.
+softmax and the matmul other than casts, inactive dropout, views of the batch/head dims and the
+zero fill above, probabilities used elsewhere, score expressions that are not elementwise, sites
+our kernels do not serve. Structures that are not one softmax(q·kᵀ)·v per head are named in the
+reason (``_between_reason``, ``_no_product_reason``): factorized attention (the softmax output
+transposed), talking heads (a linear/conv over the probabilities), weights computed by a layer
+rather than q·kᵀ, probabilities sliced along the keys.
 
 Example::
 
@@ -47,9 +58,11 @@ import torch
 import torch.fx
 
 from .._log import log
-from .attention_site import (AttentionSite, MaskLayer, Operand, Refused, is_mask_fill)
-from .fx_ops import arg, example, op_name, static_shape
-from .lift import Lifted, Lifter
+from .attention_site import (AttentionSite, MaskLayer, Operand, Refused, is_mask_fill,
+                             shape_after)
+from .fx_ops import (alias_writes, arg, constant_number, example, graph_positions, op_name, same_value,
+                     static_shape)
+from .lift import Lifted, Lifter, is_lead_view, lead_remap
 from .operands import (einsum_out_perm, einsum_qk, einsum_v, peel_constant_scale,
                        transposed_source, unrepeat)
 from ..report import RecognizedSite
@@ -112,10 +125,11 @@ def _merges_leading_dims(view: torch.fx.Node) -> bool:
     """A view (``view``/``reshape``/``flatten``/``unflatten``) that keeps the last two dims (query
     and key rows) and only merges or splits the ones before them: attention per (batch, head) row
     is unchanged, so V can be viewed the same way instead."""
+    if op_name(view) not in _VIEWS or any(
+            isinstance(a, torch.dtype) for a in list(view.args[1:]) + list(view.kwargs.values())):
+        return False
     src = view.args[0] if view.args else None
-    before, after = static_shape(src), static_shape(view)
-    return (before is not None and after is not None and len(before) >= 2 and len(after) >= 2
-            and tuple(before[-2:]) == tuple(after[-2:]) and math.prod(before) == math.prod(after))
+    return is_lead_view(static_shape(src), static_shape(view))
 
 
 def _follows_softmax(pv: torch.fx.Node) -> bool:
@@ -135,10 +149,31 @@ def _follows_softmax(pv: torch.fx.Node) -> bool:
 
 def _pv_operands(pv: torch.fx.Node) -> Optional[tuple[Any, Any]]:
     if op_name(pv) == "einsum":
-        operands = pv.args[1:] if len(pv.args) > 2 else (pv.args[1] if len(pv.args) > 1 else ())
+        # einsum(eq, a, b) or einsum(eq, [a, b]); a one-operand einsum(eq, x) (a permutation,
+        # e.g. DiT's unpatchify "nhwpqc->nchpwq") is no product at all.
+        operands = pv.args[1:]
+        if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+            operands = operands[0]
         return tuple(operands) if len(operands) == 2 else None
     return arg(pv, 0, "input"), arg(pv, 1, "other") if op_name(pv) != "bmm" else arg(pv, 1,
                                                                                         "mat2")
+
+
+def _path_between(start: torch.fx.Node, end: torch.fx.Node) -> set[torch.fx.Node]:
+    """The nodes on some data path from ``start`` to ``end``, both included."""
+    after, stack = set(), [start]
+    while stack:
+        n = stack.pop()
+        if n not in after:
+            after.add(n)
+            stack.extend(n.users)
+    path, stack = set(), [end]
+    while stack:
+        n = stack.pop()
+        if n in after and n not in path:
+            path.add(n)
+            stack.extend(n.all_input_nodes)
+    return path
 
 
 class ManualSite(AttentionSite):
@@ -150,6 +185,7 @@ class ManualSite(AttentionSite):
     """
 
     front_door = FRONT_DOOR
+    post_zero = None   # (node, mask) of a zero fill of the probabilities (CPM-Ant)
 
     def __init__(self, gm: torch.fx.GraphModule, pv: torch.fx.Node,
                  served: Callable[[torch.Tensor, torch.Tensor], Optional[str]]):
@@ -163,8 +199,9 @@ class ManualSite(AttentionSite):
         if shape is None or static_shape(pv) is None:
             raise Refused("symbolic shapes (fa3 recognizes static shapes; compile with "
                           "dynamic=False)")
-        if len(shape) not in (3, 4):
-            raise Refused(f"scores of rank {len(shape)} (expected [B, H, M, N] or [BH, M, N])")
+        if len(shape) < 3:
+            raise Refused(f"scores of rank {len(shape)} (expected [B, H, M, N], [BH, M, N] or "
+                          "[B, H, n1, .., M, N])")
         self.rank = len(shape)
         self.score_shape = shape
         # The matmul with V may see the probabilities through a view that merges or splits the
@@ -172,10 +209,54 @@ class ManualSite(AttentionSite):
         # way, and the output back.
         self.probs_shape = static_shape(probs)
         self.core = self._find_core()
+        self._refuse_scores_written_in_place()
         self.q, self.k, self.scale, self.score_node = self._split_core()
         self.v = self._value(v)
+        self._drop_upcasts()
         self.gqa = self._undo_repeat()
         self._check_shapes(served)
+
+    def _refuse_scores_written_in_place(self) -> None:
+        """timm's MViTv2 adds its relative-position bias by writing into the scores
+        (``attn[:, :, sp:, sp:] = attn[:, :, sp:, sp:] + bias``): the softmax reads the product's
+        node, and the write is a node that no data edge from it passes through, so a rewrite made
+        from the data edges would drop it. A write into a node between the q·kᵀ product and the
+        softmax, before the softmax and not itself on that path (``x = x.masked_fill_(..)`` is),
+        leaves the site as written."""
+        pos = graph_positions(self.gm.graph)
+        path = _path_between(self.core, self.scores)
+        for node in path:
+            for write in alias_writes(node):
+                if write not in path and pos[node] < pos[write] < pos[self.softmax]:
+                    raise Refused(f"the scores ({node.name}) are written in place by {write.name} "
+                                  "before the softmax; fa3 rewrites only from the data edges, "
+                                  "which skip that write")
+
+    def _drop_upcasts(self) -> None:
+        """GPT-Neo: q and k cast up to float32 for the scores (``query.to(torch.float32)``), the
+        probabilities cast back to V's bf16/fp16 before the matmul. flex reads the q and k before
+        the casts: the upcast is lossless, and the kernel forms q·k in float32 from them as the
+        float32 matmul does (the same products, summed in another order), then casts P to V's
+        dtype for P·V as the model does."""
+        qe, ke, ve = (example(o.node) for o in (self.q, self.k, self.v))
+        if qe is None or ke is None or ve is None or qe.dtype == ke.dtype == ve.dtype:
+            return
+        if ve.dtype not in (torch.bfloat16, torch.float16) or \
+                example(self.pv) is None or example(self.pv).dtype != ve.dtype:
+            return
+        sources = []
+        for op in (self.q, self.k):
+            n = op.node
+            if op_name(n) not in ("to", "float", "type") or not n.args or \
+                    example(n).dtype != torch.float32:
+                return
+            src = n.args[0]
+            if not isinstance(src, torch.fx.Node) or example(src) is None or \
+                    example(src).dtype != ve.dtype or static_shape(src) != static_shape(n) \
+                    or example(src).device != example(n).device:
+                return
+            sources.append(src)
+        self.q.node, self.k.node = sources
 
     def _score_layers(self, full: Lifter) -> tuple[Lifted, Any, list]:
         full_score = full.lift(self.scores)
@@ -189,6 +270,7 @@ class ManualSite(AttentionSite):
 
     def _peel_probs(self, probs: Any) -> torch.fx.Node:
         n = probs
+        viewed = False   # a view of the batch/head dims seen between softmax and the matmul
         while True:
             name = op_name(n)
             if len(n.users) != 1:
@@ -209,14 +291,21 @@ class ManualSite(AttentionSite):
                 n = n.args[0]
                 continue
             if name in _VIEWS and _merges_leading_dims(n):
-                n = n.args[0]
+                n, viewed = n.args[0], True
+                continue
+            if name == "masked_fill" and not viewed and self.post_zero is None and \
+                    constant_number(arg(n, 2, "value")) == 0:
+                # CPM-Ant: masked_fill(softmax(masked_fill(S, m, -inf)), m, 0). Exact when m is
+                # the only -inf mask of S (checked with the mask plan): rows m leaves with no
+                # key give 0, as flex does; elsewhere the masked weights are 0 already.
+                self.post_zero = (n, arg(n, 1, "mask"))
+                n = arg(n, 0, "input")
                 continue
             self.sink = match_sinks(n)   # gpt-oss's sinks: softmax(cat([S, sinks]))[..., :-1]
             if self.sink is not None:
                 n = self.sink.softmax
                 break
-            raise Refused(f"{n.name} ({name or n.target}) between softmax and the matmul with "
-                          "V is not a cast, an inactive dropout or a view of the batch/head dims")
+            raise Refused(_between_reason(n))
         dim = arg(n, 1, "dim")
         rank = len(example(n).shape)
         if dim is None or dim % rank != rank - 1:
@@ -224,24 +313,35 @@ class ManualSite(AttentionSite):
         return n
 
     def _find_core(self) -> torch.fx.Node:
-        """The one ``q @ kᵀ`` product S is computed from (same shape as S)."""
-        shape = static_shape(self.scores)
-        found, stack, seen = [], [self.scores], set()
+        """The one ``q @ kᵀ`` product S is computed from: reached from the softmax's input
+        through elementwise ops that keep its shape and views that merge or split the
+        batch/head dims (BLOOM and BART compute [B*H, M, N] scores by bmm and view them
+        [B, H, M, N] for the mask)."""
+        found, stack, seen, stops = [], [(self.scores, static_shape(self.scores))], set(), []
         while stack:
-            n = stack.pop()
+            n, space = stack.pop()
             if not isinstance(n, torch.fx.Node) or n in seen:
                 continue
             seen.add(n)
+            shape = static_shape(n)
+            if shape != space:
+                continue   # a broadcast operand (a bias, a mask): not the scores themselves
             name = op_name(n)
-            if name in ("matmul", "bmm", "einsum") and static_shape(n) == shape:
+            if name in ("matmul", "bmm", "einsum"):
                 found.append(n)
                 continue
             if name in self._ELEMENTWISE_PATH:
-                stack.extend(n.all_input_nodes)
-        if len(found) != 1:
+                stack.extend((a, shape) for a in n.all_input_nodes)
+            elif name in _VIEWS and _merges_leading_dims(n):
+                stack.append((n.args[0], static_shape(n.args[0])))
+            elif n.op != "placeholder":
+                stops.append(n)
+        if len(found) == 1:
+            return found[0]
+        if found:
             raise Refused(f"found {len(found)} score products q @ kᵀ feeding the softmax "
-                          "(expected exactly one)")
-        return found[0]
+                          f"({', '.join(f.name for f in found)}; expected exactly one)")
+        raise Refused(_no_product_reason(stops))
 
     def _split_core(self):
         core = self.core
@@ -263,19 +363,35 @@ class ManualSite(AttentionSite):
 
     def _qk_operands(self, core: torch.fx.Node) -> tuple[Operand, Operand]:
         name = op_name(core)
+        core_shape = static_shape(core)
+        rank = len(core_shape)
         if name == "einsum":
-            a, b = _pv_operands(core)
-            eq = core.args[0]
-            return einsum_qk(eq, a, b, self.rank)
-        a, b = arg(core, 0, "input"), arg(core, 1, "other" if name == "matmul" else "mat2")
-        sa, sb = static_shape(a), static_shape(b)
-        if sa is None or sb is None or len(sa) != self.rank or len(sb) != self.rank:
-            raise Refused(f"q @ kᵀ operands of shapes {sa} and {sb} (expected both of rank "
-                          f"{self.rank}, no broadcasting)")
-        # k = (kᵀ)ᵀ: a view of a view, so a transposed K costs nothing.
-        src = transposed_source(b)
-        k = Operand(src) if src is not None else Operand(b, [("transpose", (-2, -1))])
-        return Operand(a), k
+            operands, eq = _pv_operands(core), core.args[0]
+            if operands is None:
+                raise Refused(f"einsum {eq!r} is not a q·k product of two operands")
+            q, k = einsum_qk(eq, *operands, rank)
+        else:
+            a, b = arg(core, 0, "input"), arg(core, 1, "other" if name == "matmul" else "mat2")
+            sa, sb = static_shape(a), static_shape(b)
+            if sa is None or sb is None or len(sa) != rank or len(sb) != rank:
+                raise Refused(f"q @ kᵀ operands of shapes {sa} and {sb} (expected both of rank "
+                              f"{rank}, no broadcasting)")
+            # k = (kᵀ)ᵀ: a view of a view, so a transposed K costs nothing.
+            src = transposed_source(b)
+            q = Operand(a)
+            k = Operand(src) if src is not None else Operand(b, [("transpose", (-2, -1))])
+        lead = tuple(self.score_shape[:-2])
+        if tuple(core_shape[:-2]) != lead:
+            # The product is viewed with its batch/head dims merged or split before the
+            # softmax: view q and k the same way (q·kᵀ per row is unchanged).
+            for op in (q, k):
+                shape = shape_after(op)
+                if tuple(shape[:-2]) != tuple(core_shape[:-2]):
+                    raise Refused(f"q @ kᵀ operands {list(shape_after(q))} and "
+                                  f"{list(shape_after(k))} broadcast over the batch dims of "
+                                  f"the product {list(core_shape)}")
+                op.views.append(("reshape", lead + tuple(shape[-2:])))
+        return q, k
 
     def _value(self, v: Any) -> Operand:
         if op_name(self.pv) == "einsum":
@@ -309,43 +425,74 @@ class ManualSite(AttentionSite):
         return 1
 
     def _peel_masks(self) -> tuple[torch.fx.Node, list[MaskLayer]]:
+        """Mask layers on top of the scores, outermost first, and the score root under them.
+        Views that merge or split the batch/head dims are peeled too (BART: [B*H, M, N] scores
+        viewed [B, H, M, N] to add the mask, then back): the layers under one, and the root,
+        carry the index map from the scores to their own indices."""
         lifter = Lifter(self.score_node)
-        n, layers = self.scores, []
+        n, layers, remap = self.scores, [], None
         while isinstance(n, torch.fx.Node) and n is not self.score_node:
             name = op_name(n)
             if name in ("to", "type_as", "float", "contiguous") and \
                     lifter.depends_on_score(n.args[0]):
                 n = n.args[0]
                 continue
+            if name in _VIEWS and _merges_leading_dims(n) and lifter.depends_on_score(n.args[0]):
+                step = lead_remap(static_shape(n)[:-2], static_shape(n.args[0])[:-2])
+                remap = step if remap is None else _compose(remap, step)
+                n = n.args[0]
+                continue
             if name == "masked_fill":
-                x, m, v = arg(n, 0, "input"), arg(n, 1, "mask"), arg(n, 2, "value")
+                x, m = arg(n, 0, "input"), arg(n, 1, "mask")
+                v = constant_number(arg(n, 2, "value"))
                 if is_mask_fill(v) and lifter.depends_on_score(x) and \
                         not lifter.depends_on_score(m):
-                    layers.append(MaskLayer("fill", m, float(v), negate=True))
+                    layers.append(MaskLayer("fill", m, float(v), negate=True, remap=remap))
                     n = x
                     continue
             if name == "where" and len(n.args) == 3:
                 c, a, b = n.args
+                ca, cb = constant_number(a), constant_number(b)
                 if not lifter.depends_on_score(c):
-                    if is_mask_fill(b) and lifter.depends_on_score(a):
-                        layers.append(MaskLayer("fill", c, float(b)))
+                    if is_mask_fill(cb) and lifter.depends_on_score(a):
+                        layers.append(MaskLayer("fill", c, float(cb), remap=remap))
                         n = a
                         continue
-                    if is_mask_fill(a) and lifter.depends_on_score(b):
-                        layers.append(MaskLayer("fill", c, float(a), negate=True))
+                    if is_mask_fill(ca) and lifter.depends_on_score(b):
+                        layers.append(MaskLayer("fill", c, float(ca), negate=True, remap=remap))
                         n = b
                         continue
             if name == "add" and not n.kwargs.get("alpha"):
                 a, b = arg(n, 0, "input"), arg(n, 1, "other")
                 da, db = lifter.depends_on_score(a), lifter.depends_on_score(b)
                 if da != db and isinstance(a if db else b, torch.fx.Node):
-                    layers.append(MaskLayer("add", a if db else b))
+                    layers.append(MaskLayer("add", a if db else b, remap=remap))
                     n = a if da else b
                     continue
             break
+        self._root_remap = remap
+        self._check_post_zero(layers)
         return n, layers
 
+    def _check_post_zero(self, layers: list[MaskLayer]) -> None:
+        """A zero fill of the probabilities (CPM-Ant) is exact when its mask is the scores'
+        only -inf mask: masked weights are 0 already, and rows that mask leaves with no key
+        (eager: NaN, then 0) give 0 as flex does."""
+        if self.post_zero is None:
+            return
+        fill, mask = self.post_zero
+        inf_fills = [la for la in layers if la.kind == "fill" and la.fill == -math.inf]
+        ok = (len(inf_fills) == 1 and inf_fills[0].negate and inf_fills[0].remap is None
+              and static_shape(fill) == tuple(self.score_shape)
+              and same_value(inf_fills[0].node, mask))
+        if not ok:
+            raise Refused(f"{fill.name} (masked_fill) zeroes attention probabilities with a "
+                          "mask that is not the scores' only -inf mask: not softmax(S)·V "
+                          "(not attention-shaped)")
+        self.zero_rows = True
+
     def _output_layout(self, graph, out):
+        # (the output already has the scores' batch dims: attention_site.emit reshaped it)
         if op_name(self.pv) == "einsum":
             perm = einsum_out_perm(self.pv.args[0], self.rank)
             if perm is not None:
@@ -353,3 +500,97 @@ class ManualSite(AttentionSite):
         if self._probs_viewed():
             out = graph.call_method("reshape", (out, *static_shape(self.pv)))
         return out
+
+
+def _compose(outer: Callable[[list], list], inner: Callable[[list], list]) -> Callable[[list], list]:
+    return lambda idx: inner(outer(idx))
+
+
+_MIXING_OPS = {"linear", "conv1d", "conv2d", "conv3d"}
+
+
+def _between_reason(n: torch.fx.Node) -> str:
+    """Why ``n``, between the softmax and the matmul with V, is left alone: named by the
+    structure it makes, so that the coverage table can tell spellings we do not read from
+    math that is not one softmax(q·kᵀ)·v."""
+    name = op_name(n) or getattr(n.target, "__name__", str(n.target))
+    chain, m = [], n
+    for _ in range(8):   # n and the ops below it, down to the softmax
+        if not isinstance(m, torch.fx.Node) or op_name(m) in ("softmax", "_softmax"):
+            break
+        chain.append(m)
+        m = m.args[0] if m.args else None
+    reached = op_name(m) in ("softmax", "_softmax")
+    mixing = [c for c in chain if (op_name(c) or "") in _MIXING_OPS or
+              getattr(c.target, "__name__", "") in _MIXING_OPS]
+    if reached and mixing:
+        c = mixing[0]
+        what = op_name(c) or getattr(c.target, "__name__", str(c.target))
+        if _over_heads(c):
+            return (f"{c.name} ({what}) mixes the attention probabilities across heads after "
+                    "the softmax (talking-heads attention): not one softmax(q·kᵀ)·v per head "
+                    "(not attention-shaped)")
+        return (f"{c.name} ({what}) applies a learned map to the attention probabilities after "
+                "the softmax: not one softmax(q·kᵀ)·v (not attention-shaped)")
+    if reached and transposed_source(n) is not None and \
+            all(op_name(c) in _CASTS | {"dropout"} for c in chain[1:]):
+        return (f"{n.name} ({name}) transposes the softmax output before the matmul with V: "
+                "the softmax is over the dim the product contracts away, i.e. linear / "
+                "factorized attention softmax(k)ᵀ·v (CoaT), not softmax(q·kᵀ)·v (not "
+                "attention-shaped)")
+    if reached and name == "getitem" and _slices_last_dim(n):
+        return (f"{n.name} (getitem) slices the attention probabilities along the keys before "
+                "the matmul with V: each slice is multiplied with a different V (one softmax "
+                "over concatenated key sets, PEGASUS-X's global + local blocks); fa3 reads "
+                "one q·kᵀ product and one V per site")
+    if reached and name == "masked_fill":
+        return (f"{n.name} (masked_fill) fills the attention probabilities after the softmax "
+                "with something other than the zero fill of the scores' -inf mask: not "
+                "softmax(S)·V (not attention-shaped)")
+    return (f"{n.name} ({name}) between softmax and the matmul with V is not a cast, an "
+            "inactive dropout or a view of the batch/head dims")
+
+
+def _over_heads(op: torch.fx.Node) -> bool:
+    """A linear over the heads dim (its input permuted [B, H, M, N] -> [.., H] last, CaiT) or a
+    convolution whose channels are the heads ([B, H, M, N] as [N, C, H, W], EfficientFormerV2)."""
+    src = op.args[0] if op.args else None
+    if op_name(op) == "linear":
+        if op_name(src) != "permute":
+            return False
+        dims = src.args[1:] if len(src.args) > 2 or isinstance(src.args[1], int) \
+            else src.args[1]
+        return len(dims) == 4 and dims[-1] % 4 == 1
+    return True   # convNd: channels are dim 1, the heads of [B, H, M, N]
+
+
+def _slices_last_dim(n: torch.fx.Node) -> bool:
+    index = n.args[1] if len(n.args) > 1 else None
+    index = index if isinstance(index, tuple) else (index,)
+    shape = static_shape(n.args[0])
+    if shape is None or not index or not isinstance(index[-1], slice):
+        return False
+    return index[-1] != slice(None) and (Ellipsis in index or len(index) == len(shape))
+
+
+def _no_product_reason(stops: list[torch.fx.Node]) -> str:
+    """Why no q @ kᵀ product was found: what the softmax's input is computed from."""
+    origins = []
+    for n in stops[:3]:
+        m = n
+        for _ in range(8):   # through layout ops to the op that made the values
+            if op_name(m) in ("permute", "transpose", "reshape", "view", "flatten",
+                              "unflatten", "contiguous", "getitem", "unsqueeze", "squeeze"):
+                m = m.args[0]
+            else:
+                break
+        what = op_name(m) or getattr(m.target, "__name__", str(m.target))
+        origins.append(f"{m.name} ({what})" if m is n else f"{m.name} ({what}) via {n.name}")
+    made_by = ", ".join(origins) if origins else "no tensor operation fa3 reads"
+    if any(op_name(m) in ("linear", "conv2d", "conv1d") for m in stops) or any(
+            "linear" in o or "conv" in o for o in origins):
+        return (f"found 0 score products q @ kᵀ feeding the softmax: the attention weights are "
+                f"computed by {made_by} (a learned layer: VOLO's outlook attention, MGP-STR's "
+                "token learner), not from q·kᵀ (not attention-shaped)")
+    return (f"found 0 score products q @ kᵀ feeding the softmax (its input comes from "
+            f"{made_by}; expected exactly one)")

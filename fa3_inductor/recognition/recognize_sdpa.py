@@ -17,6 +17,7 @@ node is built by canonical.py, shared with the other recognition passes.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional
 
 import torch
@@ -65,8 +66,13 @@ def _why_not(args: dict[str, Any], served: Callable[[torch.Tensor, torch.Tensor]
     if q is None or k is None or v is None:
         return "query/key/value carry no example value"
     shapes = [static_ints(t.shape) for t in (q, k, v)]
-    if any(s is None or len(s) != 4 for s in shapes):
-        return "query/key/value are not 4-D with static shapes"
+    if any(s is None for s in shapes):
+        return "query/key/value have symbolic shapes (fa3 recognizes static shapes)"
+    if any(len(s) != 4 for s in shapes):
+        # (3-D and 5-D calls whose q, k, v share their batch dims were made 4-D by _as_4d)
+        return (f"query/key/value of shapes {shapes[0]}, {shapes[1]}, {shapes[2]} are not 4-D and "
+                "do not share their batch dims (fa3 merges batch dims into flex's heads only "
+                "where q, k and v all have them)")
     (bq, hq, _, d), (bk, hk, nk, dk), (bv, hv, nv, _) = shapes
     # v's head dim may differ (it is the output's); served() checks it.
     if d != dk or bq != bk or (bk, hk, nk) != (bv, hv, nv):
@@ -110,20 +116,27 @@ def rewrite_sdpa(gm: torch.fx.GraphModule,
         args = dict(_SDPA_DEFAULTS)
         args.update(zip(_SDPA_ARGS, node.args))
         args.update(node.kwargs)
+        inserted, out_shape = _as_4d(gm, node, args)
         reason = _why_not(args, served, keep_plain)
         if reason is not None:
+            for made in reversed(inserted):   # the 4-D views, unused
+                gm.graph.erase_node(made)
             sites.append(RecognizedSite("sdpa", node.name, False, reason))
             continue
         q, k = _example(args["query"]), _example(args["key"])
         if args["attn_mask"] is not None:
-            sites.append(_rewrite_masked(gm, node, args, served, extra_inputs))
+            site = _rewrite_masked(gm, node, args, served, extra_inputs, out_shape)
+            if not site.rewritten:
+                for made in reversed(inserted):
+                    gm.graph.erase_node(made)
+            sites.append(site)
             continue
         M, N = q.shape[2], k.shape[2]
         with torch._subclasses.fake_tensor.unset_fake_temporarily():
             keep = torch.ones(M, N, dtype=torch.bool, device=q.device)
             mask = canonical.dense_block_mask(keep.tril() if args["is_causal"] else None,
                                               1, 1, M, N, q.device)
-        _replace_with_flex(gm, node, args, mask, extra_inputs)
+        _replace_with_flex(gm, node, args, mask, extra_inputs, out_shape)
         score_mods = () if args["scale"] is None else (f"scale {args['scale']:g}",)
         sites.append(RecognizedSite("sdpa", node.name, True, score_mods=score_mods,
                                     mask="causal" if args["is_causal"] else "none",
@@ -134,9 +147,63 @@ def rewrite_sdpa(gm: torch.fx.GraphModule,
     return sites, extra_inputs
 
 
+def _as_4d(gm: torch.fx.GraphModule, node: torch.fx.Node, args: dict
+           ) -> tuple[list[torch.fx.Node], Optional[tuple]]:
+    """SDPA over [BH, M, D] or [B, n1, .., nk, M, D] (timm's SAM, Hiera, NesT, Twins): the leading
+    dims are batch dims, so the call is attention over them merged into flex's [B, H] (exact:
+    a reshape in C order, undone on the output). When q, k and v share those dims, ``args``'s
+    query/key/value (and attn_mask, viewed the same way) become 4-D reshape nodes inserted before
+    the call. Returns the inserted nodes (to erase if the call is left alone) and the output
+    shape to reshape back to (None: nothing changed)."""
+    from .attention_site import flex_rank
+
+    q, k, v = (_example(args[n]) for n in ("query", "key", "value"))
+    if q is None or k is None or v is None:
+        return [], None
+    shapes = [static_ints(t.shape) for t in (q, k, v)]
+    if any(s is None for s in shapes) or len({len(s) for s in shapes}) != 1:
+        return [], None
+    rank = len(shapes[0])
+    lead = tuple(shapes[0][:-2])
+    if rank == 4 or rank < 3 or any(tuple(s[:-2]) != lead for s in shapes):
+        return [], None
+    graph, made = gm.graph, []
+
+    def view(x: torch.fx.Node, new_shape: tuple, method: str = "reshape") -> torch.fx.Node:
+        with graph.inserting_before(node):
+            out = graph.call_method(method, (x, *new_shape))
+        out.meta["example_value"] = getattr(_example(x), method)(*new_shape)
+        made.append(out)
+        return out
+
+    mask = args["attn_mask"]
+    if mask is not None:
+        m = _example(mask)
+        mshape = static_ints(m.shape) if m is not None else None
+        if mshape is None or len(mshape) > rank:
+            return [], None
+        mshape = (1,) * (rank - len(mshape)) + tuple(mshape)
+        tail = tuple(mshape[-2:])
+        if len(mshape) != m.dim():
+            mask = view(mask, mshape)
+        mlead = mshape[:-2]
+        if rank == 3:
+            mask4 = (1, mlead[0]) + tail
+        elif all(s == 1 for s in mlead[1:]) or tuple(mlead[1:]) == lead[1:]:
+            mask4 = (mlead[0], math.prod(mlead[1:])) + tail
+        else:   # broadcast over some of the merged dims only: expand them first
+            mask = view(mask, (mlead[0],) + lead[1:] + tail, "expand")
+            mask4 = (mlead[0], math.prod(lead[1:])) + tail
+        args["attn_mask"] = view(mask, mask4)
+    for name, shape in zip(("query", "key", "value"), shapes):
+        args[name] = view(args[name], flex_rank(shape))
+    return made, tuple(static_ints(_example(node).shape))
+
+
 def _rewrite_masked(gm: torch.fx.GraphModule, node: torch.fx.Node, args: dict,
                     served: Callable[[torch.Tensor, torch.Tensor], Optional[str]],
-                    extra_inputs: list[torch.Tensor]) -> RecognizedSite:
+                    extra_inputs: list[torch.Tensor],
+                    out_shape: Optional[tuple] = None) -> RecognizedSite:
     """An SDPA call with attn_mask: a bool mask keeps where True, a float mask is added.
 
     The mask goes through the same planner as hand-written attention: built from positions
@@ -155,13 +222,15 @@ def _rewrite_masked(gm: torch.fx.GraphModule, node: torch.fx.Node, args: dict,
             gm, node, args["query"], args["key"], args["value"], scale=float(scale),
             gqa=q.shape[1] // k.shape[1], layers=[(kind, mask)], served=served,
             front_door="sdpa", zero_rows=True)
+        site.out_shape = out_shape
         return site.rewrite(extra_inputs)
     except Refused as exc:
         return RecognizedSite("sdpa", node.name, False, str(exc))
 
 
 def _replace_with_flex(gm: torch.fx.GraphModule, node: torch.fx.Node, args: dict,
-                       block_mask, extra_inputs: list[torch.Tensor]) -> None:
+                       block_mask, extra_inputs: list[torch.Tensor],
+                       out_shape: Optional[tuple] = None) -> None:
     q, k, v = (_example(args[n]) for n in ("query", "key", "value"))
     prefix = f"_fa3_{node.name}"
     mask = (canonical.ModGraph(canonical.trace_mod(lambda env, idx: idx[2] >= idx[3], "mask",
@@ -174,6 +243,8 @@ def _replace_with_flex(gm: torch.fx.GraphModule, node: torch.fx.Node, args: dict
             block_mask_entries=lambda attr: canonical.constant_block_mask_entries(
                 gm, block_mask, attr, extra_inputs, prefix),
             scale=scale, example_qkv=(q, k, v), prefix=prefix)
+        if out_shape is not None:   # back to the call's own batch dims
+            out = gm.graph.call_method("reshape", (out, *out_shape))
     out.meta["example_value"] = node.meta.get("example_value")  # later passes read it
     node.replace_all_uses_with(out)
     gm.graph.erase_node(node)

@@ -41,15 +41,21 @@ PLAIN_SDPA_MIN_WORK = 3.2e10
 
 
 def attention_work(q_shape, kv_len: int, causal: bool = False) -> float:
-    """q·k multiply-adds of one attention call: B·H·M·N·D, halved under a causal mask.
+    """q·k multiply-adds of one attention call: B·H·M·N·D, halved under a causal mask. q may be
+    [B, H, M, D] or 3-D [B*H, M, D] (diffusers' classic processor, BART-style bmm).
 
     Example::
 
         >>> attention_work((4, 16, 512, 64), 512, causal=True)
         536870912.0
+        >>> attention_work((64, 512, 64), 512, causal=True)
+        536870912.0
     """
-    b, h, m, d = (int(x) for x in q_shape)
-    return b * h * m * int(kv_len) * d * (0.5 if causal else 1.0)
+    # Any leading dims ([B, H, M, D], or [B*H, M, D] as bmm writes it) multiply the work alike.
+    rows = 1
+    for x in q_shape[:-1]:
+        rows *= int(x)
+    return rows * int(kv_len) * int(q_shape[-1]) * (0.5 if causal else 1.0)
 
 
 def small_site_reason(example_query: torch.Tensor, example_value: Optional[torch.Tensor]) -> Optional[str]:
