@@ -8,8 +8,8 @@ tolerance rule), with the site reported fused:
 
 - BART / LED / TrOCR / MVP / Table Transformer: ``bmm`` on [B*H, M, D] with q scaled before the
   projection is split, the scores viewed [B, H, M, N] to add the mask and back;
-- BLOOM: ``alibi.baddbmm(q, kᵀ, beta=1, alpha=1/√d)`` on [B*H, M, N], viewed [B, H, M, N] for the
-  mask, the probabilities viewed back for ``bmm``; GPT-NeoX-Japanese: ``baddbmm(zeros, ...)``;
+- BLOOM: ``alibi.baddbmm(q, kᵀ, beta=1, alpha=1/√d)`` on [B*H, M, N], viewed [B, H, M, N] for
+  the mask, the probabilities viewed back for ``bmm``; GPT-NeoX-Japanese: ``baddbmm(zeros, ..)``;
 - diffusers' classic AttnProcessor with a mask: ``baddbmm(mask, q, kᵀ, beta=1, alpha=scale)``
   over merged batch×heads (3-D);
 - scores of rank 5, [B, H, windows, M, N] (transformers' Hiera) and LongT5's
@@ -297,6 +297,42 @@ def test_gpt_neo_upcast_scores_in_bf16():
     assert site["rewritten"] and site["mask"] == "causal", site
     assert out.dtype == torch.bfloat16
     tol = TOLERANCE[torch.bfloat16]
+    assert rel_error(out, ref) <= tol
+    for t, t64 in ((q, q64), (k, k64), (v, v64)):
+        assert rel_error(t.grad, t64.grad) <= tol
+
+
+@pytest.mark.parametrize("n_keys", [1, 5])
+def test_detr_cross_attention_padding_mask_few_keys(n_keys):
+    """Table Transformer / DETR: BART-style bmm with a padding mask from an input, over few keys
+    (one encoder token for a tiny image). The run-time block tables were counted on a bool mask
+    padded to the 128 block, which Inductor's CPU vectorizer compiled to C++ that does not
+    build in a training graph with one key."""
+    class Detr(nn.Module):
+        def forward(self, q, k, v, pad):
+            q3, k3, v3 = (t.reshape(B * H, -1, D) for t in (q, k, v))
+            w = torch.bmm(q3 * D ** -0.5, k3.transpose(1, 2))
+            # transformers' _prepare_4d_attention_mask
+            inverted = 1.0 - pad[:, None, None, :].expand(B, 1, M, n_keys).to(q.dtype)
+            mask = inverted.masked_fill(inverted.to(torch.bool), torch.finfo(q.dtype).min)
+            w = w.view(B, H, M, n_keys) + mask
+            w = w.view(B * H, M, n_keys).softmax(-1)
+            return torch.bmm(w, v3).view(B, H, M, D)
+
+    torch.manual_seed(0)
+    q = torch.randn(B, H, M, D, requires_grad=True)
+    k, v = (torch.randn(B, H, n_keys, D, requires_grad=True) for _ in range(2))
+    pad = torch.ones(B, n_keys, dtype=torch.long)
+    pad[1, n_keys // 2:] = 0 if n_keys > 1 else 1
+    dout = torch.randn(B, H, M, D)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = Detr()(q64, k64, v64, pad)
+    ref.backward(dout.double())
+    out = torch.compile(Detr(), backend="fa3", fullgraph=True)(q, k, v, pad)
+    out.backward(dout)
+    (site,) = fa3_inductor.recognized_sites()
+    assert site["rewritten"], site
+    tol = TOLERANCE[torch.float32]
     assert rel_error(out, ref) <= tol
     for t, t64 in ((q, q64), (k, k64), (v, v64)):
         assert rel_error(t.grad, t64.grad) <= tol

@@ -92,10 +92,36 @@ def dense_block_mask(keep: Optional[torch.Tensor], B: int, H: int, M: int, N: in
     while keep.dim() < 4:
         keep = keep.unsqueeze(0)
     keep = keep.expand(keep.shape[0], keep.shape[1], M, N)
-    partial, full = fa._convert_mask_to_block_mask(keep, SPARSE_BLOCK, SPARSE_BLOCK,
-                                                   separate_full_blocks=True)
+    partial, full = _block_kinds(keep, SPARSE_BLOCK, SPARSE_BLOCK)
     return fa._create_sparse_block_from_block_mask((partial, full), None, (M, N),
                                                    SPARSE_BLOCK, SPARSE_BLOCK)
+
+
+def _block_kinds(keep: torch.Tensor, q_block: int, kv_block: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial, full) int8 block tables of a [B, H, M, N] bool keep mask: torch's
+    ``_convert_mask_to_block_mask(keep, separate_full_blocks=True)``, counted in int32. Traced
+    into a graph, torch's bool version (padded with False, then summed) made Inductor's CPU
+    vectorizer emit C++ that does not compile when the padding is a masked load of a bool
+    expression (a padding mask over one key, in a training graph); an int32 count is the same
+    number.
+
+    Example::
+
+        >>> keep = torch.ones(1, 1, 3, 130, dtype=torch.bool)
+        >>> [t.tolist() for t in _block_kinds(keep, 128, 128)]
+        [[[[[1, 1]]]], [[[[0, 0]]]]]
+    """
+    B, H, M, N = keep.shape
+    count = torch.nn.functional.pad(keep.to(torch.int32),
+                                    (0, -N % kv_block, 0, -M % q_block))
+    Mp, Np = count.shape[-2:]
+    count = count.view(B, H, Mp // q_block, q_block, Np // kv_block, kv_block)
+    count = count.permute(0, 1, 2, 4, 3, 5).sum(dim=[-2, -1])
+    whole = q_block * kv_block
+    full = count == whole
+    partial = (count > 0) & (count < whole)
+    return partial.to(torch.int8), full.to(torch.int8)
 
 
 def runtime_block_tables(keep: torch.Tensor, M: int, N: int) -> tuple:

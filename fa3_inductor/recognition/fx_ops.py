@@ -284,8 +284,9 @@ def same_value(a: Any, b: Any, _memo: Optional[dict] = None) -> bool:
     pure op on arguments that are the same values (recursively), or equal constants. Graph
     inputs and attributes are the same only as the same node/attribute; random and in-place ops
     never match, nor two reads of a tensor the graph writes into in place, even of one node (the
-    write may fall between them: :func:`mutated_in_place`). Used where a model computes one thing twice, e.g. ``cos[:, None]`` once for q and
-    once for k, or ``q[..., :R]`` once per use. False means "not proven", not "different".
+    write may fall between them: :func:`mutated_in_place`). Used where a model computes one thing
+    twice, e.g. ``cos[:, None]`` once for q and once for k, or ``q[..., :R]`` once per use.
+    False means "not proven", not "different".
 
     Example::
 

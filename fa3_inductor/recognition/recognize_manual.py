@@ -502,7 +502,8 @@ class ManualSite(AttentionSite):
         return out
 
 
-def _compose(outer: Callable[[list], list], inner: Callable[[list], list]) -> Callable[[list], list]:
+def _compose(outer: Callable[[list], list], inner: Callable[[list], list]
+             ) -> Callable[[list], list]:
     return lambda idx: inner(outer(idx))
 
 
