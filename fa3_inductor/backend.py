@@ -90,8 +90,11 @@ def fa3_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
         for site in flex_call_sites(gm):
             record_recognized(site)
     # a graph holding attention sites gets a context-parallel form, made from this copy when first
-    # called inside fa3_inductor.distributed.context_parallel (_context_parallel_aware)
-    ring_source = _own_copy(original) if site_records()[0][records_from:] else None
+    # called inside fa3_inductor.distributed.context_parallel (_context_parallel_aware). Only where
+    # a process group exists (the context needs one): elsewhere the graph keeps stock Inductor's
+    # per-call path exactly (tests/test_backend_parity.py).
+    ring_source = (_own_copy(original) if site_records()[0][records_from:]
+                   and _distributed_initialized() else None)
     if not extra_inputs and not guards and not has_flex_attention(gm):
         return _context_parallel_aware(stock(gm, example_inputs), ring_source, settings, stock)
     pristine = _own_copy(original)   # Inductor's passes edit the graph they compile
@@ -103,6 +106,10 @@ def fa3_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
         compiled = stock(pristine, example_inputs)
         _gave_up("compilation", exc, records_from)
     return _context_parallel_aware(compiled, ring_source, settings, stock)
+
+
+def _distributed_initialized() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _context_parallel_aware(compiled: Any, ring_source: Optional[torch.fx.GraphModule],
