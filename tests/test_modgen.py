@@ -50,7 +50,7 @@ def score_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs):
     v4 = gl.exp2(v3)
     v5 = (kv_idx - q_idx)
     v6 = 1.0 / sm_scale
-    v7 = (v4 * v6)
+    v7 = gl.minimum(gl.maximum(v4 * v6, -3.4028234663852886e+38), 3.4028234663852886e+38)
     v8 = H.index_to_float(kv_idx)
     v9 = H.index_to_float(q_idx)
     v10 = (v8 - v9)

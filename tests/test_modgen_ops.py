@@ -26,6 +26,7 @@ _DOC64 = torch.arange(64, dtype=torch.int64) // 5
 _KEEP = torch.rand(64) < 0.5
 _SCALAR = torch.tensor(1.25)
 _ONE = torch.tensor([0.5])
+_PAD = (torch.arange(64) % 5 != 3).long()     # transformers' padding mask: 1 keeps, 0 drops
 HEADS = 8
 
 SCORE_MODS = {
@@ -94,6 +95,8 @@ SCORE_MODS = {
     "bool_buffer": lambda s, b, h, q, kv: torch.where(_KEEP[kv], s, s * 0.5),
     "zero_dim_capture": lambda s, b, h, q, kv: s * _SCALAR,
     "select_capture": lambda s, b, h, q, kv: s + _ONE[0] + _TABLE[1, 5],
+    # transformers' additive padding mask: finfo.min over sm_scale overflows to -inf
+    "finfo_min_padding": lambda s, b, h, q, kv: s + (1.0 - _PAD[kv].float()) * torch.finfo(torch.float32).min,
 }
 
 MASK_MODS = {
@@ -269,6 +272,25 @@ def test_alibi_written_with_a_scalar_base_runs_through_flex(our_kernels):
     assert rel_error(out, ref) <= TOLERANCE[torch.float32]
 
 
+def test_finfo_min_padding_mask_through_flex_has_no_nan(our_kernels):
+    """`(1 - m) * finfo.min` (transformers' padding mask in score_mod form) folded into qk units:
+    finfo.min / sm_scale is -inf, and -inf times the kept entries' 0 was NaN on every row."""
+    import fa3_inductor
+    from reference import TOLERANCE, reference_attention, rel_error
+
+    q, k, v = (torch.randn(2, 4, 16, 16) for _ in range(3))
+    keep = torch.ones(2, 16, dtype=torch.long)
+    keep[1, 5:] = 0
+
+    def padding(s, b, h, q_idx, kv_idx):
+        return s + (1.0 - keep[b, kv_idx].to(torch.float32)) * torch.finfo(torch.float32).min
+
+    out = fa3_inductor.flex(q, k, v, score_mod=padding)
+    assert not out.isnan().any()
+    ref, _ = reference_attention(q, k, v, score_mod=padding)
+    assert rel_error(out, ref) <= TOLERANCE[torch.float32]
+
+
 # ---- sm90: the same mods compile (not only interpret) in the tl and gl dialects ----
 
 def _compile_grid(fn, dialect):
@@ -311,7 +333,7 @@ _COMPILED = ["alibi_scalar_base", "half_pow_score", "negative_base_int_exp", "ne
              "fractional", "int_squared", "float_pow_int_tensor", "int_pow_bounded_int", "pow_pow",
              "float_floor_div", "float_trunc_div", "floor_of_ints", "bool_arithmetic", "clamp_int_float_bounds",
              "where_scalars", "table_negative_index", "table_chained", "half_buffers", "bool_buffer",
-             "zero_dim_capture", "select_capture"]
+             "zero_dim_capture", "select_capture", "finfo_min_padding"]
 
 
 @pytest.mark.sm90_compile

@@ -70,6 +70,7 @@ import torch.fx
 
 from .. import _compat
 
+_F32_MAX = 3.4028234663852886e+38  # float32's largest finite value
 aten = torch.ops.aten
 prims = torch.ops.prims
 
@@ -514,8 +515,13 @@ class _Emitter:
         a, b = sorted(node.args, key=width)
         if width(a) == 2 or (isinstance(a, bool) or not isinstance(a, (int, float, torch.fx.Node))):
             return None
-        narrow = self.line(f"({self.operand(a, True) if isinstance(a, torch.fx.Node) else _literal(float(a))}"
-                           f" * {self.inv_sm_scale()})")
+        # Clamped to float32's range: a mask's finfo.min over sm_scale is -inf, and -inf times the
+        # other factor's 0 (the visible entries of `(1 - m) * finfo.min`) would be NaN. The clamp
+        # acts on the narrow factor only (a scalar, row or column), not per score.
+        factor = self.operand(a, True) if isinstance(a, torch.fx.Node) else _literal(float(a))
+        L = self.L
+        narrow = self.line(f"{L}.minimum({L}.maximum({factor} * {self.inv_sm_scale()}, "
+                           f"{-_F32_MAX!r}), {_F32_MAX!r})")
         return f"({narrow} * {self.operand(b, True)})"
 
     def lower_additive(self) -> None:
