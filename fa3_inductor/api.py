@@ -318,10 +318,7 @@ def _flex_fp8(q, k, v, score_mod, mask_mod, block_mask, scale, enable_gqa, retur
     if template != "auto":
         raise ValueError(f"flex(fp8=...): template must be 'auto' (got {template!r}); FP8 sites are "
                          "served by the FP8 kernel families in the registry's order")
-    if recipe.smooth_k and score_mod is not None:
-        raise ValueError("flex(fp8=FP8Recipe(smooth_k=True)) with a score_mod: subtracting K's mean "
-                         "shifts each query's scores by a constant, which softmax ignores but a "
-                         "score_mod does not; use smooth_k=False with a score_mod")
+    recipe.check_score_mod(score_mod, "flex")
     if not (q.is_cuda or (q.device.type == "cpu" and _triton_interpreting())):
         raise NotImplementedError(f"flex(fp8=...): {q.device.type} tensors; FP8 runs on CUDA GPUs "
                                   "with e4m3 tensor cores (sm89+), or on the CPU under "

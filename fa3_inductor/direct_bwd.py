@@ -30,23 +30,14 @@ from torch.nn.attention.flex_attention import noop_mask
 
 from ._log import info_once
 from .config import Settings
-from .direct import block_mask_tables
+from .direct import _Plan, block_mask_tables
 from .mod_keys import Unkeyable, mod_key
 from .templates.family import BackwardSiteFacts
 from .templates.modgen import BufferSpec, UnsupportedMod, trace_mod
 
 _LN2 = math.log(2.0)
 _MAX_PLANS = 512
-_PLANS: dict[Hashable, "_Plan"] = {}
-
-
-class _Plan:
-    __slots__ = ("spec", "score_bufs", "mask_bufs", "reason")
-
-    def __init__(self, spec: Optional[str], score_bufs: list, mask_bufs: list,
-                 reason: Optional[str]):
-        self.spec, self.score_bufs, self.mask_bufs, self.reason = (
-            spec, score_bufs, mask_bufs, reason)
+_PLANS: dict[Hashable, _Plan] = {}
 
 
 def backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,

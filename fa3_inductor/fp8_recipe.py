@@ -22,7 +22,7 @@ H100 runs int8 and e4m3 MMA at the same rate on one-byte operands. ``qk="e4m3"``
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     import torch
@@ -107,6 +107,18 @@ class FP8Recipe:
         if isinstance(fp8, FP8Recipe):
             return fp8
         raise TypeError(f"fp8 must be True, False or an fa3_inductor.FP8Recipe, got {type(fp8).__name__}")
+
+    def check_score_mod(self, score_mod: Any, caller: str) -> None:
+        """Refuse ``smooth_k`` with a score_mod (``caller`` names the entry point in the message).
+
+        Example::
+
+            >>> FP8Recipe().check_score_mod(lambda s, b, h, q, kv: s, "flex")  # no smoothing: fine
+        """
+        if self.smooth_k and score_mod is not None:
+            raise ValueError(f"{caller}(fp8=FP8Recipe(smooth_k=True)) with a score_mod: subtracting "
+                             "K's mean shifts each query's scores by a constant, which softmax "
+                             "ignores but a score_mod does not; use smooth_k=False with a score_mod")
 
 
 @dataclasses.dataclass(frozen=True)

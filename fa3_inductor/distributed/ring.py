@@ -405,10 +405,7 @@ def _check_fp8(q: Tensor, score_mod: Optional[Callable], recipe: FP8Recipe, kern
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"ring_flex(fp8=...): inputs must be bfloat16 or float16 (got {q.dtype}); "
                          "the prologue quantizes them to FP8")
-    if recipe.smooth_k and score_mod is not None:
-        raise ValueError("ring_flex(fp8=FP8Recipe(smooth_k=True)) with a score_mod: subtracting "
-                         "K's mean shifts each query's scores by a constant, which softmax ignores "
-                         "but a score_mod does not; use smooth_k=False with a score_mod")
+    recipe.check_score_mod(score_mod, "ring_flex")
 
 
 def _check_rope(rope: RopeSpec, total_q: int, total_kv: int) -> None:
