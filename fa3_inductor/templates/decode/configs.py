@@ -24,9 +24,12 @@ class DecodeConfig:
     resident: int = 3
 
 
-# Split programs per SM the split count aims for when the (batch, kv head) programs are few:
-# two per SM keep enough loads in flight (measured: 84-101% of copy at 0.27+ GB).
-PROGRAMS_PER_SM = 2
+# Split programs per SM the split count aims for when the (batch, kv head) programs are few. One
+# per SM: the split sweep of benchmarks/results/serving-nvidia-h100-80gb-hbm3-2026-11-27-1943.md
+# found half the splits of two per SM fastest or tied on every row it swept (1 x 8k and 1 x 32k
+# GQA 32/8: 16 splits 0.026 / 0.064 ms against 32-33 splits 0.028 / 0.067; 8 x 8k: 2 against 4,
+# 0.107 / 0.108 ms): each split's fixed cost (Q load, epilogue, its combine rows) halves too.
+PROGRAMS_PER_SM = 1
 # The tail rule applies while the programs are at most this many waves of resident ones.
 TAIL_WAVES = 2
 # A split streams at least this many tiles: fewer make the combine's traffic and each program's
@@ -84,8 +87,8 @@ def choose_num_splits(batch: int, kv_heads: int, max_len: int, block_n: int,
 
     Example::
 
-        >>> choose_num_splits(8, 8, 8192, 64, 132)      # 64 programs: 4 splits fill 132 SMs x 2
-        4
+        >>> choose_num_splits(8, 8, 8192, 64, 132)      # 64 programs: 2 splits fill 132 SMs
+        2
         >>> choose_num_splits(64, 8, 4096, 64, 132)     # 512 programs: 1.3 waves; 3 splits 3.9
         3
         >>> choose_num_splits(64, 32, 4096, 64, 132)    # 2048 programs: 5.2 waves already
