@@ -756,3 +756,42 @@ def test_sites_our_kernels_do_not_serve_are_left_alone_with_the_reason():
         torch.compile(Spelled(), backend="fa3")(q, k, v)
     (site,) = _manual_sites()
     assert not site["rewritten"] and "head dim 12" in site["reason"]
+
+
+def test_buffers_from_another_device_are_moved_to_the_sites():
+    """A tensor the scores read that lives on another device than q (a 0-dim CPU tensor, which
+    eager adds to CUDA scores) reaches fa3's op, and the block tables computed from it, through
+    a copy to q's device: the first GPU coverage run's "Pointer argument cannot be accessed from
+    Triton (cpu tensor?)". Checked on a graph with fake CUDA example values (no GPU needed): no
+    path from the CPU input to flex_attention avoids the ``.to(cuda)``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fa3_inductor.recognition.recognize_manual import rewrite_manual
+
+    def attention(q, k, v, bias):
+        s = torch.matmul(q, k.transpose(-1, -2)) * 0.25 + bias
+        return torch.matmul(torch.softmax(s, dim=-1), v)
+
+    class Record(torch.fx.Interpreter):   # Dynamo's example values
+        def run_node(self, n):
+            n.meta["example_value"] = out = super().run_node(n)
+            return out
+
+    gm = torch.fx.symbolic_trace(attention)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        Record(gm).run(*[torch.empty(1, 2, 8, 16, device="cuda") for _ in range(3)],
+                       torch.empty(()))
+    sites, _ = rewrite_manual(gm, lambda q, v: None)
+    assert [s.rewritten for s in sites] == [True]
+    flex = next(n for n in gm.graph.nodes if n.target is torch.ops.higher_order.flex_attention)
+    moves = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "to"]
+    assert moves and all(n.args[1] == torch.device("cuda", 0) for n in moves)
+    seen, stack = set(), list(flex.all_input_nodes)
+    while stack:   # what flex reads, up to the copies
+        n = stack.pop()
+        if n not in seen and n not in moves:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    assert "bias" not in {n.name for n in seen}
+    assert any(n.target.__name__ == "runtime_block_tables" for n in seen
+               if n.op == "call_function")   # the mask's tables are made from the copy too

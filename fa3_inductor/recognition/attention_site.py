@@ -342,7 +342,7 @@ class AttentionSite:
                 q, k, v = (graph.call_method("reshape", (x, *flex_rank(s)))
                            for x, s in zip((q, k, v), (shape_after(o) for o in
                                                        (self.q, self.k, self.v))))
-            score_bufs = _buffer_nodes(graph, score_lifter)
+            score_bufs = _buffer_nodes(graph, score_lifter, qe.device)
             score_mod = None
             if not (score.uses_score and score_lifter.buffers == [] and
                     _is_identity(score)):
@@ -418,9 +418,9 @@ class AttentionSite:
         graph = self.gm.graph
         tracer = torch.fx.proxy.GraphAppendingTracer(graph)
         lifter: Lifter = plan["lifter"]
-        bufs = [torch.fx.Proxy(n, tracer) for n in _buffer_nodes(graph, lifter)]
-        shape4 = self._flex_score_shape()
         device = example(self.q.node).device
+        bufs = [torch.fx.Proxy(n, tracer) for n in _buffer_nodes(graph, lifter, device)]
+        shape4 = self._flex_score_shape()
         idx = [torch.fx.Proxy(graph.call_function(torch.arange, (s,), {"device": device}),
                               tracer).view(*[s if d == i else 1 for i in range(4)])
                if s > 1 else 0 for d, s in enumerate(shape4)]
@@ -619,12 +619,20 @@ def _additive_kind(lifted: Lifted, grid: list[torch.Tensor]) -> str:
     return "static" if bool(is_mask) else "bias"
 
 
-def _buffer_nodes(graph: torch.fx.Graph, lifter: Lifter) -> list[torch.fx.Node]:
-    """The captured-buffer nodes, viewed without their size-1 dims (the mods index the rest)."""
+def _buffer_nodes(graph: torch.fx.Graph, lifter: Lifter, device: torch.device
+                  ) -> list[torch.fx.Node]:
+    """The captured-buffer nodes, viewed without their size-1 dims (the mods index the rest),
+    on the site's ``device``: a buffer made elsewhere (a 0-dim CPU tensor, which eager mixes
+    with CUDA tensors; index math on CPU aranges moved by ``.to(x.device)``, which the lifter
+    looks through) is copied there, as eager's own op would read it; our kernels and the block
+    tables computed from a mask read only tensors on the site's device."""
     out = []
     for buf in lifter.buffers:
         kept = [buf.shape[d] for d in buf.kept_dims] or [1]
         node = buf.node
+        made = example(node)
+        if made is not None and made.device != device:
+            node = graph.call_method("to", (node, device))
         if list(kept) != list(buf.shape):
             node = graph.call_method("reshape", (node, *kept))
         out.append(node)
