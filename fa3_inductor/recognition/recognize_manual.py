@@ -542,8 +542,9 @@ def _between_reason(n: torch.fx.Node) -> str:
     if reached and name == "getitem" and _slices_last_dim(n):
         return (f"{n.name} (getitem) slices the attention probabilities along the keys before "
                 "the matmul with V: each slice is multiplied with a different V (one softmax "
-                "over concatenated key sets, PEGASUS-X's global + local blocks); fa3 reads "
-                "one q·kᵀ product and one V per site")
+                "over several score products concatenated along the keys, PEGASUS-X's global "
+                "+ local blocks); fa3 reads one q·kᵀ product and one V per site, and serving "
+                "it would mean building the concatenated K and V (not attention-shaped)")
     if reached and name == "masked_fill":
         return (f"{n.name} (masked_fill) fills the attention probabilities after the softmax "
                 "with something other than the zero fill of the scores' -inf mask: not "
