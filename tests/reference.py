@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import math
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -48,6 +49,27 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
         return float("inf")
     denom = ref.norm().item()
     return (out - ref).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def compiled_and_float64(module: torch.nn.Module, inputs: Sequence[torch.Tensor],
+                         dout: torch.Tensor, backend: str = "fa3"):
+    """``module`` compiled with ``backend`` (fullgraph) and a float64 copy run eagerly on the
+    same ``inputs``, each backward with ``dout``; returns (out, ref, inputs64, module64). Float
+    inputs get float64 leaf copies (requiring grad where the input does), others pass as given.
+
+    Example::
+
+        >>> out, ref, (x64,), model64 = compiled_and_float64(model, [x], dout)   # doctest: +SKIP
+        >>> rel_error(x.grad, x64.grad) <= TOLERANCE[torch.float32]            # doctest: +SKIP
+    """
+    module64 = copy.deepcopy(module).double()
+    inputs64 = [t.detach().double().requires_grad_(t.requires_grad) if t.is_floating_point()
+                else t for t in inputs]
+    ref = module64(*inputs64)
+    ref.backward(dout.double())
+    out = torch.compile(module, backend=backend, fullgraph=True)(*inputs)
+    out.backward(dout)
+    return out, ref, inputs64, module64
 
 
 def assert_matches_reference(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype,

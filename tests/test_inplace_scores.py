@@ -16,13 +16,11 @@ the write folded in. Each case here is checked against float64, forward and back
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn as nn
 
-from reference import TOLERANCE, rel_error
+from reference import TOLERANCE, compiled_and_float64, rel_error
 
 pytestmark = pytest.mark.usefixtures("our_kernels", "fresh_compiles")
 
@@ -63,14 +61,8 @@ class ScoresWrittenInPlace(nn.Module):
 def test_in_place_score_writes_are_kept(spelling):
     torch.manual_seed(0)
     model = ScoresWrittenInPlace(spelling)
-    ref_model = copy.deepcopy(model).double()
     x = torch.randn(B, M, H * D, requires_grad=True)
-    x64 = x.detach().double().requires_grad_()
-    dout = torch.randn(B, M, H * D)
-    ref = ref_model(x64)
-    ref.backward(dout.double())
-    out = torch.compile(model, backend="fa3", fullgraph=True)(x)
-    out.backward(dout)
+    out, ref, (x64,), ref_model = compiled_and_float64(model, [x], torch.randn(B, M, H * D))
     tol = TOLERANCE[torch.float32]
     err = rel_error(out, ref)
     assert err <= tol, f"output error {err:.2e} > {tol:.0e}: the in-place write was dropped"

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 import fa3_inductor
 from fa3_inductor.recognition import rewrite_pays
-from reference import TOLERANCE, rel_error
+from reference import TOLERANCE, compiled_and_float64, rel_error
 
 pytestmark = pytest.mark.usefixtures("our_kernels", "fresh_compiles")
 
@@ -239,6 +239,21 @@ def test_spelling_fuses_and_matches_float64(spelling):
             assert rel_error(p.grad, ref_grad) <= tol, (name, rel_error(p.grad, ref_grad))
 
 
+def _fused_and_within_tolerance(module: nn.Module, qkv: tuple, mask: torch.Tensor
+                                ) -> torch.Tensor:
+    """``module(q, k, v, mask)`` under backend="fa3": one site, rewritten; the output and q/k/v's
+    gradients within float32's tolerance of float64 eager. Returns the output."""
+    dout = torch.randn(qkv[0].shape)
+    out, ref, qkv64, _ = compiled_and_float64(module, [*qkv, mask], dout)
+    (site,) = fa3_inductor.recognized_sites()
+    assert site["rewritten"], site
+    tol = TOLERANCE[torch.float32]
+    assert rel_error(out, ref) <= tol
+    for t, t64 in zip(qkv, qkv64):
+        assert rel_error(t.grad, t64.grad) <= tol
+    return out
+
+
 def test_cpmant_zero_fill_with_an_input_mask():
     """CPM-Ant's spelling with the mask a graph input (the runtime mask plan): rows the mask
     leaves with no key give 0, as eager does once the probabilities are zero-filled."""
@@ -256,19 +271,8 @@ def test_cpmant_zero_fill_with_an_input_mask():
     q, k, v = (torch.randn(B, H, M, D, requires_grad=True) for _ in range(3))
     keep = torch.rand(B, M, M) < 0.5
     keep[0, 3] = False                                       # a row with no key
-    dout = torch.randn(B, H, M, D)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = CpmAnt()(q64, k64, v64, keep)
-    ref.backward(dout.double())
-    out = torch.compile(CpmAnt(), backend="fa3", fullgraph=True)(q, k, v, keep)
-    out.backward(dout)
-    (site,) = fa3_inductor.recognized_sites()
-    assert site["rewritten"], site
-    tol = TOLERANCE[torch.float32]
-    assert rel_error(out, ref) <= tol
+    out = _fused_and_within_tolerance(CpmAnt(), (q, k, v), keep)
     assert torch.equal(out[0, :, 3], torch.zeros_like(out[0, :, 3]))
-    for t, t64 in ((q, q64), (k, k64), (v, v64)):
-        assert rel_error(t.grad, t64.grad) <= tol
 
 
 def test_gpt_neo_upcast_scores_in_bf16():
@@ -324,18 +328,7 @@ def test_detr_cross_attention_padding_mask_few_keys(n_keys):
     k, v = (torch.randn(B, H, n_keys, D, requires_grad=True) for _ in range(2))
     pad = torch.ones(B, n_keys, dtype=torch.long)
     pad[1, n_keys // 2:] = 0 if n_keys > 1 else 1
-    dout = torch.randn(B, H, M, D)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = Detr()(q64, k64, v64, pad)
-    ref.backward(dout.double())
-    out = torch.compile(Detr(), backend="fa3", fullgraph=True)(q, k, v, pad)
-    out.backward(dout)
-    (site,) = fa3_inductor.recognized_sites()
-    assert site["rewritten"], site
-    tol = TOLERANCE[torch.float32]
-    assert rel_error(out, ref) <= tol
-    for t, t64 in ((q, q64), (k, k64), (v, v64)):
-        assert rel_error(t.grad, t64.grad) <= tol
+    _fused_and_within_tolerance(Detr(), (q, k, v), pad)
 
 
 def test_explain_reports_rank5_site_fused():

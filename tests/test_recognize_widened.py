@@ -11,7 +11,6 @@ reference.py tolerance rule).
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
@@ -19,7 +18,7 @@ import torch
 import torch.nn as nn
 
 import fa3_inductor
-from reference import TOLERANCE, rel_error
+from reference import TOLERANCE, compiled_and_float64, rel_error
 
 pytestmark = pytest.mark.usefixtures("our_kernels", "fresh_compiles")
 
@@ -65,14 +64,8 @@ class Attention(nn.Module):
 def test_spelling_fuses_and_matches_float64(spelling):
     torch.manual_seed(0)
     model = Attention(spelling)
-    ref_model = copy.deepcopy(model).double()
     x = torch.randn(B, M, H * D, requires_grad=True)
-    x64 = x.detach().double().requires_grad_()
-    dout = torch.randn(B, M, H * D)
-    ref = ref_model(x64)
-    ref.backward(dout.double())
-    out = torch.compile(model, backend="fa3", fullgraph=True)(x)
-    out.backward(dout)
+    out, ref, (x64,), ref_model = compiled_and_float64(model, [x], torch.randn(B, M, H * D))
     sites = [s for s in fa3_inductor.recognized_sites() if s["front_door"] == "matmul-softmax"]
     assert [s["rewritten"] for s in sites] == [True], sites
     tol = TOLERANCE[torch.float32]
