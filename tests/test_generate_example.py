@@ -72,3 +72,41 @@ def test_static_cache_decode_runs_the_decode_family_and_matches_sdpa(monkeypatch
     report = gen.compare_tokens(outs["sdpa"], outs["fa3"], ids.shape[1])
     assert report["identical_sequences"] == "2/2", report
     assert report["max_logit_diff_before_divergence"] < 1e-4, report
+
+
+def test_real_text_prompts_and_the_report_cells():
+    """--gguf's prompts (the text repeated, each row ROW_STRIDE tokens further in) and the table's
+    divergence and per-phase family cells, without a model (the --gguf run itself loads a 98 MB
+    file and takes minutes on a CPU: docs/design/decode.md gives its command)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("generate_example", ROOT / "examples" / "generate.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    ids = gen.text_prompt_ids(list(range(10)), 3, 25)
+    assert ids.shape == (3, 25)
+    for b in range(3):
+        assert ids[b].tolist() == [(b * gen.ROW_STRIDE + i) % 10 for i in range(25)]
+    record = {"batch": 1, "prompt": 64, "sdpa": {"decode_tokens_per_s": 2.0, "prefill_ms": 1.0},
+              "fa3": {"decode_tokens_per_s": 1.0, "prefill_ms": 2.0}, "fa3_over_sdpa_tokens_per_s": 0.5,
+              "identical_sequences": "0/1", "token_match_rate": 0.5,
+              "first_divergence": {"sequence": 0, "step": 4, "sdpa_top2_margin": 0.0625},
+              "fa3_family": {"prefill": "hopper", "decode_lowered": {"q_len 4096": {"hopper": 1},
+                                                                     "q_len 1": {"decode": 30}},
+                             "after_generate": "hopper"}}
+    row = gen.table([record]).splitlines()[-1]
+    assert "| step 4 (row 0), gap 0.0625 | hopper / decode x30 (lowered) |" in row, row
+    record["fa3_family"]["decode_lowered"] = {}
+    assert gen.table([record]).endswith("| hopper / hopper (run time) |")
+    # the first divergence is the earliest step any sequence differs, with that sequence's sdpa gap
+    from types import SimpleNamespace
+
+    import torch
+
+    ref_tokens = torch.tensor([[9, 1, 2, 3, 4], [9, 1, 2, 3, 4]])
+    ours_tokens = torch.tensor([[9, 1, 2, 7, 7], [9, 1, 5, 3, 4]])   # row 0 at step 2, row 1 at step 1
+    logits = [torch.tensor([[0.0, 3.0, 1.0], [0.0, 2.0, 1.75]]) for _ in range(4)]
+    ref, ours = (SimpleNamespace(sequences=t, logits=logits) for t in (ref_tokens, ours_tokens))
+    report = gen.compare_tokens(ref, ours, 1)
+    assert report["first_divergence"] == {"sequence": 1, "step": 1, "sdpa_top2_margin": 0.25}, report
+    assert report["identical_sequences"] == "0/2" and report["max_logit_diff_before_divergence"] == 0.0
