@@ -51,6 +51,7 @@ what it measured); cases past --budget-s, or that would not fit in memory, are l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import json
@@ -84,22 +85,30 @@ def build_models(layers: int, max_positions: int, smoke: bool, device: str, dtyp
 
         >>> models = build_models(2, 64, smoke=True, device="cpu", dtype=torch.float32)  # doctest: +SKIP
     """
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import LlamaConfig
 
-    fa3_hf.register()
     cfg = LlamaConfig(**(TINY if smoke else REALISTIC), num_hidden_layers=layers,
                       max_position_embeddings=max_positions)
     torch.manual_seed(seed)
-    models = {}
-    state = None
+
+    def same_as_first(model: Any, first: Optional[Any]) -> None:
+        if first is not None:
+            model.load_state_dict(first.state_dict())
+    return _one_per_impl(cfg, device, dtype, same_as_first)
+
+
+def _one_per_impl(cfg: Any, device: str, dtype: torch.dtype, load: Any) -> dict[str, Any]:
+    """{impl: model} for IMPLS from ``cfg``; ``load(model, first)`` gives each its weights (``first``:
+    the first model built, None while building it)."""
+    from transformers import AutoModelForCausalLM
+
+    fa3_hf.register()
+    models: dict[str, Any] = {}
     for impl in IMPLS:
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=impl,
                                                      dtype=dtype)
-        if state is None:
-            state = model.state_dict()
-        else:
-            model.load_state_dict(state)
+        load(model, next(iter(models.values()), None))
         models[impl] = model.eval()
     return models
 
@@ -124,7 +133,7 @@ def build_gguf_models(path: Optional[str], max_positions: int, device: str,
         >>> cfg["num_key_value_heads"], cfg["head_dim"]                              # doctest: +SKIP
         (3, 64)
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     try:
@@ -132,7 +141,6 @@ def build_gguf_models(path: Optional[str], max_positions: int, device: str,
     except ImportError:
         raise SystemExit("--gguf needs the gguf package (transformers' GGUF reader): "
                          "pip install gguf") from None
-    fa3_hf.register()
     file = os.path.abspath(path) if path else str(_shared().packaged_gguf())
     folder, name = os.path.split(file)
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -140,14 +148,11 @@ def build_gguf_models(path: Optional[str], max_positions: int, device: str,
     # default RoPE: the frequencies do not depend on this; raised so that a prompt past the trained
     # 8192 positions is not refused (see the module docstring)
     cfg.max_position_embeddings = max(cfg.max_position_embeddings, max_positions)
-    models: dict[str, Any] = {}
-    state = None
-    for impl in IMPLS:
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=impl,
-                                                     dtype=dtype)
-        if state is None:
-            state = load_gguf_checkpoint(file, return_tensors=True, model_to_load=model)["tensors"]
+    state: dict = {}
+
+    def dequantized(model: Any, first: Optional[Any]) -> None:
+        if not state:
+            state.update(load_gguf_checkpoint(file, return_tensors=True, model_to_load=model)["tensors"])
         result = model.load_state_dict(state, strict=False)
         missing = set(result.missing_keys) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
         if missing or result.unexpected_keys:
@@ -157,7 +162,7 @@ def build_gguf_models(path: Optional[str], max_positions: int, device: str,
         if cfg.tie_word_embeddings and head.data_ptr() != embed.data_ptr():
             with torch.no_grad():
                 head.copy_(embed)
-        models[impl] = model.eval()
+    models = _one_per_impl(cfg, device, dtype, dequantized)
     shape = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
                  intermediate_size=cfg.intermediate_size, num_attention_heads=cfg.num_attention_heads,
                  num_key_value_heads=cfg.num_key_value_heads,
@@ -374,9 +379,19 @@ def _case(models: dict, record: dict, ids: torch.Tensor, new_tokens: int, device
     outs = {}
     with torch.no_grad():
         for impl, model in models.items():
+            uncached = contextlib.nullcontext()
             if impl == "fa3":
+                # a graph served from Inductor's caches is not lowered again, so its sites would go
+                # unrecorded: fa3's compiles bypass them (as explain() does)
+                from torch._functorch import config as functorch_config
+                from torch._inductor import config as inductor_config
+
                 fa3_inductor.clear_lowered_sites()
-            out, prefill, decode, phases = _timed(model, ids, new_tokens, device, repeats)
+                uncached = contextlib.ExitStack()
+                uncached.enter_context(inductor_config.patch(fx_graph_cache=False))
+                uncached.enter_context(functorch_config.patch(enable_autograd_cache=False))
+            with uncached:
+                out, prefill, decode, phases = _timed(model, ids, new_tokens, device, repeats)
             outs[impl] = out
             record[impl] = {"decode_tokens_per_s": round(batch * (new_tokens - 1) / decode, 1),
                             "decode_ms_per_step": round(decode / (new_tokens - 1) * 1e3, 3),
@@ -508,7 +523,6 @@ def main() -> None:
     if args.smoke:
         records = smoke(write)
     else:
-        import contextlib
         from unittest import mock
 
         # on the CPU, transformers' BlockMask builder eagerly (as smoke(): its compile dominates)
