@@ -222,6 +222,7 @@ def test_lengths_outside_the_cache_are_clamped(cpu_kernels, paged):
 def test_split_count_fills_the_sms_and_keeps_splits_long():
     assert choose_num_splits(8, 8, 8192, 64, 132) == 2          # 64 programs -> 128
     assert choose_num_splits(1, 8, 131072, 64, 132) == 16        # 1x1x128k: 128 programs
+    assert choose_num_splits(1, 8, 131072, 64, 132, paged=True) == 33   # paged: 264 programs
     assert choose_num_splits(64, 8, 8192, 64, 132) == 3          # 512 programs: 1.3 waves -> 3.9
     assert choose_num_splits(64, 32, 8192, 64, 132) == 1         # 2048: 5.2 waves, tail small
     assert choose_num_splits(32, 8, 8192, 64, 132) == 1          # 256: all resident at once

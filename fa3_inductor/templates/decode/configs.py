@@ -24,12 +24,15 @@ class DecodeConfig:
     resident: int = 3
 
 
-# Split programs per SM the split count aims for when the (batch, kv head) programs are few. One
-# per SM: the split sweep of benchmarks/results/serving-nvidia-h100-80gb-hbm3-2026-11-27-1943.md
-# found half the splits of two per SM fastest or tied on every row it swept (1 x 8k and 1 x 32k
-# GQA 32/8: 16 splits 0.026 / 0.064 ms against 32-33 splits 0.028 / 0.067; 8 x 8k: 2 against 4,
-# 0.107 / 0.108 ms): each split's fixed cost (Q load, epilogue, its combine rows) halves too.
+# Split programs per SM the split count aims for when the (batch, kv head) programs are few. A
+# contiguous cache: one per SM (the split sweep of benchmarks/results/serving-nvidia-h100-80gb-hbm3-
+# 2026-11-27-1943.md had half the splits of two per SM fastest or tied on every swept row: 1 x 8k
+# and 1 x 32k GQA 32/8, 16 splits 0.026 / 0.064 ms against 32-33 splits' 0.028 / 0.067). A paged
+# cache: two per SM. Its pipeline runs one tile ahead (the page lookup takes a stage), so it needs
+# more programs in flight: at one per SM (serving-...-2011) paged ran 1.39-1.53x contiguous's time
+# on 8 x 8k and 1 x 128k, against 1.03-1.04x at two per SM (serving-...-1943).
 PROGRAMS_PER_SM = 1
+PAGED_PROGRAMS_PER_SM = 2
 # The tail rule applies while the programs are at most this many waves of resident ones.
 TAIL_WAVES = 2
 # A split streams at least this many tiles: fewer make the combine's traffic and each program's
@@ -74,21 +77,23 @@ def decode_config(head_dim: int, capability: tuple[int, int] | None,
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_len: int, block_n: int,
-                      num_sms: int, resident: int = 3) -> int:
+                      num_sms: int, resident: int = 3, paged: bool = False) -> int:
     """Splits per (batch, kv head) program.
 
-    Few programs (fewer than ``PROGRAMS_PER_SM`` per SM): split so that the grid holds that many
-    per SM, rounded down, each split at least ``MIN_TILES_PER_SPLIT`` tiles of the longest cache,
-    at most ``MAX_SPLITS``. More programs than the SMs hold at once (``resident`` per SM) but
-    fewer than ``TAIL_WAVES`` waves of them (the tail rule): the split count of 1 to 4 whose last
-    wave is fullest, so that the second wave is not a tail of a few programs on idle SMs (B=64 x 8
-    kv heads: 512 programs over 396 resident, 1.3 waves, ran 0.82-0.95x cuDNN's time at one
-    split; three splits make 3.9 waves). Otherwise 1.
+    Few programs (fewer than ``PROGRAMS_PER_SM`` per SM, ``PAGED_PROGRAMS_PER_SM`` for a paged
+    cache): split so that the grid holds that many per SM, rounded down, each split at least
+    ``MIN_TILES_PER_SPLIT`` tiles of the longest cache, at most ``MAX_SPLITS``. More programs than
+    the SMs hold at once (``resident`` per SM) but fewer than ``TAIL_WAVES`` waves of them (the tail
+    rule): the split count of 1 to 4 whose last wave is fullest, so that the second wave is not a
+    tail of a few programs on idle SMs (B=64 x 8 kv heads: 512 programs over 396 resident, 1.3
+    waves, ran 0.82-0.95x cuDNN's time at one split; three splits make 3.9 waves). Otherwise 1.
 
     Example::
 
         >>> choose_num_splits(8, 8, 8192, 64, 132)      # 64 programs: 2 splits fill 132 SMs
         2
+        >>> choose_num_splits(8, 8, 8192, 64, 132, paged=True)   # paged: 2 programs per SM
+        4
         >>> choose_num_splits(64, 8, 4096, 64, 132)     # 512 programs: 1.3 waves; 3 splits 3.9
         3
         >>> choose_num_splits(64, 32, 4096, 64, 132)    # 2048 programs: 5.2 waves already
@@ -97,8 +102,9 @@ def choose_num_splits(batch: int, kv_heads: int, max_len: int, block_n: int,
     programs = max(batch * kv_heads, 1)
     by_len = max(1, max_len // (MIN_TILES_PER_SPLIT * block_n))
     slots = resident * num_sms
-    if programs < PROGRAMS_PER_SM * num_sms:
-        return max(1, min((PROGRAMS_PER_SM * num_sms) // programs, by_len, MAX_SPLITS))
+    per_sm = PAGED_PROGRAMS_PER_SM if paged else PROGRAMS_PER_SM
+    if programs < per_sm * num_sms:
+        return max(1, min((per_sm * num_sms) // programs, by_len, MAX_SPLITS))
     if slots < programs < TAIL_WAVES * slots:
         def fullness(s: int) -> float:   # the last wave's share of busy slots
             waves = programs * s / slots

@@ -165,7 +165,8 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
         if q.is_cuda and device_index is None:
             device_index = torch.cuda.current_device()
         num_splits = choose_num_splits(B, HQ // heads, max_len, block_n,
-                                       sm_count(capability, device_index), cfg.resident)
+                                       sm_count(capability, device_index), cfg.resident,
+                                       paged=block_table is not None)
     if num_splits < 1:
         _fail(f"num_splits={num_splits}", "pass a positive split count or None (chosen)")
     split = num_splits > 1
