@@ -113,3 +113,39 @@ def test_fa3_fp8_refuses_training():
     q = torch.randn(1, 2, 16, 16, dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match="inference-only"):
         fa3_hf.fa3_fp8_attention_forward(layer, q, q, q, None, scaling=0.25)
+
+
+def test_compiled_decode_step_is_one_graph_and_matches_eager():
+    """generate() compiles the static-cache decode step; transformers builds its BlockMask with
+    create_block_mask(_compile=True), a graph break inside Dynamo that split the step in two graphs
+    and built the mask eagerly every token. Under compile "fa3"'s mask builder traces it."""
+    from transformers import AutoModelForCausalLM, StaticCache
+
+    fa3_hf.register()
+    torch.manual_seed(0)
+    cfg = _configs()["llama"]
+    eager = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager").eval()
+    ours = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="fa3").eval()
+    ours.load_state_dict(eager.state_dict())
+    ids = torch.randint(1, cfg.vocab_size, (2, 24))
+    mask = torch.ones(2, 25, dtype=torch.long)
+    mask[1, :5] = 0  # left padding in the second sequence
+    nxt, pos = torch.randint(1, cfg.vocab_size, (2, 1)), torch.tensor([24])
+
+    def decode_step(model):   # a freshly prefilled static cache: a step is not idempotent
+        cache = StaticCache(config=cfg, max_cache_len=32)
+        model(input_ids=ids, attention_mask=mask[:, :24], past_key_values=cache,
+              cache_position=torch.arange(24))
+        return lambda tok, pos: model(input_ids=tok, attention_mask=mask, past_key_values=cache,
+                                      cache_position=pos).logits.float()
+
+    with torch.no_grad():
+        explained = torch._dynamo.explain(decode_step(ours))(nxt, pos)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), \
+            [(b.reason[:300], [(f.name, f.lineno) for f in b.user_stack[-3:]])
+             for b in explained.break_reasons]
+        torch._dynamo.reset()
+        ref = decode_step(eager)(nxt, pos)
+        out = torch.compile(decode_step(ours), backend="eager")(nxt, pos)
+    err = ((out - ref).norm() / ref.norm()).item()
+    assert err <= 1e-4, f"relative error {err:.2e} against eager"

@@ -210,8 +210,40 @@ def fa3_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, 
     """
     from transformers.masking_utils import flex_attention_mask
 
+    if torch.compiler.is_compiling():
+        return _traced_block_mask(batch_size, q_length, kv_length, _snapshot(q_offset),
+                                  _snapshot(kv_offset), *args, **kwargs)
     return flex_attention_mask(batch_size, q_length, kv_length, _snapshot(q_offset),
                                _snapshot(kv_offset), *args, **kwargs)
+
+
+def _traced_block_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any, kv_offset: Any,
+                       mask_function: Any = None, attention_mask: Optional[torch.Tensor] = None,
+                       device: Any = "cpu", **kwargs: Any) -> BlockMask:
+    """transformers' ``flex_attention_mask`` inside a compiled region (its decode step under
+    ``generate()``), with the BlockMask built by the traced ``create_block_mask``. transformers
+    passes ``_compile=True``, which inside Dynamo is a graph break (torch 2.13: the flag's
+    deprecation warning; nested ``torch.compile``): the step split in two graphs and the mask was
+    built eagerly every token (H100, SmolLM2 1 x 4k: 8.3 ms a step against sdpa's 4.4).
+
+    Example::
+
+        >>> torch.compile(lambda: _traced_block_mask(1, 1, 64, 10, 0))()  # doctest: +SKIP
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+    from transformers.masking_utils import (add_offsets_to_mask_function, and_masks,
+                                            causal_mask_function, padding_mask_function,
+                                            prepare_padding_mask)
+
+    mask_function = causal_mask_function if mask_function is None else mask_function
+    # transformers skips an all-ones padding mask (`fast_all`): a data-dependent branch, another
+    # graph break. ANDing it in whatever its values is exact; the kernel then reads one mask entry
+    # per key.
+    if attention_mask is not None:
+        padding_mask = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+        mask_function = and_masks(mask_function, padding_mask_function(padding_mask))
+    mask_function = add_offsets_to_mask_function(mask_function, q_offset, kv_offset)
+    return create_block_mask(mask_function, batch_size, None, q_length, kv_length, device=device)
 
 
 def register() -> None:
