@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
@@ -200,50 +201,44 @@ def _snapshot(offset: Any) -> Any:
 
 
 def fa3_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: Any = 0,
-             *args: Any, **kwargs: Any) -> BlockMask:
-    """transformers' ``flex_attention_mask`` (its arguments) with tensor offsets copied when the
-    mask is built (:func:`_snapshot`): the mask function registered for "fa3" and "fa3_fp8".
+             mask_function: Any = None, attention_mask: Optional[torch.Tensor] = None,
+             device: Any = "cpu", **kwargs: Any) -> BlockMask:
+    """transformers' ``flex_attention_mask`` (its arguments), the mask function registered for "fa3"
+    and "fa3_fp8", with three differences that keep generate()'s decode steps fast:
+
+    - tensor offsets are copied when the mask is built (:func:`_snapshot`);
+    - a padding mask is ANDed in whatever its values (exact). transformers skips an all-ones one
+      (`fast_all`), a host sync every step in eager (generate() builds the mask outside its
+      compiled step) and a graph break in a compiled region;
+    - inside a compiled region ``create_block_mask`` is traced; transformers' ``_compile=True``
+      there is a graph break (torch 2.13). Eagerly it runs compiled, as transformers does.
+
+    (H100, SmolLM2-135M 1 x 4k, static cache: 8.3 ms a decode step against sdpa's 4.4 before.)
 
     Example::
 
         >>> bm = fa3_mask(1, 1, 16, torch.tensor(12), 0, device="cpu")  # doctest: +SKIP
-    """
-    from transformers.masking_utils import flex_attention_mask
-
-    if torch.compiler.is_compiling():
-        return _traced_block_mask(batch_size, q_length, kv_length, _snapshot(q_offset),
-                                  _snapshot(kv_offset), *args, **kwargs)
-    return flex_attention_mask(batch_size, q_length, kv_length, _snapshot(q_offset),
-                               _snapshot(kv_offset), *args, **kwargs)
-
-
-def _traced_block_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any, kv_offset: Any,
-                       mask_function: Any = None, attention_mask: Optional[torch.Tensor] = None,
-                       device: Any = "cpu", **kwargs: Any) -> BlockMask:
-    """transformers' ``flex_attention_mask`` inside a compiled region (its decode step under
-    ``generate()``), with the BlockMask built by the traced ``create_block_mask``. transformers
-    passes ``_compile=True``, which inside Dynamo is a graph break (torch 2.13: the flag's
-    deprecation warning; nested ``torch.compile``): the step split in two graphs and the mask was
-    built eagerly every token (H100, SmolLM2 1 x 4k: 8.3 ms a step against sdpa's 4.4).
-
-    Example::
-
-        >>> torch.compile(lambda: _traced_block_mask(1, 1, 64, 10, 0))()  # doctest: +SKIP
     """
     from torch.nn.attention.flex_attention import create_block_mask
     from transformers.masking_utils import (add_offsets_to_mask_function, and_masks,
                                             causal_mask_function, padding_mask_function,
                                             prepare_padding_mask)
 
+    q_offset, kv_offset = _snapshot(q_offset), _snapshot(kv_offset)
     mask_function = causal_mask_function if mask_function is None else mask_function
-    # transformers skips an all-ones padding mask (`fast_all`): a data-dependent branch, another
-    # graph break. ANDing it in whatever its values is exact; the kernel then reads one mask entry
-    # per key.
     if attention_mask is not None:
         padding_mask = prepare_padding_mask(attention_mask, kv_length, kv_offset)
         mask_function = and_masks(mask_function, padding_mask_function(padding_mask))
     mask_function = add_offsets_to_mask_function(mask_function, q_offset, kv_offset)
-    return create_block_mask(mask_function, batch_size, None, q_length, kv_length, device=device)
+    build = create_block_mask if torch.compiler.is_compiling() else _compiled_create_block_mask()
+    return build(mask_function, batch_size, None, q_length, kv_length, device=device)
+
+
+@functools.cache
+def _compiled_create_block_mask() -> Any:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask)
 
 
 def register() -> None:
