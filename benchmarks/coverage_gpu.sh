@@ -26,7 +26,8 @@
 # the CPU (Triton's interpreter, float32, no timing; SHARDS default 2).
 # Knobs: SHARDS, TIMING (1), TIMING_SHARDS, TIMING_CORES (6), TIMING_EVERY_SIZE (1: also time
 # fa3 with the size rule off; at the timed sizes most sites are below it),
-# FAMILY_LIMIT_S (300), TIMING_LIMIT_S (300), DEVICE (cuda), DTYPE, FAMILIES, SOURCES, RESUME.
+# FAMILY_LIMIT_S (300), TIMING_LIMIT_S (300), DEVICE (cuda), DTYPE, FAMILIES, SOURCES, RESUME,
+# WHEELS (.whl, or ../.whl from a snapshot clone).
 # diffusers travels as a wheel: with .whl/*.whl in the repo (docs/coverage.md), they are installed
 # into /tmp/site first.
 # Results in $OUT (at most 8 files come back): coverage-<gpu>-<date>.md and .json (merged),
@@ -44,12 +45,19 @@ DEVICE=${DEVICE:-cuda}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PYPATH=$ROOT
-if compgen -G ".whl/*.whl" >/dev/null; then
+# WHEELS: the carried wheels; from a snapshot clone inside the repo (.snap), the repo's own .whl
+WHEELS=${WHEELS:-.whl}
+[ -d "$WHEELS" ] || [ ! -d ../.whl ] || WHEELS=../.whl
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || { echo "coverage_gpu: wheel install failed"; exit 1; }
+        --target /tmp/site "$WHEELS"/*.whl || { echo "coverage_gpu: wheel install failed"; exit 1; }
     PYPATH=$ROOT:/tmp/site
 fi
 export PYTHONPATH=$PYPATH${PYTHONPATH:+:$PYTHONPATH}
+# A run without diffusers lists every diffusers family as "package not installed": say so first
+# (the 2026-11-27 20:52 run lost its diffusers rows that way, run from .snap without ../.whl).
+python3 -c "import diffusers" 2>/dev/null || echo "coverage_gpu: WARNING: diffusers does not import" \
+    "(no wheel in $WHEELS): its families will not be checked; carry .whl (docs/coverage.md)"
 
 NCPU=$(nproc)
 if [ "$DEVICE" = cpu ]; then
