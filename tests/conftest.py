@@ -41,6 +41,7 @@ def pytest_configure(config):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
+@pytest.hookimpl(tryfirst=True)   # before xdist's own hook, which reads xdist_group into node ids
 def pytest_collection_modifyitems(config, items):
     # The session's setting, not what a module imported during collection may have set since: a
     # test module that turned the interpreter on silently skipped every sm90 test once (2026-11-27).
