@@ -51,19 +51,8 @@ def _load_bench():
 bench = _load_bench()
 
 
-# The smoke runs are kept for the whole session: under pytest-xdist a worker whose queue runs dry
-# tears its fixtures down, and CI paid the 110 s smoke run twice (2026-11-27).
-_RUNS: dict = {}
-
-
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
-    if "smoke" not in _RUNS:
-        _RUNS["smoke"] = _smoke_run(tmp_path_factory)
-    return _RUNS["smoke"]
-
-
-def _smoke_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(ROOT)) if p)
@@ -398,12 +387,6 @@ def test_fp8_option_preset_and_skips():
 def smoke_fp8_run(tmp_path_factory):
     """One tiny causal case with --fp8 on the CPU: under Triton's interpreter (conftest sets it without
     CUDA) the FP8 rows run our kernel; without it they are skipped with the reason."""
-    if "fp8" not in _RUNS:
-        _RUNS["fp8"] = _smoke_fp8_run(tmp_path_factory)
-    return _RUNS["fp8"]
-
-
-def _smoke_fp8_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_fp8")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(ROOT)) if p)
