@@ -155,7 +155,7 @@ def test_learned_table_bakes_in_strides():
     table = torch.randn(4, 10)
     src = _source(lambda s, b, h, q, kv: s + table[h, q - kv + 5], "score")
     assert_expected_inline(_shown(src), """\
-# sm_scaled=True, gathers=True
+# sm_scaled=True, gathers=True, wide=True
 @triton.jit
 def score_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs):
     v0 = (q_idx - kv_idx)

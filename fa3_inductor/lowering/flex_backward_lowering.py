@@ -185,6 +185,18 @@ def _sources(score_gm: Any, mask_gm: Any, dialects: list[str], score_specs: list
     return tuple(mods), infos
 
 
+def _wide_scores(graphs: BackwardGraphs) -> bool:
+    """Whether the score_mod may return huge finite values (ModInfo.wide, read off its generated
+    source; a mod the generator refuses is planned, and refused, as before)."""
+    if graphs.score_gm is None or is_identity_score(graphs.score_gm):
+        return False
+    try:
+        source = generate_in_dialect(graphs.score_gm, "score", graphs.score_specs, "tl")
+    except UnsupportedMod:
+        return False
+    return isinstance(source, GeneratedSource) and source.info.wide
+
+
 def _tensor_buffer_grads(a: _compat.FlexBackwardArgs) -> tuple[bool, ...]:
     """Per tensor the score_mod captures (scalars left out, as the ops' ``score_bufs``), whether
     the joint graph gives it a gradient."""
@@ -261,6 +273,8 @@ def plan_backward_site(graphs: BackwardGraphs, facts: BackwardSiteFacts, templat
         >>> spec, note = plan_backward_site(graphs, facts, "auto", "q[1, 2, 64, 16] ...")  # doctest: +SKIP
     """
     flags = graphs.flags
+    if facts.device.type == "cuda" and _wide_scores(graphs):   # torch's kernel would overflow there
+        facts = dataclasses.replace(facts, wide_scores=True)
     families, notes = backward_candidates(facts, f"{template}_bwd")
     if not families:
         return None, "; ".join(notes) or "no backward family serves this site"

@@ -185,6 +185,9 @@ class BackwardSiteFacts(SiteFacts):
     buffer_grads: bool = False
     deterministic: bool = False   # option fa3.deterministic_backward: bitwise-reproducible gradients
     score_grad: bool = False      # a score_mod whose derivative is not 1 (softcap: not an added bias)
+    # a score_mod whose values may be huge (ModInfo.wide): torch's backward kernel exponentiates with a
+    # contracted FFMA, which overflows there (templates/wide_scores.py); ours round first or clamp
+    wide_scores: bool = False
 
 
 @dataclasses.dataclass

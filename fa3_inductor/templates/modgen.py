@@ -61,6 +61,7 @@ import hashlib
 import importlib.util
 import math
 import os
+import re
 import sys
 import tempfile
 from typing import Any, Optional, Sequence
@@ -71,6 +72,7 @@ import torch.fx
 from .. import _compat
 
 _F32_MAX = 3.4028234663852886e+38  # float32's largest finite value
+_F32_CLAMP_BOUNDS = f"{-_F32_MAX!r}), {_F32_MAX!r})"   # the end of a clamp to float32's range
 aten = torch.ops.aten
 prims = torch.ops.prims
 
@@ -192,6 +194,24 @@ def _constant_factor(node: torch.fx.Node, x: torch.fx.Node) -> Optional[float]:
     return float(b) if packet is aten.mul else 1.0 / float(b)
 
 
+# A float literal this large in a score_mod (a -1e10 / finfo.min mask value) makes its scores "wide".
+WIDE_LITERAL = 2.0 ** 20
+_FLOAT_LITERAL = re.compile(r"(?<![\w.])(?:\d+\.\d*(?:e[+-]?\d+)?|\d+e[+-]?\d+)")
+
+
+def _has_wide_literal(text: str) -> bool:
+    """Whether generated source ``text`` holds a finite float literal of magnitude >= WIDE_LITERAL
+    (integer literals are strides and index constants; inf literals are masks, which stay exact).
+
+    Example::
+
+        >>> _has_wide_literal("v3 = -10000000000.0"), _has_wide_literal("v3 = x * 49152 + 2.5")
+        (True, False)
+    """
+    text = text.replace(_F32_CLAMP_BOUNDS, "")   # a clamp's bounds bound; what it clamps may not
+    return any(abs(float(tok)) >= WIDE_LITERAL for tok in _FLOAT_LITERAL.findall(text))
+
+
 def _value_range(node: Any) -> Optional[tuple[float, float]]:
     """Bounds of a returned tile the kernel may use in place of the running row max (softcap's
     tanh), or None. Masked (-inf) scores are outside it and are handled apart."""
@@ -252,6 +272,9 @@ class ModInfo:
     sfu_ops: int = 0         # special-function (MUFU) ops per score
     mask_and: bool = False   # a mask_mod returning an AND of conditions (one select per score)
     gathers: bool = False    # reads a captured buffer
+    wide: bool = False       # may return finite scores of any size (reads a float buffer, or a float
+                             # literal >= WIDE_LITERAL): kernels take exp2's argument from the rounded
+                             # product (wide_scores.py), since a contracted FMA overflows at |score| ~ 2^31
 
     def to_items(self) -> tuple:
         """The record as (field, value) pairs, for a JSON spec."""
@@ -309,6 +332,7 @@ class _Emitter:
         self.isolated: dict[torch.fx.Node, tuple[Any, str, str]] = {}
         self.sfu_ops = 0  # special-function (MUFU) ops per score: tanh, exp, ... on a score tile
         self.gathers = False  # reads a captured buffer (gather)
+        self.float_gathers = False  # reads a float buffer: its values are unbounded (ModInfo.wide)
         self.info: Optional[ModInfo] = None   # set by emit()
         self.L = "tl" if dialect == "tl" else "gl"
         self.names: dict[torch.fx.Node, str] = {}
@@ -459,6 +483,8 @@ class _Emitter:
             out_range=_value_range(result) if fold else None,
             sm_scaled=bool(fold and self.additive), kv_affine=bool(fold and self.kv_affine),
             sfu_ops=self.sfu_ops if fold else 0, gathers=self.gathers,
+            wide=(self.kind == "score" and _value_range(result) is None
+                  and (self.float_gathers or _has_wide_literal(body))),
             mask_and=(self.kind == "mask" and isinstance(result, torch.fx.Node)
                       and result.op == "call_function"
                       and _packet(result.target) in (aten.bitwise_and, aten.logical_and)))
@@ -521,7 +547,7 @@ class _Emitter:
         factor = self.operand(a, True) if isinstance(a, torch.fx.Node) else _literal(float(a))
         L = self.L
         narrow = self.line(f"{L}.minimum({L}.maximum({factor} * {self.inv_sm_scale()}, "
-                           f"{-_F32_MAX!r}), {_F32_MAX!r})")
+                           f"{_F32_CLAMP_BOUNDS}")
         return f"({narrow} * {self.operand(b, True)})"
 
     def lower_additive(self) -> None:
@@ -907,6 +933,7 @@ class _Emitter:
         """Load of ``buf[indices]`` (one index per dimension); strides are baked in. A negative
         index counts from the end as in torch, unless its interval shows it never is negative."""
         self.gathers = True
+        self.float_gathers |= spec.dtype.is_floating_point
         return f"{self.L}.load({self.names[buf]} + {self.element_offset(spec, indices)})"
 
     def element_offset(self, spec: BufferSpec, indices: Sequence[Any]) -> str:

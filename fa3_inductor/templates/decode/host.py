@@ -10,6 +10,7 @@ import triton
 
 from ..placeholder import placeholder
 from ..modgen import kernel_score_mod
+from ..wide_scores import wide_scores
 from .configs import DecodeConfig, choose_num_splits, decode_config, sm_count
 from .kernel import (BlockSparsity, CacheLayout, DecodeSite, DecodeTiling, decode_combine_kernel,
                      decode_split_kernel)
@@ -208,7 +209,8 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
     kwargs = dict(SCORE_MOD=score_mod, MASK_MOD=mask_mod, TILE=tile,
                   CACHE=CacheLayout(PAGED=block_table is not None, PAGE_SIZE=page or block_n),
                   SITE=DecodeSite(GQA_GROUP=group, HEADS=heads, Q_POS=q_pos, HAS_SEQ_LENS=seq_lens is not None,
-                                  FOLD_SCALE=fold, SPLIT=split),
+                                  FOLD_SCALE=fold, SPLIT=split,
+                                  WIDE_SCORES=wide_scores(score_mod, compiled=capability is not None)),
                   SPARSE=BlockSparsity(MODE=mode, KV_BLOCK=sparse_kv_block if mode == "blocks" else 0,
                                        HAS_FULL=table_args[2] is not dummy),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -44,7 +44,8 @@ Mods (templates/modgen.py, ``tl`` dialect; the generic forward's argument order)
 Compile-time parameters (the mods, then one frozen-dataclass bundle each):
     TILE   DecodeTiling   BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION
     CACHE  CacheLayout    PAGED, PAGE_SIZE
-    SITE   DecodeSite     GQA_GROUP, Q_POS, HAS_SEQ_LENS, FOLD_SCALE, SPLIT (write partials)
+    SITE   DecodeSite     GQA_GROUP, Q_POS, HAS_SEQ_LENS, FOLD_SCALE, SPLIT (write partials),
+                          WIDE_SCORES
     SPARSE BlockSparsity  MODE ("none" / "one_block" / "blocks"), KV_BLOCK, HAS_FULL
 Lengths are never constexprs: they live in SEQ_LENS. MAX_PAGES (the table's row stride) is
 do_not_specialize, so a bigger table does not recompile.
@@ -54,6 +55,8 @@ from dataclasses import dataclass
 
 import triton
 import triton.language as tl
+
+from ..wide_scores import log2_units
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,8 @@ class DecodeSite:
     HAS_SEQ_LENS: bool     # L from SEQ_LENS (else N_KEYS for every batch)
     FOLD_SCALE: bool       # no score_mod, sm_scale > 0: raw q.k, the scale folded into qk_scale2
     SPLIT: bool            # write O_PART / LSE_PART for the combine kernel (else O, LSE directly)
+    WIDE_SCORES: bool = False  # the score_mod may return huge finite values: exp2's argument from
+                               # the rounded product (wide_scores.py)
 
 
 @dataclass(frozen=True)
@@ -147,7 +152,7 @@ def _kv_step(acc, l_i, m_i, q, K, V, z, hkv, h, q_idx, start_n, L, bt_row,
     # Row max in log2 units; qk_scale2 carries the tile to them inside the exp2 FMA.
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale2)
     m_base = tl.where(m_new == float("-inf"), 0.0, m_new)   # nothing visible yet: no NaN
-    p = tl.math.exp2(s * qk_scale2 - m_base[:, None])
+    p = tl.math.exp2(log2_units(s, qk_scale2, SITE.WIDE_SCORES) - m_base[:, None])
     alpha = tl.math.exp2(m_i - m_base)
     l_i = l_i * alpha + tl.sum(p, 1)
     offs_dv = tl.arange(0, TILE.BLOCK_DV)

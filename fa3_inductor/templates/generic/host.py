@@ -13,6 +13,7 @@ from .kernel import NO_QUANT, BlockSparsity, Quant, SiteFlags, Tiling, attention
 from ..placeholder import placeholder
 from ..modgen import kernel_score_mod, mod_info
 from ..sink_args import sink_bufs as kernel_sink_bufs
+from ..wide_scores import wide_scores
 from ..tma import tma_aligned
 from ..._log import warn_once
 from .configs import GenericConfig, generic_config, generic_config_variants
@@ -171,6 +172,7 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
         # the exp2 argument; valid for a positive scale only.
         FOLD_SCALE=_fold_scale(sm_scale, score_mod),
         HAS_SINKS=sinks is not None,
+        WIDE_SCORES=wide_scores(score_mod, compiled=capability is not None),
     )
     kwargs = dict(SCORE_MOD=score_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse, FLAGS=flags,
                   QUANT=quant, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

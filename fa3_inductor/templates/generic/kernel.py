@@ -44,7 +44,7 @@ dataclasses below, read as `TILE.BLOCK_N`):
                            DOT_PRECISION
     SPARSE  BlockSparsity  HAS_BLOCK_MASK, HAS_FULL_BLOCKS, SPARSE_Q, SPARSE_KV, ITERATE_HULL,
                            MAX_KV_BLKS
-    FLAGS   SiteFlags      GQA_GROUP, EVEN_N, FOLD_SCALE, HAS_SINKS
+    FLAGS   SiteFlags      GQA_GROUP, EVEN_N, FOLD_SCALE, HAS_SINKS, WIDE_SCORES
     QUANT   Quant          ON, QK_INT8, Q_BLOCK, KV_BLOCK, TWO_LEVEL, OUT_BF16, ROUND_P_IN_FP32
                            (FP8 inputs; ON=False otherwise)
 The input dtype is no parameter: the kernel reads it off the Q tile (`in_dtype`).
@@ -70,6 +70,7 @@ import triton
 import triton.language as tl
 
 from ..fp8_prologue.kernel import _round_e4m3
+from ..wide_scores import log2_units
 
 
 # Constexpr bundles: each a frozen dataclass passed as one `tl.constexpr` argument (as in
@@ -105,6 +106,8 @@ class SiteFlags:
     EVEN_N: bool           # every visited KV tile lies inside [0, N): no bound mask
     FOLD_SCALE: bool       # no score_mod, sm_scale > 0: raw q.k, the scale folded into qk_scale2
     HAS_SINKS: bool = False  # SINKS given: the epilogue adds each head's sink to the denominator
+    WIDE_SCORES: bool = False  # the score_mod may return huge finite values: exp2's argument from
+                               # the rounded product (wide_scores.py)
 
 
 @dataclass(frozen=True)
@@ -233,7 +236,7 @@ def _kv_tile(acc, l_i, m_i, q, kv, start_n, offs_m, off_z, off_hq, M, N,
     m_new = tl.maximum(m_i, tl.max(s, 1) * to_log2)
     # A row with nothing visible yet keeps m = -inf; exponentiate against 0 instead.
     m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s * to_log2 - m_base[:, None])
+    p = tl.math.exp2(log2_units(s, to_log2, FLAGS.WIDE_SCORES) - m_base[:, None])
     alpha = tl.math.exp2(m_i - m_base)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_tile(v_desc, kv_z, kv_h, start_n, TILE.BLOCK_N, acc.shape[1], TILE.HOST_DESC)
@@ -283,7 +286,7 @@ def _kv_tile_fp8(acc, l_i, m_i, q, kv, start_n, offs_m, off_z, off_hq, M, N,
     # accumulator holds every tile's P8 VT^T in units of vs_max / 2^8.
     shift = tl.minimum(8.0 + tl.math.log2(tl.load(vs_ptr + blk) / vs_max), 8.0)   # an all-zero
     # V block's scale (1) may exceed VS_MAX; its P must still fit e4m3
-    p = tl.math.exp2(s * to_log2[:, None] - (m_base - shift)[:, None])
+    p = tl.math.exp2(log2_units(s, to_log2[:, None], FLAGS.WIDE_SCORES) - (m_base - shift)[:, None])
     alpha = tl.math.exp2(m_i - m_base)
     l_i = l_i * alpha + tl.sum(p, 1) * tl.math.exp2(-shift)
     vt = _load_vt_tile(v_desc, kv_z, kv_h, start_n, acc.shape[1], TILE.BLOCK_N, TILE.HOST_DESC)

@@ -17,6 +17,7 @@ import triton
 
 from ..placeholder import placeholder
 from ..modgen import kernel_score_mod
+from ..wide_scores import wide_scores
 from .buffer_grad import BufferGradSource
 from .buffer_grad_host import TorchStep, buffer_grad_launches
 from .configs import PREPROCESS_BLOCK_M, BackwardConfig, backward_config
@@ -233,7 +234,8 @@ def prepare_generic_backward(
     block_d = max(16, triton.next_power_of_2(D))
     block_dv = max(16, triton.next_power_of_2(DV))
     precision = "tf32" if torch.get_float32_matmul_precision() != "highest" else "ieee"
-    flags = BwdFlags(GQA_GROUP=HQ // HKV, FOLD_SCALE=fold)
+    flags = BwdFlags(GQA_GROUP=HQ // HKV, FOLD_SCALE=fold,
+                     WIDE_SCORES=wide_scores(score_mod, compiled=capability is not None))
     mods = dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod)
 
     def bundles(cfg_m: int, cfg_n: int) -> tuple[BwdTiling, BwdSparsity]:

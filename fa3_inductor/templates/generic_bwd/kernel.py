@@ -56,7 +56,7 @@ Buffer gradients (the score_mod's captured tensors that need one, buffer_grad.py
 Compile-time parameters (the mods, then one frozen-dataclass bundle each, read as TILE.BLOCK_N):
     TILE    BwdTiling       BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION
     SPARSE  BwdSparsity     HAS_BLOCK_MASK, HAS_FULL_BLOCKS, SPARSE_Q, SPARSE_KV
-    FLAGS   BwdFlags        GQA_GROUP, FOLD_SCALE
+    FLAGS   BwdFlags        GQA_GROUP, FOLD_SCALE, WIDE_SCORES
     BGRADS  BwdBufferGrads  GRADS (BwdBufferGrad: VALUE, INDEX, ALONG_Q, ALONG_KV), DETERMINISTIC
 The input dtype is read off the loaded tiles; gradients are stored in Q's / K's / V's dtype
 straight from the fp32 accumulators (every output tile has exactly one writer: no fp32 buffers;
@@ -76,6 +76,8 @@ from dataclasses import dataclass
 
 import triton
 import triton.language as tl
+
+from ..wide_scores import log2_units
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,8 @@ class BwdFlags:
     """What the site's shapes and scale ask of the score tile."""
     GQA_GROUP: int         # HQ // HKV
     FOLD_SCALE: bool       # no score_mod, sm_scale > 0: raw q.k, the scale folded into qk_scale2
+    WIDE_SCORES: bool = False  # the score_mod may return huge finite values: exp2's argument from the
+                               # rounded product, <= 0 since LSE >= the row max (wide_scores.py)
 
 
 @dataclass(frozen=True)
@@ -176,7 +180,7 @@ def _probabilities(qk, lse, q_pos, kv_pos, z, hq, M, N, sm_scale, qk_scale2, sco
         s = tl.where(MASK_MOD(z, hq, q_idx, kv_idx, mask_bufs), s, float("-inf"))
     # Key columns past N read K as zero; their score must not count (the LSE did not count it).
     s = tl.where(kv_pos < N, s, float("-inf"))
-    return tl.math.exp2(s * qk_scale2 - lse)
+    return tl.math.exp2(log2_units(s, qk_scale2, FLAGS.WIDE_SCORES) - lse)
 
 
 @triton.jit

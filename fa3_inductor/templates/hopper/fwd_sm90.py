@@ -76,7 +76,8 @@ Compile-time parameters (kernel constexprs, one named bundle each; frozen datacl
                          SPLIT_V derived)
   SCHED   Schedule       PERSISTENT, O_STAGE, OVERLAP, CONSUMER_REGS, PRODUCER_REGS
   SPARSE  BlockSparsity  HAS_SPARSE, HAS_FULL, SPARSE_Q_DIV, SPARSE_KV_MULT
-  FLAGS   ModFlags       HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, MASK_AND, EVEN_N, KV_AFFINE, FIXED_BASE, EXP2_EMU
+  FLAGS   ModFlags       HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, MASK_AND, EVEN_N, KV_AFFINE, FIXED_BASE, EXP2_EMU,
+                         HAS_SINKS, WIDE_SCORES
   QUANT   Quant          ON, Q_BLOCK, KV_BLOCK, TWO_LEVEL (FP8 inputs; NO_QUANT for bf16 / fp16, whose code it
                          leaves untouched: the scales travel in a tuple argument that is empty there)
 Every switch in them takes both of its values in some shipped launch (configs.all_configs() times the host's
@@ -121,6 +122,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..modgen import kernel_score_mod, kv_affine_of, mask_and_of, mod_info, out_range_of, sfu_ops_of
+from ..wide_scores import wide_scores
 from ..sink_args import sink_bufs as kernel_sink_bufs
 from ..tma import tma_aligned
 from .configs import (SMEM_LIMIT, Sm90Config, fixed_base_for, get_config, serves_head_dims, split_head_dim,
@@ -192,6 +194,8 @@ class ModFlags:
     FIXED_BASE: bool      # bounded score_mod, MAX not asked for: exp2 against a fixed base, no row max
     EXP2_EMU: bool        # half of the score columns' exp2 on the FMA pipe (_exp2_fma) instead of MUFU
     HAS_SINKS: bool = False   # sink_bufs holds SINKS: the epilogue adds each head's sink (_with_sink)
+    WIDE_SCORES: bool = False  # the score_mod may return huge finite values: exp2's argument is the rounded
+                               # score minus the rounded max, not one FFMA (templates/wide_scores.py)
 
 
 @dataclass(frozen=True)
@@ -577,7 +581,10 @@ def _online_softmax(s, shift, m_i, m_run, l_i, qk_scale, p_layout: gl.constexpr,
     m_base = gl.where(m_run == -float("inf"), 0.0, m_run)
     if FLAGS.KV_AFFINE:
         m_base = m_base - shift * qk_scale
-    p = _exp2_tile(s * qk_scale - m_base[:, None], FLAGS.EXP2_EMU)
+    if FLAGS.WIDE_SCORES:
+        p = _exp2_tile(_mul_rn(s, qk_scale) - m_base[:, None], FLAGS.EXP2_EMU)
+    else:
+        p = _exp2_tile(s * qk_scale - m_base[:, None], FLAGS.EXP2_EMU)
     l_new = l_i * alpha + gl.sum(p, axis=1)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     # Row vectors of the S and O accumulators hold the same rows in the same threads: a free conversion.
@@ -684,7 +691,9 @@ def _online_softmax_fp8(s, shift, m_i, m_run, l_i, qk_scale, deq, v_shift, p_lay
     m_base = gl.where(m_run == -float("inf"), 0.0, m_run) - v_shift
     if FLAGS.KV_AFFINE:
         m_base = m_base - shift * qk_scale
-    if FLAGS.HAS_SCORE_MOD:
+    if FLAGS.WIDE_SCORES:   # (a score mod's s is dequantized; the argument is then <= v_shift <= 8)
+        x = _mul_rn(s, qk_scale) - m_base[:, None]
+    elif FLAGS.HAS_SCORE_MOD:
         x = s * qk_scale - m_base[:, None]
     else:
         x = s * (deq * qk_scale)[:, None] - m_base[:, None]
@@ -1550,7 +1559,10 @@ def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bu
         cfg = get_config(D, q.dtype, fixed_base=True, value_head_dim=Dv)
     # `score + alpha(b, h)·kv + B(b, h, q)`: column / tile / row parts instead of per-score index math;
     # the launched form's tile is qk·qk_unit + x (folded: qk + x / sm_scale)
-    kv_affine = score_mod is not None and kv_affine_of(score_mod) and not fixed_base
+    # a wide mod's exp2 argument is the rounded score minus the rounded max (wide_scores.py); the affine
+    # split's per-tile shift would be subtracted unrounded
+    wide = wide_scores(score_mod, compiled=True)
+    kv_affine = score_mod is not None and kv_affine_of(score_mod) and not fixed_base and not wide
     if fp8 is not None and fp8.recipe.two_level:
         # its [BLOCK_N] column vector next to the fresh PV accumulator spills (D=128: 209 spill instructions);
         # the mod is evaluated per score instead
@@ -1606,7 +1618,7 @@ def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bu
                      DENSE_MASK=mask_mod is not None and not has_sparse,
                      MASK_AND=mask_mod is not None and mask_and_of(mask_mod),
                      EVEN_N=N % BLOCK_N == 0, KV_AFFINE=bool(kv_affine), FIXED_BASE=fixed_base is not None,
-                     EXP2_EMU=bool(exp2_emu), HAS_SINKS=sinks is not None)
+                     EXP2_EMU=bool(exp2_emu), HAS_SINKS=sinks is not None, WIDE_SCORES=wide)
 
     num_m_tiles = triton.cdiv(M, BLOCK_M)
     num_tiles = B * Hq * num_m_tiles

@@ -64,7 +64,7 @@ Mods (templates/modgen.py, ``gl`` dialect, called as the forward calls them):
 Compile-time parameters (one frozen-dataclass bundle each, read as TILE.BLOCK_M):
   TILE    BwdTile       HEAD_D, NUM_STAGES (BLOCK_M, BLOCK_N, HALF_N, DQ_SPLIT, DQ_N derived)
   SPARSE  BwdSparsity   HAS_BLOCK_MASK, HAS_FULL_BLOCKS, Q_TILES_PER_BLK, SPARSE_KV
-  FLAGS   BwdFlags      GQA_GROUP, FOLD_SCALE, EVEN_N, CONSUMER_REGS, PRODUCER_REGS
+  FLAGS   BwdFlags      GQA_GROUP, FOLD_SCALE, EVEN_N, CONSUMER_REGS, PRODUCER_REGS, WIDE_SCORES
   SCHED   BwdSchedule   DQ_TMA (configs.BwdSm90Config.dq_tma)
 """
 from __future__ import annotations
@@ -136,6 +136,8 @@ class BwdFlags:
     EVEN_N: bool            # N % BLOCK_N == 0: no KV tile crosses N (no exponent clamp, _probabilities)
     CONSUMER_REGS: int      # setmaxnreg of the consumer warpgroups
     PRODUCER_REGS: int      # setmaxnreg of the TMA producer
+    WIDE_SCORES: bool = False   # the score_mod may return huge finite values: the exponent clamp at 0 is on,
+                                # since the contracted FFMA can exceed 0 by half an ulp of LSE (wide_scores.py)
 
 
 @dataclass(frozen=True)
@@ -258,7 +260,7 @@ def _probabilities(qk, lse, z, hq, q_idx, kv_idx, is_partial, sm_scale, qk_scale
         if is_partial:
             s = gl.where(MASK_MOD(z, hq, q_idx, kv_idx, mask_bufs), s, -float("inf"))
     x = s * qk_scale2 - lse[:, None]
-    if not FLAGS.EVEN_N:
+    if not FLAGS.EVEN_N or FLAGS.WIDE_SCORES:
         x = gl.minimum(x, 0.0)
     return gl.exp2(x)
 

@@ -16,6 +16,7 @@ from ..placeholder import placeholder
 from ..generic_bwd.host import SCORE_GRAD_ONE, transpose_block_tables
 from ..modgen import BufferSpec, GeneratedSource, generate_mod_source, kernel_score_mod
 from ..tma import tma_aligned
+from ..wide_scores import wide_scores
 from .bwd_sm90 import (BwdFlags, BwdSchedule, BwdSparsity, BwdTile, bwd_sm90_dq_convert_kernel,
                        bwd_sm90_preprocess_kernel, fa3_bwd_sm90_kernel)
 from .configs import SMEM_LIMIT, SUPPORTED_HEAD_DIMS, BwdSm90Config, get_bwd_config
@@ -255,7 +256,8 @@ def prepare_hopper_backward(
                          Q_TILES_PER_BLK=sparse_q_block // tile.BLOCK_M if has_mask else 1,
                          SPARSE_KV=sparse_kv_block if has_mask else tile.BLOCK_N)
     flags = BwdFlags(GQA_GROUP=HQ // HKV, FOLD_SCALE=fold, EVEN_N=N % tile.BLOCK_N == 0,
-                     CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
+                     CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+                     WIDE_SCORES=wide_scores(score_mod, compiled=True))
     sched = BwdSchedule(DQ_TMA=cfg.dq_tma)
 
     preprocess = (

@@ -9,6 +9,7 @@ import torch
 import triton
 
 from ..modgen import kernel_score_mod
+from ..wide_scores import wide_scores
 from .configs import VarlenConfig, varlen_config
 from .kernel import SiteFlags, Tiling, varlen_fwd_kernel
 
@@ -80,7 +81,8 @@ def prepare_varlen(
         # float32 inputs follow torch's matmul precision setting, as the generic kernel does.
         DOT_PRECISION="tf32" if torch.get_float32_matmul_precision() != "highest" else "ieee",
     )
-    flags = SiteFlags(GQA_GROUP=HQ // HKV, CAUSAL=bool(causal), FOLD_SCALE=fold)
+    flags = SiteFlags(GQA_GROUP=HQ // HKV, CAUSAL=bool(causal), FOLD_SCALE=fold,
+                      WIDE_SCORES=wide_scores(score_mod, compiled=capability is not None))
     B = cu_seqlens_q.shape[0] - 1
     args = (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, tuple(score_bufs), tuple(mask_bufs),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

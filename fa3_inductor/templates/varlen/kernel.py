@@ -46,7 +46,7 @@ With a mask_mod that is not causal every tile is a masked tile.
 Compile-time parameters (the mods, then one named bundle each; frozen dataclasses):
     SCORE_MOD, MASK_MOD  the generated mods (or None)
     TILE    Tiling       BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, DOT_PRECISION
-    FLAGS   SiteFlags    GQA_GROUP, CAUSAL, FOLD_SCALE
+    FLAGS   SiteFlags    GQA_GROUP, CAUSAL, FOLD_SCALE, WIDE_SCORES
 The lengths, B and TQ are `do_not_specialize`: one compile per kind of site, not per pack.
 """
 
@@ -54,6 +54,8 @@ from dataclasses import dataclass
 
 import triton
 import triton.language as tl
+
+from ..wide_scores import log2_units
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,8 @@ class SiteFlags:
     GQA_GROUP: int        # HQ // HKV
     CAUSAL: bool          # MASK_MOD is q_idx >= kv_idx: stop the KV walk at the diagonal
     FOLD_SCALE: bool      # no score_mod, sm_scale > 0: raw q.k, the scale folded into qk_scale2
+    WIDE_SCORES: bool = False  # the score_mod may return huge finite values: exp2's argument from
+                               # the rounded product (wide_scores.py)
 
 
 @triton.jit
@@ -125,7 +129,7 @@ def _kv_tile(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, start_n, of
     # qk_scale2 carries the tile to log2 units inside the max and the exp2 FMA (generic kernel).
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale2)
     m_base = tl.where(m_new == float("-inf"), 0.0, m_new)   # nothing visible yet: any base
-    p = tl.math.exp2(s * qk_scale2 - m_base[:, None])
+    p = tl.math.exp2(log2_units(s, qk_scale2, FLAGS.WIDE_SCORES) - m_base[:, None])
     alpha = tl.math.exp2(m_i - m_base)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_rows(v_base, offs_n, N, stride_vn, TILE.BLOCK_DV, TILE.HEAD_DV, MASKED)
