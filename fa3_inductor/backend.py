@@ -29,6 +29,7 @@ from .recognition.rope_fusion import fuse_rope
 from .recognition.recognize_sdpa import rewrite_sdpa
 from .recognition.rewrite_pays import unless_small
 from ._log import log
+from .mod_fills import saturate_fills
 from .report import RecognizedSite, record_recognized, site_records, site_tag
 from .runtime import cp_state
 
@@ -340,6 +341,8 @@ def recognize(gm: torch.fx.GraphModule, example_inputs: Optional[list] = None,
     sites, extra_inputs = sites + manual_sites, extra_inputs + manual_inputs
     # (every rewriting pass runs above this line: the next one tags the nodes they made)
     tag_rewritten(gm, before, positions, sites)
+    # the new mods' mask fills, inside the range of the dtype flex_attention traces them in
+    saturate_fills(gm, [node for node in flex_nodes(gm) if node.name not in before])
     fused_rope = False
     if fp8:
         fused_rope = _fuse_rope(gm, user_calls + sites, settings)
