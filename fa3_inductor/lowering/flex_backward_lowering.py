@@ -15,7 +15,8 @@ the registry's backward families (templates/registry.py) and either
   spec string, so an FX-cache-served graph rebuilds them in a fresh process; or
 - keeps the site on the last resort, recording why (a derivative or captured-tensor gradient the
   generator cannot write, a dtype or head dim no family takes, option fa3.template='torch'): on
-  CUDA torch's flex backward Triton kernel (it reads our forward's out and log2 LSE), elsewhere
+  CUDA torch's flex backward Triton kernel (it reads our forward's out and log2 LSE; fewer
+  pipeline stages where its config would overflow shared memory: torch_bwd_stages.py), elsewhere
   one extern call to ``torch.ops.fa3_inductor.flex_bwd``, a dense float recompute under autograd
   (runtime/backward_cpu.py; Inductor has no CPU flex backward).
 """
@@ -42,6 +43,7 @@ from ..templates.modgen_torch import generate_torch_mod_source, torch_buffer_spe
 from ..templates.registry import DENSE_BACKWARD, backward_candidates, backward_last_resort
 from .common import active_pass, buffer_specs, lowering_settings, site_shape, torch_kernel_options
 from .site_plan import unserved
+from .torch_bwd_stages import torch_backward_options
 
 _BWD_OP = torch.ops.higher_order.flex_attention_backward
 _original_lowering: Optional[Any] = None
@@ -388,6 +390,9 @@ def _fa3_flex_backward_lowering(*args, **kwargs):
     _record(LoweredBackwardSite("torch", shape, None, f"{why} (torch's flex backward kernel runs it, "
                                 "reading our forward's out and log2 LSE)", family="torch",
                                 site_id=tag, deterministic=deterministic))
+    fitting = torch_backward_options(a, bm)   # fewer stages where its default overflows shared memory
+    if fitting is not None:
+        args, kwargs = tuple(a._replace(kernel_options=fitting)), {}
     return _original_lowering(*args, **kwargs)
 
 
