@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from .fx_ops import arg, example, op_name
+from .fx_ops import arg, call_node, op_name
 
 _HOPS = 6   # ops between the scores and the softmax (views, casts, bias and mask layers)
 
@@ -64,11 +64,7 @@ def canonicalize_baddbmm(gm: torch.fx.GraphModule) -> int:
 
 
 def _node(graph: torch.fx.Graph, target: Any, args: tuple) -> torch.fx.Node:
-    """A call node with its example value (the fake tensors of its inputs, combined)."""
-    node = graph.call_function(target, args)
-    values = [example(a) if isinstance(a, torch.fx.Node) else a for a in args]
-    node.meta["example_value"] = target(*values)
-    return node
+    return call_node(graph, "call_function", target, args)
 
 
 def _feeds_softmax(node: torch.fx.Node) -> bool:

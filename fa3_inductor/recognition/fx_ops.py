@@ -58,12 +58,46 @@ def op_name(node: Any) -> Optional[str]:
     target = node.target
     if target in _OPERATORS:
         return _OPERATORS[target]
+    if target is slice_assigned:
+        return "slice_assigned"
     name = getattr(target, "__name__", None)
     if name is None:
         return None
     if any(getattr(ns, name, None) is target for ns in _NAMESPACES):
         return _ALIASES.get(name, name)
     return None
+
+
+def slice_assigned(x: torch.Tensor, index: Any, value: Any) -> torch.Tensor:
+    """``x`` with ``x[index] = value``, out of place: the form score_writes.py gives a slice
+    assignment into the scores, so that the softmax's input is reached by data edges.
+
+    Example::
+
+        >>> slice_assigned(torch.zeros(2, 3), (slice(None), slice(1, None)), 1.0).tolist()
+        [[0.0, 1.0, 1.0], [0.0, 1.0, 1.0]]
+    """
+    out = x.clone()
+    out[index] = value
+    return out
+
+
+def call_node(graph: torch.fx.Graph, op: str, target: Any, args: tuple,
+              kwargs: Optional[dict] = None) -> torch.fx.Node:
+    """A new ``call_function`` / ``call_method`` node (``op``) with its example value: the op
+    run on its inputs' fake tensors (insert it where its inputs are defined).
+
+    Example::
+
+        >>> call_node(gm.graph, "call_method", "masked_fill", (s, m, -1e9))   # doctest: +SKIP
+    """
+    kwargs = kwargs or {}
+    values, kw = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta.get("example_value"))
+    fn = getattr(values[0], target) if op == "call_method" else target
+    value = fn(*(values[1:] if op == "call_method" else values), **kw)
+    node = graph.create_node(op, target, args, kwargs)
+    node.meta["example_value"] = value
+    return node
 
 
 def arg(node: torch.fx.Node, index: int, name: str, default: Any = None) -> Any:
@@ -139,6 +173,10 @@ _ALIASING = {"view", "reshape", "_unsafe_view", "getitem", "unsqueeze", "squeeze
              "broadcast_to", "mT", "T", "real", "imag", "view_as_real", "view_as_complex"}
 
 
+# Casts that return their input itself when it has the dtype (and device) asked for already.
+_CASTS_TO_SELF = {"to", "type", "type_as", "float", "half", "bfloat16", "double", "long", "int",
+                  "bool"}
+
 _IN_PLACE_OPERATORS = {
     operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
     operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
@@ -165,10 +203,14 @@ def _is_in_place(user: torch.fx.Node, tensor: torch.fx.Node) -> bool:
 
 
 def _aliases(node: torch.fx.Node, user: torch.fx.Node) -> bool:
-    """``user`` is ``node``'s tensor or a view of it (an aliasing op or an in-place op on it)."""
+    """``user`` is ``node``'s tensor or a view of it (an aliasing op, an in-place op on it, or
+    a cast to the dtype and device it has: ``x.float()`` of a float32 x is x)."""
     if not user.args or user.args[0] is not node:
         return False
     name = op_name(user)
+    if name in _CASTS_TO_SELF:
+        a, b = example(node), example(user)
+        return a is None or b is None or (a.dtype == b.dtype and a.device == b.device)
     return name in _ALIASING or (name == "getattr" and user.args[1] in ("mT", "T")) or \
         _is_in_place(user, node)
 
@@ -189,18 +231,31 @@ def alias_writes(node: torch.fx.Node) -> list[torch.fx.Node]:
             base = src
             continue
         break
-    writes, stack, seen = [], [base], set()
+    return alias_closure(base)[1]
+
+
+def alias_closure(base: torch.fx.Node) -> tuple[set[torch.fx.Node], list[torch.fx.Node]]:
+    """The nodes aliasing ``base``'s tensor from ``base`` on (its views and in-place results,
+    ``base`` included) and the in-place ops that write into them.
+
+    Example::
+
+        >>> aliases, writes = alias_closure(attn_node)   # attn[:, :, 1:] = x  # doctest: +SKIP
+        >>> [w.target for w in writes]                                       # doctest: +SKIP
+        [<built-in function setitem>]
+    """
+    aliases, writes, stack = set(), [], [base]
     while stack:
         n = stack.pop()
-        if n in seen:
+        if n in aliases:
             continue
-        seen.add(n)
+        aliases.add(n)
         for user in n.users:
             if _is_in_place(user, n):
                 writes.append(user)
             if _aliases(n, user):
                 stack.append(user)
-    return writes
+    return aliases, writes
 
 
 def graph_positions(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:

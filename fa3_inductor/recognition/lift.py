@@ -137,6 +137,91 @@ def lead_remap(out_lead: tuple[int, ...], in_lead: tuple[int, ...]) -> Callable[
     return mapping
 
 
+def reshape_remap(out_shape: tuple[int, ...], in_shape: tuple[int, ...]
+                  ) -> Optional[Callable[[list], list]]:
+    """Indices of a reshape to ``out_shape`` -> indices of its source (``in_shape``): the dims
+    are matched in groups of equal size (a merge or a split) and each group's flat C-order
+    index unravelled again (:func:`lead_remap`), so no index grows past one group's size.
+    None if the sizes do not match.
+
+    Example::
+
+        >>> reshape_remap((2, 4, 4), (2, 16))([1, 2, 3])
+        [1, 11]
+    """
+    groups, i, j = [], 0, 0
+    try:
+        while i < len(out_shape) or j < len(in_shape):
+            i0, j0, n_out, n_in = i, j, 1, 1
+            if i < len(out_shape):
+                n_out, i = out_shape[i], i + 1
+            if j < len(in_shape):
+                n_in, j = in_shape[j], j + 1
+            while n_out != n_in:
+                if n_out < n_in:
+                    n_out, i = n_out * out_shape[i], i + 1
+                else:
+                    n_in, j = n_in * in_shape[j], j + 1
+            groups.append((i0, i, lead_remap(out_shape[i0:i], in_shape[j0:j])))
+    except IndexError:
+        return None
+
+    def mapping(idx: list) -> list:
+        return [v for i0, i1, remap in groups for v in remap(idx[i0:i1])]
+    return mapping
+
+
+def _index_plan(index: Any, src_shape: Sequence[int]) -> Optional[tuple[list, tuple]]:
+    """``src[index]`` for a basic index (ints, slices, None, one Ellipsis) as one entry per
+    source dim, ``("const", i)`` or ``("out", out_dim, start, stop, step)``, and the shape it
+    selects; None for any other index (tensors, nodes).
+
+    Example::
+
+        >>> _index_plan((slice(None), None, 2), (3, 4))
+        ([('out', 0, 0, 3, 1), ('const', 2)], (3, 1))
+    """
+    index = index if isinstance(index, tuple) else (index,)
+    if any(isinstance(i, torch.fx.Node) for i in index) or sum(i is Ellipsis for i in index) > 1:
+        return None
+    used = sum(1 for i in index if i is not None and i is not Ellipsis)
+    expanded: list = []
+    for i in index:
+        expanded.extend([slice(None)] * (len(src_shape) - used) if i is Ellipsis else [i])
+    expanded.extend([slice(None)] * (len(src_shape) - sum(1 for i in expanded if i is not None)))
+    plan: list[tuple] = []
+    out: list[int] = []
+    src_dim = 0
+    for i in expanded:
+        if i is None:
+            out.append(1)
+            continue
+        if src_dim >= len(src_shape):
+            return None
+        size = src_shape[src_dim]
+        if isinstance(i, int) and not isinstance(i, bool):
+            plan.append(("const", i % size))
+        elif isinstance(i, slice) and all(v is None or isinstance(v, int)
+                                          for v in (i.start, i.stop, i.step)):
+            start, stop, step = i.indices(size)
+            plan.append(("out", len(out), start, stop, step))
+            out.append(len(range(start, stop, step)))
+        else:
+            return None
+        src_dim += 1
+    return plan, tuple(out)
+
+
+def _slice_source(v: Any, start: int, step: int) -> Any:
+    """The source index of index ``v`` of a slice ``[start::step]``."""
+    v = v * step if step != 1 else v
+    return v + start if start else v
+
+
+def _and(a: Any, b: Any) -> Any:
+    return b if a is True else a & b
+
+
 def _broadcast(shapes: Sequence[Sequence[int]]) -> tuple[int, ...]:
     return tuple(torch.broadcast_shapes(*[torch.Size(s) for s in shapes]))
 
@@ -156,6 +241,11 @@ _MATH = {"tanh": math.tanh, "exp": math.exp, "log": math.log, "abs": abs, "sqrt"
 _CASTS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16,
           "double": torch.float64, "long": torch.int64, "int": torch.int32, "bool": torch.bool}
 _IDENTITY = {"contiguous", "clone", "detach", "positive"}
+# Ops a slice assignment's value may apply to the scores (_reads_region_in_place): elementwise,
+# casts, reshapes.
+_REGION_OPS = set(_BINARY) | set(_MATH) | set(_CASTS) | {
+    "where", "masked_fill", "minimum", "maximum", "clamp", "to", "type_as", "type",
+    "contiguous", "clone", "view", "reshape", "_unsafe_view"}
 _FILLS = {"ones": 1, "zeros": 0, "ones_like": 1, "zeros_like": 0, "new_ones": 1,
           "new_zeros": 0}
 
@@ -193,24 +283,28 @@ class Lifter:
         self._readers: list[torch.fx.Node] = []   # the node whose operands are being lifted
         self._positions: Optional[dict[torch.fx.Node, int]] = None
         self._writes: dict[torch.fx.Node, list[int]] = {}
+        self._in_region = 0   # lifting the value of a slice assignment (_op_slice_assigned)
 
     # -- dependence on the score ---------------------------------------------------------
     def depends_on_score(self, node: Any) -> bool:
         """Whether ``node`` is computed from the score node."""
         if not isinstance(node, torch.fx.Node):
             return False
-        stack, order = [node], []
-        while stack:  # iterative: score chains and their index graphs can be deep
-            n = stack.pop()
-            if n in self._depends or n is self.score_node:
+        # Iterative (score chains and their index graphs can be deep) and each node once (a
+        # value computed from the whole network, MViTv2's q-dependent bias, reaches it through
+        # every residual path): inputs are finished before the node that reads them.
+        stack, seen = [(node, False)], set()
+        while stack:
+            n, inputs_done = stack.pop()
+            if inputs_done:
+                self._depends[n] = any(a is self.score_node or self._depends.get(a, False)
+                                       for a in n.all_input_nodes)
                 continue
-            order.append(n)
-            stack.extend(a for a in n.all_input_nodes if a not in self._depends)
-        for n in reversed(order):
-            if n not in self._depends:
-                self._depends[n] = n is self.score_node or any(
-                    a is self.score_node or self._depends.get(a, False)
-                    for a in n.all_input_nodes)
+            if n in seen or n in self._depends or n is self.score_node:
+                continue
+            seen.add(n)
+            stack.append((n, True))
+            stack.extend((a, False) for a in n.all_input_nodes)
         return node is self.score_node or self._depends[node]
 
     # -- lifting ---------------------------------------------------------------------------
@@ -499,6 +593,12 @@ class Lifter:
                 # <-> [B, H, M, N]): the same elements, indexed in C order.
                 return self._view_of(node, node.args[0],
                                      lead_remap(tuple(shape[:-2]), tuple(src_shape[:-2])))
+            if self._in_region and self.depends_on_score(node.args[0]):
+                # MViTv2's (attn[..].view(B, H, qh, qw, kh, kw) + bias).view(B, H, M', N'):
+                # reshapes back and forth inside a slice assignment's value, proven to read
+                # the scores in place (_reads_region_in_place).
+                remap = reshape_remap(tuple(shape), tuple(src_shape))
+                return None if remap is None else self._view_of(node, node.args[0], remap)
             return None  # a real reshape (merging or splitting sizes): captured as a buffer
         big = [d for d, s in enumerate(shape) if s != 1]
         src_big = [d for d, s in enumerate(src_shape) if s != 1]
@@ -579,46 +679,97 @@ class Lifter:
         src_shape = static_shape(src)
         if index and all(isinstance(i, torch.fx.Node) for i in index):
             return self._gather_many(node, src, list(index))
-        if any(isinstance(i, torch.fx.Node) for i in index):
+        plan = _index_plan(index, src_shape)
+        if plan is None:
             return None
-        n_ellipsis = sum(i is Ellipsis for i in index)
-        used = sum(1 for i in index if i is not None and i is not Ellipsis)
-        if n_ellipsis > 1:
-            return None
-        expanded: list = []
-        for i in index:
-            expanded.extend([slice(None)] * (len(src_shape) - used) if i is Ellipsis else [i])
-        expanded.extend([slice(None)] * (len(src_shape) - sum(
-            1 for i in expanded if i is not None)))
-        plan: list[tuple[str, Any]] = []   # per source dim: ("out", out_pos, start, step) ...
-        out_pos, src_dim = 0, 0
-        for i in expanded:
-            if i is None:
-                out_pos += 1
-                continue
-            size = src_shape[src_dim]
-            if isinstance(i, int):
-                plan.append(("const", i % size))
-            elif isinstance(i, slice):
-                start, _, step = i.indices(size)
-                plan.append(("out", out_pos, start, step))
-                out_pos += 1
-            else:
-                return None
-            src_dim += 1
 
         def mapping(idx):
-            out = []
-            for p in plan:
-                if p[0] == "const":
-                    out.append(p[1])
-                else:
-                    _, pos, start, step = p
-                    v = idx[pos]
-                    v = v * step if step != 1 else v
-                    out.append(v + start if start else v)
-            return out
+            return [p[1] if p[0] == "const" else _slice_source(idx[p[1]], p[2], p[4])
+                    for p in plan[0]]
         return self._view_of(node, src, mapping)
+
+    def _op_slice_assigned(self, node, shape):
+        """``x[index] = value`` out of place (score_writes.py): ``value`` inside the region the
+        index selects, read at the region's own indices (clamped into it, so that the unused
+        branch reads in bounds), ``x`` outside. ``value`` computed from the scores must read
+        them as ``y[index]`` (the same index) through elementwise ops and reshapes only: then
+        region index r reads y where the region's r sits, the output's own position."""
+        x, index, value = node.args
+        planned = _index_plan(index, shape)
+        if planned is None or any(p[0] == "out" and p[4] < 1 for p in planned[0]):
+            return None
+        plan, region = planned
+        if 0 in region:
+            return self._identity(node, shape)   # assigns nothing
+        value_shape = static_shape(value) if isinstance(value, torch.fx.Node) else ()
+        if value_shape is None or len(value_shape) > len(region):
+            return None
+        if self.depends_on_score(value) and not self._reads_region_in_place(value, planned,
+                                                                           tuple(shape)):
+            raise NotLiftable(f"{node.name} assigns a value computed from the scores other "
+                              "than elementwise (or through reshapes) from the same slice of "
+                              "them")
+        base = self.lift(x)
+        self._in_region += 1   # (reshapes of the scores: see _op_reshape)
+        try:
+            val = self.lift(value)
+        finally:
+            self._in_region -= 1
+        val_shape, dtype = val.shape, example(node).dtype
+        # The assignment casts the value to x's dtype; floats stay (the kernel's float32 score
+        # is at least as precise), integers and bools are cast as the model casts them.
+        exact = dtype.is_floating_point and (val.dtype is None or val.dtype.is_floating_point)
+
+        def fn(env, idx):
+            inside, ridx = True, [0] * len(region)
+            for p, i, size in zip(plan, idx, shape):
+                if p[0] == "const":
+                    inside = _and(inside, i == p[1])
+                    continue
+                _, pos, start, stop, step = p
+                if start > 0:
+                    inside = _and(inside, i >= start)
+                if stop < size:
+                    inside = _and(inside, i < stop)
+                r = i - start if start else i
+                if step != 1:
+                    inside = _and(inside, r % step == 0)
+                    r = r // step
+                if start > 0:
+                    r = where(r < 0, 0, r)
+                if (size - 1 - start) // step > region[pos] - 1:
+                    r = where(r > region[pos] - 1, region[pos] - 1, r)
+                ridx[pos] = r
+            v = val.fn(env, _align(ridx, val_shape))
+            return where(inside, v if exact or val.dtype == dtype else cast(v, dtype),
+                         base.fn(env, idx))
+        return Lifted(shape, fn, base.uses_score or val.uses_score,
+                      base.uses_buffers or val.uses_buffers, dtype)
+
+    def _reads_region_in_place(self, value: torch.fx.Node, planned: tuple,
+                               shape_of_x: tuple[int, ...]) -> bool:
+        """Every path from ``value`` to the scores is elementwise ops and reshapes of the
+        region's size down to ``y[index]``, y of x's shape and the index the slice assignment's
+        own (``planned``):
+        reshapes keep an element's flat position, and ops whose score operands all have the
+        region's size broadcast none of them, so value's element r is computed from y's
+        element at r's place in the region."""
+        size, stack, seen = math.prod(planned[1]), [value], set()
+        while stack:
+            n = stack.pop()
+            if n in seen or not self.depends_on_score(n):
+                continue
+            seen.add(n)
+            shape, name = static_shape(n), op_name(n)
+            if shape is None or math.prod(shape) != size:
+                return False
+            if name == "getitem" and static_shape(n.args[0]) == shape_of_x and \
+                    _index_plan(n.args[1], shape_of_x) == planned:
+                continue
+            if name not in _REGION_OPS:
+                return False
+            stack.extend(n.all_input_nodes)
+        return True
 
     def _gather(self, node, table: torch.fx.Node, index: torch.fx.Node) -> Optional[Lifted]:
         """``table[index]`` along dim 0 with an index tensor computed from positions."""

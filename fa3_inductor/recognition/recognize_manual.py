@@ -9,8 +9,10 @@ How a site is found, and why not with fixed patterns. The anchor is ``softmax(S,
 (any spelling, optional ``dtype=``; a softmax written out as ``exp(S - max) / sum`` is first
 turned into one by spelled_softmax.py), then casts and eval-mode / p=0 dropout, then a matmul with
 V (``@``, ``matmul``, ``bmm``, ``einsum``). Scores by ``baddbmm`` are first spelled out as bmm,
-scale and bias (baddbmm.py). ``S`` is an arbitrary elementwise expression of one
-``q @ kᵀ`` product and of tensors built from positions, constants, tables and inputs. Written as
+scale and bias (baddbmm.py); scores written in place (MViTv2's slice assignment, Flaubert's
+``masked_fill_``) are turned out of place where that is exact (score_writes.py). ``S`` is an
+arbitrary elementwise expression of one ``q @ kᵀ`` product and of tensors built from positions,
+constants, tables and inputs. Written as
 ``torch._inductor.pattern_matcher`` patterns, every spelling of every stage multiplies (matmul
 forms × K transposes × scale forms × softcap arrangements × bias/mask forms × mask fills × softmax
 spellings × casts × dropout × GQA forms): thousands of patterns that would still miss the next
@@ -69,6 +71,7 @@ from ..report import RecognizedSite
 from .sinks import match_sinks
 from .spelled_softmax import canonicalize_spelled_softmax
 from .baddbmm import canonicalize_baddbmm
+from .score_writes import KEPT, functionalize_score_writes
 
 FRONT_DOOR = "matmul-softmax"
 _CASTS = {"to", "type_as", "float", "half", "bfloat16", "double", "contiguous", "type"}
@@ -96,6 +99,7 @@ def rewrite_manual(gm: torch.fx.GraphModule,
     extra_inputs: list[torch.Tensor] = []
     canonicalize_spelled_softmax(gm)
     canonicalize_baddbmm(gm)   # scores by baddbmm (diffusers, BLOOM): bmm, scale, bias
+    functionalize_score_writes(gm)   # scores written in place (MViTv2, Flaubert): out of place
     for node in list(gm.graph.nodes):
         if op_name(node) not in _PV_OPS or not _follows_softmax(node):
             continue
@@ -217,19 +221,22 @@ class ManualSite(AttentionSite):
         self._check_shapes(served)
 
     def _refuse_scores_written_in_place(self) -> None:
-        """timm's MViTv2 adds its relative-position bias by writing into the scores
-        (``attn[:, :, sp:, sp:] = attn[:, :, sp:, sp:] + bias``): the softmax reads the product's
-        node, and the write is a node that no data edge from it passes through, so a rewrite made
-        from the data edges would drop it. A write into a node between the q·kᵀ product and the
-        softmax, before the softmax and not itself on that path (``x = x.masked_fill_(..)`` is),
-        leaves the site as written."""
+        """A write into the scores that score_writes.py did not turn out of place (MViTv2's
+        ``attn[:, :, sp:, sp:] = ..`` and Flaubert's ``scores.masked_fill_(..)`` it does): the
+        softmax reads the product's node, and the write is a node that no data edge from it
+        passes through, so a rewrite made from the data edges would drop it. A write into a
+        node between the q·kᵀ product and the softmax, before the softmax and not itself on that
+        path (``x = x.masked_fill_(..)`` is), leaves the site as written."""
         pos = graph_positions(self.gm.graph)
         path = _path_between(self.core, self.scores)
         for node in path:
             for write in alias_writes(node):
                 if write not in path and pos[node] < pos[write] < pos[self.softmax]:
+                    why = write.meta.get(KEPT)
                     raise Refused(f"the scores ({node.name}) are written in place by {write.name} "
-                                  "before the softmax; fa3 rewrites only from the data edges, "
+                                  "before the softmax"
+                                  + (f", a write fa3 cannot turn out of place ({why})" if why
+                                     else "") + "; fa3 rewrites only from the data edges, "
                                   "which skip that write")
 
     def _drop_upcasts(self) -> None:
@@ -266,7 +273,7 @@ class ManualSite(AttentionSite):
     _ELEMENTWISE_PATH = {"add", "sub", "mul", "div", "neg", "tanh", "where", "masked_fill",
                          "to", "type_as", "float", "half", "bfloat16", "contiguous", "clamp",
                          "minimum", "maximum", "exp", "log", "abs", "sigmoid", "type",
-                         "nan_to_num", "pow", "sqrt", "rsqrt", "softcap"}
+                         "nan_to_num", "pow", "sqrt", "rsqrt", "softcap", "slice_assigned"}
 
     def _peel_probs(self, probs: Any) -> torch.fx.Node:
         n = probs
