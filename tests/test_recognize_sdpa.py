@@ -38,6 +38,18 @@ def test_sdpa_is_served_by_our_kernel(is_causal, scale, gqa):
     assert_matches_reference(out, ref, torch.float16)
 
 
+def test_one_kv_head_broadcasts_without_enable_gqa():
+    """SDPA broadcasts a single kv head over the query heads (Gemma 3n's vision attention); two kv
+    heads against four query heads without enable_gqa is an error in SDPA and stays as written."""
+    q, k, v = _qkv(hkv=1)
+    with torch.no_grad():
+        out = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                            backend="fa3")(q, k, v)
+    assert [s["template"] for s in fa3_inductor.lowered_sites()] == ["generic"]
+    ref, _ = reference_attention(q, k, v, None, lambda b, h, qi, ki: qi >= ki)
+    assert_matches_reference(out, ref, torch.float16)
+
+
 def test_cross_attention_lengths():
     q, k, v = _qkv(m=40, n=130)
     with torch.no_grad():

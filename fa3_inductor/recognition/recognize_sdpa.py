@@ -78,7 +78,9 @@ def _why_not(args: dict[str, Any], served: Callable[[torch.Tensor, torch.Tensor]
     if d != dk or bq != bk or (bk, hk, nk) != (bv, hv, nv):
         return (f"shapes q{shapes[0]} k{shapes[1]} v{shapes[2]} differ in batch, kv heads, kv "
                 "length or q/k head dim")
-    if hq != hk and (not args["enable_gqa"] or hq % hk):
+    # One kv head broadcasts over the query heads as SDPA broadcasts any size-1 batch dim (Gemma 3n's
+    # vision attention): flex's GQA with a single group computes exactly that
+    if hq != hk and hk != 1 and (not args["enable_gqa"] or hq % hk):
         return f"{hq} query heads vs {hk} kv heads without enable_gqa"
     if mask is None and keep_plain:
         kept = sdpa_keeps_plain_call(q.device, shapes[0], shapes[1][2], args["is_causal"],
