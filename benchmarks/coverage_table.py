@@ -464,6 +464,10 @@ def _better(new: dict, old: Optional[dict]) -> bool:
     return old is None or not new.get("unfinished") or old.get("unfinished", False)
 
 
+# What a run's environment was: a resumed file's values are not the new rows'
+_RUN_FIELDS = ("commit", "torch", "triton", "transformers", "timm", "diffusers", "python")
+
+
 def merge(files: list[Path], claimed: Optional[list[tuple[str, str]]] = None
           ) -> tuple[dict, list[dict], list[dict]]:
     """Combine shard files (and a resumed run's merged file, given first): a later file's row
@@ -472,17 +476,22 @@ def merge(files: list[Path], claimed: Optional[list[tuple[str, str]]] = None
     ``claimed``: (source, family) pairs a process started (benchmarks/coverage.py --claim-dir)
     that have no row: their process died or hung on them.
 
-    Returns the meta of the first file (with the union's counts), the rows sorted by source and
-    family, and the timing rows in TIMED_FAMILIES order of appearance.
+    Returns the meta of the first file (with the union's counts; the commit and package versions
+    name every distinct value, the newest first, since a resumed file's are not this run's), the
+    rows sorted by source and family, and the timing rows in TIMED_FAMILIES order of appearance.
     """
     rows: dict[tuple[str, str], dict] = {}
     timing: dict[str, dict] = {}
     enumerated: list[tuple[str, str]] = []
     meta: dict = {}
+    seen: dict[str, list] = {k: [] for k in _RUN_FIELDS}
     for f in files:
         data = json.loads(Path(f).read_text())
         if not meta:
             meta = {k: v for k, v in data.items() if k not in ("rows", "timing", "summary")}
+        for k in _RUN_FIELDS:
+            if k in data and data[k] not in seen[k]:
+                seen[k].append(data[k])
         for src, name in data.get("enumerated", []):
             if (src, name) not in enumerated:
                 enumerated.append((src, name))
@@ -503,6 +512,9 @@ def merge(files: list[Path], claimed: Optional[list[tuple[str, str]]] = None
             r["excluded"] = f"{NOT_REACHED}: {r['excluded']}"
         if key not in enumerated:
             enumerated.append(key)
+    for k, values in seen.items():
+        if len(values) > 1:
+            meta[k] = f"{values[-1]} (rows run last); earlier: {', '.join(map(str, values[:-1]))}"
     meta["enumerated"] = [list(k) for k in enumerated]
     meta["enumerated_count"] = len(enumerated)
     meta["not_reached"] = [list(k) for k in enumerated if k not in rows]

@@ -87,6 +87,19 @@ def test_merge_later_rows_win_and_unfinished_never_replace(tmp_path: Path):
     assert "Geometric mean of inductor ÷ fa3 over 1 families: 2.00" in text
 
 
+def test_merge_names_the_newest_run_environment_first(tmp_path: Path):
+    """A resumed file comes first, but its commit and versions are not those of the rows run last."""
+    files = []
+    for i, (commit, diffusers) in enumerate((("e1928da", None), ("b8e927d", "0.42.1"), ("b8e927d", "0.42.1"))):
+        files.append(tmp_path / f"{i}.json")
+        files[-1].write_text(json.dumps(dict(META, commit=commit, diffusers=diffusers, enumerated=[],
+                                             rows=[_row(f"f{i}")])))
+    meta, _, _ = table.merge(files)
+    assert meta["commit"] == "b8e927d (rows run last); earlier: e1928da"
+    assert meta["diffusers"] == "0.42.1 (rows run last); earlier: None"
+    assert meta["torch"] == "-"   # one value: kept as it is
+
+
 def test_settled_rows_are_skipped_on_resume():
     assert table.settled(_row("a"))
     assert table.settled(dict(family="x", source="t", excluded="main input 'states': ..."))
