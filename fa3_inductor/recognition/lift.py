@@ -241,13 +241,24 @@ _MATH = {"tanh": math.tanh, "exp": math.exp, "log": math.log, "abs": abs, "sqrt"
 _CASTS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16,
           "double": torch.float64, "long": torch.int64, "int": torch.int32, "bool": torch.bool}
 _IDENTITY = {"contiguous", "clone", "detach", "positive"}
-# Ops a slice assignment's value may apply to the scores (_reads_region_in_place): elementwise,
+# Ops a slice assignment's value may apply to the scores (_region_sources): elementwise,
 # casts, reshapes.
 _REGION_OPS = set(_BINARY) | set(_MATH) | set(_CASTS) | {
     "where", "masked_fill", "minimum", "maximum", "clamp", "to", "type_as", "type",
     "contiguous", "clone", "view", "reshape", "_unsafe_view"}
 _FILLS = {"ones": 1, "zeros": 0, "ones_like": 1, "zeros_like": 0, "new_ones": 1,
           "new_zeros": 0}
+
+
+# Views the lifter reads through an index map (_view_of): each must keep the scores' indices.
+_INDEX_VIEWS = {"getitem", "expand", "expand_as", "broadcast_to", "permute", "transpose",
+                "getattr", "reshape", "view", "_unsafe_view", "squeeze", "unsqueeze"}
+
+
+def _moves(node: torch.fx.Node, name: Optional[str], how: str = "") -> str:
+    return (f"the scores are read through {node.name} ({name or node.target}), which moves "
+            f"their indices{': ' + how if how else ''}; not a per-element function of the "
+            "score")
 
 
 def _unary(name: str) -> Callable[[Any], Any]:
@@ -284,6 +295,7 @@ class Lifter:
         self._positions: Optional[dict[torch.fx.Node, int]] = None
         self._writes: dict[torch.fx.Node, list[int]] = {}
         self._in_region = 0   # lifting the value of a slice assignment (_op_slice_assigned)
+        self._in_place: set[torch.fx.Node] = set()   # checked by _check_reads_in_place
 
     # -- dependence on the score ---------------------------------------------------------
     def depends_on_score(self, node: Any) -> bool:
@@ -317,10 +329,96 @@ class Lifter:
         if x in self._memo:
             return self._memo[x]
         if x is not self.score_node and self._writes_after(x):
-            return self._lift_written(x)   # its value depends on where it is read: no memo
-        lifted = self._lift_node(x)
-        self._memo[x] = lifted
+            lifted = self._lift_written(x)   # its value depends on where it is read: no memo
+        else:
+            lifted = self._lift_node(x)
+            self._memo[x] = lifted
+        if not self._readers and lifted.uses_score:
+            self._check_reads_in_place(x)   # the expression's root: is it in the score's place?
         return lifted
+
+    # -- where the scores are read -----------------------------------------------------------
+    def _check_reads_in_place(self, root: torch.fx.Node) -> None:
+        """Every read of the scores under ``root`` must be of the element the mods are called
+        for: the lifted functions stand the kernel's ``score`` at (b, h, q_idx, kv_idx) in for
+        whatever element of the score node an index map reaches (``s.transpose(-1, -2)`` would
+        read score[kv, q], ``s[..., :1]`` score[.., 0], yet both would be lifted as ``score``).
+        So every node computed from the scores must keep each element's flat (C-order) position
+        relative to them: elementwise ops none of whose score-dependent operands is broadcast,
+        casts and reshapes (the element count kept: lead views of [B*H, M, N] <-> [B, H, M, N]
+        and size-1 dims), and views that neither drop nor reorder elements (a full slice, an
+        expand or permute that only moves size-1 dims). A slice assignment's value was proven
+        to read ``y[index]`` in place (_region_sources); y must then be read in place itself.
+        Raises NotLiftable naming the first node that moves the indices."""
+        stack = [root]
+        while stack:
+            n = stack.pop()
+            if not isinstance(n, torch.fx.Node) or n is self.score_node or \
+                    n in self._in_place or not self.depends_on_score(n):
+                continue
+            self._in_place.add(n)
+            shape, name = static_shape(n), op_name(n)
+            if shape is None:
+                continue   # (the lifter refused it already)
+            if name == "slice_assigned":
+                x, index, value = n.args
+                stack.append(x)
+                if self.depends_on_score(value):
+                    planned = _index_plan(index, shape)
+                    ys = None if planned is None else self._region_sources(value, planned,
+                                                                           tuple(shape))
+                    if ys is None:
+                        raise NotLiftable(_moves(n, name, "its value reads the scores other "
+                                                 "than at the slice it is assigned to"))
+                    stack.extend(ys)
+                continue
+            size = math.prod(shape)
+            if name in _INDEX_VIEWS:
+                src = n.args[0]
+                if not self.depends_on_score(src):
+                    stack.extend(n.all_input_nodes)
+                    continue
+                src_shape = static_shape(src)
+                if src_shape is None or math.prod(src_shape) != size or \
+                        not self._keeps_order(n, name, src_shape):
+                    raise NotLiftable(_moves(n, name))
+                stack.extend(n.all_input_nodes)
+                continue
+            for a in n.all_input_nodes:
+                if self.depends_on_score(a):
+                    a_shape = static_shape(a)
+                    if a_shape is not None and math.prod(a_shape) != size:
+                        raise NotLiftable(_moves(n, name, f"it broadcasts {a.name} "
+                                                 f"{list(a_shape)} to {list(shape)}"))
+                    stack.append(a)
+
+    def _keeps_order(self, node: torch.fx.Node, name: str, src_shape) -> bool:
+        """A view of as many elements as its source keeps each one's flat position: reshapes
+        always, basic slices and expands then select/repeat nothing, permutes must keep the
+        order of the dims of size > 1."""
+        if name == "getitem":
+            index = node.args[1]
+            if isinstance(index, torch.fx.Node) or (isinstance(index, tuple) and any(
+                    isinstance(i, torch.fx.Node) for i in index)):
+                return False
+            return _index_plan(index, src_shape) is not None
+        if name in ("permute", "transpose", "getattr"):
+            rank = len(src_shape)
+            if name == "getattr":
+                if node.args[1] != "mT":
+                    return False
+                order = list(range(rank - 2)) + [rank - 1, rank - 2]
+            elif name == "transpose":
+                a, b = (d % rank for d in (arg(node, 1, "dim0"), arg(node, 2, "dim1")))
+                order = list(range(rank))
+                order[a], order[b] = order[b], order[a]
+            else:
+                dims = node.args[1:] if len(node.args) > 2 or isinstance(
+                    arg(node, 1, "dims"), int) else arg(node, 1, "dims")
+                order = [d % rank for d in dims]
+            big = [d for d in order if src_shape[d] != 1]
+            return big == sorted(big)
+        return True   # reshape/view/squeeze/unsqueeze/expand with the element count kept
 
     # -- tensors written in place ------------------------------------------------------------
     def _position(self, node: torch.fx.Node) -> int:
@@ -596,7 +694,7 @@ class Lifter:
             if self._in_region and self.depends_on_score(node.args[0]):
                 # MViTv2's (attn[..].view(B, H, qh, qw, kh, kw) + bias).view(B, H, M', N'):
                 # reshapes back and forth inside a slice assignment's value, proven to read
-                # the scores in place (_reads_region_in_place).
+                # the scores in place (_region_sources).
                 remap = reshape_remap(tuple(shape), tuple(src_shape))
                 return None if remap is None else self._view_of(node, node.args[0], remap)
             return None  # a real reshape (merging or splitting sizes): captured as a buffer
@@ -704,8 +802,8 @@ class Lifter:
         value_shape = static_shape(value) if isinstance(value, torch.fx.Node) else ()
         if value_shape is None or len(value_shape) > len(region):
             return None
-        if self.depends_on_score(value) and not self._reads_region_in_place(value, planned,
-                                                                           tuple(shape)):
+        if self.depends_on_score(value) and self._region_sources(value, planned,
+                                                                 tuple(shape)) is None:
             raise NotLiftable(f"{node.name} assigns a value computed from the scores other "
                               "than elementwise (or through reshapes) from the same slice of "
                               "them")
@@ -746,15 +844,16 @@ class Lifter:
         return Lifted(shape, fn, base.uses_score or val.uses_score,
                       base.uses_buffers or val.uses_buffers, dtype)
 
-    def _reads_region_in_place(self, value: torch.fx.Node, planned: tuple,
-                               shape_of_x: tuple[int, ...]) -> bool:
-        """Every path from ``value`` to the scores is elementwise ops and reshapes of the
-        region's size down to ``y[index]``, y of x's shape and the index the slice assignment's
-        own (``planned``):
-        reshapes keep an element's flat position, and ops whose score operands all have the
+    def _region_sources(self, value: torch.fx.Node, planned: tuple,
+                        shape_of_x: tuple[int, ...]) -> Optional[list[torch.fx.Node]]:
+        """The tensors y that ``value`` reads as ``y[index]`` when every path from ``value`` to
+        the scores is elementwise ops and reshapes of the region's size down to ``y[index]``, y
+        of x's shape and the index the slice assignment's own (``planned``); else None.
+        Reshapes keep an element's flat position, and ops whose score operands all have the
         region's size broadcast none of them, so value's element r is computed from y's
-        element at r's place in the region."""
-        size, stack, seen = math.prod(planned[1]), [value], set()
+        element at r's place in the region (y itself must read the scores in place:
+        _check_reads_in_place)."""
+        size, stack, seen, sources = math.prod(planned[1]), [value], set(), []
         while stack:
             n = stack.pop()
             if n in seen or not self.depends_on_score(n):
@@ -762,14 +861,15 @@ class Lifter:
             seen.add(n)
             shape, name = static_shape(n), op_name(n)
             if shape is None or math.prod(shape) != size:
-                return False
+                return None
             if name == "getitem" and static_shape(n.args[0]) == shape_of_x and \
                     _index_plan(n.args[1], shape_of_x) == planned:
+                sources.append(n.args[0])
                 continue
             if name not in _REGION_OPS:
-                return False
+                return None
             stack.extend(n.all_input_nodes)
-        return True
+        return sources
 
     def _gather(self, node, table: torch.fx.Node, index: torch.fx.Node) -> Optional[Lifted]:
         """``table[index]`` along dim 0 with an index tensor computed from positions."""
