@@ -67,6 +67,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "maskformer-swin": dict(embed_dim=32, depths=[1, 1], num_heads=[2, 4], window_size=4, patch_size=2),
     # XLM's width is emb_dim (2048, 16 heads): left at 2048 beside 4 heads, the head dim is 512
     "flaubert": dict(emb_dim=HIDDEN),
+    "xlm": dict(emb_dim=HIDDEN),
 }
 
 # The realistic (timing) configs are the config classes' defaults with 2 layers, except where the
