@@ -478,12 +478,13 @@ class _Emitter:
                         + index_params + ["bufs"])
         deco = "@triton.jit" if self.dialect == "tl" else "@gluon.jit"
         body = "\n".join(f"    {line}" for line in self.prologue + self.lines + [f"return {ret}"])
+        bounds = _value_range(result)
         self.info = ModInfo(
             out_scale=float(out_scale) if fold else 1.0,
-            out_range=_value_range(result) if fold else None,
+            out_range=bounds if fold else None,
             sm_scaled=bool(fold and self.additive), kv_affine=bool(fold and self.kv_affine),
             sfu_ops=self.sfu_ops if fold else 0, gathers=self.gathers,
-            wide=(self.kind == "score" and _value_range(result) is None
+            wide=(self.kind == "score" and bounds is None
                   and (self.float_gathers or _has_wide_literal(body))),
             mask_and=(self.kind == "mask" and isinstance(result, torch.fx.Node)
                       and result.op == "call_function"
