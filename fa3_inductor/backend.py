@@ -29,7 +29,7 @@ from .recognition.rope_fusion import fuse_rope
 from .recognition.recognize_sdpa import rewrite_sdpa
 from .recognition.rewrite_pays import unless_small
 from ._log import log
-from .mod_fills import saturate_fills
+from .recognition.mod_fills import saturate_fills
 from .report import RecognizedSite, record_recognized, site_records, site_tag
 from .runtime import cp_state
 

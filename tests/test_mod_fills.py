@@ -1,4 +1,4 @@
-"""Mask fills beyond the query dtype's range (issue 21: GPT-Neo, fa3_inductor/mod_fills.py).
+"""Mask fills beyond the query dtype's range (issue 21: GPT-Neo, recognition/mod_fills.py).
 
 GPT-Neo upcasts bf16 q and k to float32 and masks with ``torch.finfo(torch.float32).min``.
 Recognition serves it on the bf16 q/k, so the fill lands in a score_mod that flex_attention

@@ -33,9 +33,9 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.fx
 
-from . import _compat
-from ._log import log
-from .recognition.fx_ops import example
+from .. import _compat
+from .._log import log
+from .fx_ops import example
 
 # Ops whose float operands are fills: converted to the op's result dtype when traced.
 _FILL_FUNCTIONS = (torch.where, torch.masked_fill)
