@@ -24,6 +24,7 @@ from .lowering.passes import Fa3PostGradPass
 from .lowering.sinks_fusion import SinksJointPass
 from .lowering.site_plan import plan_site
 from .recognition import module_state
+from .recognition.gradless_buffers import detach_gradless_buffers
 from .recognition.recognize_flex import flex_call_sites, flex_nodes, tag_rewritten
 from .recognition.rope_fusion import fuse_rope
 from .recognition.recognize_sdpa import rewrite_sdpa
@@ -343,12 +344,14 @@ def recognize(gm: torch.fx.GraphModule, example_inputs: Optional[list] = None,
     tag_rewritten(gm, before, positions, sites)
     # the new mods' mask fills, inside the range of the dtype flex_attention traces them in
     saturate_fills(gm, [node for node in flex_nodes(gm) if node.name not in before])
+    # captured tensors the score_mods compare but do not differentiate: no gradient, as in eager
+    detached = detach_gradless_buffers(gm)
     fused_rope = False
     if fp8:
         fused_rope = _fuse_rope(gm, user_calls + sites, settings)
     for site in sorted(user_calls + sites, key=lambda s: positions.get(s.node, len(positions))):
         record_recognized(site)
-    if not fused_rope and not any(site.rewritten for site in sites):
+    if not fused_rope and not detached and not any(site.rewritten for site in sites):
         return original, [], []
     return gm, extra_inputs, guards
 
