@@ -26,23 +26,27 @@ B, H, M, D = 2, 2, 16, 16
 
 
 class ParamMask(nn.Module):
-    def __init__(self, also_added: bool):
+    def __init__(self, also_added: bool, four_dim: bool):
         super().__init__()
         self.also_added = also_added
-        self.param = nn.Parameter(torch.rand(B, M - 2))
+        # [B, 1, 1, M - 2]: the site reads it through a reshape recognition inserts
+        self.param = nn.Parameter(torch.rand(B, 1, 1, M - 2) if four_dim else torch.rand(B, M - 2))
 
     def forward(self, q, k, v):
         s = q @ k.transpose(-2, -1) * D ** -0.5
-        table = F.pad(self.param, (1, 1), value=1.0)          # [B, M]: keys 0 and M-1 kept
+        table = F.pad(self.param, (1, 1), value=1.0)          # keys 0 and M-1 kept
+        if table.dim() == 2:
+            table = table[:, None, None, :]
         if self.also_added:
-            s = s + table[:, None, None, :]
-        s = s.masked_fill(table[:, None, None, :] < 0.3, float("-inf"))
+            s = s + table
+        s = s.masked_fill(table < 0.3, float("-inf"))
         return s.softmax(dim=-1) @ v
 
 
-@pytest.mark.parametrize("also_added", [False, True], ids=["compared_only", "also_added"])
-def test_buffer_compared_only_fuses_with_right_gradients(also_added):
-    model = ParamMask(also_added)
+@pytest.mark.parametrize("also_added,four_dim", [(False, False), (False, True), (True, False)],
+                         ids=["compared_only", "compared_through_reshape", "also_added"])
+def test_buffer_compared_only_fuses_with_right_gradients(also_added, four_dim):
+    model = ParamMask(also_added, four_dim)
     q, k, v = (torch.randn(B, H, M, D, requires_grad=True) for _ in range(3))
     out, ref, inputs64, model64 = compiled_and_float64(model, [q, k, v], torch.randn(B, H, M, D))
     sites = [s for s in fa3_inductor.recognized_sites() if s["front_door"] == "matmul-softmax"]

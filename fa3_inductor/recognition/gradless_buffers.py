@@ -27,6 +27,38 @@ from .recognize_flex import flex_nodes
 _SCORE_BUFFERS = 7   # flex_attention(q, k, v, score_mod, block_mask, scale, options, score_bufs, ..)
 
 
+_SAME_SHAPE = {"to", "detach", "contiguous", "clone"}
+
+
+def buffer_example(node: object) -> Optional[torch.Tensor]:
+    """A tensor standing for a captured buffer node: its shape, dtype and requires_grad (the
+    values are not read). Nodes recognition inserted before the op (attention_site._buffer_nodes:
+    ``.to(device)``, a ``reshape`` dropping size-1 dims) carry no example: they are followed back.
+
+    Example::
+
+        >>> buffer_example(reshape_node).shape   # doctest: +SKIP
+        torch.Size([2, 64])
+    """
+    if not isinstance(node, torch.fx.Node):
+        return node if isinstance(node, torch.Tensor) else None
+    made = example(node)
+    if made is not None:
+        return made
+    if node.op != "call_method" or not node.args:
+        return None
+    source = buffer_example(node.args[0])
+    if source is None:
+        return None
+    if node.target in _SAME_SHAPE:
+        return source
+    if node.target == "reshape" and all(isinstance(s, int) for s in node.args[1:]):
+        with torch._subclasses.fake_tensor.unset_fake_temporarily():
+            stand_in = torch.empty(node.args[1:], dtype=source.dtype)
+        return stand_in.requires_grad_(source.requires_grad)
+    return None
+
+
 def gradless_buffers(score_mod: torch.fx.GraphModule,
                      examples: Sequence[Optional[torch.Tensor]]) -> set[int]:
     """Indices of the captured tensors that require grad and that ``score_mod`` (a graph
@@ -43,15 +75,15 @@ def gradless_buffers(score_mod: torch.fx.GraphModule,
     """
     wants = [i for i, e in enumerate(examples)
              if isinstance(e, torch.Tensor) and e.requires_grad and e.is_floating_point()]
-    if not wants:
+    if not wants or any(e is None for e in examples):   # undecided: gradients kept
         return set()
     with torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.enable_grad():
         score = torch.zeros((), requires_grad=True)
         index = [torch.zeros((), dtype=torch.int32) for _ in range(4)]
         bufs = [torch.zeros(e.shape, dtype=e.dtype, requires_grad=i in wants)
-                if isinstance(e, torch.Tensor) else e for i, e in enumerate(examples)]
+                for i, e in enumerate(examples)]
         try:
-            value = score_mod(score, *index, *bufs)
+            value = score_mod.forward(score, *index, *bufs)   # (FX's __call__ prints failures)
         except Exception as exc:  # noqa: BLE001 - undecided: every buffer keeps its gradient
             log.debug("fa3_inductor: score_mod not evaluated for its buffers' gradients: %s", exc)
             return set()
@@ -80,8 +112,7 @@ def detach_gradless_buffers(gm: torch.fx.GraphModule) -> bool:
             continue
         score_mod = gm.get_submodule(mod_node.target)
         buffers = list(node.args[_SCORE_BUFFERS])
-        gone = gradless_buffers(score_mod, [example(b) if isinstance(b, torch.fx.Node) else b
-                                            for b in buffers])
+        gone = gradless_buffers(score_mod, [buffer_example(b) for b in buffers])
         if not gone:
             continue
         with gm.graph.inserting_before(node):
