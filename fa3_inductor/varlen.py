@@ -12,8 +12,9 @@ from ._log import warn_once
 from .mod_keys import Unkeyable, mod_key
 from .templates.modgen import (BufferSpec, UnsupportedMod, generate_mod_source,
                                is_constant_true_mask, is_identity_score, load_mod, trace_mod)
+from .templates.hopper.varlen_sm90 import launch_varlen_sm90
 from .templates.varlen.dense import dense_varlen
-from .templates.varlen.host import is_causal_mask_source, launch_varlen
+from .templates.varlen.host import is_causal_mask_source, launch_varlen, pick_varlen_kernel
 
 _LN2 = math.log(2.0)
 _MAX_SEQ = 1 << 23      # generated mods turn positions into floats exactly below 2**23
@@ -97,11 +98,13 @@ def _check_cu_seqlens(cu_q: Any, cu_k: Any, q: Tensor, k: Tensor, max_q: Any, ma
                         f"is {longest}; pass the longest length")
 
 
-def generated_mod(fn: Optional[Callable], kind: str) -> tuple[Any, tuple, Optional[str]]:
-    """(tl jit function or None, captured buffers, generated source) of a Python mod (``kind``
-    "score" or "mask"); None for a mod that changes nothing (identity score, all-true mask).
-    Cached by what the mod computes (mod_keys.py). Raises UnsupportedMod when it cannot be
-    generated. flex_varlen and flex_decode use it.
+def generated_mod(fn: Optional[Callable], kind: str,
+                  dialect: str = "tl") -> tuple[Any, tuple, Optional[str]]:
+    """(jit function or None, captured buffers, generated source) of a Python mod (``kind``
+    "score" or "mask") in ``dialect`` ("tl": Triton kernels, "gl": the Hopper kernel); None for a
+    mod that changes nothing (identity score, all-true mask). Cached by what the mod computes
+    (mod_keys.py). Raises UnsupportedMod when it cannot be generated. flex_varlen and flex_decode
+    use it.
 
     Example::
 
@@ -110,9 +113,9 @@ def generated_mod(fn: Optional[Callable], kind: str) -> tuple[Any, tuple, Option
     if fn is None:
         return None, (), None
     try:
-        key: Hashable = (kind, mod_key(fn))
+        key: Hashable = (kind, dialect, mod_key(fn))
     except Unkeyable:
-        key = (kind, fn)
+        key = (kind, dialect, fn)
     hit = _MODS.get(key)
     if hit is not None:
         return hit[1:]
@@ -120,8 +123,8 @@ def generated_mod(fn: Optional[Callable], kind: str) -> tuple[Any, tuple, Option
     if (is_identity_score(gm) if kind == "score" else is_constant_true_mask(gm)):
         result = (None, (), None)
     else:
-        source = generate_mod_source(gm, kind, [BufferSpec.of(b) for b in bufs])
-        result = (load_mod(source), tuple(bufs), str(source))
+        source = generate_mod_source(gm, kind, [BufferSpec.of(b) for b in bufs], dialect)
+        result = (load_mod(source, dialect), tuple(bufs), str(source))
     if len(_MODS) >= _MAX_MODS:
         _MODS.clear()
     _MODS[key] = (fn, *result)   # the key holds tensor ids: keep the mod (and them) alive
@@ -139,8 +142,8 @@ def _runs_kernel(q: Tensor) -> bool:
 def flex_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                 max_seqlen_q: int, max_seqlen_k: int, score_mod: Optional[Callable] = None,
                 mask_mod: Optional[Callable] = None, scale: Optional[float] = None,
-                enable_gqa: bool = False,
-                return_lse: bool = False) -> Union[Tensor, tuple[Tensor, Tensor]]:
+                enable_gqa: bool = False, return_lse: bool = False,
+                kernel: str = "auto") -> Union[Tensor, tuple[Tensor, Tensor]]:
     """Attention over B packed sequences of different lengths, with FlexAttention's mods.
 
     ``q`` is (total_q, H, D), ``k`` is (total_k, Hkv, D), ``v`` is (total_k, Hkv, Dv): sequence s
@@ -160,10 +163,13 @@ def flex_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
     the input dtype, plus the natural-log LSE (H, total_q) float32 if ``return_lse`` (-inf for
     rows that see no key).
 
-    Runs fa3's Triton varlen kernel on CUDA, and on the CPU under Triton's interpreter
-    (TRITON_INTERPRET=1). On CPU tensors otherwise, and for CPU inputs that need gradients, it
-    runs a dense torch path (per sequence: float32 scores, the mods on broadcast index tensors,
-    softmax, PV), which autograd differentiates. CUDA inputs that need gradients raise
+    On sm90 GPUs (float16 / bfloat16, the Hopper tile table's head dims: 64, 80, 96, 128, 160,
+    192, 256, TMA-aligned strides) it runs the Hopper kernel's packed mode; on other GPUs, and on
+    the CPU under Triton's interpreter (TRITON_INTERPRET=1), fa3's Triton varlen kernel.
+    ``kernel`` "hopper" / "triton" asks for one of them ("hopper" raises ValueError where it
+    cannot run; "auto", the default, picks as said). On CPU tensors otherwise, and for CPU
+    inputs that need gradients, it runs a dense torch path (per sequence: float32 scores, the mods
+    on broadcast index tensors, softmax, PV), which autograd differentiates. CUDA inputs that need gradients raise
     NotImplementedError (no varlen backward kernel yet).
 
     Checks: shapes, dtypes and devices always; the cu_seqlens values (0 first, non-decreasing,
@@ -198,11 +204,14 @@ def flex_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
             "flex_varlen has no backward on CUDA yet: call it under torch.no_grad() / "
             "torch.inference_mode() with inputs that need no gradient, or train through "
             "fa3_inductor.flex with mods.document(...) over the packed batch")
+    which = pick_varlen_kernel(q, k, v, kernel, torch.cuda.get_device_capability(q.device)
+                               if q.is_cuda else None)
     if needs_grad or not _runs_kernel(q):
         return _dense(q, k, v, cu_seqlens_q, cu_seqlens_k, score_mod, mask_mod, scale, return_lse)
+    dialect = "gl" if which == "hopper" else "tl"
     try:
-        score_fn, score_bufs, _ = generated_mod(score_mod, "score")
-        mask_fn, mask_bufs, mask_source = generated_mod(mask_mod, "mask")
+        score_fn, score_bufs, _ = generated_mod(score_mod, "score", dialect)
+        mask_fn, mask_bufs, mask_source = generated_mod(mask_mod, "mask", dialect)
     except UnsupportedMod as exc:
         warn_once(f"flex_varlen: a mod cannot be generated for the kernel ({exc}); running the "
                   "dense torch path per sequence (slow)")
@@ -213,11 +222,11 @@ def flex_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
                         f"create it on {q.device}")
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     lse = torch.empty(q.shape[1], q.shape[0], device=q.device, dtype=torch.float32)
+    launch = launch_varlen_sm90 if which == "hopper" else launch_varlen
     with torch.no_grad():
-        launch_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                      sm_scale=scale, score_mod=score_fn, mask_mod=mask_fn,
-                      causal=is_causal_mask_source(mask_source),
-                      score_bufs=score_bufs, mask_bufs=mask_bufs)
+        launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, sm_scale=scale,
+               score_mod=score_fn, mask_mod=mask_fn, causal=is_causal_mask_source(mask_source),
+               score_bufs=score_bufs, mask_bufs=mask_bufs)
     return (out, lse.mul_(_LN2)) if return_lse else out
 
 

@@ -44,6 +44,20 @@ Block sparsity (torch BlockMask format; the index tensors are int32):
   SPARSE_KV a multiple of BLOCK_N (each sparse KV block expands into SPARSE_KV // BLOCK_N kernel tiles).
   kv_num_blocks=None means dense: every KV tile, and mask_mod (if given) applied on every tile.
 
+Packed sequences (PACK.VARLEN; host side templates/hopper/varlen_sm90.py, front door flex_varlen):
+  Q, K, V, O         packed (total, heads, D) tensors read and written in place through [1, H, total, D] views
+                     (descriptor batch coordinate z = 0, row = token)
+  CU_Q, CU_K [B + 1] int32: batch entry b is sequence b, query rows CU_Q[b] : CU_Q[b + 1] and key rows
+                     CU_K[b] : CU_K[b + 1]; its M and N (M_seq, N_seq) are read on the device, never on the host
+  LSE, MAX           [1, H, total_q]: row CU_Q[b] + q of head h
+  mods               b = the sequence, q_idx / kv_idx positions within it (causal is top-left aligned)
+  One CTA per tile over B x ceil(max_seqlen_q / BLOCK_M) query tiles per head (_tile_coords); a tile starting at
+  or past its sequence's end runs nothing. A tile's Q rows and a KV tile's rows past the sequence's end are the
+  next sequence's (or TMA's zero fill past the pack): kv_idx < N_seq masks them in the score, and an O half
+  reaching past M_seq is stored by masked pointer stores (_store_rows), never TMA (which clips only at the pack's
+  end). SPARSE.CAUSAL_WALK (a mask_mod exactly q_idx >= kv_idx): a query tile visits its diagonal KV tiles
+  (mask_mod applied) and the tiles below them (no mask), none above, with no block-mask tables.
+
 Kernel roles (one CTA = one BLOCK_M x D output tile at a time; 3 warpgroups):
   * producer   (`_producer`, a 1-warp worker partition, padded to a warpgroup, 24 regs): TMA-loads the two
                64-row halves of Q once per tile and K/V tiles into rings of NUM_STAGES (K) and V_STAGES (V)
@@ -75,11 +89,13 @@ Compile-time parameters (kernel constexprs, one named bundle each; frozen datacl
   TILE    TileShape      BLOCK_M, BLOCK_N, QK_LO, QK_HI, V_LO, V_HI, NUM_STAGES, V_STAGES (HALF_M, SPLIT_QK,
                          SPLIT_V derived)
   SCHED   Schedule       PERSISTENT, O_STAGE, OVERLAP, CONSUMER_REGS, PRODUCER_REGS
-  SPARSE  BlockSparsity  HAS_SPARSE, HAS_FULL, SPARSE_Q_DIV, SPARSE_KV_MULT
+  SPARSE  BlockSparsity  HAS_SPARSE, HAS_FULL, SPARSE_Q_DIV, SPARSE_KV_MULT, CAUSAL_WALK
   FLAGS   ModFlags       HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, MASK_AND, EVEN_N, KV_AFFINE, FIXED_BASE, EXP2_EMU,
                          HAS_SINKS, WIDE_SCORES
   QUANT   Quant          ON, Q_BLOCK, KV_BLOCK, TWO_LEVEL (FP8 inputs; NO_QUANT for bf16 / fp16, whose code it
                          leaves untouched: the scales travel in a tuple argument that is empty there)
+  PACK    Packing        VARLEN (packed sequences; DENSE for [B, H, S, D] launches, whose code it leaves untouched:
+                         CU_Q, CU_K and O's strides travel in the tuple argument pack_args, empty there)
 Every switch in them takes both of its values in some shipped launch (configs.all_configs() times the host's
 per-launch choices); measured-and-dropped ablations (lazy rescale, pingpong off, padded shared tiles, exp2
 emulation outside SFU-bound mods) last existed at commit 7bfe679 (benchmarks/hopper_ablation.py lists them).
@@ -180,6 +196,8 @@ class BlockSparsity:
     HAS_FULL: bool        # full_kv_num_blocks / full_kv_indices given (tiles where the mask_mod is all true)
     SPARSE_Q_DIV: int     # SPARSE_Q // BLOCK_M
     SPARSE_KV_MULT: int   # SPARSE_KV // BLOCK_N: kernel KV tiles per sparse KV block
+    CAUSAL_WALK: bool = False   # no tables; the mask_mod is q_idx >= kv_idx (top-left aligned): a query tile walks
+                                # its diagonal KV tiles (partial) and then the tiles below them (full), none above
 
 
 @dataclass(frozen=True)
@@ -214,35 +232,63 @@ class Quant:
 NO_QUANT = Quant(ON=False, Q_BLOCK=0, KV_BLOCK=0, TWO_LEVEL=False)
 
 
+@dataclass(frozen=True)
+class Packing:
+    """Where a tile's rows live (module docstring, "Packed sequences")."""
+    VARLEN: bool   # Q / K / V / O packed (total, heads, D): batch entry b is sequence b of cu_seqlens, its M and N
+                   # read on the device; one CTA per tile, a tile past its sequence's end runs nothing
+
+
+DENSE = Packing(VARLEN=False)
+
+
 # ----------------------------------------------------------------------------------------------
 # Tile scheduling and KV-block enumeration (shared by producer and consumers: both must walk the
 # exact same sequence of tiles and KV blocks, or the barrier phases fall out of step).
 # ----------------------------------------------------------------------------------------------
 @gluon.jit
-def _tile_coords(tile_id, num_m_tiles, HQ, PERSISTENT: gl.constexpr):
+def _tile_coords(tile_id, num_tiles, num_m_tiles, HQ, PERSISTENT: gl.constexpr, VARLEN: gl.constexpr):
     # Consecutive tiles share one (b, h) so that concurrently running CTAs reuse K/V in L2.
     # One CTA per tile: inside a head the query blocks run last-to-first (longest first for causal /
     # lower-triangular masks; the hardware hands tiles out in launch order).
     # Persistent: inside a head the query blocks alternate last, first, second-to-last, second, ...
     # so that the pair (2u, 2u+1) a CTA takes (_tile_loop) costs the same for every u under a
     # causal mask (nm + 1 KV blocks): a static schedule then stays balanced.
-    bh = tile_id // num_m_tiles
-    r = tile_id % num_m_tiles
-    if PERSISTENT:
-        mt = gl.where(r % 2 == 0, num_m_tiles - 1 - r // 2, r // 2)
+    # VARLEN: heads major (one head's K/V of the whole pack stays in L2), then query blocks last-to-first
+    # across all sequences, then sequences: every sequence's longest causal tiles start first and the grid
+    # ends on one-KV-tile tiles (num_m_tiles covers the longest sequence; the others' missing tiles exit).
+    if VARLEN:
+        n_seq = num_tiles // (HQ * num_m_tiles)
+        h = tile_id // (n_seq * num_m_tiles)
+        r = tile_id % (n_seq * num_m_tiles)
+        b = r % n_seq
+        mt = num_m_tiles - 1 - r // n_seq
     else:
-        mt = num_m_tiles - 1 - r
-    b = bh // HQ
-    h = bh % HQ
+        bh = tile_id // num_m_tiles
+        r = tile_id % num_m_tiles
+        if PERSISTENT:
+            mt = gl.where(r % 2 == 0, num_m_tiles - 1 - r // 2, r // 2)
+        else:
+            mt = num_m_tiles - 1 - r
+        b = bh // HQ
+        h = bh % HQ
     return b, h, mt
 
 
 @gluon.jit
-def _tile_loop(num_tiles, PERSISTENT: gl.constexpr):
+def _tile_loop(num_tiles, num_m_tiles, HQ, pack_args, TILE: gl.constexpr, PERSISTENT: gl.constexpr,
+               PACK: gl.constexpr):
     """(number of tiles this CTA runs, pid, #CTAs). Persistent CTAs take tile pairs (2u, 2u+1),
-    u = pid, pid + #CTAs, ... (the grid is min(#pairs, #SMs))."""
+    u = pid, pid + #CTAs, ... (the grid is min(#pairs, #SMs)). VARLEN (one CTA per tile): none where the
+    tile starts at or past its sequence's end."""
     pid = gl.program_id(0)
-    if PERSISTENT:
+    if PACK.VARLEN:
+        gl.static_assert(not PERSISTENT, "packed sequences run one CTA per tile")
+        b, h, mt = _tile_coords(pid, num_tiles, num_m_tiles, HQ, False, True)
+        _z, _q0, M_seq, _k0, _N_seq = _seq_rows(b, 0, 0, pack_args, PACK)
+        nprog = pid * 0 + 1
+        n_it = gl.where(mt * TILE.BLOCK_M < M_seq, 1, 0)
+    elif PERSISTENT:
         nprog = gl.num_programs(0)
         n_pairs = (num_tiles + 1) // 2
         my_pairs = (n_pairs - pid + nprog - 1) // nprog
@@ -265,6 +311,27 @@ def _tile_id(it, pid, nprog, PERSISTENT: gl.constexpr):
 
 
 @gluon.jit
+def _seq_rows(b, M, N, pack_args, PACK: gl.constexpr):
+    """(descriptor batch coordinate, first query row, M, first key row, N) of batch entry b. Dense: b, 0, the
+    launch's M and N. VARLEN: sequence b of the packed rows, whose descriptors are [1, H, total, D] views."""
+    if PACK.VARLEN:
+        cu_q = pack_args[0]
+        cu_k = pack_args[1]
+        z = b * 0
+        q0 = gl.load(cu_q + b)
+        k0 = gl.load(cu_k + b)
+        M_seq = gl.load(cu_q + b + 1) - q0
+        N_seq = gl.load(cu_k + b + 1) - k0
+    else:
+        z = b
+        q0 = b * 0
+        k0 = b * 0
+        M_seq = M
+        N_seq = N
+    return z, q0, M_seq, k0, N_seq
+
+
+@gluon.jit
 def _kv_counts(b, h, mt, N, sp_ptrs, sp_meta, TILE: gl.constexpr, SPARSE: gl.constexpr):
     """Returns (n_partial, n_total): KV tiles of this query tile; the partial ones come first."""
     kvnb_ptr, kvidx_ptr, fnb_ptr, fidx_ptr = sp_ptrs
@@ -278,6 +345,12 @@ def _kv_counts(b, h, mt, N, sp_ptrs, sp_meta, TILE: gl.constexpr, SPARSE: gl.con
             n_full = gl.load(fnb_ptr + bb * fnb_sb + hh * fnb_sh + qb) * SPARSE.SPARSE_KV_MULT
         else:
             n_full = n_partial * 0
+    elif SPARSE.CAUSAL_WALK:
+        # KV tiles up to the tile's last row (or N); those wholly at or below its first row m0 are full
+        m0 = mt * TILE.BLOCK_M
+        n_total = gl.cdiv(gl.minimum(N, m0 + TILE.BLOCK_M), TILE.BLOCK_N)
+        n_full = gl.minimum((m0 + 1) // TILE.BLOCK_N, n_total)
+        n_partial = n_total - n_full
     else:
         n_partial = N * 0
         n_full = gl.cdiv(N, TILE.BLOCK_N)
@@ -302,6 +375,11 @@ def _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE: gl.constexpr, SPAR
             blk = gl.load(fidx_ptr + bb * fidx_sb + hh * fidx_sh + qb * fidx_sm + j // MULT)
             sub = j % MULT
         start = (blk * MULT + sub) * TILE.BLOCK_N
+    elif SPARSE.CAUSAL_WALK:   # the partial (diagonal) tiles first, then the full ones from key 0
+        if i < n_partial:
+            start = ((mt * TILE.BLOCK_M + 1) // TILE.BLOCK_N + i) * TILE.BLOCK_N
+        else:
+            start = (i - n_partial) * TILE.BLOCK_N
     else:
         start = i * TILE.BLOCK_N
     return start
@@ -311,8 +389,8 @@ def _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE: gl.constexpr, SPAR
 # Producer / load partition: 1 warp issuing TMA.
 # ----------------------------------------------------------------------------------------------
 @gluon.jit
-def _producer(descs, bars, smem, sizes, sp_ptrs, sp_meta, TILE: gl.constexpr, SCHED: gl.constexpr,
-              SPARSE: gl.constexpr, QUANT: gl.constexpr):
+def _producer(descs, bars, smem, sizes, sp_ptrs, sp_meta, pack_args, TILE: gl.constexpr, SCHED: gl.constexpr,
+              SPARSE: gl.constexpr, QUANT: gl.constexpr, PACK: gl.constexpr):
     q_desc, k_desc, v_desc, o_desc, q_desc_hi, k_desc_hi, v_desc_hi, o_desc_hi = descs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
     q_smem, k_smem, v_smem, o_smem, q_hi, k_hi, v_hi = smem
@@ -331,31 +409,33 @@ def _producer(descs, bars, smem, sizes, sp_ptrs, sp_meta, TILE: gl.constexpr, SC
     else:
         v_bytes: gl.constexpr = v_desc.block_type.nbytes
 
-    n_it, pid, nprog = _tile_loop(num_tiles, SCHED.PERSISTENT)
+    n_it, pid, nprog = _tile_loop(num_tiles, num_m_tiles, HQ, pack_args, TILE, SCHED.PERSISTENT, PACK)
     cnt = 0   # KV tiles loaded so far (global ring counter)
     t_local = 0
     for it in range(n_it):
         tile_id = _tile_id(it, pid, nprog, SCHED.PERSISTENT)
-        b, h, mt = _tile_coords(tile_id, num_m_tiles, HQ, SCHED.PERSISTENT)
+        b, h, mt = _tile_coords(tile_id, num_tiles, num_m_tiles, HQ, SCHED.PERSISTENT, PACK.VARLEN)
+        # z: the descriptors' batch coordinate; q0 / k0: the sequence's first rows (VARLEN, else 0)
+        z, q0, M_seq, k0, N_seq = _seq_rows(b, M, N, pack_args, PACK)
         hkv = h // GQA
-        m0 = mt * BLOCK_M
+        m0 = q0 + mt * BLOCK_M
         # Q halves: wait until the consumer released the half (O_STAGE: its last QK^T retired;
         # otherwise: its O store out of that half completed). In persistent mode with O_STAGE this
         # is early enough for the next tile's Q and first K/V to land under the tail PV and epilogue.
         for w in gl.static_range(2):
             mbarrier.wait(q_empty.index(w), (t_local & 1) ^ 1)
             mbarrier.expect(q_ready.index(w), q_bytes)
-            tma.async_copy_global_to_shared(q_desc, [b, h, m0 + w * HALF_M, 0], q_ready.index(w), q_smem.index(w))
+            tma.async_copy_global_to_shared(q_desc, [z, h, m0 + w * HALF_M, 0], q_ready.index(w), q_smem.index(w))
             if TILE.SPLIT_QK:
-                tma.async_copy_global_to_shared(q_desc_hi, [b, h, m0 + w * HALF_M, TILE.QK_LO], q_ready.index(w),
+                tma.async_copy_global_to_shared(q_desc_hi, [z, h, m0 + w * HALF_M, TILE.QK_LO], q_ready.index(w),
                                                 q_hi.index(w))
-        n_partial, n_total = _kv_counts(b, h, mt, N, sp_ptrs, sp_meta, TILE, SPARSE)
+        n_partial, n_total = _kv_counts(b, h, mt, N_seq, sp_ptrs, sp_meta, TILE, SPARSE)
         for i in range(n_total):
-            start = _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE)
-            _load_ring_stage(k_desc, k_desc_hi, k_ready, k_empty, k_smem, k_hi, cnt, [b, hkv, start], k_bytes,
+            start = k0 + _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE)
+            _load_ring_stage(k_desc, k_desc_hi, k_ready, k_empty, k_smem, k_hi, cnt, [z, hkv, start], k_bytes,
                              TILE.NUM_STAGES, TILE.QK_LO, TILE.SPLIT_QK, False)
             # FP8: V comes as VT, the tile's keys along its columns (KEYS_LAST)
-            _load_ring_stage(v_desc, v_desc_hi, v_ready, v_empty, v_smem, v_hi, cnt, [b, hkv, start], v_bytes,
+            _load_ring_stage(v_desc, v_desc_hi, v_ready, v_empty, v_smem, v_hi, cnt, [z, hkv, start], v_bytes,
                              TILE.V_STAGES, TILE.V_LO, TILE.SPLIT_V, QUANT.ON)
             cnt += 1
         t_local += 1
@@ -789,15 +869,19 @@ def _with_sink(l_i, m_run, sinks_ptr, h):
 
 @gluon.jit
 def _epilogue(acc, acc_hi, m_i, m_run, l_i, qk_scale, o_half, o_half_hi, o_desc, o_desc_hi, lse_ptr, max_ptr,
-              sink_bufs, b, h, row0, HQ, M, o_layout: gl.constexpr, HALF_M: gl.constexpr, dtype: gl.constexpr,
-              O_STAGE: gl.constexpr, SPLIT_O: gl.constexpr, HAS_SINKS: gl.constexpr):
+              sink_bufs, pack_args, z, h, q0, row0, HQ, M, M_seq, o_layout: gl.constexpr, HALF_M: gl.constexpr,
+              dtype: gl.constexpr, O_STAGE: gl.constexpr, SPLIT_O: gl.constexpr, HAS_SINKS: gl.constexpr,
+              VARLEN: gl.constexpr):
     """Normalise O, stage it in shared memory, TMA-store it; write LSE / MAX (log2 units).
 
     O_STAGE: o_half is this warpgroup's own O buffer; the store is left in flight (the next tile's
     epilogue, or the kernel's end, waits for it). Otherwise o_half is the warpgroup's Q half and the
     store is waited for here, before the caller hands the half back to the producer.
     SPLIT_O: O is acc (columns [0, LO)) and acc_hi (the next HI columns), staged in o_half and o_half_hi
-    (the Q tiles) and stored by o_desc and o_desc_hi. HAS_SINKS: sink_bufs[0] is SINKS (module docstring)."""
+    (the Q tiles) and stored by o_desc and o_desc_hi. HAS_SINKS: sink_bufs[0] is SINKS (module docstring).
+    Rows: the half's are row0 + [0, HALF_M) of a sequence of M_seq rows that starts at row q0 of rows of M
+    (dense: q0 = 0, M_seq = M). VARLEN: a half reaching past its sequence is stored by pointers
+    (_store_rows), since TMA clips at the pack's end only and would overwrite the next sequence's rows."""
     empty_row = l_i == 0.0
     l_safe = gl.where(empty_row, 1.0, l_i)
     if HAS_SINKS:   # the sink joins O's normaliser; without sinks the LSE follows O's store (as before sinks)
@@ -805,30 +889,59 @@ def _epilogue(acc, acc_hi, m_i, m_run, l_i, qk_scale, o_half, o_half_hi, o_desc,
     else:
         inv_l = 1.0 / l_safe
     o = acc * inv_l[:, None]
-    if O_STAGE:
-        tma.store_wait(0)   # the previous tile's O store has finished reading o_half
-    o_tile = o_half.reshape([HALF_M, o_desc.block_type.shape[3]])
     if SPLIT_O:
-        HI: gl.constexpr = acc_hi.shape[1]
         o_hi = acc_hi * gl.convert_layout(inv_l, gl.SliceLayout(1, acc_hi.type.layout))[:, None]
-        o_tile.store(o.to(dtype))
-        o_half_hi.reshape([HALF_M, HI]).store(o_hi.to(dtype))
     else:
-        o_tile.store(o.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], o_half)
-    if SPLIT_O:
-        tma.async_copy_shared_to_global(o_desc_hi, [b, h, row0, acc.shape[1]], o_half_hi)
+        o_hi = o
+    if VARLEN:
+        if row0 + HALF_M > M_seq:
+            _store_rows(o.to(dtype), 0, pack_args, h, q0, row0, M_seq)
+            if SPLIT_O:
+                _store_rows(o_hi.to(dtype), acc.shape[1], pack_args, h, q0, row0, M_seq)
+        else:
+            _store_tma(o, o_hi, o_half, o_half_hi, o_desc, o_desc_hi, [z, h, q0 + row0], dtype, O_STAGE, SPLIT_O)
+    else:
+        _store_tma(o, o_hi, o_half, o_half_hi, o_desc, o_desc_hi, [z, h, q0 + row0], dtype, O_STAGE, SPLIT_O)
 
     if not HAS_SINKS:
         lse = _row_lse(m_run, l_safe, empty_row)
     mx = gl.where(empty_row, -float("inf"), m_i * qk_scale)
     rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
-    off = (b * HQ + h).to(gl.int64) * M + rows
-    gl.store(lse_ptr + off, lse, mask=rows < M)
-    gl.store(max_ptr + off, mx, mask=rows < M)
+    off = (z * HQ + h).to(gl.int64) * M + q0 + rows
+    gl.store(lse_ptr + off, lse, mask=rows < M_seq)
+    gl.store(max_ptr + off, mx, mask=rows < M_seq)
     if not O_STAGE:
         tma.store_wait(0)
+
+
+@gluon.jit
+def _store_tma(o, o_hi, o_half, o_half_hi, o_desc, o_desc_hi, row, dtype: gl.constexpr, O_STAGE: gl.constexpr,
+               SPLIT_O: gl.constexpr):
+    """Stage an O half in shared memory and TMA-store it at `row` ([b, head, first row]); SPLIT_O: o_hi too."""
+    if O_STAGE:
+        tma.store_wait(0)   # the previous tile's O store has finished reading o_half
+    o_half.reshape([o.shape[0], o.shape[1]]).store(o.to(dtype))
+    if SPLIT_O:
+        o_half_hi.reshape([o_hi.shape[0], o_hi.shape[1]]).store(o_hi.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, row + [0], o_half)
+    if SPLIT_O:
+        tma.async_copy_shared_to_global(o_desc_hi, row + [o.shape[1]], o_half_hi)
+
+
+@gluon.jit
+def _store_rows(o, col0, pack_args, h, q0, row0, M_seq):
+    """Store an O half (rows row0 + [0, HALF_M) of a packed sequence starting at row q0, columns col0 + [0, C)
+    of head h) by pointers, leaving the rows at or past M_seq alone: they belong to the next sequence."""
+    out_ptr = pack_args[2]
+    stride_t = pack_args[3]
+    stride_h = pack_args[4]
+    layout: gl.constexpr = o.type.layout
+    rows = row0 + gl.arange(0, o.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = col0 + gl.arange(0, o.shape[1], layout=gl.SliceLayout(0, layout))
+    offs = (q0 + rows).to(gl.int64)[:, None] * stride_t + (h * stride_h + cols)[None, :]
+    keep = (rows < M_seq)[:, None] & (cols < col0 + o.shape[1])[None, :]
+    gl.store(out_ptr + offs, o, mask=keep)
 
 
 @gluon.jit
@@ -1019,8 +1132,8 @@ def _fp8_overlap_loop(q_op, k_smem, v_smem, bars, n_partial, n_total, b, h, mt, 
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs,
-              SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, SCHED: gl.constexpr,
-              SPARSE: gl.constexpr, FLAGS: gl.constexpr, QUANT: gl.constexpr):
+              pack_args, SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, SCHED: gl.constexpr,
+              SPARSE: gl.constexpr, FLAGS: gl.constexpr, QUANT: gl.constexpr, PACK: gl.constexpr):
     q_desc, k_desc, v_desc, o_desc, q_desc_hi, k_desc_hi, v_desc_hi, o_desc_hi = descs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
     q_smem, k_smem, v_smem, o_smem, q_smem_hi, k_smem_hi, v_smem_hi = smem
@@ -1080,7 +1193,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
             gl.static_assert(SPLIT_QK and O_HI == QK_HI, "O's hi part is staged in Q's hi tile")
         o_half = q_half
 
-    n_it, pid, nprog = _tile_loop(num_tiles, PERSISTENT)
+    n_it, pid, nprog = _tile_loop(num_tiles, num_m_tiles, HQ, pack_args, TILE, PERSISTENT, PACK)
 
     if WG == 1:
         mbarrier.arrive(turn.index(0), count=1)   # pingpong: warpgroup 0 takes the first turn
@@ -1090,15 +1203,17 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
     t_local = 0
     for it in range(n_it):
         tile_id = _tile_id(it, pid, nprog, PERSISTENT)
-        b, h, mt = _tile_coords(tile_id, num_m_tiles, HQ, PERSISTENT)
+        b, h, mt = _tile_coords(tile_id, num_tiles, num_m_tiles, HQ, PERSISTENT, PACK.VARLEN)
+        # the tile's sequence (VARLEN; dense: z = b, q0 = 0, M_seq = M, N_seq = N): rows and keys are positions in it
+        z, q0, M_seq, k0, N_seq = _seq_rows(b, M, N, pack_args, PACK)
         row0 = mt * BLOCK_M + WG * HALF_M
         q_idx = row0 + gl.arange(0, HALF_M, layout=row_layout)[:, None]
-        q_idx_c = gl.minimum(q_idx, M - 1)
+        q_idx_c = gl.minimum(q_idx, M_seq - 1)
         if KV_AFFINE:
             col_bias = _affine_columns(SCORE_MOD, sm_scale, b, h, row0, score_bufs, s_layout, BLOCK_N)
         else:
             col_bias = 0.0
-        n_partial, n_total = _kv_counts(b, h, mt, N, sp_ptrs, sp_meta, TILE, SPARSE)
+        n_partial, n_total = _kv_counts(b, h, mt, N_seq, sp_ptrs, sp_meta, TILE, SPARSE)
         if QUANT.ON:
             fp8_rows = _fp8_row_scales(quant_bufs, b, h, row0, HQ, GQA, M, N, row_layout, HALF_M, QUANT)
         else:
@@ -1132,7 +1247,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
             if n_total > 0:
                 acc, m_i, m_run, l_i, cnt, t = _fp8_overlap_loop(
                     q_op, k_smem, v_smem, bars, n_partial, n_total, b, h, mt, sp_ptrs, sp_meta, q_idx, q_idx_c, row0,
-                    sm_scale, qk_unit, col_bias, N, score_bufs, mask_bufs, m_i, m_run, l_i, acc, qk_scale, fp8_rows,
+                    sm_scale, qk_unit, col_bias, N_seq, score_bufs, mask_bufs, m_i, m_run, l_i, acc, qk_scale, fp8_rows,
                     s_zero, o_zero, cnt, t, s_layout, p_layout, o_layout, SCORE_MOD, MASK_MOD, WG, TILE, SPARSE, FLAGS,
                     QUANT)
         elif SCHED.OVERLAP:
@@ -1153,9 +1268,9 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
                     if n_total == 1:   # the tile's only QK^T retired: release the Q half (see below)
                         mbarrier.arrive(q_empty.index(WG), count=1)
                 p, m_i, m_run, l_i, alpha = _softmax_step(
-                    s_acc, start, n_partial > 0, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit, col_bias, N, score_bufs,
-                    mask_bufs, m_i, m_run, l_i, qk_scale, tile_scales, s_layout, p_layout, o_layout, dtype, SCORE_MOD,
-                    MASK_MOD, TILE, FLAGS, QUANT)
+                    s_acc, start, n_partial > 0, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit, col_bias, N_seq,
+                    score_bufs, mask_bufs, m_i, m_run, l_i, qk_scale, tile_scales, s_layout, p_layout, o_layout, dtype,
+                    SCORE_MOD, MASK_MOD, TILE, FLAGS, QUANT)
                 prev_vst = cnt % V_STAGES
                 prev_vph = (cnt // V_STAGES) & 1
                 cnt += 1
@@ -1184,7 +1299,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
                             # (and then its K/V) under this softmax, the tail PV and the epilogue
                             mbarrier.arrive(q_empty.index(WG), count=1)
                     p_new, m_i, m_run, l_i, alpha = _softmax_step(
-                        s_acc, start, i < n_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit, col_bias, N,
+                        s_acc, start, i < n_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit, col_bias, N_seq,
                         score_bufs, mask_bufs, m_i, m_run, l_i, qk_scale, tile_scales, s_layout, p_layout, o_layout,
                         dtype, SCORE_MOD, MASK_MOD, TILE, FLAGS, QUANT)
                     pv, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_prev, v_prev_hi, SPLIT_O)
@@ -1222,9 +1337,9 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
                 v_cur, v_cur_hi = _v_operands(v_smem, v_smem_hi, vst, BLOCK_N, O_LO, O_HI, QUANT)
                 mbarrier.arrive(k_empty.index(st), count=1)
                 p, m_i, m_run, l_i, alpha = _softmax_step(
-                    s_acc, start, i < n_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit, col_bias, N, score_bufs,
-                    mask_bufs, m_i, m_run, l_i, qk_scale, tile_scales, s_layout, p_layout, o_layout, dtype, SCORE_MOD,
-                    MASK_MOD, TILE, FLAGS, QUANT)
+                    s_acc, start, i < n_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit, col_bias, N_seq,
+                    score_bufs, mask_bufs, m_i, m_run, l_i, qk_scale, tile_scales, s_layout, p_layout, o_layout, dtype,
+                    SCORE_MOD, MASK_MOD, TILE, FLAGS, QUANT)
                 acc = _rescale_o(acc, alpha, FIXED_BASE)
                 acc_hi = _rescale_o_hi(acc_hi, alpha, FIXED_BASE, SPLIT_O)
                 mbarrier.wait(v_ready.index(vst), vph)
@@ -1254,7 +1369,8 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
             vs_max = fp8_rows[3]
             acc = acc * (vs_max * (1.0 / 256.0))
         _epilogue(acc, acc_hi, m_o, r_o, l_o, qk_scale, o_half, q_half_hi, o_desc, o_desc_hi, lse_ptr, max_ptr,
-                  sink_bufs, b, h, row0, HQ, M, o_layout, HALF_M, o_dtype, O_STAGE, SPLIT_O, FLAGS.HAS_SINKS)
+                  sink_bufs, pack_args, z, h, q0, row0, HQ, M, M_seq, o_layout, HALF_M, o_dtype, O_STAGE, SPLIT_O,
+                  FLAGS.HAS_SINKS, PACK.VARLEN)
         if not O_STAGE:
             mbarrier.arrive(q_empty.index(WG), count=1)
         t_local += 1
@@ -1263,26 +1379,26 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
 
 
 @gluon.jit
-def _consumer_wg0(descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs,
+def _consumer_wg0(descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs, pack_args,
                   SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, SCHED: gl.constexpr,
-                  SPARSE: gl.constexpr, FLAGS: gl.constexpr, QUANT: gl.constexpr):
-    _consumer(0, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs, SCORE_MOD,
-              MASK_MOD, TILE, SCHED, SPARSE, FLAGS, QUANT)
+                  SPARSE: gl.constexpr, FLAGS: gl.constexpr, QUANT: gl.constexpr, PACK: gl.constexpr):
+    _consumer(0, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs, pack_args,
+              SCORE_MOD, MASK_MOD, TILE, SCHED, SPARSE, FLAGS, QUANT, PACK)
 
 
 @gluon.jit
-def _consumer_wg1(descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs,
+def _consumer_wg1(descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs, pack_args,
                   SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, SCHED: gl.constexpr,
-                  SPARSE: gl.constexpr, FLAGS: gl.constexpr, QUANT: gl.constexpr):
-    _consumer(1, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs, SCORE_MOD,
-              MASK_MOD, TILE, SCHED, SPARSE, FLAGS, QUANT)
+                  SPARSE: gl.constexpr, FLAGS: gl.constexpr, QUANT: gl.constexpr, PACK: gl.constexpr):
+    _consumer(1, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs, pack_args,
+              SCORE_MOD, MASK_MOD, TILE, SCHED, SPARSE, FLAGS, QUANT, PACK)
 
 
 @gluon.jit
-def _producer_entry(descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs,
+def _producer_entry(descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs, pack_args,
                     SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, SCHED: gl.constexpr,
-                    SPARSE: gl.constexpr, FLAGS: gl.constexpr, QUANT: gl.constexpr):
-    _producer(descs, bars, smem, sizes, sp_ptrs, sp_meta, TILE, SCHED, SPARSE, QUANT)
+                    SPARSE: gl.constexpr, FLAGS: gl.constexpr, QUANT: gl.constexpr, PACK: gl.constexpr):
+    _producer(descs, bars, smem, sizes, sp_ptrs, sp_meta, pack_args, TILE, SCHED, SPARSE, QUANT, PACK)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1308,6 +1424,7 @@ def fa3_fwd_sm90_kernel(
     score_bufs, mask_bufs,
     quant_bufs,     # QUANT.ON: (QS, KS, VS, VS_MAX) scale pointers; () for 16-bit inputs (no kernel parameter)
     sink_bufs,      # FLAGS.HAS_SINKS: (SINKS,); () without sinks (no kernel parameter)
+    pack_args,      # PACK.VARLEN: (CU_Q, CU_K, O, O's token and head strides); () otherwise (no kernel parameter)
     kvnb_ptr, kvidx_ptr, fnb_ptr, fidx_ptr,
     BM, HM, nb_sb, nb_sh, idx_sb, idx_sh, idx_sm, fnb_sb, fnb_sh, fidx_sb, fidx_sh, fidx_sm,
     sm_scale, qk_scale, fixed_base, qk_unit, num_tiles, num_m_tiles, HQ, GQA, M, N,
@@ -1317,9 +1434,12 @@ def fa3_fwd_sm90_kernel(
     SPARSE: gl.constexpr,   # BlockSparsity
     FLAGS: gl.constexpr,    # ModFlags
     QUANT: gl.constexpr,    # Quant
+    PACK: gl.constexpr,     # Packing
 ):
     NUM_STAGES: gl.constexpr = TILE.NUM_STAGES
     V_STAGES: gl.constexpr = TILE.V_STAGES
+    if PACK.VARLEN:
+        gl.static_assert(not QUANT.ON and not SPARSE.HAS_SPARSE, "packed sequences: 16-bit inputs, no block mask")
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -1383,11 +1503,11 @@ def fa3_fwd_sm90_kernel(
     # every role gets the same arguments (the producer's entry drops what it does not read)
     gl.warp_specialize([
         (_consumer_wg0, (descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs,
-                         SCORE_MOD, MASK_MOD, TILE, SCHED, SPARSE, FLAGS, QUANT)),
+                         pack_args, SCORE_MOD, MASK_MOD, TILE, SCHED, SPARSE, FLAGS, QUANT, PACK)),
         (_consumer_wg1, (descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs,
-                         SCORE_MOD, MASK_MOD, TILE, SCHED, SPARSE, FLAGS, QUANT)),
+                         pack_args, SCORE_MOD, MASK_MOD, TILE, SCHED, SPARSE, FLAGS, QUANT, PACK)),
         (_producer_entry, (descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs,
-                           SCORE_MOD, MASK_MOD, TILE, SCHED, SPARSE, FLAGS, QUANT)),
+                           pack_args, SCORE_MOD, MASK_MOD, TILE, SCHED, SPARSE, FLAGS, QUANT, PACK)),
     ], [4, 1], [SCHED.CONSUMER_REGS, SCHED.PRODUCER_REGS])
 
 
@@ -1516,6 +1636,7 @@ class _Site:
     num_tiles: int
     num_sms: int
     persistent: bool          # as use_persistent decides for this launch
+    pack: Packing = DENSE
 
     def launch(self, persistent=None, even_n=None):
         """(args, kwargs, grid) of this site's launch, or of a sibling: the schedule / EVEN_N overridden."""
@@ -1525,16 +1646,18 @@ class _Site:
         grid = (min((self.num_tiles + 1) // 2, self.num_sms),) if persistent else (self.num_tiles,)
         kwargs = dict(SCORE_MOD=self.score_mod, MASK_MOD=self.mask_mod, TILE=self.tile,
                       SCHED=self.schedules[persistent], SPARSE=self.sparse, FLAGS=flags, QUANT=self.quant,
-                      num_warps=4, maxnreg=self.cfg.maxnreg)
+                      PACK=self.pack, num_warps=4, maxnreg=self.cfg.maxnreg)
         return self.args, kwargs, grid
 
 
 def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs, mask_bufs,
           kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, sparse_q_block, sparse_kv_block,
-          config, num_sms, max_needed=True, fp8=None, sinks=None) -> _Site:
+          config, num_sms, max_needed=True, fp8=None, sinks=None, packed=None) -> _Site:
     """The site behind _prepare: descriptors, block-mask tables, scales and the constexpr bundles.
     `fp8`: the FP8 prologue's FP8Operands (q, k, v are then its q, k and vt; `out` is bf16 / fp16).
-    `sinks`: [Hq] per-head logits joining each row's denominator (module docstring, SINKS), or None."""
+    `sinks`: [Hq] per-head logits joining each row's denominator (module docstring, SINKS), or None.
+    `packed`: the packed sequences of a VARLEN launch (PackedRows; q, k, v, out, lse, max_scores are then
+    [1, H, total, ...] views of the packed tensors), or None."""
     if score_mod is None and sm_scale < 0:
         # The no-mod path keeps raw q.k scores and folds the scale into exp2 / the row max, which is
         # only valid for a positive scale: route negative scales through the (exact) score_mod path.
@@ -1611,23 +1734,33 @@ def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bu
     else:
         sp_ptrs = (lse, lse, lse, lse)   # unused placeholders
         sp_meta = (1,) * 12
+    causal_walk = packed is not None and packed.causal
     sparse = BlockSparsity(HAS_SPARSE=has_sparse, HAS_FULL=has_full,
                            SPARSE_Q_DIV=(sparse_q_block // BLOCK_M) if has_sparse else 1,
-                           SPARSE_KV_MULT=(sparse_kv_block // BLOCK_N) if has_sparse else 1)
+                           SPARSE_KV_MULT=(sparse_kv_block // BLOCK_N) if has_sparse else 1, CAUSAL_WALK=causal_walk)
     flags = ModFlags(HAS_SCORE_MOD=score_mod is not None, HAS_MASK_MOD=mask_mod is not None,
-                     DENSE_MASK=mask_mod is not None and not has_sparse,
+                     DENSE_MASK=mask_mod is not None and not has_sparse and not causal_walk,
                      MASK_AND=mask_mod is not None and mask_and_of(mask_mod),
-                     EVEN_N=N % BLOCK_N == 0, KV_AFFINE=bool(kv_affine), FIXED_BASE=fixed_base is not None,
-                     EXP2_EMU=bool(exp2_emu), HAS_SINKS=sinks is not None, WIDE_SCORES=wide)
+                     # packed: N is per sequence, so any KV tile may cross it
+                     EVEN_N=N % BLOCK_N == 0 and packed is None, KV_AFFINE=bool(kv_affine),
+                     FIXED_BASE=fixed_base is not None, EXP2_EMU=bool(exp2_emu), HAS_SINKS=sinks is not None,
+                     WIDE_SCORES=wide)
 
-    num_m_tiles = triton.cdiv(M, BLOCK_M)
-    num_tiles = B * Hq * num_m_tiles
+    if packed is None:
+        num_m_tiles = triton.cdiv(M, BLOCK_M)
+        num_tiles = B * Hq * num_m_tiles
+        pack, pack_args = DENSE, ()
+    else:   # query tiles of the longest sequence, for every sequence (the kernel's _tile_coords)
+        num_m_tiles = triton.cdiv(packed.max_seqlen_q, BLOCK_M)
+        num_tiles = (packed.cu_seqlens_q.shape[0] - 1) * Hq * num_m_tiles
+        pack, pack_args = Packing(VARLEN=True), (packed.cu_seqlens_q, packed.cu_seqlens_k, out, out.stride(2),
+                                                 out.stride(1))
     max_kv_tiles = None
     if has_sparse and cfg.persistent is None:
         longest = _longest_row(kv_num_blocks, full_kv_num_blocks if has_full else None)
         if longest is not None:
             max_kv_tiles = longest * (sparse_kv_block // BLOCK_N)
-    persistent = use_persistent(cfg, num_tiles, num_sms, N, max_kv_tiles, kv_affine)
+    persistent = use_persistent(cfg, num_tiles, num_sms, N, max_kv_tiles, kv_affine) and packed is None
     # persistent: a separate O staging buffer where shared memory allows it (split tiles stage O in Q's).
     # FP8: always (an e4m3 Q tile has half the bytes of a 16-bit O tile; _fp8_site_config checked the room)
     o_stage = (not tile.SPLIT_QK and not tile.SPLIT_V
@@ -1643,9 +1776,19 @@ def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bu
         quant_bufs = (fp8.q_scale, fp8.k_scale, fp8.v_scale, fp8.v_scale_max)
     sink_bufs = kernel_sink_bufs(sinks, q, fp8, "sm90 forward")
     args = (q_desc, k_desc, v_desc, o_desc, *hi_descs, lse, max_scores, tuple(score_bufs), tuple(mask_bufs),
-            quant_bufs, sink_bufs, *sp_ptrs, *sp_meta, float(sm_scale), to_log2, float(fixed_base or 0.0), qk_unit, num_tiles,
-            num_m_tiles, Hq, Hq // Hkv, M, N)
-    return _Site(args, score_mod, mask_mod, tile, sparse, flags, quant, cfg, schedules, num_tiles, num_sms, persistent)
+            quant_bufs, sink_bufs, pack_args, *sp_ptrs, *sp_meta, float(sm_scale), to_log2, float(fixed_base or 0.0),
+            qk_unit, num_tiles, num_m_tiles, Hq, Hq // Hkv, M, N)
+    return _Site(args, score_mod, mask_mod, tile, sparse, flags, quant, cfg, schedules, num_tiles, num_sms, persistent,
+                 pack)
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """The sequences of a VARLEN launch (module docstring, "Packed sequences"), as _site takes them."""
+    cu_seqlens_q: torch.Tensor   # int32 [B + 1]: sequence b holds query rows cu_seqlens_q[b]:cu_seqlens_q[b + 1]
+    cu_seqlens_k: torch.Tensor   # likewise its keys
+    max_seqlen_q: int            # bounds every sequence's query length: sizes the grid, never read on the host
+    causal: bool                 # the mask_mod is q_idx >= kv_idx: KV walks end at the diagonal (CAUSAL_WALK)
 
 
 def _fp8_site_config(q, k, vt, out, fp8, config) -> Sm90Config:

@@ -21,8 +21,9 @@ _INTERPRETER_UPCAST = (torch.bfloat16,)
 
 
 def is_causal_mask_source(source: Optional[str]) -> bool:
-    """True if a generated ``tl`` mask_mod source is exactly ``q_idx >= kv_idx``: the kernel may
-    then stop each query tile's KV walk at the diagonal (kernel.py, "KV walk").
+    """True if a generated ``tl`` or ``gl`` mask_mod source is exactly ``q_idx >= kv_idx``: the
+    kernel may then stop each query tile's KV walk at the diagonal (kernel.py, "KV walk"; the
+    Hopper kernel's CAUSAL_WALK).
 
     Example::
 
@@ -34,6 +35,38 @@ def is_causal_mask_source(source: Optional[str]) -> bool:
         return False
     body = [line.strip() for line in source.splitlines()[2:] if line.strip()]
     return len(body) == 2 and body[0] in _CAUSAL_BODIES and body[1] == "return v0"
+
+
+VARLEN_KERNELS = ("auto", "hopper", "triton")
+
+
+def pick_varlen_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str = "auto",
+                       capability: Optional[tuple[int, int]] = None) -> str:
+    """Which kernel computes a packed batch on a GPU of ``capability`` (None: Triton's CPU interpreter):
+    "hopper" (the Hopper kernel's VARLEN mode, templates/hopper/varlen_sm90.py: sm90, float16 / bfloat16, its
+    tile table's head dims, TMA-aligned strides) or "triton" (kernel.py: any CUDA GPU and the interpreter).
+    ``kernel`` "auto" takes hopper wherever it serves; "hopper" raises ValueError saying why where it does
+    not; "triton" is always served.
+
+    Example::
+
+        >>> q = torch.empty(10, 4, 128, dtype=torch.bfloat16)
+        >>> pick_varlen_kernel(q, q, q, "auto", (9, 0)), pick_varlen_kernel(q, q, q, "auto", (8, 0))
+        ('hopper', 'triton')
+    """
+    from ..hopper.varlen_sm90 import varlen_sm90_refusal
+
+    if kernel not in VARLEN_KERNELS:
+        raise ValueError(f"flex_varlen: kernel must be one of {VARLEN_KERNELS}, got {kernel!r}")
+    if kernel == "triton":
+        return "triton"
+    why_not = varlen_sm90_refusal(q, k, v, capability)
+    if why_not is None:
+        return "hopper"
+    if kernel == "hopper":
+        raise ValueError(f"flex_varlen: kernel='hopper' cannot run here: {why_not}; pass kernel='auto' to "
+                         "fall back to the Triton varlen kernel")
+    return "triton"
 
 
 def _capability(t: torch.Tensor, plan_for: Optional[tuple[int, int]]) -> Optional[tuple[int, int]]:

@@ -1,0 +1,119 @@
+"""Packed variable-length sequences through the Hopper kernel: fwd_sm90.py's VARLEN mode (its docstring, "Packed
+sequences"), with the same tiles, pipeline and mods as a dense launch. Checks what it serves, prepares, launches and
+compiles (compile-only) one launch. ``fa3_inductor.flex_varlen`` routes here on sm90 GPUs (templates/varlen/host.py,
+``pick_varlen_kernel``); the Triton varlen kernel serves every other GPU and the CPU interpreter.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..tma import tma_aligned
+from .configs import SUPPORTED_DTYPES, served_head_dims_text, serves_head_dims
+from .fwd_sm90 import PackedRows, _site, fa3_fwd_sm90_kernel
+
+
+def packed_view(t: torch.Tensor) -> torch.Tensor:
+    """A packed ``(total, heads, dim)`` tensor as the kernel's ``[1, heads, total, dim]`` (a view, no copy).
+
+    Example::
+
+        >>> packed_view(torch.empty(10, 4, 64)).shape
+        torch.Size([1, 4, 10, 64])
+    """
+    return t.transpose(0, 1).unsqueeze(0)
+
+
+def varlen_sm90_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        capability: Optional[tuple[int, int]]) -> Optional[str]:
+    """None when the Hopper varlen kernel serves these packed tensors on a GPU of ``capability`` (None: not a
+    GPU), else why not, in words. Shapes and dtypes are flex_varlen's, already checked.
+
+    Example::
+
+        >>> q = torch.empty(10, 4, 128, dtype=torch.bfloat16)
+        >>> varlen_sm90_refusal(q, q, q, (9, 0)) is None, varlen_sm90_refusal(q, q, q, (8, 0))
+        (True, 'the Hopper varlen kernel needs an sm90 GPU, this is sm80')
+    """
+    if capability != (9, 0):
+        where = "not a GPU" if capability is None else f"sm{capability[0]}{capability[1]}"
+        return f"the Hopper varlen kernel needs an sm90 GPU, this is {where}"
+    if q.dtype not in SUPPORTED_DTYPES:
+        return f"the Hopper varlen kernel takes float16 or bfloat16, got {q.dtype}"
+    if not serves_head_dims(q.shape[2], v.shape[2]):
+        return (f"the Hopper varlen kernel has no tiles for head dims {q.shape[2]} (q, k) / {v.shape[2]} (v); it "
+                f"serves {served_head_dims_text()}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.shape[0] and not tma_aligned(packed_view(t)):
+            return (f"{name} strides {t.stride()} or its address are not 16-byte aligned (TMA); pass "
+                    f"{name}.contiguous()")
+    return None
+
+
+def prepare_varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                        cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, *,
+                        sm_scale: float, score_mod: Any = None, mask_mod: Any = None, causal: bool = False,
+                        score_bufs: Sequence[torch.Tensor] = (), mask_bufs: Sequence[torch.Tensor] = (),
+                        config: Any = None) -> tuple[Any, tuple, dict, tuple]:
+    """``(kernel, args, kwargs, grid)`` of one launch over packed ``q [TQ, HQ, D]``, ``k [TK, HKV, D]``,
+    ``v [TK, HKV, DV]`` writing ``out [TQ, HQ, DV]`` and ``lse [HQ, TQ]`` (float32, log2 units) in place, as
+    templates/varlen/host.py's prepare_varlen does for the Triton kernel. ``score_mod`` / ``mask_mod`` are
+    generated ``gl`` mods; ``causal`` says the mask_mod is ``q_idx >= kv_idx`` (the KV walk then ends at each
+    tile's diagonal); ``config`` overrides the Hopper tile table (configs.py). Needs TQ, TK > 0.
+
+    Example::
+
+        >>> kernel, args, kwargs, grid = prepare_varlen_sm90(q, k, v, out, lse, cu_q, cu_k, 700,
+        ...                                                  sm_scale=0.088)   # doctest: +SKIP
+        >>> kernel[grid](*args, **kwargs)                                     # doctest: +SKIP
+    """
+    if causal and mask_mod is None:
+        raise ValueError("prepare_varlen_sm90: causal=True needs the causal mask_mod itself (the diagonal tiles "
+                         "apply it); pass mask_mod")
+    lse4 = lse.unsqueeze(0)
+    # MAX is not asked for: a bounded score_mod may then run against a fixed exponent base (fwd_sm90 FIXED_BASE)
+    packed = PackedRows(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), bool(causal))
+    site = _site(packed_view(q), packed_view(k), packed_view(v), packed_view(out), lse4, torch.empty_like(lse4),
+                 sm_scale, score_mod, mask_mod, tuple(score_bufs), tuple(mask_bufs), None, None, None, None, 128,
+                 128, config, 0, max_needed=False, packed=packed)
+    return (fa3_fwd_sm90_kernel, *site.launch())
+
+
+def launch_varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                       cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                       **options: Any) -> None:
+    """Run the Hopper varlen kernel (``options``: :func:`prepare_varlen_sm90`'s keywords, ``sm_scale`` required);
+    ``out`` and ``lse`` are written in place. No keys at all: every row sees none (out 0, lse -inf).
+
+    Example::
+
+        >>> launch_varlen_sm90(q, k, v, out, lse, cu_q, cu_k, 700, sm_scale=0.088)   # doctest: +SKIP
+    """
+    if q.shape[0] == 0 or max_seqlen_q == 0:
+        return
+    if k.shape[0] == 0:   # a TMA descriptor needs rows
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return
+    kernel, args, kwargs, grid = prepare_varlen_sm90(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                     **options)
+    kernel[grid](*args, **kwargs)
+
+
+def compile_varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                        cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                        target: Any = None, **options: Any) -> Any:
+    """Compile (not run) what :func:`launch_varlen_sm90` launches, for ``target`` (default sm90); tensors may be
+    on the CPU. Returns the CompiledKernel (templates/aot.py's sass_report reads it).
+
+    Example::
+
+        >>> ck = compile_varlen_sm90(q, k, v, out, lse, cu_q, cu_k, 700, sm_scale=0.088)   # doctest: +SKIP
+    """
+    from ..aot import compile_launch
+
+    kernel, args, kwargs, _ = prepare_varlen_sm90(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                  **options)
+    return compile_launch(kernel, args, kwargs, target)
