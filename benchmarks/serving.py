@@ -18,7 +18,8 @@ Parts (--part, default all):
           length 0 (no key read: the fixed cost of the launches at the chosen count and at 1).
   paged   page sizes (16, 64, 128, 256) against the contiguous cache, same rounds.
   varlen  16k-token packs of documents of uneven (seeded) lengths, H16 D128 bf16, causal within
-          documents: ours flex_varlen; cuDNN and flash SDPA called per document (the loop timed);
+          documents: ours flex_varlen (on sm90 the Hopper kernel's packed mode, "ours"; its Triton
+          varlen kernel beside it, "ours_triton"); cuDNN and flash SDPA called per document (the loop timed);
           our document-mask path (fa3_inductor.flex on [1, H, 16k, D] with and_masks(document,
           causal), block mask built once); torch's compiled FlexAttention on the same block mask;
           and (first pack) our varlen kernel with other tiles (templates/varlen/configs.py).
@@ -655,6 +656,7 @@ def varlen_row(c: VarlenCase, device: torch.device, dtype: torch.dtype, clock: C
     import fa3_inductor
     from fa3_inductor import mods
     from fa3_inductor.runtime.variants import wait_for_variants
+    from fa3_inductor.templates.varlen.host import pick_varlen_kernel
 
     lengths = doc_lengths(c)
     T, H, D = c.tokens, c.heads, c.d
@@ -676,8 +678,12 @@ def varlen_row(c: VarlenCase, device: torch.device, dtype: torch.dtype, clock: C
                 return [F.scaled_dot_product_attention(*d, is_causal=True) for d in docs]
         return run
 
+    row["ours_kernel"] = pick_varlen_kernel(q, k, v, "auto", torch.cuda.get_device_capability(device)
+                                            if device.type == "cuda" else None)
     impls = {
         "ours": lambda: fa3_inductor.flex_varlen(q, k, v, cu, cu, longest, longest, mask_mod=mods.causal),
+        "ours_triton": lambda: fa3_inductor.flex_varlen(q, k, v, cu, cu, longest, longest, mask_mod=mods.causal,
+                                                        kernel="triton"),
         "sdpa_cudnn_per_doc": per_doc("cudnn"),
         "sdpa_flash_per_doc": per_doc("flash"),
         "docmask": lambda: fa3_inductor.flex(q4, k4, v4, block_mask=bm),
@@ -826,18 +832,20 @@ def _varlen_table(r: dict) -> list[str]:
     lines = [f"## varlen ({r['tokens']} tokens, documents {r['lengths']}, H{r['H']} D{r['D']}, causal "
              "within documents; TFLOP/s of that work only)", "",
              "| impl | ms | TFLOP/s | ours speedup | diff to ours |", "|---|---|---|---|---|"]
-    names = {"ours": "ours flex_varlen", "sdpa_cudnn_per_doc": "cuDNN SDPA per document (sum)",
+    names = {"ours": f"ours flex_varlen ({r.get('ours_kernel', '?')} kernel)",
+             "ours_triton": "ours flex_varlen, Triton varlen kernel (kernel='triton')",
+             "sdpa_cudnn_per_doc": "cuDNN SDPA per document (sum)",
              "sdpa_flash_per_doc": "flash SDPA per document (sum)",
              "docmask": f"ours flex + document mask ({r.get('docmask_template', '?')})",
              "flex": "torch flex (compiled), document block mask"}
     names.update({k[:-3]: f"ours flex_varlen's kernel with tiles {k[5:-3]} (block_m x block_n x warps x stages)"
-                  for k in r if k.startswith("ours_") and k.endswith("_ms") and k != "ours_ms"})
+                  for k in r if k.startswith("ours_") and k.endswith("_ms") and k[5].isdigit()})
     for key, name in names.items():
         lines.append(f"| {name} | {_f(r, key + '_ms')} | {_f(r, key + '_tflops', '{:.0f}')} | "
                      f"{_f(r, 'vs_' + key, '{:.2f}') if key != 'ours' else '1.00'} | "
                      f"{_f(r, key + '_diff', '{:.1e}') if key != 'ours' else '-'} |")
-    return lines + ["", "ours speedup: the impl's time over flex_varlen's (configs.py tiles); below 1 on a "
-                    "tile variant means those tiles are faster.", ""]
+    return lines + ["", "ours speedup: the impl's time over flex_varlen's (the kernel it picks); the tile variants "
+                    "are the Triton varlen kernel's (templates/varlen/configs.py), below 1 means faster.", ""]
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
@@ -899,7 +907,8 @@ def summary(meta: dict, rows: list[dict]) -> str:
         if r["part"] == "varlen" and "lengths" in r:
             lines.append(f"| varlen {r['docs']} docs: {_f(r, 'ours_tflops', '{:.0f}')} TFLOP/s, "
                          f"x{_f(r, 'vs_sdpa_cudnn_per_doc', '{:.2f}')} cuDNN/doc, x{_f(r, 'vs_docmask', '{:.2f}')} "
-                         "doc mask | | | | | | | |")
+                         f"doc mask, x{_f(r, 'vs_ours_triton', '{:.2f}')} our Triton kernel "
+                         f"(ours: {r.get('ours_kernel', '?')}) | | | | | | | |")
     if rows:
         lines += ["", *[f"- {t}" for t in targets(rows)]]
     if meta["budget_stops"]:

@@ -52,7 +52,9 @@ def test_smoke_run_writes_every_part(tmp_path):
     assert set(rows[3]["by_page_ms"]) == {"8", "16", "32"}           # pages below and above a tile
     varlen = rows[4]
     assert sum(varlen["lengths"]) == varlen["tokens"] and len(varlen["lengths"]) == 6
-    assert {"ours_ms", "docmask_ms", "flex_ms", "vs_docmask", "ours_tflops", "ours_16x16x4x1_ms"} <= set(varlen), varlen
+    assert {"ours_ms", "ours_triton_ms", "docmask_ms", "flex_ms", "vs_docmask", "ours_tflops",
+            "ours_16x16x4x1_ms"} <= set(varlen), varlen
+    assert varlen["ours_kernel"] == "triton"   # the CPU interpreter
     table = md_path.read_text()
     for heading in ("## decode", "## split counts", "## page sizes", "## varlen", "## targets"):
         assert heading in table
