@@ -22,6 +22,7 @@ import os
 import re
 import subprocess
 import sys
+from typing import Optional
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 _STEM = re.compile(r"^(?P<kind>[a-z0-9-]+?)-(?P<device>nvidia-[a-z0-9-]+?)-(?P<date>\d{4}-\d{2}-\d{2})"
@@ -104,8 +105,15 @@ def _row(stem: str, files: list[str], commit: str, data: dict) -> dict:
     kind, device, date = (m["kind"], m["device"], f"{m['date']} {m['time'] or ''}".strip()) if m \
         else ("other", "", "")
     return dict(stem=stem, kind=kind, device=device, date=date,
-                preset=_preset(data) if kind == "bench" else _gpus(device),
+                preset=_preset(data) if kind == "bench" else _part(m, device),
                 files=", ".join(f[len(stem):] or f for f in files), commit=commit)
+
+
+def _part(m: Optional[re.Match], device: str) -> str:
+    """Other kinds: the GPU count, and a tag after the time naming a part measured alone
+    (``serving-…-0221-varlen`` does not replace a full serving run)."""
+    tag = (m["tag"] or "").lstrip("-.") if m else ""
+    return " ".join(x for x in (_gpus(device), tag) if x)
 
 
 def _gpus(device: str) -> str:
