@@ -8,9 +8,9 @@ mods, pick the template, exactly as the lowering does) and then calls the
 
 Plans are cached by what the mods compute, not by the function objects (mod_keys.py): that is
 the part of Dynamo's guarding this path needs: redefining ``softcap(30.0)`` on every call hits
-the cache, changing a captured number or rebinding a captured tensor re-plans. A mod whose key
-cannot be read (a callable object, a functools.partial, an unusual closure value) is cached by
-identity.
+the cache, changing a captured number re-plans, and a captured tensor counts by its layout and
+place only (plan_cache.py: the kernel reads its values). A mod whose key cannot be read (a callable
+object, a functools.partial, an unusual closure value) is cached by identity.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from torch.nn.attention.flex_attention import noop_mask
 from ._log import info_once
 from .config import Settings
 from .lowering.site_plan import plan_site
-from .mod_keys import ModWatch, Unkeyable, mod_key
+from .mod_keys import ModWatch, Unkeyable
+from .plan_cache import Plan as _Plan, cached
 from .runtime.kernel_failures import kernel_failure
 from .runtime.spec import SiteSpec
 from .templates.decode.shape import decode_fit
@@ -35,15 +36,6 @@ _NO_MASK_BLOCK = 1 << 30   # torch's "no mask" block size
 _LN2 = math.log(2.0)      # the kernels' LSE is in log2 units
 _MAX_PLANS = 512
 _PLANS: dict[Hashable, Any] = {}
-
-
-class _Plan:
-    __slots__ = ("spec", "score_bufs", "mask_bufs", "reason")
-
-    def __init__(self, spec: Optional[str], score_bufs: list, mask_bufs: list,
-                 reason: Optional[str]):
-        self.spec, self.score_bufs, self.mask_bufs, self.reason = (
-            spec, score_bufs, mask_bufs, reason)
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable], block_mask: Any,
@@ -199,7 +191,7 @@ def cached_plan(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable],
                 sinks: bool = False) -> _Plan:
     """:func:`plan_direct`'s plan, cached by what the mods compute (module docstring) and the
     site's kind (device, dtype, heads, head dims, batch broadcast, block sizes, FP8 or not, sinks
-    or not).
+    or not), bound to the tensors these mods capture (plan_cache.py).
 
     Example::
 
@@ -211,17 +203,8 @@ def cached_plan(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable],
             None if block_mask is None else tuple(block_mask.BLOCK_SIZE),
             decode_fit(q.shape[2], q.shape[1], k.shape[1]),   # the decode family's or not
             sinks)
-    try:
-        key = (mod_key(score_mod), mod_key(mask_mod), site)
-    except Unkeyable:
-        key = (score_mod, mask_mod, site)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = plan_direct(q, k, v, score_mod, mask_mod, block_mask, template, fp8, sinks)
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
-    return plan
+    return cached(_PLANS, _MAX_PLANS, site, score_mod, mask_mod,
+                  lambda: plan_direct(q, k, v, score_mod, mask_mod, block_mask, template, fp8, sinks))
 
 
 def plan_direct(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable],

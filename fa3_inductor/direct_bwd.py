@@ -30,14 +30,14 @@ from torch.nn.attention.flex_attention import noop_mask
 
 from ._log import info_once
 from .config import Settings
-from .direct import _Plan, block_mask_tables
-from .mod_keys import Unkeyable, mod_key
+from .direct import block_mask_tables
+from .plan_cache import Plan as _Plan, cached
 from .templates.family import BackwardSiteFacts
 from .templates.modgen import BufferSpec, UnsupportedMod, trace_mod
 
 _LN2 = math.log(2.0)
 _MAX_PLANS = 512
-_PLANS: dict[Hashable, _Plan] = {}
+_PLANS: dict[Hashable, Any] = {}
 
 
 def backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
@@ -79,7 +79,8 @@ def backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Te
 def cached_plan(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable],
                 mask_mod: Optional[Callable], block_mask: Any, template: str = "auto") -> _Plan:
     """:func:`plan_backward`'s plan, cached by what the mods compute and the site's kind (device,
-    dtype, heads, head dims, batch broadcast, block sizes).
+    dtype, heads, head dims, batch broadcast, block sizes), bound to the tensors these mods
+    capture (plan_cache.py).
 
     Example::
 
@@ -89,19 +90,15 @@ def cached_plan(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable],
     site = (template, q.device, q.dtype, q.shape[1], q.shape[3], k.shape[1], v.shape[3],
             q.shape[0] == k.shape[0] or k.shape[0] == 1,
             None if block_mask is None else tuple(block_mask.BLOCK_SIZE))
-    try:
-        key = (mod_key(score_mod), mod_key(mask_mod), site)
-    except Unkeyable:
-        key = (score_mod, mask_mod, site)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = plan_backward(q, k, v, score_mod, mask_mod, block_mask, template)
-        if plan.reason is not None:
-            info_once("fa3_inductor: no backward family serves a direct backward call: "
-                      f"{plan.reason}")
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
+    return cached(_PLANS, _MAX_PLANS, site, score_mod, mask_mod,
+                  lambda: _planned_backward(q, k, v, score_mod, mask_mod, block_mask, template))
+
+
+def _planned_backward(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable],
+                      mask_mod: Optional[Callable], block_mask: Any, template: str) -> _Plan:
+    plan = plan_backward(q, k, v, score_mod, mask_mod, block_mask, template)
+    if plan.reason is not None:
+        info_once(f"fa3_inductor: no backward family serves a direct backward call: {plan.reason}")
     return plan
 
 

@@ -54,9 +54,31 @@ def mod_key(fn: Optional[Callable], versions: bool = False) -> Hashable:
     return _fn_key(fn, 0, versions)
 
 
+def layout_key(fn: Optional[Callable]) -> tuple[Hashable, list[Tensor]]:
+    """(key, captured tensors): :func:`mod_key` with each captured tensor keyed by its layout
+    (shape, strides, dtype, device) and its place among the tensors the walk meets, not by its
+    identity; the tensors in that order. Raises :class:`Unkeyable`.
+
+    For caches of work that reads the tensors at run time only (a kernel plan): transformers
+    builds a new padding-mask tensor every forward, and the same plan serves it, bound to the
+    tensors found at the same places. A tensor captured twice keeps one place, so a mod that
+    captures one tensor twice and one that captures two differ.
+
+    Example::
+
+        >>> ids = torch.zeros(8, dtype=torch.int32)
+        >>> key, found = layout_key(mods.document(ids))
+        >>> layout_key(mods.document(ids.clone()))[0] == key and found[0] is ids
+        True
+    """
+    found: list[Tensor] = []
+    return _fn_key(fn, 0, False, found=found), found
+
+
 def _fn_key(fn: Optional[Callable], depth: int, versions: bool,
-            watch: Optional["ModWatch"] = None) -> Hashable:
-    """The walk behind mod_key; with ``watch``, it also records every place it read (ModWatch)."""
+            watch: Optional["ModWatch"] = None, found: Optional[list] = None) -> Hashable:
+    """The walk behind mod_key; with ``watch``, it also records every place it read (ModWatch);
+    with ``found``, tensors are keyed by layout and place (:func:`layout_key`)."""
     if fn is None:
         return None
     if not isinstance(fn, types.FunctionType) or depth > _MAX_DEPTH:
@@ -67,15 +89,22 @@ def _fn_key(fn: Optional[Callable], depth: int, versions: bool,
         watch._cells.extend((c, c.cell_contents) for c in fn.__closure__ or ())
         watch._globals.extend((fn.__globals__, n, fn.__globals__[n]) for n in code.co_names
                               if n in fn.__globals__)
-    cells = tuple(_value_key(c.cell_contents, depth, versions, watch) for c in (fn.__closure__ or ()))
-    names = tuple((n, _value_key(fn.__globals__[n], depth, versions, watch)) for n in code.co_names
-                  if n in fn.__globals__)
-    return (code, cells, names, _value_key(fn.__defaults__, depth, versions, watch))
+    cells = tuple(_value_key(c.cell_contents, depth, versions, watch, found)
+                  for c in (fn.__closure__ or ()))
+    names = tuple((n, _value_key(fn.__globals__[n], depth, versions, watch, found))
+                  for n in code.co_names if n in fn.__globals__)
+    return (code, cells, names, _value_key(fn.__defaults__, depth, versions, watch, found))
 
 
-def _value_key(value: Any, depth: int, versions: bool, watch: Optional["ModWatch"] = None) -> Hashable:
+def _value_key(value: Any, depth: int, versions: bool, watch: Optional["ModWatch"] = None,
+               found: Optional[list] = None) -> Hashable:
     if isinstance(value, _SCALARS):
         return (type(value), value)
+    if isinstance(value, Tensor) and found is not None:
+        place = next((i for i, t in enumerate(found) if t is value), len(found))
+        if place == len(found):
+            found.append(value)
+        return ("tensor at", place, value.shape, value.stride(), value.dtype, value.device)
     if isinstance(value, Tensor):
         key = ("tensor", id(value), value.shape, value.stride(), value.dtype, value.device)
         if not versions:
@@ -84,13 +113,13 @@ def _value_key(value: Any, depth: int, versions: bool, watch: Optional["ModWatch
             watch._tensors.append((value, value._version))
         return key + (value._version,)
     if isinstance(value, types.FunctionType):
-        return _fn_key(value, depth + 1, versions, watch)
+        return _fn_key(value, depth + 1, versions, watch, found)
     if isinstance(value, (types.ModuleType, types.BuiltinFunctionType, type, torch.dtype)):
         return ("object", id(value))
     if isinstance(value, list) and watch is not None:   # its items may change in place, unseen
         raise Unkeyable("it captures a list, which may change in place")
     if isinstance(value, (tuple, list)):
-        return (type(value), tuple(_value_key(v, depth, versions, watch) for v in value))
+        return (type(value), tuple(_value_key(v, depth, versions, watch, found) for v in value))
     if callable(value) and str(getattr(value, "__module__", "")).startswith("torch"):
         return ("object", id(value))  # torch's own functions and op overloads
     raise Unkeyable(f"it captures a {type(value).__name__}")
