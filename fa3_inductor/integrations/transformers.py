@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -61,7 +62,7 @@ def fa3_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
             "attn_implementation='fa3_fp8' is inference-only (no backward through FP8 attention): "
             "call model.eval() under torch.no_grad(), or use attn_implementation='fa3' to train")
     score_mod = mods.softcap(softcap) if softcap else None
-    packed = None if fp8 is not None else packed_sequences(query, key, kwargs)
+    packed = None if fp8 is not None else packed_sequences(query, key, kwargs, attention_mask)
     if packed is not None:
         return _packed_attention(query, key, value, packed, score_mod, scaling, sinks,
                                  kwargs.get("sliding_window")), None
@@ -77,14 +78,17 @@ def fa3_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
 _POSITIONS_MEMO: dict = {}   # one position_ids tensor serves every layer of a forward: read it once
 
 
-def packed_sequences(query: torch.Tensor, key: torch.Tensor, kwargs: dict
+def packed_sequences(query: torch.Tensor, key: torch.Tensor, kwargs: dict,
+                     mask: Optional[BlockMask] = None
                      ) -> Optional[tuple[torch.Tensor, torch.Tensor, int, int]]:
     """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) when the call is a packed batch of
     sequences, else None: FlashAttention kwargs (``cu_seq_lens_q/k``, ``max_length_q/k``, from
     transformers' ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), or, for one row
     with no cache (query and key equally long), ``position_ids`` that restart at 0. The latter is
     read on the host once per position_ids tensor (the lengths size the launch grid), as
-    transformers' FlashAttention path does.
+    transformers' FlashAttention path does, unless ``mask`` was built by :func:`fa3_mask` with a
+    2D attention mask: transformers' masks then read no packing from position_ids, and neither
+    do we (generate() passes one: its prefill reads nothing on the host here).
 
     Example::
 
@@ -101,7 +105,7 @@ def packed_sequences(query: torch.Tensor, key: torch.Tensor, kwargs: dict
     positions = kwargs.get("position_ids")
     if (positions is None or positions.dim() != 2 or positions.shape[0] != 1 or query.shape[0] != 1
             or query.shape[2] != key.shape[2] or positions.shape[1] != query.shape[2]
-            or query.shape[2] < 2):
+            or query.shape[2] < 2 or _built_with_padding(mask)):
         return None
     memo_key = (id(positions), positions.data_ptr(), positions._version)
     hit = _POSITIONS_MEMO.get(memo_key)
@@ -118,6 +122,11 @@ def packed_sequences(query: torch.Tensor, key: torch.Tensor, kwargs: dict
         _POSITIONS_MEMO.clear()   # the memo keeps the tensor alive: hold only the latest
         _POSITIONS_MEMO[memo_key] = hit
     return hit[1]
+
+
+def _built_with_padding(mask: Optional[BlockMask]) -> bool:
+    # the weak set is not read inside a compiled region (Dynamo would trace it): there as before
+    return mask is not None and not torch.compiler.is_compiling() and mask in _PADDED
 
 
 def _packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed: tuple,
@@ -166,6 +175,8 @@ def fa3_fp8_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
 
 
 _OFFSETS: dict = {}   # id of a cache's offset tensor -> (that tensor, the snapshot fa3_mask reads)
+# masks fa3_mask built with a 2D attention mask: their calls read no packing from position_ids
+_PADDED: "weakref.WeakSet[BlockMask]" = weakref.WeakSet()
 
 
 def _snapshot(offset: Any) -> Any:
@@ -204,14 +215,16 @@ def fa3_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, 
              mask_function: Any = None, attention_mask: Optional[torch.Tensor] = None,
              device: Any = "cpu", **kwargs: Any) -> BlockMask:
     """transformers' ``flex_attention_mask`` (its arguments), the mask function registered for "fa3"
-    and "fa3_fp8", with three differences that keep generate()'s decode steps fast:
+    and "fa3_fp8", with four differences that keep generate()'s steps fast:
 
     - tensor offsets are copied when the mask is built (:func:`_snapshot`);
     - a padding mask is ANDed in whatever its values (exact). transformers skips an all-ones one
       (`fast_all`), a host sync every step in eager (generate() builds the mask outside its
       compiled step) and a graph break in a compiled region;
     - inside a compiled region ``create_block_mask`` is traced; transformers' ``_compile=True``
-      there is a graph break (torch 2.13). Eagerly it runs compiled, as transformers does.
+      there is a graph break (torch 2.13). Eagerly it runs compiled, as transformers does;
+    - a mask built eagerly with a padding mask is remembered (``_PADDED``, weakly), so that its
+      attention calls read no packing from ``position_ids`` (:func:`packed_sequences`).
 
     (H100, SmolLM2-135M 1 x 4k, static cache: 8.3 ms a decode step against sdpa's 4.4 before.)
 
@@ -230,8 +243,13 @@ def fa3_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, 
         padding_mask = prepare_padding_mask(attention_mask, kv_length, kv_offset)
         mask_function = and_masks(mask_function, padding_mask_function(padding_mask))
     mask_function = add_offsets_to_mask_function(mask_function, q_offset, kv_offset)
-    build = create_block_mask if torch.compiler.is_compiling() else _compiled_create_block_mask()
-    return build(mask_function, batch_size, None, q_length, kv_length, device=device)
+    if torch.compiler.is_compiling():
+        return create_block_mask(mask_function, batch_size, None, q_length, kv_length, device=device)
+    block_mask = _compiled_create_block_mask()(mask_function, batch_size, None, q_length, kv_length,
+                                               device=device)
+    if attention_mask is not None:
+        _PADDED.add(block_mask)
+    return block_mask
 
 
 @functools.cache
