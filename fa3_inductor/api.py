@@ -175,6 +175,17 @@ def _triton_interpreting() -> bool:
     return bool(knobs.runtime.interpret)
 
 
+# CPU inference calls take the compiled path (it checks our lowering in CI). Tests that check the
+# direct path's host work on the CPU set this (tests/test_prefill_host_path.py).
+DIRECT_ON_CPU = False
+
+
+def _takes_direct_path(q: Tensor) -> bool:
+    """Whether an inference call on ``q``'s device is planned once and then served by our op
+    directly (direct.py): CUDA, or the CPU under the interpreter while ``DIRECT_ON_CPU`` is set."""
+    return q.is_cuda or (DIRECT_ON_CPU and q.device.type == "cpu" and _triton_interpreting())
+
+
 def _runs_our_kernels(q: Tensor) -> bool:
     if q.is_cuda:
         return True
@@ -248,7 +259,8 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
             return _flex_fp8(q, k, v, score_mod, mask_mod, block_mask, scale, enable_gqa, return_lse,
                              template, recipe, rope)
     memo = None
-    if type(q) is Tensor and q.is_cuda and sinks is None and not torch.compiler.is_compiling():
+    if (type(q) is Tensor and _takes_direct_path(q) and sinks is None
+            and not torch.compiler.is_compiling()):
         # A repeat of an earlier served call re-launches its kernel at once (direct.py, "call memo").
         memo = direct.memo_key(score_mod, mask_mod, block_mask, scale, enable_gqa, template)
         hit = direct.replay(memo, q, k, v, return_lse)
@@ -278,7 +290,7 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
                   "(fa3 kernels need CUDA, or TRITON_INTERPRET=1 on the CPU)")
         record_template("torch")
         return _flex_call(*args)
-    if q.is_cuda and template != "torch" and not _needs_grad(q, k, v, sinks):
+    if _takes_direct_path(q) and template != "torch" and not _needs_grad(q, k, v, sinks):
         # Inference: plan once, then call our op directly (no Dynamo/AOT/Inductor per call).
         served = direct.forward(q, k, v, score_mod, block_mask,
                                 scale if scale is not None else q.shape[-1] ** -0.5, template,
