@@ -16,6 +16,7 @@ object, a functools.partial, an unusual closure value) is cached by identity.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Callable, Hashable, Optional
 
 import torch
@@ -168,8 +169,16 @@ def _remember(memo: tuple, q: Tensor, k: Tensor, v: Tensor, plan: "_Plan", table
         return
     if len(_CALLS) >= _MAX_CALLS:
         _CALLS.clear()
-    # the objects stay referenced: their ids in the key cannot be reused while the entry lives
-    _CALLS[key] = _Call((score_mod, mask_mod, block_mask), watches, _signature(q, k, v), launch,
+    # the objects stay referenced: their ids in the key cannot be reused while the entry lives. A
+    # block mask weakly: transformers builds one per forward, and the entry (with LSE and row-max
+    # scratch of the call's size) goes when it does, before its id can be reused
+    held: tuple = (score_mod, mask_mod)
+    if block_mask is not None:
+        try:
+            weakref.finalize(block_mask, _CALLS.pop, key, None)
+        except TypeError:   # not weakly referable
+            held += (block_mask,)
+    _CALLS[key] = _Call(held, watches, _signature(q, k, v), launch,
                         any(b.requires_grad for b in (*plan.score_bufs, *plan.mask_bufs)))
 
 

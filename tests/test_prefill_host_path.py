@@ -129,3 +129,25 @@ def test_layout_keys_tell_one_tensor_captured_twice_from_two():
         return mask
     assert layout_key(pair(a, a))[0] != layout_key(pair(a, b))[0]
     assert layout_key(pair(a, b))[0] != layout_key(pair(a, torch.zeros(4, dtype=torch.int32)))[0]
+
+
+def test_a_remembered_call_goes_with_its_block_mask(monkeypatch):
+    """The call memo holds a block mask weakly: transformers builds one per forward, and an entry
+    kept past it would keep its LSE and row-max scratch (B x H x M floats each) for nothing."""
+    import gc
+
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from fa3_inductor.plan_cache import Plan
+
+    monkeypatch.setattr("fa3_inductor.runtime.ops.bound_launch", lambda *args: lambda *a: None)
+    direct.clear()
+    q = torch.zeros(1, 1, 128, 16)
+    block_mask = create_block_mask(mods.causal, None, None, 128, 128, device="cpu")
+    key = direct.memo_key(None, None, block_mask, None, False, "auto")
+    direct._remember((key, None, None, block_mask), q, q, q, Plan("{}", [], [], None),
+                     direct.block_mask_tables(block_mask)[0], 0.25, 128, 128)
+    assert key in direct._CALLS
+    del block_mask
+    gc.collect()
+    assert key not in direct._CALLS
