@@ -17,7 +17,8 @@ tolerance rule), with the site reported fused:
 - SDPA on 5-D q/k/v (timm's Hiera, NesT, Twins) and on 3-D [B*H, N, D] with a 3-D float mask
   (timm's SAM ViT);
 - CPM-Ant: ``masked_fill(softmax(masked_fill(S, ~m, -inf)), ~m, 0)``, rows with no key included;
-- a graph with a one-operand ``einsum`` (DiT's unpatchify) next to an SDPA call.
+- a graph with a one-operand ``einsum`` (DiT's unpatchify) next to an SDPA call;
+- SAM's decomposed relative positions: a query-computed bias ``reshape_as`` the scores.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class Spelled(nn.Module):
         self.spelling = spelling
         self.bias = nn.Parameter(0.5 * torch.randn(1, 1, H, M, M))   # LongT5's block bias
         self.table = nn.Embedding(8, H)                                # a bucket bias table
+        self.rel_pos_h = nn.Parameter(0.1 * torch.randn(4, 4, D))      # SAM's per-axis tables
+        self.rel_pos_w = nn.Parameter(0.1 * torch.randn(4, 4, D))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return getattr(self, self.spelling)(x)
@@ -196,6 +199,18 @@ class Spelled(nn.Module):
         s = q @ k.transpose(-1, -2) * D ** -0.5 + bias
         return self._merge(torch.softmax(s, dim=-1) @ v)
 
+    def sam_rel_pos(self, x):
+        # SAM / PP-FormulaNet: a bias computed from the queries (decomposed relative positions over
+        # a 4 x 4 grid), shaped like the scores by ``reshape_as(attn_weights)``, on [B*H, M, N]
+        q, k, v = (t.reshape(B * H, M, D) for t in self._heads(x))
+        s = (q * D ** -0.5) @ k.transpose(-2, -1)
+        grid = q.reshape(B * H, 4, 4, D)
+        rel_h = torch.einsum("bhwc,hkc->bhwk", grid, self.rel_pos_h)
+        rel_w = torch.einsum("bhwc,wkc->bhwk", grid, self.rel_pos_w)
+        rel = (rel_h[:, :, :, :, None] + rel_w[:, :, :, None, :]).reshape_as(s)
+        out = torch.softmax(s + rel, dim=-1) @ v
+        return self._merge(out.view(B, H, M, D))
+
     def dit(self, x):
         # DiT: an SDPA call, and a one-operand einsum (unpatchify) in the same graph
         q, k, v = self._heads(x)
@@ -205,7 +220,8 @@ class Spelled(nn.Module):
 
 WINDOWED = {"longt5", "sdpa_5d", "sdpa_5d_mask"}
 FUSED = ["bart", "bloom", "neox_japanese", "diffusers_masked", "hiera", "longt5", "sdpa_5d",
-         "sdpa_5d_mask", "sdpa_3d_bias", "cpmant", "mutated_mask", "inplace_bucket", "dit"]
+         "sdpa_5d_mask", "sdpa_3d_bias", "cpmant", "mutated_mask", "inplace_bucket", "dit",
+         "sam_rel_pos"]
 
 
 def _input(spelling: str) -> torch.Tensor:

@@ -71,6 +71,7 @@ from ..report import RecognizedSite
 from .sinks import match_sinks
 from .spelled_softmax import canonicalize_spelled_softmax
 from .baddbmm import canonicalize_baddbmm
+from .shape_arguments import canonicalize_shape_arguments
 from .score_writes import KEPT, functionalize_score_writes
 
 FRONT_DOOR = "matmul-softmax"
@@ -100,6 +101,7 @@ def rewrite_manual(gm: torch.fx.GraphModule,
     canonicalize_spelled_softmax(gm)
     canonicalize_baddbmm(gm)   # scores by baddbmm (diffusers, BLOOM): bmm, scale, bias
     functionalize_score_writes(gm)   # scores written in place (MViTv2, Flaubert): out of place
+    canonicalize_shape_arguments(gm)   # x.reshape_as(scores) (SAM): x.reshape(*shape)
     for node in list(gm.graph.nodes):
         if op_name(node) not in _PV_OPS or not _follows_softmax(node):
             continue
