@@ -18,7 +18,8 @@ tolerance rule), with the site reported fused:
   (timm's SAM ViT);
 - CPM-Ant: ``masked_fill(softmax(masked_fill(S, ~m, -inf)), ~m, 0)``, rows with no key included;
 - a graph with a one-operand ``einsum`` (DiT's unpatchify) next to an SDPA call;
-- SAM's decomposed relative positions: a query-computed bias ``reshape_as`` the scores.
+- SAM's decomposed relative positions: a query-computed bias ``reshape_as`` the scores;
+- MiMo-V2-Flash's row max subtracted before the softmax.
 """
 
 from __future__ import annotations
@@ -211,6 +212,13 @@ class Spelled(nn.Module):
         out = torch.softmax(s + rel, dim=-1) @ v
         return self._merge(out.view(B, H, M, D))
 
+    def mimo_row_max(self, x):
+        # MiMo-V2-Flash: the row max subtracted before the softmax "for BF16/FP16 stability"
+        q, k, v = self._heads(x)
+        s = q @ k.transpose(-1, -2) * D ** -0.5 + _causal_float_mask(x.dtype, x.device)
+        s = s - s.max(dim=-1, keepdim=True).values
+        return self._merge(F.softmax(s, dim=-1, dtype=s.dtype) @ v)
+
     def dit(self, x):
         # DiT: an SDPA call, and a one-operand einsum (unpatchify) in the same graph
         q, k, v = self._heads(x)
@@ -221,7 +229,7 @@ class Spelled(nn.Module):
 WINDOWED = {"longt5", "sdpa_5d", "sdpa_5d_mask"}
 FUSED = ["bart", "bloom", "neox_japanese", "diffusers_masked", "hiera", "longt5", "sdpa_5d",
          "sdpa_5d_mask", "sdpa_3d_bias", "cpmant", "mutated_mask", "inplace_bucket", "dit",
-         "sam_rel_pos"]
+         "sam_rel_pos", "mimo_row_max"]
 
 
 def _input(spelling: str) -> torch.Tensor:

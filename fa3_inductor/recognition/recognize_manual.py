@@ -69,7 +69,7 @@ from .operands import (einsum_out_perm, einsum_qk, einsum_v, peel_constant_scale
                        transposed_source, unrepeat)
 from ..report import RecognizedSite
 from .sinks import match_sinks
-from .spelled_softmax import canonicalize_spelled_softmax
+from .spelled_softmax import canonicalize_spelled_softmax, drop_row_max_shift
 from .baddbmm import canonicalize_baddbmm
 from .shape_arguments import canonicalize_shape_arguments
 from .score_writes import KEPT, functionalize_score_writes
@@ -99,6 +99,7 @@ def rewrite_manual(gm: torch.fx.GraphModule,
     sites: list[RecognizedSite] = []
     extra_inputs: list[torch.Tensor] = []
     canonicalize_spelled_softmax(gm)
+    drop_row_max_shift(gm)     # softmax(s - s.max(-1).values) (MiMo-V2-Flash): softmax(s)
     canonicalize_baddbmm(gm)   # scores by baddbmm (diffusers, BLOOM): bmm, scale, bias
     functionalize_score_writes(gm)   # scores written in place (MViTv2, Flaubert): out of place
     canonicalize_shape_arguments(gm)   # x.reshape_as(scores) (SAM): x.reshape(*shape)

@@ -57,6 +57,42 @@ def canonicalize_spelled_softmax(gm: torch.fx.GraphModule) -> int:
     return count
 
 
+def drop_row_max_shift(gm: torch.fx.GraphModule) -> int:
+    """``softmax(s - s.max(-1, keepdim=True).values, -1)`` becomes ``softmax(s, -1)``; returns how
+    many. Softmax ignores a per-row shift (it subtracts the row max itself), so dropping it is
+    exact in the math; eager rounds ``s - max`` to the scores' dtype first, the kernel does not.
+    MiMo-V2-Flash writes it before every softmax "for BF16/FP16 numerical stability"; its layers
+    without attention sinks were left alone ("getitem ... is not an elementwise operation").
+
+    Example::
+
+        >>> drop_row_max_shift(gm)    # doctest: +SKIP
+        1
+    """
+    count = 0
+    for node in list(gm.graph.nodes):
+        t = example(node)
+        if op_name(node) not in ("softmax", "_softmax") or t is None or t.dim() == 0:
+            continue
+        dim = arg(node, 1, "dim")
+        if not isinstance(dim, int) or dim % t.dim() != t.dim() - 1:
+            continue
+        shifted = arg(node, 0, "input")
+        found = _row_max_shifted(shifted, node, t.dim())
+        if found is None:
+            continue
+        scores, dead = found
+        node.replace_input_with(shifted, scores)
+        for n in dead:   # consumers first, so each is unused when erased
+            if not n.users:
+                gm.graph.erase_node(n)
+        count += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
 def _last_dim(node: torch.fx.Node, index: int, rank: int) -> bool:
     dim = arg(node, index, "dim")
     if isinstance(dim, (list, tuple)) and len(dim) == 1:
@@ -80,12 +116,19 @@ def _match(div: torch.fx.Node) -> Optional[tuple[torch.fx.Node, list[torch.fx.No
     if arg(total, 0, "input") is not e or not _last_dim(total, 1, rank) or \
             not _only_users(e, {div, total}) or not _only_users(total, {div}):
         return None
-    shifted = arg(e, 0, "input")
+    found = _row_max_shifted(arg(e, 0, "input"), e, rank)
+    return None if found is None else (found[0], [total, e] + found[1])
+
+
+def _row_max_shifted(shifted: Any, user: torch.fx.Node, rank: int
+                     ) -> Optional[tuple[torch.fx.Node, list[torch.fx.Node]]]:
+    """(s, nodes to drop) if ``shifted``, read by ``user`` only, is ``s - max(s)`` over dim -1
+    (``amax``, ``max(..).values`` / ``[0]``, the max possibly detached)."""
     if op_name(shifted) != "sub" or len(shifted.args) != 2 or shifted.kwargs or \
-            not _only_users(shifted, {e}):
+            not _only_users(shifted, {user}):
         return None
     s, row_max = shifted.args
-    dead = [total, e, shifted]
+    dead = [shifted]
     if op_name(row_max) == "detach" and _only_users(row_max, {shifted}):
         dead.append(row_max)
         row_max = row_max.args[0]
