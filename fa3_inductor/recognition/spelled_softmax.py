@@ -47,14 +47,9 @@ def canonicalize_spelled_softmax(gm: torch.fx.GraphModule) -> int:
             softmax = gm.graph.call_function(torch.softmax, (scores, -1))
         softmax.meta.update(node.meta)
         node.replace_all_uses_with(softmax)
-        for n in [node] + dead:  # consumers first, so each is unused when erased
-            if not n.users:
-                gm.graph.erase_node(n)
+        _erase_unused(gm, [node] + dead)
         count += 1
-    if count:
-        gm.graph.lint()
-        gm.recompile()
-    return count
+    return _finished(gm, count)
 
 
 def drop_row_max_shift(gm: torch.fx.GraphModule) -> int:
@@ -83,10 +78,18 @@ def drop_row_max_shift(gm: torch.fx.GraphModule) -> int:
             continue
         scores, dead = found
         node.replace_input_with(shifted, scores)
-        for n in dead:   # consumers first, so each is unused when erased
-            if not n.users:
-                gm.graph.erase_node(n)
+        _erase_unused(gm, dead)
         count += 1
+    return _finished(gm, count)
+
+
+def _erase_unused(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> None:
+    for n in nodes:   # consumers first, so each is unused when erased
+        if not n.users:
+            gm.graph.erase_node(n)
+
+
+def _finished(gm: torch.fx.GraphModule, count: int) -> int:
     if count:
         gm.graph.lint()
         gm.recompile()
