@@ -37,6 +37,7 @@ import torch.fx
 
 from ..runtime import sinks as _sinks   # noqa: F401  (defines fa3_inductor::sink_combine)
 from .fx_ops import arg, example, op_name, static_shape
+from .spelled_softmax import row_max_subtracted
 
 _SOFTMAX = ("softmax", "_softmax")
 _CAT = ("cat", "concat", "concatenate")
@@ -128,8 +129,8 @@ def _drops_last_column(index: Any, shape: tuple[int, ...]) -> bool:
 def _without_row_max(x: Any) -> Any:
     """``logits`` for ``logits - logits.max(-1, keepdim=True)`` (softmax ignores a per-row shift,
     so dropping it is exact); else ``x`` itself."""
-    if op_name(x) != "sub":
-        return x
+    found = row_max_subtracted(x, 4)
+    return x if found is None else found[0]
     a, b = arg(x, 0, "input"), arg(x, 1, "other")
     name = op_name(b)
     if name == "getitem" and b.args[1] == 0:

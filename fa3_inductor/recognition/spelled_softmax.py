@@ -125,29 +125,43 @@ def _match(div: torch.fx.Node) -> Optional[tuple[torch.fx.Node, list[torch.fx.No
 
 def _row_max_shifted(shifted: Any, user: torch.fx.Node, rank: int
                      ) -> Optional[tuple[torch.fx.Node, list[torch.fx.Node]]]:
-    """(s, nodes to drop) if ``shifted``, read by ``user`` only, is ``s - max(s)`` over dim -1
-    (``amax``, ``max(..).values`` / ``[0]``, the max possibly detached)."""
-    if op_name(shifted) != "sub" or len(shifted.args) != 2 or shifted.kwargs or \
-            not _only_users(shifted, {user}):
+    """(s, nodes to drop) if ``shifted``, read by ``user`` only, is ``s - max(s)`` over dim -1 and
+    each node of the max is read only by the next one towards ``user``."""
+    found = row_max_subtracted(shifted, rank)
+    if found is None or not all(_only_users(n, {reader}) for n, reader in
+                                zip(found[1], [user] + found[1])):
         return None
-    s, row_max = shifted.args
-    dead = [shifted]
-    if op_name(row_max) == "detach" and _only_users(row_max, {shifted}):
-        dead.append(row_max)
+    return found
+
+
+def row_max_subtracted(x: Any, rank: int) -> Optional[tuple[torch.fx.Node, list[torch.fx.Node]]]:
+    """(s, [x and the nodes of the max, consumers first]) if ``x`` (of ``rank`` dims) is
+    ``s - max(s)`` over the last dim (``amax``, ``max(..).values`` / ``[0]``, the max possibly
+    detached), else None. Who else reads those nodes is not looked at.
+
+    Example::
+
+        >>> row_max_subtracted(sub_node, 4)   # doctest: +SKIP
+        (s, [sub, getitem, max])
+    """
+    if op_name(x) != "sub" or len(x.args) != 2 or x.kwargs:
+        return None
+    s, row_max = x.args
+    chain = [x]
+    if op_name(row_max) == "detach":
+        chain.append(row_max)
         row_max = row_max.args[0]
-    if not _only_users(row_max, {dead[-1]}):
-        return None
-    dead.append(row_max)
+    chain.append(row_max)
     if op_name(row_max) in ("getitem", "getattr"):  # max(...).values / max(...)[0]
         which = row_max.args[1] if len(row_max.args) > 1 else None
         if which not in (0, "values"):
             return None
         row_max = row_max.args[0]
-        if op_name(row_max) != "max" or not _only_users(row_max, {dead[-1]}):
+        if op_name(row_max) != "max":
             return None
-        dead.append(row_max)
+        chain.append(row_max)
     elif op_name(row_max) != "amax":
         return None
     if arg(row_max, 0, "input") is not s or not _last_dim(row_max, 1, rank):
         return None
-    return s, dead
+    return s, chain
