@@ -127,6 +127,36 @@ def example(node: Any) -> Optional[torch.Tensor]:
     return None
 
 
+def buffer_example(node: Any) -> Optional[torch.Tensor]:
+    """A captured buffer node's example: Dynamo's, or, for the nodes recognition puts between a
+    buffer and the op (attention_site._buffer_nodes: ``.to(device)``, a ``reshape`` dropping
+    size-1 dims), which carry none, a meta tensor of their shape, dtype and requires_grad, found
+    through them; None if unknown.
+
+    Example::
+
+        >>> buffer_example(reshape_node).shape    # doctest: +SKIP
+        torch.Size([2, 64])
+    """
+    made = example(node)
+    if made is not None or not isinstance(node, torch.fx.Node):
+        return made
+    view_or_move = node.op == "call_method" and node.target in ("reshape", "to")
+    if not view_or_move or not isinstance(node.args[0], torch.fx.Node) or any(
+            isinstance(a, torch.dtype) for a in node.args):
+        return None
+    source = buffer_example(node.args[0])
+    if source is None or node.target == "to":
+        return source
+    sizes = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) \
+        else node.args[1:]
+    if not all(isinstance(n, int) for n in sizes):
+        return None
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        stand_in = torch.empty(tuple(sizes), dtype=source.dtype, device="meta")
+    return stand_in.requires_grad_(source.requires_grad)
+
+
 def static_shape(node: Any) -> Optional[tuple[int, ...]]:
     """The node's shape as Python ints, or None if it is not a tensor or a size is symbolic.
 

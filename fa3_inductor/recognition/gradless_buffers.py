@@ -21,42 +21,10 @@ import torch
 import torch.fx
 
 from .._log import log
-from .fx_ops import example
+from .fx_ops import buffer_example
 from .recognize_flex import flex_nodes
 
 _SCORE_BUFFERS = 7   # flex_attention(q, k, v, score_mod, block_mask, scale, options, score_bufs, ..)
-
-
-_SAME_SHAPE = {"to", "detach", "contiguous", "clone"}
-
-
-def buffer_example(node: object) -> Optional[torch.Tensor]:
-    """A tensor standing for a captured buffer node: its shape, dtype and requires_grad (the
-    values are not read). Nodes recognition inserted before the op (attention_site._buffer_nodes:
-    ``.to(device)``, a ``reshape`` dropping size-1 dims) carry no example: they are followed back.
-
-    Example::
-
-        >>> buffer_example(reshape_node).shape   # doctest: +SKIP
-        torch.Size([2, 64])
-    """
-    if not isinstance(node, torch.fx.Node):
-        return node if isinstance(node, torch.Tensor) else None
-    made = example(node)
-    if made is not None:
-        return made
-    if node.op != "call_method" or not node.args:
-        return None
-    source = buffer_example(node.args[0])
-    if source is None:
-        return None
-    if node.target in _SAME_SHAPE:
-        return source
-    if node.target == "reshape" and all(isinstance(s, int) for s in node.args[1:]):
-        with torch._subclasses.fake_tensor.unset_fake_temporarily():
-            stand_in = torch.empty(node.args[1:], dtype=source.dtype)
-        return stand_in.requires_grad_(source.requires_grad)
-    return None
 
 
 def gradless_buffers(score_mod: torch.fx.GraphModule,

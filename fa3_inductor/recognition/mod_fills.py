@@ -35,7 +35,7 @@ import torch.fx
 
 from .. import _compat
 from .._log import log
-from .fx_ops import example
+from .fx_ops import buffer_example, example
 
 # Ops whose float operands are fills: converted to the op's result dtype when traced.
 _FILL_FUNCTIONS = (torch.where, torch.masked_fill)
@@ -138,22 +138,10 @@ def _result_dtypes(mod: torch.fx.GraphModule, leading: list[torch.dtype], buffer
 
 
 def _buffer_meta(node: torch.fx.Node) -> Optional[torch.Tensor]:
-    """A meta tensor of a captured buffer's dtype and rank, size-1 dims: from Dynamo's example,
-    seen through the ``reshape`` / ``.to(device)`` recognition adds (attention_site._buffer_nodes),
-    which have none; None if unknown."""
-    made = example(node)
-    if made is not None:
-        return torch.empty((1,) * made.dim(), dtype=made.dtype, device="meta")
-    view_or_move = node.op == "call_method" and node.target in ("reshape", "to")
-    if not view_or_move or not isinstance(node.args[0], torch.fx.Node) or any(
-            isinstance(a, torch.dtype) for a in node.args):
-        return None
-    source = _buffer_meta(node.args[0])
-    if source is None or node.target == "to":
-        return source
-    sizes = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) \
-        else node.args[1:]
-    return source.new_empty((1,) * len(sizes))
+    """A meta tensor of a captured buffer's dtype and rank, size-1 dims (fx_ops.buffer_example);
+    None if unknown."""
+    made = buffer_example(node)
+    return None if made is None else torch.empty((1,) * made.dim(), dtype=made.dtype, device="meta")
 
 
 def _submodule(gm: torch.fx.GraphModule, node: Any) -> Optional[torch.fx.GraphModule]:
