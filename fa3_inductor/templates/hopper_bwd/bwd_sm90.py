@@ -157,7 +157,8 @@ class BwdSchedule:
     """How a step's wgmmas are ordered and how dQ leaves the CTA (docs/design/hopper_backward.md, "Gap")."""
     DQ_TMA: bool        # dQ staged in shared memory (fp32) and added by TMA reduce-add, not per-thread red.v2
     DQ_OWN_KEYS: bool = False   # each warpgroup adds dS[:, its keys] K[its keys, :], all D columns (needs DQ_TMA)
-    DQ_HALVES: bool = False     # DQ_OWN_KEYS's tile as two D / 2 column halves, one after the other
+    DQ_HALVES: bool = False     # DQ_OWN_KEYS's tile as two D / 2 column halves, one after the other; D >= 128
+                                # only (halves of whole 64-column swizzle atoms, as DQ_SPLIT's K slices)
     WG_STAGGER: bool = False    # warpgroup 1 starts once warpgroup 0's first P is made (with DQ_OWN_KEYS)
 
     def dq_cols(self, tile: BwdTile) -> int:

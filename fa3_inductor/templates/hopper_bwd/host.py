@@ -259,7 +259,8 @@ def prepare_hopper_backward(
     flags = BwdFlags(GQA_GROUP=HQ // HKV, FOLD_SCALE=fold, EVEN_N=N % tile.BLOCK_N == 0,
                      CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
                      WIDE_SCORES=wide_scores(score_mod, compiled=True))
-    sched = BwdSchedule(DQ_TMA=cfg.dq_tma, DQ_OWN_KEYS=cfg.dq_own_keys, DQ_HALVES=cfg.dq_halves,
+    # dq_halves at D >= 128 only (BwdSchedule.DQ_HALVES)
+    sched = BwdSchedule(DQ_TMA=cfg.dq_tma, DQ_OWN_KEYS=cfg.dq_own_keys, DQ_HALVES=cfg.dq_halves and tile.DQ_SPLIT,
                         WG_STAGGER=cfg.wg_stagger)
 
     preprocess = (
