@@ -39,8 +39,9 @@ class BwdSm90Config:
     dq_own_keys: bool = False    # each warpgroup adds dQ over its own 64 keys, all D columns (no ds_ready
                                  # coupling of the warpgroups; twice the dQ reduce bytes); needs dq_tma
     dq_halves: bool = False      # dq_own_keys's [64, D] dQ as two [64, D / 2] wgmmas and reduce-adds in turn
-                                 # (half the dQ registers in flight; one more wgmma drain). D >= 128 only: at
-                                 # D = 64 the tile is 32 registers already and a half would cut a swizzle atom
+                                 # (half the dQ registers in flight; the second half's staging follows the
+                                 # step's last wgmma drain). D >= 128 only: at D = 64 the tile is 32 registers
+                                 # already and a half would cut a swizzle atom
     wg_stagger: bool = False     # warpgroup 1 starts once warpgroup 0's first P is made (needs dq_own_keys:
                                  # the default schedule re-aligns them at every step)
 
