@@ -77,9 +77,40 @@ def site_shape(query, key, value=None) -> str:
             f"{str(query.get_dtype()).replace('torch.', '')} {query.get_device().type}")
 
 
+def buffer_order(sizes) -> Optional[tuple[int, ...]]:
+    """The order a captured buffer's dims are laid out in for our kernels, outermost first, or None
+    when it has two dynamic dims. The generated mods bake every stride in, so the one dynamic dim
+    goes outermost: then each stride is a product of static sizes. A padding mask ``[B, N]`` whose
+    length a dynamic recompile made symbolic is laid out ``[N, B]`` (a copy, made once per call).
+
+    Example::
+
+        >>> buffer_order([4, 64]), buffer_order([s0, 64]), buffer_order([4, s1])   # doctest: +SKIP
+        ((0, 1), (0, 1), (1, 0))
+    """
+    dynamic = [i for i, size in enumerate(sizes) if static_ints([size]) is None]
+    if len(dynamic) > 1:
+        return None
+    rest = tuple(i for i in range(len(sizes)) if i not in dynamic)
+    return tuple(dynamic) + rest
+
+
+def realize_buffer(buf):
+    """A captured buffer as our kernels read it: contiguous in :func:`buffer_order`'s layout,
+    whose strides :func:`buffer_specs` gave the generated mods."""
+    from torch._inductor import ir, lowering
+
+    order = buffer_order(buf.get_size())
+    if order is not None and order != tuple(range(len(order))):
+        buf = lowering.permute(buf, list(order))
+    return ir.ExternKernel.require_contiguous(buf)
+
+
 def buffer_specs(buffers) -> tuple[Optional[list[Optional[BufferSpec]]], Optional[str]]:
     """The captured buffers as the generated mods see them (None for a scalar), or (None, why not).
-    Both lowerings use it, so the backward recomputes exactly the forward's scores.
+    Both lowerings use it, so the backward recomputes exactly the forward's scores. The kernels get
+    each buffer from :func:`realize_buffer`: the strides here are those of its layout, and a
+    dynamic size is -1.
 
     Example::
 
@@ -92,20 +123,21 @@ def buffer_specs(buffers) -> tuple[Optional[list[Optional[BufferSpec]]], Optiona
         if not isinstance(buf, ir.IRNode):
             specs.append(None)  # a scalar (a size symbol): the generator checks it is unused
             continue
-        # Buffers are made contiguous before the call, so only their strides are baked into
-        # the mod: a leading dimension may stay symbolic (a document-id vector whose length
-        # follows a dynamic sequence length), the inner ones must be static.
         dims = list(buf.get_size())
-        inner = static_ints(dims[1:])
-        if inner is None:
-            return None, "a captured buffer has a dynamic inner dimension"
-        lead = static_ints(dims[:1])
-        size = (lead if lead is not None else [-1]) + inner if dims else []
-        strides, stride = [], 1
-        for s in reversed(inner):
-            strides.append(stride)
-            stride *= max(s, 1)
-        if dims:
-            strides.append(stride)
-        specs.append(BufferSpec(tuple(size), tuple(reversed(strides)), buf.get_dtype()))
+        order = buffer_order(dims)
+        if order is None:
+            return None, ("a captured buffer has two dynamic dimensions (sizes "
+                          f"{[str(d) for d in dims]}); mark all but one static (torch._dynamo.mark_static) "
+                          "or compile with dynamic=False")
+        sizes = [s if s is not None else -1 for s in (_static_or_none(d) for d in dims)]
+        strides, stride = [0] * len(dims), 1
+        for i in reversed(order):
+            strides[i] = stride
+            stride *= max(sizes[i], 1)
+        specs.append(BufferSpec(tuple(sizes), tuple(strides), buf.get_dtype()))
     return specs, None
+
+
+def _static_or_none(size) -> Optional[int]:
+    ints = static_ints([size])
+    return None if ints is None else ints[0]

@@ -41,7 +41,7 @@ from ..templates.modgen import (GeneratedSource, UnsupportedMod, generate_in_dia
                                 is_constant_true_mask, is_identity_score)
 from ..templates.modgen_torch import generate_torch_mod_source, torch_buffer_specs
 from ..templates.registry import DENSE_BACKWARD, backward_candidates, backward_last_resort
-from .common import active_pass, buffer_specs, lowering_settings, site_shape, torch_kernel_options
+from .common import active_pass, buffer_specs, lowering_settings, realize_buffer, site_shape, torch_kernel_options
 from .site_plan import unserved
 from .torch_bwd_stages import torch_backward_options
 
@@ -232,6 +232,10 @@ def _plan(a: _compat.FlexBackwardArgs, bm: _compat.FlexBlockMask, settings: Sett
     mask_specs, why_mask = buffer_specs(a.mask_mod_other_buffers)
     if why or why_mask:
         return None, why or why_mask
+    tensor_specs = [s for s in score_specs if s is not None]
+    if any(flag and any(size < 0 for size in spec.shape[1:]) for flag, spec in zip(flags, tensor_specs)):
+        # its gradient would come back in the reordered layout (common.buffer_order)
+        return None, "a captured tensor that needs a gradient has a dynamic-size inner dimension"
     return plan_backward_site(BackwardGraphs(score_gm, joint_gm, bm.mask_graph.graph_module,
                                              score_specs, mask_specs, flags, grad_gm, grad_error),
                               facts, settings.template, shape)
@@ -327,9 +331,8 @@ def _emit(a: _compat.FlexBackwardArgs, bm: _compat.FlexBlockMask, spec: Backward
         return None if x is None else ir.ExternKernel.realize_input(x)
 
     buffers = list(a.score_mod_other_buffers)
-    score_bufs = [ir.ExternKernel.require_contiguous(b) for b in buffers if isinstance(b, ir.IRNode)]
-    mask_bufs = [ir.ExternKernel.require_contiguous(b) for b in a.mask_mod_other_buffers
-                 if isinstance(b, ir.IRNode)]
+    score_bufs = [realize_buffer(b) for b in buffers if isinstance(b, ir.IRNode)]
+    mask_bufs = [realize_buffer(b) for b in a.mask_mod_other_buffers if isinstance(b, ir.IRNode)]
     sizevars = V.graph.sizevars
     sparse_q, sparse_kv = (sizevars.guard_int(bm.sparse_q_block), sizevars.guard_int(bm.sparse_kv_block))
     tables = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)

@@ -899,6 +899,11 @@ class _Emitter:
                                      "dimensions in order with scalar indices")
             if self.KNOWS_SHAPES:
                 size = spec.shape[len(done)]
+                if size < 0 and i < 0:
+                    raise UnsupportedMod(f"index {i} counts from the end of a captured dimension of "
+                                         "dynamic size; index it from the start")
+                if size < 0:
+                    size = i + 1
                 if not -size <= i < size:
                     raise UnsupportedMod(f"index {i} is out of bounds for a captured dimension of size {size}")
                 i %= size
@@ -946,12 +951,19 @@ class _Emitter:
             if isinstance(i, torch.fx.Node):
                 iv = self.known_interval(i)
                 index = self.arg(i)
+                if size < 0 and (iv is None or iv[0] < 0):
+                    raise UnsupportedMod("a captured buffer's dynamic-size dimension is indexed with a "
+                                         "value that may be negative; index it with a non-negative "
+                                         "value (q_idx, kv_idx, b, h) or compile with static shapes")
                 if iv is None or iv[0] < 0:
                     # + size where negative, as the unsigned min of idx and idx + size (for idx in
                     # [-size, size)); a select measured 50% more spill on the sm90 kernel
                     index = self.line(f"{self.L}.minimum({index}.to({self.L}.uint32), ({index} + {size}).to({self.L}.uint32))")
             else:
-                index = _literal(i % size if isinstance(i, int) else i)
+                if isinstance(i, int) and size < 0 and i < 0:
+                    raise UnsupportedMod(f"index {i} counts from the end of a captured dimension of "
+                                         "dynamic size; index it from the start")
+                index = _literal(i % size if isinstance(i, int) and size > 0 else i)
             terms.append(f"({index}) * {stride}" if stride != 1 else f"({index})")
         return " + ".join(terms) if terms else "0"
 

@@ -55,8 +55,24 @@ class _TorchEmitter(_Emitter):
         self.assign(node, f"T.cast({self.arg(src)}, torch.{str(dtype).split('.')[-1]})", dtype)
 
     def gather(self, buf: torch.fx.Node, spec: BufferSpec, indices: Sequence[Any]) -> str:
+        if any(size < 0 for size in spec.shape[1:]):
+            return self.flat_gather(buf, spec, indices)
         # torch's indexing counts negative indices from the end itself
         return f"{self.names[buf]}[{', '.join(self.arg(i) for i in indices) or '()'}]"
+
+    def flat_gather(self, buf: torch.fx.Node, spec: BufferSpec, indices: Sequence[Any]) -> str:
+        """A buffer the lowering laid out with its dynamic dimension outermost
+        (lowering/common.buffer_order): read through its flat storage with the spec's strides,
+        as the kernels' dialects read it."""
+        terms = []
+        for i, stride in zip(indices, spec.strides):
+            low = self.known_interval(i)[0] if isinstance(i, torch.fx.Node) and self.known_interval(i) else \
+                (i if isinstance(i, int) else None)
+            if low is None or low < 0:
+                raise UnsupportedMod("a captured buffer with a dynamic-size inner dimension is indexed "
+                                     "with a value that may be negative; index it with non-negative values")
+            terms.append(f"({self.arg(i) if isinstance(i, torch.fx.Node) else i}) * {stride}")
+        return f"{self.names[buf]}.reshape(-1)[{' + '.join(terms) or '0'}]"
 
     def int_power(self, base: Any, exponent: Any) -> str:
         self.check_int_power(exponent)

@@ -1,0 +1,88 @@
+"""Captured tensors whose inner size a dynamic recompile made symbolic still run our kernels.
+
+A static KV cache of a new length (a second generate() call with a longer prompt) recompiles the
+decode step with the length symbolic, and the padding mask the mask_mod reads, ``pad[b, kv]``,
+then has a dynamic inner dimension. The generated mods bake strides in, so the lowering lays such
+a buffer out with its dynamic dimension outermost (lowering/common.buffer_order); before, the site
+fell back to torch's kernel (56x slower than sdpa at a 32k cache on an H100, examples/generate.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fa3_inductor
+from reference import assert_matches_reference, reference_attention
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels", "fresh_compiles")
+
+
+def _padding_mask(batch: int, length: int) -> torch.Tensor:
+    pad = torch.rand(batch, length) > 0.3
+    pad[:, 0] = True   # every row sees a key
+    return pad
+
+
+def _run_two_lengths(query_len: int, lengths: tuple[int, int], batch: int = 3, heads: int = 4,
+                     kv_heads: int = 2):
+    """Compile once, call at two cache lengths (the second call is the dynamic recompile); per call
+    the lowered sites and the output's error against float64."""
+    def attention(q, k, v, pad, offset):
+        def mask(b, h, q_idx, kv_idx):   # transformers' static-cache mask: an offset tensor
+            return pad[b, kv_idx] & (kv_idx <= q_idx + offset)
+        return fa3_inductor.flex(q, k, v, mask_mod=mask, enable_gqa=True)
+
+    compiled = torch.compile(attention, backend="inductor")
+    results = []
+    for length in lengths:
+        q = torch.randn(batch, heads, query_len, 16)
+        k, v = (torch.randn(batch, kv_heads, length, 16) for _ in range(2))
+        pad = _padding_mask(batch, length)
+        fa3_inductor.clear_lowered_sites()
+        out = compiled(q, k, v, pad, torch.tensor(length - query_len))
+
+        def mask(b, h, q_idx, kv_idx):
+            return pad[b, kv_idx] & (kv_idx <= q_idx + length - query_len)
+        ref, _ = reference_attention(q, k, v, None, mask)
+        results.append((fa3_inductor.lowered_sites(), out, ref))
+    return results
+
+
+@pytest.mark.parametrize("query_len,family", [(1, "decode"), (24, "generic")])
+def test_padding_mask_of_a_recompiled_length_runs_our_kernel(query_len, family):
+    results = _run_two_lengths(query_len, (40, 72))
+    sites = results[1][0]
+    assert [s["template"] for s in sites] == [family], sites
+    assert "s" in sites[0]["shape"].split("kv[")[1], sites[0]["shape"]   # the length is symbolic
+    for _, out, ref in results:
+        assert_matches_reference(out, ref, torch.float32)
+
+
+def test_two_dynamic_dimensions_fall_back_with_a_reason():
+    """Batch and length both dynamic: no static layout exists, so the site goes to torch's kernel
+    and the record says why. (torch 2.13's CPU flex template then fails to compile its C++ for
+    these symbolic shapes, an error of torch's own lowering; the decision is what is checked.)"""
+    from torch._inductor.exc import InductorError
+
+    def attention(q, k, v, pad):
+        def mask(b, h, q_idx, kv_idx):
+            return pad[b, kv_idx]
+        return fa3_inductor.flex(q, k, v, mask_mod=mask)
+
+    compiled = torch.compile(attention, backend="inductor")
+    for batch, length in ((2, 40), (3, 72)):
+        q = torch.randn(batch, 2, 1, 16)
+        k, v = (torch.randn(batch, 2, length, 16) for _ in range(2))
+        pad = _padding_mask(batch, length)
+        fa3_inductor.clear_lowered_sites()
+        try:
+            out = compiled(q, k, v, pad)
+        except InductorError as exc:
+            assert "CppCompileError" in str(exc) and length == 72, exc
+            continue
+        ref, _ = reference_attention(q, k, v, None, lambda b, h, qi, kv: pad[b, kv])
+        assert_matches_reference(out, ref, torch.float32)
+    sites = fa3_inductor.lowered_sites()
+    assert [s["template"] for s in sites] == ["torch"], sites
+    assert "two dynamic dimensions" in sites[0]["fallback_reason"], sites
