@@ -308,6 +308,43 @@ def compare_tokens(ref: Any, ours: Any, prompt_len: int) -> dict:
     return report
 
 
+def float32_check(model: Any, outs: dict, prompt_len: int, rows_per_call: int = 4) -> dict:
+    """Each implementation's logits against the same model in float32 fed that implementation's
+    own tokens (teacher forcing, so every step compares, also after the two diverge): the largest
+    and mean absolute logit error, and how often its greedy token is float32's argmax there.
+    bf16 rounding in every layer makes two correct implementations differ; this says whether one
+    of them is further from float32 than the other.
+
+    Example::
+
+        >>> float32_check(models["sdpa"], outs, 4096)["fa3"]["argmax_agreement"]   # doctest: +SKIP
+        0.998
+    """
+    ref = copy.deepcopy(model).float()
+    report = {}
+    with torch.no_grad():
+        for impl, out in outs.items():
+            seq = out.sequences
+            steps = seq.shape[1] - prompt_len
+            worst, total, agree = 0.0, 0.0, 0
+            for r0 in range(0, seq.shape[0], rows_per_call):
+                rows = slice(r0, r0 + rows_per_call)
+                # the logits at positions prompt-1 .. end-2 predict generated steps 0 .. steps-1
+                logits = ref(input_ids=seq[rows, :-1], logits_to_keep=steps).logits.float()
+                got = torch.stack([out.logits[s][rows].float() for s in range(steps)], dim=1)
+                err = (got - logits).abs()
+                worst = max(worst, float(err.max()))
+                total += float(err.mean(-1).sum())
+                agree += int((logits.argmax(-1) == seq[rows, prompt_len:]).sum())
+            count = seq.shape[0] * steps
+            report[impl] = {"max_abs_logit_error": round(worst, 4),
+                            "mean_abs_logit_error": round(total / count, 5),
+                            "argmax_agreement": round(agree / count, 4)}
+    del ref
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return report
+
+
 def run(cases: list[tuple[int, int]], new_tokens: int, layers: int, smoke: bool, device: str,
         repeats: int, budget_s: float = float("inf"), write: Optional[Any] = None,
         gguf: Optional[str] = None, meta: Optional[dict] = None) -> list[dict]:
@@ -404,6 +441,7 @@ def _case(models: dict, record: dict, ids: torch.Tensor, new_tokens: int, device
     record["fa3_over_sdpa_tokens_per_s"] = round(record["fa3"]["decode_tokens_per_s"]
                                                  / record["sdpa"]["decode_tokens_per_s"], 3)
     record.update(compare_tokens(outs["sdpa"], outs["fa3"], prompt))
+    record["float32_check"] = float32_check(models["sdpa"], outs, prompt)
     return outs["sdpa"].sequences[0, prompt:].tolist()
 
 
@@ -451,19 +489,32 @@ def table(records: list[dict]) -> str:
     Example::
 
         >>> print(table([{"batch": 32, "prompt": 32768, "skipped": "does not fit"}]).splitlines()[-1])
-        | 32 | 32768 | skipped: does not fit | | | | | | | |
+        | 32 | 32768 | skipped: does not fit | | | | | | | | |
+
+    "vs float32": each implementation's mean absolute logit error against the float32 model fed its own
+    tokens, and how often its greedy token is float32's argmax (:func:`float32_check`).
     """
     lines = ["| batch | prompt | sdpa tok/s | fa3 tok/s | fa3/sdpa | prefill ms sdpa / fa3 | identical | "
-             "match | first divergence | fa3 family prefill / decode |", "|---" * 10 + "|"]
+             "match | first divergence | vs float32: error, argmax agreement sdpa / fa3 | "
+             "fa3 family prefill / decode |", "|---" * 11 + "|"]
     for r in records:
         if "skipped" in r:
-            lines.append(f"| {r['batch']} | {r['prompt']} | skipped: {r['skipped']} | | | | | | | |")
+            lines.append(f"| {r['batch']} | {r['prompt']} | skipped: {r['skipped']} | | | | | | | | |")
             continue
         lines.append(f"| {r['batch']} | {r['prompt']} | {r['sdpa']['decode_tokens_per_s']} | "
                      f"{r['fa3']['decode_tokens_per_s']} | {r['fa3_over_sdpa_tokens_per_s']} | "
                      f"{r['sdpa']['prefill_ms']} / {r['fa3']['prefill_ms']} | {r['identical_sequences']} | "
-                     f"{r['token_match_rate']} | {_divergence_cell(r)} | {_family_cell(r)} |")
+                     f"{r['token_match_rate']} | {_divergence_cell(r)} | {_float32_cell(r)} | {_family_cell(r)} |")
     return "\n".join(lines)
+
+
+def _float32_cell(r: dict) -> str:
+    check = r.get("float32_check")
+    if not check:
+        return ""
+    s, f = check["sdpa"], check["fa3"]
+    return (f"{s['mean_abs_logit_error']} / {f['mean_abs_logit_error']}, "
+            f"{s['argmax_agreement']} / {f['argmax_agreement']}")
 
 
 def _parse_case(text: str) -> tuple[int, int]:

@@ -31,6 +31,9 @@ def test_smoke_generates_the_same_greedy_tokens(tmp_path):
         assert r["identical_sequences"] == f"{r['batch']}/{r['batch']}", r
         assert r["fa3"]["decode_tokens_per_s"] > 0 and r["sdpa"]["prefill_ms"] > 0
         assert r["fa3_over_sdpa_tokens_per_s"] > 0 and r["max_logit_diff_before_divergence"] < 1e-3
+        for impl in ("sdpa", "fa3"):   # the smoke model is float32: its own reference
+            check = r["float32_check"][impl]
+            assert check["argmax_agreement"] == 1.0 and check["max_abs_logit_error"] < 1e-3, r
 
 
 def test_gpu_cases_that_cannot_fit_are_named():
