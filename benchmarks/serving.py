@@ -612,14 +612,46 @@ def paged_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: Cl
         kp, vp, table = _pages(k, v, page)
         fns[f"page{page}"] = (lambda kp=kp, vp=vp, table=table:
                               flex_decode(q, kp, vp, seq_lens=lens, block_table=table))
+    if 64 in page_sizes and device.type == "cuda":   # the paged tiles before the deeper pipeline
+        kp, vp, table = _pages(k, v, 64)
+        fns["page64_3stages"] = _paged_with_stages(q, kp, vp, lens, table, PAGED_STAGES_BEFORE)
     ref = fns["contig"]()
-    row["paged_diff"] = max(_rel(fns[f"page{p}"](), ref) for p in page_sizes)
+    row["paged_diff"] = max(_rel(fn(), ref) for name, fn in fns.items() if name != "contig")
     timed = clock.times(fns)
     row["contig_ms"] = timed["contig"]
     row["by_page_ms"] = {p: timed[f"page{p}"] for p in page_sizes}
     row["by_page_over_contig"] = {p: timed[f"page{p}"] / timed["contig"] for p in page_sizes}
     row["paged_over_contig"] = max(row["by_page_over_contig"].values())
+    if "page64_3stages" in timed:
+        row["page64_3stages_over_contig"] = timed["page64_3stages"] / timed["contig"]
     return row
+
+
+PAGED_STAGES_BEFORE = 3   # the paged split kernel's pipeline depth until 2026-11-28 (configs.decode_config)
+
+
+def _paged_with_stages(q, k_pages, v_pages, lens, table, stages: int) -> Callable:
+    """The paged split and combine kernels with the pipeline depth ``stages`` (configs.py's tiles
+    otherwise), prepared once and re-launched: the A/B of the paged tiles in the same rounds."""
+    import triton
+
+    from fa3_inductor.templates.decode import prepare_decode
+    from fa3_inductor.templates.decode.configs import decode_config
+
+    B, HQ, M_new, D = q.shape
+    rows = max(16, triton.next_power_of_2(HQ // k_pages.shape[2] * M_new))
+    config = dataclasses.replace(decode_config(D, torch.cuda.get_device_capability(q.device), block_m=rows,
+                                               paged=True), num_stages=stages)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+    launches = prepare_decode(q, k_pages, v_pages, out, lse, sm_scale=D ** -0.5, seq_lens=lens,
+                              block_table=table, config=config)
+
+    def run() -> torch.Tensor:
+        for kernel, args, kwargs, grid in launches:
+            kernel[grid](*args, **kwargs)
+        return out
+    return run
 
 
 # ------------------------------------------------------------------------------------ varlen
@@ -817,14 +849,15 @@ def _paged_table(rows: list[dict]) -> list[str]:
     sizes = sorted({int(p) for r in rows for p in r.get("by_page_ms", {})})
     lines = ["## page sizes (flex_decode; shuffled block tables; same rounds as contiguous)", "",
              "| B | new | cache | HQ/HKV | D | contig ms | " + " | ".join(f"page {p} ms (/contig)" for p in sizes)
-             + " | diff |", "|" + "---|" * (7 + len(sizes))]
+             + f" | page 64, {PAGED_STAGES_BEFORE} stages (/contig) | diff |", "|" + "---|" * (8 + len(sizes))]
     for r in rows:
         cells = []
         for p in sizes:
             ms = r.get("by_page_ms", {}).get(p, r.get("by_page_ms", {}).get(str(p)))
             ratio = r.get("by_page_over_contig", {}).get(p, r.get("by_page_over_contig", {}).get(str(p)))
             cells.append("-" if ms is None else f"{ms:.3f} ({ratio:.3f})")
-        lines.append(f"{_shape(r)} {_f(r, 'contig_ms')} | " + " | ".join(cells) + f" | {_f(r, 'paged_diff', '{:.1e}')} |")
+        lines.append(f"{_shape(r)} {_f(r, 'contig_ms')} | " + " | ".join(cells)
+                     + f" | {_f(r, 'page64_3stages_over_contig')} | {_f(r, 'paged_diff', '{:.1e}')} |")
     return lines + [""]
 
 

@@ -159,7 +159,7 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
 
     block_m = max(16, triton.next_power_of_2(rows))
     cfg = config or decode_config(max(D, DV), capability, fp32=q.dtype == torch.float32,
-                                  block_m=block_m)
+                                  block_m=block_m, paged=block_table is not None)
     block_n = _block_n(cfg, sparse_kv_block if mode == "blocks" else 0)
     if num_splits is None:
         device_index = q.device.index if q.is_cuda else None
