@@ -8,6 +8,7 @@ Quant bundle on, tiles in templates/hopper_fp8/configs.py).
   setmaxnreg kept, no spills (mod variants: none inside the KV loops, but the document mask's few), the shared
   memory configs.fp8_smem_bytes accounts for, P's fp32 -> e4m3 operand conversion in registers (no shared-memory
   traffic inside the KV loops, one byte permute per A register at most) and, with int8 Q / K, no I2F per score.
+- CPU: the lean softmax's biased int8 scores (Quant.LEAN) keep the exp2 argument within its offset's rounding.
 - ``gpu`` (an H100 / H200): ``flex(..., fp8=...)`` served by this family against float64 attention on the same
   dequantized operands (test_fp8_forward.py's rule, reference.FP8_TOLERANCE), and against a float64 emulation
   of the kernel's own arithmetic (P rounded to e4m3 per KV tile of the kernel's width).
@@ -104,6 +105,31 @@ def test_s32_to_f32_bit_trick_is_exact_over_the_score_range():
     assert torch.equal(convert(x), x.to(torch.float32))
     outside = torch.tensor([2 ** 22 + 1, -2 ** 22 - 1], dtype=torch.int32)
     assert not torch.equal(convert(outside), outside.to(torch.float32))
+
+
+def test_biased_int8_scores_in_the_exp2_argument():
+    """Quant.LEAN keeps int8 scores biased (float S32_MAGIC + qk) and folds the bias into the exp2 FFMA's row
+    offset: fl((S32_MAGIC + qk)·c - fl(m + S32_MAGIC·c)) (one rounding: the FFMA's product is exact) against
+    the exact qk·c - m. Emulated over scores up to 2^22 (D <= 256) and per-row factors c from 1e-7 to 1e-3 (log2
+    units per Q8·K8 unit; 1e-3 already spreads a row's scores over ±4000 log2 units): the error stays within the
+    offset's rounding, 2^-24·(S32_MAGIC·c + |m|), plus the result's own rounding, and where P is not flushed to 0
+    (argument > -30) under 2^-10 in log2 units: 0.07% of P, against e4m3's rounding of up to 6%."""
+    from fa3_inductor.templates.hopper.fwd_sm90 import S32_MAGIC, S32_MAGIC_BITS
+
+    g = torch.Generator().manual_seed(0)
+    qk = torch.randint(-2 ** 22, 2 ** 22 + 1, (1 << 16,), generator=g, dtype=torch.int32)
+    biased = (qk + S32_MAGIC_BITS.value).view(torch.float32).double()
+    assert torch.equal(biased - S32_MAGIC.value, qk.double())   # the bias itself is exact
+    for c in (1e-7, 1e-5, 1e-4, 1e-3):
+        c32 = torch.tensor(c, dtype=torch.float32).double()
+        m = (qk.double() * c32).max()                            # the row max, log2 units
+        offset = (m + S32_MAGIC.value * c32).float().double()    # rounded once to fp32, as the kernel's row vector
+        x = (biased * c32 - offset).float().double()             # FFMA: exact product, one rounding
+        exact = qk.double() * c32 - m
+        bound = 2.0 ** -24 * (S32_MAGIC.value * float(c32) + abs(float(m))) + 2.0 ** -24 * exact.abs()
+        assert ((x - exact).abs() <= bound + 1e-30).all(), c
+        kept = exact > -30
+        assert kept.sum() > 0 and ((x - exact)[kept].abs() < 2.0 ** -10).all(), c
 
 
 def test_config_table_fits_shared_memory_and_scale_blocks():
@@ -226,6 +252,7 @@ def test_fp8_config_compiles_to_e4m3_wgmma(D, cfg, qk):
     for kwargs, ck in compiled:
         assert kwargs["QUANT"].ON and kwargs["QUANT"].TWO_LEVEL == (recipe.two_level > 0)
         assert kwargs["QUANT"].QK_INT8 == (qk == "int8")
+        assert kwargs["QUANT"].LEAN == cfg.lean_fp8_softmax   # no mod buffers here: the table's softmax
         assert kwargs["SCHED"].O_STAGE   # FP8 always stages O apart from the (e4m3) Q tile
         _check_fp8(ck, cfg, D, qk=qk)
 

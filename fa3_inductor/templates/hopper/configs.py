@@ -67,6 +67,16 @@ class Sm90Config:
     # D=64 S2k 346 / 358, S4k 349 / 366 (both runs), S16k 364 / 363 (twice). The folded SASS has 240 fewer FMULs at either head dim; why D=64 runs
     # slower with it is not understood: D=64 keeps the unfolded form.
     fold_sm_scale: bool = True
+    # FP8 launches only (templates/hopper_fp8/configs.py sets it; 16-bit launches never read it): the FP8 softmax
+    # with a shorter per-tile dependency chain, the consumer warpgroup's critical path at FP8 rates
+    # (docs/design/hopper_fp8.md, "Cycle budget"): P's per-tile V shift by one lg2.approx against a per-query-tile
+    # log2(VS_MAX) (was a division and a libdevice log2, scheduled between the QK^T wgmma issues), int8 scores
+    # biased by 1.5·2^23 with the bias folded into the exp2 FFMA's row offset (no float subtract per score, without
+    # a score_mod), the row max over two column halves (a 16-long FMNMX chain, not 32), and without mods (and N a
+    # multiple of BLOCK_N) the two-level O update moved into the next softmax's idle issue slots. Mods that read captured buffers keep the
+    # previous softmax (spills). False: the softmax before 2026-11-28, the A/B baseline of
+    # benchmarks/fp8_kernel_ab.py until that has run.
+    lean_fp8_softmax: bool = False
     # No longer fields (7bfe679), on wherever a launch qualifies:
     # - a bounded score_mod (softcap) with MAX not asked for runs against a fixed exponent base (no row max,
     #   no O / l rescale; fixed_base_for; docs/design/hopper_mods.md);

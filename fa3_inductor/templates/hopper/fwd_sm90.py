@@ -92,8 +92,8 @@ Compile-time parameters (kernel constexprs, one named bundle each; frozen datacl
   SPARSE  BlockSparsity  HAS_SPARSE, HAS_FULL, SPARSE_Q_DIV, SPARSE_KV_MULT, CAUSAL_WALK
   FLAGS   ModFlags       HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, MASK_AND, EVEN_N, KV_AFFINE, FIXED_BASE, EXP2_EMU,
                          HAS_SINKS, WIDE_SCORES
-  QUANT   Quant          ON, Q_BLOCK, KV_BLOCK, TWO_LEVEL (FP8 inputs; NO_QUANT for bf16 / fp16, whose code it
-                         leaves untouched: the scales travel in a tuple argument that is empty there)
+  QUANT   Quant          ON, Q_BLOCK, KV_BLOCK, TWO_LEVEL, QK_INT8, LEAN (FP8 inputs; NO_QUANT for bf16 / fp16,
+                         whose code it leaves untouched: the scales travel in a tuple argument that is empty there)
   PACK    Packing        VARLEN (packed sequences; DENSE for [B, H, S, D] launches, whose code it leaves untouched:
                          CU_Q, CU_K and O's strides travel in the tuple argument pack_args, empty there)
 Every switch in them takes both of its values in some shipped launch (configs.all_configs() times the host's
@@ -227,6 +227,8 @@ class Quant:
                       # MMA accumulates in about 22 bits: a long row chained in one accumulator loses accuracy)
     QK_INT8: bool = False   # Q and K are int8 (FP8Recipe.qk): S = Q8 K8^T in an s32 wgmma accumulator, exact,
                             # converted to fp32 before the scales (V and P stay e4m3)
+    LEAN: bool = False      # Sm90Config.lean_fp8_softmax: the shorter per-tile chain (_fp8_tile_scales, _softmax_step's
+                            # biased int8 scores, _row_max_halves, _fp8_overlap_loop's DEFER_O)
 
 
 NO_QUANT = Quant(ON=False, Q_BLOCK=0, KV_BLOCK=0, TWO_LEVEL=False)
@@ -709,7 +711,8 @@ def _s32_to_f32(x):
 @gluon.jit
 def _fp8_row_scales(quant_bufs, b, h, row0, HQ, GQA, M, N, row_layout: gl.constexpr, HALF_M: gl.constexpr,
                     QUANT: gl.constexpr):
-    """Per query tile: (the rows' Q scales, this head's K / V scale rows, VS_MAX, #K / V scale blocks)."""
+    """Per query tile: (the rows' Q scales, this head's K / V scale rows, VS_MAX, #K / V scale blocks, and with
+    QUANT.LEAN 8 - log2(VS_MAX), the per-tile V shift's constant part)."""
     qs_ptr, ks_ptr, vs_ptr, vs_max_ptr = quant_bufs
     rows = row0 + gl.arange(0, HALF_M, layout=row_layout)
     if QUANT.Q_BLOCK > 0:
@@ -726,7 +729,25 @@ def _fp8_row_scales(quant_bufs, b, h, row0, HQ, GQA, M, N, row_layout: gl.conste
         n_kv_blocks = N * 0 + 1
     kv_head = b * (HQ // GQA) + h // GQA
     vs_max = gl.load(vs_max_ptr + kv_head)
-    return q_rows, ks_ptr + kv_head * n_kv_blocks, vs_ptr + kv_head * n_kv_blocks, vs_max, n_kv_blocks
+    if QUANT.LEAN:
+        shift0 = 8.0 - gl.log2(vs_max)
+    else:
+        shift0 = 0.0
+    return q_rows, ks_ptr + kv_head * n_kv_blocks, vs_ptr + kv_head * n_kv_blocks, vs_max, n_kv_blocks, shift0
+
+
+@gluon.jit
+def _lg2_approx(x):
+    """log2(x) by one MUFU.LG2 (PTX lg2.approx.f32, subnormal inputs kept: a V scale is never flushed to log2 0)."""
+    return gl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _row_max_halves(s):
+    """Row max of a score tile as max(left half, right half) per element, then the row reduction: each thread's
+    dependent FMNMX chain is half as long (a thread holds BLOCK_N / 4 columns of each of its two rows)."""
+    lo, hi = _split_cols(s)
+    return gl.convert_layout(gl.max(gl.maximum(lo, hi), axis=1), gl.SliceLayout(1, s.type.layout))
 
 
 @gluon.jit
@@ -734,7 +755,7 @@ def _fp8_tile_scales(start, fp8_rows, QUANT: gl.constexpr):
     """Per KV tile starting at key `start`: (the rows' dequantization factor QS·KS, P's shift in log2 units).
     Loaded before the tile's barrier waits, so their latency hides under the wgmma."""
     if QUANT.ON:
-        q_rows, ks_head, vs_head, vs_max, n_kv_blocks = fp8_rows
+        q_rows, ks_head, vs_head, vs_max, n_kv_blocks, shift0 = fp8_rows
         if QUANT.KV_BLOCK > 0:
             # a block-mask block may reach past N (its tiles there are all masked): clamp the scale index
             blk = gl.minimum(start // QUANT.KV_BLOCK, n_kv_blocks - 1)
@@ -743,7 +764,13 @@ def _fp8_tile_scales(start, fp8_rows, QUANT: gl.constexpr):
         deq = q_rows * gl.load(ks_head + blk)
         # P = 2^(... + shift) <= 2^8 with the tile's V scale folded in; an all-zero V block's scale (1) may
         # exceed VS_MAX, and its P must still fit e4m3
-        v_shift = gl.minimum(8.0 + gl.log2(gl.load(vs_head + blk) / vs_max), 8.0)
+        if QUANT.LEAN:
+            # one MUFU.LG2: the division and libdevice's log2 were a ~40-instruction dependent chain that ptxas
+            # scheduled between the QK^T wgmma issues. The prologue's V scales are powers of two; any error here
+            # scales the tile's P and its row sum alike, i.e. only its weight in O by 2^error.
+            v_shift = gl.minimum(_lg2_approx(gl.load(vs_head + blk)) + shift0, 8.0)
+        else:
+            v_shift = gl.minimum(8.0 + gl.log2(gl.load(vs_head + blk) / vs_max), 8.0)
         scales = (deq, v_shift)
     else:
         scales = (0.0, 0.0)
@@ -752,18 +779,26 @@ def _fp8_tile_scales(start, fp8_rows, QUANT: gl.constexpr):
 
 @gluon.jit
 def _online_softmax_fp8(s, shift, m_i, m_run, l_i, qk_scale, deq, v_shift, p_layout: gl.constexpr,
-                        o_layout: gl.constexpr, FLAGS: gl.constexpr):
+                        o_layout: gl.constexpr, FLAGS: gl.constexpr, QUANT: gl.constexpr, BIASED: gl.constexpr):
     """_online_softmax on an FP8 tile. Without a score_mod, s is raw Q8·K8 and deq (per row) takes it to
     dequantized scores inside the row max and the exp2 FMA (no extra multiply per score); after a score_mod s
     is dequantized already. m_i is in dequantized units (MAX), m_run in log2 units. P = 2^(x - m_run + v_shift)
-    goes to e4m3 with the tile's V scale folded in; the row sum is the unrounded P's, without the shift."""
+    goes to e4m3 with the tile's V scale folded in; the row sum is the unrounded P's, without the shift.
+    BIASED (int8 Q·K^T, no score_mod, QUANT.LEAN): s is S32_MAGIC + raw Q8·K8 (_softmax_step); the bias leaves the
+    row max by one subtraction per row and the exp2 argument through its row offset."""
     gl.static_assert(not FLAGS.FIXED_BASE, "FP8: P's range needs the row max (no fixed exponent base)")
+    if QUANT.LEAN:
+        s_max = _row_max_halves(s)
+    else:
+        s_max = gl.max(s, axis=1)
     if FLAGS.HAS_SCORE_MOD:
-        row_max = gl.max(s, axis=1)
+        row_max = s_max
         if FLAGS.KV_AFFINE:
             row_max = row_max + shift
+    elif BIASED:
+        row_max = (s_max - S32_MAGIC) * deq
     else:
-        row_max = gl.max(s, axis=1) * deq
+        row_max = s_max * deq
     m_new = gl.maximum(m_i, row_max)
     m_new2 = _mul_rn(m_new, qk_scale)   # as in _online_softmax: the rounded base, also subtracted below
     alpha = gl.where(m_new2 == -float("inf"), 1.0, gl.exp2(m_run - m_new2))
@@ -775,6 +810,11 @@ def _online_softmax_fp8(s, shift, m_i, m_run, l_i, qk_scale, deq, v_shift, p_lay
         x = _mul_rn(s, qk_scale) - m_base[:, None]
     elif FLAGS.HAS_SCORE_MOD:
         x = s * qk_scale - m_base[:, None]
+    elif BIASED:
+        # (S32_MAGIC + qk)·c - (m_base + S32_MAGIC·c): the FFMA's product is exact; the offset's rounding, at most
+        # 2^-24 of S32_MAGIC·c + |m_base|, is the error (a fraction of one Q8·K8 unit: well below P's e4m3 step)
+        c = deq * qk_scale
+        x = s * c[:, None] - (m_base + S32_MAGIC * c)[:, None]
     else:
         x = s * (deq * qk_scale)[:, None] - m_base[:, None]
     p = _exp2_tile(x, FLAGS.EXP2_EMU)
@@ -793,7 +833,12 @@ def _softmax_step(s_acc, start, is_partial, b, h, q_idx, q_idx_c, row0, sm_scale
     _score_tile, then the online softmax. FP8: a score_mod sees the dequantized scores (the per-row factor
     folds into KV_AFFINE's column FFMA)."""
     if QUANT.ON:
-        if QUANT.QK_INT8:
+        # QUANT.LEAN without a score_mod: the int32 scores biased by S32_MAGIC (one integer add per score; the float
+        # subtract of _s32_to_f32 folds into the exp2 FFMA, _online_softmax_fp8); a score_mod sees exact scores
+        BIASED: gl.constexpr = QUANT.LEAN and QUANT.QK_INT8 and not FLAGS.HAS_SCORE_MOD
+        if BIASED:
+            s_acc = (s_acc + S32_MAGIC_BITS).to(gl.float32, bitcast=True)
+        elif QUANT.QK_INT8:
             s_acc = _s32_to_f32(s_acc)
         deq, v_shift = tile_scales
         if FLAGS.KV_AFFINE:
@@ -802,7 +847,8 @@ def _softmax_step(s_acc, start, is_partial, b, h, q_idx, q_idx_c, row0, sm_scale
             s_acc = s_acc * deq[:, None]
         s, shift = _score_tile(s_acc, start, is_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit, col_bias, N,
                                score_bufs, mask_bufs, s_layout, SCORE_MOD, MASK_MOD, TILE, FLAGS)
-        out = _online_softmax_fp8(s, shift, m_i, m_run, l_i, qk_scale, deq, v_shift, p_layout, o_layout, FLAGS)
+        out = _online_softmax_fp8(s, shift, m_i, m_run, l_i, qk_scale, deq, v_shift, p_layout, o_layout, FLAGS,
+                                  QUANT, BIASED)
     else:
         s, shift = _score_tile(s_acc, start, is_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit, col_bias, N,
                                score_bufs, mask_bufs, s_layout, SCORE_MOD, MASK_MOD, TILE, FLAGS)
@@ -1086,12 +1132,25 @@ def _fp8_overlap_loop(q_op, k_smem, v_smem, bars, n_partial, n_total, b, h, mt, 
     if n_total == 1:   # the tile's only QK^T retired: the producer may load the next tile's Q half
         mbarrier.arrive(q_empty.index(WG), count=1)
     # ---- steady state: softmax S_i; issue QK_{i+1} and PV_i ----
+    # DEFER_O (QUANT.LEAN, two-level, no mods, EVEN_N): O·alpha_i + PV_i waits for the next softmax and runs in its
+    # issue slots (its MUFU-bound stretch leaves half of them idle) instead of between PV_i's retirement and that
+    # softmax, on the warpgroup's critical path. Same arithmetic; PV_i's 64 registers per thread stay live through
+    # the softmax, as they do at the issue, so the peak (S + O + PV + P) is the same, but anything more in the
+    # softmax spills with it (a mod's registers: softcap + causal, ALiBi at D=64 and 128; the last tile's bound
+    # mask: 6 LDL / STL at D=128): those launches update O after the wait.
+    DEFER_O: gl.constexpr = (QUANT.LEAN and QUANT.TWO_LEVEL and not FLAGS.HAS_SCORE_MOD and not FLAGS.HAS_MASK_MOD
+                             and FLAGS.EVEN_N)
+    pv_prev = o_zero
+    alpha_prev = gl.convert_layout(gl.full_like(l_i, 1.0), gl.SliceLayout(1, o_layout))
     for i in range(n_total - 1):
         p, m_i, m_run, l_i, alpha = _softmax_step(
             s_acc, start, i < n_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit, col_bias, N, score_bufs,
             mask_bufs, m_i, m_run, l_i, qk_scale, tile_scales, s_layout, p_layout, o_layout, gl.float8e4nv, SCORE_MOD,
             MASK_MOD, TILE, FLAGS, QUANT)
-        acc = _fp8_o_before_pv(acc, alpha, QUANT)
+        if DEFER_O:
+            acc = _fp8_o_after_pv(acc, pv_prev, alpha_prev, QUANT)
+        else:
+            acc = _fp8_o_before_pv(acc, alpha, QUANT)
         vst = cnt % V_STAGES
         v_cur, _v = _v_operands(v_smem, v_smem, vst, BLOCK_N, TILE.V_LO, 0, QUANT)
         nxt = cnt + 1
@@ -1110,14 +1169,21 @@ def _fp8_overlap_loop(q_op, k_smem, v_smem, bars, n_partial, n_total, b, h, mt, 
         mbarrier.arrive(v_empty.index(vst), count=1)
         if i == n_total - 2:   # the tile's last QK^T retired: release the Q half (as above)
             mbarrier.arrive(q_empty.index(WG), count=1)
-        acc = _fp8_o_after_pv(acc, pv, alpha, QUANT)
+        if DEFER_O:
+            pv_prev = pv
+            alpha_prev = alpha
+        else:
+            acc = _fp8_o_after_pv(acc, pv, alpha, QUANT)
         cnt = nxt
     # ---- the last KV tile: its softmax and its PV ----
     p, m_i, m_run, l_i, alpha = _softmax_step(
         s_acc, start, n_total - 1 < n_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit, col_bias, N, score_bufs,
         mask_bufs, m_i, m_run, l_i, qk_scale, tile_scales, s_layout, p_layout, o_layout, gl.float8e4nv, SCORE_MOD,
         MASK_MOD, TILE, FLAGS, QUANT)
-    acc = _fp8_o_before_pv(acc, alpha, QUANT)
+    if DEFER_O:
+        acc = _fp8_o_after_pv(acc, pv_prev, alpha_prev, QUANT)
+    else:
+        acc = _fp8_o_before_pv(acc, alpha, QUANT)
     vst = cnt % V_STAGES
     v_cur, _v = _v_operands(v_smem, v_smem, vst, BLOCK_N, TILE.V_LO, 0, QUANT)
     mbarrier.wait(v_ready.index(vst), (cnt // V_STAGES) & 1)
@@ -1771,8 +1837,11 @@ def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bu
     if fp8 is None:
         quant, quant_bufs = NO_QUANT, ()
     else:
+        # mods that read captured buffers (a document mask's ids) spill inside the KV loop with the lean softmax
+        # (D=128: over the 8 LDL / STL the previous one reloads there): they keep the previous one
+        lean = cfg.lean_fp8_softmax and not score_bufs and not mask_bufs
         quant = Quant(ON=True, Q_BLOCK=fp8.recipe.block_m, KV_BLOCK=fp8.recipe.block_n,
-                      TWO_LEVEL=fp8.recipe.two_level > 0, QK_INT8=q.dtype == torch.int8)
+                      TWO_LEVEL=fp8.recipe.two_level > 0, QK_INT8=q.dtype == torch.int8, LEAN=lean)
         quant_bufs = (fp8.q_scale, fp8.k_scale, fp8.v_scale, fp8.v_scale_max)
     sink_bufs = kernel_sink_bufs(sinks, q, fp8, "sm90 forward")
     args = (q_desc, k_desc, v_desc, o_desc, *hi_descs, lse, max_scores, tuple(score_bufs), tuple(mask_bufs),

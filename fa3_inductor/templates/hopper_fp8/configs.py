@@ -22,24 +22,32 @@ live at the issue, not during the softmax: S + O + PV + P, the same peak as with
 The kernel's tiles must lie inside one K / V scale block (FP8Recipe.block_n, default 128): BLOCK_N <= 128.
 Schedule: D=64 and 128 leave it to use_persistent per launch (as the bf16 table); D=256 runs one CTA per tile
 (the persistent schedule spills there): short sequences lose what persistence hid in bf16.
+Softmax: lean_fp8_softmax in every entry (Sm90Config; the per-tile chain each consumer warpgroup runs between its
+GEMMs is what sets the FP8 rate: docs/design/hopper_fp8.md, "Cycle budget", benchmarks/sass_loop_model.py).
 Chosen from sm90 compiles on the CPU (triton 3.6; tests/test_hopper_fp8.py checks every entry: s8 or e4m3 wgmma for
 QK^T and e4m3 for PV, not serialized, setmaxnreg kept, no spills, none inside a KV loop under mods); the D=128 overlap
-not yet timed (docs/design/hopper_fp8.md).
+and the lean softmax not yet timed (benchmarks/fp8_kernel_ab.py).
 """
 
 from __future__ import annotations
 
 from ..hopper.configs import Sm90Config
 
+# lean_fp8_softmax (every entry): the consumer warpgroup's per-tile chain is its softmax plus both GEMMs
+# (docs/design/hopper_fp8.md, "Cycle budget"); the lean softmax shortens it. D=128 int8 noop, sm90 SASS of one KV
+# tile per warp: 704 -> 607 instructions, 1298 -> 1240 stall cycles, two-warpgroup issue model 2384 -> 2148 cycles
+# per tile pair (e4m3: 576 -> 539, 2150 -> 1929; launches with mods or a ragged N keep O's update after the wait:
+# 2244 / 2030 on the noop loop). Not yet timed: benchmarks/fp8_kernel_ab.py runs both.
 _TABLE: dict[int, Sm90Config] = {
-    64: Sm90Config(block_m=128, block_n=128, num_stages=4),
+    64: Sm90Config(block_m=128, block_n=128, num_stages=4, lean_fp8_softmax=True),
     # overlap (the default) since the FP8 loop stopped carrying P across iterations (fwd_sm90._fp8_overlap_loop):
     # before, P was held one byte per register (238 repacking instructions per KV tile) and spilled; the entry ran
-    # without the overlap. Not yet timed against overlap=False (docs/design/hopper_fp8.md, "A/B").
-    128: Sm90Config(block_m=128, block_n=128, num_stages=3),
+    # without the overlap. Not yet timed against overlap=False (docs/design/hopper_fp8.md, "A/B"; the issue model
+    # gives overlap=False 3268 cycles per tile pair against 2384).
+    128: Sm90Config(block_m=128, block_n=128, num_stages=3, lean_fp8_softmax=True),
     # persistent=False: the persistent schedule spills without EVEN_N (17 spill instructions); overlap=False: with
     # it the ragged launches spill too (9 instructions, 16 bytes)
-    256: Sm90Config(block_m=128, block_n=64, num_stages=2, persistent=False, overlap=False),
+    256: Sm90Config(block_m=128, block_n=64, num_stages=2, persistent=False, overlap=False, lean_fp8_softmax=True),
 }
 
 # Head dims whose table entry cannot hold a second O-sized accumulator (two-level PV accumulation).
