@@ -35,30 +35,18 @@ Kernel roles (one CTA per (KV tile, kz * HKV + hkv); 3 warpgroups):
               dV / dK wgmmas, transposed views; dS also for dQ). Once both dS halves are there, dQ = dS K over
               all 128 keys is added into DQ_ACC: DQ_SPLIT (D >= 128), each warpgroup D / 2 head-dim columns
               every step; else one warpgroup the whole tile, the two in turn. How it is added and the order of
-              the wgmmas are the SCHED bundle (below; default: TMA reduce-add, S / P / dP / dV / dS / dK / dQ
+              the wgmmas are the SCHED bundle (below; defaults: red.v2 atomics, S / P / dP / dV / dS / dK / dQ
               in turn).
-              SCHED.DQ_OWN_KEYS: each warpgroup adds dQ_partial = dS[:, its keys] K[its keys, :] ([BLOCK_M, D]
-              over its 64 keys) itself, issued before dK and staged while dK runs: no ds_ready, so the two
-              warpgroups are not re-aligned every step (twice the dQ reduce traffic). SCHED.DQ_HALVES makes
-              it two [BLOCK_M, D / 2] wgmmas, each staged and reduce-added in turn (the second issued once
-              the first is staged: D / 4 dQ registers a thread in flight, not D / 2). SCHED.WG_STAGGER also
-              holds warpgroup 1's first step until warpgroup 0's first P is in shared memory, so they start
-              out of phase (one's exponentials and dS under the other's wgmmas).
 
 Barriers (shared memory):
   kv_ready        (count 1, TMA tx)  K and V landed                                 producer -> consumers
   qdo_ready[s]    (count 1, TMA tx)  ring stage s holds this step's Q and dO        producer -> consumers
   qdo_empty[s]    (count 2)          both warpgroups' wgmmas reading stage s retired consumers -> producer
   ds_ready[b]     (count 2)          both halves of dS are in buffer b (b = step % 2) consumer <-> consumer
-                                     (not used with DQ_OWN_KEYS: a warpgroup reads only its own dS)
-  stagger         (count 1)          warpgroup 0's first P is in shared memory (WG_STAGGER) WG 0 -> WG 1
-  (DQ_TMA: no barrier; a dQ staging slot is reused after tma.store_wait: 0, or 1 with DQ_HALVES' two slots)
+  (DQ_TMA: no barrier; each warpgroup's dQ staging tile is reused after tma.store_wait(0))
   Two dS buffers suffice: a warpgroup writes buffer b at step j + 2 only after its own step-j dQ wgmma, and
   after waiting on ds_ready of step j + 1 (DQ_SPLIT: always; in turn: it is the reader of step j + 1 when the
   other warpgroup read step j), which the other warpgroup signals only after its step-j dQ wgmma retired.
-  DQ_OWN_KEYS: one [BLOCK_M, HALF_N] dS tile per warpgroup (its dK and dQ wgmmas retire before the next step
-  writes it), which also parks f' (a score_mod) across the dP wgmma: each thread reads f' back before writing
-  dS over it, and both use the same layout.
 
 Block mask (torch BlockMask, transposed tables: for each KV block, the query blocks that see it):
   Q_NUM_BLKS[SZ, SH, NUM_KV_BLKS], Q_IDX[.., NUM_Q_BLKS]       partial query blocks (mask_mod applied)
@@ -77,7 +65,7 @@ Compile-time parameters (one frozen-dataclass bundle each, read as TILE.BLOCK_M)
   TILE    BwdTile       HEAD_D, NUM_STAGES (BLOCK_M, BLOCK_N, HALF_N, DQ_SPLIT, DQ_N derived)
   SPARSE  BwdSparsity   HAS_BLOCK_MASK, HAS_FULL_BLOCKS, Q_TILES_PER_BLK, SPARSE_KV
   FLAGS   BwdFlags      GQA_GROUP, FOLD_SCALE, EVEN_N, CONSUMER_REGS, PRODUCER_REGS, WIDE_SCORES
-  SCHED   BwdSchedule   DQ_TMA, DQ_OWN_KEYS, DQ_HALVES, WG_STAGGER (configs.BwdSm90Config's fields of those names)
+  SCHED   BwdSchedule   DQ_TMA (configs.BwdSm90Config.dq_tma)
 """
 from __future__ import annotations
 
@@ -156,17 +144,6 @@ class BwdFlags:
 class BwdSchedule:
     """How a step's wgmmas are ordered and how dQ leaves the CTA (docs/design/hopper_backward.md, "Gap")."""
     DQ_TMA: bool        # dQ staged in shared memory (fp32) and added by TMA reduce-add, not per-thread red.v2
-    DQ_OWN_KEYS: bool = False   # each warpgroup adds dS[:, its keys] K[its keys, :], all D columns (needs DQ_TMA)
-    DQ_HALVES: bool = False     # DQ_OWN_KEYS's tile as two D / 2 column halves, one after the other; D >= 128
-                                # only (halves of whole 64-column swizzle atoms, as DQ_SPLIT's K slices)
-    WG_STAGGER: bool = False    # warpgroup 1 starts once warpgroup 0's first P is made (with DQ_OWN_KEYS)
-
-    def dq_cols(self, tile: BwdTile) -> int:
-        """Columns of one dQ wgmma (and TMA reduce-add): D or D / 2 (DQ_HALVES) over a warpgroup's own keys,
-        else TILE.DQ_N over all 128 keys."""
-        if self.DQ_OWN_KEYS:
-            return tile.HEAD_D // 2 if self.DQ_HALVES else tile.HEAD_D
-        return tile.DQ_N
 
 
 @builtin
@@ -228,7 +205,7 @@ def _q_tile_start(i, n_partial, z, hq, kv_blk, tables, table_meta, TILE: gl.cons
 def _producer(descs, bars, smem, sizes, tables, table_meta, TILE: gl.constexpr, SPARSE: gl.constexpr,
               FLAGS: gl.constexpr):
     q_desc, do_desc, k_desc, v_desc, dq_desc = descs
-    kv_ready, qdo_ready, qdo_empty, ds_ready, stagger = bars
+    kv_ready, qdo_ready, qdo_empty, ds_ready = bars
     q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem = smem
     Z, HQ, KZ, M, N = sizes
     NUM_STAGES: gl.constexpr = TILE.NUM_STAGES
@@ -301,7 +278,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
               SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
               SPARSE: gl.constexpr, FLAGS: gl.constexpr, SCHED: gl.constexpr):
     q_desc, do_desc, k_desc, v_desc, dq_desc = descs
-    kv_ready, qdo_ready, qdo_empty, ds_ready, stagger = bars
+    kv_ready, qdo_ready, qdo_empty, ds_ready = bars
     q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem = smem
     Z, HQ, KZ, M, N = sizes
     stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD = rows   # STATS, DQ_ACC, dK, dV
@@ -312,10 +289,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
     HALF_N: gl.constexpr = TILE.HALF_N
     D: gl.constexpr = TILE.HEAD_D
     NUM_STAGES: gl.constexpr = TILE.NUM_STAGES
-    if SCHED.DQ_OWN_KEYS:                                         # BwdSchedule.dq_cols
-        DQ_N: gl.constexpr = D // 2 if SCHED.DQ_HALVES else D
-    else:
-        DQ_N: gl.constexpr = TILE.DQ_N
+    DQ_N: gl.constexpr = TILE.DQ_N
     dtype: gl.constexpr = q_desc.dtype
 
     # Accumulator layouts of the wgmmas (64 rows per warpgroup).
@@ -346,20 +320,8 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
     dv = gl.zeros([HALF_N, D], gl.float32, layout=d_layout)
     s_zero = gl.zeros([BLOCK_M, HALF_N], gl.float32, layout=s_layout)
     dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
-    if SCHED.DQ_OWN_KEYS:
-        DQ_COL0: gl.constexpr = 0
-        k_own = k_rows.slice(WG * HALF_N, HALF_N, dim=0)  # [HALF_N, D]: its keys
-        k_dq = k_own.slice(0, DQ_N, dim=1)                # B of dQ_partial = dS[:, its keys] K[its keys, :DQ_N]
-        k_dq_hi = k_own.slice(D - DQ_N, DQ_N, dim=1)      # DQ_HALVES: B of the second half
-        ds_mine = ds_smem.index(WG)                       # [BLOCK_M, HALF_N], this warpgroup's only
-        grad_slot = ds_mine                               # f' parked where dS goes (module docstring)
-    else:
-        DQ_COL0: gl.constexpr = WG * DQ_N if TILE.DQ_SPLIT else 0
-        k_dq = k_rows.slice(DQ_COL0, DQ_N, dim=1)   # B of dQ[:, this warpgroup's columns] = dS K[:, columns]
-        if SCORE_GRAD is not None:
-            grad_slot = p_smem.index(2 + WG)
-        else:
-            grad_slot = p_mine   # never read
+    DQ_COL0: gl.constexpr = WG * DQ_N if TILE.DQ_SPLIT else 0
+    k_dq = k_rows.slice(DQ_COL0, DQ_N, dim=1)   # B of dQ[:, this warpgroup's columns] = dS K[:, columns]
 
     mbarrier.wait(kv_ready, 0)
     cnt = 0
@@ -381,10 +343,6 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
             q_t = q_smem.index(st).reshape([BLOCK_M, D])
             do_t = do_smem.index(st).reshape([BLOCK_M, D])
             mbarrier.wait(qdo_ready.index(st), (cnt // NUM_STAGES) & 1)
-            if SCHED.WG_STAGGER:
-                if WG == 1:
-                    if cnt == 0:   # both walk the same steps: warpgroup 0 has a first step too
-                        mbarrier.wait(stagger, 0)
             # dP is issued once P is made: S and dP in flight beside P spill at D = 128 with a mod (issuing dP
             # beside S, FA3's order, measured 0.90-0.97x on an H100: configs.py), and P and f' are read back from
             # shared memory in 16 bits for dS rather than held across the dP wgmma (P is rounded to 16 bits for
@@ -401,14 +359,9 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
             if SCORE_GRAD is not None:
                 # masked scores (P = 0) take no gradient, even where f' is not finite there
                 grad = gl.where(p > 0.0, SCORE_GRAD(qk, sm_scale, z, hq, q_idx, kv_idx, score_bufs), 0.0)
-                grad_slot.store(grad.to(dtype))
+                p_smem.index(2 + WG).store(grad.to(dtype))
             fence_async_shared()
             gl.thread_barrier()        # every thread's part of P is in shared memory before the wgmma reads it
-            if SCHED.WG_STAGGER:
-                # warpgroup 1 runs its first S and exponentials under warpgroup 0's first dP / dV
-                if WG == 0:
-                    if cnt == 0:
-                        mbarrier.arrive(stagger, count=1)
             dp_tok = warpgroup_mma(do_t, v_t, s_zero, use_acc=False, is_async=True)
             dv_tok = warpgroup_mma(p_t, do_t, dv, is_async=True)
             delta = gl.load(stats + M_PAD + rows_)
@@ -416,52 +369,29 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
             # P back from shared memory: held in registers across the dP wgmma it would spill
             ds = p_mine.load(s_layout).to(gl.float32) * (dp - delta[:, None])
             if SCORE_GRAD is not None:
-                ds = ds * grad_slot.load(s_layout).to(gl.float32)
-            if SCHED.DQ_OWN_KEYS:
-                # dS over this warpgroup's keys feeds its dQ_partial and dK; dQ first, so that its staging and
-                # TMA reduce-add run while dK's wgmma does
-                ds_mine.store(ds.to(dtype))
-                fence_async_shared()
-                gl.thread_barrier()
-                dq_tok = warpgroup_mma(ds_mine, k_dq, dq_zero, use_acc=False, is_async=True)
-                dk_tok = warpgroup_mma(ds_mine.permute((1, 0)), q_t, dk, is_async=True)
-                dq, _a, _b = warpgroup_mma_wait(1, deps=[dq_tok, ds_mine, k_dq])
-                if SCHED.DQ_HALVES:   # two reduce-adds a step in flight: wait for the one that read this slot
-                    _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, m0, row_off, 2 * WG, 0, 1, TILE, SCHED)
-                    dq_tok = warpgroup_mma(ds_mine, k_dq_hi, dq_zero, use_acc=False, is_async=True)
-                    dv, dk, _p, _ds, _do2, _q2 = warpgroup_mma_wait(1, deps=[dv_tok, dk_tok, p_t, ds_mine, do_t,
-                                                                             q_t])
-                    mbarrier.arrive(qdo_empty.index(st), count=1)
-                    dq, _a, _b = warpgroup_mma_wait(0, deps=[dq_tok, ds_mine, k_dq_hi])
-                    _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, m0, row_off, 2 * WG + 1, DQ_N, 1, TILE, SCHED)
-                else:
-                    _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, m0, row_off, WG, 0, 0, TILE, SCHED)
-                    dv, dk, _p, _ds, _do2, _q2 = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_t, ds_mine, do_t,
-                                                                             q_t])
-                    mbarrier.arrive(qdo_empty.index(st), count=1)
+                ds = ds * p_smem.index(2 + WG).load(s_layout).to(gl.float32)
+            # dS to shared memory: this warpgroup's dK wgmma reads its half, the dQ wgmma both halves.
+            ds_tile = ds_smem.index(buf)                              # [BLOCK_M, BLOCK_N]
+            ds_mine = ds_tile.slice(WG * HALF_N, HALF_N, dim=1)
+            ds_mine.store(ds.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(ds_ready.index(buf), count=1)
+            # dQ = dS K over all 128 keys (both warpgroups' dS): DQ_SPLIT, each warpgroup D / 2 columns every
+            # step; else (D = 64) all columns every other step.
+            if TILE.DQ_SPLIT:
+                mine = True
             else:
-                # dS to shared memory: this warpgroup's dK wgmma reads its half, the dQ wgmma both halves.
-                ds_tile = ds_smem.index(buf)                              # [BLOCK_M, BLOCK_N]
-                ds_half = ds_tile.slice(WG * HALF_N, HALF_N, dim=1)
-                ds_half.store(ds.to(dtype))
-                fence_async_shared()
-                gl.thread_barrier()
-                mbarrier.arrive(ds_ready.index(buf), count=1)
-                # dQ = dS K over all 128 keys (both warpgroups' dS): DQ_SPLIT, each warpgroup D / 2 columns every
-                # step; else (D = 64) all columns every other step.
-                if TILE.DQ_SPLIT:
-                    mine = True
-                else:
-                    mine = cnt % 2 == WG
-                # dK, then dQ (dQ before dK measured 0.84-1.05x: configs.py)
-                dk_tok = warpgroup_mma(ds_half.permute((1, 0)), q_t, dk, is_async=True)
-                dv, dk, _p, _ds, _do2, _q2 = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_t, ds_half, do_t, q_t])
-                mbarrier.arrive(qdo_empty.index(st), count=1)
-                if mine:
-                    mbarrier.wait(ds_ready.index(buf), (cnt // 2) & 1)
-                    dq_tok = warpgroup_mma(ds_tile, k_dq, dq_zero, use_acc=False, is_async=True)
-                    dq, _a, _b = warpgroup_mma_wait(0, deps=[dq_tok, ds_tile, k_dq])
-                    _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, m0, row_off, WG, DQ_COL0, 0, TILE, SCHED)
+                mine = cnt % 2 == WG
+            # dK, then dQ (dQ before dK measured 0.84-1.05x: configs.py)
+            dk_tok = warpgroup_mma(ds_mine.permute((1, 0)), q_t, dk, is_async=True)
+            dv, dk, _p, _ds, _do2, _q2 = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_t, ds_mine, do_t, q_t])
+            mbarrier.arrive(qdo_empty.index(st), count=1)
+            if mine:
+                mbarrier.wait(ds_ready.index(buf), (cnt // 2) & 1)
+                dq_tok = warpgroup_mma(ds_tile, k_dq, dq_zero, use_acc=False, is_async=True)
+                dq, _a, _b = warpgroup_mma_wait(0, deps=[dq_tok, ds_tile, k_dq])
+                _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, m0, row_off, WG, TILE, SCHED)
             cnt += 1
 
     # dK, dV: one store per output tile (rows past N clipped); dK takes the scale and f's factor here.
@@ -476,19 +406,19 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
 
 
 @gluon.jit
-def _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, m0, row_off, SLOT: gl.constexpr, DQ_COL0: gl.constexpr,
-            PENDING: gl.constexpr, TILE: gl.constexpr, SCHED: gl.constexpr):
-    """Add a dQ tile [BLOCK_M, DQ_N] (wgmma layout, fp32) into DQ_ACC rows [m0, m0 + BLOCK_M), columns from
-    DQ_COL0, of head zh. SCHED.DQ_TMA: staged in shared tile SLOT (one per warpgroup, two with DQ_HALVES) and
-    added by one TMA reduce-add (whole 128-byte lines at L2); the slot is reused once the reduce that last read
-    it has (PENDING: how many of this thread's later reduces may stay in flight). Else red.global.add.v2.f32,
-    16 a thread (a thread's fragment holds 2 adjacent columns per 8: v2 is the widest without a shuffle)."""
-    BLOCK_M: gl.constexpr = dq.shape[0]
-    DQ_N: gl.constexpr = dq.shape[1]
+def _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, m0, row_off, WG: gl.constexpr, TILE: gl.constexpr,
+            SCHED: gl.constexpr):
+    """Add this warpgroup's dQ tile [BLOCK_M, DQ_N] (wgmma layout, fp32) into DQ_ACC rows [m0, m0 + BLOCK_M) of
+    head zh. SCHED.DQ_TMA: staged in the warpgroup's shared tile and added by one TMA reduce-add (whole 128-byte
+    lines at L2; the tile is reused once the previous reduce has read it). Else red.global.add.v2.f32, 16 a
+    thread (a thread's fragment holds 2 adjacent columns per 8: v2 is the widest without a shuffle)."""
+    BLOCK_M: gl.constexpr = TILE.BLOCK_M
+    DQ_N: gl.constexpr = TILE.DQ_N
     D: gl.constexpr = TILE.HEAD_D
+    DQ_COL0: gl.constexpr = WG * DQ_N if TILE.DQ_SPLIT else 0
     if SCHED.DQ_TMA:
-        stage = dq_smem.index(SLOT)                  # [1, BLOCK_M, DQ_N]
-        tma.store_wait(PENDING)                      # the reduce that last read this slot has read it
+        stage = dq_smem.index(WG)                    # [1, BLOCK_M, DQ_N]
+        tma.store_wait(0)                            # the previous reduce has read this warpgroup's tile
         stage.reshape([BLOCK_M, DQ_N]).store(dq)
         fence_async_shared()
         _tma_reduce_add(dq_desc, [zh, m0, DQ_COL0], stage)
@@ -551,18 +481,13 @@ def fa3_bwd_sm90_kernel(
     v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
     HALF_N: gl.constexpr = TILE.HALF_N
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF_N], q_desc.dtype)
-    # P of each warpgroup; with a score_mod also f' (both parked in shared memory across the dP wgmma; with
-    # DQ_OWN_KEYS f' is parked in the warpgroup's dS tile)
-    P_SLOTS: gl.constexpr = 4 if SCORE_GRAD is not None and not SCHED.DQ_OWN_KEYS else 2
+    # P of each warpgroup; with a score_mod also f' (both parked in shared memory across the dP wgmma)
+    P_SLOTS: gl.constexpr = 4 if SCORE_GRAD is not None else 2
     p_smem = gl.allocate_shared_memory(q_desc.dtype, [P_SLOTS, BLOCK_M, HALF_N], p_layout)
-    if SCHED.DQ_OWN_KEYS:   # one dS tile per warpgroup over its own keys
-        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, HALF_N], p_layout)
-    else:                   # two [BLOCK_M, BLOCK_N] buffers, each written by both warpgroups
-        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], q_desc.dtype)
-        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, BLOCK_N], ds_layout)
-    if SCHED.DQ_TMA:   # one fp32 dQ staging tile per consumer warpgroup (two with DQ_HALVES)
-        DQ_SLOTS: gl.constexpr = 4 if SCHED.DQ_HALVES else 2
-        dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_SLOTS] + dq_desc.block_type.shape, dq_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], q_desc.dtype)
+    ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, BLOCK_N], ds_layout)
+    if SCHED.DQ_TMA:   # one fp32 dQ staging tile per consumer warpgroup
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
         dq_tma_desc = dq_desc
     else:              # placeholders (never read): a role's argument tuple holds no None
         dq_smem = ds_smem
@@ -572,11 +497,6 @@ def fa3_bwd_sm90_kernel(
     qdo_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     qdo_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    if SCHED.WG_STAGGER:
-        stagger = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(stagger, count=1)
-    else:
-        stagger = kv_ready   # placeholder (never read)
     mbarrier.init(kv_ready, count=1)
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(qdo_ready.index(s), count=1)
@@ -585,7 +505,7 @@ def fa3_bwd_sm90_kernel(
         mbarrier.init(ds_ready.index(b), count=2)
 
     descs = (q_desc, do_desc, k_desc, v_desc, dq_tma_desc)
-    bars = (kv_ready, qdo_ready, qdo_empty, ds_ready, stagger)
+    bars = (kv_ready, qdo_ready, qdo_empty, ds_ready)
     smem = (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem)
     sizes = (Z, HQ, KZ, M, N)
     tables = (qnb_ptr, qidx_ptr, fqnb_ptr, fqidx_ptr)

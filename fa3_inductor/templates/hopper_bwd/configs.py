@@ -8,18 +8,13 @@ and per step a [64, 64] fp32 tile (S, then dP: 32) and its part of the dQ tile (
 Shared memory: K and V of the CTA's 128 keys (2 * 128 * D * 2 bytes), NUM_STAGES stages of Q and dO
 (2 * 64 * D * 2 each), P of both warpgroups (2 * 64 * 64 * 2; twice that with a score_mod, whose f' is parked
 beside it) and two dS buffers (2 * 64 * 128 * 2); with dq_tma two fp32 dQ staging tiles (2 * 64 * 64 * 4);
-227 KB per CTA on sm90. dq_own_keys: one dS tile per warpgroup (2 * 64 * 64 * 2, which also parks f') and
-staging tiles of all D columns (2 * 64 * D * 4): D128 224 KB with or without a score_mod, D64 128 KB.
+227 KB per CTA on sm90.
 
 dq_tma and two schedule orders were the candidates docs/design/hopper_backward.md ("Gap") derived from the
 compiled kernel (dP's wgmma beside S's, FA3's order; dQ's wgmma before dK's). Measured on an H100 (benchmarks/results/bwd-ab-nvidia-h100-80gb-hbm3-
 2026-11-25-0609, B4 H16 N4096, backward alone against the atomic dQ): dq_tma 1.31x / 1.21x faster at D128
 noop / causal, 1.07x / 1.09x at D64; dp_with_s 0.90-0.97x; dq_before_dk 0.84-1.05x; all three 0.96-1.20x.
 So dq_tma is on in every entry and the two orders were removed from the kernel.
-
-dq_own_keys (with dq_halves, wg_stagger) is the next candidate of that analysis: each warpgroup adds the dQ of its
-own 64 keys, so no barrier re-aligns the two every step, at twice the dQ reduce bytes (compile figures, bytes and
-the A/B command: docs/design/hopper_backward.md, "dQ per warpgroup over its own keys"). Not measured yet: off.
 """
 from __future__ import annotations
 
@@ -36,34 +31,14 @@ class BwdSm90Config:
     maxnreg: int = 168           # register cap at kernel entry (12 warps)
     dq_tma: bool = True          # dQ staged in shared memory, one TMA reduce-add per warpgroup and step (else
                                  # per-thread red.v2 atomics: 32 KB less shared memory, for tiles that need it)
-    dq_own_keys: bool = False    # each warpgroup adds dQ over its own 64 keys, all D columns (no ds_ready
-                                 # coupling of the warpgroups; twice the dQ reduce bytes); needs dq_tma
-    dq_halves: bool = False      # dq_own_keys's [64, D] dQ as two [64, D / 2] wgmmas and reduce-adds in turn
-                                 # (half the dQ registers in flight; the second half's staging follows the
-                                 # step's last wgmma drain). D >= 128 only: at D = 64 the tile is 32 registers
-                                 # already and a half would cut a swizzle atom
-    wg_stagger: bool = False     # warpgroup 1 starts once warpgroup 0's first P is made (needs dq_own_keys:
-                                 # the default schedule re-aligns them at every step)
-
-    def __post_init__(self):
-        if self.dq_own_keys and not self.dq_tma:
-            raise ValueError("dq_own_keys needs dq_tma (its [64, D] dQ tile is added by TMA reduce-add)")
-        if self.dq_halves and not self.dq_own_keys:
-            raise ValueError("dq_halves needs dq_own_keys (the default dQ tile is already D / 2 or 64 wide)")
-        if self.wg_stagger and not self.dq_own_keys:
-            raise ValueError("wg_stagger needs dq_own_keys (ds_ready re-aligns the warpgroups every step)")
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
-        """Shared memory of K, V, the Q / dO ring, P, the dS buffers and the dQ staging tiles (no score_mod),
+        """Shared memory of K, V, the Q / dO ring, P, the two dS buffers and the dQ staging tiles (no score_mod),
         barriers aside."""
         kv = 2 * 128 * head_dim                  # K, V of the CTA's 128 keys
         ring = self.num_stages * 2 * 64 * head_dim    # Q, dO of 64 query rows per stage
-        if self.dq_own_keys:                     # P and dS: one [64, 64] tile of each per warpgroup
-            p_ds = 2 * 64 * 64 + 2 * 64 * 64
-            dq_stage = 2 * 64 * head_dim * 4     # fp32 [64, D] per consumer warpgroup
-        else:                                    # P (one [64, 64] tile per warpgroup), two dS buffers
-            p_ds = 2 * 64 * 64 + 2 * 64 * 128
-            dq_stage = 2 * 64 * 64 * 4 if self.dq_tma else 0   # fp32 [64, 64] per consumer warpgroup
+        p_ds = 2 * 64 * 64 + 2 * 64 * 128           # P (one [64, 64] tile per warpgroup), two dS buffers
+        dq_stage = 2 * 64 * 64 * 4 if self.dq_tma else 0   # fp32 [64, 64] per consumer warpgroup
         return elem_bytes * (kv + ring + p_ds) + dq_stage
 
 
@@ -83,12 +58,6 @@ SUPPORTED_HEAD_DIMS = tuple(sorted(_TABLE))
 VARIANTS: dict[str, dict[str, bool]] = {
     "default": {},
     "atomic_dq": {"dq_tma": False},
-    # docs/design/hopper_backward.md, "Gap": the warpgroups' dQ over their own keys, no ds_ready re-alignment
-    "dq_own_keys": {"dq_own_keys": True},
-    # the same with half the dQ registers in flight (D128 spills 99 without: 21 reloads a step)
-    "dq_own_keys_halves": {"dq_own_keys": True, "dq_halves": True},
-    # the same, warpgroup 1 started about half a step behind warpgroup 0
-    "dq_own_keys_halves_stagger": {"dq_own_keys": True, "dq_halves": True, "wg_stagger": True},
 }
 
 

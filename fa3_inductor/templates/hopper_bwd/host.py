@@ -101,14 +101,13 @@ def _desc(t: torch.Tensor, block_shape: list[int]):
                                                                                            t.dtype))
 
 
-def _dq_acc_desc(dq_acc: torch.Tensor, tile: BwdTile, sched: BwdSchedule):
-    """TMA descriptor of DQ_ACC [Z * HQ, M_PAD, D] (fp32) by [1, BLOCK_M, dQ columns of a warpgroup] tiles,
-    128-byte swizzled (the compiler splits a tile into 32-column boxes): what the dQ_TMA schedule reduce-adds
-    into."""
+def _dq_acc_desc(dq_acc: torch.Tensor, tile: BwdTile):
+    """TMA descriptor of DQ_ACC [Z * HQ, M_PAD, D] (fp32) by [1, BLOCK_M, DQ_N] tiles, 128-byte swizzled (the
+    compiler splits a tile into 32-column boxes): what the dQ_TMA schedule reduce-adds into."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    block = [1, tile.BLOCK_M, sched.dq_cols(tile)]
+    block = [1, tile.BLOCK_M, tile.DQ_N]
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=3)
     return TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), block, layout)
 
@@ -259,9 +258,7 @@ def prepare_hopper_backward(
     flags = BwdFlags(GQA_GROUP=HQ // HKV, FOLD_SCALE=fold, EVEN_N=N % tile.BLOCK_N == 0,
                      CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
                      WIDE_SCORES=wide_scores(score_mod, compiled=True))
-    # dq_halves at D >= 128 only (BwdSchedule.DQ_HALVES)
-    sched = BwdSchedule(DQ_TMA=cfg.dq_tma, DQ_OWN_KEYS=cfg.dq_own_keys, DQ_HALVES=cfg.dq_halves and tile.DQ_SPLIT,
-                        WG_STAGGER=cfg.wg_stagger)
+    sched = BwdSchedule(DQ_TMA=cfg.dq_tma)
 
     preprocess = (
         bwd_sm90_preprocess_kernel,
@@ -273,7 +270,7 @@ def prepare_hopper_backward(
         fa3_bwd_sm90_kernel,
         (_desc(q, [1, 1, tile.BLOCK_M, D]), _desc(dout, [1, 1, tile.BLOCK_M, D]),
          _desc(k, [1, 1, tile.BLOCK_N, D]), _desc(v, [1, 1, tile.BLOCK_N, D]),
-         _dq_acc_desc(dq_acc, tile, sched) if cfg.dq_tma else None,
+         _dq_acc_desc(dq_acc, tile) if cfg.dq_tma else None,
          stats, dq_acc, dk, dv, *tables, tuple(score_bufs), tuple(mask_bufs),
          Z, HQ, KZ, M, N, m_pad, SZ, SH, num_kv_blks, num_q_blks, *scalars),
         dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse,
