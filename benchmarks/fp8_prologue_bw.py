@@ -18,12 +18,8 @@ Options:
   or interleaved pairs), checks each gives the default's bytes, and prints the best per shape
   (``host.tuned_launch``'s table takes the winners);
 - ``--against PATH``: times the prologue of another tree (``fa3_inductor`` imported from PATH in a
-  subprocess running this file) on the same shapes: old vs new in one run, and compares the two
-  trees' operands (a checksum of every output byte and scale, taken on the device: the "same
-  bytes" column; a kernel change that must not change the math shows True everywhere). Make the
-  old tree with ``git worktree add /tmp/fp8_old HEAD`` or ``git archive <commit> | tar -x -C
-  /tmp/fp8_old``;
-- ``--recipes``: a subset of the recipes (default all).
+  subprocess running this file) on the same shapes: old vs new in one run. Make the old tree with
+  ``git worktree add /tmp/fp8_old HEAD`` (or any commit).
 
     python benchmarks/fp8_prologue_bw.py --out benchmarks/results [--sweep] [--against /tmp/fp8_old]
 
@@ -59,10 +55,9 @@ def _import_tree(root: str):
     return fa3_inductor
 
 
-def _cases(head_dims: list[int], seqlens: list[int], hkvs: list[int],
-           recipes=RECIPES) -> list[dict]:
+def _cases(head_dims: list[int], seqlens: list[int], hkvs: list[int]) -> list[dict]:
     return [dict(D=D, N=N, B=TOKENS // N, Hq=HQ, Hkv=hkv, recipe=r)
-            for D in head_dims for N in seqlens for hkv in hkvs for r in recipes]
+            for D in head_dims for N in seqlens for hkv in hkvs for r in RECIPES]
 
 
 def _key(c: dict) -> str:
@@ -140,23 +135,6 @@ def copy_ms(nbytes: int) -> float:
     return _time(lambda: dst.copy_(src))
 
 
-def operand_checksum(ops) -> str:
-    """A checksum of every byte of the operands (q, k, vt, the scales, k_mean), computed on the
-    device: two trees' results compare without copying them back."""
-    import torch
-
-    parts = []
-    for name in ("q", "k", "vt", "q_scale", "k_scale", "v_scale", "v_scale_max", "k_mean"):
-        t = getattr(ops, name)
-        if t is None:
-            parts.append(f"{name}:-")
-            continue
-        b = t.contiguous().view(torch.uint8).reshape(-1).to(torch.int64)
-        w = torch.arange(b.numel(), device=b.device, dtype=torch.int64) % 65521 + 1
-        parts.append(f"{name}:{b.numel()}:{int(b.sum())}:{int((b * w).sum())}")
-    return ";".join(parts)
-
-
 def _same_operands(a, b) -> bool:
     import torch
 
@@ -173,19 +151,13 @@ def sweep_candidates() -> list:
     out = [PrologueTuning(num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3)]
     out += [PrologueTuning(num_warps=4, num_stages=2, programs_per_sm=0),
             PrologueTuning(num_warps=8, num_stages=1, maxnreg=128)]
-    if "heads_per_task" in PrologueTuning.__dataclass_fields__:   # RoPE's table reuse (a no-op without)
-        out += [PrologueTuning(num_warps=8, num_stages=s, heads_per_task=h)
-                for h in (1, 2, 8) for s in (1, 2)]
-        out += [PrologueTuning(num_warps=8, num_stages=1, maxnreg=128, heads_per_task=1)]
     return out
 
 
 def _tuning_text(t) -> str:
     per_sm = {None: "fit", 0: "grid"}.get(t.programs_per_sm, str(t.programs_per_sm))
-    heads = getattr(t, "heads_per_task", None)
     return (f"w{t.num_warps} s{t.num_stages} per_sm={per_sm}"
-            + (f" maxnreg={t.maxnreg}" if t.maxnreg else "")
-            + (f" heads={heads}" if heads else ""))
+            + (f" maxnreg={t.maxnreg}" if t.maxnreg else ""))
 
 
 def run_worker(root: str, cases: list[dict], out_json: str) -> None:
@@ -194,8 +166,8 @@ def run_worker(root: str, cases: list[dict], out_json: str) -> None:
     rows = []
     for c in cases:
         try:
-            ms, ops = _prologue_ms(c)
-            rows.append(dict(c, key=_key(c), ms=ms, checksum=operand_checksum(ops)))
+            ms, _ = _prologue_ms(c)
+            rows.append(dict(c, key=_key(c), ms=ms))
         except Exception as exc:   # keep the other shapes
             rows.append(dict(c, key=_key(c), error=f"{type(exc).__name__}: {exc}"[:500]))
         print(f"[{root}] {_key(c)}: {rows[-1].get('ms', rows[-1].get('error'))}", flush=True)
@@ -222,7 +194,6 @@ def main() -> None:
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--seqlens", default="4096,16384")
     ap.add_argument("--hkv", default="16,4")
-    ap.add_argument("--recipes", default=",".join(RECIPES), help=f"a subset of {','.join(RECIPES)}")
     ap.add_argument("--sweep", action="store_true", help="time the candidate launch parameters")
     ap.add_argument("--against", metavar="PATH", help="another tree to time on the same shapes")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -240,10 +211,7 @@ def main() -> None:
     import triton
 
     ints = lambda s: [int(x) for x in s.split(",")]   # noqa: E731
-    recipes = [r for r in args.recipes.split(",") if r]
-    if set(recipes) - set(RECIPES):
-        ap.error(f"unknown recipes {sorted(set(recipes) - set(RECIPES))}")
-    cases = _cases(ints(args.head_dims), ints(args.seqlens), ints(args.hkv), recipes)
+    cases = _cases(ints(args.head_dims), ints(args.seqlens), ints(args.hkv))
     now = _dt.datetime.now(_dt.timezone.utc)
     device = torch.cuda.get_device_name()
     head = (f"{device}, torch {torch.__version__}, triton {triton.__version__}, "
@@ -256,9 +224,7 @@ def main() -> None:
         row = dict(c, key=_key(c), bytes=_bytes_moved(c))
         try:
             row["copy_ms"] = copy_ms(row["bytes"])
-            row["ms"], ops = _prologue_ms(c)
-            row["checksum"] = operand_checksum(ops)
-            del ops
+            row["ms"], _ = _prologue_ms(c)
         except Exception as exc:   # keep the other shapes
             row["error"] = f"{type(exc).__name__}: {exc}"[:500]
         for tag, src in (("", row), ("old_", old.get(row["key"], {}))):
@@ -269,14 +235,10 @@ def main() -> None:
                 row["old_ms"] = src["ms"]
             if tag and "error" in src:
                 row["old_error"] = src["error"]
-            if tag and "checksum" in src and "checksum" in row:
-                row["same_bytes"] = src["checksum"] == row["checksum"]
         rows.append(row)
         print(f"{row['key']}: {row.get('ms', row.get('error'))} ms"
               + (f", {row['gbps']:.0f} GB/s ({100 * row['of_copy']:.0f}% of copy)"
-                 if "gbps" in row else "")
-              + (f", old {row['old_ms']:.4f} ms, same bytes {row.get('same_bytes')}"
-                 if "old_ms" in row else ""), flush=True)
+                 if "gbps" in row else ""), flush=True)
 
     sweep = []
     if args.sweep:
@@ -314,8 +276,8 @@ def main() -> None:
     cols = "| D | N | B | Hkv | recipe | MB moved | ms | GB/s | % of copy | copy GB/s |"
     sep = "|---|---|---|---|---|---|---|---|---|---|"
     if args.against:
-        cols += " old ms | old GB/s | old % of copy | speedup | same bytes |"
-        sep += "---|---|---|---|---|"
+        cols += " old ms | old GB/s | old % of copy | speedup |"
+        sep += "---|---|---|---|"
     lines += [cols, sep]
     for r in rows:
         copy_gbps = r["bytes"] / (r["copy_ms"] * 1e-3) / 1e9 if "copy_ms" in r else None
@@ -325,8 +287,8 @@ def main() -> None:
                                                 if "gbps" in r else f"{r.get('error', '')} | | | |"))
         if args.against:
             line += (f" {r['old_ms']:.4f} | {r['old_gbps']:.0f} | {100 * r['old_of_copy']:.0f}% | "
-                     f"{r['old_ms'] / r['ms']:.2f}x | {r.get('same_bytes', '')} |"
-                     if "old_gbps" in r and "ms" in r else f" {r.get('old_error', '')} | | | | |")
+                     f"{r['old_ms'] / r['ms']:.2f}x |" if "old_gbps" in r and "ms" in r
+                     else f" {r.get('old_error', '')} | | | |")
         lines.append(line)
     if sweep:
         lines += ["", "## Launch parameters (--sweep)", "",

@@ -262,33 +262,6 @@ def test_non_contiguous_inputs_give_the_same_operands(cpu_kernels):
                            else getattr(want, name)), name
 
 
-@pytest.mark.parametrize("style", ["half", "interleaved"])
-def test_heads_per_task_gives_the_same_operands(cpu_kernels, style):
-    """RoPE's table rows read once for a chunk of heads (host.PrologueTuning.heads_per_task,
-    kernel.py _task) give the operands of one head per task, byte for byte: GQA, smooth_k,
-    positions, a last chunk shorter than the rest (10 Q heads in chunks of 4)."""
-    q, k, v = _inputs(2, 10, 5, 40, 36, 64, seed=3)
-    rope = RopeSpec.from_theta(64, 64, style=style, q_positions=torch.randint(0, 64, (2, 40)),
-                               k_positions=torch.randint(0, 64, (36,)))
-    recipe = FP8Recipe(smooth_k=True, block_m=16, block_n=16)
-
-    def run(heads):
-        launch = host.prepare_prologue(q, k, v, recipe, rope,
-                                       tuning=host.PrologueTuning(heads_per_task=heads))
-        assert launch.launches[-1][2]["ROT"].Q_HEADS == heads
-        for kernel, args, kwargs, grid in launch.launches:
-            kernel[grid](*args, **kwargs)
-        return host.finish(launch.operands)
-
-    want = run(1)
-    for heads in (4, 8):
-        got = run(heads)
-        for name in ("q", "k", "vt", "q_scale", "k_scale", "v_scale", "v_scale_max", "k_mean"):
-            g, w = getattr(got, name), getattr(want, name)
-            assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)) if g.element_size() == 1 \
-                else torch.equal(g, w), (heads, name)
-
-
 def test_zero_blocks_take_scale_one_and_leave_v_scale_max_alone(cpu_kernels):
     q, k, v = _inputs(1, 2, 2, 32, 48, 64)
     q[:, :, :16] = 0        # one zero Q block
@@ -516,10 +489,7 @@ def test_sm90_memory_instructions_are_wide_and_pipelined(D, rope):
     stores = re.findall(r"\bst\.global(?:\.\w+)*", rep.ptx)
     wide = [s for s in stores if ".v4" in s]
     scalar = [s for s in stores if ".v" not in s]
-    # Every tile store 16 bytes (Q8, K8, Vᵀ8: at least one in each loop), the scalar ones the
-    # b32 scales; no 1-, 2- or 8-byte stores.
-    assert len(wide) >= 3 and all(s.endswith(".b32") for s in scalar) and len(scalar) <= 4, stores
-    assert not [s for s in stores if ".v2" in s or s.endswith((".b8", ".b16", ".u8", ".u16"))], stores
+    assert len(wide) >= 12 and all(s.endswith(".b32") for s in scalar) and len(scalar) <= 4, stores
     assert not re.search(r"\bld\.global(?:\.\w+)*\.(?:b16|u16|b8|u8)\b", rep.ptx), "narrow loads"
     sizes = re.findall(r"\bcp\.async\.\w+\.shared\.global\s+\[[^]]+\],\s*\[[^]]+\],\s*(\w+)", rep.ptx)
     assert sizes and set(sizes) == {"0x10"}, f"cp.async sizes {set(sizes)}: 16 bytes each expected"

@@ -39,10 +39,7 @@ class PrologueTuning:
       within a program; None: :func:`tuned_launch`'s choice;
     - ``programs_per_sm``: persistent programs per SM; None: as many as fit at once (the compiled
       kernel's registers and shared memory); 0: one program per group (no loop);
-    - ``maxnreg``: a register cap per thread (None: the compiler's choice);
-    - ``heads_per_task``: with RoPE, the Q / K heads a program quantizes for one read of a row
-      group's table rows (kernel.py, Rotation.Q_HEADS); None: :func:`tuned_launch`'s choice.
-      Always 1 without RoPE and for groups wider than a tile.
+    - ``maxnreg``: a register cap per thread (None: the compiler's choice).
 
     Example::
 
@@ -54,37 +51,31 @@ class PrologueTuning:
     num_stages: Optional[int] = None
     programs_per_sm: Optional[int] = None
     maxnreg: Optional[int] = None
-    heads_per_task: Optional[int] = None
 
 
 DEFAULT_TUNING = PrologueTuning()
 
-# (widest head dim rounded up to a power of two, <= 64 or 128; RoPE) -> (warps, stages, register cap,
-# heads per task). Without RoPE: the --sweep of fp8-prologue-bw-nvidia-h100-80gb-hbm3-2026-11-25-0627
-# (H100, N 16384 Hkv 16, the fastest of 8 candidates per row): D64 4 warps, 2 stages (2.45 TB/s,
-# one stage 2.34); D128 4 warps, 2 stages (2.45; 8 warps 2.46, equal). With RoPE, 4 heads per task
-# (the table rows read once for 4 heads, design/fp8_prologue.md "Byte budget"), 8 warps, 2
-# stages, chosen from sm90 compiles (no GPU run yet): D64 203 registers, no spills, 709 SASS
-# instructions per Q / K tile loop (32 values a thread; the one-head kernel's best, 4 warps 3
-# stages: 1726 for 64 values); D128 255 registers, 59 spill instructions a loop, 1385 instructions
-# (the one-head kernel's best, 8 warps, 1 stage, capped at 128 registers, 1.56 TB/s: 1803 and 59
-# spills). Re-run the sweep after kernel changes.
-_TUNED = {(64, False): (4, 2, None, 1), (64, True): (8, 2, None, 4),
-          (128, False): (4, 2, None, 1), (128, True): (8, 2, None, 4)}
+# (widest head dim rounded up to a power of two, <= 64 or 128; RoPE) -> (warps, stages, register cap):
+# the --sweep of fp8-prologue-bw-nvidia-h100-80gb-hbm3-2026-11-25-0627 (H100, this kernel, N 16384
+# Hkv 16): the fastest of 8 candidates per row. D64: 4 warps, 2 stages without RoPE (2.45 TB/s, one
+# stage 2.34), 3 with (1.60); D128 without RoPE 4 warps, 2 stages (2.45; 8 warps 2.46, equal); D128
+# with RoPE one stage of 8 warps capped at 128 registers (1.56 against 1.29 with two uncapped
+# stages, 1.43 with 4 warps). Re-run the sweep after kernel changes.
+_TUNED = {(64, False): (4, 2, None), (64, True): (4, 3, None), (128, False): (4, 2, None),
+          (128, True): (8, 1, 128)}
 
 
-def tuned_launch(head_dim: int, rope: bool) -> tuple[int, int, Optional[int], int]:
-    """(num_warps, num_stages, maxnreg, heads per task) of ``prologue_kernel`` for the widest of
-    the Q/K and V head dims, with or without RoPE: the table above; 8 warps, 2 stages, one head
-    per task past 128 columns.
+def tuned_launch(head_dim: int, rope: bool) -> tuple[int, int, Optional[int]]:
+    """(num_warps, num_stages, maxnreg) of ``prologue_kernel`` for the widest of the Q/K and V head
+    dims, with or without RoPE: the measured table above; 8 warps, 2 stages past 128 columns.
 
     Example::
 
         >>> tuned_launch(128, rope=True)
-        (8, 2, None, 4)
+        (8, 1, 128)
     """
     wide = max(64, triton.next_power_of_2(head_dim))
-    return _TUNED.get((wide, rope), (8, 2, None, 1))
+    return _TUNED.get((wide, rope), (8, 2, None))
 
 
 @dataclasses.dataclass
@@ -192,23 +183,6 @@ def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def _heads_per_task(heads: int, H: int, row_groups: int, sms: int) -> int:
-    """Heads per Q / K task (kernel.py, _task): ``heads`` (at most H), halved while the tasks
-    (row groups times head chunks) would not give every SM one: short inputs keep the SMs busy
-    rather than saving table reads (the persistent programs go on to the next loop's tasks, so
-    one task per SM and loop is enough to fill them).
-
-    Example::
-
-        >>> _heads_per_task(4, 16, 128, 132), _heads_per_task(4, 4, 128, 132), _heads_per_task(4, 16, 8, 132)
-        (4, 2, 1)
-    """
-    h = max(1, min(heads, H))
-    while h > 1 and row_groups * -(-H // h) < sms:
-        h //= 2
-    return h
-
-
 _RESIDENT: dict = {}     # (device, launch key) -> programs per SM that fit at once
 
 
@@ -298,17 +272,10 @@ def prepare_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: 
     (qpos_t, stride_qpz), (kpos_t, stride_kpz) = pos_arg(qpos), pos_arg(kpos)
     interpret = _interpreting()
     rope_dim = cos.shape[-1] if rope is not None else 0
-    warps, stages, regs, heads = tuned_launch(max(D, Dv), rope is not None)
-    heads = (tuning.heads_per_task or heads) if rope is not None else 1
-    sms = (torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda"
-           else INTERPRETER_SMS)
-    q_heads = _heads_per_task(heads, Hq, B * qg, sms) if shape.Q_ONE_TILE else 1
-    k_heads = _heads_per_task(heads, Hkv, B * kg, sms) if shape.KV_ONE_TILE else 1
     rot = Rotation(HADAMARD=recipe.hadamard, HAD_SCALE=hadamard_block(D) ** -0.5,
                    ROPE=rope.style if rope is not None else "", ROPE_DIM=rope_dim,
                    HALF_BLOCK=_pow2(rope_dim // 2),
                    REST_BLOCK=_pow2(D - rope_dim) if D > rope_dim else 0,
-                   Q_HEADS=q_heads, K_HEADS=k_heads,
                    Q_POS=qpos is not None, K_POS=kpos is not None,
                    DOT_IN_FP32=interpret)
     quant = Quantization(QK_INT8=recipe.qk == "int8", SMOOTH_K=recipe.smooth_k,
@@ -328,6 +295,7 @@ def prepare_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: 
         k_mean=torch.empty(B, Hkv, D, dtype=torch.float32, device=dev) if recipe.smooth_k else None,
         recipe=recipe, n=N)
 
+    warps, stages, regs = tuned_launch(max(D, Dv), rope is not None)
     num_warps = tuning.num_warps or warps
     num_stages = tuning.num_stages or stages
     maxnreg = tuning.maxnreg if tuning.num_warps or tuning.num_stages or tuning.maxnreg else regs
@@ -356,10 +324,8 @@ def prepare_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: 
     kwargs = dict(SHAPE=shape, ROT=rot, QUANT=quant, num_warps=num_warps, num_stages=num_stages)
     if maxnreg:
         kwargs["maxnreg"] = maxnreg
-    # Tasks: Q / K row groups times head chunks (kernel.py, _task); V groups one head each.
-    tasks = max(B * qg * -(-Hq // q_heads), B * kg * -(-Hkv // k_heads), nk)
     launches.append((prologue_kernel, args, kwargs,
-                     (_programs(prologue_kernel, args, kwargs, tasks, tuning, dev),)))
+                     (_programs(prologue_kernel, args, kwargs, max(nq, nk), tuning, dev),)))
     return PrologueLaunch(launches, ops)
 
 

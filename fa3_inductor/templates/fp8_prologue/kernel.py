@@ -32,14 +32,9 @@ Notation
                              then recompute and store (per-head scales, blocks over 128 rows)
 
 Programs (`prologue_kernel`, 1-D persistent grid of as many programs as the SMs hold at once,
-host.py): program p takes Q tasks p, p + n_programs, ..., then K tasks, then V groups, the same
-way. A Q / K task is (row group g, batch z, a chunk of ROT.Q_HEADS / K_HEADS heads; _task): its
-RoPE table rows are read once (_rope_tables) and applied to each head of the chunk, rather than
-read again per head (with RoPE the tables were 2 of every 3 bytes a Q / K tile requested;
-design/fp8_prologue.md, "Byte budget"). Chunks are fastest, so neighbouring programs take the
-other heads of the same row block at the same time (L2 hits). A V task is one group (no table).
-Group-wide walks of several tiles (per-head scales, wide heads) take one head per task and read
-each tile's table rows. HAD's rows are
+host.py): program p quantizes Q groups p, p + n_programs, ..., then K groups, then V groups, the
+same way. Group t of a kind is (group = t // (Z * H), z, h): neighbouring programs take the heads
+of one row block at the same time, so they read the same RoPE table rows (L2 hits). HAD's rows are
 loaded once per program (_had_parts) and stay in shared memory for every group; with num_stages 2
 the loops load the next group (cp.async) while the current one is rotated and stored. A Q / K
 group: load the block in parts (the rotated pairs a = channels ia, b = channels ib, and the
@@ -90,9 +85,6 @@ class Rotation:
     ROPE_DIM: int       # R: the rotated channels [0, R) (0 without RoPE); the rest pass through
     HALF_BLOCK: int     # R / 2 rounded up to a power of two (>= 16): the pair parts' width
     REST_BLOCK: int     # D - R rounded up to a power of two (>= 16), 0 when R = D
-    Q_HEADS: int        # Q heads a task quantizes with one read of the table rows (1 without
-                        # RoPE or with groups of several tiles)
-    K_HEADS: int        # the same for K
     Q_POS: bool         # QPOS given (else positions are the row indices)
     K_POS: bool         # KPOS given
     DOT_IN_FP32: bool   # the interpreter: the input-dtype dot (no RoPE) in fp32, Triton 3.6's
@@ -215,8 +207,7 @@ def _pair_columns(ROT: tl.constexpr):
 
 @triton.jit
 def _pair_tile(base, rows_off, row_ok, ROT: tl.constexpr):
-    """The rotated channels [0, R) of a row set as its pair parts (members ia, members ib), in the
-    stored dtype:
+    """The rotated channels [0, R) of a row set as its pair parts (members ia, members ib), fp32:
     "half" two contiguous column blocks, "interleaved" one contiguous [T, R] load split into even
     and odd channels in registers (16-byte loads; a stride-2 gather was one 2-byte load each)."""
     if ROT.ROPE == "half":
@@ -229,43 +220,21 @@ def _pair_tile(base, rows_off, row_ok, ROT: tl.constexpr):
         x = tl.load(base + rows_off + c[None, :], mask=row_ok[:, None] & (c < ROT.ROPE_DIM)[None, :],
                     other=0.0)
         xa, xb = tl.split(tl.reshape(x, [x.shape[0], ROT.HALF_BLOCK, 2]))
-    return xa, xb
+    return xa.to(tl.float32), xb.to(tl.float32)
 
 
 @triton.jit
-def _rope_tables(rows, L, z, POS, stride_pz, COS, SIN, stride_tz, stride_tp, P,
-                 HAS_POS: tl.constexpr, ROT: tl.constexpr):
-    """The table parts of rows `rows` (< L) of batch z: (cos_a, cos_b, sin_a, sin_b), each
-    [T, HALF_BLOCK] in the table's dtype (converted where used), both members' columns of each
-    pair (a pair's two columns may differ: RopeSpec); 0.0 each without RoPE. They depend on the
-    rows and the batch only: the Q / K loops read them once per row block and apply them to every
-    head of their head chunk (ROT.Q_HEADS, ROT.K_HEADS)."""
-    cos_a = 0.0
-    cos_b = 0.0
-    sin_a = 0.0
-    sin_b = 0.0
-    if ROT.ROPE != "":
-        row_ok = rows < L
-        if HAS_POS:
-            pos = tl.load(POS + z.to(tl.int64) * stride_pz + rows, mask=row_ok, other=0)
-        else:
-            pos = rows
-        pos = tl.minimum(tl.maximum(pos, 0), P - 1)
-        t_row = z.to(tl.int64) * stride_tz + pos[:, None].to(tl.int64) * stride_tp
-        cos_a, cos_b = _pair_tile(COS, t_row, row_ok, ROT)
-        sin_a, sin_b = _pair_tile(SIN, t_row, row_ok, ROT)
-    return cos_a, cos_b, sin_a, sin_b
-
-
-@triton.jit
-def _load_parts(Xh, stride_x, rows, L, tables, ROT: tl.constexpr, SHAPE: tl.constexpr):
-    """Rows `rows` of one head after RoPE by `tables` (_rope_tables of the same rows), in parts:
-    (a, b) [T, HALF_BLOCK] fp32, the rotated pairs (a_i = x_ia·cos_ia - x_ib·sin_ia,
-    b_i = x_ib·cos_ib + x_ia·sin_ib), and r [T, REST_BLOCK] the channels [R, D) passed through, in
-    the input dtype; 0 outside the head; an absent part is 0.0.
+def _load_parts(Xh, stride_x, rows, L, z, POS, stride_pz, COS, SIN, stride_tz, stride_tp, P,
+                HAS_POS: tl.constexpr, ROT: tl.constexpr, SHAPE: tl.constexpr):
+    """Rows `rows` of one head after RoPE, in parts: (a, b) [T, HALF_BLOCK] fp32, the rotated
+    pairs (a_i = x_ia·cos_ia - x_ib·sin_ia, b_i = x_ib·cos_ib + x_ia·sin_ib), and r [T, REST_BLOCK]
+    the channels [R, D) passed through, in the input dtype; 0 outside the head; an absent part is
+    0.0.
 
     Loading the pairs as two column sets (not a tile and its rotate_half partner) reads each input
-    byte once."""
+    byte and each table value once. Both members' table columns are read, so any table is applied
+    as the model applies it (no check that it repeats its frequencies, RopeSpec); the table rows
+    are small and shared by the heads that neighbouring programs take (L2 hits)."""
     row_ok = rows < L
     ptrs = Xh + rows[:, None].to(tl.int64) * stride_x
     a = 0.0
@@ -273,10 +242,17 @@ def _load_parts(Xh, stride_x, rows, L, tables, ROT: tl.constexpr, SHAPE: tl.cons
     r = 0.0
     if ROT.ROPE != "":
         xa, xb = _pair_tile(ptrs, 0, row_ok, ROT)
-        xa = xa.to(tl.float32)
-        xb = xb.to(tl.float32)
-        a = xa * tables[0].to(tl.float32) - xb * tables[2].to(tl.float32)
-        b = xb * tables[1].to(tl.float32) + xa * tables[3].to(tl.float32)
+        if HAS_POS:
+            pos = tl.load(POS + z.to(tl.int64) * stride_pz + rows, mask=row_ok, other=0)
+        else:
+            pos = rows
+        pos = tl.minimum(tl.maximum(pos, 0), P - 1)
+        t_row = z.to(tl.int64) * stride_tz + pos[:, None].to(tl.int64) * stride_tp
+        # Each channel by its own table column: a pair's two columns may differ (RopeSpec).
+        cos_a, cos_b = _pair_tile(COS, t_row, row_ok, ROT)
+        sin_a, sin_b = _pair_tile(SIN, t_row, row_ok, ROT)
+        a = xa * cos_a - xb * sin_a
+        b = xb * cos_b + xa * sin_b
     if ROT.REST_BLOCK > 0:
         ir = ROT.ROPE_DIM + tl.arange(0, ROT.REST_BLOCK)
         r = tl.load(ptrs + ir[None, :], mask=row_ok[:, None] & (ir < SHAPE.D)[None, :], other=0.0)
@@ -375,13 +351,14 @@ def _rope_hadamard(a, b, r, had, T: tl.constexpr, ROT: tl.constexpr, SHAPE: tl.c
 
 
 @triton.jit
-def _qk_tile(Xh, stride_x, rows, L, tables, had, mean, SMOOTH: tl.constexpr, T: tl.constexpr,
+def _qk_tile(Xh, stride_x, rows, L, z, POS, stride_pz, COS, SIN, stride_tz, stride_tp, P, had,
+             mean, HAS_POS: tl.constexpr, SMOOTH: tl.constexpr, T: tl.constexpr,
              ROT: tl.constexpr, SHAPE: tl.constexpr):
-    """Rows `rows` of a Q / K head, RoPE'd by `tables` (_rope_tables of the rows), rotated by
-    `had` (_had_parts) and smoothed; 0 outside the head. With the Hadamard rotation a
-    [T, BLOCK_D] tile (then 0.0, 0.0), else the parts (a, b, r) of _load_parts; `mean` is laid
-    out the same way."""
-    a, b, r = _load_parts(Xh, stride_x, rows, L, tables, ROT, SHAPE)
+    """Rows `rows` of a Q / K head, rotated by `had` (_had_parts) and smoothed; 0 outside the
+    head. With the Hadamard rotation a [T, BLOCK_D] tile (then 0.0, 0.0), else the parts (a, b, r)
+    of _load_parts; `mean` is laid out the same way."""
+    a, b, r = _load_parts(Xh, stride_x, rows, L, z, POS, stride_pz, COS, SIN, stride_tz,
+                          stride_tp, P, HAS_POS, ROT, SHAPE)
     row_ok = (rows < L)[:, None]
     if ROT.HADAMARD:
         y = _hadamard(a, b, r, had, T, ROT, SHAPE)
@@ -440,38 +417,34 @@ def _qk_store(Oh, parts, rows, stop, scale, inv_scale, ROT: tl.constexpr, SHAPE:
 
 @triton.jit
 def _qk_group(X, stride_xz, stride_xh, stride_x, OUT, SCALE, z, h, H, g, L, n_groups, group_rows,
-              tables, POS, stride_pz, COS, SIN, stride_tz, stride_tp, P, had, mean,
+              POS, stride_pz, COS, SIN, stride_tz, stride_tp, P, had, mean,
               HAS_POS: tl.constexpr, SMOOTH: tl.constexpr, T: tl.constexpr,
               ONE_TILE: tl.constexpr, ROT: tl.constexpr, SHAPE: tl.constexpr,
               QUANT: tl.constexpr):
-    """Quantize group g of Q or K head (z, h): rows [g * group_rows, ...) of L. A group of one
-    tile is RoPE'd by `tables` (_rope_tables of its rows, read by the caller); a group walked in
-    tiles reads each tile's table rows itself."""
+    """Quantize group g of Q or K head (z, h): rows [g * group_rows, ...) of L."""
     zh = z * H + h
     Xh = X + z.to(tl.int64) * stride_xz + h.to(tl.int64) * stride_xh
     Oh = OUT + zh.to(tl.int64) * L * SHAPE.D
     start = g * group_rows
     if ONE_TILE:
         rows = start + tl.arange(0, T)
-        parts = _qk_tile(Xh, stride_x, rows, L, tables, had, mean, SMOOTH, T, ROT, SHAPE)
+        parts = _qk_tile(Xh, stride_x, rows, L, z, POS, stride_pz, COS, SIN, stride_tz,
+                         stride_tp, P, had, mean, HAS_POS, SMOOTH, T, ROT, SHAPE)
         scale = _qk_scale_of(_tile_amax(parts, ROT), QUANT)
         _qk_store(Oh, parts, rows, L, scale, tl.div_rn(1.0, scale), ROT, SHAPE, QUANT)
     else:
         stop = tl.minimum(start + group_rows, L)
         amax = tl.zeros([], dtype=tl.float32)
         for r0 in range(start, stop, T):
-            rows = r0 + tl.arange(0, T)
-            tile_tables = _rope_tables(rows, L, z, POS, stride_pz, COS, SIN, stride_tz,
-                                       stride_tp, P, HAS_POS, ROT)
-            parts = _qk_tile(Xh, stride_x, rows, L, tile_tables, had, mean, SMOOTH, T, ROT, SHAPE)
+            parts = _qk_tile(Xh, stride_x, r0 + tl.arange(0, T), L, z, POS, stride_pz, COS, SIN,
+                             stride_tz, stride_tp, P, had, mean, HAS_POS, SMOOTH, T, ROT, SHAPE)
             amax = tl.maximum(amax, _tile_amax(parts, ROT))
         scale = _qk_scale_of(amax, QUANT)
         inv_scale = tl.div_rn(1.0, scale)
         for r0 in range(start, stop, T):
             rows = r0 + tl.arange(0, T)
-            tile_tables = _rope_tables(rows, L, z, POS, stride_pz, COS, SIN, stride_tz,
-                                       stride_tp, P, HAS_POS, ROT)
-            parts = _qk_tile(Xh, stride_x, rows, L, tile_tables, had, mean, SMOOTH, T, ROT, SHAPE)
+            parts = _qk_tile(Xh, stride_x, rows, L, z, POS, stride_pz, COS, SIN, stride_tz,
+                             stride_tp, P, had, mean, HAS_POS, SMOOTH, T, ROT, SHAPE)
             _qk_store(Oh, parts, rows, stop, scale, inv_scale, ROT, SHAPE, QUANT)
     tl.store(SCALE + zh * n_groups + g, scale)
 
@@ -564,72 +537,6 @@ def _k_means(K_PART, zh, n_chunks, N, ROT: tl.constexpr, QUANT: tl.constexpr,
         return ma, mb, mr
 
 
-@triton.jit
-def _task(t, Z, n_chunks, HEADS: tl.constexpr):
-    """Task t of a Q / K loop: (batch z, row group g, first head h0), chunks of HEADS heads
-    fastest, then the batch, then the row group: neighbouring tasks share the group's table rows
-    (L2 hits across programs, the tables of one task are read once for its heads)."""
-    zc = t % (Z * n_chunks)
-    return zc // n_chunks, t // (Z * n_chunks), (zc % n_chunks) * HEADS
-
-
-@triton.jit
-def _head_group(X, stride_xz, stride_xh, stride_x, OUT, SCALE, K_PART, K_MEAN, z, h, H, g, L,
-                n_groups, group_rows, n_chunks, n_sample, tables, POS, stride_pz, COS, SIN,
-                stride_tz, stride_tp, P, had, HAS_POS: tl.constexpr, SMOOTH: tl.constexpr,
-                T: tl.constexpr, ONE_TILE: tl.constexpr, ROT: tl.constexpr, SHAPE: tl.constexpr,
-                QUANT: tl.constexpr):
-    """Group g of Q / K head (z, h): with SMOOTH (K) its mean first (the first group stores it),
-    then _qk_group."""
-    mean = (0.0, 0.0, 0.0)
-    if SMOOTH:
-        zh = z * H + h
-        mean = _k_means(K_PART, zh, n_chunks, n_sample, ROT, QUANT, SHAPE)
-        if g == 0:
-            d = tl.arange(0, SHAPE.BLOCK_D)
-            tl.store(K_MEAN + zh * SHAPE.D + d,
-                     _k_mean(K_PART, zh, d, SHAPE.D, n_chunks, n_sample, QUANT, SHAPE.BLOCK_D),
-                     mask=d < SHAPE.D)
-    _qk_group(X, stride_xz, stride_xh, stride_x, OUT, SCALE, z, h, H, g, L, n_groups, group_rows,
-              tables, POS, stride_pz, COS, SIN, stride_tz, stride_tp, P, had, mean, HAS_POS,
-              SMOOTH, T, ONE_TILE, ROT, SHAPE, QUANT)
-
-
-@triton.jit
-def _qk_tasks(X, stride_xz, stride_xh, stride_x, OUT, SCALE, K_PART, K_MEAN, pid, n_programs, Z,
-              H, G, L, n_groups_all, group_rows, n_chunks, n_sample, POS, stride_pz, COS, SIN,
-              stride_tz, stride_tp, P, had, HEADS: tl.constexpr, HAS_POS: tl.constexpr,
-              SMOOTH: tl.constexpr, T: tl.constexpr, ONE_TILE: tl.constexpr, ROT: tl.constexpr,
-              SHAPE: tl.constexpr, QUANT: tl.constexpr):
-    """The persistent loop over Q's or K's tasks (_task): program pid takes tasks pid,
-    pid + n_programs, ...; a task reads its row group's table rows once (_rope_tables) and
-    quantizes the group in each of its HEADS heads. One head per task: Z * H * G = n_groups_all
-    tasks, the loop of one group per iteration."""
-    n_heads = H
-    n_tasks = n_groups_all
-    if HEADS > 1:
-        n_heads = tl.cdiv(H, HEADS)
-        n_tasks = Z * G * n_heads
-    for t in tl.range(pid, n_tasks, n_programs):
-        z, g, h0 = _task(t, Z, n_heads, HEADS)
-        tables = (0.0, 0.0, 0.0, 0.0)
-        if ONE_TILE:
-            tables = _rope_tables(g * group_rows + tl.arange(0, T), L, z, POS, stride_pz, COS, SIN,
-                                  stride_tz, stride_tp, P, HAS_POS, ROT)
-        if HEADS == 1:
-            _head_group(X, stride_xz, stride_xh, stride_x, OUT, SCALE, K_PART, K_MEAN, z, h0, H,
-                        g, L, G, group_rows, n_chunks, n_sample, tables, POS, stride_pz, COS, SIN,
-                        stride_tz, stride_tp, P, had, HAS_POS, SMOOTH, T, ONE_TILE, ROT, SHAPE,
-                        QUANT)
-        else:
-            for j in range(tl.minimum(h0 + HEADS, H) - h0):
-                h = h0 + j      # a tensor under the interpreter too
-                _head_group(X, stride_xz, stride_xh, stride_x, OUT, SCALE, K_PART, K_MEAN, z, h,
-                            H, g, L, G, group_rows, n_chunks, n_sample, tables, POS, stride_pz,
-                            COS, SIN, stride_tz, stride_tp, P, had, HAS_POS, SMOOTH, T, ONE_TILE,
-                            ROT, SHAPE, QUANT)
-
-
 # Sizes that follow the lengths or the batch: no specialization on them (one compile per kind).
 # kv_group_rows (a power of two >= 16, or N_PAD) and N_PAD stay specialized: their divisibility
 # by 16 is what vectorizes the Vᵀ store (_v_store).
@@ -648,21 +555,33 @@ def prologue_kernel(
     Z, HQ, HKV, M, N, N_PAD, P, NQ, NK, QG, KG, q_group_rows, kv_group_rows, n_chunks, n_sample,
     SHAPE: tl.constexpr, ROT: tl.constexpr, QUANT: tl.constexpr,
 ):
-    """Persistent: program p takes Q tasks p, p + n_programs, ..., then the K tasks (_qk_tasks: a
-    row group of ROT.Q_HEADS / K_HEADS heads each), then the V groups the same way. HAD's rows are
-    loaded once per program, not once per group; a loop of groups lets the compiler keep the next
-    group's loads in flight (num_stages > 1)."""
+    """Persistent: program p takes Q groups p, p + n_programs, ..., then the K groups, then the V
+    groups the same way. HAD's rows are loaded once per program, not once per group; a loop of
+    groups lets the compiler keep the next group's loads in flight (num_stages > 1)."""
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     had = _had_parts(HAD, ROT, SHAPE)
-    _qk_tasks(Q, stride_qz, stride_qh, stride_qm, Q8, Q_SCALE, K_PART, K_MEAN, pid, n_programs, Z,
-              HQ, QG, M, NQ, q_group_rows, n_chunks, n_sample, QPOS, stride_qpz, COS, SIN,
-              stride_tz, stride_tp, P, had, ROT.Q_HEADS, ROT.Q_POS, False, SHAPE.TILE_M,
-              SHAPE.Q_ONE_TILE, ROT, SHAPE, QUANT)
-    _qk_tasks(K, stride_kz, stride_kh, stride_kn, K8, K_SCALE, K_PART, K_MEAN, pid, n_programs, Z,
-              HKV, KG, N, NK, kv_group_rows, n_chunks, n_sample, KPOS, stride_kpz, COS, SIN,
-              stride_tz, stride_tp, P, had, ROT.K_HEADS, ROT.K_POS, QUANT.SMOOTH_K, SHAPE.TILE_N,
-              SHAPE.KV_ONE_TILE, ROT, SHAPE, QUANT)
+    for t in tl.range(pid, NQ, n_programs):
+        zh = t % (Z * HQ)
+        _qk_group(Q, stride_qz, stride_qh, stride_qm, Q8, Q_SCALE, zh // HQ, zh % HQ, HQ,
+                  t // (Z * HQ), M, QG, q_group_rows, QPOS, stride_qpz, COS, SIN, stride_tz,
+                  stride_tp, P, had, (0.0, 0.0, 0.0), ROT.Q_POS, False, SHAPE.TILE_M,
+                  SHAPE.Q_ONE_TILE, ROT, SHAPE, QUANT)
+    for t in tl.range(pid, NK, n_programs):
+        zh = t % (Z * HKV)
+        g = t // (Z * HKV)
+        mean = (0.0, 0.0, 0.0)
+        if QUANT.SMOOTH_K:
+            mean = _k_means(K_PART, zh, n_chunks, n_sample, ROT, QUANT, SHAPE)
+            if g == 0:
+                d = tl.arange(0, SHAPE.BLOCK_D)
+                tl.store(K_MEAN + zh * SHAPE.D + d,
+                         _k_mean(K_PART, zh, d, SHAPE.D, n_chunks, n_sample, QUANT, SHAPE.BLOCK_D),
+                         mask=d < SHAPE.D)
+        _qk_group(K, stride_kz, stride_kh, stride_kn, K8, K_SCALE, zh // HKV, zh % HKV, HKV,
+                  g, N, KG, kv_group_rows, KPOS, stride_kpz, COS, SIN, stride_tz, stride_tp,
+                  P, had, mean, ROT.K_POS, QUANT.SMOOTH_K, SHAPE.TILE_N, SHAPE.KV_ONE_TILE,
+                  ROT, SHAPE, QUANT)
     for t in tl.range(pid, NK, n_programs):
         zh = t % (Z * HKV)
         _v_group(V, stride_vz, stride_vh, stride_vn, VT8, V_SCALE, V_SCALE_MAX, zh // HKV,
@@ -703,9 +622,8 @@ def k_sums_kernel(
     Kh = K + z.to(tl.int64) * stride_kz + h.to(tl.int64) * stride_kh
     j = c * QUANT.SMOOTH_ROWS + tl.arange(0, QUANT.SMOOTH_ROWS)
     rows = tl.where(j < S, _sample_tokens(j, N, S), N)      # past the sample: row N, masked
-    tables = _rope_tables(rows, N, z, KPOS, stride_kpz, COS, SIN, stride_tz, stride_tp, P,
-                          ROT.K_POS, ROT)
-    a, b, r = _load_parts(Kh, stride_kn, rows, N, tables, ROT, SHAPE)
+    a, b, r = _load_parts(Kh, stride_kn, rows, N, z, KPOS, stride_kpz, COS, SIN, stride_tz,
+                          stride_tp, P, ROT.K_POS, ROT, SHAPE)
     if ROT.ROPE != "":
         sa = tl.sum(a, axis=0)
         sb = tl.sum(b, axis=0)
