@@ -18,9 +18,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 from ..config import Settings
 from ..sizes import static_ints
-from ..templates.modgen import BufferSpec
+from ..templates.modgen import BufferSpec, RuntimeStride
 from .passes import Fa3PostGradPass, source_hash
 
 # kernel_options key by which a flex_attention op traced from fa3_inductor.flex() asks for our
@@ -77,11 +79,12 @@ def site_shape(query, key, value=None) -> str:
             f"{str(query.get_dtype()).replace('torch.', '')} {query.get_device().type}")
 
 
-def buffer_order(sizes) -> Optional[tuple[int, ...]]:
-    """The order a captured buffer's dims are laid out in for our kernels, outermost first, or None
-    when it has two dynamic dims. The generated mods bake every stride in, so the one dynamic dim
-    goes outermost: then each stride is a product of static sizes. A padding mask ``[B, N]`` whose
-    length a dynamic recompile made symbolic is laid out ``[N, B]`` (a copy, made once per call).
+def buffer_order(sizes) -> tuple[int, ...]:
+    """The order a captured buffer's dims are laid out in for our kernels, outermost first. The
+    generated mods bake strides in, so one dynamic dim goes outermost: then each stride is a product
+    of static sizes. A padding mask ``[B, N]`` whose length a dynamic recompile made symbolic is laid
+    out ``[N, B]`` (a copy, made once per call). With two or more dynamic dims the buffer keeps its
+    order and the strides that are not static are read at run time (:func:`realize_buffers`).
 
     Example::
 
@@ -89,28 +92,58 @@ def buffer_order(sizes) -> Optional[tuple[int, ...]]:
         ((0, 1), (0, 1), (1, 0))
     """
     dynamic = [i for i, size in enumerate(sizes) if static_ints([size]) is None]
-    if len(dynamic) > 1:
-        return None
-    rest = tuple(i for i in range(len(sizes)) if i not in dynamic)
-    return tuple(dynamic) + rest
+    if len(dynamic) != 1:
+        return tuple(range(len(sizes)))
+    return tuple(dynamic) + tuple(i for i in range(len(sizes)) if i not in dynamic)
 
 
-def realize_buffer(buf):
-    """A captured buffer as our kernels read it: contiguous in :func:`buffer_order`'s layout,
-    whose strides :func:`buffer_specs` gave the generated mods."""
+def _layouts(buffers) -> list:
+    """Per captured buffer (scalars left out): (buffer, order, sizes with -1 for dynamic ones,
+    strides as ints or sympy expressions of the sizes)."""
+    from torch._inductor import ir
+
+    out = []
+    for buf in buffers:
+        if not isinstance(buf, ir.IRNode):
+            continue
+        dims = list(buf.get_size())
+        order = buffer_order(dims)
+        strides, stride = [0] * len(dims), 1
+        for i in reversed(order):
+            strides[i] = _static_or_none(stride) if _static_or_none(stride) is not None else stride
+            stride = stride * dims[i]
+        out.append((buf, order, [_static_or_none(d) if _static_or_none(d) is not None else -1 for d in dims],
+                    strides))
+    return out
+
+
+def realize_buffers(buffers) -> list:
+    """The captured buffers as our kernels read them (scalars left out): each contiguous in
+    :func:`buffer_order`'s layout, then one 0-d int64 tensor per stride known only at run time, in
+    the order :func:`buffer_specs` numbered them (the mods load them from those slots)."""
     from torch._inductor import ir, lowering
+    from torch._inductor.virtualized import ops
 
-    order = buffer_order(buf.get_size())
-    if order is not None and order != tuple(range(len(order))):
-        buf = lowering.permute(buf, list(order))
-    return ir.ExternKernel.require_contiguous(buf)
+    layouts = _layouts(buffers)
+    realized = []
+    for buf, order, _, _ in layouts:
+        if order != tuple(range(len(order))):
+            buf = lowering.permute(buf, list(order))
+        realized.append(ir.ExternKernel.require_contiguous(buf))
+    for buf, _, _, strides in layouts:
+        for stride in strides:
+            if not isinstance(stride, int):
+                value = ir.Pointwise.create(device=buf.get_device(), dtype=torch.int64, ranges=[],
+                                            inner_fn=lambda _, s=stride: ops.index_expr(s, torch.int64))
+                realized.append(ir.ExternKernel.realize_input(value))
+    return realized
 
 
 def buffer_specs(buffers) -> tuple[Optional[list[Optional[BufferSpec]]], Optional[str]]:
     """The captured buffers as the generated mods see them (None for a scalar), or (None, why not).
     Both lowerings use it, so the backward recomputes exactly the forward's scores. The kernels get
-    each buffer from :func:`realize_buffer`: the strides here are those of its layout, and a
-    dynamic size is -1.
+    the buffers from :func:`realize_buffers`: the strides here are those of its layouts, a dynamic
+    size is -1, and a stride known only at run time is a :class:`RuntimeStride` naming its slot.
 
     Example::
 
@@ -118,23 +151,23 @@ def buffer_specs(buffers) -> tuple[Optional[list[Optional[BufferSpec]]], Optiona
     """
     from torch._inductor import ir
 
+    layouts = iter(_layouts(buffers))
+    slot = sum(isinstance(b, ir.IRNode) for b in buffers)   # run-time strides follow the tensors
     specs = []
     for buf in buffers:
         if not isinstance(buf, ir.IRNode):
             specs.append(None)  # a scalar (a size symbol): the generator checks it is unused
             continue
-        dims = list(buf.get_size())
-        order = buffer_order(dims)
-        if order is None:
-            return None, ("a captured buffer has two dynamic dimensions (sizes "
-                          f"{[str(d) for d in dims]}); mark all but one static (torch._dynamo.mark_static) "
-                          "or compile with dynamic=False")
-        sizes = [s if s is not None else -1 for s in (_static_or_none(d) for d in dims)]
-        strides, stride = [0] * len(dims), 1
-        for i in reversed(order):
-            strides[i] = stride
-            stride *= max(sizes[i], 1)
-        specs.append(BufferSpec(tuple(sizes), tuple(strides), buf.get_dtype()))
+        _, order, sizes, strides = next(layouts)
+        baked = []
+        for stride in strides:
+            if isinstance(stride, int):
+                baked.append(stride)
+            else:
+                baked.append(RuntimeStride(slot))
+                slot += 1
+        specs.append(BufferSpec(tuple(sizes), tuple(baked), buf.get_dtype(),
+                                permuted=order != tuple(range(len(order)))))
     return specs, None
 
 

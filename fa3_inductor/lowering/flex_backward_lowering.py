@@ -37,11 +37,11 @@ from ..runtime.ops_bwd import BackwardSiteSpec, buffer_grad_items  # also define
 from ..templates.family import BackwardSiteFacts
 from ..templates.generic_bwd.buffer_grad import buffer_grad_sources
 from ..templates.generic_bwd.score_grad import score_grad_graph
-from ..templates.modgen import (GeneratedSource, UnsupportedMod, generate_in_dialect,
+from ..templates.modgen import (GeneratedSource, RuntimeStride, UnsupportedMod, generate_in_dialect,
                                 is_constant_true_mask, is_identity_score)
 from ..templates.modgen_torch import generate_torch_mod_source, torch_buffer_specs
 from ..templates.registry import DENSE_BACKWARD, backward_candidates, backward_last_resort
-from .common import active_pass, buffer_specs, lowering_settings, realize_buffer, site_shape, torch_kernel_options
+from .common import active_pass, buffer_specs, lowering_settings, realize_buffers, site_shape, torch_kernel_options
 from .site_plan import unserved
 from .torch_bwd_stages import torch_backward_options
 
@@ -233,7 +233,11 @@ def _plan(a: _compat.FlexBackwardArgs, bm: _compat.FlexBlockMask, settings: Sett
     if why or why_mask:
         return None, why or why_mask
     tensor_specs = [s for s in score_specs if s is not None]
-    if any(flag and any(size < 0 for size in spec.shape[1:]) for flag, spec in zip(flags, tensor_specs)):
+    if any(isinstance(st, RuntimeStride) for spec in tensor_specs + [s for s in mask_specs if s]
+           for st in spec.strides):
+        # the backward's ops take one buffer per captured tensor, no run-time strides
+        return None, "a captured buffer has two dynamic dimensions (the backward kernels need static strides)"
+    if any(flag and spec.permuted for flag, spec in zip(flags, tensor_specs)):
         # its gradient would come back in the reordered layout (common.buffer_order)
         return None, "a captured tensor that needs a gradient has a dynamic-size inner dimension"
     return plan_backward_site(BackwardGraphs(score_gm, joint_gm, bm.mask_graph.graph_module,
@@ -331,8 +335,8 @@ def _emit(a: _compat.FlexBackwardArgs, bm: _compat.FlexBlockMask, spec: Backward
         return None if x is None else ir.ExternKernel.realize_input(x)
 
     buffers = list(a.score_mod_other_buffers)
-    score_bufs = [realize_buffer(b) for b in buffers if isinstance(b, ir.IRNode)]
-    mask_bufs = [realize_buffer(b) for b in a.mask_mod_other_buffers if isinstance(b, ir.IRNode)]
+    score_bufs = realize_buffers(buffers)
+    mask_bufs = realize_buffers(a.mask_mod_other_buffers)
     sizevars = V.graph.sizevars
     sparse_q, sparse_kv = (sizevars.guard_int(bm.sparse_q_block), sizevars.guard_int(bm.sparse_kv_block))
     tables = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)

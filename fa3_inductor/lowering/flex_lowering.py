@@ -30,7 +30,7 @@ from ..runtime.spec import SiteSpec
 from ..templates.modgen import ModInfo, UnsupportedMod, describe_mod_source
 from ..report import LoweredSite, record_site, site_tag
 from . import sinks_fusion
-from .common import buffer_specs, lowering_settings, realize_buffer, site_shape, torch_kernel_options
+from .common import buffer_specs, lowering_settings, realize_buffers, site_shape, torch_kernel_options
 from .site_plan import plan_site, unserved
 
 _FLEX_OP = torch.ops.higher_order.flex_attention
@@ -170,10 +170,8 @@ def _fa3_flex_lowering(query, key, value, subgraph, block_mask, scale, kernel_op
                                 spec.note, absorbed and "attention sinks added in the kernel's epilogue")))))
     q, k, v = (ir.ExternKernel.require_stride1(ir.ExternKernel.realize_input(x))
                for x in (query, key, value))
-    score_bufs = [realize_buffer(b) for b in score_mod_other_buffers
-                  if isinstance(b, ir.IRNode)]
-    mask_bufs = [realize_buffer(b) for b in mask_mod_other_buffers
-                 if isinstance(b, ir.IRNode)]
+    score_bufs = realize_buffers(score_mod_other_buffers)
+    mask_bufs = realize_buffers(mask_mod_other_buffers)
     sizevars = V.graph.sizevars
     sparse_q, sparse_kv = (sizevars.guard_int(bm.sparse_q_block),
                            sizevars.guard_int(bm.sparse_kv_block))

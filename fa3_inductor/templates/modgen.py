@@ -64,7 +64,7 @@ import os
 import re
 import sys
 import tempfile
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.fx
@@ -82,12 +82,23 @@ class UnsupportedMod(Exception):
 
 
 @dataclasses.dataclass(frozen=True)
+class RuntimeStride:
+    """A stride known only when the kernel runs (a buffer with two dynamic dimensions): the mod
+    reads it from the 0-d int64 tensor ``bufs[slot]`` that the lowering appends to the buffers."""
+
+    slot: int
+
+
+@dataclasses.dataclass(frozen=True)
 class BufferSpec:
-    """Shape, strides and dtype of one captured buffer, as the generated code sees it."""
+    """Shape, strides and dtype of one captured buffer, as the generated code sees it. A dynamic
+    size is -1; ``permuted``: the buffer reaches the kernels in another dimension order than its
+    shape's (lowering/common.buffer_order), so only the strides say where an element is."""
 
     shape: tuple[int, ...]
-    strides: tuple[int, ...]
+    strides: tuple[Union[int, RuntimeStride], ...]
     dtype: torch.dtype
+    permuted: bool = False
 
     @staticmethod
     def of(t: torch.Tensor) -> "BufferSpec":
@@ -964,7 +975,10 @@ class _Emitter:
                     raise UnsupportedMod(f"index {i} counts from the end of a captured dimension of "
                                          "dynamic size; index it from the start")
                 index = _literal(i % size if isinstance(i, int) and size > 0 else i)
-            terms.append(f"({index}) * {stride}" if stride != 1 else f"({index})")
+            if isinstance(stride, RuntimeStride):
+                terms.append(f"({index}) * {self.L}.load(bufs[{stride.slot}])")
+            else:
+                terms.append(f"({index}) * {stride}" if stride != 1 else f"({index})")
         return " + ".join(terms) if terms else "0"
 
     def lower_rounding_division(self, node: torch.fx.Node, mode: str, args: Sequence[Any],

@@ -55,7 +55,7 @@ class _TorchEmitter(_Emitter):
         self.assign(node, f"T.cast({self.arg(src)}, torch.{str(dtype).split('.')[-1]})", dtype)
 
     def gather(self, buf: torch.fx.Node, spec: BufferSpec, indices: Sequence[Any]) -> str:
-        if any(size < 0 for size in spec.shape[1:]):
+        if spec.permuted:
             return self.flat_gather(buf, spec, indices)
         # torch's indexing counts negative indices from the end itself
         return f"{self.names[buf]}[{', '.join(self.arg(i) for i in indices) or '()'}]"
