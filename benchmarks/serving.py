@@ -125,7 +125,7 @@ QUICK_DECODE = [_d(8, 1, 8), _d(1, 1, 128), _d(8, 1, 8, d=64), _d(8, 1, 8, hkv=3
                 _d(32, 1, 4), _d(1, 1, 128, d=64), _d(64, 1, 4, hkv=32), _d(8, 1, 32, hkv=32, d=64),
                 _d(1, 1, 4), _d(64, 1, 8)]
 QUICK_SPLITS = [_d(1, 1, 8), _d(1, 1, 32), _d(8, 1, 8), _d(8, 1, 8, d=64), _d(64, 1, 4)]
-QUICK_PAGED = [_d(8, 1, 8)]
+QUICK_PAGED = [_d(8, 1, 8), _d(1, 1, 8), _d(1, 1, 32)]   # the last two: few programs, many splits
 
 
 def decode_cases(full: bool, quick: bool = False) -> list[DecodeCase]:
@@ -612,9 +612,15 @@ def paged_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: Cl
         kp, vp, table = _pages(k, v, page)
         fns[f"page{page}"] = (lambda kp=kp, vp=vp, table=table:
                               flex_decode(q, kp, vp, seq_lens=lens, block_table=table))
-    if 64 in page_sizes and device.type == "cuda":   # the paged tiles before the deeper pipeline
+    if 64 in page_sizes and device.type == "cuda":
         kp, vp, table = _pages(k, v, 64)
+        # the paged tiles before the deeper pipeline, and pages at the contiguous cache's split count
+        # (configs.PAGED_PROGRAMS_PER_SM against PROGRAMS_PER_SM)
         fns["page64_3stages"] = _paged_with_stages(q, kp, vp, lens, table, PAGED_STAGES_BEFORE)
+        row["splits_contig"] = _planned_splits(q, k, v, lens)
+        row["splits_paged"] = _planned_splits(q, kp, vp, lens, block_table=table)
+        fns["page64_contig_splits"] = (lambda kp=kp, vp=vp, table=table, n=row["splits_contig"]:
+                                       flex_decode(q, kp, vp, seq_lens=lens, block_table=table, num_splits=n))
     ref = fns["contig"]()
     row["paged_diff"] = max(_rel(fn(), ref) for name, fn in fns.items() if name != "contig")
     timed = clock.times(fns)
@@ -622,8 +628,9 @@ def paged_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: Cl
     row["by_page_ms"] = {p: timed[f"page{p}"] for p in page_sizes}
     row["by_page_over_contig"] = {p: timed[f"page{p}"] / timed["contig"] for p in page_sizes}
     row["paged_over_contig"] = max(row["by_page_over_contig"].values())
-    if "page64_3stages" in timed:
-        row["page64_3stages_over_contig"] = timed["page64_3stages"] / timed["contig"]
+    for name in ("page64_3stages", "page64_contig_splits"):
+        if name in timed:
+            row[f"{name}_over_contig"] = timed[name] / timed["contig"]
     return row
 
 
@@ -849,7 +856,8 @@ def _paged_table(rows: list[dict]) -> list[str]:
     sizes = sorted({int(p) for r in rows for p in r.get("by_page_ms", {})})
     lines = ["## page sizes (flex_decode; shuffled block tables; same rounds as contiguous)", "",
              "| B | new | cache | HQ/HKV | D | contig ms | " + " | ".join(f"page {p} ms (/contig)" for p in sizes)
-             + f" | page 64, {PAGED_STAGES_BEFORE} stages (/contig) | diff |", "|" + "---|" * (8 + len(sizes))]
+             + f" | page 64, {PAGED_STAGES_BEFORE} stages (/contig) | splits contig / paged | page 64 at contig's splits (/contig) | diff |",
+             "|" + "---|" * (10 + len(sizes))]
     for r in rows:
         cells = []
         for p in sizes:
@@ -857,7 +865,8 @@ def _paged_table(rows: list[dict]) -> list[str]:
             ratio = r.get("by_page_over_contig", {}).get(p, r.get("by_page_over_contig", {}).get(str(p)))
             cells.append("-" if ms is None else f"{ms:.3f} ({ratio:.3f})")
         lines.append(f"{_shape(r)} {_f(r, 'contig_ms')} | " + " | ".join(cells)
-                     + f" | {_f(r, 'page64_3stages_over_contig')} | {_f(r, 'paged_diff', '{:.1e}')} |")
+                     + f" | {_f(r, 'page64_3stages_over_contig')} | {r.get('splits_contig', '-')} / {r.get('splits_paged', '-')}"
+                     f" | {_f(r, 'page64_contig_splits_over_contig')} | {_f(r, 'paged_diff', '{:.1e}')} |")
     return lines + [""]
 
 
