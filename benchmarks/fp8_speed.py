@@ -9,7 +9,9 @@ Times are triton.testing.do_bench medians (CUDA events; inputs made once per sha
 Rows (JSON ``rows``, each with ``dtype``):
 - ``cudnn`` bf16: SDPA with the cuDNN backend;
 - ``fa3_inductor`` bf16: ``flex(q, k, v, ...)`` (the Hopper family where it serves);
-- ``fa3_inductor`` fp8 ``kernel``: the FP8 kernel on operands quantized once;
+- ``fa3_inductor`` fp8 ``generic kernel``: the generic Triton FP8 kernel (``templates/fp8``, the family
+  of sm89 and the interpreter) on operands quantized once. On Hopper ``flex(fp8=)`` runs the Gluon
+  ``hopper_fp8`` kernel instead: benchmarks/fp8_kernel_ab.py and bench.py time that one alone;
 - ``fa3_inductor`` fp8 ``with prologue``: ``flex(q, k, v, fp8=True, ...)`` end to end;
 - ``prologue``: quantize alone, with bytes read + written and GB/s;
 - ``copy``: a device-to-device copy of 1 GiB (bytes read + written per second).
@@ -106,7 +108,7 @@ def run_case(D: int, N: int, mod: str, rows: list) -> None:
             kernel, args, kwargs, grid = prepare_generic(ops.q, ops.k, ops.vt, out, lse, torch.empty_like(lse),
                                                          sm_scale=D ** -0.5, fp8=ops,
                                                          config=fp8_config(D, (9, 0)))
-            add("fa3_inductor", "fp8", "kernel", _bench(lambda: kernel[grid](*args, **kwargs)))
+            add("fa3_inductor", "fp8", "generic kernel", _bench(lambda: kernel[grid](*args, **kwargs)))
 
 
 def main() -> None:
@@ -141,7 +143,7 @@ def main() -> None:
     lines = [f"# FP8 forward speed: {device}", "",
              f"torch {torch.__version__}, triton {triton.__version__}, {now:%Y-%m-%d %H:%M} UTC; "
              f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write)", "",
-             "| D | N | mod | cuDNN bf16 | fa3 bf16 | fp8 kernel | fp8 + prologue | fp8+prologue / cuDNN | "
+             "| D | N | mod | cuDNN bf16 | fa3 bf16 | fp8 generic Triton kernel | fp8 + prologue | fp8+prologue / cuDNN | "
              "fp8+prologue / fa3 bf16 | prologue GB/s (% copy) | cosine vs bf16 |", "|" + "---|" * 11]
     cases = sorted({(r["D"], r["N"], r["mod"]) for r in rows})
     for D, N, mod in cases:
@@ -151,7 +153,7 @@ def main() -> None:
             r = sel.get(key)
             return r["tflops"] if r else None
         cud, ours = t(("cudnn", "bf16", "")), t(("fa3_inductor", "bf16", ""))
-        kern, full = t(("fa3_inductor", "fp8", "kernel")), t(("fa3_inductor", "fp8", "with prologue"))
+        kern, full = t(("fa3_inductor", "fp8", "generic kernel")), t(("fa3_inductor", "fp8", "with prologue"))
         pro = sel.get(("prologue", "fp8", "quantize"))
         cos = (sel.get(("fa3_inductor", "fp8", "with prologue")) or {}).get("cosine_vs_bf16")
         f = lambda x: "" if x is None else f"{x:.0f}"   # noqa: E731
