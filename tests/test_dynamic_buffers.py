@@ -84,3 +84,19 @@ def test_batch_and_length_both_dynamic_read_strides_at_run_time(query_len, famil
     dynamic = [s for s in lowered if s["shape"].startswith("q[s")]   # batch and length symbolic
     assert dynamic and all(s["template"] == family for s in dynamic), lowered
     assert all("tl.load(bufs[1])" in s["mask_mod"] for s in dynamic), dynamic   # the run-time stride
+
+
+def test_torch_dialect_reads_a_reordered_buffer_through_its_strides():
+    """The last-resort torch family gets the buffer as the kernels do (length outermost): its
+    generated mod must read ``pad[b, kv]`` at the same element, through the spec's strides."""
+    from fa3_inductor.templates.modgen import BufferSpec, trace_mod
+    from fa3_inductor.templates.modgen_torch import generate_torch_mod_source, load_torch_mod
+
+    pad = _padding_mask(3, 40)
+    gm, _ = trace_mod(lambda b, h, q_idx, kv_idx: pad[b, kv_idx], "mask")
+    spec = BufferSpec((3, -1), (1, 3), torch.bool, permuted=True)   # [N, B] contiguous
+    mask = load_torch_mod(generate_torch_mod_source(gm, "mask", [spec]))
+    b, kv = torch.arange(3).view(3, 1, 1, 1), torch.arange(40).view(1, 1, 1, 40)
+    got = mask(b, torch.zeros(1, 1, 1, 1, dtype=torch.long), torch.zeros(1, 1, 1, 1, dtype=torch.long), kv,
+               (pad.t().contiguous(),))
+    assert torch.equal(got.expand(3, 1, 1, 40), pad.view(3, 1, 1, 40))
