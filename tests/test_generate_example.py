@@ -94,11 +94,18 @@ def test_real_text_prompts_and_the_report_cells():
               "fa3": {"decode_tokens_per_s": 1.0, "prefill_ms": 2.0}, "fa3_over_sdpa_tokens_per_s": 0.5,
               "identical_sequences": "0/1", "token_match_rate": 0.5,
               "first_divergence": {"sequence": 0, "step": 4, "sdpa_top2_margin": 0.0625},
+              "float32_check": {"sdpa": {"max_abs_logit_error": 1.5, "mean_abs_logit_error": 0.1,
+                                         "argmax_agreement": 0.99},
+                                "fa3": {"max_abs_logit_error": 1.7, "mean_abs_logit_error": 0.09,
+                                        "argmax_agreement": 0.98}},
               "fa3_family": {"prefill": "hopper", "decode_lowered": {"q_len 4096": {"hopper": 1},
                                                                      "q_len 1": {"decode": 30}},
                              "after_generate": "hopper"}}
     row = gen.table([record]).splitlines()[-1]
-    assert "| step 4 (row 0), gap 0.0625 | hopper / decode x30 (lowered) |" in row, row
+    assert ("| step 4 (row 0), gap 0.0625 | 0.1 / 0.09, 0.99 / 0.98 | hopper / decode x30 (lowered) |"
+            in row), row
+    record["float32_check"] = {"skipped": "out of memory: x"}
+    assert "| out of memory: x | hopper / decode x30 (lowered) |" in gen.table([record]), gen.table([record])
     record["fa3_family"]["decode_lowered"] = {}
     assert gen.table([record]).endswith("| hopper / hopper (run time) |")
     # the first divergence is the earliest step any sequence differs, with that sequence's sdpa gap
