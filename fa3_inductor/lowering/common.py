@@ -107,13 +107,15 @@ def _layouts(buffers) -> list:
         if not isinstance(buf, ir.IRNode):
             continue
         dims = list(buf.get_size())
+        sizes = [_static_or_none(d) for d in dims]
         order = buffer_order(dims)
         strides, stride = [0] * len(dims), 1
         for i in reversed(order):
-            strides[i] = _static_or_none(stride) if _static_or_none(stride) is not None else stride
-            stride = stride * dims[i]
-        out.append((buf, order, [_static_or_none(d) if _static_or_none(d) is not None else -1 for d in dims],
-                    strides))
+            static = _static_or_none(stride)
+            strides[i] = static if static is not None else stride
+            # torch's contiguous strides: an empty dim counts as 1
+            stride = stride * (max(sizes[i], 1) if sizes[i] is not None else dims[i])
+        out.append((buf, order, [-1 if s is None else s for s in sizes], strides))
     return out
 
 
