@@ -30,7 +30,11 @@ def test_smoke_generates_the_same_greedy_tokens(tmp_path):
     for r in records:
         assert r["identical_sequences"] == f"{r['batch']}/{r['batch']}", r
         assert r["fa3"]["decode_tokens_per_s"] > 0 and r["sdpa"]["prefill_ms"] > 0
-        assert r["fa3_over_sdpa_tokens_per_s"] > 0 and r["max_logit_diff_before_divergence"] < 1e-3
+        # the ratio of the two rates (a tiny CPU decode is at the noise of the prefill it is measured
+        # beside, so the rates themselves are not compared)
+        rates = r["fa3"]["decode_tokens_per_s"] / r["sdpa"]["decode_tokens_per_s"]
+        assert abs(r["fa3_over_sdpa_tokens_per_s"] - rates) <= 1e-3 + 0.02 * rates, r   # rates rounded to 0.1
+        assert r["max_logit_diff_before_divergence"] < 1e-3
         for impl in ("sdpa", "fa3"):   # the smoke model is float32: its own reference
             check = r["float32_check"][impl]
             assert check["argmax_agreement"] == 1.0 and check["max_abs_logit_error"] < 1e-3, r
