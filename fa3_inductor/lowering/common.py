@@ -141,15 +141,15 @@ def realize_buffers(buffers) -> list:
     return realized
 
 
-def buffer_specs(buffers) -> tuple[Optional[list[Optional[BufferSpec]]], Optional[str]]:
-    """The captured buffers as the generated mods see them (None for a scalar), or (None, why not).
-    Both lowerings use it, so the backward recomputes exactly the forward's scores. The kernels get
-    the buffers from :func:`realize_buffers`: the strides here are those of its layouts, a dynamic
-    size is -1, and a stride known only at run time is a :class:`RuntimeStride` naming its slot.
+def buffer_specs(buffers) -> list[Optional[BufferSpec]]:
+    """The captured buffers as the generated mods see them (None for a scalar). Both lowerings use
+    it, so the backward recomputes exactly the forward's scores. The kernels get the buffers from
+    :func:`realize_buffers`: the strides here are those of its layouts, a dynamic size is -1, and a
+    stride known only at run time is a :class:`RuntimeStride` naming its slot.
 
     Example::
 
-        >>> specs, why = buffer_specs(score_mod_other_buffers)   # doctest: +SKIP
+        >>> specs = buffer_specs(score_mod_other_buffers)   # doctest: +SKIP
     """
     from torch._inductor import ir
 
@@ -170,7 +170,7 @@ def buffer_specs(buffers) -> tuple[Optional[list[Optional[BufferSpec]]], Optiona
                 slot += 1
         specs.append(BufferSpec(tuple(sizes), tuple(baked), buf.get_dtype(),
                                 permuted=order != tuple(range(len(order)))))
-    return specs, None
+    return specs
 
 
 def _static_or_none(size) -> Optional[int]:

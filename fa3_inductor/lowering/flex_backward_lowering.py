@@ -228,10 +228,7 @@ def _plan(a: _compat.FlexBackwardArgs, bm: _compat.FlexBlockMask, settings: Sett
                                 score_grad=grad_gm is not None or grad_error is not None)
     if facts is None:
         return None, reason
-    score_specs, why = buffer_specs(a.score_mod_other_buffers)
-    mask_specs, why_mask = buffer_specs(a.mask_mod_other_buffers)
-    if why or why_mask:
-        return None, why or why_mask
+    score_specs, mask_specs = buffer_specs(a.score_mod_other_buffers), buffer_specs(a.mask_mod_other_buffers)
     tensor_specs = [s for s in score_specs if s is not None]
     if any(isinstance(st, RuntimeStride) for spec in tensor_specs + [s for s in mask_specs if s]
            for st in spec.strides):

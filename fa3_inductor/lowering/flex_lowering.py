@@ -76,12 +76,7 @@ def _plan(query, key, value, subgraph, bm: _compat.FlexBlockMask, score_bufs, ma
     batches_match = (sizevars.statically_known_equals(bq, bkv)
                      or sizevars.statically_known_equals(bkv, 1))
     sparse = tuple(sizevars.guard_int(x) for x in (bm.sparse_q_block, bm.sparse_kv_block))
-    score_specs, why = buffer_specs(score_bufs)
-    if why:
-        return None, why, shape
-    mask_specs, why = buffer_specs(mask_bufs)
-    if why:
-        return None, why, shape
+    score_specs, mask_specs = buffer_specs(score_bufs), buffer_specs(mask_bufs)
     try:
         spec, reason = plan_site(
             subgraph.graph_module, bm.mask_graph.graph_module, score_specs, mask_specs,
