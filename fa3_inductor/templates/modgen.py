@@ -81,6 +81,13 @@ class UnsupportedMod(Exception):
     """The mod uses something the generator cannot express; the message says what."""
 
 
+def _check_from_start(index: int) -> None:
+    """A constant index into a captured dimension of dynamic size must count from its start."""
+    if index < 0:
+        raise UnsupportedMod(f"index {index} counts from the end of a captured dimension of dynamic size; "
+                             "index it from the start")
+
+
 @dataclasses.dataclass(frozen=True)
 class RuntimeStride:
     """A stride known only when the kernel runs (a buffer with two dynamic dimensions): the mod
@@ -910,10 +917,8 @@ class _Emitter:
                                      "dimensions in order with scalar indices")
             if self.KNOWS_SHAPES:
                 size = spec.shape[len(done)]
-                if size < 0 and i < 0:
-                    raise UnsupportedMod(f"index {i} counts from the end of a captured dimension of "
-                                         "dynamic size; index it from the start")
-                if size < 0:
+                if size < 0:   # dynamic: a non-negative index cannot be checked against it
+                    _check_from_start(i)
                     size = i + 1
                 if not -size <= i < size:
                     raise UnsupportedMod(f"index {i} is out of bounds for a captured dimension of size {size}")
@@ -971,9 +976,8 @@ class _Emitter:
                     # [-size, size)); a select measured 50% more spill on the sm90 kernel
                     index = self.line(f"{self.L}.minimum({index}.to({self.L}.uint32), ({index} + {size}).to({self.L}.uint32))")
             else:
-                if isinstance(i, int) and size < 0 and i < 0:
-                    raise UnsupportedMod(f"index {i} counts from the end of a captured dimension of "
-                                         "dynamic size; index it from the start")
+                if isinstance(i, int) and size < 0:
+                    _check_from_start(i)
                 index = _literal(i % size if isinstance(i, int) and size > 0 else i)
             if isinstance(stride, RuntimeStride):
                 terms.append(f"({index}) * {self.L}.load(bufs[{stride.slot}])")

@@ -66,12 +66,15 @@ class _TorchEmitter(_Emitter):
         as the kernels' dialects read it."""
         terms = []
         for i, stride in zip(indices, spec.strides):
-            low = self.known_interval(i)[0] if isinstance(i, torch.fx.Node) and self.known_interval(i) else \
-                (i if isinstance(i, int) else None)
+            if isinstance(i, torch.fx.Node):
+                interval = self.known_interval(i)
+                low, index = (interval[0] if interval else None), self.arg(i)
+            else:
+                low, index = i, i
             if low is None or low < 0:
                 raise UnsupportedMod("a captured buffer with a dynamic-size inner dimension is indexed "
                                      "with a value that may be negative; index it with non-negative values")
-            terms.append(f"({self.arg(i) if isinstance(i, torch.fx.Node) else i}) * {stride}")
+            terms.append(f"({index}) * {stride}")
         return f"{self.names[buf]}.reshape(-1)[{' + '.join(terms) or '0'}]"
 
     def int_power(self, base: Any, exponent: Any) -> str:
