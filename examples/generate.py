@@ -341,7 +341,8 @@ def float32_check(model: Any, outs: dict, prompt_len: int, rows_per_call: int = 
                             "mean_abs_logit_error": round(total / count, 5),
                             "argmax_agreement": round(agree / count, 4)}
     del ref
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return report
 
 
