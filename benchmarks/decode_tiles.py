@@ -13,6 +13,10 @@ of --reps): cuDNN SDPA (native GQA) and our split + combine launches prepared on
   w8           8 warps (4 is configs.py's choice below 64 packed rows)
   s/2, s*2     half / twice the split count (at least 1), auto tiles
   fill         the smallest split count whose programs fill every SM at once (resident x SMs)
+  st5, st6     5 / 6 stages; n*2 st4: BLOCK_N doubled at 4 stages (where shared memory takes it)
+
+and two probes of the auto launch's parts, not checked (their output is partial): "split only" (the
+split kernel alone) and "combine only" (the combine kernel alone, on the split kernel's partials).
 
     python benchmarks/decode_tiles.py --out DIR            # ~1-2 min on an H100 / H200
 
@@ -35,22 +39,35 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import serving  # noqa: E402  (benchmarks/serving.py: cases, inputs, the clock)
 
-VARIANTS = ("auto", "n/2", "n*2", "n*2 st2", "st2", "st4", "w8", "s/2", "s*2", "fill")
+VARIANTS = ("auto", "n/2", "n*2", "n*2 st2", "n*2 st4", "st2", "st4", "st5", "st6", "w8", "s/2", "s*2",
+            "fill", "split only", "combine only")
+PROBES = ("split only", "combine only")
 
 
-def _launches(q, k, v, lens, config, splits):
+def _launches(q, k, v, lens, config, splits, part=None):
+    """(run, split count) of one prepared decode call; ``part`` a probe: "split only" runs the split
+    kernel alone, "combine only" the combine alone on partials the split kernel wrote once here."""
     from fa3_inductor.templates.decode import prepare_decode
 
     out = torch.empty(q.shape[:3] + (v.shape[-1],), device=q.device, dtype=q.dtype)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     launches = prepare_decode(q, k, v, out, lse, sm_scale=q.shape[-1] ** -0.5, seq_lens=lens,
                               config=config, num_splits=splits)
+    count = launches[0][3][0]
+    if part is not None and len(launches) < 2:
+        raise ValueError("one split: the call has no combine")
+    if part == "combine only":
+        kernel, args, kwargs, grid = launches[0]
+        kernel[grid](*args, **kwargs)
+        launches = launches[1:]
+    elif part == "split only":
+        launches = launches[:1]
 
     def run() -> torch.Tensor:
         for kernel, args, kwargs, grid in launches:
             kernel[grid](*args, **kwargs)
         return out
-    return run, launches[0][3][0]
+    return run, count
 
 
 def variant_plans(c: serving.DecodeCase, capability: tuple[int, int], sms: int) -> dict[str, tuple]:
@@ -91,14 +108,17 @@ def tiles_row(c: serving.DecodeCase, device: torch.device, clock: serving.Clock,
     fns, splits = {}, {}
     for name, (config, n) in variant_plans(c, torch.cuda.get_device_capability(device), sms).items():
         try:
-            fns[name], splits[name] = _launches(q, k, v, lens, config, n)
+            fns[name], splits[name] = _launches(q, k, v, lens, config, n,
+                                                part=name if name in PROBES else None)
         except Exception as exc:   # a variant the kernel refuses (shared memory): reported
             row.setdefault("errors", {})[name] = serving._error(exc)
     ref = fns["auto"]().clone()
     row["diff"] = {}
     for name, fn in list(fns.items()):
         try:   # the first launch compiles: a variant over the shared memory fails here
-            row["diff"][name] = serving._rel(fn(), ref)
+            result = fn()
+            if name not in PROBES:
+                row["diff"][name] = serving._rel(result, ref)
         except Exception as exc:
             row.setdefault("errors", {})[name] = serving._error(exc)
             del fns[name]
