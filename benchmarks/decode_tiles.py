@@ -94,7 +94,10 @@ def variant_plans(c: serving.DecodeCase, capability: tuple[int, int], sms: int) 
              "n*2 st2": (rep(base, block_n=base.block_n * 2, num_stages=2), auto),
              "st2": (rep(base, num_stages=2), auto), "st4": (rep(base, num_stages=4), auto),
              "w8": (rep(base, num_warps=8), auto), "s/2": (base, max(1, auto // 2)),
-             "s*2": (base, auto * 2), "fill": (base, min(fill, c.cache // base.block_n))}
+             "s*2": (base, auto * 2), "fill": (base, min(fill, c.cache // base.block_n)),
+             "n*2 st4": (rep(base, block_n=base.block_n * 2, num_stages=4), auto),
+             "st5": (rep(base, num_stages=5), auto), "st6": (rep(base, num_stages=6), auto),
+             "split only": (base, None), "combine only": (base, None)}
     return plans
 
 
