@@ -9,14 +9,14 @@ of --reps): cuDNN SDPA (native GQA) and our split + combine launches prepared on
 
   auto         configs.decode_config and choose_num_splits, as flex_decode runs them
   n/2, n*2     BLOCK_N halved / doubled (same stages; doubling at 2 stages too: shared memory)
-  st2, st4     2 / 4 pipeline stages
+  st2 .. st6   2 to 6 pipeline stages (auto: 3, or 4 with few programs: configs.FEW_PROGRAMS_STAGES)
   w8           8 warps (4 is configs.py's choice below 64 packed rows)
   s/2, s*2     half / twice the split count (at least 1), auto tiles
   fill         the smallest split count whose programs fill every SM at once (resident x SMs)
-  st5, st6     5 / 6 stages; n*2 st4: BLOCK_N doubled at 4 stages (where shared memory takes it)
+  n*2 st4      BLOCK_N doubled at 4 stages (where shared memory takes it)
 
-and two probes of the auto launch's parts, not checked (their output is partial): "split only" (the
-split kernel alone) and "combine only" (the combine kernel alone, on the split kernel's partials).
+Until 2026-11-29 the kernels were two launches (split, then combine); the runs of that date before
+the merge moved into the split kernel also timed each launch alone ("split only", "combine only").
 
     python benchmarks/decode_tiles.py --out DIR            # ~1-2 min on an H100 / H200
 
@@ -39,35 +39,24 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import serving  # noqa: E402  (benchmarks/serving.py: cases, inputs, the clock)
 
-VARIANTS = ("auto", "n/2", "n*2", "n*2 st2", "n*2 st4", "st2", "st4", "st5", "st6", "w8", "s/2", "s*2",
-            "fill", "split only", "combine only")
-PROBES = ("split only", "combine only")
+VARIANTS = ("auto", "n/2", "n*2", "n*2 st2", "n*2 st4", "st2", "st3", "st4", "st5", "st6", "w8", "s/2",
+            "s*2", "fill")
 
 
-def _launches(q, k, v, lens, config, splits, part=None):
-    """(run, split count) of one prepared decode call; ``part`` a probe: "split only" runs the split
-    kernel alone, "combine only" the combine alone on partials the split kernel wrote once here."""
+def _launches(q, k, v, lens, config, splits):
+    """(run, split count) of one prepared decode call."""
     from fa3_inductor.templates.decode import prepare_decode
 
     out = torch.empty(q.shape[:3] + (v.shape[-1],), device=q.device, dtype=q.dtype)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     launches = prepare_decode(q, k, v, out, lse, sm_scale=q.shape[-1] ** -0.5, seq_lens=lens,
                               config=config, num_splits=splits)
-    count = launches[0][3][0]
-    if part is not None and len(launches) < 2:
-        raise ValueError("one split: the call has no combine")
-    if part == "combine only":
-        kernel, args, kwargs, grid = launches[0]
-        kernel[grid](*args, **kwargs)
-        launches = launches[1:]
-    elif part == "split only":
-        launches = launches[:1]
 
     def run() -> torch.Tensor:
         for kernel, args, kwargs, grid in launches:
             kernel[grid](*args, **kwargs)
         return out
-    return run, count
+    return run, launches[0][3][0]
 
 
 def variant_plans(c: serving.DecodeCase, capability: tuple[int, int], sms: int) -> dict[str, tuple]:
@@ -76,28 +65,28 @@ def variant_plans(c: serving.DecodeCase, capability: tuple[int, int], sms: int) 
     Example::
 
         >>> plans = variant_plans(serving._d(8, 1, 8), (9, 0), 132)
-        >>> plans["auto"][0].block_n, plans["n*2"][0].block_n, plans["s*2"][1]
-        (64, 128, 4)
+        >>> plans["n/2"][0].block_n, plans["n*2"][0].block_n, plans["st2"][0].num_stages, plans["s*2"][1]
+        (32, 128, 2, 4)
     """
     import triton
 
-    from fa3_inductor.templates.decode.configs import choose_num_splits, decode_config
+    from fa3_inductor.templates.decode.configs import choose_num_splits, decode_config, few_programs
 
     rows = max(16, triton.next_power_of_2(c.hq // c.hkv * c.new))
-    base = decode_config(c.d, capability, block_m=rows)
+    base = decode_config(c.d, capability, block_m=rows, few_programs=few_programs(c.batch, c.hkv, sms))
     auto = choose_num_splits(c.batch, c.hkv, c.cache, base.block_n, sms, base.resident)
     programs = c.batch * c.hkv
     fill = max(1, -(-base.resident * sms // programs))
     rep = dataclasses.replace
-    plans = {"auto": (base, None), "n/2": (rep(base, block_n=base.block_n // 2), auto),
+    plans = {"auto": (None, None), "n/2": (rep(base, block_n=base.block_n // 2), auto),
              "n*2": (rep(base, block_n=base.block_n * 2), auto),
              "n*2 st2": (rep(base, block_n=base.block_n * 2, num_stages=2), auto),
              "st2": (rep(base, num_stages=2), auto), "st4": (rep(base, num_stages=4), auto),
              "w8": (rep(base, num_warps=8), auto), "s/2": (base, max(1, auto // 2)),
              "s*2": (base, auto * 2), "fill": (base, min(fill, c.cache // base.block_n)),
              "n*2 st4": (rep(base, block_n=base.block_n * 2, num_stages=4), auto),
-             "st5": (rep(base, num_stages=5), auto), "st6": (rep(base, num_stages=6), auto),
-             "split only": (base, None), "combine only": (base, None)}
+             "st3": (rep(base, num_stages=3), auto), "st5": (rep(base, num_stages=5), auto),
+             "st6": (rep(base, num_stages=6), auto)}
     return plans
 
 
@@ -111,17 +100,14 @@ def tiles_row(c: serving.DecodeCase, device: torch.device, clock: serving.Clock,
     fns, splits = {}, {}
     for name, (config, n) in variant_plans(c, torch.cuda.get_device_capability(device), sms).items():
         try:
-            fns[name], splits[name] = _launches(q, k, v, lens, config, n,
-                                                part=name if name in PROBES else None)
+            fns[name], splits[name] = _launches(q, k, v, lens, config, n)
         except Exception as exc:   # a variant the kernel refuses (shared memory): reported
             row.setdefault("errors", {})[name] = serving._error(exc)
     ref = fns["auto"]().clone()
     row["diff"] = {}
     for name, fn in list(fns.items()):
         try:   # the first launch compiles: a variant over the shared memory fails here
-            result = fn()
-            if name not in PROBES:
-                row["diff"][name] = serving._rel(result, ref)
+            row["diff"][name] = serving._rel(fn(), ref)
         except Exception as exc:
             row.setdefault("errors", {})[name] = serving._error(exc)
             del fns[name]

@@ -104,9 +104,11 @@ def _check(q: Any, k: Any, v: Any, seq_lens: Any, block_table: Any, q_offset: An
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                    or num_splits < 1):
         raise _fail(f"num_splits={num_splits!r}", "pass a positive int, or None to let the planner choose")
-    if scratch is not None and (not isinstance(scratch, (tuple, list)) or len(scratch) != 2 or not all(
-            isinstance(t, Tensor) and t.dtype == torch.float32 and t.device == q.device for t in scratch)):
-        raise _fail("scratch must be the (O_PART, LSE_PART) float32 pair of "
+    if scratch is not None and (
+            not isinstance(scratch, (tuple, list)) or len(scratch) != 3
+            or not all(isinstance(t, Tensor) and t.device == q.device for t in scratch)
+            or [t.dtype for t in scratch] != [torch.float32, torch.float32, torch.int32]):
+        raise _fail("scratch must be the (O_PART, LSE_PART, ARRIVALS) tensors of "
                     "templates.decode.decode_scratch", "allocate it with decode_scratch(q, HKV, Dv, "
                     "num_splits) and pass the same num_splits")
     for name, fn in zip(("score_mod", "mask_mod"), mods_):
@@ -158,7 +160,7 @@ def flex_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, seq_lens: Tensor
                 score_mod: Optional[Callable] = None, mask_mod: Optional[Callable] = None,
                 scale: Optional[float] = None, return_lse: bool = False,
                 num_splits: Optional[int] = None,
-                scratch: Optional[tuple[Tensor, Tensor]] = None) -> Union[Tensor, tuple[Tensor, Tensor]]:
+                scratch: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """Attention of ``q`` [B, HQ, M_new, D] (the new tokens, already appended to the cache) against
     a KV cache whose batch ``b`` holds ``seq_lens[b]`` keys.
 

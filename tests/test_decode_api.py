@@ -166,6 +166,9 @@ def test_errors_say_what_to_do():
         with pytest.raises(exc, match=match):
             call()
     with pytest.raises(ValueError, match="decode_scratch"):
-        flex_decode(q, kp, vp, num_splits=2, scratch=(torch.empty(1), torch.empty(1)), **paged)
+        flex_decode(q, kp, vp, num_splits=2, scratch=(torch.empty(1), torch.empty(1)), **paged)  # no counters
+    with pytest.raises(ValueError, match="decode_scratch"):
+        flex_decode(q, kp, vp, num_splits=2, scratch=(torch.empty(1), torch.empty(1), torch.zeros(1, dtype=torch.int32)),
+                    **paged)
     with pytest.raises(NotImplementedError, match="inference-only"):
         flex_decode(q.requires_grad_(), kp, vp, seq_lens=lens, block_table=table)

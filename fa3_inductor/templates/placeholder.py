@@ -20,10 +20,37 @@ Example::
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 import torch
 
 _KEPT: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def outside_graph_pools(make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``make()`` run where a cudagraph tree's pool routing cannot reach it (a short-lived thread
+    of its own, then a device synchronize: the thread's stream may have queued a fill), for a CUDA
+    tensor kept across calls. Not during a stream capture (the caller allocates per call there).
+
+    Example::
+
+        >>> outside_graph_pools(lambda: torch.zeros(2)).tolist()
+        [0.0, 0.0]
+    """
+    made: list[torch.Tensor] = []
+
+    def run() -> None:
+        made.append(make())
+        if made[0].is_cuda:
+            torch.cuda.synchronize(made[0].device)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    if not made:
+        raise RuntimeError("fa3_inductor: allocating a kept tensor failed on its worker thread "
+                           "(see the thread's traceback above); check the device's free memory")
+    return made[0]
 
 
 def placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -34,12 +61,6 @@ def placeholder(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         return kept
     if key[0].type == "cuda" and torch.cuda.is_current_stream_capturing():
         return torch.empty(1, dtype=dtype, device=key[0])
-    made: list[torch.Tensor] = []
-    if key[0].type == "cuda":
-        worker = threading.Thread(target=lambda: made.append(torch.empty(1, dtype=dtype, device=key[0])))
-        worker.start()
-        worker.join()
-    else:
-        made.append(torch.empty(1, dtype=dtype, device=key[0]))
-    _KEPT[key] = made[0]
-    return made[0]
+    make = lambda: torch.empty(1, dtype=dtype, device=key[0])   # noqa: E731
+    _KEPT[key] = outside_graph_pools(make) if key[0].type == "cuda" else make()
+    return _KEPT[key]

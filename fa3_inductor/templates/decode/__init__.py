@@ -1,6 +1,6 @@
 """The decode kernels: split-KV (Flash-Decoding) with GQA packing and paged KV, plain Triton.
 
-kernel.py (split and combine kernels), host.py (checks, split choice, launches), configs.py (tiles
+kernel.py (the split-KV kernel, which merges its splits), host.py (checks, split choice, launches), configs.py (tiles
 and the split count), family.py (the registered "decode" family; docs/design/decode.md).
 """
 

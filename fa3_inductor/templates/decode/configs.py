@@ -33,6 +33,13 @@ class DecodeConfig:
 # on 8 x 8k and 1 x 128k, against 1.03-1.04x at two per SM (serving-...-1943).
 PROGRAMS_PER_SM = 1
 PAGED_PROGRAMS_PER_SM = 2
+# Pipeline stages of a contiguous cache's split kernel in that regime (few programs, one per SM): the
+# program has the SM's shared memory to itself, and a deeper pipeline keeps more of the cache in
+# flight. H200, benchmarks/results/decode-tiles-nvidia-h200-2026-11-29-0202 (cuDNN's time over ours,
+# 3 stages -> 4): 1 x 128k GQA 0.970 -> 0.991, MHA 0.962 -> 1.000, D64 0.962 -> 0.978; 8 x 8k 0.981 ->
+# 0.994; the small caches lose a little (1 x 4k 1.087 -> 1.034, 1 x 8k 1.066 -> 1.035). 5 or 6 stages,
+# or 128-key tiles, were no better overall; with many programs 4 stages cost residency.
+FEW_PROGRAMS_STAGES = 4
 # The tail rule applies while the programs are at most this many waves of resident ones.
 TAIL_WAVES = 2
 # A split streams at least this many tiles: fewer make the combine's traffic and each program's
@@ -45,16 +52,18 @@ INTERPRETER_SMS = 2
 
 
 def decode_config(head_dim: int, capability: tuple[int, int] | None,
-                  fp32: bool = False, block_m: int = 16, paged: bool = False) -> DecodeConfig:
+                  fp32: bool = False, block_m: int = 16, paged: bool = False,
+                  few_programs: bool = False) -> DecodeConfig:
     """Tiles for the split kernel of ``block_m`` packed rows (``paged``: K/V read through a block
-    table). ``capability`` None means the CPU interpreter.
+    table; ``few_programs``: the split rule's one-program-per-SM regime, :func:`few_programs`).
+    ``capability`` None means the CPU interpreter.
 
     Example::
 
         >>> decode_config(128, (9, 0)).block_n, decode_config(128, (9, 0), block_m=128).num_warps
         (64, 8)
-        >>> decode_config(128, (9, 0), paged=True).num_stages
-        5
+        >>> decode_config(128, (9, 0), paged=True).num_stages, decode_config(128, (9, 0), few_programs=True).num_stages
+        (5, 4)
     """
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     if capability is None:
@@ -72,12 +81,25 @@ def decode_config(head_dim: int, capability: tuple[int, int] | None,
     # shared with the cache two tiles ahead. A paged loop's page lookup takes a stage of Triton's
     # pipeline, so 3 stages prefetch one tile there (39 KB) and 5 two (72 KB, 148 / 96 registers
     # at D128 / D64, no spills); paged rows ran 1.04-1.20x contiguous's time with 3.
-    stages = 5 if paged and block_m < 64 else 3
+    stages = 5 if paged and block_m < 64 else FEW_PROGRAMS_STAGES if few_programs and block_m < 64 else 3
     if block_d <= 64:
         return DecodeConfig(128, warps, stages, resident)
     if block_d <= 128:
         return DecodeConfig(64, warps, stages, resident)
     return DecodeConfig(32, warps, stages, resident)
+
+
+def few_programs(batch: int, kv_heads: int, num_sms: int, paged: bool = False) -> bool:
+    """Whether the (batch, kv head) programs are fewer than the split rule's programs per SM times
+    the SMs: :func:`choose_num_splits` then splits them to about that many per SM.
+
+    Example::
+
+        >>> few_programs(8, 8, 132), few_programs(64, 8, 132)
+        (True, False)
+    """
+    per_sm = PAGED_PROGRAMS_PER_SM if paged else PROGRAMS_PER_SM
+    return max(batch * kv_heads, 1) < per_sm * num_sms
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_len: int, block_n: int,
@@ -107,7 +129,7 @@ def choose_num_splits(batch: int, kv_heads: int, max_len: int, block_n: int,
     by_len = max(1, max_len // (MIN_TILES_PER_SPLIT * block_n))
     slots = resident * num_sms
     per_sm = PAGED_PROGRAMS_PER_SM if paged else PROGRAMS_PER_SM
-    if programs < per_sm * num_sms:
+    if few_programs(batch, kv_heads, num_sms, paged):
         return max(1, min((per_sm * num_sms) // programs, by_len, MAX_SPLITS))
     if slots < programs < TAIL_WAVES * slots:
         def fullness(s: int) -> float:   # the last wave's share of busy slots

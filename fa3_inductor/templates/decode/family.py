@@ -9,9 +9,10 @@ unless a mod or the block mask hides it. A BlockMask's tables steer the KV walk 
 sparsity modes); the tables of a call whose rows would need different table rows (a per-head mask
 under GQA, several query blocks) are refused per call (NotServed) and the next family runs.
 
-The split and combine launches are two kernels, so the op's one-kernel launch cache
-(runtime/fast_launch.py, through ``prepare``) cannot hold them: ``prepare`` returns None and
-``launch`` records both per launch signature itself (launch_cache.py).
+One launch per call (the split kernel; its last split per program row merges the splits), but
+with per-call scratch (the partials, the stream's arrival counters) that the op's launch cache
+(runtime/fast_launch.py, through ``prepare``) does not allocate: ``prepare`` returns None and
+``launch`` records the launch per launch signature itself (launch_cache.py).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class DecodeFamily:
         if fit == "long":
             return NOT_MEANT_HERE   # prefill-shaped, or a length only known at run time
         if site.sinks:
-            return "decode: attention sinks are not added by its combine pass"
+            return "decode: attention sinks are not added by its split merge"
         group = site.q_heads // site.kv_heads
         if fit == "too_many_rows":
             return (f"decode: {group} query heads per kv head x {site.query_len} tokens = "
@@ -66,7 +67,7 @@ class DecodeFamily:
     def describe(self, site: SiteFacts) -> str:
         group = site.q_heads // max(site.kv_heads, 1)
         return (f"decode: {group} query heads x {site.query_len} tokens packed per kv head, "
-                "split-KV with a combine pass")
+                "split-KV, the last split merging")
 
     def prepare(self, call: Call) -> Optional[Variants]:
         if not call.q.is_cuda:

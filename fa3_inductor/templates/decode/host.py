@@ -1,4 +1,4 @@
-"""Launch the split-KV decode kernels (kernel.py): checks, split choice, scratch, launches."""
+"""Launch the split-KV decode kernel (kernel.py): checks, split choice, scratch, the launch."""
 
 from __future__ import annotations
 
@@ -8,18 +8,17 @@ from typing import Any, Optional, Sequence
 import torch
 import triton
 
-from ..placeholder import placeholder
+from ..placeholder import outside_graph_pools, placeholder
 from ..modgen import kernel_score_mod
 from ..wide_scores import wide_scores
-from .configs import DecodeConfig, choose_num_splits, decode_config, sm_count
-from .kernel import (BlockSparsity, CacheLayout, DecodeSite, DecodeTiling, decode_combine_kernel,
-                     decode_split_kernel)
+from .configs import DecodeConfig, choose_num_splits, decode_config, few_programs, sm_count
+from .kernel import BlockSparsity, CacheLayout, DecodeSite, DecodeTiling, decode_split_kernel
 from .shape import MAX_ROWS as _MAX_ROWS
 
 Launch = tuple   # (kernel, args, kwargs, grid)
 
 _MAX_SEQ = 1 << 23    # generated mods turn indices into floats exactly below 2**23 (mod_helpers)
-_COMBINE_SPLITS = 16  # splits the combine kernel reads per step
+_MERGE_ELEMENTS = 4096  # partial values the last split loads per merge step (32 a thread at 4 warps)
 
 
 def _fail(what: str, fix: str) -> None:
@@ -158,16 +157,16 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
     rows = heads * M_new
 
     block_m = max(16, triton.next_power_of_2(rows))
-    cfg = config or decode_config(max(D, DV), capability, fp32=q.dtype == torch.float32,
-                                  block_m=block_m, paged=block_table is not None)
+    device_index = q.device.index if q.is_cuda else None
+    if q.is_cuda and device_index is None:
+        device_index = torch.cuda.current_device()
+    sms = sm_count(capability, device_index)
+    paged = block_table is not None
+    cfg = config or decode_config(max(D, DV), capability, fp32=q.dtype == torch.float32, block_m=block_m,
+                                  paged=paged, few_programs=few_programs(B, HQ // heads, sms, paged))
     block_n = _block_n(cfg, sparse_kv_block if mode == "blocks" else 0)
     if num_splits is None:
-        device_index = q.device.index if q.is_cuda else None
-        if q.is_cuda and device_index is None:
-            device_index = torch.cuda.current_device()
-        num_splits = choose_num_splits(B, HQ // heads, max_len, block_n,
-                                       sm_count(capability, device_index), cfg.resident,
-                                       paged=block_table is not None)
+        num_splits = choose_num_splits(B, HQ // heads, max_len, block_n, sms, cfg.resident, paged=paged)
     if num_splits < 1:
         _fail(f"num_splits={num_splits}", "pass a positive split count or None (chosen)")
     split = num_splits > 1
@@ -177,16 +176,23 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
     else:
         to_score = sm_scale if sm_scale > 0 else 1.0
     fold = score_mod is None and sm_scale > 0
+    programs = B * HQ // heads
     if split:
-        o_part, lse_part = scratch if scratch is not None else decode_scratch(q, HKV, DV, num_splits)
-        programs = B * HQ // heads
-        if o_part.numel() < programs * num_splits * rows * DV or lse_part.numel() < programs * num_splits * rows:
-            _fail(f"the scratch given ({tuple(o_part.shape)}, {tuple(lse_part.shape)}) is smaller than "
-                  f"{num_splits} splits need ({programs * num_splits * rows * DV} and "
-                  f"{programs * num_splits * rows} floats)",
+        if scratch is None:
+            o_part, lse_part, _ = decode_scratch(q, HKV, DV, num_splits, arrivals=False)
+            arrivals = arrival_counters(q.device, programs)
+        else:
+            o_part, lse_part, arrivals = scratch
+        if o_part.numel() < programs * num_splits * rows * DV or lse_part.numel() < programs * num_splits * rows \
+                or arrivals.numel() < programs:
+            _fail(f"the scratch given ({tuple(o_part.shape)}, {tuple(lse_part.shape)}, "
+                  f"{tuple(arrivals.shape)}) is smaller than {num_splits} splits need "
+                  f"({programs * num_splits * rows * DV} and {programs * num_splits * rows} floats, "
+                  f"{programs} counters)",
                   "allocate it with decode_scratch(q, HKV, Dv, num_splits) and pass that num_splits")
     else:
         o_part = lse_part = placeholder(q.device, torch.float32)
+        arrivals = placeholder(q.device, torch.int32)
     dummy = placeholder(q.device, torch.int32)
     table_args = tuple(dummy if t is None else t for t in table_args[:4]) + table_args[4:]
     if block_table is None:
@@ -195,17 +201,20 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
     else:   # [page, row in page, head, d]: batch stride = page stride, row stride = dim 1
         k_strides, v_strides = (k.stride(0), k.stride(2), k.stride(1)), (v.stride(0), v.stride(2), v.stride(1))
         table, table_stride = block_table, block_table.stride(0)
-    args = (q, k, v, out, lse, o_part, lse_part, dummy if seq_lens is None else seq_lens,
+    args = (q, k, v, out, lse, o_part, lse_part, arrivals, dummy if seq_lens is None else seq_lens,
             q_offset if q_offset is not None else dummy, table, *table_args[:4],
             tuple(score_bufs), tuple(mask_bufs),
             q.stride(0), q.stride(1), q.stride(2), *k_strides, *v_strides,
             out.stride(0), out.stride(1), out.stride(2), *table_args[4:],
             table_stride, max_len, HKV, M_new, D, DV, sm_scale, to_score * math.log2(math.e))
+    block_dv = max(16, triton.next_power_of_2(DV))
+    merge_rows = triton.next_power_of_2(rows)
     tile = DecodeTiling(
-        BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(DV)),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=block_dv,
         # float32 inputs follow torch's matmul precision ("highest" = IEEE), as the forward does
-        DOT_PRECISION="tf32" if torch.get_float32_matmul_precision() != "highest" else "ieee")
+        DOT_PRECISION="tf32" if torch.get_float32_matmul_precision() != "highest" else "ieee",
+        MERGE_ROWS=merge_rows,
+        MERGE_SPLITS=max(1, min(triton.next_power_of_2(num_splits), _MERGE_ELEMENTS // (merge_rows * block_dv))))
     kwargs = dict(SCORE_MOD=score_mod, MASK_MOD=mask_mod, TILE=tile,
                   CACHE=CacheLayout(PAGED=block_table is not None, PAGE_SIZE=page or block_n),
                   SITE=DecodeSite(GQA_GROUP=group, HEADS=heads, Q_POS=q_pos, HAS_SEQ_LENS=seq_lens is not None,
@@ -214,31 +223,60 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
                   SPARSE=BlockSparsity(MODE=mode, KV_BLOCK=sparse_kv_block if mode == "blocks" else 0,
                                        HAS_FULL=table_args[2] is not dummy),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    launches = [(decode_split_kernel, args, kwargs, (num_splits, B * HQ // heads))]
-    if split:
-        launches.append((decode_combine_kernel,
-                         (o_part, lse_part, out, lse, out.stride(0), out.stride(1), out.stride(2),
-                          HKV, M_new, num_splits, DV),
-                         dict(GQA_GROUP=group, HEADS=heads, BLOCK_S=_COMBINE_SPLITS,
-                              BLOCK_DV=tile.BLOCK_DV, num_warps=4 if tile.BLOCK_DV <= 128 else 8),
-                         (B * HQ // heads * rows,)))
-    return launches
+    return [(decode_split_kernel, args, kwargs, (num_splits, programs))]
 
 
-def decode_scratch(q: torch.Tensor, kv_heads: int, value_head_dim: int,
-                   num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O_PART, LSE_PART) float32 scratch for ``num_splits`` splits (kernel.py's notation), to
-    allocate once and pass as ``scratch=`` (a CUDA graph then owns every tensor it touches).
+def decode_scratch(q: torch.Tensor, kv_heads: int, value_head_dim: int, num_splits: int,
+                   arrivals: bool = True) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """(O_PART, LSE_PART, ARRIVALS) scratch for ``num_splits`` splits (kernel.py's notation), to
+    allocate once and pass as ``scratch=`` (a CUDA graph then owns every tensor it touches):
+    float32 partials and zeroed int32 counters (one per program, which every launch leaves at 0,
+    so the scratch serves any number of launches in turn on one stream; two launches running at
+    once need two). ``arrivals=False``: None in the last place.
 
     Example::
 
-        >>> o_part, lse_part = decode_scratch(q, 8, 128, 4)   # doctest: +SKIP
+        >>> q = torch.zeros(2, 32, 1, 128)
+        >>> [tuple(t.shape) for t in decode_scratch(q, 8, 128, 4)]
+        [(16, 4, 4, 128), (16, 4, 4), (64,)]
     """
     B, HQ, M_new, _ = q.shape
     rows = HQ // kv_heads * M_new
     return (torch.empty(B * kv_heads, num_splits, rows, value_head_dim, dtype=torch.float32,
                         device=q.device),
-            torch.empty(B * kv_heads, num_splits, rows, dtype=torch.float32, device=q.device))
+            torch.empty(B * kv_heads, num_splits, rows, dtype=torch.float32, device=q.device),
+            # B * HQ: a block mask that differs per head runs one program per query head
+            torch.zeros(B * HQ, dtype=torch.int32, device=q.device) if arrivals else None)
+
+
+# (device, stream) -> zeroed int32 counters; each launch leaves them at 0 (kernel.py)
+_ARRIVALS: dict = {}
+
+
+def arrival_counters(device: torch.device, programs: int) -> torch.Tensor:
+    """At least ``programs`` zeroed int32 counters for the split kernel's ARRIVALS, shared by the
+    launches of one stream (they run one after another, and each leaves the counters at 0). Under
+    CUDA graph capture: a new zeroed tensor (its fill is captured, so every replay starts at 0);
+    nothing captured is kept here. Kept counters are allocated outside any cudagraph tree's pool.
+
+    Example::
+
+        >>> arrival_counters(torch.device("cpu"), 8).tolist()
+        [0, 0, 0, 0, 0, 0, 0, 0]
+    """
+    if device.type != "cuda":
+        return torch.zeros(programs, dtype=torch.int32, device=device)
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(programs, dtype=torch.int32, device=device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch._C._cuda_getCurrentRawStream(index))   # an int: no Stream object per call
+    counters = _ARRIVALS.get(key)
+    if counters is None or counters.numel() < programs:
+        # kept across calls, so never from a cudagraph tree's pool (placeholder.py)
+        n = max(programs, 1024)
+        counters = outside_graph_pools(lambda: torch.zeros(n, dtype=torch.int32, device=device))
+        _ARRIVALS[key] = counters
+    return counters
 
 
 def prepare_decode(
@@ -250,11 +288,11 @@ def prepare_decode(
     sparse_q_block: int = 1 << 30, sparse_kv_block: int = 1 << 30,
     block_table: Optional[torch.Tensor] = None, page_size: Optional[int] = None,
     num_splits: Optional[int] = None, config: Optional[DecodeConfig] = None,
-    scratch: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    scratch: Optional[tuple[torch.Tensor, ...]] = None,
     plan_for: Optional[tuple[int, int]] = None,
 ) -> list[Launch]:
-    """The launches ``[(kernel, args, kwargs, grid)]`` of one decode call, to run in order: the
-    split kernel, then (``num_splits`` > 1) the combine. ``out`` [B, HQ, M_new, DV] (q's dtype) and
+    """The launches ``[(kernel, args, kwargs, grid)]`` of one decode call (one: the split kernel,
+    whose last split per program row merges the splits). ``out`` [B, HQ, M_new, DV] (q's dtype) and
     ``lse`` [B, HQ, M_new] (float32, log2 units) are written.
 
     ``k``/``v``: a [B, HKV, N, D] cache, or pages [num_pages, page_size, HKV, D] with
@@ -320,7 +358,7 @@ def compile_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
 
     Example::
 
-        >>> split_ck, combine_ck = compile_decode(q, k, v, out, lse, sm_scale=0.125, num_splits=4)  # doctest: +SKIP
+        >>> [split_ck] = compile_decode(q, k, v, out, lse, sm_scale=0.125, num_splits=4)  # doctest: +SKIP
     """
     from triton.backends.compiler import GPUTarget
 

@@ -21,6 +21,8 @@ Notation
     O: [Z, HQ, M_NEW, DV]    output, input dtype; LSE: [Z, HQ, M_NEW] float32, log2 units
     O_PART: [Z*HQ/HEADS, S, R, DV], LSE_PART: [Z*HQ/HEADS, S, R] float32: each split's normalized
                              output and log2-LSE (-inf: the split saw no key)
+    ARRIVALS: [>= Z*HQ/HEADS] int32  splits of program row zk that have written their partials;
+                             0 before and after every launch (the last split resets it)
     z, hkv, s                batch, kv head, split of a program (grid: (S, Z * HQ / HEADS))
     r                        packed row: query head hq = hq0 + r // M_NEW (hq0 the program's
                              first of its HEADS heads), new token i = r % M_NEW (GQA packing:
@@ -31,6 +33,11 @@ Notation
 
 Splits: batch z's keys [0, L) are cut into S chunks of cdiv(cdiv(L, S), BLOCK_N) * BLOCK_N keys,
 so every batch spreads over every split whatever its length; a split past L writes LSE -inf.
+One launch: with S > 1 each split writes its partials, then counts itself in ARRIVALS[zk] (an
+acq_rel atomic after a CTA barrier); the split that arrives last merges the S partials of its
+rows (read from L2) into O and LSE and puts ARRIVALS[zk] back to 0. A separate combine kernel cost
+5-12 us a call on an H200 (benchmarks/results/decode-tiles-nvidia-h200-2026-11-29-0202: its
+launch and its dependent loads), 2-5% of a decode step that cuDNN's is within.
 Block-sparse ("blocks"): the program's listed KV blocks, partial ones then full ones, are a flat
 list of tiles (KV_BLOCK // BLOCK_N each) cut into S chunks; tiles at or past L are skipped.
 
@@ -42,7 +49,8 @@ Mods (templates/modgen.py, ``tl`` dialect; the generic forward's argument order)
     clamped into [0, L). Keys past L are -inf whatever the mods say.
 
 Compile-time parameters (the mods, then one frozen-dataclass bundle each):
-    TILE   DecodeTiling   BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION
+    TILE   DecodeTiling   BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, MERGE_ROWS,
+                          MERGE_SPLITS
     CACHE  CacheLayout    PAGED, PAGE_SIZE
     SITE   DecodeSite     GQA_GROUP, Q_POS, HAS_SEQ_LENS, FOLD_SCALE, SPLIT (write partials),
                           WIDE_SCORES
@@ -67,6 +75,8 @@ class DecodeTiling:
     BLOCK_D: int           # D rounded up to a power of two (>= 16)
     BLOCK_DV: int          # DV rounded up to a power of two (>= 16)
     DOT_PRECISION: str     # tl.dot input_precision: "tf32" or "ieee" (fp32 inputs only)
+    MERGE_ROWS: int = 16   # R rounded up to a power of two: the rows the last split merges
+    MERGE_SPLITS: int = 1  # splits merged per step ([MERGE_SPLITS, MERGE_ROWS, BLOCK_DV] loads)
 
 
 @dataclass(frozen=True)
@@ -85,7 +95,8 @@ class DecodeSite:
     Q_POS: str             # query row 0's position: "offset" (Q_OFFSET), "end" (L - M_NEW), "start" (0)
     HAS_SEQ_LENS: bool     # L from SEQ_LENS (else N_KEYS for every batch)
     FOLD_SCALE: bool       # no score_mod, sm_scale > 0: raw q.k, the scale folded into qk_scale2
-    SPLIT: bool            # write O_PART / LSE_PART for the combine kernel (else O, LSE directly)
+    SPLIT: bool            # S > 1: write O_PART / LSE_PART, the last split merges them (else O,
+                           # LSE directly)
     WIDE_SCORES: bool = False  # the score_mod may return huge finite values: exp2's argument from
                                # the rounded product (wide_scores.py)
 
@@ -173,7 +184,7 @@ def _table_row(NUM, IDX, z, h0, s_nb, s_nh, s_ib, s_ih):
 
 @triton.jit(do_not_specialize=["MAX_PAGES", "N_KEYS"])
 def decode_split_kernel(
-    Q, K, V, O, LSE, O_PART, LSE_PART,
+    Q, K, V, O, LSE, O_PART, LSE_PART, ARRIVALS,
     SEQ_LENS, Q_OFFSET, BLOCK_TABLE,
     KV_NUM, KV_IDX, FULL_NUM, FULL_IDX,
     score_bufs, mask_bufs,
@@ -298,6 +309,12 @@ def decode_split_kernel(
         tl.store(O_PART + part[:, None] * DV + offs_dv[None, :], o,
                  mask=row_ok[:, None] & dv_ok[None, :])
         tl.store(LSE_PART + part, lse, mask=row_ok)
+        tl.debug_barrier()   # every thread's partials are written before the release below
+        arrived = tl.atomic_add(ARRIVALS + zk, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:   # the last split of this program row: merge them all
+            _merge_splits(O_PART, LSE_PART, O, LSE, zk * num_splits, num_splits, n_rows, z, hq0,
+                          stride_oz, stride_oh, stride_om, HKV, M_NEW, DV, TILE, SITE)
+            tl.store(ARRIVALS + zk, 0)   # ready for the next launch
     else:
         o_ptr = O + z.to(tl.int64) * stride_oz + hq[:, None] * stride_oh + i[:, None] * stride_om
         tl.store(o_ptr + offs_dv[None, :], o.to(O.dtype.element_ty),
@@ -306,53 +323,44 @@ def decode_split_kernel(
 
 
 @triton.jit
-def decode_combine_kernel(
-    O_PART, LSE_PART, O, LSE,
-    stride_oz, stride_oh, stride_om,
-    HKV, M_NEW, NUM_SPLITS, DV,
-    GQA_GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
-):
-    """Merge one output row's splits: O = sum_s w_s O_s / sum_s w_s, w_s = exp2(LSE_s - max LSE).
-
-    One program per (split-kernel program zk, packed row r) (the split kernel's notation); splits
-    are read BLOCK_S at a time, so the split count is a runtime value (no compile per count)."""
-    pid = tl.program_id(0)
-    n_rows = HEADS * M_NEW
-    zk = pid // n_rows
-    r = pid % n_rows
-    n_hp = HKV * (GQA_GROUP // HEADS)
-    z = zk // n_hp
-    hq = (zk % n_hp) * HEADS + r // M_NEW
-    i = r % M_NEW
-    first = zk * NUM_SPLITS   # this (z, hkv)'s split 0 in O_PART / LSE_PART
-
-    offs_s = tl.arange(0, BLOCK_S)
-    m = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
-    for s0 in range(0, NUM_SPLITS, BLOCK_S):
-        s = s0 + offs_s
-        lse_s = tl.load(LSE_PART + (first + s) * n_rows + r, mask=s < NUM_SPLITS,
-                        other=float("-inf"))
-        m = tl.maximum(m, lse_s)
-    m_max = tl.max(m, 0)
-    m_base = tl.where(m_max == float("-inf"), 0.0, m_max)   # every split empty: weights 0, no NaN
-
+def _merge_splits(O_PART, LSE_PART, O, LSE, first, num_splits, n_rows, z, hq0,
+                  stride_oz, stride_oh, stride_om, HKV, M_NEW, DV,
+                  TILE: tl.constexpr, SITE: tl.constexpr):
+    """O = sum_s w_s O_s / sum_s w_s, w_s = exp2(LSE_s - max LSE), LSE = log2 sum of the splits',
+    for the R rows of one program row (its splits at O_PART / LSE_PART rows first .. first + S).
+    Partials of other programs are read at L2 (.cg: never a stale L1 line); MERGE_SPLITS of them
+    per step, so the reads of a step are in flight together."""
+    MR: tl.constexpr = TILE.MERGE_ROWS
+    MS: tl.constexpr = TILE.MERGE_SPLITS
+    BLOCK_DV: tl.constexpr = TILE.BLOCK_DV
+    r = tl.arange(0, MR)
+    r_ok = r < n_rows
+    offs_s = tl.arange(0, MS)
     offs_dv = tl.arange(0, BLOCK_DV)
     dv_ok = offs_dv < DV
-    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    w_sum = tl.zeros([BLOCK_S], dtype=tl.float32)
-    for s0 in range(0, NUM_SPLITS, BLOCK_S):
+    m = tl.full([MR], float("-inf"), dtype=tl.float32)
+    acc = tl.zeros([MR, BLOCK_DV], dtype=tl.float32)
+    w_sum = tl.zeros([MR], dtype=tl.float32)
+    for s0 in range(0, num_splits, MS):
         s = s0 + offs_s
-        s_ok = s < NUM_SPLITS
-        part = (first + s) * n_rows + r
-        w = tl.math.exp2(tl.load(LSE_PART + part, mask=s_ok, other=float("-inf")) - m_base)
-        o_s = tl.load(O_PART + part[:, None] * DV + offs_dv[None, :],
-                      mask=s_ok[:, None] & dv_ok[None, :], other=0.0)
-        acc += tl.sum(w[:, None] * o_s, 0)
-        w_sum += w
-    total = tl.sum(w_sum, 0)
-    seen = total > 0.0
-    o = acc / tl.where(seen, total, 1.0)
-    o_ptr = O + z.to(tl.int64) * stride_oz + hq * stride_oh + i * stride_om
-    tl.store(o_ptr + offs_dv, o.to(O.dtype.element_ty), mask=dv_ok)
-    lse = tl.where(seen, m_base + tl.math.log2(tl.where(seen, total, 1.0)), float("-inf"))
-    tl.store(LSE + (z * (HKV * GQA_GROUP) + hq) * M_NEW + i, lse)
+        ok = (s < num_splits)[:, None] & r_ok[None, :]                       # [MS, MR]
+        part = (first + s)[:, None] * n_rows + r[None, :]
+        lse_s = tl.load(LSE_PART + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        o_s = tl.load(O_PART + part[:, :, None] * DV + offs_dv[None, None, :],
+                      mask=ok[:, :, None] & dv_ok[None, None, :], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse_s, 0))
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)   # nothing seen yet: no NaN
+        alpha = tl.math.exp2(m - base)
+        w = tl.math.exp2(lse_s - base[None, :])
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o_s, 0)
+        w_sum = w_sum * alpha + tl.sum(w, 0)
+        m = m_new
+    seen = w_sum > 0.0
+    total = tl.where(seen, w_sum, 1.0)
+    o = acc / total[:, None]
+    lse = tl.where(seen, m + tl.math.log2(total), float("-inf"))
+    i = r % M_NEW
+    hq = hq0 + r // M_NEW
+    o_ptr = O + z.to(tl.int64) * stride_oz + hq[:, None] * stride_oh + i[:, None] * stride_om
+    tl.store(o_ptr + offs_dv[None, :], o.to(O.dtype.element_ty), mask=r_ok[:, None] & dv_ok[None, :])
+    tl.store(LSE + (z * (HKV * SITE.GQA_GROUP) + hq) * M_NEW + i, lse, mask=r_ok)

@@ -1,11 +1,12 @@
-"""Re-launch a decode call's kernels (split, then combine) without planning it again.
+"""Re-launch a decode call's split kernel without planning it again.
 
 A decode step's kernel time is a few microseconds at short caches, so the host path matters:
-``prepare_decode`` checks every tensor and builds the kernels' arguments (tens of microseconds), and
+``prepare_decode`` checks every tensor and builds the kernel's arguments (tens of microseconds), and
 ``JITFunction.run`` binds ~45 arguments per launch. For one launch signature all of that is fixed,
-so the first call records both launches with runtime/fast_launch.py (one entry each) and later calls
-substitute their tensors and call the compiled kernels directly. The split scratch is an input of
-the recording: a later call gets fresh scratch of the recorded shapes (or the caller's).
+so the first call records the launch with runtime/fast_launch.py and later calls substitute their
+tensors and call the compiled kernel directly. The split scratch is an input of the recording: a
+later call gets fresh partials of the recorded shapes and its stream's arrival counters
+(host.arrival_counters), or the caller's scratch.
 
 Keys are the caller's: everything but the tensors' addresses (mods, scale, options) plus
 ``tensor_signature`` of the inputs.
@@ -18,9 +19,10 @@ from typing import Callable, Hashable, Optional, Sequence
 import torch
 
 from ...runtime.fast_launch import launch_cached, on_clear, recorded, relaunch
+from .host import arrival_counters
 
 _MAX_KEYS = 256
-# key -> (the fast_launch keys of the launches, the scratch shapes)
+# key -> (the fast_launch keys of the launches, the partials' shapes, the counters needed or 0)
 _RECORDED: dict = {}
 on_clear(_RECORDED.clear)
 
@@ -29,7 +31,8 @@ def launch_decode(key: Hashable, inputs: Sequence[Optional[torch.Tensor]], plan:
                   tag: str, scratch: Optional[tuple] = None) -> None:
     """Run the launches ``plan()`` returns (``prepare_decode``'s list) for ``inputs`` (every tensor
     they read or write but the split scratch), recording them under ``key`` on CUDA; a later call
-    with the same key re-launches them. ``scratch``: the caller's (O_PART, LSE_PART), else fresh.
+    with the same key re-launches them. ``scratch``: the caller's (O_PART, LSE_PART, ARRIVALS),
+    else fresh partials and the stream's counters.
 
     Example::
 
@@ -44,14 +47,16 @@ def launch_decode(key: Hashable, inputs: Sequence[Optional[torch.Tensor]], plan:
                 scratch = ()   # one split: no scratch
             elif scratch is None:
                 device = inputs[0].device
-                scratch = tuple(torch.empty(s, dtype=torch.float32, device=device) for s in hit[1])
+                scratch = (*(torch.empty(s, dtype=torch.float32, device=device) for s in hit[1]),
+                           arrival_counters(device, hit[2]))
             full = (*inputs, *scratch)
             for entry in entries:
                 relaunch(entry, full)
             return
     launches = plan()
-    split_args = launches[0][1]
-    scratch = (split_args[5], split_args[6]) if len(launches) > 1 else ()   # O_PART, LSE_PART
+    kernel, split_args, kwargs, grid = launches[0]
+    split = grid[0] > 1
+    scratch = tuple(split_args[5:8]) if split else ()   # O_PART, LSE_PART, ARRIVALS
     full = (*inputs, *scratch)
     if not inputs[0].is_cuda:
         for kernel, args, kwargs, grid in launches:
@@ -63,4 +68,4 @@ def launch_decode(key: Hashable, inputs: Sequence[Optional[torch.Tensor]], plan:
         launch_cached(keys[-1], full, lambda launch=launch: (*launch, tag))
     if len(_RECORDED) >= _MAX_KEYS:
         _RECORDED.clear()
-    _RECORDED[key] = (tuple(keys), tuple(tuple(t.shape) for t in scratch))
+    _RECORDED[key] = (tuple(keys), tuple(tuple(t.shape) for t in scratch[:2]), grid[1] if split else 0)
