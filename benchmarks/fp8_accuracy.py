@@ -440,7 +440,8 @@ def _block_scales(x: Tensor, block: int, zero_scale: float = 1.0, pow2: bool = F
 
 def emulate_quantize(q: Tensor, k: Tensor, v: Tensor, recipe: FP8Recipe,
                      rope: Optional[RopeSpec] = None) -> EmulatedOperands:
-    """The prologue's job in float32 torch ops: RoPE (if given), the Hadamard rotation of Q and K,
+    """The prologue's job in float32 torch ops: RoPE (if given; the prologue's, in float32 rounded to
+    the inputs' dtype: ``reference.apply_rope_rounded``), the Hadamard rotation of Q and K,
     K smoothing (mean over a token sample subtracted after the rotation), then Q and K in int8 (scale
     amax/127, round half to even) or e4m3 (amax/448) per ``recipe.qk``, V in e4m3, with one scale
     per ``block_m`` rows of Q / ``block_n`` rows of K and V (0: per (batch, head)); an all-zero
@@ -454,14 +455,13 @@ def emulate_quantize(q: Tensor, k: Tensor, v: Tensor, recipe: FP8Recipe,
         >>> ops.q_scale.unique().numel()      # 2 heads × 2 blocks of 128 rows
         4
     """
-    q32 = _rope_of(q, rope, "q", torch.float32)
-    k32 = _rope_of(k, rope, "k", torch.float32)
+    from fa3_inductor.templates.fp8_prologue.reference import rotate, smooth_sample
+
+    q32, k32 = rotate(q, k, FP8Recipe(hadamard=False), rope, torch.float32)
     if recipe.hadamard:
         r = hadamard_rotation(q.shape[-1], recipe.seed).to(q.device, torch.float32)
         q32, k32 = q32 @ r, k32 @ r
     if recipe.smooth_k:   # the prologue's mean: over its sample of at most 256 tokens
-        from fa3_inductor.templates.fp8_prologue.reference import smooth_sample
-
         k32 = k32 - k32[..., smooth_sample(k32.shape[-2]).to(k32.device), :].mean(dim=-2, keepdim=True)
     v32 = v.float()
     qk_top, qk_round = (INT8_MAX, to_int8) if recipe.qk == "int8" else (E4M3_MAX, to_e4m3)

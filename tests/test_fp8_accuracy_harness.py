@@ -101,10 +101,11 @@ def test_ours_beats_the_baseline_on_outlier_inputs():
 def test_emulation_without_rounding_is_exact_attention(monkeypatch):
     """With every e4m3 cast and the accumulator rounding turned off, the emulated kernel (tiles,
     online softmax, P x 2^8 with V's folded block scale, two-level sums, causal chunks, GQA,
-    RoPE, Hadamard, K smoothing) must be plain attention to fp32 rounding."""
+    RoPE, Hadamard, K smoothing) must be plain attention to fp32 rounding. float32 inputs: the
+    prologue rounds RoPE to the inputs' dtype (a bf16 model's RoPE output), a no-op for them."""
     monkeypatch.setattr(fa, "to_e4m3", lambda x: x.float())
     monkeypatch.setattr(fa, "to_int8", lambda x: x.float())
-    q, k, v = fa.protocol_inputs(1, 4, 300, 64, seed=1)
+    q, k, v = (t.float() for t in fa.protocol_inputs(1, 4, 300, 64, seed=1))
     k, v = k[:, :2], v[:, :2]
     spec = RopeSpec(*_rope_tables(300, 64))
     for recipe in (FP8Recipe(smooth_k=True), FP8Recipe(block_m=0, block_n=0, two_level=0),

@@ -1,7 +1,9 @@
 """The FP8 prologue (templates/fp8_prologue/): RoPE -> Hadamard -> [smooth K] -> int8 / e4m3 blocks.
 
 CPU runs go through Triton's interpreter (conftest sets TRITON_INTERPRET=1) and are compared with
-the float64 reference of the same math (reference.py). Quantized values (Q and K in int8 or e4m3
+the float64 reference of the same math (reference.py). RoPE is the one step both take in float32,
+the same operations rounded the same way (reference.apply_rope_rounded, then rounded to the inputs'
+dtype), so it matches bit for bit; the rest is float64 there. Quantized values (Q and K in int8 or e4m3
 per FP8Recipe.qk, Vᵀ in e4m3) must be equal, except where the float64 quotient x / scale lies within
 rounding noise of a tie between two grid values (two integers for int8, two e4m3 values): there the
 kernel's fp32 may land on the other side, one step away (`assert_fp8_match` checks both the
@@ -20,10 +22,10 @@ from fa3_inductor.fp8_recipe import E4M3_MAX, INT8_MAX, FP8Recipe, RopeSpec
 from fa3_inductor.templates.fp8_prologue import host, quantize
 from fa3_inductor.templates.fp8_prologue.hadamard import (hadamard_block, random_signs,
                                                           rotation_matrix, sign_hadamard, sylvester)
-from fa3_inductor.templates.fp8_prologue.reference import (apply_rope, block_scales, dequantize,
-                                                           quantize_blocks, quantize_reference,
-                                                           rope_tables, rotate, round_e4m3, round_int8,
-                                                           smooth_sample)
+from fa3_inductor.templates.fp8_prologue.reference import (FP16_MAX, apply_rope, apply_rope_rounded,
+                                                           block_scales, dequantize, quantize_blocks,
+                                                           quantize_reference, rope_tables, rotate,
+                                                           round_e4m3, round_int8, smooth_sample)
 
 SCALE_RTOL = 1e-6           # fp32 scales against float64 amax / 448 or / 127 (seen: 1.4e-7)
 TIE_ATOL = 1e-3             # |x / scale - tie| (units of x / scale) for a mismatch to count as a tie ...
@@ -328,6 +330,45 @@ def test_smooth_k_subtracts_the_mean_of_a_stratified_sample(cpu_kernels):
     assert residual < 0.1, f"the sampled mean is {residual:.3f} of the full mean away from it"
 
 
+def test_fp16_rope_saturates_at_the_fp16_maximum(cpu_kernels):
+    """fp16 values near the top of their range can pass 65504 after RoPE (here x_a + x_b =
+    80000): the rounded RoPE saturates there rather than making the block's scale inf, in the
+    kernel and in the reference alike."""
+    q, k, v = _inputs(1, 2, 1, 16, 16, 64, dtype=torch.float16, seed=5)
+    q[0, 0, :4, :] = 40000.0            # channels i and i + 32 turn into 0 and 80000
+    rope = RopeSpec(torch.ones(16, 64), torch.ones(16, 64))
+    for recipe in (FP8Recipe(block_m=16, block_n=16), FP8Recipe(hadamard=False, block_m=16,
+                                                                block_n=16)):
+        ops = quantize(q, k, v, recipe, rope)
+        assert ops.q_scale.isfinite().all() and ops.k_scale.isfinite().all()
+        assert_matches_reference(ops, q, k, v, recipe, rope)
+    qr, _ = rotate(q, k, FP8Recipe(hadamard=False), rope)
+    assert qr[0, 0, :4, 32:].eq(FP16_MAX).all() and qr[0, 0, :4, :32].eq(0).all()
+    assert ops.q_scale[0, 0, 0] == torch.tensor(FP16_MAX / INT8_MAX, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reference_rope_is_float32_rounded_to_the_input_dtype(style, dtype):
+    """The reference's RoPE is the kernel's: float32, one product and one FMA a channel, rounded
+    (ties to even) to the inputs' dtype: what the model's own RoPE writes. Within half an ulp of
+    that dtype of the exact (float64) RoPE, the pass-through channels untouched."""
+    x = (torch.randn(2, 3, 40, 96, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
+    rope = _random_tables(64, 40, style)
+    cos, sin = rope_tables(rope, None, 2, 40, torch.float32)
+    got = apply_rope_rounded(x, cos, sin, style)
+    assert got.dtype == dtype and torch.equal(got[..., 64:], x[..., 64:])
+    exact = apply_rope(x.double(), cos.double(), sin.double(), style)
+    assert torch.equal(got.double(), rotate(x, x, FP8Recipe(hadamard=False), rope)[0])
+    # float32, then the input dtype: off the exact value by its rounding (half an ulp, u = 2^-8
+    # bf16, 2^-11 fp16) plus float32's (< 2^-23 of |x·cos| + |turned·sin|).
+    u = torch.finfo(dtype).eps / 2
+    bound = exact.abs() * u + 2.0 ** -22 * apply_rope(x.double().abs(), cos.double().abs(),
+                                                      sin.double().abs(), style)
+    assert ((got.double() - exact).abs() <= bound).all()
+    assert not torch.equal(got.double(), exact), "nothing was rounded"
+
+
 def test_smoothing_is_deterministic(cpu_kernels):
     q, k, v = _inputs(1, 2, 2, 16, 200, 64)
     recipe = FP8Recipe(smooth_k=True, block_m=16, block_n=16)
@@ -438,11 +479,15 @@ def test_bad_inputs_raise_clear_errors(bad, error, match):
 # ---- sm90 compile (no GPU) ----------------------------------------------------------------
 
 # Known since 62c8cdb (the prologue's input-dtype Hadamard dot and 16-byte interleaved loads, faster on
-# an H100 without RoPE: 85-90% of copy, was 66-80%): with RoPE at D128 the kernel keeps 216-256 bytes
-# of stack and its loads are no longer cp.async; RoPE runs at 44-63% of copy (issue 18). Strict: a
-# fix makes these pass and the marks must go.
+# an H100 without RoPE: 85-90% of copy, was 66-80%): RoPE at D128 runs the launch its sweep measured
+# fastest, one stage of 8 warps capped at 128 registers (two programs an SM; host._TUNED): no cp.async,
+# and it spills (float32 tables, as here: 464-608 bytes of stack since RoPE is rounded to the input
+# dtype, 2026-11-29, 112-256 before; bf16 tables as models pass them: 48-64). Uncapped, 2 stages, it
+# does not spill (186 registers). RoPE runs at 44-63% of copy (issue 18). Strict: a launch that passes
+# makes these pass and the marks must go.
 _ROPE_D128_REGRESSION = pytest.mark.xfail(
-    strict=True, reason="RoPE prologue at D128 spills 216-256 B and lost cp.async since 62c8cdb")
+    strict=True, reason="RoPE prologue at D128: its tuned launch (1 stage, 128 registers) spills "
+                        "and has no cp.async")
 
 
 @pytest.mark.sm90_compile

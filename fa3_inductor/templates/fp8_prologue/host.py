@@ -242,9 +242,8 @@ def prepare_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: 
     shape = Tiles(D=D, DV=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv, TILE_M=tile_m, TILE_N=tile_n,
                   Q_ONE_TILE=recipe.block_m == tile_m, KV_ONE_TILE=recipe.block_n == tile_n)
 
-    # fp16 for RoPE's hi + lo dots; without RoPE the tile's own dtype (kernel.py, _input_dot).
-    had = sign_hadamard(D, recipe.seed, torch.float16 if rope is not None else q.dtype, dev,
-                        pad_to=block_d)
+    # In the inputs' dtype: the dots take input values, RoPE's rounded to it (kernel.py, _hadamard).
+    had = sign_hadamard(D, recipe.seed, q.dtype, dev, pad_to=block_d)
     if rope is not None:
         cos, sin = _last_dim_contiguous(rope.cos), _last_dim_contiguous(rope.sin)
         if cos.dim() == 2:
@@ -277,7 +276,7 @@ def prepare_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: 
                    HALF_BLOCK=_pow2(rope_dim // 2),
                    REST_BLOCK=_pow2(D - rope_dim) if D > rope_dim else 0,
                    Q_POS=qpos is not None, K_POS=kpos is not None,
-                   DOT_IN_FP32=interpret)
+                   INTERPRETED=interpret)
     quant = Quantization(QK_INT8=recipe.qk == "int8", SMOOTH_K=recipe.smooth_k,
                          SMOOTH_CHUNKS=SMOOTH_CHUNKS, SMOOTH_ROWS=SMOOTH_ROWS,
                          ROUND_IN_FP32=interpret if round_in_fp32 is None else round_in_fp32)

@@ -13,9 +13,8 @@ Notation
                              amax / QK_MAX (127 int8, 448 e4m3), V a power of two >= amax / 448
     V_SCALE_MAX [Z, HKV]     float32, zeroed by the host: atomic max of the scales of the V groups
                              that are not all zero (the host maps a remaining 0 to 1)
-    HAD [BLOCK_D, BLOCK_D]   diag(s)·blockdiag(H_b): exact ±1 / 0, zero-padded (hadamard.py); fp16
-                             with RoPE, else the input dtype; the rotation is x·HAD·HAD_SCALE,
-                             HAD_SCALE = 1/sqrt(b)
+    HAD [BLOCK_D, BLOCK_D]   diag(s)·blockdiag(H_b): exact ±1 / 0, zero-padded (hadamard.py), in the
+                             input dtype; the rotation is x·HAD·HAD_SCALE, HAD_SCALE = 1/sqrt(b)
     COS, SIN [TZ, P, R]      RoPE tables (TZ 1 broadcasts over the batch; any float dtype);
                              QPOS [PZ, M], KPOS [PZ, N] int positions (rows of the tables; clamped
                              into [0, P) for memory safety), or none: the row index
@@ -38,14 +37,15 @@ of one row block at the same time, so they read the same RoPE table rows (L2 hit
 loaded once per program (_had_parts) and stay in shared memory for every group; with num_stages 2
 the loops load the next group (cp.async) while the current one is rotated and stored. A Q / K
 group: load the block in parts (the rotated pairs a = channels ia, b = channels ib, and the
-pass-through rest r; _load_parts), RoPE, Hadamard (tensor-core dots part by part, _hadamard),
+pass-through rest r; _load_parts), RoPE in fp32 rounded to the input dtype (what the model's own
+RoPE writes), Hadamard (input-dtype tensor-core dots part by part, exact products, _hadamard),
 [K: subtract the mean], amax -> scale, store int8 or e4m3 (_to_qk). A V group: amax -> scale,
 store the e4m3 tile transposed (16-byte vectors along tokens, _v_store).
 
 Compile-time parameters (one named bundle each; frozen dataclasses below, read as `SHAPE.TILE_M`):
     SHAPE  Tiles         D, DV, BLOCK_D, BLOCK_DV, TILE_M, TILE_N, Q_ONE_TILE, KV_ONE_TILE
     ROT    Rotation      HADAMARD, HAD_SCALE, ROPE, ROPE_DIM, HALF_BLOCK, REST_BLOCK, Q_POS, K_POS,
-                         DOT_IN_FP32
+                         INTERPRETED
     QUANT  Quantization  QK_INT8, SMOOTH_K, SMOOTH_CHUNKS, SMOOTH_ROWS, ROUND_IN_FP32
 Lengths and program counts are `do_not_specialize`: one compile per kind of call, not per length.
 """
@@ -60,6 +60,7 @@ from . import reference
 E4M3_MAX: tl.constexpr = tl.constexpr(448.0)
 INT8_MAX: tl.constexpr = tl.constexpr(127.0)
 RINT_MAGIC: tl.constexpr = tl.constexpr(12582912.0)   # 1.5 * 2^23: (x + it) - it = rint(x), |x| < 2^22
+FP16_MAX: tl.constexpr = tl.constexpr(reference.FP16_MAX)   # RoPE'd fp16 values saturate here
 KNUTH_HASH: tl.constexpr = tl.constexpr(reference.KNUTH_HASH)   # smooth_k's sample offsets
 
 
@@ -87,8 +88,9 @@ class Rotation:
     REST_BLOCK: int     # D - R rounded up to a power of two (>= 16), 0 when R = D
     Q_POS: bool         # QPOS given (else positions are the row indices)
     K_POS: bool         # KPOS given
-    DOT_IN_FP32: bool   # the interpreter: the input-dtype dot (no RoPE) in fp32, Triton 3.6's
-                        # interpreter computing bf16 dots wrongly (sm90: the input dtype's wgmma)
+    INTERPRETED: bool   # Triton 3.6's interpreter, three of whose ops are wrong: its bf16 dots (the
+                        # input-dtype dots run in fp32, "ieee"), its fma (two roundings: taken in
+                        # float64) and its fp32 -> bf16 cast (truncates: rounded in fp32 first)
 
 
 @dataclass(frozen=True)
@@ -224,12 +226,38 @@ def _pair_tile(base, rows_off, row_ok, ROT: tl.constexpr):
 
 
 @triton.jit
+def _fma(x, y, z, ROT: tl.constexpr):
+    """x·y + z rounded once (fp32). The interpreter's tl.fma rounds the product first: there it is
+    taken in float64 (the product of two fp32 values is exact) and rounded to fp32."""
+    if ROT.INTERPRETED:
+        return (x.to(tl.float64) * y.to(tl.float64) + z.to(tl.float64)).to(tl.float32)
+    else:
+        return tl.fma(x, y, z)
+
+
+@triton.jit
+def _rope_round(x, dtype: tl.constexpr, ROT: tl.constexpr):
+    """RoPE'd fp32 values rounded to the input dtype (ties to even), the model's RoPE output dtype.
+    fp16 saturates at ±65504 (RoPE of fp16 values near the top of the range can pass it: rounding
+    to inf would make the block's scale inf); bf16 shares fp32's range. Under the interpreter,
+    whose fp32 -> bf16 cast truncates, bf16 is rounded in fp32 first (the bits' low half rounded
+    to even) and the cast is then exact."""
+    if dtype == tl.float16:
+        x = tl.minimum(tl.maximum(x, -FP16_MAX), FP16_MAX)
+    elif ROT.INTERPRETED:
+        u = x.to(tl.int32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & -65536
+        x = u.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
 def _load_parts(Xh, stride_x, rows, L, z, POS, stride_pz, COS, SIN, stride_tz, stride_tp, P,
                 HAS_POS: tl.constexpr, ROT: tl.constexpr, SHAPE: tl.constexpr):
-    """Rows `rows` of one head after RoPE, in parts: (a, b) [T, HALF_BLOCK] fp32, the rotated
-    pairs (a_i = x_ia·cos_ia - x_ib·sin_ia, b_i = x_ib·cos_ib + x_ia·sin_ib), and r [T, REST_BLOCK]
-    the channels [R, D) passed through, in the input dtype; 0 outside the head; an absent part is
-    0.0.
+    """Rows `rows` of one head after RoPE, in parts, all in the input dtype: (a, b) [T, HALF_BLOCK]
+    the rotated pairs (a_i = x_ia·cos_ia - x_ib·sin_ia, b_i = x_ib·cos_ib + x_ia·sin_ib, in fp32:
+    one product, one FMA, then rounded, _rope_round), and r [T, REST_BLOCK] the channels [R, D)
+    passed through; 0 outside the head; an absent part is 0.0.
 
     Loading the pairs as two column sets (not a tile and its rotate_half partner) reads each input
     byte and each table value once. Both members' table columns are read, so any table is applied
@@ -251,8 +279,10 @@ def _load_parts(Xh, stride_x, rows, L, z, POS, stride_pz, COS, SIN, stride_tz, s
         # Each channel by its own table column: a pair's two columns may differ (RopeSpec).
         cos_a, cos_b = _pair_tile(COS, t_row, row_ok, ROT)
         sin_a, sin_b = _pair_tile(SIN, t_row, row_ok, ROT)
-        a = xa * cos_a - xb * sin_a
-        b = xb * cos_b + xa * sin_b
+        # Explicit FMAs: which product the compiler would fuse is not ours to guess, and the
+        # reference (reference.apply_rope_rounded) must round as this does, bit for bit.
+        a = _rope_round(_fma(xa, cos_a, -(xb * sin_a), ROT), Xh.dtype.element_ty, ROT)
+        b = _rope_round(_fma(xb, cos_b, xa * sin_b, ROT), Xh.dtype.element_ty, ROT)
     if ROT.REST_BLOCK > 0:
         ir = ROT.ROPE_DIM + tl.arange(0, ROT.REST_BLOCK)
         r = tl.load(ptrs + ir[None, :], mask=row_ok[:, None] & (ir < SHAPE.D)[None, :], other=0.0)
@@ -273,17 +303,9 @@ def _pairs_ok(ROT: tl.constexpr):
 
 
 @triton.jit
-def _split_dot(x, had, acc):
-    """acc + x·had for fp32 x: fp16 hi + lo parts (22 significant bits), fp32 accumulation."""
-    hi = x.to(tl.float16)
-    acc = tl.dot(hi, had, acc)
-    return tl.dot((x - hi.to(tl.float32)).to(tl.float16), had, acc)
-
-
-@triton.jit
 def _had_parts(HAD, ROT: tl.constexpr, SHAPE: tl.constexpr):
-    """HAD's rows matching the parts of _load_parts, fp16: (rows ia, rows ib, rows [R, D)); an
-    absent part is 0.0. Loaded once per program: the persistent loops reuse them for every tile."""
+    """HAD's rows matching the parts of _load_parts: (rows ia, rows ib, rows [R, D)); an absent
+    part is 0.0. Loaded once per program: the persistent loops reuse them for every tile."""
     ha = 0.0
     hb = 0.0
     hr = 0.0
@@ -299,55 +321,34 @@ def _had_parts(HAD, ROT: tl.constexpr, SHAPE: tl.constexpr):
 
 
 @triton.jit
-def _input_dot(x, had, ROT: tl.constexpr):
-    """x·had for x in its input dtype (bf16 / fp16) and had the ±1 matrix in the same dtype: exact
-    products summed in fp32, so no scaling and no fp32 copy of the tile (without RoPE the loaded
-    tile is only the dot's operand)."""
-    if ROT.DOT_IN_FP32:
-        return tl.dot(x.to(tl.float32), had.to(tl.float32), input_precision="ieee")
+def _input_dot(x, had, acc, ROT: tl.constexpr):
+    """acc + x·had for x in the input dtype (bf16 / fp16) and had the ±1 matrix in the same dtype:
+    exact products summed in fp32, so no scaling and no fp32 copy of the tile (without RoPE the
+    loaded tile is only the dot's operand)."""
+    if ROT.INTERPRETED:
+        return tl.dot(x.to(tl.float32), had.to(tl.float32), acc, input_precision="ieee")
     else:
-        return tl.dot(x, had)
+        return tl.dot(x, had, acc)
 
 
 @triton.jit
 def _hadamard(a, b, r, had, T: tl.constexpr, ROT: tl.constexpr, SHAPE: tl.constexpr):
-    """(a, b, r)·HAD·HAD_SCALE, [T, BLOCK_D] fp32 with fp32 accuracy on the tensor cores: the
-    contraction over channels goes part by part against `had` (_had_parts), so the parts are
-    never reassembled into a tile.
+    """(a, b, r)·HAD·HAD_SCALE, [T, BLOCK_D] fp32: input-dtype dots part by part against `had`
+    (_had_parts), so the parts are never reassembled into a tile.
 
-    Without RoPE the tile is input values: one dot in the input dtype is exact (_input_dot). With
-    RoPE each row is first scaled by the power of two that brings its largest entry into [1, 2) (exact;
-    no fp16 overflow, and what falls below fp16's normals is < 2^-14 of the row max). The RoPE'd
-    parts are fp32: hi + lo fp16 dots. The pass-through part is an input value (bf16 / fp16) times
-    a power of two: one fp16 dot is exact for it (bf16's 8 bits fit fp16's 11; below 2^-17 of the
-    row max the error is under 2^-25 of it). So 2·R + (D - R) multiply-adds per element and output
-    channel, against the exact ±1 matrix: fewer instructions than a log2(b)-stage butterfly of
-    register shuffles, and fp16 (not bf16) is what the interpreter's dot gets right."""
-    if ROT.ROPE == "":
-        y = _input_dot(r, had[2], ROT) * ROT.HAD_SCALE
-    else:
-        y = _rope_hadamard(a, b, r, had, T, ROT, SHAPE)
-    return y
-
-
-@triton.jit
-def _rope_hadamard(a, b, r, had, T: tl.constexpr, ROT: tl.constexpr, SHAPE: tl.constexpr):
-    """_hadamard with RoPE: per-row power-of-two scaling, hi + lo fp16 dots of the pair parts,
-    one fp16 dot of the pass-through part."""
-    BLOCK_D: tl.constexpr = SHAPE.BLOCK_D
-    r = r.to(tl.float32)
-    m = tl.maximum(tl.max(tl.abs(a), axis=1), tl.max(tl.abs(b), axis=1))
-    if ROT.REST_BLOCK > 0:
-        m = tl.maximum(m, tl.max(tl.abs(r), axis=1))
-    e = tl.maximum(m.to(tl.int32, bitcast=True) & 0x7F800000, 1 << 23)
-    up = ((254 << 23) - e).to(tl.float32, bitcast=True)[:, None]          # 2^(127 - E)
-    down = (e.to(tl.float32, bitcast=True) * ROT.HAD_SCALE)[:, None]     # 2^(E - 127) / sqrt(b)
+    Every part is input values (RoPE's pairs rounded to the input dtype, _load_parts): their
+    products with ±1 are exact and the tensor cores sum them in fp32, D multiply-adds per element
+    and output channel: fewer instructions than a log2(b)-stage butterfly of register shuffles.
+    (Before 2026-11-29 RoPE's pairs stayed fp32: a per-row power-of-two scaling and fp16 hi + lo
+    dots, twice the tensor work; docs/design/fp8_prologue.md.)"""
+    BLOCK_D: tl.constexpr = SHAPE.BLOCK_D   # shapes in list literals need constexprs
     acc = tl.zeros([T, BLOCK_D], dtype=tl.float32)
-    acc = _split_dot(a * up, had[0], acc)
-    acc = _split_dot(b * up, had[1], acc)
+    if ROT.ROPE != "":
+        acc = _input_dot(a, had[0], acc, ROT)
+        acc = _input_dot(b, had[1], acc, ROT)
     if ROT.REST_BLOCK > 0:
-        acc = tl.dot((r * up).to(tl.float16), had[2], acc)
-    return acc * down
+        acc = _input_dot(r, had[2], acc, ROT)
+    return acc * ROT.HAD_SCALE
 
 
 @triton.jit
@@ -361,11 +362,20 @@ def _qk_tile(Xh, stride_x, rows, L, z, POS, stride_pz, COS, SIN, stride_tz, stri
                           stride_tp, P, HAS_POS, ROT, SHAPE)
     row_ok = (rows < L)[:, None]
     if ROT.HADAMARD:
+        if ROT.ROPE != "" and T < 64:
+            # Under 64 rows (head dims over 128) the dots are mma.sync, whose A layout holds each
+            # row on every warp; Triton moves the conversion to it above elementwise ops (all of
+            # RoPE, then done once per warp), not above a select: these keep it below.
+            a = tl.where(row_ok, a, 0.0)
+            b = tl.where(row_ok, b, 0.0)
         y = _hadamard(a, b, r, had, T, ROT, SHAPE)
         if SMOOTH:
             y = tl.where(row_ok, y - mean[0][None, :], 0.0)
         return y, 0.0, 0.0
     else:
+        if ROT.ROPE != "":
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
         if ROT.REST_BLOCK > 0:
             r = r.to(tl.float32)
         if SMOOTH:
@@ -625,8 +635,8 @@ def k_sums_kernel(
     a, b, r = _load_parts(Kh, stride_kn, rows, N, z, KPOS, stride_kpz, COS, SIN, stride_tz,
                           stride_tp, P, ROT.K_POS, ROT, SHAPE)
     if ROT.ROPE != "":
-        sa = tl.sum(a, axis=0)
-        sb = tl.sum(b, axis=0)
+        sa = tl.sum(a.to(tl.float32), axis=0)
+        sb = tl.sum(b.to(tl.float32), axis=0)
     if REST > 0:
         sr = tl.sum(r.to(tl.float32), axis=0)
     out = K_PART + (zh * QUANT.SMOOTH_CHUNKS + c).to(tl.int64) * BLOCK_D

@@ -1,5 +1,6 @@
-"""The FP8 prologue's math in torch ops: RoPE -> Hadamard rotation -> [smooth K] -> block quantization
-(Q and K to int8 or e4m3 per ``FP8Recipe.qk``, V to e4m3).
+"""The FP8 prologue's math in torch ops: RoPE (float32, rounded to the inputs' dtype) -> Hadamard
+rotation -> [smooth K] -> block quantization (Q and K to int8 or e4m3 per ``FP8Recipe.qk``, V to
+e4m3).
 
 Used by the tests and the accuracy benchmark as the reference (float64 by default), and by
 :func:`~fa3_inductor.templates.fp8_prologue.host.quantize` as the CPU path when Triton cannot run.
@@ -20,6 +21,7 @@ E4M3_MIN_NORMAL_EXP = -6   # smallest normal e4m3 is 2^-6; subnormals are spaced
 E4M3_MANTISSA_BITS = 3
 SMOOTH_SAMPLE = 256        # smooth_k: K's mean is taken over at most this many tokens per head
 KNUTH_HASH = 2654435761    # round(2^32 / golden ratio): the offsets of the sampled tokens
+FP16_MAX = 65504.0         # largest finite float16: RoPE'd fp16 values saturate there
 
 
 def smooth_sample(n: int, sample: int = SMOOTH_SAMPLE) -> torch.Tensor:
@@ -71,6 +73,16 @@ def rope_tables(rope: RopeSpec, positions: Optional[torch.Tensor], batch: int, l
     return gather(rope.cos), gather(rope.sin)
 
 
+def _turned(xr: torch.Tensor, style: str) -> torch.Tensor:
+    """The partner each rotated channel is multiplied by sin with: rotate_half(x) = cat(-x2, x1)
+    ("half"), or (-x_{2i+1}, x_{2i}) per pair ("interleaved")."""
+    r = xr.shape[-1]
+    if style == "half":
+        return torch.cat([-xr[..., r // 2:], xr[..., : r // 2]], dim=-1)
+    even, odd = xr[..., 0::2], xr[..., 1::2]
+    return torch.stack([-odd, even], dim=-1).flatten(-2)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
     """x * cos + rotate(x) * sin on the first R = cos.shape[-1] channels; the rest pass through.
 
@@ -91,18 +103,43 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str
     """
     r = cos.shape[-1]
     xr, rest = x[..., :r], x[..., r:]
-    if style == "half":
-        x1, x2 = xr[..., : r // 2], xr[..., r // 2:]
-        turned = torch.cat([-x2, x1], dim=-1)
-    else:
-        even, odd = xr[..., 0::2], xr[..., 1::2]
-        turned = torch.stack([-odd, even], dim=-1).flatten(-2)
-    return torch.cat([xr * cos + turned * sin, rest], dim=-1)
+    return torch.cat([xr * cos + _turned(xr, style) * sin, rest], dim=-1)
+
+
+def apply_rope_rounded(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       style: str) -> torch.Tensor:
+    """The prologue's RoPE, bit for bit (kernel.py, _load_parts): :func:`apply_rope` in float32,
+    each rotated channel one product and one fused multiply-add, out = fma(x, cos, RN(turned·sin))
+    (turned = rotate(x), the tables rounded to float32), then rounded to x's dtype, ties to even:
+    what a bf16 / fp16 model's own RoPE writes (its output is in that dtype; it rounds more often
+    on the way, in bf16 arithmetic with bf16 tables). float16 saturates at ±65504 (its range is
+    smaller than float32's: RoPE of values near it can pass it), bfloat16 does not (fp32's range).
+    The fma is taken in float64 and rounded to float32: the product of two float32 values is exact
+    there, and the double rounding (float64, then float32) differs from the GPU's FFMA only when
+    the float64 sum lands exactly on a float32 tie, a 2^-29 chance.
+
+    Example::
+
+        >>> x, c, s = torch.tensor([[1.0, 0.0]]), torch.tensor([[1.01, 1.0]]), torch.ones(1, 2)
+        >>> apply_rope_rounded(x.bfloat16(), c, s, "half").tolist()     # 1.01 rounded to bf16
+        [[1.0078125, 1.0]]
+        >>> x, c = torch.full((1, 2), 60000.0, dtype=torch.float16), torch.ones(1, 2)
+        >>> apply_rope_rounded(x, c, s, "half").tolist()                # 120000 saturates
+        [[0.0, 65504.0]]
+    """
+    r = cos.shape[-1]
+    xr, rest = x[..., :r].float(), x[..., r:]
+    product = (_turned(xr, style) * sin.float()).double()
+    out = (xr.double() * cos.float().double() + product).float()
+    if x.dtype == torch.float16:
+        out = out.clamp(-FP16_MAX, FP16_MAX)
+    return torch.cat([out.to(x.dtype), rest], dim=-1)
 
 
 def rotate(q: torch.Tensor, k: torch.Tensor, recipe: FP8Recipe, rope: Optional[RopeSpec] = None,
            dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q and K after RoPE and the Hadamard rotation (no smoothing, no quantization), in ``dtype``.
+    """Q and K after RoPE (:func:`apply_rope_rounded`: float32, rounded to q's and k's dtype) and
+    the Hadamard rotation (no smoothing, no quantization), in ``dtype``.
 
     Example::
 
@@ -111,12 +148,13 @@ def rotate(q: torch.Tensor, k: torch.Tensor, recipe: FP8Recipe, rope: Optional[R
         >>> torch.allclose(qr @ kr.mT, q.double() @ k.double().mT)
         True
     """
-    q, k = q.to(dtype), k.to(dtype)
     if rope is not None:
-        q = apply_rope(q, *rope_tables(rope, rope.q_positions, q.shape[0], q.shape[2], dtype),
-                       rope.style)
-        k = apply_rope(k, *rope_tables(rope, rope.k_positions, k.shape[0], k.shape[2], dtype),
-                       rope.style)
+        f32 = torch.float32
+        q = apply_rope_rounded(q, *rope_tables(rope, rope.q_positions, q.shape[0], q.shape[2], f32),
+                               rope.style)
+        k = apply_rope_rounded(k, *rope_tables(rope, rope.k_positions, k.shape[0], k.shape[2], f32),
+                               rope.style)
+    q, k = q.to(dtype), k.to(dtype)
     if recipe.hadamard:
         h = rotation_matrix(q.shape[-1], recipe.seed).to(device=q.device, dtype=dtype)
         q, k = q @ h, k @ h
@@ -271,5 +309,5 @@ def dequantize(ops: FP8Operands) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return q, k, v
 
 
-__all__ = ["apply_rope", "block_amax", "block_scales", "dequantize", "quantize_blocks", "quantize_reference",
+__all__ = ["apply_rope", "apply_rope_rounded", "block_amax", "block_scales", "dequantize", "quantize_blocks", "quantize_reference",
            "rope_tables", "rotate", "round_e4m3", "round_int8", "smooth_sample"]
