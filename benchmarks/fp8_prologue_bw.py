@@ -150,7 +150,8 @@ def sweep_candidates() -> list:
 
     out = [PrologueTuning(num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3)]
     out += [PrologueTuning(num_warps=4, num_stages=2, programs_per_sm=0),
-            PrologueTuning(num_warps=8, num_stages=1, maxnreg=128)]
+            PrologueTuning(num_warps=8, num_stages=1, maxnreg=128),
+            PrologueTuning(num_warps=4, num_stages=2, maxnreg=168)]   # D64 RoPE: 3 programs an SM
     return out
 
 
