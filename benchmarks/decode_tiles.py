@@ -14,6 +14,14 @@ of --reps): cuDNN SDPA (native GQA) and our split + combine launches prepared on
   s/2, s*2     half / twice the split count (at least 1), auto tiles
   fill         the smallest split count whose programs fill every SM at once (resident x SMs)
   n*2 st4      BLOCK_N doubled at 4 stages (where shared memory takes it)
+  m4096        the last split's merge loads 4096 partial values a step (configs.py: 8192)
+
+and on serving.py's quick paged rows (pages of 64, shuffled table; "contig" is the contiguous cache's
+auto launch, and each cell says paged time over it):
+
+  auto, m4096, st4 as above (paged auto: 5 stages, configs.PAGED_PROGRAMS_PER_SM)
+  1/SM         the contiguous cache's split count (configs.PROGRAMS_PER_SM)
+  s<=16        the split count capped at 16
 
 Until 2026-11-29 the kernels were two launches (split, then combine); the runs of that date before
 the merge moved into the split kernel also timed each launch alone ("split only", "combine only").
@@ -40,17 +48,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import serving  # noqa: E402  (benchmarks/serving.py: cases, inputs, the clock)
 
 VARIANTS = ("auto", "n/2", "n*2", "n*2 st2", "n*2 st4", "st2", "st3", "st4", "st5", "st6", "w8", "s/2",
-            "s*2", "fill")
+            "s*2", "fill", "m4096")
+PAGED_VARIANTS = ("auto", "m4096", "st4", "1/SM", "s<=16")
+PAGE = 64
 
 
-def _launches(q, k, v, lens, config, splits):
-    """(run, split count) of one prepared decode call."""
+def _launches(q, k, v, lens, config, splits, table=None):
+    """(run, split count) of one prepared decode call (``table``: k, v are pages)."""
     from fa3_inductor.templates.decode import prepare_decode
 
     out = torch.empty(q.shape[:3] + (v.shape[-1],), device=q.device, dtype=q.dtype)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     launches = prepare_decode(q, k, v, out, lse, sm_scale=q.shape[-1] ** -0.5, seq_lens=lens,
-                              config=config, num_splits=splits)
+                              config=config, num_splits=splits, block_table=table)
 
     def run() -> torch.Tensor:
         for kernel, args, kwargs, grid in launches:
@@ -59,7 +69,8 @@ def _launches(q, k, v, lens, config, splits):
     return run, launches[0][3][0]
 
 
-def variant_plans(c: serving.DecodeCase, capability: tuple[int, int], sms: int) -> dict[str, tuple]:
+def variant_plans(c: serving.DecodeCase, capability: tuple[int, int], sms: int,
+                  paged: bool = False) -> dict[str, tuple]:
     """{variant: (DecodeConfig, num_splits or None)} for one row (configs.py's choice as "auto").
 
     Example::
@@ -67,17 +78,25 @@ def variant_plans(c: serving.DecodeCase, capability: tuple[int, int], sms: int) 
         >>> plans = variant_plans(serving._d(8, 1, 8), (9, 0), 132)
         >>> plans["n/2"][0].block_n, plans["n*2"][0].block_n, plans["st2"][0].num_stages, plans["s*2"][1]
         (32, 128, 2, 4)
+        >>> variant_plans(serving._d(1, 1, 8), (9, 0), 132, paged=True)["1/SM"][1]
+        16
     """
     import triton
 
     from fa3_inductor.templates.decode.configs import choose_num_splits, decode_config, few_programs
 
     rows = max(16, triton.next_power_of_2(c.hq // c.hkv * c.new))
-    base = decode_config(c.d, capability, block_m=rows, few_programs=few_programs(c.batch, c.hkv, sms))
-    auto = choose_num_splits(c.batch, c.hkv, c.cache, base.block_n, sms, base.resident)
+    base = decode_config(c.d, capability, block_m=rows, paged=paged,
+                         few_programs=few_programs(c.batch, c.hkv, sms, paged))
+    auto = choose_num_splits(c.batch, c.hkv, c.cache, base.block_n, sms, base.resident, paged=paged)
+    rep = dataclasses.replace
+    if paged:
+        return {"auto": (None, None), "m4096": (rep(base, merge_elements=4096), auto),
+                "st4": (rep(base, num_stages=4), auto),
+                "1/SM": (base, choose_num_splits(c.batch, c.hkv, c.cache, base.block_n, sms, base.resident)),
+                "s<=16": (base, min(auto, 16))}
     programs = c.batch * c.hkv
     fill = max(1, -(-base.resident * sms // programs))
-    rep = dataclasses.replace
     plans = {"auto": (None, None), "n/2": (rep(base, block_n=base.block_n // 2), auto),
              "n*2": (rep(base, block_n=base.block_n * 2), auto),
              "n*2 st2": (rep(base, block_n=base.block_n * 2, num_stages=2), auto),
@@ -86,21 +105,27 @@ def variant_plans(c: serving.DecodeCase, capability: tuple[int, int], sms: int) 
              "s*2": (base, auto * 2), "fill": (base, min(fill, c.cache // base.block_n)),
              "n*2 st4": (rep(base, block_n=base.block_n * 2, num_stages=4), auto),
              "st3": (rep(base, num_stages=3), auto), "st5": (rep(base, num_stages=5), auto),
-             "st6": (rep(base, num_stages=6), auto)}
+             "st6": (rep(base, num_stages=6), auto), "m4096": (rep(base, merge_elements=4096), auto)}
     return plans
 
 
-def tiles_row(c: serving.DecodeCase, device: torch.device, clock: serving.Clock, sms: int) -> dict:
-    """cuDNN and every variant of one row, same rounds; ms, splits and the check of each."""
+def tiles_row(c: serving.DecodeCase, device: torch.device, clock: serving.Clock, sms: int,
+              paged: bool = False) -> dict:
+    """cuDNN and every variant of one row, same rounds; ms, splits and the check of each (``paged``:
+    the variants read pages of PAGE keys, and the contiguous auto launch is timed beside them)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     dtype = torch.bfloat16
-    row = serving._case_row("tiles", c, dtype.itemsize)
+    row = serving._case_row("paged tiles" if paged else "tiles", c, dtype.itemsize)
     q, k, v, lens = serving._decode_inputs(c, device, dtype)
     fns, splits = {}, {}
-    for name, (config, n) in variant_plans(c, torch.cuda.get_device_capability(device), sms).items():
+    kv = (*serving._pages(k, v, PAGE),) if paged else (k, v, None)
+    if paged:
+        fns["contig"], splits["contig"] = _launches(q, k, v, lens, None, None)
+        row["page"] = PAGE
+    for name, (config, n) in variant_plans(c, torch.cuda.get_device_capability(device), sms, paged).items():
         try:
-            fns[name], splits[name] = _launches(q, k, v, lens, config, n)
+            fns[name], splits[name] = _launches(q, kv[0], kv[1], lens, config, n, kv[2])
         except Exception as exc:   # a variant the kernel refuses (shared memory): reported
             row.setdefault("errors", {})[name] = serving._error(exc)
     ref = fns["auto"]().clone()
@@ -126,34 +151,53 @@ def tiles_row(c: serving.DecodeCase, device: torch.device, clock: serving.Clock,
     row["splits"] = splits
     if "cudnn" in timed:
         row["cudnn_over"] = {name: timed["cudnn"] / ms for name, ms in timed.items() if name != "cudnn"}
+    if paged:
+        row["over_contig"] = {name: ms / timed["contig"] for name, ms in timed.items() if name != "cudnn"}
     return row
 
 
-def markdown(meta: dict, rows: list[dict]) -> str:
-    names = [n for n in VARIANTS if any(n in r["ms"] for r in rows)]
-    lines = [f"# decode tiles on {meta['device']} (bf16)", "",
-             f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}; command: `{meta['command']}`.",
-             meta["timing"], "",
-             "Each cell: ms (cuDNN's time over it: > 1 is faster than cuDNN), the split count in brackets. "
-             "Variants: benchmarks/decode_tiles.py's docstring.", "",
-             "| row | cuDNN ms | " + " | ".join(names) + " | worst diff |",
+def _label(r: dict) -> str:
+    return serving.DecodeCase(r["B"], r["new"], r["N"], r["HQ"], r["HKV"], r["D"]).label()
+
+
+def _table(rows: list[dict], names: list[str], ratio_key: str, first: str) -> list[str]:
+    lines = [f"| row | {first} | " + " | ".join(names) + " | worst diff |",
              "|---|---|" + "---|" * len(names) + "---|"]
     for r in rows:
         cells = []
         for n in names:
             if n in r["ms"]:
-                ratio = r.get("cudnn_over", {}).get(n)
+                ratio = r.get(ratio_key, {}).get(n)
                 cells.append(f"{r['ms'][n]:.3f} ({ratio:.3f}) [{r['splits'][n]}]" if ratio
                              else f"{r['ms'][n]:.3f} [{r['splits'][n]}]")
             else:
                 cells.append("-")
-        label = serving.DecodeCase(r["B"], r["new"], r["N"], r["HQ"], r["HKV"], r["D"]).label()
-        lines.append(f"| {label} | {r['ms'].get('cudnn', float('nan')):.3f} | " + " | ".join(cells)
-                     + f" | {max(r['diff'].values()):.1e} |")
-    best = {n: sum(1 for r in rows if r.get("cudnn_over", {}).get(n, 0) >= 1.0) for n in names}
-    lines += ["", "Rows at or above cuDNN: " + ", ".join(f"{n} {best[n]}/{len(rows)}" for n in names), ""]
-    errors = {serving.DecodeCase(r["B"], r["new"], r["N"], r["HQ"], r["HKV"], r["D"]).label(): r["errors"]
-              for r in rows if r.get("errors")}
+        anchor = r["ms"].get("cudnn" if ratio_key == "cudnn_over" else "contig", float("nan"))
+        lines.append(f"| {_label(r)} | {anchor:.3f} | " + " | ".join(cells) + f" | {max(r['diff'].values()):.1e} |")
+    return lines
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    contiguous = [r for r in rows if r["part"] == "tiles"]
+    paged = [r for r in rows if r["part"] != "tiles"]
+    names = [n for n in VARIANTS if any(n in r["ms"] for r in contiguous)]
+    lines = [f"# decode tiles on {meta['device']} (bf16)", "",
+             f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}; command: `{meta['command']}`.",
+             meta["timing"], "", "Variants: benchmarks/decode_tiles.py's docstring.", ""]
+    if paged:
+        lines += [f"## paged (pages of {PAGE}, shuffled table)", "",
+                  "Each cell: ms (its time over the contiguous cache's auto launch), the split count in brackets.", ""]
+        lines += _table(paged, [n for n in PAGED_VARIANTS if any(n in r["ms"] for r in paged)], "over_contig",
+                        "contig ms")
+        within = {n: sum(1 for r in paged if r["over_contig"].get(n, 9) <= 1.05) for n in PAGED_VARIANTS}
+        lines += ["", "Rows within 5% of contiguous: " + ", ".join(f"{n} {k}/{len(paged)}" for n, k in within.items()), ""]
+    if contiguous:
+        lines += ["## contiguous", "",
+                  "Each cell: ms (cuDNN's time over it: > 1 is faster than cuDNN), the split count in brackets.", ""]
+        lines += _table(contiguous, names, "cudnn_over", "cuDNN ms")
+        best = {n: sum(1 for r in contiguous if r.get("cudnn_over", {}).get(n, 0) >= 1.0) for n in names}
+        lines += ["", "Rows at or above cuDNN: " + ", ".join(f"{n} {best[n]}/{len(contiguous)}" for n in names), ""]
+    errors = {f"{r['part']} {_label(r)}": r["errors"] for r in rows if r.get("errors")}
     if errors:
         lines += ["Errors: " + json.dumps(errors), ""]
     return "\n".join(lines)
@@ -183,11 +227,11 @@ def main() -> None:
     stem = os.path.join(args.out, f"decode-tiles-{serving._slug(name)}-{now:%Y-%m-%d-%H%M}")
     rows: list[dict] = []
     torch.manual_seed(0)
-    for c in serving.QUICK_DECODE:
+    for paged, c in [(True, c) for c in serving.QUICK_PAGED] + [(False, c) for c in serving.QUICK_DECODE]:
         if rows and time.time() - serving.STARTED > args.budget_s:
-            meta.setdefault("left_out", []).append(c.label())
+            meta.setdefault("left_out", []).append(("paged " if paged else "") + c.label())
             continue
-        rows.append(tiles_row(c, device, clock, sms))
+        rows.append(tiles_row(c, device, clock, sms, paged))
         print(c.label(), json.dumps({k: round(v, 4) for k, v in rows[-1]["ms"].items()}), flush=True)
         serving._release(device)
         with open(stem + ".json", "w") as f:

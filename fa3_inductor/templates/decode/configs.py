@@ -22,6 +22,11 @@ class DecodeConfig:
     # kernel): 16-32 rows with 4 warps take 127-167 registers and 39-72 KB of shared, so 3 (by
     # shared memory at 72 KB, by registers at 160+); 64-128 rows with 8 warps 98-131 KB, so 1.
     resident: int = 3
+    # Partial values the last split loads per step of its merge (kernel.py, _merge_splits): 8192 is
+    # 64 a thread at 4 warps, which sm90 builds take without changing residency (bf16 D128: paged
+    # 154 -> 168 registers, contiguous 128 -> 161, no spills); 32 splits of 4 rows at D128 then merge
+    # in 2 steps instead of 4 (each an L2 round trip on the call's critical path).
+    merge_elements: int = 8192
 
 
 # Split programs per SM the split count aims for when the (batch, kv head) programs are few. A

@@ -18,7 +18,6 @@ from .shape import MAX_ROWS as _MAX_ROWS
 Launch = tuple   # (kernel, args, kwargs, grid)
 
 _MAX_SEQ = 1 << 23    # generated mods turn indices into floats exactly below 2**23 (mod_helpers)
-_MERGE_ELEMENTS = 4096  # partial values the last split loads per merge step (32 a thread at 4 warps)
 
 
 def _fail(what: str, fix: str) -> None:
@@ -214,7 +213,7 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
         # float32 inputs follow torch's matmul precision ("highest" = IEEE), as the forward does
         DOT_PRECISION="tf32" if torch.get_float32_matmul_precision() != "highest" else "ieee",
         MERGE_ROWS=merge_rows,
-        MERGE_SPLITS=max(1, min(triton.next_power_of_2(num_splits), _MERGE_ELEMENTS // (merge_rows * block_dv))))
+        MERGE_SPLITS=max(1, min(triton.next_power_of_2(num_splits), cfg.merge_elements // (merge_rows * block_dv))))
     kwargs = dict(SCORE_MOD=score_mod, MASK_MOD=mask_mod, TILE=tile,
                   CACHE=CacheLayout(PAGED=block_table is not None, PAGE_SIZE=page or block_n),
                   SITE=DecodeSite(GQA_GROUP=group, HEADS=heads, Q_POS=q_pos, HAS_SEQ_LENS=seq_lens is not None,
