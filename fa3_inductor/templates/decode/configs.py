@@ -50,6 +50,11 @@ TAIL_WAVES = 2
 # A split streams at least this many tiles: fewer make the combine's traffic and each program's
 # fixed cost (Q load, epilogue) a visible share.
 MIN_TILES_PER_SPLIT = 4
+# A paged split: at least this many. Its program's start costs more (page lookups before the first
+# tile) and its two-per-SM split counts are twice as many partials for the last split to merge: 1 x 8k
+# GQA 32/8 ran 1.26x the contiguous time at 32 splits against 1.10x at 16
+# (benchmarks/results/decode-tiles-nvidia-h200-2026-11-29-0221, pages of 64).
+PAGED_MIN_TILES_PER_SPLIT = 8
 # Upper bound on the split count (the scratch is S x rows x DV fp32 per (batch, kv head)).
 MAX_SPLITS = 128
 # SM count the interpreter plans with: small, so that the default path splits on tiny shapes too.
@@ -113,7 +118,8 @@ def choose_num_splits(batch: int, kv_heads: int, max_len: int, block_n: int,
 
     Few programs (fewer than ``PROGRAMS_PER_SM`` per SM, ``PAGED_PROGRAMS_PER_SM`` for a paged
     cache): split so that the grid holds that many per SM, rounded down, each split at least
-    ``MIN_TILES_PER_SPLIT`` tiles of the longest cache, at most ``MAX_SPLITS``. More programs than
+    ``MIN_TILES_PER_SPLIT`` tiles of the longest cache (``PAGED_MIN_TILES_PER_SPLIT`` paged), at most
+    ``MAX_SPLITS``. More programs than
     the SMs hold at once (``resident`` per SM) but fewer than ``TAIL_WAVES`` waves of them (the tail
     rule): the split count of 1 to 4 whose last wave is fullest, so that the second wave is not a
     tail of a few programs on idle SMs (B=64 x 8 kv heads: 512 programs over 396 resident, 1.3
@@ -131,7 +137,7 @@ def choose_num_splits(batch: int, kv_heads: int, max_len: int, block_n: int,
         1
     """
     programs = max(batch * kv_heads, 1)
-    by_len = max(1, max_len // (MIN_TILES_PER_SPLIT * block_n))
+    by_len = max(1, max_len // ((PAGED_MIN_TILES_PER_SPLIT if paged else MIN_TILES_PER_SPLIT) * block_n))
     slots = resident * num_sms
     per_sm = PAGED_PROGRAMS_PER_SM if paged else PROGRAMS_PER_SM
     if few_programs(batch, kv_heads, num_sms, paged):
