@@ -53,7 +53,9 @@ MIN_TILES_PER_SPLIT = 4
 # A paged split: at least this many. Its program's start costs more (page lookups before the first
 # tile) and its two-per-SM split counts are twice as many partials for the last split to merge: 1 x 8k
 # GQA 32/8 ran 1.26x the contiguous time at 32 splits against 1.10x at 16
-# (benchmarks/results/decode-tiles-nvidia-h200-2026-11-29-0221, pages of 64).
+# (benchmarks/results/decode-tiles-nvidia-h200-2026-11-29-0221, pages of 64). Never fewer splits than a
+# contiguous cache gets, though: 1 x 4k fell to 8 splits (64 programs on 132 SMs) and ran 1.43x
+# (serving-nvidia-h200-2026-11-29-0229).
 PAGED_MIN_TILES_PER_SPLIT = 8
 # Upper bound on the split count (the scratch is S x rows x DV fp32 per (batch, kv head)).
 MAX_SPLITS = 128
@@ -141,7 +143,10 @@ def choose_num_splits(batch: int, kv_heads: int, max_len: int, block_n: int,
     slots = resident * num_sms
     per_sm = PAGED_PROGRAMS_PER_SM if paged else PROGRAMS_PER_SM
     if few_programs(batch, kv_heads, num_sms, paged):
-        return max(1, min((per_sm * num_sms) // programs, by_len, MAX_SPLITS))
+        splits = max(1, min((per_sm * num_sms) // programs, by_len, MAX_SPLITS))
+        if paged:   # at least the contiguous cache's count
+            splits = max(splits, choose_num_splits(batch, kv_heads, max_len, block_n, num_sms, resident))
+        return splits
     if slots < programs < TAIL_WAVES * slots:
         def fullness(s: int) -> float:   # the last wave's share of busy slots
             waves = programs * s / slots
