@@ -135,3 +135,27 @@ def test_flex_in_a_reduce_overhead_compile_of_stock_inductor(kv_len):
         out = step(q, k, v)
         assert_matches_reference(out, reference_attention(q, k, v)[0], torch.bfloat16)
     assert fa3_inductor.lowered_sites()[-1]["template"] == "decode"
+
+
+def test_flex_decode_calls_after_the_first_skip_the_family_walk(monkeypatch):
+    """After the first flex() call of a launch signature, the decode family's recording is
+    re-launched: through the call memo (same mod object, new tensors) and through the op (a new
+    mod object each call: the memo misses, the op's key hits). Neither plans or walks the
+    families again (both are made to fail), and each result matches float64."""
+    from fa3_inductor.templates.decode import family as decode_family
+
+    q, k, v = _randn(4, 32, 1, 128), _randn(4, 8, 4096, 128), _randn(4, 8, 4096, 128)
+    fa3_inductor.flex(q, k, v, enable_gqa=True, score_mod=mods.softcap(30.0))
+    assert fa3_inductor.last_template() == "decode"
+
+    def planned_again(*args, **kwargs):
+        raise AssertionError("the decode family was walked or planned again")
+    monkeypatch.setattr(decode_family.DecodeFamily, "launch", planned_again)
+    monkeypatch.setattr(decode_family.DecodeFamily, "_plan", planned_again)
+    memo_mod = mods.softcap(30.0)
+    for fresh_mod in (False, True, False, True):
+        q, k, v = _randn(*q.shape), _randn(*k.shape), _randn(*v.shape)
+        out = fa3_inductor.flex(q, k, v, enable_gqa=True,
+                                score_mod=mods.softcap(30.0) if fresh_mod else memo_mod)
+        assert fa3_inductor.last_template() == "decode"
+        assert_matches_reference(out, reference_attention(q, k, v, mods.softcap(30.0))[0], torch.bfloat16)

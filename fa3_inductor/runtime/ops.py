@@ -8,7 +8,10 @@ source inside the ``spec`` string, so a graph served from Inductor's cache rebui
 The op walks the site's candidate families (SiteSpec.families, from the plan) and runs the call on
 the first that serves it (templates/family.py): a family may refuse a call's layout (NotServed), or
 fail to build its kernel (recorded in kernel_failures.py); torch's dense kernel, last, always serves.
-On CUDA the choice is made once per launch signature: later calls re-launch it (fast_launch.py).
+On CUDA the choice is made once per launch signature: later calls re-launch it (fast_launch.py),
+or, for a family that computes a call itself (``prepare`` gives None: the decode family's launch
+with per-call scratch), through the re-launcher it gives (``relauncher(call)``, kept in
+``_RELAUNCH`` by the same key).
 """
 
 from __future__ import annotations
@@ -24,13 +27,27 @@ from ..templates.family import Call
 from ..templates.modgen import ModInfo
 from ..templates.registry import family as family_named
 from . import backward_cpu  # noqa: F401  (defines fa3_inductor::flex_bwd beside flex_fwd)
-from .fast_launch import launch_cached, recorded, relaunch, tensor_signature
+from .fast_launch import launch_cached, on_clear, recorded, relaunch, tensor_signature
 from .family_walk import first_serving
 from .sinks import check_sinks
 from .spec import SiteSpec
 from .variants import start_variants
 
 _state = threading.local()
+
+# launch key -> (re-launch(inputs), family name): families that launch a call themselves
+_RELAUNCH: dict[tuple, tuple[Callable[[tuple], None], str]] = {}
+_MAX_RELAUNCH = 256
+on_clear(_RELAUNCH.clear)
+
+
+def _relaunched(key: tuple, inputs: tuple) -> Optional[str]:
+    """Re-launch a self-launching family's call recorded under ``key``; its name, or None."""
+    hit = _RELAUNCH.get(key)
+    if hit is None:
+        return None
+    hit[0](inputs)
+    return hit[1]
 
 
 def last_template() -> Optional[str]:
@@ -142,6 +159,10 @@ def flex_fwd(
         if entry is not None:
             record_template(relaunch(entry, inputs))
             return out, lse, max_scores
+        name = _relaunched(key, inputs)
+        if name is not None:
+            record_template(name)
+            return out, lse, max_scores
     call = Call(q, k, v, out, lse, max_scores, tables, tuple(score_bufs), tuple(mask_bufs), scale,
                 sparse_q_block, sparse_kv_block, site.needs_max, sinks=sinks)
     record_template(_serve(site, call, key, inputs))
@@ -169,6 +190,12 @@ def _serve(site: SiteSpec, call: Call, key: Optional[tuple], inputs: Optional[tu
         variants = family.prepare(mine)
         if variants is None:       # the family computes the call itself
             family.launch(mine)
+            bind = getattr(family, "relauncher", None)
+            again = bind(mine) if key is not None and bind is not None else None
+            if again is not None:
+                if len(_RELAUNCH) >= _MAX_RELAUNCH:
+                    _RELAUNCH.clear()
+                _RELAUNCH[key] = (again, family.name)
         elif key is None:          # no launch cache off CUDA
             kernel, args, kwargs, grid = start_variants(variants, call.q.device)
             kernel[grid](*args, **kwargs)
@@ -210,7 +237,7 @@ def serve(site: SiteSpec, call: Call, spec: str) -> str:
     entry = recorded(key)
     if entry is not None:
         return relaunch(entry, inputs)
-    return _serve(site, call, key, inputs)
+    return _relaunched(key, inputs) or _serve(site, call, key, inputs)
 
 
 def _launch_key(spec: str, scale: float, sparse_q_block: int, sparse_kv_block: int, n_score_bufs: int,
@@ -243,18 +270,22 @@ def bound_launch(q: Tensor, k: Tensor, v: Tensor, tables: tuple, score_bufs: lis
     row_max = torch.empty_like(lse)
     probe_out = _out_like(q, v)
     probe = (q, k, v, probe_out, lse, row_max, *tables, *score_bufs, *mask_bufs)
-    entry = recorded(_launch_key(spec, scale, sparse_q_block, sparse_kv_block, len(score_bufs), probe))
-    if entry is None:
+    key = _launch_key(spec, scale, sparse_q_block, sparse_kv_block, len(score_bufs), probe)
+    entry = recorded(key)
+    if entry is not None:
+        tag, fire = entry.tag, (lambda inputs: relaunch(entry, inputs))
+    elif key in _RELAUNCH:   # a family that launches itself (the decode family)
+        fire, tag = _RELAUNCH[key]
+    else:
         return None
     rest = (*tables, *score_bufs, *mask_bufs)
-    tag = entry.tag
     # the output is then empty_like(q) (_out_like), unless q's layout is not descriptor-ready
     plain = v.shape[3] == q.shape[3] and probe_out.stride() == torch.empty_like(q).stride()
 
     def launch(q: Tensor, k: Tensor, v: Tensor, want_lse: bool) -> tuple[Tensor, Optional[Tensor]]:
         out = torch.empty_like(q) if plain else _out_like(q, v)
         lse_out = torch.empty_like(lse) if want_lse else lse
-        relaunch(entry, (q, k, v, out, lse_out, row_max, *rest))
+        fire((q, k, v, out, lse_out, row_max, *rest))
         _state.template = tag
         return out, lse_out if want_lse else None
 

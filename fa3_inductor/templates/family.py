@@ -14,6 +14,9 @@ preference order:
   those ahead), or ``None`` when the family computes the call itself in ``launch(call)``. It raises
   :class:`NotServed` when this call's tensors do not fit (a stride, an alignment, a block size).
 - ``launch(call)``: compute the call in place, for families whose ``prepare`` gave ``None``.
+- ``relauncher(call)`` (optional, with ``launch``): after ``launch(call)`` on CUDA, a function of
+  the op's inputs that re-launches the same work for a later call of the same launch key (the
+  runtime keeps it by that key, as it keeps ``prepare``'s launches), or ``None``.
 
 The runtime walks a site's candidate families in order and takes the first that serves the call,
 so the choice is made in one place, once per launch signature (runtime/fast_launch.py caches it).

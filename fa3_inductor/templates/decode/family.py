@@ -12,12 +12,14 @@ under GQA, several query blocks) are refused per call (NotServed) and the next f
 One launch per call (the split kernel; its last split per program row merges the splits), but
 with per-call scratch (the partials, the stream's arrival counters) that the op's launch cache
 (runtime/fast_launch.py, through ``prepare``) does not allocate: ``prepare`` returns None and
-``launch`` records the launch per launch signature itself (launch_cache.py).
+``launch`` records the launch per launch signature itself (launch_cache.py). ``relauncher`` hands
+the op that recording, so a later call of the same launch key skips the family walk and the
+planning (runtime/ops.py; flex()'s call memo too, direct.py).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -25,7 +27,7 @@ from ..._log import info_once
 from ...runtime.fast_launch import tensor_signature
 from ..family import NOT_MEANT_HERE, Call, NotServed, SiteFacts, Variants
 from .host import prepare_decode
-from .launch_cache import launch_decode
+from .launch_cache import launch_decode, recorded_decode
 from .shape import MAX_ROWS, decode_fit
 
 # Input dtypes the CPU interpreter cannot compute a dot in (computed in float32 instead).
@@ -89,9 +91,34 @@ class DecodeFamily:
             self._interpret(call, q, k, v, out)
             return
         inputs = (q, k, v, out, call.lse, *call.tables, *call.score_bufs, *call.mask_bufs)
-        key = ("family", call.score_source, call.mask_source, call.scale, call.sparse_q_block,
-               call.sparse_kv_block, torch.get_float32_matmul_precision(), tensor_signature(inputs))
-        launch_decode(key, inputs, lambda: self._plan(call, q, k, v, out), self.name)
+        launch_decode(self._key(call, inputs), inputs, lambda: self._plan(call, q, k, v, out), self.name)
+
+    def relauncher(self, call: Call) -> Optional[Callable[[tuple], None]]:
+        """After ``launch(call)`` on CUDA: ``run(inputs)`` re-launching it for the op's inputs of a
+        later call with the same launch key (q, k, v, out, lse, max_scores, tables, buffers: same
+        shapes, strides, dtypes, alignment), without planning; None if nothing was recorded."""
+        if not call.q.is_cuda:
+            return None
+        q, k, v = call.q, call.k, call.v
+        expand = k.shape[0] != q.shape[0]
+        if expand:
+            k, v = k.expand(q.shape[0], *k.shape[1:]), v.expand(q.shape[0], *v.shape[1:])
+        again = recorded_decode(self._key(call, (q, k, v, call.out, call.lse, *call.tables,
+                                                 *call.score_bufs, *call.mask_bufs)))
+        if again is None:
+            return None
+
+        def run(inputs: tuple) -> None:
+            q, k, v, out, lse, _max_scores, *rest = inputs
+            if expand:   # a batch-1 cache shared by the batch: a stride-0 view, as launch() makes
+                k, v = k.expand(q.shape[0], *k.shape[1:]), v.expand(q.shape[0], *v.shape[1:])
+            again((q, k, v, out, lse, *rest))
+        return run
+
+    @staticmethod
+    def _key(call: Call, inputs: tuple) -> tuple:
+        return ("family", call.score_source, call.mask_source, call.scale, call.sparse_q_block,
+                call.sparse_kv_block, torch.get_float32_matmul_precision(), tensor_signature(inputs))
 
     def _plan(self, call: Call, q, k, v, out) -> list:
         options = call.kernel_options(self.dialect)

@@ -39,20 +39,10 @@ def launch_decode(key: Hashable, inputs: Sequence[Optional[torch.Tensor]], plan:
         >>> launch_decode(("site", tensor_signature(inputs)), inputs,
         ...               lambda: prepare_decode(q, k, v, out, lse, sm_scale=0.125), "decode")  # doctest: +SKIP
     """
-    hit = _RECORDED.get(key)
-    if hit is not None:
-        entries = [recorded(k) for k in hit[0]]
-        if all(e is not None for e in entries):
-            if not hit[1]:
-                scratch = ()   # one split: no scratch
-            elif scratch is None:
-                device = inputs[0].device
-                scratch = (*(torch.empty(s, dtype=torch.float32, device=device) for s in hit[1]),
-                           arrival_counters(device, hit[2]))
-            full = (*inputs, *scratch)
-            for entry in entries:
-                relaunch(entry, full)
-            return
+    again = recorded_decode(key)
+    if again is not None:
+        again(inputs, scratch)
+        return
     launches = plan()
     kernel, split_args, kwargs, grid = launches[0]
     split = grid[0] > 1
@@ -69,3 +59,33 @@ def launch_decode(key: Hashable, inputs: Sequence[Optional[torch.Tensor]], plan:
     if len(_RECORDED) >= _MAX_KEYS:
         _RECORDED.clear()
     _RECORDED[key] = (tuple(keys), tuple(tuple(t.shape) for t in scratch[:2]), grid[1] if split else 0)
+
+
+def recorded_decode(key: Hashable) -> Optional[Callable[[Sequence, Optional[tuple]], None]]:
+    """The launch :func:`launch_decode` recorded under ``key``, as ``run(inputs, scratch=None)``
+    (``inputs`` as launch_decode takes them, of the recorded signature; ``scratch`` the caller's or
+    fresh partials and the stream's counters), or None if nothing is recorded.
+
+    Example::
+
+        >>> again = recorded_decode(key); again(inputs)   # doctest: +SKIP
+    """
+    hit = _RECORDED.get(key)
+    if hit is None:
+        return None
+    entries = [recorded(k) for k in hit[0]]
+    if any(e is None for e in entries):
+        return None
+    shapes, programs = hit[1], hit[2]
+
+    def run(inputs: Sequence, scratch: Optional[tuple] = None) -> None:
+        if not shapes:
+            scratch = ()   # one split: no scratch
+        elif scratch is None:
+            device = inputs[0].device
+            scratch = (*(torch.empty(s, dtype=torch.float32, device=device) for s in shapes),
+                       arrival_counters(device, programs))
+        full = (*inputs, *scratch)
+        for entry in entries:
+            relaunch(entry, full)
+    return run
