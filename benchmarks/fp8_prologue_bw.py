@@ -4,7 +4,9 @@ the same byte count (templates/fp8_prologue/; target: >= 70% of copy, docs/desig
 
 Shapes: B = 16384 / N, Hq 16, Hkv 16 and 4 (GQA), D 64 and 128, N 4096 and 16384, bf16; recipes:
 plain (Hadamard), + RoPE (transformers' "half" style, bf16 tables as transformers builds them),
-+ RoPE "interleaved" (Meta's pairs), + smooth_k (K's mean over a 256-token sample), RoPE + smooth_k. Bytes moved = what the method must move: Q, K, V read once (bf16), Q8, K8, Vᵀ8
++ RoPE "interleaved" (Meta's pairs), + RoPE "half" with float32 tables (rope-f32:
+RopeSpec.from_theta's; host.tuned_launch takes another launch for them at D128), + smooth_k (K's
+mean over a 256-token sample), RoPE + smooth_k. Bytes moved = what the method must move: Q, K, V read once (bf16), Q8, K8, Vᵀ8
 and the scales written once; RoPE tables and smooth_k's second read of K are not counted (they are
 the cost of the method, not of the bytes; smooth_k's pre-pass reads 256 rows per head). The copy is ``dst.copy_(src)`` of half that many bytes
 (read + write = the same total). Times are ``triton.testing.do_bench`` medians (CUDA events, L2
@@ -14,8 +16,9 @@ work is timed.
 Options:
 - ``--sweep``: also times the candidate launch parameters (``host.PrologueTuning``: warps, pipeline
   stages, persistent or one program per group, register cap) on the Hkv 16 shapes of the last
-  ``--seqlens`` entry (plain and RoPE "half": the main launch is the same kernel with smoothing
-  or interleaved pairs), checks each gives the default's bytes, and prints the best per shape
+  ``--seqlens`` entry (plain, RoPE "half" and rope-f32: the main launch is the same kernel with
+  smoothing or interleaved pairs), checks each gives the default's bytes, and prints the best per
+  shape
   (``host.tuned_launch``'s table takes the winners);
 - ``--against PATH``: times the prologue of another tree (``fa3_inductor`` imported from PATH in a
   subprocess running this file) on the same shapes: old vs new in one run. Make the old tree with
@@ -40,7 +43,8 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENS, HQ = 16384, 16
-RECIPES = ("plain", "rope", "rope-il", "smooth", "rope+smooth")
+RECIPES = ("plain", "rope", "rope-il", "rope-f32", "smooth", "rope+smooth")
+SWEPT = ("plain", "rope", "rope-f32")
 
 
 def _import_tree(root: str):
@@ -86,8 +90,9 @@ def _inputs(c: dict):
     rope = None
     if "rope" in c["recipe"]:
         style = "interleaved" if c["recipe"] == "rope-il" else "half"
-        r = RopeSpec.from_theta(c["D"], c["N"], device="cuda", style=style)
-        rope = RopeSpec(r.cos.to(torch.bfloat16), r.sin.to(torch.bfloat16), r.style)
+        rope = RopeSpec.from_theta(c["D"], c["N"], device="cuda", style=style)
+        if c["recipe"] != "rope-f32":
+            rope = RopeSpec(rope.cos.to(torch.bfloat16), rope.sin.to(torch.bfloat16), rope.style)
     return q, k, v, recipe, rope
 
 
@@ -152,13 +157,23 @@ def sweep_candidates() -> list:
     out += [PrologueTuning(num_warps=4, num_stages=2, programs_per_sm=0),
             PrologueTuning(num_warps=8, num_stages=1, maxnreg=128),
             PrologueTuning(num_warps=4, num_stages=2, maxnreg=168)]   # D64 RoPE: 3 programs an SM
+    # D128 RoPE (sm90 SASS, docs/design/fp8_prologue.md, 2026-11-29): host.rope_select puts RoPE's
+    # select in w8 s1 maxnreg=128 (spills 48 -> 4 "half", +6% instructions) and in w4 s1 (108 -> 0,
+    # 255 registers, two programs an SM); these time them without it, as the earlier sweeps ran.
+    # w8 s2 maxnreg=128 prefetches without spills (the select) but holds one program an SM (160 KB
+    # of shared memory), as w8 s2 does (186 registers, fewer instructions).
+    out += [PrologueTuning(num_warps=8, num_stages=1, maxnreg=128, rope_select=False),
+            PrologueTuning(num_warps=4, num_stages=1, rope_select=False),
+            PrologueTuning(num_warps=8, num_stages=2, maxnreg=128)]
     return out
 
 
 def _tuning_text(t) -> str:
     per_sm = {None: "fit", 0: "grid"}.get(t.programs_per_sm, str(t.programs_per_sm))
+    select = getattr(t, "rope_select", None)
     return (f"w{t.num_warps} s{t.num_stages} per_sm={per_sm}"
-            + (f" maxnreg={t.maxnreg}" if t.maxnreg else ""))
+            + (f" maxnreg={t.maxnreg}" if t.maxnreg else "")
+            + ("" if select is None else f" select={'on' if select else 'off'}"))
 
 
 def run_worker(root: str, cases: list[dict], out_json: str) -> None:
@@ -244,12 +259,14 @@ def main() -> None:
     sweep = []
     if args.sweep:
         for c in cases:
-            if (c["Hkv"] != HQ or c["recipe"] not in ("plain", "rope")
+            if (c["Hkv"] != HQ or c["recipe"] not in SWEPT
                     or c["N"] != cases[-1]["N"]):
                 continue      # the same kernel with smoothing or interleaved pairs; GQA: fewer K/V groups
             base = None
             nbytes = _bytes_moved(c)
             for t in sweep_candidates():
+                if t.rope_select is not None and "rope" not in c["recipe"]:
+                    continue      # the select is RoPE's: the same launch as without it
                 entry = dict(key=_key(c), tuning=dataclasses.asdict(t), tuning_text=_tuning_text(t))
                 try:
                     ms, ops = _prologue_ms(c, t)

@@ -377,6 +377,68 @@ def test_smoothing_is_deterministic(cpu_kernels):
     assert torch.equal(a.k_mean, b.k_mean)
 
 
+def _launch_rot(q, k, v, recipe, rope, tuning=host.DEFAULT_TUNING):
+    """The main launch's Rotation and launch keywords as prepare_prologue builds them."""
+    kwargs = host.prepare_prologue(q, k, v, recipe, rope, tuning=tuning).launches[-1][2]
+    return kwargs["ROT"], kwargs
+
+
+def test_rope_select_and_the_launch_follow_the_rule():
+    """RoPE's select (kernel.Rotation.ROPE_SELECT) is the host's per-launch choice: on where the
+    launch's registers are short for the tile (D128's 8 warps at 128 registers: 2 a value), off
+    where they are not (D64's 168 for 64 values, D128 uncapped), never without RoPE; float32 tables
+    take their own D128 launch (two uncapped stages, host._TUNED_F32_TABLES), and PrologueTuning
+    can override the select for the sweep."""
+    assert host.rope_select(True, 128, 128, num_warps=8, maxnreg=128)
+    assert host.rope_select(True, 128, 128, num_warps=4, maxnreg=None)
+    assert not host.rope_select(True, 128, 128, num_warps=8, maxnreg=None)
+    assert not host.rope_select(True, 128, 128, num_warps=8, maxnreg=168)
+    assert not host.rope_select(True, 128, 64, num_warps=4, maxnreg=168)
+    assert not host.rope_select(False, 128, 128, num_warps=8, maxnreg=128)
+    assert host.tuned_launch(128, True) == (8, 1, 128)
+    assert host.tuned_launch(128, True, table_bytes=4) == (8, 2, None)
+    assert host.tuned_launch(64, True, table_bytes=4) == host.tuned_launch(64, True)
+    assert host.tuned_launch(128, False, table_bytes=4) == host.tuned_launch(128, False)
+
+    q, k, v = _inputs(1, 2, 1, 128, 128, 128)
+    f32 = RopeSpec.from_theta(128, 128)
+    bf16 = RopeSpec(f32.cos.to(torch.bfloat16), f32.sin.to(torch.bfloat16))
+    rot, kw = _launch_rot(q, k, v, FP8Recipe(), bf16)
+    assert rot.ROPE_SELECT and (kw["num_warps"], kw["num_stages"], kw["maxnreg"]) == (8, 1, 128)
+    rot, kw = _launch_rot(q, k, v, FP8Recipe(), f32)
+    assert not rot.ROPE_SELECT and (kw["num_warps"], kw["num_stages"]) == (8, 2)
+    assert "maxnreg" not in kw
+    assert not _launch_rot(q, k, v, FP8Recipe(), None)[0].ROPE_SELECT
+    off = host.PrologueTuning(rope_select=False)
+    assert not _launch_rot(q, k, v, FP8Recipe(), bf16, off)[0].ROPE_SELECT
+    assert _launch_rot(q, k, v, FP8Recipe(), bf16, host.PrologueTuning(num_warps=4))[0].ROPE_SELECT
+    q64, k64, v64 = _inputs(1, 2, 1, 128, 128, 64)
+    assert not _launch_rot(q64, k64, v64, FP8Recipe(), RopeSpec.from_theta(64, 128))[0].ROPE_SELECT
+
+
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+def test_rope_select_leaves_the_operands_alone(cpu_kernels, style):
+    """The select is a layout choice, not math: 64-row tiles (where the launch decides it) give the
+    same operands with it and without, ragged rows included, and both match the reference."""
+    q, k, v = _inputs(1, 2, 1, 100, 90, 64, seed=6)
+    recipe, rope = FP8Recipe(block_m=64, block_n=64), RopeSpec.from_theta(64, 128, style=style)
+    on, off = (host.finish(_run(q, k, v, recipe, rope, host.PrologueTuning(rope_select=sel)))
+               for sel in (True, False))
+    for name in ("q", "k", "vt"):
+        assert torch.equal(getattr(on, name).view(torch.uint8),
+                           getattr(off, name).view(torch.uint8)), name
+    assert torch.equal(on.q_scale, off.q_scale) and torch.equal(on.k_scale, off.k_scale)
+    assert_matches_reference(on, q, k, v, recipe, rope)
+
+
+def _run(q, k, v, recipe, rope, tuning):
+    """quantize's launches with a PrologueTuning (before finish)."""
+    launch = host.prepare_prologue(q, k, v, recipe, rope, tuning=tuning)
+    for kernel, args, kwargs, grid in launch.launches:
+        kernel[grid](*args, **kwargs)
+    return launch.operands
+
+
 # ---- the reference's own math -------------------------------------------------------------
 
 @pytest.mark.parametrize("D,R,style", [(64, 64, "half"), (96, 96, "interleaved"),
@@ -478,30 +540,38 @@ def test_bad_inputs_raise_clear_errors(bad, error, match):
 
 # ---- sm90 compile (no GPU) ----------------------------------------------------------------
 
-# Known since 62c8cdb (the prologue's input-dtype Hadamard dot and 16-byte interleaved loads, faster on
-# an H100 without RoPE: 85-90% of copy, was 66-80%): RoPE at D128 runs the launch its sweep measured
-# fastest, one stage of 8 warps capped at 128 registers (two programs an SM; host._TUNED): no cp.async,
-# and it spills (float32 tables, as here: 464-608 bytes of stack since RoPE is rounded to the input
-# dtype, 2026-11-29, 112-256 before; bf16 tables as models pass them: 48-64). Uncapped, 2 stages, it
-# does not spill (186 registers). RoPE runs at 44-63% of copy (issue 18). Strict: a launch that passes
-# makes these pass and the marks must go.
+# Known since 62c8cdb (the prologue's input-dtype Hadamard dot and 16-byte interleaved loads, faster
+# on an H100 without RoPE: 85-90% of copy, was 66-80%): RoPE at D128 with bf16 tables (as models
+# pass them) runs the launch its sweep measured fastest, one stage of 8 warps capped at 128
+# registers (two programs an SM; host._TUNED): no cp.async. No 2-stage launch holds two programs an
+# SM there (136-160 KB of shared memory, 2026-11-29). RoPE runs at 40-63% of copy (issue 18).
+# Strict: a launch that passes makes these pass and the marks must go. (Float32 tables take two
+# uncapped stages since 2026-11-29, host._TUNED_F32_TABLES: those cases pass.)
 _ROPE_D128_REGRESSION = pytest.mark.xfail(
-    strict=True, reason="RoPE prologue at D128: its tuned launch (1 stage, 128 registers) spills "
-                        "and has no cp.async")
+    strict=True, reason="RoPE prologue at D128, bf16 tables: its tuned launch (1 stage, 128 "
+                        "registers) has no cp.async")
+
+
+def _d128_rope_inputs(style, tables, heads=(8, 2), D=128):
+    """bf16 Q, K, V and RoPE tables of dtype `tables` (None: no RoPE)."""
+    q = torch.randn(2, heads[0], 1024, D, dtype=torch.bfloat16)
+    k = v = torch.randn(2, heads[1], 1024, D, dtype=torch.bfloat16)
+    rope = RopeSpec.from_theta(D, 1024, style=style) if tables is not None else None
+    if rope is not None and tables != torch.float32:
+        rope = RopeSpec(rope.cos.to(tables), rope.sin.to(tables), style)
+    return q, k, v, rope
 
 
 @pytest.mark.sm90_compile
-@pytest.mark.parametrize("style", [pytest.param("half", marks=_ROPE_D128_REGRESSION),
-                                   pytest.param("interleaved", marks=_ROPE_D128_REGRESSION)])
+@pytest.mark.parametrize("style", ["half", "interleaved"])
 def test_compiles_for_sm90_without_spills(style):
-    """D=128 bf16 with RoPE and smoothing: both launches compile for sm90 without register
-    spills (the reduction pass holds 4 table parts: host.py gives it 8 warps with RoPE), the
-    Hadamard runs on wgmma, the e4m3 casts are the hardware's rounding ones."""
+    """D=128 bf16 with RoPE (float32 tables, RopeSpec.from_theta's) and smoothing: both launches
+    compile for sm90 without register spills (the reduction pass holds 4 table parts: host.py gives
+    it 8 warps with RoPE; the main launch is float32 tables' two uncapped stages), the Hadamard runs
+    on wgmma, the e4m3 casts are the hardware's rounding ones."""
     from fa3_inductor.templates.aot import sass_report
 
-    q = torch.randn(2, 8, 1024, 128, dtype=torch.bfloat16)
-    k = v = torch.randn(2, 2, 1024, 128, dtype=torch.bfloat16)
-    rope = RopeSpec.from_theta(128, 1024, style=style)
+    q, k, v, rope = _d128_rope_inputs(style, torch.float32)
     sums, main = host.compile_prologue(q, k, v, FP8Recipe(smooth_k=True), rope)
     for name, ck in (("k_sums_kernel", sums), ("prologue_kernel", main)):
         r = sass_report(ck)
@@ -514,10 +584,12 @@ def test_compiles_for_sm90_without_spills(style):
 
 
 @pytest.mark.sm90_compile
-@pytest.mark.parametrize("D,rope", [(128, ""), pytest.param(128, "half", marks=_ROPE_D128_REGRESSION),
-                                    (64, "half"),
-                                    pytest.param(128, "interleaved", marks=_ROPE_D128_REGRESSION)])
-def test_sm90_memory_instructions_are_wide_and_pipelined(D, rope):
+@pytest.mark.parametrize("D,rope,tables", [
+    (128, "", None), (128, "half", torch.float32), (128, "interleaved", torch.float32),
+    (64, "half", torch.bfloat16),
+    pytest.param(128, "half", torch.bfloat16, marks=_ROPE_D128_REGRESSION),
+    pytest.param(128, "interleaved", torch.bfloat16, marks=_ROPE_D128_REGRESSION)])
+def test_sm90_memory_instructions_are_wide_and_pipelined(D, rope, tables):
     """What bandwidth hangs on (docs/design/fp8_prologue.md): every global store is 16 bytes wide
     (the transposed Vᵀ store included: one byte per instruction before), bf16 tiles are loaded 16
     bytes at a time (interleaved RoPE too: its pairs are split in registers, not gathered 2 bytes
@@ -526,9 +598,7 @@ def test_sm90_memory_instructions_are_wide_and_pipelined(D, rope):
 
     from fa3_inductor.templates.aot import sass_report
 
-    q = torch.randn(2, 8, 1024, D, dtype=torch.bfloat16)
-    k = v = torch.randn(2, 8, 1024, D, dtype=torch.bfloat16)
-    r = RopeSpec.from_theta(D, 1024, style=rope) if rope else None
+    q, k, v, r = _d128_rope_inputs(rope or "half", tables, heads=(8, 8), D=D)
     (main,) = host.compile_prologue(q, k, v, FP8Recipe(), r)
     rep = sass_report(main)
     stores = re.findall(r"\bst\.global(?:\.\w+)*", rep.ptx)
@@ -540,6 +610,28 @@ def test_sm90_memory_instructions_are_wide_and_pipelined(D, rope):
     assert sizes and set(sizes) == {"0x10"}, f"cp.async sizes {set(sizes)}: 16 bytes each expected"
     assert "cp.async" in rep.ptx, "the persistent loops are not pipelined"
     assert rep.stack == 0 and rep.spill_instructions == 0, (rep.registers, rep.stack)
+
+
+@pytest.mark.sm90_compile
+@pytest.mark.parametrize("style,bound", [("half", 8), ("interleaved", 0)])
+def test_sm90_d128_rope_launch_takes_the_select_where_it_removes_spills(style, bound):
+    """D128 RoPE with bf16 tables, int8 Q / K: the tuned launch (8 warps, 1 stage, 128 registers)
+    takes RoPE's select by host.rope_select's rule, which keeps it at or under `bound` spill
+    instructions (4 "half", 0 "interleaved" on Triton 3.6; 48 / 44 without the select) for at most
+    10% more Q / K loop instructions (+6% "half", -3% "interleaved"), still two programs an SM."""
+    from fa3_inductor.templates.aot import sass_report
+
+    q, k, v, rope = _d128_rope_inputs(style, torch.bfloat16)
+    rot, kw = _launch_rot(q, k, v, FP8Recipe(), rope)
+    assert rot.ROPE_SELECT and (kw["num_warps"], kw["num_stages"], kw["maxnreg"]) == (8, 1, 128)
+    on, off = (sass_report(host.compile_prologue(q, k, v, FP8Recipe(), rope,
+                                                 tuning=host.PrologueTuning(rope_select=s))[0])
+               for s in (None, False))
+    assert on.spill_instructions <= bound < off.spill_instructions, (on.spill_instructions,
+                                                                     off.spill_instructions)
+    qk_loops = lambda r: max(len(body) for body in r.inner_loops()[:2])  # noqa: E731
+    assert qk_loops(on) <= 1.1 * qk_loops(off), (qk_loops(on), qk_loops(off))
+    assert on.registers <= 128 and on.shared + 1024 <= 233472 // 2, (on.registers, on.shared)
 
 
 @pytest.mark.sm90_compile

@@ -39,7 +39,10 @@ class PrologueTuning:
       within a program; None: :func:`tuned_launch`'s choice;
     - ``programs_per_sm``: persistent programs per SM; None: as many as fit at once (the compiled
       kernel's registers and shared memory); 0: one program per group (no loop);
-    - ``maxnreg``: a register cap per thread (None: the compiler's choice).
+    - ``maxnreg``: a register cap per thread (None: the compiler's choice);
+    - ``rope_select``: RoPE's select (kernel.Rotation.ROPE_SELECT) on or off at this launch; None:
+      :func:`rope_select`'s rule. The operands are the same either way; the sweep times both sides
+      where the rule's choice is close (spills against instructions).
 
     Example::
 
@@ -51,6 +54,7 @@ class PrologueTuning:
     num_stages: Optional[int] = None
     programs_per_sm: Optional[int] = None
     maxnreg: Optional[int] = None
+    rope_select: Optional[bool] = None
 
 
 DEFAULT_TUNING = PrologueTuning()
@@ -68,21 +72,69 @@ DEFAULT_TUNING = PrologueTuning()
 # hold 108 KB of shared memory: two programs an SM). D128 keeps the measured choice, whose spills
 # fell from 150 to 48 instructions; 4 warps, 2 stages still spill (26), and 8 uncapped warps (186
 # registers, no spills) hold one program an SM.
+# D128 with RoPE runs RoPE's select there (rope_select: 128 registers for 64 tile values a thread):
+# spill instructions 48 -> 4 ("half", +6% Q / K loop instructions) and 44 -> 0 ("interleaved", -3%).
 _TUNED = {(64, False): (4, 2, None), (64, True): (4, 2, 168), (128, False): (4, 2, None),
           (128, True): (8, 1, 128)}
+# RoPE tables of 4-byte values (float32: RopeSpec.from_theta's; models pass bf16), by head dim, from
+# sm90 SASS (2026-11-29), awaiting the sweep's rope-f32 rows: at D128 the launch above spills 288 /
+# 258 instructions ("half" / "interleaved") even with the select (444 / 602 without), its float32
+# table parts read from shared memory into the dot-operand layout; two uncapped stages of 8 warps
+# (the select off) do not spill (186 / 182 registers) and prefetch, with 1158 / 1130 Q / K loop
+# instructions against 1453 / 1438, but hold one program an SM (208 KB of shared memory). D64 keeps
+# its launch (no spills with float32 tables).
+_TUNED_F32_TABLES = {128: (8, 2, None)}
 
 
-def tuned_launch(head_dim: int, rope: bool) -> tuple[int, int, Optional[int]]:
+def tuned_launch(head_dim: int, rope: bool, table_bytes: int = 2) -> tuple[int, int, Optional[int]]:
     """(num_warps, num_stages, maxnreg) of ``prologue_kernel`` for the widest of the Q/K and V head
-    dims, with or without RoPE: the measured table above; 8 warps, 2 stages past 128 columns.
+    dims, with or without RoPE (``table_bytes``: bytes per RoPE table value): the measured table
+    above; 8 warps, 2 stages past 128 columns.
 
     Example::
 
         >>> tuned_launch(128, rope=True)
         (8, 1, 128)
+        >>> tuned_launch(128, rope=True, table_bytes=4)
+        (8, 2, None)
     """
     wide = max(64, triton.next_power_of_2(head_dim))
+    if rope and table_bytes > 2 and wide in _TUNED_F32_TABLES:
+        return _TUNED_F32_TABLES[wide]
     return _TUNED.get((wide, rope), (8, 2, None))
+
+
+# RoPE's select (kernel.Rotation.ROPE_SELECT) goes on below this many registers per tile value a
+# thread holds. sm90 SASS, Triton 3.6, D128 (8 warps: 64 values a thread, 4 warps: 128) and D64 (4
+# warps: 64), bf16 and float32 tables, 1 and 2 stages (docs/design/fp8_prologue.md, 2026-11-29):
+# at 2 (128 registers, 8 warps; 255, 4 warps) and below, the select removes all or most spills
+# (D128 8 warps, 1 stage: 48 -> 4 / 44 -> 0 with bf16 tables, 444 -> 288 / 602 -> 258 with
+# float32 ones; 2 stages: 20-68 -> 0); at 2.6 (168 registers for 64 values) and above neither
+# version spills with bf16 tables (2 instructions at most) and the select costs up to 12% more Q / K
+# loop instructions.
+SELECT_REGS_PER_VALUE = 2.5
+
+
+def rope_select(rope: bool, tile_rows: int, block_d: int, num_warps: int,
+                maxnreg: Optional[int]) -> bool:
+    """Whether RoPE's rounded parts pass a select before the Hadamard dots at a launch
+    (kernel.Rotation.ROPE_SELECT): where the launch leaves a thread fewer than
+    SELECT_REGS_PER_VALUE registers (the cap, else 255) per tile value it holds (tile_rows x
+    block_d over the threads). Triton moves the dot-operand layout conversion above elementwise
+    ops, so without the select RoPE runs in the wgmma operand layout, its inputs read from shared
+    memory straight into it: fewer instructions where registers suffice, spills where they are
+    short; the select keeps RoPE in the blocked layout. (Under 64 rows, head dims over 128, the
+    kernel applies it at every launch: mma.sync's operand layout holds each row on every warp.)
+
+    Example::
+
+        >>> rope_select(True, 128, 128, num_warps=8, maxnreg=128)    # D128's tuned launch
+        True
+        >>> rope_select(True, 128, 64, num_warps=4, maxnreg=168)     # D64's
+        False
+    """
+    values = tile_rows * block_d // (32 * num_warps)
+    return rope and (maxnreg or 255) < SELECT_REGS_PER_VALUE * values
 
 
 @dataclasses.dataclass
@@ -278,12 +330,20 @@ def prepare_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: 
     (qpos_t, stride_qpz), (kpos_t, stride_kpz) = pos_arg(qpos), pos_arg(kpos)
     interpret = _interpreting()
     rope_dim = cos.shape[-1] if rope is not None else 0
+    warps, stages, regs = tuned_launch(max(D, Dv), rope is not None,
+                                       cos.element_size() if rope is not None else 2)
+    num_warps = tuning.num_warps or warps
+    num_stages = tuning.num_stages or stages
+    maxnreg = tuning.maxnreg if tuning.num_warps or tuning.num_stages or tuning.maxnreg else regs
+    select = rope_select(rope is not None, max(tile_m, tile_n), block_d, num_warps, maxnreg)
+    if rope is not None and tuning.rope_select is not None:
+        select = tuning.rope_select
     rot = Rotation(HADAMARD=recipe.hadamard, HAD_SCALE=hadamard_block(D) ** -0.5,
                    ROPE=rope.style if rope is not None else "", ROPE_DIM=rope_dim,
                    HALF_BLOCK=_pow2(rope_dim // 2),
                    REST_BLOCK=_pow2(D - rope_dim) if D > rope_dim else 0,
                    Q_POS=qpos is not None, K_POS=kpos is not None,
-                   INTERPRETED=interpret)
+                   INTERPRETED=interpret, ROPE_SELECT=select)
     quant = Quantization(QK_INT8=recipe.qk == "int8", SMOOTH_K=recipe.smooth_k,
                          SMOOTH_CHUNKS=SMOOTH_CHUNKS, SMOOTH_ROWS=SMOOTH_ROWS,
                          ROUND_IN_FP32=interpret if round_in_fp32 is None else round_in_fp32)
@@ -301,10 +361,6 @@ def prepare_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: 
         k_mean=torch.empty(B, Hkv, D, dtype=torch.float32, device=dev) if recipe.smooth_k else None,
         recipe=recipe, n=N)
 
-    warps, stages, regs = tuned_launch(max(D, Dv), rope is not None)
-    num_warps = tuning.num_warps or warps
-    num_stages = tuning.num_stages or stages
-    maxnreg = tuning.maxnreg if tuning.num_warps or tuning.num_stages or tuning.maxnreg else regs
     # smooth_k's pre-pass reads S = min(N, 256) sampled rows per head (reference.smooth_sample),
     # SMOOTH_ROWS per program: a few percent of K's bytes, where a pass over all of K cost 15-30%
     # of the prologue (H100, fp8-prologue-bw-nvidia-h100-80gb-hbm3-2026-11-25-0026).

@@ -45,9 +45,15 @@ store the e4m3 tile transposed (16-byte vectors along tokens, _v_store).
 Compile-time parameters (one named bundle each; frozen dataclasses below, read as `SHAPE.TILE_M`):
     SHAPE  Tiles         D, DV, BLOCK_D, BLOCK_DV, TILE_M, TILE_N, Q_ONE_TILE, KV_ONE_TILE
     ROT    Rotation      HADAMARD, HAD_SCALE, ROPE, ROPE_DIM, HALF_BLOCK, REST_BLOCK, Q_POS, K_POS,
-                         INTERPRETED
+                         INTERPRETED, ROPE_SELECT
     QUANT  Quantization  QK_INT8, SMOOTH_K, SMOOTH_CHUNKS, SMOOTH_ROWS, ROUND_IN_FP32
 Lengths and program counts are `do_not_specialize`: one compile per kind of call, not per length.
+ROPE_SELECT is a layout choice per launch, not math (the operands are the same either way): RoPE's
+rounded parts pass a row-mask select before the Hadamard dots, which keeps RoPE in the blocked
+layout (Triton moves the dot-operand layout conversion above elementwise ops, not above a select).
+The host turns it on where the launch's registers are short for the tile (host.rope_select: it
+removes spills there) and leaves it off elsewhere (it costs up to 12% more instructions); under 64
+rows (mma.sync dots, head dims over 128) the kernel applies it at every launch.
 """
 
 from dataclasses import dataclass
@@ -91,6 +97,8 @@ class Rotation:
     INTERPRETED: bool   # Triton 3.6's interpreter, three of whose ops are wrong: its bf16 dots (the
                         # input-dtype dots run in fp32, "ieee"), its fma (two roundings: taken in
                         # float64) and its fp32 -> bf16 cast (truncates: rounded in fp32 first)
+    ROPE_SELECT: bool   # RoPE's rounded parts pass a row-mask select before the dots at 64 rows
+                        # and more too (under 64 always, _qk_tile): host.rope_select's rule
 
 
 @dataclass(frozen=True)
@@ -362,10 +370,12 @@ def _qk_tile(Xh, stride_x, rows, L, z, POS, stride_pz, COS, SIN, stride_tz, stri
                           stride_tp, P, HAS_POS, ROT, SHAPE)
     row_ok = (rows < L)[:, None]
     if ROT.HADAMARD:
-        if ROT.ROPE != "" and T < 64:
-            # Under 64 rows (head dims over 128) the dots are mma.sync, whose A layout holds each
-            # row on every warp; Triton moves the conversion to it above elementwise ops (all of
-            # RoPE, then done once per warp), not above a select: these keep it below.
+        if ROT.ROPE != "" and (T < 64 or ROT.ROPE_SELECT):
+            # Triton moves the conversion to the dots' A layout above elementwise ops (all of
+            # RoPE), not above a select: these keep RoPE in the blocked layout. Under 64 rows (head
+            # dims over 128, mma.sync) always: that A layout holds each row on every warp (RoPE
+            # done once per warp). At 64 rows and more (wgmma) where the launch's registers are
+            # short (ROT.ROPE_SELECT, host.rope_select): RoPE in the A layout spills there.
             a = tl.where(row_ok, a, 0.0)
             b = tl.where(row_ok, b, 0.0)
         y = _hadamard(a, b, r, had, T, ROT, SHAPE)
