@@ -567,7 +567,7 @@ def decode_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: C
 def splits_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: Clock, counts=SPLIT_COUNTS) -> dict:
     """flex_decode at every split count that gives each split a tile or more, the chosen count
     ("auto") and the copy in the same rounds; then the fixed cost: every length 0 at the chosen
-    count and at 1 split (the launches and the combine, no key read)."""
+    count and at 1 split (the launch, its programs' start and the last split's merge, no key read)."""
     from fa3_inductor import flex_decode
     from fa3_inductor.templates.decode.configs import decode_config
 
@@ -638,7 +638,7 @@ PAGED_STAGES_BEFORE = 3   # the paged split kernel's pipeline depth until 2026-1
 
 
 def _paged_with_stages(q, k_pages, v_pages, lens, table, stages: int) -> Callable:
-    """The paged split and combine kernels with the pipeline depth ``stages`` (configs.py's tiles
+    """The paged split kernel with the pipeline depth ``stages`` (configs.py's tiles
     otherwise), prepared once and re-launched: the A/B of the paged tiles in the same rounds."""
     import triton
 
@@ -839,8 +839,8 @@ def _decode_table(dec: list[dict]) -> list[str]:
 
 def _splits_table(rows: list[dict]) -> list[str]:
     lines = ["## split counts (flex_decode, num_splits forced; same rounds as the copy)", "",
-             "empty: every length 0, so no key is read: the launches' fixed cost (split kernel, and "
-             "the combine when splits > 1).", "",
+             "empty: every length 0, so no key is read: the launch's fixed cost (the split kernel and "
+             "its merge when splits > 1; a separate combine kernel before 2026-11-29).", "",
              "| B | new | cache | HQ/HKV | D | auto splits | auto ms | auto % copy | best splits | best ms | "
              "best % copy | auto/best | empty ms (auto / 1 split) | ms by split count |", "|" + "---|" * 14]
     for r in rows:
