@@ -83,10 +83,8 @@ class DecodeFamily:
         return None   # two launches: launch() records and re-launches them itself
 
     def launch(self, call: Call) -> None:
-        q, k, v, out = call.q, call.k, call.v, call.out
-        if k.shape[0] != q.shape[0]:   # a batch-1 cache shared by the batch: a stride-0 view
-            k = k.expand(q.shape[0], *k.shape[1:])
-            v = v.expand(q.shape[0], *v.shape[1:])
+        q, out = call.q, call.out
+        k, v = _batch_views(q, call.k, call.v)
         if not q.is_cuda:
             self._interpret(call, q, k, v, out)
             return
@@ -99,10 +97,8 @@ class DecodeFamily:
         shapes, strides, dtypes, alignment), without planning; None if nothing was recorded."""
         if not call.q.is_cuda:
             return None
-        q, k, v = call.q, call.k, call.v
-        expand = k.shape[0] != q.shape[0]
-        if expand:
-            k, v = k.expand(q.shape[0], *k.shape[1:]), v.expand(q.shape[0], *v.shape[1:])
+        q = call.q
+        k, v = _batch_views(q, call.k, call.v)
         again = recorded_decode(self._key(call, (q, k, v, call.out, call.lse, *call.tables,
                                                  *call.score_bufs, *call.mask_bufs)))
         if again is None:
@@ -110,9 +106,7 @@ class DecodeFamily:
 
         def run(inputs: tuple) -> None:
             q, k, v, out, lse, _max_scores, *rest = inputs
-            if expand:   # a batch-1 cache shared by the batch: a stride-0 view, as launch() makes
-                k, v = k.expand(q.shape[0], *k.shape[1:]), v.expand(q.shape[0], *v.shape[1:])
-            again((q, k, v, out, lse, *rest))
+            again((q, *_batch_views(q, k, v), out, lse, *rest))
         return run
 
     @staticmethod
@@ -141,6 +135,13 @@ class DecodeFamily:
             kernel[grid](*args, **kwargs)
         if out is not call.out:
             call.out.copy_(out)
+
+
+def _batch_views(q, k, v) -> tuple:
+    """k, v with q's batch: a batch-1 cache shared by the batch becomes a stride-0 view."""
+    if k.shape[0] != q.shape[0]:
+        return k.expand(q.shape[0], *k.shape[1:]), v.expand(q.shape[0], *v.shape[1:])
+    return k, v
 
 
 FAMILY = DecodeFamily()

@@ -178,7 +178,7 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
     programs = B * HQ // heads
     if split:
         if scratch is None:
-            o_part, lse_part, _ = decode_scratch(q, HKV, DV, num_splits, arrivals=False)
+            o_part, lse_part = _split_partials(q, HKV, DV, num_splits)
             arrivals = arrival_counters(q.device, programs)
         else:
             o_part, lse_part, arrivals = scratch
@@ -189,7 +189,7 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
                   f"({programs * num_splits * rows * DV} and {programs * num_splits * rows} floats, "
                   f"{programs} counters)",
                   "allocate it with decode_scratch(q, HKV, Dv, num_splits) and pass that num_splits")
-    else:
+    else:   # the kernel reads no partials and no counters
         o_part = lse_part = placeholder(q.device, torch.float32)
         arrivals = placeholder(q.device, torch.int32)
     dummy = placeholder(q.device, torch.int32)
@@ -225,13 +225,23 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
     return [(decode_split_kernel, args, kwargs, (num_splits, programs))]
 
 
-def decode_scratch(q: torch.Tensor, kv_heads: int, value_head_dim: int, num_splits: int,
-                   arrivals: bool = True) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+def _split_partials(q: torch.Tensor, kv_heads: int, value_head_dim: int,
+                    num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O_PART, LSE_PART) float32 partials of ``num_splits`` splits (kernel.py's notation)."""
+    B, HQ, M_new, _ = q.shape
+    rows = HQ // kv_heads * M_new
+    return (torch.empty(B * kv_heads, num_splits, rows, value_head_dim, dtype=torch.float32,
+                        device=q.device),
+            torch.empty(B * kv_heads, num_splits, rows, dtype=torch.float32, device=q.device))
+
+
+def decode_scratch(q: torch.Tensor, kv_heads: int, value_head_dim: int,
+                   num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(O_PART, LSE_PART, ARRIVALS) scratch for ``num_splits`` splits (kernel.py's notation), to
     allocate once and pass as ``scratch=`` (a CUDA graph then owns every tensor it touches):
     float32 partials and zeroed int32 counters (one per program, which every launch leaves at 0,
     so the scratch serves any number of launches in turn on one stream; two launches running at
-    once need two). ``arrivals=False``: None in the last place.
+    once need two).
 
     Example::
 
@@ -239,13 +249,10 @@ def decode_scratch(q: torch.Tensor, kv_heads: int, value_head_dim: int, num_spli
         >>> [tuple(t.shape) for t in decode_scratch(q, 8, 128, 4)]
         [(16, 4, 4, 128), (16, 4, 4), (64,)]
     """
-    B, HQ, M_new, _ = q.shape
-    rows = HQ // kv_heads * M_new
-    return (torch.empty(B * kv_heads, num_splits, rows, value_head_dim, dtype=torch.float32,
-                        device=q.device),
-            torch.empty(B * kv_heads, num_splits, rows, dtype=torch.float32, device=q.device),
-            # B * HQ: a block mask that differs per head runs one program per query head
-            torch.zeros(B * HQ, dtype=torch.int32, device=q.device) if arrivals else None)
+    B, HQ = q.shape[:2]
+    # counters for B * HQ programs: a block mask that differs per head runs one per query head
+    return (*_split_partials(q, kv_heads, value_head_dim, num_splits),
+            torch.zeros(B * HQ, dtype=torch.int32, device=q.device))
 
 
 # (device, stream) -> zeroed int32 counters; each launch leaves them at 0 (kernel.py)
