@@ -82,7 +82,10 @@ _TUNED = {(64, False): (4, 2, None), (64, True): (4, 2, 168), (128, False): (4, 
 # table parts read from shared memory into the dot-operand layout; two uncapped stages of 8 warps
 # (the select off) do not spill (186 / 182 registers) and prefetch, with 1158 / 1130 Q / K loop
 # instructions against 1453 / 1438, but hold one program an SM (208 KB of shared memory). D64 keeps
-# its launch (no spills with float32 tables).
+# its launch (no spills with float32 tables). Measured (rope-f32 rows of the --sweep in
+# fp8-prologue-bw-nvidia-h200-2026-11-29-0417, H200, D128 N16384 Hkv16, no smoothing): 0.254 ms,
+# against 0.265 for the bf16 launch above; one stage of 4 warps (the select on) took 0.240 but spills
+# 320-416 bytes with smooth_k, so this spill-free launch stays.
 _TUNED_F32_TABLES = {128: (8, 2, None)}
 
 
