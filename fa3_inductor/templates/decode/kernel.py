@@ -115,15 +115,21 @@ class BlockSparsity:
 
 @triton.jit
 def _tile_ptrs(X, page, z, hkv, start_n, offs_j, offs_d, stride_b, stride_h, stride_n,
-               CACHE: tl.constexpr):
+               CACHE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Pointers [BLOCK_N, BLOCK_D] to key rows `start_n + offs_j`, columns `offs_d`, of kv head
-    `hkv` (int64 offsets: caches pass 2**31 elements). Paged: `page` [BLOCK_N] is each row's page
-    (a tile may span pages: any page size works)."""
-    if CACHE.PAGED:
+    `hkv` (int64 offsets: caches pass 2**31 elements). Paged: `page` is the tile's page where pages
+    hold whole tiles (PAGE_SIZE a multiple of BLOCK_N), else [BLOCK_N], each row's page (a tile may
+    span pages: any page size works)."""
+    if CACHE.PAGED and CACHE.PAGE_SIZE % BLOCK_N != 0:
         rows = page * stride_b + ((start_n + offs_j) % CACHE.PAGE_SIZE) * stride_n + hkv * stride_h
-        return X + rows[:, None] + offs_d[None, :]
-    base = z.to(tl.int64) * stride_b + start_n.to(tl.int64) * stride_n + hkv * stride_h
-    return (X + base) + offs_j[:, None] * stride_n + offs_d[None, :]
+        ptrs = X + rows[:, None] + offs_d[None, :]
+    elif CACHE.PAGED:   # `page`: the tile's one page (a scalar)
+        base = page * stride_b + (start_n % CACHE.PAGE_SIZE) * stride_n + hkv * stride_h
+        ptrs = (X + base) + offs_j[:, None] * stride_n + offs_d[None, :]
+    else:
+        base = z.to(tl.int64) * stride_b + start_n.to(tl.int64) * stride_n + hkv * stride_h
+        ptrs = (X + base) + offs_j[:, None] * stride_n + offs_d[None, :]
+    return ptrs
 
 
 @triton.jit
@@ -138,14 +144,18 @@ def _kv_step(acc, l_i, m_i, q, K, V, z, hkv, h, q_idx, start_n, L, bt_row,
     offs_n = start_n + offs_j
     key_ok = offs_n < L
     offs_d = tl.arange(0, TILE.BLOCK_D)
-    if CACHE.PAGED:
+    if CACHE.PAGED and CACHE.PAGE_SIZE % TILE.BLOCK_N == 0:
+        # the tile lies in one page (tiles start at multiples of BLOCK_N, start_n < L): one table
+        # entry, and the tile's rows are consecutive within it, addressed as a contiguous cache's
+        page = tl.load(bt_row + start_n // CACHE.PAGE_SIZE).to(tl.int64)
+    elif CACHE.PAGED:
         # each row's page (rows past L read no table entry: the table may end there), a
         # [BLOCK_N] vector load that Triton's pipeliner issues a stage ahead of the K/V loads
         page = tl.load(bt_row + offs_n // CACHE.PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
     else:
         page = 0
     k = tl.load(_tile_ptrs(K, page, z, hkv, start_n, offs_j, offs_d, stride_kb, stride_kh,
-                           stride_kn, CACHE),
+                           stride_kn, CACHE, TILE.BLOCK_N),
                 mask=key_ok[:, None] & (offs_d < D)[None, :], other=0.0)
     qk = tl.dot(q, tl.trans(k), input_precision=TILE.DOT_PRECISION)
 
@@ -168,7 +178,7 @@ def _kv_step(acc, l_i, m_i, q, K, V, z, hkv, h, q_idx, start_n, L, bt_row,
     l_i = l_i * alpha + tl.sum(p, 1)
     offs_dv = tl.arange(0, TILE.BLOCK_DV)
     v = tl.load(_tile_ptrs(V, page, z, hkv, start_n, offs_j, offs_dv, stride_vb, stride_vh,
-                           stride_vn, CACHE),
+                           stride_vn, CACHE, TILE.BLOCK_N),
                 mask=key_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=TILE.DOT_PRECISION)
     return acc, l_i, m_new
