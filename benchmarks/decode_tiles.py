@@ -16,11 +16,15 @@ of --reps): cuDNN SDPA (native GQA) and our split + combine launches prepared on
   n*2 st4      BLOCK_N doubled at 4 stages (where shared memory takes it)
   m4096        the last split's merge loads 4096 partial values a step (configs.py: 8192)
 
-and on serving.py's quick paged rows (pages of 64, shuffled table; "contig" is the contiguous cache's
+and on PAGED_ROWS (serving.py's quick paged rows and two D64 ones; pages of 64, shuffled table; "contig" is the contiguous cache's
 auto launch, and each cell says paged time over it):
 
   auto, m4096, st4 as above (paged auto: 5 stages, configs.PAGED_PROGRAMS_PER_SM)
+  st7          7 stages: where a page holds whole tiles the table entry takes one stage and the tiles
+               run three ahead (104 KB at D128, as contiguous's 4 stages; 5 stages: two ahead)
   1/SM         the contiguous cache's split count (configs.PROGRAMS_PER_SM)
+  1/SM st7     both
+  n/2          BLOCK_N halved (D64: 64-key tiles, one page each)
   s<=16        the split count capped at 16
 
 Until 2026-11-29 the kernels were two launches (split, then combine); the runs of that date before
@@ -49,8 +53,11 @@ import serving  # noqa: E402  (benchmarks/serving.py: cases, inputs, the clock)
 
 VARIANTS = ("auto", "n/2", "n*2", "n*2 st2", "n*2 st4", "st2", "st3", "st4", "st5", "st6", "w8", "s/2",
             "s*2", "fill", "m4096")
-PAGED_VARIANTS = ("auto", "m4096", "st4", "1/SM", "s<=16")
+PAGED_VARIANTS = ("auto", "m4096", "st4", "st7", "1/SM", "1/SM st7", "s<=16", "n/2")
 PAGE = 64
+# serving.py's quick paged rows and two D64 rows whose 128-key tiles span two pages of 64 (each key row
+# looks its page up) where the n/2 variant's 64-key tiles lie in one page (one table entry a tile)
+PAGED_ROWS = serving.QUICK_PAGED + [serving._d(1, 1, 128, d=64), serving._d(8, 1, 8, d=64)]
 
 
 def _launches(q, k, v, lens, config, splits, table=None):
@@ -90,11 +97,12 @@ def variant_plans(c: serving.DecodeCase, capability: tuple[int, int], sms: int,
                          few_programs=few_programs(c.batch, c.hkv, sms, paged))
     auto = choose_num_splits(c.batch, c.hkv, c.cache, base.block_n, sms, base.resident, paged=paged)
     rep = dataclasses.replace
+    contig_splits = choose_num_splits(c.batch, c.hkv, c.cache, base.block_n, sms, base.resident)
     if paged:
         return {"auto": (None, None), "m4096": (rep(base, merge_elements=4096), auto),
-                "st4": (rep(base, num_stages=4), auto),
-                "1/SM": (base, choose_num_splits(c.batch, c.hkv, c.cache, base.block_n, sms, base.resident)),
-                "s<=16": (base, min(auto, 16))}
+                "st4": (rep(base, num_stages=4), auto), "st7": (rep(base, num_stages=7), auto),
+                "1/SM": (base, contig_splits), "1/SM st7": (rep(base, num_stages=7), contig_splits),
+                "s<=16": (base, min(auto, 16)), "n/2": (rep(base, block_n=base.block_n // 2), auto)}
     programs = c.batch * c.hkv
     fill = max(1, -(-base.resident * sms // programs))
     plans = {"auto": (None, None), "n/2": (rep(base, block_n=base.block_n // 2), auto),
@@ -227,7 +235,7 @@ def main() -> None:
     stem = os.path.join(args.out, f"decode-tiles-{serving._slug(name)}-{now:%Y-%m-%d-%H%M}")
     rows: list[dict] = []
     torch.manual_seed(0)
-    for paged, c in [(True, c) for c in serving.QUICK_PAGED] + [(False, c) for c in serving.QUICK_DECODE]:
+    for paged, c in [(True, c) for c in PAGED_ROWS] + [(False, c) for c in serving.QUICK_DECODE]:
         if rows and time.time() - serving.STARTED > args.budget_s:
             meta.setdefault("left_out", []).append(("paged " if paged else "") + c.label())
             continue
