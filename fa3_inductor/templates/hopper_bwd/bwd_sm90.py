@@ -62,7 +62,7 @@ Mods (templates/modgen.py, ``gl`` dialect, called as the forward calls them):
   gathering by position never reads past its buffer.
 
 Compile-time parameters (one frozen-dataclass bundle each, read as TILE.BLOCK_M):
-  TILE    BwdTile       HEAD_D, NUM_STAGES (BLOCK_M, BLOCK_N, HALF_N, DQ_SPLIT, DQ_N derived)
+  TILE    BwdTile       HEAD_D, NUM_STAGES (BLOCK_M, BLOCK_N, HALF_N, DQ_SPLIT, DQ_N, VIEWS_PER_STEP derived)
   SPARSE  BwdSparsity   HAS_BLOCK_MASK, HAS_FULL_BLOCKS, Q_TILES_PER_BLK, SPARSE_KV
   FLAGS   BwdFlags      GQA_GROUP, FOLD_SCALE, EVEN_N, CONSUMER_REGS, PRODUCER_REGS, WIDE_SCORES
   SCHED   BwdSchedule   DQ_TMA (configs.BwdSm90Config.dq_tma)
@@ -117,6 +117,13 @@ class BwdTile:
     @property
     def DQ_N(self) -> int:
         return self.HEAD_D // 2 if self.DQ_SPLIT else self.HEAD_D
+
+    @property
+    def VIEWS_PER_STEP(self) -> bool:
+        """K, V and P's loop-invariant shared-memory views (the wgmma descriptors of S's, dP's and dQ's B and
+        dV's A) are rebuilt every step (_consumer) at D >= 128, where dK and dV leave no registers to hold them.
+        D = 64 is spill-free with them hoisted, and rebuilding them there costs 3-12 SASS instructions a step."""
+        return self.HEAD_D >= 128
 
 
 @dataclass(frozen=True)
@@ -217,8 +224,8 @@ def _producer(descs, bars, smem, sizes, tables, table_meta, TILE: gl.constexpr, 
     kv_blk = n0 // SPARSE.SPARSE_KV
 
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [kz, hkv, n0, 0], kv_ready, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [kz, hkv, n0, 0], kv_ready, v_smem)
+    tma.async_copy_global_to_shared(k_desc, [kz, hkv, n0, 0], kv_ready, k_smem.index(0))
+    tma.async_copy_global_to_shared(v_desc, [kz, hkv, n0, 0], kv_ready, v_smem.index(0))
 
     qdo_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
     cnt = 0
@@ -267,9 +274,11 @@ def _probabilities(qk, lse, z, hq, q_idx, kv_idx, is_partial, sm_scale, qk_scale
 
 @gluon.jit
 def _opaque(x):
-    """x, through an asm the compiler cannot see into or move: the dQ tile's row offsets are loop invariant,
-    and hoisted out of the loop they became 64-bit addresses of every atomic, kept live (and spilled) across
-    it. Made per step, they are two row addresses a thread plus the columns as immediate offsets."""
+    """x, through an asm LLVM cannot see into or move out of the loop: what is derived from it is computed where
+    it is used instead of hoisted and held in registers across the loop (ptxas sees a plain mov, so the derived
+    values may still be rematerialized or held as ptxas sees fit). The dQ atomics' row offsets: hoisted, they
+    became 64-bit addresses of every atomic, kept live (and spilled) across the loop; made per step, they are two
+    row addresses a thread plus the columns as immediate offsets. The per-step shared-memory views: _consumer."""
     return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
 
 
@@ -309,19 +318,13 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
     hkv = kvh % HKV
     kv_blk = n0 // SPARSE.SPARSE_KV
 
-    k_rows = k_smem.reshape([BLOCK_N, D])
-    v_rows = v_smem.reshape([BLOCK_N, D])
-    k_t = k_rows.slice(WG * HALF_N, HALF_N, dim=0).permute((1, 0))   # B of S = Q K^T (this warpgroup's keys)
-    v_t = v_rows.slice(WG * HALF_N, HALF_N, dim=0).permute((1, 0))   # B of dP = dO V^T
     p_mine = p_smem.index(WG)                                        # [BLOCK_M, HALF_N]
-    p_t = p_mine.permute((1, 0))                                     # A of dV += P^T dO
 
     dk = gl.zeros([HALF_N, D], gl.float32, layout=d_layout)
     dv = gl.zeros([HALF_N, D], gl.float32, layout=d_layout)
     s_zero = gl.zeros([BLOCK_M, HALF_N], gl.float32, layout=s_layout)
     dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
     DQ_COL0: gl.constexpr = WG * DQ_N if TILE.DQ_SPLIT else 0
-    k_dq = k_rows.slice(DQ_COL0, DQ_N, dim=1)   # B of dQ[:, this warpgroup's columns] = dS K[:, columns]
 
     mbarrier.wait(kv_ready, 0)
     cnt = 0
@@ -336,6 +339,20 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
             m0 = _q_tile_start(i, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
             st = cnt % NUM_STAGES
             buf = cnt % 2
+            # K, V and P^T as wgmma operands, indexed by a zero LLVM cannot see through (VIEWS_PER_STEP). Built
+            # once before the loop, their 28 descriptors (64-bit each, at D = 128) were hoisted by LLVM and, with a
+            # mask or a mod, kept by ptxas in up to 24 vector registers across the loop: causal spilled 56
+            # instructions (11 in the loop), ALiBi 57. Built here, ptxas makes them per step in uniform registers.
+            if TILE.VIEWS_PER_STEP:
+                zero = _opaque(0)
+            else:
+                zero = 0
+            k_rows = k_smem.index(zero).reshape([BLOCK_N, D])
+            v_rows = v_smem.index(zero).reshape([BLOCK_N, D])
+            k_t = k_rows.slice(WG * HALF_N, HALF_N, dim=0).permute((1, 0))   # B of S = Q K^T (this warpgroup's keys)
+            v_t = v_rows.slice(WG * HALF_N, HALF_N, dim=0).permute((1, 0))   # B of dP = dO V^T
+            p_t = p_smem.index(WG + zero).permute((1, 0))                    # A of dV += P^T dO
+            k_dq = k_rows.slice(DQ_COL0, DQ_N, dim=1)   # B of dQ[:, this warpgroup's columns] = dS K[:, columns]
             row_off = zh.to(gl.int64) * M_PAD + m0                  # of DQ_ACC (rows of D)
             stats = stats_ptr + (row_off + zh.to(gl.int64) * M_PAD)   # LSE_P; DELTA_P is M_PAD further
             rows_ = gl.arange(0, BLOCK_M, layout=row_layout)
@@ -477,8 +494,9 @@ def fa3_bwd_sm90_kernel(
     BLOCK_N: gl.constexpr = TILE.BLOCK_N
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
+    # K and V as one-element arrays: the consumers index them (VIEWS_PER_STEP)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [1] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [1] + v_desc.block_type.shape, v_desc.layout)
     HALF_N: gl.constexpr = TILE.HALF_N
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF_N], q_desc.dtype)
     # P of each warpgroup; with a score_mod also f' (both parked in shared memory across the dP wgmma)
