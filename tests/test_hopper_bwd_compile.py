@@ -1,11 +1,11 @@
 """CPU-only: compile the sm90 backward (templates/hopper_bwd/) for GPUTarget("cuda", 90, 32) and read the result.
 
 Run in a session without TRITON_INTERPRET: ``pytest -m "sm90_compile and not gpu" tests/test_hopper_bwd_compile.py``.
-Six compiles (D 64 / 128 x noop, causal mask_mod, softcap score_mod), plus four of the dQ schedules
-(configs.VARIANTS: dq_tma must issue UTMAREDG and no REDG): wgmma (HGMMA) present, setmaxnreg at the
-configured budgets, shared memory within sm90's 227 KB, and spills: none at D = 64; at D = 128 a known few
-outside the inner loop, bounded here so they cannot grow (docs/design/hopper_backward.md). Registers and spill
-counts are printed (``-s``).
+Eight compiles (D 64 / 128 x noop, causal mask_mod with partial and full blocks, softcap and ALiBi score_mods), plus
+the dQ schedules (configs.VARIANTS: dq_tma must issue UTMAREDG and no REDG): wgmma (HGMMA) present, setmaxnreg at
+the configured budgets, shared memory within sm90's 227 KB, no spill instruction and no stack at either head dim,
+and the noop kernel's step loop no longer than measured (docs/design/hopper_backward.md). Registers, spill
+counts and step-loop lengths are printed (``-s``).
 """
 from __future__ import annotations
 
@@ -17,9 +17,13 @@ from fa3_inductor import mods
 pytestmark = pytest.mark.sm90_compile
 
 SMEM_LIMIT = 227 * 1024
-# D=128: spill instructions measured with triton 3.6 (noop 17, causal 55, softcap 18); the bound keeps them
-# from growing while the register work on that head dim goes on.
-MAX_SPILLS = {64: 0, 128: 64}
+# Spill instructions (LDL / STL) of the whole main kernel, triton 3.6. D = 128 had 2 (noop, softcap), 56 (causal)
+# and 57 (ALiBi) before K, V and P's wgmma views were rebuilt per step (bwd_sm90.BwdTile.VIEWS_PER_STEP).
+MAX_SPILLS = {64: 0, 128: 0}
+# SASS instructions of the noop kernel's longer step loop (one per consumer warpgroup), triton 3.6: the register
+# work must not lengthen it (before VIEWS_PER_STEP: 480 at D = 64, 514 at D = 128).
+NOOP_STEP_LOOP = {64: 480, 128: 509}
+VARIANTS = ["noop", "causal", "softcap", "alibi"]
 
 
 def _gl_mod(fn, kind):
@@ -33,14 +37,17 @@ def _options(variant, M, N):
     from torch._higher_order_ops.flex_attention import create_fw_bw_graph
     from torch.nn.attention.flex_attention import create_block_mask
 
+    from fa3_inductor.templates.generic_bwd import SCORE_GRAD_ONE
     from fa3_inductor.templates.hopper_bwd import score_grad_gl
     from fa3_inductor.templates.modgen import BufferSpec, load_mod
 
-    if variant == "softcap":
-        fn, bufs, gm = _gl_mod(mods.softcap(30.0), "score")
+    if variant in ("softcap", "alibi"):
+        # ALiBi over the 4 query heads of the test shapes: its derivative is 1 (SCORE_GRAD_ONE)
+        fn, bufs, gm = _gl_mod(mods.softcap(30.0) if variant == "softcap" else mods.alibi(4), "score")
         index_values = (torch.zeros((), requires_grad=True), *(torch.zeros((), dtype=torch.int32) for _ in range(4)))
         src = score_grad_gl(create_fw_bw_graph(gm, index_values, bufs)[1], [BufferSpec.of(b) for b in bufs])
-        return dict(score_mod=fn, score_bufs=bufs, score_grad_mod=load_mod(src, "gl"))
+        return dict(score_mod=fn, score_bufs=bufs,
+                    score_grad_mod=SCORE_GRAD_ONE if src is None else load_mod(src, "gl"))
     if variant == "causal":
         bm = create_block_mask(mods.causal, None, None, M, N, device="cpu")
         fn, bufs, _ = _gl_mod(mods.causal, "mask")
@@ -49,7 +56,12 @@ def _options(variant, M, N):
     return {}
 
 
-@pytest.mark.parametrize("variant", ["noop", "causal", "softcap"])
+def _step_loops(report):
+    """Instruction lists of the step loops (the innermost loops that issue wgmma), one per consumer warpgroup."""
+    return [body for body in report.inner_loops() if any("HGMMA" in t for t in body)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("D", [64, 128])
 def test_compiles_with_wgmma_within_budgets(D, variant):
     from fa3_inductor.templates.aot import sass_report
@@ -62,12 +74,18 @@ def test_compiles_with_wgmma_within_budgets(D, variant):
                                       sm_scale=D ** -0.5, **_options(variant, M, N))
     pre, main, convert = (sass_report(ck) for ck in kernels)
     cfg = get_bwd_config(D)
+    loops = _step_loops(main)
     print(f"\nD{D} {variant}: main {main.registers} registers at entry, {main.hgmma} HGMMA, "
-          f"{main.spill_instructions} spill instructions, stack {main.stack}, shared {main.shared}")
+          f"{main.spill_instructions} spill instructions, stack {main.stack}, shared {main.shared}, "
+          f"step loops {[len(b) for b in loops]}")
     assert main.hgmma > 0, "no wgmma in the main kernel"
     assert "HGMMA.64x64x16.F32.BF16" in main.sass, "no 64x64 score wgmma"
     assert {cfg.consumer_regs, cfg.producer_regs} <= main.setmaxnreg, f"setmaxnreg dropped: {main.setmaxnreg}"
     assert main.spill_instructions <= MAX_SPILLS[D], f"{main.spill_instructions} spill instructions"
+    assert main.stack == 0, f"stack {main.stack} bytes"
+    assert len(loops) == 2, f"expected one step loop per consumer warpgroup, got {[len(b) for b in loops]}"
+    if variant == "noop":
+        assert max(map(len, loops)) <= NOOP_STEP_LOOP[D], f"noop step loops {[len(b) for b in loops]}"
     assert main.shared <= SMEM_LIMIT
     assert cfg.smem_bytes(D) <= main.shared
     for r in (pre, convert):
@@ -76,11 +94,13 @@ def test_compiles_with_wgmma_within_budgets(D, variant):
 
 # Schedule variants (configs.VARIANTS), measured with triton 3.6 at M = N = 1000: spill instructions of the whole
 # kernel / in the busier step loop. dq_tma moves dQ to one TMA reduce-add a warpgroup and step (UTMAREDG, no REDG)
-# and frees the atomics' 64-bit addresses (D128 noop 17 -> 2 spills); the dP-beside-S order costs registers at
-# D128 (docs/design/hopper_backward.md, "Gap").
+# and freed the atomics' 64-bit addresses (D128 noop 17 -> 2 spills); the per-step K, V, P views
+# (VIEWS_PER_STEP) took the rest (docs/design/hopper_backward.md, "Choices forced by registers"). The atomic
+# schedule at D128, before / after them: noop 17 / 0, causal 55 / 0, softcap 18 / 0, ALiBi 111 / 5 (outside the loop).
 VARIANT_SPILLS = {
-    (128, "noop", "default"): (2, 0), (128, "softcap", "default"): (2, 0), (64, "causal", "default"): (0, 0),
-    (128, "noop", "atomic_dq"): (17, 1),
+    (128, "noop", "default"): (0, 0), (128, "alibi", "default"): (0, 0), (64, "causal", "default"): (0, 0),
+    (128, "noop", "atomic_dq"): (0, 0), (128, "causal", "atomic_dq"): (0, 0), (128, "softcap", "atomic_dq"): (0, 0),
+    (128, "alibi", "atomic_dq"): (5, 0),
 }
 
 
@@ -97,7 +117,7 @@ def test_schedule_variants_compile(D, variant, schedule):
     _, ck, _ = compile_hopper_backward(q, k, v, torch.empty_like(q), torch.empty_like(q), torch.empty(2, 4, M),
                                        sm_scale=D ** -0.5, config=cfg, **_options(variant, M, N))
     main = sass_report(ck)
-    loops = [body for body in main.inner_loops() if any("HGMMA" in t for t in body)]
+    loops = _step_loops(main)
     loop_spills = max(sum(("LDL" in t or "STL" in t) for t in body) for body in loops)
     print(f"\nD{D} {variant} {schedule}: {main.spill_instructions} spills ({loop_spills} in a step loop), "
           f"loops {[len(b) for b in loops]}, shared {main.shared}")
