@@ -77,6 +77,11 @@ class Sm90Config:
     # previous softmax (spills). False: the softmax before 2026-11-28, the A/B baseline of
     # benchmarks/fp8_kernel_ab.py (H200, fp8-kernel-ab-...-0529: the lean one 1.16-1.18x at D128 int8 noop).
     lean_fp8_softmax: bool = False
+    # FP8 launches only (templates/hopper_fp8/configs.py, D=128): under a score_mod or mask_mod, with two-level
+    # accumulation (its fresh PV accumulator) or a mask gathering ids from a buffer, the kernel holds nothing across
+    # the KV loop that the loop does not read (fwd_sm90.Quant.TIGHT): those launches spilled 8-40 bytes of
+    # kernel-wide scalars at D=128, none since (docs/design/hopper_fp8.md, "Spills under mods").
+    fp8_tight_mods: bool = False
     # No longer fields (7bfe679), on wherever a launch qualifies:
     # - a bounded score_mod (softcap) with MAX not asked for runs against a fixed exponent base (no row max,
     #   no O / l rescale; fixed_base_for; docs/design/hopper_mods.md);

@@ -92,7 +92,7 @@ Compile-time parameters (kernel constexprs, one named bundle each; frozen datacl
   SPARSE  BlockSparsity  HAS_SPARSE, HAS_FULL, SPARSE_Q_DIV, SPARSE_KV_MULT, CAUSAL_WALK
   FLAGS   ModFlags       HAS_SCORE_MOD, HAS_MASK_MOD, DENSE_MASK, MASK_AND, EVEN_N, KV_AFFINE, FIXED_BASE, EXP2_EMU,
                          HAS_SINKS, WIDE_SCORES
-  QUANT   Quant          ON, Q_BLOCK, KV_BLOCK, TWO_LEVEL, QK_INT8, LEAN (FP8 inputs; NO_QUANT for bf16 / fp16,
+  QUANT   Quant          ON, Q_BLOCK, KV_BLOCK, TWO_LEVEL, QK_INT8, LEAN, TIGHT (FP8 inputs; NO_QUANT for bf16 / fp16,
                          whose code it leaves untouched: the scales travel in a tuple argument that is empty there)
   PACK    Packing        VARLEN (packed sequences; DENSE for [B, H, S, D] launches, whose code it leaves untouched:
                          CU_Q, CU_K and O's strides travel in the tuple argument pack_args, empty there)
@@ -229,6 +229,11 @@ class Quant:
                             # converted to fp32 before the scales (V and P stay e4m3)
     LEAN: bool = False      # Sm90Config.lean_fp8_softmax: the shorter per-tile chain (_fp8_tile_scales, _softmax_step's
                             # biased int8 scores, _row_max_halves, _fp8_overlap_loop's DEFER_O)
+    TIGHT: bool = False     # Sm90Config.fp8_tight_mods under mods: their values leave the KV loop no spare register.
+                            # Nothing held across the KV loop that the loop does not read: scalars derived from
+                            # kernel arguments per tile (_opaque), the epilogue's coordinates and O staging address
+                            # after the loop, MAX read off the exponent base, the next tile's K scale carried
+                            # instead of QS·KS (docs/design/hopper_fp8.md, "Spills under mods")
 
 
 NO_QUANT = Quant(ON=False, Q_BLOCK=0, KV_BLOCK=0, TWO_LEVEL=False)
@@ -360,8 +365,11 @@ def _kv_counts(b, h, mt, N, sp_ptrs, sp_meta, TILE: gl.constexpr, SPARSE: gl.con
 
 
 @gluon.jit
-def _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE: gl.constexpr, SPARSE: gl.constexpr):
-    """First KV position of the i-th KV tile of this query tile."""
+def _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE: gl.constexpr, SPARSE: gl.constexpr,
+              FLAT: gl.constexpr = False):
+    """First KV position of the i-th KV tile of this query tile. FLAT: the table's row offset and the tile index
+    summed as 32-bit integers first, so that a loop over i holds that sum (one register) rather than a 64-bit row
+    pointer (two)."""
     kvnb_ptr, kvidx_ptr, fnb_ptr, fidx_ptr = sp_ptrs
     BM, HM, nb_sb, nb_sh, idx_sb, idx_sh, idx_sm, fnb_sb, fnb_sh, fidx_sb, fidx_sh, fidx_sm = sp_meta
     MULT: gl.constexpr = SPARSE.SPARSE_KV_MULT
@@ -370,11 +378,17 @@ def _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE: gl.constexpr, SPAR
         hh = h % HM
         qb = mt // SPARSE.SPARSE_Q_DIV
         if i < n_partial:
-            blk = gl.load(kvidx_ptr + bb * idx_sb + hh * idx_sh + qb * idx_sm + i // MULT)
+            if FLAT:
+                blk = gl.load(kvidx_ptr + (bb * idx_sb + hh * idx_sh + qb * idx_sm + i // MULT))
+            else:
+                blk = gl.load(kvidx_ptr + bb * idx_sb + hh * idx_sh + qb * idx_sm + i // MULT)
             sub = i % MULT
         else:
             j = i - n_partial
-            blk = gl.load(fidx_ptr + bb * fidx_sb + hh * fidx_sh + qb * fidx_sm + j // MULT)
+            if FLAT:
+                blk = gl.load(fidx_ptr + (bb * fidx_sb + hh * fidx_sh + qb * fidx_sm + j // MULT))
+            else:
+                blk = gl.load(fidx_ptr + bb * fidx_sb + hh * fidx_sh + qb * fidx_sm + j // MULT)
             sub = j % MULT
         start = (blk * MULT + sub) * TILE.BLOCK_N
     elif SPARSE.CAUSAL_WALK:   # the partial (diagonal) tiles first, then the full ones from key 0
@@ -411,6 +425,8 @@ def _producer(descs, bars, smem, sizes, sp_ptrs, sp_meta, pack_args, TILE: gl.co
     else:
         v_bytes: gl.constexpr = v_desc.block_type.nbytes
 
+    if QUANT.TIGHT:
+        num_tiles = _opaque(num_tiles)
     n_it, pid, nprog = _tile_loop(num_tiles, num_m_tiles, HQ, pack_args, TILE, SCHED.PERSISTENT, PACK)
     cnt = 0   # KV tiles loaded so far (global ring counter)
     t_local = 0
@@ -737,6 +753,15 @@ def _fp8_row_scales(quant_bufs, b, h, row0, HQ, GQA, M, N, row_layout: gl.conste
 
 
 @gluon.jit
+def _opaque(x):
+    """x through a register copy LLVM cannot see through (a side-effecting mov; ptxas folds it away). Scalars derived
+    from kernel arguments are otherwise hoisted out of every loop, above warp_specialize's dispatch: live through all
+    partitions (the producer's 24 registers, the consumers' KV loops), where ptxas spills them. Copied per tile, what
+    derives from them is computed where it is used."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _lg2_approx(x):
     """log2(x) by one MUFU.LG2 (PTX lg2.approx.f32, subnormal inputs kept: a V scale is never flushed to log2 0)."""
     return gl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
@@ -761,7 +786,7 @@ def _fp8_tile_scales(start, fp8_rows, QUANT: gl.constexpr):
             blk = gl.minimum(start // QUANT.KV_BLOCK, n_kv_blocks - 1)
         else:
             blk = start * 0
-        deq = q_rows * gl.load(ks_head + blk)
+        ks = gl.load(ks_head + blk)
         # P = 2^(... + shift) <= 2^8 with the tile's V scale folded in; an all-zero V block's scale (1) may
         # exceed VS_MAX, and its P must still fit e4m3
         if QUANT.LEAN:
@@ -771,9 +796,12 @@ def _fp8_tile_scales(start, fp8_rows, QUANT: gl.constexpr):
             v_shift = gl.minimum(_lg2_approx(gl.load(vs_head + blk)) + shift0, 8.0)
         else:
             v_shift = gl.minimum(8.0 + gl.log2(gl.load(vs_head + blk) / vs_max), 8.0)
-        scales = (deq, v_shift)
+        if QUANT.TIGHT:   # QS·KS formed after the wgmma wait (_softmax_step): one register across it, not two
+            scales = (q_rows, ks, v_shift)
+        else:
+            scales = (q_rows * ks, 1.0, v_shift)
     else:
-        scales = (0.0, 0.0)
+        scales = (0.0, 0.0, 0.0)
     return scales
 
 
@@ -799,8 +827,14 @@ def _online_softmax_fp8(s, shift, m_i, m_run, l_i, qk_scale, deq, v_shift, p_lay
         row_max = (s_max - S32_MAGIC) * deq
     else:
         row_max = s_max * deq
-    m_new = gl.maximum(m_i, row_max)
-    m_new2 = _mul_rn(m_new, qk_scale)   # as in _online_softmax: the rounded base, also subtracted below
+    if QUANT.TIGHT and not FLAGS.KV_AFFINE:
+        # MAX is the base itself, m_i is not kept: rounding is monotonic and qk_scale > 0, so
+        # max(m_run, rn(row_max·c)) = rn(max(m_i, row_max)·c), the same base, and MAX = rn(m_i·c) as before
+        m_new = m_i
+        m_new2 = gl.maximum(m_run, _mul_rn(row_max, qk_scale))
+    else:
+        m_new = gl.maximum(m_i, row_max)
+        m_new2 = _mul_rn(m_new, qk_scale)   # as in _online_softmax: the rounded base, also subtracted below
     alpha = gl.where(m_new2 == -float("inf"), 1.0, gl.exp2(m_run - m_new2))
     m_run = m_new2
     m_base = gl.where(m_run == -float("inf"), 0.0, m_run) - v_shift
@@ -840,7 +874,9 @@ def _softmax_step(s_acc, start, is_partial, b, h, q_idx, q_idx_c, row0, sm_scale
             s_acc = (s_acc + S32_MAGIC_BITS).to(gl.float32, bitcast=True)
         elif QUANT.QK_INT8:
             s_acc = _s32_to_f32(s_acc)
-        deq, v_shift = tile_scales
+        deq, ks, v_shift = tile_scales
+        if QUANT.TIGHT:
+            deq = deq * ks
         if FLAGS.KV_AFFINE:
             qk_unit = (deq * qk_unit)[:, None]
         elif FLAGS.HAS_SCORE_MOD:
@@ -917,7 +953,7 @@ def _with_sink(l_i, m_run, sinks_ptr, h):
 def _epilogue(acc, acc_hi, m_i, m_run, l_i, qk_scale, o_half, o_half_hi, o_desc, o_desc_hi, lse_ptr, max_ptr,
               sink_bufs, pack_args, z, h, q0, row0, HQ, M, M_seq, o_layout: gl.constexpr, HALF_M: gl.constexpr,
               dtype: gl.constexpr, O_STAGE: gl.constexpr, SPLIT_O: gl.constexpr, HAS_SINKS: gl.constexpr,
-              VARLEN: gl.constexpr):
+              VARLEN: gl.constexpr, MAX_IS_BASE: gl.constexpr = False):
     """Normalise O, stage it in shared memory, TMA-store it; write LSE / MAX (log2 units).
 
     O_STAGE: o_half is this warpgroup's own O buffer; the store is left in flight (the next tile's
@@ -951,7 +987,10 @@ def _epilogue(acc, acc_hi, m_i, m_run, l_i, qk_scale, o_half, o_half_hi, o_desc,
 
     if not HAS_SINKS:
         lse = _row_lse(m_run, l_safe, empty_row)
-    mx = gl.where(empty_row, -float("inf"), m_i * qk_scale)
+    if MAX_IS_BASE:   # m_run is MAX already (_online_softmax_fp8 under QUANT.TIGHT)
+        mx = gl.where(empty_row, -float("inf"), m_run)
+    else:
+        mx = gl.where(empty_row, -float("inf"), m_i * qk_scale)
     rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
     off = (z * HQ + h).to(gl.int64) * M + q0 + rows
     gl.store(lse_ptr + off, lse, mask=rows < M_seq)
@@ -1120,7 +1159,7 @@ def _fp8_overlap_loop(q_op, k_smem, v_smem, bars, n_partial, n_total, b, h, mt, 
     V_STAGES: gl.constexpr = TILE.V_STAGES
     # ---- prologue: S_0 ----
     st = cnt % NUM_STAGES
-    start = _kv_start(0, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE)
+    start = _kv_start(0, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE, QUANT.TIGHT)
     tile_scales = _fp8_tile_scales(start, fp8_rows, QUANT)
     k_t, _k = _ring_operands(k_smem, k_smem, st, BLOCK_N, TILE.QK_LO, 0, True)
     mbarrier.wait(k_ready.index(st), (cnt // NUM_STAGES) & 1)
@@ -1155,7 +1194,7 @@ def _fp8_overlap_loop(q_op, k_smem, v_smem, bars, n_partial, n_total, b, h, mt, 
         v_cur, _v = _v_operands(v_smem, v_smem, vst, BLOCK_N, TILE.V_LO, 0, QUANT)
         nxt = cnt + 1
         st = nxt % NUM_STAGES
-        start = _kv_start(i + 1, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE)
+        start = _kv_start(i + 1, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE, QUANT.TIGHT)
         tile_scales = _fp8_tile_scales(start, fp8_rows, QUANT)
         k_t, _k = _ring_operands(k_smem, k_smem, st, BLOCK_N, TILE.QK_LO, 0, True)
         mbarrier.wait(k_ready.index(st), (nxt // NUM_STAGES) & 1)
@@ -1259,6 +1298,8 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
             gl.static_assert(SPLIT_QK and O_HI == QK_HI, "O's hi part is staged in Q's hi tile")
         o_half = q_half
 
+    if QUANT.TIGHT:
+        num_tiles = _opaque(num_tiles)
     n_it, pid, nprog = _tile_loop(num_tiles, num_m_tiles, HQ, pack_args, TILE, PERSISTENT, PACK)
 
     if WG == 1:
@@ -1268,6 +1309,12 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
     t = 0     # pingpong turns taken
     t_local = 0
     for it in range(n_it):
+        if QUANT.TIGHT:   # M - 1, HQ // GQA, a mod's sm_scale products...: per tile, not kernel-wide registers
+            M = _opaque(M)
+            HQ = _opaque(HQ)
+            GQA = _opaque(GQA)
+            num_m_tiles = _opaque(num_m_tiles)
+            sm_scale = _opaque(sm_scale)
         tile_id = _tile_id(it, pid, nprog, PERSISTENT)
         b, h, mt = _tile_coords(tile_id, num_tiles, num_m_tiles, HQ, PERSISTENT, PACK.VARLEN)
         # the tile's sequence (VARLEN; dense: z = b, q0 = 0, M_seq = M, N_seq = N): rows and keys are positions in it
@@ -1424,6 +1471,13 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
                 if n_total == 0:   # no KV tile: Q was never read
                     mbarrier.arrive(q_empty.index(WG), count=1)
 
+        if QUANT.TIGHT:
+            # the epilogue's coordinates and O staging address from the tile id again: kept from the tile's start,
+            # they would be registers held across the KV loop
+            b, h, mt = _tile_coords(_opaque(tile_id), num_tiles, num_m_tiles, HQ, PERSISTENT, PACK.VARLEN)
+            z, q0, M_seq, k0, N_seq = _seq_rows(b, M, N, pack_args, PACK)
+            row0 = mt * BLOCK_M + WG * HALF_M
+            o_half = o_smem.index(_opaque(row0 * 0 + WG))
         if KV_AFFINE:   # the row part of the mod, left out of the tiles (see _affine_columns)
             r = _affine_rows(SCORE_MOD, sm_scale, b, h, row0, q_idx_c, score_bufs)
             m_i = m_i + r
@@ -1436,7 +1490,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
             acc = acc * (vs_max * (1.0 / 256.0))
         _epilogue(acc, acc_hi, m_o, r_o, l_o, qk_scale, o_half, q_half_hi, o_desc, o_desc_hi, lse_ptr, max_ptr,
                   sink_bufs, pack_args, z, h, q0, row0, HQ, M, M_seq, o_layout, HALF_M, o_dtype, O_STAGE, SPLIT_O,
-                  FLAGS.HAS_SINKS, PACK.VARLEN)
+                  FLAGS.HAS_SINKS, PACK.VARLEN, QUANT.TIGHT and not KV_AFFINE)
         if not O_STAGE:
             mbarrier.arrive(q_empty.index(WG), count=1)
         t_local += 1
@@ -1840,8 +1894,12 @@ def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bu
         # mods that read captured buffers (a document mask's ids) spill inside the KV loop with the lean softmax
         # (D=128: over the 8 LDL / STL the previous one reloads there): they keep the previous one
         lean = cfg.lean_fp8_softmax and not score_bufs and not mask_bufs
+        # registers run out under mods where two-level accumulation holds a fresh PV accumulator or a mask gathers ids
+        tight = (cfg.fp8_tight_mods and (score_mod is not None or mask_mod is not None)
+                 and (fp8.recipe.two_level > 0 or bool(mask_bufs)))
         quant = Quant(ON=True, Q_BLOCK=fp8.recipe.block_m, KV_BLOCK=fp8.recipe.block_n,
-                      TWO_LEVEL=fp8.recipe.two_level > 0, QK_INT8=q.dtype == torch.int8, LEAN=lean)
+                      TWO_LEVEL=fp8.recipe.two_level > 0, QK_INT8=q.dtype == torch.int8, LEAN=lean,
+                      TIGHT=tight)
         quant_bufs = (fp8.q_scale, fp8.k_scale, fp8.v_scale, fp8.v_scale_max)
     sink_bufs = kernel_sink_bufs(sinks, q, fp8, "sm90 forward")
     args = (q_desc, k_desc, v_desc, o_desc, *hi_descs, lse, max_scores, tuple(score_bufs), tuple(mask_bufs),

@@ -10,9 +10,9 @@ with the PV of tile i, both retired before the next softmax) keeps S of the next
 live at the issue, not during the softmax: S + O + PV + P, the same peak as without it.
   D=64   BLOCK_N 128: S 64 + O 32 + PV 32 + P 16 = 144. Ring: K and V stages of 8 KB each; 4 stages:
          Q 8 + K/V 64 + O staging 16 = 88 KB. Overlap: every variant spill-free.
-  D=128  BLOCK_N 128: S 64 + O 64 + PV 64 + P 16 = 208. Overlap: noop and softcap spill-free in every schedule;
-         block masks, ragged lengths under masks and ALiBi spill a few kernel-wide scalars outside the KV loop
-         (<= 48 bytes of stack, no LDL / STL inside it; tests/test_hopper_fp8.py). Ring: 16 KB per K or V stage;
+  D=128  BLOCK_N 128: S 64 + O 64 + PV 64 + P 16 = 208. Overlap: spill-free in every schedule, mods too
+         (fp8_tight_mods: before it, mods spilled up to 40 bytes of kernel-wide scalars; tests/test_hopper_fp8.py,
+         docs/design/hopper_fp8.md "Spills under mods"). Ring: 16 KB per K or V stage;
          3 stages: Q 16 + K/V 96 + O 32 = 144 KB. (BLOCK_N 256 would need 128 + 64 + 64 for S, O and PV alone;
          a BLOCK_N that is not a power of two (176) is no Gluon tensor shape.)
   D=256  O alone is 128 registers and a fresh PV accumulator another 128: two-level accumulation does not fit
@@ -25,7 +25,7 @@ Schedule: D=64 and 128 leave it to use_persistent per launch (as the bf16 table)
 Softmax: lean_fp8_softmax in every entry (Sm90Config; the per-tile chain each consumer warpgroup runs between its
 GEMMs is what sets the FP8 rate: docs/design/hopper_fp8.md, "Cycle budget", benchmarks/sass_loop_model.py).
 Chosen from sm90 compiles on the CPU (triton 3.6; tests/test_hopper_fp8.py checks every entry: s8 or e4m3 wgmma for
-QK^T and e4m3 for PV, not serialized, setmaxnreg kept, no spills, none inside a KV loop under mods); the D=128 overlap
+QK^T and e4m3 for PV, not serialized, setmaxnreg kept, no spills, mods included); the D=128 overlap
 not timed against overlap=False; the lean softmax timed on an H200: 1.16-1.18x the kernel without it at D128 noop, int8 Q/K
 (benchmarks/results/fp8-kernel-ab-nvidia-h200-2026-11-28-0529).
 """
@@ -46,7 +46,9 @@ _TABLE: dict[int, Sm90Config] = {
     # before, P was held one byte per register (238 repacking instructions per KV tile) and spilled; the entry ran
     # without the overlap. Not yet timed against overlap=False (docs/design/hopper_fp8.md, "A/B"; the issue model
     # gives overlap=False 3268 cycles per tile pair against 2384).
-    128: Sm90Config(block_m=128, block_n=128, num_stages=3, lean_fp8_softmax=True),
+    # fp8_tight_mods: mods (with two-level accumulation or a gathering mask) spilled 8-40 bytes of kernel-wide scalars
+    # here; with it none, the noop loop unchanged (docs/design/hopper_fp8.md, "Spills under mods")
+    128: Sm90Config(block_m=128, block_n=128, num_stages=3, lean_fp8_softmax=True, fp8_tight_mods=True),
     # persistent=False: the persistent schedule spills without EVEN_N (17 spill instructions); overlap=False: with
     # it the ragged launches spill too (9 instructions, 16 bytes)
     256: Sm90Config(block_m=128, block_n=64, num_stages=2, persistent=False, overlap=False, lean_fp8_softmax=True),
