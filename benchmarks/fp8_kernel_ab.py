@@ -2,8 +2,9 @@
 """A/B of the Hopper FP8 kernel's tile configs: the kernel alone (hopper_fp8, templates/hopper/fwd_sm90.py with its
 Quant bundle on), launched directly on operands quantized once, against cuDNN SDPA bf16 in the same run.
 
-Variants (VARIANTS): ``old`` = the D=128 FP8 table entry as it was before 2026-11-28 (lean_fp8_softmax off), ``new`` =
-the table entry now (templates/hopper_fp8/configs.py). Cases: D=128, B = 16384 / N, H = 16, N in --seqlens, mods noop /
+Variants (VARIANTS): ``old`` = the D=128 FP8 table entry as it was before 2026-11-29 (fp8_tight_mods off: mod launches
+hold kernel-wide scalars across the KV loop; until 2026-11-29 ``old`` was lean_fp8_softmax off, the runs of that date
+record it), ``new`` = the table entry now (templates/hopper_fp8/configs.py). Cases: D=128, B = 16384 / N, H = 16, N in --seqlens, mods noop /
 causal (mask_mod with a 128-block causal BlockMask, as the product lowers it) / softcap 30 (generated score_mod), Q and
 K in int8 and e4m3 (FP8Recipe.qk; V and P e4m3). Every launch is compiled first (in threads: Triton's compile runs
 mostly outside the GIL), then checked once against float64 attention on the dequantized operands (batch 0, heads 0-1,
@@ -42,7 +43,7 @@ from hopper_ablation import causal_block_mask  # noqa: E402
 D, H, TOKENS = 128, 16, 16384
 TOLERANCE = 1e-1    # tests/reference.py FP8_TOLERANCE: a wrong scale or tile, not FP8 rounding
 VARIANTS = {
-    "old": replace(get_fp8_config(D), lean_fp8_softmax=False),
+    "old": replace(get_fp8_config(D), fp8_tight_mods=False),
     "new": get_fp8_config(D),
 }
 CHECK_HEADS, CHECK_ROWS = 2, 256
