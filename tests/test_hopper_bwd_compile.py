@@ -1,8 +1,8 @@
 """CPU-only: compile the sm90 backward (templates/hopper_bwd/) for GPUTarget("cuda", 90, 32) and read the result.
 
 Run in a session without TRITON_INTERPRET: ``pytest -m "sm90_compile and not gpu" tests/test_hopper_bwd_compile.py``.
-Eight compiles (D 64 / 128 x noop, causal mask_mod with partial and full blocks, softcap and ALiBi score_mods), plus
-the dQ schedules (configs.VARIANTS: dq_tma must issue UTMAREDG and no REDG): wgmma (HGMMA) present, setmaxnreg at
+Eight compiles (D 64 / 128 x noop, causal mask_mod with partial and full blocks, softcap and ALiBi score_mods), the
+wide head dims (256 and 192 / 128 x noop, causal, softcap: bwd_sm90_wide.py), plus the dQ schedules (configs.VARIANTS: dq_tma must issue UTMAREDG and no REDG): wgmma (HGMMA) present, setmaxnreg at
 the configured budgets, shared memory within sm90's 227 KB, no spill instruction and no stack at either head dim,
 and the noop kernel's step loop no longer than measured (docs/design/hopper_backward.md). Registers, spill
 counts and step-loop lengths are printed (``-s``).
@@ -126,3 +126,47 @@ def test_schedule_variants_compile(D, variant, schedule):
         assert "UTMAREDG" in main.sass and "REDG" not in main.sass.replace("UTMAREDG", ""), "dQ not by TMA reduce"
     max_total, max_loop = VARIANT_SPILLS[D, variant, schedule]
     assert main.spill_instructions <= max_total and loop_spills <= max_loop, (main.spill_instructions, loop_spills)
+
+
+# Wide head dims (bwd_sm90_wide.py: dK, dV and dQ columns split between the warpgroups, 64-key CTAs), triton 3.6,
+# M = N = 1000: (q/k, v) head dims -> HGMMA instructions. No spill and no stack, except ALiBi at D = 256: one
+# 64-bit kernel-argument product stored before the warp-specialized dispatch and reloaded once per query head
+# (2 instructions, 8 bytes of stack, none in a step loop). Step-loop lengths are printed
+# (docs/design/hopper_backward.md, "Wide head dims").
+WIDE = {(256, 256): 96, (192, 128): 68}
+WIDE_VARIANTS = ["noop", "causal", "softcap", "alibi"]
+WIDE_SPILLS = {(256, 256, "alibi"): (2, 8)}   # (spill instructions, stack bytes); (0, 0) elsewhere
+
+
+@pytest.mark.parametrize("variant", WIDE_VARIANTS)
+@pytest.mark.parametrize("D, DV", sorted(WIDE))
+def test_wide_head_dims_compile(D, DV, variant):
+    from fa3_inductor.templates.aot import sass_report
+    from fa3_inductor.templates.hopper_bwd import compile_hopper_backward, get_bwd_config
+
+    M = N = 1000
+    q = torch.randn(2, 4, M, D, dtype=torch.bfloat16)
+    k = torch.randn(2, 2, N, D, dtype=torch.bfloat16)
+    v = torch.randn(2, 2, N, DV, dtype=torch.bfloat16)
+    out = torch.empty(2, 4, M, DV, dtype=torch.bfloat16)
+    kernels = compile_hopper_backward(q, k, v, out, torch.empty_like(out), torch.empty(2, 4, M),
+                                      sm_scale=D ** -0.5, **_options(variant, M, N))
+    pre, main, convert = (sass_report(ck) for ck in kernels)
+    cfg = get_bwd_config(D, DV)
+    loops = _step_loops(main)
+    print(f"\nD{D}/{DV} {variant}: main {main.registers} registers at entry, {main.hgmma} HGMMA, "
+          f"{main.spill_instructions} spill instructions, stack {main.stack}, shared {main.shared}, "
+          f"step loops {[len(b) for b in loops]}")
+    assert cfg.split_dkv
+    assert main.hgmma == WIDE[D, DV], f"{main.hgmma} HGMMA"
+    assert "HGMMA.64x32x16.F32.BF16" in main.sass, "no 64x32 score wgmma (32 keys a warpgroup)"
+    assert {cfg.consumer_regs, cfg.producer_regs} <= main.setmaxnreg, f"setmaxnreg dropped: {main.setmaxnreg}"
+    max_spills, max_stack = WIDE_SPILLS.get((D, DV, variant), (0, 0))
+    assert main.spill_instructions <= max_spills, f"{main.spill_instructions} spill instructions"
+    assert main.stack <= max_stack, f"stack {main.stack} bytes"
+    assert len(loops) == 2, f"expected one step loop per consumer warpgroup, got {[len(b) for b in loops]}"
+    assert not any("LDL" in t or "STL" in t for body in loops for t in body), "spill in a step loop"
+    assert "UTMAREDG" in main.sass and "REDG" not in main.sass.replace("UTMAREDG", ""), "dQ not by TMA reduce"
+    assert cfg.smem_bytes(D, value_head_dim=DV) <= main.shared <= SMEM_LIMIT
+    for r in (pre, convert):
+        assert r.spill_instructions == 0 and r.stack == 0

@@ -68,10 +68,10 @@ def _mask_options(mask_mod, M, N):
                 full_q_indices=bm.full_q_indices, sparse_q_block=bm.BLOCK_SIZE[0], sparse_kv_block=bm.BLOCK_SIZE[1])
 
 
-def _inputs(Z, HQ, HKV, M, N, D, KZ=None, dtype=torch.bfloat16):
-    KZ = KZ or Z
+def _inputs(Z, HQ, HKV, M, N, D, KZ=None, dtype=torch.bfloat16, DV=None):
+    KZ, DV = KZ or Z, DV or D
     return (torch.randn(Z, HQ, M, D, device="cuda", dtype=dtype), torch.randn(KZ, HKV, N, D, device="cuda", dtype=dtype),
-            torch.randn(KZ, HKV, N, D, device="cuda", dtype=dtype), torch.randn(Z, HQ, M, D, device="cuda", dtype=dtype))
+            torch.randn(KZ, HKV, N, DV, device="cuda", dtype=dtype), torch.randn(Z, HQ, M, DV, device="cuda", dtype=dtype))
 
 
 def _run(q, k, v, out, dout, lse2, **options):
@@ -121,14 +121,23 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("D", [64, 128])
+# (q/k, v) head dims: bwd_sm90.py's 64 and 128, bwd_sm90_wide.py's 256 and 192 / 128 (dK, dV split by columns)
+HEAD_DIMS = [(64, 64), (128, 128), (256, 256), (192, 128)]
+WIDE_HEAD_DIMS = [(256, 256), (192, 128)]
+
+
+def _dims_id(dims):
+    return f"D{dims[0]}" if dims[0] == dims[1] else f"D{dims[0]}-{dims[1]}"
+
+
+@pytest.mark.parametrize("dims", HEAD_DIMS, ids=_dims_id)
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_gradients_match_float64(case, D):
+def test_gradients_match_float64(case, dims):
     _, score_mod, mask_mod, Z, HQ, HKV, M, N, KZ = case
     if mask_mod == "document":
         mask_mod = _document(M)
     torch.manual_seed(0)
-    q, k, v, dout = _inputs(Z, HQ, HKV, M, N, D, KZ)
+    q, k, v, dout = _inputs(Z, HQ, HKV, M, N, dims[0], KZ, DV=dims[1])
     _check(q, k, v, dout, score_mod, mask_mod)
 
 
@@ -155,24 +164,27 @@ def test_schedule_variants_match_float64(case, D, variant):
     _check(q, k, v, dout, score_mod, mask_mod, config=get_bwd_config(D, **VARIANTS[variant]))
 
 
-def test_lse_gradient():
+@pytest.mark.parametrize("dims", [(128, 128)] + WIDE_HEAD_DIMS, ids=_dims_id)
+def test_lse_gradient(dims):
     torch.manual_seed(1)
-    q, k, v, dout = _inputs(1, 2, 2, 300, 300, 128)
+    q, k, v, dout = _inputs(1, 2, 2, 300, 300, dims[0], DV=dims[1])
     _check(q, k, v, dout, mods.softcap(20.0), mods.causal, grad_lse=torch.randn(1, 2, 300, device="cuda"))
 
 
-def test_fp16():
+@pytest.mark.parametrize("dims", [(128, 128)] + WIDE_HEAD_DIMS, ids=_dims_id)
+def test_fp16(dims):
     torch.manual_seed(2)
-    q, k, v, dout = _inputs(1, 2, 2, 500, 400, 128, dtype=torch.float16)
+    q, k, v, dout = _inputs(1, 2, 2, 500, 400, dims[0], dtype=torch.float16, DV=dims[1])
     _check(q, k, v, dout, None, mods.causal)
 
 
-def test_fully_masked_rows_get_zero_gradient():
+@pytest.mark.parametrize("dims", [(64, 64)] + WIDE_HEAD_DIMS, ids=_dims_id)
+def test_fully_masked_rows_get_zero_gradient(dims):
     def late_causal(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (q_idx >= 20)
 
     torch.manual_seed(3)
-    q, k, v, dout = _inputs(1, 2, 2, 256, 256, 64)
+    q, k, v, dout = _inputs(1, 2, 2, 256, 256, dims[0], DV=dims[1])
     out, lse = reference_attention(q, k, v, None, late_causal)
     dq, dk, dv = _run(q, k, v, torch.nan_to_num(out).to(q.dtype), dout, (lse / LN2).float(), sm_scale=0.125,
                       **_mask_options(late_causal, 256, 256))
@@ -180,22 +192,24 @@ def test_fully_masked_rows_get_zero_gradient():
     assert (dq[:, :, :20] == 0).all()
 
 
-def test_with_our_hopper_forward():
-    """out and LSE from templates/hopper's forward kernel (log2 LSE), causal + softcap, D 128."""
+@pytest.mark.parametrize("dims", [(128, 128)] + WIDE_HEAD_DIMS, ids=_dims_id)
+def test_with_our_hopper_forward(dims):
+    """out and LSE from templates/hopper's forward kernel (log2 LSE), causal + softcap."""
     from fa3_inductor.templates.hopper import launch_fwd_sm90
 
     torch.manual_seed(4)
     M = N = 1024
-    q, k, v, dout = _inputs(2, 4, 4, M, N, 128)
+    D, DV = dims
+    q, k, v, dout = _inputs(2, 4, 4, M, N, D, DV=DV)
     score = _score_options(mods.softcap(20.0))
     mask = _mask_options(mods.causal, M, N)
     fwd_mask = {key: mask[key] for key in ("mask_mod", "mask_bufs", "kv_num_blocks", "kv_indices",
                                             "full_kv_num_blocks", "full_kv_indices")}
-    out, lse, mx = torch.empty_like(q), torch.empty(2, 4, M, device="cuda"), torch.empty(2, 4, M, device="cuda")
-    launch_fwd_sm90(q, k, v, out, lse, mx, sm_scale=128 ** -0.5, score_mod=score["score_mod"],
+    out, lse, mx = torch.empty_like(dout), torch.empty(2, 4, M, device="cuda"), torch.empty(2, 4, M, device="cuda")
+    launch_fwd_sm90(q, k, v, out, lse, mx, sm_scale=D ** -0.5, score_mod=score["score_mod"],
                     score_bufs=score["score_bufs"], **fwd_mask)
-    got = _run(q, k, v, out, dout, lse, sm_scale=128 ** -0.5, **score, **mask)
-    _, dq, dk, dv, _ = reference_gradients(q, k, v, dout, mods.softcap(20.0), mods.causal, 128 ** -0.5)
+    got = _run(q, k, v, out, dout, lse, sm_scale=D ** -0.5, **score, **mask)
+    _, dq, dk, dv, _ = reference_gradients(q, k, v, dout, mods.softcap(20.0), mods.causal, D ** -0.5)
     for name, g, want in zip(("dq", "dk", "dv"), got, (dq, dk, dv)):
         assert_matches_reference(g, want, q.dtype, name)
 
@@ -207,3 +221,20 @@ def test_deterministic_is_refused():
     with pytest.raises(ValueError, match="deterministic"):
         prepare_hopper_backward(q, k, v, dout, dout, torch.zeros(1, 2, 128, device="cuda"), torch.empty_like(q),
                                 torch.empty_like(k), torch.empty_like(v), sm_scale=0.125, deterministic=True)
+
+
+@pytest.mark.parametrize("dims", WIDE_HEAD_DIMS, ids=_dims_id)
+def test_wide_head_dims_are_served(dims):
+    """family.py serves 256 and 192 / 128 on sm90 (bwd_sm90_wide.py), and the launches name that kernel."""
+    from fa3_inductor.templates.family import BackwardSiteFacts
+    from fa3_inductor.templates.hopper_bwd import prepare_hopper_backward
+    from fa3_inductor.templates.hopper_bwd.bwd_sm90_wide import fa3_bwd_sm90_wide_kernel
+    from fa3_inductor.templates.hopper_bwd.family import HOPPER_BWD
+
+    D, DV = dims
+    site = BackwardSiteFacts(torch.device("cuda"), torch.bfloat16, D, DV)
+    assert HOPPER_BWD.serves_backward(site) is None
+    q, k, v, dout = _inputs(1, 2, 2, 128, 128, D, DV=DV)
+    launches = prepare_hopper_backward(q, k, v, dout, dout, torch.zeros(1, 2, 128, device="cuda"), torch.empty_like(q),
+                                       torch.empty_like(k), torch.empty_like(v), sm_scale=D ** -0.5)
+    assert launches[1][0] is fa3_bwd_sm90_wide_kernel

@@ -4,7 +4,7 @@ Notation
 --------
   Q, dQ   [Z, HQ, M, D]      queries and their gradient (z = batch, hq = query head, m = query position)
   K, dK   [KZ, HKV, N, D]    keys; hkv = hq // GQA_GROUP; KZ is Z or 1 (a K/V batch of 1 serves every z)
-  V, dV   [KZ, HKV, N, DV]   values (DV = D here: the host refuses other pairs)
+  V, dV   [KZ, HKV, N, DV]   values (DV = D = 64 or 128 here; D = 256 and 192 / 128: bwd_sm90_wide.py)
   O, dO   [Z, HQ, M, DV]     the forward's output and its incoming gradient
   LSE     [Z, HQ, M] fp32    the forward's logsumexp in log2 units (-inf on fully masked rows)
   STATS   [Z * HQ, 2, M_PAD] fp32   what the main kernel reads (preprocess kernel): LSE_P = LSE with +inf on
@@ -547,15 +547,20 @@ def fa3_bwd_sm90_kernel(
 # ----------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["M", "M_PAD"])
 def bwd_sm90_preprocess_kernel(O, DO, LSE, DLSE, STATS, DQ_ACC, o_strides, do_strides, HQ, M, M_PAD,
-                               HAS_DLSE: tl.constexpr, BLOCK: tl.constexpr, HEAD_D: tl.constexpr):
+                               HAS_DLSE: tl.constexpr, BLOCK: tl.constexpr, HEAD_D: tl.constexpr,
+                               HEAD_DV: tl.constexpr = None, HEAD_D_POW2: tl.constexpr = None):
     """STATS (LSE_P, DELTA_P) for rows [BLOCK * pid, ...) of head z * HQ + hq (up to M_PAD), and zeros into the
-    same rows of DQ_ACC."""
+    same rows of DQ_ACC. HEAD_DV: O's and dO's columns (default HEAD_D); HEAD_D_POW2: HEAD_D rounded up to a
+    power of two (DQ_ACC's columns are masked to HEAD_D), when HEAD_D is not one (192)."""
     pid = tl.program_id(0)
     zh = tl.program_id(1)
     z = zh // HQ
     hq = zh % HQ
     rows = pid * BLOCK + tl.arange(0, BLOCK)
-    cols = tl.arange(0, HEAD_D)
+    if HEAD_DV is None:
+        cols = tl.arange(0, HEAD_D)
+    else:
+        cols = tl.arange(0, HEAD_DV)
     in_rows = rows < M
     o = tl.load(O + z * o_strides[0] + hq * o_strides[1] + rows[:, None] * o_strides[2] + cols[None, :],
                 mask=in_rows[:, None], other=0.0)
@@ -571,21 +576,31 @@ def bwd_sm90_preprocess_kernel(O, DO, LSE, DLSE, STATS, DQ_ACC, o_strides, do_st
     in_pad = rows < M_PAD
     tl.store(STATS + padded + zh * M_PAD, lse, mask=in_pad)
     tl.store(STATS + padded + (zh + 1) * M_PAD, delta, mask=in_pad)
-    tl.store(DQ_ACC + padded[:, None] * HEAD_D + cols[None, :], tl.zeros([BLOCK, HEAD_D], tl.float32),
-             mask=in_pad[:, None])
+    if HEAD_D_POW2 is None:
+        tl.store(DQ_ACC + padded[:, None] * HEAD_D + cols[None, :], tl.zeros([BLOCK, HEAD_D], tl.float32),
+                 mask=in_pad[:, None])
+    else:
+        dcols = tl.arange(0, HEAD_D_POW2)
+        tl.store(DQ_ACC + padded[:, None] * HEAD_D + dcols[None, :], tl.zeros([BLOCK, HEAD_D_POW2], tl.float32),
+                 mask=in_pad[:, None] & (dcols < HEAD_D)[None, :])
 
 
 @triton.jit(do_not_specialize=["M", "M_PAD"])
 def bwd_sm90_dq_convert_kernel(DQ_ACC, DQ, dq_strides, HQ, M, M_PAD, ds_scale,
-                               BLOCK: tl.constexpr, HEAD_D: tl.constexpr):
-    """dQ = DQ_ACC * ds_scale in dQ's dtype, rows [BLOCK * pid, ...) of head z * HQ + hq."""
+                               BLOCK: tl.constexpr, HEAD_D: tl.constexpr, HEAD_D_POW2: tl.constexpr = None):
+    """dQ = DQ_ACC * ds_scale in dQ's dtype, rows [BLOCK * pid, ...) of head z * HQ + hq (HEAD_D_POW2: as in
+    the preprocess kernel)."""
     pid = tl.program_id(0)
     zh = tl.program_id(1)
     z = zh // HQ
     hq = zh % HQ
     rows = pid * BLOCK + tl.arange(0, BLOCK)
-    cols = tl.arange(0, HEAD_D)
-    in_rows = (rows < M)[:, None]
+    if HEAD_D_POW2 is None:
+        cols = tl.arange(0, HEAD_D)
+        in_rows = (rows < M)[:, None]
+    else:
+        cols = tl.arange(0, HEAD_D_POW2)
+        in_rows = (rows < M)[:, None] & (cols < HEAD_D)[None, :]
     acc = tl.load(DQ_ACC + (zh.to(tl.int64) * M_PAD + rows)[:, None] * HEAD_D + cols[None, :], mask=in_rows)
     ptrs = DQ + z * dq_strides[0] + hq * dq_strides[1] + rows[:, None] * dq_strides[2] + cols[None, :]
     tl.store(ptrs, (acc * ds_scale).to(DQ.dtype.element_ty), mask=in_rows)

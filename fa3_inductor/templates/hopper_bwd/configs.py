@@ -31,10 +31,14 @@ class BwdSm90Config:
     maxnreg: int = 168           # register cap at kernel entry (12 warps)
     dq_tma: bool = True          # dQ staged in shared memory, one TMA reduce-add per warpgroup and step (else
                                  # per-thread red.v2 atomics: 32 KB less shared memory, for tiles that need it)
+    split_dkv: bool = False      # bwd_sm90_wide: 64-key CTAs, dK / dV / dQ columns split between the warpgroups
 
-    def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
+    def smem_bytes(self, head_dim: int, elem_bytes: int = 2, value_head_dim: int | None = None) -> int:
         """Shared memory of K, V, the Q / dO ring, P, the two dS buffers and the dQ staging tiles (no score_mod),
         barriers aside."""
+        if self.split_dkv:   # 64 keys; two P and two dS [64, 64] tiles; two fp32 [64, 64] dQ staging tiles
+            dv = value_head_dim or head_dim
+            return elem_bytes * (64 * (head_dim + dv) * (1 + self.num_stages) + 4 * 64 * 64) + 2 * 64 * 64 * 4
         kv = 2 * 128 * head_dim                  # K, V of the CTA's 128 keys
         ring = self.num_stages * 2 * 64 * head_dim    # Q, dO of 64 query rows per stage
         p_ds = 2 * 64 * 64 + 2 * 64 * 128           # P (one [64, 64] tile per warpgroup), two dS buffers
@@ -53,6 +57,18 @@ _TABLE: dict[int, BwdSm90Config] = {
 
 SUPPORTED_HEAD_DIMS = tuple(sorted(_TABLE))
 
+# Wide head dims (q/k, v) -> config: bwd_sm90_wide.py, dK and dV split along the head dim between the two
+# consumer warpgroups (docs/design/hopper_backward.md, "Wide head dims"). Unmeasured on a GPU so far.
+WIDE_TABLE: dict[tuple[int, int], BwdSm90Config] = {
+    # 32 KB K + 32 KB V + one 64 KB Q / dO stage + 16 KB P + 16 KB dS + 32 KB dQ staging = 192 KB (+8 KB f'
+    # with a score_mod); a second stage would be 256 KB.
+    (256, 256): BwdSm90Config(num_stages=1, split_dkv=True),
+    # 24 + 16 KB K, V + 2 x 40 KB Q / dO + 16 + 16 + 32 KB = 184 KB (192 KB with a score_mod)
+    (192, 128): BwdSm90Config(num_stages=2, split_dkv=True),
+}
+
+SUPPORTED_HEAD_DIM_PAIRS = tuple(sorted([(d, d) for d in _TABLE] + list(WIDE_TABLE)))
+
 
 # Named schedules for A/B runs (benchmarks/bwd_speed.py --bwd-variants): field overrides of the table's entry.
 VARIANTS: dict[str, dict[str, bool]] = {
@@ -61,8 +77,9 @@ VARIANTS: dict[str, dict[str, bool]] = {
 }
 
 
-def get_bwd_config(head_dim: int, **overrides) -> BwdSm90Config:
-    """The table's tiles for a head dim (D = DV), with optional field overrides (tests, sweeps).
+def get_bwd_config(head_dim: int, value_head_dim: int | None = None, **overrides) -> BwdSm90Config:
+    """The table's tiles for a head dim (q/k ``head_dim``, v ``value_head_dim``, default the same), with optional
+    field overrides (tests, sweeps).
 
     Example::
 
@@ -71,9 +88,13 @@ def get_bwd_config(head_dim: int, **overrides) -> BwdSm90Config:
         >>> get_bwd_config(128, **VARIANTS["atomic_dq"]).dq_tma
         False
     """
-    if head_dim not in _TABLE:
-        raise ValueError(f"sm90 backward: head dim {head_dim} is not served (it serves "
-                         f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}); use the generic backward "
-                         "(templates/generic_bwd)")
-    cfg = _TABLE[head_dim]
+    pair = (head_dim, value_head_dim or head_dim)
+    if pair in WIDE_TABLE:
+        cfg = WIDE_TABLE[pair]
+    elif pair[0] == pair[1] and head_dim in _TABLE:
+        cfg = _TABLE[head_dim]
+    else:
+        raise ValueError(f"sm90 backward: head dims {pair[0]}/{pair[1]} are not served (it serves "
+                         f"{', '.join(f'{d}/{dv}' for d, dv in SUPPORTED_HEAD_DIM_PAIRS)}); use the generic "
+                         "backward (templates/generic_bwd)")
     return replace(cfg, **overrides) if overrides else cfg

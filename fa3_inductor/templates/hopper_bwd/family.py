@@ -1,5 +1,6 @@
 """The Hopper backward behind the backward-family interface (templates/family.py): sm90 GPUs, float16
-and bfloat16, D = DV in configs.SUPPORTED_HEAD_DIMS; mods in the ``gl`` dialect. dQ is summed with
+and bfloat16, the (q/k, v) head dims of configs.SUPPORTED_HEAD_DIM_PAIRS (64 / 128 by bwd_sm90.py, 192 / 128 and
+256 by bwd_sm90_wide.py); mods in the ``gl`` dialect. dQ is summed with
 fp32 reduce-adds (TMA, in arrival order), so it is not bitwise reproducible: a site that asks for deterministic gradients, or for
 gradients of captured tensors (not computed here yet), goes to the generic backward."""
 
@@ -11,7 +12,7 @@ import torch
 
 from ..family import NOT_MEANT_HERE, BackwardCall, BackwardSiteFacts, Launch, NotServed
 from ..generic_bwd.host import SCORE_GRAD_ONE
-from .configs import SUPPORTED_HEAD_DIMS
+from .configs import SUPPORTED_HEAD_DIM_PAIRS
 from .host import hopper_backward_scratch, prepare_hopper_backward
 
 
@@ -38,9 +39,9 @@ class HopperBackwardFamily:
             return NOT_MEANT_HERE
         if site.dtype not in (torch.float16, torch.bfloat16):
             return f"Hopper backward: {site.dtype} inputs (it serves float16 and bfloat16)"
-        if site.head_dim != site.value_head_dim or site.head_dim not in SUPPORTED_HEAD_DIMS:
+        if (site.head_dim, site.value_head_dim) not in SUPPORTED_HEAD_DIM_PAIRS:
             return (f"Hopper backward: head dims {site.head_dim}/{site.value_head_dim} (it serves "
-                    f"D = Dv in {SUPPORTED_HEAD_DIMS})")
+                    f"{', '.join(f'{d}/{dv}' for d, dv in SUPPORTED_HEAD_DIM_PAIRS)})")
         if site.deterministic:
             return "Hopper backward: dQ summed by fp32 reduce-adds in arrival order is not bitwise reproducible (fa3.deterministic_backward)"
         if site.buffer_grads:

@@ -19,7 +19,8 @@ from ..tma import tma_aligned
 from ..wide_scores import wide_scores
 from .bwd_sm90 import (BwdFlags, BwdSchedule, BwdSparsity, BwdTile, bwd_sm90_dq_convert_kernel,
                        bwd_sm90_preprocess_kernel, fa3_bwd_sm90_kernel)
-from .configs import SMEM_LIMIT, SUPPORTED_HEAD_DIMS, BwdSm90Config, get_bwd_config
+from .bwd_sm90_wide import WideTile, fa3_bwd_sm90_wide_kernel
+from .configs import SMEM_LIMIT, SUPPORTED_HEAD_DIM_PAIRS, BwdSm90Config, get_bwd_config
 
 _MAX_SEQ = 1 << 23
 _LOG2E = math.log2(math.e)
@@ -56,9 +57,9 @@ def _check_inputs(q, k, v, out, dout, lse, dq, dk, dv) -> None:
     if q.dtype not in _DTYPES or any(t.dtype != q.dtype for t in (k, v, dq, dk, dv)):
         problems.append(f"q, k, v, dq, dk, dv must share one dtype of {_DTYPES}, got "
                         f"{[str(t.dtype) for t in (q, k, v, dq, dk, dv)]} (use the generic backward otherwise)")
-    if D != DV or D not in SUPPORTED_HEAD_DIMS:
-        problems.append(f"head dims {D} (q, k) / {DV} (v) are not served: it serves D = DV in "
-                        f"{SUPPORTED_HEAD_DIMS}; use the generic backward")
+    if (D, DV) not in SUPPORTED_HEAD_DIM_PAIRS:
+        problems.append(f"head dims {D} (q, k) / {DV} (v) are not served: it serves "
+                        f"{', '.join(f'{d}/{dv}' for d, dv in SUPPORTED_HEAD_DIM_PAIRS)}; use the generic backward")
     if tuple(k.shape) != (KZ, HKV, N, D):
         problems.append(f"k is {tuple(k.shape)}, expected {(KZ, HKV, N, D)}")
     if KZ not in (1, Z) or HKV == 0 or HQ % HKV:
@@ -131,8 +132,10 @@ def hopper_backward_scratch(q: torch.Tensor, *, has_mask: bool, sparse_q_block: 
         ((2, 2, 128), (2, 128, 64))
     """
     Z, HQ, M, D = q.shape
-    cfg = config or get_bwd_config(D)
-    m_pad = _padded_rows(M, has_mask, sparse_q_block, BwdTile(HEAD_D=D, NUM_STAGES=cfg.num_stages))
+    del config   # the rows are padded to BLOCK_M (64 in every config) or the block-mask query block
+    if D not in {d for d, _ in SUPPORTED_HEAD_DIM_PAIRS}:
+        _refuse(f"head dim {D} is not served (q/k head dims {sorted({d for d, _ in SUPPORTED_HEAD_DIM_PAIRS})})")
+    m_pad = _padded_rows(M, has_mask, sparse_q_block, BwdTile(HEAD_D=D, NUM_STAGES=1))
     return (torch.empty((Z * HQ, 2, m_pad), dtype=torch.float32, device=q.device),
             torch.empty((Z * HQ, m_pad, D), dtype=torch.float32, device=q.device))
 
@@ -211,11 +214,19 @@ def prepare_hopper_backward(
         full_q_num_blocks, full_q_indices = transpose_block_tables(full_kv_num_blocks, full_kv_indices)
 
     Z, HQ, M, D = q.shape
-    KZ, HKV, N, _ = v.shape
-    cfg = config or get_bwd_config(D)
-    if cfg.smem_bytes(D) > SMEM_LIMIT:
-        _refuse(f"config {cfg} needs {cfg.smem_bytes(D)} bytes of shared memory (limit {SMEM_LIMIT})")
-    tile = BwdTile(HEAD_D=D, NUM_STAGES=cfg.num_stages)
+    KZ, HKV, N, DV = v.shape
+    cfg = config or get_bwd_config(D, DV)
+    if cfg.smem_bytes(D, value_head_dim=DV) > SMEM_LIMIT:
+        _refuse(f"config {cfg} needs {cfg.smem_bytes(D, value_head_dim=DV)} bytes of shared memory "
+                f"(limit {SMEM_LIMIT})")
+    if cfg.split_dkv != (D > 128):
+        _refuse(f"config {cfg} does not fit head dims {D}/{DV} (split_dkv is for D > 128)")
+    if cfg.split_dkv and not cfg.dq_tma:
+        _refuse("the wide-head-dim kernel adds dQ by TMA reduce-add only (dq_tma=True)")
+    if cfg.split_dkv:
+        tile = WideTile(HEAD_D=D, HEAD_DV=DV, NUM_STAGES=cfg.num_stages)
+    else:
+        tile = BwdTile(HEAD_D=D, NUM_STAGES=cfg.num_stages)
     if has_mask and (sparse_q_block % tile.BLOCK_M or sparse_kv_block % tile.BLOCK_N):
         _refuse(f"block-mask blocks {sparse_q_block}x{sparse_kv_block} are not multiples of the tiles "
                 f"{tile.BLOCK_M}x{tile.BLOCK_N}; build the BlockMask with BLOCK_SIZE 128 (torch's default)")
@@ -260,26 +271,43 @@ def prepare_hopper_backward(
                      WIDE_SCORES=wide_scores(score_mod, compiled=True))
     sched = BwdSchedule(DQ_TMA=cfg.dq_tma)
 
+    # a head dim pair or one that is not a power of two (192 / 128): O's columns and a padded dQ range
+    wide = dict(HEAD_DV=DV, HEAD_D_POW2=triton.next_power_of_2(D)) if cfg.split_dkv else {}
     preprocess = (
         bwd_sm90_preprocess_kernel,
         (out, dout, lse, grad_lse.float().contiguous() if grad_lse is not None else lse, stats, dq_acc,
          _strides(out), _strides(dout), HQ, M, m_pad),
-        dict(HAS_DLSE=grad_lse is not None, BLOCK=_PASS_BLOCK, HEAD_D=D, num_warps=4),
+        dict(HAS_DLSE=grad_lse is not None, BLOCK=_PASS_BLOCK, HEAD_D=D, num_warps=4, **wide),
         (triton.cdiv(m_pad, _PASS_BLOCK), Z * HQ))
-    main = (
-        fa3_bwd_sm90_kernel,
-        (_desc(q, [1, 1, tile.BLOCK_M, D]), _desc(dout, [1, 1, tile.BLOCK_M, D]),
-         _desc(k, [1, 1, tile.BLOCK_N, D]), _desc(v, [1, 1, tile.BLOCK_N, D]),
-         _dq_acc_desc(dq_acc, tile) if cfg.dq_tma else None,
-         stats, dq_acc, dk, dv, *tables, tuple(score_bufs), tuple(mask_bufs),
-         Z, HQ, KZ, M, N, m_pad, SZ, SH, num_kv_blks, num_q_blks, *scalars),
-        dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse,
-             FLAGS=flags, SCHED=sched, num_warps=4, maxnreg=cfg.maxnreg),
-        (triton.cdiv(N, tile.BLOCK_N), KZ * HKV))
+    if cfg.split_dkv:
+        lo, hi = tile.LO, tile.HI   # D = 256: one Q / K tile (lo = hi = 256), the second descriptor unused
+        main = (
+            fa3_bwd_sm90_wide_kernel,
+            (_desc(q, [1, 1, tile.BLOCK_M, lo]), _desc(q, [1, 1, tile.BLOCK_M, hi]),
+             _desc(dout, [1, 1, tile.BLOCK_M, DV]),
+             _desc(k, [1, 1, tile.BLOCK_N, lo]), _desc(k, [1, 1, tile.BLOCK_N, hi]),
+             _desc(v, [1, 1, tile.BLOCK_N, DV]), _dq_acc_desc(dq_acc, tile),
+             stats, dq_acc, dk, dv, *tables, tuple(score_bufs), tuple(mask_bufs),
+             Z, HQ, KZ, M, N, m_pad, SZ, SH, num_kv_blks, num_q_blks, *scalars),
+            dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse,
+                 FLAGS=flags, num_warps=4, maxnreg=cfg.maxnreg),
+            (triton.cdiv(N, tile.BLOCK_N), KZ * HKV))
+    else:
+        main = (
+            fa3_bwd_sm90_kernel,
+            (_desc(q, [1, 1, tile.BLOCK_M, D]), _desc(dout, [1, 1, tile.BLOCK_M, D]),
+             _desc(k, [1, 1, tile.BLOCK_N, D]), _desc(v, [1, 1, tile.BLOCK_N, D]),
+             _dq_acc_desc(dq_acc, tile) if cfg.dq_tma else None,
+             stats, dq_acc, dk, dv, *tables, tuple(score_bufs), tuple(mask_bufs),
+             Z, HQ, KZ, M, N, m_pad, SZ, SH, num_kv_blks, num_q_blks, *scalars),
+            dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse,
+                 FLAGS=flags, SCHED=sched, num_warps=4, maxnreg=cfg.maxnreg),
+            (triton.cdiv(N, tile.BLOCK_N), KZ * HKV))
     convert = (
         bwd_sm90_dq_convert_kernel,
         (dq_acc, dq, _strides(dq), HQ, M, m_pad, ds_scale),
-        dict(BLOCK=_PASS_BLOCK, HEAD_D=D, num_warps=4),
+        dict(BLOCK=_PASS_BLOCK, HEAD_D=D, num_warps=4,
+             **({"HEAD_D_POW2": wide["HEAD_D_POW2"]} if cfg.split_dkv else {})),
         (triton.cdiv(M, _PASS_BLOCK), Z * HQ))
     return [preprocess, main, convert]
 

@@ -1,0 +1,430 @@
+"""The sm90 backward for wide head dims (D / DV = 256 / 256 and 192 / 128): dK and dV split along the head dim.
+
+bwd_sm90.py's kernel gives each consumer warpgroup 64 keys and their whole dK, dV rows: D + DV fp32 registers a
+thread across the loop over 2 warpgroups, 256 at D = 256, over the 240 a thread has (docs/design/hopper_backward.md,
+"Wide head dims"). Here a CTA owns 64 keys, both warpgroups hold all 64 key rows, and the head-dim columns of
+dK, dV and the dQ tile are divided between them; the score tile is divided by keys (32 each). Same launches,
+scratch, conventions and mods as bwd_sm90.py (its notation applies; what differs is below).
+
+Notation (beyond bwd_sm90.py's)
+--------
+  BLOCK_N = 64               keys of one CTA; warpgroup w computes S, P, dP, dS for keys [32w, 32w + 32) (KEYS_WG)
+  BLOCK_M = 64               query rows of one step
+  SPLIT_QK, LO, HI           D = 192: Q and K sit in two shared tiles of LO = 128 and HI = 64 columns (a 192-column
+                             tile is no power of two), S = Q_lo K_lo^T + Q_hi K_hi^T. D = 256: one 256-column tile
+                             each (LO = HI = 256, the "hi" views are the same tile), sliced at column 128.
+                             V and dO are one DV-column tile.
+  warpgroup w's columns      dK: [0, 128) at w = 0, [128, D) at w = 1 (Q tile w at 192), dK = dS^T Q[:, those]
+                             dV: [w * DV / 2, (w + 1) * DV / 2)
+                             dQ: dK's columns at D = 256; the other warpgroup's at 192 (K tile 1 - w: balances
+                             the work, below), in 64-column chunks (one [64, 64] fp32 wgmma, staging tile and TMA
+                             reduce-add each)
+
+Per step (64 query rows x 64 keys), warpgroup w:
+
+  S_w  = Q K[keys_w]^T                [64 q, 32 keys]  P_w = exp2(...) -> P[:, keys_w] in shared memory, p_ready
+  dP_w = dO V[keys_w]^T               [64 q, 32 keys]  issued before waiting p_ready (the other half of P)
+  dV_w += P^T dO[:, cols_w]           [64 keys, DV/2]  A = the whole P tile (both warpgroups' halves)
+  dS_w = P_w (dP_w - DELTA) f'        -> dS[:, keys_w] in shared memory, ds_ready
+  dK_w += dS^T Q[:, dK cols_w]        [64 keys, 128 or D - 128]   (whole dS tile)
+  dQ[:, dq cols_w] = dS K[:, dq cols_w]                     (whole dS tile), TMA reduce-add into DQ_ACC
+
+Work per step in 64 x 64 x 64 wgmma units (D = 256: S 4, dP 4, dV 4, dK 4, dQ 4: 10 a warpgroup; 192 / 128:
+S 3, dP 2, dV 2, dK 3, dQ 3 = 13, warpgroup 0 dK 2 + dQ 1 + dV 1 + 2.5 = 6.5, warpgroup 1 dK 1 + dQ 2 + dV 1 +
+2.5 = 6.5: hence dQ from the other K tile at 192). Registers a consumer thread across the loop: dK + dV =
+(128 + 128) / 2 = 128 at D = 256; 64 + 32 = 96 (w = 0) and 32 + 32 = 64 (w = 1) at 192 / 128; per step S / dP
+16 and one dQ chunk 32.
+
+Barriers (shared memory):
+  kv_ready        (count 1, TMA tx)  K (both tiles) and V landed                    producer -> consumers
+  qdo_ready[s]    (count 1, TMA tx)  ring stage s holds this step's Q and dO        producer -> consumers
+  qdo_empty[s]    (count 2)          both warpgroups' wgmmas reading stage s retired consumers -> producer
+  p_ready[b]      (count 2)          both halves of P are in P buffer b (step % 2)  consumer <-> consumer
+  ds_ready[b]     (count 2)          both halves of dS are in dS buffer b           consumer <-> consumer
+  Two P and two dS buffers suffice: a warpgroup writes buffer b at step j + 2 only after waiting p_ready of step
+  j + 1, which the other warpgroup signals after its step-j wgmmas (dV, dK, dQ: every reader of P_j and dS_j)
+  retired.
+
+Registers (the step loop's wgmma views are rebuilt per step, as bwd_sm90's VIEWS_PER_STEP, and so is the ring
+stage's: with one stage its index is a constant, and the Q / dO descriptors of all 16 k-steps of S and dP were
+hoisted into ~40 vector registers: D = 256 causal spilled 46 instructions, none now).
+
+Compile-time parameters: TILE WideTile (below); SPARSE, FLAGS as in bwd_sm90.py. dQ is always added by TMA
+reduce-add (bwd_sm90's SCHED.DQ_TMA).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .bwd_sm90 import _opaque, _probabilities, _q_tile_counts, _q_tile_start, _tma_reduce_add
+
+
+@dataclass(frozen=True)
+class WideTile:
+    """Tiles of the wide-head-dim kernel (module docstring)."""
+    HEAD_D: int        # D of q, k: 256 or 192
+    HEAD_DV: int       # DV of v: 256 or 128
+    NUM_STAGES: int    # depth of the Q / dO ring
+
+    @property
+    def BLOCK_M(self) -> int:
+        return 64
+
+    @property
+    def BLOCK_N(self) -> int:
+        return 64
+
+    @property
+    def KEYS_WG(self) -> int:
+        return 32
+
+    @property
+    def SPLIT_QK(self) -> bool:
+        """Q and K in two shared tiles of 128 + (D - 128) columns (D = 192 is no power of two); at D = 256 one
+        tile each, sliced at column 128 (fewer shared-memory bases to keep in the step loop)."""
+        return self.HEAD_D != 256
+
+    @property
+    def LO(self) -> int:
+        return 128 if self.SPLIT_QK else self.HEAD_D
+
+    @property
+    def HI(self) -> int:
+        return self.HEAD_D - 128 if self.SPLIT_QK else self.LO
+
+    @property
+    def DV_WG(self) -> int:
+        return self.HEAD_DV // 2
+
+    @property
+    def DQ_SWAP(self) -> bool:
+        """dQ columns from the other warpgroup's K tile (192 / 128: balances the work, module docstring)."""
+        return self.HEAD_D != 256
+
+    @property
+    def DQ_N(self) -> int:
+        """Columns of one dQ chunk (wgmma, staging tile, TMA reduce-add box)."""
+        return 64
+
+
+# ----------------------------------------------------------------------------------------------
+# Producer: one warp issuing TMA (the query steps as bwd_sm90._producer walks them).
+# ----------------------------------------------------------------------------------------------
+@gluon.jit
+def _producer(descs, bars, smem, sizes, tables, table_meta, TILE: gl.constexpr, SPARSE: gl.constexpr,
+              FLAGS: gl.constexpr):
+    q_lo_desc, q_hi_desc, do_desc, k_lo_desc, k_hi_desc, v_desc, dq_desc = descs
+    kv_ready, qdo_ready, qdo_empty, p_ready, ds_ready = bars
+    q_lo_smem, q_hi_smem, do_smem, k_lo_smem, k_hi_smem, v_smem, p_smem, ds_smem, f_smem, dq_smem = smem
+    Z, HQ, KZ, M, N = sizes
+    NUM_STAGES: gl.constexpr = TILE.NUM_STAGES
+    LO: gl.constexpr = TILE.LO
+    n0 = gl.program_id(0) * TILE.BLOCK_N
+    kvh = gl.program_id(1)
+    HKV = HQ // FLAGS.GQA_GROUP
+    kz = kvh // HKV
+    hkv = kvh % HKV
+    kv_blk = n0 // SPARSE.SPARSE_KV
+
+    if TILE.SPLIT_QK:
+        kv_bytes: gl.constexpr = k_lo_desc.block_type.nbytes + k_hi_desc.block_type.nbytes + v_desc.block_type.nbytes
+        qdo_bytes: gl.constexpr = (q_lo_desc.block_type.nbytes + q_hi_desc.block_type.nbytes
+                                   + do_desc.block_type.nbytes)
+    else:
+        kv_bytes: gl.constexpr = k_lo_desc.block_type.nbytes + v_desc.block_type.nbytes
+        qdo_bytes: gl.constexpr = q_lo_desc.block_type.nbytes + do_desc.block_type.nbytes
+    mbarrier.expect(kv_ready, kv_bytes)
+    tma.async_copy_global_to_shared(k_lo_desc, [kz, hkv, n0, 0], kv_ready, k_lo_smem.index(0))
+    if TILE.SPLIT_QK:
+        tma.async_copy_global_to_shared(k_hi_desc, [kz, hkv, n0, LO], kv_ready, k_hi_smem.index(0))
+    tma.async_copy_global_to_shared(v_desc, [kz, hkv, n0, 0], kv_ready, v_smem.index(0))
+
+    cnt = 0
+    for hh in range((Z // KZ) * FLAGS.GQA_GROUP):
+        z = kz + (hh // FLAGS.GQA_GROUP) * KZ
+        hq = hkv * FLAGS.GQA_GROUP + hh % FLAGS.GQA_GROUP
+        n_partial, n_total = _q_tile_counts(z, hq, kv_blk, M, tables, table_meta, TILE, SPARSE)
+        for i in range(n_total):
+            m0 = _q_tile_start(i, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
+            st = cnt % NUM_STAGES
+            mbarrier.wait(qdo_empty.index(st), ((cnt // NUM_STAGES) & 1) ^ 1)
+            mbarrier.expect(qdo_ready.index(st), qdo_bytes)
+            tma.async_copy_global_to_shared(q_lo_desc, [z, hq, m0, 0], qdo_ready.index(st), q_lo_smem.index(st))
+            if TILE.SPLIT_QK:
+                tma.async_copy_global_to_shared(q_hi_desc, [z, hq, m0, LO], qdo_ready.index(st),
+                                                q_hi_smem.index(st))
+            tma.async_copy_global_to_shared(do_desc, [z, hq, m0, 0], qdo_ready.index(st), do_smem.index(st))
+            cnt += 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Consumers: 32 keys of S / dP each, all 64 keys of their dK, dV, dQ columns.
+# ----------------------------------------------------------------------------------------------
+@gluon.jit
+def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+              SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
+              SPARSE: gl.constexpr, FLAGS: gl.constexpr):
+    q_lo_desc, q_hi_desc, do_desc, k_lo_desc, k_hi_desc, v_desc, dq_desc = descs
+    kv_ready, qdo_ready, qdo_empty, p_ready, ds_ready = bars
+    q_lo_smem, q_hi_smem, do_smem, k_lo_smem, k_hi_smem, v_smem, p_smem, ds_smem, f_smem, dq_smem = smem
+    Z, HQ, KZ, M, N = sizes
+    stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD = rows
+    sm_scale, qk_scale2, ds_scale = scalars
+    score_bufs, mask_bufs = mod_bufs
+    BLOCK_M: gl.constexpr = TILE.BLOCK_M
+    BLOCK_N: gl.constexpr = TILE.BLOCK_N
+    KEYS_WG: gl.constexpr = TILE.KEYS_WG
+    D: gl.constexpr = TILE.HEAD_D
+    DV: gl.constexpr = TILE.HEAD_DV
+    LO: gl.constexpr = TILE.LO
+    HI: gl.constexpr = TILE.HI
+    DV_WG: gl.constexpr = TILE.DV_WG
+    DQ_N: gl.constexpr = TILE.DQ_N
+    NUM_STAGES: gl.constexpr = TILE.NUM_STAGES
+    dtype: gl.constexpr = q_lo_desc.dtype
+    # this warpgroup's dK columns (Q tile WG) and dQ columns (K tile WG, or the other one: DQ_SWAP)
+    if WG == 0:
+        DK0: gl.constexpr = 0
+        DK_N: gl.constexpr = 128
+    else:
+        DK0: gl.constexpr = 128
+        DK_N: gl.constexpr = D - 128
+    if (WG == 0) != TILE.DQ_SWAP:
+        DQ0: gl.constexpr = 0
+        DQ_W: gl.constexpr = 128
+    else:
+        DQ0: gl.constexpr = 128
+        DQ_W: gl.constexpr = D - 128
+    DV0: gl.constexpr = WG * DV_WG
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, KEYS_WG, 16])
+    dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DK_N, 16])
+    dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DV_WG, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_N, 16])
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    n0 = gl.program_id(0) * BLOCK_N
+    kvh = gl.program_id(1)
+    HKV = HQ // FLAGS.GQA_GROUP
+    kz = kvh // HKV
+    hkv = kvh % HKV
+    kv_blk = n0 // SPARSE.SPARSE_KV
+
+    dk = gl.zeros([BLOCK_N, DK_N], gl.float32, layout=dk_layout)
+    dv = gl.zeros([BLOCK_N, DV_WG], gl.float32, layout=dv_layout)
+    s_zero = gl.zeros([BLOCK_M, KEYS_WG], gl.float32, layout=s_layout)
+    dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
+    dq_stage = dq_smem.index(WG)                  # [1, BLOCK_M, DQ_N] fp32
+
+    mbarrier.wait(kv_ready, 0)
+    cnt = 0
+    for hh in range((Z // KZ) * FLAGS.GQA_GROUP):
+        z = kz + (hh // FLAGS.GQA_GROUP) * KZ
+        hq = hkv * FLAGS.GQA_GROUP + hh % FLAGS.GQA_GROUP
+        zh = z * HQ + hq
+        n_partial, n_total = _q_tile_counts(z, hq, kv_blk, M, tables, table_meta, TILE, SPARSE)
+        for i in range(n_total):
+            m0 = _q_tile_start(i, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
+            st = cnt % NUM_STAGES
+            buf = cnt % 2
+            # K, V and the P / dS tiles as wgmma operands, built per step from a zero LLVM cannot see through
+            # (bwd_sm90.BwdTile.VIEWS_PER_STEP: hoisted, their descriptors are held in vector registers)
+            zero = _opaque(0)
+            k_lo = k_lo_smem.index(zero).reshape([BLOCK_N, LO])
+            k_hi = k_hi_smem.index(zero).reshape([BLOCK_N, HI])        # = k_lo without SPLIT_QK
+            v_rows = v_smem.index(zero).reshape([BLOCK_N, DV])
+            p_tile = p_smem.index(buf + zero)                       # [BLOCK_M, BLOCK_N]
+            ds_tile = ds_smem.index(buf + zero)
+            p_mine = p_tile.slice(WG * KEYS_WG, KEYS_WG, dim=1)       # [BLOCK_M, KEYS_WG]
+            ds_mine = ds_tile.slice(WG * KEYS_WG, KEYS_WG, dim=1)
+            # the ring stage through the same zero: with one stage it is a constant, and the Q / dO descriptors of
+            # all 16 k-steps of S and dP were hoisted into ~40 vector registers (D = 256 causal: 46 spills)
+            q_lo = q_lo_smem.index(st + zero).reshape([BLOCK_M, LO])
+            q_hi = q_hi_smem.index(st + zero).reshape([BLOCK_M, HI])
+            do_t = do_smem.index(st + zero).reshape([BLOCK_M, DV])
+            # B of dK (Q's columns DK0...) and of dQ (K's columns DQ0...): a whole tile when SPLIT_QK, else a slice
+            if not TILE.SPLIT_QK:
+                q_dk = q_lo.slice(DK0, DK_N, dim=1)
+                k_dq = k_lo.slice(DQ0, DQ_W, dim=1)
+            elif WG == 0:
+                q_dk = q_lo
+                k_dq = k_hi
+            else:
+                q_dk = q_hi
+                k_dq = k_lo
+            row_off = zh.to(gl.int64) * M_PAD + m0
+            stats = stats_ptr + (row_off + zh.to(gl.int64) * M_PAD)   # LSE_P; DELTA_P is M_PAD further
+            rows_ = gl.arange(0, BLOCK_M, layout=row_layout)
+            lse = gl.load(stats + rows_)
+            k_lo_t = k_lo.slice(WG * KEYS_WG, KEYS_WG, dim=0).permute((1, 0))
+            k_hi_t = k_hi.slice(WG * KEYS_WG, KEYS_WG, dim=0).permute((1, 0))
+            mbarrier.wait(qdo_ready.index(st), (cnt // NUM_STAGES) & 1)
+            s_tok = warpgroup_mma(q_lo, k_lo_t, s_zero, use_acc=False, is_async=True)
+            if TILE.SPLIT_QK:
+                s_tok = warpgroup_mma(q_hi, k_hi_t, s_tok, is_async=True)
+            qk, _ql, _qh, _kl, _kh = warpgroup_mma_wait(0, deps=[s_tok, q_lo, q_hi, k_lo_t, k_hi_t])
+            q_idx = gl.minimum(m0 + rows_, M - 1)[:, None]
+            kv0 = n0 + WG * KEYS_WG
+            kv_idx = gl.minimum(kv0 + gl.arange(0, KEYS_WG, layout=col_layout), N - 1)[None, :]
+            p = _probabilities(qk, lse, z, hq, q_idx, kv_idx, i < n_partial, sm_scale, qk_scale2, score_bufs,
+                               mask_bufs, SCORE_MOD, MASK_MOD, FLAGS)
+            p_mine.store(p.to(dtype))
+            if SCORE_GRAD is not None:
+                # masked scores (P = 0) take no gradient, even where f' is not finite there
+                grad = gl.where(p > 0.0, SCORE_GRAD(qk, sm_scale, z, hq, q_idx, kv_idx, score_bufs), 0.0)
+                f_smem.index(WG).store(grad.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(p_ready.index(buf), count=1)
+            # dP needs only this warpgroup's keys: it runs while the other half of P is awaited
+            v_t = v_rows.slice(WG * KEYS_WG, KEYS_WG, dim=0).permute((1, 0))
+            dp_tok = warpgroup_mma(do_t, v_t, s_zero, use_acc=False, is_async=True)
+            delta = gl.load(stats + M_PAD + rows_)
+            mbarrier.wait(p_ready.index(buf), (cnt // 2) & 1)
+            p_t = p_tile.permute((1, 0))                             # [keys, queries]: A of dV
+            do_cols = do_t.slice(DV0, DV_WG, dim=1)
+            dv_tok = warpgroup_mma(p_t, do_cols, dv, is_async=True)
+            dp, _do, _v = warpgroup_mma_wait(1, deps=[dp_tok, do_t, v_t])
+            ds = p_mine.load(s_layout).to(gl.float32) * (dp - delta[:, None])
+            if SCORE_GRAD is not None:
+                ds = ds * f_smem.index(WG).load(s_layout).to(gl.float32)
+            ds_mine.store(ds.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(ds_ready.index(buf), count=1)
+            mbarrier.wait(ds_ready.index(buf), (cnt // 2) & 1)
+            dk_tok = warpgroup_mma(ds_tile.permute((1, 0)), q_dk, dk, is_async=True)
+            dv, dk, _p, _ds, _dc, _qd = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_t, ds_tile, do_cols, q_dk])
+            mbarrier.arrive(qdo_empty.index(st), count=1)
+            for c in gl.static_range(DQ_W // DQ_N):
+                k_cols = k_dq.slice(c * DQ_N, DQ_N, dim=1)
+                dq_tok = warpgroup_mma(ds_tile, k_cols, dq_zero, use_acc=False, is_async=True)
+                dq, _a, _b = warpgroup_mma_wait(0, deps=[dq_tok, ds_tile, k_cols])
+                tma.store_wait(0)                    # the previous reduce has read the staging tile
+                dq_stage.reshape([BLOCK_M, DQ_N]).store(dq)
+                fence_async_shared()
+                _tma_reduce_add(dq_desc, [zh, m0, DQ0 + c * DQ_N], dq_stage)
+            cnt += 1
+
+    # dK, dV: one store per output tile (rows past N clipped); dK takes the scale and f's factor here.
+    rows_k = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout))[:, None]
+    cols_k = DK0 + gl.arange(0, DK_N, layout=gl.SliceLayout(0, dk_layout))[None, :]
+    head = (kz * HKV + hkv).to(gl.int64) * N
+    gl.store(dk_ptr + head * D + rows_k * D + cols_k, (dk * ds_scale).to(dtype), mask=(rows_k < N) & (cols_k < D))
+    rows_v = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dv_layout))[:, None]
+    cols_v = DV0 + gl.arange(0, DV_WG, layout=gl.SliceLayout(0, dv_layout))[None, :]
+    gl.store(dv_ptr + head * DV + rows_v * DV + cols_v, dv.to(dtype), mask=(rows_v < N) & (cols_v < DV))
+    tma.store_wait(0)   # the last dQ reduce has read the staging tile before the CTA exits
+
+
+@gluon.jit
+def _consumer_wg0(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+                  SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
+                  SPARSE: gl.constexpr, FLAGS: gl.constexpr):
+    _consumer(0, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD,
+              MASK_MOD, TILE, SPARSE, FLAGS)
+
+
+@gluon.jit
+def _consumer_wg1(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+                  SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
+                  SPARSE: gl.constexpr, FLAGS: gl.constexpr):
+    _consumer(1, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD,
+              MASK_MOD, TILE, SPARSE, FLAGS)
+
+
+@gluon.jit
+def _producer_entry(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+                    SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
+                    TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr):
+    _producer(descs, bars, smem, sizes, tables, table_meta, TILE, SPARSE, FLAGS)
+
+
+_RUNTIME_SIZES = ["Z", "KZ", "M", "N", "M_PAD", "NUM_KV_BLKS", "NUM_Q_BLKS"]
+
+
+@gluon.jit(do_not_specialize=_RUNTIME_SIZES)
+def fa3_bwd_sm90_wide_kernel(
+    q_lo_desc, q_hi_desc, do_desc, k_lo_desc, k_hi_desc, v_desc, dq_desc,   # dq_desc: DQ_ACC by [1, 64, 64]
+    stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr,
+    qnb_ptr, qidx_ptr, fqnb_ptr, fqidx_ptr,
+    score_bufs, mask_bufs,
+    Z, HQ, KZ, M, N, M_PAD, SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS,
+    sm_scale, qk_scale2, ds_scale,
+    SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
+    TILE: gl.constexpr,      # WideTile
+    SPARSE: gl.constexpr,    # bwd_sm90.BwdSparsity
+    FLAGS: gl.constexpr,     # bwd_sm90.BwdFlags
+):
+    NUM_STAGES: gl.constexpr = TILE.NUM_STAGES
+    BLOCK_M: gl.constexpr = TILE.BLOCK_M
+    BLOCK_N: gl.constexpr = TILE.BLOCK_N
+    dtype: gl.constexpr = q_lo_desc.dtype
+    q_lo_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + q_lo_desc.block_type.shape, q_lo_desc.layout)
+    if TILE.SPLIT_QK:
+        q_hi_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + q_hi_desc.block_type.shape, q_hi_desc.layout)
+    else:
+        q_hi_smem = q_lo_smem
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
+    k_lo_smem = gl.allocate_shared_memory(dtype, [1] + k_lo_desc.block_type.shape, k_lo_desc.layout)
+    if TILE.SPLIT_QK:
+        k_hi_smem = gl.allocate_shared_memory(dtype, [1] + k_hi_desc.block_type.shape, k_hi_desc.layout)
+    else:
+        k_hi_smem = k_lo_smem
+    v_smem = gl.allocate_shared_memory(dtype, [1] + v_desc.block_type.shape, v_desc.layout)
+    # P and dS [64 queries, 64 keys], each warpgroup writing 32 key columns: a 64-byte swizzle makes each half
+    # whole swizzle atoms
+    pds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+    p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], pds_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], pds_layout)
+    # f' of each warpgroup's half (a score_mod), parked across the dP wgmma
+    f_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, TILE.KEYS_WG], dtype)
+    F_SLOTS: gl.constexpr = 2 if SCORE_GRAD is not None else 1
+    f_smem = gl.allocate_shared_memory(dtype, [F_SLOTS, BLOCK_M, TILE.KEYS_WG], f_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    qdo_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    qdo_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(qdo_ready.index(s), count=1)
+        mbarrier.init(qdo_empty.index(s), count=2)
+    for b in gl.static_range(2):
+        mbarrier.init(p_ready.index(b), count=2)
+        mbarrier.init(ds_ready.index(b), count=2)
+
+    descs = (q_lo_desc, q_hi_desc, do_desc, k_lo_desc, k_hi_desc, v_desc, dq_desc)
+    bars = (kv_ready, qdo_ready, qdo_empty, p_ready, ds_ready)
+    smem = (q_lo_smem, q_hi_smem, do_smem, k_lo_smem, k_hi_smem, v_smem, p_smem, ds_smem, f_smem, dq_smem)
+    sizes = (Z, HQ, KZ, M, N)
+    tables = (qnb_ptr, qidx_ptr, fqnb_ptr, fqidx_ptr)
+    table_meta = (SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS)
+    rows = (stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD)
+    scalars = (sm_scale, qk_scale2, ds_scale)
+    mod_bufs = (score_bufs, mask_bufs)
+    gl.warp_specialize([
+        (_consumer_wg0, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+                         SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)),
+        (_consumer_wg1, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+                         SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)),
+        (_producer_entry, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+                           SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)),
+    ], [4, 1], [FLAGS.CONSUMER_REGS, FLAGS.PRODUCER_REGS])

@@ -1,0 +1,66 @@
+"""CPU-only: the sm90 backward's launch plan for the wide head dims (256, 192 / 128: templates/hopper_bwd/
+bwd_sm90_wide.py) — which kernel, tiles, grid and pass parameters prepare_hopper_backward picks (no compile, no
+launch), and the config table's shared-memory arithmetic."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+
+def _plan(D, DV, M=1000, N=777, **options):
+    from fa3_inductor.templates.hopper_bwd import prepare_hopper_backward
+
+    q = torch.randn(2, 4, M, D, dtype=torch.bfloat16)
+    k = torch.randn(2, 2, N, D, dtype=torch.bfloat16)
+    v = torch.randn(2, 2, N, DV, dtype=torch.bfloat16)
+    out = torch.empty(2, 4, M, DV, dtype=torch.bfloat16)
+    return prepare_hopper_backward(q, k, v, out, torch.empty_like(out), torch.empty(2, 4, M), torch.empty_like(q),
+                                   torch.empty_like(k), torch.empty_like(v), sm_scale=D ** -0.5, **options)
+
+
+@pytest.mark.parametrize("D, DV, stages", [(256, 256, 1), (192, 128, 2)])
+def test_wide_plan(D, DV, stages):
+    from fa3_inductor.templates.hopper_bwd.bwd_sm90_wide import WideTile, fa3_bwd_sm90_wide_kernel
+    from fa3_inductor.templates.hopper_bwd.configs import SMEM_LIMIT, get_bwd_config
+
+    pre, main, convert = _plan(D, DV)
+    kernel, args, kwargs, grid = main
+    assert kernel is fa3_bwd_sm90_wide_kernel
+    assert kwargs["TILE"] == WideTile(HEAD_D=D, HEAD_DV=DV, NUM_STAGES=stages)
+    assert grid == (math.ceil(777 / 64), 2 * 2)            # 64-key CTAs, one per (K/V batch, K/V head)
+    assert not kwargs["FLAGS"].EVEN_N
+    assert pre[2]["HEAD_DV"] == DV and pre[2]["HEAD_D_POW2"] == 256 and convert[2]["HEAD_D_POW2"] == 256
+    dq_acc = args[8]
+    assert tuple(dq_acc.shape) == (2 * 4, 1024, D)             # rows padded to BLOCK_M 64
+    cfg = get_bwd_config(D, DV)
+    assert cfg.split_dkv and cfg.num_stages == stages and cfg.smem_bytes(D, value_head_dim=DV) <= SMEM_LIMIT
+
+
+def test_narrow_plan_unchanged():
+    """D = 64 / 128 keep bwd_sm90.py's kernel and its 128-key CTAs, and the passes get no wide parameters."""
+    from fa3_inductor.templates.hopper_bwd.bwd_sm90 import fa3_bwd_sm90_kernel
+
+    for D in (64, 128):
+        pre, main, convert = _plan(D, D)
+        assert main[0] is fa3_bwd_sm90_kernel and main[3] == (math.ceil(777 / 128), 4)
+        assert "HEAD_DV" not in pre[2] and "HEAD_D_POW2" not in convert[2]
+
+
+def test_unserved_pairs_are_refused():
+    from fa3_inductor.templates.hopper_bwd import get_bwd_config
+
+    for D, DV in ((192, 192), (96, 96), (256, 128), (128, 64)):
+        with pytest.raises(ValueError, match="not served"):
+            get_bwd_config(D, DV)
+        with pytest.raises(ValueError, match="not served"):
+            _plan(D, DV)
+
+
+def test_wide_atomic_dq_is_refused():
+    """The wide kernel adds dQ by TMA reduce-add only."""
+    from fa3_inductor.templates.hopper_bwd import get_bwd_config
+
+    with pytest.raises(ValueError, match="TMA reduce-add only"):
+        _plan(256, 256, config=get_bwd_config(256, dq_tma=False))
