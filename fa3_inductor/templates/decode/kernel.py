@@ -123,11 +123,11 @@ def _tile_ptrs(X, page, z, hkv, start_n, offs_j, offs_d, stride_b, stride_h, str
     if CACHE.PAGED and CACHE.PAGE_SIZE % BLOCK_N != 0:
         rows = page * stride_b + ((start_n + offs_j) % CACHE.PAGE_SIZE) * stride_n + hkv * stride_h
         ptrs = X + rows[:, None] + offs_d[None, :]
-    elif CACHE.PAGED:   # `page`: the tile's one page (a scalar)
-        base = page * stride_b + (start_n % CACHE.PAGE_SIZE) * stride_n + hkv * stride_h
-        ptrs = (X + base) + offs_j[:, None] * stride_n + offs_d[None, :]
-    else:
-        base = z.to(tl.int64) * stride_b + start_n.to(tl.int64) * stride_n + hkv * stride_h
+    else:   # consecutive rows from one base: a contiguous cache's, or the tile's one page (a scalar)
+        if CACHE.PAGED:
+            base = page * stride_b + (start_n % CACHE.PAGE_SIZE) * stride_n + hkv * stride_h
+        else:
+            base = z.to(tl.int64) * stride_b + start_n.to(tl.int64) * stride_n + hkv * stride_h
         ptrs = (X + base) + offs_j[:, None] * stride_n + offs_d[None, :]
     return ptrs
 
