@@ -14,7 +14,7 @@ import torch
 import triton
 
 from ...fp8_recipe import FP8Operands, FP8Recipe, RopeSpec
-from ...runtime.fast_launch import launch_cached, on_clear, tensor_signature
+from ...runtime.fast_launch import aliasing, launch_cached, on_clear, tensor_signature
 from .hadamard import hadamard_block, sign_hadamard
 from .kernel import Quantization, Rotation, Tiles, k_sums_kernel, prologue_kernel
 from .reference import SMOOTH_SAMPLE
@@ -322,7 +322,7 @@ def _layout_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: Any, 
     except (NotImplementedError, RuntimeError):   # no address to read (meta tensors): not cached
         return None
     # the interpreter's flag and fp32 rounding are constexprs of the launch
-    return (recipe, style, round_in_fp32, tuning, _interpreting(), signature)
+    return (recipe, style, round_in_fp32, tuning, _interpreting(), signature, aliasing(tensors))
 
 
 def layout_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: FP8Recipe,
@@ -330,8 +330,8 @@ def layout_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: FP8Reci
               tuning: PrologueTuning = DEFAULT_TUNING) -> "PrologueLayout":
     """The :class:`PrologueLayout` of these inputs (checked; raises TypeError / ValueError saying
     what is wrong), cached per (shapes, strides, dtypes, device and 16-byte alignment of q, k, v
-    and of RoPE's tensors, recipe, RoPE style, ``round_in_fp32``, ``tuning``, interpreter on or
-    off). RoPE positions on the CPU are checked against the table on every call (their values).
+    and of RoPE's tensors, which of them are one tensor, recipe, RoPE style, ``round_in_fp32``,
+    ``tuning``, interpreter on or off). RoPE positions on the CPU are checked against the table on every call (their values).
 
     Example::
 
