@@ -146,7 +146,7 @@ class PrologueLaunch:
     """The launches of one ``quantize`` call, in order, and the operands they fill.
 
     ``launches``: ``(kernel, args, kwargs, grid)`` tuples (the reduction pass first when
-    smoothing); ``operands``: the FP8Operands written by them (v_scale_max still holds 0 for heads
+    smoothing); ``operands``: the FP8Operands written by them (v_scale_max still holds -1 for heads
     whose V is all zero until :func:`finish` maps it to 1)."""
 
     launches: list[tuple[Any, tuple, dict, tuple]]
