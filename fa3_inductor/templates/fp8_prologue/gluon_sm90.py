@@ -1,0 +1,539 @@
+"""The FP8 prologue's hot case on Hopper (sm90), in Gluon: a TMA ring, RoPE from shared memory, the
+Hadamard rotation on wgmma, block quantization, TMA stores. Same operands as kernel.py's
+`prologue_kernel`, bit for bit by construction (docs/design/fp8_prologue.md, "The Gluon prologue";
+unverified on a GPU until the gpu tests run it).
+
+Notation
+--------
+    Q: [Z, HQ, M, D], K: [Z, HKV, N, D], V: [Z, HKV, N, D]   bf16 / fp16, TMA-aligned (host checks)
+    Q8, K8 [Z, H, L, D] int8 or e4m3, VT8 [Z, HKV, D, N_PAD] e4m3, Q_SCALE / K_SCALE / V_SCALE
+    [Z, H, G] float32, V_SCALE_MAX [Z, HKV]: as kernel.py (the same tensors, host.py allocates)
+    T = 128         rows of a tile, which is also a scale group (block_m = block_n = 128)
+    DQ = D / 4      columns of a chunk: a tile travels as 4 chunks [T, DQ] (TMA boxes, wgmma K steps)
+    HADK [D, D]     HAD's rows in the order the Triton kernel contracts them (host): "half" and no
+                    RoPE channel order; "interleaved" the even channels, then the odd ones. Chunk c
+                    of the contraction is A chunk c times HADK rows [c·DQ, (c+1)·DQ): the same k16
+                    steps, in the same order, as kernel.py's dots over the parts (a, b) or r.
+    pair chunk j    (j = 0, 1) the pairs i in [j·DQ, (j+1)·DQ): members a_i (channel ia[i]) and b_i
+                    (ib[i]); "half" ia = i, ib = i + D/2 (ring chunks j and j + 2); "interleaved"
+                    ia = 2i, ib = 2i + 1, both in one int32 word (ring read as int32 [T, DQ] chunks)
+    unit            (row block g, batch z, a run of HC consecutive heads): what a program takes at
+                    once; its tiles are its heads, so the RoPE table rows of the block are loaded
+                    once (registers) and reused across HC heads
+
+Roles (warp_specialize):
+    consumer (default partition, 8 warps = 2 warpgroups, rows [64w, 64w + 64) of a tile in the
+             wgmma): loads HADK into shared memory once; per unit, the table parts of its rows;
+             per tile: RoPE from the ring slot (fp32, rounded to the input dtype) into the A
+             chunks, releases the slot, 4 chained wgmma (or straight from the ring without RoPE),
+             amax, scale, quantize, TMA store; V tiles: amax, power-of-two scale, e4m3, transposed
+             TMA store
+    producer (1 warp, PRODUCER_REGS): the same walk over units and tiles, TMA loads into a
+             STAGES-deep ring; ready[s] (TMA tx count), empty[s] (the consumer's one arrive)
+
+Compile-time parameters (one bundle, `CFG`, a frozen dataclass `GluonPrologue`): D, STAGES, ROPE,
+Q_POS, K_POS, QK_INT8, HAD_SCALE, PRODUCER_REGS. Lengths and unit counts are do_not_specialize.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from . import reference
+
+T_ROWS = 128          # rows of a tile and of a scale group
+CONSUMER_WARPS = 8    # two warpgroups: 64 tile rows each in the wgmma
+E4M3_MAX: gl.constexpr = gl.constexpr(448.0)
+INT8_MAX: gl.constexpr = gl.constexpr(127.0)
+RINT_MAGIC: gl.constexpr = gl.constexpr(12582912.0)   # 1.5 * 2^23 (kernel.py)
+FP16_MAX: gl.constexpr = gl.constexpr(reference.FP16_MAX)
+
+
+@dataclass(frozen=True)
+class GluonPrologue:
+    """The kernel's compile-time parameters."""
+    D: int              # head dim of Q, K and V (64 or 128)
+    STAGES: int         # ring depth (tiles of T x D input values in flight per program)
+    ROPE: str           # "", "half" or "interleaved" (over all D channels)
+    Q_POS: bool         # QPOS given (else the row index)
+    K_POS: bool
+    QK_INT8: bool       # Q8, K8 int8 (else e4m3)
+    HAD_SCALE: float    # 1 / sqrt(b), kernel.py's Rotation.HAD_SCALE
+    PRODUCER_REGS: int  # setmaxnreg of the producer warp
+
+    @property
+    def DQ(self) -> int:
+        return self.D // 4
+
+    @property
+    def RING_CHUNKS(self) -> int:   # input-dtype chunks [T, DQ] per ring slot
+        return 4
+
+    @property
+    def TILE_BYTES(self) -> int:    # the ready barrier's transaction count per tile
+        return T_ROWS * self.D * 2
+
+
+# ---- the quantization and RoPE arithmetic: kernel.py's helpers, the same operations ----------
+@gluon.jit
+def _qk_scale_of(amax, QK_INT8: gl.constexpr):
+    if QK_INT8:
+        return gl.where(amax > 0, gl.div_rn(amax, INT8_MAX), 1.0)
+    else:
+        return gl.where(amax > 0, gl.div_rn(amax, E4M3_MAX), 1.0)
+
+
+@gluon.jit
+def _pow2_scale_of(amax):
+    bits = gl.where(amax > 0, gl.div_rn(amax, E4M3_MAX), 1.0).to(gl.int32, bitcast=True)
+    up = gl.where((bits & 0x007FFFFF) != 0, (bits & 0x7F800000) + (1 << 23), bits)
+    return up.to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _to_qk(y, scale, inv_scale, QK_INT8: gl.constexpr):
+    q = y * inv_scale
+    x = gl.fma(gl.fma(q, -scale, y), inv_scale, q)       # kernel._quotient (sm90 branch)
+    if QK_INT8:
+        return (x + RINT_MAGIC).to(gl.int32, bitcast=True).to(gl.int8)   # kernel._to_int8
+    else:
+        return x.to(gl.float8e4nv)
+
+
+@gluon.jit
+def _rope_round(x, dtype: gl.constexpr):
+    if dtype == gl.float16:
+        x = gl.minimum(gl.maximum(x, -FP16_MAX), FP16_MAX)
+    return x.to(dtype)
+
+
+@gluon.jit
+def _rope_pair(xa, xb, ca, cb, sa, sb, dtype: gl.constexpr):
+    """kernel._load_parts: a = x_a cos_a - x_b sin_a, b = x_b cos_b + x_a sin_b, one product and
+    one explicit FMA each in fp32, rounded to the input dtype."""
+    a = _rope_round(gl.fma(xa, ca.to(gl.float32), -(xb * sa.to(gl.float32))), dtype)
+    b = _rope_round(gl.fma(xb, cb.to(gl.float32), xa * sb.to(gl.float32)), dtype)
+    return a, b
+
+
+@gluon.jit
+def _split_words(w, dtype: gl.constexpr):
+    """An int32 word holding channels (2i, 2i + 1) -> both as fp32 (exact)."""
+    if dtype == gl.bfloat16:
+        lo = (w << 16).to(gl.float32, bitcast=True)
+        hi = (w & -65536).to(gl.float32, bitcast=True)
+    else:
+        lo = w.to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+        hi = (w >> 16).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+    return lo, hi
+
+
+# ---- work decomposition, shared by both roles ------------------------------------------------
+@gluon.jit
+def _unit(u, Z, H, HC):
+    """Unit u -> (z, g, first head, end head): u = ((g·Z + z)·NC + c), NC = ceil(H / HC)."""
+    nc = (H + HC - 1) // HC
+    c = u % nc
+    t = u // nc
+    h0 = c * HC
+    return t % Z, t // Z, h0, gl.minimum(h0 + HC, H)
+
+
+# ---- producer --------------------------------------------------------------------------------
+@gluon.jit
+def _load_tile(desc, ring, ring32, ready, empty, cnt, z, h, row0, WORDS: gl.constexpr,
+               CFG: gl.constexpr):
+    slot = cnt % CFG.STAGES
+    mbarrier.wait(empty.index(slot), ((cnt // CFG.STAGES) & 1) ^ 1)
+    mbarrier.expect(ready.index(slot), CFG.TILE_BYTES)
+    if WORDS:   # int32 view: two chunks of DQ words = 2·DQ channels each
+        for j in gl.static_range(2):
+            tma.async_copy_global_to_shared(desc, [z, h, row0, j * CFG.DQ], ready.index(slot),
+                                            ring32.index(slot * 2 + j))
+    else:
+        for j in gl.static_range(4):
+            tma.async_copy_global_to_shared(desc, [z, h, row0, j * CFG.DQ], ready.index(slot),
+                                            ring.index(slot * 4 + j))
+    return cnt + 1
+
+
+@gluon.jit
+def _producer(descs, smem, bars, sizes, outs, tables, CFG: gl.constexpr):
+    q_desc, k_desc, v_desc, q8_desc, k8_desc, vt_desc = descs
+    ring, ring32, a_stage, had_smem, o_stage, vt_stage = smem
+    ready, empty = bars
+    Z, HQ, HKV, M, N, P, UQ, UK, HCQ, HCK = sizes
+    WORDS: gl.constexpr = CFG.ROPE == "interleaved"
+    pid = gl.program_id(0)
+    n_prog = gl.num_programs(0)
+    cnt = 0
+    for u in range(pid, UQ, n_prog):
+        z, g, h0, h1 = _unit(u, Z, HQ, HCQ)
+        for h in range(h0, h1):
+            cnt = _load_tile(q_desc, ring, ring32, ready, empty, cnt, z, h, g * 128, WORDS, CFG)
+    for u in range(pid, UK, n_prog):
+        z, g, h0, h1 = _unit(u, Z, HKV, HCK)
+        for h in range(h0, h1):
+            cnt = _load_tile(k_desc, ring, ring32, ready, empty, cnt, z, h, g * 128, WORDS, CFG)
+    for u in range(pid, UK, n_prog):
+        z, g, h0, h1 = _unit(u, Z, HKV, HCK)
+        for h in range(h0, h1):
+            cnt = _load_tile(v_desc, ring, ring32, ready, empty, cnt, z, h, g * 128, False, CFG)
+
+
+# ---- consumer --------------------------------------------------------------------------------
+@gluon.jit
+def _load_had(HADK, had_smem, CFG: gl.constexpr):
+    """HADK's four row chunks into shared memory, once per program."""
+    D: gl.constexpr = CFG.D
+    DQ: gl.constexpr = CFG.DQ
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [8, 1], [1, 0])
+    r = gl.arange(0, DQ, layout=gl.SliceLayout(1, layout))
+    c = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    for j in gl.static_range(4):
+        had_smem.index(j).store(gl.load(HADK + (j * DQ + r)[:, None] * D + c[None, :]))
+
+
+@gluon.jit
+def _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, row0, L,
+                 HAS_POS: gl.constexpr, CFG: gl.constexpr):
+    """The table values of a row block for both pair chunks: (cos_a, cos_b, sin_a, sin_b) per
+    chunk j, in the chunk layout and the tables' dtype (held across the unit's heads). Rows past
+    L read 0 (kernel.py masks them the same way; their tile rows are 0 and never stored)."""
+    DQ: gl.constexpr = CFG.DQ
+    # 8 values (16 bytes of input, 32 of words) a thread along a chunk row; 8 warps down the rows
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DQ // 8), DQ // 8], [8, 1], [1, 0])
+    rows = row0 + gl.arange(0, 128, layout=gl.SliceLayout(1, layout))
+    row_ok = rows < L
+    if HAS_POS:
+        pos = gl.load(POS + z.to(gl.int64) * stride_pz + rows, mask=row_ok, other=0)
+    else:
+        pos = rows
+    pos = gl.minimum(gl.maximum(pos, 0), P - 1)
+    t_row = (z.to(gl.int64) * stride_tz + pos.to(gl.int64) * stride_tp)[:, None]
+    i = gl.arange(0, DQ, layout=gl.SliceLayout(0, layout))
+    ok = row_ok[:, None]
+    parts = ()
+    for j in gl.static_range(2):
+        if CFG.ROPE == "half":
+            ia = j * DQ + i
+            ib = ia + 2 * DQ
+        else:
+            ia = 2 * (j * DQ + i)
+            ib = ia + 1
+        parts = parts + ((gl.load(COS + t_row + ia[None, :], mask=ok, other=0.0),
+                          gl.load(COS + t_row + ib[None, :], mask=ok, other=0.0),
+                          gl.load(SIN + t_row + ia[None, :], mask=ok, other=0.0),
+                          gl.load(SIN + t_row + ib[None, :], mask=ok, other=0.0)),)
+    return parts
+
+
+@gluon.jit
+def _hadamard(ops, had_smem, CFG: gl.constexpr):
+    """sum_c A chunk c · HADK rows chunk c, 4 chained wgmma (k16 steps in kernel.py's order), fp32,
+    then HAD_SCALE."""
+    D: gl.constexpr = CFG.D
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                         instr_shape=[16, D, 16])
+    acc = gl.zeros([128, D], gl.float32, layout=acc_layout)
+    acc = warpgroup_mma(ops[0], had_smem.index(0), acc, use_acc=False, is_async=True)
+    acc = warpgroup_mma(ops[1], had_smem.index(1), acc, is_async=True)
+    acc = warpgroup_mma(ops[2], had_smem.index(2), acc, is_async=True)
+    acc = warpgroup_mma(ops[3], had_smem.index(3), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    return acc * CFG.HAD_SCALE
+
+
+@gluon.jit
+def _qk_tile(ring, ring32, a_stage, had_smem, o_stage, out_desc, SCALE, ready, empty, cnt, tabs,
+             z, h, g, H, G, dtype: gl.constexpr, CFG: gl.constexpr):
+    """One Q / K tile: RoPE, rotation, amax, scale, quantize, store. Returns the tile count."""
+    DQ: gl.constexpr = CFG.DQ
+    # 8 values (16 bytes of input, 32 of words) a thread along a chunk row; 8 warps down the rows
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DQ // 8), DQ // 8], [8, 1], [1, 0])
+    slot = cnt % CFG.STAGES
+    mbarrier.wait(ready.index(slot), (cnt // CFG.STAGES) & 1)
+    if CFG.ROPE != "":
+        for j in gl.static_range(2):
+            if CFG.ROPE == "half":
+                xa = ring.index(slot * 4 + j).reshape([128, DQ]).load(layout).to(gl.float32)
+                xb = ring.index(slot * 4 + j + 2).reshape([128, DQ]).load(layout).to(gl.float32)
+            else:
+                w = ring32.index(slot * 2 + j).reshape([128, DQ]).load(layout)
+                xa, xb = _split_words(w, dtype)
+            ca, cb, sa, sb = tabs[j]
+            a, b = _rope_pair(xa, xb, ca, cb, sa, sb, dtype)
+            a_stage.index(j).store(a)          # A chunks: a_0, a_1, b_0, b_1 (kernel.py: a, then b)
+            a_stage.index(j + 2).store(b)
+        fence_async_shared()
+        gl.thread_barrier()                    # every warp's A rows written, the slot read
+        mbarrier.arrive(empty.index(slot), count=1)
+        acc = _hadamard((a_stage.index(0), a_stage.index(1), a_stage.index(2), a_stage.index(3)),
+                        had_smem, CFG)
+    else:
+        acc = _hadamard((ring.index(slot * 4).reshape([128, DQ]),
+                         ring.index(slot * 4 + 1).reshape([128, DQ]),
+                         ring.index(slot * 4 + 2).reshape([128, DQ]),
+                         ring.index(slot * 4 + 3).reshape([128, DQ])), had_smem, CFG)
+        gl.thread_barrier()                    # both warpgroups' wgmma retired
+        mbarrier.arrive(empty.index(slot), count=1)
+    amax = gl.max(gl.max(gl.abs(acc), axis=1), axis=0)
+    scale = _qk_scale_of(amax, CFG.QK_INT8)
+    y = _to_qk(acc, scale, gl.div_rn(1.0, scale), CFG.QK_INT8)
+    tma.store_wait(0)
+    gl.thread_barrier()                        # the previous tile's store has read o_stage
+    D: gl.constexpr = CFG.D
+    o_stage.reshape([128, D]).store(y)
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(out_desc, [z, h, g * 128, 0], o_stage)
+    gl.store(SCALE + (z * H + h) * G + g, scale)
+    return cnt + 1
+
+
+@gluon.jit
+def _v_tile(ring, vt_stage, vt_desc, V_SCALE, V_SCALE_MAX, ready, empty, cnt, z, h, g, H, G,
+            CFG: gl.constexpr):
+    """One V tile: amax, power-of-two scale, e4m3, stored transposed (VT8 rows are channels)."""
+    DQ: gl.constexpr = CFG.DQ
+    # 8 values (16 bytes of input, 32 of words) a thread along a chunk row; 8 warps down the rows
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DQ // 8), DQ // 8], [8, 1], [1, 0])
+    slot = cnt % CFG.STAGES
+    mbarrier.wait(ready.index(slot), (cnt // CFG.STAGES) & 1)
+    y0 = ring.index(slot * 4).reshape([128, DQ]).load(layout).to(gl.float32)
+    y1 = ring.index(slot * 4 + 1).reshape([128, DQ]).load(layout).to(gl.float32)
+    y2 = ring.index(slot * 4 + 2).reshape([128, DQ]).load(layout).to(gl.float32)
+    y3 = ring.index(slot * 4 + 3).reshape([128, DQ]).load(layout).to(gl.float32)
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index(slot), count=1)
+    m01 = gl.maximum(gl.max(gl.max(gl.abs(y0), axis=1), axis=0),
+                     gl.max(gl.max(gl.abs(y1), axis=1), axis=0))
+    m23 = gl.maximum(gl.max(gl.max(gl.abs(y2), axis=1), axis=0),
+                     gl.max(gl.max(gl.abs(y3), axis=1), axis=0))
+    amax = gl.maximum(m01, m23)
+    scale = _pow2_scale_of(amax)
+    inv = gl.div_rn(1.0, scale)               # exact: a power of two (kernel._to_e4m3_pow2)
+    tma.store_wait(0)
+    gl.thread_barrier()
+    vt_stage.index(0).reshape([DQ, 128]).store(gl.permute((y0 * inv).to(gl.float8e4nv), (1, 0)))
+    vt_stage.index(1).reshape([DQ, 128]).store(gl.permute((y1 * inv).to(gl.float8e4nv), (1, 0)))
+    vt_stage.index(2).reshape([DQ, 128]).store(gl.permute((y2 * inv).to(gl.float8e4nv), (1, 0)))
+    vt_stage.index(3).reshape([DQ, 128]).store(gl.permute((y3 * inv).to(gl.float8e4nv), (1, 0)))
+    fence_async_shared()
+    gl.thread_barrier()
+    for j in gl.static_range(4):
+        tma.async_copy_shared_to_global(vt_desc, [z, h, j * DQ, g * 128], vt_stage.index(j))
+    zh = z * H + h
+    gl.store(V_SCALE + zh * G + g, scale)
+    # An all-zero group's scale (1) says nothing about V's range (kernel._v_group).
+    gl.atomic_max(V_SCALE_MAX + zh, scale, mask=amax > 0, sem="relaxed")
+    return cnt + 1
+
+
+@gluon.jit
+def _qk_units(ring, ring32, a_stage, had_smem, o_stage, out_desc, SCALE, ready, empty, cnt,
+              COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, Z, H, L, U, HC, G,
+              dtype: gl.constexpr, HAS_POS: gl.constexpr, CFG: gl.constexpr):
+    """This program's Q (or K) units: the table rows of a unit's row block once, then its heads."""
+    for u in range(gl.program_id(0), U, gl.num_programs(0)):
+        z, g, h0, h1 = _unit(u, Z, H, HC)
+        tabs = 0
+        if CFG.ROPE != "":
+            tabs = _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, g * 128, L,
+                                HAS_POS, CFG)
+        for h in range(h0, h1):
+            cnt = _qk_tile(ring, ring32, a_stage, had_smem, o_stage, out_desc, SCALE, ready,
+                           empty, cnt, tabs, z, h, g, H, G, dtype, CFG)
+    return cnt
+
+
+@gluon.jit
+def _consumer(descs, smem, bars, sizes, outs, tables, CFG: gl.constexpr):
+    q_desc, k_desc, v_desc, q8_desc, k8_desc, vt_desc = descs
+    ring, ring32, a_stage, had_smem, o_stage, vt_stage = smem
+    ready, empty = bars
+    Z, HQ, HKV, M, N, P, UQ, UK, HCQ, HCK = sizes
+    Q_SCALE, K_SCALE, V_SCALE, V_SCALE_MAX, HADK, QG, KG = outs
+    COS, SIN, QPOS, KPOS, stride_tz, stride_tp, stride_qpz, stride_kpz = tables
+    dtype: gl.constexpr = v_desc.dtype
+    pid = gl.program_id(0)
+    n_prog = gl.num_programs(0)
+    _load_had(HADK, had_smem, CFG)
+    fence_async_shared()
+    gl.thread_barrier()
+    cnt = 0
+    cnt = _qk_units(ring, ring32, a_stage, had_smem, o_stage, q8_desc, Q_SCALE, ready, empty, cnt,
+                    COS, SIN, QPOS, stride_qpz, stride_tz, stride_tp, P, Z, HQ, M, UQ, HCQ, QG,
+                    dtype, CFG.Q_POS, CFG)
+    cnt = _qk_units(ring, ring32, a_stage, had_smem, o_stage, k8_desc, K_SCALE, ready, empty, cnt,
+                    COS, SIN, KPOS, stride_kpz, stride_tz, stride_tp, P, Z, HKV, N, UK, HCK, KG,
+                    dtype, CFG.K_POS, CFG)
+    for u in range(pid, UK, n_prog):
+        z, g, h0, h1 = _unit(u, Z, HKV, HCK)
+        for h in range(h0, h1):
+            cnt = _v_tile(ring, vt_stage, vt_desc, V_SCALE, V_SCALE_MAX, ready, empty, cnt, z, h,
+                          g, HKV, KG, CFG)
+    tma.store_wait(0)   # the last stores must finish reading shared memory before the CTA exits
+
+
+_RUNTIME_SIZES = ["M", "N", "P", "Z", "UQ", "UK", "HCQ", "HCK", "QG", "KG"]
+
+
+@gluon.jit(do_not_specialize=_RUNTIME_SIZES)
+def prologue_sm90_kernel(
+    q_desc, k_desc, v_desc,          # inputs: [Z, H, L, D] boxes [1, 1, T, DQ] (bf16 / fp16; Q and
+                                     # K as int32 words under "interleaved")
+    q8_desc, k8_desc, vt_desc,       # outputs: boxes [1, 1, T, D] (Q8, K8), [1, 1, DQ, T] (VT8)
+    Q_SCALE, K_SCALE, V_SCALE, V_SCALE_MAX, HADK,
+    COS, SIN, QPOS, KPOS, stride_tz, stride_tp, stride_qpz, stride_kpz,
+    Z, HQ, HKV, M, N, P, UQ, UK, HCQ, HCK, QG, KG,
+    CFG: gl.constexpr,
+):
+    """Persistent: program p takes Q units p, p + n_programs, ..., then K units, then V units."""
+    D: gl.constexpr = CFG.D
+    DQ: gl.constexpr = CFG.DQ
+    dtype: gl.constexpr = v_desc.dtype
+    ring = gl.allocate_shared_memory(dtype, [CFG.STAGES * 4] + v_desc.block_type.shape,
+                                     v_desc.layout)
+    if CFG.ROPE == "interleaved":
+        ring32 = ring._reinterpret(gl.int32, [CFG.STAGES * 2] + q_desc.block_type.shape,
+                                   q_desc.layout)
+    else:
+        ring32 = ring
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, DQ], dtype)
+    a_stage = gl.allocate_shared_memory(dtype, [4, 128, DQ], a_layout)
+    had_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([DQ, D], dtype)
+    had_smem = gl.allocate_shared_memory(dtype, [4, DQ, D], had_layout)
+    o_stage = gl.allocate_shared_memory(q8_desc.dtype, q8_desc.block_type.shape, q8_desc.layout)
+    vt_stage = gl.allocate_shared_memory(vt_desc.dtype, [4] + vt_desc.block_type.shape,
+                                         vt_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [CFG.STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [CFG.STAGES, 1], mbarrier.MBarrierLayout())
+    STAGES: gl.constexpr = CFG.STAGES
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+
+    descs = (q_desc, k_desc, v_desc, q8_desc, k8_desc, vt_desc)
+    smem = (ring, ring32, a_stage, had_smem, o_stage, vt_stage)
+    bars = (ready, empty)
+    sizes = (Z, HQ, HKV, M, N, P, UQ, UK, HCQ, HCK)
+    outs = (Q_SCALE, K_SCALE, V_SCALE, V_SCALE_MAX, HADK, QG, KG)
+    tables = (COS, SIN, QPOS, KPOS, stride_tz, stride_tp, stride_qpz, stride_kpz)
+    gl.warp_specialize([
+        (_consumer, (descs, smem, bars, sizes, outs, tables, CFG)),
+        (_producer, (descs, smem, bars, sizes, outs, tables, CFG)),
+    ], [1], [CFG.PRODUCER_REGS])
+
+
+# ---- host side -------------------------------------------------------------------------------
+SMEM_BUDGET = 227 * 1024
+DEFAULT_PROGRAMS = 132     # SMs of an H100 / H200 SXM: the grid when compiling without a device
+
+
+def default_stages(D: int) -> int:
+    """Ring depth, for about 100 KB of input in flight an SM (one program an SM: the consumer's
+    registers, 168 x 288 threads, leave no room for a second): D 128 3 stages (96 KB in flight,
+    192 KB of shared memory; 4 would need 224 KB with the rest), D 64 7 stages (112 KB in flight,
+    152 KB of shared memory)."""
+    return 3 if D > 64 else 7
+
+
+def serves(q, k, v, recipe, rope) -> bool:
+    """The hot case: D = Dv in {64, 128}, bf16 / fp16, Hadamard on, blocks of 128 rows, no
+    smooth_k, RoPE none or over all D channels with 2-byte tables, TMA-aligned inputs."""
+    import torch
+
+    from ..tma import tma_aligned
+
+    D, Dv = q.shape[-1], v.shape[-1]
+    if D != Dv or D not in (64, 128) or q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if not recipe.hadamard or recipe.smooth_k or recipe.block_m != T_ROWS or recipe.block_n != T_ROWS:
+        return False
+    if rope is not None:
+        if rope.cos.shape[-1] != D or rope.cos.dtype not in (torch.bfloat16, torch.float16):
+            return False
+        if rope.sin.dtype != rope.cos.dtype:
+            return False
+    return all(tma_aligned(t) for t in (q, k, v))
+
+
+def _desc(t, block_shape):
+    """A TMA descriptor of `t` with the default NVMMA (swizzled) shared layout of the box."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.int32: gl.int32,
+             torch.int8: gl.int8, torch.float8_e4m3fn: gl.float8e4nv}[t.dtype]
+    layout = gl.NVMMASharedLayout.get_default_for(list(block_shape), dtype)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block_shape), layout)
+
+
+def heads_per_unit(rows_blocks: int, heads: int, n_programs: int) -> int:
+    """Heads a unit walks (table rows reused across them): as many as keep at least two units a
+    program (load balance), at least 1.
+
+    Example::
+
+        >>> heads_per_unit(128, 16, 132)     # Z·G = 128 row blocks, 16 heads, 132 programs
+        7
+    """
+    return max(1, min(heads, rows_blocks * heads // (2 * n_programs)))
+
+
+def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride_qpz, stride_kpz,
+           P, rope_style: str, q_pos: bool, k_pos: bool, recipe, stages=None, n_programs=None,
+           per_sm=None):
+    """(kernel, args, kwargs, grid) of prologue_sm90_kernel writing `ops` (host.prepare_prologue
+    allocates them as for the Triton kernel). `had` is HAD [D, D] in the input dtype."""
+    import torch
+
+    from .hadamard import hadamard_block
+
+    B, Hq, M, D = q.shape
+    _, Hkv, N, _ = v.shape
+    DQ = D // 4
+    stages = stages or default_stages(D)
+    if rope_style == "interleaved":
+        perm = torch.cat([torch.arange(0, D, 2), torch.arange(1, D, 2)]).to(had.device)
+        hadk = had[perm].contiguous()
+        q_in = _desc(q.view(torch.int32), [1, 1, T_ROWS, DQ])
+        k_in = _desc(k.view(torch.int32), [1, 1, T_ROWS, DQ])
+    else:
+        hadk = had.contiguous()
+        q_in = _desc(q, [1, 1, T_ROWS, DQ])
+        k_in = _desc(k, [1, 1, T_ROWS, DQ])
+    v_in = _desc(v, [1, 1, T_ROWS, DQ])
+    q8 = _desc(ops.q, [1, 1, T_ROWS, D])
+    k8 = _desc(ops.k, [1, 1, T_ROWS, D])
+    vt = _desc(ops.vt, [1, 1, DQ, T_ROWS])
+    qg, kg = ops.q_scale.shape[-1], ops.k_scale.shape[-1]
+    if n_programs is None:
+        if q.device.type == "cuda":
+            sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        else:
+            sms = DEFAULT_PROGRAMS
+        n_programs = sms * (per_sm or 1)
+    hcq = heads_per_unit(B * qg, Hq, n_programs)
+    hck = heads_per_unit(B * kg, Hkv, n_programs)
+    uq = B * qg * -(-Hq // hcq)
+    uk = B * kg * -(-Hkv // hck)
+    cfg = GluonPrologue(D=D, STAGES=stages, ROPE=rope_style, Q_POS=q_pos, K_POS=k_pos,
+                        QK_INT8=recipe.qk == "int8", HAD_SCALE=hadamard_block(D) ** -0.5,
+                        PRODUCER_REGS=40)
+    args = (q_in, k_in, v_in, q8, k8, vt, ops.q_scale, ops.k_scale, ops.v_scale, ops.v_scale_max,
+            hadk, cos, sin, qpos, kpos, stride_tz, stride_tp, stride_qpz, stride_kpz,
+            B, Hq, Hkv, M, N, max(P, 1), uq, uk, hcq, hck, qg, kg)
+    kwargs = dict(CFG=cfg, num_warps=CONSUMER_WARPS)
+    return prologue_sm90_kernel, args, kwargs, (min(n_programs, max(uq, uk)),)
