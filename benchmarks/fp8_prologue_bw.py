@@ -181,7 +181,8 @@ def sweep_candidates() -> list:
             PrologueTuning(num_warps=4, num_stages=1, rope_select=False),
             PrologueTuning(num_warps=8, num_stages=2, maxnreg=128)]
     # The Gluon kernel (gluon_sm90.py; the hot case on sm90, else the Triton kernel: such rows are
-    # skipped): ring depths around gluon_sm90.default_stages (D128 3, D64 7; D128 fits 3 at most).
+    # skipped): ring depths around gluon_sm90.default_stages (D128 3 with RoPE, 4
+    # without; D64 7; D128 with RoPE fits 3 at most: deeper rings fail to compile, an error row).
     out += [PrologueTuning(kernel="gluon")]
     out += [PrologueTuning(kernel="gluon", gluon_stages=s) for s in (2, 4, 5, 8)]
     return out

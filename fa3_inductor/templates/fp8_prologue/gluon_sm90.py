@@ -23,13 +23,20 @@ Notation
 
 Roles (warp_specialize):
     consumer (default partition, 8 warps = 2 warpgroups, rows [64w, 64w + 64) of a tile in the
-             wgmma): loads HADK into shared memory once; per unit, the table parts of its rows;
-             per tile: RoPE from the ring slot (fp32, rounded to the input dtype) into the A
-             chunks, releases the slot, 4 chained wgmma (or straight from the ring without RoPE),
-             amax, scale, quantize, TMA store; V tiles: amax, power-of-two scale, e4m3, transposed
-             TMA store
-    producer (1 warp, PRODUCER_REGS): the same walk over units and tiles, TMA loads into a
-             STAGES-deep ring; ready[s] (TMA tx count), empty[s] (the consumer's one arrive)
+             wgmma): loads HADK into shared memory once; per unit, the table parts of its rows
+             (registers, in the tables' dtype); per Q / K tile: RoPE from the ring slot (fp32,
+             rounded to the input dtype) into one of two A buffers, releases the slot, 4 chained
+             async wgmma (straight from the ring slot without RoPE), then amax, scale, quantize,
+             TMA store. Pipelined by one tile (_qk_units): tile t's wgmma runs under tile t + 1's
+             RoPE (without RoPE: under tile t's quantization). V tiles: amax, power-of-two scale,
+             e4m3, transposed through shared memory, TMA store
+    producer (1 warp, its warpgroup at PRODUCER_REGS): the same walk over units and tiles, TMA
+             loads into a STAGES-deep ring; ready[s] (TMA transaction count), empty[s] (the
+             consumer's one arrive, thread 0 after a partition barrier)
+
+Shared memory: the ring (STAGES x T x D input values), A (two buffers of T x D, RoPE only), HADK
+(D x D), the output staging (T x D bytes; Q8 / K8 tiles, and Vᵀ tiles through a reinterpreted view),
+barriers: D 128 with RoPE 96 + 64 + 32 + 16 KB = 208 KB at 3 stages.
 
 Compile-time parameters (one bundle, `CFG`, a frozen dataclass `GluonPrologue`): D, STAGES, ROPE,
 Q_POS, K_POS, QK_INT8, HAD_SCALE, PRODUCER_REGS. Lengths and unit counts are do_not_specialize.
@@ -46,6 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
+    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
@@ -239,9 +247,9 @@ def _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, row0, L,
 
 
 @gluon.jit
-def _hadamard(ops, had_smem, CFG: gl.constexpr):
-    """sum_c A chunk c · HADK rows chunk c, 4 chained wgmma (k16 steps in kernel.py's order), fp32,
-    then HAD_SCALE."""
+def _hadamard_issue(ops, had_smem, CFG: gl.constexpr):
+    """Issue sum_c A chunk c · HADK rows chunk c: 4 chained async wgmma (k16 steps in kernel.py's
+    order), fp32; _qk_retire waits and applies HAD_SCALE."""
     D: gl.constexpr = CFG.D
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
                                                          instr_shape=[16, D, 16])
@@ -249,56 +257,77 @@ def _hadamard(ops, had_smem, CFG: gl.constexpr):
     acc = warpgroup_mma(ops[0], had_smem.index(0), acc, use_acc=False, is_async=True)
     acc = warpgroup_mma(ops[1], had_smem.index(1), acc, is_async=True)
     acc = warpgroup_mma(ops[2], had_smem.index(2), acc, is_async=True)
-    acc = warpgroup_mma(ops[3], had_smem.index(3), acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=[acc])
-    return acc * CFG.HAD_SCALE
+    return warpgroup_mma(ops[3], had_smem.index(3), acc, is_async=True)
 
 
 @gluon.jit
-def _qk_tile(ring, ring32, a_stage, had_smem, o_stage, out_desc, SCALE, ready, empty, cnt, tabs,
-             z, h, g, H, G, dtype: gl.constexpr, CFG: gl.constexpr):
-    """One Q / K tile: RoPE, rotation, amax, scale, quantize, store. Returns the tile count."""
+def _qk_rope(ring, ring32, a_stage, ready, empty, cnt, tabs, dtype: gl.constexpr,
+             CFG: gl.constexpr):
+    """Tile cnt, RoPE: wait for its ring slot, RoPE into A buffer cnt % 2 (chunks a_0, a_1, b_0,
+    b_1: kernel.py's contraction order), release the slot."""
     DQ: gl.constexpr = CFG.DQ
     # 8 values (16 bytes of input, 32 of words) a thread along a chunk row; 8 warps down the rows
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DQ // 8), DQ // 8], [8, 1], [1, 0])
     slot = cnt % CFG.STAGES
+    buf = (cnt % 2) * 4
     mbarrier.wait(ready.index(slot), (cnt // CFG.STAGES) & 1)
+    for j in gl.static_range(2):
+        if CFG.ROPE == "half":
+            xa = ring.index(slot * 4 + j).reshape([128, DQ]).load(layout).to(gl.float32)
+            xb = ring.index(slot * 4 + j + 2).reshape([128, DQ]).load(layout).to(gl.float32)
+        else:
+            w = ring32.index(slot * 2 + j).reshape([128, DQ]).load(layout)
+            xa, xb = _split_words(w, dtype)
+        ca, cb, sa, sb = tabs[j]
+        a, b = _rope_pair(xa, xb, ca, cb, sa, sb, dtype)
+        a_stage.index(buf + j).store(a)
+        a_stage.index(buf + j + 2).store(b)
+    fence_async_shared()
+    gl.thread_barrier()                        # every warp's A rows written, the slot read
+    mbarrier.arrive(empty.index(slot), count=1)
+
+
+@gluon.jit
+def _qk_issue(ring, a_stage, had_smem, cnt, CFG: gl.constexpr):
+    """Issue tile cnt's rotation: from A buffer cnt % 2 (RoPE) or straight from its ring slot."""
+    DQ: gl.constexpr = CFG.DQ
     if CFG.ROPE != "":
-        for j in gl.static_range(2):
-            if CFG.ROPE == "half":
-                xa = ring.index(slot * 4 + j).reshape([128, DQ]).load(layout).to(gl.float32)
-                xb = ring.index(slot * 4 + j + 2).reshape([128, DQ]).load(layout).to(gl.float32)
-            else:
-                w = ring32.index(slot * 2 + j).reshape([128, DQ]).load(layout)
-                xa, xb = _split_words(w, dtype)
-            ca, cb, sa, sb = tabs[j]
-            a, b = _rope_pair(xa, xb, ca, cb, sa, sb, dtype)
-            a_stage.index(j).store(a)          # A chunks: a_0, a_1, b_0, b_1 (kernel.py: a, then b)
-            a_stage.index(j + 2).store(b)
-        fence_async_shared()
-        gl.thread_barrier()                    # every warp's A rows written, the slot read
-        mbarrier.arrive(empty.index(slot), count=1)
-        acc = _hadamard((a_stage.index(0), a_stage.index(1), a_stage.index(2), a_stage.index(3)),
-                        had_smem, CFG)
+        buf = (cnt % 2) * 4
+        return _hadamard_issue((a_stage.index(buf), a_stage.index(buf + 1),
+                                a_stage.index(buf + 2), a_stage.index(buf + 3)), had_smem, CFG)
     else:
-        acc = _hadamard((ring.index(slot * 4).reshape([128, DQ]),
-                         ring.index(slot * 4 + 1).reshape([128, DQ]),
-                         ring.index(slot * 4 + 2).reshape([128, DQ]),
-                         ring.index(slot * 4 + 3).reshape([128, DQ])), had_smem, CFG)
-        gl.thread_barrier()                    # both warpgroups' wgmma retired
-        mbarrier.arrive(empty.index(slot), count=1)
-    amax = gl.max(gl.max(gl.abs(acc), axis=1), axis=0)
+        slot = cnt % CFG.STAGES
+        return _hadamard_issue((ring.index(slot * 4).reshape([128, DQ]),
+                                ring.index(slot * 4 + 1).reshape([128, DQ]),
+                                ring.index(slot * 4 + 2).reshape([128, DQ]),
+                                ring.index(slot * 4 + 3).reshape([128, DQ])), had_smem, CFG)
+
+
+@gluon.jit
+def _qk_retire(acc, empty, cnt, CFG: gl.constexpr):
+    """Wait for tile cnt's rotation (in flight in `acc`); both warpgroups' wgmma retired after the
+    barrier, so its A buffer (or, without RoPE, its ring slot, released here) may be reused."""
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    gl.thread_barrier()
+    if CFG.ROPE == "":
+        mbarrier.arrive(empty.index(cnt % CFG.STAGES), count=1)
+    return acc * CFG.HAD_SCALE
+
+
+@gluon.jit
+def _qk_finish(y, o_stage, out_desc, SCALE, z, h, g, H, G, CFG: gl.constexpr):
+    """A rotated tile y (fp32, HAD_SCALE applied): amax, scale, quantize, TMA store."""
+    D: gl.constexpr = CFG.D
+    amax = gl.max(gl.max(gl.abs(y), axis=1), axis=0)
     scale = _qk_scale_of(amax, CFG.QK_INT8)
-    y = _to_qk(acc, scale, gl.div_rn(1.0, scale), CFG.QK_INT8)
+    y8 = _to_qk(y, scale, gl.div_rn(1.0, scale), CFG.QK_INT8)
     tma.store_wait(0)
     gl.thread_barrier()                        # the previous tile's store has read o_stage
-    D: gl.constexpr = CFG.D
-    o_stage.reshape([128, D]).store(y)
+    o_stage.reshape([128, D]).store(y8)
     fence_async_shared()
     gl.thread_barrier()
     tma.async_copy_shared_to_global(out_desc, [z, h, g * 128, 0], o_stage)
     gl.store(SCALE + (z * H + h) * G + g, scale)
-    return cnt + 1
 
 
 @gluon.jit
@@ -306,8 +335,10 @@ def _v_tile(ring, vt_stage, vt_desc, V_SCALE, V_SCALE_MAX, ready, empty, cnt, z,
             CFG: gl.constexpr):
     """One V tile: amax, power-of-two scale, e4m3, stored transposed (VT8 rows are channels)."""
     DQ: gl.constexpr = CFG.DQ
-    # 8 values (16 bytes of input, 32 of words) a thread along a chunk row; 8 warps down the rows
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DQ // 8), DQ // 8], [8, 1], [1, 0])
+    # 8 channels (16 bytes) by VR tokens a thread: the transposed store writes VR tokens at once
+    # (VR = 2 where a chunk has 16 values a thread, D 128)
+    VR: gl.constexpr = 2 if DQ >= 32 else 1
+    layout: gl.constexpr = gl.BlockedLayout([VR, 8], [32 // (DQ // 8), DQ // 8], [8, 1], [1, 0])
     slot = cnt % CFG.STAGES
     mbarrier.wait(ready.index(slot), (cnt // CFG.STAGES) & 1)
     y0 = ring.index(slot * 4).reshape([128, DQ]).load(layout).to(gl.float32)
@@ -316,11 +347,9 @@ def _v_tile(ring, vt_stage, vt_desc, V_SCALE, V_SCALE_MAX, ready, empty, cnt, z,
     y3 = ring.index(slot * 4 + 3).reshape([128, DQ]).load(layout).to(gl.float32)
     gl.thread_barrier()
     mbarrier.arrive(empty.index(slot), count=1)
-    m01 = gl.maximum(gl.max(gl.max(gl.abs(y0), axis=1), axis=0),
-                     gl.max(gl.max(gl.abs(y1), axis=1), axis=0))
-    m23 = gl.maximum(gl.max(gl.max(gl.abs(y2), axis=1), axis=0),
-                     gl.max(gl.max(gl.abs(y3), axis=1), axis=0))
-    amax = gl.maximum(m01, m23)
+    # elementwise first, one reduction (max is exact: the order does not matter)
+    m = gl.maximum(gl.maximum(gl.abs(y0), gl.abs(y1)), gl.maximum(gl.abs(y2), gl.abs(y3)))
+    amax = gl.max(gl.max(m, axis=1), axis=0)
     scale = _pow2_scale_of(amax)
     inv = gl.div_rn(1.0, scale)               # exact: a power of two (kernel._to_e4m3_pow2)
     tma.store_wait(0)
@@ -344,7 +373,22 @@ def _v_tile(ring, vt_stage, vt_desc, V_SCALE, V_SCALE_MAX, ready, empty, cnt, z,
 def _qk_units(ring, ring32, a_stage, had_smem, o_stage, out_desc, SCALE, ready, empty, cnt,
               COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, Z, H, L, U, HC, G,
               dtype: gl.constexpr, HAS_POS: gl.constexpr, CFG: gl.constexpr):
-    """This program's Q (or K) units: the table rows of a unit's row block once, then its heads."""
+    """This program's Q (or K) units: the table rows of a unit's row block once, then its heads.
+
+    Software-pipelined by one tile, so that the tensor cores run beside the other pipes: with RoPE,
+    tile t's wgmma runs under tile t + 1's RoPE (two A buffers), then tile t is quantized and
+    stored, then tile t + 1's wgmma is issued (one accumulator in flight while the tables are
+    held: registers); without RoPE, tile t + 1's wgmma is issued before tile t is quantized and
+    stored (no tables held)."""
+    D: gl.constexpr = CFG.D
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                         instr_shape=[16, D, 16])
+    # the previous tile's accumulator, in flight across the loop (an async wgmma token)
+    acc = warpgroup_mma_init(gl.zeros([128, D], gl.float32, layout=acc_layout))
+    pz = 0
+    ph = 0
+    pg = 0
+    has_prev = False
     for u in range(gl.program_id(0), U, gl.num_programs(0)):
         z, g, h0, h1 = _unit(u, Z, H, HC)
         tabs = 0
@@ -352,8 +396,28 @@ def _qk_units(ring, ring32, a_stage, had_smem, o_stage, out_desc, SCALE, ready, 
             tabs = _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, g * 128, L,
                                 HAS_POS, CFG)
         for h in range(h0, h1):
-            cnt = _qk_tile(ring, ring32, a_stage, had_smem, o_stage, out_desc, SCALE, ready,
-                           empty, cnt, tabs, z, h, g, H, G, dtype, CFG)
+            if CFG.ROPE != "":
+                _qk_rope(ring, ring32, a_stage, ready, empty, cnt, tabs, dtype, CFG)
+                if has_prev:
+                    y = _qk_retire(acc, empty, cnt - 1, CFG)
+                    _qk_finish(y, o_stage, out_desc, SCALE, pz, ph, pg, H, G, CFG)
+                acc = _qk_issue(ring, a_stage, had_smem, cnt, CFG)
+            else:
+                mbarrier.wait(ready.index(cnt % CFG.STAGES), (cnt // CFG.STAGES) & 1)
+                y = gl.zeros([128, D], gl.float32, layout=acc_layout)
+                if has_prev:
+                    y = _qk_retire(acc, empty, cnt - 1, CFG)
+                acc = _qk_issue(ring, a_stage, had_smem, cnt, CFG)
+                if has_prev:
+                    _qk_finish(y, o_stage, out_desc, SCALE, pz, ph, pg, H, G, CFG)
+            pz = z
+            ph = h
+            pg = g
+            has_prev = True
+            cnt += 1
+    if has_prev:
+        y = _qk_retire(acc, empty, cnt - 1, CFG)
+        _qk_finish(y, o_stage, out_desc, SCALE, pz, ph, pg, H, G, CFG)
     return cnt
 
 
@@ -411,12 +475,15 @@ def prologue_sm90_kernel(
     else:
         ring32 = ring
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, DQ], dtype)
-    a_stage = gl.allocate_shared_memory(dtype, [4, 128, DQ], a_layout)
+    if CFG.ROPE != "":   # two A buffers: tile t's wgmma reads one while tile t + 1's RoPE fills the other
+        a_stage = gl.allocate_shared_memory(dtype, [8, 128, DQ], a_layout)
+    else:
+        a_stage = gl.allocate_shared_memory(dtype, [1, 128, DQ], a_layout)   # unused
     had_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([DQ, D], dtype)
     had_smem = gl.allocate_shared_memory(dtype, [4, DQ, D], had_layout)
     o_stage = gl.allocate_shared_memory(q8_desc.dtype, q8_desc.block_type.shape, q8_desc.layout)
-    vt_stage = gl.allocate_shared_memory(vt_desc.dtype, [4] + vt_desc.block_type.shape,
-                                         vt_desc.layout)
+    # Vᵀ's staging is Q8 / K8's (same bytes; V tiles follow every Q / K tile's store_wait)
+    vt_stage = o_stage._reinterpret(vt_desc.dtype, [4] + vt_desc.block_type.shape, vt_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [CFG.STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [CFG.STAGES, 1], mbarrier.MBarrierLayout())
     STAGES: gl.constexpr = CFG.STAGES
@@ -441,12 +508,14 @@ SMEM_BUDGET = 227 * 1024
 DEFAULT_PROGRAMS = 132     # SMs of an H100 / H200 SXM: the grid when compiling without a device
 
 
-def default_stages(D: int) -> int:
-    """Ring depth, for about 100 KB of input in flight an SM (one program an SM: the consumer's
-    registers, 168 x 288 threads, leave no room for a second): D 128 3 stages (96 KB in flight,
-    192 KB of shared memory; 4 would need 224 KB with the rest), D 64 7 stages (112 KB in flight,
-    152 KB of shared memory)."""
-    return 3 if D > 64 else 7
+def default_stages(D: int, rope: bool) -> int:
+    """Ring depth, for about 100 KB of input in flight an SM (one program an SM: 8 consumer warps
+    at 240 registers and the producer's warpgroup at 24 take the register file): D 128 with RoPE 3
+    stages (96 KB in flight, 208 KB of shared memory with two A buffers; 4 do not fit), without
+    RoPE 4 (128 KB in flight, 176 KB); D 64 7 stages (112 KB in flight, 160 / 128 KB)."""
+    if D > 64:
+        return 3 if rope else 4
+    return 7
 
 
 def serves(q, k, v, recipe, rope) -> bool:
@@ -504,7 +573,7 @@ def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride
     B, Hq, M, D = q.shape
     _, Hkv, N, _ = v.shape
     DQ = D // 4
-    stages = stages or default_stages(D)
+    stages = stages or default_stages(D, bool(rope_style))
     if rope_style == "interleaved":
         perm = torch.cat([torch.arange(0, D, 2), torch.arange(1, D, 2)]).to(had.device)
         hadk = had[perm].contiguous()
