@@ -550,15 +550,20 @@ def _desc(t, block_shape):
 
 
 def heads_per_unit(rows_blocks: int, heads: int, n_programs: int) -> int:
-    """Heads a unit walks (table rows reused across them): as many as keep at least two units a
-    program (load balance), at least 1.
+    """Heads a unit walks (its table rows are reused across them): as many as keep at least two
+    units a program (load balance), then evened out over the head runs (16 heads in runs of at
+    most 7: 6, 6, 4 rather than 7, 7, 2).
 
     Example::
 
         >>> heads_per_unit(128, 16, 132)     # Z·G = 128 row blocks, 16 heads, 132 programs
-        7
+        6
+        >>> heads_per_unit(4, 32, 132)       # few row blocks: one head a unit
+        1
     """
-    return max(1, min(heads, rows_blocks * heads // (2 * n_programs)))
+    most = max(1, min(heads, rows_blocks * heads // (2 * n_programs)))
+    runs = -(-heads // most)
+    return -(-heads // runs)
 
 
 def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride_qpz, stride_kpz,
