@@ -84,10 +84,6 @@ class GluonPrologue:
         return self.D // 4
 
     @property
-    def RING_CHUNKS(self) -> int:   # input-dtype chunks [T, DQ] per ring slot
-        return 4
-
-    @property
     def TILE_BYTES(self) -> int:    # the ready barrier's transaction count per tile
         return T_ROWS * self.D * 2
 
