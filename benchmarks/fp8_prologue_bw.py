@@ -182,15 +182,21 @@ def sweep_candidates() -> list:
             PrologueTuning(num_warps=8, num_stages=2, maxnreg=128)]
     # The Gluon kernel (gluon_sm90.py; the hot case on sm90, else the Triton kernel: such rows are
     # skipped): ring depths around gluon_sm90.default_stages (D128 3 with RoPE, 4
-    # without; D64 7; D128 with RoPE fits 3 at most: deeper rings fail to compile, an error row).
+    # without; D64 7, or 4 at two programs an SM (the default without RoPE); D128 with RoPE fits 3
+    # at most: deeper rings fail to compile, an error row); one and two programs an SM at D64
+    # without RoPE (docs/design/fp8_prologue.md, "Where the time goes").
     out += [PrologueTuning(kernel="gluon")]
     out += [PrologueTuning(kernel="gluon", gluon_stages=s) for s in (2, 4, 5, 8)]
+    out += [PrologueTuning(kernel="gluon", programs_per_sm=1),
+            PrologueTuning(kernel="gluon", programs_per_sm=2, gluon_stages=3),
+            PrologueTuning(kernel="gluon", programs_per_sm=2, gluon_stages=5)]
     return out
 
 
 def _tuning_text(t) -> str:
     if getattr(t, "kernel", None) == "gluon":
-        return f"gluon stages={t.gluon_stages or 'default'}"
+        return (f"gluon stages={t.gluon_stages or 'default'}"
+                + (f" per_sm={t.programs_per_sm}" if t.programs_per_sm else ""))
     if getattr(t, "kernel", None) == "triton" and t == type(t)(kernel="triton"):
         return "triton table launch"
     per_sm = {None: "fit", 0: "grid"}.get(t.programs_per_sm, str(t.programs_per_sm))

@@ -39,13 +39,15 @@ def main() -> None:
     p.add_argument("--maxnreg", type=int)
     p.add_argument("--kernel", choices=("triton", "gluon"))
     p.add_argument("--gluon-stages", type=int)
+    p.add_argument("--programs-per-sm", type=int, help="the Gluon kernel's programs an SM")
     a = p.parse_args()
     case = dict(D=a.head_dim, N=a.seqlen, B=TOKENS // a.seqlen, Hq=HQ, Hkv=a.hkv, recipe=a.recipe)
     q, k, v, recipe, rope = _inputs(case)
     kw = {}
-    if a.warps or a.stages or a.maxnreg or a.kernel or a.gluon_stages:
+    if a.warps or a.stages or a.maxnreg or a.kernel or a.gluon_stages or a.programs_per_sm:
         kw["tuning"] = host.PrologueTuning(num_warps=a.warps, num_stages=a.stages, maxnreg=a.maxnreg,
-                                           kernel=a.kernel, gluon_stages=a.gluon_stages)
+                                           kernel=a.kernel, gluon_stages=a.gluon_stages,
+                                           programs_per_sm=a.programs_per_sm)
     run = _launcher(host.prepare_prologue(q, k, v, recipe, rope, **kw))
     for _ in range(a.iters):
         run()

@@ -17,9 +17,10 @@ Notation
     pair chunk j    (j = 0, 1) the pairs i in [j·DQ, (j+1)·DQ): members a_i (channel ia[i]) and b_i
                     (ib[i]); "half" ia = i, ib = i + D/2 (ring chunks j and j + 2); "interleaved"
                     ia = 2i, ib = 2i + 1, both in one int32 word (ring read as int32 [T, DQ] chunks)
-    unit            (row block g, batch z, a run of HC consecutive heads): what a program takes at
-                    once; its tiles are its heads, so the RoPE table rows of the block are loaded
-                    once (registers) and reused across HC heads
+    unit            (row block g, batch z, a run of HC consecutive heads, HC dividing H): what a
+                    program takes at once; its tiles are its heads, so the RoPE table rows of the
+                    block are loaded once (registers) and reused across HC heads. The Q, K and V
+                    units are one round-robin over the programs (_first_unit, unit_heads)
 
 Roles (warp_specialize):
     consumer (default partition, 8 warps = 2 warpgroups, rows [64w, 64w + 64) of a tile in the
@@ -44,6 +45,7 @@ Q_POS, K_POS, QK_INT8, HAD_SCALE, PRODUCER_REGS. Lengths and unit counts are do_
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from triton.experimental import gluon
@@ -144,6 +146,15 @@ def _split_words(w, dtype: gl.constexpr):
 
 # ---- work decomposition, shared by both roles ------------------------------------------------
 @gluon.jit
+def _first_unit(before, n_prog):
+    """This program's first unit of a phase that follows `before` units: the Q, K and V units are
+    one round-robin over the programs (unit i of the launch, Q then K then V, goes to program
+    i mod n_prog), so that the programs' unit counts differ by one at most over the launch, not
+    per phase (a per-phase round-robin gave the same programs every phase's remainder)."""
+    return (gl.program_id(0) - before % n_prog + n_prog) % n_prog
+
+
+@gluon.jit
 def _unit(u, Z, H, HC):
     """Unit u -> (z, g, first head, end head): u = ((g·Z + z)·NC + c), NC = ceil(H / HC)."""
     nc = (H + HC - 1) // HC
@@ -185,11 +196,11 @@ def _producer(descs, smem, bars, sizes, outs, tables, CFG: gl.constexpr):
         z, g, h0, h1 = _unit(u, Z, HQ, HCQ)
         for h in range(h0, h1):
             cnt = _load_tile(q_desc, ring, ring32, ready, empty, cnt, z, h, g * 128, WORDS, CFG)
-    for u in range(pid, UK, n_prog):
+    for u in range(_first_unit(UQ, n_prog), UK, n_prog):
         z, g, h0, h1 = _unit(u, Z, HKV, HCK)
         for h in range(h0, h1):
             cnt = _load_tile(k_desc, ring, ring32, ready, empty, cnt, z, h, g * 128, WORDS, CFG)
-    for u in range(pid, UK, n_prog):
+    for u in range(_first_unit(UQ + UK, n_prog), UK, n_prog):
         z, g, h0, h1 = _unit(u, Z, HKV, HCK)
         for h in range(h0, h1):
             cnt = _load_tile(v_desc, ring, ring32, ready, empty, cnt, z, h, g * 128, False, CFG)
@@ -367,53 +378,60 @@ def _v_tile(ring, vt_stage, vt_desc, V_SCALE, V_SCALE_MAX, ready, empty, cnt, z,
 
 @gluon.jit
 def _qk_units(ring, ring32, a_stage, had_smem, o_stage, out_desc, SCALE, ready, empty, cnt,
-              COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, Z, H, L, U, HC, G,
+              COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, Z, H, L, U, HC, G, u0,
               dtype: gl.constexpr, HAS_POS: gl.constexpr, CFG: gl.constexpr):
-    """This program's Q (or K) units: the table rows of a unit's row block once, then its heads.
+    """This program's Q (or K) units (u0, u0 + n_programs, ...; HC divides H, so every unit has
+    HC heads): the table rows of a unit's row block once, then its heads. One flat loop over the
+    program's tiles (tile t: unit t // HC, head t % HC of it).
 
-    Software-pipelined by one tile, so that the tensor cores run beside the other pipes: with RoPE,
-    tile t's wgmma runs under tile t + 1's RoPE (two A buffers), then tile t is quantized and
-    stored, then tile t + 1's wgmma is issued (one accumulator in flight while the tables are
-    held: registers); without RoPE, tile t + 1's wgmma is issued before tile t is quantized and
-    stored (no tables held)."""
-    D: gl.constexpr = CFG.D
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                         instr_shape=[16, D, 16])
-    # the previous tile's accumulator, in flight across the loop (an async wgmma token)
-    acc = warpgroup_mma_init(gl.zeros([128, D], gl.float32, layout=acc_layout))
-    pz = 0
-    ph = 0
-    pg = 0
-    has_prev = False
-    for u in range(gl.program_id(0), U, gl.num_programs(0)):
-        z, g, h0, h1 = _unit(u, Z, H, HC)
-        tabs = 0
-        if CFG.ROPE != "":
-            tabs = _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, g * 128, L,
-                                HAS_POS, CFG)
-        for h in range(h0, h1):
-            if CFG.ROPE != "":
-                _qk_rope(ring, ring32, a_stage, ready, empty, cnt, tabs, dtype, CFG)
-                if has_prev:
-                    y = _qk_retire(acc, empty, cnt - 1, CFG)
-                    _qk_finish(y, o_stage, out_desc, SCALE, pz, ph, pg, H, G, CFG)
-                acc = _qk_issue(ring, a_stage, had_smem, cnt, CFG)
-            else:
-                mbarrier.wait(ready.index(cnt % CFG.STAGES), (cnt // CFG.STAGES) & 1)
-                y = gl.zeros([128, D], gl.float32, layout=acc_layout)
-                if has_prev:
-                    y = _qk_retire(acc, empty, cnt - 1, CFG)
-                acc = _qk_issue(ring, a_stage, had_smem, cnt, CFG)
-                if has_prev:
-                    _qk_finish(y, o_stage, out_desc, SCALE, pz, ph, pg, H, G, CFG)
+    With RoPE, software-pipelined by one tile: tile t's wgmma runs under tile t + 1's RoPE (two A
+    buffers), then tile t is quantized and stored, then tile t + 1's wgmma is issued (one
+    accumulator in flight while the tables are held: registers). The first tile is peeled, so
+    the accumulator in flight across the back edge is only ever written by wgmma.
+
+    Without RoPE, one tile at a time (wgmma, wait, quantize, store; the other program on the SM
+    overlaps it at D 64). Issuing tile t + 1's wgmma before tile t's quantization (97af8ed) made
+    ptxas serialize the 4 wgmma of every tile (a wait after each, no overlap left), and so did
+    97af8ed's nested unit / head loops with a zero-initialised accumulator and `if has_prev`
+    branches with RoPE (ptxas C7515: "non wgmma instructions defining accumulator registers")."""
+    n_prog = gl.num_programs(0)
+    n_tiles = (U - u0 + n_prog - 1) // n_prog * HC
+    u = u0
+    z, g, h, h1 = _unit(u, Z, H, HC)
+    if CFG.ROPE == "":
+        for t in range(0, n_tiles):
+            mbarrier.wait(ready.index(cnt % CFG.STAGES), (cnt // CFG.STAGES) & 1)
+            y = _qk_retire(_qk_issue(ring, a_stage, had_smem, cnt, CFG), empty, cnt, CFG)
+            _qk_finish(y, o_stage, out_desc, SCALE, z, h, g, H, G, CFG)
+            cnt += 1
+            h += 1
+            if h == h1:   # the next unit (no division a tile)
+                u += n_prog
+                z, g, h, h1 = _unit(u, Z, H, HC)
+    elif n_tiles > 0:
+        tabs = _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, g * 128, L,
+                            HAS_POS, CFG)
+        _qk_rope(ring, ring32, a_stage, ready, empty, cnt, tabs, dtype, CFG)
+        acc = _qk_issue(ring, a_stage, had_smem, cnt, CFG)
+        for t in range(1, n_tiles):
+            # tile t - 1 is (z, h, g), its wgmma in flight; tile t: the next head, or the next unit
             pz = z
             ph = h
             pg = g
-            has_prev = True
+            h += 1
+            if h == h1:   # a new unit: its row block's table rows (under tile t - 1's wgmma)
+                u += n_prog
+                z, g, h, h1 = _unit(u, Z, H, HC)
+                tabs = _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, g * 128,
+                                    L, HAS_POS, CFG)
             cnt += 1
-    if has_prev:
-        y = _qk_retire(acc, empty, cnt - 1, CFG)
-        _qk_finish(y, o_stage, out_desc, SCALE, pz, ph, pg, H, G, CFG)
+            _qk_rope(ring, ring32, a_stage, ready, empty, cnt, tabs, dtype, CFG)
+            y = _qk_retire(acc, empty, cnt - 1, CFG)
+            _qk_finish(y, o_stage, out_desc, SCALE, pz, ph, pg, H, G, CFG)
+            acc = _qk_issue(ring, a_stage, had_smem, cnt, CFG)
+        y = _qk_retire(acc, empty, cnt, CFG)
+        _qk_finish(y, o_stage, out_desc, SCALE, z, h, g, H, G, CFG)
+        cnt += 1
     return cnt
 
 
@@ -434,11 +452,11 @@ def _consumer(descs, smem, bars, sizes, outs, tables, CFG: gl.constexpr):
     cnt = 0
     cnt = _qk_units(ring, ring32, a_stage, had_smem, o_stage, q8_desc, Q_SCALE, ready, empty, cnt,
                     COS, SIN, QPOS, stride_qpz, stride_tz, stride_tp, P, Z, HQ, M, UQ, HCQ, QG,
-                    dtype, CFG.Q_POS, CFG)
+                    pid, dtype, CFG.Q_POS, CFG)
     cnt = _qk_units(ring, ring32, a_stage, had_smem, o_stage, k8_desc, K_SCALE, ready, empty, cnt,
                     COS, SIN, KPOS, stride_kpz, stride_tz, stride_tp, P, Z, HKV, N, UK, HCK, KG,
-                    dtype, CFG.K_POS, CFG)
-    for u in range(pid, UK, n_prog):
+                    _first_unit(UQ, n_prog), dtype, CFG.K_POS, CFG)
+    for u in range(_first_unit(UQ + UK, n_prog), UK, n_prog):
         z, g, h0, h1 = _unit(u, Z, HKV, HCK)
         for h in range(h0, h1):
             cnt = _v_tile(ring, vt_stage, vt_desc, V_SCALE, V_SCALE_MAX, ready, empty, cnt, z, h,
@@ -504,14 +522,34 @@ SMEM_BUDGET = 227 * 1024
 DEFAULT_PROGRAMS = 132     # SMs of an H100 / H200 SXM: the grid when compiling without a device
 
 
-def default_stages(D: int, rope: bool) -> int:
+# Two programs an SM (D 64 without RoPE): a register cap of 65536 / (2 · 384 threads), rounded down
+# to setmaxnreg's multiple of 8; the consumer warps then get 104 (Triton's split: (80·384 - 24·128)
+# / 256), enough for D 64 without RoPE (no spills), not with RoPE (125 / 259 spill instructions).
+TWO_PROGRAM_REGS = 80
+
+
+def default_programs_per_sm(D: int, rope: bool) -> int:
+    """Programs an SM: 2 at D 64 without RoPE (two independent tile chains an SM: one program's
+    chain of waits and barriers is latency-bound, docs/design/fp8_prologue.md, "Where the time
+    goes"), else 1 (the tables or the D 128 accumulators need the register file)."""
+    return 2 if D <= 64 and not rope else 1
+
+
+def program_regs(D: int, rope: bool, per_sm: int):
+    """The register cap (maxnreg) that lets `per_sm` programs share an SM, or None (no cap: one
+    program; other requests run their extra programs after the resident ones)."""
+    return TWO_PROGRAM_REGS if per_sm == 2 and D <= 64 and not rope else None
+
+
+def default_stages(D: int, rope: bool, per_sm: int = 1) -> int:
     """Ring depth, for about 100 KB of input in flight an SM (one program an SM: 8 consumer warps
     at 240 registers and the producer's warpgroup at 24 take the register file): D 128 with RoPE 3
     stages (96 KB in flight, 208 KB of shared memory with two A buffers; 4 do not fit), without
-    RoPE 4 (128 KB in flight, 176 KB); D 64 7 stages (112 KB in flight, 160 / 128 KB)."""
+    RoPE 4 (128 KB in flight, 176 KB); D 64 7 stages (112 KB in flight, 160 / 128 KB); D 64 at two
+    programs an SM 4 each (128 KB in flight an SM, 80 KB of shared memory a program)."""
     if D > 64:
         return 3 if rope else 4
-    return 7
+    return 4 if per_sm >= 2 else 7
 
 
 def serves(q, k, v, recipe, rope) -> bool:
@@ -545,21 +583,55 @@ def _desc(t, block_shape):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block_shape), layout)
 
 
-def heads_per_unit(rows_blocks: int, heads: int, n_programs: int) -> int:
-    """Heads a unit walks (its table rows are reused across them): as many as keep at least two
-    units a program (load balance), then evened out over the head runs (16 heads in runs of at
-    most 7: 6, 6, 4 rather than 7, 7, 2).
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _most_tiles(q_units: int, hcq: int, k_units: int, hck: int, n_programs: int) -> int:
+    """The most tiles a program takes in the launch's round-robin over its units (Q units of hcq
+    tiles, then K and V units of hck; unit i goes to program i mod n_programs, _first_unit)."""
+    def count(units, before, p):          # units of a phase that program p takes
+        return units // n_programs + ((p - before) % n_programs < units % n_programs)
+    return max(hcq * count(q_units, 0, p) + hck * (count(k_units, q_units, p)
+                                                   + count(k_units, q_units + k_units, p))
+               for p in range(n_programs))
+
+
+@functools.lru_cache(maxsize=256)
+def unit_heads(q_blocks: int, hq: int, k_blocks: int, hkv: int, n_programs: int,
+               rope: bool) -> tuple[int, int]:
+    """(HCQ, HCK): heads a Q / K (and V) unit walks. A divisor of the heads (every unit of a kind
+    the same size), with the fewest tiles on the busiest program (the launch is as slow as it),
+    within 1 / 32 of the best; with RoPE, among those, the fewest units that load table rows (a
+    unit's first tile waits on its table loads from L2), without RoPE the best balance in the
+    finest grain.
+
+    The Q / K / V tiles of a launch are its units' heads; a program's time is about its tile count
+    (one tile at a time, latency-bound: docs/design/fp8_prologue.md, "Where the time goes"). The
+    earlier rule (runs of at most rows·H / (2·programs) heads, evened out: 6, 6, 4 at 16 heads)
+    with a round-robin per phase gave 132 programs over 128 row blocks x 16 heads 54 tiles at most
+    (18 Q + 18 K + 18 V: programs p and p + 132 share p mod 3, so the same programs took the 6-head
+    runs in every phase) against 46.5 on average.
 
     Example::
 
-        >>> heads_per_unit(128, 16, 132)     # Z·G = 128 row blocks, 16 heads, 132 programs
-        6
-        >>> heads_per_unit(4, 32, 132)       # few row blocks: one head a unit
-        1
+        >>> unit_heads(128, 16, 128, 16, 132, True)     # B1 N16384 H16, RoPE: whole head sets
+        (16, 16)
+        >>> unit_heads(128, 16, 128, 16, 132, False)    # no tables to reuse: one head a unit
+        (1, 1)
+        >>> _most_tiles(128, 16, 128, 16, 132), _most_tiles(2048, 1, 2048, 1, 132)
+        (48, 47)
     """
-    most = max(1, min(heads, rows_blocks * heads // (2 * n_programs)))
-    runs = -(-heads // most)
-    return -(-heads // runs)
+    plans = []
+    for hcq in _divisors(hq):
+        for hck in _divisors(hkv):
+            qu, ku = q_blocks * (hq // hcq), k_blocks * (hkv // hck)
+            plans.append((_most_tiles(qu, hcq, ku, hck, n_programs), qu + ku, hcq, hck))
+    best = min(p[0] for p in plans)
+    ok = [p for p in plans if p[0] <= best + best // 32]
+    # without RoPE, ties to the most units (the finest grain: V tiles cost less than Q / K ones)
+    most, _, hcq, hck = min(ok, key=(lambda p: (p[1], p[0])) if rope else (lambda p: (p[0], -p[1])))
+    return hcq, hck
 
 
 def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride_qpz, stride_kpz,
@@ -574,7 +646,8 @@ def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride
     B, Hq, M, D = q.shape
     _, Hkv, N, _ = v.shape
     DQ = D // 4
-    stages = stages or default_stages(D, bool(rope_style))
+    per_sm = per_sm or default_programs_per_sm(D, bool(rope_style))
+    stages = stages or default_stages(D, bool(rope_style), per_sm)
     if rope_style == "interleaved":
         perm = torch.cat([torch.arange(0, D, 2), torch.arange(1, D, 2)]).to(had.device)
         hadk = had[perm].contiguous()
@@ -594,9 +667,8 @@ def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride
             sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         else:
             sms = DEFAULT_PROGRAMS
-        n_programs = sms * (per_sm or 1)
-    hcq = heads_per_unit(B * qg, Hq, n_programs)
-    hck = heads_per_unit(B * kg, Hkv, n_programs)
+        n_programs = sms * per_sm
+    hcq, hck = unit_heads(B * qg, Hq, B * kg, Hkv, n_programs, bool(rope_style))
     uq = B * qg * -(-Hq // hcq)
     uk = B * kg * -(-Hkv // hck)
     cfg = GluonPrologue(D=D, STAGES=stages, ROPE=rope_style, Q_POS=q_pos, K_POS=k_pos,
@@ -606,4 +678,7 @@ def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride
             hadk, cos, sin, qpos, kpos, stride_tz, stride_tp, stride_qpz, stride_kpz,
             B, Hq, Hkv, M, N, max(P, 1), uq, uk, hcq, hck, qg, kg)
     kwargs = dict(CFG=cfg, num_warps=CONSUMER_WARPS)
-    return prologue_sm90_kernel, args, kwargs, (min(n_programs, max(uq, uk)),)
+    regs = program_regs(D, bool(rope_style), per_sm)
+    if regs:
+        kwargs["maxnreg"] = regs
+    return prologue_sm90_kernel, args, kwargs, (min(n_programs, uq + 2 * uk),)

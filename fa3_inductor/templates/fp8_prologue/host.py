@@ -46,7 +46,8 @@ class PrologueTuning:
     - ``kernel``: "triton" (kernel.py) or "gluon" (gluon_sm90.py, the hot case on sm90 only; other
       calls keep the Triton kernel); None: ``DEFAULT_KERNEL``. The operands are the same, bit for bit;
     - ``gluon_stages``: the Gluon kernel's ring depth (None: gluon_sm90.default_stages); with
-      ``kernel="gluon"``, ``programs_per_sm`` sets its programs an SM (None: 1 at D 128, 2 at D 64).
+      ``kernel="gluon"``, ``programs_per_sm`` sets its programs an SM (None:
+      gluon_sm90.default_programs_per_sm, 2 at D 64 without RoPE, else 1).
 
     Example::
 
