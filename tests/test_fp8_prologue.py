@@ -758,14 +758,20 @@ def test_gluon_prologue_compiles_for_sm90(D, style, qk, positions):
     assert [kern for kern, *_ in launch.launches] == [prologue_sm90_kernel]
     (ck,) = host.compile_prologue(q, k, v, FP8Recipe(qk=qk), rope, tuning=tuning)
     r = sass_report(ck)
-    if (D, style) == (128, "interleaved"):
+    if D == 128 and style:
         # At the 240-register ceiling of the 8 consumer warps (tables, the in-flight accumulator,
-        # the pair words): a few values kept on the stack across the Q / K phases, none in the
-        # tile loops (Triton 3.6: 24 bytes, 17 LDL / STL in all, outside the loops).
-        assert r.stack <= 32 and r.spill_instructions <= 24, (r.registers, r.stack,
-                                                              r.spill_instructions)
-        in_loops = [t for body in r.inner_loops() for t in body if re.search(r"\b(LDL|STL)", t)]
-        assert not in_loops, in_loops
+        # the pair words): a few values go to the stack at the unit changes (the next unit's table
+        # rows loaded under the last tile's wgmma), none in the tile loops (Triton 3.6: 80 / 72
+        # bytes, 82 / 78 LDL / STL, outside the head loops but for "interleaved", which reloads a
+        # loop-invariant value or two a tile: at most 2 LDL, no STL, in a loop; once a unit of up
+        # to 16 tiles).
+        assert r.stack <= 128, (r.registers, r.stack, r.spill_instructions)
+        for body in r.inner_loops():
+            spills = [t for t in body if re.search(r"\b(LDL|STL)", t)]
+            if style == "interleaved":
+                assert len(spills) <= 2 and not any("STL" in t for t in spills), spills
+            else:
+                assert not spills, spills
     else:
         assert r.stack == 0 and r.local == 0 and r.spill_instructions == 0, (r.registers, r.stack)
     assert r.hgmma > 0, "the Hadamard rotation did not compile to wgmma"

@@ -377,6 +377,17 @@ def _v_tile(ring, vt_stage, vt_desc, V_SCALE, V_SCALE_MAX, ready, empty, cnt, z,
 
 
 @gluon.jit
+def _qk_next(ring, ring32, a_stage, had_smem, o_stage, out_desc, SCALE, ready, empty, cnt, acc,
+             tabs, prev, H, G, dtype: gl.constexpr, CFG: gl.constexpr):
+    """RoPE, pipelined: tile cnt + 1's RoPE under tile cnt's wgmma (`acc`, in flight), then tile
+    cnt (at `prev` = (z, h, g)) quantized and stored, then tile cnt + 1's wgmma issued."""
+    _qk_rope(ring, ring32, a_stage, ready, empty, cnt + 1, tabs, dtype, CFG)
+    y = _qk_retire(acc, empty, cnt, CFG)
+    _qk_finish(y, o_stage, out_desc, SCALE, prev[0], prev[1], prev[2], H, G, CFG)
+    return cnt + 1, _qk_issue(ring, a_stage, had_smem, cnt + 1, CFG)
+
+
+@gluon.jit
 def _qk_units(ring, ring32, a_stage, had_smem, o_stage, out_desc, SCALE, ready, empty, cnt,
               COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, Z, H, L, U, HC, G, u0,
               dtype: gl.constexpr, HAS_POS: gl.constexpr, CFG: gl.constexpr):
@@ -409,28 +420,27 @@ def _qk_units(ring, ring32, a_stage, had_smem, o_stage, out_desc, SCALE, ready, 
                 u += n_prog
                 z, g, h, h1 = _unit(u, Z, H, HC)
     elif n_tiles > 0:
+        # The first tile peeled; the tables are loop-invariant in each unit's head loop and the
+        # next unit's are loaded after it, under the last tile's wgmma (past the last unit the
+        # rows are >= L: every load masked off). Carried through a branch of a flat tile loop,
+        # they were repacked every tile (+190 instructions at D 128); a peeled copy of the head
+        # loop spilled at D 128.
         tabs = _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, g * 128, L,
                             HAS_POS, CFG)
         _qk_rope(ring, ring32, a_stage, ready, empty, cnt, tabs, dtype, CFG)
         acc = _qk_issue(ring, a_stage, had_smem, cnt, CFG)
-        for t in range(1, n_tiles):
-            # tile t - 1 is (z, h, g), its wgmma in flight; tile t: the next head, or the next unit
-            pz = z
-            ph = h
-            pg = g
-            h += 1
-            if h == h1:   # a new unit: its row block's table rows (under tile t - 1's wgmma)
-                u += n_prog
-                z, g, h, h1 = _unit(u, Z, H, HC)
-                tabs = _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, g * 128,
-                                    L, HAS_POS, CFG)
-            cnt += 1
-            _qk_rope(ring, ring32, a_stage, ready, empty, cnt, tabs, dtype, CFG)
-            y = _qk_retire(acc, empty, cnt - 1, CFG)
-            _qk_finish(y, o_stage, out_desc, SCALE, pz, ph, pg, H, G, CFG)
-            acc = _qk_issue(ring, a_stage, had_smem, cnt, CFG)
+        prev = (z, h, g)
+        h += 1
+        for uu in range(u0, U, n_prog):
+            for hh in range(h, h1):
+                cnt, acc = _qk_next(ring, ring32, a_stage, had_smem, o_stage, out_desc, SCALE,
+                                    ready, empty, cnt, acc, tabs, prev, H, G, dtype, CFG)
+                prev = (z, hh, g)
+            z, g, h, h1 = _unit(uu + n_prog, Z, H, HC)
+            tabs = _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, g * 128,
+                                L, HAS_POS, CFG)
         y = _qk_retire(acc, empty, cnt, CFG)
-        _qk_finish(y, o_stage, out_desc, SCALE, z, h, g, H, G, CFG)
+        _qk_finish(y, o_stage, out_desc, SCALE, prev[0], prev[1], prev[2], H, G, CFG)
         cnt += 1
     return cnt
 
