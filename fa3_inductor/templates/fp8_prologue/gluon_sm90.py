@@ -28,8 +28,9 @@ Roles (warp_specialize):
              (registers, in the tables' dtype); per Q / K tile: RoPE from the ring slot (fp32,
              rounded to the input dtype) into one of two A buffers, releases the slot, 4 chained
              async wgmma (straight from the ring slot without RoPE), then amax, scale, quantize,
-             TMA store. Pipelined by one tile (_qk_units): tile t's wgmma runs under tile t + 1's
-             RoPE (without RoPE: under tile t's quantization). V tiles: amax, power-of-two scale,
+             TMA store. With RoPE pipelined by one tile (_qk_units): tile t's wgmma runs under
+             tile t + 1's RoPE; without RoPE one tile at a time (two programs an SM at D 64 overlap
+             them). V tiles: amax, power-of-two scale,
              e4m3, transposed through shared memory, TMA store
     producer (1 warp, its warpgroup at PRODUCER_REGS): the same walk over units and tiles, TMA
              loads into a STAGES-deep ring; ready[s] (TMA transaction count), empty[s] (the
