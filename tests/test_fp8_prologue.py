@@ -666,6 +666,13 @@ GLUON_CASES = {
     # reused; gluon_sm90.unit_heads), unit rounds carried over from Q to K to V
     "d128_half_head_runs": (1, 16, 4, 8192, 8192, 128, torch.bfloat16, "int8", "half", False,
                             torch.bfloat16),
+    # several RoPE units a program in each phase (the next unit's table rows loaded under the last
+    # tile's wgmma, _qk_units): 300 row blocks, Q units of 2 heads, K units of 1; 314 row blocks
+    # over 2 batches with positions, one head a unit (4-5 Q units a program)
+    "d128_half_many_units": (1, 2, 1, 38400, 38400, 128, torch.bfloat16, "int8", "half", False,
+                             torch.bfloat16),
+    "d64_interleaved_many_units_positions": (2, 2, 1, 20000, 20000, 64, torch.float16, "e4m3",
+                                             "interleaved", True, torch.float16),
     "d64_plain_bf16_e4m3": (2, 3, 3, 1000, 77, 64, torch.bfloat16, "e4m3", "", False, None),
     "d64_interleaved_bf16_int8": (1, 8, 2, 256, 384, 64, torch.bfloat16, "int8", "interleaved",
                                   False, torch.bfloat16),
