@@ -680,6 +680,7 @@ def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride
             sms = DEFAULT_PROGRAMS
         n_programs = sms * per_sm
     hcq, hck = unit_heads(B * qg, Hq, B * kg, Hkv, n_programs, bool(rope_style))
+    assert Hq % hcq == 0 and Hkv % hck == 0, (Hq, hcq, Hkv, hck)   # _qk_units' tile count
     uq = B * qg * -(-Hq // hcq)
     uk = B * kg * -(-Hkv // hck)
     cfg = GluonPrologue(D=D, STAGES=stages, ROPE=rope_style, Q_POS=q_pos, K_POS=k_pos,
