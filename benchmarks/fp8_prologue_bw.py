@@ -185,6 +185,8 @@ def sweep_candidates() -> list:
     # without; D64 7, or 4 at two programs an SM (the default without RoPE); D128 with RoPE fits 3
     # at most: deeper rings fail to compile, an error row); one and two programs an SM at D64
     # without RoPE (docs/design/fp8_prologue.md, "Where the time goes").
+    # Triton candidates name their kernel: D128's default is the Gluon kernel (host.default_kernel).
+    out = [dataclasses.replace(t, kernel="triton") for t in out]
     out += [PrologueTuning(kernel="gluon")]
     out += [PrologueTuning(kernel="gluon", gluon_stages=s) for s in (2, 4, 5, 8)]
     out += [PrologueTuning(kernel="gluon", programs_per_sm=1),

@@ -600,7 +600,7 @@ def test_sm90_memory_instructions_are_wide_and_pipelined(D, rope, tables):
     from fa3_inductor.templates.aot import sass_report
 
     q, k, v, r = _d128_rope_inputs(rope or "half", tables, heads=(8, 8), D=D)
-    (main,) = host.compile_prologue(q, k, v, FP8Recipe(), r)
+    (main,) = host.compile_prologue(q, k, v, FP8Recipe(), r, tuning=host.PrologueTuning(kernel="triton"))
     rep = sass_report(main)
     stores = re.findall(r"\bst\.global(?:\.\w+)*", rep.ptx)
     wide = [s for s in stores if ".v4" in s]
@@ -626,7 +626,7 @@ def test_sm90_d128_rope_launch_takes_the_select_where_it_removes_spills(style, b
     rot, kw = _launch_rot(q, k, v, FP8Recipe(), rope)
     assert rot.ROPE_SELECT and (kw["num_warps"], kw["num_stages"], kw["maxnreg"]) == (8, 1, 128)
     on, off = (sass_report(host.compile_prologue(q, k, v, FP8Recipe(), rope,
-                                                 tuning=host.PrologueTuning(rope_select=s))[0])
+                                                 tuning=host.PrologueTuning(rope_select=s, kernel="triton"))[0])
                for s in (None, False))
     assert on.spill_instructions <= bound < off.spill_instructions, (on.spill_instructions,
                                                                      off.spill_instructions)
@@ -811,7 +811,7 @@ def test_gluon_units_are_equal_runs_of_heads_balanced_over_the_programs():
 @pytest.mark.sm90_compile
 def test_gluon_prologue_serves_only_the_hot_case():
     """kernel="gluon" takes the Gluon kernel for the hot case only (gluon_sm90.serves); every other
-    call keeps the Triton kernel, and the default stays the Triton kernel."""
+    call keeps the Triton kernel; by default D128 takes the Gluon kernel and D64 the Triton one."""
     gluon = host.PrologueTuning(kernel="gluon")
     q, k, v = _inputs(1, 4, 2, 200, 300, 128, 128, torch.bfloat16)
     base = RopeSpec.from_theta(128, 512)
@@ -821,7 +821,10 @@ def test_gluon_prologue_serves_only_the_hot_case():
         return host.kernel_for(q, k, v, recipe, rope, tuning, capability)
 
     assert which() == "gluon" and which(rope=None) == "gluon"
-    assert which(tuning=host.DEFAULT_TUNING) == host.DEFAULT_KERNEL
+    assert which(tuning=host.DEFAULT_TUNING) == "gluon"
+    q64, k64, v64 = _inputs(1, 4, 2, 200, 300, 64, 64, torch.bfloat16)
+    assert which(q64, k64, v64, rope=None, tuning=host.DEFAULT_TUNING) == "triton"
+    assert which(q64, k64, v64, rope=None) == "gluon"
     assert which(tuning=host.PrologueTuning(kernel="triton")) == "triton"
     assert which(capability=(10, 0)) == "triton"
     assert which(recipe=FP8Recipe(smooth_k=True)) == "triton"

@@ -44,7 +44,7 @@ class PrologueTuning:
       :func:`rope_select`'s rule. The operands are the same either way; the sweep times both sides
       where the rule's choice is close (spills against instructions);
     - ``kernel``: "triton" (kernel.py) or "gluon" (gluon_sm90.py, the hot case on sm90 only; other
-      calls keep the Triton kernel); None: ``DEFAULT_KERNEL``. The operands are the same, bit for bit;
+      calls keep the Triton kernel); None: ``default_kernel(head dim)``. The operands are the same, bit for bit;
     - ``gluon_stages``: the Gluon kernel's ring depth (None: gluon_sm90.default_stages); with
       ``kernel="gluon"``, ``programs_per_sm`` sets its programs an SM (None:
       gluon_sm90.default_programs_per_sm, 2 at D 64 without RoPE, else 1).
@@ -67,10 +67,12 @@ class PrologueTuning:
 DEFAULT_TUNING = PrologueTuning()
 
 # Which kernel serves the hot case (gluon_sm90.serves: D = Dv in {64, 128}, Hadamard, 128-row blocks,
-# no smooth_k, RoPE none or full-width with 2-byte tables) on sm90: "triton" (kernel.py) until the
-# Gluon kernel has passed the gpu tests and the sweep (docs/design/fp8_prologue.md, "The Gluon
-# prologue"); then this one line becomes "gluon". Everything else always takes the Triton kernel.
-DEFAULT_KERNEL = "triton"
+# no smooth_k, RoPE none or full-width with 2-byte tables) on sm90, by head dim. The H200 sweep
+# fp8-prologue-bw-nvidia-h200-2026-11-29-0620 (N 16384, Hkv 16; docs/design/fp8_prologue.md):
+# D128 Gluon 0.098 / 0.119 / 0.124 ms (plain / RoPE / interleaved RoPE) against Triton's 0.110 /
+# 0.172 / 0.168; D64 Gluon 0.053-0.055 / 0.071 / 0.075 against 0.051 / 0.070 / 0.072, so D64 keeps
+# the Triton kernel. Everything else always takes the Triton kernel.
+DEFAULT_KERNEL = {64: "triton", 128: "gluon"}
 
 # (widest head dim rounded up to a power of two, <= 64 or 128; RoPE) -> (warps, stages, register cap):
 # the --sweep of fp8-prologue-bw-nvidia-h100-80gb-hbm3-2026-11-25-0627 (H100, N 16384 Hkv 16): the
@@ -288,13 +290,25 @@ def _programs(kernel: Any, args: tuple, kwargs: dict, groups: int, tuning: Prolo
     return min(groups, per_sm * props.multi_processor_count)
 
 
+def default_kernel(head_dim: int) -> str:
+    """The prologue kernel a call at this head dim takes without ``PrologueTuning(kernel=)``
+    (where gluon_sm90 serves it; "triton" everywhere else).
+
+    Example::
+
+        >>> default_kernel(128), default_kernel(64), default_kernel(256)
+        ('gluon', 'triton', 'triton')
+    """
+    return DEFAULT_KERNEL.get(head_dim, "triton")
+
+
 def _takes_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: FP8Recipe,
                  rope: Optional[RopeSpec], tuning: PrologueTuning,
                  capability: Optional[tuple[int, int]]) -> bool:
-    """The Gluon kernel serves this call: chosen (tuning.kernel, else DEFAULT_KERNEL), an sm90
+    """The Gluon kernel serves this call: chosen (tuning.kernel, else default_kernel), an sm90
     target (the device's, or ``capability`` when compiling without one), not interpreting, and the
     hot case (gluon_sm90.serves)."""
-    if (tuning.kernel or DEFAULT_KERNEL) != "gluon" or _interpreting():
+    if (tuning.kernel or default_kernel(q.shape[-1])) != "gluon" or _interpreting():
         return False
     if capability is None:
         if q.device.type != "cuda":
