@@ -42,7 +42,12 @@ class PrologueTuning:
     - ``maxnreg``: a register cap per thread (None: the compiler's choice);
     - ``rope_select``: RoPE's select (kernel.Rotation.ROPE_SELECT) on or off at this launch; None:
       :func:`rope_select`'s rule. The operands are the same either way; the sweep times both sides
-      where the rule's choice is close (spills against instructions).
+      where the rule's choice is close (spills against instructions);
+    - ``kernel``: "triton" (kernel.py) or "gluon" (gluon_sm90.py, the hot case on sm90 only; other
+      calls keep the Triton kernel); None: ``default_kernel(head dim)``. The operands are the same, bit for bit;
+    - ``gluon_stages``: the Gluon kernel's ring depth (None: gluon_sm90.default_stages); with
+      ``kernel="gluon"``, ``programs_per_sm`` sets its programs an SM (None:
+      gluon_sm90.default_programs_per_sm, 2 at D 64 without RoPE, else 1).
 
     Example::
 
@@ -55,9 +60,19 @@ class PrologueTuning:
     programs_per_sm: Optional[int] = None
     maxnreg: Optional[int] = None
     rope_select: Optional[bool] = None
+    kernel: Optional[str] = None
+    gluon_stages: Optional[int] = None
 
 
 DEFAULT_TUNING = PrologueTuning()
+
+# Which kernel serves the hot case (gluon_sm90.serves: D = Dv in {64, 128}, Hadamard, 128-row blocks,
+# no smooth_k, RoPE none or full-width with 2-byte tables) on sm90, by head dim. The H200 sweep
+# fp8-prologue-bw-nvidia-h200-2026-11-29-0620 (N 16384, Hkv 16; docs/design/fp8_prologue.md):
+# D128 Gluon 0.098 / 0.119 / 0.124 ms (plain / RoPE / interleaved RoPE) against Triton's 0.110 /
+# 0.172 / 0.168; D64 Gluon 0.053-0.055 / 0.071 / 0.075 against 0.051 / 0.070 / 0.072, so D64 keeps
+# the Triton kernel. Everything else always takes the Triton kernel.
+DEFAULT_KERNEL = {64: "triton", 128: "gluon"}
 
 # (widest head dim rounded up to a power of two, <= 64 or 128; RoPE) -> (warps, stages, register cap):
 # the --sweep of fp8-prologue-bw-nvidia-h100-80gb-hbm3-2026-11-25-0627 (H100, N 16384 Hkv 16): the
@@ -275,13 +290,62 @@ def _programs(kernel: Any, args: tuple, kwargs: dict, groups: int, tuning: Prolo
     return min(groups, per_sm * props.multi_processor_count)
 
 
+def default_kernel(head_dim: int) -> str:
+    """The prologue kernel a call at this head dim takes without ``PrologueTuning(kernel=)``
+    (where gluon_sm90 serves it; "triton" everywhere else).
+
+    Example::
+
+        >>> default_kernel(128), default_kernel(64), default_kernel(256)
+        ('gluon', 'triton', 'triton')
+    """
+    return DEFAULT_KERNEL.get(head_dim, "triton")
+
+
+def _takes_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: FP8Recipe,
+                 rope: Optional[RopeSpec], tuning: PrologueTuning,
+                 capability: Optional[tuple[int, int]]) -> bool:
+    """The Gluon kernel serves this call: chosen (tuning.kernel, else default_kernel), an sm90
+    target (the device's, or ``capability`` when compiling without one), not interpreting, and the
+    hot case (gluon_sm90.serves)."""
+    if (tuning.kernel or default_kernel(q.shape[-1])) != "gluon" or _interpreting():
+        return False
+    if capability is None:
+        if q.device.type != "cuda":
+            return False
+        capability = torch.cuda.get_device_capability(q.device)
+    if tuple(capability) != (9, 0):
+        return False
+    from . import gluon_sm90
+
+    return gluon_sm90.serves(q, k, v, recipe, rope)
+
+
+def kernel_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: FP8Recipe,
+               rope: Optional[RopeSpec] = None, tuning: PrologueTuning = DEFAULT_TUNING,
+               capability: Optional[tuple[int, int]] = None) -> str:
+    """"gluon" where :func:`prepare_prologue` would launch gluon_sm90's kernel, else "triton".
+
+    Example::
+
+        >>> q = torch.empty(1, 2, 256, 128, dtype=torch.bfloat16)
+        >>> kernel_for(q, q, q, FP8Recipe(), tuning=PrologueTuning(kernel="gluon"),
+        ...            capability=(9, 0)) in ("gluon", "triton")    # "triton" when interpreting
+        True
+    """
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    return "gluon" if _takes_gluon(q, k, v, recipe, rope, tuning, capability) else "triton"
+
+
 def prepare_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: FP8Recipe,
                      rope: Optional[RopeSpec] = None, *,
                      round_in_fp32: Optional[bool] = None,
-                     tuning: PrologueTuning = DEFAULT_TUNING) -> PrologueLaunch:
+                     tuning: PrologueTuning = DEFAULT_TUNING,
+                     capability: Optional[tuple[int, int]] = None) -> PrologueLaunch:
     """The launches of ``quantize`` (checked inputs, allocated outputs), not yet run.
     ``round_in_fp32`` None: on under the interpreter only (kernel.py, Quantization); ``tuning``:
-    the main launch's parameters (:class:`PrologueTuning`).
+    the main launch's parameters (:class:`PrologueTuning`); ``capability``: the target when
+    compiling without a device (compile_prologue), for the Gluon kernel's choice.
 
     Example::
 
@@ -363,6 +427,15 @@ def prepare_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: 
         v_scale_max=torch.zeros(B, Hkv, dtype=torch.float32, device=dev),
         k_mean=torch.empty(B, Hkv, D, dtype=torch.float32, device=dev) if recipe.smooth_k else None,
         recipe=recipe, n=N)
+
+    if _takes_gluon(q, k, v, recipe, rope, tuning, capability):
+        from . import gluon_sm90
+
+        return PrologueLaunch([gluon_sm90.launch(
+            q, k, v, ops, had, cos, sin, qpos_t, kpos_t, stride_tz, stride_tp, stride_qpz,
+            stride_kpz, P, rope.style if rope is not None else "", qpos is not None,
+            kpos is not None, recipe, stages=tuning.gluon_stages,
+            per_sm=tuning.programs_per_sm)], ops)
 
     # smooth_k's pre-pass reads S = min(N, 256) sampled rows per head (reference.smooth_sample),
     # SMOOTH_ROWS per program: a few percent of K's bytes, where a pass over all of K cost 15-30%
@@ -455,6 +528,7 @@ def compile_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: 
     from ..aot import compile_launch
 
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
-    launch = prepare_prologue(q, k, v, recipe, rope, round_in_fp32=False, tuning=tuning)
+    launch = prepare_prologue(q, k, v, recipe, rope, round_in_fp32=False, tuning=tuning,
+                              capability=capability)
     return [compile_launch(kernel, args, kwargs, target)
             for kernel, args, kwargs, _ in launch.launches]
