@@ -17,9 +17,11 @@ Options:
 - ``--sweep``: also times the candidate launch parameters (``host.PrologueTuning``: warps, pipeline
   stages, persistent or one program per group, register cap) on the Hkv 16 shapes of the last
   ``--seqlens`` entry (plain, RoPE "half" and rope-f32: the main launch is the same kernel with
-  smoothing or interleaved pairs), checks each gives the default's bytes, and prints the best per
-  shape
-  (``host.tuned_launch``'s table takes the winners);
+  smoothing or interleaved pairs; rope-il for the Gluon kernel only), checks each gives the bytes
+  of the first candidate (the Triton kernel's table launch), and prints the best per shape
+  (``host.tuned_launch``'s table takes the winners). Candidates with ``kernel="gluon"`` time
+  gluon_sm90.py's kernel where it serves the shape (the hot case on sm90) and are skipped elsewhere;
+  ``same_bytes`` is then its bit-identity with the Triton kernel at full size;
 - ``--against PATH``: times the prologue of another tree (``fa3_inductor`` imported from PATH in a
   subprocess running this file) on the same shapes: old vs new in one run. Make the old tree with
   ``git worktree add /tmp/fp8_old HEAD`` (or any commit).
@@ -44,7 +46,10 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENS, HQ = 16384, 16
 RECIPES = ("plain", "rope", "rope-il", "rope-f32", "smooth", "rope+smooth")
-SWEPT = ("plain", "rope", "rope-f32")
+SWEPT = ("plain", "rope", "rope-il", "rope-f32")
+# Recipes the sweep times with the Gluon candidates and the Triton table launch only (the Triton
+# kernel's other candidates run the same code as for "rope" there).
+GLUON_ONLY = ("rope-il",)
 
 
 def _import_tree(root: str):
@@ -131,6 +136,14 @@ def _prologue_ms(c: dict, tuning=None) -> tuple[float, object]:
     return _time(lambda: host.quantize(q, k, v, recipe, rope)), ops
 
 
+def _served_by(c: dict, tuning) -> str:
+    """Which kernel host.prepare_prologue launches for case ``c`` under ``tuning``."""
+    from fa3_inductor.templates.fp8_prologue import host
+
+    q, k, v, recipe, rope = _inputs(c)
+    return host.kernel_for(q, k, v, recipe, rope, tuning)
+
+
 def copy_ms(nbytes: int) -> float:
     """Median ms of a device copy moving ``nbytes`` (read + write)."""
     import torch
@@ -153,7 +166,9 @@ def sweep_candidates() -> list:
     """The launch parameters --sweep times (host.PrologueTuning)."""
     from fa3_inductor.templates.fp8_prologue.host import PrologueTuning
 
-    out = [PrologueTuning(num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3)]
+    # First: the Triton kernel's table launch, the bytes every other candidate must reproduce.
+    out = [PrologueTuning(kernel="triton")]
+    out += [PrologueTuning(num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3)]
     out += [PrologueTuning(num_warps=4, num_stages=2, programs_per_sm=0),
             PrologueTuning(num_warps=8, num_stages=1, maxnreg=128),
             PrologueTuning(num_warps=4, num_stages=2, maxnreg=168)]   # D64 RoPE: 3 programs an SM
@@ -165,10 +180,27 @@ def sweep_candidates() -> list:
     out += [PrologueTuning(num_warps=8, num_stages=1, maxnreg=128, rope_select=False),
             PrologueTuning(num_warps=4, num_stages=1, rope_select=False),
             PrologueTuning(num_warps=8, num_stages=2, maxnreg=128)]
+    # The Gluon kernel (gluon_sm90.py; the hot case on sm90, else the Triton kernel: such rows are
+    # skipped): ring depths around gluon_sm90.default_stages (D128 3 with RoPE, 4
+    # without; D64 7, or 4 at two programs an SM (the default without RoPE); D128 with RoPE fits 3
+    # at most: deeper rings fail to compile, an error row); one and two programs an SM at D64
+    # without RoPE (docs/design/fp8_prologue.md, "Where the time goes").
+    # Triton candidates name their kernel: D128's default is the Gluon kernel (host.default_kernel).
+    out = [dataclasses.replace(t, kernel="triton") for t in out]
+    out += [PrologueTuning(kernel="gluon")]
+    out += [PrologueTuning(kernel="gluon", gluon_stages=s) for s in (2, 4, 5, 8)]
+    out += [PrologueTuning(kernel="gluon", programs_per_sm=1),
+            PrologueTuning(kernel="gluon", programs_per_sm=2, gluon_stages=3),
+            PrologueTuning(kernel="gluon", programs_per_sm=2, gluon_stages=5)]
     return out
 
 
 def _tuning_text(t) -> str:
+    if getattr(t, "kernel", None) == "gluon":
+        return (f"gluon stages={t.gluon_stages or 'default'}"
+                + (f" per_sm={t.programs_per_sm}" if t.programs_per_sm else ""))
+    if getattr(t, "kernel", None) == "triton" and t == type(t)(kernel="triton"):
+        return "triton table launch"
     per_sm = {None: "fit", 0: "grid"}.get(t.programs_per_sm, str(t.programs_per_sm))
     select = getattr(t, "rope_select", None)
     return (f"w{t.num_warps} s{t.num_stages} per_sm={per_sm}"
@@ -267,6 +299,11 @@ def main() -> None:
             for t in sweep_candidates():
                 if t.rope_select is not None and "rope" not in c["recipe"]:
                     continue      # the select is RoPE's: the same launch as without it
+                gluon = getattr(t, "kernel", None) == "gluon"
+                if c["recipe"] in GLUON_ONLY and not gluon and t != sweep_candidates()[0]:
+                    continue
+                if gluon and _served_by(c, t) != "gluon":
+                    continue      # not the hot case (e.g. float32 tables): the Triton kernel
                 entry = dict(key=_key(c), tuning=dataclasses.asdict(t), tuning_text=_tuning_text(t))
                 try:
                     ms, ops = _prologue_ms(c, t)

@@ -9,11 +9,15 @@ Times are triton.testing.do_bench medians (CUDA events; inputs made once per sha
 Rows (JSON ``rows``, each with ``dtype``):
 - ``cudnn`` bf16: SDPA with the cuDNN backend;
 - ``fa3_inductor`` bf16: ``flex(q, k, v, ...)`` (the Hopper family where it serves);
+- ``fa3_inductor`` fp8 ``kernel alone``: the FP8 kernel ``flex(fp8=)`` runs (``hopper_fp8`` on
+  Hopper) on operands quantized once, launched as planned (bench.fp8_kernel_fn);
 - ``fa3_inductor`` fp8 ``generic kernel``: the generic Triton FP8 kernel (``templates/fp8``, the family
-  of sm89 and the interpreter) on operands quantized once. On Hopper ``flex(fp8=)`` runs the Gluon
-  ``hopper_fp8`` kernel instead: benchmarks/fp8_kernel_ab.py and bench.py time that one alone;
+  of sm89 and the interpreter) on the same operands, noop rows only;
 - ``fa3_inductor`` fp8 ``with prologue``: ``flex(q, k, v, fp8=True, ...)`` end to end;
-- ``prologue``: quantize alone, with bytes read + written and GB/s;
+- ``prologue``: the prologue's launches prepared once (``prepare_prologue``: kernels only, as
+  fp8_prologue_bw.py times them), with bytes read + written and GB/s, and ``host_us``: one
+  ``quantize()`` call's host time with the queue drained first (before 2026-11-29 this row timed
+  ``quantize()`` back to back, which measured its host work, ~0.2 ms, not the kernels);
 - ``copy``: a device-to-device copy of 1 GiB (bytes read + written per second).
 
     python3 benchmarks/fp8_speed.py --out benchmarks/results [--head-dims 128] [--seqlens 4096,16384]
@@ -35,7 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import fa3_inductor  # noqa: E402
 from fa3_inductor import FP8Recipe, flex, mods  # noqa: E402
-from fa3_inductor.templates.fp8_prologue.host import quantize  # noqa: E402
+from fa3_inductor.templates.fp8_prologue.host import prepare_prologue, quantize  # noqa: E402
 from fa3_inductor.templates.fp8.configs import fp8_config  # noqa: E402
 from fa3_inductor.templates.generic.host import prepare_generic  # noqa: E402
 
@@ -52,6 +56,27 @@ def _bench(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _host_us(fn, calls: int = 20) -> float:
+    """Median host µs of one ``fn()`` call, the queue drained before each."""
+    import statistics
+    import time
+
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def block_mask_of(mask_mod, q, k):
+    """The block mask flex(q, k, v, mask_mod=, fp8=) plans with (None without a mask_mod)."""
+    from fa3_inductor.api import _block_mask_of
+
+    return None if mask_mod is None else _block_mask_of(mask_mod, q, k)
 
 
 def _flops(B: int, H: int, N: int, D: int, causal: bool) -> float:
@@ -98,10 +123,20 @@ def run_case(D: int, N: int, mod: str, rows: list) -> None:
         ref = flex(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
         rows[-1]["cosine_vs_bf16"] = torch.nn.functional.cosine_similarity(
             out8.float().flatten(), ref.float().flatten(), dim=0).item()
+        from bench import fp8_kernel_fn
+
+        kernel_alone, family = fp8_kernel_fn(score_mod, block_mask_of(mask_mod, q, k), q, k, v, recipe)
+        add("fa3_inductor", "fp8", "kernel alone", _bench(kernel_alone), dict(family=family))
         ops = quantize(q, k, v, recipe)
-        ms = _bench(lambda: quantize(q, k, v, recipe))
+        launches = [(kern[grid], a, kw) for kern, a, kw, grid in prepare_prologue(q, k, v, recipe).launches]
+
+        def prologue():
+            for fn, a, kw in launches:
+                fn(*a, **kw)
+        ms = _bench(prologue)
         moved = 3 * q.numel() * 2 + 3 * q.numel() * 1   # bf16 in, e4m3 out (scales negligible)
-        add("prologue", "fp8", "quantize", ms, dict(bytes=moved, gbps=moved / (ms * 1e-3) / 1e9))
+        add("prologue", "fp8", "quantize", ms, dict(bytes=moved, gbps=moved / (ms * 1e-3) / 1e9,
+                                                    host_us=_host_us(lambda: quantize(q, k, v, recipe))))
         if mod == "noop":
             out = torch.empty_like(q)
             lse = torch.empty(B, H, N, device="cuda")
@@ -143,8 +178,11 @@ def main() -> None:
     lines = [f"# FP8 forward speed: {device}", "",
              f"torch {torch.__version__}, triton {triton.__version__}, {now:%Y-%m-%d %H:%M} UTC; "
              f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write)", "",
-             "| D | N | mod | cuDNN bf16 | fa3 bf16 | fp8 generic Triton kernel | fp8 + prologue | fp8+prologue / cuDNN | "
-             "fp8+prologue / fa3 bf16 | prologue GB/s (% copy) | cosine vs bf16 |", "|" + "---|" * 11]
+             "TFLOP/s; the prologue's GB/s are its kernels' (launches prepared once), its host µs one "
+             "quantize() call's", "",
+             "| D | N | mod | cuDNN bf16 | fa3 bf16 | fp8 kernel alone | fp8 generic Triton kernel | fp8 + prologue | "
+             "kernel alone / cuDNN | fp8+prologue / cuDNN | fp8+prologue / fa3 bf16 | prologue ms | "
+             "prologue GB/s (% copy) | prologue host µs | cosine vs bf16 |", "|" + "---|" * 15]
     cases = sorted({(r["D"], r["N"], r["mod"]) for r in rows})
     for D, N, mod in cases:
         sel = {(r.get("impl"), r.get("dtype"), r.get("what") if r.get("dtype") == "fp8" else ""): r
@@ -154,13 +192,17 @@ def main() -> None:
             return r["tflops"] if r else None
         cud, ours = t(("cudnn", "bf16", "")), t(("fa3_inductor", "bf16", ""))
         kern, full = t(("fa3_inductor", "fp8", "generic kernel")), t(("fa3_inductor", "fp8", "with prologue"))
+        alone = t(("fa3_inductor", "fp8", "kernel alone"))
         pro = sel.get(("prologue", "fp8", "quantize"))
         cos = (sel.get(("fa3_inductor", "fp8", "with prologue")) or {}).get("cosine_vs_bf16")
         f = lambda x: "" if x is None else f"{x:.0f}"   # noqa: E731
         ratio = lambda a, b: "" if a is None or b is None else f"{a / b:.2f}"   # noqa: E731
         pro_txt = "" if pro is None else f"{pro['gbps']:.0f} ({100 * pro['gbps'] * 1e9 / bw:.0f}%)"
-        lines.append(f"| {D} | {N} | {mod} | {f(cud)} | {f(ours)} | {f(kern)} | {f(full)} | {ratio(full, cud)} | "
-                     f"{ratio(full, ours)} | {pro_txt} | {'' if cos is None else f'{cos:.5f}'} |")
+        pro_ms = "" if pro is None else f"{pro['ms']:.3f}"
+        host = "" if pro is None else f"{pro['host_us']:.0f}"
+        lines.append(f"| {D} | {N} | {mod} | {f(cud)} | {f(ours)} | {f(alone)} | {f(kern)} | {f(full)} | "
+                     f"{ratio(alone, cud)} | {ratio(full, cud)} | {ratio(full, ours)} | {pro_ms} | {pro_txt} | "
+                     f"{host} | {'' if cos is None else f'{cos:.5f}'} |")
     with open(stem + ".md", "w") as fh:
         fh.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -615,12 +615,12 @@ def paged_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: Cl
     if 64 in page_sizes and device.type == "cuda":
         kp, vp, table = _pages(k, v, 64)
         # pages at the contiguous cache's split count (configs.PAGED_PROGRAMS_PER_SM against
-        # PROGRAMS_PER_SM), and at its whole plan (its split count and tiles: pipeline depth)
+        # PROGRAMS_PER_SM). The contiguous cache's whole plan (its tiles and pipeline depth too) was
+        # timed here until 2026-11-29 and dropped: decode-tiles-…-0436 / -0441 settled it (slower)
         row["splits_contig"] = _planned_splits(q, k, v, lens)
         row["splits_paged"] = _planned_splits(q, kp, vp, lens, block_table=table)
         fns["page64_contig_splits"] = (lambda kp=kp, vp=vp, table=table, n=row["splits_contig"]:
                                        flex_decode(q, kp, vp, seq_lens=lens, block_table=table, num_splits=n))
-        fns["page64_contig_plan"] = _paged_with_contig_plan(q, kp, vp, lens, table, row["splits_contig"])
     ref = fns["contig"]()
     row["paged_diff"] = max(_rel(fn(), ref) for name, fn in fns.items() if name != "contig")
     timed = clock.times(fns)
@@ -628,36 +628,9 @@ def paged_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: Cl
     row["by_page_ms"] = {p: timed[f"page{p}"] for p in page_sizes}
     row["by_page_over_contig"] = {p: timed[f"page{p}"] / timed["contig"] for p in page_sizes}
     row["paged_over_contig"] = max(row["by_page_over_contig"].values())
-    for name in ("page64_contig_plan", "page64_contig_splits"):
-        if name in timed:
-            row[f"{name}_over_contig"] = timed[name] / timed["contig"]
+    if "page64_contig_splits" in timed:
+        row["page64_contig_splits_over_contig"] = timed["page64_contig_splits"] / timed["contig"]
     return row
-
-
-def _paged_with_contig_plan(q, k_pages, v_pages, lens, table, num_splits: int) -> Callable:
-    """The paged split kernel with the contiguous cache's plan (its tiles, pipeline depth included,
-    and ``num_splits``), prepared once and re-launched: the A/B of the paged plan in the same
-    rounds."""
-    import triton
-
-    from fa3_inductor.templates.decode import prepare_decode
-    from fa3_inductor.templates.decode.configs import decode_config, few_programs, sm_count
-
-    B, HQ, M_new, D = q.shape
-    HKV = k_pages.shape[2]
-    rows = max(16, triton.next_power_of_2(HQ // HKV * M_new))
-    cap = torch.cuda.get_device_capability(q.device)
-    config = decode_config(D, cap, block_m=rows, few_programs=few_programs(B, HKV, sm_count(cap, torch.cuda.current_device())))
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-    launches = prepare_decode(q, k_pages, v_pages, out, lse, sm_scale=D ** -0.5, seq_lens=lens,
-                              block_table=table, config=config, num_splits=num_splits)
-
-    def run() -> torch.Tensor:
-        for kernel, args, kwargs, grid in launches:
-            kernel[grid](*args, **kwargs)
-        return out
-    return run
 
 
 # ------------------------------------------------------------------------------------ varlen
@@ -855,8 +828,8 @@ def _paged_table(rows: list[dict]) -> list[str]:
     sizes = sorted({int(p) for r in rows for p in r.get("by_page_ms", {})})
     lines = ["## page sizes (flex_decode; shuffled block tables; same rounds as contiguous)", "",
              "| B | new | cache | HQ/HKV | D | contig ms | " + " | ".join(f"page {p} ms (/contig)" for p in sizes)
-             + " | page 64, contig's plan (/contig) | splits contig / paged | page 64 at contig's splits (/contig) | diff |",
-             "|" + "---|" * (10 + len(sizes))]
+             + " | splits contig / paged | page 64 at contig's splits (/contig) | diff |",
+             "|" + "---|" * (9 + len(sizes))]
     for r in rows:
         cells = []
         for p in sizes:
@@ -864,7 +837,7 @@ def _paged_table(rows: list[dict]) -> list[str]:
             ratio = r.get("by_page_over_contig", {}).get(p, r.get("by_page_over_contig", {}).get(str(p)))
             cells.append("-" if ms is None else f"{ms:.3f} ({ratio:.3f})")
         lines.append(f"{_shape(r)} {_f(r, 'contig_ms')} | " + " | ".join(cells)
-                     + f" | {_f(r, 'page64_contig_plan_over_contig')} | {r.get('splits_contig', '-')} / {r.get('splits_paged', '-')}"
+                     + f" | {r.get('splits_contig', '-')} / {r.get('splits_paged', '-')}"
                      f" | {_f(r, 'page64_contig_splits_over_contig')} | {_f(r, 'paged_diff', '{:.1e}')} |")
     return lines + [""]
 

@@ -14,6 +14,7 @@ both. The last tests are compile-only for sm90 (marker sm90_compile; see conftes
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -652,7 +653,7 @@ def test_sm90_memory_instructions_are_wide_and_pipelined(D, rope, tables):
     from fa3_inductor.templates.aot import sass_report
 
     q, k, v, r = _d128_rope_inputs(rope or "half", tables, heads=(8, 8), D=D)
-    (main,) = host.compile_prologue(q, k, v, FP8Recipe(), r)
+    (main,) = host.compile_prologue(q, k, v, FP8Recipe(), r, tuning=host.PrologueTuning(kernel="triton"))
     rep = sass_report(main)
     stores = re.findall(r"\bst\.global(?:\.\w+)*", rep.ptx)
     wide = [s for s in stores if ".v4" in s]
@@ -678,7 +679,7 @@ def test_sm90_d128_rope_launch_takes_the_select_where_it_removes_spills(style, b
     rot, kw = _launch_rot(q, k, v, FP8Recipe(), rope)
     assert rot.ROPE_SELECT and (kw["num_warps"], kw["num_stages"], kw["maxnreg"]) == (8, 1, 128)
     on, off = (sass_report(host.compile_prologue(q, k, v, FP8Recipe(), rope,
-                                                 tuning=host.PrologueTuning(rope_select=s))[0])
+                                                 tuning=host.PrologueTuning(rope_select=s, kernel="triton"))[0])
                for s in (None, False))
     assert on.spill_instructions <= bound < off.spill_instructions, (on.spill_instructions,
                                                                      off.spill_instructions)
@@ -702,3 +703,189 @@ def test_other_head_dims_compile_for_sm90_without_spills(D, Dv, R, recipe):
     r = sass_report(main)
     assert r.stack == 0 and r.spill_instructions == 0, (r.registers, r.stack)
     assert r.shared <= 227 * 1024, r.shared
+
+
+# ---- The Gluon prologue (templates/fp8_prologue/gluon_sm90.py): the hot case on sm90 ---------------
+# name: (B, Hq, Hkv, M, N, D, dtype, qk, style, positions, tables); blocks of 128 rows, Hadamard on.
+GLUON_CASES = {
+    "d128_half_bf16_int8_gqa_ragged": (1, 4, 2, 300, 200, 128, torch.bfloat16, "int8", "half",
+                                       False, torch.bfloat16),
+    "d128_interleaved_fp16_e4m3_positions": (2, 4, 1, 129, 257, 128, torch.float16, "e4m3",
+                                             "interleaved", True, torch.float16),
+    "d128_plain_fp16_int8_short": (1, 2, 2, 128, 16, 128, torch.float16, "int8", "", False, None),
+    "d128_half_random_tables_e4m3": (1, 2, 2, 256, 250, 128, torch.bfloat16, "e4m3", "half-random",
+                                     False, torch.bfloat16),
+    # 64 row blocks x 16 query heads over 132 programs: units of 8 Q / 4 K heads (the table rows
+    # reused; gluon_sm90.unit_heads), unit rounds carried over from Q to K to V
+    "d128_half_head_runs": (1, 16, 4, 8192, 8192, 128, torch.bfloat16, "int8", "half", False,
+                            torch.bfloat16),
+    # several RoPE units a program in each phase (the next unit's table rows loaded under the last
+    # tile's wgmma, _qk_units): 300 row blocks, Q units of 2 heads, K units of 1; 314 row blocks
+    # over 2 batches with positions, one head a unit (4-5 Q units a program)
+    "d128_half_many_units": (1, 2, 1, 38400, 38400, 128, torch.bfloat16, "int8", "half", False,
+                             torch.bfloat16),
+    "d64_interleaved_many_units_positions": (2, 2, 1, 20000, 20000, 64, torch.float16, "e4m3",
+                                             "interleaved", True, torch.float16),
+    "d64_plain_bf16_e4m3": (2, 3, 3, 1000, 77, 64, torch.bfloat16, "e4m3", "", False, None),
+    "d64_interleaved_bf16_int8": (1, 8, 2, 256, 384, 64, torch.bfloat16, "int8", "interleaved",
+                                  False, torch.bfloat16),
+    "d64_half_fp16_int8_batched_positions": (2, 2, 2, 200, 130, 64, torch.float16, "int8", "half",
+                                             True, torch.bfloat16),
+}
+
+
+def _gluon_case(case: str, device: str = "cpu"):
+    B, Hq, Hkv, M, N, D, dtype, qk, style, positions, tables = GLUON_CASES[case]
+    q, k, v = (t.to(device) for t in _inputs(B, Hq, Hkv, M, N, D, D, dtype, seed=len(case)))
+    rope = None
+    if style:
+        P = max(M, N) + 7
+        if style == "half-random":
+            rope = _random_tables(D, P, "half", dtype=tables)
+        else:
+            base = RopeSpec.from_theta(D, P, style=style)
+            rope = RopeSpec(base.cos.to(tables), base.sin.to(tables), style)
+        if positions:
+            g = torch.Generator().manual_seed(3)
+            rope = dataclasses.replace(rope, q_positions=torch.randint(0, P, (M,), generator=g),
+                                       k_positions=torch.randint(0, P, (B, N), generator=g))
+        rope = _on(rope, device)
+    return q, k, v, FP8Recipe(qk=qk), rope
+
+
+def _run_prologue(q, k, v, recipe, rope, tuning):
+    launch = host.prepare_prologue(q, k, v, recipe, rope, tuning=tuning)
+    for kernel, args, kwargs, grid in launch.launches:
+        kernel[grid](*args, **kwargs)
+    return launch, host.finish(launch.operands)
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(GLUON_CASES))
+def test_gpu_gluon_prologue_matches_the_triton_kernel_bit_for_bit(case):
+    """The Gluon kernel writes the Triton kernel's bytes (Q8, K8, Vᵀ8 with its pad columns, every
+    scale, v_scale_max) and passes the float64 reference's rule; also at another ring depth."""
+    if not _sm90():
+        pytest.skip("the Gluon prologue is sm90 only")
+    from fa3_inductor.templates.fp8_prologue.gluon_sm90 import prologue_sm90_kernel
+
+    q, k, v, recipe, rope = _gluon_case(case, "cuda")
+    _, want = _run_prologue(q, k, v, recipe, rope, host.PrologueTuning(kernel="triton"))
+    for tuning in (host.PrologueTuning(kernel="gluon"),
+                   host.PrologueTuning(kernel="gluon", gluon_stages=2)):
+        launch, got = _run_prologue(q, k, v, recipe, rope, tuning)
+        assert [kern for kern, *_ in launch.launches] == [prologue_sm90_kernel], case
+        torch.cuda.synchronize()
+        # Correct first (a wrong kernel fails here), then bit-identical (docs: the one step not
+        # reproduced operation by operation is the tensor cores' sum with A in shared memory).
+        assert_matches_reference(got, q, k, v, recipe, rope)
+        for name in ("q", "k", "vt"):
+            g, w = getattr(got, name), getattr(want, name)
+            diff = g.view(torch.uint8) != w.view(torch.uint8)
+            assert not diff.any(), (f"{case} {name}: {int(diff.sum())} of {diff.numel()} bytes "
+                                    f"differ, first at {diff.nonzero()[0].tolist()}")
+        for name in ("q_scale", "k_scale", "v_scale", "v_scale_max"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), f"{case} {name}"
+
+
+@pytest.mark.sm90_compile
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("style,qk,positions", [("", "int8", False), ("half", "int8", False),
+                                                ("interleaved", "int8", False),
+                                                ("half", "e4m3", True),
+                                                ("interleaved", "e4m3", True)])
+def test_gluon_prologue_compiles_for_sm90(D, style, qk, positions):
+    """The hot case's launch (host.PrologueTuning(kernel="gluon")) is gluon_sm90's kernel and
+    compiles for sm90 without spills (D 128 interleaved: 8 bytes, below), with wgmma (HGMMA) for the rotation, TMA loads (UTMALDG) and
+    stores (UTMASTG), shared memory within 227 KB, the hardware's e4m3 rounding cast."""
+    from fa3_inductor.templates.aot import sass_report
+    from fa3_inductor.templates.fp8_prologue.gluon_sm90 import prologue_sm90_kernel
+
+    q, k, v = _inputs(1, 8, 2, 300, 200, D, D, torch.bfloat16)
+    rope = None
+    if style:
+        base = RopeSpec.from_theta(D, 512, style=style)
+        rope = RopeSpec(base.cos.to(torch.bfloat16), base.sin.to(torch.bfloat16), style,
+                        torch.arange(300) if positions else None,
+                        torch.arange(200) if positions else None)
+    tuning = host.PrologueTuning(kernel="gluon")
+    launch = host.prepare_prologue(q, k, v, FP8Recipe(qk=qk), rope, tuning=tuning,
+                                   capability=(9, 0))
+    assert [kern for kern, *_ in launch.launches] == [prologue_sm90_kernel]
+    (ck,) = host.compile_prologue(q, k, v, FP8Recipe(qk=qk), rope, tuning=tuning)
+    r = sass_report(ck)
+    if D == 128 and style:
+        # At the 240-register ceiling of the 8 consumer warps (tables, the in-flight accumulator,
+        # the pair words): a few values go to the stack at the unit changes (the next unit's table
+        # rows loaded under the last tile's wgmma), none in the tile loops (Triton 3.6: 80 / 72
+        # bytes, 82 / 78 LDL / STL, outside the head loops but for "interleaved", which reloads a
+        # loop-invariant value or two a tile: at most 2 LDL, no STL, in a loop; once a unit of up
+        # to 16 tiles).
+        assert r.stack <= 128, (r.registers, r.stack, r.spill_instructions)
+        for body in r.inner_loops():
+            spills = [t for t in body if re.search(r"\b(LDL|STL)", t)]
+            if style == "interleaved":
+                assert len(spills) <= 2 and not any("STL" in t for t in spills), spills
+            else:
+                assert not spills, spills
+    else:
+        assert r.stack == 0 and r.local == 0 and r.spill_instructions == 0, (r.registers, r.stack)
+    assert r.hgmma > 0, "the Hadamard rotation did not compile to wgmma"
+    # One wait a tile for its chained wgmma: ptxas serializes them silently (a WARPGROUP.DEPBAR
+    # after each HGMMA) when the accumulator's pipeline stage is not to its liking (97af8ed).
+    waits = [sum("WARPGROUP.DEPBAR" in t for t in body) for body in r.inner_loops()
+             if any("HGMMA" in t for t in body)]
+    assert waits and all(w == 1 for w in waits), waits
+    assert "UTMALDG" in r.sass and "UTMASTG" in r.sass, "TMA loads / stores missing"
+    assert r.shared <= 227 * 1024, r.shared
+    if qk == "e4m3":
+        assert "cvt.rn.satfinite.e4m3x2.f32" in r.ptx
+
+
+def test_gluon_units_are_equal_runs_of_heads_balanced_over_the_programs():
+    """gluon_sm90.unit_heads: a divisor of the heads (the kernel's flat tile loop assumes it), and
+    the busiest program within 1/32 of the best plan (the launch is as slow as that program)."""
+    from fa3_inductor.templates.fp8_prologue.gluon_sm90 import _most_tiles, unit_heads
+
+    for qb, hq, kb, hkv, progs in [(128, 16, 128, 16, 132), (128, 16, 128, 16, 264),
+                                   (64, 16, 64, 4, 132), (3, 8, 2, 2, 132), (256, 32, 256, 8, 132)]:
+        for rope in (False, True):
+            hcq, hck = unit_heads(qb, hq, kb, hkv, progs, rope)
+            assert hq % hcq == 0 and hkv % hck == 0
+            most = _most_tiles(qb * hq // hcq, hcq, kb * hkv // hck, hck, progs)
+            even = -(-(qb * hq + 2 * kb * hkv) // progs)
+            assert most <= even + even // 32 + max(hcq, hck), (qb, hq, kb, hkv, progs, rope, most)
+
+
+@pytest.mark.sm90_compile
+def test_gluon_prologue_serves_only_the_hot_case():
+    """kernel="gluon" takes the Gluon kernel for the hot case only (gluon_sm90.serves); every other
+    call keeps the Triton kernel; by default D128 takes the Gluon kernel and D64 the Triton one."""
+    gluon = host.PrologueTuning(kernel="gluon")
+    q, k, v = _inputs(1, 4, 2, 200, 300, 128, 128, torch.bfloat16)
+    base = RopeSpec.from_theta(128, 512)
+    bf16 = RopeSpec(base.cos.to(torch.bfloat16), base.sin.to(torch.bfloat16), "half")
+
+    def which(q=q, k=k, v=v, recipe=FP8Recipe(), rope=bf16, tuning=gluon, capability=(9, 0)):
+        return host.kernel_for(q, k, v, recipe, rope, tuning, capability)
+
+    assert which() == "gluon" and which(rope=None) == "gluon"
+    assert which(tuning=host.DEFAULT_TUNING) == "gluon"
+    q64, k64, v64 = _inputs(1, 4, 2, 200, 300, 64, 64, torch.bfloat16)
+    assert which(q64, k64, v64, rope=None, tuning=host.DEFAULT_TUNING) == "triton"
+    assert which(q64, k64, v64, rope=None) == "gluon"
+    assert which(tuning=host.PrologueTuning(kernel="triton")) == "triton"
+    assert which(capability=(10, 0)) == "triton"
+    assert which(recipe=FP8Recipe(smooth_k=True)) == "triton"
+    assert which(recipe=FP8Recipe(block_m=64)) == "triton"
+    assert which(recipe=FP8Recipe(hadamard=False)) == "triton"
+    assert which(rope=base) == "triton"                       # float32 tables
+    partial = RopeSpec(bf16.cos[:, :64], bf16.sin[:, :64], "half")
+    assert which(rope=partial) == "triton"                    # partial rotary
+    q96, k96, v96 = _inputs(1, 4, 2, 200, 300, 96, 96, torch.bfloat16)
+    assert which(q96, k96, v96, rope=None) == "triton"
+    assert which(v=v[..., :64].contiguous(), rope=None) == "triton"   # Dv != D

@@ -43,7 +43,12 @@ class PrologueTuning:
     - ``maxnreg``: a register cap per thread (None: the compiler's choice);
     - ``rope_select``: RoPE's select (kernel.Rotation.ROPE_SELECT) on or off at this launch; None:
       :func:`rope_select`'s rule. The operands are the same either way; the sweep times both sides
-      where the rule's choice is close (spills against instructions).
+      where the rule's choice is close (spills against instructions);
+    - ``kernel``: "triton" (kernel.py) or "gluon" (gluon_sm90.py, the hot case on sm90 only; other
+      calls keep the Triton kernel); None: ``default_kernel(head dim)``. The operands are the same, bit for bit;
+    - ``gluon_stages``: the Gluon kernel's ring depth (None: gluon_sm90.default_stages); with
+      ``kernel="gluon"``, ``programs_per_sm`` sets its programs an SM (None:
+      gluon_sm90.default_programs_per_sm, 2 at D 64 without RoPE, else 1).
 
     Example::
 
@@ -56,9 +61,19 @@ class PrologueTuning:
     programs_per_sm: Optional[int] = None
     maxnreg: Optional[int] = None
     rope_select: Optional[bool] = None
+    kernel: Optional[str] = None
+    gluon_stages: Optional[int] = None
 
 
 DEFAULT_TUNING = PrologueTuning()
+
+# Which kernel serves the hot case (gluon_sm90.serves: D = Dv in {64, 128}, Hadamard, 128-row blocks,
+# no smooth_k, RoPE none or full-width with 2-byte tables) on sm90, by head dim. The H200 sweep
+# fp8-prologue-bw-nvidia-h200-2026-11-29-0620 (N 16384, Hkv 16; docs/design/fp8_prologue.md):
+# D128 Gluon 0.098 / 0.119 / 0.124 ms (plain / RoPE / interleaved RoPE) against Triton's 0.110 /
+# 0.172 / 0.168; D64 Gluon 0.053-0.055 / 0.071 / 0.075 against 0.051 / 0.070 / 0.072, so D64 keeps
+# the Triton kernel. Everything else always takes the Triton kernel.
+DEFAULT_KERNEL = {64: "triton", 128: "gluon"}
 
 # (widest head dim rounded up to a power of two, <= 64 or 128; RoPE) -> (warps, stages, register cap):
 # the --sweep of fp8-prologue-bw-nvidia-h100-80gb-hbm3-2026-11-25-0627 (H100, N 16384 Hkv 16): the
@@ -276,14 +291,63 @@ def _programs(kernel: Any, args: tuple, kwargs: dict, groups: int, tuning: Prolo
     return min(groups, per_sm * props.multi_processor_count)
 
 
+def default_kernel(head_dim: int) -> str:
+    """The prologue kernel a call at this head dim takes without ``PrologueTuning(kernel=)``
+    (where gluon_sm90 serves it; "triton" everywhere else).
+
+    Example::
+
+        >>> default_kernel(128), default_kernel(64), default_kernel(256)
+        ('gluon', 'triton', 'triton')
+    """
+    return DEFAULT_KERNEL.get(head_dim, "triton")
+
+
+def _takes_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: FP8Recipe,
+                 rope: Optional[RopeSpec], tuning: PrologueTuning,
+                 capability: Optional[tuple[int, int]]) -> bool:
+    """The Gluon kernel serves this call: chosen (tuning.kernel, else default_kernel), an sm90
+    target (the device's, or ``capability`` when compiling without one), not interpreting, and the
+    hot case (gluon_sm90.serves)."""
+    if (tuning.kernel or default_kernel(q.shape[-1])) != "gluon" or _interpreting():
+        return False
+    if capability is None:
+        if q.device.type != "cuda":
+            return False
+        capability = torch.cuda.get_device_capability(q.device)
+    if tuple(capability) != (9, 0):
+        return False
+    from . import gluon_sm90
+
+    return gluon_sm90.serves(q, k, v, recipe, rope)
+
+
+def kernel_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: FP8Recipe,
+               rope: Optional[RopeSpec] = None, tuning: PrologueTuning = DEFAULT_TUNING,
+               capability: Optional[tuple[int, int]] = None) -> str:
+    """"gluon" where :func:`prepare_prologue` would launch gluon_sm90's kernel, else "triton".
+
+    Example::
+
+        >>> q = torch.empty(1, 2, 256, 128, dtype=torch.bfloat16)
+        >>> kernel_for(q, q, q, FP8Recipe(), tuning=PrologueTuning(kernel="gluon"),
+        ...            capability=(9, 0)) in ("gluon", "triton")    # "triton" when interpreting
+        True
+    """
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    return "gluon" if _takes_gluon(q, k, v, recipe, rope, tuning, capability) else "triton"
+
+
 def prepare_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: FP8Recipe,
                      rope: Optional[RopeSpec] = None, *,
                      round_in_fp32: Optional[bool] = None,
-                     tuning: PrologueTuning = DEFAULT_TUNING) -> PrologueLaunch:
+                     tuning: PrologueTuning = DEFAULT_TUNING,
+                     capability: Optional[tuple[int, int]] = None) -> PrologueLaunch:
     """The launches of ``quantize`` (checked inputs, allocated outputs), not yet run.
     ``round_in_fp32`` None: on under the interpreter only (kernel.py, Quantization); ``tuning``:
-    the main launch's parameters (:class:`PrologueTuning`). What does not depend on the tensors'
-    contents or addresses is derived once per signature (:class:`PrologueLayout`).
+    the main launch's parameters (:class:`PrologueTuning`); ``capability``: the target when
+    compiling without a device (compile_prologue), for the Gluon kernel's choice. What does not
+    depend on the tensors' contents or addresses is derived once per signature (:class:`PrologueLayout`).
 
     Example::
 
@@ -291,8 +355,11 @@ def prepare_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: 
         >>> for kernel, args, kwargs, grid in p.launches:             # doctest: +SKIP
         ...     kernel[grid](*args, **kwargs)
     """
-    layout = layout_of(q, k, v, recipe, rope, round_in_fp32=round_in_fp32, tuning=tuning)
+    layout = layout_of(q, k, v, recipe, rope, round_in_fp32=round_in_fp32, tuning=tuning,
+                       capability=capability)
     ops, inputs = layout.bind(q, k, v, rope)
+    if layout.gluon:
+        return PrologueLaunch([layout.gluon_launch(inputs, ops)], ops)
     return PrologueLaunch([(kernel, layout.args(i, inputs), kwargs, layout.grid(i, inputs))
                            for i, (kernel, kwargs) in enumerate(layout.kernels)], ops)
 
@@ -303,7 +370,8 @@ on_clear(_LAYOUTS.clear)   # its launch keys name the launch cache's entries: fo
 
 
 def _layout_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: Any, rope: Any,
-                round_in_fp32: Optional[bool], tuning: Any) -> Optional[tuple]:
+                round_in_fp32: Optional[bool], tuning: Any,
+                capability: Optional[tuple[int, int]]) -> Optional[tuple]:
     """Everything a layout depends on, or None for inputs the cache does not take (not plain
     tensors: the checks then run and say what is wrong)."""
     if not (type(q) is type(k) is type(v) is torch.Tensor) or type(recipe) is not FP8Recipe:
@@ -322,27 +390,29 @@ def _layout_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: Any, 
     except (NotImplementedError, RuntimeError):   # no address to read (meta tensors): not cached
         return None
     # the interpreter's flag and fp32 rounding are constexprs of the launch
-    return (recipe, style, round_in_fp32, tuning, _interpreting(), signature, aliasing(tensors))
+    return (recipe, style, round_in_fp32, tuning, capability, _interpreting(), signature,
+            aliasing(tensors))
 
 
 def layout_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: FP8Recipe,
               rope: Optional[RopeSpec] = None, *, round_in_fp32: Optional[bool] = None,
-              tuning: PrologueTuning = DEFAULT_TUNING) -> "PrologueLayout":
+              tuning: PrologueTuning = DEFAULT_TUNING,
+              capability: Optional[tuple[int, int]] = None) -> "PrologueLayout":
     """The :class:`PrologueLayout` of these inputs (checked; raises TypeError / ValueError saying
     what is wrong), cached per (shapes, strides, dtypes, device and 16-byte alignment of q, k, v
     and of RoPE's tensors, which of them are one tensor, recipe, RoPE style, ``round_in_fp32``,
-    ``tuning``, interpreter on or off). RoPE positions on the CPU are checked against the table on every call (their values).
+    ``tuning``, ``capability`` (prepare_prologue's), interpreter on or off). RoPE positions on the CPU are checked against the table on every call (their values).
 
     Example::
 
         >>> layout_of(q, k, v, FP8Recipe()) is layout_of(q2, k2, v2, FP8Recipe())   # doctest: +SKIP
         True
     """
-    key = _layout_key(q, k, v, recipe, rope, round_in_fp32, tuning)
+    key = _layout_key(q, k, v, recipe, rope, round_in_fp32, tuning, capability)
     layout = None if key is None else _LAYOUTS.get(key)
     if layout is None:
         _check_inputs(q, k, v, recipe, rope)
-        layout = PrologueLayout(q, k, v, recipe, rope, round_in_fp32, tuning, key)
+        layout = PrologueLayout(q, k, v, recipe, rope, round_in_fp32, tuning, key, capability)
         if key is not None:
             if len(_LAYOUTS) >= _MAX_LAYOUTS:
                 _LAYOUTS.clear()
@@ -374,7 +444,7 @@ class PrologueLayout:
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: FP8Recipe,
                  rope: Optional[RopeSpec], round_in_fp32: Optional[bool], tuning: PrologueTuning,
-                 key: Optional[tuple]):
+                 key: Optional[tuple], capability: Optional[tuple[int, int]] = None):
         B, Hq, M, D = q.shape
         _, Hkv, N, Dv = v.shape
         dev = q.device
@@ -458,6 +528,12 @@ class PrologueLayout:
         self._grids.append(None)        # _programs' choice, on the first bind (it compiles the kernel)
         self._groups, self._tuning = max(nq, nk), tuning
         self.key = key
+        # The hot case on sm90 takes gluon_sm90's kernel instead of the launches above (_takes_gluon)
+        self.gluon = _takes_gluon(q, k, v, recipe, rope, tuning, capability)
+        self._gluon_statics = (stride_tz, stride_tp, stride_qpz, stride_kpz, P,
+                               rope.style if rope is not None else "",
+                               rope is not None and rope.q_positions is not None,
+                               rope is not None and rope.k_positions is not None)
 
     def _tables(self, rope: RopeSpec) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = _last_dim_contiguous(rope.cos), _last_dim_contiguous(rope.sin)
@@ -525,6 +601,19 @@ class PrologueLayout:
         return (q, k, v, oq, ok, ovt, q_scale, k_scale, v_scale, v_scale_max,
                 had if k_part is None else k_part, had if k_mean is None else k_mean, had, cos, sin,
                 qpos, kpos, *self.q_strides, *self.k_strides, *self.v_strides, *self.main_scalars)
+
+    def gluon_launch(self, inputs: tuple, ops: FP8Operands) -> tuple:
+        """(kernel, args, kwargs, grid) of gluon_sm90's kernel on :meth:`bind`'s ``inputs`` (its
+        TMA descriptors are made per call: they hold the tensors' addresses)."""
+        from . import gluon_sm90
+
+        q, k, v, *_, had, cos, sin, qpos, kpos = inputs
+        (stride_tz, stride_tp, stride_qpz, stride_kpz, P, style, q_pos, k_pos) = self._gluon_statics
+        return gluon_sm90.launch(
+            q, k, v, ops, had, had if cos is None else cos, had if sin is None else sin,
+            had if qpos is None else qpos, had if kpos is None else kpos, stride_tz, stride_tp,
+            stride_qpz, stride_kpz, P, style, q_pos, k_pos, self.recipe,
+            stages=self._tuning.gluon_stages, per_sm=self._tuning.programs_per_sm)
 
     def grid(self, i: int, inputs: tuple) -> tuple:
         """Launch ``i``'s grid (the main launch's persistent grid is chosen on the first call)."""
@@ -598,7 +687,11 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: FP8Recip
     if not (isinstance(q, torch.Tensor) and q.device.type == "cpu" and not _interpreting()):
         layout = layout_of(q, k, v, recipe, rope)
         ops, inputs = layout.bind(q, k, v, rope)
-        layout.launch(inputs)
+        if layout.gluon:
+            kernel, args, kwargs, grid = layout.gluon_launch(inputs, ops)
+            kernel[grid](*args, **kwargs)
+        else:
+            layout.launch(inputs)
         return finish(ops)
     from .reference import quantize_reference
 
@@ -623,6 +716,7 @@ def compile_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: 
     from ..aot import compile_launch
 
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
-    launch = prepare_prologue(q, k, v, recipe, rope, round_in_fp32=False, tuning=tuning)
+    launch = prepare_prologue(q, k, v, recipe, rope, round_in_fp32=False, tuning=tuning,
+                              capability=capability)
     return [compile_launch(kernel, args, kwargs, target)
             for kernel, args, kwargs, _ in launch.launches]

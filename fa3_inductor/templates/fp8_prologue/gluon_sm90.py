@@ -1,0 +1,696 @@
+"""The FP8 prologue's hot case on Hopper (sm90), in Gluon: a TMA ring, RoPE from shared memory, the
+Hadamard rotation on wgmma, block quantization, TMA stores. Same operands as kernel.py's
+`prologue_kernel`, bit for bit by construction (docs/design/fp8_prologue.md, "The Gluon prologue";
+unverified on a GPU until the gpu tests run it).
+
+Notation
+--------
+    Q: [Z, HQ, M, D], K: [Z, HKV, N, D], V: [Z, HKV, N, D]   bf16 / fp16, TMA-aligned (host checks)
+    Q8, K8 [Z, H, L, D] int8 or e4m3, VT8 [Z, HKV, D, N_PAD] e4m3, Q_SCALE / K_SCALE / V_SCALE
+    [Z, H, G] float32, V_SCALE_MAX [Z, HKV]: as kernel.py (the same tensors, host.py allocates)
+    T = 128         rows of a tile, which is also a scale group (block_m = block_n = 128)
+    DQ = D / 4      columns of a chunk: a tile travels as 4 chunks [T, DQ] (TMA boxes, wgmma K steps)
+    HADK [D, D]     HAD's rows in the order the Triton kernel contracts them (host): "half" and no
+                    RoPE channel order; "interleaved" the even channels, then the odd ones. Chunk c
+                    of the contraction is A chunk c times HADK rows [c·DQ, (c+1)·DQ): the same k16
+                    steps, in the same order, as kernel.py's dots over the parts (a, b) or r.
+    pair chunk j    (j = 0, 1) the pairs i in [j·DQ, (j+1)·DQ): members a_i (channel ia[i]) and b_i
+                    (ib[i]); "half" ia = i, ib = i + D/2 (ring chunks j and j + 2); "interleaved"
+                    ia = 2i, ib = 2i + 1, both in one int32 word (ring read as int32 [T, DQ] chunks)
+    unit            (row block g, batch z, a run of HC consecutive heads, HC dividing H): what a
+                    program takes at once; its tiles are its heads, so the RoPE table rows of the
+                    block are loaded once (registers) and reused across HC heads. The Q, K and V
+                    units are one round-robin over the programs (_first_unit, unit_heads)
+
+Roles (warp_specialize):
+    consumer (default partition, 8 warps = 2 warpgroups, rows [64w, 64w + 64) of a tile in the
+             wgmma): loads HADK into shared memory once; per unit, the table parts of its rows
+             (registers, in the tables' dtype); per Q / K tile: RoPE from the ring slot (fp32,
+             rounded to the input dtype) into one of two A buffers, releases the slot, 4 chained
+             async wgmma (straight from the ring slot without RoPE), then amax, scale, quantize,
+             TMA store. With RoPE pipelined by one tile (_qk_units): tile t's wgmma runs under
+             tile t + 1's RoPE; without RoPE one tile at a time (two programs an SM at D 64 overlap
+             them). V tiles: amax, power-of-two scale,
+             e4m3, transposed through shared memory, TMA store
+    producer (1 warp, its warpgroup at PRODUCER_REGS): the same walk over units and tiles, TMA
+             loads into a STAGES-deep ring; ready[s] (TMA transaction count), empty[s] (the
+             consumer's one arrive, thread 0 after a partition barrier)
+
+Shared memory: the ring (STAGES x T x D input values), A (two buffers of T x D, RoPE only), HADK
+(D x D), the output staging (T x D bytes; Q8 / K8 tiles, and Vᵀ tiles through a reinterpreted view),
+barriers: D 128 with RoPE 96 + 64 + 32 + 16 KB = 208 KB at 3 stages.
+
+Compile-time parameters (one bundle, `CFG`, a frozen dataclass `GluonPrologue`): D, STAGES, ROPE,
+Q_POS, K_POS, QK_INT8, HAD_SCALE, PRODUCER_REGS. Lengths and unit counts are do_not_specialize.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+from . import reference
+
+T_ROWS = 128          # rows of a tile and of a scale group
+CONSUMER_WARPS = 8    # two warpgroups: 64 tile rows each in the wgmma
+E4M3_MAX: gl.constexpr = gl.constexpr(448.0)
+INT8_MAX: gl.constexpr = gl.constexpr(127.0)
+RINT_MAGIC: gl.constexpr = gl.constexpr(12582912.0)   # 1.5 * 2^23 (kernel.py)
+FP16_MAX: gl.constexpr = gl.constexpr(reference.FP16_MAX)
+
+
+@dataclass(frozen=True)
+class GluonPrologue:
+    """The kernel's compile-time parameters."""
+    D: int              # head dim of Q, K and V (64 or 128)
+    STAGES: int         # ring depth (tiles of T x D input values in flight per program)
+    ROPE: str           # "", "half" or "interleaved" (over all D channels)
+    Q_POS: bool         # QPOS given (else the row index)
+    K_POS: bool
+    QK_INT8: bool       # Q8, K8 int8 (else e4m3)
+    HAD_SCALE: float    # 1 / sqrt(b), kernel.py's Rotation.HAD_SCALE
+    PRODUCER_REGS: int  # setmaxnreg of the producer warp
+
+    @property
+    def DQ(self) -> int:
+        return self.D // 4
+
+    @property
+    def TILE_BYTES(self) -> int:    # the ready barrier's transaction count per tile
+        return T_ROWS * self.D * 2
+
+
+# ---- the quantization and RoPE arithmetic: kernel.py's helpers, the same operations ----------
+@gluon.jit
+def _qk_scale_of(amax, QK_INT8: gl.constexpr):
+    if QK_INT8:
+        return gl.where(amax > 0, gl.div_rn(amax, INT8_MAX), 1.0)
+    else:
+        return gl.where(amax > 0, gl.div_rn(amax, E4M3_MAX), 1.0)
+
+
+@gluon.jit
+def _pow2_scale_of(amax):
+    bits = gl.where(amax > 0, gl.div_rn(amax, E4M3_MAX), 1.0).to(gl.int32, bitcast=True)
+    up = gl.where((bits & 0x007FFFFF) != 0, (bits & 0x7F800000) + (1 << 23), bits)
+    return up.to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _to_qk(y, scale, inv_scale, QK_INT8: gl.constexpr):
+    q = y * inv_scale
+    x = gl.fma(gl.fma(q, -scale, y), inv_scale, q)       # kernel._quotient (sm90 branch)
+    if QK_INT8:
+        return (x + RINT_MAGIC).to(gl.int32, bitcast=True).to(gl.int8)   # kernel._to_int8
+    else:
+        return x.to(gl.float8e4nv)
+
+
+@gluon.jit
+def _rope_round(x, dtype: gl.constexpr):
+    if dtype == gl.float16:
+        x = gl.minimum(gl.maximum(x, -FP16_MAX), FP16_MAX)
+    return x.to(dtype)
+
+
+@gluon.jit
+def _rope_pair(xa, xb, ca, cb, sa, sb, dtype: gl.constexpr):
+    """kernel._load_parts: a = x_a cos_a - x_b sin_a, b = x_b cos_b + x_a sin_b, one product and
+    one explicit FMA each in fp32, rounded to the input dtype."""
+    a = _rope_round(gl.fma(xa, ca.to(gl.float32), -(xb * sa.to(gl.float32))), dtype)
+    b = _rope_round(gl.fma(xb, cb.to(gl.float32), xa * sb.to(gl.float32)), dtype)
+    return a, b
+
+
+@gluon.jit
+def _split_words(w, dtype: gl.constexpr):
+    """An int32 word holding channels (2i, 2i + 1) -> both as fp32 (exact)."""
+    if dtype == gl.bfloat16:
+        lo = (w << 16).to(gl.float32, bitcast=True)
+        hi = (w & -65536).to(gl.float32, bitcast=True)
+    else:
+        lo = w.to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+        hi = (w >> 16).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+    return lo, hi
+
+
+# ---- work decomposition, shared by both roles ------------------------------------------------
+@gluon.jit
+def _first_unit(before, n_prog):
+    """This program's first unit of a phase that follows `before` units: the Q, K and V units are
+    one round-robin over the programs (unit i of the launch, Q then K then V, goes to program
+    i mod n_prog), so that the programs' unit counts differ by one at most over the launch, not
+    per phase (a per-phase round-robin gave the same programs every phase's remainder)."""
+    return (gl.program_id(0) - before % n_prog + n_prog) % n_prog
+
+
+@gluon.jit
+def _unit(u, Z, H, HC):
+    """Unit u -> (z, g, first head, end head): u = ((g·Z + z)·NC + c), NC = ceil(H / HC)."""
+    nc = (H + HC - 1) // HC
+    c = u % nc
+    t = u // nc
+    h0 = c * HC
+    return t % Z, t // Z, h0, gl.minimum(h0 + HC, H)
+
+
+# ---- producer --------------------------------------------------------------------------------
+@gluon.jit
+def _load_tile(desc, ring, ring32, ready, empty, cnt, z, h, row0, WORDS: gl.constexpr,
+               CFG: gl.constexpr):
+    slot = cnt % CFG.STAGES
+    mbarrier.wait(empty.index(slot), ((cnt // CFG.STAGES) & 1) ^ 1)
+    mbarrier.expect(ready.index(slot), CFG.TILE_BYTES)
+    if WORDS:   # int32 view: two chunks of DQ words = 2·DQ channels each
+        for j in gl.static_range(2):
+            tma.async_copy_global_to_shared(desc, [z, h, row0, j * CFG.DQ], ready.index(slot),
+                                            ring32.index(slot * 2 + j))
+    else:
+        for j in gl.static_range(4):
+            tma.async_copy_global_to_shared(desc, [z, h, row0, j * CFG.DQ], ready.index(slot),
+                                            ring.index(slot * 4 + j))
+    return cnt + 1
+
+
+@gluon.jit
+def _producer(descs, smem, bars, sizes, outs, tables, CFG: gl.constexpr):
+    q_desc, k_desc, v_desc, q8_desc, k8_desc, vt_desc = descs
+    ring, ring32, a_stage, had_smem, o_stage, vt_stage = smem
+    ready, empty = bars
+    Z, HQ, HKV, M, N, P, UQ, UK, HCQ, HCK = sizes
+    WORDS: gl.constexpr = CFG.ROPE == "interleaved"
+    pid = gl.program_id(0)
+    n_prog = gl.num_programs(0)
+    cnt = 0
+    for u in range(pid, UQ, n_prog):
+        z, g, h0, h1 = _unit(u, Z, HQ, HCQ)
+        for h in range(h0, h1):
+            cnt = _load_tile(q_desc, ring, ring32, ready, empty, cnt, z, h, g * 128, WORDS, CFG)
+    for u in range(_first_unit(UQ, n_prog), UK, n_prog):
+        z, g, h0, h1 = _unit(u, Z, HKV, HCK)
+        for h in range(h0, h1):
+            cnt = _load_tile(k_desc, ring, ring32, ready, empty, cnt, z, h, g * 128, WORDS, CFG)
+    for u in range(_first_unit(UQ + UK, n_prog), UK, n_prog):
+        z, g, h0, h1 = _unit(u, Z, HKV, HCK)
+        for h in range(h0, h1):
+            cnt = _load_tile(v_desc, ring, ring32, ready, empty, cnt, z, h, g * 128, False, CFG)
+
+
+# ---- consumer --------------------------------------------------------------------------------
+@gluon.jit
+def _load_had(HADK, had_smem, CFG: gl.constexpr):
+    """HADK's four row chunks into shared memory, once per program."""
+    D: gl.constexpr = CFG.D
+    DQ: gl.constexpr = CFG.DQ
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [8, 1], [1, 0])
+    r = gl.arange(0, DQ, layout=gl.SliceLayout(1, layout))
+    c = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    for j in gl.static_range(4):
+        had_smem.index(j).store(gl.load(HADK + (j * DQ + r)[:, None] * D + c[None, :]))
+
+
+@gluon.jit
+def _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, row0, L,
+                 HAS_POS: gl.constexpr, CFG: gl.constexpr):
+    """The table values of a row block for both pair chunks: (cos_a, cos_b, sin_a, sin_b) per
+    chunk j, in the chunk layout and the tables' dtype (held across the unit's heads). Rows past
+    L read 0 (kernel.py masks them the same way; their tile rows are 0 and never stored)."""
+    DQ: gl.constexpr = CFG.DQ
+    # 8 values (16 bytes of input, 32 of words) a thread along a chunk row; 8 warps down the rows
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DQ // 8), DQ // 8], [8, 1], [1, 0])
+    rows = row0 + gl.arange(0, 128, layout=gl.SliceLayout(1, layout))
+    row_ok = rows < L
+    if HAS_POS:
+        pos = gl.load(POS + z.to(gl.int64) * stride_pz + rows, mask=row_ok, other=0)
+    else:
+        pos = rows
+    pos = gl.minimum(gl.maximum(pos, 0), P - 1)
+    t_row = (z.to(gl.int64) * stride_tz + pos.to(gl.int64) * stride_tp)[:, None]
+    i = gl.arange(0, DQ, layout=gl.SliceLayout(0, layout))
+    ok = row_ok[:, None]
+    parts = ()
+    for j in gl.static_range(2):
+        if CFG.ROPE == "half":
+            ia = j * DQ + i
+            ib = ia + 2 * DQ
+        else:
+            ia = 2 * (j * DQ + i)
+            ib = ia + 1
+        parts = parts + ((gl.load(COS + t_row + ia[None, :], mask=ok, other=0.0),
+                          gl.load(COS + t_row + ib[None, :], mask=ok, other=0.0),
+                          gl.load(SIN + t_row + ia[None, :], mask=ok, other=0.0),
+                          gl.load(SIN + t_row + ib[None, :], mask=ok, other=0.0)),)
+    return parts
+
+
+@gluon.jit
+def _hadamard_issue(ops, had_smem, CFG: gl.constexpr):
+    """Issue sum_c A chunk c · HADK rows chunk c: 4 chained async wgmma (k16 steps in kernel.py's
+    order), fp32; _qk_retire waits and applies HAD_SCALE."""
+    D: gl.constexpr = CFG.D
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                         instr_shape=[16, D, 16])
+    acc = gl.zeros([128, D], gl.float32, layout=acc_layout)
+    acc = warpgroup_mma(ops[0], had_smem.index(0), acc, use_acc=False, is_async=True)
+    acc = warpgroup_mma(ops[1], had_smem.index(1), acc, is_async=True)
+    acc = warpgroup_mma(ops[2], had_smem.index(2), acc, is_async=True)
+    return warpgroup_mma(ops[3], had_smem.index(3), acc, is_async=True)
+
+
+@gluon.jit
+def _qk_rope(ring, ring32, a_stage, ready, empty, cnt, tabs, dtype: gl.constexpr,
+             CFG: gl.constexpr):
+    """Tile cnt, RoPE: wait for its ring slot, RoPE into A buffer cnt % 2 (chunks a_0, a_1, b_0,
+    b_1: kernel.py's contraction order), release the slot."""
+    DQ: gl.constexpr = CFG.DQ
+    # 8 values (16 bytes of input, 32 of words) a thread along a chunk row; 8 warps down the rows
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DQ // 8), DQ // 8], [8, 1], [1, 0])
+    slot = cnt % CFG.STAGES
+    buf = (cnt % 2) * 4
+    mbarrier.wait(ready.index(slot), (cnt // CFG.STAGES) & 1)
+    for j in gl.static_range(2):
+        if CFG.ROPE == "half":
+            xa = ring.index(slot * 4 + j).reshape([128, DQ]).load(layout).to(gl.float32)
+            xb = ring.index(slot * 4 + j + 2).reshape([128, DQ]).load(layout).to(gl.float32)
+        else:
+            w = ring32.index(slot * 2 + j).reshape([128, DQ]).load(layout)
+            xa, xb = _split_words(w, dtype)
+        ca, cb, sa, sb = tabs[j]
+        a, b = _rope_pair(xa, xb, ca, cb, sa, sb, dtype)
+        a_stage.index(buf + j).store(a)
+        a_stage.index(buf + j + 2).store(b)
+    fence_async_shared()
+    gl.thread_barrier()                        # every warp's A rows written, the slot read
+    mbarrier.arrive(empty.index(slot), count=1)
+
+
+@gluon.jit
+def _qk_issue(ring, a_stage, had_smem, cnt, CFG: gl.constexpr):
+    """Issue tile cnt's rotation: from A buffer cnt % 2 (RoPE) or straight from its ring slot."""
+    DQ: gl.constexpr = CFG.DQ
+    if CFG.ROPE != "":
+        buf = (cnt % 2) * 4
+        return _hadamard_issue((a_stage.index(buf), a_stage.index(buf + 1),
+                                a_stage.index(buf + 2), a_stage.index(buf + 3)), had_smem, CFG)
+    else:
+        slot = cnt % CFG.STAGES
+        return _hadamard_issue((ring.index(slot * 4).reshape([128, DQ]),
+                                ring.index(slot * 4 + 1).reshape([128, DQ]),
+                                ring.index(slot * 4 + 2).reshape([128, DQ]),
+                                ring.index(slot * 4 + 3).reshape([128, DQ])), had_smem, CFG)
+
+
+@gluon.jit
+def _qk_retire(acc, empty, cnt, CFG: gl.constexpr):
+    """Wait for tile cnt's rotation (in flight in `acc`); both warpgroups' wgmma retired after the
+    barrier, so its A buffer (or, without RoPE, its ring slot, released here) may be reused."""
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    gl.thread_barrier()
+    if CFG.ROPE == "":
+        mbarrier.arrive(empty.index(cnt % CFG.STAGES), count=1)
+    return acc * CFG.HAD_SCALE
+
+
+@gluon.jit
+def _qk_finish(y, o_stage, out_desc, SCALE, z, h, g, H, G, CFG: gl.constexpr):
+    """A rotated tile y (fp32, HAD_SCALE applied): amax, scale, quantize, TMA store."""
+    D: gl.constexpr = CFG.D
+    amax = gl.max(gl.max(gl.abs(y), axis=1), axis=0)
+    scale = _qk_scale_of(amax, CFG.QK_INT8)
+    y8 = _to_qk(y, scale, gl.div_rn(1.0, scale), CFG.QK_INT8)
+    tma.store_wait(0)
+    gl.thread_barrier()                        # the previous tile's store has read o_stage
+    o_stage.reshape([128, D]).store(y8)
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(out_desc, [z, h, g * 128, 0], o_stage)
+    gl.store(SCALE + (z * H + h) * G + g, scale)
+
+
+@gluon.jit
+def _v_tile(ring, vt_stage, vt_desc, V_SCALE, V_SCALE_MAX, ready, empty, cnt, z, h, g, H, G,
+            CFG: gl.constexpr):
+    """One V tile: amax, power-of-two scale, e4m3, stored transposed (VT8 rows are channels)."""
+    DQ: gl.constexpr = CFG.DQ
+    # 8 channels (16 bytes) by VR tokens a thread: the transposed store writes VR tokens at once
+    # (VR = 2 where a chunk has 16 values a thread, D 128)
+    VR: gl.constexpr = 2 if DQ >= 32 else 1
+    layout: gl.constexpr = gl.BlockedLayout([VR, 8], [32 // (DQ // 8), DQ // 8], [8, 1], [1, 0])
+    slot = cnt % CFG.STAGES
+    mbarrier.wait(ready.index(slot), (cnt // CFG.STAGES) & 1)
+    y0 = ring.index(slot * 4).reshape([128, DQ]).load(layout).to(gl.float32)
+    y1 = ring.index(slot * 4 + 1).reshape([128, DQ]).load(layout).to(gl.float32)
+    y2 = ring.index(slot * 4 + 2).reshape([128, DQ]).load(layout).to(gl.float32)
+    y3 = ring.index(slot * 4 + 3).reshape([128, DQ]).load(layout).to(gl.float32)
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index(slot), count=1)
+    # elementwise first, one reduction (max is exact: the order does not matter)
+    m = gl.maximum(gl.maximum(gl.abs(y0), gl.abs(y1)), gl.maximum(gl.abs(y2), gl.abs(y3)))
+    amax = gl.max(gl.max(m, axis=1), axis=0)
+    scale = _pow2_scale_of(amax)
+    inv = gl.div_rn(1.0, scale)               # exact: a power of two (kernel._to_e4m3_pow2)
+    tma.store_wait(0)
+    gl.thread_barrier()
+    vt_stage.index(0).reshape([DQ, 128]).store(gl.permute((y0 * inv).to(gl.float8e4nv), (1, 0)))
+    vt_stage.index(1).reshape([DQ, 128]).store(gl.permute((y1 * inv).to(gl.float8e4nv), (1, 0)))
+    vt_stage.index(2).reshape([DQ, 128]).store(gl.permute((y2 * inv).to(gl.float8e4nv), (1, 0)))
+    vt_stage.index(3).reshape([DQ, 128]).store(gl.permute((y3 * inv).to(gl.float8e4nv), (1, 0)))
+    fence_async_shared()
+    gl.thread_barrier()
+    for j in gl.static_range(4):
+        tma.async_copy_shared_to_global(vt_desc, [z, h, j * DQ, g * 128], vt_stage.index(j))
+    zh = z * H + h
+    gl.store(V_SCALE + zh * G + g, scale)
+    # An all-zero group's scale (1) says nothing about V's range (kernel._v_group).
+    gl.atomic_max(V_SCALE_MAX + zh, scale, mask=amax > 0, sem="relaxed")
+    return cnt + 1
+
+
+@gluon.jit
+def _qk_next(ring, ring32, a_stage, had_smem, o_stage, out_desc, SCALE, ready, empty, cnt, acc,
+             tabs, prev, H, G, dtype: gl.constexpr, CFG: gl.constexpr):
+    """RoPE, pipelined: tile cnt + 1's RoPE under tile cnt's wgmma (`acc`, in flight), then tile
+    cnt (at `prev` = (z, h, g)) quantized and stored, then tile cnt + 1's wgmma issued."""
+    _qk_rope(ring, ring32, a_stage, ready, empty, cnt + 1, tabs, dtype, CFG)
+    y = _qk_retire(acc, empty, cnt, CFG)
+    _qk_finish(y, o_stage, out_desc, SCALE, prev[0], prev[1], prev[2], H, G, CFG)
+    return cnt + 1, _qk_issue(ring, a_stage, had_smem, cnt + 1, CFG)
+
+
+@gluon.jit
+def _qk_units(ring, ring32, a_stage, had_smem, o_stage, out_desc, SCALE, ready, empty, cnt,
+              COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, Z, H, L, U, HC, G, u0,
+              dtype: gl.constexpr, HAS_POS: gl.constexpr, CFG: gl.constexpr):
+    """This program's Q (or K) units (u0, u0 + n_programs, ...; HC divides H, so every unit has
+    HC heads): the table rows of a unit's row block once, then its heads. One flat loop over the
+    program's tiles (tile t: unit t // HC, head t % HC of it).
+
+    With RoPE, software-pipelined by one tile: tile t's wgmma runs under tile t + 1's RoPE (two A
+    buffers), then tile t is quantized and stored, then tile t + 1's wgmma is issued (one
+    accumulator in flight while the tables are held: registers). The first tile is peeled, so
+    the accumulator in flight across the back edge is only ever written by wgmma.
+
+    Without RoPE, one tile at a time (wgmma, wait, quantize, store; the other program on the SM
+    overlaps it at D 64). Issuing tile t + 1's wgmma before tile t's quantization (97af8ed) made
+    ptxas serialize the 4 wgmma of every tile (a wait after each, no overlap left), and so did
+    97af8ed's nested unit / head loops with a zero-initialised accumulator and `if has_prev`
+    branches with RoPE (ptxas C7515: "non wgmma instructions defining accumulator registers")."""
+    n_prog = gl.num_programs(0)
+    n_tiles = (U - u0 + n_prog - 1) // n_prog * HC
+    u = u0
+    z, g, h, h1 = _unit(u, Z, H, HC)
+    if CFG.ROPE == "":
+        for t in range(0, n_tiles):
+            mbarrier.wait(ready.index(cnt % CFG.STAGES), (cnt // CFG.STAGES) & 1)
+            y = _qk_retire(_qk_issue(ring, a_stage, had_smem, cnt, CFG), empty, cnt, CFG)
+            _qk_finish(y, o_stage, out_desc, SCALE, z, h, g, H, G, CFG)
+            cnt += 1
+            h += 1
+            if h == h1:   # the next unit (no division a tile)
+                u += n_prog
+                z, g, h, h1 = _unit(u, Z, H, HC)
+    elif n_tiles > 0:
+        # The first tile peeled; the tables are loop-invariant in each unit's head loop and the
+        # next unit's are loaded after it, under the last tile's wgmma (past the last unit the
+        # rows are >= L: every load masked off). Carried through a branch of a flat tile loop,
+        # they were repacked every tile (+190 instructions at D 128); a peeled copy of the head
+        # loop spilled at D 128.
+        tabs = _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, g * 128, L,
+                            HAS_POS, CFG)
+        _qk_rope(ring, ring32, a_stage, ready, empty, cnt, tabs, dtype, CFG)
+        acc = _qk_issue(ring, a_stage, had_smem, cnt, CFG)
+        prev = (z, h, g)
+        h += 1
+        for uu in range(u0, U, n_prog):
+            for hh in range(h, h1):
+                cnt, acc = _qk_next(ring, ring32, a_stage, had_smem, o_stage, out_desc, SCALE,
+                                    ready, empty, cnt, acc, tabs, prev, H, G, dtype, CFG)
+                prev = (z, hh, g)
+            z, g, h, h1 = _unit(uu + n_prog, Z, H, HC)
+            tabs = _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, g * 128,
+                                L, HAS_POS, CFG)
+        y = _qk_retire(acc, empty, cnt, CFG)
+        _qk_finish(y, o_stage, out_desc, SCALE, prev[0], prev[1], prev[2], H, G, CFG)
+        cnt += 1
+    return cnt
+
+
+@gluon.jit
+def _consumer(descs, smem, bars, sizes, outs, tables, CFG: gl.constexpr):
+    q_desc, k_desc, v_desc, q8_desc, k8_desc, vt_desc = descs
+    ring, ring32, a_stage, had_smem, o_stage, vt_stage = smem
+    ready, empty = bars
+    Z, HQ, HKV, M, N, P, UQ, UK, HCQ, HCK = sizes
+    Q_SCALE, K_SCALE, V_SCALE, V_SCALE_MAX, HADK, QG, KG = outs
+    COS, SIN, QPOS, KPOS, stride_tz, stride_tp, stride_qpz, stride_kpz = tables
+    dtype: gl.constexpr = v_desc.dtype
+    pid = gl.program_id(0)
+    n_prog = gl.num_programs(0)
+    _load_had(HADK, had_smem, CFG)
+    fence_async_shared()
+    gl.thread_barrier()
+    cnt = 0
+    cnt = _qk_units(ring, ring32, a_stage, had_smem, o_stage, q8_desc, Q_SCALE, ready, empty, cnt,
+                    COS, SIN, QPOS, stride_qpz, stride_tz, stride_tp, P, Z, HQ, M, UQ, HCQ, QG,
+                    pid, dtype, CFG.Q_POS, CFG)
+    cnt = _qk_units(ring, ring32, a_stage, had_smem, o_stage, k8_desc, K_SCALE, ready, empty, cnt,
+                    COS, SIN, KPOS, stride_kpz, stride_tz, stride_tp, P, Z, HKV, N, UK, HCK, KG,
+                    _first_unit(UQ, n_prog), dtype, CFG.K_POS, CFG)
+    for u in range(_first_unit(UQ + UK, n_prog), UK, n_prog):
+        z, g, h0, h1 = _unit(u, Z, HKV, HCK)
+        for h in range(h0, h1):
+            cnt = _v_tile(ring, vt_stage, vt_desc, V_SCALE, V_SCALE_MAX, ready, empty, cnt, z, h,
+                          g, HKV, KG, CFG)
+    tma.store_wait(0)   # the last stores must finish reading shared memory before the CTA exits
+
+
+_RUNTIME_SIZES = ["M", "N", "P", "Z", "UQ", "UK", "HCQ", "HCK", "QG", "KG"]
+
+
+@gluon.jit(do_not_specialize=_RUNTIME_SIZES)
+def prologue_sm90_kernel(
+    q_desc, k_desc, v_desc,          # inputs: [Z, H, L, D] boxes [1, 1, T, DQ] (bf16 / fp16; Q and
+                                     # K as int32 words under "interleaved")
+    q8_desc, k8_desc, vt_desc,       # outputs: boxes [1, 1, T, D] (Q8, K8), [1, 1, DQ, T] (VT8)
+    Q_SCALE, K_SCALE, V_SCALE, V_SCALE_MAX, HADK,
+    COS, SIN, QPOS, KPOS, stride_tz, stride_tp, stride_qpz, stride_kpz,
+    Z, HQ, HKV, M, N, P, UQ, UK, HCQ, HCK, QG, KG,
+    CFG: gl.constexpr,
+):
+    """Persistent: program p takes Q units p, p + n_programs, ..., then K units, then V units."""
+    D: gl.constexpr = CFG.D
+    DQ: gl.constexpr = CFG.DQ
+    dtype: gl.constexpr = v_desc.dtype
+    ring = gl.allocate_shared_memory(dtype, [CFG.STAGES * 4] + v_desc.block_type.shape,
+                                     v_desc.layout)
+    if CFG.ROPE == "interleaved":
+        ring32 = ring._reinterpret(gl.int32, [CFG.STAGES * 2] + q_desc.block_type.shape,
+                                   q_desc.layout)
+    else:
+        ring32 = ring
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, DQ], dtype)
+    if CFG.ROPE != "":   # two A buffers: tile t's wgmma reads one while tile t + 1's RoPE fills the other
+        a_stage = gl.allocate_shared_memory(dtype, [8, 128, DQ], a_layout)
+    else:
+        a_stage = gl.allocate_shared_memory(dtype, [1, 128, DQ], a_layout)   # unused
+    had_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([DQ, D], dtype)
+    had_smem = gl.allocate_shared_memory(dtype, [4, DQ, D], had_layout)
+    o_stage = gl.allocate_shared_memory(q8_desc.dtype, q8_desc.block_type.shape, q8_desc.layout)
+    # Vᵀ's staging is Q8 / K8's (same bytes; V tiles follow every Q / K tile's store_wait)
+    vt_stage = o_stage._reinterpret(vt_desc.dtype, [4] + vt_desc.block_type.shape, vt_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [CFG.STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [CFG.STAGES, 1], mbarrier.MBarrierLayout())
+    STAGES: gl.constexpr = CFG.STAGES
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+
+    descs = (q_desc, k_desc, v_desc, q8_desc, k8_desc, vt_desc)
+    smem = (ring, ring32, a_stage, had_smem, o_stage, vt_stage)
+    bars = (ready, empty)
+    sizes = (Z, HQ, HKV, M, N, P, UQ, UK, HCQ, HCK)
+    outs = (Q_SCALE, K_SCALE, V_SCALE, V_SCALE_MAX, HADK, QG, KG)
+    tables = (COS, SIN, QPOS, KPOS, stride_tz, stride_tp, stride_qpz, stride_kpz)
+    gl.warp_specialize([
+        (_consumer, (descs, smem, bars, sizes, outs, tables, CFG)),
+        (_producer, (descs, smem, bars, sizes, outs, tables, CFG)),
+    ], [1], [CFG.PRODUCER_REGS])
+
+
+# ---- host side -------------------------------------------------------------------------------
+SMEM_BUDGET = 227 * 1024
+DEFAULT_PROGRAMS = 132     # SMs of an H100 / H200 SXM: the grid when compiling without a device
+
+
+# Two programs an SM (D 64 without RoPE): a register cap of 65536 / (2 · 384 threads), rounded down
+# to setmaxnreg's multiple of 8; the consumer warps then get 104 (Triton's split: (80·384 - 24·128)
+# / 256), enough for D 64 without RoPE (no spills), not with RoPE (125 / 259 spill instructions).
+TWO_PROGRAM_REGS = 80
+
+
+def default_programs_per_sm(D: int, rope: bool) -> int:
+    """Programs an SM: 2 at D 64 without RoPE (two independent tile chains an SM: one program's
+    chain of waits and barriers is latency-bound, docs/design/fp8_prologue.md, "Where the time
+    goes"), else 1 (the tables or the D 128 accumulators need the register file)."""
+    return 2 if D <= 64 and not rope else 1
+
+
+def program_regs(D: int, rope: bool, per_sm: int):
+    """The register cap (maxnreg) that lets `per_sm` programs share an SM, or None (no cap: one
+    program; other requests run their extra programs after the resident ones)."""
+    return TWO_PROGRAM_REGS if per_sm == 2 and D <= 64 and not rope else None
+
+
+def default_stages(D: int, rope: bool, per_sm: int = 1) -> int:
+    """Ring depth, for about 100 KB of input in flight an SM (one program an SM: 8 consumer warps
+    at 240 registers and the producer's warpgroup at 24 take the register file): D 128 with RoPE 3
+    stages (96 KB in flight, 208 KB of shared memory with two A buffers; 4 do not fit), without
+    RoPE 4 (128 KB in flight, 176 KB); D 64 7 stages (112 KB in flight, 160 / 128 KB); D 64 at two
+    programs an SM 4 each (128 KB in flight an SM, 80 KB of shared memory a program)."""
+    if D > 64:
+        return 3 if rope else 4
+    return 4 if per_sm >= 2 else 7
+
+
+def serves(q, k, v, recipe, rope) -> bool:
+    """The hot case: D = Dv in {64, 128}, bf16 / fp16, Hadamard on, blocks of 128 rows, no
+    smooth_k, RoPE none or over all D channels with 2-byte tables, TMA-aligned inputs."""
+    import torch
+
+    from ..tma import tma_aligned
+
+    D, Dv = q.shape[-1], v.shape[-1]
+    if D != Dv or D not in (64, 128) or q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if not recipe.hadamard or recipe.smooth_k or recipe.block_m != T_ROWS or recipe.block_n != T_ROWS:
+        return False
+    if rope is not None:
+        if rope.cos.shape[-1] != D or rope.cos.dtype not in (torch.bfloat16, torch.float16):
+            return False
+        if rope.sin.dtype != rope.cos.dtype:
+            return False
+    return all(tma_aligned(t) for t in (q, k, v))
+
+
+def _desc(t, block_shape):
+    """A TMA descriptor of `t` with the default NVMMA (swizzled) shared layout of the box."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.int32: gl.int32,
+             torch.int8: gl.int8, torch.float8_e4m3fn: gl.float8e4nv}[t.dtype]
+    layout = gl.NVMMASharedLayout.get_default_for(list(block_shape), dtype)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block_shape), layout)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _most_tiles(q_units: int, hcq: int, k_units: int, hck: int, n_programs: int) -> int:
+    """The most tiles a program takes in the launch's round-robin over its units (Q units of hcq
+    tiles, then K and V units of hck; unit i goes to program i mod n_programs, _first_unit)."""
+    def count(units, before, p):          # units of a phase that program p takes
+        return units // n_programs + ((p - before) % n_programs < units % n_programs)
+    return max(hcq * count(q_units, 0, p) + hck * (count(k_units, q_units, p)
+                                                   + count(k_units, q_units + k_units, p))
+               for p in range(n_programs))
+
+
+@functools.lru_cache(maxsize=256)
+def unit_heads(q_blocks: int, hq: int, k_blocks: int, hkv: int, n_programs: int,
+               rope: bool) -> tuple[int, int]:
+    """(HCQ, HCK): heads a Q / K (and V) unit walks. A divisor of the heads (every unit of a kind
+    the same size), with the fewest tiles on the busiest program (the launch is as slow as it),
+    within 1 / 32 of the best; with RoPE, among those, the fewest units that load table rows (a
+    unit's first tile waits on its table loads from L2), without RoPE the best balance in the
+    finest grain.
+
+    The Q / K / V tiles of a launch are its units' heads; a program's time is about its tile count
+    (one tile at a time, latency-bound: docs/design/fp8_prologue.md, "Where the time goes"). The
+    earlier rule (runs of at most rows·H / (2·programs) heads, evened out: 6, 6, 4 at 16 heads)
+    with a round-robin per phase gave 132 programs over 128 row blocks x 16 heads 54 tiles at most
+    (18 Q + 18 K + 18 V: programs p and p + 132 share p mod 3, so the same programs took the 6-head
+    runs in every phase) against 46.5 on average.
+
+    Example::
+
+        >>> unit_heads(128, 16, 128, 16, 132, True)     # B1 N16384 H16, RoPE: whole head sets
+        (16, 16)
+        >>> unit_heads(128, 16, 128, 16, 132, False)    # no tables to reuse: one head a unit
+        (1, 1)
+        >>> _most_tiles(128, 16, 128, 16, 132), _most_tiles(2048, 1, 2048, 1, 132)
+        (48, 47)
+    """
+    plans = []
+    for hcq in _divisors(hq):
+        for hck in _divisors(hkv):
+            qu, ku = q_blocks * (hq // hcq), k_blocks * (hkv // hck)
+            plans.append((_most_tiles(qu, hcq, ku, hck, n_programs), qu + ku, hcq, hck))
+    best = min(p[0] for p in plans)
+    ok = [p for p in plans if p[0] <= best + best // 32]
+    # without RoPE, ties to the most units (the finest grain: V tiles cost less than Q / K ones)
+    most, _, hcq, hck = min(ok, key=(lambda p: (p[1], p[0])) if rope else (lambda p: (p[0], -p[1])))
+    return hcq, hck
+
+
+def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride_qpz, stride_kpz,
+           P, rope_style: str, q_pos: bool, k_pos: bool, recipe, stages=None, n_programs=None,
+           per_sm=None):
+    """(kernel, args, kwargs, grid) of prologue_sm90_kernel writing `ops` (host.prepare_prologue
+    allocates them as for the Triton kernel). `had` is HAD [D, D] in the input dtype."""
+    import torch
+
+    from .hadamard import hadamard_block
+
+    B, Hq, M, D = q.shape
+    _, Hkv, N, _ = v.shape
+    DQ = D // 4
+    per_sm = per_sm or default_programs_per_sm(D, bool(rope_style))
+    stages = stages or default_stages(D, bool(rope_style), per_sm)
+    if rope_style == "interleaved":
+        perm = torch.cat([torch.arange(0, D, 2), torch.arange(1, D, 2)]).to(had.device)
+        hadk = had[perm].contiguous()
+        q_in = _desc(q.view(torch.int32), [1, 1, T_ROWS, DQ])
+        k_in = _desc(k.view(torch.int32), [1, 1, T_ROWS, DQ])
+    else:
+        hadk = had.contiguous()
+        q_in = _desc(q, [1, 1, T_ROWS, DQ])
+        k_in = _desc(k, [1, 1, T_ROWS, DQ])
+    v_in = _desc(v, [1, 1, T_ROWS, DQ])
+    q8 = _desc(ops.q, [1, 1, T_ROWS, D])
+    k8 = _desc(ops.k, [1, 1, T_ROWS, D])
+    vt = _desc(ops.vt, [1, 1, DQ, T_ROWS])
+    qg, kg = ops.q_scale.shape[-1], ops.k_scale.shape[-1]
+    if n_programs is None:
+        if q.device.type == "cuda":
+            sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        else:
+            sms = DEFAULT_PROGRAMS
+        n_programs = sms * per_sm
+    hcq, hck = unit_heads(B * qg, Hq, B * kg, Hkv, n_programs, bool(rope_style))
+    assert Hq % hcq == 0 and Hkv % hck == 0, (Hq, hcq, Hkv, hck)   # _qk_units' tile count
+    uq = B * qg * -(-Hq // hcq)
+    uk = B * kg * -(-Hkv // hck)
+    cfg = GluonPrologue(D=D, STAGES=stages, ROPE=rope_style, Q_POS=q_pos, K_POS=k_pos,
+                        QK_INT8=recipe.qk == "int8", HAD_SCALE=hadamard_block(D) ** -0.5,
+                        PRODUCER_REGS=40)
+    args = (q_in, k_in, v_in, q8, k8, vt, ops.q_scale, ops.k_scale, ops.v_scale, ops.v_scale_max,
+            hadk, cos, sin, qpos, kpos, stride_tz, stride_tp, stride_qpz, stride_kpz,
+            B, Hq, Hkv, M, N, max(P, 1), uq, uk, hcq, hck, qg, kg)
+    kwargs = dict(CFG=cfg, num_warps=CONSUMER_WARPS)
+    regs = program_regs(D, bool(rope_style), per_sm)
+    if regs:
+        kwargs["maxnreg"] = regs
+    return prologue_sm90_kernel, args, kwargs, (min(n_programs, uq + 2 * uk),)
