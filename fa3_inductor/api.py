@@ -341,5 +341,5 @@ def _flex_fp8(q, k, v, score_mod, mask_mod, block_mask, scale, enable_gqa, retur
     with torch.no_grad():
         out, lse = direct_fp8.forward_fp8(q, k, v, score_mod, block_mask,
                                           scale if scale is not None else q.shape[-1] ** -0.5,
-                                          recipe, rope)
+                                          recipe, rope, want_lse=return_lse)
     return (out, lse) if return_lse else out

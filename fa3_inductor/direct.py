@@ -183,10 +183,11 @@ def _remember(memo: tuple, q: Tensor, k: Tensor, v: Tensor, plan: "_Plan", table
 
 
 def _signature(q: Tensor, k: Tensor, v: Tensor) -> tuple:
-    # one flat tuple: it is built on every memo hit
+    # one flat tuple: it is built on every memo hit. Which of q, k, v are one tensor: the memo's
+    # launch finds its inputs by identity (runtime/fast_launch.aliasing)
     return (q.shape, q.stride(), q.dtype, q.device, q.data_ptr() & 15,
             k.shape, k.stride(), k.dtype, k.device, k.data_ptr() & 15,
-            v.shape, v.stride(), v.dtype, v.device, v.data_ptr() & 15)
+            v.shape, v.stride(), v.dtype, v.device, v.data_ptr() & 15, q is k, k is v, q is v)
 
 
 def clear() -> None:

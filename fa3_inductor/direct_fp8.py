@@ -30,17 +30,22 @@ class FP8Unserved(RuntimeError):
 
 
 def forward_fp8(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable], block_mask: Any,
-                scale: float, recipe: FP8Recipe, rope: Optional[RopeSpec]) -> tuple[Tensor, Tensor]:
+                scale: float, recipe: FP8Recipe, rope: Optional[RopeSpec], want_lse: bool = True
+                ) -> tuple[Tensor, Optional[Tensor]]:
     """(out in q's dtype, lse in natural-log units) of FP8 attention on ``q, k, v`` (bf16/fp16),
     quantized per ``recipe`` after ``rope``. Inputs are validated by the caller (api.flex).
+    ``want_lse`` False: the LSE is not converted from the kernel's log2 units (one launch less)
+    and None is returned in its place.
 
     Example::
 
         >>> out, lse = forward_fp8(q, k, v, None, None, 0.125, FP8Recipe(), None)   # doctest: +SKIP
+        >>> forward_fp8(q, k, v, None, None, 0.125, FP8Recipe(), None, want_lse=False)[1] is None  # doctest: +SKIP
+        True
     """
     spec, call = _planned_call(q, k, v, score_mod, block_mask, scale, recipe, rope)
     serve_fp8(spec, call)
-    return call.out, call.lse.mul_(_LN2)
+    return call.out, call.lse.mul_(_LN2) if want_lse else None
 
 
 def fp8_call(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable], block_mask: Any,

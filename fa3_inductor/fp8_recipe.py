@@ -103,7 +103,7 @@ class FP8Recipe:
         if fp8 is None or fp8 is False:
             return None
         if fp8 is True:
-            return FP8Recipe()
+            return _DEFAULT   # frozen: one shared instance (built and validated once, not per call)
         if isinstance(fp8, FP8Recipe):
             return fp8
         raise TypeError(f"fp8 must be True, False or an fa3_inductor.FP8Recipe, got {type(fp8).__name__}")
@@ -119,6 +119,9 @@ class FP8Recipe:
             raise ValueError(f"{caller}(fp8=FP8Recipe(smooth_k=True)) with a score_mod: subtracting "
                              "K's mean shifts each query's scores by a constant, which softmax "
                              "ignores but a score_mod does not; use smooth_k=False with a score_mod")
+
+
+_DEFAULT = FP8Recipe()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -264,3 +264,17 @@ def test_cache_hits_compute_on_the_new_inputs(template):
             ref, _ = reference_attention(q, k, v, mods.softcap(20.0), mods.causal)
             assert_matches_reference(out, ref, torch.bfloat16)
     assert fast_launch._CACHE, "the launch cache was never used"
+
+
+def test_a_tensor_at_two_places_keys_its_own_launch():
+    """A recording made where one tensor fills two places (flex(q, q, q)) finds both by identity:
+    replayed for distinct tensors it would hand one input in another's place. The forward op's key
+    tells the two apart (aliasing), as the backward's does."""
+    from fa3_inductor.runtime.ops import _launch_key
+
+    x, y, z = _inputs()
+    assert fast_launch.aliasing([x, y, None, z]) is None
+    assert fast_launch.aliasing([x, x, None, y]) == (0, 0, None, 3)
+    distinct = _launch_key("{}", 0.5, 128, 128, 0, (x, y, z))
+    assert _launch_key("{}", 0.5, 128, 128, 0, (x, x, z)) != distinct
+    assert _launch_key("{}", 0.5, 128, 128, 0, (y, x, z)) == distinct

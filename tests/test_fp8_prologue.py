@@ -19,7 +19,7 @@ import re
 import pytest
 import torch
 
-from fa3_inductor.fp8_recipe import E4M3_MAX, INT8_MAX, FP8Recipe, RopeSpec
+from fa3_inductor.fp8_recipe import E4M3_MAX, INT8_MAX, FP8Operands, FP8Recipe, RopeSpec
 from fa3_inductor.templates.fp8_prologue import host, quantize
 from fa3_inductor.templates.fp8_prologue.hadamard import (hadamard_block, random_signs,
                                                           rotation_matrix, sign_hadamard, sylvester)
@@ -278,6 +278,59 @@ def test_zero_blocks_take_scale_one_and_leave_v_scale_max_alone(cpu_kernels):
     assert ops.v_scale_max[0, 0] == want < 1, "a zero block's scale 1 leaked into v_scale_max"
     assert ops.v_scale_max[0, 1] == 1
     assert_matches_reference(ops, q, k, v, recipe)
+
+
+def test_layout_is_derived_once_per_signature(cpu_kernels):
+    """prepare_prologue / quantize derive the launches once per signature (host.layout_of): new
+    tensors of the same shapes, strides, dtypes, alignment and aliasing reuse the layout and give
+    the operands a fresh derivation gives, bit for bit; another shape, a tensor at two places or a
+    RoPE table layout take their own."""
+    recipe, rope = FP8Recipe(block_m=32, block_n=32, smooth_k=True), RopeSpec.from_theta(64, 128)
+    q, k, v = _inputs(1, 4, 2, 60, 50, 64, seed=1)
+    q2, k2, v2 = _inputs(1, 4, 2, 60, 50, 64, seed=2)
+    layout = host.layout_of(q, k, v, recipe, rope)
+    assert host.layout_of(q2, k2, v2, recipe, rope) is layout
+    assert host.layout_of(q2, k2, v2, recipe, None) is not layout
+    assert host.layout_of(*_inputs(1, 4, 2, 61, 50, 64), recipe, rope) is not layout
+    assert host.layout_of(q, k, k, recipe, rope) is not host.layout_of(q, k, v, recipe, rope)
+    quantize(q, k, v, recipe, rope)
+    cached = quantize(q2, k2, v2, recipe, rope)
+    host._LAYOUTS.clear()
+    fresh = quantize(q2, k2, v2, recipe, rope)
+    for name in ("q", "k", "vt", "q_scale", "k_scale", "v_scale", "v_scale_max", "k_mean"):
+        a, b = getattr(cached, name), getattr(fresh, name)
+        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                           b.view(torch.uint8) if b.element_size() == 1 else b), name
+
+
+def test_a_call_dispatches_allocations_one_fill_and_one_abs():
+    """Per call the host dispatches the operands' allocations, v_scale_max's fill (-1) and finish's
+    abs_ (-1 -> 1 for heads whose V is all zero): no compare / select / scalar tensors (each a tiny
+    launch on CUDA). Meta tensors: the host's work alone."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = (torch.empty(s, dtype=torch.bfloat16, device="meta")
+               for s in ((2, 8, 300, 128), (2, 2, 300, 128), (2, 2, 300, 128)))
+    host.prepare_prologue(q, k, v, FP8Recipe())
+    seen = Ops()
+    with seen:
+        host.finish(host.prepare_prologue(q, k, v, FP8Recipe()).operands)
+    assert seen.names == ["empty"] * 6 + ["full", "abs_"], seen.names
+
+
+def test_finish_maps_the_untouched_minus_one_to_one():
+    ops = FP8Operands(*[torch.empty(0)] * 6, v_scale_max=torch.tensor([[-1.0, 0.25, 2.0]]),
+                           k_mean=None, recipe=FP8Recipe(), n=1)
+    assert host.finish(ops).v_scale_max.tolist() == [[1.0, 0.25, 2.0]]
 
 
 def test_dequantized_scores_match_the_original_scores(cpu_kernels):

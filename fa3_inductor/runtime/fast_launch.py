@@ -70,14 +70,33 @@ def tensor_signature(tensors: Sequence[Optional[torch.Tensor]]) -> tuple:
                  for t in tensors)
 
 
+def aliasing(tensors: Sequence[Optional[torch.Tensor]]) -> Optional[tuple]:
+    """None when no tensor object stands at two places of ``tensors`` (the usual case), else which
+    place repeats which. A recording finds inputs by identity, so one made where a tensor fills two
+    places (``flex(q, q, q)``) is right only for calls that repeat it alike: a key of
+    :func:`launch_cached` includes this beside :func:`tensor_signature`.
+
+    Example::
+
+        >>> x, y = torch.zeros(2), torch.zeros(2)
+        >>> aliasing([x, y, None]), aliasing([x, x, y])
+        (None, (0, 0, 2))
+    """
+    ids = [id(t) for t in tensors if t is not None]
+    if len(set(ids)) == len(ids):
+        return None
+    first: dict = {}
+    return tuple(None if t is None else first.setdefault(id(t), i) for i, t in enumerate(tensors))
+
+
 def launch_cached(key: Hashable, inputs: Sequence[Optional[torch.Tensor]],
                   prepare: Callable[[], tuple[Any, tuple, dict, tuple, Any]]) -> Any:
     """Launch a kernel for ``inputs``; ``key`` must determine everything but their addresses.
 
     ``prepare()`` returns ``(jit_function, args, kwargs, grid, tag)`` for an ordinary launch;
     it is called only on the first launch of a key (and on every launch of an uncacheable
-    key). ``key`` must include :func:`tensor_signature` of ``inputs`` and every non-tensor
-    value the launch depends on. Returns ``tag`` (the caller's note of what it launched).
+    key). ``key`` must include :func:`tensor_signature` and :func:`aliasing` of ``inputs`` and
+    every non-tensor value the launch depends on. Returns ``tag`` (the caller's note of what it launched).
 
     Example::
 

@@ -27,7 +27,7 @@ from ..templates.family import Call
 from ..templates.modgen import ModInfo
 from ..templates.registry import family as family_named
 from . import backward_cpu  # noqa: F401  (defines fa3_inductor::flex_bwd beside flex_fwd)
-from .fast_launch import launch_cached, on_clear, recorded, relaunch, tensor_signature
+from .fast_launch import aliasing, launch_cached, on_clear, recorded, relaunch, tensor_signature
 from .family_walk import first_serving
 from .sinks import check_sinks
 from .spec import SiteSpec
@@ -242,9 +242,10 @@ def serve(site: SiteSpec, call: Call, spec: str) -> str:
 
 def _launch_key(spec: str, scale: float, sparse_q_block: int, sparse_kv_block: int, n_score_bufs: int,
                 inputs: tuple) -> tuple:
-    """Everything a CUDA launch depends on but the tensors' addresses (runtime/fast_launch.py)."""
+    """Everything a CUDA launch depends on but the tensors' addresses (runtime/fast_launch.py), a
+    tensor given at two places (``flex(q, q, q)``) included."""
     return (spec, scale, sparse_q_block, sparse_kv_block, n_score_bufs,
-            torch.get_float32_matmul_precision(), tensor_signature(inputs))
+            torch.get_float32_matmul_precision(), tensor_signature(inputs), aliasing(inputs))
 
 
 def bound_launch(q: Tensor, k: Tensor, v: Tensor, tables: tuple, score_bufs: list, mask_bufs: list,

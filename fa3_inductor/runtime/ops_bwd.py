@@ -40,7 +40,7 @@ from ..templates.generic_bwd.buffer_grad import BufferGradSource
 from ..templates.modgen import GeneratedSource, ModInfo
 from ..templates.registry import DENSE_BACKWARD, backward_family
 from .backward_cpu import BackwardSpec, flex_bwd
-from .fast_launch import launch_cached, on_clear, recorded, relaunch, tensor_signature
+from .fast_launch import aliasing, launch_cached, on_clear, recorded, relaunch, tensor_signature
 from .family_walk import first_serving
 from .ops import _one_block_size
 
@@ -286,7 +286,7 @@ def run_backward_families(
         tensors = (q, k, v, out, dout, lse, grad_lse, dq, dk, dv, *tables, *q_tables, *score_bufs,
                    *mask_bufs, *dbufs)
         key = (spec, scale, sparse_q_block, sparse_kv_block, len(score_bufs), len(mask_bufs),
-               torch.get_float32_matmul_precision(), tensor_signature(tensors), _aliasing(tensors))
+               torch.get_float32_matmul_precision(), tensor_signature(tensors), aliasing(tensors))
         plan = _PLANS.get(key)
         if plan is not None and plan.launches is not None:
             plan.run(tensors, q.device)
@@ -341,17 +341,6 @@ def _caches(q: Tensor) -> bool:
     """Whether this call's launches go through the launch cache (CUDA only: the interpreter has no
     compiled kernel to re-launch)."""
     return q.is_cuda
-
-
-def _aliasing(tensors: tuple) -> Optional[tuple]:
-    """None when no tensor is passed twice (the usual case), else which position repeats which: a
-    recording maps a repeated tensor to one position, right only for calls that repeat it alike
-    (a captured tensor both mods read)."""
-    ids = [id(t) for t in tensors if t is not None]
-    if len(set(ids)) == len(ids):
-        return None
-    first: dict = {}
-    return tuple(None if t is None else first.setdefault(id(t), i) for i, t in enumerate(tensors))
 
 
 def _serve_with(family: BackwardFamily, call: BackwardCall, key: Optional[tuple],

@@ -14,6 +14,7 @@ import torch
 import triton
 
 from ...fp8_recipe import FP8Operands, FP8Recipe, RopeSpec
+from ...runtime.fast_launch import aliasing, launch_cached, on_clear, tensor_signature
 from .hadamard import hadamard_block, sign_hadamard
 from .kernel import Quantization, Rotation, Tiles, k_sums_kernel, prologue_kernel
 from .reference import SMOOTH_SAMPLE
@@ -160,7 +161,7 @@ class PrologueLaunch:
     """The launches of one ``quantize`` call, in order, and the operands they fill.
 
     ``launches``: ``(kernel, args, kwargs, grid)`` tuples (the reduction pass first when
-    smoothing); ``operands``: the FP8Operands written by them (v_scale_max still holds 0 for heads
+    smoothing); ``operands``: the FP8Operands written by them (v_scale_max still holds -1 for heads
     whose V is all zero until :func:`finish` maps it to 1)."""
 
     launches: list[tuple[Any, tuple, dict, tuple]]
@@ -345,7 +346,8 @@ def prepare_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: 
     """The launches of ``quantize`` (checked inputs, allocated outputs), not yet run.
     ``round_in_fp32`` None: on under the interpreter only (kernel.py, Quantization); ``tuning``:
     the main launch's parameters (:class:`PrologueTuning`); ``capability``: the target when
-    compiling without a device (compile_prologue), for the Gluon kernel's choice.
+    compiling without a device (compile_prologue), for the Gluon kernel's choice. What does not
+    depend on the tensors' contents or addresses is derived once per signature (:class:`PrologueLayout`).
 
     Example::
 
@@ -353,123 +355,303 @@ def prepare_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: 
         >>> for kernel, args, kwargs, grid in p.launches:             # doctest: +SKIP
         ...     kernel[grid](*args, **kwargs)
     """
-    _check_inputs(q, k, v, recipe, rope)
-    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
-    B, Hq, M, D = q.shape
-    _, Hkv, N, Dv = v.shape
-    dev = q.device
-    n_pad = -(-N // 16) * 16
-    block_d, block_dv = _pow2(D), _pow2(Dv)
-    cap = MAX_TILE if max(block_d, block_dv) <= 128 else MAX_TILE_WIDE
-    tile_m = min(recipe.block_m or cap, cap)
-    tile_n = min(recipe.block_n or cap, cap)
-    qg = -(-M // recipe.block_m) if recipe.block_m else 1
-    kg = -(-N // recipe.block_n) if recipe.block_n else 1
-    shape = Tiles(D=D, DV=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv, TILE_M=tile_m, TILE_N=tile_n,
-                  Q_ONE_TILE=recipe.block_m == tile_m, KV_ONE_TILE=recipe.block_n == tile_n)
+    layout = layout_of(q, k, v, recipe, rope, round_in_fp32=round_in_fp32, tuning=tuning,
+                       capability=capability)
+    ops, inputs = layout.bind(q, k, v, rope)
+    if layout.gluon:
+        return PrologueLaunch([layout.gluon_launch(inputs, ops)], ops)
+    return PrologueLaunch([(kernel, layout.args(i, inputs), kwargs, layout.grid(i, inputs))
+                           for i, (kernel, kwargs) in enumerate(layout.kernels)], ops)
 
-    # In the inputs' dtype: the dots take input values, RoPE's rounded to it (kernel.py, _hadamard).
-    had = sign_hadamard(D, recipe.seed, q.dtype, dev, pad_to=block_d)
+
+_MAX_LAYOUTS = 256
+_LAYOUTS: dict = {}     # _layout_key(...) -> PrologueLayout
+on_clear(_LAYOUTS.clear)   # its launch keys name the launch cache's entries: forgotten with them
+
+
+def _layout_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: Any, rope: Any,
+                round_in_fp32: Optional[bool], tuning: Any,
+                capability: Optional[tuple[int, int]]) -> Optional[tuple]:
+    """Everything a layout depends on, or None for inputs the cache does not take (not plain
+    tensors: the checks then run and say what is wrong)."""
+    if not (type(q) is type(k) is type(v) is torch.Tensor) or type(recipe) is not FP8Recipe:
+        return None
+    tensors: tuple = (q, k, v)
+    style = None
     if rope is not None:
+        if type(rope) is not RopeSpec:
+            return None
+        tensors += (rope.cos, rope.sin, rope.q_positions, rope.k_positions)
+        if not all(t is None or type(t) is torch.Tensor for t in tensors[3:]):
+            return None
+        style = rope.style
+    try:
+        signature = tensor_signature(tensors)
+    except (NotImplementedError, RuntimeError):   # no address to read (meta tensors): not cached
+        return None
+    # the interpreter's flag and fp32 rounding are constexprs of the launch
+    return (recipe, style, round_in_fp32, tuning, capability, _interpreting(), signature,
+            aliasing(tensors))
+
+
+def layout_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: FP8Recipe,
+              rope: Optional[RopeSpec] = None, *, round_in_fp32: Optional[bool] = None,
+              tuning: PrologueTuning = DEFAULT_TUNING,
+              capability: Optional[tuple[int, int]] = None) -> "PrologueLayout":
+    """The :class:`PrologueLayout` of these inputs (checked; raises TypeError / ValueError saying
+    what is wrong), cached per (shapes, strides, dtypes, device and 16-byte alignment of q, k, v
+    and of RoPE's tensors, which of them are one tensor, recipe, RoPE style, ``round_in_fp32``,
+    ``tuning``, ``capability`` (prepare_prologue's), interpreter on or off). RoPE positions on the CPU are checked against the table on every call (their values).
+
+    Example::
+
+        >>> layout_of(q, k, v, FP8Recipe()) is layout_of(q2, k2, v2, FP8Recipe())   # doctest: +SKIP
+        True
+    """
+    key = _layout_key(q, k, v, recipe, rope, round_in_fp32, tuning, capability)
+    layout = None if key is None else _LAYOUTS.get(key)
+    if layout is None:
+        _check_inputs(q, k, v, recipe, rope)
+        layout = PrologueLayout(q, k, v, recipe, rope, round_in_fp32, tuning, key, capability)
+        if key is not None:
+            if len(_LAYOUTS) >= _MAX_LAYOUTS:
+                _LAYOUTS.clear()
+            _LAYOUTS[key] = layout
+    elif rope is not None and (_cpu(rope.q_positions) or _cpu(rope.k_positions)):
+        _check_rope(rope, q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.device)
+    return layout
+
+
+def _cpu(t: Optional[torch.Tensor]) -> bool:
+    return t is not None and t.device.type == "cpu"
+
+
+class PrologueLayout:
+    """What ``prepare_prologue`` derives from the inputs' signature alone: the operands' shapes
+    and dtypes, the launches' constexpr bundles and launch options, strides and sizes, the
+    Hadamard matrix, the grids. Per call only :meth:`bind` runs (allocate the operands, make the
+    few views and copies the launch reads) and the launches.
+
+    ``kernels``: ``(kernel, kwargs)`` per launch, in order (smooth_k's reduction pass first).
+
+    Example::
+
+        >>> layout = layout_of(q, k, v, FP8Recipe())                        # doctest: +SKIP
+        >>> ops, inputs = layout.bind(q, k, v, None)                        # doctest: +SKIP
+        >>> [kernel.fn.__name__ for kernel, _ in layout.kernels]            # doctest: +SKIP
+        ['prologue_kernel']
+    """
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: FP8Recipe,
+                 rope: Optional[RopeSpec], round_in_fp32: Optional[bool], tuning: PrologueTuning,
+                 key: Optional[tuple], capability: Optional[tuple[int, int]] = None):
+        B, Hq, M, D = q.shape
+        _, Hkv, N, Dv = v.shape
+        dev = q.device
+        n_pad = -(-N // 16) * 16
+        block_d, block_dv = _pow2(D), _pow2(Dv)
+        cap = MAX_TILE if max(block_d, block_dv) <= 128 else MAX_TILE_WIDE
+        tile_m = min(recipe.block_m or cap, cap)
+        tile_n = min(recipe.block_n or cap, cap)
+        qg = -(-M // recipe.block_m) if recipe.block_m else 1
+        kg = -(-N // recipe.block_n) if recipe.block_n else 1
+        shape = Tiles(D=D, DV=Dv, BLOCK_D=block_d, BLOCK_DV=block_dv, TILE_M=tile_m, TILE_N=tile_n,
+                      Q_ONE_TILE=recipe.block_m == tile_m, KV_ONE_TILE=recipe.block_n == tile_n)
+
+        # In the inputs' dtype: the dots take input values, RoPE's rounded to it (kernel.py, _hadamard).
+        self.had = sign_hadamard(D, recipe.seed, q.dtype, dev, pad_to=block_d)
+        # RoPE's tables as the kernel reads them: [Z, P, R], cos and sin with the same strides
+        # (they share the offsets), else both made contiguous
+        self.tables_copied = False
+        stride_tz = stride_tp = P = rope_dim = stride_qpz = stride_kpz = 0
+        if rope is not None:
+            cos, sin = self._tables(rope)
+            stride_tz = cos.stride(0) if cos.shape[0] > 1 else 0
+            stride_tp, P, rope_dim = cos.stride(1), cos.shape[1], cos.shape[-1]
+            stride_qpz, stride_kpz = (self._pos_stride(pos)
+                                      for pos in (rope.q_positions, rope.k_positions))
+        interpret = _interpreting()
+        warps, stages, regs = tuned_launch(max(D, Dv), rope is not None,
+                                           rope.cos.element_size() if rope is not None else 2)
+        num_warps = tuning.num_warps or warps
+        num_stages = tuning.num_stages or stages
+        maxnreg = tuning.maxnreg if tuning.num_warps or tuning.num_stages or tuning.maxnreg else regs
+        select = rope_select(rope is not None, max(tile_m, tile_n), block_d, num_warps, maxnreg)
+        if rope is not None and tuning.rope_select is not None:
+            select = tuning.rope_select
+        rot = Rotation(HADAMARD=recipe.hadamard, HAD_SCALE=hadamard_block(D) ** -0.5,
+                       ROPE=rope.style if rope is not None else "", ROPE_DIM=rope_dim,
+                       HALF_BLOCK=_pow2(rope_dim // 2),
+                       REST_BLOCK=_pow2(D - rope_dim) if D > rope_dim else 0,
+                       Q_POS=rope is not None and rope.q_positions is not None,
+                       K_POS=rope is not None and rope.k_positions is not None,
+                       INTERPRETED=interpret, ROPE_SELECT=select)
+        quant = Quantization(QK_INT8=recipe.qk == "int8", SMOOTH_K=recipe.smooth_k,
+                             SMOOTH_CHUNKS=SMOOTH_CHUNKS, SMOOTH_ROWS=SMOOTH_ROWS,
+                             ROUND_IN_FP32=interpret if round_in_fp32 is None else round_in_fp32)
+
+        fp8 = torch.float8_e4m3fn
+        self.recipe, self.n, self.device = recipe, N, dev
+        qk_dtype = torch.int8 if recipe.qk == "int8" else fp8
+        # (shape, dtype) of q, k, vt, q_scale, k_scale, v_scale, v_scale_max, k_mean
+        self.outputs = (((B, Hq, M, D), qk_dtype), ((B, Hkv, N, D), qk_dtype),
+                        ((B, Hkv, Dv, n_pad), fp8), ((B, Hq, qg), torch.float32),
+                        ((B, Hkv, kg), torch.float32), ((B, Hkv, kg), torch.float32))
+        self.scale_max_shape = (B, Hkv)
+        self.k_mean_shape = (B, Hkv, D) if recipe.smooth_k else None
+        self.k_part_shape = (B * Hkv, SMOOTH_CHUNKS, block_d) if recipe.smooth_k else None
+
+        # smooth_k's pre-pass reads S = min(N, 256) sampled rows per head (reference.smooth_sample),
+        # SMOOTH_ROWS per program: a few percent of K's bytes, where a pass over all of K cost 15-30%
+        # of the prologue (H100, fp8-prologue-bw-nvidia-h100-80gb-hbm3-2026-11-25-0026).
+        n_sample = min(N, SMOOTH_SAMPLE)
+        n_chunks = -(-n_sample // SMOOTH_ROWS)
+        nq, nk = B * Hq * qg, B * Hkv * kg
+        self.k_strides = tuple(k.stride()[:3]) if k.stride(-1) == 1 else (Hkv * N * D, N * D, D)
+        self.q_strides = tuple(q.stride()[:3]) if q.stride(-1) == 1 else (Hq * M * D, M * D, D)
+        self.v_strides = tuple(v.stride()[:3]) if v.stride(-1) == 1 else (Hkv * N * Dv, N * Dv, Dv)
+        self.ksum_scalars = (stride_tz, stride_tp, stride_kpz, Hkv, N, n_sample, P)
+        self.main_scalars = (stride_tz, stride_tp, stride_qpz, stride_kpz,
+                             B, Hq, Hkv, M, N, n_pad, P, nq, nk, qg, kg,
+                             recipe.block_m or M, recipe.block_n or n_pad, n_chunks, n_sample)
+        self.kernels: list[tuple[Any, dict]] = []
+        self._grids: list[Optional[tuple]] = []
+        if recipe.smooth_k:
+            self.kernels.append((k_sums_kernel, dict(SHAPE=shape, ROT=rot, QUANT=quant, num_warps=4,
+                                                     num_stages=1)))
+            self._grids.append((B * Hkv, n_chunks))
+        # Persistent programs loop over the groups (kernel.py): as many as the SMs hold at once.
+        kwargs = dict(SHAPE=shape, ROT=rot, QUANT=quant, num_warps=num_warps, num_stages=num_stages)
+        if maxnreg:
+            kwargs["maxnreg"] = maxnreg
+        self.kernels.append((prologue_kernel, kwargs))
+        self._grids.append(None)        # _programs' choice, on the first bind (it compiles the kernel)
+        self._groups, self._tuning = max(nq, nk), tuning
+        self.key = key
+        # The hot case on sm90 takes gluon_sm90's kernel instead of the launches above (_takes_gluon)
+        self.gluon = _takes_gluon(q, k, v, recipe, rope, tuning, capability)
+        self._gluon_statics = (stride_tz, stride_tp, stride_qpz, stride_kpz, P,
+                               rope.style if rope is not None else "",
+                               rope is not None and rope.q_positions is not None,
+                               rope is not None and rope.k_positions is not None)
+
+    def _tables(self, rope: RopeSpec) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = _last_dim_contiguous(rope.cos), _last_dim_contiguous(rope.sin)
         if cos.dim() == 2:
             cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
-        stride_tz = cos.stride(0) if cos.shape[0] > 1 else 0
-        stride_tp, P = cos.stride(1), cos.shape[1]
-        # cos and sin share the offsets: same strides.
-        if sin.stride() != cos.stride():
-            sin = sin.contiguous()
-            cos = cos.contiguous()
-            stride_tz, stride_tp = (cos.stride(0) if cos.shape[0] > 1 else 0), cos.stride(1)
-        qpos, kpos = rope.q_positions, rope.k_positions
-    else:
-        cos = sin = had
-        stride_tz = stride_tp = P = 0
-        qpos = kpos = None
+        if sin.stride() != cos.stride():     # cos and sin share the offsets: same strides
+            sin, cos = sin.contiguous(), cos.contiguous()
+        return cos, sin
 
-    def pos_arg(pos: Optional[torch.Tensor]) -> tuple[torch.Tensor, int]:
+    @staticmethod
+    def _pos(pos: torch.Tensor) -> torch.Tensor:
+        return _last_dim_contiguous(pos if pos.dim() == 2 else pos.unsqueeze(0))
+
+    @classmethod
+    def _pos_stride(cls, pos: Optional[torch.Tensor]) -> int:
+        """The batch stride of a positions tensor as the kernel reads it (0: shared by the batch)."""
         if pos is None:
-            return had, 0
-        pos = pos if pos.dim() == 2 else pos.unsqueeze(0)
-        pos = _last_dim_contiguous(pos)
-        return pos, (pos.stride(0) if pos.shape[0] > 1 else 0)
+            return 0
+        pos = cls._pos(pos)
+        return pos.stride(0) if pos.shape[0] > 1 else 0
 
-    (qpos_t, stride_qpz), (kpos_t, stride_kpz) = pos_arg(qpos), pos_arg(kpos)
-    interpret = _interpreting()
-    rope_dim = cos.shape[-1] if rope is not None else 0
-    warps, stages, regs = tuned_launch(max(D, Dv), rope is not None,
-                                       cos.element_size() if rope is not None else 2)
-    num_warps = tuning.num_warps or warps
-    num_stages = tuning.num_stages or stages
-    maxnreg = tuning.maxnreg if tuning.num_warps or tuning.num_stages or tuning.maxnreg else regs
-    select = rope_select(rope is not None, max(tile_m, tile_n), block_d, num_warps, maxnreg)
-    if rope is not None and tuning.rope_select is not None:
-        select = tuning.rope_select
-    rot = Rotation(HADAMARD=recipe.hadamard, HAD_SCALE=hadamard_block(D) ** -0.5,
-                   ROPE=rope.style if rope is not None else "", ROPE_DIM=rope_dim,
-                   HALF_BLOCK=_pow2(rope_dim // 2),
-                   REST_BLOCK=_pow2(D - rope_dim) if D > rope_dim else 0,
-                   Q_POS=qpos is not None, K_POS=kpos is not None,
-                   INTERPRETED=interpret, ROPE_SELECT=select)
-    quant = Quantization(QK_INT8=recipe.qk == "int8", SMOOTH_K=recipe.smooth_k,
-                         SMOOTH_CHUNKS=SMOOTH_CHUNKS, SMOOTH_ROWS=SMOOTH_ROWS,
-                         ROUND_IN_FP32=interpret if round_in_fp32 is None else round_in_fp32)
+    def bind(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Optional[RopeSpec]
+             ) -> tuple[FP8Operands, tuple]:
+        """This call's operands (allocated, not yet written) and the launches' tensors, in the
+        order :meth:`args` reads them: q, k, v, the operands, K's partial sums (None without
+        smoothing), k_mean (None), the Hadamard matrix, cos, sin, q and k positions (None without).
+        ``q, k, v, rope`` must have this layout's signature (layout_of's key)."""
+        dev = self.device
+        (sq, dq), (sk, dk), (svt, dvt), (sqs, f32), (sks, _), (svs, _) = self.outputs
+        # v_scale_max starts at -1, below every scale: the kernel's atomic max of the scales of V's
+        # nonzero blocks (all positive) is exact, and heads whose V is all zero keep -1 for
+        # finish() to map to 1 with one abs_ (torch.where(x > 0, x, 1) took gt, where and a scalar)
+        k_mean = None if self.k_mean_shape is None else torch.empty(self.k_mean_shape, dtype=f32,
+                                                                    device=dev)
+        ops = FP8Operands(q=torch.empty(sq, dtype=dq, device=dev),
+                          k=torch.empty(sk, dtype=dk, device=dev),
+                          vt=torch.empty(svt, dtype=dvt, device=dev),
+                          q_scale=torch.empty(sqs, dtype=f32, device=dev),
+                          k_scale=torch.empty(sks, dtype=f32, device=dev),
+                          v_scale=torch.empty(svs, dtype=f32, device=dev),
+                          v_scale_max=torch.full(self.scale_max_shape, -1.0, dtype=f32, device=dev),
+                          k_mean=k_mean, recipe=self.recipe, n=self.n)
+        k_part = None if self.k_part_shape is None else torch.empty(self.k_part_shape, dtype=f32,
+                                                                    device=dev)
+        if rope is None:
+            cos = sin = qpos = kpos = None
+        else:
+            cos, sin = self._tables(rope)
+            qpos, kpos = (None if p is None else self._pos(p) for p in (rope.q_positions,
+                                                                          rope.k_positions))
+        q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+        return ops, (q, k, v, ops.q, ops.k, ops.vt, ops.q_scale, ops.k_scale, ops.v_scale,
+                     ops.v_scale_max, k_part, k_mean, self.had, cos, sin, qpos, kpos)
 
-    fp8 = torch.float8_e4m3fn
-    qk_dtype = torch.int8 if recipe.qk == "int8" else fp8
-    ops = FP8Operands(
-        q=torch.empty(B, Hq, M, D, dtype=qk_dtype, device=dev),
-        k=torch.empty(B, Hkv, N, D, dtype=qk_dtype, device=dev),
-        vt=torch.empty(B, Hkv, Dv, n_pad, dtype=fp8, device=dev),
-        q_scale=torch.empty(B, Hq, qg, dtype=torch.float32, device=dev),
-        k_scale=torch.empty(B, Hkv, kg, dtype=torch.float32, device=dev),
-        v_scale=torch.empty(B, Hkv, kg, dtype=torch.float32, device=dev),
-        v_scale_max=torch.zeros(B, Hkv, dtype=torch.float32, device=dev),
-        k_mean=torch.empty(B, Hkv, D, dtype=torch.float32, device=dev) if recipe.smooth_k else None,
-        recipe=recipe, n=N)
+    def args(self, i: int, inputs: tuple) -> tuple:
+        """The positional arguments of launch ``i`` on :meth:`bind`'s ``inputs``."""
+        (q, k, v, oq, ok, ovt, q_scale, k_scale, v_scale, v_scale_max, k_part, k_mean, had, cos, sin,
+         qpos, kpos) = inputs
+        cos = had if cos is None else cos
+        sin = had if sin is None else sin
+        qpos = had if qpos is None else qpos
+        kpos = had if kpos is None else kpos
+        if k_part is not None and i == 0:
+            return (k, k_part, had, cos, sin, kpos, *self.k_strides, *self.ksum_scalars)
+        return (q, k, v, oq, ok, ovt, q_scale, k_scale, v_scale, v_scale_max,
+                had if k_part is None else k_part, had if k_mean is None else k_mean, had, cos, sin,
+                qpos, kpos, *self.q_strides, *self.k_strides, *self.v_strides, *self.main_scalars)
 
-    if _takes_gluon(q, k, v, recipe, rope, tuning, capability):
+    def gluon_launch(self, inputs: tuple, ops: FP8Operands) -> tuple:
+        """(kernel, args, kwargs, grid) of gluon_sm90's kernel on :meth:`bind`'s ``inputs`` (its
+        TMA descriptors are made per call: they hold the tensors' addresses)."""
         from . import gluon_sm90
 
-        return PrologueLaunch([gluon_sm90.launch(
-            q, k, v, ops, had, cos, sin, qpos_t, kpos_t, stride_tz, stride_tp, stride_qpz,
-            stride_kpz, P, rope.style if rope is not None else "", qpos is not None,
-            kpos is not None, recipe, stages=tuning.gluon_stages,
-            per_sm=tuning.programs_per_sm)], ops)
+        q, k, v, *_, had, cos, sin, qpos, kpos = inputs
+        (stride_tz, stride_tp, stride_qpz, stride_kpz, P, style, q_pos, k_pos) = self._gluon_statics
+        return gluon_sm90.launch(
+            q, k, v, ops, had, had if cos is None else cos, had if sin is None else sin,
+            had if qpos is None else qpos, had if kpos is None else kpos, stride_tz, stride_tp,
+            stride_qpz, stride_kpz, P, style, q_pos, k_pos, self.recipe,
+            stages=self._tuning.gluon_stages, per_sm=self._tuning.programs_per_sm)
 
-    # smooth_k's pre-pass reads S = min(N, 256) sampled rows per head (reference.smooth_sample),
-    # SMOOTH_ROWS per program: a few percent of K's bytes, where a pass over all of K cost 15-30%
-    # of the prologue (H100, fp8-prologue-bw-nvidia-h100-80gb-hbm3-2026-11-25-0026).
-    launches = []
-    n_sample = min(N, SMOOTH_SAMPLE)
-    n_chunks = -(-n_sample // SMOOTH_ROWS)
-    k_part = had
-    if recipe.smooth_k:
-        k_part = torch.empty(B * Hkv, SMOOTH_CHUNKS, block_d, dtype=torch.float32, device=dev)
-        launches.append((k_sums_kernel,
-                         (k, k_part, had, cos, sin, kpos_t, *k.stride()[:3], stride_tz, stride_tp,
-                          stride_kpz, Hkv, N, n_sample, P),
-                         dict(SHAPE=shape, ROT=rot, QUANT=quant, num_warps=4, num_stages=1),
-                         (B * Hkv, n_chunks)))
-    nq, nk = B * Hq * qg, B * Hkv * kg
-    args = (q, k, v, ops.q, ops.k, ops.vt, ops.q_scale, ops.k_scale, ops.v_scale, ops.v_scale_max,
-            k_part, ops.k_mean if ops.k_mean is not None else had, had, cos, sin, qpos_t, kpos_t,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], stride_tz, stride_tp,
-            stride_qpz, stride_kpz,
-            B, Hq, Hkv, M, N, n_pad, P, nq, nk, qg, kg,
-            recipe.block_m or M, recipe.block_n or n_pad, n_chunks, n_sample)
-    # Persistent programs loop over the groups (kernel.py): as many as the SMs hold at once.
-    kwargs = dict(SHAPE=shape, ROT=rot, QUANT=quant, num_warps=num_warps, num_stages=num_stages)
-    if maxnreg:
-        kwargs["maxnreg"] = maxnreg
-    launches.append((prologue_kernel, args, kwargs,
-                     (_programs(prologue_kernel, args, kwargs, max(nq, nk), tuning, dev),)))
-    return PrologueLaunch(launches, ops)
+    def grid(self, i: int, inputs: tuple) -> tuple:
+        """Launch ``i``'s grid (the main launch's persistent grid is chosen on the first call)."""
+        grid = self._grids[i]
+        if grid is None:
+            kernel, kwargs = self.kernels[i]
+            grid = self._grids[i] = (_programs(kernel, self.args(i, inputs), kwargs, self._groups,
+                                               self._tuning, self.device),)
+        return grid
+
+    def launch(self, inputs: tuple) -> None:
+        """Run the launches on :meth:`bind`'s ``inputs``: on CUDA, after the first call of this
+        layout, straight through the compiled kernels' launcher (runtime/fast_launch.py)."""
+        for i, (kernel, kwargs) in enumerate(self.kernels):
+            if self.key is None:
+                kernel[self.grid(i, inputs)](*self.args(i, inputs), **kwargs)
+            else:
+                launch_cached((_LAUNCH_TAG, self.key, i), inputs,
+                              lambda: (kernel, self.args(i, inputs), kwargs, self.grid(i, inputs),
+                                       None))
+
+
+_LAUNCH_TAG = "fp8_prologue"
 
 
 def finish(ops: FP8Operands) -> FP8Operands:
-    """After the launches: heads whose V is all zero get v_scale_max 1 (one tiny op)."""
-    ops.v_scale_max = torch.where(ops.v_scale_max > 0, ops.v_scale_max, 1.0)
+    """After the launches: heads whose V is all zero get v_scale_max 1 (one tiny op: the launches
+    leave -1 there, below every scale, and the scales are positive).
+
+    Example::
+
+        >>> p = prepare_prologue(q, k, v, FP8Recipe())               # doctest: +SKIP
+        >>> for kernel, args, kwargs, grid in p.launches:             # doctest: +SKIP
+        ...     kernel[grid](*args, **kwargs)
+        >>> finish(p.operands).v_scale_max.min() > 0                   # doctest: +SKIP
+        tensor(True)
+    """
+    ops.v_scale_max.abs_()
     return ops
 
 
@@ -486,8 +668,10 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: FP8Recip
     copied); Hq a multiple of Hkv; D and Dv multiples of 16 up to 256. ``rope``: any cos / sin
     tables (RopeSpec), applied as the model applies them; positions must lie in the table (checked
     for CPU tensors, clamped on the GPU). Raises TypeError / ValueError saying what is wrong. Runs
-    one Triton launch on CUDA (two with smoothing) or under Triton's interpreter; on CPU tensors
-    without it, torch ops in float64 (reference.py).
+    one Triton launch on CUDA (two with smoothing) or under Triton's interpreter, and one tiny op
+    (finish); on CPU tensors without it, the same math in torch ops in float64 (reference.py).
+    The host work that does not depend on the tensors is done once per signature (layout_of), and
+    on CUDA later calls launch through the compiled kernel's launcher (runtime/fast_launch.py).
 
     Example::
 
@@ -501,10 +685,14 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: FP8Recip
         (torch.int8, torch.float8_e4m3fn)
     """
     if not (isinstance(q, torch.Tensor) and q.device.type == "cpu" and not _interpreting()):
-        launch = prepare_prologue(q, k, v, recipe, rope)
-        for kernel, args, kwargs, grid in launch.launches:
+        layout = layout_of(q, k, v, recipe, rope)
+        ops, inputs = layout.bind(q, k, v, rope)
+        if layout.gluon:
+            kernel, args, kwargs, grid = layout.gluon_launch(inputs, ops)
             kernel[grid](*args, **kwargs)
-        return finish(launch.operands)
+        else:
+            layout.launch(inputs)
+        return finish(ops)
     from .reference import quantize_reference
 
     _check_inputs(q, k, v, recipe, rope)

@@ -11,8 +11,9 @@ Notation
                                             rounded up to 16; the pad columns are written as 0
     Q_SCALE [Z, HQ, QG], K_SCALE, V_SCALE [Z, HKV, KG]   float32, one per group (below): Q / K
                              amax / QK_MAX (127 int8, 448 e4m3), V a power of two >= amax / 448
-    V_SCALE_MAX [Z, HKV]     float32, zeroed by the host: atomic max of the scales of the V groups
-                             that are not all zero (the host maps a remaining 0 to 1)
+    V_SCALE_MAX [Z, HKV]     float32, set to -1 (below every scale) by the host: atomic max of
+                             the scales of the V groups that are not all zero (the host maps a
+                             remaining -1 to 1: host.finish)
     HAD [BLOCK_D, BLOCK_D]   diag(s)·blockdiag(H_b): exact ±1 / 0, zero-padded (hadamard.py), in the
                              input dtype; the rotation is x·HAD·HAD_SCALE, HAD_SCALE = 1/sqrt(b)
     COS, SIN [TZ, P, R]      RoPE tables (TZ 1 broadcasts over the batch; any float dtype);
