@@ -59,17 +59,10 @@ def _bench(fn) -> float:
 
 
 def _host_us(fn, calls: int = 20) -> float:
-    """Median host µs of one ``fn()`` call, the queue drained before each."""
-    import statistics
-    import time
+    """Median host µs of one ``fn()`` call, the queue drained before each (fp8_host.py's rule)."""
+    from fp8_host import _host_drained_us
 
-    times = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
+    return _host_drained_us(fn, calls)
 
 
 def block_mask_of(mask_mod, q, k):
