@@ -264,6 +264,10 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
         # A repeat of an earlier served call re-launches its kernel at once (direct.py, "call memo").
         memo = direct.memo_key(score_mod, mask_mod, block_mask, scale, enable_gqa, template)
         hit = direct.replay(memo, q, k, v, return_lse)
+        if hit is None and (score_mod is not None or mask_mod is not None):
+            # a mod made anew per call (mods.softcap(30.0) in a forward): found by what it computes
+            equal = direct.equal_key(memo, score_mod, mask_mod)
+            hit = equal and direct.replay(equal, q, k, v, return_lse)
         if hit is not None:
             return hit if return_lse else hit[0]
     _check_inputs(q, k, v, score_mod, mask_mod, block_mask, scale, enable_gqa)
