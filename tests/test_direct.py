@@ -136,7 +136,7 @@ def test_repeated_calls_replay_and_notice_what_changed():
     q, k, v = (torch.randn(1, 4, S, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     for _ in range(3):
         out = fa3_inductor.flex(q, k, v, mask_mod=doc)
-    assert len(direct._CALLS) == 1
+    assert direct.stats()["remembered"] == 1   # kept under two keys: identities, equal_key
     assert_matches_reference(out, reference_attention(q, k, v, None, doc)[0], torch.bfloat16)
     ids[:] = (torch.arange(S, device="cuda") // 40).to(torch.int32)   # new documents, same tensor
     out = fa3_inductor.flex(q, k, v, mask_mod=doc)
