@@ -264,6 +264,10 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
         # A repeat of an earlier served call re-launches its kernel at once (direct.py, "call memo").
         memo = direct.memo_key(score_mod, mask_mod, block_mask, scale, enable_gqa, template)
         hit = direct.replay(memo, q, k, v, return_lse)
+        if hit is None and (score_mod is not None or mask_mod is not None):
+            # a mod made anew per call (mods.softcap(30.0) in a forward): found by what it computes
+            equal = direct.equal_key(memo, score_mod, mask_mod)
+            hit = equal and direct.replay(equal, q, k, v, return_lse)
         if hit is not None:
             return hit if return_lse else hit[0]
     _check_inputs(q, k, v, score_mod, mask_mod, block_mask, scale, enable_gqa)
@@ -271,6 +275,9 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
         check_sinks(sinks, q.shape[1], "flex", q.device)
     if template not in templates():
         raise ValueError(f"flex: template must be one of {templates()}, got {template!r}")
+    # the memo keeps the caller's block mask (weakly), never a cached one built from mask_mod: that
+    # one outlives the entry, and a finalizer on it per remembered call would pile up (direct.py)
+    memo = memo and (memo, score_mod, mask_mod, block_mask)
     if mask_mod is not None:
         block_mask = _block_mask_of(mask_mod, q, k)
     _check_block_mask_fits(block_mask, q, k)
@@ -294,7 +301,7 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
         # Inference: plan once, then call our op directly (no Dynamo/AOT/Inductor per call).
         served = direct.forward(q, k, v, score_mod, block_mask,
                                 scale if scale is not None else q.shape[-1] ** -0.5, template,
-                                memo=memo and (memo, score_mod, mask_mod, block_mask), sinks=sinks)
+                                memo=memo, sinks=sinks)
         if served is not None:
             return served if return_lse else served[0]
     mask_fn = block_mask.mask_mod if block_mask is not None else None

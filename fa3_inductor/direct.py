@@ -26,7 +26,7 @@ from torch.nn.attention.flex_attention import noop_mask
 from ._log import info_once
 from .config import Settings
 from .lowering.site_plan import plan_site
-from .mod_keys import ModWatch, Unkeyable
+from .mod_keys import ModWatch, Unkeyable, mod_key
 from .plan_cache import Plan as _Plan, cached
 from .runtime.kernel_failures import kernel_failure
 from .runtime.spec import SiteSpec
@@ -98,9 +98,14 @@ def block_mask_tables(block_mask: Any) -> tuple[tuple, int, int]:
 # dtypes, device and alignment as an earlier served call launches the same kernel: the memo keeps
 # that launch (runtime/ops.bound_launch) under the objects' identities, and proves per call that
 # they still compute the same thing (mod_keys.ModWatch: rebound cells or globals, captured tensors
-# edited in place under a mask_mod). Anything else takes the full path.
+# edited in place under a mask_mod).
+#
+# The same launch is also kept under what the mods compute (equal_key): a model that writes
+# ``score_mod=mods.softcap(30.0)`` in its forward passes a new closure every call, whose identity
+# never repeats; without that second key each such call took the full path (~300 us on an H200
+# host against ~27 for a reused mod). Anything else takes the full path.
 # ---------------------------------------------------------------------------------------------------
-_MAX_CALLS = 64
+_MAX_CALLS = 128   # keys: a remembered call is kept under two (its identities', its mods' equal key)
 
 
 class _Call:
@@ -112,6 +117,8 @@ class _Call:
 
 
 _CALLS: dict[tuple, _Call] = {}
+_stats = {"remembered": 0, "equal_hits": 0}
+_EQUAL = "equal"   # an equal key's first item (an identity key's is an int)
 
 
 def memo_key(score_mod: Optional[Callable], mask_mod: Optional[Callable], block_mask: Any,
@@ -124,6 +131,25 @@ def memo_key(score_mod: Optional[Callable], mask_mod: Optional[Callable], block_
         (None, False, 'auto')
     """
     return (id(score_mod), id(mask_mod), id(block_mask), scale, enable_gqa, template)
+
+
+def equal_key(key: tuple, score_mod: Optional[Callable], mask_mod: Optional[Callable]
+              ) -> Optional[tuple]:
+    """The memo's second key of the call ``key`` (:func:`memo_key`) names: the mods' identities
+    replaced by what they compute (mod_keys.mod_key; a mask's captured tensors with their version
+    counters, as its block mask was built from their contents), so that a mod made anew per call
+    finds the launch an equal one left; None when a mod cannot be keyed (it takes the full path).
+
+    Example::
+
+        >>> key = lambda s: equal_key(memo_key(s, None, None, None, False, "auto"), s, None)
+        >>> key(mods.softcap(30.0)) == key(mods.softcap(30.0)) != key(mods.softcap(31.0))
+        True
+    """
+    try:
+        return (_EQUAL, mod_key(score_mod), mod_key(mask_mod, versions=True), *key[2:])
+    except Unkeyable:
+        return None
 
 
 def replay(key: tuple, q: Tensor, k: Tensor, v: Tensor, return_lse: bool
@@ -145,8 +171,22 @@ def replay(key: tuple, q: Tensor, k: Tensor, v: Tensor, return_lse: bool
         if not watch.unchanged():
             del _CALLS[key]
             return None
+    if key[0] is _EQUAL:   # counted for this key only: the identity key's hit stays as cheap as it is
+        _stats["equal_hits"] += 1
     out, lse = call.launch(q, k, v, return_lse)
     return out, (lse.mul_(_LN2) if return_lse else None)   # the launch's own LSE buffer: scaled in place
+
+
+def stats() -> dict[str, int]:
+    """The call memo's counters: calls remembered (full path, then a launch kept), and replays
+    found by :func:`equal_key` (a mod made anew, equal to a remembered one); ``keys`` held.
+
+    Example::
+
+        >>> stats()["equal_hits"]      # doctest: +SKIP
+        0
+    """
+    return dict(_stats, keys=len(_CALLS))
 
 
 def _remember(memo: tuple, q: Tensor, k: Tensor, v: Tensor, plan: "_Plan", tables: tuple, scale: float,
@@ -167,19 +207,29 @@ def _remember(memo: tuple, q: Tensor, k: Tensor, v: Tensor, plan: "_Plan", table
                           sparse_kv, plan.spec)
     if launch is None:
         return
-    if len(_CALLS) >= _MAX_CALLS:
+    if len(_CALLS) >= _MAX_CALLS - 1:
         _CALLS.clear()
-    # the objects stay referenced: their ids in the key cannot be reused while the entry lives. A
-    # block mask weakly: transformers builds one per forward, and the entry (with LSE and row-max
-    # scratch of the call's size) goes when it does, before its id can be reused
+    equal = equal_key(key, score_mod, mask_mod)
+    keys = (key,) if equal is None else (key, equal)
+    # the objects stay referenced: their ids in the keys (the mods', their captured tensors') cannot
+    # be reused while the entry lives. A block mask weakly: transformers builds one per forward, and
+    # the entry (with LSE and row-max scratch of the call's size) goes when it does, before its id
+    # can be reused
     held: tuple = (score_mod, mask_mod)
     if block_mask is not None:
         try:
-            weakref.finalize(block_mask, _CALLS.pop, key, None)
+            weakref.finalize(block_mask, _forget, keys)
         except TypeError:   # not weakly referable
             held += (block_mask,)
-    _CALLS[key] = _Call(held, watches, _signature(q, k, v), launch,
-                        any(b.requires_grad for b in (*plan.score_bufs, *plan.mask_bufs)))
+    call = _Call(held, watches, _signature(q, k, v), launch,
+                 any(b.requires_grad for b in (*plan.score_bufs, *plan.mask_bufs)))
+    _CALLS.update(dict.fromkeys(keys, call))
+    _stats["remembered"] += 1
+
+
+def _forget(keys: tuple) -> None:
+    for key in keys:
+        _CALLS.pop(key, None)
 
 
 def _signature(q: Tensor, k: Tensor, v: Tensor) -> tuple:
@@ -191,9 +241,11 @@ def _signature(q: Tensor, k: Tensor, v: Tensor) -> tuple:
 
 
 def clear() -> None:
-    """Forget every plan and remembered call (tests; after redefining mods in place)."""
+    """Forget every plan and remembered call, and zero the memo's counters (tests; after redefining
+    mods in place)."""
     _PLANS.clear()
     _CALLS.clear()
+    _stats.update(remembered=0, equal_hits=0)
 
 
 def cached_plan(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable],

@@ -2,11 +2,11 @@
 
 The front door caches work per mod (a plan, a block mask) without asking users to keep their
 mod objects alive or to build them once: ``mods.softcap(30.0)`` written inside a loop must hit
-the cache. A mod's key is its code plus the values its closure cells, defaults and the globals
-it names hold: numbers and strings by value, tensors by identity and layout (and, with
-``versions=True``, their in-place version counter), nested functions recursively. A mod whose
-key cannot be read (a callable object, a functools.partial, an unusual closure value) raises
-:class:`Unkeyable`; the caller decides what an unkeyed mod gets.
+the cache. A mod's key is its code plus the values its closure cells, defaults (keyword-only
+ones too) and the globals it names hold: numbers and strings by value, tensors by identity and
+layout (and, with ``versions=True``, their in-place version counter), nested functions
+recursively. A mod whose key cannot be read (a callable object, a functools.partial, an unusual
+closure value) raises :class:`Unkeyable`; the caller decides what an unkeyed mod gets.
 
 A key holds tensor ids, which stay unique only while the tensor lives: whoever caches by a key
 must keep the mod (and so its tensors) alive as long as the entry.
@@ -84,8 +84,10 @@ def _fn_key(fn: Optional[Callable], depth: int, versions: bool,
     if not isinstance(fn, types.FunctionType) or depth > _MAX_DEPTH:
         raise Unkeyable(f"{type(fn).__name__} is not a plain Python function")
     code = fn.__code__
+    # keyword-only defaults live in a dict of their own (``def m(b, h, q, kv, *, w=w)``): as a tuple
+    kw_defaults = tuple((fn.__kwdefaults__ or {}).items())
     if watch is not None:
-        watch._defaults.append((fn, fn.__defaults__))
+        watch._defaults.append((fn, fn.__defaults__, kw_defaults))
         watch._cells.extend((c, c.cell_contents) for c in fn.__closure__ or ())
         watch._globals.extend((fn.__globals__, n, fn.__globals__[n]) for n in code.co_names
                               if n in fn.__globals__)
@@ -93,7 +95,8 @@ def _fn_key(fn: Optional[Callable], depth: int, versions: bool,
                   for c in (fn.__closure__ or ()))
     names = tuple((n, _value_key(fn.__globals__[n], depth, versions, watch, found))
                   for n in code.co_names if n in fn.__globals__)
-    return (code, cells, names, _value_key(fn.__defaults__, depth, versions, watch, found))
+    key = (code, cells, names, _value_key(fn.__defaults__, depth, versions, watch, found))
+    return key + (_value_key(kw_defaults, depth, versions, watch, found),) if kw_defaults else key
 
 
 def _value_key(value: Any, depth: int, versions: bool, watch: Optional["ModWatch"] = None,
@@ -162,8 +165,8 @@ class ModWatch:
         for namespace, name, value in self._globals:
             if namespace.get(name, _GONE) is not value:
                 return False
-        for fn, defaults in self._defaults:
-            if fn.__defaults__ is not defaults:
+        for fn, defaults, kw_defaults in self._defaults:
+            if fn.__defaults__ is not defaults or not _same_items(fn.__kwdefaults__, kw_defaults):
                 return False
         for tensor, version in self._tensors:
             if tensor._version != version:
@@ -172,3 +175,11 @@ class ModWatch:
 
 
 _GONE = object()
+
+
+def _same_items(kw_defaults: Optional[dict], items: tuple) -> bool:
+    # a function's keyword-only defaults are a dict, which may be edited in place: compare the items
+    if not items:
+        return not kw_defaults
+    return len(kw_defaults or ()) == len(items) and all(
+        kw_defaults.get(name, _GONE) is value for name, value in items)
