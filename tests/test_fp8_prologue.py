@@ -889,3 +889,45 @@ def test_gluon_prologue_serves_only_the_hot_case():
     q96, k96, v96 = _inputs(1, 4, 2, 200, 300, 96, 96, torch.bfloat16)
     assert which(q96, k96, v96, rope=None) == "triton"
     assert which(v=v[..., :64].contiguous(), rope=None) == "triton"   # Dv != D
+
+
+@pytest.mark.sm90_compile
+@pytest.mark.parametrize("D,style", [(128, None), (128, "half"), (64, None), (64, "half")])
+def test_recorded_launch_rebinds_a_later_calls_tensors(D, style):
+    """On CUDA, quantize() records its layout's first launch (runtime/fast_launch) and later calls
+    of the same signature substitute their tensors. The recording, rebuilt over a second call's
+    inputs, must give the arguments that preparing that call afresh gives: the same tensors, TMA
+    descriptors over the same bases with the same geometry, the same constants. The Gluon kernel
+    (D 128's default) and the Triton kernel (D 64), built for sm90 on the CPU."""
+    from fa3_inductor.runtime import fast_launch
+
+    def prepared(seed):
+        q, k, v = _inputs(1, 4, 2, 300, 260, D, seed=seed)
+        rope = None
+        if style is not None:
+            base = RopeSpec.from_theta(D, 512)
+            rope = RopeSpec(base.cos.to(torch.bfloat16), base.sin.to(torch.bfloat16), style)
+        layout = host.layout_of(q, k, v, FP8Recipe(), rope, capability=(9, 0))
+        ops, inputs = layout.bind(q, k, v, rope)
+        if layout.gluon:
+            kernel, args, kwargs, _ = layout.gluon_launch(inputs, ops)
+        else:
+            (kernel, kwargs), args = layout.kernels[-1], layout.args(len(layout.kernels) - 1, inputs)
+        values = list(args) + [kwargs.get(p.name, p.default) for p in kernel.params[len(args):]]
+        return layout, inputs, kernel, args, kwargs, values
+
+    first, inputs1, kernel, args1, kwargs1, _ = prepared(0)
+    second, inputs2, _, _, _, fresh = prepared(1)
+    assert second is first and first.gluon == (D == 128)
+    recipe = fast_launch._record(kernel, args1, kwargs1, inputs1)   # raises if a tensor is unaccounted for
+    rebuilt = [fast_launch._build(step, inputs2) for step in recipe]
+    assert len(rebuilt) == len(fresh)
+    for got, want in zip(rebuilt, fresh):
+        if isinstance(want, torch.Tensor):
+            assert got is want or (want.numel() <= 1 and got.numel() <= 1)
+        elif hasattr(want, "block_shape"):
+            assert got.base is want.base
+            assert {f.name: getattr(got, f.name) for f in dataclasses.fields(want) if f.name != "base"} == \
+                {f.name: getattr(want, f.name) for f in dataclasses.fields(want) if f.name != "base"}
+        else:
+            assert got == want

@@ -624,9 +624,20 @@ class PrologueLayout:
                                                self._tuning, self.device),)
         return grid
 
-    def launch(self, inputs: tuple) -> None:
-        """Run the launches on :meth:`bind`'s ``inputs``: on CUDA, after the first call of this
-        layout, straight through the compiled kernels' launcher (runtime/fast_launch.py)."""
+    def launch(self, inputs: tuple, ops: FP8Operands) -> None:
+        """Run the launches on :meth:`bind`'s ``inputs`` (``ops``: its operands): on CUDA, after the
+        first call of this layout, straight through the compiled kernels' launcher
+        (runtime/fast_launch.py), which re-encodes the Gluon kernel's TMA descriptors over the new
+        tensors. Gluon's own launch path costs ~0.3-0.5 ms of host a call (H200,
+        fp8-host-new-nvidia-h200-2026-11-29-0658), several times the kernel at 4k tokens."""
+        if self.gluon:
+            if self.key is None:
+                kernel, args, kwargs, grid = self.gluon_launch(inputs, ops)
+                kernel[grid](*args, **kwargs)
+            else:
+                launch_cached((_LAUNCH_TAG, self.key, "gluon"), inputs,
+                              lambda: (*self.gluon_launch(inputs, ops), None))
+            return
         for i, (kernel, kwargs) in enumerate(self.kernels):
             if self.key is None:
                 kernel[self.grid(i, inputs)](*self.args(i, inputs), **kwargs)
@@ -687,11 +698,7 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: FP8Recip
     if not (isinstance(q, torch.Tensor) and q.device.type == "cpu" and not _interpreting()):
         layout = layout_of(q, k, v, recipe, rope)
         ops, inputs = layout.bind(q, k, v, rope)
-        if layout.gluon:
-            kernel, args, kwargs, grid = layout.gluon_launch(inputs, ops)
-            kernel[grid](*args, **kwargs)
-        else:
-            layout.launch(inputs)
+        layout.launch(inputs, ops)
         return finish(ops)
     from .reference import quantize_reference
 
