@@ -12,7 +12,9 @@ entry point (inference, no mask):
   launch before the GPU reaches them: the GPU time of the call's kernels and the gaps between them only),
   median;
 - ``kernels``: the device kernels one call launches (torch.profiler, after warm-up), with their GPU
-  times, and ``cpu_ops``: the aten ops it dispatches (each a tiny launch or allocation on the host).
+  times, and ``cpu_ops``: the aten ops it dispatches (each a tiny launch or allocation on the host);
+- ``host_top``: the functions with the most cumulative host time a call (cProfile), and ``uncacheable``:
+  the launches runtime/fast_launch.py could not record (each of their calls takes the whole JIT launch path).
 
 Run it on a GPU machine; ``--root`` imports ``fa3_inductor`` from another tree (this file need not exist
 there), so one script times the tree before and after a change:
@@ -106,6 +108,31 @@ def _launched(fn) -> tuple[list, list]:
     return kernels, cpu_ops
 
 
+def _host_top(fn, calls: int, top: int = 12) -> list:
+    """The functions with the most cumulative host time over ``calls`` calls (cProfile): (name,
+    µs a call), where a call's host time goes."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(((cum, f"{os.path.basename(file)}:{line} {name}")
+                   for (file, line, name), (_, _, _, cum, _) in stats.items()), reverse=True)
+    return [(name, round(cum / calls * 1e6, 1)) for cum, name in rows[1:top + 1]]
+
+
+def _uncacheable_launches() -> list:
+    """Tags of the launches runtime/fast_launch could not record (each of their calls takes Triton's or
+    Gluon's whole launch path)."""
+    from fa3_inductor.runtime import fast_launch
+
+    return sorted({repr(e.tag) for e in fast_launch._CACHE.values() if e.kernel is None})
+
+
 def _case(B: int, H: int, Hkv: int, N: int, calls: int, repeats: int) -> list[dict]:
     import torch
 
@@ -132,6 +159,8 @@ def _case(B: int, H: int, Hkv: int, N: int, calls: int, repeats: int) -> list[di
                            host_drained_us=_host_drained_us(fn, calls),
                            gpu_us=_gpu_us(fn, calls))
                 row["kernels"], row["cpu_ops"] = _launched(fn)
+                row["host_top"] = _host_top(fn, calls)
+                row["uncacheable"] = _uncacheable_launches()
                 if name.startswith("flex"):
                     row["template"] = fa3_inductor.last_template()
         except Exception as exc:   # keep the other cases
@@ -169,6 +198,12 @@ def _markdown(result: dict) -> str:
         lines.append(f"| {r['shape']} | {r['entry']} | {r['host_b2b_us']:.1f} | {r['host_drained_us']:.1f} | "
                      f"{r['gpu_us']:.1f} | {len(r['kernels'])} | "
                      + ", ".join(f"{n.replace('aten::', '')}×{c}" for n, c in ops.items()) + " |")
+    lines += ["", "Host time per call by function (cProfile, cumulative µs) and launches fast_launch could not "
+              "record:", ""]
+    for r in result["rows"]:
+        if "host_top" in r:
+            lines.append(f"- {r['shape']} {r['entry']}: uncacheable {r['uncacheable'] or 'none'}; "
+                         + "; ".join(f"{n} {t}" for n, t in r["host_top"]))
     lines += ["", "Kernels per call (GPU µs):", ""]
     for r in result["rows"]:
         if "kernels" in r:
