@@ -892,7 +892,8 @@ def test_gluon_prologue_serves_only_the_hot_case():
 
 
 @pytest.mark.sm90_compile
-@pytest.mark.parametrize("D,style", [(128, None), (128, "half"), (64, None), (64, "half")])
+@pytest.mark.parametrize("D,style", [(128, None), (128, "half"), (128, "interleaved"), (64, None),
+                                     (64, "half")])
 def test_recorded_launch_rebinds_a_later_calls_tensors(D, style):
     """On CUDA, quantize() records its layout's first launch (runtime/fast_launch) and later calls
     of the same signature substitute their tensors. The recording, rebuilt over a second call's

@@ -645,11 +645,31 @@ def unit_heads(q_blocks: int, hq: int, k_blocks: int, hkv: int, n_programs: int,
     return hcq, hck
 
 
+def interleaved_rows(had):
+    """HAD's rows in the order "interleaved" RoPE hands the channels to the wgmma: the even channels,
+    then the odd ones (kernel.py's contraction order for pairs).
+
+    Example::
+
+        >>> import torch
+        >>> interleaved_rows(torch.arange(4.0).repeat_interleave(4).view(4, 4))[:, 0].tolist()
+        [0.0, 2.0, 1.0, 3.0]
+    """
+    import torch
+
+    D = had.shape[0]
+    perm = torch.cat([torch.arange(0, D, 2), torch.arange(1, D, 2)]).to(had.device)
+    return had[perm].contiguous()
+
+
 def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride_qpz, stride_kpz,
            P, rope_style: str, q_pos: bool, k_pos: bool, recipe, stages=None, n_programs=None,
-           per_sm=None):
+           per_sm=None, words=None):
     """(kernel, args, kwargs, grid) of prologue_sm90_kernel writing `ops` (host.prepare_prologue
-    allocates them as for the Triton kernel). `had` is HAD [D, D] in the input dtype."""
+    allocates them as for the Triton kernel). `had` is HAD [D, D] in the input dtype. "interleaved"
+    RoPE reads Q and K as int32 pair words against HAD's rows in even-then-odd order: `words`, (Q's
+    words, K's words, those rows), made by the caller (host.PrologueLayout keeps the rows, so that a
+    recorded launch finds every tensor among its inputs), else made here."""
     import torch
 
     from .hadamard import hadamard_block
@@ -660,10 +680,9 @@ def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride
     per_sm = per_sm or default_programs_per_sm(D, bool(rope_style))
     stages = stages or default_stages(D, bool(rope_style), per_sm)
     if rope_style == "interleaved":
-        perm = torch.cat([torch.arange(0, D, 2), torch.arange(1, D, 2)]).to(had.device)
-        hadk = had[perm].contiguous()
-        q_in = _desc(q.view(torch.int32), [1, 1, T_ROWS, DQ])
-        k_in = _desc(k.view(torch.int32), [1, 1, T_ROWS, DQ])
+        q_words, k_words, hadk = words or (q.view(torch.int32), k.view(torch.int32), interleaved_rows(had))
+        q_in = _desc(q_words, [1, 1, T_ROWS, DQ])
+        k_in = _desc(k_words, [1, 1, T_ROWS, DQ])
     else:
         hadk = had.contiguous()
         q_in = _desc(q, [1, 1, T_ROWS, DQ])

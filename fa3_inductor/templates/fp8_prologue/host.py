@@ -530,6 +530,12 @@ class PrologueLayout:
         self.key = key
         # The hot case on sm90 takes gluon_sm90's kernel instead of the launches above (_takes_gluon)
         self.gluon = _takes_gluon(q, k, v, recipe, rope, tuning, capability)
+        # "interleaved" RoPE: the Gluon kernel's HAD rows in pair order, made once (gluon_launch)
+        self._gluon_rows = None
+        if self.gluon and rope is not None and rope.style == "interleaved":
+            from .gluon_sm90 import interleaved_rows
+
+            self._gluon_rows = interleaved_rows(self.had)
         self._gluon_statics = (stride_tz, stride_tp, stride_qpz, stride_kpz, P,
                                rope.style if rope is not None else "",
                                rope is not None and rope.q_positions is not None,
@@ -559,7 +565,8 @@ class PrologueLayout:
              ) -> tuple[FP8Operands, tuple]:
         """This call's operands (allocated, not yet written) and the launches' tensors, in the
         order :meth:`args` reads them: q, k, v, the operands, K's partial sums (None without
-        smoothing), k_mean (None), the Hadamard matrix, cos, sin, q and k positions (None without).
+        smoothing), k_mean (None), the Hadamard matrix, cos, sin, q and k positions (None without);
+        for the Gluon kernel with "interleaved" RoPE then q and k as int32 words and its HAD rows.
         ``q, k, v, rope`` must have this layout's signature (layout_of's key)."""
         dev = self.device
         (sq, dq), (sk, dk), (svt, dvt), (sqs, f32), (sks, _), (svs, _) = self.outputs
@@ -585,8 +592,11 @@ class PrologueLayout:
             qpos, kpos = (None if p is None else self._pos(p) for p in (rope.q_positions,
                                                                           rope.k_positions))
         q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
-        return ops, (q, k, v, ops.q, ops.k, ops.vt, ops.q_scale, ops.k_scale, ops.v_scale,
-                     ops.v_scale_max, k_part, k_mean, self.had, cos, sin, qpos, kpos)
+        inputs = (q, k, v, ops.q, ops.k, ops.vt, ops.q_scale, ops.k_scale, ops.v_scale,
+                  ops.v_scale_max, k_part, k_mean, self.had, cos, sin, qpos, kpos)
+        if self._gluon_rows is not None:   # the Gluon kernel's int32 views and HAD rows, as inputs
+            inputs += (q.view(torch.int32), k.view(torch.int32), self._gluon_rows)
+        return ops, inputs
 
     def args(self, i: int, inputs: tuple) -> tuple:
         """The positional arguments of launch ``i`` on :meth:`bind`'s ``inputs``."""
@@ -607,13 +617,14 @@ class PrologueLayout:
         TMA descriptors are made per call: they hold the tensors' addresses)."""
         from . import gluon_sm90
 
-        q, k, v, *_, had, cos, sin, qpos, kpos = inputs
+        q, k, v, *_, had, cos, sin, qpos, kpos = inputs[:17]
         (stride_tz, stride_tp, stride_qpz, stride_kpz, P, style, q_pos, k_pos) = self._gluon_statics
         return gluon_sm90.launch(
             q, k, v, ops, had, had if cos is None else cos, had if sin is None else sin,
             had if qpos is None else qpos, had if kpos is None else kpos, stride_tz, stride_tp,
             stride_qpz, stride_kpz, P, style, q_pos, k_pos, self.recipe,
-            stages=self._tuning.gluon_stages, per_sm=self._tuning.programs_per_sm)
+            stages=self._tuning.gluon_stages, per_sm=self._tuning.programs_per_sm,
+            words=inputs[17:] or None)
 
     def grid(self, i: int, inputs: tuple) -> tuple:
         """Launch ``i``'s grid (the main launch's persistent grid is chosen on the first call)."""
