@@ -358,10 +358,7 @@ def prepare_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: 
     layout = layout_of(q, k, v, recipe, rope, round_in_fp32=round_in_fp32, tuning=tuning,
                        capability=capability)
     ops, inputs = layout.bind(q, k, v, rope)
-    if layout.gluon:
-        return PrologueLaunch([layout.gluon_launch(inputs, ops)], ops)
-    return PrologueLaunch([(kernel, layout.args(i, inputs), kwargs, layout.grid(i, inputs))
-                           for i, (kernel, kwargs) in enumerate(layout.kernels)], ops)
+    return PrologueLaunch([prepare() for _, prepare in layout.launches(inputs, ops)], ops)
 
 
 _MAX_LAYOUTS = 256
@@ -641,21 +638,22 @@ class PrologueLayout:
         (runtime/fast_launch.py), which re-encodes the Gluon kernel's TMA descriptors over the new
         tensors. Gluon's own launch path costs ~0.3-0.5 ms of host a call (H200,
         fp8-host-new-nvidia-h200-2026-11-29-0658), several times the kernel at 4k tokens."""
-        if self.gluon:
+        for tag, prepare in self.launches(inputs, ops):
             if self.key is None:
-                kernel, args, kwargs, grid = self.gluon_launch(inputs, ops)
+                kernel, args, kwargs, grid = prepare()
                 kernel[grid](*args, **kwargs)
             else:
-                launch_cached((_LAUNCH_TAG, self.key, "gluon"), inputs,
-                              lambda: (*self.gluon_launch(inputs, ops), None))
-            return
-        for i, (kernel, kwargs) in enumerate(self.kernels):
-            if self.key is None:
-                kernel[self.grid(i, inputs)](*self.args(i, inputs), **kwargs)
-            else:
-                launch_cached((_LAUNCH_TAG, self.key, i), inputs,
-                              lambda: (kernel, self.args(i, inputs), kwargs, self.grid(i, inputs),
-                                       None))
+                launch_cached((_LAUNCH_TAG, self.key, tag), inputs, lambda: (*prepare(), None))
+
+    def launches(self, inputs: tuple, ops: FP8Operands) -> list:
+        """(tag, prepare) per launch on :meth:`bind`'s ``inputs``, in order: ``prepare()`` gives its
+        (kernel, args, kwargs, grid); ``tag`` names it in the launch cache. The Gluon kernel's one
+        launch where it serves the call, else the Triton launches (:attr:`kernels`)."""
+        if self.gluon:
+            return [("gluon", lambda: self.gluon_launch(inputs, ops))]
+        return [(i, lambda i=i, kernel=kernel, kwargs=kwargs:
+                 (kernel, self.args(i, inputs), kwargs, self.grid(i, inputs)))
+                for i, (kernel, kwargs) in enumerate(self.kernels)]
 
 
 _LAUNCH_TAG = "fp8_prologue"
