@@ -58,13 +58,6 @@ def _bench(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def _host_us(fn, calls: int = 20) -> float:
-    """Median host µs of one ``fn()`` call, the queue drained before each (fp8_host.py's rule)."""
-    from fp8_host import _host_drained_us
-
-    return _host_drained_us(fn, calls)
-
-
 def block_mask_of(mask_mod, q, k):
     """The block mask flex(q, k, v, mask_mod=, fp8=) plans with (None without a mask_mod)."""
     from fa3_inductor.api import _block_mask_of
@@ -117,6 +110,7 @@ def run_case(D: int, N: int, mod: str, rows: list) -> None:
         rows[-1]["cosine_vs_bf16"] = torch.nn.functional.cosine_similarity(
             out8.float().flatten(), ref.float().flatten(), dim=0).item()
         from bench import fp8_kernel_fn
+        from fp8_host import _host_drained_us
 
         kernel_alone, family = fp8_kernel_fn(score_mod, block_mask_of(mask_mod, q, k), q, k, v, recipe)
         add("fa3_inductor", "fp8", "kernel alone", _bench(kernel_alone), dict(family=family))
@@ -129,7 +123,7 @@ def run_case(D: int, N: int, mod: str, rows: list) -> None:
         ms = _bench(prologue)
         moved = 3 * q.numel() * 2 + 3 * q.numel() * 1   # bf16 in, e4m3 out (scales negligible)
         add("prologue", "fp8", "quantize", ms, dict(bytes=moved, gbps=moved / (ms * 1e-3) / 1e9,
-                                                    host_us=_host_us(lambda: quantize(q, k, v, recipe))))
+                                                    host_us=_host_drained_us(lambda: quantize(q, k, v, recipe), 20)))
         if mod == "noop":
             out = torch.empty_like(q)
             lse = torch.empty(B, H, N, device="cuda")
