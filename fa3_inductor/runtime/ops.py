@@ -225,19 +225,58 @@ def serve(site: SiteSpec, call: Call, spec: str) -> str:
     """
     if not call.q.is_cuda:
         return _serve(site, call, None, None)
-    fp8 = call.fp8
-    inputs = (call.q, call.k, call.v, call.out, call.lse, call.max_scores, *call.tables,
-              *call.score_bufs, *call.mask_bufs,
-              *(() if fp8 is None else (fp8.q_scale, fp8.k_scale, fp8.v_scale, fp8.v_scale_max)))
-    # flex_fwd's key, plus what a Call may vary beyond it: the recipe (the kernel's quantization
-    # constexprs) and whether the row max is wanted
-    key = (_launch_key(spec, call.scale, call.sparse_q_block, call.sparse_kv_block,
-                       len(call.score_bufs), inputs),
-           None if fp8 is None else fp8.recipe, call.needs_max)
+    key, inputs = serve_key(spec, call)
     entry = recorded(key)
     if entry is not None:
         return relaunch(entry, inputs)
     return _relaunched(key, inputs) or _serve(site, call, key, inputs)
+
+
+def serve_inputs(call: Call) -> tuple:
+    """The tensors :func:`serve` launches ``call`` on, in the order its launch key reads them: q, k,
+    v, out, lse, max_scores, the four block-mask tables, the captured buffers, and for an FP8 call
+    the prologue's four scale tensors.
+
+    Example::
+
+        >>> len(serve_inputs(call))   # doctest: +SKIP (an FP8 call without mask or buffers)
+        14
+    """
+    fp8 = call.fp8
+    return (call.q, call.k, call.v, call.out, call.lse, call.max_scores, *call.tables,
+            *call.score_bufs, *call.mask_bufs,
+            *(() if fp8 is None else (fp8.q_scale, fp8.k_scale, fp8.v_scale, fp8.v_scale_max)))
+
+
+def serve_key(spec: str, call: Call) -> tuple[tuple, tuple]:
+    """(the launch key :func:`serve` keeps ``call``'s launch under on CUDA, :func:`serve_inputs`).
+
+    Example::
+
+        >>> key, inputs = serve_key(spec, call)   # doctest: +SKIP
+    """
+    inputs = serve_inputs(call)
+    # flex_fwd's key, plus what a Call may vary beyond it: the recipe (the kernel's quantization
+    # constexprs) and whether the row max is wanted
+    key = (_launch_key(spec, call.scale, call.sparse_q_block, call.sparse_kv_block,
+                       len(call.score_bufs), inputs),
+           None if call.fp8 is None else call.fp8.recipe, call.needs_max)
+    return key, inputs
+
+
+def replayer(key: tuple) -> Optional[tuple[Callable[[tuple], object], object]]:
+    """(fire(inputs), tag) re-launching what was launched under ``key`` (a recorded launch, or a
+    self-launching family's re-launcher) on new inputs of the key's signature; None if neither was
+    kept (nothing served yet, or a launch that cannot be recorded).
+
+    Example::
+
+        >>> fire, tag = replayer(serve_key(spec, call)[0]); fire(serve_inputs(call2))   # doctest: +SKIP
+    """
+    entry = recorded(key)
+    if entry is not None:
+        return (lambda inputs: relaunch(entry, inputs)), entry.tag
+    return _RELAUNCH.get(key)
 
 
 def _launch_key(spec: str, scale: float, sparse_q_block: int, sparse_kv_block: int, n_score_bufs: int,
@@ -272,13 +311,10 @@ def bound_launch(q: Tensor, k: Tensor, v: Tensor, tables: tuple, score_bufs: lis
     probe_out = _out_like(q, v)
     probe = (q, k, v, probe_out, lse, row_max, *tables, *score_bufs, *mask_bufs)
     key = _launch_key(spec, scale, sparse_q_block, sparse_kv_block, len(score_bufs), probe)
-    entry = recorded(key)
-    if entry is not None:
-        tag, fire = entry.tag, (lambda inputs: relaunch(entry, inputs))
-    elif key in _RELAUNCH:   # a family that launches itself (the decode family)
-        fire, tag = _RELAUNCH[key]
-    else:
+    found = replayer(key)   # a recorded launch, or a family that launches itself (the decode family)
+    if found is None:
         return None
+    fire, tag = found
     rest = (*tables, *score_bufs, *mask_bufs)
     # the output is then empty_like(q) (_out_like), unless q's layout is not descriptor-ready
     plain = v.shape[3] == q.shape[3] and probe_out.stride() == torch.empty_like(q).stride()

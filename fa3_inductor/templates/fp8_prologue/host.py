@@ -414,9 +414,22 @@ def layout_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: FP8Reci
             if len(_LAYOUTS) >= _MAX_LAYOUTS:
                 _LAYOUTS.clear()
             _LAYOUTS[key] = layout
-    elif rope is not None and (_cpu(rope.q_positions) or _cpu(rope.k_positions)):
-        _check_rope(rope, q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.device)
+    else:
+        check_positions(q, k, rope)
     return layout
+
+
+def check_positions(q: torch.Tensor, k: torch.Tensor, rope: Optional[RopeSpec]) -> None:
+    """The check :func:`layout_of` makes on every call that finds its layout cached: RoPE positions
+    on the CPU must lie in the table (their values; positions on a GPU are clamped, not read). A
+    caller that keeps a layout and re-binds it (flex()'s FP8 call memo) makes it too.
+
+    Example::
+
+        >>> check_positions(q, k, None)   # no RoPE: nothing to check           # doctest: +SKIP
+    """
+    if rope is not None and (_cpu(rope.q_positions) or _cpu(rope.k_positions)):
+        _check_rope(rope, q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.device)
 
 
 def _cpu(t: Optional[torch.Tensor]) -> bool:
