@@ -13,14 +13,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from ..fp8_recipe import FP8Recipe, RopeSpec
+from ..fp8_recipe import FP8Operands, FP8Recipe, RopeSpec
 from ..templates.family import Call
-from ..templates.fp8_prologue.host import quantize
+from ..templates.fp8_prologue.host import check_positions, finish, layout_of, quantize
 from .spec import SiteSpec
 
 _LIB = torch.library.Library("fa3_inductor", "FRAGMENT")
@@ -88,15 +88,105 @@ def serve_fp8(spec: str, call: Call) -> None:
     from .ops import record_template, serve
 
     record_template(serve(SiteSpec.from_json(spec), call, spec))
-    ops = call.fp8
-    if ops is None or ops.k_mean is None:
+    if call.fp8 is not None:
+        smooth_lse(call.fp8, call.lse, call.scale)
+
+
+def smooth_lse(ops: FP8Operands, lse: Tensor, scale: float) -> None:
+    """Add back into ``lse`` (log2 units, [B, Hq, M]) the shift ``scale * q.mu`` that ``smooth_k``
+    took out of every score of a row (:func:`serve_fp8`); nothing without smoothing.
+
+    Example::
+
+        >>> smooth_lse(call.fp8, call.lse, call.scale)   # doctest: +SKIP
+    """
+    if ops.k_mean is None:
         return
     B, Hq, M, _ = ops.q.shape
     mu = ops.k_mean.expand(B, -1, -1).repeat_interleave(Hq // ops.k_mean.shape[1], dim=1)
     block = ops.recipe.block_m or M
     row_scale = ops.q_scale.repeat_interleave(block, dim=-1)[..., :M]
     q_dot_mu = torch.matmul(ops.q.to(torch.float32), mu.unsqueeze(-1)).squeeze(-1)
-    call.lse.add_(q_dot_mu * row_scale * (call.scale * _LOG2E))
+    lse.add_(q_dot_mu * row_scale * (scale * _LOG2E))
+
+
+def bound_fp8_launch(spec: str, call: Call) -> Optional[Callable[[FP8Operands, Tensor, Tensor, Tensor], object]]:
+    """After :func:`serve_fp8` served ``call`` on CUDA: ``fire(ops, out, lse, max_scores)``, which
+    launches the same attention kernel on a later call's prologue operands and outputs (the same
+    shapes, strides, dtypes and alignment: the same layout's) with the block-mask tables and captured
+    buffers fixed, and returns the family's name; None if the launch was not kept (not CUDA, or a
+    launch fast_launch could not record).
+
+    Example::
+
+        >>> fire = bound_fp8_launch(spec, call); fire(ops, out, lse, row_max)   # doctest: +SKIP
+        'hopper_fp8'
+    """
+    if not call.q.is_cuda:
+        return None
+    from .ops import replayer, serve_key
+
+    found = replayer(serve_key(spec, call)[0])
+    return None if found is None else _fire_with(*found, call)
+
+
+def _fire_with(go: Callable[[tuple], object], tag: object, call: Call
+               ) -> Callable[[FP8Operands, Tensor, Tensor, Tensor], object]:
+    """bound_fp8_launch's function around ``go`` (inputs in runtime.ops.serve_inputs' order)."""
+    rest = (*call.tables, *call.score_bufs, *call.mask_bufs)
+
+    def fire(ops: FP8Operands, out: Tensor, lse: Tensor, max_scores: Tensor) -> object:
+        go((ops.q, ops.k, ops.vt, out, lse, max_scores, *rest, ops.q_scale, ops.k_scale, ops.v_scale,
+            ops.v_scale_max))
+        return tag
+
+    return fire
+
+
+def bound_fp8_call(q: Tensor, k: Tensor, v: Tensor, rope: Optional[RopeSpec], spec: str, call: Call
+                   ) -> Optional[Callable[..., tuple[Tensor, Optional[Tensor]]]]:
+    """After :func:`serve_fp8` served ``call`` (made by :func:`fp8_call` from ``q, k, v, rope``): a
+    function ``launch(q, k, v, rope, want_lse)`` that computes the same for new inputs of the same
+    signature (q, k, v and RoPE's tensors: shapes, strides, dtypes, alignment, which are one tensor),
+    returning ``(out, lse in log2 units or None)``: the prologue re-bound (its layout's operands
+    allocated, its recorded launches, finish) and the attention launch (:func:`bound_fp8_launch`),
+    then smooth_k's LSE correction when the LSE is wanted. None if the attention launch was not
+    kept. It skips planning, the checks, the Call and the launch key: flex()'s FP8 call memo
+    (direct_fp8.py) calls it once it knows nothing else changed. The row max, and the LSE unless
+    asked for, go to scratch buffers kept by the function; it holds none of ``call``'s tensors.
+
+    Example::
+
+        >>> launch = bound_fp8_call(q, k, v, None, spec, call)   # doctest: +SKIP
+        >>> out, _ = launch(q2, k2, v2, None, False)             # doctest: +SKIP
+    """
+    from .ops import _out_like, record_template
+
+    fire = bound_fp8_launch(spec, call)
+    if fire is None:
+        return None
+    layout = layout_of(q, k, v, call.fp8.recipe, rope)   # found: fp8_call's quantize() just used it
+    scratch_lse, row_max = torch.empty_like(call.lse), torch.empty_like(call.max_scores)
+    scale = call.scale
+    # the output is then empty_like(q) (_out_like), unless q's layout is not descriptor-ready
+    plain = v.shape[3] == q.shape[3] and call.out.stride() == torch.empty_like(q).stride()
+    del call   # none of its tensors stay with the function
+
+    def launch(q: Tensor, k: Tensor, v: Tensor, rope: Optional[RopeSpec], want_lse: bool
+               ) -> tuple[Tensor, Optional[Tensor]]:
+        check_positions(q, k, rope)
+        ops, inputs = layout.bind(q, k, v, rope)
+        layout.launch(inputs, ops)
+        finish(ops)
+        out = torch.empty_like(q) if plain else _out_like(q, v)
+        lse = torch.empty_like(scratch_lse) if want_lse else scratch_lse
+        record_template(fire(ops, out, lse, row_max))
+        if want_lse:
+            smooth_lse(ops, lse, scale)
+            return out, lse
+        return out, None
+
+    return launch
 
 
 def fp8_call(q: Tensor, k: Tensor, v: Tensor, tables: tuple, score_bufs: Sequence[Tensor],
