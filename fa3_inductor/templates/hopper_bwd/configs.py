@@ -32,6 +32,10 @@ class BwdSm90Config:
     dq_tma: bool = True          # dQ staged in shared memory, one TMA reduce-add per warpgroup and step (else
                                  # per-thread red.v2 atomics: 32 KB less shared memory, for tiles that need it)
     split_dkv: bool = False      # bwd_sm90_wide: 64-key CTAs, dK / dV / dQ columns split between the warpgroups
+    overlap: int = 0             # cross-step overlap (D <= 128; docs/design/hopper_backward.md, "Cross-step
+                                 # overlap"): the next step's S is issued before this step's dK / dQ are drained
+                                 # and its exponentials run under them (1: under dK and dQ; 2: under dK only,
+                                 # dQ issued after them: no dQ registers beside S). 0: off
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, value_head_dim: int | None = None) -> int:
         """Shared memory of K, V, the Q / dO ring, P, the two dS buffers and the dQ staging tiles (no score_mod),
@@ -74,6 +78,8 @@ SUPPORTED_HEAD_DIM_PAIRS = tuple(sorted([(d, d) for d in _TABLE] + list(WIDE_TAB
 VARIANTS: dict[str, dict[str, bool]] = {
     "default": {},
     "atomic_dq": {"dq_tma": False},
+    "overlap": {"overlap": 1},
+    "overlap_dk": {"overlap": 2},
 }
 
 
