@@ -529,9 +529,11 @@ def _consumer_overlap(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_
         zh = z * HQ + hq
         n_partial, n_total = _q_tile_counts(z, hq, kv_blk, M, tables, table_meta, TILE, SPARSE)
         stats_h = stats_ptr + zh.to(gl.int64) * (2 * M_PAD)      # LSE_P of the head; DELTA_P is M_PAD further
-        m0 = _q_tile_start(0, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
+        m0 = n_total * 0
         if n_total > 0:
-            # prologue: the head's first S, waited at once, and its P
+            # prologue: the head's first S, waited at once, and its P (the tables are read only for a listed tile:
+            # with no full blocks their table is a placeholder)
+            m0 = _q_tile_start(0, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
             zero0 = _opaque(0) if TILE.VIEWS_PER_STEP else 0
             k_t0 = k_smem.index(zero0).reshape([BLOCK_N, D]).slice(WG * HALF_N, HALF_N, dim=0).permute((1, 0))
             st0 = cnt % NUM_STAGES
