@@ -101,6 +101,7 @@ VARIANT_SPILLS = {
     (128, "noop", "default"): (0, 0), (128, "alibi", "default"): (0, 0), (64, "causal", "default"): (0, 0),
     (128, "noop", "atomic_dq"): (0, 0), (128, "causal", "atomic_dq"): (0, 0), (128, "softcap", "atomic_dq"): (0, 0),
     (128, "alibi", "atomic_dq"): (5, 0),
+    (128, "noop", "serial"): (0, 0), (128, "causal", "serial"): (0, 0),   # D128's in-order step, default before
 }
 # The cross-step overlap (configs.VARIANTS overlap / overlap_dk, docs/design/hopper_backward.md, "Cross-step overlap"),
 # triton 3.6: no spill in a step loop at any mod. overlap at D128 holds dQ's accumulator in flight beside S while P is

@@ -55,8 +55,10 @@ _TABLE: dict[int, BwdSm90Config] = {
     # not measured yet).
     64: BwdSm90Config(num_stages=2),
     # D=128: 64 KB K/V + 2 x 32 KB ring + 16 KB P + 32 KB dS + 32 KB dQ staging = 208 KB (224 KB with a
-    # score_mod).
-    128: BwdSm90Config(num_stages=2),
+    # score_mod). Cross-step overlap under dK (overlap 2): the backward 1.11-1.19x faster on noop, 1.05-1.07x
+    # on ALiBi, 0.98-1.02x on causal and softcap (H200, bwd-speed-nvidia-h200-2026-11-29-0803-overlap); at D64
+    # it was 0.93-1.04x, so D64 keeps the in-order step.
+    128: BwdSm90Config(num_stages=2, overlap=2),
 }
 
 SUPPORTED_HEAD_DIMS = tuple(sorted(_TABLE))
@@ -78,6 +80,7 @@ SUPPORTED_HEAD_DIM_PAIRS = tuple(sorted([(d, d) for d in _TABLE] + list(WIDE_TAB
 VARIANTS: dict[str, dict[str, bool]] = {
     "default": {},
     "atomic_dq": {"dq_tma": False},
+    "serial": {"overlap": 0},
     "overlap": {"overlap": 1},
     "overlap_dk": {"overlap": 2},
 }
