@@ -141,8 +141,9 @@ def test_gradients_match_float64(case, dims):
     _check(q, k, v, dout, score_mod, mask_mod)
 
 
-# The atomic dQ schedule (configs.VARIANTS["atomic_dq"]; dQ by TMA reduce-add is the default): ragged noop, causal,
-# softcap, GQA 4:1 with a K/V batch of 1 (the dQ of two query batches and four heads lands in one accumulator row set).
+# The schedules of configs.VARIANTS but the default (atomic_dq; overlap / overlap_dk, the cross-step overlap): ragged
+# noop, causal, softcap, GQA 4:1 with a K/V batch of 1 (the dQ of two query batches and four heads lands in one
+# accumulator row set; for the overlap, a CTA walks several query heads, each with its own prologue and last step).
 VARIANT_CASES = [
     ("noop-ragged", None, None, 1, 2, 2, 1000, 777, None),
     ("causal", None, mods.causal, 1, 2, 2, 1000, 1000, None),
@@ -151,7 +152,7 @@ VARIANT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("variant", ["atomic_dq"])
+@pytest.mark.parametrize("variant", ["atomic_dq", "overlap", "overlap_dk"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("case", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
 def test_schedule_variants_match_float64(case, D, variant):

@@ -65,7 +65,7 @@ Compile-time parameters (one frozen-dataclass bundle each, read as TILE.BLOCK_M)
   TILE    BwdTile       HEAD_D, NUM_STAGES (BLOCK_M, BLOCK_N, HALF_N, DQ_SPLIT, DQ_N, VIEWS_PER_STEP derived)
   SPARSE  BwdSparsity   HAS_BLOCK_MASK, HAS_FULL_BLOCKS, Q_TILES_PER_BLK, SPARSE_KV
   FLAGS   BwdFlags      GQA_GROUP, FOLD_SCALE, EVEN_N, CONSUMER_REGS, PRODUCER_REGS, WIDE_SCORES
-  SCHED   BwdSchedule   DQ_TMA (configs.BwdSm90Config.dq_tma)
+  SCHED   BwdSchedule   DQ_TMA, OVERLAP (configs.BwdSm90Config.dq_tma, .overlap)
 """
 from __future__ import annotations
 
@@ -151,6 +151,7 @@ class BwdFlags:
 class BwdSchedule:
     """How a step's wgmmas are ordered and how dQ leaves the CTA (docs/design/hopper_backward.md, "Gap")."""
     DQ_TMA: bool        # dQ staged in shared memory (fp32) and added by TMA reduce-add, not per-thread red.v2
+    OVERLAP: int = 0    # configs.BwdSm90Config.overlap: 0 the in-order step (_consumer); 1 / 2 _consumer_overlap
 
 
 @builtin
@@ -448,20 +449,206 @@ def _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, m0, row_off, WG: gl.constexpr,
         gl.atomic_add(dq_ptrs, dq, sem="relaxed")
 
 
+# ----------------------------------------------------------------------------------------------
+# Consumers with cross-step overlap (SCHED.OVERLAP; docs/design/hopper_backward.md, "Cross-step overlap").
+# ----------------------------------------------------------------------------------------------
+@gluon.jit
+def _make_p(qk, lse, m0, is_partial, z, hq, n0, M, N, p_smem, sm_scale, qk_scale2, score_bufs, mask_bufs,
+            WG: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
+            FLAGS: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr):
+    """P (and f' with a score_mod) of the step whose S = ``qk`` (rows m0.., this warpgroup's keys) into the
+    warpgroup's P slot (and f' slot), in 16 bits: what the dV wgmma and the dS of that step read."""
+    s_layout: gl.constexpr = qk.type.layout
+    rows_ = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    q_idx = gl.minimum(m0 + rows_, M - 1)[:, None]
+    kv0 = n0 + WG * HALF_N
+    kv_idx = gl.minimum(kv0 + _opaque(gl.arange(0, HALF_N, layout=gl.SliceLayout(0, s_layout))), N - 1)[None, :]
+    p = _probabilities(qk, lse, z, hq, q_idx, kv_idx, is_partial, sm_scale, qk_scale2, score_bufs, mask_bufs,
+                       SCORE_MOD, MASK_MOD, FLAGS)
+    dtype: gl.constexpr = p_smem.dtype
+    p_smem.index(WG).store(p.to(dtype))
+    if SCORE_GRAD is not None:
+        grad = gl.where(p > 0.0, SCORE_GRAD(qk, sm_scale, z, hq, q_idx, kv_idx, score_bufs), 0.0)
+        p_smem.index(2 + WG).store(grad.to(dtype))
+
+
+@gluon.jit
+def _consumer_overlap(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+                      SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
+                      TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr, SCHED: gl.constexpr):
+    """_consumer's math, software-pipelined over the steps of a query head: step j + 1's S = Q K^T is issued right
+    behind step j's dS (its Q / dO stage waited then), ahead of step j's dK and dQ, and its P is made while they
+    run (OVERLAP 1: under dK and dQ, with dQ's accumulator in flight beside S; OVERLAP 2, and D = 64 where dQ
+    alternates between the warpgroups: under dK only, dQ issued after). A step begins with its P (and f') in
+    shared memory: the head's first step makes it in a prologue. On a head's last step the early S reads the
+    step's own Q stage (nothing is waited for it, its result is dropped): one wasted S a head."""
+    q_desc, do_desc, k_desc, v_desc, dq_desc = descs
+    kv_ready, qdo_ready, qdo_empty, ds_ready = bars
+    q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem = smem
+    Z, HQ, KZ, M, N = sizes
+    stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD = rows
+    sm_scale, qk_scale2, ds_scale = scalars
+    score_bufs, mask_bufs = mod_bufs
+    BLOCK_M: gl.constexpr = TILE.BLOCK_M
+    BLOCK_N: gl.constexpr = TILE.BLOCK_N
+    HALF_N: gl.constexpr = TILE.HALF_N
+    D: gl.constexpr = TILE.HEAD_D
+    NUM_STAGES: gl.constexpr = TILE.NUM_STAGES
+    DQ_N: gl.constexpr = TILE.DQ_N
+    dtype: gl.constexpr = q_desc.dtype
+    # dQ's wgmma beside the next step's S (OVERLAP 1) needs dQ every step (DQ_SPLIT)
+    DQ_UNDER: gl.constexpr = SCHED.OVERLAP == 1 and TILE.DQ_SPLIT
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF_N, 16])
+    d_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_N, 16])
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    n0 = gl.program_id(0) * BLOCK_N
+    kvh = gl.program_id(1)
+    HKV = HQ // FLAGS.GQA_GROUP
+    kz = kvh // HKV
+    hkv = kvh % HKV
+    kv_blk = n0 // SPARSE.SPARSE_KV
+
+    p_mine = p_smem.index(WG)
+    dk = gl.zeros([HALF_N, D], gl.float32, layout=d_layout)
+    dv = gl.zeros([HALF_N, D], gl.float32, layout=d_layout)
+    s_zero = gl.zeros([BLOCK_M, HALF_N], gl.float32, layout=s_layout)
+    dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
+    DQ_COL0: gl.constexpr = WG * DQ_N if TILE.DQ_SPLIT else 0
+
+    mbarrier.wait(kv_ready, 0)
+    cnt = 0
+    for hh in range((Z // KZ) * FLAGS.GQA_GROUP):
+        z = kz + (hh // FLAGS.GQA_GROUP) * KZ
+        hq = hkv * FLAGS.GQA_GROUP + hh % FLAGS.GQA_GROUP
+        zh = z * HQ + hq
+        n_partial, n_total = _q_tile_counts(z, hq, kv_blk, M, tables, table_meta, TILE, SPARSE)
+        stats_h = stats_ptr + zh.to(gl.int64) * (2 * M_PAD)      # LSE_P of the head; DELTA_P is M_PAD further
+        m0 = n_total * 0
+        if n_total > 0:
+            # prologue: the head's first S, waited at once, and its P (the tables are read only for a listed tile:
+            # with no full blocks their table is a placeholder)
+            m0 = _q_tile_start(0, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
+            zero0 = _opaque(0) if TILE.VIEWS_PER_STEP else 0
+            k_t0 = k_smem.index(zero0).reshape([BLOCK_N, D]).slice(WG * HALF_N, HALF_N, dim=0).permute((1, 0))
+            st0 = cnt % NUM_STAGES
+            lse0 = gl.load(stats_h + m0 + gl.arange(0, BLOCK_M, layout=row_layout))
+            q_t0 = q_smem.index(st0).reshape([BLOCK_M, D])
+            mbarrier.wait(qdo_ready.index(st0), (cnt // NUM_STAGES) & 1)
+            s_tok = warpgroup_mma(q_t0, k_t0, s_zero, use_acc=False, is_async=True)
+            qk0, _q0, _k0 = warpgroup_mma_wait(0, deps=[s_tok, q_t0, k_t0])
+            _make_p(qk0, lse0, m0, 0 < n_partial, z, hq, n0, M, N, p_smem, sm_scale, qk_scale2, score_bufs,
+                    mask_bufs, WG, SCORE_MOD, SCORE_GRAD, MASK_MOD, FLAGS, BLOCK_M, HALF_N)
+        for i in range(n_total):
+            st = cnt % NUM_STAGES
+            buf = cnt % 2
+            if TILE.VIEWS_PER_STEP:
+                zero = _opaque(0)
+            else:
+                zero = 0
+            k_rows = k_smem.index(zero).reshape([BLOCK_N, D])
+            v_rows = v_smem.index(zero).reshape([BLOCK_N, D])
+            k_t = k_rows.slice(WG * HALF_N, HALF_N, dim=0).permute((1, 0))
+            v_t = v_rows.slice(WG * HALF_N, HALF_N, dim=0).permute((1, 0))
+            p_t = p_smem.index(WG + zero).permute((1, 0))
+            k_dq = k_rows.slice(DQ_COL0, DQ_N, dim=1)
+            row_off = zh.to(gl.int64) * M_PAD + m0
+            rows_ = gl.arange(0, BLOCK_M, layout=row_layout)
+            q_t = q_smem.index(st).reshape([BLOCK_M, D])
+            do_t = do_smem.index(st).reshape([BLOCK_M, D])
+            fence_async_shared()
+            gl.thread_barrier()        # every thread's part of P is in shared memory before the wgmma reads it
+            dp_tok = warpgroup_mma(do_t, v_t, s_zero, use_acc=False, is_async=True)
+            dv_tok = warpgroup_mma(p_t, do_t, dv, is_async=True)
+            delta = gl.load(stats_h + M_PAD + m0 + rows_)
+            dp, _do, _v = warpgroup_mma_wait(1, deps=[dp_tok, do_t, v_t])
+            ds = p_mine.load(s_layout).to(gl.float32) * (dp - delta[:, None])
+            if SCORE_GRAD is not None:
+                ds = ds * p_smem.index(2 + WG).load(s_layout).to(gl.float32)
+            ds_tile = ds_smem.index(buf)
+            ds_mine = ds_tile.slice(WG * HALF_N, HALF_N, dim=1)
+            ds_mine.store(ds.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(ds_ready.index(buf), count=1)
+            # the next step: its query tile (the last step's own, clamped, on the head's last step), its LSE, and
+            # its S issued on its Q stage (this step's stage on the last step: read, not waited for)
+            has_next = i + 1 < n_total
+            m0_next = _q_tile_start(gl.minimum(i + 1, n_total - 1), n_partial, z, hq, kv_blk, tables, table_meta,
+                                    TILE, SPARSE)
+            lse_next = gl.load(stats_h + m0_next + rows_)
+            st_next = (cnt + has_next.to(gl.int32)) % NUM_STAGES
+            q_next = q_smem.index(st_next).reshape([BLOCK_M, D])
+            if has_next:
+                mbarrier.wait(qdo_ready.index(st_next), ((cnt + 1) // NUM_STAGES) & 1)
+            s_tok = warpgroup_mma(q_next, k_t, s_zero, use_acc=False, is_async=True)
+            dk_tok = warpgroup_mma(ds_mine.permute((1, 0)), q_t, dk, is_async=True)
+            if DQ_UNDER:
+                mbarrier.wait(ds_ready.index(buf), (cnt // 2) & 1)
+                dq_tok = warpgroup_mma(ds_tile, k_dq, dq_zero, use_acc=False, is_async=True)
+                qk, dv, _p, _qn, _kt = warpgroup_mma_wait(2, deps=[s_tok, dv_tok, p_t, q_next, k_t])
+            else:
+                qk, dv, _p, _qn, _kt = warpgroup_mma_wait(1, deps=[s_tok, dv_tok, p_t, q_next, k_t])
+            if has_next:
+                _make_p(qk, lse_next, m0_next, i + 1 < n_partial, z, hq, n0, M, N, p_smem, sm_scale, qk_scale2,
+                        score_bufs, mask_bufs, WG, SCORE_MOD, SCORE_GRAD, MASK_MOD, FLAGS, BLOCK_M, HALF_N)
+            if DQ_UNDER:
+                dk, dq, _ds, _q2, _a, _b = warpgroup_mma_wait(0, deps=[dk_tok, dq_tok, ds_mine, q_t, ds_tile,
+                                                                       k_dq])
+                mbarrier.arrive(qdo_empty.index(st), count=1)
+                _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, m0, row_off, WG, TILE, SCHED)
+            else:
+                dk, _ds, _q2 = warpgroup_mma_wait(0, deps=[dk_tok, ds_mine, q_t])
+                mbarrier.arrive(qdo_empty.index(st), count=1)
+                if TILE.DQ_SPLIT:
+                    mine = True
+                else:
+                    mine = cnt % 2 == WG
+                if mine:
+                    mbarrier.wait(ds_ready.index(buf), (cnt // 2) & 1)
+                    dq_tok = warpgroup_mma(ds_tile, k_dq, dq_zero, use_acc=False, is_async=True)
+                    dq, _a, _b = warpgroup_mma_wait(0, deps=[dq_tok, ds_tile, k_dq])
+                    _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, m0, row_off, WG, TILE, SCHED)
+            m0 = m0_next
+            cnt += 1
+
+    out_rows = n0 + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, d_layout))[:, None]
+    out_cols = gl.arange(0, D, layout=gl.SliceLayout(0, d_layout))[None, :]
+    keep = (out_rows < N) & (out_cols < D)
+    head = (kz * HKV + hkv).to(gl.int64) * N * D
+    gl.store(dk_ptr + head + out_rows * D + out_cols, (dk * ds_scale).to(dtype), mask=keep)
+    gl.store(dv_ptr + head + out_rows * D + out_cols, dv.to(dtype), mask=keep)
+    if SCHED.DQ_TMA:
+        tma.store_wait(0)
+
+
 @gluon.jit
 def _consumer_wg0(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
                   SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
                   SPARSE: gl.constexpr, FLAGS: gl.constexpr, SCHED: gl.constexpr):
-    _consumer(0, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD,
-              MASK_MOD, TILE, SPARSE, FLAGS, SCHED)
+    if SCHED.OVERLAP:
+        _consumer_overlap(0, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD,
+                          SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, SCHED)
+    else:
+        _consumer(0, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD,
+                  MASK_MOD, TILE, SPARSE, FLAGS, SCHED)
 
 
 @gluon.jit
 def _consumer_wg1(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
                   SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
                   SPARSE: gl.constexpr, FLAGS: gl.constexpr, SCHED: gl.constexpr):
-    _consumer(1, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD,
-              MASK_MOD, TILE, SPARSE, FLAGS, SCHED)
+    if SCHED.OVERLAP:
+        _consumer_overlap(1, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD,
+                          SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, SCHED)
+    else:
+        _consumer(1, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD,
+                  MASK_MOD, TILE, SPARSE, FLAGS, SCHED)
 
 
 @gluon.jit

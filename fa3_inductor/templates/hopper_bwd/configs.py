@@ -32,6 +32,10 @@ class BwdSm90Config:
     dq_tma: bool = True          # dQ staged in shared memory, one TMA reduce-add per warpgroup and step (else
                                  # per-thread red.v2 atomics: 32 KB less shared memory, for tiles that need it)
     split_dkv: bool = False      # bwd_sm90_wide: 64-key CTAs, dK / dV / dQ columns split between the warpgroups
+    overlap: int = 0             # cross-step overlap (D <= 128; docs/design/hopper_backward.md, "Cross-step
+                                 # overlap"): the next step's S is issued before this step's dK / dQ are drained
+                                 # and its exponentials run under them (1: under dK and dQ; 2: under dK only,
+                                 # dQ issued after them: no dQ registers beside S). 0: off
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, value_head_dim: int | None = None) -> int:
         """Shared memory of K, V, the Q / dO ring, P, the two dS buffers and the dQ staging tiles (no score_mod),
@@ -51,8 +55,10 @@ _TABLE: dict[int, BwdSm90Config] = {
     # not measured yet).
     64: BwdSm90Config(num_stages=2),
     # D=128: 64 KB K/V + 2 x 32 KB ring + 16 KB P + 32 KB dS + 32 KB dQ staging = 208 KB (224 KB with a
-    # score_mod).
-    128: BwdSm90Config(num_stages=2),
+    # score_mod). Cross-step overlap under dK (overlap 2): the backward 1.11-1.19x faster on noop, 1.05-1.07x
+    # on ALiBi, 0.98-1.02x on causal and softcap (H200, bwd-speed-nvidia-h200-2026-11-29-0803-overlap); at D64
+    # it was 0.93-1.04x, so D64 keeps the in-order step.
+    128: BwdSm90Config(num_stages=2, overlap=2),
 }
 
 SUPPORTED_HEAD_DIMS = tuple(sorted(_TABLE))
@@ -74,6 +80,9 @@ SUPPORTED_HEAD_DIM_PAIRS = tuple(sorted([(d, d) for d in _TABLE] + list(WIDE_TAB
 VARIANTS: dict[str, dict[str, bool]] = {
     "default": {},
     "atomic_dq": {"dq_tma": False},
+    "serial": {"overlap": 0},
+    "overlap": {"overlap": 1},
+    "overlap_dk": {"overlap": 2},
 }
 
 

@@ -221,6 +221,8 @@ def prepare_hopper_backward(
                 f"(limit {SMEM_LIMIT})")
     if cfg.split_dkv != (D > 128):
         _refuse(f"config {cfg} does not fit head dims {D}/{DV} (split_dkv is for D > 128)")
+    if cfg.split_dkv and cfg.overlap:
+        _refuse("the cross-step overlap (overlap) is built for D <= 128 only, not the wide-head-dim kernel")
     if cfg.split_dkv and not cfg.dq_tma:
         _refuse("the wide-head-dim kernel adds dQ by TMA reduce-add only (dq_tma=True)")
     if cfg.split_dkv:
@@ -269,7 +271,7 @@ def prepare_hopper_backward(
     flags = BwdFlags(GQA_GROUP=HQ // HKV, FOLD_SCALE=fold, EVEN_N=N % tile.BLOCK_N == 0,
                      CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
                      WIDE_SCORES=wide_scores(score_mod, compiled=True))
-    sched = BwdSchedule(DQ_TMA=cfg.dq_tma)
+    sched = BwdSchedule(DQ_TMA=cfg.dq_tma, OVERLAP=cfg.overlap)
 
     # a head dim pair or one that is not a power of two (192 / 128): O's columns and a padded dQ range
     wide = dict(HEAD_DV=DV, HEAD_D_POW2=triton.next_power_of_2(D)) if cfg.split_dkv else {}
