@@ -123,6 +123,7 @@ class TrainConfig:
     clip: float = 1.0
     seed: int = 0
     precision: str = "autocast_bf16"   # a key of PRECISIONS
+    profile_steps: int = 0    # CUDA: extra steps after the run under torch.profiler (kernel breakdown)
 
 
 SMOKE_MODEL = ModelConfig(d_model=64, layers=2, heads=2, head_dim=32, ffn=128)
@@ -514,6 +515,8 @@ def run_impl(impl: str, base: TinyLlama, attention: str, data: torch.Tensor, off
                 cpu_ms.append((time.perf_counter() - t0) * 1e3)
     if cuda:
         torch.cuda.synchronize(device)
+        if cfg.profile_steps:   # after the losses are kept: these steps only time kernels
+            row["profile"] = kernel_profile(step, range(cfg.steps - cfg.profile_steps, cfg.steps))
     step_ms = [a.elapsed_time(b) for a, b in events] if cuda else cpu_ms
     row["losses"] = [float(v) for v in torch.stack(losses).float().cpu()]
     row["first_steps_s"] = [round(v, 4) for v in first_s]
@@ -536,6 +539,34 @@ def run_impl(impl: str, base: TinyLlama, attention: str, data: torch.Tensor, off
         log(f"    {impl}: {row['dynamo']['graph_breaks']} graph break(s), {row['dynamo']['graphs']} graph(s), "
             f"{row['recompiles_after_warmup']} compiled after the warm-up")
     return row
+
+
+def kernel_profile(step: Callable[[int], torch.Tensor], steps: range, top: int = 14) -> dict[str, Any]:
+    """GPU kernels of ``steps`` training steps (torch.profiler, CUDA activity), per step: the ``top`` kernels
+    by device time (name, ms, launches), the total, and the host's wall time per step (the steps run
+    back to back, one sync at the end: above the GPU's total when the host cannot keep up).
+
+    Example::
+
+        >>> kernel_profile(step, range(290, 295))["gpu_ms_per_step"]      # doctest: +SKIP
+        14.2
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for s in steps:
+            step(s)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    n = len(steps)
+    kernels = sorted(((e.key, e.device_time_total / 1e3 / n, e.count / n) for e in prof.key_averages()
+                      if e.device_time_total > 0), key=lambda k: -k[1])
+    return {"steps": n, "wall_ms_per_step": wall * 1e3 / n,
+            "gpu_ms_per_step": sum(k[1] for k in kernels),
+            "kernels": [{"name": name[:110], "ms_per_step": round(ms, 4), "launches_per_step": round(c, 2)}
+                        for name, ms, c in kernels[:top]]}
 
 
 def _dynamo_counts() -> dict[str, int]:
@@ -623,6 +654,14 @@ def markdown(result: dict) -> str:
         notes = sorted({r.get("fallback_reason") or r.get("backward_reason") or "" for r in f["rows"]
                         if r.get("template") == "torch" or r.get("backward") in ("dense", "torch")} - {""})
         lines += [f"- fallback: {x}" for x in notes]
+    for r in rows:
+        prof = r.get("profile")
+        if prof:
+            lines += ["", f"{r['impl']}: kernels per step (torch.profiler over {prof['steps']} steps after the "
+                      f"run): GPU {prof['gpu_ms_per_step']:.2f} ms, host wall {prof['wall_ms_per_step']:.2f} ms",
+                      "", "| kernel | ms / step | launches / step |", "|---|---|---|"]
+            lines += [f"| `{k['name']}` | {k['ms_per_step']:.3f} | {k['launches_per_step']:g} |"
+                      for k in prof["kernels"]]
     failed = [r for r in rows if "error" in r or r.get("status") == "skipped"]
     if failed:
         lines += ["", "Not run or failed:"] + [f"- {r['impl']}: {r.get('error') or r.get('reason')}"
@@ -752,6 +791,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="CUDA: after each impl's run, this many more steps under torch.profiler; the results "
+                        "list each impl's costliest kernels per step (default 0: none)")
     p.add_argument("--precision", choices=tuple(PRECISIONS), default=None,
                    help="; ".join(f"{k}: {v}" for k, v in PRECISIONS.items())
                    + " (default autocast_bf16; float32 on the CPU and in --smoke)")
@@ -782,12 +824,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     mcfg = SMOKE_MODEL if args.smoke else ModelConfig()
     tcfg = SMOKE_TRAIN if args.smoke else TrainConfig()
-    overrides = {k: getattr(args, k) for k in ("steps", "warmup", "batch", "seq")
+    overrides = {k: getattr(args, k) for k in ("steps", "warmup", "batch", "seq", "profile_steps")
                  if getattr(args, k) is not None}
     tcfg = dataclasses.replace(tcfg, seed=args.seed, **overrides)
     if not 1 <= tcfg.warmup < tcfg.steps:
         raise SystemExit(f"--warmup {tcfg.warmup} with --steps {tcfg.steps}: the warm-up (compiles) needs at "
                          "least 1 step and must leave at least 1 timed step; change one of them")
+    if not 0 <= tcfg.profile_steps <= tcfg.steps:
+        raise SystemExit(f"--profile-steps {tcfg.profile_steps}: give 0 to {tcfg.steps} (it re-runs the last "
+                         "steps' batches under the profiler)")
     if min(tcfg.batch, tcfg.seq) < 1:
         raise SystemExit(f"--batch {tcfg.batch} --seq {tcfg.seq}: both must be at least 1")
     if args.precision:
