@@ -150,9 +150,9 @@ def quantize_kv(k: Tensor, v: Tensor, granularity: str = "head", *, paged: bool 
     # the dims a scale spans: all but its own ([pages|B], HKV) ones
     keep = {"tensor": (), "head": (2,) if paged else (1,), "seq": (0, 1), "page": (0, 2)}[mode]
     out = []
-    for t, given in ((k, k_scale), (v, v_scale)):
+    for t, given in ((k.detach(), k_scale), (v.detach(), v_scale)):
         if given is None:
-            amax = t.detach().abs().float().amax(dim=tuple(d for d in range(4) if d not in keep))
+            amax = t.abs().float().amax(dim=tuple(d for d in range(4) if d not in keep))
             scale = torch.where(amax > 0, amax / fp8_max, torch.ones_like(amax))
         else:
             scale = given
