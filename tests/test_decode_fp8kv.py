@@ -124,6 +124,21 @@ def test_e5m2_cache():
     _run_and_check(q, 16, "page", fp8_dtype=torch.float8_e5m2)
 
 
+def test_decode_attention_takes_an_fp8_cache():
+    """The kernel-level entry (templates.decode.decode_attention) with a bf16 q on the interpreter:
+    q on a float32 copy, the FP8 cache as it is; the same result as flex_decode."""
+    from fa3_inductor.templates.decode import decode_attention
+
+    k, v, table = _cache(2, 2, 32, 16, 8)
+    k8, v8, ks, vs = quantize_kv(k, v, "page", paged=True)
+    q = torch.randn(2, 4, 1, 16, dtype=torch.bfloat16)
+    lens = torch.tensor([32, 9], dtype=torch.int32)
+    out, _ = decode_attention(q, k8, v8, seq_lens=lens, block_table=table, k_scale=ks, v_scale=vs,
+                              num_splits=2)
+    want = flex_decode(q, k8, v8, seq_lens=lens, block_table=table, k_scale=ks, v_scale=vs, num_splits=2)
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+
+
 def test_long_query_gathers_a_dequantized_cache():
     """160 packed rows (8 heads x 20 tokens on one kv head): the gather fallback, which reads the
     cache's real values (dequantized in float32, then q's dtype)."""
