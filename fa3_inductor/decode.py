@@ -5,7 +5,8 @@ Short queries (GQA group x new tokens <= 128 packed rows) run the split-KV decod
 (templates/decode/); longer ones (a prefill chunk reading the cache) gather the pages into a
 contiguous cache and run ``fa3_inductor.flex`` with the lengths and positions folded into the mods.
 The host never reads a length: a step can be captured in a CUDA graph and replayed while
-``seq_lens`` changes in place (tests/test_decode_gpu.py).
+``seq_lens`` changes in place (tests/test_decode_gpu.py). An FP8 cache (``quantize_kv`` fills one)
+is read as FP8 by the kernels, its scales applied to the scores and P (templates/decode/kernel.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import Tensor
 from ._log import warn_once
 from .runtime.fast_launch import tensor_signature
 from .runtime.ops import record_template
+from .templates.decode.fp8_cache import dequantize, kv_scale_mode, quantize_kv
 from .templates.decode.host import prepare_decode
 from .templates.decode.launch_cache import launch_decode
 from .templates.decode.shape import MAX_ROWS
@@ -37,9 +39,10 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _check(q: Any, k: Any, v: Any, seq_lens: Any, block_table: Any, q_offset: Any,
-           num_splits: Any, scratch: Any, mods_: tuple) -> int:
-    """Check flex_decode's arguments (shapes, dtypes, devices, the table, the lengths) with
-    messages that say what is wrong and what to pass; returns HKV."""
+           num_splits: Any, scratch: Any, mods_: tuple, scales: tuple = (None, None)) -> tuple[int, str]:
+    """Check flex_decode's arguments (shapes, dtypes, devices, the table, the lengths, an FP8
+    cache's scales) with messages that say what is wrong and what to pass; returns (HKV, the
+    scales' granularity: fp8_cache.kv_scale_mode)."""
     for name, t in (("q", q), ("k_cache", k), ("v_cache", v), ("seq_lens", seq_lens)):
         if not isinstance(t, Tensor):
             raise TypeError(f"flex_decode: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -54,9 +57,11 @@ def _check(q: Any, k: Any, v: Any, seq_lens: Any, block_table: Any, q_offset: An
     if len(devices) > 1:
         raise _fail(f"q on {q.device}, k_cache on {k.device}, v_cache on {v.device}, seq_lens on "
                     f"{seq_lens.device}", "put q, the caches and seq_lens on one device")
-    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+    kv_scale = kv_scale_mode(k, v, *scales, paged)
+    if q.dtype not in _DTYPES or (kv_scale == "none" and (k.dtype != q.dtype or v.dtype != q.dtype)):
         raise _fail(f"q, k_cache, v_cache are {q.dtype}, {k.dtype}, {v.dtype}",
-                    "pass all three in one of float16, bfloat16 (float32: the slow path)")
+                    "pass all three in one of float16, bfloat16 (float32: the slow path), or the "
+                    "caches as FP8 with k_scale / v_scale (quantize_kv)")
     B, HQ, _, D = q.shape
     if paged:
         hkv, kv_dims, v_dims = k.shape[2], tuple(k.shape[:3]), tuple(v.shape[:3])
@@ -114,7 +119,7 @@ def _check(q: Any, k: Any, v: Any, seq_lens: Any, block_table: Any, q_offset: An
     for name, fn in zip(("score_mod", "mask_mod"), mods_):
         if fn is not None and not callable(fn):
             raise TypeError(f"flex_decode: {name} must be callable, got {type(fn).__name__}")
-    return hkv
+    return hkv, kv_scale
 
 
 def _contiguous_view(q: Tensor, k: Tensor, v: Tensor, block_table: Optional[Tensor]) -> tuple[Tensor, Tensor]:
@@ -160,7 +165,9 @@ def flex_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, seq_lens: Tensor
                 score_mod: Optional[Callable] = None, mask_mod: Optional[Callable] = None,
                 scale: Optional[float] = None, return_lse: bool = False,
                 num_splits: Optional[int] = None,
-                scratch: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> Union[Tensor, tuple[Tensor, Tensor]]:
+                scratch: Optional[tuple[Tensor, Tensor, Tensor]] = None,
+                k_scale: Optional[Tensor] = None,
+                v_scale: Optional[Tensor] = None) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """Attention of ``q`` [B, HQ, M_new, D] (the new tokens, already appended to the cache) against
     a KV cache whose batch ``b`` holds ``seq_lens[b]`` keys.
 
@@ -179,6 +186,13 @@ def flex_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, seq_lens: Tensor
     Returns the output [B, HQ, M_new, Dv] in q's dtype, plus the natural-log LSE [B, HQ, M_new]
     float32 if ``return_lse`` (-inf, output 0, for rows that see no key).
 
+    FP8 cache: ``k_cache`` / ``v_cache`` in ``torch.float8_e4m3fn`` (or ``float8_e5m2``) with float32
+    dequantization scales ``k_scale`` / ``v_scale`` on the device (a key's value is its FP8 value x
+    its scale), of one shape for both: 0-d (per tensor), [HKV] (per kv head), [num_pages, HKV] (per
+    page, paged) or [B, HKV] (per sequence, contiguous). q stays fp16 / bf16 and the output is in
+    q's dtype; the kernels read the FP8 bytes and never read a scale on the host (CUDA graphs
+    replay). ``quantize_kv`` makes such a cache.
+
     Where it runs: GQA group x M_new <= 128 on CUDA (or the CPU under TRITON_INTERPRET=1) runs the
     split-KV decode kernels (``num_splits`` None: chosen to fill the GPU; ``scratch`` from
     ``templates.decode.decode_scratch`` to own every buffer a graph touches). Longer queries
@@ -196,8 +210,8 @@ def flex_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, seq_lens: Tensor
         >>> flex_decode(q, pages, pages, seq_lens=lens, block_table=table).shape
         torch.Size([2, 8, 1, 64])
     """
-    hkv = _check(q, k_cache, v_cache, seq_lens, block_table, q_offset, num_splits, scratch,
-                 (score_mod, mask_mod))
+    hkv, kv_scale = _check(q, k_cache, v_cache, seq_lens, block_table, q_offset, num_splits, scratch,
+                           (score_mod, mask_mod), (k_scale, v_scale))
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise TypeError(f"flex_decode: scale must be a number, got {type(scale).__name__}")
     scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
@@ -215,8 +229,12 @@ def flex_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, seq_lens: Tensor
         else:
             out, lse = _kernel(q, k_cache, v_cache, seq_lens, block_table, q_offset, scale,
                                (score_fn, score_bufs, score_src), (mask_fn, mask_bufs, mask_src),
-                               num_splits, scratch)
+                               num_splits, scratch, (k_scale, v_scale))
             return (out, lse.mul_(_LN2)) if return_lse else out
+    if kv_scale != "none":   # the paths below read a cache in q's dtype: its real values
+        paged = block_table is not None
+        k_cache = dequantize(k_cache, k_scale, kv_scale, paged, q.dtype)
+        v_cache = dequantize(v_cache, v_scale, kv_scale, paged, q.dtype)
     return _gathered(q, k_cache, v_cache, seq_lens, block_table, q_offset, score_mod, mask_mod,
                      scale, return_lse)
 
@@ -250,25 +268,29 @@ def paged_attention_layout(paged: Any, k_cache: Tensor, v_cache: Tensor,
     return pages(k_cache), pages(v_cache), table.to(torch.int32)
 
 
-def _kernel(q, k, v, seq_lens, block_table, q_offset, scale, score, mask, num_splits, scratch):
-    """(out, lse in log2 units) from the decode kernels."""
+def _kernel(q, k, v, seq_lens, block_table, q_offset, scale, score, mask, num_splits, scratch,
+            scales):
+    """(out, lse in log2 units) from the decode kernels; ``scales`` (k_scale, v_scale) of an FP8
+    cache, or Nones."""
     B, HQ, M_new, _ = q.shape
     out = q.new_empty(B, HQ, M_new, v.shape[-1])
     lse = torch.empty(B, HQ, M_new, dtype=torch.float32, device=q.device)
     options = dict(sm_scale=scale, score_mod=score[0], mask_mod=mask[0], score_bufs=score[1],
                    mask_bufs=mask[1], seq_lens=seq_lens, q_offset=q_offset, block_table=block_table,
-                   num_splits=num_splits)
+                   num_splits=num_splits, k_scale=scales[0], v_scale=scales[1])
     record_template("decode")
-    if not q.is_cuda:   # the interpreter: bf16 on float32 copies
+    if not q.is_cuda:   # the interpreter: bf16 on float32 copies (an FP8 cache converted in the kernel)
         run = (q, k, v, out)
         if q.dtype == _BF16_INTERPRETER:
-            run = (q.float(), k.float(), v.float(), out.float())
+            fp8 = scales[0] is not None
+            run = (q.float(), k if fp8 else k.float(), v if fp8 else v.float(), out.float())
         for kernel, args, kwargs, grid in prepare_decode(*run, lse, scratch=scratch, **options):
             kernel[grid](*args, **kwargs)
         if run[3] is not out:
             out.copy_(run[3])
         return out, lse
-    inputs = (q, k, v, out, lse, seq_lens, q_offset, block_table, *score[1], *mask[1])
+    # the scales are inputs: a recording would keep a one-element tensor it does not know as a constant
+    inputs = (q, k, v, out, lse, seq_lens, q_offset, block_table, *scales, *score[1], *mask[1])
     key = ("flex_decode", score[2], mask[2], scale, num_splits, torch.get_float32_matmul_precision(),
            tensor_signature(inputs))
     launch_decode(key, inputs, lambda: prepare_decode(q, k, v, out, lse, scratch=scratch, **options),
