@@ -110,7 +110,7 @@ def _launched(fn) -> tuple[list, list]:
     return kernels, cpu_ops
 
 
-def _host_top(fn, calls: int, top: int = 12) -> list:
+def host_top(fn, calls: int, top: int = 12) -> list:
     """The functions with the most cumulative host time over ``calls`` calls (cProfile): (name,
     µs a call), where a call's host time goes."""
     import cProfile
@@ -161,7 +161,7 @@ def _case(B: int, H: int, Hkv: int, N: int, calls: int, repeats: int) -> list[di
                            host_drained_us=_host_drained_us(fn, calls),
                            gpu_us=_gpu_us(fn, calls))
                 row["kernels"], row["cpu_ops"] = _launched(fn)
-                row["host_top"] = _host_top(fn, calls)
+                row["host_top"] = host_top(fn, calls)
                 row["uncacheable"] = _uncacheable_launches()
                 if name.startswith("flex"):
                     row["template"] = fa3_inductor.last_template()

@@ -59,6 +59,7 @@ import sys
 import sysconfig
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -544,7 +545,8 @@ def run_impl(impl: str, base: TinyLlama, attention: str, data: torch.Tensor, off
 def kernel_profile(step: Callable[[int], torch.Tensor], steps: range, top: int = 14) -> dict[str, Any]:
     """GPU kernels of ``steps`` training steps (torch.profiler, CUDA activity), per step: the ``top`` kernels
     by device time (name, ms, launches), the total, and the host's wall time per step (the steps run
-    back to back, one sync at the end: above the GPU's total when the host cannot keep up).
+    back to back, one sync at the end: above the GPU's total when the host cannot keep up); then the same
+    steps under cProfile: the functions with the most cumulative host time per step.
 
     Example::
 
@@ -561,9 +563,26 @@ def kernel_profile(step: Callable[[int], torch.Tensor], steps: range, top: int =
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     n = len(steps)
+    from fp8_host import host_top   # benchmarks/ is the script's directory: sys.path[0]
+
+    batches = iter(steps)
+    host = host_top(lambda: step(next(batches)), n, top=30)   # the same steps again, under cProfile
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")   # one more step: where the host waits for the GPU
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step(steps[0])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs: dict[str, int] = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            where = f"{os.path.basename(w.filename)}:{w.lineno}"
+            syncs[where] = syncs.get(where, 0) + 1
     kernels = sorted(((e.key, e.device_time_total / 1e3 / n, e.count / n) for e in prof.key_averages()
                       if e.device_time_total > 0), key=lambda k: -k[1])
-    return {"steps": n, "wall_ms_per_step": wall * 1e3 / n,
+    return {"steps": n, "wall_ms_per_step": wall * 1e3 / n, "host_top_us_per_step": host, "syncs_per_step": syncs,
             "gpu_ms_per_step": sum(k[1] for k in kernels),
             "kernels": [{"name": name[:110], "ms_per_step": round(ms, 4), "launches_per_step": round(c, 2)}
                         for name, ms, c in kernels[:top]]}
@@ -662,6 +681,11 @@ def markdown(result: dict) -> str:
                       "", "| kernel | ms / step | launches / step |", "|---|---|---|"]
             lines += [f"| `{k['name']}` | {k['ms_per_step']:.3f} | {k['launches_per_step']:g} |"
                       for k in prof["kernels"]]
+            lines += ["", f"{r['impl']}: device syncs in one step (torch.cuda.set_sync_debug_mode): "
+                      + (", ".join(f"{k} ×{v}" for k, v in prof.get("syncs_per_step", {}).items()) or "none")]
+            if prof.get("host_top_us_per_step"):
+                lines += ["", f"{r['impl']}: host time per step by function (cProfile, cumulative µs): "
+                          + "; ".join(f"{name} {us:,.0f}" for name, us in prof["host_top_us_per_step"])]
     failed = [r for r in rows if "error" in r or r.get("status") == "skipped"]
     if failed:
         lines += ["", "Not run or failed:"] + [f"- {r['impl']}: {r.get('error') or r.get('reason')}"
