@@ -110,9 +110,10 @@ def _launched(fn) -> tuple[list, list]:
     return kernels, cpu_ops
 
 
-def host_top(fn, calls: int, top: int = 12) -> list:
+def host_top(fn, calls: int, top: int = 12, own: int = 0) -> list:
     """The functions with the most cumulative host time over ``calls`` calls (cProfile): (name,
-    µs a call), where a call's host time goes."""
+    µs a call), where a call's host time goes; with ``own`` > 0, a pair: that list and the ``own``
+    functions with the most time spent in themselves (callees excluded)."""
     import cProfile
     import pstats
 
@@ -124,7 +125,12 @@ def host_top(fn, calls: int, top: int = 12) -> list:
     stats = pstats.Stats(prof).stats
     rows = sorted(((cum, f"{os.path.basename(file)}:{line} {name}")
                    for (file, line, name), (_, _, _, cum, _) in stats.items()), reverse=True)
-    return [(name, round(cum / calls * 1e6, 1)) for cum, name in rows[1:top + 1]]
+    cumulative = [(name, round(cum / calls * 1e6, 1)) for cum, name in rows[1:top + 1]]
+    if not own:
+        return cumulative
+    selfs = sorted(((tt, f"{os.path.basename(file)}:{line} {name}")
+                    for (file, line, name), (_, _, tt, _, _) in stats.items()), reverse=True)
+    return cumulative, [(name, round(tt / calls * 1e6, 1)) for tt, name in selfs[:own]]
 
 
 def _uncacheable_launches() -> list:

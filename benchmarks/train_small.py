@@ -566,7 +566,7 @@ def kernel_profile(step: Callable[[int], torch.Tensor], steps: range, top: int =
     from fp8_host import host_top   # benchmarks/ is the script's directory: sys.path[0]
 
     batches = iter(steps)
-    host = host_top(lambda: step(next(batches)), n, top=30)   # the same steps again, under cProfile
+    host, own = host_top(lambda: step(next(batches)), n, top=30, own=25)   # the same steps, under cProfile
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")   # one more step: where the host waits for the GPU
     try:
@@ -582,7 +582,8 @@ def kernel_profile(step: Callable[[int], torch.Tensor], steps: range, top: int =
             syncs[where] = syncs.get(where, 0) + 1
     kernels = sorted(((e.key, e.device_time_total / 1e3 / n, e.count / n) for e in prof.key_averages()
                       if e.device_time_total > 0), key=lambda k: -k[1])
-    return {"steps": n, "wall_ms_per_step": wall * 1e3 / n, "host_top_us_per_step": host, "syncs_per_step": syncs,
+    return {"steps": n, "wall_ms_per_step": wall * 1e3 / n, "host_top_us_per_step": host,
+            "host_self_us_per_step": own, "syncs_per_step": syncs,
             "gpu_ms_per_step": sum(k[1] for k in kernels),
             "kernels": [{"name": name[:110], "ms_per_step": round(ms, 4), "launches_per_step": round(c, 2)}
                         for name, ms, c in kernels[:top]]}
@@ -686,6 +687,9 @@ def markdown(result: dict) -> str:
             if prof.get("host_top_us_per_step"):
                 lines += ["", f"{r['impl']}: host time per step by function (cProfile, cumulative µs): "
                           + "; ".join(f"{name} {us:,.0f}" for name, us in prof["host_top_us_per_step"])]
+            if prof.get("host_self_us_per_step"):
+                lines += ["", f"{r['impl']}: host time per step spent in each function itself (cProfile, µs): "
+                          + "; ".join(f"{name} {us:,.0f}" for name, us in prof["host_self_us_per_step"])]
     failed = [r for r in rows if "error" in r or r.get("status") == "skipped"]
     if failed:
         lines += ["", "Not run or failed:"] + [f"- {r['impl']}: {r.get('error') or r.get('reason')}"
