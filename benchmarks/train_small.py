@@ -555,7 +555,10 @@ def kernel_profile(step: Callable[[int], torch.Tensor], steps: range, top: int =
     """
     from torch.profiler import ProfilerActivity, profile
 
+    from fa3_inductor.runtime import fast_launch
+
     torch.cuda.synchronize()
+    launches = fast_launch.stats()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         for s in steps:
@@ -563,6 +566,7 @@ def kernel_profile(step: Callable[[int], torch.Tensor], steps: range, top: int =
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     n = len(steps)
+    launches = {k: (v - launches[k]) / n for k, v in fast_launch.stats().items()}
     from fp8_host import host_top   # benchmarks/ is the script's directory: sys.path[0]
 
     batches = iter(steps)
@@ -583,7 +587,7 @@ def kernel_profile(step: Callable[[int], torch.Tensor], steps: range, top: int =
     kernels = sorted(((e.key, e.device_time_total / 1e3 / n, e.count / n) for e in prof.key_averages()
                       if e.device_time_total > 0), key=lambda k: -k[1])
     return {"steps": n, "wall_ms_per_step": wall * 1e3 / n, "host_top_us_per_step": host,
-            "host_self_us_per_step": own, "syncs_per_step": syncs,
+            "host_self_us_per_step": own, "syncs_per_step": syncs, "fast_launch_per_step": launches,
             "gpu_ms_per_step": sum(k[1] for k in kernels),
             "kernels": [{"name": name[:110], "ms_per_step": round(ms, 4), "launches_per_step": round(c, 2)}
                         for name, ms, c in kernels[:top]]}
@@ -682,6 +686,9 @@ def markdown(result: dict) -> str:
                       "", "| kernel | ms / step | launches / step |", "|---|---|---|"]
             lines += [f"| `{k['name']}` | {k['ms_per_step']:.3f} | {k['launches_per_step']:g} |"
                       for k in prof["kernels"]]
+            if prof.get("fast_launch_per_step"):
+                lines += ["", f"{r['impl']}: runtime/fast_launch per step: "
+                          + ", ".join(f"{k} {v:g}" for k, v in prof["fast_launch_per_step"].items())]
             lines += ["", f"{r['impl']}: device syncs in one step (torch.cuda.set_sync_debug_mode): "
                       + (", ".join(f"{k} ×{v}" for k, v in prof.get("syncs_per_step", {}).items()) or "none")]
             if prof.get("host_top_us_per_step"):

@@ -158,6 +158,20 @@ def relaunch(entry: _Launch, inputs: Sequence[Optional[torch.Tensor]]) -> Any:
     return entry.tag
 
 
+def stats() -> dict[str, int]:
+    """Counters since the process started: recorded launches re-launched, C-launcher argument lists built
+    (a relaunch at input addresses not seen before for its entry, or one with per-call arguments), and TMA
+    descriptors encoded for a new base address. Built and encoded staying near zero per step after the
+    first steps means the relaunches reuse what they built.
+
+    Example::
+
+        >>> sorted(stats())
+        ['argument_lists_built', 'descriptors_encoded', 'relaunches']
+    """
+    return dict(_STATS)
+
+
 def clear() -> None:
     """Forget every recorded launch (tests; after changing kernels in-process), and whatever the
     callers registered with :func:`on_clear` holds of them."""
@@ -248,6 +262,7 @@ def _current_stream(device: Optional[int]) -> int:
 
 
 def _relaunch(entry: _Launch, inputs: Sequence) -> None:
+    _STATS["relaunches"] += 1
     kernel = entry.kernel
     stream = _current_stream(entry.device)
     if entry.direct is not None and not launch_hooks_active():
@@ -265,8 +280,12 @@ def _relaunch(entry: _Launch, inputs: Sequence) -> None:
                exit_, *args)
 
 
-_MAX_ENCODED = 64   # encoded descriptors kept per launch entry
-_MAX_CALLS = 64     # whole argument tuples kept per launch entry, one per (stream, input addresses)
+# Per launch entry, cleared when full. One entry serves every layer of a model whose attention sites share
+# a signature, so these count layers × descriptors (or layers): at 64, a 32-layer model's 4-5 descriptors a
+# call (distinct bases per layer) would have cleared the table before any layer came round again.
+_MAX_ENCODED = 4096   # encoded descriptors kept per launch entry, one per (argument, base address)
+_MAX_CALLS = 1024     # whole argument tuples kept per launch entry, one per (stream, input addresses)
+_STATS = {"relaunches": 0, "argument_lists_built": 0, "descriptors_encoded": 0}
 _HEAD = 13          # the C launcher's arguments before the kernel's: grid, stream, function, flags, metadata, hooks
 
 
@@ -338,6 +357,7 @@ class _DirectArgs:
                 if len(encoded) >= _MAX_ENCODED:
                     encoded.clear()
                 enc = encoded[key] = entry.direct.expand(_build(step, inputs), meta)
+                _STATS["descriptors_encoded"] += 1
             args[at:at + width] = enc
         return args
 
@@ -347,6 +367,7 @@ def _launch_direct(entry: _Launch, stream: int, inputs: Sequence) -> None:
     plan = entry.args
     calls = plan.calls
     if calls is None:
+        _STATS["argument_lists_built"] += 1
         entry.direct.launch(*plan.build(entry, stream, inputs))
         return
     key = (stream, *[inputs[i].data_ptr() for i in plan.used])
@@ -354,5 +375,6 @@ def _launch_direct(entry: _Launch, stream: int, inputs: Sequence) -> None:
     if args is None:
         if len(calls) >= _MAX_CALLS:
             calls.clear()
+        _STATS["argument_lists_built"] += 1
         args = calls[key] = tuple(plan.build(entry, stream, inputs))
     entry.direct.launch(*args)
