@@ -165,7 +165,8 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
     sms = sm_count(capability, device_index)
     paged = block_table is not None
     cfg = config or decode_config(max(D, DV), capability, fp32=q.dtype == torch.float32, block_m=block_m,
-                                  paged=paged, few_programs=few_programs(B, HQ // heads, sms, paged))
+                                  paged=paged, few_programs=few_programs(B, HQ // heads, sms, paged),
+                                  fp8_cache=kv_scale != "none")
     block_n = _block_n(cfg, sparse_kv_block if mode == "blocks" else 0)
     if num_splits is None:
         num_splits = choose_num_splits(B, HQ // heads, max_len, block_n, sms, cfg.resident, paged=paged)
