@@ -559,13 +559,28 @@ def kernel_profile(step: Callable[[int], torch.Tensor], steps: range, top: int =
 
     torch.cuda.synchronize()
     launches = fast_launch.stats()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for s in steps:
-            step(s)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+    collections: list[list[float]] = []   # Python's garbage collector: [generation, seconds] per collection
+
+    def gc_timer(phase: str, info: dict) -> None:
+        if phase == "start":
+            collections.append([info["generation"], time.perf_counter()])
+        elif collections:
+            collections[-1][1] = time.perf_counter() - collections[-1][1]
+
+    gc.callbacks.append(gc_timer)
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for s in steps:
+                step(s)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+    finally:
+        gc.callbacks.remove(gc_timer)
     n = len(steps)
+    gc_per_step = {"collections": len(collections) / n,
+                   "ms": sum(c[1] for c in collections) * 1e3 / n,
+                   "oldest_generation": max((c[0] for c in collections), default=None)}
     launches = {k: (v - launches[k]) / n for k, v in fast_launch.stats().items()}
     from fp8_host import host_top   # benchmarks/ is the script's directory: sys.path[0]
 
@@ -588,6 +603,7 @@ def kernel_profile(step: Callable[[int], torch.Tensor], steps: range, top: int =
                       if e.device_time_total > 0), key=lambda k: -k[1])
     return {"steps": n, "wall_ms_per_step": wall * 1e3 / n, "host_top_us_per_step": host,
             "host_self_us_per_step": own, "syncs_per_step": syncs, "fast_launch_per_step": launches,
+            "gc_per_step": gc_per_step,
             "gpu_ms_per_step": sum(k[1] for k in kernels),
             "kernels": [{"name": name[:110], "ms_per_step": round(ms, 4), "launches_per_step": round(c, 2)}
                         for name, ms, c in kernels[:top]]}
@@ -686,6 +702,10 @@ def markdown(result: dict) -> str:
                       "", "| kernel | ms / step | launches / step |", "|---|---|---|"]
             lines += [f"| `{k['name']}` | {k['ms_per_step']:.3f} | {k['launches_per_step']:g} |"
                       for k in prof["kernels"]]
+            if prof.get("gc_per_step"):
+                g = prof["gc_per_step"]
+                lines += ["", f"{r['impl']}: Python garbage collection per step: {g['collections']:g} collections, "
+                          f"{g['ms']:.2f} ms (oldest generation {g['oldest_generation']})"]
             if prof.get("fast_launch_per_step"):
                 lines += ["", f"{r['impl']}: runtime/fast_launch per step: "
                           + ", ".join(f"{k} {v:g}" for k, v in prof["fast_launch_per_step"].items())]
