@@ -103,6 +103,7 @@ VARIANT_SPILLS = {
     (128, "noop", "atomic_dq"): (0, 0), (128, "causal", "atomic_dq"): (0, 0), (128, "softcap", "atomic_dq"): (3, 0),
     (128, "alibi", "atomic_dq"): (5, 0),
     (128, "noop", "serial"): (0, 0), (128, "causal", "serial"): (0, 0),   # D128's in-order step, default before
+    (64, "noop", "stages3"): (0, 0), (64, "causal", "stages3"): (0, 0), (64, "softcap", "stages3"): (0, 0),
 }
 # atomic_dq at D128 runs on the default's overlap since it became the default: softcap 3 spills, outside the loops.
 # The cross-step overlap (configs.VARIANTS overlap / overlap_dk, docs/design/hopper_backward.md, "Cross-step overlap"),

@@ -83,6 +83,9 @@ VARIANTS: dict[str, dict[str, bool]] = {
     "serial": {"overlap": 0},
     "overlap": {"overlap": 1},
     "overlap_dk": {"overlap": 2},
+    # a third Q / dO stage: D64 only (160-176 KB; no spill at noop, causal, softcap, ALiBi, sm90 triton 3.6);
+    # at D128 it would be 240 KB
+    "stages3": {"num_stages": 3},
 }
 
 
