@@ -206,6 +206,12 @@ def _q_tile_start(i, n_partial, z, hq, kv_blk, tables, table_meta, TILE: gl.cons
     return start
 
 
+@gluon.constexpr_function
+def _acc_layout(n):
+    """The accumulator layout of a warpgroup's wgmma with ``n`` columns (64 rows: 4 warps, 16 rows each)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
 # ----------------------------------------------------------------------------------------------
 # Producer: one warp issuing TMA.
 # ----------------------------------------------------------------------------------------------
@@ -303,12 +309,9 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
     dtype: gl.constexpr = q_desc.dtype
 
     # Accumulator layouts of the wgmmas (64 rows per warpgroup).
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HALF_N, 16])
-    d_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, D, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, DQ_N, 16])
+    s_layout: gl.constexpr = _acc_layout(HALF_N)
+    d_layout: gl.constexpr = _acc_layout(D)
+    dq_layout: gl.constexpr = _acc_layout(DQ_N)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 
@@ -499,12 +502,9 @@ def _consumer_overlap(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_
     # dQ's wgmma beside the next step's S (OVERLAP 1) needs dQ every step (DQ_SPLIT)
     DQ_UNDER: gl.constexpr = SCHED.OVERLAP == 1 and TILE.DQ_SPLIT
 
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HALF_N, 16])
-    d_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, D, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, DQ_N, 16])
+    s_layout: gl.constexpr = _acc_layout(HALF_N)
+    d_layout: gl.constexpr = _acc_layout(D)
+    dq_layout: gl.constexpr = _acc_layout(DQ_N)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     n0 = gl.program_id(0) * BLOCK_N
