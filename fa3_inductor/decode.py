@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ._log import warn_once
-from .runtime.fast_launch import tensor_signature
+from .runtime.fast_launch import aliasing, tensor_signature
 from .runtime.ops import record_template
 from .templates.decode.fp8_cache import dequantize, kv_scale_mode, quantize_kv
 from .templates.decode.host import prepare_decode
@@ -289,10 +289,11 @@ def _kernel(q, k, v, seq_lens, block_table, q_offset, scale, score, mask, num_sp
         if run[3] is not out:
             out.copy_(run[3])
         return out, lse
-    # the scales are inputs: a recording would keep a one-element tensor it does not know as a constant
+    # the scales are inputs: a recording would keep a one-element tensor it does not know as a
+    # constant; a tensor given at two places (k_cache is v_cache) is recorded at one: aliasing keyed
     inputs = (q, k, v, out, lse, seq_lens, q_offset, block_table, *scales, *score[1], *mask[1])
     key = ("flex_decode", score[2], mask[2], scale, num_splits, torch.get_float32_matmul_precision(),
-           tensor_signature(inputs))
+           tensor_signature(inputs), aliasing(inputs))
     launch_decode(key, inputs, lambda: prepare_decode(q, k, v, out, lse, scratch=scratch, **options),
                   "decode", scratch)
     return out, lse
