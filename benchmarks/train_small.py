@@ -605,6 +605,7 @@ def kernel_profile(step: Callable[[int], torch.Tensor], steps: range, top: int =
             "host_self_us_per_step": own, "syncs_per_step": syncs, "fast_launch_per_step": launches,
             "gc_per_step": gc_per_step,
             "gpu_ms_per_step": sum(k[1] for k in kernels),
+            "launches_per_step": sum(k[2] for k in kernels), "distinct_kernels": len(kernels),
             "kernels": [{"name": name[:110], "ms_per_step": round(ms, 4), "launches_per_step": round(c, 2)}
                         for name, ms, c in kernels[:top]]}
 
@@ -698,7 +699,8 @@ def markdown(result: dict) -> str:
         prof = r.get("profile")
         if prof:
             lines += ["", f"{r['impl']}: kernels per step (torch.profiler over {prof['steps']} steps after the "
-                      f"run): GPU {prof['gpu_ms_per_step']:.2f} ms, host wall {prof['wall_ms_per_step']:.2f} ms",
+                      f"run): GPU {prof['gpu_ms_per_step']:.2f} ms, host wall {prof['wall_ms_per_step']:.2f} ms, "
+                      f"{prof.get('launches_per_step', 0):g} launches of {prof.get('distinct_kernels', 0)} kernels",
                       "", "| kernel | ms / step | launches / step |", "|---|---|---|"]
             lines += [f"| `{k['name']}` | {k['ms_per_step']:.3f} | {k['launches_per_step']:g} |"
                       for k in prof["kernels"]]

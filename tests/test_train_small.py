@@ -60,7 +60,7 @@ def test_smoke_run_writes_results_and_fa3_tracks_eager(tmp_path):
                               "gc_per_step": {"collections": 1.5, "ms": 0.25, "oldest_generation": 2},
                               "kernels": [{"name": "fa3_bwd_sm90_kernel", "ms_per_step": 2.5, "launches_per_step": 8}]}
     table = train_small.markdown(result)
-    assert "fa3: kernels per step (torch.profiler over 5 steps after the run): GPU 8.25 ms, host wall 9.50 ms" \
+    assert "fa3: kernels per step (torch.profiler over 5 steps after the run): GPU 8.25 ms, host wall 9.50 ms, " \
         in table and "| `fa3_bwd_sm90_kernel` | 2.500 | 8 |" in table and "x.py:3 ×2" in table
     assert "fa3: Python garbage collection per step: 1.5 collections, 0.25 ms (oldest generation 2)" in table
 
