@@ -8,6 +8,9 @@ repeated call's memo path (direct.replay -> runtime/ops.bound_launch -> runtime/
 alone, beside one plain Triton launch and the C launcher with its argument tuple prebuilt: the floor.
 The backward op (``flex_bwd.families``) is timed on a launch-cache hit, beside what it costs to plan and
 launch the same call through Triton every time (the family's prepare_backward and JITFunction.run).
+Last, both ops as a compiled training step calls them (``layer_steps``: 1, 8 and 32 layers of their own
+tensors, forward over all, backward over all in reverse) with runtime/fast_launch's counters per call: the
+question the H200 training profile left (docs/design/backward.md, "A training step is host-bound").
 
     python benchmarks/host_overhead.py [--head-dim 96]   # on a GPU machine; prints a table
 
@@ -108,6 +111,7 @@ def main() -> None:
     print(buf.getvalue())
     rows += memo_steps(q, k, v)
     rows += backward_steps(q, k, v)
+    rows += layer_steps(D)
     print(f"host cost per call, {torch.cuda.get_device_name()}, torch {torch.__version__}, B1 H1 S128 D{D} bf16:")
     for name, us in rows:
         print(f"  {name:45s} {us:8.1f} us")
@@ -193,6 +197,55 @@ def backward_steps(q, k, v) -> list:
                 kernel[grid](*args, **kwargs)
 
         rows.append((f"  planned every call: prepare + JIT launches ({name})", per_call_us(planned)))
+    return rows
+
+
+def layer_steps(D: int, layers: tuple = (1, 8, 32), steps: int = 50, device: str = "cuda", warmup: int = 5) -> list:
+    """(step, µs per op call) of the compiled path's two ops as a training step calls them: ``L`` layers,
+    each with its own q, k, v, dO (a causal block mask shared), the forward op over every layer, then the
+    backward op over every layer in reverse, outputs fresh each call; ``steps`` such steps back to back, one
+    sync at the end. Beside each, runtime/fast_launch's counters per call: a recorded launch should be
+    re-launched with nothing built or encoded once the layers' addresses have been seen."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from fa3_inductor import mods
+    from fa3_inductor.runtime import fast_launch
+    from fa3_inductor.runtime.ops_bwd import BackwardSiteSpec
+
+    S = 128
+    bm = create_block_mask(mods.causal, None, None, S, S, device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    tables = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
+    q_tables = (bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices)
+    families = ("hopper", "generic", "torch")
+    fwd_spec = SiteSpec(families, tuple((registry.family(f).dialect, None, None) for f in families)).to_json()
+    bwd_names = ("hopper_bwd", "generic_bwd")
+    bwd_spec = BackwardSiteSpec(bwd_names, tuple((registry.backward_family(f).dialect, None, None, None)
+                                                 for f in bwd_names) + (("torch", None, None, None),)).to_json()
+    fwd, bwd = torch.ops.fa3_inductor.flex_fwd.default, torch.ops.fa3_inductor.flex_bwd.families
+    rows = []
+    for L in layers:
+        sets = [tuple(torch.randn(4, 4, S, D, device=device, dtype=torch.bfloat16) for _ in range(4))
+                for _ in range(L)]
+
+        def step():
+            saved = [fwd(q, k, v, *tables, [], [], D ** -0.5, 128, 128, fwd_spec) for q, k, v, _ in sets]
+            for (q, k, v, dout), (out, lse, _) in zip(reversed(sets), reversed(saved)):
+                bwd(q, k, v, out, lse, dout, None, *tables, *q_tables, [], [], D ** -0.5, 128, 128, bwd_spec)
+
+        for _ in range(warmup):
+            step()
+        sync()
+        before = fast_launch.stats()
+        t = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync()
+        calls = 2 * L * steps
+        per = {k: (v - before[k]) / calls for k, v in fast_launch.stats().items()}
+        rows.append((f"ops as a training step: {L} layer(s), fwd + bwd, causal (per op call; relaunches "
+                     f"{per['relaunches']:.2f}, lists built {per['argument_lists_built']:.2f}, descriptors "
+                     f"encoded {per['descriptors_encoded']:.2f} a call)", (time.perf_counter() - t) / calls * 1e6))
     return rows
 
 
