@@ -22,6 +22,7 @@ from .lowering import registration
 from .lowering.common import FRONT_DOOR_OPTION, front_door_tag
 from .runtime.ops import last_template, record_template
 from .runtime.sinks import check_sinks
+from .templates.decode.fp8_cache import FP8_DTYPES as _FP8_DTYPES
 
 _MAX_COMPILED = 64
 
@@ -38,7 +39,12 @@ def _check_inputs(q: Any, k: Any, v: Any, score_mod: Any, mask_mod: Any, block_m
         raise ValueError(f"flex: q, k, v must be on one device, got {q.device}, {k.device}, "
                          f"{v.device}")
     if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"flex: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        fp8_cache = k.dtype in _FP8_DTYPES or v.dtype in _FP8_DTYPES
+        raise ValueError(f"flex: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+                         + ("; for an FP8 KV cache call fa3_inductor.flex_decode(q, k_cache, v_cache, "
+                            "seq_lens=..., k_scale=..., v_scale=...); for FP8 attention on bf16 / fp16 "
+                            "inputs pass them unquantized with fp8=True" if fp8_cache else
+                            "; cast them to one of float16, bfloat16, float32"))
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"flex: dtype {q.dtype} is not supported; use float16, bfloat16 or "
                          "float32")
