@@ -269,11 +269,9 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
             and not torch.compiler.is_compiling()):
         # A repeat of an earlier served call re-launches its kernel at once (direct.py, "call memo").
         memo = direct.memo_key(score_mod, mask_mod, block_mask, scale, enable_gqa, template)
-        hit = direct.replay(memo, q, k, v, return_lse)
-        if hit is None and (score_mod is not None or mask_mod is not None):
-            # a mod made anew per call (mods.softcap(30.0) in a forward): found by what it computes
-            equal = direct.equal_key(memo, score_mod, mask_mod)
-            hit = equal and direct.replay(equal, q, k, v, return_lse)
+        # a mod made anew per call (mods.softcap(30.0) in a forward) is found by what it computes
+        hit = direct.replay_either(memo, score_mod, mask_mod,
+                                   lambda key: direct.replay(key, q, k, v, return_lse))
         if hit is not None:
             return hit if return_lse else hit[0]
     _check_inputs(q, k, v, score_mod, mask_mod, block_mask, scale, enable_gqa)
@@ -332,10 +330,8 @@ def _flex_fp8(q, k, v, score_mod, mask_mod, block_mask, scale, enable_gqa, retur
         # A repeat of an earlier served call re-binds its prologue and re-launches its kernel at once
         # (direct_fp8.py, as direct.py's call memo; the checks below held for the remembered call)
         memo = direct_fp8.memo_key(score_mod, mask_mod, block_mask, scale, enable_gqa, recipe)
-        hit = direct_fp8.replay(memo, q, k, v, rope, return_lse)
-        if hit is None and (score_mod is not None or mask_mod is not None):
-            equal = direct.equal_key(memo, score_mod, mask_mod)
-            hit = equal and direct_fp8.replay(equal, q, k, v, rope, return_lse)
+        hit = direct.replay_either(memo, score_mod, mask_mod,
+                                   lambda key: direct_fp8.replay(key, q, k, v, rope, return_lse))
         if hit is not None:
             return hit if return_lse else hit[0]
     _check_inputs(q, k, v, score_mod, mask_mod, block_mask, scale, enable_gqa)

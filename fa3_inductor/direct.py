@@ -155,6 +155,24 @@ def equal_key(key: tuple, score_mod: Optional[Callable], mask_mod: Optional[Call
         return None
 
 
+def replay_either(key: tuple, score_mod: Optional[Callable], mask_mod: Optional[Callable],
+                  replay_under: Callable[[tuple], Optional[Any]]) -> Optional[Any]:
+    """``replay_under(key)``, and if it found nothing and there are mods, ``replay_under`` of their
+    :func:`equal_key` (a mod made anew per call, equal to a remembered one): what flex()'s bf16 and FP8
+    memos try before the full path. None when neither replayed.
+
+    Example::
+
+        >>> key = memo_key(None, mods.causal, None, None, False, "auto")
+        >>> replay_either(key, None, mods.causal, lambda key: replay(key, q, k, v, False))   # doctest: +SKIP
+    """
+    hit = replay_under(key)
+    if hit is None and (score_mod is not None or mask_mod is not None):
+        equal = equal_key(key, score_mod, mask_mod)
+        hit = replay_under(equal) if equal is not None else None
+    return hit
+
+
 def replay(key: tuple, q: Tensor, k: Tensor, v: Tensor, return_lse: bool
            ) -> Optional[tuple[Tensor, Optional[Tensor]]]:
     """(out, lse in natural-log units or None) if an earlier served call of this key covers this
@@ -170,7 +188,7 @@ def replay(key: tuple, q: Tensor, k: Tensor, v: Tensor, return_lse: bool
     if torch.is_grad_enabled() and (call.grad_bufs or q.requires_grad or k.requires_grad
                                     or v.requires_grad):
         return None
-    if key[0] is _EQUAL:   # counted for this key only: the identity key's hit stays as cheap as it is
+    if is_equal_key(key):   # counted for this key only: the identity key's hit stays as cheap as it is
         _stats["equal_hits"] += 1
     out, lse = call.launch(q, k, v, return_lse)
     return out, (lse.mul_(_LN2) if return_lse else None)   # the launch's own LSE buffer: scaled in place
