@@ -35,14 +35,41 @@ def per_call_us(fn, calls: int, rounds: int) -> float:
     return min(times)   # the least disturbed round: a shared, loaded host (CI: 2 cores)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def host_cpu_args(doc: str, calls: int, profiled: str) -> argparse.Namespace:
+    """This family of scripts' options (``--root``, ``--calls``, ``--rounds``, ``--profile`` of
+    ``profiled``), parsed, with ``--root`` put first on ``sys.path`` (import fa3_inductor after)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--root", default=os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
-    ap.add_argument("--calls", type=int, default=500)
+    ap.add_argument("--calls", type=int, default=calls)
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--profile", action="store_true", help="also print a cProfile of the whole call")
+    ap.add_argument("--profile", action="store_true", help=f"also print a cProfile of {profiled}")
     args = ap.parse_args()
     sys.path.insert(0, os.path.abspath(args.root))
+    return args
+
+
+def print_stages(stages: dict, args: argparse.Namespace) -> None:
+    """Time each stage (a call after a warm-up call), one line each."""
+    for name, fn in stages.items():
+        fn()
+        print(f"  {name:40s} {per_call_us(fn, args.calls, args.rounds):7.2f} us")
+
+
+def print_profile(fn, calls: int) -> None:
+    """A cProfile of ``calls`` calls of ``fn``, by cumulative time."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+
+
+def main() -> None:
+    args = host_cpu_args(__doc__, 500, "the whole call")
     import torch
 
     import fa3_inductor
@@ -166,19 +193,9 @@ def main() -> None:
             stages["smooth_k LSE correction"] = lambda: ops_fp8.smooth_lse(smooth.fp8, smooth.lse, scale)
         else:
             stages.pop("smooth_k LSE correction")
-        for name, fn in stages.items():
-            fn()
-            print(f"  {name:40s} {per_call_us(fn, args.calls, args.rounds):7.2f} us")
+        print_stages(stages, args)
         if args.profile:
-            import cProfile
-            import pstats
-
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(args.calls):
-                fa3_inductor.flex(q, k, v, enable_gqa=True, fp8=True)
-            prof.disable()
-            pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+            print_profile(lambda: fa3_inductor.flex(q, k, v, enable_gqa=True, fp8=True), args.calls)
 
 
 if __name__ == "__main__":

@@ -136,12 +136,14 @@ def memo_key(score_mod: Optional[Callable], mask_mod: Optional[Callable], block_
     return (id(score_mod), id(mask_mod), id(block_mask), scale, enable_gqa, template)
 
 
-def equal_key(key: tuple, score_mod: Optional[Callable], mask_mod: Optional[Callable]
-              ) -> Optional[tuple]:
+def equal_key(key: tuple, score_mod: Optional[Callable], mask_mod: Optional[Callable],
+              mask_versions: bool = True) -> Optional[tuple]:
     """The memo's second key of the call ``key`` (:func:`memo_key`) names: the mods' identities
     replaced by what they compute (mod_keys.mod_key; a mask's captured tensors with their version
-    counters, as its block mask was built from their contents), so that a mod made anew per call
-    finds the launch an equal one left; None when a mod cannot be keyed (it takes the full path).
+    counters, as its block mask was built from their contents, unless ``mask_versions`` is False:
+    a caller whose kernel reads the mask's tensors at run time, flex_decode), so that a mod made
+    anew per call finds the launch an equal one left; None when a mod cannot be keyed (it takes
+    the full path).
 
     Example::
 
@@ -150,7 +152,7 @@ def equal_key(key: tuple, score_mod: Optional[Callable], mask_mod: Optional[Call
         True
     """
     try:
-        return (_EQUAL, mod_key(score_mod), mod_key(mask_mod, versions=True), *key[2:])
+        return (_EQUAL, mod_key(score_mod), mod_key(mask_mod, versions=mask_versions), *key[2:])
     except Unkeyable:
         return None
 
@@ -247,14 +249,16 @@ def _remember(memo: tuple, q: Tensor, k: Tensor, v: Tensor, plan: "_Plan", table
         _stats["remembered"] += 1
 
 
-def remember(memo: tuple, signature: tuple, grad_bufs: bool, bind: Callable[[], Optional[Callable]]
-             ) -> bool:
+def remember(memo: tuple, signature: tuple, grad_bufs: bool, bind: Callable[[], Optional[Callable]],
+             mask_versions: bool = True) -> bool:
     """Keep the launch ``bind()`` makes (None: nothing to keep) under ``memo``'s keys (flex()'s
     ``(key, score_mod, mask_mod, block_mask)``: its identity key and, where the mods can be keyed,
     their :func:`equal_key`) for calls of ``signature``, watching the mods (mod_keys.ModWatch);
     ``grad_bufs``: a captured tensor requires grad. Whether it was kept (a mod that cannot be
-    watched keeps nothing). The bf16 path's :func:`_remember` and the FP8 path's (direct_fp8.py)
-    use it; :func:`live` finds the entry.
+    watched keeps nothing). ``mask_versions`` False: a mask's captured tensors edited in place
+    keep the entry (its kernel reads them at run time, no block mask was built from them:
+    flex_decode's memo, decode_memo.py). The bf16 path's :func:`_remember`, the FP8 path's
+    (direct_fp8.py) and flex_decode's use it; :func:`live` finds the entry.
 
     Example::
 
@@ -267,7 +271,8 @@ def remember(memo: tuple, signature: tuple, grad_bufs: bool, bind: Callable[[], 
         # (a block mask flex() built from mask_mod carries that same mask_mod: watched once)
         given_mask = getattr(block_mask, "mask_mod", None)
         watches = [ModWatch(fn, versions=versions) for fn, versions in (
-            (score_mod, False), (mask_mod, True), (None if given_mask is mask_mod else given_mask, False))
+            (score_mod, False), (mask_mod, mask_versions),
+            (None if given_mask is mask_mod else given_mask, False))
             if fn is not None]
     except Unkeyable:
         return False
@@ -276,7 +281,7 @@ def remember(memo: tuple, signature: tuple, grad_bufs: bool, bind: Callable[[], 
         return False
     if len(_CALLS) >= _MAX_CALLS - 1:
         _CALLS.clear()
-    equal = equal_key(key, score_mod, mask_mod)
+    equal = equal_key(key, score_mod, mask_mod, mask_versions)
     keys = (key,) if equal is None else (key, equal)
     # the objects stay referenced: their ids in the keys (the mods', their captured tensors') cannot
     # be reused while the entry lives. A block mask weakly: transformers builds one per forward, and

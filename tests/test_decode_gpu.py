@@ -1,7 +1,7 @@
 """The decode family and flex_decode on a GPU (the lead runs these on an H100): the family chosen
 for short queries, paged equal to contiguous (any page size), 128 packed rows (8 warps), and
 CUDA-graph replays with the cache lengths (flex_decode) or the cache (flex) changed in place, no
-recapture. bf16; float64 references. About 30 s, most of it compiling."""
+recapture; flex_decode's call memo replaying without checks or planning. bf16; float64 references. About 30 s, most of it compiling."""
 
 from __future__ import annotations
 
@@ -159,6 +159,44 @@ def test_flex_decode_calls_after_the_first_skip_the_family_walk(monkeypatch):
                                 score_mod=mods.softcap(30.0) if fresh_mod else memo_mod)
         assert fa3_inductor.last_template() == "decode"
         assert_matches_reference(out, reference_attention(q, k, v, mods.softcap(30.0))[0], torch.bfloat16)
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+def test_flex_decode_memo_replays_without_checks_or_planning(paged, monkeypatch):
+    """flex_decode's call memo (decode_memo.py) on CUDA: after a first call, calls on new tensors of
+    its signature at new lengths replay the recorded launch (the checks, the mods' generation, the
+    launch key and the planning are made to fail), each the full path's result bit for bit."""
+    from fa3_inductor import decode, decode_memo
+
+    B, N = 3, 4096
+    window = mods.sliding_window(3000)
+
+    def inputs(seed):
+        torch.manual_seed(seed)
+        q, k, v = _randn(B, 32, 1, 128), _randn(B, 8, N, 128), _randn(B, 8, N, 128)
+        cache = _paged(k, v, 64) if paged else (k, v, None)
+        lens = torch.randint(1, N + 1, (B,), dtype=torch.int32, device="cuda")
+        return q, cache, lens
+
+    def call(q, cache, lens):
+        return flex_decode(q, cache[0], cache[1], seq_lens=lens, block_table=cache[2], mask_mod=window)
+
+    cases = [inputs(seed) for seed in range(4)]
+    full = []
+    for case in cases:
+        decode_memo.clear()
+        full.append(call(*case))
+    decode_memo.clear()
+    call(*inputs(9))
+
+    def again(*args, **kwargs):
+        raise AssertionError("flex_decode checked or planned a remembered call again")
+    for name in ("_check", "generated_mod", "prepare_decode", "launch_decode"):
+        monkeypatch.setattr(decode, name, again)
+    for case, want in zip(cases, full):
+        torch.testing.assert_close(call(*case), want, atol=0, rtol=0)
+        assert fa3_inductor.last_template() == "decode"
+    assert decode.memo_stats() == {"remembered": 1, "hits": 4, "equal_hits": 0}
 
 
 def _fp8_real(cache8, scale, table):

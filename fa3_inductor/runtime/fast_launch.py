@@ -195,6 +195,32 @@ def on_clear(forget: Callable[[], None]) -> None:
         _ON_CLEAR.append(forget)
 
 
+def rebinding(args: Sequence, inputs: Sequence[Optional[torch.Tensor]]) -> Optional[tuple]:
+    """A recipe of ``args`` (one step an argument) that :func:`rebound` turns into the arguments
+    of new ``inputs`` of the same signature and aliasing: an argument that is one of ``inputs``
+    (by identity, in a tuple or a TMA descriptor too) is taken from the new inputs, anything else
+    is kept. For launches this cache cannot record (Triton's interpreter compiles nothing); None
+    when an argument is a tensor that is no input and no one-element placeholder (made while
+    preparing the launch).
+
+    Example::
+
+        >>> x, y = torch.zeros(4), torch.ones(4)
+        >>> rebound(rebinding((x, 3, (x,)), [x]), [y])[2][0] is y
+        True
+    """
+    index_of = {id(t): i for i, t in enumerate(inputs) if t is not None}
+    try:
+        return tuple(_step(v, index_of) for v in args)
+    except _Uncacheable:
+        return None
+
+
+def rebound(recipe: tuple, inputs: Sequence[Optional[torch.Tensor]]) -> list:
+    """The arguments :func:`rebinding`'s ``recipe`` stands for, for ``inputs``."""
+    return [_build(step, inputs) for step in recipe]
+
+
 def _record(jit_fn: Any, args: tuple, kwargs: dict, inputs: Sequence) -> tuple:
     index_of = {id(t): i for i, t in enumerate(inputs) if t is not None}
     values = list(args)
