@@ -92,6 +92,15 @@ class GluonPrologue:
         return self.D // 4
 
     @property
+    def DEFER_A(self) -> bool:
+        """RoPE: store tile t + 1's A buffer after _qk_finish's first barrier (3 barriers a Q / K
+        tile) rather than before it (4: the hazard pass's own before the store). At D 128 the
+        deferred store keeps the RoPE output live across the wgmma wait, beside the tables and
+        the accumulator: the tables spill in the tile loop (24 LDL / STL a tile at 240
+        registers) and ptxas hoists the wait above the RoPE (no overlap). D 64 has the room."""
+        return self.D <= 64
+
+    @property
     def TILE_BYTES(self) -> int:    # the ready barrier's transaction count per tile
         return T_ROWS * self.D * 2
 
@@ -283,17 +292,18 @@ def _hadamard_issue(ops, had_smem, CFG: gl.constexpr):
 
 
 @gluon.jit
-def _qk_rope(ring, ring32, a_stage, ready, empty, cnt, tabs, dtype: gl.constexpr,
-             SYNC: gl.constexpr, CFG: gl.constexpr):
-    """Tile cnt, RoPE: wait for its ring slot, RoPE into A buffer cnt % 2 (chunks a_0, a_1, b_0,
-    b_1: kernel.py's contraction order), fenced for the wgmma. SYNC: then a CTA barrier and the
-    slot's release (the peeled first tile); else the caller's next barrier (_qk_finish's) stands
-    for both."""
+def _qk_rope(ring, ring32, a_stage, ready, cnt, tabs, dtype: gl.constexpr, STORE: gl.constexpr,
+             CFG: gl.constexpr):
+    """Tile cnt, RoPE: wait for its ring slot, RoPE in registers: per pair chunk j, the rotated
+    members [a_j, b_j] as one [2, 128, DQ] tensor in the input dtype, returned (_store_a writes
+    them later) or (STORE) stored into A buffer cnt % 2 as soon as made (not fenced: the caller
+    fences), which keeps fewer registers live."""
     DQ: gl.constexpr = CFG.DQ
     # 8 values (16 bytes of input, 32 of words) a thread along a chunk row; 8 warps down the rows
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DQ // 8), DQ // 8], [8, 1], [1, 0])
     slot = cnt % CFG.STAGES
     mbarrier.wait(ready.index(slot), (cnt // CFG.STAGES) & 1)
+    parts = ()
     for j in gl.static_range(2):
         if CFG.ROPE == "half":
             xa = ring.index(slot * 4 + j).reshape([128, DQ]).load(layout).to(gl.float32)
@@ -303,11 +313,18 @@ def _qk_rope(ring, ring32, a_stage, ready, empty, cnt, tabs, dtype: gl.constexpr
             xa, xb = _split_words(w, dtype)
         ca, cb, sa, sb = tabs[j]
         a, b = _rope_pair(xa, xb, ca, cb, sa, sb, dtype)
-        a_stage[j].index(cnt % 2).store(gl.permute(gl.join(a, b), (2, 0, 1)))
-    fence_async_shared()
-    if SYNC:
-        gl.thread_barrier()                    # every warp's A rows written, the slot read
-        mbarrier.arrive(empty.index(slot), count=1)
+        ab = gl.permute(gl.join(a, b), (2, 0, 1))
+        if STORE:
+            a_stage[j].index(cnt % 2).store(ab)
+        parts = parts + (ab,)
+    return parts
+
+
+@gluon.jit
+def _store_a(a_stage, cnt, parts):
+    """Tile cnt's RoPE output into A buffer cnt % 2 (not fenced: the caller fences)."""
+    a_stage[0].index(cnt % 2).store(parts[0])
+    a_stage[1].index(cnt % 2).store(parts[1])
 
 
 @gluon.jit
@@ -358,19 +375,27 @@ def _cta_amax(amax_smem):
 
 
 @gluon.jit
-def _qk_finish(y, stage, out_desc, SCALE, empty, slot, z, h, g, H, G, RELEASE: gl.constexpr,
-               CFG: gl.constexpr):
+def _qk_finish(y, stage, out_desc, SCALE, empty, slot, z, h, g, H, G, a_stage, a_cnt, a_parts,
+               RELEASE: gl.constexpr, STORE_A: gl.constexpr, CFG: gl.constexpr):
     """A rotated tile y (fp32, HAD_SCALE applied): amax, scale, quantize, TMA store. Two CTA
     barriers. The first publishes the warps' amax partials, orders the staging stores after the
     previous tile's TMA store has read o_stage (thread 0's store_wait), and stands for every
     warp's wgmma wait and earlier shared-memory accesses: after it ring slot `slot` is released
     (RELEASE: the slot the wgmma read without RoPE, the one the next tile's RoPE read with it),
-    and the A buffer the caller's RoPE filled may be read by the next wgmma."""
+    and the A buffer the caller's RoPE filled may be read by the next wgmma.
+
+    STORE_A (CFG.DEFER_A): the next tile's RoPE output (`a_parts`, tile `a_cnt`) is stored into
+    its A buffer right after the first barrier, which orders it after the wgmma issued last (that
+    one read the other buffer, but Triton's hazard pass cannot tell: stored before, it costs a
+    barrier of its own). Either way the staging stores' fence also fences the A buffer for the
+    next wgmma, issued after the second barrier."""
     D: gl.constexpr = CFG.D
     o_stage, amax_smem = stage
     _warp_amax(gl.max(gl.abs(y), axis=1), amax_smem)
     tma.store_wait(0)
     gl.thread_barrier()
+    if STORE_A:
+        _store_a(a_stage, a_cnt, a_parts)
     scale = _qk_scale_of(_cta_amax(amax_smem), CFG.QK_INT8)
     y8 = _to_qk(y, scale, gl.div_rn(1.0, scale), CFG.QK_INT8)
     o_stage.reshape([128, D]).store(y8)
@@ -431,10 +456,11 @@ def _qk_next(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, emp
              tabs, prev, H, G, dtype: gl.constexpr, CFG: gl.constexpr):
     """RoPE, pipelined: tile cnt + 1's RoPE under tile cnt's wgmma (`acc`, in flight), then tile
     cnt (at `prev` = (z, h, g)) quantized and stored, then tile cnt + 1's wgmma issued."""
-    _qk_rope(ring, ring32, a_stage, ready, empty, cnt + 1, tabs, dtype, False, CFG)
+    # stored now or after _qk_finish's first barrier; fenced with the staging stores either way
+    parts = _qk_rope(ring, ring32, a_stage, ready, cnt + 1, tabs, dtype, not CFG.DEFER_A, CFG)
     y = _qk_retire(acc, CFG)
     _qk_finish(y, stage, out_desc, SCALE, empty, (cnt + 1) % CFG.STAGES, prev[0], prev[1],
-               prev[2], H, G, True, CFG)
+               prev[2], H, G, a_stage, cnt + 1, parts, True, CFG.DEFER_A, CFG)
     return cnt + 1, _qk_issue(ring, a_stage, had_smem, cnt + 1, CFG)
 
 
@@ -464,8 +490,8 @@ def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, em
         for t in range(0, n_tiles):
             mbarrier.wait(ready.index(cnt % CFG.STAGES), (cnt // CFG.STAGES) & 1)
             y = _qk_retire(_qk_issue(ring, a_stage, had_smem, cnt, CFG), CFG)
-            _qk_finish(y, stage, out_desc, SCALE, empty, cnt % CFG.STAGES, z, h, g, H, G, True,
-                       CFG)
+            _qk_finish(y, stage, out_desc, SCALE, empty, cnt % CFG.STAGES, z, h, g, H, G, a_stage,
+                       0, 0, True, False, CFG)
             cnt += 1
             h += 1
             if h == h1:   # the next unit (no division a tile)
@@ -479,7 +505,10 @@ def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, em
         # loop spilled at D 128.
         tabs = _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, g * 128, L,
                             HAS_POS, CFG)
-        _qk_rope(ring, ring32, a_stage, ready, empty, cnt, tabs, dtype, True, CFG)
+        _qk_rope(ring, ring32, a_stage, ready, cnt, tabs, dtype, True, CFG)
+        fence_async_shared()
+        gl.thread_barrier()                    # every warp's A rows written, the slot read
+        mbarrier.arrive(empty.index(cnt % CFG.STAGES), count=1)
         acc = _qk_issue(ring, a_stage, had_smem, cnt, CFG)
         prev = (z, h, g)
         h += 1
@@ -492,8 +521,8 @@ def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, em
             tabs = _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, g * 128,
                                 L, HAS_POS, CFG)
         y = _qk_retire(acc, CFG)
-        _qk_finish(y, stage, out_desc, SCALE, empty, 0, prev[0], prev[1], prev[2], H, G, False,
-                   CFG)
+        _qk_finish(y, stage, out_desc, SCALE, empty, 0, prev[0], prev[1], prev[2], H, G, a_stage,
+                   0, 0, False, False, CFG)
         cnt += 1
     return cnt
 
