@@ -360,11 +360,13 @@ def _qk_retire(acc, CFG: gl.constexpr):
 
 @gluon.jit
 def _warp_amax(m, amax_smem):
-    """The first half of a tile's amax: `m` holds per-row maxima of |x| [128] in a layout whose
-    warp w holds rows [16w, 16w + 16) (the wgmma accumulator's and the V tile's); each warp's max
-    goes to amax_smem[w] (shuffles only). The caller's CTA barrier publishes them; _cta_amax reads
-    them back (max is exact: the order does not matter)."""
-    amax_smem.store(gl.max(gl.reshape(m, [WARPS, 128 // WARPS]), axis=1))
+    """The first half of a tile's amax: `m` [128, C] (|x|) in a layout whose warp w holds rows
+    [16w, 16w + 16) (the wgmma accumulator's and the V tile's); each warp's max goes to
+    amax_smem[w]: one reduction over the warp's rows and columns (in the thread, then 5
+    shuffles; by rows then columns it took 7). The caller's CTA barrier publishes them;
+    _cta_amax reads them back (max is exact: the order does not matter)."""
+    C: gl.constexpr = m.shape[1]
+    amax_smem.store(gl.max(gl.reshape(m, [WARPS, 128 // WARPS * C]), axis=1))
 
 
 @gluon.jit
@@ -391,9 +393,13 @@ def _qk_finish(y, stage, out_desc, SCALE, empty, slot, z, h, g, H, G, a_stage, a
     next wgmma, issued after the second barrier."""
     D: gl.constexpr = CFG.D
     o_stage, amax_smem = stage
-    _warp_amax(gl.max(gl.abs(y), axis=1), amax_smem)
+    _warp_amax(gl.abs(y), amax_smem)
     tma.store_wait(0)
     gl.thread_barrier()
+    if RELEASE:
+        # (Triton 3.6's hazard pass puts a CTA barrier after an mbarrier arrive, before the
+        # next shared-memory access: one more a tile, wherever the arrive goes)
+        mbarrier.arrive(empty.index(slot), count=1)
     if STORE_A:
         _store_a(a_stage, a_cnt, a_parts)
     scale = _qk_scale_of(_cta_amax(amax_smem), CFG.QK_INT8)
@@ -401,8 +407,6 @@ def _qk_finish(y, stage, out_desc, SCALE, empty, slot, z, h, g, H, G, a_stage, a
     o_stage.reshape([128, D]).store(y8)
     fence_async_shared()
     gl.thread_barrier()
-    if RELEASE:
-        mbarrier.arrive(empty.index(slot), count=1)
     tma.async_copy_shared_to_global(out_desc, [z, h, g * 128, 0], o_stage)
     gl.store(SCALE + (z * H + h) * G + g, scale)
 
@@ -426,7 +430,7 @@ def _v_tile(ring, vt_stage, amax_smem, vt_desc, V_SCALE, V_SCALE_MAX, ready, emp
     y3 = ring.index(slot * 4 + 3).reshape([128, DQ]).load(layout).to(gl.float32)
     # elementwise first, one reduction (max is exact: the order does not matter)
     m = gl.maximum(gl.maximum(gl.abs(y0), gl.abs(y1)), gl.maximum(gl.abs(y2), gl.abs(y3)))
-    _warp_amax(gl.max(m, axis=1), amax_smem)
+    _warp_amax(m, amax_smem)
     tma.store_wait(0)
     gl.thread_barrier()
     mbarrier.arrive(empty.index(slot), count=1)
