@@ -804,16 +804,16 @@ def test_gpu_gluon_prologue_matches_the_triton_kernel_bit_for_bit(case):
 # of that change (before: D 128 half int8 897 / 586, plain 679 / 574); a loop may grow 2% before
 # this fails, as a reminder to re-read the chain.
 GLUON_TILE_LOOPS = {   # (D, style, qk): (Q / K barriers, Q / K instructions, V instructions)
-    (128, "", "int8"): (3, 669, 548),
-    (128, "half", "int8"): (4, 880, 549),
-    (128, "interleaved", "int8"): (4, 851, 549),
-    (128, "half", "e4m3"): (4, 817, 549),
-    (128, "interleaved", "e4m3"): (4, 788, 549),
-    (64, "", "int8"): (3, 431, 356),
-    (64, "half", "int8"): (3, 497, 355),
-    (64, "interleaved", "int8"): (3, 483, 355),
-    (64, "half", "e4m3"): (3, 465, 355),
-    (64, "interleaved", "e4m3"): (3, 451, 355),
+    (128, "", "int8"): (3, 669, 550),
+    (128, "half", "int8"): (4, 880, 551),
+    (128, "interleaved", "int8"): (4, 851, 551),
+    (128, "half", "e4m3"): (4, 817, 551),
+    (128, "interleaved", "e4m3"): (4, 788, 551),
+    (64, "", "int8"): (3, 431, 358),
+    (64, "half", "int8"): (3, 497, 357),
+    (64, "interleaved", "int8"): (3, 483, 357),
+    (64, "half", "e4m3"): (3, 465, 357),
+    (64, "interleaved", "e4m3"): (3, 451, 357),
 }
 
 

@@ -124,10 +124,14 @@ def _pow2_scale_of(amax):
 @gluon.jit
 def _pow2_reciprocal(scale):
     """1 / scale for _pow2_scale_of's scales, by exponent arithmetic: exactly div_rn(1, scale)
-    (kernel.py's reciprocal). The scales are powers of two in [2^-126, 2^120] (amax / 448 rounded
-    up, amax of 2-byte floats below 2^128; a subnormal quotient rounds up to 2^-126), so the
-    reciprocal 2^-e is a normal float whose exponent field is 254 minus the scale's."""
-    return (0x7F000000 - scale.to(gl.int32, bitcast=True)).to(gl.float32, bitcast=True)
+    (kernel.py's reciprocal). A finite scale is a power of two 2^e, e in [-126, 120] (amax / 448
+    rounded up: amax of 2-byte floats is below 2^128 and, when positive, at least 2^-133, so the
+    quotient is at least 2^-142 and a subnormal one rounds up to 2^-126), so 1 / scale = 2^-e is a
+    normal float whose exponent field is 254 minus the scale's. An infinite V value makes the
+    scale +inf, whose reciprocal is 0 (a NaN amax takes scale 1, a normal power of two)."""
+    bits = scale.to(gl.int32, bitcast=True)
+    inv = (0x7F000000 - bits).to(gl.float32, bitcast=True)
+    return gl.where(bits < 0x7F800000, inv, 0.0)
 
 
 @gluon.jit
