@@ -800,15 +800,16 @@ def test_gpu_gluon_prologue_matches_the_triton_kernel_bit_for_bit(case):
 # (docs/design/fp8_prologue.md, "Fewer barriers a tile"). What is left: the amax barrier, the one
 # Triton puts after the ring slot's mbarrier arrive, the staging barrier before the TMA store,
 # and at D 128 with RoPE the hazard barrier before the A-buffer stores (D 64 stores them after the
-# amax barrier; at D 128 that spills: GluonPrologue.DEFER_A). The instruction figures are those
+# amax barrier; at D 128 that spills: GluonPrologue.DEFER_A; there the next tile's wgmma is issued
+# before the staging barrier instead, which then runs under it). The instruction figures are those
 # of that change (before: D 128 half int8 897 / 586, plain 679 / 574); a loop may grow 2% before
 # this fails, as a reminder to re-read the chain.
 GLUON_TILE_LOOPS = {   # (D, style, qk): (Q / K barriers, Q / K instructions, V instructions)
     (128, "", "int8"): (3, 669, 550),
-    (128, "half", "int8"): (4, 880, 551),
-    (128, "interleaved", "int8"): (4, 851, 551),
-    (128, "half", "e4m3"): (4, 817, 551),
-    (128, "interleaved", "e4m3"): (4, 788, 551),
+    (128, "half", "int8"): (4, 881, 551),
+    (128, "interleaved", "int8"): (4, 852, 551),
+    (128, "half", "e4m3"): (4, 818, 551),
+    (128, "interleaved", "e4m3"): (4, 790, 551),
     (64, "", "int8"): (3, 431, 358),
     (64, "half", "int8"): (3, 497, 357),
     (64, "interleaved", "int8"): (3, 483, 357),

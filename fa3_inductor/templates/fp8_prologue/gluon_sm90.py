@@ -93,11 +93,17 @@ class GluonPrologue:
 
     @property
     def DEFER_A(self) -> bool:
-        """RoPE: store tile t + 1's A buffer after _qk_finish's first barrier (3 barriers a Q / K
-        tile) rather than before it (4: the hazard pass's own before the store). At D 128 the
-        deferred store keeps the RoPE output live across the wgmma wait, beside the tables and
-        the accumulator: the tables spill in the tile loop (24 LDL / STL a tile at 240
-        registers) and ptxas hoists the wait above the RoPE (no overlap). D 64 has the room."""
+        """RoPE, the order of a pipelined tile (_qk_next). True (D 64): tile t + 1's A buffer is
+        stored after tile t's amax barrier, which orders it after the wgmma issued last (3
+        barriers a Q / K tile), and its wgmma issued after tile t's staging barrier. False
+        (D 128): the A buffer is stored as the RoPE makes it (the hazard pass puts a barrier
+        before: 4 a tile) and fenced, so tile t + 1's wgmma can be issued right after tile t's
+        quantization, and tile t's staging fence, barrier and TMA store run under it (off the
+        wgmma-to-wgmma chain). At D 128 the deferred store keeps the RoPE output live across the
+        wgmma wait beside the tables and the accumulator: the tables spill in the tile loop (24
+        LDL / STL a tile at 240 registers) and ptxas hoists the wait above the RoPE (no overlap).
+        At D 64 the RoPE outlasts the wgmma (a quarter of D 128's), so a barrier in it costs
+        more than the staging barrier on the chain."""
         return self.D <= 64
 
     @property
@@ -383,18 +389,17 @@ def _cta_amax(amax_smem):
 @gluon.jit
 def _qk_finish(y, stage, out_desc, SCALE, empty, slot, z, h, g, H, G, a_stage, a_cnt, a_parts,
                RELEASE: gl.constexpr, STORE_A: gl.constexpr, CFG: gl.constexpr):
-    """A rotated tile y (fp32, HAD_SCALE applied): amax, scale, quantize, TMA store. Two CTA
-    barriers. The first publishes the warps' amax partials, orders the staging stores after the
+    """A rotated tile y (fp32, HAD_SCALE applied): amax, scale, quantized into the staging buffer;
+    _qk_publish stores it (fence, the second barrier, TMA store). The first barrier publishes the warps' amax partials, orders the staging stores after the
     previous tile's TMA store has read o_stage (thread 0's store_wait), and stands for every
     warp's wgmma wait and earlier shared-memory accesses: after it ring slot `slot` is released
     (RELEASE: the slot the wgmma read without RoPE, the one the next tile's RoPE read with it),
-    and the A buffer the caller's RoPE filled may be read by the next wgmma.
+    and an A buffer the caller's RoPE filled and fenced may be read by the next wgmma.
 
     STORE_A (CFG.DEFER_A): the next tile's RoPE output (`a_parts`, tile `a_cnt`) is stored into
     its A buffer right after the first barrier, which orders it after the wgmma issued last (that
     one read the other buffer, but Triton's hazard pass cannot tell: stored before, it costs a
-    barrier of its own). Either way the staging stores' fence also fences the A buffer for the
-    next wgmma, issued after the second barrier."""
+    barrier of its own); _qk_publish's fence and barrier then publish it to the next wgmma."""
     D: gl.constexpr = CFG.D
     o_stage, amax_smem = stage
     _warp_amax(gl.abs(y), amax_smem)
@@ -407,8 +412,13 @@ def _qk_finish(y, stage, out_desc, SCALE, empty, slot, z, h, g, H, G, a_stage, a
     if STORE_A:
         _store_a(a_stage, a_cnt, a_parts)
     scale = _qk_scale_of(_cta_amax(amax_smem), CFG.QK_INT8)
-    y8 = _to_qk(y, scale, gl.div_rn(1.0, scale), CFG.QK_INT8)
-    o_stage.reshape([128, D]).store(y8)
+    o_stage.reshape([128, D]).store(_to_qk(y, scale, gl.div_rn(1.0, scale), CFG.QK_INT8))
+    return scale
+
+
+@gluon.jit
+def _qk_publish(scale, o_stage, out_desc, SCALE, z, h, g, H, G):
+    """The staged tile (_qk_finish) out: fence, the second barrier, TMA store, and its scale."""
     fence_async_shared()
     gl.thread_barrier()
     tma.async_copy_shared_to_global(out_desc, [z, h, g * 128, 0], o_stage)
@@ -463,13 +473,23 @@ def _v_tile(ring, vt_stage, amax_smem, vt_desc, V_SCALE, V_SCALE_MAX, ready, emp
 def _qk_next(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, empty, cnt, acc,
              tabs, prev, H, G, dtype: gl.constexpr, CFG: gl.constexpr):
     """RoPE, pipelined: tile cnt + 1's RoPE under tile cnt's wgmma (`acc`, in flight), then tile
-    cnt (at `prev` = (z, h, g)) quantized and stored, then tile cnt + 1's wgmma issued."""
-    # stored now or after _qk_finish's first barrier; fenced with the staging stores either way
+    cnt (at `prev` = (z, h, g)) quantized and stored, and tile cnt + 1's wgmma issued: after
+    tile cnt's TMA store (CFG.DEFER_A), or before its staging barrier, which then runs under it."""
+    o_stage = stage[0]
+    z, h, g = prev
     parts = _qk_rope(ring, ring32, a_stage, ready, cnt + 1, tabs, dtype, not CFG.DEFER_A, CFG)
+    if not CFG.DEFER_A:
+        fence_async_shared()                   # published by _qk_finish's first barrier
     y = _qk_retire(acc, CFG)
-    _qk_finish(y, stage, out_desc, SCALE, empty, (cnt + 1) % CFG.STAGES, prev[0], prev[1],
-               prev[2], H, G, a_stage, cnt + 1, parts, True, CFG.DEFER_A, CFG)
-    return cnt + 1, _qk_issue(ring, a_stage, had_smem, cnt + 1, CFG)
+    scale = _qk_finish(y, stage, out_desc, SCALE, empty, (cnt + 1) % CFG.STAGES, z, h, g, H, G,
+                       a_stage, cnt + 1, parts, True, CFG.DEFER_A, CFG)
+    if CFG.DEFER_A:
+        _qk_publish(scale, o_stage, out_desc, SCALE, z, h, g, H, G)
+        acc = _qk_issue(ring, a_stage, had_smem, cnt + 1, CFG)
+    else:
+        acc = _qk_issue(ring, a_stage, had_smem, cnt + 1, CFG)
+        _qk_publish(scale, o_stage, out_desc, SCALE, z, h, g, H, G)
+    return cnt + 1, acc
 
 
 @gluon.jit
@@ -498,8 +518,9 @@ def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, em
         for t in range(0, n_tiles):
             mbarrier.wait(ready.index(cnt % CFG.STAGES), (cnt // CFG.STAGES) & 1)
             y = _qk_retire(_qk_issue(ring, a_stage, had_smem, cnt, CFG), CFG)
-            _qk_finish(y, stage, out_desc, SCALE, empty, cnt % CFG.STAGES, z, h, g, H, G, a_stage,
-                       0, 0, True, False, CFG)
+            scale = _qk_finish(y, stage, out_desc, SCALE, empty, cnt % CFG.STAGES, z, h, g, H, G,
+                               a_stage, 0, 0, True, False, CFG)
+            _qk_publish(scale, stage[0], out_desc, SCALE, z, h, g, H, G)
             cnt += 1
             h += 1
             if h == h1:   # the next unit (no division a tile)
@@ -529,8 +550,9 @@ def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, em
             tabs = _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, g * 128,
                                 L, HAS_POS, CFG)
         y = _qk_retire(acc, CFG)
-        _qk_finish(y, stage, out_desc, SCALE, empty, 0, prev[0], prev[1], prev[2], H, G, a_stage,
-                   0, 0, False, False, CFG)
+        scale = _qk_finish(y, stage, out_desc, SCALE, empty, 0, prev[0], prev[1], prev[2], H, G,
+                           a_stage, 0, 0, False, False, CFG)
+        _qk_publish(scale, stage[0], out_desc, SCALE, prev[0], prev[1], prev[2], H, G)
         cnt += 1
     return cnt
 
