@@ -801,15 +801,17 @@ def test_gpu_gluon_prologue_matches_the_triton_kernel_bit_for_bit(case):
 # Triton puts after the ring slot's mbarrier arrive, the staging barrier before the TMA store,
 # and at D 128 with RoPE the hazard barrier before the A-buffer stores (D 64 stores them after the
 # amax barrier; at D 128 that spills: GluonPrologue.DEFER_A; there the next tile's wgmma is issued
-# before the staging barrier instead, which then runs under it). The instruction figures are those
+# before the staging barrier instead, which then runs under it). At D 128 with RoPE the slot is
+# released inside the RoPE (GluonPrologue.ROPE_RELEASE: a barrier before the arrive, 5 in all, but
+# only the amax barrier between one wgmma's wait and the next one's issue). The instruction figures are those
 # of that change (before: D 128 half int8 897 / 586, plain 679 / 574); a loop may grow 2% before
 # this fails, as a reminder to re-read the chain.
 GLUON_TILE_LOOPS = {   # (D, style, qk): (Q / K barriers, Q / K instructions, V instructions)
     (128, "", "int8"): (3, 669, 518),
-    (128, "half", "int8"): (4, 881, 519),
-    (128, "interleaved", "int8"): (4, 852, 519),
-    (128, "half", "e4m3"): (4, 818, 519),
-    (128, "interleaved", "e4m3"): (4, 790, 519),
+    (128, "half", "int8"): (5, 882, 519),
+    (128, "interleaved", "int8"): (5, 853, 519),
+    (128, "half", "e4m3"): (5, 819, 519),
+    (128, "interleaved", "e4m3"): (5, 791, 519),
     (64, "", "int8"): (3, 431, 342),
     (64, "half", "int8"): (3, 497, 341),
     (64, "interleaved", "int8"): (3, 483, 341),

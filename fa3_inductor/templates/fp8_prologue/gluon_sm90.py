@@ -86,6 +86,7 @@ class GluonPrologue:
     QK_INT8: bool       # Q8, K8 int8 (else e4m3)
     HAD_SCALE: float    # 1 / sqrt(b), kernel.py's Rotation.HAD_SCALE
     PRODUCER_REGS: int  # setmaxnreg of the producer warp
+    RELEASE_IN_ROPE: bool = True   # RoPE, not DEFER_A: where a tile's ring slot is released (below)
 
     @property
     def DQ(self) -> int:
@@ -105,6 +106,17 @@ class GluonPrologue:
         At D 64 the RoPE outlasts the wgmma (a quarter of D 128's), so a barrier in it costs
         more than the staging barrier on the chain."""
         return self.D <= 64
+
+    @property
+    def ROPE_RELEASE(self) -> bool:
+        """RoPE without DEFER_A (D 128): tile t + 1's ring slot is released inside its RoPE, after
+        its last loads (a barrier, the arrive, and the barrier Triton 3.6 puts after an arrive:
+        under tile t's running wgmma, none on the wgmma-to-wgmma chain), rather than after tile
+        t's amax barrier (one barrier on the chain, two fewer a tile). RELEASE_IN_ROPE, a
+        PrologueTuning field (gluon_rope_release) for the sweep: the better side depends on
+        whether the RoPE, its three barriers included, stays shorter than the wgmma (~1024 cycles
+        of tensor work at D 128 against ~850 modelled: docs/design/fp8_prologue.md)."""
+        return self.RELEASE_IN_ROPE and bool(self.ROPE) and not self.DEFER_A
 
     @property
     def TILE_BYTES(self) -> int:    # the ready barrier's transaction count per tile
@@ -302,8 +314,8 @@ def _hadamard_issue(ops, had_smem, CFG: gl.constexpr):
 
 
 @gluon.jit
-def _qk_rope(ring, ring32, a_stage, ready, cnt, tabs, dtype: gl.constexpr, STORE: gl.constexpr,
-             CFG: gl.constexpr):
+def _qk_rope(ring, ring32, a_stage, ready, empty, cnt, tabs, dtype: gl.constexpr,
+             STORE: gl.constexpr, RELEASE: gl.constexpr, CFG: gl.constexpr):
     """Tile cnt, RoPE: wait for its ring slot, RoPE in registers: per pair chunk j, the rotated
     members [a_j, b_j] as one [2, 128, DQ] tensor in the input dtype, returned (_store_a writes
     them later) or (STORE) stored into A buffer cnt % 2 as soon as made (not fenced: the caller
@@ -321,6 +333,10 @@ def _qk_rope(ring, ring32, a_stage, ready, cnt, tabs, dtype: gl.constexpr, STORE
         else:
             w = ring32.index(slot * 2 + j).reshape([128, DQ]).load(layout)
             xa, xb = _split_words(w, dtype)
+        if RELEASE:
+            if j == 1:
+                gl.thread_barrier()            # every warp has read the slot
+                mbarrier.arrive(empty.index(slot), count=1)
         ca, cb, sa, sb = tabs[j]
         a, b = _rope_pair(xa, xb, ca, cb, sa, sb, dtype)
         ab = gl.permute(gl.join(a, b), (2, 0, 1))
@@ -488,12 +504,13 @@ def _qk_next(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, emp
     tile cnt's TMA store (CFG.DEFER_A), or before its staging barrier, which then runs under it."""
     o_stage = stage[0]
     z, h, g = prev
-    parts = _qk_rope(ring, ring32, a_stage, ready, cnt + 1, tabs, dtype, not CFG.DEFER_A, CFG)
+    parts = _qk_rope(ring, ring32, a_stage, ready, empty, cnt + 1, tabs, dtype, not CFG.DEFER_A,
+                     CFG.ROPE_RELEASE, CFG)
     if not CFG.DEFER_A:
         fence_async_shared()                   # published by _qk_finish's first barrier
     y = _qk_retire(acc, CFG)
     scale = _qk_finish(y, stage, out_desc, SCALE, empty, (cnt + 1) % CFG.STAGES, z, h, g, H, G,
-                       a_stage, cnt + 1, parts, True, CFG.DEFER_A, CFG)
+                       a_stage, cnt + 1, parts, not CFG.ROPE_RELEASE, CFG.DEFER_A, CFG)
     if CFG.DEFER_A:
         _qk_publish(scale, o_stage, out_desc, SCALE, z, h, g, H, G)
         acc = _qk_issue(ring, a_stage, had_smem, cnt + 1, CFG)
@@ -545,7 +562,7 @@ def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, em
         # loop spilled at D 128.
         tabs = _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, g * 128, L,
                             HAS_POS, CFG)
-        _qk_rope(ring, ring32, a_stage, ready, cnt, tabs, dtype, True, CFG)
+        _qk_rope(ring, ring32, a_stage, ready, empty, cnt, tabs, dtype, True, False, CFG)
         fence_async_shared()
         gl.thread_barrier()                    # every warp's A rows written, the slot read
         mbarrier.arrive(empty.index(cnt % CFG.STAGES), count=1)
@@ -800,7 +817,7 @@ def interleaved_rows(had):
 
 def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride_qpz, stride_kpz,
            P, rope_style: str, q_pos: bool, k_pos: bool, recipe, stages=None, n_programs=None,
-           per_sm=None, words=None):
+           per_sm=None, words=None, rope_release=None):
     """(kernel, args, kwargs, grid) of prologue_sm90_kernel writing `ops` (host.prepare_prologue
     allocates them as for the Triton kernel). `had` is HAD [D, D] in the input dtype. "interleaved"
     RoPE reads Q and K as int32 pair words against HAD's rows in even-then-odd order: `words`, (Q's
@@ -840,7 +857,8 @@ def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride
     uk = B * kg * -(-Hkv // hck)
     cfg = GluonPrologue(D=D, STAGES=stages, ROPE=rope_style, Q_POS=q_pos, K_POS=k_pos,
                         QK_INT8=recipe.qk == "int8", HAD_SCALE=hadamard_block(D) ** -0.5,
-                        PRODUCER_REGS=40)
+                        PRODUCER_REGS=40,
+                        RELEASE_IN_ROPE=True if rope_release is None else bool(rope_release))
     args = (q_in, k_in, v_in, q8, k8, vt, ops.q_scale, ops.k_scale, ops.v_scale, ops.v_scale_max,
             hadk, cos, sin, qpos, kpos, stride_tz, stride_tp, stride_qpz, stride_kpz,
             B, Hq, Hkv, M, N, max(P, 1), uq, uk, hcq, hck, qg, kg)
