@@ -403,10 +403,11 @@ def _cta_amax(amax_smem):
 
 
 @gluon.jit
-def _qk_finish(y, stage, out_desc, SCALE, empty, slot, z, h, g, H, G, a_stage, a_cnt, a_parts,
-               RELEASE: gl.constexpr, STORE_A: gl.constexpr, CFG: gl.constexpr):
-    """A rotated tile y (fp32, HAD_SCALE applied): amax, scale, quantized into the staging buffer;
-    _qk_publish stores it (fence, the second barrier, TMA store). The first barrier publishes the warps' amax partials, orders the staging stores after the
+def _qk_finish(y, stage, empty, slot, a_stage, a_cnt, a_parts, RELEASE: gl.constexpr,
+               STORE_A: gl.constexpr, CFG: gl.constexpr):
+    """A rotated tile y (fp32, HAD_SCALE applied): amax, scale, quantized into the staging buffer
+    (returns the scale; _qk_publish stores the tile: fence, the second barrier, TMA store). The
+    first barrier publishes the warps' amax partials, orders the staging stores after the
     previous tile's TMA store has read o_stage (thread 0's store_wait), and stands for every
     warp's wgmma wait and earlier shared-memory accesses: after it ring slot `slot` is released
     (RELEASE: the slot the wgmma read without RoPE, the one the next tile's RoPE read with it),
@@ -456,8 +457,8 @@ def _v_tile(ring, vt_stage, amax_smem, vt_desc, V_SCALE, V_SCALE_MAX, ready, emp
     CTA barriers, as _qk_finish: the first publishes the amax partials, orders the staging stores
     after the previous TMA store's read, and precedes the ring slot's release."""
     DQ: gl.constexpr = CFG.DQ
-    # 8 channels (16 bytes) by VR tokens a thread: the transposed store writes VR tokens at once
-    # (VR = 2 where a chunk has 16 values a thread, D 128)
+    # 4 pair words (8 channels, 16 bytes) by VR tokens a thread: the transposed store writes VR
+    # tokens at once (VR = 2 where a chunk has 16 values a thread, D 128)
     VR: gl.constexpr = 2 if DQ >= 32 else 1
     layout: gl.constexpr = gl.BlockedLayout([VR, 4], [32 // (DQ // 8), DQ // 8], [8, 1], [1, 0])
     slot = cnt % CFG.STAGES
@@ -509,8 +510,8 @@ def _qk_next(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, emp
     if not CFG.DEFER_A:
         fence_async_shared()                   # published by _qk_finish's first barrier
     y = _qk_retire(acc, CFG)
-    scale = _qk_finish(y, stage, out_desc, SCALE, empty, (cnt + 1) % CFG.STAGES, z, h, g, H, G,
-                       a_stage, cnt + 1, parts, not CFG.ROPE_RELEASE, CFG.DEFER_A, CFG)
+    scale = _qk_finish(y, stage, empty, (cnt + 1) % CFG.STAGES, a_stage, cnt + 1, parts,
+                       not CFG.ROPE_RELEASE, CFG.DEFER_A, CFG)
     if CFG.DEFER_A:
         _qk_publish(scale, o_stage, out_desc, SCALE, z, h, g, H, G)
         acc = _qk_issue(ring, a_stage, had_smem, cnt + 1, CFG)
@@ -546,8 +547,7 @@ def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, em
         for t in range(0, n_tiles):
             mbarrier.wait(ready.index(cnt % CFG.STAGES), (cnt // CFG.STAGES) & 1)
             y = _qk_retire(_qk_issue(ring, a_stage, had_smem, cnt, CFG), CFG)
-            scale = _qk_finish(y, stage, out_desc, SCALE, empty, cnt % CFG.STAGES, z, h, g, H, G,
-                               a_stage, 0, 0, True, False, CFG)
+            scale = _qk_finish(y, stage, empty, cnt % CFG.STAGES, a_stage, 0, 0, True, False, CFG)
             _qk_publish(scale, stage[0], out_desc, SCALE, z, h, g, H, G)
             cnt += 1
             h += 1
@@ -578,8 +578,7 @@ def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, em
             tabs = _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, g * 128,
                                 L, HAS_POS, CFG)
         y = _qk_retire(acc, CFG)
-        scale = _qk_finish(y, stage, out_desc, SCALE, empty, 0, prev[0], prev[1], prev[2], H, G,
-                           a_stage, 0, 0, False, False, CFG)
+        scale = _qk_finish(y, stage, empty, 0, a_stage, 0, 0, False, False, CFG)
         _qk_publish(scale, stage[0], out_desc, SCALE, prev[0], prev[1], prev[2], H, G)
         cnt += 1
     return cnt
@@ -610,8 +609,8 @@ def _consumer(descs, smem, bars, sizes, outs, tables, CFG: gl.constexpr):
     for u in range(_first_unit(UQ + UK, n_prog), UK, n_prog):
         z, g, h0, h1 = _unit(u, Z, HKV, HCK)
         for h in range(h0, h1):
-            cnt = _v_tile(ring, vt_stage, amax_smem, vt_desc, V_SCALE, V_SCALE_MAX, ready, empty, cnt, z, h,
-                          g, HKV, KG, CFG)
+            cnt = _v_tile(ring, vt_stage, amax_smem, vt_desc, V_SCALE, V_SCALE_MAX, ready, empty,
+                          cnt, z, h, g, HKV, KG, CFG)
     tma.store_wait(0)   # the last stores must finish reading shared memory before the CTA exits
 
 
