@@ -29,9 +29,9 @@ Roles (warp_specialize):
              rounded to the input dtype) into one of two A buffers, releases the slot, 4 chained
              async wgmma (straight from the ring slot without RoPE), then amax, scale, quantize,
              TMA store. With RoPE pipelined by one tile (_qk_units): tile t's wgmma runs under
-             tile t + 1's RoPE; without RoPE one tile at a time (two programs an SM at D 64 overlap
-             them). V tiles: amax, power-of-two scale,
-             e4m3, transposed through shared memory, TMA store. A tile's amax: each warp's max
+             tile t + 1's RoPE; without RoPE tile t + 1's wgmma under tile t's staging barrier and
+             store only (two programs an SM at D 64 overlap the rest). V tiles: amax,
+             power-of-two scale, e4m3, transposed through shared memory, TMA store. A tile's amax: each warp's max
              into shared memory, one CTA barrier, every thread reads the 8 (_warp_amax, _cta_amax);
              that barrier also stands for the tile's wgmma waits, ring-slot reads and A-buffer
              stores before it (docs/design/fp8_prologue.md, "Fewer barriers a tile")
@@ -534,9 +534,10 @@ def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, em
     accumulator in flight while the tables are held: registers). The first tile is peeled, so
     the accumulator in flight across the back edge is only ever written by wgmma.
 
-    Without RoPE, one tile at a time (wgmma, wait, quantize, store; the other program on the SM
-    overlaps it at D 64). Issuing tile t + 1's wgmma before tile t's quantization (97af8ed) made
-    ptxas serialize the 4 wgmma of every tile (a wait after each, no overlap left), and so did
+    Without RoPE, tile t + 1's wgmma is issued after tile t's quantization, before its staging
+    fence, barrier and TMA store, which run under it (the first tile peeled: only wgmma writes
+    the accumulator in flight). Issuing it before tile t's quantization (97af8ed), with y live,
+    made ptxas serialize the 4 wgmma of every tile (a wait after each, no overlap left), and so did
     97af8ed's nested unit / head loops with a zero-initialised accumulator and `if has_prev`
     branches with RoPE (ptxas C7515: "non wgmma instructions defining accumulator registers")."""
     n_prog = gl.num_programs(0)
@@ -544,16 +545,25 @@ def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, em
     u = u0
     z, g, h, h1 = _unit(u, Z, H, HC)
     if CFG.ROPE == "":
-        for t in range(0, n_tiles):
+        if n_tiles > 0:
             mbarrier.wait(ready.index(cnt % CFG.STAGES), (cnt // CFG.STAGES) & 1)
-            y = _qk_retire(_qk_issue(ring, a_stage, had_smem, cnt, CFG), CFG)
+            acc = _qk_issue(ring, a_stage, had_smem, cnt, CFG)
+            for t in range(1, n_tiles):
+                y = _qk_retire(acc, CFG)
+                scale = _qk_finish(y, stage, empty, cnt % CFG.STAGES, a_stage, 0, 0, True, False,
+                                   CFG)
+                mbarrier.wait(ready.index((cnt + 1) % CFG.STAGES), ((cnt + 1) // CFG.STAGES) & 1)
+                acc = _qk_issue(ring, a_stage, had_smem, cnt + 1, CFG)
+                _qk_publish(scale, stage[0], out_desc, SCALE, z, h, g, H, G)
+                cnt += 1
+                h += 1
+                if h == h1:   # the next unit (no division a tile)
+                    u += n_prog
+                    z, g, h, h1 = _unit(u, Z, H, HC)
+            y = _qk_retire(acc, CFG)
             scale = _qk_finish(y, stage, empty, cnt % CFG.STAGES, a_stage, 0, 0, True, False, CFG)
             _qk_publish(scale, stage[0], out_desc, SCALE, z, h, g, H, G)
             cnt += 1
-            h += 1
-            if h == h1:   # the next unit (no division a tile)
-                u += n_prog
-                z, g, h, h1 = _unit(u, Z, H, HC)
     elif n_tiles > 0:
         # The first tile peeled; the tables are loop-invariant in each unit's head loop and the
         # next unit's are loaded after it, under the last tile's wgmma (past the last unit the
