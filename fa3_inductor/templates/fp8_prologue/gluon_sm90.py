@@ -31,10 +31,11 @@ Roles (warp_specialize):
              TMA store. With RoPE pipelined by one tile (_qk_units): tile t's wgmma runs under
              tile t + 1's RoPE; without RoPE tile t + 1's wgmma under tile t's staging barrier and
              store only (two programs an SM at D 64 overlap the rest). V tiles: amax,
-             power-of-two scale, e4m3, transposed through shared memory, TMA store. A tile's amax: each warp's max
-             into shared memory, one CTA barrier, every thread reads the 8 (_warp_amax, _cta_amax);
-             that barrier also stands for the tile's wgmma waits, ring-slot reads and A-buffer
-             stores before it (docs/design/fp8_prologue.md, "Fewer barriers a tile")
+             power-of-two scale, e4m3, transposed through shared memory, TMA store. A tile's
+             amax: each warp's max into shared memory, one CTA barrier, every thread reads the 8
+             (_warp_amax, _cta_amax); that barrier also stands for the tile's wgmma waits,
+             ring-slot reads and A-buffer stores before it (docs/design/fp8_prologue.md, "Fewer
+             barriers a tile")
     producer (1 warp, its warpgroup at PRODUCER_REGS): the same walk over units and tiles, TMA
              loads into a STAGES-deep ring; ready[s] (TMA transaction count), empty[s] (the
              consumer's one arrive, thread 0 after a partition barrier)
