@@ -320,7 +320,8 @@ def _qk_rope(ring, ring32, a_stage, ready, empty, cnt, tabs, dtype: gl.constexpr
     """Tile cnt, RoPE: wait for its ring slot, RoPE in registers: per pair chunk j, the rotated
     members [a_j, b_j] as one [2, 128, DQ] tensor in the input dtype, returned (_store_a writes
     them later) or (STORE) stored into A buffer cnt % 2 as soon as made (not fenced: the caller
-    fences), which keeps fewer registers live."""
+    fences), which keeps fewer registers live. RELEASE (GluonPrologue.ROPE_RELEASE): the slot is
+    released once the last chunk is loaded, after a CTA barrier (every warp's loads done)."""
     DQ: gl.constexpr = CFG.DQ
     # 8 values (16 bytes of input, 32 of words) a thread along a chunk row; 8 warps down the rows
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DQ // 8), DQ // 8], [8, 1], [1, 0])
