@@ -192,13 +192,20 @@ def sweep_candidates() -> list:
     out += [PrologueTuning(kernel="gluon", programs_per_sm=1),
             PrologueTuning(kernel="gluon", programs_per_sm=2, gluon_stages=3),
             PrologueTuning(kernel="gluon", programs_per_sm=2, gluon_stages=5)]
+    # D128 RoPE: the ring slot released after the amax barrier (one barrier on the wgmma-to-wgmma
+    # chain) instead of inside the RoPE (two more barriers, under the running wgmma; the default):
+    # docs/design/fp8_prologue.md, "Fewer barriers a tile". The same kernel without RoPE.
+    out += [PrologueTuning(kernel="gluon", gluon_rope_release=False),
+            PrologueTuning(kernel="gluon", gluon_stages=2, gluon_rope_release=False)]
     return out
 
 
 def _tuning_text(t) -> str:
     if getattr(t, "kernel", None) == "gluon":
+        release = getattr(t, "gluon_rope_release", None)
         return (f"gluon stages={t.gluon_stages or 'default'}"
-                + (f" per_sm={t.programs_per_sm}" if t.programs_per_sm else ""))
+                + (f" per_sm={t.programs_per_sm}" if t.programs_per_sm else "")
+                + ("" if release is None else f" rope_release={'rope' if release else 'amax'}"))
     if getattr(t, "kernel", None) == "triton" and t == type(t)(kernel="triton"):
         return "triton table launch"
     per_sm = {None: "fit", 0: "grid"}.get(t.programs_per_sm, str(t.programs_per_sm))

@@ -48,7 +48,11 @@ class PrologueTuning:
       calls keep the Triton kernel); None: ``default_kernel(head dim)``. The operands are the same, bit for bit;
     - ``gluon_stages``: the Gluon kernel's ring depth (None: gluon_sm90.default_stages); with
       ``kernel="gluon"``, ``programs_per_sm`` sets its programs an SM (None:
-      gluon_sm90.default_programs_per_sm, 2 at D 64 without RoPE, else 1).
+      gluon_sm90.default_programs_per_sm, 2 at D 64 without RoPE, else 1);
+    - ``gluon_rope_release``: with RoPE at D 128, the Gluon kernel releases a tile's ring slot
+      inside its RoPE, under the previous tile's wgmma (True), or after the previous tile's amax
+      barrier (False: one barrier fewer a tile, but on the chain between two wgmmas); None: True
+      (gluon_sm90.GluonPrologue.ROPE_RELEASE). The same operations either way.
 
     Example::
 
@@ -63,6 +67,7 @@ class PrologueTuning:
     rope_select: Optional[bool] = None
     kernel: Optional[str] = None
     gluon_stages: Optional[int] = None
+    gluon_rope_release: Optional[bool] = None
 
 
 DEFAULT_TUNING = PrologueTuning()
@@ -634,7 +639,7 @@ class PrologueLayout:
             had if qpos is None else qpos, had if kpos is None else kpos, stride_tz, stride_tp,
             stride_qpz, stride_kpz, P, style, q_pos, k_pos, self.recipe,
             stages=self._tuning.gluon_stages, per_sm=self._tuning.programs_per_sm,
-            words=inputs[17:] or None)
+            words=inputs[17:] or None, rope_release=self._tuning.gluon_rope_release)
 
     def grid(self, i: int, inputs: tuple) -> tuple:
         """Launch ``i``'s grid (the main launch's persistent grid is chosen on the first call)."""
