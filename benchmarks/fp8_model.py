@@ -135,6 +135,58 @@ def real_weights(layers: Optional[int] = None) -> tuple[Any, dict[str, torch.Ten
     return cfg, state, tok, shape["gguf"]
 
 
+def random_weights(layers: Optional[int] = None) -> tuple[Any, dict[str, torch.Tensor], None, str]:
+    """(config, float32 state dict, no tokenizer, label) of a SmolLM2-135M-shaped Llama with random weights
+    (std 0.02): for speed and profiles without the GGUF (accuracy rows then say nothing about real text).
+
+    Example::
+
+        >>> cfg, state, _, name = random_weights(layers=2)
+        >>> cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, name
+        (2, 9, 3, 'random weights, SmolLM2-135M shape')
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers or 30,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                      rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    state = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), dtype=torch.float32).state_dict()
+    return cfg, state, None, "random weights, SmolLM2-135M shape"
+
+
+def profile(fn: Callable[[], object], top: int = 12) -> str:
+    """Kernels of two calls of ``fn`` under torch.profiler: the ``top`` by CUDA time with their launches,
+    and the host wall time per call (what a host-bound forward shows).
+
+    Example::
+
+        >>> print(profile(lambda: forward(model, ids)))      # doctest: +SKIP
+    """
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    calls = 2
+    with torch.no_grad():
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / calls * 1e3
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    gpu = sum(e.self_device_time_total for e in kernels) / calls / 1e3
+    lines = [f"GPU {gpu:.2f} ms, wall {wall:.2f} ms a call (profiled), "
+             f"{sum(e.count for e in kernels) // calls} launches of {len(kernels)} kernels",
+             "| kernel | ms / call | launches / call |", "|---|---|---|"]
+    lines += [f"| `{e.key[:90]}` | {e.self_device_time_total / calls / 1e3:.3f} | {e.count // calls} |"
+              for e in kernels[:top]]
+    return "\n".join(lines)
+
+
 def build(cfg: Any, state: dict[str, torch.Tensor], attn: str, dtype: torch.dtype,
           device: torch.device) -> torch.nn.Module:
     """A causal LM from ``cfg`` with ``attn_implementation=attn`` in ``dtype`` on ``device``, holding
@@ -169,6 +221,9 @@ def token_ids(tok: Any, seqlen: int, batch: int, device: torch.device) -> torch.
         >>> token_ids(tok, 2048, 1, torch.device("cpu")).shape    # doctest: +SKIP
         torch.Size([1, 2048])
     """
+    if tok is None:   # random weights: random tokens
+        gen = torch.Generator().manual_seed(seqlen)
+        return torch.randint(0, 49152, (1, seqlen), generator=gen).to(device).expand(batch, seqlen).contiguous()
     ids = tok(fp8_activations.shipped_text(), add_special_tokens=False)["input_ids"]
     reps = -(-seqlen // len(ids))
     return torch.tensor((ids * reps)[:seqlen], device=device).expand(batch, seqlen).contiguous()
@@ -205,7 +260,7 @@ def time_ms(fn: Callable[[], object], device: torch.device, reps: int) -> tuple[
 
 # ------------------------------------------------------------------------------------- cases
 def run_impl(impl: str, models: dict[str, torch.nn.Module], ids: torch.Tensor, ref: dict[str, torch.Tensor],
-             device: torch.device, reps: int, base: dict) -> dict[str, Any]:
+             device: torch.device, reps: int, base: dict, profile_calls: bool = False) -> dict[str, Any]:
     """One row: accuracy against ``ref`` (float64 "hidden" and "logits") and forward ms of ``impl``.
 
     Example::
@@ -244,6 +299,9 @@ def run_impl(impl: str, models: dict[str, torch.nn.Module], ids: torch.Tensor, r
         row["top1"] = top1_agreement(logits, ref["logits"])
         del hidden, logits
         row["ms"], row["timer"] = time_ms(lambda: forward(fn, ids), device, reps)  # the same call: no recompile
+        if profile_calls and device.type == "cuda":
+            row["profile"] = profile(lambda: forward(fn, ids))
+            print(f"{impl} at {base['seqlen']}: {row['profile']}", flush=True)
     except Exception as exc:  # one impl failing must not lose the others
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
         if os.environ.get("FA3_BENCH_TRACEBACK"):
@@ -315,6 +373,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="start no (seqlen, impl) case that the longest so far says would end past this")
     p.add_argument("--out", default=os.environ.get("OUT") or str(HERE / "results"))
     p.add_argument("--device", default=None)
+    p.add_argument("--random-weights", action="store_true",
+                   help="a SmolLM2-shaped model with random weights and tokens (speed, profiles; no GGUF needed)")
+    p.add_argument("--profile", action="store_true", help="print each impl's kernels under torch.profiler")
     return p.parse_args(argv)
 
 
@@ -337,7 +398,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     name = fa.device_name(str(device))
     now = datetime.datetime.now()
     t_start = time.monotonic()
-    cfg, state, tok, gguf_name = real_weights(layers)
+    cfg, state, tok, gguf_name = (random_weights if args.random_weights else real_weights)(layers)
     payload: dict[str, Any] = dict(
         device=name, torch=torch.__version__, triton=triton.__version__, date=now.strftime("%Y-%m-%d %H:%M"),
         commit=_git_commit(), command=fa.command_line("fp8_model.py", argv), smoke=args.smoke,
@@ -375,7 +436,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ref.update(seqlen=seqlen, hidden=hidden, logits=logits)
             del m64
         base = dict(seqlen=seqlen, batch=args.batch, layers=cfg.num_hidden_layers)
-        row = run_impl(impl, models, ids, ref, device, reps, base)
+        row = run_impl(impl, models, ids, ref, device, reps, base, profile_calls=args.profile)
         payload["rows"].append(row)
         longest = max(longest, time.monotonic() - t0)
         payload["elapsed_s"] = round(time.monotonic() - start, 1)
