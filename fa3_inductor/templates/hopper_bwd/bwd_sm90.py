@@ -536,7 +536,13 @@ def _consumer_overlap(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_
         z = kz + (hh // FLAGS.GQA_GROUP) * KZ
         hq = hkv * FLAGS.GQA_GROUP + hh % FLAGS.GQA_GROUP
         zh = z * HQ + hq
-        n_partial, n_total = _q_tile_counts(z, hq, kv_blk, M, tables, table_meta, TILE, SPARSE)
+        if DQ_UNDER and SPARSE.HAS_BLOCK_MASK and MASK_MOD is None:
+            # the tables' row of this KV block by an opaque zero: hoisted, qnb + 4 * kv_blk and fqnb + 4 * kv_blk
+            # (64-bit) were kept on the stack across the step loop (softcap with block-sparse tables: 4 spill
+            # instructions; with a mask_mod it moves causal's 4 to 6)
+            n_partial, n_total = _q_tile_counts(z, hq, kv_blk + _opaque(0), M, tables, table_meta, TILE, SPARSE)
+        else:
+            n_partial, n_total = _q_tile_counts(z, hq, kv_blk, M, tables, table_meta, TILE, SPARSE)
         stats_h = stats_ptr + zh.to(gl.int64) * (2 * M_PAD)      # LSE_P of the head; DELTA_P is M_PAD further
         m0 = n_total * 0
         if n_total > 0:
