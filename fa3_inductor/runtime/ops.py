@@ -326,7 +326,28 @@ def bound_launch(q: Tensor, k: Tensor, v: Tensor, tables: tuple, score_bufs: lis
         _state.template = tag
         return out, lse_out if want_lse else None
 
+    # what the launch holds, for benchmarks and tests (read through direct.memo_launch, not closures)
+    launch.bound = BoundLaunch(recorded(key), rest, tag)
     return launch
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundLaunch:
+    """What a launch made by :func:`bound_launch` re-plays, as its ``.bound`` attribute: ``entry``, the
+    runtime/fast_launch.py entry it relaunches (None for a family that launches a call itself: the decode
+    family), ``rest``, the tensors it passes after ``(q, k, v, out, lse, row_max)`` (the block-mask
+    tables, the captured buffers), and ``tag``, the family's name.
+
+    Example::
+
+        >>> b = bound_launch(q, k, v, (None,) * 4, [], [], 0.125, 1 << 30, 1 << 30, spec).bound  # doctest: +SKIP
+        >>> relaunch(b.entry, (q, k, v, out, lse, row_max, *b.rest))                             # doctest: +SKIP
+        'hopper'
+    """
+
+    entry: object
+    rest: tuple
+    tag: object
 
 
 _LIB.impl("flex_fwd", flex_fwd, "CUDA")
