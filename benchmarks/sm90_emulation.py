@@ -104,6 +104,9 @@ def _emulated_launch_cached(key, inputs, prepare):
     return tag
 
 
+_ABSENT = object()
+
+
 class _H200Properties:
     multi_processor_count = 132
     major, minor = 9, 0
@@ -128,8 +131,8 @@ def emulated_sm90() -> Iterator[None]:
     from fa3_inductor.templates import family
 
     saved = [(family.SiteFacts, "capability", family.SiteFacts.__dict__["capability"]),
-             (family.BackwardSiteFacts, "capability", family.BackwardSiteFacts.__dict__.get("capability")),
-             (torch.Tensor, "is_cuda", torch.Tensor.__dict__.get("is_cuda")),
+             (family.BackwardSiteFacts, "capability", family.BackwardSiteFacts.__dict__.get("capability", _ABSENT)),
+             (torch.Tensor, "is_cuda", torch.Tensor.__dict__.get("is_cuda", _ABSENT)),
              (fast_launch, "_get_stream", fast_launch._get_stream),
              (ops, "launch_cached", ops.launch_cached),
              (ops_bwd, "launch_cached", ops_bwd.launch_cached)]
@@ -148,7 +151,7 @@ def emulated_sm90() -> Iterator[None]:
         yield
     finally:
         for owner, name, value in saved:
-            if value is None:
+            if value is _ABSENT:   # a class attribute set here shadowed a base class's
                 delattr(owner, name)
             else:
                 setattr(owner, name, value)
