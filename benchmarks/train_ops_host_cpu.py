@@ -120,6 +120,7 @@ def main() -> None:
             lambda: ops_bwd.flex_bwd_families(one["q"], one["k"], one["v"], out, lse, one["dout"], None,
                                               *tables, *q_tables, [], [], scale, 128, 128, bwd_spec),
             args.steps, args.rounds)
+        rows.update(dispatch_floor(one, out, lse, tables, q_tables, scale, fwd_spec, bwd_spec, args))
         rows.update(stages(one, out, lse, tables, q_tables, scale, fwd_spec, bwd_spec, args))
         for name, us in rows.items():
             print(f"  {name:58s} {us:7.2f} us")
@@ -133,6 +134,31 @@ def main() -> None:
                 backward_all(forward_all())
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+def dispatch_floor(one, out, lse, tables, q_tables, scale, fwd_spec, bwd_spec, args) -> dict:
+    """µs a call of ops with our two ops' schemas whose Python kernels return at once (outputs made
+    beforehand): what ``torch.ops`` costs these arguments before and after our Python runs."""
+    import torch
+
+    lib = torch.library.Library("fa3_host_floor", "DEF")
+    results = {}
+    for name, op in (("flex_fwd", torch.ops.fa3_inductor.flex_fwd.default),
+                     ("flex_bwd", torch.ops.fa3_inductor.flex_bwd.families)):
+        schema = str(op._schema).split("(", 1)[1]
+        lib.define(f"{name}({schema}")
+    made_fwd = (torch.empty_like(one["q"]), lse, torch.empty_like(lse))
+    made_bwd = (torch.empty_like(one["q"]), torch.empty_like(one["k"]), torch.empty_like(one["v"]), [])
+    lib.impl("flex_fwd", lambda *a: made_fwd, "CPU")
+    lib.impl("flex_bwd", lambda *a: made_bwd, "CPU")
+    fwd, bwd = torch.ops.fa3_host_floor.flex_fwd.default, torch.ops.fa3_host_floor.flex_bwd.default
+    results["dispatch alone, forward schema (Python kernel returns)"] = per_call_us(
+        lambda: fwd(one["q"], one["k"], one["v"], *tables, [], [], scale, 128, 128, fwd_spec),
+        args.steps * 4, args.rounds)
+    results["dispatch alone, backward schema (Python kernel returns)"] = per_call_us(
+        lambda: bwd(one["q"], one["k"], one["v"], out, lse, one["dout"], None, *tables, *q_tables, [], [],
+                    scale, 128, 128, bwd_spec), args.steps * 4, args.rounds)
+    return results
 
 
 def stages(one, out, lse, tables, q_tables, scale, fwd_spec, bwd_spec, args) -> dict:
