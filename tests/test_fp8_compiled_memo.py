@@ -1,0 +1,157 @@
+"""The compiled FP8 ops' memo (runtime/ops_fp8.compiled_call, issue 18): a repeated call of
+``flex_fwd_fp8_rope`` replays its prologue and attention launches without rebuilding anything.
+
+CPU only: the GPU launches are emulated as benchmarks/fp8_compiled_host_cpu.py does (fast_launch's
+real recording over a stand-in kernel, serve's CUDA branch taken), so the test counts what a call
+builds, not what it computes (the GPU tests of test_fp8_rope_fusion.py run the real launches).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+
+
+@pytest.fixture
+def emulated(monkeypatch, cpu_kernels):
+    import fp8_compiled_host_cpu as emulation
+
+    from fa3_inductor.runtime import fast_launch
+
+    fast_launch.clear()
+    counts = emulation.emulate_gpu_launches(monkeypatch.setattr)
+    yield counts
+    fast_launch.clear()
+
+
+def _site(N: int = 128):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from fa3_inductor import direct, mods
+    from fa3_inductor.fp8_recipe import FP8Recipe
+    from fa3_inductor.runtime.ops_fp8 import recipe_text
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, N, 4, 64, generator=g).bfloat16().transpose(1, 2)
+    k, v = (torch.randn(1, N, 2, 64, generator=g).bfloat16().transpose(1, 2) for _ in range(2))
+    cos, sin = torch.randn(N, 64, generator=g).bfloat16(), torch.randn(N, 64, generator=g).bfloat16()
+    bm = create_block_mask(mods.causal, None, None, N, N, device="cpu")
+    tables, sq, skv = direct.block_mask_tables(bm)
+    spec = direct.cached_plan(q, k, v, None, mods.causal, bm, "auto", fp8=True).spec
+    return (q, k, v, cos, sin, "half", *tables, [], [], 64 ** -0.5, sq, skv, spec,
+            recipe_text(FP8Recipe()))
+
+
+def test_repeated_compiled_fp8_calls_replay_without_rebuilding(emulated):
+    from fa3_inductor.runtime import fast_launch, ops_fp8
+    from fa3_inductor.templates.fp8_prologue import host
+
+    args = _site()
+    op = torch.ops.fa3_inductor.flex_fwd_fp8_rope.default
+    first = op(*args)
+    before, layouts = ops_fp8.stats(), len(host._LAYOUTS)
+    prepared, relaunches = emulated["prepared"], fast_launch.stats()["relaunches"]
+    for _ in range(3):
+        out, lse, row_max = op(*args)
+        assert out.shape == first[0].shape and out.stride() == first[0].stride()
+        assert lse.shape == first[1].shape and row_max.shape == first[2].shape
+        assert out.data_ptr() != lse.data_ptr()
+    after = ops_fp8.stats()
+    assert after["replayed"] - before["replayed"] == 3
+    assert after["full"] == before["full"] and after["bound"] == before["bound"]
+    assert emulated["prepared"] == prepared                       # no launch prepared again
+    assert len(host._LAYOUTS) == layouts
+    # two launches a call: the prologue and the attention kernel
+    assert fast_launch.stats()["relaunches"] - relaunches == 2 * 3
+
+
+def test_a_new_signature_takes_the_full_path_once(emulated):
+    from fa3_inductor.runtime import ops_fp8
+
+    op = torch.ops.fa3_inductor.flex_fwd_fp8_rope.default
+    args = _site()
+    op(*args)
+    before = ops_fp8.stats()
+    # q contiguous instead of a [B, S, H, D] view: another signature, another entry
+    op(args[0].contiguous(), *args[1:])
+    op(args[0].contiguous(), *args[1:])
+    after = ops_fp8.stats()
+    assert after["full"] - before["full"] == 1 and after["replayed"] - before["replayed"] == 1
+
+
+def test_launch_cache_clear_forgets_the_memo(emulated):
+    from fa3_inductor.runtime import fast_launch, ops_fp8
+
+    op = torch.ops.fa3_inductor.flex_fwd_fp8_rope.default
+    args = _site()
+    op(*args)
+    assert ops_fp8._BOUND
+    fast_launch.clear()
+    assert not ops_fp8._BOUND
+    before = ops_fp8.stats()
+    op(*args)
+    assert ops_fp8.stats()["full"] - before["full"] == 1
+
+
+def test_a_replay_rewrites_one_operand_set_and_returns_fresh_outputs(emulated):
+    """The replay keeps one set of prologue operands per (layout, stream, thread), re-fills
+    v_scale_max with -1 before each prologue, and allocates out / lse / max per call (the op's
+    outputs go to the graph)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fa3_inductor.runtime import ops_fp8
+
+    args = _site()
+    ops_fp8.flex_fwd_fp8_rope(*args)
+    outs = [ops_fp8.flex_fwd_fp8_rope(*args) for _ in range(2)]
+    assert len(ops_fp8._WORKSPACES) == 1
+    (operands, _), = ops_fp8._WORKSPACES.values()
+    assert torch.equal(operands.v_scale_max, torch.full_like(operands.v_scale_max, 1.0))  # -1, abs_
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(*outs))
+
+    class Ops(TorchDispatchMode):
+        names: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as seen:
+        ops_fp8.flex_fwd_fp8_rope(*args)
+    # the fill and the abs around the prologue, the three outputs; views of RoPE's [S, R] tables
+    assert [n for n in seen.names if n != "unsqueeze"] == ["fill_", "abs_", "empty_like", "new_empty",
+                                                          "empty_like"], seen.names
+
+
+@pytest.mark.gpu
+def test_compiled_fp8_replays_compute_what_the_full_path_computes(fresh_compiles):
+    """On an FP8 GPU: a compiled rotate_half model's later calls replay (ops_fp8.stats) and give,
+    bit for bit, what the same calls give through the full path (the memo and the launch cache
+    cleared before each), on new inputs each call, V's heads all zero in one of them (v_scale_max's
+    fill and abs between calls on one operand set)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a GPU with e4m3 tensor cores (sm89+)")
+    from test_fp8_rope_fusion import FP8, HalfRope, half_tables, qkv
+
+    from fa3_inductor.runtime import fast_launch, ops_fp8
+
+    torch._dynamo.reset()
+    model = torch.compile(HalfRope(), backend="fa3", options=FP8)
+    cos, sin = half_tables("cuda")
+    inputs = [qkv(seed, device="cuda") for seed in (1, 2, 3)]
+    inputs[1][2][:, 0].zero_()   # one KV head of V all zero
+    with torch.no_grad():
+        model(*inputs[0], cos, sin)
+        before = ops_fp8.stats()
+        replayed = [model(*x, cos, sin).clone() for x in inputs]
+        assert ops_fp8.stats()["replayed"] - before["replayed"] == len(inputs)
+        for x, out in zip(inputs, replayed):
+            fast_launch.clear()                       # forgets the memo too: the full path
+            fresh = model(*x, cos, sin)
+            assert torch.equal(out, fresh)
+            assert torch.isfinite(out).all()
