@@ -2,8 +2,10 @@
 ``flex_fwd_fp8_rope`` replays its prologue and attention launches without rebuilding anything.
 
 CPU only: the GPU launches are emulated as benchmarks/fp8_compiled_host_cpu.py does (fast_launch's
-real recording over a stand-in kernel, serve's CUDA branch taken), so the test counts what a call
-builds, not what it computes (the GPU tests of test_fp8_rope_fusion.py run the real launches).
+real recording over a stand-in kernel, serve's CUDA branch taken), so those tests count what a call
+builds, not what it computes; ``computing_replays`` swaps the replay's CUDA-only parts for stand-ins that
+compute under the interpreter (as test_fp8_memo.py does for flex()'s memo), so a replay is checked bit
+for bit against the full path. The GPU test runs the real launches.
 """
 
 from __future__ import annotations
@@ -155,3 +157,69 @@ def test_compiled_fp8_replays_compute_what_the_full_path_computes(fresh_compiles
             fresh = model(*x, cos, sin)
             assert torch.equal(out, fresh)
             assert torch.isfinite(out).all()
+
+
+@pytest.fixture
+def computing_replays(monkeypatch, cpu_kernels):
+    """The replay's CUDA-only parts as stand-ins that compute under the interpreter (as
+    test_fp8_memo.py does for flex()'s memo): the prologue's recorded launches run its Triton launches
+    on the replay's inputs, the attention's re-launcher serves a Call of the replay's tensors."""
+    from fa3_inductor.fp8_recipe import FP8Operands
+    from fa3_inductor.runtime import fast_launch, ops, ops_fp8
+    from fa3_inductor.runtime.spec import SiteSpec
+    from fa3_inductor.templates.family import Call
+    from fa3_inductor.templates.fp8_prologue.host import PrologueLayout
+
+    def recorded_launches(layout):
+        def run(inputs):
+            for i, (kernel, kwargs) in enumerate(layout.kernels):
+                kernel[layout.grid(i, inputs)](*layout.args(i, inputs), **kwargs)
+        return (run,)
+
+    def replayer(key):
+        (spec, scale, sq, skv, n_score, *_), recipe, needs_max = key
+        site = SiteSpec.from_json(spec)
+
+        def fire(inputs):
+            q8, k8, vt, out, lse, max_scores, *rest = inputs
+            tables, bufs, scales = rest[:4], rest[4:-4], rest[-4:]
+            fp8 = FP8Operands(q8, k8, vt, *scales, k_mean=None, recipe=recipe, n=k8.shape[2])
+            call = Call(q8, k8, vt, out, lse, max_scores, tuple(tables), tuple(bufs[:n_score]),
+                        tuple(bufs[n_score:]), scale, sq, skv, needs_max=needs_max, fp8=fp8)
+            return ops._serve(site, call, None, None)
+        return fire, "fp8"
+
+    fast_launch.clear()
+    monkeypatch.setattr(ops_fp8, "_records_launches", lambda t: True)
+    monkeypatch.setattr(ops_fp8, "relaunch", lambda entry, inputs: entry(inputs))
+    monkeypatch.setattr(fast_launch, "_get_stream", lambda device: 0)   # no CUDA driver here
+    monkeypatch.setattr(ops, "replayer", replayer)
+    monkeypatch.setattr(PrologueLayout, "recorded_launches", recorded_launches)
+    yield
+    fast_launch.clear()
+
+
+def test_replays_compute_what_the_full_path_computes(computing_replays):
+    """Replays on one kept operand set, new inputs each call (one with a KV head of V all zero:
+    v_scale_max's fill and abs between calls), bit for bit the full path's out and LSE."""
+    from fa3_inductor.runtime import ops_fp8
+
+    args = list(_site())
+    op = ops_fp8.flex_fwd_fp8_rope
+    g = torch.Generator().manual_seed(1)
+    calls = []
+    for i in range(3):
+        q, k, v = (torch.randn(t.shape[0], t.shape[2], t.shape[1], t.shape[3], generator=g)
+                   .bfloat16().transpose(1, 2) for t in args[:3])
+        if i == 1:
+            v[:, 0].zero_()
+        calls.append((q, k, v, *args[3:]))
+    op(*calls[0])   # binds
+    before = ops_fp8.stats()
+    replayed = [tuple(t.clone() for t in op(*c)[:2]) for c in calls]
+    assert ops_fp8.stats()["replayed"] - before["replayed"] == 3
+    for c, (out, lse) in zip(calls, replayed):
+        ops_fp8._BOUND.clear()
+        full_out, full_lse, _ = op(*c)
+        assert torch.equal(out, full_out) and torch.equal(lse, full_lse)
+        assert torch.isfinite(out).all()
