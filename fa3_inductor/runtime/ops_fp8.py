@@ -110,13 +110,15 @@ def compiled_call(q: Tensor, k: Tensor, v: Tensor, rope: Optional[RopeSpec], tab
     :func:`serve_fp8`). On CUDA a call whose key (``spec``, ``recipe``, RoPE's style, the scale and
     block sizes, the float32 matmul precision, the interpreter flag, and the shapes, strides, dtypes,
     devices, 16-byte alignment and aliasing of every tensor argument) was served before replays it
-    (:class:`_BoundOp`): the prologue's operands allocated and its recorded launches, ``finish``, the
+    (:class:`_BoundOp`): the prologue's kept operands (:meth:`_BoundOp.operands`) and its recorded
+    launches, ``finish``, the
     outputs, the recorded attention launch, smooth_k's LSE correction. Everything the full path
     derives beyond the tensors' addresses is fixed by that key: the prologue layout (whose key reads
     the same signatures), the outputs' layouts (fresh allocations, aligned), and the attention launch
     key (runtime.ops.serve_key: those operands' and the tables' and buffers' signatures). It skips the
     layout and launch-key lookups, the Call, ``SiteSpec.from_json`` and the per-launch key hashing,
-    ~60 µs of the ~85 a call took on this repo's CPU emulation (docs/design/fp8_prologue.md).
+    and the six allocations of the operands: 72-84 -> 36 µs a call on this repo's CPU emulation, bf16's
+    flex_fwd 22 (docs/design/fp8_prologue.md, "Host cost of the compiled op").
 
     Example::
 
@@ -203,7 +205,7 @@ class _BoundOp:
 
         check_positions(q, k, rope)
         ops, k_part = self.operands()
-        inputs = self.layout.inputs_of(ops, k_part, q, k, v, rope)
+        inputs = self.layout.inputs_of(ops, k_part, q, k, v, rope, recorded=True)
         for entry in self.prologue:
             relaunch(entry, inputs)
         finish(ops)

@@ -612,12 +612,21 @@ class PrologueLayout:
         return ops, k_part
 
     def inputs_of(self, ops: FP8Operands, k_part: Optional[torch.Tensor], q: torch.Tensor,
-                  k: torch.Tensor, v: torch.Tensor, rope: Optional[RopeSpec]) -> tuple:
-        """The launches' tensors (:meth:`bind`'s second item) over :meth:`allocate`'s operands."""
+                  k: torch.Tensor, v: torch.Tensor, rope: Optional[RopeSpec],
+                  recorded: bool = False) -> tuple:
+        """The launches' tensors (:meth:`bind`'s second item) over :meth:`allocate`'s operands.
+        ``recorded``: for this layout's recorded launches only (:meth:`recorded_launches`), which
+        read RoPE's tables as addresses: [P, R] tables are left without the batch axis a first
+        launch's arguments show (the same address, the strides are the layout's), two views fewer."""
         if rope is None:
             cos = sin = qpos = kpos = None
         else:
-            cos, sin = self._tables(rope)
+            if recorded:
+                cos, sin = _last_dim_contiguous(rope.cos), _last_dim_contiguous(rope.sin)
+                if sin.stride() != cos.stride():     # as _tables: the same test on the same shapes
+                    sin, cos = sin.contiguous(), cos.contiguous()
+            else:
+                cos, sin = self._tables(rope)
             qpos, kpos = (None if p is None else self._pos(p) for p in (rope.q_positions,
                                                                           rope.k_positions))
         q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
