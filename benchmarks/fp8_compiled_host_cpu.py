@@ -19,8 +19,8 @@ What is emulated (Triton's interpreter is on, set here; tensors are on the CPU):
   the Hopper ones need an sm90 GPU), whose argument list is a little shorter than the Hopper kernel's.
 
 Per call it prints µs (the fastest of ``--rounds`` rounds of ``--calls`` calls), the torch ops a call
-runs beside the two launches (each a GPU launch on CUDA: ``torch.full``, ``abs_``; allocations are
-not launches), and with ``--profile`` a cProfile of the FP8 op. CPU figures: compare the two ops
+runs beside the two launches (on CUDA a ``fill_`` / ``abs_`` / ``zero_`` would be one more launch each;
+allocations are not launches; a replay runs one ``zero_`` every ops_fp8._RING calls), and with ``--profile`` a cProfile of the FP8 op. CPU figures: compare the two ops
 with each other, not with a GPU server's host.
 
     python benchmarks/fp8_compiled_host_cpu.py [--root TREE] [--profile]

@@ -101,10 +101,10 @@ def test_launch_cache_clear_forgets_the_memo(emulated):
 
 
 def test_a_replay_rewrites_one_operand_set_and_returns_fresh_outputs(emulated):
-    """The replay keeps one set of prologue operands per (layout, stream, thread), re-fills
-    v_scale_max with -1 before each prologue, and allocates out / lse / max per call (the op's
-    outputs go to the graph)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    """The replay keeps one set of prologue operands per (layout, stream, thread), takes the next
+    zeroed v_scale_max slot per call (no fill, no abs: _RING slots reset by one zero_), and
+    allocates out / lse / max per call (the op's outputs go to the graph)."""
+    from reference import op_names
 
     from fa3_inductor.runtime import ops_fp8
 
@@ -112,21 +112,25 @@ def test_a_replay_rewrites_one_operand_set_and_returns_fresh_outputs(emulated):
     ops_fp8.flex_fwd_fp8_rope(*args)
     outs = [ops_fp8.flex_fwd_fp8_rope(*args) for _ in range(2)]
     assert len(ops_fp8._WORKSPACES) == 1
-    (operands, _), = ops_fp8._WORKSPACES.values()
-    assert torch.equal(operands.v_scale_max, torch.full_like(operands.v_scale_max, 1.0))  # -1, abs_
+    workspace, = ops_fp8._WORKSPACES.values()
+    assert workspace.next == 2
+    taken = [s.v_scale_max for s in workspace.sets[:3]]
+    assert all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in taken)
+    assert len({t.data_ptr() for t in taken}) == 3
+    assert torch.equal(workspace.ring, torch.zeros_like(workspace.ring))   # emulated: nothing wrote
     assert all(a.data_ptr() != b.data_ptr() for a, b in zip(*outs))
 
-    class Ops(TorchDispatchMode):
-        names: list = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
-    with Ops() as seen:
+    with op_names() as seen:
         ops_fp8.flex_fwd_fp8_rope(*args)
-    # the fill and the abs around the prologue, the three outputs; no views of RoPE's [S, R] tables
-    assert seen.names == ["fill_", "abs_", "empty_like", "new_empty", "empty_like"], seen.names
+    # the three outputs only: no fill, no abs; no views of RoPE's [S, R] tables
+    assert seen.names == ["empty_like", "new_empty", "empty_like"], seen.names
+    # the slots used up: one zero_ resets them all, the next call takes slot 0
+    workspace.next = ops_fp8._RING
+    workspace.ring.fill_(5.0)
+    with op_names() as seen:
+        ops_fp8.flex_fwd_fp8_rope(*args)
+    assert seen.names[0] == "zero_" and workspace.next == 1
+    assert torch.equal(workspace.ring, torch.zeros_like(workspace.ring))
 
 
 @pytest.mark.gpu
@@ -198,25 +202,35 @@ def computing_replays(monkeypatch, cpu_kernels):
     fast_launch.clear()
 
 
-def test_replays_compute_what_the_full_path_computes(computing_replays):
-    """Replays on one kept operand set, new inputs each call (one with a KV head of V all zero:
-    v_scale_max's fill and abs between calls), bit for bit the full path's out and LSE."""
+def test_replays_compute_what_the_full_path_computes(computing_replays, monkeypatch):
+    """Replays on one kept operand set, new inputs each call (two with a KV head of V all zero:
+    its v_scale_max stays at the slot's 0 where the full path maps it to 1), bit for bit the full
+    path's out and LSE; two v_scale_max slots, so the slots are reset (one zero_) between calls
+    that wrote them."""
     from fa3_inductor.runtime import ops_fp8
 
+    monkeypatch.setattr(ops_fp8, "_RING", 2)
     args = list(_site())
     op = ops_fp8.flex_fwd_fp8_rope
     g = torch.Generator().manual_seed(1)
     calls = []
-    for i in range(3):
+    for i in range(5):
         q, k, v = (torch.randn(t.shape[0], t.shape[2], t.shape[1], t.shape[3], generator=g)
                    .bfloat16().transpose(1, 2) for t in args[:3])
-        if i == 1:
+        if i in (1, 4):
             v[:, 0].zero_()
+        if i == 3:
+            v.mul_(1e-3)   # smaller scales than the calls before: a slot not reset would keep theirs
         calls.append((q, k, v, *args[3:]))
     op(*calls[0])   # binds
     before = ops_fp8.stats()
-    replayed = [tuple(t.clone() for t in op(*c)[:2]) for c in calls]
-    assert ops_fp8.stats()["replayed"] - before["replayed"] == 3
+    replayed = []
+    for c in calls:
+        replayed.append(tuple(t.clone() for t in op(*c)[:2]))
+        workspace, = ops_fp8._WORKSPACES.values()
+        vs_max = workspace.sets[workspace.next - 1].v_scale_max
+        assert (vs_max[:, 0] == 0).all() == (c[2][:, 0] == 0).all()   # 0 left for an all-zero head
+    assert ops_fp8.stats()["replayed"] - before["replayed"] == len(calls)
     for c, (out, lse) in zip(calls, replayed):
         ops_fp8._BOUND.clear()
         full_out, full_lse, _ = op(*c)

@@ -22,6 +22,7 @@ from torch import Tensor
 from ..fp8_recipe import FP8Operands, FP8Recipe, RopeSpec
 from ..templates.family import Call
 from ..templates.fp8_prologue.host import _interpreting, check_positions, finish, layout_of, quantize
+from ..templates.placeholder import outside_graph_pools
 from .fast_launch import _current_stream, aliasing, on_clear, relaunch, tensor_signature
 from .spec import SiteSpec
 
@@ -74,9 +75,15 @@ _LOG2E = 1.4426950408889634
 # one signature per site call after call. Cleared with the launch cache (its entries hold recorded launches).
 _BOUND: dict = {}
 _MAX_BOUND = 256
-# (prologue layout, stream, thread) -> the prologue operands _BoundOp re-writes call after call
+# (prologue layout, stream, thread) -> the prologue operands the replays re-write (_Workspace)
 _WORKSPACES: dict = {}
 _MAX_WORKSPACES = 16
+# v_scale_max slots per _Workspace, all zeroed by one launch every _RING calls. Small on purpose: the
+# slot's address is one of those fast_launch keys a launch's argument tuple by (at most _MAX_CALLS = 1024
+# a launch entry), and a model whose L sites share an entry, each on addresses of its own, cycles through
+# lcm(L, _RING) <= 8 L of them: the cache keeps them all up to L = 128 (a ring of 128 would rebuild the
+# tuples of both launches on every call past L = 8 or so)
+_RING = 8
 on_clear(_WORKSPACES.clear)
 on_clear(_BOUND.clear)
 _STATS = {"replayed": 0, "full": 0, "bound": 0}
@@ -96,6 +103,67 @@ def stats() -> dict:
     return dict(_STATS)
 
 
+class _Workspace:
+    """The prologue operands of one (layout, stream, thread), re-written call after call by the
+    replays (:meth:`_BoundOp.operands`, :func:`bound_fp8_call`), and _RING v_scale_max slots.
+
+    v_scale_max is the prologue's atomic max of the scales of V's nonzero blocks, so each call needs
+    one that starts below every scale. The full path starts it at -1 and maps a -1 left in a head
+    whose V is all zero to 1 (``torch.full``, then ``finish``'s ``abs_``: two launches). Here a call
+    takes the next of _RING zeroed slots (rows of one tensor, 16-byte aligned) and one ``zero_``
+    resets them all when they are used up: 2 + 1/_RING launches a call (prologue, attention). A head
+    whose V is all zero then keeps 0 instead of 1; both attention kernels give it the same output,
+    bit for bit: all its V blocks have scale 1, and P's shift min(8 + log2(1 / vs_max), 8) is 8 for
+    vs_max 1 and for 0 (log2(inf) = inf; hopper's LEAN form 8 - log2(0) + lg2(1) = inf likewise), so
+    P, its e4m3 rounding and the row sum (which divides the shift out) are the same, and O's
+    accumulator, P8 times an all-zero VT, is a zero that the epilogue's factor vs_max / 256 (a
+    positive number or 0) leaves a zero of the same sign (docs/design/fp8_prologue.md, "Host cost of
+    the compiled op"). The slots are reused safely for the reasons the operands are: everything that
+    touches them runs on that stream in issue order, and the op never returns them. Kept tensors are
+    allocated outside any cudagraph tree's pool; under a stream capture the replays are not taken."""
+
+    __slots__ = ("sets", "k_part", "ring", "next")
+
+    def __init__(self, layout) -> None:
+        ops, self.k_part = layout.allocate(fill=False)
+        shape = layout.scale_max_shape
+        n = shape[0] * shape[1]
+        width = -(-n // 4) * 4                      # slots 16 bytes apart: aligned as a fresh tensor
+        self.ring = torch.zeros((_RING, width), dtype=torch.float32, device=ops.q.device)
+        self.sets = [dataclasses.replace(ops, v_scale_max=self.ring[i, :n].view(shape)) for i in range(_RING)]
+        self.next = 0
+
+    @classmethod
+    def of(cls, layout, device: Optional[int], cuda: bool) -> "_Workspace":
+        """The kept workspace of ``layout`` on the current stream of ``device`` (CPU: one) and thread."""
+        where = (layout, _current_stream(device) if cuda else None, threading.get_ident())
+        kept = _WORKSPACES.get(where)
+        if kept is None:
+            if len(_WORKSPACES) >= _MAX_WORKSPACES:
+                _WORKSPACES.clear()
+            made: list = []
+            if cuda:   # kept across calls: never from a cudagraph tree's pool (placeholder.py)
+                outside_graph_pools(lambda: (made.append(cls(layout)), made[0].ring)[1])
+            kept = _WORKSPACES[where] = made[0] if made else cls(layout)
+        return kept
+
+    def take(self) -> tuple[FP8Operands, Optional[Tensor]]:
+        """This call's operands (v_scale_max a zeroed slot no call since the last reset has used)
+        and smooth_k's partial sums."""
+        i = self.next
+        if i == _RING:
+            self.ring.zero_()   # after the calls that read the slots: same stream, issue order
+            i = 0
+        self.next = i + 1
+        return self.sets[i], self.k_part
+
+
+def _capturing(q: Tensor) -> bool:
+    """Whether ``q``'s stream is being captured into a CUDA graph (the replays' kept operands and
+    their per-call slot would be baked into the graph: the full path runs instead)."""
+    return q.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _records_launches(q: Tensor) -> bool:
     """Whether launches on ``q``'s device are recorded (runtime/fast_launch.py: CUDA); the CPU host
     emulation (benchmarks/fp8_compiled_host_cpu.py) replaces it."""
@@ -110,9 +178,10 @@ def compiled_call(q: Tensor, k: Tensor, v: Tensor, rope: Optional[RopeSpec], tab
     :func:`serve_fp8`). On CUDA a call whose key (``spec``, ``recipe``, RoPE's style, the scale and
     block sizes, the float32 matmul precision, the interpreter flag, and the shapes, strides, dtypes,
     devices, 16-byte alignment and aliasing of every tensor argument) was served before replays it
-    (:class:`_BoundOp`): the prologue's kept operands (:meth:`_BoundOp.operands`) and its recorded
-    launches, ``finish``, the
-    outputs, the recorded attention launch, smooth_k's LSE correction. Everything the full path
+    (:class:`_BoundOp`): the prologue's kept operands (:meth:`_BoundOp.operands`: a zeroed
+    v_scale_max slot, no fill, no ``finish``) and its recorded launches, the outputs, the recorded
+    attention launch, smooth_k's LSE correction: two launches a call (the full path's four: fill,
+    prologue, abs, attention), plus one ``zero_`` every _RING calls. Not while the stream is captured. Everything the full path
     derives beyond the tensors' addresses is fixed by that key: the prologue layout (whose key reads
     the same signatures), the outputs' layouts (fresh allocations, aligned), and the attention launch
     key (runtime.ops.serve_key: those operands' and the tables' and buffers' signatures). It skips the
@@ -134,7 +203,7 @@ def compiled_call(q: Tensor, k: Tensor, v: Tensor, rope: Optional[RopeSpec], tab
                len(score_bufs), torch.get_float32_matmul_precision(), _interpreting(),
                tensor_signature(tensors), aliasing(tensors))
         bound = _BOUND.get(key)
-        if bound is not None:
+        if bound is not None and not _capturing(q):
             _STATS["replayed"] += 1
             return bound(q, k, v, rope, (*tables, *score_bufs, *mask_bufs))
     _STATS["full"] += 1
@@ -181,23 +250,15 @@ class _BoundOp:
         return bound
 
     def operands(self) -> tuple[FP8Operands, Optional[Tensor]]:
-        """The prologue's operands (and smooth_k's partial sums) of this call: allocated once per
-        (stream, thread) and re-written by every call, v_scale_max filled with -1 first (the launches'
-        atomic max starts from it). Safe to reuse because everything that touches them runs on that
-        stream in issue order (this call's fill, prologue and attention launches, smooth_k's LSE
-        correction, then the next call's, whatever site it serves); the thread is in the key so that
-        two threads sharing a stream never interleave their calls over one set. They never leave the
-        op: it returns fresh out / lse / max. Kept per layout (the dict holds it: no recycled ids),
-        at most _MAX_WORKSPACES sets in all, cleared when full: a workload cycling through more
+        """The prologue's operands (and smooth_k's partial sums) of this call: kept per (layout,
+        stream, thread) and re-written by every call, v_scale_max a zeroed slot (:class:`_Workspace`).
+        Safe to reuse because everything that touches them runs on that stream in issue order (this
+        call's prologue and attention launches, smooth_k's LSE correction, then the next call's,
+        whatever site it serves); the thread is in the key so that two threads sharing a stream never
+        interleave their calls over one set. They never leave the op: it returns fresh out / lse /
+        max. At most _MAX_WORKSPACES sets in all, cleared when full: a workload cycling through more
         signatures re-allocates rather than holds their operands."""
-        where = (self.layout, _current_stream(self.device), threading.get_ident())
-        kept = _WORKSPACES.get(where)
-        if kept is None:
-            if len(_WORKSPACES) >= _MAX_WORKSPACES:
-                _WORKSPACES.clear()
-            kept = _WORKSPACES[where] = self.layout.allocate(fill=False)
-        kept[0].v_scale_max.fill_(-1.0)
-        return kept
+        return _Workspace.of(self.layout, self.device, True).take()
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, rope: Optional[RopeSpec], rest: tuple
                  ) -> tuple[Tensor, Tensor, Tensor]:
@@ -208,7 +269,6 @@ class _BoundOp:
         inputs = self.layout.inputs_of(ops, k_part, q, k, v, rope, recorded=True)
         for entry in self.prologue:
             relaunch(entry, inputs)
-        finish(ops)
         out = torch.empty_like(q) if self.plain else _out_like(q, v)
         lse = q.new_empty(self.lse_shape, dtype=torch.float32)
         max_scores = torch.empty_like(lse)
@@ -296,8 +356,9 @@ def bound_fp8_call(q: Tensor, k: Tensor, v: Tensor, rope: Optional[RopeSpec], sp
     """After :func:`serve_fp8` served ``call`` (made by :func:`fp8_call` from ``q, k, v, rope``): a
     function ``launch(q, k, v, rope, want_lse)`` that computes the same for new inputs of the same
     signature (q, k, v and RoPE's tensors: shapes, strides, dtypes, alignment, which are one tensor),
-    returning ``(out, lse in log2 units or None)``: the prologue re-bound (its layout's operands
-    allocated, its recorded launches, finish) and the attention launch (:func:`bound_fp8_launch`),
+    returning ``(out, lse in log2 units or None)``: the prologue re-run over kept operands
+    (:class:`_Workspace`: no allocation, fill or ``finish``; under a stream capture its layout's
+    operands allocated and finished per call) and the attention launch (:func:`bound_fp8_launch`),
     then smooth_k's LSE correction when the LSE is wanted. None if the attention launch was not
     kept. It skips planning, the checks, the Call and the launch key: flex()'s FP8 call memo
     (direct_fp8.py) calls it once it knows nothing else changed. The row max, and the LSE unless
@@ -316,6 +377,7 @@ def bound_fp8_call(q: Tensor, k: Tensor, v: Tensor, rope: Optional[RopeSpec], sp
     layout = layout_of(q, k, v, call.fp8.recipe, rope)   # found: fp8_call's quantize() just used it
     scratch_lse, row_max = torch.empty_like(call.lse), torch.empty_like(call.max_scores)
     scale = call.scale
+    device, cuda = q.device.index, q.is_cuda
     # the output is then empty_like(q) (_out_like), unless q's layout is not descriptor-ready
     plain = v.shape[3] == q.shape[3] and call.out.stride() == torch.empty_like(q).stride()
     del call   # none of its tensors stay with the function
@@ -323,9 +385,14 @@ def bound_fp8_call(q: Tensor, k: Tensor, v: Tensor, rope: Optional[RopeSpec], sp
     def launch(q: Tensor, k: Tensor, v: Tensor, rope: Optional[RopeSpec], want_lse: bool
                ) -> tuple[Tensor, Optional[Tensor]]:
         check_positions(q, k, rope)
-        ops, inputs = layout.bind(q, k, v, rope)
-        layout.launch(inputs, ops)
-        finish(ops)
+        if _capturing(q):
+            ops, inputs = layout.bind(q, k, v, rope)
+            layout.launch(inputs, ops)
+            finish(ops)
+        else:   # the kept operands (_Workspace): no allocation, no fill, no abs
+            ops, k_part = _Workspace.of(layout, device, cuda).take()
+            inputs = layout.inputs_of(ops, k_part, q, k, v, rope)
+            layout.launch(inputs, ops)
         out = torch.empty_like(q) if plain else _out_like(q, v)
         lse = torch.empty_like(scratch_lse) if want_lse else scratch_lse
         record_template(fire(ops, out, lse, row_max))
