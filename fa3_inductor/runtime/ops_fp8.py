@@ -186,9 +186,9 @@ def compiled_call(q: Tensor, k: Tensor, v: Tensor, rope: Optional[RopeSpec], tab
     the same signatures), the outputs' layouts (fresh allocations, aligned), and the attention launch
     key (runtime.ops.serve_key: those operands' and the tables' and buffers' signatures). It skips the
     layout and launch-key lookups, the Call, ``SiteSpec.from_json`` and the per-launch key hashing,
-    and the six allocations of the operands: 72-84 -> 36 µs a call on this repo's CPU emulation (32 without
-    the fill and the abs), bf16's
-    flex_fwd 22 (docs/design/fp8_prologue.md, "Host cost of the compiled op").
+    and the six allocations of the operands: 72-84 -> 36 µs a call on this repo's CPU emulation (32
+    without the fill and the abs), bf16's flex_fwd 22 (docs/design/fp8_prologue.md, "Host cost of
+    the compiled op").
 
     Example::
 
