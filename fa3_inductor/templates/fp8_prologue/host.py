@@ -14,7 +14,7 @@ import torch
 import triton
 
 from ...fp8_recipe import FP8Operands, FP8Recipe, RopeSpec
-from ...runtime.fast_launch import aliasing, launch_cached, on_clear, tensor_signature
+from ...runtime.fast_launch import aliasing, launch_cached, on_clear, recorded, tensor_signature
 from .hadamard import hadamard_block, sign_hadamard
 from .kernel import Quantization, Rotation, Tiles, k_sums_kernel, prologue_kernel
 from .reference import SMOOTH_SAMPLE
@@ -583,6 +583,13 @@ class PrologueLayout:
         smoothing), k_mean (None), the Hadamard matrix, cos, sin, q and k positions (None without);
         for the Gluon kernel with "interleaved" RoPE then q and k as int32 words and its HAD rows.
         ``q, k, v, rope`` must have this layout's signature (layout_of's key)."""
+        ops, k_part = self.allocate()
+        return ops, self.inputs_of(ops, k_part, q, k, v, rope)
+
+    def allocate(self, fill: bool = True) -> tuple[FP8Operands, Optional[torch.Tensor]]:
+        """(the operands, K's partial sums or None): fresh tensors of this layout, not yet written;
+        ``fill``: v_scale_max filled with -1, as the launches need it (:meth:`bind`). A caller that
+        keeps them for later calls fills v_scale_max itself before each (runtime.ops_fp8's memo)."""
         dev = self.device
         (sq, dq), (sk, dk), (svt, dvt), (sqs, f32), (sks, _), (svs, _) = self.outputs
         # v_scale_max starts at -1, below every scale: the kernel's atomic max of the scales of V's
@@ -596,22 +603,38 @@ class PrologueLayout:
                           q_scale=torch.empty(sqs, dtype=f32, device=dev),
                           k_scale=torch.empty(sks, dtype=f32, device=dev),
                           v_scale=torch.empty(svs, dtype=f32, device=dev),
-                          v_scale_max=torch.full(self.scale_max_shape, -1.0, dtype=f32, device=dev),
+                          v_scale_max=(torch.full(self.scale_max_shape, -1.0, dtype=f32, device=dev)
+                                       if fill else
+                                       torch.empty(self.scale_max_shape, dtype=f32, device=dev)),
                           k_mean=k_mean, recipe=self.recipe, n=self.n)
         k_part = None if self.k_part_shape is None else torch.empty(self.k_part_shape, dtype=f32,
                                                                     device=dev)
+        return ops, k_part
+
+    def inputs_of(self, ops: FP8Operands, k_part: Optional[torch.Tensor], q: torch.Tensor,
+                  k: torch.Tensor, v: torch.Tensor, rope: Optional[RopeSpec],
+                  recorded: bool = False) -> tuple:
+        """The launches' tensors (:meth:`bind`'s second item) over :meth:`allocate`'s operands.
+        ``recorded``: for this layout's recorded launches only (:meth:`recorded_launches`), which
+        read RoPE's tables as addresses: [P, R] tables are left without the batch axis a first
+        launch's arguments show (the same address, the strides are the layout's), two views fewer."""
         if rope is None:
             cos = sin = qpos = kpos = None
         else:
-            cos, sin = self._tables(rope)
+            if recorded:
+                cos, sin = _last_dim_contiguous(rope.cos), _last_dim_contiguous(rope.sin)
+                if sin.stride() != cos.stride():     # as _tables: the same test on the same shapes
+                    sin, cos = sin.contiguous(), cos.contiguous()
+            else:
+                cos, sin = self._tables(rope)
             qpos, kpos = (None if p is None else self._pos(p) for p in (rope.q_positions,
                                                                           rope.k_positions))
         q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
         inputs = (q, k, v, ops.q, ops.k, ops.vt, ops.q_scale, ops.k_scale, ops.v_scale,
-                  ops.v_scale_max, k_part, k_mean, self.had, cos, sin, qpos, kpos)
+                  ops.v_scale_max, k_part, ops.k_mean, self.had, cos, sin, qpos, kpos)
         if self._gluon_rows is not None:   # the Gluon kernel's int32 views and HAD rows, as inputs
             inputs += (q.view(torch.int32), k.view(torch.int32), self._gluon_rows)
-        return ops, inputs
+        return inputs
 
     def args(self, i: int, inputs: tuple) -> tuple:
         """The positional arguments of launch ``i`` on :meth:`bind`'s ``inputs``."""
@@ -662,6 +685,23 @@ class PrologueLayout:
                 kernel[grid](*args, **kwargs)
             else:
                 launch_cached((_LAUNCH_TAG, self.key, tag), inputs, lambda: (*prepare(), None))
+
+    def recorded_launches(self) -> Optional[tuple]:
+        """After a call launched through :meth:`launch` on CUDA: its launches' recorded entries in
+        runtime/fast_launch.py, in order (``relaunch(entry, inputs)`` each on a later :meth:`bind`'s
+        inputs does what :meth:`launch` does, without the lookups), or None where one is not
+        recorded (not CUDA, the interpreter, a launch the cache could not record).
+
+        Example::
+
+            >>> entries = layout.recorded_launches()                       # doctest: +SKIP
+            >>> for entry in entries: relaunch(entry, layout.bind(q, k, v, None)[1])   # doctest: +SKIP
+        """
+        if self.key is None:
+            return None
+        tags = ("gluon",) if self.gluon else range(len(self.kernels))
+        entries = tuple(recorded((_LAUNCH_TAG, self.key, tag)) for tag in tags)
+        return None if any(entry is None for entry in entries) else entries
 
     def launches(self, inputs: tuple, ops: FP8Operands) -> list:
         """(tag, prepare) per launch on :meth:`bind`'s ``inputs``, in order: ``prepare()`` gives its
