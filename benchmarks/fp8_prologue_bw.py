@@ -46,10 +46,11 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENS, HQ = 16384, 16
 RECIPES = ("plain", "rope", "rope-il", "rope-f32", "smooth", "rope+smooth")
-SWEPT = ("plain", "rope", "rope-il", "rope-f32")
+SWEPT = ("plain", "rope", "rope-il", "rope-f32", "smooth", "rope+smooth")
 # Recipes the sweep times with the Gluon candidates and the Triton table launch only (the Triton
-# kernel's other candidates run the same code as for "rope" there).
-GLUON_ONLY = ("rope-il",)
+# kernel's other candidates run the same code as for "rope" there; smooth_k on the Gluon kernel
+# since 2026-11-29: its rows are the A/B of Gluon against the Triton table launch, bytes included).
+GLUON_ONLY = ("rope-il", "smooth", "rope+smooth")
 
 
 def _import_tree(root: str):
@@ -159,6 +160,9 @@ def _same_operands(a, b) -> bool:
     for name in ("q", "k", "vt"):
         if not torch.equal(getattr(a, name).view(torch.uint8), getattr(b, name).view(torch.uint8)):
             return False
+    if (a.k_mean is None) != (b.k_mean is None) or (
+            a.k_mean is not None and not torch.equal(a.k_mean, b.k_mean)):
+        return False
     return all(torch.equal(getattr(a, n), getattr(b, n)) for n in ("q_scale", "k_scale", "v_scale"))
 
 

@@ -731,6 +731,18 @@ GLUON_CASES = {
                                   False, torch.bfloat16),
     "d64_half_fp16_int8_batched_positions": (2, 2, 2, 200, 130, 64, torch.float16, "int8", "half",
                                              True, torch.bfloat16),
+    # smooth_k (a name with "smooth"): the pre-pass, kernel.k_mean_kernel, then the Gluon kernel
+    # subtracting K_MEAN; ragged last blocks (their rows past N count 0 in the amax), N past 256
+    # (the stratified sample), GQA, several K units a program with RoPE
+    "d128_plain_bf16_int8_smooth_ragged": (1, 4, 2, 300, 1000, 128, torch.bfloat16, "int8", "",
+                                           False, None),
+    "d128_half_bf16_int8_smooth_gqa": (2, 8, 2, 256, 777, 128, torch.bfloat16, "int8", "half",
+                                       False, torch.bfloat16),
+    "d128_interleaved_fp16_e4m3_smooth_positions": (1, 4, 4, 129, 300, 128, torch.float16, "e4m3",
+                                                    "interleaved", True, torch.float16),
+    "d128_half_smooth_many_units": (1, 2, 1, 38400, 38400, 128, torch.bfloat16, "int8", "half",
+                                    False, torch.bfloat16),
+    "d64_plain_bf16_e4m3_smooth": (2, 3, 3, 1000, 77, 64, torch.bfloat16, "e4m3", "", False, None),
 }
 
 
@@ -750,7 +762,7 @@ def _gluon_case(case: str, device: str = "cpu"):
             rope = dataclasses.replace(rope, q_positions=torch.randint(0, P, (M,), generator=g),
                                        k_positions=torch.randint(0, P, (B, N), generator=g))
         rope = _on(rope, device)
-    return q, k, v, FP8Recipe(qk=qk), rope
+    return q, k, v, FP8Recipe(qk=qk, smooth_k="smooth" in case), rope
 
 
 def _run_prologue(q, k, v, recipe, rope, tuning):
@@ -772,13 +784,17 @@ def test_gpu_gluon_prologue_matches_the_triton_kernel_bit_for_bit(case):
     if not _sm90():
         pytest.skip("the Gluon prologue is sm90 only")
     from fa3_inductor.templates.fp8_prologue.gluon_sm90 import prologue_sm90_kernel
+    from fa3_inductor.templates.fp8_prologue.kernel import k_mean_kernel, k_sums_kernel
 
     q, k, v, recipe, rope = _gluon_case(case, "cuda")
+    kernels = [prologue_sm90_kernel]
+    if recipe.smooth_k:
+        kernels = [k_sums_kernel, k_mean_kernel, prologue_sm90_kernel]
     _, want = _run_prologue(q, k, v, recipe, rope, host.PrologueTuning(kernel="triton"))
     for tuning in (host.PrologueTuning(kernel="gluon"),
                    host.PrologueTuning(kernel="gluon", gluon_stages=2)):
         launch, got = _run_prologue(q, k, v, recipe, rope, tuning)
-        assert [kern for kern, *_ in launch.launches] == [prologue_sm90_kernel], case
+        assert [kern for kern, *_ in launch.launches] == kernels, case
         torch.cuda.synchronize()
         # Correct first (a wrong kernel fails here), then bit-identical (docs: the one step not
         # reproduced operation by operation is the tensor cores' sum with A in shared memory).
@@ -788,7 +804,8 @@ def test_gpu_gluon_prologue_matches_the_triton_kernel_bit_for_bit(case):
             diff = g.view(torch.uint8) != w.view(torch.uint8)
             assert not diff.any(), (f"{case} {name}: {int(diff.sum())} of {diff.numel()} bytes "
                                     f"differ, first at {diff.nonzero()[0].tolist()}")
-        for name in ("q_scale", "k_scale", "v_scale", "v_scale_max"):
+        for name in ("q_scale", "k_scale", "v_scale", "v_scale_max") + (
+                ("k_mean",) if recipe.smooth_k else ()):
             assert torch.equal(getattr(got, name), getattr(want, name)), f"{case} {name}"
 
 
@@ -885,6 +902,47 @@ def test_gluon_prologue_compiles_for_sm90(D, style, qk, positions):
         assert "cvt.rn.satfinite.e4m3x2.f32" in r.ptx
 
 
+@pytest.mark.sm90_compile
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("style", ["", "half", "interleaved"])
+def test_gluon_prologue_with_smooth_k_compiles_for_sm90(D, style):
+    """smooth_k on the Gluon kernel: the pre-pass, kernel.k_mean_kernel, then the Gluon kernel
+    (its K tiles subtract K_MEAN, one FFMA a value and 16 LDG.64 a tile); no spills at D 64 or
+    without RoPE; at D 128 with RoPE (the tables at the register ceiling) the K loop reloads a few
+    loop-invariant values from the stack (Triton 3.6: 3 "half", 5 "interleaved" LDL a tile, no
+    STL), one wgmma wait a tile as without smoothing."""
+    from fa3_inductor.templates.aot import sass_report
+    from fa3_inductor.templates.fp8_prologue.gluon_sm90 import prologue_sm90_kernel
+    from fa3_inductor.templates.fp8_prologue.kernel import k_mean_kernel, k_sums_kernel
+
+    q, k, v = _inputs(1, 8, 2, 300, 400, D, D, torch.bfloat16)
+    rope = None
+    if style:
+        base = RopeSpec.from_theta(D, 512, style=style)
+        rope = RopeSpec(base.cos.to(torch.bfloat16), base.sin.to(torch.bfloat16), style)
+    tuning = host.PrologueTuning(kernel="gluon")
+    recipe = FP8Recipe(smooth_k=True)
+    launch = host.prepare_prologue(q, k, v, recipe, rope, tuning=tuning, capability=(9, 0))
+    assert [kern for kern, *_ in launch.launches] == [k_sums_kernel, k_mean_kernel,
+                                                      prologue_sm90_kernel]
+    *_, ck = host.compile_prologue(q, k, v, recipe, rope, tuning=tuning)
+    r = sass_report(ck)
+    if D == 128 and style:
+        assert r.stack <= 128, (r.registers, r.stack, r.spill_instructions)
+        for body in r.inner_loops():
+            spills = [t for t in body if re.search(r"\b(LDL|STL)", t)]
+            assert len(spills) <= 6 and not any("STL" in t for t in spills), spills
+    else:
+        assert r.stack == 0 and r.local == 0 and r.spill_instructions == 0, (r.registers, r.stack)
+    waits = [sum("WARPGROUP.DEPBAR" in t for t in body) for body in r.inner_loops()
+             if any("HGMMA" in t for t in body)]
+    assert waits and all(w == 1 for w in waits), waits
+    # the K loop reads the mean (LDG), the Q loop does not
+    qk_loops = [body for body in r.inner_loops() if any("HGMMA" in t for t in body)]
+    assert sorted(any("LDG" in t for t in body) for body in qk_loops) == [False, True]
+    assert r.shared <= 227 * 1024, r.shared
+
+
 def test_gluon_units_are_equal_runs_of_heads_balanced_over_the_programs():
     """gluon_sm90.unit_heads: a divisor of the heads (the kernel's flat tile loop assumes it), and
     the busiest program within 1/32 of the best plan (the launch is as slow as that program)."""
@@ -919,7 +977,7 @@ def test_gluon_prologue_serves_only_the_hot_case():
     assert which(q64, k64, v64, rope=None) == "gluon"
     assert which(tuning=host.PrologueTuning(kernel="triton")) == "triton"
     assert which(capability=(10, 0)) == "triton"
-    assert which(recipe=FP8Recipe(smooth_k=True)) == "triton"
+    assert which(recipe=FP8Recipe(smooth_k=True)) == "gluon"   # the pre-passes, then Gluon
     assert which(recipe=FP8Recipe(block_m=64)) == "triton"
     assert which(recipe=FP8Recipe(hadamard=False)) == "triton"
     assert which(rope=base) == "triton"                       # float32 tables

@@ -45,8 +45,12 @@ Shared memory: the ring (STAGES x T x D input values), A (two buffers of T x D, 
 the warps' amax partials (8 floats), barriers: D 128 with RoPE 96 + 64 + 32 + 16 KB = 208 KB at 3
 stages.
 
+smooth_k: kernel.k_sums_kernel (the sampled partial sums) and kernel.k_mean_kernel (K_MEAN, the
+operations the Triton K programs use for their mean) run before this kernel; its K tiles subtract
+K_MEAN after the rotation (_smooth), so the Triton and Gluon kernels subtract the same bits.
+
 Compile-time parameters (one bundle, `CFG`, a frozen dataclass `GluonPrologue`): D, STAGES, ROPE,
-Q_POS, K_POS, QK_INT8, HAD_SCALE, PRODUCER_REGS. Lengths and unit counts are do_not_specialize.
+Q_POS, K_POS, QK_INT8, HAD_SCALE, PRODUCER_REGS, RELEASE_IN_ROPE, SMOOTH. Lengths and unit counts are do_not_specialize.
 """
 
 from __future__ import annotations
@@ -88,6 +92,7 @@ class GluonPrologue:
     HAD_SCALE: float    # 1 / sqrt(b), kernel.py's Rotation.HAD_SCALE
     PRODUCER_REGS: int  # setmaxnreg of the producer warp
     RELEASE_IN_ROPE: bool = True   # RoPE, not DEFER_A: where a tile's ring slot is released (below)
+    SMOOTH: bool = False           # smooth_k: K tiles minus K_MEAN (kernel.k_mean_kernel's) per head
 
     @property
     def DQ(self) -> int:
@@ -405,8 +410,27 @@ def _cta_amax(amax_smem):
 
 
 @gluon.jit
+def _smooth(y, smooth, z, h, g, D: gl.constexpr):
+    """smooth_k (kernel._qk_tile): K tile y (HAD_SCALE applied) minus its head's mean, rows past
+    the length 0 (they count in the amax). `smooth` = (K_MEAN, H, L). y - mean as one FMA
+    fma(mean, -1, y): the product is exact, so it is the subtraction's single rounding, signed
+    zeros included; rows >= L take fma(mean, -0, y) = y, which is 0 there (TMA zero-fills the
+    rows, so RoPE and the rotation give 0) and never stored. One FFMA a value, no select."""
+    K_MEAN, H, L = smooth
+    layout: gl.constexpr = y.type.layout
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    rows = g * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, layout))
+    mean = gl.load(K_MEAN + (z * H + h) * D + cols)
+    neg = gl.where(rows < L, -1.0, -0.0)
+    m2, y = gl.broadcast(gl.expand_dims(mean, 0), y)
+    n2, y = gl.broadcast(gl.expand_dims(neg, 1), y)
+    return gl.fma(m2, n2, y)
+
+
+@gluon.jit
 def _qk_finish(y, stage, empty, slot, a_stage, a_cnt, a_parts, RELEASE: gl.constexpr,
-               STORE_A: gl.constexpr, CFG: gl.constexpr):
+               STORE_A: gl.constexpr, CFG: gl.constexpr, smooth=None, at=None,
+               SMOOTH: gl.constexpr = False):
     """A rotated tile y (fp32, HAD_SCALE applied): amax, scale, quantized into the staging buffer
     (returns the scale; _qk_publish stores the tile: fence, the second barrier, TMA store). The
     first barrier publishes the warps' amax partials, orders the staging stores after the
@@ -421,6 +445,8 @@ def _qk_finish(y, stage, empty, slot, a_stage, a_cnt, a_parts, RELEASE: gl.const
     barrier of its own); _qk_publish's fence and barrier then publish it to the next wgmma."""
     D: gl.constexpr = CFG.D
     o_stage, amax_smem = stage
+    if SMOOTH:
+        y = _smooth(y, smooth, at[0], at[1], at[2], D)
     _warp_amax(gl.abs(y), amax_smem)
     tma.store_wait(0)
     gl.thread_barrier()
@@ -501,7 +527,8 @@ def _v_tile(ring, vt_stage, amax_smem, vt_desc, V_SCALE, V_SCALE_MAX, ready, emp
 
 @gluon.jit
 def _qk_next(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, empty, cnt, acc,
-             tabs, prev, H, G, dtype: gl.constexpr, CFG: gl.constexpr):
+             tabs, prev, H, G, dtype: gl.constexpr, CFG: gl.constexpr, smooth,
+             SMOOTH: gl.constexpr):
     """RoPE, pipelined: tile cnt + 1's RoPE under tile cnt's wgmma (`acc`, in flight), then tile
     cnt (at `prev` = (z, h, g)) quantized and stored, and tile cnt + 1's wgmma issued: after
     tile cnt's TMA store (CFG.DEFER_A), or before its staging barrier, which then runs under it."""
@@ -513,7 +540,7 @@ def _qk_next(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, emp
         fence_async_shared()                   # published by _qk_finish's first barrier
     y = _qk_retire(acc, CFG)
     scale = _qk_finish(y, stage, empty, (cnt + 1) % CFG.STAGES, a_stage, cnt + 1, parts,
-                       not CFG.ROPE_RELEASE, CFG.DEFER_A, CFG)
+                       not CFG.ROPE_RELEASE, CFG.DEFER_A, CFG, smooth, prev, SMOOTH)
     if CFG.DEFER_A:
         _qk_publish(scale, o_stage, out_desc, SCALE, z, h, g, H, G)
         acc = _qk_issue(ring, a_stage, had_smem, cnt + 1, CFG)
@@ -526,7 +553,8 @@ def _qk_next(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, emp
 @gluon.jit
 def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, empty, cnt,
               COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, Z, H, L, U, HC, G, u0,
-              dtype: gl.constexpr, HAS_POS: gl.constexpr, CFG: gl.constexpr):
+              dtype: gl.constexpr, HAS_POS: gl.constexpr, CFG: gl.constexpr, K_MEAN,
+              SMOOTH: gl.constexpr):
     """This program's Q (or K) units (u0, u0 + n_programs, ...; HC divides H, so every unit has
     HC heads): the table rows of a unit's row block once, then its heads. One flat loop over the
     program's tiles (tile t: unit t // HC, head t % HC of it).
@@ -544,6 +572,7 @@ def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, em
     branches with RoPE (ptxas C7515: "non wgmma instructions defining accumulator registers")."""
     n_prog = gl.num_programs(0)
     n_tiles = (U - u0 + n_prog - 1) // n_prog * HC
+    smooth = (K_MEAN, H, L)
     u = u0
     z, g, h, h1 = _unit(u, Z, H, HC)
     if CFG.ROPE == "":
@@ -553,7 +582,7 @@ def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, em
             for t in range(1, n_tiles):
                 y = _qk_retire(acc, CFG)
                 scale = _qk_finish(y, stage, empty, cnt % CFG.STAGES, a_stage, 0, 0, True, False,
-                                   CFG)
+                                   CFG, smooth, (z, h, g), SMOOTH)
                 mbarrier.wait(ready.index((cnt + 1) % CFG.STAGES), ((cnt + 1) // CFG.STAGES) & 1)
                 acc = _qk_issue(ring, a_stage, had_smem, cnt + 1, CFG)
                 _qk_publish(scale, stage[0], out_desc, SCALE, z, h, g, H, G)
@@ -563,7 +592,8 @@ def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, em
                     u += n_prog
                     z, g, h, h1 = _unit(u, Z, H, HC)
             y = _qk_retire(acc, CFG)
-            scale = _qk_finish(y, stage, empty, cnt % CFG.STAGES, a_stage, 0, 0, True, False, CFG)
+            scale = _qk_finish(y, stage, empty, cnt % CFG.STAGES, a_stage, 0, 0, True, False, CFG,
+                               smooth, (z, h, g), SMOOTH)
             _qk_publish(scale, stage[0], out_desc, SCALE, z, h, g, H, G)
             cnt += 1
     elif n_tiles > 0:
@@ -584,13 +614,15 @@ def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, em
         for uu in range(u0, U, n_prog):
             for hh in range(h, h1):
                 cnt, acc = _qk_next(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE,
-                                    ready, empty, cnt, acc, tabs, prev, H, G, dtype, CFG)
+                                    ready, empty, cnt, acc, tabs, prev, H, G, dtype, CFG, smooth,
+                                    SMOOTH)
                 prev = (z, hh, g)
             z, g, h, h1 = _unit(uu + n_prog, Z, H, HC)
             tabs = _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, g * 128,
                                 L, HAS_POS, CFG)
         y = _qk_retire(acc, CFG)
-        scale = _qk_finish(y, stage, empty, 0, a_stage, 0, 0, False, False, CFG)
+        scale = _qk_finish(y, stage, empty, 0, a_stage, 0, 0, False, False, CFG, smooth, prev,
+                           SMOOTH)
         _qk_publish(scale, stage[0], out_desc, SCALE, prev[0], prev[1], prev[2], H, G)
         cnt += 1
     return cnt
@@ -602,7 +634,7 @@ def _consumer(descs, smem, bars, sizes, outs, tables, CFG: gl.constexpr):
     ring, ring32, a_stage, had_smem, o_stage, vt_stage, amax_smem = smem
     ready, empty = bars
     Z, HQ, HKV, M, N, P, UQ, UK, HCQ, HCK = sizes
-    Q_SCALE, K_SCALE, V_SCALE, V_SCALE_MAX, HADK, QG, KG = outs
+    Q_SCALE, K_SCALE, V_SCALE, V_SCALE_MAX, HADK, QG, KG, K_MEAN = outs
     COS, SIN, QPOS, KPOS, stride_tz, stride_tp, stride_qpz, stride_kpz = tables
     dtype: gl.constexpr = v_desc.dtype
     pid = gl.program_id(0)
@@ -614,10 +646,10 @@ def _consumer(descs, smem, bars, sizes, outs, tables, CFG: gl.constexpr):
     stage = (o_stage, amax_smem)
     cnt = _qk_units(ring, ring32, a_stage, had_smem, stage, q8_desc, Q_SCALE, ready, empty, cnt,
                     COS, SIN, QPOS, stride_qpz, stride_tz, stride_tp, P, Z, HQ, M, UQ, HCQ, QG,
-                    pid, dtype, CFG.Q_POS, CFG)
+                    pid, dtype, CFG.Q_POS, CFG, K_MEAN, False)
     cnt = _qk_units(ring, ring32, a_stage, had_smem, stage, k8_desc, K_SCALE, ready, empty, cnt,
                     COS, SIN, KPOS, stride_kpz, stride_tz, stride_tp, P, Z, HKV, N, UK, HCK, KG,
-                    _first_unit(UQ, n_prog), dtype, CFG.K_POS, CFG)
+                    _first_unit(UQ, n_prog), dtype, CFG.K_POS, CFG, K_MEAN, CFG.SMOOTH)
     for u in range(_first_unit(UQ + UK, n_prog), UK, n_prog):
         z, g, h0, h1 = _unit(u, Z, HKV, HCK)
         for h in range(h0, h1):
@@ -634,7 +666,7 @@ def prologue_sm90_kernel(
     q_desc, k_desc, v_desc,          # inputs: [Z, H, L, D] boxes [1, 1, T, DQ] (bf16 / fp16; Q and
                                      # K as int32 words under "interleaved")
     q8_desc, k8_desc, vt_desc,       # outputs: boxes [1, 1, T, D] (Q8, K8), [1, 1, DQ, T] (VT8)
-    Q_SCALE, K_SCALE, V_SCALE, V_SCALE_MAX, HADK,
+    Q_SCALE, K_SCALE, V_SCALE, V_SCALE_MAX, HADK, K_MEAN,
     COS, SIN, QPOS, KPOS, stride_tz, stride_tp, stride_qpz, stride_kpz,
     Z, HQ, HKV, M, N, P, UQ, UK, HCQ, HCK, QG, KG,
     CFG: gl.constexpr,
@@ -684,7 +716,7 @@ def prologue_sm90_kernel(
     smem = (ring, ring32, a_stage, had_smem, o_stage, vt_stage, amax_smem)
     bars = (ready, empty)
     sizes = (Z, HQ, HKV, M, N, P, UQ, UK, HCQ, HCK)
-    outs = (Q_SCALE, K_SCALE, V_SCALE, V_SCALE_MAX, HADK, QG, KG)
+    outs = (Q_SCALE, K_SCALE, V_SCALE, V_SCALE_MAX, HADK, QG, KG, K_MEAN)
     tables = (COS, SIN, QPOS, KPOS, stride_tz, stride_tp, stride_qpz, stride_kpz)
     gl.warp_specialize([
         (_consumer, (descs, smem, bars, sizes, outs, tables, CFG)),
@@ -728,8 +760,10 @@ def default_stages(D: int, rope: bool, per_sm: int = 1) -> int:
 
 
 def serves(q, k, v, recipe, rope) -> bool:
-    """The hot case: D = Dv in {64, 128}, bf16 / fp16, Hadamard on, blocks of 128 rows, no
-    smooth_k, RoPE none or over all D channels with 2-byte tables, TMA-aligned inputs."""
+    """The hot case: D = Dv in {64, 128}, bf16 / fp16, Hadamard on, blocks of 128 rows, RoPE none
+    or over all D channels with 2-byte tables, TMA-aligned inputs. smooth_k too (since
+    2026-11-29): kernel.k_sums_kernel and kernel.k_mean_kernel run first, the K tiles subtract
+    K_MEAN (_smooth)."""
     import torch
 
     from ..tma import tma_aligned
@@ -737,7 +771,7 @@ def serves(q, k, v, recipe, rope) -> bool:
     D, Dv = q.shape[-1], v.shape[-1]
     if D != Dv or D not in (64, 128) or q.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if not recipe.hadamard or recipe.smooth_k or recipe.block_m != T_ROWS or recipe.block_n != T_ROWS:
+    if not recipe.hadamard or recipe.block_m != T_ROWS or recipe.block_n != T_ROWS:
         return False
     if rope is not None:
         if rope.cos.shape[-1] != D or rope.cos.dtype not in (torch.bfloat16, torch.float16):
@@ -828,7 +862,7 @@ def interleaved_rows(had):
 
 def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride_qpz, stride_kpz,
            P, rope_style: str, q_pos: bool, k_pos: bool, recipe, stages=None, n_programs=None,
-           per_sm=None, words=None, rope_release=None):
+           per_sm=None, words=None, rope_release=None, k_mean=None):
     """(kernel, args, kwargs, grid) of prologue_sm90_kernel writing `ops` (host.prepare_prologue
     allocates them as for the Triton kernel). `had` is HAD [D, D] in the input dtype. "interleaved"
     RoPE reads Q and K as int32 pair words against HAD's rows in even-then-odd order: `words`, (Q's
@@ -869,9 +903,12 @@ def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride
     cfg = GluonPrologue(D=D, STAGES=stages, ROPE=rope_style, Q_POS=q_pos, K_POS=k_pos,
                         QK_INT8=recipe.qk == "int8", HAD_SCALE=hadamard_block(D) ** -0.5,
                         PRODUCER_REGS=40,
-                        RELEASE_IN_ROPE=True if rope_release is None else bool(rope_release))
+                        RELEASE_IN_ROPE=True if rope_release is None else bool(rope_release),
+                        SMOOTH=bool(recipe.smooth_k))
+    if recipe.smooth_k:
+        assert k_mean is not None, "smooth_k: the Gluon kernel reads K_MEAN (kernel.k_mean_kernel)"
     args = (q_in, k_in, v_in, q8, k8, vt, ops.q_scale, ops.k_scale, ops.v_scale, ops.v_scale_max,
-            hadk, cos, sin, qpos, kpos, stride_tz, stride_tp, stride_qpz, stride_kpz,
+            hadk, hadk if k_mean is None else k_mean, cos, sin, qpos, kpos, stride_tz, stride_tp, stride_qpz, stride_kpz,
             B, Hq, Hkv, M, N, max(P, 1), uq, uk, hcq, hck, qg, kg)
     kwargs = dict(CFG=cfg, num_warps=CONSUMER_WARPS)
     regs = program_regs(D, bool(rope_style), per_sm)

@@ -16,7 +16,7 @@ import triton
 from ...fp8_recipe import FP8Operands, FP8Recipe, RopeSpec
 from ...runtime.fast_launch import aliasing, launch_cached, on_clear, tensor_signature
 from .hadamard import hadamard_block, sign_hadamard
-from .kernel import Quantization, Rotation, Tiles, k_sums_kernel, prologue_kernel
+from .kernel import Quantization, Rotation, Tiles, k_mean_kernel, k_sums_kernel, prologue_kernel
 from .reference import SMOOTH_SAMPLE
 
 MAX_HEAD_DIM = 256
@@ -541,6 +541,10 @@ class PrologueLayout:
             kwargs["maxnreg"] = maxnreg
         self.kernels.append((prologue_kernel, kwargs))
         self._grids.append(None)        # _programs' choice, on the first bind (it compiles the kernel)
+        # smooth_k on the Gluon kernel: K's mean per head (kernel._k_mean, the Triton K programs'
+        # operations) between the pre-pass and it (gluon_launches)
+        self._k_mean = (k_mean_kernel, dict(D=D, BLOCK_D=block_d, QUANT=quant, num_warps=1),
+                        (B * Hkv,), (n_chunks, n_sample)) if recipe.smooth_k else None
         self._groups, self._tuning = max(nq, nk), tuning
         self.key = key
         # The hot case on sm90 takes gluon_sm90's kernel instead of the launches above (_takes_gluon)
@@ -616,7 +620,7 @@ class PrologueLayout:
     def args(self, i: int, inputs: tuple) -> tuple:
         """The positional arguments of launch ``i`` on :meth:`bind`'s ``inputs``."""
         (q, k, v, oq, ok, ovt, q_scale, k_scale, v_scale, v_scale_max, k_part, k_mean, had, cos, sin,
-         qpos, kpos) = inputs
+         qpos, kpos) = inputs[:17]
         cos = had if cos is None else cos
         sin = had if sin is None else sin
         qpos = had if qpos is None else qpos
@@ -639,7 +643,8 @@ class PrologueLayout:
             had if qpos is None else qpos, had if kpos is None else kpos, stride_tz, stride_tp,
             stride_qpz, stride_kpz, P, style, q_pos, k_pos, self.recipe,
             stages=self._tuning.gluon_stages, per_sm=self._tuning.programs_per_sm,
-            words=inputs[17:] or None, rope_release=self._tuning.gluon_rope_release)
+            words=inputs[17:] or None, rope_release=self._tuning.gluon_rope_release,
+            k_mean=inputs[11])
 
     def grid(self, i: int, inputs: tuple) -> tuple:
         """Launch ``i``'s grid (the main launch's persistent grid is chosen on the first call)."""
@@ -668,7 +673,14 @@ class PrologueLayout:
         (kernel, args, kwargs, grid); ``tag`` names it in the launch cache. The Gluon kernel's one
         launch where it serves the call, else the Triton launches (:attr:`kernels`)."""
         if self.gluon:
-            return [("gluon", lambda: self.gluon_launch(inputs, ops))]
+            out = [("gluon", lambda: self.gluon_launch(inputs, ops))]
+            if self._k_mean is not None:   # smooth_k: the pre-pass, K's mean, then the Gluon kernel
+                kernel, kwargs, grid, scalars = self._k_mean
+                out = [(0, lambda: (self.kernels[0][0], self.args(0, inputs), self.kernels[0][1],
+                                    self.grid(0, inputs))),
+                       ("k_mean", lambda: (kernel, (inputs[10], inputs[11], *scalars), kwargs,
+                                           grid))] + out
+            return out
         return [(i, lambda i=i, kernel=kernel, kwargs=kwargs:
                  (kernel, self.args(i, inputs), kwargs, self.grid(i, inputs)))
                 for i, (kernel, kwargs) in enumerate(self.kernels)]

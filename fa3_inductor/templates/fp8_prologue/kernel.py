@@ -530,11 +530,20 @@ def _v_group(V, stride_vz, stride_vh, stride_vn, VT, SCALE, SCALE_MAX, z, h, H, 
 @triton.jit
 def _k_mean(K_PART, zh, cols, n, n_chunks, N, QUANT: tl.constexpr, BLOCK_D: tl.constexpr):
     """K's mean over its N sampled tokens at channels `cols` (those < n; the rest 0): the chunk
-    sums of K_PART added in a fixed order (deterministic)."""
-    c = tl.arange(0, QUANT.SMOOTH_CHUNKS)
-    part = tl.load(K_PART + (zh * QUANT.SMOOTH_CHUNKS + c[:, None]).to(tl.int64) * BLOCK_D
-                   + cols[None, :], mask=(c < n_chunks)[:, None] & (cols < n)[None, :], other=0.0)
-    return tl.div_rn(tl.sum(part, axis=0), N.to(tl.float32))
+    sums of K_PART added one after another, chunk 0 first (((p0 + p1) + p2) + ...: elementwise,
+    so the same bits in any layout; chunks past n_chunks add +0), then divided by N.
+    k_mean_kernel computes the same for the Gluon kernel, which reads K_MEAN (tl.sum over the
+    chunk axis grouped the adds by the layout Triton chose, which another kernel cannot follow)."""
+    CHUNKS: tl.constexpr = QUANT.SMOOTH_CHUNKS
+    s = tl.zeros(cols.shape, dtype=tl.float32)
+    for c in tl.static_range(CHUNKS):
+        part = tl.load(K_PART + (zh * CHUNKS + c).to(tl.int64) * BLOCK_D + cols,
+                       mask=(c < n_chunks) & (cols < n), other=0.0)
+        if c == 0:
+            s = part
+        else:
+            s = s + part
+    return tl.div_rn(s, N.to(tl.float32))
 
 
 @triton.jit
@@ -608,6 +617,19 @@ def prologue_kernel(
         _v_group(V, stride_vz, stride_vh, stride_vn, VT8, V_SCALE, V_SCALE_MAX, zh // HKV,
                  zh % HKV, HKV, t // (Z * HKV), N, N_PAD, KG, kv_group_rows, SHAPE.TILE_N,
                  SHAPE.KV_ONE_TILE, SHAPE, QUANT)
+
+
+@triton.jit(do_not_specialize=["n_chunks", "N"])
+def k_mean_kernel(K_PART, K_MEAN, n_chunks, N, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                  QUANT: tl.constexpr):
+    """smooth_k for the Gluon kernel (gluon_sm90.py), between k_sums_kernel and it: head zh's mean
+    K_MEAN[zh, :D] from its K_PART rows, _k_mean's operations (the Triton prologue computes the
+    same values in its K programs), so that the Gluon kernel reads the bits the Triton kernel
+    subtracts. One program a head."""
+    zh = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    tl.store(K_MEAN + zh * D + d, _k_mean(K_PART, zh, d, D, n_chunks, N, QUANT, BLOCK_D),
+             mask=d < D)
 
 
 @triton.jit
