@@ -791,8 +791,12 @@ def test_gpu_gluon_prologue_matches_the_triton_kernel_bit_for_bit(case):
     if recipe.smooth_k:
         kernels = [k_sums_kernel, k_mean_kernel, prologue_sm90_kernel]
     _, want = _run_prologue(q, k, v, recipe, rope, host.PrologueTuning(kernel="triton"))
+    # the defaults, another ring depth, and the D 128 RoPE choices the defaults left in 2026-11-29
+    # (3 stages, the slot released inside the RoPE, "half" read as bf16 values, not words)
     for tuning in (host.PrologueTuning(kernel="gluon"),
-                   host.PrologueTuning(kernel="gluon", gluon_stages=2)):
+                   host.PrologueTuning(kernel="gluon", gluon_stages=2),
+                   host.PrologueTuning(kernel="gluon", gluon_stages=3, gluon_rope_release=True,
+                                       gluon_rope_words=False)):
         launch, got = _run_prologue(q, k, v, recipe, rope, tuning)
         assert [kern for kern, *_ in launch.launches] == kernels, case
         torch.cuda.synchronize()
@@ -819,20 +823,22 @@ def test_gpu_gluon_prologue_matches_the_triton_kernel_bit_for_bit(case):
 # and at D 128 with RoPE the hazard barrier before the A-buffer stores (D 64 stores them after the
 # amax barrier; at D 128 that spills: GluonPrologue.DEFER_A; there the next tile's wgmma is issued
 # before the staging barrier instead, which then runs under it). At D 128 with RoPE the slot is
-# released inside the RoPE (GluonPrologue.ROPE_RELEASE: a barrier before the arrive, 5 in all, but
-# only the amax barrier between one wgmma's wait and the next one's issue). The instruction figures are those
-# of that change (before: D 128 half int8 897 / 586, plain 679 / 574); a loop may grow 2% before
-# this fails, as a reminder to re-read the chain.
+# released after the amax barrier (4 in all; GluonPrologue.ROPE_RELEASE, the default since the
+# H200 sweep of 2026-11-29: inside the RoPE it was 5). "half" reads Q / K as int32 pair words
+# (gluon_sm90._ring_half: D 128 882 -> 853 with the release change, D 64 497 -> 481). The
+# instruction figures are those of that change (before "Fewer barriers a tile": D 128 half int8
+# 897 / 586, plain 679 / 574); a loop may grow 2% before this fails, as a reminder to re-read the
+# chain.
 GLUON_TILE_LOOPS = {   # (D, style, qk): (Q / K barriers, Q / K instructions, V instructions)
     (128, "", "int8"): (3, 667, 533),
-    (128, "half", "int8"): (5, 882, 519),
-    (128, "interleaved", "int8"): (5, 853, 519),
-    (128, "half", "e4m3"): (5, 819, 519),
-    (128, "interleaved", "e4m3"): (5, 791, 519),
+    (128, "half", "int8"): (4, 853, 520),
+    (128, "interleaved", "int8"): (4, 855, 520),
+    (128, "half", "e4m3"): (4, 790, 520),
+    (128, "interleaved", "e4m3"): (4, 792, 520),
     (64, "", "int8"): (3, 432, 344),
-    (64, "half", "int8"): (3, 497, 341),
+    (64, "half", "int8"): (3, 481, 341),
     (64, "interleaved", "int8"): (3, 483, 341),
-    (64, "half", "e4m3"): (3, 465, 341),
+    (64, "half", "e4m3"): (3, 449, 341),
     (64, "interleaved", "e4m3"): (3, 451, 341),
 }
 
@@ -866,11 +872,12 @@ def test_gluon_prologue_compiles_for_sm90(D, style, qk, positions):
     if D == 128 and style:
         # At the 240-register ceiling of the 8 consumer warps (tables, the in-flight accumulator,
         # the pair words): a few values go to the stack at the unit changes (the next unit's table
-        # rows loaded under the last tile's wgmma), none in the tile loops (Triton 3.6: 48 / 48
-        # bytes, 56 / 53 LDL / STL, int8; 56 / 56 bytes, 65 / 61 e4m3 with positions; outside the
-        # head loops; "interleaved" was allowed to reload a loop-invariant value or two a tile,
-        # at most 2 LDL, no STL, in a loop, and now reloads none; once a unit of up to 16 tiles).
-        assert r.stack <= 128, (r.registers, r.stack, r.spill_instructions)
+        # rows loaded under the last tile's wgmma), none in the tile loops (Triton 3.6, defaults of
+        # 2026-11-29, half / interleaved: 120 / 64 bytes, 161 / 82 LDL / STL, int8; 128 / 72
+        # bytes, 170 / 91 e4m3 with positions; outside the head loops, once a unit of up to 16
+        # tiles; "half" read as bf16 values: 48 bytes, 53; "interleaved" was allowed to reload a
+        # loop-invariant value or two a tile, at most 2 LDL, no STL, in a loop, and reloads none).
+        assert r.stack <= 160, (r.registers, r.stack, r.spill_instructions)
         for body in r.inner_loops():
             spills = [t for t in body if re.search(r"\b(LDL|STL)", t)]
             if style == "interleaved":
@@ -909,8 +916,9 @@ def test_gluon_prologue_with_smooth_k_compiles_for_sm90(D, style):
     """smooth_k on the Gluon kernel: the pre-pass, kernel.k_mean_kernel, then the Gluon kernel
     (its K tiles subtract K_MEAN, one FFMA a value and 16 LDG.64 a tile); no spills at D 64 or
     without RoPE; at D 128 with RoPE (the tables at the register ceiling) the K loop reloads a few
-    loop-invariant values from the stack (Triton 3.6: 3 "half", 5 "interleaved" LDL a tile, no
-    STL), one wgmma wait a tile as without smoothing."""
+    loop-invariant values from the stack (Triton 3.6, the defaults of 2026-11-29: 6 "half", 9
+    "interleaved" LDL a tile, no STL; 184 / 136 bytes of stack), one wgmma wait a tile as
+    without smoothing."""
     from fa3_inductor.templates.aot import sass_report
     from fa3_inductor.templates.fp8_prologue.gluon_sm90 import prologue_sm90_kernel
     from fa3_inductor.templates.fp8_prologue.kernel import k_mean_kernel, k_sums_kernel
@@ -928,10 +936,10 @@ def test_gluon_prologue_with_smooth_k_compiles_for_sm90(D, style):
     *_, ck = host.compile_prologue(q, k, v, recipe, rope, tuning=tuning)
     r = sass_report(ck)
     if D == 128 and style:
-        assert r.stack <= 128, (r.registers, r.stack, r.spill_instructions)
+        assert r.stack <= 192, (r.registers, r.stack, r.spill_instructions)
         for body in r.inner_loops():
             spills = [t for t in body if re.search(r"\b(LDL|STL)", t)]
-            assert len(spills) <= 6 and not any("STL" in t for t in spills), spills
+            assert len(spills) <= 10 and not any("STL" in t for t in spills), spills
     else:
         assert r.stack == 0 and r.local == 0 and r.spill_instructions == 0, (r.registers, r.stack)
     waits = [sum("WARPGROUP.DEPBAR" in t for t in body) for body in r.inner_loops()

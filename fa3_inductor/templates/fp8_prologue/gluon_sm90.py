@@ -91,8 +91,9 @@ class GluonPrologue:
     QK_INT8: bool       # Q8, K8 int8 (else e4m3)
     HAD_SCALE: float    # 1 / sqrt(b), kernel.py's Rotation.HAD_SCALE
     PRODUCER_REGS: int  # setmaxnreg of the producer warp
-    RELEASE_IN_ROPE: bool = True   # RoPE, not DEFER_A: where a tile's ring slot is released (below)
+    RELEASE_IN_ROPE: bool = False  # RoPE, not DEFER_A: where a tile's ring slot is released (below)
     SMOOTH: bool = False           # smooth_k: K tiles minus K_MEAN (kernel.k_mean_kernel's) per head
+    ROPE_WORDS: bool = True        # "half": x read from the ring as int32 pair words (_ring_half)
 
     @property
     def DQ(self) -> int:
@@ -121,7 +122,9 @@ class GluonPrologue:
         t's amax barrier (one barrier on the chain, two fewer a tile). RELEASE_IN_ROPE, a
         PrologueTuning field (gluon_rope_release) for the sweep: the better side depends on
         whether the RoPE, its three barriers included, stays shorter than the wgmma (~1024 cycles
-        of tensor work at D 128 against ~850 modelled: docs/design/fp8_prologue.md)."""
+        of tensor work at D 128 against ~850 modelled: docs/design/fp8_prologue.md). False by
+        default since the H200 sweep of 2026-11-29 (-1.2% at 3 stages, -1.2% at 2, RoPE "half";
+        fp8-prologue-bw-nvidia-h200-2026-11-29-1022)."""
         return self.RELEASE_IN_ROPE and bool(self.ROPE) and not self.DEFER_A
 
     @property
@@ -320,6 +323,22 @@ def _hadamard_issue(ops, had_smem, CFG: gl.constexpr):
 
 
 @gluon.jit
+def _ring_half(ring, i, layout: gl.constexpr, CFG: gl.constexpr):
+    """Ring chunk i [128, DQ] as fp32 in `layout` (exact). ROPE_WORDS: read as int32 pair words
+    and widened by a shift and a mask a word (_v_chunk, as V and "interleaved" read theirs): one
+    instruction a value where the generic bf16 widening takes two for every odd channel (PRMT,
+    SHF): 32 fewer a warp a Q / K tile at D 128; else loaded in the input dtype and widened."""
+    DQ: gl.constexpr = CFG.DQ
+    if CFG.ROPE_WORDS:
+        w_layout: gl.constexpr = gl.NVMMASharedLayout(ring.layout.swizzle_byte_width, 32)
+        words = ring._reinterpret(gl.int32, [CFG.STAGES * 4, 128, DQ // 2], w_layout)
+        wl: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (DQ // 8), DQ // 8], [8, 1], [1, 0])
+        return gl.convert_layout(_v_chunk(words.index(i).load(wl), ring.dtype), layout)
+    else:
+        return ring.index(i).reshape([128, DQ]).load(layout).to(gl.float32)
+
+
+@gluon.jit
 def _qk_rope(ring, ring32, a_stage, ready, empty, cnt, tabs, dtype: gl.constexpr,
              STORE: gl.constexpr, RELEASE: gl.constexpr, CFG: gl.constexpr):
     """Tile cnt, RoPE: wait for its ring slot, RoPE in registers: per pair chunk j, the rotated
@@ -335,8 +354,8 @@ def _qk_rope(ring, ring32, a_stage, ready, empty, cnt, tabs, dtype: gl.constexpr
     parts = ()
     for j in gl.static_range(2):
         if CFG.ROPE == "half":
-            xa = ring.index(slot * 4 + j).reshape([128, DQ]).load(layout).to(gl.float32)
-            xb = ring.index(slot * 4 + j + 2).reshape([128, DQ]).load(layout).to(gl.float32)
+            xa = _ring_half(ring, slot * 4 + j, layout, CFG)
+            xb = _ring_half(ring, slot * 4 + j + 2, layout, CFG)
         else:
             w = ring32.index(slot * 2 + j).reshape([128, DQ]).load(layout)
             xa, xb = _split_words(w, dtype)
@@ -554,7 +573,7 @@ def _qk_next(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, emp
 def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, empty, cnt,
               COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, Z, H, L, U, HC, G, u0,
               dtype: gl.constexpr, HAS_POS: gl.constexpr, CFG: gl.constexpr, K_MEAN,
-              SMOOTH: gl.constexpr):
+              SMOOTH: gl.constexpr, tabs_first=0, PRELOADED: gl.constexpr = False):
     """This program's Q (or K) units (u0, u0 + n_programs, ...; HC divides H, so every unit has
     HC heads): the table rows of a unit's row block once, then its heads. One flat loop over the
     program's tiles (tile t: unit t // HC, head t % HC of it).
@@ -601,9 +620,13 @@ def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, em
         # next unit's are loaded after it, under the last tile's wgmma (past the last unit the
         # rows are >= L: every load masked off). Carried through a branch of a flat tile loop,
         # they were repacked every tile (+190 instructions at D 128); a peeled copy of the head
-        # loop spilled at D 128.
-        tabs = _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, g * 128, L,
-                            HAS_POS, CFG)
+        # loop spilled at D 128. PRELOADED: the first unit's tables are the caller's (the Q phase's,
+        # loaded before the Hadamard matrix: two L2 / DRAM round trips at the start overlap).
+        if PRELOADED:
+            tabs = tabs_first
+        else:
+            tabs = _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, g * 128, L,
+                                HAS_POS, CFG)
         _qk_rope(ring, ring32, a_stage, ready, empty, cnt, tabs, dtype, True, False, CFG)
         fence_async_shared()
         gl.thread_barrier()                    # every warp's A rows written, the slot read
@@ -639,6 +662,11 @@ def _consumer(descs, smem, bars, sizes, outs, tables, CFG: gl.constexpr):
     dtype: gl.constexpr = v_desc.dtype
     pid = gl.program_id(0)
     n_prog = gl.num_programs(0)
+    tabs = 0
+    if CFG.ROPE != "":   # the first Q unit's table rows, in flight while HADK loads
+        z, g, h0, h1 = _unit(pid, Z, HQ, HCQ)
+        tabs = _table_parts(COS, SIN, QPOS, stride_qpz, stride_tz, stride_tp, P, z, g * 128, M,
+                            CFG.Q_POS, CFG)
     _load_had(HADK, had_smem, CFG)
     fence_async_shared()
     gl.thread_barrier()
@@ -646,7 +674,7 @@ def _consumer(descs, smem, bars, sizes, outs, tables, CFG: gl.constexpr):
     stage = (o_stage, amax_smem)
     cnt = _qk_units(ring, ring32, a_stage, had_smem, stage, q8_desc, Q_SCALE, ready, empty, cnt,
                     COS, SIN, QPOS, stride_qpz, stride_tz, stride_tp, P, Z, HQ, M, UQ, HCQ, QG,
-                    pid, dtype, CFG.Q_POS, CFG, K_MEAN, False)
+                    pid, dtype, CFG.Q_POS, CFG, K_MEAN, False, tabs, CFG.ROPE != "")
     cnt = _qk_units(ring, ring32, a_stage, had_smem, stage, k8_desc, K_SCALE, ready, empty, cnt,
                     COS, SIN, KPOS, stride_kpz, stride_tz, stride_tp, P, Z, HKV, N, UK, HCK, KG,
                     _first_unit(UQ, n_prog), dtype, CFG.K_POS, CFG, K_MEAN, CFG.SMOOTH)
@@ -750,12 +778,13 @@ def program_regs(D: int, rope: bool, per_sm: int):
 
 def default_stages(D: int, rope: bool, per_sm: int = 1) -> int:
     """Ring depth, for about 100 KB of input in flight an SM (one program an SM: 8 consumer warps
-    at 240 registers and the producer's warpgroup at 24 take the register file): D 128 with RoPE 3
-    stages (96 KB in flight, 208 KB of shared memory with two A buffers; 4 do not fit), without
+    at 240 registers and the producer's warpgroup at 24 take the register file): D 128 with RoPE 2
+    stages (64 KB in flight, 176 KB of shared memory with two A buffers; 3 fit and were 1.5-2%
+    slower on the H200, fp8-prologue-bw-nvidia-h200-2026-11-29-1022; 4 do not fit), without
     RoPE 4 (128 KB in flight, 176 KB); D 64 7 stages (112 KB in flight, 160 / 128 KB); D 64 at two
     programs an SM 4 each (128 KB in flight an SM, 80 KB of shared memory a program)."""
     if D > 64:
-        return 3 if rope else 4
+        return 2 if rope else 4
     return 4 if per_sm >= 2 else 7
 
 
@@ -862,7 +891,7 @@ def interleaved_rows(had):
 
 def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride_qpz, stride_kpz,
            P, rope_style: str, q_pos: bool, k_pos: bool, recipe, stages=None, n_programs=None,
-           per_sm=None, words=None, rope_release=None, k_mean=None):
+           per_sm=None, words=None, rope_release=None, k_mean=None, rope_words=None):
     """(kernel, args, kwargs, grid) of prologue_sm90_kernel writing `ops` (host.prepare_prologue
     allocates them as for the Triton kernel). `had` is HAD [D, D] in the input dtype. "interleaved"
     RoPE reads Q and K as int32 pair words against HAD's rows in even-then-odd order: `words`, (Q's
@@ -903,8 +932,9 @@ def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride
     cfg = GluonPrologue(D=D, STAGES=stages, ROPE=rope_style, Q_POS=q_pos, K_POS=k_pos,
                         QK_INT8=recipe.qk == "int8", HAD_SCALE=hadamard_block(D) ** -0.5,
                         PRODUCER_REGS=40,
-                        RELEASE_IN_ROPE=True if rope_release is None else bool(rope_release),
-                        SMOOTH=bool(recipe.smooth_k))
+                        RELEASE_IN_ROPE=False if rope_release is None else bool(rope_release),
+                        SMOOTH=bool(recipe.smooth_k),
+                        ROPE_WORDS=True if rope_words is None else bool(rope_words))
     if recipe.smooth_k:
         assert k_mean is not None, "smooth_k: the Gluon kernel reads K_MEAN (kernel.k_mean_kernel)"
     args = (q_in, k_in, v_in, q8, k8, vt, ops.q_scale, ops.k_scale, ops.v_scale, ops.v_scale_max,

@@ -51,8 +51,13 @@ class PrologueTuning:
       gluon_sm90.default_programs_per_sm, 2 at D 64 without RoPE, else 1);
     - ``gluon_rope_release``: with RoPE at D 128, the Gluon kernel releases a tile's ring slot
       inside its RoPE, under the previous tile's wgmma (True), or after the previous tile's amax
-      barrier (False: one barrier fewer a tile, but on the chain between two wgmmas); None: True
-      (gluon_sm90.GluonPrologue.ROPE_RELEASE). The same operations either way.
+      barrier (False: one barrier fewer a tile, but on the chain between two wgmmas); None: False
+      since the H200 sweep of 2026-11-29 (gluon_sm90.GluonPrologue.ROPE_RELEASE). The same
+      operations either way;
+    - ``gluon_rope_words``: RoPE "half" on the Gluon kernel reads Q / K from the ring as int32
+      pair words, widened by a shift and a mask (True), or as bf16 / fp16 values widened the
+      generic way (False: two instructions for every odd channel); None: True
+      (gluon_sm90._ring_half). The same values either way.
 
     Example::
 
@@ -68,6 +73,7 @@ class PrologueTuning:
     kernel: Optional[str] = None
     gluon_stages: Optional[int] = None
     gluon_rope_release: Optional[bool] = None
+    gluon_rope_words: Optional[bool] = None
 
 
 DEFAULT_TUNING = PrologueTuning()
@@ -644,7 +650,7 @@ class PrologueLayout:
             stride_qpz, stride_kpz, P, style, q_pos, k_pos, self.recipe,
             stages=self._tuning.gluon_stages, per_sm=self._tuning.programs_per_sm,
             words=inputs[17:] or None, rope_release=self._tuning.gluon_rope_release,
-            k_mean=inputs[11])
+            k_mean=inputs[11], rope_words=self._tuning.gluon_rope_words)
 
     def grid(self, i: int, inputs: tuple) -> tuple:
         """Launch ``i``'s grid (the main launch's persistent grid is chosen on the first call)."""
