@@ -208,6 +208,9 @@ def sweep_candidates() -> list:
             PrologueTuning(kernel="gluon", gluon_rope_words=False),
             PrologueTuning(kernel="gluon", gluon_stages=3, gluon_rope_release=True,
                            gluon_rope_words=False)]
+    # smooth_k: the pre-passes and the Gluon kernel in stream order (pdl=off) against chained by
+    # programmatic dependent launch (the default: the Q tiles run under the pre-passes)
+    out += [PrologueTuning(kernel="gluon", gluon_pdl=False)]
     return out
 
 
@@ -215,10 +218,12 @@ def _tuning_text(t) -> str:
     if getattr(t, "kernel", None) == "gluon":
         release = getattr(t, "gluon_rope_release", None)
         words = getattr(t, "gluon_rope_words", None)
+        pdl = getattr(t, "gluon_pdl", None)
         return (f"gluon stages={t.gluon_stages or 'default'}"
                 + (f" per_sm={t.programs_per_sm}" if t.programs_per_sm else "")
                 + ("" if release is None else f" rope_release={'rope' if release else 'amax'}")
-                + ("" if words is None else f" words={'on' if words else 'off'}"))
+                + ("" if words is None else f" words={'on' if words else 'off'}")
+                + ("" if pdl is None else f" pdl={'on' if pdl else 'off'}"))
     if getattr(t, "kernel", None) == "triton" and t == type(t)(kernel="triton"):
         return "triton table launch"
     per_sm = {None: "fit", 0: "grid"}.get(t.programs_per_sm, str(t.programs_per_sm))
@@ -322,6 +327,8 @@ def main() -> None:
                 if (getattr(t, "gluon_rope_words", None) is not None
                         and c["recipe"] not in ("rope", "rope+smooth")):
                     continue      # words: RoPE "half" only (interleaved reads words anyway)
+                if getattr(t, "gluon_pdl", None) is not None and "smooth" not in c["recipe"]:
+                    continue      # pdl: smooth_k's pre-passes only
                 gluon = getattr(t, "kernel", None) == "gluon"
                 if c["recipe"] in GLUON_ONLY and not gluon and t != sweep_candidates()[0]:
                     continue

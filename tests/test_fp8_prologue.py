@@ -792,11 +792,12 @@ def test_gpu_gluon_prologue_matches_the_triton_kernel_bit_for_bit(case):
         kernels = [k_sums_kernel, k_mean_kernel, prologue_sm90_kernel]
     _, want = _run_prologue(q, k, v, recipe, rope, host.PrologueTuning(kernel="triton"))
     # the defaults, another ring depth, and the D 128 RoPE choices the defaults left in 2026-11-29
-    # (3 stages, the slot released inside the RoPE, "half" read as bf16 values, not words)
+    # (3 stages, the slot released inside the RoPE, "half" read as bf16 values, not words; with
+    # smooth_k the launches in stream order instead of chained by programmatic dependent launch)
     for tuning in (host.PrologueTuning(kernel="gluon"),
                    host.PrologueTuning(kernel="gluon", gluon_stages=2),
                    host.PrologueTuning(kernel="gluon", gluon_stages=3, gluon_rope_release=True,
-                                       gluon_rope_words=False)):
+                                       gluon_rope_words=False, gluon_pdl=False)):
         launch, got = _run_prologue(q, k, v, recipe, rope, tuning)
         assert [kern for kern, *_ in launch.launches] == kernels, case
         torch.cuda.synchronize()
@@ -933,8 +934,14 @@ def test_gluon_prologue_with_smooth_k_compiles_for_sm90(D, style):
     launch = host.prepare_prologue(q, k, v, recipe, rope, tuning=tuning, capability=(9, 0))
     assert [kern for kern, *_ in launch.launches] == [k_sums_kernel, k_mean_kernel,
                                                       prologue_sm90_kernel]
-    *_, ck = host.compile_prologue(q, k, v, recipe, rope, tuning=tuning)
+    sums, mean, ck = host.compile_prologue(q, k, v, recipe, rope, tuning=tuning)
     r = sass_report(ck)
+    # chained by programmatic dependent launch (PrologueTuning.gluon_pdl, on by default): k_sums
+    # and k_mean let their dependents start, k_mean waits for k_sums, the Gluon K tiles for k_mean
+    assert "griddepcontrol.launch_dependents" in sass_report(sums).ptx
+    assert all(op in sass_report(mean).ptx
+               for op in ("griddepcontrol.launch_dependents", "griddepcontrol.wait"))
+    assert "griddepcontrol.wait" in r.ptx and "griddepcontrol.launch_dependents" not in r.ptx
     if D == 128 and style:
         assert r.stack <= 192, (r.registers, r.stack, r.spill_instructions)
         for body in r.inner_loops():

@@ -94,6 +94,8 @@ class GluonPrologue:
     RELEASE_IN_ROPE: bool = False  # RoPE, not DEFER_A: where a tile's ring slot is released (below)
     SMOOTH: bool = False           # smooth_k: K tiles minus K_MEAN (kernel.k_mean_kernel's) per head
     ROPE_WORDS: bool = True        # "half": x read from the ring as int32 pair words (_ring_half)
+    PDL: bool = False              # SMOOTH, launched programmatically dependent on k_mean_kernel:
+                                   # the consumer waits for it (griddepcontrol.wait) before K
 
     @property
     def DQ(self) -> int:
@@ -675,6 +677,12 @@ def _consumer(descs, smem, bars, sizes, outs, tables, CFG: gl.constexpr):
     cnt = _qk_units(ring, ring32, a_stage, had_smem, stage, q8_desc, Q_SCALE, ready, empty, cnt,
                     COS, SIN, QPOS, stride_qpz, stride_tz, stride_tp, P, Z, HQ, M, UQ, HCQ, QG,
                     pid, dtype, CFG.Q_POS, CFG, K_MEAN, False, tabs, CFG.ROPE != "")
+    if CFG.PDL:
+        # smooth_k's K_MEAN: this launch started under the pre-passes (programmatic dependent
+        # launch); the Q tiles did not need them, the K tiles do (griddepcontrol.wait: the
+        # k_mean grid done, which waited for k_sums, and their stores visible)
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
     cnt = _qk_units(ring, ring32, a_stage, had_smem, stage, k8_desc, K_SCALE, ready, empty, cnt,
                     COS, SIN, KPOS, stride_kpz, stride_tz, stride_tp, P, Z, HKV, N, UK, HCK, KG,
                     _first_unit(UQ, n_prog), dtype, CFG.K_POS, CFG, K_MEAN, CFG.SMOOTH)
@@ -891,7 +899,7 @@ def interleaved_rows(had):
 
 def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride_qpz, stride_kpz,
            P, rope_style: str, q_pos: bool, k_pos: bool, recipe, stages=None, n_programs=None,
-           per_sm=None, words=None, rope_release=None, k_mean=None, rope_words=None):
+           per_sm=None, words=None, rope_release=None, k_mean=None, rope_words=None, pdl=False):
     """(kernel, args, kwargs, grid) of prologue_sm90_kernel writing `ops` (host.prepare_prologue
     allocates them as for the Triton kernel). `had` is HAD [D, D] in the input dtype. "interleaved"
     RoPE reads Q and K as int32 pair words against HAD's rows in even-then-odd order: `words`, (Q's
@@ -934,13 +942,16 @@ def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride
                         PRODUCER_REGS=40,
                         RELEASE_IN_ROPE=False if rope_release is None else bool(rope_release),
                         SMOOTH=bool(recipe.smooth_k),
-                        ROPE_WORDS=True if rope_words is None else bool(rope_words))
+                        ROPE_WORDS=True if rope_words is None else bool(rope_words),
+                        PDL=bool(pdl and recipe.smooth_k))
     if recipe.smooth_k:
         assert k_mean is not None, "smooth_k: the Gluon kernel reads K_MEAN (kernel.k_mean_kernel)"
     args = (q_in, k_in, v_in, q8, k8, vt, ops.q_scale, ops.k_scale, ops.v_scale, ops.v_scale_max,
             hadk, hadk if k_mean is None else k_mean, cos, sin, qpos, kpos, stride_tz, stride_tp, stride_qpz, stride_kpz,
             B, Hq, Hkv, M, N, max(P, 1), uq, uk, hcq, hck, qg, kg)
     kwargs = dict(CFG=cfg, num_warps=CONSUMER_WARPS)
+    if cfg.PDL:
+        kwargs["launch_pdl"] = True
     regs = program_regs(D, bool(rope_style), per_sm)
     if regs:
         kwargs["maxnreg"] = regs

@@ -57,7 +57,10 @@ class PrologueTuning:
     - ``gluon_rope_words``: RoPE "half" on the Gluon kernel reads Q / K from the ring as int32
       pair words, widened by a shift and a mask (True), or as bf16 / fp16 values widened the
       generic way (False: two instructions for every odd channel); None: True
-      (gluon_sm90._ring_half). The same values either way.
+      (gluon_sm90._ring_half). The same values either way;
+    - ``gluon_pdl``: smooth_k on the Gluon kernel: its two pre-passes (k_sums_kernel,
+      k_mean_kernel) and the kernel chained by programmatic dependent launch, the Q tiles running
+      under the pre-passes (True), or three launches in stream order (False); None: True.
 
     Example::
 
@@ -74,6 +77,7 @@ class PrologueTuning:
     gluon_stages: Optional[int] = None
     gluon_rope_release: Optional[bool] = None
     gluon_rope_words: Optional[bool] = None
+    gluon_pdl: Optional[bool] = None
 
 
 DEFAULT_TUNING = PrologueTuning()
@@ -549,8 +553,13 @@ class PrologueLayout:
         self._grids.append(None)        # _programs' choice, on the first bind (it compiles the kernel)
         # smooth_k on the Gluon kernel: K's mean per head (kernel._k_mean, the Triton K programs'
         # operations) between the pre-pass and it (gluon_launches)
-        self._k_mean = (k_mean_kernel, dict(D=D, BLOCK_D=block_d, QUANT=quant, num_warps=1),
-                        (B * Hkv,), (n_chunks, n_sample)) if recipe.smooth_k else None
+        # With tuning.gluon_pdl (default on) the three launches are chained by programmatic
+        # dependent launch: k_sums lets k_mean start, k_mean lets the Gluon kernel start, whose Q
+        # tiles run under the pre-passes; k_mean waits for k_sums, the Gluon K tiles for k_mean.
+        pdl = tuning.gluon_pdl is None or bool(tuning.gluon_pdl)
+        self._k_mean = (k_mean_kernel, dict(D=D, BLOCK_D=block_d, QUANT=quant, num_warps=1,
+                                            PDL=pdl, **({"launch_pdl": True} if pdl else {})),
+                        (B * Hkv,), (n_chunks, n_sample), pdl) if recipe.smooth_k else None
         self._groups, self._tuning = max(nq, nk), tuning
         self.key = key
         # The hot case on sm90 takes gluon_sm90's kernel instead of the launches above (_takes_gluon)
@@ -650,7 +659,8 @@ class PrologueLayout:
             stride_qpz, stride_kpz, P, style, q_pos, k_pos, self.recipe,
             stages=self._tuning.gluon_stages, per_sm=self._tuning.programs_per_sm,
             words=inputs[17:] or None, rope_release=self._tuning.gluon_rope_release,
-            k_mean=inputs[11], rope_words=self._tuning.gluon_rope_words)
+            k_mean=inputs[11], rope_words=self._tuning.gluon_rope_words,
+            pdl=self._k_mean is not None and self._k_mean[-1])
 
     def grid(self, i: int, inputs: tuple) -> tuple:
         """Launch ``i``'s grid (the main launch's persistent grid is chosen on the first call)."""
@@ -681,8 +691,9 @@ class PrologueLayout:
         if self.gluon:
             out = [("gluon", lambda: self.gluon_launch(inputs, ops))]
             if self._k_mean is not None:   # smooth_k: the pre-pass, K's mean, then the Gluon kernel
-                kernel, kwargs, grid, scalars = self._k_mean
-                out = [(0, lambda: (self.kernels[0][0], self.args(0, inputs), self.kernels[0][1],
+                kernel, kwargs, grid, scalars, pdl = self._k_mean
+                sums = dict(self.kernels[0][1], PDL=pdl)
+                out = [(0, lambda: (self.kernels[0][0], self.args(0, inputs), sums,
                                     self.grid(0, inputs))),
                        ("k_mean", lambda: (kernel, (inputs[10], inputs[11], *scalars), kwargs,
                                            grid))] + out

@@ -61,6 +61,7 @@ from dataclasses import dataclass
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import reference
 
@@ -621,11 +622,16 @@ def prologue_kernel(
 
 @triton.jit(do_not_specialize=["n_chunks", "N"])
 def k_mean_kernel(K_PART, K_MEAN, n_chunks, N, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                  QUANT: tl.constexpr):
+                  QUANT: tl.constexpr, PDL: tl.constexpr = False):
     """smooth_k for the Gluon kernel (gluon_sm90.py), between k_sums_kernel and it: head zh's mean
     K_MEAN[zh, :D] from its K_PART rows, _k_mean's operations (the Triton prologue computes the
     same values in its K programs), so that the Gluon kernel reads the bits the Triton kernel
-    subtracts. One program a head."""
+    subtracts. One program a head. PDL (launched programmatically dependent on k_sums_kernel):
+    lets the Gluon kernel start at once (it waits for this grid before its K tiles), then waits
+    for k_sums_kernel's stores."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     zh = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     tl.store(K_MEAN + zh * D + d, _k_mean(K_PART, zh, d, D, n_chunks, N, QUANT, BLOCK_D),
@@ -650,12 +656,15 @@ def k_sums_kernel(
     K, K_PART, HAD, COS, SIN, KPOS,
     stride_kz, stride_kh, stride_kn, stride_tz, stride_tp, stride_kpz,
     HKV, N, S, P,
-    SHAPE: tl.constexpr, ROT: tl.constexpr, QUANT: tl.constexpr,
+    SHAPE: tl.constexpr, ROT: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """smooth_k's pre-pass over a sample of S tokens of K (_sample_tokens): program (zh, c) sums
     the RoPE'd sample rows [c·SMOOTH_ROWS, (c + 1)·SMOOTH_ROWS) of head zh, rotates the sum (the
     rotation is linear: rotating the D-vector is cheaper than the tiles) and writes it to
-    K_PART[zh, c]."""
+    K_PART[zh, c]. PDL (the Gluon kernel's smooth_k, sm90): lets the next launch (k_mean_kernel,
+    launched programmatically dependent) start at once; it waits for this grid's stores."""
+    if PDL:
+        gdc_launch_dependents()
     zh = tl.program_id(0)
     c = tl.program_id(1)
     z = zh // HKV
