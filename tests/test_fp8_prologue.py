@@ -917,9 +917,10 @@ def test_gluon_prologue_with_smooth_k_compiles_for_sm90(D, style):
     """smooth_k on the Gluon kernel: the pre-pass, kernel.k_mean_kernel, then the Gluon kernel
     (its K tiles subtract K_MEAN, one FFMA a value and 16 LDG.64 a tile); no spills at D 64 or
     without RoPE; at D 128 with RoPE (the tables at the register ceiling) the K loop reloads a few
-    loop-invariant values from the stack (Triton 3.6, the defaults of 2026-11-29: 6 "half", 9
-    "interleaved" LDL a tile, no STL; 184 / 136 bytes of stack), one wgmma wait a tile as
-    without smoothing."""
+    loop-invariant values from the stack (Triton 3.6, the defaults of 2026-11-29: 5 "half", 7
+    "interleaved" LDL a tile, no STL; 112 / 80 bytes of stack), one wgmma wait a tile as
+    without smoothing. The K tiles take the Triton kernel's contracted fma(acc, HAD_SCALE, -mean)
+    (gluon_sm90._smooth): at D 128 64 FMAs with the scale a loop, the Q loop's multiplies beside."""
     from fa3_inductor.templates.aot import sass_report
     from fa3_inductor.templates.fp8_prologue.gluon_sm90 import prologue_sm90_kernel
     from fa3_inductor.templates.fp8_prologue.kernel import k_mean_kernel, k_sums_kernel
@@ -955,6 +956,13 @@ def test_gluon_prologue_with_smooth_k_compiles_for_sm90(D, style):
     # the K loop reads the mean (LDG), the Q loop does not
     qk_loops = [body for body in r.inner_loops() if any("HGMMA" in t for t in body)]
     assert sorted(any("LDG" in t for t in body) for body in qk_loops) == [False, True]
+    if D == 128:   # 2^-3.5: the scale is inexact, the contraction matters (1/8 at D 64: exact)
+        assert r.ptx.count("0f3DB504F3") == 256, r.ptx.count("0f3DB504F3")
+        assert len(re.findall(r"fma\.rn\.f32[^\n]*0f3DB504F3", r.ptx)) == 128
+        # ... because the Triton kernel's K programs contract it (the bytes the gpu test compares)
+        *_, tk = host.compile_prologue(q, k, v, recipe, rope,
+                                       tuning=host.PrologueTuning(kernel="triton"))
+        assert re.search(r"fma\.rn\.f32[^\n]*0f3DB504F3", sass_report(tk).ptx)
     assert r.shared <= 227 * 1024, r.shared
 
 

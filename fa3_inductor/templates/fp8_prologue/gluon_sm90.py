@@ -404,12 +404,16 @@ def _qk_issue(ring, a_stage, had_smem, cnt, CFG: gl.constexpr):
 
 
 @gluon.jit
-def _qk_retire(acc, CFG: gl.constexpr):
+def _qk_retire(acc, CFG: gl.constexpr, SCALE: gl.constexpr = True):
     """Wait for this warpgroup's part of a tile's rotation (in flight in `acc`). No barrier: the
     other warpgroup's wgmma (and so the A buffer or ring slot both read) is known retired only
-    after _qk_finish's barrier, which every warp reaches after its own wait."""
+    after _qk_finish's barrier, which every warp reaches after its own wait. SCALE: times
+    HAD_SCALE (not for smoothed K tiles: _smooth fuses it)."""
     acc = warpgroup_mma_wait(0, deps=[acc])
-    return acc * CFG.HAD_SCALE
+    if SCALE:
+        return acc * CFG.HAD_SCALE
+    else:
+        return acc
 
 
 @gluon.jit
@@ -431,21 +435,27 @@ def _cta_amax(amax_smem):
 
 
 @gluon.jit
-def _smooth(y, smooth, z, h, g, D: gl.constexpr):
-    """smooth_k (kernel._qk_tile): K tile y (HAD_SCALE applied) minus its head's mean, rows past
-    the length 0 (they count in the amax). `smooth` = (K_MEAN, H, L). y - mean as one FMA
-    fma(mean, -1, y): the product is exact, so it is the subtraction's single rounding, signed
-    zeros included; rows >= L take fma(mean, -0, y) = y, which is 0 there (TMA zero-fills the
-    rows, so RoPE and the rotation give 0) and never stored. One FFMA a value, no select."""
+def _smooth(acc, smooth, z, h, g, D: gl.constexpr, HAD_SCALE: gl.constexpr):
+    """smooth_k (kernel._qk_tile): K tile `acc` (the rotation, HAD_SCALE not applied) times
+    HAD_SCALE minus its head's mean, as the Triton kernel compiles it: LLVM contracts its
+    `acc * HAD_SCALE` and `- mean` into fma(acc, HAD_SCALE, -mean) (fma.rn.f32 in its PTX, one
+    rounding; at D 64 the scale is 1/8 and the product exact either way), so here the same FMA,
+    explicit. Rows past the length are 0 (they count in the amax), as the Triton kernel's
+    `where`, in the ragged last row block only (a branch a tile, not a select a value).
+    `smooth` = (K_MEAN, H, L)."""
     K_MEAN, H, L = smooth
-    layout: gl.constexpr = y.type.layout
+    layout: gl.constexpr = acc.type.layout
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-    rows = g * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, layout))
     mean = gl.load(K_MEAN + (z * H + h) * D + cols)
-    neg = gl.where(rows < L, -1.0, -0.0)
-    m2, y = gl.broadcast(gl.expand_dims(mean, 0), y)
-    n2, y = gl.broadcast(gl.expand_dims(neg, 1), y)
-    return gl.fma(m2, n2, y)
+    # -mean as mean * -1 (the sign flip, -0 for +0, as the Triton kernel's contracted fneg;
+    # Gluon's unary minus is 0 - mean, +0 for +0)
+    m2, acc = gl.broadcast(gl.expand_dims(mean * -1.0, 0), acc)
+    y = gl.fma(acc, gl.full(acc.shape, HAD_SCALE, gl.float32, layout), m2)
+    if g * 128 + 128 > L:
+        rows = g * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, layout))
+        ok, y = gl.broadcast(gl.expand_dims(rows < L, 1), y)
+        y = gl.where(ok, y, 0.0)
+    return y
 
 
 @gluon.jit
@@ -467,7 +477,7 @@ def _qk_finish(y, stage, empty, slot, a_stage, a_cnt, a_parts, RELEASE: gl.const
     D: gl.constexpr = CFG.D
     o_stage, amax_smem = stage
     if SMOOTH:
-        y = _smooth(y, smooth, at[0], at[1], at[2], D)
+        y = _smooth(y, smooth, at[0], at[1], at[2], D, CFG.HAD_SCALE)
     _warp_amax(gl.abs(y), amax_smem)
     tma.store_wait(0)
     gl.thread_barrier()
@@ -559,7 +569,7 @@ def _qk_next(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, emp
                      CFG.ROPE_RELEASE, CFG)
     if not CFG.DEFER_A:
         fence_async_shared()                   # published by _qk_finish's first barrier
-    y = _qk_retire(acc, CFG)
+    y = _qk_retire(acc, CFG, not SMOOTH)
     scale = _qk_finish(y, stage, empty, (cnt + 1) % CFG.STAGES, a_stage, cnt + 1, parts,
                        not CFG.ROPE_RELEASE, CFG.DEFER_A, CFG, smooth, prev, SMOOTH)
     if CFG.DEFER_A:
@@ -601,7 +611,7 @@ def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, em
             mbarrier.wait(ready.index(cnt % CFG.STAGES), (cnt // CFG.STAGES) & 1)
             acc = _qk_issue(ring, a_stage, had_smem, cnt, CFG)
             for t in range(1, n_tiles):
-                y = _qk_retire(acc, CFG)
+                y = _qk_retire(acc, CFG, not SMOOTH)
                 scale = _qk_finish(y, stage, empty, cnt % CFG.STAGES, a_stage, 0, 0, True, False,
                                    CFG, smooth, (z, h, g), SMOOTH)
                 mbarrier.wait(ready.index((cnt + 1) % CFG.STAGES), ((cnt + 1) // CFG.STAGES) & 1)
@@ -612,7 +622,7 @@ def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, em
                 if h == h1:   # the next unit (no division a tile)
                     u += n_prog
                     z, g, h, h1 = _unit(u, Z, H, HC)
-            y = _qk_retire(acc, CFG)
+            y = _qk_retire(acc, CFG, not SMOOTH)
             scale = _qk_finish(y, stage, empty, cnt % CFG.STAGES, a_stage, 0, 0, True, False, CFG,
                                smooth, (z, h, g), SMOOTH)
             _qk_publish(scale, stage[0], out_desc, SCALE, z, h, g, H, G)
@@ -645,7 +655,7 @@ def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, em
             z, g, h, h1 = _unit(uu + n_prog, Z, H, HC)
             tabs = _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, g * 128,
                                 L, HAS_POS, CFG)
-        y = _qk_retire(acc, CFG)
+        y = _qk_retire(acc, CFG, not SMOOTH)
         scale = _qk_finish(y, stage, empty, 0, a_stage, 0, 0, False, False, CFG, smooth, prev,
                            SMOOTH)
         _qk_publish(scale, stage[0], out_desc, SCALE, prev[0], prev[1], prev[2], H, G)
