@@ -60,7 +60,10 @@ class PrologueTuning:
       (gluon_sm90._ring_half). The same values either way;
     - ``gluon_pdl``: smooth_k on the Gluon kernel: its two pre-passes (k_sums_kernel,
       k_mean_kernel) and the kernel chained by programmatic dependent launch, the Q tiles running
-      under the pre-passes (True), or three launches in stream order (False); None: True.
+      under the pre-passes (True), or three launches in stream order (False); None: True;
+    - ``gluon_v_plan``: the Gluon kernel's V tiles by a host plan that evens out the programs'
+      weighted work (gluon_sm90.v_plan, True) or by the launch's round-robin of units (False);
+      None: True with RoPE, False without. Which program takes which tile changes no byte.
 
     Example::
 
@@ -78,6 +81,7 @@ class PrologueTuning:
     gluon_rope_release: Optional[bool] = None
     gluon_rope_words: Optional[bool] = None
     gluon_pdl: Optional[bool] = None
+    gluon_v_plan: Optional[bool] = None
 
 
 DEFAULT_TUNING = PrologueTuning()
@@ -570,6 +574,16 @@ class PrologueLayout:
             from .gluon_sm90 import interleaved_rows
 
             self._gluon_rows = interleaved_rows(self.had)
+        # The Gluon kernel's V tiles by program (gluon_sm90.v_plan), made once: on by default with
+        # RoPE (whole head sets a Q / K unit leave the round-robin's V tiles unbalanced)
+        self._gluon_vstart = None
+        plan = tuning.gluon_v_plan if tuning.gluon_v_plan is not None else rope is not None
+        if self.gluon and plan:
+            from .gluon_sm90 import v_start_of
+
+            self._gluon_vstart = torch.tensor(
+                v_start_of(B, Hq, Hkv, qg, kg, D, rope is not None, dev, tuning.programs_per_sm),
+                dtype=torch.int32, device=dev)
         self._gluon_statics = (stride_tz, stride_tp, stride_qpz, stride_kpz, P,
                                rope.style if rope is not None else "",
                                rope is not None and rope.q_positions is not None,
@@ -630,6 +644,8 @@ class PrologueLayout:
                   ops.v_scale_max, k_part, k_mean, self.had, cos, sin, qpos, kpos)
         if self._gluon_rows is not None:   # the Gluon kernel's int32 views and HAD rows, as inputs
             inputs += (q.view(torch.int32), k.view(torch.int32), self._gluon_rows)
+        if self._gluon_vstart is not None:   # and its V plan
+            inputs += (self._gluon_vstart,)
         return ops, inputs
 
     def args(self, i: int, inputs: tuple) -> tuple:
@@ -658,9 +674,11 @@ class PrologueLayout:
             had if qpos is None else qpos, had if kpos is None else kpos, stride_tz, stride_tp,
             stride_qpz, stride_kpz, P, style, q_pos, k_pos, self.recipe,
             stages=self._tuning.gluon_stages, per_sm=self._tuning.programs_per_sm,
-            words=inputs[17:] or None, rope_release=self._tuning.gluon_rope_release,
+            words=inputs[17:20] if self._gluon_rows is not None else None,
+            rope_release=self._tuning.gluon_rope_release,
             k_mean=inputs[11], rope_words=self._tuning.gluon_rope_words,
-            pdl=self._k_mean is not None and self._k_mean[-1])
+            pdl=self._k_mean is not None and self._k_mean[-1],
+            v_start=inputs[-1] if self._gluon_vstart is not None else None)
 
     def grid(self, i: int, inputs: tuple) -> tuple:
         """Launch ``i``'s grid (the main launch's persistent grid is chosen on the first call)."""
