@@ -961,14 +961,14 @@ def v_plan(q_units: int, hcq: int, k_units: int, hck: int, v_tiles: int, n_progr
     (a Q / K tile, a V tile)), the lightest first: with RoPE the Q / K units are whole head sets
     (unit_heads: 16 tiles at B 1 H 16), so the round-robin leaves 124 programs with 32 Q / K tiles
     and 8 with 16, and hands out V tiles 15-16 apiece: 48 tiles on the busiest program, 35.6k
-    weighted; here those 8 take 39 V tiles and the others 14: 34.6k (-2.9%). Which program takes
-    which tile changes no byte.
+    weighted; here those 8 take 40 V tiles and the others 13-14: 34.6k (-2.9%). Which program
+    takes which tile changes no byte.
 
     Example::
 
         >>> starts = v_plan(128, 16, 128, 16, 2048, 132, (853, 520))
         >>> starts[-1], starts[1] - starts[0], starts[-1] - starts[-2]
-        (2048, 14, 39)
+        (2048, 14, 40)
     """
     P, (wq, wv) = n_programs, cost
 
