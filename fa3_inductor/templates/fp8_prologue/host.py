@@ -556,10 +556,10 @@ class PrologueLayout:
         self.kernels.append((prologue_kernel, kwargs))
         self._grids.append(None)        # _programs' choice, on the first bind (it compiles the kernel)
         # smooth_k on the Gluon kernel: K's mean per head (kernel._k_mean, the Triton K programs'
-        # operations) between the pre-pass and it (gluon_launches)
-        # With tuning.gluon_pdl (default on) the three launches are chained by programmatic
-        # dependent launch: k_sums lets k_mean start, k_mean lets the Gluon kernel start, whose Q
-        # tiles run under the pre-passes; k_mean waits for k_sums, the Gluon K tiles for k_mean.
+        # operations) between the pre-pass and it (launches()). With tuning.gluon_pdl (default on)
+        # the three launches are chained by programmatic dependent launch: k_sums lets k_mean
+        # start, k_mean lets the Gluon kernel start, whose Q tiles run under the pre-passes;
+        # k_mean waits for k_sums, the Gluon K tiles for k_mean.
         pdl = tuning.gluon_pdl is None or bool(tuning.gluon_pdl)
         self._k_mean = (k_mean_kernel, dict(D=D, BLOCK_D=block_d, QUANT=quant, num_warps=1,
                                             PDL=pdl, **({"launch_pdl": True} if pdl else {})),
@@ -614,7 +614,8 @@ class PrologueLayout:
         """This call's operands (allocated, not yet written) and the launches' tensors, in the
         order :meth:`args` reads them: q, k, v, the operands, K's partial sums (None without
         smoothing), k_mean (None), the Hadamard matrix, cos, sin, q and k positions (None without);
-        for the Gluon kernel with "interleaved" RoPE then q and k as int32 words and its HAD rows.
+        for the Gluon kernel with "interleaved" RoPE then q and k as int32 words and its HAD rows,
+        and with its V plan (gluon_sm90.v_plan) last its V_START.
         ``q, k, v, rope`` must have this layout's signature (layout_of's key)."""
         dev = self.device
         (sq, dq), (sk, dk), (svt, dvt), (sqs, f32), (sks, _), (svs, _) = self.outputs
@@ -705,7 +706,8 @@ class PrologueLayout:
     def launches(self, inputs: tuple, ops: FP8Operands) -> list:
         """(tag, prepare) per launch on :meth:`bind`'s ``inputs``, in order: ``prepare()`` gives its
         (kernel, args, kwargs, grid); ``tag`` names it in the launch cache. The Gluon kernel's one
-        launch where it serves the call, else the Triton launches (:attr:`kernels`)."""
+        launch where it serves the call (with smooth_k after k_sums_kernel and k_mean_kernel), else
+        the Triton launches (:attr:`kernels`)."""
         if self.gluon:
             out = [("gluon", lambda: self.gluon_launch(inputs, ops))]
             if self._k_mean is not None:   # smooth_k: the pre-pass, K's mean, then the Gluon kernel
