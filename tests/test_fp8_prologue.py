@@ -794,9 +794,9 @@ def test_gpu_gluon_prologue_matches_the_triton_kernel_bit_for_bit(case):
     # the defaults, another ring depth, and the D 128 RoPE choices the defaults left in 2026-11-29
     # (3 stages, the slot released inside the RoPE, "half" read as bf16 values, not words; with
     # smooth_k the launches in stream order instead of chained by programmatic dependent launch;
-    # V by the round-robin, not gluon_sm90.v_plan)
+    # V by the round-robin, not gluon_sm90.v_plan, which the second runs without RoPE too)
     for tuning in (host.PrologueTuning(kernel="gluon"),
-                   host.PrologueTuning(kernel="gluon", gluon_stages=2),
+                   host.PrologueTuning(kernel="gluon", gluon_stages=2, gluon_v_plan=True),
                    host.PrologueTuning(kernel="gluon", gluon_stages=3, gluon_rope_release=True,
                                        gluon_rope_words=False, gluon_pdl=False,
                                        gluon_v_plan=False)):
