@@ -16,7 +16,7 @@ import triton
 from ...fp8_recipe import FP8Operands, FP8Recipe, RopeSpec
 from ...runtime.fast_launch import aliasing, launch_cached, on_clear, recorded, tensor_signature
 from .hadamard import hadamard_block, sign_hadamard
-from .kernel import Quantization, Rotation, Tiles, k_sums_kernel, prologue_kernel
+from .kernel import Quantization, Rotation, Tiles, k_mean_kernel, k_sums_kernel, prologue_kernel
 from .reference import SMOOTH_SAMPLE
 
 MAX_HEAD_DIM = 256
@@ -51,8 +51,19 @@ class PrologueTuning:
       gluon_sm90.default_programs_per_sm, 2 at D 64 without RoPE, else 1);
     - ``gluon_rope_release``: with RoPE at D 128, the Gluon kernel releases a tile's ring slot
       inside its RoPE, under the previous tile's wgmma (True), or after the previous tile's amax
-      barrier (False: one barrier fewer a tile, but on the chain between two wgmmas); None: True
-      (gluon_sm90.GluonPrologue.ROPE_RELEASE). The same operations either way.
+      barrier (False: one barrier fewer a tile, but on the chain between two wgmmas); None: False
+      since the H200 sweep of 2026-11-29 (gluon_sm90.GluonPrologue.ROPE_RELEASE). The same
+      operations either way;
+    - ``gluon_rope_words``: RoPE "half" on the Gluon kernel reads Q / K from the ring as int32
+      pair words, widened by a shift and a mask (True), or as bf16 / fp16 values widened the
+      generic way (False: two instructions for every odd channel); None: True
+      (gluon_sm90._ring_half). The same values either way;
+    - ``gluon_pdl``: smooth_k on the Gluon kernel: its two pre-passes (k_sums_kernel,
+      k_mean_kernel) and the kernel chained by programmatic dependent launch, the Q tiles running
+      under the pre-passes (True), or three launches in stream order (False); None: True;
+    - ``gluon_v_plan``: the Gluon kernel's V tiles by a host plan that evens out the programs'
+      weighted work (gluon_sm90.v_plan, True) or by the launch's round-robin of units (False);
+      None: True with RoPE, False without. Which program takes which tile changes no byte.
 
     Example::
 
@@ -68,6 +79,9 @@ class PrologueTuning:
     kernel: Optional[str] = None
     gluon_stages: Optional[int] = None
     gluon_rope_release: Optional[bool] = None
+    gluon_rope_words: Optional[bool] = None
+    gluon_pdl: Optional[bool] = None
+    gluon_v_plan: Optional[bool] = None
 
 
 DEFAULT_TUNING = PrologueTuning()
@@ -541,6 +555,15 @@ class PrologueLayout:
             kwargs["maxnreg"] = maxnreg
         self.kernels.append((prologue_kernel, kwargs))
         self._grids.append(None)        # _programs' choice, on the first bind (it compiles the kernel)
+        # smooth_k on the Gluon kernel: K's mean per head (kernel._k_mean, the Triton K programs'
+        # operations) between the pre-pass and it (launches()). With tuning.gluon_pdl (default on)
+        # the three launches are chained by programmatic dependent launch: k_sums lets k_mean
+        # start, k_mean lets the Gluon kernel start, whose Q tiles run under the pre-passes;
+        # k_mean waits for k_sums, the Gluon K tiles for k_mean.
+        pdl = tuning.gluon_pdl is None or bool(tuning.gluon_pdl)
+        self._k_mean = (k_mean_kernel, dict(D=D, BLOCK_D=block_d, QUANT=quant, num_warps=1,
+                                            PDL=pdl, **({"launch_pdl": True} if pdl else {})),
+                        (B * Hkv,), (n_chunks, n_sample), pdl) if recipe.smooth_k else None
         self._groups, self._tuning = max(nq, nk), tuning
         self.key = key
         # The hot case on sm90 takes gluon_sm90's kernel instead of the launches above (_takes_gluon)
@@ -551,6 +574,16 @@ class PrologueLayout:
             from .gluon_sm90 import interleaved_rows
 
             self._gluon_rows = interleaved_rows(self.had)
+        # The Gluon kernel's V tiles by program (gluon_sm90.v_plan), made once: on by default with
+        # RoPE (whole head sets a Q / K unit leave the round-robin's V tiles unbalanced)
+        self._gluon_vstart = None
+        plan = tuning.gluon_v_plan if tuning.gluon_v_plan is not None else rope is not None
+        if self.gluon and plan:
+            from .gluon_sm90 import v_start_of
+
+            self._gluon_vstart = torch.tensor(
+                v_start_of(B, Hq, Hkv, qg, kg, D, rope is not None, dev, tuning.programs_per_sm),
+                dtype=torch.int32, device=dev)
         self._gluon_statics = (stride_tz, stride_tp, stride_qpz, stride_kpz, P,
                                rope.style if rope is not None else "",
                                rope is not None and rope.q_positions is not None,
@@ -581,7 +614,8 @@ class PrologueLayout:
         """This call's operands (allocated, not yet written) and the launches' tensors, in the
         order :meth:`args` reads them: q, k, v, the operands, K's partial sums (None without
         smoothing), k_mean (None), the Hadamard matrix, cos, sin, q and k positions (None without);
-        for the Gluon kernel with "interleaved" RoPE then q and k as int32 words and its HAD rows.
+        for the Gluon kernel with "interleaved" RoPE then q and k as int32 words and its HAD rows,
+        and with its V plan (gluon_sm90.v_plan) last its V_START.
         ``q, k, v, rope`` must have this layout's signature (layout_of's key)."""
         ops, k_part = self.allocate()
         return ops, self.inputs_of(ops, k_part, q, k, v, rope)
@@ -634,12 +668,14 @@ class PrologueLayout:
                   ops.v_scale_max, k_part, ops.k_mean, self.had, cos, sin, qpos, kpos)
         if self._gluon_rows is not None:   # the Gluon kernel's int32 views and HAD rows, as inputs
             inputs += (q.view(torch.int32), k.view(torch.int32), self._gluon_rows)
+        if self._gluon_vstart is not None:   # and its V plan
+            inputs += (self._gluon_vstart,)
         return inputs
 
     def args(self, i: int, inputs: tuple) -> tuple:
         """The positional arguments of launch ``i`` on :meth:`bind`'s ``inputs``."""
         (q, k, v, oq, ok, ovt, q_scale, k_scale, v_scale, v_scale_max, k_part, k_mean, had, cos, sin,
-         qpos, kpos) = inputs
+         qpos, kpos) = inputs[:17]
         cos = had if cos is None else cos
         sin = had if sin is None else sin
         qpos = had if qpos is None else qpos
@@ -662,7 +698,11 @@ class PrologueLayout:
             had if qpos is None else qpos, had if kpos is None else kpos, stride_tz, stride_tp,
             stride_qpz, stride_kpz, P, style, q_pos, k_pos, self.recipe,
             stages=self._tuning.gluon_stages, per_sm=self._tuning.programs_per_sm,
-            words=inputs[17:] or None, rope_release=self._tuning.gluon_rope_release)
+            words=inputs[17:20] if self._gluon_rows is not None else None,
+            rope_release=self._tuning.gluon_rope_release,
+            k_mean=inputs[11], rope_words=self._tuning.gluon_rope_words,
+            pdl=self._k_mean is not None and self._k_mean[-1],
+            v_start=inputs[-1] if self._gluon_vstart is not None else None)
 
     def grid(self, i: int, inputs: tuple) -> tuple:
         """Launch ``i``'s grid (the main launch's persistent grid is chosen on the first call)."""
@@ -699,16 +739,35 @@ class PrologueLayout:
         """
         if self.key is None:
             return None
-        tags = ("gluon",) if self.gluon else range(len(self.kernels))
-        entries = tuple(recorded((_LAUNCH_TAG, self.key, tag)) for tag in tags)
+        entries = tuple(recorded((_LAUNCH_TAG, self.key, tag)) for tag in self.launch_tags())
         return None if any(entry is None for entry in entries) else entries
+
+    def launch_tags(self) -> tuple:
+        """The launch cache's tag of each launch :meth:`launches` makes, in order: every one of them is
+        replayed (smooth_k on the Gluon kernel is three: K's partial sums, K's mean, the kernel).
+
+        Example::
+
+            >>> layout.launch_tags()            # doctest: +SKIP
+            ('gluon',)
+        """
+        if self.gluon:
+            return (0, "k_mean", "gluon") if self._k_mean is not None else ("gluon",)
+        return tuple(range(len(self.kernels)))
 
     def launches(self, inputs: tuple, ops: FP8Operands) -> list:
         """(tag, prepare) per launch on :meth:`bind`'s ``inputs``, in order: ``prepare()`` gives its
         (kernel, args, kwargs, grid); ``tag`` names it in the launch cache. The Gluon kernel's one
-        launch where it serves the call, else the Triton launches (:attr:`kernels`)."""
+        launch where it serves the call (with smooth_k after k_sums_kernel and k_mean_kernel), else
+        the Triton launches (:attr:`kernels`)."""
         if self.gluon:
-            return [("gluon", lambda: self.gluon_launch(inputs, ops))]
+            out = [lambda: self.gluon_launch(inputs, ops)]
+            if self._k_mean is not None:   # smooth_k: the pre-pass, K's mean, then the Gluon kernel
+                kernel, kwargs, grid, scalars, pdl = self._k_mean
+                sums = dict(self.kernels[0][1], PDL=pdl)
+                out = [lambda: (self.kernels[0][0], self.args(0, inputs), sums, self.grid(0, inputs)),
+                       lambda: (kernel, (inputs[10], inputs[11], *scalars), kwargs, grid)] + out
+            return list(zip(self.launch_tags(), out))
         return [(i, lambda i=i, kernel=kernel, kwargs=kwargs:
                  (kernel, self.args(i, inputs), kwargs, self.grid(i, inputs)))
                 for i, (kernel, kwargs) in enumerate(self.kernels)]
