@@ -94,7 +94,9 @@ class GluonPrologue:
     PRODUCER_REGS: int  # setmaxnreg of the producer warp
     RELEASE_IN_ROPE: bool = False  # RoPE, not DEFER_A: where a tile's ring slot is released (below)
     SMOOTH: bool = False           # smooth_k: K tiles minus K_MEAN (k_mean_kernel's) per head
-    ROPE_WORDS: bool = True        # "half": x read from the ring as int32 pair words (_ring_half)
+    ROPE_WORDS: bool = True        # "half": x read from the ring as int32 pair words (_ring_half);
+                                   # "interleaved" (x always words): the cos / sin tables read as
+                                   # pair words, held as fp32 (_table_parts)
     V_PLAN: bool = False           # V tiles by V_START's ranges (v_plan), not the round-robin
     PDL: bool = False              # SMOOTH, launched programmatically dependent on k_mean_kernel:
                                    # the consumer waits for it (griddepcontrol.wait) before K
@@ -323,7 +325,8 @@ def _load_had(HADK, had_smem, CFG: gl.constexpr):
 def _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, row0, L,
                  HAS_POS: gl.constexpr, CFG: gl.constexpr):
     """The table values of a row block for both pair chunks: (cos_a, cos_b, sin_a, sin_b) per
-    chunk j, in the chunk layout and the tables' dtype (held across the unit's heads). Rows past
+    chunk j, in the chunk layout and the tables' dtype, or fp32 for "interleaved" read as words
+    (ROPE_WORDS; held across the unit's heads either way). Rows past
     L read 0 (kernel.py masks them the same way; their tile rows are 0 and never stored)."""
     DQ: gl.constexpr = CFG.DQ
     # 8 values (16 bytes of input, 32 of words) a thread along a chunk row; 8 warps down the rows
@@ -339,17 +342,33 @@ def _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, row0, L,
     i = gl.arange(0, DQ, layout=gl.SliceLayout(0, layout))
     ok = row_ok[:, None]
     parts = ()
+    tdtype: gl.constexpr = COS.dtype.element_ty
     for j in gl.static_range(2):
-        if CFG.ROPE == "half":
-            ia = j * DQ + i
-            ib = ia + 2 * DQ
+        if CFG.ROPE == "interleaved" and CFG.ROPE_WORDS:
+            # pair i's (cos_a, cos_b) are channels (2i, 2i + 1), one int32 word: read 8 a thread
+            # (two 16-byte loads) and split by a shift and a mask (exact, as the ring's words):
+            # 8 loads a thread a unit where the 2-byte gathers took 64 (docs/design/
+            # fp8_prologue.md, "Interleaved RoPE's tables as words"). launch keeps the row
+            # starts 4-byte aligned (even strides) or turns ROPE_WORDS off.
+            iw = (j * DQ + i)[None, :]
+            cw = gl.load((COS + t_row).to(gl.pointer_type(gl.int32), bitcast=True) + iw,
+                         mask=ok, other=0)
+            sw = gl.load((SIN + t_row).to(gl.pointer_type(gl.int32), bitcast=True) + iw,
+                         mask=ok, other=0)
+            ca, cb = _split_words(cw, tdtype)
+            sa, sb = _split_words(sw, tdtype)
+            parts = parts + ((ca, cb, sa, sb),)
         else:
-            ia = 2 * (j * DQ + i)
-            ib = ia + 1
-        parts = parts + ((gl.load(COS + t_row + ia[None, :], mask=ok, other=0.0),
-                          gl.load(COS + t_row + ib[None, :], mask=ok, other=0.0),
-                          gl.load(SIN + t_row + ia[None, :], mask=ok, other=0.0),
-                          gl.load(SIN + t_row + ib[None, :], mask=ok, other=0.0)),)
+            if CFG.ROPE == "half":
+                ia = j * DQ + i
+                ib = ia + 2 * DQ
+            else:
+                ia = 2 * (j * DQ + i)
+                ib = ia + 1
+            parts = parts + ((gl.load(COS + t_row + ia[None, :], mask=ok, other=0.0),
+                              gl.load(COS + t_row + ib[None, :], mask=ok, other=0.0),
+                              gl.load(SIN + t_row + ia[None, :], mask=ok, other=0.0),
+                              gl.load(SIN + t_row + ib[None, :], mask=ok, other=0.0)),)
     return parts
 
 
@@ -1013,6 +1032,16 @@ def interleaved_rows(had):
     return had[perm].contiguous()
 
 
+def _rope_words(rope_words, rope_style, cos, sin, stride_tz, stride_tp) -> bool:
+    """GluonPrologue.ROPE_WORDS: the tuning's choice (None: on), off for "interleaved" tables whose
+    rows do not start on a 4-byte boundary (an odd stride or offset: no pair words to read)."""
+    on = True if rope_words is None else bool(rope_words)
+    if on and rope_style == "interleaved":
+        on = (stride_tz % 2 == 0 and stride_tp % 2 == 0 and cos.data_ptr() % 4 == 0
+              and sin.data_ptr() % 4 == 0)
+    return on
+
+
 def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride_qpz, stride_kpz,
            P, rope_style: str, q_pos: bool, k_pos: bool, recipe, stages=None, n_programs=None,
            per_sm=None, words=None, rope_release=None, k_mean=None, rope_words=None, pdl=False,
@@ -1052,7 +1081,8 @@ def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride
                         PRODUCER_REGS=40,
                         RELEASE_IN_ROPE=False if rope_release is None else bool(rope_release),
                         SMOOTH=bool(recipe.smooth_k),
-                        ROPE_WORDS=True if rope_words is None else bool(rope_words),
+                        ROPE_WORDS=_rope_words(rope_words, rope_style, cos, sin, stride_tz,
+                                               stride_tp),
                         PDL=bool(pdl and recipe.smooth_k), V_PLAN=v_start is not None)
     if recipe.smooth_k:
         assert k_mean is not None, "smooth_k: the Gluon kernel reads K_MEAN (kernel.k_mean_kernel)"

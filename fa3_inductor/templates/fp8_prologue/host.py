@@ -57,7 +57,10 @@ class PrologueTuning:
     - ``gluon_rope_words``: RoPE "half" on the Gluon kernel reads Q / K from the ring as int32
       pair words, widened by a shift and a mask (True), or as bf16 / fp16 values widened the
       generic way (False: two instructions for every odd channel); None: True
-      (gluon_sm90._ring_half). The same values either way;
+      (gluon_sm90._ring_half). RoPE "interleaved" (Q / K read as words either way): its cos / sin
+      tables read as int32 pair words and held as fp32 (True: 16-byte loads, 8 a thread a unit),
+      or gathered 2 bytes at a time (False: 64; gluon_sm90._table_parts). The same values
+      either way;
     - ``gluon_pdl``: smooth_k on the Gluon kernel: its two pre-passes (k_sums_kernel,
       k_mean_kernel) and the kernel chained by programmatic dependent launch, the Q tiles running
       under the pre-passes (True), or three launches in stream order (False); None: True;
