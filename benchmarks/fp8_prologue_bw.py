@@ -200,7 +200,10 @@ def sweep_candidates() -> list:
     # wgmma; the default until 2026-11-29's sweep) against after the amax barrier (one barrier on
     # the wgmma-to-wgmma chain; the default since): docs/design/fp8_prologue.md, "Fewer barriers a
     # tile". RoPE "half": Q / K read as bf16 values (words=off) against int32 pair words (the
-    # default since 2026-11-29: 32 instructions fewer a warp a tile, "RoPE against plain"). The
+    # default since 2026-11-29: 32 instructions fewer a warp a tile, "RoPE against plain"); RoPE
+    # "interleaved" (rope-il): its tables gathered 2 bytes at a time (words=off, 64 loads a thread
+    # a unit) against read as pair words and held as fp32 (the default since branch rope-il: 8
+    # 16-byte loads, "Interleaved RoPE's tables as words"). The
     # last row is the kernel as measured at fp8-prologue-bw-nvidia-h200-2026-11-29-1022 (3 stages,
     # release in the RoPE, bf16 reads). The same kernel without RoPE.
     out += [PrologueTuning(kernel="gluon", gluon_rope_release=True),
@@ -330,8 +333,8 @@ def main() -> None:
                 if t.rope_select is not None and "rope" not in c["recipe"]:
                     continue      # the select is RoPE's: the same launch as without it
                 if (getattr(t, "gluon_rope_words", None) is not None
-                        and c["recipe"] not in ("rope", "rope+smooth")):
-                    continue      # words: RoPE "half" only (interleaved reads words anyway)
+                        and c["recipe"] not in ("rope", "rope-il", "rope+smooth")):
+                    continue      # words: RoPE's ("half": Q / K; "interleaved": the tables)
                 if getattr(t, "gluon_pdl", None) is not None and "smooth" not in c["recipe"]:
                     continue      # pdl: smooth_k's pre-passes only
                 gluon = getattr(t, "kernel", None) == "gluon"

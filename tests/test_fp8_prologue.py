@@ -720,9 +720,10 @@ GLUON_CASES = {
     # "interleaved" tables read as int32 pair words and split (gluon_sm90._table_parts): random
     # tables (a pair's two members never share a value, so a swapped half shows), bf16 tables
     # under fp16 inputs, one table per batch (stride_tz), positions, several units a program
-    "d128_interleaved_random_batched_tables_fp16_int8": (2, 4, 2, 3000, 5000, 128, torch.float16,
-                                                         "int8", "interleaved-random-batched",
-                                                         True, torch.bfloat16),
+    # (132 programs: 628 Q units of 2 heads, 314 K units)
+    "d128_interleaved_random_batched_tables_fp16_int8": (
+        2, 4, 2, 20000, 20000, 128, torch.float16, "int8", "interleaved-random-batched", True,
+        torch.bfloat16),
     "d64_plain_bf16_e4m3": (2, 3, 3, 1000, 77, 64, torch.bfloat16, "e4m3", "", False, None),
     "d64_interleaved_bf16_int8": (1, 8, 2, 256, 384, 64, torch.bfloat16, "int8", "interleaved",
                                   False, torch.bfloat16),
