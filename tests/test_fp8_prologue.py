@@ -924,7 +924,9 @@ def test_gluon_prologue_with_smooth_k_compiles_for_sm90(D, style):
     (its K tiles subtract K_MEAN, one FFMA a value and 16 LDG.64 a tile); no spills at D 64 or
     without RoPE; at D 128 with RoPE (the tables at the register ceiling) the K loop reloads a few
     loop-invariant values from the stack (Triton 3.6, the defaults of 2026-11-29: 5 "half", 7
-    "interleaved" LDL a tile, no STL; 112 / 80 bytes of stack), one wgmma wait a tile as
+    "interleaved" LDL a tile, no STL; 112 / 80 bytes of stack; 6 / 7 and 128 / 80 since, branch
+    rope-il: "interleaved"'s table words rounded back to 2 bytes here, none in the Q loop), one
+    wgmma wait a tile as
     without smoothing. The K tiles take the Triton kernel's contracted fma(acc, HAD_SCALE, -mean)
     (gluon_sm90._smooth): at D 128 64 FMAs with the scale a loop, the Q loop's multiplies beside."""
     from fa3_inductor.templates.aot import sass_report

@@ -326,7 +326,7 @@ def _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, row0, L,
                  HAS_POS: gl.constexpr, CFG: gl.constexpr):
     """The table values of a row block for both pair chunks: (cos_a, cos_b, sin_a, sin_b) per
     chunk j, in the chunk layout and the tables' dtype, or fp32 for "interleaved" read as words
-    (ROPE_WORDS; held across the unit's heads either way). Rows past
+    (ROPE_WORDS, not SMOOTH; held across the unit's heads either way). Rows past
     L read 0 (kernel.py masks them the same way; their tile rows are 0 and never stored)."""
     DQ: gl.constexpr = CFG.DQ
     # 8 values (16 bytes of input, 32 of words) a thread along a chunk row; 8 warps down the rows
@@ -357,7 +357,10 @@ def _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, row0, L,
                          mask=ok, other=0)
             ca, cb = _split_words(cw, tdtype)
             sa, sb = _split_words(sw, tdtype)
-            parts = parts + ((ca, cb, sa, sb),)
+            if CFG.SMOOTH:   # held as fp32 beside K_MEAN's addresses: a reload in the Q loop
+                parts = parts + ((ca.to(tdtype), cb.to(tdtype), sa.to(tdtype), sb.to(tdtype)),)
+            else:
+                parts = parts + ((ca, cb, sa, sb),)
         else:
             if CFG.ROPE == "half":
                 ia = j * DQ + i
