@@ -279,7 +279,14 @@ def _build(step: tuple, inputs: Sequence) -> Any:
 _get_stream = None   # triton's current-stream getter, looked up on the first launch (every hit calls it)
 
 
-def _current_stream(device: Optional[int]) -> int:
+def current_stream(device: Optional[int]) -> int:
+    """The current CUDA stream of ``device`` as the launcher takes it (a handle), through triton's driver.
+
+    Example::
+
+        >>> current_stream(0)          # doctest: +SKIP
+        0
+    """
     global _get_stream
     if _get_stream is None:
         from triton.runtime.driver import driver
@@ -291,7 +298,7 @@ def _current_stream(device: Optional[int]) -> int:
 def _relaunch(entry: _Launch, inputs: Sequence) -> None:
     _STATS["relaunches"] += 1
     kernel = entry.kernel
-    stream = _current_stream(entry.device)
+    stream = current_stream(entry.device)
     if entry.direct is not None and not launch_hooks_active():
         _launch_direct(entry, stream, inputs)
         return

@@ -23,7 +23,8 @@ from ..fp8_recipe import FP8Operands, FP8Recipe, RopeSpec
 from ..templates.family import Call
 from ..templates.fp8_prologue.host import _interpreting, check_positions, finish, layout_of, quantize
 from ..templates.placeholder import outside_graph_pools
-from .fast_launch import _current_stream, aliasing, on_clear, relaunch, tensor_signature
+from . import fast_launch
+from .fast_launch import aliasing, on_clear, relaunch, tensor_signature
 from .spec import SiteSpec
 
 _LIB = torch.library.Library("fa3_inductor", "FRAGMENT")
@@ -136,7 +137,7 @@ class _Workspace:
     @classmethod
     def of(cls, layout, device: Optional[int], cuda: bool) -> "_Workspace":
         """The kept workspace of ``layout`` on the current stream of ``device`` (CPU: one) and thread."""
-        where = (layout, _current_stream(device) if cuda else None, threading.get_ident())
+        where = (layout, fast_launch.current_stream(device) if cuda else None, threading.get_ident())
         kept = _WORKSPACES.get(where)
         if kept is None:
             if len(_WORKSPACES) >= _MAX_WORKSPACES:
