@@ -223,7 +223,6 @@ def rebound(recipe: tuple, inputs: Sequence[Optional[torch.Tensor]]) -> list:
 
 
 def _record(jit_fn: Any, args: tuple, kwargs: dict, inputs: Sequence) -> tuple:
-    index_of = {id(t): i for i, t in enumerate(inputs) if t is not None}
     values = list(args)
     for param in jit_fn.params[len(args):]:
         if param.name in kwargs:
@@ -232,7 +231,10 @@ def _record(jit_fn: Any, args: tuple, kwargs: dict, inputs: Sequence) -> tuple:
             values.append(param.default)
         else:
             raise _Uncacheable()
-    return tuple(_step(v, index_of) for v in values)
+    recipe = rebinding(values, inputs)
+    if recipe is None:
+        raise _Uncacheable()
+    return recipe
 
 
 def _step(value: Any, index_of: dict) -> tuple:
