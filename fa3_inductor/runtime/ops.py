@@ -92,6 +92,13 @@ def _out_like(q: Tensor, v: Tensor) -> Tensor:
     return q.new_empty_strided(shape, strides)
 
 
+def _out_is_empty_like_q(q: Tensor, v: Tensor, out: Tensor) -> bool:
+    """Whether :func:`_out_like` gave ``out`` torch.empty_like(q)'s layout (the head dims agree and q's layout is
+    descriptor-ready). Fixed by q's and v's signature, which every replay keys on: a replay then allocates with
+    torch.empty_like(q) and skips _out_like's checks."""
+    return v.shape[3] == q.shape[3] and out.stride() == torch.empty_like(q).stride()
+
+
 def _descriptor_ready(t: Tensor) -> bool:
     """Unit last stride and 16-byte aligned outer strides (templates/tma.py's rule, without the
     address: a fresh allocation's is aligned)."""
@@ -149,7 +156,7 @@ def flex_fwd(
         # chosen family's kernel is re-launched without walking the families again. A hit skips
         # the spec (parsed once per site anyway) and _out_like's layout check (_HITS).
         given = (q, k, v, *tables, *score_bufs, *mask_bufs, *(() if sinks is None else (sinks,)))
-        key = _op_key(spec, scale, sparse_q_block, sparse_kv_block, len(score_bufs), given)
+        key = _launch_key(spec, scale, sparse_q_block, sparse_kv_block, len(score_bufs), given)
         hit = _HITS.get(key)
         if hit is not None:
             entry, plain = hit
@@ -194,18 +201,8 @@ on_clear(_HITS.clear)
 def _remember_hit(key: tuple, entry, q: Tensor, v: Tensor, out: Tensor) -> None:
     if len(_HITS) >= _MAX_RELAUNCH:
         _HITS.clear()
-    # as bound_launch: _out_like gave empty_like(q)'s layout (fixed by q's and v's signature, in the key)
-    _HITS[key] = (entry, v.shape[3] == q.shape[3] and out.stride() == torch.empty_like(q).stride())
+    _HITS[key] = (entry, _out_is_empty_like_q(q, v, out))
 
-
-def _op_key(spec: str, scale: float, sparse_q_block: int, sparse_kv_block: int, n_score_bufs: int,
-            given: tuple) -> tuple:
-    """flex_fwd's launch key: :func:`_launch_key`'s fields over the tensors the caller gives (q, k, v,
-    the tables, the buffers, the sinks), not over the op's outputs: those are fresh allocations (aligned,
-    never one of the inputs) whose layout follows from q's and v's (:func:`_out_like`), so their
-    signature adds nothing to q's and v's, and building it cost ~1.5 µs a call."""
-    return (spec, scale, sparse_q_block, sparse_kv_block, n_score_bufs,
-            torch.get_float32_matmul_precision(), tensor_signature(given), aliasing(given))
 
 
 def call_for(site: SiteSpec, call: Call, dialect: str) -> Call:
@@ -321,7 +318,9 @@ def replayer(key: tuple) -> Optional[tuple[Callable[[tuple], object], object]]:
 def _launch_key(spec: str, scale: float, sparse_q_block: int, sparse_kv_block: int, n_score_bufs: int,
                 inputs: tuple) -> tuple:
     """Everything a CUDA launch depends on but the tensors' addresses (runtime/fast_launch.py), a
-    tensor given at two places (``flex(q, q, q)``) included."""
+    tensor given at two places (``flex(q, q, q)``) included. flex_fwd and bound_launch key over the tensors the
+    caller gives (not the op's fresh outputs, whose layout follows from q's and v's: ~1.5 µs a call less), serve
+    over every tensor it launches on."""
     return (spec, scale, sparse_q_block, sparse_kv_block, n_score_bufs,
             torch.get_float32_matmul_precision(), tensor_signature(inputs), aliasing(inputs))
 
@@ -348,15 +347,14 @@ def bound_launch(q: Tensor, k: Tensor, v: Tensor, tables: tuple, score_bufs: lis
     lse = q.new_empty((Z, H, M), dtype=torch.float32)
     row_max = torch.empty_like(lse)
     probe_out = _out_like(q, v)
-    key = _op_key(spec, scale, sparse_q_block, sparse_kv_block, len(score_bufs),
+    key = _launch_key(spec, scale, sparse_q_block, sparse_kv_block, len(score_bufs),
                   (q, k, v, *tables, *score_bufs, *mask_bufs))
     found = replayer(key)   # a recorded launch, or a family that launches itself (the decode family)
     if found is None:
         return None
     fire, tag = found
     rest = (*tables, *score_bufs, *mask_bufs)
-    # the output is then empty_like(q) (_out_like), unless q's layout is not descriptor-ready
-    plain = v.shape[3] == q.shape[3] and probe_out.stride() == torch.empty_like(q).stride()
+    plain = _out_is_empty_like_q(q, v, probe_out)
 
     def launch(q: Tensor, k: Tensor, v: Tensor, want_lse: bool) -> tuple[Tensor, Optional[Tensor]]:
         out = torch.empty_like(q) if plain else _out_like(q, v)
