@@ -10,8 +10,10 @@ mean over a 256-token sample), RoPE + smooth_k. Bytes moved = what the method mu
 and the scales written once; RoPE tables and smooth_k's second read of K are not counted (they are
 the cost of the method, not of the bytes; smooth_k's pre-pass reads 256 rows per head). The copy is ``dst.copy_(src)`` of half that many bytes
 (read + write = the same total). Times are ``triton.testing.do_bench`` medians (CUDA events, L2
-flushed between calls) of the prologue's launches prepared once (``prepare_prologue``): no host
-work is timed.
+flushed between calls) of the prologue's launches prepared once (``prepare_prologue``) and replayed
+as one CUDA graph: no host work is timed. (Launched from Python, smooth_k's three launches took
+longer to issue than to run, so its rows measured the host: 0.104 and 0.175 ms in two runs of one
+tree, fp8-prologue-bw-nvidia-h200-2026-11-29-1313.)
 
 Options:
 - ``--sweep``: also times the candidate launch parameters (``host.PrologueTuning``: warps, pipeline
@@ -112,12 +114,21 @@ def _launcher(prepared):
     return run
 
 
-def _time(fn) -> float:
+def _time(fn, graph: bool = False) -> float:
+    """Median ms of ``fn``; ``graph``: of one CUDA graph replaying what ``fn`` launches (its issue cost left out)."""
     import torch
     from triton.testing import do_bench
 
     fn()
     torch.cuda.synchronize()
+    if graph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        recorded = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(recorded, stream=stream):
+            fn()
+        torch.cuda.synchronize()
+        fn = recorded.replay
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
@@ -131,7 +142,7 @@ def _prologue_ms(c: dict, tuning=None) -> tuple[float, object]:
         kw = {} if tuning is None else dict(tuning=tuning)
         prepared = host.prepare_prologue(q, k, v, recipe, rope, **kw)
         run = _launcher(prepared)
-        ms = _time(run)
+        ms = _time(run, graph=True)
         return ms, host.finish(prepared.operands)
     ops = host.quantize(q, k, v, recipe, rope)     # a tree without prepare_prologue: host work timed
     return _time(lambda: host.quantize(q, k, v, recipe, rope)), ops
