@@ -36,6 +36,11 @@ class BwdSm90Config:
                                  # overlap"): the next step's S is issued before this step's dK / dQ are drained
                                  # and its exponentials run under them (1: under dK and dQ; 2: under dK only,
                                  # dQ issued after them: no dQ registers beside S). 0: off
+    lpt_order: bool = False      # under a block mask, CTAs launched longest first inside groups of heads (host
+                                 # _cta_order; bwd_sm90.py only, D <= 128): a shorter tail for irregular masks
+    persistent: bool = False     # under a block mask, #SMs CTAs walking host-made tile lists (longest first), the
+                                 # next tile's K / V loaded under this one's dK / dV stores (host._persistent_schedule)
+    persistent_ctas: int = 0     # persistent: CTAs to launch (0: one per SM); tests set a few to give each many tiles
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, value_head_dim: int | None = None) -> int:
         """Shared memory of K, V, the Q / dO ring, P, the two dS buffers and the dQ staging tiles (no score_mod),
@@ -83,6 +88,9 @@ VARIANTS: dict[str, dict[str, bool]] = {
     "serial": {"overlap": 0},
     "overlap": {"overlap": 1},
     "overlap_dk": {"overlap": 2},
+    # longest-first CTA order under block masks (docs/design/hopper_backward.md, "Masks against the tile bound")
+    "lpt_order": {"lpt_order": True},
+    "persistent": {"persistent": True},
 }
 
 
