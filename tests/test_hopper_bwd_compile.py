@@ -48,9 +48,11 @@ def _options(variant, M, N):
         src = score_grad_gl(create_fw_bw_graph(gm, index_values, bufs)[1], [BufferSpec.of(b) for b in bufs])
         return dict(score_mod=fn, score_bufs=bufs,
                     score_grad_mod=SCORE_GRAD_ONE if src is None else load_mod(src, "gl"))
-    if variant == "causal":
-        bm = create_block_mask(mods.causal, None, None, M, N, device="cpu")
-        fn, bufs, _ = _gl_mod(mods.causal, "mask")
+    if variant in ("causal", "sliding_window", "document"):
+        mask_mod = {"causal": mods.causal, "sliding_window": mods.sliding_window(256),
+                    "document": mods.document((torch.arange(N) // 300).to(torch.int32))}[variant]
+        bm = create_block_mask(mask_mod, None, None, M, N, device="cpu")
+        fn, bufs, _ = _gl_mod(mask_mod, "mask")
         return dict(mask_mod=fn, mask_bufs=bufs, kv_num_blocks=bm.kv_num_blocks, kv_indices=bm.kv_indices,
                     full_kv_num_blocks=bm.full_kv_num_blocks, full_kv_indices=bm.full_kv_indices)
     return {}
@@ -102,6 +104,13 @@ VARIANT_SPILLS = {
     (128, "noop", "atomic_dq"): (0, 0), (128, "causal", "atomic_dq"): (0, 0), (128, "softcap", "atomic_dq"): (0, 0),
     (128, "alibi", "atomic_dq"): (5, 0),
     (128, "noop", "serial"): (0, 0), (128, "causal", "serial"): (0, 0),   # D128's in-order step, default before
+    # CTA schedules for block masks (docs/design/hopper_backward.md, "Masks against the tile bound"): causal, a
+    # 256-key causal window and documents of 300 positions. D128 document: the doc-id gathers' addresses (the default
+    # spills 6 there at N = 4096, outside the step loops); persistent, 33: reloads once per query head and per tile
+    # (the tile loop and the GQA / batch loop around the step loop), none in a step.
+    **{(D, mask, schedule): (0, 0) for D in (64, 128) for mask in ("causal", "sliding_window", "document")
+       for schedule in ("lpt_order", "persistent")},
+    (128, "document", "lpt_order"): (8, 0), (128, "document", "persistent"): (40, 0),
 }
 # The cross-step overlap (configs.VARIANTS overlap / overlap_dk, docs/design/hopper_backward.md, "Cross-step overlap"),
 # triton 3.6: no spill in a step loop at any mod. overlap at D128 holds dQ's accumulator in flight beside S while P is
