@@ -43,6 +43,7 @@ Barriers (shared memory):
   qdo_ready[s]    (count 1, TMA tx)  ring stage s holds this step's Q and dO        producer -> consumers
   qdo_empty[s]    (count 2)          both warpgroups' wgmmas reading stage s retired consumers -> producer
   ds_ready[b]     (count 2)          both halves of dS are in buffer b (b = step % 2) consumer <-> consumer
+  kv_empty        (count 2)          PERSISTENT: both warpgroups are done with the tile's K, V  consumers -> producer
   (DQ_TMA: no barrier; each warpgroup's dQ staging tile is reused after tma.store_wait(0))
   Two dS buffers suffice: a warpgroup writes buffer b at step j + 2 only after its own step-j dQ wgmma, and
   after waiting on ds_ready of step j + 1 (DQ_SPLIT: always; in turn: it is the reader of step j + 1 when the
