@@ -83,6 +83,8 @@ def test_plans_of_the_mask_schedules():
     assert kwargs["SCHED"].PERSISTENT and not kwargs["SCHED"].LPT_ORDER
     offsets, tiles = args[-1]
     assert grid == (32,) and offsets.tolist() == list(range(33)) and sorted(tiles.tolist()) == list(range(32))
+    # two K / V buffers where shared memory allows: D64 (176 KB), not D128 (272 KB)
+    assert kwargs["SCHED"].KV_BUFS == 1 and _plan("persistent", window, D=64)[2]["SCHED"].KV_BUFS == 2
     assert PERSISTENT_TILE_COST > 0
     # a few CTAs (the GPU tests): each walks several tiles
     _, args, kwargs, grid = _plan("persistent", window, persistent_ctas=3)

@@ -43,7 +43,8 @@ Barriers (shared memory):
   qdo_ready[s]    (count 1, TMA tx)  ring stage s holds this step's Q and dO        producer -> consumers
   qdo_empty[s]    (count 2)          both warpgroups' wgmmas reading stage s retired consumers -> producer
   ds_ready[b]     (count 2)          both halves of dS are in buffer b (b = step % 2) consumer <-> consumer
-  kv_empty        (count 2)          PERSISTENT: both warpgroups are done with the tile's K, V  consumers -> producer
+  kv_empty[b], kv_full[b]            PERSISTENT, per K / V buffer: both warpgroups are done with its K, V (count 2,
+                                     consumers -> producer); its K, V landed (count 1, TMA tx; kv_ready unused)
   (DQ_TMA: no barrier; each warpgroup's dQ staging tile is reused after tma.store_wait(0))
   Two dS buffers suffice: a warpgroup writes buffer b at step j + 2 only after its own step-j dQ wgmma, and
   after waiting on ds_ready of step j + 1 (DQ_SPLIT: always; in turn: it is the reader of step j + 1 when the
@@ -159,8 +160,10 @@ class BwdSchedule:
                               # first inside groups of heads (host._cta_order; docs/design/hopper_backward.md,
                               # "Masks against the tile bound")
     PERSISTENT: bool = False  # #SMs CTAs, each walking its list of (KV tile, K/V head) tiles (cta_args = (offsets,
-                              # tiles), host._persistent_schedule); the next tile's K and V load under this one's
-                              # dK / dV stores (barrier kv_empty)
+                              # tiles), host._persistent_schedule); the next tile's K and V load once a K / V buffer
+                              # is free (barriers kv_full / kv_empty)
+    KV_BUFS: int = 1          # PERSISTENT: K / V buffers (2 where shared memory allows, D = 64: the next tile's K, V
+                              # load under this tile's last steps; 1: under its dK / dV stores)
 
 
 @gluon.jit
@@ -259,18 +262,22 @@ def _producer(descs, bars, smem, sizes, tables, table_meta, cta, TILE: gl.conste
         cnt = 0
         for t in range(n_my):
             kv_tile, kvh = _persistent_tile(cta, first + t, sizes[4], TILE)
-            mbarrier.wait(cta[1], (t & 1) ^ 1)   # kv_empty: both consumers are done with the last tile's K and V
-            cnt = _producer_tile(kv_tile, kvh, cnt, descs, bars, smem, sizes, tables, table_meta, TILE, SPARSE,
-                                 FLAGS)
+            b = t % SCHED.KV_BUFS
+            # kv_empty[b]: both consumers are done with the K and V of the tile that last used buffer b
+            mbarrier.wait(cta[1].index(b), ((t // SCHED.KV_BUFS) & 1) ^ 1)
+            cnt = _producer_tile(kv_tile, kvh, cnt, cta[2].index(b), b, descs, bars, smem, sizes, tables,
+                                 table_meta, TILE, SPARSE, FLAGS)
     else:
         kv_tile, kvh = _cta_coords(cta, SCHED)
-        _producer_tile(kv_tile, kvh, 0, descs, bars, smem, sizes, tables, table_meta, TILE, SPARSE, FLAGS)
+        _producer_tile(kv_tile, kvh, 0, bars[0], 0, descs, bars, smem, sizes, tables, table_meta, TILE, SPARSE,
+                       FLAGS)
 
 
 @gluon.jit
-def _producer_tile(kv_tile, kvh, cnt, descs, bars, smem, sizes, tables, table_meta, TILE: gl.constexpr,
-                   SPARSE: gl.constexpr, FLAGS: gl.constexpr):
-    """K and V of one (KV tile, K/V head), then its Q / dO steps from ring step cnt on; returns the next cnt."""
+def _producer_tile(kv_tile, kvh, cnt, kv_bar, kv_buf, descs, bars, smem, sizes, tables, table_meta,
+                   TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr):
+    """K and V of one (KV tile, K/V head) into K / V buffer kv_buf (barrier kv_bar), then its Q / dO steps from ring
+    step cnt on; returns the next cnt."""
     q_desc, do_desc, k_desc, v_desc, dq_desc = descs
     kv_ready, qdo_ready, qdo_empty, ds_ready = bars
     q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem = smem
@@ -282,9 +289,9 @@ def _producer_tile(kv_tile, kvh, cnt, descs, bars, smem, sizes, tables, table_me
     hkv = kvh % HKV
     kv_blk = n0 // SPARSE.SPARSE_KV
 
-    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [kz, hkv, n0, 0], kv_ready, k_smem.index(0))
-    tma.async_copy_global_to_shared(v_desc, [kz, hkv, n0, 0], kv_ready, v_smem.index(0))
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [kz, hkv, n0, 0], kv_bar, k_smem.index(kv_buf))
+    tma.async_copy_global_to_shared(v_desc, [kz, hkv, n0, 0], kv_bar, v_smem.index(kv_buf))
 
     qdo_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
     cnt = gl.to_tensor(cnt)   # a loop-carried value (the default launch passes a literal 0)
@@ -351,32 +358,42 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
         cnt = 0
         for t in range(n_my):
             kv_tile, kvh = _persistent_tile(cta, first + t, sizes[4], TILE)
-            if SCHED.OVERLAP:
-                cnt = _consumer_overlap_tile(WG, kv_tile, kvh, t, cnt, cta, descs, bars, smem, sizes, tables,
-                                             table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD,
-                                             TILE, SPARSE, FLAGS, SCHED)
-            else:
-                cnt = _consumer_tile(WG, kv_tile, kvh, t, cnt, cta, descs, bars, smem, sizes, tables, table_meta,
-                                     rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS,
-                                     SCHED)
+            b = t % SCHED.KV_BUFS
+            cnt = _consumer_run_tile(WG, kv_tile, kvh, cta[2].index(b), (t // SCHED.KV_BUFS) & 1, b, cnt, cta,
+                                     descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+                                     SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, SCHED)
     else:
         kv_tile, kvh = _cta_coords(cta, SCHED)
-        if SCHED.OVERLAP:
-            _consumer_overlap_tile(WG, kv_tile, kvh, 0, 0, cta, descs, bars, smem, sizes, tables, table_meta, rows,
-                                   scalars, mod_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, SCHED)
-        else:
-            _consumer_tile(WG, kv_tile, kvh, 0, 0, cta, descs, bars, smem, sizes, tables, table_meta, rows, scalars,
-                           mod_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, SCHED)
+        _consumer_run_tile(WG, kv_tile, kvh, bars[0], 0, 0, 0, cta, descs, bars, smem, sizes, tables, table_meta,
+                           rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, SCHED)
     if SCHED.DQ_TMA:
         tma.store_wait(0)   # the last dQ reduce has read the staging tile before the CTA exits
 
 
 @gluon.jit
-def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, t, cnt, cta, descs, bars, smem, sizes, tables, table_meta, rows,
-                   scalars, mod_bufs, SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
-                   TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr, SCHED: gl.constexpr):
-    """One (KV tile, K/V head): its query steps from ring step cnt on (the CTA's t-th tile: K / V phase t & 1), then
-    the dK, dV stores; returns the next cnt."""
+def _consumer_run_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt, cta, descs, bars, smem, sizes,
+                       tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr,
+                       SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, SPARSE: gl.constexpr,
+                       FLAGS: gl.constexpr, SCHED: gl.constexpr):
+    """One tile with the step SCHED.OVERLAP picks: _consumer_overlap_tile (1 / 2) or _consumer_tile (0)."""
+    if SCHED.OVERLAP:
+        cnt = _consumer_overlap_tile(WG, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt, cta, descs, bars, smem, sizes,
+                                     tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD,
+                                     TILE, SPARSE, FLAGS, SCHED)
+    else:
+        cnt = _consumer_tile(WG, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt, cta, descs, bars, smem, sizes, tables,
+                             table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE,
+                             FLAGS, SCHED)
+    return cnt
+
+
+@gluon.jit
+def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt, cta, descs, bars, smem, sizes,
+                   tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr,
+                   MASK_MOD: gl.constexpr, TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr,
+                   SCHED: gl.constexpr):
+    """One (KV tile, K/V head), its K and V in buffer kv_buf (landed: kv_bar's phase kv_phase): its query steps from
+    ring step cnt on, then the dK, dV stores; returns the next cnt."""
     q_desc, do_desc, k_desc, v_desc, dq_desc = descs
     kv_ready, qdo_ready, qdo_empty, ds_ready = bars
     q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem = smem
@@ -416,7 +433,7 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, t, cnt, cta, descs, bars, sme
     dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
     DQ_COL0: gl.constexpr = WG * DQ_N if TILE.DQ_SPLIT else 0
 
-    mbarrier.wait(kv_ready, t & 1)
+    mbarrier.wait(kv_bar, kv_phase)
     cnt = gl.to_tensor(cnt)   # a loop-carried value (the default launch passes a literal 0)
     # every query batch that reads this K/V batch (all of them when KZ = 1), every head of the GQA
     # group: one flat loop (a nested one holds more loop state in registers)
@@ -437,8 +454,12 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, t, cnt, cta, descs, bars, sme
                 zero = _opaque(0)
             else:
                 zero = 0
-            k_rows = k_smem.index(zero).reshape([BLOCK_N, D])
-            v_rows = v_smem.index(zero).reshape([BLOCK_N, D])
+            if SCHED.PERSISTENT:
+                kv_idx_buf = zero + kv_buf
+            else:
+                kv_idx_buf = zero
+            k_rows = k_smem.index(kv_idx_buf).reshape([BLOCK_N, D])
+            v_rows = v_smem.index(kv_idx_buf).reshape([BLOCK_N, D])
             k_t = k_rows.slice(WG * HALF_N, HALF_N, dim=0).permute((1, 0))   # B of S = Q K^T (this warpgroup's keys)
             v_t = v_rows.slice(WG * HALF_N, HALF_N, dim=0).permute((1, 0))   # B of dP = dO V^T
             p_t = p_smem.index(WG + zero).permute((1, 0))                    # A of dV += P^T dO
@@ -501,7 +522,7 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, t, cnt, cta, descs, bars, sme
                 _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, m0, row_off, WG, TILE, SCHED)
             cnt += 1
     if SCHED.PERSISTENT:
-        mbarrier.arrive(cta[1], count=1)   # kv_empty: this warpgroup's wgmmas reading K and V all retired
+        mbarrier.arrive(cta[1].index(kv_buf), count=1)   # kv_empty: this warpgroup's wgmmas reading K, V retired
 
     # dK, dV: one store per output tile (rows past N clipped); dK takes the scale and f's factor here.
     out_rows = n0 + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, d_layout))[:, None]
@@ -563,10 +584,10 @@ def _make_p(qk, lse, m0, is_partial, z, hq, n0, M, N, p_smem, sm_scale, qk_scale
 
 
 @gluon.jit
-def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, t, cnt, cta, descs, bars, smem, sizes, tables,
-                           table_meta, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr,
-                           MASK_MOD: gl.constexpr, TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr,
-                           SCHED: gl.constexpr):
+def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt, cta, descs, bars, smem,
+                           sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr,
+                           SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
+                           SPARSE: gl.constexpr, FLAGS: gl.constexpr, SCHED: gl.constexpr):
     """_consumer_tile's math (one (KV tile, K/V head), same arguments and result), software-pipelined over the steps of
     a query head: step j + 1's S = Q K^T is issued right behind step j's dS (its Q / dO stage waited then), ahead of
     step j's dK and dQ, and its P is made while they run (OVERLAP 1: under dK and dQ, with dQ's accumulator in
@@ -612,7 +633,7 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, t, cnt, cta, descs, b
     dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
     DQ_COL0: gl.constexpr = WG * DQ_N if TILE.DQ_SPLIT else 0
 
-    mbarrier.wait(kv_ready, t & 1)
+    mbarrier.wait(kv_bar, kv_phase)
     cnt = gl.to_tensor(cnt)   # a loop-carried value (the default launch passes a literal 0)
     for hh in range((Z // KZ) * FLAGS.GQA_GROUP):
         z = kz + (hh // FLAGS.GQA_GROUP) * KZ
@@ -626,7 +647,8 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, t, cnt, cta, descs, b
             # with no full blocks their table is a placeholder)
             m0 = _q_tile_start(0, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
             zero0 = _opaque(0) if TILE.VIEWS_PER_STEP or SCHED.PERSISTENT else 0
-            k_t0 = k_smem.index(zero0).reshape([BLOCK_N, D]).slice(WG * HALF_N, HALF_N, dim=0).permute((1, 0))
+            k_rows0 = k_smem.index(zero0 + kv_buf if SCHED.PERSISTENT else zero0).reshape([BLOCK_N, D])
+            k_t0 = k_rows0.slice(WG * HALF_N, HALF_N, dim=0).permute((1, 0))
             st0 = cnt % NUM_STAGES
             lse0 = gl.load(stats_h + m0 + gl.arange(0, BLOCK_M, layout=row_layout))
             q_t0 = q_smem.index(st0).reshape([BLOCK_M, D])
@@ -642,8 +664,9 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, t, cnt, cta, descs, b
                 zero = _opaque(0)
             else:
                 zero = 0
-            k_rows = k_smem.index(zero).reshape([BLOCK_N, D])
-            v_rows = v_smem.index(zero).reshape([BLOCK_N, D])
+            kv_idx_buf = zero + kv_buf if SCHED.PERSISTENT else zero
+            k_rows = k_smem.index(kv_idx_buf).reshape([BLOCK_N, D])
+            v_rows = v_smem.index(kv_idx_buf).reshape([BLOCK_N, D])
             k_t = k_rows.slice(WG * HALF_N, HALF_N, dim=0).permute((1, 0))
             v_t = v_rows.slice(WG * HALF_N, HALF_N, dim=0).permute((1, 0))
             p_t = p_smem.index(WG + zero).permute((1, 0))
@@ -709,7 +732,7 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, t, cnt, cta, descs, b
             cnt += 1
     if SCHED.PERSISTENT:
         # kv_empty: every wgmma reading K and V retired (the head's last, wasted S too: waited in its step)
-        mbarrier.arrive(cta[1], count=1)
+        mbarrier.arrive(cta[1].index(kv_buf), count=1)
 
     out_rows = n0 + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, d_layout))[:, None]
     out_cols = gl.arange(0, D, layout=gl.SliceLayout(0, d_layout))[None, :]
@@ -769,8 +792,8 @@ def fa3_bwd_sm90_kernel(
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
     # K and V as one-element arrays: the consumers index them (VIEWS_PER_STEP)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [1] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [1] + v_desc.block_type.shape, v_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [SCHED.KV_BUFS] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [SCHED.KV_BUFS] + v_desc.block_type.shape, v_desc.layout)
     HALF_N: gl.constexpr = TILE.HALF_N
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF_N], q_desc.dtype)
     # P of each warpgroup; with a score_mod also f' (both parked in shared memory across the dP wgmma)
@@ -795,10 +818,15 @@ def fa3_bwd_sm90_kernel(
         mbarrier.init(qdo_empty.index(s), count=2)
     for b in gl.static_range(2):
         mbarrier.init(ds_ready.index(b), count=2)
-    if SCHED.PERSISTENT:   # kv_empty (count 2): both consumer warpgroups are done with this tile's K and V
-        kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_empty, count=2)
-        cta = (cta_args, kv_empty)
+    if SCHED.PERSISTENT:   # per K / V buffer: kv_empty (count 2: both consumer warpgroups are done with its K and
+        # V), kv_full (count 1, TMA tx: they landed; kv_ready is unused)
+        kv_empty = gl.allocate_shared_memory(gl.int64, [SCHED.KV_BUFS, 1], mbarrier.MBarrierLayout())
+        kv_full = gl.allocate_shared_memory(gl.int64, [SCHED.KV_BUFS, 1], mbarrier.MBarrierLayout())
+        KV_BUFS: gl.constexpr = SCHED.KV_BUFS
+        for b in gl.static_range(KV_BUFS):
+            mbarrier.init(kv_empty.index(b), count=2)
+            mbarrier.init(kv_full.index(b), count=1)
+        cta = (cta_args, kv_empty, kv_full)
     else:
         cta = cta_args
 

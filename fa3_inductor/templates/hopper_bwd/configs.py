@@ -39,7 +39,8 @@ class BwdSm90Config:
     lpt_order: bool = False      # under a block mask, CTAs launched longest first inside groups of heads (host
                                  # _cta_order; bwd_sm90.py only, D <= 128): a shorter tail for irregular masks
     persistent: bool = False     # under a block mask, #SMs CTAs walking host-made tile lists (longest first), the
-                                 # next tile's K / V loaded under this one's dK / dV stores (host._persistent_schedule)
+                                 # next tile's K / V loaded under this one's dK / dV stores (D = 128) or last steps
+                                 # (D = 64: a second K / V buffer, 176 KB) (host._persistent_schedule)
     persistent_ctas: int = 0     # persistent: CTAs to launch (0: one per SM); tests set a few to give each many tiles
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, value_head_dim: int | None = None) -> int:

@@ -364,7 +364,11 @@ def prepare_hopper_backward(
     # CTA schedules for block masks (bwd_sm90.py only): longest first, and persistent CTAs walking tile lists
     persistent = cfg.persistent and has_mask and not cfg.split_dkv
     lpt = cfg.lpt_order and has_mask and not cfg.split_dkv and not persistent
-    sched = BwdSchedule(DQ_TMA=cfg.dq_tma, OVERLAP=cfg.overlap, LPT_ORDER=lpt, PERSISTENT=persistent)
+    # persistent: a second K / V buffer where shared memory allows (D = 64: 176 KB, 192 KB with a score_mod's f'
+    # slots; D = 128 would need 272 KB), so the next tile's K and V load under this tile's last steps
+    smem = cfg.smem_bytes(D) + (2 * 64 * 64 * q.element_size() if score_grad_mod is not None else 0)
+    kv_bufs = 2 if persistent and smem + 2 * tile.BLOCK_N * D * q.element_size() + 1024 <= SMEM_LIMIT else 1
+    sched = BwdSchedule(DQ_TMA=cfg.dq_tma, OVERLAP=cfg.overlap, LPT_ORDER=lpt, PERSISTENT=persistent, KV_BUFS=kv_bufs)
     grid = (triton.cdiv(N, tile.BLOCK_N), KZ * HKV)
     schedule_args = (q_num_blocks, full_q_num_blocks if has_full else None, Z, KZ, HQ, HKV, grid[0], tile.BLOCK_N,
                      sparse_kv_block)
