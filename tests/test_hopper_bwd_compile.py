@@ -9,6 +9,8 @@ counts and step-loop lengths are printed (``-s``).
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -58,6 +60,11 @@ def _options(variant, M, N):
     return {}
 
 
+def _top_register(body):
+    """Highest general register a loop body names, + 1 (the registers it keeps in use)."""
+    return 1 + max((int(r) for t in body for r in re.findall(r"\bR(\d+)\b", t)), default=-1)
+
+
 def _step_loops(report):
     """Instruction lists of the step loops (the innermost loops that issue wgmma), one per consumer warpgroup."""
     return [body for body in report.inner_loops() if any("HGMMA" in t for t in body)]
@@ -104,13 +111,6 @@ VARIANT_SPILLS = {
     (128, "noop", "atomic_dq"): (0, 0), (128, "causal", "atomic_dq"): (0, 0), (128, "softcap", "atomic_dq"): (0, 0),
     (128, "alibi", "atomic_dq"): (5, 0),
     (128, "noop", "serial"): (0, 0), (128, "causal", "serial"): (0, 0),   # D128's in-order step, default before
-    # CTA schedules for block masks (docs/design/hopper_backward.md, "Masks against the tile bound"): causal, a
-    # 256-key causal window and documents of 300 positions. D128 document: the doc-id gathers' addresses (the default
-    # spills 6 there at N = 4096, outside the step loops); persistent, 33: reloads once per query head and per tile
-    # (the tile loop and the GQA / batch loop around the step loop), none in a step.
-    **{(D, mask, schedule): (0, 0) for D in (64, 128) for mask in ("causal", "sliding_window", "document")
-       for schedule in ("lpt_order", "persistent")},
-    (128, "document", "lpt_order"): (8, 0), (128, "document", "persistent"): (40, 0),
 }
 # The cross-step overlap (configs.VARIANTS overlap / overlap_dk, docs/design/hopper_backward.md, "Cross-step overlap"),
 # triton 3.6: no spill in a step loop at any mod. overlap at D128 holds dQ's accumulator in flight beside S while P is
@@ -123,16 +123,46 @@ for _D in (64, 128):
             VARIANT_SPILLS[_D, _v, _s] = (0, 0)
 VARIANT_SPILLS.update({(128, "causal", "overlap"): (33, 0), (128, "softcap", "overlap"): (78, 0),
                        (128, "alibi", "overlap"): (20, 0)})
+# CTA schedules for block masks (docs/design/hopper_backward.md, "Masks against the tile bound"): causal, a 256-key
+# causal window and documents of 300 positions, under the head dim's step (lpt_order, persistent: D128's overlap under
+# dK), the in-order step (_serial) and the overlap under dK and dQ ("+overlap": configs.VARIANTS merged), triton 3.6.
+# Spill instructions (whole kernel, in the busier step loop) where not (0, 0): head- or tile-level values (the doc-id
+# gathers' addresses, the tile loop's state), stored before the step loop and reloaded once per query head or tile.
+# Only OVERLAP 1 spills in a step loop, and under documents it does without any schedule too ((128, "document",
+# "overlap"): 118 / 9): lpt_order's CTA coordinates come from a load, which ptxas cannot rematerialize as it does the
+# grid's program ids.
+MASK_SCHEDULES = {64: ("default", "lpt_order", "persistent"),
+                  128: ("default", "lpt_order", "persistent", "lpt_order_serial", "persistent_serial",
+                        "lpt_order+overlap", "persistent+overlap")}
+MASK_SCHEDULE_SPILLS = {
+    (128, "causal", "lpt_order+overlap"): (29, 0), (128, "causal", "persistent+overlap"): (41, 0),
+    (128, "sliding_window", "lpt_order+overlap"): (54, 2), (128, "sliding_window", "persistent+overlap"): (41, 0),
+    (128, "document", "default"): (28, 0), (128, "document", "lpt_order"): (24, 0),
+    (128, "document", "persistent"): (34, 0), (128, "document", "lpt_order_serial"): (6, 0),
+    (128, "document", "persistent_serial"): (33, 0), (128, "document", "lpt_order+overlap"): (121, 10),
+    (128, "document", "persistent+overlap"): (57, 0),
+}
+for _D, _schedules in MASK_SCHEDULES.items():
+    for _mask in ("causal", "sliding_window", "document"):
+        for _s in _schedules:
+            VARIANT_SPILLS.setdefault((_D, _mask, _s), MASK_SCHEDULE_SPILLS.get((_D, _mask, _s), (0, 0)))
+
+
+def _config(D, schedule):
+    """The head dim's config under a configs.VARIANTS name, or several joined by '+' (their overrides merged)."""
+    from fa3_inductor.templates.hopper_bwd import get_bwd_config
+    from fa3_inductor.templates.hopper_bwd.configs import VARIANTS
+
+    return get_bwd_config(D, **{k: v for name in schedule.split("+") for k, v in VARIANTS[name].items()})
 
 
 @pytest.mark.parametrize("D, variant, schedule", sorted(VARIANT_SPILLS))
 def test_schedule_variants_compile(D, variant, schedule):
     from fa3_inductor.templates.aot import sass_report
-    from fa3_inductor.templates.hopper_bwd import compile_hopper_backward, get_bwd_config
-    from fa3_inductor.templates.hopper_bwd.configs import VARIANTS
+    from fa3_inductor.templates.hopper_bwd import compile_hopper_backward
 
     M = N = 1000
-    cfg = get_bwd_config(D, **VARIANTS[schedule])
+    cfg = _config(D, schedule)
     q = torch.randn(2, 4, M, D, dtype=torch.bfloat16)
     k = v = torch.randn(2, 2, N, D, dtype=torch.bfloat16)
     _, ck, _ = compile_hopper_backward(q, k, v, torch.empty_like(q), torch.empty_like(q), torch.empty(2, 4, M),
@@ -141,7 +171,7 @@ def test_schedule_variants_compile(D, variant, schedule):
     loops = _step_loops(main)
     loop_spills = max(sum(("LDL" in t or "STL" in t) for t in body) for body in loops)
     print(f"\nD{D} {variant} {schedule}: {main.spill_instructions} spills ({loop_spills} in a step loop), "
-          f"loops {[len(b) for b in loops]}, shared {main.shared}")
+          f"loops {[len(b) for b in loops]}, registers {[_top_register(b) for b in loops]}, shared {main.shared}")
     assert main.hgmma > 0 and main.shared <= SMEM_LIMIT and cfg.smem_bytes(D) <= main.shared
     if cfg.dq_tma:
         assert "UTMAREDG" in main.sass and "REDG" not in main.sass.replace("UTMAREDG", ""), "dQ not by TMA reduce"

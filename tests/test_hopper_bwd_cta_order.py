@@ -90,6 +90,13 @@ def test_plans_of_the_mask_schedules():
     _, args, kwargs, grid = _plan("persistent", window, persistent_ctas=3)
     offsets, tiles = args[-1]
     assert grid == (3,) and offsets[0] == 0 and offsets[-1] == 32 and (offsets.diff() >= 10).all()
+    # the step under either schedule: the head dim's (D128: the overlap under dK, D64: in order), or as asked
+    assert kwargs["SCHED"].OVERLAP == 2 and _plan("lpt_order", window)[2]["SCHED"].OVERLAP == 2
+    assert _plan("persistent", window, D=64)[2]["SCHED"].OVERLAP == 0
+    for schedule in ("lpt_order_serial", "persistent_serial"):
+        sched = _plan(schedule, window)[2]["SCHED"]
+        assert sched.OVERLAP == 0 and (sched.LPT_ORDER or sched.PERSISTENT)
+    assert _plan("persistent", window, overlap=1)[2]["SCHED"].OVERLAP == 1
     # no block mask: both schedules are the default launch
     for schedule in ("lpt_order", "persistent"):
         _, args, kwargs, grid = _plan(schedule)

@@ -175,33 +175,37 @@ def _head_window(b, h, q_idx, kv_idx):
 # CTA schedules for irregular block masks (configs.VARIANTS; docs/design/hopper_backward.md, "Masks against the tile
 # bound"): (id, mask_mod, Z, HQ, HKV, M, N, KZ, head-dependent, head dims). A sliding window, documents with GQA 4:1
 # and a K/V batch of 1 (ragged), and a head-dependent window (D128 only: few compiles on the GPU).
-MASK_SCHEDULES = ["lpt_order", "persistent"]
 MASK_SCHEDULE_CASES = [
     ("sliding-window", mods.sliding_window(256), 2, 4, 4, 1000, 1000, None, False, (64, 128)),
     ("document-gqa4-kv-batch-1", "document", 2, 8, 2, 900, 900, 1, False, (64, 128)),
     ("head-window", _head_window, 1, 4, 4, 768, 768, None, True, (128,)),
 ]
+# Schedules per head dim: lpt_order / persistent on the head dim's step (D128: the overlap under dK); at D128 also on
+# the in-order step (_serial) and on the overlap under dK and dQ ('+overlap': configs.VARIANTS entries merged). At D64
+# the _serial names are the same kernels.
+MASK_SCHEDULES = {64: ("lpt_order", "persistent"),
+                  128: ("lpt_order", "persistent", "lpt_order_serial", "persistent_serial", "lpt_order+overlap",
+                        "persistent+overlap")}
+MASK_SCHEDULE_PARAMS = [pytest.param(case, D, schedule, id=f"{case[0]}-{D}-{schedule.replace('+', '-')}")
+                        for case in MASK_SCHEDULE_CASES for D in case[-1] for schedule in MASK_SCHEDULES[D]]
 
 
-@pytest.mark.parametrize("schedule", MASK_SCHEDULES)
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("case", MASK_SCHEDULE_CASES, ids=[c[0] for c in MASK_SCHEDULE_CASES])
+@pytest.mark.parametrize("case, D, schedule", MASK_SCHEDULE_PARAMS)
 def test_mask_schedules_match_float64(case, D, schedule):
     from fa3_inductor.templates.hopper_bwd import get_bwd_config
     from fa3_inductor.templates.hopper_bwd.configs import VARIANTS
 
-    _, mask_mod, Z, HQ, HKV, M, N, KZ, per_head, dims = case
-    if D not in dims:
-        pytest.skip(f"{case[0]} runs at D {dims}")
+    _, mask_mod, Z, HQ, HKV, M, N, KZ, per_head, _ = case
     if mask_mod == "document":
         mask_mod = _document(M)
     torch.manual_seed(6)
     q, k, v, dout = _inputs(Z, HQ, HKV, M, N, D, KZ)
+    overrides = {k_: v_ for name in schedule.split("+") for k_, v_ in VARIANTS[name].items()}
     # persistent: 3 CTAs, so that each walks many tiles (K / V reloaded under the last tile's stores; odd and even
     # tile counts); on an H100 / H200 every small case here would have one tile a CTA
-    extra = dict(persistent_ctas=3) if VARIANTS[schedule].get("persistent") else {}
-    _check(q, k, v, dout, None, mask_mod, config=get_bwd_config(D, **VARIANTS[schedule], **extra),
-           mask_heads=HQ if per_head else None)
+    if overrides.get("persistent"):
+        overrides["persistent_ctas"] = 3
+    _check(q, k, v, dout, None, mask_mod, config=get_bwd_config(D, **overrides), mask_heads=HQ if per_head else None)
 
 
 @pytest.mark.parametrize("dims", [(128, 128)] + WIDE_HEAD_DIMS, ids=_dims_id)

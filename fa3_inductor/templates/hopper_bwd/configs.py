@@ -89,9 +89,13 @@ VARIANTS: dict[str, dict[str, bool]] = {
     "serial": {"overlap": 0},
     "overlap": {"overlap": 1},
     "overlap_dk": {"overlap": 2},
-    # longest-first CTA order under block masks (docs/design/hopper_backward.md, "Masks against the tile bound")
+    # CTA schedules under block masks (docs/design/hopper_backward.md, "Masks against the tile bound"), on top of the
+    # head dim's step (D128: the overlap under dK); the _serial ones with the in-order step (what was measured before
+    # D128's default became the overlap; at D64 they are the same kernels as lpt_order / persistent)
     "lpt_order": {"lpt_order": True},
     "persistent": {"persistent": True},
+    "lpt_order_serial": {"lpt_order": True, "overlap": 0},
+    "persistent_serial": {"persistent": True, "overlap": 0},
 }
 
 
