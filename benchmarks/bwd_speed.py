@@ -7,7 +7,8 @@ Shapes: B * N = 16k tokens (B = 16384 / N), H 16, N in {2k, 4k, 8k}; head dims 6
 noop, causal, softcap 30, ALiBi, and block-sparse masks (sliding window 1024, causal documents of N / 4). Ours is our Hopper forward (templates/hopper) plus this backward, launched directly
 through the host functions (no torch.compile); a head dim the backward does not serve is reported as such. TFLOP/s
 count fwd+bwd as 3.5 forwards (forward = 4 B H M N D, halved under causal). CUDA events, warm-up, the median of
---reps repetitions; L2 is not flushed between repetitions (all impls alike). Peak memory is the
+--reps rounds, each round timing every impl and schedule of the row once in turn (interleaved); L2 is not flushed
+between repetitions (all impls alike). Peak memory is the
 max_memory_allocated delta of one fwd+bwd. SDPA has no score_mod: its softcap / ALiBi cells are empty and ours
 is compared with our noop. Before timing, one case is checked against a float64 reference.
 
@@ -41,18 +42,24 @@ VARIANTS = ("noop", "causal", "softcap", "alibi", "sliding_window", "document")
 HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))
 
 
-def _time_ms(fn, reps: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def _time_interleaved(fns: dict, rounds: int, warmup: int = 3) -> dict:
+    """Median ms of each callable in ``fns`` over ``rounds`` rounds, each round calling every callable once
+    in turn (CUDA events, a sync after each): clock or thermal drift during a row falls on all of them
+    alike, where timing one callable's repetitions after another's let a single row's A/A differ by ~10%
+    (bwd-speed-nvidia-h200-2026-11-29-0816, D64 4k causal)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _peak_mb(fn) -> float:
@@ -284,13 +291,13 @@ def run(args) -> list[dict]:
                                                                          device="cuda"))
                     if variant != "causal":   # causal keeps the usual half-of-dense count
                         flops = flops * row["tile_density"]
+                fns = {}   # result key -> callable, timed together in interleaved rounds below
                 impl, why = ours(q, k, v, dout, variant, scale)
                 if impl is None:
                     row["ours_note"] = why
                 else:
                     both, bwd, _, fresh = impl
-                    row["ours_ms"] = _time_ms(both, args.reps)
-                    row["ours_bwd_ms"] = _time_ms(bwd, args.reps)
+                    fns.update(ours_ms=both, ours_bwd_ms=bwd)
                     row["ours_mb"] = _peak_mb(fresh)
                 for schedule in args.bwd_variants:
                     if schedule == "default":
@@ -300,16 +307,15 @@ def run(args) -> list[dict]:
                         row[f"ours[{schedule}]_note"] = why
                     else:
                         both, bwd, _, _ = impl
-                        row[f"ours[{schedule}]_ms"] = _time_ms(both, args.reps)
-                        row[f"ours[{schedule}]_bwd_ms"] = _time_ms(bwd, args.reps)
+                        fns[f"ours[{schedule}]_ms"], fns[f"ours[{schedule}]_bwd_ms"] = both, bwd
                 if args.generic:
                     impl, why = ours(q, k, v, dout, variant, scale, "generic")
                     if impl is None:
                         row["generic_note"] = why
                     else:
                         both, bwd, _, _ = impl
-                        row["generic_ms"] = _time_ms(both, args.reps)
-                        row["generic_bwd_ms"] = _time_ms(bwd, args.reps)
+                        fns.update(generic_ms=both, generic_bwd_ms=bwd)
+                torch_fwd = []
                 for name in ("cudnn", "fa2", "flex"):
                     if name == "flex" and (D not in args.flex_head_dims or time.time() > deadline):
                         row["flex_note"] = "skipped: head dim or time budget (--flex-head-dims, --budget-s)"
@@ -318,9 +324,12 @@ def run(args) -> list[dict]:
                     if got is None:
                         continue
                     both, fwd = got
-                    row[f"{name}_ms"] = _time_ms(both, args.reps)
-                    row[f"{name}_bwd_ms"] = row[f"{name}_ms"] - _time_ms(fwd, args.reps)
+                    fns[f"{name}_ms"], fns[f"{name}_fwd_ms"] = both, fwd
+                    torch_fwd.append(name)
                     row[f"{name}_mb"] = _peak_mb(both)
+                row.update(_time_interleaved(fns, args.reps))
+                for name in torch_fwd:   # their backward alone: fwd+bwd minus the forward
+                    row[f"{name}_bwd_ms"] = row[f"{name}_ms"] - row.pop(f"{name}_fwd_ms")
                 for name in ("ours", "generic", "cudnn", "fa2", "flex"):
                     if f"{name}_ms" in row:
                         row[f"{name}_tflops"] = flops / row[f"{name}_ms"] / 1e9

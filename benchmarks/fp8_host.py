@@ -14,7 +14,9 @@ entry point (inference, no mask):
 - ``kernels``: the device kernels one call launches (torch.profiler, after warm-up), with their GPU
   times, and ``cpu_ops``: the aten ops it dispatches (each a tiny launch or allocation on the host);
 - ``host_top``: the functions with the most cumulative host time a call (cProfile), and ``uncacheable``:
-  the launches runtime/fast_launch.py could not record (each of their calls takes the whole JIT launch path).
+  the launches runtime/fast_launch.py could not record (each of their calls takes the whole JIT launch path);
+- ``memo``: for flex(), the FP8 call memo's counters (direct_fp8.stats(): remembered, hits, equal_hits;
+  "absent" in a tree without it): hits near the call count mean the repeated calls replayed.
 
 Run it on a GPU machine; ``--root`` imports ``fa3_inductor`` from another tree (this file need not exist
 there), so one script times the tree before and after a change:
@@ -108,9 +110,10 @@ def _launched(fn) -> tuple[list, list]:
     return kernels, cpu_ops
 
 
-def _host_top(fn, calls: int, top: int = 12) -> list:
+def host_top(fn, calls: int, top: int = 12, own: int = 0) -> list:
     """The functions with the most cumulative host time over ``calls`` calls (cProfile): (name,
-    µs a call), where a call's host time goes."""
+    µs a call), where a call's host time goes; with ``own`` > 0, a pair: that list and the ``own``
+    functions with the most time spent in themselves (callees excluded)."""
     import cProfile
     import pstats
 
@@ -122,7 +125,12 @@ def _host_top(fn, calls: int, top: int = 12) -> list:
     stats = pstats.Stats(prof).stats
     rows = sorted(((cum, f"{os.path.basename(file)}:{line} {name}")
                    for (file, line, name), (_, _, _, cum, _) in stats.items()), reverse=True)
-    return [(name, round(cum / calls * 1e6, 1)) for cum, name in rows[1:top + 1]]
+    cumulative = [(name, round(cum / calls * 1e6, 1)) for cum, name in rows[1:top + 1]]
+    if not own:
+        return cumulative
+    selfs = sorted(((tt, f"{os.path.basename(file)}:{line} {name}")
+                    for (file, line, name), (_, _, tt, _, _) in stats.items()), reverse=True)
+    return cumulative, [(name, round(tt / calls * 1e6, 1)) for tt, name in selfs[:own]]
 
 
 def _uncacheable_launches() -> list:
@@ -159,16 +167,19 @@ def _case(B: int, H: int, Hkv: int, N: int, calls: int, repeats: int) -> list[di
                            host_drained_us=_host_drained_us(fn, calls),
                            gpu_us=_gpu_us(fn, calls))
                 row["kernels"], row["cpu_ops"] = _launched(fn)
-                row["host_top"] = _host_top(fn, calls)
+                row["host_top"] = host_top(fn, calls)
                 row["uncacheable"] = _uncacheable_launches()
                 if name.startswith("flex"):
                     row["template"] = fa3_inductor.last_template()
+                    memo = getattr(getattr(fa3_inductor, "direct_fp8", None), "stats", None)
+                    row["memo"] = memo() if memo is not None else "absent"   # the FP8 call memo's counters
         except Exception as exc:   # keep the other cases
             row["error"] = f"{type(exc).__name__}: {exc}"[:500]
         rows.append(row)
         print(f"{row['shape']:>22} {name:>15}: " + (
             f"host {row['host_b2b_us']:.1f} us back to back, {row['host_drained_us']:.1f} us drained; "
-            f"GPU {row['gpu_us']:.1f} us; {len(row['kernels'])} kernels" if "error" not in row
+            f"GPU {row['gpu_us']:.1f} us; {len(row['kernels'])} kernels"
+            + (f"; memo {row['memo']}" if "memo" in row else "") if "error" not in row
             else row["error"]), flush=True)
     return rows
 
@@ -203,6 +214,7 @@ def _markdown(result: dict) -> str:
     for r in result["rows"]:
         if "host_top" in r:
             lines.append(f"- {r['shape']} {r['entry']}: uncacheable {r['uncacheable'] or 'none'}; "
+                         + (f"memo {r['memo']}; " if "memo" in r else "")
                          + "; ".join(f"{n} {t}" for n, t in r["host_top"]))
     lines += ["", "Kernels per call (GPU µs):", ""]
     for r in result["rows"]:

@@ -1,7 +1,7 @@
 """Serving attention on a GPU (issue 20): decode through the front doors users call, split-count
 sweeps, paged KV caches and varlen prefill, against torch, in one run.
 
-Parts (--part, default all):
+Parts (--part, default decode,splits,paged,varlen):
 
   decode  rows (batch, new tokens, cache length, HQ/HKV, D), bf16, no mask (every new token sees
           the whole cache). Ours three ways, as users reach the registered decode family:
@@ -23,6 +23,14 @@ Parts (--part, default all):
           our document-mask path (fa3_inductor.flex on [1, H, 16k, D] with and_masks(document,
           causal), block mask built once); torch's compiled FlexAttention on the same block mask;
           and (first pack) our varlen kernel with other tiles (templates/varlen/configs.py).
+  fp8kv   flex_decode over an FP8 (e4m3) KV cache against the same cache in bf16, same rounds: per
+          kv head scales on the contiguous cache ("fp8"), per page scales on pages of 64 ("fp8
+          paged", beside "bf16 paged"), and the FP8 kernel with 128-key tiles ("fp8 bn128", a tile
+          A/B through prepare_decode); a copy of the FP8 bytes. TB/s count the bytes each reads
+          (FP8: 1 per value); "fp8/bf16" is bf16's time over FP8's. Each row records the FP8
+          output's difference to bf16 flex_decode on the dequantized cache (the same values: a
+          kernel check) and to the bf16 cache it was quantized from (the quantization's error).
+          Only when asked (--part fp8kv).
 
 Units. Decode "TB/s" is K+V bytes read once / time; copy TB/s counts read + write (2 x K+V bytes)
 / time, a copy's usual figure; "% copy" is ours over the copy's. Varlen TFLOP/s count only the
@@ -41,6 +49,7 @@ paged) and one small pack; each timed row also records every impl's relative dif
     python benchmarks/serving.py --quick --out DIR      # ~2 min on an H100 (budget 140 s all told)
     python benchmarks/serving.py                        # default rows (budget 300 s)
     python benchmarks/serving.py --part decode --full   # every decode row (K+V <= 16 GiB)
+    python benchmarks/serving.py --part fp8kv           # the FP8 KV cache against bf16
     TRITON_INTERPRET=1 python benchmarks/serving.py --smoke --out /tmp/s   # CPU: the harness only
 
 Writes serving-<device>-<YYYY-MM-DD-HHMM>.{json,md} into --out (after every row, so a run cut short
@@ -69,9 +78,10 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))   # reference.py: the float64 reference
 
-PARTS = ("decode", "splits", "paged", "varlen")
+PARTS = ("decode", "splits", "paged", "varlen", "fp8kv")
+DEFAULT_PARTS = PARTS[:4]    # fp8kv runs when asked
 # cumulative share of --budget-s after which a part adds no more rows
-BUDGET_SHARE = {"decode": 0.58, "splits": 0.64, "paged": 0.70, "varlen": 1.0}
+BUDGET_SHARE = {"decode": 0.58, "splits": 0.64, "paged": 0.70, "varlen": 1.0, "fp8kv": 1.0}
 QUICK_BUDGET_S = 140.0       # --quick: the whole run, startup included
 KV_CAP = 16 * 2 ** 30        # decode rows over this many K+V bytes are left out
 PAGED_KV_CAP = 4 * 2 ** 30   # rows whose paged copy is timed too (it holds the cache twice)
@@ -189,6 +199,10 @@ SMOKE_SPLITS = [DecodeCase(1, 1, 128, 4, 2, 16)]
 SMOKE_SPLIT_COUNTS = (1, 2, 4)
 SMOKE_PAGED = [DecodeCase(2, 1, 64, 4, 2, 16)]
 SMOKE_PAGE_SIZES = (8, 16, 32)
+# FP8 KV cache rows (GQA 32/8 D128 first: the issue's headline shapes), and --full's extra ones
+FP8KV_DECODE = [_d(8, 1, 32), _d(1, 1, 128), _d(8, 1, 8), _d(64, 1, 8), _d(1, 1, 32)]
+FP8KV_FULL = [_d(8, 1, 32, d=64), _d(1, 1, 128, hkv=32), _d(32, 1, 32), _d(8, 4, 32)]
+SMOKE_FP8KV = [DecodeCase(2, 1, 64, 4, 2, 16)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,9 +354,22 @@ def _free_bytes(device: torch.device) -> int:
 
 
 # ------------------------------------------------------------------------------------ checks
+def _worst_error(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 lens: torch.Tensor) -> float:
+    """The largest relative error of a decode output over its batches, each against float64
+    attention over its first lens[z] keys of k, v [B, HKV, N, D]."""
+    from reference import reference_attention, rel_error
+
+    worst = 0.0
+    for z, L in enumerate(lens.tolist()):
+        ref, _ = reference_attention(q[z:z + 1], k[z:z + 1, :, :L], v[z:z + 1, :, :L])
+        worst = max(worst, rel_error(out[z:z + 1], ref))
+    return worst
+
+
 def check_decode(device: torch.device, dtype: torch.dtype) -> dict:
     """Ours (contiguous and paged, GQA, 4 new tokens, a partial last tile) against float64."""
-    from reference import TOLERANCE, reference_attention, rel_error
+    from reference import TOLERANCE
 
     from fa3_inductor.templates.decode import decode_attention
 
@@ -355,13 +382,7 @@ def check_decode(device: torch.device, dtype: torch.dtype) -> dict:
     k_pages, v_pages, table = _pages(k, v, page, spare=2)
     out_c, _ = decode_attention(q, k, v, seq_lens=lens)
     out_p, _ = decode_attention(q, k_pages, v_pages, seq_lens=lens, block_table=table, page_size=page)
-    errors = {}
-    for name, out in (("contiguous", out_c), ("paged", out_p)):
-        worst = 0.0
-        for z, L in enumerate(lens.tolist()):
-            ref, _ = reference_attention(q[z:z + 1], k[z:z + 1, :, :L], v[z:z + 1, :, :L])
-            worst = max(worst, rel_error(out[z:z + 1], ref))
-        errors[name] = worst
+    errors = {name: _worst_error(out, q, k, v, lens) for name, out in (("contiguous", out_c), ("paged", out_p))}
     tol = TOLERANCE[dtype]
     if max(errors.values()) > tol:
         raise SystemExit(f"serving: our decode kernel does not match float64 ({errors}, tolerance "
@@ -633,6 +654,142 @@ def paged_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: Cl
     return row
 
 
+# ------------------------------------------------------------------------------------ fp8kv
+def _fp8_caches(k: torch.Tensor, v: torch.Tensor, page: int) -> dict:
+    """FP8 copies of the cache: contiguous with per kv head scales, and (page > 0) pages of ``page``
+    behind a shuffled table with per page scales, beside the same pages in the cache's dtype."""
+    from fa3_inductor import quantize_kv
+
+    k8, v8, ks, vs = quantize_kv(k, v, "head")
+    caches = dict(fp8=(k8, v8, None, ks, vs))
+    if page:
+        kp, vp, table = _pages(k, v, page)
+        kp8, vp8, ksp, vsp = quantize_kv(kp, vp, "page", paged=True)
+        caches.update(bf16_paged=(kp, vp, table, None, None), fp8_paged=(kp8, vp8, table, ksp, vsp))
+    return caches
+
+
+def check_fp8kv(device: torch.device, dtype: torch.dtype) -> dict:
+    """flex_decode over FP8 caches (per head contiguous, per page paged) against float64 attention
+    on the dequantized cache, at q's dtype's tolerance."""
+    from reference import TOLERANCE
+
+    from fa3_inductor import flex_decode
+    from fa3_inductor.templates.decode.fp8_cache import dequantize
+
+    small = device.type == "cpu"
+    B, HQ, HKV, D, page = (2, 4, 2, 16, 16) if small else (3, 32, 8, 128, 64)
+    N = 4 * page
+    lens = torch.tensor([N, N - page // 2 - 3, 1][:B], dtype=torch.int32, device=device)
+    q = torch.randn(B, HQ, 1, D, device=device, dtype=dtype)
+    k, v = (torch.randn(B, HKV, N, D, device=device, dtype=dtype) for _ in range(2))
+    errors = {}
+    for name, (kc, vc, table, ks, vs) in _fp8_caches(k, v, page).items():
+        if ks is None:
+            continue
+        mode = "page" if table is not None else "head"
+        out = flex_decode(q, kc, vc, seq_lens=lens, block_table=table, k_scale=ks, v_scale=vs)
+        real = [dequantize(c, s, mode, table is not None, torch.float64) for c, s in ((kc, ks), (vc, vs))]
+        if table is not None:   # gathered to [B, HKV, N, D]
+            real = [r[table.long()].reshape(B, -1, HKV, D).transpose(1, 2) for r in real]
+        errors[name] = _worst_error(out, q, *real, lens)
+    tol = TOLERANCE[dtype]
+    if max(errors.values()) > tol:
+        raise SystemExit(f"serving: flex_decode over an FP8 cache does not match float64 ({errors}, "
+                         f"tolerance {tol}); fix it before timing it (tests/test_decode_fp8kv.py)")
+    return dict(shape=f"B{B} HQ{HQ}/HKV{HKV} N{N} D{D} page{page}", rel_error=errors, tol=tol)
+
+
+def _bn128(q: torch.Tensor, caches: tuple, lens: torch.Tensor) -> Callable:
+    """The FP8 contiguous call through prepare_decode with tiles of twice the planned keys (the
+    FP8 tile then holds as many bytes as the bf16 one)."""
+    from fa3_inductor.templates.decode import prepare_decode
+    from fa3_inductor.templates.decode.configs import DecodeConfig, decode_config, few_programs, sm_count
+
+    k8, v8, _, ks, vs = caches
+    cap = tuple(torch.cuda.get_device_capability(q.device)) if q.is_cuda else None
+    sms = sm_count(cap, q.device.index if q.is_cuda else None)
+    base = decode_config(q.shape[-1], cap, fp32=q.dtype == torch.float32,
+                         few_programs=few_programs(q.shape[0], k8.shape[1], sms))
+    cfg = DecodeConfig(2 * base.block_n, base.num_warps, base.num_stages, base.resident)
+    out = q.new_empty(q.shape)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    [(kernel, args, kwargs, grid)] = prepare_decode(q, k8, v8, out, lse, sm_scale=q.shape[-1] ** -0.5,
+                                                    seq_lens=lens, k_scale=ks, v_scale=vs, config=cfg)
+
+    def run() -> torch.Tensor:
+        kernel[grid](*args, **kwargs)
+        return out
+    return run
+
+
+def fp8kv_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: Clock) -> dict:
+    """flex_decode over FP8 caches and over the bf16 cache they were quantized from, and a copy of
+    the FP8 bytes, in the same rounds (module docstring, part fp8kv)."""
+    from fa3_inductor import flex_decode
+    from fa3_inductor.templates.decode.fp8_cache import dequantize
+
+    row = _case_row("fp8kv", c, 1)
+    row["bf16_kv_gb"] = c.kv_bytes(dtype.itemsize) / 1e9
+    q, k, v, lens = _decode_inputs(c, device, dtype)
+    page = DECODE_PAGE if c.cache % DECODE_PAGE == 0 and c.kv_bytes(dtype.itemsize) <= PAGED_KV_CAP else 0
+    caches = dict(bf16=(k, v, None, None, None), **_fp8_caches(k, v, page))
+    fns = {name: (lambda kc=kc, vc=vc, table=table, ks=ks, vs=vs:
+                  flex_decode(q, kc, vc, seq_lens=lens, block_table=table, k_scale=ks, v_scale=vs))
+           for name, (kc, vc, table, ks, vs) in caches.items()}
+    if page:
+        row["page"] = page
+    try:
+        fns["fp8_bn128"] = _bn128(q, caches["fp8"], lens)
+    except Exception as exc:   # reported in the row; the others are still timed
+        row.setdefault("errors", {})["fp8_bn128"] = _error(exc)
+    outs = {name: fn().clone() for name, fn in fns.items()}
+    k8, v8, _, ks, vs = caches["fp8"]
+    real = [dequantize(t, s, "head", False, dtype) for t, s in ((k8, ks), (v8, vs))]
+    same_values = flex_decode(q, real[0], real[1], seq_lens=lens)
+    for name in ("fp8", "fp8_paged", "fp8_bn128"):
+        if name in outs and name != "fp8_paged":
+            row[f"{name}_vs_dequant_diff"] = _rel(outs[name], same_values)
+    if "fp8_paged" in outs:
+        row["fp8_paged_vs_fp8_err"] = _rel(outs["fp8_paged"], outs["fp8"])   # other scales: not a _diff
+    row["fp8_quant_err"] = _rel(outs["fp8"], outs["bf16"])   # the quantization's own error
+    row["splits"] = _planned_splits(q, k, v, lens)
+    src = torch.empty(c.kv_bytes(1), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    timed = clock.times({**fns, "copy": lambda: dst.copy_(src)})
+    row.update({f"{name}_ms": ms for name, ms in timed.items()})
+    src = dst = None
+    row["copy_tbps"] = 2 * c.kv_bytes(1) / row["copy_ms"] / 1e9
+    for name in fns:
+        row[f"{name}_tbps"] = c.kv_bytes(dtype.itemsize if name.startswith("bf16") else 1) / timed[name] / 1e9
+    row["fp8_over_bf16"] = timed["bf16"] / timed["fp8"]
+    if page:
+        row["fp8_paged_over_bf16_paged"] = timed["bf16_paged"] / timed["fp8_paged"]
+    if "fp8_bn128" in timed:
+        row["bn128_over_fp8"] = timed["fp8"] / timed["fp8_bn128"]
+    return row
+
+
+def _fp8kv_table(rows: list[dict]) -> list[str]:
+    lines = ["## FP8 KV cache (flex_decode, e4m3 with per head / per page scales, against the bf16 cache; "
+             "same rounds)", "",
+             "TB/s: the bytes each call reads (FP8: K+V at 1 byte a value); fp8/bf16: bf16's time over FP8's "
+             "(> 1: FP8 faster); bn128: the FP8 kernel with 128-key tiles, fp8's time over its. diff: the FP8 "
+             "output against bf16 flex_decode on the dequantized cache; quant err: against the unquantized "
+             "cache.", "",
+             "| B | new | cache | HQ/HKV | D | FP8 GB | splits | bf16 ms | fp8 ms | fp8 TB/s | copy TB/s | "
+             "fp8/bf16 | bf16 paged ms | fp8 paged ms | fp8 paged TB/s | paged fp8/bf16 | bn128 ms | "
+             "fp8/bn128 | diff | quant err |", "|" + "---|" * 20]
+    for r in rows:
+        lines.append(f"{_shape(r)} {r['kv_gb']:.2f} | {r.get('splits', '-')} | {_f(r, 'bf16_ms')} | "
+                     f"{_f(r, 'fp8_ms')} | {_f(r, 'fp8_tbps', '{:.2f}')} | {_f(r, 'copy_tbps', '{:.2f}')} | "
+                     f"{_f(r, 'fp8_over_bf16', '{:.2f}')} | {_f(r, 'bf16_paged_ms')} | {_f(r, 'fp8_paged_ms')} | "
+                     f"{_f(r, 'fp8_paged_tbps', '{:.2f}')} | {_f(r, 'fp8_paged_over_bf16_paged', '{:.2f}')} | "
+                     f"{_f(r, 'fp8_bn128_ms')} | {_f(r, 'bn128_over_fp8', '{:.2f}')} | "
+                     f"{_f(r, 'fp8_vs_dequant_diff', '{:.1e}')} | {_f(r, 'fp8_quant_err', '{:.1e}')} |")
+    return lines + [""]
+
+
 # ------------------------------------------------------------------------------------ varlen
 VARLEN_TILES = ((128, 128, 8, 2), (128, 128, 8, 3))   # block_m, block_n, warps, stages (D128)
 SMOKE_VARLEN_TILES = ((16, 16, 4, 1),)
@@ -869,7 +1026,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
              meta["timing"] + (f" A 2 GiB copy: {meta['copy_tbps_2gib']:.2f} TB/s (read + write)."
                                if "copy_tbps_2gib" in meta else ""), "",
              f"Checks against float64: decode {meta['checks'].get('decode')}, "
-             f"varlen {meta['checks'].get('varlen')}.", ""]
+             f"varlen {meta['checks'].get('varlen')}"
+             + (f", FP8 KV cache {meta['checks']['fp8kv']}" if "fp8kv" in meta["checks"] else "") + ".", ""]
     if smoke:
         lines += ["**--smoke: tiny shapes on the CPU; the times are single calls, not measurements.**", ""]
     dec = [r for r in rows if r["part"] == "decode" and "N" in r]
@@ -883,6 +1041,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         lines += _paged_table(paged)
     for r in (r for r in rows if r["part"] == "varlen" and "lengths" in r):
         lines += _varlen_table(r)
+    fp8 = [r for r in rows if r["part"] == "fp8kv" and "N" in r]
+    if fp8:
+        lines += _fp8kv_table(fp8)
     errors = [f"- {r.get('label', r['part'])}: {name}: {msg}" for r in rows
               for name, msg in r.get("errors", {}).items()]
     if errors:
@@ -954,6 +1115,8 @@ def _todo(part: str, args: argparse.Namespace) -> list:
         return SMOKE_SPLITS if args.smoke else split_cases(args.full, args.quick)
     if part == "paged":
         return SMOKE_PAGED if args.smoke else paged_cases(args.full, args.quick)
+    if part == "fp8kv":
+        return SMOKE_FP8KV if args.smoke else FP8KV_DECODE + (FP8KV_FULL if args.full else [])
     return [SMOKE_VARLEN] if args.smoke else varlen_cases(args.full, args.quick)
 
 
@@ -980,12 +1143,15 @@ def run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, meta
                 elif part == "paged":
                     row = paged_row(case, device, dtype, clock,
                                     SMOKE_PAGE_SIZES if args.smoke else PAGE_SIZES)
+                elif part == "fp8kv":
+                    row = fp8kv_row(case, device, dtype, clock)
                 else:
                     tiles = () if done else SMOKE_VARLEN_TILES if args.smoke else (
                         VARLEN_TILES if case.d == 128 else ())
                     row = varlen_row(case, device, dtype, clock, flex_fn, tiles)
             except Exception as exc:   # one row's failure (out of memory, a compile) is a result
-                row = _case_row(part, case, dtype.itemsize) if part != "varlen" else dict(part=part)
+                row = (_case_row(part, case, 1 if part == "fp8kv" else dtype.itemsize) if part != "varlen"
+                       else dict(part=part))
                 row["errors"] = {"row": _error(exc)}
             row.update(label=case.label(), wall_s=time.time() - started)
             rows.append(row)
@@ -1009,7 +1175,8 @@ def _gpu_meta(device: torch.device, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", default=",".join(PARTS), help="comma-separated subset of " + ",".join(PARTS))
+    ap.add_argument("--part", default=",".join(DEFAULT_PARTS),
+                    help="comma-separated subset of " + ",".join(PARTS) + " (default: all but fp8kv)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"), help="folder for the files")
     ap.add_argument("--budget-s", type=float, default=None,
                     help=f"seconds from the start after which parts add no more rows (default 300; "
@@ -1061,6 +1228,8 @@ def main() -> None:
         meta["checks"]["decode"] = check_decode(device, dtype)
     if "varlen" in args.part:
         meta["checks"]["varlen"] = check_varlen(device, dtype)
+    if "fp8kv" in args.part:
+        meta["checks"]["fp8kv"] = check_fp8kv(device, dtype)
     print("checks:", json.dumps(meta["checks"]), flush=True)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"serving-{_slug(name)}-{now:%Y-%m-%d-%H%M}")

@@ -59,6 +59,7 @@ import sys
 import sysconfig
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -123,6 +124,7 @@ class TrainConfig:
     clip: float = 1.0
     seed: int = 0
     precision: str = "autocast_bf16"   # a key of PRECISIONS
+    profile_steps: int = 0    # CUDA: extra steps after the run under torch.profiler (kernel breakdown)
 
 
 SMOKE_MODEL = ModelConfig(d_model=64, layers=2, heads=2, head_dim=32, ffn=128)
@@ -514,6 +516,8 @@ def run_impl(impl: str, base: TinyLlama, attention: str, data: torch.Tensor, off
                 cpu_ms.append((time.perf_counter() - t0) * 1e3)
     if cuda:
         torch.cuda.synchronize(device)
+        if cfg.profile_steps:   # after the losses are kept: these steps only time kernels
+            row["profile"] = kernel_profile(step, range(cfg.steps - cfg.profile_steps, cfg.steps))
     step_ms = [a.elapsed_time(b) for a, b in events] if cuda else cpu_ms
     row["losses"] = [float(v) for v in torch.stack(losses).float().cpu()]
     row["first_steps_s"] = [round(v, 4) for v in first_s]
@@ -536,6 +540,74 @@ def run_impl(impl: str, base: TinyLlama, attention: str, data: torch.Tensor, off
         log(f"    {impl}: {row['dynamo']['graph_breaks']} graph break(s), {row['dynamo']['graphs']} graph(s), "
             f"{row['recompiles_after_warmup']} compiled after the warm-up")
     return row
+
+
+def kernel_profile(step: Callable[[int], torch.Tensor], steps: range, top: int = 14) -> dict[str, Any]:
+    """GPU kernels of ``steps`` training steps (torch.profiler, CUDA activity), per step: the ``top`` kernels
+    by device time (name, ms, launches), the total, and the host's wall time per step (the steps run
+    back to back, one sync at the end: above the GPU's total when the host cannot keep up); then the same
+    steps under cProfile: the functions with the most cumulative host time per step.
+
+    Example::
+
+        >>> kernel_profile(step, range(290, 295))["gpu_ms_per_step"]      # doctest: +SKIP
+        14.2
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    from fa3_inductor.runtime import fast_launch
+
+    torch.cuda.synchronize()
+    launches = fast_launch.stats()
+    collections: list[list[float]] = []   # Python's garbage collector: [generation, seconds] per collection
+
+    def gc_timer(phase: str, info: dict) -> None:
+        if phase == "start":
+            collections.append([info["generation"], time.perf_counter()])
+        elif collections:
+            collections[-1][1] = time.perf_counter() - collections[-1][1]
+
+    gc.callbacks.append(gc_timer)
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for s in steps:
+                step(s)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+    finally:
+        gc.callbacks.remove(gc_timer)
+    n = len(steps)
+    gc_per_step = {"collections": len(collections) / n,
+                   "ms": sum(c[1] for c in collections) * 1e3 / n,
+                   "oldest_generation": max((c[0] for c in collections), default=None)}
+    launches = {k: (v - launches[k]) / n for k, v in fast_launch.stats().items()}
+    from fp8_host import host_top   # benchmarks/ is the script's directory: sys.path[0]
+
+    batches = iter(steps)
+    host, own = host_top(lambda: step(next(batches)), n, top=30, own=25)   # the same steps, under cProfile
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")   # one more step: where the host waits for the GPU
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step(steps[0])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs: dict[str, int] = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            where = f"{os.path.basename(w.filename)}:{w.lineno}"
+            syncs[where] = syncs.get(where, 0) + 1
+    kernels = sorted(((e.key, e.device_time_total / 1e3 / n, e.count / n) for e in prof.key_averages()
+                      if e.device_time_total > 0), key=lambda k: -k[1])
+    return {"steps": n, "wall_ms_per_step": wall * 1e3 / n, "host_top_us_per_step": host,
+            "host_self_us_per_step": own, "syncs_per_step": syncs, "fast_launch_per_step": launches,
+            "gc_per_step": gc_per_step,
+            "gpu_ms_per_step": sum(k[1] for k in kernels),
+            "launches_per_step": sum(k[2] for k in kernels), "distinct_kernels": len(kernels),
+            "kernels": [{"name": name[:110], "ms_per_step": round(ms, 4), "launches_per_step": round(c, 2)}
+                        for name, ms, c in kernels[:top]]}
 
 
 def _dynamo_counts() -> dict[str, int]:
@@ -623,6 +695,30 @@ def markdown(result: dict) -> str:
         notes = sorted({r.get("fallback_reason") or r.get("backward_reason") or "" for r in f["rows"]
                         if r.get("template") == "torch" or r.get("backward") in ("dense", "torch")} - {""})
         lines += [f"- fallback: {x}" for x in notes]
+    for r in rows:
+        prof = r.get("profile")
+        if prof:
+            lines += ["", f"{r['impl']}: kernels per step (torch.profiler over {prof['steps']} steps after the "
+                      f"run): GPU {prof['gpu_ms_per_step']:.2f} ms, host wall {prof['wall_ms_per_step']:.2f} ms, "
+                      f"{prof.get('launches_per_step', 0):g} launches of {prof.get('distinct_kernels', 0)} kernels",
+                      "", "| kernel | ms / step | launches / step |", "|---|---|---|"]
+            lines += [f"| `{k['name']}` | {k['ms_per_step']:.3f} | {k['launches_per_step']:g} |"
+                      for k in prof["kernels"]]
+            if prof.get("gc_per_step"):
+                g = prof["gc_per_step"]
+                lines += ["", f"{r['impl']}: Python garbage collection per step: {g['collections']:g} collections, "
+                          f"{g['ms']:.2f} ms (oldest generation {g['oldest_generation']})"]
+            if prof.get("fast_launch_per_step"):
+                lines += ["", f"{r['impl']}: runtime/fast_launch per step: "
+                          + ", ".join(f"{k} {v:g}" for k, v in prof["fast_launch_per_step"].items())]
+            lines += ["", f"{r['impl']}: device syncs in one step (torch.cuda.set_sync_debug_mode): "
+                      + (", ".join(f"{k} ×{v}" for k, v in prof.get("syncs_per_step", {}).items()) or "none")]
+            if prof.get("host_top_us_per_step"):
+                lines += ["", f"{r['impl']}: host time per step by function (cProfile, cumulative µs): "
+                          + "; ".join(f"{name} {us:,.0f}" for name, us in prof["host_top_us_per_step"])]
+            if prof.get("host_self_us_per_step"):
+                lines += ["", f"{r['impl']}: host time per step spent in each function itself (cProfile, µs): "
+                          + "; ".join(f"{name} {us:,.0f}" for name, us in prof["host_self_us_per_step"])]
     failed = [r for r in rows if "error" in r or r.get("status") == "skipped"]
     if failed:
         lines += ["", "Not run or failed:"] + [f"- {r['impl']}: {r.get('error') or r.get('reason')}"
@@ -752,6 +848,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="CUDA: after each impl's run, this many more steps under torch.profiler; the results "
+                        "list each impl's costliest kernels per step (default 0: none)")
     p.add_argument("--precision", choices=tuple(PRECISIONS), default=None,
                    help="; ".join(f"{k}: {v}" for k, v in PRECISIONS.items())
                    + " (default autocast_bf16; float32 on the CPU and in --smoke)")
@@ -782,12 +881,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     mcfg = SMOKE_MODEL if args.smoke else ModelConfig()
     tcfg = SMOKE_TRAIN if args.smoke else TrainConfig()
-    overrides = {k: getattr(args, k) for k in ("steps", "warmup", "batch", "seq")
+    overrides = {k: getattr(args, k) for k in ("steps", "warmup", "batch", "seq", "profile_steps")
                  if getattr(args, k) is not None}
     tcfg = dataclasses.replace(tcfg, seed=args.seed, **overrides)
     if not 1 <= tcfg.warmup < tcfg.steps:
         raise SystemExit(f"--warmup {tcfg.warmup} with --steps {tcfg.steps}: the warm-up (compiles) needs at "
                          "least 1 step and must leave at least 1 timed step; change one of them")
+    if not 0 <= tcfg.profile_steps <= tcfg.steps:
+        raise SystemExit(f"--profile-steps {tcfg.profile_steps}: give 0 to {tcfg.steps} (it re-runs the last "
+                         "steps' batches under the profiler)")
     if min(tcfg.batch, tcfg.seq) < 1:
         raise SystemExit(f"--batch {tcfg.batch} --seq {tcfg.seq}: both must be at least 1")
     if args.precision:

@@ -22,6 +22,7 @@ from .lowering import registration
 from .lowering.common import FRONT_DOOR_OPTION, front_door_tag
 from .runtime.ops import last_template, record_template
 from .runtime.sinks import check_sinks
+from .templates.decode.fp8_cache import FP8_DTYPES as _FP8_DTYPES
 
 _MAX_COMPILED = 64
 
@@ -38,7 +39,12 @@ def _check_inputs(q: Any, k: Any, v: Any, score_mod: Any, mask_mod: Any, block_m
         raise ValueError(f"flex: q, k, v must be on one device, got {q.device}, {k.device}, "
                          f"{v.device}")
     if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"flex: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        fp8_cache = k.dtype in _FP8_DTYPES or v.dtype in _FP8_DTYPES
+        raise ValueError(f"flex: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+                         + ("; for an FP8 KV cache call fa3_inductor.flex_decode(q, k_cache, v_cache, "
+                            "seq_lens=..., k_scale=..., v_scale=...); for FP8 attention on bf16 / fp16 "
+                            "inputs pass them unquantized with fp8=True" if fp8_cache else
+                            "; cast them to one of float16, bfloat16, float32"))
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"flex: dtype {q.dtype} is not supported; use float16, bfloat16 or "
                          "float32")
@@ -263,11 +269,9 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
             and not torch.compiler.is_compiling()):
         # A repeat of an earlier served call re-launches its kernel at once (direct.py, "call memo").
         memo = direct.memo_key(score_mod, mask_mod, block_mask, scale, enable_gqa, template)
-        hit = direct.replay(memo, q, k, v, return_lse)
-        if hit is None and (score_mod is not None or mask_mod is not None):
-            # a mod made anew per call (mods.softcap(30.0) in a forward): found by what it computes
-            equal = direct.equal_key(memo, score_mod, mask_mod)
-            hit = equal and direct.replay(equal, q, k, v, return_lse)
+        # a mod made anew per call (mods.softcap(30.0) in a forward) is found by what it computes
+        hit = direct.replay_either(memo, score_mod, mask_mod,
+                                   lambda key: direct.replay(key, q, k, v, return_lse))
         if hit is not None:
             return hit if return_lse else hit[0]
     _check_inputs(q, k, v, score_mod, mask_mod, block_mask, scale, enable_gqa)
@@ -321,6 +325,15 @@ def _flex_fp8(q, k, v, score_mod, mask_mod, block_mask, scale, enable_gqa, retur
     if recipe is None:
         raise ValueError("flex: rope= is applied by the FP8 prologue; pass fp8=True with it, or "
                          "apply RoPE to q and k yourself")
+    memo = None
+    if template == "auto" and not torch.compiler.is_compiling():
+        # A repeat of an earlier served call re-binds its prologue and re-launches its kernel at once
+        # (direct_fp8.py, as direct.py's call memo; the checks below held for the remembered call)
+        memo = direct_fp8.memo_key(score_mod, mask_mod, block_mask, scale, enable_gqa, recipe)
+        hit = direct.replay_either(memo, score_mod, mask_mod,
+                                   lambda key: direct_fp8.replay(key, q, k, v, rope, return_lse))
+        if hit is not None:
+            return hit if return_lse else hit[0]
     _check_inputs(q, k, v, score_mod, mask_mod, block_mask, scale, enable_gqa)
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"flex(fp8=...): inputs must be bfloat16 or float16 (got {q.dtype}); the "
@@ -342,11 +355,12 @@ def _flex_fp8(q, k, v, score_mod, mask_mod, block_mask, scale, enable_gqa, retur
         raise NotImplementedError(f"flex(fp8=...): {q.device.type} tensors; FP8 runs on CUDA GPUs "
                                   "with e4m3 tensor cores (sm89+), or on the CPU under "
                                   "TRITON_INTERPRET=1")
+    memo = memo and (memo, score_mod, mask_mod, block_mask)   # the caller's block mask (flex())
     if mask_mod is not None:
         block_mask = _block_mask_of(mask_mod, q, k)
     _check_block_mask_fits(block_mask, q, k)
     with torch.no_grad():
         out, lse = direct_fp8.forward_fp8(q, k, v, score_mod, block_mask,
                                           scale if scale is not None else q.shape[-1] ** -0.5,
-                                          recipe, rope, want_lse=return_lse)
+                                          recipe, rope, want_lse=return_lse, memo=memo)
     return (out, lse) if return_lse else out

@@ -5,7 +5,10 @@ Short queries (GQA group x new tokens <= 128 packed rows) run the split-KV decod
 (templates/decode/); longer ones (a prefill chunk reading the cache) gather the pages into a
 contiguous cache and run ``fa3_inductor.flex`` with the lengths and positions folded into the mods.
 The host never reads a length: a step can be captured in a CUDA graph and replayed while
-``seq_lens`` changes in place (tests/test_decode_gpu.py).
+``seq_lens`` changes in place (tests/test_decode_gpu.py). An FP8 cache (``quantize_kv`` fills one)
+is read as FP8 by the kernels, its scales applied to the scores and P (templates/decode/kernel.py).
+A repeated kernel call replays its launch without checks or planning (the call memo,
+decode_memo.py; :func:`memo_stats` counts it).
 """
 
 from __future__ import annotations
@@ -16,11 +19,14 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor
 
+from . import decode_memo, direct
 from ._log import warn_once
-from .runtime.fast_launch import tensor_signature
+from .decode_memo import Launch
+from .runtime.fast_launch import aliasing, tensor_signature
 from .runtime.ops import record_template
+from .templates.decode.fp8_cache import dequantize, kv_scale_mode, quantize_kv
 from .templates.decode.host import prepare_decode
-from .templates.decode.launch_cache import launch_decode
+from .templates.decode.launch_cache import interpreted, launch_decode, recorded_decode
 from .templates.decode.shape import MAX_ROWS
 from .templates.modgen import UnsupportedMod
 from .varlen import generated_mod
@@ -37,9 +43,10 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _check(q: Any, k: Any, v: Any, seq_lens: Any, block_table: Any, q_offset: Any,
-           num_splits: Any, scratch: Any, mods_: tuple) -> int:
-    """Check flex_decode's arguments (shapes, dtypes, devices, the table, the lengths) with
-    messages that say what is wrong and what to pass; returns HKV."""
+           num_splits: Any, scratch: Any, mods_: tuple, scales: tuple = (None, None)) -> tuple[int, str]:
+    """Check flex_decode's arguments (shapes, dtypes, devices, the table, the lengths, an FP8
+    cache's scales) with messages that say what is wrong and what to pass; returns (HKV, the
+    scales' granularity: fp8_cache.kv_scale_mode)."""
     for name, t in (("q", q), ("k_cache", k), ("v_cache", v), ("seq_lens", seq_lens)):
         if not isinstance(t, Tensor):
             raise TypeError(f"flex_decode: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -54,9 +61,11 @@ def _check(q: Any, k: Any, v: Any, seq_lens: Any, block_table: Any, q_offset: An
     if len(devices) > 1:
         raise _fail(f"q on {q.device}, k_cache on {k.device}, v_cache on {v.device}, seq_lens on "
                     f"{seq_lens.device}", "put q, the caches and seq_lens on one device")
-    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+    kv_scale = kv_scale_mode(k, v, *scales, paged)
+    if q.dtype not in _DTYPES or (kv_scale == "none" and (k.dtype != q.dtype or v.dtype != q.dtype)):
         raise _fail(f"q, k_cache, v_cache are {q.dtype}, {k.dtype}, {v.dtype}",
-                    "pass all three in one of float16, bfloat16 (float32: the slow path)")
+                    "pass all three in one of float16, bfloat16 (float32: the slow path), or the "
+                    "caches as FP8 with k_scale / v_scale (quantize_kv)")
     B, HQ, _, D = q.shape
     if paged:
         hkv, kv_dims, v_dims = k.shape[2], tuple(k.shape[:3]), tuple(v.shape[:3])
@@ -114,7 +123,7 @@ def _check(q: Any, k: Any, v: Any, seq_lens: Any, block_table: Any, q_offset: An
     for name, fn in zip(("score_mod", "mask_mod"), mods_):
         if fn is not None and not callable(fn):
             raise TypeError(f"flex_decode: {name} must be callable, got {type(fn).__name__}")
-    return hkv
+    return hkv, kv_scale
 
 
 def _contiguous_view(q: Tensor, k: Tensor, v: Tensor, block_table: Optional[Tensor]) -> tuple[Tensor, Tensor]:
@@ -160,7 +169,9 @@ def flex_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, seq_lens: Tensor
                 score_mod: Optional[Callable] = None, mask_mod: Optional[Callable] = None,
                 scale: Optional[float] = None, return_lse: bool = False,
                 num_splits: Optional[int] = None,
-                scratch: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> Union[Tensor, tuple[Tensor, Tensor]]:
+                scratch: Optional[tuple[Tensor, Tensor, Tensor]] = None,
+                k_scale: Optional[Tensor] = None,
+                v_scale: Optional[Tensor] = None) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """Attention of ``q`` [B, HQ, M_new, D] (the new tokens, already appended to the cache) against
     a KV cache whose batch ``b`` holds ``seq_lens[b]`` keys.
 
@@ -179,6 +190,13 @@ def flex_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, seq_lens: Tensor
     Returns the output [B, HQ, M_new, Dv] in q's dtype, plus the natural-log LSE [B, HQ, M_new]
     float32 if ``return_lse`` (-inf, output 0, for rows that see no key).
 
+    FP8 cache: ``k_cache`` / ``v_cache`` in ``torch.float8_e4m3fn`` (or ``float8_e5m2``) with float32
+    dequantization scales ``k_scale`` / ``v_scale`` on the device (a key's value is its FP8 value x
+    its scale), of one shape for both: 0-d (per tensor), [HKV] (per kv head), [num_pages, HKV] (per
+    page, paged) or [B, HKV] (per sequence, contiguous). q stays fp16 / bf16 and the output is in
+    q's dtype; the kernels read the FP8 bytes and never read a scale on the host (CUDA graphs
+    replay). ``quantize_kv`` makes such a cache.
+
     Where it runs: GQA group x M_new <= 128 on CUDA (or the CPU under TRITON_INTERPRET=1) runs the
     split-KV decode kernels (``num_splits`` None: chosen to fill the GPU; ``scratch`` from
     ``templates.decode.decode_scratch`` to own every buffer a graph touches). Longer queries
@@ -196,8 +214,12 @@ def flex_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, seq_lens: Tensor
         >>> flex_decode(q, pages, pages, seq_lens=lens, block_table=table).shape
         torch.Size([2, 8, 1, 64])
     """
-    hkv = _check(q, k_cache, v_cache, seq_lens, block_table, q_offset, num_splits, scratch,
-                 (score_mod, mask_mod))
+    tensors = (q, k_cache, v_cache, seq_lens, block_table, q_offset, k_scale, v_scale)
+    memo = _memo(tensors, score_mod, mask_mod, scale, num_splits, scratch, return_lse)
+    if memo is not None and memo[0] is not None:
+        return memo[0] if return_lse else memo[0][0]
+    hkv, kv_scale = _check(q, k_cache, v_cache, seq_lens, block_table, q_offset, num_splits, scratch,
+                           (score_mod, mask_mod), (k_scale, v_scale))
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise TypeError(f"flex_decode: scale must be a number, got {type(scale).__name__}")
     scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
@@ -213,12 +235,49 @@ def flex_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, seq_lens: Tensor
             warn_once(f"flex_decode: a mod cannot be generated for the kernel ({exc}); gathering "
                       "the cache for flex (slow)")
         else:
-            out, lse = _kernel(q, k_cache, v_cache, seq_lens, block_table, q_offset, scale,
-                               (score_fn, score_bufs, score_src), (mask_fn, mask_bufs, mask_src),
-                               num_splits, scratch)
+            out, lse, bind = _kernel(q, k_cache, v_cache, seq_lens, block_table, q_offset, scale,
+                                     (score_fn, score_bufs, score_src), (mask_fn, mask_bufs, mask_src),
+                                     num_splits, scratch, (k_scale, v_scale))
+            if memo is not None:
+                decode_memo.remember(memo[1], score_mod, mask_mod, bind)
             return (out, lse.mul_(_LN2)) if return_lse else out
+    if kv_scale != "none":   # the paths below read a cache in q's dtype: its real values
+        paged = block_table is not None
+        k_cache = dequantize(k_cache, k_scale, kv_scale, paged, q.dtype)
+        v_cache = dequantize(v_cache, v_scale, kv_scale, paged, q.dtype)
     return _gathered(q, k_cache, v_cache, seq_lens, block_table, q_offset, score_mod, mask_mod,
                      scale, return_lse)
+
+
+def _memo(tensors: tuple, score_mod: Optional[Callable], mask_mod: Optional[Callable], scale: Any,
+          num_splits: Any, scratch: Any, return_lse: bool) -> Optional[tuple]:
+    """(a replay's (out, lse: natural-log units if ``return_lse``) or None, the memo key) for a
+    call the memo may take (decode_memo.py), else None (the full path, not remembered)."""
+    q = tensors[0]
+    if type(q) is not Tensor or torch.compiler.is_compiling() or (not q.is_cuda and not _runs_kernel(q)):
+        return None
+    signature = decode_memo.call_signature(tensors, scratch)
+    key = signature and decode_memo.memo_key(score_mod, mask_mod, scale, num_splits, signature)
+    if key is None:
+        return None
+    hit = decode_memo.replay(key, tensors, scratch, return_lse)
+    if hit is None and (score_mod is not None or mask_mod is not None):
+        # a mod made anew per call (mods.softcap(30.0) in a forward): found by what it computes
+        equal = direct.equal_key(key, score_mod, mask_mod, mask_versions=False)
+        hit = equal and decode_memo.replay(equal, tensors, scratch, return_lse)
+    return hit, key
+
+
+def memo_stats() -> dict[str, int]:
+    """flex_decode's call memo counters (decode_memo.py): calls remembered, replays (``hits``)
+    and replays of a mod made anew (``equal_hits``). ``decode_memo.clear()`` zeroes them.
+
+    Example::
+
+        >>> sorted(memo_stats())
+        ['equal_hits', 'hits', 'remembered']
+    """
+    return dict(decode_memo.counts)
 
 
 def paged_attention_layout(paged: Any, k_cache: Tensor, v_cache: Tensor,
@@ -250,30 +309,69 @@ def paged_attention_layout(paged: Any, k_cache: Tensor, v_cache: Tensor,
     return pages(k_cache), pages(v_cache), table.to(torch.int32)
 
 
-def _kernel(q, k, v, seq_lens, block_table, q_offset, scale, score, mask, num_splits, scratch):
-    """(out, lse in log2 units) from the decode kernels."""
+def _kernel(q, k, v, seq_lens, block_table, q_offset, scale, score, mask, num_splits, scratch,
+            scales) -> tuple[Tensor, Tensor, Callable[[], Optional[Launch]]]:
+    """(out, lse in log2 units, bind) from the decode kernels; ``scales`` (k_scale, v_scale) of an
+    FP8 cache, or Nones. ``bind()``: the call memo's launch of this call (decode_memo.Launch), or
+    None when it cannot be replayed."""
     B, HQ, M_new, _ = q.shape
     out = q.new_empty(B, HQ, M_new, v.shape[-1])
     lse = torch.empty(B, HQ, M_new, dtype=torch.float32, device=q.device)
     options = dict(sm_scale=scale, score_mod=score[0], mask_mod=mask[0], score_bufs=score[1],
                    mask_bufs=mask[1], seq_lens=seq_lens, q_offset=q_offset, block_table=block_table,
-                   num_splits=num_splits)
+                   num_splits=num_splits, k_scale=scales[0], v_scale=scales[1])
+    bufs = (*score[1], *mask[1])
     record_template("decode")
-    if not q.is_cuda:   # the interpreter: bf16 on float32 copies
-        run = (q, k, v, out)
-        if q.dtype == _BF16_INTERPRETER:
-            run = (q.float(), k.float(), v.float(), out.float())
-        for kernel, args, kwargs, grid in prepare_decode(*run, lse, scratch=scratch, **options):
+    if not q.is_cuda:   # the interpreter: bf16 on float32 copies (an FP8 cache converted in the kernel)
+        run = _interpreter_operands(q, k, v, out, scales[0] is not None)
+        launches = prepare_decode(*run, lse, scratch=scratch, **options)
+        for kernel, args, kwargs, grid in launches:
             kernel[grid](*args, **kwargs)
         if run[3] is not out:
             out.copy_(run[3])
-        return out, lse
-    inputs = (q, k, v, out, lse, seq_lens, q_offset, block_table, *score[1], *mask[1])
+        inputs = (*run, lse, seq_lens, q_offset, block_table, *scales, *bufs)
+        return out, lse, lambda: _bound(interpreted(launches, inputs), out, bufs)
+    # the scales are inputs: a recording would keep a one-element tensor it does not know as a
+    # constant; a tensor given at two places (k_cache is v_cache) is recorded at one: aliasing keyed
+    inputs = (q, k, v, out, lse, seq_lens, q_offset, block_table, *scales, *bufs)
     key = ("flex_decode", score[2], mask[2], scale, num_splits, torch.get_float32_matmul_precision(),
-           tensor_signature(inputs))
+           tensor_signature(inputs), aliasing(inputs))
     launch_decode(key, inputs, lambda: prepare_decode(q, k, v, out, lse, scratch=scratch, **options),
                   "decode", scratch)
-    return out, lse
+    return out, lse, lambda: _bound(recorded_decode(key), out, bufs)
+
+
+def _interpreter_operands(q: Tensor, k: Tensor, v: Tensor, out: Tensor, fp8: bool) -> tuple:
+    """(q, k, v, out) as the interpreter computes them: bf16 as float32 copies (Triton 3.6's
+    interpreter computes bf16 dots wrongly; an FP8 cache is converted in the kernel)."""
+    if q.dtype != _BF16_INTERPRETER:
+        return q, k, v, out
+    return q.float(), k if fp8 else k.float(), v if fp8 else v.float(), out.float()
+
+
+def _bound(again: Optional[Callable], out: Tensor, bufs: tuple) -> Optional[Launch]:
+    """The call memo's launch (decode_memo.Launch) around ``again(inputs, scratch)`` (a recorded
+    or interpreted re-launch, None: nothing to keep) for calls shaped as the one that wrote
+    ``out``, with its mods' captured tensors ``bufs`` (None from the launch when one of them has
+    changed its layout in place since: the full path generates the mod again)."""
+    if again is None:
+        return None
+    shape, lse_shape = out.shape, out.shape[:3]
+    layout = tensor_signature(bufs)
+    cuda = out.is_cuda
+
+    def launch(q, k, v, seq_lens, block_table, q_offset, k_scale, v_scale, scratch):
+        if bufs and tensor_signature(bufs) != layout:
+            return None
+        out = q.new_empty(shape)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        run = (q, k, v, out) if cuda else _interpreter_operands(q, k, v, out, k_scale is not None)
+        again((*run, lse, seq_lens, q_offset, block_table, k_scale, v_scale, *bufs), scratch)
+        if run[3] is not out:
+            out.copy_(run[3])
+        record_template("decode")
+        return out, lse
+    return launch
 
 
 def _gathered(q, k, v, seq_lens, block_table, q_offset, score_mod, mask_mod, scale, return_lse):

@@ -104,6 +104,9 @@ def block_mask_tables(block_mask: Any) -> tuple[tuple, int, int]:
 # ``score_mod=mods.softcap(30.0)`` in its forward passes a new closure every call, whose identity
 # never repeats; without that second key each such call took the full path (~300 us on an H200
 # host against ~27 for a reused mod). Anything else takes the full path.
+#
+# flex(fp8=...) keeps its calls in the same table (direct_fp8.py), under keys whose template slot
+# names the recipe, through the same remember / live / ModWatch / signature machinery.
 # ---------------------------------------------------------------------------------------------------
 _MAX_CALLS = 128   # keys: a remembered call is kept under two (its identities', its mods' equal key)
 
@@ -133,12 +136,14 @@ def memo_key(score_mod: Optional[Callable], mask_mod: Optional[Callable], block_
     return (id(score_mod), id(mask_mod), id(block_mask), scale, enable_gqa, template)
 
 
-def equal_key(key: tuple, score_mod: Optional[Callable], mask_mod: Optional[Callable]
-              ) -> Optional[tuple]:
+def equal_key(key: tuple, score_mod: Optional[Callable], mask_mod: Optional[Callable],
+              mask_versions: bool = True) -> Optional[tuple]:
     """The memo's second key of the call ``key`` (:func:`memo_key`) names: the mods' identities
     replaced by what they compute (mod_keys.mod_key; a mask's captured tensors with their version
-    counters, as its block mask was built from their contents), so that a mod made anew per call
-    finds the launch an equal one left; None when a mod cannot be keyed (it takes the full path).
+    counters, as its block mask was built from their contents, unless ``mask_versions`` is False:
+    a caller whose kernel reads the mask's tensors at run time, flex_decode), so that a mod made
+    anew per call finds the launch an equal one left; None when a mod cannot be keyed (it takes
+    the full path).
 
     Example::
 
@@ -147,9 +152,27 @@ def equal_key(key: tuple, score_mod: Optional[Callable], mask_mod: Optional[Call
         True
     """
     try:
-        return (_EQUAL, mod_key(score_mod), mod_key(mask_mod, versions=True), *key[2:])
+        return (_EQUAL, mod_key(score_mod), mod_key(mask_mod, versions=mask_versions), *key[2:])
     except Unkeyable:
         return None
+
+
+def replay_either(key: tuple, score_mod: Optional[Callable], mask_mod: Optional[Callable],
+                  replay_under: Callable[[tuple], Optional[Any]]) -> Optional[Any]:
+    """``replay_under(key)``, and if it found nothing and there are mods, ``replay_under`` of their
+    :func:`equal_key` (a mod made anew per call, equal to a remembered one): what flex()'s bf16 and FP8
+    memos try before the full path. None when neither replayed.
+
+    Example::
+
+        >>> key = memo_key(None, mods.causal, None, None, False, "auto")
+        >>> replay_either(key, None, mods.causal, lambda key: replay(key, q, k, v, False))   # doctest: +SKIP
+    """
+    hit = replay_under(key)
+    if hit is None and (score_mod is not None or mask_mod is not None):
+        equal = equal_key(key, score_mod, mask_mod)
+        hit = replay_under(equal) if equal is not None else None
+    return hit
 
 
 def replay(key: tuple, q: Tensor, k: Tensor, v: Tensor, return_lse: bool
@@ -161,20 +184,62 @@ def replay(key: tuple, q: Tensor, k: Tensor, v: Tensor, return_lse: bool
 
         >>> replay(memo_key(None, mods.causal, None, None, False, "auto"), q, k, v, False)  # doctest: +SKIP
     """
-    call = _CALLS.get(key)
-    if call is None or call.signature != _signature(q, k, v):
+    call = live(key, _signature(q, k, v))
+    if call is None:
         return None
     if torch.is_grad_enabled() and (call.grad_bufs or q.requires_grad or k.requires_grad
                                     or v.requires_grad):
+        return None
+    if is_equal_key(key):   # counted for this key only: the identity key's hit stays as cheap as it is
+        _stats["equal_hits"] += 1
+    out, lse = call.launch(q, k, v, return_lse)
+    return out, (lse.mul_(_LN2) if return_lse else None)   # the launch's own LSE buffer: scaled in place
+
+
+def live(key: tuple, signature: tuple) -> Optional[_Call]:
+    """The call remembered under ``key`` (:func:`memo_key`, :func:`equal_key`, or a key a caller
+    made the same way) if it was remembered with ``signature`` and its mods are unchanged (a changed
+    one's entry is dropped), else None. :func:`replay` and the FP8 path's memo (direct_fp8.py) use it.
+
+    Example::
+
+        >>> live(key, _signature(q, k, v)).launch(q, k, v, False)   # doctest: +SKIP
+    """
+    call = _CALLS.get(key)
+    if call is None or call.signature != signature:
         return None
     for watch in call.watches:
         if not watch.unchanged():
             del _CALLS[key]
             return None
-    if key[0] is _EQUAL:   # counted for this key only: the identity key's hit stays as cheap as it is
-        _stats["equal_hits"] += 1
-    out, lse = call.launch(q, k, v, return_lse)
-    return out, (lse.mul_(_LN2) if return_lse else None)   # the launch's own LSE buffer: scaled in place
+    return call
+
+
+def memo_launch(key: tuple) -> Optional[Any]:
+    """What the call remembered under ``key`` re-plays: runtime/ops.BoundLaunch (its fast_launch entry,
+    the tensors passed after q, k, v and the outputs, the family's name), or None when nothing is
+    remembered under ``key`` or its launch was not made by ``runtime.ops.bound_launch`` (the FP8 path's).
+    For benchmarks and tests that time or check the memo's steps one by one (benchmarks/host_overhead.py).
+
+    Example::
+
+        >>> bound = memo_launch(memo_key(None, None, None, None, False, "auto"))   # doctest: +SKIP
+        >>> fast_launch.relaunch(bound.entry, (q, k, v, out, lse, row_max, *bound.rest))   # doctest: +SKIP
+        'hopper'
+    """
+    call = _CALLS.get(key)
+    return None if call is None else getattr(call.launch, "bound", None)
+
+
+def is_equal_key(key: tuple) -> bool:
+    """Whether ``key`` is an :func:`equal_key` (not an identity key).
+
+    Example::
+
+        >>> is_equal_key(memo_key(None, None, None, None, False, "auto"))
+        False
+    """
+    return key[0] is _EQUAL
 
 
 def stats() -> dict[str, int]:
@@ -193,23 +258,46 @@ def _remember(memo: tuple, q: Tensor, k: Tensor, v: Tensor, plan: "_Plan", table
               sparse_q: int, sparse_kv: int) -> None:
     from .runtime.ops import bound_launch
 
+    if remember(memo, _signature(q, k, v),
+                any(b.requires_grad for b in (*plan.score_bufs, *plan.mask_bufs)),
+                lambda: bound_launch(q, k, v, tables, plan.score_bufs, plan.mask_bufs, scale, sparse_q,
+                                     sparse_kv, plan.spec)):
+        _stats["remembered"] += 1
+
+
+def remember(memo: tuple, signature: tuple, grad_bufs: bool, bind: Callable[[], Optional[Callable]],
+             mask_versions: bool = True) -> bool:
+    """Keep the launch ``bind()`` makes (None: nothing to keep) under ``memo``'s keys (flex()'s
+    ``(key, score_mod, mask_mod, block_mask)``: its identity key and, where the mods can be keyed,
+    their :func:`equal_key`) for calls of ``signature``, watching the mods (mod_keys.ModWatch);
+    ``grad_bufs``: a captured tensor requires grad. Whether it was kept (a mod that cannot be
+    watched keeps nothing). ``mask_versions`` False: a mask's captured tensors edited in place
+    keep the entry (its kernel reads them at run time, no block mask was built from them:
+    flex_decode's memo, decode_memo.py). The bf16 path's :func:`_remember`, the FP8 path's
+    (direct_fp8.py) and flex_decode's use it; :func:`live` finds the entry.
+
+    Example::
+
+        >>> remember(memo, _signature(q, k, v), False, lambda: launch)   # doctest: +SKIP
+        True
+    """
     key, score_mod, mask_mod, block_mask = memo
     try:
         # a mask_mod's block mask was built from its captured tensors' contents: watch their versions
         # (a block mask flex() built from mask_mod carries that same mask_mod: watched once)
         given_mask = getattr(block_mask, "mask_mod", None)
         watches = [ModWatch(fn, versions=versions) for fn, versions in (
-            (score_mod, False), (mask_mod, True), (None if given_mask is mask_mod else given_mask, False))
+            (score_mod, False), (mask_mod, mask_versions),
+            (None if given_mask is mask_mod else given_mask, False))
             if fn is not None]
     except Unkeyable:
-        return
-    launch = bound_launch(q, k, v, tables, plan.score_bufs, plan.mask_bufs, scale, sparse_q,
-                          sparse_kv, plan.spec)
+        return False
+    launch = bind()
     if launch is None:
-        return
+        return False
     if len(_CALLS) >= _MAX_CALLS - 1:
         _CALLS.clear()
-    equal = equal_key(key, score_mod, mask_mod)
+    equal = equal_key(key, score_mod, mask_mod, mask_versions)
     keys = (key,) if equal is None else (key, equal)
     # the objects stay referenced: their ids in the keys (the mods', their captured tensors') cannot
     # be reused while the entry lives. A block mask weakly: transformers builds one per forward, and
@@ -221,10 +309,9 @@ def _remember(memo: tuple, q: Tensor, k: Tensor, v: Tensor, plan: "_Plan", table
             weakref.finalize(block_mask, _forget, keys)
         except TypeError:   # not weakly referable
             held += (block_mask,)
-    call = _Call(held, watches, _signature(q, k, v), launch,
-                 any(b.requires_grad for b in (*plan.score_bufs, *plan.mask_bufs)))
+    call = _Call(held, watches, signature, launch, grad_bufs)
     _CALLS.update(dict.fromkeys(keys, call))
-    _stats["remembered"] += 1
+    return True
 
 
 def _forget(keys: tuple) -> None:
@@ -232,12 +319,23 @@ def _forget(keys: tuple) -> None:
         _CALLS.pop(key, None)
 
 
-def _signature(q: Tensor, k: Tensor, v: Tensor) -> tuple:
+def call_signature(q: Tensor, k: Tensor, v: Tensor) -> tuple:
+    """What of ``q, k, v`` a remembered launch depends on: shapes, strides, dtypes, devices,
+    16-byte alignment, which of them are one tensor.
+
+    Example::
+
+        >>> x = torch.zeros(1, 1, 8, 16); call_signature(x, x, x)[-3:]
+        (True, True, True)
+    """
     # one flat tuple: it is built on every memo hit. Which of q, k, v are one tensor: the memo's
     # launch finds its inputs by identity (runtime/fast_launch.aliasing)
     return (q.shape, q.stride(), q.dtype, q.device, q.data_ptr() & 15,
             k.shape, k.stride(), k.dtype, k.device, k.data_ptr() & 15,
             v.shape, v.stride(), v.dtype, v.device, v.data_ptr() & 15, q is k, k is v, q is v)
+
+
+_signature = call_signature
 
 
 def clear() -> None:

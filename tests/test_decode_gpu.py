@@ -1,7 +1,7 @@
 """The decode family and flex_decode on a GPU (the lead runs these on an H100): the family chosen
 for short queries, paged equal to contiguous (any page size), 128 packed rows (8 warps), and
 CUDA-graph replays with the cache lengths (flex_decode) or the cache (flex) changed in place, no
-recapture. bf16; float64 references. About 30 s, most of it compiling."""
+recapture; flex_decode's call memo replaying without checks or planning. bf16; float64 references. About 30 s, most of it compiling."""
 
 from __future__ import annotations
 
@@ -159,3 +159,92 @@ def test_flex_decode_calls_after_the_first_skip_the_family_walk(monkeypatch):
                                 score_mod=mods.softcap(30.0) if fresh_mod else memo_mod)
         assert fa3_inductor.last_template() == "decode"
         assert_matches_reference(out, reference_attention(q, k, v, mods.softcap(30.0))[0], torch.bfloat16)
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+def test_flex_decode_memo_replays_without_checks_or_planning(paged, monkeypatch):
+    """flex_decode's call memo (decode_memo.py) on CUDA: after a first call, calls on new tensors of
+    its signature at new lengths replay the recorded launch (the checks, the mods' generation, the
+    launch key and the planning are made to fail), each the full path's result bit for bit."""
+    from fa3_inductor import decode, decode_memo
+
+    B, N = 3, 4096
+    window = mods.sliding_window(3000)
+
+    def inputs(seed):
+        torch.manual_seed(seed)
+        q, k, v = _randn(B, 32, 1, 128), _randn(B, 8, N, 128), _randn(B, 8, N, 128)
+        cache = _paged(k, v, 64) if paged else (k, v, None)
+        lens = torch.randint(1, N + 1, (B,), dtype=torch.int32, device="cuda")
+        return q, cache, lens
+
+    def call(q, cache, lens):
+        return flex_decode(q, cache[0], cache[1], seq_lens=lens, block_table=cache[2], mask_mod=window)
+
+    cases = [inputs(seed) for seed in range(4)]
+    full = []
+    for case in cases:
+        decode_memo.clear()
+        full.append(call(*case))
+    decode_memo.clear()
+    call(*inputs(9))
+
+    def again(*args, **kwargs):
+        raise AssertionError("flex_decode checked or planned a remembered call again")
+    for name in ("_check", "generated_mod", "prepare_decode", "launch_decode"):
+        monkeypatch.setattr(decode, name, again)
+    for case, want in zip(cases, full):
+        torch.testing.assert_close(call(*case), want, atol=0, rtol=0)
+        assert fa3_inductor.last_template() == "decode"
+    assert decode.memo_stats() == {"remembered": 1, "hits": 4, "equal_hits": 0}
+
+
+def _fp8_real(cache8, scale, table):
+    """An FP8 cache's real values (FP8 x scale) in float64 as [B, HKV, N, D]: per kv head scales on
+    a contiguous cache, per page scales gathered through the table."""
+    if table is None:
+        return cache8.double() * scale.double().view(1, -1, 1, 1)
+    real = cache8.double() * scale.double().view(scale.shape[0], 1, -1, 1)
+    B = table.shape[0]
+    return real[table.long()].reshape(B, -1, *real.shape[2:]).transpose(1, 2)
+
+
+@pytest.mark.parametrize("page", [0, 64, 16], ids=["contiguous", "pages64", "pages16"])
+def test_fp8_cache_matches_float64(page):
+    """flex_decode over an e4m3 cache (per kv head scales contiguous, per page scales paged; pages of
+    16 put four pages in a 64-key tile: per-key scale rows) against float64 on the dequantized
+    cache, bf16's tolerance; ragged lengths with 0 and 1; then a CUDA graph replays it with the
+    lengths and the scales changed in place (both read by the kernel only)."""
+    B, N = 4, 7680
+    q, k, v = _randn(B, 32, 1, 128), _randn(B, 8, N, 128), _randn(B, 8, N, 128)
+    table = None
+    if page:
+        k, v, table = _paged(k, v, page)
+    k8, v8, ks, vs = fa3_inductor.quantize_kv(k, v, "page" if page else "head", paged=page > 0)
+    lens = torch.tensor([N, 5000, 1, 0], dtype=torch.int32, device="cuda")
+
+    def step():
+        return flex_decode(q, k8, v8, seq_lens=lens, block_table=table, k_scale=ks, v_scale=vs)
+
+    def check(out):
+        assert_matches_reference(out[:3], _reference(q[:3], _fp8_real(k8, ks, table), _fp8_real(v8, vs, table),
+                                                     lens[:3]), torch.bfloat16)
+        assert torch.all(out[3] == 0)
+
+    check(step())
+    assert fa3_inductor.last_template() == "decode"
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for new in ([17, N, 4000, 0], [N, 1, 0, 64]):
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        ks.mul_(1.5)
+        vs.mul_(0.5)
+        graph.replay()
+        torch.cuda.synchronize()
+        if new[3]:
+            ref = _reference(q, _fp8_real(k8, ks, table), _fp8_real(v8, vs, table), lens)
+            assert_matches_reference(out, ref, torch.bfloat16)
+        else:
+            check(out)

@@ -18,7 +18,8 @@ def _qkv(B=1, H=2, S=64, D=32, dtype=torch.float32, Hkv=None):
 
 @pytest.mark.parametrize("case, match", [
     (lambda q, k, v: fa3_inductor.flex(q[0], k, v), "q must be 4-D"),
-    (lambda q, k, v: fa3_inductor.flex(q, k.half(), v), "share a dtype"),
+    (lambda q, k, v: fa3_inductor.flex(q, k.half(), v), "share a dtype.*cast them"),
+    (lambda q, k, v: fa3_inductor.flex(q, *fa3_inductor.quantize_kv(k, v)[:2]), "FP8 KV cache call .*flex_decode"),
     (lambda q, k, v: fa3_inductor.flex(q.to(torch.int32), k.to(torch.int32), v.to(torch.int32)),
      "dtype torch.int32 is not supported"),
     (lambda q, k, v: fa3_inductor.flex(q, k[..., :16], v[..., :16]), "k head dim 16 differs"),

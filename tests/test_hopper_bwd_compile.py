@@ -23,8 +23,8 @@ SMEM_LIMIT = 227 * 1024
 # and 57 (ALiBi) before K, V and P's wgmma views were rebuilt per step (bwd_sm90.BwdTile.VIEWS_PER_STEP).
 MAX_SPILLS = {64: 0, 128: 0}
 # SASS instructions of the noop kernel's longer step loop (one per consumer warpgroup), triton 3.6: the register
-# work must not lengthen it (before VIEWS_PER_STEP: 480 at D = 64, 514 at D = 128). D = 128's default is the overlap
-# under dK since ea05df6: 537 (its in-order step, configs.VARIANTS "serial": 509).
+# work must not lengthen it (before VIEWS_PER_STEP: 480 at D = 64, 514 at D = 128). D = 128's default is the
+# cross-step overlap: 537 / 517 (its in-order step: 509), the next step's S issue and P's conversion moved in.
 NOOP_STEP_LOOP = {64: 480, 128: 537}
 VARIANTS = ["noop", "causal", "softcap", "alibi"]
 
@@ -64,6 +64,22 @@ def _options(variant, M, N):
 def _top_register(body):
     """Highest general register a loop body names, + 1 (the registers it keeps in use)."""
     return 1 + max((int(r) for t in body for r in re.findall(r"\bR(\d+)\b", t)), default=-1)
+
+
+def _combined_options(variant, M, N):
+    """_options of "a+b" variants; "blocks": a document block mask's tables (partial and full blocks), no mask_mod."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    opts = {}
+    for part in variant.split("+"):
+        if part == "blocks":
+            bm = create_block_mask(mods.document((torch.arange(M) // 300).to(torch.int32)), None, None, M, N,
+                                   device="cpu")
+            opts.update(kv_num_blocks=bm.kv_num_blocks, kv_indices=bm.kv_indices,
+                        full_kv_num_blocks=bm.full_kv_num_blocks, full_kv_indices=bm.full_kv_indices)
+        else:
+            opts.update(_options(part, M, N))
+    return opts
 
 
 def _step_loops(report):
@@ -110,39 +126,41 @@ def test_compiles_with_wgmma_within_budgets(D, variant):
 VARIANT_SPILLS = {
     (128, "noop", "default"): (0, 0), (128, "alibi", "default"): (0, 0), (64, "causal", "default"): (0, 0),
     (128, "noop", "atomic_dq"): (0, 0), (128, "causal", "atomic_dq"): (0, 0), (128, "softcap", "atomic_dq"): (3, 0),
-    (128, "alibi", "atomic_dq"): (5, 0),   # atomic_dq on D128's default step, the overlap under dK since ea05df6:
-                                           # softcap 3 (outside the loops; 0 on the in-order step), ALiBi 0
+    (128, "alibi", "atomic_dq"): (5, 0),
     (128, "noop", "serial"): (0, 0), (128, "causal", "serial"): (0, 0),   # D128's in-order step, default before
+    (64, "noop", "stages3"): (0, 0), (64, "causal", "stages3"): (0, 0), (64, "softcap", "stages3"): (0, 0),
 }
+# atomic_dq at D128 runs on the default's overlap since it became the default: softcap 3 spills, outside the loops.
 # The cross-step overlap (configs.VARIANTS overlap / overlap_dk, docs/design/hopper_backward.md, "Cross-step overlap"),
 # triton 3.6: no spill in a step loop at any mod. overlap at D128 holds dQ's accumulator in flight beside S while P is
-# made: with a mask or a mod ptxas spills head-level values (stored before the step loop, reloaded once per query
-# head, never in it): causal 33, softcap 78, ALiBi 20. At D64 both names are the same kernel (dQ alternates between
-# the warpgroups, so it is issued after P either way).
+# made: ptxas kept head-level values on the stack across the step loops (causal 33, softcap 78, ALiBi 20) until
+# _consumer_overlap made them where they are used (the prologue's P slot and the dS buffer by an opaque zero, the
+# dK / dV store's rows and columns from %laneid): softcap 0, causal 4 (Z // KZ, computed before the role dispatch),
+# ALiBi 2 (one value in the prologue). At D64 both names are the same kernel (dQ alternates between the warpgroups,
+# so it is issued after P either way).
 for _D in (64, 128):
     for _v in VARIANTS:
         for _s in ("overlap", "overlap_dk"):
             VARIANT_SPILLS[_D, _v, _s] = (0, 0)
-VARIANT_SPILLS.update({(128, "causal", "overlap"): (33, 0), (128, "softcap", "overlap"): (78, 0),
-                       (128, "alibi", "overlap"): (20, 0)})
+VARIANT_SPILLS.update({(128, "causal", "overlap"): (4, 0), (128, "alibi", "overlap"): (2, 0)})
 # CTA schedules for block masks (docs/design/hopper_backward.md, "Masks against the tile bound"): causal, a 256-key
 # causal window and documents of 300 positions, under the head dim's step (lpt_order, persistent: D128's overlap under
 # dK), the in-order step (_serial) and the overlap under dK and dQ ("+overlap": configs.VARIANTS merged), triton 3.6.
 # Spill instructions (whole kernel, in the busier step loop) where not (0, 0): head- or tile-level values (the doc-id
 # gathers' addresses, the tile loop's state), stored before the step loop and reloaded once per query head or tile.
-# Only OVERLAP 1 spills in a step loop, and under documents it does without any schedule too ((128, "document",
-# "overlap"): 118 / 9): lpt_order's CTA coordinates come from a load, which ptxas cannot rematerialize as it does the
-# grid's program ids.
+# None spills in a step loop since main's overlap without head-level spills was merged (_consumer_overlap_tile's
+# DQ_UNDER store indices, P slot and dS buffer): "+overlap" (OVERLAP 1) went causal 29 / 41 -> 4 / 33, sliding window
+# 54 (2 in a loop) / 41 -> 4 / 36, documents 121 (10 in a loop) / 57 -> 8 / 33 (lpt_order / persistent).
 MASK_SCHEDULES = {64: ("default", "lpt_order", "persistent"),
                   128: ("default", "lpt_order", "persistent", "lpt_order_serial", "persistent_serial",
                         "lpt_order+overlap", "persistent+overlap")}
 MASK_SCHEDULE_SPILLS = {
-    (128, "causal", "lpt_order+overlap"): (29, 0), (128, "causal", "persistent+overlap"): (41, 0),
-    (128, "sliding_window", "lpt_order+overlap"): (54, 2), (128, "sliding_window", "persistent+overlap"): (41, 0),
+    (128, "causal", "lpt_order+overlap"): (4, 0), (128, "causal", "persistent+overlap"): (33, 0),
+    (128, "sliding_window", "lpt_order+overlap"): (4, 0), (128, "sliding_window", "persistent+overlap"): (36, 0),
     (128, "document", "default"): (28, 0), (128, "document", "lpt_order"): (24, 0),
     (128, "document", "persistent"): (34, 0), (128, "document", "lpt_order_serial"): (6, 0),
-    (128, "document", "persistent_serial"): (33, 0), (128, "document", "lpt_order+overlap"): (121, 10),
-    (128, "document", "persistent+overlap"): (57, 0),
+    (128, "document", "persistent_serial"): (33, 0), (128, "document", "lpt_order+overlap"): (8, 0),
+    (128, "document", "persistent+overlap"): (33, 0),
 }
 for _D, _schedules in MASK_SCHEDULES.items():
     for _mask in ("causal", "sliding_window", "document"):
@@ -236,3 +254,34 @@ def test_wide_head_dims_compile(D, DV, variant):
     assert cfg.smem_bytes(D, value_head_dim=DV) <= main.shared <= SMEM_LIMIT
     for r in (pre, convert):
         assert r.spill_instructions == 0 and r.stack == 0
+
+
+# The host's schedule at D128 (configs._GRAD_MOD_TABLE): a score_mod whose derivative is not 1 (softcap) takes
+# overlap 1 when no mask_mod is compiled in (block-sparse tables or not), and compiles with no spill; with a mask_mod
+# (softcap + causal: 40 spill instructions with overlap 1, 10 in a step loop) and for ALiBi (derivative 1) it keeps
+# the table's overlap 2. The launch's main kernel is compared, SASS for SASS, with the one of the explicit config.
+GRAD_MOD_DEFAULTS = {"softcap": 1, "softcap+blocks": 1, "softcap+causal": 2, "alibi": 2}
+
+
+@pytest.mark.parametrize("variant", sorted(GRAD_MOD_DEFAULTS))
+def test_grad_mod_default_schedule(variant):
+    from fa3_inductor.templates.aot import sass_report
+    from fa3_inductor.templates.hopper_bwd import compile_hopper_backward, get_bwd_config
+
+    D, M, N = 128, 1000, 1000
+    overlap = GRAD_MOD_DEFAULTS[variant]
+    assert get_bwd_config(D, grad_mod=True).overlap == 1 and get_bwd_config(D).overlap == 2
+    q = torch.randn(2, 4, M, D, dtype=torch.bfloat16)
+    k = v = torch.randn(2, 2, N, D, dtype=torch.bfloat16)
+    args = (q, k, v, torch.empty_like(q), torch.empty_like(q), torch.empty(2, 4, M))
+    opts = _combined_options(variant, M, N)
+    main = sass_report(compile_hopper_backward(*args, sm_scale=D ** -0.5, **opts)[1])
+    ref = sass_report(compile_hopper_backward(*args, sm_scale=D ** -0.5, config=get_bwd_config(D, overlap=overlap),
+                                              **opts)[1])
+    loops = _step_loops(main)
+    print(f"\nD{D} {variant} default (overlap {overlap}): {main.spill_instructions} spills, stack {main.stack}, "
+          f"loops {[len(b) for b in loops]}")
+    assert main.sass == ref.sass, f"the default is not overlap {overlap}"
+    assert not any("LDL" in t or "STL" in t for body in loops for t in body), "spill in a step loop"
+    if overlap == 1:
+        assert main.spill_instructions == 0 and main.stack == 0, (main.spill_instructions, main.stack)

@@ -154,12 +154,15 @@ VARIANT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("variant", ["atomic_dq", "overlap", "overlap_dk"])
+@pytest.mark.parametrize("variant", ["atomic_dq", "overlap", "overlap_dk", "stages3"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("case", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
 def test_schedule_variants_match_float64(case, D, variant):
     from fa3_inductor.templates.hopper_bwd import get_bwd_config
     from fa3_inductor.templates.hopper_bwd.configs import VARIANTS
+
+    if variant == "stages3" and D != 64:
+        pytest.skip("a third Q / dO stage fits D64's shared memory only (240 KB at D128)")
 
     _, score_mod, mask_mod, Z, HQ, HKV, M, N, KZ = case
     torch.manual_seed(5)

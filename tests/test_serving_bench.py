@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "serving.py"
 
 
@@ -82,3 +84,25 @@ def test_row_sets_and_budget():
     assert sb.within_budget(100.0, 1.0, 0) and not sb.within_budget(100.0, 1.0, 3)
     assert sb.within_budget(0.5, 1.0, 3)
     assert list(sb.BUDGET_SHARE) == list(sb.PARTS) and sb.BUDGET_SHARE["varlen"] == 1.0
+
+
+def test_fp8kv_part_on_the_cpu(cpu_kernels):
+    """The fp8kv part's check, row and table in process (float32 under the interpreter): the FP8
+    kernel equals bf16 flex_decode on the dequantized cache, every impl timed, a table row written;
+    the part runs only when asked."""
+    sb = _module()
+    cpu = torch.device("cpu")
+    torch.manual_seed(0)
+    check = sb.check_fp8kv(cpu, torch.float32)
+    assert set(check["rel_error"]) == {"fp8", "fp8_paged"} and max(check["rel_error"].values()) < 1e-4
+    row = sb.fp8kv_row(sb.SMOKE_FP8KV[0], cpu, torch.float32, sb.Clock(cpu, 1, 0))
+    assert not row.get("errors"), row
+    assert {"bf16_ms", "fp8_ms", "bf16_paged_ms", "fp8_paged_ms", "fp8_bn128_ms", "copy_ms", "fp8_tbps",
+            "fp8_over_bf16", "fp8_paged_over_bf16_paged", "bn128_over_fp8"} <= set(row), row
+    assert row["fp8_vs_dequant_diff"] < 1e-4 and row["fp8_bn128_vs_dequant_diff"] < 1e-4
+    assert 0 < row["fp8_quant_err"] < 0.1   # e4m3's rounding of the cache, not a kernel error
+    assert row["kv_gb"] * 4 == row["bf16_kv_gb"]   # float32 here: 4 bytes a value against 1
+    row["label"] = "x"
+    table = sb._fp8kv_table([row])
+    assert table[0].startswith("## FP8 KV cache") and table[-2].count("|") == 21
+    assert "fp8kv" in sb.PARTS and "fp8kv" not in sb.DEFAULT_PARTS

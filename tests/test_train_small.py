@@ -50,6 +50,19 @@ def test_smoke_run_writes_results_and_fa3_tracks_eager(tmp_path):
     assert run.stdout.rstrip().endswith(table.rstrip().splitlines()[-1])   # the table comes last
     has_plot = importlib.util.find_spec("matplotlib") is not None
     assert bool(list(tmp_path.glob("train-small-*.png"))) == has_plot or "no plot" in run.stdout
+    # a CUDA run's --profile-steps section, rendered from a row that carries one
+    spec = importlib.util.spec_from_file_location("train_small", SCRIPT)
+    train_small = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = train_small   # dataclasses look their module up by name
+    spec.loader.exec_module(train_small)
+    rows["fa3"]["profile"] = {"steps": 5, "wall_ms_per_step": 9.5, "gpu_ms_per_step": 8.25,
+                              "syncs_per_step": {"x.py:3": 2},
+                              "gc_per_step": {"collections": 1.5, "ms": 0.25, "oldest_generation": 2},
+                              "kernels": [{"name": "fa3_bwd_sm90_kernel", "ms_per_step": 2.5, "launches_per_step": 8}]}
+    table = train_small.markdown(result)
+    assert "fa3: kernels per step (torch.profiler over 5 steps after the run): GPU 8.25 ms, host wall 9.50 ms, " \
+        in table and "| `fa3_bwd_sm90_kernel` | 2.500 | 8 |" in table and "x.py:3 ×2" in table
+    assert "fa3: Python garbage collection per step: 1.5 collections, 0.25 ms (oldest generation 2)" in table
 
 
 def test_agreement_flags_drift_and_nan():

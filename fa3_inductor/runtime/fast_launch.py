@@ -65,9 +65,10 @@ def tensor_signature(tensors: Sequence[Optional[torch.Tensor]]) -> tuple:
         >>> tensor_signature([torch.zeros(2, 3)])[0][:2]
         (torch.Size([2, 3]), (3, 1))
     """
-    return tuple(None if t is None else
-                 (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
-                 for t in tensors)
+    # a list comprehension, not a generator: it runs twice on every hit of our ops (one per op call)
+    return tuple([None if t is None else
+                  (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+                  for t in tensors])
 
 
 def aliasing(tensors: Sequence[Optional[torch.Tensor]]) -> Optional[tuple]:
@@ -158,6 +159,20 @@ def relaunch(entry: _Launch, inputs: Sequence[Optional[torch.Tensor]]) -> Any:
     return entry.tag
 
 
+def stats() -> dict[str, int]:
+    """Counters since the process started: recorded launches re-launched, C-launcher argument lists built
+    (a relaunch at input addresses not seen before for its entry, or one with per-call arguments), and TMA
+    descriptors encoded for a new base address. Built and encoded staying near zero per step after the
+    first steps means the relaunches reuse what they built.
+
+    Example::
+
+        >>> sorted(stats())
+        ['argument_lists_built', 'descriptors_encoded', 'relaunches']
+    """
+    return dict(_STATS)
+
+
 def clear() -> None:
     """Forget every recorded launch (tests; after changing kernels in-process), and whatever the
     callers registered with :func:`on_clear` holds of them."""
@@ -179,6 +194,32 @@ def on_clear(forget: Callable[[], None]) -> None:
     """
     if forget not in _ON_CLEAR:
         _ON_CLEAR.append(forget)
+
+
+def rebinding(args: Sequence, inputs: Sequence[Optional[torch.Tensor]]) -> Optional[tuple]:
+    """A recipe of ``args`` (one step an argument) that :func:`rebound` turns into the arguments
+    of new ``inputs`` of the same signature and aliasing: an argument that is one of ``inputs``
+    (by identity, in a tuple or a TMA descriptor too) is taken from the new inputs, anything else
+    is kept. For launches this cache cannot record (Triton's interpreter compiles nothing); None
+    when an argument is a tensor that is no input and no one-element placeholder (made while
+    preparing the launch).
+
+    Example::
+
+        >>> x, y = torch.zeros(4), torch.ones(4)
+        >>> rebound(rebinding((x, 3, (x,)), [x]), [y])[2][0] is y
+        True
+    """
+    index_of = {id(t): i for i, t in enumerate(inputs) if t is not None}
+    try:
+        return tuple(_step(v, index_of) for v in args)
+    except _Uncacheable:
+        return None
+
+
+def rebound(recipe: tuple, inputs: Sequence[Optional[torch.Tensor]]) -> list:
+    """The arguments :func:`rebinding`'s ``recipe`` stands for, for ``inputs``."""
+    return [_build(step, inputs) for step in recipe]
 
 
 def _record(jit_fn: Any, args: tuple, kwargs: dict, inputs: Sequence) -> tuple:
@@ -248,6 +289,7 @@ def _current_stream(device: Optional[int]) -> int:
 
 
 def _relaunch(entry: _Launch, inputs: Sequence) -> None:
+    _STATS["relaunches"] += 1
     kernel = entry.kernel
     stream = _current_stream(entry.device)
     if entry.direct is not None and not launch_hooks_active():
@@ -265,8 +307,12 @@ def _relaunch(entry: _Launch, inputs: Sequence) -> None:
                exit_, *args)
 
 
-_MAX_ENCODED = 64   # encoded descriptors kept per launch entry
-_MAX_CALLS = 64     # whole argument tuples kept per launch entry, one per (stream, input addresses)
+# Per launch entry, cleared when full. One entry serves every layer of a model whose attention sites share
+# a signature, so these count layers × descriptors (or layers): at 64, a 32-layer model's 4-5 descriptors a
+# call (distinct bases per layer) would have cleared the table before any layer came round again.
+_MAX_ENCODED = 4096   # encoded descriptors kept per launch entry, one per (argument, base address)
+_MAX_CALLS = 1024     # whole argument tuples kept per launch entry, one per (stream, input addresses)
+_STATS = {"relaunches": 0, "argument_lists_built": 0, "descriptors_encoded": 0}
 _HEAD = 13          # the C launcher's arguments before the kernel's: grid, stream, function, flags, metadata, hooks
 
 
@@ -338,6 +384,7 @@ class _DirectArgs:
                 if len(encoded) >= _MAX_ENCODED:
                     encoded.clear()
                 enc = encoded[key] = entry.direct.expand(_build(step, inputs), meta)
+                _STATS["descriptors_encoded"] += 1
             args[at:at + width] = enc
         return args
 
@@ -347,6 +394,7 @@ def _launch_direct(entry: _Launch, stream: int, inputs: Sequence) -> None:
     plan = entry.args
     calls = plan.calls
     if calls is None:
+        _STATS["argument_lists_built"] += 1
         entry.direct.launch(*plan.build(entry, stream, inputs))
         return
     key = (stream, *[inputs[i].data_ptr() for i in plan.used])
@@ -354,5 +402,6 @@ def _launch_direct(entry: _Launch, stream: int, inputs: Sequence) -> None:
     if args is None:
         if len(calls) >= _MAX_CALLS:
             calls.clear()
+        _STATS["argument_lists_built"] += 1
         args = calls[key] = tuple(plan.build(entry, stream, inputs))
     entry.direct.launch(*args)

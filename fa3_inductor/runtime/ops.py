@@ -137,13 +137,8 @@ def flex_fwd(
         ...     [], [], 0.125, 128, 128, spec)   # doctest: +SKIP (spec: lowering/site_plan.plan_site)
     """
     Z, H, M, _ = q.shape
-    out = _out_like(q, v)
-    lse = q.new_empty((Z, H, M), dtype=torch.float32)
-    max_scores = q.new_empty((Z, H, M), dtype=torch.float32)
     sparse_q_block = _one_block_size(sparse_q_block, M)
     sparse_kv_block = _one_block_size(sparse_kv_block, k.shape[2])
-
-    site = SiteSpec.from_json(spec)
     tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
     if sinks is not None:
         check_sinks(sinks, H, "fa3_inductor.flex_fwd", q.device)
@@ -151,12 +146,28 @@ def flex_fwd(
     key = inputs = None
     if q.is_cuda:
         # Everything but the tensors' addresses is fixed by this key, so after the first call the
-        # chosen family's kernel is re-launched without walking the families again.
-        inputs = (q, k, v, out, lse, max_scores, *tables, *score_bufs, *mask_bufs,
-                  *(() if sinks is None else (sinks,)))
-        key = _launch_key(spec, scale, sparse_q_block, sparse_kv_block, len(score_bufs), inputs)
+        # chosen family's kernel is re-launched without walking the families again. A hit skips
+        # the spec (parsed once per site anyway) and _out_like's layout check (_HITS).
+        given = (q, k, v, *tables, *score_bufs, *mask_bufs, *(() if sinks is None else (sinks,)))
+        key = _launch_key(spec, scale, sparse_q_block, sparse_kv_block, len(score_bufs), given)
+        hit = _HITS.get(key)
+        if hit is not None:
+            entry, plain = hit
+            out = torch.empty_like(q) if plain else _out_like(q, v)
+            device, rows, row_strides = q.device, (Z, H, M), (H * M, M, 1)   # new_empty's, cheaper
+            lse = torch.empty_strided(rows, row_strides, dtype=torch.float32, device=device)
+            max_scores = torch.empty_strided(rows, row_strides, dtype=torch.float32, device=device)
+            _state.template = relaunch(entry, (q, k, v, out, lse, max_scores, *given[3:]))
+            return out, lse, max_scores
+    out = _out_like(q, v)
+    lse = q.new_empty((Z, H, M), dtype=torch.float32)
+    max_scores = q.new_empty((Z, H, M), dtype=torch.float32)
+    site = SiteSpec.from_json(spec)
+    if key is not None:
+        inputs = (q, k, v, out, lse, max_scores, *given[3:])
         entry = recorded(key)
         if entry is not None:
+            _remember_hit(key, entry, q, v, out)
             record_template(relaunch(entry, inputs))
             return out, lse, max_scores
         name = _relaunched(key, inputs)
@@ -166,7 +177,26 @@ def flex_fwd(
     call = Call(q, k, v, out, lse, max_scores, tables, tuple(score_bufs), tuple(mask_bufs), scale,
                 sparse_q_block, sparse_kv_block, site.needs_max, sinks=sinks)
     record_template(_serve(site, call, key, inputs))
+    if key is not None:
+        entry = recorded(key)
+        if entry is not None:
+            _remember_hit(key, entry, q, v, out)
     return out, lse, max_scores
+
+
+# flex_fwd's launch key -> (its fast_launch entry, whether the output is torch.empty_like(q)): what a
+# repeated call needs to allocate its outputs and re-launch, found with one lookup. Cleared with the
+# launch cache (its entries are the cache's).
+_HITS: dict[tuple, tuple] = {}
+on_clear(_HITS.clear)
+
+
+def _remember_hit(key: tuple, entry, q: Tensor, v: Tensor, out: Tensor) -> None:
+    if len(_HITS) >= _MAX_RELAUNCH:
+        _HITS.clear()
+    # as bound_launch: _out_like gave empty_like(q)'s layout (fixed by q's and v's signature, in the key)
+    _HITS[key] = (entry, v.shape[3] == q.shape[3] and out.stride() == torch.empty_like(q).stride())
+
 
 
 def call_for(site: SiteSpec, call: Call, dialect: str) -> Call:
@@ -225,25 +255,66 @@ def serve(site: SiteSpec, call: Call, spec: str) -> str:
     """
     if not call.q.is_cuda:
         return _serve(site, call, None, None)
-    fp8 = call.fp8
-    inputs = (call.q, call.k, call.v, call.out, call.lse, call.max_scores, *call.tables,
-              *call.score_bufs, *call.mask_bufs,
-              *(() if fp8 is None else (fp8.q_scale, fp8.k_scale, fp8.v_scale, fp8.v_scale_max)))
-    # flex_fwd's key, plus what a Call may vary beyond it: the recipe (the kernel's quantization
-    # constexprs) and whether the row max is wanted
-    key = (_launch_key(spec, call.scale, call.sparse_q_block, call.sparse_kv_block,
-                       len(call.score_bufs), inputs),
-           None if fp8 is None else fp8.recipe, call.needs_max)
+    key, inputs = serve_key(spec, call)
     entry = recorded(key)
     if entry is not None:
         return relaunch(entry, inputs)
     return _relaunched(key, inputs) or _serve(site, call, key, inputs)
 
 
+def serve_inputs(call: Call) -> tuple:
+    """The tensors :func:`serve` launches ``call`` on, in the order its launch key reads them: q, k,
+    v, out, lse, max_scores, the four block-mask tables, the captured buffers, and for an FP8 call
+    the prologue's four scale tensors.
+
+    Example::
+
+        >>> len(serve_inputs(call))   # doctest: +SKIP (an FP8 call without mask or buffers)
+        14
+    """
+    fp8 = call.fp8
+    return (call.q, call.k, call.v, call.out, call.lse, call.max_scores, *call.tables,
+            *call.score_bufs, *call.mask_bufs,
+            *(() if fp8 is None else (fp8.q_scale, fp8.k_scale, fp8.v_scale, fp8.v_scale_max)))
+
+
+def serve_key(spec: str, call: Call) -> tuple[tuple, tuple]:
+    """(the launch key :func:`serve` keeps ``call``'s launch under on CUDA, :func:`serve_inputs`).
+
+    Example::
+
+        >>> key, inputs = serve_key(spec, call)   # doctest: +SKIP
+    """
+    inputs = serve_inputs(call)
+    # flex_fwd's key, plus what a Call may vary beyond it: the recipe (the kernel's quantization
+    # constexprs) and whether the row max is wanted
+    key = (_launch_key(spec, call.scale, call.sparse_q_block, call.sparse_kv_block,
+                       len(call.score_bufs), inputs),
+           None if call.fp8 is None else call.fp8.recipe, call.needs_max)
+    return key, inputs
+
+
+def replayer(key: tuple) -> Optional[tuple[Callable[[tuple], object], object]]:
+    """(fire(inputs), tag) re-launching what was launched under ``key`` (a recorded launch, or a
+    self-launching family's re-launcher) on new inputs of the key's signature; None if neither was
+    kept (nothing served yet, or a launch that cannot be recorded).
+
+    Example::
+
+        >>> fire, tag = replayer(serve_key(spec, call)[0]); fire(serve_inputs(call2))   # doctest: +SKIP
+    """
+    entry = recorded(key)
+    if entry is not None:
+        return (lambda inputs: relaunch(entry, inputs)), entry.tag
+    return _RELAUNCH.get(key)
+
+
 def _launch_key(spec: str, scale: float, sparse_q_block: int, sparse_kv_block: int, n_score_bufs: int,
                 inputs: tuple) -> tuple:
     """Everything a CUDA launch depends on but the tensors' addresses (runtime/fast_launch.py), a
-    tensor given at two places (``flex(q, q, q)``) included."""
+    tensor given at two places (``flex(q, q, q)``) included. flex_fwd and bound_launch key over the tensors the
+    caller gives (not the op's fresh outputs, whose layout follows from q's and v's: ~1.5 µs a call less), serve
+    over every tensor it launches on."""
     return (spec, scale, sparse_q_block, sparse_kv_block, n_score_bufs,
             torch.get_float32_matmul_precision(), tensor_signature(inputs), aliasing(inputs))
 
@@ -270,15 +341,12 @@ def bound_launch(q: Tensor, k: Tensor, v: Tensor, tables: tuple, score_bufs: lis
     lse = q.new_empty((Z, H, M), dtype=torch.float32)
     row_max = torch.empty_like(lse)
     probe_out = _out_like(q, v)
-    probe = (q, k, v, probe_out, lse, row_max, *tables, *score_bufs, *mask_bufs)
-    key = _launch_key(spec, scale, sparse_q_block, sparse_kv_block, len(score_bufs), probe)
-    entry = recorded(key)
-    if entry is not None:
-        tag, fire = entry.tag, (lambda inputs: relaunch(entry, inputs))
-    elif key in _RELAUNCH:   # a family that launches itself (the decode family)
-        fire, tag = _RELAUNCH[key]
-    else:
+    key = _launch_key(spec, scale, sparse_q_block, sparse_kv_block, len(score_bufs),
+                  (q, k, v, *tables, *score_bufs, *mask_bufs))
+    found = replayer(key)   # a recorded launch, or a family that launches itself (the decode family)
+    if found is None:
         return None
+    fire, tag = found
     rest = (*tables, *score_bufs, *mask_bufs)
     # the output is then empty_like(q) (_out_like), unless q's layout is not descriptor-ready
     plain = v.shape[3] == q.shape[3] and probe_out.stride() == torch.empty_like(q).stride()
@@ -290,7 +358,28 @@ def bound_launch(q: Tensor, k: Tensor, v: Tensor, tables: tuple, score_bufs: lis
         _state.template = tag
         return out, lse_out if want_lse else None
 
+    # what the launch holds, for benchmarks and tests (read through direct.memo_launch, not closures)
+    launch.bound = BoundLaunch(recorded(key), rest, tag)
     return launch
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundLaunch:
+    """What a launch made by :func:`bound_launch` re-plays, as its ``.bound`` attribute: ``entry``, the
+    runtime/fast_launch.py entry it relaunches (None for a family that launches a call itself: the decode
+    family), ``rest``, the tensors it passes after ``(q, k, v, out, lse, row_max)`` (the block-mask
+    tables, the captured buffers), and ``tag``, the family's name.
+
+    Example::
+
+        >>> b = bound_launch(q, k, v, (None,) * 4, [], [], 0.125, 1 << 30, 1 << 30, spec).bound  # doctest: +SKIP
+        >>> relaunch(b.entry, (q, k, v, out, lse, row_max, *b.rest))                             # doctest: +SKIP
+        'hopper'
+    """
+
+    entry: object
+    rest: tuple
+    tag: object
 
 
 _LIB.impl("flex_fwd", flex_fwd, "CUDA")

@@ -65,10 +65,10 @@ INTERPRETER_SMS = 2
 
 def decode_config(head_dim: int, capability: tuple[int, int] | None,
                   fp32: bool = False, block_m: int = 16, paged: bool = False,
-                  few_programs: bool = False) -> DecodeConfig:
+                  few_programs: bool = False, fp8_cache: bool = False) -> DecodeConfig:
     """Tiles for the split kernel of ``block_m`` packed rows (``paged``: K/V read through a block
-    table; ``few_programs``: the split rule's one-program-per-SM regime, :func:`few_programs`).
-    ``capability`` None means the CPU interpreter.
+    table; ``few_programs``: the split rule's one-program-per-SM regime, :func:`few_programs`;
+    ``fp8_cache``: one-byte K / V). ``capability`` None means the CPU interpreter.
 
     Example::
 
@@ -76,7 +76,22 @@ def decode_config(head_dim: int, capability: tuple[int, int] | None,
         (64, 8)
         >>> decode_config(128, (9, 0), paged=True).num_stages, decode_config(128, (9, 0), few_programs=True).num_stages
         (5, 4)
+        >>> decode_config(128, (9, 0), fp8_cache=True).block_n
+        128
     """
+    cfg = _decode_tiles(head_dim, capability, fp32, block_m, paged, few_programs)
+    if fp8_cache and not paged and capability is not None and cfg.block_n < 128:
+        # A contiguous FP8 cache takes twice the keys, so that a stage holds the bf16 tile's bytes. H200
+        # (serving-nvidia-h200-2026-11-29-0822-fp8kv, GQA 32/8 D128, FP8 time at 64 keys over 128): 8 x 32k
+        # 1.36x, 1 x 128k 1.22x, 8 x 8k 1.29x, 64 x 8k 1.03x, 1 x 32k 1.15x. Pages keep the bf16 tiles
+        # (a tile of 128 keys over pages of 64 is not measured; 255 registers at D128 on sm90).
+        cfg = dataclasses.replace(cfg, block_n=2 * cfg.block_n)
+    return cfg
+
+
+def _decode_tiles(head_dim: int, capability: tuple[int, int] | None, fp32: bool, block_m: int, paged: bool,
+                  few_programs: bool) -> DecodeConfig:
+    """decode_config's tiles for a two-byte (or fp32) cache."""
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     if capability is None:
         # Interpreter: numpy cost follows the number of steps; 16 keys a step exercises the

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import torch
 
 from ..._log import info_once
-from ...runtime.fast_launch import tensor_signature
+from ...runtime.fast_launch import aliasing, tensor_signature
 from ..family import NOT_MEANT_HERE, Call, NotServed, SiteFacts, Variants
 from .host import prepare_decode
 from .launch_cache import launch_decode, recorded_decode
@@ -111,8 +111,10 @@ class DecodeFamily:
 
     @staticmethod
     def _key(call: Call, inputs: tuple) -> tuple:
+        # a recording finds its inputs by identity: which are one tensor (flex(q, q, q)) is keyed
         return ("family", call.score_source, call.mask_source, call.scale, call.sparse_q_block,
-                call.sparse_kv_block, torch.get_float32_matmul_precision(), tensor_signature(inputs))
+                call.sparse_kv_block, torch.get_float32_matmul_precision(), tensor_signature(inputs),
+                aliasing(inputs))
 
     def _plan(self, call: Call, q, k, v, out) -> list:
         options = call.kernel_options(self.dialect)

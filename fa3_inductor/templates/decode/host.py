@@ -11,6 +11,7 @@ import triton
 from ..placeholder import outside_graph_pools, placeholder
 from ..modgen import kernel_score_mod
 from ..wide_scores import wide_scores
+from .fp8_cache import FP8_DTYPES, kv_scale_mode
 from .configs import DecodeConfig, choose_num_splits, decode_config, few_programs, sm_count
 from .kernel import BlockSparsity, CacheLayout, DecodeSite, DecodeTiling, decode_split_kernel
 from .shape import MAX_ROWS as _MAX_ROWS
@@ -118,7 +119,7 @@ def _sparsity(tables: Optional[tuple], sparse_q_block: int, sparse_kv_block: int
 
 def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_bufs, seq_lens,
           q_offset, q_start_zero, tables, sparse_q_block, sparse_kv_block, block_table, page_size,
-          num_splits, config, scratch, capability):
+          num_splits, config, scratch, capability, k_scale=None, v_scale=None):
     """The launches of one decode call on a GPU of ``capability`` (None: the interpreter)."""
     if q.dim() != 4:
         _fail(f"q must be [B, HQ, M_new, D], got {tuple(q.shape)}", "add the new-token dim")
@@ -126,10 +127,12 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
     HKV, DV, max_len, page = _cache_shape(q, k, v, block_table, page_size)
     group = HQ // HKV
     rows = group * M_new
-    if q.dtype != k.dtype or k.dtype != v.dtype or q.dtype not in (torch.float16, torch.bfloat16,
-                                                                    torch.float32):
+    kv_scale = kv_scale_mode(k, v, k_scale, v_scale, block_table is not None, who="fa3 decode kernel")
+    if (kv_scale == "none" and (q.dtype != k.dtype or k.dtype != v.dtype)) \
+            or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         _fail(f"q, k, v are {q.dtype}, {k.dtype}, {v.dtype}",
-              "pass all three as float16, bfloat16 (or float32, the slow path)")
+              "pass all three as float16, bfloat16 (or float32, the slow path), or k, v as FP8 "
+              "with k_scale / v_scale")
     if rows > _MAX_ROWS:
         _fail(f"{group} query heads per kv head x {M_new} new tokens = {rows} packed rows "
               f"(> {_MAX_ROWS})", "run long query chunks through the prefill (generic) kernel")
@@ -162,7 +165,8 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
     sms = sm_count(capability, device_index)
     paged = block_table is not None
     cfg = config or decode_config(max(D, DV), capability, fp32=q.dtype == torch.float32, block_m=block_m,
-                                  paged=paged, few_programs=few_programs(B, HQ // heads, sms, paged))
+                                  paged=paged, few_programs=few_programs(B, HQ // heads, sms, paged),
+                                  fp8_cache=kv_scale != "none")
     block_n = _block_n(cfg, sparse_kv_block if mode == "blocks" else 0)
     if num_splits is None:
         num_splits = choose_num_splits(B, HQ // heads, max_len, block_n, sms, cfg.resident, paged=paged)
@@ -201,7 +205,7 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
         k_strides, v_strides = (k.stride(0), k.stride(2), k.stride(1)), (v.stride(0), v.stride(2), v.stride(1))
         table, table_stride = block_table, block_table.stride(0)
     args = (q, k, v, out, lse, o_part, lse_part, arrivals, dummy if seq_lens is None else seq_lens,
-            q_offset if q_offset is not None else dummy, table, *table_args[:4],
+            q_offset if q_offset is not None else dummy, table, k_scale, v_scale, *table_args[:4],
             tuple(score_bufs), tuple(mask_bufs),
             q.stride(0), q.stride(1), q.stride(2), *k_strides, *v_strides,
             out.stride(0), out.stride(1), out.stride(2), *table_args[4:],
@@ -215,7 +219,7 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
         MERGE_ROWS=merge_rows,
         MERGE_SPLITS=max(1, min(triton.next_power_of_2(num_splits), cfg.merge_elements // (merge_rows * block_dv))))
     kwargs = dict(SCORE_MOD=score_mod, MASK_MOD=mask_mod, TILE=tile,
-                  CACHE=CacheLayout(PAGED=block_table is not None, PAGE_SIZE=page or block_n),
+                  CACHE=CacheLayout(PAGED=block_table is not None, PAGE_SIZE=page or block_n, KV_SCALE=kv_scale),
                   SITE=DecodeSite(GQA_GROUP=group, HEADS=heads, Q_POS=q_pos, HAS_SEQ_LENS=seq_lens is not None,
                                   FOLD_SCALE=fold, SPLIT=split,
                                   WIDE_SCORES=wide_scores(score_mod, compiled=capability is not None)),
@@ -296,6 +300,7 @@ def prepare_decode(
     num_splits: Optional[int] = None, config: Optional[DecodeConfig] = None,
     scratch: Optional[tuple[torch.Tensor, ...]] = None,
     plan_for: Optional[tuple[int, int]] = None,
+    k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
 ) -> list[Launch]:
     """The launches ``[(kernel, args, kwargs, grid)]`` of one decode call (one: the split kernel,
     whose last split per program row merges the splits). ``out`` [B, HQ, M_new, DV] (q's dtype) and
@@ -311,7 +316,9 @@ def prepare_decode(
     every row, heads broadcast under GQA) and its block sizes; mods as the generic forward
     takes them (kernel.py: h is a per-row column); ``num_splits`` None chooses from the batch,
     heads, capacity and SM count (configs.py); ``scratch`` from :func:`decode_scratch` (else
-    allocated here); ``plan_for`` the capability to plan for with no GPU tensors (compile-only).
+    allocated here); ``plan_for`` the capability to plan for with no GPU tensors (compile-only);
+    ``k_scale`` / ``v_scale`` the float32 dequantization scales of an FP8 (e4m3 / e5m2) ``k`` / ``v``
+    (fp8_cache.py: per tensor, kv head, sequence or page by their shape; q stays fp16 / bf16).
 
     Example::
 
@@ -326,7 +333,7 @@ def prepare_decode(
         tuple(torch.cuda.get_device_capability(q.device)) if q.is_cuda else None)
     return _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_bufs, seq_lens,
                  q_offset, q_start_zero, block_mask_tables, sparse_q_block, sparse_kv_block,
-                 block_table, page_size, num_splits, config, scratch, capability)
+                 block_table, page_size, num_splits, config, scratch, capability, k_scale, v_scale)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -346,8 +353,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     lse = torch.empty(B, HQ, M_new, dtype=torch.float32, device=q.device)
     run_q, run_k, run_v, run_out = q, k, v, out
     if _interpreting() and not q.is_cuda and q.dtype == torch.bfloat16:
-        run_q, run_k, run_v = q.float(), k.float(), v.float()
-        run_out = out.float()
+        run_q, run_out = q.float(), out.float()
+        if k.dtype not in FP8_DTYPES:   # an FP8 cache is converted in the kernel
+            run_k, run_v = k.float(), v.float()
     for kernel, args, kwargs, grid in prepare_decode(run_q, run_k, run_v, run_out, lse,
                                                      sm_scale=scale, **options):
         kernel[grid](*args, **kwargs)

@@ -7,6 +7,11 @@ Notation
     K: [Z, HKV, N, D]        contiguous cache (any strides, last one 1), or paged (CACHE.PAGED):
        [P, PAGE, HKV, D]     P pages of PAGE keys, addressed through BLOCK_TABLE
     V: like K with DV        DV may differ from D
+    K_SCALE, V_SCALE: float32 dequantization scales of an FP8 cache (CACHE.KV_SCALE != "none": K, V
+                             e4m3 / e5m2, a key's real value = its FP8 value x its scale), flat
+                             contiguous: "tensor" [1], "head" [HKV], "seq" [Z, HKV] (contiguous
+                             cache), "page" [P, HKV] (paged: the scale of a key's physical page);
+                             None with a cache in q's dtype
     BLOCK_TABLE: [Z, MAX_PAGES] int32   page of key block j of batch z (paged only)
     SEQ_LENS: [Z] int32      cache length L of each batch (keys [0, L) are visible); read in the
                              kernel, so a CUDA graph replays with a changed length, no recompile;
@@ -51,12 +56,21 @@ Mods (templates/modgen.py, ``tl`` dialect; the generic forward's argument order)
 Compile-time parameters (the mods, then one frozen-dataclass bundle each):
     TILE   DecodeTiling   BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, MERGE_ROWS,
                           MERGE_SPLITS
-    CACHE  CacheLayout    PAGED, PAGE_SIZE
+    CACHE  CacheLayout    PAGED, PAGE_SIZE, KV_SCALE
     SITE   DecodeSite     GQA_GROUP, Q_POS, HAS_SEQ_LENS, FOLD_SCALE, SPLIT (write partials),
                           WIDE_SCORES
     SPARSE BlockSparsity  MODE ("none" / "one_block" / "blocks"), KV_BLOCK, HAS_FULL
 Lengths are never constexprs: they live in SEQ_LENS. MAX_PAGES (the table's row stride) is
 do_not_specialize, so a bigger table does not recompile.
+
+FP8 cache (CACHE.KV_SCALE != "none"): each K / V tile is loaded as FP8 (half the bytes) and converted
+in registers to the dots' dtype, fp16 (a bf16 q is converted once; fp32 under the interpreter's
+float32 copies); no pass dequantizes it. K's scale multiplies the q.k tile
+before the mods (a [1, BLOCK_N] row of per-key scales for "page" when a tile spans pages, a scalar
+per tile when a page holds whole tiles); a scale constant over the program ("tensor", "head",
+"seq") is folded into qk_scale2 instead when FOLD_SCALE. V's scale multiplies P's columns before
+P.V for "page", else the program's output once in the epilogue (so partials and the merge are
+unchanged). With KV_SCALE "none" the scales are None (constexpr) and none of this is traced.
 """
 
 from dataclasses import dataclass
@@ -81,9 +95,11 @@ class DecodeTiling:
 
 @dataclass(frozen=True)
 class CacheLayout:
-    """How a key's row is addressed."""
+    """How a key's row is addressed, and how an FP8 cache's values are scaled."""
     PAGED: bool            # K, V are [P, PAGE, HKV, D] pages through BLOCK_TABLE (else [Z, HKV, N, D])
     PAGE_SIZE: int         # keys per page, any size (a tile may span pages; BLOCK_N when not paged)
+    KV_SCALE: str = "none"  # "none": K, V in q's dtype; FP8 K, V with K_SCALE / V_SCALE varying by
+                            # "tensor", "head", "seq" ([Z, HKV], contiguous) or "page" ([P, HKV])
 
 
 @dataclass(frozen=True)
@@ -135,11 +151,12 @@ def _tile_ptrs(X, page, z, hkv, start_n, offs_j, offs_d, stride_b, stride_h, str
 @triton.jit
 def _kv_step(acc, l_i, m_i, q, K, V, z, hkv, h, q_idx, start_n, L, bt_row,
              stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-             D, DV, sm_scale, qk_scale2, score_bufs, mask_bufs, full_tile,
-             SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, TILE: tl.constexpr,
+             D, DV, sm_scale, qk_scale2, score_bufs, mask_bufs, full_tile, K_SCALE, V_SCALE, HKV,
+             k_scale, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, TILE: tl.constexpr,
              CACHE: tl.constexpr, SITE: tl.constexpr):
     """One KV tile of the online softmax: S = QK^T, mods, key bound, rescale, O += PV.
-    ``full_tile``: a block mask says mask_mod is all true here (FlexAttention skips it)."""
+    ``full_tile``: a block mask says mask_mod is all true here (FlexAttention skips it). FP8 cache:
+    ``k_scale`` the program's K scale (unused for "page", and when folded into qk_scale2)."""
     offs_j = tl.arange(0, TILE.BLOCK_N)
     offs_n = start_n + offs_j
     key_ok = offs_n < L
@@ -157,7 +174,16 @@ def _kv_step(acc, l_i, m_i, q, K, V, z, hkv, h, q_idx, start_n, L, bt_row,
     k = tl.load(_tile_ptrs(K, page, z, hkv, start_n, offs_j, offs_d, stride_kb, stride_kh,
                            stride_kn, CACHE, TILE.BLOCK_N),
                 mask=key_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+    if CACHE.KV_SCALE != "none":
+        k = k.to(q.dtype)   # e4m3 / e5m2 values are exact in fp16 and fp32
     qk = tl.dot(q, tl.trans(k), input_precision=TILE.DOT_PRECISION)
+    if CACHE.KV_SCALE == "page":
+        # the scale of each key's page: a scalar when the tile lies in one page, else [BLOCK_N]
+        page_at = page * HKV + hkv
+        k_page = tl.load(K_SCALE + page_at)
+        qk = qk * (k_page if CACHE.PAGE_SIZE % TILE.BLOCK_N == 0 else k_page[None, :])
+    elif CACHE.KV_SCALE != "none" and not SITE.FOLD_SCALE:
+        qk = qk * k_scale   # the real q.k, which the mods (or sm_scale) take
 
     kv_idx = tl.minimum(offs_n, L - 1)[None, :]
     if SCORE_MOD is not None:
@@ -180,7 +206,13 @@ def _kv_step(acc, l_i, m_i, q, K, V, z, hkv, h, q_idx, start_n, L, bt_row,
     v = tl.load(_tile_ptrs(V, page, z, hkv, start_n, offs_j, offs_dv, stride_vb, stride_vh,
                            stride_vn, CACHE, TILE.BLOCK_N),
                 mask=key_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=TILE.DOT_PRECISION)
+    p_v = p
+    if CACHE.KV_SCALE != "none":
+        v = v.to(q.dtype)
+        if CACHE.KV_SCALE == "page":   # V's scale on P's columns (each key's page); l_i keeps p
+            v_page = tl.load(V_SCALE + page_at)
+            p_v = p * (v_page if CACHE.PAGE_SIZE % TILE.BLOCK_N == 0 else v_page[None, :])
+    acc = tl.dot(p_v.to(v.dtype), v, acc * alpha[:, None], input_precision=TILE.DOT_PRECISION)
     return acc, l_i, m_new
 
 
@@ -195,7 +227,7 @@ def _table_row(NUM, IDX, z, h0, s_nb, s_nh, s_ib, s_ih):
 @triton.jit(do_not_specialize=["MAX_PAGES", "N_KEYS"])
 def decode_split_kernel(
     Q, K, V, O, LSE, O_PART, LSE_PART, ARRIVALS,
-    SEQ_LENS, Q_OFFSET, BLOCK_TABLE,
+    SEQ_LENS, Q_OFFSET, BLOCK_TABLE, K_SCALE, V_SCALE,
     KV_NUM, KV_IDX, FULL_NUM, FULL_IDX,
     score_bufs, mask_bufs,
     stride_qz, stride_qh, stride_qm,
@@ -235,6 +267,11 @@ def decode_split_kernel(
     offs_d = tl.arange(0, TILE.BLOCK_D)
     q = tl.load(Q + z.to(tl.int64) * stride_qz + hq[:, None] * stride_qh + i[:, None] * stride_qm
                 + offs_d[None, :], mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+    if CACHE.KV_SCALE != "none" and q.dtype == tl.bfloat16:
+        # FP8 K / V convert to fp16 in one instruction per pair (sm90: F2FP.F16.E4M3.UNPACK_B), to
+        # bf16 in three; fp16 holds every e4m3 / e5m2 value, P in [0, 1] more finely than bf16, and
+        # a bf16 q exactly within fp16's range (|q| <= 65504). The dots run in fp16, O stays bf16.
+        q = q.to(tl.float16)
     if SITE.Q_POS == "offset":
         q_first = tl.load(Q_OFFSET + z)
     elif SITE.Q_POS == "end":
@@ -244,6 +281,16 @@ def decode_split_kernel(
     q_idx = tl.maximum(q_first + i, 0)[:, None]
     h = hq[:, None]
     bt_row = BLOCK_TABLE + z.to(tl.int64) * MAX_PAGES
+    k_scale = 1.0
+    v_scale = 1.0
+    if CACHE.KV_SCALE == "tensor" or CACHE.KV_SCALE == "head" or CACHE.KV_SCALE == "seq":
+        # one K and one V scale for the whole program: K's folded into the score scale when it is
+        # a plain factor, V's applied to the output (_kv_step otherwise)
+        at = 0 if CACHE.KV_SCALE == "tensor" else (hkv if CACHE.KV_SCALE == "head" else z * HKV + hkv)
+        k_scale = tl.load(K_SCALE + at)
+        v_scale = tl.load(V_SCALE + at)
+        if SITE.FOLD_SCALE:
+            qk_scale2 = qk_scale2 * k_scale
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -269,8 +316,8 @@ def decode_split_kernel(
                 acc, l_i, m_i = _kv_step(
                     acc, l_i, m_i, q, K, V, z, hkv, h, q_idx, start_n, L, bt_row,
                     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-                    D, DV, sm_scale, qk_scale2, score_bufs, mask_bufs, False,
-                    SCORE_MOD, MASK_MOD, TILE, CACHE, SITE)
+                    D, DV, sm_scale, qk_scale2, score_bufs, mask_bufs, False, K_SCALE, V_SCALE,
+                    HKV, k_scale, SCORE_MOD, MASK_MOD, TILE, CACHE, SITE)
         # full blocks: mask_mod is all true there
         for w in tl.range(tl.maximum(lo, part_end), hi):
             start_n = (tl.load(full_row + (w - part_end) // TPB) * SPARSE.KV_BLOCK
@@ -279,8 +326,8 @@ def decode_split_kernel(
                 acc, l_i, m_i = _kv_step(
                     acc, l_i, m_i, q, K, V, z, hkv, h, q_idx, start_n, L, bt_row,
                     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-                    D, DV, sm_scale, qk_scale2, score_bufs, mask_bufs, True,
-                    SCORE_MOD, MASK_MOD, TILE, CACHE, SITE)
+                    D, DV, sm_scale, qk_scale2, score_bufs, mask_bufs, True, K_SCALE, V_SCALE,
+                    HKV, k_scale, SCORE_MOD, MASK_MOD, TILE, CACHE, SITE)
     else:
         full_tile = False
         visible = L
@@ -303,14 +350,16 @@ def decode_split_kernel(
             acc, l_i, m_i = _kv_step(
                 acc, l_i, m_i, q, K, V, z, hkv, h, q_idx, lo + t * BLOCK_N, L, bt_row,
                 stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-                D, DV, sm_scale, qk_scale2, score_bufs, mask_bufs, full_tile,
-                SCORE_MOD, MASK_MOD, TILE, CACHE, SITE)
+                D, DV, sm_scale, qk_scale2, score_bufs, mask_bufs, full_tile, K_SCALE, V_SCALE,
+                HKV, k_scale, SCORE_MOD, MASK_MOD, TILE, CACHE, SITE)
 
     # Rows that saw no key: O = 0, LSE = -inf (the forward's convention; the combine gives them
     # weight 0).
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     o = acc / l_safe[:, None]
+    if CACHE.KV_SCALE != "none" and CACHE.KV_SCALE != "page":
+        o = o * v_scale   # V's program-constant scale, before the partials: the merge is unchanged
     lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))
     offs_dv = tl.arange(0, BLOCK_DV)
     dv_ok = offs_dv < DV

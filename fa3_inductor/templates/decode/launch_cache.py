@@ -9,7 +9,11 @@ later call gets fresh partials of the recorded shapes and its stream's arrival c
 (host.arrival_counters), or the caller's scratch.
 
 Keys are the caller's: everything but the tensors' addresses (mods, scale, options) plus
-``tensor_signature`` of the inputs.
+``tensor_signature`` and ``aliasing`` of the inputs.
+
+Under Triton's interpreter there is no compiled kernel to record: :func:`interpreted` re-runs a
+call's planned launches with the new call's tensors put in its inputs' places (flex_decode's call
+memo replays through it on the CPU, decode_memo.py).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Callable, Hashable, Optional, Sequence
 
 import torch
 
-from ...runtime.fast_launch import launch_cached, on_clear, recorded, relaunch
+from ...runtime.fast_launch import launch_cached, on_clear, rebinding, rebound, recorded, relaunch
 from .host import arrival_counters
 
 _MAX_KEYS = 256
@@ -79,13 +83,48 @@ def recorded_decode(key: Hashable) -> Optional[Callable[[Sequence, Optional[tupl
     shapes, programs = hit[1], hit[2]
 
     def run(inputs: Sequence, scratch: Optional[tuple] = None) -> None:
-        if not shapes:
-            scratch = ()   # one split: no scratch
-        elif scratch is None:
-            device = inputs[0].device
-            scratch = (*(torch.empty(s, dtype=torch.float32, device=device) for s in shapes),
-                       arrival_counters(device, programs))
-        full = (*inputs, *scratch)
+        full = (*inputs, *_scratch(inputs[0].device, shapes, programs, scratch))
         for entry in entries:
             relaunch(entry, full)
     return run
+
+
+def interpreted(launches: list, inputs: Sequence[Optional[torch.Tensor]]
+                ) -> Optional[Callable[[Sequence, Optional[tuple]], None]]:
+    """Under the interpreter (nothing compiled to record): ``run(inputs, scratch=None)``, as
+    :func:`recorded_decode` gives, re-running ``launches`` (``prepare_decode``'s, already run for
+    ``inputs``) for new inputs of the same signature and aliasing: an argument that is one of
+    ``inputs`` (by identity, in a tuple too) takes the new call's tensor at that place
+    (fast_launch.rebinding), the split scratch is the caller's or fresh. None when an argument is a
+    tensor made while planning (not an input, not a one-element placeholder): it cannot be re-bound.
+
+    Example::
+
+        >>> launches = prepare_decode(q, k, v, out, lse, sm_scale=0.125)             # doctest: +SKIP
+        >>> again = interpreted(launches, (q, k, v, out, lse)); again((q2, k2, v2, out2, lse2))  # doctest: +SKIP
+    """
+    _, split_args, _, grid = launches[0]
+    split = grid[0] > 1
+    scratch = tuple(split_args[5:8]) if split else ()   # O_PART, LSE_PART, ARRIVALS
+    steps = [(kernel, rebinding(args, (*inputs, *scratch)), kwargs, grid)
+             for kernel, args, kwargs, grid in launches]
+    if any(step[1] is None for step in steps):
+        return None
+    shapes, programs = tuple(tuple(t.shape) for t in scratch[:2]), grid[1] if split else 0
+
+    def run(inputs: Sequence, scratch: Optional[tuple] = None) -> None:
+        full = (*inputs, *_scratch(inputs[0].device, shapes, programs, scratch))
+        for kernel, recipe, kwargs, grid in steps:
+            kernel[grid](*rebound(recipe, full), **kwargs)
+    return run
+
+
+def _scratch(device: torch.device, shapes: tuple, programs: int, scratch: Optional[tuple]) -> tuple:
+    """A re-launch's split scratch: none for one split, else the caller's, else fresh partials
+    of the recorded ``shapes`` and the stream's arrival counters."""
+    if not shapes:
+        return ()
+    if scratch is not None:
+        return tuple(scratch)
+    return (*(torch.empty(s, dtype=torch.float32, device=device) for s in shapes),
+            arrival_counters(device, programs))

@@ -66,7 +66,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .bwd_sm90 import _opaque, _probabilities, _q_tile_counts, _q_tile_start, _tma_reduce_add
+from .bwd_sm90 import _acc_layout, _opaque, _probabilities, _q_tile_counts, _q_tile_start, _tma_reduce_add
 
 
 @dataclass(frozen=True)
@@ -207,14 +207,10 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
         DQ_W: gl.constexpr = D - 128
     DV0: gl.constexpr = WG * DV_WG
 
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, KEYS_WG, 16])
-    dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, DK_N, 16])
-    dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, DV_WG, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, DQ_N, 16])
+    s_layout: gl.constexpr = _acc_layout(KEYS_WG)
+    dk_layout: gl.constexpr = _acc_layout(DK_N)
+    dv_layout: gl.constexpr = _acc_layout(DV_WG)
+    dq_layout: gl.constexpr = _acc_layout(DQ_N)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 

@@ -59,6 +59,12 @@ UNSERVED_TWO_LEVEL = (256,)
 
 SUPPORTED_HEAD_DIMS = tuple(sorted(_TABLE))
 
+# At and below this head dim a 128 x 128 tile's exponentials (MUFU.EX2: 16384 at 16 a cycle per SM, 1024 cycles)
+# take as long as its bf16 GEMMs (QK^T and PV, 2 x 128 x 128 x 64 MACs at 2048 bf16 MACs a cycle per SM: 1024
+# cycles), so halving the GEMMs with FP8 cannot shorten the loop below the exponentials' 1024 (docs/fp8.md,
+# "Head dim 64"). explain() says so.
+EXP_BOUND_HEAD_DIM = 64
+
 
 def serves_fp8_head_dims(head_dim: int, value_head_dim: int, two_level: bool = True) -> bool:
     """Whether the FP8 table has tiles for Q / K of ``head_dim`` and V of ``value_head_dim`` (with two-level

@@ -17,7 +17,8 @@ import torch
 
 from ..family import NOT_MEANT_HERE, Call, NotServed, SiteFacts, Variants
 from ..tma import tma_aligned
-from .configs import SUPPORTED_HEAD_DIMS, UNSERVED_TWO_LEVEL, describe as describe_tiles, serves_fp8_head_dims
+from .configs import (EXP_BOUND_HEAD_DIM, SUPPORTED_HEAD_DIMS, UNSERVED_TWO_LEVEL, describe as describe_tiles,
+                      serves_fp8_head_dims)
 
 
 class HopperFP8Family:
@@ -49,9 +50,19 @@ class HopperFP8Family:
         return None
 
     def describe(self, site: SiteFacts) -> str:
+        """The explain() note: the tiles, and when FP8 cannot be faster than bf16.
+
+        Example::
+
+            >>> "no speed-up" in HopperFP8Family().describe(SiteFacts(torch.device("cuda"), torch.bfloat16, 64, 64))
+            True
+        """
         note = ""
         if site.head_dim in UNSERVED_TWO_LEVEL:
             note = " (two-level accumulation off only: FP8Recipe(two_level=0))"
+        if site.head_dim <= EXP_BOUND_HEAD_DIM:
+            note += (f"; at head dim {site.head_dim} the exponentials, not the GEMMs, bound the loop: expect no "
+                     "speed-up over bf16 (docs/fp8.md, 'Head dim 64')")
         return f"Hopper FP8 template: {describe_tiles(site.head_dim)}{note}; schedule per launch"
 
     def prepare(self, call: Call) -> Optional[Variants]:
