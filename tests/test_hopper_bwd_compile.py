@@ -9,6 +9,8 @@ counts and step-loop lengths are printed (``-s``).
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -49,12 +51,19 @@ def _options(variant, M, N):
         src = score_grad_gl(create_fw_bw_graph(gm, index_values, bufs)[1], [BufferSpec.of(b) for b in bufs])
         return dict(score_mod=fn, score_bufs=bufs,
                     score_grad_mod=SCORE_GRAD_ONE if src is None else load_mod(src, "gl"))
-    if variant == "causal":
-        bm = create_block_mask(mods.causal, None, None, M, N, device="cpu")
-        fn, bufs, _ = _gl_mod(mods.causal, "mask")
+    if variant in ("causal", "sliding_window", "document"):
+        mask_mod = {"causal": mods.causal, "sliding_window": mods.sliding_window(256),
+                    "document": mods.document((torch.arange(N) // 300).to(torch.int32))}[variant]
+        bm = create_block_mask(mask_mod, None, None, M, N, device="cpu")
+        fn, bufs, _ = _gl_mod(mask_mod, "mask")
         return dict(mask_mod=fn, mask_bufs=bufs, kv_num_blocks=bm.kv_num_blocks, kv_indices=bm.kv_indices,
                     full_kv_num_blocks=bm.full_kv_num_blocks, full_kv_indices=bm.full_kv_indices)
     return {}
+
+
+def _top_register(body):
+    """Highest general register a loop body names, + 1 (the registers it keeps in use)."""
+    return 1 + max((int(r) for t in body for r in re.findall(r"\bR(\d+)\b", t)), default=-1)
 
 
 def _combined_options(variant, M, N):
@@ -134,16 +143,46 @@ for _D in (64, 128):
         for _s in ("overlap", "overlap_dk"):
             VARIANT_SPILLS[_D, _v, _s] = (0, 0)
 VARIANT_SPILLS.update({(128, "causal", "overlap"): (4, 0), (128, "alibi", "overlap"): (2, 0)})
+# CTA schedules for block masks (docs/design/hopper_backward.md, "Masks against the tile bound"): causal, a 256-key
+# causal window and documents of 300 positions, under the head dim's step (lpt_order, persistent: D128's overlap under
+# dK), the in-order step (_serial) and the overlap under dK and dQ ("+overlap": configs.VARIANTS merged), triton 3.6.
+# Spill instructions (whole kernel, in the busier step loop) where not (0, 0): head- or tile-level values (the doc-id
+# gathers' addresses, the tile loop's state), stored before the step loop and reloaded once per query head or tile.
+# None spills in a step loop since main's overlap without head-level spills was merged (_consumer_overlap_tile's
+# DQ_UNDER store indices, P slot and dS buffer): "+overlap" (OVERLAP 1) went causal 29 / 41 -> 4 / 33, sliding window
+# 54 (2 in a loop) / 41 -> 4 / 36, documents 121 (10 in a loop) / 57 -> 8 / 33 (lpt_order / persistent).
+MASK_SCHEDULES = {64: ("default", "lpt_order", "persistent"),
+                  128: ("default", "lpt_order", "persistent", "lpt_order_serial", "persistent_serial",
+                        "lpt_order+overlap", "persistent+overlap")}
+MASK_SCHEDULE_SPILLS = {
+    (128, "causal", "lpt_order+overlap"): (4, 0), (128, "causal", "persistent+overlap"): (33, 0),
+    (128, "sliding_window", "lpt_order+overlap"): (4, 0), (128, "sliding_window", "persistent+overlap"): (36, 0),
+    (128, "document", "default"): (28, 0), (128, "document", "lpt_order"): (24, 0),
+    (128, "document", "persistent"): (34, 0), (128, "document", "lpt_order_serial"): (6, 0),
+    (128, "document", "persistent_serial"): (33, 0), (128, "document", "lpt_order+overlap"): (8, 0),
+    (128, "document", "persistent+overlap"): (33, 0),
+}
+for _D, _schedules in MASK_SCHEDULES.items():
+    for _mask in ("causal", "sliding_window", "document"):
+        for _s in _schedules:
+            VARIANT_SPILLS.setdefault((_D, _mask, _s), MASK_SCHEDULE_SPILLS.get((_D, _mask, _s), (0, 0)))
+
+
+def _config(D, schedule):
+    """The head dim's config under a configs.VARIANTS name, or several joined by '+' (their overrides merged)."""
+    from fa3_inductor.templates.hopper_bwd import get_bwd_config
+    from fa3_inductor.templates.hopper_bwd.configs import VARIANTS
+
+    return get_bwd_config(D, **{k: v for name in schedule.split("+") for k, v in VARIANTS[name].items()})
 
 
 @pytest.mark.parametrize("D, variant, schedule", sorted(VARIANT_SPILLS))
 def test_schedule_variants_compile(D, variant, schedule):
     from fa3_inductor.templates.aot import sass_report
-    from fa3_inductor.templates.hopper_bwd import compile_hopper_backward, get_bwd_config
-    from fa3_inductor.templates.hopper_bwd.configs import VARIANTS
+    from fa3_inductor.templates.hopper_bwd import compile_hopper_backward
 
     M = N = 1000
-    cfg = get_bwd_config(D, **VARIANTS[schedule])
+    cfg = _config(D, schedule)
     q = torch.randn(2, 4, M, D, dtype=torch.bfloat16)
     k = v = torch.randn(2, 2, N, D, dtype=torch.bfloat16)
     _, ck, _ = compile_hopper_backward(q, k, v, torch.empty_like(q), torch.empty_like(q), torch.empty(2, 4, M),
@@ -152,7 +191,7 @@ def test_schedule_variants_compile(D, variant, schedule):
     loops = _step_loops(main)
     loop_spills = max(sum(("LDL" in t or "STL" in t) for t in body) for body in loops)
     print(f"\nD{D} {variant} {schedule}: {main.spill_instructions} spills ({loop_spills} in a step loop), "
-          f"loops {[len(b) for b in loops]}, shared {main.shared}")
+          f"loops {[len(b) for b in loops]}, registers {[_top_register(b) for b in loops]}, shared {main.shared}")
     assert main.hgmma > 0 and main.shared <= SMEM_LIMIT and cfg.smem_bytes(D) <= main.shared
     if cfg.dq_tma:
         assert "UTMAREDG" in main.sass and "REDG" not in main.sass.replace("UTMAREDG", ""), "dQ not by TMA reduce"

@@ -55,12 +55,13 @@ def _score_options(score_mod):
                 score_grad_mod=SCORE_GRAD_ONE if src is None else load_mod(src, "gl"))
 
 
-def _mask_options(mask_mod, M, N):
+def _mask_options(mask_mod, M, N, heads=None):
+    """Block-mask options of a mask_mod; ``heads``: the query heads of a head-dependent mask (else broadcast)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     if mask_mod is None:
         return {}
-    bm = create_block_mask(mask_mod, None, None, M, N, device="cuda")
+    bm = create_block_mask(mask_mod, None, heads, M, N, device="cuda")
     fn, bufs, _, _ = _gl_mod(mask_mod, "mask")
     return dict(mask_mod=fn, mask_bufs=bufs, kv_num_blocks=bm.kv_num_blocks, kv_indices=bm.kv_indices,
                 full_kv_num_blocks=bm.full_kv_num_blocks, full_kv_indices=bm.full_kv_indices,
@@ -82,7 +83,7 @@ def _run(q, k, v, out, dout, lse2, **options):
     return dq, dk, dv
 
 
-def _check(q, k, v, dout, score_mod=None, mask_mod=None, grad_lse=None, config=None):
+def _check(q, k, v, dout, score_mod=None, mask_mod=None, grad_lse=None, config=None, mask_heads=None):
     Z, HQ, M, D = q.shape
     N = k.shape[2]
     scale = D ** -0.5
@@ -97,7 +98,8 @@ def _check(q, k, v, dout, score_mod=None, mask_mod=None, grad_lse=None, config=N
     if k.shape[0] != Z:
         dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
     got = _run(q, k, v, torch.nan_to_num(out).to(q.dtype), dout, (lse / LN2).float(), sm_scale=scale,
-               grad_lse=grad_lse, config=config, **_score_options(score_mod), **_mask_options(mask_mod, M, N))
+               grad_lse=grad_lse, config=config, **_score_options(score_mod),
+               **_mask_options(mask_mod, M, N, mask_heads))
     for name, g, want in zip(("dq", "dk", "dv"), got, (dq, dk, dv)):
         assert torch.isfinite(g).all(), f"{name}: not finite"
         assert_matches_reference(g, want, q.dtype, name)
@@ -166,6 +168,47 @@ def test_schedule_variants_match_float64(case, D, variant):
     torch.manual_seed(5)
     q, k, v, dout = _inputs(Z, HQ, HKV, M, N, D, KZ)
     _check(q, k, v, dout, score_mod, mask_mod, config=get_bwd_config(D, **VARIANTS[variant]))
+
+
+def _head_window(b, h, q_idx, kv_idx):
+    """A causal window of 128 * (h + 1) keys: every head its own block mask, so the CTA orders differ by head."""
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 128 * (h + 1))
+
+
+# CTA schedules for irregular block masks (configs.VARIANTS; docs/design/hopper_backward.md, "Masks against the tile
+# bound"): (id, mask_mod, Z, HQ, HKV, M, N, KZ, head-dependent, head dims). A sliding window, documents with GQA 4:1
+# and a K/V batch of 1 (ragged), and a head-dependent window (D128 only: few compiles on the GPU).
+MASK_SCHEDULE_CASES = [
+    ("sliding-window", mods.sliding_window(256), 2, 4, 4, 1000, 1000, None, False, (64, 128)),
+    ("document-gqa4-kv-batch-1", "document", 2, 8, 2, 900, 900, 1, False, (64, 128)),
+    ("head-window", _head_window, 1, 4, 4, 768, 768, None, True, (128,)),
+]
+# Schedules per head dim: lpt_order / persistent on the head dim's step (D128: the overlap under dK); at D128 also on
+# the in-order step (_serial) and on the overlap under dK and dQ ('+overlap': configs.VARIANTS entries merged). At D64
+# the _serial names are the same kernels.
+MASK_SCHEDULES = {64: ("lpt_order", "persistent"),
+                  128: ("lpt_order", "persistent", "lpt_order_serial", "persistent_serial", "lpt_order+overlap",
+                        "persistent+overlap")}
+MASK_SCHEDULE_PARAMS = [pytest.param(case, D, schedule, id=f"{case[0]}-{D}-{schedule.replace('+', '-')}")
+                        for case in MASK_SCHEDULE_CASES for D in case[-1] for schedule in MASK_SCHEDULES[D]]
+
+
+@pytest.mark.parametrize("case, D, schedule", MASK_SCHEDULE_PARAMS)
+def test_mask_schedules_match_float64(case, D, schedule):
+    from fa3_inductor.templates.hopper_bwd import get_bwd_config
+    from fa3_inductor.templates.hopper_bwd.configs import VARIANTS
+
+    _, mask_mod, Z, HQ, HKV, M, N, KZ, per_head, _ = case
+    if mask_mod == "document":
+        mask_mod = _document(M)
+    torch.manual_seed(6)
+    q, k, v, dout = _inputs(Z, HQ, HKV, M, N, D, KZ)
+    overrides = {k_: v_ for name in schedule.split("+") for k_, v_ in VARIANTS[name].items()}
+    # persistent: 3 CTAs, so that each walks many tiles (K / V reloaded under the last tile's stores; odd and even
+    # tile counts); on an H100 / H200 every small case here would have one tile a CTA
+    if overrides.get("persistent"):
+        overrides["persistent_ctas"] = 3
+    _check(q, k, v, dout, None, mask_mod, config=get_bwd_config(D, **overrides), mask_heads=HQ if per_head else None)
 
 
 @pytest.mark.parametrize("dims", [(128, 128)] + WIDE_HEAD_DIMS, ids=_dims_id)

@@ -36,6 +36,12 @@ class BwdSm90Config:
                                  # overlap"): the next step's S is issued before this step's dK / dQ are drained
                                  # and its exponentials run under them (1: under dK and dQ; 2: under dK only,
                                  # dQ issued after them: no dQ registers beside S). 0: off
+    lpt_order: bool = False      # under a block mask, CTAs launched longest first inside groups of heads (host
+                                 # _cta_order; bwd_sm90.py only, D <= 128): a shorter tail for irregular masks
+    persistent: bool = False     # under a block mask, #SMs CTAs walking host-made tile lists (longest first), the
+                                 # next tile's K / V loaded under this one's dK / dV stores (D = 128) or last steps
+                                 # (D = 64: a second K / V buffer, 176 KB) (host._persistent_schedule)
+    persistent_ctas: int = 0     # persistent: CTAs to launch (0: one per SM); tests set a few to give each many tiles
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, value_head_dim: int | None = None) -> int:
         """Shared memory of K, V, the Q / dO ring, P, the two dS buffers and the dQ staging tiles (no score_mod),
@@ -97,6 +103,13 @@ VARIANTS: dict[str, dict[str, bool]] = {
     # a third Q / dO stage: D64 only (160-176 KB; no spill at noop, causal, softcap, ALiBi, sm90 triton 3.6);
     # at D128 it would be 240 KB
     "stages3": {"num_stages": 3},
+    # CTA schedules under block masks (docs/design/hopper_backward.md, "Masks against the tile bound"), on top of the
+    # head dim's step (D128: the overlap under dK); the _serial ones with the in-order step (what was measured before
+    # D128's default became the overlap; at D64 they are the same kernels as lpt_order / persistent)
+    "lpt_order": {"lpt_order": True},
+    "persistent": {"persistent": True},
+    "lpt_order_serial": {"lpt_order": True, "overlap": 0},
+    "persistent_serial": {"persistent": True, "overlap": 0},
 }
 
 

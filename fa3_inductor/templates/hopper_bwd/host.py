@@ -6,6 +6,7 @@ are loaded ``gl`` mods (``score_grad_gl`` makes the derivative one from flex's j
 from __future__ import annotations
 
 import functools
+import heapq
 import math
 from typing import Any, Optional, Sequence
 
@@ -111,6 +112,95 @@ def _dq_acc_desc(dq_acc: torch.Tensor, tile: BwdTile):
     block = [1, tile.BLOCK_M, tile.DQ_N]
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=3)
     return TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), block, layout)
+
+
+# CTAs per group of the longest-first order (_cta_order): a group's Q / dO tiles and DQ_ACC rows stay in L2 while
+# its CTAs run (about two waves of 132), and every group ends on its shortest CTAs.
+LPT_GROUP_CTAS = 256
+
+
+def _cta_order(q_num_blocks: torch.Tensor, full_q_num_blocks: Optional[torch.Tensor], Z: int, KZ: int, HQ: int,
+               HKV: int, n_kv_tiles: int, block_n: int, sparse_kv: int) -> torch.Tensor:
+    return _cta_order_and_cost(q_num_blocks, full_q_num_blocks, Z, KZ, HQ, HKV, n_kv_tiles, block_n, sparse_kv)[0]
+
+
+def _cta_order_and_cost(q_num_blocks: torch.Tensor, full_q_num_blocks: Optional[torch.Tensor], Z: int, KZ: int,
+                        HQ: int, HKV: int, n_kv_tiles: int, block_n: int,
+                        sparse_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The launch order of the main kernel's CTAs under a block mask (BwdSchedule.LPT_ORDER): int32
+    [n_kv_tiles * KZ * HKV], entry i = kvh * n_kv_tiles + KV tile of the CTA launched i-th. Heads in groups of about
+    LPT_GROUP_CTAS CTAs, in order; inside a group, by decreasing cost (query tiles the CTA walks, a partial one
+    counted 9/8: its mask_mod), ties in grid order. Device ops only (no host sync).
+
+    Example::
+
+        >>> qnb = torch.tensor([[[1, 1, 1]]]); fqnb = torch.tensor([[[2, 1, 0]]])   # causal, 3 KV blocks
+        >>> _cta_order(qnb, fqnb, 1, 1, 1, 1, 3, 128, 128).tolist()
+        [0, 1, 2]
+    """
+    device = q_num_blocks.device
+    SZ, SH, _ = q_num_blocks.shape
+    group = HQ // HKV
+    kvh = torch.arange(KZ * HKV)
+    hh = torch.arange((Z // KZ) * group)
+    z = (kvh // HKV)[:, None] + (hh // group)[None, :] * KZ            # [KVH, HH]: the query heads of a CTA row
+    hq = (kvh % HKV)[:, None] * group + (hh % group)[None, :]
+    rows = ((z % SZ) * SH + (hq % SH)).to(device)
+    kv_blk = (torch.arange(n_kv_tiles) * block_n // sparse_kv).to(device)
+    partial = q_num_blocks.reshape(SZ * SH, -1).long()[rows][:, :, kv_blk].sum(1)      # [KVH, n_kv_tiles]
+    full = (full_q_num_blocks.reshape(SZ * SH, -1).long()[rows][:, :, kv_blk].sum(1)
+            if full_q_num_blocks is not None else torch.zeros_like(partial))
+    cost = 9 * partial + 8 * full
+    heads_per_group = max(1, LPT_GROUP_CTAS // n_kv_tiles)
+    grp = (torch.arange(KZ * HKV, device=device) // heads_per_group)[:, None]
+    key = grp * (1 << 40) - cost                      # ascending: group by group, longest first inside one
+    return torch.argsort(key.flatten(), stable=True).to(torch.int32), cost.flatten()
+
+
+# Fixed cost of a tile in a persistent CTA, in _cta_order's cost units (8 a query block, i.e. 4 a 64-row step): what
+# a tile costs beyond its steps once its K / V load hides under the previous tile's stores (the dK / dV stores and a
+# pipeline fill; docs/design/hopper_backward.md, "Masks against the tile bound").
+PERSISTENT_TILE_COST = 4
+
+
+def _persistent_schedule(q_num_blocks: torch.Tensor, full_q_num_blocks: Optional[torch.Tensor], Z: int, KZ: int,
+                         HQ: int, HKV: int, n_kv_tiles: int, block_n: int, sparse_kv: int,
+                         num_sms: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tiles of each persistent CTA (BwdSchedule.PERSISTENT): (offsets int32 [#CTAs + 1], tiles int32
+    [n_kv_tiles * KZ * HKV]); CTA c runs tiles[offsets[c]:offsets[c + 1]] in order, each kvh * n_kv_tiles + KV tile.
+    The list scheduling the hardware does with one CTA per tile, done here: _cta_order's tiles in order, each to the
+    CTA that frees first by the cost model (its steps plus PERSISTENT_TILE_COST); #CTAs = min(num_sms, #tiles). Reads
+    the block tables on the host (one device sync).
+
+    Example::
+
+        >>> offsets, tiles = _persistent_schedule(torch.tensor([[[1, 1, 1]]]), torch.tensor([[[2, 1, 0]]]),
+        ...                                       1, 1, 1, 1, 3, 128, 128, num_sms=2)
+        >>> offsets.tolist(), tiles.tolist()
+        ([0, 1, 3], [0, 1, 2])
+    """
+    order, cost = _cta_order_and_cost(q_num_blocks, full_q_num_blocks, Z, KZ, HQ, HKV, n_kv_tiles, block_n,
+                                      sparse_kv)
+    order_l = order.tolist()
+    cost_l = cost[order.long()].tolist()
+    ctas = min(num_sms, len(order_l))
+    free = [(0, c) for c in range(ctas)]
+    lists: list[list[int]] = [[] for _ in range(ctas)]
+    for tile, c in zip(order_l, cost_l):
+        at, cta = heapq.heappop(free)
+        lists[cta].append(tile)
+        heapq.heappush(free, (at + c + PERSISTENT_TILE_COST, cta))
+    offsets = [0]
+    for tiles in lists:
+        offsets.append(offsets[-1] + len(tiles))
+    device = q_num_blocks.device
+    return (torch.tensor(offsets, dtype=torch.int32, device=device),
+            torch.tensor([t for tiles in lists for t in tiles], dtype=torch.int32, device=device))
+
+
+def _num_sms(device: torch.device) -> int:
+    """SMs of the device (132, an H100 SXM / H200's, for CPU tensors: compile-only planning)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -274,7 +364,22 @@ def prepare_hopper_backward(
     flags = BwdFlags(GQA_GROUP=HQ // HKV, FOLD_SCALE=fold, EVEN_N=N % tile.BLOCK_N == 0,
                      CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
                      WIDE_SCORES=wide_scores(score_mod, compiled=True))
-    sched = BwdSchedule(DQ_TMA=cfg.dq_tma, OVERLAP=cfg.overlap)
+    # CTA schedules for block masks (bwd_sm90.py only): longest first, and persistent CTAs walking tile lists
+    persistent = cfg.persistent and has_mask and not cfg.split_dkv
+    lpt = cfg.lpt_order and has_mask and not cfg.split_dkv and not persistent
+    # persistent: a second K / V buffer where shared memory allows (D = 64: 176 KB, 192 KB with a score_mod's f'
+    # slots; D = 128 would need 272 KB), so the next tile's K and V load under this tile's last steps
+    smem = cfg.smem_bytes(D) + (2 * 64 * 64 * q.element_size() if score_grad_mod is not None else 0)
+    kv_bufs = 2 if persistent and smem + 2 * tile.BLOCK_N * D * q.element_size() + 1024 <= SMEM_LIMIT else 1
+    sched = BwdSchedule(DQ_TMA=cfg.dq_tma, OVERLAP=cfg.overlap, LPT_ORDER=lpt, PERSISTENT=persistent, KV_BUFS=kv_bufs)
+    grid = (triton.cdiv(N, tile.BLOCK_N), KZ * HKV)
+    schedule_args = (q_num_blocks, full_q_num_blocks if has_full else None, Z, KZ, HQ, HKV, grid[0], tile.BLOCK_N,
+                     sparse_kv_block)
+    if persistent:
+        cta_args = _persistent_schedule(*schedule_args, num_sms=cfg.persistent_ctas or _num_sms(q.device))
+        grid = (cta_args[0].numel() - 1,)
+    else:
+        cta_args = (_cta_order(*schedule_args),) if lpt else ()
 
     # a head dim pair or one that is not a power of two (192 / 128): O's columns and a padded dQ range
     wide = dict(HEAD_DV=DV, HEAD_D_POW2=triton.next_power_of_2(D)) if cfg.split_dkv else {}
@@ -304,10 +409,10 @@ def prepare_hopper_backward(
              _desc(k, [1, 1, tile.BLOCK_N, D]), _desc(v, [1, 1, tile.BLOCK_N, D]),
              _dq_acc_desc(dq_acc, tile) if cfg.dq_tma else None,
              stats, dq_acc, dk, dv, *tables, tuple(score_bufs), tuple(mask_bufs),
-             Z, HQ, KZ, M, N, m_pad, SZ, SH, num_kv_blks, num_q_blks, *scalars),
+             Z, HQ, KZ, M, N, m_pad, SZ, SH, num_kv_blks, num_q_blks, *scalars, cta_args),
             dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse,
                  FLAGS=flags, SCHED=sched, num_warps=4, maxnreg=cfg.maxnreg),
-            (triton.cdiv(N, tile.BLOCK_N), KZ * HKV))
+            grid)
     convert = (
         bwd_sm90_dq_convert_kernel,
         (dq_acc, dq, _strides(dq), HQ, M, m_pad, ds_scale),
