@@ -36,6 +36,7 @@ class BwdSm90Config:
                                  # overlap"): the next step's S is issued before this step's dK / dQ are drained
                                  # and its exponentials run under them (1: under dK and dQ; 2: under dK only,
                                  # dQ issued after them: no dQ registers beside S). 0: off
+    block_m: int = 64            # query rows a step; 128: bwd_sm90_m128.py (D = 64 only, in-order step)
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, value_head_dim: int | None = None) -> int:
         """Shared memory of K, V, the Q / dO ring, P, the two dS buffers and the dQ staging tiles (no score_mod),
@@ -44,6 +45,9 @@ class BwdSm90Config:
             dv = value_head_dim or head_dim
             return elem_bytes * (64 * (head_dim + dv) * (1 + self.num_stages) + 4 * 64 * 64) + 2 * 64 * 64 * 4
         kv = 2 * 128 * head_dim                  # K, V of the CTA's 128 keys
+        if self.block_m == 128:   # 128-row Q / dO stages, P [128, 64] and dS [128, 128] x 2 (f' in dS), dQ staging
+            return elem_bytes * (kv + self.num_stages * 2 * 128 * head_dim + 2 * 128 * 64 + 2 * 128 * 128) \
+                + 2 * 64 * head_dim * 4
         ring = self.num_stages * 2 * 64 * head_dim    # Q, dO of 64 query rows per stage
         p_ds = 2 * 64 * 64 + 2 * 64 * 128           # P (one [64, 64] tile per warpgroup), two dS buffers
         dq_stage = 2 * 64 * 64 * 4 if self.dq_tma else 0   # fp32 [64, 64] per consumer warpgroup
@@ -86,6 +90,8 @@ VARIANTS: dict[str, dict[str, bool]] = {
     # a third Q / dO stage: D64 only (160-176 KB; no spill at noop, causal, softcap, ALiBi, sm90 triton 3.6);
     # at D128 it would be 240 KB
     "stages3": {"num_stages": 3},
+    # 128 query rows a step (bwd_sm90_m128.py, FA3's hdim-64 tile): D64 only, 224 KB
+    "m128": {"block_m": 128},
 }
 
 

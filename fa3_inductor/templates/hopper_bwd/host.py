@@ -19,8 +19,9 @@ from ..tma import tma_aligned
 from ..wide_scores import wide_scores
 from .bwd_sm90 import (BwdFlags, BwdSchedule, BwdSparsity, BwdTile, bwd_sm90_dq_convert_kernel,
                        bwd_sm90_preprocess_kernel, fa3_bwd_sm90_kernel)
+from .bwd_sm90_m128 import M128Tile, fa3_bwd_sm90_m128_kernel
 from .bwd_sm90_wide import WideTile, fa3_bwd_sm90_wide_kernel
-from .configs import SMEM_LIMIT, SUPPORTED_HEAD_DIM_PAIRS, BwdSm90Config, get_bwd_config
+from .configs import SMEM_LIMIT, SUPPORTED_HEAD_DIM_PAIRS, SUPPORTED_HEAD_DIMS, BwdSm90Config, get_bwd_config
 
 _MAX_SEQ = 1 << 23
 _LOG2E = math.log2(math.e)
@@ -132,10 +133,12 @@ def hopper_backward_scratch(q: torch.Tensor, *, has_mask: bool, sparse_q_block: 
         ((2, 2, 128), (2, 128, 64))
     """
     Z, HQ, M, D = q.shape
-    del config   # the rows are padded to BLOCK_M (64 in every config) or the block-mask query block
     if D not in {d for d, _ in SUPPORTED_HEAD_DIM_PAIRS}:
         _refuse(f"head dim {D} is not served (q/k head dims {sorted({d for d, _ in SUPPORTED_HEAD_DIM_PAIRS})})")
-    m_pad = _padded_rows(M, has_mask, sparse_q_block, BwdTile(HEAD_D=D, NUM_STAGES=1))
+    # the rows are padded to the config's query step (64, or 128 with block_m) or the block-mask query block
+    block_m = (config or get_bwd_config(D)).block_m if D in SUPPORTED_HEAD_DIMS else 64
+    m_pad = _padded_rows(M, has_mask, sparse_q_block, M128Tile(HEAD_D=D, NUM_STAGES=1) if block_m == 128
+                         else BwdTile(HEAD_D=D, NUM_STAGES=1))
     return (torch.empty((Z * HQ, 2, m_pad), dtype=torch.float32, device=q.device),
             torch.empty((Z * HQ, m_pad, D), dtype=torch.float32, device=q.device))
 
@@ -225,8 +228,13 @@ def prepare_hopper_backward(
         _refuse("the cross-step overlap (overlap) is built for D <= 128 only, not the wide-head-dim kernel")
     if cfg.split_dkv and not cfg.dq_tma:
         _refuse("the wide-head-dim kernel adds dQ by TMA reduce-add only (dq_tma=True)")
+    if cfg.block_m not in (64, 128) or (cfg.block_m == 128 and (D != 64 or cfg.overlap or not cfg.dq_tma)):
+        _refuse(f"config {cfg}: 128 query rows a step (block_m) is built for D = 64, in order (overlap 0), dQ by "
+                "TMA reduce-add")
     if cfg.split_dkv:
         tile = WideTile(HEAD_D=D, HEAD_DV=DV, NUM_STAGES=cfg.num_stages)
+    elif cfg.block_m == 128:
+        tile = M128Tile(HEAD_D=D, NUM_STAGES=cfg.num_stages)
     else:
         tile = BwdTile(HEAD_D=D, NUM_STAGES=cfg.num_stages)
     if has_mask and (sparse_q_block % tile.BLOCK_M or sparse_kv_block % tile.BLOCK_N):
@@ -289,6 +297,17 @@ def prepare_hopper_backward(
              _desc(dout, [1, 1, tile.BLOCK_M, DV]),
              _desc(k, [1, 1, tile.BLOCK_N, lo]), _desc(k, [1, 1, tile.BLOCK_N, hi]),
              _desc(v, [1, 1, tile.BLOCK_N, DV]), _dq_acc_desc(dq_acc, tile),
+             stats, dq_acc, dk, dv, *tables, tuple(score_bufs), tuple(mask_bufs),
+             Z, HQ, KZ, M, N, m_pad, SZ, SH, num_kv_blks, num_q_blks, *scalars),
+            dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse,
+                 FLAGS=flags, num_warps=4, maxnreg=cfg.maxnreg),
+            (triton.cdiv(N, tile.BLOCK_N), KZ * HKV))
+    elif cfg.block_m == 128:
+        main = (
+            fa3_bwd_sm90_m128_kernel,
+            (_desc(q, [1, 1, tile.BLOCK_M, D]), _desc(dout, [1, 1, tile.BLOCK_M, D]),
+             _desc(k, [1, 1, tile.BLOCK_N, D]), _desc(v, [1, 1, tile.BLOCK_N, D]),
+             _dq_acc_desc(dq_acc, BwdTile(HEAD_D=D, NUM_STAGES=1)),   # [1, 64, D]: a warpgroup's half of a step
              stats, dq_acc, dk, dv, *tables, tuple(score_bufs), tuple(mask_bufs),
              Z, HQ, KZ, M, N, m_pad, SZ, SH, num_kv_blks, num_q_blks, *scalars),
             dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse,
