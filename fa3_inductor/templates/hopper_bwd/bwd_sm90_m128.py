@@ -143,15 +143,6 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
     hkv = kvh % HKV
     kv_blk = n0 // SPARSE.SPARSE_KV
 
-    p_mine = p_smem.index(WG)                                        # [BLOCK_M, HALF_N]
-    p_0 = p_mine.slice(0, HALF_M, dim=0)
-    p_1 = p_mine.slice(HALF_M, HALF_M, dim=0)
-    k_rows = k_smem.index(0).reshape([BLOCK_N, D])
-    v_rows = v_smem.index(0).reshape([BLOCK_N, D])
-    k_t = k_rows.slice(WG * HALF_N, HALF_N, dim=0).permute((1, 0))   # B of S = Q K^T (this warpgroup's keys)
-    v_t = v_rows.slice(WG * HALF_N, HALF_N, dim=0).permute((1, 0))   # B of dP = dO V^T
-    p_t = p_mine.permute((1, 0))                                     # A of dV += P^T dO  [HALF_N, BLOCK_M]
-
     dk = gl.zeros([HALF_N, D], gl.float32, layout=d_layout)
     dv = gl.zeros([HALF_N, D], gl.float32, layout=d_layout)
     s_zero = gl.zeros([HALF_M, HALF_N], gl.float32, layout=s_layout)
@@ -166,6 +157,18 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
         n_partial, n_total = _q_tile_counts(z, hq, kv_blk, M, tables, table_meta, TILE, SPARSE)
         for i in range(n_total):
             m0 = _q_tile_start(i, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
+            # K, V and P as wgmma operands, indexed by a zero LLVM cannot see through (bwd_sm90.BwdTile.VIEWS_PER_STEP):
+            # built before the loop, their descriptors are hoisted and held in vector registers (spills with a mask
+            # and a mod)
+            zero = _opaque(0)
+            p_mine = p_smem.index(WG + zero)                             # [BLOCK_M, HALF_N]
+            p_0 = p_mine.slice(0, HALF_M, dim=0)
+            p_1 = p_mine.slice(HALF_M, HALF_M, dim=0)
+            k_rows = k_smem.index(zero).reshape([BLOCK_N, D])
+            v_rows = v_smem.index(zero).reshape([BLOCK_N, D])
+            k_t = k_rows.slice(WG * HALF_N, HALF_N, dim=0).permute((1, 0))   # B of S = Q K^T (this warpgroup's keys)
+            v_t = v_rows.slice(WG * HALF_N, HALF_N, dim=0).permute((1, 0))   # B of dP = dO V^T
+            p_t = p_mine.permute((1, 0))                                     # A of dV += P^T dO  [HALF_N, BLOCK_M]
             st = cnt % NUM_STAGES
             buf = cnt % 2
             is_partial = i < n_partial
