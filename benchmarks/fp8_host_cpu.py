@@ -35,14 +35,17 @@ def per_call_us(fn, calls: int, rounds: int) -> float:
     return min(times)   # the least disturbed round: a shared, loaded host (CI: 2 cores)
 
 
-def host_cpu_args(doc: str, calls: int, profiled: str) -> argparse.Namespace:
+def host_cpu_args(doc: str, calls: int, profiled: str, tokens: int = 0) -> argparse.Namespace:
     """This family of scripts' options (``--root``, ``--calls``, ``--rounds``, ``--profile`` of
-    ``profiled``), parsed, with ``--root`` put first on ``sys.path`` (import fa3_inductor after)."""
+    ``profiled``, and ``--tokens`` where ``tokens`` gives its default), parsed, with ``--root`` put
+    first on ``sys.path`` (import fa3_inductor after)."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--root", default=os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
     ap.add_argument("--calls", type=int, default=calls)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--profile", action="store_true", help=f"also print a cProfile of {profiled}")
+    if tokens:
+        ap.add_argument("--tokens", type=int, default=tokens, help="sequence length of q, k, v")
     args = ap.parse_args()
     sys.path.insert(0, os.path.abspath(args.root))
     return args

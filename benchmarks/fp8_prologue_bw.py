@@ -46,10 +46,11 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENS, HQ = 16384, 16
 RECIPES = ("plain", "rope", "rope-il", "rope-f32", "smooth", "rope+smooth")
-SWEPT = ("plain", "rope", "rope-il", "rope-f32")
+SWEPT = ("plain", "rope", "rope-il", "rope-f32", "smooth", "rope+smooth")
 # Recipes the sweep times with the Gluon candidates and the Triton table launch only (the Triton
-# kernel's other candidates run the same code as for "rope" there).
-GLUON_ONLY = ("rope-il",)
+# kernel's other candidates run the same code as for "rope" there; smooth_k on the Gluon kernel
+# since 2026-11-29: its rows are the A/B of Gluon against the Triton table launch, bytes included).
+GLUON_ONLY = ("rope-il", "smooth", "rope+smooth")
 
 
 def _import_tree(root: str):
@@ -159,6 +160,9 @@ def _same_operands(a, b) -> bool:
     for name in ("q", "k", "vt"):
         if not torch.equal(getattr(a, name).view(torch.uint8), getattr(b, name).view(torch.uint8)):
             return False
+    if (a.k_mean is None) != (b.k_mean is None) or (
+            a.k_mean is not None and not torch.equal(a.k_mean, b.k_mean)):
+        return False
     return all(torch.equal(getattr(a, n), getattr(b, n)) for n in ("q_scale", "k_scale", "v_scale"))
 
 
@@ -181,31 +185,50 @@ def sweep_candidates() -> list:
             PrologueTuning(num_warps=4, num_stages=1, rope_select=False),
             PrologueTuning(num_warps=8, num_stages=2, maxnreg=128)]
     # The Gluon kernel (gluon_sm90.py; the hot case on sm90, else the Triton kernel: such rows are
-    # skipped): ring depths around gluon_sm90.default_stages (D128 3 with RoPE, 4
+    # skipped): ring depths around gluon_sm90.default_stages (D128 2 with RoPE, 4
     # without; D64 7, or 4 at two programs an SM (the default without RoPE); D128 with RoPE fits 3
     # at most: deeper rings fail to compile, an error row); one and two programs an SM at D64
     # without RoPE (docs/design/fp8_prologue.md, "Where the time goes").
     # Triton candidates name their kernel: D128's default is the Gluon kernel (host.default_kernel).
     out = [dataclasses.replace(t, kernel="triton") for t in out]
     out += [PrologueTuning(kernel="gluon")]
-    out += [PrologueTuning(kernel="gluon", gluon_stages=s) for s in (2, 4, 5, 8)]
+    out += [PrologueTuning(kernel="gluon", gluon_stages=s) for s in (2, 3, 4, 5, 8)]
     out += [PrologueTuning(kernel="gluon", programs_per_sm=1),
             PrologueTuning(kernel="gluon", programs_per_sm=2, gluon_stages=3),
             PrologueTuning(kernel="gluon", programs_per_sm=2, gluon_stages=5)]
-    # D128 RoPE: the ring slot released after the amax barrier (one barrier on the wgmma-to-wgmma
-    # chain) instead of inside the RoPE (two more barriers, under the running wgmma; the default):
-    # docs/design/fp8_prologue.md, "Fewer barriers a tile". The same kernel without RoPE.
-    out += [PrologueTuning(kernel="gluon", gluon_rope_release=False),
-            PrologueTuning(kernel="gluon", gluon_stages=2, gluon_rope_release=False)]
+    # D128 RoPE: the ring slot released inside the RoPE (two more barriers, under the running
+    # wgmma; the default until 2026-11-29's sweep) against after the amax barrier (one barrier on
+    # the wgmma-to-wgmma chain; the default since): docs/design/fp8_prologue.md, "Fewer barriers a
+    # tile". RoPE "half": Q / K read as bf16 values (words=off) against int32 pair words (the
+    # default since 2026-11-29: 32 instructions fewer a warp a tile, "RoPE against plain"). The
+    # last row is the kernel as measured at fp8-prologue-bw-nvidia-h200-2026-11-29-1022 (3 stages,
+    # release in the RoPE, bf16 reads). The same kernel without RoPE.
+    out += [PrologueTuning(kernel="gluon", gluon_rope_release=True),
+            PrologueTuning(kernel="gluon", gluon_stages=3, gluon_rope_release=True),
+            PrologueTuning(kernel="gluon", gluon_rope_words=False),
+            PrologueTuning(kernel="gluon", gluon_stages=3, gluon_rope_release=True,
+                           gluon_rope_words=False)]
+    # smooth_k: the pre-passes and the Gluon kernel in stream order (pdl=off) against chained by
+    # programmatic dependent launch (the default: the Q tiles run under the pre-passes)
+    out += [PrologueTuning(kernel="gluon", gluon_pdl=False)]
+    # the V tiles by gluon_sm90.v_plan (the default with RoPE) against the round-robin, both ways
+    out += [PrologueTuning(kernel="gluon", gluon_v_plan=False),
+            PrologueTuning(kernel="gluon", gluon_v_plan=True)]
     return out
 
 
 def _tuning_text(t) -> str:
     if getattr(t, "kernel", None) == "gluon":
         release = getattr(t, "gluon_rope_release", None)
+        words = getattr(t, "gluon_rope_words", None)
+        pdl = getattr(t, "gluon_pdl", None)
+        plan = getattr(t, "gluon_v_plan", None)
         return (f"gluon stages={t.gluon_stages or 'default'}"
                 + (f" per_sm={t.programs_per_sm}" if t.programs_per_sm else "")
-                + ("" if release is None else f" rope_release={'rope' if release else 'amax'}"))
+                + ("" if release is None else f" rope_release={'rope' if release else 'amax'}")
+                + ("" if words is None else f" words={'on' if words else 'off'}")
+                + ("" if pdl is None else f" pdl={'on' if pdl else 'off'}")
+                + ("" if plan is None else f" v_plan={'on' if plan else 'off'}"))
     if getattr(t, "kernel", None) == "triton" and t == type(t)(kernel="triton"):
         return "triton table launch"
     per_sm = {None: "fit", 0: "grid"}.get(t.programs_per_sm, str(t.programs_per_sm))
@@ -306,6 +329,11 @@ def main() -> None:
             for t in sweep_candidates():
                 if t.rope_select is not None and "rope" not in c["recipe"]:
                     continue      # the select is RoPE's: the same launch as without it
+                if (getattr(t, "gluon_rope_words", None) is not None
+                        and c["recipe"] not in ("rope", "rope+smooth")):
+                    continue      # words: RoPE "half" only (interleaved reads words anyway)
+                if getattr(t, "gluon_pdl", None) is not None and "smooth" not in c["recipe"]:
+                    continue      # pdl: smooth_k's pre-passes only
                 gluon = getattr(t, "kernel", None) == "gluon"
                 if c["recipe"] in GLUON_ONLY and not gluon and t != sweep_candidates()[0]:
                     continue

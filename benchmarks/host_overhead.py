@@ -13,6 +13,11 @@ tensors, forward over all, backward over all in reverse) with runtime/fast_launc
 question the H200 training profile left (docs/design/backward.md, "A training step is host-bound").
 
     python benchmarks/host_overhead.py [--head-dim 96]   # on a GPU machine; prints a table
+    python benchmarks/host_overhead.py --cpu-smoke       # no GPU: memo_steps, backward_steps, layer_steps
+
+--cpu-smoke runs the last three parts on the CPU with an H200's launch-cache hits emulated
+(benchmarks/sm90_emulation.py: the Hopper families chosen, launches recorded, the C launch stubbed), a
+few calls each: a check that they run to the end (tests/test_host_overhead_smoke.py), not a timing.
 
 --head-dim (default 128): D of the tiny problem. A head dim that is not a power of two (80, 96, 160, 192)
 launches the Hopper kernel with eight TMA descriptors (two shared tiles per operand) instead of four.
@@ -31,21 +36,52 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))   # sm90_emulation (--cpu-smoke)
 
 import fa3_inductor  # noqa: E402
 from fa3_inductor.runtime.spec import SiteSpec  # noqa: E402
 from fa3_inductor.templates import registry  # noqa: E402
 
 
+SMOKE = False   # --cpu-smoke: the CPU, a few calls per figure
+DEVICE = "cuda"
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 def per_call_us(fn, n: int = 300) -> float:
-    for _ in range(20):
+    if SMOKE:
+        n = 2
+    for _ in range(2 if SMOKE else 20):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     t = time.perf_counter()
     for _ in range(n):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     return (time.perf_counter() - t) / n * 1e6
+
+
+def cpu_smoke(D: int = 64) -> list:
+    """memo_steps, backward_steps and layer_steps on the CPU under benchmarks/sm90_emulation.py (a few
+    calls each): their rows, the figures meaningless. Catches a crash of the GPU run's last parts on CPU.
+
+    Example::
+
+        >>> len(cpu_smoke()) > 10   # doctest: +SKIP
+        True
+    """
+    global SMOKE, DEVICE
+    from sm90_emulation import emulated_sm90
+
+    SMOKE, DEVICE = True, "cpu"
+    with emulated_sm90():
+        q, k, v = (torch.randn(1, 1, 128, D, dtype=torch.bfloat16) for _ in range(3))
+        return [*memo_steps(q, k, v, rounds=1), *backward_steps(q, k, v), *layer_steps(D, layers=(1, 2), steps=2,
+                                                                                     device="cpu", warmup=1)]
 
 
 def main() -> None:
@@ -59,7 +95,14 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--head-dim", type=int, default=128)
-    D = ap.parse_args().head_dim
+    ap.add_argument("--cpu-smoke", action="store_true", help="the module docstring's CPU check")
+    parsed = ap.parse_args()
+    D = parsed.head_dim
+    if parsed.cpu_smoke:
+        for name, us in cpu_smoke(64 if D == 128 else D):
+            print(f"  {name:45s} {us:8.1f} us")
+        print("cpu smoke: ok")
+        return
     import datetime
 
     import triton
@@ -132,26 +175,31 @@ def memo_steps(q, k, v, rounds: int = 7) -> list:
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
 
-    x, y = torch.randn(4096, device="cuda"), torch.empty(4096, device="cuda")
+    x, y = torch.randn(4096, device=DEVICE), torch.empty(4096, device=DEVICE)
     fa3_inductor.flex(q, k, v)
     fa3_inductor.flex(q, k, v)
     key = direct.memo_key(None, None, None, None, False, "auto")
     call = direct._CALLS[key]
-    cells = {type(c.cell_contents).__name__: c.cell_contents for c in call.launch.__closure__}
-    entry = cells["_Launch"]
-    lse = torch.empty(q.shape[:3], device="cuda")
-    inputs = (q, k, v, torch.empty_like(q), lse, torch.empty_like(lse), *cells["tuple"])
-    stream = fast_launch._current_stream(entry.device)
+    bound = direct.memo_launch(key)   # the memo's fast_launch entry (None: a self-launching family)
+    entry = None if bound is None else bound.entry
+    lse = torch.empty(q.shape[:3], device=q.device)
+    inputs = (q, k, v, torch.empty_like(q), lse, torch.empty_like(lse), *(() if bound is None else bound.rest))
     cases = {
         "plain Triton launch (copy kernel)": lambda: _copy_kernel[(4,)](x, y, 4096, BLOCK=1024),
+    }
+    if SMOKE:   # the interpreter would run it on the CPU tensors: not a launch's cost, nor needed
+        cases.clear()
+    cases |= {
         "torch.empty_like(q)": lambda: torch.empty_like(q),
         "fa3 flex(), repeated (memo hit)": lambda: fa3_inductor.flex(q, k, v),
         "  direct.replay": lambda: direct.replay(key, q, k, v, False),
         "  direct._signature": lambda: direct._signature(q, k, v),
         "  bound launch (output + relaunch)": lambda: call.launch(q, k, v, False),
-        "  fast_launch.relaunch": lambda: fast_launch.relaunch(entry, inputs),
     }
-    if entry.direct is not None:
+    if entry is not None:
+        cases["  fast_launch.relaunch"] = lambda: fast_launch.relaunch(entry, inputs)
+    if entry is not None and entry.direct is not None:
+        stream = fast_launch._current_stream(entry.device)
         args = entry.args.build(entry, stream, inputs)
         cases["  _launch_direct"] = lambda: fast_launch._launch_direct(entry, stream, inputs)
         cases[f"  C launcher alone ({len(args)} arguments prebuilt)"] = lambda: entry.direct.launch(*args)
@@ -161,7 +209,8 @@ def memo_steps(q, k, v, rounds: int = 7) -> list:
     for _ in range(rounds):   # in turn: a slow spell of the host falls on every step
         for name, fn in cases.items():
             times[name].append(per_call_us(fn, n=2000))
-    return [(f"{name} [{entry.tag}]" if name.startswith("  ") else name, statistics.median(t))
+    tag = "no memo" if bound is None else bound.tag
+    return [(f"{name} [{tag}]" if name.startswith("  ") else name, statistics.median(t))
             for name, t in times.items()]
 
 
@@ -196,7 +245,8 @@ def backward_steps(q, k, v) -> list:
             for kernel, args, kwargs, grid in family.prepare_backward(backward_call_for(site, call, family.dialect)):
                 kernel[grid](*args, **kwargs)
 
-        rows.append((f"  planned every call: prepare + JIT launches ({name})", per_call_us(planned)))
+        if not SMOKE:   # JIT launches: the interpreter would run the kernels
+            rows.append((f"  planned every call: prepare + JIT launches ({name})", per_call_us(planned)))
     return rows
 
 

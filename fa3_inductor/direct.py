@@ -215,6 +215,22 @@ def live(key: tuple, signature: tuple) -> Optional[_Call]:
     return call
 
 
+def memo_launch(key: tuple) -> Optional[Any]:
+    """What the call remembered under ``key`` re-plays: runtime/ops.BoundLaunch (its fast_launch entry,
+    the tensors passed after q, k, v and the outputs, the family's name), or None when nothing is
+    remembered under ``key`` or its launch was not made by ``runtime.ops.bound_launch`` (the FP8 path's).
+    For benchmarks and tests that time or check the memo's steps one by one (benchmarks/host_overhead.py).
+
+    Example::
+
+        >>> bound = memo_launch(memo_key(None, None, None, None, False, "auto"))   # doctest: +SKIP
+        >>> fast_launch.relaunch(bound.entry, (q, k, v, out, lse, row_max, *bound.rest))   # doctest: +SKIP
+        'hopper'
+    """
+    call = _CALLS.get(key)
+    return None if call is None else getattr(call.launch, "bound", None)
+
+
 def is_equal_key(key: tuple) -> bool:
     """Whether ``key`` is an :func:`equal_key` (not an identity key).
 

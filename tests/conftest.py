@@ -46,6 +46,11 @@ def pytest_collection_modifyitems(config, items):
     # The session's setting, not what a module imported during collection may have set since: a
     # test module that turned the interpreter on silently skipped every sm90 test once (2026-11-27).
     interpreting = _INTERPRETING_AT_START[-1]
+    if interpreting != (os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")):
+        raise pytest.UsageError(
+            "a test module changed TRITON_INTERPRET while being collected (it imports, at module level, a "
+            "benchmark script that sets it): kernels imported since are built for the wrong mode. Import that "
+            "script inside the test or fixture that needs it.")
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False")
     skip_compile = pytest.mark.skip(
         reason="compile-only sm90 tests need a session without TRITON_INTERPRET: run "

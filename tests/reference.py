@@ -115,3 +115,28 @@ def reference_gradients(q, k, v, grad_out, score_mod: Optional[Callable] = None,
     grads = torch.autograd.grad(out, leaves + extra, grad_out.double(), allow_unused=True)
     grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves + extra)]
     return out.detach(), grads[0], grads[1], grads[2], grads[3:]
+
+
+def op_names():
+    """A TorchDispatchMode that lists the names of the torch ops dispatched under it (``.names``):
+    what a call runs beside its kernels (each a launch on CUDA).
+
+    Example::
+
+        >>> with op_names() as seen:
+        ...     torch.zeros(2).abs_()
+        >>> seen.names
+        ['zeros', 'abs_']
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpNames(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    return OpNames()

@@ -311,3 +311,52 @@ def test_fp8_repeat_calls_relaunch_on_new_inputs():
         ref, _ = reference_attention(*(t.cpu() for t in dequantize(ops)), None, mods.causal, scale=128 ** -0.5)
         assert rel_error(out.cpu(), ref) < FP8_REL, f"call {seed}"
     assert any(e.tag in ("fp8", "hopper_fp8") for e in fast_launch._CACHE.values()), "the FP8 launch was never recorded"
+
+
+def _v_scale_max_zero_or_one(q, k, v, recipe, mask_mod):
+    """(out, lse) of one FP8 call served twice on the same operands: a KV head of V all zero,
+    its v_scale_max 1 (the full path's) then 0 (where runtime/ops_fp8._Workspace's replays leave it)."""
+    from fa3_inductor import direct
+    from fa3_inductor.runtime import ops_fp8
+
+    v = v.clone()
+    v[:, 0] = 0
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    bm = create_block_mask(mask_mod, None, None, q.shape[2], k.shape[2], device=q.device)
+    tables, sq, skv = direct.block_mask_tables(bm)
+    spec = direct.cached_plan(q, k, v, None, mask_mod, bm, "auto", fp8=recipe).spec
+    results = []
+    for value in (1.0, 0.0):
+        call = ops_fp8.fp8_call(q, k, v, tables, [], [], q.shape[-1] ** -0.5, sq, skv, recipe)
+        assert (call.fp8.v_scale_max[:, 0] == 1).all() and (call.fp8.v_scale_max[:, 1:] != 1).all()
+        call.fp8.v_scale_max[:, 0] = value
+        ops_fp8.serve_fp8(spec, call)
+        results.append((call.out, call.lse))
+    return results
+
+
+@pytest.mark.parametrize("recipe", [FP8Recipe(), FP8Recipe(block_m=64, block_n=64, two_level=1, qk="e4m3")])
+def test_an_all_zero_v_head_gives_the_same_bits_for_v_scale_max_zero_or_one(cpu_kernels, recipe):
+    """What lets the replays skip v_scale_max's fill and abs (runtime/ops_fp8._Workspace): P's shift is 8
+    either way and O a zero."""
+    q, k, v = _inputs(1, 4, 2, 100, 130, 64)
+    with torch.no_grad():
+        (out1, lse1), (out0, lse0) = _v_scale_max_zero_or_one(q, k, v, recipe, mods.causal)
+    assert last_template() in ("fp8", "hopper_fp8")
+    assert torch.equal(out1, out0) and torch.equal(lse1, lse0)
+    assert (out0[:, :2] == 0).all() and torch.isfinite(out0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qk", ["int8", "e4m3"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_an_all_zero_v_head_gives_the_same_bits_for_v_scale_max_zero_or_one_on_gpu(D, qk):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a GPU with e4m3 tensor cores (sm89+)")
+    q, k, v = (t.cuda() for t in _inputs(2, 4, 2, 1000, 1000, D, seed=D))
+    for recipe in (FP8Recipe(qk=qk), FP8Recipe(qk=qk, two_level=1)):
+        with torch.no_grad():
+            (out1, lse1), (out0, lse0) = _v_scale_max_zero_or_one(q, k, v, recipe, mods.causal)
+        assert torch.equal(out1, out0) and torch.equal(lse1, lse0), (recipe, last_template())
+        assert (out0[:, :2] == 0).all() and torch.isfinite(out0).all()

@@ -21,7 +21,7 @@ from fa3_inductor.runtime import ops
 from fa3_inductor.runtime.spec import SiteSpec
 from fa3_inductor.templates.fp8_prologue.host import quantize
 from fa3_inductor.templates.fp8_prologue.reference import dequantize
-from reference import FP8_TOLERANCE, reference_attention, rel_error
+from reference import FP8_TOLERANCE, op_names, reference_attention, rel_error
 
 S, D = 64, 32
 
@@ -263,3 +263,43 @@ def test_the_bound_launch_passes_serves_inputs_in_serves_order():
     expected = ops.serve_inputs(call)
     assert len(seen[0]) == len(expected) == 16
     assert all(a is b for a, b in zip(seen[0], expected))
+
+
+@pytest.mark.parametrize("smooth", [False, True])
+def test_replays_reuse_one_operand_set_and_match_the_full_path(monkeypatch, smooth):
+    """A replay re-writes the kept prologue operands (runtime/ops_fp8._Workspace: no allocation,
+    no fill, no abs) and takes the next zeroed v_scale_max slot; with two slots, calls that wrote
+    them are followed by one reset. Bit for bit the full path's output and LSE, a KV head of V all
+    zero included (its v_scale_max stays 0 in the replay, 1 on the full path)."""
+    from fa3_inductor.runtime import ops_fp8
+    from fa3_inductor.templates.fp8_prologue.host import PrologueLayout
+
+    monkeypatch.setattr(ops_fp8, "_RING", 2)
+    ops_fp8._WORKSPACES.clear()   # (direct_fp8.clear leaves them: they go with the launch cache)
+    recipe = FP8Recipe(smooth_k=smooth)
+    calls = []
+    for i in range(5):
+        q, k, v = _qkv(20 + i, heads=4, kv_heads=2)
+        if i in (1, 4):
+            v[:, 0] = 0
+        if i == 3:
+            v = v * 1e-3   # smaller scales than the calls before: a slot not reset would keep theirs
+        calls.append((q, k, v))
+    _flex(*calls[0], fp8=recipe, mask_mod=mods.causal)
+    replayed = [_flex(*c, fp8=recipe, mask_mod=mods.causal, return_lse=True) for c in calls]
+    assert _hits() == len(calls)
+    workspace, = ops_fp8._WORKSPACES.values()
+    assert workspace.next == 1   # 5 calls over 2 slots: reset twice, slot 0 taken last
+    assert (workspace.sets[0].v_scale_max[:, 0] == 0).all()   # call 4's all-zero head
+
+    allocated = []
+    allocate = PrologueLayout.allocate
+    monkeypatch.setattr(PrologueLayout, "allocate", lambda *a, **kw: allocated.append(1) or allocate(*a, **kw))
+    with op_names() as seen:   # (the interpreter's own ops are seen too)
+        _flex(*calls[1], fp8=recipe, mask_mod=mods.causal)
+    assert not {"fill_", "full", "abs_"} & set(seen.names), seen.names
+    assert not allocated
+    for c, (out, lse) in zip(calls, replayed):
+        full_out, full_lse = _full_path(*c, fp8=recipe, mask_mod=mods.causal, return_lse=True)
+        assert torch.equal(out, full_out) and torch.equal(lse, full_lse)
+        assert torch.isfinite(out).all()

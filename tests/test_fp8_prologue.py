@@ -307,21 +307,12 @@ def test_a_call_dispatches_allocations_one_fill_and_one_abs():
     """Per call the host dispatches the operands' allocations, v_scale_max's fill (-1) and finish's
     abs_ (-1 -> 1 for heads whose V is all zero): no compare / select / scalar tensors (each a tiny
     launch on CUDA). Meta tensors: the host's work alone."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
+    from reference import op_names
 
     q, k, v = (torch.empty(s, dtype=torch.bfloat16, device="meta")
                for s in ((2, 8, 300, 128), (2, 2, 300, 128), (2, 2, 300, 128)))
     host.prepare_prologue(q, k, v, FP8Recipe())
-    seen = Ops()
+    seen = op_names()
     with seen:
         host.finish(host.prepare_prologue(q, k, v, FP8Recipe()).operands)
     assert seen.names == ["empty"] * 6 + ["full", "abs_"], seen.names
@@ -731,6 +722,18 @@ GLUON_CASES = {
                                   False, torch.bfloat16),
     "d64_half_fp16_int8_batched_positions": (2, 2, 2, 200, 130, 64, torch.float16, "int8", "half",
                                              True, torch.bfloat16),
+    # smooth_k (a name with "smooth"): the pre-pass, kernel.k_mean_kernel, then the Gluon kernel
+    # subtracting K_MEAN; ragged last blocks (their rows past N count 0 in the amax), N past 256
+    # (the stratified sample), GQA, several K units a program with RoPE
+    "d128_plain_bf16_int8_smooth_ragged": (1, 4, 2, 300, 1000, 128, torch.bfloat16, "int8", "",
+                                           False, None),
+    "d128_half_bf16_int8_smooth_gqa": (2, 8, 2, 256, 777, 128, torch.bfloat16, "int8", "half",
+                                       False, torch.bfloat16),
+    "d128_interleaved_fp16_e4m3_smooth_positions": (1, 4, 4, 129, 300, 128, torch.float16, "e4m3",
+                                                    "interleaved", True, torch.float16),
+    "d128_half_smooth_many_units": (1, 2, 1, 38400, 38400, 128, torch.bfloat16, "int8", "half",
+                                    False, torch.bfloat16),
+    "d64_plain_bf16_e4m3_smooth": (2, 3, 3, 1000, 77, 64, torch.bfloat16, "e4m3", "", False, None),
 }
 
 
@@ -750,7 +753,7 @@ def _gluon_case(case: str, device: str = "cpu"):
             rope = dataclasses.replace(rope, q_positions=torch.randint(0, P, (M,), generator=g),
                                        k_positions=torch.randint(0, P, (B, N), generator=g))
         rope = _on(rope, device)
-    return q, k, v, FP8Recipe(qk=qk), rope
+    return q, k, v, FP8Recipe(qk=qk, smooth_k="smooth" in case), rope
 
 
 def _run_prologue(q, k, v, recipe, rope, tuning):
@@ -772,13 +775,24 @@ def test_gpu_gluon_prologue_matches_the_triton_kernel_bit_for_bit(case):
     if not _sm90():
         pytest.skip("the Gluon prologue is sm90 only")
     from fa3_inductor.templates.fp8_prologue.gluon_sm90 import prologue_sm90_kernel
+    from fa3_inductor.templates.fp8_prologue.kernel import k_mean_kernel, k_sums_kernel
 
     q, k, v, recipe, rope = _gluon_case(case, "cuda")
+    kernels = [prologue_sm90_kernel]
+    if recipe.smooth_k:
+        kernels = [k_sums_kernel, k_mean_kernel, prologue_sm90_kernel]
     _, want = _run_prologue(q, k, v, recipe, rope, host.PrologueTuning(kernel="triton"))
+    # the defaults, another ring depth, and the D 128 RoPE choices the defaults left in 2026-11-29
+    # (3 stages, the slot released inside the RoPE, "half" read as bf16 values, not words; with
+    # smooth_k the launches in stream order instead of chained by programmatic dependent launch;
+    # V by the round-robin, not gluon_sm90.v_plan, which the second runs without RoPE too)
     for tuning in (host.PrologueTuning(kernel="gluon"),
-                   host.PrologueTuning(kernel="gluon", gluon_stages=2)):
+                   host.PrologueTuning(kernel="gluon", gluon_stages=2, gluon_v_plan=True),
+                   host.PrologueTuning(kernel="gluon", gluon_stages=3, gluon_rope_release=True,
+                                       gluon_rope_words=False, gluon_pdl=False,
+                                       gluon_v_plan=False)):
         launch, got = _run_prologue(q, k, v, recipe, rope, tuning)
-        assert [kern for kern, *_ in launch.launches] == [prologue_sm90_kernel], case
+        assert [kern for kern, *_ in launch.launches] == kernels, case
         torch.cuda.synchronize()
         # Correct first (a wrong kernel fails here), then bit-identical (docs: the one step not
         # reproduced operation by operation is the tensor cores' sum with A in shared memory).
@@ -788,7 +802,8 @@ def test_gpu_gluon_prologue_matches_the_triton_kernel_bit_for_bit(case):
             diff = g.view(torch.uint8) != w.view(torch.uint8)
             assert not diff.any(), (f"{case} {name}: {int(diff.sum())} of {diff.numel()} bytes "
                                     f"differ, first at {diff.nonzero()[0].tolist()}")
-        for name in ("q_scale", "k_scale", "v_scale", "v_scale_max"):
+        for name in ("q_scale", "k_scale", "v_scale", "v_scale_max") + (
+                ("k_mean",) if recipe.smooth_k else ()):
             assert torch.equal(getattr(got, name), getattr(want, name)), f"{case} {name}"
 
 
@@ -802,20 +817,22 @@ def test_gpu_gluon_prologue_matches_the_triton_kernel_bit_for_bit(case):
 # and at D 128 with RoPE the hazard barrier before the A-buffer stores (D 64 stores them after the
 # amax barrier; at D 128 that spills: GluonPrologue.DEFER_A; there the next tile's wgmma is issued
 # before the staging barrier instead, which then runs under it). At D 128 with RoPE the slot is
-# released inside the RoPE (GluonPrologue.ROPE_RELEASE: a barrier before the arrive, 5 in all, but
-# only the amax barrier between one wgmma's wait and the next one's issue). The instruction figures are those
-# of that change (before: D 128 half int8 897 / 586, plain 679 / 574); a loop may grow 2% before
-# this fails, as a reminder to re-read the chain.
+# released after the amax barrier (4 in all; GluonPrologue.ROPE_RELEASE, the default since the
+# H200 sweep of 2026-11-29: inside the RoPE it was 5). "half" reads Q / K as int32 pair words
+# (gluon_sm90._ring_half: D 128 882 -> 853 with the release change, D 64 497 -> 481). The
+# instruction figures are those of that change (before "Fewer barriers a tile": D 128 half int8
+# 897 / 586, plain 679 / 574); a loop may grow 2% before this fails, as a reminder to re-read the
+# chain.
 GLUON_TILE_LOOPS = {   # (D, style, qk): (Q / K barriers, Q / K instructions, V instructions)
     (128, "", "int8"): (3, 667, 533),
-    (128, "half", "int8"): (5, 882, 519),
-    (128, "interleaved", "int8"): (5, 853, 519),
-    (128, "half", "e4m3"): (5, 819, 519),
-    (128, "interleaved", "e4m3"): (5, 791, 519),
+    (128, "half", "int8"): (4, 853, 520),
+    (128, "interleaved", "int8"): (4, 855, 520),
+    (128, "half", "e4m3"): (4, 790, 520),
+    (128, "interleaved", "e4m3"): (4, 791, 520),
     (64, "", "int8"): (3, 432, 344),
-    (64, "half", "int8"): (3, 497, 341),
+    (64, "half", "int8"): (3, 481, 341),
     (64, "interleaved", "int8"): (3, 483, 341),
-    (64, "half", "e4m3"): (3, 465, 341),
+    (64, "half", "e4m3"): (3, 449, 341),
     (64, "interleaved", "e4m3"): (3, 451, 341),
 }
 
@@ -849,11 +866,12 @@ def test_gluon_prologue_compiles_for_sm90(D, style, qk, positions):
     if D == 128 and style:
         # At the 240-register ceiling of the 8 consumer warps (tables, the in-flight accumulator,
         # the pair words): a few values go to the stack at the unit changes (the next unit's table
-        # rows loaded under the last tile's wgmma), none in the tile loops (Triton 3.6: 48 / 48
-        # bytes, 56 / 53 LDL / STL, int8; 56 / 56 bytes, 65 / 61 e4m3 with positions; outside the
-        # head loops; "interleaved" was allowed to reload a loop-invariant value or two a tile,
-        # at most 2 LDL, no STL, in a loop, and now reloads none; once a unit of up to 16 tiles).
-        assert r.stack <= 128, (r.registers, r.stack, r.spill_instructions)
+        # rows loaded under the last tile's wgmma), none in the tile loops (Triton 3.6, defaults of
+        # 2026-11-29, half / interleaved: 104 / 64 bytes, 139 / 77 LDL / STL, int8; 112 / 72
+        # bytes, 147 / 85 e4m3 with positions; outside the head loops, once a unit of up to 16
+        # tiles; "half" read as bf16 values: 48 bytes, 53; "interleaved" was allowed to reload a
+        # loop-invariant value or two a tile, at most 2 LDL, no STL, in a loop, and reloads none).
+        assert r.stack <= 160, (r.registers, r.stack, r.spill_instructions)
         for body in r.inner_loops():
             spills = [t for t in body if re.search(r"\b(LDL|STL)", t)]
             if style == "interleaved":
@@ -885,6 +903,62 @@ def test_gluon_prologue_compiles_for_sm90(D, style, qk, positions):
         assert "cvt.rn.satfinite.e4m3x2.f32" in r.ptx
 
 
+@pytest.mark.sm90_compile
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("style", ["", "half", "interleaved"])
+def test_gluon_prologue_with_smooth_k_compiles_for_sm90(D, style):
+    """smooth_k on the Gluon kernel: the pre-pass, kernel.k_mean_kernel, then the Gluon kernel
+    (its K tiles subtract K_MEAN, one FFMA a value and 16 LDG.64 a tile); no spills at D 64 or
+    without RoPE; at D 128 with RoPE (the tables at the register ceiling) the K loop reloads a few
+    loop-invariant values from the stack (Triton 3.6, the defaults of 2026-11-29: 5 "half", 7
+    "interleaved" LDL a tile, no STL; 112 / 80 bytes of stack), one wgmma wait a tile as
+    without smoothing. The K tiles take the Triton kernel's contracted fma(acc, HAD_SCALE, -mean)
+    (gluon_sm90._smooth): at D 128 64 FMAs with the scale a loop, the Q loop's multiplies beside."""
+    from fa3_inductor.templates.aot import sass_report
+    from fa3_inductor.templates.fp8_prologue.gluon_sm90 import prologue_sm90_kernel
+    from fa3_inductor.templates.fp8_prologue.kernel import k_mean_kernel, k_sums_kernel
+
+    q, k, v = _inputs(1, 8, 2, 300, 400, D, D, torch.bfloat16)
+    rope = None
+    if style:
+        base = RopeSpec.from_theta(D, 512, style=style)
+        rope = RopeSpec(base.cos.to(torch.bfloat16), base.sin.to(torch.bfloat16), style)
+    tuning = host.PrologueTuning(kernel="gluon")
+    recipe = FP8Recipe(smooth_k=True)
+    launch = host.prepare_prologue(q, k, v, recipe, rope, tuning=tuning, capability=(9, 0))
+    assert [kern for kern, *_ in launch.launches] == [k_sums_kernel, k_mean_kernel,
+                                                      prologue_sm90_kernel]
+    sums, mean, ck = host.compile_prologue(q, k, v, recipe, rope, tuning=tuning)
+    r = sass_report(ck)
+    # chained by programmatic dependent launch (PrologueTuning.gluon_pdl, on by default): k_sums
+    # and k_mean let their dependents start, k_mean waits for k_sums, the Gluon K tiles for k_mean
+    assert "griddepcontrol.launch_dependents" in sass_report(sums).ptx
+    assert all(op in sass_report(mean).ptx
+               for op in ("griddepcontrol.launch_dependents", "griddepcontrol.wait"))
+    assert "griddepcontrol.wait" in r.ptx and "griddepcontrol.launch_dependents" not in r.ptx
+    if D == 128 and style:
+        assert r.stack <= 192, (r.registers, r.stack, r.spill_instructions)
+        for body in r.inner_loops():
+            spills = [t for t in body if re.search(r"\b(LDL|STL)", t)]
+            assert len(spills) <= 10 and not any("STL" in t for t in spills), spills
+    else:
+        assert r.stack == 0 and r.local == 0 and r.spill_instructions == 0, (r.registers, r.stack)
+    waits = [sum("WARPGROUP.DEPBAR" in t for t in body) for body in r.inner_loops()
+             if any("HGMMA" in t for t in body)]
+    assert waits and all(w == 1 for w in waits), waits
+    # the K loop reads the mean (LDG), the Q loop does not
+    qk_loops = [body for body in r.inner_loops() if any("HGMMA" in t for t in body)]
+    assert sorted(any("LDG" in t for t in body) for body in qk_loops) == [False, True]
+    if D == 128:   # 2^-3.5: the scale is inexact, the contraction matters (1/8 at D 64: exact)
+        assert r.ptx.count("0f3DB504F3") == 256, r.ptx.count("0f3DB504F3")
+        assert len(re.findall(r"fma\.rn\.f32[^\n]*0f3DB504F3", r.ptx)) == 128
+        # ... because the Triton kernel's K programs contract it (the bytes the gpu test compares)
+        *_, tk = host.compile_prologue(q, k, v, recipe, rope,
+                                       tuning=host.PrologueTuning(kernel="triton"))
+        assert re.search(r"fma\.rn\.f32[^\n]*0f3DB504F3", sass_report(tk).ptx)
+    assert r.shared <= 227 * 1024, r.shared
+
+
 def test_gluon_units_are_equal_runs_of_heads_balanced_over_the_programs():
     """gluon_sm90.unit_heads: a divisor of the heads (the kernel's flat tile loop assumes it), and
     the busiest program within 1/32 of the best plan (the launch is as slow as that program)."""
@@ -898,6 +972,36 @@ def test_gluon_units_are_equal_runs_of_heads_balanced_over_the_programs():
             most = _most_tiles(qb * hq // hcq, hcq, kb * hkv // hck, hck, progs)
             even = -(-(qb * hq + 2 * kb * hkv) // progs)
             assert most <= even + even // 32 + max(hcq, hck), (qb, hq, kb, hkv, progs, rope, most)
+
+
+def test_gluon_v_plan_takes_every_v_tile_once_and_evens_out_the_work():
+    """gluon_sm90.v_plan: contiguous ranges covering the V tiles once, and the busiest program's
+    weighted work no more than the round-robin's (at B1 H16 N16384 with RoPE: 35.6k -> 34.6k)."""
+    from fa3_inductor.templates.fp8_prologue.gluon_sm90 import (
+        TILE_COST, grid_and_units, unit_heads, v_plan)
+
+    for B, hq, hkv, qg, kg, progs, rope, D in [(1, 16, 16, 128, 128, 132, True, 128),
+                                              (1, 16, 4, 64, 64, 132, True, 128),
+                                              (2, 8, 2, 3, 2, 132, True, 128),
+                                              (1, 2, 1, 300, 300, 132, True, 128),
+                                              (4, 32, 8, 8, 8, 132, False, 64),
+                                              (1, 16, 16, 128, 128, 264, False, 64)]:
+        grid, hcq, hck, uq, uk = grid_and_units(B, hq, hkv, qg, kg, progs, rope)
+        wq, wv = TILE_COST[(D, rope)]
+        nv = B * kg * hkv
+        starts = v_plan(uq, hcq, uk, hck, nv, grid, (wq, wv))
+        assert len(starts) == grid + 1 and starts[0] == 0 and starts[-1] == nv
+        assert all(a <= b for a, b in zip(starts, starts[1:]))
+
+        def count(units, before, p):
+            return units // grid + ((p - before) % grid < units % grid)
+        qk = [hcq * count(uq, 0, p) + hck * count(uk, uq, p) for p in range(grid)]
+        planned = max(wq * qk[p] + wv * (starts[p + 1] - starts[p]) for p in range(grid))
+        robin = max(wq * qk[p] + wv * hck * count(uk, uq + uk, p) for p in range(grid))
+        assert planned <= robin, (B, hq, hkv, qg, kg, planned, robin)
+    assert unit_heads(128, 16, 128, 16, 132, True) == (16, 16)
+    starts = v_plan(128, 16, 128, 16, 2048, 132, TILE_COST[(128, True)])
+    assert max(853 * 32 + 520 * (b - a) for a, b in zip(starts[:124], starts[1:125])) < 35616
 
 
 @pytest.mark.sm90_compile
@@ -919,7 +1023,7 @@ def test_gluon_prologue_serves_only_the_hot_case():
     assert which(q64, k64, v64, rope=None) == "gluon"
     assert which(tuning=host.PrologueTuning(kernel="triton")) == "triton"
     assert which(capability=(10, 0)) == "triton"
-    assert which(recipe=FP8Recipe(smooth_k=True)) == "triton"
+    assert which(recipe=FP8Recipe(smooth_k=True)) == "gluon"   # the pre-passes, then Gluon
     assert which(recipe=FP8Recipe(block_m=64)) == "triton"
     assert which(recipe=FP8Recipe(hadamard=False)) == "triton"
     assert which(rope=base) == "triton"                       # float32 tables

@@ -57,6 +57,22 @@ def _options(variant, M, N):
     return {}
 
 
+def _combined_options(variant, M, N):
+    """_options of "a+b" variants; "blocks": a document block mask's tables (partial and full blocks), no mask_mod."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    opts = {}
+    for part in variant.split("+"):
+        if part == "blocks":
+            bm = create_block_mask(mods.document((torch.arange(M) // 300).to(torch.int32)), None, None, M, N,
+                                   device="cpu")
+            opts.update(kv_num_blocks=bm.kv_num_blocks, kv_indices=bm.kv_indices,
+                        full_kv_num_blocks=bm.full_kv_num_blocks, full_kv_indices=bm.full_kv_indices)
+        else:
+            opts.update(_options(part, M, N))
+    return opts
+
+
 def _step_loops(report):
     """Instruction lists of the step loops (the innermost loops that issue wgmma), one per consumer warpgroup."""
     return [body for body in report.inner_loops() if any("HGMMA" in t for t in body)]
@@ -108,15 +124,16 @@ VARIANT_SPILLS = {
 # atomic_dq at D128 runs on the default's overlap since it became the default: softcap 3 spills, outside the loops.
 # The cross-step overlap (configs.VARIANTS overlap / overlap_dk, docs/design/hopper_backward.md, "Cross-step overlap"),
 # triton 3.6: no spill in a step loop at any mod. overlap at D128 holds dQ's accumulator in flight beside S while P is
-# made: with a mask or a mod ptxas spills head-level values (stored before the step loop, reloaded once per query
-# head, never in it): causal 33, softcap 78, ALiBi 20. At D64 both names are the same kernel (dQ alternates between
-# the warpgroups, so it is issued after P either way).
+# made: ptxas kept head-level values on the stack across the step loops (causal 33, softcap 78, ALiBi 20) until
+# _consumer_overlap made them where they are used (the prologue's P slot and the dS buffer by an opaque zero, the
+# dK / dV store's rows and columns from %laneid): softcap 0, causal 4 (Z // KZ, computed before the role dispatch),
+# ALiBi 2 (one value in the prologue). At D64 both names are the same kernel (dQ alternates between the warpgroups,
+# so it is issued after P either way).
 for _D in (64, 128):
     for _v in VARIANTS:
         for _s in ("overlap", "overlap_dk"):
             VARIANT_SPILLS[_D, _v, _s] = (0, 0)
-VARIANT_SPILLS.update({(128, "causal", "overlap"): (33, 0), (128, "softcap", "overlap"): (78, 0),
-                       (128, "alibi", "overlap"): (20, 0)})
+VARIANT_SPILLS.update({(128, "causal", "overlap"): (4, 0), (128, "alibi", "overlap"): (2, 0)})
 # 128 query rows a step at D64 (bwd_sm90_m128.py, docs/design/hopper_backward.md, "128 query rows a step"): none
 for _v in VARIANTS:
     VARIANT_SPILLS[64, _v, "m128"] = (0, 0)
@@ -258,3 +275,34 @@ def test_m128_compiles_without_spills(case):
     assert "UTMAREDG" in main.sass and "REDG" not in main.sass.replace("UTMAREDG", ""), "dQ not by TMA reduce"
     assert {cfg.consumer_regs, cfg.producer_regs} <= main.setmaxnreg
     assert cfg.smem_bytes(D) <= main.shared <= SMEM_LIMIT
+
+
+# The host's schedule at D128 (configs._GRAD_MOD_TABLE): a score_mod whose derivative is not 1 (softcap) takes
+# overlap 1 when no mask_mod is compiled in (block-sparse tables or not), and compiles with no spill; with a mask_mod
+# (softcap + causal: 40 spill instructions with overlap 1, 10 in a step loop) and for ALiBi (derivative 1) it keeps
+# the table's overlap 2. The launch's main kernel is compared, SASS for SASS, with the one of the explicit config.
+GRAD_MOD_DEFAULTS = {"softcap": 1, "softcap+blocks": 1, "softcap+causal": 2, "alibi": 2}
+
+
+@pytest.mark.parametrize("variant", sorted(GRAD_MOD_DEFAULTS))
+def test_grad_mod_default_schedule(variant):
+    from fa3_inductor.templates.aot import sass_report
+    from fa3_inductor.templates.hopper_bwd import compile_hopper_backward, get_bwd_config
+
+    D, M, N = 128, 1000, 1000
+    overlap = GRAD_MOD_DEFAULTS[variant]
+    assert get_bwd_config(D, grad_mod=True).overlap == 1 and get_bwd_config(D).overlap == 2
+    q = torch.randn(2, 4, M, D, dtype=torch.bfloat16)
+    k = v = torch.randn(2, 2, N, D, dtype=torch.bfloat16)
+    args = (q, k, v, torch.empty_like(q), torch.empty_like(q), torch.empty(2, 4, M))
+    opts = _combined_options(variant, M, N)
+    main = sass_report(compile_hopper_backward(*args, sm_scale=D ** -0.5, **opts)[1])
+    ref = sass_report(compile_hopper_backward(*args, sm_scale=D ** -0.5, config=get_bwd_config(D, overlap=overlap),
+                                              **opts)[1])
+    loops = _step_loops(main)
+    print(f"\nD{D} {variant} default (overlap {overlap}): {main.spill_instructions} spills, stack {main.stack}, "
+          f"loops {[len(b) for b in loops]}")
+    assert main.sass == ref.sass, f"the default is not overlap {overlap}"
+    assert not any("LDL" in t or "STL" in t for body in loops for t in body), "spill in a step loop"
+    if overlap == 1:
+        assert main.spill_instructions == 0 and main.stack == 0, (main.spill_instructions, main.stack)

@@ -176,7 +176,9 @@ def test_schedule_variants_match_float64(case, D, variant):
 @pytest.mark.parametrize("case", [c for c in CASES if c[0] not in {v[0] for v in VARIANT_CASES}] +
                          [("lse-grad", mods.softcap(20.0), mods.causal, 1, 2, 2, 300, 300, None),
                           ("fp16-causal", None, mods.causal, 1, 2, 2, 500, 400, None),
-                          ("late-causal", None, "late_causal", 1, 2, 2, 256, 256, None)], ids=lambda c: c[0])
+                          ("late-causal", None, "late_causal", 1, 2, 2, 256, 256, None),
+                          ("sliding-window", None, mods.sliding_window(256), 1, 2, 2, 1000, 1000, None)],
+                         ids=lambda c: c[0])
 def test_schedule_variants_m128_more_cases(case):
     from fa3_inductor.templates.hopper_bwd import get_bwd_config, prepare_hopper_backward
     from fa3_inductor.templates.hopper_bwd.bwd_sm90_m128 import fa3_bwd_sm90_m128_kernel

@@ -65,9 +65,10 @@ def tensor_signature(tensors: Sequence[Optional[torch.Tensor]]) -> tuple:
         >>> tensor_signature([torch.zeros(2, 3)])[0][:2]
         (torch.Size([2, 3]), (3, 1))
     """
-    return tuple(None if t is None else
-                 (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
-                 for t in tensors)
+    # a list comprehension, not a generator: it runs twice on every hit of our ops (one per op call)
+    return tuple([None if t is None else
+                  (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+                  for t in tensors])
 
 
 def aliasing(tensors: Sequence[Optional[torch.Tensor]]) -> Optional[tuple]:

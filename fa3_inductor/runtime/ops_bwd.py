@@ -271,34 +271,43 @@ def run_backward_families(
         >>> grads, passed_over = run_backward_families(q, k, v, out, lse2, dout, None, (None,) * 4,
         ...     (None,) * 4, [], [], 0.125, 1 << 30, 1 << 30, spec)   # doctest: +SKIP
     """
-    site = BackwardSiteSpec.from_json(spec)
-    flags = _buffer_grad_flags(site, score_bufs)
     M, N = q.shape[2], k.shape[2]
     # torch's "no mask" uses blocks of 2**30: one block as long as the sequence is the same mask
     sparse_q_block = _one_block_size(sparse_q_block, M)
     sparse_kv_block = _one_block_size(sparse_kv_block, N)
+    key = tensors = None
+    if _caches(q):
+        # The key reads the tensors the caller gives; the op's own (the gradients, a zero dO for a
+        # grad_out of None) are fresh contiguous allocations whose signature follows from them.
+        given = (q, k, v, out, grad_out, lse, grad_lse, *tables, *q_tables, *score_bufs, *mask_bufs)
+        key = (spec, scale, sparse_q_block, sparse_kv_block, len(score_bufs), len(mask_bufs),
+               torch.get_float32_matmul_precision(), tensor_signature(given), aliasing(given))
+        plan = _PLANS.get(key)
+        if plan is not None and plan.launches is not None:   # a hit: the spec was read when planned
+            dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+            dbufs = [torch.empty_like(score_bufs[i], memory_format=torch.contiguous_format)
+                     for i in plan.grad_bufs]
+            dout = grad_out if grad_out is not None else torch.zeros_like(out)
+            plan.run((q, k, v, out, dout, lse, grad_lse, dq, dk, dv, *given[7:], *dbufs), q.device)
+            _state.family = plan.family
+            return (dq, dk, dv, dbufs), []
+    site = BackwardSiteSpec.from_json(spec)
+    flags = _buffer_grad_flags(site, score_bufs)
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     dbufs = [torch.empty(t.shape, dtype=t.dtype, device=t.device)
              for t, needs in zip(score_bufs, flags) if needs]
     dout = grad_out if grad_out is not None else torch.zeros_like(out)
-    key = tensors = None
-    if _caches(q):
+    if key is not None:
         tensors = (q, k, v, out, dout, lse, grad_lse, dq, dk, dv, *tables, *q_tables, *score_bufs,
                    *mask_bufs, *dbufs)
-        key = (spec, scale, sparse_q_block, sparse_kv_block, len(score_bufs), len(mask_bufs),
-               torch.get_float32_matmul_precision(), tensor_signature(tensors), aliasing(tensors))
-        plan = _PLANS.get(key)
-        if plan is not None and plan.launches is not None:
-            plan.run(tensors, q.device)
-            _state.family = plan.family
-            return (dq, dk, dv, dbufs), []
     call = BackwardCall(q, k, v, out, dout, lse, grad_lse, dq, dk, dv, tuple(tables),
                         tuple(q_tables), tuple(score_bufs), tuple(mask_bufs), scale,
                         sparse_q_block, sparse_kv_block, dbufs=tuple(dbufs))
     name, passed_over = first_serving(
         site.families, site.build_key(), f"the backward of {site.description or 'a site'}",
         "backward family", _backward_family_here,
-        lambda family: _serve_with(family, backward_call_for(site, call, family.dialect), key, tensors))
+        lambda family: _serve_with(family, backward_call_for(site, call, family.dialect), key, tensors,
+                                   tuple(i for i, needs in enumerate(flags) if needs)))
     if name is None:
         return None, passed_over
     _state.family = name
@@ -314,6 +323,7 @@ class _Plan:
     family: str
     scratch: tuple
     launches: Optional[tuple]
+    grad_bufs: tuple = ()   # which score_bufs get a gradient (their indices): the op allocates those
 
     def run(self, tensors: tuple, device: torch.device) -> None:
         """Re-launch on the call's ``tensors`` (the op's, in the key's order) and fresh scratch."""
@@ -344,10 +354,11 @@ def _caches(q: Tensor) -> bool:
 
 
 def _serve_with(family: BackwardFamily, call: BackwardCall, key: Optional[tuple],
-                tensors: Optional[tuple]) -> None:
+                tensors: Optional[tuple], grad_bufs: tuple = ()) -> None:
     """Compute ``call`` with ``family``. With a ``key`` (CUDA): the op allocates the family's scratch
     and, the first time, records the launches under ``key`` and keeps the plan (a plan kept already
-    is one that could not be recorded: launch plainly, no new attempt)."""
+    is one that could not be recorded: launch plainly, no new attempt). ``grad_bufs``: the indices of
+    the score_bufs that get a gradient (the plan's, for the op's allocations on a hit)."""
     record = key is not None and key not in _PLANS
     hook = getattr(family, "backward_scratch", None)   # optional (templates/family.py)
     if key is not None and hook is not None:
@@ -365,7 +376,7 @@ def _serve_with(family: BackwardFamily, call: BackwardCall, key: Optional[tuple]
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         scratch = tuple((tuple(t.shape), t.stride(), t.dtype) for t in call.scratch or ())
-        _PLANS[key] = _Plan(family.name, scratch, entries)
+        _PLANS[key] = _Plan(family.name, scratch, entries, grad_bufs)
 
 
 def _record_launches(name: str, launches: list, key: tuple, tensors: tuple, scratch: tuple

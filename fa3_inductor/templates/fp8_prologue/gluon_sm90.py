@@ -45,8 +45,13 @@ Shared memory: the ring (STAGES x T x D input values), A (two buffers of T x D, 
 the warps' amax partials (8 floats), barriers: D 128 with RoPE 96 + 64 + 32 + 16 KB = 208 KB at 3
 stages.
 
+smooth_k: kernel.k_sums_kernel (the sampled partial sums) and kernel.k_mean_kernel (K_MEAN, the
+operations the Triton K programs use for their mean) run before this kernel; its K tiles subtract
+K_MEAN after the rotation (_smooth), so the Triton and Gluon kernels subtract the same bits.
+
 Compile-time parameters (one bundle, `CFG`, a frozen dataclass `GluonPrologue`): D, STAGES, ROPE,
-Q_POS, K_POS, QK_INT8, HAD_SCALE, PRODUCER_REGS. Lengths and unit counts are do_not_specialize.
+Q_POS, K_POS, QK_INT8, HAD_SCALE, PRODUCER_REGS, RELEASE_IN_ROPE, SMOOTH, ROPE_WORDS, V_PLAN, PDL.
+Lengths and unit counts are do_not_specialize.
 """
 
 from __future__ import annotations
@@ -87,7 +92,12 @@ class GluonPrologue:
     QK_INT8: bool       # Q8, K8 int8 (else e4m3)
     HAD_SCALE: float    # 1 / sqrt(b), kernel.py's Rotation.HAD_SCALE
     PRODUCER_REGS: int  # setmaxnreg of the producer warp
-    RELEASE_IN_ROPE: bool = True   # RoPE, not DEFER_A: where a tile's ring slot is released (below)
+    RELEASE_IN_ROPE: bool = False  # RoPE, not DEFER_A: where a tile's ring slot is released (below)
+    SMOOTH: bool = False           # smooth_k: K tiles minus K_MEAN (k_mean_kernel's) per head
+    ROPE_WORDS: bool = True        # "half": x read from the ring as int32 pair words (_ring_half)
+    V_PLAN: bool = False           # V tiles by V_START's ranges (v_plan), not the round-robin
+    PDL: bool = False              # SMOOTH, launched programmatically dependent on k_mean_kernel:
+                                   # the consumer waits for it (griddepcontrol.wait) before K
 
     @property
     def DQ(self) -> int:
@@ -116,7 +126,9 @@ class GluonPrologue:
         t's amax barrier (one barrier on the chain, two fewer a tile). RELEASE_IN_ROPE, a
         PrologueTuning field (gluon_rope_release) for the sweep: the better side depends on
         whether the RoPE, its three barriers included, stays shorter than the wgmma (~1024 cycles
-        of tensor work at D 128 against ~850 modelled: docs/design/fp8_prologue.md)."""
+        of tensor work at D 128 against ~850 modelled: docs/design/fp8_prologue.md). False by
+        default since the H200 sweep of 2026-11-29 (-1.2% at 3 stages, -1.2% at 2, RoPE "half";
+        fp8-prologue-bw-nvidia-h200-2026-11-29-1022)."""
         return self.RELEASE_IN_ROPE and bool(self.ROPE) and not self.DEFER_A
 
     @property
@@ -211,6 +223,42 @@ def _unit(u, Z, H, HC):
     return t % Z, t // Z, h0, gl.minimum(h0 + HC, H)
 
 
+@gluon.jit
+def _next_block(z, g, Z):
+    """The first tile of the row block after (z, g) in _unit(t, Z, H, 1)'s order, head 0."""
+    z += 1
+    if z == Z:
+        z = 0
+        g += 1
+    return z, g, 0
+
+
+@gluon.jit
+def _v_walk(cnt, body: gl.constexpr, args, V_START, Z, HKV, UQ, UK, HCK, CFG: gl.constexpr):
+    """This program's V tiles, `cnt = body(cnt, z, h, g, args, CFG)` each (the producer's loads,
+    the consumer's tiles: both walk the same tiles in the same order). V_PLAN: the range
+    [V_START[p], V_START[p + 1]) of v_plan (tile t: _unit(t, Z, HKV, 1)), by row block (the
+    heads of one (z, g) in a loop without divisions); else the launch's round-robin of units."""
+    pid = gl.program_id(0)
+    n_prog = gl.num_programs(0)
+    if CFG.V_PLAN:
+        t = gl.load(V_START + pid)
+        t1 = gl.load(V_START + pid + 1)
+        z, g, h, h1 = _unit(t, Z, HKV, 1)
+        while t < t1:
+            h1 = gl.minimum(h + t1 - t, HKV)
+            for hh in range(h, h1):
+                cnt = body(cnt, z, hh, g, args, CFG)
+            t += h1 - h
+            z, g, h = _next_block(z, g, Z)
+    else:
+        for u in range(_first_unit(UQ + UK, n_prog), UK, n_prog):
+            z, g, h0, h1 = _unit(u, Z, HKV, HCK)
+            for h in range(h0, h1):
+                cnt = body(cnt, z, h, g, args, CFG)
+    return cnt
+
+
 # ---- producer --------------------------------------------------------------------------------
 @gluon.jit
 def _load_tile(desc, ring, ring32, ready, empty, cnt, z, h, row0, WORDS: gl.constexpr,
@@ -227,6 +275,13 @@ def _load_tile(desc, ring, ring32, ready, empty, cnt, z, h, row0, WORDS: gl.cons
             tma.async_copy_global_to_shared(desc, [z, h, row0, j * CFG.DQ], ready.index(slot),
                                             ring.index(slot * 4 + j))
     return cnt + 1
+
+
+@gluon.jit
+def _v_load(cnt, z, h, g, args, CFG: gl.constexpr):
+    """The producer's V tile (_v_walk's body)."""
+    v_desc, ring, ring32, ready, empty = args
+    return _load_tile(v_desc, ring, ring32, ready, empty, cnt, z, h, g * 128, False, CFG)
 
 
 @gluon.jit
@@ -247,10 +302,8 @@ def _producer(descs, smem, bars, sizes, outs, tables, CFG: gl.constexpr):
         z, g, h0, h1 = _unit(u, Z, HKV, HCK)
         for h in range(h0, h1):
             cnt = _load_tile(k_desc, ring, ring32, ready, empty, cnt, z, h, g * 128, WORDS, CFG)
-    for u in range(_first_unit(UQ + UK, n_prog), UK, n_prog):
-        z, g, h0, h1 = _unit(u, Z, HKV, HCK)
-        for h in range(h0, h1):
-            cnt = _load_tile(v_desc, ring, ring32, ready, empty, cnt, z, h, g * 128, False, CFG)
+    _v_walk(cnt, _v_load, (v_desc, ring, ring32, ready, empty), outs[-1], Z, HKV, UQ, UK, HCK,
+            CFG)
 
 
 # ---- consumer --------------------------------------------------------------------------------
@@ -315,6 +368,22 @@ def _hadamard_issue(ops, had_smem, CFG: gl.constexpr):
 
 
 @gluon.jit
+def _ring_half(ring, i, layout: gl.constexpr, CFG: gl.constexpr):
+    """Ring chunk i [128, DQ] as fp32 in `layout` (exact). ROPE_WORDS: read as int32 pair words
+    and widened by a shift and a mask a word (_v_chunk, as V and "interleaved" read theirs): one
+    instruction a value where the generic bf16 widening takes two for every odd channel (PRMT,
+    SHF): 32 fewer a warp a Q / K tile at D 128; else loaded in the input dtype and widened."""
+    DQ: gl.constexpr = CFG.DQ
+    if CFG.ROPE_WORDS:
+        w_layout: gl.constexpr = gl.NVMMASharedLayout(ring.layout.swizzle_byte_width, 32)
+        words = ring._reinterpret(gl.int32, [CFG.STAGES * 4, 128, DQ // 2], w_layout)
+        wl: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (DQ // 8), DQ // 8], [8, 1], [1, 0])
+        return gl.convert_layout(_v_chunk(words.index(i).load(wl), ring.dtype), layout)
+    else:
+        return ring.index(i).reshape([128, DQ]).load(layout).to(gl.float32)
+
+
+@gluon.jit
 def _qk_rope(ring, ring32, a_stage, ready, empty, cnt, tabs, dtype: gl.constexpr,
              STORE: gl.constexpr, RELEASE: gl.constexpr, CFG: gl.constexpr):
     """Tile cnt, RoPE: wait for its ring slot, RoPE in registers: per pair chunk j, the rotated
@@ -330,8 +399,8 @@ def _qk_rope(ring, ring32, a_stage, ready, empty, cnt, tabs, dtype: gl.constexpr
     parts = ()
     for j in gl.static_range(2):
         if CFG.ROPE == "half":
-            xa = ring.index(slot * 4 + j).reshape([128, DQ]).load(layout).to(gl.float32)
-            xb = ring.index(slot * 4 + j + 2).reshape([128, DQ]).load(layout).to(gl.float32)
+            xa = _ring_half(ring, slot * 4 + j, layout, CFG)
+            xb = _ring_half(ring, slot * 4 + j + 2, layout, CFG)
         else:
             w = ring32.index(slot * 2 + j).reshape([128, DQ]).load(layout)
             xa, xb = _split_words(w, dtype)
@@ -378,12 +447,16 @@ def _qk_issue(ring, a_stage, had_smem, cnt, CFG: gl.constexpr):
 
 
 @gluon.jit
-def _qk_retire(acc, CFG: gl.constexpr):
+def _qk_retire(acc, CFG: gl.constexpr, SCALE: gl.constexpr = True):
     """Wait for this warpgroup's part of a tile's rotation (in flight in `acc`). No barrier: the
     other warpgroup's wgmma (and so the A buffer or ring slot both read) is known retired only
-    after _qk_finish's barrier, which every warp reaches after its own wait."""
+    after _qk_finish's barrier, which every warp reaches after its own wait. SCALE: times
+    HAD_SCALE (not for smoothed K tiles: _smooth fuses it)."""
     acc = warpgroup_mma_wait(0, deps=[acc])
-    return acc * CFG.HAD_SCALE
+    if SCALE:
+        return acc * CFG.HAD_SCALE
+    else:
+        return acc
 
 
 @gluon.jit
@@ -405,8 +478,33 @@ def _cta_amax(amax_smem):
 
 
 @gluon.jit
+def _smooth(acc, smooth, z, h, g, D: gl.constexpr, HAD_SCALE: gl.constexpr):
+    """smooth_k (kernel._qk_tile): K tile `acc` (the rotation, HAD_SCALE not applied) times
+    HAD_SCALE minus its head's mean, as the Triton kernel compiles it: LLVM contracts its
+    `acc * HAD_SCALE` and `- mean` into fma(acc, HAD_SCALE, -mean) (fma.rn.f32 in its PTX, one
+    rounding; at D 64 the scale is 1/8 and the product exact either way), so here the same FMA,
+    explicit. Rows past the length are 0 (they count in the amax), as the Triton kernel's
+    `where`, in the ragged last row block only (a branch a tile, not a select a value).
+    `smooth` = (K_MEAN, H, L)."""
+    K_MEAN, H, L = smooth
+    layout: gl.constexpr = acc.type.layout
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    mean = gl.load(K_MEAN + (z * H + h) * D + cols)
+    # -mean as mean * -1 (the sign flip, -0 for +0, as the Triton kernel's contracted fneg;
+    # Gluon's unary minus is 0 - mean, +0 for +0)
+    m2, acc = gl.broadcast(gl.expand_dims(mean * -1.0, 0), acc)
+    y = gl.fma(acc, gl.full(acc.shape, HAD_SCALE, gl.float32, layout), m2)
+    if g * 128 + 128 > L:
+        rows = g * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, layout))
+        ok, y = gl.broadcast(gl.expand_dims(rows < L, 1), y)
+        y = gl.where(ok, y, 0.0)
+    return y
+
+
+@gluon.jit
 def _qk_finish(y, stage, empty, slot, a_stage, a_cnt, a_parts, RELEASE: gl.constexpr,
-               STORE_A: gl.constexpr, CFG: gl.constexpr):
+               STORE_A: gl.constexpr, CFG: gl.constexpr, smooth=None, at=None,
+               SMOOTH: gl.constexpr = False):
     """A rotated tile y (fp32, HAD_SCALE applied): amax, scale, quantized into the staging buffer
     (returns the scale; _qk_publish stores the tile: fence, the second barrier, TMA store). The
     first barrier publishes the warps' amax partials, orders the staging stores after the
@@ -421,6 +519,8 @@ def _qk_finish(y, stage, empty, slot, a_stage, a_cnt, a_parts, RELEASE: gl.const
     barrier of its own); _qk_publish's fence and barrier then publish it to the next wgmma."""
     D: gl.constexpr = CFG.D
     o_stage, amax_smem = stage
+    if SMOOTH:
+        y = _smooth(y, smooth, at[0], at[1], at[2], D, CFG.HAD_SCALE)
     _warp_amax(gl.abs(y), amax_smem)
     tma.store_wait(0)
     gl.thread_barrier()
@@ -500,8 +600,17 @@ def _v_tile(ring, vt_stage, amax_smem, vt_desc, V_SCALE, V_SCALE_MAX, ready, emp
 
 
 @gluon.jit
+def _v_store(cnt, z, h, g, args, CFG: gl.constexpr):
+    """The consumer's V tile (_v_walk's body)."""
+    ring, vt_stage, amax_smem, vt_desc, V_SCALE, V_SCALE_MAX, ready, empty, H, G = args
+    return _v_tile(ring, vt_stage, amax_smem, vt_desc, V_SCALE, V_SCALE_MAX, ready, empty, cnt, z,
+                   h, g, H, G, CFG)
+
+
+@gluon.jit
 def _qk_next(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, empty, cnt, acc,
-             tabs, prev, H, G, dtype: gl.constexpr, CFG: gl.constexpr):
+             tabs, prev, H, G, dtype: gl.constexpr, CFG: gl.constexpr, smooth,
+             SMOOTH: gl.constexpr):
     """RoPE, pipelined: tile cnt + 1's RoPE under tile cnt's wgmma (`acc`, in flight), then tile
     cnt (at `prev` = (z, h, g)) quantized and stored, and tile cnt + 1's wgmma issued: after
     tile cnt's TMA store (CFG.DEFER_A), or before its staging barrier, which then runs under it."""
@@ -511,9 +620,9 @@ def _qk_next(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, emp
                      CFG.ROPE_RELEASE, CFG)
     if not CFG.DEFER_A:
         fence_async_shared()                   # published by _qk_finish's first barrier
-    y = _qk_retire(acc, CFG)
+    y = _qk_retire(acc, CFG, not SMOOTH)
     scale = _qk_finish(y, stage, empty, (cnt + 1) % CFG.STAGES, a_stage, cnt + 1, parts,
-                       not CFG.ROPE_RELEASE, CFG.DEFER_A, CFG)
+                       not CFG.ROPE_RELEASE, CFG.DEFER_A, CFG, smooth, prev, SMOOTH)
     if CFG.DEFER_A:
         _qk_publish(scale, o_stage, out_desc, SCALE, z, h, g, H, G)
         acc = _qk_issue(ring, a_stage, had_smem, cnt + 1, CFG)
@@ -526,7 +635,8 @@ def _qk_next(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, emp
 @gluon.jit
 def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, empty, cnt,
               COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, Z, H, L, U, HC, G, u0,
-              dtype: gl.constexpr, HAS_POS: gl.constexpr, CFG: gl.constexpr):
+              dtype: gl.constexpr, HAS_POS: gl.constexpr, CFG: gl.constexpr, K_MEAN,
+              SMOOTH: gl.constexpr, tabs_first=0, PRELOADED: gl.constexpr = False):
     """This program's Q (or K) units (u0, u0 + n_programs, ...; HC divides H, so every unit has
     HC heads): the table rows of a unit's row block once, then its heads. One flat loop over the
     program's tiles (tile t: unit t // HC, head t % HC of it).
@@ -544,6 +654,7 @@ def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, em
     branches with RoPE (ptxas C7515: "non wgmma instructions defining accumulator registers")."""
     n_prog = gl.num_programs(0)
     n_tiles = (U - u0 + n_prog - 1) // n_prog * HC
+    smooth = (K_MEAN, H, L)
     u = u0
     z, g, h, h1 = _unit(u, Z, H, HC)
     if CFG.ROPE == "":
@@ -551,9 +662,9 @@ def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, em
             mbarrier.wait(ready.index(cnt % CFG.STAGES), (cnt // CFG.STAGES) & 1)
             acc = _qk_issue(ring, a_stage, had_smem, cnt, CFG)
             for t in range(1, n_tiles):
-                y = _qk_retire(acc, CFG)
+                y = _qk_retire(acc, CFG, not SMOOTH)
                 scale = _qk_finish(y, stage, empty, cnt % CFG.STAGES, a_stage, 0, 0, True, False,
-                                   CFG)
+                                   CFG, smooth, (z, h, g), SMOOTH)
                 mbarrier.wait(ready.index((cnt + 1) % CFG.STAGES), ((cnt + 1) // CFG.STAGES) & 1)
                 acc = _qk_issue(ring, a_stage, had_smem, cnt + 1, CFG)
                 _qk_publish(scale, stage[0], out_desc, SCALE, z, h, g, H, G)
@@ -562,8 +673,9 @@ def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, em
                 if h == h1:   # the next unit (no division a tile)
                     u += n_prog
                     z, g, h, h1 = _unit(u, Z, H, HC)
-            y = _qk_retire(acc, CFG)
-            scale = _qk_finish(y, stage, empty, cnt % CFG.STAGES, a_stage, 0, 0, True, False, CFG)
+            y = _qk_retire(acc, CFG, not SMOOTH)
+            scale = _qk_finish(y, stage, empty, cnt % CFG.STAGES, a_stage, 0, 0, True, False, CFG,
+                               smooth, (z, h, g), SMOOTH)
             _qk_publish(scale, stage[0], out_desc, SCALE, z, h, g, H, G)
             cnt += 1
     elif n_tiles > 0:
@@ -571,9 +683,13 @@ def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, em
         # next unit's are loaded after it, under the last tile's wgmma (past the last unit the
         # rows are >= L: every load masked off). Carried through a branch of a flat tile loop,
         # they were repacked every tile (+190 instructions at D 128); a peeled copy of the head
-        # loop spilled at D 128.
-        tabs = _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, g * 128, L,
-                            HAS_POS, CFG)
+        # loop spilled at D 128. PRELOADED: the first unit's tables are the caller's (the Q phase's,
+        # loaded before the Hadamard matrix: two L2 / DRAM round trips at the start overlap).
+        if PRELOADED:
+            tabs = tabs_first
+        else:
+            tabs = _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, g * 128, L,
+                                HAS_POS, CFG)
         _qk_rope(ring, ring32, a_stage, ready, empty, cnt, tabs, dtype, True, False, CFG)
         fence_async_shared()
         gl.thread_barrier()                    # every warp's A rows written, the slot read
@@ -584,13 +700,15 @@ def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, em
         for uu in range(u0, U, n_prog):
             for hh in range(h, h1):
                 cnt, acc = _qk_next(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE,
-                                    ready, empty, cnt, acc, tabs, prev, H, G, dtype, CFG)
+                                    ready, empty, cnt, acc, tabs, prev, H, G, dtype, CFG, smooth,
+                                    SMOOTH)
                 prev = (z, hh, g)
             z, g, h, h1 = _unit(uu + n_prog, Z, H, HC)
             tabs = _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, g * 128,
                                 L, HAS_POS, CFG)
-        y = _qk_retire(acc, CFG)
-        scale = _qk_finish(y, stage, empty, 0, a_stage, 0, 0, False, False, CFG)
+        y = _qk_retire(acc, CFG, not SMOOTH)
+        scale = _qk_finish(y, stage, empty, 0, a_stage, 0, 0, False, False, CFG, smooth, prev,
+                           SMOOTH)
         _qk_publish(scale, stage[0], out_desc, SCALE, prev[0], prev[1], prev[2], H, G)
         cnt += 1
     return cnt
@@ -602,11 +720,16 @@ def _consumer(descs, smem, bars, sizes, outs, tables, CFG: gl.constexpr):
     ring, ring32, a_stage, had_smem, o_stage, vt_stage, amax_smem = smem
     ready, empty = bars
     Z, HQ, HKV, M, N, P, UQ, UK, HCQ, HCK = sizes
-    Q_SCALE, K_SCALE, V_SCALE, V_SCALE_MAX, HADK, QG, KG = outs
+    Q_SCALE, K_SCALE, V_SCALE, V_SCALE_MAX, HADK, QG, KG, K_MEAN, V_START = outs
     COS, SIN, QPOS, KPOS, stride_tz, stride_tp, stride_qpz, stride_kpz = tables
     dtype: gl.constexpr = v_desc.dtype
     pid = gl.program_id(0)
     n_prog = gl.num_programs(0)
+    tabs = 0
+    if CFG.ROPE != "":   # the first Q unit's table rows, in flight while HADK loads
+        z, g, h0, h1 = _unit(pid, Z, HQ, HCQ)
+        tabs = _table_parts(COS, SIN, QPOS, stride_qpz, stride_tz, stride_tp, P, z, g * 128, M,
+                            CFG.Q_POS, CFG)
     _load_had(HADK, had_smem, CFG)
     fence_async_shared()
     gl.thread_barrier()
@@ -614,15 +737,18 @@ def _consumer(descs, smem, bars, sizes, outs, tables, CFG: gl.constexpr):
     stage = (o_stage, amax_smem)
     cnt = _qk_units(ring, ring32, a_stage, had_smem, stage, q8_desc, Q_SCALE, ready, empty, cnt,
                     COS, SIN, QPOS, stride_qpz, stride_tz, stride_tp, P, Z, HQ, M, UQ, HCQ, QG,
-                    pid, dtype, CFG.Q_POS, CFG)
+                    pid, dtype, CFG.Q_POS, CFG, K_MEAN, False, tabs, CFG.ROPE != "")
+    if CFG.PDL:
+        # smooth_k's K_MEAN: this launch started under the pre-passes (programmatic dependent
+        # launch); the Q tiles did not need them, the K tiles do (griddepcontrol.wait: the
+        # k_mean grid done, which waited for k_sums, and their stores visible)
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
     cnt = _qk_units(ring, ring32, a_stage, had_smem, stage, k8_desc, K_SCALE, ready, empty, cnt,
                     COS, SIN, KPOS, stride_kpz, stride_tz, stride_tp, P, Z, HKV, N, UK, HCK, KG,
-                    _first_unit(UQ, n_prog), dtype, CFG.K_POS, CFG)
-    for u in range(_first_unit(UQ + UK, n_prog), UK, n_prog):
-        z, g, h0, h1 = _unit(u, Z, HKV, HCK)
-        for h in range(h0, h1):
-            cnt = _v_tile(ring, vt_stage, amax_smem, vt_desc, V_SCALE, V_SCALE_MAX, ready, empty,
-                          cnt, z, h, g, HKV, KG, CFG)
+                    _first_unit(UQ, n_prog), dtype, CFG.K_POS, CFG, K_MEAN, CFG.SMOOTH)
+    _v_walk(cnt, _v_store, (ring, vt_stage, amax_smem, vt_desc, V_SCALE, V_SCALE_MAX, ready, empty,
+                           HKV, KG), V_START, Z, HKV, UQ, UK, HCK, CFG)
     tma.store_wait(0)   # the last stores must finish reading shared memory before the CTA exits
 
 
@@ -634,7 +760,7 @@ def prologue_sm90_kernel(
     q_desc, k_desc, v_desc,          # inputs: [Z, H, L, D] boxes [1, 1, T, DQ] (bf16 / fp16; Q and
                                      # K as int32 words under "interleaved")
     q8_desc, k8_desc, vt_desc,       # outputs: boxes [1, 1, T, D] (Q8, K8), [1, 1, DQ, T] (VT8)
-    Q_SCALE, K_SCALE, V_SCALE, V_SCALE_MAX, HADK,
+    Q_SCALE, K_SCALE, V_SCALE, V_SCALE_MAX, HADK, K_MEAN, V_START,
     COS, SIN, QPOS, KPOS, stride_tz, stride_tp, stride_qpz, stride_kpz,
     Z, HQ, HKV, M, N, P, UQ, UK, HCQ, HCK, QG, KG,
     CFG: gl.constexpr,
@@ -684,7 +810,7 @@ def prologue_sm90_kernel(
     smem = (ring, ring32, a_stage, had_smem, o_stage, vt_stage, amax_smem)
     bars = (ready, empty)
     sizes = (Z, HQ, HKV, M, N, P, UQ, UK, HCQ, HCK)
-    outs = (Q_SCALE, K_SCALE, V_SCALE, V_SCALE_MAX, HADK, QG, KG)
+    outs = (Q_SCALE, K_SCALE, V_SCALE, V_SCALE_MAX, HADK, QG, KG, K_MEAN, V_START)
     tables = (COS, SIN, QPOS, KPOS, stride_tz, stride_tp, stride_qpz, stride_kpz)
     gl.warp_specialize([
         (_consumer, (descs, smem, bars, sizes, outs, tables, CFG)),
@@ -718,18 +844,21 @@ def program_regs(D: int, rope: bool, per_sm: int):
 
 def default_stages(D: int, rope: bool, per_sm: int = 1) -> int:
     """Ring depth, for about 100 KB of input in flight an SM (one program an SM: 8 consumer warps
-    at 240 registers and the producer's warpgroup at 24 take the register file): D 128 with RoPE 3
-    stages (96 KB in flight, 208 KB of shared memory with two A buffers; 4 do not fit), without
+    at 240 registers and the producer's warpgroup at 24 take the register file): D 128 with RoPE 2
+    stages (64 KB in flight, 176 KB of shared memory with two A buffers; 3 fit and were 1.5-2%
+    slower on the H200, fp8-prologue-bw-nvidia-h200-2026-11-29-1022; 4 do not fit), without
     RoPE 4 (128 KB in flight, 176 KB); D 64 7 stages (112 KB in flight, 160 / 128 KB); D 64 at two
     programs an SM 4 each (128 KB in flight an SM, 80 KB of shared memory a program)."""
     if D > 64:
-        return 3 if rope else 4
+        return 2 if rope else 4
     return 4 if per_sm >= 2 else 7
 
 
 def serves(q, k, v, recipe, rope) -> bool:
-    """The hot case: D = Dv in {64, 128}, bf16 / fp16, Hadamard on, blocks of 128 rows, no
-    smooth_k, RoPE none or over all D channels with 2-byte tables, TMA-aligned inputs."""
+    """The hot case: D = Dv in {64, 128}, bf16 / fp16, Hadamard on, blocks of 128 rows, RoPE none
+    or over all D channels with 2-byte tables, TMA-aligned inputs. smooth_k too (since
+    2026-11-29): kernel.k_sums_kernel and kernel.k_mean_kernel run first, the K tiles subtract
+    K_MEAN (_smooth)."""
     import torch
 
     from ..tma import tma_aligned
@@ -737,7 +866,7 @@ def serves(q, k, v, recipe, rope) -> bool:
     D, Dv = q.shape[-1], v.shape[-1]
     if D != Dv or D not in (64, 128) or q.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if not recipe.hadamard or recipe.smooth_k or recipe.block_m != T_ROWS or recipe.block_n != T_ROWS:
+    if not recipe.hadamard or recipe.block_m != T_ROWS or recipe.block_n != T_ROWS:
         return False
     if rope is not None:
         if rope.cos.shape[-1] != D or rope.cos.dtype not in (torch.bfloat16, torch.float16):
@@ -809,6 +938,64 @@ def unit_heads(q_blocks: int, hq: int, k_blocks: int, hkv: int, n_programs: int,
     return hcq, hck
 
 
+# A warp's loop instructions a Q / K tile and a V tile (sm90 SASS, the defaults; GLUON_TILE_LOOPS in
+# tests/test_fp8_prologue.py): v_plan's weights, by (head dim, RoPE). The measured time of a launch
+# tracks them at ~5.5 cycles a warp instruction (docs/design/fp8_prologue.md, "RoPE against plain").
+TILE_COST = {(128, True): (853, 520), (128, False): (667, 533), (64, True): (481, 341),
+             (64, False): (432, 344)}
+
+
+def grid_and_units(B: int, Hq: int, Hkv: int, qg: int, kg: int, n_programs: int,
+                   rope: bool) -> tuple[int, int, int, int, int]:
+    """(grid, HCQ, HCK, Q units, K units) of a launch: unit_heads' plan and the persistent grid."""
+    hcq, hck = unit_heads(B * qg, Hq, B * kg, Hkv, n_programs, rope)
+    uq, uk = B * qg * -(-Hq // hcq), B * kg * -(-Hkv // hck)
+    return min(n_programs, uq + 2 * uk), hcq, hck, uq, uk
+
+
+def v_plan(q_units: int, hcq: int, k_units: int, hck: int, v_tiles: int, n_programs: int,
+           cost: tuple[int, int]) -> list[int]:
+    """V_START: program p takes V tiles [V_START[p], V_START[p + 1]) (tile t is head t % H of row
+    block t // H, batch-major within a block: _unit(t, Z, H, 1)), after its Q and K units of the
+    launch's round-robin. The V tiles fill the programs up to one level of weighted work (cost =
+    (a Q / K tile, a V tile)), the lightest first: with RoPE the Q / K units are whole head sets
+    (unit_heads: 16 tiles at B 1 H 16), so the round-robin leaves 124 programs with 32 Q / K tiles
+    and 8 with 16, and hands out V tiles 15-16 apiece: 48 tiles on the busiest program, 35.6k
+    weighted; here those 8 take 40 V tiles and the others 13-14: 34.6k (-2.9%). Which program
+    takes which tile changes no byte.
+
+    Example::
+
+        >>> starts = v_plan(128, 16, 128, 16, 2048, 132, (853, 520))
+        >>> starts[-1], starts[1] - starts[0], starts[-1] - starts[-2]
+        (2048, 14, 40)
+    """
+    P, (wq, wv) = n_programs, cost
+
+    def count(units, before, p):          # units of a phase that program p takes (_first_unit)
+        return units // P + ((p - before) % P < units % P)
+
+    c = [wq * (hcq * count(q_units, 0, p) + hck * count(k_units, q_units, p)) for p in range(P)]
+    fill = lambda level: [max(0, (level - cp) // wv) for cp in c]   # noqa: E731
+    lo, hi = 0, max(c) + wv * v_tiles
+    while lo < hi:                        # the lowest level that holds every V tile
+        mid = (lo + hi) // 2
+        if sum(fill(mid)) >= v_tiles:
+            hi = mid
+        else:
+            lo = mid + 1
+    n = fill(lo)
+    # one tile fewer for as many as needed of the programs that reached the level exactly
+    over = sum(n) - v_tiles
+    for p in sorted((p for p in range(P) if n[p] > 0), key=lambda p: (c[p] + wv * n[p], p),
+                    reverse=True)[:over]:
+        n[p] -= 1
+    starts = [0]
+    for x in n:
+        starts.append(starts[-1] + x)
+    return starts
+
+
 def interleaved_rows(had):
     """HAD's rows in the order "interleaved" RoPE hands the channels to the wgmma: the even channels,
     then the odd ones (kernel.py's contraction order for pairs).
@@ -828,7 +1015,8 @@ def interleaved_rows(had):
 
 def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride_qpz, stride_kpz,
            P, rope_style: str, q_pos: bool, k_pos: bool, recipe, stages=None, n_programs=None,
-           per_sm=None, words=None, rope_release=None):
+           per_sm=None, words=None, rope_release=None, k_mean=None, rope_words=None, pdl=False,
+           v_start=None):
     """(kernel, args, kwargs, grid) of prologue_sm90_kernel writing `ops` (host.prepare_prologue
     allocates them as for the Triton kernel). `had` is HAD [D, D] in the input dtype. "interleaved"
     RoPE reads Q and K as int32 pair words against HAD's rows in even-then-odd order: `words`, (Q's
@@ -856,25 +1044,44 @@ def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride
     k8 = _desc(ops.k, [1, 1, T_ROWS, D])
     vt = _desc(ops.vt, [1, 1, DQ, T_ROWS])
     qg, kg = ops.q_scale.shape[-1], ops.k_scale.shape[-1]
-    if n_programs is None:
-        if q.device.type == "cuda":
-            sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        else:
-            sms = DEFAULT_PROGRAMS
-        n_programs = sms * per_sm
-    hcq, hck = unit_heads(B * qg, Hq, B * kg, Hkv, n_programs, bool(rope_style))
+    n_programs = n_programs or programs_of(q.device, per_sm)
+    grid, hcq, hck, uq, uk = grid_and_units(B, Hq, Hkv, qg, kg, n_programs, bool(rope_style))
     assert Hq % hcq == 0 and Hkv % hck == 0, (Hq, hcq, Hkv, hck)   # _qk_units' tile count
-    uq = B * qg * -(-Hq // hcq)
-    uk = B * kg * -(-Hkv // hck)
     cfg = GluonPrologue(D=D, STAGES=stages, ROPE=rope_style, Q_POS=q_pos, K_POS=k_pos,
                         QK_INT8=recipe.qk == "int8", HAD_SCALE=hadamard_block(D) ** -0.5,
                         PRODUCER_REGS=40,
-                        RELEASE_IN_ROPE=True if rope_release is None else bool(rope_release))
+                        RELEASE_IN_ROPE=False if rope_release is None else bool(rope_release),
+                        SMOOTH=bool(recipe.smooth_k),
+                        ROPE_WORDS=True if rope_words is None else bool(rope_words),
+                        PDL=bool(pdl and recipe.smooth_k), V_PLAN=v_start is not None)
+    if recipe.smooth_k:
+        assert k_mean is not None, "smooth_k: the Gluon kernel reads K_MEAN (kernel.k_mean_kernel)"
     args = (q_in, k_in, v_in, q8, k8, vt, ops.q_scale, ops.k_scale, ops.v_scale, ops.v_scale_max,
-            hadk, cos, sin, qpos, kpos, stride_tz, stride_tp, stride_qpz, stride_kpz,
+            hadk, hadk if k_mean is None else k_mean, hadk if v_start is None else v_start,
+            cos, sin, qpos, kpos, stride_tz, stride_tp, stride_qpz, stride_kpz,
             B, Hq, Hkv, M, N, max(P, 1), uq, uk, hcq, hck, qg, kg)
     kwargs = dict(CFG=cfg, num_warps=CONSUMER_WARPS)
+    if cfg.PDL:
+        kwargs["launch_pdl"] = True
     regs = program_regs(D, bool(rope_style), per_sm)
     if regs:
         kwargs["maxnreg"] = regs
-    return prologue_sm90_kernel, args, kwargs, (min(n_programs, uq + 2 * uk),)
+    return prologue_sm90_kernel, args, kwargs, (grid,)
+
+
+def programs_of(device, per_sm: int) -> int:
+    """The persistent programs a launch asks for: the device's SMs (DEFAULT_PROGRAMS without one)
+    times programs an SM."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count * per_sm
+    return DEFAULT_PROGRAMS * per_sm
+
+
+def v_start_of(B: int, Hq: int, Hkv: int, qg: int, kg: int, D: int, rope: bool, device,
+               per_sm=None) -> list[int]:
+    """v_plan's V_START for a launch of these sizes (the grid and units launch() takes)."""
+    per_sm = per_sm or default_programs_per_sm(D, rope)
+    grid, hcq, hck, uq, uk = grid_and_units(B, Hq, Hkv, qg, kg, programs_of(device, per_sm), rope)
+    return v_plan(uq, hcq, uk, hck, B * kg * Hkv, grid, TILE_COST[(D, rope)])

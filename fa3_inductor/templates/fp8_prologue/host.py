@@ -14,9 +14,9 @@ import torch
 import triton
 
 from ...fp8_recipe import FP8Operands, FP8Recipe, RopeSpec
-from ...runtime.fast_launch import aliasing, launch_cached, on_clear, tensor_signature
+from ...runtime.fast_launch import aliasing, launch_cached, on_clear, recorded, tensor_signature
 from .hadamard import hadamard_block, sign_hadamard
-from .kernel import Quantization, Rotation, Tiles, k_sums_kernel, prologue_kernel
+from .kernel import Quantization, Rotation, Tiles, k_mean_kernel, k_sums_kernel, prologue_kernel
 from .reference import SMOOTH_SAMPLE
 
 MAX_HEAD_DIM = 256
@@ -51,8 +51,19 @@ class PrologueTuning:
       gluon_sm90.default_programs_per_sm, 2 at D 64 without RoPE, else 1);
     - ``gluon_rope_release``: with RoPE at D 128, the Gluon kernel releases a tile's ring slot
       inside its RoPE, under the previous tile's wgmma (True), or after the previous tile's amax
-      barrier (False: one barrier fewer a tile, but on the chain between two wgmmas); None: True
-      (gluon_sm90.GluonPrologue.ROPE_RELEASE). The same operations either way.
+      barrier (False: one barrier fewer a tile, but on the chain between two wgmmas); None: False
+      since the H200 sweep of 2026-11-29 (gluon_sm90.GluonPrologue.ROPE_RELEASE). The same
+      operations either way;
+    - ``gluon_rope_words``: RoPE "half" on the Gluon kernel reads Q / K from the ring as int32
+      pair words, widened by a shift and a mask (True), or as bf16 / fp16 values widened the
+      generic way (False: two instructions for every odd channel); None: True
+      (gluon_sm90._ring_half). The same values either way;
+    - ``gluon_pdl``: smooth_k on the Gluon kernel: its two pre-passes (k_sums_kernel,
+      k_mean_kernel) and the kernel chained by programmatic dependent launch, the Q tiles running
+      under the pre-passes (True), or three launches in stream order (False); None: True;
+    - ``gluon_v_plan``: the Gluon kernel's V tiles by a host plan that evens out the programs'
+      weighted work (gluon_sm90.v_plan, True) or by the launch's round-robin of units (False);
+      None: True with RoPE, False without. Which program takes which tile changes no byte.
 
     Example::
 
@@ -68,6 +79,9 @@ class PrologueTuning:
     kernel: Optional[str] = None
     gluon_stages: Optional[int] = None
     gluon_rope_release: Optional[bool] = None
+    gluon_rope_words: Optional[bool] = None
+    gluon_pdl: Optional[bool] = None
+    gluon_v_plan: Optional[bool] = None
 
 
 DEFAULT_TUNING = PrologueTuning()
@@ -541,6 +555,15 @@ class PrologueLayout:
             kwargs["maxnreg"] = maxnreg
         self.kernels.append((prologue_kernel, kwargs))
         self._grids.append(None)        # _programs' choice, on the first bind (it compiles the kernel)
+        # smooth_k on the Gluon kernel: K's mean per head (kernel._k_mean, the Triton K programs'
+        # operations) between the pre-pass and it (launches()). With tuning.gluon_pdl (default on)
+        # the three launches are chained by programmatic dependent launch: k_sums lets k_mean
+        # start, k_mean lets the Gluon kernel start, whose Q tiles run under the pre-passes;
+        # k_mean waits for k_sums, the Gluon K tiles for k_mean.
+        pdl = tuning.gluon_pdl is None or bool(tuning.gluon_pdl)
+        self._k_mean = (k_mean_kernel, dict(D=D, BLOCK_D=block_d, QUANT=quant, num_warps=1,
+                                            PDL=pdl, **({"launch_pdl": True} if pdl else {})),
+                        (B * Hkv,), (n_chunks, n_sample), pdl) if recipe.smooth_k else None
         self._groups, self._tuning = max(nq, nk), tuning
         self.key = key
         # The hot case on sm90 takes gluon_sm90's kernel instead of the launches above (_takes_gluon)
@@ -551,6 +574,16 @@ class PrologueLayout:
             from .gluon_sm90 import interleaved_rows
 
             self._gluon_rows = interleaved_rows(self.had)
+        # The Gluon kernel's V tiles by program (gluon_sm90.v_plan), made once: on by default with
+        # RoPE (whole head sets a Q / K unit leave the round-robin's V tiles unbalanced)
+        self._gluon_vstart = None
+        plan = tuning.gluon_v_plan if tuning.gluon_v_plan is not None else rope is not None
+        if self.gluon and plan:
+            from .gluon_sm90 import v_start_of
+
+            self._gluon_vstart = torch.tensor(
+                v_start_of(B, Hq, Hkv, qg, kg, D, rope is not None, dev, tuning.programs_per_sm),
+                dtype=torch.int32, device=dev)
         self._gluon_statics = (stride_tz, stride_tp, stride_qpz, stride_kpz, P,
                                rope.style if rope is not None else "",
                                rope is not None and rope.q_positions is not None,
@@ -581,8 +614,16 @@ class PrologueLayout:
         """This call's operands (allocated, not yet written) and the launches' tensors, in the
         order :meth:`args` reads them: q, k, v, the operands, K's partial sums (None without
         smoothing), k_mean (None), the Hadamard matrix, cos, sin, q and k positions (None without);
-        for the Gluon kernel with "interleaved" RoPE then q and k as int32 words and its HAD rows.
+        for the Gluon kernel with "interleaved" RoPE then q and k as int32 words and its HAD rows,
+        and with its V plan (gluon_sm90.v_plan) last its V_START.
         ``q, k, v, rope`` must have this layout's signature (layout_of's key)."""
+        ops, k_part = self.allocate()
+        return ops, self.inputs_of(ops, k_part, q, k, v, rope)
+
+    def allocate(self, fill: bool = True) -> tuple[FP8Operands, Optional[torch.Tensor]]:
+        """(the operands, K's partial sums or None): fresh tensors of this layout, not yet written;
+        ``fill``: v_scale_max filled with -1, as the launches need it (:meth:`bind`). A caller that
+        keeps them for later calls fills v_scale_max itself before each (runtime.ops_fp8's memo)."""
         dev = self.device
         (sq, dq), (sk, dk), (svt, dvt), (sqs, f32), (sks, _), (svs, _) = self.outputs
         # v_scale_max starts at -1, below every scale: the kernel's atomic max of the scales of V's
@@ -596,27 +637,45 @@ class PrologueLayout:
                           q_scale=torch.empty(sqs, dtype=f32, device=dev),
                           k_scale=torch.empty(sks, dtype=f32, device=dev),
                           v_scale=torch.empty(svs, dtype=f32, device=dev),
-                          v_scale_max=torch.full(self.scale_max_shape, -1.0, dtype=f32, device=dev),
+                          v_scale_max=(torch.full(self.scale_max_shape, -1.0, dtype=f32, device=dev)
+                                       if fill else
+                                       torch.empty(self.scale_max_shape, dtype=f32, device=dev)),
                           k_mean=k_mean, recipe=self.recipe, n=self.n)
         k_part = None if self.k_part_shape is None else torch.empty(self.k_part_shape, dtype=f32,
                                                                     device=dev)
+        return ops, k_part
+
+    def inputs_of(self, ops: FP8Operands, k_part: Optional[torch.Tensor], q: torch.Tensor,
+                  k: torch.Tensor, v: torch.Tensor, rope: Optional[RopeSpec],
+                  recorded: bool = False) -> tuple:
+        """The launches' tensors (:meth:`bind`'s second item) over :meth:`allocate`'s operands.
+        ``recorded``: for this layout's recorded launches only (:meth:`recorded_launches`), which
+        read RoPE's tables as addresses: [P, R] tables are left without the batch axis a first
+        launch's arguments show (the same address, the strides are the layout's), two views fewer."""
         if rope is None:
             cos = sin = qpos = kpos = None
         else:
-            cos, sin = self._tables(rope)
+            if recorded:
+                cos, sin = _last_dim_contiguous(rope.cos), _last_dim_contiguous(rope.sin)
+                if sin.stride() != cos.stride():     # as _tables: the same test on the same shapes
+                    sin, cos = sin.contiguous(), cos.contiguous()
+            else:
+                cos, sin = self._tables(rope)
             qpos, kpos = (None if p is None else self._pos(p) for p in (rope.q_positions,
                                                                           rope.k_positions))
         q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
         inputs = (q, k, v, ops.q, ops.k, ops.vt, ops.q_scale, ops.k_scale, ops.v_scale,
-                  ops.v_scale_max, k_part, k_mean, self.had, cos, sin, qpos, kpos)
+                  ops.v_scale_max, k_part, ops.k_mean, self.had, cos, sin, qpos, kpos)
         if self._gluon_rows is not None:   # the Gluon kernel's int32 views and HAD rows, as inputs
             inputs += (q.view(torch.int32), k.view(torch.int32), self._gluon_rows)
-        return ops, inputs
+        if self._gluon_vstart is not None:   # and its V plan
+            inputs += (self._gluon_vstart,)
+        return inputs
 
     def args(self, i: int, inputs: tuple) -> tuple:
         """The positional arguments of launch ``i`` on :meth:`bind`'s ``inputs``."""
         (q, k, v, oq, ok, ovt, q_scale, k_scale, v_scale, v_scale_max, k_part, k_mean, had, cos, sin,
-         qpos, kpos) = inputs
+         qpos, kpos) = inputs[:17]
         cos = had if cos is None else cos
         sin = had if sin is None else sin
         qpos = had if qpos is None else qpos
@@ -639,7 +698,11 @@ class PrologueLayout:
             had if qpos is None else qpos, had if kpos is None else kpos, stride_tz, stride_tp,
             stride_qpz, stride_kpz, P, style, q_pos, k_pos, self.recipe,
             stages=self._tuning.gluon_stages, per_sm=self._tuning.programs_per_sm,
-            words=inputs[17:] or None, rope_release=self._tuning.gluon_rope_release)
+            words=inputs[17:20] if self._gluon_rows is not None else None,
+            rope_release=self._tuning.gluon_rope_release,
+            k_mean=inputs[11], rope_words=self._tuning.gluon_rope_words,
+            pdl=self._k_mean is not None and self._k_mean[-1],
+            v_start=inputs[-1] if self._gluon_vstart is not None else None)
 
     def grid(self, i: int, inputs: tuple) -> tuple:
         """Launch ``i``'s grid (the main launch's persistent grid is chosen on the first call)."""
@@ -663,12 +726,48 @@ class PrologueLayout:
             else:
                 launch_cached((_LAUNCH_TAG, self.key, tag), inputs, lambda: (*prepare(), None))
 
+    def recorded_launches(self) -> Optional[tuple]:
+        """After a call launched through :meth:`launch` on CUDA: its launches' recorded entries in
+        runtime/fast_launch.py, in order (``relaunch(entry, inputs)`` each on a later :meth:`bind`'s
+        inputs does what :meth:`launch` does, without the lookups), or None where one is not
+        recorded (not CUDA, the interpreter, a launch the cache could not record).
+
+        Example::
+
+            >>> entries = layout.recorded_launches()                       # doctest: +SKIP
+            >>> for entry in entries: relaunch(entry, layout.bind(q, k, v, None)[1])   # doctest: +SKIP
+        """
+        if self.key is None:
+            return None
+        entries = tuple(recorded((_LAUNCH_TAG, self.key, tag)) for tag in self.launch_tags())
+        return None if any(entry is None for entry in entries) else entries
+
+    def launch_tags(self) -> tuple:
+        """The launch cache's tag of each launch :meth:`launches` makes, in order: every one of them is
+        replayed (smooth_k on the Gluon kernel is three: K's partial sums, K's mean, the kernel).
+
+        Example::
+
+            >>> layout.launch_tags()            # doctest: +SKIP
+            ('gluon',)
+        """
+        if self.gluon:
+            return (0, "k_mean", "gluon") if self._k_mean is not None else ("gluon",)
+        return tuple(range(len(self.kernels)))
+
     def launches(self, inputs: tuple, ops: FP8Operands) -> list:
         """(tag, prepare) per launch on :meth:`bind`'s ``inputs``, in order: ``prepare()`` gives its
         (kernel, args, kwargs, grid); ``tag`` names it in the launch cache. The Gluon kernel's one
-        launch where it serves the call, else the Triton launches (:attr:`kernels`)."""
+        launch where it serves the call (with smooth_k after k_sums_kernel and k_mean_kernel), else
+        the Triton launches (:attr:`kernels`)."""
         if self.gluon:
-            return [("gluon", lambda: self.gluon_launch(inputs, ops))]
+            out = [lambda: self.gluon_launch(inputs, ops)]
+            if self._k_mean is not None:   # smooth_k: the pre-pass, K's mean, then the Gluon kernel
+                kernel, kwargs, grid, scalars, pdl = self._k_mean
+                sums = dict(self.kernels[0][1], PDL=pdl)
+                out = [lambda: (self.kernels[0][0], self.args(0, inputs), sums, self.grid(0, inputs)),
+                       lambda: (kernel, (inputs[10], inputs[11], *scalars), kwargs, grid)] + out
+            return list(zip(self.launch_tags(), out))
         return [(i, lambda i=i, kernel=kernel, kwargs=kwargs:
                  (kernel, self.args(i, inputs), kwargs, self.grid(i, inputs)))
                 for i, (kernel, kwargs) in enumerate(self.kernels)]

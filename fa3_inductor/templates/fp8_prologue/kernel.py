@@ -61,6 +61,7 @@ from dataclasses import dataclass
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import reference
 
@@ -530,11 +531,20 @@ def _v_group(V, stride_vz, stride_vh, stride_vn, VT, SCALE, SCALE_MAX, z, h, H, 
 @triton.jit
 def _k_mean(K_PART, zh, cols, n, n_chunks, N, QUANT: tl.constexpr, BLOCK_D: tl.constexpr):
     """K's mean over its N sampled tokens at channels `cols` (those < n; the rest 0): the chunk
-    sums of K_PART added in a fixed order (deterministic)."""
-    c = tl.arange(0, QUANT.SMOOTH_CHUNKS)
-    part = tl.load(K_PART + (zh * QUANT.SMOOTH_CHUNKS + c[:, None]).to(tl.int64) * BLOCK_D
-                   + cols[None, :], mask=(c < n_chunks)[:, None] & (cols < n)[None, :], other=0.0)
-    return tl.div_rn(tl.sum(part, axis=0), N.to(tl.float32))
+    sums of K_PART added one after another, chunk 0 first (((p0 + p1) + p2) + ...: elementwise,
+    so the same bits in any layout; chunks past n_chunks add +0), then divided by N.
+    k_mean_kernel computes the same for the Gluon kernel, which reads K_MEAN (tl.sum over the
+    chunk axis grouped the adds by the layout Triton chose, which another kernel cannot follow)."""
+    CHUNKS: tl.constexpr = QUANT.SMOOTH_CHUNKS
+    s = tl.zeros(cols.shape, dtype=tl.float32)
+    for c in tl.static_range(CHUNKS):
+        part = tl.load(K_PART + (zh * CHUNKS + c).to(tl.int64) * BLOCK_D + cols,
+                       mask=(c < n_chunks) & (cols < n), other=0.0)
+        if c == 0:
+            s = part
+        else:
+            s = s + part
+    return tl.div_rn(s, N.to(tl.float32))
 
 
 @triton.jit
@@ -610,6 +620,24 @@ def prologue_kernel(
                  SHAPE.KV_ONE_TILE, SHAPE, QUANT)
 
 
+@triton.jit(do_not_specialize=["n_chunks", "N"])
+def k_mean_kernel(K_PART, K_MEAN, n_chunks, N, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                  QUANT: tl.constexpr, PDL: tl.constexpr = False):
+    """smooth_k for the Gluon kernel (gluon_sm90.py), between k_sums_kernel and it: head zh's mean
+    K_MEAN[zh, :D] from its K_PART rows, _k_mean's operations (the Triton prologue computes the
+    same values in its K programs), so that the Gluon kernel reads the bits the Triton kernel
+    subtracts. One program a head. PDL (launched programmatically dependent on k_sums_kernel):
+    lets the Gluon kernel start at once (it waits for this grid before its K tiles), then waits
+    for k_sums_kernel's stores."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    zh = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    tl.store(K_MEAN + zh * D + d, _k_mean(K_PART, zh, d, D, n_chunks, N, QUANT, BLOCK_D),
+             mask=d < D)
+
+
 @triton.jit
 def _sample_tokens(j, N, S):
     """Token of smooth_k's sample entry j (< S) in a head of N tokens: one token per stratum
@@ -628,12 +656,15 @@ def k_sums_kernel(
     K, K_PART, HAD, COS, SIN, KPOS,
     stride_kz, stride_kh, stride_kn, stride_tz, stride_tp, stride_kpz,
     HKV, N, S, P,
-    SHAPE: tl.constexpr, ROT: tl.constexpr, QUANT: tl.constexpr,
+    SHAPE: tl.constexpr, ROT: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """smooth_k's pre-pass over a sample of S tokens of K (_sample_tokens): program (zh, c) sums
     the RoPE'd sample rows [c·SMOOTH_ROWS, (c + 1)·SMOOTH_ROWS) of head zh, rotates the sum (the
     rotation is linear: rotating the D-vector is cheaper than the tiles) and writes it to
-    K_PART[zh, c]."""
+    K_PART[zh, c]. PDL (the Gluon kernel's smooth_k, sm90): lets the next launch (k_mean_kernel,
+    launched programmatically dependent) start at once; it waits for this grid's stores."""
+    if PDL:
+        gdc_launch_dependents()
     zh = tl.program_id(0)
     c = tl.program_id(1)
     z = zh // HKV

@@ -290,6 +290,14 @@ def _opaque(x):
 
 
 @gluon.jit
+def _lane_id():
+    """The thread's %laneid, read where it is called: LLVM can neither hoist it nor merge it with the thread index
+    it read at the kernel's entry (_consumer_overlap's dK / dV store). (%tid.x read this way made ptxas lose the
+    uniform datapath in the step loops: 1100 instructions instead of 838, sm90 triton 3.6.)"""
+    return gl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [0], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
               SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
               SPARSE: gl.constexpr, FLAGS: gl.constexpr, SCHED: gl.constexpr):
@@ -456,11 +464,12 @@ def _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, m0, row_off, WG: gl.constexpr,
 # Consumers with cross-step overlap (SCHED.OVERLAP; docs/design/hopper_backward.md, "Cross-step overlap").
 # ----------------------------------------------------------------------------------------------
 @gluon.jit
-def _make_p(qk, lse, m0, is_partial, z, hq, n0, M, N, p_smem, sm_scale, qk_scale2, score_bufs, mask_bufs,
+def _make_p(qk, lse, m0, is_partial, z, hq, n0, M, N, p_smem, sm_scale, qk_scale2, score_bufs, mask_bufs, slot,
             WG: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
             FLAGS: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr):
-    """P (and f' with a score_mod) of the step whose S = ``qk`` (rows m0.., this warpgroup's keys) into the
-    warpgroup's P slot (and f' slot), in 16 bits: what the dV wgmma and the dS of that step read."""
+    """P (and f' with a score_mod) of the step whose S = ``qk`` (rows m0.., this warpgroup's keys) into P slot
+    ``slot`` of p_smem (and f' into slot 2 + ``slot``), in 16 bits: what the dV wgmma and the dS of that step read.
+    ``slot`` is the warpgroup, or (OVERLAP 1, the head's prologue) the warpgroup plus an opaque zero."""
     s_layout: gl.constexpr = qk.type.layout
     rows_ = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     q_idx = gl.minimum(m0 + rows_, M - 1)[:, None]
@@ -469,10 +478,10 @@ def _make_p(qk, lse, m0, is_partial, z, hq, n0, M, N, p_smem, sm_scale, qk_scale
     p = _probabilities(qk, lse, z, hq, q_idx, kv_idx, is_partial, sm_scale, qk_scale2, score_bufs, mask_bufs,
                        SCORE_MOD, MASK_MOD, FLAGS)
     dtype: gl.constexpr = p_smem.dtype
-    p_smem.index(WG).store(p.to(dtype))
+    p_smem.index(slot).store(p.to(dtype))
     if SCORE_GRAD is not None:
         grad = gl.where(p > 0.0, SCORE_GRAD(qk, sm_scale, z, hq, q_idx, kv_idx, score_bufs), 0.0)
-        p_smem.index(2 + WG).store(grad.to(dtype))
+        p_smem.index(2 + slot).store(grad.to(dtype))
 
 
 @gluon.jit
@@ -527,7 +536,13 @@ def _consumer_overlap(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_
         z = kz + (hh // FLAGS.GQA_GROUP) * KZ
         hq = hkv * FLAGS.GQA_GROUP + hh % FLAGS.GQA_GROUP
         zh = z * HQ + hq
-        n_partial, n_total = _q_tile_counts(z, hq, kv_blk, M, tables, table_meta, TILE, SPARSE)
+        if DQ_UNDER and SPARSE.HAS_BLOCK_MASK and MASK_MOD is None:
+            # the tables' row of this KV block by an opaque zero: hoisted, qnb + 4 * kv_blk and fqnb + 4 * kv_blk
+            # (64-bit) were kept on the stack across the step loop (softcap with block-sparse tables: 4 spill
+            # instructions; with a mask_mod it moves causal's 4 to 6)
+            n_partial, n_total = _q_tile_counts(z, hq, kv_blk + _opaque(0), M, tables, table_meta, TILE, SPARSE)
+        else:
+            n_partial, n_total = _q_tile_counts(z, hq, kv_blk, M, tables, table_meta, TILE, SPARSE)
         stats_h = stats_ptr + zh.to(gl.int64) * (2 * M_PAD)      # LSE_P of the head; DELTA_P is M_PAD further
         m0 = n_total * 0
         if n_total > 0:
@@ -542,8 +557,12 @@ def _consumer_overlap(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_
             mbarrier.wait(qdo_ready.index(st0), (cnt // NUM_STAGES) & 1)
             s_tok = warpgroup_mma(q_t0, k_t0, s_zero, use_acc=False, is_async=True)
             qk0, _q0, _k0 = warpgroup_mma_wait(0, deps=[s_tok, q_t0, k_t0])
+            # OVERLAP 1: P's slot by an opaque zero, so that its stmatrix addresses are the step loop's (held
+            # there anyway) plus a per-head offset; indexed by the warpgroup alone, LLVM hoisted a second set of
+            # them (4 a slot, warpgroup 0) that ptxas kept on the stack across the step loop
             _make_p(qk0, lse0, m0, 0 < n_partial, z, hq, n0, M, N, p_smem, sm_scale, qk_scale2, score_bufs,
-                    mask_bufs, WG, SCORE_MOD, SCORE_GRAD, MASK_MOD, FLAGS, BLOCK_M, HALF_N)
+                    mask_bufs, WG + zero0 if DQ_UNDER else WG, WG, SCORE_MOD, SCORE_GRAD, MASK_MOD, FLAGS, BLOCK_M,
+                    HALF_N)
         for i in range(n_total):
             st = cnt % NUM_STAGES
             buf = cnt % 2
@@ -570,7 +589,9 @@ def _consumer_overlap(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_
             ds = p_mine.load(s_layout).to(gl.float32) * (dp - delta[:, None])
             if SCORE_GRAD is not None:
                 ds = ds * p_smem.index(2 + WG).load(s_layout).to(gl.float32)
-            ds_tile = ds_smem.index(buf)
+            # OVERLAP 1: the dS buffer by buf + an opaque zero: by buf alone, LLVM made warpgroup 0's four dS
+            # stmatrix addresses induction variables (+0x4000 a step), whose start ptxas reloaded every head
+            ds_tile = ds_smem.index(buf + zero if DQ_UNDER else buf)
             ds_mine = ds_tile.slice(WG * HALF_N, HALF_N, dim=1)
             ds_mine.store(ds.to(dtype))
             fence_async_shared()
@@ -596,7 +617,7 @@ def _consumer_overlap(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_
                 qk, dv, _p, _qn, _kt = warpgroup_mma_wait(1, deps=[s_tok, dv_tok, p_t, q_next, k_t])
             if has_next:
                 _make_p(qk, lse_next, m0_next, i + 1 < n_partial, z, hq, n0, M, N, p_smem, sm_scale, qk_scale2,
-                        score_bufs, mask_bufs, WG, SCORE_MOD, SCORE_GRAD, MASK_MOD, FLAGS, BLOCK_M, HALF_N)
+                        score_bufs, mask_bufs, WG, WG, SCORE_MOD, SCORE_GRAD, MASK_MOD, FLAGS, BLOCK_M, HALF_N)
             if DQ_UNDER:
                 dk, dq, _ds, _q2, _a, _b = warpgroup_mma_wait(0, deps=[dk_tok, dq_tok, ds_mine, q_t, ds_tile,
                                                                        k_dq])
@@ -617,8 +638,18 @@ def _consumer_overlap(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_
             m0 = m0_next
             cnt += 1
 
-    out_rows = n0 + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, d_layout))[:, None]
-    out_cols = gl.arange(0, D, layout=gl.SliceLayout(0, d_layout))[None, :]
+    if DQ_UNDER:
+        # the rows and columns of the dK / dV store made here from a fresh %laneid (the arange's thread bits
+        # replaced; its register bits fold to constants): from the aranges alone, LLVM reused the loops' key
+        # columns and LSE rows (9 values), computed at the entry, which ptxas kept on the stack across the loops
+        lane = _lane_id()
+        rows_e = (gl.arange(0, HALF_N, layout=gl.SliceLayout(1, d_layout)) & ~7) | ((lane >> 2) & 7)
+        cols_e = (gl.arange(0, D, layout=gl.SliceLayout(0, d_layout)) & ~6) | ((lane * 2) & 6)
+        out_rows = n0 + WG * HALF_N + rows_e[:, None]
+        out_cols = cols_e[None, :]
+    else:
+        out_rows = n0 + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, d_layout))[:, None]
+        out_cols = gl.arange(0, D, layout=gl.SliceLayout(0, d_layout))[None, :]
     keep = (out_rows < N) & (out_cols < D)
     head = (kz * HKV + hkv).to(gl.int64) * N * D
     gl.store(dk_ptr + head + out_rows * D + out_cols, (dk * ds_scale).to(dtype), mask=keep)

@@ -65,6 +65,17 @@ _TABLE: dict[int, BwdSm90Config] = {
     128: BwdSm90Config(num_stages=2, overlap=2),
 }
 
+# Launches whose score_mod has a derivative other than 1 (softcap, not ALiBi) and no mask_mod: a longer P chain per
+# step, which the wider overlap (1: exponentials under dK and dQ) hides better. H200, bwd-speed-nvidia-h200-2026-11-29-
+# 1020 (B*N = 16k, H16, bf16, softcap 30, no mask): softcap's backward 1.05x / 1.08x faster than overlap 2 at 4k / 8k
+# (3.12 vs 3.28 ms, 5.85 vs 6.33; the rule written before the run: >= 3% at both lengths); ALiBi (derivative 1)
+# 0.97x / 0.99x, so it keeps overlap 2. Compiled for sm90 (triton 3.6) it spills nothing, block-sparse tables
+# included; with a mask_mod it spills in the step loop (softcap + causal 40 spill instructions, 10 in a step loop;
+# overlap 2: 37, none in a loop), so masked launches keep overlap 2 (host.prepare_hopper_backward).
+_GRAD_MOD_TABLE: dict[int, BwdSm90Config] = {
+    128: BwdSm90Config(num_stages=2, overlap=1),
+}
+
 SUPPORTED_HEAD_DIMS = tuple(sorted(_TABLE))
 
 # Wide head dims (q/k, v) -> config: bwd_sm90_wide.py, dK and dV split along the head dim between the two
@@ -95,20 +106,26 @@ VARIANTS: dict[str, dict[str, bool]] = {
 }
 
 
-def get_bwd_config(head_dim: int, value_head_dim: int | None = None, **overrides) -> BwdSm90Config:
+def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: bool = False,
+                   **overrides) -> BwdSm90Config:
     """The table's tiles for a head dim (q/k ``head_dim``, v ``value_head_dim``, default the same), with optional
-    field overrides (tests, sweeps).
+    field overrides (tests, sweeps). ``grad_mod``: the launch's score_mod has a derivative other than 1 (and no
+    mask_mod is compiled in: the host's rule).
 
     Example::
 
         >>> get_bwd_config(128).num_stages
         2
+        >>> get_bwd_config(128).overlap, get_bwd_config(128, grad_mod=True).overlap
+        (2, 1)
         >>> get_bwd_config(128, **VARIANTS["atomic_dq"]).dq_tma
         False
     """
     pair = (head_dim, value_head_dim or head_dim)
     if pair in WIDE_TABLE:
         cfg = WIDE_TABLE[pair]
+    elif pair[0] == pair[1] and grad_mod and head_dim in _GRAD_MOD_TABLE:
+        cfg = _GRAD_MOD_TABLE[head_dim]
     elif pair[0] == pair[1] and head_dim in _TABLE:
         cfg = _TABLE[head_dim]
     else:

@@ -218,7 +218,10 @@ def prepare_hopper_backward(
 
     Z, HQ, M, D = q.shape
     KZ, HKV, N, DV = v.shape
-    cfg = config or get_bwd_config(D, DV)
+    # a derivative other than 1 takes D128's wider overlap (configs._GRAD_MOD_TABLE), unless a mask_mod is compiled
+    # in: then it spills in the step loop and keeps the table's (docs/design/hopper_backward.md, "Cross-step overlap")
+    grad_mod = score_grad_mod is not None and score_grad_mod is not SCORE_GRAD_ONE and mask_mod is None
+    cfg = config or get_bwd_config(D, DV, grad_mod=grad_mod)
     if cfg.smem_bytes(D, value_head_dim=DV) > SMEM_LIMIT:
         _refuse(f"config {cfg} needs {cfg.smem_bytes(D, value_head_dim=DV)} bytes of shared memory "
                 f"(limit {SMEM_LIMIT})")
