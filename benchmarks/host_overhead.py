@@ -199,7 +199,7 @@ def memo_steps(q, k, v, rounds: int = 7) -> list:
     if entry is not None:
         cases["  fast_launch.relaunch"] = lambda: fast_launch.relaunch(entry, inputs)
     if entry is not None and entry.direct is not None:
-        stream = fast_launch._current_stream(entry.device)
+        stream = fast_launch.current_stream(entry.device)
         args = entry.args.build(entry, stream, inputs)
         cases["  _launch_direct"] = lambda: fast_launch._launch_direct(entry, stream, inputs)
         cases[f"  C launcher alone ({len(args)} arguments prebuilt)"] = lambda: entry.direct.launch(*args)

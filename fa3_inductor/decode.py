@@ -260,11 +260,11 @@ def _memo(tensors: tuple, score_mod: Optional[Callable], mask_mod: Optional[Call
     key = signature and decode_memo.memo_key(score_mod, mask_mod, scale, num_splits, signature)
     if key is None:
         return None
-    hit = decode_memo.replay(key, tensors, scratch, return_lse)
-    if hit is None and (score_mod is not None or mask_mod is not None):
-        # a mod made anew per call (mods.softcap(30.0) in a forward): found by what it computes
-        equal = direct.equal_key(key, score_mod, mask_mod, mask_versions=False)
-        hit = equal and decode_memo.replay(equal, tensors, scratch, return_lse)
+    # a mod made anew per call (mods.softcap(30.0) in a forward) is found by what it computes; a mask's
+    # captured tensors without their versions (the kernel reads them at run time)
+    hit = direct.replay_either(key, score_mod, mask_mod,
+                               lambda key: decode_memo.replay(key, tensors, scratch, return_lse),
+                               mask_versions=False)
     return hit, key
 
 

@@ -158,10 +158,10 @@ def equal_key(key: tuple, score_mod: Optional[Callable], mask_mod: Optional[Call
 
 
 def replay_either(key: tuple, score_mod: Optional[Callable], mask_mod: Optional[Callable],
-                  replay_under: Callable[[tuple], Optional[Any]]) -> Optional[Any]:
+                  replay_under: Callable[[tuple], Optional[Any]], mask_versions: bool = True) -> Optional[Any]:
     """``replay_under(key)``, and if it found nothing and there are mods, ``replay_under`` of their
-    :func:`equal_key` (a mod made anew per call, equal to a remembered one): what flex()'s bf16 and FP8
-    memos try before the full path. None when neither replayed.
+    :func:`equal_key` (a mod made anew per call, equal to a remembered one; ``mask_versions`` as there):
+    what flex()'s bf16 and FP8 memos and flex_decode's try before the full path. None when neither replayed.
 
     Example::
 
@@ -170,7 +170,7 @@ def replay_either(key: tuple, score_mod: Optional[Callable], mask_mod: Optional[
     """
     hit = replay_under(key)
     if hit is None and (score_mod is not None or mask_mod is not None):
-        equal = equal_key(key, score_mod, mask_mod)
+        equal = equal_key(key, score_mod, mask_mod, mask_versions)
         hit = replay_under(equal) if equal is not None else None
     return hit
 

@@ -32,7 +32,7 @@ LN2 = math.log(2.0)
 def _fresh_cache(monkeypatch, request):
     fast_launch.clear()   # the plans go with it (fast_launch.on_clear)
     if request.node.get_closest_marker("gpu") is None:   # the stand-in kernels need no stream
-        monkeypatch.setattr(fast_launch, "_current_stream", lambda device: 0)
+        monkeypatch.setattr(fast_launch, "current_stream", lambda device: 0)
     yield
     fast_launch.clear()
 

@@ -223,7 +223,6 @@ def rebound(recipe: tuple, inputs: Sequence[Optional[torch.Tensor]]) -> list:
 
 
 def _record(jit_fn: Any, args: tuple, kwargs: dict, inputs: Sequence) -> tuple:
-    index_of = {id(t): i for i, t in enumerate(inputs) if t is not None}
     values = list(args)
     for param in jit_fn.params[len(args):]:
         if param.name in kwargs:
@@ -232,7 +231,10 @@ def _record(jit_fn: Any, args: tuple, kwargs: dict, inputs: Sequence) -> tuple:
             values.append(param.default)
         else:
             raise _Uncacheable()
-    return tuple(_step(v, index_of) for v in values)
+    recipe = rebinding(values, inputs)
+    if recipe is None:
+        raise _Uncacheable()
+    return recipe
 
 
 def _step(value: Any, index_of: dict) -> tuple:
@@ -279,7 +281,14 @@ def _build(step: tuple, inputs: Sequence) -> Any:
 _get_stream = None   # triton's current-stream getter, looked up on the first launch (every hit calls it)
 
 
-def _current_stream(device: Optional[int]) -> int:
+def current_stream(device: Optional[int]) -> int:
+    """The current CUDA stream of ``device`` as the launcher takes it (a handle), through triton's driver.
+
+    Example::
+
+        >>> current_stream(0)          # doctest: +SKIP
+        0
+    """
     global _get_stream
     if _get_stream is None:
         from triton.runtime.driver import driver
@@ -291,7 +300,7 @@ def _current_stream(device: Optional[int]) -> int:
 def _relaunch(entry: _Launch, inputs: Sequence) -> None:
     _STATS["relaunches"] += 1
     kernel = entry.kernel
-    stream = _current_stream(entry.device)
+    stream = current_stream(entry.device)
     if entry.direct is not None and not launch_hooks_active():
         _launch_direct(entry, stream, inputs)
         return

@@ -92,6 +92,13 @@ def _out_like(q: Tensor, v: Tensor) -> Tensor:
     return q.new_empty_strided(shape, strides)
 
 
+def _out_is_empty_like_q(q: Tensor, v: Tensor, out: Tensor) -> bool:
+    """Whether :func:`_out_like` gave ``out`` torch.empty_like(q)'s layout (the head dims agree and q's layout is
+    descriptor-ready). Fixed by q's and v's signature, which every replay keys on: a replay then allocates with
+    torch.empty_like(q) and skips _out_like's checks."""
+    return v.shape[3] == q.shape[3] and out.stride() == torch.empty_like(q).stride()
+
+
 def _descriptor_ready(t: Tensor) -> bool:
     """Unit last stride and 16-byte aligned outer strides (templates/tma.py's rule, without the
     address: a fresh allocation's is aligned)."""
@@ -194,8 +201,7 @@ on_clear(_HITS.clear)
 def _remember_hit(key: tuple, entry, q: Tensor, v: Tensor, out: Tensor) -> None:
     if len(_HITS) >= _MAX_RELAUNCH:
         _HITS.clear()
-    # as bound_launch: _out_like gave empty_like(q)'s layout (fixed by q's and v's signature, in the key)
-    _HITS[key] = (entry, v.shape[3] == q.shape[3] and out.stride() == torch.empty_like(q).stride())
+    _HITS[key] = (entry, _out_is_empty_like_q(q, v, out))
 
 
 
@@ -348,8 +354,7 @@ def bound_launch(q: Tensor, k: Tensor, v: Tensor, tables: tuple, score_bufs: lis
         return None
     fire, tag = found
     rest = (*tables, *score_bufs, *mask_bufs)
-    # the output is then empty_like(q) (_out_like), unless q's layout is not descriptor-ready
-    plain = v.shape[3] == q.shape[3] and probe_out.stride() == torch.empty_like(q).stride()
+    plain = _out_is_empty_like_q(q, v, probe_out)
 
     def launch(q: Tensor, k: Tensor, v: Tensor, want_lse: bool) -> tuple[Tensor, Optional[Tensor]]:
         out = torch.empty_like(q) if plain else _out_like(q, v)

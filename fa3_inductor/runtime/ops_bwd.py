@@ -284,19 +284,13 @@ def run_backward_families(
                torch.get_float32_matmul_precision(), tensor_signature(given), aliasing(given))
         plan = _PLANS.get(key)
         if plan is not None and plan.launches is not None:   # a hit: the spec was read when planned
-            dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-            dbufs = [torch.empty_like(score_bufs[i], memory_format=torch.contiguous_format)
-                     for i in plan.grad_bufs]
-            dout = grad_out if grad_out is not None else torch.zeros_like(out)
+            dq, dk, dv, dbufs, dout = _fresh(q, k, v, out, grad_out, score_bufs, plan.grad_bufs)
             plan.run((q, k, v, out, dout, lse, grad_lse, dq, dk, dv, *given[7:], *dbufs), q.device)
             _state.family = plan.family
             return (dq, dk, dv, dbufs), []
     site = BackwardSiteSpec.from_json(spec)
-    flags = _buffer_grad_flags(site, score_bufs)
-    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    dbufs = [torch.empty(t.shape, dtype=t.dtype, device=t.device)
-             for t, needs in zip(score_bufs, flags) if needs]
-    dout = grad_out if grad_out is not None else torch.zeros_like(out)
+    grad_bufs = tuple(i for i, needs in enumerate(_buffer_grad_flags(site, score_bufs)) if needs)
+    dq, dk, dv, dbufs, dout = _fresh(q, k, v, out, grad_out, score_bufs, grad_bufs)
     if key is not None:
         tensors = (q, k, v, out, dout, lse, grad_lse, dq, dk, dv, *tables, *q_tables, *score_bufs,
                    *mask_bufs, *dbufs)
@@ -307,11 +301,20 @@ def run_backward_families(
         site.families, site.build_key(), f"the backward of {site.description or 'a site'}",
         "backward family", _backward_family_here,
         lambda family: _serve_with(family, backward_call_for(site, call, family.dialect), key, tensors,
-                                   tuple(i for i, needs in enumerate(flags) if needs)))
+                                   grad_bufs))
     if name is None:
         return None, passed_over
     _state.family = name
     return (dq, dk, dv, dbufs), []
+
+
+def _fresh(q: Tensor, k: Tensor, v: Tensor, out: Tensor, grad_out: Optional[Tensor], score_bufs: list[Tensor],
+           grad_bufs: tuple) -> tuple:
+    """The op's own tensors of a call: contiguous dq, dk, dv, the gradients of the captured buffers at
+    ``grad_bufs`` (their indices), and dO (zeros for a grad_out of None)."""
+    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    dbufs = [torch.empty_like(score_bufs[i], memory_format=torch.contiguous_format) for i in grad_bufs]
+    return dq, dk, dv, dbufs, grad_out if grad_out is not None else torch.zeros_like(out)
 
 
 @dataclasses.dataclass(frozen=True)

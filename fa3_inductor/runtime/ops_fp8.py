@@ -23,7 +23,8 @@ from ..fp8_recipe import FP8Operands, FP8Recipe, RopeSpec
 from ..templates.family import Call
 from ..templates.fp8_prologue.host import _interpreting, check_positions, finish, layout_of, quantize
 from ..templates.placeholder import outside_graph_pools
-from .fast_launch import _current_stream, aliasing, on_clear, relaunch, tensor_signature
+from . import fast_launch
+from .fast_launch import aliasing, on_clear, relaunch, tensor_signature
 from .spec import SiteSpec
 
 _LIB = torch.library.Library("fa3_inductor", "FRAGMENT")
@@ -136,7 +137,7 @@ class _Workspace:
     @classmethod
     def of(cls, layout, device: Optional[int], cuda: bool) -> "_Workspace":
         """The kept workspace of ``layout`` on the current stream of ``device`` (CPU: one) and thread."""
-        where = (layout, _current_stream(device) if cuda else None, threading.get_ident())
+        where = (layout, fast_launch.current_stream(device) if cuda else None, threading.get_ident())
         kept = _WORKSPACES.get(where)
         if kept is None:
             if len(_WORKSPACES) >= _MAX_WORKSPACES:
@@ -233,7 +234,7 @@ class _BoundOp:
            call: Call) -> Optional["_BoundOp"]:
         """After :func:`serve_fp8` served ``call`` (made by :func:`fp8_call` from these arguments):
         its replay, or None where a launch was not kept (then every call takes the full path)."""
-        from .ops import replayer, serve_key
+        from .ops import _out_is_empty_like_q, replayer, serve_key
 
         found = replayer(serve_key(spec, call)[0])
         if found is None:
@@ -244,8 +245,7 @@ class _BoundOp:
             return None
         bound = cls()
         bound.layout, bound.prologue, (bound.fire, bound.tag) = layout, prologue, found
-        # the output is then empty_like(q) (runtime.ops._out_like), unless q's layout is not descriptor-ready
-        bound.plain = v.shape[3] == q.shape[3] and call.out.stride() == torch.empty_like(q).stride()
+        bound.plain = _out_is_empty_like_q(q, v, call.out)
         bound.lse_shape, bound.scale = tuple(call.lse.shape), call.scale
         bound.device = q.device.index
         return bound
@@ -370,7 +370,7 @@ def bound_fp8_call(q: Tensor, k: Tensor, v: Tensor, rope: Optional[RopeSpec], sp
         >>> launch = bound_fp8_call(q, k, v, None, spec, call)   # doctest: +SKIP
         >>> out, _ = launch(q2, k2, v2, None, False)             # doctest: +SKIP
     """
-    from .ops import _out_like, record_template
+    from .ops import _out_is_empty_like_q, _out_like, record_template
 
     fire = bound_fp8_launch(spec, call)
     if fire is None:
@@ -379,8 +379,7 @@ def bound_fp8_call(q: Tensor, k: Tensor, v: Tensor, rope: Optional[RopeSpec], sp
     scratch_lse, row_max = torch.empty_like(call.lse), torch.empty_like(call.max_scores)
     scale = call.scale
     device, cuda = q.device.index, q.is_cuda
-    # the output is then empty_like(q) (_out_like), unless q's layout is not descriptor-ready
-    plain = v.shape[3] == q.shape[3] and call.out.stride() == torch.empty_like(q).stride()
+    plain = _out_is_empty_like_q(q, v, call.out)
     del call   # none of its tensors stay with the function
 
     def launch(q: Tensor, k: Tensor, v: Tensor, rope: Optional[RopeSpec], want_lse: bool

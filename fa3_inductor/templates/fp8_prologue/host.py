@@ -589,9 +589,11 @@ class PrologueLayout:
                                rope is not None and rope.q_positions is not None,
                                rope is not None and rope.k_positions is not None)
 
-    def _tables(self, rope: RopeSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tables(self, rope: RopeSpec, batch_axis: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and sin as the launches read them; ``batch_axis`` False leaves [P, R] tables without
+        the batch axis a first launch's arguments show (the same address: :meth:`inputs_of` ``recorded``)."""
         cos, sin = _last_dim_contiguous(rope.cos), _last_dim_contiguous(rope.sin)
-        if cos.dim() == 2:
+        if batch_axis and cos.dim() == 2:
             cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
         if sin.stride() != cos.stride():     # cos and sin share the offsets: same strides
             sin, cos = sin.contiguous(), cos.contiguous()
@@ -655,12 +657,7 @@ class PrologueLayout:
         if rope is None:
             cos = sin = qpos = kpos = None
         else:
-            if recorded:
-                cos, sin = _last_dim_contiguous(rope.cos), _last_dim_contiguous(rope.sin)
-                if sin.stride() != cos.stride():     # as _tables: the same test on the same shapes
-                    sin, cos = sin.contiguous(), cos.contiguous()
-            else:
-                cos, sin = self._tables(rope)
+            cos, sin = self._tables(rope, batch_axis=not recorded)
             qpos, kpos = (None if p is None else self._pos(p) for p in (rope.q_positions,
                                                                           rope.k_positions))
         q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
