@@ -176,6 +176,11 @@ def _config(D, schedule):
     return get_bwd_config(D, **{k: v for name in schedule.split("+") for k, v in VARIANTS[name].items()})
 
 
+# 128 query rows a step at D64 (bwd_sm90_m128.py, docs/design/hopper_backward.md, "128 query rows a step"): none
+for _v in VARIANTS:
+    VARIANT_SPILLS[64, _v, "m128"] = (0, 0)
+
+
 @pytest.mark.parametrize("D, variant, schedule", sorted(VARIANT_SPILLS))
 def test_schedule_variants_compile(D, variant, schedule):
     from fa3_inductor.templates.aot import sass_report
@@ -254,6 +259,63 @@ def test_wide_head_dims_compile(D, DV, variant):
     assert cfg.smem_bytes(D, value_head_dim=DV) <= main.shared <= SMEM_LIMIT
     for r in (pre, convert):
         assert r.spill_instructions == 0 and r.stack == 0
+
+
+# The 128-row step (configs.VARIANTS m128, bwd_sm90_m128.py) on the GPU tests' other specializations, triton 3.6:
+# no spill and no stack anywhere, 40 HGMMA a warpgroup's step loop (S 8, dP 8, dV 8, dK 8, dQ 8 of 64x64x16), five
+# wgmma waits a step, dQ by TMA reduce-add, 224 KB of shared memory with or without a score_mod (f' in the dS tile).
+M128_CASES = {   # id: (variant, Z, HQ, HKV, M, N, KZ, dtype, grad_lse)
+    "noop-ragged": ("noop", 1, 2, 2, 1000, 777, None, torch.bfloat16, False),
+    "causal": ("causal", 2, 4, 2, 1000, 1000, None, torch.bfloat16, False),
+    "softcap": ("softcap", 2, 4, 2, 1000, 1000, None, torch.bfloat16, False),
+    "alibi": ("alibi", 2, 4, 2, 1000, 1000, None, torch.bfloat16, False),
+    "alibi-causal": ("alibi-causal", 1, 4, 4, 384, 384, None, torch.bfloat16, False),
+    "document": ("document", 1, 2, 2, 900, 900, None, torch.bfloat16, False),
+    "gqa4-kv-batch-1-causal": ("causal", 2, 8, 2, 384, 384, 1, torch.bfloat16, False),
+    "fp16-causal": ("causal", 1, 2, 2, 500, 400, None, torch.float16, False),
+    "lse-grad-softcap-causal": ("softcap-causal", 1, 2, 2, 300, 300, None, torch.bfloat16, True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(M128_CASES))
+def test_m128_compiles_without_spills(case):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from fa3_inductor.templates.aot import sass_report
+    from fa3_inductor.templates.hopper_bwd import compile_hopper_backward, get_bwd_config
+    from fa3_inductor.templates.hopper_bwd.configs import VARIANTS
+
+    variant, Z, HQ, HKV, M, N, KZ, dtype, grad_lse = M128_CASES[case]
+    D = 64
+    cfg = get_bwd_config(D, **VARIANTS["m128"])
+    if variant == "document":
+        doc = mods.document((torch.arange(M) // 300).to(torch.int32))
+        bm = create_block_mask(doc, None, None, M, N, device="cpu")
+        fn, bufs, _ = _gl_mod(doc, "mask")
+        opts = dict(mask_mod=fn, mask_bufs=bufs, kv_num_blocks=bm.kv_num_blocks, kv_indices=bm.kv_indices,
+                    full_kv_num_blocks=bm.full_kv_num_blocks, full_kv_indices=bm.full_kv_indices)
+    else:
+        opts = {}
+        for part in variant.split("-"):
+            opts.update(_options(part, M, N))
+    q = torch.randn(Z, HQ, M, D, dtype=dtype)
+    k = v = torch.randn(KZ or Z, HKV, N, D, dtype=dtype)
+    if grad_lse:
+        opts["grad_lse"] = torch.randn(Z, HQ, M)
+    _, ck, _ = compile_hopper_backward(q, k, v, torch.empty_like(q), torch.empty_like(q), torch.empty(Z, HQ, M),
+                                       sm_scale=D ** -0.5, config=cfg, **opts)
+    main = sass_report(ck)
+    loops = _step_loops(main)
+    print(f"\nm128 {case}: {main.spill_instructions} spills, stack {main.stack}, loops {[len(b) for b in loops]}, "
+          f"shared {main.shared}")
+    assert main.spill_instructions == 0 and main.stack == 0, (main.spill_instructions, main.stack)
+    assert len(loops) == 2, [len(b) for b in loops]
+    for body in loops:
+        assert sum("HGMMA" in t for t in body) == 40, sum("HGMMA" in t for t in body)
+        assert sum("WARPGROUP.DEPBAR" in t for t in body) == 5
+    assert "UTMAREDG" in main.sass and "REDG" not in main.sass.replace("UTMAREDG", ""), "dQ not by TMA reduce"
+    assert {cfg.consumer_regs, cfg.producer_regs} <= main.setmaxnreg
+    assert cfg.smem_bytes(D) <= main.shared <= SMEM_LIMIT
 
 
 # The host's schedule at D128 (configs._GRAD_MOD_TABLE): a score_mod whose derivative is not 1 (softcap) takes

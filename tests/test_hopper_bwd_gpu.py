@@ -154,7 +154,7 @@ VARIANT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("variant", ["atomic_dq", "overlap", "overlap_dk", "stages3"])
+@pytest.mark.parametrize("variant", ["atomic_dq", "overlap", "overlap_dk", "stages3", "m128"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("case", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
 def test_schedule_variants_match_float64(case, D, variant):
@@ -163,6 +163,8 @@ def test_schedule_variants_match_float64(case, D, variant):
 
     if variant == "stages3" and D != 64:
         pytest.skip("a third Q / dO stage fits D64's shared memory only (240 KB at D128)")
+    if variant == "m128" and D != 64:
+        pytest.skip("128 query rows a step is built for D64 only (bwd_sm90_m128.py)")
 
     _, score_mod, mask_mod, Z, HQ, HKV, M, N, KZ = case
     torch.manual_seed(5)
@@ -209,6 +211,45 @@ def test_mask_schedules_match_float64(case, D, schedule):
     if overrides.get("persistent"):
         overrides["persistent_ctas"] = 3
     _check(q, k, v, dout, None, mask_mod, config=get_bwd_config(D, **overrides), mask_heads=HQ if per_head else None)
+
+
+# The 128-row step (configs.VARIANTS m128, bwd_sm90_m128.py, D64 only) on every case of test_gradients_match_float64
+# (those of VARIANT_CASES run above), the LSE's gradient with softcap (f' parked in the dS tile) + causal, fp16, and
+# fully masked rows; the launches must name its kernel.
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] not in {v[0] for v in VARIANT_CASES}] +
+                         [("lse-grad", mods.softcap(20.0), mods.causal, 1, 2, 2, 300, 300, None),
+                          ("fp16-causal", None, mods.causal, 1, 2, 2, 500, 400, None),
+                          ("late-causal", None, "late_causal", 1, 2, 2, 256, 256, None),
+                          ("sliding-window", None, mods.sliding_window(256), 1, 2, 2, 1000, 1000, None)],
+                         ids=lambda c: c[0])
+def test_schedule_variants_m128_more_cases(case):
+    from fa3_inductor.templates.hopper_bwd import get_bwd_config, prepare_hopper_backward
+    from fa3_inductor.templates.hopper_bwd.bwd_sm90_m128 import fa3_bwd_sm90_m128_kernel
+    from fa3_inductor.templates.hopper_bwd.configs import VARIANTS
+
+    name, score_mod, mask_mod, Z, HQ, HKV, M, N, KZ = case
+    cfg = get_bwd_config(64, **VARIANTS["m128"])
+    if mask_mod == "document":
+        mask_mod = _document(M)
+    elif mask_mod == "late_causal":
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx >= 20)
+    torch.manual_seed(6)
+    dtype = torch.float16 if name.startswith("fp16") else torch.bfloat16
+    q, k, v, dout = _inputs(Z, HQ, HKV, M, N, 64, KZ, dtype=dtype)
+    launches = prepare_hopper_backward(q, k, v, dout, dout, torch.zeros(Z, HQ, M, device="cuda"),
+                                       torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), sm_scale=0.125,
+                                       config=cfg)
+    assert launches[1][0] is fa3_bwd_sm90_m128_kernel
+    if name == "late-causal":   # rows 0-19 see no key: zero gradient, nothing non-finite
+        out, lse = reference_attention(q, k, v, None, mask_mod)
+        got = _run(q, k, v, torch.nan_to_num(out).to(q.dtype), dout, (lse / LN2).float(), sm_scale=0.125,
+                   config=cfg, **_mask_options(mask_mod, M, N))
+        assert all(torch.isfinite(g).all() for g in got)
+        assert (got[0][:, :, :20] == 0).all()
+    else:
+        grad_lse = torch.randn(Z, HQ, M, device="cuda") if name == "lse-grad" else None
+        _check(q, k, v, dout, score_mod, mask_mod, grad_lse=grad_lse, config=cfg)
 
 
 @pytest.mark.parametrize("dims", [(128, 128)] + WIDE_HEAD_DIMS, ids=_dims_id)

@@ -20,6 +20,7 @@ from ..tma import tma_aligned
 from ..wide_scores import wide_scores
 from .bwd_sm90 import (BwdFlags, BwdSchedule, BwdSparsity, BwdTile, bwd_sm90_dq_convert_kernel,
                        bwd_sm90_preprocess_kernel, fa3_bwd_sm90_kernel)
+from .bwd_sm90_m128 import M128Tile, fa3_bwd_sm90_m128_kernel
 from .bwd_sm90_wide import WideTile, fa3_bwd_sm90_wide_kernel
 from .configs import SMEM_LIMIT, SUPPORTED_HEAD_DIM_PAIRS, BwdSm90Config, get_bwd_config
 
@@ -141,12 +142,13 @@ def _cta_order_and_cost(q_num_blocks: torch.Tensor, full_q_num_blocks: Optional[
     device = q_num_blocks.device
     SZ, SH, _ = q_num_blocks.shape
     group = HQ // HKV
-    kvh = torch.arange(KZ * HKV)
-    hh = torch.arange((Z // KZ) * group)
+    # indices made on the device: no host-to-device copy, so the launch order can be planned under graph capture
+    kvh = torch.arange(KZ * HKV, device=device)
+    hh = torch.arange((Z // KZ) * group, device=device)
     z = (kvh // HKV)[:, None] + (hh // group)[None, :] * KZ            # [KVH, HH]: the query heads of a CTA row
     hq = (kvh % HKV)[:, None] * group + (hh % group)[None, :]
-    rows = ((z % SZ) * SH + (hq % SH)).to(device)
-    kv_blk = (torch.arange(n_kv_tiles) * block_n // sparse_kv).to(device)
+    rows = (z % SZ) * SH + (hq % SH)
+    kv_blk = torch.arange(n_kv_tiles, device=device) * block_n // sparse_kv
     partial = q_num_blocks.reshape(SZ * SH, -1).long()[rows][:, :, kv_blk].sum(1)      # [KVH, n_kv_tiles]
     full = (full_q_num_blocks.reshape(SZ * SH, -1).long()[rows][:, :, kv_blk].sum(1)
             if full_q_num_blocks is not None else torch.zeros_like(partial))
@@ -170,7 +172,8 @@ def _persistent_schedule(q_num_blocks: torch.Tensor, full_q_num_blocks: Optional
     [n_kv_tiles * KZ * HKV]); CTA c runs tiles[offsets[c]:offsets[c + 1]] in order, each kvh * n_kv_tiles + KV tile.
     The list scheduling the hardware does with one CTA per tile, done here: _cta_order's tiles in order, each to the
     CTA that frees first by the cost model (its steps plus PERSISTENT_TILE_COST); #CTAs = min(num_sms, #tiles). Reads
-    the block tables on the host (one device sync).
+    the block tables on the host (one device sync a plan: the op's memo replays the lists, so a training step with
+    the same mask tables plans once; under CUDA graph capture the host launches in grid order instead).
 
     Example::
 
@@ -222,18 +225,23 @@ def hopper_backward_scratch(q: torch.Tensor, *, has_mask: bool, sparse_q_block: 
         ((2, 2, 128), (2, 128, 64))
     """
     Z, HQ, M, D = q.shape
-    del config   # the rows are padded to BLOCK_M (64 in every config) or the block-mask query block
     if D not in {d for d, _ in SUPPORTED_HEAD_DIM_PAIRS}:
         _refuse(f"head dim {D} is not served (q/k head dims {sorted({d for d, _ in SUPPORTED_HEAD_DIM_PAIRS})})")
-    m_pad = _padded_rows(M, has_mask, sparse_q_block, BwdTile(HEAD_D=D, NUM_STAGES=1))
+    del config   # every config's rows fit the same padding (_padded_rows)
+    m_pad = _padded_rows(M, has_mask, sparse_q_block)
     return (torch.empty((Z * HQ, 2, m_pad), dtype=torch.float32, device=q.device),
             torch.empty((Z * HQ, m_pad, D), dtype=torch.float32, device=q.device))
 
 
-def _padded_rows(M: int, has_mask: bool, sparse_q_block: int, tile: BwdTile) -> int:
+# Rows of the padding without a block mask: the longest query step of any config (M128Tile's 128), so the scratch of
+# a call does not depend on which config the host picks for it.
+_ROW_PAD = 128
+
+
+def _padded_rows(M: int, has_mask: bool, sparse_q_block: int) -> int:
     """Every query tile the kernel may visit lies inside the padded rows (a block mask's last block can reach
     past M by up to a block): their LSE reads +inf (P = 0) and their dQ rows land in padding."""
-    row_block = sparse_q_block if has_mask else tile.BLOCK_M
+    row_block = sparse_q_block if has_mask else _ROW_PAD
     return triton.cdiv(M, row_block) * row_block
 
 
@@ -250,6 +258,21 @@ def _check_scratch(scratch: Sequence[torch.Tensor], shapes: tuple[tuple, tuple],
     if problems:
         _refuse("; ".join(problems) + ": allocate it with hopper_backward_scratch(q, has_mask=..., "
                 "sparse_q_block=...) for this call")
+
+
+def launch_traits(score_mod: Any, score_grad_mod: Any, mask_mod: Any, has_mask: bool) -> dict[str, bool]:
+    """What of a launch picks its config (configs.get_bwd_config's keywords): ``grad_mod``, a score_mod whose
+    derivative is not 1 without a mask_mod (one compiled in spills at the wider overlap: docs/design/hopper_backward.md,
+    "Cross-step overlap"); ``masked``, block-mask tables; ``linear_mod``, a score_mod whose derivative is 1.
+
+    Example::
+
+        >>> launch_traits(None, None, None, has_mask=True)
+        {'grad_mod': False, 'masked': True, 'linear_mod': False}
+    """
+    curved = score_grad_mod is not None and score_grad_mod is not SCORE_GRAD_ONE
+    return dict(grad_mod=curved and mask_mod is None, masked=has_mask,
+                linear_mod=score_mod is not None and not curved)
 
 
 def prepare_hopper_backward(
@@ -305,10 +328,8 @@ def prepare_hopper_backward(
 
     Z, HQ, M, D = q.shape
     KZ, HKV, N, DV = v.shape
-    # a derivative other than 1 takes D128's wider overlap (configs._GRAD_MOD_TABLE), unless a mask_mod is compiled
-    # in: then it spills in the step loop and keeps the table's (docs/design/hopper_backward.md, "Cross-step overlap")
-    grad_mod = score_grad_mod is not None and score_grad_mod is not SCORE_GRAD_ONE and mask_mod is None
-    cfg = config or get_bwd_config(D, DV, grad_mod=grad_mod)
+    # the table's row for what the launch has (launch_traits: the mods' derivatives, a block mask)
+    cfg = config or get_bwd_config(D, DV, **launch_traits(score_mod, score_grad_mod, mask_mod, has_mask))
     if cfg.smem_bytes(D, value_head_dim=DV) > SMEM_LIMIT:
         _refuse(f"config {cfg} needs {cfg.smem_bytes(D, value_head_dim=DV)} bytes of shared memory "
                 f"(limit {SMEM_LIMIT})")
@@ -318,8 +339,13 @@ def prepare_hopper_backward(
         _refuse("the cross-step overlap (overlap) is built for D <= 128 only, not the wide-head-dim kernel")
     if cfg.split_dkv and not cfg.dq_tma:
         _refuse("the wide-head-dim kernel adds dQ by TMA reduce-add only (dq_tma=True)")
+    if cfg.block_m not in (64, 128) or (cfg.block_m == 128 and (D != 64 or cfg.overlap or not cfg.dq_tma)):
+        _refuse(f"config {cfg}: 128 query rows a step (block_m) is built for D = 64, in order (overlap 0), dQ by "
+                "TMA reduce-add")
     if cfg.split_dkv:
         tile = WideTile(HEAD_D=D, HEAD_DV=DV, NUM_STAGES=cfg.num_stages)
+    elif cfg.block_m == 128:
+        tile = M128Tile(HEAD_D=D, NUM_STAGES=cfg.num_stages)
     else:
         tile = BwdTile(HEAD_D=D, NUM_STAGES=cfg.num_stages)
     if has_mask and (sparse_q_block % tile.BLOCK_M or sparse_kv_block % tile.BLOCK_N):
@@ -344,7 +370,7 @@ def prepare_hopper_backward(
     dout = dout if dout.dtype == q.dtype and tma_aligned(dout) else dout.to(q.dtype).contiguous()
     out = out.to(q.dtype)
     lse = lse.float().contiguous()
-    m_pad = _padded_rows(M, has_mask, sparse_q_block, tile)
+    m_pad = _padded_rows(M, has_mask, sparse_q_block)
     if scratch is None:
         stats, dq_acc = hopper_backward_scratch(q, has_mask=has_mask, sparse_q_block=sparse_q_block, config=cfg)
     else:
@@ -365,8 +391,11 @@ def prepare_hopper_backward(
                      CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
                      WIDE_SCORES=wide_scores(score_mod, compiled=True))
     # CTA schedules for block masks (bwd_sm90.py only): longest first, and persistent CTAs walking tile lists
-    persistent = cfg.persistent and has_mask and not cfg.split_dkv
-    lpt = cfg.lpt_order and has_mask and not cfg.split_dkv and not persistent
+    # (the 64-row step only; under graph capture the persistent lists, which read the tables on the host, give way
+    # to the grid order)
+    schedulable = has_mask and not cfg.split_dkv and cfg.block_m == 64
+    persistent = cfg.persistent and schedulable and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
+    lpt = cfg.lpt_order and schedulable and not persistent
     # persistent: a second K / V buffer where shared memory allows (D = 64: 176 KB, 192 KB with a score_mod's f'
     # slots; D = 128 would need 272 KB), so the next tile's K and V load under this tile's last steps
     smem = cfg.smem_bytes(D) + (2 * 64 * 64 * q.element_size() if score_grad_mod is not None else 0)
@@ -397,6 +426,17 @@ def prepare_hopper_backward(
              _desc(dout, [1, 1, tile.BLOCK_M, DV]),
              _desc(k, [1, 1, tile.BLOCK_N, lo]), _desc(k, [1, 1, tile.BLOCK_N, hi]),
              _desc(v, [1, 1, tile.BLOCK_N, DV]), _dq_acc_desc(dq_acc, tile),
+             stats, dq_acc, dk, dv, *tables, tuple(score_bufs), tuple(mask_bufs),
+             Z, HQ, KZ, M, N, m_pad, SZ, SH, num_kv_blks, num_q_blks, *scalars),
+            dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse,
+                 FLAGS=flags, num_warps=4, maxnreg=cfg.maxnreg),
+            (triton.cdiv(N, tile.BLOCK_N), KZ * HKV))
+    elif cfg.block_m == 128:
+        main = (
+            fa3_bwd_sm90_m128_kernel,
+            (_desc(q, [1, 1, tile.BLOCK_M, D]), _desc(dout, [1, 1, tile.BLOCK_M, D]),
+             _desc(k, [1, 1, tile.BLOCK_N, D]), _desc(v, [1, 1, tile.BLOCK_N, D]),
+             _dq_acc_desc(dq_acc, BwdTile(HEAD_D=D, NUM_STAGES=1)),   # [1, 64, D]: a warpgroup's half of a step
              stats, dq_acc, dk, dv, *tables, tuple(score_bufs), tuple(mask_bufs),
              Z, HQ, KZ, M, N, m_pad, SZ, SH, num_kv_blks, num_q_blks, *scalars),
             dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse,
