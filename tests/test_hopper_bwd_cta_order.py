@@ -115,3 +115,53 @@ def test_persistent_schedule_balances_documents():
                                                                                offsets[1:].tolist())]
     # 9216 query blocks + 2048 tiles over 132 CTAs: 85.3 each; the list schedule ends within one longest tile
     assert max(per_cta) - min(per_cta) <= 9, (min(per_cta), max(per_cta))
+
+
+
+def _host_plan(variant, D):
+    """The main launch prepare_hopper_backward plans with no config given (the host's own pick), CPU tensors;
+    ``variant``: test_hopper_bwd_compile's mods ("causal+alibi" combines them)."""
+    from test_hopper_bwd_compile import _combined_options
+
+    from fa3_inductor.templates.hopper_bwd import prepare_hopper_backward
+
+    Z, HQ, M = 1, 4, 640
+    q = torch.randn(Z, HQ, M, D, dtype=torch.bfloat16)
+    k = v = torch.randn(Z, HQ, M, D, dtype=torch.bfloat16)
+    return prepare_hopper_backward(q, k, v, torch.empty_like(q), torch.empty_like(q), torch.empty(Z, HQ, M),
+                                   torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), sm_scale=D ** -0.5,
+                                   **_combined_options(variant, M, M))[1]
+
+
+def test_host_picks_the_schedule_by_what_the_launch_has():
+    """configs.get_bwd_config's rows as the host applies them: block masks take the persistent schedule at D64 and
+    D128; D64's linear score_mods (ALiBi) without a mask take 128 query rows a step; the rest keep the table's."""
+    from fa3_inductor.templates.hopper_bwd.bwd_sm90 import fa3_bwd_sm90_kernel
+    from fa3_inductor.templates.hopper_bwd.bwd_sm90_m128 import fa3_bwd_sm90_m128_kernel
+
+    for D in (64, 128):
+        for variant in ("causal", "document", "causal+alibi", "causal+softcap", "blocks"):
+            kernel, args, kwargs, grid = _host_plan(variant, D)
+            assert kernel is fa3_bwd_sm90_kernel and kwargs["SCHED"].PERSISTENT, (D, variant)
+            offsets, tiles = args[-1]
+            assert grid == (offsets.numel() - 1,) and sorted(tiles.tolist()) == list(range(4 * 5)), (D, variant)
+        for variant in ("noop", "softcap"):
+            kernel, args, kwargs, grid = _host_plan(variant, D)
+            assert kernel is fa3_bwd_sm90_kernel and not kwargs["SCHED"].PERSISTENT and grid == (5, 4), (D, variant)
+    kernel, _, kwargs, grid = _host_plan("alibi", 64)
+    assert kernel is fa3_bwd_sm90_m128_kernel and grid == (5, 4)
+    kernel, _, kwargs, _ = _host_plan("alibi", 128)
+    assert kernel is fa3_bwd_sm90_kernel and kwargs["SCHED"].OVERLAP == 2
+    # D128's softcap without a mask_mod keeps the wider overlap; with one, the table's
+    assert _host_plan("softcap", 128)[2]["SCHED"].OVERLAP == 1
+    assert _host_plan("causal+softcap", 128)[2]["SCHED"].OVERLAP == 2
+
+
+def test_scratch_fits_every_config_of_a_call():
+    """The scratch (made before the host picks a config) is padded for the 128-row step too."""
+    from fa3_inductor.templates.hopper_bwd.host import hopper_backward_scratch
+
+    stats, dq_acc = hopper_backward_scratch(torch.empty(1, 2, 200, 64), has_mask=False)
+    assert stats.shape == (2, 2, 256) and dq_acc.shape == (2, 256, 64)
+    stats, _ = hopper_backward_scratch(torch.empty(1, 2, 200, 64), has_mask=True, sparse_q_block=128)
+    assert stats.shape == (2, 2, 256)

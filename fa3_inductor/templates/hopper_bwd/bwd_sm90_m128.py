@@ -49,8 +49,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .bwd_sm90 import (_acc_layout, _opaque, _probabilities, _producer_entry, _q_tile_counts, _q_tile_start,
-                       _tma_reduce_add)
+from .bwd_sm90 import (BwdSchedule, _acc_layout, _opaque, _probabilities, _producer_entry, _q_tile_counts,
+                       _q_tile_start, _tma_reduce_add)
+
+# bwd_sm90's producer walks the grid's (KV tile, K/V head), one K / V buffer: no CTA schedule here (the host's
+# schedules are for the 64-row step)
+GRID_ORDER = gl.constexpr(BwdSchedule(DQ_TMA=True))
 
 
 @dataclass(frozen=True)
@@ -305,6 +309,6 @@ def fa3_bwd_sm90_m128_kernel(
                          SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)),
         (_consumer_wg1, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
                          SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)),
-        (_producer_entry, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
-                           SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, None)),   # bwd_sm90's (SCHED unread)
+        (_producer_entry, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, (),
+                           SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, GRID_ORDER)),   # bwd_sm90's
     ], [4, 1], [FLAGS.CONSUMER_REGS, FLAGS.PRODUCER_REGS])
