@@ -165,11 +165,11 @@ def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: b
                          f"{', '.join(f'{d}/{dv}' for d, dv in SUPPORTED_HEAD_DIM_PAIRS)}); use the generic "
                          "backward (templates/generic_bwd)")
     elif grad_mod and head_dim in _GRAD_MOD_TABLE:
-        cfg = _GRAD_MOD_TABLE[head_dim]
+        cfg = _GRAD_MOD_TABLE[head_dim]    # (its overlap 1 spills with the persistent schedule's state: grid order)
     elif linear_mod and not masked and head_dim in _LINEAR_MOD_TABLE:
         cfg = _LINEAR_MOD_TABLE[head_dim]
+    elif masked and head_dim in PERSISTENT_HEAD_DIMS:
+        cfg = replace(_TABLE[head_dim], persistent=True)
     else:
         cfg = _TABLE[head_dim]
-    if masked and head_dim in PERSISTENT_HEAD_DIMS and pair not in WIDE_TABLE:
-        cfg = replace(cfg, persistent=True)
     return replace(cfg, **overrides) if overrides else cfg
