@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import time
 
@@ -165,9 +166,13 @@ def ours(q, k, v, dout, variant, scale, backward_family="hopper", schedule="defa
     if backward_family == "hopper" and schedule != "default":
         from fa3_inductor.templates.hopper_bwd import get_bwd_config
         from fa3_inductor.templates.hopper_bwd.configs import VARIANTS as SCHEDULES
+        from fa3_inductor.templates.hopper_bwd.host import launch_traits
 
+        # the schedule's fields over the row the host would pick for this launch
+        traits = launch_traits(bwd_opts.get("score_mod"), bwd_opts.get("score_grad_mod"), bwd_opts.get("mask_mod"),
+                               "kv_num_blocks" in bwd_opts)
         try:
-            bwd_opts["config"] = get_bwd_config(D, Dv, **SCHEDULES[schedule])
+            bwd_opts["config"] = get_bwd_config(D, Dv, **traits, **SCHEDULES[schedule])
         except ValueError as e:
             return None, str(e)
     out = torch.empty(B, H, M, Dv, device="cuda", dtype=q.dtype)
@@ -434,6 +439,7 @@ def main() -> None:
                 date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%MZ}",
                 command="python benchmarks/bwd_speed.py " + " ".join(sys.argv[1:]), check_error=err,
                 bwd_variants=args.bwd_variants)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump(dict(meta, rows=rows), f, indent=1)
     with open(args.out + ".md", "w") as f:

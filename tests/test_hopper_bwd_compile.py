@@ -9,6 +9,8 @@ counts and step-loop lengths are printed (``-s``).
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -49,12 +51,19 @@ def _options(variant, M, N):
         src = score_grad_gl(create_fw_bw_graph(gm, index_values, bufs)[1], [BufferSpec.of(b) for b in bufs])
         return dict(score_mod=fn, score_bufs=bufs,
                     score_grad_mod=SCORE_GRAD_ONE if src is None else load_mod(src, "gl"))
-    if variant == "causal":
-        bm = create_block_mask(mods.causal, None, None, M, N, device="cpu")
-        fn, bufs, _ = _gl_mod(mods.causal, "mask")
+    if variant in ("causal", "sliding_window", "document"):
+        mask_mod = {"causal": mods.causal, "sliding_window": mods.sliding_window(256),
+                    "document": mods.document((torch.arange(N) // 300).to(torch.int32))}[variant]
+        bm = create_block_mask(mask_mod, None, None, M, N, device="cpu")
+        fn, bufs, _ = _gl_mod(mask_mod, "mask")
         return dict(mask_mod=fn, mask_bufs=bufs, kv_num_blocks=bm.kv_num_blocks, kv_indices=bm.kv_indices,
                     full_kv_num_blocks=bm.full_kv_num_blocks, full_kv_indices=bm.full_kv_indices)
     return {}
+
+
+def _top_register(body):
+    """Highest general register a loop body names, + 1 (the registers it keeps in use)."""
+    return 1 + max((int(r) for t in body for r in re.findall(r"\bR(\d+)\b", t)), default=-1)
 
 
 def _combined_options(variant, M, N):
@@ -134,16 +143,51 @@ for _D in (64, 128):
         for _s in ("overlap", "overlap_dk"):
             VARIANT_SPILLS[_D, _v, _s] = (0, 0)
 VARIANT_SPILLS.update({(128, "causal", "overlap"): (4, 0), (128, "alibi", "overlap"): (2, 0)})
+# CTA schedules for block masks (docs/design/hopper_backward.md, "Masks against the tile bound"): causal, a 256-key
+# causal window and documents of 300 positions, under the head dim's step (lpt_order, persistent: D128's overlap under
+# dK), the in-order step (_serial) and the overlap under dK and dQ ("+overlap": configs.VARIANTS merged), triton 3.6.
+# Spill instructions (whole kernel, in the busier step loop) where not (0, 0): head- or tile-level values (the doc-id
+# gathers' addresses, the tile loop's state), stored before the step loop and reloaded once per query head or tile.
+# None spills in a step loop since main's overlap without head-level spills was merged (_consumer_overlap_tile's
+# DQ_UNDER store indices, P slot and dS buffer): "+overlap" (OVERLAP 1) went causal 29 / 41 -> 4 / 33, sliding window
+# 54 (2 in a loop) / 41 -> 4 / 36, documents 121 (10 in a loop) / 57 -> 8 / 33 (lpt_order / persistent).
+MASK_SCHEDULES = {64: ("default", "lpt_order", "persistent"),
+                  128: ("default", "lpt_order", "persistent", "lpt_order_serial", "persistent_serial",
+                        "lpt_order+overlap", "persistent+overlap")}
+MASK_SCHEDULE_SPILLS = {
+    (128, "causal", "lpt_order+overlap"): (4, 0), (128, "causal", "persistent+overlap"): (33, 0),
+    (128, "sliding_window", "lpt_order+overlap"): (4, 0), (128, "sliding_window", "persistent+overlap"): (36, 0),
+    (128, "document", "default"): (28, 0), (128, "document", "lpt_order"): (24, 0),
+    (128, "document", "persistent"): (34, 0), (128, "document", "lpt_order_serial"): (6, 0),
+    (128, "document", "persistent_serial"): (33, 0), (128, "document", "lpt_order+overlap"): (8, 0),
+    (128, "document", "persistent+overlap"): (33, 0),
+}
+for _D, _schedules in MASK_SCHEDULES.items():
+    for _mask in ("causal", "sliding_window", "document"):
+        for _s in _schedules:
+            VARIANT_SPILLS.setdefault((_D, _mask, _s), MASK_SCHEDULE_SPILLS.get((_D, _mask, _s), (0, 0)))
+
+
+def _config(D, schedule):
+    """The head dim's config under a configs.VARIANTS name, or several joined by '+' (their overrides merged)."""
+    from fa3_inductor.templates.hopper_bwd import get_bwd_config
+    from fa3_inductor.templates.hopper_bwd.configs import VARIANTS
+
+    return get_bwd_config(D, **{k: v for name in schedule.split("+") for k, v in VARIANTS[name].items()})
+
+
+# 128 query rows a step at D64 (bwd_sm90_m128.py, docs/design/hopper_backward.md, "128 query rows a step"): none
+for _v in VARIANTS:
+    VARIANT_SPILLS[64, _v, "m128"] = (0, 0)
 
 
 @pytest.mark.parametrize("D, variant, schedule", sorted(VARIANT_SPILLS))
 def test_schedule_variants_compile(D, variant, schedule):
     from fa3_inductor.templates.aot import sass_report
-    from fa3_inductor.templates.hopper_bwd import compile_hopper_backward, get_bwd_config
-    from fa3_inductor.templates.hopper_bwd.configs import VARIANTS
+    from fa3_inductor.templates.hopper_bwd import compile_hopper_backward
 
     M = N = 1000
-    cfg = get_bwd_config(D, **VARIANTS[schedule])
+    cfg = _config(D, schedule)
     q = torch.randn(2, 4, M, D, dtype=torch.bfloat16)
     k = v = torch.randn(2, 2, N, D, dtype=torch.bfloat16)
     _, ck, _ = compile_hopper_backward(q, k, v, torch.empty_like(q), torch.empty_like(q), torch.empty(2, 4, M),
@@ -152,7 +196,7 @@ def test_schedule_variants_compile(D, variant, schedule):
     loops = _step_loops(main)
     loop_spills = max(sum(("LDL" in t or "STL" in t) for t in body) for body in loops)
     print(f"\nD{D} {variant} {schedule}: {main.spill_instructions} spills ({loop_spills} in a step loop), "
-          f"loops {[len(b) for b in loops]}, shared {main.shared}")
+          f"loops {[len(b) for b in loops]}, registers {[_top_register(b) for b in loops]}, shared {main.shared}")
     assert main.hgmma > 0 and main.shared <= SMEM_LIMIT and cfg.smem_bytes(D) <= main.shared
     if cfg.dq_tma:
         assert "UTMAREDG" in main.sass and "REDG" not in main.sass.replace("UTMAREDG", ""), "dQ not by TMA reduce"
@@ -217,10 +261,69 @@ def test_wide_head_dims_compile(D, DV, variant):
         assert r.spill_instructions == 0 and r.stack == 0
 
 
+# The 128-row step (configs.VARIANTS m128, bwd_sm90_m128.py) on the GPU tests' other specializations, triton 3.6:
+# no spill and no stack anywhere, 40 HGMMA a warpgroup's step loop (S 8, dP 8, dV 8, dK 8, dQ 8 of 64x64x16), five
+# wgmma waits a step, dQ by TMA reduce-add, 224 KB of shared memory with or without a score_mod (f' in the dS tile).
+M128_CASES = {   # id: (variant, Z, HQ, HKV, M, N, KZ, dtype, grad_lse)
+    "noop-ragged": ("noop", 1, 2, 2, 1000, 777, None, torch.bfloat16, False),
+    "causal": ("causal", 2, 4, 2, 1000, 1000, None, torch.bfloat16, False),
+    "softcap": ("softcap", 2, 4, 2, 1000, 1000, None, torch.bfloat16, False),
+    "alibi": ("alibi", 2, 4, 2, 1000, 1000, None, torch.bfloat16, False),
+    "alibi-causal": ("alibi-causal", 1, 4, 4, 384, 384, None, torch.bfloat16, False),
+    "document": ("document", 1, 2, 2, 900, 900, None, torch.bfloat16, False),
+    "gqa4-kv-batch-1-causal": ("causal", 2, 8, 2, 384, 384, 1, torch.bfloat16, False),
+    "fp16-causal": ("causal", 1, 2, 2, 500, 400, None, torch.float16, False),
+    "lse-grad-softcap-causal": ("softcap-causal", 1, 2, 2, 300, 300, None, torch.bfloat16, True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(M128_CASES))
+def test_m128_compiles_without_spills(case):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from fa3_inductor.templates.aot import sass_report
+    from fa3_inductor.templates.hopper_bwd import compile_hopper_backward, get_bwd_config
+    from fa3_inductor.templates.hopper_bwd.configs import VARIANTS
+
+    variant, Z, HQ, HKV, M, N, KZ, dtype, grad_lse = M128_CASES[case]
+    D = 64
+    cfg = get_bwd_config(D, **VARIANTS["m128"])
+    if variant == "document":
+        doc = mods.document((torch.arange(M) // 300).to(torch.int32))
+        bm = create_block_mask(doc, None, None, M, N, device="cpu")
+        fn, bufs, _ = _gl_mod(doc, "mask")
+        opts = dict(mask_mod=fn, mask_bufs=bufs, kv_num_blocks=bm.kv_num_blocks, kv_indices=bm.kv_indices,
+                    full_kv_num_blocks=bm.full_kv_num_blocks, full_kv_indices=bm.full_kv_indices)
+    else:
+        opts = {}
+        for part in variant.split("-"):
+            opts.update(_options(part, M, N))
+    q = torch.randn(Z, HQ, M, D, dtype=dtype)
+    k = v = torch.randn(KZ or Z, HKV, N, D, dtype=dtype)
+    if grad_lse:
+        opts["grad_lse"] = torch.randn(Z, HQ, M)
+    _, ck, _ = compile_hopper_backward(q, k, v, torch.empty_like(q), torch.empty_like(q), torch.empty(Z, HQ, M),
+                                       sm_scale=D ** -0.5, config=cfg, **opts)
+    main = sass_report(ck)
+    loops = _step_loops(main)
+    print(f"\nm128 {case}: {main.spill_instructions} spills, stack {main.stack}, loops {[len(b) for b in loops]}, "
+          f"shared {main.shared}")
+    assert main.spill_instructions == 0 and main.stack == 0, (main.spill_instructions, main.stack)
+    assert len(loops) == 2, [len(b) for b in loops]
+    for body in loops:
+        assert sum("HGMMA" in t for t in body) == 40, sum("HGMMA" in t for t in body)
+        assert sum("WARPGROUP.DEPBAR" in t for t in body) == 5
+    assert "UTMAREDG" in main.sass and "REDG" not in main.sass.replace("UTMAREDG", ""), "dQ not by TMA reduce"
+    assert {cfg.consumer_regs, cfg.producer_regs} <= main.setmaxnreg
+    assert cfg.smem_bytes(D) <= main.shared <= SMEM_LIMIT
+
+
 # The host's schedule at D128 (configs._GRAD_MOD_TABLE): a score_mod whose derivative is not 1 (softcap) takes
 # overlap 1 when no mask_mod is compiled in (block-sparse tables or not), and compiles with no spill; with a mask_mod
 # (softcap + causal: 40 spill instructions with overlap 1, 10 in a step loop) and for ALiBi (derivative 1) it keeps
-# the table's overlap 2. The launch's main kernel is compared, SASS for SASS, with the one of the explicit config.
+# the table's overlap 2 (softcap + causal also the persistent schedule of masked launches: 48 spill instructions,
+# none in a step loop; 37 in grid order). The launch's main kernel is compared, SASS for SASS, with the one of the
+# explicit config.
 GRAD_MOD_DEFAULTS = {"softcap": 1, "softcap+blocks": 1, "softcap+causal": 2, "alibi": 2}
 
 
@@ -237,8 +340,9 @@ def test_grad_mod_default_schedule(variant):
     args = (q, k, v, torch.empty_like(q), torch.empty_like(q), torch.empty(2, 4, M))
     opts = _combined_options(variant, M, N)
     main = sass_report(compile_hopper_backward(*args, sm_scale=D ** -0.5, **opts)[1])
-    ref = sass_report(compile_hopper_backward(*args, sm_scale=D ** -0.5, config=get_bwd_config(D, overlap=overlap),
-                                              **opts)[1])
+    # a mask_mod's launch (overlap 2) also takes the persistent schedule (configs.PERSISTENT_HEAD_DIMS)
+    ref = sass_report(compile_hopper_backward(*args, sm_scale=D ** -0.5, config=get_bwd_config(
+        D, overlap=overlap, persistent="causal" in variant), **opts)[1])
     loops = _step_loops(main)
     print(f"\nD{D} {variant} default (overlap {overlap}): {main.spill_instructions} spills, stack {main.stack}, "
           f"loops {[len(b) for b in loops]}")

@@ -55,12 +55,13 @@ def _score_options(score_mod):
                 score_grad_mod=SCORE_GRAD_ONE if src is None else load_mod(src, "gl"))
 
 
-def _mask_options(mask_mod, M, N):
+def _mask_options(mask_mod, M, N, heads=None):
+    """Block-mask options of a mask_mod; ``heads``: the query heads of a head-dependent mask (else broadcast)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     if mask_mod is None:
         return {}
-    bm = create_block_mask(mask_mod, None, None, M, N, device="cuda")
+    bm = create_block_mask(mask_mod, None, heads, M, N, device="cuda")
     fn, bufs, _, _ = _gl_mod(mask_mod, "mask")
     return dict(mask_mod=fn, mask_bufs=bufs, kv_num_blocks=bm.kv_num_blocks, kv_indices=bm.kv_indices,
                 full_kv_num_blocks=bm.full_kv_num_blocks, full_kv_indices=bm.full_kv_indices,
@@ -82,7 +83,7 @@ def _run(q, k, v, out, dout, lse2, **options):
     return dq, dk, dv
 
 
-def _check(q, k, v, dout, score_mod=None, mask_mod=None, grad_lse=None, config=None):
+def _check(q, k, v, dout, score_mod=None, mask_mod=None, grad_lse=None, config=None, mask_heads=None):
     Z, HQ, M, D = q.shape
     N = k.shape[2]
     scale = D ** -0.5
@@ -97,7 +98,8 @@ def _check(q, k, v, dout, score_mod=None, mask_mod=None, grad_lse=None, config=N
     if k.shape[0] != Z:
         dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
     got = _run(q, k, v, torch.nan_to_num(out).to(q.dtype), dout, (lse / LN2).float(), sm_scale=scale,
-               grad_lse=grad_lse, config=config, **_score_options(score_mod), **_mask_options(mask_mod, M, N))
+               grad_lse=grad_lse, config=config, **_score_options(score_mod),
+               **_mask_options(mask_mod, M, N, mask_heads))
     for name, g, want in zip(("dq", "dk", "dv"), got, (dq, dk, dv)):
         assert torch.isfinite(g).all(), f"{name}: not finite"
         assert_matches_reference(g, want, q.dtype, name)
@@ -152,7 +154,7 @@ VARIANT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("variant", ["atomic_dq", "overlap", "overlap_dk", "stages3"])
+@pytest.mark.parametrize("variant", ["atomic_dq", "overlap", "overlap_dk", "stages3", "m128"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("case", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
 def test_schedule_variants_match_float64(case, D, variant):
@@ -161,11 +163,93 @@ def test_schedule_variants_match_float64(case, D, variant):
 
     if variant == "stages3" and D != 64:
         pytest.skip("a third Q / dO stage fits D64's shared memory only (240 KB at D128)")
+    if variant == "m128" and D != 64:
+        pytest.skip("128 query rows a step is built for D64 only (bwd_sm90_m128.py)")
 
     _, score_mod, mask_mod, Z, HQ, HKV, M, N, KZ = case
     torch.manual_seed(5)
     q, k, v, dout = _inputs(Z, HQ, HKV, M, N, D, KZ)
     _check(q, k, v, dout, score_mod, mask_mod, config=get_bwd_config(D, **VARIANTS[variant]))
+
+
+def _head_window(b, h, q_idx, kv_idx):
+    """A causal window of 128 * (h + 1) keys: every head its own block mask, so the CTA orders differ by head."""
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 128 * (h + 1))
+
+
+# CTA schedules for irregular block masks (configs.VARIANTS; docs/design/hopper_backward.md, "Masks against the tile
+# bound"): (id, mask_mod, Z, HQ, HKV, M, N, KZ, head-dependent, head dims). A sliding window, documents with GQA 4:1
+# and a K/V batch of 1 (ragged), and a head-dependent window (D128 only: few compiles on the GPU).
+MASK_SCHEDULE_CASES = [
+    ("sliding-window", mods.sliding_window(256), 2, 4, 4, 1000, 1000, None, False, (64, 128)),
+    ("document-gqa4-kv-batch-1", "document", 2, 8, 2, 900, 900, 1, False, (64, 128)),
+    ("head-window", _head_window, 1, 4, 4, 768, 768, None, True, (128,)),
+]
+# Schedules per head dim: lpt_order / persistent on the head dim's step (D128: the overlap under dK); at D128 also on
+# the in-order step (_serial) and on the overlap under dK and dQ ('+overlap': configs.VARIANTS entries merged). At D64
+# the _serial names are the same kernels.
+MASK_SCHEDULES = {64: ("lpt_order", "persistent"),
+                  128: ("lpt_order", "persistent", "lpt_order_serial", "persistent_serial", "lpt_order+overlap",
+                        "persistent+overlap")}
+MASK_SCHEDULE_PARAMS = [pytest.param(case, D, schedule, id=f"{case[0]}-{D}-{schedule.replace('+', '-')}")
+                        for case in MASK_SCHEDULE_CASES for D in case[-1] for schedule in MASK_SCHEDULES[D]]
+
+
+@pytest.mark.parametrize("case, D, schedule", MASK_SCHEDULE_PARAMS)
+def test_mask_schedules_match_float64(case, D, schedule):
+    from fa3_inductor.templates.hopper_bwd import get_bwd_config
+    from fa3_inductor.templates.hopper_bwd.configs import VARIANTS
+
+    _, mask_mod, Z, HQ, HKV, M, N, KZ, per_head, _ = case
+    if mask_mod == "document":
+        mask_mod = _document(M)
+    torch.manual_seed(6)
+    q, k, v, dout = _inputs(Z, HQ, HKV, M, N, D, KZ)
+    overrides = {k_: v_ for name in schedule.split("+") for k_, v_ in VARIANTS[name].items()}
+    # persistent: 3 CTAs, so that each walks many tiles (K / V reloaded under the last tile's stores; odd and even
+    # tile counts); on an H100 / H200 every small case here would have one tile a CTA
+    if overrides.get("persistent"):
+        overrides["persistent_ctas"] = 3
+    _check(q, k, v, dout, None, mask_mod, config=get_bwd_config(D, **overrides), mask_heads=HQ if per_head else None)
+
+
+# The 128-row step (configs.VARIANTS m128, bwd_sm90_m128.py, D64 only) on every case of test_gradients_match_float64
+# (those of VARIANT_CASES run above), the LSE's gradient with softcap (f' parked in the dS tile) + causal, fp16, and
+# fully masked rows; the launches must name its kernel.
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] not in {v[0] for v in VARIANT_CASES}] +
+                         [("lse-grad", mods.softcap(20.0), mods.causal, 1, 2, 2, 300, 300, None),
+                          ("fp16-causal", None, mods.causal, 1, 2, 2, 500, 400, None),
+                          ("late-causal", None, "late_causal", 1, 2, 2, 256, 256, None),
+                          ("sliding-window", None, mods.sliding_window(256), 1, 2, 2, 1000, 1000, None)],
+                         ids=lambda c: c[0])
+def test_schedule_variants_m128_more_cases(case):
+    from fa3_inductor.templates.hopper_bwd import get_bwd_config, prepare_hopper_backward
+    from fa3_inductor.templates.hopper_bwd.bwd_sm90_m128 import fa3_bwd_sm90_m128_kernel
+    from fa3_inductor.templates.hopper_bwd.configs import VARIANTS
+
+    name, score_mod, mask_mod, Z, HQ, HKV, M, N, KZ = case
+    cfg = get_bwd_config(64, **VARIANTS["m128"])
+    if mask_mod == "document":
+        mask_mod = _document(M)
+    elif mask_mod == "late_causal":
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx >= 20)
+    torch.manual_seed(6)
+    dtype = torch.float16 if name.startswith("fp16") else torch.bfloat16
+    q, k, v, dout = _inputs(Z, HQ, HKV, M, N, 64, KZ, dtype=dtype)
+    launches = prepare_hopper_backward(q, k, v, dout, dout, torch.zeros(Z, HQ, M, device="cuda"),
+                                       torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), sm_scale=0.125,
+                                       config=cfg)
+    assert launches[1][0] is fa3_bwd_sm90_m128_kernel
+    if name == "late-causal":   # rows 0-19 see no key: zero gradient, nothing non-finite
+        out, lse = reference_attention(q, k, v, None, mask_mod)
+        got = _run(q, k, v, torch.nan_to_num(out).to(q.dtype), dout, (lse / LN2).float(), sm_scale=0.125,
+                   config=cfg, **_mask_options(mask_mod, M, N))
+        assert all(torch.isfinite(g).all() for g in got)
+        assert (got[0][:, :, :20] == 0).all()
+    else:
+        grad_lse = torch.randn(Z, HQ, M, device="cuda") if name == "lse-grad" else None
+        _check(q, k, v, dout, score_mod, mask_mod, grad_lse=grad_lse, config=cfg)
 
 
 @pytest.mark.parametrize("dims", [(128, 128)] + WIDE_HEAD_DIMS, ids=_dims_id)
@@ -242,3 +326,32 @@ def test_wide_head_dims_are_served(dims):
     launches = prepare_hopper_backward(q, k, v, dout, dout, torch.zeros(1, 2, 128, device="cuda"), torch.empty_like(q),
                                        torch.empty_like(k), torch.empty_like(v), sm_scale=D ** -0.5)
     assert launches[1][0] is fa3_bwd_sm90_wide_kernel
+
+
+def test_masked_launch_under_graph_capture_takes_the_grid_order():
+    """The persistent schedule's lists read the block tables on the host: planned under CUDA graph capture, the
+    launch takes the grid order instead, and the replayed graph's gradients match the eager persistent launch."""
+    from fa3_inductor.templates.hopper_bwd import get_bwd_config, prepare_hopper_backward
+
+    torch.manual_seed(7)
+    Z, HQ, M, D = 1, 2, 640, 64
+    q, k, v, dout = _inputs(Z, HQ, HQ, M, M, D)
+    out, lse = reference_attention(q, k, v, None, mods.causal, D ** -0.5)
+    out, lse2 = out.to(q.dtype), (lse / LN2).float()
+    options = dict(sm_scale=D ** -0.5, **_mask_options(mods.causal, M, M))
+    eager = _run(q, k, v, out, dout, lse2, **options)
+    _run(q, k, v, out, dout, lse2, config=get_bwd_config(D, masked=True, persistent=False), **options)   # compiled
+    grads = tuple(torch.empty_like(t) for t in (q, k, v))
+    assert prepare_hopper_backward(q, k, v, out, dout, lse2, *grads, **options)[1][2]["SCHED"].PERSISTENT
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        launches = prepare_hopper_backward(q, k, v, out, dout, lse2, *grads, **options)
+        for kernel, args, kwargs, grid in launches:
+            kernel[grid](*args, **kwargs)
+    assert not launches[1][2]["SCHED"].PERSISTENT
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(grads, eager):
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)

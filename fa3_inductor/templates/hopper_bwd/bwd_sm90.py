@@ -43,6 +43,8 @@ Barriers (shared memory):
   qdo_ready[s]    (count 1, TMA tx)  ring stage s holds this step's Q and dO        producer -> consumers
   qdo_empty[s]    (count 2)          both warpgroups' wgmmas reading stage s retired consumers -> producer
   ds_ready[b]     (count 2)          both halves of dS are in buffer b (b = step % 2) consumer <-> consumer
+  kv_empty[b], kv_full[b]            PERSISTENT, per K / V buffer: both warpgroups are done with its K, V (count 2,
+                                     consumers -> producer); its K, V landed (count 1, TMA tx; kv_ready unused)
   (DQ_TMA: no barrier; each warpgroup's dQ staging tile is reused after tma.store_wait(0))
   Two dS buffers suffice: a warpgroup writes buffer b at step j + 2 only after its own step-j dQ wgmma, and
   after waiting on ds_ready of step j + 1 (DQ_SPLIT: always; in turn: it is the reader of step j + 1 when the
@@ -65,7 +67,8 @@ Compile-time parameters (one frozen-dataclass bundle each, read as TILE.BLOCK_M)
   TILE    BwdTile       HEAD_D, NUM_STAGES (BLOCK_M, BLOCK_N, HALF_N, DQ_SPLIT, DQ_N, VIEWS_PER_STEP derived)
   SPARSE  BwdSparsity   HAS_BLOCK_MASK, HAS_FULL_BLOCKS, Q_TILES_PER_BLK, SPARSE_KV
   FLAGS   BwdFlags      GQA_GROUP, FOLD_SCALE, EVEN_N, CONSUMER_REGS, PRODUCER_REGS, WIDE_SCORES
-  SCHED   BwdSchedule   DQ_TMA, OVERLAP (configs.BwdSm90Config.dq_tma, .overlap)
+  SCHED   BwdSchedule   DQ_TMA, OVERLAP, LPT_ORDER, PERSISTENT (configs.BwdSm90Config.dq_tma / overlap / lpt_order /
+                        persistent; the last two: which tiles a CTA runs, under a block mask, cta_args)
 """
 from __future__ import annotations
 
@@ -151,7 +154,49 @@ class BwdFlags:
 class BwdSchedule:
     """How a step's wgmmas are ordered and how dQ leaves the CTA (docs/design/hopper_backward.md, "Gap")."""
     DQ_TMA: bool        # dQ staged in shared memory (fp32) and added by TMA reduce-add, not per-thread red.v2
-    OVERLAP: int = 0    # configs.BwdSm90Config.overlap: 0 the in-order step (_consumer); 1 / 2 _consumer_overlap
+    OVERLAP: int = 0    # configs.BwdSm90Config.overlap: 0 the in-order step (_consumer_tile); 1 / 2
+                        # _consumer_overlap_tile (either under the LPT_ORDER / PERSISTENT schedules)
+    LPT_ORDER: bool = False   # CTAs take their (KV tile, K/V head) from the host's order (cta_args[0]): longest
+                              # first inside groups of heads (host._cta_order; docs/design/hopper_backward.md,
+                              # "Masks against the tile bound")
+    PERSISTENT: bool = False  # #SMs CTAs, each walking its list of (KV tile, K/V head) tiles (cta_args = (offsets,
+                              # tiles), host._persistent_schedule); the next tile's K and V load once a K / V buffer
+                              # is free (barriers kv_full / kv_empty)
+    KV_BUFS: int = 1          # PERSISTENT: K / V buffers (2 where shared memory allows, D = 64: the next tile's K, V
+                              # load under this tile's last steps; 1: under its dK / dV stores)
+
+
+@gluon.jit
+def _cta_coords(cta_args, SCHED: gl.constexpr):
+    """(KV tile, kz * HKV + hkv) of this CTA: the grid's coordinates, or with SCHED.LPT_ORDER the entry of the host's
+    order (kvh * #KV tiles + KV tile, int32) at the CTA's launch index (the hardware hands CTAs out in launch order,
+    program_id(0) fastest)."""
+    if SCHED.LPT_ORDER:
+        n_kv_tiles = gl.num_programs(0)
+        idx = gl.load(cta_args[0] + gl.program_id(1) * n_kv_tiles + gl.program_id(0))
+        kv_tile = idx % n_kv_tiles
+        kvh = idx // n_kv_tiles
+    else:
+        kv_tile = gl.program_id(0)
+        kvh = gl.program_id(1)
+    return kv_tile, kvh
+
+
+@gluon.jit
+def _cta_tiles(cta):
+    """SCHED.PERSISTENT: (index of this CTA's first tile in the host's tile list, its number of tiles)."""
+    offsets = cta[0][0]
+    pid = gl.program_id(0)
+    first = gl.load(offsets + pid)
+    return first, gl.load(offsets + pid + 1) - first
+
+
+@gluon.jit
+def _persistent_tile(cta, j, N, TILE: gl.constexpr):
+    """SCHED.PERSISTENT: (KV tile, kz * HKV + hkv) of entry j of the host's tile list (kvh * #KV tiles + KV tile)."""
+    n_kv_tiles = gl.cdiv(N, TILE.BLOCK_N)
+    idx = gl.load(cta[0][1] + j)
+    return idx % n_kv_tiles, idx // n_kv_tiles
 
 
 @builtin
@@ -216,26 +261,46 @@ def _acc_layout(n):
 # Producer: one warp issuing TMA.
 # ----------------------------------------------------------------------------------------------
 @gluon.jit
-def _producer(descs, bars, smem, sizes, tables, table_meta, TILE: gl.constexpr, SPARSE: gl.constexpr,
-              FLAGS: gl.constexpr):
+def _producer(descs, bars, smem, sizes, tables, table_meta, cta, TILE: gl.constexpr, SPARSE: gl.constexpr,
+              FLAGS: gl.constexpr, SCHED: gl.constexpr):
+    if SCHED.PERSISTENT:
+        first, n_my = _cta_tiles(cta)
+        cnt = 0
+        for t in range(n_my):
+            kv_tile, kvh = _persistent_tile(cta, first + t, sizes[4], TILE)
+            b = t % SCHED.KV_BUFS
+            # kv_empty[b]: both consumers are done with the K and V of the tile that last used buffer b
+            mbarrier.wait(cta[1].index(b), ((t // SCHED.KV_BUFS) & 1) ^ 1)
+            cnt = _producer_tile(kv_tile, kvh, cnt, cta[2].index(b), b, descs, bars, smem, sizes, tables,
+                                 table_meta, TILE, SPARSE, FLAGS)
+    else:
+        kv_tile, kvh = _cta_coords(cta, SCHED)
+        _producer_tile(kv_tile, kvh, 0, bars[0], 0, descs, bars, smem, sizes, tables, table_meta, TILE, SPARSE,
+                       FLAGS)
+
+
+@gluon.jit
+def _producer_tile(kv_tile, kvh, cnt, kv_bar, kv_buf, descs, bars, smem, sizes, tables, table_meta,
+                   TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr):
+    """K and V of one (KV tile, K/V head) into K / V buffer kv_buf (barrier kv_bar), then its Q / dO steps from ring
+    step cnt on; returns the next cnt."""
     q_desc, do_desc, k_desc, v_desc, dq_desc = descs
     kv_ready, qdo_ready, qdo_empty, ds_ready = bars
     q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem = smem
     Z, HQ, KZ, M, N = sizes
     NUM_STAGES: gl.constexpr = TILE.NUM_STAGES
-    n0 = gl.program_id(0) * TILE.BLOCK_N
-    kvh = gl.program_id(1)
+    n0 = kv_tile * TILE.BLOCK_N
     HKV = HQ // FLAGS.GQA_GROUP
     kz = kvh // HKV
     hkv = kvh % HKV
     kv_blk = n0 // SPARSE.SPARSE_KV
 
-    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [kz, hkv, n0, 0], kv_ready, k_smem.index(0))
-    tma.async_copy_global_to_shared(v_desc, [kz, hkv, n0, 0], kv_ready, v_smem.index(0))
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [kz, hkv, n0, 0], kv_bar, k_smem.index(kv_buf))
+    tma.async_copy_global_to_shared(v_desc, [kz, hkv, n0, 0], kv_bar, v_smem.index(kv_buf))
 
     qdo_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
-    cnt = 0
+    cnt = gl.to_tensor(cnt)   # a loop-carried value (the default launch passes a literal 0)
     # every query batch that reads this K/V batch (all of them when KZ = 1), every head of the GQA
     # group: one flat loop (a nested one holds more loop state in registers)
     for hh in range((Z // KZ) * FLAGS.GQA_GROUP):
@@ -250,6 +315,7 @@ def _producer(descs, bars, smem, sizes, tables, table_meta, TILE: gl.constexpr, 
             tma.async_copy_global_to_shared(q_desc, [z, hq, m0, 0], qdo_ready.index(st), q_smem.index(st))
             tma.async_copy_global_to_shared(do_desc, [z, hq, m0, 0], qdo_ready.index(st), do_smem.index(st))
             cnt += 1
+    return cnt
 
 
 # ----------------------------------------------------------------------------------------------
@@ -298,9 +364,50 @@ def _lane_id():
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta,
               SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
               SPARSE: gl.constexpr, FLAGS: gl.constexpr, SCHED: gl.constexpr):
+    if SCHED.PERSISTENT:
+        first, n_my = _cta_tiles(cta)
+        cnt = 0
+        for t in range(n_my):
+            kv_tile, kvh = _persistent_tile(cta, first + t, sizes[4], TILE)
+            b = t % SCHED.KV_BUFS
+            cnt = _consumer_run_tile(WG, kv_tile, kvh, cta[2].index(b), (t // SCHED.KV_BUFS) & 1, b, cnt, cta,
+                                     descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+                                     SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, SCHED)
+    else:
+        kv_tile, kvh = _cta_coords(cta, SCHED)
+        _consumer_run_tile(WG, kv_tile, kvh, bars[0], 0, 0, 0, cta, descs, bars, smem, sizes, tables, table_meta,
+                           rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, SCHED)
+    if SCHED.DQ_TMA:
+        tma.store_wait(0)   # the last dQ reduce has read the staging tile before the CTA exits
+
+
+@gluon.jit
+def _consumer_run_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt, cta, descs, bars, smem, sizes,
+                       tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr,
+                       SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, SPARSE: gl.constexpr,
+                       FLAGS: gl.constexpr, SCHED: gl.constexpr):
+    """One tile with the step SCHED.OVERLAP picks: _consumer_overlap_tile (1 / 2) or _consumer_tile (0)."""
+    if SCHED.OVERLAP:
+        cnt = _consumer_overlap_tile(WG, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt, cta, descs, bars, smem, sizes,
+                                     tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD,
+                                     TILE, SPARSE, FLAGS, SCHED)
+    else:
+        cnt = _consumer_tile(WG, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt, cta, descs, bars, smem, sizes, tables,
+                             table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE,
+                             FLAGS, SCHED)
+    return cnt
+
+
+@gluon.jit
+def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt, cta, descs, bars, smem, sizes,
+                   tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr,
+                   MASK_MOD: gl.constexpr, TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr,
+                   SCHED: gl.constexpr):
+    """One (KV tile, K/V head), its K and V in buffer kv_buf (landed: kv_bar's phase kv_phase): its query steps from
+    ring step cnt on, then the dK, dV stores; returns the next cnt."""
     q_desc, do_desc, k_desc, v_desc, dq_desc = descs
     kv_ready, qdo_ready, qdo_empty, ds_ready = bars
     q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem = smem
@@ -323,8 +430,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 
-    n0 = gl.program_id(0) * BLOCK_N
-    kvh = gl.program_id(1)
+    n0 = kv_tile * BLOCK_N
     HKV = HQ // FLAGS.GQA_GROUP
     kz = kvh // HKV
     hkv = kvh % HKV
@@ -338,8 +444,8 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
     dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
     DQ_COL0: gl.constexpr = WG * DQ_N if TILE.DQ_SPLIT else 0
 
-    mbarrier.wait(kv_ready, 0)
-    cnt = 0
+    mbarrier.wait(kv_bar, kv_phase)
+    cnt = gl.to_tensor(cnt)   # a loop-carried value (the default launch passes a literal 0)
     # every query batch that reads this K/V batch (all of them when KZ = 1), every head of the GQA
     # group: one flat loop (a nested one holds more loop state in registers)
     for hh in range((Z // KZ) * FLAGS.GQA_GROUP):
@@ -355,12 +461,16 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
             # once before the loop, their 28 descriptors (64-bit each, at D = 128) were hoisted by LLVM and, with a
             # mask or a mod, kept by ptxas in up to 24 vector registers across the loop: causal spilled 56
             # instructions (11 in the loop), ALiBi 57. Built here, ptxas makes them per step in uniform registers.
-            if TILE.VIEWS_PER_STEP:
+            if TILE.VIEWS_PER_STEP or SCHED.PERSISTENT:   # (persistent: a tile loop more, D = 64 spilled)
                 zero = _opaque(0)
             else:
                 zero = 0
-            k_rows = k_smem.index(zero).reshape([BLOCK_N, D])
-            v_rows = v_smem.index(zero).reshape([BLOCK_N, D])
+            if SCHED.PERSISTENT:
+                kv_idx_buf = zero + kv_buf
+            else:
+                kv_idx_buf = zero
+            k_rows = k_smem.index(kv_idx_buf).reshape([BLOCK_N, D])
+            v_rows = v_smem.index(kv_idx_buf).reshape([BLOCK_N, D])
             k_t = k_rows.slice(WG * HALF_N, HALF_N, dim=0).permute((1, 0))   # B of S = Q K^T (this warpgroup's keys)
             v_t = v_rows.slice(WG * HALF_N, HALF_N, dim=0).permute((1, 0))   # B of dP = dO V^T
             p_t = p_smem.index(WG + zero).permute((1, 0))                    # A of dV += P^T dO
@@ -422,6 +532,8 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
                 dq, _a, _b = warpgroup_mma_wait(0, deps=[dq_tok, ds_tile, k_dq])
                 _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, m0, row_off, WG, TILE, SCHED)
             cnt += 1
+    if SCHED.PERSISTENT:
+        mbarrier.arrive(cta[1].index(kv_buf), count=1)   # kv_empty: this warpgroup's wgmmas reading K, V retired
 
     # dK, dV: one store per output tile (rows past N clipped); dK takes the scale and f's factor here.
     out_rows = n0 + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, d_layout))[:, None]
@@ -430,8 +542,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
     head = (kz * HKV + hkv).to(gl.int64) * N * D     # dK, dV are contiguous (the host sees to it)
     gl.store(dk_ptr + head + out_rows * D + out_cols, (dk * ds_scale).to(dtype), mask=keep)
     gl.store(dv_ptr + head + out_rows * D + out_cols, dv.to(dtype), mask=keep)
-    if SCHED.DQ_TMA:
-        tma.store_wait(0)   # the last dQ reduce has read the staging tile before the CTA exits
+    return cnt
 
 
 @gluon.jit
@@ -485,15 +596,17 @@ def _make_p(qk, lse, m0, is_partial, z, hq, n0, M, N, p_smem, sm_scale, qk_scale
 
 
 @gluon.jit
-def _consumer_overlap(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
-                      SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
-                      TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr, SCHED: gl.constexpr):
-    """_consumer's math, software-pipelined over the steps of a query head: step j + 1's S = Q K^T is issued right
-    behind step j's dS (its Q / dO stage waited then), ahead of step j's dK and dQ, and its P is made while they
-    run (OVERLAP 1: under dK and dQ, with dQ's accumulator in flight beside S; OVERLAP 2, and D = 64 where dQ
-    alternates between the warpgroups: under dK only, dQ issued after). A step begins with its P (and f') in
-    shared memory: the head's first step makes it in a prologue. On a head's last step the early S reads the
-    step's own Q stage (nothing is waited for it, its result is dropped): one wasted S a head."""
+def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt, cta, descs, bars, smem,
+                           sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr,
+                           SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
+                           SPARSE: gl.constexpr, FLAGS: gl.constexpr, SCHED: gl.constexpr):
+    """_consumer_tile's math (one (KV tile, K/V head), same arguments and result), software-pipelined over the steps of
+    a query head: step j + 1's S = Q K^T is issued right behind step j's dS (its Q / dO stage waited then), ahead of
+    step j's dK and dQ, and its P is made while they run (OVERLAP 1: under dK and dQ, with dQ's accumulator in
+    flight beside S; OVERLAP 2, and D = 64 where dQ alternates between the warpgroups: under dK only, dQ issued
+    after). A step begins with its P (and f') in shared memory: the head's first step makes it in a prologue. On a
+    head's last step the early S reads the step's own Q stage (nothing is waited for it, its result is dropped): one
+    wasted S a head."""
     q_desc, do_desc, k_desc, v_desc, dq_desc = descs
     kv_ready, qdo_ready, qdo_empty, ds_ready = bars
     q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem = smem
@@ -516,8 +629,7 @@ def _consumer_overlap(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_
     dq_layout: gl.constexpr = _acc_layout(DQ_N)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    n0 = gl.program_id(0) * BLOCK_N
-    kvh = gl.program_id(1)
+    n0 = kv_tile * BLOCK_N
     HKV = HQ // FLAGS.GQA_GROUP
     kz = kvh // HKV
     hkv = kvh % HKV
@@ -530,8 +642,8 @@ def _consumer_overlap(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_
     dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
     DQ_COL0: gl.constexpr = WG * DQ_N if TILE.DQ_SPLIT else 0
 
-    mbarrier.wait(kv_ready, 0)
-    cnt = 0
+    mbarrier.wait(kv_bar, kv_phase)
+    cnt = gl.to_tensor(cnt)   # a loop-carried value (the default launch passes a literal 0)
     for hh in range((Z // KZ) * FLAGS.GQA_GROUP):
         z = kz + (hh // FLAGS.GQA_GROUP) * KZ
         hq = hkv * FLAGS.GQA_GROUP + hh % FLAGS.GQA_GROUP
@@ -549,8 +661,9 @@ def _consumer_overlap(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_
             # prologue: the head's first S, waited at once, and its P (the tables are read only for a listed tile:
             # with no full blocks their table is a placeholder)
             m0 = _q_tile_start(0, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
-            zero0 = _opaque(0) if TILE.VIEWS_PER_STEP else 0
-            k_t0 = k_smem.index(zero0).reshape([BLOCK_N, D]).slice(WG * HALF_N, HALF_N, dim=0).permute((1, 0))
+            zero0 = _opaque(0) if TILE.VIEWS_PER_STEP or SCHED.PERSISTENT else 0
+            k_rows0 = k_smem.index(zero0 + kv_buf if SCHED.PERSISTENT else zero0).reshape([BLOCK_N, D])
+            k_t0 = k_rows0.slice(WG * HALF_N, HALF_N, dim=0).permute((1, 0))
             st0 = cnt % NUM_STAGES
             lse0 = gl.load(stats_h + m0 + gl.arange(0, BLOCK_M, layout=row_layout))
             q_t0 = q_smem.index(st0).reshape([BLOCK_M, D])
@@ -566,12 +679,13 @@ def _consumer_overlap(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_
         for i in range(n_total):
             st = cnt % NUM_STAGES
             buf = cnt % 2
-            if TILE.VIEWS_PER_STEP:
+            if TILE.VIEWS_PER_STEP or SCHED.PERSISTENT:
                 zero = _opaque(0)
             else:
                 zero = 0
-            k_rows = k_smem.index(zero).reshape([BLOCK_N, D])
-            v_rows = v_smem.index(zero).reshape([BLOCK_N, D])
+            kv_idx_buf = zero + kv_buf if SCHED.PERSISTENT else zero
+            k_rows = k_smem.index(kv_idx_buf).reshape([BLOCK_N, D])
+            v_rows = v_smem.index(kv_idx_buf).reshape([BLOCK_N, D])
             k_t = k_rows.slice(WG * HALF_N, HALF_N, dim=0).permute((1, 0))
             v_t = v_rows.slice(WG * HALF_N, HALF_N, dim=0).permute((1, 0))
             p_t = p_smem.index(WG + zero).permute((1, 0))
@@ -637,6 +751,9 @@ def _consumer_overlap(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_
                     _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, m0, row_off, WG, TILE, SCHED)
             m0 = m0_next
             cnt += 1
+    if SCHED.PERSISTENT:
+        # kv_empty: every wgmma reading K and V retired (the head's last, wasted S too: waited in its step)
+        mbarrier.arrive(cta[1].index(kv_buf), count=1)
 
     if DQ_UNDER:
         # the rows and columns of the dK / dV store made here from a fresh %laneid (the arange's thread bits
@@ -654,39 +771,30 @@ def _consumer_overlap(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_
     head = (kz * HKV + hkv).to(gl.int64) * N * D
     gl.store(dk_ptr + head + out_rows * D + out_cols, (dk * ds_scale).to(dtype), mask=keep)
     gl.store(dv_ptr + head + out_rows * D + out_cols, dv.to(dtype), mask=keep)
-    if SCHED.DQ_TMA:
-        tma.store_wait(0)
+    return cnt
 
 
 @gluon.jit
-def _consumer_wg0(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+def _consumer_wg0(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta,
                   SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
                   SPARSE: gl.constexpr, FLAGS: gl.constexpr, SCHED: gl.constexpr):
-    if SCHED.OVERLAP:
-        _consumer_overlap(0, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD,
-                          SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, SCHED)
-    else:
-        _consumer(0, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD,
-                  MASK_MOD, TILE, SPARSE, FLAGS, SCHED)
+    _consumer(0, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta, SCORE_MOD, SCORE_GRAD,
+              MASK_MOD, TILE, SPARSE, FLAGS, SCHED)
 
 
 @gluon.jit
-def _consumer_wg1(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+def _consumer_wg1(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta,
                   SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
                   SPARSE: gl.constexpr, FLAGS: gl.constexpr, SCHED: gl.constexpr):
-    if SCHED.OVERLAP:
-        _consumer_overlap(1, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD,
-                          SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, SCHED)
-    else:
-        _consumer(1, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD,
-                  MASK_MOD, TILE, SPARSE, FLAGS, SCHED)
+    _consumer(1, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta, SCORE_MOD, SCORE_GRAD,
+              MASK_MOD, TILE, SPARSE, FLAGS, SCHED)
 
 
 @gluon.jit
-def _producer_entry(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+def _producer_entry(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta,
                     SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
                     TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr, SCHED: gl.constexpr):
-    _producer(descs, bars, smem, sizes, tables, table_meta, TILE, SPARSE, FLAGS)
+    _producer(descs, bars, smem, sizes, tables, table_meta, cta, TILE, SPARSE, FLAGS, SCHED)
 
 
 # Sizes that follow the sequence lengths: no divisibility / equal-to-1 specialization (one compile per site).
@@ -701,6 +809,8 @@ def fa3_bwd_sm90_kernel(
     score_bufs, mask_bufs,
     Z, HQ, KZ, M, N, M_PAD, SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS,
     sm_scale, qk_scale2, ds_scale,
+    cta_args,                # SCHED.LPT_ORDER: (the CTA order, int32 [#KV tiles * KZ * HKV],); SCHED.PERSISTENT:
+                             # (tile offsets [#CTAs + 1], tiles), int32; () otherwise (no kernel parameter)
     SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,   # @gluon.jit mods or None
     TILE: gl.constexpr,      # BwdTile
     SPARSE: gl.constexpr,    # BwdSparsity
@@ -713,8 +823,8 @@ def fa3_bwd_sm90_kernel(
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
     # K and V as one-element arrays: the consumers index them (VIEWS_PER_STEP)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [1] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [1] + v_desc.block_type.shape, v_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [SCHED.KV_BUFS] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [SCHED.KV_BUFS] + v_desc.block_type.shape, v_desc.layout)
     HALF_N: gl.constexpr = TILE.HALF_N
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF_N], q_desc.dtype)
     # P of each warpgroup; with a score_mod also f' (both parked in shared memory across the dP wgmma)
@@ -739,6 +849,17 @@ def fa3_bwd_sm90_kernel(
         mbarrier.init(qdo_empty.index(s), count=2)
     for b in gl.static_range(2):
         mbarrier.init(ds_ready.index(b), count=2)
+    if SCHED.PERSISTENT:   # per K / V buffer: kv_empty (count 2: both consumer warpgroups are done with its K and
+        # V), kv_full (count 1, TMA tx: they landed; kv_ready is unused)
+        kv_empty = gl.allocate_shared_memory(gl.int64, [SCHED.KV_BUFS, 1], mbarrier.MBarrierLayout())
+        kv_full = gl.allocate_shared_memory(gl.int64, [SCHED.KV_BUFS, 1], mbarrier.MBarrierLayout())
+        KV_BUFS: gl.constexpr = SCHED.KV_BUFS
+        for b in gl.static_range(KV_BUFS):
+            mbarrier.init(kv_empty.index(b), count=2)
+            mbarrier.init(kv_full.index(b), count=1)
+        cta = (cta_args, kv_empty, kv_full)
+    else:
+        cta = cta_args
 
     descs = (q_desc, do_desc, k_desc, v_desc, dq_tma_desc)
     bars = (kv_ready, qdo_ready, qdo_empty, ds_ready)
@@ -751,11 +872,11 @@ def fa3_bwd_sm90_kernel(
     mod_bufs = (score_bufs, mask_bufs)
     # every role gets the same arguments (the producer's entry drops what it does not read)
     gl.warp_specialize([
-        (_consumer_wg0, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+        (_consumer_wg0, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta,
                          SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, SCHED)),
-        (_consumer_wg1, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+        (_consumer_wg1, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta,
                          SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, SCHED)),
-        (_producer_entry, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+        (_producer_entry, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta,
                            SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, SCHED)),
     ], [4, 1], [FLAGS.CONSUMER_REGS, FLAGS.PRODUCER_REGS])
 

@@ -36,6 +36,13 @@ class BwdSm90Config:
                                  # overlap"): the next step's S is issued before this step's dK / dQ are drained
                                  # and its exponentials run under them (1: under dK and dQ; 2: under dK only,
                                  # dQ issued after them: no dQ registers beside S). 0: off
+    lpt_order: bool = False      # under a block mask, CTAs launched longest first inside groups of heads (host
+                                 # _cta_order; bwd_sm90.py only, D <= 128): a shorter tail for irregular masks
+    persistent: bool = False     # under a block mask, #SMs CTAs walking host-made tile lists (longest first), the
+                                 # next tile's K / V loaded under this one's dK / dV stores (D = 128) or last steps
+                                 # (D = 64: a second K / V buffer, 176 KB) (host._persistent_schedule)
+    persistent_ctas: int = 0     # persistent: CTAs to launch (0: one per SM); tests set a few to give each many tiles
+    block_m: int = 64            # query rows a step; 128: bwd_sm90_m128.py (D = 64 only, in-order step)
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, value_head_dim: int | None = None) -> int:
         """Shared memory of K, V, the Q / dO ring, P, the two dS buffers and the dQ staging tiles (no score_mod),
@@ -44,6 +51,9 @@ class BwdSm90Config:
             dv = value_head_dim or head_dim
             return elem_bytes * (64 * (head_dim + dv) * (1 + self.num_stages) + 4 * 64 * 64) + 2 * 64 * 64 * 4
         kv = 2 * 128 * head_dim                  # K, V of the CTA's 128 keys
+        if self.block_m == 128:   # 128-row Q / dO stages, P [128, 64] and dS [128, 128] x 2 (f' in dS), dQ staging
+            return elem_bytes * (kv + self.num_stages * 2 * 128 * head_dim + 2 * 128 * 64 + 2 * 128 * 128) \
+                + 2 * 64 * head_dim * 4
         ring = self.num_stages * 2 * 64 * head_dim    # Q, dO of 64 query rows per stage
         p_ds = 2 * 64 * 64 + 2 * 64 * 128           # P (one [64, 64] tile per warpgroup), two dS buffers
         dq_stage = 2 * 64 * 64 * 4 if self.dq_tma else 0   # fp32 [64, 64] per consumer warpgroup
@@ -74,6 +84,24 @@ _GRAD_MOD_TABLE: dict[int, BwdSm90Config] = {
 
 SUPPORTED_HEAD_DIMS = tuple(sorted(_TABLE))
 
+# Launches with a score_mod whose derivative is 1 (ALiBi, a bias) and no block mask, at D64: 128 query rows a step
+# (bwd_sm90_m128.py), where the per-step work a mod adds weighs most. H200 (B*N = 16k, H16, bf16; backward over the
+# 64-row step, rule written before the run in docs/design/hopper_backward.md): ALiBi 1.08x / 1.09x at 4k / 8k
+# (bwd-speed-nvidia-h200-2026-11-29-1129-m128), 1.07x / 1.11x in a second run (-1309-m128-masks); noop 1.01 / 1.00
+# and softcap 0.98 / 0.98, which keep the 64-row step. Masked launches take the persistent schedule instead
+# (PERSISTENT_HEAD_DIMS: 1.07-1.09x on causal there, against m128's 1.04-1.07x).
+_LINEAR_MOD_TABLE: dict[int, BwdSm90Config] = {
+    64: BwdSm90Config(num_stages=2, block_m=128),
+}
+
+# Head dims whose launches under a block mask take the persistent schedule (host._persistent_schedule): one CTA an SM
+# walking KV tiles longest first, the next tile's K / V loaded under this one's last work. H200, one run with the
+# schedules timed in interleaved rounds (bwd-speed-nvidia-h200-2026-11-29-1309-masks2; backward over the hardware's
+# launch order at 4k / 8k): D64 causal 1.09 / 1.07, sliding window 1.07 / 1.08, documents 1.07 / 1.09; D128 causal
+# 1.04 / 1.04, sliding window 1.09 / 1.15, documents 1.06 / 1.04; noop (the same kernel, an A/A) 0.997-1.024. The rule
+# written before the run (>= 3% on sliding window and documents, <= 2% slower on causal, both lengths) held at both.
+PERSISTENT_HEAD_DIMS = (64, 128)
+
 # Wide head dims (q/k, v) -> config: bwd_sm90_wide.py, dK and dV split along the head dim between the two
 # consumer warpgroups (docs/design/hopper_backward.md, "Wide head dims"). Unmeasured on a GPU so far.
 WIDE_TABLE: dict[tuple[int, int], BwdSm90Config] = {
@@ -97,14 +125,26 @@ VARIANTS: dict[str, dict[str, bool]] = {
     # a third Q / dO stage: D64 only (160-176 KB; no spill at noop, causal, softcap, ALiBi, sm90 triton 3.6);
     # at D128 it would be 240 KB
     "stages3": {"num_stages": 3},
+    # CTA schedules under block masks (docs/design/hopper_backward.md, "Masks against the tile bound"), on top of the
+    # head dim's step (D128: the overlap under dK); the _serial ones with the in-order step (what was measured before
+    # D128's default became the overlap; at D64 they are the same kernels as lpt_order / persistent)
+    "lpt_order": {"lpt_order": True},
+    "persistent": {"persistent": True},
+    # the launch as it was before the masked / linear-mod rows of get_bwd_config: the hardware's CTA order, 64 rows
+    "launch_order": {"persistent": False, "lpt_order": False, "block_m": 64},
+    "lpt_order_serial": {"lpt_order": True, "overlap": 0},
+    "persistent_serial": {"persistent": True, "overlap": 0},
+    # 128 query rows a step (bwd_sm90_m128.py, FA3's hdim-64 tile): D64 only, 224 KB
+    "m128": {"block_m": 128},
 }
 
 
-def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: bool = False,
-                   **overrides) -> BwdSm90Config:
+def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: bool = False, masked: bool = False,
+                   linear_mod: bool = False, **overrides) -> BwdSm90Config:
     """The table's tiles for a head dim (q/k ``head_dim``, v ``value_head_dim``, default the same), with optional
-    field overrides (tests, sweeps). ``grad_mod``: the launch's score_mod has a derivative other than 1 (and no
-    mask_mod is compiled in: the host's rule).
+    field overrides (tests, sweeps). What the launch has picks the row (host.prepare_hopper_backward says it):
+    ``grad_mod``, a score_mod whose derivative is not 1 and no mask_mod; ``masked``, block-mask tables;
+    ``linear_mod``, a score_mod whose derivative is 1 (ALiBi, a bias).
 
     Example::
 
@@ -112,18 +152,24 @@ def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: b
         2
         >>> get_bwd_config(128).overlap, get_bwd_config(128, grad_mod=True).overlap
         (2, 1)
+        >>> get_bwd_config(64, masked=True).persistent, get_bwd_config(64, linear_mod=True).block_m
+        (True, 128)
         >>> get_bwd_config(128, **VARIANTS["atomic_dq"]).dq_tma
         False
     """
     pair = (head_dim, value_head_dim or head_dim)
     if pair in WIDE_TABLE:
         cfg = WIDE_TABLE[pair]
-    elif pair[0] == pair[1] and grad_mod and head_dim in _GRAD_MOD_TABLE:
-        cfg = _GRAD_MOD_TABLE[head_dim]
-    elif pair[0] == pair[1] and head_dim in _TABLE:
-        cfg = _TABLE[head_dim]
-    else:
+    elif pair[0] != pair[1] or head_dim not in _TABLE:
         raise ValueError(f"sm90 backward: head dims {pair[0]}/{pair[1]} are not served (it serves "
                          f"{', '.join(f'{d}/{dv}' for d, dv in SUPPORTED_HEAD_DIM_PAIRS)}); use the generic "
                          "backward (templates/generic_bwd)")
+    elif grad_mod and head_dim in _GRAD_MOD_TABLE:
+        cfg = _GRAD_MOD_TABLE[head_dim]    # (its overlap 1 spills with the persistent schedule's state: grid order)
+    elif linear_mod and not masked and head_dim in _LINEAR_MOD_TABLE:
+        cfg = _LINEAR_MOD_TABLE[head_dim]
+    elif masked and head_dim in PERSISTENT_HEAD_DIMS:
+        cfg = replace(_TABLE[head_dim], persistent=True)
+    else:
+        cfg = _TABLE[head_dim]
     return replace(cfg, **overrides) if overrides else cfg

@@ -6,6 +6,7 @@ are loaded ``gl`` mods (``score_grad_gl`` makes the derivative one from flex's j
 from __future__ import annotations
 
 import functools
+import heapq
 import math
 from typing import Any, Optional, Sequence
 
@@ -19,6 +20,7 @@ from ..tma import tma_aligned
 from ..wide_scores import wide_scores
 from .bwd_sm90 import (BwdFlags, BwdSchedule, BwdSparsity, BwdTile, bwd_sm90_dq_convert_kernel,
                        bwd_sm90_preprocess_kernel, fa3_bwd_sm90_kernel)
+from .bwd_sm90_m128 import M128Tile, fa3_bwd_sm90_m128_kernel
 from .bwd_sm90_wide import WideTile, fa3_bwd_sm90_wide_kernel
 from .configs import SMEM_LIMIT, SUPPORTED_HEAD_DIM_PAIRS, BwdSm90Config, get_bwd_config
 
@@ -113,6 +115,97 @@ def _dq_acc_desc(dq_acc: torch.Tensor, tile: BwdTile):
     return TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), block, layout)
 
 
+# CTAs per group of the longest-first order (_cta_order): a group's Q / dO tiles and DQ_ACC rows stay in L2 while
+# its CTAs run (about two waves of 132), and every group ends on its shortest CTAs.
+LPT_GROUP_CTAS = 256
+
+
+def _cta_order(q_num_blocks: torch.Tensor, full_q_num_blocks: Optional[torch.Tensor], Z: int, KZ: int, HQ: int,
+               HKV: int, n_kv_tiles: int, block_n: int, sparse_kv: int) -> torch.Tensor:
+    return _cta_order_and_cost(q_num_blocks, full_q_num_blocks, Z, KZ, HQ, HKV, n_kv_tiles, block_n, sparse_kv)[0]
+
+
+def _cta_order_and_cost(q_num_blocks: torch.Tensor, full_q_num_blocks: Optional[torch.Tensor], Z: int, KZ: int,
+                        HQ: int, HKV: int, n_kv_tiles: int, block_n: int,
+                        sparse_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The launch order of the main kernel's CTAs under a block mask (BwdSchedule.LPT_ORDER): int32
+    [n_kv_tiles * KZ * HKV], entry i = kvh * n_kv_tiles + KV tile of the CTA launched i-th. Heads in groups of about
+    LPT_GROUP_CTAS CTAs, in order; inside a group, by decreasing cost (query tiles the CTA walks, a partial one
+    counted 9/8: its mask_mod), ties in grid order. Device ops only (no host sync).
+
+    Example::
+
+        >>> qnb = torch.tensor([[[1, 1, 1]]]); fqnb = torch.tensor([[[2, 1, 0]]])   # causal, 3 KV blocks
+        >>> _cta_order(qnb, fqnb, 1, 1, 1, 1, 3, 128, 128).tolist()
+        [0, 1, 2]
+    """
+    device = q_num_blocks.device
+    SZ, SH, _ = q_num_blocks.shape
+    group = HQ // HKV
+    # indices made on the device: no host-to-device copy, so the launch order can be planned under graph capture
+    kvh = torch.arange(KZ * HKV, device=device)
+    hh = torch.arange((Z // KZ) * group, device=device)
+    z = (kvh // HKV)[:, None] + (hh // group)[None, :] * KZ            # [KVH, HH]: the query heads of a CTA row
+    hq = (kvh % HKV)[:, None] * group + (hh % group)[None, :]
+    rows = (z % SZ) * SH + (hq % SH)
+    kv_blk = torch.arange(n_kv_tiles, device=device) * block_n // sparse_kv
+    partial = q_num_blocks.reshape(SZ * SH, -1).long()[rows][:, :, kv_blk].sum(1)      # [KVH, n_kv_tiles]
+    full = (full_q_num_blocks.reshape(SZ * SH, -1).long()[rows][:, :, kv_blk].sum(1)
+            if full_q_num_blocks is not None else torch.zeros_like(partial))
+    cost = 9 * partial + 8 * full
+    heads_per_group = max(1, LPT_GROUP_CTAS // n_kv_tiles)
+    grp = (torch.arange(KZ * HKV, device=device) // heads_per_group)[:, None]
+    key = grp * (1 << 40) - cost                      # ascending: group by group, longest first inside one
+    return torch.argsort(key.flatten(), stable=True).to(torch.int32), cost.flatten()
+
+
+# Fixed cost of a tile in a persistent CTA, in _cta_order's cost units (8 a query block, i.e. 4 a 64-row step): what
+# a tile costs beyond its steps once its K / V load hides under the previous tile's stores (the dK / dV stores and a
+# pipeline fill; docs/design/hopper_backward.md, "Masks against the tile bound").
+PERSISTENT_TILE_COST = 4
+
+
+def _persistent_schedule(q_num_blocks: torch.Tensor, full_q_num_blocks: Optional[torch.Tensor], Z: int, KZ: int,
+                         HQ: int, HKV: int, n_kv_tiles: int, block_n: int, sparse_kv: int,
+                         num_sms: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tiles of each persistent CTA (BwdSchedule.PERSISTENT): (offsets int32 [#CTAs + 1], tiles int32
+    [n_kv_tiles * KZ * HKV]); CTA c runs tiles[offsets[c]:offsets[c + 1]] in order, each kvh * n_kv_tiles + KV tile.
+    The list scheduling the hardware does with one CTA per tile, done here: _cta_order's tiles in order, each to the
+    CTA that frees first by the cost model (its steps plus PERSISTENT_TILE_COST); #CTAs = min(num_sms, #tiles). Reads
+    the block tables on the host (one device sync a plan: the op's memo replays the lists, so a training step with
+    the same mask tables plans once; under CUDA graph capture the host launches in grid order instead).
+
+    Example::
+
+        >>> offsets, tiles = _persistent_schedule(torch.tensor([[[1, 1, 1]]]), torch.tensor([[[2, 1, 0]]]),
+        ...                                       1, 1, 1, 1, 3, 128, 128, num_sms=2)
+        >>> offsets.tolist(), tiles.tolist()
+        ([0, 1, 3], [0, 1, 2])
+    """
+    order, cost = _cta_order_and_cost(q_num_blocks, full_q_num_blocks, Z, KZ, HQ, HKV, n_kv_tiles, block_n,
+                                      sparse_kv)
+    order_l = order.tolist()
+    cost_l = cost[order.long()].tolist()
+    ctas = min(num_sms, len(order_l))
+    free = [(0, c) for c in range(ctas)]
+    lists: list[list[int]] = [[] for _ in range(ctas)]
+    for tile, c in zip(order_l, cost_l):
+        at, cta = heapq.heappop(free)
+        lists[cta].append(tile)
+        heapq.heappush(free, (at + c + PERSISTENT_TILE_COST, cta))
+    offsets = [0]
+    for tiles in lists:
+        offsets.append(offsets[-1] + len(tiles))
+    device = q_num_blocks.device
+    return (torch.tensor(offsets, dtype=torch.int32, device=device),
+            torch.tensor([t for tiles in lists for t in tiles], dtype=torch.int32, device=device))
+
+
+def _num_sms(device: torch.device) -> int:
+    """SMs of the device (132, an H100 SXM / H200's, for CPU tensors: compile-only planning)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
@@ -132,18 +225,23 @@ def hopper_backward_scratch(q: torch.Tensor, *, has_mask: bool, sparse_q_block: 
         ((2, 2, 128), (2, 128, 64))
     """
     Z, HQ, M, D = q.shape
-    del config   # the rows are padded to BLOCK_M (64 in every config) or the block-mask query block
     if D not in {d for d, _ in SUPPORTED_HEAD_DIM_PAIRS}:
         _refuse(f"head dim {D} is not served (q/k head dims {sorted({d for d, _ in SUPPORTED_HEAD_DIM_PAIRS})})")
-    m_pad = _padded_rows(M, has_mask, sparse_q_block, BwdTile(HEAD_D=D, NUM_STAGES=1))
+    del config   # every config's rows fit the same padding (_padded_rows)
+    m_pad = _padded_rows(M, has_mask, sparse_q_block)
     return (torch.empty((Z * HQ, 2, m_pad), dtype=torch.float32, device=q.device),
             torch.empty((Z * HQ, m_pad, D), dtype=torch.float32, device=q.device))
 
 
-def _padded_rows(M: int, has_mask: bool, sparse_q_block: int, tile: BwdTile) -> int:
+# Rows of the padding without a block mask: the longest query step of any config (M128Tile's 128), so the scratch of
+# a call does not depend on which config the host picks for it.
+_ROW_PAD = 128
+
+
+def _padded_rows(M: int, has_mask: bool, sparse_q_block: int) -> int:
     """Every query tile the kernel may visit lies inside the padded rows (a block mask's last block can reach
     past M by up to a block): their LSE reads +inf (P = 0) and their dQ rows land in padding."""
-    row_block = sparse_q_block if has_mask else tile.BLOCK_M
+    row_block = sparse_q_block if has_mask else _ROW_PAD
     return triton.cdiv(M, row_block) * row_block
 
 
@@ -160,6 +258,21 @@ def _check_scratch(scratch: Sequence[torch.Tensor], shapes: tuple[tuple, tuple],
     if problems:
         _refuse("; ".join(problems) + ": allocate it with hopper_backward_scratch(q, has_mask=..., "
                 "sparse_q_block=...) for this call")
+
+
+def launch_traits(score_mod: Any, score_grad_mod: Any, mask_mod: Any, has_mask: bool) -> dict[str, bool]:
+    """What of a launch picks its config (configs.get_bwd_config's keywords): ``grad_mod``, a score_mod whose
+    derivative is not 1 without a mask_mod (one compiled in spills at the wider overlap: docs/design/hopper_backward.md,
+    "Cross-step overlap"); ``masked``, block-mask tables; ``linear_mod``, a score_mod whose derivative is 1.
+
+    Example::
+
+        >>> launch_traits(None, None, None, has_mask=True)
+        {'grad_mod': False, 'masked': True, 'linear_mod': False}
+    """
+    curved = score_grad_mod is not None and score_grad_mod is not SCORE_GRAD_ONE
+    return dict(grad_mod=curved and mask_mod is None, masked=has_mask,
+                linear_mod=score_mod is not None and not curved)
 
 
 def prepare_hopper_backward(
@@ -215,10 +328,8 @@ def prepare_hopper_backward(
 
     Z, HQ, M, D = q.shape
     KZ, HKV, N, DV = v.shape
-    # a derivative other than 1 takes D128's wider overlap (configs._GRAD_MOD_TABLE), unless a mask_mod is compiled
-    # in: then it spills in the step loop and keeps the table's (docs/design/hopper_backward.md, "Cross-step overlap")
-    grad_mod = score_grad_mod is not None and score_grad_mod is not SCORE_GRAD_ONE and mask_mod is None
-    cfg = config or get_bwd_config(D, DV, grad_mod=grad_mod)
+    # the table's row for what the launch has (launch_traits: the mods' derivatives, a block mask)
+    cfg = config or get_bwd_config(D, DV, **launch_traits(score_mod, score_grad_mod, mask_mod, has_mask))
     if cfg.smem_bytes(D, value_head_dim=DV) > SMEM_LIMIT:
         _refuse(f"config {cfg} needs {cfg.smem_bytes(D, value_head_dim=DV)} bytes of shared memory "
                 f"(limit {SMEM_LIMIT})")
@@ -228,8 +339,13 @@ def prepare_hopper_backward(
         _refuse("the cross-step overlap (overlap) is built for D <= 128 only, not the wide-head-dim kernel")
     if cfg.split_dkv and not cfg.dq_tma:
         _refuse("the wide-head-dim kernel adds dQ by TMA reduce-add only (dq_tma=True)")
+    if cfg.block_m not in (64, 128) or (cfg.block_m == 128 and (D != 64 or cfg.overlap or not cfg.dq_tma)):
+        _refuse(f"config {cfg}: 128 query rows a step (block_m) is built for D = 64, in order (overlap 0), dQ by "
+                "TMA reduce-add")
     if cfg.split_dkv:
         tile = WideTile(HEAD_D=D, HEAD_DV=DV, NUM_STAGES=cfg.num_stages)
+    elif cfg.block_m == 128:
+        tile = M128Tile(HEAD_D=D, NUM_STAGES=cfg.num_stages)
     else:
         tile = BwdTile(HEAD_D=D, NUM_STAGES=cfg.num_stages)
     if has_mask and (sparse_q_block % tile.BLOCK_M or sparse_kv_block % tile.BLOCK_N):
@@ -254,7 +370,7 @@ def prepare_hopper_backward(
     dout = dout if dout.dtype == q.dtype and tma_aligned(dout) else dout.to(q.dtype).contiguous()
     out = out.to(q.dtype)
     lse = lse.float().contiguous()
-    m_pad = _padded_rows(M, has_mask, sparse_q_block, tile)
+    m_pad = _padded_rows(M, has_mask, sparse_q_block)
     if scratch is None:
         stats, dq_acc = hopper_backward_scratch(q, has_mask=has_mask, sparse_q_block=sparse_q_block, config=cfg)
     else:
@@ -274,7 +390,25 @@ def prepare_hopper_backward(
     flags = BwdFlags(GQA_GROUP=HQ // HKV, FOLD_SCALE=fold, EVEN_N=N % tile.BLOCK_N == 0,
                      CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
                      WIDE_SCORES=wide_scores(score_mod, compiled=True))
-    sched = BwdSchedule(DQ_TMA=cfg.dq_tma, OVERLAP=cfg.overlap)
+    # CTA schedules for block masks (bwd_sm90.py only): longest first, and persistent CTAs walking tile lists
+    # (the 64-row step only; under graph capture the persistent lists, which read the tables on the host, give way
+    # to the grid order)
+    schedulable = has_mask and not cfg.split_dkv and cfg.block_m == 64
+    persistent = cfg.persistent and schedulable and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
+    lpt = cfg.lpt_order and schedulable and not persistent
+    # persistent: a second K / V buffer where shared memory allows (D = 64: 176 KB, 192 KB with a score_mod's f'
+    # slots; D = 128 would need 272 KB), so the next tile's K and V load under this tile's last steps
+    smem = cfg.smem_bytes(D) + (2 * 64 * 64 * q.element_size() if score_grad_mod is not None else 0)
+    kv_bufs = 2 if persistent and smem + 2 * tile.BLOCK_N * D * q.element_size() + 1024 <= SMEM_LIMIT else 1
+    sched = BwdSchedule(DQ_TMA=cfg.dq_tma, OVERLAP=cfg.overlap, LPT_ORDER=lpt, PERSISTENT=persistent, KV_BUFS=kv_bufs)
+    grid = (triton.cdiv(N, tile.BLOCK_N), KZ * HKV)
+    schedule_args = (q_num_blocks, full_q_num_blocks if has_full else None, Z, KZ, HQ, HKV, grid[0], tile.BLOCK_N,
+                     sparse_kv_block)
+    if persistent:
+        cta_args = _persistent_schedule(*schedule_args, num_sms=cfg.persistent_ctas or _num_sms(q.device))
+        grid = (cta_args[0].numel() - 1,)
+    else:
+        cta_args = (_cta_order(*schedule_args),) if lpt else ()
 
     # a head dim pair or one that is not a power of two (192 / 128): O's columns and a padded dQ range
     wide = dict(HEAD_DV=DV, HEAD_D_POW2=triton.next_power_of_2(D)) if cfg.split_dkv else {}
@@ -297,6 +431,17 @@ def prepare_hopper_backward(
             dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse,
                  FLAGS=flags, num_warps=4, maxnreg=cfg.maxnreg),
             (triton.cdiv(N, tile.BLOCK_N), KZ * HKV))
+    elif cfg.block_m == 128:
+        main = (
+            fa3_bwd_sm90_m128_kernel,
+            (_desc(q, [1, 1, tile.BLOCK_M, D]), _desc(dout, [1, 1, tile.BLOCK_M, D]),
+             _desc(k, [1, 1, tile.BLOCK_N, D]), _desc(v, [1, 1, tile.BLOCK_N, D]),
+             _dq_acc_desc(dq_acc, BwdTile(HEAD_D=D, NUM_STAGES=1)),   # [1, 64, D]: a warpgroup's half of a step
+             stats, dq_acc, dk, dv, *tables, tuple(score_bufs), tuple(mask_bufs),
+             Z, HQ, KZ, M, N, m_pad, SZ, SH, num_kv_blks, num_q_blks, *scalars),
+            dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse,
+                 FLAGS=flags, num_warps=4, maxnreg=cfg.maxnreg),
+            (triton.cdiv(N, tile.BLOCK_N), KZ * HKV))
     else:
         main = (
             fa3_bwd_sm90_kernel,
@@ -304,10 +449,10 @@ def prepare_hopper_backward(
              _desc(k, [1, 1, tile.BLOCK_N, D]), _desc(v, [1, 1, tile.BLOCK_N, D]),
              _dq_acc_desc(dq_acc, tile) if cfg.dq_tma else None,
              stats, dq_acc, dk, dv, *tables, tuple(score_bufs), tuple(mask_bufs),
-             Z, HQ, KZ, M, N, m_pad, SZ, SH, num_kv_blks, num_q_blks, *scalars),
+             Z, HQ, KZ, M, N, m_pad, SZ, SH, num_kv_blks, num_q_blks, *scalars, cta_args),
             dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse,
                  FLAGS=flags, SCHED=sched, num_warps=4, maxnreg=cfg.maxnreg),
-            (triton.cdiv(N, tile.BLOCK_N), KZ * HKV))
+            grid)
     convert = (
         bwd_sm90_dq_convert_kernel,
         (dq_acc, dq, _strides(dq), HQ, M, m_pad, ds_scale),
