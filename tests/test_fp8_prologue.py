@@ -706,6 +706,11 @@ GLUON_CASES = {
     "d128_plain_fp16_int8_short": (1, 2, 2, 128, 16, 128, torch.float16, "int8", "", False, None),
     "d128_half_random_tables_e4m3": (1, 2, 2, 256, 250, 128, torch.bfloat16, "e4m3", "half-random",
                                      False, torch.bfloat16),
+    # "half" tables read as int32 words and held as fp32 (gluon_sm90._half_table_fp32): fp16
+    # tables (the split by cvt; the bf16 cases take the shift and the mask), random (neighbouring
+    # channels never share a value, so swapped word halves show), one table per batch, positions
+    "d128_half_random_batched_tables_fp16_e4m3": (2, 4, 2, 300, 257, 128, torch.float16, "e4m3",
+                                                  "half-random-batched", True, torch.float16),
     # 64 row blocks x 16 query heads over 132 programs: units of 8 Q / 4 K heads (the table rows
     # reused; gluon_sm90.unit_heads), unit rounds carried over from Q to K to V
     "d128_half_head_runs": (1, 16, 4, 8192, 8192, 128, torch.bfloat16, "int8", "half", False,
@@ -795,12 +800,14 @@ def test_gpu_gluon_prologue_matches_the_triton_kernel_bit_for_bit(case):
     # the defaults, another ring depth, and the D 128 RoPE choices the defaults left in 2026-11-29
     # (3 stages, the slot released inside the RoPE, "half" read as bf16 values, not words; with
     # smooth_k the launches in stream order instead of chained by programmatic dependent launch;
-    # V by the round-robin, not gluon_sm90.v_plan, which the second runs without RoPE too)
+    # V by the round-robin, not gluon_sm90.v_plan, which the second runs without RoPE too; "half"
+    # tables held in their 2-byte dtype, the A/B's ablation of branch rope-half32)
     for tuning in (host.PrologueTuning(kernel="gluon"),
                    host.PrologueTuning(kernel="gluon", gluon_stages=2, gluon_v_plan=True),
                    host.PrologueTuning(kernel="gluon", gluon_stages=3, gluon_rope_release=True,
                                        gluon_rope_words=False, gluon_pdl=False,
-                                       gluon_v_plan=False)):
+                                       gluon_v_plan=False,
+                                       gluon_half_tables_2byte_ablation=True)):
         launch, got = _run_prologue(q, k, v, recipe, rope, tuning)
         assert [kern for kern, *_ in launch.launches] == kernels, case
         torch.cuda.synchronize()
@@ -882,8 +889,11 @@ def test_gluon_prologue_compiles_for_sm90(D, style, qk, positions):
         # tiles; "half" read as bf16 values: 48 bytes, 53; "interleaved" was allowed to reload a
         # loop-invariant value or two a tile, at most 2 LDL, no STL, in a loop, and reloads none;
         # branch rope-il, "interleaved" with its tables as pair words held as fp32: int8 72 bytes,
-        # 78 LDL / STL, none in a loop).
+        # 78 LDL / STL, none in a loop; branch rope-half32, "half"'s tables the same way: int8
+        # 96 -> 48 bytes, 133 -> 57; e4m3 with positions 104 -> 56 bytes, 141 -> 65).
         assert r.stack <= 160, (r.registers, r.stack, r.spill_instructions)
+        if style == "half":   # held as fp32: the 2-byte values' repacking spilled 133 / 141
+            assert r.spill_instructions <= 80, (r.stack, r.spill_instructions)
         for body in r.inner_loops():
             spills = [t for t in body if re.search(r"\b(LDL|STL)", t)]
             assert not spills, spills
@@ -925,8 +935,9 @@ def test_gluon_prologue_with_smooth_k_compiles_for_sm90(D, style):
     without RoPE; at D 128 with RoPE (the tables at the register ceiling) the K loop reloads a few
     loop-invariant values from the stack (Triton 3.6, the defaults of 2026-11-29: 5 "half", 7
     "interleaved" LDL a tile, no STL; 112 / 80 bytes of stack; 6 / 7 and 128 / 80 since, branch
-    rope-il: "interleaved"'s table words rounded back to 2 bytes here, none in the Q loop), one
-    wgmma wait a tile as
+    rope-il: "interleaved"'s table words rounded back to 2 bytes here, none in the Q loop; branch
+    rope-half32: "half"'s tables held as fp32, 6 LDL, 128 -> 64 bytes, 170 -> 81 spill
+    instructions), one wgmma wait a tile as
     without smoothing. The K tiles take the Triton kernel's contracted fma(acc, HAD_SCALE, -mean)
     (gluon_sm90._smooth): at D 128 64 FMAs with the scale a loop, the Q loop's multiplies beside."""
     from fa3_inductor.templates.aot import sass_report
@@ -1033,6 +1044,21 @@ def test_gluon_interleaved_tables_as_words_only_where_rows_are_word_aligned():
     assert not _rope_words(None, "interleaved", odd, odd, 0, odd.stride(0))
     assert not _rope_words(None, "interleaved", cos, cos, 3, 130)
     assert _rope_words(None, "half", odd, odd, 0, odd.stride(0))      # "half": Q / K words only
+
+
+def test_gluon_half_tables_as_words_only_where_rows_are_word_aligned():
+    """"half" RoPE reads its cos / sin tables as int32 words and holds them as fp32
+    (GluonPrologue.HALF_TABLE_WORDS) where every row starts on a 4-byte boundary; an odd stride or
+    offset, or the A/B's ablation switch, keeps the 2-byte values."""
+    from fa3_inductor.templates.fp8_prologue.gluon_sm90 import _half_table_words
+
+    cos = torch.zeros(3, 64, 130, dtype=torch.bfloat16)[..., :128]
+    assert _half_table_words(False, "half", cos, cos, cos.stride(0), cos.stride(1))
+    assert not _half_table_words(True, "half", cos, cos, cos.stride(0), cos.stride(1))
+    odd = torch.zeros(64, 129, dtype=torch.bfloat16)[:, 1:]          # stride 129, offset 2 bytes
+    assert not _half_table_words(False, "half", odd, odd, 0, odd.stride(0))
+    assert not _half_table_words(False, "half", cos, cos, 3, 130)
+    assert not _half_table_words(False, "interleaved", cos, cos, cos.stride(0), cos.stride(1))
 
 
 @pytest.mark.sm90_compile

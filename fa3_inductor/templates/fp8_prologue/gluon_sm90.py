@@ -25,13 +25,13 @@ Notation
 Roles (warp_specialize):
     consumer (default partition, 8 warps = 2 warpgroups, rows [64w, 64w + 64) of a tile in the
              wgmma): loads HADK into shared memory once; per unit, the table parts of its rows
-             (registers, in the tables' dtype); per Q / K tile: RoPE from the ring slot (fp32,
-             rounded to the input dtype) into one of two A buffers, releases the slot, 4 chained
-             async wgmma (straight from the ring slot without RoPE), then amax, scale, quantize,
-             TMA store. With RoPE pipelined by one tile (_qk_units): tile t's wgmma runs under
-             tile t + 1's RoPE; without RoPE tile t + 1's wgmma under tile t's staging barrier and
-             store only (two programs an SM at D 64 overlap the rest). V tiles: amax,
-             power-of-two scale, e4m3, transposed through shared memory, TMA store. A tile's
+             (registers, fp32 where read as words: _table_parts); per Q / K tile: RoPE from the
+             ring slot (fp32, rounded to the input dtype) into one of two A buffers, releases the
+             slot, 4 chained async wgmma (straight from the ring slot without RoPE), then amax,
+             scale, quantize, TMA store. With RoPE pipelined by one tile (_qk_units): tile t's
+             wgmma runs under tile t + 1's RoPE; without RoPE tile t + 1's wgmma under tile t's
+             staging barrier and store only (two programs an SM at D 64 overlap the rest). V tiles:
+             amax, power-of-two scale, e4m3, transposed through shared memory, TMA store. A tile's
              amax: each warp's max into shared memory, one CTA barrier, every thread reads the 8
              (_warp_amax, _cta_amax); that barrier also stands for the tile's wgmma waits,
              ring-slot reads and A-buffer stores before it (docs/design/fp8_prologue.md, "Fewer
@@ -50,7 +50,8 @@ operations the Triton K programs use for their mean) run before this kernel; its
 K_MEAN after the rotation (_smooth), so the Triton and Gluon kernels subtract the same bits.
 
 Compile-time parameters (one bundle, `CFG`, a frozen dataclass `GluonPrologue`): D, STAGES, ROPE,
-Q_POS, K_POS, QK_INT8, HAD_SCALE, PRODUCER_REGS, RELEASE_IN_ROPE, SMOOTH, ROPE_WORDS, V_PLAN, PDL.
+Q_POS, K_POS, QK_INT8, HAD_SCALE, PRODUCER_REGS, RELEASE_IN_ROPE, SMOOTH, ROPE_WORDS,
+HALF_TABLE_WORDS, V_PLAN, PDL.
 Lengths and unit counts are do_not_specialize.
 """
 
@@ -97,6 +98,9 @@ class GluonPrologue:
     ROPE_WORDS: bool = True        # "half": x read from the ring as int32 pair words (_ring_half);
                                    # "interleaved" (x always words): the cos / sin tables read as
                                    # pair words, held as fp32 (_table_parts)
+    HALF_TABLE_WORDS: bool = True  # "half": the cos / sin tables read as int32 words and held as
+                                   # fp32 (_half_table_fp32); False: 2-byte values (rows not on
+                                   # 4 bytes, or PrologueTuning's ablation switch)
     V_PLAN: bool = False           # V tiles by V_START's ranges (v_plan), not the round-robin
     PDL: bool = False              # SMOOTH, launched programmatically dependent on k_mean_kernel:
                                    # the consumer waits for it (griddepcontrol.wait) before K
@@ -322,12 +326,27 @@ def _load_had(HADK, had_smem, CFG: gl.constexpr):
 
 
 @gluon.jit
+def _half_table_fp32(T, t_row, ok, c0, layout: gl.constexpr, DQ: gl.constexpr):
+    """Channels [c0, c0 + DQ) of the table rows at `t_row` (c0 even, rows on 4 bytes) as fp32 in
+    `layout`: DQ / 2 int32 words (16-byte loads, as the 2-byte values' were), split by a shift and
+    a mask a word (_split_words: exact; masked rows read 0 words, two +0.0 values)."""
+    wl: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (DQ // 8), DQ // 8], [8, 1], [1, 0])
+    iw = (c0 // 2 + gl.arange(0, DQ // 2, layout=gl.SliceLayout(0, wl)))[None, :]
+    rows = gl.convert_layout(t_row, wl)
+    w = gl.load((T + rows).to(gl.pointer_type(gl.int32), bitcast=True) + iw,
+                mask=gl.convert_layout(ok, wl), other=0)
+    lo, hi = _split_words(w, T.dtype.element_ty)
+    return gl.convert_layout(gl.reshape(gl.join(lo, hi), [128, DQ]), layout)
+
+
+@gluon.jit
 def _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, row0, L,
                  HAS_POS: gl.constexpr, CFG: gl.constexpr):
     """The table values of a row block for both pair chunks: (cos_a, cos_b, sin_a, sin_b) per
-    chunk j, in the chunk layout and the tables' dtype, or fp32 for "interleaved" read as words
-    (ROPE_WORDS, not SMOOTH; held across the unit's heads either way). Rows past
-    L read 0 (kernel.py masks them the same way; their tile rows are 0 and never stored)."""
+    chunk j, in the chunk layout: fp32 for tables read as words ("interleaved": ROPE_WORDS, not
+    SMOOTH; "half": HALF_TABLE_WORDS), else in the tables' dtype; held across the unit's heads
+    either way. Rows past L read 0 (kernel.py masks them the same way; their tile rows are 0 and
+    never stored)."""
     DQ: gl.constexpr = CFG.DQ
     # 8 values (16 bytes of input, 32 of words) a thread along a chunk row; 8 warps down the rows
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DQ // 8), DQ // 8], [8, 1], [1, 0])
@@ -361,6 +380,14 @@ def _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, row0, L,
                 parts = parts + ((ca.to(tdtype), cb.to(tdtype), sa.to(tdtype), sb.to(tdtype)),)
             else:
                 parts = parts + ((ca, cb, sa, sb),)
+        elif CFG.ROPE == "half" and CFG.HALF_TABLE_WORDS:
+            # held as fp32 across the unit: the 2-byte values were widened and repacked at every
+            # unit change, with spills there (472 -> 331 instructions a warp at D 128, smooth_k
+            # too: docs/design/fp8_prologue.md, "RoPE 'half' tables held as fp32")
+            parts = parts + ((_half_table_fp32(COS, t_row, ok, j * DQ, layout, DQ),
+                              _half_table_fp32(COS, t_row, ok, (j + 2) * DQ, layout, DQ),
+                              _half_table_fp32(SIN, t_row, ok, j * DQ, layout, DQ),
+                              _half_table_fp32(SIN, t_row, ok, (j + 2) * DQ, layout, DQ)),)
         else:
             if CFG.ROPE == "half":
                 ia = j * DQ + i
@@ -1035,20 +1062,34 @@ def interleaved_rows(had):
     return had[perm].contiguous()
 
 
+def _rows_on_words(cos, sin, stride_tz, stride_tp) -> bool:
+    """Every row of the 2-byte cos / sin tables starts on a 4-byte boundary (even strides and
+    offsets): they can be read as int32 words."""
+    return (stride_tz % 2 == 0 and stride_tp % 2 == 0 and cos.data_ptr() % 4 == 0
+            and sin.data_ptr() % 4 == 0)
+
+
 def _rope_words(rope_words, rope_style, cos, sin, stride_tz, stride_tp) -> bool:
     """GluonPrologue.ROPE_WORDS: the tuning's choice (None: on), off for "interleaved" tables whose
     rows do not start on a 4-byte boundary (an odd stride or offset: no pair words to read)."""
     on = True if rope_words is None else bool(rope_words)
     if on and rope_style == "interleaved":
-        on = (stride_tz % 2 == 0 and stride_tp % 2 == 0 and cos.data_ptr() % 4 == 0
-              and sin.data_ptr() % 4 == 0)
+        on = _rows_on_words(cos, sin, stride_tz, stride_tp)
     return on
+
+
+def _half_table_words(half_tables_2byte, rope_style, cos, sin, stride_tz, stride_tp) -> bool:
+    """GluonPrologue.HALF_TABLE_WORDS: "half" tables read as words and held as fp32, unless a row
+    starts off 4 bytes or the A/B's ablation switch (half_tables_2byte:
+    PrologueTuning.gluon_half_tables_2byte_ablation) asks for the 2-byte values."""
+    return (rope_style == "half" and not half_tables_2byte
+            and _rows_on_words(cos, sin, stride_tz, stride_tp))
 
 
 def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride_qpz, stride_kpz,
            P, rope_style: str, q_pos: bool, k_pos: bool, recipe, stages=None, n_programs=None,
            per_sm=None, words=None, rope_release=None, k_mean=None, rope_words=None, pdl=False,
-           v_start=None):
+           v_start=None, half_tables_2byte=False):
     """(kernel, args, kwargs, grid) of prologue_sm90_kernel writing `ops` (host.prepare_prologue
     allocates them as for the Triton kernel). `had` is HAD [D, D] in the input dtype. "interleaved"
     RoPE reads Q and K as int32 pair words against HAD's rows in even-then-odd order: `words`, (Q's
@@ -1086,7 +1127,9 @@ def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride
                         SMOOTH=bool(recipe.smooth_k),
                         ROPE_WORDS=_rope_words(rope_words, rope_style, cos, sin, stride_tz,
                                                stride_tp),
-                        PDL=bool(pdl and recipe.smooth_k), V_PLAN=v_start is not None)
+                        PDL=bool(pdl and recipe.smooth_k), V_PLAN=v_start is not None,
+                        HALF_TABLE_WORDS=_half_table_words(half_tables_2byte, rope_style, cos,
+                                                           sin, stride_tz, stride_tp))
     if recipe.smooth_k:
         assert k_mean is not None, "smooth_k: the Gluon kernel reads K_MEAN (kernel.k_mean_kernel)"
     args = (q_in, k_in, v_in, q8, k8, vt, ops.q_scale, ops.k_scale, ops.v_scale, ops.v_scale_max,
