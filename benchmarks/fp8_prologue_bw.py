@@ -203,6 +203,10 @@ def sweep_candidates() -> list:
     # Triton candidates name their kernel: D128's default is the Gluon kernel (host.default_kernel).
     out = [dataclasses.replace(t, kernel="triton") for t in out]
     out += [PrologueTuning(kernel="gluon")]
+    # The A/B of branch rope-half32 (an ablation, right after the default so that a time-limited
+    # run reaches it): RoPE "half"'s tables held in their 2-byte dtype, as before, against read as
+    # words and held as fp32 (docs/design/fp8_prologue.md, "RoPE 'half' tables held as fp32")
+    out += [PrologueTuning(kernel="gluon", gluon_half_tables_2byte_ablation=True)]
     out += [PrologueTuning(kernel="gluon", gluon_stages=s) for s in (2, 3, 4, 5, 8)]
     out += [PrologueTuning(kernel="gluon", programs_per_sm=1),
             PrologueTuning(kernel="gluon", programs_per_sm=2, gluon_stages=3),
@@ -237,12 +241,14 @@ def _tuning_text(t) -> str:
         words = getattr(t, "gluon_rope_words", None)
         pdl = getattr(t, "gluon_pdl", None)
         plan = getattr(t, "gluon_v_plan", None)
+        ablate_tables = getattr(t, "gluon_half_tables_2byte_ablation", False)
         return (f"gluon stages={t.gluon_stages or 'default'}"
                 + (f" per_sm={t.programs_per_sm}" if t.programs_per_sm else "")
                 + ("" if release is None else f" rope_release={'rope' if release else 'amax'}")
                 + ("" if words is None else f" words={'on' if words else 'off'}")
                 + ("" if pdl is None else f" pdl={'on' if pdl else 'off'}")
-                + ("" if plan is None else f" v_plan={'on' if plan else 'off'}"))
+                + ("" if plan is None else f" v_plan={'on' if plan else 'off'}")
+                + (" half_tables=2byte (ablation)" if ablate_tables else ""))
     if getattr(t, "kernel", None) == "triton" and t == type(t)(kernel="triton"):
         return "triton table launch"
     per_sm = {None: "fit", 0: "grid"}.get(t.programs_per_sm, str(t.programs_per_sm))
@@ -348,6 +354,9 @@ def main() -> None:
                     continue      # words: RoPE's ("half": Q / K; "interleaved": the tables)
                 if getattr(t, "gluon_pdl", None) is not None and "smooth" not in c["recipe"]:
                     continue      # pdl: smooth_k's pre-passes only
+                if (getattr(t, "gluon_half_tables_2byte_ablation", False)
+                        and c["recipe"] not in ("rope", "rope+smooth")):
+                    continue      # RoPE "half" with 2-byte tables only
                 gluon = getattr(t, "kernel", None) == "gluon"
                 if c["recipe"] in GLUON_ONLY and not gluon and t != sweep_candidates()[0]:
                     continue
