@@ -801,13 +801,17 @@ def test_gpu_gluon_prologue_matches_the_triton_kernel_bit_for_bit(case):
     # (3 stages, the slot released inside the RoPE, "half" read as bf16 values, not words; with
     # smooth_k the launches in stream order instead of chained by programmatic dependent launch;
     # V by the round-robin, not gluon_sm90.v_plan, which the second runs without RoPE too; "half"
-    # tables held in their 2-byte dtype, the A/B's ablation of branch rope-half32)
+    # tables held in their 2-byte dtype, the A/B's ablation of branch rope-half32; the K phase's
+    # first tables loaded at its start, not by the Q phase: the handoff's ablation, whose default
+    # path every D 128 RoPE case without smooth_k runs, programs without Q units and with several
+    # Q units (the many-units cases) among them)
     for tuning in (host.PrologueTuning(kernel="gluon"),
                    host.PrologueTuning(kernel="gluon", gluon_stages=2, gluon_v_plan=True),
                    host.PrologueTuning(kernel="gluon", gluon_stages=3, gluon_rope_release=True,
                                        gluon_rope_words=False, gluon_pdl=False,
                                        gluon_v_plan=False,
-                                       gluon_half_tables_2byte_ablation=True)):
+                                       gluon_half_tables_2byte_ablation=True,
+                                       gluon_table_handoff_ablation=True)):
         launch, got = _run_prologue(q, k, v, recipe, rope, tuning)
         assert [kern for kern, *_ in launch.launches] == kernels, case
         torch.cuda.synchronize()
@@ -903,6 +907,11 @@ def test_gluon_prologue_compiles_for_sm90(D, style, qk, positions):
         # the tables as int32 pair words (gluon_sm90._table_parts, ROPE_WORDS): 16-byte loads,
         # no 2-byte gathers (64 a thread a unit before, 8x the L1 wavefronts)
         assert "LDG.E.U16" not in r.sass and "LDG.E.128" in r.sass
+    if style and D == 128:
+        # 16-byte loads: HADK's 8 and 16 a copy of the table load; the K phase's first tables are
+        # loaded by the Q phase after its last unit (GluonPrologue.HANDOFF), so 3 copies, not 4
+        # (branch rope-half32: 72 -> 56, both styles, int8 and e4m3 with positions)
+        assert r.sass.count("LDG.E.128") == 56, r.sass.count("LDG.E.128")
     assert r.hgmma > 0, "the Hadamard rotation did not compile to wgmma"
     # One wait a tile for its chained wgmma: ptxas serializes them silently (a WARPGROUP.DEPBAR
     # after each HGMMA) when the accumulator's pipeline stage is not to its liking (97af8ed).
@@ -1044,6 +1053,24 @@ def test_gluon_interleaved_tables_as_words_only_where_rows_are_word_aligned():
     assert not _rope_words(None, "interleaved", odd, odd, 0, odd.stride(0))
     assert not _rope_words(None, "interleaved", cos, cos, 3, 130)
     assert _rope_words(None, "half", odd, odd, 0, odd.stride(0))      # "half": Q / K words only
+
+
+def test_gluon_table_handoff_where_the_tile_loops_keep_their_sass():
+    """The Q phase loads the K phase's first RoPE tables (GluonPrologue.HANDOFF) with RoPE at D 128
+    without smooth_k, Q and K positions alike (both or neither); not at D 64, with smooth_k (the
+    tile loops grew or reloaded from the stack there, sm90 SASS), without RoPE, or under the A/B's
+    ablation switch (TABLE_HANDOFF False)."""
+    from fa3_inductor.templates.fp8_prologue.gluon_sm90 import GluonPrologue
+
+    cfg = GluonPrologue(D=128, STAGES=2, ROPE="half", Q_POS=False, K_POS=False, QK_INT8=True,
+                        HAD_SCALE=1.0, PRODUCER_REGS=24)
+    assert cfg.HANDOFF
+    assert dataclasses.replace(cfg, ROPE="interleaved", Q_POS=True, K_POS=True).HANDOFF
+    assert not dataclasses.replace(cfg, Q_POS=True).HANDOFF
+    assert not dataclasses.replace(cfg, D=64).HANDOFF
+    assert not dataclasses.replace(cfg, SMOOTH=True).HANDOFF
+    assert not dataclasses.replace(cfg, ROPE="").HANDOFF
+    assert not dataclasses.replace(cfg, TABLE_HANDOFF=False).HANDOFF
 
 
 def test_gluon_half_tables_as_words_only_where_rows_are_word_aligned():

@@ -51,7 +51,7 @@ K_MEAN after the rotation (_smooth), so the Triton and Gluon kernels subtract th
 
 Compile-time parameters (one bundle, `CFG`, a frozen dataclass `GluonPrologue`): D, STAGES, ROPE,
 Q_POS, K_POS, QK_INT8, HAD_SCALE, PRODUCER_REGS, RELEASE_IN_ROPE, SMOOTH, ROPE_WORDS,
-HALF_TABLE_WORDS, V_PLAN, PDL.
+HALF_TABLE_WORDS, V_PLAN, PDL, TABLE_HANDOFF.
 Lengths and unit counts are do_not_specialize.
 """
 
@@ -104,6 +104,8 @@ class GluonPrologue:
     V_PLAN: bool = False           # V tiles by V_START's ranges (v_plan), not the round-robin
     PDL: bool = False              # SMOOTH, launched programmatically dependent on k_mean_kernel:
                                    # the consumer waits for it (griddepcontrol.wait) before K
+    TABLE_HANDOFF: bool = True     # RoPE: the K phase's first tables loaded by the Q phase where
+                                   # HANDOFF allows; False: PrologueTuning's ablation switch only
 
     @property
     def DQ(self) -> int:
@@ -136,6 +138,21 @@ class GluonPrologue:
         default since the H200 sweep of 2026-11-29 (-1.2% at 3 stages, -1.2% at 2, RoPE "half";
         fp8-prologue-bw-nvidia-h200-2026-11-29-1022)."""
         return self.RELEASE_IN_ROPE and bool(self.ROPE) and not self.DEFER_A
+
+    @property
+    def HANDOFF(self) -> bool:
+        """RoPE: the Q phase's table load after its last unit, which read rows past the last row
+        block (every load masked off, ~330 warp instructions at D 128 for nothing), reads the K
+        phase's first unit's rows instead, which the K phase then takes as loaded (PRELOADED):
+        one table load fewer a program, and the K phase's first tile no longer waits for an L2 /
+        DRAM round trip (the load ran under the last Q tile's wgmma). Only where Q and K index
+        the tables alike (both with positions or neither: _table_parts' HAS_POS), at D 128
+        without SMOOTH: there the tile loops keep their length and stay free of spills (sm90
+        SASS); with SMOOTH ("half") the Q loop reloaded 3 values a tile from the stack, at D 64
+        the K loop grew by 1-2 instructions (docs/design/fp8_prologue.md, "The K phase's first
+        tables loaded by the Q phase")."""
+        return (self.TABLE_HANDOFF and bool(self.ROPE) and self.Q_POS == self.K_POS
+                and not self.DEFER_A and not self.SMOOTH)
 
     @property
     def TILE_BYTES(self) -> int:    # the ready barrier's transaction count per tile
@@ -685,7 +702,8 @@ def _qk_next(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, emp
 def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, empty, cnt,
               COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, Z, H, L, U, HC, G, u0,
               dtype: gl.constexpr, HAS_POS: gl.constexpr, CFG: gl.constexpr, K_MEAN,
-              SMOOTH: gl.constexpr, tabs_first=0, PRELOADED: gl.constexpr = False):
+              SMOOTH: gl.constexpr, tabs_first=0, PRELOADED: gl.constexpr = False,
+              next_rows=0, HANDOFF: gl.constexpr = False):
     """This program's Q (or K) units (u0, u0 + n_programs, ...; HC divides H, so every unit has
     HC heads): the table rows of a unit's row block once, then its heads. One flat loop over the
     program's tiles (tile t: unit t // HC, head t % HC of it).
@@ -700,10 +718,16 @@ def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, em
     the accumulator in flight). Issuing it before tile t's quantization (97af8ed), with y live,
     made ptxas serialize the 4 wgmma of every tile (a wait after each, no overlap left), and so did
     97af8ed's nested unit / head loops with a zero-initialised accumulator and `if has_prev`
-    branches with RoPE (ptxas C7515: "non wgmma instructions defining accumulator registers")."""
+    branches with RoPE (ptxas C7515: "non wgmma instructions defining accumulator registers").
+
+    HANDOFF (the Q phase under CFG.HANDOFF): the table load after the phase's last unit reads the
+    K phase's first unit's rows (`next_rows`: its z, row block, positions, their stride, length)
+    and returns them with cnt, for the K phase to take as PRELOADED."""
     n_prog = gl.num_programs(0)
     n_tiles = (U - u0 + n_prog - 1) // n_prog * HC
     smooth = (K_MEAN, H, L)
+    if PRELOADED:
+        tabs = tabs_first
     u = u0
     z, g, h, h1 = _unit(u, Z, H, HC)
     if CFG.ROPE == "":
@@ -730,13 +754,13 @@ def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, em
     elif n_tiles > 0:
         # The first tile peeled; the tables are loop-invariant in each unit's head loop and the
         # next unit's are loaded after it, under the last tile's wgmma (past the last unit the
-        # rows are >= L: every load masked off). Carried through a branch of a flat tile loop,
-        # they were repacked every tile (+190 instructions at D 128); a peeled copy of the head
-        # loop spilled at D 128. PRELOADED: the first unit's tables are the caller's (the Q phase's,
-        # loaded before the Hadamard matrix: two L2 / DRAM round trips at the start overlap).
-        if PRELOADED:
-            tabs = tabs_first
-        else:
+        # rows are >= L: every load masked off; HANDOFF: the K phase's first rows instead).
+        # Carried through a branch of a flat tile loop, they were repacked every tile (+190
+        # instructions at D 128); a peeled copy of the head loop spilled at D 128. PRELOADED: the
+        # first unit's tables are the caller's (the Q phase's, loaded before the Hadamard matrix:
+        # two L2 / DRAM round trips at the start overlap; the K phase's under HANDOFF, loaded by
+        # the Q phase).
+        if not PRELOADED:
             tabs = _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, g * 128, L,
                                 HAS_POS, CFG)
         _qk_rope(ring, ring32, a_stage, ready, empty, cnt, tabs, dtype, True, False, CFG)
@@ -753,14 +777,30 @@ def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, em
                                     SMOOTH)
                 prev = (z, hh, g)
             z, g, h, h1 = _unit(uu + n_prog, Z, H, HC)
-            tabs = _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z, g * 128,
-                                L, HAS_POS, CFG)
+            if HANDOFF:
+                # past the phase's last unit: the K phase's first unit's rows, not masked-off
+                # ones (only the scalars are chosen; the load runs either way: skipping it by a
+                # branch made ptxas reload the memory descriptor in the tile loops,
+                # docs/design/fp8_prologue.md, "The K phase's first tables loaded by the Q
+                # phase")
+                tz, tg, tpos, tpz, tl = z, g, POS, gl.to_tensor(stride_pz), L
+                if uu + n_prog >= U:
+                    tz, tg, tpos, tpz, tl = next_rows
+                tabs = _table_parts(COS, SIN, tpos, tpz, stride_tz, stride_tp, P, tz, tg * 128,
+                                    tl, HAS_POS, CFG)
+            else:
+                tabs = _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z,
+                                    g * 128, L, HAS_POS, CFG)
         y = _qk_retire(acc, CFG, not SMOOTH)
         scale = _qk_finish(y, stage, empty, 0, a_stage, 0, 0, False, False, CFG, smooth, prev,
                            SMOOTH)
         _qk_publish(scale, stage[0], out_desc, SCALE, prev[0], prev[1], prev[2], H, G)
         cnt += 1
-    return cnt
+    if HANDOFF:   # without Q tiles, tabs_first: _consumer loaded the K rows for it
+        ret = (cnt, tabs)
+    else:
+        ret = cnt
+    return ret
 
 
 @gluon.jit
@@ -775,18 +815,39 @@ def _consumer(descs, smem, bars, sizes, outs, tables, CFG: gl.constexpr):
     pid = gl.program_id(0)
     n_prog = gl.num_programs(0)
     tabs = 0
+    # GluonPrologue.HANDOFF, where Q's and K's positions are of one dtype (one pointer to select)
+    HANDOFF: gl.constexpr = CFG.HANDOFF and QPOS.dtype == KPOS.dtype
     if CFG.ROPE != "":   # the first Q unit's table rows, in flight while HADK loads
         z, g, h0, h1 = _unit(pid, Z, HQ, HCQ)
-        tabs = _table_parts(COS, SIN, QPOS, stride_qpz, stride_tz, stride_tp, P, z, g * 128, M,
-                            CFG.Q_POS, CFG)
+        if HANDOFF:
+            # the K phase's first unit (the launch's round-robin: program pid's first K unit),
+            # whose rows the Q phase loads after its last unit (_qk_units, HANDOFF); a program
+            # without Q units (pid >= UQ) loads them here instead
+            kz, kg, kh0, kh1 = _unit(_first_unit(UQ, n_prog), Z, HKV, HCK)
+            # (strides as tensors: a stride of 1 is a constexpr, which an if cannot merge)
+            next_rows = (kz, kg, KPOS, gl.to_tensor(stride_kpz), N)
+            t_pos, t_pz, t_len = QPOS, gl.to_tensor(stride_qpz), M
+            if pid >= UQ:
+                z, g, t_pos, t_pz, t_len = next_rows
+            tabs = _table_parts(COS, SIN, t_pos, t_pz, stride_tz, stride_tp, P, z, g * 128,
+                                t_len, CFG.Q_POS, CFG)
+        else:
+            tabs = _table_parts(COS, SIN, QPOS, stride_qpz, stride_tz, stride_tp, P, z, g * 128,
+                                M, CFG.Q_POS, CFG)
     _load_had(HADK, had_smem, CFG)
     fence_async_shared()
     gl.thread_barrier()
     cnt = 0
     stage = (o_stage, amax_smem)
-    cnt = _qk_units(ring, ring32, a_stage, had_smem, stage, q8_desc, Q_SCALE, ready, empty, cnt,
-                    COS, SIN, QPOS, stride_qpz, stride_tz, stride_tp, P, Z, HQ, M, UQ, HCQ, QG,
-                    pid, dtype, CFG.Q_POS, CFG, K_MEAN, False, tabs, CFG.ROPE != "")
+    if HANDOFF:
+        cnt, tabs = _qk_units(ring, ring32, a_stage, had_smem, stage, q8_desc, Q_SCALE, ready,
+                              empty, cnt, COS, SIN, QPOS, stride_qpz, stride_tz, stride_tp, P, Z,
+                              HQ, M, UQ, HCQ, QG, pid, dtype, CFG.Q_POS, CFG, K_MEAN, False, tabs,
+                              True, next_rows, True)
+    else:
+        cnt = _qk_units(ring, ring32, a_stage, had_smem, stage, q8_desc, Q_SCALE, ready, empty,
+                        cnt, COS, SIN, QPOS, stride_qpz, stride_tz, stride_tp, P, Z, HQ, M, UQ,
+                        HCQ, QG, pid, dtype, CFG.Q_POS, CFG, K_MEAN, False, tabs, CFG.ROPE != "")
     if CFG.PDL:
         # smooth_k's K_MEAN: this launch started under the pre-passes (programmatic dependent
         # launch); the Q tiles did not need them, the K tiles do (griddepcontrol.wait: the
@@ -795,7 +856,8 @@ def _consumer(descs, smem, bars, sizes, outs, tables, CFG: gl.constexpr):
                                   is_pure=False, pack=1)
     cnt = _qk_units(ring, ring32, a_stage, had_smem, stage, k8_desc, K_SCALE, ready, empty, cnt,
                     COS, SIN, KPOS, stride_kpz, stride_tz, stride_tp, P, Z, HKV, N, UK, HCK, KG,
-                    _first_unit(UQ, n_prog), dtype, CFG.K_POS, CFG, K_MEAN, CFG.SMOOTH)
+                    _first_unit(UQ, n_prog), dtype, CFG.K_POS, CFG, K_MEAN, CFG.SMOOTH, tabs,
+                    HANDOFF)
     _v_walk(cnt, _v_store, (ring, vt_stage, amax_smem, vt_desc, V_SCALE, V_SCALE_MAX, ready, empty,
                            HKV, KG), V_START, Z, HKV, UQ, UK, HCK, CFG)
     tma.store_wait(0)   # the last stores must finish reading shared memory before the CTA exits
@@ -1089,7 +1151,7 @@ def _half_table_words(half_tables_2byte, rope_style, cos, sin, stride_tz, stride
 def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride_qpz, stride_kpz,
            P, rope_style: str, q_pos: bool, k_pos: bool, recipe, stages=None, n_programs=None,
            per_sm=None, words=None, rope_release=None, k_mean=None, rope_words=None, pdl=False,
-           v_start=None, half_tables_2byte=False):
+           v_start=None, half_tables_2byte=False, no_table_handoff=False):
     """(kernel, args, kwargs, grid) of prologue_sm90_kernel writing `ops` (host.prepare_prologue
     allocates them as for the Triton kernel). `had` is HAD [D, D] in the input dtype. "interleaved"
     RoPE reads Q and K as int32 pair words against HAD's rows in even-then-odd order: `words`, (Q's
@@ -1129,7 +1191,8 @@ def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride
                                                stride_tp),
                         PDL=bool(pdl and recipe.smooth_k), V_PLAN=v_start is not None,
                         HALF_TABLE_WORDS=_half_table_words(half_tables_2byte, rope_style, cos,
-                                                           sin, stride_tz, stride_tp))
+                                                           sin, stride_tz, stride_tp),
+                        TABLE_HANDOFF=not no_table_handoff)
     if recipe.smooth_k:
         assert k_mean is not None, "smooth_k: the Gluon kernel reads K_MEAN (kernel.k_mean_kernel)"
     args = (q_in, k_in, v_in, q8, k8, vt, ops.q_scale, ops.k_scale, ops.v_scale, ops.v_scale_max,

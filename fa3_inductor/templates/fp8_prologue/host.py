@@ -71,7 +71,12 @@ class PrologueTuning:
       True holds RoPE "half"'s cos / sin tables in their 2-byte dtype (widened and repacked at
       every unit change, the path before branch rope-half32); False: read as int32 words and held
       as fp32 (gluon_sm90._half_table_fp32; tables whose rows start off 4 bytes keep the 2-byte
-      path). The same values either way. Remove after the A/B.
+      path). The same values either way. Remove after the A/B;
+    - ``gluon_table_handoff_ablation``: an ablation switch for one GPU A/B, not a tuning choice:
+      True loads the K phase's first RoPE tables at the K phase's start and lets the Q phase's
+      load after its last unit read masked-off rows (the path before the handoff); False: the Q
+      phase loads the K phase's first tables there (gluon_sm90.GluonPrologue.HANDOFF, D 128
+      without smooth_k). The same values either way. Remove after the A/B.
 
     Example::
 
@@ -91,6 +96,7 @@ class PrologueTuning:
     gluon_pdl: Optional[bool] = None
     gluon_v_plan: Optional[bool] = None
     gluon_half_tables_2byte_ablation: bool = False
+    gluon_table_handoff_ablation: bool = False
 
 
 DEFAULT_TUNING = PrologueTuning()
@@ -709,7 +715,8 @@ class PrologueLayout:
             k_mean=inputs[11], rope_words=self._tuning.gluon_rope_words,
             pdl=self._k_mean is not None and self._k_mean[-1],
             v_start=inputs[-1] if self._gluon_vstart is not None else None,
-            half_tables_2byte=self._tuning.gluon_half_tables_2byte_ablation)
+            half_tables_2byte=self._tuning.gluon_half_tables_2byte_ablation,
+            no_table_handoff=self._tuning.gluon_table_handoff_ablation)
 
     def grid(self, i: int, inputs: tuple) -> tuple:
         """Launch ``i``'s grid (the main launch's persistent grid is chosen on the first call)."""
