@@ -801,17 +801,18 @@ def test_gpu_gluon_prologue_matches_the_triton_kernel_bit_for_bit(case):
     # (3 stages, the slot released inside the RoPE, "half" read as bf16 values, not words; with
     # smooth_k the launches in stream order instead of chained by programmatic dependent launch;
     # V by the round-robin, not gluon_sm90.v_plan, which the second runs without RoPE too; "half"
-    # tables held in their 2-byte dtype, the A/B's ablation of branch rope-half32; the K phase's
-    # first tables loaded at its start, not by the Q phase: the handoff's ablation, whose default
-    # path every D 128 RoPE case without smooth_k runs, programs without Q units and with several
-    # Q units (the many-units cases) among them)
+    # tables held in their 2-byte dtype, the A/B's ablation of branch rope-half32; the tables
+    # loaded after each phase's last unit and the K phase's first at its start: the ablation of
+    # GluonPrologue.HANDOFF / SKIP_LAST_Q / SKIP_LAST_K, whose default paths the RoPE cases run:
+    # HANDOFF at D 128 without smooth_k, programs without Q units and with several Q units (the
+    # many-units cases) among them; the skips in every RoPE case)
     for tuning in (host.PrologueTuning(kernel="gluon"),
                    host.PrologueTuning(kernel="gluon", gluon_stages=2, gluon_v_plan=True),
                    host.PrologueTuning(kernel="gluon", gluon_stages=3, gluon_rope_release=True,
                                        gluon_rope_words=False, gluon_pdl=False,
                                        gluon_v_plan=False,
                                        gluon_half_tables_2byte_ablation=True,
-                                       gluon_table_handoff_ablation=True)):
+                                       gluon_phase_end_tables_ablation=True)):
         launch, got = _run_prologue(q, k, v, recipe, rope, tuning)
         assert [kern for kern, *_ in launch.launches] == kernels, case
         torch.cuda.synchronize()
@@ -844,6 +845,29 @@ def test_gpu_gluon_prologue_matches_the_triton_kernel_bit_for_bit(case):
 # instruction figures are those of that change (before "Fewer barriers a tile": D 128 half int8
 # 897 / 586, plain 679 / 574); a loop may grow 2% before this fails, as a reminder to re-read the
 # chain.
+def _tables_skipped_at_phase_end(r) -> list[bool]:
+    """Per Q / K tile loop (address order) of a RoPE kernel: whether its unit loop leaves, after
+    the phase's last unit, by a branch placed before the next unit's table loads (LDG), i.e. skips
+    them (GluonPrologue.SKIP_LAST_Q / SKIP_LAST_K)."""
+    ins = [(int(a, 16), t.strip()) for a, t in
+           re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", r.sass)]
+    target = lambda t: re.search(r"\bBRA\b.*?0x([0-9a-f]+)", t)  # noqa: E731
+    loops = [(int(target(t).group(1), 16), a) for a, t in ins
+             if target(t) and int(target(t).group(1), 16) < a]
+    out = []
+    for lo, hi in loops:
+        if any((a, b) != (lo, hi) and lo <= a and b <= hi for a, b in loops):
+            continue                                   # not innermost
+        if not any("HGMMA" in t for a, t in ins if lo <= a <= hi):
+            continue                                   # not a Q / K tile loop
+        _, x, y = min((b - a, a, b) for a, b in loops if a <= lo and hi <= b and (a, b) != (lo, hi))
+        after = [(a, t) for a, t in ins if hi < a <= y]
+        first_ldg = next(a for a, t in after if "LDG" in t)
+        out.append(any(target(t) and int(target(t).group(1), 16) > y and a < first_ldg
+                       for a, t in after))
+    return out
+
+
 GLUON_TILE_LOOPS = {   # (D, style, qk): (Q / K barriers, Q / K instructions, V instructions)
     (128, "", "int8"): (3, 667, 533),
     (128, "half", "int8"): (4, 853, 520),
@@ -912,6 +936,10 @@ def test_gluon_prologue_compiles_for_sm90(D, style, qk, positions):
         # loaded by the Q phase after its last unit (GluonPrologue.HANDOFF), so 3 copies, not 4
         # (branch rope-half32: 72 -> 56, both styles, int8 and e4m3 with positions)
         assert r.sass.count("LDG.E.128") == 56, r.sass.count("LDG.E.128")
+    if style:
+        # after the phase's last unit: the K phase skips its table load (SKIP_LAST_K), the Q phase
+        # at D 64 too (SKIP_LAST_Q; at D 128 it loads the K phase's first tables: HANDOFF)
+        assert _tables_skipped_at_phase_end(r) == [D == 64, True], _tables_skipped_at_phase_end(r)
     assert r.hgmma > 0, "the Hadamard rotation did not compile to wgmma"
     # One wait a tile for its chained wgmma: ptxas serializes them silently (a WARPGROUP.DEPBAR
     # after each HGMMA) when the accumulator's pipeline stage is not to its liking (97af8ed).
@@ -984,6 +1012,8 @@ def test_gluon_prologue_with_smooth_k_compiles_for_sm90(D, style):
     # the K loop reads the mean (LDG), the Q loop does not
     qk_loops = [body for body in r.inner_loops() if any("HGMMA" in t for t in body)]
     assert sorted(any("LDG" in t for t in body) for body in qk_loops) == [False, True]
+    if style:   # both phases skip the table load after their last unit (SKIP_LAST_Q / _K)
+        assert _tables_skipped_at_phase_end(r) == [True, True], _tables_skipped_at_phase_end(r)
     if D == 128:   # 2^-3.5: the scale is inexact, the contraction matters (1/8 at D 64: exact)
         assert r.ptx.count("0f3DB504F3") == 256, r.ptx.count("0f3DB504F3")
         assert len(re.findall(r"fma\.rn\.f32[^\n]*0f3DB504F3", r.ptx)) == 128
@@ -1055,22 +1085,27 @@ def test_gluon_interleaved_tables_as_words_only_where_rows_are_word_aligned():
     assert _rope_words(None, "half", odd, odd, 0, odd.stride(0))      # "half": Q / K words only
 
 
-def test_gluon_table_handoff_where_the_tile_loops_keep_their_sass():
-    """The Q phase loads the K phase's first RoPE tables (GluonPrologue.HANDOFF) with RoPE at D 128
-    without smooth_k, Q and K positions alike (both or neither); not at D 64, with smooth_k (the
-    tile loops grew or reloaded from the stack there, sm90 SASS), without RoPE, or under the A/B's
-    ablation switch (TABLE_HANDOFF False)."""
+def test_gluon_phase_end_tables_where_the_tile_loops_keep_their_sass():
+    """The table load after a phase's last unit: the Q phase's reads the K phase's first RoPE tables
+    (GluonPrologue.HANDOFF) with RoPE at D 128 without smooth_k, Q and K positions alike (both or
+    neither); not at D 64 or with smooth_k (the tile loops grew or reloaded from the stack there,
+    sm90 SASS), where it is skipped instead (SKIP_LAST_Q: at D 128 without smooth_k that branch
+    lengthened the tile loops). The K phase's is skipped with any RoPE (SKIP_LAST_K). None of it
+    without RoPE or under the A/B's ablation switch (PHASE_END_TABLES False)."""
     from fa3_inductor.templates.fp8_prologue.gluon_sm90 import GluonPrologue
 
     cfg = GluonPrologue(D=128, STAGES=2, ROPE="half", Q_POS=False, K_POS=False, QK_INT8=True,
                         HAD_SCALE=1.0, PRODUCER_REGS=24)
-    assert cfg.HANDOFF
-    assert dataclasses.replace(cfg, ROPE="interleaved", Q_POS=True, K_POS=True).HANDOFF
-    assert not dataclasses.replace(cfg, Q_POS=True).HANDOFF
-    assert not dataclasses.replace(cfg, D=64).HANDOFF
-    assert not dataclasses.replace(cfg, SMOOTH=True).HANDOFF
-    assert not dataclasses.replace(cfg, ROPE="").HANDOFF
-    assert not dataclasses.replace(cfg, TABLE_HANDOFF=False).HANDOFF
+    rules = lambda c: (c.HANDOFF, c.SKIP_LAST_Q, c.SKIP_LAST_K)  # noqa: E731
+    assert rules(cfg) == (True, False, True)
+    assert rules(dataclasses.replace(cfg, ROPE="interleaved", Q_POS=True, K_POS=True)) == (
+        True, False, True)
+    assert rules(dataclasses.replace(cfg, Q_POS=True)) == (False, False, True)
+    assert rules(dataclasses.replace(cfg, D=64)) == (False, True, True)
+    assert rules(dataclasses.replace(cfg, SMOOTH=True)) == (False, True, True)
+    assert rules(dataclasses.replace(cfg, ROPE="")) == (False, False, False)
+    assert rules(dataclasses.replace(cfg, PHASE_END_TABLES=False)) == (False, False, False)
+    assert rules(dataclasses.replace(cfg, D=64, PHASE_END_TABLES=False)) == (False, False, False)
 
 
 def test_gluon_half_tables_as_words_only_where_rows_are_word_aligned():

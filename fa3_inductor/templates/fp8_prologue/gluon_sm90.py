@@ -51,7 +51,7 @@ K_MEAN after the rotation (_smooth), so the Triton and Gluon kernels subtract th
 
 Compile-time parameters (one bundle, `CFG`, a frozen dataclass `GluonPrologue`): D, STAGES, ROPE,
 Q_POS, K_POS, QK_INT8, HAD_SCALE, PRODUCER_REGS, RELEASE_IN_ROPE, SMOOTH, ROPE_WORDS,
-HALF_TABLE_WORDS, V_PLAN, PDL, TABLE_HANDOFF.
+HALF_TABLE_WORDS, V_PLAN, PDL, PHASE_END_TABLES.
 Lengths and unit counts are do_not_specialize.
 """
 
@@ -104,8 +104,9 @@ class GluonPrologue:
     V_PLAN: bool = False           # V tiles by V_START's ranges (v_plan), not the round-robin
     PDL: bool = False              # SMOOTH, launched programmatically dependent on k_mean_kernel:
                                    # the consumer waits for it (griddepcontrol.wait) before K
-    TABLE_HANDOFF: bool = True     # RoPE: the K phase's first tables loaded by the Q phase where
-                                   # HANDOFF allows; False: PrologueTuning's ablation switch only
+    PHASE_END_TABLES: bool = True  # RoPE: the table load after a phase's last unit put to use
+                                   # (HANDOFF) or skipped (SKIP_LAST_Q, SKIP_LAST_K); False:
+                                   # PrologueTuning's ablation switch only
 
     @property
     def DQ(self) -> int:
@@ -149,10 +150,27 @@ class GluonPrologue:
         the tables alike (both with positions or neither: _table_parts' HAS_POS), at D 128
         without SMOOTH: there the tile loops keep their length and stay free of spills (sm90
         SASS); with SMOOTH ("half") the Q loop reloaded 3 values a tile from the stack, at D 64
-        the K loop grew by 1-2 instructions (docs/design/fp8_prologue.md, "The K phase's first
-        tables loaded by the Q phase")."""
-        return (self.TABLE_HANDOFF and bool(self.ROPE) and self.Q_POS == self.K_POS
+        a Q or K loop grew by 1-2 instructions: there SKIP_LAST_Q instead (docs/design/
+        fp8_prologue.md, "The tables at a phase's end: handed on or skipped")."""
+        return (self.PHASE_END_TABLES and bool(self.ROPE) and self.Q_POS == self.K_POS
                 and not self.DEFER_A and not self.SMOOTH)
+
+    @property
+    def SKIP_LAST_Q(self) -> bool:
+        """RoPE at D 64 or with SMOOTH (no HANDOFF): the Q phase's table load after its last unit
+        (masked-off rows, read by nothing) is skipped by a branch. There the tile loops keep their
+        SASS; at D 128 without SMOOTH the same branch made ptxas reload the global-memory
+        descriptor (ULDC.64 c[0x0][0x208]) in the Q, K and V loops (+1, +1, +3 instructions a
+        tile), so that Q phase keeps the load (HANDOFF reads real rows with it)."""
+        return self.PHASE_END_TABLES and bool(self.ROPE) and (self.DEFER_A or self.SMOOTH)
+
+    @property
+    def SKIP_LAST_K(self) -> bool:
+        """RoPE: the K phase's table load after its last unit (masked-off rows; V has no RoPE) is
+        skipped by a branch: every tile loop keeps its SASS (sm90, D 64 and 128, with and without
+        SMOOTH; docs/design/fp8_prologue.md, "The tables at a phase's end: handed on or
+        skipped")."""
+        return self.PHASE_END_TABLES and bool(self.ROPE)
 
     @property
     def TILE_BYTES(self) -> int:    # the ready barrier's transaction count per tile
@@ -703,7 +721,7 @@ def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, em
               COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, Z, H, L, U, HC, G, u0,
               dtype: gl.constexpr, HAS_POS: gl.constexpr, CFG: gl.constexpr, K_MEAN,
               SMOOTH: gl.constexpr, tabs_first=0, PRELOADED: gl.constexpr = False,
-              next_rows=0, HANDOFF: gl.constexpr = False):
+              next_rows=0, HANDOFF: gl.constexpr = False, SKIP_LAST: gl.constexpr = False):
     """This program's Q (or K) units (u0, u0 + n_programs, ...; HC divides H, so every unit has
     HC heads): the table rows of a unit's row block once, then its heads. One flat loop over the
     program's tiles (tile t: unit t // HC, head t % HC of it).
@@ -722,7 +740,8 @@ def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, em
 
     HANDOFF (the Q phase under CFG.HANDOFF): the table load after the phase's last unit reads the
     K phase's first unit's rows (`next_rows`: its z, row block, positions, their stride, length)
-    and returns them with cnt, for the K phase to take as PRELOADED."""
+    and returns them with cnt, for the K phase to take as PRELOADED. SKIP_LAST (CFG.SKIP_LAST_Q /
+    SKIP_LAST_K): no table load after the phase's last unit (a branch)."""
     n_prog = gl.num_programs(0)
     n_tiles = (U - u0 + n_prog - 1) // n_prog * HC
     smooth = (K_MEAN, H, L)
@@ -780,14 +799,17 @@ def _qk_units(ring, ring32, a_stage, had_smem, stage, out_desc, SCALE, ready, em
             if HANDOFF:
                 # past the phase's last unit: the K phase's first unit's rows, not masked-off
                 # ones (only the scalars are chosen; the load runs either way: skipping it by a
-                # branch made ptxas reload the memory descriptor in the tile loops,
-                # docs/design/fp8_prologue.md, "The K phase's first tables loaded by the Q
-                # phase")
+                # branch here made ptxas reload the memory descriptor in the tile loops:
+                # GluonPrologue.SKIP_LAST_Q)
                 tz, tg, tpos, tpz, tl = z, g, POS, gl.to_tensor(stride_pz), L
                 if uu + n_prog >= U:
                     tz, tg, tpos, tpz, tl = next_rows
                 tabs = _table_parts(COS, SIN, tpos, tpz, stride_tz, stride_tp, P, tz, tg * 128,
                                     tl, HAS_POS, CFG)
+            elif SKIP_LAST:   # past the last unit the rows are masked off and read by nothing
+                if uu + n_prog < U:
+                    tabs = _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z,
+                                        g * 128, L, HAS_POS, CFG)
             else:
                 tabs = _table_parts(COS, SIN, POS, stride_pz, stride_tz, stride_tp, P, z,
                                     g * 128, L, HAS_POS, CFG)
@@ -847,7 +869,8 @@ def _consumer(descs, smem, bars, sizes, outs, tables, CFG: gl.constexpr):
     else:
         cnt = _qk_units(ring, ring32, a_stage, had_smem, stage, q8_desc, Q_SCALE, ready, empty,
                         cnt, COS, SIN, QPOS, stride_qpz, stride_tz, stride_tp, P, Z, HQ, M, UQ,
-                        HCQ, QG, pid, dtype, CFG.Q_POS, CFG, K_MEAN, False, tabs, CFG.ROPE != "")
+                        HCQ, QG, pid, dtype, CFG.Q_POS, CFG, K_MEAN, False, tabs, CFG.ROPE != "",
+                        0, False, CFG.SKIP_LAST_Q)
     if CFG.PDL:
         # smooth_k's K_MEAN: this launch started under the pre-passes (programmatic dependent
         # launch); the Q tiles did not need them, the K tiles do (griddepcontrol.wait: the
@@ -857,7 +880,7 @@ def _consumer(descs, smem, bars, sizes, outs, tables, CFG: gl.constexpr):
     cnt = _qk_units(ring, ring32, a_stage, had_smem, stage, k8_desc, K_SCALE, ready, empty, cnt,
                     COS, SIN, KPOS, stride_kpz, stride_tz, stride_tp, P, Z, HKV, N, UK, HCK, KG,
                     _first_unit(UQ, n_prog), dtype, CFG.K_POS, CFG, K_MEAN, CFG.SMOOTH, tabs,
-                    HANDOFF)
+                    HANDOFF, 0, False, CFG.SKIP_LAST_K)
     _v_walk(cnt, _v_store, (ring, vt_stage, amax_smem, vt_desc, V_SCALE, V_SCALE_MAX, ready, empty,
                            HKV, KG), V_START, Z, HKV, UQ, UK, HCK, CFG)
     tma.store_wait(0)   # the last stores must finish reading shared memory before the CTA exits
@@ -1151,7 +1174,7 @@ def _half_table_words(half_tables_2byte, rope_style, cos, sin, stride_tz, stride
 def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride_qpz, stride_kpz,
            P, rope_style: str, q_pos: bool, k_pos: bool, recipe, stages=None, n_programs=None,
            per_sm=None, words=None, rope_release=None, k_mean=None, rope_words=None, pdl=False,
-           v_start=None, half_tables_2byte=False, no_table_handoff=False):
+           v_start=None, half_tables_2byte=False, old_phase_end_tables=False):
     """(kernel, args, kwargs, grid) of prologue_sm90_kernel writing `ops` (host.prepare_prologue
     allocates them as for the Triton kernel). `had` is HAD [D, D] in the input dtype. "interleaved"
     RoPE reads Q and K as int32 pair words against HAD's rows in even-then-odd order: `words`, (Q's
@@ -1192,7 +1215,7 @@ def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride
                         PDL=bool(pdl and recipe.smooth_k), V_PLAN=v_start is not None,
                         HALF_TABLE_WORDS=_half_table_words(half_tables_2byte, rope_style, cos,
                                                            sin, stride_tz, stride_tp),
-                        TABLE_HANDOFF=not no_table_handoff)
+                        PHASE_END_TABLES=not old_phase_end_tables)
     if recipe.smooth_k:
         assert k_mean is not None, "smooth_k: the Gluon kernel reads K_MEAN (kernel.k_mean_kernel)"
     args = (q_in, k_in, v_in, q8, k8, vt, ops.q_scale, ops.k_scale, ops.v_scale, ops.v_scale_max,

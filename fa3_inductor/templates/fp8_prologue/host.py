@@ -72,11 +72,12 @@ class PrologueTuning:
       every unit change, the path before branch rope-half32); False: read as int32 words and held
       as fp32 (gluon_sm90._half_table_fp32; tables whose rows start off 4 bytes keep the 2-byte
       path). The same values either way. Remove after the A/B;
-    - ``gluon_table_handoff_ablation``: an ablation switch for one GPU A/B, not a tuning choice:
-      True loads the K phase's first RoPE tables at the K phase's start and lets the Q phase's
-      load after its last unit read masked-off rows (the path before the handoff); False: the Q
-      phase loads the K phase's first tables there (gluon_sm90.GluonPrologue.HANDOFF, D 128
-      without smooth_k). The same values either way. Remove after the A/B.
+    - ``gluon_phase_end_tables_ablation``: an ablation switch for one GPU A/B, not a tuning
+      choice: True loads the RoPE tables after each phase's last unit (masked-off rows, read by
+      nothing) and the K phase's first tables at its start, the path before; False: the Q phase
+      loads the K phase's first tables there (gluon_sm90.GluonPrologue.HANDOFF, D 128 without
+      smooth_k) or skips that load (SKIP_LAST_Q), and the K phase skips its own (SKIP_LAST_K). The
+      same values either way. Remove after the A/B.
 
     Example::
 
@@ -96,7 +97,7 @@ class PrologueTuning:
     gluon_pdl: Optional[bool] = None
     gluon_v_plan: Optional[bool] = None
     gluon_half_tables_2byte_ablation: bool = False
-    gluon_table_handoff_ablation: bool = False
+    gluon_phase_end_tables_ablation: bool = False
 
 
 DEFAULT_TUNING = PrologueTuning()
@@ -716,7 +717,7 @@ class PrologueLayout:
             pdl=self._k_mean is not None and self._k_mean[-1],
             v_start=inputs[-1] if self._gluon_vstart is not None else None,
             half_tables_2byte=self._tuning.gluon_half_tables_2byte_ablation,
-            no_table_handoff=self._tuning.gluon_table_handoff_ablation)
+            old_phase_end_tables=self._tuning.gluon_phase_end_tables_ablation)
 
     def grid(self, i: int, inputs: tuple) -> tuple:
         """Launch ``i``'s grid (the main launch's persistent grid is chosen on the first call)."""
