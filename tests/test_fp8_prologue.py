@@ -918,7 +918,9 @@ def test_gluon_prologue_compiles_for_sm90(D, style, qk, positions):
         # loop-invariant value or two a tile, at most 2 LDL, no STL, in a loop, and reloads none;
         # branch rope-il, "interleaved" with its tables as pair words held as fp32: int8 72 bytes,
         # 78 LDL / STL, none in a loop; branch rope-half32, "half"'s tables the same way: int8
-        # 96 -> 48 bytes, 133 -> 57; e4m3 with positions 104 -> 56 bytes, 141 -> 65).
+        # 96 -> 48 bytes, 133 -> 57; e4m3 with positions 104 -> 56 bytes, 141 -> 65; then the K
+        # phase's first tables loaded by the Q phase, GluonPrologue.HANDOFF: int8 48 -> 56 bytes,
+        # 57 -> 59; e4m3 with positions 56 -> 64 bytes, 65 -> 63).
         assert r.stack <= 160, (r.registers, r.stack, r.spill_instructions)
         if style == "half":   # held as fp32: the 2-byte values' repacking spilled 133 / 141
             assert r.spill_instructions <= 80, (r.stack, r.spill_instructions)
