@@ -36,10 +36,13 @@ for r in "${runs[@]}"; do
     kernel=$(echo "$plan" | sed -n 's/.*main kernel \([A-Za-z0-9_]*\) .*/\1/p')
     if [[ -z $kernel ]]; then echo "d$d $c: no plan, skipped" | tee -a "$LOG"; continue; fi
     rep=$OUT/ncu-bwd-d$d-$c
+    start=$SECONDS
+    # ncu's own lines are dropped but the one with the replay count ("... 100% - N passes")
     "$NCU" --clock-control none --kernel-name "$kernel" --launch-skip 2 --launch-count 1 --set "$SET" \
         --import-source no -f -o "$rep" \
         python3 benchmarks/ncu_bwd_case.py "${args[@]}" --iters 2 2>&1 \
-        | grep -v '^==PROF==' | tail -5 | tee -a "$LOG"
+        | grep -v -E '^==PROF== (Connected|Disconnected|Report|Creating)' | tail -6 | tee -a "$LOG"
+    echo "d$d $c: $((SECONDS - start)) s under ncu" | tee -a "$LOG"
     [[ -f $rep.ncu-rep ]] && reps+=("$rep.ncu-rep")
 done
 [[ ${#reps[@]} -gt 0 ]] && PYTHONPATH=$EXTRAS:$PYTHONPATH python3 benchmarks/ncu_summary.py "${reps[@]}" --roles \
