@@ -121,7 +121,7 @@ def plan_case(case: str, seqlen: int, head_dim: int = 64, value_head_dim: int | 
 
 
 def run(launches) -> None:
-    """Launch (kernel, args, kwargs, grid) tuples in order."""
+    """Launch (kernel, args, kwargs, grid) tuples in order. Example: ``run(plan_case("noop", 4096).backward)``."""
     for kernel, args, kwargs, grid in launches:
         kernel[grid](*args, **kwargs)
 
@@ -142,7 +142,13 @@ def check(c: BwdCase) -> dict:
 
 
 def describe(c: BwdCase) -> str:
-    """One line: the main kernel, its grid and its schedule constants (what ncu's report will be of)."""
+    """One line: the main kernel, its grid and its schedule constants (what ncu's report will be of).
+
+    Example::
+
+        >>> describe(plan_case("alibi", 1024, 64, device="cpu", tokens=2048, heads=2))
+        'main kernel fa3_bwd_sm90_m128_kernel grid (8, 4) tile M128Tile(HEAD_D=64, NUM_STAGES=2)'
+    """
     _, args, kwargs, grid = c.main
     sched = kwargs.get("SCHED")
     return (f"main kernel {c.main_kernel_name} grid {tuple(grid)} tile {kwargs['TILE']}"

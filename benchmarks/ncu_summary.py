@@ -161,7 +161,9 @@ def samples_by_region(regions, samples):
 
 
 def print_roles(action, samples, grand):
-    """The stall samples of each role's code (code_regions), with their leading reasons."""
+    """Print the stall samples of each role's code (code_regions) of a report's ``action``, with their leading
+    reasons; ``samples`` {reason: {pc: n}}, ``grand`` all samples. Example: ``print_roles(ctx[0][0], samples, 1e5)``
+    prints lines like ``consumer  +0x00280  240 regs  31.20%  barrier 55%, long_scoreboard 20%, ...``."""
     pcs = [pc for d in samples.values() for pc in d]
     if not pcs:
         return
