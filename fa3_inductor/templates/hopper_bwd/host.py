@@ -185,8 +185,8 @@ def _persistent_schedule(q_num_blocks: torch.Tensor, full_q_num_blocks: Optional
     """
     order, cost = _cta_order_and_cost(q_num_blocks, full_q_num_blocks, Z, KZ, HQ, HKV, n_kv_tiles, block_n,
                                       sparse_kv)
-    order_l = order.tolist()
-    cost_l = cost[order.long()].tolist()
+    order = order.long()
+    order_l, cost_l = torch.stack((order, cost[order])).tolist()   # one device-to-host copy, one sync
     ctas = min(num_sms, len(order_l))
     free = [(0, c) for c in range(ctas)]
     lists: list[list[int]] = [[] for _ in range(ctas)]
