@@ -76,15 +76,15 @@ def _score_mod(variant, H):
     return {"softcap": mods.softcap(30.0), "alibi": mods.alibi(H)}.get(variant)
 
 
-def _mask_mod(variant, N):
+def _mask_mod(variant, N, device="cuda"):
     """The mask_mod of a mask variant (None for the others): causal, a 1024-key causal window, causal documents of
-    N / 4 positions."""
+    N / 4 positions (their ids on ``device``)."""
     if variant == "causal":
         return mods.causal
     if variant == "sliding_window":
         return mods.sliding_window(1024)
     if variant == "document":
-        return mods.document((torch.arange(N, device="cuda") // max(N // 4, 1)).to(torch.int32))
+        return mods.document((torch.arange(N, device=device) // max(N // 4, 1)).to(torch.int32))
     return None
 
 
@@ -112,9 +112,10 @@ def _mod(fn, kind, dialect):
     return load_mod(src, dialect), tuple(bufs), gm
 
 
-def _our_options(variant, H, M, N, dialect="gl"):
+def _our_options(variant, H, M, N, dialect="gl", device="cuda"):
     """(forward options, backward options) of our kernels for a variant; the backward's mods in
-    ``dialect`` (gl: the Hopper backward, tl: the generic one)."""
+    ``dialect`` (gl: the Hopper backward, tl: the generic one); the block mask and a mask's buffers on ``device``
+    (benchmarks/ncu_bwd_case.py plans on the CPU)."""
     from torch._higher_order_ops.flex_attention import create_fw_bw_graph
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -134,9 +135,9 @@ def _our_options(variant, H, M, N, dialect="gl"):
         fwd.update(score_mod=fn, score_bufs=bufs)
         bwd.update(score_mod=bwd_fn, score_bufs=bufs,
                    score_grad_mod=SCORE_GRAD_ONE if src is None else load_mod(src, dialect))
-    mask_mod = _mask_mod(variant, N)
+    mask_mod = _mask_mod(variant, N, device)
     if mask_mod is not None:
-        bm = create_block_mask(mask_mod, None, None, M, N, device="cuda")
+        bm = create_block_mask(mask_mod, None, None, M, N, device=device)
         fn, bufs, _ = _mod(mask_mod, "mask", "gl")
         bwd_fn = fn if dialect == "gl" else _mod(mask_mod, "mask", dialect)[0]
         tables = dict(kv_num_blocks=bm.kv_num_blocks, kv_indices=bm.kv_indices,

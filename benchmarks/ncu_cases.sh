@@ -7,22 +7,11 @@
 # $OUT/ncu-summary.log and $OUT/ncu-metrics.txt (every scalar metric of every report).
 # EXTRA="--set num_stages=3" passes Sm90Config overrides to every case (benchmarks/ncu_case.py).
 set -o pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
-OUT=${OUT:-$PWD/.device_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-# ncu on the PATH may be a wrapper: find the Python report module beside the real install
-EXTRAS=$(dirname "$(find / -name ncu_report.py -path "*extras/python*" 2>/dev/null | head -1)")
+source "$(dirname "${BASH_SOURCE[0]}")/ncu_common.sh"
 CASES=${CASES:-"noop softcap window window-blocks"}
 SEQLEN=${SEQLEN:-8192}
 SET=${SET:-full}
-{
-    echo "== $(date -u +%Y-%m-%dT%H:%M:%SZ) sources $(find fa3_inductor -name '*.py' | LC_ALL=C sort | xargs sha1sum | sha1sum | cut -c1-12)"
-    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,power.limit --format=csv
-    "$NCU" --version | tail -1
-    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-} 2>&1 | tee "$OUT/ncu-summary.log"
+ncu_header "$OUT/ncu-summary.log"
 reps=()
 for c in $CASES; do
     # warm-up launches compile the kernel (and fill triton's cache); the last launch is profiled

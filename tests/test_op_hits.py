@@ -17,7 +17,9 @@ B, H, S, D = 1, 2, 256, 64
 
 
 @pytest.fixture
-def emulated(monkeypatch, cpu_kernels):
+def emulated(cpu_kernels):
+    # no monkeypatch here: the tests' own monkeypatch (requested after this fixture) must be undone first, or
+    # its undo would put the emulation's launch_cached back after the emulation restored the real one
     # imported here, not at collection: sm90_emulation turns the interpreter on when imported, which at
     # collection broke the sm90_compile session's compiles (CI, 2026-11-29)
     from sm90_emulation import emulated_sm90, train_small_layouts, train_small_specs

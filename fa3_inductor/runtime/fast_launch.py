@@ -16,7 +16,8 @@ address), and the whole argument tuple is kept per (stream, input addresses): th
 a loop, and a compiled graph, the same addresses call after call, so a repeat costs one key and one call.
 
 The recipe holds no reference to the first call's tensors (they may be large and are the
-caller's), only tiny placeholder tensors the kernel never reads. Anything it cannot account
+caller's), only tiny placeholder tensors the kernel never reads and tensors a plan made and
+marked as its own (:func:`launch_constant`: the backward's CTA order). Anything it cannot account
 for (a tensor argument that is neither an input nor a placeholder, e.g. a contiguous copy
 made while preparing the launch) makes the signature uncacheable: those calls keep taking
 the ordinary path.
@@ -196,6 +197,23 @@ def on_clear(forget: Callable[[], None]) -> None:
         _ON_CLEAR.append(forget)
 
 
+def launch_constant(t: torch.Tensor) -> torch.Tensor:
+    """Mark ``t``, a small tensor a launch's preparation made and nothing else writes (the sm90 backward's CTA
+    order or tile lists), as a constant of the launches that take it: their recipe keeps it, and a relaunch
+    passes it again, instead of the launch being uncacheable. Its contents are the plan's: a relaunch does
+    not recompute them, so mark only what stays valid for every input of the launch key (the CTA lists are a
+    permutation of all tiles, whatever the mask's contents). Returns ``t``.
+
+    Example::
+
+        >>> order = launch_constant(torch.arange(4, dtype=torch.int32))
+        >>> rebinding((order,), [])[0][0]
+        'const'
+    """
+    t._fa3_launch_constant = True
+    return t
+
+
 def rebinding(args: Sequence, inputs: Sequence[Optional[torch.Tensor]]) -> Optional[tuple]:
     """A recipe of ``args`` (one step an argument) that :func:`rebound` turns into the arguments
     of new ``inputs`` of the same signature and aliasing: an argument that is one of ``inputs``
@@ -242,8 +260,8 @@ def _step(value: Any, index_of: dict) -> tuple:
         i = index_of.get(id(value))
         if i is not None:
             return ("input", i)
-        if value.numel() <= 1:  # a placeholder for an absent table: never read
-            return ("const", value)
+        if value.numel() <= 1 or getattr(value, "_fa3_launch_constant", False):
+            return ("const", value)   # a placeholder for an absent table (never read), or the plan's own
         raise _Uncacheable()
     if isinstance(value, tuple):
         steps = tuple(_step(v, index_of) for v in value)

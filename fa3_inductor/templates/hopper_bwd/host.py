@@ -13,6 +13,7 @@ from typing import Any, Optional, Sequence
 import torch
 import triton
 
+from ...runtime.fast_launch import launch_constant
 from ..placeholder import placeholder
 from ..generic_bwd.host import SCORE_GRAD_ONE, transpose_block_tables
 from ..modgen import BufferSpec, GeneratedSource, generate_mod_source, kernel_score_mod
@@ -184,8 +185,8 @@ def _persistent_schedule(q_num_blocks: torch.Tensor, full_q_num_blocks: Optional
     """
     order, cost = _cta_order_and_cost(q_num_blocks, full_q_num_blocks, Z, KZ, HQ, HKV, n_kv_tiles, block_n,
                                       sparse_kv)
-    order_l = order.tolist()
-    cost_l = cost[order.long()].tolist()
+    order = order.long()
+    order_l, cost_l = torch.stack((order, cost[order])).tolist()   # one device-to-host copy, one sync
     ctas = min(num_sms, len(order_l))
     free = [(0, c) for c in range(ctas)]
     lists: list[list[int]] = [[] for _ in range(ctas)]
@@ -409,6 +410,9 @@ def prepare_hopper_backward(
         grid = (cta_args[0].numel() - 1,)
     else:
         cta_args = (_cta_order(*schedule_args),) if lpt else ()
+    # the plan's own tensors: a recorded launch replays them (a permutation of every tile, right for any mask
+    # contents of the launch's key; only the balance follows the mask it was made for)
+    cta_args = tuple(launch_constant(t) for t in cta_args)
 
     # a head dim pair or one that is not a power of two (192 / 128): O's columns and a padded dQ range
     wide = dict(HEAD_DV=DV, HEAD_D_POW2=triton.next_power_of_2(D)) if cfg.split_dkv else {}
