@@ -203,14 +203,6 @@ def sweep_candidates() -> list:
     # Triton candidates name their kernel: D128's default is the Gluon kernel (host.default_kernel).
     out = [dataclasses.replace(t, kernel="triton") for t in out]
     out += [PrologueTuning(kernel="gluon")]
-    # The A/B of branch rope-half32 (an ablation, right after the default so that a time-limited
-    # run reaches it): RoPE "half"'s tables held in their 2-byte dtype, as before, against read as
-    # words and held as fp32 (docs/design/fp8_prologue.md, "RoPE 'half' tables held as fp32")
-    out += [PrologueTuning(kernel="gluon", gluon_half_tables_2byte_ablation=True)]
-    # The A/B of the tables at a phase's end (an ablation too): loaded after each phase's last unit
-    # and the K phase's first at its start, as before, against handed from Q to K or skipped
-    # (docs/design/fp8_prologue.md, "The tables at a phase's end: handed on or skipped"; RoPE only)
-    out += [PrologueTuning(kernel="gluon", gluon_phase_end_tables_ablation=True)]
     out += [PrologueTuning(kernel="gluon", gluon_stages=s) for s in (2, 3, 4, 5, 8)]
     out += [PrologueTuning(kernel="gluon", programs_per_sm=1),
             PrologueTuning(kernel="gluon", programs_per_sm=2, gluon_stages=3),
@@ -245,16 +237,12 @@ def _tuning_text(t) -> str:
         words = getattr(t, "gluon_rope_words", None)
         pdl = getattr(t, "gluon_pdl", None)
         plan = getattr(t, "gluon_v_plan", None)
-        ablate_tables = getattr(t, "gluon_half_tables_2byte_ablation", False)
-        ablate_ends = getattr(t, "gluon_phase_end_tables_ablation", False)
         return (f"gluon stages={t.gluon_stages or 'default'}"
                 + (f" per_sm={t.programs_per_sm}" if t.programs_per_sm else "")
                 + ("" if release is None else f" rope_release={'rope' if release else 'amax'}")
                 + ("" if words is None else f" words={'on' if words else 'off'}")
                 + ("" if pdl is None else f" pdl={'on' if pdl else 'off'}")
-                + ("" if plan is None else f" v_plan={'on' if plan else 'off'}")
-                + (" half_tables=2byte (ablation)" if ablate_tables else "")
-                + (" phase_end_tables=old (ablation)" if ablate_ends else ""))
+                + ("" if plan is None else f" v_plan={'on' if plan else 'off'}"))
     if getattr(t, "kernel", None) == "triton" and t == type(t)(kernel="triton"):
         return "triton table launch"
     per_sm = {None: "fit", 0: "grid"}.get(t.programs_per_sm, str(t.programs_per_sm))
@@ -360,12 +348,6 @@ def main() -> None:
                     continue      # words: RoPE's ("half": Q / K; "interleaved": the tables)
                 if getattr(t, "gluon_pdl", None) is not None and "smooth" not in c["recipe"]:
                     continue      # pdl: smooth_k's pre-passes only
-                if (getattr(t, "gluon_half_tables_2byte_ablation", False)
-                        and c["recipe"] not in ("rope", "rope+smooth")):
-                    continue      # RoPE "half" with 2-byte tables only
-                if (getattr(t, "gluon_phase_end_tables_ablation", False)
-                        and c["recipe"] not in ("rope", "rope-il", "rope+smooth")):
-                    continue      # the tables at a phase's end: RoPE's (Gluon: not rope-f32)
                 gluon = getattr(t, "kernel", None) == "gluon"
                 if c["recipe"] in GLUON_ONLY and not gluon and t != sweep_candidates()[0]:
                     continue

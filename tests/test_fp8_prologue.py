@@ -800,19 +800,15 @@ def test_gpu_gluon_prologue_matches_the_triton_kernel_bit_for_bit(case):
     # the defaults, another ring depth, and the D 128 RoPE choices the defaults left in 2026-11-29
     # (3 stages, the slot released inside the RoPE, "half" read as bf16 values, not words; with
     # smooth_k the launches in stream order instead of chained by programmatic dependent launch;
-    # V by the round-robin, not gluon_sm90.v_plan, which the second runs without RoPE too; "half"
-    # tables held in their 2-byte dtype, the A/B's ablation of branch rope-half32; the tables
-    # loaded after each phase's last unit and the K phase's first at its start: the ablation of
-    # GluonPrologue.HANDOFF / SKIP_LAST_Q / SKIP_LAST_K, whose default paths the RoPE cases run:
-    # HANDOFF at D 128 without smooth_k, programs without Q units and with several Q units (the
-    # many-units cases) among them; the skips in every RoPE case)
+    # V by the round-robin, not gluon_sm90.v_plan, which the second runs without RoPE too). Every
+    # tuning runs the tables at a phase's end as GluonPrologue.HANDOFF / SKIP_LAST_Q / SKIP_LAST_K
+    # have them: HANDOFF at D 128 without smooth_k, programs without Q units and with several Q
+    # units (the many-units cases) among them; the skips in every RoPE case
     for tuning in (host.PrologueTuning(kernel="gluon"),
                    host.PrologueTuning(kernel="gluon", gluon_stages=2, gluon_v_plan=True),
                    host.PrologueTuning(kernel="gluon", gluon_stages=3, gluon_rope_release=True,
                                        gluon_rope_words=False, gluon_pdl=False,
-                                       gluon_v_plan=False,
-                                       gluon_half_tables_2byte_ablation=True,
-                                       gluon_phase_end_tables_ablation=True)):
+                                       gluon_v_plan=False)):
         launch, got = _run_prologue(q, k, v, recipe, rope, tuning)
         assert [kern for kern, *_ in launch.launches] == kernels, case
         torch.cuda.synchronize()
@@ -1093,7 +1089,7 @@ def test_gluon_phase_end_tables_where_the_tile_loops_keep_their_sass():
     neither); not at D 64 or with smooth_k (the tile loops grew or reloaded from the stack there,
     sm90 SASS), where it is skipped instead (SKIP_LAST_Q: at D 128 without smooth_k that branch
     lengthened the tile loops). The K phase's is skipped with any RoPE (SKIP_LAST_K). None of it
-    without RoPE or under the A/B's ablation switch (PHASE_END_TABLES False)."""
+    without RoPE."""
     from fa3_inductor.templates.fp8_prologue.gluon_sm90 import GluonPrologue
 
     cfg = GluonPrologue(D=128, STAGES=2, ROPE="half", Q_POS=False, K_POS=False, QK_INT8=True,
@@ -1106,23 +1102,21 @@ def test_gluon_phase_end_tables_where_the_tile_loops_keep_their_sass():
     assert rules(dataclasses.replace(cfg, D=64)) == (False, True, True)
     assert rules(dataclasses.replace(cfg, SMOOTH=True)) == (False, True, True)
     assert rules(dataclasses.replace(cfg, ROPE="")) == (False, False, False)
-    assert rules(dataclasses.replace(cfg, PHASE_END_TABLES=False)) == (False, False, False)
-    assert rules(dataclasses.replace(cfg, D=64, PHASE_END_TABLES=False)) == (False, False, False)
+    assert rules(dataclasses.replace(cfg, D=64, ROPE="")) == (False, False, False)
 
 
 def test_gluon_half_tables_as_words_only_where_rows_are_word_aligned():
     """"half" RoPE reads its cos / sin tables as int32 words and holds them as fp32
     (GluonPrologue.HALF_TABLE_WORDS) where every row starts on a 4-byte boundary; an odd stride or
-    offset, or the A/B's ablation switch, keeps the 2-byte values."""
+    offset keeps the 2-byte values."""
     from fa3_inductor.templates.fp8_prologue.gluon_sm90 import _half_table_words
 
     cos = torch.zeros(3, 64, 130, dtype=torch.bfloat16)[..., :128]
-    assert _half_table_words(False, "half", cos, cos, cos.stride(0), cos.stride(1))
-    assert not _half_table_words(True, "half", cos, cos, cos.stride(0), cos.stride(1))
+    assert _half_table_words("half", cos, cos, cos.stride(0), cos.stride(1))
     odd = torch.zeros(64, 129, dtype=torch.bfloat16)[:, 1:]          # stride 129, offset 2 bytes
-    assert not _half_table_words(False, "half", odd, odd, 0, odd.stride(0))
-    assert not _half_table_words(False, "half", cos, cos, 3, 130)
-    assert not _half_table_words(False, "interleaved", cos, cos, cos.stride(0), cos.stride(1))
+    assert not _half_table_words("half", odd, odd, 0, odd.stride(0))
+    assert not _half_table_words("half", cos, cos, 3, 130)
+    assert not _half_table_words("interleaved", cos, cos, cos.stride(0), cos.stride(1))
 
 
 @pytest.mark.sm90_compile

@@ -51,7 +51,7 @@ K_MEAN after the rotation (_smooth), so the Triton and Gluon kernels subtract th
 
 Compile-time parameters (one bundle, `CFG`, a frozen dataclass `GluonPrologue`): D, STAGES, ROPE,
 Q_POS, K_POS, QK_INT8, HAD_SCALE, PRODUCER_REGS, RELEASE_IN_ROPE, SMOOTH, ROPE_WORDS,
-HALF_TABLE_WORDS, V_PLAN, PDL, PHASE_END_TABLES.
+HALF_TABLE_WORDS, V_PLAN, PDL.
 Lengths and unit counts are do_not_specialize.
 """
 
@@ -100,13 +100,10 @@ class GluonPrologue:
                                    # pair words, held as fp32 (_table_parts)
     HALF_TABLE_WORDS: bool = True  # "half": the cos / sin tables read as int32 words and held as
                                    # fp32 (_half_table_fp32); False: 2-byte values (rows not on
-                                   # 4 bytes, or PrologueTuning's ablation switch)
+                                   # 4 bytes: _half_table_words)
     V_PLAN: bool = False           # V tiles by V_START's ranges (v_plan), not the round-robin
     PDL: bool = False              # SMOOTH, launched programmatically dependent on k_mean_kernel:
                                    # the consumer waits for it (griddepcontrol.wait) before K
-    PHASE_END_TABLES: bool = True  # RoPE: the table load after a phase's last unit put to use
-                                   # (HANDOFF) or skipped (SKIP_LAST_Q, SKIP_LAST_K); False:
-                                   # PrologueTuning's ablation switch only
 
     @property
     def DQ(self) -> int:
@@ -152,8 +149,8 @@ class GluonPrologue:
         SASS); with SMOOTH ("half") the Q loop reloaded 3 values a tile from the stack, at D 64
         a Q or K loop grew by 1-2 instructions: there SKIP_LAST_Q instead (docs/design/
         fp8_prologue.md, "The tables at a phase's end: handed on or skipped")."""
-        return (self.PHASE_END_TABLES and bool(self.ROPE) and self.Q_POS == self.K_POS
-                and not self.DEFER_A and not self.SMOOTH)
+        return (bool(self.ROPE) and self.Q_POS == self.K_POS and not self.DEFER_A
+                and not self.SMOOTH)
 
     @property
     def SKIP_LAST_Q(self) -> bool:
@@ -162,7 +159,7 @@ class GluonPrologue:
         SASS; at D 128 without SMOOTH the same branch made ptxas reload the global-memory
         descriptor (ULDC.64 c[0x0][0x208]) in the Q, K and V loops (+1, +1, +3 instructions a
         tile), so that Q phase keeps the load (HANDOFF reads real rows with it)."""
-        return self.PHASE_END_TABLES and bool(self.ROPE) and (self.DEFER_A or self.SMOOTH)
+        return bool(self.ROPE) and (self.DEFER_A or self.SMOOTH)
 
     @property
     def SKIP_LAST_K(self) -> bool:
@@ -170,7 +167,7 @@ class GluonPrologue:
         skipped by a branch: every tile loop keeps its SASS (sm90, D 64 and 128, with and without
         SMOOTH; docs/design/fp8_prologue.md, "The tables at a phase's end: handed on or
         skipped")."""
-        return self.PHASE_END_TABLES and bool(self.ROPE)
+        return bool(self.ROPE)
 
     @property
     def TILE_BYTES(self) -> int:    # the ready barrier's transaction count per tile
@@ -1163,18 +1160,16 @@ def _rope_words(rope_words, rope_style, cos, sin, stride_tz, stride_tp) -> bool:
     return on
 
 
-def _half_table_words(half_tables_2byte, rope_style, cos, sin, stride_tz, stride_tp) -> bool:
+def _half_table_words(rope_style, cos, sin, stride_tz, stride_tp) -> bool:
     """GluonPrologue.HALF_TABLE_WORDS: "half" tables read as words and held as fp32, unless a row
-    starts off 4 bytes or the A/B's ablation switch (half_tables_2byte:
-    PrologueTuning.gluon_half_tables_2byte_ablation) asks for the 2-byte values."""
-    return (rope_style == "half" and not half_tables_2byte
-            and _rows_on_words(cos, sin, stride_tz, stride_tp))
+    starts off 4 bytes (then the 2-byte values)."""
+    return rope_style == "half" and _rows_on_words(cos, sin, stride_tz, stride_tp)
 
 
 def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride_qpz, stride_kpz,
            P, rope_style: str, q_pos: bool, k_pos: bool, recipe, stages=None, n_programs=None,
            per_sm=None, words=None, rope_release=None, k_mean=None, rope_words=None, pdl=False,
-           v_start=None, half_tables_2byte=False, old_phase_end_tables=False):
+           v_start=None):
     """(kernel, args, kwargs, grid) of prologue_sm90_kernel writing `ops` (host.prepare_prologue
     allocates them as for the Triton kernel). `had` is HAD [D, D] in the input dtype. "interleaved"
     RoPE reads Q and K as int32 pair words against HAD's rows in even-then-odd order: `words`, (Q's
@@ -1213,9 +1208,8 @@ def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride
                         ROPE_WORDS=_rope_words(rope_words, rope_style, cos, sin, stride_tz,
                                                stride_tp),
                         PDL=bool(pdl and recipe.smooth_k), V_PLAN=v_start is not None,
-                        HALF_TABLE_WORDS=_half_table_words(half_tables_2byte, rope_style, cos,
-                                                           sin, stride_tz, stride_tp),
-                        PHASE_END_TABLES=not old_phase_end_tables)
+                        HALF_TABLE_WORDS=_half_table_words(rope_style, cos, sin, stride_tz,
+                                                           stride_tp))
     if recipe.smooth_k:
         assert k_mean is not None, "smooth_k: the Gluon kernel reads K_MEAN (kernel.k_mean_kernel)"
     args = (q_in, k_in, v_in, q8, k8, vt, ops.q_scale, ops.k_scale, ops.v_scale, ops.v_scale_max,

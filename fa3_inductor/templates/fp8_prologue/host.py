@@ -66,18 +66,7 @@ class PrologueTuning:
       under the pre-passes (True), or three launches in stream order (False); None: True;
     - ``gluon_v_plan``: the Gluon kernel's V tiles by a host plan that evens out the programs'
       weighted work (gluon_sm90.v_plan, True) or by the launch's round-robin of units (False);
-      None: True with RoPE, False without. Which program takes which tile changes no byte;
-    - ``gluon_half_tables_2byte_ablation``: an ablation switch for one GPU A/B, not a tuning choice:
-      True holds RoPE "half"'s cos / sin tables in their 2-byte dtype (widened and repacked at
-      every unit change, the path before branch rope-half32); False: read as int32 words and held
-      as fp32 (gluon_sm90._half_table_fp32; tables whose rows start off 4 bytes keep the 2-byte
-      path). The same values either way. Remove after the A/B;
-    - ``gluon_phase_end_tables_ablation``: an ablation switch for one GPU A/B, not a tuning
-      choice: True loads the RoPE tables after each phase's last unit (masked-off rows, read by
-      nothing) and the K phase's first tables at its start, the path before; False: the Q phase
-      loads the K phase's first tables there (gluon_sm90.GluonPrologue.HANDOFF, D 128 without
-      smooth_k) or skips that load (SKIP_LAST_Q), and the K phase skips its own (SKIP_LAST_K). The
-      same values either way. Remove after the A/B.
+      None: True with RoPE, False without. Which program takes which tile changes no byte.
 
     Example::
 
@@ -96,8 +85,6 @@ class PrologueTuning:
     gluon_rope_words: Optional[bool] = None
     gluon_pdl: Optional[bool] = None
     gluon_v_plan: Optional[bool] = None
-    gluon_half_tables_2byte_ablation: bool = False
-    gluon_phase_end_tables_ablation: bool = False
 
 
 DEFAULT_TUNING = PrologueTuning()
@@ -715,9 +702,7 @@ class PrologueLayout:
             rope_release=self._tuning.gluon_rope_release,
             k_mean=inputs[11], rope_words=self._tuning.gluon_rope_words,
             pdl=self._k_mean is not None and self._k_mean[-1],
-            v_start=inputs[-1] if self._gluon_vstart is not None else None,
-            half_tables_2byte=self._tuning.gluon_half_tables_2byte_ablation,
-            old_phase_end_tables=self._tuning.gluon_phase_end_tables_ablation)
+            v_start=inputs[-1] if self._gluon_vstart is not None else None)
 
     def grid(self, i: int, inputs: tuple) -> tuple:
         """Launch ``i``'s grid (the main launch's persistent grid is chosen on the first call)."""
