@@ -1120,6 +1120,22 @@ def test_gluon_half_tables_as_words_only_where_rows_are_word_aligned():
 
 
 @pytest.mark.sm90_compile
+def test_gluon_v_plan_is_off_by_default_and_on_when_asked():
+    """The A/B side (branch vplan-off): V by the round-robin by default, RoPE too; gluon_v_plan=True plans it."""
+    q, k, v = _inputs(1, 4, 2, 200, 300, 128, 128, torch.bfloat16)
+    base = RopeSpec.from_theta(128, 512)
+    half = RopeSpec(base.cos.to(torch.bfloat16), base.sin.to(torch.bfloat16), "half")
+
+    def planned(rope, **tuning):
+        launch = host.prepare_prologue(q, k, v, FP8Recipe(), rope, capability=(9, 0),
+                                       tuning=host.PrologueTuning(kernel="gluon", **tuning))
+        return launch.launches[-1][2]["CFG"].V_PLAN
+
+    assert not planned(half) and not planned(None)
+    assert planned(half, gluon_v_plan=True) and planned(None, gluon_v_plan=True)
+
+
+@pytest.mark.sm90_compile
 def test_gluon_prologue_serves_only_the_hot_case():
     """kernel="gluon" takes the Gluon kernel for the hot case only (gluon_sm90.serves); every other
     call keeps the Triton kernel; by default D128 takes the Gluon kernel and D64 the Triton one."""

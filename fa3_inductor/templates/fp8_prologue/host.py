@@ -580,7 +580,7 @@ class PrologueLayout:
         # The Gluon kernel's V tiles by program (gluon_sm90.v_plan), made once: on by default with
         # RoPE (whole head sets a Q / K unit leave the round-robin's V tiles unbalanced)
         self._gluon_vstart = None
-        plan = tuning.gluon_v_plan if tuning.gluon_v_plan is not None else rope is not None
+        plan = bool(tuning.gluon_v_plan)   # the A/B side (branch vplan-off): off by default, RoPE too
         if self.gluon and plan:
             from .gluon_sm90 import v_start_of
 
