@@ -350,3 +350,47 @@ def test_grad_mod_default_schedule(variant):
     assert not any("LDL" in t or "STL" in t for body in loops for t in body), "spill in a step loop"
     if overlap == 1:
         assert main.spill_instructions == 0 and main.stack == 0, (main.spill_instructions, main.stack)
+
+
+def _wgmmas_before_read(body):
+    """Each unpredicated global load (LDG: the LSE / DELTA rows) of a step loop and the number of wgmma
+    instructions (HGMMA) issued between it and the first read of its register, going round the loop (ptxas may
+    rotate it, so the body's first line is not the step's)."""
+    out = []
+    for i, text in enumerate(body):
+        m = re.match(r"LDG\S*\s+(R\d+),", text)
+        if not m:
+            continue
+        reg = re.compile(rf"\b{m.group(1)}\b")
+        n = len(body)
+        first = next((k for k in range(1, n) if "," in body[(i + k) % n]
+                      and reg.search(body[(i + k) % n].split(",", 1)[1])), n)
+        out.append(sum("HGMMA" in body[(i + k) % n] for k in range(1, first)))
+    return out
+
+
+# configs.BwdSm90Config.stats_ahead: LSE and DELTA (2 rows a thread each: 4 loads a step) are loaded a step ahead,
+# with the step's dK and dQ wgmmas (and the next S) between the load and its read; where they are used, 0-8 wgmmas
+# at D = 64, 3-12 at D = 128 (triton 3.6). (loads, wgmmas): at least that many stats loads have that many wgmmas
+# before their read. At D = 128 (the overlap under dK) only DELTA moved: LSE was already loaded before the next S.
+STATS_AHEAD = {(64, "noop"): (4, 12), (64, "causal"): (4, 12), (64, "softcap"): (4, 12), (128, "noop"): (2, 24)}
+
+
+@pytest.mark.parametrize("D, variant", sorted(STATS_AHEAD))
+def test_stats_loaded_a_step_ahead(D, variant):
+    from fa3_inductor.templates.aot import sass_report
+    from fa3_inductor.templates.hopper_bwd import compile_hopper_backward, get_bwd_config
+
+    M, N = 1000, 1000
+    q = torch.randn(2, 4, M, D, dtype=torch.bfloat16)
+    k = v = torch.randn(2, 2, N, D, dtype=torch.bfloat16)
+    args = (q, k, v, torch.empty_like(q), torch.empty_like(q), torch.empty(2, 4, M))
+    loads, wgmmas = STATS_AHEAD[D, variant]
+    for ahead_on in (True, False):
+        main = sass_report(compile_hopper_backward(*args, sm_scale=D ** -0.5, **_options(variant, M, N),
+                                                   config=get_bwd_config(D, stats_ahead=ahead_on))[1])
+        for body in _step_loops(main):
+            between = _wgmmas_before_read(body)
+            print(f"\nD{D} {variant} stats_ahead={ahead_on}: wgmmas between a stats load and its read {between}")
+            covered = sum(n >= wgmmas for n in between)
+            assert (covered >= loads) if ahead_on else (covered < loads), between

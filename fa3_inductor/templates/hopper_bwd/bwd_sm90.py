@@ -162,7 +162,8 @@ class BwdSchedule:
     PERSISTENT: bool = False  # #SMs CTAs, each walking its list of (KV tile, K/V head) tiles (cta_args = (offsets,
                               # tiles), host._persistent_schedule); the next tile's K and V load once a K / V buffer
                               # is free (barriers kv_full / kv_empty)
-    KV_BUFS: int = 1          # PERSISTENT: K / V buffers (2 where shared memory allows, D = 64: the next tile's K, V
+    STATS_AHEAD: bool = True  # a step's LSE / DELTA rows loaded a step ahead (False: where they are used; an A/B)
+    KV_BUFS: int = 1 # PERSISTENT: K / V buffers (2 where shared memory allows, D = 64: the next tile's K, V
                               # load under this tile's last steps; 1: under its dK / dV stores)
 
 
@@ -453,8 +454,20 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
         hq = hkv * FLAGS.GQA_GROUP + hh % FLAGS.GQA_GROUP
         zh = z * HQ + hq
         n_partial, n_total = _q_tile_counts(z, hq, kv_blk, M, tables, table_meta, TILE, SPARSE)
+        stats_h = stats_ptr + zh.to(gl.int64) * (2 * M_PAD)      # LSE_P of the head; DELTA_P is M_PAD further
+        rows_ = gl.arange(0, BLOCK_M, layout=row_layout)
+        m0 = n_total * 0
+        if SCHED.STATS_AHEAD:
+            # a step's LSE and DELTA rows are loaded a step ahead (the head's first here), so that their latency
+            # runs under the previous step's dK and dQ: loaded where they are used, the first FADD of each waited
+            # on its load (Nsight Compute, D = 64 noop: long_scoreboard 30% of the consumers' samples)
+            if n_total > 0:
+                m0 = _q_tile_start(0, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
+            lse = gl.load(stats_h + m0 + rows_)
+            delta = gl.load(stats_h + M_PAD + m0 + rows_)
         for i in range(n_total):
-            m0 = _q_tile_start(i, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
+            if not SCHED.STATS_AHEAD:
+                m0 = _q_tile_start(i, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
             st = cnt % NUM_STAGES
             buf = cnt % 2
             # K, V and P^T as wgmma operands, indexed by a zero LLVM cannot see through (VIEWS_PER_STEP). Built
@@ -476,9 +489,8 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
             p_t = p_smem.index(WG + zero).permute((1, 0))                    # A of dV += P^T dO
             k_dq = k_rows.slice(DQ_COL0, DQ_N, dim=1)   # B of dQ[:, this warpgroup's columns] = dS K[:, columns]
             row_off = zh.to(gl.int64) * M_PAD + m0                  # of DQ_ACC (rows of D)
-            stats = stats_ptr + (row_off + zh.to(gl.int64) * M_PAD)   # LSE_P; DELTA_P is M_PAD further
-            rows_ = gl.arange(0, BLOCK_M, layout=row_layout)
-            lse = gl.load(stats + rows_)
+            if not SCHED.STATS_AHEAD:
+                lse = gl.load(stats_h + m0 + rows_)
             q_t = q_smem.index(st).reshape([BLOCK_M, D])
             do_t = do_smem.index(st).reshape([BLOCK_M, D])
             mbarrier.wait(qdo_ready.index(st), (cnt // NUM_STAGES) & 1)
@@ -503,7 +515,8 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
             gl.thread_barrier()        # every thread's part of P is in shared memory before the wgmma reads it
             dp_tok = warpgroup_mma(do_t, v_t, s_zero, use_acc=False, is_async=True)
             dv_tok = warpgroup_mma(p_t, do_t, dv, is_async=True)
-            delta = gl.load(stats + M_PAD + rows_)
+            if not SCHED.STATS_AHEAD:
+                delta = gl.load(stats_h + M_PAD + m0 + rows_)
             dp, _do, _v = warpgroup_mma_wait(1, deps=[dp_tok, do_t, v_t])
             # P back from shared memory: held in registers across the dP wgmma it would spill
             ds = p_mine.load(s_layout).to(gl.float32) * (dp - delta[:, None])
@@ -516,6 +529,13 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(ds_ready.index(buf), count=1)
+            m_cur = m0
+            if SCHED.STATS_AHEAD:
+                # the next step's rows (this step's again on the head's last: loaded, not used)
+                m0 = _q_tile_start(gl.minimum(i + 1, n_total - 1), n_partial, z, hq, kv_blk, tables, table_meta,
+                                   TILE, SPARSE)
+                lse_next = gl.load(stats_h + m0 + rows_)
+                delta_next = gl.load(stats_h + M_PAD + m0 + rows_)
             # dQ = dS K over all 128 keys (both warpgroups' dS): DQ_SPLIT, each warpgroup D / 2 columns every
             # step; else (D = 64) all columns every other step.
             if TILE.DQ_SPLIT:
@@ -530,7 +550,10 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
                 mbarrier.wait(ds_ready.index(buf), (cnt // 2) & 1)
                 dq_tok = warpgroup_mma(ds_tile, k_dq, dq_zero, use_acc=False, is_async=True)
                 dq, _a, _b = warpgroup_mma_wait(0, deps=[dq_tok, ds_tile, k_dq])
-                _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, m0, row_off, WG, TILE, SCHED)
+                _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, m_cur, row_off, WG, TILE, SCHED)
+            if SCHED.STATS_AHEAD:
+                lse = lse_next
+                delta = delta_next
             cnt += 1
     if SCHED.PERSISTENT:
         mbarrier.arrive(cta[1].index(kv_buf), count=1)   # kv_empty: this warpgroup's wgmmas reading K, V retired
@@ -676,6 +699,8 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
             _make_p(qk0, lse0, m0, 0 < n_partial, z, hq, n0, M, N, p_smem, sm_scale, qk_scale2, score_bufs,
                     mask_bufs, WG + zero0 if DQ_UNDER else WG, WG, SCORE_MOD, SCORE_GRAD, MASK_MOD, FLAGS, BLOCK_M,
                     HALF_N)
+        if SCHED.STATS_AHEAD:
+            delta = gl.load(stats_h + M_PAD + m0 + gl.arange(0, BLOCK_M, layout=row_layout))   # (m0 0 if no step)
         for i in range(n_total):
             st = cnt % NUM_STAGES
             buf = cnt % 2
@@ -698,7 +723,8 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
             gl.thread_barrier()        # every thread's part of P is in shared memory before the wgmma reads it
             dp_tok = warpgroup_mma(do_t, v_t, s_zero, use_acc=False, is_async=True)
             dv_tok = warpgroup_mma(p_t, do_t, dv, is_async=True)
-            delta = gl.load(stats_h + M_PAD + m0 + rows_)
+            if not SCHED.STATS_AHEAD:
+                delta = gl.load(stats_h + M_PAD + m0 + rows_)
             dp, _do, _v = warpgroup_mma_wait(1, deps=[dp_tok, do_t, v_t])
             ds = p_mine.load(s_layout).to(gl.float32) * (dp - delta[:, None])
             if SCORE_GRAD is not None:
@@ -717,6 +743,8 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
             m0_next = _q_tile_start(gl.minimum(i + 1, n_total - 1), n_partial, z, hq, kv_blk, tables, table_meta,
                                     TILE, SPARSE)
             lse_next = gl.load(stats_h + m0_next + rows_)
+            if SCHED.STATS_AHEAD:   # (as in _consumer_tile: its latency under this step's dK and dQ)
+                delta_next = gl.load(stats_h + M_PAD + m0_next + rows_)
             st_next = (cnt + has_next.to(gl.int32)) % NUM_STAGES
             q_next = q_smem.index(st_next).reshape([BLOCK_M, D])
             if has_next:
@@ -750,6 +778,8 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
                     dq, _a, _b = warpgroup_mma_wait(0, deps=[dq_tok, ds_tile, k_dq])
                     _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, m0, row_off, WG, TILE, SCHED)
             m0 = m0_next
+            if SCHED.STATS_AHEAD:
+                delta = delta_next
             cnt += 1
     if SCHED.PERSISTENT:
         # kv_empty: every wgmma reading K and V retired (the head's last, wasted S too: waited in its step)

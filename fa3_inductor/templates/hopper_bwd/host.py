@@ -401,7 +401,11 @@ def prepare_hopper_backward(
     # slots; D = 128 would need 272 KB), so the next tile's K and V load under this tile's last steps
     smem = cfg.smem_bytes(D) + (2 * 64 * 64 * q.element_size() if score_grad_mod is not None else 0)
     kv_bufs = 2 if persistent and smem + 2 * tile.BLOCK_N * D * q.element_size() + 1024 <= SMEM_LIMIT else 1
-    sched = BwdSchedule(DQ_TMA=cfg.dq_tma, OVERLAP=cfg.overlap, LPT_ORDER=lpt, PERSISTENT=persistent, KV_BUFS=kv_bufs)
+    # LSE / DELTA a step ahead: not at D = 128 under a block mask, where the two rows' four registers pushed
+    # head-level values to the stack (document, persistent: 36 spill instructions, none in a step loop)
+    stats_ahead = cfg.stats_ahead and not (has_mask and D > 64)
+    sched = BwdSchedule(DQ_TMA=cfg.dq_tma, OVERLAP=cfg.overlap, LPT_ORDER=lpt, PERSISTENT=persistent, KV_BUFS=kv_bufs,
+                        STATS_AHEAD=stats_ahead)
     grid = (triton.cdiv(N, tile.BLOCK_N), KZ * HKV)
     schedule_args = (q_num_blocks, full_q_num_blocks if has_full else None, Z, KZ, HQ, HKV, grid[0], tile.BLOCK_N,
                      sparse_kv_block)
