@@ -66,7 +66,8 @@ class PrologueTuning:
       under the pre-passes (True), or three launches in stream order (False); None: True;
     - ``gluon_v_plan``: the Gluon kernel's V tiles by a host plan that evens out the programs'
       weighted work (gluon_sm90.v_plan, True) or by the launch's round-robin of units (False);
-      None: True with RoPE, False without. Which program takes which tile changes no byte.
+      None: False (the round-robin measured faster, RoPE included). Which program takes which
+      tile changes no byte.
 
     Example::
 
@@ -577,10 +578,11 @@ class PrologueLayout:
             from .gluon_sm90 import interleaved_rows
 
             self._gluon_rows = interleaved_rows(self.had)
-        # The Gluon kernel's V tiles by program (gluon_sm90.v_plan), made once: on by default with
-        # RoPE (whole head sets a Q / K unit leave the round-robin's V tiles unbalanced)
+        # The Gluon kernel's V tiles by program (gluon_sm90.v_plan), made once, only when asked: the
+        # round-robin measured 2.4-3.2 us faster on the RoPE rows and 16 us on rope + smooth
+        # (docs/design/fp8_prologue.md, "The V plan, measured against the round-robin")
         self._gluon_vstart = None
-        plan = bool(tuning.gluon_v_plan)   # the A/B side (branch vplan-off): off by default, RoPE too
+        plan = bool(tuning.gluon_v_plan)
         if self.gluon and plan:
             from .gluon_sm90 import v_start_of
 
