@@ -394,3 +394,34 @@ def test_stats_loaded_a_step_ahead(D, variant):
             print(f"\nD{D} {variant} stats_ahead={ahead_on}: wgmmas between a stats load and its read {between}")
             covered = sum(n >= wgmmas for n in between)
             assert (covered >= loads) if ahead_on else (covered < loads), between
+
+
+# configs.BwdSm90Config.p_regs (the in-order step): dS from P (times f') held in fp32 registers across the dP wgmma.
+# The step loop then reads nothing back from shared memory (LDS: P, f'), spills nothing, and is shorter (no 16-bit
+# unpacking): triton 3.6, M = N = 1000, p_regs off -> on: noop 467 -> 418, causal 595 -> 542, softcap 772 -> 647,
+# document 716 -> 668 instructions (the longer of the two loops).
+P_REGS_CASES = {(64, "noop"): {}, (64, "causal"): {}, (64, "softcap"): {}, (64, "document"): {},
+                (64, "causal+persistent"): {"persistent": True}, (128, "noop+serial"): {"overlap": 0}}
+
+
+@pytest.mark.parametrize("D, case", sorted(P_REGS_CASES))
+def test_p_regs_step_reads_no_shared_memory(D, case):
+    from fa3_inductor.templates.aot import sass_report
+    from fa3_inductor.templates.hopper_bwd import compile_hopper_backward, get_bwd_config
+
+    M, N = 1000, 1000
+    q = torch.randn(2, 4, M, D, dtype=torch.bfloat16)
+    k = v = torch.randn(2, 2, N, D, dtype=torch.bfloat16)
+    args = (q, k, v, torch.empty_like(q), torch.empty_like(q), torch.empty(2, 4, M))
+    opts = _options(case.split("+")[0], M, N)
+    loops = {}
+    for p_regs in (False, True):
+        main = sass_report(compile_hopper_backward(*args, sm_scale=D ** -0.5, **opts, config=get_bwd_config(
+            D, p_regs=p_regs, **P_REGS_CASES[D, case]))[1])
+        loops[p_regs] = _step_loops(main)
+        shared_loads = [sum(t.startswith("LDS") for t in body) for body in loops[p_regs]]
+        print(f"\nD{D} {case} p_regs={p_regs}: loops {[len(b) for b in loops[p_regs]]}, LDS {shared_loads}, "
+              f"{main.spill_instructions} spills")
+        assert main.spill_instructions == 0 and main.stack == 0
+        assert (sum(shared_loads) == 0) == p_regs, shared_loads
+    assert max(map(len, loops[True])) < max(map(len, loops[False]))

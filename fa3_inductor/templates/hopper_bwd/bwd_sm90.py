@@ -162,6 +162,7 @@ class BwdSchedule:
     PERSISTENT: bool = False  # #SMs CTAs, each walking its list of (KV tile, K/V head) tiles (cta_args = (offsets,
                               # tiles), host._persistent_schedule); the next tile's K and V load once a K / V buffer
                               # is free (barriers kv_full / kv_empty)
+    P_REGS: bool = False      # the in-order step: dS from P kept in registers, not read back from shared memory
     STATS_AHEAD: bool = True  # a step's LSE / DELTA rows loaded a step ahead (False: where they are used; an A/B)
     KV_BUFS: int = 1 # PERSISTENT: K / V buffers (2 where shared memory allows, D = 64: the next tile's K, V
                               # load under this tile's last steps; 1: under its dK / dV stores)
@@ -507,10 +508,14 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
             p = _probabilities(qk, lse, z, hq, q_idx, kv_idx, i < n_partial, sm_scale, qk_scale2, score_bufs,
                                mask_bufs, SCORE_MOD, MASK_MOD, FLAGS)
             p_mine.store(p.to(dtype))
+            p_ds = p   # SCHED.P_REGS: dS's P (times f') in fp32 registers across the dP wgmma
             if SCORE_GRAD is not None:
                 # masked scores (P = 0) take no gradient, even where f' is not finite there
                 grad = gl.where(p > 0.0, SCORE_GRAD(qk, sm_scale, z, hq, q_idx, kv_idx, score_bufs), 0.0)
-                p_smem.index(2 + WG).store(grad.to(dtype))
+                if SCHED.P_REGS:
+                    p_ds = p * grad
+                else:
+                    p_smem.index(2 + WG).store(grad.to(dtype))
             fence_async_shared()
             gl.thread_barrier()        # every thread's part of P is in shared memory before the wgmma reads it
             dp_tok = warpgroup_mma(do_t, v_t, s_zero, use_acc=False, is_async=True)
@@ -518,10 +523,14 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
             if not SCHED.STATS_AHEAD:
                 delta = gl.load(stats_h + M_PAD + m0 + rows_)
             dp, _do, _v = warpgroup_mma_wait(1, deps=[dp_tok, do_t, v_t])
-            # P back from shared memory: held in registers across the dP wgmma it would spill
-            ds = p_mine.load(s_layout).to(gl.float32) * (dp - delta[:, None])
-            if SCORE_GRAD is not None:
-                ds = ds * p_smem.index(2 + WG).load(s_layout).to(gl.float32)
+            if SCHED.P_REGS:
+                ds = p_ds * (dp - delta[:, None])
+            else:
+                # P (and f') back from shared memory in 16 bits: held in registers across the dP wgmma they spilled
+                # at D = 128 with a mod
+                ds = p_mine.load(s_layout).to(gl.float32) * (dp - delta[:, None])
+                if SCORE_GRAD is not None:
+                    ds = ds * p_smem.index(2 + WG).load(s_layout).to(gl.float32)
             # dS to shared memory: this warpgroup's dK wgmma reads its half, the dQ wgmma both halves.
             ds_tile = ds_smem.index(buf)                              # [BLOCK_M, BLOCK_N]
             ds_mine = ds_tile.slice(WG * HALF_N, HALF_N, dim=1)

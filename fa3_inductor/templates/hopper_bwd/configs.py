@@ -43,7 +43,8 @@ class BwdSm90Config:
                                  # (D = 64: a second K / V buffer, 176 KB) (host._persistent_schedule)
     persistent_ctas: int = 0     # persistent: CTAs to launch (0: one per SM); tests set a few to give each many tiles
     block_m: int = 64            # query rows a step; 128: bwd_sm90_m128.py (D = 64 only, in-order step)
-    stats_ahead: bool = True     # bwd_sm90.py: a step's LSE / DELTA rows loaded a step ahead, not where used
+    p_regs: bool = False         # bwd_sm90.py's in-order step (overlap 0): dS from P held in registers across dP
+    stats_ahead: bool = True # bwd_sm90.py: a step's LSE / DELTA rows loaded a step ahead, not where used
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, value_head_dim: int | None = None) -> int:
         """Shared memory of K, V, the Q / dO ring, P, the two dS buffers and the dQ staging tiles (no score_mod),
@@ -139,6 +140,10 @@ VARIANTS: dict[str, dict[str, bool]] = {
     "m128": {"block_m": 128},
     # LSE / DELTA loaded where they are used (the step's start, after dP's issue), as before stats_ahead: an A/B
     "stats_at_use": {"stats_ahead": False},
+    # dS from P (times f') kept in fp32 registers across dP, not read back from shared memory: the in-order step
+    # only (D64; at D128 the _serial step, since the overlap's P crosses a step boundary)
+    "p_regs": {"p_regs": True},
+    "serial_p_regs": {"overlap": 0, "p_regs": True},
 }
 
 

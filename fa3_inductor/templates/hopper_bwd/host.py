@@ -405,7 +405,7 @@ def prepare_hopper_backward(
     # head-level values to the stack (document, persistent: 36 spill instructions, none in a step loop)
     stats_ahead = cfg.stats_ahead and not (has_mask and D > 64)
     sched = BwdSchedule(DQ_TMA=cfg.dq_tma, OVERLAP=cfg.overlap, LPT_ORDER=lpt, PERSISTENT=persistent, KV_BUFS=kv_bufs,
-                        STATS_AHEAD=stats_ahead)
+                        STATS_AHEAD=stats_ahead, P_REGS=cfg.p_regs)
     grid = (triton.cdiv(N, tile.BLOCK_N), KZ * HKV)
     schedule_args = (q_num_blocks, full_q_num_blocks if has_full else None, Z, KZ, HQ, HKV, grid[0], tile.BLOCK_N,
                      sparse_kv_block)
