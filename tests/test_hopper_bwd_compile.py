@@ -352,6 +352,20 @@ def test_grad_mod_default_schedule(variant):
         assert main.spill_instructions == 0 and main.stack == 0, (main.spill_instructions, main.stack)
 
 
+def _main_kernel(D, variant, **config):
+    """SassReport of the main kernel of a small ragged launch (B 2, HQ 4, HKV 2, M = N = 1000, bf16) with _options'
+    mods for ``variant`` and get_bwd_config(D, **config)."""
+    from fa3_inductor.templates.aot import sass_report
+    from fa3_inductor.templates.hopper_bwd import compile_hopper_backward, get_bwd_config
+
+    M, N = 1000, 1000
+    q = torch.randn(2, 4, M, D, dtype=torch.bfloat16)
+    k = v = torch.randn(2, 2, N, D, dtype=torch.bfloat16)
+    return sass_report(compile_hopper_backward(q, k, v, torch.empty_like(q), torch.empty_like(q), torch.empty(2, 4, M),
+                                               sm_scale=D ** -0.5, **_options(variant, M, N),
+                                               config=get_bwd_config(D, **config))[1])
+
+
 def _wgmmas_before_read(body):
     """Each unpredicated global load (LDG: the LSE / DELTA rows) of a step loop and the number of wgmma
     instructions (HGMMA) issued between it and the first read of its register, going round the loop (ptxas may
@@ -378,17 +392,9 @@ STATS_AHEAD = {(64, "noop"): (4, 12), (64, "causal"): (4, 12), (64, "softcap"): 
 
 @pytest.mark.parametrize("D, variant", sorted(STATS_AHEAD))
 def test_stats_loaded_a_step_ahead(D, variant):
-    from fa3_inductor.templates.aot import sass_report
-    from fa3_inductor.templates.hopper_bwd import compile_hopper_backward, get_bwd_config
-
-    M, N = 1000, 1000
-    q = torch.randn(2, 4, M, D, dtype=torch.bfloat16)
-    k = v = torch.randn(2, 2, N, D, dtype=torch.bfloat16)
-    args = (q, k, v, torch.empty_like(q), torch.empty_like(q), torch.empty(2, 4, M))
     loads, wgmmas = STATS_AHEAD[D, variant]
     for ahead_on in (True, False):
-        main = sass_report(compile_hopper_backward(*args, sm_scale=D ** -0.5, **_options(variant, M, N),
-                                                   config=get_bwd_config(D, stats_ahead=ahead_on))[1])
+        main = _main_kernel(D, variant, stats_ahead=ahead_on)
         for body in _step_loops(main):
             between = _wgmmas_before_read(body)
             print(f"\nD{D} {variant} stats_ahead={ahead_on}: wgmmas between a stats load and its read {between}")
@@ -406,18 +412,9 @@ P_REGS_CASES = {(64, "noop"): {}, (64, "causal"): {}, (64, "softcap"): {}, (64, 
 
 @pytest.mark.parametrize("D, case", sorted(P_REGS_CASES))
 def test_p_regs_step_reads_no_shared_memory(D, case):
-    from fa3_inductor.templates.aot import sass_report
-    from fa3_inductor.templates.hopper_bwd import compile_hopper_backward, get_bwd_config
-
-    M, N = 1000, 1000
-    q = torch.randn(2, 4, M, D, dtype=torch.bfloat16)
-    k = v = torch.randn(2, 2, N, D, dtype=torch.bfloat16)
-    args = (q, k, v, torch.empty_like(q), torch.empty_like(q), torch.empty(2, 4, M))
-    opts = _options(case.split("+")[0], M, N)
     loops = {}
     for p_regs in (False, True):
-        main = sass_report(compile_hopper_backward(*args, sm_scale=D ** -0.5, **opts, config=get_bwd_config(
-            D, p_regs=p_regs, **P_REGS_CASES[D, case]))[1])
+        main = _main_kernel(D, case.split("+")[0], p_regs=p_regs, **P_REGS_CASES[D, case])
         loops[p_regs] = _step_loops(main)
         shared_loads = [sum(t.startswith("LDS") for t in body) for body in loops[p_regs]]
         print(f"\nD{D} {case} p_regs={p_regs}: loops {[len(b) for b in loops[p_regs]]}, LDS {shared_loads}, "

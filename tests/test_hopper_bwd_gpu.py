@@ -154,7 +154,7 @@ VARIANT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("variant", ["atomic_dq", "overlap", "overlap_dk", "stages3", "m128", "p_regs",
+@pytest.mark.parametrize("variant", ["atomic_dq", "overlap", "overlap_dk", "stages3", "m128", "p_smem",
                                      "serial_p_regs"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("case", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
@@ -166,8 +166,8 @@ def test_schedule_variants_match_float64(case, D, variant):
         pytest.skip("a third Q / dO stage fits D64's shared memory only (240 KB at D128)")
     if variant == "m128" and D != 64:
         pytest.skip("128 query rows a step is built for D64 only (bwd_sm90_m128.py)")
-    if (variant == "p_regs") != (D == 64) and variant in ("p_regs", "serial_p_regs"):
-        pytest.skip("p_regs is the in-order step's: D64's default step, D128's serial one (serial_p_regs)")
+    if (variant == "p_smem") != (D == 64) and variant in ("p_smem", "serial_p_regs"):
+        pytest.skip("P from shared memory is D64's other step (p_smem); D128's serial step takes p_regs")
 
     _, score_mod, mask_mod, Z, HQ, HKV, M, N, KZ = case
     torch.manual_seed(5)
@@ -191,7 +191,7 @@ MASK_SCHEDULE_CASES = [
 # Schedules per head dim: lpt_order / persistent on the head dim's step (D128: the overlap under dK); at D128 also on
 # the in-order step (_serial) and on the overlap under dK and dQ ('+overlap': configs.VARIANTS entries merged). At D64
 # the _serial names are the same kernels.
-MASK_SCHEDULES = {64: ("lpt_order", "persistent", "persistent+p_regs"),
+MASK_SCHEDULES = {64: ("lpt_order", "persistent", "persistent+p_smem"),
                   128: ("lpt_order", "persistent", "lpt_order_serial", "persistent_serial", "lpt_order+overlap",
                         "persistent+overlap")}
 MASK_SCHEDULE_PARAMS = [pytest.param(case, D, schedule, id=f"{case[0]}-{D}-{schedule.replace('+', '-')}")

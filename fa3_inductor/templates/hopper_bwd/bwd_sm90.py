@@ -496,9 +496,9 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
             do_t = do_smem.index(st).reshape([BLOCK_M, D])
             mbarrier.wait(qdo_ready.index(st), (cnt // NUM_STAGES) & 1)
             # dP is issued once P is made: S and dP in flight beside P spill at D = 128 with a mod (issuing dP
-            # beside S, FA3's order, measured 0.90-0.97x on an H100: configs.py), and P and f' are read back from
-            # shared memory in 16 bits for dS rather than held across the dP wgmma (P is rounded to 16 bits for
-            # the dV wgmma anyway).
+            # beside S, FA3's order, measured 0.90-0.97x on an H100: configs.py). dS's P (times f') is held in
+            # registers across the dP wgmma with SCHED.P_REGS (D = 64), else P and f' are read back from shared
+            # memory in 16 bits.
             s_tok = warpgroup_mma(q_t, k_t, s_zero, use_acc=False, is_async=True)
             qk, _q, _k = warpgroup_mma_wait(0, deps=[s_tok, q_t, k_t])
             q_idx = gl.minimum(m0 + rows_, M - 1)[:, None]

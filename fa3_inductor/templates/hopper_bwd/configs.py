@@ -63,9 +63,10 @@ class BwdSm90Config:
 
 
 _TABLE: dict[int, BwdSm90Config] = {
-    # D=64: 32 KB K/V + 2 x 16 KB ring + 16 KB P + 32 KB dS + 32 KB dQ staging = 144 KB (a deeper ring fits:
-    # not measured yet).
-    64: BwdSm90Config(num_stages=2),
+    # D=64: 32 KB K/V + 2 x 16 KB ring + 16 KB P + 32 KB dS + 32 KB dQ staging = 144 KB. dS from P (times f') in
+    # registers (p_regs): the backward 1.07-1.09x faster on noop and causal, 1.18x on softcap at 4k and 8k (H200,
+    # bwd-speed-nvidia-h200-2026-11-29-1707-preg / -1709-preg-8k; the masked rows' persistent schedule inherits it).
+    64: BwdSm90Config(num_stages=2, p_regs=True),
     # D=128: 64 KB K/V + 2 x 32 KB ring + 16 KB P + 32 KB dS + 32 KB dQ staging = 208 KB (224 KB with a
     # score_mod). Cross-step overlap under dK (overlap 2): the backward 1.11-1.19x faster on noop, 1.05-1.07x
     # on ALiBi, 0.98-1.02x on causal and softcap (H200, bwd-speed-nvidia-h200-2026-11-29-0803-overlap); at D64
@@ -140,9 +141,9 @@ VARIANTS: dict[str, dict[str, bool]] = {
     "m128": {"block_m": 128},
     # LSE / DELTA loaded where they are used (the step's start, after dP's issue), as before stats_ahead: an A/B
     "stats_at_use": {"stats_ahead": False},
-    # dS from P (times f') kept in fp32 registers across dP, not read back from shared memory: the in-order step
-    # only (D64; at D128 the _serial step, since the overlap's P crosses a step boundary)
-    "p_regs": {"p_regs": True},
+    # dS from P (times f') read back from shared memory in 16 bits (D64's step before p_regs became its default), and
+    # D128's in-order step with p_regs (the overlap's P crosses a step boundary: p_regs applies to the in-order step)
+    "p_smem": {"p_regs": False},
     "serial_p_regs": {"overlap": 0, "p_regs": True},
 }
 
