@@ -163,8 +163,8 @@ class BwdSchedule:
                               # tiles), host._persistent_schedule); the next tile's K and V load once a K / V buffer
                               # is free (barriers kv_full / kv_empty)
     P_REGS: bool = False      # the in-order step: dS from P kept in registers, not read back from shared memory
-    STATS_AHEAD: bool = True  # a step's LSE / DELTA rows loaded a step ahead (False: where they are used; an A/B)
-    KV_BUFS: int = 1 # PERSISTENT: K / V buffers (2 where shared memory allows, D = 64: the next tile's K, V
+    STATS_AHEAD: bool = True  # a step's LSE / DELTA rows loaded a step ahead (False: where used; D128 under masks)
+    KV_BUFS: int = 1          # PERSISTENT: K / V buffers (2 where shared memory allows, D = 64: the next tile's K, V
                               # load under this tile's last steps; 1: under its dK / dV stores)
 
 

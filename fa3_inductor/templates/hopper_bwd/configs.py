@@ -44,7 +44,7 @@ class BwdSm90Config:
     persistent_ctas: int = 0     # persistent: CTAs to launch (0: one per SM); tests set a few to give each many tiles
     block_m: int = 64            # query rows a step; 128: bwd_sm90_m128.py (D = 64 only, in-order step)
     p_regs: bool = False         # bwd_sm90.py's in-order step (overlap 0): dS from P held in registers across dP
-    stats_ahead: bool = True # bwd_sm90.py: a step's LSE / DELTA rows loaded a step ahead, not where used
+    stats_ahead: bool = True     # bwd_sm90.py: a step's LSE / DELTA rows loaded a step ahead, not where used
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, value_head_dim: int | None = None) -> int:
         """Shared memory of K, V, the Q / dO ring, P, the two dS buffers and the dQ staging tiles (no score_mod),
