@@ -729,6 +729,10 @@ GLUON_CASES = {
     "d128_interleaved_random_batched_tables_fp16_int8": (
         2, 4, 2, 20000, 20000, 128, torch.float16, "int8", "interleaved-random-batched", True,
         torch.bfloat16),
+    # "half" tables whose rows start off a 4-byte boundary (stride 65, offset 2 bytes): the 2-byte
+    # values, not words (gluon_sm90._half_table_words)
+    "d128_half_odd_rows_bf16_int8": (1, 4, 2, 300, 200, 128, torch.bfloat16, "int8", "half-oddrows",
+                                     False, torch.bfloat16),
     "d64_plain_bf16_e4m3": (2, 3, 3, 1000, 77, 64, torch.bfloat16, "e4m3", "", False, None),
     "d64_interleaved_bf16_int8": (1, 8, 2, 256, 384, 64, torch.bfloat16, "int8", "interleaved",
                                   False, torch.bfloat16),
@@ -759,8 +763,8 @@ def _gluon_case(case: str, device: str = "cpu"):
         if "random" in style:
             rope = _random_tables(D, P, kind, dtype=tables)
         else:
-            base = RopeSpec.from_theta(D, P, style=style)
-            rope = RopeSpec(base.cos.to(tables), base.sin.to(tables), style)
+            base = RopeSpec.from_theta(D, P, style=kind)
+            rope = RopeSpec(base.cos.to(tables), base.sin.to(tables), kind)
         if "batched" in style:
             rope = _batched(rope, B)
         if positions:
@@ -768,7 +772,19 @@ def _gluon_case(case: str, device: str = "cpu"):
             rope = dataclasses.replace(rope, q_positions=torch.randint(0, P, (M,), generator=g),
                                        k_positions=torch.randint(0, P, (B, N), generator=g))
         rope = _on(rope, device)
+        if "oddrows" in style:
+            rope = _odd_rows(rope)
     return q, k, v, FP8Recipe(qk=qk, smooth_k="smooth" in case), rope
+
+
+def _odd_rows(rope: RopeSpec) -> RopeSpec:
+    """The tables [P, R] re-laid with row stride R + 1 and a 2-byte offset (on their device): rows
+    that do not start on 4-byte boundaries, the same values."""
+    def odd(t):
+        buf = torch.zeros(t.shape[0], t.shape[1] + 1, dtype=t.dtype, device=t.device)
+        buf[:, 1:] = t
+        return buf[:, 1:]
+    return dataclasses.replace(rope, cos=odd(rope.cos), sin=odd(rope.sin))
 
 
 def _run_prologue(q, k, v, recipe, rope, tuning):
