@@ -816,7 +816,7 @@ def test_gpu_gluon_prologue_matches_the_triton_kernel_bit_for_bit(case):
     # the defaults, another ring depth, and the D 128 RoPE choices the defaults left in 2026-11-29
     # (3 stages, the slot released inside the RoPE, "half" read as bf16 values, not words; with
     # smooth_k the launches in stream order instead of chained by programmatic dependent launch;
-    # V by the round-robin, not gluon_sm90.v_plan, which the second runs without RoPE too). Every
+    # the second tuning plans V by gluon_sm90.v_plan, off by default since 2026-11-29). Every
     # tuning runs the tables at a phase's end as GluonPrologue.HANDOFF / SKIP_LAST_Q / SKIP_LAST_K
     # have them: HANDOFF at D 128 without smooth_k, programs without Q units and with several Q
     # units (the many-units cases) among them; the skips in every RoPE case
