@@ -65,7 +65,7 @@ class BwdSm90Config:
 _TABLE: dict[int, BwdSm90Config] = {
     # D=64: 32 KB K/V + 2 x 16 KB ring + 16 KB P + 32 KB dS + 32 KB dQ staging = 144 KB. dS from P (times f') in
     # registers (p_regs): the backward 1.07-1.09x faster on noop and causal, 1.18x on softcap at 4k and 8k (H200,
-    # bwd-speed-nvidia-h200-2026-11-29-1707-preg / -1709-preg-8k; the masked rows' persistent schedule inherits it).
+    # bwd-speed-nvidia-h200-2026-11-29-1603-preg / -1604-preg-8k; the masked rows' persistent schedule inherits it).
     64: BwdSm90Config(num_stages=2, p_regs=True),
     # D=128: 64 KB K/V + 2 x 32 KB ring + 16 KB P + 32 KB dS + 32 KB dQ staging = 208 KB (224 KB with a
     # score_mod). Cross-step overlap under dK (overlap 2): the backward 1.11-1.19x faster on noop, 1.05-1.07x
