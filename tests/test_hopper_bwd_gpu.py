@@ -151,11 +151,12 @@ VARIANT_CASES = [
     ("causal", None, mods.causal, 1, 2, 2, 1000, 1000, None),
     ("softcap", mods.softcap(20.0), None, 1, 2, 2, 640, 700, None),
     ("gqa4-kv-batch-1", None, mods.causal, 2, 8, 2, 384, 384, 1),
+    ("gqa4-noop", None, None, 2, 8, 2, 384, 320, None),   # several heads a CTA without a mod (D128 p_regs' carry)
 ]
 
 
 @pytest.mark.parametrize("variant", ["atomic_dq", "overlap", "overlap_dk", "stages3", "m128", "p_smem",
-                                     "serial_p_regs"])
+                                     "serial_p_regs", "p_regs"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("case", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
 def test_schedule_variants_match_float64(case, D, variant):
@@ -168,6 +169,8 @@ def test_schedule_variants_match_float64(case, D, variant):
         pytest.skip("128 query rows a step is built for D64 only (bwd_sm90_m128.py)")
     if (variant == "p_smem") != (D == 64) and variant in ("p_smem", "serial_p_regs"):
         pytest.skip("P from shared memory is D64's other step (p_smem); D128's serial step takes p_regs")
+    if variant == "p_regs" and D == 64:
+        pytest.skip("p_regs is D64's default")
 
     _, score_mod, mask_mod, Z, HQ, HKV, M, N, KZ = case
     torch.manual_seed(5)

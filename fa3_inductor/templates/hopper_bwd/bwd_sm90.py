@@ -162,7 +162,8 @@ class BwdSchedule:
     PERSISTENT: bool = False  # #SMs CTAs, each walking its list of (KV tile, K/V head) tiles (cta_args = (offsets,
                               # tiles), host._persistent_schedule); the next tile's K and V load once a K / V buffer
                               # is free (barriers kv_full / kv_empty)
-    P_REGS: bool = False      # the in-order step: dS from P kept in registers, not read back from shared memory
+    P_REGS: bool = False      # dS from P kept in fp32 registers, not read back from shared memory (the overlap:
+                              # P carried from the step that made it)
     STATS_AHEAD: bool = True  # a step's LSE / DELTA rows loaded a step ahead (False: where used; D128 under masks)
     KV_BUFS: int = 1          # PERSISTENT: K / V buffers (2 where shared memory allows, D = 64: the next tile's K, V
                               # load under this tile's last steps; 1: under its dK / dV stores)
@@ -612,7 +613,8 @@ def _make_p(qk, lse, m0, is_partial, z, hq, n0, M, N, p_smem, sm_scale, qk_scale
             FLAGS: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr):
     """P (and f' with a score_mod) of the step whose S = ``qk`` (rows m0.., this warpgroup's keys) into P slot
     ``slot`` of p_smem (and f' into slot 2 + ``slot``), in 16 bits: what the dV wgmma and the dS of that step read.
-    ``slot`` is the warpgroup, or (OVERLAP 1, the head's prologue) the warpgroup plus an opaque zero."""
+    ``slot`` is the warpgroup, or (OVERLAP 1, the head's prologue) the warpgroup plus an opaque zero. Returns P in
+    fp32 (SCHED.P_REGS: dS's P, held in registers until the step's dP is done)."""
     s_layout: gl.constexpr = qk.type.layout
     rows_ = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     q_idx = gl.minimum(m0 + rows_, M - 1)[:, None]
@@ -625,6 +627,7 @@ def _make_p(qk, lse, m0, is_partial, z, hq, n0, M, N, p_smem, sm_scale, qk_scale
     if SCORE_GRAD is not None:
         grad = gl.where(p > 0.0, SCORE_GRAD(qk, sm_scale, z, hq, q_idx, kv_idx, score_bufs), 0.0)
         p_smem.index(2 + slot).store(grad.to(dtype))
+    return p
 
 
 @gluon.jit
@@ -689,6 +692,8 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
             n_partial, n_total = _q_tile_counts(z, hq, kv_blk, M, tables, table_meta, TILE, SPARSE)
         stats_h = stats_ptr + zh.to(gl.int64) * (2 * M_PAD)      # LSE_P of the head; DELTA_P is M_PAD further
         m0 = n_total * 0
+        if SCHED.P_REGS:
+            p_keep = gl.zeros([BLOCK_M, HALF_N], gl.float32, layout=s_layout)
         if n_total > 0:
             # prologue: the head's first S, waited at once, and its P (the tables are read only for a listed tile:
             # with no full blocks their table is a placeholder)
@@ -705,9 +710,11 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
             # OVERLAP 1: P's slot by an opaque zero, so that its stmatrix addresses are the step loop's (held
             # there anyway) plus a per-head offset; indexed by the warpgroup alone, LLVM hoisted a second set of
             # them (4 a slot, warpgroup 0) that ptxas kept on the stack across the step loop
-            _make_p(qk0, lse0, m0, 0 < n_partial, z, hq, n0, M, N, p_smem, sm_scale, qk_scale2, score_bufs,
-                    mask_bufs, WG + zero0 if DQ_UNDER else WG, WG, SCORE_MOD, SCORE_GRAD, MASK_MOD, FLAGS, BLOCK_M,
-                    HALF_N)
+            p0 = _make_p(qk0, lse0, m0, 0 < n_partial, z, hq, n0, M, N, p_smem, sm_scale, qk_scale2, score_bufs,
+                         mask_bufs, WG + zero0 if DQ_UNDER else WG, WG, SCORE_MOD, SCORE_GRAD, MASK_MOD, FLAGS,
+                         BLOCK_M, HALF_N)
+            if SCHED.P_REGS:
+                p_keep = p0
         if SCHED.STATS_AHEAD:
             delta = gl.load(stats_h + M_PAD + m0 + gl.arange(0, BLOCK_M, layout=row_layout))   # (m0 0 if no step)
         for i in range(n_total):
@@ -735,7 +742,10 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
             if not SCHED.STATS_AHEAD:
                 delta = gl.load(stats_h + M_PAD + m0 + rows_)
             dp, _do, _v = warpgroup_mma_wait(1, deps=[dp_tok, do_t, v_t])
-            ds = p_mine.load(s_layout).to(gl.float32) * (dp - delta[:, None])
+            if SCHED.P_REGS:   # P made a step early, carried in fp32 registers (host: noop only, else it spills)
+                ds = p_keep * (dp - delta[:, None])
+            else:
+                ds = p_mine.load(s_layout).to(gl.float32) * (dp - delta[:, None])
             if SCORE_GRAD is not None:
                 ds = ds * p_smem.index(2 + WG).load(s_layout).to(gl.float32)
             # OVERLAP 1: the dS buffer by buf + an opaque zero: by buf alone, LLVM made warpgroup 0's four dS
@@ -767,8 +777,11 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
             else:
                 qk, dv, _p, _qn, _kt = warpgroup_mma_wait(1, deps=[s_tok, dv_tok, p_t, q_next, k_t])
             if has_next:
-                _make_p(qk, lse_next, m0_next, i + 1 < n_partial, z, hq, n0, M, N, p_smem, sm_scale, qk_scale2,
-                        score_bufs, mask_bufs, WG, WG, SCORE_MOD, SCORE_GRAD, MASK_MOD, FLAGS, BLOCK_M, HALF_N)
+                p_next = _make_p(qk, lse_next, m0_next, i + 1 < n_partial, z, hq, n0, M, N, p_smem, sm_scale,
+                                 qk_scale2, score_bufs, mask_bufs, WG, WG, SCORE_MOD, SCORE_GRAD, MASK_MOD, FLAGS,
+                                 BLOCK_M, HALF_N)
+                if SCHED.P_REGS:
+                    p_keep = p_next
             if DQ_UNDER:
                 dk, dq, _ds, _q2, _a, _b = warpgroup_mma_wait(0, deps=[dk_tok, dq_tok, ds_mine, q_t, ds_tile,
                                                                        k_dq])
