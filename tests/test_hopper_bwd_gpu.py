@@ -196,7 +196,7 @@ MASK_SCHEDULE_CASES = [
 # the _serial names are the same kernels.
 MASK_SCHEDULES = {64: ("lpt_order", "persistent", "persistent+p_smem"),
                   128: ("lpt_order", "persistent", "lpt_order_serial", "persistent_serial", "lpt_order+overlap",
-                        "persistent+overlap")}
+                        "persistent+overlap", "persistent+p_regs")}
 MASK_SCHEDULE_PARAMS = [pytest.param(case, D, schedule, id=f"{case[0]}-{D}-{schedule.replace('+', '-')}")
                         for case in MASK_SCHEDULE_CASES for D in case[-1] for schedule in MASK_SCHEDULES[D]]
 

@@ -164,6 +164,7 @@ class BwdSchedule:
                               # is free (barriers kv_full / kv_empty)
     P_REGS: bool = False      # dS from P kept in fp32 registers, not read back from shared memory (the overlap:
                               # P carried from the step that made it)
+    P_CARRY16: bool = False   # P_REGS in the overlap: the carried P (times f') in 16 bits (where fp32 spills)
     STATS_AHEAD: bool = True  # a step's LSE / DELTA rows loaded a step ahead (False: where used; D128 under masks)
     KV_BUFS: int = 1          # PERSISTENT: K / V buffers (2 where shared memory allows, D = 64: the next tile's K, V
                               # load under this tile's last steps; 1: under its dK / dV stores)
@@ -610,11 +611,13 @@ def _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, m0, row_off, WG: gl.constexpr,
 @gluon.jit
 def _make_p(qk, lse, m0, is_partial, z, hq, n0, M, N, p_smem, sm_scale, qk_scale2, score_bufs, mask_bufs, slot,
             WG: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
-            FLAGS: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr):
+            FLAGS: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, P_REGS: gl.constexpr = False,
+            CARRY16: gl.constexpr = False):
     """P (and f' with a score_mod) of the step whose S = ``qk`` (rows m0.., this warpgroup's keys) into P slot
     ``slot`` of p_smem (and f' into slot 2 + ``slot``), in 16 bits: what the dV wgmma and the dS of that step read.
-    ``slot`` is the warpgroup, or (OVERLAP 1, the head's prologue) the warpgroup plus an opaque zero. Returns P in
-    fp32 (SCHED.P_REGS: dS's P, held in registers until the step's dP is done)."""
+    ``slot`` is the warpgroup, or (OVERLAP 1, the head's prologue) the warpgroup plus an opaque zero. Returns dS's
+    factor for SCHED.P_REGS, held in registers until the step's dP is done: P, or P · f' (f' then not stored), in
+    fp32, or in 16 bits with CARRY16."""
     s_layout: gl.constexpr = qk.type.layout
     rows_ = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     q_idx = gl.minimum(m0 + rows_, M - 1)[:, None]
@@ -624,10 +627,16 @@ def _make_p(qk, lse, m0, is_partial, z, hq, n0, M, N, p_smem, sm_scale, qk_scale
                        SCORE_MOD, MASK_MOD, FLAGS)
     dtype: gl.constexpr = p_smem.dtype
     p_smem.index(slot).store(p.to(dtype))
+    p_ds = p
     if SCORE_GRAD is not None:
         grad = gl.where(p > 0.0, SCORE_GRAD(qk, sm_scale, z, hq, q_idx, kv_idx, score_bufs), 0.0)
-        p_smem.index(2 + slot).store(grad.to(dtype))
-    return p
+        if P_REGS:
+            p_ds = p * grad
+        else:
+            p_smem.index(2 + slot).store(grad.to(dtype))
+    if CARRY16:
+        p_ds = p_ds.to(dtype)
+    return p_ds
 
 
 @gluon.jit
@@ -693,7 +702,7 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
         stats_h = stats_ptr + zh.to(gl.int64) * (2 * M_PAD)      # LSE_P of the head; DELTA_P is M_PAD further
         m0 = n_total * 0
         if SCHED.P_REGS:
-            p_keep = gl.zeros([BLOCK_M, HALF_N], gl.float32, layout=s_layout)
+            p_keep = gl.zeros([BLOCK_M, HALF_N], dtype if SCHED.P_CARRY16 else gl.float32, layout=s_layout)
         if n_total > 0:
             # prologue: the head's first S, waited at once, and its P (the tables are read only for a listed tile:
             # with no full blocks their table is a placeholder)
@@ -712,7 +721,7 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
             # them (4 a slot, warpgroup 0) that ptxas kept on the stack across the step loop
             p0 = _make_p(qk0, lse0, m0, 0 < n_partial, z, hq, n0, M, N, p_smem, sm_scale, qk_scale2, score_bufs,
                          mask_bufs, WG + zero0 if DQ_UNDER else WG, WG, SCORE_MOD, SCORE_GRAD, MASK_MOD, FLAGS,
-                         BLOCK_M, HALF_N)
+                         BLOCK_M, HALF_N, SCHED.P_REGS, SCHED.P_CARRY16)
             if SCHED.P_REGS:
                 p_keep = p0
         if SCHED.STATS_AHEAD:
@@ -742,12 +751,12 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
             if not SCHED.STATS_AHEAD:
                 delta = gl.load(stats_h + M_PAD + m0 + rows_)
             dp, _do, _v = warpgroup_mma_wait(1, deps=[dp_tok, do_t, v_t])
-            if SCHED.P_REGS:   # P made a step early, carried in fp32 registers (host: noop only, else it spills)
-                ds = p_keep * (dp - delta[:, None])
+            if SCHED.P_REGS:   # P (times f'), made a step early, carried in registers
+                ds = p_keep.to(gl.float32) * (dp - delta[:, None])
             else:
                 ds = p_mine.load(s_layout).to(gl.float32) * (dp - delta[:, None])
-            if SCORE_GRAD is not None:
-                ds = ds * p_smem.index(2 + WG).load(s_layout).to(gl.float32)
+                if SCORE_GRAD is not None:
+                    ds = ds * p_smem.index(2 + WG).load(s_layout).to(gl.float32)
             # OVERLAP 1: the dS buffer by buf + an opaque zero: by buf alone, LLVM made warpgroup 0's four dS
             # stmatrix addresses induction variables (+0x4000 a step), whose start ptxas reloaded every head
             ds_tile = ds_smem.index(buf + zero if DQ_UNDER else buf)
@@ -779,7 +788,7 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
             if has_next:
                 p_next = _make_p(qk, lse_next, m0_next, i + 1 < n_partial, z, hq, n0, M, N, p_smem, sm_scale,
                                  qk_scale2, score_bufs, mask_bufs, WG, WG, SCORE_MOD, SCORE_GRAD, MASK_MOD, FLAGS,
-                                 BLOCK_M, HALF_N)
+                                 BLOCK_M, HALF_N, SCHED.P_REGS, SCHED.P_CARRY16)
                 if SCHED.P_REGS:
                     p_keep = p_next
             if DQ_UNDER:

@@ -144,7 +144,8 @@ VARIANTS: dict[str, dict[str, bool]] = {
     # dS from P (times f') read back from shared memory in 16 bits (D64's step before p_regs became its default), and
     # D128's in-order step with p_regs (the overlap's P crosses a step boundary: p_regs applies to the in-order step)
     "p_smem": {"p_regs": False},
-    # D128's overlap with dS's P carried in fp32 registers from the step that made it (noop only: host rule)
+    # D128's overlap with dS's P carried in registers from the step that made it (fp32 without a mod or mask, else
+    # P times f' in 16 bits: the host's rule)
     "p_regs": {"p_regs": True},
     "serial_p_regs": {"overlap": 0, "p_regs": True},
 }
