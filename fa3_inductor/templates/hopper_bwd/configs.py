@@ -94,7 +94,9 @@ SUPPORTED_HEAD_DIMS = tuple(sorted(_TABLE))
 # and softcap 0.98 / 0.98, which keep the 64-row step. Masked launches take the persistent schedule instead
 # (PERSISTENT_HEAD_DIMS: 1.07-1.09x on causal there, against m128's 1.04-1.07x).
 _LINEAR_MOD_TABLE: dict[int, BwdSm90Config] = {
-    64: BwdSm90Config(num_stages=2, block_m=128),
+    # p_regs is the 64-row step's (bwd_sm90_m128.py ignores it): a variant with block_m=64 over this row (the
+    # "launch_order" one) is the 64-row step as _TABLE[64] runs it, which m128 has not been measured against
+    64: BwdSm90Config(num_stages=2, block_m=128, p_regs=True),
 }
 
 # Head dims whose launches under a block mask take the persistent schedule (host._persistent_schedule): one CTA an SM
