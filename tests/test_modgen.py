@@ -26,7 +26,7 @@ def _shown(src) -> str:
 
 def test_softcap_uses_the_tanh_helper():
     assert_expected_inline(_shown(_source(mods.softcap(30.0), "score")), """\
-# out_scale=30.0, out_range=(-1.0, 1.0), sfu_ops=1
+# out_scale=30.0, out_range=(-1.0, 1.0), sfu_ops=1, finite=True
 @triton.jit
 def score_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs):
     v0 = sm_scale * 0.03333333333333333
@@ -237,7 +237,7 @@ def test_constant_multiplies_at_the_ends_fold(fn, out_scale, reads_score):
 
 def test_a_folded_input_multiply_scales_qk_once():
     assert_expected_inline(_shown(_source(lambda s, b, h, q, kv: (s / 4 + s) / 8, "score")), """\
-# out_scale=0.125
+# out_scale=0.125, finite=True
 @triton.jit
 def score_mod(qk, sm_scale, b, h, q_idx, kv_idx, bufs):
     score = qk * sm_scale
@@ -326,3 +326,31 @@ def test_kv_affine_parts_rebuild_the_mod(name):
         + (_x(fn, q0 + i, torch.tensor(q0)) - _x(fn, torch.tensor(q0), torch.tensor(q0)))
     close = torch.allclose(parts, full.expand_as(parts), rtol=1e-6, atol=1e-6)
     assert close == affine, (name, (parts - full).abs().max())
+
+
+def _grad_info(fn):
+    """ModInfo of the gl source of fn's derivative (hopper_bwd.score_grad_gl), None for a derivative of 1."""
+    from torch._higher_order_ops.flex_attention import create_fw_bw_graph
+
+    from fa3_inductor.templates.hopper_bwd import score_grad_gl
+
+    gm, bufs = trace_mod(fn, "score")
+    index_values = (torch.zeros((), requires_grad=True), *(torch.zeros((), dtype=torch.int32) for _ in range(4)))
+    src = score_grad_gl(create_fw_bw_graph(gm, index_values, tuple(bufs))[1], [BufferSpec.of(b) for b in bufs])
+    return None if src is None else src.info
+
+
+@pytest.mark.parametrize("name, fn, finite", [
+    ("softcap", mods.softcap(30.0), True),                                  # 30 (1 - tanh^2) / 30: bounded
+    ("square", lambda s, b, h, q, kv: s * s * 0.01, True),                  # products and literals only
+    ("distance", lambda s, b, h, q, kv: s / (1.0 + (q - kv).abs()), False),  # a division by a tensor
+    ("exp", lambda s, b, h, q, kv: s * torch.exp(s * 0.01), False),         # overflows for a large S
+    ("float-table", lambda s, b, h, q, kv: s * _FLOAT_TABLE[q % 4, kv % 4], False),  # a buffer may hold inf
+])
+def test_a_score_grads_finiteness_is_recorded(name, fn, finite):
+    """ModInfo.finite: the kernels drop the select that keeps a non-finite f' out of masked scores only where
+    the derivative is finite wherever S is (its ops, its literals, no float buffer)."""
+    assert _grad_info(fn).finite is finite, name
+
+
+_FLOAT_TABLE = torch.randn(4, 4)

@@ -246,6 +246,35 @@ def _value_range(node: Any) -> Optional[tuple[float, float]]:
     return None
 
 
+# Ops that return finite values for finite operands (a product may overflow: values of ~1e19 each, which no score
+# tile reaches), and the casts, comparisons, selects and index arithmetic of a mod. A division, logarithm,
+# exponential, power or root may not (a masked score's f' = 1 / (kv - q) on the diagonal).
+_FINITE_OPS = frozenset(
+    getattr(aten, name) for name in (
+        "add", "sub", "rsub", "mul", "neg", "positive", "abs", "sign", "tanh", "sigmoid", "sin", "cos", "erf",
+        "clamp", "clamp_min", "clamp_max", "maximum", "minimum", "where", "round", "trunc", "floor", "ceil",
+        "floor_divide", "remainder", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "bitwise_and",
+        "bitwise_or", "bitwise_xor", "bitwise_not", "_to_copy", "to", "index", "select", "view", "reshape",
+        "unsqueeze", "squeeze", "zeros", "zeros_like", "ones", "ones_like", "scalar_tensor", "detach", "alias",
+        "clone"))
+
+
+def _finite_for_finite_inputs(gm: torch.fx.GraphModule) -> bool:
+    """Whether every op of ``gm`` keeps finite operands finite and no literal is infinite or NaN (ModInfo.finite)."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or _packet(node.target) in _FINITE_OPS:
+            pass
+        elif _packet(node.target) is aten.div and len(node.args) == 2 and isinstance(node.args[1], (int, float)) \
+                and not isinstance(node.args[1], bool) and node.args[1] != 0:
+            pass   # by a nonzero literal (the literal check below rejects an infinite one)
+        else:
+            return False
+        for a in (*node.args, *node.kwargs.values()):
+            if isinstance(a, float) and not math.isfinite(a):
+                return False
+    return True
+
+
 def _scaled_result(result: Any, output: torch.fx.Node) -> Optional[tuple[torch.fx.Node, float]]:
     """(x, c) if the mod returns ``x * c`` or ``x / (1/c)`` with c > 0 and nothing else reads it."""
     if not isinstance(result, torch.fx.Node) or list(result.users) != [output]:
@@ -293,6 +322,8 @@ class ModInfo:
     wide: bool = False       # may return finite scores of any size (reads a float buffer, or a float
                              # literal >= WIDE_LITERAL): kernels take exp2's argument from the rounded
                              # product (wide_scores.py), since a contracted FMA overflows at |score| ~ 2^31
+    finite: bool = False     # a score kind whose values are finite wherever its inputs are (its ops and
+                             # literals, no float buffer): a score_mod's derivative needs no guard where P = 0
 
     def to_items(self) -> tuple:
         """The record as (field, value) pairs, for a JSON spec."""
@@ -504,6 +535,7 @@ class _Emitter:
             sfu_ops=self.sfu_ops if fold else 0, gathers=self.gathers,
             wide=(self.kind == "score" and bounds is None
                   and (self.float_gathers or _has_wide_literal(body))),
+            finite=(self.kind == "score" and not self.float_gathers and _finite_for_finite_inputs(self.gm)),
             mask_and=(self.kind == "mask" and isinstance(result, torch.fx.Node)
                       and result.op == "call_function"
                       and _packet(result.target) in (aten.bitwise_and, aten.logical_and)))

@@ -148,6 +148,8 @@ class BwdFlags:
     PRODUCER_REGS: int      # setmaxnreg of the TMA producer
     WIDE_SCORES: bool = False   # the score_mod may return huge finite values: the exponent clamp at 0 is on,
                                 # since the contracted FFMA can exceed 0 by half an ulp of LSE (wide_scores.py)
+    GRAD_FINITE: bool = False   # SCORE_GRAD is finite wherever S is (modgen.ModInfo.finite): P = 0 zeroes dS
+                                # without the select that keeps a non-finite f' out of masked scores
 
 
 @dataclass(frozen=True)
@@ -512,8 +514,10 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
             p_mine.store(p.to(dtype))
             p_ds = p   # SCHED.P_REGS: dS's P (times f') in fp32 registers across the dP wgmma
             if SCORE_GRAD is not None:
-                # masked scores (P = 0) take no gradient, even where f' is not finite there
-                grad = gl.where(p > 0.0, SCORE_GRAD(qk, sm_scale, z, hq, q_idx, kv_idx, score_bufs), 0.0)
+                grad = SCORE_GRAD(qk, sm_scale, z, hq, q_idx, kv_idx, score_bufs)
+                if not FLAGS.GRAD_FINITE:
+                    # masked scores (P = 0) take no gradient, even where f' is not finite there
+                    grad = gl.where(p > 0.0, grad, 0.0)
                 if SCHED.P_REGS:
                     p_ds = p * grad
                 else:
@@ -629,7 +633,10 @@ def _make_p(qk, lse, m0, is_partial, z, hq, n0, M, N, p_smem, sm_scale, qk_scale
     p_smem.index(slot).store(p.to(dtype))
     p_ds = p
     if SCORE_GRAD is not None:
-        grad = gl.where(p > 0.0, SCORE_GRAD(qk, sm_scale, z, hq, q_idx, kv_idx, score_bufs), 0.0)
+        grad = SCORE_GRAD(qk, sm_scale, z, hq, q_idx, kv_idx, score_bufs)
+        if not FLAGS.GRAD_FINITE:
+            # masked scores (P = 0) take no gradient, even where f' is not finite there
+            grad = gl.where(p > 0.0, grad, 0.0)
         if P_REGS:
             p_ds = p * grad
         else:

@@ -101,8 +101,10 @@ def _p_half(qk, lse, m0, is_partial, z, hq, n0, M, N, p_dst, f_dst, sm_scale, qk
     dtype: gl.constexpr = p_dst.dtype
     p_dst.store(p.to(dtype))
     if SCORE_GRAD is not None:
-        # masked scores (P = 0) take no gradient, even where f' is not finite there
-        grad = gl.where(p > 0.0, SCORE_GRAD(qk, sm_scale, z, hq, q_idx, kv_idx, score_bufs), 0.0)
+        grad = SCORE_GRAD(qk, sm_scale, z, hq, q_idx, kv_idx, score_bufs)
+        if not FLAGS.GRAD_FINITE:
+            # masked scores (P = 0) take no gradient, even where f' is not finite there
+            grad = gl.where(p > 0.0, grad, 0.0)
         f_dst.store(grad.to(dtype))
 
 

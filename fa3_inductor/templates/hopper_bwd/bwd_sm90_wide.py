@@ -281,8 +281,10 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
                                mask_bufs, SCORE_MOD, MASK_MOD, FLAGS)
             p_mine.store(p.to(dtype))
             if SCORE_GRAD is not None:
-                # masked scores (P = 0) take no gradient, even where f' is not finite there
-                grad = gl.where(p > 0.0, SCORE_GRAD(qk, sm_scale, z, hq, q_idx, kv_idx, score_bufs), 0.0)
+                grad = SCORE_GRAD(qk, sm_scale, z, hq, q_idx, kv_idx, score_bufs)
+                if not FLAGS.GRAD_FINITE:
+                    # masked scores (P = 0) take no gradient, even where f' is not finite there
+                    grad = gl.where(p > 0.0, grad, 0.0)
                 f_smem.index(WG).store(grad.to(dtype))
             fence_async_shared()
             gl.thread_barrier()

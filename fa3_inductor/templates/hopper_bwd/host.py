@@ -16,7 +16,7 @@ import triton
 from ...runtime.fast_launch import launch_constant
 from ..placeholder import placeholder
 from ..generic_bwd.host import SCORE_GRAD_ONE, transpose_block_tables
-from ..modgen import BufferSpec, GeneratedSource, generate_mod_source, kernel_score_mod
+from ..modgen import BufferSpec, GeneratedSource, generate_mod_source, kernel_score_mod, mod_info
 from ..tma import tma_aligned
 from ..wide_scores import wide_scores
 from .bwd_sm90 import (BwdFlags, BwdSchedule, BwdSparsity, BwdTile, bwd_sm90_dq_convert_kernel,
@@ -390,7 +390,8 @@ def prepare_hopper_backward(
                          SPARSE_KV=sparse_kv_block if has_mask else tile.BLOCK_N)
     flags = BwdFlags(GQA_GROUP=HQ // HKV, FOLD_SCALE=fold, EVEN_N=N % tile.BLOCK_N == 0,
                      CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
-                     WIDE_SCORES=wide_scores(score_mod, compiled=True))
+                     WIDE_SCORES=wide_scores(score_mod, compiled=True),
+                     GRAD_FINITE=score_grad_mod is not None and mod_info(score_grad_mod).finite)
     # CTA schedules for block masks (bwd_sm90.py only): longest first, and persistent CTAs walking tile lists
     # (the 64-row step only; under graph capture the persistent lists, which read the tables on the host, give way
     # to the grid order)
