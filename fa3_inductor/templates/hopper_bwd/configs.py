@@ -43,7 +43,8 @@ class BwdSm90Config:
                                  # (D = 64: a second K / V buffer, 176 KB) (host._persistent_schedule)
     persistent_ctas: int = 0     # persistent: CTAs to launch (0: one per SM); tests set a few to give each many tiles
     block_m: int = 64            # query rows a step; 128: bwd_sm90_m128.py (D = 64 only, in-order step)
-    p_regs: bool = False         # bwd_sm90.py's in-order step (overlap 0): dS from P held in registers across dP
+    p_regs: bool = False         # bwd_sm90.py: dS's P (times f') held in registers, not read back from shared
+                                 # memory (the overlap carries it across a step: fp32 or 16 bits, host rule)
     stats_ahead: bool = True     # bwd_sm90.py: a step's LSE / DELTA rows loaded a step ahead, not where used
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, value_head_dim: int | None = None) -> int:
@@ -144,7 +145,7 @@ VARIANTS: dict[str, dict[str, bool]] = {
     # LSE / DELTA loaded where they are used (the step's start, after dP's issue), as before stats_ahead: an A/B
     "stats_at_use": {"stats_ahead": False},
     # dS from P (times f') read back from shared memory in 16 bits (D64's step before p_regs became its default), and
-    # D128's in-order step with p_regs (the overlap's P crosses a step boundary: p_regs applies to the in-order step)
+    # D128's in-order step with p_regs
     "p_smem": {"p_regs": False},
     # D128's overlap with dS's P carried in registers from the step that made it (fp32 without a mod or mask, else
     # P times f' in 16 bits: the host's rule)
