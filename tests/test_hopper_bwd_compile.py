@@ -168,12 +168,11 @@ for _D, _schedules in MASK_SCHEDULES.items():
             VARIANT_SPILLS.setdefault((_D, _mask, _s), MASK_SCHEDULE_SPILLS.get((_D, _mask, _s), (0, 0)))
 
 
-def _config(D, schedule):
-    """The head dim's config under a configs.VARIANTS name, or several joined by '+' (their overrides merged)."""
-    from fa3_inductor.templates.hopper_bwd import get_bwd_config
+def _overrides(schedule):
+    """The config overrides of a configs.VARIANTS name, or of several joined by '+' (merged)."""
     from fa3_inductor.templates.hopper_bwd.configs import VARIANTS
 
-    return get_bwd_config(D, **{k: v for name in schedule.split("+") for k, v in VARIANTS[name].items()})
+    return {k: v for name in schedule.split("+") for k, v in VARIANTS[name].items()}
 
 
 # 128 query rows a step at D64 (bwd_sm90_m128.py, docs/design/hopper_backward.md, "128 query rows a step"): none
@@ -183,16 +182,11 @@ for _v in VARIANTS:
 
 @pytest.mark.parametrize("D, variant, schedule", sorted(VARIANT_SPILLS))
 def test_schedule_variants_compile(D, variant, schedule):
-    from fa3_inductor.templates.aot import sass_report
-    from fa3_inductor.templates.hopper_bwd import compile_hopper_backward
+    from fa3_inductor.templates.hopper_bwd import get_bwd_config
 
-    M = N = 1000
-    cfg = _config(D, schedule)
-    q = torch.randn(2, 4, M, D, dtype=torch.bfloat16)
-    k = v = torch.randn(2, 2, N, D, dtype=torch.bfloat16)
-    _, ck, _ = compile_hopper_backward(q, k, v, torch.empty_like(q), torch.empty_like(q), torch.empty(2, 4, M),
-                                       sm_scale=D ** -0.5, config=cfg, **_options(variant, M, N))
-    main = sass_report(ck)
+    overrides = _overrides(schedule)
+    cfg = get_bwd_config(D, **overrides)
+    main = _main_kernel(D, variant, **overrides)
     loops = _step_loops(main)
     loop_spills = max(sum(("LDL" in t or "STL" in t) for t in body) for body in loops)
     print(f"\nD{D} {variant} {schedule}: {main.spill_instructions} spills ({loop_spills} in a step loop), "

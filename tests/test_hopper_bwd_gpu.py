@@ -155,6 +155,16 @@ VARIANT_CASES = [
 ]
 
 
+# Variants that exist at one head dim only: name -> (head dim, why not the other)
+ONE_HEAD_DIM = {
+    "stages3": (64, "a third Q / dO stage fits D64's shared memory only (240 KB at D128)"),
+    "m128": (64, "128 query rows a step is built for D64 only (bwd_sm90_m128.py)"),
+    "p_smem": (64, "P from shared memory is D64's other step (D128's default reads it back)"),
+    "p_regs": (128, "p_regs is D64's default"),
+    "serial_p_regs": (128, "D128's in-order step with p_regs (D64's default step is that already)"),
+}
+
+
 @pytest.mark.parametrize("variant", ["atomic_dq", "overlap", "overlap_dk", "stages3", "m128", "p_smem",
                                      "serial_p_regs", "p_regs"])
 @pytest.mark.parametrize("D", [64, 128])
@@ -163,14 +173,8 @@ def test_schedule_variants_match_float64(case, D, variant):
     from fa3_inductor.templates.hopper_bwd import get_bwd_config
     from fa3_inductor.templates.hopper_bwd.configs import VARIANTS
 
-    if variant == "stages3" and D != 64:
-        pytest.skip("a third Q / dO stage fits D64's shared memory only (240 KB at D128)")
-    if variant == "m128" and D != 64:
-        pytest.skip("128 query rows a step is built for D64 only (bwd_sm90_m128.py)")
-    if (variant == "p_smem") != (D == 64) and variant in ("p_smem", "serial_p_regs"):
-        pytest.skip("P from shared memory is D64's other step (p_smem); D128's serial step takes p_regs")
-    if variant == "p_regs" and D == 64:
-        pytest.skip("p_regs is D64's default")
+    if variant in ONE_HEAD_DIM and D != ONE_HEAD_DIM[variant][0]:
+        pytest.skip(ONE_HEAD_DIM[variant][1])
 
     _, score_mod, mask_mod, Z, HQ, HKV, M, N, KZ = case
     torch.manual_seed(5)

@@ -655,9 +655,10 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
     a query head: step j + 1's S = Q K^T is issued right behind step j's dS (its Q / dO stage waited then), ahead of
     step j's dK and dQ, and its P is made while they run (OVERLAP 1: under dK and dQ, with dQ's accumulator in
     flight beside S; OVERLAP 2, and D = 64 where dQ alternates between the warpgroups: under dK only, dQ issued
-    after). A step begins with its P (and f') in shared memory: the head's first step makes it in a prologue. On a
-    head's last step the early S reads the step's own Q stage (nothing is waited for it, its result is dropped): one
-    wasted S a head."""
+    after). A step begins with its P in shared memory and f' beside it, or with SCHED.P_REGS dS's factor (P, or P ·
+    f') in registers, carried from the step that made it: the head's first step makes them in a prologue. On a head's
+    last step the early S reads the step's own Q stage (nothing is waited for it, its result is dropped): one wasted S
+    a head."""
     q_desc, do_desc, k_desc, v_desc, dq_desc = descs
     kv_ready, qdo_ready, qdo_empty, ds_ready = bars
     q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem = smem

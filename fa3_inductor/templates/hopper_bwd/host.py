@@ -407,10 +407,9 @@ def prepare_hopper_backward(
     stats_ahead = cfg.stats_ahead and not (has_mask and D > 64)
     # dS's P in registers: the in-order step always fits (D64's default); the overlap carries P across a step: in
     # fp32 without a mod or mask, else in 16 bits (fp32 spilled: sm90, triton 3.6, causal 43, ALiBi 22, softcap 106)
-    p_regs = cfg.p_regs
-    p_carry16 = p_regs and cfg.overlap != 0 and (score_mod is not None or has_mask)
+    p_carry16 = cfg.p_regs and cfg.overlap != 0 and (score_mod is not None or has_mask)
     sched = BwdSchedule(DQ_TMA=cfg.dq_tma, OVERLAP=cfg.overlap, LPT_ORDER=lpt, PERSISTENT=persistent, KV_BUFS=kv_bufs,
-                        STATS_AHEAD=stats_ahead, P_REGS=p_regs, P_CARRY16=p_carry16)
+                        STATS_AHEAD=stats_ahead, P_REGS=cfg.p_regs, P_CARRY16=p_carry16)
     grid = (triton.cdiv(N, tile.BLOCK_N), KZ * HKV)
     schedule_args = (q_num_blocks, full_q_num_blocks if has_full else None, Z, KZ, HQ, HKV, grid[0], tile.BLOCK_N,
                      sparse_kv_block)
