@@ -3,7 +3,7 @@
 Run in a session without TRITON_INTERPRET: ``pytest -m "sm90_compile and not gpu" tests/test_hopper_bwd_compile.py``.
 Eight compiles (D 64 / 128 x noop, causal mask_mod with partial and full blocks, softcap and ALiBi score_mods), the
 wide head dims (256 and 192 / 128 x noop, causal, softcap: bwd_sm90_wide.py), plus the dQ schedules (configs.VARIANTS: dq_tma must issue UTMAREDG and no REDG): wgmma (HGMMA) present, setmaxnreg at
-the configured budgets, shared memory within sm90's 227 KB, no spill instruction and no stack at either head dim,
+the configured budgets, shared memory within sm90's 227 KB, no spill instruction in a step loop (outside: DEFAULT_SPILLS),
 and the noop kernel's step loop no longer than measured (docs/design/hopper_backward.md). Registers, spill
 counts and step-loop lengths are printed (``-s``).
 """
@@ -19,13 +19,16 @@ from fa3_inductor import mods
 pytestmark = pytest.mark.sm90_compile
 
 SMEM_LIMIT = 227 * 1024
-# Spill instructions (LDL / STL) of the whole main kernel, triton 3.6. D = 128 had 2 (noop, softcap), 56 (causal)
-# and 57 (ALiBi) before K, V and P's wgmma views were rebuilt per step (bwd_sm90.BwdTile.VIEWS_PER_STEP).
-MAX_SPILLS = {64: 0, 128: 0}
+# Spill instructions (LDL / STL) of the whole main kernel and its stack bytes, triton 3.6; none may be in a step loop.
+# D = 128 had 2 (noop, softcap), 56 (causal) and 57 (ALiBi) before K, V and P's wgmma views were rebuilt per step
+# (bwd_sm90.BwdTile.VIEWS_PER_STEP). Since p_regs became D128's default, causal (the persistent schedule, P carried in
+# 16 bits) keeps one 64-bit value on the stack from the entry, reloaded at each tile's dK / dV store.
+DEFAULT_SPILLS = {(128, "causal"): (3, 8)}
 # SASS instructions of the noop kernel's longer step loop (one per consumer warpgroup), triton 3.6: the register
 # work must not lengthen it (before VIEWS_PER_STEP: 480 at D = 64, 514 at D = 128). D = 128's default is the
-# cross-step overlap: 537 / 517 (its in-order step: 509), the next step's S issue and P's conversion moved in.
-NOOP_STEP_LOOP = {64: 480, 128: 537}
+# cross-step overlap: 537 / 517 (its in-order step: 509), the next step's S issue and P's conversion moved in; 484 / 465
+# since P is carried in registers (p_regs).
+NOOP_STEP_LOOP = {64: 480, 128: 490}
 VARIANTS = ["noop", "causal", "softcap", "alibi"]
 
 
@@ -107,9 +110,11 @@ def test_compiles_with_wgmma_within_budgets(D, variant):
     assert main.hgmma > 0, "no wgmma in the main kernel"
     assert "HGMMA.64x64x16.F32.BF16" in main.sass, "no 64x64 score wgmma"
     assert {cfg.consumer_regs, cfg.producer_regs} <= main.setmaxnreg, f"setmaxnreg dropped: {main.setmaxnreg}"
-    assert main.spill_instructions <= MAX_SPILLS[D], f"{main.spill_instructions} spill instructions"
-    assert main.stack == 0, f"stack {main.stack} bytes"
+    spills, stack = DEFAULT_SPILLS.get((D, variant), (0, 0))
+    assert main.spill_instructions <= spills, f"{main.spill_instructions} spill instructions"
+    assert main.stack <= stack, f"stack {main.stack} bytes"
     assert len(loops) == 2, f"expected one step loop per consumer warpgroup, got {[len(b) for b in loops]}"
+    assert not any("LDL" in t or "STL" in t for body in loops for t in body), "a spill in a step loop"
     if variant == "noop":
         assert max(map(len, loops)) <= NOOP_STEP_LOOP[D], f"noop step loops {[len(b) for b in loops]}"
     assert main.shared <= SMEM_LIMIT
@@ -166,6 +171,20 @@ for _D, _schedules in MASK_SCHEDULES.items():
     for _mask in ("causal", "sliding_window", "document"):
         for _s in _schedules:
             VARIANT_SPILLS.setdefault((_D, _mask, _s), MASK_SCHEDULE_SPILLS.get((_D, _mask, _s), (0, 0)))
+
+
+# D128's variants on p_regs (its default since 2026-11-29): P carried in 16 bits under the overlap (masks, mods,
+# overlap 1), in fp32 through the in-order step. Head- and tile-level values on the stack, none in a step loop.
+VARIANT_SPILLS.update({
+    (128, "alibi", "overlap"): (8, 0), (128, "noop", "atomic_dq"): (6, 0), (128, "causal", "atomic_dq"): (2, 0),
+    (128, "causal", "overlap"): (10, 0), (128, "causal", "serial"): (19, 0),
+    (128, "causal", "lpt_order"): (2, 0), (128, "causal", "persistent"): (3, 0),
+    (128, "causal", "lpt_order_serial"): (19, 0), (128, "causal", "persistent_serial"): (46, 0),
+    (128, "causal", "persistent+overlap"): (36, 0),
+    (128, "sliding_window", "lpt_order"): (2, 0), (128, "sliding_window", "persistent"): (5, 0),
+    (128, "sliding_window", "lpt_order_serial"): (19, 0), (128, "sliding_window", "persistent_serial"): (46, 0),
+    (128, "document", "lpt_order_serial"): (26, 0), (128, "document", "persistent_serial"): (58, 0),
+})
 
 
 def _overrides(schedule):

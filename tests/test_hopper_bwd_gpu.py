@@ -159,14 +159,10 @@ VARIANT_CASES = [
 ONE_HEAD_DIM = {
     "stages3": (64, "a third Q / dO stage fits D64's shared memory only (240 KB at D128)"),
     "m128": (64, "128 query rows a step is built for D64 only (bwd_sm90_m128.py)"),
-    "p_smem": (64, "P from shared memory is D64's other step (D128's default reads it back)"),
-    "p_regs": (128, "p_regs is D64's default"),
-    "serial_p_regs": (128, "D128's in-order step with p_regs (D64's default step is that already)"),
 }
 
 
-@pytest.mark.parametrize("variant", ["atomic_dq", "overlap", "overlap_dk", "stages3", "m128", "p_smem",
-                                     "serial_p_regs", "p_regs"])
+@pytest.mark.parametrize("variant", ["atomic_dq", "overlap", "overlap_dk", "stages3", "m128", "p_smem"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("case", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
 def test_schedule_variants_match_float64(case, D, variant):
@@ -200,7 +196,7 @@ MASK_SCHEDULE_CASES = [
 # the _serial names are the same kernels.
 MASK_SCHEDULES = {64: ("lpt_order", "persistent", "persistent+p_smem"),
                   128: ("lpt_order", "persistent", "lpt_order_serial", "persistent_serial", "lpt_order+overlap",
-                        "persistent+overlap", "persistent+p_regs")}
+                        "persistent+overlap", "persistent+p_smem")}
 MASK_SCHEDULE_PARAMS = [pytest.param(case, D, schedule, id=f"{case[0]}-{D}-{schedule.replace('+', '-')}")
                         for case in MASK_SCHEDULE_CASES for D in case[-1] for schedule in MASK_SCHEDULES[D]]
 

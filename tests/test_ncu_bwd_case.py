@@ -33,13 +33,14 @@ SHELL_KERNEL = re.compile(r".*main kernel ([A-Za-z0-9_]*) .*")
 def test_dry_run_plans_the_hosts_main_kernel(capsys, monkeypatch):
     case = _module("ncu_bwd_case")
     small = dict(seqlen=512, tokens=1024, heads=2, device="cpu")
-    # the host's own pick: 64-row steps for noop, the persistent schedule under a mask, 128 rows for ALiBi at D64
+    # the host's own pick: 64-row steps for noop and ALiBi, the persistent schedule under a mask, P in registers
     noop = case.plan_case("noop", head_dim=64, **small)
     assert noop.main_kernel_name == "fa3_bwd_sm90_kernel" and noop.main[3] == (4, 4) and noop.forward is None
     assert not noop.main[2]["SCHED"].PERSISTENT and noop.main[2]["SCHED"].OVERLAP == 0
     assert case.plan_case("causal", head_dim=64, **small).main[2]["SCHED"].PERSISTENT
-    assert case.plan_case("alibi", head_dim=64, **small).main_kernel_name == "fa3_bwd_sm90_m128_kernel"
-    assert case.plan_case("noop", head_dim=128, **small).main[2]["SCHED"].OVERLAP == 2
+    assert case.plan_case("alibi", head_dim=64, **small).main_kernel_name == "fa3_bwd_sm90_kernel"
+    d128 = case.plan_case("noop", head_dim=128, **small).main[2]["SCHED"]
+    assert d128.OVERLAP == 2 and d128.P_REGS and not d128.P_CARRY16
     # a named schedule and field overrides over that row
     assert case.plan_case("noop", head_dim=64, schedule="m128", **small).main_kernel_name == "fa3_bwd_sm90_m128_kernel"
     staged = case.plan_case("noop", head_dim=64, overrides=case.parse_overrides(["num_stages=3"]), **small)

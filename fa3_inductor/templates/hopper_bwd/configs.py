@@ -71,8 +71,10 @@ _TABLE: dict[int, BwdSm90Config] = {
     # D=128: 64 KB K/V + 2 x 32 KB ring + 16 KB P + 32 KB dS + 32 KB dQ staging = 208 KB (224 KB with a
     # score_mod). Cross-step overlap under dK (overlap 2): the backward 1.11-1.19x faster on noop, 1.05-1.07x
     # on ALiBi, 0.98-1.02x on causal and softcap (H200, bwd-speed-nvidia-h200-2026-11-29-0803-overlap); at D64
-    # it was 0.93-1.04x, so D64 keeps the in-order step.
-    128: BwdSm90Config(num_stages=2, overlap=2),
+    # it was 0.93-1.04x, so D64 keeps the in-order step. dS's P carried in registers from the step that made it
+    # (p_regs): the backward 1.07 / 1.09x on noop, 1.11 / 1.13x causal, 1.09 / 1.09x softcap, 1.06 / 1.10x sliding
+    # window, 1.03 / 1.07x documents, 1.03 / 1.00x ALiBi at 4k / 8k (H200, bwd-speed-nvidia-h200-2026-11-29-1732-d128).
+    128: BwdSm90Config(num_stages=2, overlap=2, p_regs=True),
 }
 
 # Launches whose score_mod has a derivative other than 1 (softcap, not ALiBi) and no mask_mod: a longer P chain per
@@ -83,22 +85,10 @@ _TABLE: dict[int, BwdSm90Config] = {
 # included; with a mask_mod it spills in the step loop (softcap + causal 40 spill instructions, 10 in a step loop;
 # overlap 2: 37, none in a loop), so masked launches keep overlap 2 (host.prepare_hopper_backward).
 _GRAD_MOD_TABLE: dict[int, BwdSm90Config] = {
-    128: BwdSm90Config(num_stages=2, overlap=1),
+    128: BwdSm90Config(num_stages=2, overlap=1, p_regs=True),
 }
 
 SUPPORTED_HEAD_DIMS = tuple(sorted(_TABLE))
-
-# Launches with a score_mod whose derivative is 1 (ALiBi, a bias) and no block mask, at D64: 128 query rows a step
-# (bwd_sm90_m128.py), where the per-step work a mod adds weighs most. H200 (B*N = 16k, H16, bf16; backward over the
-# 64-row step, rule written before the run in docs/design/hopper_backward.md): ALiBi 1.08x / 1.09x at 4k / 8k
-# (bwd-speed-nvidia-h200-2026-11-29-1129-m128), 1.07x / 1.11x in a second run (-1309-m128-masks); noop 1.01 / 1.00
-# and softcap 0.98 / 0.98, which keep the 64-row step. Masked launches take the persistent schedule instead
-# (PERSISTENT_HEAD_DIMS: 1.07-1.09x on causal there, against m128's 1.04-1.07x).
-_LINEAR_MOD_TABLE: dict[int, BwdSm90Config] = {
-    # p_regs is the 64-row step's (bwd_sm90_m128.py ignores it): a variant with block_m=64 over this row (the
-    # "launch_order" one) is the 64-row step as _TABLE[64] runs it, which m128 has not been measured against
-    64: BwdSm90Config(num_stages=2, block_m=128, p_regs=True),
-}
 
 # Head dims whose launches under a block mask take the persistent schedule (host._persistent_schedule): one CTA an SM
 # walking KV tiles longest first, the next tile's K / V loaded under this one's last work. H200, one run with the
@@ -144,22 +134,17 @@ VARIANTS: dict[str, dict[str, bool]] = {
     "m128": {"block_m": 128},
     # LSE / DELTA loaded where they are used (the step's start, after dP's issue), as before stats_ahead: an A/B
     "stats_at_use": {"stats_ahead": False},
-    # dS from P (times f') read back from shared memory in 16 bits (D64's step before p_regs became its default), and
-    # D128's in-order step with p_regs
+    # dS from P (times f') read back from shared memory in 16 bits: both head dims' step before p_regs became their
+    # default (D128: the overlap's P not carried across the step)
     "p_smem": {"p_regs": False},
-    # D128's overlap with dS's P carried in registers from the step that made it (fp32 without a mod or mask, else
-    # P times f' in 16 bits: the host's rule)
-    "p_regs": {"p_regs": True},
-    "serial_p_regs": {"overlap": 0, "p_regs": True},
 }
 
 
 def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: bool = False, masked: bool = False,
-                   linear_mod: bool = False, **overrides) -> BwdSm90Config:
+                   **overrides) -> BwdSm90Config:
     """The table's tiles for a head dim (q/k ``head_dim``, v ``value_head_dim``, default the same), with optional
     field overrides (tests, sweeps). What the launch has picks the row (host.prepare_hopper_backward says it):
-    ``grad_mod``, a score_mod whose derivative is not 1 and no mask_mod; ``masked``, block-mask tables;
-    ``linear_mod``, a score_mod whose derivative is 1 (ALiBi, a bias).
+    ``grad_mod``, a score_mod whose derivative is not 1 and no mask_mod; ``masked``, block-mask tables.
 
     Example::
 
@@ -167,8 +152,8 @@ def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: b
         2
         >>> get_bwd_config(128).overlap, get_bwd_config(128, grad_mod=True).overlap
         (2, 1)
-        >>> get_bwd_config(64, masked=True).persistent, get_bwd_config(64, linear_mod=True).block_m
-        (True, 128)
+        >>> get_bwd_config(64, masked=True).persistent, get_bwd_config(128).p_regs
+        (True, True)
         >>> get_bwd_config(128, **VARIANTS["atomic_dq"]).dq_tma
         False
     """
@@ -181,8 +166,6 @@ def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: b
                          "backward (templates/generic_bwd)")
     elif grad_mod and head_dim in _GRAD_MOD_TABLE:
         cfg = _GRAD_MOD_TABLE[head_dim]    # (its overlap 1 spills with the persistent schedule's state: grid order)
-    elif linear_mod and not masked and head_dim in _LINEAR_MOD_TABLE:
-        cfg = _LINEAR_MOD_TABLE[head_dim]
     elif masked and head_dim in PERSISTENT_HEAD_DIMS:
         cfg = replace(_TABLE[head_dim], persistent=True)
     else:

@@ -264,16 +264,15 @@ def _check_scratch(scratch: Sequence[torch.Tensor], shapes: tuple[tuple, tuple],
 def launch_traits(score_mod: Any, score_grad_mod: Any, mask_mod: Any, has_mask: bool) -> dict[str, bool]:
     """What of a launch picks its config (configs.get_bwd_config's keywords): ``grad_mod``, a score_mod whose
     derivative is not 1 without a mask_mod (one compiled in spills at the wider overlap: docs/design/hopper_backward.md,
-    "Cross-step overlap"); ``masked``, block-mask tables; ``linear_mod``, a score_mod whose derivative is 1.
+    "Cross-step overlap"); ``masked``, block-mask tables.
 
     Example::
 
         >>> launch_traits(None, None, None, has_mask=True)
-        {'grad_mod': False, 'masked': True, 'linear_mod': False}
+        {'grad_mod': False, 'masked': True}
     """
     curved = score_grad_mod is not None and score_grad_mod is not SCORE_GRAD_ONE
-    return dict(grad_mod=curved and mask_mod is None, masked=has_mask,
-                linear_mod=score_mod is not None and not curved)
+    return dict(grad_mod=curved and mask_mod is None, masked=has_mask)
 
 
 def prepare_hopper_backward(
@@ -406,8 +405,9 @@ def prepare_hopper_backward(
     # head-level values to the stack (document, persistent: 36 spill instructions, none in a step loop)
     stats_ahead = cfg.stats_ahead and not (has_mask and D > 64)
     # dS's P in registers: the in-order step always fits (D64's default); the overlap carries P across a step: in
-    # fp32 without a mod or mask, else in 16 bits (fp32 spilled: sm90, triton 3.6, causal 43, ALiBi 22, softcap 106)
-    p_carry16 = cfg.p_regs and cfg.overlap != 0 and (score_mod is not None or has_mask)
+    # fp32 under overlap 2 without a mod or mask, else in 16 bits (fp32 spilled: sm90, triton 3.6, causal 43, ALiBi
+    # 22, softcap 106; noop under overlap 1, dQ's accumulator beside it, 36 with 6 in a step loop)
+    p_carry16 = cfg.p_regs and cfg.overlap != 0 and (score_mod is not None or has_mask or cfg.overlap == 1)
     sched = BwdSchedule(DQ_TMA=cfg.dq_tma, OVERLAP=cfg.overlap, LPT_ORDER=lpt, PERSISTENT=persistent, KV_BUFS=kv_bufs,
                         STATS_AHEAD=stats_ahead, P_REGS=cfg.p_regs, P_CARRY16=p_carry16)
     grid = (triton.cdiv(N, tile.BLOCK_N), KZ * HKV)
