@@ -225,9 +225,6 @@ def sweep_candidates() -> list:
     # smooth_k: the pre-passes and the Gluon kernel in stream order (pdl=off) against chained by
     # programmatic dependent launch (the default: the Q tiles run under the pre-passes)
     out += [PrologueTuning(kernel="gluon", gluon_pdl=False)]
-    # the V tiles by gluon_sm90.v_plan (the default with RoPE) against the round-robin, both ways
-    out += [PrologueTuning(kernel="gluon", gluon_v_plan=False),
-            PrologueTuning(kernel="gluon", gluon_v_plan=True)]
     return out
 
 
@@ -236,13 +233,11 @@ def _tuning_text(t) -> str:
         release = getattr(t, "gluon_rope_release", None)
         words = getattr(t, "gluon_rope_words", None)
         pdl = getattr(t, "gluon_pdl", None)
-        plan = getattr(t, "gluon_v_plan", None)
         return (f"gluon stages={t.gluon_stages or 'default'}"
                 + (f" per_sm={t.programs_per_sm}" if t.programs_per_sm else "")
                 + ("" if release is None else f" rope_release={'rope' if release else 'amax'}")
                 + ("" if words is None else f" words={'on' if words else 'off'}")
-                + ("" if pdl is None else f" pdl={'on' if pdl else 'off'}")
-                + ("" if plan is None else f" v_plan={'on' if plan else 'off'}"))
+                + ("" if pdl is None else f" pdl={'on' if pdl else 'off'}"))
     if getattr(t, "kernel", None) == "triton" and t == type(t)(kernel="triton"):
         return "triton table launch"
     per_sm = {None: "fit", 0: "grid"}.get(t.programs_per_sm, str(t.programs_per_sm))

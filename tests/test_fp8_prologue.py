@@ -815,16 +815,14 @@ def test_gpu_gluon_prologue_matches_the_triton_kernel_bit_for_bit(case):
     _, want = _run_prologue(q, k, v, recipe, rope, host.PrologueTuning(kernel="triton"))
     # the defaults, another ring depth, and the D 128 RoPE choices the defaults left in 2026-11-29
     # (3 stages, the slot released inside the RoPE, "half" read as bf16 values, not words; with
-    # smooth_k the launches in stream order instead of chained by programmatic dependent launch;
-    # the second tuning plans V by gluon_sm90.v_plan, off by default since 2026-11-29). Every
-    # tuning runs the tables at a phase's end as GluonPrologue.HANDOFF / SKIP_LAST_Q / SKIP_LAST_K
-    # have them: HANDOFF at D 128 without smooth_k, programs without Q units and with several Q
-    # units (the many-units cases) among them; the skips in every RoPE case
+    # smooth_k the launches in stream order instead of chained by programmatic dependent launch).
+    # Every tuning runs the tables at a phase's end as GluonPrologue.HANDOFF / SKIP_LAST_Q /
+    # SKIP_LAST_K have them: HANDOFF at D 128 without smooth_k, programs without Q units and with
+    # several Q units (the many-units cases) among them; the skips in every RoPE case
     for tuning in (host.PrologueTuning(kernel="gluon"),
-                   host.PrologueTuning(kernel="gluon", gluon_stages=2, gluon_v_plan=True),
+                   host.PrologueTuning(kernel="gluon", gluon_stages=2),
                    host.PrologueTuning(kernel="gluon", gluon_stages=3, gluon_rope_release=True,
-                                       gluon_rope_words=False, gluon_pdl=False,
-                                       gluon_v_plan=False)):
+                                       gluon_rope_words=False, gluon_pdl=False)):
         launch, got = _run_prologue(q, k, v, recipe, rope, tuning)
         assert [kern for kern, *_ in launch.launches] == kernels, case
         torch.cuda.synchronize()
@@ -1053,36 +1051,6 @@ def test_gluon_units_are_equal_runs_of_heads_balanced_over_the_programs():
             assert most <= even + even // 32 + max(hcq, hck), (qb, hq, kb, hkv, progs, rope, most)
 
 
-def test_gluon_v_plan_takes_every_v_tile_once_and_evens_out_the_work():
-    """gluon_sm90.v_plan: contiguous ranges covering the V tiles once, and the busiest program's
-    weighted work no more than the round-robin's (at B1 H16 N16384 with RoPE: 35.6k -> 34.6k)."""
-    from fa3_inductor.templates.fp8_prologue.gluon_sm90 import (
-        TILE_COST, grid_and_units, unit_heads, v_plan)
-
-    for B, hq, hkv, qg, kg, progs, rope, D in [(1, 16, 16, 128, 128, 132, True, 128),
-                                              (1, 16, 4, 64, 64, 132, True, 128),
-                                              (2, 8, 2, 3, 2, 132, True, 128),
-                                              (1, 2, 1, 300, 300, 132, True, 128),
-                                              (4, 32, 8, 8, 8, 132, False, 64),
-                                              (1, 16, 16, 128, 128, 264, False, 64)]:
-        grid, hcq, hck, uq, uk = grid_and_units(B, hq, hkv, qg, kg, progs, rope)
-        wq, wv = TILE_COST[(D, rope)]
-        nv = B * kg * hkv
-        starts = v_plan(uq, hcq, uk, hck, nv, grid, (wq, wv))
-        assert len(starts) == grid + 1 and starts[0] == 0 and starts[-1] == nv
-        assert all(a <= b for a, b in zip(starts, starts[1:]))
-
-        def count(units, before, p):
-            return units // grid + ((p - before) % grid < units % grid)
-        qk = [hcq * count(uq, 0, p) + hck * count(uk, uq, p) for p in range(grid)]
-        planned = max(wq * qk[p] + wv * (starts[p + 1] - starts[p]) for p in range(grid))
-        robin = max(wq * qk[p] + wv * hck * count(uk, uq + uk, p) for p in range(grid))
-        assert planned <= robin, (B, hq, hkv, qg, kg, planned, robin)
-    assert unit_heads(128, 16, 128, 16, 132, True) == (16, 16)
-    starts = v_plan(128, 16, 128, 16, 2048, 132, TILE_COST[(128, True)])
-    assert max(853 * 32 + 520 * (b - a) for a, b in zip(starts[:124], starts[1:125])) < 35616
-
-
 def test_gluon_interleaved_tables_as_words_only_where_rows_are_word_aligned():
     """"interleaved" RoPE reads its cos / sin tables as int32 pair words (GluonPrologue.ROPE_WORDS,
     on by default) only where every row starts on a 4-byte boundary; an odd stride or offset
@@ -1133,22 +1101,6 @@ def test_gluon_half_tables_as_words_only_where_rows_are_word_aligned():
     assert not _half_table_words("half", odd, odd, 0, odd.stride(0))
     assert not _half_table_words("half", cos, cos, 3, 130)
     assert not _half_table_words("interleaved", cos, cos, cos.stride(0), cos.stride(1))
-
-
-@pytest.mark.sm90_compile
-def test_gluon_v_plan_is_off_by_default_and_on_when_asked():
-    """The A/B side (branch vplan-off): V by the round-robin by default, RoPE too; gluon_v_plan=True plans it."""
-    q, k, v = _inputs(1, 4, 2, 200, 300, 128, 128, torch.bfloat16)
-    base = RopeSpec.from_theta(128, 512)
-    half = RopeSpec(base.cos.to(torch.bfloat16), base.sin.to(torch.bfloat16), "half")
-
-    def planned(rope, **tuning):
-        launch = host.prepare_prologue(q, k, v, FP8Recipe(), rope, capability=(9, 0),
-                                       tuning=host.PrologueTuning(kernel="gluon", **tuning))
-        return launch.launches[-1][2]["CFG"].V_PLAN
-
-    assert not planned(half) and not planned(None)
-    assert planned(half, gluon_v_plan=True) and planned(None, gluon_v_plan=True)
 
 
 @pytest.mark.sm90_compile

@@ -51,7 +51,7 @@ K_MEAN after the rotation (_smooth), so the Triton and Gluon kernels subtract th
 
 Compile-time parameters (one bundle, `CFG`, a frozen dataclass `GluonPrologue`): D, STAGES, ROPE,
 Q_POS, K_POS, QK_INT8, HAD_SCALE, PRODUCER_REGS, RELEASE_IN_ROPE, SMOOTH, ROPE_WORDS,
-HALF_TABLE_WORDS, V_PLAN, PDL.
+HALF_TABLE_WORDS, PDL.
 Lengths and unit counts are do_not_specialize.
 """
 
@@ -101,7 +101,6 @@ class GluonPrologue:
     HALF_TABLE_WORDS: bool = True  # "half": the cos / sin tables read as int32 words and held as
                                    # fp32 (_half_table_fp32); False: 2-byte values (rows not on
                                    # 4 bytes: _half_table_words)
-    V_PLAN: bool = False           # V tiles by V_START's ranges (v_plan), not the round-robin
     PDL: bool = False              # SMOOTH, launched programmatically dependent on k_mean_kernel:
                                    # the consumer waits for it (griddepcontrol.wait) before K
 
@@ -262,38 +261,15 @@ def _unit(u, Z, H, HC):
 
 
 @gluon.jit
-def _next_block(z, g, Z):
-    """The first tile of the row block after (z, g) in _unit(t, Z, H, 1)'s order, head 0."""
-    z += 1
-    if z == Z:
-        z = 0
-        g += 1
-    return z, g, 0
-
-
-@gluon.jit
-def _v_walk(cnt, body: gl.constexpr, args, V_START, Z, HKV, UQ, UK, HCK, CFG: gl.constexpr):
+def _v_walk(cnt, body: gl.constexpr, args, Z, HKV, UQ, UK, HCK, CFG: gl.constexpr):
     """This program's V tiles, `cnt = body(cnt, z, h, g, args, CFG)` each (the producer's loads,
-    the consumer's tiles: both walk the same tiles in the same order). V_PLAN: the range
-    [V_START[p], V_START[p + 1]) of v_plan (tile t: _unit(t, Z, HKV, 1)), by row block (the
-    heads of one (z, g) in a loop without divisions); else the launch's round-robin of units."""
-    pid = gl.program_id(0)
+    the consumer's tiles: both walk the same tiles in the same order): the launch's round-robin
+    of units."""
     n_prog = gl.num_programs(0)
-    if CFG.V_PLAN:
-        t = gl.load(V_START + pid)
-        t1 = gl.load(V_START + pid + 1)
-        z, g, h, h1 = _unit(t, Z, HKV, 1)
-        while t < t1:
-            h1 = gl.minimum(h + t1 - t, HKV)
-            for hh in range(h, h1):
-                cnt = body(cnt, z, hh, g, args, CFG)
-            t += h1 - h
-            z, g, h = _next_block(z, g, Z)
-    else:
-        for u in range(_first_unit(UQ + UK, n_prog), UK, n_prog):
-            z, g, h0, h1 = _unit(u, Z, HKV, HCK)
-            for h in range(h0, h1):
-                cnt = body(cnt, z, h, g, args, CFG)
+    for u in range(_first_unit(UQ + UK, n_prog), UK, n_prog):
+        z, g, h0, h1 = _unit(u, Z, HKV, HCK)
+        for h in range(h0, h1):
+            cnt = body(cnt, z, h, g, args, CFG)
     return cnt
 
 
@@ -340,8 +316,7 @@ def _producer(descs, smem, bars, sizes, outs, tables, CFG: gl.constexpr):
         z, g, h0, h1 = _unit(u, Z, HKV, HCK)
         for h in range(h0, h1):
             cnt = _load_tile(k_desc, ring, ring32, ready, empty, cnt, z, h, g * 128, WORDS, CFG)
-    _v_walk(cnt, _v_load, (v_desc, ring, ring32, ready, empty), outs[-1], Z, HKV, UQ, UK, HCK,
-            CFG)
+    _v_walk(cnt, _v_load, (v_desc, ring, ring32, ready, empty), Z, HKV, UQ, UK, HCK, CFG)
 
 
 # ---- consumer --------------------------------------------------------------------------------
@@ -828,7 +803,7 @@ def _consumer(descs, smem, bars, sizes, outs, tables, CFG: gl.constexpr):
     ring, ring32, a_stage, had_smem, o_stage, vt_stage, amax_smem = smem
     ready, empty = bars
     Z, HQ, HKV, M, N, P, UQ, UK, HCQ, HCK = sizes
-    Q_SCALE, K_SCALE, V_SCALE, V_SCALE_MAX, HADK, QG, KG, K_MEAN, V_START = outs
+    Q_SCALE, K_SCALE, V_SCALE, V_SCALE_MAX, HADK, QG, KG, K_MEAN = outs
     COS, SIN, QPOS, KPOS, stride_tz, stride_tp, stride_qpz, stride_kpz = tables
     dtype: gl.constexpr = v_desc.dtype
     pid = gl.program_id(0)
@@ -879,7 +854,7 @@ def _consumer(descs, smem, bars, sizes, outs, tables, CFG: gl.constexpr):
                     _first_unit(UQ, n_prog), dtype, CFG.K_POS, CFG, K_MEAN, CFG.SMOOTH, tabs,
                     HANDOFF, 0, False, CFG.SKIP_LAST_K)
     _v_walk(cnt, _v_store, (ring, vt_stage, amax_smem, vt_desc, V_SCALE, V_SCALE_MAX, ready, empty,
-                           HKV, KG), V_START, Z, HKV, UQ, UK, HCK, CFG)
+                           HKV, KG), Z, HKV, UQ, UK, HCK, CFG)
     tma.store_wait(0)   # the last stores must finish reading shared memory before the CTA exits
 
 
@@ -891,7 +866,7 @@ def prologue_sm90_kernel(
     q_desc, k_desc, v_desc,          # inputs: [Z, H, L, D] boxes [1, 1, T, DQ] (bf16 / fp16; Q and
                                      # K as int32 words under "interleaved")
     q8_desc, k8_desc, vt_desc,       # outputs: boxes [1, 1, T, D] (Q8, K8), [1, 1, DQ, T] (VT8)
-    Q_SCALE, K_SCALE, V_SCALE, V_SCALE_MAX, HADK, K_MEAN, V_START,
+    Q_SCALE, K_SCALE, V_SCALE, V_SCALE_MAX, HADK, K_MEAN,
     COS, SIN, QPOS, KPOS, stride_tz, stride_tp, stride_qpz, stride_kpz,
     Z, HQ, HKV, M, N, P, UQ, UK, HCQ, HCK, QG, KG,
     CFG: gl.constexpr,
@@ -941,7 +916,7 @@ def prologue_sm90_kernel(
     smem = (ring, ring32, a_stage, had_smem, o_stage, vt_stage, amax_smem)
     bars = (ready, empty)
     sizes = (Z, HQ, HKV, M, N, P, UQ, UK, HCQ, HCK)
-    outs = (Q_SCALE, K_SCALE, V_SCALE, V_SCALE_MAX, HADK, QG, KG, K_MEAN, V_START)
+    outs = (Q_SCALE, K_SCALE, V_SCALE, V_SCALE_MAX, HADK, QG, KG, K_MEAN)
     tables = (COS, SIN, QPOS, KPOS, stride_tz, stride_tp, stride_qpz, stride_kpz)
     gl.warp_specialize([
         (_consumer, (descs, smem, bars, sizes, outs, tables, CFG)),
@@ -1069,62 +1044,12 @@ def unit_heads(q_blocks: int, hq: int, k_blocks: int, hkv: int, n_programs: int,
     return hcq, hck
 
 
-# A warp's loop instructions a Q / K tile and a V tile (sm90 SASS, the defaults; GLUON_TILE_LOOPS in
-# tests/test_fp8_prologue.py): v_plan's weights, by (head dim, RoPE). The measured time of a launch
-# tracks them at ~5.5 cycles a warp instruction (docs/design/fp8_prologue.md, "RoPE against plain").
-TILE_COST = {(128, True): (853, 520), (128, False): (667, 533), (64, True): (481, 341),
-             (64, False): (432, 344)}
-
-
 def grid_and_units(B: int, Hq: int, Hkv: int, qg: int, kg: int, n_programs: int,
                    rope: bool) -> tuple[int, int, int, int, int]:
     """(grid, HCQ, HCK, Q units, K units) of a launch: unit_heads' plan and the persistent grid."""
     hcq, hck = unit_heads(B * qg, Hq, B * kg, Hkv, n_programs, rope)
     uq, uk = B * qg * -(-Hq // hcq), B * kg * -(-Hkv // hck)
     return min(n_programs, uq + 2 * uk), hcq, hck, uq, uk
-
-
-def v_plan(q_units: int, hcq: int, k_units: int, hck: int, v_tiles: int, n_programs: int,
-           cost: tuple[int, int]) -> list[int]:
-    """V_START: program p takes V tiles [V_START[p], V_START[p + 1]) (tile t is head t % H of row
-    block t // H, batch-major within a block: _unit(t, Z, H, 1)), after its Q and K units of the
-    launch's round-robin. The V tiles fill the programs up to one level of weighted work (cost =
-    (a Q / K tile, a V tile)), the lightest first: with RoPE the Q / K units are whole head sets
-    (unit_heads: 16 tiles at B 1 H 16), so the round-robin leaves 124 programs with 32 Q / K tiles
-    and 8 with 16, and hands out V tiles 15-16 apiece: 48 tiles on the busiest program, 35.6k
-    weighted; here those 8 take 40 V tiles and the others 13-14: 34.6k (-2.9%). Which program
-    takes which tile changes no byte.
-
-    Example::
-
-        >>> starts = v_plan(128, 16, 128, 16, 2048, 132, (853, 520))
-        >>> starts[-1], starts[1] - starts[0], starts[-1] - starts[-2]
-        (2048, 14, 40)
-    """
-    P, (wq, wv) = n_programs, cost
-
-    def count(units, before, p):          # units of a phase that program p takes (_first_unit)
-        return units // P + ((p - before) % P < units % P)
-
-    c = [wq * (hcq * count(q_units, 0, p) + hck * count(k_units, q_units, p)) for p in range(P)]
-    fill = lambda level: [max(0, (level - cp) // wv) for cp in c]   # noqa: E731
-    lo, hi = 0, max(c) + wv * v_tiles
-    while lo < hi:                        # the lowest level that holds every V tile
-        mid = (lo + hi) // 2
-        if sum(fill(mid)) >= v_tiles:
-            hi = mid
-        else:
-            lo = mid + 1
-    n = fill(lo)
-    # one tile fewer for as many as needed of the programs that reached the level exactly
-    over = sum(n) - v_tiles
-    for p in sorted((p for p in range(P) if n[p] > 0), key=lambda p: (c[p] + wv * n[p], p),
-                    reverse=True)[:over]:
-        n[p] -= 1
-    starts = [0]
-    for x in n:
-        starts.append(starts[-1] + x)
-    return starts
 
 
 def interleaved_rows(had):
@@ -1168,8 +1093,7 @@ def _half_table_words(rope_style, cos, sin, stride_tz, stride_tp) -> bool:
 
 def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride_qpz, stride_kpz,
            P, rope_style: str, q_pos: bool, k_pos: bool, recipe, stages=None, n_programs=None,
-           per_sm=None, words=None, rope_release=None, k_mean=None, rope_words=None, pdl=False,
-           v_start=None):
+           per_sm=None, words=None, rope_release=None, k_mean=None, rope_words=None, pdl=False):
     """(kernel, args, kwargs, grid) of prologue_sm90_kernel writing `ops` (host.prepare_prologue
     allocates them as for the Triton kernel). `had` is HAD [D, D] in the input dtype. "interleaved"
     RoPE reads Q and K as int32 pair words against HAD's rows in even-then-odd order: `words`, (Q's
@@ -1207,13 +1131,13 @@ def launch(q, k, v, ops, had, cos, sin, qpos, kpos, stride_tz, stride_tp, stride
                         SMOOTH=bool(recipe.smooth_k),
                         ROPE_WORDS=_rope_words(rope_words, rope_style, cos, sin, stride_tz,
                                                stride_tp),
-                        PDL=bool(pdl and recipe.smooth_k), V_PLAN=v_start is not None,
+                        PDL=bool(pdl and recipe.smooth_k),
                         HALF_TABLE_WORDS=_half_table_words(rope_style, cos, sin, stride_tz,
                                                            stride_tp))
     if recipe.smooth_k:
         assert k_mean is not None, "smooth_k: the Gluon kernel reads K_MEAN (kernel.k_mean_kernel)"
     args = (q_in, k_in, v_in, q8, k8, vt, ops.q_scale, ops.k_scale, ops.v_scale, ops.v_scale_max,
-            hadk, hadk if k_mean is None else k_mean, hadk if v_start is None else v_start,
+            hadk, hadk if k_mean is None else k_mean,
             cos, sin, qpos, kpos, stride_tz, stride_tp, stride_qpz, stride_kpz,
             B, Hq, Hkv, M, N, max(P, 1), uq, uk, hcq, hck, qg, kg)
     kwargs = dict(CFG=cfg, num_warps=CONSUMER_WARPS)
@@ -1234,10 +1158,3 @@ def programs_of(device, per_sm: int) -> int:
         return torch.cuda.get_device_properties(device).multi_processor_count * per_sm
     return DEFAULT_PROGRAMS * per_sm
 
-
-def v_start_of(B: int, Hq: int, Hkv: int, qg: int, kg: int, D: int, rope: bool, device,
-               per_sm=None) -> list[int]:
-    """v_plan's V_START for a launch of these sizes (the grid and units launch() takes)."""
-    per_sm = per_sm or default_programs_per_sm(D, rope)
-    grid, hcq, hck, uq, uk = grid_and_units(B, Hq, Hkv, qg, kg, programs_of(device, per_sm), rope)
-    return v_plan(uq, hcq, uk, hck, B * kg * Hkv, grid, TILE_COST[(D, rope)])

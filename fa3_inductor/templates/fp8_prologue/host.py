@@ -63,11 +63,7 @@ class PrologueTuning:
       either way;
     - ``gluon_pdl``: smooth_k on the Gluon kernel: its two pre-passes (k_sums_kernel,
       k_mean_kernel) and the kernel chained by programmatic dependent launch, the Q tiles running
-      under the pre-passes (True), or three launches in stream order (False); None: True;
-    - ``gluon_v_plan``: the Gluon kernel's V tiles by a host plan that evens out the programs'
-      weighted work (gluon_sm90.v_plan, True) or by the launch's round-robin of units (False);
-      None: False (the round-robin measured faster, RoPE included). Which program takes which
-      tile changes no byte.
+      under the pre-passes (True), or three launches in stream order (False); None: True.
 
     Example::
 
@@ -85,7 +81,6 @@ class PrologueTuning:
     gluon_rope_release: Optional[bool] = None
     gluon_rope_words: Optional[bool] = None
     gluon_pdl: Optional[bool] = None
-    gluon_v_plan: Optional[bool] = None
 
 
 DEFAULT_TUNING = PrologueTuning()
@@ -578,17 +573,6 @@ class PrologueLayout:
             from .gluon_sm90 import interleaved_rows
 
             self._gluon_rows = interleaved_rows(self.had)
-        # The Gluon kernel's V tiles by program (gluon_sm90.v_plan), made once, only when asked: the
-        # round-robin measured 2.4-3.2 us faster on the RoPE rows and 16 us on rope + smooth
-        # (docs/design/fp8_prologue.md, "The V plan, measured against the round-robin")
-        self._gluon_vstart = None
-        plan = bool(tuning.gluon_v_plan)
-        if self.gluon and plan:
-            from .gluon_sm90 import v_start_of
-
-            self._gluon_vstart = torch.tensor(
-                v_start_of(B, Hq, Hkv, qg, kg, D, rope is not None, dev, tuning.programs_per_sm),
-                dtype=torch.int32, device=dev)
         self._gluon_statics = (stride_tz, stride_tp, stride_qpz, stride_kpz, P,
                                rope.style if rope is not None else "",
                                rope is not None and rope.q_positions is not None,
@@ -621,8 +605,7 @@ class PrologueLayout:
         """This call's operands (allocated, not yet written) and the launches' tensors, in the
         order :meth:`args` reads them: q, k, v, the operands, K's partial sums (None without
         smoothing), k_mean (None), the Hadamard matrix, cos, sin, q and k positions (None without);
-        for the Gluon kernel with "interleaved" RoPE then q and k as int32 words and its HAD rows,
-        and with its V plan (gluon_sm90.v_plan) last its V_START.
+        for the Gluon kernel with "interleaved" RoPE then q and k as int32 words and its HAD rows.
         ``q, k, v, rope`` must have this layout's signature (layout_of's key)."""
         ops, k_part = self.allocate()
         return ops, self.inputs_of(ops, k_part, q, k, v, rope)
@@ -670,8 +653,6 @@ class PrologueLayout:
                   ops.v_scale_max, k_part, ops.k_mean, self.had, cos, sin, qpos, kpos)
         if self._gluon_rows is not None:   # the Gluon kernel's int32 views and HAD rows, as inputs
             inputs += (q.view(torch.int32), k.view(torch.int32), self._gluon_rows)
-        if self._gluon_vstart is not None:   # and its V plan
-            inputs += (self._gluon_vstart,)
         return inputs
 
     def args(self, i: int, inputs: tuple) -> tuple:
@@ -703,8 +684,7 @@ class PrologueLayout:
             words=inputs[17:20] if self._gluon_rows is not None else None,
             rope_release=self._tuning.gluon_rope_release,
             k_mean=inputs[11], rope_words=self._tuning.gluon_rope_words,
-            pdl=self._k_mean is not None and self._k_mean[-1],
-            v_start=inputs[-1] if self._gluon_vstart is not None else None)
+            pdl=self._k_mean is not None and self._k_mean[-1])
 
     def grid(self, i: int, inputs: tuple) -> tuple:
         """Launch ``i``'s grid (the main launch's persistent grid is chosen on the first call)."""
