@@ -451,3 +451,28 @@ def test_p_regs_step_reads_no_shared_memory(D, case):
         assert main.spill_instructions == 0 and main.stack == 0
         assert (sum(shared_loads) == 0) == p_regs, shared_loads
     assert max(map(len, loops[True])) < max(map(len, loops[False]))
+
+
+# Head dims 80 and 96 (configs.PADDED_HEAD_DIMS) run D128's tiles, TMA filling the columns past D with zeros: the
+# same step loops as D128 (triton 3.6, M = N = 1000: D96 noop 484 / 465, D80 causal 644 / 633), wgmmas of 128
+# columns, dK / dV stored at D's stride.
+# The persistent schedule sizes its K / V buffers by the tiles' 128 columns (a second pair would need 279 KB).
+@pytest.mark.parametrize("D, variant", [(96, "noop"), (80, "causal"), (96, "causal+persistent")])
+def test_padded_head_dims_run_the_128_tiles(D, variant):
+    config = {"persistent": True} if variant.endswith("+persistent") else {}
+    padded, d128 = (_main_kernel(d, variant.split("+")[0], **config) for d in (D, 128))
+    loops = [len(b) for b in _step_loops(padded)]
+    print(f"\nD{D} {variant}: loops {loops}, {padded.spill_instructions} spills, shared {padded.shared}")
+    assert loops == [len(b) for b in _step_loops(d128)]
+    assert padded.spill_instructions == d128.spill_instructions and padded.shared == d128.shared <= SMEM_LIMIT
+    assert "HGMMA.64x64x16.F32.BF16" in padded.sass
+
+
+def test_padded_head_dims_refuse_atomic_dq():
+    """dQ's 128-column tiles are clipped to D by the TMA reduce-add; the atomics would write past D."""
+    from fa3_inductor.templates.hopper_bwd import compile_hopper_backward, get_bwd_config
+
+    q = torch.randn(1, 2, 128, 96, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="dq_tma=True"):
+        compile_hopper_backward(q, q, q, q, q, torch.empty(1, 2, 128), sm_scale=0.1,
+                                config=get_bwd_config(96, dq_tma=False))

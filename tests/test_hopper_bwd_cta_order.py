@@ -135,11 +135,11 @@ def _host_plan(variant, D):
 
 def test_host_picks_the_schedule_by_what_the_launch_has():
     """configs.get_bwd_config's rows as the host applies them: block masks take the persistent schedule at D64 and
-    D128; D64's linear score_mods (ALiBi) without a mask take 128 query rows a step; the rest keep the table's."""
+    D128 (and D96, in D128's tiles); the rest keep the table's: 64 query rows a step, ALiBi included (m128 took
+    ALiBi until the 64-row step held P in registers)."""
     from fa3_inductor.templates.hopper_bwd.bwd_sm90 import fa3_bwd_sm90_kernel
-    from fa3_inductor.templates.hopper_bwd.bwd_sm90_m128 import fa3_bwd_sm90_m128_kernel
 
-    for D in (64, 128):
+    for D in (64, 96, 128):
         for variant in ("causal", "document", "causal+alibi", "causal+softcap", "blocks"):
             kernel, args, kwargs, grid = _host_plan(variant, D)
             assert kernel is fa3_bwd_sm90_kernel and kwargs["SCHED"].PERSISTENT, (D, variant)
@@ -149,9 +149,9 @@ def test_host_picks_the_schedule_by_what_the_launch_has():
             kernel, args, kwargs, grid = _host_plan(variant, D)
             assert kernel is fa3_bwd_sm90_kernel and not kwargs["SCHED"].PERSISTENT and grid == (5, 4), (D, variant)
     kernel, _, kwargs, grid = _host_plan("alibi", 64)
-    assert kernel is fa3_bwd_sm90_m128_kernel and grid == (5, 4)
+    assert kernel is fa3_bwd_sm90_kernel and grid == (5, 4) and kwargs["SCHED"].P_REGS and kwargs["TILE"].BLOCK_M == 64
     kernel, _, kwargs, _ = _host_plan("alibi", 128)
-    assert kernel is fa3_bwd_sm90_kernel and kwargs["SCHED"].OVERLAP == 2
+    assert kernel is fa3_bwd_sm90_kernel and kwargs["SCHED"].OVERLAP == 2 and kwargs["SCHED"].P_REGS
     # D128's softcap without a mask_mod keeps the wider overlap; with one, the table's
     assert _host_plan("softcap", 128)[2]["SCHED"].OVERLAP == 1
     assert _host_plan("causal+softcap", 128)[2]["SCHED"].OVERLAP == 2

@@ -51,7 +51,7 @@ def test_narrow_plan_unchanged():
 def test_unserved_pairs_are_refused():
     from fa3_inductor.templates.hopper_bwd import get_bwd_config
 
-    for D, DV in ((192, 192), (96, 96), (256, 128), (128, 64)):
+    for D, DV in ((192, 192), (160, 160), (96, 128), (256, 128), (128, 64)):
         with pytest.raises(ValueError, match="not served"):
             get_bwd_config(D, DV)
         with pytest.raises(ValueError, match="not served"):

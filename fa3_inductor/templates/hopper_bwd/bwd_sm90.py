@@ -4,7 +4,8 @@ Notation
 --------
   Q, dQ   [Z, HQ, M, D]      queries and their gradient (z = batch, hq = query head, m = query position)
   K, dK   [KZ, HKV, N, D]    keys; hkv = hq // GQA_GROUP; KZ is Z or 1 (a K/V batch of 1 serves every z)
-  V, dV   [KZ, HKV, N, DV]   values (DV = D = 64 or 128 here; D = 256 and 192 / 128: bwd_sm90_wide.py)
+  V, dV   [KZ, HKV, N, DV]   values (DV = D = 64 or 128 here, or 80 / 96 in 128-column tiles whose columns past D
+                             TMA fills with zeros, HEAD_D_IN; D = 256 and 192 / 128: bwd_sm90_wide.py)
   O, dO   [Z, HQ, M, DV]     the forward's output and its incoming gradient
   LSE     [Z, HQ, M] fp32    the forward's logsumexp in log2 units (-inf on fully masked rows)
   STATS   [Z * HQ, 2, M_PAD] fp32   what the main kernel reads (preprocess kernel): LSE_P = LSE with +inf on
@@ -95,8 +96,14 @@ LOG2E = 1.4426950408889634
 class BwdTile:
     """Tile sizes of the main kernel. BLOCK_M and BLOCK_N are fixed by the structure: one 64-row wgmma per
     warpgroup and step, two consumer warpgroups of 64 key rows."""
-    HEAD_D: int        # D (= DV), a power of two
+    HEAD_D: int        # the tiles' head dim (= DV), a power of two
     NUM_STAGES: int    # depth of the Q / dO ring
+    HEAD_D_IN: int = 0   # the tensors' head dim when it is less (80, 96 in 128-column tiles); 0: HEAD_D
+
+    @property
+    def D_MEM(self) -> int:
+        """Columns of Q, K, V, dO, dK, dV and DQ_ACC in memory: where the stores stop and the rows' stride."""
+        return self.HEAD_D_IN or self.HEAD_D
 
     @property
     def BLOCK_M(self) -> int:
@@ -576,10 +583,10 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
     # dK, dV: one store per output tile (rows past N clipped); dK takes the scale and f's factor here.
     out_rows = n0 + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, d_layout))[:, None]
     out_cols = gl.arange(0, D, layout=gl.SliceLayout(0, d_layout))[None, :]
-    keep = (out_rows < N) & (out_cols < D)
-    head = (kz * HKV + hkv).to(gl.int64) * N * D     # dK, dV are contiguous (the host sees to it)
-    gl.store(dk_ptr + head + out_rows * D + out_cols, (dk * ds_scale).to(dtype), mask=keep)
-    gl.store(dv_ptr + head + out_rows * D + out_cols, dv.to(dtype), mask=keep)
+    keep = (out_rows < N) & (out_cols < TILE.D_MEM)
+    head = (kz * HKV + hkv).to(gl.int64) * N * TILE.D_MEM     # dK, dV are contiguous (the host sees to it)
+    gl.store(dk_ptr + head + out_rows * TILE.D_MEM + out_cols, (dk * ds_scale).to(dtype), mask=keep)
+    gl.store(dv_ptr + head + out_rows * TILE.D_MEM + out_cols, dv.to(dtype), mask=keep)
     return cnt
 
 
@@ -836,10 +843,10 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
     else:
         out_rows = n0 + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, d_layout))[:, None]
         out_cols = gl.arange(0, D, layout=gl.SliceLayout(0, d_layout))[None, :]
-    keep = (out_rows < N) & (out_cols < D)
-    head = (kz * HKV + hkv).to(gl.int64) * N * D
-    gl.store(dk_ptr + head + out_rows * D + out_cols, (dk * ds_scale).to(dtype), mask=keep)
-    gl.store(dv_ptr + head + out_rows * D + out_cols, dv.to(dtype), mask=keep)
+    keep = (out_rows < N) & (out_cols < TILE.D_MEM)
+    head = (kz * HKV + hkv).to(gl.int64) * N * TILE.D_MEM
+    gl.store(dk_ptr + head + out_rows * TILE.D_MEM + out_cols, (dk * ds_scale).to(dtype), mask=keep)
+    gl.store(dv_ptr + head + out_rows * TILE.D_MEM + out_cols, dv.to(dtype), mask=keep)
     return cnt
 
 
@@ -959,21 +966,27 @@ def bwd_sm90_preprocess_kernel(O, DO, LSE, DLSE, STATS, DQ_ACC, o_strides, do_st
                                HEAD_DV: tl.constexpr = None, HEAD_D_POW2: tl.constexpr = None):
     """STATS (LSE_P, DELTA_P) for rows [BLOCK * pid, ...) of head z * HQ + hq (up to M_PAD), and zeros into the
     same rows of DQ_ACC. HEAD_DV: O's and dO's columns (default HEAD_D); HEAD_D_POW2: HEAD_D rounded up to a
-    power of two (DQ_ACC's columns are masked to HEAD_D), when HEAD_D is not one (192)."""
+    power of two (DQ_ACC's columns, and O's without HEAD_DV, are masked to HEAD_D), when HEAD_D is not one (80, 96,
+    192)."""
     pid = tl.program_id(0)
     zh = tl.program_id(1)
     z = zh // HQ
     hq = zh % HQ
     rows = pid * BLOCK + tl.arange(0, BLOCK)
-    if HEAD_DV is None:
-        cols = tl.arange(0, HEAD_D)
-    else:
-        cols = tl.arange(0, HEAD_DV)
     in_rows = rows < M
+    if HEAD_DV is not None:
+        cols = tl.arange(0, HEAD_DV)
+        in_o = in_rows[:, None]
+    elif HEAD_D_POW2 is not None:   # O's columns are Q's, not a power of two (80, 96)
+        cols = tl.arange(0, HEAD_D_POW2)
+        in_o = in_rows[:, None] & (cols < HEAD_D)[None, :]
+    else:
+        cols = tl.arange(0, HEAD_D)
+        in_o = in_rows[:, None]
     o = tl.load(O + z * o_strides[0] + hq * o_strides[1] + rows[:, None] * o_strides[2] + cols[None, :],
-                mask=in_rows[:, None], other=0.0)
+                mask=in_o, other=0.0)
     do = tl.load(DO + z * do_strides[0] + hq * do_strides[1] + rows[:, None] * do_strides[2] + cols[None, :],
-                 mask=in_rows[:, None], other=0.0)
+                 mask=in_o, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     if HAS_DLSE:
         # sum LSE2 * dLSE2 adds dLSE2 * log2(e) * P to dS: the same as lowering DELTA by dLSE2 * log2(e)

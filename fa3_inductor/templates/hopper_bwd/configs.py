@@ -88,7 +88,12 @@ _GRAD_MOD_TABLE: dict[int, BwdSm90Config] = {
     128: BwdSm90Config(num_stages=2, overlap=1, p_regs=True),
 }
 
-SUPPORTED_HEAD_DIMS = tuple(sorted(_TABLE))
+# Head dims below 128 that are not a power of two run the 128 tiles: TMA fills the columns past D with zeros, which
+# add nothing to S, dP, dK, dV or dQ, and the stores stop at D (bwd_sm90.BwdTile.HEAD_D_IN). A third of the wgmma
+# work at D96 multiplies zeros (D80: 0.6); FlexAttention's backward, which served them before, is slower still.
+PADDED_HEAD_DIMS: dict[int, int] = {80: 128, 96: 128}
+
+SUPPORTED_HEAD_DIMS = tuple(sorted([*_TABLE, *PADDED_HEAD_DIMS]))
 
 # Head dims whose launches under a block mask take the persistent schedule (host._persistent_schedule): one CTA an SM
 # walking KV tiles longest first, the next tile's K / V loaded under this one's last work. H200, one run with the
@@ -108,7 +113,19 @@ WIDE_TABLE: dict[tuple[int, int], BwdSm90Config] = {
     (192, 128): BwdSm90Config(num_stages=2, split_dkv=True),
 }
 
-SUPPORTED_HEAD_DIM_PAIRS = tuple(sorted([(d, d) for d in _TABLE] + list(WIDE_TABLE)))
+SUPPORTED_HEAD_DIM_PAIRS = tuple(sorted([(d, d) for d in SUPPORTED_HEAD_DIMS] + list(WIDE_TABLE)))
+
+
+def tile_head_dim(head_dim: int) -> int:
+    """The head dim the D <= 128 kernel's tiles have for q/k/v head dim ``head_dim`` (PADDED_HEAD_DIMS: 128 for
+    80 and 96; itself otherwise).
+
+    Example::
+
+        >>> tile_head_dim(96), tile_head_dim(64)
+        (128, 64)
+    """
+    return PADDED_HEAD_DIMS.get(head_dim, head_dim)
 
 
 # Named schedules for A/B runs (benchmarks/bwd_speed.py --bwd-variants): field overrides of the table's entry.
@@ -160,14 +177,14 @@ def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: b
     pair = (head_dim, value_head_dim or head_dim)
     if pair in WIDE_TABLE:
         cfg = WIDE_TABLE[pair]
-    elif pair[0] != pair[1] or head_dim not in _TABLE:
+    elif pair[0] != pair[1] or head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"sm90 backward: head dims {pair[0]}/{pair[1]} are not served (it serves "
                          f"{', '.join(f'{d}/{dv}' for d, dv in SUPPORTED_HEAD_DIM_PAIRS)}); use the generic "
                          "backward (templates/generic_bwd)")
-    elif grad_mod and head_dim in _GRAD_MOD_TABLE:
-        cfg = _GRAD_MOD_TABLE[head_dim]    # (its overlap 1 spills with the persistent schedule's state: grid order)
-    elif masked and head_dim in PERSISTENT_HEAD_DIMS:
-        cfg = replace(_TABLE[head_dim], persistent=True)
+    elif grad_mod and tile_head_dim(head_dim) in _GRAD_MOD_TABLE:
+        cfg = _GRAD_MOD_TABLE[tile_head_dim(head_dim)]   # (its overlap 1 spills with the persistent schedule's state)
+    elif masked and tile_head_dim(head_dim) in PERSISTENT_HEAD_DIMS:
+        cfg = replace(_TABLE[tile_head_dim(head_dim)], persistent=True)
     else:
-        cfg = _TABLE[head_dim]
+        cfg = _TABLE[tile_head_dim(head_dim)]
     return replace(cfg, **overrides) if overrides else cfg

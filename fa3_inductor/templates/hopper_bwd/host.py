@@ -23,7 +23,7 @@ from .bwd_sm90 import (BwdFlags, BwdSchedule, BwdSparsity, BwdTile, bwd_sm90_dq_
                        bwd_sm90_preprocess_kernel, fa3_bwd_sm90_kernel)
 from .bwd_sm90_m128 import M128Tile, fa3_bwd_sm90_m128_kernel
 from .bwd_sm90_wide import WideTile, fa3_bwd_sm90_wide_kernel
-from .configs import SMEM_LIMIT, SUPPORTED_HEAD_DIM_PAIRS, BwdSm90Config, get_bwd_config
+from .configs import SMEM_LIMIT, SUPPORTED_HEAD_DIM_PAIRS, BwdSm90Config, get_bwd_config, tile_head_dim
 
 _MAX_SEQ = 1 << 23
 _LOG2E = math.log2(math.e)
@@ -330,16 +330,21 @@ def prepare_hopper_backward(
     KZ, HKV, N, DV = v.shape
     # the table's row for what the launch has (launch_traits: the mods' derivatives, a block mask)
     cfg = config or get_bwd_config(D, DV, **launch_traits(score_mod, score_grad_mod, mask_mod, has_mask))
-    if cfg.smem_bytes(D, value_head_dim=DV) > SMEM_LIMIT:
-        _refuse(f"config {cfg} needs {cfg.smem_bytes(D, value_head_dim=DV)} bytes of shared memory "
+    # 80 / 96: the 128 tiles, zero columns past D (configs.PADDED_HEAD_DIMS)
+    DT = tile_head_dim(D) if not cfg.split_dkv else D
+    if cfg.smem_bytes(DT, value_head_dim=DV) > SMEM_LIMIT:
+        _refuse(f"config {cfg} needs {cfg.smem_bytes(DT, value_head_dim=DV)} bytes of shared memory "
                 f"(limit {SMEM_LIMIT})")
+    if DT != D and not cfg.dq_tma:
+        _refuse(f"head dim {D} runs {DT}-column tiles, whose dQ only the TMA reduce-add clips to {D} columns "
+                "(dq_tma=True)")
     if cfg.split_dkv != (D > 128):
         _refuse(f"config {cfg} does not fit head dims {D}/{DV} (split_dkv is for D > 128)")
     if cfg.split_dkv and cfg.overlap:
         _refuse("the cross-step overlap (overlap) is built for D <= 128 only, not the wide-head-dim kernel")
     if cfg.split_dkv and not cfg.dq_tma:
         _refuse("the wide-head-dim kernel adds dQ by TMA reduce-add only (dq_tma=True)")
-    if cfg.block_m not in (64, 128) or (cfg.block_m == 128 and (D != 64 or cfg.overlap or not cfg.dq_tma)):
+    if cfg.block_m not in (64, 128) or (cfg.block_m == 128 and (DT != 64 or cfg.overlap or not cfg.dq_tma)):
         _refuse(f"config {cfg}: 128 query rows a step (block_m) is built for D = 64, in order (overlap 0), dQ by "
                 "TMA reduce-add")
     if cfg.split_dkv:
@@ -347,7 +352,7 @@ def prepare_hopper_backward(
     elif cfg.block_m == 128:
         tile = M128Tile(HEAD_D=D, NUM_STAGES=cfg.num_stages)
     else:
-        tile = BwdTile(HEAD_D=D, NUM_STAGES=cfg.num_stages)
+        tile = BwdTile(HEAD_D=DT, NUM_STAGES=cfg.num_stages, HEAD_D_IN=D if DT != D else 0)
     if has_mask and (sparse_q_block % tile.BLOCK_M or sparse_kv_block % tile.BLOCK_N):
         _refuse(f"block-mask blocks {sparse_q_block}x{sparse_kv_block} are not multiples of the tiles "
                 f"{tile.BLOCK_M}x{tile.BLOCK_N}; build the BlockMask with BLOCK_SIZE 128 (torch's default)")
@@ -399,11 +404,11 @@ def prepare_hopper_backward(
     lpt = cfg.lpt_order and schedulable and not persistent
     # persistent: a second K / V buffer where shared memory allows (D = 64: 176 KB, 192 KB with a score_mod's f'
     # slots; D = 128 would need 272 KB), so the next tile's K and V load under this tile's last steps
-    smem = cfg.smem_bytes(D) + (2 * 64 * 64 * q.element_size() if score_grad_mod is not None else 0)
-    kv_bufs = 2 if persistent and smem + 2 * tile.BLOCK_N * D * q.element_size() + 1024 <= SMEM_LIMIT else 1
+    smem = cfg.smem_bytes(DT) + (2 * 64 * 64 * q.element_size() if score_grad_mod is not None else 0)
+    kv_bufs = 2 if persistent and smem + 2 * tile.BLOCK_N * DT * q.element_size() + 1024 <= SMEM_LIMIT else 1
     # LSE / DELTA a step ahead: not at D = 128 under a block mask, where the two rows' four registers pushed
     # head-level values to the stack (document, persistent: 36 spill instructions, none in a step loop)
-    stats_ahead = cfg.stats_ahead and not (has_mask and D > 64)
+    stats_ahead = cfg.stats_ahead and not (has_mask and DT > 64)
     # dS's P in registers: the in-order step always fits (D64's default); the overlap carries P across a step: in
     # fp32 under overlap 2 without a mod or mask, else in 16 bits (fp32 spilled: sm90, triton 3.6, causal 43, ALiBi
     # 22, softcap 106; noop under overlap 1, dQ's accumulator beside it, 36 with 6 in a step loop)
@@ -422,8 +427,11 @@ def prepare_hopper_backward(
     # contents of the launch's key; only the balance follows the mask it was made for)
     cta_args = tuple(launch_constant(t) for t in cta_args)
 
-    # a head dim pair or one that is not a power of two (192 / 128): O's columns and a padded dQ range
-    wide = dict(HEAD_DV=DV, HEAD_D_POW2=triton.next_power_of_2(D)) if cfg.split_dkv else {}
+    # a head dim pair or one that is not a power of two (192 / 128; 80, 96): O's columns and a padded dQ range
+    if cfg.split_dkv:
+        wide = dict(HEAD_DV=DV, HEAD_D_POW2=triton.next_power_of_2(D))
+    else:
+        wide = dict(HEAD_D_POW2=DT) if DT != D else {}
     preprocess = (
         bwd_sm90_preprocess_kernel,
         (out, dout, lse, grad_lse.float().contiguous() if grad_lse is not None else lse, stats, dq_acc,
@@ -457,8 +465,8 @@ def prepare_hopper_backward(
     else:
         main = (
             fa3_bwd_sm90_kernel,
-            (_desc(q, [1, 1, tile.BLOCK_M, D]), _desc(dout, [1, 1, tile.BLOCK_M, D]),
-             _desc(k, [1, 1, tile.BLOCK_N, D]), _desc(v, [1, 1, tile.BLOCK_N, D]),
+            (_desc(q, [1, 1, tile.BLOCK_M, DT]), _desc(dout, [1, 1, tile.BLOCK_M, DT]),
+             _desc(k, [1, 1, tile.BLOCK_N, DT]), _desc(v, [1, 1, tile.BLOCK_N, DT]),
              _dq_acc_desc(dq_acc, tile) if cfg.dq_tma else None,
              stats, dq_acc, dk, dv, *tables, tuple(score_bufs), tuple(mask_bufs),
              Z, HQ, KZ, M, N, m_pad, SZ, SH, num_kv_blks, num_q_blks, *scalars, cta_args),
@@ -469,7 +477,7 @@ def prepare_hopper_backward(
         bwd_sm90_dq_convert_kernel,
         (dq_acc, dq, _strides(dq), HQ, M, m_pad, ds_scale),
         dict(BLOCK=_PASS_BLOCK, HEAD_D=D, num_warps=4,
-             **({"HEAD_D_POW2": wide["HEAD_D_POW2"]} if cfg.split_dkv else {})),
+             **({"HEAD_D_POW2": wide["HEAD_D_POW2"]} if wide else {})),
         (triton.cdiv(M, _PASS_BLOCK), Z * HQ))
     return [preprocess, main, convert]
 
