@@ -476,3 +476,15 @@ def test_padded_head_dims_refuse_atomic_dq():
     with pytest.raises(ValueError, match="dq_tma=True"):
         compile_hopper_backward(q, q, q, q, q, torch.empty(1, 2, 128), sm_scale=0.1,
                                 config=get_bwd_config(96, dq_tma=False))
+
+
+# 160 and 192 for q, k and v (configs.PADDED_WIDE_PAIRS) run the wide kernel's 256 tiles the same way: D256's step
+# loops, less a dQ chunk wholly past D (triton 3.6, M = N = 1000: 192 noop 423 / 472 instructions against 476 / 472,
+# HGMMA 92 against 96), D256's shared memory, no spill.
+@pytest.mark.parametrize("D, variant", [(192, "noop"), (160, "causal")])
+def test_padded_wide_head_dims_run_the_256_tiles(D, variant):
+    padded, d256 = _main_kernel(D, variant), _main_kernel(256, variant)
+    print(f"\nD{D} {variant}: loops {[len(b) for b in _step_loops(padded)]}, HGMMA {padded.hgmma}, "
+          f"{padded.spill_instructions} spills, shared {padded.shared}")
+    assert padded.spill_instructions == 0 and padded.stack == 0 and padded.shared == d256.shared <= SMEM_LIMIT
+    assert 0 < padded.hgmma < d256.hgmma

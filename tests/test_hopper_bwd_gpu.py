@@ -124,8 +124,8 @@ CASES = [
 
 
 # (q/k, v) head dims: bwd_sm90.py's 64 and 128 (80 and 96 in its 128 tiles, zero-filled past D), bwd_sm90_wide.py's
-# 256 and 192 / 128 (dK, dV split by columns)
-HEAD_DIMS = [(64, 64), (128, 128), (80, 80), (96, 96), (256, 256), (192, 128)]
+# 256 and 192 / 128 (dK, dV split by columns; 160 and 192 in the 256 tiles)
+HEAD_DIMS = [(64, 64), (128, 128), (80, 80), (96, 96), (256, 256), (192, 128), (192, 192), (160, 160)]
 WIDE_HEAD_DIMS = [(256, 256), (192, 128)]
 
 
@@ -287,7 +287,7 @@ def test_fully_masked_rows_get_zero_gradient(dims):
     assert (dq[:, :, :20] == 0).all()
 
 
-@pytest.mark.parametrize("dims", [(128, 128), (96, 96)] + WIDE_HEAD_DIMS, ids=_dims_id)
+@pytest.mark.parametrize("dims", [(128, 128), (96, 96), (192, 192)] + WIDE_HEAD_DIMS, ids=_dims_id)
 def test_with_our_hopper_forward(dims):
     """out and LSE from templates/hopper's forward kernel (log2 LSE), causal + softcap."""
     from fa3_inductor.templates.hopper import launch_fwd_sm90
@@ -318,10 +318,10 @@ def test_deterministic_is_refused():
                                 torch.empty_like(k), torch.empty_like(v), sm_scale=0.125, deterministic=True)
 
 
-@pytest.mark.parametrize("dims", WIDE_HEAD_DIMS + [(96, 96), (80, 80)], ids=_dims_id)
+@pytest.mark.parametrize("dims", WIDE_HEAD_DIMS + [(192, 192), (160, 160), (96, 96), (80, 80)], ids=_dims_id)
 def test_head_dims_are_served(dims):
-    """family.py serves 256 and 192 / 128 on sm90 (bwd_sm90_wide.py), 80 and 96 with bwd_sm90.py's 128 tiles, and
-    the launches name that kernel."""
+    """family.py serves 256 and 192 / 128 on sm90 (bwd_sm90_wide.py; 160 and 192 in its 256 tiles), 80 and 96 with
+    bwd_sm90.py's 128 tiles, and the launches name that kernel."""
     from fa3_inductor.templates.family import BackwardSiteFacts
     from fa3_inductor.templates.hopper_bwd import prepare_hopper_backward
     from fa3_inductor.templates.hopper_bwd.bwd_sm90 import fa3_bwd_sm90_kernel

@@ -20,22 +20,27 @@ def _plan(D, DV, M=1000, N=777, **options):
                                    torch.empty_like(k), torch.empty_like(v), sm_scale=D ** -0.5, **options)
 
 
-@pytest.mark.parametrize("D, DV, stages", [(256, 256, 1), (192, 128, 2)])
-def test_wide_plan(D, DV, stages):
+# (D, DV, the tiles' D / DV, ring stages): 192 / 192 runs the 256 tiles (configs.PADDED_WIDE_PAIRS)
+@pytest.mark.parametrize("D, DV, tile_d, tile_dv, stages", [(256, 256, 256, 256, 1), (192, 128, 192, 128, 2),
+                                                             (192, 192, 256, 256, 1)])
+def test_wide_plan(D, DV, tile_d, tile_dv, stages):
     from fa3_inductor.templates.hopper_bwd.bwd_sm90_wide import WideTile, fa3_bwd_sm90_wide_kernel
     from fa3_inductor.templates.hopper_bwd.configs import SMEM_LIMIT, get_bwd_config
 
     pre, main, convert = _plan(D, DV)
     kernel, args, kwargs, grid = main
     assert kernel is fa3_bwd_sm90_wide_kernel
-    assert kwargs["TILE"] == WideTile(HEAD_D=D, HEAD_DV=DV, NUM_STAGES=stages)
+    assert kwargs["TILE"] == WideTile(HEAD_D=tile_d, HEAD_DV=tile_dv, NUM_STAGES=stages,
+                                      HEAD_D_IN=D if tile_d != D else 0)
     assert grid == (math.ceil(777 / 64), 2 * 2)            # 64-key CTAs, one per (K/V batch, K/V head)
     assert not kwargs["FLAGS"].EVEN_N
-    assert pre[2]["HEAD_DV"] == DV and pre[2]["HEAD_D_POW2"] == 256 and convert[2]["HEAD_D_POW2"] == 256
+    # the passes: O's columns when they are not Q's, columns masked to D when D is no power of two
+    assert pre[2].get("HEAD_DV") == (DV if DV != D else None)
+    assert pre[2].get("HEAD_D_POW2") == convert[2].get("HEAD_D_POW2") == (256 if D != 256 else None)
     dq_acc = args[8]
     assert tuple(dq_acc.shape) == (2 * 4, 1024, D)             # rows padded to BLOCK_M 64
     cfg = get_bwd_config(D, DV)
-    assert cfg.split_dkv and cfg.num_stages == stages and cfg.smem_bytes(D, value_head_dim=DV) <= SMEM_LIMIT
+    assert cfg.split_dkv and cfg.num_stages == stages and cfg.smem_bytes(tile_d, value_head_dim=tile_dv) <= SMEM_LIMIT
 
 
 def test_narrow_plan_unchanged():
@@ -51,7 +56,7 @@ def test_narrow_plan_unchanged():
 def test_unserved_pairs_are_refused():
     from fa3_inductor.templates.hopper_bwd import get_bwd_config
 
-    for D, DV in ((192, 192), (160, 160), (96, 128), (256, 128), (128, 64)):
+    for D, DV in ((192, 160), (96, 128), (256, 128), (128, 64), (112, 112)):
         with pytest.raises(ValueError, match="not served"):
             get_bwd_config(D, DV)
         with pytest.raises(ValueError, match="not served"):

@@ -1,4 +1,5 @@
-"""The sm90 backward for wide head dims (D / DV = 256 / 256 and 192 / 128): dK and dV split along the head dim.
+"""The sm90 backward for wide head dims (D / DV = 256 / 256 and 192 / 128; 160 and 192 in the 256 tiles, whose columns
+past D TMA fills with zeros): dK and dV split along the head dim.
 
 bwd_sm90.py's kernel gives each consumer warpgroup 64 keys and their whole dK, dV rows: D + DV fp32 registers a
 thread across the loop over 2 warpgroups, 256 at D = 256, over the 240 a thread has (docs/design/hopper_backward.md,
@@ -75,6 +76,17 @@ class WideTile:
     HEAD_D: int        # D of q, k: 256 or 192
     HEAD_DV: int       # DV of v: 256 or 128
     NUM_STAGES: int    # depth of the Q / dO ring
+    HEAD_D_IN: int = 0   # the tensors' D = DV when less (160, 192 in the 256 tiles, TMA zero-filled); 0: HEAD_D
+
+    @property
+    def D_MEM(self) -> int:
+        """Columns of Q, K, dK and DQ_ACC in memory: where the stores and dQ chunks stop, and the rows' stride."""
+        return self.HEAD_D_IN or self.HEAD_D
+
+    @property
+    def DV_MEM(self) -> int:
+        """Columns of V, dO and dV in memory."""
+        return self.HEAD_D_IN or self.HEAD_DV
 
     @property
     def BLOCK_M(self) -> int:
@@ -310,23 +322,27 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
             dv, dk, _p, _ds, _dc, _qd = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_t, ds_tile, do_cols, q_dk])
             mbarrier.arrive(qdo_empty.index(st), count=1)
             for c in gl.static_range(DQ_W // DQ_N):
-                k_cols = k_dq.slice(c * DQ_N, DQ_N, dim=1)
-                dq_tok = warpgroup_mma(ds_tile, k_cols, dq_zero, use_acc=False, is_async=True)
-                dq, _a, _b = warpgroup_mma_wait(0, deps=[dq_tok, ds_tile, k_cols])
-                tma.store_wait(0)                    # the previous reduce has read the staging tile
-                dq_stage.reshape([BLOCK_M, DQ_N]).store(dq)
-                fence_async_shared()
-                _tma_reduce_add(dq_desc, [zh, m0, DQ0 + c * DQ_N], dq_stage)
+                if DQ0 + c * DQ_N < TILE.D_MEM:      # (a chunk wholly in the zero columns is skipped)
+                    k_cols = k_dq.slice(c * DQ_N, DQ_N, dim=1)
+                    dq_tok = warpgroup_mma(ds_tile, k_cols, dq_zero, use_acc=False, is_async=True)
+                    dq, _a, _b = warpgroup_mma_wait(0, deps=[dq_tok, ds_tile, k_cols])
+                    tma.store_wait(0)                    # the previous reduce has read the staging tile
+                    dq_stage.reshape([BLOCK_M, DQ_N]).store(dq)
+                    fence_async_shared()
+                    _tma_reduce_add(dq_desc, [zh, m0, DQ0 + c * DQ_N], dq_stage)
             cnt += 1
 
     # dK, dV: one store per output tile (rows past N clipped); dK takes the scale and f's factor here.
     rows_k = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout))[:, None]
     cols_k = DK0 + gl.arange(0, DK_N, layout=gl.SliceLayout(0, dk_layout))[None, :]
     head = (kz * HKV + hkv).to(gl.int64) * N
-    gl.store(dk_ptr + head * D + rows_k * D + cols_k, (dk * ds_scale).to(dtype), mask=(rows_k < N) & (cols_k < D))
+    D_MEM: gl.constexpr = TILE.D_MEM
+    DV_MEM: gl.constexpr = TILE.DV_MEM
+    gl.store(dk_ptr + head * D_MEM + rows_k * D_MEM + cols_k, (dk * ds_scale).to(dtype),
+             mask=(rows_k < N) & (cols_k < D_MEM))
     rows_v = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dv_layout))[:, None]
     cols_v = DV0 + gl.arange(0, DV_WG, layout=gl.SliceLayout(0, dv_layout))[None, :]
-    gl.store(dv_ptr + head * DV + rows_v * DV + cols_v, dv.to(dtype), mask=(rows_v < N) & (cols_v < DV))
+    gl.store(dv_ptr + head * DV_MEM + rows_v * DV_MEM + cols_v, dv.to(dtype), mask=(rows_v < N) & (cols_v < DV_MEM))
     tma.store_wait(0)   # the last dQ reduce has read the staging tile before the CTA exits
 
 

@@ -113,19 +113,29 @@ WIDE_TABLE: dict[tuple[int, int], BwdSm90Config] = {
     (192, 128): BwdSm90Config(num_stages=2, split_dkv=True),
 }
 
-SUPPORTED_HEAD_DIM_PAIRS = tuple(sorted([(d, d) for d in SUPPORTED_HEAD_DIMS] + list(WIDE_TABLE)))
+# 160 and 192 (for q, k and v) run the 256 tiles the same way (the wide kernel; a quarter to 0.375 of its work
+# multiplies zeros).
+PADDED_WIDE_PAIRS: dict[tuple[int, int], tuple[int, int]] = {(160, 160): (256, 256), (192, 192): (256, 256)}
+
+SUPPORTED_HEAD_DIM_PAIRS = tuple(sorted([(d, d) for d in SUPPORTED_HEAD_DIMS] + list(WIDE_TABLE)
+                                        + list(PADDED_WIDE_PAIRS)))
 
 
-def tile_head_dim(head_dim: int) -> int:
-    """The head dim the D <= 128 kernel's tiles have for q/k/v head dim ``head_dim`` (PADDED_HEAD_DIMS: 128 for
-    80 and 96; itself otherwise).
+def tile_head_dims(head_dim: int, value_head_dim: int | None = None) -> tuple[int, int]:
+    """The (q/k, v) head dims of the kernel tiles that serve ``head_dim`` / ``value_head_dim`` (default the same):
+    PADDED_HEAD_DIMS' 128 for 80 and 96, PADDED_WIDE_PAIRS' 256 for 160 and 192 (v's the same), else themselves.
 
     Example::
 
-        >>> tile_head_dim(96), tile_head_dim(64)
-        (128, 64)
+        >>> tile_head_dims(96), tile_head_dims(64), tile_head_dims(192), tile_head_dims(192, 128)
+        ((128, 128), (64, 64), (256, 256), (192, 128))
     """
-    return PADDED_HEAD_DIMS.get(head_dim, head_dim)
+    pair = (head_dim, value_head_dim or head_dim)
+    if pair in PADDED_WIDE_PAIRS:
+        return PADDED_WIDE_PAIRS[pair]
+    if pair[0] == pair[1] and head_dim in PADDED_HEAD_DIMS:
+        return PADDED_HEAD_DIMS[head_dim], PADDED_HEAD_DIMS[head_dim]
+    return pair
 
 
 # Named schedules for A/B runs (benchmarks/bwd_speed.py --bwd-variants): field overrides of the table's entry.
@@ -175,16 +185,16 @@ def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: b
         False
     """
     pair = (head_dim, value_head_dim or head_dim)
-    if pair in WIDE_TABLE:
-        cfg = WIDE_TABLE[pair]
+    if PADDED_WIDE_PAIRS.get(pair, pair) in WIDE_TABLE:
+        cfg = WIDE_TABLE[PADDED_WIDE_PAIRS.get(pair, pair)]
     elif pair[0] != pair[1] or head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"sm90 backward: head dims {pair[0]}/{pair[1]} are not served (it serves "
                          f"{', '.join(f'{d}/{dv}' for d, dv in SUPPORTED_HEAD_DIM_PAIRS)}); use the generic "
                          "backward (templates/generic_bwd)")
-    elif grad_mod and tile_head_dim(head_dim) in _GRAD_MOD_TABLE:
-        cfg = _GRAD_MOD_TABLE[tile_head_dim(head_dim)]   # (its overlap 1 spills with the persistent schedule's state)
-    elif masked and tile_head_dim(head_dim) in PERSISTENT_HEAD_DIMS:
-        cfg = replace(_TABLE[tile_head_dim(head_dim)], persistent=True)
+    elif grad_mod and tile_head_dims(head_dim)[0] in _GRAD_MOD_TABLE:
+        cfg = _GRAD_MOD_TABLE[tile_head_dims(head_dim)[0]]   # (its overlap 1 spills with the persistent schedule's state)
+    elif masked and tile_head_dims(head_dim)[0] in PERSISTENT_HEAD_DIMS:
+        cfg = replace(_TABLE[tile_head_dims(head_dim)[0]], persistent=True)
     else:
-        cfg = _TABLE[tile_head_dim(head_dim)]
+        cfg = _TABLE[tile_head_dims(head_dim)[0]]
     return replace(cfg, **overrides) if overrides else cfg

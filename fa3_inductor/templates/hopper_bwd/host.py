@@ -23,7 +23,7 @@ from .bwd_sm90 import (BwdFlags, BwdSchedule, BwdSparsity, BwdTile, bwd_sm90_dq_
                        bwd_sm90_preprocess_kernel, fa3_bwd_sm90_kernel)
 from .bwd_sm90_m128 import M128Tile, fa3_bwd_sm90_m128_kernel
 from .bwd_sm90_wide import WideTile, fa3_bwd_sm90_wide_kernel
-from .configs import SMEM_LIMIT, SUPPORTED_HEAD_DIM_PAIRS, BwdSm90Config, get_bwd_config, tile_head_dim
+from .configs import SMEM_LIMIT, SUPPORTED_HEAD_DIM_PAIRS, BwdSm90Config, get_bwd_config, tile_head_dims
 
 _MAX_SEQ = 1 << 23
 _LOG2E = math.log2(math.e)
@@ -330,15 +330,15 @@ def prepare_hopper_backward(
     KZ, HKV, N, DV = v.shape
     # the table's row for what the launch has (launch_traits: the mods' derivatives, a block mask)
     cfg = config or get_bwd_config(D, DV, **launch_traits(score_mod, score_grad_mod, mask_mod, has_mask))
-    # 80 / 96: the 128 tiles, zero columns past D (configs.PADDED_HEAD_DIMS)
-    DT = tile_head_dim(D) if not cfg.split_dkv else D
-    if cfg.smem_bytes(DT, value_head_dim=DV) > SMEM_LIMIT:
-        _refuse(f"config {cfg} needs {cfg.smem_bytes(DT, value_head_dim=DV)} bytes of shared memory "
+    # 80 / 96: the 128 tiles, 160 / 192 (v's the same): the 256 tiles, zero columns past D (configs.PADDED_*)
+    DT, DVT = tile_head_dims(D, DV)
+    if cfg.smem_bytes(DT, value_head_dim=DVT) > SMEM_LIMIT:
+        _refuse(f"config {cfg} needs {cfg.smem_bytes(DT, value_head_dim=DVT)} bytes of shared memory "
                 f"(limit {SMEM_LIMIT})")
     if DT != D and not cfg.dq_tma:
         _refuse(f"head dim {D} runs {DT}-column tiles, whose dQ only the TMA reduce-add clips to {D} columns "
                 "(dq_tma=True)")
-    if cfg.split_dkv != (D > 128):
+    if cfg.split_dkv != (DT > 128):
         _refuse(f"config {cfg} does not fit head dims {D}/{DV} (split_dkv is for D > 128)")
     if cfg.split_dkv and cfg.overlap:
         _refuse("the cross-step overlap (overlap) is built for D <= 128 only, not the wide-head-dim kernel")
@@ -348,7 +348,7 @@ def prepare_hopper_backward(
         _refuse(f"config {cfg}: 128 query rows a step (block_m) is built for D = 64, in order (overlap 0), dQ by "
                 "TMA reduce-add")
     if cfg.split_dkv:
-        tile = WideTile(HEAD_D=D, HEAD_DV=DV, NUM_STAGES=cfg.num_stages)
+        tile = WideTile(HEAD_D=DT, HEAD_DV=DVT, NUM_STAGES=cfg.num_stages, HEAD_D_IN=D if DT != D else 0)
     elif cfg.block_m == 128:
         tile = M128Tile(HEAD_D=D, NUM_STAGES=cfg.num_stages)
     else:
@@ -428,10 +428,10 @@ def prepare_hopper_backward(
     cta_args = tuple(launch_constant(t) for t in cta_args)
 
     # a head dim pair or one that is not a power of two (192 / 128; 80, 96): O's columns and a padded dQ range
-    if cfg.split_dkv:
+    if cfg.split_dkv and DV != D:
         wide = dict(HEAD_DV=DV, HEAD_D_POW2=triton.next_power_of_2(D))
     else:
-        wide = dict(HEAD_D_POW2=DT) if DT != D else {}
+        wide = dict(HEAD_D_POW2=triton.next_power_of_2(D)) if triton.next_power_of_2(D) != D else {}
     preprocess = (
         bwd_sm90_preprocess_kernel,
         (out, dout, lse, grad_lse.float().contiguous() if grad_lse is not None else lse, stats, dq_acc,
@@ -443,9 +443,9 @@ def prepare_hopper_backward(
         main = (
             fa3_bwd_sm90_wide_kernel,
             (_desc(q, [1, 1, tile.BLOCK_M, lo]), _desc(q, [1, 1, tile.BLOCK_M, hi]),
-             _desc(dout, [1, 1, tile.BLOCK_M, DV]),
+             _desc(dout, [1, 1, tile.BLOCK_M, DVT]),
              _desc(k, [1, 1, tile.BLOCK_N, lo]), _desc(k, [1, 1, tile.BLOCK_N, hi]),
-             _desc(v, [1, 1, tile.BLOCK_N, DV]), _dq_acc_desc(dq_acc, tile),
+             _desc(v, [1, 1, tile.BLOCK_N, DVT]), _dq_acc_desc(dq_acc, tile),
              stats, dq_acc, dk, dv, *tables, tuple(score_bufs), tuple(mask_bufs),
              Z, HQ, KZ, M, N, m_pad, SZ, SH, num_kv_blks, num_q_blks, *scalars),
             dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse,
