@@ -73,7 +73,7 @@ _TABLE: dict[int, BwdSm90Config] = {
     # on ALiBi, 0.98-1.02x on causal and softcap (H200, bwd-speed-nvidia-h200-2026-11-29-0803-overlap); at D64
     # it was 0.93-1.04x, so D64 keeps the in-order step. dS's P carried in registers from the step that made it
     # (p_regs): the backward 1.07 / 1.09x on noop, 1.11 / 1.13x causal, 1.09 / 1.09x softcap, 1.06 / 1.10x sliding
-    # window, 1.03 / 1.07x documents, 1.03 / 1.00x ALiBi at 4k / 8k (H200, bwd-speed-nvidia-h200-2026-11-29-1732-d128).
+    # window, 1.03 / 1.07x documents, 1.03 / 1.00x ALiBi at 4k / 8k (H200, bwd-speed-nvidia-h200-2026-11-29-1734-d128).
     128: BwdSm90Config(num_stages=2, overlap=2, p_regs=True),
 }
 
@@ -185,16 +185,17 @@ def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: b
         False
     """
     pair = (head_dim, value_head_dim or head_dim)
-    if PADDED_WIDE_PAIRS.get(pair, pair) in WIDE_TABLE:
-        cfg = WIDE_TABLE[PADDED_WIDE_PAIRS.get(pair, pair)]
+    tiles = tile_head_dims(*pair)   # the row of the tiles that serve the pair (80 / 96: 128; 160 / 192: 256)
+    if tiles in WIDE_TABLE:
+        cfg = WIDE_TABLE[tiles]
     elif pair[0] != pair[1] or head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"sm90 backward: head dims {pair[0]}/{pair[1]} are not served (it serves "
                          f"{', '.join(f'{d}/{dv}' for d, dv in SUPPORTED_HEAD_DIM_PAIRS)}); use the generic "
                          "backward (templates/generic_bwd)")
-    elif grad_mod and tile_head_dims(head_dim)[0] in _GRAD_MOD_TABLE:
-        cfg = _GRAD_MOD_TABLE[tile_head_dims(head_dim)[0]]   # (its overlap 1 spills with the persistent schedule's state)
-    elif masked and tile_head_dims(head_dim)[0] in PERSISTENT_HEAD_DIMS:
-        cfg = replace(_TABLE[tile_head_dims(head_dim)[0]], persistent=True)
+    elif grad_mod and tiles[0] in _GRAD_MOD_TABLE:
+        cfg = _GRAD_MOD_TABLE[tiles[0]]    # (its overlap 1 spills with the persistent schedule's state: grid order)
+    elif masked and tiles[0] in PERSISTENT_HEAD_DIMS:
+        cfg = replace(_TABLE[tiles[0]], persistent=True)
     else:
-        cfg = _TABLE[tile_head_dims(head_dim)[0]]
+        cfg = _TABLE[tiles[0]]
     return replace(cfg, **overrides) if overrides else cfg

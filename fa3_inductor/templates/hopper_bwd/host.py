@@ -332,6 +332,7 @@ def prepare_hopper_backward(
     cfg = config or get_bwd_config(D, DV, **launch_traits(score_mod, score_grad_mod, mask_mod, has_mask))
     # 80 / 96: the 128 tiles, 160 / 192 (v's the same): the 256 tiles, zero columns past D (configs.PADDED_*)
     DT, DVT = tile_head_dims(D, DV)
+    d_in = D if DT != D else 0   # the tiles' HEAD_D_IN: the tensors' columns when fewer than the tiles'
     if cfg.smem_bytes(DT, value_head_dim=DVT) > SMEM_LIMIT:
         _refuse(f"config {cfg} needs {cfg.smem_bytes(DT, value_head_dim=DVT)} bytes of shared memory "
                 f"(limit {SMEM_LIMIT})")
@@ -348,11 +349,11 @@ def prepare_hopper_backward(
         _refuse(f"config {cfg}: 128 query rows a step (block_m) is built for D = 64, in order (overlap 0), dQ by "
                 "TMA reduce-add")
     if cfg.split_dkv:
-        tile = WideTile(HEAD_D=DT, HEAD_DV=DVT, NUM_STAGES=cfg.num_stages, HEAD_D_IN=D if DT != D else 0)
+        tile = WideTile(HEAD_D=DT, HEAD_DV=DVT, NUM_STAGES=cfg.num_stages, HEAD_D_IN=d_in)
     elif cfg.block_m == 128:
         tile = M128Tile(HEAD_D=D, NUM_STAGES=cfg.num_stages)
     else:
-        tile = BwdTile(HEAD_D=DT, NUM_STAGES=cfg.num_stages, HEAD_D_IN=D if DT != D else 0)
+        tile = BwdTile(HEAD_D=DT, NUM_STAGES=cfg.num_stages, HEAD_D_IN=d_in)
     if has_mask and (sparse_q_block % tile.BLOCK_M or sparse_kv_block % tile.BLOCK_N):
         _refuse(f"block-mask blocks {sparse_q_block}x{sparse_kv_block} are not multiples of the tiles "
                 f"{tile.BLOCK_M}x{tile.BLOCK_N}; build the BlockMask with BLOCK_SIZE 128 (torch's default)")
@@ -427,16 +428,14 @@ def prepare_hopper_backward(
     # contents of the launch's key; only the balance follows the mask it was made for)
     cta_args = tuple(launch_constant(t) for t in cta_args)
 
-    # a head dim pair or one that is not a power of two (192 / 128; 80, 96): O's columns and a padded dQ range
-    if cfg.split_dkv and DV != D:
-        wide = dict(HEAD_DV=DV, HEAD_D_POW2=triton.next_power_of_2(D))
-    else:
-        wide = dict(HEAD_D_POW2=triton.next_power_of_2(D)) if triton.next_power_of_2(D) != D else {}
+    # the passes' columns: D rounded up to a power of two and masked (80, 96, 160, 192), O's when not Q's (192 / 128)
+    pass_dims = {"HEAD_D_POW2": triton.next_power_of_2(D)} if triton.next_power_of_2(D) != D else {}
+    pre_dims = {**pass_dims, "HEAD_DV": DV} if DV != D else pass_dims
     preprocess = (
         bwd_sm90_preprocess_kernel,
         (out, dout, lse, grad_lse.float().contiguous() if grad_lse is not None else lse, stats, dq_acc,
          _strides(out), _strides(dout), HQ, M, m_pad),
-        dict(HAS_DLSE=grad_lse is not None, BLOCK=_PASS_BLOCK, HEAD_D=D, num_warps=4, **wide),
+        dict(HAS_DLSE=grad_lse is not None, BLOCK=_PASS_BLOCK, HEAD_D=D, num_warps=4, **pre_dims),
         (triton.cdiv(m_pad, _PASS_BLOCK), Z * HQ))
     if cfg.split_dkv:
         lo, hi = tile.LO, tile.HI   # D = 256: one Q / K tile (lo = hi = 256), the second descriptor unused
@@ -476,8 +475,7 @@ def prepare_hopper_backward(
     convert = (
         bwd_sm90_dq_convert_kernel,
         (dq_acc, dq, _strides(dq), HQ, M, m_pad, ds_scale),
-        dict(BLOCK=_PASS_BLOCK, HEAD_D=D, num_warps=4,
-             **({"HEAD_D_POW2": wide["HEAD_D_POW2"]} if wide else {})),
+        dict(BLOCK=_PASS_BLOCK, HEAD_D=D, num_warps=4, **pass_dims),
         (triton.cdiv(M, _PASS_BLOCK), Z * HQ))
     return [preprocess, main, convert]
 
