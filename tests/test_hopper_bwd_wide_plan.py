@@ -31,7 +31,7 @@ def test_wide_plan(D, DV, tile_d, tile_dv, stages):
     kernel, args, kwargs, grid = main
     assert kernel is fa3_bwd_sm90_wide_kernel
     assert kwargs["TILE"] == WideTile(HEAD_D=tile_d, HEAD_DV=tile_dv, NUM_STAGES=stages,
-                                      HEAD_D_IN=D if tile_d != D else 0)
+                                      HEAD_D_IN=D if tile_d != D else 0, P_REGS=True)
     assert grid == (math.ceil(777 / 64), 2 * 2)            # 64-key CTAs, one per (K/V batch, K/V head)
     assert not kwargs["FLAGS"].EVEN_N
     # the passes: O's columns when they are not Q's, columns masked to D when D is no power of two

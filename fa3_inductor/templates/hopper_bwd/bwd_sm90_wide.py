@@ -77,6 +77,7 @@ class WideTile:
     HEAD_DV: int       # DV of v: 256 or 128
     NUM_STAGES: int    # depth of the Q / dO ring
     HEAD_D_IN: int = 0   # the tensors' D = DV when less (160, 192 in the 256 tiles, TMA zero-filled); 0: HEAD_D
+    P_REGS: bool = False   # dS from P (times f') held in fp32 registers across dP, not read back from shared memory
 
     @property
     def D_MEM(self) -> int:
@@ -292,12 +293,16 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
             p = _probabilities(qk, lse, z, hq, q_idx, kv_idx, i < n_partial, sm_scale, qk_scale2, score_bufs,
                                mask_bufs, SCORE_MOD, MASK_MOD, FLAGS)
             p_mine.store(p.to(dtype))
+            p_ds = p                                 # dS's factor, with P_REGS (else read back after dP)
             if SCORE_GRAD is not None:
                 grad = SCORE_GRAD(qk, sm_scale, z, hq, q_idx, kv_idx, score_bufs)
                 if not FLAGS.GRAD_FINITE:
                     # masked scores (P = 0) take no gradient, even where f' is not finite there
                     grad = gl.where(p > 0.0, grad, 0.0)
-                f_smem.index(WG).store(grad.to(dtype))
+                if TILE.P_REGS:
+                    p_ds = p * grad
+                else:
+                    f_smem.index(WG).store(grad.to(dtype))
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(p_ready.index(buf), count=1)
@@ -310,9 +315,12 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
             do_cols = do_t.slice(DV0, DV_WG, dim=1)
             dv_tok = warpgroup_mma(p_t, do_cols, dv, is_async=True)
             dp, _do, _v = warpgroup_mma_wait(1, deps=[dp_tok, do_t, v_t])
-            ds = p_mine.load(s_layout).to(gl.float32) * (dp - delta[:, None])
-            if SCORE_GRAD is not None:
-                ds = ds * f_smem.index(WG).load(s_layout).to(gl.float32)
+            if TILE.P_REGS:
+                ds = p_ds * (dp - delta[:, None])
+            else:
+                ds = p_mine.load(s_layout).to(gl.float32) * (dp - delta[:, None])
+                if SCORE_GRAD is not None:
+                    ds = ds * f_smem.index(WG).load(s_layout).to(gl.float32)
             ds_mine.store(ds.to(dtype))
             fence_async_shared()
             gl.thread_barrier()

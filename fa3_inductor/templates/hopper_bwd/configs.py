@@ -104,13 +104,15 @@ SUPPORTED_HEAD_DIMS = tuple(sorted([*_TABLE, *PADDED_HEAD_DIMS]))
 PERSISTENT_HEAD_DIMS = (64, 128)
 
 # Wide head dims (q/k, v) -> config: bwd_sm90_wide.py, dK and dV split along the head dim between the two
-# consumer warpgroups (docs/design/hopper_backward.md, "Wide head dims"). Unmeasured on a GPU so far.
+# consumer warpgroups (docs/design/hopper_backward.md, "Wide head dims").
 WIDE_TABLE: dict[tuple[int, int], BwdSm90Config] = {
     # 32 KB K + 32 KB V + one 64 KB Q / dO stage + 16 KB P + 16 KB dS + 32 KB dQ staging = 192 KB (+8 KB f'
     # with a score_mod); a second stage would be 256 KB.
-    (256, 256): BwdSm90Config(num_stages=1, split_dkv=True),
+    # (p_regs: dS's P in registers, the backward 1.01-1.05x on noop / causal / softcap at both pairs, H200,
+    # bwd-speed-nvidia-h200-2026-11-29-1824-wide-preg)
+    (256, 256): BwdSm90Config(num_stages=1, split_dkv=True, p_regs=True),
     # 24 + 16 KB K, V + 2 x 40 KB Q / dO + 16 + 16 + 32 KB = 184 KB (192 KB with a score_mod)
-    (192, 128): BwdSm90Config(num_stages=2, split_dkv=True),
+    (192, 128): BwdSm90Config(num_stages=2, split_dkv=True, p_regs=True),
 }
 
 # 160 and 192 (for q, k and v) run the 256 tiles the same way (the wide kernel; a quarter to 0.375 of its work

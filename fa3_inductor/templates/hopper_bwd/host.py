@@ -349,7 +349,7 @@ def prepare_hopper_backward(
         _refuse(f"config {cfg}: 128 query rows a step (block_m) is built for D = 64, in order (overlap 0), dQ by "
                 "TMA reduce-add")
     if cfg.split_dkv:
-        tile = WideTile(HEAD_D=DT, HEAD_DV=DVT, NUM_STAGES=cfg.num_stages, HEAD_D_IN=d_in)
+        tile = WideTile(HEAD_D=DT, HEAD_DV=DVT, NUM_STAGES=cfg.num_stages, HEAD_D_IN=d_in, P_REGS=cfg.p_regs)
     elif cfg.block_m == 128:
         tile = M128Tile(HEAD_D=D, NUM_STAGES=cfg.num_stages)
     else:
