@@ -519,16 +519,9 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
             p = _probabilities(qk, lse, z, hq, q_idx, kv_idx, i < n_partial, sm_scale, qk_scale2, score_bufs,
                                mask_bufs, SCORE_MOD, MASK_MOD, FLAGS)
             p_mine.store(p.to(dtype))
-            p_ds = p   # SCHED.P_REGS: dS's P (times f') in fp32 registers across the dP wgmma
-            if SCORE_GRAD is not None:
-                grad = SCORE_GRAD(qk, sm_scale, z, hq, q_idx, kv_idx, score_bufs)
-                if not FLAGS.GRAD_FINITE:
-                    # masked scores (P = 0) take no gradient, even where f' is not finite there
-                    grad = gl.where(p > 0.0, grad, 0.0)
-                if SCHED.P_REGS:
-                    p_ds = p * grad
-                else:
-                    p_smem.index(2 + WG).store(grad.to(dtype))
+            # SCHED.P_REGS: dS's P (times f') in fp32 registers across the dP wgmma
+            p_ds = _ds_factor(p, qk, p_smem.index(2 + WG), sm_scale, z, hq, q_idx, kv_idx, score_bufs, SCORE_GRAD,
+                              FLAGS, SCHED.P_REGS)
             fence_async_shared()
             gl.thread_barrier()        # every thread's part of P is in shared memory before the wgmma reads it
             dp_tok = warpgroup_mma(do_t, v_t, s_zero, use_acc=False, is_async=True)
@@ -536,14 +529,7 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
             if not SCHED.STATS_AHEAD:
                 delta = gl.load(stats_h + M_PAD + m0 + rows_)
             dp, _do, _v = warpgroup_mma_wait(1, deps=[dp_tok, do_t, v_t])
-            if SCHED.P_REGS:
-                ds = p_ds * (dp - delta[:, None])
-            else:
-                # P (and f') back from shared memory in 16 bits: held in registers across the dP wgmma they spilled
-                # at D = 128 with a mod
-                ds = p_mine.load(s_layout).to(gl.float32) * (dp - delta[:, None])
-                if SCORE_GRAD is not None:
-                    ds = ds * p_smem.index(2 + WG).load(s_layout).to(gl.float32)
+            ds = _ds(dp, delta, p_ds, p_mine, p_smem.index(2 + WG), s_layout, SCORE_GRAD is not None, SCHED.P_REGS)
             # dS to shared memory: this warpgroup's dK wgmma reads its half, the dQ wgmma both halves.
             ds_tile = ds_smem.index(buf)                              # [BLOCK_M, BLOCK_N]
             ds_mine = ds_tile.slice(WG * HALF_N, HALF_N, dim=1)
@@ -620,6 +606,39 @@ def _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, m0, row_off, WG: gl.constexpr,
 # Consumers with cross-step overlap (SCHED.OVERLAP; docs/design/hopper_backward.md, "Cross-step overlap").
 # ----------------------------------------------------------------------------------------------
 @gluon.jit
+def _ds_factor(p, qk, f_dst, sm_scale, z, hq, q_idx, kv_idx, score_bufs, SCORE_GRAD: gl.constexpr,
+               FLAGS: gl.constexpr, P_REGS: gl.constexpr):
+    """dS's factor from a step's P (fp32) and S = ``qk``: without a score_mod P itself; with one, f' (0 where P = 0
+    unless FLAGS.GRAD_FINITE) either multiplied in (P_REGS: P · f' held in registers across dP) or stored to
+    ``f_dst`` in its 16 bits for dS to read back (P returned). Every kernel of this family makes it so."""
+    p_ds = p
+    if SCORE_GRAD is not None:
+        grad = SCORE_GRAD(qk, sm_scale, z, hq, q_idx, kv_idx, score_bufs)
+        if not FLAGS.GRAD_FINITE:
+            # masked scores (P = 0) take no gradient, even where f' is not finite there
+            grad = gl.where(p > 0.0, grad, 0.0)
+        if P_REGS:
+            p_ds = p * grad
+        else:
+            f_dst.store(grad.to(f_dst.dtype))
+    return p_ds
+
+
+@gluon.jit
+def _ds(dp, delta, p_ds, p_src, f_src, s_layout: gl.constexpr, HAS_GRAD: gl.constexpr, P_REGS: gl.constexpr):
+    """dS = P (dP - DELTA) f' in fp32 from _ds_factor's result ``p_ds`` (P_REGS: P, or P · f', in registers, fp32 or
+    16 bits), else from P and f' read back from ``p_src`` / ``f_src`` in 16 bits (held in registers across the dP
+    wgmma they spilled at D = 128 with a mod)."""
+    if P_REGS:
+        ds = p_ds.to(gl.float32) * (dp - delta[:, None])
+    else:
+        ds = p_src.load(s_layout).to(gl.float32) * (dp - delta[:, None])
+        if HAS_GRAD:
+            ds = ds * f_src.load(s_layout).to(gl.float32)
+    return ds
+
+
+@gluon.jit
 def _make_p(qk, lse, m0, is_partial, z, hq, n0, M, N, p_smem, sm_scale, qk_scale2, score_bufs, mask_bufs, slot,
             WG: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
             FLAGS: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, P_REGS: gl.constexpr = False,
@@ -638,16 +657,8 @@ def _make_p(qk, lse, m0, is_partial, z, hq, n0, M, N, p_smem, sm_scale, qk_scale
                        SCORE_MOD, MASK_MOD, FLAGS)
     dtype: gl.constexpr = p_smem.dtype
     p_smem.index(slot).store(p.to(dtype))
-    p_ds = p
-    if SCORE_GRAD is not None:
-        grad = SCORE_GRAD(qk, sm_scale, z, hq, q_idx, kv_idx, score_bufs)
-        if not FLAGS.GRAD_FINITE:
-            # masked scores (P = 0) take no gradient, even where f' is not finite there
-            grad = gl.where(p > 0.0, grad, 0.0)
-        if P_REGS:
-            p_ds = p * grad
-        else:
-            p_smem.index(2 + slot).store(grad.to(dtype))
+    p_ds = _ds_factor(p, qk, p_smem.index(2 + slot), sm_scale, z, hq, q_idx, kv_idx, score_bufs, SCORE_GRAD, FLAGS,
+                      P_REGS)
     if CARRY16:
         p_ds = p_ds.to(dtype)
     return p_ds
@@ -766,12 +777,9 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
             if not SCHED.STATS_AHEAD:
                 delta = gl.load(stats_h + M_PAD + m0 + rows_)
             dp, _do, _v = warpgroup_mma_wait(1, deps=[dp_tok, do_t, v_t])
-            if SCHED.P_REGS:   # P (times f'), made a step early, carried in registers
-                ds = p_keep.to(gl.float32) * (dp - delta[:, None])
-            else:
-                ds = p_mine.load(s_layout).to(gl.float32) * (dp - delta[:, None])
-                if SCORE_GRAD is not None:
-                    ds = ds * p_smem.index(2 + WG).load(s_layout).to(gl.float32)
+            # P_REGS: P (times f'), made a step early, carried in registers
+            ds = _ds(dp, delta, p_keep if SCHED.P_REGS else None, p_mine, p_smem.index(2 + WG), s_layout,
+                     SCORE_GRAD is not None, SCHED.P_REGS)
             # OVERLAP 1: the dS buffer by buf + an opaque zero: by buf alone, LLVM made warpgroup 0's four dS
             # stmatrix addresses induction variables (+0x4000 a step), whose start ptxas reloaded every head
             ds_tile = ds_smem.index(buf + zero if DQ_UNDER else buf)

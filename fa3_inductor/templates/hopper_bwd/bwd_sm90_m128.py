@@ -49,8 +49,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .bwd_sm90 import (BwdSchedule, _acc_layout, _opaque, _probabilities, _producer_entry, _q_tile_counts,
-                       _q_tile_start, _tma_reduce_add)
+from .bwd_sm90 import (BwdSchedule, _acc_layout, _ds_factor, _opaque, _probabilities, _producer_entry,
+                       _q_tile_counts, _q_tile_start, _tma_reduce_add)
 
 # bwd_sm90's producer walks the grid's (KV tile, K/V head), one K / V buffer: no CTA schedule here (the host's
 # schedules are for the 64-row step)
@@ -100,12 +100,7 @@ def _p_half(qk, lse, m0, is_partial, z, hq, n0, M, N, p_dst, f_dst, sm_scale, qk
                        SCORE_MOD, MASK_MOD, FLAGS)
     dtype: gl.constexpr = p_dst.dtype
     p_dst.store(p.to(dtype))
-    if SCORE_GRAD is not None:
-        grad = SCORE_GRAD(qk, sm_scale, z, hq, q_idx, kv_idx, score_bufs)
-        if not FLAGS.GRAD_FINITE:
-            # masked scores (P = 0) take no gradient, even where f' is not finite there
-            grad = gl.where(p > 0.0, grad, 0.0)
-        f_dst.store(grad.to(dtype))
+    _ds_factor(p, qk, f_dst, sm_scale, z, hq, q_idx, kv_idx, score_bufs, SCORE_GRAD, FLAGS, False)   # f' to f_dst
 
 
 @gluon.jit

@@ -67,7 +67,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .bwd_sm90 import _acc_layout, _opaque, _probabilities, _q_tile_counts, _q_tile_start, _tma_reduce_add
+from .bwd_sm90 import (_acc_layout, _ds, _ds_factor, _opaque, _probabilities, _q_tile_counts, _q_tile_start,
+                       _tma_reduce_add)
 
 
 @dataclass(frozen=True)
@@ -293,16 +294,8 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
             p = _probabilities(qk, lse, z, hq, q_idx, kv_idx, i < n_partial, sm_scale, qk_scale2, score_bufs,
                                mask_bufs, SCORE_MOD, MASK_MOD, FLAGS)
             p_mine.store(p.to(dtype))
-            p_ds = p                                 # dS's factor, with P_REGS (else read back after dP)
-            if SCORE_GRAD is not None:
-                grad = SCORE_GRAD(qk, sm_scale, z, hq, q_idx, kv_idx, score_bufs)
-                if not FLAGS.GRAD_FINITE:
-                    # masked scores (P = 0) take no gradient, even where f' is not finite there
-                    grad = gl.where(p > 0.0, grad, 0.0)
-                if TILE.P_REGS:
-                    p_ds = p * grad
-                else:
-                    f_smem.index(WG).store(grad.to(dtype))
+            p_ds = _ds_factor(p, qk, f_smem.index(WG), sm_scale, z, hq, q_idx, kv_idx, score_bufs, SCORE_GRAD, FLAGS,
+                              TILE.P_REGS)                 # dS's factor (P_REGS; else f' stored, read back after dP)
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(p_ready.index(buf), count=1)
@@ -315,12 +308,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
             do_cols = do_t.slice(DV0, DV_WG, dim=1)
             dv_tok = warpgroup_mma(p_t, do_cols, dv, is_async=True)
             dp, _do, _v = warpgroup_mma_wait(1, deps=[dp_tok, do_t, v_t])
-            if TILE.P_REGS:
-                ds = p_ds * (dp - delta[:, None])
-            else:
-                ds = p_mine.load(s_layout).to(gl.float32) * (dp - delta[:, None])
-                if SCORE_GRAD is not None:
-                    ds = ds * f_smem.index(WG).load(s_layout).to(gl.float32)
+            ds = _ds(dp, delta, p_ds, p_mine, f_smem.index(WG), s_layout, SCORE_GRAD is not None, TILE.P_REGS)
             ds_mine.store(ds.to(dtype))
             fence_async_shared()
             gl.thread_barrier()
