@@ -179,6 +179,22 @@ def test_schedule_variants_match_float64(case, D, variant):
     _check(q, k, v, dout, score_mod, mask_mod, config=get_bwd_config(D, **VARIANTS[variant]))
 
 
+# The wide kernel's dQ staging (configs.VARIANTS dq_bufs*: one or two tiles a warpgroup) at both of its pairs and a
+# padded one (160: warpgroup 1 has one chunk, the other skipped): the staging tiles' reuse across steps and heads, and
+# D256 softcap, where the host keeps one tile (no room beside f').
+@pytest.mark.parametrize("variant", ["dq_bufs1", "dq_bufs2"])
+@pytest.mark.parametrize("dims", [(256, 256), (192, 128), (160, 160)], ids=_dims_id)
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
+def test_wide_dq_variants_match_float64(case, dims, variant):
+    from fa3_inductor.templates.hopper_bwd import get_bwd_config
+    from fa3_inductor.templates.hopper_bwd.configs import VARIANTS
+
+    _, score_mod, mask_mod, Z, HQ, HKV, M, N, KZ = case
+    torch.manual_seed(7)
+    q, k, v, dout = _inputs(Z, HQ, HKV, M, N, dims[0], KZ, DV=dims[1])
+    _check(q, k, v, dout, score_mod, mask_mod, config=get_bwd_config(*dims, **VARIANTS[variant]))
+
+
 def _head_window(b, h, q_idx, kv_idx):
     """A causal window of 128 * (h + 1) keys: every head its own block mask, so the CTA orders differ by head."""
     return (q_idx >= kv_idx) & (q_idx - kv_idx < 128 * (h + 1))

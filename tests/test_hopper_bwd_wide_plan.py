@@ -20,10 +20,12 @@ def _plan(D, DV, M=1000, N=777, **options):
                                    torch.empty_like(k), torch.empty_like(v), sm_scale=D ** -0.5, **options)
 
 
-# (D, DV, the tiles' D / DV, ring stages): 192 / 192 runs the 256 tiles (configs.PADDED_WIDE_PAIRS)
-@pytest.mark.parametrize("D, DV, tile_d, tile_dv, stages", [(256, 256, 256, 256, 1), (192, 128, 192, 128, 2),
-                                                             (192, 192, 256, 256, 1)])
-def test_wide_plan(D, DV, tile_d, tile_dv, stages):
+# (D, DV, the tiles' D / DV, ring stages, dQ staging tiles a warpgroup): 192 / 192 runs the 256 tiles
+# (configs.PADDED_WIDE_PAIRS)
+@pytest.mark.parametrize("D, DV, tile_d, tile_dv, stages, dq_bufs", [(256, 256, 256, 256, 1, 1),
+                                                                      (192, 128, 192, 128, 2, 2),
+                                                                      (192, 192, 256, 256, 1, 1)])
+def test_wide_plan(D, DV, tile_d, tile_dv, stages, dq_bufs):
     from fa3_inductor.templates.hopper_bwd.bwd_sm90_wide import WideTile, fa3_bwd_sm90_wide_kernel
     from fa3_inductor.templates.hopper_bwd.configs import SMEM_LIMIT, get_bwd_config
 
@@ -31,7 +33,7 @@ def test_wide_plan(D, DV, tile_d, tile_dv, stages):
     kernel, args, kwargs, grid = main
     assert kernel is fa3_bwd_sm90_wide_kernel
     assert kwargs["TILE"] == WideTile(HEAD_D=tile_d, HEAD_DV=tile_dv, NUM_STAGES=stages,
-                                      HEAD_D_IN=D if tile_d != D else 0, P_REGS=True)
+                                      HEAD_D_IN=D if tile_d != D else 0, P_REGS=True, DQ_BUFS=dq_bufs)
     assert grid == (math.ceil(777 / 64), 2 * 2)            # 64-key CTAs, one per (K/V batch, K/V head)
     assert not kwargs["FLAGS"].EVEN_N
     # the passes: O's columns when they are not Q's, columns masked to D when D is no power of two
@@ -69,3 +71,30 @@ def test_wide_atomic_dq_is_refused():
 
     with pytest.raises(ValueError, match="TMA reduce-add only"):
         _plan(256, 256, config=get_bwd_config(256, dq_tma=False))
+
+
+@pytest.mark.parametrize("D, DV, mod, p_regs, dq_bufs", [(256, 256, None, True, 2), (256, 256, "softcap", True, 2),
+                                                         (256, 256, "softcap", False, 1),
+                                                         (192, 128, "softcap", False, 2)])
+def test_wide_dq_staging_tiles(D, DV, mod, p_regs, dq_bufs):
+    """Two dQ staging tiles a warpgroup where they fit beside a score_mod's f', which only the step without p_regs
+    parks in shared memory (D256 softcap then needs 238 KB: one tile)."""
+    from fa3_inductor.templates.hopper_bwd.configs import get_bwd_config
+
+    options = {}
+    if mod == "softcap":
+        from test_hopper_bwd_compile import _options
+        options = _options("softcap", 1000, 777)
+    *_, main = _plan(D, DV, config=get_bwd_config(D, DV, dq_bufs=2, p_regs=p_regs), **options)[:2]
+    assert main[2]["TILE"].DQ_BUFS == dq_bufs
+
+
+def test_wide_dq_chunks():
+    """dQ chunks a warpgroup: its 64-column chunks that start before the tensors' D (160: one of warpgroup 1's two
+    lies wholly in the zero columns)."""
+    from fa3_inductor.templates.hopper_bwd.bwd_sm90_wide import WideTile
+
+    assert WideTile(HEAD_D=256, HEAD_DV=256, NUM_STAGES=1).DQ_CHUNKS == (2, 2)
+    assert WideTile(HEAD_D=192, HEAD_DV=128, NUM_STAGES=2).DQ_CHUNKS == (1, 2)   # warpgroup 0: K's columns 128-191
+    assert WideTile(HEAD_D=256, HEAD_DV=256, NUM_STAGES=1, HEAD_D_IN=160).DQ_CHUNKS == (2, 1)
+    assert WideTile(HEAD_D=256, HEAD_DV=256, NUM_STAGES=1, HEAD_D_IN=192).DQ_CHUNKS == (2, 1)

@@ -20,6 +20,8 @@ Notation (beyond bwd_sm90.py's)
                              dQ: dK's columns at D = 256; the other warpgroup's at 192 (K tile 1 - w: balances
                              the work, below), in 64-column chunks (one [64, 64] fp32 wgmma, staging tile and TMA
                              reduce-add each)
+  DQ_BUFS                    fp32 staging tiles a warpgroup, used in turn: with 2, a chunk is staged while the
+                             previous chunk's reduce-add still reads its tile (192 / 128: 1.25x the step)
 
 Per step (64 query rows x 64 keys), warpgroup w:
 
@@ -79,6 +81,7 @@ class WideTile:
     NUM_STAGES: int    # depth of the Q / dO ring
     HEAD_D_IN: int = 0   # the tensors' D = DV when less (160, 192 in the 256 tiles, TMA zero-filled); 0: HEAD_D
     P_REGS: bool = False   # dS from P (times f') held in fp32 registers across dP, not read back from shared memory
+    DQ_BUFS: int = 1       # dQ staging tiles a warpgroup: 2 lets a chunk be staged while the last reduce-add reads
 
     @property
     def D_MEM(self) -> int:
@@ -129,6 +132,15 @@ class WideTile:
     def DQ_N(self) -> int:
         """Columns of one dQ chunk (wgmma, staging tile, TMA reduce-add box)."""
         return 64
+
+    @property
+    def DQ_CHUNKS(self) -> tuple[int, int]:
+        """dQ chunks of warpgroup 0 and 1 (its columns' 64-column chunks that start before D_MEM: a chunk wholly
+        in the zero columns of a padded D is skipped)."""
+        first = (0, 128) if not self.DQ_SWAP else (128, 0)
+        width = (128, self.HEAD_D - 128) if not self.DQ_SWAP else (self.HEAD_D - 128, 128)
+        return tuple(sum(c0 + c * self.DQ_N < self.D_MEM for c in range(w // self.DQ_N))
+                     for c0, w in zip(first, width))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -220,6 +232,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
         DQ0: gl.constexpr = 128
         DQ_W: gl.constexpr = D - 128
     DV0: gl.constexpr = WG * DV_WG
+    NQ: gl.constexpr = TILE.DQ_CHUNKS[WG]   # dQ chunks a step (1 or 2)
 
     s_layout: gl.constexpr = _acc_layout(KEYS_WG)
     dk_layout: gl.constexpr = _acc_layout(DK_N)
@@ -239,7 +252,6 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
     dv = gl.zeros([BLOCK_N, DV_WG], gl.float32, layout=dv_layout)
     s_zero = gl.zeros([BLOCK_M, KEYS_WG], gl.float32, layout=s_layout)
     dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
-    dq_stage = dq_smem.index(WG)                  # [1, BLOCK_M, DQ_N] fp32
 
     mbarrier.wait(kv_ready, 0)
     cnt = 0
@@ -314,18 +326,15 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
             gl.thread_barrier()
             mbarrier.arrive(ds_ready.index(buf), count=1)
             mbarrier.wait(ds_ready.index(buf), (cnt // 2) & 1)
+            dq_at = (zh, m0, DQ0)
             dk_tok = warpgroup_mma(ds_tile.permute((1, 0)), q_dk, dk, is_async=True)
             dv, dk, _p, _ds, _dc, _qd = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_t, ds_tile, do_cols, q_dk])
             mbarrier.arrive(qdo_empty.index(st), count=1)
-            for c in gl.static_range(DQ_W // DQ_N):
-                if DQ0 + c * DQ_N < TILE.D_MEM:      # (a chunk wholly in the zero columns is skipped)
-                    k_cols = k_dq.slice(c * DQ_N, DQ_N, dim=1)
-                    dq_tok = warpgroup_mma(ds_tile, k_cols, dq_zero, use_acc=False, is_async=True)
-                    dq, _a, _b = warpgroup_mma_wait(0, deps=[dq_tok, ds_tile, k_cols])
-                    tma.store_wait(0)                    # the previous reduce has read the staging tile
-                    dq_stage.reshape([BLOCK_M, DQ_N]).store(dq)
-                    fence_async_shared()
-                    _tma_reduce_add(dq_desc, [zh, m0, DQ0 + c * DQ_N], dq_stage)
+            for c in gl.static_range(NQ):
+                k_cols = k_dq.slice(c * DQ_N, DQ_N, dim=1)
+                dq_tok = warpgroup_mma(ds_tile, k_cols, dq_zero, use_acc=False, is_async=True)
+                dq, _a, _b = warpgroup_mma_wait(0, deps=[dq_tok, ds_tile, k_cols])
+                _stage_dq(dq, dq_smem, dq_desc, dq_at, c, cnt * NQ + c, WG, TILE)
             cnt += 1
 
     # dK, dV: one store per output tile (rows past N clipped); dK takes the scale and f's factor here.
@@ -340,6 +349,18 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
     cols_v = DV0 + gl.arange(0, DV_WG, layout=gl.SliceLayout(0, dv_layout))[None, :]
     gl.store(dv_ptr + head * DV_MEM + rows_v * DV_MEM + cols_v, dv.to(dtype), mask=(rows_v < N) & (cols_v < DV_MEM))
     tma.store_wait(0)   # the last dQ reduce has read the staging tile before the CTA exits
+
+
+@gluon.jit
+def _stage_dq(dq, dq_smem, dq_desc, dq_at, c: gl.constexpr, nth, WG: gl.constexpr, TILE: gl.constexpr):
+    """dQ chunk c of a step (this warpgroup's nth chunk) into a staging tile, then its TMA reduce-add into DQ_ACC at
+    (zh, m0, first column + c * DQ_N). With DQ_BUFS tiles the reduce-add before last may still be reading."""
+    zh, m0, col0 = dq_at
+    tma.store_wait(TILE.DQ_BUFS - 1)      # the reduce-add that last read this staging tile is done with it
+    stage = dq_smem.index(WG * TILE.DQ_BUFS + nth % TILE.DQ_BUFS)     # [1, BLOCK_M, DQ_N] fp32
+    stage.reshape([TILE.BLOCK_M, TILE.DQ_N]).store(dq)
+    fence_async_shared()
+    _tma_reduce_add(dq_desc, [zh, m0, col0 + c * TILE.DQ_N], stage)
 
 
 @gluon.jit
@@ -406,7 +427,7 @@ def fa3_bwd_sm90_wide_kernel(
     f_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, TILE.KEYS_WG], dtype)
     F_SLOTS: gl.constexpr = 2 if SCORE_GRAD is not None else 1
     f_smem = gl.allocate_shared_memory(dtype, [F_SLOTS, BLOCK_M, TILE.KEYS_WG], f_layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2 * TILE.DQ_BUFS] + dq_desc.block_type.shape, dq_desc.layout)
 
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     qdo_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())

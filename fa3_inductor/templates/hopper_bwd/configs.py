@@ -46,13 +46,16 @@ class BwdSm90Config:
     p_regs: bool = False         # bwd_sm90.py: dS's P (times f') held in registers, not read back from shared
                                  # memory (the overlap carries it across a step: fp32 or 16 bits, host rule)
     stats_ahead: bool = True     # bwd_sm90.py: a step's LSE / DELTA rows loaded a step ahead, not where used
+    dq_bufs: int = 1             # bwd_sm90_wide.py: fp32 dQ staging tiles a warpgroup (2: a chunk is staged while
+                                 # the previous reduce-add still reads; the host keeps 1 where 2 do not fit)
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, value_head_dim: int | None = None) -> int:
         """Shared memory of K, V, the Q / dO ring, P, the two dS buffers and the dQ staging tiles (no score_mod),
         barriers aside."""
         if self.split_dkv:   # 64 keys; two P and two dS [64, 64] tiles; two fp32 [64, 64] dQ staging tiles
             dv = value_head_dim or head_dim
-            return elem_bytes * (64 * (head_dim + dv) * (1 + self.num_stages) + 4 * 64 * 64) + 2 * 64 * 64 * 4
+            return elem_bytes * (64 * (head_dim + dv) * (1 + self.num_stages) + 4 * 64 * 64) \
+                + 2 * self.dq_bufs * 64 * 64 * 4
         kv = 2 * 128 * head_dim                  # K, V of the CTA's 128 keys
         if self.block_m == 128:   # 128-row Q / dO stages, P [128, 64] and dS [128, 128] x 2 (f' in dS), dQ staging
             return elem_bytes * (kv + self.num_stages * 2 * 128 * head_dim + 2 * 128 * 64 + 2 * 128 * 128) \
@@ -111,8 +114,11 @@ WIDE_TABLE: dict[tuple[int, int], BwdSm90Config] = {
     # (p_regs: dS's P in registers, the backward 1.01-1.05x on noop / causal / softcap at both pairs, H200,
     # bwd-speed-nvidia-h200-2026-11-29-1824-wide-preg)
     (256, 256): BwdSm90Config(num_stages=1, split_dkv=True, p_regs=True),
-    # 24 + 16 KB K, V + 2 x 40 KB Q / dO + 16 + 16 + 32 KB = 184 KB (192 KB with a score_mod)
-    (192, 128): BwdSm90Config(num_stages=2, split_dkv=True, p_regs=True),
+    # 24 + 16 KB K, V + 2 x 40 KB Q / dO + 16 + 16 KB P, dS + 4 x 16 KB dQ staging = 216 KB (224 KB with a score_mod).
+    # Two staging tiles a warpgroup (dq_bufs): warpgroup 1 stages its second dQ chunk while the first one's reduce-add
+    # still reads, the backward 1.24-1.25x faster on noop and causal at 4k and 8k (H200, bwd-speed-nvidia-h200-2026-11-
+    # 29-1921-wide-dq; at (256, 256) 0.96-1.01x: it keeps one, and has no room for two beside a score_mod's f').
+    (192, 128): BwdSm90Config(num_stages=2, split_dkv=True, p_regs=True, dq_bufs=2),
 }
 
 # 160 and 192 (for q, k and v) run the 256 tiles the same way (the wide kernel; a quarter to 0.375 of its work
@@ -166,6 +172,9 @@ VARIANTS: dict[str, dict[str, bool]] = {
     # dS from P (times f') read back from shared memory in 16 bits: both head dims' step before p_regs became their
     # default (D128: the overlap's P not carried across the step)
     "p_smem": {"p_regs": False},
+    # the wide kernel's dQ staging (bwd_sm90_wide.py): one or two fp32 tiles a warpgroup
+    "dq_bufs1": {"dq_bufs": 1},
+    "dq_bufs2": {"dq_bufs": 2},
 }
 
 

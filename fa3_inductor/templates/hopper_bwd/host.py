@@ -349,7 +349,13 @@ def prepare_hopper_backward(
         _refuse(f"config {cfg}: 128 query rows a step (block_m) is built for D = 64, in order (overlap 0), dQ by "
                 "TMA reduce-add")
     if cfg.split_dkv:
-        tile = WideTile(HEAD_D=DT, HEAD_DV=DVT, NUM_STAGES=cfg.num_stages, HEAD_D_IN=d_in, P_REGS=cfg.p_regs)
+        # a second dQ staging tile where it fits beside a score_mod's f' (parked in shared memory without p_regs:
+        # D256 softcap then has no room for it)
+        curved = score_grad_mod is not None and score_grad_mod is not SCORE_GRAD_ONE
+        f_bytes = 2 * 64 * 32 * q.element_size() if curved and not cfg.p_regs else 0
+        dq_bufs = cfg.dq_bufs if cfg.smem_bytes(DT, value_head_dim=DVT) + f_bytes + 1024 <= SMEM_LIMIT else 1
+        tile = WideTile(HEAD_D=DT, HEAD_DV=DVT, NUM_STAGES=cfg.num_stages, HEAD_D_IN=d_in, P_REGS=cfg.p_regs,
+                        DQ_BUFS=dq_bufs)
     elif cfg.block_m == 128:
         tile = M128Tile(HEAD_D=D, NUM_STAGES=cfg.num_stages)
     else:
