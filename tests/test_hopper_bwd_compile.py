@@ -274,6 +274,38 @@ def test_wide_head_dims_compile(D, DV, variant):
         assert r.spill_instructions == 0 and r.stack == 0
 
 
+# The wide kernel's cross-step overlap (configs.VARIANTS overlap at 192 / 128: the next step's S behind this step's
+# dS, its P under dK and dQ), triton 3.6, M = N = 1000: no spill anywhere; 92 HGMMA (the 68 of the in-order kernel
+# plus each warpgroup's 12 of a head's first S in the prologue); per step, S issued before dS's ds_ready wait and
+# the exponentials of the next P between the wgmma wait that leaves dK and the dQ chunks in flight and dQ's staging.
+@pytest.mark.parametrize("variant", WIDE_VARIANTS)
+def test_wide_overlap_compile(variant):
+    from fa3_inductor.templates.aot import sass_report
+    from fa3_inductor.templates.hopper_bwd import compile_hopper_backward, get_bwd_config
+    from fa3_inductor.templates.hopper_bwd.configs import VARIANTS
+
+    D, DV, M = 192, 128, 1000
+    q = torch.randn(2, 4, M, D, dtype=torch.bfloat16)
+    k = torch.randn(2, 2, M, D, dtype=torch.bfloat16)
+    v = torch.randn(2, 2, M, DV, dtype=torch.bfloat16)
+    out = torch.empty(2, 4, M, DV, dtype=torch.bfloat16)
+    kernels = compile_hopper_backward(q, k, v, out, torch.empty_like(out), torch.empty(2, 4, M), sm_scale=D ** -0.5,
+                                      config=get_bwd_config(D, DV, **VARIANTS["overlap"]), **_options(variant, M, M))
+    main = sass_report(kernels[1])
+    loops = _step_loops(main)
+    print(f"\nD{D}/{DV} {variant} overlap: {main.hgmma} HGMMA, {main.spill_instructions} spill instructions, "
+          f"step loops {[len(b) for b in loops]}, registers {[_top_register(b) for b in loops]}")
+    assert main.spill_instructions == 0 and main.stack == 0
+    assert main.hgmma == 92, f"{main.hgmma} HGMMA"
+    assert len(loops) == 2
+    for body in loops:
+        ops = [t for t in body if re.search(r"HGMMA|DEPBAR|MUFU\.EX2|UTMAREDG", t)]
+        first_ex2 = next(i for i, t in enumerate(ops) if "MUFU.EX2" in t)
+        # the next step's P: after a wgmma wait that leaves two or three groups (dK, the dQ chunks) in flight
+        assert re.search(r"DEPBAR\.LE gsb0, 0x[23]", ops[first_ex2 - 1]), ops[first_ex2 - 3:first_ex2 + 1]
+        assert all(not re.search(r"DEPBAR\.LE gsb0, 0x0", t) for t in ops[:first_ex2]), "a full drain before P"
+
+
 # The 128-row step (configs.VARIANTS m128, bwd_sm90_m128.py) on the GPU tests' other specializations, triton 3.6:
 # no spill and no stack anywhere, 40 HGMMA a warpgroup's step loop (S 8, dP 8, dV 8, dK 8, dQ 8 of 64x64x16), five
 # wgmma waits a step, dQ by TMA reduce-add, 224 KB of shared memory with or without a score_mod (f' in the dS tile).

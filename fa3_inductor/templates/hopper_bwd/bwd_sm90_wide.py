@@ -82,6 +82,7 @@ class WideTile:
     HEAD_D_IN: int = 0   # the tensors' D = DV when less (160, 192 in the 256 tiles, TMA zero-filled); 0: HEAD_D
     P_REGS: bool = False   # dS from P (times f') held in fp32 registers across dP, not read back from shared memory
     DQ_BUFS: int = 1       # dQ staging tiles a warpgroup: 2 lets a chunk be staged while the last reduce-add reads
+    OVERLAP: bool = False  # step j + 1's S issued behind step j's dS, its P made while dK and dQ run (P_REGS, 2 stages)
 
     @property
     def D_MEM(self) -> int:
@@ -239,7 +240,6 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
     dv_layout: gl.constexpr = _acc_layout(DV_WG)
     dq_layout: gl.constexpr = _acc_layout(DQ_N)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 
     n0 = gl.program_id(0) * BLOCK_N
     kvh = gl.program_id(1)
@@ -300,16 +300,8 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
             if TILE.SPLIT_QK:
                 s_tok = warpgroup_mma(q_hi, k_hi_t, s_tok, is_async=True)
             qk, _ql, _qh, _kl, _kh = warpgroup_mma_wait(0, deps=[s_tok, q_lo, q_hi, k_lo_t, k_hi_t])
-            q_idx = gl.minimum(m0 + rows_, M - 1)[:, None]
-            kv0 = n0 + WG * KEYS_WG
-            kv_idx = gl.minimum(kv0 + gl.arange(0, KEYS_WG, layout=col_layout), N - 1)[None, :]
-            p = _probabilities(qk, lse, z, hq, q_idx, kv_idx, i < n_partial, sm_scale, qk_scale2, score_bufs,
-                               mask_bufs, SCORE_MOD, MASK_MOD, FLAGS)
-            p_mine.store(p.to(dtype))
-            p_ds = _ds_factor(p, qk, f_smem.index(WG), sm_scale, z, hq, q_idx, kv_idx, score_bufs, SCORE_GRAD, FLAGS,
-                              TILE.P_REGS)                 # dS's factor (P_REGS; else f' stored, read back after dP)
-            fence_async_shared()
-            gl.thread_barrier()
+            p_ds = _make_p(qk, lse, m0, i < n_partial, z, hq, n0, M, N, p_mine, f_smem.index(WG), scalars, mod_bufs,
+                           WG, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, FLAGS)
             mbarrier.arrive(p_ready.index(buf), count=1)
             # dP needs only this warpgroup's keys: it runs while the other half of P is awaited
             v_t = v_rows.slice(WG * KEYS_WG, KEYS_WG, dim=0).permute((1, 0))
@@ -337,18 +329,48 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
                 _stage_dq(dq, dq_smem, dq_desc, dq_at, c, cnt * NQ + c, WG, TILE)
             cnt += 1
 
-    # dK, dV: one store per output tile (rows past N clipped); dK takes the scale and f's factor here.
-    rows_k = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout))[:, None]
+    _store_dk_dv(dk, dv, n0, kz, hkv, HKV, N, dk_ptr, dv_ptr, ds_scale, dtype, DK0, DK_N, DV0, TILE)
+    tma.store_wait(0)   # the last dQ reduce has read the staging tile before the CTA exits
+
+
+@gluon.jit
+def _store_dk_dv(dk, dv, n0, kz, hkv, HKV, N, dk_ptr, dv_ptr, ds_scale, dtype: gl.constexpr, DK0: gl.constexpr,
+                 DK_N: gl.constexpr, DV0: gl.constexpr, TILE: gl.constexpr):
+    """dK, dV of this warpgroup's columns: one store per output tile (rows past N clipped); dK takes the scale and
+    f's factor here."""
+    dk_layout: gl.constexpr = _acc_layout(DK_N)
+    dv_layout: gl.constexpr = _acc_layout(TILE.DV_WG)
+    rows_k = n0 + gl.arange(0, TILE.BLOCK_N, layout=gl.SliceLayout(1, dk_layout))[:, None]
     cols_k = DK0 + gl.arange(0, DK_N, layout=gl.SliceLayout(0, dk_layout))[None, :]
     head = (kz * HKV + hkv).to(gl.int64) * N
     D_MEM: gl.constexpr = TILE.D_MEM
     DV_MEM: gl.constexpr = TILE.DV_MEM
     gl.store(dk_ptr + head * D_MEM + rows_k * D_MEM + cols_k, (dk * ds_scale).to(dtype),
              mask=(rows_k < N) & (cols_k < D_MEM))
-    rows_v = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dv_layout))[:, None]
-    cols_v = DV0 + gl.arange(0, DV_WG, layout=gl.SliceLayout(0, dv_layout))[None, :]
+    rows_v = n0 + gl.arange(0, TILE.BLOCK_N, layout=gl.SliceLayout(1, dv_layout))[:, None]
+    cols_v = DV0 + gl.arange(0, TILE.DV_WG, layout=gl.SliceLayout(0, dv_layout))[None, :]
     gl.store(dv_ptr + head * DV_MEM + rows_v * DV_MEM + cols_v, dv.to(dtype), mask=(rows_v < N) & (cols_v < DV_MEM))
-    tma.store_wait(0)   # the last dQ reduce has read the staging tile before the CTA exits
+
+
+@gluon.jit
+def _make_p(qk, lse, m0, is_partial, z, hq, n0, M, N, p_mine, f_dst, scalars, mod_bufs, WG: gl.constexpr,
+            SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
+            FLAGS: gl.constexpr):
+    """P of this warpgroup's keys from S = ``qk`` into its half of the P tile (every thread's part written and
+    fenced: the caller signals p_ready), and dS's factor (P or P · f' with P_REGS; else f' to ``f_dst``)."""
+    sm_scale, qk_scale2, ds_scale = scalars
+    score_bufs, mask_bufs = mod_bufs
+    s_layout: gl.constexpr = _acc_layout(TILE.KEYS_WG)
+    q_idx = gl.minimum(m0 + gl.arange(0, TILE.BLOCK_M, layout=gl.SliceLayout(1, s_layout)), M - 1)[:, None]
+    kv0 = n0 + WG * TILE.KEYS_WG
+    kv_idx = gl.minimum(kv0 + gl.arange(0, TILE.KEYS_WG, layout=gl.SliceLayout(0, s_layout)), N - 1)[None, :]
+    p = _probabilities(qk, lse, z, hq, q_idx, kv_idx, is_partial, sm_scale, qk_scale2, score_bufs, mask_bufs,
+                       SCORE_MOD, MASK_MOD, FLAGS)
+    p_mine.store(p.to(p_mine.dtype))
+    p_ds = _ds_factor(p, qk, f_dst, sm_scale, z, hq, q_idx, kv_idx, score_bufs, SCORE_GRAD, FLAGS, TILE.P_REGS)
+    fence_async_shared()
+    gl.thread_barrier()
+    return p_ds
 
 
 @gluon.jit
@@ -364,19 +386,203 @@ def _stage_dq(dq, dq_smem, dq_desc, dq_at, c: gl.constexpr, nth, WG: gl.constexp
 
 
 @gluon.jit
+def _consumer_overlap(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+                      SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
+                      SPARSE: gl.constexpr, FLAGS: gl.constexpr):
+    """_consumer's math (TILE.OVERLAP), software-pipelined over a query head's steps: step j + 1's S is issued right
+    behind step j's dS (its Q / dO stage waited then), ahead of step j's dK and dQ chunks, and its P is made while
+    they run. A step begins with its P in the P buffer (p_ready signalled) and dS's factor in registers (P_REGS),
+    made by the step before or, for a head's first step, by a prologue. On a head's last step the early S reads the
+    step's own Q stage and is dropped. The P / dS buffers' reuse argument is _consumer's: P of step j + 1 is written
+    after waiting p_ready of step j, which the other warpgroup signals after its step j - 1's dV retired."""
+    q_lo_desc, q_hi_desc, do_desc, k_lo_desc, k_hi_desc, v_desc, dq_desc = descs
+    kv_ready, qdo_ready, qdo_empty, p_ready, ds_ready = bars
+    q_lo_smem, q_hi_smem, do_smem, k_lo_smem, k_hi_smem, v_smem, p_smem, ds_smem, f_smem, dq_smem = smem
+    Z, HQ, KZ, M, N = sizes
+    stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD = rows
+    sm_scale, qk_scale2, ds_scale = scalars
+    BLOCK_M: gl.constexpr = TILE.BLOCK_M
+    BLOCK_N: gl.constexpr = TILE.BLOCK_N
+    KEYS_WG: gl.constexpr = TILE.KEYS_WG
+    D: gl.constexpr = TILE.HEAD_D
+    DV: gl.constexpr = TILE.HEAD_DV
+    LO: gl.constexpr = TILE.LO
+    HI: gl.constexpr = TILE.HI
+    DV_WG: gl.constexpr = TILE.DV_WG
+    DQ_N: gl.constexpr = TILE.DQ_N
+    NUM_STAGES: gl.constexpr = TILE.NUM_STAGES
+    dtype: gl.constexpr = q_lo_desc.dtype
+    if WG == 0:
+        DK0: gl.constexpr = 0
+        DK_N: gl.constexpr = 128
+    else:
+        DK0: gl.constexpr = 128
+        DK_N: gl.constexpr = D - 128
+    if (WG == 0) != TILE.DQ_SWAP:
+        DQ0: gl.constexpr = 0
+        DQ_W: gl.constexpr = 128
+    else:
+        DQ0: gl.constexpr = 128
+        DQ_W: gl.constexpr = D - 128
+    DV0: gl.constexpr = WG * DV_WG
+    NQ: gl.constexpr = TILE.DQ_CHUNKS[WG]   # dQ chunks a step (1 or 2)
+
+    s_layout: gl.constexpr = _acc_layout(KEYS_WG)
+    dk_layout: gl.constexpr = _acc_layout(DK_N)
+    dv_layout: gl.constexpr = _acc_layout(DV_WG)
+    dq_layout: gl.constexpr = _acc_layout(DQ_N)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    n0 = gl.program_id(0) * BLOCK_N
+    kvh = gl.program_id(1)
+    HKV = HQ // FLAGS.GQA_GROUP
+    kz = kvh // HKV
+    hkv = kvh % HKV
+    kv_blk = n0 // SPARSE.SPARSE_KV
+
+    dk = gl.zeros([BLOCK_N, DK_N], gl.float32, layout=dk_layout)
+    dv = gl.zeros([BLOCK_N, DV_WG], gl.float32, layout=dv_layout)
+    s_zero = gl.zeros([BLOCK_M, KEYS_WG], gl.float32, layout=s_layout)
+    dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
+    rows_ = gl.arange(0, BLOCK_M, layout=row_layout)
+
+    mbarrier.wait(kv_ready, 0)
+    cnt = 0
+    for hh in range((Z // KZ) * FLAGS.GQA_GROUP):
+        z = kz + (hh // FLAGS.GQA_GROUP) * KZ
+        hq = hkv * FLAGS.GQA_GROUP + hh % FLAGS.GQA_GROUP
+        zh = z * HQ + hq
+        n_partial, n_total = _q_tile_counts(z, hq, kv_blk, M, tables, table_meta, TILE, SPARSE)
+        stats_h = stats_ptr + zh.to(gl.int64) * (2 * M_PAD)      # LSE_P of the head; DELTA_P is M_PAD further
+        m0 = n_total * 0
+        p_keep = gl.zeros([BLOCK_M, KEYS_WG], gl.float32, layout=s_layout)
+        if n_total > 0:
+            # prologue: the head's first S, waited at once, and its P
+            m0 = _q_tile_start(0, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
+            zero0 = _opaque(0)
+            st0 = cnt % NUM_STAGES
+            k_lo0 = k_lo_smem.index(zero0).reshape([BLOCK_N, LO]).slice(WG * KEYS_WG, KEYS_WG, dim=0)
+            k_hi0 = k_hi_smem.index(zero0).reshape([BLOCK_N, HI]).slice(WG * KEYS_WG, KEYS_WG, dim=0)
+            q_lo0 = q_lo_smem.index(st0 + zero0).reshape([BLOCK_M, LO])
+            q_hi0 = q_hi_smem.index(st0 + zero0).reshape([BLOCK_M, HI])
+            lse0 = gl.load(stats_h + m0 + rows_)
+            mbarrier.wait(qdo_ready.index(st0), (cnt // NUM_STAGES) & 1)
+            s_tok = warpgroup_mma(q_lo0, k_lo0.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            if TILE.SPLIT_QK:
+                s_tok = warpgroup_mma(q_hi0, k_hi0.permute((1, 0)), s_tok, is_async=True)
+            qk0, _a, _b, _c, _d = warpgroup_mma_wait(0, deps=[s_tok, q_lo0, q_hi0, k_lo0, k_hi0])
+            p_mine0 = p_smem.index(cnt % 2 + zero0).slice(WG * KEYS_WG, KEYS_WG, dim=1)
+            p_keep = _make_p(qk0, lse0, m0, 0 < n_partial, z, hq, n0, M, N, p_mine0, f_smem.index(WG), scalars,
+                             mod_bufs, WG, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, FLAGS)
+            mbarrier.arrive(p_ready.index(cnt % 2), count=1)
+        for i in range(n_total):
+            st = cnt % NUM_STAGES
+            buf = cnt % 2
+            zero = _opaque(0)
+            k_lo = k_lo_smem.index(zero).reshape([BLOCK_N, LO])
+            k_hi = k_hi_smem.index(zero).reshape([BLOCK_N, HI])
+            v_rows = v_smem.index(zero).reshape([BLOCK_N, DV])
+            p_tile = p_smem.index(buf + zero)
+            ds_tile = ds_smem.index(buf + zero)
+            ds_mine = ds_tile.slice(WG * KEYS_WG, KEYS_WG, dim=1)
+            q_lo = q_lo_smem.index(st + zero).reshape([BLOCK_M, LO])
+            q_hi = q_hi_smem.index(st + zero).reshape([BLOCK_M, HI])
+            do_t = do_smem.index(st + zero).reshape([BLOCK_M, DV])
+            if not TILE.SPLIT_QK:
+                q_dk = q_lo.slice(DK0, DK_N, dim=1)
+                k_dq = k_lo.slice(DQ0, DQ_W, dim=1)
+            elif WG == 0:
+                q_dk = q_lo
+                k_dq = k_hi
+            else:
+                q_dk = q_hi
+                k_dq = k_lo
+            k_lo_t = k_lo.slice(WG * KEYS_WG, KEYS_WG, dim=0).permute((1, 0))
+            k_hi_t = k_hi.slice(WG * KEYS_WG, KEYS_WG, dim=0).permute((1, 0))
+            v_t = v_rows.slice(WG * KEYS_WG, KEYS_WG, dim=0).permute((1, 0))
+            delta = gl.load(stats_h + M_PAD + m0 + rows_)
+            dp_tok = warpgroup_mma(do_t, v_t, s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(p_ready.index(buf), (cnt // 2) & 1)
+            p_t = p_tile.permute((1, 0))                             # [keys, queries]: A of dV
+            do_cols = do_t.slice(DV0, DV_WG, dim=1)
+            dv_tok = warpgroup_mma(p_t, do_cols, dv, is_async=True)
+            dp, _do, _v = warpgroup_mma_wait(1, deps=[dp_tok, do_t, v_t])
+            ds = _ds(dp, delta, p_keep, None, None, s_layout, SCORE_GRAD is not None, True)
+            ds_mine.store(ds.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(ds_ready.index(buf), count=1)
+            # the next step: its query tile (this one's, clamped, on the head's last step), its LSE, and its S on
+            # its Q stage (this step's stage on the last step: read, not waited for)
+            has_next = i + 1 < n_total
+            m0_next = _q_tile_start(gl.minimum(i + 1, n_total - 1), n_partial, z, hq, kv_blk, tables, table_meta,
+                                    TILE, SPARSE)
+            lse_next = gl.load(stats_h + m0_next + rows_)
+            st_next = (cnt + has_next.to(gl.int32)) % NUM_STAGES
+            q_lo_n = q_lo_smem.index(st_next + zero).reshape([BLOCK_M, LO])
+            q_hi_n = q_hi_smem.index(st_next + zero).reshape([BLOCK_M, HI])
+            if has_next:
+                mbarrier.wait(qdo_ready.index(st_next), ((cnt + 1) // NUM_STAGES) & 1)
+            s_tok = warpgroup_mma(q_lo_n, k_lo_t, s_zero, use_acc=False, is_async=True)
+            if TILE.SPLIT_QK:
+                s_tok = warpgroup_mma(q_hi_n, k_hi_t, s_tok, is_async=True)
+            mbarrier.wait(ds_ready.index(buf), (cnt // 2) & 1)
+            dk_tok = warpgroup_mma(ds_tile.permute((1, 0)), q_dk, dk, is_async=True)
+            k_c0 = k_dq.slice(0, DQ_N, dim=1)
+            dq0_tok = warpgroup_mma(ds_tile, k_c0, dq_zero, use_acc=False, is_async=True)
+            if NQ == 2:
+                k_c1 = k_dq.slice(DQ_N, DQ_N, dim=1)
+                dq1_tok = warpgroup_mma(ds_tile, k_c1, dq_zero, use_acc=False, is_async=True)
+                qk, dv, _p, _dc, _ql, _qh = warpgroup_mma_wait(3, deps=[s_tok, dv_tok, p_t, do_cols, q_lo_n, q_hi_n])
+            else:
+                qk, dv, _p, _dc, _ql, _qh = warpgroup_mma_wait(2, deps=[s_tok, dv_tok, p_t, do_cols, q_lo_n, q_hi_n])
+            if has_next:   # P of the next step while dK and dQ run
+                p_next = p_smem.index(1 - buf + zero).slice(WG * KEYS_WG, KEYS_WG, dim=1)
+                p_keep = _make_p(qk, lse_next, m0_next, i + 1 < n_partial, z, hq, n0, M, N, p_next, f_smem.index(WG),
+                                 scalars, mod_bufs, WG, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, FLAGS)
+                mbarrier.arrive(p_ready.index(1 - buf), count=1)
+            dq_at = (zh, m0, DQ0)
+            if NQ == 2:
+                dk, _qd = warpgroup_mma_wait(2, deps=[dk_tok, q_dk])
+                mbarrier.arrive(qdo_empty.index(st), count=1)
+                dq, _k0 = warpgroup_mma_wait(1, deps=[dq0_tok, k_c0])
+                _stage_dq(dq, dq_smem, dq_desc, dq_at, 0, cnt * NQ, WG, TILE)
+                dq, _ds, _k1 = warpgroup_mma_wait(0, deps=[dq1_tok, ds_tile, k_c1])
+                _stage_dq(dq, dq_smem, dq_desc, dq_at, 1, cnt * NQ + 1, WG, TILE)
+            else:
+                dk, _qd = warpgroup_mma_wait(1, deps=[dk_tok, q_dk])
+                mbarrier.arrive(qdo_empty.index(st), count=1)
+                dq, _ds, _k0 = warpgroup_mma_wait(0, deps=[dq0_tok, ds_tile, k_c0])
+                _stage_dq(dq, dq_smem, dq_desc, dq_at, 0, cnt * NQ, WG, TILE)
+            m0 = m0_next
+            cnt += 1
+
+    _store_dk_dv(dk, dv, n0, kz, hkv, HKV, N, dk_ptr, dv_ptr, ds_scale, dtype, DK0, DK_N, DV0, TILE)
+    tma.store_wait(0)   # the last dQ reduce has read the staging tile before the CTA exits
+
+
+@gluon.jit
 def _consumer_wg0(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
                   SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
                   SPARSE: gl.constexpr, FLAGS: gl.constexpr):
-    _consumer(0, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD,
-              MASK_MOD, TILE, SPARSE, FLAGS)
+    if TILE.OVERLAP:
+        _consumer_overlap(0, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD,
+                          SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)
+    else:
+        _consumer(0, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD,
+                  MASK_MOD, TILE, SPARSE, FLAGS)
 
 
 @gluon.jit
 def _consumer_wg1(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
                   SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
                   SPARSE: gl.constexpr, FLAGS: gl.constexpr):
-    _consumer(1, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD,
-              MASK_MOD, TILE, SPARSE, FLAGS)
+    if TILE.OVERLAP:
+        _consumer_overlap(1, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD,
+                          SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)
+    else:
+        _consumer(1, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD,
+                  MASK_MOD, TILE, SPARSE, FLAGS)
 
 
 @gluon.jit

@@ -341,8 +341,9 @@ def prepare_hopper_backward(
                 "(dq_tma=True)")
     if cfg.split_dkv != (DT > 128):
         _refuse(f"config {cfg} does not fit head dims {D}/{DV} (split_dkv is for D > 128)")
-    if cfg.split_dkv and cfg.overlap:
-        _refuse("the cross-step overlap (overlap) is built for D <= 128 only, not the wide-head-dim kernel")
+    if cfg.split_dkv and cfg.overlap and (cfg.overlap != 1 or not cfg.p_regs or cfg.num_stages < 2):
+        _refuse(f"config {cfg}: the wide-head-dim kernel's cross-step overlap is overlap=1 with p_regs and two Q / dO "
+                "stages (the next step's Q is waited for during this one)")
     if cfg.split_dkv and not cfg.dq_tma:
         _refuse("the wide-head-dim kernel adds dQ by TMA reduce-add only (dq_tma=True)")
     if cfg.block_m not in (64, 128) or (cfg.block_m == 128 and (DT != 64 or cfg.overlap or not cfg.dq_tma)):
@@ -355,7 +356,7 @@ def prepare_hopper_backward(
         f_bytes = 2 * 64 * 32 * q.element_size() if curved and not cfg.p_regs else 0
         dq_bufs = cfg.dq_bufs if cfg.smem_bytes(DT, value_head_dim=DVT) + f_bytes + 1024 <= SMEM_LIMIT else 1
         tile = WideTile(HEAD_D=DT, HEAD_DV=DVT, NUM_STAGES=cfg.num_stages, HEAD_D_IN=d_in, P_REGS=cfg.p_regs,
-                        DQ_BUFS=dq_bufs)
+                        DQ_BUFS=dq_bufs, OVERLAP=bool(cfg.overlap))
     elif cfg.block_m == 128:
         tile = M128Tile(HEAD_D=D, NUM_STAGES=cfg.num_stages)
     else:
