@@ -269,6 +269,10 @@ def test_wide_head_dims_compile(D, DV, variant):
     assert len(loops) == 2, f"expected one step loop per consumer warpgroup, got {[len(b) for b in loops]}"
     assert not any("LDL" in t or "STL" in t for body in loops for t in body), "spill in a step loop"
     assert "UTMAREDG" in main.sass and "REDG" not in main.sass.replace("UTMAREDG", ""), "dQ not by TMA reduce"
+    # dQ staged in the fragments' order (dq_frag): 16-byte stores, no 8-byte ones (the swizzled tile's, 2-way
+    # bank conflicts in each half-warp)
+    stores = [t for body in loops for t in body if re.search(r"\bSTS\b|\bSTS\.", t)]
+    assert stores and all("STS.128" in t for t in stores), sorted({t.split()[0] for t in stores})
     assert cfg.smem_bytes(D, value_head_dim=DV) <= main.shared <= SMEM_LIMIT
     for r in (pre, convert):
         assert r.spill_instructions == 0 and r.stack == 0

@@ -180,14 +180,15 @@ def test_schedule_variants_match_float64(case, D, variant):
 
 
 # The wide kernel's variants (configs.VARIANTS): dq_bufs* (one or two dQ staging tiles a warpgroup) at both of its
-# pairs and a padded one (160: warpgroup 1 has one chunk, the other skipped): the staging tiles' reuse across steps
-# and heads; overlap (the cross-step overlap: two Q / dO stages, so 192 / 128 only) also under a document mask (partial
-# and full tiles, the next step's from the tables).
+# pairs and padded ones (160, 192 / 192: warpgroup 1 has one chunk, the other skipped): the staging tiles' reuse
+# across steps and heads; overlap (the cross-step overlap: two Q / dO stages, so 192 / 128 only) also under a document
+# mask (partial and full tiles, the next step's from the tables); dq_frag (DQ_ACC's blocks in fragment order and its
+# convert pass; 160 keeps the tiled staging).
 WIDE_VARIANT_CASES = VARIANT_CASES + [("document", None, "document", 1, 2, 2, 900, 900, None)]
 
 
-@pytest.mark.parametrize("variant", ["dq_bufs1", "dq_bufs2", "overlap"])
-@pytest.mark.parametrize("dims", [(256, 256), (192, 128), (160, 160)], ids=_dims_id)
+@pytest.mark.parametrize("variant", ["dq_bufs1", "dq_bufs2", "overlap", "dq_frag"])
+@pytest.mark.parametrize("dims", [(256, 256), (192, 128), (160, 160), (192, 192)], ids=_dims_id)
 @pytest.mark.parametrize("case", WIDE_VARIANT_CASES, ids=[c[0] for c in WIDE_VARIANT_CASES])
 def test_wide_variants_match_float64(case, dims, variant):
     from fa3_inductor.templates.hopper_bwd import get_bwd_config

@@ -33,12 +33,14 @@ def test_wide_plan(D, DV, tile_d, tile_dv, stages, dq_bufs):
     kernel, args, kwargs, grid = main
     assert kernel is fa3_bwd_sm90_wide_kernel
     assert kwargs["TILE"] == WideTile(HEAD_D=tile_d, HEAD_DV=tile_dv, NUM_STAGES=stages,
-                                      HEAD_D_IN=D if tile_d != D else 0, P_REGS=True, DQ_BUFS=dq_bufs)
+                                      HEAD_D_IN=D if tile_d != D else 0, P_REGS=True, DQ_BUFS=dq_bufs,
+                                      DQ_FRAG=True)
     assert grid == (math.ceil(777 / 64), 2 * 2)            # 64-key CTAs, one per (K/V batch, K/V head)
     assert not kwargs["FLAGS"].EVEN_N
     # the passes: O's columns when they are not Q's, columns masked to D when D is no power of two
     assert pre[2].get("HEAD_DV") == (DV if DV != D else None)
-    assert pre[2].get("HEAD_D_POW2") == convert[2].get("HEAD_D_POW2") == (256 if D != 256 else None)
+    assert pre[2].get("HEAD_D_POW2") == (256 if D != 256 else None)
+    assert "HEAD_D_POW2" not in convert[2]      # the fragment-order convert: whole 64-column blocks
     dq_acc = args[8]
     assert tuple(dq_acc.shape) == (2 * 4, 1024, D)             # rows padded to BLOCK_M 64
     cfg = get_bwd_config(D, DV)
@@ -98,3 +100,21 @@ def test_wide_dq_chunks():
     assert WideTile(HEAD_D=192, HEAD_DV=128, NUM_STAGES=2).DQ_CHUNKS == (1, 2)   # warpgroup 0: K's columns 128-191
     assert WideTile(HEAD_D=256, HEAD_DV=256, NUM_STAGES=1, HEAD_D_IN=160).DQ_CHUNKS == (2, 1)
     assert WideTile(HEAD_D=256, HEAD_DV=256, NUM_STAGES=1, HEAD_D_IN=192).DQ_CHUNKS == (2, 1)
+
+
+@pytest.mark.parametrize("D, DV, frag", [(256, 256, True), (192, 128, True), (192, 192, True), (160, 160, False)])
+def test_wide_dq_fragment_order_plan(D, DV, frag):
+    """DQ_ACC in the fragments' order where D is a multiple of 64 (the [1, 16, 256] TMA box over DQ_ACC viewed as
+    rows of 256 floats, and the convert pass that reads it so); 160 keeps the tiled staging and the plain convert."""
+    from fa3_inductor.templates.hopper_bwd.bwd_sm90 import bwd_sm90_dq_convert_kernel
+    from fa3_inductor.templates.hopper_bwd.bwd_sm90_wide import bwd_sm90_dq_convert_frag_kernel
+
+    M = 1000
+    pre, main, convert = _plan(D, DV, M=M)
+    assert main[2]["TILE"].DQ_FRAG == frag
+    dq_desc = main[1][6]
+    if frag:
+        assert list(dq_desc.block_shape) == [1, 16, 256] and list(dq_desc.shape) == [2 * 4, 1024 * D // 256, 256]
+        assert convert[0] is bwd_sm90_dq_convert_frag_kernel and convert[3] == (math.ceil(M / 64) * D // 64, 2 * 4)
+    else:
+        assert list(dq_desc.block_shape) == [1, 64, 64] and convert[0] is bwd_sm90_dq_convert_kernel

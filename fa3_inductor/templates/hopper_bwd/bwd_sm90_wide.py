@@ -59,6 +59,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -83,6 +85,7 @@ class WideTile:
     P_REGS: bool = False   # dS from P (times f') held in fp32 registers across dP, not read back from shared memory
     DQ_BUFS: int = 1       # dQ staging tiles a warpgroup: 2 lets a chunk be staged while the last reduce-add reads
     OVERLAP: bool = False  # step j + 1's S issued behind step j's dS, its P made while dK and dQ run (P_REGS, 2 stages)
+    DQ_FRAG: bool = False  # dQ chunks staged and added in the wgmma fragments' order (DQ_ACC's 64 x 64 blocks permuted)
 
     @property
     def D_MEM(self) -> int:
@@ -379,10 +382,19 @@ def _stage_dq(dq, dq_smem, dq_desc, dq_at, c: gl.constexpr, nth, WG: gl.constexp
     (zh, m0, first column + c * DQ_N). With DQ_BUFS tiles the reduce-add before last may still be reading."""
     zh, m0, col0 = dq_at
     tma.store_wait(TILE.DQ_BUFS - 1)      # the reduce-add that last read this staging tile is done with it
-    stage = dq_smem.index(WG * TILE.DQ_BUFS + nth % TILE.DQ_BUFS)     # [1, BLOCK_M, DQ_N] fp32
-    stage.reshape([TILE.BLOCK_M, TILE.DQ_N]).store(dq)
-    fence_async_shared()
-    _tma_reduce_add(dq_desc, [zh, m0, col0 + c * TILE.DQ_N], stage)
+    stage = dq_smem.index(WG * TILE.DQ_BUFS + nth % TILE.DQ_BUFS)
+    if TILE.DQ_FRAG:
+        # the chunk as 16 x 256 floats in fragment order (module docstring): each thread's four registers of an
+        # n8 block side by side, the warpgroup's 128 threads after each other (one 512-byte run a warp, no conflict)
+        frag = dq.reshape([4, 2, 8, 8, 4, 2]).permute((3, 0, 2, 4, 1, 5)).reshape([16, 256])
+        stage.reshape([16, 256]).store(frag)
+        fence_async_shared()
+        blk = (m0 // TILE.BLOCK_M) * (TILE.D_MEM // TILE.DQ_N) + (col0 + c * TILE.DQ_N) // TILE.DQ_N
+        _tma_reduce_add(dq_desc, [zh, blk * 16, 0], stage)
+    else:
+        stage.reshape([TILE.BLOCK_M, TILE.DQ_N]).store(dq)         # [1, BLOCK_M, DQ_N] fp32, 128-byte swizzle
+        fence_async_shared()
+        _tma_reduce_add(dq_desc, [zh, m0, col0 + c * TILE.DQ_N], stage)
 
 
 @gluon.jit
@@ -665,3 +677,26 @@ def fa3_bwd_sm90_wide_kernel(
         (_producer_entry, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
                            SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)),
     ], [4, 1], [FLAGS.CONSUMER_REGS, FLAGS.PRODUCER_REGS])
+
+
+@triton.jit(do_not_specialize=["M", "M_PAD"])
+def bwd_sm90_dq_convert_frag_kernel(DQ_ACC, DQ, dq_strides, HQ, M, M_PAD, ds_scale, HEAD_D: tl.constexpr):
+    """dQ = DQ_ACC * ds_scale in dQ's dtype for one 64 x 64 block (program (query tile * chunks + chunk, z * HQ + hq))
+    of a DQ_ACC kept in the wgmma fragments' order (WideTile.DQ_FRAG): element (r, c) of the block sits at
+    (c // 8) * 512 + thread(r, c) * 4 + ((r // 8) % 2) * 2 + c % 2, thread(r, c) = (r // 16) * 32 + (r % 8) * 4 +
+    (c // 2) % 4 (warp, then the lane of the m64nNk16 accumulator); the block's 4096 floats are contiguous."""
+    NCB: tl.constexpr = HEAD_D // 64
+    pid = tl.program_id(0)
+    zh = tl.program_id(1)
+    z = zh // HQ
+    hq = zh % HQ
+    mt = pid // NCB
+    cb = pid % NCB
+    r = tl.arange(0, 64)[:, None]
+    c = tl.arange(0, 64)[None, :]
+    frag = (c // 8) * 512 + ((r // 16) * 32 + (r % 8) * 4 + (c // 2) % 4) * 4 + ((r // 8) % 2) * 2 + c % 2
+    block = (zh.to(tl.int64) * M_PAD * HEAD_D) + (mt * NCB + cb) * 4096
+    acc = tl.load(DQ_ACC + block + frag)
+    rows = mt * 64 + r
+    ptrs = DQ + z * dq_strides[0] + hq * dq_strides[1] + rows * dq_strides[2] + cb * 64 + c
+    tl.store(ptrs, (acc * ds_scale).to(DQ.dtype.element_ty), mask=rows < M)

@@ -48,6 +48,9 @@ class BwdSm90Config:
     stats_ahead: bool = True     # bwd_sm90.py: a step's LSE / DELTA rows loaded a step ahead, not where used
     dq_bufs: int = 1             # bwd_sm90_wide.py: fp32 dQ staging tiles a warpgroup (2: a chunk is staged while
                                  # the previous reduce-add still reads; the host keeps 1 where 2 do not fit)
+    dq_frag: bool = False        # bwd_sm90_wide.py: dQ staged and added in the wgmma fragments' order (DQ_ACC's
+                                 # 64 x 64 blocks permuted, a convert pass that reads them so): 16-byte stores a
+                                 # thread, no bank conflict; D a multiple of 64 (not 160)
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, value_head_dim: int | None = None) -> int:
         """Shared memory of K, V, the Q / dO ring, P, the two dS buffers and the dQ staging tiles (no score_mod),
@@ -113,12 +116,15 @@ WIDE_TABLE: dict[tuple[int, int], BwdSm90Config] = {
     # with a score_mod); a second stage would be 256 KB.
     # (p_regs: dS's P in registers, the backward 1.01-1.05x on noop / causal / softcap at both pairs, H200,
     # bwd-speed-nvidia-h200-2026-11-29-1824-wide-preg)
-    (256, 256): BwdSm90Config(num_stages=1, split_dkv=True, p_regs=True),
+    # dQ staged in the wgmma fragments' order (dq_frag, both pairs: 16-byte conflict-free stores, half the store
+    # instructions): the backward 1.06-1.09x on noop and causal at 4k and 8k (H200, bwd-speed-nvidia-h200-2026-11-29-
+    # 1941-wide-frag)
+    (256, 256): BwdSm90Config(num_stages=1, split_dkv=True, p_regs=True, dq_frag=True),
     # 24 + 16 KB K, V + 2 x 40 KB Q / dO + 16 + 16 KB P, dS + 4 x 16 KB dQ staging = 216 KB (224 KB with a score_mod).
     # Two staging tiles a warpgroup (dq_bufs): warpgroup 1 stages its second dQ chunk while the first one's reduce-add
     # still reads, the backward 1.24-1.25x faster on noop and causal at 4k and 8k (H200, bwd-speed-nvidia-h200-2026-11-
     # 29-1921-wide-dq; at (256, 256) 0.96-1.01x: it keeps one, and has no room for two beside a score_mod's f').
-    (192, 128): BwdSm90Config(num_stages=2, split_dkv=True, p_regs=True, dq_bufs=2),
+    (192, 128): BwdSm90Config(num_stages=2, split_dkv=True, p_regs=True, dq_bufs=2, dq_frag=True),
 }
 
 # 160 and 192 (for q, k and v) run the 256 tiles the same way (the wide kernel; a quarter to 0.375 of its work
@@ -175,6 +181,8 @@ VARIANTS: dict[str, dict[str, bool]] = {
     # the wide kernel's dQ staging (bwd_sm90_wide.py): one or two fp32 tiles a warpgroup
     "dq_bufs1": {"dq_bufs": 1},
     "dq_bufs2": {"dq_bufs": 2},
+    "dq_frag": {"dq_frag": True},
+    "dq_tiled": {"dq_frag": False},
 }
 
 

@@ -22,7 +22,7 @@ from ..wide_scores import wide_scores
 from .bwd_sm90 import (BwdFlags, BwdSchedule, BwdSparsity, BwdTile, bwd_sm90_dq_convert_kernel,
                        bwd_sm90_preprocess_kernel, fa3_bwd_sm90_kernel)
 from .bwd_sm90_m128 import M128Tile, fa3_bwd_sm90_m128_kernel
-from .bwd_sm90_wide import WideTile, fa3_bwd_sm90_wide_kernel
+from .bwd_sm90_wide import WideTile, bwd_sm90_dq_convert_frag_kernel, fa3_bwd_sm90_wide_kernel
 from .configs import SMEM_LIMIT, SUPPORTED_HEAD_DIM_PAIRS, BwdSm90Config, get_bwd_config, tile_head_dims
 
 _MAX_SEQ = 1 << 23
@@ -103,6 +103,18 @@ def _desc(t: torch.Tensor, block_shape: list[int]):
 
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block_shape, _smem_layout(tuple(block_shape),
                                                                                            t.dtype))
+
+
+def _dq_frag_desc(dq_acc: torch.Tensor):
+    """TMA descriptor of DQ_ACC [Z * HQ, M_PAD, D] viewed as [Z * HQ, M_PAD * D / 256, 256] by [1, 16, 256] boxes
+    (no swizzle): one 64 x 64 block of dQ in the wgmma fragments' order (bwd_sm90_wide.WideTile.DQ_FRAG)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    zh, m_pad, d = dq_acc.shape
+    flat = dq_acc.view(zh, m_pad * d // 256, 256)
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [1, 16, 256], layout)
 
 
 def _dq_acc_desc(dq_acc: torch.Tensor, tile: BwdTile):
@@ -356,7 +368,7 @@ def prepare_hopper_backward(
         f_bytes = 2 * 64 * 32 * q.element_size() if curved and not cfg.p_regs else 0
         dq_bufs = cfg.dq_bufs if cfg.smem_bytes(DT, value_head_dim=DVT) + f_bytes + 1024 <= SMEM_LIMIT else 1
         tile = WideTile(HEAD_D=DT, HEAD_DV=DVT, NUM_STAGES=cfg.num_stages, HEAD_D_IN=d_in, P_REGS=cfg.p_regs,
-                        DQ_BUFS=dq_bufs, OVERLAP=bool(cfg.overlap))
+                        DQ_BUFS=dq_bufs, OVERLAP=bool(cfg.overlap), DQ_FRAG=cfg.dq_frag and D % 64 == 0)
     elif cfg.block_m == 128:
         tile = M128Tile(HEAD_D=D, NUM_STAGES=cfg.num_stages)
     else:
@@ -451,7 +463,8 @@ def prepare_hopper_backward(
             (_desc(q, [1, 1, tile.BLOCK_M, lo]), _desc(q, [1, 1, tile.BLOCK_M, hi]),
              _desc(dout, [1, 1, tile.BLOCK_M, DVT]),
              _desc(k, [1, 1, tile.BLOCK_N, lo]), _desc(k, [1, 1, tile.BLOCK_N, hi]),
-             _desc(v, [1, 1, tile.BLOCK_N, DVT]), _dq_acc_desc(dq_acc, tile),
+             _desc(v, [1, 1, tile.BLOCK_N, DVT]),
+             _dq_frag_desc(dq_acc) if tile.DQ_FRAG else _dq_acc_desc(dq_acc, tile),
              stats, dq_acc, dk, dv, *tables, tuple(score_bufs), tuple(mask_bufs),
              Z, HQ, KZ, M, N, m_pad, SZ, SH, num_kv_blks, num_q_blks, *scalars),
             dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse,
@@ -479,11 +492,18 @@ def prepare_hopper_backward(
             dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse,
                  FLAGS=flags, SCHED=sched, num_warps=4, maxnreg=cfg.maxnreg),
             grid)
-    convert = (
-        bwd_sm90_dq_convert_kernel,
-        (dq_acc, dq, _strides(dq), HQ, M, m_pad, ds_scale),
-        dict(BLOCK=_PASS_BLOCK, HEAD_D=D, num_warps=4, **pass_dims),
-        (triton.cdiv(M, _PASS_BLOCK), Z * HQ))
+    if cfg.split_dkv and tile.DQ_FRAG:   # DQ_ACC's 64 x 64 blocks in the wgmma fragments' order
+        convert = (
+            bwd_sm90_dq_convert_frag_kernel,
+            (dq_acc, dq, _strides(dq), HQ, M, m_pad, ds_scale),
+            dict(HEAD_D=D, num_warps=4),
+            (triton.cdiv(M, 64) * (D // 64), Z * HQ))
+    else:
+        convert = (
+            bwd_sm90_dq_convert_kernel,
+            (dq_acc, dq, _strides(dq), HQ, M, m_pad, ds_scale),
+            dict(BLOCK=_PASS_BLOCK, HEAD_D=D, num_warps=4, **pass_dims),
+            (triton.cdiv(M, _PASS_BLOCK), Z * HQ))
     return [preprocess, main, convert]
 
 
