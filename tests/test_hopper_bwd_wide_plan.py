@@ -34,7 +34,7 @@ def test_wide_plan(D, DV, tile_d, tile_dv, stages, dq_bufs):
     assert kernel is fa3_bwd_sm90_wide_kernel
     assert kwargs["TILE"] == WideTile(HEAD_D=tile_d, HEAD_DV=tile_dv, NUM_STAGES=stages,
                                       HEAD_D_IN=D if tile_d != D else 0, P_REGS=True, DQ_BUFS=dq_bufs,
-                                      DQ_FRAG=True)
+                                      DQ_FRAG=True, OVERLAP=stages == 2)   # (192 / 128 without a mask: overlap)
     assert grid == (math.ceil(777 / 64), 2 * 2)            # 64-key CTAs, one per (K/V batch, K/V head)
     assert not kwargs["FLAGS"].EVEN_N
     # the passes: O's columns when they are not Q's, columns masked to D when D is no power of two
@@ -87,7 +87,7 @@ def test_wide_dq_staging_tiles(D, DV, mod, p_regs, dq_bufs):
     if mod == "softcap":
         from test_hopper_bwd_compile import _options
         options = _options("softcap", 1000, 777)
-    *_, main = _plan(D, DV, config=get_bwd_config(D, DV, dq_bufs=2, p_regs=p_regs), **options)[:2]
+    *_, main = _plan(D, DV, config=get_bwd_config(D, DV, dq_bufs=2, p_regs=p_regs, overlap=0), **options)[:2]
     assert main[2]["TILE"].DQ_BUFS == dq_bufs
 
 
@@ -118,3 +118,15 @@ def test_wide_dq_fragment_order_plan(D, DV, frag):
         assert convert[0] is bwd_sm90_dq_convert_frag_kernel and convert[3] == (math.ceil(M / 64) * D // 64, 2 * 4)
     else:
         assert list(dq_desc.block_shape) == [1, 64, 64] and convert[0] is bwd_sm90_dq_convert_kernel
+
+
+def test_wide_overlap_for_plain_launches():
+    """192 / 128 takes the cross-step overlap without a block mask and without a curved score_mod (noop, ALiBi), the
+    in-order step under a mask or with softcap; D256 (one Q / dO stage) never."""
+    from test_hopper_bwd_compile import _options
+
+    assert _plan(192, 128)[1][2]["TILE"].OVERLAP
+    assert not _plan(192, 128, M=1000, N=1000, **_options("causal", 1000, 1000))[1][2]["TILE"].OVERLAP
+    assert not _plan(192, 128, **_options("softcap", 1000, 777))[1][2]["TILE"].OVERLAP
+    assert _plan(192, 128, **_options("alibi", 1000, 777))[1][2]["TILE"].OVERLAP
+    assert not _plan(256, 256)[1][2]["TILE"].OVERLAP

@@ -177,6 +177,8 @@ class BwdSchedule:
     STATS_AHEAD: bool = True  # a step's LSE / DELTA rows loaded a step ahead (False: where used; D128 under masks)
     KV_BUFS: int = 1          # PERSISTENT: K / V buffers (2 where shared memory allows, D = 64: the next tile's K, V
                               # load under this tile's last steps; 1: under its dK / dV stores)
+    DQ_FRAG: bool = False     # DQ_TMA: dQ staged and added in the wgmma fragments' order (bwd_sm90_wide.py's
+                              # WideTile.DQ_FRAG: DQ_ACC's 64 x 64 blocks permuted, 16-byte conflict-free stores)
 
 
 @gluon.jit
@@ -577,6 +579,17 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
 
 
 @gluon.jit
+def _dq_fragments(dq):
+    """A [64, 64] fp32 wgmma accumulator as the [16, 256] floats of its fragments: element (r, c) at (c // 8) * 512
+    + thread(r, c) * 4 + ((r // 8) % 2) * 2 + c % 2, thread(r, c) = (r // 16) * 32 + (r % 8) * 4 + (c // 2) % 4. A
+    logical permutation that leaves every register in its thread: stored to an unswizzled tile, each thread's four
+    values of an n8 block are one 16-byte store and a warp's 32 of them 512 contiguous bytes (no bank conflict; the
+    128-byte-swizzled [64, 64] tile took 8-byte stores two-way conflicted in each half-warp). DQ_ACC keeps its 64 x 64
+    blocks in this order; bwd_sm90_wide.bwd_sm90_dq_convert_frag_kernel reads them back."""
+    return dq.reshape([4, 2, 8, 8, 4, 2]).permute((3, 0, 2, 4, 1, 5)).reshape([16, 256])
+
+
+@gluon.jit
 def _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, m0, row_off, WG: gl.constexpr, TILE: gl.constexpr,
             SCHED: gl.constexpr):
     """Add this warpgroup's dQ tile [BLOCK_M, DQ_N] (wgmma layout, fp32) into DQ_ACC rows [m0, m0 + BLOCK_M) of
@@ -587,7 +600,14 @@ def _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, m0, row_off, WG: gl.constexpr,
     DQ_N: gl.constexpr = TILE.DQ_N
     D: gl.constexpr = TILE.HEAD_D
     DQ_COL0: gl.constexpr = WG * DQ_N if TILE.DQ_SPLIT else 0
-    if SCHED.DQ_TMA:
+    if SCHED.DQ_FRAG:
+        stage = dq_smem.index(WG)                    # [1, 16, 256]: the [64, 64] chunk in fragment order
+        tma.store_wait(0)                            # the previous reduce has read this warpgroup's tile
+        stage.reshape([16, 256]).store(_dq_fragments(dq))
+        fence_async_shared()
+        blk = (m0 // BLOCK_M) * (TILE.D_MEM // DQ_N) + DQ_COL0 // DQ_N
+        _tma_reduce_add(dq_desc, [zh, blk * 16, 0], stage)
+    elif SCHED.DQ_TMA:
         stage = dq_smem.index(WG)                    # [1, BLOCK_M, DQ_N]
         tma.store_wait(0)                            # the previous reduce has read this warpgroup's tile
         stage.reshape([BLOCK_M, DQ_N]).store(dq)

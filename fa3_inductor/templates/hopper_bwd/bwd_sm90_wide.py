@@ -71,8 +71,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .bwd_sm90 import (_acc_layout, _ds, _ds_factor, _opaque, _probabilities, _q_tile_counts, _q_tile_start,
-                       _tma_reduce_add)
+from .bwd_sm90 import (_acc_layout, _dq_fragments, _ds, _ds_factor, _opaque, _probabilities, _q_tile_counts,
+                       _q_tile_start, _tma_reduce_add)
 
 
 @dataclass(frozen=True)
@@ -384,10 +384,7 @@ def _stage_dq(dq, dq_smem, dq_desc, dq_at, c: gl.constexpr, nth, WG: gl.constexp
     tma.store_wait(TILE.DQ_BUFS - 1)      # the reduce-add that last read this staging tile is done with it
     stage = dq_smem.index(WG * TILE.DQ_BUFS + nth % TILE.DQ_BUFS)
     if TILE.DQ_FRAG:
-        # the chunk as 16 x 256 floats in fragment order (module docstring): each thread's four registers of an
-        # n8 block side by side, the warpgroup's 128 threads after each other (one 512-byte run a warp, no conflict)
-        frag = dq.reshape([4, 2, 8, 8, 4, 2]).permute((3, 0, 2, 4, 1, 5)).reshape([16, 256])
-        stage.reshape([16, 256]).store(frag)
+        stage.reshape([16, 256]).store(_dq_fragments(dq))      # [1, 16, 256]: the chunk in fragment order
         fence_async_shared()
         blk = (m0 // TILE.BLOCK_M) * (TILE.D_MEM // TILE.DQ_N) + (col0 + c * TILE.DQ_N) // TILE.DQ_N
         _tma_reduce_add(dq_desc, [zh, blk * 16, 0], stage)

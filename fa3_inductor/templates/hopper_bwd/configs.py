@@ -48,9 +48,11 @@ class BwdSm90Config:
     stats_ahead: bool = True     # bwd_sm90.py: a step's LSE / DELTA rows loaded a step ahead, not where used
     dq_bufs: int = 1             # bwd_sm90_wide.py: fp32 dQ staging tiles a warpgroup (2: a chunk is staged while
                                  # the previous reduce-add still reads; the host keeps 1 where 2 do not fit)
-    dq_frag: bool = False        # bwd_sm90_wide.py: dQ staged and added in the wgmma fragments' order (DQ_ACC's
-                                 # 64 x 64 blocks permuted, a convert pass that reads them so): 16-byte stores a
-                                 # thread, no bank conflict; D a multiple of 64 (not 160)
+    dq_frag: bool = True         # dQ staged and added in the wgmma fragments' order (DQ_ACC's 64 x 64 blocks
+                                 # permuted, a convert pass that reads them so): 16-byte stores a thread, no bank
+                                 # conflict; the host applies it to 64-row steps of whole 64-column chunks (not 80, 96,
+                                 # 160 or m128). Every head dim's default: the backward 1.03-1.09x (H200, bwd-speed-
+                                 # nvidia-h200-2026-11-29-1941-wide-frag, -1948-frag-d128; ALiBi 0.98-1.01x)
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, value_head_dim: int | None = None) -> int:
         """Shared memory of K, V, the Q / dO ring, P, the two dS buffers and the dQ staging tiles (no score_mod),
@@ -116,16 +118,21 @@ WIDE_TABLE: dict[tuple[int, int], BwdSm90Config] = {
     # with a score_mod); a second stage would be 256 KB.
     # (p_regs: dS's P in registers, the backward 1.01-1.05x on noop / causal / softcap at both pairs, H200,
     # bwd-speed-nvidia-h200-2026-11-29-1824-wide-preg)
-    # dQ staged in the wgmma fragments' order (dq_frag, both pairs: 16-byte conflict-free stores, half the store
-    # instructions): the backward 1.06-1.09x on noop and causal at 4k and 8k (H200, bwd-speed-nvidia-h200-2026-11-29-
-    # 1941-wide-frag)
-    (256, 256): BwdSm90Config(num_stages=1, split_dkv=True, p_regs=True, dq_frag=True),
+    (256, 256): BwdSm90Config(num_stages=1, split_dkv=True, p_regs=True),
     # 24 + 16 KB K, V + 2 x 40 KB Q / dO + 16 + 16 KB P, dS + 4 x 16 KB dQ staging = 216 KB (224 KB with a score_mod).
     # Two staging tiles a warpgroup (dq_bufs): warpgroup 1 stages its second dQ chunk while the first one's reduce-add
     # still reads, the backward 1.24-1.25x faster on noop and causal at 4k and 8k (H200, bwd-speed-nvidia-h200-2026-11-
     # 29-1921-wide-dq; at (256, 256) 0.96-1.01x: it keeps one, and has no room for two beside a score_mod's f').
-    (192, 128): BwdSm90Config(num_stages=2, split_dkv=True, p_regs=True, dq_bufs=2, dq_frag=True),
+    (192, 128): BwdSm90Config(num_stages=2, split_dkv=True, p_regs=True, dq_bufs=2),
 }
+
+# Wide pairs whose launches without a block mask and without a score_mod derivative other than 1 (noop, ALiBi) take the
+# cross-step overlap (bwd_sm90_wide._consumer_overlap; two Q / dO stages, so not 256). H200, 192 / 128, backward over
+# the in-order step: noop 1.10 / 1.11x, ALiBi 1.08 / 1.09x at 4k / 8k (bwd-speed-nvidia-h200-2026-11-29-1934-wide-
+# overlap2), with dQ in fragment order noop 1.09 / 1.11x, ALiBi 0.99 / 0.99x (-1949-wide-overlap3); causal 0.96-1.00x
+# and softcap 0.90x keep the in-order step. The rule written before the second run: >= 3% on noop at both lengths,
+# ALiBi not slower by more than 2%.
+WIDE_PLAIN_OVERLAP = ((192, 128),)
 
 # 160 and 192 (for q, k and v) run the 256 tiles the same way (the wide kernel; a quarter to 0.375 of its work
 # multiplies zeros).
@@ -202,11 +209,15 @@ def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: b
         (True, True)
         >>> get_bwd_config(128, **VARIANTS["atomic_dq"]).dq_tma
         False
+        >>> get_bwd_config(192, 128).overlap, get_bwd_config(192, 128, masked=True).overlap
+        (1, 0)
     """
     pair = (head_dim, value_head_dim or head_dim)
     tiles = tile_head_dims(*pair)   # the row of the tiles that serve the pair (80 / 96: 128; 160 / 192: 256)
     if tiles in WIDE_TABLE:
         cfg = WIDE_TABLE[tiles]
+        if not (grad_mod or masked) and tiles in WIDE_PLAIN_OVERLAP:
+            cfg = replace(cfg, overlap=1)
     elif pair[0] != pair[1] or head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"sm90 backward: head dims {pair[0]}/{pair[1]} are not served (it serves "
                          f"{', '.join(f'{d}/{dv}' for d, dv in SUPPORTED_HEAD_DIM_PAIRS)}); use the generic "

@@ -361,6 +361,9 @@ def prepare_hopper_backward(
     if cfg.block_m not in (64, 128) or (cfg.block_m == 128 and (DT != 64 or cfg.overlap or not cfg.dq_tma)):
         _refuse(f"config {cfg}: 128 query rows a step (block_m) is built for D = 64, in order (overlap 0), dQ by "
                 "TMA reduce-add")
+    # dQ staged in the wgmma fragments' order (DQ_ACC's 64 x 64 blocks permuted, a convert that reads them so): whole
+    # 64-column chunks only (not 80, 96, 160), dQ by TMA, 64-row steps
+    dq_frag = cfg.dq_frag and cfg.dq_tma and D % 64 == 0 and cfg.block_m == 64
     if cfg.split_dkv:
         # a second dQ staging tile where it fits beside a score_mod's f' (parked in shared memory without p_regs:
         # D256 softcap then has no room for it)
@@ -368,7 +371,7 @@ def prepare_hopper_backward(
         f_bytes = 2 * 64 * 32 * q.element_size() if curved and not cfg.p_regs else 0
         dq_bufs = cfg.dq_bufs if cfg.smem_bytes(DT, value_head_dim=DVT) + f_bytes + 1024 <= SMEM_LIMIT else 1
         tile = WideTile(HEAD_D=DT, HEAD_DV=DVT, NUM_STAGES=cfg.num_stages, HEAD_D_IN=d_in, P_REGS=cfg.p_regs,
-                        DQ_BUFS=dq_bufs, OVERLAP=bool(cfg.overlap), DQ_FRAG=cfg.dq_frag and D % 64 == 0)
+                        DQ_BUFS=dq_bufs, OVERLAP=bool(cfg.overlap), DQ_FRAG=dq_frag)
     elif cfg.block_m == 128:
         tile = M128Tile(HEAD_D=D, NUM_STAGES=cfg.num_stages)
     else:
@@ -434,7 +437,7 @@ def prepare_hopper_backward(
     # 22, softcap 106; noop under overlap 1, dQ's accumulator beside it, 36 with 6 in a step loop)
     p_carry16 = cfg.p_regs and cfg.overlap != 0 and (score_mod is not None or has_mask or cfg.overlap == 1)
     sched = BwdSchedule(DQ_TMA=cfg.dq_tma, OVERLAP=cfg.overlap, LPT_ORDER=lpt, PERSISTENT=persistent, KV_BUFS=kv_bufs,
-                        STATS_AHEAD=stats_ahead, P_REGS=cfg.p_regs, P_CARRY16=p_carry16)
+                        STATS_AHEAD=stats_ahead, P_REGS=cfg.p_regs, P_CARRY16=p_carry16, DQ_FRAG=dq_frag)
     grid = (triton.cdiv(N, tile.BLOCK_N), KZ * HKV)
     schedule_args = (q_num_blocks, full_q_num_blocks if has_full else None, Z, KZ, HQ, HKV, grid[0], tile.BLOCK_N,
                      sparse_kv_block)
@@ -464,7 +467,7 @@ def prepare_hopper_backward(
              _desc(dout, [1, 1, tile.BLOCK_M, DVT]),
              _desc(k, [1, 1, tile.BLOCK_N, lo]), _desc(k, [1, 1, tile.BLOCK_N, hi]),
              _desc(v, [1, 1, tile.BLOCK_N, DVT]),
-             _dq_frag_desc(dq_acc) if tile.DQ_FRAG else _dq_acc_desc(dq_acc, tile),
+             _dq_frag_desc(dq_acc) if dq_frag else _dq_acc_desc(dq_acc, tile),
              stats, dq_acc, dk, dv, *tables, tuple(score_bufs), tuple(mask_bufs),
              Z, HQ, KZ, M, N, m_pad, SZ, SH, num_kv_blks, num_q_blks, *scalars),
             dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse,
@@ -486,13 +489,13 @@ def prepare_hopper_backward(
             fa3_bwd_sm90_kernel,
             (_desc(q, [1, 1, tile.BLOCK_M, DT]), _desc(dout, [1, 1, tile.BLOCK_M, DT]),
              _desc(k, [1, 1, tile.BLOCK_N, DT]), _desc(v, [1, 1, tile.BLOCK_N, DT]),
-             _dq_acc_desc(dq_acc, tile) if cfg.dq_tma else None,
+             (_dq_frag_desc(dq_acc) if dq_frag else _dq_acc_desc(dq_acc, tile)) if cfg.dq_tma else None,
              stats, dq_acc, dk, dv, *tables, tuple(score_bufs), tuple(mask_bufs),
              Z, HQ, KZ, M, N, m_pad, SZ, SH, num_kv_blks, num_q_blks, *scalars, cta_args),
             dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse,
                  FLAGS=flags, SCHED=sched, num_warps=4, maxnreg=cfg.maxnreg),
             grid)
-    if cfg.split_dkv and tile.DQ_FRAG:   # DQ_ACC's 64 x 64 blocks in the wgmma fragments' order
+    if dq_frag:   # DQ_ACC's 64 x 64 blocks in the wgmma fragments' order
         convert = (
             bwd_sm90_dq_convert_frag_kernel,
             (dq_acc, dq, _strides(dq), HQ, M, m_pad, ds_scale),
