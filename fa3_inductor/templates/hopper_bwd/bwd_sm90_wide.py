@@ -138,13 +138,20 @@ class WideTile:
         return 64
 
     @property
+    def DK_COLS(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(first column, columns) of dK of warpgroup 0 and 1: Q tile w's columns."""
+        return (0, 128), (128, self.HEAD_D - 128)
+
+    @property
+    def DQ_COLS(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(first column, columns) of dQ of warpgroup 0 and 1: dK's, or the other warpgroup's (DQ_SWAP)."""
+        return self.DK_COLS[::-1] if self.DQ_SWAP else self.DK_COLS
+
+    @property
     def DQ_CHUNKS(self) -> tuple[int, int]:
         """dQ chunks of warpgroup 0 and 1 (its columns' 64-column chunks that start before D_MEM: a chunk wholly
         in the zero columns of a padded D is skipped)."""
-        first = (0, 128) if not self.DQ_SWAP else (128, 0)
-        width = (128, self.HEAD_D - 128) if not self.DQ_SWAP else (self.HEAD_D - 128, 128)
-        return tuple(sum(c0 + c * self.DQ_N < self.D_MEM for c in range(w // self.DQ_N))
-                     for c0, w in zip(first, width))
+        return tuple(sum(c0 + c * self.DQ_N < self.D_MEM for c in range(w // self.DQ_N)) for c0, w in self.DQ_COLS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -204,45 +211,18 @@ def _producer(descs, bars, smem, sizes, tables, table_meta, TILE: gl.constexpr, 
 def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
               SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
               SPARSE: gl.constexpr, FLAGS: gl.constexpr):
-    q_lo_desc, q_hi_desc, do_desc, k_lo_desc, k_hi_desc, v_desc, dq_desc = descs
-    kv_ready, qdo_ready, qdo_empty, p_ready, ds_ready = bars
-    q_lo_smem, q_hi_smem, do_smem, k_lo_smem, k_hi_smem, v_smem, p_smem, ds_smem, f_smem, dq_smem = smem
+    """A consumer warpgroup: this CTA's 64 keys over every query head of its K / V head (GQA group, K / V batch 1),
+    each head's steps in order or overlapped (TILE.OVERLAP), then its dK, dV columns stored."""
+    kv_ready = bars[0]
     Z, HQ, KZ, M, N = sizes
-    stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD = rows
-    sm_scale, qk_scale2, ds_scale = scalars
-    score_bufs, mask_bufs = mod_bufs
-    BLOCK_M: gl.constexpr = TILE.BLOCK_M
-    BLOCK_N: gl.constexpr = TILE.BLOCK_N
-    KEYS_WG: gl.constexpr = TILE.KEYS_WG
-    D: gl.constexpr = TILE.HEAD_D
-    DV: gl.constexpr = TILE.HEAD_DV
-    LO: gl.constexpr = TILE.LO
-    HI: gl.constexpr = TILE.HI
+    dk_ptr, dv_ptr = rows[2], rows[3]
+    ds_scale = scalars[2]
+    # this warpgroup's dK columns (Q tile WG); its dQ columns: TILE.DQ_COLS (K tile WG, or the other one: DQ_SWAP)
+    DK0: gl.constexpr = TILE.DK_COLS[WG][0]
+    DK_N: gl.constexpr = TILE.DK_COLS[WG][1]
     DV_WG: gl.constexpr = TILE.DV_WG
-    DQ_N: gl.constexpr = TILE.DQ_N
-    NUM_STAGES: gl.constexpr = TILE.NUM_STAGES
-    dtype: gl.constexpr = q_lo_desc.dtype
-    # this warpgroup's dK columns (Q tile WG) and dQ columns (K tile WG, or the other one: DQ_SWAP)
-    if WG == 0:
-        DK0: gl.constexpr = 0
-        DK_N: gl.constexpr = 128
-    else:
-        DK0: gl.constexpr = 128
-        DK_N: gl.constexpr = D - 128
-    if (WG == 0) != TILE.DQ_SWAP:
-        DQ0: gl.constexpr = 0
-        DQ_W: gl.constexpr = 128
-    else:
-        DQ0: gl.constexpr = 128
-        DQ_W: gl.constexpr = D - 128
     DV0: gl.constexpr = WG * DV_WG
-    NQ: gl.constexpr = TILE.DQ_CHUNKS[WG]   # dQ chunks a step (1 or 2)
-
-    s_layout: gl.constexpr = _acc_layout(KEYS_WG)
-    dk_layout: gl.constexpr = _acc_layout(DK_N)
-    dv_layout: gl.constexpr = _acc_layout(DV_WG)
-    dq_layout: gl.constexpr = _acc_layout(DQ_N)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    BLOCK_N: gl.constexpr = TILE.BLOCK_N
 
     n0 = gl.program_id(0) * BLOCK_N
     kvh = gl.program_id(1)
@@ -251,10 +231,13 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
     hkv = kvh % HKV
     kv_blk = n0 // SPARSE.SPARSE_KV
 
+    dk_layout: gl.constexpr = _acc_layout(DK_N)
+    dv_layout: gl.constexpr = _acc_layout(DV_WG)
     dk = gl.zeros([BLOCK_N, DK_N], gl.float32, layout=dk_layout)
     dv = gl.zeros([BLOCK_N, DV_WG], gl.float32, layout=dv_layout)
-    s_zero = gl.zeros([BLOCK_M, KEYS_WG], gl.float32, layout=s_layout)
-    dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
+    if TILE.OVERLAP:   # a step's query rows (S's row layout), made once (the in-order step makes them per step)
+        row_layout: gl.constexpr = gl.SliceLayout(1, _acc_layout(TILE.KEYS_WG))
+        rows_ = gl.arange(0, TILE.BLOCK_M, layout=row_layout)
 
     mbarrier.wait(kv_ready, 0)
     cnt = 0
@@ -263,77 +246,218 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
         hq = hkv * FLAGS.GQA_GROUP + hh % FLAGS.GQA_GROUP
         zh = z * HQ + hq
         n_partial, n_total = _q_tile_counts(z, hq, kv_blk, M, tables, table_meta, TILE, SPARSE)
-        for i in range(n_total):
-            m0 = _q_tile_start(i, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
-            st = cnt % NUM_STAGES
-            buf = cnt % 2
-            # K, V and the P / dS tiles as wgmma operands, built per step from a zero LLVM cannot see through
-            # (bwd_sm90.BwdTile.VIEWS_PER_STEP: hoisted, their descriptors are held in vector registers)
-            zero = _opaque(0)
-            k_lo = k_lo_smem.index(zero).reshape([BLOCK_N, LO])
-            k_hi = k_hi_smem.index(zero).reshape([BLOCK_N, HI])        # = k_lo without SPLIT_QK
-            v_rows = v_smem.index(zero).reshape([BLOCK_N, DV])
-            p_tile = p_smem.index(buf + zero)                       # [BLOCK_M, BLOCK_N]
-            ds_tile = ds_smem.index(buf + zero)
-            p_mine = p_tile.slice(WG * KEYS_WG, KEYS_WG, dim=1)       # [BLOCK_M, KEYS_WG]
-            ds_mine = ds_tile.slice(WG * KEYS_WG, KEYS_WG, dim=1)
-            # the ring stage through the same zero: with one stage it is a constant, and the Q / dO descriptors of
-            # all 16 k-steps of S and dP were hoisted into ~40 vector registers (D = 256 causal: 46 spills)
-            q_lo = q_lo_smem.index(st + zero).reshape([BLOCK_M, LO])
-            q_hi = q_hi_smem.index(st + zero).reshape([BLOCK_M, HI])
-            do_t = do_smem.index(st + zero).reshape([BLOCK_M, DV])
-            # B of dK (Q's columns DK0...) and of dQ (K's columns DQ0...): a whole tile when SPLIT_QK, else a slice
-            if not TILE.SPLIT_QK:
-                q_dk = q_lo.slice(DK0, DK_N, dim=1)
-                k_dq = k_lo.slice(DQ0, DQ_W, dim=1)
-            elif WG == 0:
-                q_dk = q_lo
-                k_dq = k_hi
-            else:
-                q_dk = q_hi
-                k_dq = k_lo
-            row_off = zh.to(gl.int64) * M_PAD + m0
-            stats = stats_ptr + (row_off + zh.to(gl.int64) * M_PAD)   # LSE_P; DELTA_P is M_PAD further
-            rows_ = gl.arange(0, BLOCK_M, layout=row_layout)
-            lse = gl.load(stats + rows_)
-            k_lo_t = k_lo.slice(WG * KEYS_WG, KEYS_WG, dim=0).permute((1, 0))
-            k_hi_t = k_hi.slice(WG * KEYS_WG, KEYS_WG, dim=0).permute((1, 0))
-            mbarrier.wait(qdo_ready.index(st), (cnt // NUM_STAGES) & 1)
-            s_tok = warpgroup_mma(q_lo, k_lo_t, s_zero, use_acc=False, is_async=True)
-            if TILE.SPLIT_QK:
-                s_tok = warpgroup_mma(q_hi, k_hi_t, s_tok, is_async=True)
-            qk, _ql, _qh, _kl, _kh = warpgroup_mma_wait(0, deps=[s_tok, q_lo, q_hi, k_lo_t, k_hi_t])
-            p_ds = _make_p(qk, lse, m0, i < n_partial, z, hq, n0, M, N, p_mine, f_smem.index(WG), scalars, mod_bufs,
-                           WG, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, FLAGS)
-            mbarrier.arrive(p_ready.index(buf), count=1)
-            # dP needs only this warpgroup's keys: it runs while the other half of P is awaited
-            v_t = v_rows.slice(WG * KEYS_WG, KEYS_WG, dim=0).permute((1, 0))
-            dp_tok = warpgroup_mma(do_t, v_t, s_zero, use_acc=False, is_async=True)
-            delta = gl.load(stats + M_PAD + rows_)
-            mbarrier.wait(p_ready.index(buf), (cnt // 2) & 1)
-            p_t = p_tile.permute((1, 0))                             # [keys, queries]: A of dV
-            do_cols = do_t.slice(DV0, DV_WG, dim=1)
-            dv_tok = warpgroup_mma(p_t, do_cols, dv, is_async=True)
-            dp, _do, _v = warpgroup_mma_wait(1, deps=[dp_tok, do_t, v_t])
-            ds = _ds(dp, delta, p_ds, p_mine, f_smem.index(WG), s_layout, SCORE_GRAD is not None, TILE.P_REGS)
-            ds_mine.store(ds.to(dtype))
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(ds_ready.index(buf), count=1)
-            mbarrier.wait(ds_ready.index(buf), (cnt // 2) & 1)
-            dq_at = (zh, m0, DQ0)
-            dk_tok = warpgroup_mma(ds_tile.permute((1, 0)), q_dk, dk, is_async=True)
-            dv, dk, _p, _ds, _dc, _qd = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_t, ds_tile, do_cols, q_dk])
-            mbarrier.arrive(qdo_empty.index(st), count=1)
-            for c in gl.static_range(NQ):
-                k_cols = k_dq.slice(c * DQ_N, DQ_N, dim=1)
-                dq_tok = warpgroup_mma(ds_tile, k_cols, dq_zero, use_acc=False, is_async=True)
-                dq, _a, _b = warpgroup_mma_wait(0, deps=[dq_tok, ds_tile, k_cols])
-                _stage_dq(dq, dq_smem, dq_desc, dq_at, c, cnt * NQ + c, WG, TILE)
-            cnt += 1
+        if TILE.OVERLAP:
+            dk, dv, cnt = _head_overlap(WG, z, hq, zh, n_partial, n_total, n0, kv_blk, rows_, dk, dv, cnt, descs, bars, smem,
+                                        sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD,
+                                        MASK_MOD, TILE, SPARSE, FLAGS)
+        else:
+            dk, dv, cnt = _head_in_order(WG, z, hq, zh, n_partial, n_total, n0, kv_blk, dk, dv, cnt, descs, bars,
+                                         smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD,
+                                         SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)
 
-    _store_dk_dv(dk, dv, n0, kz, hkv, HKV, N, dk_ptr, dv_ptr, ds_scale, dtype, DK0, DK_N, DV0, TILE)
+    _store_dk_dv(dk, dv, n0, kz, hkv, HKV, N, dk_ptr, dv_ptr, ds_scale, descs[0].dtype, DK0, DK_N, DV0, TILE)
     tma.store_wait(0)   # the last dQ reduce has read the staging tile before the CTA exits
+
+
+@gluon.jit
+def _head_in_order(WG: gl.constexpr, z, hq, zh, n_partial, n_total, n0, kv_blk, dk, dv, cnt, descs, bars, smem, sizes,
+                   tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr,
+                   MASK_MOD: gl.constexpr, TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr):
+    """The steps of one query head (z, hq) for this CTA's keys, in order (module docstring's step): dK, dV
+    accumulated, dQ added; returns (dk, dv, cnt), cnt counting the steps of the CTA (ring stage and P / dS buffer)."""
+    q_lo_desc, q_hi_desc, do_desc, k_lo_desc, k_hi_desc, v_desc, dq_desc = descs
+    kv_ready, qdo_ready, qdo_empty, p_ready, ds_ready = bars
+    q_lo_smem, q_hi_smem, do_smem, k_lo_smem, k_hi_smem, v_smem, p_smem, ds_smem, f_smem, dq_smem = smem
+    Z, HQ, KZ, M, N = sizes
+    stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD = rows
+    BLOCK_M: gl.constexpr = TILE.BLOCK_M
+    KEYS_WG: gl.constexpr = TILE.KEYS_WG
+    DV_WG: gl.constexpr = TILE.DV_WG
+    DQ_N: gl.constexpr = TILE.DQ_N
+    NUM_STAGES: gl.constexpr = TILE.NUM_STAGES
+    dtype: gl.constexpr = q_lo_desc.dtype
+    DQ0: gl.constexpr = TILE.DQ_COLS[WG][0]
+    DV0: gl.constexpr = WG * DV_WG
+    NQ: gl.constexpr = TILE.DQ_CHUNKS[WG]   # dQ chunks a step (1 or 2)
+    s_layout: gl.constexpr = _acc_layout(KEYS_WG)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    dq_layout: gl.constexpr = _acc_layout(DQ_N)
+    s_zero = gl.zeros([BLOCK_M, KEYS_WG], gl.float32, layout=s_layout)
+    dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
+    for i in range(n_total):
+        m0 = _q_tile_start(i, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
+        st = cnt % NUM_STAGES
+        buf = cnt % 2
+        # K, V and the P / dS tiles as wgmma operands, built per step from a zero LLVM cannot see through
+        # (bwd_sm90.BwdTile.VIEWS_PER_STEP: hoisted, their descriptors are held in vector registers)
+        zero = _opaque(0)
+        k_lo, k_hi, v_rows, p_tile, ds_tile, q_lo, q_hi, do_t, q_dk, k_dq = _step_views(st, buf, zero, smem, WG,
+                                                                                        TILE)
+        p_mine = p_tile.slice(WG * KEYS_WG, KEYS_WG, dim=1)       # [BLOCK_M, KEYS_WG]
+        ds_mine = ds_tile.slice(WG * KEYS_WG, KEYS_WG, dim=1)
+        row_off = zh.to(gl.int64) * M_PAD + m0
+        stats = stats_ptr + (row_off + zh.to(gl.int64) * M_PAD)   # LSE_P; DELTA_P is M_PAD further
+        rows_ = gl.arange(0, BLOCK_M, layout=row_layout)
+        lse = gl.load(stats + rows_)
+        k_lo_t = k_lo.slice(WG * KEYS_WG, KEYS_WG, dim=0).permute((1, 0))
+        k_hi_t = k_hi.slice(WG * KEYS_WG, KEYS_WG, dim=0).permute((1, 0))
+        mbarrier.wait(qdo_ready.index(st), (cnt // NUM_STAGES) & 1)
+        s_tok = warpgroup_mma(q_lo, k_lo_t, s_zero, use_acc=False, is_async=True)
+        if TILE.SPLIT_QK:
+            s_tok = warpgroup_mma(q_hi, k_hi_t, s_tok, is_async=True)
+        qk, _ql, _qh, _kl, _kh = warpgroup_mma_wait(0, deps=[s_tok, q_lo, q_hi, k_lo_t, k_hi_t])
+        p_ds = _make_p(qk, lse, m0, i < n_partial, z, hq, n0, M, N, p_mine, f_smem.index(WG), scalars, mod_bufs,
+                       WG, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, FLAGS)
+        mbarrier.arrive(p_ready.index(buf), count=1)
+        # dP needs only this warpgroup's keys: it runs while the other half of P is awaited
+        v_t = v_rows.slice(WG * KEYS_WG, KEYS_WG, dim=0).permute((1, 0))
+        dp_tok = warpgroup_mma(do_t, v_t, s_zero, use_acc=False, is_async=True)
+        delta = gl.load(stats + M_PAD + rows_)
+        mbarrier.wait(p_ready.index(buf), (cnt // 2) & 1)
+        p_t = p_tile.permute((1, 0))                             # [keys, queries]: A of dV
+        do_cols = do_t.slice(DV0, DV_WG, dim=1)
+        dv_tok = warpgroup_mma(p_t, do_cols, dv, is_async=True)
+        dp, _do, _v = warpgroup_mma_wait(1, deps=[dp_tok, do_t, v_t])
+        ds = _ds(dp, delta, p_ds, p_mine, f_smem.index(WG), s_layout, SCORE_GRAD is not None, TILE.P_REGS)
+        ds_mine.store(ds.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(ds_ready.index(buf), count=1)
+        mbarrier.wait(ds_ready.index(buf), (cnt // 2) & 1)
+        dq_at = (zh, m0, DQ0)
+        dk_tok = warpgroup_mma(ds_tile.permute((1, 0)), q_dk, dk, is_async=True)
+        dv, dk, _p, _ds, _dc, _qd = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_t, ds_tile, do_cols, q_dk])
+        mbarrier.arrive(qdo_empty.index(st), count=1)
+        for c in gl.static_range(NQ):
+            k_cols = k_dq.slice(c * DQ_N, DQ_N, dim=1)
+            dq_tok = warpgroup_mma(ds_tile, k_cols, dq_zero, use_acc=False, is_async=True)
+            dq, _a, _b = warpgroup_mma_wait(0, deps=[dq_tok, ds_tile, k_cols])
+            _stage_dq(dq, dq_smem, dq_desc, dq_at, c, cnt * NQ + c, WG, TILE)
+        cnt += 1
+    return dk, dv, cnt
+
+
+@gluon.jit
+def _head_overlap(WG: gl.constexpr, z, hq, zh, n_partial, n_total, n0, kv_blk, rows_, dk, dv, cnt, descs, bars, smem,
+                  sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr,
+                  MASK_MOD: gl.constexpr, TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr):
+    """_head_in_order's steps (TILE.OVERLAP), software-pipelined: step j + 1's S is issued right
+    behind step j's dS (its Q / dO stage waited then), ahead of step j's dK and dQ chunks, and its P is made while
+    they run. A step begins with its P in the P buffer (p_ready signalled) and dS's factor in registers (P_REGS),
+    made by the step before or, for a head's first step, by a prologue. On a head's last step the early S reads the
+    step's own Q stage and is dropped. The P / dS buffers' reuse argument is the in-order step's: P of step j + 1 is written
+    after waiting p_ready of step j, which the other warpgroup signals after its step j - 1's dV retired."""
+    q_lo_desc, q_hi_desc, do_desc, k_lo_desc, k_hi_desc, v_desc, dq_desc = descs
+    kv_ready, qdo_ready, qdo_empty, p_ready, ds_ready = bars
+    q_lo_smem, q_hi_smem, do_smem, k_lo_smem, k_hi_smem, v_smem, p_smem, ds_smem, f_smem, dq_smem = smem
+    Z, HQ, KZ, M, N = sizes
+    stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD = rows
+    BLOCK_M: gl.constexpr = TILE.BLOCK_M
+    BLOCK_N: gl.constexpr = TILE.BLOCK_N
+    KEYS_WG: gl.constexpr = TILE.KEYS_WG
+    DV_WG: gl.constexpr = TILE.DV_WG
+    DQ_N: gl.constexpr = TILE.DQ_N
+    LO: gl.constexpr = TILE.LO
+    HI: gl.constexpr = TILE.HI
+    NUM_STAGES: gl.constexpr = TILE.NUM_STAGES
+    dtype: gl.constexpr = q_lo_desc.dtype
+    DQ0: gl.constexpr = TILE.DQ_COLS[WG][0]
+    DV0: gl.constexpr = WG * DV_WG
+    NQ: gl.constexpr = TILE.DQ_CHUNKS[WG]   # dQ chunks a step (1 or 2)
+    s_layout: gl.constexpr = _acc_layout(KEYS_WG)
+    dq_layout: gl.constexpr = _acc_layout(DQ_N)
+    s_zero = gl.zeros([BLOCK_M, KEYS_WG], gl.float32, layout=s_layout)
+    dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
+    stats_h = stats_ptr + zh.to(gl.int64) * (2 * M_PAD)      # LSE_P of the head; DELTA_P is M_PAD further
+    m0 = n_total * 0
+    p_keep = gl.zeros([BLOCK_M, KEYS_WG], gl.float32, layout=s_layout)
+    if n_total > 0:
+        # prologue: the head's first S, waited at once, and its P
+        m0 = _q_tile_start(0, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
+        zero0 = _opaque(0)
+        st0 = cnt % NUM_STAGES
+        k_lo0 = k_lo_smem.index(zero0).reshape([BLOCK_N, LO]).slice(WG * KEYS_WG, KEYS_WG, dim=0)
+        k_hi0 = k_hi_smem.index(zero0).reshape([BLOCK_N, HI]).slice(WG * KEYS_WG, KEYS_WG, dim=0)
+        q_lo0 = q_lo_smem.index(st0 + zero0).reshape([BLOCK_M, LO])
+        q_hi0 = q_hi_smem.index(st0 + zero0).reshape([BLOCK_M, HI])
+        lse0 = gl.load(stats_h + m0 + rows_)
+        mbarrier.wait(qdo_ready.index(st0), (cnt // NUM_STAGES) & 1)
+        s_tok = warpgroup_mma(q_lo0, k_lo0.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if TILE.SPLIT_QK:
+            s_tok = warpgroup_mma(q_hi0, k_hi0.permute((1, 0)), s_tok, is_async=True)
+        qk0, _a, _b, _c, _d = warpgroup_mma_wait(0, deps=[s_tok, q_lo0, q_hi0, k_lo0, k_hi0])
+        p_mine0 = p_smem.index(cnt % 2 + zero0).slice(WG * KEYS_WG, KEYS_WG, dim=1)
+        p_keep = _make_p(qk0, lse0, m0, 0 < n_partial, z, hq, n0, M, N, p_mine0, f_smem.index(WG), scalars,
+                         mod_bufs, WG, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, FLAGS)
+        mbarrier.arrive(p_ready.index(cnt % 2), count=1)
+    for i in range(n_total):
+        st = cnt % NUM_STAGES
+        buf = cnt % 2
+        zero = _opaque(0)
+        # (this step's Q tiles, _ql / _qh: its S was issued by the step before)
+        k_lo, k_hi, v_rows, p_tile, ds_tile, _ql, _qh, do_t, q_dk, k_dq = _step_views(st, buf, zero, smem, WG,
+                                                                                      TILE)
+        ds_mine = ds_tile.slice(WG * KEYS_WG, KEYS_WG, dim=1)
+        k_lo_t = k_lo.slice(WG * KEYS_WG, KEYS_WG, dim=0).permute((1, 0))
+        k_hi_t = k_hi.slice(WG * KEYS_WG, KEYS_WG, dim=0).permute((1, 0))
+        v_t = v_rows.slice(WG * KEYS_WG, KEYS_WG, dim=0).permute((1, 0))
+        delta = gl.load(stats_h + M_PAD + m0 + rows_)
+        dp_tok = warpgroup_mma(do_t, v_t, s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(p_ready.index(buf), (cnt // 2) & 1)
+        p_t = p_tile.permute((1, 0))                             # [keys, queries]: A of dV
+        do_cols = do_t.slice(DV0, DV_WG, dim=1)
+        dv_tok = warpgroup_mma(p_t, do_cols, dv, is_async=True)
+        dp, _do, _v = warpgroup_mma_wait(1, deps=[dp_tok, do_t, v_t])
+        ds = _ds(dp, delta, p_keep, None, None, s_layout, SCORE_GRAD is not None, True)
+        ds_mine.store(ds.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(ds_ready.index(buf), count=1)
+        # the next step: its query tile (this one's, clamped, on the head's last step), its LSE, and its S on
+        # its Q stage (this step's stage on the last step: read, not waited for)
+        has_next = i + 1 < n_total
+        m0_next = _q_tile_start(gl.minimum(i + 1, n_total - 1), n_partial, z, hq, kv_blk, tables, table_meta,
+                                TILE, SPARSE)
+        lse_next = gl.load(stats_h + m0_next + rows_)
+        st_next = (cnt + has_next.to(gl.int32)) % NUM_STAGES
+        q_lo_n = q_lo_smem.index(st_next + zero).reshape([BLOCK_M, LO])
+        q_hi_n = q_hi_smem.index(st_next + zero).reshape([BLOCK_M, HI])
+        if has_next:
+            mbarrier.wait(qdo_ready.index(st_next), ((cnt + 1) // NUM_STAGES) & 1)
+        s_tok = warpgroup_mma(q_lo_n, k_lo_t, s_zero, use_acc=False, is_async=True)
+        if TILE.SPLIT_QK:
+            s_tok = warpgroup_mma(q_hi_n, k_hi_t, s_tok, is_async=True)
+        mbarrier.wait(ds_ready.index(buf), (cnt // 2) & 1)
+        dk_tok = warpgroup_mma(ds_tile.permute((1, 0)), q_dk, dk, is_async=True)
+        k_c0 = k_dq.slice(0, DQ_N, dim=1)
+        dq0_tok = warpgroup_mma(ds_tile, k_c0, dq_zero, use_acc=False, is_async=True)
+        if NQ == 2:
+            k_c1 = k_dq.slice(DQ_N, DQ_N, dim=1)
+            dq1_tok = warpgroup_mma(ds_tile, k_c1, dq_zero, use_acc=False, is_async=True)
+            qk, dv, _p, _dc, _ql, _qh = warpgroup_mma_wait(3, deps=[s_tok, dv_tok, p_t, do_cols, q_lo_n, q_hi_n])
+        else:
+            qk, dv, _p, _dc, _ql, _qh = warpgroup_mma_wait(2, deps=[s_tok, dv_tok, p_t, do_cols, q_lo_n, q_hi_n])
+        if has_next:   # P of the next step while dK and dQ run
+            p_next = p_smem.index(1 - buf + zero).slice(WG * KEYS_WG, KEYS_WG, dim=1)
+            p_keep = _make_p(qk, lse_next, m0_next, i + 1 < n_partial, z, hq, n0, M, N, p_next, f_smem.index(WG),
+                             scalars, mod_bufs, WG, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, FLAGS)
+            mbarrier.arrive(p_ready.index(1 - buf), count=1)
+        dq_at = (zh, m0, DQ0)
+        if NQ == 2:
+            dk, _qd = warpgroup_mma_wait(2, deps=[dk_tok, q_dk])
+            mbarrier.arrive(qdo_empty.index(st), count=1)
+            dq, _k0 = warpgroup_mma_wait(1, deps=[dq0_tok, k_c0])
+            _stage_dq(dq, dq_smem, dq_desc, dq_at, 0, cnt * NQ, WG, TILE)
+            dq, _ds, _k1 = warpgroup_mma_wait(0, deps=[dq1_tok, ds_tile, k_c1])
+            _stage_dq(dq, dq_smem, dq_desc, dq_at, 1, cnt * NQ + 1, WG, TILE)
+        else:
+            dk, _qd = warpgroup_mma_wait(1, deps=[dk_tok, q_dk])
+            mbarrier.arrive(qdo_empty.index(st), count=1)
+            dq, _ds, _k0 = warpgroup_mma_wait(0, deps=[dq0_tok, ds_tile, k_c0])
+            _stage_dq(dq, dq_smem, dq_desc, dq_at, 0, cnt * NQ, WG, TILE)
+        m0 = m0_next
+        cnt += 1
+    return dk, dv, cnt
 
 
 @gluon.jit
@@ -353,6 +477,35 @@ def _store_dk_dv(dk, dv, n0, kz, hkv, HKV, N, dk_ptr, dv_ptr, ds_scale, dtype: g
     rows_v = n0 + gl.arange(0, TILE.BLOCK_N, layout=gl.SliceLayout(1, dv_layout))[:, None]
     cols_v = DV0 + gl.arange(0, TILE.DV_WG, layout=gl.SliceLayout(0, dv_layout))[None, :]
     gl.store(dv_ptr + head * DV_MEM + rows_v * DV_MEM + cols_v, dv.to(dtype), mask=(rows_v < N) & (cols_v < DV_MEM))
+
+
+@gluon.jit
+def _step_views(st, buf, zero, smem, WG: gl.constexpr, TILE: gl.constexpr):
+    """The shared tiles of a step as wgmma operands, built per step through ``zero`` (an _opaque 0; bwd_sm90.BwdTile.
+    VIEWS_PER_STEP: hoisted, their descriptors were held in vector registers; the ring stage too: with one stage it is
+    a constant, and the Q / dO descriptors of all 16 k-steps of S and dP were hoisted into ~40 vector registers, D = 256
+    causal: 46 spills): K (lo, hi: the same tile without SPLIT_QK), V, the P and dS tiles of buffer ``buf``, Q (lo,
+    hi) and dO of ring stage ``st``, and B of dK (Q's columns DK_COLS[WG]) and of dQ (K's columns DQ_COLS[WG]): a
+    whole tile with SPLIT_QK, else a slice."""
+    q_lo_smem, q_hi_smem, do_smem, k_lo_smem, k_hi_smem, v_smem, p_smem, ds_smem, f_smem, dq_smem = smem
+    k_lo = k_lo_smem.index(zero).reshape([TILE.BLOCK_N, TILE.LO])
+    k_hi = k_hi_smem.index(zero).reshape([TILE.BLOCK_N, TILE.HI])
+    v_rows = v_smem.index(zero).reshape([TILE.BLOCK_N, TILE.HEAD_DV])
+    p_tile = p_smem.index(buf + zero)                       # [BLOCK_M, BLOCK_N]
+    ds_tile = ds_smem.index(buf + zero)
+    q_lo = q_lo_smem.index(st + zero).reshape([TILE.BLOCK_M, TILE.LO])
+    q_hi = q_hi_smem.index(st + zero).reshape([TILE.BLOCK_M, TILE.HI])
+    do_t = do_smem.index(st + zero).reshape([TILE.BLOCK_M, TILE.HEAD_DV])
+    if not TILE.SPLIT_QK:
+        q_dk = q_lo.slice(TILE.DK_COLS[WG][0], TILE.DK_COLS[WG][1], dim=1)
+        k_dq = k_lo.slice(TILE.DQ_COLS[WG][0], TILE.DQ_COLS[WG][1], dim=1)
+    elif WG == 0:
+        q_dk = q_lo
+        k_dq = k_hi
+    else:
+        q_dk = q_hi
+        k_dq = k_lo
+    return k_lo, k_hi, v_rows, p_tile, ds_tile, q_lo, q_hi, do_t, q_dk, k_dq
 
 
 @gluon.jit
@@ -395,203 +548,19 @@ def _stage_dq(dq, dq_smem, dq_desc, dq_at, c: gl.constexpr, nth, WG: gl.constexp
 
 
 @gluon.jit
-def _consumer_overlap(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
-                      SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
-                      SPARSE: gl.constexpr, FLAGS: gl.constexpr):
-    """_consumer's math (TILE.OVERLAP), software-pipelined over a query head's steps: step j + 1's S is issued right
-    behind step j's dS (its Q / dO stage waited then), ahead of step j's dK and dQ chunks, and its P is made while
-    they run. A step begins with its P in the P buffer (p_ready signalled) and dS's factor in registers (P_REGS),
-    made by the step before or, for a head's first step, by a prologue. On a head's last step the early S reads the
-    step's own Q stage and is dropped. The P / dS buffers' reuse argument is _consumer's: P of step j + 1 is written
-    after waiting p_ready of step j, which the other warpgroup signals after its step j - 1's dV retired."""
-    q_lo_desc, q_hi_desc, do_desc, k_lo_desc, k_hi_desc, v_desc, dq_desc = descs
-    kv_ready, qdo_ready, qdo_empty, p_ready, ds_ready = bars
-    q_lo_smem, q_hi_smem, do_smem, k_lo_smem, k_hi_smem, v_smem, p_smem, ds_smem, f_smem, dq_smem = smem
-    Z, HQ, KZ, M, N = sizes
-    stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD = rows
-    sm_scale, qk_scale2, ds_scale = scalars
-    BLOCK_M: gl.constexpr = TILE.BLOCK_M
-    BLOCK_N: gl.constexpr = TILE.BLOCK_N
-    KEYS_WG: gl.constexpr = TILE.KEYS_WG
-    D: gl.constexpr = TILE.HEAD_D
-    DV: gl.constexpr = TILE.HEAD_DV
-    LO: gl.constexpr = TILE.LO
-    HI: gl.constexpr = TILE.HI
-    DV_WG: gl.constexpr = TILE.DV_WG
-    DQ_N: gl.constexpr = TILE.DQ_N
-    NUM_STAGES: gl.constexpr = TILE.NUM_STAGES
-    dtype: gl.constexpr = q_lo_desc.dtype
-    if WG == 0:
-        DK0: gl.constexpr = 0
-        DK_N: gl.constexpr = 128
-    else:
-        DK0: gl.constexpr = 128
-        DK_N: gl.constexpr = D - 128
-    if (WG == 0) != TILE.DQ_SWAP:
-        DQ0: gl.constexpr = 0
-        DQ_W: gl.constexpr = 128
-    else:
-        DQ0: gl.constexpr = 128
-        DQ_W: gl.constexpr = D - 128
-    DV0: gl.constexpr = WG * DV_WG
-    NQ: gl.constexpr = TILE.DQ_CHUNKS[WG]   # dQ chunks a step (1 or 2)
-
-    s_layout: gl.constexpr = _acc_layout(KEYS_WG)
-    dk_layout: gl.constexpr = _acc_layout(DK_N)
-    dv_layout: gl.constexpr = _acc_layout(DV_WG)
-    dq_layout: gl.constexpr = _acc_layout(DQ_N)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-
-    n0 = gl.program_id(0) * BLOCK_N
-    kvh = gl.program_id(1)
-    HKV = HQ // FLAGS.GQA_GROUP
-    kz = kvh // HKV
-    hkv = kvh % HKV
-    kv_blk = n0 // SPARSE.SPARSE_KV
-
-    dk = gl.zeros([BLOCK_N, DK_N], gl.float32, layout=dk_layout)
-    dv = gl.zeros([BLOCK_N, DV_WG], gl.float32, layout=dv_layout)
-    s_zero = gl.zeros([BLOCK_M, KEYS_WG], gl.float32, layout=s_layout)
-    dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
-    rows_ = gl.arange(0, BLOCK_M, layout=row_layout)
-
-    mbarrier.wait(kv_ready, 0)
-    cnt = 0
-    for hh in range((Z // KZ) * FLAGS.GQA_GROUP):
-        z = kz + (hh // FLAGS.GQA_GROUP) * KZ
-        hq = hkv * FLAGS.GQA_GROUP + hh % FLAGS.GQA_GROUP
-        zh = z * HQ + hq
-        n_partial, n_total = _q_tile_counts(z, hq, kv_blk, M, tables, table_meta, TILE, SPARSE)
-        stats_h = stats_ptr + zh.to(gl.int64) * (2 * M_PAD)      # LSE_P of the head; DELTA_P is M_PAD further
-        m0 = n_total * 0
-        p_keep = gl.zeros([BLOCK_M, KEYS_WG], gl.float32, layout=s_layout)
-        if n_total > 0:
-            # prologue: the head's first S, waited at once, and its P
-            m0 = _q_tile_start(0, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
-            zero0 = _opaque(0)
-            st0 = cnt % NUM_STAGES
-            k_lo0 = k_lo_smem.index(zero0).reshape([BLOCK_N, LO]).slice(WG * KEYS_WG, KEYS_WG, dim=0)
-            k_hi0 = k_hi_smem.index(zero0).reshape([BLOCK_N, HI]).slice(WG * KEYS_WG, KEYS_WG, dim=0)
-            q_lo0 = q_lo_smem.index(st0 + zero0).reshape([BLOCK_M, LO])
-            q_hi0 = q_hi_smem.index(st0 + zero0).reshape([BLOCK_M, HI])
-            lse0 = gl.load(stats_h + m0 + rows_)
-            mbarrier.wait(qdo_ready.index(st0), (cnt // NUM_STAGES) & 1)
-            s_tok = warpgroup_mma(q_lo0, k_lo0.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            if TILE.SPLIT_QK:
-                s_tok = warpgroup_mma(q_hi0, k_hi0.permute((1, 0)), s_tok, is_async=True)
-            qk0, _a, _b, _c, _d = warpgroup_mma_wait(0, deps=[s_tok, q_lo0, q_hi0, k_lo0, k_hi0])
-            p_mine0 = p_smem.index(cnt % 2 + zero0).slice(WG * KEYS_WG, KEYS_WG, dim=1)
-            p_keep = _make_p(qk0, lse0, m0, 0 < n_partial, z, hq, n0, M, N, p_mine0, f_smem.index(WG), scalars,
-                             mod_bufs, WG, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, FLAGS)
-            mbarrier.arrive(p_ready.index(cnt % 2), count=1)
-        for i in range(n_total):
-            st = cnt % NUM_STAGES
-            buf = cnt % 2
-            zero = _opaque(0)
-            k_lo = k_lo_smem.index(zero).reshape([BLOCK_N, LO])
-            k_hi = k_hi_smem.index(zero).reshape([BLOCK_N, HI])
-            v_rows = v_smem.index(zero).reshape([BLOCK_N, DV])
-            p_tile = p_smem.index(buf + zero)
-            ds_tile = ds_smem.index(buf + zero)
-            ds_mine = ds_tile.slice(WG * KEYS_WG, KEYS_WG, dim=1)
-            q_lo = q_lo_smem.index(st + zero).reshape([BLOCK_M, LO])
-            q_hi = q_hi_smem.index(st + zero).reshape([BLOCK_M, HI])
-            do_t = do_smem.index(st + zero).reshape([BLOCK_M, DV])
-            if not TILE.SPLIT_QK:
-                q_dk = q_lo.slice(DK0, DK_N, dim=1)
-                k_dq = k_lo.slice(DQ0, DQ_W, dim=1)
-            elif WG == 0:
-                q_dk = q_lo
-                k_dq = k_hi
-            else:
-                q_dk = q_hi
-                k_dq = k_lo
-            k_lo_t = k_lo.slice(WG * KEYS_WG, KEYS_WG, dim=0).permute((1, 0))
-            k_hi_t = k_hi.slice(WG * KEYS_WG, KEYS_WG, dim=0).permute((1, 0))
-            v_t = v_rows.slice(WG * KEYS_WG, KEYS_WG, dim=0).permute((1, 0))
-            delta = gl.load(stats_h + M_PAD + m0 + rows_)
-            dp_tok = warpgroup_mma(do_t, v_t, s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(p_ready.index(buf), (cnt // 2) & 1)
-            p_t = p_tile.permute((1, 0))                             # [keys, queries]: A of dV
-            do_cols = do_t.slice(DV0, DV_WG, dim=1)
-            dv_tok = warpgroup_mma(p_t, do_cols, dv, is_async=True)
-            dp, _do, _v = warpgroup_mma_wait(1, deps=[dp_tok, do_t, v_t])
-            ds = _ds(dp, delta, p_keep, None, None, s_layout, SCORE_GRAD is not None, True)
-            ds_mine.store(ds.to(dtype))
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(ds_ready.index(buf), count=1)
-            # the next step: its query tile (this one's, clamped, on the head's last step), its LSE, and its S on
-            # its Q stage (this step's stage on the last step: read, not waited for)
-            has_next = i + 1 < n_total
-            m0_next = _q_tile_start(gl.minimum(i + 1, n_total - 1), n_partial, z, hq, kv_blk, tables, table_meta,
-                                    TILE, SPARSE)
-            lse_next = gl.load(stats_h + m0_next + rows_)
-            st_next = (cnt + has_next.to(gl.int32)) % NUM_STAGES
-            q_lo_n = q_lo_smem.index(st_next + zero).reshape([BLOCK_M, LO])
-            q_hi_n = q_hi_smem.index(st_next + zero).reshape([BLOCK_M, HI])
-            if has_next:
-                mbarrier.wait(qdo_ready.index(st_next), ((cnt + 1) // NUM_STAGES) & 1)
-            s_tok = warpgroup_mma(q_lo_n, k_lo_t, s_zero, use_acc=False, is_async=True)
-            if TILE.SPLIT_QK:
-                s_tok = warpgroup_mma(q_hi_n, k_hi_t, s_tok, is_async=True)
-            mbarrier.wait(ds_ready.index(buf), (cnt // 2) & 1)
-            dk_tok = warpgroup_mma(ds_tile.permute((1, 0)), q_dk, dk, is_async=True)
-            k_c0 = k_dq.slice(0, DQ_N, dim=1)
-            dq0_tok = warpgroup_mma(ds_tile, k_c0, dq_zero, use_acc=False, is_async=True)
-            if NQ == 2:
-                k_c1 = k_dq.slice(DQ_N, DQ_N, dim=1)
-                dq1_tok = warpgroup_mma(ds_tile, k_c1, dq_zero, use_acc=False, is_async=True)
-                qk, dv, _p, _dc, _ql, _qh = warpgroup_mma_wait(3, deps=[s_tok, dv_tok, p_t, do_cols, q_lo_n, q_hi_n])
-            else:
-                qk, dv, _p, _dc, _ql, _qh = warpgroup_mma_wait(2, deps=[s_tok, dv_tok, p_t, do_cols, q_lo_n, q_hi_n])
-            if has_next:   # P of the next step while dK and dQ run
-                p_next = p_smem.index(1 - buf + zero).slice(WG * KEYS_WG, KEYS_WG, dim=1)
-                p_keep = _make_p(qk, lse_next, m0_next, i + 1 < n_partial, z, hq, n0, M, N, p_next, f_smem.index(WG),
-                                 scalars, mod_bufs, WG, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, FLAGS)
-                mbarrier.arrive(p_ready.index(1 - buf), count=1)
-            dq_at = (zh, m0, DQ0)
-            if NQ == 2:
-                dk, _qd = warpgroup_mma_wait(2, deps=[dk_tok, q_dk])
-                mbarrier.arrive(qdo_empty.index(st), count=1)
-                dq, _k0 = warpgroup_mma_wait(1, deps=[dq0_tok, k_c0])
-                _stage_dq(dq, dq_smem, dq_desc, dq_at, 0, cnt * NQ, WG, TILE)
-                dq, _ds, _k1 = warpgroup_mma_wait(0, deps=[dq1_tok, ds_tile, k_c1])
-                _stage_dq(dq, dq_smem, dq_desc, dq_at, 1, cnt * NQ + 1, WG, TILE)
-            else:
-                dk, _qd = warpgroup_mma_wait(1, deps=[dk_tok, q_dk])
-                mbarrier.arrive(qdo_empty.index(st), count=1)
-                dq, _ds, _k0 = warpgroup_mma_wait(0, deps=[dq0_tok, ds_tile, k_c0])
-                _stage_dq(dq, dq_smem, dq_desc, dq_at, 0, cnt * NQ, WG, TILE)
-            m0 = m0_next
-            cnt += 1
-
-    _store_dk_dv(dk, dv, n0, kz, hkv, HKV, N, dk_ptr, dv_ptr, ds_scale, dtype, DK0, DK_N, DV0, TILE)
-    tma.store_wait(0)   # the last dQ reduce has read the staging tile before the CTA exits
-
-
-@gluon.jit
 def _consumer_wg0(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
                   SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
                   SPARSE: gl.constexpr, FLAGS: gl.constexpr):
-    if TILE.OVERLAP:
-        _consumer_overlap(0, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD,
-                          SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)
-    else:
-        _consumer(0, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD,
-                  MASK_MOD, TILE, SPARSE, FLAGS)
+    _consumer(0, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD,
+              MASK_MOD, TILE, SPARSE, FLAGS)
 
 
 @gluon.jit
 def _consumer_wg1(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
                   SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
                   SPARSE: gl.constexpr, FLAGS: gl.constexpr):
-    if TILE.OVERLAP:
-        _consumer_overlap(1, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD,
-                          SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)
-    else:
-        _consumer(1, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD,
-                  MASK_MOD, TILE, SPARSE, FLAGS)
+    _consumer(1, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD,
+              MASK_MOD, TILE, SPARSE, FLAGS)
 
 
 @gluon.jit
