@@ -112,9 +112,10 @@ def _dq_frag_desc(dq_acc: torch.Tensor):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     zh, m_pad, d = dq_acc.shape
-    flat = dq_acc.view(zh, m_pad * d // 256, 256)
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
-    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [1, 16, 256], layout)
+    # over DQ_ACC itself, not a view of it: the launch cache rebinds a descriptor's base to the call's own scratch
+    # (runtime/fast_launch._step), and a view's would not be found among the call's tensors (uncacheable)
+    return TensorDescriptor(dq_acc, [zh, m_pad * d // 256, 256], [m_pad * d, 256, 1], [1, 16, 256], layout)
 
 
 def _dq_acc_desc(dq_acc: torch.Tensor, tile: BwdTile):
