@@ -25,7 +25,7 @@ def _fragment_order(dq_acc_rows: torch.Tensor) -> torch.Tensor:
 def test_fragment_order_convert_matches_reference(Z, HQ, M, D):
     import triton
 
-    from fa3_inductor.templates.hopper_bwd.bwd_sm90_wide import bwd_sm90_dq_convert_frag_kernel
+    from fa3_inductor.templates.hopper_bwd.bwd_sm90 import bwd_sm90_dq_convert_frag_kernel
 
     m_pad = triton.cdiv(M, 128) * 128
     want = torch.randn(Z * HQ, m_pad, D, dtype=torch.float64)

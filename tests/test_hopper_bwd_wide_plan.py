@@ -106,8 +106,7 @@ def test_wide_dq_chunks():
 def test_wide_dq_fragment_order_plan(D, DV, frag):
     """DQ_ACC in the fragments' order where D is a multiple of 64 (the [1, 16, 256] TMA box over DQ_ACC viewed as
     rows of 256 floats, and the convert pass that reads it so); 160 keeps the tiled staging and the plain convert."""
-    from fa3_inductor.templates.hopper_bwd.bwd_sm90 import bwd_sm90_dq_convert_kernel
-    from fa3_inductor.templates.hopper_bwd.bwd_sm90_wide import bwd_sm90_dq_convert_frag_kernel
+    from fa3_inductor.templates.hopper_bwd.bwd_sm90 import bwd_sm90_dq_convert_frag_kernel, bwd_sm90_dq_convert_kernel
 
     M = 1000
     pre, main, convert = _plan(D, DV, M=M)

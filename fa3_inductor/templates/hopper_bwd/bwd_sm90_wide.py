@@ -59,8 +59,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import triton
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -643,26 +641,3 @@ def fa3_bwd_sm90_wide_kernel(
         (_producer_entry, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
                            SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)),
     ], [4, 1], [FLAGS.CONSUMER_REGS, FLAGS.PRODUCER_REGS])
-
-
-@triton.jit(do_not_specialize=["M", "M_PAD"])
-def bwd_sm90_dq_convert_frag_kernel(DQ_ACC, DQ, dq_strides, HQ, M, M_PAD, ds_scale, HEAD_D: tl.constexpr):
-    """dQ = DQ_ACC * ds_scale in dQ's dtype for one 64 x 64 block (program (query tile * chunks + chunk, z * HQ + hq))
-    of a DQ_ACC kept in the wgmma fragments' order (WideTile.DQ_FRAG): element (r, c) of the block sits at
-    (c // 8) * 512 + thread(r, c) * 4 + ((r // 8) % 2) * 2 + c % 2, thread(r, c) = (r // 16) * 32 + (r % 8) * 4 +
-    (c // 2) % 4 (warp, then the lane of the m64nNk16 accumulator); the block's 4096 floats are contiguous."""
-    NCB: tl.constexpr = HEAD_D // 64
-    pid = tl.program_id(0)
-    zh = tl.program_id(1)
-    z = zh // HQ
-    hq = zh % HQ
-    mt = pid // NCB
-    cb = pid % NCB
-    r = tl.arange(0, 64)[:, None]
-    c = tl.arange(0, 64)[None, :]
-    frag = (c // 8) * 512 + ((r // 16) * 32 + (r % 8) * 4 + (c // 2) % 4) * 4 + ((r // 8) % 2) * 2 + c % 2
-    block = (zh.to(tl.int64) * M_PAD * HEAD_D) + (mt * NCB + cb) * 4096
-    acc = tl.load(DQ_ACC + block + frag)
-    rows = mt * 64 + r
-    ptrs = DQ + z * dq_strides[0] + hq * dq_strides[1] + rows * dq_strides[2] + cb * 64 + c
-    tl.store(ptrs, (acc * ds_scale).to(DQ.dtype.element_ty), mask=rows < M)

@@ -19,10 +19,10 @@ from ..generic_bwd.host import SCORE_GRAD_ONE, transpose_block_tables
 from ..modgen import BufferSpec, GeneratedSource, generate_mod_source, kernel_score_mod, mod_info
 from ..tma import tma_aligned
 from ..wide_scores import wide_scores
-from .bwd_sm90 import (BwdFlags, BwdSchedule, BwdSparsity, BwdTile, bwd_sm90_dq_convert_kernel,
-                       bwd_sm90_preprocess_kernel, fa3_bwd_sm90_kernel)
+from .bwd_sm90 import (BwdFlags, BwdSchedule, BwdSparsity, BwdTile, bwd_sm90_dq_convert_frag_kernel,
+                       bwd_sm90_dq_convert_kernel, bwd_sm90_preprocess_kernel, fa3_bwd_sm90_kernel)
 from .bwd_sm90_m128 import M128Tile, fa3_bwd_sm90_m128_kernel
-from .bwd_sm90_wide import WideTile, bwd_sm90_dq_convert_frag_kernel, fa3_bwd_sm90_wide_kernel
+from .bwd_sm90_wide import WideTile, fa3_bwd_sm90_wide_kernel
 from .configs import SMEM_LIMIT, SUPPORTED_HEAD_DIM_PAIRS, BwdSm90Config, get_bwd_config, tile_head_dims
 
 _MAX_SEQ = 1 << 23
@@ -107,7 +107,8 @@ def _desc(t: torch.Tensor, block_shape: list[int]):
 
 def _dq_frag_desc(dq_acc: torch.Tensor):
     """TMA descriptor of DQ_ACC [Z * HQ, M_PAD, D] viewed as [Z * HQ, M_PAD * D / 256, 256] by [1, 16, 256] boxes
-    (no swizzle): one 64 x 64 block of dQ in the wgmma fragments' order (bwd_sm90_wide.WideTile.DQ_FRAG)."""
+    (no swizzle): one 64 x 64 block of dQ in the wgmma fragments' order (bwd_sm90._dq_fragments; BwdSchedule.DQ_FRAG,
+    WideTile.DQ_FRAG)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
