@@ -193,7 +193,7 @@ VARIANTS: dict[str, dict[str, bool]] = {
     # 192 / 128: a third Q / dO stage in the room of the second dQ staging tile (230 KB), in order and overlapped (the
     # overlap waits for the next step's stage half a step earlier: docs/design/hopper_backward.md, "Left"). Compiled
     # (no spill), GPU-checked and timed next.
-    "wide_stages3": {"num_stages": 3, "dq_bufs": 1},
+    "wide_stages3": {"num_stages": 3, "dq_bufs": 1, "overlap": 0},
     "wide_stages3_overlap": {"num_stages": 3, "dq_bufs": 1, "overlap": 1},
 }
 
