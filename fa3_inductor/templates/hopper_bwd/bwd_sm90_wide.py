@@ -22,6 +22,9 @@ Notation (beyond bwd_sm90.py's)
                              reduce-add each)
   DQ_BUFS                    fp32 staging tiles a warpgroup, used in turn: with 2, a chunk is staged while the
                              previous chunk's reduce-add still reads its tile (192 / 128: 1.25x the step)
+  DQ_FRAG                    a chunk is staged as its fragments (bwd_sm90._dq_fragments: one 16-byte store a
+                             thread and n8 block, no bank conflict) and DQ_ACC's 64 x 64 blocks hold that order
+  OVERLAP                    _head_overlap: step j + 1's S issued behind step j's dS, its P made under dK and dQ
 
 Per step (64 query rows x 64 keys), warpgroup w:
 
