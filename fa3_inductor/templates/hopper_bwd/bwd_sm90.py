@@ -585,8 +585,19 @@ def _dq_fragments(dq):
     logical permutation that leaves every register in its thread: stored to an unswizzled tile, each thread's four
     values of an n8 block are one 16-byte store and a warp's 32 of them 512 contiguous bytes (no bank conflict; the
     128-byte-swizzled [64, 64] tile took 8-byte stores two-way conflicted in each half-warp). DQ_ACC keeps its 64 x 64
-    blocks in this order; bwd_sm90_wide.bwd_sm90_dq_convert_frag_kernel reads them back."""
+    blocks in this order; bwd_sm90_dq_convert_frag_kernel reads them back."""
     return dq.reshape([4, 2, 8, 8, 4, 2]).permute((3, 0, 2, 4, 1, 5)).reshape([16, 256])
+
+
+@gluon.jit
+def _frag_reduce_add(dq, stage, dq_desc, zh, m0, col, D_MEM: gl.constexpr):
+    """The [64, 64] dQ chunk at (rows m0.., columns col..) of head zh into the staging tile ``stage`` ([1, 16, 256],
+    free: the caller waited) in fragment order, then its TMA reduce-add into DQ_ACC's block (m0 // 64, col // 64) of
+    D_MEM // 64 a row of blocks (the descriptor: DQ_ACC as rows of 256 floats, 16 a block)."""
+    stage.reshape([16, 256]).store(_dq_fragments(dq))
+    fence_async_shared()
+    blk = (m0 // 64) * (D_MEM // 64) + col // 64
+    _tma_reduce_add(dq_desc, [zh, blk * 16, 0], stage)
 
 
 @gluon.jit
@@ -601,12 +612,8 @@ def _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, m0, row_off, WG: gl.constexpr,
     D: gl.constexpr = TILE.HEAD_D
     DQ_COL0: gl.constexpr = WG * DQ_N if TILE.DQ_SPLIT else 0
     if SCHED.DQ_FRAG:
-        stage = dq_smem.index(WG)                    # [1, 16, 256]: the [64, 64] chunk in fragment order
         tma.store_wait(0)                            # the previous reduce has read this warpgroup's tile
-        stage.reshape([16, 256]).store(_dq_fragments(dq))
-        fence_async_shared()
-        blk = (m0 // BLOCK_M) * (TILE.D_MEM // DQ_N) + DQ_COL0 // DQ_N
-        _tma_reduce_add(dq_desc, [zh, blk * 16, 0], stage)
+        _frag_reduce_add(dq, dq_smem.index(WG), dq_desc, zh, m0, DQ_COL0, TILE.D_MEM)
     elif SCHED.DQ_TMA:
         stage = dq_smem.index(WG)                    # [1, BLOCK_M, DQ_N]
         tma.store_wait(0)                            # the previous reduce has read this warpgroup's tile
@@ -656,6 +663,19 @@ def _ds(dp, delta, p_ds, p_src, f_src, s_layout: gl.constexpr, HAS_GRAD: gl.cons
         if HAS_GRAD:
             ds = ds * f_src.load(s_layout).to(gl.float32)
     return ds
+
+
+@gluon.jit
+def _next_step(i, n_total, n_partial, cnt, z, hq, kv_blk, stats_h, rows_, tables, table_meta, TILE: gl.constexpr,
+               SPARSE: gl.constexpr):
+    """What the overlap's step i needs of step i + 1 before issuing its S: (has_next, its first query row, its LSE
+    rows, its Q / dO stage). On a head's last step: this step's query tile (clamped) and this step's stage, whose S is
+    read and dropped (nothing is waited for it)."""
+    has_next = i + 1 < n_total
+    m0_next = _q_tile_start(gl.minimum(i + 1, n_total - 1), n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
+    lse_next = gl.load(stats_h + m0_next + rows_)
+    st_next = (cnt + has_next.to(gl.int32)) % TILE.NUM_STAGES
+    return has_next, m0_next, lse_next, st_next
 
 
 @gluon.jit
@@ -808,15 +828,11 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(ds_ready.index(buf), count=1)
-            # the next step: its query tile (the last step's own, clamped, on the head's last step), its LSE, and
-            # its S issued on its Q stage (this step's stage on the last step: read, not waited for)
-            has_next = i + 1 < n_total
-            m0_next = _q_tile_start(gl.minimum(i + 1, n_total - 1), n_partial, z, hq, kv_blk, tables, table_meta,
-                                    TILE, SPARSE)
-            lse_next = gl.load(stats_h + m0_next + rows_)
+            # the next step: its query tile, LSE and Q stage, its S issued there (_next_step)
+            has_next, m0_next, lse_next, st_next = _next_step(i, n_total, n_partial, cnt, z, hq, kv_blk, stats_h,
+                                                              rows_, tables, table_meta, TILE, SPARSE)
             if SCHED.STATS_AHEAD:   # (as in _consumer_tile: its latency under this step's dK and dQ)
                 delta_next = gl.load(stats_h + M_PAD + m0_next + rows_)
-            st_next = (cnt + has_next.to(gl.int32)) % NUM_STAGES
             q_next = q_smem.index(st_next).reshape([BLOCK_M, D])
             if has_next:
                 mbarrier.wait(qdo_ready.index(st_next), ((cnt + 1) // NUM_STAGES) & 1)
@@ -1058,9 +1074,10 @@ def bwd_sm90_dq_convert_kernel(DQ_ACC, DQ, dq_strides, HQ, M, M_PAD, ds_scale,
 @triton.jit(do_not_specialize=["M", "M_PAD"])
 def bwd_sm90_dq_convert_frag_kernel(DQ_ACC, DQ, dq_strides, HQ, M, M_PAD, ds_scale, HEAD_D: tl.constexpr):
     """dQ = DQ_ACC * ds_scale in dQ's dtype for one 64 x 64 block (program (query tile * chunks + chunk, z * HQ + hq))
-    of a DQ_ACC kept in the wgmma fragments' order (BwdSchedule.DQ_FRAG, WideTile.DQ_FRAG: _dq_fragments): element (r, c) of the block sits at
-    (c // 8) * 512 + thread(r, c) * 4 + ((r // 8) % 2) * 2 + c % 2, thread(r, c) = (r // 16) * 32 + (r % 8) * 4 +
-    (c // 2) % 4 (warp, then the lane of the m64nNk16 accumulator); the block's 4096 floats are contiguous."""
+    of a DQ_ACC kept in the wgmma fragments' order (BwdSchedule.DQ_FRAG, WideTile.DQ_FRAG: _dq_fragments): element
+    (r, c) of the block sits at (c // 8) * 512 + thread(r, c) * 4 + ((r // 8) % 2) * 2 + c % 2, thread(r, c) =
+    (r // 16) * 32 + (r % 8) * 4 + (c // 2) % 4 (warp, then the lane of the m64nNk16 accumulator); the block's 4096
+    floats are contiguous."""
     NCB: tl.constexpr = HEAD_D // 64
     pid = tl.program_id(0)
     zh = tl.program_id(1)

@@ -72,8 +72,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .bwd_sm90 import (_acc_layout, _dq_fragments, _ds, _ds_factor, _opaque, _probabilities, _q_tile_counts,
-                       _q_tile_start, _tma_reduce_add)
+from .bwd_sm90 import (_acc_layout, _ds, _ds_factor, _frag_reduce_add, _next_step, _opaque, _probabilities,
+                       _q_tile_counts, _q_tile_start, _tma_reduce_add)
 
 
 @dataclass(frozen=True)
@@ -248,9 +248,9 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
         zh = z * HQ + hq
         n_partial, n_total = _q_tile_counts(z, hq, kv_blk, M, tables, table_meta, TILE, SPARSE)
         if TILE.OVERLAP:
-            dk, dv, cnt = _head_overlap(WG, z, hq, zh, n_partial, n_total, n0, kv_blk, rows_, dk, dv, cnt, descs, bars, smem,
-                                        sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD,
-                                        MASK_MOD, TILE, SPARSE, FLAGS)
+            dk, dv, cnt = _head_overlap(WG, z, hq, zh, n_partial, n_total, n0, kv_blk, rows_, dk, dv, cnt, descs,
+                                        bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD,
+                                        SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)
         else:
             dk, dv, cnt = _head_in_order(WG, z, hq, zh, n_partial, n_total, n0, kv_blk, dk, dv, cnt, descs, bars,
                                          smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD,
@@ -346,8 +346,8 @@ def _head_overlap(WG: gl.constexpr, z, hq, zh, n_partial, n_total, n0, kv_blk, r
     behind step j's dS (its Q / dO stage waited then), ahead of step j's dK and dQ chunks, and its P is made while
     they run. A step begins with its P in the P buffer (p_ready signalled) and dS's factor in registers (P_REGS),
     made by the step before or, for a head's first step, by a prologue. On a head's last step the early S reads the
-    step's own Q stage and is dropped. The P / dS buffers' reuse argument is the in-order step's: P of step j + 1 is written
-    after waiting p_ready of step j, which the other warpgroup signals after its step j - 1's dV retired."""
+    step's own Q stage and is dropped. The P / dS buffers' reuse argument is the in-order step's: P of step j + 1 is
+    written after waiting p_ready of step j, which the other warpgroup signals after its step j - 1's dV retired."""
     q_lo_desc, q_hi_desc, do_desc, k_lo_desc, k_hi_desc, v_desc, dq_desc = descs
     kv_ready, qdo_ready, qdo_empty, p_ready, ds_ready = bars
     q_lo_smem, q_hi_smem, do_smem, k_lo_smem, k_hi_smem, v_smem, p_smem, ds_smem, f_smem, dq_smem = smem
@@ -414,13 +414,9 @@ def _head_overlap(WG: gl.constexpr, z, hq, zh, n_partial, n_total, n0, kv_blk, r
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(ds_ready.index(buf), count=1)
-        # the next step: its query tile (this one's, clamped, on the head's last step), its LSE, and its S on
-        # its Q stage (this step's stage on the last step: read, not waited for)
-        has_next = i + 1 < n_total
-        m0_next = _q_tile_start(gl.minimum(i + 1, n_total - 1), n_partial, z, hq, kv_blk, tables, table_meta,
-                                TILE, SPARSE)
-        lse_next = gl.load(stats_h + m0_next + rows_)
-        st_next = (cnt + has_next.to(gl.int32)) % NUM_STAGES
+        # the next step: its query tile, LSE and Q stage, its S issued there (bwd_sm90._next_step)
+        has_next, m0_next, lse_next, st_next = _next_step(i, n_total, n_partial, cnt, z, hq, kv_blk, stats_h, rows_,
+                                                          tables, table_meta, TILE, SPARSE)
         q_lo_n = q_lo_smem.index(st_next + zero).reshape([BLOCK_M, LO])
         q_hi_n = q_hi_smem.index(st_next + zero).reshape([BLOCK_M, HI])
         if has_next:
@@ -538,10 +534,7 @@ def _stage_dq(dq, dq_smem, dq_desc, dq_at, c: gl.constexpr, nth, WG: gl.constexp
     tma.store_wait(TILE.DQ_BUFS - 1)      # the reduce-add that last read this staging tile is done with it
     stage = dq_smem.index(WG * TILE.DQ_BUFS + nth % TILE.DQ_BUFS)
     if TILE.DQ_FRAG:
-        stage.reshape([16, 256]).store(_dq_fragments(dq))      # [1, 16, 256]: the chunk in fragment order
-        fence_async_shared()
-        blk = (m0 // TILE.BLOCK_M) * (TILE.D_MEM // TILE.DQ_N) + (col0 + c * TILE.DQ_N) // TILE.DQ_N
-        _tma_reduce_add(dq_desc, [zh, blk * 16, 0], stage)
+        _frag_reduce_add(dq, stage, dq_desc, zh, m0, col0 + c * TILE.DQ_N, TILE.D_MEM)
     else:
         stage.reshape([TILE.BLOCK_M, TILE.DQ_N]).store(dq)         # [1, BLOCK_M, DQ_N] fp32, 128-byte swizzle
         fence_async_shared()

@@ -285,8 +285,12 @@ def launch_traits(score_mod: Any, score_grad_mod: Any, mask_mod: Any, has_mask: 
         >>> launch_traits(None, None, None, has_mask=True)
         {'grad_mod': False, 'masked': True}
     """
-    curved = score_grad_mod is not None and score_grad_mod is not SCORE_GRAD_ONE
-    return dict(grad_mod=curved and mask_mod is None, masked=has_mask)
+    return dict(grad_mod=_curved(score_grad_mod) and mask_mod is None, masked=has_mask)
+
+
+def _curved(score_grad_mod: Any) -> bool:
+    """A score_mod derivative other than 1 (a generated f', not None or SCORE_GRAD_ONE): the kernels compute f'."""
+    return score_grad_mod is not None and score_grad_mod is not SCORE_GRAD_ONE
 
 
 def prepare_hopper_backward(
@@ -329,7 +333,7 @@ def prepare_hopper_backward(
     if score_mod is not None and score_grad_mod is None:
         _refuse("a score_mod needs its derivative, score_grad_mod: generate it with "
                 "hopper_bwd.host.score_grad_gl from flex's joint graph (SCORE_GRAD_ONE when that returns None)")
-    if score_mod is None and score_grad_mod is not None and score_grad_mod is not SCORE_GRAD_ONE:
+    if score_mod is None and _curved(score_grad_mod):
         _refuse("score_grad_mod given without its score_mod")
     has_mask = kv_num_blocks is not None or q_num_blocks is not None
     if mask_mod is not None and not has_mask:
@@ -369,8 +373,7 @@ def prepare_hopper_backward(
     if cfg.split_dkv:
         # a second dQ staging tile where it fits beside a score_mod's f' (parked in shared memory without p_regs:
         # D256 softcap then has no room for it)
-        curved = score_grad_mod is not None and score_grad_mod is not SCORE_GRAD_ONE
-        f_bytes = 2 * 64 * 32 * q.element_size() if curved and not cfg.p_regs else 0
+        f_bytes = 2 * 64 * 32 * q.element_size() if _curved(score_grad_mod) and not cfg.p_regs else 0
         dq_bufs = cfg.dq_bufs if cfg.smem_bytes(DT, value_head_dim=DVT) + f_bytes + 1024 <= SMEM_LIMIT else 1
         tile = WideTile(HEAD_D=DT, HEAD_DV=DVT, NUM_STAGES=cfg.num_stages, HEAD_D_IN=d_in, P_REGS=cfg.p_regs,
                         DQ_BUFS=dq_bufs, OVERLAP=bool(cfg.overlap), DQ_FRAG=dq_frag)
@@ -390,7 +393,7 @@ def prepare_hopper_backward(
         score_mod, to_score = kernel_score_mod(score_mod, sm_scale)
     else:
         to_score = sm_scale if fold else 1.0
-    if score_grad_mod is not None and score_grad_mod is not SCORE_GRAD_ONE:
+    if _curved(score_grad_mod):
         score_grad_mod, grad_factor = kernel_score_mod(score_grad_mod, sm_scale)
     else:
         score_grad_mod, grad_factor = None, 1.0
