@@ -163,7 +163,7 @@ ONE_HEAD_DIM = {
 }
 
 
-@pytest.mark.parametrize("variant", ["atomic_dq", "overlap", "overlap_dk", "stages3", "m128", "p_smem", "dq_frag"])
+@pytest.mark.parametrize("variant", ["atomic_dq", "overlap", "overlap_dk", "stages3", "m128", "p_smem", "dq_tiled"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("case", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
 def test_schedule_variants_match_float64(case, D, variant):
@@ -182,12 +182,12 @@ def test_schedule_variants_match_float64(case, D, variant):
 # The wide kernel's variants (configs.VARIANTS): dq_bufs* (one or two dQ staging tiles a warpgroup) at both of its
 # pairs and padded ones (160, 192 / 192: warpgroup 1 has one chunk, the other skipped): the staging tiles' reuse
 # across steps and heads; overlap (the cross-step overlap: two Q / dO stages, so 192 / 128 only) also under a document
-# mask (partial and full tiles, the next step's from the tables); dq_frag (DQ_ACC's blocks in fragment order and its
-# convert pass; 160 keeps the tiled staging).
+# mask (partial and full tiles, the next step's from the tables); dq_tiled (the tiled dQ staging the defaults had
+# before dq_frag, which 160 keeps).
 WIDE_VARIANT_CASES = VARIANT_CASES + [("document", None, "document", 1, 2, 2, 900, 900, None)]
 
 
-@pytest.mark.parametrize("variant", ["dq_bufs1", "dq_bufs2", "overlap", "dq_frag", "wide_stages3",
+@pytest.mark.parametrize("variant", ["dq_bufs1", "dq_bufs2", "overlap", "dq_tiled", "wide_stages3",
                                      "wide_stages3_overlap"])
 @pytest.mark.parametrize("dims", [(256, 256), (192, 128), (160, 160), (192, 192)], ids=_dims_id)
 @pytest.mark.parametrize("case", WIDE_VARIANT_CASES, ids=[c[0] for c in WIDE_VARIANT_CASES])

@@ -188,7 +188,7 @@ VARIANTS: dict[str, dict[str, bool]] = {
     # the wide kernel's dQ staging (bwd_sm90_wide.py): one or two fp32 tiles a warpgroup
     "dq_bufs1": {"dq_bufs": 1},
     "dq_bufs2": {"dq_bufs": 2},
-    "dq_frag": {"dq_frag": True},
+    # dQ staged as the tiled [64, 64] fp32 chunk (every default before dq_frag; still what 80 / 96 / 160 and m128 run)
     "dq_tiled": {"dq_frag": False},
     # 192 / 128: a third Q / dO stage in the room of the second dQ staging tile (230 KB), in order and overlapped (the
     # overlap waits for the next step's stage half a step earlier: docs/design/hopper_backward.md, "Left"). Compiled
