@@ -329,29 +329,6 @@ def test_wide_overlap_compile(variant):
         assert all(not re.search(r"DEPBAR\.LE gsb0, 0x0", t) for t in ops[:first_ex2]), "a full drain before P"
 
 
-# 192 / 128 with a third Q / dO stage (configs.VARIANTS wide_stages3, _overlap: one dQ staging tile a warpgroup),
-# triton 3.6, M = N = 1000: no spill, 229920 B of shared memory (noop; +32 with a block mask), under sm90's 227 KB.
-@pytest.mark.parametrize("schedule", ["wide_stages3", "wide_stages3_overlap"])
-@pytest.mark.parametrize("variant", ["noop", "causal"])
-def test_wide_three_stages_compile(variant, schedule):
-    from fa3_inductor.templates.aot import sass_report
-    from fa3_inductor.templates.hopper_bwd import compile_hopper_backward, get_bwd_config
-    from fa3_inductor.templates.hopper_bwd.configs import VARIANTS
-
-    D, DV, M = 192, 128, 1000
-    q = torch.randn(2, 4, M, D, dtype=torch.bfloat16)
-    k = torch.randn(2, 2, M, D, dtype=torch.bfloat16)
-    v = torch.randn(2, 2, M, DV, dtype=torch.bfloat16)
-    out = torch.empty(2, 4, M, DV, dtype=torch.bfloat16)
-    cfg = get_bwd_config(D, DV, **VARIANTS[schedule])
-    main = sass_report(compile_hopper_backward(q, k, v, out, torch.empty_like(out), torch.empty(2, 4, M),
-                                               sm_scale=D ** -0.5, config=cfg, **_options(variant, M, M))[1])
-    loops = _step_loops(main)
-    print(f"\nD{D}/{DV} {variant} {schedule}: shared {main.shared}, step loops {[len(b) for b in loops]}")
-    assert main.spill_instructions == 0 and main.stack == 0 and len(loops) == 2
-    assert cfg.smem_bytes(D, value_head_dim=DV) <= main.shared <= SMEM_LIMIT
-
-
 # The 128-row step (configs.VARIANTS m128, bwd_sm90_m128.py) on the GPU tests' other specializations, triton 3.6:
 # no spill and no stack anywhere, 40 HGMMA a warpgroup's step loop (S 8, dP 8, dV 8, dK 8, dQ 8 of 64x64x16), five
 # wgmma waits a step, dQ by TMA reduce-add, 224 KB of shared memory with or without a score_mod (f' in the dS tile).

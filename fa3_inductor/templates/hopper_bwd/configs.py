@@ -190,11 +190,6 @@ VARIANTS: dict[str, dict[str, bool]] = {
     "dq_bufs2": {"dq_bufs": 2},
     # dQ staged as the tiled [64, 64] fp32 chunk (every default before dq_frag; still what 80 / 96 / 160 and m128 run)
     "dq_tiled": {"dq_frag": False},
-    # 192 / 128: a third Q / dO stage in the room of the second dQ staging tile (230 KB), in order and overlapped (the
-    # overlap waits for the next step's stage half a step earlier: docs/design/hopper_backward.md, "Left"). Compiled
-    # (no spill), GPU-checked and timed next.
-    "wide_stages3": {"num_stages": 3, "dq_bufs": 1, "overlap": 0},
-    "wide_stages3_overlap": {"num_stages": 3, "dq_bufs": 1, "overlap": 1},
 }
 
 
