@@ -182,6 +182,7 @@ VARIANTS: dict[str, dict[str, bool]] = {
     "m128": {"block_m": 128},
     # LSE / DELTA loaded where they are used (the step's start, after dP's issue), as before stats_ahead: an A/B
     "stats_at_use": {"stats_ahead": False},
+    "overlap_at_use": {"overlap": 1, "stats_ahead": False},
     # dS from P (times f') read back from shared memory in 16 bits: both head dims' step before p_regs became their
     # default (D128: the overlap's P not carried across the step)
     "p_smem": {"p_regs": False},
