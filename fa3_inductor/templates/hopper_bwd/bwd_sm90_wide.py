@@ -87,7 +87,7 @@ class WideTile:
     DQ_BUFS: int = 1       # dQ staging tiles a warpgroup: 2 lets a chunk be staged while the last reduce-add reads
     OVERLAP: bool = False  # step j + 1's S issued behind step j's dS, its P made while dK and dQ run (P_REGS, 2 stages)
     DQ_FRAG: bool = False  # dQ chunks staged and added in the wgmma fragments' order (DQ_ACC's 64 x 64 blocks permuted)
-    STATS_AHEAD: bool = False  # the next step's first row and LSE loaded a step ahead (OVERLAP: under a block mask)
+    AHEAD: int = 0         # OVERLAP under a block mask: the next step's first row (1) and its LSE (2) a step ahead
 
     @property
     def D_MEM(self) -> int:
@@ -237,9 +237,9 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
     dv_layout: gl.constexpr = _acc_layout(DV_WG)
     dk = gl.zeros([BLOCK_N, DK_N], gl.float32, layout=dk_layout)
     dv = gl.zeros([BLOCK_N, DV_WG], gl.float32, layout=dv_layout)
-    # a step's query rows (S's row layout), made once (the in-order step without STATS_AHEAD makes them per step)
-    row_layout: gl.constexpr = gl.SliceLayout(1, _acc_layout(TILE.KEYS_WG))
-    rows_ = gl.arange(0, TILE.BLOCK_M, layout=row_layout)
+    if TILE.OVERLAP:   # a step's query rows (S's row layout), made once (the in-order step makes them per step)
+        row_layout: gl.constexpr = gl.SliceLayout(1, _acc_layout(TILE.KEYS_WG))
+        rows_ = gl.arange(0, TILE.BLOCK_M, layout=row_layout)
 
     mbarrier.wait(kv_ready, 0)
     cnt = 0
@@ -253,8 +253,8 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
                                         bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD,
                                         SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)
         else:
-            dk, dv, cnt = _head_in_order(WG, z, hq, zh, n_partial, n_total, n0, kv_blk, rows_, dk, dv, cnt, descs,
-                                         bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD,
+            dk, dv, cnt = _head_in_order(WG, z, hq, zh, n_partial, n_total, n0, kv_blk, dk, dv, cnt, descs, bars,
+                                         smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD,
                                          SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)
 
     _store_dk_dv(dk, dv, n0, kz, hkv, HKV, N, dk_ptr, dv_ptr, ds_scale, descs[0].dtype, DK0, DK_N, DV0, TILE)
@@ -262,8 +262,8 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
 
 
 @gluon.jit
-def _head_in_order(WG: gl.constexpr, z, hq, zh, n_partial, n_total, n0, kv_blk, rows_ahead, dk, dv, cnt, descs, bars,
-                   smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr,
+def _head_in_order(WG: gl.constexpr, z, hq, zh, n_partial, n_total, n0, kv_blk, dk, dv, cnt, descs, bars, smem, sizes,
+                   tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr,
                    MASK_MOD: gl.constexpr, TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr):
     """The steps of one query head (z, hq) for this CTA's keys, in order (module docstring's step): dK, dV
     accumulated, dQ added; returns (dk, dv, cnt), cnt counting the steps of the CTA (ring stage and P / dS buffer)."""
@@ -286,24 +286,8 @@ def _head_in_order(WG: gl.constexpr, z, hq, zh, n_partial, n_total, n0, kv_blk, 
     dq_layout: gl.constexpr = _acc_layout(DQ_N)
     s_zero = gl.zeros([BLOCK_M, KEYS_WG], gl.float32, layout=s_layout)
     dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
-    stats_h = stats_ptr + zh.to(gl.int64) * (2 * M_PAD)      # LSE_P of the head; DELTA_P is M_PAD further
-    # STATS_AHEAD: a step's first row (a table load under a block mask) and its LSE rows (a load behind it) are loaded
-    # during the step before, so S's wait is not followed by theirs
-    m0_ahead = n_total * 0
-    lse_ahead = gl.zeros([BLOCK_M], gl.float32, layout=row_layout)
-    if TILE.STATS_AHEAD:
-        if n_total > 0:
-            m0_ahead = _q_tile_start(0, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
-            lse_ahead = gl.load(stats_h + m0_ahead + rows_ahead)
     for i in range(n_total):
-        if TILE.STATS_AHEAD:
-            m0 = m0_ahead
-            lse = lse_ahead
-            m0_ahead = _q_tile_start(gl.minimum(i + 1, n_total - 1), n_partial, z, hq, kv_blk, tables, table_meta,
-                                     TILE, SPARSE)
-            lse_ahead = gl.load(stats_h + m0_ahead + rows_ahead)
-        else:
-            m0 = _q_tile_start(i, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
+        m0 = _q_tile_start(i, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
         st = cnt % NUM_STAGES
         buf = cnt % 2
         # K, V and the P / dS tiles as wgmma operands, built per step from a zero LLVM cannot see through
@@ -316,8 +300,7 @@ def _head_in_order(WG: gl.constexpr, z, hq, zh, n_partial, n_total, n0, kv_blk, 
         row_off = zh.to(gl.int64) * M_PAD + m0
         stats = stats_ptr + (row_off + zh.to(gl.int64) * M_PAD)   # LSE_P; DELTA_P is M_PAD further
         rows_ = gl.arange(0, BLOCK_M, layout=row_layout)
-        if not TILE.STATS_AHEAD:
-            lse = gl.load(stats + rows_)
+        lse = gl.load(stats + rows_)
         k_lo_t = k_lo.slice(WG * KEYS_WG, KEYS_WG, dim=0).permute((1, 0))
         k_hi_t = k_hi.slice(WG * KEYS_WG, KEYS_WG, dim=0).permute((1, 0))
         mbarrier.wait(qdo_ready.index(st), (cnt // NUM_STAGES) & 1)
@@ -390,14 +373,14 @@ def _head_overlap(WG: gl.constexpr, z, hq, zh, n_partial, n_total, n0, kv_blk, r
     stats_h = stats_ptr + zh.to(gl.int64) * (2 * M_PAD)      # LSE_P of the head; DELTA_P is M_PAD further
     m0 = n_total * 0
     p_keep = gl.zeros([BLOCK_M, KEYS_WG], gl.float32, layout=s_layout)
-    # Under a block mask the next step's first row is a table load and its LSE a load behind it: both are issued a
-    # step ahead (the start at the step before, the LSE at the top of the step), not in front of the next P.
-    AHEAD: gl.constexpr = TILE.STATS_AHEAD and SPARSE.HAS_BLOCK_MASK
+    # Under a block mask the next step's first row is a table load and its LSE a load behind it, both needed by the
+    # next P: AHEAD >= 1 loads the row a step early (at the top of the step before), 2 its LSE too.
+    AHEAD: gl.constexpr = TILE.AHEAD if SPARSE.HAS_BLOCK_MASK else 0
     m0_ahead = m0
     if n_total > 0:
         # prologue: the head's first S, waited at once, and its P
         m0 = _q_tile_start(0, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
-        if AHEAD:
+        if AHEAD >= 1:
             m0_ahead = _q_tile_start(gl.minimum(1, n_total - 1), n_partial, z, hq, kv_blk, tables, table_meta, TILE,
                                      SPARSE)
         zero0 = _opaque(0)
@@ -428,8 +411,9 @@ def _head_overlap(WG: gl.constexpr, z, hq, zh, n_partial, n_total, n0, kv_blk, r
         k_hi_t = k_hi.slice(WG * KEYS_WG, KEYS_WG, dim=0).permute((1, 0))
         v_t = v_rows.slice(WG * KEYS_WG, KEYS_WG, dim=0).permute((1, 0))
         delta = gl.load(stats_h + M_PAD + m0 + rows_)
-        if AHEAD:
+        if AHEAD == 2:
             lse_ahead = gl.load(stats_h + m0_ahead + rows_)
+        if AHEAD >= 1:
             m0_after = _q_tile_start(gl.minimum(i + 2, n_total - 1), n_partial, z, hq, kv_blk, tables, table_meta,
                                      TILE, SPARSE)
         dp_tok = warpgroup_mma(do_t, v_t, s_zero, use_acc=False, is_async=True)
@@ -444,10 +428,13 @@ def _head_overlap(WG: gl.constexpr, z, hq, zh, n_partial, n_total, n0, kv_blk, r
         gl.thread_barrier()
         mbarrier.arrive(ds_ready.index(buf), count=1)
         # the next step: its query tile, LSE and Q stage, its S issued there (bwd_sm90._next_step)
-        if AHEAD:
+        if AHEAD >= 1:
             has_next = i + 1 < n_total
             m0_next = m0_ahead
-            lse_next = lse_ahead
+            if AHEAD == 2:
+                lse_next = lse_ahead
+            else:
+                lse_next = gl.load(stats_h + m0_next + rows_)
             st_next = (cnt + has_next.to(gl.int32)) % NUM_STAGES
             m0_ahead = m0_after
         else:
