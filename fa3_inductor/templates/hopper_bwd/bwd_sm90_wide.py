@@ -87,7 +87,6 @@ class WideTile:
     DQ_BUFS: int = 1       # dQ staging tiles a warpgroup: 2 lets a chunk be staged while the last reduce-add reads
     OVERLAP: bool = False  # step j + 1's S issued behind step j's dS, its P made while dK and dQ run (P_REGS, 2 stages)
     DQ_FRAG: bool = False  # dQ chunks staged and added in the wgmma fragments' order (DQ_ACC's 64 x 64 blocks permuted)
-    AHEAD: int = 0         # OVERLAP under a block mask: the next step's first row (1) and its LSE (2) a step ahead
 
     @property
     def D_MEM(self) -> int:
@@ -373,14 +372,15 @@ def _head_overlap(WG: gl.constexpr, z, hq, zh, n_partial, n_total, n0, kv_blk, r
     stats_h = stats_ptr + zh.to(gl.int64) * (2 * M_PAD)      # LSE_P of the head; DELTA_P is M_PAD further
     m0 = n_total * 0
     p_keep = gl.zeros([BLOCK_M, KEYS_WG], gl.float32, layout=s_layout)
-    # Under a block mask the next step's first row is a table load and its LSE a load behind it, both needed by the
-    # next P: AHEAD >= 1 loads the row a step early (at the top of the step before), 2 its LSE too.
-    AHEAD: gl.constexpr = TILE.AHEAD if SPARSE.HAS_BLOCK_MASK else 0
+    # Under a block mask the next step's first row is a table load with its LSE's load behind it, in front of the next
+    # P: the row is loaded a step ahead, at the top of the step before (causal 1.09-1.10x; the LSE ahead too cost
+    # documents 3%: docs/design/hopper_backward.md). Without one it is arithmetic (_next_step).
+    AHEAD: gl.constexpr = SPARSE.HAS_BLOCK_MASK
     m0_ahead = m0
     if n_total > 0:
         # prologue: the head's first S, waited at once, and its P
         m0 = _q_tile_start(0, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
-        if AHEAD >= 1:
+        if AHEAD:
             m0_ahead = _q_tile_start(gl.minimum(1, n_total - 1), n_partial, z, hq, kv_blk, tables, table_meta, TILE,
                                      SPARSE)
         zero0 = _opaque(0)
@@ -411,9 +411,7 @@ def _head_overlap(WG: gl.constexpr, z, hq, zh, n_partial, n_total, n0, kv_blk, r
         k_hi_t = k_hi.slice(WG * KEYS_WG, KEYS_WG, dim=0).permute((1, 0))
         v_t = v_rows.slice(WG * KEYS_WG, KEYS_WG, dim=0).permute((1, 0))
         delta = gl.load(stats_h + M_PAD + m0 + rows_)
-        if AHEAD == 2:
-            lse_ahead = gl.load(stats_h + m0_ahead + rows_)
-        if AHEAD >= 1:
+        if AHEAD:
             m0_after = _q_tile_start(gl.minimum(i + 2, n_total - 1), n_partial, z, hq, kv_blk, tables, table_meta,
                                      TILE, SPARSE)
         dp_tok = warpgroup_mma(do_t, v_t, s_zero, use_acc=False, is_async=True)
@@ -428,13 +426,10 @@ def _head_overlap(WG: gl.constexpr, z, hq, zh, n_partial, n_total, n0, kv_blk, r
         gl.thread_barrier()
         mbarrier.arrive(ds_ready.index(buf), count=1)
         # the next step: its query tile, LSE and Q stage, its S issued there (bwd_sm90._next_step)
-        if AHEAD >= 1:
+        if AHEAD:
             has_next = i + 1 < n_total
             m0_next = m0_ahead
-            if AHEAD == 2:
-                lse_next = lse_ahead
-            else:
-                lse_next = gl.load(stats_h + m0_next + rows_)
+            lse_next = gl.load(stats_h + m0_next + rows_)
             st_next = (cnt + has_next.to(gl.int32)) % NUM_STAGES
             m0_ahead = m0_after
         else:

@@ -46,8 +46,6 @@ class BwdSm90Config:
     p_regs: bool = False         # bwd_sm90.py: dS's P (times f') held in registers, not read back from shared
                                  # memory (the overlap carries it across a step: fp32 or 16 bits, host rule)
     stats_ahead: bool = True     # bwd_sm90.py: a step's LSE / DELTA rows loaded a step ahead, not where used
-    ahead: int = 2               # bwd_sm90_wide.py's overlap under a block mask: the next step's first row (a table
-                                 # load) a step ahead (1), and its LSE (a load behind it) too (2)
     dq_bufs: int = 1             # bwd_sm90_wide.py: fp32 dQ staging tiles a warpgroup (2: a chunk is staged while
                                  # the previous reduce-add still reads; the host keeps 1 where 2 do not fit)
     dq_frag: bool = True         # dQ staged and added in the wgmma fragments' order (DQ_ACC's 64 x 64 blocks
@@ -128,12 +126,13 @@ WIDE_TABLE: dict[tuple[int, int], BwdSm90Config] = {
     (192, 128): BwdSm90Config(num_stages=2, split_dkv=True, p_regs=True, dq_bufs=2),
 }
 
-# Wide pairs whose launches without a block mask and without a score_mod derivative other than 1 (noop, ALiBi) take the
-# cross-step overlap (bwd_sm90_wide._consumer_overlap; two Q / dO stages, so not 256). H200, 192 / 128, backward over
-# the in-order step: noop 1.10 / 1.11x, ALiBi 1.08 / 1.09x at 4k / 8k (bwd-speed-nvidia-h200-2026-11-29-1934-wide-
-# overlap2), with dQ in fragment order noop 1.09 / 1.11x, ALiBi 0.99 / 0.99x (-1949-wide-overlap3); causal 0.96-1.00x
-# and softcap 0.90x keep the in-order step. The rule written before the second run: >= 3% on noop at both lengths,
-# ALiBi not slower by more than 2%.
+# Wide pairs whose launches without a score_mod derivative other than 1 (noop, ALiBi, masks) take the cross-step
+# overlap (bwd_sm90_wide._head_overlap; two Q / dO stages, so not 256). H200, 192 / 128, backward over the in-order
+# step: noop 1.10 / 1.11x, ALiBi 1.08 / 1.09x at 4k / 8k (bwd-speed-nvidia-h200-2026-11-29-1934-wide-overlap2), with
+# dQ in fragment order noop 1.09 / 1.11x, ALiBi 0.99 / 0.99x (-1949-wide-overlap3); under block masks, once the next
+# step's first row is loaded a step ahead, causal 1.09 / 1.10x, sliding window 1.02x, documents 1.00x (-2153-wide-
+# ahead2). softcap (0.90-0.93x) keeps the in-order step. Each adopted by a rule written before its run
+# (docs/design/hopper_backward.md).
 WIDE_PLAIN_OVERLAP = ((192, 128),)
 
 # 160 and 192 (for q, k and v) run the 256 tiles the same way (the wide kernel; a quarter to 0.375 of its work
@@ -184,11 +183,6 @@ VARIANTS: dict[str, dict[str, bool]] = {
     "m128": {"block_m": 128},
     # LSE / DELTA loaded where they are used (the step's start, after dP's issue), as before stats_ahead: an A/B
     "stats_at_use": {"stats_ahead": False},
-    # bwd_sm90_wide.py's overlap under a block mask: the next step's first row and LSE where used (0), the row a step
-    # ahead (1), both (2)
-    "overlap_ahead0": {"overlap": 1, "ahead": 0},
-    "overlap_ahead1": {"overlap": 1, "ahead": 1},
-    "overlap_ahead2": {"overlap": 1, "ahead": 2},
     # dS from P (times f') read back from shared memory in 16 bits: both head dims' step before p_regs became their
     # default (D128: the overlap's P not carried across the step)
     "p_smem": {"p_regs": False},
@@ -201,10 +195,11 @@ VARIANTS: dict[str, dict[str, bool]] = {
 
 
 def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: bool = False, masked: bool = False,
-                   **overrides) -> BwdSm90Config:
+                   curved: bool = False, **overrides) -> BwdSm90Config:
     """The table's tiles for a head dim (q/k ``head_dim``, v ``value_head_dim``, default the same), with optional
     field overrides (tests, sweeps). What the launch has picks the row (host.prepare_hopper_backward says it):
-    ``grad_mod``, a score_mod whose derivative is not 1 and no mask_mod; ``masked``, block-mask tables.
+    ``grad_mod``, a score_mod whose derivative is not 1 and no mask_mod; ``masked``, block-mask tables; ``curved``, a
+    score_mod whose derivative is not 1, with or without a mask_mod.
 
     Example::
 
@@ -216,14 +211,14 @@ def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: b
         (True, True)
         >>> get_bwd_config(128, **VARIANTS["atomic_dq"]).dq_tma
         False
-        >>> get_bwd_config(192, 128).overlap, get_bwd_config(192, 128, masked=True).overlap
+        >>> get_bwd_config(192, 128, masked=True).overlap, get_bwd_config(192, 128, masked=True, curved=True).overlap
         (1, 0)
     """
     pair = (head_dim, value_head_dim or head_dim)
     tiles = tile_head_dims(*pair)   # the row of the tiles that serve the pair (80 / 96: 128; 160 / 192: 256)
     if tiles in WIDE_TABLE:
         cfg = WIDE_TABLE[tiles]
-        if not (grad_mod or masked) and tiles in WIDE_PLAIN_OVERLAP:
+        if not (grad_mod or curved) and tiles in WIDE_PLAIN_OVERLAP:
             cfg = replace(cfg, overlap=1)
     elif pair[0] != pair[1] or head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"sm90 backward: head dims {pair[0]}/{pair[1]} are not served (it serves "

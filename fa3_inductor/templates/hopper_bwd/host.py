@@ -278,14 +278,16 @@ def _check_scratch(scratch: Sequence[torch.Tensor], shapes: tuple[tuple, tuple],
 def launch_traits(score_mod: Any, score_grad_mod: Any, mask_mod: Any, has_mask: bool) -> dict[str, bool]:
     """What of a launch picks its config (configs.get_bwd_config's keywords): ``grad_mod``, a score_mod whose
     derivative is not 1 without a mask_mod (one compiled in spills at the wider overlap: docs/design/hopper_backward.md,
-    "Cross-step overlap"); ``masked``, block-mask tables.
+    "Cross-step overlap"); ``masked``, block-mask tables; ``curved``, a score_mod derivative other than 1, masked or
+    not (the wide kernel's overlap loses with it).
 
     Example::
 
         >>> launch_traits(None, None, None, has_mask=True)
-        {'grad_mod': False, 'masked': True}
+        {'grad_mod': False, 'masked': True, 'curved': False}
     """
-    return dict(grad_mod=_curved(score_grad_mod) and mask_mod is None, masked=has_mask)
+    curved = _curved(score_grad_mod)
+    return dict(grad_mod=curved and mask_mod is None, masked=has_mask, curved=curved)
 
 
 def _curved(score_grad_mod: Any) -> bool:
@@ -376,7 +378,7 @@ def prepare_hopper_backward(
         f_bytes = 2 * 64 * 32 * q.element_size() if _curved(score_grad_mod) and not cfg.p_regs else 0
         dq_bufs = cfg.dq_bufs if cfg.smem_bytes(DT, value_head_dim=DVT) + f_bytes + 1024 <= SMEM_LIMIT else 1
         tile = WideTile(HEAD_D=DT, HEAD_DV=DVT, NUM_STAGES=cfg.num_stages, HEAD_D_IN=d_in, P_REGS=cfg.p_regs,
-                        DQ_BUFS=dq_bufs, OVERLAP=bool(cfg.overlap), DQ_FRAG=dq_frag, AHEAD=cfg.ahead)
+                        DQ_BUFS=dq_bufs, OVERLAP=bool(cfg.overlap), DQ_FRAG=dq_frag)
     elif cfg.block_m == 128:
         tile = M128Tile(HEAD_D=D, NUM_STAGES=cfg.num_stages)
     else:
