@@ -72,8 +72,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .bwd_sm90 import (_acc_layout, _ds, _ds_factor, _frag_reduce_add, _next_step, _opaque, _probabilities,
-                       _q_tile_counts, _q_tile_start, _tma_reduce_add)
+from .bwd_sm90 import (_acc_layout, _ds, _ds_factor, _frag_reduce_add, _next_step, _next_step_at, _opaque,
+                       _probabilities, _q_tile_counts, _q_tile_start, _tma_reduce_add)
 
 
 @dataclass(frozen=True)
@@ -427,10 +427,8 @@ def _head_overlap(WG: gl.constexpr, z, hq, zh, n_partial, n_total, n0, kv_blk, r
         mbarrier.arrive(ds_ready.index(buf), count=1)
         # the next step: its query tile, LSE and Q stage, its S issued there (bwd_sm90._next_step)
         if AHEAD:
-            has_next = i + 1 < n_total
             m0_next = m0_ahead
-            lse_next = gl.load(stats_h + m0_next + rows_)
-            st_next = (cnt + has_next.to(gl.int32)) % NUM_STAGES
+            has_next, lse_next, st_next = _next_step_at(i, n_total, cnt, m0_next, stats_h, rows_, TILE)
             m0_ahead = m0_after
         else:
             has_next, m0_next, lse_next, st_next = _next_step(i, n_total, n_partial, cnt, z, hq, kv_blk, stats_h,
