@@ -187,7 +187,7 @@ def test_schedule_variants_match_float64(case, D, variant):
 WIDE_VARIANT_CASES = VARIANT_CASES + [("document", None, "document", 1, 2, 2, 900, 900, None)]
 
 
-@pytest.mark.parametrize("variant", ["dq_bufs1", "dq_bufs2", "overlap", "serial", "dq_tiled", "lpt_order"])
+@pytest.mark.parametrize("variant", ["dq_bufs1", "dq_bufs2", "overlap", "serial", "dq_tiled"])
 @pytest.mark.parametrize("dims", [(256, 256), (192, 128), (160, 160), (192, 192)], ids=_dims_id)
 @pytest.mark.parametrize("case", WIDE_VARIANT_CASES, ids=[c[0] for c in WIDE_VARIANT_CASES])
 def test_wide_variants_match_float64(case, dims, variant):

@@ -72,8 +72,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .bwd_sm90 import (_acc_layout, _cta_coords, _ds, _ds_factor, _frag_reduce_add, _next_step, _next_step_at,
-                       _opaque, _probabilities, _q_tile_counts, _q_tile_start, _tma_reduce_add)
+from .bwd_sm90 import (_acc_layout, _ds, _ds_factor, _frag_reduce_add, _next_step, _next_step_at, _opaque,
+                       _probabilities, _q_tile_counts, _q_tile_start, _tma_reduce_add)
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,6 @@ class WideTile:
     DQ_BUFS: int = 1       # dQ staging tiles a warpgroup: 2 lets a chunk be staged while the last reduce-add reads
     OVERLAP: bool = False  # step j + 1's S issued behind step j's dS, its P made while dK and dQ run (P_REGS, 2 stages)
     DQ_FRAG: bool = False  # dQ chunks staged and added in the wgmma fragments' order (DQ_ACC's 64 x 64 blocks permuted)
-    LPT_ORDER: bool = False  # under a block mask: CTAs take their (KV tile, head) from the host's longest-first order
 
     @property
     def D_MEM(self) -> int:
@@ -160,7 +159,7 @@ class WideTile:
 # Producer: one warp issuing TMA (the query steps as bwd_sm90._producer walks them).
 # ----------------------------------------------------------------------------------------------
 @gluon.jit
-def _producer(descs, bars, smem, sizes, tables, table_meta, cta_args, TILE: gl.constexpr, SPARSE: gl.constexpr,
+def _producer(descs, bars, smem, sizes, tables, table_meta, TILE: gl.constexpr, SPARSE: gl.constexpr,
               FLAGS: gl.constexpr):
     q_lo_desc, q_hi_desc, do_desc, k_lo_desc, k_hi_desc, v_desc, dq_desc = descs
     kv_ready, qdo_ready, qdo_empty, p_ready, ds_ready = bars
@@ -168,8 +167,8 @@ def _producer(descs, bars, smem, sizes, tables, table_meta, cta_args, TILE: gl.c
     Z, HQ, KZ, M, N = sizes
     NUM_STAGES: gl.constexpr = TILE.NUM_STAGES
     LO: gl.constexpr = TILE.LO
-    kv_tile, kvh = _cta_coords(cta_args, TILE)
-    n0 = kv_tile * TILE.BLOCK_N
+    n0 = gl.program_id(0) * TILE.BLOCK_N
+    kvh = gl.program_id(1)
     HKV = HQ // FLAGS.GQA_GROUP
     kz = kvh // HKV
     hkv = kvh % HKV
@@ -210,7 +209,7 @@ def _producer(descs, bars, smem, sizes, tables, table_meta, cta_args, TILE: gl.c
 # Consumers: 32 keys of S / dP each, all 64 keys of their dK, dV, dQ columns.
 # ----------------------------------------------------------------------------------------------
 @gluon.jit
-def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta_args,
+def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
               SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
               SPARSE: gl.constexpr, FLAGS: gl.constexpr):
     """A consumer warpgroup: this CTA's 64 keys over every query head of its K / V head (GQA group, K / V batch 1),
@@ -226,8 +225,8 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
     DV0: gl.constexpr = WG * DV_WG
     BLOCK_N: gl.constexpr = TILE.BLOCK_N
 
-    kv_tile, kvh = _cta_coords(cta_args, TILE)
-    n0 = kv_tile * BLOCK_N
+    n0 = gl.program_id(0) * BLOCK_N
+    kvh = gl.program_id(1)
     HKV = HQ // FLAGS.GQA_GROUP
     kz = kvh // HKV
     hkv = kvh % HKV
@@ -559,26 +558,26 @@ def _stage_dq(dq, dq_smem, dq_desc, dq_at, c: gl.constexpr, nth, WG: gl.constexp
 
 
 @gluon.jit
-def _consumer_wg0(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta_args,
+def _consumer_wg0(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
                   SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
                   SPARSE: gl.constexpr, FLAGS: gl.constexpr):
-    _consumer(0, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta_args, SCORE_MOD,
-              SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)
+    _consumer(0, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD,
+              MASK_MOD, TILE, SPARSE, FLAGS)
 
 
 @gluon.jit
-def _consumer_wg1(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta_args,
+def _consumer_wg1(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
                   SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
                   SPARSE: gl.constexpr, FLAGS: gl.constexpr):
-    _consumer(1, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta_args, SCORE_MOD,
-              SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)
+    _consumer(1, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD,
+              MASK_MOD, TILE, SPARSE, FLAGS)
 
 
 @gluon.jit
-def _producer_entry(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta_args,
+def _producer_entry(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
                     SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
                     TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr):
-    _producer(descs, bars, smem, sizes, tables, table_meta, cta_args, TILE, SPARSE, FLAGS)
+    _producer(descs, bars, smem, sizes, tables, table_meta, TILE, SPARSE, FLAGS)
 
 
 _RUNTIME_SIZES = ["Z", "KZ", "M", "N", "M_PAD", "NUM_KV_BLKS", "NUM_Q_BLKS"]
@@ -592,7 +591,6 @@ def fa3_bwd_sm90_wide_kernel(
     score_bufs, mask_bufs,
     Z, HQ, KZ, M, N, M_PAD, SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS,
     sm_scale, qk_scale2, ds_scale,
-    cta_args,                # TILE.LPT_ORDER: (the host's launch order,); else ()
     SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
     TILE: gl.constexpr,      # WideTile
     SPARSE: gl.constexpr,    # bwd_sm90.BwdSparsity
@@ -648,10 +646,10 @@ def fa3_bwd_sm90_wide_kernel(
     scalars = (sm_scale, qk_scale2, ds_scale)
     mod_bufs = (score_bufs, mask_bufs)
     gl.warp_specialize([
-        (_consumer_wg0, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta_args,
+        (_consumer_wg0, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
                          SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)),
-        (_consumer_wg1, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta_args,
+        (_consumer_wg1, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
                          SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)),
-        (_producer_entry, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta_args,
+        (_producer_entry, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
                            SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)),
     ], [4, 1], [FLAGS.CONSUMER_REGS, FLAGS.PRODUCER_REGS])

@@ -378,8 +378,7 @@ def prepare_hopper_backward(
         f_bytes = 2 * 64 * 32 * q.element_size() if _curved(score_grad_mod) and not cfg.p_regs else 0
         dq_bufs = cfg.dq_bufs if cfg.smem_bytes(DT, value_head_dim=DVT) + f_bytes + 1024 <= SMEM_LIMIT else 1
         tile = WideTile(HEAD_D=DT, HEAD_DV=DVT, NUM_STAGES=cfg.num_stages, HEAD_D_IN=d_in, P_REGS=cfg.p_regs,
-                        DQ_BUFS=dq_bufs, OVERLAP=bool(cfg.overlap), DQ_FRAG=dq_frag,
-                        LPT_ORDER=cfg.lpt_order and has_mask)
+                        DQ_BUFS=dq_bufs, OVERLAP=bool(cfg.overlap), DQ_FRAG=dq_frag)
     elif cfg.block_m == 128:
         tile = M128Tile(HEAD_D=D, NUM_STAGES=cfg.num_stages)
     else:
@@ -430,9 +429,8 @@ def prepare_hopper_backward(
     # CTA schedules for block masks (bwd_sm90.py only): longest first, and persistent CTAs walking tile lists
     # (the 64-row step only; under graph capture the persistent lists, which read the tables on the host, give way
     # to the grid order)
-    schedulable = has_mask and cfg.block_m == 64
-    persistent = cfg.persistent and schedulable and not cfg.split_dkv and not (
-        q.is_cuda and torch.cuda.is_current_stream_capturing())
+    schedulable = has_mask and not cfg.split_dkv and cfg.block_m == 64
+    persistent = cfg.persistent and schedulable and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
     lpt = cfg.lpt_order and schedulable and not persistent
     # persistent: a second K / V buffer where shared memory allows (D = 64: 176 KB, 192 KB with a score_mod's f'
     # slots; D = 128 would need 272 KB), so the next tile's K and V load under this tile's last steps
@@ -478,10 +476,10 @@ def prepare_hopper_backward(
              _desc(v, [1, 1, tile.BLOCK_N, DVT]),
              _dq_frag_desc(dq_acc) if dq_frag else _dq_acc_desc(dq_acc, tile),
              stats, dq_acc, dk, dv, *tables, tuple(score_bufs), tuple(mask_bufs),
-             Z, HQ, KZ, M, N, m_pad, SZ, SH, num_kv_blks, num_q_blks, *scalars, cta_args),
+             Z, HQ, KZ, M, N, m_pad, SZ, SH, num_kv_blks, num_q_blks, *scalars),
             dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse,
                  FLAGS=flags, num_warps=4, maxnreg=cfg.maxnreg),
-            grid)
+            (triton.cdiv(N, tile.BLOCK_N), KZ * HKV))
     elif cfg.block_m == 128:
         main = (
             fa3_bwd_sm90_m128_kernel,
