@@ -120,12 +120,14 @@ def test_wide_dq_fragment_order_plan(D, DV, frag):
 
 
 def test_wide_overlap_for_plain_launches():
-    """192 / 128 takes the cross-step overlap without a block mask and without a curved score_mod (noop, ALiBi), the
-    in-order step under a mask or with softcap; D256 (one Q / dO stage) never."""
-    from test_hopper_bwd_compile import _options
+    """192 / 128 takes the cross-step overlap without a curved score_mod (noop, ALiBi, block masks), the in-order
+    step with softcap, with or without a mask; D256 (one Q / dO stage) never."""
+    from test_hopper_bwd_compile import _combined_options, _options
 
     assert _plan(192, 128)[1][2]["TILE"].OVERLAP
-    assert not _plan(192, 128, M=1000, N=1000, **_options("causal", 1000, 1000))[1][2]["TILE"].OVERLAP
+    assert _plan(192, 128, M=1000, N=1000, **_options("causal", 1000, 1000))[1][2]["TILE"].OVERLAP
     assert not _plan(192, 128, **_options("softcap", 1000, 777))[1][2]["TILE"].OVERLAP
+    assert not _plan(192, 128, M=1000, N=1000, **_combined_options("softcap+causal", 1000, 1000))[1][2]["TILE"].OVERLAP
     assert _plan(192, 128, **_options("alibi", 1000, 777))[1][2]["TILE"].OVERLAP
     assert not _plan(256, 256)[1][2]["TILE"].OVERLAP
+    assert not _plan(256, 256, M=1000, N=1000, **_options("causal", 1000, 1000))[1][2]["TILE"].OVERLAP
