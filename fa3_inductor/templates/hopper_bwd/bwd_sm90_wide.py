@@ -25,6 +25,7 @@ Notation (beyond bwd_sm90.py's)
   DQ_FRAG                    a chunk is staged as its fragments (bwd_sm90._dq_fragments: one 16-byte store a
                              thread and n8 block, no bank conflict) and DQ_ACC's 64 x 64 blocks hold that order
   OVERLAP                    _head_overlap: step j + 1's S issued behind step j's dS, its P made under dK and dQ
+                             (under a block mask, step j + 1's first row is loaded at the top of step j)
 
 Per step (64 query rows x 64 keys), warpgroup w:
 
