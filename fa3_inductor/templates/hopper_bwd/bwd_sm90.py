@@ -266,6 +266,25 @@ def _q_tile_start(i, n_partial, z, hq, kv_blk, tables, table_meta, TILE: gl.cons
     return start
 
 
+@gluon.jit
+def _q_tile_start_one_load(i, n_partial, z, hq, kv_blk, tables, table_meta, TILE: gl.constexpr,
+                           SPARSE: gl.constexpr):
+    """_q_tile_start with the partial or full table chosen by address, so one load (not two predicated ones) reads
+    the row: two loads into one register wait on each other (bwd_sm90_wide's overlap loads the row a step ahead)."""
+    qnb, qidx, fqnb, fqidx = tables
+    SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS = table_meta
+    PER: gl.constexpr = SPARSE.Q_TILES_PER_BLK
+    if SPARSE.HAS_BLOCK_MASK:
+        row = ((z % SZ) * SH + (hq % SH)) * NUM_KV_BLKS + kv_blk
+        partial = i < n_partial
+        j = gl.where(partial, i, i - n_partial)
+        blk = gl.load(gl.where(partial, qidx, fqidx) + row * NUM_Q_BLKS + j // PER)
+        start = (blk * PER + j % PER) * TILE.BLOCK_M
+    else:
+        start = i * TILE.BLOCK_M
+    return start
+
+
 @gluon.constexpr_function
 def _acc_layout(n):
     """The accumulator layout of a warpgroup's wgmma with ``n`` columns (64 rows: 4 warps, 16 rows each)."""

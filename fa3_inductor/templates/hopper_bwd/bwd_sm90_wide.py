@@ -74,7 +74,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .bwd_sm90 import (_acc_layout, _ds, _ds_factor, _frag_reduce_add, _next_step, _next_step_at, _opaque,
-                       _probabilities, _q_tile_counts, _q_tile_start, _tma_reduce_add)
+                       _probabilities, _q_tile_counts, _q_tile_start, _q_tile_start_one_load, _tma_reduce_add)
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,7 @@ class WideTile:
     DQ_BUFS: int = 1       # dQ staging tiles a warpgroup: 2 lets a chunk be staged while the last reduce-add reads
     OVERLAP: bool = False  # step j + 1's S issued behind step j's dS, its P made while dK and dQ run (P_REGS, 2 stages)
     DQ_FRAG: bool = False  # dQ chunks staged and added in the wgmma fragments' order (DQ_ACC's 64 x 64 blocks permuted)
+    ONE_LOAD: bool = True   # TEMP A/B
 
     @property
     def D_MEM(self) -> int:
@@ -413,8 +414,12 @@ def _head_overlap(WG: gl.constexpr, z, hq, zh, n_partial, n_total, n0, kv_blk, r
         v_t = v_rows.slice(WG * KEYS_WG, KEYS_WG, dim=0).permute((1, 0))
         delta = gl.load(stats_h + M_PAD + m0 + rows_)
         if AHEAD:
-            m0_after = _q_tile_start(gl.minimum(i + 2, n_total - 1), n_partial, z, hq, kv_blk, tables, table_meta,
-                                     TILE, SPARSE)
+            if TILE.ONE_LOAD:
+                m0_after = _q_tile_start_one_load(gl.minimum(i + 2, n_total - 1), n_partial, z, hq, kv_blk, tables,
+                                                  table_meta, TILE, SPARSE)
+            else:
+                m0_after = _q_tile_start(gl.minimum(i + 2, n_total - 1), n_partial, z, hq, kv_blk, tables, table_meta,
+                                         TILE, SPARSE)
         dp_tok = warpgroup_mma(do_t, v_t, s_zero, use_acc=False, is_async=True)
         mbarrier.wait(p_ready.index(buf), (cnt // 2) & 1)
         p_t = p_tile.permute((1, 0))                             # [keys, queries]: A of dV
