@@ -88,7 +88,6 @@ class WideTile:
     DQ_BUFS: int = 1       # dQ staging tiles a warpgroup: 2 lets a chunk be staged while the last reduce-add reads
     OVERLAP: bool = False  # step j + 1's S issued behind step j's dS, its P made while dK and dQ run (P_REGS, 2 stages)
     DQ_FRAG: bool = False  # dQ chunks staged and added in the wgmma fragments' order (DQ_ACC's 64 x 64 blocks permuted)
-    ONE_LOAD: bool = True   # TEMP A/B
 
     @property
     def D_MEM(self) -> int:
@@ -375,8 +374,8 @@ def _head_overlap(WG: gl.constexpr, z, hq, zh, n_partial, n_total, n0, kv_blk, r
     m0 = n_total * 0
     p_keep = gl.zeros([BLOCK_M, KEYS_WG], gl.float32, layout=s_layout)
     # Under a block mask the next step's first row is a table load with its LSE's load behind it, in front of the next
-    # P: the row is loaded a step ahead, at the top of the step before (causal 1.09-1.10x; the LSE ahead too cost
-    # documents 3%: docs/design/hopper_backward.md). Without one it is arithmetic (_next_step).
+    # P: the row is loaded a step ahead, at the top of the step before (causal 1.09-1.10x, documents 1.03x with one
+    # load; the LSE ahead too cost documents 3%: docs/design/hopper_backward.md). Without one it is arithmetic.
     AHEAD: gl.constexpr = SPARSE.HAS_BLOCK_MASK
     m0_ahead = m0
     if n_total > 0:
@@ -413,13 +412,9 @@ def _head_overlap(WG: gl.constexpr, z, hq, zh, n_partial, n_total, n0, kv_blk, r
         k_hi_t = k_hi.slice(WG * KEYS_WG, KEYS_WG, dim=0).permute((1, 0))
         v_t = v_rows.slice(WG * KEYS_WG, KEYS_WG, dim=0).permute((1, 0))
         delta = gl.load(stats_h + M_PAD + m0 + rows_)
-        if AHEAD:
-            if TILE.ONE_LOAD:
-                m0_after = _q_tile_start_one_load(gl.minimum(i + 2, n_total - 1), n_partial, z, hq, kv_blk, tables,
-                                                  table_meta, TILE, SPARSE)
-            else:
-                m0_after = _q_tile_start(gl.minimum(i + 2, n_total - 1), n_partial, z, hq, kv_blk, tables, table_meta,
-                                         TILE, SPARSE)
+        if AHEAD:   # (one load: two predicated ones into the carried register waited on each other)
+            m0_after = _q_tile_start_one_load(gl.minimum(i + 2, n_total - 1), n_partial, z, hq, kv_blk, tables,
+                                              table_meta, TILE, SPARSE)
         dp_tok = warpgroup_mma(do_t, v_t, s_zero, use_acc=False, is_async=True)
         mbarrier.wait(p_ready.index(buf), (cnt // 2) & 1)
         p_t = p_tile.permute((1, 0))                             # [keys, queries]: A of dV

@@ -46,7 +46,6 @@ class BwdSm90Config:
     p_regs: bool = False         # bwd_sm90.py: dS's P (times f') held in registers, not read back from shared
                                  # memory (the overlap carries it across a step: fp32 or 16 bits, host rule)
     stats_ahead: bool = True     # bwd_sm90.py: a step's LSE / DELTA rows loaded a step ahead, not where used
-    table_one_load: bool = True  # TEMP A/B
     dq_bufs: int = 1             # bwd_sm90_wide.py: fp32 dQ staging tiles a warpgroup (2: a chunk is staged while
                                  # the previous reduce-add still reads; the host keeps 1 where 2 do not fit)
     dq_frag: bool = True         # dQ staged and added in the wgmma fragments' order (DQ_ACC's 64 x 64 blocks
@@ -132,7 +131,7 @@ WIDE_TABLE: dict[tuple[int, int], BwdSm90Config] = {
 # step: noop 1.10 / 1.11x, ALiBi 1.08 / 1.09x at 4k / 8k (bwd-speed-nvidia-h200-2026-11-29-1934-wide-overlap2), with
 # dQ in fragment order noop 1.09 / 1.11x, ALiBi 0.99 / 0.99x (-1949-wide-overlap3); under block masks, once the next
 # step's first row is loaded a step ahead, causal 1.09 / 1.10x, sliding window 1.02x, documents 1.00x (-2153-wide-
-# ahead2). softcap (0.90-0.93x) keeps the in-order step. Each adopted by a rule written before its run
+# ahead2; documents 1.03x more with that row read by one load, -2239-wide-one-load). softcap (0.90-0.93x) keeps the in-order step. Each adopted by a rule written before its run
 # (docs/design/hopper_backward.md).
 WIDE_PLAIN_OVERLAP = ((192, 128),)
 
@@ -184,7 +183,6 @@ VARIANTS: dict[str, dict[str, bool]] = {
     "m128": {"block_m": 128},
     # LSE / DELTA loaded where they are used (the step's start, after dP's issue), as before stats_ahead: an A/B
     "stats_at_use": {"stats_ahead": False},
-    "table_two_loads": {"table_one_load": False},
     # dS from P (times f') read back from shared memory in 16 bits: both head dims' step before p_regs became their
     # default (D128: the overlap's P not carried across the step)
     "p_smem": {"p_regs": False},

@@ -378,8 +378,7 @@ def prepare_hopper_backward(
         f_bytes = 2 * 64 * 32 * q.element_size() if _curved(score_grad_mod) and not cfg.p_regs else 0
         dq_bufs = cfg.dq_bufs if cfg.smem_bytes(DT, value_head_dim=DVT) + f_bytes + 1024 <= SMEM_LIMIT else 1
         tile = WideTile(HEAD_D=DT, HEAD_DV=DVT, NUM_STAGES=cfg.num_stages, HEAD_D_IN=d_in, P_REGS=cfg.p_regs,
-                        DQ_BUFS=dq_bufs, OVERLAP=bool(cfg.overlap), DQ_FRAG=dq_frag,
-                        ONE_LOAD=cfg.table_one_load)
+                        DQ_BUFS=dq_bufs, OVERLAP=bool(cfg.overlap), DQ_FRAG=dq_frag)
     elif cfg.block_m == 128:
         tile = M128Tile(HEAD_D=D, NUM_STAGES=cfg.num_stages)
     else:
