@@ -175,7 +175,6 @@ class BwdSchedule:
                               # P carried from the step that made it)
     P_CARRY16: bool = False   # P_REGS in the overlap: the carried P (times f') in 16 bits (where fp32 spills)
     STATS_AHEAD: bool = True  # a step's LSE / DELTA rows loaded a step ahead (False: where used; D128 under masks)
-    ROW_AHEAD: bool = False   # OVERLAP under a block mask: the next step's first row (a table load) a step ahead
     KV_BUFS: int = 1          # PERSISTENT: K / V buffers (2 where shared memory allows, D = 64: the next tile's K, V
                               # load under this tile's last steps; 1: under its dK / dV stores)
     DQ_FRAG: bool = False     # DQ_TMA: dQ staged and added in the wgmma fragments' order (bwd_sm90_wide.py's
@@ -763,7 +762,6 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
     dtype: gl.constexpr = q_desc.dtype
     # dQ's wgmma beside the next step's S (OVERLAP 1) needs dQ every step (DQ_SPLIT)
     DQ_UNDER: gl.constexpr = SCHED.OVERLAP == 1 and TILE.DQ_SPLIT
-    ROW_AHEAD: gl.constexpr = SCHED.ROW_AHEAD and SPARSE.HAS_BLOCK_MASK
 
     s_layout: gl.constexpr = _acc_layout(HALF_N)
     d_layout: gl.constexpr = _acc_layout(D)
@@ -798,16 +796,12 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
             n_partial, n_total = _q_tile_counts(z, hq, kv_blk, M, tables, table_meta, TILE, SPARSE)
         stats_h = stats_ptr + zh.to(gl.int64) * (2 * M_PAD)      # LSE_P of the head; DELTA_P is M_PAD further
         m0 = n_total * 0
-        m0_ahead = m0
         if SCHED.P_REGS:
             p_keep = gl.zeros([BLOCK_M, HALF_N], dtype if SCHED.P_CARRY16 else gl.float32, layout=s_layout)
         if n_total > 0:
             # prologue: the head's first S, waited at once, and its P (the tables are read only for a listed tile:
             # with no full blocks their table is a placeholder)
             m0 = _q_tile_start(0, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
-            if ROW_AHEAD:
-                m0_ahead = _q_tile_start_one_load(gl.minimum(1, n_total - 1), n_partial, z, hq, kv_blk, tables,
-                                                  table_meta, TILE, SPARSE)
             zero0 = _opaque(0) if TILE.VIEWS_PER_STEP or SCHED.PERSISTENT else 0
             k_rows0 = k_smem.index(zero0 + kv_buf if SCHED.PERSISTENT else zero0).reshape([BLOCK_N, D])
             k_t0 = k_rows0.slice(WG * HALF_N, HALF_N, dim=0).permute((1, 0))
@@ -851,9 +845,6 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
             dv_tok = warpgroup_mma(p_t, do_t, dv, is_async=True)
             if not SCHED.STATS_AHEAD:
                 delta = gl.load(stats_h + M_PAD + m0 + rows_)
-            if ROW_AHEAD:
-                m0_after = _q_tile_start_one_load(gl.minimum(i + 2, n_total - 1), n_partial, z, hq, kv_blk, tables,
-                                                  table_meta, TILE, SPARSE)
             dp, _do, _v = warpgroup_mma_wait(1, deps=[dp_tok, do_t, v_t])
             # P_REGS: P (times f'), made a step early, carried in registers
             ds = _ds(dp, delta, p_keep if SCHED.P_REGS else None, p_mine, p_smem.index(2 + WG), s_layout,
@@ -867,13 +858,8 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
             gl.thread_barrier()
             mbarrier.arrive(ds_ready.index(buf), count=1)
             # the next step: its query tile, LSE and Q stage, its S issued there (_next_step)
-            if ROW_AHEAD:
-                m0_next = m0_ahead
-                has_next, lse_next, st_next = _next_step_at(i, n_total, cnt, m0_next, stats_h, rows_, TILE)
-                m0_ahead = m0_after
-            else:
-                has_next, m0_next, lse_next, st_next = _next_step(i, n_total, n_partial, cnt, z, hq, kv_blk, stats_h,
-                                                                  rows_, tables, table_meta, TILE, SPARSE)
+            has_next, m0_next, lse_next, st_next = _next_step(i, n_total, n_partial, cnt, z, hq, kv_blk, stats_h,
+                                                              rows_, tables, table_meta, TILE, SPARSE)
             if SCHED.STATS_AHEAD:   # (as in _consumer_tile: its latency under this step's dK and dQ)
                 delta_next = gl.load(stats_h + M_PAD + m0_next + rows_)
             q_next = q_smem.index(st_next).reshape([BLOCK_M, D])

@@ -46,7 +46,6 @@ class BwdSm90Config:
     p_regs: bool = False         # bwd_sm90.py: dS's P (times f') held in registers, not read back from shared
                                  # memory (the overlap carries it across a step: fp32 or 16 bits, host rule)
     stats_ahead: bool = True     # bwd_sm90.py: a step's LSE / DELTA rows loaded a step ahead, not where used
-    row_ahead: bool = True       # bwd_sm90.py's overlap under a block mask: the next step's first row a step ahead
     dq_bufs: int = 1             # bwd_sm90_wide.py: fp32 dQ staging tiles a warpgroup (2: a chunk is staged while
                                  # the previous reduce-add still reads; the host keeps 1 where 2 do not fit)
     dq_frag: bool = True         # dQ staged and added in the wgmma fragments' order (DQ_ACC's 64 x 64 blocks
@@ -184,7 +183,6 @@ VARIANTS: dict[str, dict[str, bool]] = {
     "m128": {"block_m": 128},
     # LSE / DELTA loaded where they are used (the step's start, after dP's issue), as before stats_ahead: an A/B
     "stats_at_use": {"stats_ahead": False},
-    "row_at_use": {"row_ahead": False},
     # dS from P (times f') read back from shared memory in 16 bits: both head dims' step before p_regs became their
     # default (D128: the overlap's P not carried across the step)
     "p_smem": {"p_regs": False},

@@ -444,8 +444,7 @@ def prepare_hopper_backward(
     # 22, softcap 106; noop under overlap 1, dQ's accumulator beside it, 36 with 6 in a step loop)
     p_carry16 = cfg.p_regs and cfg.overlap != 0 and (score_mod is not None or has_mask or cfg.overlap == 1)
     sched = BwdSchedule(DQ_TMA=cfg.dq_tma, OVERLAP=cfg.overlap, LPT_ORDER=lpt, PERSISTENT=persistent, KV_BUFS=kv_bufs,
-                        STATS_AHEAD=stats_ahead, P_REGS=cfg.p_regs, P_CARRY16=p_carry16, DQ_FRAG=dq_frag,
-                        ROW_AHEAD=cfg.row_ahead)
+                        STATS_AHEAD=stats_ahead, P_REGS=cfg.p_regs, P_CARRY16=p_carry16, DQ_FRAG=dq_frag)
     grid = (triton.cdiv(N, tile.BLOCK_N), KZ * HKV)
     schedule_args = (q_num_blocks, full_q_num_blocks if has_full else None, Z, KZ, HQ, HKV, grid[0], tile.BLOCK_N,
                      sparse_kv_block)
