@@ -246,14 +246,21 @@ def _q_tile_counts(z, hq, kv_blk, M, tables, table_meta, TILE: gl.constexpr, SPA
 
 @gluon.jit
 def _q_tile_start(i, n_partial, z, hq, kv_blk, tables, table_meta, TILE: gl.constexpr,
-                  SPARSE: gl.constexpr):
-    """First query row of the i-th query tile of head (z, hq)."""
+                  SPARSE: gl.constexpr, ONE_LOAD: gl.constexpr = False):
+    """First query row of the i-th query tile of head (z, hq). The partial or the full table is read behind a branch
+    (two predicated loads) or, ONE_LOAD, chosen by address (one load): two loads into one register carried across a
+    step wait on each other (bwd_sm90_wide's overlap loads the row a step ahead)."""
     qnb, qidx, fqnb, fqidx = tables
     SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS = table_meta
     PER: gl.constexpr = SPARSE.Q_TILES_PER_BLK
     if SPARSE.HAS_BLOCK_MASK:
         row = ((z % SZ) * SH + (hq % SH)) * NUM_KV_BLKS + kv_blk
-        if i < n_partial:
+        if ONE_LOAD:
+            partial = i < n_partial
+            j = gl.where(partial, i, i - n_partial)
+            blk = gl.load(gl.where(partial, qidx, fqidx) + row * NUM_Q_BLKS + j // PER)
+            sub = j % PER
+        elif i < n_partial:
             blk = gl.load(qidx + row * NUM_Q_BLKS + i // PER)
             sub = i % PER
         else:
@@ -261,25 +268,6 @@ def _q_tile_start(i, n_partial, z, hq, kv_blk, tables, table_meta, TILE: gl.cons
             blk = gl.load(fqidx + row * NUM_Q_BLKS + j // PER)
             sub = j % PER
         start = (blk * PER + sub) * TILE.BLOCK_M
-    else:
-        start = i * TILE.BLOCK_M
-    return start
-
-
-@gluon.jit
-def _q_tile_start_one_load(i, n_partial, z, hq, kv_blk, tables, table_meta, TILE: gl.constexpr,
-                           SPARSE: gl.constexpr):
-    """_q_tile_start with the partial or full table chosen by address, so one load (not two predicated ones) reads
-    the row: two loads into one register wait on each other (bwd_sm90_wide's overlap loads the row a step ahead)."""
-    qnb, qidx, fqnb, fqidx = tables
-    SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS = table_meta
-    PER: gl.constexpr = SPARSE.Q_TILES_PER_BLK
-    if SPARSE.HAS_BLOCK_MASK:
-        row = ((z % SZ) * SH + (hq % SH)) * NUM_KV_BLKS + kv_blk
-        partial = i < n_partial
-        j = gl.where(partial, i, i - n_partial)
-        blk = gl.load(gl.where(partial, qidx, fqidx) + row * NUM_Q_BLKS + j // PER)
-        start = (blk * PER + j % PER) * TILE.BLOCK_M
     else:
         start = i * TILE.BLOCK_M
     return start

@@ -74,7 +74,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .bwd_sm90 import (_acc_layout, _ds, _ds_factor, _frag_reduce_add, _next_step, _next_step_at, _opaque,
-                       _probabilities, _q_tile_counts, _q_tile_start, _q_tile_start_one_load, _tma_reduce_add)
+                       _probabilities, _q_tile_counts, _q_tile_start, _tma_reduce_add)
 
 
 @dataclass(frozen=True)
@@ -413,8 +413,8 @@ def _head_overlap(WG: gl.constexpr, z, hq, zh, n_partial, n_total, n0, kv_blk, r
         v_t = v_rows.slice(WG * KEYS_WG, KEYS_WG, dim=0).permute((1, 0))
         delta = gl.load(stats_h + M_PAD + m0 + rows_)
         if AHEAD:   # (one load: two predicated ones into the carried register waited on each other)
-            m0_after = _q_tile_start_one_load(gl.minimum(i + 2, n_total - 1), n_partial, z, hq, kv_blk, tables,
-                                              table_meta, TILE, SPARSE)
+            m0_after = _q_tile_start(gl.minimum(i + 2, n_total - 1), n_partial, z, hq, kv_blk, tables, table_meta,
+                                     TILE, SPARSE, ONE_LOAD=True)
         dp_tok = warpgroup_mma(do_t, v_t, s_zero, use_acc=False, is_async=True)
         mbarrier.wait(p_ready.index(buf), (cnt // 2) & 1)
         p_t = p_tile.permute((1, 0))                             # [keys, queries]: A of dV

@@ -131,8 +131,8 @@ WIDE_TABLE: dict[tuple[int, int], BwdSm90Config] = {
 # step: noop 1.10 / 1.11x, ALiBi 1.08 / 1.09x at 4k / 8k (bwd-speed-nvidia-h200-2026-11-29-1934-wide-overlap2), with
 # dQ in fragment order noop 1.09 / 1.11x, ALiBi 0.99 / 0.99x (-1949-wide-overlap3); under block masks, once the next
 # step's first row is loaded a step ahead, causal 1.09 / 1.10x, sliding window 1.02x, documents 1.00x (-2153-wide-
-# ahead2; documents 1.03x more with that row read by one load, -2239-wide-one-load). softcap (0.90-0.93x) keeps the in-order step. Each adopted by a rule written before its run
-# (docs/design/hopper_backward.md).
+# ahead2; documents 1.03x more with that row read by one load, -2239-wide-one-load). softcap (0.90-0.93x) keeps the
+# in-order step. Each adopted by a rule written before its run (docs/design/hopper_backward.md).
 WIDE_PLAIN_OVERLAP = ((192, 128),)
 
 # 160 and 192 (for q, k and v) run the 256 tiles the same way (the wide kernel; a quarter to 0.375 of its work
