@@ -26,6 +26,11 @@ auto launch, and each cell says paged time over it):
   1/SM st7     both
   n/2          BLOCK_N halved (D64: 64-key tiles, one page each)
   s<=16        the split count capped at 16
+  n/2 st7      both (D64: 64-key tiles, one page each, three ahead: the bytes in flight of 128-key ones)
+  tokmajor     not paged: the contiguous cache stored token-major ([B, N, HKV, D], passed as its
+               [B, HKV, N, D] view), the auto launch. Pages lay a head's key rows out the same way (a
+               row of D x 2 bytes, the next row HKV x D x 2 bytes on), so this separates what the
+               layout costs from what the paging costs.
 
 Until 2026-11-29 the kernels were two launches (split, then combine); the runs of that date before
 the merge moved into the split kernel also timed each launch alone ("split only", "combine only").
@@ -53,11 +58,12 @@ import serving  # noqa: E402  (benchmarks/serving.py: cases, inputs, the clock)
 
 VARIANTS = ("auto", "n/2", "n*2", "n*2 st2", "n*2 st4", "st2", "st3", "st4", "st5", "st6", "w8", "s/2",
             "s*2", "fill", "m4096")
-PAGED_VARIANTS = ("auto", "m4096", "st4", "st7", "1/SM", "1/SM st7", "s<=16", "n/2")
+PAGED_VARIANTS = ("auto", "m4096", "st4", "st7", "1/SM", "1/SM st7", "s<=16", "n/2", "n/2 st7", "tokmajor")
 PAGE = 64
 # serving.py's quick paged rows and two D64 rows whose 128-key tiles span two pages of 64 (each key row
 # looks its page up) where the n/2 variant's 64-key tiles lie in one page (one table entry a tile)
-PAGED_ROWS = serving.QUICK_PAGED + [serving._d(1, 1, 128, d=64), serving._d(8, 1, 8, d=64)]
+PAGED_ROWS = serving.QUICK_PAGED + [serving._d(1, 1, 128, d=64), serving._d(8, 1, 8, d=64),
+                                    serving._d(64, 1, 32, d=64), serving._d(64, 1, 8)]
 
 
 def _launches(q, k, v, lens, config, splits, table=None):
@@ -102,7 +108,8 @@ def variant_plans(c: serving.DecodeCase, capability: tuple[int, int], sms: int,
         return {"auto": (None, None), "m4096": (rep(base, merge_elements=4096), auto),
                 "st4": (rep(base, num_stages=4), auto), "st7": (rep(base, num_stages=7), auto),
                 "1/SM": (base, contig_splits), "1/SM st7": (rep(base, num_stages=7), contig_splits),
-                "s<=16": (base, min(auto, 16)), "n/2": (rep(base, block_n=base.block_n // 2), auto)}
+                "s<=16": (base, min(auto, 16)), "n/2": (rep(base, block_n=base.block_n // 2), auto),
+                "n/2 st7": (rep(base, block_n=base.block_n // 2, num_stages=7), auto)}
     programs = c.batch * c.hkv
     fill = max(1, -(-base.resident * sms // programs))
     plans = {"auto": (None, None), "n/2": (rep(base, block_n=base.block_n // 2), auto),
@@ -118,9 +125,10 @@ def variant_plans(c: serving.DecodeCase, capability: tuple[int, int], sms: int,
 
 
 def tiles_row(c: serving.DecodeCase, device: torch.device, clock: serving.Clock, sms: int,
-              paged: bool = False) -> dict:
-    """cuDNN and every variant of one row, same rounds; ms, splits and the check of each (``paged``:
-    the variants read pages of PAGE keys, and the contiguous auto launch is timed beside them)."""
+              paged: bool = False, variants: tuple[str, ...] = VARIANTS + PAGED_VARIANTS) -> dict:
+    """cuDNN and each of ``variants`` of one row, same rounds; ms, splits and the check of each
+    (``paged``: the variants read pages of PAGE keys, and the contiguous auto launch is timed beside
+    them)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     dtype = torch.bfloat16
@@ -131,7 +139,12 @@ def tiles_row(c: serving.DecodeCase, device: torch.device, clock: serving.Clock,
     if paged:
         fns["contig"], splits["contig"] = _launches(q, k, v, lens, None, None)
         row["page"] = PAGE
+        if "tokmajor" in variants:
+            k_tm, v_tm = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
+            fns["tokmajor"], splits["tokmajor"] = _launches(q, k_tm, v_tm, lens, None, None)
     for name, (config, n) in variant_plans(c, torch.cuda.get_device_capability(device), sms, paged).items():
+        if name not in variants:
+            continue
         try:
             fns[name], splits[name] = _launches(q, kv[0], kv[1], lens, config, n, kv[2])
         except Exception as exc:   # a variant the kernel refuses (shared memory): reported
@@ -217,6 +230,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=240.0, help="no new row after this many seconds")
+    ap.add_argument("--paged-only", action="store_true", help="the paged rows alone")
+    ap.add_argument("--variants", default="", help="comma list: only these variants (auto always runs)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_tiles needs a CUDA GPU (it times launch parameters)")
@@ -235,11 +250,13 @@ def main() -> None:
     stem = os.path.join(args.out, f"decode-tiles-{serving._slug(name)}-{now:%Y-%m-%d-%H%M}")
     rows: list[dict] = []
     torch.manual_seed(0)
-    for paged, c in [(True, c) for c in PAGED_ROWS] + [(False, c) for c in serving.QUICK_DECODE]:
+    variants = tuple(["auto"] + args.variants.split(",")) if args.variants else VARIANTS + PAGED_VARIANTS
+    plan = [(True, c) for c in PAGED_ROWS] + ([] if args.paged_only else [(False, c) for c in serving.QUICK_DECODE])
+    for paged, c in plan:
         if rows and time.time() - serving.STARTED > args.budget_s:
             meta.setdefault("left_out", []).append(("paged " if paged else "") + c.label())
             continue
-        rows.append(tiles_row(c, device, clock, sms, paged))
+        rows.append(tiles_row(c, device, clock, sms, paged, variants))
         print(c.label(), json.dumps({k: round(v, 4) for k, v in rows[-1]["ms"].items()}), flush=True)
         serving._release(device)
         with open(stem + ".json", "w") as f:
