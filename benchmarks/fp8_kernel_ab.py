@@ -2,9 +2,12 @@
 """A/B of the Hopper FP8 kernel's tile configs: the kernel alone (hopper_fp8, templates/hopper/fwd_sm90.py with its
 Quant bundle on), launched directly on operands quantized once, against cuDNN SDPA bf16 in the same run.
 
-Variants (VARIANTS): ``old`` = the D=128 FP8 table entry as it was before 2026-11-29 (fp8_tight_mods off: mod launches
-hold kernel-wide scalars across the KV loop; until 2026-11-29 ``old`` was lean_fp8_softmax off, the runs of that date
-record it), ``new`` = the table entry now (templates/hopper_fp8/configs.py). Cases: D=128, B = 16384 / N, H = 16, N in --seqlens, mods noop /
+Variants (VARIANTS: name -> (config, FP8Recipe.two_level)): ``old`` = the D=128 FP8 table entry with two-level
+accumulation every KV tile (the default recipe), ``new`` = fp8_pv_in_flight (PV under the next softmax, O in shared
+memory) every 4 tiles; ``pv k1`` the same every tile, ``old k0`` / ``pv k0`` without two-level accumulation. (Until
+2026-11-30 ``old`` / ``new`` were fp8_tight_mods off / on, and on 2026-11-28 lean_fp8_softmax off / on: the runs of
+those dates record it.) SAME pairs must come out bit for bit equal: the same arithmetic in another schedule.
+Cases: D=128, B = 16384 / N, H = 16, N in --seqlens, mods noop /
 causal (mask_mod with a 128-block causal BlockMask, as the product lowers it) / softcap 30 (generated score_mod), Q and
 K in int8 and e4m3 (FP8Recipe.qk; V and P e4m3). Every launch is compiled first (in threads: Triton's compile runs
 mostly outside the GIL), then checked once against float64 attention on the dequantized operands (batch 0, heads 0-1,
@@ -43,9 +46,13 @@ from hopper_ablation import causal_block_mask  # noqa: E402
 D, H, TOKENS = 128, 16, 16384
 TOLERANCE = 1e-1    # tests/reference.py FP8_TOLERANCE: a wrong scale or tile, not FP8 rounding
 VARIANTS = {
-    "old": replace(get_fp8_config(D), fp8_tight_mods=False),
-    "new": get_fp8_config(D),
+    "old": (get_fp8_config(D), 1),
+    "new": (replace(get_fp8_config(D), fp8_pv_in_flight=True), 4),
+    "pv k1": (replace(get_fp8_config(D), fp8_pv_in_flight=True), 1),
+    "old k0": (get_fp8_config(D), 0),
+    "pv k0": (replace(get_fp8_config(D), fp8_pv_in_flight=True), 0),
 }
+SAME = (("pv k1", "old"), ("pv k0", "old k0"))
 CHECK_HEADS, CHECK_ROWS = 2, 256
 
 
@@ -101,11 +108,12 @@ def build_cases(seqlens, mod_names, formats, device, quantize, tokens=TOKENS):
             for mod in mod_names:
                 opts = mod_options(mod, N, device)
                 case = dict(N=N, B=B, mod=mod, qk=qk, q=q, k=k, v=v, ops=ops, launches={})
-                for name, cfg in VARIANTS.items():
+                for name, (cfg, two_level) in VARIANTS.items():
                     out = torch.empty(B, H, N, D, device=device, dtype=torch.bfloat16)
                     lse, mx = (torch.empty(B, H, N, device=device) for _ in range(2))
-                    launch, _siblings = prepare_fwd_sm90_variants(ops.q, ops.k, ops.vt, out, lse, mx,
-                                                                  sm_scale=D ** -0.5, fp8=ops, config=cfg,
+                    ops_v = replace(ops, recipe=replace(ops.recipe, two_level=two_level))
+                    launch, _siblings = prepare_fwd_sm90_variants(ops_v.q, ops_v.k, ops_v.vt, out, lse, mx,
+                                                                  sm_scale=D ** -0.5, fp8=ops_v, config=cfg,
                                                                   max_needed=False, **opts)
                     case["launches"][name] = (launch, out)
                 cases.append(case)
@@ -156,7 +164,8 @@ def report(out_dir: str, cases, timings: dict, meta: dict) -> None:
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d-%H%M")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    meta = dict(meta, commit=commit, date=stamp, variants={n: asdict(cfg) for n, cfg in VARIANTS.items()},
+    meta = dict(meta, commit=commit, date=stamp,
+                variants={n: dict(asdict(cfg), two_level=k) for n, (cfg, k) in VARIANTS.items()},
                 check=dict(heads=CHECK_HEADS, last_rows=CHECK_ROWS, tolerance=TOLERANCE))
     tf = {(r["N"], r["mod"], r["qk"], r["variant"]): r["tflops"] for r in rows}
     lines = [f"# FP8 kernel A/B, {meta['device']}, {stamp} (commit {commit}, {meta['rounds']} interleaved rounds, "
@@ -171,6 +180,10 @@ def report(out_dir: str, cases, timings: dict, meta: dict) -> None:
         lines.append(f"| {c['N']} | {c['mod']} | {c['qk']} | {f'{cudnn:.0f}' if cudnn else ''} | "
                      + " | ".join(f"{tf[key + (n,)]:.0f}" for n in VARIANTS)
                      + f" | {new / old:.3f} | {f'{new / cudnn:.2f}' if cudnn else ''} | {c['err']['new']:.2e} |")
+    same = [f"N{c['N']} {c['mod']} {c['qk']}: " + ", ".join(f"{k} {v:.1e}" for k, v in c["same"].items())
+            for c in cases if c.get("same")]
+    if same:
+        lines += ["", "Pairs that must be bit for bit equal, max |difference| of the outputs:", ""] + [f"- {x}" for x in same]
     print("\n".join(lines))
     write_result(out_dir, f"fp8-kernel-ab-{device_slug(meta['device'])}-{stamp}", dict(meta=meta, rows=rows),
                  "\n".join(lines) + "\n")
@@ -188,8 +201,8 @@ def main() -> None:
     a = ap.parse_args()
     seqlens = [int(x) for x in a.seqlens.split(",")]
     mod_names, formats = a.mods.split(","), a.qk.split(",")
-    for name, cfg in VARIANTS.items():
-        print(f"{name}: {cfg}")
+    for name, (cfg, two_level) in VARIANTS.items():
+        print(f"{name}: {cfg}, two_level={two_level}")
 
     if a.dry_run:
         from fa3_inductor.templates.fp8_prologue.reference import quantize_reference
@@ -238,6 +251,11 @@ def main() -> None:
         c["err"] = {name: check(c, name) for name in c["launches"]}
         print(f"{label}: relative error vs float64 " +
               ", ".join(f"{n} {e:.2e}" for n, e in c["err"].items()), flush=True)
+        for a_name, b_name in SAME:   # each launch's output from check() above
+            if a_name in c["launches"] and b_name in c["launches"]:
+                diff = (c["launches"][a_name][1].float() - c["launches"][b_name][1].float()).abs().max().item()
+                c.setdefault("same", {})[f"{a_name} = {b_name}"] = diff
+                print(f"{label}: max |{a_name} - {b_name}| = {diff:.3e}", flush=True)
         bad = {n: e for n, e in c["err"].items() if not e < TOLERANCE}
         if bad:
             raise SystemExit(f"{label}: {bad} over the tolerance {TOLERANCE}: not timing a wrong kernel")
