@@ -82,10 +82,6 @@ class Sm90Config:
     # the KV loop that the loop does not read (fwd_sm90.Quant.TIGHT): those launches spilled 8-40 bytes of
     # kernel-wide scalars at D=128, none since (docs/design/hopper_fp8.md, "Spills under mods").
     fp8_tight_mods: bool = False
-    # FP8 launches only, with two-level accumulation and the overlap: the KV loop lets PV_i retire under the softmax
-    # of S_{i+1} (fwd_sm90._fp8_pv_in_flight_loop) instead of waiting for both GEMMs before it. A/B field until
-    # measured (docs/design/hopper_fp8.md, "PV under the next softmax").
-    fp8_pv_in_flight: bool = False
     # No longer fields (7bfe679), on wherever a launch qualifies:
     # - a bounded score_mod (softcap) with MAX not asked for runs against a fixed exponent base (no row max,
     #   no O / l rescale; fixed_base_for; docs/design/hopper_mods.md);

@@ -234,10 +234,6 @@ class Quant:
                             # kernel arguments per tile (_opaque), the epilogue's coordinates and O staging address
                             # after the loop, MAX read off the exponent base, the next tile's K scale carried
                             # instead of QS·KS (docs/design/hopper_fp8.md, "Spills under mods")
-    PV_IN_FLIGHT: bool = False  # Sm90Config.fp8_pv_in_flight (overlap): _fp8_pv_in_flight_loop, PV_i retiring under the
-                                # softmax of S_{i+1}; the softmax hands P back in fp32 (_p_operand converts it)
-    TWO_LEVEL_TILES: int = 1    # FP8Recipe.two_level: KV tiles PV chains into one accumulator before O takes it
-                                # (_fp8_pv_in_flight_loop; _fp8_overlap_loop adds every tile's)
 
 
 NO_QUANT = Quant(ON=False, Q_BLOCK=0, KV_BLOCK=0, TWO_LEVEL=False)
@@ -413,7 +409,7 @@ def _producer(descs, bars, smem, sizes, sp_ptrs, sp_meta, pack_args, TILE: gl.co
               SPARSE: gl.constexpr, QUANT: gl.constexpr, PACK: gl.constexpr):
     q_desc, k_desc, v_desc, o_desc, q_desc_hi, k_desc_hi, v_desc_hi, o_desc_hi = descs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
-    q_smem, k_smem, v_smem, o_smem, q_hi, k_hi, v_hi, _acc = smem
+    q_smem, k_smem, v_smem, o_smem, q_hi, k_hi, v_hi = smem
     num_tiles, num_m_tiles, HQ, GQA, M, N = sizes
     BLOCK_M: gl.constexpr = TILE.BLOCK_M
     HALF_M: gl.constexpr = TILE.HALF_M
@@ -857,18 +853,9 @@ def _online_softmax_fp8(s, shift, m_i, m_run, l_i, qk_scale, deq, v_shift, p_lay
         x = s * (deq * qk_scale)[:, None] - m_base[:, None]
     p = _exp2_tile(x, FLAGS.EXP2_EMU)
     l_new = l_i * alpha + gl.sum(p, axis=1) * gl.exp2(-v_shift)
-    if QUANT.PV_IN_FLIGHT:
-        p_op = p   # carried to the next iteration in fp32 (an e4m3 tensor would be one byte a register there)
-    else:
-        p_op = _p_operand(p, p_layout)
+    p_op = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
     alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
     return p_op, m_new, m_run, l_new, alpha_o
-
-
-@gluon.jit
-def _p_operand(p, p_layout: gl.constexpr):
-    """An FP8 tile's P (fp32, the scores' layout) as the PV wgmma's e4m3 A operand."""
-    return gl.convert_layout(p.to(gl.float8e4nv), p_layout)
 
 
 @gluon.jit
@@ -1249,156 +1236,12 @@ def _fp8_overlap_loop(q_op, k_smem, v_smem, bars, n_partial, n_total, b, h, mt, 
 
 
 @gluon.jit
-def _frag_order(x):
-    """A [64, N] fp32 wgmma accumulator as the [N / 8, 512] floats of its fragments: each thread's four values of an
-    n8 block side by side, a warp's 32 threads 512 contiguous bytes (bwd_sm90._dq_fragments' permutation, N columns).
-    A relabelling: every register stays in its thread, and a shared tile in this order takes 16-byte stores and loads
-    without bank conflicts."""
-    N: gl.constexpr = x.shape[1]
-    return x.reshape([4, 2, 8, N // 8, 4, 2]).permute((3, 0, 2, 4, 1, 5)).reshape([N // 8, 512])
-
-
-@gluon.jit
-def _frag_unorder(f, o_layout: gl.constexpr):
-    """_frag_order's inverse, in the accumulator's layout."""
-    N: gl.constexpr = f.shape[0] * 8
-    x = f.reshape([N // 8, 4, 8, 4, 2, 2]).permute((1, 4, 2, 0, 3, 5)).reshape([64, N])
-    return gl.convert_layout(x, o_layout)
-
-
-@gluon.jit
-def _o_flush(o_buf, a2, prod, flushed, o_layout: gl.constexpr):
-    """O in shared memory (``o_buf``, fragment order) += the chained PV accumulator: O·prod + A2, O's first flush of
-    the tile storing A2 itself."""
-    frag = _frag_order(a2)
-    if flushed:
-        o = _frag_unorder(o_buf.load(frag.type.layout), o_layout)
-        frag = _frag_order(o * prod[:, None] + a2)
-    o_buf.store(frag)
-
-
-@gluon.jit
-def _fp8_pv_in_flight_loop(q_op, k_smem, v_smem, o_buf, bars, n_partial, n_total, b, h, mt, sp_ptrs, sp_meta, q_idx,
-                           q_idx_c, row0, sm_scale, qk_unit, col_bias, N, score_bufs, mask_bufs, m_i, m_run, l_i, acc,
-                           qk_scale, fp8_rows, s_zero, o_zero, cnt, t, s_layout: gl.constexpr, p_layout: gl.constexpr,
-                           o_layout: gl.constexpr, SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr, WG: gl.constexpr,
-                           TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr, QUANT: gl.constexpr):
-    """_fp8_overlap_loop's KV loop with PV_i retiring under the softmax of S_{i+1} (QUANT.PV_IN_FLIGHT); same returns.
-
-    prologue: QK_0 -> S_0; softmax(S_0) -> P_0 (fp32)
-    iteration i (0 .. n-2):
-        P_i to e4m3; A *= alpha_i; wait K_{i+1}, V_i; [turn] issue S_{i+1} = Q K_{i+1}^T, then A += P_i V_i; [signal]
-        wait(1) -> S_{i+1} (PV_i still in flight); release K_{i+1}
-        softmax(S_{i+1}) -> P_{i+1} (fp32), alpha_{i+1}
-        wait(0) -> A; two-level: every TWO_LEVEL_TILES tiles O += A (O in shared memory), A restarts
-    last tile: the same PV, then O = O·prod + A (two-level) or A
-
-    A is the one accumulator PV chains into: O itself without two-level accumulation; with it, the partial sum of the
-    tiles since O's last update, O kept in shared memory (``o_buf``, this warpgroup's, fragment order) with prod, the
-    alphas it has not been multiplied by yet. In registers O would not fit beside S, A and P while PV runs (ptxas
-    then retires PV before the softmax: docs/design/hopper_fp8.md, "PV under the next softmax"). What crosses an
-    iteration is P in fp32 and alpha: no wgmma and no e4m3 tensor (_fp8_overlap_loop's docstring)."""
-    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
-    BLOCK_N: gl.constexpr = TILE.BLOCK_N
-    NUM_STAGES: gl.constexpr = TILE.NUM_STAGES
-    V_STAGES: gl.constexpr = TILE.V_STAGES
-    EVERY: gl.constexpr = QUANT.TWO_LEVEL_TILES
-    # ---- prologue: S_0 and its softmax ----
-    st = cnt % NUM_STAGES
-    start = _kv_start(0, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE, QUANT.TIGHT)
-    tile_scales = _fp8_tile_scales(start, fp8_rows, QUANT)
-    k_t, _k = _ring_operands(k_smem, k_smem, st, BLOCK_N, TILE.QK_LO, 0, True)
-    mbarrier.wait(k_ready.index(st), (cnt // NUM_STAGES) & 1)
-    t = _pingpong_wait(turn, t, WG)
-    s_tok = _qk_mma(q_op, q_op, k_t, k_t, s_zero, False)
-    _pingpong_signal(turn, WG)
-    s_acc = _qk_done(s_tok, q_op, q_op, k_t, k_t, False)
-    mbarrier.arrive(k_empty.index(st), count=1)
-    if n_total == 1:   # the tile's only QK^T retired: the producer may load the next tile's Q half
-        mbarrier.arrive(q_empty.index(WG), count=1)
-    p, m_i, m_run, l_i, alpha = _softmax_step(
-        s_acc, start, n_partial > 0, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit, col_bias, N, score_bufs,
-        mask_bufs, m_i, m_run, l_i, qk_scale, tile_scales, s_layout, p_layout, o_layout, gl.float8e4nv, SCORE_MOD,
-        MASK_MOD, TILE, FLAGS, QUANT)
-    if QUANT.TWO_LEVEL:
-        prod = gl.full_like(alpha, 1.0)   # alphas since O's last update
-        keep = 0.0                        # A's factor beside alpha: 0 once added into O (A restarts)
-        flushed = False
-    # ---- steady state: issue QK_{i+1} and PV_i; softmax S_{i+1} while PV_i runs ----
-    for i in range(n_total - 1):
-        p8 = _p_operand(p, p_layout)
-        # V_{i-1}'s slot, whose PV retired at the end of the last iteration: released here, not right after that
-        # wait, where ptxas hoists the arrive's warpgroup barrier above the softmax and the wait with it
-        mbarrier.arrive(v_empty.index((cnt + V_STAGES - 1) % V_STAGES), count=1, pred=i > 0)
-        vst = cnt % V_STAGES
-        v_cur, _v = _v_operands(v_smem, v_smem, vst, BLOCK_N, TILE.V_LO, 0, QUANT)
-        nxt = cnt + 1
-        st = nxt % NUM_STAGES
-        start = _kv_start(i + 1, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE, QUANT.TIGHT)
-        tile_scales = _fp8_tile_scales(start, fp8_rows, QUANT)
-        k_t, _k = _ring_operands(k_smem, k_smem, st, BLOCK_N, TILE.QK_LO, 0, True)
-        mbarrier.wait(k_ready.index(st), (nxt // NUM_STAGES) & 1)
-        mbarrier.wait(v_ready.index(vst), (cnt // V_STAGES) & 1)
-        if QUANT.TWO_LEVEL:
-            acc = acc * (alpha * keep)[:, None]
-            prod = prod * alpha
-        else:
-            acc = acc * alpha[:, None]
-        t = _pingpong_wait(turn, t, WG)
-        s_tok = _qk_mma(q_op, q_op, k_t, k_t, s_zero, False)
-        pv_tok = warpgroup_mma(p8, v_cur, acc, is_async=True)
-        _pingpong_signal(turn, WG)
-        # wgmma groups retire in order: one left pending is PV_i, issued after S_{i+1}
-        s_acc, _kw = warpgroup_mma_wait(1, deps=[s_tok, k_t])
-        mbarrier.arrive(k_empty.index(st), count=1)
-        # the tile's last QK^T retired: release the Q half (as above). Predicated, not branched: ptxas retires every
-        # wgmma in flight at a branch (here PV_i, before the softmax it should run under)
-        mbarrier.arrive(q_empty.index(WG), count=1, pred=i == n_total - 2)
-        p, m_i, m_run, l_i, alpha_next = _softmax_step(
-            s_acc, start, i + 1 < n_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit, col_bias, N, score_bufs,
-            mask_bufs, m_i, m_run, l_i, qk_scale, tile_scales, s_layout, p_layout, o_layout, gl.float8e4nv,
-            SCORE_MOD, MASK_MOD, TILE, FLAGS, QUANT)
-        acc, _v = _pv_done(pv_tok, 0.0, p8, p8, v_cur, v_cur, False, True)
-        if QUANT.TWO_LEVEL:
-            if (i + 1) % EVERY == 0:
-                _o_flush(o_buf, acc, prod, flushed, o_layout)
-                prod = gl.full_like(alpha, 1.0)
-                keep = 0.0
-                flushed = True
-            else:
-                keep = 1.0
-        alpha = alpha_next
-        cnt = nxt
-    # ---- the last KV tile's PV ----
-    p8 = _p_operand(p, p_layout)
-    mbarrier.arrive(v_empty.index((cnt + V_STAGES - 1) % V_STAGES), count=1, pred=n_total > 1)
-    vst = cnt % V_STAGES
-    v_cur, _v = _v_operands(v_smem, v_smem, vst, BLOCK_N, TILE.V_LO, 0, QUANT)
-    mbarrier.wait(v_ready.index(vst), (cnt // V_STAGES) & 1)
-    if QUANT.TWO_LEVEL:
-        acc = acc * (alpha * keep)[:, None]
-        prod = prod * alpha
-    else:
-        acc = acc * alpha[:, None]
-    t = _pingpong_wait(turn, t, WG)
-    pv_tok = warpgroup_mma(p8, v_cur, acc, is_async=True)
-    _pingpong_signal(turn, WG)
-    acc, _v = _pv_done(pv_tok, 0.0, p8, p8, v_cur, v_cur, False, True)
-    mbarrier.arrive(v_empty.index(vst), count=1)
-    if QUANT.TWO_LEVEL:
-        if flushed:
-            o = _frag_unorder(o_buf.load(_frag_order(acc).type.layout), o_layout)
-            acc = o * prod[:, None] + acc
-    return acc, m_i, m_run, l_i, cnt + 1, t
-
-
-@gluon.jit
 def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs,
               pack_args, SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, SCHED: gl.constexpr,
               SPARSE: gl.constexpr, FLAGS: gl.constexpr, QUANT: gl.constexpr, PACK: gl.constexpr):
     q_desc, k_desc, v_desc, o_desc, q_desc_hi, k_desc_hi, v_desc_hi, o_desc_hi = descs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = bars
-    q_smem, k_smem, v_smem, o_smem, q_smem_hi, k_smem_hi, v_smem_hi, acc_smem = smem
+    q_smem, k_smem, v_smem, o_smem, q_smem_hi, k_smem_hi, v_smem_hi = smem
     num_tiles, num_m_tiles, HQ, GQA, M, N = sizes
     lse_ptr, max_ptr, sink_bufs = outs
     # qk_scale: score tile -> log2 units, folded into the exp2 argument: sm_scale·log2e for raw q.k,
@@ -1513,14 +1356,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
 
         mbarrier.wait(q_ready.index(WG), t_local & 1)
 
-        if SCHED.OVERLAP and QUANT.PV_IN_FLIGHT:
-            if n_total > 0:
-                acc, m_i, m_run, l_i, cnt, t = _fp8_pv_in_flight_loop(
-                    q_op, k_smem, v_smem, acc_smem.index(WG), bars, n_partial, n_total, b, h, mt, sp_ptrs, sp_meta, q_idx, q_idx_c, row0,
-                    sm_scale, qk_unit, col_bias, N_seq, score_bufs, mask_bufs, m_i, m_run, l_i, acc, qk_scale, fp8_rows,
-                    s_zero, o_zero, cnt, t, s_layout, p_layout, o_layout, SCORE_MOD, MASK_MOD, WG, TILE, SPARSE, FLAGS,
-                    QUANT)
-        elif SCHED.OVERLAP and QUANT.ON:
+        if SCHED.OVERLAP and QUANT.ON:
             if n_total > 0:
                 acc, m_i, m_run, l_i, cnt, t = _fp8_overlap_loop(
                     q_op, k_smem, v_smem, bars, n_partial, n_total, b, h, mt, sp_ptrs, sp_meta, q_idx, q_idx_c, row0,
@@ -1753,11 +1589,6 @@ def fa3_fwd_sm90_kernel(
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
     else:
         o_smem = q_smem
-    if QUANT.PV_IN_FLIGHT and QUANT.TWO_LEVEL:   # O during the KV loop, a warpgroup's in fragment order (_o_flush)
-        acc_smem = gl.allocate_shared_memory(gl.float32, [2, TILE.V_LO // 8, 512],
-                                             gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-    else:
-        acc_smem = q_smem
 
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -1782,7 +1613,7 @@ def fa3_fwd_sm90_kernel(
 
     descs = (q_desc, k_desc, v_desc, o_desc, qh_desc, kh_desc, vh_desc, oh_desc)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn)
-    smem = (q_smem, k_smem, v_smem, o_smem, q_smem_hi, k_smem_hi, v_smem_hi, acc_smem)
+    smem = (q_smem, k_smem, v_smem, o_smem, q_smem_hi, k_smem_hi, v_smem_hi)
     sizes = (num_tiles, num_m_tiles, HQ, GQA, M, N)
     sp_ptrs = (kvnb_ptr, kvidx_ptr, fnb_ptr, fidx_ptr)
     sp_meta = (BM, HM, nb_sb, nb_sh, idx_sb, idx_sh, idx_sm, fnb_sb, fnb_sh, fidx_sb, fidx_sh, fidx_sm)
@@ -2068,8 +1899,7 @@ def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bu
                  and (fp8.recipe.two_level > 0 or bool(mask_bufs)))
         quant = Quant(ON=True, Q_BLOCK=fp8.recipe.block_m, KV_BLOCK=fp8.recipe.block_n,
                       TWO_LEVEL=fp8.recipe.two_level > 0, QK_INT8=q.dtype == torch.int8, LEAN=lean,
-                      TIGHT=tight, PV_IN_FLIGHT=cfg.fp8_pv_in_flight and cfg.overlap,
-                      TWO_LEVEL_TILES=max(fp8.recipe.two_level, 1))
+                      TIGHT=tight)
         quant_bufs = (fp8.q_scale, fp8.k_scale, fp8.v_scale, fp8.v_scale_max)
     sink_bufs = kernel_sink_bufs(sinks, q, fp8, "sm90 forward")
     args = (q_desc, k_desc, v_desc, o_desc, *hi_descs, lse, max_scores, tuple(score_bufs), tuple(mask_bufs),
