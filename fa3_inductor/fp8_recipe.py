@@ -43,7 +43,9 @@ class FP8Recipe:
       taken over a stratified sample of at most 256 tokens (exact under softmax for any vector).
     - ``two_level``: PV partial sums kept in the tensor core's accumulator for this many KV tiles,
       then added into an fp32 accumulator (Hopper's FP8 MMA accumulates in about 22 bits). 0: one
-      accumulator for the whole row (the ablation).
+      accumulator for the whole row (the ablation). The kernels add every tile (1, the default) or
+      never (0); intervals above one tile are benchmarks/fp8_accuracy.py's emulation only, and the
+      front doors (:meth:`of`) refuse them.
     - ``seed``: the random signs of the Hadamard matrix.
     - ``qk``: the format of Q and K. "int8" (default): int8 with scale amax/127 per block (round
       half to even), QKᵀ an int8 MMA with exact int32 sums; "e4m3": FlashAttention-3's
@@ -105,6 +107,13 @@ class FP8Recipe:
         if fp8 is True:
             return _DEFAULT   # frozen: one shared instance (built and validated once, not per call)
         if isinstance(fp8, FP8Recipe):
+            if fp8.two_level > 1:
+                raise ValueError(
+                    f"fp8=FP8Recipe(two_level={fp8.two_level}): the FP8 kernels add each KV tile's PV sum into "
+                    "fp32 (two_level=1, the default) or keep one accumulator for the row (two_level=0); "
+                    "intervals above one tile exist only in benchmarks/fp8_accuracy.py's emulation (in the "
+                    "Hopper kernel they cost registers and measured slower: docs/design/hopper_fp8.md, 'PV under "
+                    "the next softmax'). Pass two_level=1 or 0")
             return fp8
         raise TypeError(f"fp8 must be True, False or an fa3_inductor.FP8Recipe, got {type(fp8).__name__}")
 

@@ -227,6 +227,9 @@ def test_fp8_errors():
         flex(q, k, v, fp8="yes")
     with pytest.raises(ValueError, match="FP8Recipe.qk must be"):
         FP8Recipe(qk="int4")
+    # the emulation's intervals: no kernel adds PV into fp32 every few tiles, so the front door says so
+    with pytest.raises(ValueError, match=r"two_level=3\).*Pass two_level=1 or 0"):
+        flex(q, k, v, fp8=FP8Recipe(two_level=3))
 
 
 def test_fp8_kernel_refuses_operands_of_another_format():
