@@ -11,10 +11,11 @@ from torch import Tensor
 from ._log import warn_once
 from .mod_keys import Unkeyable, mod_key
 from .templates.modgen import (BufferSpec, UnsupportedMod, generate_mod_source,
-                               is_constant_true_mask, is_identity_score, load_mod, trace_mod)
+                               is_causal_mask_source, is_constant_true_mask, is_identity_score, load_mod,
+                               trace_mod)
 from .templates.hopper.varlen_sm90 import launch_varlen_sm90
 from .templates.varlen.dense import dense_varlen
-from .templates.varlen.host import is_causal_mask_source, launch_varlen, pick_varlen_kernel
+from .templates.varlen.host import launch_varlen, pick_varlen_kernel
 
 _LN2 = math.log(2.0)
 _MAX_SEQ = 1 << 23      # generated mods turn positions into floats exactly below 2**23

@@ -1321,6 +1321,39 @@ def is_constant_true_mask(gm: torch.fx.GraphModule) -> bool:
     return body in (["return True"], ["v0 = True", "return v0"], ["v0 = 1", "return (v0 != 0)"])
 
 
+# Bodies of a generated mask_mod (either dialect) that compute exactly q_idx >= kv_idx.
+_CAUSAL_BODIES = ("v0 = (q_idx >= kv_idx)", "v0 = (kv_idx <= q_idx)")
+
+
+def is_causal_mask_source(source: Optional[str]) -> bool:
+    """True if a generated ``tl`` or ``gl`` mask_mod source (with or without its decorator line) is exactly
+    ``q_idx >= kv_idx``: a kernel may then walk the causal tiles by arithmetic, or trim the tiles a block mask lists
+    by the diagonal (the Hopper forward's CAUSAL_WALK, the wide backward's CAUSAL_TRIM).
+
+    Example::
+
+        >>> is_causal_mask_source("@triton.jit\\ndef mask_mod(b, h, q_idx, kv_idx, bufs):\\n"
+        ...                       "    v0 = (q_idx >= kv_idx)\\n    return v0\\n")
+        True
+    """
+    if source is None:
+        return False
+    lines = [line.strip() for line in source.splitlines() if line.strip()]
+    body = lines[next((i + 1 for i, line in enumerate(lines) if line.startswith("def ")), len(lines)):]
+    return len(body) == 2 and body[0] in _CAUSAL_BODIES and body[1] == "return v0"
+
+
+def is_causal_mask_mod(fn: Any) -> bool:
+    """:func:`is_causal_mask_source` of a loaded mask_mod (a Triton or Gluon JIT function; False for anything else).
+
+    Example::
+
+        >>> is_causal_mask_mod(None)
+        False
+    """
+    return is_causal_mask_source(getattr(fn, "src", None))
+
+
 def is_identity_score(gm: torch.fx.GraphModule) -> bool:
     """True if a score_mod graph returns its score input unchanged."""
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]

@@ -26,6 +26,11 @@ Notation (beyond bwd_sm90.py's)
                              thread and n8 block, no bank conflict) and DQ_ACC's 64 x 64 blocks hold that order
   OVERLAP                    _head_overlap: step j + 1's S issued behind step j's dS, its P made under dK and dQ
                              (under a block mask, step j + 1's first row is loaded at the top of step j)
+  SPARSE.CAUSAL_TRIM         a causal mask_mod under a block mask of 128-row blocks: a 64-key CTA in the second half
+                             of its diagonal block would run the block's first query tile with every score masked,
+                             and the first half runs the second tile, wholly below the diagonal, with the mask. The
+                             steps start after such a tile (_causal_first) and one below the diagonal is full
+                             (_is_partial)
 
 Per step (64 query rows x 64 keys), warpgroup w:
 
@@ -156,6 +161,28 @@ class WideTile:
         return tuple(sum(c0 + c * self.DQ_N < self.D_MEM for c in range(w // self.DQ_N)) for c0, w in self.DQ_COLS)
 
 
+@gluon.jit
+def _causal_first(n_partial, z, hq, kv_blk, n0, tables, table_meta, TILE: gl.constexpr, SPARSE: gl.constexpr):
+    """The head's first step: 1 if SPARSE.CAUSAL_TRIM and the first listed query tile lies wholly above this CTA's
+    keys (every score q < kv: masked, nothing to add), else 0. Producer and consumers start their walks there."""
+    first = n_partial * 0
+    if SPARSE.CAUSAL_TRIM:
+        if n_partial > 0:
+            m0 = _q_tile_start(0, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
+            first = (m0 + TILE.BLOCK_M <= n0).to(gl.int32)
+    return first
+
+
+@gluon.jit
+def _is_partial(i, n_partial, m0, n0, TILE: gl.constexpr, SPARSE: gl.constexpr):
+    """Whether step i (query rows m0..) evaluates the mask_mod: a listed partial tile, unless SPARSE.CAUSAL_TRIM and
+    its first row is at or below the CTA's last key (then every score is kept: FlexAttention's full block)."""
+    partial = i < n_partial
+    if SPARSE.CAUSAL_TRIM:
+        partial = partial & (m0 < n0 + TILE.BLOCK_N - 1)
+    return partial
+
+
 # ----------------------------------------------------------------------------------------------
 # Producer: one warp issuing TMA (the query steps as bwd_sm90._producer walks them).
 # ----------------------------------------------------------------------------------------------
@@ -193,7 +220,8 @@ def _producer(descs, bars, smem, sizes, tables, table_meta, TILE: gl.constexpr, 
         z = kz + (hh // FLAGS.GQA_GROUP) * KZ
         hq = hkv * FLAGS.GQA_GROUP + hh % FLAGS.GQA_GROUP
         n_partial, n_total = _q_tile_counts(z, hq, kv_blk, M, tables, table_meta, TILE, SPARSE)
-        for i in range(n_total):
+        first = _causal_first(n_partial, z, hq, kv_blk, n0, tables, table_meta, TILE, SPARSE)
+        for i in range(first, n_total):
             m0 = _q_tile_start(i, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
             st = cnt % NUM_STAGES
             mbarrier.wait(qdo_empty.index(st), ((cnt // NUM_STAGES) & 1) ^ 1)
@@ -248,12 +276,13 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
         hq = hkv * FLAGS.GQA_GROUP + hh % FLAGS.GQA_GROUP
         zh = z * HQ + hq
         n_partial, n_total = _q_tile_counts(z, hq, kv_blk, M, tables, table_meta, TILE, SPARSE)
+        first = _causal_first(n_partial, z, hq, kv_blk, n0, tables, table_meta, TILE, SPARSE)
         if TILE.OVERLAP:
-            dk, dv, cnt = _head_overlap(WG, z, hq, zh, n_partial, n_total, n0, kv_blk, rows_, dk, dv, cnt, descs,
+            dk, dv, cnt = _head_overlap(WG, z, hq, zh, first, n_partial, n_total, n0, kv_blk, rows_, dk, dv, cnt, descs,
                                         bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD,
                                         SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)
         else:
-            dk, dv, cnt = _head_in_order(WG, z, hq, zh, n_partial, n_total, n0, kv_blk, dk, dv, cnt, descs, bars,
+            dk, dv, cnt = _head_in_order(WG, z, hq, zh, first, n_partial, n_total, n0, kv_blk, dk, dv, cnt, descs, bars,
                                          smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD,
                                          SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)
 
@@ -262,11 +291,13 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
 
 
 @gluon.jit
-def _head_in_order(WG: gl.constexpr, z, hq, zh, n_partial, n_total, n0, kv_blk, dk, dv, cnt, descs, bars, smem, sizes,
+def _head_in_order(WG: gl.constexpr, z, hq, zh, first, n_partial, n_total, n0, kv_blk, dk, dv, cnt, descs, bars, smem,
+                   sizes,
                    tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr,
                    MASK_MOD: gl.constexpr, TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr):
-    """The steps of one query head (z, hq) for this CTA's keys, in order (module docstring's step): dK, dV
-    accumulated, dQ added; returns (dk, dv, cnt), cnt counting the steps of the CTA (ring stage and P / dS buffer)."""
+    """The steps first .. n_total - 1 of one query head (z, hq) for this CTA's keys, in order (module docstring's
+    step): dK, dV accumulated, dQ added; returns (dk, dv, cnt), cnt counting the steps of the CTA (ring stage and P /
+    dS buffer)."""
     q_lo_desc, q_hi_desc, do_desc, k_lo_desc, k_hi_desc, v_desc, dq_desc = descs
     kv_ready, qdo_ready, qdo_empty, p_ready, ds_ready = bars
     q_lo_smem, q_hi_smem, do_smem, k_lo_smem, k_hi_smem, v_smem, p_smem, ds_smem, f_smem, dq_smem = smem
@@ -286,7 +317,7 @@ def _head_in_order(WG: gl.constexpr, z, hq, zh, n_partial, n_total, n0, kv_blk, 
     dq_layout: gl.constexpr = _acc_layout(DQ_N)
     s_zero = gl.zeros([BLOCK_M, KEYS_WG], gl.float32, layout=s_layout)
     dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
-    for i in range(n_total):
+    for i in range(first, n_total):
         m0 = _q_tile_start(i, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
         st = cnt % NUM_STAGES
         buf = cnt % 2
@@ -308,8 +339,8 @@ def _head_in_order(WG: gl.constexpr, z, hq, zh, n_partial, n_total, n0, kv_blk, 
         if TILE.SPLIT_QK:
             s_tok = warpgroup_mma(q_hi, k_hi_t, s_tok, is_async=True)
         qk, _ql, _qh, _kl, _kh = warpgroup_mma_wait(0, deps=[s_tok, q_lo, q_hi, k_lo_t, k_hi_t])
-        p_ds = _make_p(qk, lse, m0, i < n_partial, z, hq, n0, M, N, p_mine, f_smem.index(WG), scalars, mod_bufs,
-                       WG, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, FLAGS)
+        p_ds = _make_p(qk, lse, m0, _is_partial(i, n_partial, m0, n0, TILE, SPARSE), z, hq, n0, M, N, p_mine,
+                       f_smem.index(WG), scalars, mod_bufs, WG, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, FLAGS)
         mbarrier.arrive(p_ready.index(buf), count=1)
         # dP needs only this warpgroup's keys: it runs while the other half of P is awaited
         v_t = v_rows.slice(WG * KEYS_WG, KEYS_WG, dim=0).permute((1, 0))
@@ -340,8 +371,8 @@ def _head_in_order(WG: gl.constexpr, z, hq, zh, n_partial, n_total, n0, kv_blk, 
 
 
 @gluon.jit
-def _head_overlap(WG: gl.constexpr, z, hq, zh, n_partial, n_total, n0, kv_blk, rows_, dk, dv, cnt, descs, bars, smem,
-                  sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr,
+def _head_overlap(WG: gl.constexpr, z, hq, zh, first, n_partial, n_total, n0, kv_blk, rows_, dk, dv, cnt, descs, bars,
+                  smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr,
                   MASK_MOD: gl.constexpr, TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr):
     """_head_in_order's steps (TILE.OVERLAP), software-pipelined: step j + 1's S is issued right
     behind step j's dS (its Q / dO stage waited then), ahead of step j's dK and dQ chunks, and its P is made while
@@ -378,12 +409,12 @@ def _head_overlap(WG: gl.constexpr, z, hq, zh, n_partial, n_total, n0, kv_blk, r
     # load; the LSE ahead too cost documents 3%: docs/design/hopper_backward.md). Without one it is arithmetic.
     AHEAD: gl.constexpr = SPARSE.HAS_BLOCK_MASK
     m0_ahead = m0
-    if n_total > 0:
+    if n_total > first:
         # prologue: the head's first S, waited at once, and its P
-        m0 = _q_tile_start(0, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
+        m0 = _q_tile_start(first, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
         if AHEAD:
-            m0_ahead = _q_tile_start(gl.minimum(1, n_total - 1), n_partial, z, hq, kv_blk, tables, table_meta, TILE,
-                                     SPARSE)
+            m0_ahead = _q_tile_start(gl.minimum(first + 1, n_total - 1), n_partial, z, hq, kv_blk, tables, table_meta,
+                                     TILE, SPARSE)
         zero0 = _opaque(0)
         st0 = cnt % NUM_STAGES
         k_lo0 = k_lo_smem.index(zero0).reshape([BLOCK_N, LO]).slice(WG * KEYS_WG, KEYS_WG, dim=0)
@@ -397,10 +428,10 @@ def _head_overlap(WG: gl.constexpr, z, hq, zh, n_partial, n_total, n0, kv_blk, r
             s_tok = warpgroup_mma(q_hi0, k_hi0.permute((1, 0)), s_tok, is_async=True)
         qk0, _a, _b, _c, _d = warpgroup_mma_wait(0, deps=[s_tok, q_lo0, q_hi0, k_lo0, k_hi0])
         p_mine0 = p_smem.index(cnt % 2 + zero0).slice(WG * KEYS_WG, KEYS_WG, dim=1)
-        p_keep = _make_p(qk0, lse0, m0, 0 < n_partial, z, hq, n0, M, N, p_mine0, f_smem.index(WG), scalars,
-                         mod_bufs, WG, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, FLAGS)
+        p_keep = _make_p(qk0, lse0, m0, _is_partial(first, n_partial, m0, n0, TILE, SPARSE), z, hq, n0, M, N,
+                         p_mine0, f_smem.index(WG), scalars, mod_bufs, WG, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, FLAGS)
         mbarrier.arrive(p_ready.index(cnt % 2), count=1)
-    for i in range(n_total):
+    for i in range(first, n_total):
         st = cnt % NUM_STAGES
         buf = cnt % 2
         zero = _opaque(0)
@@ -453,8 +484,9 @@ def _head_overlap(WG: gl.constexpr, z, hq, zh, n_partial, n_total, n0, kv_blk, r
             qk, dv, _p, _dc, _ql, _qh = warpgroup_mma_wait(2, deps=[s_tok, dv_tok, p_t, do_cols, q_lo_n, q_hi_n])
         if has_next:   # P of the next step while dK and dQ run
             p_next = p_smem.index(1 - buf + zero).slice(WG * KEYS_WG, KEYS_WG, dim=1)
-            p_keep = _make_p(qk, lse_next, m0_next, i + 1 < n_partial, z, hq, n0, M, N, p_next, f_smem.index(WG),
-                             scalars, mod_bufs, WG, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, FLAGS)
+            p_keep = _make_p(qk, lse_next, m0_next, _is_partial(i + 1, n_partial, m0_next, n0, TILE, SPARSE), z, hq,
+                             n0, M, N, p_next, f_smem.index(WG), scalars, mod_bufs, WG, SCORE_MOD, SCORE_GRAD,
+                             MASK_MOD, TILE, FLAGS)
             mbarrier.arrive(p_ready.index(1 - buf), count=1)
         dq_at = (zh, m0, DQ0)
         if NQ == 2:

@@ -16,7 +16,8 @@ import triton
 from ...runtime.fast_launch import launch_constant
 from ..placeholder import placeholder
 from ..generic_bwd.host import SCORE_GRAD_ONE, transpose_block_tables
-from ..modgen import BufferSpec, GeneratedSource, generate_mod_source, kernel_score_mod, mod_info
+from ..modgen import (BufferSpec, GeneratedSource, generate_mod_source, is_causal_mask_mod, kernel_score_mod,
+                      mod_info)
 from ..tma import tma_aligned
 from ..wide_scores import wide_scores
 from .bwd_sm90 import (BwdFlags, BwdSchedule, BwdSparsity, BwdTile, bwd_sm90_dq_convert_frag_kernel,
@@ -421,7 +422,9 @@ def prepare_hopper_backward(
     num_q_blks = q_indices.shape[-1] if has_mask else 1
     sparse = BwdSparsity(HAS_BLOCK_MASK=has_mask, HAS_FULL_BLOCKS=has_full,
                          Q_TILES_PER_BLK=sparse_q_block // tile.BLOCK_M if has_mask else 1,
-                         SPARSE_KV=sparse_kv_block if has_mask else tile.BLOCK_N)
+                         SPARSE_KV=sparse_kv_block if has_mask else tile.BLOCK_N,
+                         CAUSAL_TRIM=(has_mask and cfg.split_dkv and cfg.causal_trim
+                                      and is_causal_mask_mod(mask_mod)))
     flags = BwdFlags(GQA_GROUP=HQ // HKV, FOLD_SCALE=fold, EVEN_N=N % tile.BLOCK_N == 0,
                      CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
                      WIDE_SCORES=wide_scores(score_mod, compiled=True),

@@ -13,28 +13,9 @@ from ..wide_scores import wide_scores
 from .configs import VarlenConfig, varlen_config
 from .kernel import SiteFlags, Tiling, varlen_fwd_kernel
 
-# Bodies of a generated tl mask_mod that compute exactly q_idx >= kv_idx (templates/modgen.py).
-_CAUSAL_BODIES = ("v0 = (q_idx >= kv_idx)", "v0 = (kv_idx <= q_idx)")
 # Input dtypes the CPU interpreter cannot compute a dot in (Triton 3.6: bf16 tl.dot is wrong
 # there; fp16 and fp32 are right): run on float32 copies.
 _INTERPRETER_UPCAST = (torch.bfloat16,)
-
-
-def is_causal_mask_source(source: Optional[str]) -> bool:
-    """True if a generated ``tl`` or ``gl`` mask_mod source is exactly ``q_idx >= kv_idx``: the
-    kernel may then stop each query tile's KV walk at the diagonal (kernel.py, "KV walk"; the
-    Hopper kernel's CAUSAL_WALK).
-
-    Example::
-
-        >>> is_causal_mask_source("@triton.jit\\ndef mask_mod(b, h, q_idx, kv_idx, bufs):\\n"
-        ...                       "    v0 = (q_idx >= kv_idx)\\n    return v0\\n")
-        True
-    """
-    if source is None:
-        return False
-    body = [line.strip() for line in source.splitlines()[2:] if line.strip()]
-    return len(body) == 2 and body[0] in _CAUSAL_BODIES and body[1] == "return v0"
 
 
 VARLEN_KERNELS = ("auto", "hopper", "triton")
@@ -85,7 +66,7 @@ def prepare_varlen(
     """``(kernel, args, kwargs, grid)`` of one varlen launch (shapes: kernel.py's notation).
 
     ``score_mod`` / ``mask_mod`` are generated ``tl`` jit functions with their captured buffers;
-    ``causal`` says the mask_mod is ``q_idx >= kv_idx`` (:func:`is_causal_mask_source`);
+    ``causal`` says the mask_mod is ``q_idx >= kv_idx`` (modgen.is_causal_mask_source);
     ``config`` overrides the tile table; ``plan_for`` the GPU capability to plan for when the
     tensors are not on a GPU (compile-only; None: the interpreter's tiles).
 
