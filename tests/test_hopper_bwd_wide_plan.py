@@ -134,16 +134,17 @@ def test_wide_overlap_for_plain_launches():
 
 
 def test_wide_causal_trim_only_for_a_causal_mask_mod():
-    """The wide kernel trims a block mask's tiles by the diagonal when the mask_mod is exactly q_idx >= kv_idx (with
-    a score_mod too: the mask alone decides which scores count); never for another mask, nor in D <= 128's kernel."""
+    """The 192 / 128 kernel trims a block mask's tiles by the diagonal when the mask_mod is exactly q_idx >= kv_idx
+    (with a score_mod too: the mask alone decides which scores count); never for another mask, nor at D256 or in
+    D <= 128's kernel."""
     from test_hopper_bwd_compile import _combined_options, _options
 
     def trim(D, DV, options, **extra):
         return _plan(D, DV, M=1000, N=1000, **options, **extra)[1][2]["SPARSE"].CAUSAL_TRIM
 
-    for D, DV in ((192, 128), (256, 256)):
-        assert trim(D, DV, _options("causal", 1000, 1000))
-        assert trim(D, DV, _combined_options("softcap+causal", 1000, 1000))
-        for other in ("sliding_window", "document"):
-            assert not trim(D, DV, _options(other, 1000, 1000)), other
+    assert trim(192, 128, _options("causal", 1000, 1000))
+    assert trim(192, 128, _combined_options("softcap+causal", 1000, 1000))
+    for other in ("sliding_window", "document"):
+        assert not trim(192, 128, _options(other, 1000, 1000)), other
+    assert not trim(256, 256, _options("causal", 1000, 1000))   # measured 0.98x at 4k (hopper_backward.md)
     assert not trim(128, 128, _options("causal", 1000, 1000))
