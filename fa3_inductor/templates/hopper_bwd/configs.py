@@ -53,10 +53,6 @@ class BwdSm90Config:
                                  # conflict; the host applies it to 64-row steps of whole 64-column chunks (not 80, 96,
                                  # 160 or m128). Every head dim's default: the backward 1.03-1.09x (H200, bwd-speed-
                                  # nvidia-h200-2026-11-29-1941-wide-frag, -1948-frag-d128; ALiBi 0.98-1.01x)
-    causal_trim: bool = True     # bwd_sm90_wide.py's 192 / 128 tiles under a causal mask_mod: a listed query tile
-                                 # wholly above the CTA's 64 keys skipped, one wholly below run without the mask
-                                 # (BwdSparsity.CAUSAL_TRIM; A/B field until measured: docs/design/hopper_backward.md,
-                                 # "Causal tiles trimmed", "The trim at 192 / 128 only")
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, value_head_dim: int | None = None) -> int:
         """Shared memory of K, V, the Q / dO ring, P, the two dS buffers and the dQ staging tiles (no score_mod),
@@ -195,7 +191,6 @@ VARIANTS: dict[str, dict[str, bool]] = {
     "dq_bufs2": {"dq_bufs": 2},
     # dQ staged as the tiled [64, 64] fp32 chunk (every default before dq_frag; still what 80 / 96 / 160 and m128 run)
     "dq_tiled": {"dq_frag": False},
-    "no_causal_trim": {"causal_trim": False},
 }
 
 
