@@ -2,13 +2,13 @@
 """A/B of the Hopper FP8 kernel's tile configs: the kernel alone (hopper_fp8, templates/hopper/fwd_sm90.py with its
 Quant bundle on), launched directly on operands quantized once, against cuDNN SDPA bf16 in the same run.
 
-Variants (VARIANTS: name -> (config, FP8Recipe.two_level)): ``old`` = the D=128 FP8 table entry with fp8_tight_mods off
-(mod launches hold kernel-wide scalars across the KV loop), ``new`` = the table entry now (templates/hopper_fp8/configs.py),
-both with the default recipe. The runs record what they compared: on 2026-11-28 lean_fp8_softmax off / on, on
-2026-11-29 23:48 PV under the next softmax (five variants, since removed: docs/design/hopper_fp8.md). SAME pairs, when
-an A/B lists any, must come out bit for bit equal (the same arithmetic in another schedule).
-Cases: D=128, B = 16384 / N, H = 16, N in --seqlens, mods noop /
-causal (mask_mod with a 128-block causal BlockMask, as the product lowers it) / softcap 30 (generated score_mod), Q and
+Variants (VARIANTS: name -> (config, FP8Recipe.two_level)): ``old`` = the D=128 FP8 table entry with fp8_tight_mods
+off (mod launches hold kernel-wide scalars across the KV loop), ``new`` = the table entry now
+(templates/hopper_fp8/configs.py), both with the default recipe. The runs record what they compared: on 2026-11-28
+lean_fp8_softmax off / on, on 2026-11-29 23:48 PV under the next softmax (five variants, since removed:
+docs/design/hopper_fp8.md). SAME pairs, when an A/B lists any, must come out bit for bit equal (the same arithmetic in
+another schedule). Cases: D=128, B = 16384 / N, H = 16, N in --seqlens, mods noop / causal (mask_mod with a 128-block
+causal BlockMask, as the product lowers it) / softcap 30 (generated score_mod), Q and
 K in int8 and e4m3 (FP8Recipe.qk; V and P e4m3). Every launch is compiled first (in threads: Triton's compile runs
 mostly outside the GIL), then checked once against float64 attention on the dequantized operands (batch 0, heads 0-1,
 the last 256 query rows, which see every key under the causal mask; the output NaN-poisoned before), then timed:
@@ -180,7 +180,8 @@ def report(out_dir: str, cases, timings: dict, meta: dict) -> None:
     same = [f"N{c['N']} {c['mod']} {c['qk']}: " + ", ".join(f"{k} {v:.1e}" for k, v in c["same"].items())
             for c in cases if c.get("same")]
     if same:
-        lines += ["", "Pairs that must be bit for bit equal, max |difference| of the outputs:", ""] + [f"- {x}" for x in same]
+        lines += ["", "Pairs that must be bit for bit equal, max |difference| of the outputs:", ""]
+        lines += [f"- {x}" for x in same]
     print("\n".join(lines))
     write_result(out_dir, f"fp8-kernel-ab-{device_slug(meta['device'])}-{stamp}", dict(meta=meta, rows=rows),
                  "\n".join(lines) + "\n")

@@ -278,12 +278,12 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
         n_partial, n_total = _q_tile_counts(z, hq, kv_blk, M, tables, table_meta, TILE, SPARSE)
         first = _causal_first(n_partial, z, hq, kv_blk, n0, tables, table_meta, TILE, SPARSE)
         if TILE.OVERLAP:
-            dk, dv, cnt = _head_overlap(WG, z, hq, zh, first, n_partial, n_total, n0, kv_blk, rows_, dk, dv, cnt, descs,
-                                        bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD,
-                                        SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)
+            dk, dv, cnt = _head_overlap(WG, z, hq, zh, first, n_partial, n_total, n0, kv_blk, rows_, dk, dv, cnt,
+                                        descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+                                        SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)
         else:
-            dk, dv, cnt = _head_in_order(WG, z, hq, zh, first, n_partial, n_total, n0, kv_blk, dk, dv, cnt, descs, bars,
-                                         smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD,
+            dk, dv, cnt = _head_in_order(WG, z, hq, zh, first, n_partial, n_total, n0, kv_blk, dk, dv, cnt, descs,
+                                         bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD,
                                          SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)
 
     _store_dk_dv(dk, dv, n0, kz, hkv, HKV, N, dk_ptr, dv_ptr, ds_scale, descs[0].dtype, DK0, DK_N, DV0, TILE)
@@ -292,9 +292,9 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
 
 @gluon.jit
 def _head_in_order(WG: gl.constexpr, z, hq, zh, first, n_partial, n_total, n0, kv_blk, dk, dv, cnt, descs, bars, smem,
-                   sizes,
-                   tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr,
-                   MASK_MOD: gl.constexpr, TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr):
+                   sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr,
+                   SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, SPARSE: gl.constexpr,
+                   FLAGS: gl.constexpr):
     """The steps first .. n_total - 1 of one query head (z, hq) for this CTA's keys, in order (module docstring's
     step): dK, dV accumulated, dQ added; returns (dk, dv, cnt), cnt counting the steps of the CTA (ring stage and P /
     dS buffer)."""
@@ -372,8 +372,9 @@ def _head_in_order(WG: gl.constexpr, z, hq, zh, first, n_partial, n_total, n0, k
 
 @gluon.jit
 def _head_overlap(WG: gl.constexpr, z, hq, zh, first, n_partial, n_total, n0, kv_blk, rows_, dk, dv, cnt, descs, bars,
-                  smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr,
-                  MASK_MOD: gl.constexpr, TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr):
+                  smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr,
+                  SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, SPARSE: gl.constexpr,
+                  FLAGS: gl.constexpr):
     """_head_in_order's steps (TILE.OVERLAP), software-pipelined: step j + 1's S is issued right
     behind step j's dS (its Q / dO stage waited then), ahead of step j's dK and dQ chunks, and its P is made while
     they run. A step begins with its P in the P buffer (p_ready signalled) and dS's factor in registers (P_REGS),
