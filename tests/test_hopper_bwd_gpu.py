@@ -118,6 +118,7 @@ CASES = [
     ("softcap", mods.softcap(20.0), None, 1, 2, 2, 640, 700, None),
     ("alibi-causal", mods.alibi(4), mods.causal, 1, 4, 4, 384, 384, None),
     ("document", None, "document", 1, 2, 2, 900, 900, None),
+    ("window", None, mods.sliding_window(200), 1, 2, 2, 900, 900, None),   # a causal window (the wide kernel's skip)
     ("gqa4-causal", None, mods.causal, 1, 8, 2, 512, 512, None),
     ("kv-batch-1", None, None, 3, 4, 2, 256, 300, 1),
 ]

@@ -133,18 +133,20 @@ def test_wide_overlap_for_plain_launches():
     assert not _plan(256, 256, M=1000, N=1000, **_options("causal", 1000, 1000))[1][2]["TILE"].OVERLAP
 
 
-def test_wide_causal_trim_only_for_a_causal_mask_mod():
-    """The 192 / 128 kernel trims a block mask's tiles by the diagonal when the mask_mod is exactly q_idx >= kv_idx
-    (with a score_mod too: the mask alone decides which scores count); never for another mask, nor at D256 or in
-    D <= 128's kernel."""
+def test_wide_causal_trim_follows_the_mask_mod():
+    """The 192 / 128 kernel skips a first listed tile wholly above the CTA's keys under a mask_mod that keeps q >= kv
+    pairs only (causal, causal windows, causal documents; with a score_mod too: the mask alone decides which scores
+    count), and runs tiles wholly below the diagonal unmasked under causal itself only; neither at D256, in D <= 128's
+    kernel, or under a mask that keeps q < kv pairs."""
     from test_hopper_bwd_compile import _combined_options, _options
 
     def trim(D, DV, options, **extra):
-        return _plan(D, DV, M=1000, N=1000, **options, **extra)[1][2]["SPARSE"].CAUSAL_TRIM
+        sparse = _plan(D, DV, M=1000, N=1000, **options, **extra)[1][2]["SPARSE"]
+        return sparse.CAUSAL_SKIP, sparse.CAUSAL_FULL
 
-    assert trim(192, 128, _options("causal", 1000, 1000))
-    assert trim(192, 128, _combined_options("softcap+causal", 1000, 1000))
-    for other in ("sliding_window", "document"):
-        assert not trim(192, 128, _options(other, 1000, 1000)), other
-    assert not trim(256, 256, _options("causal", 1000, 1000))   # measured 0.98x at 4k (hopper_backward.md)
-    assert not trim(128, 128, _options("causal", 1000, 1000))
+    assert trim(192, 128, _options("causal", 1000, 1000)) == (True, True)
+    assert trim(192, 128, _combined_options("softcap+causal", 1000, 1000)) == (True, True)
+    for implied in ("sliding_window", "document"):   # causal windows and causal documents (the tests' mods)
+        assert trim(192, 128, _options(implied, 1000, 1000)) == (True, False), implied
+    assert trim(256, 256, _options("causal", 1000, 1000)) == (False, False)   # measured 0.98x at 4k
+    assert trim(128, 128, _options("causal", 1000, 1000)) == (False, False)

@@ -211,6 +211,30 @@ def test_noop_mask_and_identity_score_are_recognized():
     assert is_identity_score(gm)
 
 
+@pytest.mark.parametrize("dialect", ["tl", "gl"])
+def test_causal_masks_are_recognized(dialect):
+    """Exactly causal (both spellings) for the kernels' arithmetic walks; implying causal (a conjunction with q >= kv)
+    for the wide backward's skip of tiles above the diagonal; neither for masks that keep some q < kv pair."""
+    from fa3_inductor.templates.modgen import (is_causal_mask_mod, is_causal_mask_source, load_mod,
+                                               mask_implies_causal, mask_implies_causal_source)
+
+    docs = (torch.arange(512) // 100).to(torch.int32)
+    cases = {"causal": (mods.causal, True, True),
+             "causal, kv <= q": (lambda b, h, q, kv: kv <= q, True, True),
+             "window": (mods.sliding_window(64), False, True),
+             "causal documents": (mods.document(docs), False, True),
+             "documents and window": (mods.and_masks(mods.document(docs), mods.sliding_window(64)), False, True),
+             "documents": (mods.document(docs, causal=False), False, False),
+             "causal or prefix": (lambda b, h, q, kv: (q >= kv) | (kv < 8), False, False),
+             "anti-causal": (lambda b, h, q, kv: q <= kv, False, False)}
+    for name, (fn, exact, implied) in cases.items():
+        gm, bufs = trace_mod(fn, "mask")
+        src = generate_mod_source(gm, "mask", [BufferSpec.of(b) for b in bufs], dialect)
+        assert (is_causal_mask_source(src), mask_implies_causal_source(src)) == (exact, implied), (name, src)
+        loaded = load_mod(src, dialect)
+        assert (is_causal_mask_mod(loaded), mask_implies_causal(loaded)) == (exact, implied), name
+
+
 def test_unsupported_op_is_refused_with_its_name():
     with pytest.raises(UnsupportedMod, match="aten.cumsum"):
         _source(lambda s, b, h, q, kv: s + torch.cumsum(q.unsqueeze(0), 0).squeeze(0), "score")

@@ -59,6 +59,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.util
+import inspect
 import math
 import os
 import re
@@ -1343,6 +1344,60 @@ def is_causal_mask_source(source: Optional[str]) -> bool:
     return len(body) == 2 and body[0] in _CAUSAL_BODIES and body[1] == "return v0"
 
 
+def mask_implies_causal_source(source: Optional[str]) -> bool:
+    """True if a generated mask_mod source returns a conjunction (``&``) one of whose terms is exactly
+    ``q_idx >= kv_idx`` (causal alone, causal documents, causal windows): every pair it keeps has q_idx >= kv_idx.
+
+    Example::
+
+        >>> mask_implies_causal_source("@gluon.jit\\ndef mask_mod(b, h, q_idx, kv_idx, bufs):\\n"
+        ...     "    v0 = (q_idx >= kv_idx)\\n    v1 = (kv_idx > (q_idx - 256))\\n    v2 = (v0 & v1)\\n    return v2\\n")
+        True
+    """
+    if source is None:
+        return False
+    lines = [line.strip() for line in source.splitlines() if line.strip()]
+    body = lines[next((i + 1 for i, line in enumerate(lines) if line.startswith("def ")), len(lines)):]
+    if not body or not body[-1].startswith("return "):
+        return False
+    defs = dict(line.split(" = ", 1) for line in body[:-1] if " = " in line)
+    todo, seen = [body[-1][len("return "):].strip()], set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in defs:
+            continue
+        seen.add(name)
+        expr = defs[name]
+        if any(expr == body.split(" = ", 1)[1] for body in _CAUSAL_BODIES):
+            return True
+        conj = re.fullmatch(r"\((\w+) & (\w+)\)", expr)
+        if conj:
+            todo += [conj.group(1), conj.group(2)]
+    return False
+
+
+def mask_implies_causal(fn: Any) -> bool:
+    """:func:`mask_implies_causal_source` of a loaded mask_mod (False for anything else).
+
+    Example::
+
+        >>> mask_implies_causal(None)
+        False
+    """
+    return mask_implies_causal_source(_jit_source(fn))
+
+
+def _jit_source(fn: Any) -> Optional[str]:
+    """The source of a loaded mod: a JIT function's ``src``, or (Triton's interpreter) its Python function's."""
+    src = getattr(fn, "src", None)
+    if src is None and callable(getattr(fn, "fn", None)):
+        try:
+            src = inspect.getsource(fn.fn)
+        except (OSError, TypeError):
+            return None
+    return src
+
+
 def is_causal_mask_mod(fn: Any) -> bool:
     """:func:`is_causal_mask_source` of a loaded mask_mod (a Triton or Gluon JIT function; False for anything else).
 
@@ -1351,7 +1406,7 @@ def is_causal_mask_mod(fn: Any) -> bool:
         >>> is_causal_mask_mod(None)
         False
     """
-    return is_causal_mask_source(getattr(fn, "src", None))
+    return is_causal_mask_source(_jit_source(fn))
 
 
 def is_identity_score(gm: torch.fx.GraphModule) -> bool:

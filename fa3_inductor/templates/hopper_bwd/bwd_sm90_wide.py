@@ -26,11 +26,12 @@ Notation (beyond bwd_sm90.py's)
                              thread and n8 block, no bank conflict) and DQ_ACC's 64 x 64 blocks hold that order
   OVERLAP                    _head_overlap: step j + 1's S issued behind step j's dS, its P made under dK and dQ
                              (under a block mask, step j + 1's first row is loaded at the top of step j)
-  SPARSE.CAUSAL_TRIM         a causal mask_mod under a block mask of 128-row blocks: a 64-key CTA in the second half
-                             of its diagonal block would run the block's first query tile with every score masked,
-                             and the first half runs the second tile, wholly below the diagonal, with the mask. The
-                             steps start after such a tile (_causal_first) and one below the diagonal is full
-                             (_is_partial)
+  SPARSE.CAUSAL_SKIP / _FULL  a causal mask_mod (or one that keeps only q >= kv: causal documents, windows) under a
+                             block mask of 128-row blocks: a 64-key CTA in the second half of its diagonal block
+                             would run the block's first query tile with every score masked, and (exactly causal) the
+                             first half runs the second tile, wholly below the diagonal, with the mask. The steps
+                             start after such a tile (_causal_first) and (exactly causal) one below the diagonal is
+                             full (_is_partial)
 
 Per step (64 query rows x 64 keys), warpgroup w:
 
@@ -163,10 +164,10 @@ class WideTile:
 
 @gluon.jit
 def _causal_first(n_partial, z, hq, kv_blk, n0, tables, table_meta, TILE: gl.constexpr, SPARSE: gl.constexpr):
-    """The head's first step: 1 if SPARSE.CAUSAL_TRIM and the first listed query tile lies wholly above this CTA's
+    """The head's first step: 1 if SPARSE.CAUSAL_SKIP and the first listed query tile lies wholly above this CTA's
     keys (every score q < kv: masked, nothing to add), else 0. Producer and consumers start their walks there."""
     first = n_partial * 0
-    if SPARSE.CAUSAL_TRIM:
+    if SPARSE.CAUSAL_SKIP:
         if n_partial > 0:
             m0 = _q_tile_start(0, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
             first = (m0 + TILE.BLOCK_M <= n0).to(gl.int32)
@@ -175,10 +176,10 @@ def _causal_first(n_partial, z, hq, kv_blk, n0, tables, table_meta, TILE: gl.con
 
 @gluon.jit
 def _is_partial(i, n_partial, m0, n0, TILE: gl.constexpr, SPARSE: gl.constexpr):
-    """Whether step i (query rows m0..) evaluates the mask_mod: a listed partial tile, unless SPARSE.CAUSAL_TRIM and
+    """Whether step i (query rows m0..) evaluates the mask_mod: a listed partial tile, unless SPARSE.CAUSAL_FULL and
     its first row is at or below the CTA's last key (then every score is kept: FlexAttention's full block)."""
     partial = i < n_partial
-    if SPARSE.CAUSAL_TRIM:
+    if SPARSE.CAUSAL_FULL:
         partial = partial & (m0 < n0 + TILE.BLOCK_N - 1)
     return partial
 

@@ -17,7 +17,7 @@ from ...runtime.fast_launch import launch_constant
 from ..placeholder import placeholder
 from ..generic_bwd.host import SCORE_GRAD_ONE, transpose_block_tables
 from ..modgen import (BufferSpec, GeneratedSource, generate_mod_source, is_causal_mask_mod, kernel_score_mod,
-                      mod_info)
+                      mask_implies_causal, mod_info)
 from ..tma import tma_aligned
 from ..wide_scores import wide_scores
 from .bwd_sm90 import (BwdFlags, BwdSchedule, BwdSparsity, BwdTile, bwd_sm90_dq_convert_frag_kernel,
@@ -420,11 +420,14 @@ def prepare_hopper_backward(
     tables = tuple(table(t) for t in (q_num_blocks, q_indices, full_q_num_blocks, full_q_indices))
     SZ, SH, num_kv_blks = q_num_blocks.shape if has_mask else (1, 1, 1)
     num_q_blks = q_indices.shape[-1] if has_mask else 1
+    # the 192 / 128 tiles' causal trim (bwd_sm90_wide._causal_first, _is_partial; not D256's: 0.98x at 4k)
+    trim = has_mask and cfg.split_dkv and tile.HEAD_D != 256
     sparse = BwdSparsity(HAS_BLOCK_MASK=has_mask, HAS_FULL_BLOCKS=has_full,
                          Q_TILES_PER_BLK=sparse_q_block // tile.BLOCK_M if has_mask else 1,
                          SPARSE_KV=sparse_kv_block if has_mask else tile.BLOCK_N,
-                         CAUSAL_TRIM=(has_mask and cfg.split_dkv and tile.HEAD_D != 256
-                                      and is_causal_mask_mod(mask_mod)))
+                         CAUSAL_SKIP=trim and (cfg.trim_implied or is_causal_mask_mod(mask_mod))
+                                     and mask_implies_causal(mask_mod),
+                         CAUSAL_FULL=trim and is_causal_mask_mod(mask_mod))
     flags = BwdFlags(GQA_GROUP=HQ // HKV, FOLD_SCALE=fold, EVEN_N=N % tile.BLOCK_N == 0,
                      CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
                      WIDE_SCORES=wide_scores(score_mod, compiled=True),
