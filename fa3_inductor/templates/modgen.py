@@ -1337,10 +1337,7 @@ def is_causal_mask_source(source: Optional[str]) -> bool:
         ...                       "    v0 = (q_idx >= kv_idx)\\n    return v0\\n")
         True
     """
-    if source is None:
-        return False
-    lines = [line.strip() for line in source.splitlines() if line.strip()]
-    body = lines[next((i + 1 for i, line in enumerate(lines) if line.startswith("def ")), len(lines)):]
+    body = _mod_body(source)
     return len(body) == 2 and body[0] in _CAUSAL_BODIES and body[1] == "return v0"
 
 
@@ -1354,10 +1351,7 @@ def mask_implies_causal_source(source: Optional[str]) -> bool:
         ...     "    v0 = (q_idx >= kv_idx)\\n    v1 = (kv_idx > (q_idx - 256))\\n    v2 = (v0 & v1)\\n    return v2\\n")
         True
     """
-    if source is None:
-        return False
-    lines = [line.strip() for line in source.splitlines() if line.strip()]
-    body = lines[next((i + 1 for i, line in enumerate(lines) if line.startswith("def ")), len(lines)):]
+    body = _mod_body(source)
     if not body or not body[-1].startswith("return "):
         return False
     defs = dict(line.split(" = ", 1) for line in body[:-1] if " = " in line)
@@ -1385,6 +1379,12 @@ def mask_implies_causal(fn: Any) -> bool:
         False
     """
     return mask_implies_causal_source(_jit_source(fn))
+
+
+def _mod_body(source: Optional[str]) -> list[str]:
+    """The stripped, non-empty lines of a generated mod after its ``def`` line (none for None)."""
+    lines = [line.strip() for line in (source or "").splitlines() if line.strip()]
+    return lines[next((i + 1 for i, line in enumerate(lines) if line.startswith("def ")), len(lines)):]
 
 
 def _jit_source(fn: Any) -> Optional[str]:

@@ -53,10 +53,6 @@ class BwdSm90Config:
                                  # conflict; the host applies it to 64-row steps of whole 64-column chunks (not 80, 96,
                                  # 160 or m128). Every head dim's default: the backward 1.03-1.09x (H200, bwd-speed-
                                  # nvidia-h200-2026-11-29-1941-wide-frag, -1948-frag-d128; ALiBi 0.98-1.01x)
-    trim_implied: bool = True    # bwd_sm90_wide's 192 / 128 tiles: skip a first listed query tile wholly above the
-                                 # CTA's keys under any mask_mod that keeps q >= kv pairs only (causal documents,
-                                 # windows), not only under causal itself (A/B field until measured:
-                                 # docs/design/hopper_backward.md, "The skip under masks that imply causal")
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, value_head_dim: int | None = None) -> int:
         """Shared memory of K, V, the Q / dO ring, P, the two dS buffers and the dQ staging tiles (no score_mod),
@@ -195,7 +191,6 @@ VARIANTS: dict[str, dict[str, bool]] = {
     "dq_bufs2": {"dq_bufs": 2},
     # dQ staged as the tiled [64, 64] fp32 chunk (every default before dq_frag; still what 80 / 96 / 160 and m128 run)
     "dq_tiled": {"dq_frag": False},
-    "no_implied_trim": {"trim_implied": False},
 }
 
 
