@@ -798,8 +798,9 @@ SMOKE_VARLEN_TILES = ((16, 16, 4, 1),)
 def _varlen_tiles(q, k, v, cu, longest, tiles) -> Callable:
     """Our varlen kernel (causal) with the tiles ``tiles`` instead of configs.py's."""
     from fa3_inductor import mods
+    from fa3_inductor.templates.modgen import is_causal_mask_source
     from fa3_inductor.templates.varlen.configs import VarlenConfig
-    from fa3_inductor.templates.varlen.host import is_causal_mask_source, launch_varlen
+    from fa3_inductor.templates.varlen.host import launch_varlen
     from fa3_inductor.varlen import generated_mod
 
     mask_fn, mask_bufs, source = generated_mod(mods.causal, "mask")
