@@ -84,6 +84,7 @@ from coverage_table import (DIRECTION, GRAD_FLOOR, RESOLVED, STOCK_FACTOR,  # no
                             STOCK_FAILS as _STOCK_FAILS, _fmt_err, _ok, markdown, merge, settled,
                             summarize, write)
 from coverage_timing import TIMED_FAMILIES, every_size, time_family  # noqa: E402
+from provenance import commit_label  # noqa: E402
 
 # Relative error allowed per dtype against float64 (tests/reference.py, README "Tolerance rule").
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -602,11 +603,7 @@ def _meta(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) ->
         except importlib.metadata.PackageNotFoundError:
             return None
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=Path(__file__).parent).stdout.strip() or None
-    except OSError:
-        commit = None
+    commit = commit_label()
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)"
     note = None
     if device.type == "cuda" and not args.size_rule:

@@ -36,11 +36,12 @@ import datetime as _dt
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from provenance import commit_label  # noqa: E402
 SHAPES = ((1, 16, 16, 16384), (1, 32, 8, 4096), (8, 32, 8, 1024))   # (B, Hq, Hkv, N), D 128
 D = 128
 
@@ -185,11 +186,7 @@ def _case(B: int, H: int, Hkv: int, N: int, calls: int, repeats: int) -> list[di
 
 
 def _commit(root: str) -> str:
-    try:
-        return subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return commit_label(root) or "unknown"
 
 
 def _markdown(result: dict) -> str:

@@ -28,7 +28,6 @@ import argparse
 import concurrent.futures as cf
 import datetime as _dt
 import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict, replace
@@ -42,6 +41,7 @@ from fa3_inductor.templates.hopper.fwd_sm90 import prepare_fwd_sm90_variants  # 
 from fa3_inductor.templates.hopper_fp8.configs import get_fp8_config  # noqa: E402
 from fp8_accuracy import device_slug, write_result  # noqa: E402
 from hopper_ablation import causal_block_mask  # noqa: E402
+from provenance import commit_label  # noqa: E402
 
 D, H, TOKENS = 128, 16, 16384
 TOLERANCE = 1e-1    # tests/reference.py FP8_TOLERANCE: a wrong scale or tile, not FP8 rounding
@@ -159,8 +159,7 @@ def report(out_dir: str, cases, timings: dict, meta: dict) -> None:
                          tflops=flops(batch[N], N, mod) / (med * 1e-3) / 1e12,
                          rel_error=errs.get((N, mod, qk, name))))
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d-%H%M")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    commit = commit_label()
     meta = dict(meta, commit=commit, date=stamp,
                 variants={n: dict(asdict(cfg), two_level=k) for n, (cfg, k) in VARIANTS.items()},
                 check=dict(heads=CHECK_HEADS, last_rows=CHECK_ROWS, tolerance=TOLERANCE))

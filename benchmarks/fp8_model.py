@@ -55,6 +55,7 @@ for _p in (ROOT, HERE, ROOT / "examples"):
 import fp8_accuracy as fa  # noqa: E402  (write_result, command_line, device_name, device_slug)
 import fp8_activations  # noqa: E402  (shipped_text, packaged_gguf)
 import models as model_bench  # noqa: E402  (_fresh_caches, _fused_summary)
+from provenance import commit_label  # noqa: E402
 
 IMPLS = ("eager", "fa3", "fa3_fp8", "hf_fa3_fp8")
 SEQLENS = (4096, 2048)  # most telling first: a budget cut loses the least
@@ -347,13 +348,7 @@ def markdown(payload: dict[str, Any]) -> str:
 
 
 def _git_commit() -> str:
-    import subprocess
-
-    try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return commit_label(str(ROOT)) or "unknown"
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

@@ -52,7 +52,6 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -62,6 +61,8 @@ from typing import Any, Callable, Optional
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:   # run as a script (torchrun): import the package from this checkout
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import commit_label  # noqa: E402
 
 # Must hold before any NCCL / symmetric-memory initialization: NVLink multicast stays off.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -697,11 +698,7 @@ def environment(args, comm: Comm, env_before: dict) -> dict:
         info["triton"] = triton.__version__
     except Exception:
         info["triton"] = None
-    try:
-        info["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                                     capture_output=True, timeout=10).stdout.strip() or None
-    except Exception:
-        info["git"] = None
+    info["git"] = commit_label(str(ROOT))
     if comm.device.type == "cuda":
         info["device"] = torch.cuda.get_device_name(comm.device)
         info["devices"] = comm.gather(torch.cuda.get_device_name(comm.device))

@@ -54,7 +54,6 @@ import os
 import platform
 import re
 import statistics
-import subprocess
 import sys
 import sysconfig
 import time
@@ -67,6 +66,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from provenance import commit_label  # noqa: E402
 
 IMPLS = ("eager", "inductor", "fa3")
 EXTRA_IMPLS = ("inductor_sdpa",)   # stock Inductor with SDPA whatever --attention says
@@ -793,12 +795,7 @@ def write_results(result: dict, out_dir: Path, stem: str) -> str:
 
 
 def _git_commit() -> Optional[str]:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent, timeout=10)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
+    return commit_label()
 
 
 def _skip_reason(impl: str, attention: str, device: torch.device) -> Optional[str]:
