@@ -426,7 +426,8 @@ def prepare_hopper_backward(
     sparse = BwdSparsity(HAS_BLOCK_MASK=has_mask, HAS_FULL_BLOCKS=has_full,
                          Q_TILES_PER_BLK=sparse_q_block // tile.BLOCK_M if has_mask else 1,
                          SPARSE_KV=sparse_kv_block if has_mask else tile.BLOCK_N,
-                         CAUSAL_SKIP=trim and mask_implies_causal(mask_mod),
+                         CAUSAL_SKIP=(trim or (has_mask and cfg.split_dkv and cfg.wide256_skip))
+                                     and mask_implies_causal(mask_mod),
                          CAUSAL_FULL=trim and is_causal_mask_mod(mask_mod))
     flags = BwdFlags(GQA_GROUP=HQ // HKV, FOLD_SCALE=fold, EVEN_N=N % tile.BLOCK_N == 0,
                      CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
