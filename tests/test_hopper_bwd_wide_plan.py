@@ -134,10 +134,10 @@ def test_wide_overlap_for_plain_launches():
 
 
 def test_wide_causal_trim_follows_the_mask_mod():
-    """The 192 / 128 kernel skips a first listed tile wholly above the CTA's keys under a mask_mod that keeps q >= kv
-    pairs only (causal, causal windows, causal documents; with a score_mod too: the mask alone decides which scores
-    count), and runs tiles wholly below the diagonal unmasked under causal itself only; neither at D256, in D <= 128's
-    kernel, or under a mask that keeps q < kv pairs."""
+    """The wide kernel skips a first listed tile wholly above the CTA's keys under a mask_mod that keeps q >= kv pairs
+    only (causal, causal windows, causal documents; with a score_mod too: the mask alone decides which scores count),
+    and at 192 / 128 runs tiles wholly below the diagonal unmasked under causal itself; neither in D <= 128's kernel,
+    nor under a mask that keeps q < kv pairs."""
     from test_hopper_bwd_compile import _combined_options, _options
 
     def trim(D, DV, options, **extra):

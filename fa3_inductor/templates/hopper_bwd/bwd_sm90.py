@@ -143,11 +143,11 @@ class BwdSparsity:
     HAS_FULL_BLOCKS: bool   # the FULL_Q_* tables are given
     Q_TILES_PER_BLK: int    # SPARSE_Q // BLOCK_M
     SPARSE_KV: int          # block-mask KV block (a multiple of BLOCK_N)
-    CAUSAL_SKIP: bool = False  # bwd_sm90_wide, 192 / 128 tiles: the mask_mod keeps q_idx >= kv_idx pairs only
+    CAUSAL_SKIP: bool = False  # bwd_sm90_wide (192 / 128 and D256): the mask_mod keeps q_idx >= kv_idx pairs only
                                # (modgen.mask_implies_causal), so a first listed query tile wholly above the CTA's
                                # keys is skipped (_causal_first)
-    CAUSAL_FULL: bool = False  # ... and it is exactly q_idx >= kv_idx: a listed tile wholly below the diagonal runs
-                               # as full (_is_partial). Both: backward 1.01-1.03x at 2k-8k (hopper_backward.md)
+    CAUSAL_FULL: bool = False  # ... and it is exactly q_idx >= kv_idx (192 / 128 only): a listed tile wholly below the
+                               # diagonal runs as full (_is_partial). Backward 1.01-1.06x (hopper_backward.md)
 
 
 @dataclass(frozen=True)

@@ -53,9 +53,6 @@ class BwdSm90Config:
                                  # conflict; the host applies it to 64-row steps of whole 64-column chunks (not 80, 96,
                                  # 160 or m128). Every head dim's default: the backward 1.03-1.09x (H200, bwd-speed-
                                  # nvidia-h200-2026-11-29-1941-wide-frag, -1948-frag-d128; ALiBi 0.98-1.01x)
-    wide256_skip: bool = True    # D256's tiles take the skip half of the causal trim (no full-tile rule) under masks
-                                 # that imply causal (A/B field until measured: docs/design/hopper_backward.md, "The
-                                 # skip at D256")
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, value_head_dim: int | None = None) -> int:
         """Shared memory of K, V, the Q / dO ring, P, the two dS buffers and the dQ staging tiles (no score_mod),
@@ -194,7 +191,6 @@ VARIANTS: dict[str, dict[str, bool]] = {
     "dq_bufs2": {"dq_bufs": 2},
     # dQ staged as the tiled [64, 64] fp32 chunk (every default before dq_frag; still what 80 / 96 / 160 and m128 run)
     "dq_tiled": {"dq_frag": False},
-    "no_wide256_skip": {"wide256_skip": False},
 }
 
 

@@ -420,14 +420,14 @@ def prepare_hopper_backward(
     tables = tuple(table(t) for t in (q_num_blocks, q_indices, full_q_num_blocks, full_q_indices))
     SZ, SH, num_kv_blks = q_num_blocks.shape if has_mask else (1, 1, 1)
     num_q_blks = q_indices.shape[-1] if has_mask else 1
-    # the 192 / 128 tiles' causal trim (bwd_sm90_wide._causal_first, _is_partial; not D256's: 0.98x at 4k); the skip
-    # under every mask that implies causal (documents 1.01-1.06x, sliding window 1.04x: hopper_backward.md)
+    # the wide kernel's causal trim (bwd_sm90_wide._causal_first, _is_partial): the skip under every mask that implies
+    # causal (192 / 128 documents 1.01-1.06x, sliding window 1.04x; D256 1.02-1.04x), the full-tile rule at 192 / 128
+    # only (D256 0.98x at 4k with it: hopper_backward.md)
     trim = has_mask and cfg.split_dkv and tile.HEAD_D != 256
     sparse = BwdSparsity(HAS_BLOCK_MASK=has_mask, HAS_FULL_BLOCKS=has_full,
                          Q_TILES_PER_BLK=sparse_q_block // tile.BLOCK_M if has_mask else 1,
                          SPARSE_KV=sparse_kv_block if has_mask else tile.BLOCK_N,
-                         CAUSAL_SKIP=(trim or (has_mask and cfg.split_dkv and cfg.wide256_skip))
-                                     and mask_implies_causal(mask_mod),
+                         CAUSAL_SKIP=has_mask and cfg.split_dkv and mask_implies_causal(mask_mod),
                          CAUSAL_FULL=trim and is_causal_mask_mod(mask_mod))
     flags = BwdFlags(GQA_GROUP=HQ // HKV, FOLD_SCALE=fold, EVEN_N=N % tile.BLOCK_N == 0,
                      CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
