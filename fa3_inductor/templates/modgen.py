@@ -1318,18 +1318,18 @@ def is_constant_true_mask(gm: torch.fx.GraphModule) -> bool:
         src = generate_mod_source(gm, "mask", [], "tl")
     except UnsupportedMod:
         return False
-    body = [line.strip() for line in src.splitlines()[2:]]
+    body = _mod_body(src)
     return body in (["return True"], ["v0 = True", "return v0"], ["v0 = 1", "return (v0 != 0)"])
 
 
-# Bodies of a generated mask_mod (either dialect) that compute exactly q_idx >= kv_idx.
-_CAUSAL_BODIES = ("v0 = (q_idx >= kv_idx)", "v0 = (kv_idx <= q_idx)")
+# Expressions of a generated mask_mod (either dialect) that compute exactly q_idx >= kv_idx.
+_CAUSAL_EXPRS = ("(q_idx >= kv_idx)", "(kv_idx <= q_idx)")
 
 
 def is_causal_mask_source(source: Optional[str]) -> bool:
     """True if a generated ``tl`` or ``gl`` mask_mod source (with or without its decorator line) is exactly
     ``q_idx >= kv_idx``: a kernel may then walk the causal tiles by arithmetic, or trim the tiles a block mask lists
-    by the diagonal (the Hopper forward's CAUSAL_WALK, the wide backward's CAUSAL_TRIM).
+    by the diagonal (the Hopper forward's CAUSAL_WALK, the wide backward's CAUSAL_FULL).
 
     Example::
 
@@ -1338,7 +1338,7 @@ def is_causal_mask_source(source: Optional[str]) -> bool:
         True
     """
     body = _mod_body(source)
-    return len(body) == 2 and body[0] in _CAUSAL_BODIES and body[1] == "return v0"
+    return len(body) == 2 and body[0] in [f"v0 = {e}" for e in _CAUSAL_EXPRS] and body[1] == "return v0"
 
 
 def mask_implies_causal_source(source: Optional[str]) -> bool:
@@ -1362,7 +1362,7 @@ def mask_implies_causal_source(source: Optional[str]) -> bool:
             continue
         seen.add(name)
         expr = defs[name]
-        if any(expr == body.split(" = ", 1)[1] for body in _CAUSAL_BODIES):
+        if expr in _CAUSAL_EXPRS:
             return True
         conj = re.fullmatch(r"\((\w+) & (\w+)\)", expr)
         if conj:
