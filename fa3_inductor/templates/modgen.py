@@ -1348,7 +1348,8 @@ def mask_implies_causal_source(source: Optional[str]) -> bool:
     Example::
 
         >>> mask_implies_causal_source("@gluon.jit\\ndef mask_mod(b, h, q_idx, kv_idx, bufs):\\n"
-        ...     "    v0 = (q_idx >= kv_idx)\\n    v1 = (kv_idx > (q_idx - 256))\\n    v2 = (v0 & v1)\\n    return v2\\n")
+        ...     "    v0 = (q_idx >= kv_idx)\\n    v1 = (kv_idx > (q_idx - 256))\\n"
+        ...     "    v2 = (v0 & v1)\\n    return v2\\n")
         True
     """
     body = _mod_body(source)
