@@ -16,6 +16,7 @@ from .templates.modgen import (BufferSpec, UnsupportedMod, generate_mod_source,
 from .templates.hopper.varlen_sm90 import launch_varlen_sm90
 from .templates.varlen.dense import dense_varlen
 from .templates.varlen.host import launch_varlen, pick_varlen_kernel
+from .varlen_grad import VarlenAttention, score_derivative, varlen_grad_refusal
 
 _LN2 = math.log(2.0)
 _MAX_SEQ = 1 << 23      # generated mods turn positions into floats exactly below 2**23
@@ -170,8 +171,9 @@ def flex_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
     ``kernel`` "hopper" / "triton" asks for one of them ("hopper" raises ValueError where it
     cannot run; "auto", the default, picks as said). On CPU tensors otherwise, and for CPU
     inputs that need gradients, it runs a dense torch path (per sequence: float32 scores, the mods
-    on broadcast index tensors, softmax, PV), which autograd differentiates. CUDA inputs that need gradients raise
-    NotImplementedError (no varlen backward kernel yet).
+    on broadcast index tensors, softmax, PV), which autograd differentiates. CUDA inputs that need gradients get
+    them from the sm90 backward's packed mode (templates/hopper_bwd/varlen.py: head dims 64, 80, 96 and 128, v's
+    the same, no gradient for tensors the mods capture); elsewhere they raise NotImplementedError saying why.
 
     Checks: shapes, dtypes and devices always; the cu_seqlens values (0 first, non-decreasing,
     totals, lengths <= max_seqlen) on CPU tensors only, since reading CUDA ones would synchronize
@@ -200,20 +202,19 @@ def flex_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
         raise TypeError(f"flex_varlen: scale must be a number, got {type(scale).__name__}")
     scale = float(scale) if scale is not None else q.shape[2] ** -0.5
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if needs_grad and q.is_cuda:
-        raise NotImplementedError(
-            "flex_varlen has no backward on CUDA yet: call it under torch.no_grad() / "
-            "torch.inference_mode() with inputs that need no gradient, or train through "
-            "fa3_inductor.flex with mods.document(...) over the packed batch")
     which = pick_varlen_kernel(q, k, v, kernel, torch.cuda.get_device_capability(q.device)
                                if q.is_cuda else None)
-    if needs_grad or not _runs_kernel(q):
+    if (needs_grad and not q.is_cuda) or not _runs_kernel(q):
         return _dense(q, k, v, cu_seqlens_q, cu_seqlens_k, score_mod, mask_mod, scale, return_lse)
     dialect = "gl" if which == "hopper" else "tl"
     try:
         score_fn, score_bufs, _ = generated_mod(score_mod, "score", dialect)
         mask_fn, mask_bufs, mask_source = generated_mod(mask_mod, "mask", dialect)
     except UnsupportedMod as exc:
+        if needs_grad:
+            raise NotImplementedError(f"flex_varlen: a mod cannot be generated for the kernels ({exc}), and the "
+                                      "dense path gives CUDA inputs no gradient; train through fa3_inductor.flex "
+                                      "with mods.document(...) over the packed batch") from exc
         warn_once(f"flex_varlen: a mod cannot be generated for the kernel ({exc}); running the "
                   "dense torch path per sequence (slow)")
         return _dense(q, k, v, cu_seqlens_q, cu_seqlens_k, score_mod, mask_mod, scale, return_lse)
@@ -221,14 +222,39 @@ def flex_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
         if buf.device != q.device:
             raise _fail(f"a mod captures a tensor on {buf.device}, q/k/v are on {q.device}; "
                         f"create it on {q.device}")
+    causal = is_causal_mask_source(mask_source)
+    launch = launch_varlen_sm90 if which == "hopper" else launch_varlen
+
+    def run_forward(out: Tensor, lse: Tensor) -> None:
+        with torch.no_grad():
+            launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, sm_scale=scale,
+                   score_mod=score_fn, mask_mod=mask_fn, causal=causal, score_bufs=score_bufs,
+                   mask_bufs=mask_bufs)
+
+    if needs_grad:
+        return _with_gradients(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, scale, score_mod,
+                               mask_mod, causal, run_forward, return_lse)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     lse = torch.empty(q.shape[1], q.shape[0], device=q.device, dtype=torch.float32)
-    launch = launch_varlen_sm90 if which == "hopper" else launch_varlen
-    with torch.no_grad():
-        launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, sm_scale=scale,
-               score_mod=score_fn, mask_mod=mask_fn, causal=is_causal_mask_source(mask_source),
-               score_bufs=score_bufs, mask_bufs=mask_bufs)
+    run_forward(out, lse)
     return (out, lse.mul_(_LN2)) if return_lse else out
+
+
+def _with_gradients(q, k, v, cu_q, cu_k, max_seqlen_k, scale, score_mod, mask_mod, causal, run_forward,
+                    return_lse):
+    """flex_varlen through varlen_grad.VarlenAttention: the forward as given, the sm90 packed backward."""
+    score_fn, score_bufs, _ = generated_mod(score_mod, "score", "gl")
+    mask_fn, mask_bufs, _ = generated_mod(mask_mod, "mask", "gl")
+    why_not = varlen_grad_refusal(q, k, v, score_bufs, mask_bufs)
+    if why_not is not None:
+        raise NotImplementedError(
+            f"flex_varlen has no backward for these CUDA inputs: {why_not}. Call it under torch.no_grad() / "
+            "torch.inference_mode() with inputs that need no gradient, or train through fa3_inductor.flex "
+            "with mods.document(...) over the packed batch")
+    mods = dict(score_mod=score_fn, score_grad_mod=score_derivative(score_mod) if score_fn is not None else None,
+                mask_mod=mask_fn, causal=causal, score_bufs=score_bufs, mask_bufs=mask_bufs)
+    out, lse = VarlenAttention.apply(q, k, v, cu_q, cu_k, max_seqlen_k, scale, run_forward, mods)
+    return (out, lse) if return_lse else out
 
 
 def _dense(q, k, v, cu_q, cu_k, score_mod, mask_mod, scale, return_lse):

@@ -133,16 +133,20 @@ def _packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       score_mod: Any, scaling: Optional[float], sinks: Optional[torch.Tensor] = None,
                       window: Optional[int] = None) -> torch.Tensor:
     """Causal attention within each packed sequence (within the layer's sliding ``window`` when it
-    has one): (1, T, H, D) output. flex_varlen computes it (no tile spans two sequences) except
-    where it has no backward (CUDA inputs that need gradients) or the layer has attention sinks:
-    there flex() with a document mask over the same packing does."""
+    has one): (1, T, H, D) output. flex_varlen computes it (no tile spans two sequences), with
+    gradients where its sm90 backward serves causal layers; flex() with a document mask over the
+    same packing computes what it does not (other CUDA inputs that need gradients, windowed layers
+    that do, whose block mask skips the tiles outside the window, and layers with attention sinks)."""
     from ..varlen import flex_varlen
+    from ..varlen_grad import varlen_grad_refusal
 
     cu_q, cu_k, max_q, max_k = packed
     gqa = query.shape[1] != key.shape[1]
     causal = mods.sliding_window(window) if window else mods.causal
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))   # (T, H, D) views
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    if sinks is not None or (needs_grad and query.is_cuda):
+    varlen_grads = not window and varlen_grad_refusal(q, k, v, (), ()) is None
+    if sinks is not None or (needs_grad and query.is_cuda and not varlen_grads):
         if not torch.equal(cu_q, cu_k):   # one sync
             raise NotImplementedError("attn_implementation='fa3' trains packed batches (or runs them "
                                       "with attention sinks) only when the query and key packings "
@@ -153,7 +157,6 @@ def _packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         out = flex(query, key, value, score_mod=score_mod, mask_mod=mask, scale=scaling,
                    enable_gqa=gqa, sinks=sinks)
         return out.transpose(1, 2)
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))   # (T, H, D) views
     out = flex_varlen(q, k, v, cu_q, cu_k, max_q, max_k, score_mod=score_mod, mask_mod=causal,
                       scale=scaling, enable_gqa=gqa)
     return out.unsqueeze(0)

@@ -148,6 +148,19 @@ class BwdSparsity:
                                # keys is skipped (_causal_first)
     CAUSAL_FULL: bool = False  # ... and it is exactly q_idx >= kv_idx (192 / 128 only): a listed tile wholly below the
                                # diagonal runs as full (_is_partial). Backward 1.01-1.06x (hopper_backward.md)
+    CAUSAL_WALK: bool = False  # no tables; the mask_mod is exactly q_idx >= kv_idx: a KV block's query tiles start
+                               # at its diagonal, whose SPARSE_KV // BLOCK_M tiles are partial, the rest full (packed
+                               # sequences)
+    DENSE_MASK: bool = False   # no tables; mask_mod on every query tile (packed sequences with another mask_mod)
+
+
+@dataclass(frozen=True)
+class BwdPacking:
+    """Packed variable-length sequences (hopper_bwd/varlen.py; module docstring, "Packed sequences")."""
+    VARLEN: bool = False
+
+
+DENSE = BwdPacking()
 
 
 @dataclass(frozen=True)
@@ -243,6 +256,14 @@ def _q_tile_counts(z, hq, kv_blk, M, tables, table_meta, TILE: gl.constexpr, SPA
             n_full = gl.load(fqnb + row) * SPARSE.Q_TILES_PER_BLK
         else:
             n_full = n_partial * 0
+    elif SPARSE.CAUSAL_WALK:
+        DIAG: gl.constexpr = SPARSE.SPARSE_KV // TILE.BLOCK_M
+        n_total = gl.maximum(gl.cdiv(M, TILE.BLOCK_M) - kv_blk * DIAG, 0)
+        n_partial = gl.minimum(n_total, DIAG)
+        n_full = n_total - n_partial
+    elif SPARSE.DENSE_MASK:
+        n_partial = gl.cdiv(M, TILE.BLOCK_M)
+        n_full = n_partial * 0
     else:
         n_partial = M * 0
         n_full = gl.cdiv(M, TILE.BLOCK_M)
@@ -273,6 +294,8 @@ def _q_tile_start(i, n_partial, z, hq, kv_blk, tables, table_meta, TILE: gl.cons
             blk = gl.load(fqidx + row * NUM_Q_BLKS + j // PER)
             sub = j % PER
         start = (blk * PER + sub) * TILE.BLOCK_M
+    elif SPARSE.CAUSAL_WALK:
+        start = (kv_blk * (SPARSE.SPARSE_KV // TILE.BLOCK_M) + i) * TILE.BLOCK_M
     else:
         start = i * TILE.BLOCK_M
     return start
@@ -288,8 +311,8 @@ def _acc_layout(n):
 # Producer: one warp issuing TMA.
 # ----------------------------------------------------------------------------------------------
 @gluon.jit
-def _producer(descs, bars, smem, sizes, tables, table_meta, cta, TILE: gl.constexpr, SPARSE: gl.constexpr,
-              FLAGS: gl.constexpr, SCHED: gl.constexpr):
+def _producer(descs, bars, smem, sizes, tables, table_meta, cta, pack, TILE: gl.constexpr, SPARSE: gl.constexpr,
+              FLAGS: gl.constexpr, SCHED: gl.constexpr, PACK: gl.constexpr):
     if SCHED.PERSISTENT:
         first, n_my = _cta_tiles(cta)
         cnt = 0
@@ -300,6 +323,9 @@ def _producer(descs, bars, smem, sizes, tables, table_meta, cta, TILE: gl.conste
             mbarrier.wait(cta[1].index(b), ((t // SCHED.KV_BUFS) & 1) ^ 1)
             cnt = _producer_tile(kv_tile, kvh, cnt, cta[2].index(b), b, descs, bars, smem, sizes, tables,
                                  table_meta, TILE, SPARSE, FLAGS)
+    elif PACK.VARLEN:
+        kv_tile, kvh = _cta_coords(cta, SCHED)
+        _producer_packed(kv_tile, kvh, descs, bars, smem, sizes, tables, table_meta, pack, TILE, SPARSE, FLAGS)
     else:
         kv_tile, kvh = _cta_coords(cta, SCHED)
         _producer_tile(kv_tile, kvh, 0, bars[0], 0, descs, bars, smem, sizes, tables, table_meta, TILE, SPARSE,
@@ -326,7 +352,6 @@ def _producer_tile(kv_tile, kvh, cnt, kv_bar, kv_buf, descs, bars, smem, sizes, 
     tma.async_copy_global_to_shared(k_desc, [kz, hkv, n0, 0], kv_bar, k_smem.index(kv_buf))
     tma.async_copy_global_to_shared(v_desc, [kz, hkv, n0, 0], kv_bar, v_smem.index(kv_buf))
 
-    qdo_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
     cnt = gl.to_tensor(cnt)   # a loop-carried value (the default launch passes a literal 0)
     # every query batch that reads this K/V batch (all of them when KZ = 1), every head of the GQA
     # group: one flat loop (a nested one holds more loop state in registers)
@@ -336,13 +361,60 @@ def _producer_tile(kv_tile, kvh, cnt, kv_bar, kv_buf, descs, bars, smem, sizes, 
         n_partial, n_total = _q_tile_counts(z, hq, kv_blk, M, tables, table_meta, TILE, SPARSE)
         for i in range(n_total):
             m0 = _q_tile_start(i, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
-            st = cnt % NUM_STAGES
-            mbarrier.wait(qdo_empty.index(st), ((cnt // NUM_STAGES) & 1) ^ 1)
-            mbarrier.expect(qdo_ready.index(st), qdo_bytes)
-            tma.async_copy_global_to_shared(q_desc, [z, hq, m0, 0], qdo_ready.index(st), q_smem.index(st))
-            tma.async_copy_global_to_shared(do_desc, [z, hq, m0, 0], qdo_ready.index(st), do_smem.index(st))
+            _load_q_do(cnt, z, hq, m0, descs, bars, smem, NUM_STAGES)
             cnt += 1
     return cnt
+
+
+@gluon.jit
+def _load_q_do(cnt, z, hq, row, descs, bars, smem, NUM_STAGES: gl.constexpr):
+    """Ring step cnt: wait for its stage to be free, then TMA-load Q and dO rows [row, row + BLOCK_M) of (z, hq)."""
+    q_desc, do_desc, k_desc, v_desc, dq_desc = descs
+    kv_ready, qdo_ready, qdo_empty, ds_ready = bars
+    q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem = smem
+    st = cnt % NUM_STAGES
+    mbarrier.wait(qdo_empty.index(st), ((cnt // NUM_STAGES) & 1) ^ 1)
+    mbarrier.expect(qdo_ready.index(st), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [z, hq, row, 0], qdo_ready.index(st), q_smem.index(st))
+    tma.async_copy_global_to_shared(do_desc, [z, hq, row, 0], qdo_ready.index(st), do_smem.index(st))
+
+
+@gluon.jit
+def _seq_span(pack, seq):
+    """PACK.VARLEN: (first query row, query length, first key row, key length) of packed sequence ``seq``."""
+    cu_q, cu_k = pack
+    q_row0 = gl.load(cu_q + seq)
+    k_row0 = gl.load(cu_k + seq)
+    return q_row0, gl.load(cu_q + seq + 1) - q_row0, k_row0, gl.load(cu_k + seq + 1) - k_row0
+
+
+@gluon.jit
+def _producer_packed(kv_tile, kvh, descs, bars, smem, sizes, tables, table_meta, pack, TILE: gl.constexpr,
+                     SPARSE: gl.constexpr, FLAGS: gl.constexpr):
+    """_producer_tile for a packed sequence (kvh = sequence * HKV + hkv): K and V at the sequence's key row n0, then
+    its query tiles (sequence-relative rows) of every head of the GQA group. A tile at or past the sequence's keys
+    loads nothing (its consumers wait for nothing)."""
+    k_desc, v_desc = descs[2], descs[3]
+    kv_ready = bars[0]
+    k_smem, v_smem = smem[2], smem[3]
+    n0 = kv_tile * TILE.BLOCK_N
+    HKV = sizes[1] // FLAGS.GQA_GROUP
+    seq = kvh // HKV
+    hkv = kvh % HKV
+    kv_blk = n0 // SPARSE.SPARSE_KV
+    q_row0, M, k_row0, N = _seq_span(pack, seq)
+    if n0 < N:
+        mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [0, hkv, k_row0 + n0, 0], kv_ready, k_smem.index(0))
+        tma.async_copy_global_to_shared(v_desc, [0, hkv, k_row0 + n0, 0], kv_ready, v_smem.index(0))
+        cnt = 0
+        for hh in range(FLAGS.GQA_GROUP):
+            hq = hkv * FLAGS.GQA_GROUP + hh
+            n_partial, n_total = _q_tile_counts(seq, hq, kv_blk, M, tables, table_meta, TILE, SPARSE)
+            for i in range(n_total):
+                m0 = _q_tile_start(i, n_partial, seq, hq, kv_blk, tables, table_meta, TILE, SPARSE)
+                _load_q_do(cnt, 0, hq, q_row0 + m0, descs, bars, smem, TILE.NUM_STAGES)
+                cnt += 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -373,6 +445,57 @@ def _probabilities(qk, lse, z, hq, q_idx, kv_idx, is_partial, sm_scale, qk_scale
 
 
 @gluon.jit
+def _lse_rows(stats_h, m0, rows_, M, PACK: gl.constexpr):
+    """LSE_P of query rows m0 + rows_. Packed, rows at or past the sequence's end M are the next sequence's: +inf there
+    makes their P 0, so they add nothing to dV, dK or dQ."""
+    lse = gl.load(stats_h + m0 + rows_)
+    if PACK.VARLEN:
+        lse = gl.where(m0 + rows_ < M, lse, float("inf"))
+    return lse
+
+
+@gluon.jit
+def _kv_landed(kv_bar, kv_phase, k_smem, kv_buf, n0, N, WG: gl.constexpr, TILE: gl.constexpr, PACK: gl.constexpr):
+    """Wait for the tile's K and V. Packed, a tile at or past the sequence's keys waits for nothing (it has no step),
+    and this warpgroup's K rows past the sequence's end (the next sequence's keys) are set to zero, as TMA's zero
+    fill leaves a dense launch's tail: their S is 0, P finite (FLAGS.EVEN_N off: exponent clamp), and their dQ share
+    dS * 0. The other warpgroup's dQ wgmma reads these rows only after this warpgroup's first ds_ready arrival,
+    which follows the fence here."""
+    if PACK.VARLEN:
+        if n0 < N:
+            mbarrier.wait(kv_bar, kv_phase)
+            first = n0 + WG * TILE.HALF_N
+            if first + TILE.HALF_N > N:
+                layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+                k_half = k_smem.index(kv_buf).reshape([TILE.BLOCK_N, TILE.HEAD_D]).slice(WG * TILE.HALF_N,
+                                                                                       TILE.HALF_N, dim=0)
+                keys = k_half.load(layout)
+                r = gl.arange(0, TILE.HALF_N, layout=gl.SliceLayout(1, layout))[:, None]
+                k_half.store(gl.where(first + r < N, keys, gl.zeros_like(keys)))
+                fence_async_shared()
+                gl.thread_barrier()
+    else:
+        mbarrier.wait(kv_bar, kv_phase)
+
+
+@gluon.jit
+def _store_dkdv(dk, dv, out_rows, out_cols, dk_ptr, dv_ptr, kz, hkv, HKV, N, k_row0, ds_scale, TILE: gl.constexpr,
+                PACK: gl.constexpr):
+    """dK (times ds_scale) and dV of this warpgroup's keys, rows past N clipped: [KZ, HKV, N, D] contiguous, or
+    packed (total keys, HKV, D) from key row k_row0."""
+    dtype: gl.constexpr = dk_ptr.dtype.element_ty
+    keep = (out_rows < N) & (out_cols < TILE.D_MEM)
+    if PACK.VARLEN:
+        offs = (k_row0 + out_rows).to(gl.int64) * (HKV * TILE.D_MEM) + hkv * TILE.D_MEM + out_cols
+        gl.store(dk_ptr + offs, (dk * ds_scale).to(dtype), mask=keep)
+        gl.store(dv_ptr + offs, dv.to(dtype), mask=keep)
+    else:
+        head = (kz * HKV + hkv).to(gl.int64) * N * TILE.D_MEM     # dK, dV are contiguous (the host sees to it)
+        gl.store(dk_ptr + head + out_rows * TILE.D_MEM + out_cols, (dk * ds_scale).to(dtype), mask=keep)
+        gl.store(dv_ptr + head + out_rows * TILE.D_MEM + out_cols, dv.to(dtype), mask=keep)
+
+
+@gluon.jit
 def _opaque(x):
     """x, through an asm LLVM cannot see into or move out of the loop: what is derived from it is computed where
     it is used instead of hoisted and held in registers across the loop (ptxas sees a plain mov, so the derived
@@ -393,7 +516,7 @@ def _lane_id():
 @gluon.jit
 def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta,
               SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
-              SPARSE: gl.constexpr, FLAGS: gl.constexpr, SCHED: gl.constexpr):
+              SPARSE: gl.constexpr, FLAGS: gl.constexpr, SCHED: gl.constexpr, PACK: gl.constexpr):
     if SCHED.PERSISTENT:
         first, n_my = _cta_tiles(cta)
         cnt = 0
@@ -402,11 +525,11 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
             b = t % SCHED.KV_BUFS
             cnt = _consumer_run_tile(WG, kv_tile, kvh, cta[2].index(b), (t // SCHED.KV_BUFS) & 1, b, cnt, cta,
                                      descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
-                                     SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, SCHED)
+                                     SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, SCHED, PACK)
     else:
         kv_tile, kvh = _cta_coords(cta, SCHED)
         _consumer_run_tile(WG, kv_tile, kvh, bars[0], 0, 0, 0, cta, descs, bars, smem, sizes, tables, table_meta,
-                           rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, SCHED)
+                           rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, SCHED, PACK)
     if SCHED.DQ_TMA:
         tma.store_wait(0)   # the last dQ reduce has read the staging tile before the CTA exits
 
@@ -415,16 +538,16 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
 def _consumer_run_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt, cta, descs, bars, smem, sizes,
                        tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr,
                        SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, SPARSE: gl.constexpr,
-                       FLAGS: gl.constexpr, SCHED: gl.constexpr):
+                       FLAGS: gl.constexpr, SCHED: gl.constexpr, PACK: gl.constexpr):
     """One tile with the step SCHED.OVERLAP picks: _consumer_overlap_tile (1 / 2) or _consumer_tile (0)."""
     if SCHED.OVERLAP:
         cnt = _consumer_overlap_tile(WG, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt, cta, descs, bars, smem, sizes,
                                      tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD,
-                                     TILE, SPARSE, FLAGS, SCHED)
+                                     TILE, SPARSE, FLAGS, SCHED, PACK)
     else:
         cnt = _consumer_tile(WG, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt, cta, descs, bars, smem, sizes, tables,
                              table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE,
-                             FLAGS, SCHED)
+                             FLAGS, SCHED, PACK)
     return cnt
 
 
@@ -432,14 +555,14 @@ def _consumer_run_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf,
 def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt, cta, descs, bars, smem, sizes,
                    tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr,
                    MASK_MOD: gl.constexpr, TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr,
-                   SCHED: gl.constexpr):
+                   SCHED: gl.constexpr, PACK: gl.constexpr):
     """One (KV tile, K/V head), its K and V in buffer kv_buf (landed: kv_bar's phase kv_phase): its query steps from
     ring step cnt on, then the dK, dV stores; returns the next cnt."""
     q_desc, do_desc, k_desc, v_desc, dq_desc = descs
     kv_ready, qdo_ready, qdo_empty, ds_ready = bars
     q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem = smem
     Z, HQ, KZ, M, N = sizes
-    stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD = rows   # STATS, DQ_ACC, dK, dV
+    stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD, pack = rows   # STATS, DQ_ACC, dK, dV, PACK.VARLEN's offsets
     sm_scale, qk_scale2, ds_scale = scalars
     score_bufs, mask_bufs = mod_bufs
     BLOCK_M: gl.constexpr = TILE.BLOCK_M
@@ -462,6 +585,11 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
     kz = kvh // HKV
     hkv = kvh % HKV
     kv_blk = n0 // SPARSE.SPARSE_KV
+    q_row0 = 0   # the first query / key row of a packed sequence (kz), else 0
+    k_row0 = 0
+    if PACK.VARLEN:
+        q_row0, M, k_row0, N = _seq_span(pack, kz)
+        M = gl.where(n0 < N, M, 0)   # a tile past the sequence's keys: no step
 
     p_mine = p_smem.index(WG)                                        # [BLOCK_M, HALF_N]
 
@@ -471,16 +599,16 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
     dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
     DQ_COL0: gl.constexpr = WG * DQ_N if TILE.DQ_SPLIT else 0
 
-    mbarrier.wait(kv_bar, kv_phase)
+    _kv_landed(kv_bar, kv_phase, k_smem, kv_buf, n0, N, WG, TILE, PACK)
     cnt = gl.to_tensor(cnt)   # a loop-carried value (the default launch passes a literal 0)
     # every query batch that reads this K/V batch (all of them when KZ = 1), every head of the GQA
     # group: one flat loop (a nested one holds more loop state in registers)
     for hh in range((Z // KZ) * FLAGS.GQA_GROUP):
         z = kz + (hh // FLAGS.GQA_GROUP) * KZ
         hq = hkv * FLAGS.GQA_GROUP + hh % FLAGS.GQA_GROUP
-        zh = z * HQ + hq
+        zh = hq if PACK.VARLEN else z * HQ + hq   # (packed: z is the sequence, the tensors' batch is 1)
         n_partial, n_total = _q_tile_counts(z, hq, kv_blk, M, tables, table_meta, TILE, SPARSE)
-        stats_h = stats_ptr + zh.to(gl.int64) * (2 * M_PAD)      # LSE_P of the head; DELTA_P is M_PAD further
+        stats_h = stats_ptr + zh.to(gl.int64) * (2 * M_PAD) + q_row0   # LSE_P of the head; DELTA_P is M_PAD further
         rows_ = gl.arange(0, BLOCK_M, layout=row_layout)
         m0 = n_total * 0
         if SCHED.STATS_AHEAD:
@@ -489,7 +617,7 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
             # on its load (Nsight Compute, D = 64 noop: long_scoreboard 30% of the consumers' samples)
             if n_total > 0:
                 m0 = _q_tile_start(0, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
-            lse = gl.load(stats_h + m0 + rows_)
+            lse = _lse_rows(stats_h, m0, rows_, M, PACK)
             delta = gl.load(stats_h + M_PAD + m0 + rows_)
         for i in range(n_total):
             if not SCHED.STATS_AHEAD:
@@ -514,9 +642,9 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
             v_t = v_rows.slice(WG * HALF_N, HALF_N, dim=0).permute((1, 0))   # B of dP = dO V^T
             p_t = p_smem.index(WG + zero).permute((1, 0))                    # A of dV += P^T dO
             k_dq = k_rows.slice(DQ_COL0, DQ_N, dim=1)   # B of dQ[:, this warpgroup's columns] = dS K[:, columns]
-            row_off = zh.to(gl.int64) * M_PAD + m0                  # of DQ_ACC (rows of D)
+            row_off = zh.to(gl.int64) * M_PAD + q_row0 + m0        # of DQ_ACC (rows of D)
             if not SCHED.STATS_AHEAD:
-                lse = gl.load(stats_h + m0 + rows_)
+                lse = _lse_rows(stats_h, m0, rows_, M, PACK)
             q_t = q_smem.index(st).reshape([BLOCK_M, D])
             do_t = do_smem.index(st).reshape([BLOCK_M, D])
             mbarrier.wait(qdo_ready.index(st), (cnt // NUM_STAGES) & 1)
@@ -556,7 +684,7 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
                 # the next step's rows (this step's again on the head's last: loaded, not used)
                 m0 = _q_tile_start(gl.minimum(i + 1, n_total - 1), n_partial, z, hq, kv_blk, tables, table_meta,
                                    TILE, SPARSE)
-                lse_next = gl.load(stats_h + m0 + rows_)
+                lse_next = _lse_rows(stats_h, m0, rows_, M, PACK)
                 delta_next = gl.load(stats_h + M_PAD + m0 + rows_)
             # dQ = dS K over all 128 keys (both warpgroups' dS): DQ_SPLIT, each warpgroup D / 2 columns every
             # step; else (D = 64) all columns every other step.
@@ -572,7 +700,7 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
                 mbarrier.wait(ds_ready.index(buf), (cnt // 2) & 1)
                 dq_tok = warpgroup_mma(ds_tile, k_dq, dq_zero, use_acc=False, is_async=True)
                 dq, _a, _b = warpgroup_mma_wait(0, deps=[dq_tok, ds_tile, k_dq])
-                _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, m_cur, row_off, WG, TILE, SCHED)
+                _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, q_row0 + m_cur, row_off, WG, TILE, SCHED)
             if SCHED.STATS_AHEAD:
                 lse = lse_next
                 delta = delta_next
@@ -583,10 +711,7 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
     # dK, dV: one store per output tile (rows past N clipped); dK takes the scale and f's factor here.
     out_rows = n0 + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, d_layout))[:, None]
     out_cols = gl.arange(0, D, layout=gl.SliceLayout(0, d_layout))[None, :]
-    keep = (out_rows < N) & (out_cols < TILE.D_MEM)
-    head = (kz * HKV + hkv).to(gl.int64) * N * TILE.D_MEM     # dK, dV are contiguous (the host sees to it)
-    gl.store(dk_ptr + head + out_rows * TILE.D_MEM + out_cols, (dk * ds_scale).to(dtype), mask=keep)
-    gl.store(dv_ptr + head + out_rows * TILE.D_MEM + out_cols, dv.to(dtype), mask=keep)
+    _store_dkdv(dk, dv, out_rows, out_cols, dk_ptr, dv_ptr, kz, hkv, HKV, N, k_row0, ds_scale, TILE, PACK)
     return cnt
 
 
@@ -679,13 +804,13 @@ def _ds(dp, delta, p_ds, p_src, f_src, s_layout: gl.constexpr, HAS_GRAD: gl.cons
 
 @gluon.jit
 def _next_step(i, n_total, n_partial, cnt, z, hq, kv_blk, stats_h, rows_, tables, table_meta, TILE: gl.constexpr,
-               SPARSE: gl.constexpr):
+               SPARSE: gl.constexpr, M=0, PACK: gl.constexpr = DENSE):
     """What the overlap's step i needs of step i + 1 before issuing its S: (has_next, its first query row, its LSE
     rows, its Q / dO stage). On a head's last step: this step's query tile (clamped) and this step's stage, whose S is
     read and dropped (nothing is waited for it)."""
     has_next = i + 1 < n_total
     m0_next = _q_tile_start(gl.minimum(i + 1, n_total - 1), n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
-    lse_next = gl.load(stats_h + m0_next + rows_)
+    lse_next = _lse_rows(stats_h, m0_next, rows_, M, PACK)
     st_next = (cnt + has_next.to(gl.int32)) % TILE.NUM_STAGES
     return has_next, m0_next, lse_next, st_next
 
@@ -730,7 +855,7 @@ def _make_p(qk, lse, m0, is_partial, z, hq, n0, M, N, p_smem, sm_scale, qk_scale
 def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt, cta, descs, bars, smem,
                            sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr,
                            SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
-                           SPARSE: gl.constexpr, FLAGS: gl.constexpr, SCHED: gl.constexpr):
+                           SPARSE: gl.constexpr, FLAGS: gl.constexpr, SCHED: gl.constexpr, PACK: gl.constexpr):
     """_consumer_tile's math (one (KV tile, K/V head), same arguments and result), software-pipelined over the steps of
     a query head: step j + 1's S = Q K^T is issued right behind step j's dS (its Q / dO stage waited then), ahead of
     step j's dK and dQ, and its P is made while they run (OVERLAP 1: under dK and dQ, with dQ's accumulator in
@@ -743,7 +868,7 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
     kv_ready, qdo_ready, qdo_empty, ds_ready = bars
     q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem = smem
     Z, HQ, KZ, M, N = sizes
-    stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD = rows
+    stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD, pack = rows
     sm_scale, qk_scale2, ds_scale = scalars
     score_bufs, mask_bufs = mod_bufs
     BLOCK_M: gl.constexpr = TILE.BLOCK_M
@@ -766,6 +891,11 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
     kz = kvh // HKV
     hkv = kvh % HKV
     kv_blk = n0 // SPARSE.SPARSE_KV
+    q_row0 = 0   # as in _consumer_tile
+    k_row0 = 0
+    if PACK.VARLEN:
+        q_row0, M, k_row0, N = _seq_span(pack, kz)
+        M = gl.where(n0 < N, M, 0)
 
     p_mine = p_smem.index(WG)
     dk = gl.zeros([HALF_N, D], gl.float32, layout=d_layout)
@@ -774,12 +904,12 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
     dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
     DQ_COL0: gl.constexpr = WG * DQ_N if TILE.DQ_SPLIT else 0
 
-    mbarrier.wait(kv_bar, kv_phase)
+    _kv_landed(kv_bar, kv_phase, k_smem, kv_buf, n0, N, WG, TILE, PACK)
     cnt = gl.to_tensor(cnt)   # a loop-carried value (the default launch passes a literal 0)
     for hh in range((Z // KZ) * FLAGS.GQA_GROUP):
         z = kz + (hh // FLAGS.GQA_GROUP) * KZ
         hq = hkv * FLAGS.GQA_GROUP + hh % FLAGS.GQA_GROUP
-        zh = z * HQ + hq
+        zh = hq if PACK.VARLEN else z * HQ + hq   # (as in _consumer_tile)
         if DQ_UNDER and SPARSE.HAS_BLOCK_MASK and MASK_MOD is None:
             # the tables' row of this KV block by an opaque zero: hoisted, qnb + 4 * kv_blk and fqnb + 4 * kv_blk
             # (64-bit) were kept on the stack across the step loop (softcap with block-sparse tables: 4 spill
@@ -787,7 +917,7 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
             n_partial, n_total = _q_tile_counts(z, hq, kv_blk + _opaque(0), M, tables, table_meta, TILE, SPARSE)
         else:
             n_partial, n_total = _q_tile_counts(z, hq, kv_blk, M, tables, table_meta, TILE, SPARSE)
-        stats_h = stats_ptr + zh.to(gl.int64) * (2 * M_PAD)      # LSE_P of the head; DELTA_P is M_PAD further
+        stats_h = stats_ptr + zh.to(gl.int64) * (2 * M_PAD) + q_row0   # LSE_P of the head; DELTA_P is M_PAD further
         m0 = n_total * 0
         if SCHED.P_REGS:
             p_keep = gl.zeros([BLOCK_M, HALF_N], dtype if SCHED.P_CARRY16 else gl.float32, layout=s_layout)
@@ -799,7 +929,7 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
             k_rows0 = k_smem.index(zero0 + kv_buf if SCHED.PERSISTENT else zero0).reshape([BLOCK_N, D])
             k_t0 = k_rows0.slice(WG * HALF_N, HALF_N, dim=0).permute((1, 0))
             st0 = cnt % NUM_STAGES
-            lse0 = gl.load(stats_h + m0 + gl.arange(0, BLOCK_M, layout=row_layout))
+            lse0 = _lse_rows(stats_h, m0, gl.arange(0, BLOCK_M, layout=row_layout), M, PACK)
             q_t0 = q_smem.index(st0).reshape([BLOCK_M, D])
             mbarrier.wait(qdo_ready.index(st0), (cnt // NUM_STAGES) & 1)
             s_tok = warpgroup_mma(q_t0, k_t0, s_zero, use_acc=False, is_async=True)
@@ -828,7 +958,7 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
             v_t = v_rows.slice(WG * HALF_N, HALF_N, dim=0).permute((1, 0))
             p_t = p_smem.index(WG + zero).permute((1, 0))
             k_dq = k_rows.slice(DQ_COL0, DQ_N, dim=1)
-            row_off = zh.to(gl.int64) * M_PAD + m0
+            row_off = zh.to(gl.int64) * M_PAD + q_row0 + m0
             rows_ = gl.arange(0, BLOCK_M, layout=row_layout)
             q_t = q_smem.index(st).reshape([BLOCK_M, D])
             do_t = do_smem.index(st).reshape([BLOCK_M, D])
@@ -852,7 +982,7 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
             mbarrier.arrive(ds_ready.index(buf), count=1)
             # the next step: its query tile, LSE and Q stage, its S issued there (_next_step)
             has_next, m0_next, lse_next, st_next = _next_step(i, n_total, n_partial, cnt, z, hq, kv_blk, stats_h,
-                                                              rows_, tables, table_meta, TILE, SPARSE)
+                                                              rows_, tables, table_meta, TILE, SPARSE, M, PACK)
             if SCHED.STATS_AHEAD:   # (as in _consumer_tile: its latency under this step's dK and dQ)
                 delta_next = gl.load(stats_h + M_PAD + m0_next + rows_)
             q_next = q_smem.index(st_next).reshape([BLOCK_M, D])
@@ -876,7 +1006,7 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
                 dk, dq, _ds, _q2, _a, _b = warpgroup_mma_wait(0, deps=[dk_tok, dq_tok, ds_mine, q_t, ds_tile,
                                                                        k_dq])
                 mbarrier.arrive(qdo_empty.index(st), count=1)
-                _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, m0, row_off, WG, TILE, SCHED)
+                _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, q_row0 + m0, row_off, WG, TILE, SCHED)
             else:
                 dk, _ds, _q2 = warpgroup_mma_wait(0, deps=[dk_tok, ds_mine, q_t])
                 mbarrier.arrive(qdo_empty.index(st), count=1)
@@ -888,7 +1018,7 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
                     mbarrier.wait(ds_ready.index(buf), (cnt // 2) & 1)
                     dq_tok = warpgroup_mma(ds_tile, k_dq, dq_zero, use_acc=False, is_async=True)
                     dq, _a, _b = warpgroup_mma_wait(0, deps=[dq_tok, ds_tile, k_dq])
-                    _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, m0, row_off, WG, TILE, SCHED)
+                    _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, q_row0 + m0, row_off, WG, TILE, SCHED)
             m0 = m0_next
             if SCHED.STATS_AHEAD:
                 delta = delta_next
@@ -909,34 +1039,34 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
     else:
         out_rows = n0 + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, d_layout))[:, None]
         out_cols = gl.arange(0, D, layout=gl.SliceLayout(0, d_layout))[None, :]
-    keep = (out_rows < N) & (out_cols < TILE.D_MEM)
-    head = (kz * HKV + hkv).to(gl.int64) * N * TILE.D_MEM
-    gl.store(dk_ptr + head + out_rows * TILE.D_MEM + out_cols, (dk * ds_scale).to(dtype), mask=keep)
-    gl.store(dv_ptr + head + out_rows * TILE.D_MEM + out_cols, dv.to(dtype), mask=keep)
+    _store_dkdv(dk, dv, out_rows, out_cols, dk_ptr, dv_ptr, kz, hkv, HKV, N, k_row0, ds_scale, TILE, PACK)
     return cnt
 
 
 @gluon.jit
 def _consumer_wg0(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta,
                   SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
-                  SPARSE: gl.constexpr, FLAGS: gl.constexpr, SCHED: gl.constexpr):
+                  SPARSE: gl.constexpr, FLAGS: gl.constexpr, SCHED: gl.constexpr, PACK: gl.constexpr):
     _consumer(0, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta, SCORE_MOD, SCORE_GRAD,
-              MASK_MOD, TILE, SPARSE, FLAGS, SCHED)
+              MASK_MOD, TILE, SPARSE, FLAGS, SCHED, PACK)
 
 
 @gluon.jit
 def _consumer_wg1(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta,
                   SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
-                  SPARSE: gl.constexpr, FLAGS: gl.constexpr, SCHED: gl.constexpr):
+                  SPARSE: gl.constexpr, FLAGS: gl.constexpr, SCHED: gl.constexpr, PACK: gl.constexpr):
     _consumer(1, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta, SCORE_MOD, SCORE_GRAD,
-              MASK_MOD, TILE, SPARSE, FLAGS, SCHED)
+              MASK_MOD, TILE, SPARSE, FLAGS, SCHED, PACK)
 
 
 @gluon.jit
 def _producer_entry(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta,
                     SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
-                    TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr, SCHED: gl.constexpr):
-    _producer(descs, bars, smem, sizes, tables, table_meta, cta, TILE, SPARSE, FLAGS, SCHED)
+                    TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr, SCHED: gl.constexpr,
+                    PACK: gl.constexpr = DENSE):
+    # (bwd_sm90_m128 enters here too, dense: its rows bundle has no packed offsets)
+    _producer(descs, bars, smem, sizes, tables, table_meta, cta, rows[5] if PACK.VARLEN else (), TILE, SPARSE, FLAGS,
+              SCHED, PACK)
 
 
 # Sizes that follow the sequence lengths: no divisibility / equal-to-1 specialization (one compile per site).
@@ -953,11 +1083,13 @@ def fa3_bwd_sm90_kernel(
     sm_scale, qk_scale2, ds_scale,
     cta_args,                # SCHED.LPT_ORDER: (the CTA order, int32 [#KV tiles * KZ * HKV],); SCHED.PERSISTENT:
                              # (tile offsets [#CTAs + 1], tiles), int32; () otherwise (no kernel parameter)
+    pack_args,               # PACK.VARLEN: (CU_Q, CU_K) int32 [B + 1]; () otherwise (no kernel parameter)
     SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,   # @gluon.jit mods or None
     TILE: gl.constexpr,      # BwdTile
     SPARSE: gl.constexpr,    # BwdSparsity
     FLAGS: gl.constexpr,     # BwdFlags
     SCHED: gl.constexpr,     # BwdSchedule
+    PACK: gl.constexpr = DENSE,   # BwdPacking
 ):
     NUM_STAGES: gl.constexpr = TILE.NUM_STAGES
     BLOCK_M: gl.constexpr = TILE.BLOCK_M
@@ -1009,17 +1141,17 @@ def fa3_bwd_sm90_kernel(
     sizes = (Z, HQ, KZ, M, N)
     tables = (qnb_ptr, qidx_ptr, fqnb_ptr, fqidx_ptr)
     table_meta = (SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS)
-    rows = (stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD)
+    rows = (stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD, pack_args)
     scalars = (sm_scale, qk_scale2, ds_scale)
     mod_bufs = (score_bufs, mask_bufs)
     # every role gets the same arguments (the producer's entry drops what it does not read)
     gl.warp_specialize([
         (_consumer_wg0, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta,
-                         SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, SCHED)),
+                         SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, SCHED, PACK)),
         (_consumer_wg1, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta,
-                         SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, SCHED)),
+                         SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, SCHED, PACK)),
         (_producer_entry, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta,
-                           SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, SCHED)),
+                           SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, SCHED, PACK)),
     ], [4, 1], [FLAGS.CONSUMER_REGS, FLAGS.PRODUCER_REGS])
 
 

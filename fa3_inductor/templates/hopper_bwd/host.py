@@ -296,6 +296,55 @@ def _curved(score_grad_mod: Any) -> bool:
     return score_grad_mod is not None and score_grad_mod is not SCORE_GRAD_ONE
 
 
+def _launched_mods(score_mod: Any, score_grad_mod: Any, sm_scale: float) -> tuple[Any, Any, bool, tuple]:
+    """The forward's score units: (the launched score_mod, its launched derivative or None, FOLD_SCALE, (sm_scale,
+    qk_scale2, ds_scale)). Without a mod and with a positive scale the kernel takes raw q.k (FOLD_SCALE). dS is in
+    score units: dQ and dK take the derivative's factor and the scale once, at the end (ds_scale)."""
+    fold = score_mod is None and sm_scale > 0
+    if score_mod is not None:
+        score_mod, to_score = kernel_score_mod(score_mod, sm_scale)
+    else:
+        to_score = sm_scale if fold else 1.0
+    if _curved(score_grad_mod):
+        score_grad_mod, grad_factor = kernel_score_mod(score_grad_mod, sm_scale)
+    else:
+        score_grad_mod, grad_factor = None, 1.0
+    ds_scale = float(sm_scale * grad_factor)
+    return score_mod, score_grad_mod, fold, (float(sm_scale), float(to_score * _LOG2E), ds_scale)
+
+
+def _pass_launches(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, grad_lse: Optional[torch.Tensor],
+                   stats: torch.Tensor, dq_acc: torch.Tensor, dq: torch.Tensor, m_pad: int, ds_scale: float,
+                   dq_frag: bool, head_dim: int) -> tuple[Launch, Launch]:
+    """(preprocess, dQ convert) launches around the main kernel, over [Z, HQ, M, D] tensors (packed sequences: their
+    [1, H, total, D] views): STATS and the zeroed DQ_ACC rows up to ``m_pad``, then dQ from DQ_ACC (in the fragments'
+    order with ``dq_frag``)."""
+    Z, HQ, M, DV = out.shape
+    D = head_dim
+    # the passes' columns: D rounded up to a power of two and masked (80, 96, 160, 192), O's when not Q's (192 / 128)
+    pass_dims = {"HEAD_D_POW2": triton.next_power_of_2(D)} if triton.next_power_of_2(D) != D else {}
+    pre_dims = {**pass_dims, "HEAD_DV": DV} if DV != D else pass_dims
+    preprocess = (
+        bwd_sm90_preprocess_kernel,
+        (out, dout, lse, grad_lse.float().contiguous() if grad_lse is not None else lse, stats, dq_acc,
+         _strides(out), _strides(dout), HQ, M, m_pad),
+        dict(HAS_DLSE=grad_lse is not None, BLOCK=_PASS_BLOCK, HEAD_D=D, num_warps=4, **pre_dims),
+        (triton.cdiv(m_pad, _PASS_BLOCK), Z * HQ))
+    if dq_frag:   # DQ_ACC's 64 x 64 blocks in the wgmma fragments' order
+        convert = (
+            bwd_sm90_dq_convert_frag_kernel,
+            (dq_acc, dq, _strides(dq), HQ, M, m_pad, ds_scale),
+            dict(HEAD_D=D, num_warps=4),
+            (triton.cdiv(M, 64) * (D // 64), Z * HQ))
+    else:
+        convert = (
+            bwd_sm90_dq_convert_kernel,
+            (dq_acc, dq, _strides(dq), HQ, M, m_pad, ds_scale),
+            dict(BLOCK=_PASS_BLOCK, HEAD_D=D, num_warps=4, **pass_dims),
+            (triton.cdiv(M, _PASS_BLOCK), Z * HQ))
+    return preprocess, convert
+
+
 def prepare_hopper_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
     lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *,
@@ -388,20 +437,8 @@ def prepare_hopper_backward(
         _refuse(f"block-mask blocks {sparse_q_block}x{sparse_kv_block} are not multiples of the tiles "
                 f"{tile.BLOCK_M}x{tile.BLOCK_N}; build the BlockMask with BLOCK_SIZE 128 (torch's default)")
 
-    # The forward's score units: the launched mod and the factor from its tile to the score; without a mod
-    # and with a positive scale, raw q.k (FOLD_SCALE). dS is in score units: dQ and dK take the derivative's
-    # factor and the scale once, at the end (ds_scale).
-    fold = score_mod is None and sm_scale > 0
-    if score_mod is not None:
-        score_mod, to_score = kernel_score_mod(score_mod, sm_scale)
-    else:
-        to_score = sm_scale if fold else 1.0
-    if _curved(score_grad_mod):
-        score_grad_mod, grad_factor = kernel_score_mod(score_grad_mod, sm_scale)
-    else:
-        score_grad_mod, grad_factor = None, 1.0
-    ds_scale = float(sm_scale * grad_factor)
-    scalars = (float(sm_scale), float(to_score * _LOG2E), ds_scale)
+    score_mod, score_grad_mod, fold, scalars = _launched_mods(score_mod, score_grad_mod, sm_scale)
+    ds_scale = scalars[2]
 
     dout = dout if dout.dtype == q.dtype and tma_aligned(dout) else dout.to(q.dtype).contiguous()
     out = out.to(q.dtype)
@@ -464,15 +501,7 @@ def prepare_hopper_backward(
     # contents of the launch's key; only the balance follows the mask it was made for)
     cta_args = tuple(launch_constant(t) for t in cta_args)
 
-    # the passes' columns: D rounded up to a power of two and masked (80, 96, 160, 192), O's when not Q's (192 / 128)
-    pass_dims = {"HEAD_D_POW2": triton.next_power_of_2(D)} if triton.next_power_of_2(D) != D else {}
-    pre_dims = {**pass_dims, "HEAD_DV": DV} if DV != D else pass_dims
-    preprocess = (
-        bwd_sm90_preprocess_kernel,
-        (out, dout, lse, grad_lse.float().contiguous() if grad_lse is not None else lse, stats, dq_acc,
-         _strides(out), _strides(dout), HQ, M, m_pad),
-        dict(HAS_DLSE=grad_lse is not None, BLOCK=_PASS_BLOCK, HEAD_D=D, num_warps=4, **pre_dims),
-        (triton.cdiv(m_pad, _PASS_BLOCK), Z * HQ))
+    preprocess, convert = _pass_launches(out, dout, lse, grad_lse, stats, dq_acc, dq, m_pad, ds_scale, dq_frag, D)
     if cfg.split_dkv:
         lo, hi = tile.LO, tile.HI   # D = 256: one Q / K tile (lo = hi = 256), the second descriptor unused
         main = (
@@ -505,22 +534,10 @@ def prepare_hopper_backward(
              _desc(k, [1, 1, tile.BLOCK_N, DT]), _desc(v, [1, 1, tile.BLOCK_N, DT]),
              (_dq_frag_desc(dq_acc) if dq_frag else _dq_acc_desc(dq_acc, tile)) if cfg.dq_tma else None,
              stats, dq_acc, dk, dv, *tables, tuple(score_bufs), tuple(mask_bufs),
-             Z, HQ, KZ, M, N, m_pad, SZ, SH, num_kv_blks, num_q_blks, *scalars, cta_args),
+             Z, HQ, KZ, M, N, m_pad, SZ, SH, num_kv_blks, num_q_blks, *scalars, cta_args, ()),
             dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse,
                  FLAGS=flags, SCHED=sched, num_warps=4, maxnreg=cfg.maxnreg),
             grid)
-    if dq_frag:   # DQ_ACC's 64 x 64 blocks in the wgmma fragments' order
-        convert = (
-            bwd_sm90_dq_convert_frag_kernel,
-            (dq_acc, dq, _strides(dq), HQ, M, m_pad, ds_scale),
-            dict(HEAD_D=D, num_warps=4),
-            (triton.cdiv(M, 64) * (D // 64), Z * HQ))
-    else:
-        convert = (
-            bwd_sm90_dq_convert_kernel,
-            (dq_acc, dq, _strides(dq), HQ, M, m_pad, ds_scale),
-            dict(BLOCK=_PASS_BLOCK, HEAD_D=D, num_warps=4, **pass_dims),
-            (triton.cdiv(M, _PASS_BLOCK), Z * HQ))
     return [preprocess, main, convert]
 
 

@@ -1,0 +1,165 @@
+"""Packed training: forward + backward of attention over 16k-token packs of documents (causal within each), the way
+a packed training step runs it, against the other ways to compute the same gradients, in one run.
+
+Impls (each timed as one call that returns dq, dk, dv for a fixed dout: ``torch.autograd.grad``, no accumulation):
+  ours         fa3_inductor.flex_varlen (sm90: the Hopper packed forward and the sm90 backward's packed mode)
+  docmask      fa3_inductor.flex over [1, H, T, D] with a document-causal BlockMask (what packed training ran before)
+  cudnn / fa2  F.scaled_dot_product_attention per document (is_causal, each document its own leaves; the loop timed)
+  flex         torch's compiled flex_attention with the same BlockMask
+
+FLOPs are the causal pairs' (4 H D per pair a forward; fwd+bwd 3.5 forwards). Gradients of every impl are compared
+with ours (relative error) before timing; the pack's documents are serving.py's (doc_lengths, seeded).
+
+    python benchmarks/varlen_train.py --out benchmarks/results            # on an sm90 GPU
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+from provenance import commit_label  # noqa: E402
+from serving import (FLUSH_BYTES, Clock, VarlenCase, _error, _rel, _sdpa, _slug, causal_pairs,  # noqa: E402
+                     doc_lengths)
+
+CASES = [VarlenCase(16384, 6, 16, 128), VarlenCase(16384, 24, 16, 128), VarlenCase(16384, 6, 16, 64),
+         VarlenCase(16384, 24, 16, 64)]
+IMPLS = ("ours", "docmask", "cudnn", "fa2", "flex")
+
+
+def _grads(outs: list, leaves: list, douts: list) -> Callable:
+    return torch.autograd.grad(outs, leaves, douts)
+
+
+def case_row(c: VarlenCase, device: torch.device, clock: Clock, flex_fn: Callable) -> dict:
+    """One pack: every impl's fwd+bwd ms, TFLOP/s and gradient difference from ours."""
+    from torch.nn.attention import sdpa_kernel
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    import fa3_inductor
+    from fa3_inductor import mods
+
+    lengths = doc_lengths(c)
+    T, H, D = c.tokens, c.heads, c.d
+    flops = 3.5 * 4 * H * D * causal_pairs(lengths)
+    row = dict(tokens=T, docs=c.docs, lengths=lengths, H=H, D=D)
+    gen = torch.Generator(device=device).manual_seed(c.seed)
+    q, k, v, dout = (torch.randn(T, H, D, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(4))
+    cu = F.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(device=device, dtype=torch.int32)
+    longest = max(lengths)
+    packed = [t.detach().requires_grad_() for t in (q, k, v)]
+    four = [t.transpose(0, 1).unsqueeze(0).contiguous().requires_grad_() for t in (q, k, v)]
+    dout4 = dout.transpose(0, 1).unsqueeze(0).contiguous()
+    starts = cu[:-1].tolist()
+    docs = [[t[:, :, s:s + n].detach().contiguous().requires_grad_() for t in four] for s, n in zip(starts, lengths)]
+    ids = torch.repeat_interleave(torch.arange(c.docs, device=device), torch.tensor(lengths, device=device))
+    bm = create_block_mask(mods.and_masks(mods.document(ids, causal=False), mods.causal), None, None, T, T,
+                           device=device)
+
+    def ours():
+        out = fa3_inductor.flex_varlen(*packed, cu, cu, longest, longest, mask_mod=mods.causal)
+        return [g.transpose(0, 1).unsqueeze(0) for g in _grads([out], packed, [dout])]
+
+    def four_way(fn):
+        return lambda: _grads([fn(*four, block_mask=bm)], four, [dout4])
+
+    def per_doc(name):
+        def run():
+            with sdpa_kernel(_sdpa(name)):
+                outs = [F.scaled_dot_product_attention(*d, is_causal=True) for d in docs]
+            grads = _grads(outs, [t for d in docs for t in d], [dout4[:, :, s:s + n] for s, n in zip(starts, lengths)])
+            return [torch.cat(grads[i::3], dim=2) for i in range(3)]
+        return run
+
+    impls = {"ours": ours, "docmask": four_way(fa3_inductor.flex), "cudnn": per_doc("cudnn"), "fa2": per_doc("flash"),
+             "flex": four_way(flex_fn)}
+    ref = ours()
+    for name, fn in impls.items():
+        try:
+            grads = fn()
+            row[f"{name}_diff"] = max(_rel(g, r) for g, r in zip(grads, ref))
+            row[f"{name}_ms"] = clock.ms(fn)
+            row[f"{name}_tflops"] = flops / row[f"{name}_ms"] / 1e9
+        except Exception as exc:   # an impl that cannot run this pack is reported, not fatal
+            row.setdefault("errors", {})[name] = _error(exc)
+    for name in IMPLS[1:]:
+        if "ours_ms" in row and f"{name}_ms" in row:
+            row[f"vs_{name}"] = row[f"{name}_ms"] / row["ours_ms"]
+    return row
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    """The result file: header, one table (TFLOP/s; ours/X = X's time over ours), targets."""
+    lines = [f"# varlen_train on {meta['device']} (bf16, fwd+bwd TFLOP/s = 3.5 forwards of the causal pairs)", "",
+             f"Tree: {meta['tree']}", "",
+             f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}; command: `{meta['command']}`. "
+             f"{meta['timing']}", "",
+             "| tokens | docs | H | D | " + " | ".join(IMPLS) + " | ours/docmask | ours/cudnn | ours/fa2 | ours/flex |"
+             " ms ours / docmask / cudnn | max grad diff |",
+             "|" + "---|" * (4 + len(IMPLS) + 6)]
+    for r in rows:
+        cells = [f"{r[f'{n}_tflops']:.0f}" if f"{n}_tflops" in r else "-" for n in IMPLS]
+        ratios = [f"{r[f'vs_{n}']:.2f}" if f"vs_{n}" in r else "-" for n in IMPLS[1:]]
+        ms = " / ".join(f"{r[f'{n}_ms']:.3f}" if f"{n}_ms" in r else "-" for n in ("ours", "docmask", "cudnn"))
+        diff = max((r[k] for k in r if k.endswith("_diff")), default=float("nan"))
+        lines.append(f"| {r['tokens']} | {r['docs']} | {r['H']} | {r['D']} | " + " | ".join(cells + ratios)
+                     + f" | {ms} | {diff:.1e} |")
+    errors = {f"{r['docs']} docs D{r['D']}": r["errors"] for r in rows if "errors" in r}
+    if errors:
+        lines += ["", "Errors: " + json.dumps(errors)]
+    lines += ["", "Document lengths: " + "; ".join(f"{r['docs']} docs {r['lengths']}" for r in rows
+                                                    if r["D"] == rows[0]["D"]), ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--label", default="", help="appended to the result files' names")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("varlen_train needs a CUDA GPU (sm90 for our packed backward)")
+    import triton
+    from torch.nn.attention.flex_attention import flex_attention
+
+    device = torch.device("cuda")
+    name = torch.cuda.get_device_name()
+    now = datetime.datetime.now(datetime.timezone.utc)
+    meta = dict(device=name, torch=torch.__version__, triton=triton.__version__, date=f"{now:%Y-%m-%d %H:%M}Z",
+                tree=f"{commit_label()}",
+                command="python benchmarks/varlen_train.py " + " ".join(sys.argv[1:]),
+                timing=f"CUDA events, {args.warmup} warm-up calls, median of {args.reps}; before every timed call a "
+                       f"{FLUSH_BYTES >> 20} MB scratch write flushes L2 (outside the events).")
+    clock = Clock(device, args.reps, args.warmup)
+    flex_fn = torch.compile(flex_attention, dynamic=False)
+    rows = []
+    started = time.time()
+    for c in CASES:
+        rows.append(case_row(c, device, clock, flex_fn))
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "lengths"}), flush=True)
+    meta["wall_s"] = round(time.time() - started, 1)
+    label = f"-{args.label}" if args.label else ""
+    stem = os.path.join(args.out, f"varlen-train-{_slug(name)}-{now:%Y-%m-%d-%H%M}{label}")
+    os.makedirs(args.out, exist_ok=True)
+    with open(stem + ".json", "w") as f:
+        json.dump(dict(meta, rows=rows), f, indent=1)
+    text = markdown(meta, rows)
+    with open(stem + ".md", "w") as f:
+        f.write(text)
+    print(text, flush=True)
+
+
+if __name__ == "__main__":
+    main()

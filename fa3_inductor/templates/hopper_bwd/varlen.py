@@ -1,0 +1,201 @@
+"""Packed variable-length sequences through the sm90 backward: bwd_sm90.py's PACK.VARLEN mode, the backward of
+``fa3_inductor.flex_varlen`` on sm90 GPUs (templates/hopper/varlen_sm90.py is its forward).
+
+One CTA per (KV tile of 128 keys, sequence, K/V head) over ``cdiv(max_seqlen_k, 128)`` tiles a sequence; a tile at
+or past its sequence's keys runs nothing. Its query steps are the sequence's own 64-row tiles (sequence-relative
+rows, so no tile straddles two sequences' starts): all of them, or with a causal mask_mod from the KV tile's
+diagonal on (BwdSparsity.CAUSAL_WALK: the two diagonal tiles take the mask, the rest run without it). Rows and keys
+past a sequence's end are the next sequence's: the kernel gives them P = 0 (rows: an LSE of +inf) or zero keys
+(_kv_landed), and stores dK / dV rows of its own sequence only. dQ is summed by TMA reduce-adds into an fp32 buffer
+over the packed rows (rows of the padding and of the next sequence receive zeros), then converted.
+
+Example::
+
+    >>> for kernel, args, kwargs, grid in prepare_varlen_backward(
+    ...         q, k, v, out, dout, lse, dq, dk, dv, cu_q, cu_k, 700, sm_scale=0.088):   # doctest: +SKIP
+    ...     kernel[grid](*args, **kwargs)
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Optional, Sequence
+
+import torch
+import triton
+
+from ..hopper.varlen_sm90 import packed_view
+from ..placeholder import placeholder
+from ..tma import tma_aligned
+from ..wide_scores import wide_scores
+from ..modgen import mod_info
+from .bwd_sm90 import BwdFlags, BwdPacking, BwdSchedule, BwdSparsity, BwdTile, fa3_bwd_sm90_kernel
+from .configs import SMEM_LIMIT, SUPPORTED_HEAD_DIMS, BwdSm90Config, get_bwd_config, tile_head_dims
+from .host import Launch, _curved, _desc, _dq_acc_desc, _launched_mods, _pass_launches
+
+_DTYPES = (torch.bfloat16, torch.float16)
+_ROW_PAD = 64   # DQ_ACC / STATS rows past the pack: the last sequence's last query tile reaches up to 63 past it
+
+
+def varlen_bwd_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       capability: Optional[tuple[int, int]]) -> Optional[str]:
+    """None when the sm90 varlen backward serves these packed ``(total, heads, dim)`` tensors on a GPU of
+    ``capability`` (None: not a GPU), else why not, in words.
+
+    Example::
+
+        >>> q = torch.empty(10, 4, 128, dtype=torch.bfloat16)
+        >>> varlen_bwd_refusal(q, q, q, (9, 0)) is None
+        True
+        >>> varlen_bwd_refusal(q[..., :64], q[..., :64], torch.empty(10, 4, 32, dtype=torch.bfloat16), (9, 0))
+        'the Hopper varlen backward serves head dims 64, 80, 96, 128 with v of the same dim, got 64 (q, k) / 32 (v)'
+    """
+    if capability != (9, 0):
+        where = "not a GPU" if capability is None else f"sm{capability[0]}{capability[1]}"
+        return f"the Hopper varlen backward needs an sm90 GPU, this is {where}"
+    if q.dtype not in _DTYPES:
+        return f"the Hopper varlen backward takes float16 or bfloat16, got {q.dtype}"
+    if q.shape[2] != v.shape[2] or q.shape[2] not in SUPPORTED_HEAD_DIMS:
+        return (f"the Hopper varlen backward serves head dims {', '.join(map(str, SUPPORTED_HEAD_DIMS))} with v of "
+                f"the same dim, got {q.shape[2]} (q, k) / {v.shape[2]} (v)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.shape[0] and not tma_aligned(packed_view(t)):
+            return (f"{name} strides {t.stride()} or its address are not 16-byte aligned (TMA); pass "
+                    f"{name}.contiguous()")
+    return None
+
+
+def _refuse(problem: str) -> None:
+    raise ValueError(f"sm90 varlen backward: {problem}")
+
+
+def prepare_varlen_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
+    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_k: int, *, sm_scale: float, grad_lse: Optional[torch.Tensor] = None, score_mod: Any = None,
+    score_grad_mod: Any = None, mask_mod: Any = None, causal: bool = False,
+    score_bufs: Sequence[torch.Tensor] = (), mask_bufs: Sequence[torch.Tensor] = (),
+    config: Optional[BwdSm90Config] = None,
+) -> list[Launch]:
+    """The three launches (preprocess, main kernel, dQ convert) of the backward of one flex_varlen call over packed
+    ``q [TQ, HQ, D]``, ``k [TK, HKV, D]``, ``v [TK, HKV, D]``, ``out`` / ``dout [TQ, HQ, D]``, ``lse [HQ, TQ]``
+    (float32, log2 units, -inf on rows that saw no key), writing ``dq``, ``dk``, ``dv`` (their inputs' shapes; dk
+    and dv contiguous) in place. ``grad_lse``: the LSE's incoming gradient [HQ, TQ] in log2 units, or None. The mods
+    are loaded ``gl`` mods as prepare_hopper_backward takes them (a score_mod with its ``score_grad_mod``);
+    ``causal`` says the mask_mod is exactly ``q_idx >= kv_idx``. Needs TQ, TK > 0.
+
+    Example::
+
+        >>> launches = prepare_varlen_backward(q, k, v, out, dout, lse, dq, dk, dv, cu_q, cu_k, 700,
+        ...                                    sm_scale=0.088)   # doctest: +SKIP
+    """
+    TQ, HQ, D = q.shape
+    TK, HKV, DV = v.shape
+    B = cu_seqlens_q.shape[0] - 1
+    problems = []
+    if D != DV or D not in SUPPORTED_HEAD_DIMS:
+        problems.append(f"head dims {D} / {DV} (it serves {SUPPORTED_HEAD_DIMS}, v's the same)")
+    if q.dtype not in _DTYPES or not (q.dtype == k.dtype == v.dtype == dout.dtype):
+        problems.append(f"dtypes q {q.dtype}, k {k.dtype}, v {v.dtype}, dout {dout.dtype} (one of float16, bfloat16)")
+    for name, t, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v), ("out", out, q), ("dout", dout, q)):
+        if t.shape != like.shape[:2] + (DV if name in ("out", "dout") else like.shape[2],):
+            problems.append(f"{name} has shape {tuple(t.shape)}")
+    for name, t in (("dk", dk), ("dv", dv)):
+        if not t.is_contiguous():
+            problems.append(f"{name} is not contiguous (the kernel stores packed rows of HKV x D)")
+    if tuple(lse.shape) != (HQ, TQ) or lse.dtype != torch.float32:
+        problems.append(f"lse is {lse.dtype} {tuple(lse.shape)}, expected float32 ({HQ}, {TQ})")
+    if HQ % HKV:
+        problems.append(f"{HQ} query heads are not a multiple of {HKV} kv heads")
+    if causal and mask_mod is None:
+        problems.append("causal=True without the causal mask_mod itself (the diagonal tiles apply it)")
+    if score_mod is not None and score_grad_mod is None:
+        problems.append("a score_mod without its derivative score_grad_mod (SCORE_GRAD_ONE when it is 1)")
+    if TQ == 0 or TK == 0:
+        problems.append("no query or key rows (the caller returns zeros)")
+    if problems:
+        _refuse("; ".join(problems))
+
+    curved = _curved(score_grad_mod)
+    cfg = config or get_bwd_config(D, grad_mod=curved and mask_mod is None, curved=curved)
+    cfg = replace(cfg, persistent=False, lpt_order=False)   # the grid walks (KV tile, sequence, head)
+    if cfg.split_dkv or cfg.block_m != 64 or not cfg.dq_tma or cfg.smem_bytes(tile_head_dims(D)[0]) > SMEM_LIMIT:
+        _refuse(f"config {cfg}: packed sequences run bwd_sm90.py's 64-row steps with dQ by TMA reduce-add")
+    DT = tile_head_dims(D)[0]
+    tile = BwdTile(HEAD_D=DT, NUM_STAGES=cfg.num_stages, HEAD_D_IN=D if DT != D else 0)
+    score_mod, score_grad_mod, fold, scalars = _launched_mods(score_mod, score_grad_mod, sm_scale)
+    masked = mask_mod is not None
+    sparse = BwdSparsity(HAS_BLOCK_MASK=False, HAS_FULL_BLOCKS=False, Q_TILES_PER_BLK=1, SPARSE_KV=tile.BLOCK_N,
+                         CAUSAL_WALK=causal, DENSE_MASK=masked and not causal)
+    # EVEN_N off: a sequence's last KV tile holds zeroed keys past its end (bwd_sm90._kv_landed), whose exponent
+    # the clamp keeps finite
+    flags = BwdFlags(GQA_GROUP=HQ // HKV, FOLD_SCALE=fold, EVEN_N=False, CONSUMER_REGS=cfg.consumer_regs,
+                     PRODUCER_REGS=cfg.producer_regs, WIDE_SCORES=wide_scores(score_mod, compiled=True),
+                     GRAD_FINITE=score_grad_mod is not None and mod_info(score_grad_mod).finite)
+    # the dense launch's register rules (host.prepare_hopper_backward) with a mask_mod standing for block-mask tables
+    sched = BwdSchedule(DQ_TMA=True, OVERLAP=cfg.overlap, STATS_AHEAD=cfg.stats_ahead and not (masked and DT > 64),
+                        P_REGS=cfg.p_regs,
+                        P_CARRY16=cfg.p_regs and cfg.overlap != 0 and (score_mod is not None or masked
+                                                                        or cfg.overlap == 1))
+
+    m_pad = triton.cdiv(TQ, _ROW_PAD) * _ROW_PAD + _ROW_PAD
+    stats = torch.empty((HQ, 2, m_pad), dtype=torch.float32, device=q.device)
+    dq_acc = torch.empty((HQ, m_pad, D), dtype=torch.float32, device=q.device)
+    q4, k4, v4, dout4 = (packed_view(t) for t in (q, k, v, dout.to(q.dtype)))
+    dummy = placeholder(q.device, torch.int32)
+    main = (
+        fa3_bwd_sm90_kernel,
+        (_desc(q4, [1, 1, tile.BLOCK_M, DT]), _desc(dout4, [1, 1, tile.BLOCK_M, DT]),
+         _desc(k4, [1, 1, tile.BLOCK_N, DT]), _desc(v4, [1, 1, tile.BLOCK_N, DT]), _dq_acc_desc(dq_acc, tile),
+         stats, dq_acc, dk, dv, dummy, dummy, dummy, dummy, tuple(score_bufs), tuple(mask_bufs),
+         1, HQ, 1, TQ, TK, m_pad, 1, 1, 1, 1, *scalars, (), (cu_seqlens_q, cu_seqlens_k)),
+        dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse,
+             FLAGS=flags, SCHED=sched, PACK=BwdPacking(VARLEN=True), num_warps=4, maxnreg=cfg.maxnreg),
+        (triton.cdiv(max(int(max_seqlen_k), 1), tile.BLOCK_N), B * HKV))
+    preprocess, convert = _pass_launches(
+        packed_view(out.to(q.dtype)), dout4, lse.unsqueeze(0), None if grad_lse is None else grad_lse.unsqueeze(0),
+        stats, dq_acc, packed_view(dq), m_pad, scalars[2], False, D)
+    return [preprocess, main, convert]
+
+
+def launch_varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
+                           lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: int,
+                           **options: Any) -> None:
+    """Run :func:`prepare_varlen_backward`'s launches (``options``: its keywords, ``sm_scale`` required); ``dq``,
+    ``dk``, ``dv`` are written in place. No query or key rows at all: zero gradients.
+
+    Example::
+
+        >>> launch_varlen_backward(q, k, v, out, dout, lse, dq, dk, dv, cu_q, cu_k, 700,
+        ...                        sm_scale=0.088)   # doctest: +SKIP
+    """
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        for t in (dq, dk, dv):
+            t.zero_()
+        return
+    for kernel, args, kwargs, grid in prepare_varlen_backward(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q,
+                                                              cu_seqlens_k, max_seqlen_k, **options):
+        kernel[grid](*args, **kwargs)
+
+
+def compile_varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                            dout: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                            cu_seqlens_k: torch.Tensor, max_seqlen_k: int, **options: Any) -> list[Any]:
+    """Compile (not run) the three kernels :func:`launch_varlen_backward` launches, for sm90; tensors may be on the
+    CPU (needs a process without TRITON_INTERPRET=1). Returns the CompiledKernels in launch order.
+
+    Example::
+
+        >>> pre, main, convert = compile_varlen_backward(q, k, v, out, dout, lse, cu_q, cu_k, 700,
+        ...                                              sm_scale=0.088)   # doctest: +SKIP
+    """
+    from triton.backends.compiler import GPUTarget
+
+    from ..aot import compile_launch
+
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    launches = prepare_varlen_backward(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
+                                       **options)
+    target = GPUTarget("cuda", 90, 32)
+    return [compile_launch(kernel, args, kwargs, target) for kernel, args, kwargs, _ in launches]

@@ -1,0 +1,138 @@
+"""flex_varlen's gradients on an sm90 GPU (the sm90 backward's packed mode, templates/hopper_bwd/varlen.py) against
+float64 autograd run on each sequence alone (tests/reference.py's tolerance rule): dq, dk, dv of ragged GQA packs
+with empty and one-token sequences, M != N both ways, lengths on and off the tiles; no mask, causal (the diagonal
+walk), softcap with causal (a score_mod derivative), ALiBi, a window (the mask on every tile); the LSE's gradient;
+keys no query reaches get zero gradients; what it does not serve raises NotImplementedError.
+
+    pytest -m gpu tests/test_varlen_bwd_gpu.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fa3_inductor import mods
+from fa3_inductor.varlen import flex_varlen
+from reference import assert_matches_reference, reference_attention, reference_gradients
+from test_varlen import _cu, _sequence
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="the varlen backward needs an sm90 GPU")]
+
+# empty, one token, one row past a tile, exactly a tile, several tiles; keys shorter and longer than queries, none
+LENGTHS_Q = [5, 0, 300, 1, 128, 257, 40, 3]
+LENGTHS_K = [9, 3, 200, 1, 128, 400, 0, 70]
+VARIANTS = {"none": (None, None), "causal": (None, mods.causal), "softcap_causal": (mods.softcap(20.0), mods.causal),
+            "alibi": (mods.alibi(4), None), "window": (None, mods.sliding_window(50))}
+
+
+def _leaves(lq, lk, hq, hkv, d, dtype):
+    return [torch.randn(sum(n), h, d, device="cuda", dtype=dtype).requires_grad_()
+            for n, h in ((lq, hq), (lk, hkv), (lk, hkv))]
+
+
+def _per_sequence(fn, s):
+    """A mod as the reference sees sequence s alone (batch index 0 there, s in the pack)."""
+    if fn is None:
+        return None
+    if fn.__code__.co_argcount == 5:
+        return lambda x, b, h, qi, ki: fn(x, b + s, h, qi, ki)
+    return lambda b, h, qi, ki: fn(b + s, h, qi, ki)
+
+
+def _check_grads(q, k, v, dout, lq, lk, score_mod, mask_mod, scale=None):
+    cu_q, cu_k = _cu(lq), _cu(lk)
+    for s in range(len(lq)):
+        dk_s, dv_s = _sequence(k.grad, cu_k, s), _sequence(v.grad, cu_k, s)
+        if lq[s] == 0 or lk[s] == 0:   # no query sees a key: every gradient of the sequence is zero
+            for g in (_sequence(q.grad, cu_q, s), dk_s, dv_s):
+                assert not bool(g.any()), f"sequence {s}: nonzero gradient with no query-key pair"
+            continue
+        _, dq_r, dk_r, dv_r, _ = reference_gradients(
+            _sequence(q, cu_q, s), _sequence(k, cu_k, s), _sequence(v, cu_k, s),
+            _sequence(dout, cu_q, s), _per_sequence(score_mod, s), _per_sequence(mask_mod, s), scale)
+        for name, got, ref in (("dq", _sequence(q.grad, cu_q, s), dq_r), ("dk", dk_s, dk_r), ("dv", dv_s, dv_r)):
+            if ref.abs().max() == 0:   # keys no query reaches (causal, key length past the query length)
+                assert not bool(got.any()), f"sequence {s} {name}: nonzero where the reference is zero"
+            else:
+                assert_matches_reference(got, ref, q.dtype, what=f"sequence {s} {name}")
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+def test_ragged_gqa_gradients_against_float64(head_dim, variant):
+    score_mod, mask_mod = VARIANTS[variant]
+    torch.manual_seed(0)
+    q, k, v = _leaves(LENGTHS_Q, LENGTHS_K, 4, 2, head_dim, torch.bfloat16)
+    out = flex_varlen(q, k, v, _cu(LENGTHS_Q).cuda(), _cu(LENGTHS_K).cuda(), max(LENGTHS_Q), max(LENGTHS_K),
+                      score_mod=score_mod, mask_mod=mask_mod, enable_gqa=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    _check_grads(q, k, v, dout, LENGTHS_Q, LENGTHS_K, score_mod, mask_mod)
+
+
+def test_fp16_causal_scale_and_long_sequences():
+    """fp16, a given scale, sequences of several KV tiles whose last tile holds the next sequence's keys."""
+    lq = lk = [1000, 37, 700]
+    torch.manual_seed(1)
+    q, k, v = _leaves(lq, lk, 8, 8, 128, torch.float16)
+    out = flex_varlen(q, k, v, _cu(lq).cuda(), _cu(lk).cuda(), 1000, 1000, mask_mod=mods.causal, scale=0.05)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    _check_grads(q, k, v, dout, lq, lk, None, mods.causal, scale=0.05)
+
+
+def test_lse_gradient():
+    """A loss on the returned (natural-log) LSE as well as on the output."""
+    lq, lk = [130, 7, 64], [100, 7, 200]
+    torch.manual_seed(2)
+    q, k, v = _leaves(lq, lk, 4, 2, 64, torch.bfloat16)
+    out, lse = flex_varlen(q, k, v, _cu(lq).cuda(), _cu(lk).cuda(), 130, 200, mask_mod=mods.causal, enable_gqa=True,
+                           return_lse=True)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    torch.autograd.backward((out, lse), (dout, dlse))
+    cu_q, cu_k = _cu(lq), _cu(lk)
+    for s in range(len(lq)):
+        leaves = [_sequence(t, cu, s).detach().double().requires_grad_() for t, cu in ((q, cu_q), (k, cu_k),
+                                                                                       (v, cu_k))]
+        ref, ref_lse = reference_attention(*leaves, mask_mod=mods.causal)
+        rows = slice(int(cu_q[s]), int(cu_q[s + 1]))
+        grads = torch.autograd.grad((ref, ref_lse), leaves, (_sequence(dout, cu_q, s).double(),
+                                                             dlse[:, rows].unsqueeze(0).double()))
+        for name, got, want in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), grads):
+            assert_matches_reference(_sequence(got, cu_q if name == "dq" else cu_k, s), want, q.dtype,
+                                     what=f"sequence {s} {name}")
+
+
+def test_what_it_does_not_serve_says_so():
+    q, k, v = _leaves([10], [10], 2, 2, 256, torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="head dims"):
+        flex_varlen(q, k, v, _cu([10]).cuda(), _cu([10]).cuda(), 10, 10)
+    q, k, v = _leaves([10], [10], 2, 2, 64, torch.bfloat16)
+    bias = torch.zeros(2, device="cuda", requires_grad=True)
+    with pytest.raises(NotImplementedError, match="requires grad"):
+        flex_varlen(q, k, v, _cu([10]).cuda(), _cu([10]).cuda(), 10, 10,
+                    score_mod=lambda s, b, h, qi, ki: s + bias[h])
+
+
+def test_transformers_packed_training_takes_the_varlen_backward(monkeypatch):
+    """attn_implementation="fa3"'s packed path with gradients on CUDA: flex_varlen's kernels (flex() with a document
+    mask is not called), the same gradients as each sequence alone in float64."""
+    from fa3_inductor.integrations import transformers as integration
+
+    monkeypatch.setattr(integration, "flex", lambda *a, **kw: pytest.fail("the document-mask path ran"))
+
+    lengths = [100, 1, 250, 37]
+    torch.manual_seed(3)
+    query, key, value = (torch.randn(1, h, sum(lengths), 64, device="cuda", dtype=torch.bfloat16).requires_grad_()
+                         for h in (4, 2, 2))
+    cu = _cu(lengths).cuda()
+    out = integration._packed_attention(query, key, value, (cu, cu, max(lengths), max(lengths)), None, None)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    q, k, v = (t.detach()[0].transpose(0, 1).requires_grad_() for t in (query, key, value))
+    for leaf, t in zip((q, k, v), (query, key, value)):
+        leaf.grad = t.grad[0].transpose(0, 1)
+    _check_grads(q, k, v, dout[0], lengths, lengths, None, mods.causal)

@@ -1,0 +1,91 @@
+"""flex_varlen's backward on a CPU machine (templates/hopper_bwd/varlen.py, bwd_sm90.py's PACK.VARLEN mode): what it
+serves, the launches the host builds (grid over KV tiles x sequences x heads, the walk's bundle, scratch rows past
+the pack, packed views), its refusals, and the main kernel compiled for sm90 (``pytest -m sm90_compile``: wgmma, no
+spills). Its GPU results against float64 are tests/test_varlen_bwd_gpu.py's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fa3_inductor import mods
+from fa3_inductor.templates.hopper_bwd.varlen import prepare_varlen_backward, varlen_bwd_refusal
+from fa3_inductor.varlen import generated_mod
+from fa3_inductor.varlen_grad import score_derivative
+
+CU = torch.tensor([0, 300, 300, 1000], dtype=torch.int32)   # three sequences, the second empty
+
+
+def _inputs(d=128, hq=4, hkv=2, total=1000):
+    q, out, dout = (torch.randn(total, hq, d, dtype=torch.bfloat16) for _ in range(3))
+    k, v = (torch.randn(total, hkv, d, dtype=torch.bfloat16) for _ in range(2))
+    return q, k, v, out, dout, torch.randn(hq, total), torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _mods(variant):
+    if variant == "causal":
+        fn, bufs, _ = generated_mod(mods.causal, "mask", "gl")
+        return dict(mask_mod=fn, mask_bufs=bufs, causal=True)
+    if variant == "window":
+        fn, bufs, _ = generated_mod(mods.sliding_window(100), "mask", "gl")
+        return dict(mask_mod=fn, mask_bufs=bufs)
+    if variant == "softcap":
+        fn, bufs, _ = generated_mod(mods.softcap(20.0), "score", "gl")
+        return dict(score_mod=fn, score_bufs=bufs, score_grad_mod=score_derivative(mods.softcap(20.0)))
+    return {}
+
+
+@pytest.mark.parametrize("variant", ["none", "causal", "window"])
+def test_launch_layout(variant):
+    """Grid (KV tiles of the longest sequence, sequences x kv heads); the walk follows the mask: the diagonal walk for
+    causal, the mask on every tile for another mask_mod; scratch rows cover the pack plus a tile; no packed offsets
+    or block tables reach a dense launch."""
+    pre, main, convert = prepare_varlen_backward(*_inputs(), CU, CU, 700, sm_scale=0.1, **_mods(variant))
+    kernel, args, kwargs, grid = main
+    assert grid == (6, 3 * 2)                                  # cdiv(700, 128) tiles, 3 sequences x 2 kv heads
+    assert kwargs["PACK"].VARLEN and args[-1][0] is CU and args[-2] == ()
+    assert kwargs["SPARSE"].CAUSAL_WALK == (variant == "causal")
+    assert kwargs["SPARSE"].DENSE_MASK == (variant == "window") and not kwargs["SPARSE"].HAS_BLOCK_MASK
+    assert not kwargs["FLAGS"].EVEN_N and not kwargs["SCHED"].PERSISTENT and not kwargs["SCHED"].DQ_FRAG
+    stats, dq_acc = args[5], args[6]
+    assert tuple(stats.shape) == (4, 2, 1088) and tuple(dq_acc.shape) == (4, 1088, 128)   # 1024 + 64 rows
+    assert pre[3] == (1088 // 64, 4) and convert[3] == (1000 // 64 + 1, 4)
+    assert tuple(pre[1][0].shape) == (1, 4, 1000, 128)        # out as the packed [1, H, T, D] view
+
+
+def test_refusals_say_what_to_do():
+    q, k, v, out, dout, lse, dq, dk, dv = _inputs()
+    with pytest.raises(ValueError, match="causal=True without the causal mask_mod"):
+        prepare_varlen_backward(q, k, v, out, dout, lse, dq, dk, dv, CU, CU, 700, sm_scale=0.1, causal=True)
+    with pytest.raises(ValueError, match="dk is not contiguous"):
+        prepare_varlen_backward(q, k, v, out, dout, lse, dq, dk.transpose(0, 1).contiguous().transpose(0, 1), dv,
+                                CU, CU, 700, sm_scale=0.1)
+    q256, k256, v256 = (torch.empty(10, 2, 256, dtype=torch.bfloat16) for _ in range(3))
+    assert "head dims 64, 80, 96, 128" in varlen_bwd_refusal(q256, k256, v256, (9, 0))
+    assert "sm90" in varlen_bwd_refusal(q, k, v, (8, 0))
+    assert "float16 or bfloat16" in varlen_bwd_refusal(q.float(), k.float(), v.float(), (9, 0))
+
+
+def test_cpu_inputs_that_need_gradients_take_the_dense_path():
+    """On the CPU flex_varlen's gradients still come from autograd through its dense path (no kernel runs)."""
+    from fa3_inductor.varlen import flex_varlen
+
+    q, k, v = (torch.randn(9, 2, 16, requires_grad=True) for _ in range(3))
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    flex_varlen(q, k, v, cu, cu, 5, 5, mask_mod=mods.causal).sum().backward()
+    assert q.grad is not None and k.grad.shape == k.shape
+
+
+@pytest.mark.sm90_compile
+@pytest.mark.parametrize("variant", ["none", "causal", "softcap", "window"])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+def test_sm90_compile_no_spills(head_dim, variant):
+    from fa3_inductor.templates.aot import sass_report
+    from fa3_inductor.templates.hopper_bwd.varlen import compile_varlen_backward
+
+    q, k, v, out, dout, lse, *_ = _inputs(head_dim)
+    main = sass_report(compile_varlen_backward(q, k, v, out, dout, lse, CU, CU, 700, sm_scale=head_dim ** -0.5,
+                                               **_mods(variant))[1])
+    assert main.hgmma > 0 and main.spill_instructions == 0, (main.hgmma, main.spill_instructions)
+    assert main.shared <= 227 * 1024
