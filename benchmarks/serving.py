@@ -276,7 +276,8 @@ def within_budget(now: float, deadline: float, rows_done: int) -> bool:
 class Clock:
     """Median ms of callables; on a CPU (--smoke) one wall-clock call each, not a measurement."""
 
-    def __init__(self, device: torch.device, reps: int, warmup: int):
+    def __init__(self, device: torch.device, reps: int, warmup: int, sleep_cycles: int = SLEEP_CYCLES):
+        self.sleep_cycles = sleep_cycles   # the host's head start before each timed call (GPU cycles)
         self.cuda = device.type == "cuda"
         self.reps, self.warmup = (reps, warmup) if self.cuda else (1, 0)
         self.scratch = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device) if self.cuda else None
@@ -304,7 +305,7 @@ class Clock:
         for _ in range(self.reps):
             for name, fn in fns.items():
                 self.scratch.zero_()                 # L2 flush, outside the events
-                torch.cuda._sleep(SLEEP_CYCLES)      # the host queues fn before start fires
+                torch.cuda._sleep(self.sleep_cycles)   # the host queues fn before start fires
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 fn()

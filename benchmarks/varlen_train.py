@@ -41,7 +41,21 @@ def _grads(outs: list, leaves: list, douts: list) -> Callable:
     return torch.autograd.grad(outs, leaves, douts)
 
 
-def case_row(c: VarlenCase, device: torch.device, clock: Clock, flex_fn: Callable) -> dict:
+def _kernel_times(fn: Callable, calls: int = 5) -> dict:
+    """GPU µs a call of each kernel ``fn`` launches (torch.profiler, ``calls`` calls), longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times = {e.key[:60]: round(e.device_time_total / calls, 1) for e in prof.key_averages() if e.device_time_total > 0}
+    return dict(sorted(times.items(), key=lambda kv: -kv[1])[:8])
+
+
+def case_row(c: VarlenCase, device: torch.device, clock: Clock, flex_fn: Callable, profile: bool = False) -> dict:
     """One pack: every impl's fwd+bwd ms, TFLOP/s and gradient difference from ours."""
     from torch.nn.attention import sdpa_kernel
     from torch.nn.attention.flex_attention import create_block_mask
@@ -90,8 +104,11 @@ def case_row(c: VarlenCase, device: torch.device, clock: Clock, flex_fn: Callabl
             row[f"{name}_diff"] = max(_rel(g, r) for g, r in zip(grads, ref))
             row[f"{name}_ms"] = clock.ms(fn)
             row[f"{name}_tflops"] = flops / row[f"{name}_ms"] / 1e9
+            row[f"{name}_host_us"] = clock.host_us(fn)
         except Exception as exc:   # an impl that cannot run this pack is reported, not fatal
             row.setdefault("errors", {})[name] = _error(exc)
+    if profile:
+        row["kernels"] = {name: _kernel_times(impls[name]) for name in ("ours", "docmask")}
     for name in IMPLS[1:]:
         if "ours_ms" in row and f"{name}_ms" in row:
             row[f"vs_{name}"] = row[f"{name}_ms"] / row["ours_ms"]
@@ -105,15 +122,19 @@ def markdown(meta: dict, rows: list[dict]) -> str:
              f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}; command: `{meta['command']}`. "
              f"{meta['timing']}", "",
              "| tokens | docs | H | D | " + " | ".join(IMPLS) + " | ours/docmask | ours/cudnn | ours/fa2 | ours/flex |"
-             " ms ours / docmask / cudnn | max grad diff |",
-             "|" + "---|" * (4 + len(IMPLS) + 6)]
+             " ms ours / docmask / cudnn | host µs ours / docmask | max grad diff |",
+             "|" + "---|" * (4 + len(IMPLS) + 7)]
     for r in rows:
         cells = [f"{r[f'{n}_tflops']:.0f}" if f"{n}_tflops" in r else "-" for n in IMPLS]
         ratios = [f"{r[f'vs_{n}']:.2f}" if f"vs_{n}" in r else "-" for n in IMPLS[1:]]
         ms = " / ".join(f"{r[f'{n}_ms']:.3f}" if f"{n}_ms" in r else "-" for n in ("ours", "docmask", "cudnn"))
         diff = max((r[k] for k in r if k.endswith("_diff")), default=float("nan"))
+        host = " / ".join(f"{r[f'{n}_host_us']:.0f}" if f"{n}_host_us" in r else "-" for n in ("ours", "docmask"))
         lines.append(f"| {r['tokens']} | {r['docs']} | {r['H']} | {r['D']} | " + " | ".join(cells + ratios)
-                     + f" | {ms} | {diff:.1e} |")
+                     + f" | {ms} | {host} | {diff:.1e} |")
+    for r in rows:
+        if "kernels" in r:
+            lines += ["", f"Kernels, GPU µs a call ({r['docs']} docs D{r['D']}): " + json.dumps(r["kernels"])]
     errors = {f"{r['docs']} docs D{r['D']}": r["errors"] for r in rows if "errors" in r}
     if errors:
         lines += ["", "Errors: " + json.dumps(errors)]
@@ -128,6 +149,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--label", default="", help="appended to the result files' names")
+    ap.add_argument("--profile", action="store_true", help="per-kernel GPU µs of ours and docmask (torch.profiler)")
+    ap.add_argument("--head-start-ms", type=float, default=4.0,
+                    help="GPU sleep before each timed call, so that the host's launches are queued before it starts: "
+                         "the time is the GPU's (host µs per call are reported beside it)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("varlen_train needs a CUDA GPU (sm90 for our packed backward)")
@@ -141,13 +166,15 @@ def main() -> None:
                 tree=f"{commit_label()}",
                 command="python benchmarks/varlen_train.py " + " ".join(sys.argv[1:]),
                 timing=f"CUDA events, {args.warmup} warm-up calls, median of {args.reps}; before every timed call a "
-                       f"{FLUSH_BYTES >> 20} MB scratch write flushes L2 (outside the events).")
-    clock = Clock(device, args.reps, args.warmup)
+                       f"{FLUSH_BYTES >> 20} MB scratch write flushes L2 (outside the events) and the GPU sleeps "
+                       f"~{args.head_start_ms} ms while the host queues the call: GPU time. Host µs: one call's host "
+                       "time, the queue drained first.")
+    clock = Clock(device, args.reps, args.warmup, sleep_cycles=int(args.head_start_ms * 2e6))
     flex_fn = torch.compile(flex_attention, dynamic=False)
     rows = []
     started = time.time()
     for c in CASES:
-        rows.append(case_row(c, device, clock, flex_fn))
+        rows.append(case_row(c, device, clock, flex_fn, args.profile))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "lengths"}), flush=True)
     meta["wall_s"] = round(time.time() - started, 1)
     label = f"-{args.label}" if args.label else ""
