@@ -146,3 +146,21 @@ def test_transformers_packed_training_takes_the_varlen_backward(monkeypatch):
     for leaf, t in zip((q, k, v), (query, key, value)):
         leaf.grad = t.grad[0].transpose(0, 1)
     _check_grads(q, k, v, dout[0], lengths, lengths, None, mods.causal)
+
+
+def test_a_repeated_call_relaunches_on_new_lengths_and_tensors():
+    """The second call of a kind re-launches the first one's recorded launches (no planning): right for new tensors
+    and new sequence lengths of the same shapes (the lengths are read on the device)."""
+    from fa3_inductor.runtime import fast_launch
+
+    first, second = [100, 156, 0, 44], [1, 255, 44, 0]
+    for lengths in (first, second):
+        torch.manual_seed(len(lengths) + lengths[0])
+        q, k, v = _leaves(lengths, lengths, 4, 2, 128, torch.bfloat16)
+        hits = fast_launch.stats()["relaunches"]
+        out = flex_varlen(q, k, v, _cu(lengths).cuda(), _cu(lengths).cuda(), 256, 256, mask_mod=mods.causal,
+                          enable_gqa=True)
+        dout = torch.randn_like(out)
+        out.backward(dout)
+        _check_grads(q, k, v, dout, lengths, lengths, None, mods.causal)
+    assert fast_launch.stats()["relaunches"] >= hits + 4   # the forward and the backward's three launches

@@ -10,6 +10,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ...runtime.fast_launch import aliasing, launch_cached, tensor_signature
 from ..tma import tma_aligned
 from .configs import SUPPORTED_DTYPES, served_head_dims_text, serves_head_dims
 from .fwd_sm90 import PackedRows, _site, fa3_fwd_sm90_kernel
@@ -56,12 +57,13 @@ def prepare_varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
                         cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, *,
                         sm_scale: float, score_mod: Any = None, mask_mod: Any = None, causal: bool = False,
                         score_bufs: Sequence[torch.Tensor] = (), mask_bufs: Sequence[torch.Tensor] = (),
-                        config: Any = None) -> tuple[Any, tuple, dict, tuple]:
+                        config: Any = None, tensors: Optional[list] = None) -> tuple[Any, tuple, dict, tuple]:
     """``(kernel, args, kwargs, grid)`` of one launch over packed ``q [TQ, HQ, D]``, ``k [TK, HKV, D]``,
     ``v [TK, HKV, DV]`` writing ``out [TQ, HQ, DV]`` and ``lse [HQ, TQ]`` (float32, log2 units) in place, as
     templates/varlen/host.py's prepare_varlen does for the Triton kernel. ``score_mod`` / ``mask_mod`` are
     generated ``gl`` mods; ``causal`` says the mask_mod is ``q_idx >= kv_idx`` (the KV walk then ends at each
-    tile's diagonal); ``config`` overrides the Hopper tile table (configs.py). Needs TQ, TK > 0.
+    tile's diagonal); ``config`` overrides the Hopper tile table (configs.py). Needs TQ, TK > 0. ``tensors``: this
+    call's :func:`launch_tensors` (made here when None): every tensor the launch takes is one of them.
 
     Example::
 
@@ -72,11 +74,11 @@ def prepare_varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     if causal and mask_mod is None:
         raise ValueError("prepare_varlen_sm90: causal=True needs the causal mask_mod itself (the diagonal tiles "
                          "apply it); pass mask_mod")
-    lse4 = lse.unsqueeze(0)
+    q4, k4, v4, out4, lse4, max4, cu_q, cu_k = (tensors or launch_tensors(q, k, v, out, lse, cu_seqlens_q,
+                                                                          cu_seqlens_k))[:8]
     # MAX is not asked for: a bounded score_mod may then run against a fixed exponent base (fwd_sm90 FIXED_BASE)
-    packed = PackedRows(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), bool(causal))
-    site = _site(packed_view(q), packed_view(k), packed_view(v), packed_view(out), lse4, torch.empty_like(lse4),
-                 sm_scale=sm_scale, score_mod=score_mod, mask_mod=mask_mod, score_bufs=tuple(score_bufs),
+    packed = PackedRows(cu_q, cu_k, int(max_seqlen_q), bool(causal))
+    site = _site(q4, k4, v4, out4, lse4, max4, sm_scale=sm_scale, score_mod=score_mod, mask_mod=mask_mod, score_bufs=tuple(score_bufs),
                  mask_bufs=tuple(mask_bufs), kv_num_blocks=None, kv_indices=None, full_kv_num_blocks=None,
                  full_kv_indices=None, sparse_q_block=128, sparse_kv_block=128, config=config, num_sms=0,
                  max_needed=False, packed=packed)
@@ -87,7 +89,9 @@ def launch_varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
                        cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                        **options: Any) -> None:
     """Run the Hopper varlen kernel (``options``: :func:`prepare_varlen_sm90`'s keywords, ``sm_scale`` required);
-    ``out`` and ``lse`` are written in place. No keys at all: every row sees none (out 0, lse -inf).
+    ``out`` and ``lse`` are written in place. No keys at all: every row sees none (out 0, lse -inf). The first launch
+    of a kind (tensor shapes and strides, max_seqlen_q, the options) is recorded (runtime/fast_launch.py) and later
+    ones re-launched without planning.
 
     Example::
 
@@ -99,9 +103,30 @@ def launch_varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
         out.zero_()
         lse.fill_(float("-inf"))
         return
-    kernel, args, kwargs, grid = prepare_varlen_sm90(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                     **options)
-    kernel[grid](*args, **kwargs)
+    tensors = launch_tensors(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, options.get("score_bufs", ()),
+                             options.get("mask_bufs", ()))
+    # what the launch depends on besides the tensors: the grid's rows, the scale, the mods, the config
+    key = ("varlen_fwd", tensor_signature(tensors), aliasing(tensors), int(max_seqlen_q),
+           *((name, value) for name, value in sorted(options.items()) if name not in ("score_bufs", "mask_bufs")))
+    launch_cached(key, tensors, lambda: (*prepare_varlen_sm90(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                                              max_seqlen_q, tensors=tensors, **options), "varlen"))
+
+
+def launch_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                   cu_q: torch.Tensor, cu_k: torch.Tensor, score_bufs: Sequence[torch.Tensor] = (),
+                   mask_bufs: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
+    """Every tensor a packed launch takes, in a fixed order: the [1, H, T, D] views of q, k, v and out, LSE as
+    [1, HQ, TQ] and the (unread) row-max buffer beside it, the offsets, the mods' buffers.
+
+    Example::
+
+        >>> t = torch.empty(10, 4, 64)
+        >>> [tuple(x.shape) for x in launch_tensors(t, t, t, t, torch.empty(4, 10), None, None)[:6]][-2:]
+        [(1, 4, 10), (1, 4, 10)]
+    """
+    lse4 = lse.unsqueeze(0)
+    return [packed_view(q), packed_view(k), packed_view(v), packed_view(out), lse4, torch.empty_like(lse4), cu_q, cu_k,
+            *score_bufs, *mask_bufs]
 
 
 def compile_varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,

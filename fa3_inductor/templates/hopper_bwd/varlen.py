@@ -24,6 +24,7 @@ from typing import Any, Optional, Sequence
 import torch
 import triton
 
+from ...runtime.fast_launch import aliasing, launch_cached, on_clear, recorded, relaunch, tensor_signature
 from ..hopper.varlen_sm90 import packed_view
 from ..placeholder import placeholder
 from ..tma import tma_aligned
@@ -34,6 +35,9 @@ from .configs import SMEM_LIMIT, SUPPORTED_HEAD_DIMS, BwdSm90Config, get_bwd_con
 from .host import Launch, _curved, _desc, _dq_acc_desc, _launched_mods, _pass_launches
 
 _DTYPES = (torch.bfloat16, torch.float16)
+_MAX_RECORDED = 256
+_RECORDED: dict = {}   # launch key -> the three recorded launches (runtime/fast_launch.py)
+on_clear(_RECORDED.clear)
 _ROW_PAD = 64   # DQ_ACC / STATS rows past the pack: the last sequence's last query tile reaches up to 63 past it
 
 
@@ -75,14 +79,18 @@ def prepare_varlen_backward(
     max_seqlen_k: int, *, sm_scale: float, grad_lse: Optional[torch.Tensor] = None, score_mod: Any = None,
     score_grad_mod: Any = None, mask_mod: Any = None, causal: bool = False,
     score_bufs: Sequence[torch.Tensor] = (), mask_bufs: Sequence[torch.Tensor] = (),
-    config: Optional[BwdSm90Config] = None,
+    config: Optional[BwdSm90Config] = None, scratch: Optional[Sequence[torch.Tensor]] = None,
+    tensors: Optional[list] = None,
 ) -> list[Launch]:
     """The three launches (preprocess, main kernel, dQ convert) of the backward of one flex_varlen call over packed
     ``q [TQ, HQ, D]``, ``k [TK, HKV, D]``, ``v [TK, HKV, D]``, ``out`` / ``dout [TQ, HQ, D]``, ``lse [HQ, TQ]``
     (float32, log2 units, -inf on rows that saw no key), writing ``dq``, ``dk``, ``dv`` (their inputs' shapes; dk
     and dv contiguous) in place. ``grad_lse``: the LSE's incoming gradient [HQ, TQ] in log2 units, or None. The mods
     are loaded ``gl`` mods as prepare_hopper_backward takes them (a score_mod with its ``score_grad_mod``);
-    ``causal`` says the mask_mod is exactly ``q_idx >= kv_idx``. Needs TQ, TK > 0.
+    ``causal`` says the mask_mod is exactly ``q_idx >= kv_idx``. ``scratch``: (STATS, DQ_ACC) from
+    :func:`varlen_backward_scratch` (allocated here when None). Needs TQ, TK > 0. Every tensor the launches take is
+    one of :func:`launch_tensors`' (``tensors``: that list for this call and ``scratch``, made here when None), so that
+    a recording re-launches them on another call's tensors.
 
     Example::
 
@@ -138,10 +146,11 @@ def prepare_varlen_backward(
                         P_CARRY16=cfg.p_regs and cfg.overlap != 0 and (score_mod is not None or masked
                                                                         or cfg.overlap == 1))
 
-    m_pad = triton.cdiv(TQ, _ROW_PAD) * _ROW_PAD + _ROW_PAD
-    stats = torch.empty((HQ, 2, m_pad), dtype=torch.float32, device=q.device)
-    dq_acc = torch.empty((HQ, m_pad, D), dtype=torch.float32, device=q.device)
-    q4, k4, v4, dout4 = (packed_view(t) for t in (q, k, v, dout.to(q.dtype)))
+    stats, dq_acc = scratch if scratch is not None else varlen_backward_scratch(q)
+    m_pad = stats.shape[2]
+    tensors = tensors or launch_tensors(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, grad_lse,
+                                        (stats, dq_acc), score_bufs, mask_bufs)
+    q4, k4, v4, out4, dout4, lse3, dq4, _, _, _, _, grad_lse3 = tensors[:12]
     dummy = placeholder(q.device, torch.int32)
     main = (
         fa3_bwd_sm90_kernel,
@@ -152,18 +161,45 @@ def prepare_varlen_backward(
         dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse,
              FLAGS=flags, SCHED=sched, PACK=BwdPacking(VARLEN=True), num_warps=4, maxnreg=cfg.maxnreg),
         (triton.cdiv(max(int(max_seqlen_k), 1), tile.BLOCK_N), B * HKV))
-    preprocess, convert = _pass_launches(
-        packed_view(out.to(q.dtype)), dout4, lse.unsqueeze(0), None if grad_lse is None else grad_lse.unsqueeze(0),
-        stats, dq_acc, packed_view(dq), m_pad, scalars[2], False, D)
+    preprocess, convert = _pass_launches(out4, dout4, lse3, grad_lse3, stats, dq_acc, dq4, m_pad, scalars[2], False, D)
     return [preprocess, main, convert]
+
+
+def varlen_backward_scratch(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(STATS [HQ, 2, M_PAD], DQ_ACC [HQ, M_PAD, D]) float32 for the backward of packed ``q [TQ, HQ, D]``: rows up to
+    a tile past the pack (the last sequence's last query tile reaches up to 63 rows past it). The preprocess launch
+    writes both before anything reads them.
+
+    Example::
+
+        >>> [tuple(t.shape) for t in varlen_backward_scratch(torch.empty(1000, 4, 64))]
+        [(4, 2, 1088), (4, 1088, 64)]
+    """
+    TQ, HQ, D = q.shape
+    m_pad = triton.cdiv(TQ, _ROW_PAD) * _ROW_PAD + _ROW_PAD
+    return (torch.empty((HQ, 2, m_pad), dtype=torch.float32, device=q.device),
+            torch.empty((HQ, m_pad, D), dtype=torch.float32, device=q.device))
+
+
+def launch_tensors(q, k, v, out, dout, lse, dq, dk, dv, cu_q, cu_k, grad_lse, scratch, score_bufs, mask_bufs
+                   ) -> list[Optional[torch.Tensor]]:
+    """Every tensor the three launches take, in a fixed order: the packed [1, H, T, D] views of q, k, v, out, dout and
+    dq, LSE as [1, HQ, TQ], dk, dv, the offsets, the LSE's gradient (or None), the scratch and the mods' buffers."""
+    dtype = q.dtype
+    return [packed_view(q), packed_view(k), packed_view(v), packed_view(out.to(dtype)), packed_view(dout.to(dtype)),
+            lse.unsqueeze(0), packed_view(dq), dk, dv, cu_q, cu_k,
+            None if grad_lse is None else grad_lse.float().contiguous().unsqueeze(0), *scratch, *score_bufs,
+            *mask_bufs]
 
 
 def launch_varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
                            lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: int,
                            **options: Any) -> None:
-    """Run :func:`prepare_varlen_backward`'s launches (``options``: its keywords, ``sm_scale`` required); ``dq``,
-    ``dk``, ``dv`` are written in place. No query or key rows at all: zero gradients.
+    """Run :func:`prepare_varlen_backward`'s launches (``options``: its keywords, ``sm_scale`` required) on an sm90
+    GPU; ``dq``, ``dk``, ``dv`` are written in place. No query or key rows at all: zero gradients. The first call of a
+    kind (tensor shapes and strides, the grid's tiles, the options) records its launches (runtime/fast_launch.py);
+    later ones re-launch them without planning (a training step's host time).
 
     Example::
 
@@ -174,9 +210,29 @@ def launch_varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
         for t in (dq, dk, dv):
             t.zero_()
         return
-    for kernel, args, kwargs, grid in prepare_varlen_backward(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q,
-                                                              cu_seqlens_k, max_seqlen_k, **options):
-        kernel[grid](*args, **kwargs)
+    scratch = varlen_backward_scratch(q)
+    tensors = launch_tensors(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                             options.get("grad_lse"), scratch, options.get("score_bufs", ()),
+                             options.get("mask_bufs", ()))
+    # what a recording depends on besides the tensors: the grid's tiles, the scale, the mods, the config
+    key = ("varlen_bwd", tensor_signature(tensors), aliasing(tensors), triton.cdiv(max(int(max_seqlen_k), 1), 128),
+           *((name, value) for name, value in sorted(options.items())
+             if name not in ("grad_lse", "score_bufs", "mask_bufs")))
+    entries = _RECORDED.get(key)
+    if entries is not None:
+        for entry in entries:
+            relaunch(entry, tensors)
+        return
+    launches = prepare_varlen_backward(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                       max_seqlen_k, scratch=scratch, tensors=tensors, **options)
+    recorded_entries = []
+    for i, launch in enumerate(launches):
+        launch_cached((key, i), tensors, lambda launch=launch: (*launch, "varlen_bwd"))
+        recorded_entries.append(recorded((key, i)))   # read at once: a full cache is cleared by the next record
+    if all(e is not None for e in recorded_entries):
+        if len(_RECORDED) >= _MAX_RECORDED:
+            _RECORDED.clear()
+        _RECORDED[key] = tuple(recorded_entries)
 
 
 def compile_varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
