@@ -56,6 +56,16 @@ Block mask (torch BlockMask, transposed tables: for each KV block, the query blo
   FULL_Q_NUM_BLKS / FULL_Q_IDX                                all-true query blocks (mask_mod skipped)
   SPARSE_Q % BLOCK_M == 0 and SPARSE_KV % BLOCK_N == 0; unlisted blocks are dropped (the forward's semantics).
 
+Packed sequences (PACK.VARLEN; host hopper_bwd/varlen.py, front door flex_varlen's gradients):
+  Q, K, V, O, dO, dQ  [1, H, total, D] views of packed (total, H, D) tensors; dK, dV packed (total_k, HKV, D)
+  CU_Q, CU_K [B + 1]  pack_args: sequence b holds query rows CU_Q[b] : CU_Q[b + 1] and keys CU_K[b] : CU_K[b + 1]
+  grid              (ceil(max_seqlen_k / BLOCK_N), B * HKV): kz of a CTA is its sequence (the mods' b); a KV tile at
+                    or past the sequence's keys has no step. Query steps are the sequence's own BLOCK_M-row tiles
+                    (rows relative to CU_Q[b]): all (no mask_mod), all with the mask (SPARSE.DENSE_MASK), or from the
+                    KV tile's diagonal (SPARSE.CAUSAL_WALK). Rows past the sequence read LSE_P +inf (P = 0:
+                    _lse_rows); K rows past it are zeroed in shared memory once landed (_kv_landed), the dense
+                    ragged tail's TMA zero fill; STATS and DQ_ACC are [H, ..] over the packed rows plus a tile.
+
 Mods (templates/modgen.py, ``gl`` dialect, called as the forward calls them):
   SCORE_MOD(qk, sm_scale, b, h, q_idx, kv_idx, bufs) -> the score / OUT_SCALE
   SCORE_GRAD(qk, sm_scale, b, h, q_idx, kv_idx, bufs) -> f'(score) / GRAD_SCALE (generic_bwd/score_grad.py's
@@ -70,6 +80,7 @@ Compile-time parameters (one frozen-dataclass bundle each, read as TILE.BLOCK_M)
   FLAGS   BwdFlags      GQA_GROUP, FOLD_SCALE, EVEN_N, CONSUMER_REGS, PRODUCER_REGS, WIDE_SCORES
   SCHED   BwdSchedule   DQ_TMA, OVERLAP, LPT_ORDER, PERSISTENT (configs.BwdSm90Config.dq_tma / overlap / lpt_order /
                         persistent; the last two: which tiles a CTA runs, under a block mask, cta_args)
+  PACK    BwdPacking    VARLEN (packed sequences; DENSE leaves the dense launch's code untouched)
 """
 from __future__ import annotations
 
@@ -156,7 +167,7 @@ class BwdSparsity:
 
 @dataclass(frozen=True)
 class BwdPacking:
-    """Packed variable-length sequences (hopper_bwd/varlen.py; module docstring, "Packed sequences")."""
+    """Packed variable-length sequences (module docstring, "Packed sequences")."""
     VARLEN: bool = False
 
 
