@@ -8,7 +8,7 @@ from typing import Any, Callable, Hashable, Optional, Union
 import torch
 from torch import Tensor
 
-from ._log import warn_once
+from ._log import info_once, warn_once
 from .mod_keys import Unkeyable, mod_key
 from .templates.modgen import (BufferSpec, UnsupportedMod, generate_mod_source,
                                is_causal_mask_source, is_constant_true_mask, is_identity_score, load_mod,
@@ -16,7 +16,7 @@ from .templates.modgen import (BufferSpec, UnsupportedMod, generate_mod_source,
 from .templates.hopper.varlen_sm90 import launch_varlen_sm90
 from .templates.varlen.dense import dense_varlen
 from .templates.varlen.host import launch_varlen, pick_varlen_kernel
-from .varlen_grad import VarlenAttention, score_derivative, varlen_grad_refusal
+from .varlen_grad import VarlenAttention, score_derivative, through_document_mask, varlen_grad_refusal
 
 _LN2 = math.log(2.0)
 _MAX_SEQ = 1 << 23      # generated mods turn positions into floats exactly below 2**23
@@ -173,7 +173,8 @@ def flex_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
     inputs that need gradients, it runs a dense torch path (per sequence: float32 scores, the mods
     on broadcast index tensors, softmax, PV), which autograd differentiates. CUDA inputs that need gradients get
     them from the sm90 backward's packed mode (templates/hopper_bwd/varlen.py: head dims 64, 80, 96 and 128, v's
-    the same, no gradient for tensors the mods capture); elsewhere they raise NotImplementedError saying why.
+    the same, mods whose captured tensors need no gradient); elsewhere from ``fa3_inductor.flex`` over the pack as
+    one sequence with a document mask (the same result, slower: tiles that straddle two sequences are computed).
 
     Checks: shapes, dtypes and devices always; the cu_seqlens values (0 first, non-decreasing,
     totals, lengths <= max_seqlen) on CPU tensors only, since reading CUDA ones would synchronize
@@ -212,9 +213,8 @@ def flex_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
         mask_fn, mask_bufs, mask_source = generated_mod(mask_mod, "mask", dialect)
     except UnsupportedMod as exc:
         if needs_grad:
-            raise NotImplementedError(f"flex_varlen: a mod cannot be generated for the kernels ({exc}), and the "
-                                      "dense path gives CUDA inputs no gradient; train through fa3_inductor.flex "
-                                      "with mods.document(...) over the packed batch") from exc
+            return _through_document_mask(q, k, v, cu_seqlens_q, cu_seqlens_k, score_mod, mask_mod, scale,
+                                          return_lse, f"a mod cannot be generated for the kernels ({exc})")
         warn_once(f"flex_varlen: a mod cannot be generated for the kernel ({exc}); running the "
                   "dense torch path per sequence (slow)")
         return _dense(q, k, v, cu_seqlens_q, cu_seqlens_k, score_mod, mask_mod, scale, return_lse)
@@ -242,18 +242,29 @@ def flex_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
 
 def _with_gradients(q, k, v, cu_q, cu_k, max_seqlen_k, scale, score_mod, mask_mod, causal, run_forward,
                     return_lse):
-    """flex_varlen through varlen_grad.VarlenAttention: the forward as given, the sm90 packed backward."""
-    score_fn, score_bufs, _ = generated_mod(score_mod, "score", "gl")
-    mask_fn, mask_bufs, _ = generated_mod(mask_mod, "mask", "gl")
+    """flex_varlen through varlen_grad.VarlenAttention: the forward as given, the sm90 packed backward; where that
+    does not serve, the document-mask path."""
+    try:
+        score_fn, score_bufs, _ = generated_mod(score_mod, "score", "gl")
+        mask_fn, mask_bufs, _ = generated_mod(mask_mod, "mask", "gl")
+    except UnsupportedMod as exc:
+        return _through_document_mask(q, k, v, cu_q, cu_k, score_mod, mask_mod, scale, return_lse,
+                                      f"a mod cannot be generated for the packed backward ({exc})")
     why_not = varlen_grad_refusal(q, k, v, score_bufs, mask_bufs)
     if why_not is not None:
-        raise NotImplementedError(
-            f"flex_varlen has no backward for these CUDA inputs: {why_not}. Call it under torch.no_grad() / "
-            "torch.inference_mode() with inputs that need no gradient, or train through fa3_inductor.flex "
-            "with mods.document(...) over the packed batch")
+        return _through_document_mask(q, k, v, cu_q, cu_k, score_mod, mask_mod, scale, return_lse, why_not)
     mods = dict(score_mod=score_fn, score_grad_mod=score_derivative(score_mod) if score_fn is not None else None,
                 mask_mod=mask_fn, causal=causal, score_bufs=score_bufs, mask_bufs=mask_bufs)
     out, lse = VarlenAttention.apply(q, k, v, cu_q, cu_k, max_seqlen_k, scale, run_forward, mods)
+    return (out, lse) if return_lse else out
+
+
+def _through_document_mask(q, k, v, cu_q, cu_k, score_mod, mask_mod, scale, return_lse, why):
+    """flex_varlen with gradients on CUDA where the packed backward does not serve (``why``): varlen_grad's
+    document-mask path, said once."""
+    info_once(f"flex_varlen: {why}; its gradients come from fa3_inductor.flex over the pack with a document mask "
+              "(tiles that straddle two sequences are computed and masked)")
+    out, lse = through_document_mask(q, k, v, cu_q, cu_k, score_mod, mask_mod, scale, q.shape[1] != k.shape[1])
     return (out, lse) if return_lse else out
 
 

@@ -99,3 +99,39 @@ class VarlenAttention(torch.autograd.Function):
         launch_varlen_backward(q, k, v, out, dout, lse2, dq, dk, dv, cu_q, cu_k, ctx.max_seqlen_k, sm_scale=ctx.scale,
                                grad_lse=grad_lse, **ctx.mods)
         return dq, dk, dv, None, None, None, None, None, None
+
+
+def through_document_mask(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, score_mod: Optional[Callable],
+                          mask_mod: Optional[Callable], scale: float, enable_gqa: bool) -> tuple[Tensor, Tensor]:
+    """flex_varlen's (out, natural-log LSE) through ``fa3_inductor.flex`` over the packed tensors as one
+    ``[1, H, T, D]`` batch with a document mask, which autograd differentiates with the backward families: where the
+    packed backward does not serve (other GPUs, head dims above 128, mods' tensors that need gradients). The mods
+    see what flex_varlen promises: ``b`` the sequence, ``q_idx`` / ``kv_idx`` positions within it.
+
+    Example::
+
+        >>> out, lse = through_document_mask(q, k, v, cu, cu, None, mods.causal, 0.125, False)   # doctest: +SKIP
+    """
+    from .api import flex
+
+    def rows(cu: Tensor, total: int) -> tuple[Tensor, Tensor]:   # each token's sequence and position in it
+        token = torch.arange(total, device=cu.device)
+        seq = torch.searchsorted(cu[1:], token, right=True)
+        return seq, token - cu[seq.clamp(max=cu.shape[0] - 2)]
+
+    seq_q, pos_q = rows(cu_q, q.shape[0])
+    seq_k, pos_k = rows(cu_k, k.shape[0])
+
+    def packed_mask(b, h, q_idx, kv_idx):
+        keep = seq_q[q_idx] == seq_k[kv_idx]
+        if mask_mod is not None:
+            keep = keep & mask_mod(seq_q[q_idx], h, pos_q[q_idx], pos_k[kv_idx])
+        return keep
+
+    def packed_score(score, b, h, q_idx, kv_idx):
+        return score_mod(score, seq_q[q_idx], h, pos_q[q_idx], pos_k[kv_idx])
+
+    out, lse = flex(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)),
+                    score_mod=packed_score if score_mod is not None else None, mask_mod=packed_mask, scale=scale,
+                    enable_gqa=enable_gqa, return_lse=True)
+    return out[0].transpose(0, 1), lse[0]

@@ -2,7 +2,7 @@
 float64 autograd run on each sequence alone (tests/reference.py's tolerance rule): dq, dk, dv of ragged GQA packs
 with empty and one-token sequences, M != N both ways, lengths on and off the tiles; no mask, causal (the diagonal
 walk), softcap with causal (a score_mod derivative), ALiBi, a window (the mask on every tile); the LSE's gradient;
-keys no query reaches get zero gradients; what it does not serve raises NotImplementedError.
+keys no query reaches get zero gradients; what it does not serve takes the document-mask path, right too.
 
     pytest -m gpu tests/test_varlen_bwd_gpu.py
 """
@@ -116,15 +116,30 @@ def test_lse_gradient():
                                      what=f"sequence {s} {name}")
 
 
-def test_what_it_does_not_serve_says_so():
-    q, k, v = _leaves([10], [10], 2, 2, 256, torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="head dims"):
-        flex_varlen(q, k, v, _cu([10]).cuda(), _cu([10]).cuda(), 10, 10)
-    q, k, v = _leaves([10], [10], 2, 2, 64, torch.bfloat16)
-    bias = torch.zeros(2, device="cuda", requires_grad=True)
-    with pytest.raises(NotImplementedError, match="requires grad"):
-        flex_varlen(q, k, v, _cu([10]).cuda(), _cu([10]).cuda(), 10, 10,
-                    score_mod=lambda s, b, h, qi, ki: s + bias[h])
+@pytest.mark.parametrize("case", ["head_dim_256", "bias_that_learns"])
+def test_what_the_packed_backward_does_not_serve_takes_the_document_mask(case):
+    """Head dims above 128 and a mod's captured tensor that needs a gradient: flex() over the pack with a document
+    mask gives the gradients (q, k, v, and the bias's), against the dense path in float64 on the CPU."""
+    from fa3_inductor.varlen import _dense
+
+    lengths = [10, 1, 130]
+    d = 256 if case == "head_dim_256" else 64
+    torch.manual_seed(4)
+    q, k, v = _leaves(lengths, lengths, 4, 2, d, torch.bfloat16)
+    bias = torch.randn(4, device="cuda", requires_grad=case == "bias_that_learns")
+    cu = _cu(lengths)
+    out = flex_varlen(q, k, v, cu.cuda(), cu.cuda(), 130, 130, mask_mod=mods.causal, enable_gqa=True,
+                      score_mod=lambda s, b, h, qi, ki: s + bias[h] * (ki - qi) / 64)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    leaves64 = [t.detach().cpu().double().requires_grad_() for t in (q, k, v, bias)]
+    ref, _ = _dense(*leaves64[:3], cu, cu, lambda s, b, h, qi, ki: s + leaves64[3][h] * (ki - qi) / 64, mods.causal,
+                    d ** -0.5, True)
+    ref.backward(dout.cpu().double())
+    for name, got, want in zip(("dq", "dk", "dv", "dbias"), (q.grad, k.grad, v.grad, bias.grad), leaves64):
+        if name == "dbias" and case != "bias_that_learns":
+            continue
+        assert_matches_reference(got.cpu(), want.grad, q.dtype, what=name)
 
 
 def test_transformers_packed_training_takes_the_varlen_backward(monkeypatch):

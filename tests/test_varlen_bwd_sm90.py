@@ -89,3 +89,32 @@ def test_sm90_compile_no_spills(head_dim, variant):
                                                **_mods(variant))[1])
     assert main.hgmma > 0 and main.spill_instructions == 0, (main.hgmma, main.spill_instructions)
     assert main.shared <= 227 * 1024
+
+
+@pytest.mark.parametrize("variant", ["causal", "softcap_per_sequence"])
+def test_document_mask_path_gives_flex_varlen_gradients(our_kernels, variant):
+    """Where the packed backward does not serve, flex_varlen's gradients come from flex() over the pack with a
+    document mask (varlen_grad.through_document_mask): the same output, LSE and gradients as its dense path, mods
+    seeing the sequence index and positions within it (empty and one-token sequences, M != N)."""
+    from fa3_inductor.varlen import _dense
+    from fa3_inductor.varlen_grad import through_document_mask
+    from reference import TOLERANCE, rel_error
+
+    lq, lk = [5, 0, 21, 1, 9], [7, 3, 21, 1, 0]
+    cu_q, cu_k = (torch.nn.functional.pad(torch.tensor(n).cumsum(0), (1, 0)).int() for n in (lq, lk))
+    torch.manual_seed(0)
+    leaves = [torch.randn(sum(n), h, 16, requires_grad=True) for n, h in ((lq, 4), (lk, 2), (lk, 2))]
+    bias = torch.randn(len(lq))
+    score_mod = (lambda s, b, h, q_idx, kv_idx: s + bias[b] * (kv_idx - q_idx)) if variant != "causal" else None
+    mask_mod = mods.causal
+    out, lse = through_document_mask(*leaves, cu_q, cu_k, score_mod, mask_mod, 0.25, True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad((out, lse), leaves, (dout, torch.ones_like(lse)))
+    ref_out, ref_lse = _dense(*leaves, cu_q, cu_k, score_mod, mask_mod, 0.25, True)
+    ref_grads = torch.autograd.grad((ref_out, ref_lse), leaves, (dout, torch.ones_like(ref_lse)))
+    assert rel_error(out, ref_out) <= TOLERANCE[torch.float32]
+    assert torch.equal(lse.isneginf(), ref_lse.isneginf())
+    finite = ~ref_lse.isinf()
+    assert (lse[finite] - ref_lse[finite]).abs().max() <= 1e-4
+    for got, want in zip(grads, ref_grads):
+        assert rel_error(got, want) <= TOLERANCE[torch.float32]
