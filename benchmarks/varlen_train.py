@@ -35,6 +35,9 @@ from serving import (FLUSH_BYTES, Clock, VarlenCase, _error, _rel, _sdpa, _slug,
 CASES = [VarlenCase(16384, 6, 16, 128), VarlenCase(16384, 24, 16, 128), VarlenCase(16384, 6, 16, 64),
          VarlenCase(16384, 24, 16, 64)]
 IMPLS = ("ours", "docmask", "cudnn", "fa2", "flex")
+# --bwd-variants: our packed backward with prepare_varlen_backward's options, timed as the forward (no autograd) and
+# launch_varlen_backward, beside each other ("ours[name]")
+BWD_VARIANTS = {"default": {}, "grid_per_sequence": {"tile_table": False}}
 
 
 def _grads(outs: list, leaves: list, douts: list) -> Callable:
@@ -55,7 +58,31 @@ def _kernel_times(fn: Callable, calls: int = 5) -> dict:
     return dict(sorted(times.items(), key=lambda kv: -kv[1])[:8])
 
 
-def case_row(c: VarlenCase, device: torch.device, clock: Clock, flex_fn: Callable, profile: bool = False) -> dict:
+def _direct(q, k, v, dout, cu, longest, options: dict) -> Callable:
+    """Our packed forward (no autograd) and launch_varlen_backward with ``options``: (dq, dk, dv) as [1, H, T, D]."""
+    import math
+
+    import fa3_inductor
+    from fa3_inductor import mods
+    from fa3_inductor.templates.hopper_bwd.varlen import launch_varlen_backward
+    from fa3_inductor.varlen import generated_mod
+
+    mask_fn, mask_bufs, _ = generated_mod(mods.causal, "mask", "gl")
+
+    def run():
+        with torch.no_grad():
+            out, lse = fa3_inductor.flex_varlen(q, k, v, cu, cu, longest, longest, mask_mod=mods.causal,
+                                                return_lse=True)
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        launch_varlen_backward(q, k, v, out, dout, lse / math.log(2.0), *grads, cu, cu, longest,
+                               sm_scale=q.shape[-1] ** -0.5, mask_mod=mask_fn, mask_bufs=mask_bufs, causal=True,
+                               **options)
+        return [g.transpose(0, 1).unsqueeze(0) for g in grads]
+    return run
+
+
+def case_row(c: VarlenCase, device: torch.device, clock: Clock, flex_fn: Callable, profile: bool = False,
+             variants: tuple = ()) -> dict:
     """One pack: every impl's fwd+bwd ms, TFLOP/s and gradient difference from ours."""
     from torch.nn.attention import sdpa_kernel
     from torch.nn.attention.flex_attention import create_block_mask
@@ -97,6 +124,7 @@ def case_row(c: VarlenCase, device: torch.device, clock: Clock, flex_fn: Callabl
 
     impls = {"ours": ours, "docmask": four_way(fa3_inductor.flex), "cudnn": per_doc("cudnn"), "fa2": per_doc("flash"),
              "flex": four_way(flex_fn)}
+    impls.update({f"ours[{name}]": _direct(q, k, v, dout, cu, longest, BWD_VARIANTS[name]) for name in variants})
     ref = ours()
     for name, fn in impls.items():
         try:
@@ -108,7 +136,8 @@ def case_row(c: VarlenCase, device: torch.device, clock: Clock, flex_fn: Callabl
         except Exception as exc:   # an impl that cannot run this pack is reported, not fatal
             row.setdefault("errors", {})[name] = _error(exc)
     if profile:
-        row["kernels"] = {name: _kernel_times(impls[name]) for name in ("ours", "docmask")}
+        row["kernels"] = {name: _kernel_times(impls[name]) for name in ("ours", "docmask")
+                          + tuple(f"ours[{v}]" for v in variants)}
     for name in IMPLS[1:]:
         if "ours_ms" in row and f"{name}_ms" in row:
             row[f"vs_{name}"] = row[f"{name}_ms"] / row["ours_ms"]
@@ -135,6 +164,11 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     for r in rows:
         if "kernels" in r:
             lines += ["", f"Kernels, GPU µs a call ({r['docs']} docs D{r['D']}): " + json.dumps(r["kernels"])]
+    variants = [k[:-3] for k in (rows[0] if rows else {}) if k.startswith("ours[") and k.endswith("_ms")]
+    if variants:
+        lines += ["", "Backward variants (the forward and launch_varlen_backward, no autograd), fwd+bwd ms: "
+                  + "; ".join(f"{r['docs']} docs D{r['D']}: " + ", ".join(f"{v} {r[v + '_ms']:.3f}" for v in variants
+                                                                         if v + "_ms" in r) for r in rows)]
     errors = {f"{r['docs']} docs D{r['D']}": r["errors"] for r in rows if "errors" in r}
     if errors:
         lines += ["", "Errors: " + json.dumps(errors)]
@@ -150,6 +184,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--label", default="", help="appended to the result files' names")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU µs of ours and docmask (torch.profiler)")
+    ap.add_argument("--bwd-variants", nargs="*", default=[], choices=sorted(BWD_VARIANTS),
+                    help="our packed backward's variants, timed beside the rest (BWD_VARIANTS)")
     ap.add_argument("--head-start-ms", type=float, default=4.0,
                     help="GPU sleep before each timed call, so that the host's launches are queued before it starts: "
                          "the time is the GPU's (host µs per call are reported beside it)")
@@ -174,7 +210,7 @@ def main() -> None:
     rows = []
     started = time.time()
     for c in CASES:
-        rows.append(case_row(c, device, clock, flex_fn, args.profile))
+        rows.append(case_row(c, device, clock, flex_fn, args.profile, tuple(args.bwd_variants)))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "lengths"}), flush=True)
     meta["wall_s"] = round(time.time() - started, 1)
     label = f"-{args.label}" if args.label else ""

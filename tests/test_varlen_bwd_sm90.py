@@ -41,10 +41,11 @@ def test_launch_layout(variant):
     """Grid (KV tiles of the longest sequence, sequences x kv heads); the walk follows the mask: the diagonal walk for
     causal, the mask on every tile for another mask_mod; scratch rows cover the pack plus a tile; no packed offsets
     or block tables reach a dense launch."""
-    pre, main, convert = prepare_varlen_backward(*_inputs(), CU, CU, 700, sm_scale=0.1, **_mods(variant))
+    tiles, pre, main, convert = prepare_varlen_backward(*_inputs(), CU, CU, 700, sm_scale=0.1, **_mods(variant))
     kernel, args, kwargs, grid = main
-    assert grid == (6, 3 * 2)                                  # cdiv(700, 128) tiles, 3 sequences x 2 kv heads
-    assert kwargs["PACK"].VARLEN and args[-1][0] is CU and args[-2] == ()
+    assert grid == (1000 // 128 + 3 + 1, 2)                    # virtual KV tiles, kv heads
+    assert kwargs["PACK"].VARLEN and kwargs["PACK"].TILE_TABLE and args[-1][:2] == (CU, CU) and args[-2] == ()
+    assert args[-1][2] is tiles[1][1] and tiles[1][2:] == (3, 11, 3) and tiles[3] == (1,)   # B, T, halvings
     assert kwargs["SPARSE"].CAUSAL_WALK == (variant == "causal")
     assert kwargs["SPARSE"].DENSE_MASK == (variant == "window") and not kwargs["SPARSE"].HAS_BLOCK_MASK
     assert not kwargs["FLAGS"].EVEN_N and not kwargs["SCHED"].PERSISTENT and not kwargs["SCHED"].DQ_FRAG
@@ -86,7 +87,7 @@ def test_sm90_compile_no_spills(head_dim, variant):
 
     q, k, v, out, dout, lse, *_ = _inputs(head_dim)
     main = sass_report(compile_varlen_backward(q, k, v, out, dout, lse, CU, CU, 700, sm_scale=head_dim ** -0.5,
-                                               **_mods(variant))[1])
+                                               **_mods(variant))[2])
     assert main.hgmma > 0 and main.spill_instructions == 0, (main.hgmma, main.spill_instructions)
     assert main.shared <= 227 * 1024
 
@@ -118,3 +119,20 @@ def test_document_mask_path_gives_flex_varlen_gradients(our_kernels, variant):
     assert (lse[finite] - ref_lse[finite]).abs().max() <= 1e-4
     for got, want in zip(grads, ref_grads):
         assert rel_error(got, want) <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("lengths", [[5, 0, 300, 1, 128, 257, 0, 40], [1000], [0, 0, 129]])
+def test_tile_table_gives_each_virtual_tile_its_sequence(cpu_kernels, lengths):
+    """packed_tile_table_kernel (Triton's interpreter): virtual tile t belongs to the last sequence b whose tiles start
+    at or before it (o_b = CU_K[b] // 128 + b); every real KV tile (b, j) sits at o_b + j, and no two collide."""
+    from fa3_inductor.templates.hopper_bwd.bwd_sm90 import packed_tile_table_kernel
+
+    cu = torch.nn.functional.pad(torch.tensor(lengths).cumsum(0), (1, 0)).int()
+    B = len(lengths)
+    table = torch.full((int(cu[-1]) // 128 + B + 1,), -1, dtype=torch.int32)
+    packed_tile_table_kernel[(1,)](cu, table, B, table.shape[0], max(1, (B - 1).bit_length()) + 1, BLOCK_N=128,
+                                   BLOCK=64 if table.shape[0] <= 64 else 1024)
+    starts = [int(cu[b]) // 128 + b for b in range(B)]
+    assert table.tolist() == [max(b for b in range(B) if starts[b] <= t) for t in range(table.shape[0])]
+    real = [starts[b] + j for b in range(B) for j in range(-(-lengths[b] // 128))]
+    assert len(set(real)) == len(real) and max(real, default=0) < table.shape[0]

@@ -169,6 +169,8 @@ class BwdSparsity:
 class BwdPacking:
     """Packed variable-length sequences (module docstring, "Packed sequences")."""
     VARLEN: bool = False
+    TILE_TABLE: bool = False   # CTAs over virtual KV tiles, each one's sequence read from a table (pack_args[2]);
+                               # else the grid (KV tiles of the longest sequence, sequences x K/V heads)
 
 
 DENSE = BwdPacking()
@@ -335,7 +337,7 @@ def _producer(descs, bars, smem, sizes, tables, table_meta, cta, pack, TILE: gl.
             cnt = _producer_tile(kv_tile, kvh, cnt, cta[2].index(b), b, descs, bars, smem, sizes, tables,
                                  table_meta, TILE, SPARSE, FLAGS)
     elif PACK.VARLEN:
-        kv_tile, kvh = _cta_coords(cta, SCHED)
+        kv_tile, kvh = _packed_coords(cta, pack, sizes[1] // FLAGS.GQA_GROUP, TILE, SCHED, PACK)
         _producer_packed(kv_tile, kvh, descs, bars, smem, sizes, tables, table_meta, pack, TILE, SPARSE, FLAGS)
     else:
         kv_tile, kvh = _cta_coords(cta, SCHED)
@@ -393,10 +395,26 @@ def _load_q_do(cnt, z, hq, row, descs, bars, smem, NUM_STAGES: gl.constexpr):
 @gluon.jit
 def _seq_span(pack, seq):
     """PACK.VARLEN: (first query row, query length, first key row, key length) of packed sequence ``seq``."""
-    cu_q, cu_k = pack
+    cu_q = pack[0]
+    cu_k = pack[1]
     q_row0 = gl.load(cu_q + seq)
     k_row0 = gl.load(cu_k + seq)
     return q_row0, gl.load(cu_q + seq + 1) - q_row0, k_row0, gl.load(cu_k + seq + 1) - k_row0
+
+
+@gluon.jit
+def _packed_coords(cta, pack, HKV, TILE: gl.constexpr, SCHED: gl.constexpr, PACK: gl.constexpr):
+    """PACK.VARLEN: (KV tile within its sequence, sequence * HKV + hkv) of this CTA. PACK.TILE_TABLE: program_id(0) is
+    a virtual tile; the table (pack[2]) gives its sequence b, whose tiles start at virtual tile CU_K[b] // BLOCK_N + b
+    (past a sequence's last tile: an empty CTA). Else the grid's coordinates."""
+    if PACK.TILE_TABLE:
+        t = gl.program_id(0)
+        seq = gl.load(pack[2] + t)
+        kv_tile = t - (gl.load(pack[1] + seq) // TILE.BLOCK_N + seq)
+        kvh = seq * HKV + gl.program_id(1)
+    else:
+        kv_tile, kvh = _cta_coords(cta, SCHED)
+    return kv_tile, kvh
 
 
 @gluon.jit
@@ -538,7 +556,10 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
                                      descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
                                      SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, SCHED, PACK)
     else:
-        kv_tile, kvh = _cta_coords(cta, SCHED)
+        if PACK.VARLEN:
+            kv_tile, kvh = _packed_coords(cta, rows[5], sizes[1] // FLAGS.GQA_GROUP, TILE, SCHED, PACK)
+        else:
+            kv_tile, kvh = _cta_coords(cta, SCHED)
         _consumer_run_tile(WG, kv_tile, kvh, bars[0], 0, 0, 0, cta, descs, bars, smem, sizes, tables, table_meta,
                            rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, SCHED, PACK)
     if SCHED.DQ_TMA:
@@ -1258,3 +1279,20 @@ def bwd_sm90_dq_convert_frag_kernel(DQ_ACC, DQ, dq_strides, HQ, M, M_PAD, ds_sca
     rows = mt * 64 + r
     ptrs = DQ + z * dq_strides[0] + hq * dq_strides[1] + rows * dq_strides[2] + cb * 64 + c
     tl.store(ptrs, (acc * ds_scale).to(DQ.dtype.element_ty), mask=rows < M)
+
+
+@triton.jit(do_not_specialize=["B", "T", "STEPS"])
+def packed_tile_table_kernel(CU_K, TABLE, B, T, STEPS, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr):
+    """PACK.TILE_TABLE's table: for virtual KV tiles t in [BLOCK * pid, ...) (t < T), the sequence b whose tiles start
+    at or before t: the largest b < B with o_b = CU_K[b] // BLOCK_N + b <= t (o increases strictly, o_0 = 0), by a
+    binary search of STEPS >= ceil(log2(B)) + 1 halvings."""
+    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    lo = tl.zeros([BLOCK], tl.int32)
+    hi = tl.full([BLOCK], B - 1, tl.int32)
+    for _ in range(STEPS):
+        mid = (lo + hi + 1) // 2
+        below = tl.load(CU_K + mid) // BLOCK_N + mid <= t
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid - 1)
+    tl.store(TABLE + t, lo, mask=t < T)
+

@@ -30,15 +30,17 @@ from ..placeholder import placeholder
 from ..tma import tma_aligned
 from ..wide_scores import wide_scores
 from ..modgen import mod_info
-from .bwd_sm90 import BwdFlags, BwdPacking, BwdSchedule, BwdSparsity, BwdTile, fa3_bwd_sm90_kernel
+from .bwd_sm90 import (BwdFlags, BwdPacking, BwdSchedule, BwdSparsity, BwdTile, fa3_bwd_sm90_kernel,
+                       packed_tile_table_kernel)
 from .configs import SMEM_LIMIT, SUPPORTED_HEAD_DIMS, BwdSm90Config, get_bwd_config, tile_head_dims
 from .host import Launch, _curved, _desc, _dq_acc_desc, _launched_mods, _pass_launches
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _MAX_RECORDED = 256
-_RECORDED: dict = {}   # launch key -> the three recorded launches (runtime/fast_launch.py)
+_RECORDED: dict = {}   # launch key -> the recorded launches (runtime/fast_launch.py)
 on_clear(_RECORDED.clear)
 _ROW_PAD = 64   # DQ_ACC / STATS rows past the pack: the last sequence's last query tile reaches up to 63 past it
+_TABLE_BLOCK = 1024   # virtual tiles a program of the tile-table pass
 
 
 def varlen_bwd_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -80,9 +82,9 @@ def prepare_varlen_backward(
     score_grad_mod: Any = None, mask_mod: Any = None, causal: bool = False,
     score_bufs: Sequence[torch.Tensor] = (), mask_bufs: Sequence[torch.Tensor] = (),
     config: Optional[BwdSm90Config] = None, scratch: Optional[Sequence[torch.Tensor]] = None,
-    tensors: Optional[list] = None,
+    tensors: Optional[list] = None, tile_table: bool = True,
 ) -> list[Launch]:
-    """The three launches (preprocess, main kernel, dQ convert) of the backward of one flex_varlen call over packed
+    """The four launches (tile table, preprocess, main kernel, dQ convert) of the backward of one flex_varlen call over packed
     ``q [TQ, HQ, D]``, ``k [TK, HKV, D]``, ``v [TK, HKV, D]``, ``out`` / ``dout [TQ, HQ, D]``, ``lse [HQ, TQ]``
     (float32, log2 units, -inf on rows that saw no key), writing ``dq``, ``dk``, ``dv`` (their inputs' shapes; dk
     and dv contiguous) in place. ``grad_lse``: the LSE's incoming gradient [HQ, TQ] in log2 units, or None. The mods
@@ -146,10 +148,11 @@ def prepare_varlen_backward(
                         P_CARRY16=cfg.p_regs and cfg.overlap != 0 and (score_mod is not None or masked
                                                                         or cfg.overlap == 1))
 
-    stats, dq_acc = scratch if scratch is not None else varlen_backward_scratch(q)
+    scratch = scratch if scratch is not None else varlen_backward_scratch(q, k, B)
+    stats, dq_acc, table = scratch
     m_pad = stats.shape[2]
     tensors = tensors or launch_tensors(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, grad_lse,
-                                        (stats, dq_acc), score_bufs, mask_bufs)
+                                        scratch, score_bufs, mask_bufs)
     q4, k4, v4, out4, dout4, lse3, dq4, _, _, _, _, grad_lse3 = tensors[:12]
     dummy = placeholder(q.device, torch.int32)
     main = (
@@ -157,33 +160,42 @@ def prepare_varlen_backward(
         (_desc(q4, [1, 1, tile.BLOCK_M, DT]), _desc(dout4, [1, 1, tile.BLOCK_M, DT]),
          _desc(k4, [1, 1, tile.BLOCK_N, DT]), _desc(v4, [1, 1, tile.BLOCK_N, DT]), _dq_acc_desc(dq_acc, tile),
          stats, dq_acc, dk, dv, dummy, dummy, dummy, dummy, tuple(score_bufs), tuple(mask_bufs),
-         1, HQ, 1, TQ, TK, m_pad, 1, 1, 1, 1, *scalars, (), (cu_seqlens_q, cu_seqlens_k)),
+         1, HQ, 1, TQ, TK, m_pad, 1, 1, 1, 1, *scalars, (),
+         (cu_seqlens_q, cu_seqlens_k, table) if tile_table else (cu_seqlens_q, cu_seqlens_k)),
         dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse,
-             FLAGS=flags, SCHED=sched, PACK=BwdPacking(VARLEN=True), num_warps=4, maxnreg=cfg.maxnreg),
-        (triton.cdiv(max(int(max_seqlen_k), 1), tile.BLOCK_N), B * HKV))
+             FLAGS=flags, SCHED=sched, PACK=BwdPacking(VARLEN=True, TILE_TABLE=tile_table), num_warps=4,
+             maxnreg=cfg.maxnreg),
+        (table.shape[0], HKV) if tile_table else (triton.cdiv(max(int(max_seqlen_k), 1), tile.BLOCK_N), B * HKV))
+    # the table of virtual KV tiles' sequences (bwd_sm90.packed_tile_table_kernel)
+    tiles = (packed_tile_table_kernel,
+             (cu_seqlens_k, table, B, table.shape[0], max(1, (B - 1).bit_length()) + 1),
+             dict(BLOCK_N=tile.BLOCK_N, BLOCK=_TABLE_BLOCK, num_warps=4),
+             (triton.cdiv(table.shape[0], _TABLE_BLOCK),))
     preprocess, convert = _pass_launches(out4, dout4, lse3, grad_lse3, stats, dq_acc, dq4, m_pad, scalars[2], False, D)
-    return [preprocess, main, convert]
+    return [tiles, preprocess, main, convert]
 
 
-def varlen_backward_scratch(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(STATS [HQ, 2, M_PAD], DQ_ACC [HQ, M_PAD, D]) float32 for the backward of packed ``q [TQ, HQ, D]``: rows up to
-    a tile past the pack (the last sequence's last query tile reaches up to 63 rows past it). The preprocess launch
-    writes both before anything reads them.
+def varlen_backward_scratch(q: torch.Tensor, k: torch.Tensor, batch: int) -> tuple[torch.Tensor, ...]:
+    """(STATS [HQ, 2, M_PAD], DQ_ACC [HQ, M_PAD, D] float32, the tile table [TK // 128 + batch + 1] int32) for the
+    backward of packed ``q [TQ, HQ, D]``, ``k [TK, HKV, D]`` in ``batch`` sequences: rows up to a tile past the pack
+    (the last sequence's last query tile reaches up to 63 rows past it), a virtual KV tile's sequence. The table
+    and preprocess launches write them before anything reads them.
 
     Example::
 
-        >>> [tuple(t.shape) for t in varlen_backward_scratch(torch.empty(1000, 4, 64))]
-        [(4, 2, 1088), (4, 1088, 64)]
+        >>> [tuple(t.shape) for t in varlen_backward_scratch(torch.empty(1000, 4, 64), torch.empty(1000, 2, 64), 3)]
+        [(4, 2, 1088), (4, 1088, 64), (11,)]
     """
     TQ, HQ, D = q.shape
     m_pad = triton.cdiv(TQ, _ROW_PAD) * _ROW_PAD + _ROW_PAD
     return (torch.empty((HQ, 2, m_pad), dtype=torch.float32, device=q.device),
-            torch.empty((HQ, m_pad, D), dtype=torch.float32, device=q.device))
+            torch.empty((HQ, m_pad, D), dtype=torch.float32, device=q.device),
+            torch.empty((k.shape[0] // 128 + batch + 1,), dtype=torch.int32, device=q.device))
 
 
 def launch_tensors(q, k, v, out, dout, lse, dq, dk, dv, cu_q, cu_k, grad_lse, scratch, score_bufs, mask_bufs
                    ) -> list[Optional[torch.Tensor]]:
-    """Every tensor the three launches take, in a fixed order: the packed [1, H, T, D] views of q, k, v, out, dout and
+    """Every tensor the launches take, in a fixed order: the packed [1, H, T, D] views of q, k, v, out, dout and
     dq, LSE as [1, HQ, TQ], dk, dv, the offsets, the LSE's gradient (or None), the scratch and the mods' buffers."""
     dtype = q.dtype
     return [packed_view(q), packed_view(k), packed_view(v), packed_view(out.to(dtype)), packed_view(dout.to(dtype)),
@@ -210,7 +222,7 @@ def launch_varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
         for t in (dq, dk, dv):
             t.zero_()
         return
-    scratch = varlen_backward_scratch(q)
+    scratch = varlen_backward_scratch(q, k, cu_seqlens_q.shape[0] - 1)
     tensors = launch_tensors(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                              options.get("grad_lse"), scratch, options.get("score_bufs", ()),
                              options.get("mask_bufs", ()))
@@ -238,12 +250,12 @@ def launch_varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
 def compile_varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                             dout: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
                             cu_seqlens_k: torch.Tensor, max_seqlen_k: int, **options: Any) -> list[Any]:
-    """Compile (not run) the three kernels :func:`launch_varlen_backward` launches, for sm90; tensors may be on the
+    """Compile (not run) the kernels :func:`launch_varlen_backward` launches, for sm90; tensors may be on the
     CPU (needs a process without TRITON_INTERPRET=1). Returns the CompiledKernels in launch order.
 
     Example::
 
-        >>> pre, main, convert = compile_varlen_backward(q, k, v, out, dout, lse, cu_q, cu_k, 700,
+        >>> table, pre, main, convert = compile_varlen_backward(q, k, v, out, dout, lse, cu_q, cu_k, 700,
         ...                                              sm_scale=0.088)   # doctest: +SKIP
     """
     from triton.backends.compiler import GPUTarget
