@@ -37,7 +37,7 @@ CASES = [VarlenCase(16384, 6, 16, 128), VarlenCase(16384, 24, 16, 128), VarlenCa
 IMPLS = ("ours", "docmask", "cudnn", "fa2", "flex")
 # --bwd-variants: our packed backward with prepare_varlen_backward's options, timed as the forward (no autograd) and
 # launch_varlen_backward, beside each other ("ours[name]")
-BWD_VARIANTS = {"default": {}, "grid_per_sequence": {"tile_table": False}}
+BWD_VARIANTS: dict[str, dict] = {"default": {}}
 
 
 def _grads(outs: list, leaves: list, douts: list) -> Callable:
@@ -74,7 +74,7 @@ def _direct(q, k, v, dout, cu, longest, options: dict) -> Callable:
             out, lse = fa3_inductor.flex_varlen(q, k, v, cu, cu, longest, longest, mask_mod=mods.causal,
                                                 return_lse=True)
         grads = [torch.empty_like(t) for t in (q, k, v)]
-        launch_varlen_backward(q, k, v, out, dout, lse / math.log(2.0), *grads, cu, cu, longest,
+        launch_varlen_backward(q, k, v, out, dout, lse / math.log(2.0), *grads, cu, cu,
                                sm_scale=q.shape[-1] ** -0.5, mask_mod=mask_fn, mask_bufs=mask_bufs, causal=True,
                                **options)
         return [g.transpose(0, 1).unsqueeze(0) for g in grads]

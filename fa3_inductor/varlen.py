@@ -232,7 +232,7 @@ def flex_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
                    mask_bufs=mask_bufs)
 
     if needs_grad:
-        return _with_gradients(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, scale, score_mod,
+        return _with_gradients(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, score_mod,
                                mask_mod, causal, run_forward, return_lse)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     lse = torch.empty(q.shape[1], q.shape[0], device=q.device, dtype=torch.float32)
@@ -240,7 +240,7 @@ def flex_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
     return (out, lse.mul_(_LN2)) if return_lse else out
 
 
-def _with_gradients(q, k, v, cu_q, cu_k, max_seqlen_k, scale, score_mod, mask_mod, causal, run_forward,
+def _with_gradients(q, k, v, cu_q, cu_k, scale, score_mod, mask_mod, causal, run_forward,
                     return_lse):
     """flex_varlen through varlen_grad.VarlenAttention: the forward as given, the sm90 packed backward; where that
     does not serve, the document-mask path."""
@@ -255,7 +255,7 @@ def _with_gradients(q, k, v, cu_q, cu_k, max_seqlen_k, scale, score_mod, mask_mo
         return _through_document_mask(q, k, v, cu_q, cu_k, score_mod, mask_mod, scale, return_lse, why_not)
     mods = dict(score_mod=score_fn, score_grad_mod=score_derivative(score_mod) if score_fn is not None else None,
                 mask_mod=mask_fn, causal=causal, score_bufs=score_bufs, mask_bufs=mask_bufs)
-    out, lse = VarlenAttention.apply(q, k, v, cu_q, cu_k, max_seqlen_k, scale, run_forward, mods)
+    out, lse = VarlenAttention.apply(q, k, v, cu_q, cu_k, scale, run_forward, mods)
     return (out, lse) if return_lse else out
 
 

@@ -78,13 +78,13 @@ class VarlenAttention(torch.autograd.Function):
     ``backward`` the sm90 packed backward with the same mods. Returns (out, natural-log LSE)."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_seqlen_k: int,
-                scale: float, run_forward: Callable, mods: dict) -> tuple[Tensor, Tensor]:
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, scale: float,
+                run_forward: Callable, mods: dict) -> tuple[Tensor, Tensor]:
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
         lse2 = torch.empty(q.shape[1], q.shape[0], device=q.device, dtype=torch.float32)
         run_forward(out, lse2)
         ctx.save_for_backward(q, k, v, out, lse2, cu_q, cu_k)
-        ctx.max_seqlen_k, ctx.scale, ctx.mods = max_seqlen_k, scale, mods
+        ctx.scale, ctx.mods = scale, mods
         ctx.mark_non_differentiable(cu_q, cu_k)
         return out, lse2 * _LN2
 
@@ -96,9 +96,9 @@ class VarlenAttention(torch.autograd.Function):
         dout = torch.zeros_like(out) if dout is None else dout.to(q.dtype).contiguous()
         # d loss / d LSE2 = d loss / d LSE * ln 2 (the kernels' LSE is in log2 units)
         grad_lse = None if dlse is None else (dlse.float() * _LN2).contiguous()
-        launch_varlen_backward(q, k, v, out, dout, lse2, dq, dk, dv, cu_q, cu_k, ctx.max_seqlen_k, sm_scale=ctx.scale,
-                               grad_lse=grad_lse, **ctx.mods)
-        return dq, dk, dv, None, None, None, None, None, None
+        launch_varlen_backward(q, k, v, out, dout, lse2, dq, dk, dv, cu_q, cu_k, sm_scale=ctx.scale, grad_lse=grad_lse,
+                               **ctx.mods)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def through_document_mask(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, score_mod: Optional[Callable],

@@ -38,13 +38,13 @@ def _mods(variant):
 
 @pytest.mark.parametrize("variant", ["none", "causal", "window"])
 def test_launch_layout(variant):
-    """Grid (KV tiles of the longest sequence, sequences x kv heads); the walk follows the mask: the diagonal walk for
-    causal, the mask on every tile for another mask_mod; scratch rows cover the pack plus a tile; no packed offsets
-    or block tables reach a dense launch."""
-    tiles, pre, main, convert = prepare_varlen_backward(*_inputs(), CU, CU, 700, sm_scale=0.1, **_mods(variant))
+    """Grid (virtual KV tiles, kv heads) over the tile table the first launch writes; the walk follows the mask: the
+    diagonal walk for causal, the mask on every tile for another mask_mod; scratch rows cover the pack plus a tile;
+    no block tables or CTA order."""
+    tiles, pre, main, convert = prepare_varlen_backward(*_inputs(), CU, CU, sm_scale=0.1, **_mods(variant))
     kernel, args, kwargs, grid = main
     assert grid == (1000 // 128 + 3 + 1, 2)                    # virtual KV tiles, kv heads
-    assert kwargs["PACK"].VARLEN and kwargs["PACK"].TILE_TABLE and args[-1][:2] == (CU, CU) and args[-2] == ()
+    assert kwargs["PACK"].VARLEN and args[-1][:2] == (CU, CU) and args[-2] == ()
     assert args[-1][2] is tiles[1][1] and tiles[1][2:] == (3, 11, 3) and tiles[3] == (1,)   # B, T, halvings
     assert kwargs["SPARSE"].CAUSAL_WALK == (variant == "causal")
     assert kwargs["SPARSE"].DENSE_MASK == (variant == "window") and not kwargs["SPARSE"].HAS_BLOCK_MASK
@@ -58,10 +58,10 @@ def test_launch_layout(variant):
 def test_refusals_say_what_to_do():
     q, k, v, out, dout, lse, dq, dk, dv = _inputs()
     with pytest.raises(ValueError, match="causal=True without the causal mask_mod"):
-        prepare_varlen_backward(q, k, v, out, dout, lse, dq, dk, dv, CU, CU, 700, sm_scale=0.1, causal=True)
+        prepare_varlen_backward(q, k, v, out, dout, lse, dq, dk, dv, CU, CU, sm_scale=0.1, causal=True)
     with pytest.raises(ValueError, match="dk is not contiguous"):
         prepare_varlen_backward(q, k, v, out, dout, lse, dq, dk.transpose(0, 1).contiguous().transpose(0, 1), dv,
-                                CU, CU, 700, sm_scale=0.1)
+                                CU, CU, sm_scale=0.1)
     q256, k256, v256 = (torch.empty(10, 2, 256, dtype=torch.bfloat16) for _ in range(3))
     assert "head dims 64, 80, 96, 128" in varlen_bwd_refusal(q256, k256, v256, (9, 0))
     assert "sm90" in varlen_bwd_refusal(q, k, v, (8, 0))
@@ -86,7 +86,7 @@ def test_sm90_compile_no_spills(head_dim, variant):
     from fa3_inductor.templates.hopper_bwd.varlen import compile_varlen_backward
 
     q, k, v, out, dout, lse, *_ = _inputs(head_dim)
-    main = sass_report(compile_varlen_backward(q, k, v, out, dout, lse, CU, CU, 700, sm_scale=head_dim ** -0.5,
+    main = sass_report(compile_varlen_backward(q, k, v, out, dout, lse, CU, CU, sm_scale=head_dim ** -0.5,
                                                **_mods(variant))[2])
     assert main.hgmma > 0 and main.spill_instructions == 0, (main.hgmma, main.spill_instructions)
     assert main.shared <= 227 * 1024

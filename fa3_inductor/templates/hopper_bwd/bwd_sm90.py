@@ -58,9 +58,11 @@ Block mask (torch BlockMask, transposed tables: for each KV block, the query blo
 
 Packed sequences (PACK.VARLEN; host hopper_bwd/varlen.py, front door flex_varlen's gradients):
   Q, K, V, O, dO, dQ  [1, H, total, D] views of packed (total, H, D) tensors; dK, dV packed (total_k, HKV, D)
-  CU_Q, CU_K [B + 1]  pack_args: sequence b holds query rows CU_Q[b] : CU_Q[b + 1] and keys CU_K[b] : CU_K[b + 1]
-  grid              (ceil(max_seqlen_k / BLOCK_N), B * HKV): kz of a CTA is its sequence (the mods' b); a KV tile at
-                    or past the sequence's keys has no step. Query steps are the sequence's own BLOCK_M-row tiles
+  CU_Q, CU_K [B + 1]  pack_args[:2]: sequence b holds query rows CU_Q[b] : CU_Q[b + 1] and keys CU_K[b] : CU_K[b + 1]
+  TILES [T]         pack_args[2]: the sequence of each virtual KV tile (packed_tile_table_kernel); sequence b's tiles
+                    are virtual tiles CU_K[b] // BLOCK_N + b onwards, T = total_k // BLOCK_N + B + 1
+  grid              (T, HKV): kz of a CTA is its sequence (the mods' b); a virtual tile past its sequence's last
+                    (at most one a sequence) has no step. Query steps are the sequence's own BLOCK_M-row tiles
                     (rows relative to CU_Q[b]): all (no mask_mod), all with the mask (SPARSE.DENSE_MASK), or from the
                     KV tile's diagonal (SPARSE.CAUSAL_WALK). Rows past the sequence read LSE_P +inf (P = 0:
                     _lse_rows); K rows past it are zeroed in shared memory once landed (_kv_landed), the dense
@@ -169,8 +171,6 @@ class BwdSparsity:
 class BwdPacking:
     """Packed variable-length sequences (module docstring, "Packed sequences")."""
     VARLEN: bool = False
-    TILE_TABLE: bool = False   # CTAs over virtual KV tiles, each one's sequence read from a table (pack_args[2]);
-                               # else the grid (KV tiles of the longest sequence, sequences x K/V heads)
 
 
 DENSE = BwdPacking()
@@ -337,7 +337,7 @@ def _producer(descs, bars, smem, sizes, tables, table_meta, cta, pack, TILE: gl.
             cnt = _producer_tile(kv_tile, kvh, cnt, cta[2].index(b), b, descs, bars, smem, sizes, tables,
                                  table_meta, TILE, SPARSE, FLAGS)
     elif PACK.VARLEN:
-        kv_tile, kvh = _packed_coords(cta, pack, sizes[1] // FLAGS.GQA_GROUP, TILE, SCHED, PACK)
+        kv_tile, kvh = _packed_coords(pack, sizes[1] // FLAGS.GQA_GROUP, TILE)
         _producer_packed(kv_tile, kvh, descs, bars, smem, sizes, tables, table_meta, pack, TILE, SPARSE, FLAGS)
     else:
         kv_tile, kvh = _cta_coords(cta, SCHED)
@@ -403,18 +403,14 @@ def _seq_span(pack, seq):
 
 
 @gluon.jit
-def _packed_coords(cta, pack, HKV, TILE: gl.constexpr, SCHED: gl.constexpr, PACK: gl.constexpr):
-    """PACK.VARLEN: (KV tile within its sequence, sequence * HKV + hkv) of this CTA. PACK.TILE_TABLE: program_id(0) is
-    a virtual tile; the table (pack[2]) gives its sequence b, whose tiles start at virtual tile CU_K[b] // BLOCK_N + b
-    (past a sequence's last tile: an empty CTA). Else the grid's coordinates."""
-    if PACK.TILE_TABLE:
-        t = gl.program_id(0)
-        seq = gl.load(pack[2] + t)
-        kv_tile = t - (gl.load(pack[1] + seq) // TILE.BLOCK_N + seq)
-        kvh = seq * HKV + gl.program_id(1)
-    else:
-        kv_tile, kvh = _cta_coords(cta, SCHED)
-    return kv_tile, kvh
+def _packed_coords(pack, HKV, TILE: gl.constexpr):
+    """PACK.VARLEN: (KV tile within its sequence, sequence * HKV + hkv) of this CTA. program_id(0) is a virtual tile,
+    whose sequence b the table (pack[2]) gives; b's tiles start at virtual tile CU_K[b] // BLOCK_N + b (one past its
+    last: an empty CTA)."""
+    t = gl.program_id(0)
+    seq = gl.load(pack[2] + t)
+    kv_tile = t - (gl.load(pack[1] + seq) // TILE.BLOCK_N + seq)
+    return kv_tile, seq * HKV + gl.program_id(1)
 
 
 @gluon.jit
@@ -557,7 +553,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
                                      SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, SCHED, PACK)
     else:
         if PACK.VARLEN:
-            kv_tile, kvh = _packed_coords(cta, rows[5], sizes[1] // FLAGS.GQA_GROUP, TILE, SCHED, PACK)
+            kv_tile, kvh = _packed_coords(rows[5], sizes[1] // FLAGS.GQA_GROUP, TILE)
         else:
             kv_tile, kvh = _cta_coords(cta, SCHED)
         _consumer_run_tile(WG, kv_tile, kvh, bars[0], 0, 0, 0, cta, descs, bars, smem, sizes, tables, table_meta,
@@ -1115,7 +1111,7 @@ def fa3_bwd_sm90_kernel(
     sm_scale, qk_scale2, ds_scale,
     cta_args,                # SCHED.LPT_ORDER: (the CTA order, int32 [#KV tiles * KZ * HKV],); SCHED.PERSISTENT:
                              # (tile offsets [#CTAs + 1], tiles), int32; () otherwise (no kernel parameter)
-    pack_args,               # PACK.VARLEN: (CU_Q, CU_K) int32 [B + 1]; () otherwise (no kernel parameter)
+    pack_args,               # PACK.VARLEN: (CU_Q, CU_K, TILES) int32; () otherwise (no kernel parameter)
     SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,   # @gluon.jit mods or None
     TILE: gl.constexpr,      # BwdTile
     SPARSE: gl.constexpr,    # BwdSparsity

@@ -1,8 +1,9 @@
 """Packed variable-length sequences through the sm90 backward: bwd_sm90.py's PACK.VARLEN mode, the backward of
 ``fa3_inductor.flex_varlen`` on sm90 GPUs (templates/hopper/varlen_sm90.py is its forward).
 
-One CTA per (KV tile of 128 keys, sequence, K/V head) over ``cdiv(max_seqlen_k, 128)`` tiles a sequence; a tile at
-or past its sequence's keys runs nothing. Its query steps are the sequence's own 64-row tiles (sequence-relative
+One CTA per (KV tile of 128 keys, sequence, K/V head), over virtual KV tiles a one-launch pass maps to their
+sequences (no host read of the lengths); a virtual tile past its sequence's last (at most one a sequence) runs
+nothing. Its query steps are the sequence's own 64-row tiles (sequence-relative
 rows, so no tile straddles two sequences' starts): all of them, or with a causal mask_mod from the KV tile's
 diagonal on (BwdSparsity.CAUSAL_WALK: the two diagonal tiles take the mask, the rest run without it). Rows and keys
 past a sequence's end are the next sequence's: the kernel gives them P = 0 (rows: an LSE of +inf) or zero keys
@@ -12,7 +13,7 @@ over the packed rows (rows of the padding and of the next sequence receive zeros
 Example::
 
     >>> for kernel, args, kwargs, grid in prepare_varlen_backward(
-    ...         q, k, v, out, dout, lse, dq, dk, dv, cu_q, cu_k, 700, sm_scale=0.088):   # doctest: +SKIP
+    ...         q, k, v, out, dout, lse, dq, dk, dv, cu_q, cu_k, sm_scale=0.088):   # doctest: +SKIP
     ...     kernel[grid](*args, **kwargs)
 """
 
@@ -78,11 +79,11 @@ def _refuse(problem: str) -> None:
 def prepare_varlen_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
     dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-    max_seqlen_k: int, *, sm_scale: float, grad_lse: Optional[torch.Tensor] = None, score_mod: Any = None,
+    *, sm_scale: float, grad_lse: Optional[torch.Tensor] = None, score_mod: Any = None,
     score_grad_mod: Any = None, mask_mod: Any = None, causal: bool = False,
     score_bufs: Sequence[torch.Tensor] = (), mask_bufs: Sequence[torch.Tensor] = (),
     config: Optional[BwdSm90Config] = None, scratch: Optional[Sequence[torch.Tensor]] = None,
-    tensors: Optional[list] = None, tile_table: bool = True,
+    tensors: Optional[list] = None,
 ) -> list[Launch]:
     """The four launches (tile table, preprocess, main kernel, dQ convert) of the backward of one flex_varlen call over packed
     ``q [TQ, HQ, D]``, ``k [TK, HKV, D]``, ``v [TK, HKV, D]``, ``out`` / ``dout [TQ, HQ, D]``, ``lse [HQ, TQ]``
@@ -96,7 +97,7 @@ def prepare_varlen_backward(
 
     Example::
 
-        >>> launches = prepare_varlen_backward(q, k, v, out, dout, lse, dq, dk, dv, cu_q, cu_k, 700,
+        >>> launches = prepare_varlen_backward(q, k, v, out, dout, lse, dq, dk, dv, cu_q, cu_k,
         ...                                    sm_scale=0.088)   # doctest: +SKIP
     """
     TQ, HQ, D = q.shape
@@ -160,13 +161,13 @@ def prepare_varlen_backward(
         (_desc(q4, [1, 1, tile.BLOCK_M, DT]), _desc(dout4, [1, 1, tile.BLOCK_M, DT]),
          _desc(k4, [1, 1, tile.BLOCK_N, DT]), _desc(v4, [1, 1, tile.BLOCK_N, DT]), _dq_acc_desc(dq_acc, tile),
          stats, dq_acc, dk, dv, dummy, dummy, dummy, dummy, tuple(score_bufs), tuple(mask_bufs),
-         1, HQ, 1, TQ, TK, m_pad, 1, 1, 1, 1, *scalars, (),
-         (cu_seqlens_q, cu_seqlens_k, table) if tile_table else (cu_seqlens_q, cu_seqlens_k)),
+         1, HQ, 1, TQ, TK, m_pad, 1, 1, 1, 1, *scalars, (), (cu_seqlens_q, cu_seqlens_k, table)),
         dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse,
-             FLAGS=flags, SCHED=sched, PACK=BwdPacking(VARLEN=True, TILE_TABLE=tile_table), num_warps=4,
-             maxnreg=cfg.maxnreg),
-        (table.shape[0], HKV) if tile_table else (triton.cdiv(max(int(max_seqlen_k), 1), tile.BLOCK_N), B * HKV))
-    # the table of virtual KV tiles' sequences (bwd_sm90.packed_tile_table_kernel)
+             FLAGS=flags, SCHED=sched, PACK=BwdPacking(VARLEN=True), num_warps=4, maxnreg=cfg.maxnreg),
+        (table.shape[0], HKV))
+    # the table of virtual KV tiles' sequences (bwd_sm90.packed_tile_table_kernel): a CTA per real KV tile (and at most
+    # one empty a sequence), not the longest sequence's count for every sequence: the main kernel 1.06-1.07x faster on
+    # 24-document packs, 1.02x on 6 (H200, varlen-train-nvidia-h200-2026-11-30-0201)
     tiles = (packed_tile_table_kernel,
              (cu_seqlens_k, table, B, table.shape[0], max(1, (B - 1).bit_length()) + 1),
              dict(BLOCK_N=tile.BLOCK_N, BLOCK=_TABLE_BLOCK, num_warps=4),
@@ -206,8 +207,7 @@ def launch_tensors(q, k, v, out, dout, lse, dq, dk, dv, cu_q, cu_k, grad_lse, sc
 
 def launch_varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
                            lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: int,
-                           **options: Any) -> None:
+                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, **options: Any) -> None:
     """Run :func:`prepare_varlen_backward`'s launches (``options``: its keywords, ``sm_scale`` required) on an sm90
     GPU; ``dq``, ``dk``, ``dv`` are written in place. No query or key rows at all: zero gradients. The first call of a
     kind (tensor shapes and strides, the grid's tiles, the options) records its launches (runtime/fast_launch.py);
@@ -215,7 +215,7 @@ def launch_varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
 
     Example::
 
-        >>> launch_varlen_backward(q, k, v, out, dout, lse, dq, dk, dv, cu_q, cu_k, 700,
+        >>> launch_varlen_backward(q, k, v, out, dout, lse, dq, dk, dv, cu_q, cu_k,
         ...                        sm_scale=0.088)   # doctest: +SKIP
     """
     if q.shape[0] == 0 or k.shape[0] == 0:
@@ -226,8 +226,8 @@ def launch_varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
     tensors = launch_tensors(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                              options.get("grad_lse"), scratch, options.get("score_bufs", ()),
                              options.get("mask_bufs", ()))
-    # what a recording depends on besides the tensors: the grid's tiles, the scale, the mods, the config
-    key = ("varlen_bwd", tensor_signature(tensors), aliasing(tensors), triton.cdiv(max(int(max_seqlen_k), 1), 128),
+    # what a recording depends on besides the tensors (their shapes give the grid): the scale, the mods, the config
+    key = ("varlen_bwd", tensor_signature(tensors), aliasing(tensors),
            *((name, value) for name, value in sorted(options.items())
              if name not in ("grad_lse", "score_bufs", "mask_bufs")))
     entries = _RECORDED.get(key)
@@ -236,7 +236,7 @@ def launch_varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
             relaunch(entry, tensors)
         return
     launches = prepare_varlen_backward(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                                       max_seqlen_k, scratch=scratch, tensors=tensors, **options)
+                                       scratch=scratch, tensors=tensors, **options)
     recorded_entries = []
     for i, launch in enumerate(launches):
         launch_cached((key, i), tensors, lambda launch=launch: (*launch, "varlen_bwd"))
@@ -249,13 +249,13 @@ def launch_varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
 
 def compile_varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                             dout: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                            cu_seqlens_k: torch.Tensor, max_seqlen_k: int, **options: Any) -> list[Any]:
+                            cu_seqlens_k: torch.Tensor, **options: Any) -> list[Any]:
     """Compile (not run) the kernels :func:`launch_varlen_backward` launches, for sm90; tensors may be on the
     CPU (needs a process without TRITON_INTERPRET=1). Returns the CompiledKernels in launch order.
 
     Example::
 
-        >>> table, pre, main, convert = compile_varlen_backward(q, k, v, out, dout, lse, cu_q, cu_k, 700,
+        >>> table, pre, main, convert = compile_varlen_backward(q, k, v, out, dout, lse, cu_q, cu_k,
         ...                                              sm_scale=0.088)   # doctest: +SKIP
     """
     from triton.backends.compiler import GPUTarget
@@ -263,7 +263,6 @@ def compile_varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     from ..aot import compile_launch
 
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    launches = prepare_varlen_backward(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
-                                       **options)
+    launches = prepare_varlen_backward(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, **options)
     target = GPUTarget("cuda", 90, 32)
     return [compile_launch(kernel, args, kwargs, target) for kernel, args, kwargs, _ in launches]
