@@ -832,7 +832,7 @@ def _ds(dp, delta, p_ds, p_src, f_src, s_layout: gl.constexpr, HAS_GRAD: gl.cons
 
 @gluon.jit
 def _next_step(i, n_total, n_partial, cnt, z, hq, kv_blk, stats_h, rows_, tables, table_meta, TILE: gl.constexpr,
-               SPARSE: gl.constexpr, M=0, PACK: gl.constexpr = DENSE):
+               SPARSE: gl.constexpr, M=0, PACK: gl.constexpr = gl.constexpr(DENSE)):
     """What the overlap's step i needs of step i + 1 before issuing its S: (has_next, its first query row, its LSE
     rows, its Q / dO stage). On a head's last step: this step's query tile (clamped) and this step's stage, whose S is
     read and dropped (nothing is waited for it)."""
@@ -1091,7 +1091,7 @@ def _consumer_wg1(descs, bars, smem, sizes, tables, table_meta, rows, scalars, m
 def _producer_entry(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta,
                     SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
                     TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr, SCHED: gl.constexpr,
-                    PACK: gl.constexpr = DENSE):
+                    PACK: gl.constexpr = gl.constexpr(DENSE)):
     # (bwd_sm90_m128 enters here too, dense: its rows bundle has no packed offsets)
     _producer(descs, bars, smem, sizes, tables, table_meta, cta, rows[5] if PACK.VARLEN else (), TILE, SPARSE, FLAGS,
               SCHED, PACK)
