@@ -17,9 +17,10 @@ from fa3_inductor.varlen_grad import score_derivative
 CU = torch.tensor([0, 300, 300, 1000], dtype=torch.int32)   # three sequences, the second empty
 
 
-def _inputs(d=128, hq=4, hkv=2, total=1000):
-    q, out, dout = (torch.randn(total, hq, d, dtype=torch.bfloat16) for _ in range(3))
-    k, v = (torch.randn(total, hkv, d, dtype=torch.bfloat16) for _ in range(2))
+def _inputs(d=128, hq=4, hkv=2, total=1000, dv=None):
+    dv = dv or d
+    q, out, dout = (torch.randn(total, hq, n, dtype=torch.bfloat16) for n in (d, dv, dv))
+    k, v = (torch.randn(total, hkv, n, dtype=torch.bfloat16) for n in (d, dv))
     return q, k, v, out, dout, torch.randn(hq, total), torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -62,8 +63,10 @@ def test_refusals_say_what_to_do():
     with pytest.raises(ValueError, match="dk is not contiguous"):
         prepare_varlen_backward(q, k, v, out, dout, lse, dq, dk.transpose(0, 1).contiguous().transpose(0, 1), dv,
                                 CU, CU, sm_scale=0.1)
-    q256, k256, v256 = (torch.empty(10, 2, 256, dtype=torch.bfloat16) for _ in range(3))
-    assert "head dims 64, 80, 96, 128" in varlen_bwd_refusal(q256, k256, v256, (9, 0))
+    q112, k112, v112 = (torch.empty(10, 2, 112, dtype=torch.bfloat16) for _ in range(3))
+    assert "64/64, 80/80, 96/96, 128/128, 160/160, 192/128" in varlen_bwd_refusal(q112, k112, v112, (9, 0))
+    q256 = torch.empty(10, 2, 256, dtype=torch.bfloat16)
+    assert varlen_bwd_refusal(q256, q256, q256, (9, 0)) is None
     assert "sm90" in varlen_bwd_refusal(q, k, v, (8, 0))
     assert "float16 or bfloat16" in varlen_bwd_refusal(q.float(), k.float(), v.float(), (9, 0))
 
@@ -78,14 +81,27 @@ def test_cpu_inputs_that_need_gradients_take_the_dense_path():
     assert q.grad is not None and k.grad.shape == k.shape
 
 
+def test_wide_head_dims_run_the_wide_kernel():
+    """192 / 128 and 256 (and 160 in the 256 tiles): bwd_sm90_wide.py's packed mode over 64-key virtual tiles, dQ in
+    tiled order (sequence starts are no multiple of 64)."""
+    from fa3_inductor.templates.hopper_bwd.bwd_sm90_wide import fa3_bwd_sm90_wide_kernel
+
+    for d, dv in ((192, 128), (256, 256), (160, 160)):
+        tiles, pre, main, convert = prepare_varlen_backward(*_inputs(d, dv=dv), CU, CU, sm_scale=0.1, **_mods("causal"))
+        assert main[0] is fa3_bwd_sm90_wide_kernel and main[3] == (1000 // 64 + 3 + 1, 2), (d, main[3])
+        assert main[2]["PACK"].VARLEN and not main[2]["TILE"].DQ_FRAG and tiles[2]["BLOCK_N"] == 64
+        assert main[2]["SPARSE"].CAUSAL_WALK and main[2]["SPARSE"].SPARSE_KV == 64
+
+
 @pytest.mark.sm90_compile
 @pytest.mark.parametrize("variant", ["none", "causal", "softcap", "window"])
-@pytest.mark.parametrize("head_dim", [64, 96, 128])
-def test_sm90_compile_no_spills(head_dim, variant):
+@pytest.mark.parametrize("head_dims", [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)])
+def test_sm90_compile_no_spills(head_dims, variant):
     from fa3_inductor.templates.aot import sass_report
     from fa3_inductor.templates.hopper_bwd.varlen import compile_varlen_backward
 
-    q, k, v, out, dout, lse, *_ = _inputs(head_dim)
+    head_dim, value_dim = head_dims
+    q, k, v, out, dout, lse, *_ = _inputs(head_dim, dv=value_dim)
     main = sass_report(compile_varlen_backward(q, k, v, out, dout, lse, CU, CU, sm_scale=head_dim ** -0.5,
                                                **_mods(variant))[2])
     assert main.hgmma > 0 and main.spill_instructions == 0, (main.hgmma, main.spill_instructions)

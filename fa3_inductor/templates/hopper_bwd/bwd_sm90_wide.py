@@ -33,6 +33,10 @@ Notation (beyond bwd_sm90.py's)
                              start after such a tile (_causal_first) and (exactly causal) one below the diagonal is
                              full (_is_partial)
 
+  PACK.VARLEN                bwd_sm90's "Packed sequences" over 64-key virtual tiles (the table's BLOCK_N is 64): each
+                             warpgroup zeroes its 32 keys past the sequence's end in both K tiles (_clear_keys_past);
+                             dQ in the tiled order (sequence starts are no multiple of 64: DQ_FRAG off)
+
 Per step (64 query rows x 64 keys), warpgroup w:
 
   S_w  = Q K[keys_w]^T                [64 q, 32 keys]  P_w = exp2(...) -> P[:, keys_w] in shared memory, p_ready
@@ -62,7 +66,7 @@ Registers (the step loop's wgmma views are rebuilt per step, as bwd_sm90's VIEWS
 stage's: with one stage its index is a constant, and the Q / dO descriptors of all 16 k-steps of S and dP were
 hoisted into ~40 vector registers: D = 256 causal spilled 46 instructions, none now).
 
-Compile-time parameters: TILE WideTile (below); SPARSE, FLAGS as in bwd_sm90.py. dQ is always added by TMA
+Compile-time parameters: TILE WideTile (below); SPARSE, FLAGS, PACK as in bwd_sm90.py. dQ is always added by TMA
 reduce-add (bwd_sm90's SCHED.DQ_TMA).
 """
 from __future__ import annotations
@@ -79,8 +83,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .bwd_sm90 import (_acc_layout, _ds, _ds_factor, _frag_reduce_add, _next_step, _next_step_at, _opaque,
-                       _probabilities, _q_tile_counts, _q_tile_start, _tma_reduce_add)
+from .bwd_sm90 import (DENSE, _acc_layout, _ds, _ds_factor, _frag_reduce_add, _lse_rows, _next_step, _next_step_at,
+                       _opaque, _packed_coords, _probabilities, _q_tile_counts, _q_tile_start, _seq_span,
+                       _tma_reduce_add)
 
 
 @dataclass(frozen=True)
@@ -188,16 +193,35 @@ def _is_partial(i, n_partial, m0, n0, TILE: gl.constexpr, SPARSE: gl.constexpr):
 # Producer: one warp issuing TMA (the query steps as bwd_sm90._producer walks them).
 # ----------------------------------------------------------------------------------------------
 @gluon.jit
-def _producer(descs, bars, smem, sizes, tables, table_meta, TILE: gl.constexpr, SPARSE: gl.constexpr,
-              FLAGS: gl.constexpr):
+def _producer(descs, bars, smem, sizes, tables, table_meta, pack, TILE: gl.constexpr, SPARSE: gl.constexpr,
+              FLAGS: gl.constexpr, PACK: gl.constexpr):
+    """K and V of this CTA's keys, then its query steps' Q and dO. PACK.VARLEN (bwd_sm90's "Packed sequences"): the
+    tile table's KV tile of one sequence, rows from its offsets, nothing for a tile past its keys."""
+    Z, HQ, KZ, M, N = sizes
+    HKV = HQ // FLAGS.GQA_GROUP
+    if PACK.VARLEN:
+        kv_tile, kvh = _packed_coords(pack, HKV, TILE)
+        n0 = kv_tile * TILE.BLOCK_N
+        q_row0, M, k_row0, N = _seq_span(pack, kvh // HKV)
+        if n0 < N:
+            _producer_tile(n0, kvh, 0, q_row0, k_row0, M, descs, bars, smem, sizes, tables, table_meta, TILE, SPARSE,
+                           FLAGS)
+    else:
+        _producer_tile(gl.program_id(0) * TILE.BLOCK_N, gl.program_id(1), gl.program_id(1) // HKV, 0, 0, M, descs,
+                       bars, smem, sizes, tables, table_meta, TILE, SPARSE, FLAGS)
+
+
+@gluon.jit
+def _producer_tile(n0, kvh, kz_t, q_row0, k_row0, M, descs, bars, smem, sizes, tables, table_meta, TILE: gl.constexpr,
+                   SPARSE: gl.constexpr, FLAGS: gl.constexpr):
+    """The producer's loads for keys n0.. of K / V head kvh: the tensors' batch kz_t, rows from q_row0 / k_row0 (packed
+    sequences; 0 and the grid's batch for a dense launch), M query rows."""
     q_lo_desc, q_hi_desc, do_desc, k_lo_desc, k_hi_desc, v_desc, dq_desc = descs
     kv_ready, qdo_ready, qdo_empty, p_ready, ds_ready = bars
     q_lo_smem, q_hi_smem, do_smem, k_lo_smem, k_hi_smem, v_smem, p_smem, ds_smem, f_smem, dq_smem = smem
-    Z, HQ, KZ, M, N = sizes
+    Z, HQ, KZ = sizes[0], sizes[1], sizes[2]
     NUM_STAGES: gl.constexpr = TILE.NUM_STAGES
     LO: gl.constexpr = TILE.LO
-    n0 = gl.program_id(0) * TILE.BLOCK_N
-    kvh = gl.program_id(1)
     HKV = HQ // FLAGS.GQA_GROUP
     kz = kvh // HKV
     hkv = kvh % HKV
@@ -211,10 +235,10 @@ def _producer(descs, bars, smem, sizes, tables, table_meta, TILE: gl.constexpr, 
         kv_bytes: gl.constexpr = k_lo_desc.block_type.nbytes + v_desc.block_type.nbytes
         qdo_bytes: gl.constexpr = q_lo_desc.block_type.nbytes + do_desc.block_type.nbytes
     mbarrier.expect(kv_ready, kv_bytes)
-    tma.async_copy_global_to_shared(k_lo_desc, [kz, hkv, n0, 0], kv_ready, k_lo_smem.index(0))
+    tma.async_copy_global_to_shared(k_lo_desc, [kz_t, hkv, k_row0 + n0, 0], kv_ready, k_lo_smem.index(0))
     if TILE.SPLIT_QK:
-        tma.async_copy_global_to_shared(k_hi_desc, [kz, hkv, n0, LO], kv_ready, k_hi_smem.index(0))
-    tma.async_copy_global_to_shared(v_desc, [kz, hkv, n0, 0], kv_ready, v_smem.index(0))
+        tma.async_copy_global_to_shared(k_hi_desc, [kz_t, hkv, k_row0 + n0, LO], kv_ready, k_hi_smem.index(0))
+    tma.async_copy_global_to_shared(v_desc, [kz_t, hkv, k_row0 + n0, 0], kv_ready, v_smem.index(0))
 
     cnt = 0
     for hh in range((Z // KZ) * FLAGS.GQA_GROUP):
@@ -227,11 +251,14 @@ def _producer(descs, bars, smem, sizes, tables, table_meta, TILE: gl.constexpr, 
             st = cnt % NUM_STAGES
             mbarrier.wait(qdo_empty.index(st), ((cnt // NUM_STAGES) & 1) ^ 1)
             mbarrier.expect(qdo_ready.index(st), qdo_bytes)
-            tma.async_copy_global_to_shared(q_lo_desc, [z, hq, m0, 0], qdo_ready.index(st), q_lo_smem.index(st))
+            z_t = z - kz + kz_t   # the tensors' batch (packed: 0)
+            tma.async_copy_global_to_shared(q_lo_desc, [z_t, hq, q_row0 + m0, 0], qdo_ready.index(st),
+                                            q_lo_smem.index(st))
             if TILE.SPLIT_QK:
-                tma.async_copy_global_to_shared(q_hi_desc, [z, hq, m0, LO], qdo_ready.index(st),
+                tma.async_copy_global_to_shared(q_hi_desc, [z_t, hq, q_row0 + m0, LO], qdo_ready.index(st),
                                                 q_hi_smem.index(st))
-            tma.async_copy_global_to_shared(do_desc, [z, hq, m0, 0], qdo_ready.index(st), do_smem.index(st))
+            tma.async_copy_global_to_shared(do_desc, [z_t, hq, q_row0 + m0, 0], qdo_ready.index(st),
+                                            do_smem.index(st))
             cnt += 1
 
 
@@ -241,9 +268,10 @@ def _producer(descs, bars, smem, sizes, tables, table_meta, TILE: gl.constexpr, 
 @gluon.jit
 def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
               SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
-              SPARSE: gl.constexpr, FLAGS: gl.constexpr):
+              SPARSE: gl.constexpr, FLAGS: gl.constexpr, PACK: gl.constexpr):
     """A consumer warpgroup: this CTA's 64 keys over every query head of its K / V head (GQA group, K / V batch 1),
-    each head's steps in order or overlapped (TILE.OVERLAP), then its dK, dV columns stored."""
+    each head's steps in order or overlapped (TILE.OVERLAP), then its dK, dV columns stored. PACK.VARLEN: one
+    sequence's KV tile (its lengths replace M and N in ``sizes``), rows from its offsets."""
     kv_ready = bars[0]
     Z, HQ, KZ, M, N = sizes
     dk_ptr, dv_ptr = rows[2], rows[3]
@@ -255,9 +283,18 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
     DV0: gl.constexpr = WG * DV_WG
     BLOCK_N: gl.constexpr = TILE.BLOCK_N
 
-    n0 = gl.program_id(0) * BLOCK_N
-    kvh = gl.program_id(1)
     HKV = HQ // FLAGS.GQA_GROUP
+    q_row0 = 0   # a packed sequence's first query / key row, else 0
+    k_row0 = 0
+    if PACK.VARLEN:
+        kv_tile, kvh = _packed_coords(rows[5], HKV, TILE)
+        n0 = kv_tile * BLOCK_N
+        q_row0, M, k_row0, N = _seq_span(rows[5], kvh // HKV)
+        M = gl.where(n0 < N, M, 0)   # a tile past the sequence's keys: no step
+        sizes = (Z, HQ, KZ, M, N)
+    else:
+        n0 = gl.program_id(0) * BLOCK_N
+        kvh = gl.program_id(1)
     kz = kvh // HKV
     hkv = kvh % HKV
     kv_blk = n0 // SPARSE.SPARSE_KV
@@ -270,40 +307,66 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
         row_layout: gl.constexpr = gl.SliceLayout(1, _acc_layout(TILE.KEYS_WG))
         rows_ = gl.arange(0, TILE.BLOCK_M, layout=row_layout)
 
-    mbarrier.wait(kv_ready, 0)
+    if PACK.VARLEN:
+        if n0 < N:
+            mbarrier.wait(kv_ready, 0)
+            _clear_keys_past(smem, n0, N, WG, TILE)
+    else:
+        mbarrier.wait(kv_ready, 0)
     cnt = 0
     for hh in range((Z // KZ) * FLAGS.GQA_GROUP):
         z = kz + (hh // FLAGS.GQA_GROUP) * KZ
         hq = hkv * FLAGS.GQA_GROUP + hh % FLAGS.GQA_GROUP
-        zh = z * HQ + hq
+        zh = hq if PACK.VARLEN else z * HQ + hq   # (packed: z is the sequence, the tensors' batch is 1)
         n_partial, n_total = _q_tile_counts(z, hq, kv_blk, M, tables, table_meta, TILE, SPARSE)
         first = _causal_first(n_partial, z, hq, kv_blk, n0, tables, table_meta, TILE, SPARSE)
         if TILE.OVERLAP:
             dk, dv, cnt = _head_overlap(WG, z, hq, zh, first, n_partial, n_total, n0, kv_blk, rows_, dk, dv, cnt,
-                                        descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
-                                        SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)
+                                        q_row0, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+                                        SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, PACK)
         else:
-            dk, dv, cnt = _head_in_order(WG, z, hq, zh, first, n_partial, n_total, n0, kv_blk, dk, dv, cnt, descs,
-                                         bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD,
-                                         SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)
+            dk, dv, cnt = _head_in_order(WG, z, hq, zh, first, n_partial, n_total, n0, kv_blk, dk, dv, cnt, q_row0,
+                                         descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+                                         SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, PACK)
 
-    _store_dk_dv(dk, dv, n0, kz, hkv, HKV, N, dk_ptr, dv_ptr, ds_scale, descs[0].dtype, DK0, DK_N, DV0, TILE)
+    _store_dk_dv(dk, dv, n0, kz, hkv, HKV, N, k_row0, dk_ptr, dv_ptr, ds_scale, descs[0].dtype, DK0, DK_N, DV0, TILE,
+                 PACK)
     tma.store_wait(0)   # the last dQ reduce has read the staging tile before the CTA exits
 
 
 @gluon.jit
-def _head_in_order(WG: gl.constexpr, z, hq, zh, first, n_partial, n_total, n0, kv_blk, dk, dv, cnt, descs, bars, smem,
-                   sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr,
+def _clear_keys_past(smem, n0, N, WG: gl.constexpr, TILE: gl.constexpr):
+    """PACK.VARLEN: this warpgroup's K rows (its 32 keys of S, in both K tiles) at or past the sequence's end N zeroed
+    in shared memory, as bwd_sm90._kv_landed does (why there); the other warpgroup's dQ reads them after this one's
+    first ds_ready, which follows the fence here."""
+    first = n0 + WG * TILE.KEYS_WG
+    if first + TILE.KEYS_WG > N:
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        r = gl.arange(0, TILE.KEYS_WG, layout=gl.SliceLayout(1, layout))[:, None]
+        k_lo = smem[3].index(0).reshape([TILE.BLOCK_N, TILE.LO]).slice(WG * TILE.KEYS_WG, TILE.KEYS_WG, dim=0)
+        keys = k_lo.load(layout)
+        k_lo.store(gl.where(first + r < N, keys, gl.zeros_like(keys)))
+        if TILE.SPLIT_QK:
+            k_hi = smem[4].index(0).reshape([TILE.BLOCK_N, TILE.HI]).slice(WG * TILE.KEYS_WG, TILE.KEYS_WG, dim=0)
+            keys_hi = k_hi.load(layout)
+            k_hi.store(gl.where(first + r < N, keys_hi, gl.zeros_like(keys_hi)))
+        fence_async_shared()
+        gl.thread_barrier()
+
+
+@gluon.jit
+def _head_in_order(WG: gl.constexpr, z, hq, zh, first, n_partial, n_total, n0, kv_blk, dk, dv, cnt, q_row0, descs, bars,
+                   smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr,
                    SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, SPARSE: gl.constexpr,
-                   FLAGS: gl.constexpr):
+                   FLAGS: gl.constexpr, PACK: gl.constexpr):
     """The steps first .. n_total - 1 of one query head (z, hq) for this CTA's keys, in order (module docstring's
     step): dK, dV accumulated, dQ added; returns (dk, dv, cnt), cnt counting the steps of the CTA (ring stage and P /
-    dS buffer)."""
+    dS buffer). q_row0: a packed sequence's first row in STATS and DQ_ACC (0 for a dense launch)."""
     q_lo_desc, q_hi_desc, do_desc, k_lo_desc, k_hi_desc, v_desc, dq_desc = descs
     kv_ready, qdo_ready, qdo_empty, p_ready, ds_ready = bars
     q_lo_smem, q_hi_smem, do_smem, k_lo_smem, k_hi_smem, v_smem, p_smem, ds_smem, f_smem, dq_smem = smem
     Z, HQ, KZ, M, N = sizes
-    stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD = rows
+    stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD = rows[0], rows[1], rows[2], rows[3], rows[4]
     BLOCK_M: gl.constexpr = TILE.BLOCK_M
     KEYS_WG: gl.constexpr = TILE.KEYS_WG
     DV_WG: gl.constexpr = TILE.DV_WG
@@ -329,10 +392,10 @@ def _head_in_order(WG: gl.constexpr, z, hq, zh, first, n_partial, n_total, n0, k
                                                                                         TILE)
         p_mine = p_tile.slice(WG * KEYS_WG, KEYS_WG, dim=1)       # [BLOCK_M, KEYS_WG]
         ds_mine = ds_tile.slice(WG * KEYS_WG, KEYS_WG, dim=1)
-        row_off = zh.to(gl.int64) * M_PAD + m0
+        row_off = zh.to(gl.int64) * M_PAD + q_row0 + m0
         stats = stats_ptr + (row_off + zh.to(gl.int64) * M_PAD)   # LSE_P; DELTA_P is M_PAD further
         rows_ = gl.arange(0, BLOCK_M, layout=row_layout)
-        lse = gl.load(stats + rows_)
+        lse = _lse_rows(stats, 0, rows_, M - m0, PACK)
         k_lo_t = k_lo.slice(WG * KEYS_WG, KEYS_WG, dim=0).permute((1, 0))
         k_hi_t = k_hi.slice(WG * KEYS_WG, KEYS_WG, dim=0).permute((1, 0))
         mbarrier.wait(qdo_ready.index(st), (cnt // NUM_STAGES) & 1)
@@ -358,7 +421,7 @@ def _head_in_order(WG: gl.constexpr, z, hq, zh, first, n_partial, n_total, n0, k
         gl.thread_barrier()
         mbarrier.arrive(ds_ready.index(buf), count=1)
         mbarrier.wait(ds_ready.index(buf), (cnt // 2) & 1)
-        dq_at = (zh, m0, DQ0)
+        dq_at = (zh, q_row0 + m0, DQ0)
         dk_tok = warpgroup_mma(ds_tile.permute((1, 0)), q_dk, dk, is_async=True)
         dv, dk, _p, _ds, _dc, _qd = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_t, ds_tile, do_cols, q_dk])
         mbarrier.arrive(qdo_empty.index(st), count=1)
@@ -372,10 +435,10 @@ def _head_in_order(WG: gl.constexpr, z, hq, zh, first, n_partial, n_total, n0, k
 
 
 @gluon.jit
-def _head_overlap(WG: gl.constexpr, z, hq, zh, first, n_partial, n_total, n0, kv_blk, rows_, dk, dv, cnt, descs, bars,
-                  smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr,
+def _head_overlap(WG: gl.constexpr, z, hq, zh, first, n_partial, n_total, n0, kv_blk, rows_, dk, dv, cnt, q_row0,
+                  descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr,
                   SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, SPARSE: gl.constexpr,
-                  FLAGS: gl.constexpr):
+                  FLAGS: gl.constexpr, PACK: gl.constexpr):
     """_head_in_order's steps (TILE.OVERLAP), software-pipelined: step j + 1's S is issued right
     behind step j's dS (its Q / dO stage waited then), ahead of step j's dK and dQ chunks, and its P is made while
     they run. A step begins with its P in the P buffer (p_ready signalled) and dS's factor in registers (P_REGS),
@@ -386,7 +449,7 @@ def _head_overlap(WG: gl.constexpr, z, hq, zh, first, n_partial, n_total, n0, kv
     kv_ready, qdo_ready, qdo_empty, p_ready, ds_ready = bars
     q_lo_smem, q_hi_smem, do_smem, k_lo_smem, k_hi_smem, v_smem, p_smem, ds_smem, f_smem, dq_smem = smem
     Z, HQ, KZ, M, N = sizes
-    stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD = rows
+    stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD = rows[0], rows[1], rows[2], rows[3], rows[4]
     BLOCK_M: gl.constexpr = TILE.BLOCK_M
     BLOCK_N: gl.constexpr = TILE.BLOCK_N
     KEYS_WG: gl.constexpr = TILE.KEYS_WG
@@ -403,7 +466,7 @@ def _head_overlap(WG: gl.constexpr, z, hq, zh, first, n_partial, n_total, n0, kv
     dq_layout: gl.constexpr = _acc_layout(DQ_N)
     s_zero = gl.zeros([BLOCK_M, KEYS_WG], gl.float32, layout=s_layout)
     dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
-    stats_h = stats_ptr + zh.to(gl.int64) * (2 * M_PAD)      # LSE_P of the head; DELTA_P is M_PAD further
+    stats_h = stats_ptr + zh.to(gl.int64) * (2 * M_PAD) + q_row0   # LSE_P of the head; DELTA_P is M_PAD further
     m0 = n_total * 0
     p_keep = gl.zeros([BLOCK_M, KEYS_WG], gl.float32, layout=s_layout)
     # Under a block mask the next step's first row is a table load with its LSE's load behind it, in front of the next
@@ -423,7 +486,7 @@ def _head_overlap(WG: gl.constexpr, z, hq, zh, first, n_partial, n_total, n0, kv
         k_hi0 = k_hi_smem.index(zero0).reshape([BLOCK_N, HI]).slice(WG * KEYS_WG, KEYS_WG, dim=0)
         q_lo0 = q_lo_smem.index(st0 + zero0).reshape([BLOCK_M, LO])
         q_hi0 = q_hi_smem.index(st0 + zero0).reshape([BLOCK_M, HI])
-        lse0 = gl.load(stats_h + m0 + rows_)
+        lse0 = _lse_rows(stats_h, m0, rows_, M, PACK)
         mbarrier.wait(qdo_ready.index(st0), (cnt // NUM_STAGES) & 1)
         s_tok = warpgroup_mma(q_lo0, k_lo0.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         if TILE.SPLIT_QK:
@@ -466,7 +529,7 @@ def _head_overlap(WG: gl.constexpr, z, hq, zh, first, n_partial, n_total, n0, kv
             m0_ahead = m0_after
         else:
             has_next, m0_next, lse_next, st_next = _next_step(i, n_total, n_partial, cnt, z, hq, kv_blk, stats_h,
-                                                              rows_, tables, table_meta, TILE, SPARSE)
+                                                              rows_, tables, table_meta, TILE, SPARSE, M, PACK)
         q_lo_n = q_lo_smem.index(st_next + zero).reshape([BLOCK_M, LO])
         q_hi_n = q_hi_smem.index(st_next + zero).reshape([BLOCK_M, HI])
         if has_next:
@@ -490,7 +553,7 @@ def _head_overlap(WG: gl.constexpr, z, hq, zh, first, n_partial, n_total, n0, kv
                              n0, M, N, p_next, f_smem.index(WG), scalars, mod_bufs, WG, SCORE_MOD, SCORE_GRAD,
                              MASK_MOD, TILE, FLAGS)
             mbarrier.arrive(p_ready.index(1 - buf), count=1)
-        dq_at = (zh, m0, DQ0)
+        dq_at = (zh, q_row0 + m0, DQ0)
         if NQ == 2:
             dk, _qd = warpgroup_mma_wait(2, deps=[dk_tok, q_dk])
             mbarrier.arrive(qdo_empty.index(st), count=1)
@@ -509,22 +572,27 @@ def _head_overlap(WG: gl.constexpr, z, hq, zh, first, n_partial, n_total, n0, kv
 
 
 @gluon.jit
-def _store_dk_dv(dk, dv, n0, kz, hkv, HKV, N, dk_ptr, dv_ptr, ds_scale, dtype: gl.constexpr, DK0: gl.constexpr,
-                 DK_N: gl.constexpr, DV0: gl.constexpr, TILE: gl.constexpr):
+def _store_dk_dv(dk, dv, n0, kz, hkv, HKV, N, k_row0, dk_ptr, dv_ptr, ds_scale, dtype: gl.constexpr, DK0: gl.constexpr,
+                 DK_N: gl.constexpr, DV0: gl.constexpr, TILE: gl.constexpr, PACK: gl.constexpr):
     """dK, dV of this warpgroup's columns: one store per output tile (rows past N clipped); dK takes the scale and
-    f's factor here."""
+    f's factor here. [KZ, HKV, N, D] contiguous, or packed (total keys, HKV, D) from key row k_row0."""
     dk_layout: gl.constexpr = _acc_layout(DK_N)
     dv_layout: gl.constexpr = _acc_layout(TILE.DV_WG)
     rows_k = n0 + gl.arange(0, TILE.BLOCK_N, layout=gl.SliceLayout(1, dk_layout))[:, None]
     cols_k = DK0 + gl.arange(0, DK_N, layout=gl.SliceLayout(0, dk_layout))[None, :]
-    head = (kz * HKV + hkv).to(gl.int64) * N
-    D_MEM: gl.constexpr = TILE.D_MEM
-    DV_MEM: gl.constexpr = TILE.DV_MEM
-    gl.store(dk_ptr + head * D_MEM + rows_k * D_MEM + cols_k, (dk * ds_scale).to(dtype),
-             mask=(rows_k < N) & (cols_k < D_MEM))
     rows_v = n0 + gl.arange(0, TILE.BLOCK_N, layout=gl.SliceLayout(1, dv_layout))[:, None]
     cols_v = DV0 + gl.arange(0, TILE.DV_WG, layout=gl.SliceLayout(0, dv_layout))[None, :]
-    gl.store(dv_ptr + head * DV_MEM + rows_v * DV_MEM + cols_v, dv.to(dtype), mask=(rows_v < N) & (cols_v < DV_MEM))
+    D_MEM: gl.constexpr = TILE.D_MEM
+    DV_MEM: gl.constexpr = TILE.DV_MEM
+    if PACK.VARLEN:
+        dk_at = dk_ptr + (k_row0 + rows_k).to(gl.int64) * (HKV * D_MEM) + hkv * D_MEM + cols_k
+        dv_at = dv_ptr + (k_row0 + rows_v).to(gl.int64) * (HKV * DV_MEM) + hkv * DV_MEM + cols_v
+    else:
+        head = (kz * HKV + hkv).to(gl.int64) * N
+        dk_at = dk_ptr + head * D_MEM + rows_k * D_MEM + cols_k
+        dv_at = dv_ptr + head * DV_MEM + rows_v * DV_MEM + cols_v
+    gl.store(dk_at, (dk * ds_scale).to(dtype), mask=(rows_k < N) & (cols_k < D_MEM))
+    gl.store(dv_at, dv.to(dtype), mask=(rows_v < N) & (cols_v < DV_MEM))
 
 
 @gluon.jit
@@ -595,24 +663,24 @@ def _stage_dq(dq, dq_smem, dq_desc, dq_at, c: gl.constexpr, nth, WG: gl.constexp
 @gluon.jit
 def _consumer_wg0(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
                   SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
-                  SPARSE: gl.constexpr, FLAGS: gl.constexpr):
+                  SPARSE: gl.constexpr, FLAGS: gl.constexpr, PACK: gl.constexpr):
     _consumer(0, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD,
-              MASK_MOD, TILE, SPARSE, FLAGS)
+              MASK_MOD, TILE, SPARSE, FLAGS, PACK)
 
 
 @gluon.jit
 def _consumer_wg1(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
                   SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
-                  SPARSE: gl.constexpr, FLAGS: gl.constexpr):
+                  SPARSE: gl.constexpr, FLAGS: gl.constexpr, PACK: gl.constexpr):
     _consumer(1, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD,
-              MASK_MOD, TILE, SPARSE, FLAGS)
+              MASK_MOD, TILE, SPARSE, FLAGS, PACK)
 
 
 @gluon.jit
 def _producer_entry(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
                     SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
-                    TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr):
-    _producer(descs, bars, smem, sizes, tables, table_meta, TILE, SPARSE, FLAGS)
+                    TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr, PACK: gl.constexpr):
+    _producer(descs, bars, smem, sizes, tables, table_meta, rows[5], TILE, SPARSE, FLAGS, PACK)
 
 
 _RUNTIME_SIZES = ["Z", "KZ", "M", "N", "M_PAD", "NUM_KV_BLKS", "NUM_Q_BLKS"]
@@ -626,10 +694,12 @@ def fa3_bwd_sm90_wide_kernel(
     score_bufs, mask_bufs,
     Z, HQ, KZ, M, N, M_PAD, SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS,
     sm_scale, qk_scale2, ds_scale,
+    pack_args,               # PACK.VARLEN: (CU_Q, CU_K, TILES) int32 (bwd_sm90's "Packed sequences"); () otherwise
     SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
     TILE: gl.constexpr,      # WideTile
     SPARSE: gl.constexpr,    # bwd_sm90.BwdSparsity
     FLAGS: gl.constexpr,     # bwd_sm90.BwdFlags
+    PACK: gl.constexpr = DENSE,   # bwd_sm90.BwdPacking
 ):
     NUM_STAGES: gl.constexpr = TILE.NUM_STAGES
     BLOCK_M: gl.constexpr = TILE.BLOCK_M
@@ -677,14 +747,14 @@ def fa3_bwd_sm90_wide_kernel(
     sizes = (Z, HQ, KZ, M, N)
     tables = (qnb_ptr, qidx_ptr, fqnb_ptr, fqidx_ptr)
     table_meta = (SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS)
-    rows = (stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD)
+    rows = (stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD, pack_args)
     scalars = (sm_scale, qk_scale2, ds_scale)
     mod_bufs = (score_bufs, mask_bufs)
     gl.warp_specialize([
         (_consumer_wg0, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
-                         SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)),
+                         SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, PACK)),
         (_consumer_wg1, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
-                         SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)),
+                         SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, PACK)),
         (_producer_entry, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
-                           SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS)),
+                           SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, PACK)),
     ], [4, 1], [FLAGS.CONSUMER_REGS, FLAGS.PRODUCER_REGS])

@@ -512,7 +512,7 @@ def prepare_hopper_backward(
              _desc(v, [1, 1, tile.BLOCK_N, DVT]),
              _dq_frag_desc(dq_acc) if dq_frag else _dq_acc_desc(dq_acc, tile),
              stats, dq_acc, dk, dv, *tables, tuple(score_bufs), tuple(mask_bufs),
-             Z, HQ, KZ, M, N, m_pad, SZ, SH, num_kv_blks, num_q_blks, *scalars),
+             Z, HQ, KZ, M, N, m_pad, SZ, SH, num_kv_blks, num_q_blks, *scalars, ()),
             dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse,
                  FLAGS=flags, num_warps=4, maxnreg=cfg.maxnreg),
             (triton.cdiv(N, tile.BLOCK_N), KZ * HKV))

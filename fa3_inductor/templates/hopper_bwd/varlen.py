@@ -1,12 +1,13 @@
-"""Packed variable-length sequences through the sm90 backward: bwd_sm90.py's PACK.VARLEN mode, the backward of
+"""Packed variable-length sequences through the sm90 backward: the packed mode (PACK.VARLEN) of bwd_sm90.py (head dims
+up to 128) and bwd_sm90_wide.py (192 / 128, 256; 160 and 192 in the 256 tiles), the backward of
 ``fa3_inductor.flex_varlen`` on sm90 GPUs (templates/hopper/varlen_sm90.py is its forward).
 
-One CTA per (KV tile of 128 keys, sequence, K/V head), over virtual KV tiles a one-launch pass maps to their
-sequences (no host read of the lengths); a virtual tile past its sequence's last (at most one a sequence) runs
-nothing. Its query steps are the sequence's own 64-row tiles (sequence-relative
-rows, so no tile straddles two sequences' starts): all of them, or with a causal mask_mod from the KV tile's
-diagonal on (BwdSparsity.CAUSAL_WALK: the two diagonal tiles take the mask, the rest run without it). Rows and keys
-past a sequence's end are the next sequence's: the kernel gives them P = 0 (rows: an LSE of +inf) or zero keys
+One CTA per (KV tile, sequence, K/V head) over virtual KV tiles (128 keys, 64 in the wide kernel) that a one-launch
+pass maps to their sequences (no host read of the lengths); a virtual tile past its sequence's last (at most one a
+sequence) runs nothing. Its query steps are the sequence's own 64-row tiles (sequence-relative rows, so no tile
+straddles two sequences' starts): all of them, or with a causal mask_mod from the KV tile's diagonal on
+(BwdSparsity.CAUSAL_WALK: the diagonal tiles take the mask, the rest run without it). Rows and keys past a
+sequence's end are the next sequence's: the kernel gives them P = 0 (rows: an LSE of +inf) or zero keys
 (_kv_landed), and stores dK / dV rows of its own sequence only. dQ is summed by TMA reduce-adds into an fp32 buffer
 over the packed rows (rows of the padding and of the next sequence receive zeros), then converted.
 
@@ -33,7 +34,8 @@ from ..wide_scores import wide_scores
 from ..modgen import mod_info
 from .bwd_sm90 import (BwdFlags, BwdPacking, BwdSchedule, BwdSparsity, BwdTile, fa3_bwd_sm90_kernel,
                        packed_tile_table_kernel)
-from .configs import SMEM_LIMIT, SUPPORTED_HEAD_DIMS, BwdSm90Config, get_bwd_config, tile_head_dims
+from .bwd_sm90_wide import WideTile, fa3_bwd_sm90_wide_kernel
+from .configs import SMEM_LIMIT, SUPPORTED_HEAD_DIM_PAIRS, BwdSm90Config, get_bwd_config, tile_head_dims
 from .host import Launch, _curved, _desc, _dq_acc_desc, _launched_mods, _pass_launches
 
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -42,6 +44,7 @@ _RECORDED: dict = {}   # launch key -> the recorded launches (runtime/fast_launc
 on_clear(_RECORDED.clear)
 _ROW_PAD = 64   # DQ_ACC / STATS rows past the pack: the last sequence's last query tile reaches up to 63 past it
 _TABLE_BLOCK = 1024   # virtual tiles a program of the tile-table pass
+_PAIRS_TEXT = ", ".join(f"{d}/{dv}" for d, dv in SUPPORTED_HEAD_DIM_PAIRS)
 
 
 def varlen_bwd_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -54,17 +57,17 @@ def varlen_bwd_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         >>> q = torch.empty(10, 4, 128, dtype=torch.bfloat16)
         >>> varlen_bwd_refusal(q, q, q, (9, 0)) is None
         True
-        >>> varlen_bwd_refusal(q[..., :64], q[..., :64], torch.empty(10, 4, 32, dtype=torch.bfloat16), (9, 0))
-        'the Hopper varlen backward serves head dims 64, 80, 96, 128 with v of the same dim, got 64 (q, k) / 32 (v)'
+        >>> varlen_bwd_refusal(q[..., :64], q[..., :64], torch.empty(10, 4, 32, dtype=torch.bfloat16), (9, 0))[-30:]
+        ' 192/192, 256/256, got 64 / 32'
     """
     if capability != (9, 0):
         where = "not a GPU" if capability is None else f"sm{capability[0]}{capability[1]}"
         return f"the Hopper varlen backward needs an sm90 GPU, this is {where}"
     if q.dtype not in _DTYPES:
         return f"the Hopper varlen backward takes float16 or bfloat16, got {q.dtype}"
-    if q.shape[2] != v.shape[2] or q.shape[2] not in SUPPORTED_HEAD_DIMS:
-        return (f"the Hopper varlen backward serves head dims {', '.join(map(str, SUPPORTED_HEAD_DIMS))} with v of "
-                f"the same dim, got {q.shape[2]} (q, k) / {v.shape[2]} (v)")
+    if (q.shape[2], v.shape[2]) not in SUPPORTED_HEAD_DIM_PAIRS:
+        return (f"the Hopper varlen backward serves head dims (q, k / v) {_PAIRS_TEXT}, got {q.shape[2]} / "
+                f"{v.shape[2]}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.shape[0] and not tma_aligned(packed_view(t)):
             return (f"{name} strides {t.stride()} or its address are not 16-byte aligned (TMA); pass "
@@ -85,8 +88,8 @@ def prepare_varlen_backward(
     config: Optional[BwdSm90Config] = None, scratch: Optional[Sequence[torch.Tensor]] = None,
     tensors: Optional[list] = None,
 ) -> list[Launch]:
-    """The four launches (tile table, preprocess, main kernel, dQ convert) of the backward of one flex_varlen call over packed
-    ``q [TQ, HQ, D]``, ``k [TK, HKV, D]``, ``v [TK, HKV, D]``, ``out`` / ``dout [TQ, HQ, D]``, ``lse [HQ, TQ]``
+    """The four launches (tile table, preprocess, main kernel, dQ convert) of the backward of one flex_varlen call over
+    packed ``q [TQ, HQ, D]``, ``k [TK, HKV, D]``, ``v [TK, HKV, DV]``, ``out`` / ``dout [TQ, HQ, DV]``, ``lse [HQ, TQ]``
     (float32, log2 units, -inf on rows that saw no key), writing ``dq``, ``dk``, ``dv`` (their inputs' shapes; dk
     and dv contiguous) in place. ``grad_lse``: the LSE's incoming gradient [HQ, TQ] in log2 units, or None. The mods
     are loaded ``gl`` mods as prepare_hopper_backward takes them (a score_mod with its ``score_grad_mod``);
@@ -104,8 +107,8 @@ def prepare_varlen_backward(
     TK, HKV, DV = v.shape
     B = cu_seqlens_q.shape[0] - 1
     problems = []
-    if D != DV or D not in SUPPORTED_HEAD_DIMS:
-        problems.append(f"head dims {D} / {DV} (it serves {SUPPORTED_HEAD_DIMS}, v's the same)")
+    if (D, DV) not in SUPPORTED_HEAD_DIM_PAIRS:
+        problems.append(f"head dims {D} / {DV} (it serves {_PAIRS_TEXT})")
     if q.dtype not in _DTYPES or not (q.dtype == k.dtype == v.dtype == dout.dtype):
         problems.append(f"dtypes q {q.dtype}, k {k.dtype}, v {v.dtype}, dout {dout.dtype} (one of float16, bfloat16)")
     for name, t, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v), ("out", out, q), ("dout", dout, q)):
@@ -128,12 +131,20 @@ def prepare_varlen_backward(
         _refuse("; ".join(problems))
 
     curved = _curved(score_grad_mod)
-    cfg = config or get_bwd_config(D, grad_mod=curved and mask_mod is None, curved=curved)
+    cfg = config or get_bwd_config(D, DV, grad_mod=curved and mask_mod is None, curved=curved)
     cfg = replace(cfg, persistent=False, lpt_order=False)   # the grid walks (KV tile, sequence, head)
-    if cfg.split_dkv or cfg.block_m != 64 or not cfg.dq_tma or cfg.smem_bytes(tile_head_dims(D)[0]) > SMEM_LIMIT:
-        _refuse(f"config {cfg}: packed sequences run bwd_sm90.py's 64-row steps with dQ by TMA reduce-add")
-    DT = tile_head_dims(D)[0]
-    tile = BwdTile(HEAD_D=DT, NUM_STAGES=cfg.num_stages, HEAD_D_IN=D if DT != D else 0)
+    DT, DVT = tile_head_dims(D, DV)
+    if cfg.block_m != 64 or not cfg.dq_tma or cfg.split_dkv != (DT > 128) or \
+            cfg.smem_bytes(DT, value_head_dim=DVT) > SMEM_LIMIT:
+        _refuse(f"config {cfg}: packed sequences run 64-row steps with dQ by TMA reduce-add (split_dkv for D > 128)")
+    d_in = D if DT != D else 0
+    if cfg.split_dkv:
+        f_bytes = 2 * 64 * 32 * q.element_size() if curved and not cfg.p_regs else 0
+        dq_bufs = cfg.dq_bufs if cfg.smem_bytes(DT, value_head_dim=DVT) + f_bytes + 1024 <= SMEM_LIMIT else 1
+        tile = WideTile(HEAD_D=DT, HEAD_DV=DVT, NUM_STAGES=cfg.num_stages, HEAD_D_IN=d_in, P_REGS=cfg.p_regs,
+                        DQ_BUFS=dq_bufs, OVERLAP=bool(cfg.overlap))
+    else:
+        tile = BwdTile(HEAD_D=DT, NUM_STAGES=cfg.num_stages, HEAD_D_IN=d_in)
     score_mod, score_grad_mod, fold, scalars = _launched_mods(score_mod, score_grad_mod, sm_scale)
     masked = mask_mod is not None
     sparse = BwdSparsity(HAS_BLOCK_MASK=False, HAS_FULL_BLOCKS=False, Q_TILES_PER_BLK=1, SPARSE_KV=tile.BLOCK_N,
@@ -149,22 +160,31 @@ def prepare_varlen_backward(
                         P_CARRY16=cfg.p_regs and cfg.overlap != 0 and (score_mod is not None or masked
                                                                         or cfg.overlap == 1))
 
-    scratch = scratch if scratch is not None else varlen_backward_scratch(q, k, B)
+    scratch = scratch if scratch is not None else varlen_backward_scratch(q, k, B, v.shape[2])
     stats, dq_acc, table = scratch
     m_pad = stats.shape[2]
     tensors = tensors or launch_tensors(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, grad_lse,
                                         scratch, score_bufs, mask_bufs)
     q4, k4, v4, out4, dout4, lse3, dq4, _, _, _, _, grad_lse3 = tensors[:12]
     dummy = placeholder(q.device, torch.int32)
-    main = (
-        fa3_bwd_sm90_kernel,
-        (_desc(q4, [1, 1, tile.BLOCK_M, DT]), _desc(dout4, [1, 1, tile.BLOCK_M, DT]),
-         _desc(k4, [1, 1, tile.BLOCK_N, DT]), _desc(v4, [1, 1, tile.BLOCK_N, DT]), _dq_acc_desc(dq_acc, tile),
-         stats, dq_acc, dk, dv, dummy, dummy, dummy, dummy, tuple(score_bufs), tuple(mask_bufs),
-         1, HQ, 1, TQ, TK, m_pad, 1, 1, 1, 1, *scalars, (), (cu_seqlens_q, cu_seqlens_k, table)),
-        dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse,
-             FLAGS=flags, SCHED=sched, PACK=BwdPacking(VARLEN=True), num_warps=4, maxnreg=cfg.maxnreg),
-        (table.shape[0], HKV))
+    common = (stats, dq_acc, dk, dv, dummy, dummy, dummy, dummy, tuple(score_bufs), tuple(mask_bufs),
+              1, HQ, 1, TQ, TK, m_pad, 1, 1, 1, 1, *scalars)
+    kwargs = dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse,
+                  FLAGS=flags, PACK=BwdPacking(VARLEN=True), num_warps=4, maxnreg=cfg.maxnreg)
+    if cfg.split_dkv:   # (192 / 128, 256; 160 and 192 in the 256 tiles): bwd_sm90_wide.py
+        lo, hi = tile.LO, tile.HI
+        main = (fa3_bwd_sm90_wide_kernel,
+                (_desc(q4, [1, 1, tile.BLOCK_M, lo]), _desc(q4, [1, 1, tile.BLOCK_M, hi]),
+                 _desc(dout4, [1, 1, tile.BLOCK_M, DVT]), _desc(k4, [1, 1, tile.BLOCK_N, lo]),
+                 _desc(k4, [1, 1, tile.BLOCK_N, hi]), _desc(v4, [1, 1, tile.BLOCK_N, DVT]),
+                 _dq_acc_desc(dq_acc, tile), *common, (cu_seqlens_q, cu_seqlens_k, table)),
+                kwargs, (table.shape[0], HKV))
+    else:
+        main = (fa3_bwd_sm90_kernel,
+                (_desc(q4, [1, 1, tile.BLOCK_M, DT]), _desc(dout4, [1, 1, tile.BLOCK_M, DT]),
+                 _desc(k4, [1, 1, tile.BLOCK_N, DT]), _desc(v4, [1, 1, tile.BLOCK_N, DT]), _dq_acc_desc(dq_acc, tile),
+                 *common, (), (cu_seqlens_q, cu_seqlens_k, table)),
+                dict(kwargs, SCHED=sched), (table.shape[0], HKV))
     # the table of virtual KV tiles' sequences (bwd_sm90.packed_tile_table_kernel): a CTA per real KV tile (and at most
     # one empty a sequence), not the longest sequence's count for every sequence: the main kernel 1.06-1.07x faster on
     # 24-document packs, 1.02x on 6 (H200, varlen-train-nvidia-h200-2026-11-30-0201)
@@ -176,11 +196,12 @@ def prepare_varlen_backward(
     return [tiles, preprocess, main, convert]
 
 
-def varlen_backward_scratch(q: torch.Tensor, k: torch.Tensor, batch: int) -> tuple[torch.Tensor, ...]:
-    """(STATS [HQ, 2, M_PAD], DQ_ACC [HQ, M_PAD, D] float32, the tile table [TK // 128 + batch + 1] int32) for the
+def varlen_backward_scratch(q: torch.Tensor, k: torch.Tensor, batch: int, value_head_dim: Optional[int] = None
+                            ) -> tuple[torch.Tensor, ...]:
+    """(STATS [HQ, 2, M_PAD], DQ_ACC [HQ, M_PAD, D] float32, the tile table [TK // BLOCK_N + batch + 1] int32) for the
     backward of packed ``q [TQ, HQ, D]``, ``k [TK, HKV, D]`` in ``batch`` sequences: rows up to a tile past the pack
-    (the last sequence's last query tile reaches up to 63 rows past it), a virtual KV tile's sequence. The table
-    and preprocess launches write them before anything reads them.
+    (the last sequence's last query tile reaches up to 63 rows past it), a virtual KV tile's sequence (BLOCK_N 128
+    keys, 64 for the wide head dims' tiles). The table and preprocess launches write them before anything reads them.
 
     Example::
 
@@ -189,9 +210,10 @@ def varlen_backward_scratch(q: torch.Tensor, k: torch.Tensor, batch: int) -> tup
     """
     TQ, HQ, D = q.shape
     m_pad = triton.cdiv(TQ, _ROW_PAD) * _ROW_PAD + _ROW_PAD
+    block_n = 64 if tile_head_dims(D, value_head_dim or D)[0] > 128 else 128
     return (torch.empty((HQ, 2, m_pad), dtype=torch.float32, device=q.device),
             torch.empty((HQ, m_pad, D), dtype=torch.float32, device=q.device),
-            torch.empty((k.shape[0] // 128 + batch + 1,), dtype=torch.int32, device=q.device))
+            torch.empty((k.shape[0] // block_n + batch + 1,), dtype=torch.int32, device=q.device))
 
 
 def launch_tensors(q, k, v, out, dout, lse, dq, dk, dv, cu_q, cu_k, grad_lse, scratch, score_bufs, mask_bufs
@@ -222,7 +244,7 @@ def launch_varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
         for t in (dq, dk, dv):
             t.zero_()
         return
-    scratch = varlen_backward_scratch(q, k, cu_seqlens_q.shape[0] - 1)
+    scratch = varlen_backward_scratch(q, k, cu_seqlens_q.shape[0] - 1, v.shape[2])
     tensors = launch_tensors(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                              options.get("grad_lse"), scratch, options.get("score_bufs", ()),
                              options.get("mask_bufs", ()))
