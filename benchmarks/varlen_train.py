@@ -32,8 +32,7 @@ from provenance import commit_label  # noqa: E402
 from serving import (FLUSH_BYTES, Clock, VarlenCase, _error, _rel, _sdpa, _slug, causal_pairs,  # noqa: E402
                      doc_lengths)
 
-CASES = [VarlenCase(16384, 6, 16, 128), VarlenCase(16384, 24, 16, 128), VarlenCase(16384, 6, 16, 64),
-         VarlenCase(16384, 24, 16, 64)]
+CASES = [VarlenCase(16384, docs, 16, d) for d in (128, 64, 256) for docs in (6, 24)]
 IMPLS = ("ours", "docmask", "cudnn", "fa2", "flex")
 # --bwd-variants: our packed backward with prepare_varlen_backward's options, timed as the forward (no autograd) and
 # launch_varlen_backward, beside each other ("ours[name]")
@@ -184,6 +183,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--label", default="", help="appended to the result files' names")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU µs of ours and docmask (torch.profiler)")
+    ap.add_argument("--head-dims", nargs="*", type=int, default=[128, 64], choices=sorted({c.d for c in CASES}),
+                    help="the packs' head dims to time (default 128 64)")
     ap.add_argument("--bwd-variants", nargs="*", default=[], choices=sorted(BWD_VARIANTS),
                     help="our packed backward's variants, timed beside the rest (BWD_VARIANTS)")
     ap.add_argument("--head-start-ms", type=float, default=4.0,
@@ -209,7 +210,7 @@ def main() -> None:
     flex_fn = torch.compile(flex_attention, dynamic=False)
     rows = []
     started = time.time()
-    for c in CASES:
+    for c in [c for c in CASES if c.d in args.head_dims]:
         rows.append(case_row(c, device, clock, flex_fn, args.profile, tuple(args.bwd_variants)))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "lengths"}), flush=True)
     meta["wall_s"] = round(time.time() - started, 1)
