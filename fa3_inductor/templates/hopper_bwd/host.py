@@ -461,11 +461,15 @@ def prepare_hopper_backward(
     # causal (192 / 128 documents 1.01-1.06x, sliding window 1.04x; D256 1.02-1.04x), the full-tile rule at 192 / 128
     # only (D256 0.98x at 4k with it: hopper_backward.md)
     wide_masked = has_mask and cfg.split_dkv
-    sparse = BwdSparsity(HAS_BLOCK_MASK=has_mask, HAS_FULL_BLOCKS=has_full,
-                         Q_TILES_PER_BLK=sparse_q_block // tile.BLOCK_M if has_mask else 1,
-                         SPARSE_KV=sparse_kv_block if has_mask else tile.BLOCK_N,
-                         CAUSAL_SKIP=wide_masked and mask_implies_causal(mask_mod),
-                         CAUSAL_FULL=wide_masked and tile.HEAD_D != 256 and is_causal_mask_mod(mask_mod))
+    # an exactly causal mask_mod at the wide pairs: the tables' tiles walked arithmetically (BwdSparsity.CAUSAL_WALK)
+    walk = wide_masked and cfg.causal_walk and is_causal_mask_mod(mask_mod)
+    tabled = has_mask and not walk
+    sparse = BwdSparsity(HAS_BLOCK_MASK=tabled, HAS_FULL_BLOCKS=has_full and tabled,
+                         Q_TILES_PER_BLK=sparse_q_block // tile.BLOCK_M if tabled else 1,
+                         SPARSE_KV=sparse_kv_block if tabled else tile.BLOCK_N,
+                         CAUSAL_SKIP=wide_masked and not walk and mask_implies_causal(mask_mod),
+                         CAUSAL_FULL=wide_masked and not walk and tile.HEAD_D != 256 and is_causal_mask_mod(mask_mod),
+                         CAUSAL_WALK=walk)
     flags = BwdFlags(GQA_GROUP=HQ // HKV, FOLD_SCALE=fold, EVEN_N=N % tile.BLOCK_N == 0,
                      CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
                      WIDE_SCORES=wide_scores(score_mod, compiled=True),
