@@ -134,19 +134,19 @@ def test_wide_overlap_for_plain_launches():
 
 
 def test_wide_causal_trim_follows_the_mask_mod():
-    """The wide kernel skips a first listed tile wholly above the CTA's keys under a mask_mod that keeps q >= kv pairs
-    only (causal, causal windows, causal documents; with a score_mod too: the mask alone decides which scores count),
-    and at 192 / 128 runs tiles wholly below the diagonal unmasked under causal itself; neither in D <= 128's kernel,
-    nor under a mask that keeps q < kv pairs."""
+    """The wide kernel walks an exactly causal mask_mod's tiles without the tables (with a score_mod too: the mask alone
+    decides which scores count), and skips a first listed tile wholly above the CTA's keys under another mask_mod that
+    keeps q >= kv pairs only (causal windows, causal documents); neither in D <= 128's kernel, nor under a mask that
+    keeps q < kv pairs."""
     from test_hopper_bwd_compile import _combined_options, _options
 
     def trim(D, DV, options, **extra):
         sparse = _plan(D, DV, M=1000, N=1000, **options, **extra)[1][2]["SPARSE"]
-        return sparse.CAUSAL_SKIP, sparse.CAUSAL_FULL
+        return sparse.CAUSAL_WALK, sparse.CAUSAL_SKIP, sparse.HAS_BLOCK_MASK
 
-    assert trim(192, 128, _options("causal", 1000, 1000)) == (True, True)
-    assert trim(192, 128, _combined_options("softcap+causal", 1000, 1000)) == (True, True)
-    for implied in ("sliding_window", "document"):   # causal windows and causal documents (the tests' mods)
-        assert trim(192, 128, _options(implied, 1000, 1000)) == (True, False), implied
-    assert trim(256, 256, _options("causal", 1000, 1000)) == (True, False)   # the skip only (full: 0.98x at 4k)
-    assert trim(128, 128, _options("causal", 1000, 1000)) == (False, False)
+    for D, DV in ((192, 128), (256, 256)):
+        assert trim(D, DV, _options("causal", 1000, 1000)) == (True, False, False)
+        assert trim(D, DV, _combined_options("softcap+causal", 1000, 1000)) == (True, False, False)
+        for implied in ("sliding_window", "document"):   # causal windows and causal documents (the tests' mods)
+            assert trim(D, DV, _options(implied, 1000, 1000)) == (False, True, True), implied
+    assert trim(128, 128, _options("causal", 1000, 1000)) == (False, False, True)

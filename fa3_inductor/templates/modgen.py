@@ -1328,8 +1328,8 @@ _CAUSAL_EXPRS = ("(q_idx >= kv_idx)", "(kv_idx <= q_idx)")
 
 def is_causal_mask_source(source: Optional[str]) -> bool:
     """True if a generated ``tl`` or ``gl`` mask_mod source (with or without its decorator line) is exactly
-    ``q_idx >= kv_idx``: a kernel may then walk the causal tiles by arithmetic, or trim the tiles a block mask lists
-    by the diagonal (the Hopper forward's CAUSAL_WALK, the wide backward's CAUSAL_FULL).
+    ``q_idx >= kv_idx``: a kernel may then walk the causal tiles by arithmetic (CAUSAL_WALK: the Hopper forward's and
+    backward's packed modes, the wide backward under a causal block mask).
 
     Example::
 

@@ -159,8 +159,6 @@ class BwdSparsity:
     CAUSAL_SKIP: bool = False  # bwd_sm90_wide (192 / 128 and D256): the mask_mod keeps q_idx >= kv_idx pairs only
                                # (modgen.mask_implies_causal), so a first listed query tile wholly above the CTA's
                                # keys is skipped (_causal_first)
-    CAUSAL_FULL: bool = False  # ... and it is exactly q_idx >= kv_idx (192 / 128 only): a listed tile wholly below the
-                               # diagonal runs as full (_is_partial). Backward 1.01-1.06x (hopper_backward.md)
     CAUSAL_WALK: bool = False  # no tables; the mask_mod is exactly q_idx >= kv_idx: a KV block's query tiles start
                                # at its diagonal, whose SPARSE_KV // BLOCK_M tiles are partial, the rest full (packed
                                # sequences)

@@ -26,12 +26,12 @@ Notation (beyond bwd_sm90.py's)
                              thread and n8 block, no bank conflict) and DQ_ACC's 64 x 64 blocks hold that order
   OVERLAP                    _head_overlap: step j + 1's S issued behind step j's dS, its P made under dK and dQ
                              (under a block mask, step j + 1's first row is loaded at the top of step j)
-  SPARSE.CAUSAL_SKIP / _FULL  a causal mask_mod (or one that keeps only q >= kv: causal documents, windows) under a
-                             block mask of 128-row blocks: a 64-key CTA in the second half of its diagonal block
-                             would run the block's first query tile with every score masked, and (exactly causal) the
-                             first half runs the second tile, wholly below the diagonal, with the mask. The steps
-                             start after such a tile (_causal_first) and (exactly causal) one below the diagonal is
-                             full (_is_partial)
+  SPARSE.CAUSAL_WALK         an exactly causal mask_mod: no tables; a 64-key CTA's query tiles from its diagonal on,
+                             the 64 x 64 diagonal tile with the mask, the rest without
+  SPARSE.CAUSAL_SKIP         another mask_mod that keeps only q >= kv (causal documents, windows) under a block mask of
+                             128-row blocks: a 64-key CTA in the second half of its diagonal block would run the
+                             block's first query tile with every score masked; the steps start after such a tile
+                             (_causal_first)
 
   PACK.VARLEN                bwd_sm90's "Packed sequences" over 64-key virtual tiles (the table's BLOCK_N is 64): each
                              warpgroup zeroes its 32 keys past the sequence's end in both K tiles (_clear_keys_past);
@@ -177,16 +177,6 @@ def _causal_first(n_partial, z, hq, kv_blk, n0, tables, table_meta, TILE: gl.con
             m0 = _q_tile_start(0, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
             first = (m0 + TILE.BLOCK_M <= n0).to(gl.int32)
     return first
-
-
-@gluon.jit
-def _is_partial(i, n_partial, m0, n0, TILE: gl.constexpr, SPARSE: gl.constexpr):
-    """Whether step i (query rows m0..) evaluates the mask_mod: a listed partial tile, unless SPARSE.CAUSAL_FULL and
-    its first row is at or below the CTA's last key (then every score is kept: FlexAttention's full block)."""
-    partial = i < n_partial
-    if SPARSE.CAUSAL_FULL:
-        partial = partial & (m0 < n0 + TILE.BLOCK_N - 1)
-    return partial
 
 
 # ----------------------------------------------------------------------------------------------
@@ -403,7 +393,7 @@ def _head_in_order(WG: gl.constexpr, z, hq, zh, first, n_partial, n_total, n0, k
         if TILE.SPLIT_QK:
             s_tok = warpgroup_mma(q_hi, k_hi_t, s_tok, is_async=True)
         qk, _ql, _qh, _kl, _kh = warpgroup_mma_wait(0, deps=[s_tok, q_lo, q_hi, k_lo_t, k_hi_t])
-        p_ds = _make_p(qk, lse, m0, _is_partial(i, n_partial, m0, n0, TILE, SPARSE), z, hq, n0, M, N, p_mine,
+        p_ds = _make_p(qk, lse, m0, i < n_partial, z, hq, n0, M, N, p_mine,
                        f_smem.index(WG), scalars, mod_bufs, WG, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, FLAGS)
         mbarrier.arrive(p_ready.index(buf), count=1)
         # dP needs only this warpgroup's keys: it runs while the other half of P is awaited
@@ -493,7 +483,7 @@ def _head_overlap(WG: gl.constexpr, z, hq, zh, first, n_partial, n_total, n0, kv
             s_tok = warpgroup_mma(q_hi0, k_hi0.permute((1, 0)), s_tok, is_async=True)
         qk0, _a, _b, _c, _d = warpgroup_mma_wait(0, deps=[s_tok, q_lo0, q_hi0, k_lo0, k_hi0])
         p_mine0 = p_smem.index(cnt % 2 + zero0).slice(WG * KEYS_WG, KEYS_WG, dim=1)
-        p_keep = _make_p(qk0, lse0, m0, _is_partial(first, n_partial, m0, n0, TILE, SPARSE), z, hq, n0, M, N,
+        p_keep = _make_p(qk0, lse0, m0, first < n_partial, z, hq, n0, M, N,
                          p_mine0, f_smem.index(WG), scalars, mod_bufs, WG, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, FLAGS)
         mbarrier.arrive(p_ready.index(cnt % 2), count=1)
     for i in range(first, n_total):
@@ -549,7 +539,7 @@ def _head_overlap(WG: gl.constexpr, z, hq, zh, first, n_partial, n_total, n0, kv
             qk, dv, _p, _dc, _ql, _qh = warpgroup_mma_wait(2, deps=[s_tok, dv_tok, p_t, do_cols, q_lo_n, q_hi_n])
         if has_next:   # P of the next step while dK and dQ run
             p_next = p_smem.index(1 - buf + zero).slice(WG * KEYS_WG, KEYS_WG, dim=1)
-            p_keep = _make_p(qk, lse_next, m0_next, _is_partial(i + 1, n_partial, m0_next, n0, TILE, SPARSE), z, hq,
+            p_keep = _make_p(qk, lse_next, m0_next, i + 1 < n_partial, z, hq,
                              n0, M, N, p_next, f_smem.index(WG), scalars, mod_bufs, WG, SCORE_MOD, SCORE_GRAD,
                              MASK_MOD, TILE, FLAGS)
             mbarrier.arrive(p_ready.index(1 - buf), count=1)

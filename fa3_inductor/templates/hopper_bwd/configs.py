@@ -48,8 +48,6 @@ class BwdSm90Config:
     stats_ahead: bool = True     # bwd_sm90.py: a step's LSE / DELTA rows loaded a step ahead, not where used
     dq_bufs: int = 1             # bwd_sm90_wide.py: fp32 dQ staging tiles a warpgroup (2: a chunk is staged while
                                  # the previous reduce-add still reads; the host keeps 1 where 2 do not fit)
-    causal_walk: bool = True     # bwd_sm90_wide.py under an exactly causal mask_mod: the tiles from each KV tile's
-                                 # diagonal walked without the block-mask tables (BwdSparsity.CAUSAL_WALK; A/B field)
     dq_frag: bool = True         # dQ staged and added in the wgmma fragments' order (DQ_ACC's 64 x 64 blocks
                                  # permuted, a convert pass that reads them so): 16-byte stores a thread, no bank
                                  # conflict; the host applies it to 64-row steps of whole 64-column chunks (not 80, 96,
@@ -193,8 +191,6 @@ VARIANTS: dict[str, dict[str, bool]] = {
     "dq_bufs2": {"dq_bufs": 2},
     # dQ staged as the tiled [64, 64] fp32 chunk (every default before dq_frag; still what 80 / 96 / 160 and m128 run)
     "dq_tiled": {"dq_frag": False},
-    # the wide kernel's causal launches walking the block mask's tables (the launch before causal_walk: an A/B)
-    "causal_tables": {"causal_walk": False},
 }
 
 

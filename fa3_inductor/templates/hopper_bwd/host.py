@@ -457,19 +457,18 @@ def prepare_hopper_backward(
     tables = tuple(table(t) for t in (q_num_blocks, q_indices, full_q_num_blocks, full_q_indices))
     SZ, SH, num_kv_blks = q_num_blocks.shape if has_mask else (1, 1, 1)
     num_q_blks = q_indices.shape[-1] if has_mask else 1
-    # the wide kernel's causal trim (bwd_sm90_wide._causal_first, _is_partial): the skip under every mask that implies
-    # causal (192 / 128 documents 1.01-1.06x, sliding window 1.04x; D256 1.02-1.04x), the full-tile rule at 192 / 128
-    # only (D256 0.98x at 4k with it: hopper_backward.md)
+    # The wide kernel under a block mask: an exactly causal mask_mod walks its tiles from each 64-key tile's diagonal
+    # without the tables (BwdSparsity.CAUSAL_WALK: backward 1.01-1.04x at 2k-8k, fwd+bwd 1.01-1.02x cuDNN at D256; H200,
+    # bwd-speed-nvidia-h200-2026-11-30-0228-wide-causal-walk); another mask that keeps only q >= kv pairs (causal
+    # documents, windows) skips a first listed tile wholly above the CTA's keys (bwd_sm90_wide._causal_first: 192 / 128
+    # documents 1.01-1.06x, sliding window 1.04x; D256 1.02-1.04x). hopper_backward.md.
     wide_masked = has_mask and cfg.split_dkv
-    # an exactly causal mask_mod at the wide pairs: the tables' tiles walked arithmetically (BwdSparsity.CAUSAL_WALK)
-    walk = wide_masked and cfg.causal_walk and is_causal_mask_mod(mask_mod)
+    walk = wide_masked and is_causal_mask_mod(mask_mod)
     tabled = has_mask and not walk
     sparse = BwdSparsity(HAS_BLOCK_MASK=tabled, HAS_FULL_BLOCKS=has_full and tabled,
                          Q_TILES_PER_BLK=sparse_q_block // tile.BLOCK_M if tabled else 1,
                          SPARSE_KV=sparse_kv_block if tabled else tile.BLOCK_N,
-                         CAUSAL_SKIP=wide_masked and not walk and mask_implies_causal(mask_mod),
-                         CAUSAL_FULL=wide_masked and not walk and tile.HEAD_D != 256 and is_causal_mask_mod(mask_mod),
-                         CAUSAL_WALK=walk)
+                         CAUSAL_SKIP=wide_masked and not walk and mask_implies_causal(mask_mod), CAUSAL_WALK=walk)
     flags = BwdFlags(GQA_GROUP=HQ // HKV, FOLD_SCALE=fold, EVEN_N=N % tile.BLOCK_N == 0,
                      CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
                      WIDE_SCORES=wide_scores(score_mod, compiled=True),
