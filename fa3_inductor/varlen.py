@@ -173,8 +173,9 @@ def flex_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
     inputs that need gradients, it runs a dense torch path (per sequence: float32 scores, the mods
     on broadcast index tensors, softmax, PV), which autograd differentiates. CUDA inputs that need gradients get
     them from the sm90 backward's packed mode (templates/hopper_bwd/varlen.py: the sm90 backward's head dims, 64 to
-    256 and 192 / 128, mods whose captured tensors need no gradient); elsewhere from ``fa3_inductor.flex`` over the pack as
-    one sequence with a document mask (the same result, slower: tiles that straddle two sequences are computed).
+    256 and 192 / 128, mods whose captured tensors need no gradient); elsewhere from ``fa3_inductor.flex`` over the
+    pack as one sequence with a document mask (the same result, slower: tiles that straddle two sequences are
+    computed).
 
     Checks: shapes, dtypes and devices always; the cu_seqlens values (0 first, non-decreasing,
     totals, lengths <= max_seqlen) on CPU tensors only, since reading CUDA ones would synchronize

@@ -105,8 +105,8 @@ def through_document_mask(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: T
                           mask_mod: Optional[Callable], scale: float, enable_gqa: bool) -> tuple[Tensor, Tensor]:
     """flex_varlen's (out, natural-log LSE) through ``fa3_inductor.flex`` over the packed tensors as one
     ``[1, H, T, D]`` batch with a document mask, which autograd differentiates with the backward families: where the
-    packed backward does not serve (other GPUs, head dims it has no tiles for, mods' tensors that need gradients). The mods
-    see what flex_varlen promises: ``b`` the sequence, ``q_idx`` / ``kv_idx`` positions within it.
+    packed backward does not serve (other GPUs, head dims it has no tiles for, mods' tensors that need gradients).
+    The mods see what flex_varlen promises: ``b`` the sequence, ``q_idx`` / ``kv_idx`` positions within it.
 
     Example::
 
