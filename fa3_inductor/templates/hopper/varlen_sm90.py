@@ -80,8 +80,8 @@ def prepare_varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     packed = PackedRows(cu_q, cu_k, int(max_seqlen_q), bool(causal))
     site = _site(q4, k4, v4, out4, lse4, max4, sm_scale=sm_scale, score_mod=score_mod, mask_mod=mask_mod,
                  score_bufs=tuple(score_bufs), mask_bufs=tuple(mask_bufs), kv_num_blocks=None, kv_indices=None,
-                 full_kv_num_blocks=None, full_kv_indices=None, sparse_q_block=128, sparse_kv_block=128, config=config, num_sms=0,
-                 max_needed=False, packed=packed)
+                 full_kv_num_blocks=None, full_kv_indices=None, sparse_q_block=128, sparse_kv_block=128,
+                 config=config, num_sms=0, max_needed=False, packed=packed)
     return (fa3_fwd_sm90_kernel, *site.launch())
 
 
