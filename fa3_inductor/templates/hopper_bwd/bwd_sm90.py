@@ -489,16 +489,23 @@ def _kv_landed(kv_bar, kv_phase, k_smem, kv_buf, n0, N, WG: gl.constexpr, TILE: 
             mbarrier.wait(kv_bar, kv_phase)
             first = n0 + WG * TILE.HALF_N
             if first + TILE.HALF_N > N:
-                layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-                k_half = k_smem.index(kv_buf).reshape([TILE.BLOCK_N, TILE.HEAD_D]).slice(WG * TILE.HALF_N,
-                                                                                       TILE.HALF_N, dim=0)
-                keys = k_half.load(layout)
-                r = gl.arange(0, TILE.HALF_N, layout=gl.SliceLayout(1, layout))[:, None]
-                k_half.store(gl.where(first + r < N, keys, gl.zeros_like(keys)))
+                _zero_keys_past(k_smem.index(kv_buf).reshape([TILE.BLOCK_N, TILE.HEAD_D]).slice(
+                    WG * TILE.HALF_N, TILE.HALF_N, dim=0), first, N)
                 fence_async_shared()
                 gl.thread_barrier()
     else:
         mbarrier.wait(kv_bar, kv_phase)
+
+
+@gluon.jit
+def _zero_keys_past(keys, first, N):
+    """Rows of the shared K view ``keys`` (a warpgroup's, rows = keys first, first + 1, ...) at or past N set to zero
+    (the caller fences before a wgmma reads them)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rows: gl.constexpr = keys.shape[0]
+    held = keys.load(layout)
+    r = gl.arange(0, rows, layout=gl.SliceLayout(1, layout))[:, None]
+    keys.store(gl.where(first + r < N, held, gl.zeros_like(held)))
 
 
 @gluon.jit

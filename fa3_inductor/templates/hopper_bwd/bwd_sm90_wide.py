@@ -85,7 +85,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .bwd_sm90 import (DENSE, _acc_layout, _ds, _ds_factor, _frag_reduce_add, _lse_rows, _next_step, _next_step_at,
                        _opaque, _packed_coords, _probabilities, _q_tile_counts, _q_tile_start, _seq_span,
-                       _tma_reduce_add)
+                       _tma_reduce_add, _zero_keys_past)
 
 
 @dataclass(frozen=True)
@@ -331,15 +331,11 @@ def _clear_keys_past(smem, n0, N, WG: gl.constexpr, TILE: gl.constexpr):
     first ds_ready, which follows the fence here."""
     first = n0 + WG * TILE.KEYS_WG
     if first + TILE.KEYS_WG > N:
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        r = gl.arange(0, TILE.KEYS_WG, layout=gl.SliceLayout(1, layout))[:, None]
-        k_lo = smem[3].index(0).reshape([TILE.BLOCK_N, TILE.LO]).slice(WG * TILE.KEYS_WG, TILE.KEYS_WG, dim=0)
-        keys = k_lo.load(layout)
-        k_lo.store(gl.where(first + r < N, keys, gl.zeros_like(keys)))
+        _zero_keys_past(smem[3].index(0).reshape([TILE.BLOCK_N, TILE.LO]).slice(WG * TILE.KEYS_WG, TILE.KEYS_WG, dim=0),
+                        first, N)
         if TILE.SPLIT_QK:
-            k_hi = smem[4].index(0).reshape([TILE.BLOCK_N, TILE.HI]).slice(WG * TILE.KEYS_WG, TILE.KEYS_WG, dim=0)
-            keys_hi = k_hi.load(layout)
-            k_hi.store(gl.where(first + r < N, keys_hi, gl.zeros_like(keys_hi)))
+            _zero_keys_past(smem[4].index(0).reshape([TILE.BLOCK_N, TILE.HI]).slice(WG * TILE.KEYS_WG, TILE.KEYS_WG,
+                                                                                    dim=0), first, N)
         fence_async_shared()
         gl.thread_barrier()
 
