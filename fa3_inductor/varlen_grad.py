@@ -9,6 +9,7 @@ from typing import Any, Callable, Hashable, Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .mod_keys import Unkeyable, mod_key
 from .templates.generic_bwd import SCORE_GRAD_ONE
@@ -89,6 +90,7 @@ class VarlenAttention(torch.autograd.Function):
         return out, lse2 * _LN2
 
     @staticmethod
+    @once_differentiable   # (no double backward: a second derivative raises torch's own clear error)
     def backward(ctx: Any, dout: Optional[Tensor], dlse: Optional[Tensor]) -> tuple:
         q, k, v, out, lse2, cu_q, cu_k = ctx.saved_tensors
         dq, dk, dv = torch.empty_like(q), torch.empty(k.shape, dtype=k.dtype, device=k.device), \
