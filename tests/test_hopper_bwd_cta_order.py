@@ -71,24 +71,25 @@ def test_plans_of_the_mask_schedules():
     from fa3_inductor.templates.hopper_bwd.host import PERSISTENT_TILE_COST
 
     window = mods.sliding_window(256)
-    _, args, kwargs, grid = _plan("default", window)
-    assert grid == (8, 4) and args[-1] == () and not kwargs["SCHED"].LPT_ORDER and not kwargs["SCHED"].PERSISTENT
+    _, args, kwargs, grid = _plan("default", window)   # (the main kernel's last two arguments: cta_args, pack_args)
+    assert grid == (8, 4) and args[-2] == () and args[-1] == ()
+    assert not kwargs["SCHED"].LPT_ORDER and not kwargs["SCHED"].PERSISTENT
     # longest first: the grid stays, the order travels as one int32 tensor
     _, args, kwargs, grid = _plan("lpt_order", window)
     assert grid == (8, 4) and kwargs["SCHED"].LPT_ORDER and not kwargs["SCHED"].PERSISTENT
-    (order,) = args[-1]
+    (order,) = args[-2]
     assert sorted(order.tolist()) == list(range(32))
     # persistent: min(SMs, tiles) CTAs (132 for CPU tensors: 32 tiles here), each tile once
     _, args, kwargs, grid = _plan("persistent", window)
     assert kwargs["SCHED"].PERSISTENT and not kwargs["SCHED"].LPT_ORDER
-    offsets, tiles = args[-1]
+    offsets, tiles = args[-2]
     assert grid == (32,) and offsets.tolist() == list(range(33)) and sorted(tiles.tolist()) == list(range(32))
     # two K / V buffers where shared memory allows: D64 (176 KB), not D128 (272 KB)
     assert kwargs["SCHED"].KV_BUFS == 1 and _plan("persistent", window, D=64)[2]["SCHED"].KV_BUFS == 2
     assert PERSISTENT_TILE_COST > 0
     # a few CTAs (the GPU tests): each walks several tiles
     _, args, kwargs, grid = _plan("persistent", window, persistent_ctas=3)
-    offsets, tiles = args[-1]
+    offsets, tiles = args[-2]
     assert grid == (3,) and offsets[0] == 0 and offsets[-1] == 32 and (offsets.diff() >= 10).all()
     # the step under either schedule: the head dim's (D128: the overlap under dK, D64: in order), or as asked
     assert kwargs["SCHED"].OVERLAP == 2 and _plan("lpt_order", window)[2]["SCHED"].OVERLAP == 2
@@ -100,7 +101,7 @@ def test_plans_of_the_mask_schedules():
     # no block mask: both schedules are the default launch
     for schedule in ("lpt_order", "persistent"):
         _, args, kwargs, grid = _plan(schedule)
-        assert grid == (8, 4) and args[-1] == () and kwargs["SCHED"] == _plan("default")[2]["SCHED"]
+        assert grid == (8, 4) and args[-2] == () and kwargs["SCHED"] == _plan("default")[2]["SCHED"]
 
 
 def test_persistent_schedule_balances_documents():
@@ -143,7 +144,7 @@ def test_host_picks_the_schedule_by_what_the_launch_has():
         for variant in ("causal", "document", "causal+alibi", "causal+softcap", "blocks"):
             kernel, args, kwargs, grid = _host_plan(variant, D)
             assert kernel is fa3_bwd_sm90_kernel and kwargs["SCHED"].PERSISTENT, (D, variant)
-            offsets, tiles = args[-1]
+            offsets, tiles = args[-2]
             assert grid == (offsets.numel() - 1,) and sorted(tiles.tolist()) == list(range(4 * 5)), (D, variant)
         for variant in ("noop", "softcap"):
             kernel, args, kwargs, grid = _host_plan(variant, D)
