@@ -219,7 +219,15 @@ def varlen_backward_scratch(q: torch.Tensor, k: torch.Tensor, batch: int, value_
 def launch_tensors(q, k, v, out, dout, lse, dq, dk, dv, cu_q, cu_k, grad_lse, scratch, score_bufs, mask_bufs
                    ) -> list[Optional[torch.Tensor]]:
     """Every tensor the launches take, in a fixed order: the packed [1, H, T, D] views of q, k, v, out, dout and
-    dq, LSE as [1, HQ, TQ], dk, dv, the offsets, the LSE's gradient (or None), the scratch and the mods' buffers."""
+    dq, LSE as [1, HQ, TQ], dk, dv, the offsets, the LSE's gradient (or None), the scratch and the mods' buffers.
+
+    Example::
+
+        >>> t, cu = torch.empty(10, 2, 64), torch.tensor([0, 10], dtype=torch.int32)
+        >>> listed = launch_tensors(t, t, t, t, t, torch.empty(2, 10), t, t, t, cu, cu, None, (), (), ())
+        >>> tuple(listed[0].shape), tuple(listed[5].shape), listed[11]
+        ((1, 2, 10, 64), (1, 2, 10), None)
+    """
     dtype = q.dtype
     return [packed_view(q), packed_view(k), packed_view(v), packed_view(out.to(dtype)), packed_view(dout.to(dtype)),
             lse.unsqueeze(0), packed_view(dq), dk, dv, cu_q, cu_k,
