@@ -313,6 +313,38 @@ def _launched_mods(score_mod: Any, score_grad_mod: Any, sm_scale: float) -> tupl
     return score_mod, score_grad_mod, fold, (float(sm_scale), float(to_score * _LOG2E), ds_scale)
 
 
+def _wide_tile(cfg: BwdSm90Config, DT: int, DVT: int, d_in: int, curved: bool, elem_bytes: int,
+               dq_frag: bool) -> WideTile:
+    """The wide kernel's tiles for ``cfg`` (its (DT, DVT) tiles, the tensors' head dim d_in when less): a second dQ
+    staging tile where it fits beside a score_mod's f' (parked in shared memory without p_regs: D256 softcap then has
+    no room for it)."""
+    f_bytes = 2 * 64 * 32 * elem_bytes if curved and not cfg.p_regs else 0
+    dq_bufs = cfg.dq_bufs if cfg.smem_bytes(DT, value_head_dim=DVT) + f_bytes + 1024 <= SMEM_LIMIT else 1
+    return WideTile(HEAD_D=DT, HEAD_DV=DVT, NUM_STAGES=cfg.num_stages, HEAD_D_IN=d_in, P_REGS=cfg.p_regs,
+                    DQ_BUFS=dq_bufs, OVERLAP=bool(cfg.overlap), DQ_FRAG=dq_frag)
+
+
+def _flags(cfg: BwdSm90Config, group: int, fold: bool, even_n: bool, score_mod: Any, score_grad_mod: Any) -> BwdFlags:
+    """The FLAGS bundle of a launch whose launched mods (_launched_mods) are ``score_mod`` / ``score_grad_mod``."""
+    return BwdFlags(GQA_GROUP=group, FOLD_SCALE=fold, EVEN_N=even_n, CONSUMER_REGS=cfg.consumer_regs,
+                    PRODUCER_REGS=cfg.producer_regs, WIDE_SCORES=wide_scores(score_mod, compiled=True),
+                    GRAD_FINITE=score_grad_mod is not None and mod_info(score_grad_mod).finite)
+
+
+def _register_rules(cfg: BwdSm90Config, score_mod: Any, masked: bool, DT: int) -> tuple[bool, bool]:
+    """(STATS_AHEAD, P_CARRY16) of bwd_sm90.py's schedule; ``masked``: the launch applies a mask_mod (block-mask tables,
+    or a packed launch's mask).
+
+    LSE / DELTA a step ahead: not at D = 128 under a mask, where the two rows' four registers pushed head-level values
+    to the stack (document, persistent: 36 spill instructions, none in a step loop). dS's P in registers: the in-order
+    step always fits (D64's default); the overlap carries P across a step: in fp32 under overlap 2 without a mod or
+    mask, else in 16 bits (fp32 spilled: sm90, triton 3.6, causal 43, ALiBi 22, softcap 106; noop under overlap 1,
+    dQ's accumulator beside it, 36 with 6 in a step loop)."""
+    stats_ahead = cfg.stats_ahead and not (masked and DT > 64)
+    p_carry16 = cfg.p_regs and cfg.overlap != 0 and (score_mod is not None or masked or cfg.overlap == 1)
+    return stats_ahead, p_carry16
+
+
 def _pass_launches(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, grad_lse: Optional[torch.Tensor],
                    stats: torch.Tensor, dq_acc: torch.Tensor, dq: torch.Tensor, m_pad: int, ds_scale: float,
                    dq_frag: bool, head_dim: int) -> tuple[Launch, Launch]:
@@ -423,12 +455,7 @@ def prepare_hopper_backward(
     # 64-column chunks only (not 80, 96, 160), dQ by TMA, 64-row steps
     dq_frag = cfg.dq_frag and cfg.dq_tma and D % 64 == 0 and cfg.block_m == 64
     if cfg.split_dkv:
-        # a second dQ staging tile where it fits beside a score_mod's f' (parked in shared memory without p_regs:
-        # D256 softcap then has no room for it)
-        f_bytes = 2 * 64 * 32 * q.element_size() if _curved(score_grad_mod) and not cfg.p_regs else 0
-        dq_bufs = cfg.dq_bufs if cfg.smem_bytes(DT, value_head_dim=DVT) + f_bytes + 1024 <= SMEM_LIMIT else 1
-        tile = WideTile(HEAD_D=DT, HEAD_DV=DVT, NUM_STAGES=cfg.num_stages, HEAD_D_IN=d_in, P_REGS=cfg.p_regs,
-                        DQ_BUFS=dq_bufs, OVERLAP=bool(cfg.overlap), DQ_FRAG=dq_frag)
+        tile = _wide_tile(cfg, DT, DVT, d_in, _curved(score_grad_mod), q.element_size(), dq_frag)
     elif cfg.block_m == 128:
         tile = M128Tile(HEAD_D=D, NUM_STAGES=cfg.num_stages)
     else:
@@ -469,10 +496,7 @@ def prepare_hopper_backward(
                          Q_TILES_PER_BLK=sparse_q_block // tile.BLOCK_M if tabled else 1,
                          SPARSE_KV=sparse_kv_block if tabled else tile.BLOCK_N,
                          CAUSAL_SKIP=wide_masked and not walk and mask_implies_causal(mask_mod), CAUSAL_WALK=walk)
-    flags = BwdFlags(GQA_GROUP=HQ // HKV, FOLD_SCALE=fold, EVEN_N=N % tile.BLOCK_N == 0,
-                     CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
-                     WIDE_SCORES=wide_scores(score_mod, compiled=True),
-                     GRAD_FINITE=score_grad_mod is not None and mod_info(score_grad_mod).finite)
+    flags = _flags(cfg, HQ // HKV, fold, N % tile.BLOCK_N == 0, score_mod, score_grad_mod)
     # CTA schedules for block masks (bwd_sm90.py only): longest first, and persistent CTAs walking tile lists
     # (the 64-row step only; under graph capture the persistent lists, which read the tables on the host, give way
     # to the grid order)
@@ -483,13 +507,7 @@ def prepare_hopper_backward(
     # slots; D = 128 would need 272 KB), so the next tile's K and V load under this tile's last steps
     smem = cfg.smem_bytes(DT) + (2 * 64 * 64 * q.element_size() if score_grad_mod is not None else 0)
     kv_bufs = 2 if persistent and smem + 2 * tile.BLOCK_N * DT * q.element_size() + 1024 <= SMEM_LIMIT else 1
-    # LSE / DELTA a step ahead: not at D = 128 under a block mask, where the two rows' four registers pushed
-    # head-level values to the stack (document, persistent: 36 spill instructions, none in a step loop)
-    stats_ahead = cfg.stats_ahead and not (has_mask and DT > 64)
-    # dS's P in registers: the in-order step always fits (D64's default); the overlap carries P across a step: in
-    # fp32 under overlap 2 without a mod or mask, else in 16 bits (fp32 spilled: sm90, triton 3.6, causal 43, ALiBi
-    # 22, softcap 106; noop under overlap 1, dQ's accumulator beside it, 36 with 6 in a step loop)
-    p_carry16 = cfg.p_regs and cfg.overlap != 0 and (score_mod is not None or has_mask or cfg.overlap == 1)
+    stats_ahead, p_carry16 = _register_rules(cfg, score_mod, has_mask, DT)
     sched = BwdSchedule(DQ_TMA=cfg.dq_tma, OVERLAP=cfg.overlap, LPT_ORDER=lpt, PERSISTENT=persistent, KV_BUFS=kv_bufs,
                         STATS_AHEAD=stats_ahead, P_REGS=cfg.p_regs, P_CARRY16=p_carry16, DQ_FRAG=dq_frag)
     grid = (triton.cdiv(N, tile.BLOCK_N), KZ * HKV)

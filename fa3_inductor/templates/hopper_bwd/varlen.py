@@ -30,13 +30,12 @@ from ...runtime.fast_launch import aliasing, launch_cached, on_clear, recorded, 
 from ..hopper.varlen_sm90 import packed_view
 from ..placeholder import placeholder
 from ..tma import tma_aligned
-from ..wide_scores import wide_scores
-from ..modgen import mod_info
-from .bwd_sm90 import (BwdFlags, BwdPacking, BwdSchedule, BwdSparsity, BwdTile, fa3_bwd_sm90_kernel,
+from .bwd_sm90 import (BwdPacking, BwdSchedule, BwdSparsity, BwdTile, fa3_bwd_sm90_kernel,
                        packed_tile_table_kernel)
-from .bwd_sm90_wide import WideTile, fa3_bwd_sm90_wide_kernel
+from .bwd_sm90_wide import fa3_bwd_sm90_wide_kernel
 from .configs import SMEM_LIMIT, SUPPORTED_HEAD_DIM_PAIRS, BwdSm90Config, get_bwd_config, tile_head_dims
-from .host import Launch, _curved, _desc, _dq_acc_desc, _launched_mods, _pass_launches
+from .host import (Launch, _curved, _desc, _dq_acc_desc, _flags, _launched_mods, _pass_launches, _register_rules,
+                   _wide_tile)
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _MAX_RECORDED = 256
@@ -138,11 +137,8 @@ def prepare_varlen_backward(
             cfg.smem_bytes(DT, value_head_dim=DVT) > SMEM_LIMIT:
         _refuse(f"config {cfg}: packed sequences run 64-row steps with dQ by TMA reduce-add (split_dkv for D > 128)")
     d_in = D if DT != D else 0
-    if cfg.split_dkv:
-        f_bytes = 2 * 64 * 32 * q.element_size() if curved and not cfg.p_regs else 0
-        dq_bufs = cfg.dq_bufs if cfg.smem_bytes(DT, value_head_dim=DVT) + f_bytes + 1024 <= SMEM_LIMIT else 1
-        tile = WideTile(HEAD_D=DT, HEAD_DV=DVT, NUM_STAGES=cfg.num_stages, HEAD_D_IN=d_in, P_REGS=cfg.p_regs,
-                        DQ_BUFS=dq_bufs, OVERLAP=bool(cfg.overlap))
+    if cfg.split_dkv:   # (dQ in the tiled order: sequence starts are no multiple of 64)
+        tile = _wide_tile(cfg, DT, DVT, d_in, curved, q.element_size(), dq_frag=False)
     else:
         tile = BwdTile(HEAD_D=DT, NUM_STAGES=cfg.num_stages, HEAD_D_IN=d_in)
     score_mod, score_grad_mod, fold, scalars = _launched_mods(score_mod, score_grad_mod, sm_scale)
@@ -151,14 +147,11 @@ def prepare_varlen_backward(
                          CAUSAL_WALK=causal, DENSE_MASK=masked and not causal)
     # EVEN_N off: a sequence's last KV tile holds zeroed keys past its end (bwd_sm90._kv_landed), whose exponent
     # the clamp keeps finite
-    flags = BwdFlags(GQA_GROUP=HQ // HKV, FOLD_SCALE=fold, EVEN_N=False, CONSUMER_REGS=cfg.consumer_regs,
-                     PRODUCER_REGS=cfg.producer_regs, WIDE_SCORES=wide_scores(score_mod, compiled=True),
-                     GRAD_FINITE=score_grad_mod is not None and mod_info(score_grad_mod).finite)
-    # the dense launch's register rules (host.prepare_hopper_backward) with a mask_mod standing for block-mask tables
-    sched = BwdSchedule(DQ_TMA=True, OVERLAP=cfg.overlap, STATS_AHEAD=cfg.stats_ahead and not (masked and DT > 64),
-                        P_REGS=cfg.p_regs,
-                        P_CARRY16=cfg.p_regs and cfg.overlap != 0 and (score_mod is not None or masked
-                                                                        or cfg.overlap == 1))
+    flags = _flags(cfg, HQ // HKV, fold, False, score_mod, score_grad_mod)
+    # the dense launch's register rules with a mask_mod standing for block-mask tables
+    stats_ahead, p_carry16 = _register_rules(cfg, score_mod, masked, DT)
+    sched = BwdSchedule(DQ_TMA=True, OVERLAP=cfg.overlap, STATS_AHEAD=stats_ahead, P_REGS=cfg.p_regs,
+                        P_CARRY16=p_carry16)
 
     scratch = scratch if scratch is not None else varlen_backward_scratch(q, k, B, v.shape[2])
     stats, dq_acc, table = scratch
