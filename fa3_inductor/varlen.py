@@ -232,9 +232,10 @@ def flex_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
                    score_mod=score_fn, mask_mod=mask_fn, causal=causal, score_bufs=score_bufs,
                    mask_bufs=mask_bufs)
 
-    if needs_grad:
+    if needs_grad:   # (the Hopper forward's mods are the backward's dialect already)
+        gl_mods = (score_fn, score_bufs, mask_fn, mask_bufs) if dialect == "gl" else None
         return _with_gradients(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, score_mod,
-                               mask_mod, causal, run_forward, return_lse)
+                               mask_mod, causal, run_forward, return_lse, gl_mods)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     lse = torch.empty(q.shape[1], q.shape[0], device=q.device, dtype=torch.float32)
     run_forward(out, lse)
@@ -242,15 +243,19 @@ def flex_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
 
 
 def _with_gradients(q, k, v, cu_q, cu_k, scale, score_mod, mask_mod, causal, run_forward,
-                    return_lse):
+                    return_lse, gl_mods=None):
     """flex_varlen through varlen_grad.VarlenAttention: the forward as given, the sm90 packed backward; where that
-    does not serve, the document-mask path."""
-    try:
-        score_fn, score_bufs, _ = generated_mod(score_mod, "score", "gl")
-        mask_fn, mask_bufs, _ = generated_mod(mask_mod, "mask", "gl")
-    except UnsupportedMod as exc:
-        return _through_document_mask(q, k, v, cu_q, cu_k, score_mod, mask_mod, scale, return_lse,
-                                      f"a mod cannot be generated for the packed backward ({exc})")
+    does not serve, the document-mask path. ``gl_mods``: (score_fn, score_bufs, mask_fn, mask_bufs) already generated
+    in the backward's dialect, or None."""
+    if gl_mods is None:
+        try:
+            score_fn, score_bufs, _ = generated_mod(score_mod, "score", "gl")
+            mask_fn, mask_bufs, _ = generated_mod(mask_mod, "mask", "gl")
+        except UnsupportedMod as exc:
+            return _through_document_mask(q, k, v, cu_q, cu_k, score_mod, mask_mod, scale, return_lse,
+                                          f"a mod cannot be generated for the packed backward ({exc})")
+    else:
+        score_fn, score_bufs, mask_fn, mask_bufs = gl_mods
     why_not = varlen_grad_refusal(q, k, v, score_bufs, mask_bufs)
     if why_not is not None:
         return _through_document_mask(q, k, v, cu_q, cu_k, score_mod, mask_mod, scale, return_lse, why_not)
