@@ -150,3 +150,28 @@ def test_wide_causal_trim_follows_the_mask_mod():
         for implied in ("sliding_window", "document"):   # causal windows and causal documents (the tests' mods)
             assert trim(D, DV, _options(implied, 1000, 1000)) == (False, True, True), implied
     assert trim(128, 128, _options("causal", 1000, 1000)) == (False, False, True)
+
+
+@pytest.mark.parametrize("mask", [None, "causal", "document"])
+def test_wide_persistent_plan(mask):
+    """persistent at the wide pairs: min(#SMs, #tiles) CTAs walking lists that hold every (KV tile, K/V head) tile
+    once; without tables (no mask, the causal walk) the lists follow from the shapes, longest tiles first (a causal
+    walk's KV tile 0); under a document mask from the tables as bwd_sm90's."""
+    from test_hopper_bwd_compile import _options
+
+    from fa3_inductor.templates.hopper_bwd.configs import get_bwd_config
+
+    M = N = 1000
+    options = _options(mask, M, N) if mask else {}
+    cfg = get_bwd_config(192, 128, masked=mask is not None, persistent=True, persistent_ctas=5)
+    kernel, args, kwargs, grid = _plan(192, 128, M=M, N=N, config=cfg, **options)[1]
+    offsets, tiles = args[-2]
+    n_tiles = math.ceil(N / 64) * 2 * 2
+    assert kwargs["TILE"].PERSISTENT and grid == (5,)
+    assert offsets.tolist()[0] == 0 and offsets.tolist()[-1] == n_tiles
+    assert sorted(tiles.tolist()) == list(range(n_tiles))
+    if mask == "causal":
+        # each head's KV tile 0 (16 steps) first, then tile 1 (15)
+        assert kwargs["SPARSE"].CAUSAL_WALK and tiles[offsets[:-1].long()].remainder(16).tolist() == [0] * 4 + [1]
+    plain = _plan(192, 128, M=M, N=N, config=get_bwd_config(192, 128, masked=mask is not None), **options)[1]
+    assert not plain[2]["TILE"].PERSISTENT and plain[1][-2] == () and plain[3] == (16, 4)

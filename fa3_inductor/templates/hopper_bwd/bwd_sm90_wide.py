@@ -33,6 +33,9 @@ Notation (beyond bwd_sm90.py's)
                              block's first query tile with every score masked; the steps start after such a tile
                              (_causal_first)
 
+  PERSISTENT                 one CTA an SM walking a host-made list of (KV tile, K/V head) tiles (bwd_sm90's
+                             SCHED.PERSISTENT with one K / V buffer): the next tile's K and V load while this one's dK
+                             and dV are stored, and no CTA starts or drains between tiles
   PACK.VARLEN                bwd_sm90's "Packed sequences" over 64-key virtual tiles (the table's BLOCK_N is 64): each
                              warpgroup zeroes its 32 keys past the sequence's end in both K tiles (_clear_keys_past);
                              dQ in the tiled order (sequence starts are no multiple of 64: DQ_FRAG off)
@@ -54,6 +57,7 @@ S 3, dP 2, dV 2, dK 3, dQ 3 = 13, warpgroup 0 dK 2 + dQ 1 + dV 1 + 2.5 = 6.5, wa
 
 Barriers (shared memory):
   kv_ready        (count 1, TMA tx)  K (both tiles) and V landed                    producer -> consumers
+  kv_empty        (count 2)          PERSISTENT: every wgmma reading the tile's K, V retired   consumers -> producer
   qdo_ready[s]    (count 1, TMA tx)  ring stage s holds this step's Q and dO        producer -> consumers
   qdo_empty[s]    (count 2)          both warpgroups' wgmmas reading stage s retired consumers -> producer
   p_ready[b]      (count 2)          both halves of P are in P buffer b (step % 2)  consumer <-> consumer
@@ -83,9 +87,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .bwd_sm90 import (DENSE, _acc_layout, _ds, _ds_factor, _frag_reduce_add, _lse_rows, _next_step, _next_step_at,
-                       _opaque, _packed_coords, _probabilities, _q_tile_counts, _q_tile_start, _seq_span,
-                       _tma_reduce_add, _zero_keys_past)
+from .bwd_sm90 import (DENSE, _acc_layout, _cta_tiles, _ds, _ds_factor, _frag_reduce_add, _lse_rows, _next_step,
+                       _next_step_at, _opaque, _packed_coords, _persistent_tile, _probabilities, _q_tile_counts,
+                       _q_tile_start, _seq_span, _tma_reduce_add, _zero_keys_past)
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,9 @@ class WideTile:
     DQ_BUFS: int = 1       # dQ staging tiles a warpgroup: 2 lets a chunk be staged while the last reduce-add reads
     OVERLAP: bool = False  # step j + 1's S issued behind step j's dS, its P made while dK and dQ run (P_REGS, 2 stages)
     DQ_FRAG: bool = False  # dQ chunks staged and added in the wgmma fragments' order (DQ_ACC's 64 x 64 blocks permuted)
+    PERSISTENT: bool = False   # #SMs CTAs, each walking its list of (KV tile, K/V head) tiles (cta = (offsets, tiles),
+                               # host._persistent_schedule / _shape_schedule); the next tile's K / V load under this
+                               # one's dK / dV stores
 
     @property
     def D_MEM(self) -> int:
@@ -183,29 +190,40 @@ def _causal_first(n_partial, z, hq, kv_blk, n0, tables, table_meta, TILE: gl.con
 # Producer: one warp issuing TMA (the query steps as bwd_sm90._producer walks them).
 # ----------------------------------------------------------------------------------------------
 @gluon.jit
-def _producer(descs, bars, smem, sizes, tables, table_meta, pack, TILE: gl.constexpr, SPARSE: gl.constexpr,
+def _producer(descs, bars, smem, sizes, tables, table_meta, pack, cta, TILE: gl.constexpr, SPARSE: gl.constexpr,
               FLAGS: gl.constexpr, PACK: gl.constexpr):
     """K and V of this CTA's keys, then its query steps' Q and dO. PACK.VARLEN (bwd_sm90's "Packed sequences"): the
-    tile table's KV tile of one sequence, rows from its offsets, nothing for a tile past its keys."""
+    tile table's KV tile of one sequence, rows from its offsets, nothing for a tile past its keys. TILE.PERSISTENT:
+    the CTA's tiles in turn, each tile's K / V once both warpgroups are done with the last one's (kv_empty)."""
     Z, HQ, KZ, M, N = sizes
     HKV = HQ // FLAGS.GQA_GROUP
-    if PACK.VARLEN:
+    if TILE.PERSISTENT:
+        first, n_my = _cta_tiles(cta)
+        cnt = 0
+        for t in range(n_my):
+            kv_tile, kvh = _persistent_tile(cta, first + t, N, TILE)
+            mbarrier.wait(cta[1], (t & 1) ^ 1)
+            cnt = _producer_tile(kv_tile * TILE.BLOCK_N, kvh, kvh // HKV, 0, 0, M, cnt, descs, bars, smem, sizes,
+                                 tables, table_meta, TILE, SPARSE, FLAGS)
+    elif PACK.VARLEN:
         kv_tile, kvh = _packed_coords(pack, HKV, TILE)
         n0 = kv_tile * TILE.BLOCK_N
         q_row0, M, k_row0, N = _seq_span(pack, kvh // HKV)
         if n0 < N:
-            _producer_tile(n0, kvh, 0, q_row0, k_row0, M, descs, bars, smem, sizes, tables, table_meta, TILE, SPARSE,
-                           FLAGS)
+            _producer_tile(n0, kvh, 0, q_row0, k_row0, M, n0 * 0, descs, bars, smem, sizes, tables, table_meta, TILE,
+                           SPARSE, FLAGS)
     else:
-        _producer_tile(gl.program_id(0) * TILE.BLOCK_N, gl.program_id(1), gl.program_id(1) // HKV, 0, 0, M, descs,
-                       bars, smem, sizes, tables, table_meta, TILE, SPARSE, FLAGS)
+        n0 = gl.program_id(0) * TILE.BLOCK_N
+        _producer_tile(n0, gl.program_id(1), gl.program_id(1) // HKV, 0, 0, M, n0 * 0, descs, bars, smem, sizes,
+                       tables, table_meta, TILE, SPARSE, FLAGS)
 
 
 @gluon.jit
-def _producer_tile(n0, kvh, kz_t, q_row0, k_row0, M, descs, bars, smem, sizes, tables, table_meta, TILE: gl.constexpr,
-                   SPARSE: gl.constexpr, FLAGS: gl.constexpr):
+def _producer_tile(n0, kvh, kz_t, q_row0, k_row0, M, cnt, descs, bars, smem, sizes, tables, table_meta,
+                   TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr):
     """The producer's loads for keys n0.. of K / V head kvh: the tensors' batch kz_t, rows from q_row0 / k_row0 (packed
-    sequences; 0 and the grid's batch for a dense launch), M query rows."""
+    sequences; 0 and the grid's batch for a dense launch), M query rows, the Q / dO ring from its step cnt on; returns
+    the next cnt."""
     q_lo_desc, q_hi_desc, do_desc, k_lo_desc, k_hi_desc, v_desc, dq_desc = descs
     kv_ready, qdo_ready, qdo_empty, p_ready, ds_ready = bars
     q_lo_smem, q_hi_smem, do_smem, k_lo_smem, k_hi_smem, v_smem, p_smem, ds_smem, f_smem, dq_smem = smem
@@ -230,7 +248,6 @@ def _producer_tile(n0, kvh, kz_t, q_row0, k_row0, M, descs, bars, smem, sizes, t
         tma.async_copy_global_to_shared(k_hi_desc, [kz_t, hkv, k_row0 + n0, LO], kv_ready, k_hi_smem.index(0))
     tma.async_copy_global_to_shared(v_desc, [kz_t, hkv, k_row0 + n0, 0], kv_ready, v_smem.index(0))
 
-    cnt = 0
     for hh in range((Z // KZ) * FLAGS.GQA_GROUP):
         z = kz + (hh // FLAGS.GQA_GROUP) * KZ
         hq = hkv * FLAGS.GQA_GROUP + hh % FLAGS.GQA_GROUP
@@ -250,18 +267,51 @@ def _producer_tile(n0, kvh, kz_t, q_row0, k_row0, M, descs, bars, smem, sizes, t
             tma.async_copy_global_to_shared(do_desc, [z_t, hq, q_row0 + m0, 0], qdo_ready.index(st),
                                             do_smem.index(st))
             cnt += 1
+    return cnt
 
 
 # ----------------------------------------------------------------------------------------------
 # Consumers: 32 keys of S / dP each, all 64 keys of their dK, dV, dQ columns.
 # ----------------------------------------------------------------------------------------------
 @gluon.jit
-def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta,
               SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
               SPARSE: gl.constexpr, FLAGS: gl.constexpr, PACK: gl.constexpr):
-    """A consumer warpgroup: this CTA's 64 keys over every query head of its K / V head (GQA group, K / V batch 1),
-    each head's steps in order or overlapped (TILE.OVERLAP), then its dK, dV columns stored. PACK.VARLEN: one
-    sequence's KV tile (its lengths replace M and N in ``sizes``), rows from its offsets."""
+    """A consumer warpgroup: the CTA's tile (TILE.PERSISTENT: its tiles in turn, K / V released after each one's last
+    step). PACK.VARLEN: one sequence's KV tile (its lengths replace M and N in ``sizes``), rows from its offsets."""
+    Z, HQ, KZ, M, N = sizes
+    HKV = HQ // FLAGS.GQA_GROUP
+    if TILE.PERSISTENT:
+        first, n_my = _cta_tiles(cta)
+        cnt = 0
+        for t in range(n_my):
+            kv_tile, kvh = _persistent_tile(cta, first + t, N, TILE)
+            cnt = _consumer_tile(WG, kv_tile * TILE.BLOCK_N, kvh, 0, 0, t & 1, cnt, cta, descs, bars, smem, sizes,
+                                 tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE,
+                                 SPARSE, FLAGS, PACK)
+    elif PACK.VARLEN:
+        kv_tile, kvh = _packed_coords(rows[5], HKV, TILE)
+        n0 = kv_tile * TILE.BLOCK_N
+        q_row0, M, k_row0, N = _seq_span(rows[5], kvh // HKV)
+        M = gl.where(n0 < N, M, 0)   # a tile past the sequence's keys: no step
+        _consumer_tile(WG, n0, kvh, q_row0, k_row0, 0, n0 * 0, cta, descs, bars, smem, (Z, HQ, KZ, M, N), tables,
+                       table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, PACK)
+    else:
+        n0 = gl.program_id(0) * TILE.BLOCK_N
+        _consumer_tile(WG, n0, gl.program_id(1), 0, 0, 0, n0 * 0, cta, descs, bars, smem, sizes, tables, table_meta,
+                       rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, PACK)
+    tma.store_wait(0)   # the last dQ reduce has read the staging tile before the CTA exits
+
+
+@gluon.jit
+def _consumer_tile(WG: gl.constexpr, n0, kvh, q_row0, k_row0, kv_phase, cnt, cta, descs, bars, smem, sizes, tables,
+                   table_meta, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr,
+                   MASK_MOD: gl.constexpr, TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr,
+                   PACK: gl.constexpr):
+    """Keys n0.. of K / V head kvh over every query head of its group (GQA, K / V batch 1), each head's steps in order
+    or overlapped (TILE.OVERLAP), then this warpgroup's dK, dV columns stored. q_row0 / k_row0: a packed sequence's
+    first query / key row (0 for a dense launch); kv_phase: kv_ready's phase; cnt: the CTA's steps so far (ring stage,
+    P / dS buffer, dQ staging tile). Returns the next cnt."""
     kv_ready = bars[0]
     Z, HQ, KZ, M, N = sizes
     dk_ptr, dv_ptr = rows[2], rows[3]
@@ -274,17 +324,6 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
     BLOCK_N: gl.constexpr = TILE.BLOCK_N
 
     HKV = HQ // FLAGS.GQA_GROUP
-    q_row0 = 0   # a packed sequence's first query / key row, else 0
-    k_row0 = 0
-    if PACK.VARLEN:
-        kv_tile, kvh = _packed_coords(rows[5], HKV, TILE)
-        n0 = kv_tile * BLOCK_N
-        q_row0, M, k_row0, N = _seq_span(rows[5], kvh // HKV)
-        M = gl.where(n0 < N, M, 0)   # a tile past the sequence's keys: no step
-        sizes = (Z, HQ, KZ, M, N)
-    else:
-        n0 = gl.program_id(0) * BLOCK_N
-        kvh = gl.program_id(1)
     kz = kvh // HKV
     hkv = kvh % HKV
     kv_blk = n0 // SPARSE.SPARSE_KV
@@ -302,8 +341,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
             mbarrier.wait(kv_ready, 0)
             _clear_keys_past(smem, n0, N, WG, TILE)
     else:
-        mbarrier.wait(kv_ready, 0)
-    cnt = 0
+        mbarrier.wait(kv_ready, kv_phase)
     for hh in range((Z // KZ) * FLAGS.GQA_GROUP):
         z = kz + (hh // FLAGS.GQA_GROUP) * KZ
         hq = hkv * FLAGS.GQA_GROUP + hh % FLAGS.GQA_GROUP
@@ -318,10 +356,11 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
             dk, dv, cnt = _head_in_order(WG, z, hq, zh, first, n_partial, n_total, n0, kv_blk, dk, dv, cnt, q_row0,
                                          descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
                                          SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, PACK)
-
+    if TILE.PERSISTENT:   # every wgmma reading this tile's K and V has retired (each step ends on a wait of 0)
+        mbarrier.arrive(cta[1], count=1)
     _store_dk_dv(dk, dv, n0, kz, hkv, HKV, N, k_row0, dk_ptr, dv_ptr, ds_scale, descs[0].dtype, DK0, DK_N, DV0, TILE,
                  PACK)
-    tma.store_wait(0)   # the last dQ reduce has read the staging tile before the CTA exits
+    return cnt
 
 
 @gluon.jit
@@ -647,26 +686,26 @@ def _stage_dq(dq, dq_smem, dq_desc, dq_at, c: gl.constexpr, nth, WG: gl.constexp
 
 
 @gluon.jit
-def _consumer_wg0(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+def _consumer_wg0(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta,
                   SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
                   SPARSE: gl.constexpr, FLAGS: gl.constexpr, PACK: gl.constexpr):
-    _consumer(0, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD,
+    _consumer(0, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta, SCORE_MOD, SCORE_GRAD,
               MASK_MOD, TILE, SPARSE, FLAGS, PACK)
 
 
 @gluon.jit
-def _consumer_wg1(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+def _consumer_wg1(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta,
                   SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
                   SPARSE: gl.constexpr, FLAGS: gl.constexpr, PACK: gl.constexpr):
-    _consumer(1, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD,
+    _consumer(1, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta, SCORE_MOD, SCORE_GRAD,
               MASK_MOD, TILE, SPARSE, FLAGS, PACK)
 
 
 @gluon.jit
-def _producer_entry(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+def _producer_entry(descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta,
                     SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
                     TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr, PACK: gl.constexpr):
-    _producer(descs, bars, smem, sizes, tables, table_meta, rows[5], TILE, SPARSE, FLAGS, PACK)
+    _producer(descs, bars, smem, sizes, tables, table_meta, rows[5], cta, TILE, SPARSE, FLAGS, PACK)
 
 
 _RUNTIME_SIZES = ["Z", "KZ", "M", "N", "M_PAD", "NUM_KV_BLKS", "NUM_Q_BLKS"]
@@ -680,6 +719,8 @@ def fa3_bwd_sm90_wide_kernel(
     score_bufs, mask_bufs,
     Z, HQ, KZ, M, N, M_PAD, SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS,
     sm_scale, qk_scale2, ds_scale,
+    cta_args,                # TILE.PERSISTENT: (offsets int32 [#CTAs + 1], tiles int32), host._persistent_schedule /
+                             # _shape_schedule; () otherwise
     pack_args,               # PACK.VARLEN: (CU_Q, CU_K, TILES) int32 (bwd_sm90's "Packed sequences"); () otherwise
     SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
     TILE: gl.constexpr,      # WideTile
@@ -720,6 +761,11 @@ def fa3_bwd_sm90_wide_kernel(
     p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
+    if TILE.PERSISTENT:   # both warpgroups are done with the tile's K and V (the next tile's may load)
+        kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_empty, count=2)
+    else:
+        kv_empty = kv_ready   # (unused)
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(qdo_ready.index(s), count=1)
         mbarrier.init(qdo_empty.index(s), count=2)
@@ -736,11 +782,12 @@ def fa3_bwd_sm90_wide_kernel(
     rows = (stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD, pack_args)
     scalars = (sm_scale, qk_scale2, ds_scale)
     mod_bufs = (score_bufs, mask_bufs)
+    cta = (cta_args, kv_empty)
     gl.warp_specialize([
-        (_consumer_wg0, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+        (_consumer_wg0, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta,
                          SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, PACK)),
-        (_consumer_wg1, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+        (_consumer_wg1, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta,
                          SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, PACK)),
-        (_producer_entry, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
+        (_producer_entry, (descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta,
                            SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, PACK)),
     ], [4, 1], [FLAGS.CONSUMER_REGS, FLAGS.PRODUCER_REGS])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import heapq
 import math
+from dataclasses import replace
 from typing import Any, Optional, Sequence
 
 import torch
@@ -202,17 +203,53 @@ def _persistent_schedule(q_num_blocks: torch.Tensor, full_q_num_blocks: Optional
                                       sparse_kv)
     order = order.long()
     order_l, cost_l = torch.stack((order, cost[order])).tolist()   # one device-to-host copy, one sync
-    ctas = min(num_sms, len(order_l))
+    return _list_schedule(order_l, cost_l, num_sms, q_num_blocks.device)
+
+
+def _shape_schedule(M: int, n_kv_tiles: int, KZ: int, HKV: int, causal: bool, num_sms: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """_persistent_schedule's lists for a launch whose tiles' steps follow from the shapes (the wide kernel without
+    block tables: no mask, or BwdSparsity.CAUSAL_WALK, where KV tile j walks the query tiles from its diagonal on):
+    read nothing from the device. The wide kernel's 64-row steps and 64-key tiles; heads in groups of about
+    LPT_GROUP_CTAS tiles, longest first inside a group.
+
+    Example::
+
+        >>> offsets, tiles = _shape_schedule(256, 4, 1, 2, True, 3, torch.device("cpu"))   # causal: 4 3 2 1 steps
+        >>> offsets.tolist(), tiles.tolist()
+        ([0, 3, 6, 8], [0, 2, 3, 4, 6, 7, 1, 5])
+    """
+    q_tiles = -(-M // 64)
+    steps = [max(q_tiles - j, 0) if causal else q_tiles for j in range(n_kv_tiles)]
+    per_group = max(1, LPT_GROUP_CTAS // n_kv_tiles)
+    order: list[int] = []
+    for g0 in range(0, KZ * HKV, per_group):
+        group = [kvh * n_kv_tiles + j for kvh in range(g0, min(g0 + per_group, KZ * HKV)) for j in range(n_kv_tiles)]
+        order += sorted(group, key=lambda tile: -steps[tile % n_kv_tiles])   # (stable: ties in grid order)
+    return _list_schedule(order, [4 * steps[tile % n_kv_tiles] for tile in order], num_sms, device)
+
+
+def _list_schedule(order: list[int], cost: list[int], num_sms: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(offsets, tiles) of min(num_sms, #tiles) persistent CTAs: the tiles in ``order``, each to the CTA that frees
+    first when a tile costs its ``cost`` plus PERSISTENT_TILE_COST (the list scheduling the hardware does with one
+    CTA per tile).
+
+    Example::
+
+        >>> [t.tolist() for t in _list_schedule([2, 0, 1], [8, 4, 4], 2, torch.device("cpu"))]
+        [[0, 1, 3], [2, 0, 1]]
+    """
+    ctas = min(num_sms, len(order))
     free = [(0, c) for c in range(ctas)]
     lists: list[list[int]] = [[] for _ in range(ctas)]
-    for tile, c in zip(order_l, cost_l):
+    for tile, c in zip(order, cost):
         at, cta = heapq.heappop(free)
         lists[cta].append(tile)
         heapq.heappush(free, (at + c + PERSISTENT_TILE_COST, cta))
     offsets = [0]
     for tiles in lists:
         offsets.append(offsets[-1] + len(tiles))
-    device = q_num_blocks.device
     return (torch.tensor(offsets, dtype=torch.int32, device=device),
             torch.tensor([t for tiles in lists for t in tiles], dtype=torch.int32, device=device))
 
@@ -497,11 +534,13 @@ def prepare_hopper_backward(
                          SPARSE_KV=sparse_kv_block if tabled else tile.BLOCK_N,
                          CAUSAL_SKIP=wide_masked and not walk and mask_implies_causal(mask_mod), CAUSAL_WALK=walk)
     flags = _flags(cfg, HQ // HKV, fold, N % tile.BLOCK_N == 0, score_mod, score_grad_mod)
-    # CTA schedules for block masks (bwd_sm90.py only): longest first, and persistent CTAs walking tile lists
-    # (the 64-row step only; under graph capture the persistent lists, which read the tables on the host, give way
-    # to the grid order)
+    # CTA schedules for block masks (bwd_sm90.py): longest first, and persistent CTAs walking tile lists (the 64-row
+    # step only; under graph capture the persistent lists, which read the tables on the host, give way to the grid
+    # order); the wide kernel's persistent CTAs with any mask or none (tables read as bwd_sm90's, or the shapes')
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
     schedulable = has_mask and not cfg.split_dkv and cfg.block_m == 64
-    persistent = cfg.persistent and schedulable and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
+    persistent = cfg.persistent and schedulable and not capturing
+    wide_persistent = cfg.persistent and cfg.split_dkv and not capturing
     lpt = cfg.lpt_order and schedulable and not persistent
     # persistent: a second K / V buffer where shared memory allows (D = 64: 176 KB, 192 KB with a score_mod's f'
     # slots; D = 128 would need 272 KB), so the next tile's K and V load under this tile's last steps
@@ -513,11 +552,18 @@ def prepare_hopper_backward(
     grid = (triton.cdiv(N, tile.BLOCK_N), KZ * HKV)
     schedule_args = (q_num_blocks, full_q_num_blocks if has_full else None, Z, KZ, HQ, HKV, grid[0], tile.BLOCK_N,
                      sparse_kv_block)
-    if persistent:
-        cta_args = _persistent_schedule(*schedule_args, num_sms=cfg.persistent_ctas or _num_sms(q.device))
-        grid = (cta_args[0].numel() - 1,)
+    num_sms = cfg.persistent_ctas or _num_sms(q.device)
+    if wide_persistent and tabled:
+        cta_args = _persistent_schedule(*schedule_args, num_sms=num_sms)
+    elif wide_persistent:
+        cta_args = _shape_schedule(M, grid[0], KZ, HKV, walk, num_sms, q.device)
+    elif persistent:
+        cta_args = _persistent_schedule(*schedule_args, num_sms=num_sms)
     else:
         cta_args = (_cta_order(*schedule_args),) if lpt else ()
+    wide_grid = (cta_args[0].numel() - 1,) if wide_persistent else grid
+    if persistent:
+        grid = (cta_args[0].numel() - 1,)
     # the plan's own tensors: a recorded launch replays them (a permutation of every tile, right for any mask
     # contents of the launch's key; only the balance follows the mask it was made for)
     cta_args = tuple(launch_constant(t) for t in cta_args)
@@ -533,10 +579,11 @@ def prepare_hopper_backward(
              _desc(v, [1, 1, tile.BLOCK_N, DVT]),
              _dq_frag_desc(dq_acc) if dq_frag else _dq_acc_desc(dq_acc, tile),
              stats, dq_acc, dk, dv, *tables, tuple(score_bufs), tuple(mask_bufs),
-             Z, HQ, KZ, M, N, m_pad, SZ, SH, num_kv_blks, num_q_blks, *scalars, ()),
-            dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse,
-                 FLAGS=flags, num_warps=4, maxnreg=cfg.maxnreg),
-            (triton.cdiv(N, tile.BLOCK_N), KZ * HKV))
+             Z, HQ, KZ, M, N, m_pad, SZ, SH, num_kv_blks, num_q_blks, *scalars, cta_args, ()),
+            dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod,
+                 TILE=replace(tile, PERSISTENT=wide_persistent), SPARSE=sparse, FLAGS=flags, num_warps=4,
+                 maxnreg=cfg.maxnreg),
+            wide_grid)
     elif cfg.block_m == 128:
         main = (
             fa3_bwd_sm90_m128_kernel,
