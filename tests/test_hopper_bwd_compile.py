@@ -331,6 +331,34 @@ def test_wide_overlap_compile(variant):
         assert all(not re.search(r"DEPBAR\.LE gsb0, 0x0", t) for t in ops[:first_ex2]), "a full drain before P"
 
 
+# Persistent CTAs in the wide kernel (WideTile.PERSISTENT: 192 / 128 causal's default, configs.WIDE_CAUSAL_PERSISTENT;
+# the others an A/B variant), triton 3.6, M = N = 1000: at 192 / 128 no spill and no stack under any mask, and each step
+# loop within 4 instructions of the grid launch's (the tile loop around it holds what the grid gave once a CTA).
+@pytest.mark.parametrize("variant", ["noop", "causal", "document", "alibi+causal"])
+def test_wide_persistent_compile(variant):
+    from fa3_inductor.templates.aot import sass_report
+    from fa3_inductor.templates.hopper_bwd import compile_hopper_backward, get_bwd_config
+
+    D, DV, M = 192, 128, 1000
+    q = torch.randn(2, 4, M, D, dtype=torch.bfloat16)
+    k = torch.randn(2, 2, M, D, dtype=torch.bfloat16)
+    v = torch.randn(2, 2, M, DV, dtype=torch.bfloat16)
+    out = torch.empty(2, 4, M, DV, dtype=torch.bfloat16)
+    opts = _combined_options(variant, M, M) if variant != "noop" else {}
+    masked = "kv_num_blocks" in opts
+    loops = {}
+    for persistent in (False, True):
+        kernels = compile_hopper_backward(q, k, v, out, torch.empty_like(out), torch.empty(2, 4, M),
+                                          sm_scale=D ** -0.5, config=get_bwd_config(D, DV, masked=masked,
+                                                                                    persistent=persistent), **opts)
+        main = sass_report(kernels[1])
+        loops[persistent] = [len(b) for b in _step_loops(main)]
+        if persistent:
+            assert main.spill_instructions == 0 and main.stack == 0, (main.spill_instructions, main.stack)
+    print(f"\n192/128 {variant}: step loops grid {loops[False]}, persistent {loops[True]}")
+    assert len(loops[True]) == 2 and all(abs(a - b) <= 4 for a, b in zip(loops[False], loops[True])), loops
+
+
 # The 128-row step (configs.VARIANTS m128, bwd_sm90_m128.py) on the GPU tests' other specializations, triton 3.6:
 # no spill and no stack anywhere, 40 HGMMA a warpgroup's step loop (S 8, dP 8, dV 8, dK 8, dQ 8 of 64x64x16), five
 # wgmma waits a step, dQ by TMA reduce-add, 224 KB of shared memory with or without a score_mod (f' in the dS tile).

@@ -175,3 +175,17 @@ def test_wide_persistent_plan(mask):
         assert kwargs["SPARSE"].CAUSAL_WALK and tiles[offsets[:-1].long()].remainder(16).tolist() == [0] * 4 + [1]
     plain = _plan(192, 128, M=M, N=N, config=get_bwd_config(192, 128, masked=mask is not None), **options)[1]
     assert not plain[2]["TILE"].PERSISTENT and plain[1][-2] == () and plain[3] == (16, 4)
+
+
+def test_wide_causal_default_is_persistent():
+    """The table's rule (configs.WIDE_CAUSAL_PERSISTENT): an exactly causal launch at 192 / 128 takes persistent CTAs
+    by default, at 256 the grid; other masks and no mask keep the grid at both pairs."""
+    from test_hopper_bwd_compile import _options
+
+    M = N = 1000
+    for pair, mask, persistent in (((192, 128), "causal", True), ((256, 256), "causal", False),
+                                   ((192, 128), "document", False), ((192, 128), None, False)):
+        options = _options(mask, M, N) if mask else {}
+        main = _plan(*pair, M=M, N=N, **options)[1]
+        assert main[2]["TILE"].PERSISTENT == persistent, (pair, mask)
+        assert (len(main[3]) == 1) == persistent

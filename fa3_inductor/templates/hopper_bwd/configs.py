@@ -39,8 +39,9 @@ class BwdSm90Config:
     lpt_order: bool = False      # under a block mask, CTAs launched longest first inside groups of heads (host
                                  # _cta_order; bwd_sm90.py only, D <= 128): a shorter tail for irregular masks
     persistent: bool = False     # under a block mask, #SMs CTAs walking host-made tile lists (longest first), the
-                                 # next tile's K / V loaded under this one's dK / dV stores (D = 128) or last steps
-                                 # (D = 64: a second K / V buffer, 176 KB) (host._persistent_schedule)
+                                 # next tile's K / V loaded under this one's dK / dV stores (D = 128, the wide pairs)
+                                 # or last steps (D = 64: a second K / V buffer, 176 KB) (host._persistent_schedule;
+                                 # the wide kernel also without tables, host._shape_schedule)
     persistent_ctas: int = 0     # persistent: CTAs to launch (0: one per SM); tests set a few to give each many tiles
     block_m: int = 64            # query rows a step; 128: bwd_sm90_m128.py (D = 64 only, in-order step)
     p_regs: bool = False         # bwd_sm90.py: dS's P (times f') held in registers, not read back from shared
@@ -135,6 +136,13 @@ WIDE_TABLE: dict[tuple[int, int], BwdSm90Config] = {
 # in-order step. Each adopted by a rule written before its run (docs/design/hopper_backward.md).
 WIDE_PLAIN_OVERLAP = ((192, 128),)
 
+# Wide pairs whose exactly causal launches (the walk without tables) take persistent CTAs (bwd_sm90_wide's PERSISTENT,
+# lists from the shapes). H200 (bwd-speed-nvidia-h200-2026-11-30-0355-wide-persistent; backward over the grid launch
+# at 2k / 4k / 8k): 192 / 128 causal 1.014 / 1.037 / 1.021 (fwd+bwd 0.96x cuDNN at each length, 0.94-0.95x without);
+# D256 causal 1.018 / 1.020 / 0.998, noop 0.98-0.99 at both pairs, sliding window 0.97-0.99, documents 0.84-0.93. The
+# rule written before the run (>= 1.02 in geometric mean, no length below 0.99) held for 192 / 128 causal only.
+WIDE_CAUSAL_PERSISTENT = ((192, 128),)
+
 # 160 and 192 (for q, k and v) run the 256 tiles the same way (the wide kernel; a quarter to 0.375 of its work
 # multiplies zeros).
 PADDED_WIDE_PAIRS: dict[tuple[int, int], tuple[int, int]] = {(160, 160): (256, 256), (192, 192): (256, 256)}
@@ -176,6 +184,7 @@ VARIANTS: dict[str, dict[str, bool]] = {
     "lpt_order": {"lpt_order": True},
     "persistent": {"persistent": True},
     # the launch as it was before the masked / linear-mod rows of get_bwd_config: the hardware's CTA order, 64 rows
+    # (and the wide kernel's grid for 192 / 128 causal)
     "launch_order": {"persistent": False, "lpt_order": False, "block_m": 64},
     "lpt_order_serial": {"lpt_order": True, "overlap": 0},
     "persistent_serial": {"persistent": True, "overlap": 0},
@@ -195,11 +204,11 @@ VARIANTS: dict[str, dict[str, bool]] = {
 
 
 def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: bool = False, masked: bool = False,
-                   curved: bool = False, **overrides) -> BwdSm90Config:
+                   curved: bool = False, causal: bool = False, **overrides) -> BwdSm90Config:
     """The table's tiles for a head dim (q/k ``head_dim``, v ``value_head_dim``, default the same), with optional
     field overrides (tests, sweeps). What the launch has picks the row (host.prepare_hopper_backward says it):
     ``grad_mod``, a score_mod whose derivative is not 1 and no mask_mod; ``masked``, block-mask tables; ``curved``, a
-    score_mod whose derivative is not 1, with or without a mask_mod.
+    score_mod whose derivative is not 1, with or without a mask_mod; ``causal``, an exactly causal mask_mod's tables.
 
     Example::
 
@@ -213,6 +222,8 @@ def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: b
         False
         >>> get_bwd_config(192, 128, masked=True).overlap, get_bwd_config(192, 128, masked=True, curved=True).overlap
         (1, 0)
+        >>> [get_bwd_config(*pair, masked=True, causal=True).persistent for pair in ((192, 128), (256, 256))]
+        [True, False]
     """
     pair = (head_dim, value_head_dim or head_dim)
     tiles = tile_head_dims(*pair)   # the row of the tiles that serve the pair (80 / 96: 128; 160 / 192: 256)
@@ -220,6 +231,8 @@ def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: b
         cfg = WIDE_TABLE[tiles]
         if not (grad_mod or curved) and tiles in WIDE_PLAIN_OVERLAP:
             cfg = replace(cfg, overlap=1)
+        if causal and tiles in WIDE_CAUSAL_PERSISTENT:
+            cfg = replace(cfg, persistent=True)
     elif pair[0] != pair[1] or head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"sm90 backward: head dims {pair[0]}/{pair[1]} are not served (it serves "
                          f"{', '.join(f'{d}/{dv}' for d, dv in SUPPORTED_HEAD_DIM_PAIRS)}); use the generic "
