@@ -7,8 +7,9 @@ Shapes: B * N = 16k tokens (B = 16384 / N), H 16, N in {2k, 4k, 8k}; head dims 6
 noop, causal, softcap 30, ALiBi, and block-sparse masks (sliding window 1024, causal documents of N / 4). Ours is our Hopper forward (templates/hopper) plus this backward, launched directly
 through the host functions (no torch.compile); a head dim the backward does not serve is reported as such. TFLOP/s
 count fwd+bwd as 3.5 forwards (forward = 4 B H M N D, halved under causal). CUDA events, warm-up, the median of
---reps rounds, each round timing every impl and schedule of the row once in turn (interleaved); L2 is not flushed
-between repetitions (all impls alike). Peak memory is the
+--reps rounds, each round timing every impl and schedule of the row once in turn (interleaved), each call behind a
+--head-start-ms GPU sleep (GPU time: without it a short masked call also timed the host's first launches); L2 is not
+flushed between repetitions (all impls alike). Peak memory is the
 max_memory_allocated delta of one fwd+bwd. SDPA has no score_mod: its softcap / ALiBi cells are empty and ours
 is compared with our noop. Before timing, one case is checked against a float64 reference.
 
@@ -43,11 +44,17 @@ VARIANTS = ("noop", "causal", "softcap", "alibi", "sliding_window", "document")
 HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (256, 256), (192, 128), (160, 160))
 
 
-def _time_interleaved(fns: dict, rounds: int, warmup: int = 3) -> dict:
+# GPU cycles per ms of the head start (H100 / H200 boost clocks are ~1.98 GHz; torch.cuda._sleep spins cycles)
+SLEEP_CYCLES_PER_MS = 2_000_000
+
+
+def _time_interleaved(fns: dict, rounds: int, warmup: int = 3, head_start_ms: float = 0.0) -> dict:
     """Median ms of each callable in ``fns`` over ``rounds`` rounds, each round calling every callable once
     in turn (CUDA events, a sync after each): clock or thermal drift during a row falls on all of them
     alike, where timing one callable's repetitions after another's let a single row's A/A differ by ~10%
-    (bwd-speed-nvidia-h200-2026-11-29-0816, D64 4k causal)."""
+    (bwd-speed-nvidia-h200-2026-11-29-0816, D64 4k causal). ``head_start_ms``: each call is enqueued behind a GPU
+    sleep of about that long, so the events time the GPU's work and not the host's launches (a training step's
+    host runs ahead of its GPU)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -55,12 +62,26 @@ def _time_interleaved(fns: dict, rounds: int, warmup: int = 3) -> dict:
     for _ in range(rounds):
         for name, fn in fns.items():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if head_start_ms:
+                torch.cuda._sleep(int(head_start_ms * SLEEP_CYCLES_PER_MS))
             start.record()
             fn()
             end.record()
             torch.cuda.synchronize()
             times[name].append(start.elapsed_time(end))
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _host_us(fn, rounds: int = 5) -> float:
+    """Median host µs of one call, the GPU queue drained before it (what --head-start-ms keeps out of the events)."""
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
 
 
 def _peak_mb(fn) -> float:
@@ -333,7 +354,9 @@ def run(args) -> list[dict]:
                     fns[f"{name}_ms"], fns[f"{name}_fwd_ms"] = both, fwd
                     torch_fwd.append(name)
                     row[f"{name}_mb"] = _peak_mb(both)
-                row.update(_time_interleaved(fns, args.reps))
+                row.update(_time_interleaved(fns, args.reps, head_start_ms=args.head_start_ms))
+                if "ours_ms" in fns:
+                    row["ours_host_us"] = _host_us(fns["ours_ms"])
                 for name in torch_fwd:   # their backward alone: fwd+bwd minus the forward
                     row[f"{name}_bwd_ms"] = row[f"{name}_ms"] - row.pop(f"{name}_fwd_ms")
                 for name in ("ours", "generic", "cudnn", "fa2", "flex"):
@@ -365,10 +388,15 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}; command: `{meta['command']}`; "
              f"check against float64: worst relative error {meta['check_error']:.2e}. 'ours' is our Hopper forward "
              "plus the Hopper backward (templates/hopper_bwd), 'generic' the same forward plus the generic backward "
-             "(templates/generic_bwd), 'flex' torch's compiled FlexAttention (forward and backward).", "",
+             "(templates/generic_bwd), 'flex' torch's compiled FlexAttention (forward and backward). "
+             + (f"GPU time: each timed call enqueued behind a ~{meta['head_start_ms']:g} ms GPU sleep (the host's "
+                "launches not in the events); host µs: one fwd+bwd of ours launched with the GPU queue drained."
+                if meta.get("head_start_ms") else "Each timed call as the host issues it (host launch time included)."),
+             "",
              "| N | D | variant | ours | generic | cuDNN | FA2 | flex | ours/cuDNN | ours/flex | ours/our noop |"
-             " tile density | ours/tile bound | bwd ms ours / generic / cuDNN / flex | peak MB ours / cuDNN / flex |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             " tile density | ours/tile bound | bwd ms ours / generic / cuDNN / flex | peak MB ours / cuDNN / flex |"
+             " host µs ours |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         d = f"{r['D']}" if r["D"] == r["Dv"] else f"{r['D']}/{r['Dv']}"
         lines.append(f"| {r['N']} | {d} | {r['variant']} | {cell(r, 'ours_tflops')} | {cell(r, 'generic_tflops')} | "
@@ -378,7 +406,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
                      f"{cell(r, 'vs_tile_bound', '{:.2f}')} | {cell(r, 'ours_bwd_ms', '{:.2f}')} / "
                      f"{cell(r, 'generic_bwd_ms', '{:.2f}')} / {cell(r, 'cudnn_bwd_ms', '{:.2f}')} / "
                      f"{cell(r, 'flex_bwd_ms', '{:.2f}')} | {cell(r, 'ours_mb')} / {cell(r, 'cudnn_mb')} / "
-                     f"{cell(r, 'flex_mb')} |")
+                     f"{cell(r, 'flex_mb')} | {cell(r, 'ours_host_us')} |")
     schedules = [s for s in meta.get("bwd_variants", ["default"]) if s != "default"]
     if schedules:
         lines += ["", "Hopper backward schedules (templates/hopper_bwd/configs.VARIANTS), same run and inputs: "
@@ -406,6 +434,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--head-start-ms", type=float, default=4.0,
+                        help="GPU sleep enqueued before each timed call so that the events time GPU work, not the "
+                             "host's launches (0: the call as the host issues it, the timing before 2026-11-30)")
     parser.add_argument("--budget-s", type=float, default=150.0,
                         help="after this many seconds, compiled flex (a compile per shape) is skipped")
     parser.add_argument("--generic", action="store_true",
@@ -440,7 +471,7 @@ def main() -> None:
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%MZ}",
                 command="python benchmarks/bwd_speed.py " + " ".join(sys.argv[1:]), check_error=err,
-                bwd_variants=args.bwd_variants)
+                bwd_variants=args.bwd_variants, head_start_ms=args.head_start_ms)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump(dict(meta, rows=rows), f, indent=1)
