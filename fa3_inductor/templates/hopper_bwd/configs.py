@@ -138,7 +138,7 @@ WIDE_PLAIN_OVERLAP = ((192, 128),)
 
 # Wide pairs whose exactly causal launches (the walk without tables) take persistent CTAs (bwd_sm90_wide's PERSISTENT,
 # lists from the shapes). H200 (bwd-speed-nvidia-h200-2026-11-30-0355-wide-persistent; backward over the grid launch
-# at 2k / 4k / 8k): 192 / 128 causal 1.014 / 1.037 / 1.021 (fwd+bwd 0.96x cuDNN at each length, 0.94-0.95x without);
+# at 2k / 4k / 8k): 192 / 128 causal 1.014 / 1.037 / 1.021 (fwd+bwd 0.90-0.92x cuDNN as GPU time, -0403-gpu-time-wide);
 # D256 causal 1.018 / 1.020 / 0.998, noop 0.98-0.99 at both pairs, sliding window 0.97-0.99, documents 0.84-0.93. The
 # rule written before the run (>= 1.02 in geometric mean, no length below 0.99) held for 192 / 128 causal only.
 WIDE_CAUSAL_PERSISTENT = ((192, 128),)
