@@ -336,7 +336,11 @@ def _producer(descs, bars, smem, sizes, tables, table_meta, cta, pack, TILE: gl.
                                  table_meta, TILE, SPARSE, FLAGS)
     elif PACK.VARLEN:
         kv_tile, kvh = _packed_coords(pack, sizes[1] // FLAGS.GQA_GROUP, TILE)
-        _producer_packed(kv_tile, kvh, descs, bars, smem, sizes, tables, table_meta, pack, TILE, SPARSE, FLAGS)
+        q_row0, M, k_row0, N = _seq_span(pack, kvh // (sizes[1] // FLAGS.GQA_GROUP))
+        if kv_tile * TILE.BLOCK_N < N:   # a tile at or past the sequence's keys loads nothing (its consumers wait
+            # for nothing); batch 1 as constants (the packed launch's Z = KZ = 1: one flat loop over the GQA group)
+            _producer_tile(kv_tile, kvh, 0, bars[0], 0, descs, bars, smem, (1, sizes[1], 1, M, N), tables,
+                           table_meta, TILE, SPARSE, FLAGS, PACKED=True, q_row0=q_row0, k_row0=k_row0)
     else:
         kv_tile, kvh = _cta_coords(cta, SCHED)
         _producer_tile(kv_tile, kvh, 0, bars[0], 0, descs, bars, smem, sizes, tables, table_meta, TILE, SPARSE,
@@ -345,9 +349,11 @@ def _producer(descs, bars, smem, sizes, tables, table_meta, cta, pack, TILE: gl.
 
 @gluon.jit
 def _producer_tile(kv_tile, kvh, cnt, kv_bar, kv_buf, descs, bars, smem, sizes, tables, table_meta,
-                   TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr):
+                   TILE: gl.constexpr, SPARSE: gl.constexpr, FLAGS: gl.constexpr, PACKED: gl.constexpr = False,
+                   q_row0=0, k_row0=0):
     """K and V of one (KV tile, K/V head) into K / V buffer kv_buf (barrier kv_bar), then its Q / dO steps from ring
-    step cnt on; returns the next cnt."""
+    step cnt on; returns the next cnt. PACKED (PACK.VARLEN, kvh = sequence * HKV + hkv): the tensors' batch is 0, rows
+    from the sequence's first query / key row q_row0 / k_row0, ``sizes``' M and N its lengths."""
     q_desc, do_desc, k_desc, v_desc, dq_desc = descs
     kv_ready, qdo_ready, qdo_empty, ds_ready = bars
     q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem = smem
@@ -358,10 +364,11 @@ def _producer_tile(kv_tile, kvh, cnt, kv_bar, kv_buf, descs, bars, smem, sizes, 
     kz = kvh // HKV
     hkv = kvh % HKV
     kv_blk = n0 // SPARSE.SPARSE_KV
+    kz_t = 0 if PACKED else kz   # the tensors' K / V batch
 
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [kz, hkv, n0, 0], kv_bar, k_smem.index(kv_buf))
-    tma.async_copy_global_to_shared(v_desc, [kz, hkv, n0, 0], kv_bar, v_smem.index(kv_buf))
+    tma.async_copy_global_to_shared(k_desc, [kz_t, hkv, k_row0 + n0, 0], kv_bar, k_smem.index(kv_buf))
+    tma.async_copy_global_to_shared(v_desc, [kz_t, hkv, k_row0 + n0, 0], kv_bar, v_smem.index(kv_buf))
 
     cnt = gl.to_tensor(cnt)   # a loop-carried value (the default launch passes a literal 0)
     # every query batch that reads this K/V batch (all of them when KZ = 1), every head of the GQA
@@ -372,7 +379,7 @@ def _producer_tile(kv_tile, kvh, cnt, kv_bar, kv_buf, descs, bars, smem, sizes, 
         n_partial, n_total = _q_tile_counts(z, hq, kv_blk, M, tables, table_meta, TILE, SPARSE)
         for i in range(n_total):
             m0 = _q_tile_start(i, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
-            _load_q_do(cnt, z, hq, m0, descs, bars, smem, NUM_STAGES)
+            _load_q_do(cnt, 0 if PACKED else z, hq, q_row0 + m0, descs, bars, smem, NUM_STAGES)
             cnt += 1
     return cnt
 
@@ -409,35 +416,6 @@ def _packed_coords(pack, HKV, TILE: gl.constexpr):
     seq = gl.load(pack[2] + t)
     kv_tile = t - (gl.load(pack[1] + seq) // TILE.BLOCK_N + seq)
     return kv_tile, seq * HKV + gl.program_id(1)
-
-
-@gluon.jit
-def _producer_packed(kv_tile, kvh, descs, bars, smem, sizes, tables, table_meta, pack, TILE: gl.constexpr,
-                     SPARSE: gl.constexpr, FLAGS: gl.constexpr):
-    """_producer_tile for a packed sequence (kvh = sequence * HKV + hkv): K and V at the sequence's key row n0, then
-    its query tiles (sequence-relative rows) of every head of the GQA group. A tile at or past the sequence's keys
-    loads nothing (its consumers wait for nothing)."""
-    k_desc, v_desc = descs[2], descs[3]
-    kv_ready = bars[0]
-    k_smem, v_smem = smem[2], smem[3]
-    n0 = kv_tile * TILE.BLOCK_N
-    HKV = sizes[1] // FLAGS.GQA_GROUP
-    seq = kvh // HKV
-    hkv = kvh % HKV
-    kv_blk = n0 // SPARSE.SPARSE_KV
-    q_row0, M, k_row0, N = _seq_span(pack, seq)
-    if n0 < N:
-        mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [0, hkv, k_row0 + n0, 0], kv_ready, k_smem.index(0))
-        tma.async_copy_global_to_shared(v_desc, [0, hkv, k_row0 + n0, 0], kv_ready, v_smem.index(0))
-        cnt = 0
-        for hh in range(FLAGS.GQA_GROUP):
-            hq = hkv * FLAGS.GQA_GROUP + hh
-            n_partial, n_total = _q_tile_counts(seq, hq, kv_blk, M, tables, table_meta, TILE, SPARSE)
-            for i in range(n_total):
-                m0 = _q_tile_start(i, n_partial, seq, hq, kv_blk, tables, table_meta, TILE, SPARSE)
-                _load_q_do(cnt, 0, hq, q_row0 + m0, descs, bars, smem, TILE.NUM_STAGES)
-                cnt += 1
 
 
 # ----------------------------------------------------------------------------------------------
