@@ -63,7 +63,8 @@ PAGE = 64
 # serving.py's quick paged rows and two D64 rows whose 128-key tiles span two pages of 64 (each key row
 # looks its page up) where the n/2 variant's 64-key tiles lie in one page (one table entry a tile)
 PAGED_ROWS = serving.QUICK_PAGED + [serving._d(1, 1, 128, d=64), serving._d(8, 1, 8, d=64),
-                                    serving._d(64, 1, 32, d=64), serving._d(64, 1, 8)]
+                                    serving._d(64, 1, 32, d=64), serving._d(64, 1, 8), serving._d(8, 4, 8),
+                                    serving._d(1, 1, 4)]
 
 
 def _launches(q, k, v, lens, config, splits, table=None):
