@@ -180,3 +180,24 @@ def test_a_repeated_call_relaunches_on_new_lengths_and_tensors():
         out.backward(dout)
         _check_grads(q, k, v, dout, lengths, lengths, None, mods.causal)
     assert fast_launch.stats()["relaunches"] >= hits + 4   # the forward and the backward's three launches
+
+
+def test_packed_training_under_torch_compile(monkeypatch):
+    """A step calling flex_varlen compiled with backend="fa3" (Dynamo traces the call or breaks the graph around it):
+    its gradients are right against float64, as in eager mode, and the packed kernels ran (the document-mask fallback
+    did not)."""
+    from fa3_inductor import varlen
+
+    monkeypatch.setattr(varlen, "through_document_mask", lambda *a, **kw: pytest.fail("the document-mask path ran"))
+    lengths = [300, 0, 129, 64]
+    torch.manual_seed(4)
+    q, k, v = _leaves(lengths, lengths, 4, 2, 128, torch.bfloat16)
+    cu = _cu(lengths).cuda()
+
+    def attend(q, k, v):
+        return flex_varlen(q, k, v, cu, cu, max(lengths), max(lengths), mask_mod=mods.causal, enable_gqa=True)
+
+    out = torch.compile(attend, backend="fa3")(q, k, v)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    _check_grads(q, k, v, dout, lengths, lengths, None, mods.causal)
