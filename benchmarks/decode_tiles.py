@@ -97,13 +97,12 @@ def variant_plans(c: serving.DecodeCase, capability: tuple[int, int], sms: int,
     """
     import triton
 
-    from fa3_inductor.templates.decode.configs import choose_num_splits, decode_config, few_programs, whole_page_tiles
+    from fa3_inductor.templates.decode.configs import choose_num_splits, decode_config, few_programs
 
     rows = max(16, triton.next_power_of_2(c.hq // c.hkv * c.new))
-    split_paged = paged and not whole_page_tiles(c.d, PAGE, rows)   # (the host's split rule for these pages)
-    base = decode_config(c.d, capability, block_m=rows, paged=paged, page_size=PAGE if paged else 0,
-                         few_programs=few_programs(c.batch, c.hkv, sms, split_paged))
-    auto = choose_num_splits(c.batch, c.hkv, c.cache, base.block_n, sms, base.resident, paged=split_paged)
+    base = decode_config(c.d, capability, block_m=rows, paged=paged,
+                         few_programs=few_programs(c.batch, c.hkv, sms, paged))
+    auto = choose_num_splits(c.batch, c.hkv, c.cache, base.block_n, sms, base.resident, paged=paged)
     rep = dataclasses.replace
     contig_splits = choose_num_splits(c.batch, c.hkv, c.cache, base.block_n, sms, base.resident)
     if paged:

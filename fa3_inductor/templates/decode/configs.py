@@ -57,37 +57,18 @@ MIN_TILES_PER_SPLIT = 4
 # contiguous cache gets, though: 1 x 4k fell to 8 splits (64 programs on 132 SMs) and ran 1.43x
 # (serving-nvidia-h200-2026-11-29-0229).
 PAGED_MIN_TILES_PER_SPLIT = 8
-# Pages that hold whole tiles of the 64-key D128 tiles (64 < D <= 128, pages a multiple of 64, two-byte caches, up to
-# 32 packed rows): one table entry a tile, and the plan of a contiguous cache (its split count) with this many stages
-# (the entry takes one, the tiles run three ahead: 104 KB). H200, paged time over contiguous, pages of 64 (decode-tiles-
-# nvidia-h200-2026-11-30-0412; the paged rule's twice-the-splits at 5 stages before): 1 x 32k 1.142 -> 1.049, 8 x 4
-# tokens x 8k 1.124 -> 1.083, 1 x 8k 1.065 -> 1.044, 8 x 8k 1.034 -> 1.039, 64 x 8k 1.013 -> 1.021, 1 x 4k 0.999 ->
-# 1.003 (docs/design/decode.md, "Paged D128 plans"). D64's 128-key tiles span pages of 64 and keep the paged rule.
-WHOLE_PAGE_STAGES = 7
 # Upper bound on the split count (the scratch is S x rows x DV fp32 per (batch, kv head)).
 MAX_SPLITS = 128
 # SM count the interpreter plans with: small, so that the default path splits on tiny shapes too.
 INTERPRETER_SMS = 2
 
 
-def whole_page_tiles(head_dim: int, page_size: int, block_m: int = 16, fp8_cache: bool = False) -> bool:
-    """Whether a paged cache of ``page_size``-key pages is planned as a contiguous one (WHOLE_PAGE_STAGES, the
-    contiguous split count): the 64-key tiles of 64 < D <= 128 lying whole in pages, two-byte K / V, up to 32 rows.
-
-    Example::
-
-        >>> whole_page_tiles(128, 64), whole_page_tiles(128, 16), whole_page_tiles(64, 64)
-        (True, False, False)
-    """
-    return 64 < head_dim <= 128 and page_size > 0 and page_size % 64 == 0 and block_m < 64 and not fp8_cache
-
-
 def decode_config(head_dim: int, capability: tuple[int, int] | None,
                   fp32: bool = False, block_m: int = 16, paged: bool = False,
-                  few_programs: bool = False, fp8_cache: bool = False, page_size: int = 0) -> DecodeConfig:
+                  few_programs: bool = False, fp8_cache: bool = False) -> DecodeConfig:
     """Tiles for the split kernel of ``block_m`` packed rows (``paged``: K/V read through a block
-    table, pages of ``page_size`` keys when known; ``few_programs``: the split rule's one-program-per-SM regime,
-    :func:`few_programs`; ``fp8_cache``: one-byte K / V). ``capability`` None means the CPU interpreter.
+    table; ``few_programs``: the split rule's one-program-per-SM regime, :func:`few_programs`;
+    ``fp8_cache``: one-byte K / V). ``capability`` None means the CPU interpreter.
 
     Example::
 
@@ -95,14 +76,10 @@ def decode_config(head_dim: int, capability: tuple[int, int] | None,
         (64, 8)
         >>> decode_config(128, (9, 0), paged=True).num_stages, decode_config(128, (9, 0), few_programs=True).num_stages
         (5, 4)
-        >>> decode_config(128, (9, 0), paged=True, page_size=64).num_stages   # whole tiles in a page
-        7
         >>> decode_config(128, (9, 0), fp8_cache=True).block_n
         128
     """
     cfg = _decode_tiles(head_dim, capability, fp32, block_m, paged, few_programs)
-    if paged and capability is not None and not fp32 and whole_page_tiles(head_dim, page_size, block_m, fp8_cache):
-        return dataclasses.replace(cfg, num_stages=WHOLE_PAGE_STAGES)
     if fp8_cache and not paged and capability is not None and cfg.block_n < 128:
         # A contiguous FP8 cache takes twice the keys, so that a stage holds the bf16 tile's bytes. H200
         # (serving-nvidia-h200-2026-11-29-0822-fp8kv, GQA 32/8 D128, FP8 time at 64 keys over 128): 8 x 32k

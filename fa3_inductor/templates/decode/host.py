@@ -12,7 +12,7 @@ from ..placeholder import outside_graph_pools, placeholder
 from ..modgen import kernel_score_mod
 from ..wide_scores import wide_scores
 from .fp8_cache import FP8_DTYPES, kv_scale_mode
-from .configs import DecodeConfig, choose_num_splits, decode_config, few_programs, sm_count, whole_page_tiles
+from .configs import DecodeConfig, choose_num_splits, decode_config, few_programs, sm_count
 from .kernel import BlockSparsity, CacheLayout, DecodeSite, DecodeTiling, decode_split_kernel
 from .shape import MAX_ROWS as _MAX_ROWS
 
@@ -164,14 +164,12 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
         device_index = torch.cuda.current_device()
     sms = sm_count(capability, device_index)
     paged = block_table is not None
-    # pages holding whole tiles split as a contiguous cache does (configs.whole_page_tiles)
-    split_paged = paged and not whole_page_tiles(max(D, DV), page, block_m, kv_scale != "none")
     cfg = config or decode_config(max(D, DV), capability, fp32=q.dtype == torch.float32, block_m=block_m,
-                                  paged=paged, few_programs=few_programs(B, HQ // heads, sms, split_paged),
-                                  fp8_cache=kv_scale != "none", page_size=page)
+                                  paged=paged, few_programs=few_programs(B, HQ // heads, sms, paged),
+                                  fp8_cache=kv_scale != "none")
     block_n = _block_n(cfg, sparse_kv_block if mode == "blocks" else 0)
     if num_splits is None:
-        num_splits = choose_num_splits(B, HQ // heads, max_len, block_n, sms, cfg.resident, paged=split_paged)
+        num_splits = choose_num_splits(B, HQ // heads, max_len, block_n, sms, cfg.resident, paged=paged)
     if num_splits < 1:
         _fail(f"num_splits={num_splits}", "pass a positive split count or None (chosen)")
     split = num_splits > 1
