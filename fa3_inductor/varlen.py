@@ -141,6 +141,9 @@ def _runs_kernel(q: Tensor) -> bool:
     return q.device.type == "cpu" and bool(knobs.runtime.interpret)
 
 
+# Under torch.compile the call is one graph break, its kernels launched eagerly between the compiled graphs (as
+# ring_flex): traced, Dynamo walked its host logic into triton's launcher and broke the graph there.
+@torch.compiler.disable
 def flex_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                 max_seqlen_q: int, max_seqlen_k: int, score_mod: Optional[Callable] = None,
                 mask_mod: Optional[Callable] = None, scale: Optional[float] = None,

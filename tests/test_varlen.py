@@ -105,6 +105,28 @@ def test_lse_optional_one_sequence_strided_qkv(cpu_kernels):
     _check(out, lse, q, k, v, [37], [37], mask_mod=mods.causal)
 
 
+def test_under_torch_compile_the_call_stays_out_of_the_graph(cpu_kernels):
+    """flex_varlen is torch.compiler.disable'd: Dynamo leaves the call out of its graphs instead of tracing its host
+    logic (the step's graphs hold the `* 2` alone), and the compiled step (backend="fa3") gives the eager step's output
+    and gradients."""
+    lengths = [30, 0, 17]
+    cu = _cu(lengths)
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(47, h, 64, requires_grad=True) for h in (4, 2, 2))
+
+    def step(q, k, v):
+        return flex_varlen(q, k, v, cu, cu, 30, 30, mask_mod=mods.causal, enable_gqa=True) * 2
+
+    explained = torch._dynamo.explain(step)(q, k, v)
+    assert explained.op_count == 1, (explained.op_count, explained.graphs)
+    compiled = torch.compile(step, backend="fa3")(q, k, v)
+    grads = torch.autograd.grad(compiled.sum(), (q, k, v))
+    eager = step(q, k, v)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    for got, want in zip(grads, torch.autograd.grad(eager.sum(), (q, k, v))):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_dense_path_matches_kernel_and_gives_gradients(cpu_kernels, monkeypatch):
     """The torch path (CPU without the interpreter) agrees with the kernel, and CPU inputs that
     need gradients get float64-accurate ones from it."""

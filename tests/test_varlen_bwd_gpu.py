@@ -183,9 +183,9 @@ def test_a_repeated_call_relaunches_on_new_lengths_and_tensors():
 
 
 def test_packed_training_under_torch_compile(monkeypatch):
-    """A step calling flex_varlen compiled with backend="fa3" (Dynamo traces the call or breaks the graph around it):
-    its gradients are right against float64, as in eager mode, and the packed kernels ran (the document-mask fallback
-    did not)."""
+    """A step calling flex_varlen compiled with backend="fa3" (torch.compiler.disable: the call stays out of its
+    graphs): its gradients are right against float64, as in eager mode, and the packed kernels ran (the document-mask
+    fallback did not)."""
     from fa3_inductor import varlen
 
     monkeypatch.setattr(varlen, "through_document_mask", lambda *a, **kw: pytest.fail("the document-mask path ran"))
