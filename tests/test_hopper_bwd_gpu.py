@@ -365,52 +365,26 @@ def test_head_dims_are_served(dims):
     assert launches[1][0] is (fa3_bwd_sm90_wide_kernel if D > 128 else fa3_bwd_sm90_kernel)
 
 
-def test_wide_causal_launch_under_graph_capture_takes_the_grid_order():
-    """192 / 128 causal launches persistent CTAs (configs.WIDE_CAUSAL_PERSISTENT), whose lists are host-made tensors:
-    planned under CUDA graph capture, the launch takes the grid order, and the replayed graph's gradients match the
-    eager persistent launch's."""
+# (D, DV, the main kernel's bundle that says PERSISTENT): D64 under a block mask (bwd_sm90's SCHED, lists from the
+# tables), 192 / 128 causal (the wide kernel's TILE, lists from the shapes: configs.WIDE_CAUSAL_PERSISTENT)
+@pytest.mark.parametrize("D, DV, bundle", [(64, 64, "SCHED"), (192, 128, "TILE")], ids=["d64", "d192-128"])
+def test_masked_launch_under_graph_capture_takes_the_grid_order(D, DV, bundle):
+    """The persistent schedules' lists are host-made tensors (D64's read the block tables): planned under CUDA graph
+    capture, the launch takes the grid order instead, and the replayed graph's gradients match the eager persistent
+    launch."""
     from fa3_inductor.templates.hopper_bwd import get_bwd_config, prepare_hopper_backward
 
-    torch.manual_seed(8)
-    Z, HQ, M, D, DV = 1, 2, 640, 192, 128
+    torch.manual_seed(7)
+    Z, HQ, M = 1, 2, 640
     q, k, v, dout = _inputs(Z, HQ, HQ, M, M, D, DV=DV)
     out, lse = reference_attention(q, k, v, None, mods.causal, D ** -0.5)
     out, lse2 = out.to(q.dtype), (lse / LN2).float()
     options = dict(sm_scale=D ** -0.5, **_mask_options(mods.causal, M, M))
-    grads = tuple(torch.empty_like(t) for t in (q, k, v))
-    assert prepare_hopper_backward(q, k, v, out, dout, lse2, *grads, **options)[1][2]["TILE"].PERSISTENT
     eager = _run(q, k, v, out, dout, lse2, **options)
     _run(q, k, v, out, dout, lse2, config=get_bwd_config(D, DV, masked=True, causal=True, persistent=False),
          **options)   # the grid kernel compiled before the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        launches = prepare_hopper_backward(q, k, v, out, dout, lse2, *grads, **options)
-        for kernel, args, kwargs, grid in launches:
-            kernel[grid](*args, **kwargs)
-    assert not launches[1][2]["TILE"].PERSISTENT
-    graph.replay()
-    torch.cuda.synchronize()
-    for got, want in zip(grads, eager):
-        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
-
-
-def test_masked_launch_under_graph_capture_takes_the_grid_order():
-    """The persistent schedule's lists read the block tables on the host: planned under CUDA graph capture, the
-    launch takes the grid order instead, and the replayed graph's gradients match the eager persistent launch."""
-    from fa3_inductor.templates.hopper_bwd import get_bwd_config, prepare_hopper_backward
-
-    torch.manual_seed(7)
-    Z, HQ, M, D = 1, 2, 640, 64
-    q, k, v, dout = _inputs(Z, HQ, HQ, M, M, D)
-    out, lse = reference_attention(q, k, v, None, mods.causal, D ** -0.5)
-    out, lse2 = out.to(q.dtype), (lse / LN2).float()
-    options = dict(sm_scale=D ** -0.5, **_mask_options(mods.causal, M, M))
-    eager = _run(q, k, v, out, dout, lse2, **options)
-    _run(q, k, v, out, dout, lse2, config=get_bwd_config(D, masked=True, persistent=False), **options)   # compiled
     grads = tuple(torch.empty_like(t) for t in (q, k, v))
-    assert prepare_hopper_backward(q, k, v, out, dout, lse2, *grads, **options)[1][2]["SCHED"].PERSISTENT
+    assert prepare_hopper_backward(q, k, v, out, dout, lse2, *grads, **options)[1][2][bundle].PERSISTENT
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
@@ -418,7 +392,7 @@ def test_masked_launch_under_graph_capture_takes_the_grid_order():
         launches = prepare_hopper_backward(q, k, v, out, dout, lse2, *grads, **options)
         for kernel, args, kwargs, grid in launches:
             kernel[grid](*args, **kwargs)
-    assert not launches[1][2]["SCHED"].PERSISTENT
+    assert not launches[1][2][bundle].PERSISTENT
     graph.replay()
     torch.cuda.synchronize()
     for got, want in zip(grads, eager):
