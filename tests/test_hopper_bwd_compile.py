@@ -245,6 +245,22 @@ def test_schedule_variants_compile(D, variant, schedule):
     assert main.spill_instructions <= max_total and loop_spills <= max_loop, (main.spill_instructions, loop_spills)
 
 
+def _wide_kernels(D, DV, options, config=None):
+    """SassReports of the (preprocess, main, convert) launches of a wide-head-dim backward (B 2, HQ 4, HKV 2,
+    M = N = 1000, bf16) with ``options`` (the mods and block mask) and ``config`` (None: the host's pick)."""
+    from fa3_inductor.templates.aot import sass_report
+    from fa3_inductor.templates.hopper_bwd import compile_hopper_backward
+
+    M = 1000
+    q = torch.randn(2, 4, M, D, dtype=torch.bfloat16)
+    k = torch.randn(2, 2, M, D, dtype=torch.bfloat16)
+    v = torch.randn(2, 2, M, DV, dtype=torch.bfloat16)
+    out = torch.empty(2, 4, M, DV, dtype=torch.bfloat16)
+    kernels = compile_hopper_backward(q, k, v, out, torch.empty_like(out), torch.empty(2, 4, M), sm_scale=D ** -0.5,
+                                      **({"config": config} if config else {}), **options)
+    return tuple(sass_report(ck) for ck in kernels)
+
+
 # Wide head dims (bwd_sm90_wide.py: dK, dV and dQ columns split between the warpgroups, 64-key CTAs), triton 3.6,
 # M = N = 1000: (q/k, v) head dims -> HGMMA instructions. No spill and no stack, except ALiBi at D = 256: one
 # 64-bit kernel-argument product stored before the warp-specialized dispatch and reloaded once per query head
@@ -258,18 +274,10 @@ WIDE_SPILLS = {(256, 256, "alibi"): (2, 8)}   # (spill instructions, stack bytes
 @pytest.mark.parametrize("variant", WIDE_VARIANTS)
 @pytest.mark.parametrize("D, DV", sorted(WIDE))
 def test_wide_head_dims_compile(D, DV, variant):
-    from fa3_inductor.templates.aot import sass_report
-    from fa3_inductor.templates.hopper_bwd import compile_hopper_backward, get_bwd_config
+    from fa3_inductor.templates.hopper_bwd import get_bwd_config
     from fa3_inductor.templates.hopper_bwd.configs import WIDE_PLAIN_OVERLAP
 
-    M = N = 1000
-    q = torch.randn(2, 4, M, D, dtype=torch.bfloat16)
-    k = torch.randn(2, 2, N, D, dtype=torch.bfloat16)
-    v = torch.randn(2, 2, N, DV, dtype=torch.bfloat16)
-    out = torch.empty(2, 4, M, DV, dtype=torch.bfloat16)
-    kernels = compile_hopper_backward(q, k, v, out, torch.empty_like(out), torch.empty(2, 4, M),
-                                      sm_scale=D ** -0.5, **_options(variant, M, N))
-    pre, main, convert = (sass_report(ck) for ck in kernels)
+    pre, main, convert = _wide_kernels(D, DV, _options(variant, 1000, 1000))
     cfg = get_bwd_config(D, DV)
     loops = _step_loops(main)
     print(f"\nD{D}/{DV} {variant}: main {main.registers} registers at entry, {main.hgmma} HGMMA, "
@@ -304,19 +312,12 @@ def test_wide_head_dims_compile(D, DV, variant):
 # Under a block mask (the masked launches' default) the next step's first row is loaded a step ahead.
 @pytest.mark.parametrize("variant", WIDE_VARIANTS + ["document", "sliding_window", "alibi+causal", "blocks"])
 def test_wide_overlap_compile(variant):
-    from fa3_inductor.templates.aot import sass_report
-    from fa3_inductor.templates.hopper_bwd import compile_hopper_backward, get_bwd_config
+    from fa3_inductor.templates.hopper_bwd import get_bwd_config
     from fa3_inductor.templates.hopper_bwd.configs import VARIANTS
 
-    D, DV, M = 192, 128, 1000
-    q = torch.randn(2, 4, M, D, dtype=torch.bfloat16)
-    k = torch.randn(2, 2, M, D, dtype=torch.bfloat16)
-    v = torch.randn(2, 2, M, DV, dtype=torch.bfloat16)
-    out = torch.empty(2, 4, M, DV, dtype=torch.bfloat16)
-    kernels = compile_hopper_backward(q, k, v, out, torch.empty_like(out), torch.empty(2, 4, M), sm_scale=D ** -0.5,
-                                      config=get_bwd_config(D, DV, **VARIANTS["overlap"]),
-                                      **_combined_options(variant, M, M))
-    main = sass_report(kernels[1])
+    D, DV = 192, 128
+    main = _wide_kernels(D, DV, _combined_options(variant, 1000, 1000),
+                         get_bwd_config(D, DV, **VARIANTS["overlap"]))[1]
     loops = _step_loops(main)
     print(f"\nD{D}/{DV} {variant} overlap: {main.hgmma} HGMMA, {main.spill_instructions} spill instructions, "
           f"step loops {[len(b) for b in loops]}, registers {[_top_register(b) for b in loops]}")
@@ -336,22 +337,14 @@ def test_wide_overlap_compile(variant):
 # loop within 4 instructions of the grid launch's (the tile loop around it holds what the grid gave once a CTA).
 @pytest.mark.parametrize("variant", ["noop", "causal", "document", "alibi+causal"])
 def test_wide_persistent_compile(variant):
-    from fa3_inductor.templates.aot import sass_report
-    from fa3_inductor.templates.hopper_bwd import compile_hopper_backward, get_bwd_config
+    from fa3_inductor.templates.hopper_bwd import get_bwd_config
 
-    D, DV, M = 192, 128, 1000
-    q = torch.randn(2, 4, M, D, dtype=torch.bfloat16)
-    k = torch.randn(2, 2, M, D, dtype=torch.bfloat16)
-    v = torch.randn(2, 2, M, DV, dtype=torch.bfloat16)
-    out = torch.empty(2, 4, M, DV, dtype=torch.bfloat16)
-    opts = _combined_options(variant, M, M) if variant != "noop" else {}
+    D, DV = 192, 128
+    opts = _combined_options(variant, 1000, 1000)
     masked = "kv_num_blocks" in opts
     loops = {}
     for persistent in (False, True):
-        kernels = compile_hopper_backward(q, k, v, out, torch.empty_like(out), torch.empty(2, 4, M),
-                                          sm_scale=D ** -0.5, config=get_bwd_config(D, DV, masked=masked,
-                                                                                    persistent=persistent), **opts)
-        main = sass_report(kernels[1])
+        main = _wide_kernels(D, DV, opts, get_bwd_config(D, DV, masked=masked, persistent=persistent))[1]
         loops[persistent] = [len(b) for b in _step_loops(main)]
         if persistent:
             assert main.spill_instructions == 0 and main.stack == 0, (main.spill_instructions, main.stack)
