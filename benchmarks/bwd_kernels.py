@@ -14,26 +14,12 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bwd_speed  # noqa: E402  (the shapes, the options, the head start)
-
-
-def _time(fn, reps: int, head_start_ms: float) -> float:
-    times = []
-    for _ in range(reps + 2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(int(head_start_ms * bwd_speed.SLEEP_CYCLES_PER_MS))
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[2:])
 
 
 def row(N: int, D: int, DV: int, variant: str, reps: int, head_start_ms: float, tokens: int, heads: int) -> dict:
@@ -56,7 +42,8 @@ def row(N: int, D: int, DV: int, variant: str, reps: int, head_start_ms: float, 
                                        torch.empty_like(v), sm_scale=D ** -0.5, **bwd_opts)
     result = dict(N=N, D=D, Dv=DV, variant=variant, B=B, H=heads)
     for name, (kernel, args, kwargs, grid) in zip(("forward", "preprocess", "main", "convert"), [fwd, *launches]):
-        result[f"{name}_ms"] = _time(lambda: kernel[grid](*args, **kwargs), reps, head_start_ms)
+        result[f"{name}_ms"] = bwd_speed._time_interleaved({name: lambda: kernel[grid](*args, **kwargs)}, reps, 2,
+                                                            head_start_ms)[name]
     rows = B * heads * N
     result["passes_mb"] = rows * (4 * DV + 10 * D + 12) / 1e6
     result["passes_tbps"] = result["passes_mb"] / 1e6 / ((result["preprocess_ms"] + result["convert_ms"]) / 1e3)

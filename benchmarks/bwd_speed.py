@@ -32,11 +32,15 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 
 import torch
 
 from fa3_inductor import mods
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fp8_host import _host_drained_us  # noqa: E402  (host µs of a call, the queue drained first)
 
 LN2 = math.log(2.0)
 MASKS = ("causal", "sliding_window", "document")
@@ -70,18 +74,6 @@ def _time_interleaved(fns: dict, rounds: int, warmup: int = 3, head_start_ms: fl
             torch.cuda.synchronize()
             times[name].append(start.elapsed_time(end))
     return {name: statistics.median(t) for name, t in times.items()}
-
-
-def _host_us(fn, rounds: int = 5) -> float:
-    """Median host µs of one call, the GPU queue drained before it (what --head-start-ms keeps out of the events)."""
-    times = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
 
 
 def _peak_mb(fn) -> float:
@@ -272,7 +264,6 @@ def torch_impl(name, q, k, v, dout, variant, scale, flex_compiled):
 def check_once(D: int = 128, Dv: int = 128) -> float:
     """Our fwd+bwd against float64 autograd on one small softcap case at head dims D / Dv; returns the worst
     relative error."""
-    import sys
     sys.path.insert(0, "tests")
     from reference import rel_error, reference_gradients
 
@@ -355,8 +346,8 @@ def run(args) -> list[dict]:
                     torch_fwd.append(name)
                     row[f"{name}_mb"] = _peak_mb(both)
                 row.update(_time_interleaved(fns, args.reps, head_start_ms=args.head_start_ms))
-                if "ours_ms" in fns:
-                    row["ours_host_us"] = _host_us(fns["ours_ms"])
+                if "ours_ms" in fns:   # (what --head-start-ms keeps out of the events)
+                    row["ours_host_us"] = _host_drained_us(fns["ours_ms"], 5)
                 for name in torch_fwd:   # their backward alone: fwd+bwd minus the forward
                     row[f"{name}_bwd_ms"] = row[f"{name}_ms"] - row.pop(f"{name}_fwd_ms")
                 for name in ("ours", "generic", "cudnn", "fa2", "flex"):
@@ -464,7 +455,6 @@ def main() -> None:
     print(f"check: worst relative error {err:.3e} against float64", flush=True)
     rows = run(args)
     import datetime
-    import sys
 
     import triton
 
