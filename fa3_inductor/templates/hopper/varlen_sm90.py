@@ -27,6 +27,22 @@ def packed_view(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(0, 1).unsqueeze(0)
 
 
+def packed_tma_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[str]:
+    """None when the packed q, k, v (non-empty ones) have TMA's 16-byte aligned strides and addresses as
+    :func:`packed_view`s, else what to pass instead (the forward's and the packed backward's refusals).
+
+    Example::
+
+        >>> packed_tma_refusal(*(torch.empty(10, 4, 64) for _ in range(3))) is None
+        True
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.shape[0] and not tma_aligned(packed_view(t)):
+            return (f"{name} strides {t.stride()} or its address are not 16-byte aligned (TMA); pass "
+                    f"{name}.contiguous()")
+    return None
+
+
 def varlen_sm90_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         capability: Optional[tuple[int, int]]) -> Optional[str]:
     """None when the Hopper varlen kernel serves these packed tensors on a GPU of ``capability`` (None: not a
@@ -46,11 +62,7 @@ def varlen_sm90_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not serves_head_dims(q.shape[2], v.shape[2]):
         return (f"the Hopper varlen kernel has no tiles for head dims {q.shape[2]} (q, k) / {v.shape[2]} (v); it "
                 f"serves {served_head_dims_text()}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.shape[0] and not tma_aligned(packed_view(t)):
-            return (f"{name} strides {t.stride()} or its address are not 16-byte aligned (TMA); pass "
-                    f"{name}.contiguous()")
-    return None
+    return packed_tma_refusal(q, k, v)
 
 
 def prepare_varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,

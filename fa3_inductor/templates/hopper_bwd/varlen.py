@@ -27,9 +27,8 @@ import torch
 import triton
 
 from ...runtime.fast_launch import aliasing, launch_cached, on_clear, recorded, relaunch, tensor_signature
-from ..hopper.varlen_sm90 import packed_view
+from ..hopper.varlen_sm90 import packed_tma_refusal, packed_view
 from ..placeholder import placeholder
-from ..tma import tma_aligned
 from .bwd_sm90 import (BwdPacking, BwdSchedule, BwdSparsity, BwdTile, fa3_bwd_sm90_kernel,
                        packed_tile_table_kernel)
 from .bwd_sm90_wide import fa3_bwd_sm90_wide_kernel
@@ -67,11 +66,7 @@ def varlen_bwd_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if (q.shape[2], v.shape[2]) not in SUPPORTED_HEAD_DIM_PAIRS:
         return (f"the Hopper varlen backward serves head dims (q, k / v) {_PAIRS_TEXT}, got {q.shape[2]} / "
                 f"{v.shape[2]}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.shape[0] and not tma_aligned(packed_view(t)):
-            return (f"{name} strides {t.stride()} or its address are not 16-byte aligned (TMA); pass "
-                    f"{name}.contiguous()")
-    return None
+    return packed_tma_refusal(q, k, v)
 
 
 def _refuse(problem: str) -> None:
