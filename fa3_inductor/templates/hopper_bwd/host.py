@@ -555,16 +555,13 @@ def prepare_hopper_backward(
     schedule_args = (q_num_blocks, full_q_num_blocks if has_full else None, Z, KZ, HQ, HKV, grid[0], tile.BLOCK_N,
                      sparse_kv_block)
     num_sms = cfg.persistent_ctas or _num_sms(q.device)
-    if wide_persistent and tabled:
+    if persistent or (wide_persistent and tabled):
         cta_args = _persistent_schedule(*schedule_args, num_sms=num_sms)
     elif wide_persistent:
         cta_args = _shape_schedule(M, grid[0], KZ, HKV, walk, num_sms, q.device)
-    elif persistent:
-        cta_args = _persistent_schedule(*schedule_args, num_sms=num_sms)
     else:
         cta_args = (_cta_order(*schedule_args),) if lpt else ()
-    wide_grid = (cta_args[0].numel() - 1,) if wide_persistent else grid
-    if persistent:
+    if persistent or wide_persistent:
         grid = (cta_args[0].numel() - 1,)
     # the plan's own tensors: a recorded launch replays them (a permutation of every tile, right for any mask
     # contents of the launch's key; only the balance follows the mask it was made for)
@@ -585,7 +582,7 @@ def prepare_hopper_backward(
             dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod,
                  TILE=replace(tile, PERSISTENT=wide_persistent), SPARSE=sparse, FLAGS=flags, num_warps=4,
                  maxnreg=cfg.maxnreg),
-            wide_grid)
+            grid)
     elif cfg.block_m == 128:
         main = (
             fa3_bwd_sm90_m128_kernel,
