@@ -149,12 +149,6 @@ for _D in (64, 128):
         for _s in ("overlap", "overlap_dk"):
             VARIANT_SPILLS[_D, _v, _s] = (0, 0)
 VARIANT_SPILLS.update({(128, "causal", "overlap"): (4, 0), (128, "alibi", "overlap"): (2, 0)})
-# dQ added from registers in the fragments' order (configs.VARIANTS dq_red; docs/design/hopper_backward.md, "dQ added
-# from registers in the fragments' order"): 8 REDG.E.ADD.F32x4 a chunk and thread, no staging tile, no UTMAREDG.
-for _D in (64, 128):
-    for _v in VARIANTS:
-        VARIANT_SPILLS[_D, _v, "dq_red"] = (0, 0)
-VARIANT_SPILLS[128, "causal", "dq_red"] = (2, 0)   # head-level values outside the loops (4 with the staging)
 # CTA schedules for block masks (docs/design/hopper_backward.md, "Masks against the tile bound"): causal, a 256-key
 # causal window and documents of 300 positions, under the head dim's step (lpt_order, persistent: D128's overlap under
 # dK), the in-order step (_serial) and the overlap under dK and dQ ("+overlap": configs.VARIANTS merged), triton 3.6.
@@ -232,9 +226,7 @@ def test_schedule_variants_compile(D, variant, schedule):
     print(f"\nD{D} {variant} {schedule}: {main.spill_instructions} spills ({loop_spills} in a step loop), "
           f"loops {[len(b) for b in loops]}, registers {[_top_register(b) for b in loops]}, shared {main.shared}")
     assert main.hgmma > 0 and main.shared <= SMEM_LIMIT and cfg.smem_bytes(D) <= main.shared
-    if cfg.dq_red:
-        assert "REDG.E.ADD.F32x4" in main.sass and "UTMAREDG" not in main.sass, "dQ not by 16-byte reductions"
-    elif cfg.dq_tma:
+    if cfg.dq_tma:
         assert "UTMAREDG" in main.sass and "REDG" not in main.sass.replace("UTMAREDG", ""), "dQ not by TMA reduce"
     if cfg.overlap:
         # wgmma groups of a step loop in issue order, Z a fresh accumulator (S, dP, dQ: RZ, !UPT) and A an

@@ -164,8 +164,7 @@ ONE_HEAD_DIM = {
 }
 
 
-@pytest.mark.parametrize("variant", ["atomic_dq", "overlap", "overlap_dk", "stages3", "m128", "p_smem", "dq_tiled",
-                                     "dq_red"])
+@pytest.mark.parametrize("variant", ["atomic_dq", "overlap", "overlap_dk", "stages3", "m128", "p_smem", "dq_tiled"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("case", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
 def test_schedule_variants_match_float64(case, D, variant):
@@ -190,7 +189,7 @@ def test_schedule_variants_match_float64(case, D, variant):
 WIDE_VARIANT_CASES = VARIANT_CASES + [("document", None, "document", 1, 2, 2, 900, 900, None)]
 
 
-@pytest.mark.parametrize("variant", ["dq_bufs1", "dq_bufs2", "overlap", "serial", "dq_tiled", "persistent", "dq_red"])
+@pytest.mark.parametrize("variant", ["dq_bufs1", "dq_bufs2", "overlap", "serial", "dq_tiled", "persistent"])
 @pytest.mark.parametrize("dims", [(256, 256), (192, 128), (160, 160), (192, 192)], ids=_dims_id)
 @pytest.mark.parametrize("case", WIDE_VARIANT_CASES, ids=[c[0] for c in WIDE_VARIANT_CASES])
 def test_wide_variants_match_float64(case, dims, variant):

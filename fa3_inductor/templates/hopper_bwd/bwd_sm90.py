@@ -208,8 +208,6 @@ class BwdSchedule:
                               # load under this tile's last steps; 1: under its dK / dV stores)
     DQ_FRAG: bool = False     # DQ_TMA: dQ staged and added in the wgmma fragments' order (bwd_sm90_wide.py's
                               # WideTile.DQ_FRAG: DQ_ACC's 64 x 64 blocks permuted, 16-byte conflict-free stores)
-    DQ_RED: bool = False      # dQ added from registers in the fragments' order (_frag_red_add: red.global.add.v4.f32,
-                              # DQ_ACC as with DQ_FRAG), no staging tile (DQ_TMA off)
 
 
 @gluon.jit
@@ -751,34 +749,17 @@ def _frag_reduce_add(dq, stage, dq_desc, zh, m0, col, D_MEM: gl.constexpr):
 
 
 @gluon.jit
-def _frag_red_add(dq, dq_acc_ptr, row_off, col, D_MEM: gl.constexpr):
-    """The [64, 64] dQ chunk at (DQ_ACC row ``row_off`` = zh * M_PAD + m0, columns col..) added from registers into its
-    block of DQ_ACC in fragment order (_dq_fragments): a thread's 4 values of an n8 block are 16 contiguous bytes, so
-    each is one red.global.add.v4.f32 (8 a thread, one base and immediate offsets; a warp's instruction adds 4 whole
-    128-byte lines). No staging tile: the shared-memory traffic of the TMA reduce-add's staging is gone."""
-    frag = _dq_fragments(dq)
-    frag_layout: gl.constexpr = frag.type.layout
-    f_rows = gl.arange(0, 16, layout=gl.SliceLayout(1, frag_layout))
-    f_cols = gl.arange(0, 256, layout=gl.SliceLayout(0, frag_layout))
-    block = dq_acc_ptr + (row_off * D_MEM + (col // 64) * 4096)
-    gl.atomic_add(block + (f_rows * 256)[:, None] + f_cols[None, :], frag, sem="relaxed")
-
-
-@gluon.jit
 def _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, m0, row_off, WG: gl.constexpr, TILE: gl.constexpr,
             SCHED: gl.constexpr):
     """Add this warpgroup's dQ tile [BLOCK_M, DQ_N] (wgmma layout, fp32) into DQ_ACC rows [m0, m0 + BLOCK_M) of
     head zh. SCHED.DQ_TMA: staged in the warpgroup's shared tile and added by one TMA reduce-add (whole 128-byte
-    lines at L2; the tile is reused once the previous reduce has read it). SCHED.DQ_RED: from registers in the
-    fragments' order (_frag_red_add). Else red.global.add.v2.f32 in the tiled order, 16 a thread (a thread's
-    fragment holds 2 adjacent columns per 8: v2 is the widest without a shuffle)."""
+    lines at L2; the tile is reused once the previous reduce has read it). Else red.global.add.v2.f32, 16 a
+    thread (a thread's fragment holds 2 adjacent columns per 8: v2 is the widest without a shuffle)."""
     BLOCK_M: gl.constexpr = TILE.BLOCK_M
     DQ_N: gl.constexpr = TILE.DQ_N
     D: gl.constexpr = TILE.HEAD_D
     DQ_COL0: gl.constexpr = WG * DQ_N if TILE.DQ_SPLIT else 0
-    if SCHED.DQ_RED:
-        _frag_red_add(dq, dq_acc_ptr, row_off, DQ_COL0, TILE.D_MEM)
-    elif SCHED.DQ_FRAG:
+    if SCHED.DQ_FRAG:
         tma.store_wait(0)                            # the previous reduce has read this warpgroup's tile
         _frag_reduce_add(dq, dq_smem.index(WG), dq_desc, zh, m0, DQ_COL0, TILE.D_MEM)
     elif SCHED.DQ_TMA:

@@ -87,9 +87,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .bwd_sm90 import (DENSE, _acc_layout, _cta_tiles, _ds, _ds_factor, _frag_red_add, _frag_reduce_add, _lse_rows,
-                       _next_step, _next_step_at, _opaque, _packed_coords, _persistent_tile, _probabilities,
-                       _q_tile_counts, _q_tile_start, _seq_span, _tma_reduce_add, _zero_keys_past)
+from .bwd_sm90 import (DENSE, _acc_layout, _cta_tiles, _ds, _ds_factor, _frag_reduce_add, _lse_rows, _next_step,
+                       _next_step_at, _opaque, _packed_coords, _persistent_tile, _probabilities, _q_tile_counts,
+                       _q_tile_start, _seq_span, _tma_reduce_add, _zero_keys_past)
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,6 @@ class WideTile:
     DQ_BUFS: int = 1       # dQ staging tiles a warpgroup: 2 lets a chunk be staged while the last reduce-add reads
     OVERLAP: bool = False  # step j + 1's S issued behind step j's dS, its P made while dK and dQ run (P_REGS, 2 stages)
     DQ_FRAG: bool = False  # dQ chunks staged and added in the wgmma fragments' order (DQ_ACC's 64 x 64 blocks permuted)
-    DQ_RED: bool = False   # DQ_FRAG's chunks added from registers (red.global.add.v4.f32), no staging tile
     PERSISTENT: bool = False   # #SMs CTAs, each walking its list of (KV tile, K/V head) tiles (cta = (offsets, tiles),
                                # host._persistent_schedule / _shape_schedule); the next tile's K / V load under this
                                # one's dK / dV stores
@@ -447,7 +446,7 @@ def _head_in_order(WG: gl.constexpr, z, hq, zh, first, n_partial, n_total, n0, k
         gl.thread_barrier()
         mbarrier.arrive(ds_ready.index(buf), count=1)
         mbarrier.wait(ds_ready.index(buf), (cnt // 2) & 1)
-        dq_at = (zh, q_row0 + m0, DQ0, dq_acc_ptr, M_PAD)
+        dq_at = (zh, q_row0 + m0, DQ0)
         dk_tok = warpgroup_mma(ds_tile.permute((1, 0)), q_dk, dk, is_async=True)
         dv, dk, _p, _ds, _dc, _qd = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_t, ds_tile, do_cols, q_dk])
         mbarrier.arrive(qdo_empty.index(st), count=1)
@@ -579,7 +578,7 @@ def _head_overlap(WG: gl.constexpr, z, hq, zh, first, n_partial, n_total, n0, kv
                              n0, M, N, p_next, f_smem.index(WG), scalars, mod_bufs, WG, SCORE_MOD, SCORE_GRAD,
                              MASK_MOD, TILE, FLAGS)
             mbarrier.arrive(p_ready.index(1 - buf), count=1)
-        dq_at = (zh, q_row0 + m0, DQ0, dq_acc_ptr, M_PAD)
+        dq_at = (zh, q_row0 + m0, DQ0)
         if NQ == 2:
             dk, _qd = warpgroup_mma_wait(2, deps=[dk_tok, q_dk])
             mbarrier.arrive(qdo_empty.index(st), count=1)
@@ -674,20 +673,16 @@ def _make_p(qk, lse, m0, is_partial, z, hq, n0, M, N, p_mine, f_dst, scalars, mo
 @gluon.jit
 def _stage_dq(dq, dq_smem, dq_desc, dq_at, c: gl.constexpr, nth, WG: gl.constexpr, TILE: gl.constexpr):
     """dQ chunk c of a step (this warpgroup's nth chunk) into a staging tile, then its TMA reduce-add into DQ_ACC at
-    (zh, m0, first column + c * DQ_N). With DQ_BUFS tiles the reduce-add before last may still be reading. DQ_RED:
-    added from registers instead (dq_at's DQ_ACC pointer and M_PAD give its row)."""
-    zh, m0, col0, dq_acc_ptr, M_PAD = dq_at
-    if TILE.DQ_RED:   # from registers, no staging tile (bwd_sm90._frag_red_add)
-        _frag_red_add(dq, dq_acc_ptr, zh.to(gl.int64) * M_PAD + m0, col0 + c * TILE.DQ_N, TILE.D_MEM)
+    (zh, m0, first column + c * DQ_N). With DQ_BUFS tiles the reduce-add before last may still be reading."""
+    zh, m0, col0 = dq_at
+    tma.store_wait(TILE.DQ_BUFS - 1)      # the reduce-add that last read this staging tile is done with it
+    stage = dq_smem.index(WG * TILE.DQ_BUFS + nth % TILE.DQ_BUFS)
+    if TILE.DQ_FRAG:
+        _frag_reduce_add(dq, stage, dq_desc, zh, m0, col0 + c * TILE.DQ_N, TILE.D_MEM)
     else:
-        tma.store_wait(TILE.DQ_BUFS - 1)      # the reduce-add that last read this staging tile is done with it
-        stage = dq_smem.index(WG * TILE.DQ_BUFS + nth % TILE.DQ_BUFS)
-        if TILE.DQ_FRAG:
-            _frag_reduce_add(dq, stage, dq_desc, zh, m0, col0 + c * TILE.DQ_N, TILE.D_MEM)
-        else:
-            stage.reshape([TILE.BLOCK_M, TILE.DQ_N]).store(dq)         # [1, BLOCK_M, DQ_N] fp32, 128-byte swizzle
-            fence_async_shared()
-            _tma_reduce_add(dq_desc, [zh, m0, col0 + c * TILE.DQ_N], stage)
+        stage.reshape([TILE.BLOCK_M, TILE.DQ_N]).store(dq)         # [1, BLOCK_M, DQ_N] fp32, 128-byte swizzle
+        fence_async_shared()
+        _tma_reduce_add(dq_desc, [zh, m0, col0 + c * TILE.DQ_N], stage)
 
 
 @gluon.jit
@@ -758,11 +753,7 @@ def fa3_bwd_sm90_wide_kernel(
     f_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, TILE.KEYS_WG], dtype)
     F_SLOTS: gl.constexpr = 2 if SCORE_GRAD is not None else 1
     f_smem = gl.allocate_shared_memory(dtype, [F_SLOTS, BLOCK_M, TILE.KEYS_WG], f_layout)
-    if TILE.DQ_RED:   # no staging tile (a placeholder: a role's argument tuple holds no None)
-        dq_smem = f_smem
-    else:
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2 * TILE.DQ_BUFS] + dq_desc.block_type.shape,
-                                            dq_desc.layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2 * TILE.DQ_BUFS] + dq_desc.block_type.shape, dq_desc.layout)
 
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     qdo_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())

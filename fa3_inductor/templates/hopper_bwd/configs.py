@@ -54,8 +54,6 @@ class BwdSm90Config:
                                  # conflict; the host applies it to 64-row steps of whole 64-column chunks (not 80, 96,
                                  # 160 or m128). Every head dim's default: the backward 1.03-1.09x (H200, bwd-speed-
                                  # nvidia-h200-2026-11-29-1941-wide-frag, -1948-frag-d128; ALiBi 0.98-1.01x)
-    dq_red: bool = False         # dq_frag's chunks added from registers by 16-byte reductions (red.global.add.v4.f32),
-                                 # no staging tiles (their shared memory and its traffic freed); where dq_frag applies
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, value_head_dim: int | None = None) -> int:
         """Shared memory of K, V, the Q / dO ring, P, the two dS buffers and the dQ staging tiles (no score_mod),
@@ -63,14 +61,14 @@ class BwdSm90Config:
         if self.split_dkv:   # 64 keys; two P and two dS [64, 64] tiles; two fp32 [64, 64] dQ staging tiles
             dv = value_head_dim or head_dim
             return elem_bytes * (64 * (head_dim + dv) * (1 + self.num_stages) + 4 * 64 * 64) \
-                + (0 if self.dq_red else 2 * self.dq_bufs * 64 * 64 * 4)
+                + 2 * self.dq_bufs * 64 * 64 * 4
         kv = 2 * 128 * head_dim                  # K, V of the CTA's 128 keys
         if self.block_m == 128:   # 128-row Q / dO stages, P [128, 64] and dS [128, 128] x 2 (f' in dS), dQ staging
             return elem_bytes * (kv + self.num_stages * 2 * 128 * head_dim + 2 * 128 * 64 + 2 * 128 * 128) \
                 + 2 * 64 * head_dim * 4
         ring = self.num_stages * 2 * 64 * head_dim    # Q, dO of 64 query rows per stage
         p_ds = 2 * 64 * 64 + 2 * 64 * 128           # P (one [64, 64] tile per warpgroup), two dS buffers
-        dq_stage = 2 * 64 * 64 * 4 if self.dq_tma and not self.dq_red else 0   # fp32 [64, 64] per consumer warpgroup
+        dq_stage = 2 * 64 * 64 * 4 if self.dq_tma else 0   # fp32 [64, 64] per consumer warpgroup
         return elem_bytes * (kv + ring + p_ds) + dq_stage
 
 
@@ -202,9 +200,6 @@ VARIANTS: dict[str, dict[str, bool]] = {
     "dq_bufs2": {"dq_bufs": 2},
     # dQ staged as the tiled [64, 64] fp32 chunk (every default before dq_frag; still what 80 / 96 / 160 and m128 run)
     "dq_tiled": {"dq_frag": False},
-    # dQ added from registers in the fragments' order, no staging tiles (docs/design/hopper_backward.md, "dQ added from
-    # registers in the fragments' order")
-    "dq_red": {"dq_red": True},
 }
 
 

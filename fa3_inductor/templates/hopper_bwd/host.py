@@ -360,7 +360,7 @@ def _wide_tile(cfg: BwdSm90Config, DT: int, DVT: int, d_in: int, curved: bool, e
     f_bytes = 2 * 64 * 32 * elem_bytes if curved and not cfg.p_regs else 0
     dq_bufs = cfg.dq_bufs if cfg.smem_bytes(DT, value_head_dim=DVT) + f_bytes + 1024 <= SMEM_LIMIT else 1
     return WideTile(HEAD_D=DT, HEAD_DV=DVT, NUM_STAGES=cfg.num_stages, HEAD_D_IN=d_in, P_REGS=cfg.p_regs,
-                    DQ_BUFS=dq_bufs, OVERLAP=bool(cfg.overlap), DQ_FRAG=dq_frag, DQ_RED=cfg.dq_red)
+                    DQ_BUFS=dq_bufs, OVERLAP=bool(cfg.overlap), DQ_FRAG=dq_frag)
 
 
 def _flags(cfg: BwdSm90Config, group: int, fold: bool, even_n: bool, score_mod: Any, score_grad_mod: Any) -> BwdFlags:
@@ -474,11 +474,6 @@ def prepare_hopper_backward(
     # 80 / 96: the 128 tiles, 160 / 192 (v's the same): the 256 tiles, zero columns past D (configs.PADDED_*)
     DT, DVT = tile_head_dims(D, DV)
     d_in = D if DT != D else 0   # the tiles' HEAD_D_IN: the tensors' columns when fewer than the tiles'
-    # dQ staged in the wgmma fragments' order (DQ_ACC's 64 x 64 blocks permuted, a convert that reads them so): whole
-    # 64-column chunks only (not 80, 96, 160), dQ by TMA, 64-row steps; dq_red adds those chunks from registers
-    dq_frag = cfg.dq_frag and cfg.dq_tma and D % 64 == 0 and cfg.block_m == 64
-    if cfg.dq_red and not dq_frag:
-        cfg = replace(cfg, dq_red=False)
     if cfg.smem_bytes(DT, value_head_dim=DVT) > SMEM_LIMIT:
         _refuse(f"config {cfg} needs {cfg.smem_bytes(DT, value_head_dim=DVT)} bytes of shared memory "
                 f"(limit {SMEM_LIMIT})")
@@ -495,6 +490,9 @@ def prepare_hopper_backward(
     if cfg.block_m not in (64, 128) or (cfg.block_m == 128 and (DT != 64 or cfg.overlap or not cfg.dq_tma)):
         _refuse(f"config {cfg}: 128 query rows a step (block_m) is built for D = 64, in order (overlap 0), dQ by "
                 "TMA reduce-add")
+    # dQ staged in the wgmma fragments' order (DQ_ACC's 64 x 64 blocks permuted, a convert that reads them so): whole
+    # 64-column chunks only (not 80, 96, 160), dQ by TMA, 64-row steps
+    dq_frag = cfg.dq_frag and cfg.dq_tma and D % 64 == 0 and cfg.block_m == 64
     if cfg.split_dkv:
         tile = _wide_tile(cfg, DT, DVT, d_in, _curved(score_grad_mod), q.element_size(), dq_frag)
     elif cfg.block_m == 128:
@@ -551,9 +549,8 @@ def prepare_hopper_backward(
     smem = cfg.smem_bytes(DT) + (2 * 64 * 64 * q.element_size() if score_grad_mod is not None else 0)
     kv_bufs = 2 if persistent and smem + 2 * tile.BLOCK_N * DT * q.element_size() + 1024 <= SMEM_LIMIT else 1
     stats_ahead, p_carry16 = _register_rules(cfg, score_mod, has_mask, DT)
-    sched = BwdSchedule(DQ_TMA=cfg.dq_tma and not cfg.dq_red, OVERLAP=cfg.overlap, LPT_ORDER=lpt, PERSISTENT=persistent,
-                        KV_BUFS=kv_bufs, STATS_AHEAD=stats_ahead, P_REGS=cfg.p_regs, P_CARRY16=p_carry16,
-                        DQ_FRAG=dq_frag, DQ_RED=cfg.dq_red)
+    sched = BwdSchedule(DQ_TMA=cfg.dq_tma, OVERLAP=cfg.overlap, LPT_ORDER=lpt, PERSISTENT=persistent, KV_BUFS=kv_bufs,
+                        STATS_AHEAD=stats_ahead, P_REGS=cfg.p_regs, P_CARRY16=p_carry16, DQ_FRAG=dq_frag)
     grid = (triton.cdiv(N, tile.BLOCK_N), KZ * HKV)
     schedule_args = (q_num_blocks, full_q_num_blocks if has_full else None, Z, KZ, HQ, HKV, grid[0], tile.BLOCK_N,
                      sparse_kv_block)
