@@ -12,6 +12,8 @@ computed between them:
          at most one reduce in flight beyond the newest (tma.store_wait(1), the wide kernel's two staging tiles)
   red    eight red.global.add.v4.f32 a thread and chunk from registers (the dq_red variant, measured slower)
   store  plain TMA stores of the same boxes (write bandwidth, for scale)
+  smK    the tma walk from one program an SM (the rest of its shared memory taken), at most K reduces in flight: the
+         rate a persistent backward CTA can reach (the wide kernel keeps 2 warpgroups x 2 staging tiles: sm4)
 
 Shapes: B * N = 16k tokens, H 16 (bwd_speed.py's); per head dim pair its kernel's KV tile (64 keys at 192 / 128 and
 256, 128 at D <= 128) and dQ chunks (D / 64). TB/s = fp32 bytes added / time (one launch, CUDA events behind a GPU
@@ -36,7 +38,7 @@ from fa3_inductor.templates.hopper_bwd.bwd_sm90 import _acc_layout, _dq_fragment
 from fa3_inductor.templates.hopper_bwd.host import _dq_frag_desc  # noqa: E402
 import bwd_speed  # noqa: E402  (the timing)
 
-MODES = ("tma", "red", "store")
+MODES = ("tma", "red", "store", "sm2", "sm4", "sm8")
 # (D, DV) -> keys of the kernel's KV tile
 KV_TILE = {(64, 64): 128, (128, 128): 128, (192, 128): 64, (256, 256): 64}
 
@@ -79,6 +81,33 @@ def reduce_rate_kernel(acc_desc, acc_ptr, M_TILES, M_PAD, KV_TILE: gl.constexpr,
         tma.store_wait(0)
 
 
+@gluon.jit
+def reduce_rate_sm_kernel(acc_desc, M_TILES, N_KV, HEADS, KV_TILE: gl.constexpr, CHUNKS: gl.constexpr,
+                          CAUSAL: gl.constexpr, IN_FLIGHT: gl.constexpr, PAD_ROWS: gl.constexpr):
+    """One program an SM (a PAD_ROWS x 256 fp32 shared tile keeps a second one out) walking (KV tile, head) items in
+    turn, the TMA reduce-adds of reduce_rate_kernel's walk with at most IN_FLIGHT in flight: the reductions a
+    persistent backward CTA can keep going (the wide kernel: 2 warpgroups x 2 staging tiles)."""
+    stage = gl.allocate_shared_memory(gl.float32, [IN_FLIGHT] + acc_desc.block_type.shape, acc_desc.layout)
+    pad = gl.allocate_shared_memory(gl.float32, [PAD_ROWS, 256], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    lay: gl.constexpr = _acc_layout(64)
+    frag = _dq_fragments(gl.full([64, 64], 1.0, gl.float32, layout=lay))
+    for b in gl.static_range(IN_FLIGHT):
+        stage.index(b).reshape([16, 256]).store(frag)
+    pad.slice(0, 16, dim=0).store(frag)
+    fence_async_shared()
+    n = 0
+    for item in range(gl.program_id(0), N_KV * HEADS, gl.num_programs(0)):
+        j = item % N_KV
+        zh = item // N_KV
+        first = j * (KV_TILE // 64) if CAUSAL else 0
+        for i in range(first, M_TILES):
+            for c in gl.static_range(CHUNKS):
+                tma.store_wait(IN_FLIGHT - 1)
+                _tma_reduce_add(acc_desc, [zh, (i * CHUNKS + c) * 16, 0], stage.index(n % IN_FLIGHT))
+                n += 1
+    tma.store_wait(0)
+
+
 def row(D: int, DV: int, N: int, causal: bool, mode: str, reps: int, tokens: int, heads: int) -> dict:
     """Time one launch of reduce_rate_kernel for the (D, DV) backward's dQ at length N."""
     B = max(1, tokens // N)
@@ -90,8 +119,14 @@ def row(D: int, DV: int, N: int, causal: bool, mode: str, reps: int, tokens: int
     grid = (n_kv, B * heads)
 
     def launch():
-        reduce_rate_kernel[grid](desc, acc, m_tiles, N, KV_TILE=kv_tile, CHUNKS=chunks, D=D, CAUSAL=causal, MODE=mode,
-                                 num_warps=4)
+        if mode.startswith("sm"):   # "sm<IN_FLIGHT>": one program an SM
+            in_flight = int(mode[2:])
+            reduce_rate_sm_kernel[(torch.cuda.get_device_properties(0).multi_processor_count,)](
+                desc, m_tiles, n_kv, B * heads, KV_TILE=kv_tile, CHUNKS=chunks, CAUSAL=causal, IN_FLIGHT=in_flight,
+                PAD_ROWS=128 if in_flight <= 4 else 64, num_warps=4)   # > 114 KB: one an SM
+        else:
+            reduce_rate_kernel[grid](desc, acc, m_tiles, N, KV_TILE=kv_tile, CHUNKS=chunks, D=D, CAUSAL=causal,
+                                     MODE=mode, num_warps=4)
 
     ms = bwd_speed._time_interleaved({mode: launch}, reps, 2, 2.0)[mode]
     tiles = sum(m_tiles - (j * kv_tile // 64 if causal else 0) for j in range(n_kv)) * B * heads
