@@ -207,6 +207,20 @@ def test_wide_variants_match_float64(case, dims, variant):
     _check(q, k, v, dout, score_mod, mask_mod, config=get_bwd_config(*dims, **overrides))
 
 
+# 96-key tiles at 192 / 128 (configs.VARIANTS kv96, bwd_sm90_k96.py: three 32-key warpgroups, dK / dV transposed):
+# ragged noop (N not a multiple of 96), the causal walk (two partial tiles a CTA), softcap, GQA 4:1 with a K/V batch
+# of 1 under causal, GQA without a mod.
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
+def test_kv96_matches_float64(case):
+    from fa3_inductor.templates.hopper_bwd import get_bwd_config
+    from fa3_inductor.templates.hopper_bwd.configs import VARIANTS
+
+    _, score_mod, mask_mod, Z, HQ, HKV, M, N, KZ = case
+    torch.manual_seed(11)
+    q, k, v, dout = _inputs(Z, HQ, HKV, M, N, 192, KZ, DV=128)
+    _check(q, k, v, dout, score_mod, mask_mod, config=get_bwd_config(192, 128, **VARIANTS["kv96"]))
+
+
 def _head_window(b, h, q_idx, kv_idx):
     """A causal window of 128 * (h + 1) keys: every head its own block mask, so the CTA orders differ by head."""
     return (q_idx >= kv_idx) & (q_idx - kv_idx < 128 * (h + 1))

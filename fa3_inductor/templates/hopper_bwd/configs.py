@@ -55,9 +55,16 @@ class BwdSm90Config:
                                  # 160 or m128). Every head dim's default: the backward 1.03-1.09x (H200, bwd-speed-
                                  # nvidia-h200-2026-11-29-1941-wide-frag, -1948-frag-d128; ALiBi 0.98-1.01x)
 
+    kv96: bool = False           # 192 / 128: bwd_sm90_k96.py, 96-key CTAs of three 32-key warpgroups, dK / dV
+                                 # transposed (2/3 of the wide kernel's dQ reductions); no block-mask tables
+                                 # (an exactly causal mask_mod is walked), packed sequences or persistent CTAs
+
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, value_head_dim: int | None = None) -> int:
         """Shared memory of K, V, the Q / dO ring, P, the two dS buffers and the dQ staging tiles (no score_mod),
         barriers aside."""
+        if self.kv96:   # Q / dO ring, K and V of 96 keys, three P and six dS [64, 32] tiles, three fp32 staging tiles
+            dv = value_head_dim or head_dim
+            return elem_bytes * ((self.num_stages * 64 + 96) * (head_dim + dv) + 9 * 64 * 32) + 3 * 64 * 64 * 4
         if self.split_dkv:   # 64 keys; two P and two dS [64, 64] tiles; two fp32 [64, 64] dQ staging tiles
             dv = value_head_dim or head_dim
             return elem_bytes * (64 * (head_dim + dv) * (1 + self.num_stages) + 4 * 64 * 64) \
@@ -200,6 +207,9 @@ VARIANTS: dict[str, dict[str, bool]] = {
     "dq_bufs2": {"dq_bufs": 2},
     # dQ staged as the tiled [64, 64] fp32 chunk (every default before dq_frag; still what 80 / 96 / 160 and m128 run)
     "dq_tiled": {"dq_frag": False},
+    # 192 / 128 on 96-key tiles (bwd_sm90_k96.py; docs/design/hopper_backward.md, "96-key tiles at 192 / 128"):
+    # three consumer warpgroups at 160 registers (the kernel's entry at 128: 16 warps)
+    "kv96": {"kv96": True, "consumer_regs": 160, "maxnreg": 128, "overlap": 0, "persistent": False},
 }
 
 

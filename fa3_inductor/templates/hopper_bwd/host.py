@@ -25,6 +25,7 @@ from .bwd_sm90 import (BwdFlags, BwdSchedule, BwdSparsity, BwdTile, bwd_sm90_dq_
                        bwd_sm90_dq_convert_kernel, bwd_sm90_preprocess_kernel, fa3_bwd_sm90_kernel)
 from .bwd_sm90_m128 import M128Tile, fa3_bwd_sm90_m128_kernel
 from .bwd_sm90_wide import WideTile, fa3_bwd_sm90_wide_kernel
+from .bwd_sm90_k96 import K96Tile, fa3_bwd_sm90_k96_kernel
 from .configs import SMEM_LIMIT, SUPPORTED_HEAD_DIM_PAIRS, BwdSm90Config, get_bwd_config, tile_head_dims
 
 _MAX_SEQ = 1 << 23
@@ -482,6 +483,8 @@ def prepare_hopper_backward(
                 "(dq_tma=True)")
     if cfg.split_dkv != (DT > 128):
         _refuse(f"config {cfg} does not fit head dims {D}/{DV} (split_dkv is for D > 128)")
+    if cfg.kv96 and ((DT, DVT) != (192, 128) or d_in or not cfg.split_dkv or cfg.overlap or cfg.persistent):
+        _refuse(f"config {cfg}: 96-key tiles (kv96) are built for q/k 192 with v 128, in order, one CTA a tile")
     if cfg.split_dkv and cfg.overlap and (cfg.overlap != 1 or not cfg.p_regs or cfg.num_stages < 2):
         _refuse(f"config {cfg}: the wide-head-dim kernel's cross-step overlap is overlap=1 with p_regs and two Q / dO "
                 "stages (the next step's Q is waited for during this one)")
@@ -568,7 +571,21 @@ def prepare_hopper_backward(
     cta_args = tuple(launch_constant(t) for t in cta_args)
 
     preprocess, convert = _pass_launches(out, dout, lse, grad_lse, stats, dq_acc, dq, m_pad, ds_scale, dq_frag, D)
-    if cfg.split_dkv:
+    if cfg.kv96:
+        if tabled or not dq_frag:
+            _refuse("96-key tiles (kv96) walk no block-mask tables (only an exactly causal mask_mod) and add dQ in "
+                    "the fragments' order (dq_frag)")
+        k96 = K96Tile(NUM_STAGES=cfg.num_stages, CAUSAL=walk)
+        main = (
+            fa3_bwd_sm90_k96_kernel,
+            (_desc(q, [1, 1, 64, 128]), _desc(q, [1, 1, 64, 64]), _desc(dout, [1, 1, 64, 128]),
+             _desc(k, [1, 1, 32, 128]), _desc(k, [1, 1, 32, 64]), _desc(v, [1, 1, 32, 128]), _dq_frag_desc(dq_acc),
+             stats, dk, dv, tuple(score_bufs), tuple(mask_bufs), Z, HQ, KZ, M, N, m_pad, *scalars),
+            dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod if walk else None, TILE=k96,
+                 FLAGS=_flags(cfg, HQ // HKV, fold, N % k96.BLOCK_N == 0, score_mod, score_grad_mod), num_warps=4,
+                 maxnreg=cfg.maxnreg),
+            (triton.cdiv(N, k96.BLOCK_N), KZ * HKV))
+    elif cfg.split_dkv:
         lo, hi = tile.LO, tile.HI   # D = 256: one Q / K tile (lo = hi = 256), the second descriptor unused
         main = (
             fa3_bwd_sm90_wide_kernel,
