@@ -190,7 +190,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, rows, scalars, mod_buf
     dk_lo = gl.zeros([LO, KEYS_WG], gl.float32, layout=s_layout)
     dk_hi = gl.zeros([HI, KEYS_WG], gl.float32, layout=s_layout)
     rows_ = gl.arange(0, BLOCK_M, layout=row_layout)
-    kv_idx = gl.minimum(kv0 + gl.arange(0, KEYS_WG, layout=gl.SliceLayout(0, s_layout)), N - 1)[None, :]
+    cols_ = gl.arange(0, KEYS_WG, layout=gl.SliceLayout(0, s_layout))
 
     first, partial_end, n_total = _walk(n0, M, TILE)
     mbarrier.wait(kv_ready, 0)
@@ -217,6 +217,8 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, rows, scalars, mod_buf
             ds_w = ds_smem.index(buf * 3 + WG + zero)
             lse = _lse_rows(stats_h, m0, rows_, M, _DENSE)
             q_idx = gl.minimum(m0 + rows_, M - 1)[:, None]
+            # key positions made per step (through the opaque zero): held across the loop, causal spilled
+            kv_idx = gl.minimum(kv0 + zero + cols_, N - 1)[None, :]
 
             mbarrier.wait(qdo_ready.index(st), (cnt // NUM_STAGES) & 1)
             s_tok = warpgroup_mma(q_lo, k_lo_w.permute((1, 0)), s_zero, use_acc=False, is_async=True)
