@@ -277,7 +277,10 @@ def test_wide_head_dims_compile(D, DV, variant):
     from fa3_inductor.templates.hopper_bwd import get_bwd_config
     from fa3_inductor.templates.hopper_bwd.configs import WIDE_PLAIN_OVERLAP
 
-    pre, main, convert = _wide_kernels(D, DV, _options(variant, 1000, 1000))
+    # (softcap: the wide kernel's row for a curved score_mod, which takes it under block-mask tables; without them
+    # 192 / 128 runs 96-key tiles, test_kv96_compile)
+    pick = get_bwd_config(D, DV, curved=True, masked=True) if variant == "softcap" else None
+    pre, main, convert = _wide_kernels(D, DV, _options(variant, 1000, 1000), config=pick)
     cfg = get_bwd_config(D, DV)
     loops = _step_loops(main)
     print(f"\nD{D}/{DV} {variant}: main {main.registers} registers at entry, {main.hgmma} HGMMA, "
@@ -301,6 +304,38 @@ def test_wide_head_dims_compile(D, DV, variant):
     stores = [t for body in loops for t in body if re.search(r"\bSTS\b|\bSTS\.", t)]
     assert stores and all("STS.128" in t for t in stores), sorted({t.split()[0] for t in stores})
     assert cfg.smem_bytes(D, value_head_dim=DV) <= main.shared <= SMEM_LIMIT
+    for r in (pre, convert):
+        assert r.spill_instructions == 0 and r.stack == 0
+
+
+# 96-key tiles at 192 / 128 (bwd_sm90_k96.py, configs.VARIANTS kv96; softcap's default, configs.WIDE_CURVED_KV96),
+# triton 3.6, M = N = 1000: three consumer warpgroups at setmaxnreg 160 (warpgroup 0, the default partition, 168),
+# each step loop S 12 + dP 8 + dV^T 8 + dK^T 12 + dQ 6 HGMMA (64x32x16 and 64x64x16), none spilling; outside the
+# loops causal keeps 22 spill instructions (head-level values of the walk, stored before the role dispatch and
+# reloaded once per head), softcap 2.
+K96_SPILLS = {"causal": (22, 40), "softcap": (2, 8)}
+
+
+@pytest.mark.parametrize("variant", WIDE_VARIANTS)
+def test_kv96_compile(variant):
+    from fa3_inductor.templates.hopper_bwd import get_bwd_config
+    from fa3_inductor.templates.hopper_bwd.configs import VARIANTS
+
+    cfg = get_bwd_config(192, 128, **VARIANTS["kv96"])
+    default = get_bwd_config(192, 128, curved=True, grad_mod=True)
+    assert default.kv96, "softcap without tables takes 96-key tiles"
+    pre, main, convert = _wide_kernels(192, 128, _options(variant, 1000, 1000), config=cfg)
+    loops = _step_loops(main)
+    print(f"\nkv96 {variant}: {main.hgmma} HGMMA, {main.spill_instructions} spill instructions, stack {main.stack}, "
+          f"shared {main.shared}, step loops {[len(b) for b in loops]}, registers {[_top_register(b) for b in loops]}")
+    assert main.hgmma == 138 and "HGMMA.64x32x16.F32.BF16" in main.sass, f"{main.hgmma} HGMMA"
+    assert {160, 24} <= main.setmaxnreg, f"setmaxnreg: {main.setmaxnreg}"
+    assert len(loops) == 3, f"expected one step loop per consumer warpgroup, got {[len(b) for b in loops]}"
+    assert not any("LDL" in t or "STL" in t for body in loops for t in body), "spill in a step loop"
+    assert max(_top_register(b) for b in loops) <= 168   # (the default partition, warpgroup 0, gets the rest: 168)
+    max_spills, max_stack = K96_SPILLS.get(variant, (0, 0))
+    assert main.spill_instructions <= max_spills and main.stack <= max_stack, (main.spill_instructions, main.stack)
+    assert "UTMAREDG" in main.sass and cfg.smem_bytes(192, value_head_dim=128) <= main.shared <= SMEM_LIMIT
     for r in (pre, convert):
         assert r.spill_instructions == 0 and r.stack == 0
 

@@ -119,6 +119,41 @@ def test_wide_dq_fragment_order_plan(D, DV, frag):
         assert list(dq_desc.block_shape) == [1, 64, 64] and convert[0] is bwd_sm90_dq_convert_kernel
 
 
+def _wide_curved():
+    """The wide kernel's row for a curved score_mod at 192 / 128 (what it runs under block-mask tables; without them
+    such launches take 96-key tiles, test_kv96_plan)."""
+    from fa3_inductor.templates.hopper_bwd.configs import get_bwd_config
+
+    return get_bwd_config(192, 128, curved=True, masked=True)
+
+
+@pytest.mark.parametrize("mask", [None, "causal", "document"])
+def test_kv96_plan(mask):
+    """192 / 128 with softcap takes 96-key tiles (bwd_sm90_k96.py, configs.WIDE_CURVED_KV96) without block-mask tables
+    or with an exactly causal mask_mod (walked from each tile's diagonal), and the wide kernel under other tables;
+    noop keeps the wide kernel."""
+    from test_hopper_bwd_compile import _combined_options, _options
+
+    from fa3_inductor.templates.hopper_bwd.bwd_sm90_k96 import K96Tile, fa3_bwd_sm90_k96_kernel
+    from fa3_inductor.templates.hopper_bwd.bwd_sm90_wide import fa3_bwd_sm90_wide_kernel
+
+    M = N = 1000
+    options = _combined_options("softcap" + (f"+{mask}" if mask == "causal" else ""), M, N)
+    if mask == "document":
+        options.update(_combined_options("blocks", M, N))
+    pre, main, convert = _plan(192, 128, M=M, N=N, **options)
+    kernel, args, kwargs, grid = main
+    if mask == "document":
+        assert kernel is fa3_bwd_sm90_wide_kernel
+        return
+    assert kernel is fa3_bwd_sm90_k96_kernel and kwargs["TILE"] == K96Tile(NUM_STAGES=2, CAUSAL=mask == "causal")
+    assert (kwargs["MASK_MOD"] is not None) == (mask == "causal")
+    assert grid == (math.ceil(N / 96), 2 * 2) and kwargs["maxnreg"] == 128
+    assert (kwargs["FLAGS"].CONSUMER_REGS, kwargs["FLAGS"].EVEN_N) == (160, False)
+    assert list(args[6].block_shape) == [1, 16, 256]   # dQ in the fragments' order
+    assert _plan(192, 128, M=M, N=N)[1][0] is fa3_bwd_sm90_wide_kernel
+
+
 def test_wide_overlap_for_plain_launches():
     """192 / 128 takes the cross-step overlap without a curved score_mod (noop, ALiBi, block masks), the in-order
     step with softcap, with or without a mask; D256 (one Q / dO stage) never."""
@@ -126,8 +161,9 @@ def test_wide_overlap_for_plain_launches():
 
     assert _plan(192, 128)[1][2]["TILE"].OVERLAP
     assert _plan(192, 128, M=1000, N=1000, **_options("causal", 1000, 1000))[1][2]["TILE"].OVERLAP
-    assert not _plan(192, 128, **_options("softcap", 1000, 777))[1][2]["TILE"].OVERLAP
-    assert not _plan(192, 128, M=1000, N=1000, **_combined_options("softcap+causal", 1000, 1000))[1][2]["TILE"].OVERLAP
+    assert not _plan(192, 128, **_options("softcap", 1000, 777), config=_wide_curved())[1][2]["TILE"].OVERLAP
+    assert not _plan(192, 128, M=1000, N=1000, **_combined_options("softcap+causal", 1000, 1000),
+                     config=_wide_curved())[1][2]["TILE"].OVERLAP
     assert _plan(192, 128, **_options("alibi", 1000, 777))[1][2]["TILE"].OVERLAP
     assert not _plan(256, 256)[1][2]["TILE"].OVERLAP
     assert not _plan(256, 256, M=1000, N=1000, **_options("causal", 1000, 1000))[1][2]["TILE"].OVERLAP
@@ -146,7 +182,9 @@ def test_wide_causal_trim_follows_the_mask_mod():
 
     for D, DV in ((192, 128), (256, 256)):
         assert trim(D, DV, _options("causal", 1000, 1000)) == (True, False, False)
-        assert trim(D, DV, _combined_options("softcap+causal", 1000, 1000)) == (True, False, False)
+        softcap_causal = _combined_options("softcap+causal", 1000, 1000)
+        wide = {"config": _wide_curved()} if D == 192 else {}   # (without: 96-key tiles, test_kv96_plan)
+        assert trim(D, DV, softcap_causal, **wide) == (True, False, False)
         for implied in ("sliding_window", "document"):   # causal windows and causal documents (the tests' mods)
             assert trim(D, DV, _options(implied, 1000, 1000)) == (False, True, True), implied
     assert trim(128, 128, _options("causal", 1000, 1000)) == (False, False, True)

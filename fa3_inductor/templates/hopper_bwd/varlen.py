@@ -125,12 +125,13 @@ def prepare_varlen_backward(
         _refuse("; ".join(problems))
 
     curved = _curved(score_grad_mod)
-    cfg = config or get_bwd_config(D, DV, grad_mod=curved and mask_mod is None, curved=curved)
+    cfg = config or get_bwd_config(D, DV, grad_mod=curved and mask_mod is None, curved=curved, packed=True)
     cfg = replace(cfg, persistent=False, lpt_order=False)   # the grid walks (KV tile, sequence, head)
     DT, DVT = tile_head_dims(D, DV)
-    if cfg.block_m != 64 or not cfg.dq_tma or cfg.split_dkv != (DT > 128) or \
+    if cfg.block_m != 64 or not cfg.dq_tma or cfg.split_dkv != (DT > 128) or cfg.kv96 or \
             cfg.smem_bytes(DT, value_head_dim=DVT) > SMEM_LIMIT:
-        _refuse(f"config {cfg}: packed sequences run 64-row steps with dQ by TMA reduce-add (split_dkv for D > 128)")
+        _refuse(f"config {cfg}: packed sequences run 64-row steps with dQ by TMA reduce-add (split_dkv for D > 128, "
+                "not 96-key tiles)")
     d_in = D if DT != D else 0
     if cfg.split_dkv:   # (dQ in the tiled order: sequence starts are no multiple of 64)
         tile = _wide_tile(cfg, DT, DVT, d_in, curved, q.element_size(), dq_frag=False)
