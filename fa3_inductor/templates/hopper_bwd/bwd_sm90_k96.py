@@ -68,6 +68,8 @@ class K96Tile:
     """Tiles of the 96-key kernel (module docstring)."""
     NUM_STAGES: int = 2    # depth of the Q / dO ring
     CAUSAL: bool = False   # an exactly causal mask_mod, walked from each tile's diagonal without tables
+    DQ_LAG: bool = False   # a step's dQ issued in the next step, under its dP and dV (the warpgroups meet at ds_ready a
+                           # step later than they use it)
 
     @property
     def BLOCK_M(self) -> int:
@@ -194,7 +196,9 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, rows, scalars, mod_buf
 
     first, partial_end, n_total = _walk(n0, M, TILE)
     mbarrier.wait(kv_ready, 0)
-    cnt = 0
+    cnt = n0 * 0
+    prev_zh = n0 * 0   # DQ_LAG: the head and first row of the step whose dQ is pending
+    prev_m0 = n0 * 0
     for hh in range((Z // KZ) * FLAGS.GQA_GROUP):
         z = kz + (hh // FLAGS.GQA_GROUP) * KZ
         hq = hkv * FLAGS.GQA_GROUP + hh % FLAGS.GQA_GROUP
@@ -230,10 +234,21 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, rows, scalars, mod_buf
             p_ds = _ds_factor(p, qk, p_w, sm_scale, z, hq, q_idx, kv_idx, score_bufs, SCORE_GRAD, FLAGS, True)
             fence_async_shared()
             gl.thread_barrier()
+            if TILE.DQ_LAG:   # the step before's dQ, under this step's dP and dV (its dS buffer: the other one)
+                # step cnt - 1's buffer and phase, from cnt + 1 and cnt + 3 (no negative division; on the CTA's first
+                # step that phase counts as completed, and the chunk, made of unwritten dS, is dropped)
+                prev = cnt + 1
+                mbarrier.wait(ds_ready.index(prev % 2), ((cnt + 3) // 2) & 1)
+                dq_tok = _dq_issue(prev % 2, zero, k_lo_smem, k_hi_smem, ds_smem, dq_zero, WG, TILE)
             dp_tok = warpgroup_mma(do_t, v_w.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             do_tt = do_t.permute((1, 0))
             dv_tok = warpgroup_mma(do_tt, p_w, dv_t, is_async=True)
             delta = gl.load(stats_h + M_PAD + m0 + rows_)
+            if TILE.DQ_LAG:
+                dq = warpgroup_mma_wait(2, deps=[dq_tok])
+                if cnt > 0:
+                    tma.store_wait(0)   # the last reduce-add has read the staging tile
+                    _frag_reduce_add(dq, dq_smem.index(WG), dq_desc, prev_zh, prev_m0, WG * 64, TILE.HEAD_D)
             dp, _do, _v = warpgroup_mma_wait(1, deps=[dp_tok, do_t, v_w])
             ds = _ds(dp, delta, p_ds, p_w, p_w, s_layout, SCORE_GRAD is not None, True)
             ds_w.store(ds.to(dtype))
@@ -247,18 +262,32 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, rows, scalars, mod_buf
             dv_t, dk_lo, dk_hi, _dt, _pw, _a, _b, _c = warpgroup_mma_wait(
                 0, deps=[dv_tok, dk_lo_tok, dk_hi_tok, do_tt, p_w, q_lo_t, q_hi_t, ds_w])
             mbarrier.arrive(qdo_empty.index(st), count=1)
-            mbarrier.wait(ds_ready.index(buf), (cnt // 2) & 1)
-            dq = _dq_chunk(buf, zero, k_lo_smem, k_hi_smem, ds_smem, dq_zero, WG, TILE)
-            tma.store_wait(0)   # the last reduce-add has read the staging tile
-            _frag_reduce_add(dq, dq_smem.index(WG), dq_desc, zh, m0, WG * 64, TILE.HEAD_D)
+            if TILE.DQ_LAG:
+                prev_zh = zh
+                prev_m0 = m0
+            else:
+                mbarrier.wait(ds_ready.index(buf), (cnt // 2) & 1)
+                dq = warpgroup_mma_wait(0, deps=[_dq_issue(buf, zero, k_lo_smem, k_hi_smem, ds_smem, dq_zero, WG,
+                                                           TILE)])
+                tma.store_wait(0)   # the last reduce-add has read the staging tile
+                _frag_reduce_add(dq, dq_smem.index(WG), dq_desc, zh, m0, WG * 64, TILE.HEAD_D)
             cnt += 1
+    if TILE.DQ_LAG:   # the last step's dQ
+        if cnt > 0:
+            zero = _opaque(0)
+            mbarrier.wait(ds_ready.index((cnt + 1) % 2), ((cnt - 1) // 2) & 1)
+            dq = warpgroup_mma_wait(0, deps=[_dq_issue((cnt + 1) % 2, zero, k_lo_smem, k_hi_smem, ds_smem, dq_zero,
+                                                       WG, TILE)])
+            tma.store_wait(0)
+            _frag_reduce_add(dq, dq_smem.index(WG), dq_desc, prev_zh, prev_m0, WG * 64, TILE.HEAD_D)
     tma.store_wait(0)
     _store_dk_dv(dk_lo, dk_hi, dv_t, kv0, kz, hkv, HKV, N, dk_ptr, dv_ptr, ds_scale, dtype, s_layout, TILE)
 
 
 @gluon.jit
-def _dq_chunk(buf, zero, k_lo_smem, k_hi_smem, ds_smem, dq_zero, WG: gl.constexpr, TILE: gl.constexpr):
-    """dQ[:, 64 WG : 64 WG + 64] = sum over the three warpgroups' keys v of dS_v K_v[:, those columns]."""
+def _dq_issue(buf, zero, k_lo_smem, k_hi_smem, ds_smem, dq_zero, WG: gl.constexpr, TILE: gl.constexpr):
+    """Issue dQ[:, 64 WG : 64 WG + 64] = sum over the three warpgroups' keys v of dS_v (buffer buf) K_v[:, those
+    columns]: three wgmmas into one accumulator; returns its token."""
     KEYS_WG: gl.constexpr = TILE.KEYS_WG
     LO: gl.constexpr = TILE.LO
     HI: gl.constexpr = TILE.HI
@@ -270,8 +299,7 @@ def _dq_chunk(buf, zero, k_lo_smem, k_hi_smem, ds_smem, dq_zero, WG: gl.constexp
         else:
             k_cols = k_lo_smem.index(v + zero).reshape([KEYS_WG, LO]).slice(WG * 64, 64, dim=1)
         tok = warpgroup_mma(ds_v, k_cols, tok, use_acc=v > 0, is_async=True)
-    dq = warpgroup_mma_wait(0, deps=[tok])
-    return dq
+    return tok
 
 
 @gluon.jit

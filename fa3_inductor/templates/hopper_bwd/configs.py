@@ -217,6 +217,8 @@ VARIANTS: dict[str, dict[str, bool]] = {
     # 192 / 128 on 96-key tiles (bwd_sm90_k96.py; docs/design/hopper_backward.md, "96-key tiles at 192 / 128"):
     # three consumer warpgroups at 160 registers (the kernel's entry at 128: 16 warps)
     "kv96": {"kv96": True, "consumer_regs": 160, "maxnreg": 128, "overlap": 0, "persistent": False},
+    # and each step's dQ issued in the next step, under its dP and dV (bwd_sm90_k96's DQ_LAG)
+    "kv96_lag": {"kv96": True, "consumer_regs": 160, "maxnreg": 128, "overlap": 1, "persistent": False},
 }
 
 

@@ -483,8 +483,10 @@ def prepare_hopper_backward(
                 "(dq_tma=True)")
     if cfg.split_dkv != (DT > 128):
         _refuse(f"config {cfg} does not fit head dims {D}/{DV} (split_dkv is for D > 128)")
-    if cfg.kv96 and ((DT, DVT) != (192, 128) or d_in or not cfg.split_dkv or cfg.overlap or cfg.persistent):
-        _refuse(f"config {cfg}: 96-key tiles (kv96) are built for q/k 192 with v 128, in order, one CTA a tile")
+    if cfg.kv96 and ((DT, DVT) != (192, 128) or d_in or not cfg.split_dkv or cfg.overlap not in (0, 1)
+                     or cfg.persistent):
+        _refuse(f"config {cfg}: 96-key tiles (kv96) are built for q/k 192 with v 128, one CTA a tile (overlap 1: "
+                "each step's dQ in the next step)")
     if cfg.split_dkv and cfg.overlap and (cfg.overlap != 1 or not cfg.p_regs or cfg.num_stages < 2):
         _refuse(f"config {cfg}: the wide-head-dim kernel's cross-step overlap is overlap=1 with p_regs and two Q / dO "
                 "stages (the next step's Q is waited for during this one)")
@@ -575,7 +577,7 @@ def prepare_hopper_backward(
         if tabled or not dq_frag:
             _refuse("96-key tiles (kv96) walk no block-mask tables (only an exactly causal mask_mod) and add dQ in "
                     "the fragments' order (dq_frag)")
-        k96 = K96Tile(NUM_STAGES=cfg.num_stages, CAUSAL=walk)
+        k96 = K96Tile(NUM_STAGES=cfg.num_stages, CAUSAL=walk, DQ_LAG=cfg.overlap == 1)
         main = (
             fa3_bwd_sm90_k96_kernel,
             (_desc(q, [1, 1, 64, 128]), _desc(q, [1, 1, 64, 64]), _desc(dout, [1, 1, 64, 128]),
