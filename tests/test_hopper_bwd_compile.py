@@ -312,28 +312,34 @@ def test_wide_head_dims_compile(D, DV, variant):
 # triton 3.6, M = N = 1000: three consumer warpgroups at setmaxnreg 160 (warpgroup 0, the default partition, 168),
 # each step loop S 12 + dP 8 + dV^T 8 + dK^T 12 + dQ 6 HGMMA (64x32x16 and 64x64x16), none spilling; outside the
 # loops causal keeps 22 spill instructions (head-level values of the walk, stored before the role dispatch and
-# reloaded once per head), softcap 2.
-K96_SPILLS = {"causal": (22, 40), "softcap": (2, 8)}
+# reloaded once per head), softcap 2. kv96_lag (softcap's default without a mask: each step's dQ in the next step, the
+# last one's after the loop, 18 HGMMA more) keeps head-level values on the stack: noop 44, softcap 65, none in a loop
+# (under a mask_mod it spills in the loop, so masked launches keep the wide kernel).
+K96_SPILLS = {("kv96", "causal"): (22, 40), ("kv96", "softcap"): (2, 8), ("kv96_lag", "noop"): (44, 56),
+              ("kv96_lag", "softcap"): (65, 56)}
+K96_CASES = [("kv96", v) for v in WIDE_VARIANTS] + [("kv96_lag", "noop"), ("kv96_lag", "softcap")]
 
 
-@pytest.mark.parametrize("variant", WIDE_VARIANTS)
-def test_kv96_compile(variant):
+@pytest.mark.parametrize("schedule, variant", K96_CASES)
+def test_kv96_compile(schedule, variant):
     from fa3_inductor.templates.hopper_bwd import get_bwd_config
     from fa3_inductor.templates.hopper_bwd.configs import VARIANTS
 
-    cfg = get_bwd_config(192, 128, **VARIANTS["kv96"])
+    cfg = get_bwd_config(192, 128, **VARIANTS[schedule])
     default = get_bwd_config(192, 128, curved=True, grad_mod=True)
-    assert default.kv96, "softcap without tables takes 96-key tiles"
+    assert default.kv96 and default.overlap == 1, "softcap without a mask takes 96-key tiles, dQ a step late"
     pre, main, convert = _wide_kernels(192, 128, _options(variant, 1000, 1000), config=cfg)
     loops = _step_loops(main)
-    print(f"\nkv96 {variant}: {main.hgmma} HGMMA, {main.spill_instructions} spill instructions, stack {main.stack}, "
-          f"shared {main.shared}, step loops {[len(b) for b in loops]}, registers {[_top_register(b) for b in loops]}")
-    assert main.hgmma == 138 and "HGMMA.64x32x16.F32.BF16" in main.sass, f"{main.hgmma} HGMMA"
+    print(f"\n{schedule} {variant}: {main.hgmma} HGMMA, {main.spill_instructions} spill instructions, stack "
+          f"{main.stack}, shared {main.shared}, step loops {[len(b) for b in loops]}, registers "
+          f"{[_top_register(b) for b in loops]}")
+    assert main.hgmma == (156 if schedule == "kv96_lag" else 138), f"{main.hgmma} HGMMA"
+    assert "HGMMA.64x32x16.F32.BF16" in main.sass
     assert {160, 24} <= main.setmaxnreg, f"setmaxnreg: {main.setmaxnreg}"
     assert len(loops) == 3, f"expected one step loop per consumer warpgroup, got {[len(b) for b in loops]}"
     assert not any("LDL" in t or "STL" in t for body in loops for t in body), "spill in a step loop"
     assert max(_top_register(b) for b in loops) <= 168   # (the default partition, warpgroup 0, gets the rest: 168)
-    max_spills, max_stack = K96_SPILLS.get(variant, (0, 0))
+    max_spills, max_stack = K96_SPILLS.get((schedule, variant), (0, 0))
     assert main.spill_instructions <= max_spills and main.stack <= max_stack, (main.spill_instructions, main.stack)
     assert "UTMAREDG" in main.sass and cfg.smem_bytes(192, value_head_dim=128) <= main.shared <= SMEM_LIMIT
     for r in (pre, convert):

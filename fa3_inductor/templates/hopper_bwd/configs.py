@@ -150,11 +150,12 @@ WIDE_PLAIN_OVERLAP = ((192, 128),)
 # rule written before the run (>= 1.02 in geometric mean, no length below 0.99) held for 192 / 128 causal only.
 WIDE_CAUSAL_PERSISTENT = ((192, 128),)
 
-# Wide pairs whose launches with a score_mod derivative other than 1 and without block-mask tables (none, or the exactly
-# causal walk), dense (not packed), take 96-key tiles (bwd_sm90_k96.py, VARIANTS["kv96"]). H200, softcap's backward
-# over the wide kernel 1.11 / 1.12 / 1.11 at 2k / 4k / 8k (bwd-speed-nvidia-h200-2026-11-30-0607-kv96-softcap; the first
-# run 1.11 / 1.11 / 1.10, -0605-kv96); noop 0.97-1.02 and causal 0.98-1.01 keep the wide kernel. The rule (>= 1.05 at
-# each length) was written before the second run (docs/design/hopper_backward.md, "96-key tiles at 192 / 128").
+# Wide pairs whose launches with a score_mod derivative other than 1 and without a mask, dense (not packed), take 96-key
+# tiles (bwd_sm90_k96.py) with each step's dQ issued in the next step (VARIANTS["kv96_lag"]; with a mask_mod it spills
+# in the step loop: softcap + causal 7, sm90, triton 3.6, and softcap under the causal walk is not measured). H200, softcap's backward: 96-key tiles over the wide kernel 1.11 / 1.12 / 1.11 at 2k / 4k / 8k
+# (bwd-speed-nvidia-h200-2026-11-30-0607-kv96-softcap; the first run 1.11 / 1.11 / 1.10, -0605-kv96), then the late dQ
+# over them 1.04 / 1.05 / 1.06 (-0613-kv96-lag). Each rule was written before its run (docs/design/hopper_backward.md,
+# "96-key tiles at 192 / 128", "dQ a step late in the 96-key kernel"). Noop and causal keep the wide kernel.
 WIDE_CURVED_KV96 = ((192, 128),)
 
 # 160 and 192 (for q, k and v) run the 256 tiles the same way (the wide kernel; a quarter to 0.375 of its work
@@ -244,7 +245,7 @@ def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: b
         (1, 0)
         >>> [get_bwd_config(*pair, masked=True, causal=True).persistent for pair in ((192, 128), (256, 256))]
         [True, False]
-        >>> get_bwd_config(192, 128, curved=True).kv96, get_bwd_config(192, 128, curved=True, packed=True).kv96
+        >>> get_bwd_config(192, 128, curved=True).kv96, get_bwd_config(192, 128, curved=True, masked=True).kv96
         (True, False)
     """
     pair = (head_dim, value_head_dim or head_dim)
@@ -255,9 +256,8 @@ def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: b
             cfg = replace(cfg, overlap=1)
         if causal and tiles in WIDE_CAUSAL_PERSISTENT:
             cfg = replace(cfg, persistent=True)
-        if (grad_mod or curved) and tiles == pair and tiles in WIDE_CURVED_KV96 and (causal or not masked) \
-                and not packed:
-            cfg = replace(cfg, **VARIANTS["kv96"])
+        if (grad_mod or curved) and tiles == pair and tiles in WIDE_CURVED_KV96 and not masked and not packed:
+            cfg = replace(cfg, **VARIANTS["kv96_lag"])
     elif pair[0] != pair[1] or head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"sm90 backward: head dims {pair[0]}/{pair[1]} are not served (it serves "
                          f"{', '.join(f'{d}/{dv}' for d, dv in SUPPORTED_HEAD_DIM_PAIRS)}); use the generic "
