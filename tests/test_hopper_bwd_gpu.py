@@ -210,8 +210,9 @@ def test_wide_variants_match_float64(case, dims, variant):
 # 96-key tiles at 192 / 128 (configs.VARIANTS kv96, bwd_sm90_k96.py: three 32-key warpgroups, dK / dV transposed):
 # ragged noop (N not a multiple of 96), the causal walk (two partial tiles a CTA), softcap, GQA 4:1 with a K/V batch
 # of 1 under causal, GQA without a mod.
-# kv96_lag: each step's dQ issued in the next step (the last one's after the loop, the first one's dropped).
-@pytest.mark.parametrize("variant", ["kv96", "kv96_lag"])
+# kv96_lag: each step's dQ issued in the next step (the last one's after the loop, the first one's dropped);
+# kv96_persistent: 3 CTAs walking lists of tiles (K / V reloaded after each tile, the ring and dS buffers carried on).
+@pytest.mark.parametrize("variant", ["kv96", "kv96_lag", "kv96_persistent"])
 @pytest.mark.parametrize("case", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
 def test_kv96_matches_float64(case, variant):
     from fa3_inductor.templates.hopper_bwd import get_bwd_config
@@ -220,7 +221,8 @@ def test_kv96_matches_float64(case, variant):
     _, score_mod, mask_mod, Z, HQ, HKV, M, N, KZ = case
     torch.manual_seed(11)
     q, k, v, dout = _inputs(Z, HQ, HKV, M, N, 192, KZ, DV=128)
-    _check(q, k, v, dout, score_mod, mask_mod, config=get_bwd_config(192, 128, **VARIANTS[variant]))
+    overrides = dict(VARIANTS[variant], **({"persistent_ctas": 3} if variant == "kv96_persistent" else {}))
+    _check(q, k, v, dout, score_mod, mask_mod, config=get_bwd_config(192, 128, **overrides))
 
 
 def _head_window(b, h, q_idx, kv_idx):

@@ -37,12 +37,13 @@ Barriers (shared memory):
   qdo_ready[s]    (count 1, TMA tx)  ring stage s holds this step's Q and dO        producer -> consumers
   qdo_empty[s]    (count 3)          the three warpgroups' wgmmas reading stage s retired consumers -> producer
   ds_ready[b]     (count 3)          the three dS tiles of buffer b are written      consumers <-> consumers
+  kv_empty        (count 3)          PERSISTENT: every wgmma reading the tile's K, V retired    consumers -> producer
   A warpgroup's P tile is rewritten the next step, after its own dV wgmma retired. A dS tile of buffer b is rewritten
   two steps on, after its warpgroup waited ds_ready of the step between, which the others signal only after their
   dQ wgmmas of this step (the readers of buffer b) retired.
 
-Compile-time parameters: TILE K96Tile; FLAGS as in bwd_sm90.py. No block-mask tables, packed sequences or persistent
-CTAs (those launches take bwd_sm90_wide.py).
+Compile-time parameters: TILE K96Tile; FLAGS as in bwd_sm90.py. No block-mask tables or packed sequences (those
+launches take bwd_sm90_wide.py).
 """
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .bwd_sm90 import DENSE, _acc_layout, _ds, _ds_factor, _frag_reduce_add, _lse_rows, _opaque, _probabilities
+from .bwd_sm90 import (DENSE, _acc_layout, _cta_tiles, _ds, _ds_factor, _frag_reduce_add, _lse_rows, _opaque,
+                       _persistent_tile, _probabilities)
 
 _DENSE = gl.constexpr(DENSE)   # the rows of a dense launch (_lse_rows)
 
@@ -70,6 +72,8 @@ class K96Tile:
     CAUSAL: bool = False   # an exactly causal mask_mod, walked from each tile's diagonal without tables
     DQ_LAG: bool = False   # a step's dQ issued in the next step, under its dP and dV (the warpgroups meet at ds_ready a
                            # step later than they use it)
+    PERSISTENT: bool = False   # #SMs CTAs, each walking a host-made list of (KV tile, K/V head) tiles (bwd_sm90_wide's
+                               # PERSISTENT): the next tile's K and V load while this one's dK and dV are stored
 
     @property
     def BLOCK_M(self) -> int:
@@ -119,16 +123,32 @@ def _walk(n0, M, TILE: gl.constexpr):
 # Producer: one warp issuing TMA.
 # ----------------------------------------------------------------------------------------------
 @gluon.jit
-def _producer(descs, bars, smem, sizes, TILE: gl.constexpr, FLAGS: gl.constexpr):
-    """The three warpgroups' K and V rows, then every query head's steps' Q and dO (the consumers' walk)."""
+def _producer(descs, bars, smem, sizes, cta, TILE: gl.constexpr, FLAGS: gl.constexpr):
+    """The CTA's tile (PERSISTENT: its tiles in turn, each one's K and V once the three warpgroups are done with the
+    last one's, kv_empty)."""
+    N = sizes[4]
+    if TILE.PERSISTENT:
+        first, n_my = _cta_tiles(cta)
+        cnt = first * 0
+        for t in range(n_my):
+            kv_tile, kvh = _persistent_tile(cta, first + t, N, TILE)
+            mbarrier.wait(cta[1], (t & 1) ^ 1)
+            cnt = _producer_tile(kv_tile * TILE.BLOCK_N, kvh, cnt, descs, bars, smem, sizes, TILE, FLAGS)
+    else:
+        n0 = gl.program_id(0) * TILE.BLOCK_N
+        _producer_tile(n0, gl.program_id(1), n0 * 0, descs, bars, smem, sizes, TILE, FLAGS)
+
+
+@gluon.jit
+def _producer_tile(n0, kvh, cnt, descs, bars, smem, sizes, TILE: gl.constexpr, FLAGS: gl.constexpr):
+    """The three warpgroups' K and V rows of keys n0.. of K / V head kvh, then every query head's steps' Q and dO (the
+    consumers' walk), the Q / dO ring from its step cnt on; returns the next cnt."""
     q_lo_desc, q_hi_desc, do_desc, k_lo_desc, k_hi_desc, v_desc, dq_desc = descs
     kv_ready, qdo_ready, qdo_empty, ds_ready = bars
     q_lo_smem, q_hi_smem, do_smem, k_lo_smem, k_hi_smem, v_smem, p_smem, ds_smem, dq_smem = smem
     Z, HQ, KZ, M, N = sizes
     NUM_STAGES: gl.constexpr = TILE.NUM_STAGES
     HKV = HQ // FLAGS.GQA_GROUP
-    n0 = gl.program_id(0) * TILE.BLOCK_N
-    kvh = gl.program_id(1)
     kz = kvh // HKV
     hkv = kvh % HKV
     kv_bytes: gl.constexpr = 3 * (k_lo_desc.block_type.nbytes + k_hi_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -140,7 +160,6 @@ def _producer(descs, bars, smem, sizes, TILE: gl.constexpr, FLAGS: gl.constexpr)
         tma.async_copy_global_to_shared(k_hi_desc, [kz, hkv, row, TILE.LO], kv_ready, k_hi_smem.index(w))
         tma.async_copy_global_to_shared(v_desc, [kz, hkv, row, 0], kv_ready, v_smem.index(w))
     first, partial_end, n_total = _walk(n0, M, TILE)
-    cnt = 0
     for hh in range((Z // KZ) * FLAGS.GQA_GROUP):
         z = kz + (hh // FLAGS.GQA_GROUP) * KZ
         hq = hkv * FLAGS.GQA_GROUP + hh % FLAGS.GQA_GROUP
@@ -153,15 +172,37 @@ def _producer(descs, bars, smem, sizes, TILE: gl.constexpr, FLAGS: gl.constexpr)
             tma.async_copy_global_to_shared(q_hi_desc, [z, hq, m0, TILE.LO], qdo_ready.index(st), q_hi_smem.index(st))
             tma.async_copy_global_to_shared(do_desc, [z, hq, m0, 0], qdo_ready.index(st), do_smem.index(st))
             cnt += 1
+    return cnt
 
 
 # ----------------------------------------------------------------------------------------------
 # Consumers: 32 keys each, dK^T and dV^T of those keys, 64 columns of dQ.
 # ----------------------------------------------------------------------------------------------
 @gluon.jit
-def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr,
+def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, rows, scalars, mod_bufs, cta, SCORE_MOD: gl.constexpr,
               SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, FLAGS: gl.constexpr):
-    """Warpgroup WG: every query head's steps over this CTA's keys, then its keys' dK and dV rows stored."""
+    """Warpgroup WG: the CTA's tile (PERSISTENT: its tiles in turn)."""
+    N = sizes[4]
+    if TILE.PERSISTENT:
+        first, n_my = _cta_tiles(cta)
+        cnt = first * 0
+        for t in range(n_my):
+            kv_tile, kvh = _persistent_tile(cta, first + t, N, TILE)
+            cnt = _consumer_tile(WG, kv_tile * TILE.BLOCK_N, kvh, t & 1, cnt, descs, bars, smem, sizes, rows, scalars,
+                                 mod_bufs, cta, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, FLAGS)
+    else:
+        n0 = gl.program_id(0) * TILE.BLOCK_N
+        _consumer_tile(WG, n0, gl.program_id(1), 0, n0 * 0, descs, bars, smem, sizes, rows, scalars, mod_bufs, cta,
+                       SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, FLAGS)
+    tma.store_wait(0)   # the last reduce-add has read the staging tile before the CTA exits
+
+
+@gluon.jit
+def _consumer_tile(WG: gl.constexpr, n0, kvh, kv_phase, cnt, descs, bars, smem, sizes, rows, scalars, mod_bufs, cta,
+                   SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
+                   FLAGS: gl.constexpr):
+    """Every query head's steps over keys n0.. of K / V head kvh (kv_ready's phase kv_phase; cnt: the CTA's steps so
+    far, for the ring stage and dS buffer), then this warpgroup's keys' dK and dV rows stored; returns the next cnt."""
     q_lo_desc, q_hi_desc, do_desc, k_lo_desc, k_hi_desc, v_desc, dq_desc = descs
     kv_ready, qdo_ready, qdo_empty, ds_ready = bars
     q_lo_smem, q_hi_smem, do_smem, k_lo_smem, k_hi_smem, v_smem, p_smem, ds_smem, dq_smem = smem
@@ -177,8 +218,6 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, rows, scalars, mod_buf
     HEAD_DV: gl.constexpr = TILE.HEAD_DV
     dtype: gl.constexpr = q_lo_desc.dtype
     HKV = HQ // FLAGS.GQA_GROUP
-    n0 = gl.program_id(0) * TILE.BLOCK_N
-    kvh = gl.program_id(1)
     kz = kvh // HKV
     hkv = kvh % HKV
     kv0 = n0 + WG * KEYS_WG   # this warpgroup's first key
@@ -195,8 +234,8 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, rows, scalars, mod_buf
     cols_ = gl.arange(0, KEYS_WG, layout=gl.SliceLayout(0, s_layout))
 
     first, partial_end, n_total = _walk(n0, M, TILE)
-    mbarrier.wait(kv_ready, 0)
-    cnt = n0 * 0
+    mbarrier.wait(kv_ready, kv_phase)
+    cnt0 = cnt
     prev_zh = n0 * 0   # DQ_LAG: the head and first row of the step whose dQ is pending
     prev_m0 = n0 * 0
     for hh in range((Z // KZ) * FLAGS.GQA_GROUP):
@@ -236,7 +275,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, rows, scalars, mod_buf
             gl.thread_barrier()
             if TILE.DQ_LAG:   # the step before's dQ, under this step's dP and dV (its dS buffer: the other one)
                 # step cnt - 1's buffer and phase, from cnt + 1 and cnt + 3 (no negative division; on the CTA's first
-                # step that phase counts as completed, and the chunk, made of unwritten dS, is dropped)
+                # step that phase counts as completed; on a tile's first step the chunk is dropped)
                 prev = cnt + 1
                 mbarrier.wait(ds_ready.index(prev % 2), ((cnt + 3) // 2) & 1)
                 dq_tok = _dq_issue(prev % 2, zero, k_lo_smem, k_hi_smem, ds_smem, dq_zero, WG, TILE)
@@ -246,7 +285,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, rows, scalars, mod_buf
             delta = gl.load(stats_h + M_PAD + m0 + rows_)
             if TILE.DQ_LAG:
                 dq = warpgroup_mma_wait(2, deps=[dq_tok])
-                if cnt > 0:
+                if cnt > cnt0:   # (the tile's first step: no step before it in this tile)
                     tma.store_wait(0)   # the last reduce-add has read the staging tile
                     _frag_reduce_add(dq, dq_smem.index(WG), dq_desc, prev_zh, prev_m0, WG * 64, TILE.HEAD_D)
             dp, _do, _v = warpgroup_mma_wait(1, deps=[dp_tok, do_t, v_w])
@@ -272,16 +311,18 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, rows, scalars, mod_buf
                 tma.store_wait(0)   # the last reduce-add has read the staging tile
                 _frag_reduce_add(dq, dq_smem.index(WG), dq_desc, zh, m0, WG * 64, TILE.HEAD_D)
             cnt += 1
-    if TILE.DQ_LAG:   # the last step's dQ
-        if cnt > 0:
+    if TILE.DQ_LAG:   # the tile's last step's dQ (K is the tile's: before kv_empty)
+        if cnt > cnt0:
             zero = _opaque(0)
             mbarrier.wait(ds_ready.index((cnt + 1) % 2), ((cnt - 1) // 2) & 1)
             dq = warpgroup_mma_wait(0, deps=[_dq_issue((cnt + 1) % 2, zero, k_lo_smem, k_hi_smem, ds_smem, dq_zero,
                                                        WG, TILE)])
             tma.store_wait(0)
             _frag_reduce_add(dq, dq_smem.index(WG), dq_desc, prev_zh, prev_m0, WG * 64, TILE.HEAD_D)
-    tma.store_wait(0)
+    if TILE.PERSISTENT:   # every wgmma reading this tile's K and V has retired (each step ends on a wait of 0)
+        mbarrier.arrive(cta[1], count=1)
     _store_dk_dv(dk_lo, dk_hi, dv_t, kv0, kz, hkv, HKV, N, dk_ptr, dv_ptr, ds_scale, dtype, s_layout, TILE)
+    return cnt
 
 
 @gluon.jit
@@ -324,27 +365,30 @@ def _store_dk_dv(dk_lo, dk_hi, dv_t, kv0, kz, hkv, HKV, N, dk_ptr, dv_ptr, ds_sc
 
 
 @gluon.jit
-def _consumer_wg0(descs, bars, smem, sizes, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr,
+def _consumer_wg0(descs, bars, smem, sizes, rows, scalars, mod_bufs, cta, SCORE_MOD: gl.constexpr,
                   SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, FLAGS: gl.constexpr):
-    _consumer(0, descs, bars, smem, sizes, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, FLAGS)
+    _consumer(0, descs, bars, smem, sizes, rows, scalars, mod_bufs, cta, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE,
+              FLAGS)
 
 
 @gluon.jit
-def _consumer_wg1(descs, bars, smem, sizes, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr,
+def _consumer_wg1(descs, bars, smem, sizes, rows, scalars, mod_bufs, cta, SCORE_MOD: gl.constexpr,
                   SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, FLAGS: gl.constexpr):
-    _consumer(1, descs, bars, smem, sizes, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, FLAGS)
+    _consumer(1, descs, bars, smem, sizes, rows, scalars, mod_bufs, cta, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE,
+              FLAGS)
 
 
 @gluon.jit
-def _consumer_wg2(descs, bars, smem, sizes, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr,
+def _consumer_wg2(descs, bars, smem, sizes, rows, scalars, mod_bufs, cta, SCORE_MOD: gl.constexpr,
                   SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, FLAGS: gl.constexpr):
-    _consumer(2, descs, bars, smem, sizes, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, FLAGS)
+    _consumer(2, descs, bars, smem, sizes, rows, scalars, mod_bufs, cta, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE,
+              FLAGS)
 
 
 @gluon.jit
-def _producer_entry(descs, bars, smem, sizes, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr,
+def _producer_entry(descs, bars, smem, sizes, rows, scalars, mod_bufs, cta, SCORE_MOD: gl.constexpr,
                     SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, FLAGS: gl.constexpr):
-    _producer(descs, bars, smem, sizes, TILE, FLAGS)
+    _producer(descs, bars, smem, sizes, cta, TILE, FLAGS)
 
 
 _RUNTIME_SIZES = ["Z", "KZ", "M", "N", "M_PAD"]
@@ -357,6 +401,7 @@ def fa3_bwd_sm90_k96_kernel(
     score_bufs, mask_bufs,
     Z, HQ, KZ, M, N, M_PAD,
     sm_scale, qk_scale2, ds_scale,
+    cta_args,                # TILE.PERSISTENT: (offsets int32 [#CTAs + 1], tiles int32), host._shape_schedule; ()
     SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
     TILE: gl.constexpr,      # K96Tile
     FLAGS: gl.constexpr,     # bwd_sm90.BwdFlags
@@ -386,6 +431,11 @@ def fa3_bwd_sm90_k96_kernel(
         mbarrier.init(qdo_empty.index(s), count=3)
     for b in gl.static_range(2):
         mbarrier.init(ds_ready.index(b), count=3)
+    if TILE.PERSISTENT:   # the three warpgroups are done with the tile's K and V (the next tile's may load)
+        kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_empty, count=3)
+    else:
+        kv_empty = kv_ready   # (unused)
 
     descs = (q_lo_desc, q_hi_desc, do_desc, k_lo_desc, k_hi_desc, v_desc, dq_desc)
     bars = (kv_ready, qdo_ready, qdo_empty, ds_ready)
@@ -394,13 +444,14 @@ def fa3_bwd_sm90_k96_kernel(
     rows = (stats_ptr, dk_ptr, dv_ptr, M_PAD)
     scalars = (sm_scale, qk_scale2, ds_scale)
     mod_bufs = (score_bufs, mask_bufs)
+    cta = (cta_args, kv_empty)
     gl.warp_specialize([
-        (_consumer_wg0, (descs, bars, smem, sizes, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE,
-                         FLAGS)),
-        (_consumer_wg1, (descs, bars, smem, sizes, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE,
-                         FLAGS)),
-        (_consumer_wg2, (descs, bars, smem, sizes, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE,
-                         FLAGS)),
-        (_producer_entry, (descs, bars, smem, sizes, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE,
-                           FLAGS)),
+        (_consumer_wg0, (descs, bars, smem, sizes, rows, scalars, mod_bufs, cta, SCORE_MOD, SCORE_GRAD, MASK_MOD,
+                         TILE, FLAGS)),
+        (_consumer_wg1, (descs, bars, smem, sizes, rows, scalars, mod_bufs, cta, SCORE_MOD, SCORE_GRAD, MASK_MOD,
+                         TILE, FLAGS)),
+        (_consumer_wg2, (descs, bars, smem, sizes, rows, scalars, mod_bufs, cta, SCORE_MOD, SCORE_GRAD, MASK_MOD,
+                         TILE, FLAGS)),
+        (_producer_entry, (descs, bars, smem, sizes, rows, scalars, mod_bufs, cta, SCORE_MOD, SCORE_GRAD, MASK_MOD,
+                           TILE, FLAGS)),
     ], [4, 4, 1], [FLAGS.CONSUMER_REGS, FLAGS.CONSUMER_REGS, FLAGS.PRODUCER_REGS])

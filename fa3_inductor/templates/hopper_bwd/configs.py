@@ -220,6 +220,8 @@ VARIANTS: dict[str, dict[str, bool]] = {
     "kv96": {"kv96": True, "consumer_regs": 160, "maxnreg": 128, "overlap": 0, "persistent": False},
     # and each step's dQ issued in the next step, under its dP and dV (bwd_sm90_k96's DQ_LAG)
     "kv96_lag": {"kv96": True, "consumer_regs": 160, "maxnreg": 128, "overlap": 1, "persistent": False},
+    # and persistent CTAs walking lists made from the shapes, longest first (the wide kernel's PERSISTENT)
+    "kv96_persistent": {"kv96": True, "consumer_regs": 160, "maxnreg": 128, "overlap": 0, "persistent": True},
 }
 
 

@@ -208,11 +208,11 @@ def _persistent_schedule(q_num_blocks: torch.Tensor, full_q_num_blocks: Optional
 
 
 def _shape_schedule(M: int, n_kv_tiles: int, KZ: int, HKV: int, causal: bool, num_sms: int,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+                    device: torch.device, block_n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """_persistent_schedule's lists for a launch whose tiles' steps follow from the shapes (the wide kernel without
-    block tables: no mask, or BwdSparsity.CAUSAL_WALK, where KV tile j walks the query tiles from its diagonal on):
-    read nothing from the device. The wide kernel's 64-row steps and 64-key tiles; heads in groups of about
-    LPT_GROUP_CTAS tiles, longest first inside a group.
+    block tables: no mask, or BwdSparsity.CAUSAL_WALK, where KV tile j walks the query tiles from its diagonal on; the
+    96-key kernel likewise): read nothing from the device. 64-row steps and ``block_n``-key tiles (the wide kernel's
+    64, bwd_sm90_k96's 96); heads in groups of about LPT_GROUP_CTAS tiles, longest first inside a group.
 
     Example::
 
@@ -221,7 +221,7 @@ def _shape_schedule(M: int, n_kv_tiles: int, KZ: int, HKV: int, causal: bool, nu
         ([0, 3, 6, 8], [0, 2, 3, 4, 6, 7, 1, 5])
     """
     q_tiles = -(-M // 64)
-    steps = [max(q_tiles - j, 0) if causal else q_tiles for j in range(n_kv_tiles)]
+    steps = [max(q_tiles - j * block_n // 64, 0) if causal else q_tiles for j in range(n_kv_tiles)]
     per_group = max(1, LPT_GROUP_CTAS // n_kv_tiles)
     order: list[int] = []
     for g0 in range(0, KZ * HKV, per_group):
@@ -483,10 +483,9 @@ def prepare_hopper_backward(
                 "(dq_tma=True)")
     if cfg.split_dkv != (DT > 128):
         _refuse(f"config {cfg} does not fit head dims {D}/{DV} (split_dkv is for D > 128)")
-    if cfg.kv96 and ((DT, DVT) != (192, 128) or d_in or not cfg.split_dkv or cfg.overlap not in (0, 1)
-                     or cfg.persistent):
-        _refuse(f"config {cfg}: 96-key tiles (kv96) are built for q/k 192 with v 128, one CTA a tile (overlap 1: "
-                "each step's dQ in the next step)")
+    if cfg.kv96 and ((DT, DVT) != (192, 128) or d_in or not cfg.split_dkv or cfg.overlap not in (0, 1)):
+        _refuse(f"config {cfg}: 96-key tiles (kv96) are built for q/k 192 with v 128 (overlap 1: each step's dQ in "
+                "the next step)")
     if cfg.split_dkv and cfg.overlap and (cfg.overlap != 1 or not cfg.p_regs or cfg.num_stages < 2):
         _refuse(f"config {cfg}: the wide-head-dim kernel's cross-step overlap is overlap=1 with p_regs and two Q / dO "
                 "stages (the next step's Q is waited for during this one)")
@@ -556,14 +555,15 @@ def prepare_hopper_backward(
     stats_ahead, p_carry16 = _register_rules(cfg, score_mod, has_mask, DT)
     sched = BwdSchedule(DQ_TMA=cfg.dq_tma, OVERLAP=cfg.overlap, LPT_ORDER=lpt, PERSISTENT=persistent, KV_BUFS=kv_bufs,
                         STATS_AHEAD=stats_ahead, P_REGS=cfg.p_regs, P_CARRY16=p_carry16, DQ_FRAG=dq_frag)
-    grid = (triton.cdiv(N, tile.BLOCK_N), KZ * HKV)
+    block_n = K96Tile().BLOCK_N if cfg.kv96 else tile.BLOCK_N   # keys of a CTA's tile
+    grid = (triton.cdiv(N, block_n), KZ * HKV)
     schedule_args = (q_num_blocks, full_q_num_blocks if has_full else None, Z, KZ, HQ, HKV, grid[0], tile.BLOCK_N,
                      sparse_kv_block)
     num_sms = cfg.persistent_ctas or _num_sms(q.device)
     if persistent or (wide_persistent and tabled):
         cta_args = _persistent_schedule(*schedule_args, num_sms=num_sms)
     elif wide_persistent:
-        cta_args = _shape_schedule(M, grid[0], KZ, HKV, walk, num_sms, q.device)
+        cta_args = _shape_schedule(M, grid[0], KZ, HKV, walk, num_sms, q.device, block_n=block_n)
     else:
         cta_args = (_cta_order(*schedule_args),) if lpt else ()
     if persistent or wide_persistent:
@@ -577,16 +577,16 @@ def prepare_hopper_backward(
         if tabled or not dq_frag:
             _refuse("96-key tiles (kv96) walk no block-mask tables (only an exactly causal mask_mod) and add dQ in "
                     "the fragments' order (dq_frag)")
-        k96 = K96Tile(NUM_STAGES=cfg.num_stages, CAUSAL=walk, DQ_LAG=cfg.overlap == 1)
+        k96 = K96Tile(NUM_STAGES=cfg.num_stages, CAUSAL=walk, DQ_LAG=cfg.overlap == 1, PERSISTENT=wide_persistent)
         main = (
             fa3_bwd_sm90_k96_kernel,
             (_desc(q, [1, 1, 64, 128]), _desc(q, [1, 1, 64, 64]), _desc(dout, [1, 1, 64, 128]),
              _desc(k, [1, 1, 32, 128]), _desc(k, [1, 1, 32, 64]), _desc(v, [1, 1, 32, 128]), _dq_frag_desc(dq_acc),
-             stats, dk, dv, tuple(score_bufs), tuple(mask_bufs), Z, HQ, KZ, M, N, m_pad, *scalars),
+             stats, dk, dv, tuple(score_bufs), tuple(mask_bufs), Z, HQ, KZ, M, N, m_pad, *scalars, cta_args),
             dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod if walk else None, TILE=k96,
                  FLAGS=_flags(cfg, HQ // HKV, fold, N % k96.BLOCK_N == 0, score_mod, score_grad_mod), num_warps=4,
                  maxnreg=cfg.maxnreg),
-            (triton.cdiv(N, k96.BLOCK_N), KZ * HKV))
+            grid)
     elif cfg.split_dkv:
         lo, hi = tile.LO, tile.HI   # D = 256: one Q / K tile (lo = hi = 256), the second descriptor unused
         main = (
