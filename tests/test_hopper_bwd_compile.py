@@ -308,7 +308,8 @@ def test_wide_head_dims_compile(D, DV, variant):
         assert r.spill_instructions == 0 and r.stack == 0
 
 
-# 96-key tiles at 192 / 128 (bwd_sm90_k96.py, configs.VARIANTS kv96; softcap's default, configs.WIDE_CURVED_KV96),
+# 96-key tiles at 192 / 128 (bwd_sm90_k96.py, configs.VARIANTS kv96; kv96_lag is the default of noop and softcap
+# without a mask, configs.WIDE_KV96_LAG),
 # triton 3.6, M = N = 1000: three consumer warpgroups at setmaxnreg 160 (warpgroup 0, the default partition, 168),
 # each step loop S 12 + dP 8 + dV^T 8 + dK^T 12 + dQ 6 HGMMA (64x32x16 and 64x64x16), none spilling; outside the
 # loops causal keeps 22 spill instructions (head-level values of the walk, stored before the role dispatch and

@@ -366,11 +366,13 @@ def test_deterministic_is_refused():
 
 @pytest.mark.parametrize("dims", WIDE_HEAD_DIMS + [(192, 192), (160, 160), (96, 96), (80, 80)], ids=_dims_id)
 def test_head_dims_are_served(dims):
-    """family.py serves 256 and 192 / 128 on sm90 (bwd_sm90_wide.py; 160 and 192 in its 256 tiles), 80 and 96 with
-    bwd_sm90.py's 128 tiles, and the launches name that kernel."""
+    """family.py serves 256 and 192 / 128 on sm90 (bwd_sm90_wide.py; 160 and 192 in its 256 tiles; 192 / 128 without a
+    mod or mask on bwd_sm90_k96.py's 96-key tiles), 80 and 96 with bwd_sm90.py's 128 tiles, and the launches name that
+    kernel."""
     from fa3_inductor.templates.family import BackwardSiteFacts
     from fa3_inductor.templates.hopper_bwd import prepare_hopper_backward
     from fa3_inductor.templates.hopper_bwd.bwd_sm90 import fa3_bwd_sm90_kernel
+    from fa3_inductor.templates.hopper_bwd.bwd_sm90_k96 import fa3_bwd_sm90_k96_kernel
     from fa3_inductor.templates.hopper_bwd.bwd_sm90_wide import fa3_bwd_sm90_wide_kernel
     from fa3_inductor.templates.hopper_bwd.family import HOPPER_BWD
 
@@ -380,7 +382,8 @@ def test_head_dims_are_served(dims):
     q, k, v, dout = _inputs(1, 2, 2, 128, 128, D, DV=DV)
     launches = prepare_hopper_backward(q, k, v, dout, dout, torch.zeros(1, 2, 128, device="cuda"), torch.empty_like(q),
                                        torch.empty_like(k), torch.empty_like(v), sm_scale=D ** -0.5)
-    assert launches[1][0] is (fa3_bwd_sm90_wide_kernel if D > 128 else fa3_bwd_sm90_kernel)
+    wide = fa3_bwd_sm90_k96_kernel if dims == (192, 128) else fa3_bwd_sm90_wide_kernel
+    assert launches[1][0] is (wide if D > 128 else fa3_bwd_sm90_kernel)
 
 
 # (D, DV, the main kernel's bundle that says PERSISTENT): D64 under a block mask (bwd_sm90's SCHED, lists from the

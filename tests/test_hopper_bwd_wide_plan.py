@@ -29,7 +29,7 @@ def test_wide_plan(D, DV, tile_d, tile_dv, stages, dq_bufs):
     from fa3_inductor.templates.hopper_bwd.bwd_sm90_wide import WideTile, fa3_bwd_sm90_wide_kernel
     from fa3_inductor.templates.hopper_bwd.configs import SMEM_LIMIT, get_bwd_config
 
-    pre, main, convert = _plan(D, DV)
+    pre, main, convert = _plan(D, DV, config=get_bwd_config(D, DV))   # (192 / 128 noop's own pick: test_kv96_plan)
     kernel, args, kwargs, grid = main
     assert kernel is fa3_bwd_sm90_wide_kernel
     assert kwargs["TILE"] == WideTile(HEAD_D=tile_d, HEAD_DV=tile_dv, NUM_STAGES=stages,
@@ -108,8 +108,10 @@ def test_wide_dq_fragment_order_plan(D, DV, frag):
     rows of 256 floats, and the convert pass that reads it so); 160 keeps the tiled staging and the plain convert."""
     from fa3_inductor.templates.hopper_bwd.bwd_sm90 import bwd_sm90_dq_convert_frag_kernel, bwd_sm90_dq_convert_kernel
 
+    from fa3_inductor.templates.hopper_bwd.configs import get_bwd_config
+
     M = 1000
-    pre, main, convert = _plan(D, DV, M=M)
+    pre, main, convert = _plan(D, DV, M=M, config=get_bwd_config(D, DV))
     assert main[2]["TILE"].DQ_FRAG == frag
     dq_desc = main[1][6]
     if frag:
@@ -129,8 +131,8 @@ def _wide_curved():
 
 @pytest.mark.parametrize("mask", [None, "causal", "document"])
 def test_kv96_plan(mask):
-    """192 / 128 with softcap and no mask takes 96-key tiles with the late dQ (bwd_sm90_k96.py,
-    configs.WIDE_CURVED_KV96), the wide kernel under a mask (causal or tables); noop keeps the wide kernel."""
+    """192 / 128 without a mod or with softcap, and no mask, takes 96-key tiles with the late dQ (bwd_sm90_k96.py,
+    configs.WIDE_KV96_LAG); the wide kernel under a mask (causal or tables) and with ALiBi."""
     from test_hopper_bwd_compile import _combined_options, _options
 
     from fa3_inductor.templates.hopper_bwd.bwd_sm90_k96 import K96Tile, fa3_bwd_sm90_k96_kernel
@@ -150,7 +152,8 @@ def test_kv96_plan(mask):
     assert grid == (math.ceil(N / 96), 2 * 2) and kwargs["maxnreg"] == 128
     assert (kwargs["FLAGS"].CONSUMER_REGS, kwargs["FLAGS"].EVEN_N) == (160, False)
     assert list(args[6].block_shape) == [1, 16, 256]   # dQ in the fragments' order
-    assert _plan(192, 128, M=M, N=N)[1][0] is fa3_bwd_sm90_wide_kernel
+    assert _plan(192, 128, M=M, N=N)[1][2]["TILE"] == K96Tile(NUM_STAGES=2, DQ_LAG=True)   # noop
+    assert _plan(192, 128, M=M, N=N, **_options("alibi", M, N))[1][0] is fa3_bwd_sm90_wide_kernel
 
 
 def test_wide_overlap_for_plain_launches():
@@ -158,7 +161,9 @@ def test_wide_overlap_for_plain_launches():
     step with softcap, with or without a mask; D256 (one Q / dO stage) never."""
     from test_hopper_bwd_compile import _combined_options, _options
 
-    assert _plan(192, 128)[1][2]["TILE"].OVERLAP
+    from fa3_inductor.templates.hopper_bwd.configs import get_bwd_config
+
+    assert _plan(192, 128, config=get_bwd_config(192, 128))[1][2]["TILE"].OVERLAP   # (the host's pick: test_kv96_plan)
     assert _plan(192, 128, M=1000, N=1000, **_options("causal", 1000, 1000))[1][2]["TILE"].OVERLAP
     assert not _plan(192, 128, **_options("softcap", 1000, 777), config=_wide_curved())[1][2]["TILE"].OVERLAP
     assert not _plan(192, 128, M=1000, N=1000, **_combined_options("softcap+causal", 1000, 1000),

@@ -150,13 +150,16 @@ WIDE_PLAIN_OVERLAP = ((192, 128),)
 # rule written before the run (>= 1.02 in geometric mean, no length below 0.99) held for 192 / 128 causal only.
 WIDE_CAUSAL_PERSISTENT = ((192, 128),)
 
-# Wide pairs whose launches with a score_mod derivative other than 1 and without a mask, dense (not packed), take 96-key
-# tiles (bwd_sm90_k96.py) with each step's dQ issued in the next step (VARIANTS["kv96_lag"]; with a mask_mod it spills
-# in the step loop: softcap + causal 7, sm90, triton 3.6, and softcap under the causal walk is not measured). H200, softcap's backward: 96-key tiles over the wide kernel 1.11 / 1.12 / 1.11 at 2k / 4k / 8k
-# (bwd-speed-nvidia-h200-2026-11-30-0607-kv96-softcap; the first run 1.11 / 1.11 / 1.10, -0605-kv96), then the late dQ
-# over them 1.04 / 1.05 / 1.06 (-0613-kv96-lag). Each rule was written before its run (docs/design/hopper_backward.md,
-# "96-key tiles at 192 / 128", "dQ a step late in the 96-key kernel"). Noop and causal keep the wide kernel.
-WIDE_CURVED_KV96 = ((192, 128),)
+# Wide pairs whose dense launches without a mask and either without a score_mod or with one whose derivative is not 1
+# take 96-key tiles (bwd_sm90_k96.py) with each step's dQ issued in the next step (VARIANTS["kv96_lag"]). H200, backward
+# over the wide kernel at 2k / 4k / 8k: softcap 1.11 / 1.12 / 1.11 with 96-key tiles (bwd-speed-nvidia-h200-2026-11-30-
+# 0607-kv96-softcap; -0605-kv96: 1.11 / 1.11 / 1.10), then the late dQ over them 1.04 / 1.05 / 1.06 (-0613-kv96-lag);
+# noop 1.08 / 1.09 / 1.06 with the late dQ (-0630-kv96-persistent; -0613: 1.08 / 1.09 / 1.05). Each rule was written
+# before its run (docs/design/hopper_backward.md, "96-key tiles at 192 / 128" and the sections after it). Not taken:
+# linear score_mods (ALiBi) and masked launches, where the late dQ spills in the step loop (sm90, triton 3.6: ALiBi
+# 4 / 4 / 1 spill instructions in the three loops, softcap + causal 7 / 6 / 1) and which were not measured; causal
+# (persistent 96-key CTAs 1.017 / 1.020 / 1.022, below the rule's 1.02 mean) and packed sequences (varlen.py).
+WIDE_KV96_LAG = ((192, 128),)
 
 # 160 and 192 (for q, k and v) run the 256 tiles the same way (the wide kernel; a quarter to 0.375 of its work
 # multiplies zeros).
@@ -226,12 +229,13 @@ VARIANTS: dict[str, dict[str, bool]] = {
 
 
 def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: bool = False, masked: bool = False,
-                   curved: bool = False, causal: bool = False, packed: bool = False, **overrides) -> BwdSm90Config:
+                   curved: bool = False, causal: bool = False, packed: bool = False, plain: bool = False,
+                   **overrides) -> BwdSm90Config:
     """The table's tiles for a head dim (q/k ``head_dim``, v ``value_head_dim``, default the same), with optional
     field overrides (tests, sweeps). What the launch has picks the row (host.prepare_hopper_backward says it):
     ``grad_mod``, a score_mod whose derivative is not 1 and no mask_mod; ``masked``, block-mask tables; ``curved``, a
     score_mod whose derivative is not 1, with or without a mask_mod; ``causal``, an exactly causal mask_mod's tables;
-    ``packed``, packed sequences (varlen.py).
+    ``packed``, packed sequences (varlen.py); ``plain``, no score_mod and no mask_mod.
 
     Example::
 
@@ -247,8 +251,9 @@ def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: b
         (1, 0)
         >>> [get_bwd_config(*pair, masked=True, causal=True).persistent for pair in ((192, 128), (256, 256))]
         [True, False]
-        >>> get_bwd_config(192, 128, curved=True).kv96, get_bwd_config(192, 128, curved=True, masked=True).kv96
-        (True, False)
+        >>> [get_bwd_config(192, 128, **t).kv96 for t in ({}, {"plain": True}, {"curved": True},
+        ...                                                 {"curved": True, "masked": True})]
+        [False, True, True, False]
     """
     pair = (head_dim, value_head_dim or head_dim)
     tiles = tile_head_dims(*pair)   # the row of the tiles that serve the pair (80 / 96: 128; 160 / 192: 256)
@@ -258,7 +263,7 @@ def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: b
             cfg = replace(cfg, overlap=1)
         if causal and tiles in WIDE_CAUSAL_PERSISTENT:
             cfg = replace(cfg, persistent=True)
-        if (grad_mod or curved) and tiles == pair and tiles in WIDE_CURVED_KV96 and not masked and not packed:
+        if (grad_mod or curved or plain) and tiles == pair and tiles in WIDE_KV96_LAG and not masked and not packed:
             cfg = replace(cfg, **VARIANTS["kv96_lag"])
     elif pair[0] != pair[1] or head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"sm90 backward: head dims {pair[0]}/{pair[1]} are not served (it serves "
