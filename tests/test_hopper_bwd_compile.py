@@ -308,14 +308,13 @@ def test_wide_head_dims_compile(D, DV, variant):
         assert r.spill_instructions == 0 and r.stack == 0
 
 
-# 96-key tiles at 192 / 128 (bwd_sm90_k96.py, configs.VARIANTS kv96; kv96_lag is the default of noop and softcap
-# without a mask, configs.WIDE_KV96_LAG),
-# triton 3.6, M = N = 1000: three consumer warpgroups at setmaxnreg 160 (warpgroup 0, the default partition, 168),
-# each step loop S 12 + dP 8 + dV^T 8 + dK^T 12 + dQ 6 HGMMA (64x32x16 and 64x64x16), none spilling; outside the
-# loops causal keeps 22 spill instructions (head-level values of the walk, stored before the role dispatch and
-# reloaded once per head), softcap 2. kv96_lag (softcap's default without a mask: each step's dQ in the next step, the
-# last one's after the loop, 18 HGMMA more) keeps head-level values on the stack: noop 44, softcap 65, none in a loop
-# (under a mask_mod it spills in the loop, so masked launches keep the wide kernel).
+# 96-key tiles at 192 / 128 (bwd_sm90_k96.py, configs.VARIANTS kv96), triton 3.6, M = N = 1000: three consumer
+# warpgroups at setmaxnreg 160 (warpgroup 0, the default partition, 168), each step loop S 12 + dP 8 + dV^T 8 + dK^T
+# 12 + dQ 6 HGMMA (64x32x16 and 64x64x16), none spilling; outside the loops causal keeps 22 spill instructions
+# (head-level values of the walk, stored before the role dispatch and reloaded once per head), softcap 2. kv96_lag
+# (the default of noop and softcap without a mask, configs.WIDE_KV96_LAG: each step's dQ in the next step, the last
+# one's after the loop, 18 HGMMA more) keeps head-level values on the stack: noop 44, softcap 65, none in a loop
+# (under a mask_mod or ALiBi it spills in the loop, so those launches keep the wide kernel).
 K96_SPILLS = {("kv96", "causal"): (22, 40), ("kv96", "softcap"): (2, 8), ("kv96_lag", "noop"): (44, 56),
               ("kv96_lag", "softcap"): (65, 56)}
 K96_CASES = [("kv96", v) for v in WIDE_VARIANTS] + [("kv96_lag", "noop"), ("kv96_lag", "softcap")]

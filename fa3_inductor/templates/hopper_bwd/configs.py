@@ -154,7 +154,7 @@ WIDE_CAUSAL_PERSISTENT = ((192, 128),)
 # take 96-key tiles (bwd_sm90_k96.py) with each step's dQ issued in the next step (VARIANTS["kv96_lag"]). H200, backward
 # over the wide kernel at 2k / 4k / 8k: softcap 1.11 / 1.12 / 1.11 with 96-key tiles (bwd-speed-nvidia-h200-2026-11-30-
 # 0607-kv96-softcap; -0605-kv96: 1.11 / 1.11 / 1.10), then the late dQ over them 1.04 / 1.05 / 1.06 (-0613-kv96-lag);
-# noop 1.08 / 1.09 / 1.06 with the late dQ (-0630-kv96-persistent; -0613: 1.08 / 1.09 / 1.05). Each rule was written
+# noop 1.08 / 1.09 / 1.06 with the late dQ (-0618-kv96-persistent; -0613: 1.08 / 1.09 / 1.05). Each rule was written
 # before its run (docs/design/hopper_backward.md, "96-key tiles at 192 / 128" and the sections after it). Not taken:
 # linear score_mods (ALiBi) and masked launches, where the late dQ spills in the step loop (sm90, triton 3.6: ALiBi
 # 4 / 4 / 1 spill instructions in the three loops, softcap + causal 7 / 6 / 1) and which were not measured; causal
