@@ -11,8 +11,6 @@ back, dQ written; docs/design/hopper_backward.md, "The O(N) passes bound the mas
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 
@@ -20,6 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bwd_speed  # noqa: E402  (the shapes, the options, the head start)
+import result_files  # noqa: E402
 
 
 def row(N: int, D: int, DV: int, variant: str, reps: int, head_start_ms: float, tokens: int, heads: int) -> dict:
@@ -61,14 +60,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--heads", type=int, default=16)
     args = ap.parse_args()
-    import triton
 
     rows = [row(N, D, 128 if D == 192 else D, variant, args.reps, args.head_start_ms, args.tokens, args.heads)
             for N in args.seqlens for D in args.head_dims for variant in args.variants]
-    now = datetime.datetime.now(datetime.timezone.utc)
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                date=f"{now:%Y-%m-%d %H:%MZ}", command="python benchmarks/bwd_kernels.py " + " ".join(sys.argv[1:]))
-    name = f"bwd-kernels-{meta['device'].lower().replace(' ', '-')}-{now:%Y-%m-%d-%H%M}"
+    meta, now = result_files.run_meta("benchmarks/bwd_kernels.py")
     lines = [f"# Our fwd+bwd launches on {meta['device']} (bf16)", "",
              f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}; command: `{meta['command']}`. Each "
              f"launch alone, behind a {args.head_start_ms:g} ms GPU sleep, median of {args.reps}.", "",
@@ -78,12 +73,7 @@ def main() -> None:
         d = f"{r['D']}" if r["D"] == r["Dv"] else f"{r['D']}/{r['Dv']}"
         lines.append(f"| {r['N']} | {d} | {r['variant']} | {r['forward_ms']:.3f} | {r['preprocess_ms']:.3f} | "
                      f"{r['main_ms']:.3f} | {r['convert_ms']:.3f} | {r['passes_mb']:.0f} | {r['passes_tbps']:.2f} |")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, name + ".json"), "w") as f:
-        json.dump(dict(meta, rows=rows), f, indent=1)
-    with open(os.path.join(args.out, name + ".md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    result_files.write_result(args.out, "bwd-kernels", meta, now, rows, lines)
 
 
 if __name__ == "__main__":

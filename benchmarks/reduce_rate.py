@@ -22,8 +22,6 @@ sleep, the median of --reps).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 
@@ -37,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fa3_inductor.templates.hopper_bwd.bwd_sm90 import _acc_layout, _dq_fragments, _tma_reduce_add  # noqa: E402
 from fa3_inductor.templates.hopper_bwd.host import _dq_frag_desc  # noqa: E402
 import bwd_speed  # noqa: E402  (the timing)
+import result_files  # noqa: E402
 
 MODES = ("tma", "red", "store", "sm2", "sm4", "sm8")
 # (D, DV) -> keys of the kernel's KV tile
@@ -145,15 +144,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--heads", type=int, default=16)
     args = ap.parse_args()
-    import triton
 
     pairs = [tuple(int(x) for x in p.split("/")) for p in args.pairs]
     rows = [row(D, DV, N, causal, mode, args.reps, args.tokens, args.heads)
             for D, DV in pairs for N in args.seqlens for causal in (False, True) for mode in args.modes]
-    now = datetime.datetime.now(datetime.timezone.utc)
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                date=f"{now:%Y-%m-%d %H:%MZ}", command="python benchmarks/reduce_rate.py " + " ".join(sys.argv[1:]))
-    name = f"reduce-rate-{meta['device'].lower().replace(' ', '-')}-{now:%Y-%m-%d-%H%M}"
+    meta, now = result_files.run_meta("benchmarks/reduce_rate.py")
     lines = [f"# dQ reductions alone on {meta['device']}", "",
              f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}; command: `{meta['command']}`. One "
              f"launch behind a GPU sleep, median of {args.reps}; TB/s = fp32 bytes added / time.", "",
@@ -164,12 +159,7 @@ def main() -> None:
         r = group[0]
         lines.append(f"| {r['N']} | {r['D']}/{r['Dv']} | {'causal' if r['causal'] else 'none'} | {r['kv_tile']} | "
                      f"{r['gb']:.1f} | " + " | ".join(f"{g['ms']:.3f} / {g['tbps']:.2f}" for g in group) + " |")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, name + ".json"), "w") as f:
-        json.dump(dict(meta, rows=rows), f, indent=1)
-    with open(os.path.join(args.out, name + ".md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    result_files.write_result(args.out, "reduce-rate", meta, now, rows, lines)
 
 
 if __name__ == "__main__":

@@ -431,3 +431,20 @@ def test_smoke_fp8_rows(smoke_fp8_run):
     assert pro["bytes"] == pro["bytes_read"] + pro["bytes_written"]
     assert math.isclose(pro["gbps"], pro["bytes"] / (pro["ms"] * 1e-3) / 1e9, rel_tol=1e-9)
     assert _cells(table, "| causal | 64 | 256 | 1×2 | bf16 |")[8] == "fp8"
+
+
+def test_result_files_write_one_pair(tmp_path, capsys):
+    """benchmarks/result_files.write_result (bwd_kernels.py, reduce_rate.py): <prefix>-<device>-<time>.json holds the
+    run's metadata and rows, .md the lines, and the markdown is printed."""
+    import datetime
+
+    spec = importlib.util.spec_from_file_location("result_files", ROOT / "benchmarks" / "result_files.py")
+    result_files = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(result_files)
+    meta = dict(device="NVIDIA H200", torch="2.11", triton="3.6", date="2026-11-30 06:40Z", command="python x.py")
+    now = datetime.datetime(2026, 11, 30, 6, 40, tzinfo=datetime.timezone.utc)
+    name = result_files.write_result(str(tmp_path / "out"), "reduce-rate", meta, now, [{"ms": 1.5}], ["# t", "| a |"])
+    assert name == "reduce-rate-nvidia-h200-2026-11-30-0640"
+    assert json.loads((tmp_path / "out" / f"{name}.json").read_text()) == dict(meta, rows=[{"ms": 1.5}])
+    assert (tmp_path / "out" / f"{name}.md").read_text() == "# t\n| a |\n"
+    assert capsys.readouterr().out.strip().endswith("| a |")
