@@ -2,8 +2,8 @@
 accumulated transposed.
 
 Why (docs/design/hopper_backward.md, "The dQ reductions' rate bounds the wide kernel"): bwd_sm90_wide.py adds a query
-row's dQ once per 64-key tile, and at 192 / 128 those fp32 reductions alone take 85-91% of its main kernel at L2's
-~3.8 TB/s. A CTA of 96 keys adds 2/3 of them. Triton tensors and shared tiles have power-of-two shapes, so the 96 keys
+row's dQ once per 64-key tile, and at 192 / 128 those fp32 reductions alone take 84-91% of its main kernel's time
+(L2 takes them at ~3.8 TB/s at best). A CTA of 96 keys adds 2/3 of them. Triton tensors and shared tiles have power-of-two shapes, so the 96 keys
 are three warpgroups of 32 (FA3's hdim-192 tile has two of 48). A warpgroup's dK and dV rows for its 32 keys would be
 an M = 32 wgmma (wgmma's M is 64): they are accumulated transposed, dK^T = Q^T dS and dV^T = dO^T P, with the head
 dim as M. Same launches, scratch, conventions and mods as bwd_sm90.py (its notation applies; what differs is below).
@@ -18,6 +18,11 @@ Notation (beyond bwd_sm90.py's)
                              step, summed over all three warpgroups' dS (K = 96 keys as three wgmmas of 32)
   CAUSAL                     an exactly causal mask_mod, no tables: a CTA's query tiles start at the one holding its
                              first key; the tiles that meet its 96 keys' diagonal (two) apply the mask
+  DQ_LAG                     step j's dQ issued in step j + 1, after its P and beside its dP and dV (waiting for step
+                             j's ds_ready there); a tile's last dQ after its loop, its first step's chunk dropped.
+                             The default of 192 / 128 without a mask (noop, softcap): configs.WIDE_KV96_LAG
+  PERSISTENT                 min(#SMs, #tiles) CTAs walking host-made lists of (96-key tile, K/V head) tiles,
+                             longest first (host._shape_schedule); kv_empty releases K and V between tiles
 
 Per step (64 query rows x 96 keys), warpgroup w:
 
@@ -40,7 +45,9 @@ Barriers (shared memory):
   kv_empty        (count 3)          PERSISTENT: every wgmma reading the tile's K, V retired    consumers -> producer
   A warpgroup's P tile is rewritten the next step, after its own dV wgmma retired. A dS tile of buffer b is rewritten
   two steps on, after its warpgroup waited ds_ready of the step between, which the others signal only after their
-  dQ wgmmas of this step (the readers of buffer b) retired.
+  dQ wgmmas of this step (the readers of buffer b) retired. With DQ_LAG the same holds a step later: step j's dQ
+  retires in step j + 1 before that step's ds_ready arrive, and buffer b is rewritten in step j + 2 after the wait
+  for step j + 1's ds_ready.
 
 Compile-time parameters: TILE K96Tile; FLAGS as in bwd_sm90.py. No block-mask tables or packed sequences (those
 launches take bwd_sm90_wide.py).

@@ -35,7 +35,8 @@ class BwdSm90Config:
     overlap: int = 0             # cross-step overlap (D <= 128; docs/design/hopper_backward.md, "Cross-step
                                  # overlap"): the next step's S is issued before this step's dK / dQ are drained
                                  # and its exponentials run under them (1: under dK and dQ; 2: under dK only,
-                                 # dQ issued after them: no dQ registers beside S). 0: off
+                                 # dQ issued after them: no dQ registers beside S). 0: off. With kv96, 1 issues
+                                 # each step's dQ in the next step (bwd_sm90_k96's DQ_LAG)
     lpt_order: bool = False      # under a block mask, CTAs launched longest first inside groups of heads (host
                                  # _cta_order; bwd_sm90.py only, D <= 128): a shorter tail for irregular masks
     persistent: bool = False     # under a block mask, #SMs CTAs walking host-made tile lists (longest first), the
