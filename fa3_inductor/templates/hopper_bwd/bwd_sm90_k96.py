@@ -6,7 +6,8 @@ row's dQ once per 64-key tile, and at 192 / 128 those fp32 reductions alone take
 (L2 takes them at ~3.8 TB/s at best). A CTA of 96 keys adds 2/3 of them. Triton tensors and shared tiles have
 power-of-two shapes, so the 96 keys are three warpgroups of 32 (FA3's hdim-192 tile has two of 48). A warpgroup's dK
 and dV rows for its 32 keys would be an M = 32 wgmma (wgmma's M is 64): they are accumulated transposed, dK^T = Q^T dS
-and dV^T = dO^T P, with the head dim as M. Same launches, scratch, conventions and mods as bwd_sm90.py (its notation applies; what differs is below).
+and dV^T = dO^T P, with the head dim as M. Same launches, scratch, conventions and mods as bwd_sm90.py (its notation
+applies; what differs is below).
 
 Notation (beyond bwd_sm90.py's)
 --------
