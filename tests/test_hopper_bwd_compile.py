@@ -277,9 +277,9 @@ def test_wide_head_dims_compile(D, DV, variant):
     from fa3_inductor.templates.hopper_bwd import get_bwd_config
     from fa3_inductor.templates.hopper_bwd.configs import WIDE_PLAIN_OVERLAP
 
-    # (softcap: the wide kernel's row for a curved score_mod, which takes it under block-mask tables; without them
-    # 192 / 128 runs 96-key tiles, test_kv96_compile)
-    pick = get_bwd_config(D, DV, curved=True, masked=True) if variant == "softcap" else None
+    # (192 / 128 without a mask, noop and softcap, runs 96-key tiles, test_kv96_compile: here the wide kernel's rows,
+    # which noop takes with ALiBi and softcap under block-mask tables)
+    pick = {"softcap": get_bwd_config(D, DV, curved=True, masked=True), "noop": get_bwd_config(D, DV)}.get(variant)
     pre, main, convert = _wide_kernels(D, DV, _options(variant, 1000, 1000), config=pick)
     cfg = get_bwd_config(D, DV)
     loops = _step_loops(main)
