@@ -1,6 +1,7 @@
 """The Hopper backward behind the backward-family interface (templates/family.py): sm90 GPUs, float16
 and bfloat16, the (q/k, v) head dims of configs.SUPPORTED_HEAD_DIM_PAIRS (64 / 128 by bwd_sm90.py, 80 / 96 in its
-128 tiles, 192 / 128 and 256 by bwd_sm90_wide.py, 160 / 192 in its 256 tiles); mods in the ``gl`` dialect. dQ is
+128 tiles, 192 / 128 and 256 by bwd_sm90_wide.py, 160 / 192 in its 256 tiles, 192 / 128 without a mask on
+bwd_sm90_k96.py's 96-key tiles); mods in the ``gl`` dialect. dQ is
 summed with fp32 reduce-adds (TMA, in arrival order), so it is not bitwise reproducible: a site that asks for
 deterministic gradients goes to the generic backward; one that needs gradients of captured tensors (not computed
 here yet) to torch's kernel (the generic backward when it is also deterministic)."""
