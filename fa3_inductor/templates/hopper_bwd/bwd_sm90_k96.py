@@ -373,27 +373,6 @@ def _store_dk_dv(dk_lo, dk_hi, dv_t, kv0, kz, hkv, HKV, N, dk_ptr, dv_ptr, ds_sc
 
 
 @gluon.jit
-def _consumer_wg0(descs, bars, smem, sizes, rows, scalars, mod_bufs, cta, SCORE_MOD: gl.constexpr,
-                  SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, FLAGS: gl.constexpr):
-    _consumer(0, descs, bars, smem, sizes, rows, scalars, mod_bufs, cta, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE,
-              FLAGS)
-
-
-@gluon.jit
-def _consumer_wg1(descs, bars, smem, sizes, rows, scalars, mod_bufs, cta, SCORE_MOD: gl.constexpr,
-                  SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, FLAGS: gl.constexpr):
-    _consumer(1, descs, bars, smem, sizes, rows, scalars, mod_bufs, cta, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE,
-              FLAGS)
-
-
-@gluon.jit
-def _consumer_wg2(descs, bars, smem, sizes, rows, scalars, mod_bufs, cta, SCORE_MOD: gl.constexpr,
-                  SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, FLAGS: gl.constexpr):
-    _consumer(2, descs, bars, smem, sizes, rows, scalars, mod_bufs, cta, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE,
-              FLAGS)
-
-
-@gluon.jit
 def _producer_entry(descs, bars, smem, sizes, rows, scalars, mod_bufs, cta, SCORE_MOD: gl.constexpr,
                     SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, FLAGS: gl.constexpr):
     _producer(descs, bars, smem, sizes, cta, TILE, FLAGS)
@@ -454,12 +433,12 @@ def fa3_bwd_sm90_k96_kernel(
     mod_bufs = (score_bufs, mask_bufs)
     cta = (cta_args, kv_empty)
     gl.warp_specialize([
-        (_consumer_wg0, (descs, bars, smem, sizes, rows, scalars, mod_bufs, cta, SCORE_MOD, SCORE_GRAD, MASK_MOD,
-                         TILE, FLAGS)),
-        (_consumer_wg1, (descs, bars, smem, sizes, rows, scalars, mod_bufs, cta, SCORE_MOD, SCORE_GRAD, MASK_MOD,
-                         TILE, FLAGS)),
-        (_consumer_wg2, (descs, bars, smem, sizes, rows, scalars, mod_bufs, cta, SCORE_MOD, SCORE_GRAD, MASK_MOD,
-                         TILE, FLAGS)),
+        (_consumer, (0, descs, bars, smem, sizes, rows, scalars, mod_bufs, cta, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE,
+                     FLAGS)),
+        (_consumer, (1, descs, bars, smem, sizes, rows, scalars, mod_bufs, cta, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE,
+                     FLAGS)),
+        (_consumer, (2, descs, bars, smem, sizes, rows, scalars, mod_bufs, cta, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE,
+                     FLAGS)),
         (_producer_entry, (descs, bars, smem, sizes, rows, scalars, mod_bufs, cta, SCORE_MOD, SCORE_GRAD, MASK_MOD,
                            TILE, FLAGS)),
     ], [4, 4, 1], [FLAGS.CONSUMER_REGS, FLAGS.CONSUMER_REGS, FLAGS.PRODUCER_REGS])
