@@ -58,7 +58,7 @@ class BwdSm90Config:
 
     kv96: bool = False           # 192 / 128: bwd_sm90_k96.py, 96-key CTAs of three 32-key warpgroups, dK / dV
                                  # transposed (2/3 of the wide kernel's dQ reductions); no block-mask tables
-                                 # (an exactly causal mask_mod is walked), packed sequences or persistent CTAs
+                                 # (an exactly causal mask_mod is walked) or packed sequences
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, value_head_dim: int | None = None) -> int:
         """Shared memory of K, V, the Q / dO ring, P, the two dS buffers and the dQ staging tiles (no score_mod),
@@ -187,6 +187,9 @@ def tile_head_dims(head_dim: int, value_head_dim: int | None = None) -> tuple[in
     return pair
 
 
+# The fields every 96-key schedule sets (bwd_sm90_k96.py: three consumer warpgroups, 16 warps at 128 on entry).
+_KV96 = {"kv96": True, "consumer_regs": 160, "maxnreg": 128}
+
 # Named schedules for A/B runs (benchmarks/bwd_speed.py --bwd-variants): field overrides of the table's entry.
 VARIANTS: dict[str, dict[str, bool]] = {
     "default": {},
@@ -221,11 +224,11 @@ VARIANTS: dict[str, dict[str, bool]] = {
     "dq_tiled": {"dq_frag": False},
     # 192 / 128 on 96-key tiles (bwd_sm90_k96.py; docs/design/hopper_backward.md, "96-key tiles at 192 / 128"):
     # three consumer warpgroups at 160 registers (the kernel's entry at 128: 16 warps)
-    "kv96": {"kv96": True, "consumer_regs": 160, "maxnreg": 128, "overlap": 0, "persistent": False},
+    "kv96": {**_KV96, "overlap": 0, "persistent": False},
     # and each step's dQ issued in the next step, under its dP and dV (bwd_sm90_k96's DQ_LAG)
-    "kv96_lag": {"kv96": True, "consumer_regs": 160, "maxnreg": 128, "overlap": 1, "persistent": False},
+    "kv96_lag": {**_KV96, "overlap": 1, "persistent": False},
     # and persistent CTAs walking lists made from the shapes, longest first (the wide kernel's PERSISTENT)
-    "kv96_persistent": {"kv96": True, "consumer_regs": 160, "maxnreg": 128, "overlap": 0, "persistent": True},
+    "kv96_persistent": {**_KV96, "overlap": 0, "persistent": True},
 }
 
 

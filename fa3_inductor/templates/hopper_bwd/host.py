@@ -540,7 +540,8 @@ def prepare_hopper_backward(
                          Q_TILES_PER_BLK=sparse_q_block // tile.BLOCK_M if tabled else 1,
                          SPARSE_KV=sparse_kv_block if tabled else tile.BLOCK_N,
                          CAUSAL_SKIP=wide_masked and not walk and mask_implies_causal(mask_mod), CAUSAL_WALK=walk)
-    flags = _flags(cfg, HQ // HKV, fold, N % tile.BLOCK_N == 0, score_mod, score_grad_mod)
+    block_n = K96Tile().BLOCK_N if cfg.kv96 else tile.BLOCK_N   # keys of a CTA's tile
+    flags = _flags(cfg, HQ // HKV, fold, N % block_n == 0, score_mod, score_grad_mod)
     # CTA schedules for block masks (bwd_sm90.py): longest first, and persistent CTAs walking tile lists (the 64-row
     # step only; under graph capture the persistent lists, which read the tables on the host, give way to the grid
     # order); the wide kernel's persistent CTAs with any mask or none (tables read as bwd_sm90's, or the shapes')
@@ -556,7 +557,6 @@ def prepare_hopper_backward(
     stats_ahead, p_carry16 = _register_rules(cfg, score_mod, has_mask, DT)
     sched = BwdSchedule(DQ_TMA=cfg.dq_tma, OVERLAP=cfg.overlap, LPT_ORDER=lpt, PERSISTENT=persistent, KV_BUFS=kv_bufs,
                         STATS_AHEAD=stats_ahead, P_REGS=cfg.p_regs, P_CARRY16=p_carry16, DQ_FRAG=dq_frag)
-    block_n = K96Tile().BLOCK_N if cfg.kv96 else tile.BLOCK_N   # keys of a CTA's tile
     grid = (triton.cdiv(N, block_n), KZ * HKV)
     schedule_args = (q_num_blocks, full_q_num_blocks if has_full else None, Z, KZ, HQ, HKV, grid[0], tile.BLOCK_N,
                      sparse_kv_block)
@@ -585,8 +585,7 @@ def prepare_hopper_backward(
              _desc(k, [1, 1, 32, 128]), _desc(k, [1, 1, 32, 64]), _desc(v, [1, 1, 32, 128]), _dq_frag_desc(dq_acc),
              stats, dk, dv, tuple(score_bufs), tuple(mask_bufs), Z, HQ, KZ, M, N, m_pad, *scalars, cta_args),
             dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod if walk else None, TILE=k96,
-                 FLAGS=_flags(cfg, HQ // HKV, fold, N % k96.BLOCK_N == 0, score_mod, score_grad_mod), num_warps=4,
-                 maxnreg=cfg.maxnreg),
+                 FLAGS=flags, num_warps=4, maxnreg=cfg.maxnreg),
             grid)
     elif cfg.split_dkv:
         lo, hi = tile.LO, tile.HI   # D = 256: one Q / K tile (lo = hi = 256), the second descriptor unused
