@@ -24,6 +24,8 @@ Notation (beyond bwd_sm90.py's)
                              The default of 192 / 128 without a mask (noop, softcap): configs.WIDE_KV96_LAG
   PERSISTENT                 min(#SMs, #tiles) CTAs walking host-made lists of (96-key tile, K/V head) tiles,
                              longest first (host._shape_schedule); kv_empty releases K and V between tiles
+  DKDV_TMA                   a warpgroup's dK and dV rows go out through its 16 KB dQ staging tile (free after the
+                             tile's last reduce-add) as bf16 [32, 128] / [32, 64] boxes, by TMA stores
 
 Per step (64 query rows x 96 keys), warpgroup w:
 
@@ -82,6 +84,8 @@ class K96Tile:
                            # step later than they use it)
     PERSISTENT: bool = False   # #SMs CTAs, each walking a host-made list of (KV tile, K/V head) tiles (bwd_sm90_wide's
                                # PERSISTENT): the next tile's K and V load while this one's dK and dV are stored
+    DKDV_TMA: bool = False     # dK and dV rows written through the warpgroup's dQ staging tile by TMA stores (else 2-byte
+                               # stores from the transposed accumulators, 80 a thread)
 
     @property
     def BLOCK_M(self) -> int:
@@ -215,7 +219,7 @@ def _consumer_tile(WG: gl.constexpr, n0, kvh, kv_phase, cnt, descs, bars, smem, 
     kv_ready, qdo_ready, qdo_empty, ds_ready = bars
     q_lo_smem, q_hi_smem, do_smem, k_lo_smem, k_hi_smem, v_smem, p_smem, ds_smem, dq_smem = smem
     Z, HQ, KZ, M, N = sizes
-    stats_ptr, dk_ptr, dv_ptr, M_PAD = rows
+    stats_ptr, dk_ptr, dv_ptr, M_PAD, out_descs = rows
     sm_scale, qk_scale2, ds_scale = scalars
     score_bufs, mask_bufs = mod_bufs
     BLOCK_M: gl.constexpr = TILE.BLOCK_M
@@ -329,7 +333,10 @@ def _consumer_tile(WG: gl.constexpr, n0, kvh, kv_phase, cnt, descs, bars, smem, 
             _frag_reduce_add(dq, dq_smem.index(WG), dq_desc, prev_zh, prev_m0, WG * 64, TILE.HEAD_D)
     if TILE.PERSISTENT:   # every wgmma reading this tile's K and V has retired (each step ends on a wait of 0)
         mbarrier.arrive(cta[1], count=1)
-    _store_dk_dv(dk_lo, dk_hi, dv_t, kv0, kz, hkv, HKV, N, dk_ptr, dv_ptr, ds_scale, dtype, s_layout, TILE)
+    if TILE.DKDV_TMA:
+        _store_dk_dv_tma(dk_lo, dk_hi, dv_t, kv0, kz, hkv, out_descs, dq_smem.index(WG), ds_scale, dtype)
+    else:
+        _store_dk_dv(dk_lo, dk_hi, dv_t, kv0, kz, hkv, HKV, N, dk_ptr, dv_ptr, ds_scale, dtype, s_layout, TILE)
     return cnt
 
 
@@ -373,6 +380,29 @@ def _store_dk_dv(dk_lo, dk_hi, dv_t, kv0, kz, hkv, HKV, N, dk_ptr, dv_ptr, ds_sc
 
 
 @gluon.jit
+def _store_dk_dv_tma(dk_lo, dk_hi, dv_t, kv0, kz, hkv, out_descs, stage, ds_scale, dtype: gl.constexpr):
+    """This warpgroup's 32 keys' dK and dV rows through its fp32 dQ staging tile ``stage`` (16 KB: dK's first 128
+    columns and dV, then dK's last 64) and TMA stores (keys past N clipped by the descriptors). dK takes the scale and
+    f's factor here."""
+    dk_lo_desc, dk_hi_desc, dv_desc = out_descs
+    tma.store_wait(0)   # the tile's last reduce-add has read the staging tile
+    pair = stage._reinterpret(dtype, [2] + dk_lo_desc.block_type.shape, dk_lo_desc.layout)
+    pair.index(0).reshape([32, 128]).store(gl.permute((dk_lo * ds_scale).to(dtype), (1, 0)))
+    pair.index(1).reshape([32, 128]).store(gl.permute(dv_t.to(dtype), (1, 0)))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(dk_lo_desc, [kz, hkv, kv0, 0], pair.index(0))
+    tma.async_copy_shared_to_global(dv_desc, [kz, hkv, kv0, 0], pair.index(1))
+    tma.store_wait(0)
+    gl.thread_barrier()
+    hi = stage._reinterpret(dtype, dk_hi_desc.block_type.shape, dk_hi_desc.layout)
+    hi.reshape([32, 64]).store(gl.permute((dk_hi * ds_scale).to(dtype), (1, 0)))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(dk_hi_desc, [kz, hkv, kv0, 128], hi)
+
+
+@gluon.jit
 def _producer_entry(descs, bars, smem, sizes, rows, scalars, mod_bufs, cta, SCORE_MOD: gl.constexpr,
                     SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, FLAGS: gl.constexpr):
     _producer(descs, bars, smem, sizes, cta, TILE, FLAGS)
@@ -385,6 +415,7 @@ _RUNTIME_SIZES = ["Z", "KZ", "M", "N", "M_PAD"]
 def fa3_bwd_sm90_k96_kernel(
     q_lo_desc, q_hi_desc, do_desc, k_lo_desc, k_hi_desc, v_desc, dq_desc,   # K, V by 32-row boxes; dq_desc: DQ_FRAG's
     stats_ptr, dk_ptr, dv_ptr,
+    out_descs,               # TILE.DKDV_TMA: dK by [1, 1, 32, 128] and [1, 1, 32, 64] boxes, dV by [1, 1, 32, 128]; ()
     score_bufs, mask_bufs,
     Z, HQ, KZ, M, N, M_PAD,
     sm_scale, qk_scale2, ds_scale,
@@ -428,7 +459,7 @@ def fa3_bwd_sm90_k96_kernel(
     bars = (kv_ready, qdo_ready, qdo_empty, ds_ready)
     smem = (q_lo_smem, q_hi_smem, do_smem, k_lo_smem, k_hi_smem, v_smem, p_smem, ds_smem, dq_smem)
     sizes = (Z, HQ, KZ, M, N)
-    rows = (stats_ptr, dk_ptr, dv_ptr, M_PAD)
+    rows = (stats_ptr, dk_ptr, dv_ptr, M_PAD, out_descs)
     scalars = (sm_scale, qk_scale2, ds_scale)
     mod_bufs = (score_bufs, mask_bufs)
     cta = (cta_args, kv_empty)

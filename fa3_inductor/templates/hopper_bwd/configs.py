@@ -59,6 +59,8 @@ class BwdSm90Config:
     kv96: bool = False           # 192 / 128: bwd_sm90_k96.py, 96-key CTAs of three 32-key warpgroups, dK / dV
                                  # transposed (2/3 of the wide kernel's dQ reductions); no block-mask tables
                                  # (an exactly causal mask_mod is walked) or packed sequences
+    dkdv_tma: bool = False       # kv96: dK / dV rows stored through the warpgroup's dQ staging tile by TMA (else 2-byte
+                                 # stores from the transposed accumulators)
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, value_head_dim: int | None = None) -> int:
         """Shared memory of K, V, the Q / dO ring, P, the two dS buffers and the dQ staging tiles (no score_mod),
@@ -229,6 +231,10 @@ VARIANTS: dict[str, dict[str, bool]] = {
     "kv96_lag": {**_KV96, "overlap": 1, "persistent": False},
     # and persistent CTAs walking lists made from the shapes, longest first (the wide kernel's PERSISTENT)
     "kv96_persistent": {**_KV96, "overlap": 0, "persistent": True},
+    # each with dK / dV stored through the dQ staging tiles by TMA (bwd_sm90_k96's DKDV_TMA)
+    "kv96_tma": {**_KV96, "overlap": 0, "persistent": False, "dkdv_tma": True},
+    "kv96_lag_tma": {**_KV96, "overlap": 1, "persistent": False, "dkdv_tma": True},
+    "kv96_persistent_tma": {**_KV96, "overlap": 0, "persistent": True, "dkdv_tma": True},
 }
 
 
