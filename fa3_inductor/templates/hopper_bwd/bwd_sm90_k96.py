@@ -415,7 +415,8 @@ _RUNTIME_SIZES = ["Z", "KZ", "M", "N", "M_PAD"]
 def fa3_bwd_sm90_k96_kernel(
     q_lo_desc, q_hi_desc, do_desc, k_lo_desc, k_hi_desc, v_desc, dq_desc,   # K, V by 32-row boxes; dq_desc: DQ_FRAG's
     stats_ptr, dk_ptr, dv_ptr,
-    out_descs,               # TILE.DKDV_TMA: dK by [1, 1, 32, 128] and [1, 1, 32, 64] boxes, dV by [1, 1, 32, 128]; ()
+    dk_lo_desc, dk_hi_desc, dv_desc,   # TILE.DKDV_TMA: dK by [1, 1, 32, 128] and [1, 1, 32, 64] boxes, dV by [1, 1, 32,
+                                       # 128] (top-level arguments: the launcher expands no descriptor in a tuple); None
     score_bufs, mask_bufs,
     Z, HQ, KZ, M, N, M_PAD,
     sm_scale, qk_scale2, ds_scale,
@@ -459,7 +460,7 @@ def fa3_bwd_sm90_k96_kernel(
     bars = (kv_ready, qdo_ready, qdo_empty, ds_ready)
     smem = (q_lo_smem, q_hi_smem, do_smem, k_lo_smem, k_hi_smem, v_smem, p_smem, ds_smem, dq_smem)
     sizes = (Z, HQ, KZ, M, N)
-    rows = (stats_ptr, dk_ptr, dv_ptr, M_PAD, out_descs)
+    rows = (stats_ptr, dk_ptr, dv_ptr, M_PAD, (dk_lo_desc, dk_hi_desc, dv_desc))
     scalars = (sm_scale, qk_scale2, ds_scale)
     mod_bufs = (score_bufs, mask_bufs)
     cta = (cta_args, kv_empty)

@@ -581,12 +581,12 @@ def prepare_hopper_backward(
         k96 = K96Tile(NUM_STAGES=cfg.num_stages, CAUSAL=walk, DQ_LAG=cfg.overlap == 1, PERSISTENT=wide_persistent,
                       DKDV_TMA=cfg.dkdv_tma)
         out_descs = (_desc(dk, [1, 1, 32, 128]), _desc(dk, [1, 1, 32, 64]), _desc(dv, [1, 1, 32, 128])) \
-            if cfg.dkdv_tma else ()
+            if cfg.dkdv_tma else (None, None, None)
         main = (
             fa3_bwd_sm90_k96_kernel,
             (_desc(q, [1, 1, 64, 128]), _desc(q, [1, 1, 64, 64]), _desc(dout, [1, 1, 64, 128]),
              _desc(k, [1, 1, 32, 128]), _desc(k, [1, 1, 32, 64]), _desc(v, [1, 1, 32, 128]), _dq_frag_desc(dq_acc),
-             stats, dk, dv, out_descs, tuple(score_bufs), tuple(mask_bufs), Z, HQ, KZ, M, N, m_pad, *scalars,
+             stats, dk, dv, *out_descs, tuple(score_bufs), tuple(mask_bufs), Z, HQ, KZ, M, N, m_pad, *scalars,
              cta_args),
             dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod if walk else None, TILE=k96,
                  FLAGS=flags, num_warps=4, maxnreg=cfg.maxnreg),
