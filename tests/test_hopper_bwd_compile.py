@@ -277,9 +277,10 @@ def test_wide_head_dims_compile(D, DV, variant):
     from fa3_inductor.templates.hopper_bwd import get_bwd_config
     from fa3_inductor.templates.hopper_bwd.configs import WIDE_PLAIN_OVERLAP
 
-    # (192 / 128 without a mask, noop and softcap, runs 96-key tiles, test_kv96_compile: here the wide kernel's rows,
-    # which noop takes with ALiBi and softcap under block-mask tables)
-    pick = {"softcap": get_bwd_config(D, DV, curved=True, masked=True), "noop": get_bwd_config(D, DV)}.get(variant)
+    # (192 / 128 without a mask, noop and softcap, and causal without a score_mod run 96-key tiles, test_kv96_compile:
+    # here the wide kernel's rows, which noop takes with ALiBi, softcap under block-mask tables, causal with a score_mod)
+    pick = {"softcap": get_bwd_config(D, DV, curved=True, masked=True), "noop": get_bwd_config(D, DV),
+            "causal": get_bwd_config(D, DV, masked=True, causal=True)}.get(variant)
     pre, main, convert = _wide_kernels(D, DV, _options(variant, 1000, 1000), config=pick)
     cfg = get_bwd_config(D, DV)
     loops = _step_loops(main)
@@ -314,10 +315,14 @@ def test_wide_head_dims_compile(D, DV, variant):
 # (head-level values of the walk, stored before the role dispatch and reloaded once per head), softcap 2. kv96_lag
 # (the default of noop and softcap without a mask, configs.WIDE_KV96_LAG: each step's dQ in the next step, the last
 # one's after the loop, 18 HGMMA more) keeps head-level values on the stack: noop 44, softcap 65, none in a loop
-# (under a mask_mod or ALiBi it spills in the loop, so those launches keep the wide kernel).
+# (under a mask_mod or ALiBi it spills in the loop, so those launches keep the wide kernel). kv96_persistent_tma (the
+# default of exactly causal launches without a score_mod, configs.WIDE_CAUSAL_KV96) stores dK / dV through the dQ
+# staging tiles: stmatrix with transpose (STSM.16.MT88.4, 10 a warp) and TMA stores (UTMASTG), 53 spill instructions
+# outside the loops (the persistent walk's head-level values), none in them.
 K96_SPILLS = {("kv96", "causal"): (22, 40), ("kv96", "softcap"): (2, 8), ("kv96_lag", "noop"): (44, 56),
-              ("kv96_lag", "softcap"): (65, 56)}
-K96_CASES = [("kv96", v) for v in WIDE_VARIANTS] + [("kv96_lag", "noop"), ("kv96_lag", "softcap")]
+              ("kv96_lag", "softcap"): (65, 56), ("kv96_persistent_tma", "causal"): (53, 56)}
+K96_CASES = [("kv96", v) for v in WIDE_VARIANTS] + [("kv96_lag", "noop"), ("kv96_lag", "softcap"),
+                                                     ("kv96_persistent_tma", "causal")]
 
 
 @pytest.mark.parametrize("schedule, variant", K96_CASES)
@@ -342,6 +347,11 @@ def test_kv96_compile(schedule, variant):
     max_spills, max_stack = K96_SPILLS.get((schedule, variant), (0, 0))
     assert main.spill_instructions <= max_spills and main.stack <= max_stack, (main.spill_instructions, main.stack)
     assert "UTMAREDG" in main.sass and cfg.smem_bytes(192, value_head_dim=128) <= main.shared <= SMEM_LIMIT
+    epilogue_tma = ("STSM.16.MT88.4" in main.sass, "UTMASTG" in main.sass, "STG.E.U16" in main.sass)
+    assert epilogue_tma == ((True, True, False) if cfg.dkdv_tma else (False, False, True)), epilogue_tma
+    if variant == "causal":
+        assert get_bwd_config(192, 128, masked=True, causal=True, no_score_mod=True) == \
+            get_bwd_config(192, 128, **VARIANTS["kv96_persistent_tma"]), "causal's pick"
     for r in (pre, convert):
         assert r.spill_instructions == 0 and r.stack == 0
 

@@ -213,7 +213,8 @@ def test_wide_variants_match_float64(case, dims, variant):
 # kv96_lag: each step's dQ issued in the next step (the last one's after the loop, the first one's dropped);
 # kv96_persistent: 3 CTAs walking lists of tiles (K / V reloaded after each tile, the ring and dS buffers carried on).
 # _tma: dK / dV stored through the dQ staging tiles by TMA (rows past N clipped by the descriptors).
-@pytest.mark.parametrize("variant", ["kv96", "kv96_lag", "kv96_persistent", "kv96_lag_tma", "kv96_persistent_tma"])
+@pytest.mark.parametrize("variant", ["kv96", "kv96_lag", "kv96_persistent", "kv96_lag_tma", "kv96_persistent_tma",
+                                     "kv96_lag_persistent_tma"])
 @pytest.mark.parametrize("case", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
 def test_kv96_matches_float64(case, variant):
     from fa3_inductor.templates.hopper_bwd import get_bwd_config
@@ -222,7 +223,7 @@ def test_kv96_matches_float64(case, variant):
     _, score_mod, mask_mod, Z, HQ, HKV, M, N, KZ = case
     torch.manual_seed(11)
     q, k, v, dout = _inputs(Z, HQ, HKV, M, N, 192, KZ, DV=128)
-    overrides = dict(VARIANTS[variant], **({"persistent_ctas": 3} if variant.startswith("kv96_persistent") else {}))
+    overrides = dict(VARIANTS[variant], **({"persistent_ctas": 3} if VARIANTS[variant]["persistent"] else {}))
     _check(q, k, v, dout, score_mod, mask_mod, config=get_bwd_config(192, 128, **overrides))
 
 

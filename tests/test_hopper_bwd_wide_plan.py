@@ -132,7 +132,8 @@ def _wide_curved():
 @pytest.mark.parametrize("mask", [None, "causal", "document"])
 def test_kv96_plan(mask):
     """192 / 128 without a mod or with softcap, and no mask, takes 96-key tiles with the late dQ (bwd_sm90_k96.py,
-    configs.WIDE_KV96_LAG); the wide kernel under a mask (causal or tables) and with ALiBi."""
+    configs.WIDE_KV96_LAG); exactly causal without a score_mod persistent 96-key CTAs storing dK / dV by TMA
+    (configs.WIDE_CAUSAL_KV96); the wide kernel under a mask with a score_mod or under tables, and with ALiBi."""
     from test_hopper_bwd_compile import _combined_options, _options
 
     from fa3_inductor.templates.hopper_bwd.bwd_sm90_k96 import K96Tile, fa3_bwd_sm90_k96_kernel
@@ -154,6 +155,10 @@ def test_kv96_plan(mask):
     assert list(args[6].block_shape) == [1, 16, 256]   # dQ in the fragments' order
     assert _plan(192, 128, M=M, N=N)[1][2]["TILE"] == K96Tile(NUM_STAGES=2, DQ_LAG=True)   # noop
     assert _plan(192, 128, M=M, N=N, **_options("alibi", M, N))[1][0] is fa3_bwd_sm90_wide_kernel
+    kernel, args, kwargs, grid = _plan(192, 128, M=M, N=N, **_options("causal", M, N))[1]
+    assert kernel is fa3_bwd_sm90_k96_kernel and kwargs["MASK_MOD"] is not None
+    assert kwargs["TILE"] == K96Tile(NUM_STAGES=2, CAUSAL=True, PERSISTENT=True, DKDV_TMA=True)
+    assert [list(d.block_shape) for d in args[10:13]] == [[1, 1, 32, 128], [1, 1, 32, 64], [1, 1, 32, 128]]
 
 
 def test_wide_overlap_for_plain_launches():
@@ -164,7 +169,8 @@ def test_wide_overlap_for_plain_launches():
     from fa3_inductor.templates.hopper_bwd.configs import get_bwd_config
 
     assert _plan(192, 128, config=get_bwd_config(192, 128))[1][2]["TILE"].OVERLAP   # (the host's pick: test_kv96_plan)
-    assert _plan(192, 128, M=1000, N=1000, **_options("causal", 1000, 1000))[1][2]["TILE"].OVERLAP
+    wide_causal = get_bwd_config(192, 128, masked=True, causal=True)   # (the host's pick: test_kv96_plan)
+    assert _plan(192, 128, M=1000, N=1000, **_options("causal", 1000, 1000), config=wide_causal)[1][2]["TILE"].OVERLAP
     assert not _plan(192, 128, **_options("softcap", 1000, 777), config=_wide_curved())[1][2]["TILE"].OVERLAP
     assert not _plan(192, 128, M=1000, N=1000, **_combined_options("softcap+causal", 1000, 1000),
                      config=_wide_curved())[1][2]["TILE"].OVERLAP
@@ -180,12 +186,15 @@ def test_wide_causal_trim_follows_the_mask_mod():
     keeps q < kv pairs."""
     from test_hopper_bwd_compile import _combined_options, _options
 
+    from fa3_inductor.templates.hopper_bwd.configs import get_bwd_config
+
     def trim(D, DV, options, **extra):
         sparse = _plan(D, DV, M=1000, N=1000, **options, **extra)[1][2]["SPARSE"]
         return sparse.CAUSAL_WALK, sparse.CAUSAL_SKIP, sparse.HAS_BLOCK_MASK
 
     for D, DV in ((192, 128), (256, 256)):
-        assert trim(D, DV, _options("causal", 1000, 1000)) == (True, False, False)
+        causal = {"config": get_bwd_config(D, DV, masked=True, causal=True)}   # (192 / 128's pick: test_kv96_plan)
+        assert trim(D, DV, _options("causal", 1000, 1000), **causal) == (True, False, False)
         softcap_causal = _combined_options("softcap+causal", 1000, 1000)
         wide = {"config": _wide_curved()} if D == 192 else {}   # (without: 96-key tiles, test_kv96_plan)
         assert trim(D, DV, softcap_causal, **wide) == (True, False, False)

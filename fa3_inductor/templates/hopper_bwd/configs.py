@@ -164,6 +164,13 @@ WIDE_CAUSAL_PERSISTENT = ((192, 128),)
 # (persistent 96-key CTAs 1.017 / 1.020 / 1.022, below the rule's 1.02 mean) and packed sequences (varlen.py).
 WIDE_KV96_LAG = ((192, 128),)
 
+# Wide pairs whose exactly causal launches without a score_mod take persistent 96-key CTAs with dK / dV stored by TMA
+# (VARIANTS["kv96_persistent_tma"]). H200, backward over the wide kernel's persistent walk at 2k / 4k / 8k: 1.07 /
+# 1.06 / 1.05 (bwd-speed-nvidia-h200-2026-11-30-0756-kv96-tma; fwd+bwd 0.95 / 0.96 / 0.94x cuDNN). The rule written
+# before the run (>= 1.03 at each length) held. The same epilogue on the no-mask default (kv96_lag) did not: 1.01 /
+# 1.00 / 0.99 (docs/design/hopper_backward.md, "What a 96-key CTA costs beside its steps").
+WIDE_CAUSAL_KV96 = ((192, 128),)
+
 # 160 and 192 (for q, k and v) run the 256 tiles the same way (the wide kernel; a quarter to 0.375 of its work
 # multiplies zeros).
 PADDED_WIDE_PAIRS: dict[tuple[int, int], tuple[int, int]] = {(160, 160): (256, 256), (192, 192): (256, 256)}
@@ -235,17 +242,20 @@ VARIANTS: dict[str, dict[str, bool]] = {
     "kv96_tma": {**_KV96, "overlap": 0, "persistent": False, "dkdv_tma": True},
     "kv96_lag_tma": {**_KV96, "overlap": 1, "persistent": False, "dkdv_tma": True},
     "kv96_persistent_tma": {**_KV96, "overlap": 0, "persistent": True, "dkdv_tma": True},
+    # and the three together (under causal it reloads ten loop-invariant values a step: 10 / 10 / 4 LDL in the loops)
+    "kv96_lag_persistent_tma": {**_KV96, "overlap": 1, "persistent": True, "dkdv_tma": True},
 }
 
 
 def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: bool = False, masked: bool = False,
                    curved: bool = False, causal: bool = False, packed: bool = False, plain: bool = False,
-                   **overrides) -> BwdSm90Config:
+                   no_score_mod: bool = False, **overrides) -> BwdSm90Config:
     """The table's tiles for a head dim (q/k ``head_dim``, v ``value_head_dim``, default the same), with optional
     field overrides (tests, sweeps). What the launch has picks the row (host.prepare_hopper_backward says it):
     ``grad_mod``, a score_mod whose derivative is not 1 and no mask_mod; ``masked``, block-mask tables; ``curved``, a
     score_mod whose derivative is not 1, with or without a mask_mod; ``causal``, an exactly causal mask_mod's tables;
-    ``packed``, packed sequences (varlen.py); ``plain``, no score_mod and no mask_mod.
+    ``packed``, packed sequences (varlen.py); ``plain``, no score_mod and no mask_mod; ``no_score_mod``, no score_mod
+    (with or without a mask).
 
     Example::
 
@@ -264,6 +274,8 @@ def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: b
         >>> [get_bwd_config(192, 128, **t).kv96 for t in ({}, {"plain": True}, {"curved": True},
         ...                                                 {"curved": True, "masked": True})]
         [False, True, True, False]
+        >>> get_bwd_config(192, 128, masked=True, causal=True, no_score_mod=True).dkdv_tma
+        True
     """
     pair = (head_dim, value_head_dim or head_dim)
     tiles = tile_head_dims(*pair)   # the row of the tiles that serve the pair (80 / 96: 128; 160 / 192: 256)
@@ -275,6 +287,8 @@ def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: b
             cfg = replace(cfg, persistent=True)
         if (grad_mod or curved or plain) and tiles == pair and tiles in WIDE_KV96_LAG and not masked and not packed:
             cfg = replace(cfg, **VARIANTS["kv96_lag"])
+        if causal and no_score_mod and tiles == pair and tiles in WIDE_CAUSAL_KV96 and not packed:
+            cfg = replace(cfg, **VARIANTS["kv96_persistent_tma"])
     elif pair[0] != pair[1] or head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"sm90 backward: head dims {pair[0]}/{pair[1]} are not served (it serves "
                          f"{', '.join(f'{d}/{dv}' for d, dv in SUPPORTED_HEAD_DIM_PAIRS)}); use the generic "

@@ -319,17 +319,18 @@ def launch_traits(score_mod: Any, score_grad_mod: Any, mask_mod: Any, has_mask: 
     derivative is not 1 without a mask_mod (one compiled in spills at the wider overlap: docs/design/hopper_backward.md,
     "Cross-step overlap"); ``masked``, block-mask tables; ``curved``, a score_mod derivative other than 1, masked or
     not (the wide kernel's overlap loses with it); ``causal``, block-mask tables of an exactly causal mask_mod (the wide
-    kernel walks them without the tables); ``plain``, no score_mod, mask_mod or block mask (192 / 128: 96-key tiles).
+    kernel walks them without the tables); ``plain``, no score_mod, mask_mod or block mask (192 / 128: 96-key tiles);
+    ``no_score_mod``, no score_mod (192 / 128 causal: 96-key tiles).
 
     Example::
 
         >>> launch_traits(None, None, None, has_mask=True)
-        {'grad_mod': False, 'masked': True, 'curved': False, 'causal': False, 'plain': False}
+        {'grad_mod': False, 'masked': True, 'curved': False, 'causal': False, 'plain': False, 'no_score_mod': True}
     """
     curved = _curved(score_grad_mod)
     return dict(grad_mod=curved and mask_mod is None, masked=has_mask, curved=curved,
                 causal=has_mask and is_causal_mask_mod(mask_mod),
-                plain=score_mod is None and mask_mod is None and not has_mask)
+                plain=score_mod is None and mask_mod is None and not has_mask, no_score_mod=score_mod is None)
 
 
 def _curved(score_grad_mod: Any) -> bool:
