@@ -132,7 +132,7 @@ def _wide_curved():
 @pytest.mark.parametrize("mask", [None, "causal", "document"])
 def test_kv96_plan(mask):
     """192 / 128 without a mod or with softcap, and no mask, takes 96-key tiles with the late dQ (bwd_sm90_k96.py,
-    configs.WIDE_KV96_LAG); exactly causal without a score_mod persistent 96-key CTAs storing dK / dV by TMA
+    configs.WIDE_KV96_LAG; without a mod on persistent CTAs storing dK / dV by TMA); exactly causal without a score_mod persistent 96-key CTAs storing dK / dV by TMA
     (configs.WIDE_CAUSAL_KV96); the wide kernel under a mask with a score_mod or under tables, and with ALiBi."""
     from test_hopper_bwd_compile import _combined_options, _options
 
@@ -153,7 +153,9 @@ def test_kv96_plan(mask):
     assert grid == (math.ceil(N / 96), 2 * 2) and kwargs["maxnreg"] == 128
     assert (kwargs["FLAGS"].CONSUMER_REGS, kwargs["FLAGS"].EVEN_N) == (160, False)
     assert list(args[6].block_shape) == [1, 16, 256]   # dQ in the fragments' order
-    assert _plan(192, 128, M=M, N=N)[1][2]["TILE"] == K96Tile(NUM_STAGES=2, DQ_LAG=True)   # noop
+    noop = _plan(192, 128, M=M, N=N)[1]   # persistent CTAs, dK / dV by TMA (configs.WIDE_PLAIN_KV96_PERSISTENT)
+    assert noop[2]["TILE"] == K96Tile(NUM_STAGES=2, DQ_LAG=True, PERSISTENT=True, DKDV_TMA=True)
+    assert len(noop[3]) == 1 and sorted(noop[1][-1][1].tolist()) == list(range(math.ceil(N / 96) * 2 * 2))
     assert _plan(192, 128, M=M, N=N, **_options("alibi", M, N))[1][0] is fa3_bwd_sm90_wide_kernel
     kernel, args, kwargs, grid = _plan(192, 128, M=M, N=N, **_options("causal", M, N))[1]
     assert kernel is fa3_bwd_sm90_k96_kernel and kwargs["MASK_MOD"] is not None
@@ -229,13 +231,15 @@ def test_wide_persistent_plan(mask):
 
 
 def test_wide_causal_default_is_persistent():
-    """The table's rule (configs.WIDE_CAUSAL_PERSISTENT): an exactly causal launch at 192 / 128 takes persistent CTAs
-    by default, at 256 the grid; other masks and no mask keep the grid at both pairs."""
+    """The tables' rules (configs.WIDE_CAUSAL_PERSISTENT, WIDE_CAUSAL_KV96, WIDE_PLAIN_KV96_PERSISTENT): an exactly
+    causal launch at 192 / 128 takes persistent CTAs by default (96-key ones without a score_mod), and so does no mask
+    (96-key); at 256 the grid; other masks keep the grid at both pairs."""
     from test_hopper_bwd_compile import _options
 
     M = N = 1000
     for pair, mask, persistent in (((192, 128), "causal", True), ((256, 256), "causal", False),
-                                   ((192, 128), "document", False), ((192, 128), None, False)):
+                                   ((192, 128), "document", False), ((192, 128), None, True),
+                                   ((256, 256), None, False)):
         options = _options(mask, M, N) if mask else {}
         main = _plan(*pair, M=M, N=N, **options)[1]
         assert main[2]["TILE"].PERSISTENT == persistent, (pair, mask)

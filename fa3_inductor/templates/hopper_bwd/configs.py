@@ -171,6 +171,13 @@ WIDE_KV96_LAG = ((192, 128),)
 # 1.00 / 0.99 (docs/design/hopper_backward.md, "What a 96-key CTA costs beside its steps").
 WIDE_CAUSAL_KV96 = ((192, 128),)
 
+# Wide pairs whose launches without a score_mod or a mask take the late dQ on persistent 96-key CTAs with dK / dV stored
+# by TMA (VARIANTS["kv96_lag_persistent_tma"]). H200, backward over kv96_lag at 2k / 4k / 8k: 1.023 / 1.021 / 1.023
+# (bwd-speed-nvidia-h200-2026-11-30-0802-kv96-lag-persistent; the rule written before the run: >= 1.02 at each length).
+# Not taken: softcap (3 / 2 / 0 spill instructions in its step loops, unmeasured), causal (0.97 / 1.00 / 1.02 of
+# kv96_persistent_tma in the same run).
+WIDE_PLAIN_KV96_PERSISTENT = ((192, 128),)
+
 # 160 and 192 (for q, k and v) run the 256 tiles the same way (the wide kernel; a quarter to 0.375 of its work
 # multiplies zeros).
 PADDED_WIDE_PAIRS: dict[tuple[int, int], tuple[int, int]] = {(160, 160): (256, 256), (192, 192): (256, 256)}
@@ -276,6 +283,8 @@ def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: b
         [False, True, True, False]
         >>> get_bwd_config(192, 128, masked=True, causal=True, no_score_mod=True).dkdv_tma
         True
+        >>> [get_bwd_config(192, 128, **t).persistent for t in ({"plain": True}, {"curved": True})]
+        [True, False]
     """
     pair = (head_dim, value_head_dim or head_dim)
     tiles = tile_head_dims(*pair)   # the row of the tiles that serve the pair (80 / 96: 128; 160 / 192: 256)
@@ -287,6 +296,8 @@ def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: b
             cfg = replace(cfg, persistent=True)
         if (grad_mod or curved or plain) and tiles == pair and tiles in WIDE_KV96_LAG and not masked and not packed:
             cfg = replace(cfg, **VARIANTS["kv96_lag"])
+        if plain and tiles == pair and tiles in WIDE_PLAIN_KV96_PERSISTENT and not packed:
+            cfg = replace(cfg, **VARIANTS["kv96_lag_persistent_tma"])
         if causal and no_score_mod and tiles == pair and tiles in WIDE_CAUSAL_KV96 and not packed:
             cfg = replace(cfg, **VARIANTS["kv96_persistent_tma"])
     elif pair[0] != pair[1] or head_dim not in SUPPORTED_HEAD_DIMS:
