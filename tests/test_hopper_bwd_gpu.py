@@ -164,7 +164,8 @@ ONE_HEAD_DIM = {
 }
 
 
-@pytest.mark.parametrize("variant", ["atomic_dq", "overlap", "overlap_dk", "stages3", "m128", "p_smem", "dq_tiled"])
+@pytest.mark.parametrize("variant", ["atomic_dq", "overlap", "overlap_dk", "stages3", "m128", "p_smem", "dq_tiled",
+                                     "dkdv_tma"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("case", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
 def test_schedule_variants_match_float64(case, D, variant):
@@ -243,9 +244,9 @@ MASK_SCHEDULE_CASES = [
 # Schedules per head dim: lpt_order / persistent on the head dim's step (D128: the overlap under dK); at D128 also on
 # the in-order step (_serial) and on the overlap under dK and dQ ('+overlap': configs.VARIANTS entries merged). At D64
 # the _serial names are the same kernels.
-MASK_SCHEDULES = {64: ("lpt_order", "persistent", "persistent+p_smem"),
+MASK_SCHEDULES = {64: ("lpt_order", "persistent", "persistent+p_smem", "persistent+dkdv_tma"),
                   128: ("lpt_order", "persistent", "lpt_order_serial", "persistent_serial", "lpt_order+overlap",
-                        "persistent+overlap", "persistent+p_smem")}
+                        "persistent+overlap", "persistent+p_smem", "persistent+dkdv_tma")}
 MASK_SCHEDULE_PARAMS = [pytest.param(case, D, schedule, id=f"{case[0]}-{D}-{schedule.replace('+', '-')}")
                         for case in MASK_SCHEDULE_CASES for D in case[-1] for schedule in MASK_SCHEDULES[D]]
 

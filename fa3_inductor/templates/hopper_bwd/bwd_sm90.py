@@ -208,6 +208,8 @@ class BwdSchedule:
                               # load under this tile's last steps; 1: under its dK / dV stores)
     DQ_FRAG: bool = False     # DQ_TMA: dQ staged and added in the wgmma fragments' order (bwd_sm90_wide.py's
                               # WideTile.DQ_FRAG: DQ_ACC's 64 x 64 blocks permuted, 16-byte conflict-free stores)
+    DKDV_TMA: bool = False    # DQ_TMA, dense, D_MEM = HEAD_D: dK then dV written through the warpgroup's 16 KB dQ
+                              # staging tile and TMA-stored (else gl.store from the accumulators, 4-byte pairs)
 
 
 @gluon.jit
@@ -504,6 +506,29 @@ def _store_dkdv(dk, dv, out_rows, out_cols, dk_ptr, dv_ptr, kz, hkv, HKV, N, k_r
 
 
 @gluon.jit
+def _store_dkdv_tma(dk, dv, stage, out_descs, kz, hkv, row0, ds_scale):
+    """dK (times ds_scale), then dV, of this warpgroup's keys row0.. through its fp32 dQ staging tile ``stage`` (16 KB,
+    free once its last reduce-add has read it: one [64, D] bf16 tile at a time) and TMA stores; rows past N are
+    clipped by the descriptors ([KZ, HKV, N, D] by [1, 1, 64, D] boxes)."""
+    dk_desc, dv_desc = out_descs
+    dtype: gl.constexpr = dk_desc.dtype
+    rows: gl.constexpr = dk_desc.block_type.shape[2]
+    cols: gl.constexpr = dk_desc.block_type.shape[3]
+    tile = stage._reinterpret(dtype, dk_desc.block_type.shape, dk_desc.layout)
+    tma.store_wait(0)   # the last dQ reduce-add has read the staging tile
+    tile.reshape([rows, cols]).store((dk * ds_scale).to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(dk_desc, [kz, hkv, row0, 0], tile)
+    tma.store_wait(0)
+    gl.thread_barrier()
+    tile.reshape([rows, cols]).store(dv.to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(dv_desc, [kz, hkv, row0, 0], tile)
+
+
+@gluon.jit
 def _opaque(x):
     """x, through an asm LLVM cannot see into or move out of the loop: what is derived from it is computed where
     it is used instead of hoisted and held in registers across the loop (ptxas sees a plain mov, so the derived
@@ -573,7 +598,8 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
     kv_ready, qdo_ready, qdo_empty, ds_ready = bars
     q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem = smem
     Z, HQ, KZ, M, N = sizes
-    stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD, pack = rows   # STATS, DQ_ACC, dK, dV, PACK.VARLEN's offsets
+    stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD, pack, out_descs = rows   # STATS, DQ_ACC, dK, dV, PACK.VARLEN's
+                                                                            # offsets, DKDV_TMA's descriptors
     sm_scale, qk_scale2, ds_scale = scalars
     score_bufs, mask_bufs = mod_bufs
     BLOCK_M: gl.constexpr = TILE.BLOCK_M
@@ -722,7 +748,10 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
     # dK, dV: one store per output tile (rows past N clipped); dK takes the scale and f's factor here.
     out_rows = n0 + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, d_layout))[:, None]
     out_cols = gl.arange(0, D, layout=gl.SliceLayout(0, d_layout))[None, :]
-    _store_dkdv(dk, dv, out_rows, out_cols, dk_ptr, dv_ptr, kz, hkv, HKV, N, k_row0, ds_scale, TILE, PACK)
+    if SCHED.DKDV_TMA:
+        _store_dkdv_tma(dk, dv, dq_smem.index(WG), out_descs, kz, hkv, n0 + WG * HALF_N, ds_scale)
+    else:
+        _store_dkdv(dk, dv, out_rows, out_cols, dk_ptr, dv_ptr, kz, hkv, HKV, N, k_row0, ds_scale, TILE, PACK)
     return cnt
 
 
@@ -879,7 +908,7 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
     kv_ready, qdo_ready, qdo_empty, ds_ready = bars
     q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem = smem
     Z, HQ, KZ, M, N = sizes
-    stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD, pack = rows
+    stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD, pack, out_descs = rows
     sm_scale, qk_scale2, ds_scale = scalars
     score_bufs, mask_bufs = mod_bufs
     BLOCK_M: gl.constexpr = TILE.BLOCK_M
@@ -1050,7 +1079,10 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
     else:
         out_rows = n0 + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, d_layout))[:, None]
         out_cols = gl.arange(0, D, layout=gl.SliceLayout(0, d_layout))[None, :]
-    _store_dkdv(dk, dv, out_rows, out_cols, dk_ptr, dv_ptr, kz, hkv, HKV, N, k_row0, ds_scale, TILE, PACK)
+    if SCHED.DKDV_TMA:
+        _store_dkdv_tma(dk, dv, dq_smem.index(WG), out_descs, kz, hkv, n0 + WG * HALF_N, ds_scale)
+    else:
+        _store_dkdv(dk, dv, out_rows, out_cols, dk_ptr, dv_ptr, kz, hkv, HKV, N, k_row0, ds_scale, TILE, PACK)
     return cnt
 
 
@@ -1088,6 +1120,7 @@ _RUNTIME_SIZES = ["Z", "KZ", "M", "N", "M_PAD", "NUM_KV_BLKS", "NUM_Q_BLKS"]
 def fa3_bwd_sm90_kernel(
     q_desc, do_desc, k_desc, v_desc, dq_desc,       # dq_desc: DQ_ACC [Z * HQ, M_PAD, D] with SCHED.DQ_TMA, else None
     stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr,
+    dk_desc, dv_desc,        # SCHED.DKDV_TMA: dK, dV [KZ, HKV, N, D] by [1, 1, 64, D] boxes; else None
     qnb_ptr, qidx_ptr, fqnb_ptr, fqidx_ptr,
     score_bufs, mask_bufs,
     Z, HQ, KZ, M, N, M_PAD, SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS,
@@ -1152,7 +1185,7 @@ def fa3_bwd_sm90_kernel(
     sizes = (Z, HQ, KZ, M, N)
     tables = (qnb_ptr, qidx_ptr, fqnb_ptr, fqidx_ptr)
     table_meta = (SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS)
-    rows = (stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD, pack_args)
+    rows = (stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD, pack_args, (dk_desc, dv_desc))
     scalars = (sm_scale, qk_scale2, ds_scale)
     mod_bufs = (score_bufs, mask_bufs)
     # every role gets the same arguments (the producer's entry drops what it does not read)

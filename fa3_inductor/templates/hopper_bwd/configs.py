@@ -59,8 +59,8 @@ class BwdSm90Config:
     kv96: bool = False           # 192 / 128: bwd_sm90_k96.py, 96-key CTAs of three 32-key warpgroups, dK / dV
                                  # transposed (2/3 of the wide kernel's dQ reductions); no block-mask tables
                                  # (an exactly causal mask_mod is walked) or packed sequences
-    dkdv_tma: bool = False       # kv96: dK / dV rows stored through the warpgroup's dQ staging tile by TMA (else 2-byte
-                                 # stores from the transposed accumulators)
+    dkdv_tma: bool = False       # dK / dV stored through the warpgroups' dQ staging tiles by TMA (kv96; bwd_sm90.py at
+                                 # D = 64 / 128 with dq_tma, dense), else stored from the accumulators' registers
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, value_head_dim: int | None = None) -> int:
         """Shared memory of K, V, the Q / dO ring, P, the two dS buffers and the dQ staging tiles (no score_mod),
@@ -251,6 +251,8 @@ VARIANTS: dict[str, dict[str, bool]] = {
     "kv96_persistent_tma": {**_KV96, "overlap": 0, "persistent": True, "dkdv_tma": True},
     # and the three together (under causal it reloads ten loop-invariant values a step: 10 / 10 / 4 LDL in the loops)
     "kv96_lag_persistent_tma": {**_KV96, "overlap": 1, "persistent": True, "dkdv_tma": True},
+    # D64 / D128 (bwd_sm90.py): dK / dV through the dQ staging tiles by TMA
+    "dkdv_tma": {"dkdv_tma": True},
 }
 
 

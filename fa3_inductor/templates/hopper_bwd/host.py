@@ -556,8 +556,11 @@ def prepare_hopper_backward(
     smem = cfg.smem_bytes(DT) + (2 * 64 * 64 * q.element_size() if score_grad_mod is not None else 0)
     kv_bufs = 2 if persistent and smem + 2 * tile.BLOCK_N * DT * q.element_size() + 1024 <= SMEM_LIMIT else 1
     stats_ahead, p_carry16 = _register_rules(cfg, score_mod, has_mask, DT)
+    # dK / dV by TMA through the dQ staging tiles: they exist (DQ_TMA) and hold a [64, D] bf16 tile (D = 64, 128)
+    dkdv_tma = cfg.dkdv_tma and cfg.dq_tma and D == DT and DT in (64, 128)
     sched = BwdSchedule(DQ_TMA=cfg.dq_tma, OVERLAP=cfg.overlap, LPT_ORDER=lpt, PERSISTENT=persistent, KV_BUFS=kv_bufs,
-                        STATS_AHEAD=stats_ahead, P_REGS=cfg.p_regs, P_CARRY16=p_carry16, DQ_FRAG=dq_frag)
+                        STATS_AHEAD=stats_ahead, P_REGS=cfg.p_regs, P_CARRY16=p_carry16, DQ_FRAG=dq_frag,
+                        DKDV_TMA=dkdv_tma)
     grid = (triton.cdiv(N, block_n), KZ * HKV)
     schedule_args = (q_num_blocks, full_q_num_blocks if has_full else None, Z, KZ, HQ, HKV, grid[0], tile.BLOCK_N,
                      sparse_kv_block)
@@ -624,7 +627,9 @@ def prepare_hopper_backward(
             (_desc(q, [1, 1, tile.BLOCK_M, DT]), _desc(dout, [1, 1, tile.BLOCK_M, DT]),
              _desc(k, [1, 1, tile.BLOCK_N, DT]), _desc(v, [1, 1, tile.BLOCK_N, DT]),
              (_dq_frag_desc(dq_acc) if dq_frag else _dq_acc_desc(dq_acc, tile)) if cfg.dq_tma else None,
-             stats, dq_acc, dk, dv, *tables, tuple(score_bufs), tuple(mask_bufs),
+             stats, dq_acc, dk, dv,
+             *((_desc(dk, [1, 1, 64, D]), _desc(dv, [1, 1, 64, D])) if dkdv_tma else (None, None)),
+             *tables, tuple(score_bufs), tuple(mask_bufs),
              Z, HQ, KZ, M, N, m_pad, SZ, SH, num_kv_blks, num_q_blks, *scalars, cta_args, ()),
             dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse,
                  FLAGS=flags, SCHED=sched, num_warps=4, maxnreg=cfg.maxnreg),

@@ -172,7 +172,7 @@ def prepare_varlen_backward(
         main = (fa3_bwd_sm90_kernel,
                 (_desc(q4, [1, 1, tile.BLOCK_M, DT]), _desc(dout4, [1, 1, tile.BLOCK_M, DT]),
                  _desc(k4, [1, 1, tile.BLOCK_N, DT]), _desc(v4, [1, 1, tile.BLOCK_N, DT]), _dq_acc_desc(dq_acc, tile),
-                 *common, (), (cu_seqlens_q, cu_seqlens_k, table)),
+                 *common[:4], None, None, *common[4:], (), (cu_seqlens_q, cu_seqlens_k, table)),   # (no DKDV_TMA)
                 dict(kwargs, SCHED=sched), (table.shape[0], HKV))
     # the table of virtual KV tiles' sequences (bwd_sm90.packed_tile_table_kernel): a CTA per real KV tile (and at most
     # one empty a sequence), not the longest sequence's count for every sequence: the main kernel 1.06-1.07x faster on
