@@ -120,6 +120,9 @@ def test_compiles_with_wgmma_within_budgets(D, variant):
         assert max(map(len, loops)) <= NOOP_STEP_LOOP[D], f"noop step loops {[len(b) for b in loops]}"
     assert main.shared <= SMEM_LIMIT
     assert cfg.smem_bytes(D) <= main.shared
+    # dK / dV: D64 through the dQ staging tiles by TMA (configs.DKDV_TMA_HEAD_DIMS), D128 by gl.store
+    epilogue = ("UTMASTG" in main.sass, bool(re.search(r"STG\.E\b", main.sass)))
+    assert epilogue == ((True, False) if D == 64 else (False, True)), epilogue
     for r in (pre, convert):
         assert r.spill_instructions == 0 and r.stack == 0
 

@@ -178,6 +178,13 @@ WIDE_CAUSAL_KV96 = ((192, 128),)
 # kv96_persistent_tma in the same run).
 WIDE_PLAIN_KV96_PERSISTENT = ((192, 128),)
 
+# Head dims (bwd_sm90.py) whose launches store dK / dV through the dQ staging tiles by TMA (VARIANTS["dkdv_tma"]). H200,
+# D64 backward over the gl.store epilogue at 4k / 8k (bwd-speed-nvidia-h200-2026-11-30-0814-dkdv-tma-d64): noop 1.03 /
+# 1.02, causal 1.02 / 1.00, softcap 1.02 / 1.01, ALiBi 1.01 / 1.01, sliding window 1.07 / 1.07, documents 1.09 / 1.05
+# (geometric mean 1.032, rule >= 1.02 with no row below 0.99). Not D128: its step got 6% slower with it (noop 0.94-0.95,
+# -0812-dkdv-tma; docs/design/hopper_backward.md, "dK / dV by TMA at D64 and D128").
+DKDV_TMA_HEAD_DIMS = (64,)
+
 # 160 and 192 (for q, k and v) run the 256 tiles the same way (the wide kernel; a quarter to 0.375 of its work
 # multiplies zeros).
 PADDED_WIDE_PAIRS: dict[tuple[int, int], tuple[int, int]] = {(160, 160): (256, 256), (192, 192): (256, 256)}
@@ -287,6 +294,8 @@ def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: b
         True
         >>> [get_bwd_config(192, 128, **t).persistent for t in ({"plain": True}, {"curved": True})]
         [True, False]
+        >>> get_bwd_config(64).dkdv_tma, get_bwd_config(128).dkdv_tma
+        (True, False)
     """
     pair = (head_dim, value_head_dim or head_dim)
     tiles = tile_head_dims(*pair)   # the row of the tiles that serve the pair (80 / 96: 128; 160 / 192: 256)
@@ -312,4 +321,6 @@ def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: b
         cfg = replace(_TABLE[tiles[0]], persistent=True)
     else:
         cfg = _TABLE[tiles[0]]
+    if tiles[0] in DKDV_TMA_HEAD_DIMS and not packed:
+        cfg = replace(cfg, dkdv_tma=True)
     return replace(cfg, **overrides) if overrides else cfg
