@@ -21,11 +21,13 @@ Notation (beyond bwd_sm90.py's)
                              first key; the tiles that meet its 96 keys' diagonal (two) apply the mask
   DQ_LAG                     step j's dQ issued in step j + 1, after its P and beside its dP and dV (waiting for step
                              j's ds_ready there); a tile's last dQ after its loop, its first step's chunk dropped.
-                             The default of 192 / 128 without a mask (noop, softcap): configs.WIDE_KV96_LAG
+                             The default of softcap without a mask (configs.WIDE_KV96_LAG); with PERSISTENT and
+                             DKDV_TMA, of launches without a score_mod or a mask (WIDE_PLAIN_KV96_PERSISTENT)
   PERSISTENT                 min(#SMs, #tiles) CTAs walking host-made lists of (96-key tile, K/V head) tiles,
                              longest first (host._shape_schedule); kv_empty releases K and V between tiles
   DKDV_TMA                   a warpgroup's dK and dV rows go out through its 16 KB dQ staging tile (free after the
-                             tile's last reduce-add) as bf16 [32, 128] / [32, 64] boxes, by TMA stores
+                             tile's last reduce-add) as bf16 [32, 128] / [32, 64] boxes, by TMA stores. With PERSISTENT
+                             (no DQ_LAG), the default of exactly causal launches without a score_mod (WIDE_CAUSAL_KV96)
 
 Per step (64 query rows x 96 keys), warpgroup w:
 
