@@ -106,6 +106,8 @@ class WideTile:
     PERSISTENT: bool = False   # #SMs CTAs, each walking its list of (KV tile, K/V head) tiles (cta = (offsets, tiles),
                                # host._persistent_schedule / _shape_schedule); the next tile's K / V load under this
                                # one's dK / dV stores
+    DKDV_TMA: bool = False     # dense, unpadded: a warpgroup's dK, then dV columns written through its first dQ
+                               # staging tile (16 KB) and TMA-stored (else gl.store from the accumulators)
 
     @property
     def D_MEM(self) -> int:
@@ -358,8 +360,11 @@ def _consumer_tile(WG: gl.constexpr, n0, kvh, q_row0, k_row0, kv_phase, cnt, cta
                                          SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, PACK)
     if TILE.PERSISTENT:   # every wgmma reading this tile's K and V has retired (each step ends on a wait of 0)
         mbarrier.arrive(cta[1], count=1)
-    _store_dk_dv(dk, dv, n0, kz, hkv, HKV, N, k_row0, dk_ptr, dv_ptr, ds_scale, descs[0].dtype, DK0, DK_N, DV0, TILE,
-                 PACK)
+    if TILE.DKDV_TMA:
+        _store_dk_dv_tma(dk, dv, n0, kz, hkv, ds_scale, smem[9].index(WG * TILE.DQ_BUFS), rows[6], WG, DK0, DV0)
+    else:
+        _store_dk_dv(dk, dv, n0, kz, hkv, HKV, N, k_row0, dk_ptr, dv_ptr, ds_scale, descs[0].dtype, DK0, DK_N, DV0,
+                     TILE, PACK)
     return cnt
 
 
@@ -621,6 +626,31 @@ def _store_dk_dv(dk, dv, n0, kz, hkv, HKV, N, k_row0, dk_ptr, dv_ptr, ds_scale, 
 
 
 @gluon.jit
+def _store_dk_dv_tma(dk, dv, n0, kz, hkv, ds_scale, stage, out_descs, WG: gl.constexpr, DK0: gl.constexpr,
+                     DV0: gl.constexpr):
+    """dK (times ds_scale), then dV, of this warpgroup's columns (from DK0, DV0) for keys n0.. through its fp32 dQ
+    staging tile ``stage`` (16 KB, free once its last reduce-add has read it: one [64, <= 128] bf16 tile at a time) and
+    TMA stores (descriptors ([dK of warpgroup 0, of warpgroup 1], dV); rows past N clipped by them)."""
+    dk_descs = (out_descs[0], out_descs[1])
+    dk_desc = dk_descs[WG]
+    dv_desc = out_descs[2]
+    dtype: gl.constexpr = dv_desc.dtype
+    tma.store_wait(0)   # the last dQ reduce-add has read the staging tile
+    k_tile = stage._reinterpret(dtype, dk_desc.block_type.shape, dk_desc.layout)
+    k_tile.reshape(dk_desc.block_type.shape[2:]).store((dk * ds_scale).to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(dk_desc, [kz, hkv, n0, DK0], k_tile)
+    tma.store_wait(0)
+    gl.thread_barrier()
+    v_tile = stage._reinterpret(dtype, dv_desc.block_type.shape, dv_desc.layout)
+    v_tile.reshape(dv_desc.block_type.shape[2:]).store(dv.to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(dv_desc, [kz, hkv, n0, DV0], v_tile)
+
+
+@gluon.jit
 def _step_views(st, buf, zero, smem, WG: gl.constexpr, TILE: gl.constexpr):
     """The shared tiles of a step as wgmma operands, built per step through ``zero`` (an _opaque 0; bwd_sm90.BwdTile.
     VIEWS_PER_STEP: hoisted, their descriptors were held in vector registers; the ring stage too: with one stage it is
@@ -715,6 +745,8 @@ _RUNTIME_SIZES = ["Z", "KZ", "M", "N", "M_PAD", "NUM_KV_BLKS", "NUM_Q_BLKS"]
 def fa3_bwd_sm90_wide_kernel(
     q_lo_desc, q_hi_desc, do_desc, k_lo_desc, k_hi_desc, v_desc, dq_desc,   # dq_desc: DQ_ACC by [1, 64, 64]
     stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr,
+    dk0_desc, dk1_desc, dv_desc,   # TILE.DKDV_TMA: dK by [1, 1, 64, DK_COLS[w][1]] boxes (warpgroup w), dV by [1, 1,
+                                   # 64, DV_WG]; else None
     qnb_ptr, qidx_ptr, fqnb_ptr, fqidx_ptr,
     score_bufs, mask_bufs,
     Z, HQ, KZ, M, N, M_PAD, SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS,
@@ -779,7 +811,7 @@ def fa3_bwd_sm90_wide_kernel(
     sizes = (Z, HQ, KZ, M, N)
     tables = (qnb_ptr, qidx_ptr, fqnb_ptr, fqidx_ptr)
     table_meta = (SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS)
-    rows = (stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD, pack_args)
+    rows = (stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD, pack_args, (dk0_desc, dk1_desc, dv_desc))
     scalars = (sm_scale, qk_scale2, ds_scale)
     mod_bufs = (score_bufs, mask_bufs)
     cta = (cta_args, kv_empty)

@@ -597,6 +597,10 @@ def prepare_hopper_backward(
             grid)
     elif cfg.split_dkv:
         lo, hi = tile.LO, tile.HI   # D = 256: one Q / K tile (lo = hi = 256), the second descriptor unused
+        # dK / dV by TMA through the dQ staging tiles: unpadded pairs (the boxes are the warpgroups' columns)
+        wide_dkdv_tma = cfg.dkdv_tma and not d_in
+        out_descs = (_desc(dk, [1, 1, tile.BLOCK_N, tile.DK_COLS[0][1]]), _desc(dk, [1, 1, tile.BLOCK_N,
+                     tile.DK_COLS[1][1]]), _desc(dv, [1, 1, tile.BLOCK_N, tile.DV_WG])) if wide_dkdv_tma else (None,) * 3
         main = (
             fa3_bwd_sm90_wide_kernel,
             (_desc(q, [1, 1, tile.BLOCK_M, lo]), _desc(q, [1, 1, tile.BLOCK_M, hi]),
@@ -604,11 +608,11 @@ def prepare_hopper_backward(
              _desc(k, [1, 1, tile.BLOCK_N, lo]), _desc(k, [1, 1, tile.BLOCK_N, hi]),
              _desc(v, [1, 1, tile.BLOCK_N, DVT]),
              _dq_frag_desc(dq_acc) if dq_frag else _dq_acc_desc(dq_acc, tile),
-             stats, dq_acc, dk, dv, *tables, tuple(score_bufs), tuple(mask_bufs),
+             stats, dq_acc, dk, dv, *out_descs, *tables, tuple(score_bufs), tuple(mask_bufs),
              Z, HQ, KZ, M, N, m_pad, SZ, SH, num_kv_blks, num_q_blks, *scalars, cta_args, ()),
             dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod,
-                 TILE=replace(tile, PERSISTENT=wide_persistent), SPARSE=sparse, FLAGS=flags, num_warps=4,
-                 maxnreg=cfg.maxnreg),
+                 TILE=replace(tile, PERSISTENT=wide_persistent, DKDV_TMA=wide_dkdv_tma), SPARSE=sparse, FLAGS=flags,
+                 num_warps=4, maxnreg=cfg.maxnreg),
             grid)
     elif cfg.block_m == 128:
         main = (

@@ -166,7 +166,8 @@ def prepare_varlen_backward(
                 (_desc(q4, [1, 1, tile.BLOCK_M, lo]), _desc(q4, [1, 1, tile.BLOCK_M, hi]),
                  _desc(dout4, [1, 1, tile.BLOCK_M, DVT]), _desc(k4, [1, 1, tile.BLOCK_N, lo]),
                  _desc(k4, [1, 1, tile.BLOCK_N, hi]), _desc(v4, [1, 1, tile.BLOCK_N, DVT]),
-                 _dq_acc_desc(dq_acc, tile), *common, (), (cu_seqlens_q, cu_seqlens_k, table)),
+                 _dq_acc_desc(dq_acc, tile), *common[:4], None, None, None, *common[4:], (),
+                 (cu_seqlens_q, cu_seqlens_k, table)),   # (no DKDV_TMA)
                 kwargs, (table.shape[0], HKV))
     else:
         main = (fa3_bwd_sm90_kernel,
