@@ -34,13 +34,20 @@ def test_wide_plan(D, DV, tile_d, tile_dv, stages, dq_bufs):
     assert kernel is fa3_bwd_sm90_wide_kernel
     assert kwargs["TILE"] == WideTile(HEAD_D=tile_d, HEAD_DV=tile_dv, NUM_STAGES=stages,
                                       HEAD_D_IN=D if tile_d != D else 0, P_REGS=True, DQ_BUFS=dq_bufs,
-                                      DQ_FRAG=True, OVERLAP=stages == 2)   # (192 / 128 without a mask: overlap)
+                                      DQ_FRAG=True, OVERLAP=stages == 2,   # (192 / 128 without a mask: overlap)
+                                      DKDV_TMA=tile_d == D)   # (dK / dV by TMA: the unpadded pairs)
     assert grid == (math.ceil(777 / 64), 2 * 2)            # 64-key CTAs, one per (K/V batch, K/V head)
     assert not kwargs["FLAGS"].EVEN_N
     # the passes: O's columns when they are not Q's, columns masked to D when D is no power of two
     assert pre[2].get("HEAD_DV") == (DV if DV != D else None)
     assert pre[2].get("HEAD_D_POW2") == (256 if D != 256 else None)
     assert "HEAD_D_POW2" not in convert[2]      # the fragment-order convert: whole 64-column blocks
+    dk0, dk1, dv = args[11:14]   # the warpgroups' dK columns and their dV columns, 64 keys a box
+    if tile_d == D:
+        assert [list(d.block_shape) for d in (dk0, dk1, dv)] == [[1, 1, 64, 128], [1, 1, 64, D - 128],
+                                                                  [1, 1, 64, DV // 2]]
+    else:
+        assert (dk0, dk1, dv) == (None, None, None)
     dq_acc = args[8]
     assert tuple(dq_acc.shape) == (2 * 4, 1024, D)             # rows padded to BLOCK_M 64
     cfg = get_bwd_config(D, DV)

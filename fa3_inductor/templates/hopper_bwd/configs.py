@@ -178,12 +178,16 @@ WIDE_CAUSAL_KV96 = ((192, 128),)
 # kv96_persistent_tma in the same run).
 WIDE_PLAIN_KV96_PERSISTENT = ((192, 128),)
 
-# Head dims (bwd_sm90.py) whose launches store dK / dV through the dQ staging tiles by TMA (VARIANTS["dkdv_tma"]). H200,
-# D64 backward over the gl.store epilogue at 4k / 8k (bwd-speed-nvidia-h200-2026-11-30-0814-dkdv-tma-d64): noop 1.03 /
-# 1.02, causal 1.02 / 1.00, softcap 1.02 / 1.01, ALiBi 1.01 / 1.01, sliding window 1.07 / 1.07, documents 1.09 / 1.05
-# (geometric mean 1.032, rule >= 1.02 with no row below 0.99). Not D128: its step got 6% slower with it (noop 0.94-0.95,
-# -0812-dkdv-tma; docs/design/hopper_backward.md, "dK / dV by TMA at D64 and D128").
-DKDV_TMA_HEAD_DIMS = (64,)
+# Tiles whose launches store dK / dV through the dQ staging tiles by TMA (VARIANTS["dkdv_tma"]; the 96-key schedules set
+# it themselves; padded pairs and packed sequences keep their stores). H200, backward over the gl.store epilogue at 4k /
+# 8k, each rule written before its run (docs/design/hopper_backward.md, "dK / dV by TMA ..."):
+# - D64 (bwd-speed-nvidia-h200-2026-11-30-0814-dkdv-tma-d64): noop 1.03 / 1.02, causal 1.02 / 1.00, softcap 1.02 /
+#   1.01, ALiBi 1.01 / 1.01, sliding window 1.07 / 1.07, documents 1.09 / 1.05 (geometric mean 1.032);
+# - D256 (-0831-dkdv-tma-wide): noop 1.00 / 1.00, causal 1.04 / 1.02, ALiBi 1.02 / 1.01, sliding window 1.06 / 1.06,
+#   documents 1.08 / 1.05 (1.034); 192 / 128's wide-kernel launches: ALiBi 1.08 / 1.08, sliding window 1.05 / 1.05,
+#   documents 1.08 / 1.06 (1.068).
+# Not D128: its step got 6% slower with it (noop 0.94-0.95, -0812-dkdv-tma).
+DKDV_TMA_TILES = ((64, 64), (192, 128), (256, 256))
 
 # 160 and 192 (for q, k and v) run the 256 tiles the same way (the wide kernel; a quarter to 0.375 of its work
 # multiplies zeros).
@@ -247,11 +251,11 @@ VARIANTS: dict[str, dict[str, bool]] = {
     "dq_tiled": {"dq_frag": False},
     # 192 / 128 on 96-key tiles (bwd_sm90_k96.py; docs/design/hopper_backward.md, "96-key tiles at 192 / 128"):
     # three consumer warpgroups at 160 registers (the kernel's entry at 128: 16 warps)
-    "kv96": {**_KV96, "overlap": 0, "persistent": False},
+    "kv96": {**_KV96, "overlap": 0, "persistent": False, "dkdv_tma": False},
     # and each step's dQ issued in the next step, under its dP and dV (bwd_sm90_k96's DQ_LAG)
-    "kv96_lag": {**_KV96, "overlap": 1, "persistent": False},
+    "kv96_lag": {**_KV96, "overlap": 1, "persistent": False, "dkdv_tma": False},
     # and persistent CTAs walking lists made from the shapes, longest first (the wide kernel's PERSISTENT)
-    "kv96_persistent": {**_KV96, "overlap": 0, "persistent": True},
+    "kv96_persistent": {**_KV96, "overlap": 0, "persistent": True, "dkdv_tma": False},
     # each with dK / dV stored through the dQ staging tiles by TMA (bwd_sm90_k96's DKDV_TMA)
     "kv96_tma": {**_KV96, "overlap": 0, "persistent": False, "dkdv_tma": True},
     "kv96_lag_tma": {**_KV96, "overlap": 1, "persistent": False, "dkdv_tma": True},
@@ -294,8 +298,10 @@ def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: b
         True
         >>> [get_bwd_config(192, 128, **t).persistent for t in ({"plain": True}, {"curved": True})]
         [True, False]
-        >>> get_bwd_config(64).dkdv_tma, get_bwd_config(128).dkdv_tma
-        (True, False)
+        >>> [get_bwd_config(*pair).dkdv_tma for pair in ((64, 64), (128, 128), (256, 256), (192, 128))]
+        [True, False, True, True]
+        >>> get_bwd_config(192, 128, curved=True).dkdv_tma   # (softcap without a mask: kv96_lag, its own stores)
+        False
     """
     pair = (head_dim, value_head_dim or head_dim)
     tiles = tile_head_dims(*pair)   # the row of the tiles that serve the pair (80 / 96: 128; 160 / 192: 256)
@@ -321,6 +327,6 @@ def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: b
         cfg = replace(_TABLE[tiles[0]], persistent=True)
     else:
         cfg = _TABLE[tiles[0]]
-    if tiles[0] in DKDV_TMA_HEAD_DIMS and not packed:
+    if tiles in DKDV_TMA_TILES and not packed and not cfg.kv96:
         cfg = replace(cfg, dkdv_tma=True)
     return replace(cfg, **overrides) if overrides else cfg
