@@ -283,7 +283,8 @@ def test_wide_head_dims_compile(D, DV, variant):
     from fa3_inductor.templates.hopper_bwd.configs import WIDE_PLAIN_OVERLAP
 
     # (192 / 128 without a mask, noop and softcap, and causal without a score_mod run 96-key tiles, test_kv96_compile:
-    # here the wide kernel's rows, which noop takes with ALiBi, softcap under block-mask tables, causal with a score_mod)
+    # here the wide kernel's rows, which noop takes with ALiBi, softcap under block-mask tables, causal with a
+    # score_mod)
     pick = {"softcap": get_bwd_config(D, DV, curved=True, masked=True), "noop": get_bwd_config(D, DV),
             "causal": get_bwd_config(D, DV, masked=True, causal=True)}.get(variant)
     pre, main, convert = _wide_kernels(D, DV, _options(variant, 1000, 1000), config=pick)

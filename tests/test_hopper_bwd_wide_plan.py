@@ -138,9 +138,10 @@ def _wide_curved():
 
 @pytest.mark.parametrize("mask", [None, "causal", "document"])
 def test_kv96_plan(mask):
-    """192 / 128 without a mod or with softcap, and no mask, takes 96-key tiles with the late dQ (bwd_sm90_k96.py,
-    configs.WIDE_KV96_LAG; without a mod on persistent CTAs storing dK / dV by TMA); exactly causal without a score_mod persistent 96-key CTAs storing dK / dV by TMA
-    (configs.WIDE_CAUSAL_KV96); the wide kernel under a mask with a score_mod or under tables, and with ALiBi."""
+    """192 / 128 without a mask takes 96-key tiles with the late dQ (bwd_sm90_k96.py): softcap in the grid's order
+    (configs.WIDE_KV96_LAG), no mod on persistent CTAs storing dK / dV by TMA (WIDE_PLAIN_KV96_PERSISTENT). Exactly
+    causal without a score_mod: persistent 96-key CTAs storing dK / dV by TMA (WIDE_CAUSAL_KV96). The wide kernel
+    under a mask with a score_mod or under tables, and with ALiBi."""
     from test_hopper_bwd_compile import _combined_options, _options
 
     from fa3_inductor.templates.hopper_bwd.bwd_sm90_k96 import K96Tile, fa3_bwd_sm90_k96_kernel

@@ -86,8 +86,8 @@ class K96Tile:
                            # step later than they use it)
     PERSISTENT: bool = False   # #SMs CTAs, each walking a host-made list of (KV tile, K/V head) tiles (bwd_sm90_wide's
                                # PERSISTENT): the next tile's K and V load while this one's dK and dV are stored
-    DKDV_TMA: bool = False     # dK and dV rows written through the warpgroup's dQ staging tile by TMA stores (else 2-byte
-                               # stores from the transposed accumulators, 80 a thread)
+    DKDV_TMA: bool = False     # dK and dV rows written through the warpgroup's dQ staging tile by TMA stores (else
+                               # 2-byte stores from the transposed accumulators, 80 a thread)
 
     @property
     def BLOCK_M(self) -> int:

@@ -600,8 +600,11 @@ def prepare_hopper_backward(
         # dK / dV by TMA through the dQ staging tiles: unpadded pairs (the boxes are the warpgroups' columns), CTAs of
         # the grid (persistent ones with it were not measured, and spill 8 instructions at 192 / 128 causal)
         wide_dkdv_tma = cfg.dkdv_tma and not d_in and not wide_persistent
-        out_descs = (_desc(dk, [1, 1, tile.BLOCK_N, tile.DK_COLS[0][1]]), _desc(dk, [1, 1, tile.BLOCK_N,
-                     tile.DK_COLS[1][1]]), _desc(dv, [1, 1, tile.BLOCK_N, tile.DV_WG])) if wide_dkdv_tma else (None,) * 3
+        out_descs = (None,) * 3
+        if wide_dkdv_tma:
+            out_descs = (_desc(dk, [1, 1, tile.BLOCK_N, tile.DK_COLS[0][1]]),
+                         _desc(dk, [1, 1, tile.BLOCK_N, tile.DK_COLS[1][1]]),
+                         _desc(dv, [1, 1, tile.BLOCK_N, tile.DV_WG]))
         main = (
             fa3_bwd_sm90_wide_kernel,
             (_desc(q, [1, 1, tile.BLOCK_M, lo]), _desc(q, [1, 1, tile.BLOCK_M, hi]),
