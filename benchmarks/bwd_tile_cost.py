@@ -46,6 +46,24 @@ def _main_launch(q, k, v, dout, schedule: str):
     return main, main[2]["TILE"].BLOCK_N
 
 
+def tile_costs(seqlens: list[int], times_ms: list[float], tiles: int, sms: int) -> dict:
+    """Least-squares T(M) = a + b M over the query lengths, read as SM time: the fixed cost a tile (F, µs) and the cost
+    of a 64-row step (s, µs), with the worst residual (ms).
+
+    Example::
+
+        >>> r = tile_costs([512, 1024], [0.3, 0.5], tiles=132, sms=132)
+        >>> round(r["tile_fixed_us"], 6), round(r["step_us"], 6)
+        (100.0, 25.0)
+    """
+    n = len(seqlens)
+    mean_m, mean_t = sum(seqlens) / n, sum(times_ms) / n
+    b = sum((m - mean_m) * (t - mean_t) for m, t in zip(seqlens, times_ms)) / sum((m - mean_m) ** 2 for m in seqlens)
+    a = mean_t - b * mean_m
+    return dict(intercept_ms=a, ms_per_row=b, tile_fixed_us=a * 1e3 * sms / tiles, step_us=b * 64 * 1e3 * sms / tiles,
+                worst_residual_ms=max(abs(t - a - b * m) for m, t in zip(seqlens, times_ms)))
+
+
 def fit(schedule: str, D: int, DV: int, N: int, seqlens: list[int], heads: int, reps: int, sms: int) -> dict:
     """Main-kernel ms at each query length, and the fitted fixed cost a tile and cost a step (µs of one SM)."""
     torch.manual_seed(0)
@@ -57,15 +75,9 @@ def fit(schedule: str, D: int, DV: int, N: int, seqlens: list[int], heads: int, 
         dout = torch.randn(1, heads, M, DV, device="cuda", dtype=torch.bfloat16)
         (kernel, args, kwargs, grid), block_n = _main_launch(q, k, v, dout, schedule)
         times.append(bwd_speed._time_interleaved({"main": lambda: kernel[grid](*args, **kwargs)}, reps, 2, 2.0)["main"])
-    n = len(seqlens)
-    mean_m, mean_t = sum(seqlens) / n, sum(times) / n
-    b = sum((m - mean_m) * (t - mean_t) for m, t in zip(seqlens, times)) / sum((m - mean_m) ** 2 for m in seqlens)
-    a = mean_t - b * mean_m
     tiles = -(-N // block_n) * heads
     return dict(schedule=schedule, D=D, Dv=DV, N=N, heads=heads, block_n=block_n, tiles=tiles, seqlens=seqlens,
-                main_ms=times, intercept_ms=a, ms_per_row=b, tile_fixed_us=a * 1e3 * sms / tiles,
-                step_us=b * 64 * 1e3 * sms / tiles,
-                worst_residual_ms=max(abs(t - a - b * m) for m, t in zip(seqlens, times)))
+                main_ms=times, **tile_costs(seqlens, times, tiles, sms))
 
 
 def main() -> None:

@@ -448,3 +448,19 @@ def test_result_files_write_one_pair(tmp_path, capsys):
     assert json.loads((tmp_path / "out" / f"{name}.json").read_text()) == dict(meta, rows=[{"ms": 1.5}])
     assert (tmp_path / "out" / f"{name}.md").read_text() == "# t\n| a |\n"
     assert capsys.readouterr().out.strip().endswith("| a |")
+
+
+def test_tile_cost_fit_recovers_a_line():
+    """benchmarks/bwd_tile_cost.tile_costs: main-kernel times that are exactly F a tile plus s a 64-row step (as SM time
+    over the SMs) give back F and s, with no residual; one perturbed time shows as the worst residual."""
+    spec = importlib.util.spec_from_file_location("bwd_tile_cost_fit", ROOT / "benchmarks" / "bwd_tile_cost.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    tiles, sms, F, s = 2816, 132, 6.1, 2.74   # µs
+    seqlens = [512, 1024, 2048, 4096]
+    times = [(tiles * (F + s * M / 64)) / sms / 1e3 for M in seqlens]
+    r = module.tile_costs(seqlens, times, tiles, sms)
+    assert math.isclose(r["tile_fixed_us"], F, rel_tol=1e-9) and math.isclose(r["step_us"], s, rel_tol=1e-9)
+    assert r["worst_residual_ms"] < 1e-12
+    times[1] += 0.01
+    assert module.tile_costs(seqlens, times, tiles, sms)["worst_residual_ms"] > 0.004
