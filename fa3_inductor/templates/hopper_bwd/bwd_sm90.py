@@ -506,26 +506,25 @@ def _store_dkdv(dk, dv, out_rows, out_cols, dk_ptr, dv_ptr, kz, hkv, HKV, N, k_r
 
 
 @gluon.jit
-def _store_dkdv_tma(dk, dv, stage, out_descs, kz, hkv, row0, ds_scale):
-    """dK (times ds_scale), then dV, of this warpgroup's keys row0.. through its fp32 dQ staging tile ``stage`` (16 KB,
-    free once its last reduce-add has read it: one [64, D] bf16 tile at a time) and TMA stores; rows past N are
-    clipped by the descriptors ([KZ, HKV, N, D] by [1, 1, 64, D] boxes)."""
-    dk_desc, dv_desc = out_descs
-    dtype: gl.constexpr = dk_desc.dtype
-    rows: gl.constexpr = dk_desc.block_type.shape[2]
-    cols: gl.constexpr = dk_desc.block_type.shape[3]
-    tile = stage._reinterpret(dtype, dk_desc.block_type.shape, dk_desc.layout)
+def _store_dkdv_tma(dk, dv, stage, dk_desc, dv_desc, kz, hkv, row0, dk_col, dv_col, ds_scale):
+    """dK (times ds_scale), then dV, of this warpgroup's keys row0.. (columns from dk_col, dv_col) through its fp32 dQ
+    staging tile ``stage`` (16 KB, free once its last reduce-add has read it: one bf16 box at a time, each up to
+    [64, 128]) and TMA stores; rows past N are clipped by the descriptors ([KZ, HKV, N, D] by [1, 1, rows, cols]
+    boxes). bwd_sm90_wide.py stores its warpgroups' columns with it too."""
+    dtype: gl.constexpr = dv_desc.dtype
     tma.store_wait(0)   # the last dQ reduce-add has read the staging tile
-    tile.reshape([rows, cols]).store((dk * ds_scale).to(dtype))
+    k_tile = stage._reinterpret(dtype, dk_desc.block_type.shape, dk_desc.layout)
+    k_tile.reshape(dk_desc.block_type.shape[2:]).store((dk * ds_scale).to(dtype))
     fence_async_shared()
     gl.thread_barrier()
-    tma.async_copy_shared_to_global(dk_desc, [kz, hkv, row0, 0], tile)
+    tma.async_copy_shared_to_global(dk_desc, [kz, hkv, row0, dk_col], k_tile)
     tma.store_wait(0)
     gl.thread_barrier()
-    tile.reshape([rows, cols]).store(dv.to(dtype))
+    v_tile = stage._reinterpret(dtype, dv_desc.block_type.shape, dv_desc.layout)
+    v_tile.reshape(dv_desc.block_type.shape[2:]).store(dv.to(dtype))
     fence_async_shared()
     gl.thread_barrier()
-    tma.async_copy_shared_to_global(dv_desc, [kz, hkv, row0, 0], tile)
+    tma.async_copy_shared_to_global(dv_desc, [kz, hkv, row0, dv_col], v_tile)
 
 
 @gluon.jit
@@ -749,7 +748,8 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
     out_rows = n0 + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, d_layout))[:, None]
     out_cols = gl.arange(0, D, layout=gl.SliceLayout(0, d_layout))[None, :]
     if SCHED.DKDV_TMA:
-        _store_dkdv_tma(dk, dv, dq_smem.index(WG), out_descs, kz, hkv, n0 + WG * HALF_N, ds_scale)
+        _store_dkdv_tma(dk, dv, dq_smem.index(WG), out_descs[0], out_descs[1], kz, hkv, n0 + WG * HALF_N, 0, 0,
+                        ds_scale)
     else:
         _store_dkdv(dk, dv, out_rows, out_cols, dk_ptr, dv_ptr, kz, hkv, HKV, N, k_row0, ds_scale, TILE, PACK)
     return cnt
@@ -1080,7 +1080,8 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
         out_rows = n0 + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, d_layout))[:, None]
         out_cols = gl.arange(0, D, layout=gl.SliceLayout(0, d_layout))[None, :]
     if SCHED.DKDV_TMA:
-        _store_dkdv_tma(dk, dv, dq_smem.index(WG), out_descs, kz, hkv, n0 + WG * HALF_N, ds_scale)
+        _store_dkdv_tma(dk, dv, dq_smem.index(WG), out_descs[0], out_descs[1], kz, hkv, n0 + WG * HALF_N, 0, 0,
+                        ds_scale)
     else:
         _store_dkdv(dk, dv, out_rows, out_cols, dk_ptr, dv_ptr, kz, hkv, HKV, N, k_row0, ds_scale, TILE, PACK)
     return cnt

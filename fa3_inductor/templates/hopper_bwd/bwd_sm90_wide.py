@@ -89,7 +89,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .bwd_sm90 import (DENSE, _acc_layout, _cta_tiles, _ds, _ds_factor, _frag_reduce_add, _lse_rows, _next_step,
                        _next_step_at, _opaque, _packed_coords, _persistent_tile, _probabilities, _q_tile_counts,
-                       _q_tile_start, _seq_span, _tma_reduce_add, _zero_keys_past)
+                       _q_tile_start, _seq_span, _store_dkdv_tma, _tma_reduce_add, _zero_keys_past)
 
 
 @dataclass(frozen=True)
@@ -361,7 +361,9 @@ def _consumer_tile(WG: gl.constexpr, n0, kvh, q_row0, k_row0, kv_phase, cnt, cta
     if TILE.PERSISTENT:   # every wgmma reading this tile's K and V has retired (each step ends on a wait of 0)
         mbarrier.arrive(cta[1], count=1)
     if TILE.DKDV_TMA:
-        _store_dk_dv_tma(dk, dv, n0, kz, hkv, ds_scale, smem[9].index(WG * TILE.DQ_BUFS), rows[6], WG, DK0, DV0)
+        dk_descs = (rows[6][0], rows[6][1])   # warpgroup 0's dK columns, warpgroup 1's (their box widths differ at 192)
+        _store_dkdv_tma(dk, dv, smem[9].index(WG * TILE.DQ_BUFS), dk_descs[WG], rows[6][2], kz, hkv, n0, DK0, DV0,
+                        ds_scale)
     else:
         _store_dk_dv(dk, dv, n0, kz, hkv, HKV, N, k_row0, dk_ptr, dv_ptr, ds_scale, descs[0].dtype, DK0, DK_N, DV0,
                      TILE, PACK)
@@ -623,31 +625,6 @@ def _store_dk_dv(dk, dv, n0, kz, hkv, HKV, N, k_row0, dk_ptr, dv_ptr, ds_scale, 
         dv_at = dv_ptr + head * DV_MEM + rows_v * DV_MEM + cols_v
     gl.store(dk_at, (dk * ds_scale).to(dtype), mask=(rows_k < N) & (cols_k < D_MEM))
     gl.store(dv_at, dv.to(dtype), mask=(rows_v < N) & (cols_v < DV_MEM))
-
-
-@gluon.jit
-def _store_dk_dv_tma(dk, dv, n0, kz, hkv, ds_scale, stage, out_descs, WG: gl.constexpr, DK0: gl.constexpr,
-                     DV0: gl.constexpr):
-    """dK (times ds_scale), then dV, of this warpgroup's columns (from DK0, DV0) for keys n0.. through its fp32 dQ
-    staging tile ``stage`` (16 KB, free once its last reduce-add has read it: one [64, <= 128] bf16 tile at a time) and
-    TMA stores (descriptors ([dK of warpgroup 0, of warpgroup 1], dV); rows past N clipped by them)."""
-    dk_descs = (out_descs[0], out_descs[1])
-    dk_desc = dk_descs[WG]
-    dv_desc = out_descs[2]
-    dtype: gl.constexpr = dv_desc.dtype
-    tma.store_wait(0)   # the last dQ reduce-add has read the staging tile
-    k_tile = stage._reinterpret(dtype, dk_desc.block_type.shape, dk_desc.layout)
-    k_tile.reshape(dk_desc.block_type.shape[2:]).store((dk * ds_scale).to(dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-    tma.async_copy_shared_to_global(dk_desc, [kz, hkv, n0, DK0], k_tile)
-    tma.store_wait(0)
-    gl.thread_barrier()
-    v_tile = stage._reinterpret(dtype, dv_desc.block_type.shape, dv_desc.layout)
-    v_tile.reshape(dv_desc.block_type.shape[2:]).store(dv.to(dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-    tma.async_copy_shared_to_global(dv_desc, [kz, hkv, n0, DV0], v_tile)
 
 
 @gluon.jit
