@@ -507,6 +507,24 @@ def test_grad_mod_default_schedule(variant):
         assert main.spill_instructions == 0 and main.stack == 0, (main.spill_instructions, main.stack)
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_exp2_emu_moves_half_of_p_off_mufu(D):
+    """configs exp2_emu (templates/exp2_fma.py): softcap's step loops issue half the MUFU.EX2 of the default, as many
+    MUFU.TANH, no more shared-memory traffic or shuffles (the column halves live in a thread's registers), and
+    nothing spills."""
+    def mix(body):
+        return {op: sum(op in t for t in body) for op in ("MUFU.EX2", "MUFU.TANH", "STS", "LDS", "SHFL")}
+
+    default = _main_kernel(D, "softcap")
+    emu = _main_kernel(D, "softcap", exp2_emu=True)
+    for before, after in zip(_step_loops(default), _step_loops(emu)):
+        a, b = mix(before), mix(after)
+        print(f"\nD{D} softcap step loop: default {a}, exp2_emu {b}")
+        assert a["MUFU.EX2"] > 0 and b["MUFU.EX2"] * 2 == a["MUFU.EX2"], (a, b)
+        assert {k: v for k, v in a.items() if k != "MUFU.EX2"} == {k: v for k, v in b.items() if k != "MUFU.EX2"}
+    assert emu.spill_instructions == 0 and emu.stack == 0, (emu.spill_instructions, emu.stack)
+
+
 def _main_kernel(D, variant, **config):
     """SassReport of the main kernel of a small ragged launch (B 2, HQ 4, HKV 2, M = N = 1000, bf16) with _options'
     mods for ``variant`` and get_bwd_config(D, **config)."""

@@ -165,7 +165,7 @@ ONE_HEAD_DIM = {
 
 
 @pytest.mark.parametrize("variant", ["atomic_dq", "overlap", "overlap_dk", "stages3", "m128", "p_smem", "dq_tiled",
-                                     "dkdv_tma"])
+                                     "dkdv_tma", "exp2_emu"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("case", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
 def test_schedule_variants_match_float64(case, D, variant):
@@ -187,11 +187,13 @@ def test_schedule_variants_match_float64(case, D, variant):
 # mask (partial and full tiles, the next step's from the tables); dq_tiled (the tiled dQ staging the defaults had
 # before dq_frag, which 160 keeps); persistent (CTAs walking tile lists, K / V reloaded under the last tile's stores: 3
 # CTAs, so that each walks many tiles, from the shapes' lists or, under the document mask, the tables'); dkdv_tma (dK /
-# dV through the dQ staging tiles by TMA; the padded pairs keep their stores).
+# dV through the dQ staging tiles by TMA; the padded pairs keep their stores); exp2_emu (half of P's exp2 by a
+# polynomial on the FMA pipe).
 WIDE_VARIANT_CASES = VARIANT_CASES + [("document", None, "document", 1, 2, 2, 900, 900, None)]
 
 
-@pytest.mark.parametrize("variant", ["dq_bufs1", "dq_bufs2", "overlap", "serial", "dq_tiled", "persistent", "dkdv_tma"])
+@pytest.mark.parametrize("variant", ["dq_bufs1", "dq_bufs2", "overlap", "serial", "dq_tiled", "persistent", "dkdv_tma",
+                                     "exp2_emu"])
 @pytest.mark.parametrize("dims", [(256, 256), (192, 128), (160, 160), (192, 192)], ids=_dims_id)
 @pytest.mark.parametrize("case", WIDE_VARIANT_CASES, ids=[c[0] for c in WIDE_VARIANT_CASES])
 def test_wide_variants_match_float64(case, dims, variant):

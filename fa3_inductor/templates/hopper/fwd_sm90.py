@@ -137,6 +137,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..exp2_fma import exp2_tile, split_cols
 from ..modgen import kernel_score_mod, kv_affine_of, mask_and_of, mod_info, out_range_of, sfu_ops_of
 from ..wide_scores import wide_scores
 from ..sink_args import sink_bufs as kernel_sink_bufs
@@ -210,7 +211,7 @@ class ModFlags:
     EVEN_N: bool          # N % BLOCK_N == 0: no KV tile crosses N (no bound mask, no index clamp)
     KV_AFFINE: bool       # `score + alpha(b, h)·kv + B(b, h, q)` evaluated as column / tile / row parts
     FIXED_BASE: bool      # bounded score_mod, MAX not asked for: exp2 against a fixed base, no row max
-    EXP2_EMU: bool        # half of the score columns' exp2 on the FMA pipe (_exp2_fma) instead of MUFU
+    EXP2_EMU: bool        # half of the score columns' exp2 on the FMA pipe (exp2_fma.py) instead of MUFU
     HAS_SINKS: bool = False   # sink_bufs holds SINKS: the epilogue adds each head's sink (_with_sink)
     WIDE_SCORES: bool = False  # the score_mod may return huge finite values: exp2's argument is the rounded
                                # score minus the rounded max, not one FFMA (templates/wide_scores.py)
@@ -580,58 +581,6 @@ def _affine_rows(SCORE_MOD: gl.constexpr, sm_scale, b, h, row0, q_idx_c, bufs):
     return gl.sum(r, axis=1)
 
 
-# 2^f on [-0.5, 0.5] as 1 + f*(C1 + f*(C2 + f*C3)): relative-error fit with p(0) = 1 exactly (so that
-# 2^-inf comes out as +0.0, see _exp2_fma); max relative error 1.01e-4 (numpy, float32, 1e6 points), 19x
-# under bf16's half-ulp 2^-9 that P is rounded to anyway.
-EXP2_C1 = gl.constexpr(0.6932829022407532)
-EXP2_C2 = gl.constexpr(0.2422107756137848)
-EXP2_C3 = gl.constexpr(0.055008821189403534)
-
-
-@gluon.jit
-def _exp2_fma(x):
-    """2^x for x <= 0 (-inf -> +0.0) on the FMA/ALU pipes instead of MUFU.EX2 (FlashAttention-4's way
-    to relieve the special-function unit): x = j + f with j = round(x) by a magic-number add (no F2I),
-    2^f by the polynomial above, and j added into the exponent field. 9 FMA/ALU instructions."""
-    x = gl.maximum(x, -127.0)
-    t = x + 12582912.0                   # 1.5 * 2^23: t's low mantissa bits now hold round(x)
-    f = x - (t - 12582912.0)             # in [-0.5, 0.5]
-    p = (EXP2_C3 * f + EXP2_C2) * f + EXP2_C1
-    p = p * f + 1.0
-    # (bits of t) << 23 == round(x) << 23 (mod 2^32): shifts the magic's bits out, keeps j's.
-    # j = -127 (x = -inf) with p(0) = 1 lands exactly on the bits of +0.0.
-    bits = p.to(gl.int32, bitcast=True) + (t.to(gl.int32, bitcast=True) << 23)
-    return bits.to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _split_cols(x):
-    """[R, C] -> columns [0, C/2) and [C/2, C). Column bits >= 3 of the wgmma accumulator layout live in
-    a thread's registers, so this (and _join_cols) moves no data."""
-    R: gl.constexpr = x.shape[0]
-    C: gl.constexpr = x.shape[1]
-    return gl.split(gl.permute(gl.reshape(x, [R, 2, C // 2]), (0, 2, 1)))
-
-
-@gluon.jit
-def _join_cols(a, b, layout: gl.constexpr):
-    R: gl.constexpr = a.shape[0]
-    C: gl.constexpr = a.shape[1]
-    return gl.convert_layout(gl.reshape(gl.permute(gl.join(a, b), (0, 2, 1)), [R, 2 * C]), layout)
-
-
-@gluon.jit
-def _exp2_tile(x, EXP2_EMU: gl.constexpr):
-    """exp2 of a score tile; EXP2_EMU: the upper half of its columns by _exp2_fma (the FMA pipe)."""
-    layout: gl.constexpr = x.type.layout
-    if EXP2_EMU:
-        lo, hi = _split_cols(x)
-        p = _join_cols(gl.exp2(lo), _exp2_fma(hi), layout)
-    else:
-        p = gl.exp2(x)
-    return p
-
-
 @gluon.jit
 def _mul_rn(a, b):
     """a * b rounded to fp32 and never contracted into an FMA with a later add (PTX mul.rn)."""
@@ -657,7 +606,7 @@ def _online_softmax(s, shift, m_i, m_run, l_i, qk_scale, p_layout: gl.constexpr,
     exp2 bias, never a per-score instruction.
     """
     if FLAGS.FIXED_BASE:
-        p = _exp2_tile(s * qk_scale - m_run[:, None], FLAGS.EXP2_EMU)
+        p = exp2_tile(s * qk_scale - m_run[:, None], FLAGS.EXP2_EMU)
         l_new = l_i + gl.sum(p, axis=1)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         alpha_o = gl.convert_layout(gl.full_like(l_i, 1.0), gl.SliceLayout(1, o_layout))  # unused
@@ -680,9 +629,9 @@ def _online_softmax(s, shift, m_i, m_run, l_i, qk_scale, p_layout: gl.constexpr,
     if FLAGS.KV_AFFINE:
         m_base = m_base - shift * qk_scale
     if FLAGS.WIDE_SCORES:
-        p = _exp2_tile(_mul_rn(s, qk_scale) - m_base[:, None], FLAGS.EXP2_EMU)
+        p = exp2_tile(_mul_rn(s, qk_scale) - m_base[:, None], FLAGS.EXP2_EMU)
     else:
-        p = _exp2_tile(s * qk_scale - m_base[:, None], FLAGS.EXP2_EMU)
+        p = exp2_tile(s * qk_scale - m_base[:, None], FLAGS.EXP2_EMU)
     l_new = l_i * alpha + gl.sum(p, axis=1)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     # Row vectors of the S and O accumulators hold the same rows in the same threads: a free conversion.
@@ -771,7 +720,7 @@ def _lg2_approx(x):
 def _row_max_halves(s):
     """Row max of a score tile as max(left half, right half) per element, then the row reduction: each thread's
     dependent FMNMX chain is half as long (a thread holds BLOCK_N / 4 columns of each of its two rows)."""
-    lo, hi = _split_cols(s)
+    lo, hi = split_cols(s)
     return gl.convert_layout(gl.max(gl.maximum(lo, hi), axis=1), gl.SliceLayout(1, s.type.layout))
 
 
@@ -851,7 +800,7 @@ def _online_softmax_fp8(s, shift, m_i, m_run, l_i, qk_scale, deq, v_shift, p_lay
         x = s * c[:, None] - (m_base + S32_MAGIC * c)[:, None]
     else:
         x = s * (deq * qk_scale)[:, None] - m_base[:, None]
-    p = _exp2_tile(x, FLAGS.EXP2_EMU)
+    p = exp2_tile(x, FLAGS.EXP2_EMU)
     l_new = l_i * alpha + gl.sum(p, axis=1) * gl.exp2(-v_shift)
     p_op = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
     alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
