@@ -184,7 +184,7 @@ def ours(q, k, v, dout, variant, scale, backward_family="hopper", schedule="defa
 
         # the schedule's fields over the row the host would pick for this launch
         traits = launch_traits(bwd_opts.get("score_mod"), bwd_opts.get("score_grad_mod"), bwd_opts.get("mask_mod"),
-                               "kv_num_blocks" in bwd_opts)
+                               "kv_num_blocks" in bwd_opts, M)
         try:
             bwd_opts["config"] = get_bwd_config(D, Dv, **traits, **SCHEDULES[schedule])
         except ValueError as e:

@@ -109,7 +109,7 @@ def plan_case(case: str, seqlen: int, head_dim: int = 64, value_head_dim: int | 
     fwd_opts, bwd_opts = _our_options(case, heads, seqlen, seqlen, "gl", device=device)
     if schedule or overrides:   # the named schedule / fields over the row the host would pick (as bwd_speed does)
         traits = launch_traits(bwd_opts.get("score_mod"), bwd_opts.get("score_grad_mod"), bwd_opts.get("mask_mod"),
-                               "kv_num_blocks" in bwd_opts)
+                               "kv_num_blocks" in bwd_opts, seqlen)
         bwd_opts["config"] = get_bwd_config(head_dim, dv, **traits, **SCHEDULES[schedule or "default"],
                                             **(overrides or {}))
     # the forward's plan asks the GPU for its SM count: a dry run plans the backward only

@@ -140,7 +140,8 @@ def _wide_curved():
 def test_kv96_plan(mask):
     """192 / 128 without a mask takes 96-key tiles with the late dQ (bwd_sm90_k96.py): softcap in the grid's order
     (configs.WIDE_KV96_LAG), no mod on persistent CTAs storing dK / dV by TMA (WIDE_PLAIN_KV96_PERSISTENT). Exactly
-    causal without a score_mod: persistent 96-key CTAs storing dK / dV by TMA (WIDE_CAUSAL_KV96). The wide kernel
+    causal without a score_mod: persistent 96-key CTAs storing dK / dV by TMA (WIDE_CAUSAL_KV96), with the late dQ from
+    16k query rows (WIDE_CAUSAL_KV96_LAG_FROM). The wide kernel
     under a mask with a score_mod or under tables, and with ALiBi."""
     from test_hopper_bwd_compile import _combined_options, _options
 
@@ -169,6 +170,9 @@ def test_kv96_plan(mask):
     assert kernel is fa3_bwd_sm90_k96_kernel and kwargs["MASK_MOD"] is not None
     assert kwargs["TILE"] == K96Tile(NUM_STAGES=2, CAUSAL=True, PERSISTENT=True, DKDV_TMA=True)
     assert [list(d.block_shape) for d in args[10:13]] == [[1, 1, 32, 128], [1, 1, 32, 64], [1, 1, 32, 128]]
+    # from 16k query rows on, the late dQ too (configs.WIDE_CAUSAL_KV96_LAG_FROM)
+    long = _plan(192, 128, M=16384, N=16384, **_options("causal", 16384, 16384))[1]
+    assert long[2]["TILE"] == K96Tile(NUM_STAGES=2, CAUSAL=True, DQ_LAG=True, PERSISTENT=True, DKDV_TMA=True)
 
 
 def test_wide_overlap_for_plain_launches():

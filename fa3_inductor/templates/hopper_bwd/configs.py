@@ -180,6 +180,13 @@ WIDE_CAUSAL_KV96 = ((192, 128),)
 # kv96_persistent_tma in the same run).
 WIDE_PLAIN_KV96_PERSISTENT = ((192, 128),)
 
+# Wide pairs whose exactly causal launches without a score_mod take the late dQ on persistent 96-key CTAs
+# (VARIANTS["kv96_lag_persistent_tma"]) from this query length on: where causal tiles walk many steps, its cheaper step
+# outweighs its dearer tile (ten values reloaded a step under causal). H200, backward over kv96_persistent_tma at 4k /
+# 8k / 16k: 1.000 / 1.017 / 1.026 (bwd-speed-nvidia-h200-2026-11-30-1006-lag-causal; the rule written before the run:
+# from the first length >= 1.02 with every longer one, so 16k).
+WIDE_CAUSAL_KV96_LAG_FROM = {(192, 128): 16384}
+
 # Tiles whose launches store dK / dV through the dQ staging tiles by TMA (VARIANTS["dkdv_tma"]; the 96-key schedules set
 # it themselves; padded pairs and packed sequences keep their stores). H200, backward over the gl.store epilogue at 4k /
 # 8k, each rule written before its run (docs/design/hopper_backward.md, "dK / dV by TMA ..."):
@@ -273,13 +280,13 @@ VARIANTS: dict[str, dict[str, bool]] = {
 
 def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: bool = False, masked: bool = False,
                    curved: bool = False, causal: bool = False, packed: bool = False, plain: bool = False,
-                   no_score_mod: bool = False, **overrides) -> BwdSm90Config:
+                   no_score_mod: bool = False, query_len: int = 0, **overrides) -> BwdSm90Config:
     """The table's tiles for a head dim (q/k ``head_dim``, v ``value_head_dim``, default the same), with optional
     field overrides (tests, sweeps). What the launch has picks the row (host.prepare_hopper_backward says it):
     ``grad_mod``, a score_mod whose derivative is not 1 and no mask_mod; ``masked``, block-mask tables; ``curved``, a
     score_mod whose derivative is not 1, with or without a mask_mod; ``causal``, an exactly causal mask_mod's tables;
     ``packed``, packed sequences (varlen.py); ``plain``, no score_mod and no mask_mod; ``no_score_mod``, no score_mod
-    (with or without a mask).
+    (with or without a mask); ``query_len``, the launch's query rows (0: not known).
 
     Example::
 
@@ -306,6 +313,9 @@ def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: b
         [True, False, True, True]
         >>> get_bwd_config(192, 128, curved=True).dkdv_tma   # (softcap without a mask: kv96_lag, its own stores)
         False
+        >>> [get_bwd_config(192, 128, masked=True, causal=True, no_score_mod=True, query_len=n).overlap
+        ...  for n in (8192, 16384)]
+        [0, 1]
     """
     pair = (head_dim, value_head_dim or head_dim)
     tiles = tile_head_dims(*pair)   # the row of the tiles that serve the pair (80 / 96: 128; 160 / 192: 256)
@@ -320,7 +330,8 @@ def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: b
         if plain and tiles == pair and tiles in WIDE_PLAIN_KV96_PERSISTENT and not packed:
             cfg = replace(cfg, **VARIANTS["kv96_lag_persistent_tma"])
         if causal and no_score_mod and tiles == pair and tiles in WIDE_CAUSAL_KV96 and not packed:
-            cfg = replace(cfg, **VARIANTS["kv96_persistent_tma"])
+            long = query_len >= WIDE_CAUSAL_KV96_LAG_FROM.get(tiles, float("inf"))
+            cfg = replace(cfg, **VARIANTS["kv96_lag_persistent_tma" if long else "kv96_persistent_tma"])
     elif pair[0] != pair[1] or head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"sm90 backward: head dims {pair[0]}/{pair[1]} are not served (it serves "
                          f"{', '.join(f'{d}/{dv}' for d, dv in SUPPORTED_HEAD_DIM_PAIRS)}); use the generic "

@@ -314,23 +314,27 @@ def _check_scratch(scratch: Sequence[torch.Tensor], shapes: tuple[tuple, tuple],
                 "sparse_q_block=...) for this call")
 
 
-def launch_traits(score_mod: Any, score_grad_mod: Any, mask_mod: Any, has_mask: bool) -> dict[str, bool]:
+def launch_traits(score_mod: Any, score_grad_mod: Any, mask_mod: Any, has_mask: bool,
+                  query_len: int = 0) -> dict[str, Any]:
     """What of a launch picks its config (configs.get_bwd_config's keywords): ``grad_mod``, a score_mod whose
     derivative is not 1 without a mask_mod (one compiled in spills at the wider overlap: docs/design/hopper_backward.md,
     "Cross-step overlap"); ``masked``, block-mask tables; ``curved``, a score_mod derivative other than 1, masked or
     not (the wide kernel's overlap loses with it); ``causal``, block-mask tables of an exactly causal mask_mod (the wide
     kernel walks them without the tables); ``plain``, no score_mod, mask_mod or block mask (192 / 128: 96-key tiles);
-    ``no_score_mod``, no score_mod (192 / 128 causal: 96-key tiles).
+    ``no_score_mod``, no score_mod (192 / 128 causal: 96-key tiles); ``query_len``, the query rows (long causal launches
+    at 192 / 128: the late dQ).
 
     Example::
 
-        >>> launch_traits(None, None, None, has_mask=True)
-        {'grad_mod': False, 'masked': True, 'curved': False, 'causal': False, 'plain': False, 'no_score_mod': True}
+        >>> traits = launch_traits(None, None, None, has_mask=True, query_len=4096)
+        >>> traits["masked"], traits["causal"], traits["plain"], traits["no_score_mod"], traits["query_len"]
+        (True, False, False, True, 4096)
     """
     curved = _curved(score_grad_mod)
     return dict(grad_mod=curved and mask_mod is None, masked=has_mask, curved=curved,
                 causal=has_mask and is_causal_mask_mod(mask_mod),
-                plain=score_mod is None and mask_mod is None and not has_mask, no_score_mod=score_mod is None)
+                plain=score_mod is None and mask_mod is None and not has_mask, no_score_mod=score_mod is None,
+                query_len=query_len)
 
 
 def _curved(score_grad_mod: Any) -> bool:
@@ -474,7 +478,7 @@ def prepare_hopper_backward(
     Z, HQ, M, D = q.shape
     KZ, HKV, N, DV = v.shape
     # the table's row for what the launch has (launch_traits: the mods' derivatives, a block mask)
-    cfg = config or get_bwd_config(D, DV, **launch_traits(score_mod, score_grad_mod, mask_mod, has_mask))
+    cfg = config or get_bwd_config(D, DV, **launch_traits(score_mod, score_grad_mod, mask_mod, has_mask, M))
     # 80 / 96: the 128 tiles, 160 / 192 (v's the same): the 256 tiles, zero columns past D (configs.PADDED_*)
     DT, DVT = tile_head_dims(D, DV)
     d_in = D if DT != D else 0   # the tiles' HEAD_D_IN: the tensors' columns when fewer than the tiles'
