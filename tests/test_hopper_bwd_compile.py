@@ -325,13 +325,18 @@ def test_wide_head_dims_compile(D, DV, variant):
 # default of exactly causal launches without a score_mod, configs.WIDE_CAUSAL_KV96) stores dK / dV through the dQ
 # staging tiles: stmatrix with transpose (STSM.16.MT88.4, 10 a warp) and TMA stores (UTMASTG), 53 spill instructions
 # outside the loops (the persistent walk's head-level values), none in them. kv96_lag_persistent_tma (the default
-# without a score_mod or a mask, configs.WIDE_PLAIN_KV96_PERSISTENT) 125 outside the loops, none in them.
+# without a score_mod or a mask, configs.WIDE_PLAIN_KV96_PERSISTENT) 125 outside the loops, none in them; under
+# causal (the default from 16k query rows, configs.WIDE_CAUSAL_KV96_LAG_FROM) 212, with 10 / 10 / 4 reloads in the
+# loops of loop-invariant values (a 64-bit pointer pair of the loop's exit test, values moved to uniform registers):
+# measured, its causal step at 16k runs at noop's late-dQ rate (docs/design/hopper_backward.md).
 K96_SPILLS = {("kv96", "causal"): (22, 40), ("kv96", "softcap"): (2, 8), ("kv96_lag", "noop"): (44, 56),
               ("kv96_lag", "softcap"): (65, 56), ("kv96_persistent_tma", "causal"): (53, 56),
-              ("kv96_lag_persistent_tma", "noop"): (125, 104)}
+              ("kv96_lag_persistent_tma", "noop"): (125, 104), ("kv96_lag_persistent_tma", "causal"): (212, 200)}
+K96_LOOP_SPILLS = {("kv96_lag_persistent_tma", "causal"): 10}   # the busiest loop's LDL / STL, where not 0
 K96_CASES = [("kv96", v) for v in WIDE_VARIANTS] + [("kv96_lag", "noop"), ("kv96_lag", "softcap"),
                                                      ("kv96_persistent_tma", "causal"),
-                                                     ("kv96_lag_persistent_tma", "noop")]
+                                                     ("kv96_lag_persistent_tma", "noop"),
+                                                     ("kv96_lag_persistent_tma", "causal")]
 
 
 @pytest.mark.parametrize("schedule, variant", K96_CASES)
@@ -351,18 +356,21 @@ def test_kv96_compile(schedule, variant):
     assert "HGMMA.64x32x16.F32.BF16" in main.sass
     assert {160, 24} <= main.setmaxnreg, f"setmaxnreg: {main.setmaxnreg}"
     assert len(loops) == 3, f"expected one step loop per consumer warpgroup, got {[len(b) for b in loops]}"
-    assert not any("LDL" in t or "STL" in t for body in loops for t in body), "spill in a step loop"
+    loop_spills = max(sum("LDL" in t or "STL" in t for t in body) for body in loops)
+    assert loop_spills <= K96_LOOP_SPILLS.get((schedule, variant), 0), f"{loop_spills} spills in a step loop"
     assert max(_top_register(b) for b in loops) <= 168   # (the default partition, warpgroup 0, gets the rest: 168)
     max_spills, max_stack = K96_SPILLS.get((schedule, variant), (0, 0))
     assert main.spill_instructions <= max_spills and main.stack <= max_stack, (main.spill_instructions, main.stack)
     assert "UTMAREDG" in main.sass and cfg.smem_bytes(192, value_head_dim=128) <= main.shared <= SMEM_LIMIT
     epilogue_tma = ("STSM.16.MT88.4" in main.sass, "UTMASTG" in main.sass, "STG.E.U16" in main.sass)
     assert epilogue_tma == ((True, True, False) if cfg.dkdv_tma else (False, False, True)), epilogue_tma
-    picks = {"causal": (dict(masked=True, causal=True, no_score_mod=True), "kv96_persistent_tma"),
-             "noop": (dict(plain=True, no_score_mod=True), "kv96_lag_persistent_tma")}
-    if variant in picks:
-        traits, pick = picks[variant]
-        assert get_bwd_config(192, 128, **traits) == get_bwd_config(192, 128, **VARIANTS[pick]), f"{variant}'s pick"
+    causal = dict(masked=True, causal=True, no_score_mod=True)
+    picks = {("kv96_persistent_tma", "causal"): dict(causal, query_len=8192),
+             ("kv96_lag_persistent_tma", "causal"): dict(causal, query_len=16384),
+             ("kv96_lag_persistent_tma", "noop"): dict(plain=True, no_score_mod=True)}
+    if (schedule, variant) in picks:
+        traits = picks[schedule, variant]
+        assert get_bwd_config(192, 128, **traits) == get_bwd_config(192, 128, **VARIANTS[schedule]), "the host's pick"
     for r in (pre, convert):
         assert r.spill_instructions == 0 and r.stack == 0
 
