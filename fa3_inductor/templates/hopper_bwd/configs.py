@@ -61,8 +61,9 @@ class BwdSm90Config:
                                  # (an exactly causal mask_mod is walked) or packed sequences
     dkdv_tma: bool = False       # dK / dV stored through the warpgroups' dQ staging tiles by TMA (kv96; bwd_sm90.py at
                                  # D = 64 / 128 with dq_tma, dense), else stored from the accumulators' registers
-    exp2_emu: bool = False       # half of P's exp2 on the FMA pipe (templates/exp2_fma.py), off the MUFU that a score_mod
-                                 # like softcap's tanh also needs per score (the forward's sfu_mod_exp2_emu)
+    exp2_emu: bool = False       # half of P's exp2 on the FMA pipe (templates/exp2_fma.py), off the MUFU that a
+                                 # score_mod like softcap's tanh also needs per score (the forward's sfu_mod_exp2_emu);
+                                 # an A/B variant: 0.93-1.00x on softcap's backward (bwd-speed-…-1005-exp2-emu)
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, value_head_dim: int | None = None) -> int:
         """Shared memory of K, V, the Q / dO ring, P, the two dS buffers and the dQ staging tiles (no score_mod),
