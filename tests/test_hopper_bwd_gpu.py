@@ -217,8 +217,9 @@ def test_wide_variants_match_float64(case, dims, variant):
 # kv96_lag: each step's dQ issued in the next step (the last one's after the loop, the first one's dropped);
 # kv96_persistent: 3 CTAs walking lists of tiles (K / V reloaded after each tile, the ring and dS buffers carried on).
 # _tma: dK / dV stored through the dQ staging tiles by TMA (rows past N clipped by the descriptors).
+# _rs: dQ's wgmma over a warpgroup's own keys with its dS in registers.
 @pytest.mark.parametrize("variant", ["kv96", "kv96_lag", "kv96_persistent", "kv96_lag_tma", "kv96_persistent_tma",
-                                     "kv96_lag_persistent_tma"])
+                                     "kv96_lag_persistent_tma", "kv96_persistent_tma_rs"])
 @pytest.mark.parametrize("case", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
 def test_kv96_matches_float64(case, variant):
     from fa3_inductor.templates.hopper_bwd import get_bwd_config
