@@ -165,7 +165,7 @@ ONE_HEAD_DIM = {
 
 
 @pytest.mark.parametrize("variant", ["atomic_dq", "overlap", "overlap_dk", "stages3", "m128", "p_smem", "dq_tiled",
-                                     "dkdv_tma", "exp2_emu"])
+                                     "dkdv_tma"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("case", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
 def test_schedule_variants_match_float64(case, D, variant):
@@ -187,13 +187,11 @@ def test_schedule_variants_match_float64(case, D, variant):
 # mask (partial and full tiles, the next step's from the tables); dq_tiled (the tiled dQ staging the defaults had
 # before dq_frag, which 160 keeps); persistent (CTAs walking tile lists, K / V reloaded under the last tile's stores: 3
 # CTAs, so that each walks many tiles, from the shapes' lists or, under the document mask, the tables'); dkdv_tma (dK /
-# dV through the dQ staging tiles by TMA; the padded pairs keep their stores); exp2_emu (half of P's exp2 by a
-# polynomial on the FMA pipe).
+# dV through the dQ staging tiles by TMA; the padded pairs keep their stores).
 WIDE_VARIANT_CASES = VARIANT_CASES + [("document", None, "document", 1, 2, 2, 900, 900, None)]
 
 
-@pytest.mark.parametrize("variant", ["dq_bufs1", "dq_bufs2", "overlap", "serial", "dq_tiled", "persistent", "dkdv_tma",
-                                     "exp2_emu"])
+@pytest.mark.parametrize("variant", ["dq_bufs1", "dq_bufs2", "overlap", "serial", "dq_tiled", "persistent", "dkdv_tma"])
 @pytest.mark.parametrize("dims", [(256, 256), (192, 128), (160, 160), (192, 192)], ids=_dims_id)
 @pytest.mark.parametrize("case", WIDE_VARIANT_CASES, ids=[c[0] for c in WIDE_VARIANT_CASES])
 def test_wide_variants_match_float64(case, dims, variant):
@@ -217,9 +215,8 @@ def test_wide_variants_match_float64(case, dims, variant):
 # kv96_lag: each step's dQ issued in the next step (the last one's after the loop, the first one's dropped);
 # kv96_persistent: 3 CTAs walking lists of tiles (K / V reloaded after each tile, the ring and dS buffers carried on).
 # _tma: dK / dV stored through the dQ staging tiles by TMA (rows past N clipped by the descriptors).
-# _rs: dQ's wgmma over a warpgroup's own keys with its dS in registers.
 @pytest.mark.parametrize("variant", ["kv96", "kv96_lag", "kv96_persistent", "kv96_lag_tma", "kv96_persistent_tma",
-                                     "kv96_lag_persistent_tma", "kv96_persistent_tma_rs"])
+                                     "kv96_lag_persistent_tma"])
 @pytest.mark.parametrize("case", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
 def test_kv96_matches_float64(case, variant):
     from fa3_inductor.templates.hopper_bwd import get_bwd_config

@@ -2,9 +2,9 @@
 
 A Hopper SM issues 16 MUFU operations a clock against 128 FP32 FMAs. Where a score_mod spends MUFU per score
 (softcap's tanh), tanh and the softmax's exp2 together are what a step waits on; computing half of the exp2s by a
-polynomial moves them to the idle FMA pipe (FlashAttention-4's technique). Both Hopper kernel families use it: the
-forward (hopper/fwd_sm90.py, FLAGS.EXP2_EMU) and the backward (hopper_bwd, BwdFlags.EXP2_EMU), so that the
-backward recomputes P from the same arithmetic the forward summed.
+polynomial moves them to the idle FMA pipe (FlashAttention-4's technique). The Hopper forward uses it for such mods at
+D64 (hopper/fwd_sm90.py, FLAGS.EXP2_EMU). The backward tried it and was 0-7% slower (its step is not MUFU-bound:
+docs/design/hopper_backward.md, "Half of P's exp2 on the FMA pipe").
 
 Notation: x is a [rows, cols] fp32 tile in a wgmma accumulator layout; the column bits >= 3 of that layout live in
 one thread's registers, so splitting the columns in two halves and joining them back moves no data.

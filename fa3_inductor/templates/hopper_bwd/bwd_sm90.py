@@ -102,8 +102,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..exp2_fma import exp2_tile
-
 LOG2E = 1.4426950408889634
 
 
@@ -188,8 +186,6 @@ class BwdFlags:
                                 # since the contracted FFMA can exceed 0 by half an ulp of LSE (wide_scores.py)
     GRAD_FINITE: bool = False   # SCORE_GRAD is finite wherever S is (modgen.ModInfo.finite): P = 0 zeroes dS
                                 # without the select that keeps a non-finite f' out of masked scores
-    EXP2_EMU: bool = False      # half of P's exp2 on the FMA pipe (templates/exp2_fma.py; configs.exp2_emu), the
-                                # forward's arithmetic where it does the same
 
 
 @dataclass(frozen=True)
@@ -448,7 +444,7 @@ def _probabilities(qk, lse, z, hq, q_idx, kv_idx, is_partial, sm_scale, qk_scale
     x = s * qk_scale2 - lse[:, None]
     if not FLAGS.EVEN_N or FLAGS.WIDE_SCORES:
         x = gl.minimum(x, 0.0)
-    return exp2_tile(x, FLAGS.EXP2_EMU)
+    return gl.exp2(x)
 
 
 @gluon.jit

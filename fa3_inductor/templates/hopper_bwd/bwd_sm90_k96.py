@@ -88,8 +88,6 @@ class K96Tile:
                                # PERSISTENT): the next tile's K and V load while this one's dK and dV are stored
     DKDV_TMA: bool = False     # dK and dV rows written through the warpgroup's dQ staging tile by TMA stores (else
                                # 2-byte stores from the transposed accumulators, 80 a thread)
-    DQ_OWN_RS: bool = False    # (not DQ_LAG) dQ's wgmma over the warpgroup's own 32 keys takes its dS from registers
-                               # (the A operand in registers: 2 KB less shared memory read a step and warpgroup)
 
     @property
     def BLOCK_M(self) -> int:
@@ -305,12 +303,8 @@ def _consumer_tile(WG: gl.constexpr, n0, kvh, kv_phase, cnt, descs, bars, smem, 
                     tma.store_wait(0)   # the last reduce-add has read the staging tile
                     _frag_reduce_add(dq, dq_smem.index(WG), dq_desc, prev_zh, prev_m0, WG * 64, TILE.HEAD_D)
             dp, _do, _v = warpgroup_mma_wait(1, deps=[dp_tok, do_t, v_w])
-            ds = _ds(dp, delta, p_ds, p_w, p_w, s_layout, SCORE_GRAD is not None, True).to(dtype)
-            ds_w.store(ds)
-            if TILE.DQ_OWN_RS:   # this warpgroup's dS as dQ's A operand, held until dQ retires
-                ds_own = gl.convert_layout(ds, gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2))
-            else:
-                ds_own = ds
+            ds = _ds(dp, delta, p_ds, p_w, p_w, s_layout, SCORE_GRAD is not None, True)
+            ds_w.store(ds.to(dtype))
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(ds_ready.index(buf), count=1)
@@ -326,11 +320,8 @@ def _consumer_tile(WG: gl.constexpr, n0, kvh, kv_phase, cnt, descs, bars, smem, 
                 prev_m0 = m0
             else:
                 mbarrier.wait(ds_ready.index(buf), (cnt // 2) & 1)
-                dq_tok = _dq_issue(buf, zero, k_lo_smem, k_hi_smem, ds_smem, dq_zero, WG, TILE, ds_own)
-                if TILE.DQ_OWN_RS:
-                    dq, _own = warpgroup_mma_wait(0, deps=[dq_tok, ds_own])
-                else:
-                    dq = warpgroup_mma_wait(0, deps=[dq_tok])
+                dq = warpgroup_mma_wait(0, deps=[_dq_issue(buf, zero, k_lo_smem, k_hi_smem, ds_smem, dq_zero, WG,
+                                                           TILE)])
                 tma.store_wait(0)   # the last reduce-add has read the staging tile
                 _frag_reduce_add(dq, dq_smem.index(WG), dq_desc, zh, m0, WG * 64, TILE.HEAD_D)
             cnt += 1
@@ -352,19 +343,15 @@ def _consumer_tile(WG: gl.constexpr, n0, kvh, kv_phase, cnt, descs, bars, smem, 
 
 
 @gluon.jit
-def _dq_issue(buf, zero, k_lo_smem, k_hi_smem, ds_smem, dq_zero, WG: gl.constexpr, TILE: gl.constexpr, ds_own=None):
+def _dq_issue(buf, zero, k_lo_smem, k_hi_smem, ds_smem, dq_zero, WG: gl.constexpr, TILE: gl.constexpr):
     """Issue dQ[:, 64 WG : 64 WG + 64] = sum over the three warpgroups' keys v of dS_v (buffer buf) K_v[:, those
-    columns]: three wgmmas into one accumulator; returns its token. TILE.DQ_OWN_RS: dS_WG is ``ds_own``, in
-    registers."""
+    columns]: three wgmmas into one accumulator; returns its token."""
     KEYS_WG: gl.constexpr = TILE.KEYS_WG
     LO: gl.constexpr = TILE.LO
     HI: gl.constexpr = TILE.HI
     tok = dq_zero
     for v in gl.static_range(3):
-        if TILE.DQ_OWN_RS and v == WG:
-            ds_v = ds_own
-        else:
-            ds_v = ds_smem.index(buf * 3 + v + zero)
+        ds_v = ds_smem.index(buf * 3 + v + zero)
         if WG == 2:
             k_cols = k_hi_smem.index(v + zero).reshape([KEYS_WG, HI])
         else:

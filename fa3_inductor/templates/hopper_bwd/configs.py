@@ -61,11 +61,6 @@ class BwdSm90Config:
                                  # (an exactly causal mask_mod is walked) or packed sequences
     dkdv_tma: bool = False       # dK / dV stored through the warpgroups' dQ staging tiles by TMA (kv96; bwd_sm90.py at
                                  # D = 64 / 128 with dq_tma, dense), else stored from the accumulators' registers
-    dq_own_rs: bool = False      # kv96 without the late dQ: dQ's wgmma over a warpgroup's own keys reads its dS from
-                                 # registers (bwd_sm90_k96's DQ_OWN_RS; its step is bound by shared-memory reads)
-    exp2_emu: bool = False       # half of P's exp2 on the FMA pipe (templates/exp2_fma.py), off the MUFU that a
-                                 # score_mod like softcap's tanh also needs per score (the forward's sfu_mod_exp2_emu);
-                                 # an A/B variant: 0.93-1.00x on softcap's backward (bwd-speed-…-1005-exp2-emu)
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, value_head_dim: int | None = None) -> int:
         """Shared memory of K, V, the Q / dO ring, P, the two dS buffers and the dQ staging tiles (no score_mod),
@@ -274,12 +269,8 @@ VARIANTS: dict[str, dict[str, bool]] = {
     "kv96_persistent_tma": {**_KV96, "overlap": 0, "persistent": True, "dkdv_tma": True},
     # and the three together (under causal it reloads ten loop-invariant values a step: 10 / 10 / 4 LDL in the loops)
     "kv96_lag_persistent_tma": {**_KV96, "overlap": 1, "persistent": True, "dkdv_tma": True},
-    # the causal default with dQ's own-key wgmma reading dS from registers (bwd_sm90_k96's DQ_OWN_RS)
-    "kv96_persistent_tma_rs": {**_KV96, "overlap": 0, "persistent": True, "dkdv_tma": True, "dq_own_rs": True},
     # D64 / D128 (bwd_sm90.py): dK / dV through the dQ staging tiles by TMA
     "dkdv_tma": {"dkdv_tma": True},
-    # half of P's exp2 by a polynomial on the FMA pipe (every kernel of the family)
-    "exp2_emu": {"exp2_emu": True},
 }
 
 

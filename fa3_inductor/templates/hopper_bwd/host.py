@@ -374,8 +374,7 @@ def _flags(cfg: BwdSm90Config, group: int, fold: bool, even_n: bool, score_mod: 
     """The FLAGS bundle of a launch whose launched mods (_launched_mods) are ``score_mod`` / ``score_grad_mod``."""
     return BwdFlags(GQA_GROUP=group, FOLD_SCALE=fold, EVEN_N=even_n, CONSUMER_REGS=cfg.consumer_regs,
                     PRODUCER_REGS=cfg.producer_regs, WIDE_SCORES=wide_scores(score_mod, compiled=True),
-                    GRAD_FINITE=score_grad_mod is not None and mod_info(score_grad_mod).finite,
-                    EXP2_EMU=cfg.exp2_emu)
+                    GRAD_FINITE=score_grad_mod is not None and mod_info(score_grad_mod).finite)
 
 
 def _register_rules(cfg: BwdSm90Config, score_mod: Any, masked: bool, DT: int) -> tuple[bool, bool]:
@@ -490,9 +489,6 @@ def prepare_hopper_backward(
                 "(dq_tma=True)")
     if cfg.split_dkv != (DT > 128):
         _refuse(f"config {cfg} does not fit head dims {D}/{DV} (split_dkv is for D > 128)")
-    if cfg.dq_own_rs and (not cfg.kv96 or cfg.overlap != 0):
-        _refuse(f"config {cfg}: dQ's own dS from registers (dq_own_rs) is built for 96-key tiles with dQ in its step "
-                "(kv96, overlap 0)")
     if cfg.kv96 and ((DT, DVT) != (192, 128) or d_in or not cfg.split_dkv or cfg.overlap not in (0, 1)):
         _refuse(f"config {cfg}: 96-key tiles (kv96) are built for q/k 192 with v 128 (overlap 1: each step's dQ in "
                 "the next step)")
@@ -591,7 +587,7 @@ def prepare_hopper_backward(
             _refuse("96-key tiles (kv96) walk no block-mask tables (only an exactly causal mask_mod) and add dQ in "
                     "the fragments' order (dq_frag)")
         k96 = K96Tile(NUM_STAGES=cfg.num_stages, CAUSAL=walk, DQ_LAG=cfg.overlap == 1, PERSISTENT=wide_persistent,
-                      DKDV_TMA=cfg.dkdv_tma, DQ_OWN_RS=cfg.dq_own_rs)
+                      DKDV_TMA=cfg.dkdv_tma)
         out_descs = (_desc(dk, [1, 1, 32, 128]), _desc(dk, [1, 1, 32, 64]), _desc(dv, [1, 1, 32, 128])) \
             if cfg.dkdv_tma else (None, None, None)
         main = (
