@@ -158,7 +158,7 @@ LOG2E = 1.4426950408889634
 class TileShape:
     """Tile sizes and shared-memory rings. A head dim splits into LO + HI columns (split_head_dim): HI = 0 for
     a power of two, else Q / K (V / O) sit in two shared tiles per operand, [.., LO] and [.., HI]."""
-    BLOCK_M: int       # query rows per CTA tile (two consumer warpgroups x HALF_M)
+    BLOCK_M: int       # query rows per CTA tile (CONSUMERS consumer warpgroups x HALF_M)
     BLOCK_N: int       # KV rows per ring stage
     QK_LO: int         # Q / K head-dim columns of the first tile (D itself where D is a power of two)
     QK_HI: int         # Q / K columns of the second tile (0: no second tile)
@@ -166,10 +166,12 @@ class TileShape:
     V_HI: int
     NUM_STAGES: int    # depth of the K ring
     V_STAGES: int      # depth of the V ring
+    CONSUMERS: int = 2   # consumer warpgroups of HALF_M rows each, taking GEMM turns in a ring (3: 16-bit, dense,
+                         # power-of-two head dims, no packed sequences)
 
     @property
     def HALF_M(self) -> int:
-        return self.BLOCK_M // 2
+        return self.BLOCK_M // self.CONSUMERS
 
     @property
     def SPLIT_QK(self) -> bool:
@@ -414,6 +416,7 @@ def _producer(descs, bars, smem, sizes, sp_ptrs, sp_meta, pack_args, TILE: gl.co
     num_tiles, num_m_tiles, HQ, GQA, M, N = sizes
     BLOCK_M: gl.constexpr = TILE.BLOCK_M
     HALF_M: gl.constexpr = TILE.HALF_M
+    CONSUMERS: gl.constexpr = TILE.CONSUMERS
 
     if TILE.SPLIT_QK:
         q_bytes: gl.constexpr = q_desc.block_type.nbytes + q_desc_hi.block_type.nbytes
@@ -441,7 +444,7 @@ def _producer(descs, bars, smem, sizes, sp_ptrs, sp_meta, pack_args, TILE: gl.co
         # Q halves: wait until the consumer released the half (O_STAGE: its last QK^T retired;
         # otherwise: its O store out of that half completed). In persistent mode with O_STAGE this
         # is early enough for the next tile's Q and first K/V to land under the tail PV and epilogue.
-        for w in gl.static_range(2):
+        for w in gl.static_range(CONSUMERS):
             mbarrier.wait(q_empty.index(w), (t_local & 1) ^ 1)
             mbarrier.expect(q_ready.index(w), q_bytes)
             tma.async_copy_global_to_shared(q_desc, [z, h, m0 + w * HALF_M, 0], q_ready.index(w), q_smem.index(w))
@@ -871,9 +874,9 @@ def _pingpong_wait(turn, t, WG: gl.constexpr):
 
 
 @gluon.jit
-def _pingpong_signal(turn, WG: gl.constexpr):
-    """Pingpong: hand the turn to the other warpgroup right after issuing."""
-    mbarrier.arrive(turn.index(1 - WG), count=1)
+def _pingpong_signal(turn, WG: gl.constexpr, CONSUMERS: gl.constexpr = 2):
+    """Pingpong: hand the turn to the next warpgroup of the ring right after issuing."""
+    mbarrier.arrive(turn.index((WG + 1) % CONSUMERS), count=1)
 
 
 @gluon.jit
@@ -1251,7 +1254,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
         num_tiles = _opaque(num_tiles)
     n_it, pid, nprog = _tile_loop(num_tiles, num_m_tiles, HQ, pack_args, TILE, PERSISTENT, PACK)
 
-    if WG == 1:
+    if WG == TILE.CONSUMERS - 1:
         mbarrier.arrive(turn.index(0), count=1)   # pingpong: warpgroup 0 takes the first turn
 
     cnt = 0   # KV tiles consumed so far (global ring counter, same sequence as the producer)
@@ -1323,7 +1326,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
                 mbarrier.wait(k_ready.index(st), ph)
                 t = _pingpong_wait(turn, t, WG)
                 s_tok = _qk_mma(q_op, q_op_hi, k_t, k_t_hi, s_zero, SPLIT_QK)
-                _pingpong_signal(turn, WG)
+                _pingpong_signal(turn, WG, TILE.CONSUMERS)
                 s_acc = _qk_done(s_tok, q_op, q_op_hi, k_t, k_t_hi, SPLIT_QK)
                 mbarrier.arrive(k_empty.index(st), count=1)
                 if O_STAGE:
@@ -1349,7 +1352,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
                     t = _pingpong_wait(turn, t, WG)
                     s_tok = _qk_mma(q_op, q_op_hi, k_t, k_t_hi, s_zero, SPLIT_QK)
                     o_tok, o_tok_hi, p_hi = _pv_issue(p, v_prev, v_prev_hi, acc, acc_hi, o_zero, SPLIT_O, QUANT)
-                    _pingpong_signal(turn, WG)
+                    _pingpong_signal(turn, WG, TILE.CONSUMERS)
                     if SPLIT_O:   # wgmma groups retire in order: QK^T done, the two PV groups may not be
                         s_acc, o_tok, o_tok_hi = warpgroup_mma_wait(2, deps=[s_tok, o_tok, o_tok_hi])
                     else:
@@ -1377,7 +1380,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
                 mbarrier.wait(v_ready.index(prev_vst), prev_vph)
                 t = _pingpong_wait(turn, t, WG)
                 o_tok, o_tok_hi, p_hi = _pv_issue(p, v_prev, v_prev_hi, acc, acc_hi, o_zero, SPLIT_O, QUANT)
-                _pingpong_signal(turn, WG)
+                _pingpong_signal(turn, WG, TILE.CONSUMERS)
                 pv, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_prev, v_prev_hi, SPLIT_O)
                 acc = _o_add(acc, pv, QUANT)
                 mbarrier.arrive(v_empty.index(prev_vst), count=1)
@@ -1392,7 +1395,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
                 mbarrier.wait(k_ready.index(st), ph)
                 t = _pingpong_wait(turn, t, WG)
                 s_tok = _qk_mma(q_op, q_op_hi, k_t, k_t_hi, s_zero, SPLIT_QK)
-                _pingpong_signal(turn, WG)
+                _pingpong_signal(turn, WG, TILE.CONSUMERS)
                 s_acc = _qk_done(s_tok, q_op, q_op_hi, k_t, k_t_hi, SPLIT_QK)
                 vst = cnt % V_STAGES
                 vph = (cnt // V_STAGES) & 1
@@ -1407,7 +1410,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
                 mbarrier.wait(v_ready.index(vst), vph)
                 t = _pingpong_wait(turn, t, WG)
                 o_tok, o_tok_hi, p_hi = _pv_issue(p, v_cur, v_cur_hi, acc, acc_hi, o_zero, SPLIT_O, QUANT)
-                _pingpong_signal(turn, WG)
+                _pingpong_signal(turn, WG, TILE.CONSUMERS)
                 pv, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_cur, v_cur_hi, SPLIT_O, QUANT.ON)
                 acc = _o_add(acc, pv, QUANT)
                 mbarrier.arrive(v_empty.index(vst), count=1)
@@ -1464,6 +1467,14 @@ def _consumer_wg1(descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, 
 
 
 @gluon.jit
+def _consumer_wg2(descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs, pack_args,
+                  SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, SCHED: gl.constexpr,
+                  SPARSE: gl.constexpr, FLAGS: gl.constexpr, QUANT: gl.constexpr, PACK: gl.constexpr):
+    _consumer(2, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs, pack_args,
+              SCORE_MOD, MASK_MOD, TILE, SCHED, SPARSE, FLAGS, QUANT, PACK)
+
+
+@gluon.jit
 def _producer_entry(descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs, pack_args,
                     SCORE_MOD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, SCHED: gl.constexpr,
                     SPARSE: gl.constexpr, FLAGS: gl.constexpr, QUANT: gl.constexpr, PACK: gl.constexpr):
@@ -1507,15 +1518,19 @@ def fa3_fwd_sm90_kernel(
 ):
     NUM_STAGES: gl.constexpr = TILE.NUM_STAGES
     V_STAGES: gl.constexpr = TILE.V_STAGES
+    CONSUMERS: gl.constexpr = TILE.CONSUMERS
     if PACK.VARLEN:
         gl.static_assert(not QUANT.ON and not SPARSE.HAS_SPARSE, "packed sequences: 16-bit inputs, no block mask")
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    if CONSUMERS != 2:
+        gl.static_assert(CONSUMERS == 3 and not QUANT.ON and not PACK.VARLEN and not TILE.SPLIT_QK and not TILE.SPLIT_V,
+                         "three consumer warpgroups: 16-bit inputs, power-of-two head dims, no packed sequences")
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)
     # The hi parts of a padded head dim's tiles (the tiles above hold the lo columns); without a split the
     # names alias the lo tiles and descriptors, never read.
     if TILE.SPLIT_QK:
-        q_smem_hi = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc_hi.block_type.shape, q_desc_hi.layout)
+        q_smem_hi = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc_hi.block_type.shape, q_desc_hi.layout)
         k_smem_hi = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc_hi.block_type.shape,
                                               k_desc_hi.layout)
         qh_desc = q_desc_hi
@@ -1535,30 +1550,30 @@ def fa3_fwd_sm90_kernel(
         vh_desc = v_desc
         oh_desc = o_desc
     if SCHED.O_STAGE:   # own O staging buffer: Q can be released (and the next Q loaded) before the epilogue
-        o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
     else:
         o_smem = q_smem
 
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
-    for w in gl.static_range(2):
+    for w in gl.static_range(CONSUMERS):
         mbarrier.init(q_ready.index(w), count=1)
         mbarrier.init(q_empty.index(w), count=1)
         mbarrier.init(turn.index(w), count=1)
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(s), count=1)
-        mbarrier.init(k_empty.index(s), count=2)
+        mbarrier.init(k_empty.index(s), count=CONSUMERS)
         if s < V_STAGES:
             mbarrier.init(v_ready.index(s), count=1)
-            mbarrier.init(v_empty.index(s), count=2)
+            mbarrier.init(v_empty.index(s), count=CONSUMERS)
     for s in gl.static_range(NUM_STAGES, V_STAGES):   # a V ring deeper than the K ring
         mbarrier.init(v_ready.index(s), count=1)
-        mbarrier.init(v_empty.index(s), count=2)
+        mbarrier.init(v_empty.index(s), count=CONSUMERS)
 
     descs = (q_desc, k_desc, v_desc, o_desc, qh_desc, kh_desc, vh_desc, oh_desc)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn)
@@ -1570,14 +1585,26 @@ def fa3_fwd_sm90_kernel(
     scale_args = (sm_scale, qk_scale, fixed_base, qk_unit)
     mod_bufs = (score_bufs, mask_bufs)
     # every role gets the same arguments (the producer's entry drops what it does not read)
-    gl.warp_specialize([
-        (_consumer_wg0, (descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs,
-                         pack_args, SCORE_MOD, MASK_MOD, TILE, SCHED, SPARSE, FLAGS, QUANT, PACK)),
-        (_consumer_wg1, (descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs,
-                         pack_args, SCORE_MOD, MASK_MOD, TILE, SCHED, SPARSE, FLAGS, QUANT, PACK)),
-        (_producer_entry, (descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs,
-                           pack_args, SCORE_MOD, MASK_MOD, TILE, SCHED, SPARSE, FLAGS, QUANT, PACK)),
-    ], [4, 1], [SCHED.CONSUMER_REGS, SCHED.PRODUCER_REGS])
+    if CONSUMERS == 3:
+        gl.warp_specialize([
+            (_consumer_wg0, (descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs,
+                             pack_args, SCORE_MOD, MASK_MOD, TILE, SCHED, SPARSE, FLAGS, QUANT, PACK)),
+            (_consumer_wg1, (descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs,
+                             pack_args, SCORE_MOD, MASK_MOD, TILE, SCHED, SPARSE, FLAGS, QUANT, PACK)),
+            (_consumer_wg2, (descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs,
+                             pack_args, SCORE_MOD, MASK_MOD, TILE, SCHED, SPARSE, FLAGS, QUANT, PACK)),
+            (_producer_entry, (descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs,
+                               pack_args, SCORE_MOD, MASK_MOD, TILE, SCHED, SPARSE, FLAGS, QUANT, PACK)),
+        ], [4, 4, 1], [SCHED.CONSUMER_REGS, SCHED.CONSUMER_REGS, SCHED.PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer_wg0, (descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs,
+                             pack_args, SCORE_MOD, MASK_MOD, TILE, SCHED, SPARSE, FLAGS, QUANT, PACK)),
+            (_consumer_wg1, (descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs,
+                             pack_args, SCORE_MOD, MASK_MOD, TILE, SCHED, SPARSE, FLAGS, QUANT, PACK)),
+            (_producer_entry, (descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs,
+                               pack_args, SCORE_MOD, MASK_MOD, TILE, SCHED, SPARSE, FLAGS, QUANT, PACK)),
+        ], [4, 1], [SCHED.CONSUMER_REGS, SCHED.PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1761,14 +1788,15 @@ def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bu
         kv_affine = False
     qk_unit = 1.0 if score_mod is not None and mod_info(score_mod).sm_scaled else float(sm_scale)
     BLOCK_M, BLOCK_N = cfg.block_m, cfg.block_n
-    HALF_M = BLOCK_M // 2
+    consumers = 3 if BLOCK_M == 192 else 2   # 64 rows a consumer warpgroup (192: FA3's D64 tile)
+    HALF_M = BLOCK_M // consumers
     # a head dim that is a power of two is one tile per operand; any other (80, 96, 160, 192) is two
     # tiles per operand of exactly D columns, LO + HI, each a power of two (Q and K by D, V and O by Dv,
     # which may differ)
     qk_lo, qk_hi = split_head_dim(D)
     v_lo, v_hi = split_head_dim(Dv)
     tile = TileShape(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, QK_LO=qk_lo, QK_HI=qk_hi, V_LO=v_lo, V_HI=v_hi,
-                     NUM_STAGES=cfg.num_stages, V_STAGES=cfg.v_ring_stages)
+                     NUM_STAGES=cfg.num_stages, V_STAGES=cfg.v_ring_stages, CONSUMERS=consumers)
     q_desc = _desc(q, [1, 1, HALF_M, qk_lo])
     o_desc = _desc(out, [1, 1, HALF_M, v_lo])
     k_desc = _desc(k, [1, 1, BLOCK_N, qk_lo])
