@@ -227,6 +227,32 @@ def test_exp2_split_moves_work_off_mufu(D):
     assert (b["STS"], b["LDS"], b["SHFL.BFLY"]) == (a["STS"], a["LDS"], a["SHFL.BFLY"]), (a, b)
 
 
+def test_long_plain_launches_take_three_consumer_warpgroups():
+    """configs.LONG_DENSE_TILE_FROM: D64 without a score_mod, mask_mod or block mask takes 192-row tiles (three
+    consumer warpgroups at 160 registers) from 8192 query rows, compiled without spills; shorter launches, a score_mod
+    or D128 keep the two-warpgroup tile."""
+    from fa3_inductor import mods
+    from fa3_inductor.templates.hopper.fwd_sm90 import _prepare
+
+    def tile(D, M, fn=None):
+        q, k, v, o, lse, mx = _inputs(D, torch.bfloat16, B=1, Hq=2, Hkv=2, M=M, N=M)
+        _, kwargs, _ = _prepare(q, k, v, o, lse, mx, 0.1, fn, None, (), (), None, None, None, None, 128, 128, None,
+                                132, False)
+        return kwargs["TILE"], kwargs["SCHED"]
+
+    soft = _generated_score_mod(mods.softcap(30.0))
+    assert [tile(64, m)[0].CONSUMERS for m in (4096, 8192)] == [2, 3]
+    assert tile(64, 8192, soft)[0].CONSUMERS == 2 and tile(128, 16384)[0].CONSUMERS == 2
+    three, sched = tile(64, 8192)
+    assert (three.BLOCK_M, three.HALF_M, sched.CONSUMER_REGS) == (192, 64, 160)
+    q, k, v, o, lse, mx = _inputs(64, torch.bfloat16, B=1, Hq=2, Hkv=2, M=8192, N=8192)
+    r = sass_report(compile_sm90(q, k, v, o, lse, mx, sm_scale=0.1, max_needed=False))
+    loops = [b for b in r.inner_loops() if any("HGMMA" in t for t in b)]
+    print(f"\nD64 192-row tile: {r.spill_instructions} spills, setmaxnreg {sorted(r.setmaxnreg)}, shared {r.shared}, "
+          f"loops {[len(b) for b in loops]}")
+    assert r.spill_instructions == 0 and r.stack == 0 and 160 in r.setmaxnreg and len(loops) == 3
+
+
 def test_mods_convert_indices_before_they_broadcast():
     """ALiBi / relative bias: no per-score int->float conversion (I2F) left in the SASS, and no per-score
     MUFU op beyond the softmax's exp2."""

@@ -6,6 +6,7 @@ Every check draws fresh random inputs, poisons the outputs (NaN) before the laun
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -320,6 +321,18 @@ def test_persistent_many_tiles_per_cta(D):
     _run_case(3, 40, 8, 640, 700, D, torch.bfloat16, None, None, False, "bshd", config=cfg, seed=11)   # 600 tiles
     _run_case(5, 21, 21, 1100, 1100, D, torch.bfloat16, None, "holes", True, "bhsd", config=cfg, seed=12)
     _run_case(2, 37, 37, 1000, 1000, D, torch.bfloat16, "softcap", "causal", True, "bhsd", config=cfg, seed=13)
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_three_consumer_warpgroups(persistent):
+    # 192-row tiles (configs.LONG_DENSE_TILE: three consumer warpgroups, a ring of GEMM turns): ragged M and N (the
+    # last tile a third full), GQA in a strided layout, fp16, several tile pairs a persistent CTA; then the host's pick
+    # at 8192 query rows (D64 without mods), checked the same way
+    cfg = get_config(64, torch.bfloat16, persistent=persistent, block_m=192, consumer_regs=160, maxnreg=128)
+    _run_case(3, 40, 8, 650, 700, 64, torch.bfloat16, None, None, False, "bshd", config=cfg, seed=51)
+    _run_case(2, 4, 4, 1000, 777, 64, torch.float16, None, None, False, "bhsd",
+              config=replace(cfg, num_stages=2), seed=52)
+    _run_case(1, 2, 2, 8192, 8192, 64, torch.bfloat16, None, None, False, "bhsd", seed=53)
 
 
 @pytest.mark.parametrize("D", [80, 96, 160, 192])

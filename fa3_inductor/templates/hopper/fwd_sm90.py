@@ -142,8 +142,8 @@ from ..modgen import kernel_score_mod, kv_affine_of, mask_and_of, mod_info, out_
 from ..wide_scores import wide_scores
 from ..sink_args import sink_bufs as kernel_sink_bufs
 from ..tma import tma_aligned
-from .configs import (SMEM_LIMIT, Sm90Config, fixed_base_for, get_config, serves_head_dims, split_head_dim,
-                      use_persistent)
+from .configs import (SMEM_LIMIT, Sm90Config, fixed_base_for, get_config, long_dense_config, serves_head_dims,
+                      split_head_dim, use_persistent)
 
 LOG2E = 1.4426950408889634
 
@@ -1765,6 +1765,9 @@ def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bu
         cfg = _fp8_site_config(q, k, v, out, fp8, config)
     else:
         cfg = config or get_config(D, q.dtype, value_head_dim=Dv)
+        if config is None and score_mod is None and mask_mod is None and kv_num_blocks is None and packed is None \
+                and sinks is None and D == Dv:
+            cfg = long_dense_config(cfg, D, M)   # 192-row tiles for long plain launches (configs.LONG_DENSE_TILE_FROM)
     # score tile -> log2 units (the kernel's qk_scale)
     score_mod, to_score = kernel_score_mod(score_mod, sm_scale, cfg.fold_sm_scale) \
         if score_mod is not None else (None, float(sm_scale))
