@@ -1665,7 +1665,8 @@ def supports_sm90(q, k, v, out=None, *, kv_num_blocks=None, sparse_q_block: int 
         if not serves_head_dims(D, Dv):
             return False
         cfg = config or get_config(D, q.dtype, value_head_dim=Dv)
-        if cfg.block_m != 128:
+        # 192 rows: three consumer warpgroups, dense launches of power-of-two head dims only (TileShape.CONSUMERS)
+        if cfg.block_m != 128 and not (cfg.block_m == 192 and kv_num_blocks is None and D == Dv and not D & (D - 1)):
             return False
         tensors = [q, k, v] + ([out] if out is not None else [])
         if not all(tma_aligned(t) for t in tensors):
