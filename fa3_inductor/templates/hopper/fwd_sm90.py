@@ -58,12 +58,12 @@ Packed sequences (PACK.VARLEN; host side templates/hopper/varlen_sm90.py, front 
   end). SPARSE.CAUSAL_WALK (a mask_mod exactly q_idx >= kv_idx): a query tile visits its diagonal KV tiles
   (mask_mod applied) and the tiles below them (no mask), none above, with no block-mask tables.
 
-Kernel roles (one CTA = one BLOCK_M x D output tile at a time; 3 warpgroups):
+Kernel roles (one CTA = one BLOCK_M x D output tile at a time; TILE.CONSUMERS + 1 warpgroups):
   * producer   (`_producer`, a 1-warp worker partition, padded to a warpgroup, 24 regs): TMA-loads the two
                64-row halves of Q once per tile and K/V tiles into rings of NUM_STAGES (K) and V_STAGES (V)
                stages guarded by mbarriers.
-  * consumers  (`_consumer`, two 4-warp partitions = two warpgroups, 240 regs each): warpgroup w owns
-               query rows [64w, 64w+64) of the tile. S = Q K^T and O += P V with wgmma; online softmax
+  * consumers  (`_consumer`, two 4-warp partitions = two warpgroups, 240 regs each; three at 160 regs on 192-row
+               tiles, configs.LONG_DENSE_TILE): warpgroup w owns query rows [64w, 64w+64) of the tile. S = Q K^T and O += P V with wgmma; online softmax
                in registers with exp2 (log2 e folded into the scale); intra-warpgroup overlap (QK^T of
                tile j+1 is issued before the softmax of tile j); pingpong between the two warpgroups
                through a pair of mbarriers (Gluon 3.6 has no named barriers).
@@ -80,13 +80,13 @@ Barriers (all in shared memory):
   q_empty[w]  (count 1)           consumer w is done with Q half w         consumer w -> producer
                                   (its O staging store has completed; O_STAGE: its last QK^T retired)
   k_ready[s], v_ready[s] (count 1, TMA tx)   stage s of the K / V ring landed
-  k_empty[s], v_empty[s] (count 2)           both consumer warpgroups retired the wgmma reading stage s
+  k_empty[s], v_empty[s] (count CONSUMERS)   every consumer warpgroup retired the wgmma reading stage s
   turn[w]     (count 1)           pingpong: warpgroup w may issue its next GEMMs; w arrives on
-                                  turn[1-w] right after issuing. Warpgroup 1 pre-arrives turn[0].
+                                  turn[(w+1) % CONSUMERS] right after issuing. The last warpgroup pre-arrives turn[0].
 
 Compile-time parameters (kernel constexprs, one named bundle each; frozen dataclasses defined below):
   SCORE_MOD, MASK_MOD  the @gluon.jit mods (or None)
-  TILE    TileShape      BLOCK_M, BLOCK_N, QK_LO, QK_HI, V_LO, V_HI, NUM_STAGES, V_STAGES (HALF_M, SPLIT_QK,
+  TILE    TileShape      BLOCK_M, BLOCK_N, QK_LO, QK_HI, V_LO, V_HI, NUM_STAGES, V_STAGES, CONSUMERS (HALF_M, SPLIT_QK,
                          SPLIT_V derived)
   SCHED   Schedule       PERSISTENT, O_STAGE, OVERLAP, CONSUMER_REGS, PRODUCER_REGS
   SPARSE  BlockSparsity  HAS_SPARSE, HAS_FULL, SPARSE_Q_DIV, SPARSE_KV_MULT, CAUSAL_WALK
