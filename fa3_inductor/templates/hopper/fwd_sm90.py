@@ -63,10 +63,11 @@ Kernel roles (one CTA = one BLOCK_M x D output tile at a time; TILE.CONSUMERS + 
                64-row halves of Q once per tile and K/V tiles into rings of NUM_STAGES (K) and V_STAGES (V)
                stages guarded by mbarriers.
   * consumers  (`_consumer`, two 4-warp partitions = two warpgroups, 240 regs each; three at 160 regs on 192-row
-               tiles, configs.LONG_DENSE_TILE): warpgroup w owns query rows [64w, 64w+64) of the tile. S = Q K^T and O += P V with wgmma; online softmax
-               in registers with exp2 (log2 e folded into the scale); intra-warpgroup overlap (QK^T of
-               tile j+1 is issued before the softmax of tile j); pingpong between the two warpgroups
-               through a pair of mbarriers (Gluon 3.6 has no named barriers).
+               tiles, configs.LONG_DENSE_TILE): warpgroup w owns query rows [64w, 64w+64) of the tile.
+               S = Q K^T and O += P V with wgmma; online softmax in registers with exp2 (log2 e folded into
+               the scale); intra-warpgroup overlap (QK^T of tile j+1 is issued before the softmax of tile j);
+               pingpong between the warpgroups (a ring of turns) through mbarriers (Gluon 3.6 has no named
+               barriers).
   * epilogue   (`_epilogue`, run by each consumer warpgroup for its own rows: worker partitions cannot
                return tensors): O / l staged in that warpgroup's half of the Q buffer (O_STAGE: of a
                separate O buffer) and TMA-stored; LSE and MAX written with plain masked stores.
