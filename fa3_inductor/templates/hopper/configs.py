@@ -291,8 +291,8 @@ def get_config(head_dim: int, dtype: torch.dtype = torch.bfloat16, fixed_base: b
     return replace(cfg, **overrides) if overrides else cfg
 
 
-# Launches without a score_mod, a mask_mod or a block mask (16-bit, not packed, no sinks) whose query length is at least
-# this take the head dim's 192-row tile: three consumer warpgroups of 64 rows (fwd_sm90.TileShape.CONSUMERS), 160
+# Launches without a score_mod, a mask_mod or a block mask (16-bit, not packed, no sinks) whose query and key lengths are
+# both at least this (the measured shapes; such KV never takes the persistent schedule) take the head dim's 192-row tile: three consumer warpgroups of 64 rows (fwd_sm90.TileShape.CONSUMERS), 160
 # registers each. D64: the softmax outlasts a tile's GEMMs there, and a third warpgroup keeps the tensor cores busier.
 # H200, bf16, noop, 192- over 128-row tile (hopper-mods-nvidia-h200-2026-11-30-1048-m192, -1049-m192-len; the rule
 # written before the run: from the length where it is >= 1.03 there and at every longer one): B4 H16 S4096 1.00 /
@@ -301,18 +301,19 @@ LONG_DENSE_TILE_FROM = {64: 8192}
 LONG_DENSE_TILE = dict(block_m=192, consumer_regs=160, maxnreg=128)
 
 
-def long_dense_config(cfg: Sm90Config, head_dim: int, query_len: int) -> Sm90Config:
+def long_dense_config(cfg: Sm90Config, head_dim: int, query_len: float, kv_len: float) -> Sm90Config:
     """The config of a launch without a score_mod, a mask_mod or a block mask (16-bit, not packed, no sinks) whose
-    table config is ``cfg``: the 192-row tile from LONG_DENSE_TILE_FROM's query length on, else ``cfg``.
+    table config is ``cfg``: the 192-row tile where both lengths reach LONG_DENSE_TILE_FROM's, else ``cfg``.
 
     Example::
 
-        >>> [long_dense_config(get_config(64), 64, n).block_m for n in (4096, 8192)]
+        >>> [long_dense_config(get_config(64), 64, n, 8192).block_m for n in (4096, 8192)]
         [128, 192]
-        >>> long_dense_config(get_config(128), 128, 16384).block_m
-        128
+        >>> long_dense_config(get_config(64), 64, 8192, 2048).block_m, long_dense_config(get_config(128), 128, 16384,
+        ...                                                                              16384).block_m
+        (128, 128)
     """
-    if query_len >= LONG_DENSE_TILE_FROM.get(head_dim, float("inf")):
+    if min(query_len, kv_len) >= LONG_DENSE_TILE_FROM.get(head_dim, float("inf")):
         return replace(cfg, **LONG_DENSE_TILE)
     return cfg
 

@@ -1748,6 +1748,12 @@ class _Site:
         return self.args, kwargs, grid
 
 
+def _plain(score_mod, mask_mod, kv_num_blocks, packed, sinks, D, Dv) -> bool:
+    """A launch without mods, block mask, packing or sinks, one head dim: configs.long_dense_config's launches."""
+    return (score_mod is None and mask_mod is None and kv_num_blocks is None and packed is None and sinks is None
+            and D == Dv)
+
+
 def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs, mask_bufs,
           kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, sparse_q_block, sparse_kv_block,
           config, num_sms, max_needed=True, fp8=None, sinks=None, packed=None) -> _Site:
@@ -1767,9 +1773,8 @@ def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bu
         cfg = _fp8_site_config(q, k, v, out, fp8, config)
     else:
         cfg = config or get_config(D, q.dtype, value_head_dim=Dv)
-        if config is None and score_mod is None and mask_mod is None and kv_num_blocks is None and packed is None \
-                and sinks is None and D == Dv:
-            cfg = long_dense_config(cfg, D, M)   # 192-row tiles for long plain launches (configs.LONG_DENSE_TILE_FROM)
+        if config is None and _plain(score_mod, mask_mod, kv_num_blocks, packed, sinks, D, Dv):
+            cfg = long_dense_config(cfg, D, M, N)   # 192-row tiles for long plain launches (LONG_DENSE_TILE_FROM)
     # score tile -> log2 units (the kernel's qk_scale)
     score_mod, to_score = kernel_score_mod(score_mod, sm_scale, cfg.fold_sm_scale) \
         if score_mod is not None else (None, float(sm_scale))
@@ -2000,14 +2005,26 @@ def prepare_fwd_sm90_variants(q, k, v, out, lse, max_scores, **options):
         num_sms = _num_sms(q.device) if q.is_cuda else _PLANNING_SMS
     site = _site_of_options(q, k, v, out, lse, max_scores, options, num_sms)   # the bundles, built once
     launch = (fa3_fwd_sm90_kernel, *site.launch())
-    schedules = (True, False) if cfg.persistent is None else (cfg.persistent,)
+    # a plain site of a head dim with a 192-row tile for long lengths (configs.LONG_DENSE_TILE_FROM): the other
+    # tile's site too, the long one in the grid schedule only (its KV lengths never take the persistent one)
+    any_schedule = (True, False) if cfg.persistent is None else (cfg.persistent,)
+    long_cfg = long_dense_config(cfg, q.shape[-1], float("inf"), float("inf"))
+    is_long = options.get("config") is None and long_cfg is not cfg and site.cfg.block_m == long_cfg.block_m
+    sites = [(site, (False,) if is_long else any_schedule)]
+    if options.get("config") is None and options.get("fp8") is None and long_cfg is not cfg and _plain(
+            options.get("score_mod"), options.get("mask_mod"), options.get("kv_num_blocks"), None,
+            options.get("sinks"), q.shape[-1], v.shape[-1]):
+        other = _site_of_options(q, k, v, out, lse, max_scores, dict(options, config=cfg if is_long else long_cfg),
+                                 num_sms)
+        sites.append((other, any_schedule if is_long else (False,)))
     siblings, seen = [], [launch[2]]
-    for persistent in schedules:
-        for even_n in (True, False):
-            sib = (fa3_fwd_sm90_kernel, *site.launch(persistent, even_n))
-            if sib[2] not in seen:
-                seen.append(sib[2])
-                siblings.append(sib)
+    for sib_site, schedules in sites:
+        for persistent in schedules:
+            for even_n in (True, False):
+                sib = (fa3_fwd_sm90_kernel, *sib_site.launch(persistent, even_n))
+                if sib[2] not in seen:
+                    seen.append(sib[2])
+                    siblings.append(sib)
     return launch, siblings
 
 
