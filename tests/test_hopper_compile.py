@@ -229,8 +229,8 @@ def test_exp2_split_moves_work_off_mufu(D):
 
 def test_long_plain_launches_take_three_consumer_warpgroups():
     """configs.LONG_DENSE_TILE_FROM: D64 without a score_mod, mask_mod or block mask takes 192-row tiles (three
-    consumer warpgroups at 160 registers) from 8192 query rows, compiled without spills; shorter launches, a score_mod
-    or D128 keep the two-warpgroup tile."""
+    consumer warpgroups at 160 registers) from 8192 query and key rows, compiled without spills; shorter launches, a
+    score_mod or D128 keep the two-warpgroup tile."""
     from fa3_inductor import mods
     from fa3_inductor.templates.hopper.fwd_sm90 import _prepare
 
