@@ -291,9 +291,10 @@ def get_config(head_dim: int, dtype: torch.dtype = torch.bfloat16, fixed_base: b
     return replace(cfg, **overrides) if overrides else cfg
 
 
-# Launches without a score_mod, a mask_mod or a block mask (16-bit, not packed, no sinks) whose query and key lengths are
-# both at least this (the measured shapes; such KV never takes the persistent schedule) take the head dim's 192-row tile: three consumer warpgroups of 64 rows (fwd_sm90.TileShape.CONSUMERS), 160
-# registers each. D64: the softmax outlasts a tile's GEMMs there, and a third warpgroup keeps the tensor cores busier.
+# Launches without a score_mod, a mask_mod or a block mask (16-bit, not packed, no sinks) whose query and key lengths
+# are both at least this (the measured shapes; such KV never takes the persistent schedule) take the head dim's 192-row
+# tile: three consumer warpgroups of 64 rows (fwd_sm90.TileShape.CONSUMERS), 160 registers each. D64: the softmax
+# outlasts a tile's GEMMs there, and a third warpgroup keeps the tensor cores busier.
 # H200, bf16, noop, 192- over 128-row tile (hopper-mods-nvidia-h200-2026-11-30-1048-m192, -1049-m192-len; the rule
 # written before the run: from the length where it is >= 1.03 there and at every longer one): B4 H16 S4096 1.00 /
 # 1.01, B2 S8192 1.12, B1 S16384 1.12 / 1.14. Softcap ran 0.92 / 0.96 with it (its tanh and exp2 crowd the MUFU).

@@ -1585,7 +1585,9 @@ def fa3_fwd_sm90_kernel(
     outs = (lse_ptr, max_ptr, sink_bufs)
     scale_args = (sm_scale, qk_scale, fixed_base, qk_unit)
     mod_bufs = (score_bufs, mask_bufs)
-    # every role gets the same arguments (the producer's entry drops what it does not read)
+    # every role gets the same arguments (the producer's entry drops what it does not read). The partition list is
+    # written out per consumer count: Gluon takes it as a literal, and a tuple holding the mods (jit functions) cannot
+    # be bound to a name first (triton 3.6: "cannot convert JITFunction ... to tensor")
     if CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer_wg0, (descs, bars, smem, sizes, sp_ptrs, sp_meta, outs, scale_args, mod_bufs, quant_bufs,
