@@ -15,6 +15,8 @@ of --reps): cuDNN SDPA (native GQA) and our split + combine launches prepared on
   fill         the smallest split count whose programs fill every SM at once (resident x SMs)
   n*2 st4      BLOCK_N doubled at 4 stages (where shared memory takes it)
   m4096        the last split's merge loads 4096 partial values a step (configs.py: 8192)
+  tma          whole K / V tiles by TMA copies (configs.DecodeConfig.tma; the tile holding L by
+               pointer loads); "tma st3", "tma st5", "tma n*2" with those changes too
 
 and on PAGED_ROWS (serving.py's quick paged rows and two D64 ones; pages of 64, shuffled table; "contig" is the contiguous cache's
 auto launch, and each cell says paged time over it):
@@ -27,6 +29,8 @@ auto launch, and each cell says paged time over it):
   n/2          BLOCK_N halved (D64: 64-key tiles, one page each)
   s<=16        the split count capped at 16
   n/2 st7      both (D64: 64-key tiles, one page each, three ahead: the bytes in flight of 128-key ones)
+  tma, tma st7 as above, for pages holding whole tiles (D128's 64-key tiles on pages of 64)
+  tma n/2      TMA with BLOCK_N halved (D64: 64-key tiles, one page each)
   tokmajor     not paged: the contiguous cache stored token-major ([B, N, HKV, D], passed as its
                [B, HKV, N, D] view), the auto launch. Pages lay a head's key rows out the same way (a
                row of D x 2 bytes, the next row HKV x D x 2 bytes on), so this separates what the
@@ -57,8 +61,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import serving  # noqa: E402  (benchmarks/serving.py: cases, inputs, the clock)
 
 VARIANTS = ("auto", "n/2", "n*2", "n*2 st2", "n*2 st4", "st2", "st3", "st4", "st5", "st6", "w8", "s/2",
-            "s*2", "fill", "m4096")
-PAGED_VARIANTS = ("auto", "m4096", "st4", "st7", "1/SM", "1/SM st7", "s<=16", "n/2", "n/2 st7", "tokmajor")
+            "s*2", "fill", "m4096", "tma", "tma st3", "tma st5", "tma n*2")
+PAGED_VARIANTS = ("auto", "m4096", "st4", "st7", "1/SM", "1/SM st7", "s<=16", "n/2", "n/2 st7", "tma", "tma st7",
+                  "tma n/2", "tokmajor")
 PAGE = 64
 # serving.py's quick paged rows and two D64 rows whose 128-key tiles span two pages of 64 (each key row
 # looks its page up) where the n/2 variant's 64-key tiles lie in one page (one table entry a tile)
@@ -110,7 +115,9 @@ def variant_plans(c: serving.DecodeCase, capability: tuple[int, int], sms: int,
                 "st4": (rep(base, num_stages=4), auto), "st7": (rep(base, num_stages=7), auto),
                 "1/SM": (base, contig_splits), "1/SM st7": (rep(base, num_stages=7), contig_splits),
                 "s<=16": (base, min(auto, 16)), "n/2": (rep(base, block_n=base.block_n // 2), auto),
-                "n/2 st7": (rep(base, block_n=base.block_n // 2, num_stages=7), auto)}
+                "n/2 st7": (rep(base, block_n=base.block_n // 2, num_stages=7), auto),
+                "tma": (rep(base, tma=True), auto), "tma st7": (rep(base, tma=True, num_stages=7), auto),
+                "tma n/2": (rep(base, tma=True, block_n=base.block_n // 2), auto)}
     programs = c.batch * c.hkv
     fill = max(1, -(-base.resident * sms // programs))
     plans = {"auto": (None, None), "n/2": (rep(base, block_n=base.block_n // 2), auto),
@@ -121,7 +128,10 @@ def variant_plans(c: serving.DecodeCase, capability: tuple[int, int], sms: int,
              "s*2": (base, auto * 2), "fill": (base, min(fill, c.cache // base.block_n)),
              "n*2 st4": (rep(base, block_n=base.block_n * 2, num_stages=4), auto),
              "st3": (rep(base, num_stages=3), auto), "st5": (rep(base, num_stages=5), auto),
-             "st6": (rep(base, num_stages=6), auto), "m4096": (rep(base, merge_elements=4096), auto)}
+             "st6": (rep(base, num_stages=6), auto), "m4096": (rep(base, merge_elements=4096), auto),
+             "tma": (rep(base, tma=True), auto), "tma st3": (rep(base, tma=True, num_stages=3), auto),
+             "tma st5": (rep(base, tma=True, num_stages=5), auto),
+             "tma n*2": (rep(base, tma=True, block_n=base.block_n * 2), auto)}
     return plans
 
 

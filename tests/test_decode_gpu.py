@@ -68,6 +68,42 @@ def test_paged_equals_contiguous(page):
     assert_matches_reference(planned, _reference(q, k, v, lens), torch.bfloat16)
 
 
+@pytest.mark.parametrize("D, page", [(128, 0), (128, 64), (64, 0), (64, 64)])
+def test_tma_tiles_equal_pointer_tiles(D, page):
+    """Whole tiles by TMA (DecodeConfig.tma) give the pointer loads' result bit for bit (same tiles,
+    same splits); slots past each length hold NaN, which neither reads; a score_mod applies."""
+    import dataclasses
+
+    from fa3_inductor.templates.decode import decode_attention
+    from fa3_inductor.templates.decode.configs import decode_config
+    from fa3_inductor.templates.modgen import generate_mod_source, load_mod, trace_mod
+
+    gm, _ = trace_mod(mods.softcap(20.0), "score")
+    softcap = load_mod(generate_mod_source(gm, "score", []))
+
+    B, N = 3, 4096
+    q, k, v = _randn(B, 32, 1, D), _randn(B, 8, N, D), _randn(B, 8, N, D)
+    lens = torch.tensor([N, 3001, 64], dtype=torch.int32, device="cuda")
+    ref = _reference(q, k, v, lens)
+    extra = {}
+    if page:
+        k, v, table = _paged(k, v, page)
+        extra = dict(block_table=table)
+    else:
+        for b, L in enumerate(lens.tolist()):
+            k[b, :, L:] = float("nan")
+            v[b, :, L:] = float("nan")
+    cfg = decode_config(D, (9, 0), paged=page > 0)
+    block_n = 64 if page else cfg.block_n   # pages of 64 hold whole tiles
+    base = dataclasses.replace(cfg, block_n=block_n)
+    outs = [decode_attention(q, k, v, seq_lens=lens, num_splits=5, config=dataclasses.replace(base, tma=t),
+                             score_mod=soft, **extra)[0]
+            for t in (False, True) for soft in (None, softcap)]
+    torch.testing.assert_close(outs[2], outs[0], atol=0, rtol=0)
+    torch.testing.assert_close(outs[3], outs[1], atol=0, rtol=0)
+    assert_matches_reference(outs[2], ref, torch.bfloat16)
+
+
 def test_128_packed_rows():
     """GQA 32 x 4 speculative tokens = 128 rows in one program (8 warps), split, causal."""
     q, k, v = _randn(2, 32, 4, 128), _randn(2, 1, 3000, 128), _randn(2, 1, 3000, 128)

@@ -170,6 +170,51 @@ def test_paged_shuffled_table_equals_contiguous(cpu_kernels, dtype, page):
     _check(out_p, lse_p, ref, ref_lse, dtype)
 
 
+def test_tma_tiles_match_float64_and_ignore_unwritten_slots(cpu_kernels):
+    """Whole tiles through K / V descriptors (DecodeConfig.tma), the tile holding L by pointer loads:
+    ragged lengths (0, a partial last tile, whole tiles only) over 1-3 splits, the slots past each
+    length holding NaN (an unwritten cache), and pages of one tile through a shuffled table."""
+    from fa3_inductor.templates.decode.configs import DecodeConfig
+
+    cfg = DecodeConfig(16, 4, 1, tma=True)
+    q, k, v = _inputs(3, 8, 2, 2, 64, 32)
+    lens = torch.tensor([0, 37, 48], dtype=torch.int32)
+    ref, ref_lse = _reference(q, k, v, lens)
+    kp, vp, table = _paged(k, v, 16)
+    for z, L in enumerate(lens.tolist()):
+        k[z, :, L:] = float("nan")
+        v[z, :, L:] = float("nan")
+    launch = prepare_decode(q, k, v, torch.empty_like(q), torch.empty(q.shape[:3]), sm_scale=0.1,
+                            seq_lens=lens, config=cfg)
+    assert launch[0][2]["CACHE"].TMA
+    for splits in (1, 2, 3):
+        out, lse = decode_attention(q, k, v, seq_lens=lens, num_splits=splits, config=cfg)
+        _check(out[1:], lse[1:], ref[1:], ref_lse[1:], torch.float32)
+        assert (out[0] == 0).all() and (lse[0] == -math.inf).all()
+    out, lse = decode_attention(q, kp, vp, seq_lens=lens, block_table=table, page_size=16, num_splits=2,
+                                config=cfg)
+    _check(out[1:], lse[1:], ref[1:], ref_lse[1:], torch.float32)
+
+
+def test_tma_only_where_a_descriptor_addresses_the_cache():
+    """Pages that split a tile, a broadcast (stride 0) batch, and a block mask's walk keep pointer loads."""
+    from fa3_inductor.templates.decode.configs import DecodeConfig
+
+    cfg = DecodeConfig(16, 4, 1, tma=True)
+    q, k, v = _inputs(2, 4, 2, 1, 64, 16)
+    lens = torch.tensor([64, 21], dtype=torch.int32)
+
+    def tma(k, v, **extra):
+        launch = prepare_decode(q, k, v, torch.empty_like(q), torch.empty(q.shape[:3]), sm_scale=0.25,
+                                seq_lens=lens, config=cfg, **extra)
+        return launch[0][2]["CACHE"].TMA
+
+    assert tma(k, v)
+    kp, vp, table = _paged(k, v, 8)
+    assert not tma(kp, vp, block_table=table, page_size=8)
+    assert not tma(k[:1].expand(2, -1, -1, -1), v[:1].expand(2, -1, -1, -1))
+
+
 @pytest.mark.parametrize("explicit_offset", [False, True], ids=["last_tokens", "q_offset"])
 def test_causal_mask_mod_sees_absolute_positions(cpu_kernels, explicit_offset):
     q, k, v = _inputs(2, 4, 2, 3, 40, 16)
@@ -307,6 +352,28 @@ def test_sm90_compile_no_spills():
             assert r.stack == 0 and r.local == 0 and r.spill_instructions == 0, reports[-1]
             assert wide > 0 and "ATOM" in r.sass, reports[-1]   # the arrival count
             kv_loops[D, group * M_new, page] = max(len(b) for b in r.inner_loops() if any("MMA" in t for t in b))
+    # TMA builds (DecodeConfig.tma): whole tiles by UTMALDG, no cp.async of K / V tiles
+    import dataclasses
+
+    from fa3_inductor.templates.decode.configs import decode_config
+    for D, page in ((128, 0), (128, 64), (64, 0)):
+        q = torch.randn(2, 8, 1, D, dtype=torch.bfloat16)
+        if page:
+            k = torch.randn(4096 // page, page, 2, D, dtype=torch.bfloat16)
+            extra = dict(block_table=torch.arange(4096 // page, dtype=torch.int32).view(2, -1), page_size=page)
+        else:
+            k = torch.randn(2, 2, 2048, D, dtype=torch.bfloat16)
+            extra = {}
+        cfg = dataclasses.replace(decode_config(D, (9, 0), paged=page > 0), tma=True)
+        [ck] = compile_decode(q, k, k, torch.empty_like(q), torch.empty(q.shape[:3]), sm_scale=D ** -0.5,
+                              seq_lens=torch.tensor([2048, 1000], dtype=torch.int32), num_splits=8, config=cfg,
+                              **extra)
+        r = sass_report(ck)
+        reports.append(f"D{D} TMA {f'pages of {page}' if page else 'contiguous'}: {r.registers} registers, "
+                       f"{r.spill_instructions} spills, {r.shared} B shared, {r.sass.count('UTMALDG')} UTMALDG")
+        assert r.stack == 0 and r.local == 0 and r.spill_instructions == 0, reports[-1]
+        [loop] = [b for b in r.inner_loops() if any("MMA" in t for t in b)]
+        assert any("UTMALDG" in t for t in loop) and not any("LDGSTS.E.BYPASS.128" in t for t in loop), reports[-1]
     # A page holding whole tiles is read as a contiguous cache's tile (one table entry a step): D128's
     # KV step within 10% of the contiguous one's instructions (422 / 403 on Triton 3.6, 2 x 1000 keys; pages of
     # 16, a table entry a row: 729)

@@ -27,6 +27,9 @@ class DecodeConfig:
     # 154 -> 168 registers, contiguous 128 -> 161, no spills); 32 splits of 4 rows at D128 then merge
     # in 2 steps instead of 4 (each an L2 round trip on the call's critical path).
     merge_elements: int = 8192
+    # Whole K / V tiles by TMA copies (kernel.py, CacheLayout.TMA) where the layout allows it
+    # (host._tma_descriptors); else every tile by 16-byte cp.async.
+    tma: bool = False
 
 
 # Split programs per SM the split count aims for when the (batch, kv head) programs are few. A

@@ -8,7 +8,10 @@ from typing import Any, Optional, Sequence
 import torch
 import triton
 
+from triton.tools.tensor_descriptor import TensorDescriptor
+
 from ..placeholder import outside_graph_pools, placeholder
+from ..tma import tma_aligned
 from ..modgen import kernel_score_mod
 from ..wide_scores import wide_scores
 from .fp8_cache import FP8_DTYPES, kv_scale_mode
@@ -204,22 +207,24 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
     else:   # [page, row in page, head, d]: batch stride = page stride, row stride = dim 1
         k_strides, v_strides = (k.stride(0), k.stride(2), k.stride(1)), (v.stride(0), v.stride(2), v.stride(1))
         table, table_stride = block_table, block_table.stride(0)
-    args = (q, k, v, out, lse, o_part, lse_part, arrivals, dummy if seq_lens is None else seq_lens,
+    block_d, block_dv = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(DV))
+    descs = _tma_descriptors(k, v, paged, page, block_n, block_d, block_dv) if cfg.tma and mode != "blocks" else None
+    k_desc, v_desc = descs or (None, None)
+    args = (q, k, v, k_desc, v_desc, out, lse, o_part, lse_part, arrivals, dummy if seq_lens is None else seq_lens,
             q_offset if q_offset is not None else dummy, table, k_scale, v_scale, *table_args[:4],
             tuple(score_bufs), tuple(mask_bufs),
             q.stride(0), q.stride(1), q.stride(2), *k_strides, *v_strides,
             out.stride(0), out.stride(1), out.stride(2), *table_args[4:],
             table_stride, max_len, HKV, M_new, D, DV, sm_scale, to_score * math.log2(math.e))
-    block_dv = max(16, triton.next_power_of_2(DV))
     merge_rows = triton.next_power_of_2(rows)
     tile = DecodeTiling(
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=block_dv,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
         # float32 inputs follow torch's matmul precision ("highest" = IEEE), as the forward does
         DOT_PRECISION="tf32" if torch.get_float32_matmul_precision() != "highest" else "ieee",
         MERGE_ROWS=merge_rows,
         MERGE_SPLITS=max(1, min(triton.next_power_of_2(num_splits), cfg.merge_elements // (merge_rows * block_dv))))
     kwargs = dict(SCORE_MOD=score_mod, MASK_MOD=mask_mod, TILE=tile,
-                  CACHE=CacheLayout(PAGED=block_table is not None, PAGE_SIZE=page or block_n, KV_SCALE=kv_scale),
+                  CACHE=CacheLayout(PAGED=paged, PAGE_SIZE=page or block_n, KV_SCALE=kv_scale, TMA=descs is not None),
                   SITE=DecodeSite(GQA_GROUP=group, HEADS=heads, Q_POS=q_pos, HAS_SEQ_LENS=seq_lens is not None,
                                   FOLD_SCALE=fold, SPLIT=split,
                                   WIDE_SCORES=wide_scores(score_mod, compiled=capability is not None)),
@@ -227,6 +232,23 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
                                        HAS_FULL=table_args[2] is not dummy),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return [(decode_split_kernel, args, kwargs, (num_splits, programs))]
+
+
+def _tma_descriptors(k: torch.Tensor, v: torch.Tensor, paged: bool, page: int, block_n: int, block_d: int,
+                     block_dv: int) -> Optional[tuple[TensorDescriptor, TensorDescriptor]]:
+    """K and V descriptors whose boxes are one tile of one kv head: [Z, HKV, N, D] boxes [1, 1,
+    block_n, block_d], or pages [P, PAGE, HKV, D] boxes [1, block_n, 1, block_d] (pages holding whole
+    tiles); columns past D read as zeros. None where TMA cannot address the cache: strides not
+    16-byte multiples, a broadcast (stride 0) dimension, or tiles spanning pages."""
+    if paged and page % block_n != 0:
+        return None
+    descs = []
+    for t, cols in ((k, block_d), (v, block_dv)):
+        if not tma_aligned(t) or 0 in t.stride():
+            return None
+        box = [1, block_n, 1, cols] if paged else [1, 1, block_n, cols]
+        descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), box))
+    return descs[0], descs[1]
 
 
 def _split_partials(q: torch.Tensor, kv_heads: int, value_head_dim: int,

@@ -100,6 +100,8 @@ class CacheLayout:
     PAGE_SIZE: int         # keys per page, any size (a tile may span pages; BLOCK_N when not paged)
     KV_SCALE: str = "none"  # "none": K, V in q's dtype; FP8 K, V with K_SCALE / V_SCALE varying by
                             # "tensor", "head", "seq" ([Z, HKV], contiguous) or "page" ([P, HKV])
+    TMA: bool = False      # whole tiles (every key below L) through K_DESC / V_DESC (sm90: TMA copies);
+                           # the tile holding L by pointer loads, which zero its rows past L
 
 
 @dataclass(frozen=True)
@@ -149,19 +151,35 @@ def _tile_ptrs(X, page, z, hkv, start_n, offs_j, offs_d, stride_b, stride_h, str
 
 
 @triton.jit
-def _kv_step(acc, l_i, m_i, q, K, V, z, hkv, h, q_idx, start_n, L, bt_row,
+def _tma_tile(DESC, page, z, hkv, start_n, CACHE: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """[ROWS, COLS] key rows `start_n ..` of kv head `hkv` through a host descriptor: [Z, HKV, N, D]
+    boxes [1, 1, ROWS, COLS], or pages [P, PAGE, HKV, D] boxes [1, ROWS, 1, COLS] (`page` the tile's)."""
+    if CACHE.PAGED:
+        tile = DESC.load([page, start_n % CACHE.PAGE_SIZE, hkv, 0])
+    else:
+        tile = DESC.load([z, hkv, start_n, 0])
+    return tile.reshape([ROWS, COLS])
+
+
+@triton.jit
+def _kv_step(acc, l_i, m_i, q, K, V, K_DESC, V_DESC, z, hkv, h, q_idx, start_n, L, bt_row,
              stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
              D, DV, sm_scale, qk_scale2, score_bufs, mask_bufs, full_tile, K_SCALE, V_SCALE, HKV,
              k_scale, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, TILE: tl.constexpr,
-             CACHE: tl.constexpr, SITE: tl.constexpr):
+             CACHE: tl.constexpr, SITE: tl.constexpr, WHOLE: tl.constexpr = False):
     """One KV tile of the online softmax: S = QK^T, mods, key bound, rescale, O += PV.
     ``full_tile``: a block mask says mask_mod is all true here (FlexAttention skips it). FP8 cache:
-    ``k_scale`` the program's K scale (unused for "page", and when folded into qk_scale2)."""
+    ``k_scale`` the program's K scale (unused for "page", and when folded into qk_scale2).
+    ``WHOLE`` (with CACHE.TMA): every key of the tile is below L, so K and V come by TMA and no key
+    bound applies."""
     offs_j = tl.arange(0, TILE.BLOCK_N)
     offs_n = start_n + offs_j
     key_ok = offs_n < L
     offs_d = tl.arange(0, TILE.BLOCK_D)
-    if CACHE.PAGED and CACHE.PAGE_SIZE % TILE.BLOCK_N == 0:
+    BY_TMA: tl.constexpr = WHOLE and CACHE.TMA
+    if BY_TMA and CACHE.PAGED:
+        page = tl.load(bt_row + start_n // CACHE.PAGE_SIZE)   # a descriptor coordinate: int32
+    elif CACHE.PAGED and CACHE.PAGE_SIZE % TILE.BLOCK_N == 0:
         # the tile lies in one page (tiles start at multiples of BLOCK_N, start_n < L): one table
         # entry, and the tile's rows are consecutive within it, addressed as a contiguous cache's
         page = tl.load(bt_row + start_n // CACHE.PAGE_SIZE).to(tl.int64)
@@ -171,21 +189,24 @@ def _kv_step(acc, l_i, m_i, q, K, V, z, hkv, h, q_idx, start_n, L, bt_row,
         page = tl.load(bt_row + offs_n // CACHE.PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
     else:
         page = 0
-    k = tl.load(_tile_ptrs(K, page, z, hkv, start_n, offs_j, offs_d, stride_kb, stride_kh,
-                           stride_kn, CACHE, TILE.BLOCK_N),
-                mask=key_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+    if BY_TMA:
+        k = _tma_tile(K_DESC, page, z, hkv, start_n, CACHE, TILE.BLOCK_N, TILE.BLOCK_D)
+    else:
+        k = tl.load(_tile_ptrs(K, page, z, hkv, start_n, offs_j, offs_d, stride_kb, stride_kh,
+                               stride_kn, CACHE, TILE.BLOCK_N),
+                    mask=key_ok[:, None] & (offs_d < D)[None, :], other=0.0)
     if CACHE.KV_SCALE != "none":
         k = k.to(q.dtype)   # e4m3 / e5m2 values are exact in fp16 and fp32
     qk = tl.dot(q, tl.trans(k), input_precision=TILE.DOT_PRECISION)
     if CACHE.KV_SCALE == "page":
         # the scale of each key's page: a scalar when the tile lies in one page, else [BLOCK_N]
-        page_at = page * HKV + hkv
+        page_at = page.to(tl.int64) * HKV + hkv
         k_page = tl.load(K_SCALE + page_at)
         qk = qk * (k_page if CACHE.PAGE_SIZE % TILE.BLOCK_N == 0 else k_page[None, :])
     elif CACHE.KV_SCALE != "none" and not SITE.FOLD_SCALE:
         qk = qk * k_scale   # the real q.k, which the mods (or sm_scale) take
 
-    kv_idx = tl.minimum(offs_n, L - 1)[None, :]
+    kv_idx = (offs_n if BY_TMA else tl.minimum(offs_n, L - 1))[None, :]
     if SCORE_MOD is not None:
         s = SCORE_MOD(qk, sm_scale, z, h, q_idx, kv_idx, score_bufs)
     elif SITE.FOLD_SCALE:
@@ -194,7 +215,8 @@ def _kv_step(acc, l_i, m_i, q, K, V, z, hkv, h, q_idx, start_n, L, bt_row,
         s = qk * sm_scale
     if MASK_MOD is not None:
         s = tl.where(MASK_MOD(z, h, q_idx, kv_idx, mask_bufs) | full_tile, s, float("-inf"))
-    s = tl.where(key_ok[None, :], s, float("-inf"))
+    if not BY_TMA:
+        s = tl.where(key_ok[None, :], s, float("-inf"))
 
     # Row max in log2 units; qk_scale2 carries the tile to them inside the exp2 FMA.
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale2)
@@ -203,9 +225,12 @@ def _kv_step(acc, l_i, m_i, q, K, V, z, hkv, h, q_idx, start_n, L, bt_row,
     alpha = tl.math.exp2(m_i - m_base)
     l_i = l_i * alpha + tl.sum(p, 1)
     offs_dv = tl.arange(0, TILE.BLOCK_DV)
-    v = tl.load(_tile_ptrs(V, page, z, hkv, start_n, offs_j, offs_dv, stride_vb, stride_vh,
-                           stride_vn, CACHE, TILE.BLOCK_N),
-                mask=key_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
+    if BY_TMA:
+        v = _tma_tile(V_DESC, page, z, hkv, start_n, CACHE, TILE.BLOCK_N, TILE.BLOCK_DV)
+    else:   # rows past L read as 0: an unwritten cache slot may hold NaN, and 0 x NaN is NaN
+        v = tl.load(_tile_ptrs(V, page, z, hkv, start_n, offs_j, offs_dv, stride_vb, stride_vh,
+                               stride_vn, CACHE, TILE.BLOCK_N),
+                    mask=key_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
     p_v = p
     if CACHE.KV_SCALE != "none":
         v = v.to(q.dtype)
@@ -226,7 +251,7 @@ def _table_row(NUM, IDX, z, h0, s_nb, s_nh, s_ib, s_ih):
 
 @triton.jit(do_not_specialize=["MAX_PAGES", "N_KEYS"])
 def decode_split_kernel(
-    Q, K, V, O, LSE, O_PART, LSE_PART, ARRIVALS,
+    Q, K, V, K_DESC, V_DESC, O, LSE, O_PART, LSE_PART, ARRIVALS,
     SEQ_LENS, Q_OFFSET, BLOCK_TABLE, K_SCALE, V_SCALE,
     KV_NUM, KV_IDX, FULL_NUM, FULL_IDX,
     score_bufs, mask_bufs,
@@ -314,7 +339,7 @@ def decode_split_kernel(
             start_n = tl.load(part_row + w // TPB) * SPARSE.KV_BLOCK + (w % TPB) * BLOCK_N
             if start_n < L:
                 acc, l_i, m_i = _kv_step(
-                    acc, l_i, m_i, q, K, V, z, hkv, h, q_idx, start_n, L, bt_row,
+                    acc, l_i, m_i, q, K, V, K_DESC, V_DESC, z, hkv, h, q_idx, start_n, L, bt_row,
                     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                     D, DV, sm_scale, qk_scale2, score_bufs, mask_bufs, False, K_SCALE, V_SCALE,
                     HKV, k_scale, SCORE_MOD, MASK_MOD, TILE, CACHE, SITE)
@@ -324,7 +349,7 @@ def decode_split_kernel(
                        + ((w - part_end) % TPB) * BLOCK_N)
             if start_n < L:
                 acc, l_i, m_i = _kv_step(
-                    acc, l_i, m_i, q, K, V, z, hkv, h, q_idx, start_n, L, bt_row,
+                    acc, l_i, m_i, q, K, V, K_DESC, V_DESC, z, hkv, h, q_idx, start_n, L, bt_row,
                     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                     D, DV, sm_scale, qk_scale2, score_bufs, mask_bufs, True, K_SCALE, V_SCALE,
                     HKV, k_scale, SCORE_MOD, MASK_MOD, TILE, CACHE, SITE)
@@ -345,13 +370,29 @@ def decode_split_kernel(
         # This split's keys: chunks of whole tiles, so only the tile holding L is partial.
         chunk = tl.cdiv(tl.cdiv(visible, num_splits), BLOCK_N) * BLOCK_N
         lo = split * chunk
-        n_tiles = tl.cdiv(tl.maximum(tl.minimum(lo + chunk, visible) - lo, 0), BLOCK_N)
-        for t in tl.range(0, n_tiles):
-            acc, l_i, m_i = _kv_step(
-                acc, l_i, m_i, q, K, V, z, hkv, h, q_idx, lo + t * BLOCK_N, L, bt_row,
-                stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-                D, DV, sm_scale, qk_scale2, score_bufs, mask_bufs, full_tile, K_SCALE, V_SCALE,
-                HKV, k_scale, SCORE_MOD, MASK_MOD, TILE, CACHE, SITE)
+        span = tl.maximum(tl.minimum(lo + chunk, visible) - lo, 0)
+        if CACHE.TMA:
+            n_whole = span // BLOCK_N   # tiles with every key below L: TMA, no key bound
+            for t in tl.range(0, n_whole):
+                acc, l_i, m_i = _kv_step(
+                    acc, l_i, m_i, q, K, V, K_DESC, V_DESC, z, hkv, h, q_idx, lo + t * BLOCK_N, L, bt_row,
+                    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+                    D, DV, sm_scale, qk_scale2, score_bufs, mask_bufs, full_tile, K_SCALE, V_SCALE,
+                    HKV, k_scale, SCORE_MOD, MASK_MOD, TILE, CACHE, SITE, WHOLE=True)
+            if span % BLOCK_N != 0:   # the tile holding L, by pointer loads
+                acc, l_i, m_i = _kv_step(
+                    acc, l_i, m_i, q, K, V, K_DESC, V_DESC, z, hkv, h, q_idx, lo + n_whole * BLOCK_N, L,
+                    bt_row, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+                    D, DV, sm_scale, qk_scale2, score_bufs, mask_bufs, full_tile, K_SCALE, V_SCALE,
+                    HKV, k_scale, SCORE_MOD, MASK_MOD, TILE, CACHE, SITE)
+        else:
+            n_tiles = tl.cdiv(span, BLOCK_N)
+            for t in tl.range(0, n_tiles):
+                acc, l_i, m_i = _kv_step(
+                    acc, l_i, m_i, q, K, V, K_DESC, V_DESC, z, hkv, h, q_idx, lo + t * BLOCK_N, L, bt_row,
+                    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+                    D, DV, sm_scale, qk_scale2, score_bufs, mask_bufs, full_tile, K_SCALE, V_SCALE,
+                    HKV, k_scale, SCORE_MOD, MASK_MOD, TILE, CACHE, SITE)
 
     # Rows that saw no key: O = 0, LSE = -inf (the forward's convention; the combine gives them
     # weight 0).
