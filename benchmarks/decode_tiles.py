@@ -7,7 +7,9 @@ of --reps): cuDNN SDPA (native GQA) and our split + combine launches prepared on
 (``prepare_decode``) for every variant below, each first checked against the configs.py launch
 ("auto") to bf16 tolerance. Variants change one thing against configs.py's choice:
 
-  auto         configs.decode_config and choose_num_splits, as flex_decode runs them
+  auto         configs.decode_config and choose_num_splits, as flex_decode runs them (with
+               configs.tma_tiles' TMA plan where it applies)
+  ptr          auto's split count with decode_config's pointer-load tiles (the plan before tma_tiles)
   n/2, n*2     BLOCK_N halved / doubled (same stages; doubling at 2 stages too: shared memory)
   st2 .. st6   2 to 6 pipeline stages (auto: 3, or 4 with few programs: configs.FEW_PROGRAMS_STAGES)
   w8           8 warps (4 is configs.py's choice below 64 packed rows)
@@ -60,7 +62,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import serving  # noqa: E402  (benchmarks/serving.py: cases, inputs, the clock)
 
-VARIANTS = ("auto", "n/2", "n*2", "n*2 st2", "n*2 st4", "st2", "st3", "st4", "st5", "st6", "w8", "s/2",
+VARIANTS = ("auto", "ptr", "n/2", "n*2", "n*2 st2", "n*2 st4", "st2", "st3", "st4", "st5", "st6", "w8", "s/2",
             "s*2", "fill", "m4096", "tma", "tma st3", "tma st5", "tma n*2")
 PAGED_VARIANTS = ("auto", "m4096", "st4", "st7", "1/SM", "1/SM st7", "s<=16", "n/2", "n/2 st7", "tma", "tma st7",
                   "tma n/2", "tokmajor")
@@ -120,7 +122,7 @@ def variant_plans(c: serving.DecodeCase, capability: tuple[int, int], sms: int,
                 "tma n/2": (rep(base, tma=True, block_n=base.block_n // 2), auto)}
     programs = c.batch * c.hkv
     fill = max(1, -(-base.resident * sms // programs))
-    plans = {"auto": (None, None), "n/2": (rep(base, block_n=base.block_n // 2), auto),
+    plans = {"auto": (None, None), "ptr": (base, auto), "n/2": (rep(base, block_n=base.block_n // 2), auto),
              "n*2": (rep(base, block_n=base.block_n * 2), auto),
              "n*2 st2": (rep(base, block_n=base.block_n * 2, num_stages=2), auto),
              "st2": (rep(base, num_stages=2), auto), "st4": (rep(base, num_stages=4), auto),

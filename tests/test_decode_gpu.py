@@ -104,6 +104,21 @@ def test_tma_tiles_equal_pointer_tiles(D, page):
     assert_matches_reference(outs[2], ref, torch.bfloat16)
 
 
+@pytest.mark.parametrize("B, HKV, N, D", [(64, 8, 1024, 128), (2, 8, 4096, 64)])
+def test_planned_tma_tiles_match_float64(B, HKV, N, D):
+    """The plans configs.tma_tiles picks (1536 programs at D128; GQA D64: 256-key tiles), through
+    flex_decode, with ragged lengths whose last tiles are partial."""
+    from fa3_inductor.templates.decode import prepare_decode
+
+    q, k, v = _randn(B, 4 * HKV, 1, D), _randn(B, HKV, N, D), _randn(B, HKV, N, D)
+    lens = torch.randint(N // 2, N + 1, (B,), dtype=torch.int32, device="cuda")
+    [(_, _, kwargs, _)] = prepare_decode(q, k, v, torch.empty_like(q), torch.empty(q.shape[:3], device="cuda"),
+                                         sm_scale=D ** -0.5, seq_lens=lens)
+    assert kwargs["CACHE"].TMA
+    out = flex_decode(q, k, v, seq_lens=lens)
+    assert_matches_reference(out, _reference(q, k, v, lens), torch.bfloat16)
+
+
 def test_128_packed_rows():
     """GQA 32 x 4 speculative tokens = 128 rows in one program (8 warps), split, causal."""
     q, k, v = _randn(2, 32, 4, 128), _randn(2, 1, 3000, 128), _randn(2, 1, 3000, 128)

@@ -15,7 +15,7 @@ from ..tma import tma_aligned
 from ..modgen import kernel_score_mod
 from ..wide_scores import wide_scores
 from .fp8_cache import FP8_DTYPES, kv_scale_mode
-from .configs import DecodeConfig, choose_num_splits, decode_config, few_programs, sm_count
+from .configs import DecodeConfig, choose_num_splits, decode_config, few_programs, sm_count, tma_tiles
 from .kernel import BlockSparsity, CacheLayout, DecodeSite, DecodeTiling, decode_split_kernel
 from .shape import MAX_ROWS as _MAX_ROWS
 
@@ -176,6 +176,12 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
     if num_splits < 1:
         _fail(f"num_splits={num_splits}", "pass a positive split count or None (chosen)")
     split = num_splits > 1
+    block_d, block_dv = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(DV))
+    if config is None and mode != "blocks":
+        wide = tma_tiles(cfg, max(D, DV), heads, B * HQ // heads * num_splits, block_m, capability, paged,
+                         q.dtype in (torch.float16, torch.bfloat16) and kv_scale == "none")
+        if wide is not None and _tma_descriptors(k, v, paged, page, wide.block_n, block_d, block_dv):
+            cfg, block_n = wide, wide.block_n
 
     if score_mod is not None:
         score_mod, to_score = kernel_score_mod(score_mod, sm_scale)
@@ -207,7 +213,6 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
     else:   # [page, row in page, head, d]: batch stride = page stride, row stride = dim 1
         k_strides, v_strides = (k.stride(0), k.stride(2), k.stride(1)), (v.stride(0), v.stride(2), v.stride(1))
         table, table_stride = block_table, block_table.stride(0)
-    block_d, block_dv = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(DV))
     descs = _tma_descriptors(k, v, paged, page, block_n, block_d, block_dv) if cfg.tma and mode != "blocks" else None
     k_desc, v_desc = descs or (None, None)
     args = (q, k, v, k_desc, v_desc, out, lse, o_part, lse_part, arrivals, dummy if seq_lens is None else seq_lens,
@@ -232,6 +237,22 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
                                        HAS_FULL=table_args[2] is not dummy),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return [(decode_split_kernel, args, kwargs, (num_splits, programs))]
+
+
+# Where the split scratch (O_PART, LSE_PART, ARRIVALS) sits among the split kernel's arguments
+_SCRATCH_AT = slice(decode_split_kernel.arg_names.index("O_PART"), decode_split_kernel.arg_names.index("ARRIVALS") + 1)
+
+
+def split_scratch(args: Sequence[Any]) -> tuple:
+    """The (O_PART, LSE_PART, ARRIVALS) arguments of a split kernel launch's argument list.
+
+    Example::
+
+        >>> [(_, args, _, _)] = prepare_decode(q, k, v, out, lse, sm_scale=0.125, num_splits=4)  # doctest: +SKIP
+        >>> [t.dtype for t in split_scratch(args)]                                                 # doctest: +SKIP
+        [torch.float32, torch.float32, torch.int32]
+    """
+    return tuple(args[_SCRATCH_AT])
 
 
 def _tma_descriptors(k: torch.Tensor, v: torch.Tensor, paged: bool, page: int, block_n: int, block_d: int,

@@ -23,7 +23,7 @@ from typing import Callable, Hashable, Optional, Sequence
 import torch
 
 from ...runtime.fast_launch import launch_cached, on_clear, rebinding, rebound, recorded, relaunch
-from .host import arrival_counters
+from .host import arrival_counters, split_scratch
 
 _MAX_KEYS = 256
 # key -> (the fast_launch keys of the launches, the partials' shapes, the counters needed or 0)
@@ -50,7 +50,7 @@ def launch_decode(key: Hashable, inputs: Sequence[Optional[torch.Tensor]], plan:
     launches = plan()
     kernel, split_args, kwargs, grid = launches[0]
     split = grid[0] > 1
-    scratch = tuple(split_args[5:8]) if split else ()   # O_PART, LSE_PART, ARRIVALS
+    scratch = split_scratch(split_args) if split else ()
     full = (*inputs, *scratch)
     if not inputs[0].is_cuda:
         for kernel, args, kwargs, grid in launches:
@@ -105,7 +105,7 @@ def interpreted(launches: list, inputs: Sequence[Optional[torch.Tensor]]
     """
     _, split_args, _, grid = launches[0]
     split = grid[0] > 1
-    scratch = tuple(split_args[5:8]) if split else ()   # O_PART, LSE_PART, ARRIVALS
+    scratch = split_scratch(split_args) if split else ()
     steps = [(kernel, rebinding(args, (*inputs, *scratch)), kwargs, grid)
              for kernel, args, kwargs, grid in launches]
     if any(step[1] is None for step in steps):
