@@ -119,31 +119,30 @@ def _decode_tiles(head_dim: int, capability: tuple[int, int] | None, fp32: bool,
     return DecodeConfig(32, warps, stages, resident)
 
 
-# TMA with twice the keys a tile (rule fitted on benchmarks/results/decode-tiles-nvidia-h200-2026-11-30-1205, H200,
-# time of the pointer plan over this one): launches of >= TMA_MIN_PROGRAMS programs (64 x 4k / 8k GQA 1.012 / 1.020,
-# 64 x 4k MHA 1.020, 64 x 32k D64 1.023) and GQA-packed D64 caches (8 x 8k 1.019, 1 x 128k 1.038). Elsewhere TMA lost
-# up to 3% (few programs at D128), and twice the keys by pointer loads lost 1-3% in earlier runs (-0212, -0221).
-TMA_MIN_PROGRAMS = 1024
+# TMA with twice the keys a tile (256) for GQA-packed D64 caches: H200, time of the pointer plan over this one in
+# two runs (benchmarks/results/decode-tiles-nvidia-h200-2026-11-30-1205 and -1211): 8 x 8k 1.019 / 1.022, 1 x 128k
+# 1.038 / 1.031, 64 x 32k 1.023 / 1.013. Elsewhere TMA was level or lost up to 3% (few programs at D128, MHA), and
+# twice the keys by pointer loads lost 1-3% (-0212, -0221); launches of >= 1024 programs at D128 gained 0.4-2.0% in
+# one run and lost 1.1% (64 x 4k MHA) in the other, so they keep the pointer plan.
 
 
-def tma_tiles(cfg: DecodeConfig, head_dim: int, packed_heads: int, programs: int, block_m: int,
+def tma_tiles(cfg: DecodeConfig, head_dim: int, packed_heads: int, block_m: int,
               capability: tuple[int, int] | None, paged: bool, two_byte: bool) -> DecodeConfig | None:
     """The TMA plan replacing ``cfg`` (whole tiles by TMA, twice the keys a tile), or None where the
-    pointer plan stays: sm90, a contiguous two-byte cache, fewer than 64 packed rows, and either
-    ``programs`` (the launch's, splits included) >= TMA_MIN_PROGRAMS or D <= 64 with GQA packing.
+    pointer plan stays: sm90, a contiguous two-byte cache, D <= 64, GQA packing, fewer than 64 rows.
 
     Example::
 
-        >>> tma_tiles(decode_config(128, (9, 0)), 128, 4, 1536, 16, (9, 0), False, True).block_n
-        128
-        >>> tma_tiles(decode_config(128, (9, 0)), 128, 4, 128, 16, (9, 0), False, True) is None
+        >>> tma_tiles(decode_config(64, (9, 0)), 64, 4, 16, (9, 0), False, True).block_n
+        256
+        >>> tma_tiles(decode_config(128, (9, 0)), 128, 4, 16, (9, 0), False, True) is None
         True
     """
     if capability is None or capability[0] != 9 or paged or not two_byte or block_m >= 64:
         return None
-    if programs < TMA_MIN_PROGRAMS and not (head_dim <= 64 and packed_heads >= 2):
+    if head_dim > 64 or packed_heads < 2:
         return None
-    # two K and V tiles of 32 KB (D128 x 128 keys, D64 x 256) a stage: one program an SM
+    # K and V tiles of 32 KB each a stage (256 keys x D64): one program an SM by shared memory
     return dataclasses.replace(cfg, tma=True, block_n=2 * cfg.block_n, resident=1)
 
 

@@ -178,7 +178,7 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
     split = num_splits > 1
     block_d, block_dv = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(DV))
     if config is None and mode != "blocks":
-        wide = tma_tiles(cfg, max(D, DV), heads, B * HQ // heads * num_splits, block_m, capability, paged,
+        wide = tma_tiles(cfg, max(D, DV), heads, block_m, capability, paged,
                          q.dtype in (torch.float16, torch.bfloat16) and kv_scale == "none")
         if wide is not None and _tma_descriptors(k, v, paged, page, wide.block_n, block_d, block_dv):
             cfg, block_n = wide, wide.block_n
