@@ -215,6 +215,27 @@ def test_tma_only_where_a_descriptor_addresses_the_cache():
     assert not tma(k[:1].expand(2, -1, -1, -1), v[:1].expand(2, -1, -1, -1))
 
 
+def test_sm90_plans_tma_for_gqa_d64_contiguous_caches():
+    """configs.tma_tiles on a planned sm90 launch: GQA D64 contiguous caches take 256-key tiles by TMA;
+    MHA D64, D128 and pages keep the pointer plan."""
+    def plan(HQ, HKV, D, paged=False):
+        q = torch.randn(2, HQ, 1, D, dtype=torch.float16)
+        k = torch.randn(2, HKV, 1024, D, dtype=torch.float16)
+        extra = {}
+        if paged:
+            k = torch.randn(32, 64, HKV, D, dtype=torch.float16)
+            extra = dict(block_table=torch.arange(32, dtype=torch.int32).view(2, 16))
+        [(_, _, kwargs, _)] = prepare_decode(q, k, k, torch.empty_like(q), torch.empty(q.shape[:3]),
+                                             sm_scale=0.1, seq_lens=torch.tensor([1024, 77], dtype=torch.int32),
+                                             plan_for=(9, 0), **extra)
+        return kwargs["CACHE"].TMA, kwargs["TILE"].BLOCK_N
+
+    assert plan(8, 2, 64) == (True, 256)
+    assert plan(8, 8, 64) == (False, 128)
+    assert plan(8, 2, 128) == (False, 64)
+    assert plan(8, 2, 64, paged=True) == (False, 128)
+
+
 @pytest.mark.parametrize("explicit_offset", [False, True], ids=["last_tokens", "q_offset"])
 def test_causal_mask_mod_sees_absolute_positions(cpu_kernels, explicit_offset):
     q, k, v = _inputs(2, 4, 2, 3, 40, 16)

@@ -60,6 +60,10 @@ Compile-time parameters (the mods, then one frozen-dataclass bundle each):
     SITE   DecodeSite     GQA_GROUP, Q_POS, HAS_SEQ_LENS, FOLD_SCALE, SPLIT (write partials),
                           WIDE_SCORES
     SPARSE BlockSparsity  MODE ("none" / "one_block" / "blocks"), KV_BLOCK, HAS_FULL
+K_DESC, V_DESC (CACHE.TMA): host descriptors over K and V whose box is one tile of one kv head ([1, 1,
+BLOCK_N, BLOCK_D] of [Z, HKV, N, D], or [1, BLOCK_N, 1, BLOCK_D] of pages holding whole tiles); a split's
+tiles below L come through them (sm90: TMA copies, no key bound), the tile holding L by the pointer loads,
+which read its rows past L as zeros. None otherwise.
 Lengths are never constexprs: they live in SEQ_LENS. MAX_PAGES (the table's row stride) is
 do_not_specialize, so a bigger table does not recompile.
 
