@@ -33,8 +33,6 @@ auto launch, and each cell says paged time over it):
   n/2 st7      both (D64: 64-key tiles, one page each, three ahead: the bytes in flight of 128-key ones)
   tma, tma st7 as above, for pages holding whole tiles (D128's 64-key tiles on pages of 64)
   tma n/2      TMA with BLOCK_N halved (D64: 64-key tiles, one page each)
-  tma n*2      TMA with BLOCK_N doubled (D64: 256-key tiles of four page boxes each, as the contiguous
-               GQA D64 plan's tiles); "tma n*2 st4" at 4 stages
   tokmajor     not paged: the contiguous cache stored token-major ([B, N, HKV, D], passed as its
                [B, HKV, N, D] view), the auto launch. Pages lay a head's key rows out the same way (a
                row of D x 2 bytes, the next row HKV x D x 2 bytes on), so this separates what the
@@ -67,7 +65,7 @@ import serving  # noqa: E402  (benchmarks/serving.py: cases, inputs, the clock)
 VARIANTS = ("auto", "ptr", "n/2", "n*2", "n*2 st2", "n*2 st4", "st2", "st3", "st4", "st5", "st6", "w8", "s/2",
             "s*2", "fill", "m4096", "tma", "tma st3", "tma st5", "tma n*2")
 PAGED_VARIANTS = ("auto", "m4096", "st4", "st7", "1/SM", "1/SM st7", "s<=16", "n/2", "n/2 st7", "tma", "tma st7",
-                  "tma n/2", "tma n*2", "tma n*2 st4", "tokmajor")
+                  "tma n/2", "tokmajor")
 PAGE = 64
 # serving.py's quick paged rows and two D64 rows whose 128-key tiles span two pages of 64 (each key row
 # looks its page up) where the n/2 variant's 64-key tiles lie in one page (one table entry a tile)
@@ -121,9 +119,7 @@ def variant_plans(c: serving.DecodeCase, capability: tuple[int, int], sms: int,
                 "s<=16": (base, min(auto, 16)), "n/2": (rep(base, block_n=base.block_n // 2), auto),
                 "n/2 st7": (rep(base, block_n=base.block_n // 2, num_stages=7), auto),
                 "tma": (rep(base, tma=True), auto), "tma st7": (rep(base, tma=True, num_stages=7), auto),
-                "tma n/2": (rep(base, tma=True, block_n=base.block_n // 2), auto),
-                "tma n*2": (rep(base, tma=True, block_n=base.block_n * 2), auto),
-                "tma n*2 st4": (rep(base, tma=True, block_n=base.block_n * 2, num_stages=4), auto)}
+                "tma n/2": (rep(base, tma=True, block_n=base.block_n // 2), auto)}
     programs = c.batch * c.hkv
     fill = max(1, -(-base.resident * sms // programs))
     plans = {"auto": (None, None), "ptr": (base, auto), "n/2": (rep(base, block_n=base.block_n // 2), auto),

@@ -180,7 +180,7 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
     if config is None and mode != "blocks":
         wide = tma_tiles(cfg, max(D, DV), heads, block_m, capability, paged,
                          q.dtype in (torch.float16, torch.bfloat16) and kv_scale == "none")
-        if wide is not None and _tma_descriptors(k, v, paged, page, wide.block_n, block_d, block_dv, kv_scale == "page"):
+        if wide is not None and _tma_descriptors(k, v, paged, page, wide.block_n, block_d, block_dv):
             cfg, block_n = wide, wide.block_n
 
     if score_mod is not None:
@@ -213,8 +213,7 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
     else:   # [page, row in page, head, d]: batch stride = page stride, row stride = dim 1
         k_strides, v_strides = (k.stride(0), k.stride(2), k.stride(1)), (v.stride(0), v.stride(2), v.stride(1))
         table, table_stride = block_table, block_table.stride(0)
-    descs = (_tma_descriptors(k, v, paged, page, block_n, block_d, block_dv, kv_scale == "page")
-             if cfg.tma and mode != "blocks" else None)
+    descs = _tma_descriptors(k, v, paged, page, block_n, block_d, block_dv) if cfg.tma and mode != "blocks" else None
     k_desc, v_desc = descs or (None, None)
     args = (q, k, v, k_desc, v_desc, out, lse, o_part, lse_part, arrivals, dummy if seq_lens is None else seq_lens,
             q_offset if q_offset is not None else dummy, table, k_scale, v_scale, *table_args[:4],
@@ -257,20 +256,18 @@ def split_scratch(args: Sequence[Any]) -> tuple:
 
 
 def _tma_descriptors(k: torch.Tensor, v: torch.Tensor, paged: bool, page: int, block_n: int, block_d: int,
-                     block_dv: int, fp8_page_scales: bool = False) -> Optional[tuple[TensorDescriptor, TensorDescriptor]]:
+                     block_dv: int) -> Optional[tuple[TensorDescriptor, TensorDescriptor]]:
     """K and V descriptors whose boxes are one tile of one kv head: [Z, HKV, N, D] boxes [1, 1,
     block_n, block_d], or pages [P, PAGE, HKV, D] boxes [1, block_n, 1, block_d] (pages holding whole
-    tiles), or boxes [1, page, 1, block_d] where a tile spans 2 or 4 whole pages (the kernel stacks them);
-    columns past D read as zeros. None where TMA cannot address the cache: strides not 16-byte multiples, a
-    broadcast (stride 0) dimension, tiles over pages in other proportions, or per-page FP8 scales on a tile of
-    several pages."""
-    if paged and page % block_n != 0 and (block_n % page != 0 or block_n // page not in (2, 4) or fp8_page_scales):
+    tiles); columns past D read as zeros. None where TMA cannot address the cache: strides not
+    16-byte multiples, a broadcast (stride 0) dimension, or tiles spanning pages."""
+    if paged and page % block_n != 0:
         return None
     descs = []
     for t, cols in ((k, block_d), (v, block_dv)):
         if not tma_aligned(t) or 0 in t.stride():
             return None
-        box = [1, min(block_n, page), 1, cols] if paged else [1, 1, block_n, cols]
+        box = [1, block_n, 1, cols] if paged else [1, 1, block_n, cols]
         descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), box))
     return descs[0], descs[1]
 

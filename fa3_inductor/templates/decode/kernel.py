@@ -155,32 +155,14 @@ def _tile_ptrs(X, page, z, hkv, start_n, offs_j, offs_d, stride_b, stride_h, str
 
 
 @triton.jit
-def _page_box(DESC, bt_row, start_n, part, hkv, PAGE: tl.constexpr, COLS: tl.constexpr):
-    """[PAGE, COLS]: page `part` of the tile starting at key `start_n` (one TMA box)."""
-    page = tl.load(bt_row + start_n // PAGE + part)
-    return DESC.load([page, 0, hkv, 0]).reshape([PAGE, COLS])
-
-
-@triton.jit
-def _tma_tile(DESC, page, z, hkv, start_n, bt_row, CACHE: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+def _tma_tile(DESC, page, z, hkv, start_n, CACHE: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
     """[ROWS, COLS] key rows `start_n ..` of kv head `hkv` through a host descriptor: [Z, HKV, N, D]
-    boxes [1, 1, ROWS, COLS]; pages [P, PAGE, HKV, D] holding whole tiles, boxes [1, ROWS, 1, COLS]
-    (`page` the tile's); or tiles of 2 or 4 pages, a box [1, PAGE, 1, COLS] each, stacked."""
-    if not CACHE.PAGED:
-        tile = DESC.load([z, hkv, start_n, 0]).reshape([ROWS, COLS])
-    elif CACHE.PAGE_SIZE % ROWS == 0:
-        tile = DESC.load([page, start_n % CACHE.PAGE_SIZE, hkv, 0]).reshape([ROWS, COLS])
-    elif ROWS == 2 * CACHE.PAGE_SIZE:
-        pair = tl.join(_page_box(DESC, bt_row, start_n, 0, hkv, CACHE.PAGE_SIZE, COLS),
-                       _page_box(DESC, bt_row, start_n, 1, hkv, CACHE.PAGE_SIZE, COLS))   # [PAGE, COLS, 2]
-        tile = tl.permute(pair, (2, 0, 1)).reshape([ROWS, COLS])
-    else:   # four pages: [PAGE, COLS, pair member, pair]
-        quad = tl.join(tl.join(_page_box(DESC, bt_row, start_n, 0, hkv, CACHE.PAGE_SIZE, COLS),
-                               _page_box(DESC, bt_row, start_n, 1, hkv, CACHE.PAGE_SIZE, COLS)),
-                       tl.join(_page_box(DESC, bt_row, start_n, 2, hkv, CACHE.PAGE_SIZE, COLS),
-                               _page_box(DESC, bt_row, start_n, 3, hkv, CACHE.PAGE_SIZE, COLS)))
-        tile = tl.permute(quad, (3, 2, 0, 1)).reshape([ROWS, COLS])
-    return tile
+    boxes [1, 1, ROWS, COLS], or pages [P, PAGE, HKV, D] boxes [1, ROWS, 1, COLS] (`page` the tile's)."""
+    if CACHE.PAGED:
+        tile = DESC.load([page, start_n % CACHE.PAGE_SIZE, hkv, 0])
+    else:
+        tile = DESC.load([z, hkv, start_n, 0])
+    return tile.reshape([ROWS, COLS])
 
 
 @triton.jit
@@ -199,10 +181,8 @@ def _kv_step(acc, l_i, m_i, q, K, V, K_DESC, V_DESC, z, hkv, h, q_idx, start_n, 
     key_ok = offs_n < L
     offs_d = tl.arange(0, TILE.BLOCK_D)
     BY_TMA: tl.constexpr = WHOLE and CACHE.TMA
-    if BY_TMA and CACHE.PAGED and CACHE.PAGE_SIZE % TILE.BLOCK_N == 0:
+    if BY_TMA and CACHE.PAGED:
         page = tl.load(bt_row + start_n // CACHE.PAGE_SIZE)   # a descriptor coordinate: int32
-    elif BY_TMA and CACHE.PAGED:
-        page = 0   # each page box of the tile looks its page up (_tma_tile)
     elif CACHE.PAGED and CACHE.PAGE_SIZE % TILE.BLOCK_N == 0:
         # the tile lies in one page (tiles start at multiples of BLOCK_N, start_n < L): one table
         # entry, and the tile's rows are consecutive within it, addressed as a contiguous cache's
@@ -214,7 +194,7 @@ def _kv_step(acc, l_i, m_i, q, K, V, K_DESC, V_DESC, z, hkv, h, q_idx, start_n, 
     else:
         page = 0
     if BY_TMA:
-        k = _tma_tile(K_DESC, page, z, hkv, start_n, bt_row, CACHE, TILE.BLOCK_N, TILE.BLOCK_D)
+        k = _tma_tile(K_DESC, page, z, hkv, start_n, CACHE, TILE.BLOCK_N, TILE.BLOCK_D)
     else:
         k = tl.load(_tile_ptrs(K, page, z, hkv, start_n, offs_j, offs_d, stride_kb, stride_kh,
                                stride_kn, CACHE, TILE.BLOCK_N),
@@ -250,7 +230,7 @@ def _kv_step(acc, l_i, m_i, q, K, V, K_DESC, V_DESC, z, hkv, h, q_idx, start_n, 
     l_i = l_i * alpha + tl.sum(p, 1)
     offs_dv = tl.arange(0, TILE.BLOCK_DV)
     if BY_TMA:
-        v = _tma_tile(V_DESC, page, z, hkv, start_n, bt_row, CACHE, TILE.BLOCK_N, TILE.BLOCK_DV)
+        v = _tma_tile(V_DESC, page, z, hkv, start_n, CACHE, TILE.BLOCK_N, TILE.BLOCK_DV)
     else:   # rows past L read as 0: an unwritten cache slot may hold NaN, and 0 x NaN is NaN
         v = tl.load(_tile_ptrs(V, page, z, hkv, start_n, offs_j, offs_dv, stride_vb, stride_vh,
                                stride_vn, CACHE, TILE.BLOCK_N),
