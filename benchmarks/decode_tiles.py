@@ -17,8 +17,6 @@ of --reps): cuDNN SDPA (native GQA) and our split + combine launches prepared on
   fill         the smallest split count whose programs fill every SM at once (resident x SMs)
   n*2 st4      BLOCK_N doubled at 4 stages (where shared memory takes it)
   m4096        the last split's merge loads 4096 partial values a step (configs.py: 8192)
-  flat1, flat2 the flat schedule (kernel_flat.py: every program streams the same number of tiles) with 1 / 2
-               programs an SM, auto's tiles
   tma          whole K / V tiles by TMA copies (configs.DecodeConfig.tma; the tile holding L by
                pointer loads); "tma st3", "tma st5", "tma n*2" with those changes too
 
@@ -64,7 +62,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import serving  # noqa: E402  (benchmarks/serving.py: cases, inputs, the clock)
 
-VARIANTS = ("auto", "ptr", "flat1", "flat2", "n/2", "n*2", "n*2 st2", "n*2 st4", "st2", "st3", "st4", "st5", "st6", "w8", "s/2",
+VARIANTS = ("auto", "ptr", "n/2", "n*2", "n*2 st2", "n*2 st4", "st2", "st3", "st4", "st5", "st6", "w8", "s/2",
             "s*2", "fill", "m4096", "tma", "tma st3", "tma st5", "tma n*2")
 PAGED_VARIANTS = ("auto", "m4096", "st4", "st7", "1/SM", "1/SM st7", "s<=16", "n/2", "n/2 st7", "tma", "tma st7",
                   "tma n/2", "tokmajor")
@@ -106,7 +104,7 @@ def variant_plans(c: serving.DecodeCase, capability: tuple[int, int], sms: int,
     """
     import triton
 
-    from fa3_inductor.templates.decode.configs import choose_num_splits, decode_config, few_programs, tma_tiles
+    from fa3_inductor.templates.decode.configs import choose_num_splits, decode_config, few_programs
 
     rows = max(16, triton.next_power_of_2(c.hq // c.hkv * c.new))
     base = decode_config(c.d, capability, block_m=rows, paged=paged,
@@ -124,9 +122,7 @@ def variant_plans(c: serving.DecodeCase, capability: tuple[int, int], sms: int,
                 "tma n/2": (rep(base, tma=True, block_n=base.block_n // 2), auto)}
     programs = c.batch * c.hkv
     fill = max(1, -(-base.resident * sms // programs))
-    planned = tma_tiles(base, c.d, c.hq // c.hkv, rows, capability, False, True) or base
-    plans = {"auto": (None, None), "ptr": (base, auto), "flat1": (rep(planned, flat_per_sm=1), None),
-             "flat2": (rep(planned, flat_per_sm=2), None), "n/2": (rep(base, block_n=base.block_n // 2), auto),
+    plans = {"auto": (None, None), "ptr": (base, auto), "n/2": (rep(base, block_n=base.block_n // 2), auto),
              "n*2": (rep(base, block_n=base.block_n * 2), auto),
              "n*2 st2": (rep(base, block_n=base.block_n * 2, num_stages=2), auto),
              "st2": (rep(base, num_stages=2), auto), "st4": (rep(base, num_stages=4), auto),

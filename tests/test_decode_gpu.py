@@ -120,40 +120,6 @@ def test_planned_tma_tiles_match_float64(B, HKV, N):
     assert_matches_reference(out, _reference(q, k, v, lens), torch.bfloat16)
 
 
-@pytest.mark.parametrize("per_sm", [1, 2])
-def test_flat_schedule_matches_float64(per_sm):
-    """The flat schedule (kernel_flat.py): ragged lengths with an empty batch and rows spread over many
-    programs (one batch of 32k) or sharing one (short ones), contiguous and paged, ALiBi; and every
-    arrival counter back at 0 for the next launch."""
-    import dataclasses
-
-    from fa3_inductor.templates.decode import decode_attention
-    from fa3_inductor.templates.decode.configs import decode_config
-    from fa3_inductor.templates.decode.host import arrival_counters
-    from fa3_inductor.templates.modgen import generate_mod_source, load_mod, trace_mod
-
-    gm, _ = trace_mod(mods.alibi(32), "score")
-    alibi = load_mod(generate_mod_source(gm, "score", []))
-    B, N = 5, 32768
-    q, k, v = _randn(B, 32, 1, 128), _randn(B, 8, N, 128), _randn(B, 8, N, 128)
-    lens = torch.tensor([N, 0, 100, 4096, 1], dtype=torch.int32, device="cuda")
-    cfg = dataclasses.replace(decode_config(128, (9, 0)), flat_per_sm=per_sm)
-    plain, _ = decode_attention(q, k, v, seq_lens=lens, config=cfg)
-    for score_mod, ref_mod in ((None, None), (alibi, mods.alibi(32))):
-        out, lse = decode_attention(q, k, v, seq_lens=lens, config=cfg, score_mod=score_mod)
-        for b, L in enumerate(lens.tolist()):
-            if L == 0:
-                assert (out[b] == 0).all() and (lse[b] == float("-inf")).all()
-                continue
-            ref, _ = reference_attention(q[b:b + 1], k[b:b + 1, :, :L], v[b:b + 1, :, :L], ref_mod)
-            assert_matches_reference(out[b:b + 1], ref, torch.bfloat16)
-    kp, vp, table = _paged(k, v, 64)
-    out_p, _ = decode_attention(q, kp, vp, seq_lens=lens, block_table=table, config=cfg)
-    torch.testing.assert_close(out_p, plain, atol=0, rtol=0)
-    torch.cuda.synchronize()
-    assert arrival_counters(q.device, B * 8)[:B * 8].abs().sum() == 0
-
-
 def test_128_packed_rows():
     """GQA 32 x 4 speculative tokens = 128 rows in one program (8 warps), split, causal."""
     q, k, v = _randn(2, 32, 4, 128), _randn(2, 1, 3000, 128), _randn(2, 1, 3000, 128)

@@ -30,9 +30,6 @@ class DecodeConfig:
     # Whole K / V tiles by TMA copies (kernel.py, CacheLayout.TMA) where the layout allows it
     # (host._tma_descriptors); else every tile by 16-byte cp.async.
     tma: bool = False
-    # > 0: the flat schedule (kernel_flat.py) with this many programs an SM, every program streaming the
-    # same number of tiles; 0: the split grid (kernel.py)
-    flat_per_sm: int = 0
 
 
 # Split programs per SM the split count aims for when the (batch, kv head) programs are few. A

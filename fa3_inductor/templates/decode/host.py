@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, Optional, Sequence
 
@@ -18,7 +17,6 @@ from ..wide_scores import wide_scores
 from .fp8_cache import FP8_DTYPES, kv_scale_mode
 from .configs import DecodeConfig, choose_num_splits, decode_config, few_programs, sm_count, tma_tiles
 from .kernel import BlockSparsity, CacheLayout, DecodeSite, DecodeTiling, decode_split_kernel
-from .kernel_flat import decode_flat_kernel
 from .shape import MAX_ROWS as _MAX_ROWS
 
 Launch = tuple   # (kernel, args, kwargs, grid)
@@ -191,20 +189,7 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
         to_score = sm_scale if sm_scale > 0 else 1.0
     fold = score_mod is None and sm_scale > 0
     programs = B * HQ // heads
-    flat = cfg.flat_per_sm > 0 and mode == "none" and kv_scale == "none"
-    if flat:   # two partial slots a program (kernel_flat.py)
-        flat_programs = cfg.flat_per_sm * sms
-        if scratch is None:
-            o_part = torch.empty(2 * flat_programs, rows, DV, dtype=torch.float32, device=q.device)
-            lse_part = torch.empty(2 * flat_programs, rows, dtype=torch.float32, device=q.device)
-            arrivals = arrival_counters(q.device, programs)
-        else:
-            o_part, lse_part, arrivals = scratch
-        if o_part.numel() < 2 * flat_programs * rows * DV or lse_part.numel() < 2 * flat_programs * rows \
-                or arrivals.numel() < programs:
-            _fail(f"the scratch given ({tuple(o_part.shape)}, {tuple(lse_part.shape)}, {tuple(arrivals.shape)}) is "
-                  f"smaller than the flat schedule's {flat_programs} programs need", "pass scratch=None")
-    elif split:
+    if split:
         if scratch is None:
             o_part, lse_part = _split_partials(q, HKV, DV, num_splits)
             arrivals = arrival_counters(q.device, programs)
@@ -251,16 +236,6 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
                   SPARSE=BlockSparsity(MODE=mode, KV_BLOCK=sparse_kv_block if mode == "blocks" else 0,
                                        HAS_FULL=table_args[2] is not dummy),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if flat:
-        flat_args = (q, k, v, k_desc, v_desc, out, lse, o_part, lse_part, arrivals,
-                     dummy if seq_lens is None else seq_lens, q_offset if q_offset is not None else dummy, table,
-                     tuple(score_bufs), tuple(mask_bufs), q.stride(0), q.stride(1), q.stride(2), *k_strides,
-                     *v_strides, out.stride(0), out.stride(1), out.stride(2), table_stride, max_len, B, HKV, M_new, D,
-                     DV, sm_scale, to_score * math.log2(math.e))
-        del kwargs["SPARSE"]
-        merge_splits = max(1, min(16, cfg.merge_elements // (merge_rows * block_dv)))
-        kwargs.update(TILE=dataclasses.replace(tile, MERGE_SPLITS=merge_splits), BLOCK_B=max(2, triton.next_power_of_2(B)))
-        return [(decode_flat_kernel, flat_args, kwargs, (flat_programs,))]
     return [(decode_split_kernel, args, kwargs, (num_splits, programs))]
 
 

@@ -246,44 +246,6 @@ def _kv_step(acc, l_i, m_i, q, K, V, K_DESC, V_DESC, z, hkv, h, q_idx, start_n, 
 
 
 @triton.jit
-def _row_query(Q, Q_OFFSET, z, hq0, L, rows, stride_qz, stride_qh, stride_qm, M_NEW, D,
-               TILE: tl.constexpr, CACHE: tl.constexpr, SITE: tl.constexpr):
-    """(q [BLOCK_M, BLOCK_D], q_idx, h [BLOCK_M, 1], hq, i [BLOCK_M]) of the packed rows of batch z from
-    query head hq0: padding rows repeat the last real row (in-range indices for the mods; never stored)."""
-    n_rows = SITE.HEADS * M_NEW
-    row_ok = rows < n_rows
-    r = tl.minimum(rows, n_rows - 1)
-    i = r % M_NEW
-    hq = hq0 + r // M_NEW
-    offs_d = tl.arange(0, TILE.BLOCK_D)
-    q = tl.load(Q + z.to(tl.int64) * stride_qz + hq[:, None] * stride_qh + i[:, None] * stride_qm
-                + offs_d[None, :], mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0)
-    if CACHE.KV_SCALE != "none" and q.dtype == tl.bfloat16:
-        # FP8 K / V convert to fp16 in one instruction per pair (sm90: F2FP.F16.E4M3.UNPACK_B), to
-        # bf16 in three; fp16 holds every e4m3 / e5m2 value, P in [0, 1] more finely than bf16, and
-        # a bf16 q exactly within fp16's range (|q| <= 65504). The dots run in fp16, O stays bf16.
-        q = q.to(tl.float16)
-    if SITE.Q_POS == "offset":
-        q_first = tl.load(Q_OFFSET + z)
-    elif SITE.Q_POS == "end":
-        q_first = L - M_NEW
-    else:
-        q_first = 0 * L
-    q_idx = tl.maximum(q_first + i, 0)[:, None]
-    return q, q_idx, hq[:, None], hq, i
-
-
-@triton.jit
-def _store_rows(O, LSE, o, lse, z, hq, i, row_ok, stride_oz, stride_oh, stride_om, HKV, M_NEW, DV,
-                TILE: tl.constexpr, SITE: tl.constexpr):
-    """O (input dtype) and LSE of packed rows (query head hq, new token i) of batch z."""
-    offs_dv = tl.arange(0, TILE.BLOCK_DV)
-    o_ptr = O + z.to(tl.int64) * stride_oz + hq[:, None] * stride_oh + i[:, None] * stride_om
-    tl.store(o_ptr + offs_dv[None, :], o.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv < DV)[None, :])
-    tl.store(LSE + (z * (HKV * SITE.GQA_GROUP) + hq) * M_NEW + i, lse, mask=row_ok)
-
-
-@triton.jit
 def _table_row(NUM, IDX, z, h0, s_nb, s_nh, s_ib, s_ih):
     """(block count, pointer to the block list) of the mask row of batch z, head h0, query
     block 0."""
@@ -327,8 +289,26 @@ def decode_split_kernel(
     n_rows = SITE.HEADS * M_NEW
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < n_rows
-    q, q_idx, h, hq, i = _row_query(Q, Q_OFFSET, z, hq0, L, rows, stride_qz, stride_qh, stride_qm, M_NEW, D,
-                                    TILE, CACHE, SITE)
+    # Padding rows repeat the last real row (in-range indices for the mods); never stored.
+    r = tl.minimum(rows, n_rows - 1)
+    i = r % M_NEW
+    hq = hq0 + r // M_NEW
+    offs_d = tl.arange(0, TILE.BLOCK_D)
+    q = tl.load(Q + z.to(tl.int64) * stride_qz + hq[:, None] * stride_qh + i[:, None] * stride_qm
+                + offs_d[None, :], mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+    if CACHE.KV_SCALE != "none" and q.dtype == tl.bfloat16:
+        # FP8 K / V convert to fp16 in one instruction per pair (sm90: F2FP.F16.E4M3.UNPACK_B), to
+        # bf16 in three; fp16 holds every e4m3 / e5m2 value, P in [0, 1] more finely than bf16, and
+        # a bf16 q exactly within fp16's range (|q| <= 65504). The dots run in fp16, O stays bf16.
+        q = q.to(tl.float16)
+    if SITE.Q_POS == "offset":
+        q_first = tl.load(Q_OFFSET + z)
+    elif SITE.Q_POS == "end":
+        q_first = L - M_NEW
+    else:
+        q_first = 0 * L
+    q_idx = tl.maximum(q_first + i, 0)[:, None]
+    h = hq[:, None]
     bt_row = BLOCK_TABLE + z.to(tl.int64) * MAX_PAGES
     k_scale = 1.0
     v_scale = 1.0
@@ -436,22 +416,24 @@ def decode_split_kernel(
         tl.debug_barrier()   # every thread's partials are written before the release below
         arrived = tl.atomic_add(ARRIVALS + zk, 1, sem="acq_rel", scope="gpu")
         if arrived == num_splits - 1:   # the last split of this program row: merge them all
-            _merge_splits(O_PART, LSE_PART, O, LSE, zk * num_splits, 0, num_splits, n_rows, z, hq0,
-                          stride_oz, stride_oh, stride_om, HKV, M_NEW, DV, TILE, SITE, 1)
+            _merge_splits(O_PART, LSE_PART, O, LSE, zk * num_splits, num_splits, n_rows, z, hq0,
+                          stride_oz, stride_oh, stride_om, HKV, M_NEW, DV, TILE, SITE)
             tl.store(ARRIVALS + zk, 0)   # ready for the next launch
     else:
-        _store_rows(O, LSE, o, lse, z, hq, i, row_ok, stride_oz, stride_oh, stride_om, HKV, M_NEW, DV, TILE, SITE)
+        o_ptr = O + z.to(tl.int64) * stride_oz + hq[:, None] * stride_oh + i[:, None] * stride_om
+        tl.store(o_ptr + offs_dv[None, :], o.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & dv_ok[None, :])
+        tl.store(LSE + (z * (HKV * SITE.GQA_GROUP) + hq) * M_NEW + i, lse, mask=row_ok)
 
 
 @triton.jit
-def _merge_splits(O_PART, LSE_PART, O, LSE, first, first_slot, num_splits, n_rows, z, hq0,
+def _merge_splits(O_PART, LSE_PART, O, LSE, first, num_splits, n_rows, z, hq0,
                   stride_oz, stride_oh, stride_om, HKV, M_NEW, DV,
-                  TILE: tl.constexpr, SITE: tl.constexpr, SLOTS: tl.constexpr):
+                  TILE: tl.constexpr, SITE: tl.constexpr):
     """O = sum_s w_s O_s / sum_s w_s, w_s = exp2(LSE_s - max LSE), LSE = log2 sum of the splits',
-    for the R rows of one program row. Split s's partials are O_PART / LSE_PART row SLOTS * (first + s),
-    plus first_slot for s = 0 (the split kernel: SLOTS 1, rows first .. first + S; the flat kernel: two
-    slots a program, kernel_flat.py). Partials of other programs are read at L2 (.cg: never a stale L1
-    line); MERGE_SPLITS of them per step, so the reads of a step are in flight together."""
+    for the R rows of one program row (its splits at O_PART / LSE_PART rows first .. first + S).
+    Partials of other programs are read at L2 (.cg: never a stale L1 line); MERGE_SPLITS of them
+    per step, so the reads of a step are in flight together."""
     MR: tl.constexpr = TILE.MERGE_ROWS
     MS: tl.constexpr = TILE.MERGE_SPLITS
     BLOCK_DV: tl.constexpr = TILE.BLOCK_DV
@@ -466,8 +448,7 @@ def _merge_splits(O_PART, LSE_PART, O, LSE, first, first_slot, num_splits, n_row
     for s0 in range(0, num_splits, MS):
         s = s0 + offs_s
         ok = (s < num_splits)[:, None] & r_ok[None, :]                       # [MS, MR]
-        at = SLOTS * (first + s) + tl.where(s == 0, first_slot, 0)
-        part = at[:, None] * n_rows + r[None, :]
+        part = (first + s)[:, None] * n_rows + r[None, :]
         lse_s = tl.load(LSE_PART + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
         o_s = tl.load(O_PART + part[:, :, None] * DV + offs_dv[None, None, :],
                       mask=ok[:, :, None] & dv_ok[None, None, :], other=0.0, cache_modifier=".cg")
@@ -482,5 +463,8 @@ def _merge_splits(O_PART, LSE_PART, O, LSE, first, first_slot, num_splits, n_row
     total = tl.where(seen, w_sum, 1.0)
     o = acc / total[:, None]
     lse = tl.where(seen, m + tl.math.log2(total), float("-inf"))
-    _store_rows(O, LSE, o, lse, z, hq0 + r // M_NEW, r % M_NEW, r_ok, stride_oz, stride_oh, stride_om, HKV, M_NEW,
-                DV, TILE, SITE)
+    i = r % M_NEW
+    hq = hq0 + r // M_NEW
+    o_ptr = O + z.to(tl.int64) * stride_oz + hq[:, None] * stride_oh + i[:, None] * stride_om
+    tl.store(o_ptr + offs_dv[None, :], o.to(O.dtype.element_ty), mask=r_ok[:, None] & dv_ok[None, :])
+    tl.store(LSE + (z * (HKV * SITE.GQA_GROUP) + hq) * M_NEW + i, lse, mask=r_ok)
