@@ -33,6 +33,7 @@ auto launch, and each cell says paged time over it):
   n/2 st7      both (D64: 64-key tiles, one page each, three ahead: the bytes in flight of 128-key ones)
   tma, tma st7 as above, for pages holding whole tiles (D128's 64-key tiles on pages of 64)
   tma n/2      TMA with BLOCK_N halved (D64: 64-key tiles, one page each)
+  paged rule   the paged split rule and its 5 stages (the plan before configs.short_paged_splits)
   tokmajor     not paged: the contiguous cache stored token-major ([B, N, HKV, D], passed as its
                [B, HKV, N, D] view), the auto launch. Pages lay a head's key rows out the same way (a
                row of D x 2 bytes, the next row HKV x D x 2 bytes on), so this separates what the
@@ -64,7 +65,7 @@ import serving  # noqa: E402  (benchmarks/serving.py: cases, inputs, the clock)
 
 VARIANTS = ("auto", "ptr", "n/2", "n*2", "n*2 st2", "n*2 st4", "st2", "st3", "st4", "st5", "st6", "w8", "s/2",
             "s*2", "fill", "m4096", "tma", "tma st3", "tma st5", "tma n*2")
-PAGED_VARIANTS = ("auto", "m4096", "st4", "st7", "1/SM", "1/SM st7", "s<=16", "n/2", "n/2 st7", "tma", "tma st7",
+PAGED_VARIANTS = ("auto", "paged rule", "m4096", "st4", "st7", "1/SM", "1/SM st7", "s<=16", "n/2", "n/2 st7", "tma", "tma st7",
                   "tma n/2", "tokmajor")
 PAGE = 64
 # serving.py's quick paged rows and two D64 rows whose 128-key tiles span two pages of 64 (each key row
@@ -113,7 +114,7 @@ def variant_plans(c: serving.DecodeCase, capability: tuple[int, int], sms: int,
     rep = dataclasses.replace
     contig_splits = choose_num_splits(c.batch, c.hkv, c.cache, base.block_n, sms, base.resident)
     if paged:
-        return {"auto": (None, None), "m4096": (rep(base, merge_elements=4096), auto),
+        return {"auto": (None, None), "paged rule": (base, auto), "m4096": (rep(base, merge_elements=4096), auto),
                 "st4": (rep(base, num_stages=4), auto), "st7": (rep(base, num_stages=7), auto),
                 "1/SM": (base, contig_splits), "1/SM st7": (rep(base, num_stages=7), contig_splits),
                 "s<=16": (base, min(auto, 16)), "n/2": (rep(base, block_n=base.block_n // 2), auto),

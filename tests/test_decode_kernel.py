@@ -236,6 +236,23 @@ def test_sm90_plans_tma_for_gqa_d64_contiguous_caches():
     assert plan(8, 2, 64, paged=True) == (False, 128)
 
 
+def test_sm90_plans_short_paged_splits_as_contiguous():
+    """configs.short_paged_splits: pages of 64 holding D128's 64-key tiles whose paged splits would be short
+    (1 x 32k: 33 of 16 tiles) take the contiguous split count at 7 stages; long ones (1 x 128k) keep the paged
+    rule (33 splits, 5 stages)."""
+    def plan(N):
+        q = torch.randn(1, 32, 1, 128, dtype=torch.float16)
+        pages = torch.empty(N // 64, 64, 8, 128, dtype=torch.float16)
+        [(_, _, kwargs, grid)] = prepare_decode(q, pages, pages, torch.empty_like(q), torch.empty(q.shape[:3]),
+                                                sm_scale=0.1, seq_lens=torch.tensor([N], dtype=torch.int32),
+                                                block_table=torch.arange(N // 64, dtype=torch.int32).view(1, -1),
+                                                plan_for=(9, 0))
+        return grid[0], kwargs["num_stages"]
+
+    assert plan(32768) == (16, 7)
+    assert plan(131072) == (33, 5)
+
+
 @pytest.mark.parametrize("explicit_offset", [False, True], ids=["last_tokens", "q_offset"])
 def test_causal_mask_mod_sees_absolute_positions(cpu_kernels, explicit_offset):
     q, k, v = _inputs(2, 4, 2, 3, 40, 16)

@@ -60,6 +60,15 @@ MIN_TILES_PER_SPLIT = 4
 # contiguous cache gets, though: 1 x 4k fell to 8 splits (64 programs on 132 SMs) and ran 1.43x
 # (serving-nvidia-h200-2026-11-29-0229).
 PAGED_MIN_TILES_PER_SPLIT = 8
+# Pages holding whole tiles (D128's 64-key tiles on pages of 64 or more keys), when the paged split rule would leave
+# each split at most SHORT_PAGED_SPLIT tiles: plan as a contiguous cache (its split count: half the splits, twice
+# as long) at WHOLE_PAGE_STAGES stages (the table entry takes one, three tiles ahead, 104 KB). H200, paged time over
+# contiguous (decode-tiles-nvidia-h200-2026-11-30-0412, `1/SM st7` against the paged rule): 1 x 32k (16 tiles a
+# split) 1.142 -> 1.049, 8 x 4 tokens x 8k (32) 1.124 -> 1.083, 1 x 8k (8) 1.065 -> 1.044, 8 x 8k (32) 1.034 ->
+# 1.039, 1 x 4k (4) 0.999 -> 1.003. Long splits keep the paged rule: as one program an SM with three tiles ahead
+# 1 x 128k (62 tiles a split) ran 1.172 against 1.043 (serving-nvidia-h200-2026-11-30-0430).
+SHORT_PAGED_SPLIT = 32
+WHOLE_PAGE_STAGES = 7
 # Upper bound on the split count (the scratch is S x rows x DV fp32 per (batch, kv head)).
 MAX_SPLITS = 128
 # SM count the interpreter plans with: small, so that the default path splits on tiny shapes too.
@@ -144,6 +153,25 @@ def tma_tiles(cfg: DecodeConfig, head_dim: int, packed_heads: int, block_m: int,
         return None
     # K and V tiles of 32 KB each a stage (256 keys x D64): one program an SM by shared memory
     return dataclasses.replace(cfg, tma=True, block_n=2 * cfg.block_n, resident=1)
+
+
+def short_paged_splits(head_dim: int, page_size: int, block_m: int, two_byte: bool, batch: int, kv_heads: int,
+                       max_len: int, block_n: int, num_sms: int, resident: int) -> bool:
+    """Whether a paged cache plans as a contiguous one (SHORT_PAGED_SPLIT): its pages hold D128's 64-key tiles
+    whole (64 < D <= 128, pages a multiple of 64, two-byte K / V, fewer than 64 rows) and the paged split rule
+    would give splits of at most SHORT_PAGED_SPLIT tiles.
+
+    Example::
+
+        >>> short_paged_splits(128, 64, 16, True, 1, 8, 32768, 64, 132, 3)     # 33 splits of 16 tiles
+        True
+        >>> short_paged_splits(128, 64, 16, True, 1, 8, 131072, 64, 132, 3)    # 33 splits of 62 tiles
+        False
+    """
+    if not (64 < head_dim <= 128 and page_size > 0 and page_size % 64 == 0 and block_m < 64 and two_byte):
+        return False
+    splits = choose_num_splits(batch, kv_heads, max_len, block_n, num_sms, resident, paged=True)
+    return -(-max_len // block_n) <= SHORT_PAGED_SPLIT * splits
 
 
 def few_programs(batch: int, kv_heads: int, num_sms: int, paged: bool = False) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Optional, Sequence
 
@@ -15,7 +16,8 @@ from ..tma import tma_aligned
 from ..modgen import kernel_score_mod
 from ..wide_scores import wide_scores
 from .fp8_cache import FP8_DTYPES, kv_scale_mode
-from .configs import DecodeConfig, choose_num_splits, decode_config, few_programs, sm_count, tma_tiles
+from .configs import (WHOLE_PAGE_STAGES, DecodeConfig, choose_num_splits, decode_config, few_programs,
+                      short_paged_splits, sm_count, tma_tiles)
 from .kernel import BlockSparsity, CacheLayout, DecodeSite, DecodeTiling, decode_split_kernel
 from .shape import MAX_ROWS as _MAX_ROWS
 
@@ -171,8 +173,17 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
                                   paged=paged, few_programs=few_programs(B, HQ // heads, sms, paged),
                                   fp8_cache=kv_scale != "none")
     block_n = _block_n(cfg, sparse_kv_block if mode == "blocks" else 0)
+    split_paged = paged   # the paged split rule, unless short splits of whole-page tiles plan as contiguous
+    if config is None and paged and capability is not None and num_splits is None and mode != "blocks" \
+            and short_paged_splits(max(D, DV), page, block_m, q.dtype in (torch.float16, torch.bfloat16)
+                                   and kv_scale == "none", B, HQ // heads, max_len, block_n, sms, cfg.resident):
+        split_paged = False
+        cfg = dataclasses.replace(decode_config(max(D, DV), capability, block_m=block_m,
+                                                few_programs=few_programs(B, HQ // heads, sms)),
+                                  num_stages=WHOLE_PAGE_STAGES)
+        block_n = cfg.block_n
     if num_splits is None:
-        num_splits = choose_num_splits(B, HQ // heads, max_len, block_n, sms, cfg.resident, paged=paged)
+        num_splits = choose_num_splits(B, HQ // heads, max_len, block_n, sms, cfg.resident, paged=split_paged)
     if num_splits < 1:
         _fail(f"num_splits={num_splits}", "pass a positive split count or None (chosen)")
     split = num_splits > 1
