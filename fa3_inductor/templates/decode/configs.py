@@ -66,7 +66,9 @@ PAGED_MIN_TILES_PER_SPLIT = 8
 # contiguous (decode-tiles-nvidia-h200-2026-11-30-0412, `1/SM st7` against the paged rule): 1 x 32k (16 tiles a
 # split) 1.142 -> 1.049, 8 x 4 tokens x 8k (32) 1.124 -> 1.083, 1 x 8k (8) 1.065 -> 1.044, 8 x 8k (32) 1.034 ->
 # 1.039, 1 x 4k (4) 0.999 -> 1.003. Long splits keep the paged rule: as one program an SM with three tiles ahead
-# 1 x 128k (62 tiles a split) ran 1.172 against 1.043 (serving-nvidia-h200-2026-11-30-0430).
+# 1 x 128k (62 tiles a split) ran 1.172 against 1.043 (serving-nvidia-h200-2026-11-30-0430). Only where the paged rule
+# splits more than the contiguous one: at the same split count the 7 stages alone cost 1 x 4k (4 tiles a split)
+# 3.9% in decode-tiles-nvidia-h200-2026-11-30-1236.
 SHORT_PAGED_SPLIT = 32
 WHOLE_PAGE_STAGES = 7
 # Upper bound on the split count (the scratch is S x rows x DV fp32 per (batch, kv head)).
@@ -159,7 +161,7 @@ def short_paged_splits(head_dim: int, page_size: int, block_m: int, two_byte: bo
                        max_len: int, block_n: int, num_sms: int, resident: int) -> bool:
     """Whether a paged cache plans as a contiguous one (SHORT_PAGED_SPLIT): its pages hold D128's 64-key tiles
     whole (64 < D <= 128, pages a multiple of 64, two-byte K / V, fewer than 64 rows) and the paged split rule
-    would give splits of at most SHORT_PAGED_SPLIT tiles.
+    would give more splits than the contiguous one, of at most SHORT_PAGED_SPLIT tiles.
 
     Example::
 
@@ -171,7 +173,8 @@ def short_paged_splits(head_dim: int, page_size: int, block_m: int, two_byte: bo
     if not (64 < head_dim <= 128 and page_size > 0 and page_size % 64 == 0 and block_m < 64 and two_byte):
         return False
     splits = choose_num_splits(batch, kv_heads, max_len, block_n, num_sms, resident, paged=True)
-    return -(-max_len // block_n) <= SHORT_PAGED_SPLIT * splits
+    fewer = choose_num_splits(batch, kv_heads, max_len, block_n, num_sms, resident) < splits
+    return fewer and -(-max_len // block_n) <= SHORT_PAGED_SPLIT * splits
 
 
 def few_programs(batch: int, kv_heads: int, num_sms: int, paged: bool = False) -> bool:
