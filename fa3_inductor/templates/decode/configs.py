@@ -68,7 +68,8 @@ PAGED_MIN_TILES_PER_SPLIT = 8
 # 1.039, 1 x 4k (4) 0.999 -> 1.003. Long splits keep the paged rule: as one program an SM with three tiles ahead
 # 1 x 128k (62 tiles a split) ran 1.172 against 1.043 (serving-nvidia-h200-2026-11-30-0430). Only where the paged rule
 # splits more than the contiguous one: at the same split count the 7 stages alone cost 1 x 4k (4 tiles a split)
-# 3.9% in decode-tiles-nvidia-h200-2026-11-30-1236.
+# 3.9% in decode-tiles-nvidia-h200-2026-11-30-1236. So narrowed (-1240, the paged rule's time over this plan's, same
+# rounds): 1 x 32k 1.109, 8 x 4 tokens 1.014, 8 x 8k 0.993.
 SHORT_PAGED_SPLIT = 32
 WHOLE_PAGE_STAGES = 7
 # Upper bound on the split count (the scratch is S x rows x DV fp32 per (batch, kv head)).
