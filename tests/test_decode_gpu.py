@@ -120,6 +120,29 @@ def test_planned_tma_tiles_match_float64(B, HKV, N):
     assert_matches_reference(out, _reference(q, k, v, lens), torch.bfloat16)
 
 
+def test_tma_plan_replays_through_the_memo_and_a_cuda_graph():
+    """The GQA D64 TMA plan (host descriptors) on the paths that re-launch a recording: flex_decode's memo
+    on new tensors, flex()'s op re-launch, and a captured flex_decode step replayed with new lengths."""
+    B, N = 4, 8192
+    q, k, v = _randn(B, 32, 1, 64), _randn(B, 8, N, 64), _randn(B, 8, N, 64)
+    lens = torch.tensor([N, 3000, 77, 5000], dtype=torch.int32, device="cuda")
+    for _ in range(3):   # the first call plans; the others replay on new tensors
+        q, k, v = _randn(*q.shape), _randn(*k.shape), _randn(*v.shape)
+        assert_matches_reference(flex_decode(q, k, v, seq_lens=lens), _reference(q, k, v, lens), torch.bfloat16)
+        out = fa3_inductor.flex(q, k, v, enable_gqa=True)
+        assert fa3_inductor.last_template() == "decode"
+        assert_matches_reference(out, reference_attention(q, k, v)[0], torch.bfloat16)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flex_decode(q, k, v, seq_lens=lens)
+    for new in ([100, 200, 8192, 1], [7000, 12, 4096, 4097]):
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches_reference(out, _reference(q, k, v, lens), torch.bfloat16)
+
+
 def test_128_packed_rows():
     """GQA 32 x 4 speculative tokens = 128 rows in one program (8 warps), split, causal."""
     q, k, v = _randn(2, 32, 4, 128), _randn(2, 1, 3000, 128), _randn(2, 1, 3000, 128)
