@@ -65,8 +65,8 @@ import serving  # noqa: E402  (benchmarks/serving.py: cases, inputs, the clock)
 
 VARIANTS = ("auto", "ptr", "n/2", "n*2", "n*2 st2", "n*2 st4", "st2", "st3", "st4", "st5", "st6", "w8", "s/2",
             "s*2", "fill", "m4096", "tma", "tma st3", "tma st5", "tma n*2")
-PAGED_VARIANTS = ("auto", "paged rule", "m4096", "st4", "st7", "1/SM", "1/SM st7", "s<=16", "n/2", "n/2 st7", "tma", "tma st7",
-                  "tma n/2", "tokmajor")
+PAGED_VARIANTS = ("auto", "paged rule", "m4096", "st4", "st7", "1/SM", "1/SM st7", "s<=16", "n/2", "n/2 st7",
+                  "tma", "tma st7", "tma n/2", "tokmajor")
 PAGE = 64
 # serving.py's quick paged rows and two D64 rows whose 128-key tiles span two pages of 64 (each key row
 # looks its page up) where the n/2 variant's 64-key tiles lie in one page (one table entry a tile)
