@@ -117,3 +117,18 @@ def test_compiled_decode_step_and_explain(fresh_compiles):
     assert fa3_inductor.last_template() == "decode"
     ref, _ = reference_attention(q, k, v, lambda s, b, h, qi, ki: s + 0.01 * ki, scale=scale)
     assert_matches_reference(out, ref, torch.float32)
+
+
+def test_describe_names_the_tma_plan_on_sm90(monkeypatch):
+    """explain()'s note for a decode site says when K / V come by TMA (configs.tma_tiles: GQA D64 on sm90)."""
+    from fa3_inductor.templates.decode import family as decode_family
+    from fa3_inductor.templates.family import SiteFacts
+
+    monkeypatch.setattr(decode_family, "_sm90", lambda device: True)
+
+    def note(D, q_heads):
+        return decode_family.FAMILY.describe(SiteFacts(torch.device("cuda"), torch.bfloat16, D, D, query_len=1,
+                                                       q_heads=q_heads, kv_heads=8, needs_max=False))
+
+    assert "TMA in 256-key tiles" in note(64, 32)
+    assert "TMA" not in note(128, 32) and "TMA" not in note(64, 8)

@@ -26,12 +26,19 @@ import torch
 from ..._log import info_once
 from ...runtime.fast_launch import aliasing, tensor_signature
 from ..family import NOT_MEANT_HERE, Call, NotServed, SiteFacts, Variants
+from .configs import decode_config, tma_tiles
 from .host import prepare_decode
 from .launch_cache import launch_decode, recorded_decode
 from .shape import MAX_ROWS, decode_fit
 
 # Input dtypes the CPU interpreter cannot compute a dot in (computed in float32 instead).
 _INTERPRETER_UPCAST = (torch.bfloat16,)
+
+
+
+def _sm90(device: torch.device) -> bool:
+    """Whether ``device`` is a CUDA GPU of compute capability 9.x (where the TMA plan applies)."""
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] == 9
 
 
 class DecodeFamily:
@@ -68,8 +75,14 @@ class DecodeFamily:
 
     def describe(self, site: SiteFacts) -> str:
         group = site.q_heads // max(site.kv_heads, 1)
-        return (f"decode: {group} query heads x {site.query_len} tokens packed per kv head, "
+        text = (f"decode: {group} query heads x {site.query_len} tokens packed per kv head, "
                 "split-KV, the last split merging")
+        head_dim = max(site.head_dim, site.value_head_dim)
+        rows = max(16, 1 << (group * (site.query_len or 1) - 1).bit_length())
+        if _sm90(site.device) and tma_tiles(decode_config(head_dim, (9, 0), block_m=rows), head_dim, group, rows,
+                                            (9, 0), False, site.dtype.itemsize == 2) is not None:
+            text += "; K / V by TMA in 256-key tiles (GQA D64 on sm90)"
+        return text
 
     def prepare(self, call: Call) -> Optional[Variants]:
         if not call.q.is_cuda:
@@ -80,7 +93,7 @@ class DecodeFamily:
                                 "(set TRITON_INTERPRET=1 before importing triton to run it on the CPU)")
         if call.fp8 is not None:
             raise NotServed("the decode family has no FP8 variant yet")
-        return None   # two launches: launch() records and re-launches them itself
+        return None   # its scratch is per call: launch() records and re-launches the launch itself
 
     def launch(self, call: Call) -> None:
         q, out = call.q, call.out
