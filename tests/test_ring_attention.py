@@ -363,10 +363,14 @@ def _run_fp8_case(name: str, rank: int, world: int, seed: int) -> None:
         what = f"{name} {method}"
         _check_fp8(f"{what} vs float64", out, lse, layout.shard(ref, 2, rank),
                    layout.shard(ref_lse, 2, rank), FP8_TOLERANCE, FP8_TOLERANCE)
+        # Unaligned, the ring and the whole sequence quantize different blocks: each is within FP8_TOLERANCE of
+        # float64 (the ring's checked above, flex(fp8=)'s in the FP8 tests), so within twice that of each other
+        # (fresh inputs once put the smooth_k LSEs 0.107 apart, the ring's inside its float64 check). Aligned
+        # blocks quantize alike: the LSEs agree to 1e-4.
         aligned = case.get("aligned", False)
+        mutual = FP8_TOLERANCE if aligned else 2 * FP8_TOLERANCE
         _check_fp8(f"{what} vs flex(fp8=) on the whole sequence", out, lse,
-                   layout.shard(whole, 2, rank), layout.shard(whole_lse, 2, rank),
-                   FP8_TOLERANCE, 1e-4 if aligned else FP8_TOLERANCE)
+                   layout.shard(whole, 2, rank), layout.shard(whole_lse, 2, rank), mutual, 1e-4 if aligned else mutual)
 
 
 def _run_fp8_errors(rank: int, world: int, seed: int) -> None:
