@@ -124,7 +124,7 @@ def test_describe_names_the_tma_plan_on_sm90(monkeypatch):
     from fa3_inductor.templates.decode import family as decode_family
     from fa3_inductor.templates.family import SiteFacts
 
-    monkeypatch.setattr(decode_family, "_sm90", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))   # SiteFacts.capability
 
     def note(D, q_heads):
         return decode_family.FAMILY.describe(SiteFacts(torch.device("cuda"), torch.bfloat16, D, D, query_len=1,

@@ -355,6 +355,15 @@ def test_unsupported_inputs_say_what_to_do(cpu_kernels):
         prepare_decode(q.bfloat16(), k.bfloat16(), v.bfloat16(), out.bfloat16(), lse, sm_scale=1.0)
 
 
+def _sm90_cache(D, page):
+    """(k, the paged keywords) of the compile tests' bf16 cache, 2 x 2048 keys over 2 kv heads: contiguous
+    (page 0) or pages of ``page`` keys in table order."""
+    if not page:
+        return torch.randn(2, 2, 2048, D, dtype=torch.bfloat16), {}
+    return (torch.randn(4096 // page, page, 2, D, dtype=torch.bfloat16),
+            dict(block_table=torch.arange(4096 // page, dtype=torch.int32).view(2, -1), page_size=page))
+
+
 @pytest.mark.sm90_compile
 def test_sm90_compile_no_spills():
     """The split kernel (its merge included) compiles for sm90 without spills, K/V read by 16-byte cp.async
@@ -372,12 +381,7 @@ def test_sm90_compile_no_spills():
         q = torch.randn(2, 2 * group, M_new, D, dtype=torch.bfloat16)
         lens = torch.tensor([2048, 1000], dtype=torch.int32)
         paged = page > 0
-        if paged:
-            k = torch.randn(4096 // page, page, 2, D, dtype=torch.bfloat16)
-            extra = dict(block_table=torch.arange(4096 // page, dtype=torch.int32).view(2, -1), page_size=page)
-        else:
-            k = torch.randn(2, 2, 2048, D, dtype=torch.bfloat16)
-            extra = {}
+        k, extra = _sm90_cache(D, page)
         kernels = compile_decode(q, k, k, torch.empty_like(q), torch.empty(q.shape[:3]),
                                  sm_scale=D ** -0.5, seq_lens=lens, num_splits=8, **extra)
         assert len(kernels) == 1
@@ -396,12 +400,7 @@ def test_sm90_compile_no_spills():
     from fa3_inductor.templates.decode.configs import decode_config
     for D, page in ((128, 0), (128, 64), (64, 0)):
         q = torch.randn(2, 8, 1, D, dtype=torch.bfloat16)
-        if page:
-            k = torch.randn(4096 // page, page, 2, D, dtype=torch.bfloat16)
-            extra = dict(block_table=torch.arange(4096 // page, dtype=torch.int32).view(2, -1), page_size=page)
-        else:
-            k = torch.randn(2, 2, 2048, D, dtype=torch.bfloat16)
-            extra = {}
+        k, extra = _sm90_cache(D, page)
         cfg = dataclasses.replace(decode_config(D, (9, 0), paged=page > 0), tma=True)
         [ck] = compile_decode(q, k, k, torch.empty_like(q), torch.empty(q.shape[:3]), sm_scale=D ** -0.5,
                               seq_lens=torch.tensor([2048, 1000], dtype=torch.int32), num_splits=8, config=cfg,

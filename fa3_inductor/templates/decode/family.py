@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
+import triton
 
 from ..._log import info_once
 from ...runtime.fast_launch import aliasing, tensor_signature
@@ -34,11 +35,6 @@ from .shape import MAX_ROWS, decode_fit
 # Input dtypes the CPU interpreter cannot compute a dot in (computed in float32 instead).
 _INTERPRETER_UPCAST = (torch.bfloat16,)
 
-
-
-def _sm90(device: torch.device) -> bool:
-    """Whether ``device`` is a CUDA GPU of compute capability 9.x (where the TMA plan applies)."""
-    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] == 9
 
 
 class DecodeFamily:
@@ -77,10 +73,10 @@ class DecodeFamily:
         group = site.q_heads // max(site.kv_heads, 1)
         text = (f"decode: {group} query heads x {site.query_len} tokens packed per kv head, "
                 "split-KV, the last split merging")
-        head_dim = max(site.head_dim, site.value_head_dim)
-        rows = max(16, 1 << (group * (site.query_len or 1) - 1).bit_length())
-        if _sm90(site.device) and tma_tiles(decode_config(head_dim, (9, 0), block_m=rows), head_dim, group, rows,
-                                            (9, 0), False, site.dtype.itemsize == 2) is not None:
+        head_dim, capability = max(site.head_dim, site.value_head_dim), site.capability
+        rows = max(16, triton.next_power_of_2(group * (site.query_len or 1)))
+        if capability is not None and tma_tiles(decode_config(head_dim, capability, block_m=rows), head_dim, group,
+                                                rows, capability, False, site.dtype.itemsize == 2) is not None:
             text += "; K / V by TMA in 256-key tiles (GQA D64 on sm90)"
         return text
 

@@ -173,10 +173,11 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
                                   paged=paged, few_programs=few_programs(B, HQ // heads, sms, paged),
                                   fp8_cache=kv_scale != "none")
     block_n = _block_n(cfg, sparse_kv_block if mode == "blocks" else 0)
+    two_byte = q.dtype in (torch.float16, torch.bfloat16) and kv_scale == "none"   # K / V in q's 16-bit dtype
     split_paged = paged   # the paged split rule, unless short splits of whole-page tiles plan as contiguous
     if config is None and paged and capability is not None and num_splits is None and mode != "blocks" \
-            and short_paged_splits(max(D, DV), page, block_m, q.dtype in (torch.float16, torch.bfloat16)
-                                   and kv_scale == "none", B, HQ // heads, max_len, block_n, sms, cfg.resident):
+            and short_paged_splits(max(D, DV), page, block_m, two_byte, B, HQ // heads, max_len, block_n, sms,
+                                   cfg.resident):
         split_paged = False
         cfg = dataclasses.replace(decode_config(max(D, DV), capability, block_m=block_m,
                                                 few_programs=few_programs(B, HQ // heads, sms)),
@@ -188,11 +189,15 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
         _fail(f"num_splits={num_splits}", "pass a positive split count or None (chosen)")
     split = num_splits > 1
     block_d, block_dv = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(DV))
-    if config is None and mode != "blocks":
-        wide = tma_tiles(cfg, max(D, DV), heads, block_m, capability, paged,
-                         q.dtype in (torch.float16, torch.bfloat16) and kv_scale == "none")
-        if wide is not None and _tma_descriptors(k, v, paged, page, wide.block_n, block_d, block_dv):
-            cfg, block_n = wide, wide.block_n
+    descs = None   # K / V descriptors when whole tiles come by TMA (the planned TMA tiles, or a config's tma)
+    if mode != "blocks":
+        wide = tma_tiles(cfg, max(D, DV), heads, block_m, capability, paged, two_byte) if config is None else None
+        if wide is not None:
+            descs = _tma_descriptors(k, v, paged, page, wide.block_n, block_d, block_dv)
+            if descs is not None:
+                cfg, block_n = wide, wide.block_n
+        elif cfg.tma:
+            descs = _tma_descriptors(k, v, paged, page, block_n, block_d, block_dv)
 
     if score_mod is not None:
         score_mod, to_score = kernel_score_mod(score_mod, sm_scale)
@@ -224,7 +229,6 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
     else:   # [page, row in page, head, d]: batch stride = page stride, row stride = dim 1
         k_strides, v_strides = (k.stride(0), k.stride(2), k.stride(1)), (v.stride(0), v.stride(2), v.stride(1))
         table, table_stride = block_table, block_table.stride(0)
-    descs = _tma_descriptors(k, v, paged, page, block_n, block_d, block_dv) if cfg.tma and mode != "blocks" else None
     k_desc, v_desc = descs or (None, None)
     args = (q, k, v, k_desc, v_desc, out, lse, o_part, lse_part, arrivals, dummy if seq_lens is None else seq_lens,
             q_offset if q_offset is not None else dummy, table, k_scale, v_scale, *table_args[:4],
