@@ -161,13 +161,21 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
     mode, table_args = _sparsity(tables, sparse_q_block, sparse_kv_block, max_len, M_new, group, q_pos)
     # a block mask that differs per head: one program per query head, each walking its own row
     heads = 1 if mode != "none" and table_args[0].shape[1] > 1 else group
-    rows = heads * M_new
-
-    block_m = max(16, triton.next_power_of_2(rows))
     device_index = q.device.index if q.is_cuda else None
     if q.is_cuda and device_index is None:
         device_index = torch.cuda.current_device()
     sms = sm_count(capability, device_index)
+    # planned pairs only where the pair launch needs no split: halving the programs doubles a split launch's
+    # count (decode-tiles-nvidia-h200-2026-11-30-1251: 8 x 8k at 8 splits and 1 x 128k at 66 ran 1.06-1.30x slower)
+    pairs = config is None and scratch is None and mode == "none" and kv_scale == "none" \
+        and _head_pairs(q, k, v, block_table, HKV, group, capability) \
+        and (num_splits is not None or choose_num_splits(B, HKV // 2, max_len, 64, sms, paged=True) == 1)
+    if pairs:   # two adjacent kv heads as one of twice the width (kernel.py, SITE.PAIRS)
+        HKV, group, D, DV = HKV // 2, 2 * group, 2 * D, 2 * DV
+        heads = group
+    rows = heads * M_new
+
+    block_m = max(16, triton.next_power_of_2(rows))
     paged = block_table is not None
     cfg = config or decode_config(max(D, DV), capability, fp32=q.dtype == torch.float32, block_m=block_m,
                                   paged=paged, few_programs=few_programs(B, HQ // heads, sms, paged),
@@ -175,7 +183,8 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
     block_n = _block_n(cfg, sparse_kv_block if mode == "blocks" else 0)
     two_byte = q.dtype in (torch.float16, torch.bfloat16) and kv_scale == "none"   # K / V in q's 16-bit dtype
     split_paged = paged   # the paged split rule, unless short splits of whole-page tiles plan as contiguous
-    if config is None and paged and capability is not None and num_splits is None and mode != "blocks" \
+    if config is None and paged and not pairs and capability is not None and num_splits is None \
+            and mode != "blocks" \
             and short_paged_splits(max(D, DV), page, block_m, two_byte, B, HQ // heads, max_len, block_n, sms,
                                    cfg.resident):
         split_paged = False
@@ -227,7 +236,9 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
         k_strides, v_strides = (k.stride(0), k.stride(1), k.stride(2)), (v.stride(0), v.stride(1), v.stride(2))
         table, table_stride = dummy, 0
     else:   # [page, row in page, head, d]: batch stride = page stride, row stride = dim 1
-        k_strides, v_strides = (k.stride(0), k.stride(2), k.stride(1)), (v.stride(0), v.stride(2), v.stride(1))
+        pair = 2 if pairs else 1   # a pair's first head: every other head
+        k_strides = (k.stride(0), pair * k.stride(2), k.stride(1))
+        v_strides = (v.stride(0), pair * v.stride(2), v.stride(1))
         table, table_stride = block_table, block_table.stride(0)
     k_desc, v_desc = descs or (None, None)
     args = (q, k, v, k_desc, v_desc, out, lse, o_part, lse_part, arrivals, dummy if seq_lens is None else seq_lens,
@@ -247,7 +258,7 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
                   CACHE=CacheLayout(PAGED=paged, PAGE_SIZE=page or block_n, KV_SCALE=kv_scale, TMA=descs is not None),
                   SITE=DecodeSite(GQA_GROUP=group, HEADS=heads, Q_POS=q_pos, HAS_SEQ_LENS=seq_lens is not None,
                                   FOLD_SCALE=fold, SPLIT=split,
-                                  WIDE_SCORES=wide_scores(score_mod, compiled=capability is not None)),
+                                  WIDE_SCORES=wide_scores(score_mod, compiled=capability is not None), PAIRS=pairs),
                   SPARSE=BlockSparsity(MODE=mode, KV_BLOCK=sparse_kv_block if mode == "blocks" else 0,
                                        HAS_FULL=table_args[2] is not dummy),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -268,6 +279,21 @@ def split_scratch(args: Sequence[Any]) -> tuple:
         [torch.float32, torch.float32, torch.int32]
     """
     return tuple(args[_SCRATCH_AT])
+
+
+def _head_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: Any, kv_heads: int, group: int,
+                capability: Optional[tuple[int, int]]) -> bool:
+    """Whether a paged D64 cache is read two kv heads at a time (kernel.py, SITE.PAIRS): sm90, two-byte,
+    D = Dv = 64, an even number of kv heads whose rows lie side by side in a page (head stride 64), at most
+    32 packed rows a pair. A pair's key row is then 256 bytes (a head's alone: 128) and a 64-key tile lies in
+    one page of 64 or more, where D64's own 128-key tiles span two (docs/design/decode.md, "Head pairs")."""
+    if block_table is None or capability is None or capability[0] != 9 or kv_heads % 2:
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    D, page = q.shape[-1], k.shape[1]
+    return (D == 64 and v.shape[-1] == 64 and k.stride(2) == D and v.stride(2) == D
+            and 2 * group * q.shape[2] <= 32 and page % 64 == 0)
 
 
 def _tma_descriptors(k: torch.Tensor, v: torch.Tensor, paged: bool, page: int, block_n: int, block_d: int,

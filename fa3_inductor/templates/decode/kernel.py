@@ -121,6 +121,8 @@ class DecodeSite:
                            # LSE directly)
     WIDE_SCORES: bool = False  # the score_mod may return huge finite values: exp2's argument from
                                # the rounded product (wide_scores.py)
+    PAIRS: bool = False    # a program reads two adjacent kv heads of a paged cache as one row of 2 x D/2
+                           # columns ("Head pairs" above): GQA_GROUP = HEADS = both heads' query heads
 
 
 @dataclass(frozen=True)
@@ -246,6 +248,13 @@ def _kv_step(acc, l_i, m_i, q, K, V, K_DESC, V_DESC, z, hkv, h, q_idx, start_n, 
 
 
 @triton.jit
+def _pair_half(r, M_NEW, SITE: tl.constexpr):
+    """Which kv head of its pair packed row r belongs to (0 or 1): its query head's place in the pair's
+    2 x GQA_GROUP / 2 heads (SITE.PAIRS)."""
+    return (r // M_NEW) // (SITE.GQA_GROUP // 2)
+
+
+@triton.jit
 def _table_row(NUM, IDX, z, h0, s_nb, s_nh, s_ib, s_ih):
     """(block count, pointer to the block list) of the mask row of batch z, head h0, query
     block 0."""
@@ -294,8 +303,13 @@ def decode_split_kernel(
     i = r % M_NEW
     hq = hq0 + r // M_NEW
     offs_d = tl.arange(0, TILE.BLOCK_D)
-    q = tl.load(Q + z.to(tl.int64) * stride_qz + hq[:, None] * stride_qh + i[:, None] * stride_qm
-                + offs_d[None, :], mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+    if SITE.PAIRS:   # a row's query fills its kv head's half of the pair's columns, zeros the other half
+        q_col = offs_d[None, :] - _pair_half(r, M_NEW, SITE)[:, None] * (D // 2)
+        q = tl.load(Q + z.to(tl.int64) * stride_qz + hq[:, None] * stride_qh + i[:, None] * stride_qm + q_col,
+                    mask=row_ok[:, None] & (q_col >= 0) & (q_col < D // 2), other=0.0)
+    else:
+        q = tl.load(Q + z.to(tl.int64) * stride_qz + hq[:, None] * stride_qh + i[:, None] * stride_qm
+                    + offs_d[None, :], mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0)
     if CACHE.KV_SCALE != "none" and q.dtype == tl.bfloat16:
         # FP8 K / V convert to fp16 in one instruction per pair (sm90: F2FP.F16.E4M3.UNPACK_B), to
         # bf16 in three; fp16 holds every e4m3 / e5m2 value, P in [0, 1] more finely than bf16, and
@@ -421,8 +435,12 @@ def decode_split_kernel(
             tl.store(ARRIVALS + zk, 0)   # ready for the next launch
     else:
         o_ptr = O + z.to(tl.int64) * stride_oz + hq[:, None] * stride_oh + i[:, None] * stride_om
-        tl.store(o_ptr + offs_dv[None, :], o.to(O.dtype.element_ty),
-                 mask=row_ok[:, None] & dv_ok[None, :])
+        if SITE.PAIRS:
+            o_col = offs_dv[None, :] - _pair_half(r, M_NEW, SITE)[:, None] * (DV // 2)
+            tl.store(o_ptr + o_col, o.to(O.dtype.element_ty), mask=row_ok[:, None] & (o_col >= 0) & (o_col < DV // 2))
+        else:
+            tl.store(o_ptr + offs_dv[None, :], o.to(O.dtype.element_ty),
+                     mask=row_ok[:, None] & dv_ok[None, :])
         tl.store(LSE + (z * (HKV * SITE.GQA_GROUP) + hq) * M_NEW + i, lse, mask=row_ok)
 
 
@@ -466,5 +484,9 @@ def _merge_splits(O_PART, LSE_PART, O, LSE, first, num_splits, n_rows, z, hq0,
     i = r % M_NEW
     hq = hq0 + r // M_NEW
     o_ptr = O + z.to(tl.int64) * stride_oz + hq[:, None] * stride_oh + i[:, None] * stride_om
-    tl.store(o_ptr + offs_dv[None, :], o.to(O.dtype.element_ty), mask=r_ok[:, None] & dv_ok[None, :])
+    if SITE.PAIRS:
+        o_col = offs_dv[None, :] - _pair_half(r, M_NEW, SITE)[:, None] * (DV // 2)
+        tl.store(o_ptr + o_col, o.to(O.dtype.element_ty), mask=r_ok[:, None] & (o_col >= 0) & (o_col < DV // 2))
+    else:
+        tl.store(o_ptr + offs_dv[None, :], o.to(O.dtype.element_ty), mask=r_ok[:, None] & dv_ok[None, :])
     tl.store(LSE + (z * (HKV * SITE.GQA_GROUP) + hq) * M_NEW + i, lse, mask=r_ok)
