@@ -31,11 +31,27 @@ Parts (--part, default decode,splits,paged,varlen):
           output's difference to bf16 flex_decode on the dequantized cache (the same values: a
           kernel check) and to the bf16 cache it was quantized from (the quantization's error).
           Only when asked (--part fp8kv).
+  prefill prefill chunks reading a paged KV cache (flex_decode past 128 packed rows: it gathers the
+          pages into a contiguous copy and runs fa3_inductor.flex, decode.py's _gathered), bf16 GQA
+          32/8 D128: B sequences whose last ``new`` of ``cache`` keys are the chunk, causal among
+          themselves and seeing the whole prefix (mask_mod causal_abs on the absolute positions
+          flex_decode hands its mods). Same rounds: "paged" (pages of 64, shuffled table), "contig"
+          (the same call on the contiguous [B, HKV, cache, D] cache) and "gather" (what _gathered
+          does before flex(): the pages' copy, the chunk's positions, the mods), so the report says
+          how much of paged's extra time the copy is; then torch's compiled FlexAttention on the
+          contiguous cache (block mask built once, enable_gqa). A probe in the same rounds, "q_offset":
+          paged and contig with q_offset = seq_lens - new passed as one tensor kept across calls (the
+          default positions; without it each call's positions are a new tensor, and flex() keys the
+          block mask of the mods folding them in anew). Each row records the block masks built per call and the
+          template flex() ran. Only when asked (--part prefill).
 
 Units. Decode "TB/s" is K+V bytes read once / time; copy TB/s counts read + write (2 x K+V bytes)
 / time, a copy's usual figure; "% copy" is ours over the copy's. Varlen TFLOP/s count only the
-within-document causal work, 4 * H * D * L(L+1)/2 per document, for every impl. Ratios "ours/X"
-are X's time over ours (> 1: ours faster); "paged/contig" is paged time over contiguous time.
+within-document causal work, 4 * H * D * L(L+1)/2 per document, for every impl; prefill TFLOP/s
+count 4 * B * HQ * D * P, P the (query, key) pairs a chunk computes per (batch, head): row i of
+new (0-based) sees cache - new + i + 1 keys, so P = new * (cache - new) + new * (new + 1) / 2.
+Ratios "ours/X" are X's time over ours (> 1: ours faster); "paged/contig" is paged time over
+contiguous time.
 
 Timing: CUDA events around each call, warm-up first, the median of --reps; before every timed call
 a 256 MB scratch is zeroed (flushes the 50 MB L2: decode is bandwidth-bound and a warm L2 would
@@ -44,12 +60,14 @@ event fires; neither is inside the events. Impls compared directly (ours, the co
 the same interleaved rounds.
 
 Before timing, ours is checked against a float64 reference on one small decode case (contiguous and
-paged) and one small pack; each timed row also records every impl's relative difference to ours.
+paged), one small pack and (prefill) one small prefill chunk (paged and contiguous); each timed row
+also records every impl's relative difference to ours.
 
     python benchmarks/serving.py --quick --out DIR      # ~2 min on an H100 (budget 140 s all told)
     python benchmarks/serving.py                        # default rows (budget 300 s)
     python benchmarks/serving.py --part decode --full   # every decode row (K+V <= 16 GiB)
     python benchmarks/serving.py --part fp8kv           # the FP8 KV cache against bf16
+    python benchmarks/serving.py --quick --part prefill # prefill chunks on pages, 4 rows
     TRITON_INTERPRET=1 python benchmarks/serving.py --smoke --out /tmp/s   # CPU: the harness only
 
 Writes serving-<device>-<YYYY-MM-DD-HHMM>.{json,md} into --out (after every row, so a run cut short
@@ -78,10 +96,10 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))   # reference.py: the float64 reference
 
-PARTS = ("decode", "splits", "paged", "varlen", "fp8kv")
-DEFAULT_PARTS = PARTS[:4]    # fp8kv runs when asked
+PARTS = ("decode", "splits", "paged", "varlen", "fp8kv", "prefill")
+DEFAULT_PARTS = PARTS[:4]    # fp8kv and prefill run when asked (prefill: two compiles per row)
 # cumulative share of --budget-s after which a part adds no more rows
-BUDGET_SHARE = {"decode": 0.58, "splits": 0.64, "paged": 0.70, "varlen": 1.0, "fp8kv": 1.0}
+BUDGET_SHARE = {"decode": 0.58, "splits": 0.64, "paged": 0.70, "varlen": 1.0, "fp8kv": 1.0, "prefill": 1.0}
 QUICK_BUDGET_S = 140.0       # --quick: the whole run, startup included
 KV_CAP = 16 * 2 ** 30        # decode rows over this many K+V bytes are left out
 PAGED_KV_CAP = 4 * 2 ** 30   # rows whose paged copy is timed too (it holds the cache twice)
@@ -655,6 +673,207 @@ def paged_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: Cl
     return row
 
 
+# ------------------------------------------------------------------------------------ prefill
+def _pf(b: int, n: int, c: int) -> DecodeCase:
+    return DecodeCase(b, n, c * K, 32, 8, 128, page=DECODE_PAGE)
+
+
+QUICK_PREFILL = [_pf(1, 512, 8), _pf(1, 2048, 32), _pf(4, 1024, 16), _pf(8, 256, 4)]
+PREFILL_MORE = [_pf(1, 4096, 128), _pf(16, 512, 8)]   # the default set adds these (memory allowing)
+SMOKE_PREFILL = [DecodeCase(2, 72, 160, 4, 2, 16, page=16)]   # 2 x 72 = 144 packed rows: past the decode kernels
+
+
+def prefill_cases(full: bool, quick: bool = False) -> list[DecodeCase]:
+    """Rows of the prefill part: chunks of ``new`` tokens at the end of a cache of ``cache`` keys.
+
+    Example::
+
+        >>> [c.label() for c in prefill_cases(False, quick=True)][:1]
+        ['1x512x8k 32/8 D128 page64']
+    """
+    return list(QUICK_PREFILL) + ([] if quick else list(PREFILL_MORE))
+
+
+def causal_abs(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+    """Causal on absolute positions: flex_decode hands its mods q_idx = q_offset[b] + i (by
+    default seq_lens[b] - M_new + i), so the chunk is causal among itself and sees the prefix."""
+    return q_idx >= kv_idx
+
+
+def _prefix_causal(offset: int) -> Callable:
+    """The same mask for torch's flex, whose q_idx counts from the chunk's first row."""
+    def mask(b, h, q_idx, kv_idx):
+        return q_idx + offset >= kv_idx
+    return mask
+
+
+def prefill_pairs(c: DecodeCase) -> int:
+    """(q, kv) pairs a chunk of c.new tokens ending a cache of c.cache keys computes, per (batch,
+    head): row i (0-based) sees cache - new + i + 1 keys.
+
+    Example::
+
+        >>> prefill_pairs(DecodeCase(1, 2, 5, 1, 1, 16))   # rows see 4 and 5 keys
+        9
+    """
+    return c.new * (c.cache - c.new) + c.new * (c.new + 1) // 2
+
+
+def check_prefill(device: torch.device, dtype: torch.dtype) -> dict:
+    """flex_decode on a prefill chunk (more packed rows than the decode kernels take, so the
+    gathered path) with causal_abs, paged and contiguous, per batch against float64 attention over
+    the first seq_lens[b] keys with the chunk at positions seq_lens[b] - M .. seq_lens[b] - 1."""
+    from reference import TOLERANCE, reference_attention, rel_error
+
+    from fa3_inductor import flex_decode
+
+    small = device.type == "cpu"
+    B, HQ, HKV, M, D, page = (2, 4, 2, 72, 16, 16) if small else (2, 32, 8, 160, 128, 64)
+    N = 6 * page if small else 4 * page
+    lens = torch.tensor([N, N - page // 2 - 3], dtype=torch.int32, device=device)   # a partial last page
+    q = torch.randn(B, HQ, M, D, device=device, dtype=dtype)
+    k, v = (torch.randn(B, HKV, N, D, device=device, dtype=dtype) for _ in range(2))
+    k_pages, v_pages, table = _pages(k, v, page, spare=2)
+    outs = dict(contiguous=flex_decode(q, k, v, seq_lens=lens, mask_mod=causal_abs),
+                paged=flex_decode(q, k_pages, v_pages, seq_lens=lens, block_table=table, mask_mod=causal_abs))
+    errors = {}
+    for name, out in outs.items():
+        worst = 0.0
+        for z, L in enumerate(lens.tolist()):
+            ref, _ = reference_attention(q[z:z + 1], k[z:z + 1, :, :L], v[z:z + 1, :, :L],
+                                         mask_mod=_prefix_causal(L - M))
+            worst = max(worst, rel_error(out[z:z + 1], ref))
+        errors[name] = worst
+    tol = TOLERANCE[dtype]
+    if max(errors.values()) > tol:
+        raise SystemExit(f"serving: flex_decode on a prefill chunk does not match float64 ({errors}, tolerance "
+                         f"{tol}); fix decode.py's gathered path before timing it (tests/test_decode_api.py)")
+    return dict(shape=f"B{B} HQ{HQ}/HKV{HKV} new{M} N{N} D{D} page{page}", rel_error=errors, tol=tol)
+
+
+def _torch_flex_prefill(row: dict, q, k, v, clock: Clock, flex_fn, ours_out: torch.Tensor) -> None:
+    """torch's flex on the contiguous cache, its block mask built once here (outside the timing)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    try:
+        bm = create_block_mask(_prefix_causal(k.shape[2] - q.shape[2]), None, None, q.shape[2], k.shape[2],
+                               device=q.device)
+        t = time.perf_counter()
+        out = flex_fn(q, k, v, block_mask=bm, enable_gqa=True)
+        row["torch_flex_first_call_s"] = time.perf_counter() - t   # the compile, on a GPU
+        row["torch_flex_diff"] = _rel(out, ours_out)
+        row["torch_flex_ms"] = clock.ms(lambda: flex_fn(q, k, v, block_mask=bm, enable_gqa=True))
+    except Exception as exc:   # a compile failure is a result to report, not a reason to stop
+        row.setdefault("errors", {})["torch_flex"] = _error(exc)
+
+
+def prefill_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: Clock, flex_fn) -> dict:
+    """A prefill chunk through flex_decode on pages of c.page (shuffled table) and on the contiguous
+    cache, and the paged call's gather alone, in the same rounds; then torch's flex (module
+    docstring, part prefill)."""
+    import fa3_inductor
+    from fa3_inductor import block_masks, flex_decode
+    from fa3_inductor.decode import _contiguous_view, _flex_mods
+    from fa3_inductor.runtime.variants import wait_for_variants
+
+    row = _case_row("prefill", c, dtype.itemsize)
+    kv = c.kv_bytes(dtype.itemsize)
+    # the cache, its pages, the paged call's gathered copy and the gather's own: 4 x K+V, plus q and outputs
+    need = 4 * kv + 6 * c.batch * c.hq * c.new * c.d * dtype.itemsize
+    if need > 0.85 * _free_bytes(device):
+        row["errors"] = {"row": f"needs ~{need / 2 ** 30:.1f} GiB, {_free_bytes(device) / 2 ** 30:.1f} GiB free"}
+        return row
+    q, k, v, lens = _decode_inputs(c, device, dtype)
+    kp, vp, table = _pages(k, v, c.page)
+
+    def gather() -> tuple[torch.Tensor, torch.Tensor]:
+        # what _gathered does before it calls flex(): the pages' copy, the chunk's first position, the mods
+        kc, vc = _contiguous_view(q, kp, vp, table)
+        _flex_mods(None, causal_abs, lens, lens - q.shape[2])
+        return kc, vc
+
+    qoff = lens - c.new   # the default positions, in a tensor that outlives the calls
+    fns = {"paged": lambda: flex_decode(q, kp, vp, seq_lens=lens, block_table=table, mask_mod=causal_abs),
+           "contig": lambda: flex_decode(q, k, v, seq_lens=lens, mask_mod=causal_abs),
+           "gather": gather,
+           # a probe: without q_offset each call's positions are a new tensor, which keys its block mask anew
+           "paged_qoff": lambda: flex_decode(q, kp, vp, seq_lens=lens, block_table=table, q_offset=qoff,
+                                             mask_mod=causal_abs),
+           "contig_qoff": lambda: flex_decode(q, k, v, seq_lens=lens, q_offset=qoff, mask_mod=causal_abs)}
+    t = time.perf_counter()
+    ref = fns["paged"]()
+    row["paged_first_call_s"] = time.perf_counter() - t   # planning and compiles, on a GPU
+    row["template"] = fa3_inductor.last_template()
+    row["contig_diff"] = _rel(fns["contig"](), ref)
+    for name in ("paged_qoff", "contig_qoff"):
+        row[f"{name}_diff"] = _rel(fns[name](), ref)
+    wait_for_variants()   # background compiles of the first calls would slow the host while timed
+    row["gather_diff"] = _rel(torch.cat(gather()), torch.cat([k, v]))   # an exact copy: 0
+    timed = clock.times(fns)
+    row.update({f"{name}_ms": ms for name, ms in timed.items()})
+    # the probe first: the others' masks, one new per call, push its mask out of flex()'s LRU of them
+    for name in ("paged_qoff", "contig_qoff", "paged", "contig"):
+        calls = [0]
+
+        def counted(fn: Callable = fns[name]) -> torch.Tensor:
+            calls[0] += 1
+            return fn()
+        built = block_masks.stats()["built"]
+        row[f"{name}_host_us"] = clock.host_us(counted)
+        # a block mask built on every call is inside the timed calls above
+        row[f"{name}_mask_builds"] = (block_masks.stats()["built"] - built) / calls[0]
+    _torch_flex_prefill(row, q, k, v, clock, flex_fn, ref)
+    flops = 4 * c.batch * c.hq * c.d * prefill_pairs(c)
+    row["flops"] = flops
+    for name in ("paged", "contig", "paged_qoff", "contig_qoff", "torch_flex"):
+        if f"{name}_ms" in row:
+            row[f"{name}_tflops"] = flops / row[f"{name}_ms"] / 1e9
+    row["paged_over_contig"] = timed["paged"] / timed["contig"]
+    row["qoff_paged_over_contig"] = timed["paged_qoff"] / timed["contig_qoff"]
+    row["gather_pct_paged"] = 100 * timed["gather"] / timed["paged"]
+    if timed["paged_qoff"] > timed["contig_qoff"]:
+        # the copy against paged's whole extra time, on the pair whose block mask is not rebuilt (noise)
+        row["gather_pct_extra"] = 100 * timed["gather"] / (timed["paged_qoff"] - timed["contig_qoff"])
+    if "torch_flex_ms" in row:
+        for name in ("paged", "contig", "paged_qoff"):
+            row[f"{name}_vs_torch_flex"] = row["torch_flex_ms"] / timed[name]
+    return row
+
+
+def _prefill_table(rows: list[dict]) -> list[str]:
+    lines = ["## prefill chunks on a paged cache (flex_decode's gathered path; causal on absolute positions; "
+             "same rounds)", "",
+             "paged: `flex_decode(q, k_pages, v_pages, seq_lens, block_table, mask_mod=causal_abs)` on pages behind "
+             "a shuffled table; contig: the same call on the contiguous cache; gather: the paged call's work before "
+             "flex() (the pages' copy); torch flex: compiled FlexAttention on the contiguous cache, block mask built "
+             "once. TFLOP/s: 4 B HQ D x the (row, key) pairs the chunk sees; paged/contig: paged's time over "
+             "contig's; ours/torch flex: torch flex's time over paged's (contig's). q_offset: a probe, paged and "
+             "contig with q_offset=seq_lens - new passed as one tensor kept across calls (the same positions); "
+             "gather % extra: gather over (paged - contig), both with q_offset kept. mask builds: block masks "
+             "built per flex_decode call, paged / contig / paged q_offset / contig q_offset (0: reused).", "",
+             "| B | new | cache | HQ/HKV | D | KV GB | paged ms | contig ms | gather ms | q_offset paged ms | "
+             "q_offset contig ms | torch flex ms | paged TFLOP/s | contig TFLOP/s | q_offset paged TFLOP/s | "
+             "torch flex TFLOP/s | paged/contig | q_offset paged/contig | gather % paged | gather % extra | "
+             "ours/torch flex (contig) | q_offset paged/torch flex | host µs paged / contig / q_offset paged | "
+             "mask builds | max diff | template |", "|" + "---|" * 26]
+    for r in rows:
+        diff = max([r[k] for k in r if k.endswith("_diff")], default=None)
+        builds = " / ".join(_f(r, f"{n}_mask_builds", "{:.1f}")
+                            for n in ("paged", "contig", "paged_qoff", "contig_qoff"))
+        lines.append(f"{_shape(r)} {r['kv_gb']:.2f} | {_f(r, 'paged_ms')} | {_f(r, 'contig_ms')} | "
+                     f"{_f(r, 'gather_ms')} | {_f(r, 'paged_qoff_ms')} | {_f(r, 'contig_qoff_ms')} | "
+                     f"{_f(r, 'torch_flex_ms')} | {_f(r, 'paged_tflops', '{:.0f}')} | "
+                     f"{_f(r, 'contig_tflops', '{:.0f}')} | {_f(r, 'paged_qoff_tflops', '{:.0f}')} | "
+                     f"{_f(r, 'torch_flex_tflops', '{:.0f}')} | {_f(r, 'paged_over_contig', '{:.3f}')} | "
+                     f"{_f(r, 'qoff_paged_over_contig', '{:.3f}')} | {_f(r, 'gather_pct_paged', '{:.0f}')} | "
+                     f"{_f(r, 'gather_pct_extra', '{:.0f}')} | {_f(r, 'paged_vs_torch_flex', '{:.2f}')} "
+                     f"({_f(r, 'contig_vs_torch_flex', '{:.2f}')}) | {_f(r, 'paged_qoff_vs_torch_flex', '{:.2f}')} | "
+                     f"{_f(r, 'paged_host_us', '{:.0f}')} / {_f(r, 'contig_host_us', '{:.0f}')} / "
+                     f"{_f(r, 'paged_qoff_host_us', '{:.0f}')} | {builds} | "
+                     f"{'-' if diff is None else f'{diff:.1e}'} | {r.get('template', '-')} |")
+    return lines + [""]
+
+
 # ------------------------------------------------------------------------------------ fp8kv
 def _fp8_caches(k: torch.Tensor, v: torch.Tensor, page: int) -> dict:
     """FP8 copies of the cache: contiguous with per kv head scales, and (page > 0) pages of ``page``
@@ -917,6 +1136,11 @@ def targets(rows: list[dict]) -> list[str]:
     if paged:
         lines.append("paged within 5% of contiguous: "
                      f"{count(paged, lambda r: r.get('paged_over_contig', 9) <= 1.05)}")
+    prefill = [r for r in rows if r["part"] == "prefill"]
+    if prefill:
+        lines.append("prefill paged within 5% of contiguous: "
+                     f"{count(prefill, lambda r: r.get('paged_over_contig', 9) <= 1.05)} (q_offset kept: "
+                     f"{count(prefill, lambda r: r.get('qoff_paged_over_contig', 9) <= 1.05)})")
     for r in (r for r in rows if r["part"] == "varlen"):
         tag = f"varlen {r.get('docs', '?')} docs"
         lines += [f"{tag}: ours >= 1.0x per-document cuDNN: {_yes(r.get('vs_sdpa_cudnn_per_doc'), 1.0)}",
@@ -1029,7 +1253,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
                                if "copy_tbps_2gib" in meta else ""), "",
              f"Checks against float64: decode {meta['checks'].get('decode')}, "
              f"varlen {meta['checks'].get('varlen')}"
-             + (f", FP8 KV cache {meta['checks']['fp8kv']}" if "fp8kv" in meta["checks"] else "") + ".", ""]
+             + (f", FP8 KV cache {meta['checks']['fp8kv']}" if "fp8kv" in meta["checks"] else "")
+             + (f", prefill chunk {meta['checks']['prefill']}" if "prefill" in meta["checks"] else "") + ".", ""]
     if smoke:
         lines += ["**--smoke: tiny shapes on the CPU; the times are single calls, not measurements.**", ""]
     dec = [r for r in rows if r["part"] == "decode" and "N" in r]
@@ -1046,6 +1271,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     fp8 = [r for r in rows if r["part"] == "fp8kv" and "N" in r]
     if fp8:
         lines += _fp8kv_table(fp8)
+    prefill = [r for r in rows if r["part"] == "prefill" and "paged_ms" in r]
+    if prefill:
+        lines += _prefill_table(prefill)
     errors = [f"- {r.get('label', r['part'])}: {name}: {msg}" for r in rows
               for name, msg in r.get("errors", {}).items()]
     if errors:
@@ -1060,8 +1288,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
 
 
 def summary(meta: dict, rows: list[dict]) -> str:
-    """The short table printed last: one line per decode row (fa3 flex) and per pack, then the
-    targets.
+    """The short table printed last: one line per decode row (fa3 flex), per sweep, per pack and
+    per prefill row, then the targets.
 
     Example::
 
@@ -1086,6 +1314,12 @@ def summary(meta: dict, rows: list[dict]) -> str:
                          f"x{_f(r, 'vs_sdpa_cudnn_per_doc', '{:.2f}')} cuDNN/doc, x{_f(r, 'vs_docmask', '{:.2f}')} "
                          f"doc mask, x{_f(r, 'vs_ours_triton', '{:.2f}')} our Triton kernel "
                          f"(ours: {r.get('ours_kernel', '?')}) | | | | | | | |")
+        if r["part"] == "prefill" and "paged_ms" in r:
+            lines.append(f"| prefill {r.get('label', '?')}: paged {_f(r, 'paged_tflops', '{:.0f}')} TFLOP/s, "
+                         f"paged/contig {_f(r, 'paged_over_contig', '{:.3f}')}, gather "
+                         f"{_f(r, 'gather_pct_paged', '{:.0f}')}% of paged, x{_f(r, 'paged_vs_torch_flex', '{:.2f}')} "
+                         f"torch flex; q_offset kept: paged/contig {_f(r, 'qoff_paged_over_contig', '{:.3f}')}, "
+                         f"x{_f(r, 'paged_qoff_vs_torch_flex', '{:.2f}')} torch flex | | | | | | | |")
     if rows:
         lines += ["", *[f"- {t}" for t in targets(rows)]]
     if meta["budget_stops"]:
@@ -1119,6 +1353,8 @@ def _todo(part: str, args: argparse.Namespace) -> list:
         return SMOKE_PAGED if args.smoke else paged_cases(args.full, args.quick)
     if part == "fp8kv":
         return SMOKE_FP8KV if args.smoke else FP8KV_DECODE + (FP8KV_FULL if args.full else [])
+    if part == "prefill":
+        return SMOKE_PREFILL if args.smoke else prefill_cases(args.full, args.quick)
     return [SMOKE_VARLEN] if args.smoke else varlen_cases(args.full, args.quick)
 
 
@@ -1147,6 +1383,8 @@ def run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, meta
                                     SMOKE_PAGE_SIZES if args.smoke else PAGE_SIZES)
                 elif part == "fp8kv":
                     row = fp8kv_row(case, device, dtype, clock)
+                elif part == "prefill":
+                    row = prefill_row(case, device, dtype, clock, flex_fn)
                 else:
                     tiles = () if done else SMOKE_VARLEN_TILES if args.smoke else (
                         VARLEN_TILES if case.d == 128 else ())
@@ -1178,7 +1416,7 @@ def _gpu_meta(device: torch.device, args: argparse.Namespace) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--part", default=",".join(DEFAULT_PARTS),
-                    help="comma-separated subset of " + ",".join(PARTS) + " (default: all but fp8kv)")
+                    help="comma-separated subset of " + ",".join(PARTS) + " (default: all but fp8kv and prefill)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"), help="folder for the files")
     ap.add_argument("--budget-s", type=float, default=None,
                     help=f"seconds from the start after which parts add no more rows (default 300; "
@@ -1232,6 +1470,8 @@ def main() -> None:
         meta["checks"]["varlen"] = check_varlen(device, dtype)
     if "fp8kv" in args.part:
         meta["checks"]["fp8kv"] = check_fp8kv(device, dtype)
+    if "prefill" in args.part:
+        meta["checks"]["prefill"] = check_prefill(device, dtype)
     print("checks:", json.dumps(meta["checks"]), flush=True)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"serving-{_slug(name)}-{now:%Y-%m-%d-%H%M}")

@@ -106,3 +106,33 @@ def test_fp8kv_part_on_the_cpu(cpu_kernels):
     table = sb._fp8kv_table([row])
     assert table[0].startswith("## FP8 KV cache") and table[-2].count("|") == 21
     assert "fp8kv" in sb.PARTS and "fp8kv" not in sb.DEFAULT_PARTS
+
+
+def test_prefill_part_on_the_cpu(cpu_kernels):
+    """The prefill part's check, row, table and target in process (float32 under the interpreter): a
+    chunk past the decode kernels' 128 packed rows, paged and contiguous, agrees with float64 and with
+    torch's flex; the gather is an exact copy; the part runs only when asked."""
+    sb = _module()
+    cpu = torch.device("cpu")
+    torch.manual_seed(0)
+    check = sb.check_prefill(cpu, torch.float32)
+    assert set(check["rel_error"]) == {"contiguous", "paged"} and max(check["rel_error"].values()) < 1e-4
+    case = sb.SMOKE_PREFILL[0]
+    assert case.hq // case.hkv * case.new > 128   # flex_decode's gathered path, not the decode kernels
+    row = sb.prefill_row(case, cpu, torch.float32, sb.Clock(cpu, 1, 0), sb._flex_function(True))
+    assert not row.get("errors"), row
+    assert {"paged_ms", "contig_ms", "gather_ms", "paged_qoff_ms", "torch_flex_ms", "paged_tflops",
+            "paged_over_contig", "gather_pct_paged", "paged_vs_torch_flex", "paged_mask_builds"} <= set(row), row
+    assert row["gather_diff"] == 0 and max(row[k] for k in row if k.endswith("_diff")) < 1e-4
+    assert row["paged_qoff_mask_builds"] == row["contig_qoff_mask_builds"] == 0   # kept positions: mask reused
+    assert row["flops"] == 4 * 2 * 4 * 16 * (72 * (160 - 72) + 72 * 73 // 2)
+    row["label"] = "x"
+    table = sb._prefill_table([row])
+    assert table[0].startswith("## prefill") and table[-2].count("|") == 27
+    assert sb.targets([row])[-1].startswith("prefill paged within 5% of contiguous: "
+                                            + ("1/1" if row["paged_over_contig"] <= 1.05 else "0/1"))
+    quick, default = sb.prefill_cases(False, True), sb.prefill_cases(False)
+    assert [(c.batch, c.new, c.cache) for c in quick] == [(1, 512, 8192), (1, 2048, 32768), (4, 1024, 16384),
+                                                          (8, 256, 4096)]
+    assert set(quick) < set(default) and all((c.hq, c.hkv, c.d, c.page) == (32, 8, 128, 64) for c in default)
+    assert "prefill" in sb.PARTS and "prefill" not in sb.DEFAULT_PARTS
