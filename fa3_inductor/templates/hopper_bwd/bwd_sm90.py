@@ -186,7 +186,6 @@ class BwdFlags:
                                 # since the contracted FFMA can exceed 0 by half an ulp of LSE (wide_scores.py)
     GRAD_FINITE: bool = False   # SCORE_GRAD is finite wherever S is (modgen.ModInfo.finite): P = 0 zeroes dS
                                 # without the select that keeps a non-finite f' out of masked scores
-    PARTITION_SIZES: bool = True   # A/B only: the runtime sizes through _partition_sizes (taken out after the run)
 
 
 @dataclass(frozen=True)
@@ -539,16 +538,6 @@ def _opaque(x):
 
 
 @gluon.jit
-def _partition_sizes(sizes):
-    """The runtime sizes (Z, KZ, M, N; HQ as given) through _opaque at a partition's entry: what is derived from
-    them (tile counts, N * D, ...) is computed in the partition. Derived once for all partitions, LLVM computed it
-    before the role dispatch, and the values live across it ptxas kept on the stack (the worker warps' switch loop
-    holds 24 registers)."""
-    Z, HQ, KZ, M, N = sizes
-    return (_opaque(Z), HQ, _opaque(KZ), _opaque(M), _opaque(N))
-
-
-@gluon.jit
 def _lane_id():
     """The thread's %laneid, read where it is called: LLVM can neither hoist it nor merge it with the thread index
     it read at the kernel's entry (_consumer_overlap's dK / dV store). (%tid.x read this way made ptxas lose the
@@ -560,8 +549,6 @@ def _lane_id():
 def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta,
               SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
               SPARSE: gl.constexpr, FLAGS: gl.constexpr, SCHED: gl.constexpr, PACK: gl.constexpr):
-    if FLAGS.PARTITION_SIZES:   # (the A/B switch of the -XXXX run; taken out after it)
-        sizes = _partition_sizes(sizes)
     if SCHED.PERSISTENT:
         first, n_my = _cta_tiles(cta)
         cnt = 0

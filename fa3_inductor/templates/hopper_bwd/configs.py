@@ -59,8 +59,6 @@ class BwdSm90Config:
     kv96: bool = False           # 192 / 128: bwd_sm90_k96.py, 96-key CTAs of three 32-key warpgroups, dK / dV
                                  # transposed (2/3 of the wide kernel's dQ reductions); no block-mask tables
                                  # (an exactly causal mask_mod is walked) or packed sequences
-    partition_sizes: bool = False  # A/B only (bwd_sm90.py's consumers: sizes through _partition_sizes); taken out
-                                   # after its run
     dkdv_tma: bool = False       # dK / dV stored through the warpgroups' dQ staging tiles by TMA (kv96; bwd_sm90.py at
                                  # D = 64 / 128 with dq_tma, dense), else stored from the accumulators' registers
 
@@ -250,9 +248,6 @@ VARIANTS: dict[str, dict[str, bool]] = {
     "m128": {"block_m": 128},
     # LSE / DELTA loaded where they are used (the step's start, after dP's issue), as before stats_ahead: an A/B
     "stats_at_use": {"stats_ahead": False},
-    # A/B only: the runtime sizes read at the kernel's entry or through _partition_sizes (taken out after the runs)
-    "sizes_at_entry": {"partition_sizes": False},
-    "sizes_in_partitions": {"partition_sizes": True},
     # dS from P (times f') read back from shared memory in 16 bits: both head dims' step before p_regs became their
     # default (D128: the overlap's P not carried across the step)
     "p_smem": {"p_regs": False},

@@ -374,8 +374,7 @@ def _flags(cfg: BwdSm90Config, group: int, fold: bool, even_n: bool, score_mod: 
     """The FLAGS bundle of a launch whose launched mods (_launched_mods) are ``score_mod`` / ``score_grad_mod``."""
     return BwdFlags(GQA_GROUP=group, FOLD_SCALE=fold, EVEN_N=even_n, CONSUMER_REGS=cfg.consumer_regs,
                     PRODUCER_REGS=cfg.producer_regs, WIDE_SCORES=wide_scores(score_mod, compiled=True),
-                    GRAD_FINITE=score_grad_mod is not None and mod_info(score_grad_mod).finite,
-                    PARTITION_SIZES=cfg.partition_sizes)
+                    GRAD_FINITE=score_grad_mod is not None and mod_info(score_grad_mod).finite)
 
 
 def _register_rules(cfg: BwdSm90Config, score_mod: Any, masked: bool, DT: int) -> tuple[bool, bool]:
