@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask
 
 from ._log import info_once
-from .mod_keys import Unkeyable, mod_key
+from .mod_keys import Unkeyable, layout_key, mod_key
 from .templates.modgen import trace_mod
 
 MAX_MASKS = 32
@@ -46,7 +46,7 @@ BLOCK = 128                    # torch's default sparse block size, as flex() bu
 # MAX_ELEMENTS entries at a time (chunked_block_mask), 256 MiB (twice that with the pad).
 MAX_ELEMENTS = 1 << 28
 _MASKS: collections.OrderedDict[Hashable, BlockMask] = collections.OrderedDict()
-_READS: dict[Hashable, tuple[bool, bool]] = {}   # mask key -> (reads b, reads h)
+_READS: dict[Hashable, tuple[bool, bool]] = {}   # mask layout key -> (reads b, reads h)
 _stats = {"built": 0, "reused": 0}
 
 
@@ -66,9 +66,15 @@ def cached_block_mask(mask_mod: Callable, q: Tensor, k: Tensor) -> BlockMask:
                   "block mask is rebuilt on every call. Write it as a plain function, or build "
                   "it once with create_block_mask and pass block_mask=")
         return build_block_mask(mask_mod, q, k)
-    reads = _READS.get(what)
+    # whether it reads b / h follows from its code, not from its tensors' identities or contents: keyed by
+    # layout, a mask over fresh tensors each call is not traced again (~8-11 ms, flex_decode's prefill chunks)
+    try:
+        shape_key = layout_key(mask_mod)[0]
+    except Unkeyable:
+        shape_key = what
+    reads = _READS.get(shape_key)
     if reads is None:
-        reads = _READS[what] = _reads_batch_or_head(mask_mod)
+        reads = _READS[shape_key] = _reads_batch_or_head(mask_mod)
         if len(_READS) > 4 * MAX_MASKS:
             _READS.clear()
     key = (what, q.shape[0] if reads[0] else None, q.shape[1] if reads[1] else None,
@@ -202,3 +208,41 @@ def _ordered(dense: Tensor) -> tuple[Tensor, Tensor]:
     as_int = dense.to(torch.int32)
     order = torch.argsort(as_int, dim=-1, descending=True, stable=True)
     return as_int.sum(-1, dtype=torch.int32).contiguous(), order.to(torch.int32).contiguous()
+
+
+def length_block_mask(seq_lens: Tensor, first: Tensor, q_len: int, kv_len: int, causal: bool,
+                      mask_mod: Callable, block: int = BLOCK) -> BlockMask:
+    """The BlockMask of queries at absolute positions ``first[b] + i`` (i < ``q_len``) over the keys
+    below ``seq_lens[b]`` of a ``kv_len``-key cache, and with ``causal`` only keys at or before the
+    query's position: made from the lengths by arithmetic on their device, with no mask evaluated
+    and no host read, where ``create_block_mask`` evaluates ``mask_mod`` over every (query, key) pair
+    (15-25 ms a prefill chunk on an H200, more than the attention). ``mask_mod`` must compute exactly
+    that (flex_decode's gathered path passes its folded mask); it is what the kernel applies to the
+    partial blocks. Every head shares the mask (H = 1).
+
+    Example::
+
+        >>> lens, first = torch.tensor([300, 0]), torch.tensor([200, -100])
+        >>> keep = lambda b, h, q_idx, kv_idx: (kv_idx < lens[b]) & (q_idx + first[b] >= kv_idx)
+        >>> bm = length_block_mask(lens, first, 100, 384, True, keep)
+        >>> bm.kv_num_blocks.tolist(), bm.full_kv_num_blocks.tolist()
+        ([[[2]], [[0]]], [[[1]], [[0]]])
+    """
+    device = seq_lens.device
+    q_blocks, kv_blocks = -(-q_len // block), -(-kv_len // block)
+    row0 = torch.arange(q_blocks, device=device) * block           # a query block's first row
+    row1 = torch.clamp(row0 + block, max=q_len) - 1                  # and its last
+    lens = seq_lens.to(device=device, dtype=torch.int64)[:, None]
+    if causal:
+        start = first.to(device=device, dtype=torch.int64)[:, None]
+        every = torch.minimum(lens, start + row0 + 1)    # keys [0, every) seen by every row of the block
+        some = torch.minimum(lens, start + row1 + 1)     # keys [0, some) seen by one row at least
+    else:
+        every = some = lens.expand(-1, q_blocks)
+    key0 = torch.arange(kv_blocks, device=device) * block
+    full = (key0 + block <= every[..., None]) & (key0 + block <= kv_len)   # a block past kv_len is never full
+    partial = (key0 < some[..., None]) & ~full
+    kv_num, kv_idx = _ordered(partial[:, None])
+    full_num, full_idx = _ordered(full[:, None])
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(block, block),
+                                    mask_mod=mask_mod, seq_lengths=(q_len, kv_len))

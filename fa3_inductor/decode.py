@@ -21,6 +21,7 @@ from torch import Tensor
 
 from . import decode_memo, direct
 from ._log import warn_once
+from .block_masks import length_block_mask
 from .decode_memo import Launch
 from .runtime.fast_launch import aliasing, tensor_signature
 from .runtime.ops import record_template
@@ -28,7 +29,7 @@ from .templates.decode.fp8_cache import dequantize, kv_scale_mode, quantize_kv
 from .templates.decode.host import prepare_decode
 from .templates.decode.launch_cache import interpreted, launch_decode, recorded_decode
 from .templates.decode.shape import MAX_ROWS
-from .templates.modgen import UnsupportedMod
+from .templates.modgen import UnsupportedMod, is_causal_mask_source
 from .varlen import generated_mod
 
 _LN2 = math.log(2.0)
@@ -375,11 +376,27 @@ def _bound(again: Optional[Callable], out: Tensor, bufs: tuple) -> Optional[Laun
 
 
 def _gathered(q, k, v, seq_lens, block_table, q_offset, score_mod, mask_mod, scale, return_lse):
-    """flex over a contiguous copy of the cache, lengths and positions in the mods."""
+    """flex over a contiguous copy of the cache, lengths and positions in the mods. Without a mask_mod
+    or with an exactly causal one, the block mask is made from the lengths on the device
+    (block_masks.length_block_mask); another mask_mod has its block mask built from the mask, anew
+    whenever the lengths' tensors change."""
     from .api import flex
 
     kc, vc = _contiguous_view(q, k, v, block_table)
     first = q_offset if q_offset is not None else seq_lens - q.shape[2]
     score, mask = _flex_mods(score_mod, mask_mod, seq_lens, first)
-    return flex(q, kc, vc, score_mod=score, mask_mod=mask, scale=scale,
-                enable_gqa=q.shape[1] != kc.shape[1], return_lse=return_lse)
+    gqa = q.shape[1] != kc.shape[1]
+    causal = mask_mod is not None and _exactly_causal(mask_mod)
+    if mask_mod is None or causal:
+        block_mask = length_block_mask(seq_lens, first, q.shape[2], kc.shape[2], causal, mask)
+        return flex(q, kc, vc, score_mod=score, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                    return_lse=return_lse)
+    return flex(q, kc, vc, score_mod=score, mask_mod=mask, scale=scale, enable_gqa=gqa, return_lse=return_lse)
+
+
+def _exactly_causal(mask_mod: Callable) -> bool:
+    """Whether ``mask_mod`` is exactly ``q_idx >= kv_idx`` (its generated source, cached by what it computes)."""
+    try:
+        return is_causal_mask_source(generated_mod(mask_mod, "mask")[2])
+    except UnsupportedMod:
+        return False

@@ -117,3 +117,52 @@ def test_masks_larger_than_max_elements_are_built_in_chunks(monkeypatch):
             assert torch.equal(getattr(got, name), getattr(want, name)), name
         assert torch.equal(got.to_dense(), want.to_dense())
     assert len(calls) == 3
+
+
+def _applied(bm, mask_mod, B, M, N):
+    """What a kernel computes from ``bm``: full blocks kept whole, partial ones through mask_mod, the rest dropped;
+    (B, M, N) booleans."""
+    block = bm.BLOCK_SIZE[0]
+    dense = torch.zeros(B, -(-M // block) * block, -(-N // block) * block, dtype=torch.bool)
+    b, q, kv = torch.meshgrid(torch.arange(B), torch.arange(M), torch.arange(N), indexing="ij")
+    wanted = mask_mod(b, 0, q, kv)
+    for z in range(B):
+        for i in range(dense.shape[1] // block):
+            rows = slice(i * block, (i + 1) * block)
+            for num, idx, full in ((bm.kv_num_blocks, bm.kv_indices, False),
+                                   (bm.full_kv_num_blocks, bm.full_kv_indices, True)):
+                for j in idx[z, 0, i, :num[z, 0, i]].tolist():
+                    cols = slice(j * block, (j + 1) * block)
+                    dense[z, rows, cols] = True if full else \
+                        torch.nn.functional.pad(wanted[z], (0, dense.shape[2] - N, 0, dense.shape[1] - M))[rows, cols]
+    return dense[:, :M, :N], wanted
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_length_block_mask_applies_exactly_its_mask(causal):
+    """length_block_mask (flex_decode's prefill chunks): its full blocks hold only kept pairs, its partial ones all
+    the rest that are kept, for lengths of 0, shorter than the chunk and past a block edge, positions given (one
+    negative) or at the end of each sequence, and a key count that is no multiple of the block."""
+    M, N, block = 150, 300, 64
+    lens = torch.tensor([0, 100, 300, 257], dtype=torch.int32)
+    for first in (lens - M, torch.tensor([5, -40, 120, 107], dtype=torch.int32)):
+        def keep(b, h, q_idx, kv_idx, first=first):
+            kept = kv_idx < lens[b]
+            return kept & (q_idx + first[b] >= kv_idx) if causal else kept
+
+        bm = block_masks.length_block_mask(lens, first, M, N, causal, keep, block=block)
+        applied, wanted = _applied(bm, keep, len(lens), M, N)
+        assert torch.equal(applied, wanted)
+        assert block_masks.stats()["built"] == 0   # nothing evaluated the mask to make it
+
+
+def test_fresh_tensors_of_the_same_mask_are_not_traced_again(monkeypatch):
+    """Whether a mask reads b / h follows from its code: a mask over new tensors each call (new ids, so a new block
+    mask) reuses the first trace's answer."""
+    traced = []
+    real = block_masks._reads_batch_or_head
+    monkeypatch.setattr(block_masks, "_reads_batch_or_head", lambda fn: traced.append(fn) or real(fn))
+    q, k, _ = _qkv(M=32, N=32)
+    for _ in range(3):
+        block_masks.cached_block_mask(mods.document(torch.randint(0, 3, (32,)).sort().values), q, k)
+    assert block_masks.stats()["built"] == 3 and len(traced) == 1

@@ -78,6 +78,24 @@ def test_prefill_chunk_against_a_paged_cache_is_gathered():
     assert_matches_reference(out, ref, torch.float32)
 
 
+@pytest.mark.parametrize("mask_mod, built", [(None, 0), (mods.causal, 0), (mods.sliding_window(12), 1)])
+def test_prefill_chunk_block_mask_comes_from_the_lengths(mask_mod, built):
+    """A prefill chunk at the end of each sequence (default positions; one sequence shorter than the chunk): without
+    a mask_mod or with an exactly causal one the block mask is made from the lengths (block_masks.length_block_mask),
+    no mask evaluated for it; another mask_mod is built from the mask. Both against float64."""
+    from fa3_inductor import block_masks
+
+    k, v, kp, vp, table = _paged_cache(3, 1, 64, 16, 16)
+    q = torch.randn(3, 8, 20, 16)
+    lens = torch.tensor([64, 13, 37], dtype=torch.int32)
+    block_masks.clear()
+    out = flex_decode(q, kp, vp, seq_lens=lens, block_table=table, mask_mod=mask_mod)
+    assert block_masks.stats()["built"] == built
+    ref, _ = _reference(q, k, v, lens, lens - 20, mask_mod=mask_mod)
+    # rows at negative positions (sequence 1 is shorter than the chunk) see no key under causal masks: output 0
+    assert_matches_reference(out, torch.nan_to_num(ref), torch.float32)
+
+
 def test_torch_paged_attention_interop():
     """torch's experimental PagedAttention fills the cache; flex_decode reads its storage in place
     (paged_attention_layout), and flex() takes its converted BlockMask over the physical cache."""
