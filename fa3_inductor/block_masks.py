@@ -211,14 +211,15 @@ def _ordered(dense: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def length_block_mask(seq_lens: Tensor, first: Tensor, q_len: int, kv_len: int, causal: bool,
-                      mask_mod: Callable, block: int = BLOCK) -> BlockMask:
+                      mask_mod: Callable, block: int = BLOCK, backward: bool = False) -> BlockMask:
     """The BlockMask of queries at absolute positions ``first[b] + i`` (i < ``q_len``) over the keys
     below ``seq_lens[b]`` of a ``kv_len``-key cache, and with ``causal`` only keys at or before the
     query's position: made from the lengths by arithmetic on their device, with no mask evaluated
     and no host read, where ``create_block_mask`` evaluates ``mask_mod`` over every (query, key) pair
     (15-25 ms a prefill chunk on an H200, more than the attention). ``mask_mod`` must compute exactly
     that (flex_decode's gathered path passes its folded mask); it is what the kernel applies to the
-    partial blocks. Every head shares the mask (H = 1).
+    partial blocks. Every head shares the mask (H = 1). Without ``backward`` the query-major tables a
+    backward reads are not made (torch's vmap transpose of them cost 1.6 ms of host time a call).
 
     Example::
 
@@ -245,4 +246,4 @@ def length_block_mask(seq_lens: Tensor, first: Tensor, q_len: int, kv_len: int, 
     kv_num, kv_idx = _ordered(partial[:, None])
     full_num, full_idx = _ordered(full[:, None])
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(block, block),
-                                    mask_mod=mask_mod, seq_lengths=(q_len, kv_len))
+                                    mask_mod=mask_mod, seq_lengths=(q_len, kv_len), compute_q_blocks=backward)

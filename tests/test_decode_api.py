@@ -19,8 +19,8 @@ from reference import assert_lse_matches, assert_matches_reference, reference_at
 def needs_the_interpreter():
     from triton import knobs
 
-    if not knobs.runtime.interpret and not torch.cuda.is_available():
-        pytest.skip("our kernels need CUDA or TRITON_INTERPRET=1")
+    if not knobs.runtime.interpret:   # the tensors here are CPU ones: without it torch's flex runs them
+        pytest.skip("these CPU-tensor tests run our kernels under TRITON_INTERPRET=1 only")
 
 
 def _paged_cache(B, HKV, N, D, page, spare=2, dtype=torch.float32):
