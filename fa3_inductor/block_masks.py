@@ -240,10 +240,13 @@ def length_block_mask(seq_lens: Tensor, first: Tensor, q_len: int, kv_len: int, 
         some = torch.minimum(lens, start + row1 + 1)     # keys [0, some) seen by one row at least
     else:
         every = some = lens.expand(-1, q_blocks)
-    key0 = torch.arange(kv_blocks, device=device) * block
-    full = (key0 + block <= every[..., None]) & (key0 + block <= kv_len)   # a block past kv_len is never full
-    partial = (key0 < some[..., None]) & ~full
-    kv_num, kv_idx = _ordered(partial[:, None])
-    full_num, full_idx = _ordered(full[:, None])
+    # both kinds are runs of blocks: full [0, n_full), partial [n_full, n_seen) (a block past kv_len is never full)
+    n_full = torch.clamp(every // block, min=0, max=kv_len // block)
+    n_seen = torch.maximum(torch.clamp((some + block - 1) // block, min=0, max=kv_blocks), n_full)
+    cols = torch.arange(kv_blocks, device=device)
+    kv_num = (n_seen - n_full).to(torch.int32)[:, None].contiguous()
+    kv_idx = ((n_full[..., None] + cols) % max(kv_blocks, 1)).to(torch.int32)[:, None].contiguous()
+    full_num = n_full.to(torch.int32)[:, None].contiguous()
+    full_idx = cols.to(torch.int32).expand(n_full.shape[0], 1, q_blocks, kv_blocks).contiguous()
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(block, block),
                                     mask_mod=mask_mod, seq_lengths=(q_len, kv_len), compute_q_blocks=backward)

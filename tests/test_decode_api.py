@@ -96,6 +96,25 @@ def test_prefill_chunk_block_mask_comes_from_the_lengths(mask_mod, built):
     assert_matches_reference(out, torch.nan_to_num(ref), torch.float32)
 
 
+@pytest.mark.parametrize("offsets", [False, True])
+def test_prefill_chunk_reads_lengths_rewritten_without_a_version_bump(offsets):
+    """A CUDA graph or a kernel that rewrites seq_lens (and q_offset) in place moves no version counter (here: a
+    write through .data): the next prefill chunk still sees the new values, its block mask made from them."""
+    k, v, kp, vp, table = _paged_cache(2, 1, 512, 16, 64)   # 128-key blocks: the lengths move whole blocks
+    q = torch.randn(2, 8, 20, 16)
+    lens = torch.tensor([512, 200], dtype=torch.int32)
+    first = (lens - 20) if offsets else None
+    flex_decode(q, kp, vp, seq_lens=lens, block_table=table, q_offset=first, mask_mod=mods.causal)
+    versions = lens._version, (first._version if offsets else None)
+    lens.data.copy_(torch.tensor([150, 400], dtype=torch.int32))
+    if offsets:
+        first.data.copy_(lens - 20)
+    assert (lens._version, first._version if offsets else None) == versions
+    out = flex_decode(q, kp, vp, seq_lens=lens, block_table=table, q_offset=first, mask_mod=mods.causal)
+    ref, _ = _reference(q, k, v, lens, lens - 20, mask_mod=mods.causal)
+    assert_matches_reference(out, ref, torch.float32)
+
+
 def test_torch_paged_attention_interop():
     """torch's experimental PagedAttention fills the cache; flex_decode reads its storage in place
     (paged_attention_layout), and flex() takes its converted BlockMask over the physical cache."""
