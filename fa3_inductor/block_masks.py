@@ -15,7 +15,11 @@ head counts it reads, lengths, device) and reused:
   every call, and the log says so once: its captured state is invisible, so a cached mask could
   go stale silently;
 - the cache holds at most ``MAX_MASKS`` masks, least recently used first out. Each entry keeps
-  its mask_mod (and so its captured tensors) alive, which keeps the tensor ids in its key unique.
+  its mask_mod (and so its captured tensors) alive, which keeps the tensor ids in its key unique;
+- a build evaluates a mask that modgen generates (elementwise: what the kernels evaluate on tiles)
+  in one call on broadcast index tensors; torch's ``create_block_mask`` evaluates it position by
+  position under vmap, ~14 ms of host time for a document mask at 4k on an H200, which a training
+  step with per-batch document ids paid once a step. Other masks go through torch's builder.
 
 Example::
 
@@ -37,7 +41,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, crea
 
 from ._log import info_once
 from .mod_keys import Unkeyable, layout_key, mod_key
-from .templates.modgen import trace_mod
+from .templates.modgen import BufferSpec, generate_mod_source, trace_mod
 
 MAX_MASKS = 32
 BLOCK = 128                    # torch's default sparse block size, as flex() builds masks
@@ -72,19 +76,19 @@ def cached_block_mask(mask_mod: Callable, q: Tensor, k: Tensor) -> BlockMask:
         shape_key = layout_key(mask_mod)[0]
     except Unkeyable:
         shape_key = what
-    reads = _READS.get(shape_key)
-    if reads is None:
-        reads = _READS[shape_key] = _reads_batch_or_head(mask_mod)
+    facts = _READS.get(shape_key)
+    if facts is None:
+        facts = _READS[shape_key] = _mask_facts(mask_mod)
         if len(_READS) > 4 * MAX_MASKS:
             _READS.clear()
-    key = (what, q.shape[0] if reads[0] else None, q.shape[1] if reads[1] else None,
+    key = (what, q.shape[0] if facts[0] else None, q.shape[1] if facts[1] else None,
            q.shape[2], k.shape[2], q.device)
     mask = _MASKS.get(key)
     if mask is not None:
         _MASKS.move_to_end(key)
         _stats["reused"] += 1
         return mask
-    mask = _MASKS[key] = _build(mask_mod, *reads, q, k)
+    mask = _MASKS[key] = _build(mask_mod, facts, q, k)
     if len(_MASKS) > MAX_MASKS:
         _MASKS.popitem(last=False)
     return mask
@@ -116,16 +120,39 @@ def build_block_mask(mask_mod: Callable, q: Tensor, k: Tensor) -> BlockMask:
 
         >>> build_block_mask(mods.causal, q, k)     # doctest: +SKIP
     """
-    return _build(mask_mod, *_reads_batch_or_head(mask_mod), q, k)
+    return _build(mask_mod, _mask_facts(mask_mod), q, k)
 
 
-def _build(mask_mod: Callable, reads_b: bool, reads_h: bool, q: Tensor, k: Tensor) -> BlockMask:
+def _build(mask_mod: Callable, facts: tuple[bool, bool, bool], q: Tensor, k: Tensor) -> BlockMask:
     _stats["built"] += 1
+    reads_b, reads_h, elementwise = facts
     B, H = q.shape[0] if reads_b else None, q.shape[1] if reads_h else None
     entries = (B or 1) * (H or 1) * q.shape[2] * k.shape[2]
-    if entries > MAX_ELEMENTS and not torch.compiler.is_compiling():
-        return chunked_block_mask(mask_mod, q, k, max_elements=MAX_ELEMENTS, reads=(reads_b, reads_h))
-    return create_block_mask(mask_mod, B, H, q.shape[2], k.shape[2], device=q.device)
+    if torch.compiler.is_compiling() or (entries <= MAX_ELEMENTS and not elementwise):
+        return create_block_mask(mask_mod, B, H, q.shape[2], k.shape[2], device=q.device)
+    # one evaluation on broadcast index tensors (or chunks of rows past MAX_ELEMENTS): torch's vmap evaluation
+    # spent ~14 ms of host time a build on an H200 (a document mask at 4k), most of it functorch's dispatch
+    return chunked_block_mask(mask_mod, q, k, max_elements=MAX_ELEMENTS, reads=(reads_b, reads_h),
+                              elementwise=elementwise)
+
+
+def _mask_facts(mask_mod: Callable) -> tuple[bool, bool, bool]:
+    """(reads b, reads h, elementwise): elementwise when modgen generates the mod, i.e. the kernels evaluate it on
+    broadcast index tiles, so one call on broadcast index tensors computes the same mask. A mod it cannot generate
+    (a reduction, data-dependent Python) is evaluated by torch's vmap, one position at a time."""
+    if torch.compiler.is_compiling():
+        return (*_reads_batch_or_head(mask_mod), False)
+    try:
+        gm, bufs = trace_mod(mask_mod, "mask")
+    except Exception:  # cannot tell (data-dependent Python, say): the full (B, H) mask, by vmap
+        return True, True, False
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    reads = bool(placeholders[0].users), bool(placeholders[1].users)
+    try:
+        generate_mod_source(gm, "mask", [BufferSpec.of(b) for b in bufs], "tl")
+    except Exception:   # UnsupportedMod: not what the kernels can evaluate on tiles
+        return (*reads, False)
+    return (*reads, True)
 
 
 def _reads_batch_or_head(mask_mod: Callable) -> tuple[bool, bool]:
@@ -156,10 +183,13 @@ def _code_reads_batch_or_head(code: types.CodeType) -> tuple[bool, bool]:
 
 
 def chunked_block_mask(mask_mod: Callable, q: Tensor, k: Tensor, block: int = BLOCK,
-                       max_elements: int = MAX_ELEMENTS, reads: tuple | None = None) -> BlockMask:
+                       max_elements: int = MAX_ELEMENTS, reads: tuple | None = None,
+                       elementwise: bool = False) -> BlockMask:
     """The BlockMask ``create_block_mask(mask_mod, B?, H?, M, N, device)`` makes, evaluated at most
     about ``max_elements`` mask entries at a time. ``reads``: whether the mask reads (b, h)
-    (traced when not given); only then does the block mask get those dimensions.
+    (traced when not given); only then does the block mask get those dimensions. ``elementwise``:
+    the mod computes elementwise (modgen generates it), so each chunk is one call on broadcast index
+    tensors instead of torch's vmap over positions.
 
     Example::
 
@@ -178,8 +208,11 @@ def chunked_block_mask(mask_mod: Callable, q: Tensor, k: Tensor, block: int = BL
     counts = torch.empty(B, H, q_blocks, kv_blocks, dtype=torch.int32, device=device)
     for start in range(0, M, rows):
         length = min(rows, M - start)
-        keep = create_mask(_shifted(mask_mod, start), B if reads_b else None,
-                           H if reads_h else None, length, N, device)
+        if elementwise:
+            keep = _broadcast_mask(mask_mod, B, H, start, length, N, device)
+        else:
+            keep = create_mask(_shifted(mask_mod, start), B if reads_b else None,
+                               H if reads_h else None, length, N, device)
         keep = keep.expand(B, H, length, N)
         pad_rows, pad_cols = -length % block, -N % block
         if pad_rows or pad_cols:   # positions past the end are masked, as in torch's padding
@@ -194,6 +227,19 @@ def chunked_block_mask(mask_mod: Callable, q: Tensor, k: Tensor, block: int = BL
     full_num, full_idx = _ordered(full)
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(block, block),
                                     mask_mod=mask_mod, seq_lengths=(M, N))
+
+
+def _broadcast_mask(mask_mod: Callable, B: int, H: int, start: int, length: int, N: int,
+                    device: torch.device) -> Tensor:
+    """``mask_mod`` over (b, h, rows start.., keys) in one call on broadcast index tensors (int32, the kernels'
+    index type), as a bool broadcastable to (B, H, length, N)."""
+    def idx(lo: int, n: int, dim: int) -> Tensor:
+        shape = [1, 1, 1, 1]
+        shape[dim] = n
+        return torch.arange(lo, lo + n, device=device, dtype=torch.int32).view(shape)
+
+    keep = mask_mod(idx(0, B, 0), idx(0, H, 1), idx(start, length, 2), idx(0, N, 3))
+    return torch.as_tensor(keep, device=device).to(torch.bool)
 
 
 def _shifted(mask_mod: Callable, start: int) -> Callable:

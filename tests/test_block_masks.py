@@ -160,9 +160,45 @@ def test_fresh_tensors_of_the_same_mask_are_not_traced_again(monkeypatch):
     """Whether a mask reads b / h follows from its code: a mask over new tensors each call (new ids, so a new block
     mask) reuses the first trace's answer."""
     traced = []
-    real = block_masks._reads_batch_or_head
-    monkeypatch.setattr(block_masks, "_reads_batch_or_head", lambda fn: traced.append(fn) or real(fn))
+    real = block_masks._mask_facts
+    monkeypatch.setattr(block_masks, "_mask_facts", lambda fn: traced.append(fn) or real(fn))
     q, k, _ = _qkv(M=32, N=32)
     for _ in range(3):
         block_masks.cached_block_mask(mods.document(torch.randint(0, 3, (32,)).sort().values), q, k)
     assert block_masks.stats()["built"] == 3 and len(traced) == 1
+
+
+def test_elementwise_masks_are_built_on_broadcast_indices_as_torch_builds_them(monkeypatch):
+    """A mask modgen generates is evaluated once on broadcast index tensors (no vmap; create_mask is never called),
+    and its block mask equals create_block_mask's: masks reading b and h, captured tensors, ragged lengths."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    monkeypatch.setattr(block_masks, "create_mask", lambda *a, **kw: pytest.fail("vmap evaluation used"))
+    lens = torch.tensor([300, 170])
+    doc = torch.randint(0, 4, (300,)).sort().values
+
+    def per_batch(b, h, q_idx, kv_idx):
+        return (kv_idx < lens[b]) & (q_idx >= kv_idx)
+
+    def per_head(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx < 64 * (h + 1)) & (q_idx >= kv_idx)
+
+    for mask_mod in (mods.causal, mods.sliding_window(100), mods.document(doc), mods.prefix_lm(50), per_batch,
+                     per_head):
+        q, k, _ = _qkv(B=2, H=3, M=300, N=300)
+        facts = block_masks._mask_facts(mask_mod)
+        assert facts[2], mask_mod
+        got = block_masks.build_block_mask(mask_mod, q, k)
+        B, H = (2 if facts[0] else None), (3 if facts[1] else None)
+        want = create_block_mask(mask_mod, B, H, 300, 300, device="cpu")
+        for name in ("kv_num_blocks", "full_kv_num_blocks"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (mask_mod, name)
+        assert torch.equal(got.to_dense(), want.to_dense()), mask_mod
+
+
+def test_a_mask_modgen_cannot_generate_is_built_by_vmap():
+    """A mask with data-dependent Python is no elementwise mod: torch's vmap evaluates it."""
+    def data_dependent(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx if bool(q_idx.sum() >= 0) else q_idx < kv_idx
+
+    assert not block_masks._mask_facts(data_dependent)[2]
