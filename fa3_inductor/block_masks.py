@@ -209,9 +209,8 @@ def chunked_block_mask(mask_mod: Callable, q: Tensor, k: Tensor, block: int = BL
     counts = torch.empty(B, H, q_blocks, kv_blocks, dtype=torch.int32, device=device)
     for start in range(0, M, rows):
         length = min(rows, M - start)
-        if elementwise:
-            keep = _broadcast_mask(mask_mod, B, H, start, length, N, device)
-        else:
+        keep = _broadcast_mask(mask_mod, B, H, start, length, N, device) if elementwise else None
+        if keep is None:
             keep = create_mask(_shifted(mask_mod, start), B if reads_b else None,
                                H if reads_h else None, length, N, device)
         keep = keep.expand(B, H, length, N)
@@ -233,14 +232,21 @@ def chunked_block_mask(mask_mod: Callable, q: Tensor, k: Tensor, block: int = BL
 def _broadcast_mask(mask_mod: Callable, B: int, H: int, start: int, length: int, N: int,
                     device: torch.device) -> Tensor:
     """``mask_mod`` over (b, h, rows start.., keys) in one call on broadcast index tensors (int32, the kernels'
-    index type), as a bool broadcastable to (B, H, length, N)."""
+    index type), as a bool broadcastable to (B, H, length, N); None if the call fails or gives another shape
+    (the caller then evaluates it by vmap)."""
     def idx(lo: int, n: int, dim: int) -> Tensor:
         shape = [1, 1, 1, 1]
         shape[dim] = n
         return torch.arange(lo, lo + n, device=device, dtype=torch.int32).view(shape)
 
-    keep = mask_mod(idx(0, B, 0), idx(0, H, 1), idx(start, length, 2), idx(0, N, 3))
-    return torch.as_tensor(keep, device=device).to(torch.bool)
+    try:
+        keep = torch.as_tensor(mask_mod(idx(0, B, 0), idx(0, H, 1), idx(start, length, 2), idx(0, N, 3)),
+                               device=device)
+        if torch.broadcast_shapes(keep.shape, (B, H, length, N)) != (B, H, length, N):
+            return None
+    except Exception:   # e.g. a captured tensor on another device: vmap raises the error users should see
+        return None
+    return keep.to(torch.bool)
 
 
 def _shifted(mask_mod: Callable, start: int) -> Callable:
