@@ -23,6 +23,7 @@ from . import decode_memo, direct
 from ._log import warn_once
 from .block_masks import length_block_mask
 from .decode_memo import Launch
+from .mod_keys import Unkeyable, layout_key
 from .runtime.fast_launch import aliasing, tensor_signature
 from .runtime.ops import record_template
 from .templates.decode.fp8_cache import dequantize, kv_scale_mode, quantize_kv
@@ -406,8 +407,11 @@ def _length_masked(q: Tensor, kc: Tensor, seq_lens: Tensor, q_offset: Optional[T
 
 
 def _exactly_causal(mask_mod: Callable) -> bool:
-    """Whether ``mask_mod`` is exactly ``q_idx >= kv_idx`` (its generated source, cached by what it computes)."""
+    """Whether ``mask_mod`` is exactly ``q_idx >= kv_idx`` (its generated source, cached by what it computes). A
+    mask that captures a tensor is not, and is not traced for it (fresh tensors each call would be, every call)."""
     try:
+        if layout_key(mask_mod)[1]:
+            return False
         return is_causal_mask_source(generated_mod(mask_mod, "mask")[2])
-    except UnsupportedMod:
+    except (Unkeyable, UnsupportedMod):
         return False

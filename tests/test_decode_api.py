@@ -115,6 +115,19 @@ def test_prefill_chunk_reads_lengths_rewritten_without_a_version_bump(offsets):
     assert_matches_reference(out, ref, torch.float32)
 
 
+def test_causal_check_traces_no_mask_that_captures_a_tensor(monkeypatch):
+    """The gathered path asks whether a mask is exactly causal: a mask over a captured tensor (new ids each call) is
+    answered without generating it; causal itself is."""
+    from fa3_inductor import decode
+
+    generated = []
+    real = decode.generated_mod
+    monkeypatch.setattr(decode, "generated_mod", lambda fn, kind: generated.append(fn) or real(fn, kind))
+    assert not decode._exactly_causal(mods.document(torch.zeros(8, dtype=torch.int32)))
+    assert generated == []
+    assert decode._exactly_causal(mods.causal) and generated == [mods.causal]
+
+
 def test_torch_paged_attention_interop():
     """torch's experimental PagedAttention fills the cache; flex_decode reads its storage in place
     (paged_attention_layout), and flex() takes its converted BlockMask over the physical cache."""
