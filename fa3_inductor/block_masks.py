@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask
 
-from ._log import info_once
+from ._log import info_once, warn_once
 from .mod_keys import Unkeyable, layout_key, mod_key
 from .templates.modgen import BufferSpec, generate_mod_source, trace_mod
 
@@ -88,11 +88,31 @@ def cached_block_mask(mask_mod: Callable, q: Tensor, k: Tensor) -> BlockMask:
     if mask is not None:
         _MASKS.move_to_end(key)
         _stats["reused"] += 1
+        if _capturing() and _captures_tensors(mask_mod):
+            warn_once(_CAPTURED_MASK)
         return mask
     mask = _MASKS[key] = _build(mask_mod, facts, q, k)
     if len(_MASKS) > MAX_MASKS:
         _MASKS.popitem(last=False)
     return mask
+
+
+_CAPTURED_MASK = (
+    "fa3_inductor.flex: a CUDA graph is capturing a call whose mask_mod reads captured tensors, and its block mask "
+    "comes from the cache, built from their values before the capture: replays will not rebuild it. If the graph's "
+    "replays change those tensors, pass block_mask= built inside the captured step "
+    "(fa3_inductor.block_masks.build_block_mask), or capture with tensors that stay fixed.")
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _captures_tensors(mask_mod: Callable) -> bool:
+    try:
+        return bool(layout_key(mask_mod)[1])
+    except Unkeyable:
+        return True
 
 
 def stats() -> dict[str, int]:

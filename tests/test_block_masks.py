@@ -202,3 +202,20 @@ def test_a_mask_modgen_cannot_generate_is_built_by_vmap():
         return q_idx >= kv_idx if bool(q_idx.sum() >= 0) else q_idx < kv_idx
 
     assert not block_masks._mask_facts(data_dependent)[2]
+
+
+def test_a_cached_mask_over_tensors_under_graph_capture_warns(monkeypatch, caplog):
+    """Under CUDA graph capture a cached block mask of a mask_mod that reads tensors would not be rebuilt by replays
+    that change them: the log says so once and what to do. A mask without tensors says nothing."""
+    import logging
+
+    q, k, _ = _qkv(M=32, N=32)
+    ids = torch.randint(0, 3, (32,)).sort().values
+    block_masks.cached_block_mask(mods.document(ids), q, k)
+    block_masks.cached_block_mask(mods.causal, q, k)
+    monkeypatch.setattr(block_masks, "_capturing", lambda: True)
+    with caplog.at_level(logging.WARNING):
+        block_masks.cached_block_mask(mods.causal, q, k)
+        assert "CUDA graph" not in caplog.text
+        block_masks.cached_block_mask(mods.document(ids), q, k)
+    assert "CUDA graph is capturing" in caplog.text and "block_mask=" in caplog.text
