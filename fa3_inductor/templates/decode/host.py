@@ -165,11 +165,13 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
     if q.is_cuda and device_index is None:
         device_index = torch.cuda.current_device()
     sms = sm_count(capability, device_index)
-    # planned pairs only where the pair launch needs no split: halving the programs doubles a split launch's
-    # count (decode-tiles-nvidia-h200-2026-11-30-1251: 8 x 8k at 8 splits and 1 x 128k at 66 ran 1.06-1.30x slower)
-    pairs = config is None and scratch is None and mode == "none" and kv_scale == "none" \
-        and _head_pairs(q, k, v, block_table, HKV, group, capability) \
-        and (num_splits is not None or choose_num_splits(B, HKV // 2, max_len, 64, sms, paged=True) == 1)
+    # pairs only where the pair launch takes one split: halving the programs doubles a split launch's count
+    # (decode-tiles-nvidia-h200-2026-11-30-1251: 8 x 8k at 8 splits and 1 x 128k at 66 ran 1.06-1.30x slower), and
+    # the pair kernel with the merge spilled (sm90: 168 registers, 2 spill instructions at 8 splits)
+    one_split = num_splits == 1 if num_splits is not None else \
+        choose_num_splits(B, HKV // 2, max_len, 64, sms, paged=True) == 1
+    pairs = config is None and scratch is None and mode == "none" and kv_scale == "none" and one_split \
+        and _head_pairs(q, k, v, block_table, HKV, group, capability)
     if pairs:   # two adjacent kv heads as one of twice the width (kernel.py, SITE.PAIRS)
         HKV, group, D, DV = HKV // 2, 2 * group, 2 * D, 2 * DV
         heads = group
