@@ -51,7 +51,7 @@ BLOCK = 128                    # torch's default sparse block size, as flex() bu
 # MAX_ELEMENTS entries at a time (chunked_block_mask), 256 MiB (twice that with the pad).
 MAX_ELEMENTS = 1 << 28
 _MASKS: collections.OrderedDict[Hashable, BlockMask] = collections.OrderedDict()
-_READS: dict[Hashable, tuple[bool, bool]] = {}   # mask layout key -> (reads b, reads h)
+_FACTS: dict[Hashable, tuple[bool, bool, bool]] = {}   # mask layout key -> _mask_facts (reads b, h; elementwise)
 _stats = {"built": 0, "reused": 0}
 
 
@@ -77,11 +77,11 @@ def cached_block_mask(mask_mod: Callable, q: Tensor, k: Tensor) -> BlockMask:
         shape_key = layout_key(mask_mod)[0]
     except Unkeyable:
         shape_key = what
-    facts = _READS.get(shape_key)
+    facts = _FACTS.get(shape_key)
     if facts is None:
-        facts = _READS[shape_key] = _mask_facts(mask_mod)
-        if len(_READS) > 4 * MAX_MASKS:
-            _READS.clear()
+        facts = _FACTS[shape_key] = _mask_facts(mask_mod)
+        if len(_FACTS) > 4 * MAX_MASKS:
+            _FACTS.clear()
     key = (what, q.shape[0] if facts[0] else None, q.shape[1] if facts[1] else None,
            q.shape[2], k.shape[2], q.device)
     mask = _MASKS.get(key)
@@ -129,7 +129,7 @@ def stats() -> dict[str, int]:
 def clear() -> None:
     """Forget every cached block mask and the counters (tests)."""
     _MASKS.clear()
-    _READS.clear()
+    _FACTS.clear()
     _stats.update(built=0, reused=0)
 
 
