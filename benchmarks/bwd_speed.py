@@ -58,13 +58,15 @@ def _time_interleaved(fns: dict, rounds: int, warmup: int = 3, head_start_ms: fl
     alike, where timing one callable's repetitions after another's let a single row's A/A differ by ~10%
     (bwd-speed-nvidia-h200-2026-11-29-0816, D64 4k causal). ``head_start_ms``: each call is enqueued behind a GPU
     sleep of about that long, so the events time the GPU's work and not the host's launches (a training step's
-    host runs ahead of its GPU)."""
+    host runs ahead of its GPU). Odd rounds run the callables in reverse order: in one fixed order two
+    SASS-identical kernels read 0.3-1.8% apart, the first slower (bwd-speed-nvidia-h200-2026-11-30-1420-partition-sizes
+    against -1421-partition-sizes-swapped)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     times: dict = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    for r in range(rounds):
+        for name, fn in (reversed(fns.items()) if r % 2 else fns.items()):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             if head_start_ms:
                 torch.cuda._sleep(int(head_start_ms * SLEEP_CYCLES_PER_MS))
