@@ -251,13 +251,13 @@ def chunked_block_mask(mask_mod: Callable, q: Tensor, k: Tensor, block: int = BL
 
 def _broadcast_mask(mask_mod: Callable, B: int, H: int, start: int, length: int, N: int,
                     device: torch.device) -> Tensor:
-    """``mask_mod`` over (b, h, rows start.., keys) in one call on broadcast index tensors (int32, the kernels'
-    index type), as a bool broadcastable to (B, H, length, N); None if the call fails or gives another shape
-    (the caller then evaluates it by vmap)."""
+    """``mask_mod`` over (b, h, rows start.., keys) in one call on broadcast index tensors (int64, as torch's
+    create_mask evaluates them: index arithmetic past 2**31 stays exact), as a bool broadcastable to (B, H,
+    length, N); None if the call fails or gives another shape (the caller then evaluates it by vmap)."""
     def idx(lo: int, n: int, dim: int) -> Tensor:
         shape = [1, 1, 1, 1]
         shape[dim] = n
-        return torch.arange(lo, lo + n, device=device, dtype=torch.int32).view(shape)
+        return torch.arange(lo, lo + n, device=device, dtype=torch.int64).view(shape)
 
     try:
         keep = torch.as_tensor(mask_mod(idx(0, B, 0), idx(0, H, 1), idx(start, length, 2), idx(0, N, 3)),
