@@ -36,7 +36,6 @@ from .shape import MAX_ROWS, decode_fit
 _INTERPRETER_UPCAST = (torch.bfloat16,)
 
 
-
 class DecodeFamily:
     """Split-KV decode for short queries (docs/design/decode.md).
 

@@ -122,7 +122,8 @@ class DecodeSite:
     WIDE_SCORES: bool = False  # the score_mod may return huge finite values: exp2's argument from
                                # the rounded product (wide_scores.py)
     PAIRS: bool = False    # a program reads two adjacent kv heads of a paged cache as one row of 2 x D/2
-                           # columns ("Head pairs" above): GQA_GROUP = HEADS = both heads' query heads
+                           # columns ("Head pairs" above): GQA_GROUP = HEADS = both heads' query heads; one
+                           # split only (host.py plans no other), so the merge never stores a pair
 
 
 @dataclass(frozen=True)
@@ -279,6 +280,7 @@ def decode_split_kernel(
     SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr,
     TILE: tl.constexpr, CACHE: tl.constexpr, SITE: tl.constexpr, SPARSE: tl.constexpr,
 ):
+    tl.static_assert(not (SITE.PAIRS and SITE.SPLIT), "head pairs are planned for one-split launches only")
     split = tl.program_id(0)
     num_splits = tl.num_programs(0)
     zk = tl.program_id(1)
@@ -484,9 +486,5 @@ def _merge_splits(O_PART, LSE_PART, O, LSE, first, num_splits, n_rows, z, hq0,
     i = r % M_NEW
     hq = hq0 + r // M_NEW
     o_ptr = O + z.to(tl.int64) * stride_oz + hq[:, None] * stride_oh + i[:, None] * stride_om
-    if SITE.PAIRS:
-        o_col = offs_dv[None, :] - _pair_half(r, M_NEW, SITE)[:, None] * (DV // 2)
-        tl.store(o_ptr + o_col, o.to(O.dtype.element_ty), mask=r_ok[:, None] & (o_col >= 0) & (o_col < DV // 2))
-    else:
-        tl.store(o_ptr + offs_dv[None, :], o.to(O.dtype.element_ty), mask=r_ok[:, None] & dv_ok[None, :])
+    tl.store(o_ptr + offs_dv[None, :], o.to(O.dtype.element_ty), mask=r_ok[:, None] & dv_ok[None, :])
     tl.store(LSE + (z * (HKV * SITE.GQA_GROUP) + hq) * M_NEW + i, lse, mask=r_ok)
