@@ -384,26 +384,16 @@ def _gathered(q, k, v, seq_lens, block_table, q_offset, score_mod, mask_mod, sca
     from .api import flex
 
     kc, vc = _contiguous_view(q, k, v, block_table)
+    first = q_offset if q_offset is not None else seq_lens - q.shape[2]
+    score, mask = _flex_mods(score_mod, mask_mod, seq_lens, first)
     gqa = q.shape[1] != kc.shape[1]
-    causal = mask_mod is not None and _exactly_causal(mask_mod)
-    if mask_mod is None or causal:
-        score, block_mask = _length_masked(q, kc, seq_lens, q_offset, score_mod, mask_mod, causal)
+    if mask_mod is None or _exactly_causal(mask_mod):
+        # made every call from the lengths' device values, never cached by the tensors' identity or version: a
+        # CUDA graph or a kernel that rewrites seq_lens in place moves no version, and a kept mask would be stale
+        block_mask = length_block_mask(seq_lens, first, q.shape[2], kc.shape[2], mask_mod is not None, mask)
         return flex(q, kc, vc, score_mod=score, block_mask=block_mask, scale=scale, enable_gqa=gqa,
                     return_lse=return_lse)
-    first = q_offset if q_offset is not None else seq_lens - q.shape[2]
-    score, mask = _flex_mods(score_mod, mask_mod, seq_lens, first)
     return flex(q, kc, vc, score_mod=score, mask_mod=mask, scale=scale, enable_gqa=gqa, return_lse=return_lse)
-
-
-def _length_masked(q: Tensor, kc: Tensor, seq_lens: Tensor, q_offset: Optional[Tensor],
-                   score_mod: Optional[Callable], mask_mod: Optional[Callable], causal: bool) -> tuple:
-    """(score_mod over absolute positions, BlockMask from the lengths) of a gathered call whose mask is none or
-    exactly causal. Made anew every call from the lengths' device values, never cached by the tensors' identity
-    or version: a CUDA graph or a kernel that rewrites ``seq_lens`` in place moves no version counter, and a block
-    mask kept across such a write would be stale."""
-    first = q_offset if q_offset is not None else seq_lens - q.shape[2]
-    score, mask = _flex_mods(score_mod, mask_mod, seq_lens, first)
-    return score, length_block_mask(seq_lens, first, q.shape[2], kc.shape[2], causal, mask)
 
 
 def _exactly_causal(mask_mod: Callable) -> bool:
