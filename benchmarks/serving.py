@@ -31,14 +31,16 @@ Parts (--part, default decode,splits,paged,varlen):
           output's difference to bf16 flex_decode on the dequantized cache (the same values: a
           kernel check) and to the bf16 cache it was quantized from (the quantization's error).
           Only when asked (--part fp8kv).
-  prefill prefill chunks reading a paged KV cache (flex_decode past 128 packed rows: it gathers the
-          pages into a contiguous copy and runs fa3_inductor.flex, decode.py's _gathered), bf16 GQA
+  prefill prefill chunks reading a paged KV cache (flex_decode past 128 packed rows: on sm90 the Hopper
+          kernel reads the cache in place, templates/hopper/cache_sm90.py; elsewhere decode.py's _gathered
+          copies the pages and runs fa3_inductor.flex), bf16 GQA
           32/8 D128: B sequences whose last ``new`` of ``cache`` keys are the chunk, causal among
           themselves and seeing the whole prefix (mask_mod causal_abs on the absolute positions
           flex_decode hands its mods). Same rounds: "paged" (pages of 64, shuffled table), "contig"
-          (the same call on the contiguous [B, HKV, cache, D] cache) and "gather" (what _gathered
-          does before flex(): the pages' copy, the chunk's positions, the mods), so the report says
-          how much of paged's extra time the copy is; then torch's compiled FlexAttention on the
+          (the same call on the contiguous [B, HKV, cache, D] cache), "gathered" (decode._gathered on the
+          pages: the fallback path, the product path before the Hopper cache mode) and "gather" (what
+          _gathered does before flex(): the pages' copy, the chunk's positions, the mods); then torch's
+          compiled FlexAttention on the
           contiguous cache (block mask built once, enable_gqa). A probe in the same rounds, "q_offset":
           paged and contig with q_offset = seq_lens - new passed as one tensor kept across calls (the
           default positions; without it each call's positions are a new tensor, and flex() keys the
@@ -747,7 +749,7 @@ def check_prefill(device: torch.device, dtype: torch.dtype) -> dict:
     tol = TOLERANCE[dtype]
     if max(errors.values()) > tol:
         raise SystemExit(f"serving: flex_decode on a prefill chunk does not match float64 ({errors}, tolerance "
-                         f"{tol}); fix decode.py's gathered path before timing it (tests/test_decode_api.py)")
+                         f"{tol}); fix flex_decode's chunk path before timing it (tests/test_decode_api.py)")
     return dict(shape=f"B{B} HQ{HQ}/HKV{HKV} new{M} N{N} D{D} page{page}", rel_error=errors, tol=tol)
 
 
@@ -773,7 +775,7 @@ def prefill_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: 
     docstring, part prefill)."""
     import fa3_inductor
     from fa3_inductor import block_masks, flex_decode
-    from fa3_inductor.decode import _contiguous_view, _flex_mods
+    from fa3_inductor.decode import _contiguous_view, _flex_mods, _gathered
     from fa3_inductor.runtime.variants import wait_for_variants
 
     row = _case_row("prefill", c, dtype.itemsize)
@@ -788,7 +790,7 @@ def prefill_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: 
 
     def gather() -> tuple[torch.Tensor, torch.Tensor]:
         # what _gathered does before it calls flex(): the pages' copy, the chunk's first position, the mods
-        kc, vc = _contiguous_view(q, kp, vp, table)
+        kc, vc = _contiguous_view(q, kp, vp, table, lens)
         _flex_mods(None, causal_abs, lens, lens - q.shape[2])
         return kc, vc
 
@@ -796,6 +798,7 @@ def prefill_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: 
     fns = {"paged": lambda: flex_decode(q, kp, vp, seq_lens=lens, block_table=table, mask_mod=causal_abs),
            "contig": lambda: flex_decode(q, k, v, seq_lens=lens, mask_mod=causal_abs),
            "gather": gather,
+           "gathered": lambda: _gathered(q, kp, vp, lens, table, None, None, causal_abs, c.d ** -0.5, False),
            # a probe: without q_offset each call's positions are a new tensor, which keys its block mask anew
            "paged_qoff": lambda: flex_decode(q, kp, vp, seq_lens=lens, block_table=table, q_offset=qoff,
                                              mask_mod=causal_abs),
@@ -808,6 +811,7 @@ def prefill_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: 
     for name in ("paged_qoff", "contig_qoff"):
         row[f"{name}_diff"] = _rel(fns[name](), ref)
     wait_for_variants()   # background compiles of the first calls would slow the host while timed
+    row["gathered_diff"] = _rel(fns["gathered"](), ref)
     row["gather_diff"] = _rel(torch.cat(gather()), torch.cat([k, v]))   # an exact copy: 0
     timed = clock.times(fns)
     row.update({f"{name}_ms": ms for name, ms in timed.items()})
@@ -831,6 +835,7 @@ def prefill_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: 
     row["paged_over_contig"] = timed["paged"] / timed["contig"]
     row["qoff_paged_over_contig"] = timed["paged_qoff"] / timed["contig_qoff"]
     row["gather_pct_paged"] = 100 * timed["gather"] / timed["paged"]
+    row["gathered_over_paged"] = timed["gathered"] / timed["paged"]
     if timed["paged_qoff"] > timed["contig_qoff"]:
         # the copy against paged's whole extra time, on the pair whose block mask is not rebuilt (noise)
         row["gather_pct_extra"] = 100 * timed["gather"] / (timed["paged_qoff"] - timed["contig_qoff"])
@@ -841,13 +846,14 @@ def prefill_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: 
 
 
 def _prefill_table(rows: list[dict]) -> list[str]:
-    lines = ["## prefill chunks on a paged cache (flex_decode's gathered path; causal on absolute positions; "
-             "same rounds)", "",
+    lines = ["## prefill chunks on a paged cache (flex_decode; causal on absolute positions; same rounds)", "",
              "paged: `flex_decode(q, k_pages, v_pages, seq_lens, block_table, mask_mod=causal_abs)` on pages behind "
              "a shuffled table; contig: the same call on the contiguous cache; gather: the paged call's work before "
              "flex() (the pages' copy); torch flex: compiled FlexAttention on the contiguous cache, block mask built "
              "once. TFLOP/s: 4 B HQ D x the (row, key) pairs the chunk sees; paged/contig: paged's time over "
-             "contig's; ours/torch flex: torch flex's time over paged's (contig's). q_offset: a probe, paged and "
+             "contig's; gathered: decode._gathered on the pages (the copy, then flex()), gathered/paged its time "
+             "over paged's; "
+             "ours/torch flex: torch flex's time over paged's (contig's). q_offset: a probe, paged and "
              "contig with q_offset=seq_lens - new passed as one tensor kept across calls (the same positions); "
              "gather % extra: gather over (paged - contig), both with q_offset kept. mask builds: block masks "
              "built per flex_decode call, paged / contig / paged q_offset / contig q_offset (0: reused).", "",
@@ -855,7 +861,7 @@ def _prefill_table(rows: list[dict]) -> list[str]:
              "q_offset contig ms | torch flex ms | paged TFLOP/s | contig TFLOP/s | q_offset paged TFLOP/s | "
              "torch flex TFLOP/s | paged/contig | q_offset paged/contig | gather % paged | gather % extra | "
              "ours/torch flex (contig) | q_offset paged/torch flex | host µs paged / contig / q_offset paged | "
-             "mask builds | max diff | template |", "|" + "---|" * 26]
+             "mask builds | gathered ms | gathered/paged | max diff | template |", "|" + "---|" * 28]
     for r in rows:
         diff = max([r[k] for k in r if k.endswith("_diff")], default=None)
         builds = " / ".join(_f(r, f"{n}_mask_builds", "{:.1f}")
@@ -869,7 +875,8 @@ def _prefill_table(rows: list[dict]) -> list[str]:
                      f"{_f(r, 'gather_pct_extra', '{:.0f}')} | {_f(r, 'paged_vs_torch_flex', '{:.2f}')} "
                      f"({_f(r, 'contig_vs_torch_flex', '{:.2f}')}) | {_f(r, 'paged_qoff_vs_torch_flex', '{:.2f}')} | "
                      f"{_f(r, 'paged_host_us', '{:.0f}')} / {_f(r, 'contig_host_us', '{:.0f}')} / "
-                     f"{_f(r, 'paged_qoff_host_us', '{:.0f}')} | {builds} | "
+                     f"{_f(r, 'paged_qoff_host_us', '{:.0f}')} | {builds} | {_f(r, 'gathered_ms')} | "
+                     f"{_f(r, 'gathered_over_paged', '{:.2f}')} | "
                      f"{'-' if diff is None else f'{diff:.1e}'} | {r.get('template', '-')} |")
     return lines + [""]
 

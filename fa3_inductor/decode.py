@@ -30,6 +30,7 @@ from .templates.decode.fp8_cache import dequantize, kv_scale_mode, quantize_kv
 from .templates.decode.host import prepare_decode
 from .templates.decode.launch_cache import interpreted, launch_decode, recorded_decode
 from .templates.decode.shape import MAX_ROWS
+from .templates.hopper.cache_sm90 import cache_sm90_refusal, launch_cache_sm90
 from .templates.modgen import UnsupportedMod, is_causal_mask_source
 from .varlen import generated_mod
 
@@ -128,17 +129,24 @@ def _check(q: Any, k: Any, v: Any, seq_lens: Any, block_table: Any, q_offset: An
     return hkv, kv_scale
 
 
-def _contiguous_view(q: Tensor, k: Tensor, v: Tensor, block_table: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """The cache as [B, HKV, capacity, D]: a gather of the pages (a copy) or the cache itself."""
-    if block_table is None:
-        return k, v
+def _contiguous_view(q: Tensor, k: Tensor, v: Tensor, block_table: Optional[Tensor],
+                     seq_lens: Tensor) -> tuple[Tensor, Tensor]:
+    """The cache as [B, HKV, capacity, D], a copy with the slots at or past each sequence's length zeroed: an
+    unwritten slot may hold NaN, which a masked score's zero probability does not cancel (0 x NaN is NaN)."""
     B = q.shape[0]
 
     def gather(pages: Tensor) -> Tensor:
         P, page, H, D = pages.shape
-        rows = pages[block_table.long().clamp(0, P - 1)]   # [B, max_pages, page, H, D]
-        return rows.reshape(B, -1, H, D).transpose(1, 2)
+        rows = pages[block_table.long().clamp(0, P - 1)].reshape(B, -1, H, D)   # [B, capacity, H, D]
+        keep = torch.arange(rows.shape[1], device=rows.device) < seq_lens[:, None]
+        return rows.masked_fill_(~keep[:, :, None, None], 0).transpose(1, 2)
 
+    def zeroed(cache: Tensor) -> Tensor:
+        keep = torch.arange(cache.shape[2], device=cache.device) < seq_lens[:, None]
+        return cache.masked_fill(~keep[:, None, :, None], 0)
+
+    if block_table is None:
+        return zeroed(k), zeroed(v)
     return gather(k), gather(v)
 
 
@@ -202,8 +210,11 @@ def flex_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, seq_lens: Tensor
     Where it runs: GQA group x M_new <= 128 on CUDA (or the CPU under TRITON_INTERPRET=1) runs the
     split-KV decode kernels (``num_splits`` None: chosen to fill the GPU; ``scratch`` from
     ``templates.decode.decode_scratch`` to own every buffer a graph touches). Longer queries
-    (prefill against a paged cache) gather the pages into a contiguous copy and run
-    ``fa3_inductor.flex``; so does the CPU without the interpreter (torch's flex_attention).
+    (prefill chunks) run on an sm90 GPU through the Hopper forward reading the cache in place
+    (pages of 8, 16, 32, 64 or a multiple of 128 keys, or the contiguous cache; lengths and
+    positions read on the device, so a CUDA graph replays new ones); elsewhere they gather the
+    cache into a contiguous copy (its unwritten slots zeroed) and run ``fa3_inductor.flex``, as
+    the CPU without the interpreter does (torch's flex_attention).
 
     Example::
 
@@ -247,6 +258,13 @@ def flex_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, seq_lens: Tensor
         paged = block_table is not None
         k_cache = dequantize(k_cache, k_scale, kv_scale, paged, q.dtype)
         v_cache = dequantize(v_cache, v_scale, kv_scale, paged, q.dtype)
+    if rows > MAX_ROWS:
+        chunk = _hopper_chunk(q, k_cache, v_cache, seq_lens, block_table, q_offset, score_mod, mask_mod, scale)
+        if chunk is not None:
+            out, lse, bind = chunk
+            if memo is not None and kv_scale == "none":
+                decode_memo.remember(memo[1], score_mod, mask_mod, bind)
+            return (out, lse.mul_(_LN2)) if return_lse else out
     return _gathered(q, k_cache, v_cache, seq_lens, block_table, q_offset, score_mod, mask_mod,
                      scale, return_lse)
 
@@ -376,6 +394,45 @@ def _bound(again: Optional[Callable], out: Tensor, bufs: tuple) -> Optional[Laun
     return launch
 
 
+def _hopper_chunk(q, k, v, seq_lens, block_table, q_offset, score_mod, mask_mod,
+                  scale) -> Optional[tuple[Tensor, Tensor, Callable[[], Optional[Launch]]]]:
+    """(out, lse in log2 units, bind) of a prefill chunk by the Hopper kernel reading the cache in place
+    (templates/hopper/cache_sm90.py: no gather, no block mask), or None where it does not serve (not an sm90 GPU,
+    pages that do not tile its KV tiles, head dims without tiles, misaligned strides, a mod it cannot generate):
+    the gathered path runs then. ``bind()``: the call memo's launch (decode_memo.Launch)."""
+    if not q.is_cuda:
+        return None
+    why_not = cache_sm90_refusal(q, k, v, block_table, torch.cuda.get_device_capability(q.device))
+    if why_not is not None:
+        warn_once(f"flex_decode: a prefill chunk gathers the cache for flex (a copy a call): {why_not}")
+        return None
+    try:
+        score_fn, score_bufs, _ = generated_mod(score_mod, "score", "gl")
+        mask_fn, mask_bufs, mask_src = generated_mod(mask_mod, "mask", "gl")
+    except UnsupportedMod as exc:
+        warn_once(f"flex_decode: a mod cannot be generated for the Hopper kernel ({exc}); a prefill chunk gathers "
+                  "the cache for flex (slow)")
+        return None
+    options = dict(block_table=block_table, q_offset=q_offset, sm_scale=scale, score_mod=score_fn,
+                   mask_mod=mask_fn, causal=mask_src is not None and is_causal_mask_source(mask_src),
+                   score_bufs=score_bufs, mask_bufs=mask_bufs)
+    bufs = (*score_bufs, *mask_bufs)
+    layout = tensor_signature(bufs)
+    shape = (*q.shape[:3], v.shape[-1])
+
+    def launch(q, k, v, seq_lens, block_table, q_offset, k_scale, v_scale, scratch):
+        if bufs and tensor_signature(bufs) != layout:
+            return None
+        out = q.new_empty(shape)
+        lse = torch.empty(shape[:3], dtype=torch.float32, device=q.device)
+        launch_cache_sm90(q, k, v, out, lse, seq_lens, **dict(options, block_table=block_table, q_offset=q_offset))
+        record_template("hopper_cache")
+        return out, lse
+
+    out, lse = launch(q, k, v, seq_lens, block_table, q_offset, None, None, None)
+    return out, lse, lambda: launch
+
+
 def _gathered(q, k, v, seq_lens, block_table, q_offset, score_mod, mask_mod, scale, return_lse):
     """flex over a contiguous copy of the cache, lengths and positions in the mods. Without a mask_mod
     or with an exactly causal one, the block mask is made from the lengths on the device
@@ -383,7 +440,7 @@ def _gathered(q, k, v, seq_lens, block_table, q_offset, score_mod, mask_mod, sca
     whenever the lengths' tensors change."""
     from .api import flex
 
-    kc, vc = _contiguous_view(q, k, v, block_table)
+    kc, vc = _contiguous_view(q, k, v, block_table, seq_lens)
     first = q_offset if q_offset is not None else seq_lens - q.shape[2]
     score, mask = _flex_mods(score_mod, mask_mod, seq_lens, first)
     gqa = q.shape[1] != kc.shape[1]

@@ -78,6 +78,25 @@ def test_prefill_chunk_against_a_paged_cache_is_gathered():
     assert_matches_reference(out, ref, torch.float32)
 
 
+@pytest.mark.parametrize("paged", [True, False])
+def test_prefill_chunk_ignores_nan_in_unwritten_slots(paged):
+    """Cache slots at or past a sequence's length were never written and may hold NaN (torch.empty): a gathered
+    prefill chunk reads them as zeros (a masked key's zero probability times NaN would be NaN)."""
+    k, v, kp, vp, table = _paged_cache(2, 1, 64, 16, 16)
+    lens = torch.tensor([40, 17], dtype=torch.int32)
+    for b, L in enumerate(lens.tolist()):
+        k[b, :, L:] = v[b, :, L:] = float("nan")
+        for j in range(64 // 16):
+            kp[table[b, j], max(L - 16 * j, 0):] = vp[table[b, j], max(L - 16 * j, 0):] = float("nan")
+    q = torch.randn(2, 8, 20, 16)
+    cache = (kp, vp) if paged else (k, v)
+    out = flex_decode(q, *cache, seq_lens=lens, block_table=table if paged else None, q_offset=lens * 0)
+    assert fa3_inductor.last_template() != "decode"
+    ref, _ = _reference(q, k, v, lens, lens * 0)
+    assert not out.isnan().any()
+    assert_matches_reference(out, ref, torch.float32)
+
+
 @pytest.mark.parametrize("mask_mod, built", [(None, 0), (mods.causal, 0), (mods.sliding_window(12), 1)])
 def test_prefill_chunk_block_mask_comes_from_the_lengths(mask_mod, built):
     """A prefill chunk at the end of each sequence (default positions; one sequence shorter than the chunk): without

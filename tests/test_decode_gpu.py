@@ -10,7 +10,7 @@ import torch
 
 import fa3_inductor
 from fa3_inductor import flex_decode, mods
-from reference import assert_matches_reference, reference_attention
+from reference import assert_lse_matches, assert_matches_reference, reference_attention
 
 pytestmark = pytest.mark.gpu
 
@@ -344,4 +344,76 @@ def test_prefill_chunk_on_pages_from_the_lengths(causal):
             first = L - M   # the chunk is each sequence's last M positions (some negative: no key, output 0)
             ref, _ = reference_attention(q[b:b + 1], k[b:b + 1, :, :L], v[b:b + 1, :, :L],
                                          mask_mod=(lambda bb, h, qi, ki: qi + first >= ki) if causal else None)
+            assert_matches_reference(out[b:b + 1], torch.nan_to_num(ref), torch.bfloat16)
+
+
+def _nan_past_lengths(k, v, kp, vp, table, lens, page):
+    """The slots at or past each sequence's length set to NaN (never written: torch.empty may hold anything), in the
+    contiguous cache and, with a table, in its pages; pages no sequence lists are NaN too."""
+    listed = torch.zeros(kp.shape[0] if kp is not None else 0, dtype=torch.bool, device="cuda")
+    for b, L in enumerate(lens.tolist()):
+        k[b, :, L:] = v[b, :, L:] = float("nan")
+        if kp is not None:
+            for j in range(table.shape[1]):
+                kp[table[b, j], max(L - page * j, 0):] = vp[table[b, j], max(L - page * j, 0):] = float("nan")
+                listed[table[b, j]] = True
+    if kp is not None:
+        kp[~listed] = vp[~listed] = float("nan")
+
+
+_CHUNK_MODS = {"none": (None, None), "causal": (None, mods.causal),
+               "softcap_causal": (mods.softcap(20.0), mods.causal), "alibi": (mods.alibi(8), None)}
+
+
+@pytest.mark.parametrize("D, page, mod", [(128, 16, "causal"), (128, 128, "softcap_causal"), (64, 256, "none"),
+                                          (96, 64, "causal"), (128, 0, "alibi"), (64, 32, "causal")])
+def test_prefill_chunk_reads_the_cache_in_place(D, page, mod):
+    """A prefill chunk (8 query heads x 200 new tokens) through the Hopper kernel's cache mode: pages of 16-256 keys
+    (several a KV tile, or whole tiles) behind a shuffled table, or the contiguous cache (page 0); the rows at explicit
+    positions (one sequence's partly negative: no key there), GQA 8 / 2, the unwritten slots NaN. float64."""
+    B, HQ, HKV, M, N = 3, 8, 2, 200, 1024
+    score_mod, mask_mod = _CHUNK_MODS[mod]
+    q, k, v = _randn(B, HQ, M, D), _randn(B, HKV, N, D), _randn(B, HKV, N, D)
+    lens = torch.tensor([1024, 130, 701], dtype=torch.int32, device="cuda")
+    first = lens - M - torch.tensor([0, 0, 37], dtype=torch.int32, device="cuda")
+    kp, vp, table = _paged(k, v, page) if page else (None, None, None)
+    _nan_past_lengths(k, v, kp, vp, table, lens, page)
+    cache = (kp, vp) if page else (k, v)
+    out, lse = flex_decode(q, *cache, seq_lens=lens, block_table=table, q_offset=first, score_mod=score_mod,
+                           mask_mod=mask_mod, return_lse=True)
+    assert fa3_inductor.last_template() == "hopper_cache"
+    for b, (L, f) in enumerate(zip(lens.tolist(), first.tolist())):
+        sm = score_mod and (lambda s, bb, h, qi, ki, f=f: score_mod(s, bb, h, qi + f, ki))
+        mm = mask_mod and (lambda bb, h, qi, ki, f=f: mask_mod(bb, h, qi + f, ki))
+        ref, ref_lse = reference_attention(q[b:b + 1], k[b:b + 1, :, :L], v[b:b + 1, :, :L], sm, mm)
+        assert_matches_reference(out[b:b + 1], torch.nan_to_num(ref), torch.bfloat16)
+        assert_lse_matches(lse[b:b + 1], ref_lse, torch.bfloat16)
+
+
+def test_prefill_chunk_in_a_cuda_graph_with_changed_lengths():
+    """The Hopper cache mode captured in a CUDA graph and replayed after the lengths change in place (default
+    positions: the chunk is each sequence's last 256 tokens), pages of 16."""
+    B, HQ, HKV, M, N, D = 2, 8, 2, 256, 2048, 128
+    q, k, v = _randn(B, HQ, M, D), _randn(B, HKV, N, D), _randn(B, HKV, N, D)
+    kp, vp, table = _paged(k, v, 16)
+    lens = torch.tensor([2048, 300], dtype=torch.int32, device="cuda")
+
+    def step():
+        return flex_decode(q, kp, vp, seq_lens=lens, block_table=table, mask_mod=mods.causal)
+
+    for _ in range(2):
+        step()
+    assert fa3_inductor.last_template() == "hopper_cache"
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for new in ([2048, 300], [256, 1999], [1000, 100]):
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        for b, L in enumerate(new):
+            f = L - M
+            ref, _ = reference_attention(q[b:b + 1], k[b:b + 1, :, :L], v[b:b + 1, :, :L],
+                                         mask_mod=lambda bb, h, qi, ki, f=f: qi + f >= ki)
             assert_matches_reference(out[b:b + 1], torch.nan_to_num(ref), torch.bfloat16)

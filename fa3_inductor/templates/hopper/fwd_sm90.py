@@ -58,6 +58,18 @@ Packed sequences (PACK.VARLEN; host side templates/hopper/varlen_sm90.py, front 
   end). SPARSE.CAUSAL_WALK (a mask_mod exactly q_idx >= kv_idx): a query tile visits its diagonal KV tiles
   (mask_mod applied) and the tiles below them (no mask), none above, with no block-mask tables.
 
+Decode caches (PACK.CACHE; host side templates/hopper/cache_sm90.py, front door flex_decode's chunks past 128 rows):
+  Q, O               dense [B, HQ, M, D]: M new query rows of every sequence
+  K, V               a contiguous cache [B, HKV, capacity, D] (PAGE = 0), or pages [P, PAGE, HKV, D] read as
+                     [P, HKV, PAGE, D] through TABLE [B, max_pages] int32 (TABLE[b, j]: the page of keys j·PAGE ..)
+  LENS [B] int32     sequence b's keys: N_seq = clamp(LENS[b], 0, capacity), capacity = N (max_pages · PAGE)
+  FIRST [B] int32    query row m of sequence b sits at position FIRST[b] + FIRST_DELTA + m (flex_decode: q_offset,
+                     or LENS with FIRST_DELTA = -M); the mods and the causal walk see these positions
+  A KV tile of a paged cache is BLOCK_N // PAGE_BOX TMA boxes of PAGE_BOX = min(PAGE, BLOCK_N) rows, each at its
+  page's row; the tile holding N_seq - 1 has its V rows at or past N_seq zeroed in shared memory by the consumers
+  before its PV (an unwritten cache slot may hold NaN, and P = 0 times NaN is NaN); K's are masked by kv_idx < N_seq.
+  One CTA per tile, as dense launches; nothing is read on the host, so a CUDA graph replays new lengths.
+
 Kernel roles (one CTA = one BLOCK_M x D output tile at a time; TILE.CONSUMERS + 1 warpgroups):
   * producer   (`_producer`, a 1-warp worker partition, padded to a warpgroup, 24 regs): TMA-loads the two
                64-row halves of Q once per tile and K/V tiles into rings of NUM_STAGES (K) and V_STAGES (V)
@@ -124,6 +136,7 @@ from __future__ import annotations
 import functools
 import weakref
 from dataclasses import dataclass, replace
+from typing import Optional
 
 import torch
 import triton
@@ -245,9 +258,12 @@ NO_QUANT = Quant(ON=False, Q_BLOCK=0, KV_BLOCK=0, TWO_LEVEL=False)
 
 @dataclass(frozen=True)
 class Packing:
-    """Where a tile's rows live (module docstring, "Packed sequences")."""
+    """Where a tile's rows live (module docstring, "Packed sequences" and "Decode caches")."""
     VARLEN: bool   # Q / K / V / O packed (total, heads, D): batch entry b is sequence b of cu_seqlens, its M and N
                    # read on the device; one CTA per tile, a tile past its sequence's end runs nothing
+    CACHE: bool = False   # K / V a decode cache: N and the query rows' first position per sequence, read on the device
+    PAGE: int = 0         # CACHE: keys a page of a block-table cache (0: a contiguous [B, HKV, capacity, D] cache)
+    PAGE_BOX: int = 0     # PAGE: rows of one TMA box, min(PAGE, BLOCK_N); a KV tile is BLOCK_N // PAGE_BOX boxes
 
 
 DENSE = Packing(VARLEN=False)
@@ -296,10 +312,11 @@ def _tile_loop(num_tiles, num_m_tiles, HQ, pack_args, TILE: gl.constexpr, PERSIS
     if PACK.VARLEN:
         gl.static_assert(not PERSISTENT, "packed sequences run one CTA per tile")
         b, h, mt = _tile_coords(pid, num_tiles, num_m_tiles, HQ, False, True)
-        _z, _q0, M_seq, _k0, _N_seq = _seq_rows(b, 0, 0, pack_args, PACK)
+        _z, _q0, M_seq, _k0, _N_seq, _q_pos = _seq_rows(b, 0, 0, pack_args, PACK)
         nprog = pid * 0 + 1
         n_it = gl.where(mt * TILE.BLOCK_M < M_seq, 1, 0)
     elif PERSISTENT:
+        gl.static_assert(not PACK.CACHE, "decode caches run one CTA per tile")
         nprog = gl.num_programs(0)
         n_pairs = (num_tiles + 1) // 2
         my_pairs = (n_pairs - pid + nprog - 1) // nprog
@@ -323,8 +340,10 @@ def _tile_id(it, pid, nprog, PERSISTENT: gl.constexpr):
 
 @gluon.jit
 def _seq_rows(b, M, N, pack_args, PACK: gl.constexpr):
-    """(descriptor batch coordinate, first query row, M, first key row, N) of batch entry b. Dense: b, 0, the
-    launch's M and N. VARLEN: sequence b of the packed rows, whose descriptors are [1, H, total, D] views."""
+    """(descriptor batch coordinate, first query row, M, first key row, N, position of query row 0) of batch entry
+    b. Dense: b, 0, the launch's M and N, 0. VARLEN: sequence b of the packed rows, whose descriptors are
+    [1, H, total, D] views. CACHE: b's keys LENS[b] clamped to [0, N] and its rows' positions FIRST[b] + FIRST_DELTA."""
+    q_pos = 0
     if PACK.VARLEN:
         cu_q = pack_args[0]
         cu_k = pack_args[1]
@@ -333,18 +352,26 @@ def _seq_rows(b, M, N, pack_args, PACK: gl.constexpr):
         k0 = gl.load(cu_k + b)
         M_seq = gl.load(cu_q + b + 1) - q0
         N_seq = gl.load(cu_k + b + 1) - k0
+    elif PACK.CACHE:
+        z = b
+        q0 = b * 0
+        k0 = b * 0
+        M_seq = M
+        N_seq = gl.minimum(gl.maximum(gl.load(pack_args[0] + b), 0), N)
+        q_pos = gl.load(pack_args[1] + b) + pack_args[2]
     else:
         z = b
         q0 = b * 0
         k0 = b * 0
         M_seq = M
         N_seq = N
-    return z, q0, M_seq, k0, N_seq
+    return z, q0, M_seq, k0, N_seq, q_pos
 
 
 @gluon.jit
-def _kv_counts(b, h, mt, N, sp_ptrs, sp_meta, TILE: gl.constexpr, SPARSE: gl.constexpr):
-    """Returns (n_partial, n_total): KV tiles of this query tile; the partial ones come first."""
+def _kv_counts(b, h, mt, N, sp_ptrs, sp_meta, TILE: gl.constexpr, SPARSE: gl.constexpr, q_pos=None):
+    """Returns (n_partial, n_total): KV tiles of this query tile; the partial ones come first. q_pos: the position
+    of query row 0 (PACK.CACHE; the causal walk's diagonal moves with it)."""
     kvnb_ptr, kvidx_ptr, fnb_ptr, fidx_ptr = sp_ptrs
     BM, HM, nb_sb, nb_sh, idx_sb, idx_sh, idx_sm, fnb_sb, fnb_sh, fidx_sb, fidx_sh, fidx_sm = sp_meta
     if SPARSE.HAS_SPARSE:
@@ -358,7 +385,7 @@ def _kv_counts(b, h, mt, N, sp_ptrs, sp_meta, TILE: gl.constexpr, SPARSE: gl.con
             n_full = n_partial * 0
     elif SPARSE.CAUSAL_WALK:
         # KV tiles up to the tile's last row (or N); those wholly at or below its first row m0 are full
-        m0 = mt * TILE.BLOCK_M
+        m0 = _walk_row(mt, q_pos, TILE)
         n_total = gl.cdiv(gl.minimum(N, m0 + TILE.BLOCK_M), TILE.BLOCK_N)
         n_full = gl.minimum((m0 + 1) // TILE.BLOCK_N, n_total)
         n_partial = n_total - n_full
@@ -369,11 +396,22 @@ def _kv_counts(b, h, mt, N, sp_ptrs, sp_meta, TILE: gl.constexpr, SPARSE: gl.con
 
 
 @gluon.jit
+def _walk_row(mt, q_pos, TILE: gl.constexpr):
+    """The causal walk's first row position for query tile mt: mt·BLOCK_M + q_pos (None: 0), held at -1 or more (a
+    row at a negative position sees no key; held, the walk's divisions never round a negative number)."""
+    if q_pos is None:
+        m0 = mt * TILE.BLOCK_M
+    else:
+        m0 = gl.maximum(mt * TILE.BLOCK_M + q_pos, -1)
+    return m0
+
+
+@gluon.jit
 def _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE: gl.constexpr, SPARSE: gl.constexpr,
-              FLAT: gl.constexpr = False):
+              FLAT: gl.constexpr = False, q_pos=None):
     """First KV position of the i-th KV tile of this query tile. FLAT: the table's row offset and the tile index
     summed as 32-bit integers first, so that a loop over i holds that sum (one register) rather than a 64-bit row
-    pointer (two)."""
+    pointer (two). q_pos: as _kv_counts."""
     kvnb_ptr, kvidx_ptr, fnb_ptr, fidx_ptr = sp_ptrs
     BM, HM, nb_sb, nb_sh, idx_sb, idx_sh, idx_sm, fnb_sb, fnb_sh, fidx_sb, fidx_sh, fidx_sm = sp_meta
     MULT: gl.constexpr = SPARSE.SPARSE_KV_MULT
@@ -397,7 +435,7 @@ def _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE: gl.constexpr, SPAR
         start = (blk * MULT + sub) * TILE.BLOCK_N
     elif SPARSE.CAUSAL_WALK:   # the partial (diagonal) tiles first, then the full ones from key 0
         if i < n_partial:
-            start = ((mt * TILE.BLOCK_M + 1) // TILE.BLOCK_N + i) * TILE.BLOCK_N
+            start = ((_walk_row(mt, q_pos, TILE) + 1) // TILE.BLOCK_N + i) * TILE.BLOCK_N
         else:
             start = (i - n_partial) * TILE.BLOCK_N
     else:
@@ -416,6 +454,7 @@ def _producer(descs, bars, smem, sizes, sp_ptrs, sp_meta, pack_args, TILE: gl.co
     q_smem, k_smem, v_smem, o_smem, q_hi, k_hi, v_hi = smem
     num_tiles, num_m_tiles, HQ, GQA, M, N = sizes
     BLOCK_M: gl.constexpr = TILE.BLOCK_M
+    BLOCK_N: gl.constexpr = TILE.BLOCK_N
     HALF_M: gl.constexpr = TILE.HALF_M
     CONSUMERS: gl.constexpr = TILE.CONSUMERS
 
@@ -429,6 +468,13 @@ def _producer(descs, bars, smem, sizes, sp_ptrs, sp_meta, pack_args, TILE: gl.co
         v_bytes: gl.constexpr = v_desc.block_type.nbytes + v_desc_hi.block_type.nbytes
     else:
         v_bytes: gl.constexpr = v_desc.block_type.nbytes
+    # a paged tile of several page boxes, or of split head dims (four descriptors): K and V box by box, each page
+    # read once (_load_page_tiles); pages of whole tiles of one descriptor each: as a contiguous cache, the tile's
+    # page as the batch coordinate
+    PAGE_BOXES: gl.constexpr = PACK.PAGE > 0 and (PACK.PAGE_BOX < BLOCK_N or TILE.SPLIT_QK or TILE.SPLIT_V)
+    if PAGE_BOXES:   # the descriptors' boxes are PAGE_BOX rows, BLOCK_N // PAGE_BOX of them a tile
+        k_tile_bytes: gl.constexpr = k_bytes * (BLOCK_N // PACK.PAGE_BOX)
+        v_tile_bytes: gl.constexpr = v_bytes * (BLOCK_N // PACK.PAGE_BOX)
 
     if QUANT.TIGHT:
         num_tiles = _opaque(num_tiles)
@@ -439,7 +485,8 @@ def _producer(descs, bars, smem, sizes, sp_ptrs, sp_meta, pack_args, TILE: gl.co
         tile_id = _tile_id(it, pid, nprog, SCHED.PERSISTENT)
         b, h, mt = _tile_coords(tile_id, num_tiles, num_m_tiles, HQ, SCHED.PERSISTENT, PACK.VARLEN)
         # z: the descriptors' batch coordinate; q0 / k0: the sequence's first rows (VARLEN, else 0)
-        z, q0, M_seq, k0, N_seq = _seq_rows(b, M, N, pack_args, PACK)
+        z, q0, M_seq, k0, N_seq, q_pos = _seq_rows(b, M, N, pack_args, PACK)
+        walk_pos = q_pos if PACK.CACHE else None   # the causal walk's offset (None: the other modes' code as it was)
         hkv = h // GQA
         m0 = q0 + mt * BLOCK_M
         # Q halves: wait until the consumer released the half (O_STAGE: its last QK^T retired;
@@ -452,14 +499,25 @@ def _producer(descs, bars, smem, sizes, sp_ptrs, sp_meta, pack_args, TILE: gl.co
             if TILE.SPLIT_QK:
                 tma.async_copy_global_to_shared(q_desc_hi, [z, h, m0 + w * HALF_M, TILE.QK_LO], q_ready.index(w),
                                                 q_hi.index(w))
-        n_partial, n_total = _kv_counts(b, h, mt, N_seq, sp_ptrs, sp_meta, TILE, SPARSE)
+        n_partial, n_total = _kv_counts(b, h, mt, N_seq, sp_ptrs, sp_meta, TILE, SPARSE, walk_pos)
+        if PACK.PAGE > 0:
+            table_row = pack_args[3] + b.to(gl.int64) * pack_args[4]
         for i in range(n_total):
-            start = k0 + _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE)
-            _load_ring_stage(k_desc, k_desc_hi, k_ready, k_empty, k_smem, k_hi, cnt, [z, hkv, start], k_bytes,
-                             TILE.NUM_STAGES, TILE.QK_LO, TILE.SPLIT_QK, False)
-            # FP8: V comes as VT, the tile's keys along its columns (KEYS_LAST)
-            _load_ring_stage(v_desc, v_desc_hi, v_ready, v_empty, v_smem, v_hi, cnt, [z, hkv, start], v_bytes,
-                             TILE.V_STAGES, TILE.V_LO, TILE.SPLIT_V, QUANT.ON)
+            start = k0 + _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE, False, walk_pos)
+            if PAGE_BOXES:
+                _load_page_tiles(descs, bars, smem, cnt, table_row, pack_args[5], hkv, start, k_tile_bytes,
+                                 v_tile_bytes, TILE, PACK)
+            else:
+                if PACK.PAGE > 0:   # pages of whole tiles: the tile's page in the batch coordinate
+                    row = [gl.load(table_row + gl.minimum(start // PACK.PAGE, pack_args[5] - 1)), hkv,
+                           start % PACK.PAGE]
+                else:
+                    row = [z, hkv, start]
+                _load_ring_stage(k_desc, k_desc_hi, k_ready, k_empty, k_smem, k_hi, cnt, row, k_bytes,
+                                 TILE.NUM_STAGES, TILE.QK_LO, TILE.SPLIT_QK, False)
+                # FP8: V comes as VT, the tile's keys along its columns (KEYS_LAST)
+                _load_ring_stage(v_desc, v_desc_hi, v_ready, v_empty, v_smem, v_hi, cnt, row, v_bytes,
+                                 TILE.V_STAGES, TILE.V_LO, TILE.SPLIT_V, QUANT.ON)
             cnt += 1
         t_local += 1
 
@@ -481,6 +539,69 @@ def _load_ring_stage(desc, desc_hi, ready, empty, tiles, tiles_hi, cnt, row, nby
         tma.async_copy_global_to_shared(desc, row + [0], ready.index(s), tiles.index(s))
         if SPLIT:
             tma.async_copy_global_to_shared(desc_hi, row + [LO], ready.index(s), tiles_hi.index(s))
+
+
+@gluon.jit
+def _load_page_tiles(descs, bars, smem, cnt, table_row, max_pages, hkv, start, k_bytes: gl.constexpr,
+                     v_bytes: gl.constexpr, TILE: gl.constexpr, PACK: gl.constexpr):
+    """The K and V tiles of keys start .. start + BLOCK_N from a paged cache (PACK.PAGE) into stage cnt of their
+    rings, once both stages are free: boxes of PAGE_BOX rows, each from its page (TABLE[b, key // PAGE] at row
+    key % PAGE; `table_row` is TABLE's row b), a box's K and V issued together so that its page is read once and
+    dies (the producer has 24 registers). A table column past max_pages is read at the last one: its keys lie past
+    N_seq (masked in S, zeroed in V), and a page index out of the cache's range reads zeros (TMA's fill), so no
+    entry past a sequence's length is trusted."""
+    k_desc, v_desc, k_desc_hi, v_desc_hi = descs[1], descs[2], descs[5], descs[6]
+    k_ready, k_empty, v_ready, v_empty = bars[2], bars[3], bars[4], bars[5]
+    k_smem, v_smem, k_hi, v_hi = smem[1], smem[2], smem[5], smem[6]
+    BOX: gl.constexpr = PACK.PAGE_BOX
+    ks = cnt % TILE.NUM_STAGES
+    vs = cnt % TILE.V_STAGES
+    mbarrier.wait(k_empty.index(ks), ((cnt // TILE.NUM_STAGES) & 1) ^ 1)
+    mbarrier.expect(k_ready.index(ks), k_bytes)
+    mbarrier.wait(v_empty.index(vs), ((cnt // TILE.V_STAGES) & 1) ^ 1)
+    mbarrier.expect(v_ready.index(vs), v_bytes)
+    for j in gl.static_range(TILE.BLOCK_N // BOX):
+        key = start + j * BOX
+        page = gl.load(table_row + gl.minimum(key // PACK.PAGE, max_pages - 1))
+        row = key % PACK.PAGE
+        tma.async_copy_global_to_shared(k_desc, [page, hkv, row, 0], k_ready.index(ks),
+                                        k_smem.index(ks).slice(j * BOX, BOX, 2))
+        if TILE.SPLIT_QK:
+            tma.async_copy_global_to_shared(k_desc_hi, [page, hkv, row, TILE.QK_LO], k_ready.index(ks),
+                                            k_hi.index(ks).slice(j * BOX, BOX, 2))
+        tma.async_copy_global_to_shared(v_desc, [page, hkv, row, 0], v_ready.index(vs),
+                                        v_smem.index(vs).slice(j * BOX, BOX, 2))
+        if TILE.SPLIT_V:
+            tma.async_copy_global_to_shared(v_desc_hi, [page, hkv, row, TILE.V_LO], v_ready.index(vs),
+                                            v_hi.index(vs).slice(j * BOX, BOX, 2))
+
+
+@gluon.jit
+def _zero_keys_past(tiles, tiles_hi, st, n_keep, TILE: gl.constexpr):
+    """PACK.CACHE: zero the rows at or past n_keep of stage st of the V ring (both tiles where split) when
+    n_keep < BLOCK_N. A cache's slots past its sequence's length may hold NaN, which the zero P there would not
+    cancel in the PV wgmma. Both consumer warpgroups write the same values (the rows below n_keep back as they
+    were), so neither's wgmma can read anything else; the fence orders the stores before it."""
+    if n_keep < TILE.BLOCK_N:
+        _zero_rows(tiles.index(st).reshape([TILE.BLOCK_N, TILE.V_LO]), n_keep, TILE.BLOCK_N, TILE.V_LO)
+        if TILE.SPLIT_V:
+            _zero_rows(tiles_hi.index(st).reshape([TILE.BLOCK_N, TILE.V_HI]), n_keep, TILE.BLOCK_N, TILE.V_HI)
+        fence_async_shared()
+
+
+@gluon.jit
+def _zero_rows(tile, n_keep, ROWS: gl.constexpr, COLS: gl.constexpr):
+    """Rows [n_keep, ROWS) of a shared [ROWS, COLS] tile set to zero, in chunks of rows a warpgroup covers with
+    8 columns a thread; chunks wholly below n_keep are not touched."""
+    TPC: gl.constexpr = COLS // 8 if COLS // 8 < 32 else 32                   # threads along a row
+    CHUNK: gl.constexpr = 4 * (32 // TPC) if 4 * (32 // TPC) > 16 else 16    # rows a chunk (four warps' rows at least)
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPC, TPC], [4, 1], [1, 0])
+    for c in gl.static_range(ROWS // CHUNK):
+        if (c + 1) * CHUNK > n_keep:
+            part = tile.slice(c * CHUNK, CHUNK, 0)
+            x = part.load(layout)
+            rows = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))[:, None]
+            part.store(gl.where(rows < n_keep, x, gl.zeros_like(x)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1271,15 +1392,20 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
         tile_id = _tile_id(it, pid, nprog, PERSISTENT)
         b, h, mt = _tile_coords(tile_id, num_tiles, num_m_tiles, HQ, PERSISTENT, PACK.VARLEN)
         # the tile's sequence (VARLEN; dense: z = b, q0 = 0, M_seq = M, N_seq = N): rows and keys are positions in it
-        z, q0, M_seq, k0, N_seq = _seq_rows(b, M, N, pack_args, PACK)
+        z, q0, M_seq, k0, N_seq, q_pos = _seq_rows(b, M, N, pack_args, PACK)
+        walk_pos = q_pos if PACK.CACHE else None   # the causal walk's offset (None: the other modes' code as it was)
         row0 = mt * BLOCK_M + WG * HALF_M
-        q_idx = row0 + gl.arange(0, HALF_M, layout=row_layout)[:, None]
-        q_idx_c = gl.minimum(q_idx, M_seq - 1)
+        # pos0: the half's first row as the mods see it (CACHE: its position in the sequence; otherwise row0)
+        pos0 = q_pos + row0
+        q_idx = pos0 + gl.arange(0, HALF_M, layout=row_layout)[:, None]
+        q_idx_c = gl.minimum(q_idx, q_pos + M_seq - 1)
+        if PACK.CACHE:   # positions below 0 (FIRST past the lengths' start): seen by the mods at 0
+            q_idx_c = gl.maximum(q_idx_c, 0)
         if KV_AFFINE:
-            col_bias = _affine_columns(SCORE_MOD, sm_scale, b, h, row0, score_bufs, s_layout, BLOCK_N)
+            col_bias = _affine_columns(SCORE_MOD, sm_scale, b, h, pos0, score_bufs, s_layout, BLOCK_N)
         else:
             col_bias = 0.0
-        n_partial, n_total = _kv_counts(b, h, mt, N_seq, sp_ptrs, sp_meta, TILE, SPARSE)
+        n_partial, n_total = _kv_counts(b, h, mt, N_seq, sp_ptrs, sp_meta, TILE, SPARSE, walk_pos)
         if QUANT.ON:
             fp8_rows = _fp8_row_scales(quant_bufs, b, h, row0, HQ, GQA, M, N, row_layout, HALF_M, QUANT)
         else:
@@ -1321,7 +1447,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
                 # ---- prologue: S_0 and its softmax ----
                 st = cnt % NUM_STAGES
                 ph = (cnt // NUM_STAGES) & 1
-                start = _kv_start(0, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE)
+                start = _kv_start(0, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE, False, walk_pos)
                 tile_scales = _fp8_tile_scales(start, fp8_rows, QUANT)
                 k_t, k_t_hi = _ring_operands(k_smem, k_smem_hi, st, BLOCK_N, QK_LO, QK_HI, True)
                 mbarrier.wait(k_ready.index(st), ph)
@@ -1334,9 +1460,10 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
                     if n_total == 1:   # the tile's only QK^T retired: release the Q half (see below)
                         mbarrier.arrive(q_empty.index(WG), count=1)
                 p, m_i, m_run, l_i, alpha = _softmax_step(
-                    s_acc, start, n_partial > 0, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit, col_bias, N_seq,
+                    s_acc, start, n_partial > 0, b, h, q_idx, q_idx_c, pos0, sm_scale, qk_unit, col_bias, N_seq,
                     score_bufs, mask_bufs, m_i, m_run, l_i, qk_scale, tile_scales, s_layout, p_layout, o_layout, dtype,
                     SCORE_MOD, MASK_MOD, TILE, FLAGS, QUANT)
+                prev_start = start
                 prev_vst = cnt % V_STAGES
                 prev_vph = (cnt // V_STAGES) & 1
                 cnt += 1
@@ -1344,12 +1471,14 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
                 for i in range(1, n_total):
                     st = cnt % NUM_STAGES
                     ph = (cnt // NUM_STAGES) & 1
-                    start = _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE)
+                    start = _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE, False, walk_pos)
                     tile_scales = _fp8_tile_scales(start, fp8_rows, QUANT)
                     k_t, k_t_hi = _ring_operands(k_smem, k_smem_hi, st, BLOCK_N, QK_LO, QK_HI, True)
                     v_prev, v_prev_hi = _v_operands(v_smem, v_smem_hi, prev_vst, BLOCK_N, O_LO, O_HI, QUANT)
                     mbarrier.wait(k_ready.index(st), ph)
                     mbarrier.wait(v_ready.index(prev_vst), prev_vph)
+                    if PACK.CACHE:
+                        _zero_keys_past(v_smem, v_smem_hi, prev_vst, N_seq - prev_start, TILE)
                     t = _pingpong_wait(turn, t, WG)
                     s_tok = _qk_mma(q_op, q_op_hi, k_t, k_t_hi, s_zero, SPLIT_QK)
                     o_tok, o_tok_hi, p_hi = _pv_issue(p, v_prev, v_prev_hi, acc, acc_hi, o_zero, SPLIT_O, QUANT)
@@ -1365,7 +1494,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
                             # (and then its K/V) under this softmax, the tail PV and the epilogue
                             mbarrier.arrive(q_empty.index(WG), count=1)
                     p_new, m_i, m_run, l_i, alpha = _softmax_step(
-                        s_acc, start, i < n_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit, col_bias, N_seq,
+                        s_acc, start, i < n_partial, b, h, q_idx, q_idx_c, pos0, sm_scale, qk_unit, col_bias, N_seq,
                         score_bufs, mask_bufs, m_i, m_run, l_i, qk_scale, tile_scales, s_layout, p_layout, o_layout,
                         dtype, SCORE_MOD, MASK_MOD, TILE, FLAGS, QUANT)
                     pv, acc_hi = _pv_done(o_tok, o_tok_hi, p, p_hi, v_prev, v_prev_hi, SPLIT_O)
@@ -1373,12 +1502,15 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
                     acc = _rescale_o(pv, alpha, FIXED_BASE)
                     acc_hi = _rescale_o_hi(acc_hi, alpha, FIXED_BASE, SPLIT_O)
                     p = p_new
+                    prev_start = start
                     prev_vst = cnt % V_STAGES
                     prev_vph = (cnt // V_STAGES) & 1
                     cnt += 1
                 # ---- tail: O += P_last V_last ----
                 v_prev, v_prev_hi = _v_operands(v_smem, v_smem_hi, prev_vst, BLOCK_N, O_LO, O_HI, QUANT)
                 mbarrier.wait(v_ready.index(prev_vst), prev_vph)
+                if PACK.CACHE:
+                    _zero_keys_past(v_smem, v_smem_hi, prev_vst, N_seq - prev_start, TILE)
                 t = _pingpong_wait(turn, t, WG)
                 o_tok, o_tok_hi, p_hi = _pv_issue(p, v_prev, v_prev_hi, acc, acc_hi, o_zero, SPLIT_O, QUANT)
                 _pingpong_signal(turn, WG, TILE.CONSUMERS)
@@ -1390,7 +1522,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
             for i in range(n_total):
                 st = cnt % NUM_STAGES
                 ph = (cnt // NUM_STAGES) & 1
-                start = _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE)
+                start = _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE, False, walk_pos)
                 tile_scales = _fp8_tile_scales(start, fp8_rows, QUANT)
                 k_t, k_t_hi = _ring_operands(k_smem, k_smem_hi, st, BLOCK_N, QK_LO, QK_HI, True)
                 mbarrier.wait(k_ready.index(st), ph)
@@ -1403,12 +1535,14 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
                 v_cur, v_cur_hi = _v_operands(v_smem, v_smem_hi, vst, BLOCK_N, O_LO, O_HI, QUANT)
                 mbarrier.arrive(k_empty.index(st), count=1)
                 p, m_i, m_run, l_i, alpha = _softmax_step(
-                    s_acc, start, i < n_partial, b, h, q_idx, q_idx_c, row0, sm_scale, qk_unit, col_bias, N_seq,
+                    s_acc, start, i < n_partial, b, h, q_idx, q_idx_c, pos0, sm_scale, qk_unit, col_bias, N_seq,
                     score_bufs, mask_bufs, m_i, m_run, l_i, qk_scale, tile_scales, s_layout, p_layout, o_layout, dtype,
                     SCORE_MOD, MASK_MOD, TILE, FLAGS, QUANT)
                 acc = _rescale_o(acc, alpha, FIXED_BASE)
                 acc_hi = _rescale_o_hi(acc_hi, alpha, FIXED_BASE, SPLIT_O)
                 mbarrier.wait(v_ready.index(vst), vph)
+                if PACK.CACHE:
+                    _zero_keys_past(v_smem, v_smem_hi, vst, N_seq - start, TILE)
                 t = _pingpong_wait(turn, t, WG)
                 o_tok, o_tok_hi, p_hi = _pv_issue(p, v_cur, v_cur_hi, acc, acc_hi, o_zero, SPLIT_O, QUANT)
                 _pingpong_signal(turn, WG, TILE.CONSUMERS)
@@ -1428,11 +1562,12 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
             # the epilogue's coordinates and O staging address from the tile id again: kept from the tile's start,
             # they would be registers held across the KV loop
             b, h, mt = _tile_coords(_opaque(tile_id), num_tiles, num_m_tiles, HQ, PERSISTENT, PACK.VARLEN)
-            z, q0, M_seq, k0, N_seq = _seq_rows(b, M, N, pack_args, PACK)
+            z, q0, M_seq, k0, N_seq, q_pos = _seq_rows(b, M, N, pack_args, PACK)
             row0 = mt * BLOCK_M + WG * HALF_M
+            pos0 = q_pos + row0
             o_half = o_smem.index(_opaque(row0 * 0 + WG))
         if KV_AFFINE:   # the row part of the mod, left out of the tiles (see _affine_columns)
-            r = _affine_rows(SCORE_MOD, sm_scale, b, h, row0, q_idx_c, score_bufs)
+            r = _affine_rows(SCORE_MOD, sm_scale, b, h, pos0, q_idx_c, score_bufs)
             m_i = m_i + r
             m_run = m_run + r * qk_scale
         m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
@@ -1505,7 +1640,8 @@ def fa3_fwd_sm90_kernel(
     score_bufs, mask_bufs,
     quant_bufs,     # QUANT.ON: (QS, KS, VS, VS_MAX) scale pointers; () for 16-bit inputs (no kernel parameter)
     sink_bufs,      # FLAGS.HAS_SINKS: (SINKS,); () without sinks (no kernel parameter)
-    pack_args,      # PACK.VARLEN: (CU_Q, CU_K, O, O's token and head strides); () otherwise (no kernel parameter)
+    pack_args,      # PACK.VARLEN: (CU_Q, CU_K, O, O's token and head strides); PACK.CACHE: (LENS, FIRST, FIRST_DELTA,
+                    # and with pages TABLE, its row stride, max_pages); () otherwise (no kernel parameter)
     kvnb_ptr, kvidx_ptr, fnb_ptr, fidx_ptr,
     BM, HM, nb_sb, nb_sh, idx_sb, idx_sh, idx_sm, fnb_sb, fnb_sh, fidx_sb, fidx_sh, fidx_sm,
     sm_scale, qk_scale, fixed_base, qk_unit, num_tiles, num_m_tiles, HQ, GQA, M, N,
@@ -1520,20 +1656,29 @@ def fa3_fwd_sm90_kernel(
     NUM_STAGES: gl.constexpr = TILE.NUM_STAGES
     V_STAGES: gl.constexpr = TILE.V_STAGES
     CONSUMERS: gl.constexpr = TILE.CONSUMERS
-    if PACK.VARLEN:
-        gl.static_assert(not QUANT.ON and not SPARSE.HAS_SPARSE, "packed sequences: 16-bit inputs, no block mask")
+    if PACK.VARLEN or PACK.CACHE:
+        gl.static_assert(not QUANT.ON and not SPARSE.HAS_SPARSE and not (PACK.VARLEN and PACK.CACHE),
+                         "packed sequences or a decode cache: 16-bit inputs, no block mask")
     if CONSUMERS != 2:
         gl.static_assert(CONSUMERS == 3 and not QUANT.ON and not PACK.VARLEN and not TILE.SPLIT_QK and not TILE.SPLIT_V,
                          "three consumer warpgroups: 16-bit inputs, power-of-two head dims, no packed sequences")
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)
+    if PACK.PAGE > 0:   # a ring stage holds a whole KV tile, several page boxes (_load_page_stage)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, 1, 1, TILE.BLOCK_N, TILE.QK_LO], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES, 1, 1, TILE.BLOCK_N, TILE.V_LO], v_desc.layout)
+    else:
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)
     # The hi parts of a padded head dim's tiles (the tiles above hold the lo columns); without a split the
     # names alias the lo tiles and descriptors, never read.
     if TILE.SPLIT_QK:
         q_smem_hi = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc_hi.block_type.shape, q_desc_hi.layout)
-        k_smem_hi = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc_hi.block_type.shape,
-                                              k_desc_hi.layout)
+        if PACK.PAGE > 0:
+            k_smem_hi = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, 1, 1, TILE.BLOCK_N, TILE.QK_HI],
+                                                  k_desc_hi.layout)
+        else:
+            k_smem_hi = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc_hi.block_type.shape,
+                                                  k_desc_hi.layout)
         qh_desc = q_desc_hi
         kh_desc = k_desc_hi
     else:
@@ -1542,8 +1687,12 @@ def fa3_fwd_sm90_kernel(
         qh_desc = q_desc
         kh_desc = k_desc
     if TILE.SPLIT_V:
-        v_smem_hi = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES] + v_desc_hi.block_type.shape,
-                                              v_desc_hi.layout)
+        if PACK.PAGE > 0:
+            v_smem_hi = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES, 1, 1, TILE.BLOCK_N, TILE.V_HI],
+                                                  v_desc_hi.layout)
+        else:
+            v_smem_hi = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES] + v_desc_hi.block_type.shape,
+                                                  v_desc_hi.layout)
         vh_desc = v_desc_hi
         oh_desc = o_desc_hi
     else:
@@ -1758,24 +1907,27 @@ def _plain(score_mod, mask_mod, kv_num_blocks, packed, sinks, D, Dv) -> bool:
 
 def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bufs, mask_bufs,
           kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, sparse_q_block, sparse_kv_block,
-          config, num_sms, max_needed=True, fp8=None, sinks=None, packed=None) -> _Site:
+          config, num_sms, max_needed=True, fp8=None, sinks=None, packed=None, cache=None) -> _Site:
     """The site behind _prepare: descriptors, block-mask tables, scales and the constexpr bundles.
     `fp8`: the FP8 prologue's FP8Operands (q, k, v are then its q, k and vt; `out` is bf16 / fp16).
     `sinks`: [Hq] per-head logits joining each row's denominator (module docstring, SINKS), or None.
     `packed`: the packed sequences of a VARLEN launch (PackedRows; q, k, v, out, lse, max_scores are then
-    [1, H, total, ...] views of the packed tensors), or None."""
+    [1, H, total, ...] views of the packed tensors), or None. `cache`: the lengths and positions of a CACHE launch
+    (CacheRows; k, v are the cache as [B, HKV, capacity, D] or its pages as [P, HKV, PAGE, D]), or None."""
     if score_mod is None and sm_scale < 0:
         # The no-mod path keeps raw q.k scores and folds the scale into exp2 / the row max, which is
         # only valid for a positive scale: route negative scales through the (exact) score_mod path.
         score_mod = _identity_score_mod
     B, Hq, M, D = q.shape
     _, Hkv, N, _ = k.shape
+    if cache is not None:
+        N = cache.capacity(k)
     Dv = v.shape[2] if fp8 is not None else v.shape[-1]
     if fp8 is not None:
         cfg = _fp8_site_config(q, k, v, out, fp8, config)
     else:
         cfg = config or get_config(D, q.dtype, value_head_dim=Dv)
-        if config is None and _plain(score_mod, mask_mod, kv_num_blocks, packed, sinks, D, Dv):
+        if config is None and _plain(score_mod, mask_mod, kv_num_blocks, packed or cache, sinks, D, Dv):
             cfg = long_dense_config(cfg, D, M, N)   # 192-row tiles for long plain launches (LONG_DENSE_TILE_FROM)
     # score tile -> log2 units (the kernel's qk_scale)
     score_mod, to_score = kernel_score_mod(score_mod, sm_scale, cfg.fold_sm_scale) \
@@ -1809,15 +1961,17 @@ def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bu
     v_lo, v_hi = split_head_dim(Dv)
     tile = TileShape(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, QK_LO=qk_lo, QK_HI=qk_hi, V_LO=v_lo, V_HI=v_hi,
                      NUM_STAGES=cfg.num_stages, V_STAGES=cfg.v_ring_stages, CONSUMERS=consumers)
+    # a paged cache's boxes are a page's rows where a page is shorter than a KV tile (_load_page_stage)
+    box = cache.page_box(BLOCK_N) if cache is not None and cache.block_table is not None else BLOCK_N
     q_desc = _desc(q, [1, 1, HALF_M, qk_lo])
     o_desc = _desc(out, [1, 1, HALF_M, v_lo])
-    k_desc = _desc(k, [1, 1, BLOCK_N, qk_lo])
-    v_desc = _desc(v, [1, 1, v_lo, BLOCK_N] if fp8 is not None else [1, 1, BLOCK_N, v_lo])   # FP8: VT
+    k_desc = _desc(k, [1, 1, box, qk_lo])
+    v_desc = _desc(v, [1, 1, v_lo, BLOCK_N] if fp8 is not None else [1, 1, box, v_lo])   # FP8: VT
     q_desc_hi = k_desc_hi = v_desc_hi = o_desc_hi = None
     if tile.SPLIT_QK:
-        q_desc_hi, k_desc_hi = _desc(q, [1, 1, HALF_M, qk_hi]), _desc(k, [1, 1, BLOCK_N, qk_hi])
+        q_desc_hi, k_desc_hi = _desc(q, [1, 1, HALF_M, qk_hi]), _desc(k, [1, 1, box, qk_hi])
     if tile.SPLIT_V:
-        v_desc_hi, o_desc_hi = _desc(v, [1, 1, BLOCK_N, v_hi]), _desc(out, [1, 1, HALF_M, v_hi])
+        v_desc_hi, o_desc_hi = _desc(v, [1, 1, box, v_hi]), _desc(out, [1, 1, HALF_M, v_hi])
     hi_descs = (q_desc_hi, k_desc_hi, v_desc_hi, o_desc_hi)
 
     has_sparse = kv_num_blocks is not None
@@ -1843,19 +1997,23 @@ def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bu
     else:
         sp_ptrs = (lse, lse, lse, lse)   # unused placeholders
         sp_meta = (1,) * 12
-    causal_walk = packed is not None and packed.causal
+    causal_walk = (packed or cache) is not None and (packed or cache).causal
     sparse = BlockSparsity(HAS_SPARSE=has_sparse, HAS_FULL=has_full,
                            SPARSE_Q_DIV=(sparse_q_block // BLOCK_M) if has_sparse else 1,
                            SPARSE_KV_MULT=(sparse_kv_block // BLOCK_N) if has_sparse else 1, CAUSAL_WALK=causal_walk)
     flags = ModFlags(HAS_SCORE_MOD=score_mod is not None, HAS_MASK_MOD=mask_mod is not None,
                      DENSE_MASK=mask_mod is not None and not has_sparse and not causal_walk,
                      MASK_AND=mask_mod is not None and mask_and_of(mask_mod),
-                     # packed: N is per sequence, so any KV tile may cross it
-                     EVEN_N=N % BLOCK_N == 0 and packed is None, KV_AFFINE=bool(kv_affine),
+                     # packed or a cache: N is per sequence, so any KV tile may cross it
+                     EVEN_N=N % BLOCK_N == 0 and packed is None and cache is None, KV_AFFINE=bool(kv_affine),
                      FIXED_BASE=fixed_base is not None, EXP2_EMU=bool(exp2_emu), HAS_SINKS=sinks is not None,
                      WIDE_SCORES=wide)
 
-    if packed is None:
+    if cache is not None:
+        num_m_tiles = triton.cdiv(M, BLOCK_M)
+        num_tiles = B * Hq * num_m_tiles
+        pack, pack_args = cache.packing(box), cache.args(M)
+    elif packed is None:
         num_m_tiles = triton.cdiv(M, BLOCK_M)
         num_tiles = B * Hq * num_m_tiles
         pack, pack_args = DENSE, ()
@@ -1869,7 +2027,8 @@ def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bu
         longest = _longest_row(kv_num_blocks, full_kv_num_blocks if has_full else None)
         if longest is not None:
             max_kv_tiles = longest * (sparse_kv_block // BLOCK_N)
-    persistent = use_persistent(cfg, num_tiles, num_sms, N, max_kv_tiles, kv_affine) and packed is None
+    persistent = (use_persistent(cfg, num_tiles, num_sms, N, max_kv_tiles, kv_affine) and packed is None
+                  and cache is None)
     # persistent: a separate O staging buffer where shared memory allows it (split tiles stage O in Q's).
     # FP8: always (an e4m3 Q tile has half the bytes of a 16-bit O tile; _fp8_site_config checked the room)
     o_stage = (not tile.SPLIT_QK and not tile.SPLIT_V
@@ -1905,6 +2064,41 @@ class PackedRows:
     cu_seqlens_k: torch.Tensor   # likewise its keys
     max_seqlen_q: int            # bounds every sequence's query length: sizes the grid, never read on the host
     causal: bool                 # the mask_mod is q_idx >= kv_idx: KV walks end at the diagonal (CAUSAL_WALK)
+
+
+@dataclass(frozen=True)
+class CacheRows:
+    """The decode cache of a CACHE launch (module docstring, "Decode caches"), as _site takes it."""
+    seq_lens: torch.Tensor                # int32 [B]: sequence b's keys (clamped to [0, capacity] on the device)
+    first: torch.Tensor                   # int32 [B]: query row m of sequence b sits at first[b] + m (but see below)
+    first_from_lens: bool                 # first is seq_lens, and row m sits at seq_lens[b] - M + m
+    block_table: Optional[torch.Tensor]   # int32 [B, max_pages] (k, v as [P, HKV, PAGE, D]), or None ([B, HKV, N, D])
+    page: int                             # keys a page (0 without a table)
+    causal: bool                          # the mask_mod is q_idx >= kv_idx on these positions (CAUSAL_WALK)
+
+    def capacity(self, k: torch.Tensor) -> int:
+        """Keys a sequence can hold: max_pages x PAGE, or the contiguous cache's N."""
+        return self.block_table.shape[1] * self.page if self.page else k.shape[2]
+
+    def page_box(self, block_n: int) -> int:
+        """Rows of a TMA box of a page: BLOCK_N where pages hold whole tiles, else the page (a tile is several)."""
+        if self.page % block_n == 0:
+            return block_n
+        if block_n % self.page == 0 and self.page >= 8:
+            return self.page
+        raise ValueError(f"sm90 forward: pages of {self.page} keys neither hold whole {block_n}-key tiles nor "
+                         f"divide one into boxes of 8 keys or more; use pages of 8, 16, 32, 64 or a multiple of 128")
+
+    def packing(self, box: int) -> Packing:
+        return Packing(VARLEN=False, CACHE=True, PAGE=self.page, PAGE_BOX=box if self.page else 0)
+
+    def args(self, M: int) -> tuple:
+        """The kernel's pack_args: LENS, FIRST, FIRST_DELTA, and with pages TABLE, its row stride, max_pages."""
+        delta = -M if self.first_from_lens else 0
+        if self.block_table is None:
+            return self.seq_lens, self.first, delta
+        table = self.block_table
+        return self.seq_lens, self.first, delta, table, table.stride(0), table.shape[1]
 
 
 def _fp8_site_config(q, k, vt, out, fp8, config) -> Sm90Config:
