@@ -787,6 +787,7 @@ def prefill_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: 
         return row
     q, k, v, lens = _decode_inputs(c, device, dtype)
     kp, vp, table = _pages(k, v, c.page)
+    kp16, vp16, table16 = _pages(k, v, 16)   # vLLM's default page: eight a 128-key tile
 
     def gather() -> tuple[torch.Tensor, torch.Tensor]:
         # what _gathered does before it calls flex(): the pages' copy, the chunk's first position, the mods
@@ -798,6 +799,7 @@ def prefill_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: 
     fns = {"paged": lambda: flex_decode(q, kp, vp, seq_lens=lens, block_table=table, mask_mod=causal_abs),
            "contig": lambda: flex_decode(q, k, v, seq_lens=lens, mask_mod=causal_abs),
            "gather": gather,
+           "paged16": lambda: flex_decode(q, kp16, vp16, seq_lens=lens, block_table=table16, mask_mod=causal_abs),
            "gathered": lambda: _gathered(q, kp, vp, lens, table, None, None, causal_abs, c.d ** -0.5, False),
            # a probe: without q_offset each call's positions are a new tensor, which keys its block mask anew
            "paged_qoff": lambda: flex_decode(q, kp, vp, seq_lens=lens, block_table=table, q_offset=qoff,
@@ -812,6 +814,7 @@ def prefill_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: 
         row[f"{name}_diff"] = _rel(fns[name](), ref)
     wait_for_variants()   # background compiles of the first calls would slow the host while timed
     row["gathered_diff"] = _rel(fns["gathered"](), ref)
+    row["paged16_diff"] = _rel(fns["paged16"](), ref)
     row["gather_diff"] = _rel(torch.cat(gather()), torch.cat([k, v]))   # an exact copy: 0
     timed = clock.times(fns)
     row.update({f"{name}_ms": ms for name, ms in timed.items()})
@@ -836,6 +839,7 @@ def prefill_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: 
     row["qoff_paged_over_contig"] = timed["paged_qoff"] / timed["contig_qoff"]
     row["gather_pct_paged"] = 100 * timed["gather"] / timed["paged"]
     row["gathered_over_paged"] = timed["gathered"] / timed["paged"]
+    row["paged16_over_contig"] = timed["paged16"] / timed["contig"]
     if timed["paged_qoff"] > timed["contig_qoff"]:
         # the copy against paged's whole extra time, on the pair whose block mask is not rebuilt (noise)
         row["gather_pct_extra"] = 100 * timed["gather"] / (timed["paged_qoff"] - timed["contig_qoff"])
@@ -853,6 +857,7 @@ def _prefill_table(rows: list[dict]) -> list[str]:
              "once. TFLOP/s: 4 B HQ D x the (row, key) pairs the chunk sees; paged/contig: paged's time over "
              "contig's; gathered: decode._gathered on the pages (the copy, then flex()), gathered/paged its time "
              "over paged's; "
+             "paged16: the paged call on pages of 16 (vLLM's default), paged16/contig its time over contig's; "
              "ours/torch flex: torch flex's time over paged's (contig's). q_offset: a probe, paged and "
              "contig with q_offset=seq_lens - new passed as one tensor kept across calls (the same positions); "
              "gather % extra: gather over (paged - contig), both with q_offset kept. mask builds: block masks "
@@ -861,7 +866,8 @@ def _prefill_table(rows: list[dict]) -> list[str]:
              "q_offset contig ms | torch flex ms | paged TFLOP/s | contig TFLOP/s | q_offset paged TFLOP/s | "
              "torch flex TFLOP/s | paged/contig | q_offset paged/contig | gather % paged | gather % extra | "
              "ours/torch flex (contig) | q_offset paged/torch flex | host µs paged / contig / q_offset paged | "
-             "mask builds | gathered ms | gathered/paged | max diff | template |", "|" + "---|" * 28]
+             "mask builds | gathered ms | gathered/paged | paged16 ms | paged16/contig | max diff | template |",
+             "|" + "---|" * 30]
     for r in rows:
         diff = max([r[k] for k in r if k.endswith("_diff")], default=None)
         builds = " / ".join(_f(r, f"{n}_mask_builds", "{:.1f}")
@@ -876,7 +882,8 @@ def _prefill_table(rows: list[dict]) -> list[str]:
                      f"({_f(r, 'contig_vs_torch_flex', '{:.2f}')}) | {_f(r, 'paged_qoff_vs_torch_flex', '{:.2f}')} | "
                      f"{_f(r, 'paged_host_us', '{:.0f}')} / {_f(r, 'contig_host_us', '{:.0f}')} / "
                      f"{_f(r, 'paged_qoff_host_us', '{:.0f}')} | {builds} | {_f(r, 'gathered_ms')} | "
-                     f"{_f(r, 'gathered_over_paged', '{:.2f}')} | "
+                     f"{_f(r, 'gathered_over_paged', '{:.2f}')} | {_f(r, 'paged16_ms')} | "
+                     f"{_f(r, 'paged16_over_contig', '{:.3f}')} | "
                      f"{'-' if diff is None else f'{diff:.1e}'} | {r.get('template', '-')} |")
     return lines + [""]
 
@@ -1323,8 +1330,9 @@ def summary(meta: dict, rows: list[dict]) -> str:
                          f"(ours: {r.get('ours_kernel', '?')}) | | | | | | | |")
         if r["part"] == "prefill" and "paged_ms" in r:
             lines.append(f"| prefill {r.get('label', '?')}: paged {_f(r, 'paged_tflops', '{:.0f}')} TFLOP/s, "
-                         f"paged/contig {_f(r, 'paged_over_contig', '{:.3f}')}, gather "
-                         f"{_f(r, 'gather_pct_paged', '{:.0f}')}% of paged, x{_f(r, 'paged_vs_torch_flex', '{:.2f}')} "
+                         f"paged/contig {_f(r, 'paged_over_contig', '{:.3f}')} (pages of 16: "
+                         f"{_f(r, 'paged16_over_contig', '{:.3f}')}), gathered/paged "
+                         f"{_f(r, 'gathered_over_paged', '{:.2f}')}, x{_f(r, 'paged_vs_torch_flex', '{:.2f}')} "
                          f"torch flex; q_offset kept: paged/contig {_f(r, 'qoff_paged_over_contig', '{:.3f}')}, "
                          f"x{_f(r, 'paged_qoff_vs_torch_flex', '{:.2f}')} torch flex | | | | | | | |")
     if rows:

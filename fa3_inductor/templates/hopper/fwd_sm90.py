@@ -545,35 +545,56 @@ def _load_ring_stage(desc, desc_hi, ready, empty, tiles, tiles_hi, cnt, row, nby
 def _load_page_tiles(descs, bars, smem, cnt, table_row, max_pages, hkv, start, k_bytes: gl.constexpr,
                      v_bytes: gl.constexpr, TILE: gl.constexpr, PACK: gl.constexpr):
     """The K and V tiles of keys start .. start + BLOCK_N from a paged cache (PACK.PAGE) into stage cnt of their
-    rings, once both stages are free: boxes of PAGE_BOX rows, each from its page (TABLE[b, key // PAGE] at row
-    key % PAGE; `table_row` is TABLE's row b), a box's K and V issued together so that its page is read once and
-    dies (the producer has 24 registers). A table column past max_pages is read at the last one: its keys lie past
-    N_seq (masked in S, zeroed in V), and a page index out of the cache's range reads zeros (TMA's fill), so no
-    entry past a sequence's length is trusted."""
+    rings: boxes of PAGE_BOX rows, each from its page (TABLE[b, key // PAGE] at row key % PAGE; `table_row` is
+    TABLE's row b). The tile's page indices come in one load issued before the rings' waits, so that its latency
+    hides behind them rather than before every box; lane j holds box j's page (one register of the producer's 24),
+    taken out by a warp reduction per box. Split head dims (four descriptors) wait for both stages first and issue
+    a box's K and V together: kept across V's wait, the indices and descriptors spill there. A table column past
+    max_pages is read at the last one: its keys lie past N_seq (masked in S, zeroed in V), and a page index out of
+    the cache's range reads zeros (TMA's fill), so no entry past a sequence's length is trusted."""
     k_desc, v_desc, k_desc_hi, v_desc_hi = descs[1], descs[2], descs[5], descs[6]
     k_ready, k_empty, v_ready, v_empty = bars[2], bars[3], bars[4], bars[5]
     k_smem, v_smem, k_hi, v_hi = smem[1], smem[2], smem[5], smem[6]
     BOX: gl.constexpr = PACK.PAGE_BOX
+    BOXES: gl.constexpr = TILE.BLOCK_N // BOX
+    TOGETHER: gl.constexpr = TILE.SPLIT_QK or TILE.SPLIT_V
+    box = gl.arange(0, BOXES, layout=gl.BlockedLayout([1], [32], [1], [0]))
+    pages = gl.load(table_row + gl.minimum((start + box * BOX) // PACK.PAGE, max_pages - 1))
     ks = cnt % TILE.NUM_STAGES
     vs = cnt % TILE.V_STAGES
     mbarrier.wait(k_empty.index(ks), ((cnt // TILE.NUM_STAGES) & 1) ^ 1)
     mbarrier.expect(k_ready.index(ks), k_bytes)
-    mbarrier.wait(v_empty.index(vs), ((cnt // TILE.V_STAGES) & 1) ^ 1)
-    mbarrier.expect(v_ready.index(vs), v_bytes)
-    for j in gl.static_range(TILE.BLOCK_N // BOX):
-        key = start + j * BOX
-        page = gl.load(table_row + gl.minimum(key // PACK.PAGE, max_pages - 1))
-        row = key % PACK.PAGE
+    if TOGETHER:
+        mbarrier.wait(v_empty.index(vs), ((cnt // TILE.V_STAGES) & 1) ^ 1)
+        mbarrier.expect(v_ready.index(vs), v_bytes)
+    for j in gl.static_range(BOXES):
+        page = gl.sum(gl.where(box == j, pages, 0), axis=0)
+        row = (start + j * BOX) % PACK.PAGE
         tma.async_copy_global_to_shared(k_desc, [page, hkv, row, 0], k_ready.index(ks),
                                         k_smem.index(ks).slice(j * BOX, BOX, 2))
         if TILE.SPLIT_QK:
             tma.async_copy_global_to_shared(k_desc_hi, [page, hkv, row, TILE.QK_LO], k_ready.index(ks),
                                             k_hi.index(ks).slice(j * BOX, BOX, 2))
-        tma.async_copy_global_to_shared(v_desc, [page, hkv, row, 0], v_ready.index(vs),
-                                        v_smem.index(vs).slice(j * BOX, BOX, 2))
-        if TILE.SPLIT_V:
-            tma.async_copy_global_to_shared(v_desc_hi, [page, hkv, row, TILE.V_LO], v_ready.index(vs),
-                                            v_hi.index(vs).slice(j * BOX, BOX, 2))
+        if TOGETHER:
+            _page_box_v(v_desc, v_desc_hi, v_ready, v_smem, v_hi, vs, page, hkv, row, j, BOX, TILE)
+    if not TOGETHER:
+        mbarrier.wait(v_empty.index(vs), ((cnt // TILE.V_STAGES) & 1) ^ 1)
+        mbarrier.expect(v_ready.index(vs), v_bytes)
+        for j in gl.static_range(BOXES):
+            page = gl.sum(gl.where(box == j, pages, 0), axis=0)
+            _page_box_v(v_desc, v_desc_hi, v_ready, v_smem, v_hi, vs, page, hkv, (start + j * BOX) % PACK.PAGE, j,
+                        BOX, TILE)
+
+
+@gluon.jit
+def _page_box_v(v_desc, v_desc_hi, v_ready, v_smem, v_hi, vs, page, hkv, row, j: gl.constexpr, BOX: gl.constexpr,
+                TILE: gl.constexpr):
+    """Box j of a paged V tile (_load_page_tiles): PAGE_BOX rows of `page` from `row`, both halves where split."""
+    tma.async_copy_global_to_shared(v_desc, [page, hkv, row, 0], v_ready.index(vs),
+                                    v_smem.index(vs).slice(j * BOX, BOX, 2))
+    if TILE.SPLIT_V:
+        tma.async_copy_global_to_shared(v_desc_hi, [page, hkv, row, TILE.V_LO], v_ready.index(vs),
+                                        v_hi.index(vs).slice(j * BOX, BOX, 2))
 
 
 @gluon.jit
@@ -1398,9 +1419,9 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
         # pos0: the half's first row as the mods see it (CACHE: its position in the sequence; otherwise row0)
         pos0 = q_pos + row0
         q_idx = pos0 + gl.arange(0, HALF_M, layout=row_layout)[:, None]
+        # CACHE: a row at a negative position (a chunk longer than its sequence) is given to the mods as it is, as
+        # flex_decode's other paths give it: under a causal mask it sees no key
         q_idx_c = gl.minimum(q_idx, q_pos + M_seq - 1)
-        if PACK.CACHE:   # positions below 0 (FIRST past the lengths' start): seen by the mods at 0
-            q_idx_c = gl.maximum(q_idx_c, 0)
         if KV_AFFINE:
             col_bias = _affine_columns(SCORE_MOD, sm_scale, b, h, pos0, score_bufs, s_layout, BLOCK_N)
         else:
