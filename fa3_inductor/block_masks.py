@@ -309,8 +309,10 @@ def length_block_mask(seq_lens: Tensor, first: Tensor, q_len: int, kv_len: int, 
     lens = seq_lens.to(device=device, dtype=torch.int64)[:, None]
     if causal:
         start = first.to(device=device, dtype=torch.int64)[:, None]
-        every = torch.minimum(lens, start + row0 + 1)    # keys [0, every) seen by every row of the block
-        some = torch.minimum(lens, start + row1 + 1)     # keys [0, some) seen by one row at least
+        # keys [0, every) seen by every row of the block, [0, some) by one row at least (a negative position counts as
+        # 0: flex_decode's rows past their sequence's start)
+        every = torch.minimum(lens, torch.clamp(start + row0, min=0) + 1)
+        some = torch.minimum(lens, torch.clamp(start + row1, min=0) + 1)
     else:
         every = some = lens.expand(-1, q_blocks)
     # both kinds are runs of blocks: full [0, n_full), partial [n_full, n_seen) (a block past kv_len is never full)

@@ -153,14 +153,14 @@ def _contiguous_view(q: Tensor, k: Tensor, v: Tensor, block_table: Optional[Tens
 def _flex_mods(score_mod: Optional[Callable], mask_mod: Optional[Callable], seq_lens: Tensor,
                first: Tensor) -> tuple[Optional[Callable], Callable]:
     """FlexAttention mods over the gathered cache: query rows at their absolute positions
-    (``first[b] + q_idx``), keys at or past ``seq_lens[b]`` hidden."""
+    (``first[b] + q_idx``, a negative one at 0 as in the kernels), keys at or past ``seq_lens[b]`` hidden."""
     def score(s, b, h, q_idx, kv_idx):
-        return score_mod(s, b, h, q_idx + first[b], kv_idx)
+        return score_mod(s, b, h, (q_idx + first[b]).clamp_min(0), kv_idx)
 
     def mask(b, h, q_idx, kv_idx):
         keep = kv_idx < seq_lens[b]
         if mask_mod is not None:
-            keep = keep & mask_mod(b, h, q_idx + first[b], kv_idx)
+            keep = keep & mask_mod(b, h, (q_idx + first[b]).clamp_min(0), kv_idx)
         return keep
 
     return (score if score_mod is not None else None), mask
@@ -195,7 +195,8 @@ def flex_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, seq_lens: Tensor
 
     Mods are FlexAttention's, ``score_mod(score, b, h, q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx,
     kv_idx)``, with ``q_idx`` the token's absolute position in its sequence: ``q_offset[b] + i``
-    ([B] int32), by default ``seq_lens[b] - M_new + i``. Without a mask every cached key is
+    ([B] int32), by default ``seq_lens[b] - M_new + i`` (a negative position, where a length is
+    shorter than the query, counts as 0). Without a mask every cached key is
     visible (pass ``mods.causal`` for causal speculative tokens). Default ``scale`` D ** -0.5.
     Returns the output [B, HQ, M_new, Dv] in q's dtype, plus the natural-log LSE [B, HQ, M_new]
     float32 if ``return_lse`` (-inf, output 0, for rows that see no key).

@@ -148,7 +148,7 @@ def test_length_block_mask_applies_exactly_its_mask(causal):
     for first in (lens - M, torch.tensor([5, -40, 120, 107], dtype=torch.int32)):
         def keep(b, h, q_idx, kv_idx, first=first):
             kept = kv_idx < lens[b]
-            return kept & (q_idx + first[b] >= kv_idx) if causal else kept
+            return kept & ((q_idx + first[b]).clamp_min(0) >= kv_idx) if causal else kept
 
         bm = block_masks.length_block_mask(lens, first, M, N, causal, keep, block=block)
         applied, wanted = _applied(bm, keep, len(lens), M, N)

@@ -40,8 +40,8 @@ def _reference(q, k, v, lens, first, score_mod=None, mask_mod=None):
     """Float64, batch by batch over its first lens[b] keys, queries at first[b] + i."""
     outs, lses = [], []
     for b, (L, f) in enumerate(zip(lens.tolist(), first.tolist())):
-        sm = score_mod and (lambda s, bb, h, qi, ki, f=f: score_mod(s, bb, h, qi + f, ki))
-        mm = mask_mod and (lambda bb, h, qi, ki, f=f: mask_mod(bb, h, qi + f, ki))
+        sm = score_mod and (lambda s, bb, h, qi, ki, f=f: score_mod(s, bb, h, (qi + f).clamp_min(0), ki))
+        mm = mask_mod and (lambda bb, h, qi, ki, f=f: mask_mod(bb, h, (qi + f).clamp_min(0), ki))
         out, lse = reference_attention(q[b:b + 1], k[b:b + 1, :, :L], v[b:b + 1, :, :L], sm, mm)
         outs.append(out)
         lses.append(lse)
@@ -111,7 +111,7 @@ def test_prefill_chunk_block_mask_comes_from_the_lengths(mask_mod, built):
     out = flex_decode(q, kp, vp, seq_lens=lens, block_table=table, mask_mod=mask_mod)
     assert block_masks.stats()["built"] == built
     ref, _ = _reference(q, k, v, lens, lens - 20, mask_mod=mask_mod)
-    # rows at negative positions (sequence 1 is shorter than the chunk) see no key under causal masks: output 0
+    # rows at negative positions (sequence 1 is shorter than the chunk) are at position 0 for the mods
     assert_matches_reference(out, torch.nan_to_num(ref), torch.float32)
 
 

@@ -341,9 +341,10 @@ def test_prefill_chunk_on_pages_from_the_lengths(causal):
         out = flex_decode(q, kp, vp, seq_lens=lens, block_table=table, mask_mod=mask)
         assert fa3_inductor.last_template() != "decode"
         for b, L in enumerate(lengths):
-            first = L - M   # the chunk is each sequence's last M positions (some negative: no key, output 0)
+            first = L - M   # the chunk is each sequence's last M positions (some negative: at 0)
             ref, _ = reference_attention(q[b:b + 1], k[b:b + 1, :, :L], v[b:b + 1, :, :L],
-                                         mask_mod=(lambda bb, h, qi, ki: qi + first >= ki) if causal else None)
+                                         mask_mod=(lambda bb, h, qi, ki: (qi + first).clamp_min(0) >= ki)
+                                         if causal else None)
             assert_matches_reference(out[b:b + 1], torch.nan_to_num(ref), torch.bfloat16)
 
 
@@ -370,7 +371,7 @@ _CHUNK_MODS = {"none": (None, None), "causal": (None, mods.causal),
 def test_prefill_chunk_reads_the_cache_in_place(D, page, mod):
     """A prefill chunk (8 query heads x 200 new tokens) through the Hopper kernel's cache mode: pages of 16-256 keys
     (several a KV tile, or whole tiles) behind a shuffled table, or the contiguous cache (page 0); the rows at explicit
-    positions (one sequence's partly negative: no key there), GQA 8 / 2, the unwritten slots NaN. float64."""
+    positions (one sequence's partly negative: at 0 for the mods), GQA 8 / 2, the unwritten slots NaN. float64."""
     B, HQ, HKV, M, N = 3, 8, 2, 200, 1024
     score_mod, mask_mod = _CHUNK_MODS[mod]
     q, k, v = _randn(B, HQ, M, D), _randn(B, HKV, N, D), _randn(B, HKV, N, D)
@@ -383,8 +384,8 @@ def test_prefill_chunk_reads_the_cache_in_place(D, page, mod):
                            mask_mod=mask_mod, return_lse=True)
     assert fa3_inductor.last_template() == "hopper_cache"
     for b, (L, f) in enumerate(zip(lens.tolist(), first.tolist())):
-        sm = score_mod and (lambda s, bb, h, qi, ki, f=f: score_mod(s, bb, h, qi + f, ki))
-        mm = mask_mod and (lambda bb, h, qi, ki, f=f: mask_mod(bb, h, qi + f, ki))
+        sm = score_mod and (lambda s, bb, h, qi, ki, f=f: score_mod(s, bb, h, (qi + f).clamp_min(0), ki))
+        mm = mask_mod and (lambda bb, h, qi, ki, f=f: mask_mod(bb, h, (qi + f).clamp_min(0), ki))
         ref, ref_lse = reference_attention(q[b:b + 1], k[b:b + 1, :, :L], v[b:b + 1, :, :L], sm, mm)
         assert_matches_reference(out[b:b + 1], torch.nan_to_num(ref), torch.bfloat16)
         assert_lse_matches(lse[b:b + 1], ref_lse, torch.bfloat16)
@@ -415,5 +416,5 @@ def test_prefill_chunk_in_a_cuda_graph_with_changed_lengths():
         for b, L in enumerate(new):
             f = L - M
             ref, _ = reference_attention(q[b:b + 1], k[b:b + 1, :, :L], v[b:b + 1, :, :L],
-                                         mask_mod=lambda bb, h, qi, ki, f=f: qi + f >= ki)
+                                         mask_mod=lambda bb, h, qi, ki, f=f: (qi + f).clamp_min(0) >= ki)
             assert_matches_reference(out[b:b + 1], torch.nan_to_num(ref), torch.bfloat16)

@@ -54,7 +54,7 @@ def cache_sm90_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_
         >>> table = torch.zeros(1, 4, dtype=torch.int32)
         >>> cache_sm90_refusal(q, pages, pages, table, (9, 0)) is None
         True
-        >>> cache_sm90_refusal(q, pages[:, :48], pages[:, :48], table, (9, 0))[:40]
+        >>> cache_sm90_refusal(q, pages[:, :48], pages[:, :48], table, (9, 0))[:39]
         'pages of 48 keys do not tile the kernel'
     """
     if capability != (9, 0):

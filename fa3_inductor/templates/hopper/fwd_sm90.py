@@ -64,7 +64,8 @@ Decode caches (PACK.CACHE; host side templates/hopper/cache_sm90.py, front door 
                      [P, HKV, PAGE, D] through TABLE [B, max_pages] int32 (TABLE[b, j]: the page of keys j·PAGE ..)
   LENS [B] int32     sequence b's keys: N_seq = clamp(LENS[b], 0, capacity), capacity = N (max_pages · PAGE)
   FIRST [B] int32    query row m of sequence b sits at position FIRST[b] + FIRST_DELTA + m (flex_decode: q_offset,
-                     or LENS with FIRST_DELTA = -M); the mods and the causal walk see these positions
+                     or LENS with FIRST_DELTA = -M); the mods and the causal walk see these positions, a negative
+                     one (a chunk longer than its sequence) as 0
   A KV tile of a paged cache is BLOCK_N // PAGE_BOX TMA boxes of PAGE_BOX = min(PAGE, BLOCK_N) rows, each at its
   page's row; the tile holding N_seq - 1 has its V rows at or past N_seq zeroed in shared memory by the consumers
   before its PV (an unwritten cache slot may hold NaN, and P = 0 times NaN is NaN); K's are masked by kv_idx < N_seq.
@@ -397,12 +398,12 @@ def _kv_counts(b, h, mt, N, sp_ptrs, sp_meta, TILE: gl.constexpr, SPARSE: gl.con
 
 @gluon.jit
 def _walk_row(mt, q_pos, TILE: gl.constexpr):
-    """The causal walk's first row position for query tile mt: mt·BLOCK_M + q_pos (None: 0), held at -1 or more (a
-    row at a negative position sees no key; held, the walk's divisions never round a negative number)."""
+    """The causal walk's first row position for query tile mt: mt·BLOCK_M + q_pos (None: 0), held at 0 or more (the
+    mods see a negative position as 0; held, the walk's divisions never round a negative number)."""
     if q_pos is None:
         m0 = mt * TILE.BLOCK_M
     else:
-        m0 = gl.maximum(mt * TILE.BLOCK_M + q_pos, -1)
+        m0 = gl.maximum(mt * TILE.BLOCK_M + q_pos, 0)
     return m0
 
 
@@ -1419,9 +1420,13 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
         # pos0: the half's first row as the mods see it (CACHE: its position in the sequence; otherwise row0)
         pos0 = q_pos + row0
         q_idx = pos0 + gl.arange(0, HALF_M, layout=row_layout)[:, None]
-        # CACHE: a row at a negative position (a chunk longer than its sequence) is given to the mods as it is, as
-        # flex_decode's other paths give it: under a causal mask it sees no key
         q_idx_c = gl.minimum(q_idx, q_pos + M_seq - 1)
+        if PACK.CACHE:
+            # a row at a negative position (a chunk longer than its sequence) is at 0 for the mods, as in the decode
+            # kernels: generated mods take positions in [0, 2^23) (mod_helpers' float rebuild), and the affine parts
+            # evaluate the mod at the half's first row
+            q_idx_c = gl.maximum(q_idx_c, 0)
+            pos0 = gl.maximum(pos0, 0)
         if KV_AFFINE:
             col_bias = _affine_columns(SCORE_MOD, sm_scale, b, h, pos0, score_bufs, s_layout, BLOCK_N)
         else:
