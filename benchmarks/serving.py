@@ -702,6 +702,14 @@ def causal_abs(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: to
     return q_idx >= kv_idx
 
 
+PREFILL_WINDOW = 2048   # the window probe's keys: a sliding window on absolute positions
+
+
+def window_abs(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+    """A causal sliding window of PREFILL_WINDOW keys on absolute positions (Mistral's, Gemma's local layers)."""
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < PREFILL_WINDOW)
+
+
 def _prefix_causal(offset: int) -> Callable:
     """The same mask for torch's flex, whose q_idx counts from the chunk's first row."""
     def mask(b, h, q_idx, kv_idx):
@@ -800,6 +808,11 @@ def prefill_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: 
            "contig": lambda: flex_decode(q, k, v, seq_lens=lens, mask_mod=causal_abs),
            "gather": gather,
            "paged16": lambda: flex_decode(q, kp16, vp16, seq_lens=lens, block_table=table16, mask_mod=causal_abs),
+           # a probe: another mask_mod (no closed-form walk: the cache mode applies it on every tile; the gathered
+           # path's block mask, evaluated per call, skips the tiles outside the window)
+           "paged_window": lambda: flex_decode(q, kp, vp, seq_lens=lens, block_table=table, mask_mod=window_abs),
+           "gathered_window": lambda: _gathered(q, kp, vp, lens, table, None, None, window_abs, c.d ** -0.5,
+                                                False),
            "gathered": lambda: _gathered(q, kp, vp, lens, table, None, None, causal_abs, c.d ** -0.5, False),
            # a probe: without q_offset each call's positions are a new tensor, which keys its block mask anew
            "paged_qoff": lambda: flex_decode(q, kp, vp, seq_lens=lens, block_table=table, q_offset=qoff,
@@ -815,6 +828,7 @@ def prefill_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: 
     wait_for_variants()   # background compiles of the first calls would slow the host while timed
     row["gathered_diff"] = _rel(fns["gathered"](), ref)
     row["paged16_diff"] = _rel(fns["paged16"](), ref)
+    row["window_diff"] = _rel(fns["paged_window"](), fns["gathered_window"]())
     row["gather_diff"] = _rel(torch.cat(gather()), torch.cat([k, v]))   # an exact copy: 0
     timed = clock.times(fns)
     row.update({f"{name}_ms": ms for name, ms in timed.items()})
@@ -840,6 +854,7 @@ def prefill_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: 
     row["gather_pct_paged"] = 100 * timed["gather"] / timed["paged"]
     row["gathered_over_paged"] = timed["gathered"] / timed["paged"]
     row["paged16_over_contig"] = timed["paged16"] / timed["contig"]
+    row["gathered_window_over_paged"] = timed["gathered_window"] / timed["paged_window"]
     if timed["paged_qoff"] > timed["contig_qoff"]:
         # the copy against paged's whole extra time, on the pair whose block mask is not rebuilt (noise)
         row["gather_pct_extra"] = 100 * timed["gather"] / (timed["paged_qoff"] - timed["contig_qoff"])
@@ -858,6 +873,8 @@ def _prefill_table(rows: list[dict]) -> list[str]:
              "contig's; gathered: decode._gathered on the pages (the copy, then flex()), gathered/paged its time "
              "over paged's; "
              "paged16: the paged call on pages of 16 (vLLM's default), paged16/contig its time over contig's; "
+             f"window: a probe, the paged call with a causal sliding window of {PREFILL_WINDOW} keys (window_abs) "
+             "and decode._gathered with it, ms each and the gathered one's time over the paged one's; "
              "ours/torch flex: torch flex's time over paged's (contig's). q_offset: a probe, paged and "
              "contig with q_offset=seq_lens - new passed as one tensor kept across calls (the same positions); "
              "gather % extra: gather over (paged - contig), both with q_offset kept. mask builds: block masks "
@@ -866,8 +883,8 @@ def _prefill_table(rows: list[dict]) -> list[str]:
              "q_offset contig ms | torch flex ms | paged TFLOP/s | contig TFLOP/s | q_offset paged TFLOP/s | "
              "torch flex TFLOP/s | paged/contig | q_offset paged/contig | gather % paged | gather % extra | "
              "ours/torch flex (contig) | q_offset paged/torch flex | host µs paged / contig / q_offset paged | "
-             "mask builds | gathered ms | gathered/paged | paged16 ms | paged16/contig | max diff | template |",
-             "|" + "---|" * 30]
+             "mask builds | gathered ms | gathered/paged | paged16 ms | paged16/contig | window ms paged / gathered "
+             "(ratio) | max diff | template |", "|" + "---|" * 31]
     for r in rows:
         diff = max([r[k] for k in r if k.endswith("_diff")], default=None)
         builds = " / ".join(_f(r, f"{n}_mask_builds", "{:.1f}")
@@ -883,7 +900,8 @@ def _prefill_table(rows: list[dict]) -> list[str]:
                      f"{_f(r, 'paged_host_us', '{:.0f}')} / {_f(r, 'contig_host_us', '{:.0f}')} / "
                      f"{_f(r, 'paged_qoff_host_us', '{:.0f}')} | {builds} | {_f(r, 'gathered_ms')} | "
                      f"{_f(r, 'gathered_over_paged', '{:.2f}')} | {_f(r, 'paged16_ms')} | "
-                     f"{_f(r, 'paged16_over_contig', '{:.3f}')} | "
+                     f"{_f(r, 'paged16_over_contig', '{:.3f}')} | {_f(r, 'paged_window_ms')} / "
+                     f"{_f(r, 'gathered_window_ms')} ({_f(r, 'gathered_window_over_paged', '{:.2f}')}) | "
                      f"{'-' if diff is None else f'{diff:.1e}'} | {r.get('template', '-')} |")
     return lines + [""]
 
@@ -1332,7 +1350,8 @@ def summary(meta: dict, rows: list[dict]) -> str:
             lines.append(f"| prefill {r.get('label', '?')}: paged {_f(r, 'paged_tflops', '{:.0f}')} TFLOP/s, "
                          f"paged/contig {_f(r, 'paged_over_contig', '{:.3f}')} (pages of 16: "
                          f"{_f(r, 'paged16_over_contig', '{:.3f}')}), gathered/paged "
-                         f"{_f(r, 'gathered_over_paged', '{:.2f}')}, x{_f(r, 'paged_vs_torch_flex', '{:.2f}')} "
+                         f"{_f(r, 'gathered_over_paged', '{:.2f}')}, window gathered/paged "
+                         f"{_f(r, 'gathered_window_over_paged', '{:.2f}')}, x{_f(r, 'paged_vs_torch_flex', '{:.2f}')} "
                          f"torch flex; q_offset kept: paged/contig {_f(r, 'qoff_paged_over_contig', '{:.3f}')}, "
                          f"x{_f(r, 'paged_qoff_vs_torch_flex', '{:.2f}')} torch flex | | | | | | | |")
     if rows:
