@@ -31,7 +31,7 @@ from .templates.decode.host import prepare_decode
 from .templates.decode.launch_cache import interpreted, launch_decode, recorded_decode
 from .templates.decode.shape import MAX_ROWS
 from .templates.hopper.cache_sm90 import cache_sm90_refusal, launch_cache_sm90
-from .templates.modgen import UnsupportedMod, is_causal_mask_source
+from .templates.modgen import UnsupportedMod, causal_window_of_source, is_causal_mask_source
 from .varlen import generated_mod
 
 _LN2 = math.log(2.0)
@@ -416,7 +416,7 @@ def _hopper_chunk(q, k, v, seq_lens, block_table, q_offset, score_mod, mask_mod,
         return None
     options = dict(block_table=block_table, q_offset=q_offset, sm_scale=scale, score_mod=score_fn,
                    mask_mod=mask_fn, causal=mask_src is not None and is_causal_mask_source(mask_src),
-                   score_bufs=score_bufs, mask_bufs=mask_bufs)
+                   window=causal_window_of_source(mask_src) or 0, score_bufs=score_bufs, mask_bufs=mask_bufs)
     bufs = (*score_bufs, *mask_bufs)
     layout = tensor_signature(bufs)
     shape = (*q.shape[:3], v.shape[-1])

@@ -62,14 +62,14 @@ def test_launch_layout(page):
     if page:
         assert list(kd.shape) == [40, 2, page, 128] and kd.block_shape == [1, 1, min(page, 128), 128]
         assert list(kd.strides) == [k.stride(0), k.stride(2), k.stride(1), 1]
-        lens_arg, first, delta, table_arg, row_stride, max_pages = named["pack_args"]
+        lens_arg, first, delta, window, table_arg, row_stride, max_pages = named["pack_args"]
         assert table_arg is table and (row_stride, max_pages) == (16, 16)
         assert named["N"] == 16 * page
     else:
         assert list(kd.shape) == list(k.shape) and kd.block_shape == [1, 1, 128, 128]
-        lens_arg, first, delta = named["pack_args"]
+        lens_arg, first, delta, window = named["pack_args"]
         assert named["N"] == k.shape[2]
-    assert lens_arg is lens and first is lens and delta == -200
+    assert lens_arg is lens and first is lens and delta == -200 and window == 0
     assert kwargs["PACK"].CACHE and kwargs["PACK"].PAGE == page and not kwargs["PACK"].VARLEN
     assert kwargs["PACK"].PAGE_BOX == (min(page, 128) if page else 0)
     assert not kwargs["SCHED"].PERSISTENT and not kwargs["FLAGS"].EVEN_N
@@ -80,11 +80,23 @@ def test_launch_layout(page):
     assert dict(zip(kernel.arg_names, args2))["pack_args"][1:3] == (offs, 0)
 
 
+def test_a_causal_window_walks_from_its_edge():
+    """A recognized causal window: the walk (SPARSE.WINDOW, no per-tile mask on full tiles), W in pack_args."""
+    q, k, v, table, lens = _chunk(page=16)
+    mask_mod, mask_bufs, _ = generated_mod(mods.sliding_window(300), "mask", "gl")
+    kernel, args, kwargs, _ = prepare_cache_sm90(q, k, v, torch.empty_like(q), torch.empty(2, 8, 200), lens,
+                                                 block_table=table, sm_scale=0.1, mask_mod=mask_mod,
+                                                 mask_bufs=mask_bufs, window=300)
+    assert kwargs["SPARSE"].WINDOW and kwargs["SPARSE"].CAUSAL_WALK and not kwargs["FLAGS"].DENSE_MASK
+    assert dict(zip(kernel.arg_names, args))["pack_args"][3] == 300
+
+
 def test_causal_needs_the_mask():
     q, k, v, table, lens = _chunk()
-    with pytest.raises(ValueError, match="pass mask_mod"):
-        prepare_cache_sm90(q, k, v, torch.empty_like(q), torch.empty(2, 8, 200), lens, block_table=table,
-                           sm_scale=0.1, causal=True)
+    for walk in (dict(causal=True), dict(window=64)):
+        with pytest.raises(ValueError, match="pass mask_mod"):
+            prepare_cache_sm90(q, k, v, torch.empty_like(q), torch.empty(2, 8, 200), lens, block_table=table,
+                               sm_scale=0.1, **walk)
 
 
 @pytest.mark.sm90_compile

@@ -235,6 +235,28 @@ def test_causal_masks_are_recognized(dialect):
         assert (is_causal_mask_mod(loaded), mask_implies_causal(loaded)) == (exact, implied), name
 
 
+@pytest.mark.parametrize("dialect", ["tl", "gl"])
+def test_causal_windows_are_recognized(dialect):
+    """A causal sliding window of W keys, however spelled, gives W (the Hopper cache mode's window walk); a window
+    with a third term, a window without causal, documents and causal alone give None."""
+    from fa3_inductor.templates.modgen import causal_window_of_source
+
+    docs = (torch.arange(512) // 100).to(torch.int32)
+    cases = {"mods.sliding_window": (mods.sliding_window(300), 300),
+             "q - kv < W, operands swapped": (lambda b, h, q, kv: (q - kv < 300) & (q >= kv), 300),
+             "kv > q - W": (lambda b, h, q, kv: (kv <= q) & (kv > q - 300), 300),
+             "q - kv <= W - 1": (lambda b, h, q, kv: (q - kv <= 299) & (q - kv >= 0), 300),
+             "one key": (mods.sliding_window(1), 1),
+             "causal": (mods.causal, None),
+             "window, not causal": (lambda b, h, q, kv: q - kv < 300, None),
+             "window and a third term": (lambda b, h, q, kv: (q >= kv) & (q - kv < 300) & (kv > 5), None),
+             "documents and window": (mods.and_masks(mods.document(docs), mods.sliding_window(64)), None)}
+    for name, (fn, window) in cases.items():
+        gm, bufs = trace_mod(fn, "mask")
+        src = generate_mod_source(gm, "mask", [BufferSpec.of(b) for b in bufs], dialect)
+        assert causal_window_of_source(src) == window, (name, src)
+
+
 def test_unsupported_op_is_refused_with_its_name():
     with pytest.raises(UnsupportedMod, match="aten.cumsum"):
         _source(lambda s, b, h, q, kv: s + torch.cumsum(q.unsqueeze(0), 0).squeeze(0), "score")

@@ -1341,6 +1341,43 @@ def is_causal_mask_source(source: Optional[str]) -> bool:
     return len(body) == 2 and body[0] in [f"v0 = {e}" for e in _CAUSAL_EXPRS] and body[1] == "return v0"
 
 
+_CAUSAL_TERMS = _CAUSAL_EXPRS + ("(kv_idx <= (q_idx - 0))",)
+_WINDOW_EDGE = re.compile(r"\(kv_idx (>|>=) \(q_idx - (\d+)\)\)")
+
+
+def causal_window_of_source(source: Optional[str]) -> Optional[int]:
+    """W if a generated ``tl`` or ``gl`` mask_mod source is exactly a causal sliding window of W keys, ``q_idx >= kv_idx
+    and q_idx - kv_idx < W`` (``mods.sliding_window(W)``, or any mask that traces to the same two comparisons), else
+    None: a kernel may then walk the window's tiles by arithmetic (the Hopper forward's SPARSE.WINDOW).
+
+    Example::
+
+        >>> causal_window_of_source("@gluon.jit\ndef mask_mod(b, h, q_idx, kv_idx, bufs):\n"
+        ...     "    v0 = (q_idx >= kv_idx)\n    v1 = (kv_idx > (q_idx - 256))\n"
+        ...     "    v2 = (v0 & v1)\n    return v2\n")
+        256
+    """
+    body = _mod_body(source)
+    if not body or not body[-1].startswith("return "):
+        return None
+    defs = dict(line.split(" = ", 1) for line in body[:-1] if " = " in line)
+
+    def expand(expr: str, depth: int = 0) -> str:   # variables replaced by their expressions
+        return re.sub(r"\bv\d+\b", lambda v: expand(defs[v.group(0)], depth + 1)
+                      if v.group(0) in defs and depth < 8 else v.group(0), expr)
+
+    conj = re.fullmatch(r"\((\w+) & (\w+)\)", defs.get(body[-1][len("return "):].strip(), ""))
+    if conj is None:
+        return None
+    terms = [expand(defs.get(name, name)) for name in conj.groups()]
+    for causal, edge in (terms, terms[::-1]):
+        found = _WINDOW_EDGE.fullmatch(edge)
+        if causal in _CAUSAL_TERMS and found:
+            window = int(found.group(2)) + (found.group(1) == ">=")
+            return window if window >= 1 else None
+    return None
+
+
 def mask_implies_causal_source(source: Optional[str]) -> bool:
     """True if a generated mask_mod source returns a conjunction (``&``) one of whose terms is exactly
     ``q_idx >= kv_idx`` (causal alone, causal documents, causal windows): every pair it keeps has q_idx >= kv_idx.

@@ -82,7 +82,8 @@ def cache_sm90_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_
 def prepare_cache_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                        seq_lens: torch.Tensor, *, block_table: Optional[torch.Tensor] = None,
                        q_offset: Optional[torch.Tensor] = None, sm_scale: float, score_mod: Any = None,
-                       mask_mod: Any = None, causal: bool = False, score_bufs: Sequence[torch.Tensor] = (),
+                       mask_mod: Any = None, causal: bool = False, window: int = 0,
+                       score_bufs: Sequence[torch.Tensor] = (),
                        mask_bufs: Sequence[torch.Tensor] = (), config: Any = None,
                        tensors: Optional[list] = None) -> tuple[Any, tuple, dict, tuple]:
     """``(kernel, args, kwargs, grid)`` of one launch of query chunk ``q`` [B, HQ, M, D] against the cache ``k``,
@@ -90,7 +91,9 @@ def prepare_cache_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     ``out`` [B, HQ, M, Dv] and ``lse`` [B, HQ, M] (float32, log2 units) in place. Sequence b has ``seq_lens[b]``
     keys and its row m sits at position ``q_offset[b] + m`` (default ``seq_lens[b] - M + m``), which the mods see.
     ``score_mod`` / ``mask_mod`` are generated ``gl`` mods; ``causal`` says the mask_mod is ``q_idx >= kv_idx``
-    (each tile's walk then ends at its diagonal). ``tensors``: this call's :func:`launch_tensors`.
+    (each tile's walk then ends at its diagonal), ``window`` > 0 that it is a causal window of that many keys
+    (modgen.causal_window_of_source: the walk also starts at the window's far edge). ``tensors``: this call's
+    :func:`launch_tensors`.
 
     Example::
 
@@ -98,12 +101,13 @@ def prepare_cache_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
         ...                                                 sm_scale=0.088)   # doctest: +SKIP
         >>> kernel[grid](*args, **kwargs)                                      # doctest: +SKIP
     """
-    if causal and mask_mod is None:
-        raise ValueError("prepare_cache_sm90: causal=True needs the causal mask_mod itself (the diagonal tiles apply "
-                         "it); pass mask_mod")
+    if (causal or window) and mask_mod is None:
+        raise ValueError("prepare_cache_sm90: causal=True or a window needs the mask_mod itself (the partial tiles "
+                         "apply it); pass mask_mod")
     q_, k_, v_, out_, lse_, max_, lens, first, table = (tensors or launch_tensors(
         q, k, v, out, lse, seq_lens, block_table, q_offset))[:9]
-    rows = CacheRows(lens, first, q_offset is None, table, k.shape[1] if table is not None else 0, bool(causal))
+    rows = CacheRows(lens, first, q_offset is None, table, k.shape[1] if table is not None else 0, bool(causal),
+                     int(window))
     # MAX is not asked for: a bounded score_mod may then run against a fixed exponent base (fwd_sm90 FIXED_BASE)
     site = _site(q_, k_, v_, out_, lse_, max_, sm_scale=sm_scale, score_mod=score_mod, mask_mod=mask_mod,
                  score_bufs=tuple(score_bufs), mask_bufs=tuple(mask_bufs), kv_num_blocks=None, kv_indices=None,

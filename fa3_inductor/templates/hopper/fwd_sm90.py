@@ -66,6 +66,8 @@ Decode caches (PACK.CACHE; host side templates/hopper/cache_sm90.py, front door 
   FIRST [B] int32    query row m of sequence b sits at position FIRST[b] + FIRST_DELTA + m (flex_decode: q_offset,
                      or LENS with FIRST_DELTA = -M); the mods and the causal walk see these positions, a negative
                      one (a chunk longer than its sequence) as 0
+  WINDOW             SPARSE.WINDOW: the mask_mod is a causal window of WINDOW keys (row p sees p - WINDOW + 1 .. p),
+                     and the walk starts at its far edge (_window_walk)
   A KV tile of a paged cache is BLOCK_N // PAGE_BOX TMA boxes of PAGE_BOX = min(PAGE, BLOCK_N) rows, each at its
   page's row; the tile holding N_seq - 1 has its V rows at or past N_seq zeroed in shared memory by the consumers
   before its PV (an unwritten cache slot may hold NaN, and P = 0 times NaN is NaN); K's are masked by kv_idx < N_seq.
@@ -216,6 +218,8 @@ class BlockSparsity:
     SPARSE_KV_MULT: int   # SPARSE_KV // BLOCK_N: kernel KV tiles per sparse KV block
     CAUSAL_WALK: bool = False   # no tables; the mask_mod is q_idx >= kv_idx (top-left aligned): a query tile walks
                                 # its diagonal KV tiles (partial) and then the tiles below them (full), none above
+    WINDOW: bool = False        # CAUSAL_WALK under a causal window of W keys (PACK.CACHE's WINDOW): the walk starts
+                                # at the window's far edge (_window_walk), the tiles that edge cuts partial too
 
 
 @dataclass(frozen=True)
@@ -370,9 +374,9 @@ def _seq_rows(b, M, N, pack_args, PACK: gl.constexpr):
 
 
 @gluon.jit
-def _kv_counts(b, h, mt, N, sp_ptrs, sp_meta, TILE: gl.constexpr, SPARSE: gl.constexpr, q_pos=None):
+def _kv_counts(b, h, mt, N, sp_ptrs, sp_meta, TILE: gl.constexpr, SPARSE: gl.constexpr, q_pos=None, window=None):
     """Returns (n_partial, n_total): KV tiles of this query tile; the partial ones come first. q_pos: the position
-    of query row 0 (PACK.CACHE; the causal walk's diagonal moves with it)."""
+    of query row 0 (PACK.CACHE; the causal walk's diagonal moves with it); window: SPARSE.WINDOW's W."""
     kvnb_ptr, kvidx_ptr, fnb_ptr, fidx_ptr = sp_ptrs
     BM, HM, nb_sb, nb_sh, idx_sb, idx_sh, idx_sm, fnb_sb, fnb_sh, fidx_sb, fidx_sh, fidx_sm = sp_meta
     if SPARSE.HAS_SPARSE:
@@ -384,6 +388,10 @@ def _kv_counts(b, h, mt, N, sp_ptrs, sp_meta, TILE: gl.constexpr, SPARSE: gl.con
             n_full = gl.load(fnb_ptr + bb * fnb_sb + hh * fnb_sh + qb) * SPARSE.SPARSE_KV_MULT
         else:
             n_full = n_partial * 0
+    elif SPARSE.WINDOW:
+        t_lo, f_lo, f_hi, t_hi = _window_walk(mt, q_pos, window, N, TILE)
+        n_partial = (f_lo - t_lo) + (t_hi - f_hi)
+        n_full = f_hi - f_lo
     elif SPARSE.CAUSAL_WALK:
         # KV tiles up to the tile's last row (or N); those wholly at or below its first row m0 are full
         m0 = _walk_row(mt, q_pos, TILE)
@@ -408,11 +416,27 @@ def _walk_row(mt, q_pos, TILE: gl.constexpr):
 
 
 @gluon.jit
+def _window_walk(mt, q_pos, window, N, TILE: gl.constexpr):
+    """(t_lo, f_lo, f_hi, t_hi), t_lo <= f_lo <= f_hi <= t_hi: query tile mt (rows at positions p0 .. p1, held at 0
+    or more as the mods see them) under a causal window of `window` keys visits KV tiles [t_lo, t_hi), row p seeing
+    keys p - window + 1 .. p; those in [f_lo, f_hi) hold only keys every row sees (no mask). The partial ones are
+    [t_lo, f_lo), cut by the window's far edge, and [f_hi, t_hi), by the diagonal."""
+    BLOCK_N: gl.constexpr = TILE.BLOCK_N
+    p0 = gl.maximum(mt * TILE.BLOCK_M + q_pos, 0)
+    p1 = gl.maximum(mt * TILE.BLOCK_M + q_pos + (TILE.BLOCK_M - 1), 0)
+    t_lo = gl.maximum(p0 - window + 1, 0) // BLOCK_N
+    t_hi = gl.maximum(gl.cdiv(gl.minimum(N, p1 + 1), BLOCK_N), t_lo)
+    f_lo = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(p1 - window + 1, 0), BLOCK_N), t_lo), t_hi)
+    f_hi = gl.minimum(gl.maximum((p0 + 1) // BLOCK_N, f_lo), t_hi)
+    return t_lo, f_lo, f_hi, t_hi
+
+
+@gluon.jit
 def _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE: gl.constexpr, SPARSE: gl.constexpr,
-              FLAT: gl.constexpr = False, q_pos=None):
+              FLAT: gl.constexpr = False, q_pos=None, window=None, N=None):
     """First KV position of the i-th KV tile of this query tile. FLAT: the table's row offset and the tile index
     summed as 32-bit integers first, so that a loop over i holds that sum (one register) rather than a 64-bit row
-    pointer (two). q_pos: as _kv_counts."""
+    pointer (two). q_pos, window: as _kv_counts; N: the sequence's keys (SPARSE.WINDOW)."""
     kvnb_ptr, kvidx_ptr, fnb_ptr, fidx_ptr = sp_ptrs
     BM, HM, nb_sb, nb_sh, idx_sb, idx_sh, idx_sm, fnb_sb, fnb_sh, fidx_sb, fidx_sh, fidx_sm = sp_meta
     MULT: gl.constexpr = SPARSE.SPARSE_KV_MULT
@@ -434,6 +458,15 @@ def _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE: gl.constexpr, SPAR
                 blk = gl.load(fidx_ptr + bb * fidx_sb + hh * fidx_sh + qb * fidx_sm + j // MULT)
             sub = j % MULT
         start = (blk * MULT + sub) * TILE.BLOCK_N
+    elif SPARSE.WINDOW:   # the partial tiles first (the window's edge, then the diagonal), then the full ones
+        t_lo, f_lo, f_hi, t_hi = _window_walk(mt, q_pos, window, N, TILE)
+        n_edge = f_lo - t_lo
+        if i < n_edge:
+            start = (t_lo + i) * TILE.BLOCK_N
+        elif i < n_partial:
+            start = (f_hi + i - n_edge) * TILE.BLOCK_N
+        else:
+            start = (f_lo + i - n_partial) * TILE.BLOCK_N
     elif SPARSE.CAUSAL_WALK:   # the partial (diagonal) tiles first, then the full ones from key 0
         if i < n_partial:
             start = ((_walk_row(mt, q_pos, TILE) + 1) // TILE.BLOCK_N + i) * TILE.BLOCK_N
@@ -488,6 +521,7 @@ def _producer(descs, bars, smem, sizes, sp_ptrs, sp_meta, pack_args, TILE: gl.co
         # z: the descriptors' batch coordinate; q0 / k0: the sequence's first rows (VARLEN, else 0)
         z, q0, M_seq, k0, N_seq, q_pos = _seq_rows(b, M, N, pack_args, PACK)
         walk_pos = q_pos if PACK.CACHE else None   # the causal walk's offset (None: the other modes' code as it was)
+        walk_win = pack_args[3] if PACK.CACHE else None   # SPARSE.WINDOW's W
         hkv = h // GQA
         m0 = q0 + mt * BLOCK_M
         # Q halves: wait until the consumer released the half (O_STAGE: its last QK^T retired;
@@ -500,17 +534,18 @@ def _producer(descs, bars, smem, sizes, sp_ptrs, sp_meta, pack_args, TILE: gl.co
             if TILE.SPLIT_QK:
                 tma.async_copy_global_to_shared(q_desc_hi, [z, h, m0 + w * HALF_M, TILE.QK_LO], q_ready.index(w),
                                                 q_hi.index(w))
-        n_partial, n_total = _kv_counts(b, h, mt, N_seq, sp_ptrs, sp_meta, TILE, SPARSE, walk_pos)
+        n_partial, n_total = _kv_counts(b, h, mt, N_seq, sp_ptrs, sp_meta, TILE, SPARSE, walk_pos, walk_win)
         if PACK.PAGE > 0:
-            table_row = pack_args[3] + b.to(gl.int64) * pack_args[4]
+            table_row = pack_args[4] + b.to(gl.int64) * pack_args[5]
         for i in range(n_total):
-            start = k0 + _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE, False, walk_pos)
+            start = k0 + _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE, False, walk_pos,
+                                   walk_win, N_seq)
             if PAGE_BOXES:
-                _load_page_tiles(descs, bars, smem, cnt, table_row, pack_args[5], hkv, start, k_tile_bytes,
+                _load_page_tiles(descs, bars, smem, cnt, table_row, pack_args[6], hkv, start, k_tile_bytes,
                                  v_tile_bytes, TILE, PACK)
             else:
                 if PACK.PAGE > 0:   # pages of whole tiles: the tile's page in the batch coordinate
-                    row = [gl.load(table_row + gl.minimum(start // PACK.PAGE, pack_args[5] - 1)), hkv,
+                    row = [gl.load(table_row + gl.minimum(start // PACK.PAGE, pack_args[6] - 1)), hkv,
                            start % PACK.PAGE]
                 else:
                     row = [z, hkv, start]
@@ -1416,6 +1451,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
         # the tile's sequence (VARLEN; dense: z = b, q0 = 0, M_seq = M, N_seq = N): rows and keys are positions in it
         z, q0, M_seq, k0, N_seq, q_pos = _seq_rows(b, M, N, pack_args, PACK)
         walk_pos = q_pos if PACK.CACHE else None   # the causal walk's offset (None: the other modes' code as it was)
+        walk_win = pack_args[3] if PACK.CACHE else None   # SPARSE.WINDOW's W
         row0 = mt * BLOCK_M + WG * HALF_M
         # pos0: the half's first row as the mods see it (CACHE: its position in the sequence; otherwise row0)
         pos0 = q_pos + row0
@@ -1431,7 +1467,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
             col_bias = _affine_columns(SCORE_MOD, sm_scale, b, h, pos0, score_bufs, s_layout, BLOCK_N)
         else:
             col_bias = 0.0
-        n_partial, n_total = _kv_counts(b, h, mt, N_seq, sp_ptrs, sp_meta, TILE, SPARSE, walk_pos)
+        n_partial, n_total = _kv_counts(b, h, mt, N_seq, sp_ptrs, sp_meta, TILE, SPARSE, walk_pos, walk_win)
         if QUANT.ON:
             fp8_rows = _fp8_row_scales(quant_bufs, b, h, row0, HQ, GQA, M, N, row_layout, HALF_M, QUANT)
         else:
@@ -1473,7 +1509,8 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
                 # ---- prologue: S_0 and its softmax ----
                 st = cnt % NUM_STAGES
                 ph = (cnt // NUM_STAGES) & 1
-                start = _kv_start(0, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE, False, walk_pos)
+                start = _kv_start(0, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE, False, walk_pos,
+                                  walk_win, N_seq)
                 tile_scales = _fp8_tile_scales(start, fp8_rows, QUANT)
                 k_t, k_t_hi = _ring_operands(k_smem, k_smem_hi, st, BLOCK_N, QK_LO, QK_HI, True)
                 mbarrier.wait(k_ready.index(st), ph)
@@ -1497,7 +1534,8 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
                 for i in range(1, n_total):
                     st = cnt % NUM_STAGES
                     ph = (cnt // NUM_STAGES) & 1
-                    start = _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE, False, walk_pos)
+                    start = _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE, False, walk_pos,
+                                      walk_win, N_seq)
                     tile_scales = _fp8_tile_scales(start, fp8_rows, QUANT)
                     k_t, k_t_hi = _ring_operands(k_smem, k_smem_hi, st, BLOCK_N, QK_LO, QK_HI, True)
                     v_prev, v_prev_hi = _v_operands(v_smem, v_smem_hi, prev_vst, BLOCK_N, O_LO, O_HI, QUANT)
@@ -1548,7 +1586,8 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
             for i in range(n_total):
                 st = cnt % NUM_STAGES
                 ph = (cnt // NUM_STAGES) & 1
-                start = _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE, False, walk_pos)
+                start = _kv_start(i, n_partial, b, h, mt, sp_ptrs, sp_meta, TILE, SPARSE, False, walk_pos,
+                                  walk_win, N_seq)
                 tile_scales = _fp8_tile_scales(start, fp8_rows, QUANT)
                 k_t, k_t_hi = _ring_operands(k_smem, k_smem_hi, st, BLOCK_N, QK_LO, QK_HI, True)
                 mbarrier.wait(k_ready.index(st), ph)
@@ -1667,7 +1706,7 @@ def fa3_fwd_sm90_kernel(
     quant_bufs,     # QUANT.ON: (QS, KS, VS, VS_MAX) scale pointers; () for 16-bit inputs (no kernel parameter)
     sink_bufs,      # FLAGS.HAS_SINKS: (SINKS,); () without sinks (no kernel parameter)
     pack_args,      # PACK.VARLEN: (CU_Q, CU_K, O, O's token and head strides); PACK.CACHE: (LENS, FIRST, FIRST_DELTA,
-                    # and with pages TABLE, its row stride, max_pages); () otherwise (no kernel parameter)
+                    # WINDOW, and with pages TABLE, its row stride, max_pages); () otherwise (no kernel parameter)
     kvnb_ptr, kvidx_ptr, fnb_ptr, fidx_ptr,
     BM, HM, nb_sb, nb_sh, idx_sb, idx_sh, idx_sm, fnb_sb, fnb_sh, fidx_sb, fidx_sh, fidx_sm,
     sm_scale, qk_scale, fixed_base, qk_unit, num_tiles, num_m_tiles, HQ, GQA, M, N,
@@ -2023,10 +2062,13 @@ def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bu
     else:
         sp_ptrs = (lse, lse, lse, lse)   # unused placeholders
         sp_meta = (1,) * 12
-    causal_walk = (packed or cache) is not None and (packed or cache).causal
+    rows = packed or cache
+    window = cache is not None and cache.window > 0
+    causal_walk = rows is not None and (rows.causal or window)
     sparse = BlockSparsity(HAS_SPARSE=has_sparse, HAS_FULL=has_full,
                            SPARSE_Q_DIV=(sparse_q_block // BLOCK_M) if has_sparse else 1,
-                           SPARSE_KV_MULT=(sparse_kv_block // BLOCK_N) if has_sparse else 1, CAUSAL_WALK=causal_walk)
+                           SPARSE_KV_MULT=(sparse_kv_block // BLOCK_N) if has_sparse else 1, CAUSAL_WALK=causal_walk,
+                           WINDOW=window)
     flags = ModFlags(HAS_SCORE_MOD=score_mod is not None, HAS_MASK_MOD=mask_mod is not None,
                      DENSE_MASK=mask_mod is not None and not has_sparse and not causal_walk,
                      MASK_AND=mask_mod is not None and mask_and_of(mask_mod),
@@ -2101,6 +2143,7 @@ class CacheRows:
     block_table: Optional[torch.Tensor]   # int32 [B, max_pages] (k, v as [P, HKV, PAGE, D]), or None ([B, HKV, N, D])
     page: int                             # keys a page (0 without a table)
     causal: bool                          # the mask_mod is q_idx >= kv_idx on these positions (CAUSAL_WALK)
+    window: int = 0                       # > 0: the mask_mod is a causal window of this many keys (SPARSE.WINDOW)
 
     def capacity(self, k: torch.Tensor) -> int:
         """Keys a sequence can hold: max_pages x PAGE, or the contiguous cache's N."""
@@ -2119,12 +2162,13 @@ class CacheRows:
         return Packing(VARLEN=False, CACHE=True, PAGE=self.page, PAGE_BOX=box if self.page else 0)
 
     def args(self, M: int) -> tuple:
-        """The kernel's pack_args: LENS, FIRST, FIRST_DELTA, and with pages TABLE, its row stride, max_pages."""
+        """The kernel's pack_args: LENS, FIRST, FIRST_DELTA, WINDOW, and with pages TABLE, its row stride,
+        max_pages."""
         delta = -M if self.first_from_lens else 0
         if self.block_table is None:
-            return self.seq_lens, self.first, delta
+            return self.seq_lens, self.first, delta, self.window
         table = self.block_table
-        return self.seq_lens, self.first, delta, table, table.stride(0), table.shape[1]
+        return self.seq_lens, self.first, delta, self.window, table, table.stride(0), table.shape[1]
 
 
 def _fp8_site_config(q, k, vt, out, fp8, config) -> Sm90Config:
