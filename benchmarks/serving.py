@@ -46,6 +46,10 @@ Parts (--part, default decode,splits,paged,varlen):
           default positions; without it each call's positions are a new tensor, and flex() keys the
           block mask of the mods folding them in anew). Each row records the block masks built per call and the
           template flex() ran. Only when asked (--part prefill).
+  window  decode steps under causal sliding windows (flex_decode with mods.sliding_window(W), W = 128, 1024,
+          4096: gpt-oss's, Gemma 3's and Mistral's) against the same call without a mask (the whole cache),
+          the middle window on pages of 64, and torch's compiled FlexAttention with that window's block mask,
+          bf16 GQA 32/8 D128 at 1 x 32k, 8 x 32k, 1 x 128k. Only when asked (--part window).
 
 Units. Decode "TB/s" is K+V bytes read once / time; copy TB/s counts read + write (2 x K+V bytes)
 / time, a copy's usual figure; "% copy" is ours over the copy's. Varlen TFLOP/s count only the
@@ -98,10 +102,11 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))   # reference.py: the float64 reference
 
-PARTS = ("decode", "splits", "paged", "varlen", "fp8kv", "prefill")
-DEFAULT_PARTS = PARTS[:4]    # fp8kv and prefill run when asked (prefill: two compiles per row)
+PARTS = ("decode", "splits", "paged", "varlen", "fp8kv", "prefill", "window")
+DEFAULT_PARTS = PARTS[:4]    # fp8kv, prefill and window run when asked (prefill: two compiles per row)
 # cumulative share of --budget-s after which a part adds no more rows
-BUDGET_SHARE = {"decode": 0.58, "splits": 0.64, "paged": 0.70, "varlen": 1.0, "fp8kv": 1.0, "prefill": 1.0}
+BUDGET_SHARE = {"decode": 0.58, "splits": 0.64, "paged": 0.70, "varlen": 1.0, "fp8kv": 1.0, "prefill": 1.0,
+                "window": 1.0}
 QUICK_BUDGET_S = 140.0       # --quick: the whole run, startup included
 KV_CAP = 16 * 2 ** 30        # decode rows over this many K+V bytes are left out
 PAGED_KV_CAP = 4 * 2 ** 30   # rows whose paged copy is timed too (it holds the cache twice)
@@ -906,6 +911,76 @@ def _prefill_table(rows: list[dict]) -> list[str]:
     return lines + [""]
 
 
+# ------------------------------------------------------------------------------------ window
+DECODE_WINDOWS = (128, 1024, 4096)   # gpt-oss's, Gemma 3's and Mistral's sliding windows
+WINDOW_DECODE = [DecodeCase(1, 1, 32 * K, 32, 8, 128, page=DECODE_PAGE), DecodeCase(8, 1, 32 * K, 32, 8, 128,
+                 page=DECODE_PAGE), DecodeCase(1, 1, 128 * K, 32, 8, 128, page=DECODE_PAGE)]
+SMOKE_WINDOW = [DecodeCase(2, 1, 512, 4, 2, 16, page=16)]
+
+
+def window_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: Clock, flex_fn) -> dict:
+    """Decode under causal sliding windows (module docstring, part window): flex_decode with mods.sliding_window(W)
+    for each of DECODE_WINDOWS and without a mask (the whole cache), the middle window on pages too, all in the same
+    rounds; then torch's flex with that window's block mask (built once, outside the timing)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from fa3_inductor import flex_decode, mods
+
+    row = _case_row("window", c, dtype.itemsize)
+    q, k, v, lens = _decode_inputs(c, device, dtype)
+    kp, vp, table = _pages(k, v, c.page)
+    mid = DECODE_WINDOWS[len(DECODE_WINDOWS) // 2] if c.cache > 4 * K else 64
+    windows = DECODE_WINDOWS if c.cache > 4 * K else (8, 64, 256)
+    fns = {"full": lambda: flex_decode(q, k, v, seq_lens=lens)}
+    for w in windows:
+        fns[f"w{w}"] = (lambda w=w: flex_decode(q, k, v, seq_lens=lens, mask_mod=mods.sliding_window(w)))
+    fns["paged_mid"] = lambda: flex_decode(q, kp, vp, seq_lens=lens, block_table=table,
+                                           mask_mod=mods.sliding_window(mid))
+    ref = fns[f"w{mid}"]()
+    row["paged_diff"] = _rel(fns["paged_mid"](), ref)
+    from reference import reference_attention
+
+    last = c.cache - c.new
+    want, _ = reference_attention(q, k, v, mask_mod=lambda b, h, qi, ki: (qi + last >= ki) & (qi + last - ki < mid))
+    row["ref_diff"] = _rel(ref, want.to(ref.dtype))
+    row.update({f"{name}_ms": ms for name, ms in clock.times(fns).items()})
+    row["mid"] = mid
+    row["windows"] = list(windows)
+    row["window_gb"] = 2 * c.batch * c.hkv * min(mid + c.new, c.cache) * c.d * dtype.itemsize / 1e9
+    row["mid_tbps"] = row["window_gb"] / row[f"w{mid}_ms"]
+    row["full_over_mid"] = row["full_ms"] / row[f"w{mid}_ms"]
+    row["paged_over_contig"] = row["paged_mid_ms"] / row[f"w{mid}_ms"]
+    try:
+        bm = create_block_mask(lambda b, h, qi, ki: (qi + last >= ki) & (qi + last - ki < mid), None, None, c.new,
+                               c.cache, device=q.device)
+        out = flex_fn(q, k, v, block_mask=bm, enable_gqa=c.hq != c.hkv)
+        row["torch_flex_diff"] = _rel(out, ref)
+        row["torch_flex_ms"] = clock.ms(lambda: flex_fn(q, k, v, block_mask=bm, enable_gqa=c.hq != c.hkv))
+        row["vs_torch_flex"] = row["torch_flex_ms"] / row[f"w{mid}_ms"]
+    except Exception as exc:   # a compile failure is a result to report, not a reason to stop
+        row.setdefault("errors", {})["torch_flex"] = _error(exc)
+    return row
+
+
+def _window_table(rows: list[dict]) -> list[str]:
+    lines = ["## decode under causal sliding windows (flex_decode, mods.sliding_window; same rounds)", "",
+             "full: flex_decode without a mask (the whole cache); wW: with mods.sliding_window(W); paged: the middle "
+             "window on pages of 64 behind a shuffled table, its time over the contiguous one's; torch flex: "
+             "compiled FlexAttention with the middle window's block mask (built once). TB/s: the middle window's "
+             "K+V bytes (W + new keys a sequence) / its time.", "",
+             "| B | cache | HQ/HKV | D | full ms | windows | window ms | paged/contig (mid) | torch flex ms (mid) | "
+             "ours/torch flex (mid) | full/mid | mid TB/s | max diff |", "|" + "---|" * 13]
+    for r in rows:
+        ws = r.get("windows", [])
+        diff = max([r[k] for k in r if k.endswith("_diff")], default=None)
+        lines.append(f"| {r['B']} | {r['N'] // K}k | {r['HQ']}/{r['HKV']} | {r['D']} | {_f(r, 'full_ms')} | "
+                     f"{' / '.join(str(w) for w in ws)} | {' / '.join(_f(r, f'w{w}_ms') for w in ws)} | "
+                     f"{_f(r, 'paged_over_contig')} | {_f(r, 'torch_flex_ms')} | {_f(r, 'vs_torch_flex', '{:.2f}')} | "
+                     f"{_f(r, 'full_over_mid', '{:.1f}')} | {_f(r, 'mid_tbps', '{:.2f}')} | "
+                     f"{'-' if diff is None else f'{diff:.1e}'} |")
+    return lines + [""]
+
+
 # ------------------------------------------------------------------------------------ fp8kv
 def _fp8_caches(k: torch.Tensor, v: torch.Tensor, page: int) -> dict:
     """FP8 copies of the cache: contiguous with per kv head scales, and (page > 0) pages of ``page``
@@ -1306,6 +1381,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     prefill = [r for r in rows if r["part"] == "prefill" and "paged_ms" in r]
     if prefill:
         lines += _prefill_table(prefill)
+    window = [r for r in rows if r["part"] == "window" and "full_ms" in r]
+    if window:
+        lines += _window_table(window)
     errors = [f"- {r.get('label', r['part'])}: {name}: {msg}" for r in rows
               for name, msg in r.get("errors", {}).items()]
     if errors:
@@ -1389,6 +1467,8 @@ def _todo(part: str, args: argparse.Namespace) -> list:
         return SMOKE_FP8KV if args.smoke else FP8KV_DECODE + (FP8KV_FULL if args.full else [])
     if part == "prefill":
         return SMOKE_PREFILL if args.smoke else prefill_cases(args.full, args.quick)
+    if part == "window":
+        return SMOKE_WINDOW if args.smoke else WINDOW_DECODE
     return [SMOKE_VARLEN] if args.smoke else varlen_cases(args.full, args.quick)
 
 
@@ -1419,6 +1499,8 @@ def run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, meta
                     row = fp8kv_row(case, device, dtype, clock)
                 elif part == "prefill":
                     row = prefill_row(case, device, dtype, clock, flex_fn)
+                elif part == "window":
+                    row = window_row(case, device, dtype, clock, flex_fn)
                 else:
                     tiles = () if done else SMOKE_VARLEN_TILES if args.smoke else (
                         VARLEN_TILES if case.d == 128 else ())

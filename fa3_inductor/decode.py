@@ -340,7 +340,8 @@ def _kernel(q, k, v, seq_lens, block_table, q_offset, scale, score, mask, num_sp
     lse = torch.empty(B, HQ, M_new, dtype=torch.float32, device=q.device)
     options = dict(sm_scale=scale, score_mod=score[0], mask_mod=mask[0], score_bufs=score[1],
                    mask_bufs=mask[1], seq_lens=seq_lens, q_offset=q_offset, block_table=block_table,
-                   num_splits=num_splits, k_scale=scales[0], v_scale=scales[1])
+                   num_splits=num_splits, k_scale=scales[0], v_scale=scales[1],
+                   window=causal_window_of_source(mask[2]) or 0)   # a causal window: only its keys are read
     bufs = (*score[1], *mask[1])
     record_template("decode")
     if not q.is_cuda:   # the interpreter: bf16 on float32 copies (an FP8 cache converted in the kernel)

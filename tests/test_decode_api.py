@@ -79,6 +79,29 @@ def test_prefill_chunk_against_a_paged_cache_is_gathered():
 
 
 @pytest.mark.parametrize("paged", [True, False])
+def test_a_causal_window_reads_only_its_keys(paged):
+    """flex_decode under a causal sliding window (mods.sliding_window): the decode kernel's splits share the keys
+    from the window's edge on. Keys well before the window hold NaN, so a read of them would show (a masked key's
+    zero probability times NaN is NaN); the output matches float64, with several splits and 3 new tokens."""
+    k, v, kp, vp, table = _paged_cache(2, 2, 512, 16, 16)
+    lens = torch.tensor([500, 300], dtype=torch.int32)
+    W = 64
+    for b, L in enumerate(lens.tolist()):
+        stale = max(L - 3 - W - 128, 0)   # below the tile holding row 0's window edge, whatever the tile size
+        k[b, :, :stale] = v[b, :, :stale] = float("nan")
+        for j in range(stale // 16):
+            kp[table[b, j]] = vp[table[b, j]] = float("nan")
+    q = torch.randn(2, 8, 3, 16)
+    cache = (kp, vp) if paged else (k, v)
+    out = flex_decode(q, *cache, seq_lens=lens, block_table=table if paged else None,
+                      mask_mod=mods.sliding_window(W), num_splits=4)
+    assert fa3_inductor.last_template() == "decode"
+    ref, _ = _reference(q, k.nan_to_num(), v.nan_to_num(), lens, lens - 3, mask_mod=mods.sliding_window(W))
+    assert not out.isnan().any()
+    assert_matches_reference(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("paged", [True, False])
 def test_prefill_chunk_ignores_nan_in_unwritten_slots(paged):
     """Cache slots at or past a sequence's length were never written and may hold NaN (torch.empty): a gathered
     prefill chunk reads them as zeros (a masked key's zero probability times NaN would be NaN)."""

@@ -442,3 +442,27 @@ def test_prefill_chunk_on_an_fp8_cache():
         ref, _ = reference_attention(q[b:b + 1], kr[b:b + 1, :, :L], vr[b:b + 1, :, :L],
                                      mask_mod=lambda bb, h, qi, ki, f=f: (qi + f).clamp_min(0) >= ki)
         assert_matches_reference(out[b:b + 1], ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("D, paged", [(64, False), (128, True), (64, True)])
+def test_decode_under_a_causal_window_reads_only_its_keys(D, paged):
+    """flex_decode with mods.sliding_window(W): the splits share only the keys from the tile holding row 0's window
+    edge (GQA D64 contiguous: the TMA tiles). Keys well before the window are NaN, so reading them would show;
+    ragged lengths (one shorter than the window), 2 new tokens, against float64."""
+    B, HQ, HKV, M, N, W = 3, 32, 8, 2, 8192, 1024
+    q, k, v = _randn(B, HQ, M, D), _randn(B, HKV, N, D), _randn(B, HKV, N, D)
+    lens = torch.tensor([8192, 5000, 700], dtype=torch.int32, device="cuda")
+    cache = _paged(k, v, 64) if paged else (k, v, None)
+    for b, L in enumerate(lens.tolist()):
+        stale = max(L - M - W - 256, 0)   # below the tile holding row 0's edge
+        k[b, :, :stale] = v[b, :, :stale] = float("nan")
+        if paged:
+            for j in range(stale // 64):
+                cache[0][cache[2][b, j]] = cache[1][cache[2][b, j]] = float("nan")
+    out = flex_decode(q, cache[0], cache[1], seq_lens=lens, block_table=cache[2], mask_mod=mods.sliding_window(W))
+    assert fa3_inductor.last_template() == "decode" and not out.isnan().any()
+    for b, L in enumerate(lens.tolist()):
+        f = L - M
+        ref, _ = reference_attention(q[b:b + 1], k[b:b + 1, :, :L].nan_to_num(), v[b:b + 1, :, :L].nan_to_num(),
+                                     mask_mod=lambda bb, h, qi, ki, f=f: (qi + f >= ki) & (qi + f - ki < W))
+        assert_matches_reference(out[b:b + 1], ref, torch.bfloat16)

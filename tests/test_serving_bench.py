@@ -108,6 +108,20 @@ def test_fp8kv_part_on_the_cpu(cpu_kernels):
     assert "fp8kv" in sb.PARTS and "fp8kv" not in sb.DEFAULT_PARTS
 
 
+def test_window_part_on_the_cpu(cpu_kernels):
+    """The window part's row and table in process (float32 under the interpreter): every window agrees with the
+    float64 reference and with torch's flex, the paged cache with the contiguous one."""
+    sb = _module()
+    cpu = torch.device("cpu")
+    torch.manual_seed(0)
+    row = sb.window_row(sb.SMOKE_WINDOW[0], cpu, torch.float32, sb.Clock(cpu, 1, 0), sb._flex_function(True))
+    assert not row.get("errors"), row
+    assert {"full_ms", "w8_ms", "w64_ms", "w256_ms", "paged_mid_ms", "torch_flex_ms", "mid_tbps"} <= set(row), row
+    assert max(row[k] for k in row if k.endswith("_diff")) < 1e-4, row
+    table = sb._window_table([row])
+    assert table[0].startswith("## decode under causal sliding windows") and table[-2].count("|") == 14
+
+
 def test_prefill_part_on_the_cpu(cpu_kernels):
     """The prefill part's check, row, table and target in process (float32 under the interpreter): a
     chunk past the decode kernels' 128 packed rows, paged and contiguous, agrees with float64 and with

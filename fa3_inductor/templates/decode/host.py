@@ -124,7 +124,7 @@ def _sparsity(tables: Optional[tuple], sparse_q_block: int, sparse_kv_block: int
 
 def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_bufs, seq_lens,
           q_offset, q_start_zero, tables, sparse_q_block, sparse_kv_block, block_table, page_size,
-          num_splits, config, scratch, capability, k_scale=None, v_scale=None):
+          num_splits, config, scratch, capability, k_scale=None, v_scale=None, window=0):
     """The launches of one decode call on a GPU of ``capability`` (None: the interpreter)."""
     if q.dim() != 4:
         _fail(f"q must be [B, HQ, M_new, D], got {tuple(q.shape)}", "add the new-token dim")
@@ -159,6 +159,11 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
         _fail("q_start_zero and q_offset both given", "pass one of them")
     q_pos = "offset" if q_offset is not None else ("start" if q_start_zero else "end")
     mode, table_args = _sparsity(tables, sparse_q_block, sparse_kv_block, max_len, M_new, group, q_pos)
+    if window and mask_mod is None:
+        _fail(f"window={window} without the mask_mod", "pass the causal window's mask_mod (it applies on every tile)")
+    window = int(window) if mode == "none" else 0   # a block mask's tables bound the walk themselves
+    # the keys a split launch shares: a window's span (at most window + M_new keys past a tile edge), or the capacity
+    work_len = min(max_len, window + M_new + 128) if window else max_len
     # a block mask that differs per head: one program per query head, each walking its own row
     heads = 1 if mode != "none" and table_args[0].shape[1] > 1 else group
     device_index = q.device.index if q.is_cuda else None
@@ -169,7 +174,7 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
     # (decode-tiles-nvidia-h200-2026-11-30-1251: 8 x 8k at 8 splits and 1 x 128k at 66 ran 1.06-1.30x slower), and
     # the pair kernel with the merge spilled (sm90: 168 registers, 2 spill instructions at 8 splits)
     one_split = num_splits == 1 if num_splits is not None else \
-        choose_num_splits(B, HKV // 2, max_len, 64, sms, paged=True) == 1
+        choose_num_splits(B, HKV // 2, work_len, 64, sms, paged=True) == 1
     pairs = config is None and scratch is None and mode == "none" and kv_scale == "none" and one_split \
         and _head_pairs(q, k, v, block_table, HKV, group, capability)
     if pairs:   # two adjacent kv heads as one of twice the width (kernel.py, SITE.PAIRS)
@@ -187,7 +192,7 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
     split_paged = paged   # the paged split rule, unless short splits of whole-page tiles plan as contiguous
     if config is None and paged and not pairs and capability is not None and num_splits is None \
             and mode != "blocks" \
-            and short_paged_splits(max(D, DV), page, block_m, two_byte, B, HQ // heads, max_len, block_n, sms,
+            and short_paged_splits(max(D, DV), page, block_m, two_byte, B, HQ // heads, work_len, block_n, sms,
                                    cfg.resident):
         split_paged = False
         cfg = dataclasses.replace(decode_config(max(D, DV), capability, block_m=block_m,
@@ -195,7 +200,7 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
                                   num_stages=WHOLE_PAGE_STAGES)
         block_n = cfg.block_n
     if num_splits is None:
-        num_splits = choose_num_splits(B, HQ // heads, max_len, block_n, sms, cfg.resident, paged=split_paged)
+        num_splits = choose_num_splits(B, HQ // heads, work_len, block_n, sms, cfg.resident, paged=split_paged)
     if num_splits < 1:
         _fail(f"num_splits={num_splits}", "pass a positive split count or None (chosen)")
     split = num_splits > 1
@@ -248,7 +253,7 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
             tuple(score_bufs), tuple(mask_bufs),
             q.stride(0), q.stride(1), q.stride(2), *k_strides, *v_strides,
             out.stride(0), out.stride(1), out.stride(2), *table_args[4:],
-            table_stride, max_len, HKV, M_new, D, DV, sm_scale, to_score * math.log2(math.e))
+            table_stride, max_len, HKV, M_new, D, DV, sm_scale, to_score * math.log2(math.e), window)
     merge_rows = triton.next_power_of_2(rows)
     tile = DecodeTiling(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
@@ -260,7 +265,8 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
                   CACHE=CacheLayout(PAGED=paged, PAGE_SIZE=page or block_n, KV_SCALE=kv_scale, TMA=descs is not None),
                   SITE=DecodeSite(GQA_GROUP=group, HEADS=heads, Q_POS=q_pos, HAS_SEQ_LENS=seq_lens is not None,
                                   FOLD_SCALE=fold, SPLIT=split,
-                                  WIDE_SCORES=wide_scores(score_mod, compiled=capability is not None), PAIRS=pairs),
+                                  WIDE_SCORES=wide_scores(score_mod, compiled=capability is not None), PAIRS=pairs,
+                                  WINDOW=window > 0),
                   SPARSE=BlockSparsity(MODE=mode, KV_BLOCK=sparse_kv_block if mode == "blocks" else 0,
                                        HAS_FULL=table_args[2] is not dummy),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -386,7 +392,7 @@ def prepare_decode(
     num_splits: Optional[int] = None, config: Optional[DecodeConfig] = None,
     scratch: Optional[tuple[torch.Tensor, ...]] = None,
     plan_for: Optional[tuple[int, int]] = None,
-    k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None, window: int = 0,
 ) -> list[Launch]:
     """The launches ``[(kernel, args, kwargs, grid)]`` of one decode call (one: the split kernel,
     whose last split per program row merges the splits). ``out`` [B, HQ, M_new, DV] (q's dtype) and
@@ -404,7 +410,10 @@ def prepare_decode(
     heads, capacity and SM count (configs.py); ``scratch`` from :func:`decode_scratch` (else
     allocated here); ``plan_for`` the capability to plan for with no GPU tensors (compile-only);
     ``k_scale`` / ``v_scale`` the float32 dequantization scales of an FP8 (e4m3 / e5m2) ``k`` / ``v``
-    (fp8_cache.py: per tensor, kv head, sequence or page by their shape; q stays fp16 / bf16).
+    (fp8_cache.py: per tensor, kv head, sequence or page by their shape; q stays fp16 / bf16);
+    ``window`` > 0: ``mask_mod`` is a causal sliding window of that many keys (modgen.causal_window_of_source),
+    so the splits share only the keys from the tile holding row 0's window edge to the length, and the split
+    count is planned for that span (without block mask tables; the mask still applies on every tile).
 
     Example::
 
@@ -419,7 +428,7 @@ def prepare_decode(
         tuple(torch.cuda.get_device_capability(q.device)) if q.is_cuda else None)
     return _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_bufs, seq_lens,
                  q_offset, q_start_zero, block_mask_tables, sparse_q_block, sparse_kv_block,
-                 block_table, page_size, num_splits, config, scratch, capability, k_scale, v_scale)
+                 block_table, page_size, num_splits, config, scratch, capability, k_scale, v_scale, window)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,

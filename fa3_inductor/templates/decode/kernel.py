@@ -124,6 +124,8 @@ class DecodeSite:
     PAIRS: bool = False    # a program reads two adjacent kv heads of a paged cache as one row of 2 x D/2
                            # columns ("Head pairs" above): GQA_GROUP = HEADS = both heads' query heads; one
                            # split only (host.py plans no other), so the merge never stores a pair
+    WINDOW: bool = False   # the mask_mod is a causal window of WINDOW_KEYS keys: the splits share the keys from
+                           # the tile holding row 0's window edge to L, none before it (no row sees them)
 
 
 @dataclass(frozen=True)
@@ -263,7 +265,7 @@ def _table_row(NUM, IDX, z, h0, s_nb, s_nh, s_ib, s_ih):
     return n, IDX + z.to(tl.int64) * s_ib + h0 * s_ih
 
 
-@triton.jit(do_not_specialize=["MAX_PAGES", "N_KEYS"])
+@triton.jit(do_not_specialize=["MAX_PAGES", "N_KEYS", "WINDOW_KEYS"])
 def decode_split_kernel(
     Q, K, V, K_DESC, V_DESC, O, LSE, O_PART, LSE_PART, ARRIVALS,
     SEQ_LENS, Q_OFFSET, BLOCK_TABLE, K_SCALE, V_SCALE,
@@ -276,7 +278,7 @@ def decode_split_kernel(
     stride_knb, stride_knh, stride_kib, stride_kih,
     stride_fnb, stride_fnh, stride_fib, stride_fih,
     MAX_PAGES, N_KEYS, HKV, M_NEW, D, DV,
-    sm_scale, qk_scale2,
+    sm_scale, qk_scale2, WINDOW_KEYS,
     SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr,
     TILE: tl.constexpr, CACHE: tl.constexpr, SITE: tl.constexpr, SPARSE: tl.constexpr,
 ):
@@ -388,8 +390,13 @@ def decode_split_kernel(
             full_tile = n_full > 0
             visible = tl.where(n_part + n_full > 0, L, 0)
         # This split's keys: chunks of whole tiles, so only the tile holding L is partial.
-        chunk = tl.cdiv(tl.cdiv(visible, num_splits), BLOCK_N) * BLOCK_N
-        lo = split * chunk
+        if SITE.WINDOW:   # from the tile holding row 0's window edge (later rows' edges are later)
+            base = tl.maximum(tl.maximum(q_first, 0) - WINDOW_KEYS + 1, 0) // BLOCK_N * BLOCK_N
+            chunk = tl.cdiv(tl.cdiv(tl.maximum(visible - base, 0), num_splits), BLOCK_N) * BLOCK_N
+            lo = base + split * chunk
+        else:
+            chunk = tl.cdiv(tl.cdiv(visible, num_splits), BLOCK_N) * BLOCK_N
+            lo = split * chunk
         span = tl.maximum(tl.minimum(lo + chunk, visible) - lo, 0)
         if CACHE.TMA:
             n_whole = span // BLOCK_N   # tiles with every key below L: TMA, no key bound
