@@ -1206,7 +1206,30 @@ def varlen_row(c: VarlenCase, device: torch.device, dtype: torch.dtype, clock: C
     for other in impls:
         if other != "ours" and "ours_ms" in row and f"{other}_ms" in row:
             row[f"vs_{other}"] = row[f"{other}_ms"] / row["ours_ms"]
+    _varlen_window(row, q, k, v, cu, longest, clock)
     return row
+
+
+VARLEN_WINDOW = 1024   # the varlen part's window probe: mods.sliding_window of this many keys
+
+
+def _varlen_window(row: dict, q, k, v, cu, longest: int, clock: Clock) -> None:
+    """A probe: the pack under a causal window of VARLEN_WINDOW keys, the Hopper kernel (which walks it from its
+    edge) against the Triton varlen kernel (which masks every tile of each sequence)."""
+    import fa3_inductor
+    from fa3_inductor import mods
+
+    window = mods.sliding_window(VARLEN_WINDOW)
+    impls = {kernel: (lambda kernel=kernel: fa3_inductor.flex_varlen(q, k, v, cu, cu, longest, longest,
+                                                                   mask_mod=window, kernel=kernel))
+             for kernel in ("auto", "triton")}
+    try:
+        row["window_triton_diff"] = _rel(impls["triton"](), impls["auto"]())
+        row["window_ms"] = clock.ms(impls["auto"])
+        row["window_triton_ms"] = clock.ms(impls["triton"])
+        row["window_vs_triton"] = row["window_triton_ms"] / row["window_ms"]
+    except Exception as exc:   # reported, not fatal
+        row.setdefault("errors", {})["window"] = _error(exc)
 
 
 # ------------------------------------------------------------------------------------ report
@@ -1252,6 +1275,9 @@ def targets(rows: list[dict]) -> list[str]:
         tag = f"varlen {r.get('docs', '?')} docs"
         lines += [f"{tag}: ours >= 1.0x per-document cuDNN: {_yes(r.get('vs_sdpa_cudnn_per_doc'), 1.0)}",
                   f"{tag}: ours >= 1.2x our document-mask path: {_yes(r.get('vs_docmask'), 1.2)}"]
+        if "window_ms" in r:
+            lines.append(f"{tag} under a causal window of {VARLEN_WINDOW}: {r['window_ms']:.3f} ms, "
+                         f"{r['window_vs_triton']:.2f}x the Triton varlen kernel (every tile masked)")
     return lines
 
 

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from ._log import info_once, warn_once
 from .mod_keys import Unkeyable, mod_key
-from .templates.modgen import (BufferSpec, UnsupportedMod, generate_mod_source,
+from .templates.modgen import (BufferSpec, UnsupportedMod, causal_window_of_source, generate_mod_source,
                                is_causal_mask_source, is_constant_true_mask, is_identity_score, load_mod,
                                trace_mod)
 from .templates.hopper.varlen_sm90 import launch_varlen_sm90
@@ -228,12 +228,14 @@ def flex_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
                         f"create it on {q.device}")
     causal = is_causal_mask_source(mask_source)
     launch = launch_varlen_sm90 if which == "hopper" else launch_varlen
+    # the Hopper kernel walks a causal window from its far edge (the Triton kernel applies it on every tile)
+    walk = dict(window=causal_window_of_source(mask_source) or 0) if which == "hopper" else {}
 
     def run_forward(out: Tensor, lse: Tensor) -> None:
         with torch.no_grad():
             launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, sm_scale=scale,
                    score_mod=score_fn, mask_mod=mask_fn, causal=causal, score_bufs=score_bufs,
-                   mask_bufs=mask_bufs)
+                   mask_bufs=mask_bufs, **walk)
 
     if needs_grad:   # (the Hopper forward's mods are the backward's dialect already)
         gl_mods = (score_fn, score_bufs, mask_fn, mask_bufs) if dialect == "gl" else None

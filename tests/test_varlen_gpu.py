@@ -1,7 +1,8 @@
 """flex_varlen on an sm90 GPU: the Hopper kernel's packed mode (kernel="hopper") against a float64 reference run on
 each sequence alone, out and LSE (tests/reference.py's tolerance rule), and beside it the Triton varlen kernel on
 the same packs. Ragged packs with empty and one-token sequences, lengths on and off the 128-row tiles, M != N both
-ways, GQA, causal, softcap, a window mask (masked on every tile), a per-sequence captured buffer; rows after the
+ways, GQA, causal, softcap, causal windows (the Hopper kernel walks them from their edge, 50 keys: less than a tile,
+300: the edge cuts one), a per-sequence captured buffer; rows after the
 pack's last sequence stay untouched (tail tiles are stored by masked pointers, not TMA); a CUDA graph replays with
 other lengths (no host read of cu_seqlens).
 
@@ -38,12 +39,13 @@ def _run(q, k, v, lq, lk, kernel, **mods_and_scale):
 
 
 @pytest.mark.parametrize("kernel", ["hopper", "triton"])
-@pytest.mark.parametrize("variant", ["none", "causal", "softcap_causal", "window"])
+@pytest.mark.parametrize("variant", ["none", "causal", "softcap_causal", "window", "window300"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_ragged_gqa_against_float64(head_dim, variant, kernel):
     score_mod, mask_mod = {"none": (None, None), "causal": (None, mods.causal),
                            "softcap_causal": (mods.softcap(20.0), mods.causal),
-                           "window": (None, mods.sliding_window(50))}[variant]
+                           "window": (None, mods.sliding_window(50)),
+                           "window300": (None, mods.sliding_window(300))}[variant]
     torch.manual_seed(0)
     q, k, v = _packed(LENGTHS_Q, LENGTHS_K, 4, 2, head_dim, torch.bfloat16)
     out, lse = _run(q, k, v, LENGTHS_Q, LENGTHS_K, kernel, score_mod=score_mod, mask_mod=mask_mod)

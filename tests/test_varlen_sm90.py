@@ -79,9 +79,9 @@ def test_launch_layout(causal):
         assert list(desc.strides)[1:] == [t.stride(1), t.stride(0), 1]
     assert named["q_desc"].block_shape == [1, 1, 64, 64] and named["k_desc"].block_shape == [1, 1, 128, 64]
     assert named["lse_ptr"].data_ptr() == lse.data_ptr() and named["lse_ptr"].shape == (1, 4, 434)
-    cu_q_arg, cu_k_arg, out_arg, stride_t, stride_h = named["pack_args"]
+    cu_q_arg, cu_k_arg, out_arg, stride_t, stride_h, window = named["pack_args"]
     assert cu_q_arg is cu_q and cu_k_arg is cu_k and out_arg.data_ptr() == out.data_ptr()
-    assert (stride_t, stride_h) == (4 * 64, 64)
+    assert (stride_t, stride_h, window) == (4 * 64, 64, 0)
     assert (named["num_tiles"], named["num_m_tiles"], named["HQ"], named["GQA"]) == (48, 3, 4, 2)
     assert kwargs["PACK"].VARLEN and not kwargs["SCHED"].PERSISTENT and not kwargs["FLAGS"].EVEN_N
     assert kwargs["SPARSE"].CAUSAL_WALK == causal and kwargs["FLAGS"].DENSE_MASK != causal

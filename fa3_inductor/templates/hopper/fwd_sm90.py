@@ -218,8 +218,8 @@ class BlockSparsity:
     SPARSE_KV_MULT: int   # SPARSE_KV // BLOCK_N: kernel KV tiles per sparse KV block
     CAUSAL_WALK: bool = False   # no tables; the mask_mod is q_idx >= kv_idx (top-left aligned): a query tile walks
                                 # its diagonal KV tiles (partial) and then the tiles below them (full), none above
-    WINDOW: bool = False        # CAUSAL_WALK under a causal window of W keys (PACK.CACHE's WINDOW): the walk starts
-                                # at the window's far edge (_window_walk), the tiles that edge cuts partial too
+    WINDOW: bool = False        # CAUSAL_WALK under a causal window of W keys (pack_args' WINDOW, CACHE or VARLEN):
+                                # the walk starts at the window's far edge (_window_walk), the tiles it cuts partial
 
 
 @dataclass(frozen=True)
@@ -520,8 +520,9 @@ def _producer(descs, bars, smem, sizes, sp_ptrs, sp_meta, pack_args, TILE: gl.co
         b, h, mt = _tile_coords(tile_id, num_tiles, num_m_tiles, HQ, SCHED.PERSISTENT, PACK.VARLEN)
         # z: the descriptors' batch coordinate; q0 / k0: the sequence's first rows (VARLEN, else 0)
         z, q0, M_seq, k0, N_seq, q_pos = _seq_rows(b, M, N, pack_args, PACK)
-        walk_pos = q_pos if PACK.CACHE else None   # the causal walk's offset (None: the other modes' code as it was)
-        walk_win = pack_args[3] if PACK.CACHE else None   # SPARSE.WINDOW's W
+        # the causal walk's offset and SPARSE.WINDOW's W (pack_args' WINDOW); None leaves other modes' code as it was
+        walk_pos = q_pos if PACK.CACHE or SPARSE.WINDOW else None
+        walk_win = pack_args[3] if PACK.CACHE else (pack_args[5] if SPARSE.WINDOW else None)
         hkv = h // GQA
         m0 = q0 + mt * BLOCK_M
         # Q halves: wait until the consumer released the half (O_STAGE: its last QK^T retired;
@@ -1450,8 +1451,9 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
         b, h, mt = _tile_coords(tile_id, num_tiles, num_m_tiles, HQ, PERSISTENT, PACK.VARLEN)
         # the tile's sequence (VARLEN; dense: z = b, q0 = 0, M_seq = M, N_seq = N): rows and keys are positions in it
         z, q0, M_seq, k0, N_seq, q_pos = _seq_rows(b, M, N, pack_args, PACK)
-        walk_pos = q_pos if PACK.CACHE else None   # the causal walk's offset (None: the other modes' code as it was)
-        walk_win = pack_args[3] if PACK.CACHE else None   # SPARSE.WINDOW's W
+        # the causal walk's offset and SPARSE.WINDOW's W (pack_args' WINDOW); None leaves other modes' code as it was
+        walk_pos = q_pos if PACK.CACHE or SPARSE.WINDOW else None
+        walk_win = pack_args[3] if PACK.CACHE else (pack_args[5] if SPARSE.WINDOW else None)
         row0 = mt * BLOCK_M + WG * HALF_M
         # pos0: the half's first row as the mods see it (CACHE: its position in the sequence; otherwise row0)
         pos0 = q_pos + row0
@@ -1705,8 +1707,8 @@ def fa3_fwd_sm90_kernel(
     score_bufs, mask_bufs,
     quant_bufs,     # QUANT.ON: (QS, KS, VS, VS_MAX) scale pointers; () for 16-bit inputs (no kernel parameter)
     sink_bufs,      # FLAGS.HAS_SINKS: (SINKS,); () without sinks (no kernel parameter)
-    pack_args,      # PACK.VARLEN: (CU_Q, CU_K, O, O's token and head strides); PACK.CACHE: (LENS, FIRST, FIRST_DELTA,
-                    # WINDOW, and with pages TABLE, its row stride, max_pages); () otherwise (no kernel parameter)
+    pack_args,      # PACK.VARLEN: (CU_Q, CU_K, O, O's token and head strides, WINDOW); PACK.CACHE: (LENS, FIRST,
+                    # FIRST_DELTA, WINDOW, and with pages TABLE, its row stride, max_pages); () otherwise
     kvnb_ptr, kvidx_ptr, fnb_ptr, fidx_ptr,
     BM, HM, nb_sb, nb_sh, idx_sb, idx_sh, idx_sm, fnb_sb, fnb_sh, fidx_sb, fidx_sh, fidx_sm,
     sm_scale, qk_scale, fixed_base, qk_unit, num_tiles, num_m_tiles, HQ, GQA, M, N,
@@ -2063,7 +2065,7 @@ def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bu
         sp_ptrs = (lse, lse, lse, lse)   # unused placeholders
         sp_meta = (1,) * 12
     rows = packed or cache
-    window = cache is not None and cache.window > 0
+    window = rows is not None and rows.window > 0
     causal_walk = rows is not None and (rows.causal or window)
     sparse = BlockSparsity(HAS_SPARSE=has_sparse, HAS_FULL=has_full,
                            SPARSE_Q_DIV=(sparse_q_block // BLOCK_M) if has_sparse else 1,
@@ -2089,7 +2091,7 @@ def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bu
         num_m_tiles = triton.cdiv(packed.max_seqlen_q, BLOCK_M)
         num_tiles = (packed.cu_seqlens_q.shape[0] - 1) * Hq * num_m_tiles
         pack, pack_args = Packing(VARLEN=True), (packed.cu_seqlens_q, packed.cu_seqlens_k, out, out.stride(2),
-                                                 out.stride(1))
+                                                 out.stride(1), packed.window)
     max_kv_tiles = None
     if has_sparse and cfg.persistent is None:
         longest = _longest_row(kv_num_blocks, full_kv_num_blocks if has_full else None)
@@ -2132,6 +2134,7 @@ class PackedRows:
     cu_seqlens_k: torch.Tensor   # likewise its keys
     max_seqlen_q: int            # bounds every sequence's query length: sizes the grid, never read on the host
     causal: bool                 # the mask_mod is q_idx >= kv_idx: KV walks end at the diagonal (CAUSAL_WALK)
+    window: int = 0              # > 0: the mask_mod is a causal window of this many keys (SPARSE.WINDOW)
 
 
 @dataclass(frozen=True)

@@ -68,13 +68,14 @@ def varlen_sm90_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def prepare_varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                         cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, *,
                         sm_scale: float, score_mod: Any = None, mask_mod: Any = None, causal: bool = False,
-                        score_bufs: Sequence[torch.Tensor] = (), mask_bufs: Sequence[torch.Tensor] = (),
+                        window: int = 0, score_bufs: Sequence[torch.Tensor] = (), mask_bufs: Sequence[torch.Tensor] = (),
                         config: Any = None, tensors: Optional[list] = None) -> tuple[Any, tuple, dict, tuple]:
     """``(kernel, args, kwargs, grid)`` of one launch over packed ``q [TQ, HQ, D]``, ``k [TK, HKV, D]``,
     ``v [TK, HKV, DV]`` writing ``out [TQ, HQ, DV]`` and ``lse [HQ, TQ]`` (float32, log2 units) in place, as
     templates/varlen/host.py's prepare_varlen does for the Triton kernel. ``score_mod`` / ``mask_mod`` are
     generated ``gl`` mods; ``causal`` says the mask_mod is ``q_idx >= kv_idx`` (the KV walk then ends at each
-    tile's diagonal); ``config`` overrides the Hopper tile table (configs.py). Needs TQ, TK > 0. ``tensors``: this
+    tile's diagonal), ``window`` > 0 that it is a causal window of that many keys (the walk also starts at the
+    window's far edge: modgen.causal_window_of_source); ``config`` overrides the Hopper tile table (configs.py). Needs TQ, TK > 0. ``tensors``: this
     call's :func:`launch_tensors` (made here when None): every tensor the launch takes is one of them.
 
     Example::
@@ -83,13 +84,13 @@ def prepare_varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
         ...                                                  sm_scale=0.088)   # doctest: +SKIP
         >>> kernel[grid](*args, **kwargs)                                     # doctest: +SKIP
     """
-    if causal and mask_mod is None:
-        raise ValueError("prepare_varlen_sm90: causal=True needs the causal mask_mod itself (the diagonal tiles "
+    if (causal or window) and mask_mod is None:
+        raise ValueError("prepare_varlen_sm90: causal=True or a window needs the mask_mod itself (the partial tiles "
                          "apply it); pass mask_mod")
     q4, k4, v4, out4, lse4, max4, cu_q, cu_k = (tensors or launch_tensors(q, k, v, out, lse, cu_seqlens_q,
                                                                           cu_seqlens_k))[:8]
     # MAX is not asked for: a bounded score_mod may then run against a fixed exponent base (fwd_sm90 FIXED_BASE)
-    packed = PackedRows(cu_q, cu_k, int(max_seqlen_q), bool(causal))
+    packed = PackedRows(cu_q, cu_k, int(max_seqlen_q), bool(causal), int(window))
     site = _site(q4, k4, v4, out4, lse4, max4, sm_scale=sm_scale, score_mod=score_mod, mask_mod=mask_mod,
                  score_bufs=tuple(score_bufs), mask_bufs=tuple(mask_bufs), kv_num_blocks=None, kv_indices=None,
                  full_kv_num_blocks=None, full_kv_indices=None, sparse_q_block=128, sparse_kv_block=128,
