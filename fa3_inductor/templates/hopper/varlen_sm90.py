@@ -68,15 +68,17 @@ def varlen_sm90_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def prepare_varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                         cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, *,
                         sm_scale: float, score_mod: Any = None, mask_mod: Any = None, causal: bool = False,
-                        window: int = 0, score_bufs: Sequence[torch.Tensor] = (), mask_bufs: Sequence[torch.Tensor] = (),
-                        config: Any = None, tensors: Optional[list] = None) -> tuple[Any, tuple, dict, tuple]:
+                        window: int = 0, score_bufs: Sequence[torch.Tensor] = (),
+                        mask_bufs: Sequence[torch.Tensor] = (), config: Any = None,
+                        tensors: Optional[list] = None) -> tuple[Any, tuple, dict, tuple]:
     """``(kernel, args, kwargs, grid)`` of one launch over packed ``q [TQ, HQ, D]``, ``k [TK, HKV, D]``,
     ``v [TK, HKV, DV]`` writing ``out [TQ, HQ, DV]`` and ``lse [HQ, TQ]`` (float32, log2 units) in place, as
     templates/varlen/host.py's prepare_varlen does for the Triton kernel. ``score_mod`` / ``mask_mod`` are
     generated ``gl`` mods; ``causal`` says the mask_mod is ``q_idx >= kv_idx`` (the KV walk then ends at each
     tile's diagonal), ``window`` > 0 that it is a causal window of that many keys (the walk also starts at the
-    window's far edge: modgen.causal_window_of_source); ``config`` overrides the Hopper tile table (configs.py). Needs TQ, TK > 0. ``tensors``: this
-    call's :func:`launch_tensors` (made here when None): every tensor the launch takes is one of them.
+    window's far edge: modgen.causal_window_of_source); ``config`` overrides the Hopper tile table (configs.py).
+    Needs TQ, TK > 0. ``tensors``: this call's :func:`launch_tensors` (made here when None): every tensor the
+    launch takes is one of them.
 
     Example::
 
