@@ -212,7 +212,7 @@ def flex_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, seq_lens: Tensor
     split-KV decode kernels (``num_splits`` None: chosen to fill the GPU; ``scratch`` from
     ``templates.decode.decode_scratch`` to own every buffer a graph touches). Longer queries
     (prefill chunks) run on an sm90 GPU through the Hopper forward reading the cache in place
-    (pages of 8, 16, 32, 64 or a multiple of 128 keys, or the contiguous cache; lengths and
+    (pages of 16, 32, 64 or a multiple of 128 keys, or the contiguous cache; lengths and
     positions read on the device, so a CUDA graph replays new ones); elsewhere they gather the
     cache into a contiguous copy (its unwritten slots zeroed) and run ``fa3_inductor.flex``, as
     the CPU without the interpreter does (torch's flex_attention).

@@ -2159,7 +2159,7 @@ class CacheRows:
         if block_n % self.page == 0 and self.page >= 8:
             return self.page
         raise ValueError(f"sm90 forward: pages of {self.page} keys neither hold whole {block_n}-key tiles nor "
-                         f"divide one into boxes of 8 keys or more; use pages of 8, 16, 32, 64 or a multiple of 128")
+                         f"divide one into boxes of 8 keys or more; use pages of 16, 32, 64 or a multiple of 128")
 
     def packing(self, box: int) -> Packing:
         return Packing(VARLEN=False, CACHE=True, PAGE=self.page, PAGE_BOX=box if self.page else 0)
