@@ -60,6 +60,7 @@ def cached_block_mask(mask_mod: Callable, q: Tensor, k: Tensor) -> BlockMask:
 
     Example::
 
+        >>> from fa3_inductor import mods
         >>> q = k = torch.randn(1, 4, 256, 64)
         >>> cached_block_mask(mods.causal, q, k).shape
         (1, 1, 256, 256)

@@ -14,7 +14,7 @@ import torch
 from ...runtime.fast_launch import aliasing, launch_cached, tensor_signature
 from ..tma import tma_aligned
 from .configs import SUPPORTED_DTYPES, served_head_dims_text, serves_head_dims
-from .fwd_sm90 import CacheRows, _site, fa3_fwd_sm90_kernel
+from .fwd_sm90 import CacheRows, rows_launch
 
 _MAX_POSITION = 1 << 23   # generated mods turn positions into floats exactly below 2**23
 
@@ -108,12 +108,8 @@ def prepare_cache_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
         q, k, v, out, lse, seq_lens, block_table, q_offset))[:9]
     rows = CacheRows(lens, first, q_offset is None, table, k.shape[1] if table is not None else 0, bool(causal),
                      int(window))
-    # MAX is not asked for: a bounded score_mod may then run against a fixed exponent base (fwd_sm90 FIXED_BASE)
-    site = _site(q_, k_, v_, out_, lse_, max_, sm_scale=sm_scale, score_mod=score_mod, mask_mod=mask_mod,
-                 score_bufs=tuple(score_bufs), mask_bufs=tuple(mask_bufs), kv_num_blocks=None, kv_indices=None,
-                 full_kv_num_blocks=None, full_kv_indices=None, sparse_q_block=128, sparse_kv_block=128,
-                 config=config, num_sms=0, max_needed=False, cache=rows)
-    return (fa3_fwd_sm90_kernel, *site.launch())
+    return rows_launch(q_, k_, v_, out_, lse_, max_, sm_scale=sm_scale, score_mod=score_mod, mask_mod=mask_mod,
+                       score_bufs=score_bufs, mask_bufs=mask_bufs, config=config, cache=rows)
 
 
 def launch_cache_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,

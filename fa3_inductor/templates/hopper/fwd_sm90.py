@@ -2028,7 +2028,7 @@ def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bu
     v_lo, v_hi = split_head_dim(Dv)
     tile = TileShape(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, QK_LO=qk_lo, QK_HI=qk_hi, V_LO=v_lo, V_HI=v_hi,
                      NUM_STAGES=cfg.num_stages, V_STAGES=cfg.v_ring_stages, CONSUMERS=consumers)
-    # a paged cache's boxes are a page's rows where a page is shorter than a KV tile (_load_page_stage)
+    # a paged cache's boxes are a page's rows where a page is shorter than a KV tile (_load_page_tiles)
     box = cache.page_box(BLOCK_N) if cache is not None and cache.block_table is not None else BLOCK_N
     q_desc = _desc(q, [1, 1, HALF_M, qk_lo])
     o_desc = _desc(out, [1, 1, HALF_M, v_lo])
@@ -2127,6 +2127,22 @@ def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bu
                  pack)
 
 
+def rows_launch(q, k, v, out, lse, max_scores, *, sm_scale: float, score_mod=None, mask_mod=None,
+                score_bufs=(), mask_bufs=(), config=None, packed=None, cache=None) -> tuple:
+    """(kernel, args, kwargs, grid) of a launch whose rows are packed sequences (``packed``: PackedRows) or a decode
+    cache's (``cache``: CacheRows): one CTA a tile, no block mask, MAX not asked for (a bounded score_mod may run
+    against a fixed exponent base). varlen_sm90.py and cache_sm90.py prepare their launches through it.
+
+    Example::
+
+        >>> kernel, args, kwargs, grid = rows_launch(q4, k4, v4, out4, lse4, max4, sm_scale=0.088,
+        ...                                          packed=rows)   # doctest: +SKIP
+    """
+    site = _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, tuple(score_bufs), tuple(mask_bufs),
+                 None, None, None, None, 128, 128, config, 0, max_needed=False, packed=packed, cache=cache)
+    return (fa3_fwd_sm90_kernel, *site.launch())
+
+
 @dataclass(frozen=True)
 class PackedRows:
     """The sequences of a VARLEN launch (module docstring, "Packed sequences"), as _site takes them."""
@@ -2141,8 +2157,8 @@ class PackedRows:
 class CacheRows:
     """The decode cache of a CACHE launch (module docstring, "Decode caches"), as _site takes it."""
     seq_lens: torch.Tensor                # int32 [B]: sequence b's keys (clamped to [0, capacity] on the device)
-    first: torch.Tensor                   # int32 [B]: query row m of sequence b sits at first[b] + m (but see below)
-    first_from_lens: bool                 # first is seq_lens, and row m sits at seq_lens[b] - M + m
+    first: torch.Tensor                   # int32 [B]: query row m of sequence b sits at first[b] + m, or with
+    first_from_lens: bool                 # this, first is seq_lens and row m sits at seq_lens[b] - M + m
     block_table: Optional[torch.Tensor]   # int32 [B, max_pages] (k, v as [P, HKV, PAGE, D]), or None ([B, HKV, N, D])
     page: int                             # keys a page (0 without a table)
     causal: bool                          # the mask_mod is q_idx >= kv_idx on these positions (CAUSAL_WALK)

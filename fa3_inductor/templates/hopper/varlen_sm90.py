@@ -13,7 +13,7 @@ import torch
 from ...runtime.fast_launch import aliasing, launch_cached, tensor_signature
 from ..tma import tma_aligned
 from .configs import SUPPORTED_DTYPES, served_head_dims_text, serves_head_dims
-from .fwd_sm90 import PackedRows, _site, fa3_fwd_sm90_kernel
+from .fwd_sm90 import PackedRows, rows_launch
 
 
 def packed_view(t: torch.Tensor) -> torch.Tensor:
@@ -91,13 +91,9 @@ def prepare_varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
                          "apply it); pass mask_mod")
     q4, k4, v4, out4, lse4, max4, cu_q, cu_k = (tensors or launch_tensors(q, k, v, out, lse, cu_seqlens_q,
                                                                           cu_seqlens_k))[:8]
-    # MAX is not asked for: a bounded score_mod may then run against a fixed exponent base (fwd_sm90 FIXED_BASE)
     packed = PackedRows(cu_q, cu_k, int(max_seqlen_q), bool(causal), int(window))
-    site = _site(q4, k4, v4, out4, lse4, max4, sm_scale=sm_scale, score_mod=score_mod, mask_mod=mask_mod,
-                 score_bufs=tuple(score_bufs), mask_bufs=tuple(mask_bufs), kv_num_blocks=None, kv_indices=None,
-                 full_kv_num_blocks=None, full_kv_indices=None, sparse_q_block=128, sparse_kv_block=128,
-                 config=config, num_sms=0, max_needed=False, packed=packed)
-    return (fa3_fwd_sm90_kernel, *site.launch())
+    return rows_launch(q4, k4, v4, out4, lse4, max4, sm_scale=sm_scale, score_mod=score_mod, mask_mod=mask_mod,
+                       score_bufs=score_bufs, mask_bufs=mask_bufs, config=config, packed=packed)
 
 
 def launch_varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
