@@ -1699,6 +1699,17 @@ _RUNTIME_SIZES = ["nb_sb", "nb_sh", "idx_sb", "idx_sh", "idx_sm", "fnb_sb", "fnb
 
 
 
+@gluon.jit
+def _ring(desc, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, PACK: gl.constexpr):
+    """A K or V ring of STAGES stages in desc's layout: a stage is one of desc's boxes, or with pages (PACK.PAGE)
+    BLOCK_N rows of them, a KV tile of several page boxes (_load_page_tiles)."""
+    if PACK.PAGE > 0:
+        ring = gl.allocate_shared_memory(desc.dtype, [STAGES, 1, 1, BLOCK_N, desc.block_type.shape[3]], desc.layout)
+    else:
+        ring = gl.allocate_shared_memory(desc.dtype, [STAGES] + desc.block_type.shape, desc.layout)
+    return ring
+
+
 @gluon.jit(do_not_specialize=_RUNTIME_SIZES)
 def fa3_fwd_sm90_kernel(
     q_desc, k_desc, v_desc, o_desc,
@@ -1730,22 +1741,13 @@ def fa3_fwd_sm90_kernel(
         gl.static_assert(CONSUMERS == 3 and not QUANT.ON and not PACK.VARLEN and not TILE.SPLIT_QK and not TILE.SPLIT_V,
                          "three consumer warpgroups: 16-bit inputs, power-of-two head dims, no packed sequences")
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
-    if PACK.PAGE > 0:   # a ring stage holds a whole KV tile, several page boxes (_load_page_stage)
-        k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, 1, 1, TILE.BLOCK_N, TILE.QK_LO], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES, 1, 1, TILE.BLOCK_N, TILE.V_LO], v_desc.layout)
-    else:
-        k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)
+    k_smem = _ring(k_desc, NUM_STAGES, TILE.BLOCK_N, PACK)
+    v_smem = _ring(v_desc, V_STAGES, TILE.BLOCK_N, PACK)
     # The hi parts of a padded head dim's tiles (the tiles above hold the lo columns); without a split the
     # names alias the lo tiles and descriptors, never read.
     if TILE.SPLIT_QK:
         q_smem_hi = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc_hi.block_type.shape, q_desc_hi.layout)
-        if PACK.PAGE > 0:
-            k_smem_hi = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, 1, 1, TILE.BLOCK_N, TILE.QK_HI],
-                                                  k_desc_hi.layout)
-        else:
-            k_smem_hi = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc_hi.block_type.shape,
-                                                  k_desc_hi.layout)
+        k_smem_hi = _ring(k_desc_hi, NUM_STAGES, TILE.BLOCK_N, PACK)
         qh_desc = q_desc_hi
         kh_desc = k_desc_hi
     else:
@@ -1754,12 +1756,7 @@ def fa3_fwd_sm90_kernel(
         qh_desc = q_desc
         kh_desc = k_desc
     if TILE.SPLIT_V:
-        if PACK.PAGE > 0:
-            v_smem_hi = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES, 1, 1, TILE.BLOCK_N, TILE.V_HI],
-                                                  v_desc_hi.layout)
-        else:
-            v_smem_hi = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES] + v_desc_hi.block_type.shape,
-                                                  v_desc_hi.layout)
+        v_smem_hi = _ring(v_desc_hi, V_STAGES, TILE.BLOCK_N, PACK)
         vh_desc = v_desc_hi
         oh_desc = o_desc_hi
     else:
