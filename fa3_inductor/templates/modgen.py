@@ -1352,21 +1352,18 @@ def causal_window_of_source(source: Optional[str]) -> Optional[int]:
 
     Example::
 
-        >>> causal_window_of_source("@gluon.jit\ndef mask_mod(b, h, q_idx, kv_idx, bufs):\n"
-        ...     "    v0 = (q_idx >= kv_idx)\n    v1 = (kv_idx > (q_idx - 256))\n"
-        ...     "    v2 = (v0 & v1)\n    return v2\n")
+        >>> causal_window_of_source("@gluon.jit\\ndef mask_mod(b, h, q_idx, kv_idx, bufs):\\n"
+        ...     "    v0 = (q_idx >= kv_idx)\\n    v1 = (kv_idx > (q_idx - 256))\\n"
+        ...     "    v2 = (v0 & v1)\\n    return v2\\n")
         256
     """
-    body = _mod_body(source)
-    if not body or not body[-1].startswith("return "):
-        return None
-    defs = dict(line.split(" = ", 1) for line in body[:-1] if " = " in line)
+    defs, returned = _mod_defs(source)
 
     def expand(expr: str, depth: int = 0) -> str:   # variables replaced by their expressions
         return re.sub(r"\bv\d+\b", lambda v: expand(defs[v.group(0)], depth + 1)
                       if v.group(0) in defs and depth < 8 else v.group(0), expr)
 
-    conj = re.fullmatch(r"\((\w+) & (\w+)\)", defs.get(body[-1][len("return "):].strip(), ""))
+    conj = re.fullmatch(r"\((\w+) & (\w+)\)", defs.get(returned, ""))
     if conj is None:
         return None
     terms = [expand(defs.get(name, name)) for name in conj.groups()]
@@ -1389,11 +1386,8 @@ def mask_implies_causal_source(source: Optional[str]) -> bool:
         ...     "    v2 = (v0 & v1)\\n    return v2\\n")
         True
     """
-    body = _mod_body(source)
-    if not body or not body[-1].startswith("return "):
-        return False
-    defs = dict(line.split(" = ", 1) for line in body[:-1] if " = " in line)
-    todo, seen = [body[-1][len("return "):].strip()], set()
+    defs, returned = _mod_defs(source)
+    todo, seen = [returned], set()
     while todo:
         name = todo.pop()
         if name in seen or name not in defs:
@@ -1417,6 +1411,14 @@ def mask_implies_causal(fn: Any) -> bool:
         False
     """
     return mask_implies_causal_source(_jit_source(fn))
+
+
+def _mod_defs(source: Optional[str]) -> tuple[dict[str, str], str]:
+    """(each ``vN = expr`` of a generated mod's body, the name it returns; "" when it ends in no return)."""
+    body = _mod_body(source)
+    if not body or not body[-1].startswith("return "):
+        return {}, ""
+    return dict(line.split(" = ", 1) for line in body[:-1] if " = " in line), body[-1][len("return "):].strip()
 
 
 def _mod_body(source: Optional[str]) -> list[str]:
