@@ -10,6 +10,10 @@ Impls (each timed as one call that returns dq, dk, dv for a fixed dout: ``torch.
 FLOPs are the causal pairs' (4 H D per pair a forward; fwd+bwd 3.5 forwards). Gradients of every impl are compared
 with ours (relative error) before timing; the pack's documents are serving.py's (doc_lengths, seeded).
 
+``--window W``: a causal sliding window of W keys within each document (``mods.sliding_window(W)``; FLOPs of the
+window's pairs). SDPA has no window, so cudnn / fa2 are not timed; ``--bwd-variants every_tile`` times our backward
+with the mask on every query tile of each sequence (what it ran before the window walk).
+
     python benchmarks/varlen_train.py --out benchmarks/results            # on an sm90 GPU
 """
 from __future__ import annotations
@@ -36,7 +40,20 @@ CASES = [VarlenCase(16384, docs, 16, d) for d in (128, 64, 256) for docs in (6, 
 IMPLS = ("ours", "docmask", "cudnn", "fa2", "flex")
 # --bwd-variants: our packed backward with prepare_varlen_backward's options, timed as the forward (no autograd) and
 # launch_varlen_backward, beside each other ("ours[name]")
-BWD_VARIANTS: dict[str, dict] = {"default": {}}
+BWD_VARIANTS: dict[str, dict] = {"default": {}, "every_tile": {"window": 0}}
+
+
+def window_pairs(lengths: list[int], window: int) -> int:
+    """(q, kv) pairs a causal window of ``window`` keys computes within documents of these lengths (0: causal).
+
+    Example::
+
+        >>> window_pairs([2, 3], 2), window_pairs([2, 3], 0)
+        (7, 9)
+    """
+    if not window:
+        return causal_pairs(lengths)
+    return sum(min(q + 1, window) for n in lengths for q in range(n))
 
 
 def _grads(outs: list, leaves: list, douts: list) -> Callable:
@@ -57,32 +74,39 @@ def _kernel_times(fn: Callable, calls: int = 5) -> dict:
     return dict(sorted(times.items(), key=lambda kv: -kv[1])[:8])
 
 
-def _direct(q, k, v, dout, cu, longest, options: dict) -> Callable:
-    """Our packed forward (no autograd) and launch_varlen_backward with ``options``: (dq, dk, dv) as [1, H, T, D]."""
+def _mask(window: int) -> Callable:
+    from fa3_inductor import mods
+
+    return mods.sliding_window(window) if window else mods.causal
+
+
+def _direct(q, k, v, dout, cu, longest, window: int, options: dict) -> Callable:
+    """Our packed forward (no autograd) and launch_varlen_backward with ``options`` over the walk flex_varlen picks
+    (causal, or the causal ``window``): (dq, dk, dv) as [1, H, T, D]."""
     import math
 
     import fa3_inductor
-    from fa3_inductor import mods
     from fa3_inductor.templates.hopper_bwd.varlen import launch_varlen_backward
     from fa3_inductor.varlen import generated_mod
 
-    mask_fn, mask_bufs, _ = generated_mod(mods.causal, "mask", "gl")
+    mask = _mask(window)
+    mask_fn, mask_bufs, _ = generated_mod(mask, "mask", "gl")
+    walk = dict(dict(window=window) if window else dict(causal=True), **options)
 
     def run():
         with torch.no_grad():
-            out, lse = fa3_inductor.flex_varlen(q, k, v, cu, cu, longest, longest, mask_mod=mods.causal,
-                                                return_lse=True)
+            out, lse = fa3_inductor.flex_varlen(q, k, v, cu, cu, longest, longest, mask_mod=mask, return_lse=True)
         grads = [torch.empty_like(t) for t in (q, k, v)]
         launch_varlen_backward(q, k, v, out, dout, lse / math.log(2.0), *grads, cu, cu,
-                               sm_scale=q.shape[-1] ** -0.5, mask_mod=mask_fn, mask_bufs=mask_bufs, causal=True,
-                               **options)
+                               sm_scale=q.shape[-1] ** -0.5, mask_mod=mask_fn, mask_bufs=mask_bufs, **walk)
         return [g.transpose(0, 1).unsqueeze(0) for g in grads]
     return run
 
 
 def case_row(c: VarlenCase, device: torch.device, clock: Clock, flex_fn: Callable, profile: bool = False,
-             variants: tuple = ()) -> dict:
-    """One pack: every impl's fwd+bwd ms, TFLOP/s and gradient difference from ours."""
+             variants: tuple = (), window: int = 0) -> dict:
+    """One pack: every impl's fwd+bwd ms, TFLOP/s and gradient difference from ours (``window``: a causal window of
+    that many keys within each document, 0 causal)."""
     from torch.nn.attention import sdpa_kernel
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -91,8 +115,9 @@ def case_row(c: VarlenCase, device: torch.device, clock: Clock, flex_fn: Callabl
 
     lengths = doc_lengths(c)
     T, H, D = c.tokens, c.heads, c.d
-    flops = 3.5 * 4 * H * D * causal_pairs(lengths)
-    row = dict(tokens=T, docs=c.docs, lengths=lengths, H=H, D=D)
+    flops = 3.5 * 4 * H * D * window_pairs(lengths, window)
+    row = dict(tokens=T, docs=c.docs, lengths=lengths, H=H, D=D, window=window)
+    mask = _mask(window)
     gen = torch.Generator(device=device).manual_seed(c.seed)
     q, k, v, dout = (torch.randn(T, H, D, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(4))
     cu = F.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(device=device, dtype=torch.int32)
@@ -103,11 +128,10 @@ def case_row(c: VarlenCase, device: torch.device, clock: Clock, flex_fn: Callabl
     starts = cu[:-1].tolist()
     docs = [[t[:, :, s:s + n].detach().contiguous().requires_grad_() for t in four] for s, n in zip(starts, lengths)]
     ids = torch.repeat_interleave(torch.arange(c.docs, device=device), torch.tensor(lengths, device=device))
-    bm = create_block_mask(mods.and_masks(mods.document(ids, causal=False), mods.causal), None, None, T, T,
-                           device=device)
+    bm = create_block_mask(mods.and_masks(mods.document(ids, causal=False), mask), None, None, T, T, device=device)
 
     def ours():
-        out = fa3_inductor.flex_varlen(*packed, cu, cu, longest, longest, mask_mod=mods.causal)
+        out = fa3_inductor.flex_varlen(*packed, cu, cu, longest, longest, mask_mod=mask)
         return [g.transpose(0, 1).unsqueeze(0) for g in _grads([out], packed, [dout])]
 
     def four_way(fn):
@@ -121,9 +145,11 @@ def case_row(c: VarlenCase, device: torch.device, clock: Clock, flex_fn: Callabl
             return [torch.cat(grads[i::3], dim=2) for i in range(3)]
         return run
 
-    impls = {"ours": ours, "docmask": four_way(fa3_inductor.flex), "cudnn": per_doc("cudnn"), "fa2": per_doc("flash"),
-             "flex": four_way(flex_fn)}
-    impls.update({f"ours[{name}]": _direct(q, k, v, dout, cu, longest, BWD_VARIANTS[name]) for name in variants})
+    impls = {"ours": ours, "docmask": four_way(fa3_inductor.flex), "flex": four_way(flex_fn)}
+    if not window:   # (SDPA has no sliding window)
+        impls.update(cudnn=per_doc("cudnn"), fa2=per_doc("flash"))
+    impls.update({f"ours[{name}]": _direct(q, k, v, dout, cu, longest, window, BWD_VARIANTS[name])
+                  for name in variants})
     ref = ours()
     for name, fn in impls.items():
         try:
@@ -145,7 +171,8 @@ def case_row(c: VarlenCase, device: torch.device, clock: Clock, flex_fn: Callabl
 
 def markdown(meta: dict, rows: list[dict]) -> str:
     """The result file: header, one table (TFLOP/s; ours/X = X's time over ours), targets."""
-    lines = [f"# varlen_train on {meta['device']} (bf16, fwd+bwd TFLOP/s = 3.5 forwards of the causal pairs)", "",
+    pairs = f"causal window of {meta['window']} keys" if meta.get("window") else "causal"
+    lines = [f"# varlen_train on {meta['device']} (bf16, fwd+bwd TFLOP/s = 3.5 forwards of the {pairs} pairs)", "",
              f"Tree: {meta['tree']}", "",
              f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}; command: `{meta['command']}`. "
              f"{meta['timing']}", "",
@@ -187,6 +214,8 @@ def main() -> None:
                     help="the packs' head dims to time (default 128 64)")
     ap.add_argument("--bwd-variants", nargs="*", default=[], choices=sorted(BWD_VARIANTS),
                     help="our packed backward's variants, timed beside the rest (BWD_VARIANTS)")
+    ap.add_argument("--window", type=int, default=0,
+                    help="a causal sliding window of this many keys within each document (0: causal)")
     ap.add_argument("--head-start-ms", type=float, default=4.0,
                     help="GPU sleep before each timed call, so that the host's launches are queued before it starts: "
                          "the time is the GPU's (host µs per call are reported beside it)")
@@ -200,7 +229,7 @@ def main() -> None:
     name = torch.cuda.get_device_name()
     now = datetime.datetime.now(datetime.timezone.utc)
     meta = dict(device=name, torch=torch.__version__, triton=triton.__version__, date=f"{now:%Y-%m-%d %H:%M}Z",
-                tree=f"{commit_label()}",
+                tree=f"{commit_label()}", window=args.window,
                 command="python benchmarks/varlen_train.py " + " ".join(sys.argv[1:]),
                 timing=f"CUDA events, {args.warmup} warm-up calls, median of {args.reps}; before every timed call a "
                        f"{FLUSH_BYTES >> 20} MB scratch write flushes L2 (outside the events) and the GPU sleeps "
@@ -211,7 +240,7 @@ def main() -> None:
     rows = []
     started = time.time()
     for c in [c for c in CASES if c.d in args.head_dims]:
-        rows.append(case_row(c, device, clock, flex_fn, args.profile, tuple(args.bwd_variants)))
+        rows.append(case_row(c, device, clock, flex_fn, args.profile, tuple(args.bwd_variants), args.window))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "lengths"}), flush=True)
     meta["wall_s"] = round(time.time() - started, 1)
     label = f"-{args.label}" if args.label else ""

@@ -163,7 +163,9 @@ def flex_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
     mean in FlexAttention with ``b`` the sequence index and ``q_idx`` / ``kv_idx`` positions
     within the sequence (so ``mods.causal`` is causal per sequence, top-left aligned when the
     lengths differ, and a row that sees no key gets output 0). A mask_mod that is exactly
-    ``q_idx >= kv_idx`` also stops each query tile's work at the diagonal. Default ``scale``
+    ``q_idx >= kv_idx`` also stops each query tile's work at the diagonal; on sm90 a causal
+    sliding window (``mods.sliding_window(W)``, or any mask spelling ``q_idx - W < kv_idx <= q_idx``)
+    is walked from its far edge to the diagonal, forward and backward. Default ``scale``
     D ** -0.5; ``enable_gqa`` allows H a multiple of Hkv. Returns the output (total_q, H, Dv) in
     the input dtype, plus the natural-log LSE (H, total_q) float32 if ``return_lse`` (-inf for
     rows that see no key).
@@ -228,8 +230,10 @@ def flex_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
                         f"create it on {q.device}")
     causal = is_causal_mask_source(mask_source)
     launch = launch_varlen_sm90 if which == "hopper" else launch_varlen
-    # the Hopper kernel walks a causal window from its far edge (the Triton kernel applies it on every tile)
-    walk = dict(window=causal_window_of_source(mask_source) or 0) if which == "hopper" else {}
+    # the Hopper forward and the sm90 backward walk a causal window from its far edge (the Triton kernel applies it
+    # on every tile)
+    window = causal_window_of_source(mask_source) or 0
+    walk = dict(window=window) if which == "hopper" else {}
 
     def run_forward(out: Tensor, lse: Tensor) -> None:
         with torch.no_grad():
@@ -240,7 +244,7 @@ def flex_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
     if needs_grad:   # (the Hopper forward's mods are the backward's dialect already)
         gl_mods = (score_fn, score_bufs, mask_fn, mask_bufs) if dialect == "gl" else None
         return _with_gradients(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, score_mod,
-                               mask_mod, causal, run_forward, return_lse, gl_mods)
+                               mask_mod, causal, run_forward, return_lse, gl_mods, window)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     lse = torch.empty(q.shape[1], q.shape[0], device=q.device, dtype=torch.float32)
     run_forward(out, lse)
@@ -248,10 +252,10 @@ def flex_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
 
 
 def _with_gradients(q, k, v, cu_q, cu_k, scale, score_mod, mask_mod, causal, run_forward,
-                    return_lse, gl_mods=None):
+                    return_lse, gl_mods=None, window=0):
     """flex_varlen through varlen_grad.VarlenAttention: the forward as given, the sm90 packed backward; where that
     does not serve, the document-mask path. ``gl_mods``: (score_fn, score_bufs, mask_fn, mask_bufs) already generated
-    in the backward's dialect, or None."""
+    in the backward's dialect, or None; ``window``: the mask_mod's causal window (keys), 0 when it is none."""
     if gl_mods is None:
         try:
             score_fn, score_bufs, _ = generated_mod(score_mod, "score", "gl")
@@ -265,7 +269,7 @@ def _with_gradients(q, k, v, cu_q, cu_k, scale, score_mod, mask_mod, causal, run
     if why_not is not None:
         return _through_document_mask(q, k, v, cu_q, cu_k, score_mod, mask_mod, scale, return_lse, why_not)
     mods = dict(score_mod=score_fn, score_grad_mod=score_derivative(score_mod) if score_fn is not None else None,
-                mask_mod=mask_fn, causal=causal, score_bufs=score_bufs, mask_bufs=mask_bufs)
+                mask_mod=mask_fn, causal=causal, window=window, score_bufs=score_bufs, mask_bufs=mask_bufs)
     out, lse = VarlenAttention.apply(q, k, v, cu_q, cu_k, scale, run_forward, mods)
     return (out, lse) if return_lse else out
 

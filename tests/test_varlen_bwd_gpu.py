@@ -2,7 +2,8 @@
 float64 autograd run on each sequence alone (tests/reference.py's tolerance rule): dq, dk, dv of ragged GQA packs
 with empty and one-token sequences, M != N both ways, lengths on and off the tiles, head dims 64 to 256 and 192 / 128
 (the wide kernel); no mask, causal (the diagonal
-walk), softcap with causal (a score_mod derivative), ALiBi, a window (the mask on every tile); the LSE's gradient;
+walk), softcap with causal (a score_mod derivative), ALiBi, causal windows (their walk, windows shorter than a tile,
+cutting tiles, on tile edges, longer than the sequences), prefix-LM (the mask on every tile); the LSE's gradient;
 keys no query reaches get zero gradients; what it does not serve takes the document-mask path, right too.
 
     pytest -m gpu tests/test_varlen_bwd_gpu.py
@@ -26,7 +27,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 LENGTHS_Q = [5, 0, 300, 1, 128, 257, 40, 3]
 LENGTHS_K = [9, 3, 200, 1, 128, 400, 0, 70]
 VARIANTS = {"none": (None, None), "causal": (None, mods.causal), "softcap_causal": (mods.softcap(20.0), mods.causal),
-            "alibi": (mods.alibi(4), None), "window": (None, mods.sliding_window(50))}
+            "alibi": (mods.alibi(4), None), "window": (None, mods.sliding_window(50)),
+            "prefix_lm": (None, mods.prefix_lm(70))}
 
 
 def _leaves(lq, lk, hq, hkv, d, dtype, dv=None):
@@ -95,6 +97,30 @@ def test_fp16_causal_scale_and_long_sequences():
     _check_grads(q, k, v, dout, lq, lk, None, mods.causal, scale=0.05)
 
 
+@pytest.mark.parametrize("head_dims,window", [((128, 128), 1), ((128, 128), 64), ((128, 128), 300),
+                                              ((128, 128), 2000), ((64, 64), 300), ((64, 64), 129),
+                                              ((192, 128), 300), ((256, 256), 100)])
+def test_causal_windows_walk_from_the_diagonal_to_their_edge(monkeypatch, head_dims, window):
+    """Sequences of many KV tiles under a causal window: the backward is launched with the window (its walk: the
+    diagonal and edge tiles masked, the tiles between not) and every gradient matches float64. Windows of one key,
+    of a whole number of 64-row steps, cutting steps, and longer than every sequence (causal)."""
+    from fa3_inductor import varlen_grad
+
+    seen = []
+    launch = varlen_grad.launch_varlen_backward
+    monkeypatch.setattr(varlen_grad, "launch_varlen_backward",
+                        lambda *args, **kw: seen.append(kw.get("window")) or launch(*args, **kw))
+    lq, lk = [1000, 0, 1, 700, 64, 333], [1000, 5, 1, 650, 64, 400]
+    torch.manual_seed(2)
+    q, k, v = _leaves(lq, lk, 4, 2, head_dims[0], torch.bfloat16, head_dims[1])
+    mask = mods.sliding_window(window)
+    out = flex_varlen(q, k, v, _cu(lq).cuda(), _cu(lk).cuda(), max(lq), max(lk), mask_mod=mask, enable_gqa=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    assert seen == [window]
+    _check_grads(q, k, v, dout, lq, lk, None, mask)
+
+
 def test_lse_gradient():
     """A loss on the returned (natural-log) LSE as well as on the output."""
     lq, lk = [130, 7, 64], [100, 7, 200]
@@ -143,9 +169,11 @@ def test_what_the_packed_backward_does_not_serve_takes_the_document_mask(case):
         assert_matches_reference(got.cpu(), want.grad, q.dtype, what=name)
 
 
-def test_transformers_packed_training_takes_the_varlen_backward(monkeypatch):
-    """attn_implementation="fa3"'s packed path with gradients on CUDA: flex_varlen's kernels (flex() with a document
-    mask is not called), the same gradients as each sequence alone in float64."""
+@pytest.mark.parametrize("window", [None, 96])
+def test_transformers_packed_training_takes_the_varlen_backward(monkeypatch, window):
+    """attn_implementation="fa3"'s packed path with gradients on CUDA, causal and sliding-window layers (Mistral's):
+    flex_varlen's kernels (flex() with a document mask is not called), the same gradients as each sequence alone in
+    float64."""
     from fa3_inductor.integrations import transformers as integration
 
     monkeypatch.setattr(integration, "flex", lambda *a, **kw: pytest.fail("the document-mask path ran"))
@@ -155,13 +183,14 @@ def test_transformers_packed_training_takes_the_varlen_backward(monkeypatch):
     query, key, value = (torch.randn(1, h, sum(lengths), 64, device="cuda", dtype=torch.bfloat16).requires_grad_()
                          for h in (4, 2, 2))
     cu = _cu(lengths).cuda()
-    out = integration._packed_attention(query, key, value, (cu, cu, max(lengths), max(lengths)), None, None)
+    out = integration._packed_attention(query, key, value, (cu, cu, max(lengths), max(lengths)), None, None,
+                                        window=window)
     dout = torch.randn_like(out)
     out.backward(dout)
     q, k, v = (t.detach()[0].transpose(0, 1).requires_grad_() for t in (query, key, value))
     for leaf, t in zip((q, k, v), (query, key, value)):
         leaf.grad = t.grad[0].transpose(0, 1)
-    _check_grads(q, k, v, dout[0], lengths, lengths, None, mods.causal)
+    _check_grads(q, k, v, dout[0], lengths, lengths, None, mods.sliding_window(window) if window else mods.causal)
 
 
 def test_a_repeated_call_relaunches_on_new_lengths_and_tensors():

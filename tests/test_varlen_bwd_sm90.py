@@ -28,27 +28,29 @@ def _mods(variant):
     if variant == "causal":
         fn, bufs, _ = generated_mod(mods.causal, "mask", "gl")
         return dict(mask_mod=fn, mask_bufs=bufs, causal=True)
-    if variant == "window":
+    if variant in ("window", "other_mask"):   # the window walked, or a mask_mod the host knows nothing of
         fn, bufs, _ = generated_mod(mods.sliding_window(100), "mask", "gl")
-        return dict(mask_mod=fn, mask_bufs=bufs)
+        return dict(mask_mod=fn, mask_bufs=bufs, **({"window": 100} if variant == "window" else {}))
     if variant == "softcap":
         fn, bufs, _ = generated_mod(mods.softcap(20.0), "score", "gl")
         return dict(score_mod=fn, score_bufs=bufs, score_grad_mod=score_derivative(mods.softcap(20.0)))
     return {}
 
 
-@pytest.mark.parametrize("variant", ["none", "causal", "window"])
+@pytest.mark.parametrize("variant", ["none", "causal", "window", "other_mask"])
 def test_launch_layout(variant):
     """Grid (virtual KV tiles, kv heads) over the tile table the first launch writes; the walk follows the mask: the
-    diagonal walk for causal, the mask on every tile for another mask_mod; scratch rows cover the pack plus a tile;
-    no block tables or CTA order."""
+    diagonal walk for causal, the window's walk (its W the pack's fourth entry), the mask on every tile for another
+    mask_mod; scratch rows cover the pack plus a tile; no block tables or CTA order."""
     tiles, pre, main, convert = prepare_varlen_backward(*_inputs(), CU, CU, sm_scale=0.1, **_mods(variant))
     kernel, args, kwargs, grid = main
     assert grid == (1000 // 128 + 3 + 1, 2)                    # virtual KV tiles, kv heads
     assert kwargs["PACK"].VARLEN and args[-1][:2] == (CU, CU) and args[-2] == ()
     assert args[-1][2] is tiles[1][1] and tiles[1][2:] == (3, 11, 3) and tiles[3] == (1,)   # B, T, halvings
     assert kwargs["SPARSE"].CAUSAL_WALK == (variant == "causal")
-    assert kwargs["SPARSE"].DENSE_MASK == (variant == "window") and not kwargs["SPARSE"].HAS_BLOCK_MASK
+    assert kwargs["SPARSE"].WINDOW_WALK == (variant == "window") and args[-1][3:] == ((100,) if variant == "window"
+                                                                                      else ())
+    assert kwargs["SPARSE"].DENSE_MASK == (variant == "other_mask") and not kwargs["SPARSE"].HAS_BLOCK_MASK
     assert not kwargs["FLAGS"].EVEN_N and not kwargs["SCHED"].PERSISTENT and not kwargs["SCHED"].DQ_FRAG
     stats, dq_acc = args[5], args[6]
     assert tuple(stats.shape) == (4, 2, 1088) and tuple(dq_acc.shape) == (4, 1088, 128)   # 1024 + 64 rows
@@ -58,8 +60,12 @@ def test_launch_layout(variant):
 
 def test_refusals_say_what_to_do():
     q, k, v, out, dout, lse, dq, dk, dv = _inputs()
-    with pytest.raises(ValueError, match="causal=True without the causal mask_mod"):
+    with pytest.raises(ValueError, match="causal=True or a window without the mask_mod itself"):
         prepare_varlen_backward(q, k, v, out, dout, lse, dq, dk, dv, CU, CU, sm_scale=0.1, causal=True)
+    for window in (-1, 2.5):
+        with pytest.raises(ValueError, match=r"window .* \(keys a row sees, itself included: an int >= 1"):
+            prepare_varlen_backward(q, k, v, out, dout, lse, dq, dk, dv, CU, CU, sm_scale=0.1, window=window,
+                                    **_mods("other_mask"))
     with pytest.raises(ValueError, match="dk is not contiguous"):
         prepare_varlen_backward(q, k, v, out, dout, lse, dq, dk.transpose(0, 1).contiguous().transpose(0, 1), dv,
                                 CU, CU, sm_scale=0.1)

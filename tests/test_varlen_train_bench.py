@@ -38,3 +38,22 @@ def test_report_rows():
 def test_needs_a_gpu():
     run = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and "needs a CUDA GPU" in run.stderr
+
+
+@pytest.mark.parametrize("window", [0, 1, 3, 50])
+def test_window_pairs_count_the_window_masks_true_entries(window):
+    """The FLOPs' pair count against the mask itself, per document (0: causal)."""
+    from fa3_inductor import mods
+
+    bench = _module()
+    lengths = [int(n) for n in torch.randint(0, 40, (5,))]
+    mask = mods.sliding_window(window) if window else mods.causal
+    expected = sum(int(mask(0, 0, torch.arange(n)[:, None], torch.arange(n)[None, :]).sum()) for n in lengths)
+    assert bench.window_pairs(lengths, window) == expected
+
+
+def test_report_names_the_window():
+    bench = _module()
+    meta = dict(device="NVIDIA H200", tree="main at abc1234", torch="2.11", triton="3.6", date="2026-11-30 01:51Z",
+                command="python benchmarks/varlen_train.py --window 1024", timing="CUDA events.", window=1024)
+    assert "3.5 forwards of the causal window of 1024 keys pairs" in bench.markdown(meta, [])

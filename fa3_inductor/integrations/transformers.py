@@ -134,9 +134,9 @@ def _packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       window: Optional[int] = None) -> torch.Tensor:
     """Causal attention within each packed sequence (within the layer's sliding ``window`` when it
     has one): (1, T, H, D) output. flex_varlen computes it (no tile spans two sequences), with
-    gradients where its sm90 backward serves causal layers; flex() with a document mask over the
-    same packing computes what it does not (other CUDA inputs that need gradients, windowed layers
-    that do, whose block mask skips the tiles outside the window, and layers with attention sinks)."""
+    gradients where its sm90 backward serves the layer (causal or windowed: both walk only the tiles
+    their mask reaches); flex() with a document mask over the same packing computes what it does not
+    (other CUDA inputs that need gradients, and layers with attention sinks)."""
     from ..varlen import flex_varlen
     from ..varlen_grad import varlen_grad_refusal
 
@@ -145,7 +145,7 @@ def _packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     causal = mods.sliding_window(window) if window else mods.causal
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))   # (T, H, D) views
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    varlen_grads = not window and varlen_grad_refusal(q, k, v, (), ()) is None
+    varlen_grads = varlen_grad_refusal(q, k, v, (), ()) is None
     if sinks is not None or (needs_grad and query.is_cuda and not varlen_grads):
         if not torch.equal(cu_q, cu_k):   # one sync
             raise NotImplementedError("attn_implementation='fa3' trains packed batches (or runs them "

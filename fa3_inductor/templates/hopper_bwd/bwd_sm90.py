@@ -63,8 +63,10 @@ Packed sequences (PACK.VARLEN; host hopper_bwd/varlen.py, front door flex_varlen
                     are virtual tiles CU_K[b] // BLOCK_N + b onwards, T = total_k // BLOCK_N + B + 1
   grid              (T, HKV): kz of a CTA is its sequence (the mods' b); a virtual tile past its sequence's last
                     (at most one a sequence) has no step. Query steps are the sequence's own BLOCK_M-row tiles
-                    (rows relative to CU_Q[b]): all (no mask_mod), all with the mask (SPARSE.DENSE_MASK), or from the
-                    KV tile's diagonal (SPARSE.CAUSAL_WALK). Rows past the sequence read LSE_P +inf (P = 0:
+                    (rows relative to CU_Q[b]): all (no mask_mod), all with the mask (SPARSE.DENSE_MASK), from the
+                    KV tile's diagonal (SPARSE.CAUSAL_WALK), or from its diagonal to the last row whose causal window
+                    of WINDOW keys (pack_args[3]) reaches the tile (SPARSE.WINDOW_WALK). Rows past the sequence read
+                    LSE_P +inf (P = 0:
                     _lse_rows); K rows past it are zeroed in shared memory once landed (_kv_landed), the dense
                     ragged tail's TMA zero fill; STATS and DQ_ACC are [H, ..] over the packed rows plus a tile.
 
@@ -163,6 +165,10 @@ class BwdSparsity:
                                # at its diagonal, whose SPARSE_KV // BLOCK_M tiles are partial, the rest full (packed
                                # sequences)
     DENSE_MASK: bool = False   # no tables; mask_mod on every query tile (packed sequences with another mask_mod)
+    WINDOW_WALK: bool = False  # no tables; the mask_mod is a causal window of WINDOW keys (q - WINDOW < kv <= q,
+                               # table_meta[4]): a KV block's query tiles from its diagonal to the last row that sees
+                               # its last key; the diagonal's and the window edge's tiles are partial, the ones between
+                               # full (packed sequences: _q_tile_counts)
 
 
 @dataclass(frozen=True)
@@ -261,7 +267,7 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 def _q_tile_counts(z, hq, kv_blk, M, tables, table_meta, TILE: gl.constexpr, SPARSE: gl.constexpr):
     """(partial, total) query tiles of head (z, hq) for this CTA's KV block; the partial ones come first."""
     qnb, qidx, fqnb, fqidx = tables
-    SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS = table_meta
+    SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS, WINDOW = table_meta
     if SPARSE.HAS_BLOCK_MASK:
         row = ((z % SZ) * SH + (hq % SH)) * NUM_KV_BLKS + kv_blk
         n_partial = gl.load(qnb + row) * SPARSE.Q_TILES_PER_BLK
@@ -274,6 +280,18 @@ def _q_tile_counts(z, hq, kv_blk, M, tables, table_meta, TILE: gl.constexpr, SPA
         n_total = gl.maximum(gl.cdiv(M, TILE.BLOCK_M) - kv_blk * DIAG, 0)
         n_partial = gl.minimum(n_total, DIAG)
         n_full = n_total - n_partial
+    elif SPARSE.WINDOW_WALK:
+        # KV block [n0, n0 + SPARSE_KV): rows n0 .. n0 + SPARSE_KV + WINDOW - 2 see some of its keys, rows
+        # n0 + SPARSE_KV - 1 .. n0 + WINDOW - 1 all of them. Walked as: the DIAG diagonal tiles, the tail (tiles from
+        # t0 + max(DIAG, WINDOW // BLOCK_M) on, which the window's edge cuts), then the full tiles between
+        DIAG: gl.constexpr = SPARSE.SPARSE_KV // TILE.BLOCK_M
+        t0 = kv_blk * DIAG
+        n_tiles = gl.cdiv(M, TILE.BLOCK_M)
+        w_tiles = gl.to_tensor(WINDOW) // TILE.BLOCK_M
+        n_diag = gl.minimum(gl.maximum(n_tiles - t0, 0), DIAG)
+        n_full = gl.maximum(gl.minimum(t0 + w_tiles, n_tiles) - t0 - DIAG, 0)
+        tail_end = gl.minimum((kv_blk * SPARSE.SPARSE_KV + SPARSE.SPARSE_KV + WINDOW - 2) // TILE.BLOCK_M + 1, n_tiles)
+        n_partial = n_diag + gl.maximum(tail_end - t0 - gl.maximum(w_tiles, DIAG), 0)
     elif SPARSE.DENSE_MASK:
         n_partial = gl.cdiv(M, TILE.BLOCK_M)
         n_full = n_partial * 0
@@ -290,7 +308,7 @@ def _q_tile_start(i, n_partial, z, hq, kv_blk, tables, table_meta, TILE: gl.cons
     (two predicated loads) or, ONE_LOAD, chosen by address (one load): two loads into one register carried across a
     step wait on each other (bwd_sm90_wide's overlap loads the row a step ahead)."""
     qnb, qidx, fqnb, fqidx = tables
-    SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS = table_meta
+    SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS, WINDOW = table_meta
     PER: gl.constexpr = SPARSE.Q_TILES_PER_BLK
     if SPARSE.HAS_BLOCK_MASK:
         row = ((z % SZ) * SH + (hq % SH)) * NUM_KV_BLKS + kv_blk
@@ -309,6 +327,11 @@ def _q_tile_start(i, n_partial, z, hq, kv_blk, tables, table_meta, TILE: gl.cons
         start = (blk * PER + sub) * TILE.BLOCK_M
     elif SPARSE.CAUSAL_WALK:
         start = (kv_blk * (SPARSE.SPARSE_KV // TILE.BLOCK_M) + i) * TILE.BLOCK_M
+    elif SPARSE.WINDOW_WALK:   # (_q_tile_counts' order: diagonal, tail, full; a tail only when all DIAG are there)
+        DIAG: gl.constexpr = SPARSE.SPARSE_KV // TILE.BLOCK_M
+        w_tiles = gl.to_tensor(WINDOW) // TILE.BLOCK_M
+        t = gl.where(i < n_partial, gl.where(i < DIAG, i, gl.maximum(w_tiles, DIAG) + i - DIAG), DIAG + i - n_partial)
+        start = (kv_blk * DIAG + t) * TILE.BLOCK_M
     else:
         start = i * TILE.BLOCK_M
     return start
@@ -1128,7 +1151,8 @@ def fa3_bwd_sm90_kernel(
     sm_scale, qk_scale2, ds_scale,
     cta_args,                # SCHED.LPT_ORDER: (the CTA order, int32 [#KV tiles * KZ * HKV],); SCHED.PERSISTENT:
                              # (tile offsets [#CTAs + 1], tiles), int32; () otherwise (no kernel parameter)
-    pack_args,               # PACK.VARLEN: (CU_Q, CU_K, TILES) int32; () otherwise (no kernel parameter)
+    pack_args,               # PACK.VARLEN: (CU_Q, CU_K, TILES) int32, and WINDOW (int) with SPARSE.WINDOW_WALK;
+                             # () otherwise (no kernel parameter)
     SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,   # @gluon.jit mods or None
     TILE: gl.constexpr,      # BwdTile
     SPARSE: gl.constexpr,    # BwdSparsity
@@ -1185,7 +1209,7 @@ def fa3_bwd_sm90_kernel(
     smem = (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem)
     sizes = (Z, HQ, KZ, M, N)
     tables = (qnb_ptr, qidx_ptr, fqnb_ptr, fqidx_ptr)
-    table_meta = (SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS)
+    table_meta = (SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS, pack_args[3] if SPARSE.WINDOW_WALK else 0)
     rows = (stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD, pack_args, (dk_desc, dv_desc))
     scalars = (sm_scale, qk_scale2, ds_scale)
     mod_bufs = (score_bufs, mask_bufs)

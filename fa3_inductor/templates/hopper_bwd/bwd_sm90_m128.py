@@ -297,7 +297,7 @@ def fa3_bwd_sm90_m128_kernel(
     smem = (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem)
     sizes = (Z, HQ, KZ, M, N)
     tables = (qnb_ptr, qidx_ptr, fqnb_ptr, fqidx_ptr)
-    table_meta = (SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS)
+    table_meta = (SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS, 0)   # (no SPARSE.WINDOW_WALK: dense launches only)
     rows = (stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD)
     scalars = (sm_scale, qk_scale2, ds_scale)
     mod_bufs = (score_bufs, mask_bufs)

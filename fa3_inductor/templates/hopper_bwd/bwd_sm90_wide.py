@@ -28,6 +28,8 @@ Notation (beyond bwd_sm90.py's)
                              (under a block mask, step j + 1's first row is loaded at the top of step j)
   SPARSE.CAUSAL_WALK         an exactly causal mask_mod: no tables; a 64-key CTA's query tiles from its diagonal on,
                              the 64 x 64 diagonal tile with the mask, the rest without
+  SPARSE.WINDOW_WALK         a causal window (packed sequences): a 64-key CTA's query tiles from its diagonal to the
+                             window's far edge, those two cut with the mask (bwd_sm90._q_tile_counts)
   SPARSE.CAUSAL_SKIP         another mask_mod that keeps only q >= kv (causal documents, windows) under a block mask of
                              128-row blocks: a 64-key CTA in the second half of its diagonal block would run the
                              block's first query tile with every score masked; the steps start after such a tile
@@ -730,7 +732,8 @@ def fa3_bwd_sm90_wide_kernel(
     sm_scale, qk_scale2, ds_scale,
     cta_args,                # TILE.PERSISTENT: (offsets int32 [#CTAs + 1], tiles int32), host._persistent_schedule /
                              # _shape_schedule; () otherwise
-    pack_args,               # PACK.VARLEN: (CU_Q, CU_K, TILES) int32 (bwd_sm90's "Packed sequences"); () otherwise
+    pack_args,               # PACK.VARLEN: (CU_Q, CU_K, TILES) int32 and SPARSE.WINDOW_WALK's WINDOW (bwd_sm90's
+                             # "Packed sequences"); () otherwise
     SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
     TILE: gl.constexpr,      # WideTile
     SPARSE: gl.constexpr,    # bwd_sm90.BwdSparsity
@@ -787,7 +790,7 @@ def fa3_bwd_sm90_wide_kernel(
     smem = (q_lo_smem, q_hi_smem, do_smem, k_lo_smem, k_hi_smem, v_smem, p_smem, ds_smem, f_smem, dq_smem)
     sizes = (Z, HQ, KZ, M, N)
     tables = (qnb_ptr, qidx_ptr, fqnb_ptr, fqidx_ptr)
-    table_meta = (SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS)
+    table_meta = (SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS, pack_args[3] if SPARSE.WINDOW_WALK else 0)
     rows = (stats_ptr, dq_acc_ptr, dk_ptr, dv_ptr, M_PAD, pack_args, (dk0_desc, dk1_desc, dv_desc))
     scalars = (sm_scale, qk_scale2, ds_scale)
     mod_bufs = (score_bufs, mask_bufs)

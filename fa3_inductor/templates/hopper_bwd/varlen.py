@@ -5,8 +5,10 @@ up to 128) and bwd_sm90_wide.py (192 / 128, 256; 160 and 192 in the 256 tiles), 
 One CTA per (KV tile, sequence, K/V head) over virtual KV tiles (128 keys, 64 in the wide kernel) that a one-launch
 pass maps to their sequences (no host read of the lengths); a virtual tile past its sequence's last (at most one a
 sequence) runs nothing. Its query steps are the sequence's own 64-row tiles (sequence-relative rows, so no tile
-straddles two sequences' starts): all of them, or with a causal mask_mod from the KV tile's diagonal on
-(BwdSparsity.CAUSAL_WALK: the diagonal tiles take the mask, the rest run without it). Rows and keys past a
+straddles two sequences' starts): all of them, with a causal mask_mod from the KV tile's diagonal on
+(BwdSparsity.CAUSAL_WALK: the diagonal tiles take the mask, the rest run without it), or with a causal window of W
+keys from the diagonal to the last row whose window reaches the tile (BwdSparsity.WINDOW_WALK: the diagonal's and the
+window edge's tiles take the mask). Rows and keys past a
 sequence's end are the next sequence's: the kernel gives them P = 0 (rows: an LSE of +inf) or zero keys
 (_kv_landed), and stores dK / dV rows of its own sequence only. dQ is summed by TMA reduce-adds into an fp32 buffer
 over the packed rows (rows of the padding and of the next sequence receive zeros), then converted.
@@ -77,7 +79,7 @@ def prepare_varlen_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
     dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
     *, sm_scale: float, grad_lse: Optional[torch.Tensor] = None, score_mod: Any = None,
-    score_grad_mod: Any = None, mask_mod: Any = None, causal: bool = False,
+    score_grad_mod: Any = None, mask_mod: Any = None, causal: bool = False, window: int = 0,
     score_bufs: Sequence[torch.Tensor] = (), mask_bufs: Sequence[torch.Tensor] = (),
     config: Optional[BwdSm90Config] = None, scratch: Optional[Sequence[torch.Tensor]] = None,
     tensors: Optional[list] = None,
@@ -87,7 +89,9 @@ def prepare_varlen_backward(
     (float32, log2 units, -inf on rows that saw no key), writing ``dq``, ``dk``, ``dv`` (their inputs' shapes; dk
     and dv contiguous) in place. ``grad_lse``: the LSE's incoming gradient [HQ, TQ] in log2 units, or None. The mods
     are loaded ``gl`` mods as prepare_hopper_backward takes them (a score_mod with its ``score_grad_mod``);
-    ``causal`` says the mask_mod is exactly ``q_idx >= kv_idx``. ``scratch``: (STATS, DQ_ACC) from
+    ``causal`` says the mask_mod is exactly ``q_idx >= kv_idx``, ``window`` > 0 that it is a causal window of that many
+    keys (``q_idx - window < kv_idx <= q_idx``: modgen.causal_window_of_source), walked from each KV tile's diagonal to
+    the window's far edge. ``scratch``: (STATS, DQ_ACC) from
     :func:`varlen_backward_scratch` (allocated here when None). Needs TQ, TK > 0. Every tensor the launches take is
     one of :func:`launch_tensors`' (``tensors``: that list for this call and ``scratch``, made here when None), so that
     a recording re-launches them on another call's tensors.
@@ -115,8 +119,10 @@ def prepare_varlen_backward(
         problems.append(f"lse is {lse.dtype} {tuple(lse.shape)}, expected float32 ({HQ}, {TQ})")
     if HQ % HKV:
         problems.append(f"{HQ} query heads are not a multiple of {HKV} kv heads")
-    if causal and mask_mod is None:
-        problems.append("causal=True without the causal mask_mod itself (the diagonal tiles apply it)")
+    if (causal or window) and mask_mod is None:
+        problems.append("causal=True or a window without the mask_mod itself (the tiles it cuts apply it)")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        problems.append(f"window {window!r} (keys a row sees, itself included: an int >= 1, or 0 for none)")
     if score_mod is not None and score_grad_mod is None:
         problems.append("a score_mod without its derivative score_grad_mod (SCORE_GRAD_ONE when it is 1)")
     if TQ == 0 or TK == 0:
@@ -139,8 +145,9 @@ def prepare_varlen_backward(
         tile = BwdTile(HEAD_D=DT, NUM_STAGES=cfg.num_stages, HEAD_D_IN=d_in)
     score_mod, score_grad_mod, fold, scalars = _launched_mods(score_mod, score_grad_mod, sm_scale)
     masked = mask_mod is not None
+    walk_window = bool(window) and not causal
     sparse = BwdSparsity(HAS_BLOCK_MASK=False, HAS_FULL_BLOCKS=False, Q_TILES_PER_BLK=1, SPARSE_KV=tile.BLOCK_N,
-                         CAUSAL_WALK=causal, DENSE_MASK=masked and not causal)
+                         CAUSAL_WALK=causal, WINDOW_WALK=walk_window, DENSE_MASK=masked and not causal and not window)
     # EVEN_N off: a sequence's last KV tile holds zeroed keys past its end (bwd_sm90._kv_landed), whose exponent
     # the clamp keeps finite
     flags = _flags(cfg, HQ // HKV, fold, False, score_mod, score_grad_mod)
@@ -152,6 +159,8 @@ def prepare_varlen_backward(
     scratch = scratch if scratch is not None else varlen_backward_scratch(q, k, B, v.shape[2])
     stats, dq_acc, table = scratch
     m_pad = stats.shape[2]
+    # a window at least as long as every sequence is causal; the bound keeps the walk's int32 sums in range
+    pack = (cu_seqlens_q, cu_seqlens_k, table) + ((min(window, TQ + TK),) if walk_window else ())
     tensors = tensors or launch_tensors(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, grad_lse,
                                         scratch, score_bufs, mask_bufs)
     q4, k4, v4, out4, dout4, lse3, dq4, _, _, _, _, grad_lse3 = tensors[:12]
@@ -166,14 +175,13 @@ def prepare_varlen_backward(
                 (_desc(q4, [1, 1, tile.BLOCK_M, lo]), _desc(q4, [1, 1, tile.BLOCK_M, hi]),
                  _desc(dout4, [1, 1, tile.BLOCK_M, DVT]), _desc(k4, [1, 1, tile.BLOCK_N, lo]),
                  _desc(k4, [1, 1, tile.BLOCK_N, hi]), _desc(v4, [1, 1, tile.BLOCK_N, DVT]),
-                 _dq_acc_desc(dq_acc, tile), *common[:4], None, None, None, *common[4:], (),
-                 (cu_seqlens_q, cu_seqlens_k, table)),   # (no DKDV_TMA)
+                 _dq_acc_desc(dq_acc, tile), *common[:4], None, None, None, *common[4:], (), pack),   # (no DKDV_TMA)
                 kwargs, (table.shape[0], HKV))
     else:
         main = (fa3_bwd_sm90_kernel,
                 (_desc(q4, [1, 1, tile.BLOCK_M, DT]), _desc(dout4, [1, 1, tile.BLOCK_M, DT]),
                  _desc(k4, [1, 1, tile.BLOCK_N, DT]), _desc(v4, [1, 1, tile.BLOCK_N, DT]), _dq_acc_desc(dq_acc, tile),
-                 *common[:4], None, None, *common[4:], (), (cu_seqlens_q, cu_seqlens_k, table)),   # (no DKDV_TMA)
+                 *common[:4], None, None, *common[4:], (), pack),   # (no DKDV_TMA)
                 dict(kwargs, SCHED=sched), (table.shape[0], HKV))
     # the table of virtual KV tiles' sequences (bwd_sm90.packed_tile_table_kernel): a CTA per real KV tile (and at most
     # one empty a sequence), not the longest sequence's count for every sequence: the main kernel 1.06-1.07x faster on
