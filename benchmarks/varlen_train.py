@@ -40,8 +40,7 @@ CASES = [VarlenCase(16384, docs, 16, d) for d in (128, 64, 256) for docs in (6, 
 IMPLS = ("ours", "docmask", "cudnn", "fa2", "flex")
 # --bwd-variants: our packed backward with prepare_varlen_backward's options, timed as the forward (no autograd) and
 # launch_varlen_backward, beside each other ("ours[name]")
-# ("config": fields replaced in the packed launch's config)
-BWD_VARIANTS: dict[str, dict] = {"default": {}, "every_tile": {"window": 0}, "grid": {"config": {"persistent": False}}}
+BWD_VARIANTS: dict[str, dict] = {"default": {}, "every_tile": {"window": 0}}
 
 
 def window_pairs(lengths: list[int], window: int) -> int:
@@ -90,15 +89,9 @@ def _direct(q, k, v, dout, cu, longest, window: int, options: dict) -> Callable:
     from fa3_inductor.templates.hopper_bwd.varlen import launch_varlen_backward
     from fa3_inductor.varlen import generated_mod
 
-    from dataclasses import replace
-
-    from fa3_inductor.templates.hopper_bwd.configs import get_bwd_config
-
     mask = _mask(window)
     mask_fn, mask_bufs, _ = generated_mod(mask, "mask", "gl")
     walk = dict(dict(window=window) if window else dict(causal=True), **options)
-    if "config" in walk:
-        walk["config"] = replace(get_bwd_config(q.shape[-1], masked=True, packed=True), **walk["config"])
 
     def run():
         with torch.no_grad():

@@ -121,30 +121,6 @@ def test_causal_windows_walk_from_the_diagonal_to_their_edge(monkeypatch, head_d
     _check_grads(q, k, v, dout, lq, lk, None, mask)
 
 
-@pytest.mark.parametrize("d,variant", [(64, "causal"), (64, "window"), (128, "causal"), (128, "window"),
-                                       (128, "prefix_lm")])
-def test_persistent_ctas_walking_many_tiles(monkeypatch, d, variant):
-    """Three persistent CTAs, so each walks many (head, virtual tile) items, among them the empty ones past each
-    sequence's keys (skipped by every role) and, at D64, both K / V buffers in turn: every gradient matches float64."""
-    from dataclasses import replace
-
-    from fa3_inductor.runtime import fast_launch
-    from fa3_inductor.templates.hopper_bwd import varlen as packed
-
-    config = packed.get_bwd_config
-    monkeypatch.setattr(packed, "get_bwd_config", lambda *a, **kw: replace(config(*a, **kw), persistent_ctas=3))
-    fast_launch.clear()   # (no launch recorded by another test: this one plans its own)
-    mask = {"causal": mods.causal, "window": mods.sliding_window(200), "prefix_lm": mods.prefix_lm(70)}[variant]
-    lq, lk = [700, 0, 129, 1, 300, 64], [650, 3, 129, 1, 420, 64]
-    torch.manual_seed(5)
-    q, k, v = _leaves(lq, lk, 4, 2, d, torch.bfloat16)
-    out = flex_varlen(q, k, v, _cu(lq).cuda(), _cu(lk).cuda(), max(lq), max(lk), mask_mod=mask, enable_gqa=True)
-    dout = torch.randn_like(out)
-    out.backward(dout)
-    fast_launch.clear()
-    _check_grads(q, k, v, dout, lq, lk, None, mask)
-
-
 def test_lse_gradient():
     """A loss on the returned (natural-log) LSE as well as on the output."""
     lq, lk = [130, 7, 64], [100, 7, 200]

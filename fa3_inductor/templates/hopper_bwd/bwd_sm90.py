@@ -69,9 +69,6 @@ Packed sequences (PACK.VARLEN; host hopper_bwd/varlen.py, front door flex_varlen
                     LSE_P +inf (P = 0:
                     _lse_rows); K rows past it are zeroed in shared memory once landed (_kv_landed), the dense
                     ragged tail's TMA zero fill; STATS and DQ_ACC are [H, ..] over the packed rows plus a tile.
-  persistent        SCHED.PERSISTENT: grid (#CTAs,), CTA c walking items c, c + #CTAs, .. of the (hkv, virtual tile)
-                    pairs (_packed_walk); a virtual tile with no keys is skipped by every role, so K / V buffers and
-                    the kv_empty / kv_full phases count the tiles run.
 
 Mods (templates/modgen.py, ``gl`` dialect, called as the forward calls them):
   SCORE_MOD(qk, sm_scale, b, h, q_idx, kv_idx, bufs) -> the score / OUT_SCALE
@@ -352,23 +349,7 @@ def _acc_layout(n):
 @gluon.jit
 def _producer(descs, bars, smem, sizes, tables, table_meta, cta, pack, TILE: gl.constexpr, SPARSE: gl.constexpr,
               FLAGS: gl.constexpr, SCHED: gl.constexpr, PACK: gl.constexpr):
-    if SCHED.PERSISTENT and PACK.VARLEN:
-        HKV = sizes[1] // FLAGS.GQA_GROUP
-        cnt = 0
-        run = 0   # tiles run: a virtual tile past its sequence's keys is skipped by every role, and K / V buffers and
-        # barrier phases count the tiles run
-        for t in range(_packed_walk_length(cta, HKV)):
-            v, hkv = _packed_walk(cta, t)
-            kv_tile, kvh = _packed_tile(pack, v, hkv, HKV, TILE)
-            q_row0, M, k_row0, N = _seq_span(pack, kvh // HKV)
-            if kv_tile * TILE.BLOCK_N < N:
-                b = run % SCHED.KV_BUFS
-                mbarrier.wait(cta[1].index(b), ((run // SCHED.KV_BUFS) & 1) ^ 1)   # kv_empty[b], as below
-                cnt = _producer_tile(kv_tile, kvh, cnt, cta[2].index(b), b, descs, bars, smem, (1, sizes[1], 1, M, N),
-                                     tables, table_meta, TILE, SPARSE, FLAGS, PACKED=True, q_row0=q_row0,
-                                     k_row0=k_row0)
-                run += 1
-    elif SCHED.PERSISTENT:
+    if SCHED.PERSISTENT:
         first, n_my = _cta_tiles(cta)
         cnt = 0
         for t in range(n_my):
@@ -452,34 +433,14 @@ def _seq_span(pack, seq):
 
 
 @gluon.jit
-def _packed_tile(pack, v, hkv, HKV, TILE: gl.constexpr):
-    """PACK.VARLEN: (KV tile within its sequence, sequence * HKV + hkv) of virtual KV tile v, whose sequence b the
-    table (pack[2]) gives; b's tiles start at virtual tile CU_K[b] // BLOCK_N + b (one past its last: no work)."""
-    seq = gl.load(pack[2] + v)
-    kv_tile = v - (gl.load(pack[1] + seq) // TILE.BLOCK_N + seq)
-    return kv_tile, seq * HKV + hkv
-
-
-@gluon.jit
 def _packed_coords(pack, HKV, TILE: gl.constexpr):
-    """PACK.VARLEN on the grid: (KV tile within its sequence, sequence * HKV + hkv) of this CTA, program_id(0) its
-    virtual tile and program_id(1) its hkv."""
-    return _packed_tile(pack, gl.program_id(0), gl.program_id(1), HKV, TILE)
-
-
-@gluon.jit
-def _packed_walk_length(cta, HKV):
-    """SCHED.PERSISTENT with PACK.VARLEN: the items of this CTA's walk. The (hkv, virtual tile) pairs, a head's
-    tiles in order (cta[0][0] virtual tiles a head), are dealt round-robin: CTA c takes items c, c + #CTAs, ..., so
-    the CTAs at work at any time hold neighbouring tiles of one head (its Q / dO rows shared in L2)."""
-    return gl.cdiv(cta[0][0] * HKV - gl.program_id(0), gl.num_programs(0))
-
-
-@gluon.jit
-def _packed_walk(cta, t):
-    """SCHED.PERSISTENT with PACK.VARLEN: (virtual KV tile, hkv) of item t of this CTA's walk."""
-    item = gl.program_id(0) + t * gl.num_programs(0)
-    return item % cta[0][0], item // cta[0][0]
+    """PACK.VARLEN: (KV tile within its sequence, sequence * HKV + hkv) of this CTA. program_id(0) is a virtual tile,
+    whose sequence b the table (pack[2]) gives; b's tiles start at virtual tile CU_K[b] // BLOCK_N + b (one past its
+    last: an empty CTA)."""
+    t = gl.program_id(0)
+    seq = gl.load(pack[2] + t)
+    kv_tile = t - (gl.load(pack[1] + seq) // TILE.BLOCK_N + seq)
+    return kv_tile, seq * HKV + gl.program_id(1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -611,22 +572,7 @@ def _lane_id():
 def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, cta,
               SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr,
               SPARSE: gl.constexpr, FLAGS: gl.constexpr, SCHED: gl.constexpr, PACK: gl.constexpr):
-    if SCHED.PERSISTENT and PACK.VARLEN:   # (the producer's walk: the tiles it runs, in its order)
-        HKV = sizes[1] // FLAGS.GQA_GROUP
-        pack = rows[5]
-        cnt = 0
-        run = 0
-        for t in range(_packed_walk_length(cta, HKV)):
-            v, hkv = _packed_walk(cta, t)
-            kv_tile, kvh = _packed_tile(pack, v, hkv, HKV, TILE)
-            seq = kvh // HKV
-            if kv_tile * TILE.BLOCK_N < gl.load(pack[1] + seq + 1) - gl.load(pack[1] + seq):
-                b = run % SCHED.KV_BUFS
-                cnt = _consumer_run_tile(WG, kv_tile, kvh, cta[2].index(b), (run // SCHED.KV_BUFS) & 1, b, cnt, cta,
-                                         descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
-                                         SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, SCHED, PACK)
-                run += 1
-    elif SCHED.PERSISTENT:
+    if SCHED.PERSISTENT:
         first, n_my = _cta_tiles(cta)
         cnt = 0
         for t in range(n_my):
@@ -1204,8 +1150,7 @@ def fa3_bwd_sm90_kernel(
     Z, HQ, KZ, M, N, M_PAD, SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS,
     sm_scale, qk_scale2, ds_scale,
     cta_args,                # SCHED.LPT_ORDER: (the CTA order, int32 [#KV tiles * KZ * HKV],); SCHED.PERSISTENT:
-                             # (tile offsets [#CTAs + 1], tiles), int32, or with PACK.VARLEN (virtual KV tiles,) as
-                             # an int (_packed_walk); () otherwise (no kernel parameter)
+                             # (tile offsets [#CTAs + 1], tiles), int32; () otherwise (no kernel parameter)
     pack_args,               # PACK.VARLEN: (CU_Q, CU_K, TILES) int32, and WINDOW (int) with SPARSE.WINDOW_WALK;
                              # () otherwise (no kernel parameter)
     SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,   # @gluon.jit mods or None

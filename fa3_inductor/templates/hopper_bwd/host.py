@@ -255,21 +255,6 @@ def _list_schedule(order: list[int], cost: list[int], num_sms: int,
             torch.tensor([t for tiles in lists for t in tiles], dtype=torch.int32, device=device))
 
 
-def _kv_buffers(cfg: BwdSm90Config, tile_head_dim: int, element_size: int, grad_slots: bool) -> int:
-    """K / V buffers of a persistent bwd_sm90 CTA (BwdSchedule.KV_BUFS): a second one where shared memory allows
-    (D = 64: 176 KB, 192 KB with a score_mod's f' slots, ``grad_slots``; D = 128 would need 272 KB), so the next
-    tile's K and V load under this tile's last steps.
-
-    Example::
-
-        >>> from fa3_inductor.templates.hopper_bwd.configs import get_bwd_config
-        >>> _kv_buffers(get_bwd_config(64), 64, 2, False), _kv_buffers(get_bwd_config(128), 128, 2, False)
-        (2, 1)
-    """
-    smem = cfg.smem_bytes(tile_head_dim) + (2 * 64 * 64 * element_size if grad_slots else 0)
-    return 2 if smem + 2 * 128 * tile_head_dim * element_size + 1024 <= SMEM_LIMIT else 1
-
-
 def _num_sms(device: torch.device) -> int:
     """SMs of the device (132, an H100 SXM / H200's, for CPU tensors: compile-only planning)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
@@ -570,7 +555,10 @@ def prepare_hopper_backward(
     persistent = cfg.persistent and schedulable and not capturing
     wide_persistent = cfg.persistent and cfg.split_dkv and not capturing
     lpt = cfg.lpt_order and schedulable and not persistent
-    kv_bufs = _kv_buffers(cfg, DT, q.element_size(), score_grad_mod is not None) if persistent else 1
+    # persistent: a second K / V buffer where shared memory allows (D = 64: 176 KB, 192 KB with a score_mod's f'
+    # slots; D = 128 would need 272 KB), so the next tile's K and V load under this tile's last steps
+    smem = cfg.smem_bytes(DT) + (2 * 64 * 64 * q.element_size() if score_grad_mod is not None else 0)
+    kv_bufs = 2 if persistent and smem + 2 * tile.BLOCK_N * DT * q.element_size() + 1024 <= SMEM_LIMIT else 1
     stats_ahead, p_carry16 = _register_rules(cfg, score_mod, has_mask, DT)
     # dK / dV by TMA through the dQ staging tiles: they exist (DQ_TMA) and hold a [64, D] bf16 tile (D = 64, 128)
     dkdv_tma = cfg.dkdv_tma and cfg.dq_tma and D == DT and DT in (64, 128)

@@ -35,8 +35,8 @@ from .bwd_sm90 import (BwdPacking, BwdSchedule, BwdSparsity, BwdTile, fa3_bwd_sm
                        packed_tile_table_kernel)
 from .bwd_sm90_wide import fa3_bwd_sm90_wide_kernel
 from .configs import SMEM_LIMIT, SUPPORTED_HEAD_DIM_PAIRS, BwdSm90Config, get_bwd_config, tile_head_dims
-from .host import (Launch, _curved, _desc, _dq_acc_desc, _flags, _kv_buffers, _launched_mods, _num_sms,
-                   _pass_launches, _register_rules, _wide_tile)
+from .host import (Launch, _curved, _desc, _dq_acc_desc, _flags, _launched_mods, _pass_launches, _register_rules,
+                   _wide_tile)
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _MAX_RECORDED = 256
@@ -131,11 +131,8 @@ def prepare_varlen_backward(
         _refuse("; ".join(problems))
 
     curved = _curved(score_grad_mod)
-    masked = mask_mod is not None
-    cfg = config or get_bwd_config(D, DV, grad_mod=curved and not masked, masked=masked, curved=curved, packed=True)
-    # persistent CTAs (bwd_sm90 only: the wide kernel's packed launches walk the grid) deal the (head, virtual tile)
-    # pairs round-robin; no host order (the lengths stay on the device)
-    cfg = replace(cfg, persistent=cfg.persistent and not cfg.split_dkv, lpt_order=False)
+    cfg = config or get_bwd_config(D, DV, grad_mod=curved and mask_mod is None, curved=curved, packed=True)
+    cfg = replace(cfg, persistent=False, lpt_order=False)   # the grid walks (KV tile, sequence, head)
     DT, DVT = tile_head_dims(D, DV)
     if cfg.block_m != 64 or not cfg.dq_tma or cfg.split_dkv != (DT > 128) or cfg.kv96 or \
             cfg.smem_bytes(DT, value_head_dim=DVT) > SMEM_LIMIT:
@@ -147,6 +144,7 @@ def prepare_varlen_backward(
     else:
         tile = BwdTile(HEAD_D=DT, NUM_STAGES=cfg.num_stages, HEAD_D_IN=d_in)
     score_mod, score_grad_mod, fold, scalars = _launched_mods(score_mod, score_grad_mod, sm_scale)
+    masked = mask_mod is not None
     walk_window = bool(window) and not causal
     sparse = BwdSparsity(HAS_BLOCK_MASK=False, HAS_FULL_BLOCKS=False, Q_TILES_PER_BLK=1, SPARSE_KV=tile.BLOCK_N,
                          CAUSAL_WALK=causal, WINDOW_WALK=walk_window, DENSE_MASK=masked and not causal and not window)
@@ -156,9 +154,7 @@ def prepare_varlen_backward(
     # the dense launch's register rules with a mask_mod standing for block-mask tables
     stats_ahead, p_carry16 = _register_rules(cfg, score_mod, masked, DT)
     sched = BwdSchedule(DQ_TMA=True, OVERLAP=cfg.overlap, STATS_AHEAD=stats_ahead, P_REGS=cfg.p_regs,
-                        P_CARRY16=p_carry16, PERSISTENT=cfg.persistent,
-                        KV_BUFS=_kv_buffers(cfg, DT, q.element_size(), score_grad_mod is not None)
-                        if cfg.persistent else 1)
+                        P_CARRY16=p_carry16)
 
     scratch = scratch if scratch is not None else varlen_backward_scratch(q, k, B, v.shape[2])
     stats, dq_acc, table = scratch
@@ -182,13 +178,11 @@ def prepare_varlen_backward(
                  _dq_acc_desc(dq_acc, tile), *common[:4], None, None, None, *common[4:], (), pack),   # (no DKDV_TMA)
                 kwargs, (table.shape[0], HKV))
     else:
-        n_virtual = table.shape[0]
-        ctas = min(cfg.persistent_ctas or _num_sms(q.device), n_virtual * HKV)
         main = (fa3_bwd_sm90_kernel,
                 (_desc(q4, [1, 1, tile.BLOCK_M, DT]), _desc(dout4, [1, 1, tile.BLOCK_M, DT]),
                  _desc(k4, [1, 1, tile.BLOCK_N, DT]), _desc(v4, [1, 1, tile.BLOCK_N, DT]), _dq_acc_desc(dq_acc, tile),
-                 *common[:4], None, None, *common[4:], (n_virtual,) if cfg.persistent else (), pack),   # (no DKDV_TMA)
-                dict(kwargs, SCHED=sched), (ctas,) if cfg.persistent else (n_virtual, HKV))
+                 *common[:4], None, None, *common[4:], (), pack),   # (no DKDV_TMA)
+                dict(kwargs, SCHED=sched), (table.shape[0], HKV))
     # the table of virtual KV tiles' sequences (bwd_sm90.packed_tile_table_kernel): a CTA per real KV tile (and at most
     # one empty a sequence), not the longest sequence's count for every sequence: the main kernel 1.06-1.07x faster on
     # 24-document packs, 1.02x on 6 (H200, varlen-train-nvidia-h200-2026-11-30-0201)
