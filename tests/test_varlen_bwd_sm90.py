@@ -147,7 +147,7 @@ def test_document_mask_path_gives_flex_varlen_gradients(our_kernels, variant):
 def test_tile_table_gives_each_virtual_tile_its_sequence(cpu_kernels, lengths):
     """packed_tile_table_kernel (Triton's interpreter): virtual tile t belongs to the last sequence b whose tiles start
     at or before it (o_b = CU_K[b] // 128 + b); every real KV tile (b, j) sits at o_b + j, and no two collide."""
-    from fa3_inductor.templates.hopper_bwd.bwd_sm90 import packed_tile_table_kernel
+    from fa3_inductor.templates.hopper.tile_table import packed_tile_table_kernel
 
     cu = torch.nn.functional.pad(torch.tensor(lengths).cumsum(0), (1, 0)).int()
     B = len(lengths)

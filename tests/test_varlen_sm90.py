@@ -59,9 +59,10 @@ def test_flex_varlen_checks_the_kernel_keyword():
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_launch_layout(causal):
-    """Grid: every sequence's query tiles up to the longest, per head (tiles past a sequence's end exit); the
-    descriptors read the packed tensors in place as [1, H, total, D] (row = token); O and LSE are written in
-    place; the causal walk replaces the per-tile mask on every tile."""
+    """Grid: each head's virtual query tiles (434 // 128 + 4 + 1 = 8: every real tile, and at most one a sequence
+    that exits), their sequences in the table the tile pass writes; the descriptors read the packed tensors in place
+    as [1, H, total, D] (row = token); O and LSE are written in place; the causal walk replaces the per-tile mask on
+    every tile."""
     lengths_q, lengths_k = [5, 0, 300, 129], [9, 3, 200, 400]
     cu_q = torch.tensor([0, 5, 5, 305, 434], dtype=torch.int32)
     cu_k = torch.tensor([0, 9, 12, 212, 612], dtype=torch.int32)
@@ -70,7 +71,7 @@ def test_launch_layout(causal):
     mask_mod, _ = _gl_mod(mods.causal if causal else mods.sliding_window(64), "mask")
     kernel, args, kwargs, grid = prepare_varlen_sm90(q, k, v, out, lse, cu_q, cu_k, 300, sm_scale=0.125,
                                                      mask_mod=mask_mod, causal=causal)
-    assert grid == (4 * 4 * 3,)                         # 4 sequences x 4 heads x ceil(300 / 128)
+    assert grid == (4 * 8,)                             # 4 heads x 8 virtual tiles
     named = dict(zip(kernel.arg_names, args))
     for name, t in (("q_desc", q), ("k_desc", k), ("v_desc", v), ("o_desc", out)):
         desc = named[name]
@@ -79,11 +80,12 @@ def test_launch_layout(causal):
         assert list(desc.strides)[1:] == [t.stride(1), t.stride(0), 1]
     assert named["q_desc"].block_shape == [1, 1, 64, 64] and named["k_desc"].block_shape == [1, 1, 128, 64]
     assert named["lse_ptr"].data_ptr() == lse.data_ptr() and named["lse_ptr"].shape == (1, 4, 434)
-    cu_q_arg, cu_k_arg, out_arg, stride_t, stride_h, window = named["pack_args"]
+    cu_q_arg, cu_k_arg, out_arg, stride_t, stride_h, window, table = named["pack_args"]
     assert cu_q_arg is cu_q and cu_k_arg is cu_k and out_arg.data_ptr() == out.data_ptr()
-    assert (stride_t, stride_h, window) == (4 * 64, 64, 0)
-    assert (named["num_tiles"], named["num_m_tiles"], named["HQ"], named["GQA"]) == (48, 3, 4, 2)
-    assert kwargs["PACK"].VARLEN and not kwargs["SCHED"].PERSISTENT and not kwargs["FLAGS"].EVEN_N
+    assert (stride_t, stride_h, window) == (4 * 64, 64, 0) and table.shape == (8,) and table.dtype == torch.int32
+    assert (named["num_tiles"], named["num_m_tiles"], named["HQ"], named["GQA"]) == (32, 8, 4, 2)
+    assert kwargs["PACK"].VARLEN and kwargs["PACK"].TILE_TABLE
+    assert not kwargs["SCHED"].PERSISTENT and not kwargs["FLAGS"].EVEN_N
     assert kwargs["SPARSE"].CAUSAL_WALK == causal and kwargs["FLAGS"].DENSE_MASK != causal
     assert not kwargs["SPARSE"].HAS_SPARSE
 

@@ -13,7 +13,12 @@ import torch
 from ...runtime.fast_launch import aliasing, launch_cached, tensor_signature
 from ..tma import tma_aligned
 from .configs import SUPPORTED_DTYPES, served_head_dims_text, serves_head_dims
-from .fwd_sm90 import PackedRows, rows_launch
+from .fwd_sm90 import PACKED_BLOCK_M, PackedRows, rows_launch
+from .tile_table import tile_table_launch, tile_table_size
+
+# (A/B switch for one run, then removed: False launches B x ceil(max_seqlen_q / 128) query tiles a head, the grid
+# before the tile table)
+TILE_TABLE = True
 
 
 def packed_view(t: torch.Tensor) -> torch.Tensor:
@@ -78,7 +83,8 @@ def prepare_varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     tile's diagonal), ``window`` > 0 that it is a causal window of that many keys (the walk also starts at the
     window's far edge: modgen.causal_window_of_source); ``config`` overrides the Hopper tile table (configs.py).
     Needs TQ, TK > 0. ``tensors``: this call's :func:`launch_tensors` (made here when None): every tensor the
-    launch takes is one of them.
+    launch takes is one of them. The launch reads the virtual query tiles' table (``tensors[8]``) that
+    tile_table.tile_table_launch writes: run that first (:func:`launch_varlen_sm90` does).
 
     Example::
 
@@ -89,9 +95,9 @@ def prepare_varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     if (causal or window) and mask_mod is None:
         raise ValueError("prepare_varlen_sm90: causal=True or a window needs the mask_mod itself (the partial tiles "
                          "apply it); pass mask_mod")
-    q4, k4, v4, out4, lse4, max4, cu_q, cu_k = (tensors or launch_tensors(q, k, v, out, lse, cu_seqlens_q,
-                                                                          cu_seqlens_k))[:8]
-    packed = PackedRows(cu_q, cu_k, int(max_seqlen_q), bool(causal), int(window))
+    q4, k4, v4, out4, lse4, max4, cu_q, cu_k, table = (tensors or launch_tensors(q, k, v, out, lse, cu_seqlens_q,
+                                                                                 cu_seqlens_k))[:9]
+    packed = PackedRows(cu_q, cu_k, int(max_seqlen_q), bool(causal), int(window), table if TILE_TABLE else None)
     return rows_launch(q4, k4, v4, out4, lse4, max4, sm_scale=sm_scale, score_mod=score_mod, mask_mod=mask_mod,
                        score_bufs=score_bufs, mask_bufs=mask_bufs, config=config, packed=packed)
 
@@ -117,8 +123,12 @@ def launch_varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     tensors = launch_tensors(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, options.get("score_bufs", ()),
                              options.get("mask_bufs", ()))
     # what the launch depends on besides the tensors: the grid's rows, the scale, the mods, the config
-    key = ("varlen_fwd", tensor_signature(tensors), aliasing(tensors), int(max_seqlen_q),
+    key = ("varlen_fwd", tensor_signature(tensors), aliasing(tensors), int(max_seqlen_q), TILE_TABLE,
            *((name, value) for name, value in sorted(options.items()) if name not in ("score_bufs", "mask_bufs")))
+    # each virtual query tile's sequence (tile_table.py), then the kernel: a CTA per real tile (and at most one empty a
+    # sequence), not the longest sequence's count of tiles for every sequence
+    launch_cached((key, "tiles"), tensors, lambda: (*tile_table_launch(tensors[6], tensors[8], PACKED_BLOCK_M),
+                                                    "varlen_tiles"))
     launch_cached(key, tensors, lambda: (*prepare_varlen_sm90(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                                               max_seqlen_q, tensors=tensors, **options), "varlen"))
 
@@ -127,17 +137,20 @@ def launch_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                    cu_q: torch.Tensor, cu_k: torch.Tensor, score_bufs: Sequence[torch.Tensor] = (),
                    mask_bufs: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
     """Every tensor a packed launch takes, in a fixed order: the [1, H, T, D] views of q, k, v and out, LSE as
-    [1, HQ, TQ] and the (unread) row-max buffer beside it, the offsets, the mods' buffers.
+    [1, HQ, TQ] and the (unread) row-max buffer beside it, the offsets, the virtual query tiles' table (int32, written
+    by :func:`tile_table_launch`), the mods' buffers.
 
     Example::
 
-        >>> t = torch.empty(10, 4, 64)
-        >>> [tuple(x.shape) for x in launch_tensors(t, t, t, t, torch.empty(4, 10), None, None)[:6]][-2:]
-        [(1, 4, 10), (1, 4, 10)]
+        >>> t, cu = torch.empty(10, 4, 64), torch.tensor([0, 3, 10], dtype=torch.int32)
+        >>> [tuple(x.shape) for x in launch_tensors(t, t, t, t, torch.empty(4, 10), cu, cu)[4:9]]
+        [(1, 4, 10), (1, 4, 10), (3,), (3,), (3,)]
     """
     lse4 = lse.unsqueeze(0)
+    table = torch.empty(tile_table_size(q.shape[0], cu_q.shape[0] - 1, PACKED_BLOCK_M), dtype=torch.int32,
+                        device=q.device)
     return [packed_view(q), packed_view(k), packed_view(v), packed_view(out), lse4, torch.empty_like(lse4), cu_q, cu_k,
-            *score_bufs, *mask_bufs]
+            table, *score_bufs, *mask_bufs]
 
 
 def compile_varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,

@@ -1317,19 +1317,3 @@ def bwd_sm90_dq_convert_frag_kernel(DQ_ACC, DQ, dq_strides, HQ, M, M_PAD, ds_sca
     ptrs = DQ + z * dq_strides[0] + hq * dq_strides[1] + rows * dq_strides[2] + cb * 64 + c
     tl.store(ptrs, (acc * ds_scale).to(DQ.dtype.element_ty), mask=rows < M)
 
-
-@triton.jit(do_not_specialize=["B", "T", "STEPS"])
-def packed_tile_table_kernel(CU_K, TABLE, B, T, STEPS, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr):
-    """PACK.TILE_TABLE's table: for virtual KV tiles t in [BLOCK * pid, ...) (t < T), the sequence b whose tiles start
-    at or before t: the largest b < B with o_b = CU_K[b] // BLOCK_N + b <= t (o increases strictly, o_0 = 0), by a
-    binary search of STEPS >= ceil(log2(B)) + 1 halvings."""
-    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    lo = tl.zeros([BLOCK], tl.int32)
-    hi = tl.full([BLOCK], B - 1, tl.int32)
-    for _ in range(STEPS):
-        mid = (lo + hi + 1) // 2
-        below = tl.load(CU_K + mid) // BLOCK_N + mid <= t
-        lo = tl.where(below, mid, lo)
-        hi = tl.where(below, hi, mid - 1)
-    tl.store(TABLE + t, lo, mask=t < T)
-

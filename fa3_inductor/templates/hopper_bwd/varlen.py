@@ -31,8 +31,8 @@ import triton
 from ...runtime.fast_launch import aliasing, launch_cached, on_clear, recorded, relaunch, tensor_signature
 from ..hopper.varlen_sm90 import packed_tma_refusal, packed_view
 from ..placeholder import placeholder
-from .bwd_sm90 import (BwdPacking, BwdSchedule, BwdSparsity, BwdTile, fa3_bwd_sm90_kernel,
-                       packed_tile_table_kernel)
+from ..hopper.tile_table import tile_table_launch, tile_table_size
+from .bwd_sm90 import BwdPacking, BwdSchedule, BwdSparsity, BwdTile, fa3_bwd_sm90_kernel
 from .bwd_sm90_wide import fa3_bwd_sm90_wide_kernel
 from .configs import SMEM_LIMIT, SUPPORTED_HEAD_DIM_PAIRS, BwdSm90Config, get_bwd_config, tile_head_dims
 from .host import (Launch, _curved, _desc, _dq_acc_desc, _flags, _launched_mods, _pass_launches, _register_rules,
@@ -43,7 +43,6 @@ _MAX_RECORDED = 256
 _RECORDED: dict = {}   # launch key -> the recorded launches (runtime/fast_launch.py)
 on_clear(_RECORDED.clear)
 _ROW_PAD = 64   # DQ_ACC / STATS rows past the pack: the last sequence's last query tile reaches up to 63 past it
-_TABLE_BLOCK = 1024   # virtual tiles a program of the tile-table pass
 _PAIRS_TEXT = ", ".join(f"{d}/{dv}" for d, dv in SUPPORTED_HEAD_DIM_PAIRS)
 
 
@@ -183,13 +182,10 @@ def prepare_varlen_backward(
                  _desc(k4, [1, 1, tile.BLOCK_N, DT]), _desc(v4, [1, 1, tile.BLOCK_N, DT]), _dq_acc_desc(dq_acc, tile),
                  *common[:4], None, None, *common[4:], (), pack),   # (no DKDV_TMA)
                 dict(kwargs, SCHED=sched), (table.shape[0], HKV))
-    # the table of virtual KV tiles' sequences (bwd_sm90.packed_tile_table_kernel): a CTA per real KV tile (and at most
-    # one empty a sequence), not the longest sequence's count for every sequence: the main kernel 1.06-1.07x faster on
+    # the table of virtual KV tiles' sequences (hopper/tile_table.py): a CTA per real KV tile (and at most one empty a
+    # sequence), not the longest sequence's count for every sequence: the main kernel 1.06-1.07x faster on
     # 24-document packs, 1.02x on 6 (H200, varlen-train-nvidia-h200-2026-11-30-0201)
-    tiles = (packed_tile_table_kernel,
-             (cu_seqlens_k, table, B, table.shape[0], max(1, (B - 1).bit_length()) + 1),
-             dict(BLOCK_N=tile.BLOCK_N, BLOCK=_TABLE_BLOCK, num_warps=4),
-             (triton.cdiv(table.shape[0], _TABLE_BLOCK),))
+    tiles = tile_table_launch(cu_seqlens_k, table, tile.BLOCK_N)
     preprocess, convert = _pass_launches(out4, dout4, lse3, grad_lse3, stats, dq_acc, dq4, m_pad, scalars[2], False, D)
     return [tiles, preprocess, main, convert]
 
@@ -211,7 +207,7 @@ def varlen_backward_scratch(q: torch.Tensor, k: torch.Tensor, batch: int, value_
     block_n = 64 if tile_head_dims(D, value_head_dim or D)[0] > 128 else 128
     return (torch.empty((HQ, 2, m_pad), dtype=torch.float32, device=q.device),
             torch.empty((HQ, m_pad, D), dtype=torch.float32, device=q.device),
-            torch.empty((k.shape[0] // block_n + batch + 1,), dtype=torch.int32, device=q.device))
+            torch.empty((tile_table_size(k.shape[0], batch, block_n),), dtype=torch.int32, device=q.device))
 
 
 def launch_tensors(q, k, v, out, dout, lse, dq, dk, dv, cu_q, cu_k, grad_lse, scratch, score_bufs, mask_bufs
