@@ -1142,23 +1142,6 @@ def _varlen_tiles(q, k, v, cu, longest, tiles) -> Callable:
     return run
 
 
-VARLEN_GRID = False   # --varlen-grid: the Hopper packed forward's grid before the tile table beside it (one A/B run)
-
-
-def _on_the_grid(fn: Callable) -> Callable:
-    """``fn`` with the Hopper packed forward launched over B x ceil(max_seqlen_q / 128) tiles a head (the A/B's
-    old launch; varlen_sm90.TILE_TABLE)."""
-    from fa3_inductor.templates.hopper import varlen_sm90
-
-    def run():
-        varlen_sm90.TILE_TABLE = False
-        try:
-            return fn()
-        finally:
-            varlen_sm90.TILE_TABLE = True
-    return run
-
-
 def varlen_row(c: VarlenCase, device: torch.device, dtype: torch.dtype, clock: Clock, flex_fn,
                tiles: tuple = ()) -> dict:
     """The pack through flex_varlen (and ``tiles`` variants), per-document SDPA, our document-mask
@@ -1202,8 +1185,6 @@ def varlen_row(c: VarlenCase, device: torch.device, dtype: torch.dtype, clock: C
         "docmask": lambda: fa3_inductor.flex(q4, k4, v4, block_mask=bm),
         "flex": lambda: flex_fn(q4, k4, v4, block_mask=bm),
     }
-    if VARLEN_GRID:
-        impls["ours_grid"] = _on_the_grid(impls["ours"])
     for t in tiles:
         impls["ours_" + "x".join(map(str, t))] = _varlen_tiles(q, k, v, cu, longest, t)
     ref = impls["ours"]().transpose(0, 1).unsqueeze(0)
@@ -1247,8 +1228,6 @@ def _varlen_window(row: dict, q, k, v, cu, longest: int, clock: Clock) -> None:
         row["window_ms"] = clock.ms(impls["auto"])
         row["window_triton_ms"] = clock.ms(impls["triton"])
         row["window_vs_triton"] = row["window_triton_ms"] / row["window_ms"]
-        if VARLEN_GRID:
-            row["window_grid_ms"] = clock.ms(_on_the_grid(impls["auto"]))
     except Exception as exc:   # reported, not fatal
         row.setdefault("errors", {})["window"] = _error(exc)
 
@@ -1388,8 +1367,7 @@ def _varlen_table(r: dict) -> list[str]:
              "sdpa_cudnn_per_doc": "cuDNN SDPA per document (sum)",
              "sdpa_flash_per_doc": "flash SDPA per document (sum)",
              "docmask": f"ours flex + document mask ({r.get('docmask_template', '?')})",
-             "flex": "torch flex (compiled), document block mask",
-             "ours_grid": "ours flex_varlen, the packed forward's grid before the tile table (--varlen-grid)"}
+             "flex": "torch flex (compiled), document block mask"}
     names.update({k[:-3]: f"ours flex_varlen's kernel with tiles {k[5:-3]} (block_m x block_n x warps x stages)"
                   for k in r if k.startswith("ours_") and k.endswith("_ms") and k[5].isdigit()})
     for key, name in names.items():
@@ -1591,14 +1569,10 @@ def main() -> None:
                     help="issue 20's grid in one row per corner, the split sweep, two page-size rows and "
                          "the packs, within --budget-s (140 s)")
     ap.add_argument("--full", action="store_true", help="every row (decode grid, more sweeps and pages)")
-    ap.add_argument("--varlen-grid", action="store_true",
-                    help="varlen part: also time the Hopper packed forward's grid before the tile table")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes on the CPU under TRITON_INTERPRET=1: the harness, not a measurement")
     args = ap.parse_args()
     args.part = [p.strip() for p in args.part.split(",") if p.strip()]
-    global VARLEN_GRID
-    VARLEN_GRID = args.varlen_grid
     bad = [p for p in args.part if p not in PARTS]
     if bad or not args.part:
         raise SystemExit(f"serving: unknown --part {bad or args.part}; choose from {','.join(PARTS)}")

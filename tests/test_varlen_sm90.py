@@ -84,7 +84,7 @@ def test_launch_layout(causal):
     assert cu_q_arg is cu_q and cu_k_arg is cu_k and out_arg.data_ptr() == out.data_ptr()
     assert (stride_t, stride_h, window) == (4 * 64, 64, 0) and table.shape == (8,) and table.dtype == torch.int32
     assert (named["num_tiles"], named["num_m_tiles"], named["HQ"], named["GQA"]) == (32, 8, 4, 2)
-    assert kwargs["PACK"].VARLEN and kwargs["PACK"].TILE_TABLE
+    assert kwargs["PACK"].VARLEN
     assert not kwargs["SCHED"].PERSISTENT and not kwargs["FLAGS"].EVEN_N
     assert kwargs["SPARSE"].CAUSAL_WALK == causal and kwargs["FLAGS"].DENSE_MASK != causal
     assert not kwargs["SPARSE"].HAS_SPARSE

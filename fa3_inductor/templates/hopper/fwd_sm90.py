@@ -51,9 +51,8 @@ Packed sequences (PACK.VARLEN; host side templates/hopper/varlen_sm90.py, front 
                      CU_K[b] : CU_K[b + 1]; its M and N (M_seq, N_seq) are read on the device, never on the host
   LSE, MAX           [1, H, total_q]: row CU_Q[b] + q of head h
   mods               b = the sequence, q_idx / kv_idx positions within it (causal is top-left aligned)
-  One CTA per tile over each head's virtual query tiles (TILE_TABLE: TQ // BLOCK_M + B + 1 of them, their
-  sequences in pack_args' TILES), else over B x ceil(max_seqlen_q / BLOCK_M) query tiles per head (_tile_coords); a
-  tile starting at or past its sequence's end runs nothing. A tile's Q rows and a KV tile's rows past the
+  One CTA per tile over each head's virtual query tiles (TQ // BLOCK_M + B + 1 of them, their sequences in
+  pack_args' TILES: hopper/tile_table.py; _tile_coords); a tile starting at or past its sequence's end runs nothing. A tile's Q rows and a KV tile's rows past the
   sequence's end are the next sequence's (or TMA's zero fill past the pack): kv_idx < N_seq masks them in the
   score, and an O half reaching past M_seq is stored by masked pointer stores (_store_rows), never TMA (which
   clips only at the pack's end). SPARSE.CAUSAL_WALK (a mask_mod exactly q_idx >= kv_idx): a query tile visits its
@@ -266,12 +265,11 @@ NO_QUANT = Quant(ON=False, Q_BLOCK=0, KV_BLOCK=0, TWO_LEVEL=False)
 class Packing:
     """Where a tile's rows live (module docstring, "Packed sequences" and "Decode caches")."""
     VARLEN: bool   # Q / K / V / O packed (total, heads, D): batch entry b is sequence b of cu_seqlens, its M and N
-                   # read on the device; one CTA per tile, a tile past its sequence's end runs nothing
+                   # read on the device; one CTA per virtual query tile (pack_args' TILES: hopper/tile_table.py), a
+                   # tile past its sequence's end runs nothing
     CACHE: bool = False   # K / V a decode cache: N and the query rows' first position per sequence, read on the device
     PAGE: int = 0         # CACHE: keys a page of a block-table cache (0: a contiguous [B, HKV, capacity, D] cache)
     PAGE_BOX: int = 0     # PAGE: rows of one TMA box, min(PAGE, BLOCK_N); a KV tile is BLOCK_N // PAGE_BOX boxes
-    TILE_TABLE: bool = False   # VARLEN: CTAs over each head's virtual query tiles, their sequences in pack_args'
-                               # TILES (hopper/tile_table.py), not B x ceil(max_seqlen_q / BLOCK_M) tiles a head
 
 
 DENSE = Packing(VARLEN=False)
@@ -284,30 +282,23 @@ PACKED_BLOCK_M = 128   # query rows of a packed launch's tile (two consumer warp
 # ----------------------------------------------------------------------------------------------
 @gluon.jit
 def _tile_coords(tile_id, num_tiles, num_m_tiles, HQ, PERSISTENT: gl.constexpr, VARLEN: gl.constexpr, pack_args,
-                 TILE_TABLE: gl.constexpr, BLOCK_M: gl.constexpr):
+                 BLOCK_M: gl.constexpr):
     # Consecutive tiles share one (b, h) so that concurrently running CTAs reuse K/V in L2.
     # One CTA per tile: inside a head the query blocks run last-to-first (longest first for causal /
     # lower-triangular masks; the hardware hands tiles out in launch order).
     # Persistent: inside a head the query blocks alternate last, first, second-to-last, second, ...
     # so that the pair (2u, 2u+1) a CTA takes (_tile_loop) costs the same for every u under a
     # causal mask (nm + 1 KV blocks): a static schedule then stays balanced.
-    # VARLEN: heads major (one head's K/V of the whole pack stays in L2), then query blocks last-to-first
-    # across all sequences, then sequences: every sequence's longest causal tiles start first and the grid
-    # ends on one-KV-tile tiles (num_m_tiles covers the longest sequence; the others' missing tiles exit).
-    # VARLEN with TILE_TABLE: heads major, then the head's num_m_tiles virtual tiles last to first (each sequence's
-    # last query tiles, the longest causal ones, before its first); sequence b's tile mt is virtual tile
-    # CU_Q[b] // BLOCK_M + b + mt, the table (pack_args[6]) gives a virtual tile's b, one past a sequence's last exits
-    if VARLEN and TILE_TABLE:
+    # VARLEN: heads major (one head's K/V of the whole pack stays in L2), then the head's num_m_tiles virtual tiles
+    # last to first (each sequence's last query tiles, the longest causal ones, before its first); sequence b's tile
+    # mt is virtual tile CU_Q[b] // BLOCK_M + b + mt, the table (pack_args[6]) gives a virtual tile's b, and the one
+    # past a sequence's last exits. (Until 2026-11-30 the grid gave every sequence the longest one's count of tiles,
+    # most of them exiting on uneven packs: the table's launch is 1.02-1.10x faster, docs/design/varlen.md.)
+    if VARLEN:
         h = tile_id // num_m_tiles
         v = num_m_tiles - 1 - tile_id % num_m_tiles
         b = gl.load(pack_args[6] + v)
         mt = v - (gl.load(pack_args[0] + b) // BLOCK_M + b)
-    elif VARLEN:
-        n_seq = num_tiles // (HQ * num_m_tiles)
-        h = tile_id // (n_seq * num_m_tiles)
-        r = tile_id % (n_seq * num_m_tiles)
-        b = r % n_seq
-        mt = num_m_tiles - 1 - r // n_seq
     else:
         bh = tile_id // num_m_tiles
         r = tile_id % num_m_tiles
@@ -329,8 +320,7 @@ def _tile_loop(num_tiles, num_m_tiles, HQ, pack_args, TILE: gl.constexpr, PERSIS
     pid = gl.program_id(0)
     if PACK.VARLEN:
         gl.static_assert(not PERSISTENT, "packed sequences run one CTA per tile")
-        b, h, mt = _tile_coords(pid, num_tiles, num_m_tiles, HQ, False, True, pack_args, PACK.TILE_TABLE,
-                                TILE.BLOCK_M)
+        b, h, mt = _tile_coords(pid, num_tiles, num_m_tiles, HQ, False, True, pack_args, TILE.BLOCK_M)
         _z, _q0, M_seq, _k0, _N_seq, _q_pos = _seq_rows(b, 0, 0, pack_args, PACK)
         nprog = pid * 0 + 1
         n_it = gl.where(mt * TILE.BLOCK_M < M_seq, 1, 0)
@@ -532,7 +522,7 @@ def _producer(descs, bars, smem, sizes, sp_ptrs, sp_meta, pack_args, TILE: gl.co
     for it in range(n_it):
         tile_id = _tile_id(it, pid, nprog, SCHED.PERSISTENT)
         b, h, mt = _tile_coords(tile_id, num_tiles, num_m_tiles, HQ, SCHED.PERSISTENT, PACK.VARLEN, pack_args,
-                                PACK.TILE_TABLE, BLOCK_M)
+                                BLOCK_M)
         # z: the descriptors' batch coordinate; q0 / k0: the sequence's first rows (VARLEN, else 0)
         z, q0, M_seq, k0, N_seq, q_pos = _seq_rows(b, M, N, pack_args, PACK)
         # the causal walk's offset and SPARSE.WINDOW's W (pack_args' WINDOW); None leaves other modes' code as it was
@@ -1464,7 +1454,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
             sm_scale = _opaque(sm_scale)
         tile_id = _tile_id(it, pid, nprog, PERSISTENT)
         b, h, mt = _tile_coords(tile_id, num_tiles, num_m_tiles, HQ, PERSISTENT, PACK.VARLEN, pack_args,
-                                PACK.TILE_TABLE, BLOCK_M)
+                                BLOCK_M)
         # the tile's sequence (VARLEN; dense: z = b, q0 = 0, M_seq = M, N_seq = N): rows and keys are positions in it
         z, q0, M_seq, k0, N_seq, q_pos = _seq_rows(b, M, N, pack_args, PACK)
         # the causal walk's offset and SPARSE.WINDOW's W (pack_args' WINDOW); None leaves other modes' code as it was
@@ -1645,7 +1635,7 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, sp_ptrs, sp_meta, outs
             # the epilogue's coordinates and O staging address from the tile id again: kept from the tile's start,
             # they would be registers held across the KV loop
             b, h, mt = _tile_coords(_opaque(tile_id), num_tiles, num_m_tiles, HQ, PERSISTENT, PACK.VARLEN,
-                                    pack_args, PACK.TILE_TABLE, BLOCK_M)
+                                    pack_args, BLOCK_M)
             z, q0, M_seq, k0, N_seq, q_pos = _seq_rows(b, M, N, pack_args, PACK)
             row0 = mt * BLOCK_M + WG * HALF_M
             pos0 = q_pos + row0
@@ -1735,9 +1725,8 @@ def fa3_fwd_sm90_kernel(
     score_bufs, mask_bufs,
     quant_bufs,     # QUANT.ON: (QS, KS, VS, VS_MAX) scale pointers; () for 16-bit inputs (no kernel parameter)
     sink_bufs,      # FLAGS.HAS_SINKS: (SINKS,); () without sinks (no kernel parameter)
-    pack_args,      # PACK.VARLEN: (CU_Q, CU_K, O, O's token and head strides, WINDOW, and TILES with
-                    # PACK.TILE_TABLE); PACK.CACHE: (LENS, FIRST,
-                    # FIRST_DELTA, WINDOW, and with pages TABLE, its row stride, max_pages); () otherwise
+    pack_args,      # PACK.VARLEN: (CU_Q, CU_K, O, O's token and head strides, WINDOW, TILES); PACK.CACHE: (LENS,
+                    # FIRST, FIRST_DELTA, WINDOW, and with pages TABLE, its row stride, max_pages); () otherwise
     kvnb_ptr, kvidx_ptr, fnb_ptr, fidx_ptr,
     BM, HM, nb_sb, nb_sh, idx_sb, idx_sh, idx_sm, fnb_sb, fnb_sh, fidx_sb, fidx_sh, fidx_sm,
     sm_scale, qk_scale, fixed_base, qk_unit, num_tiles, num_m_tiles, HQ, GQA, M, N,
@@ -2102,16 +2091,15 @@ def _site(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score_bu
         num_m_tiles = triton.cdiv(M, BLOCK_M)
         num_tiles = B * Hq * num_m_tiles
         pack, pack_args = DENSE, ()
-    else:   # each head's virtual query tiles (the table), or the longest sequence's for every sequence
-        table = packed.tile_table
-        if table is not None and BLOCK_M != PACKED_BLOCK_M:
+    else:   # each head's virtual query tiles (the table's)
+        if BLOCK_M != PACKED_BLOCK_M:
             raise ValueError(f"packed launch: the tile table has tiles of {PACKED_BLOCK_M} rows, the config "
-                             f"{BLOCK_M}; make the table with tile_table.tile_table_size(..., {BLOCK_M})")
-        num_m_tiles = table.shape[0] if table is not None else triton.cdiv(packed.max_seqlen_q, BLOCK_M)
-        num_tiles = (1 if table is not None else packed.cu_seqlens_q.shape[0] - 1) * Hq * num_m_tiles
-        pack = Packing(VARLEN=True, TILE_TABLE=table is not None)
+                             f"{BLOCK_M}; pass a config of {PACKED_BLOCK_M}-row tiles")
+        num_m_tiles = packed.tile_table.shape[0]
+        num_tiles = Hq * num_m_tiles
+        pack = Packing(VARLEN=True)
         pack_args = (packed.cu_seqlens_q, packed.cu_seqlens_k, out, out.stride(2), out.stride(1), packed.window,
-                     *((table,) if table is not None else ()))
+                     packed.tile_table)
     max_kv_tiles = None
     if has_sparse and cfg.persistent is None:
         longest = _longest_row(kv_num_blocks, full_kv_num_blocks if has_full else None)
@@ -2170,10 +2158,9 @@ class PackedRows:
     cu_seqlens_k: torch.Tensor   # likewise its keys
     max_seqlen_q: int            # bounds every sequence's query length: sizes the grid, never read on the host
     causal: bool                 # the mask_mod is q_idx >= kv_idx: KV walks end at the diagonal (CAUSAL_WALK)
+    tile_table: torch.Tensor     # int32: the sequence of each virtual query tile of PACKED_BLOCK_M rows
+                                 # (hopper/tile_table.py, written by an earlier launch): the grid, per head
     window: int = 0              # > 0: the mask_mod is a causal window of this many keys (SPARSE.WINDOW)
-    tile_table: Optional[torch.Tensor] = None   # int32: the sequence of each virtual query tile of PACKED_BLOCK_M
-                                                # rows (hopper/tile_table.py, written by an earlier launch); None: B x
-                                                # ceil(max_seqlen_q / BLOCK_M) tiles a head
 
 
 @dataclass(frozen=True)

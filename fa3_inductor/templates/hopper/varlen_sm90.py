@@ -16,10 +16,6 @@ from .configs import SUPPORTED_DTYPES, served_head_dims_text, serves_head_dims
 from .fwd_sm90 import PACKED_BLOCK_M, PackedRows, rows_launch
 from .tile_table import tile_table_launch, tile_table_size
 
-# (A/B switch for one run, then removed: False launches B x ceil(max_seqlen_q / 128) query tiles a head, the grid
-# before the tile table)
-TILE_TABLE = True
-
 
 def packed_view(t: torch.Tensor) -> torch.Tensor:
     """A packed ``(total, heads, dim)`` tensor as the kernel's ``[1, heads, total, dim]`` (a view, no copy).
@@ -97,7 +93,7 @@ def prepare_varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
                          "apply it); pass mask_mod")
     q4, k4, v4, out4, lse4, max4, cu_q, cu_k, table = (tensors or launch_tensors(q, k, v, out, lse, cu_seqlens_q,
                                                                                  cu_seqlens_k))[:9]
-    packed = PackedRows(cu_q, cu_k, int(max_seqlen_q), bool(causal), int(window), table if TILE_TABLE else None)
+    packed = PackedRows(cu_q, cu_k, int(max_seqlen_q), bool(causal), table, int(window))
     return rows_launch(q4, k4, v4, out4, lse4, max4, sm_scale=sm_scale, score_mod=score_mod, mask_mod=mask_mod,
                        score_bufs=score_bufs, mask_bufs=mask_bufs, config=config, packed=packed)
 
@@ -123,10 +119,10 @@ def launch_varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     tensors = launch_tensors(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, options.get("score_bufs", ()),
                              options.get("mask_bufs", ()))
     # what the launch depends on besides the tensors: the grid's rows, the scale, the mods, the config
-    key = ("varlen_fwd", tensor_signature(tensors), aliasing(tensors), int(max_seqlen_q), TILE_TABLE,
+    key = ("varlen_fwd", tensor_signature(tensors), aliasing(tensors), int(max_seqlen_q),
            *((name, value) for name, value in sorted(options.items()) if name not in ("score_bufs", "mask_bufs")))
     # each virtual query tile's sequence (tile_table.py), then the kernel: a CTA per real tile (and at most one empty a
-    # sequence), not the longest sequence's count of tiles for every sequence
+    # sequence), not the longest sequence's count of tiles for every sequence (1.02-1.10x, H200 serving-…-1909)
     launch_cached((key, "tiles"), tensors, lambda: (*tile_table_launch(tensors[6], tensors[8], PACKED_BLOCK_M),
                                                     "varlen_tiles"))
     launch_cached(key, tensors, lambda: (*prepare_varlen_sm90(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
