@@ -52,11 +52,12 @@ Packed sequences (PACK.VARLEN; host side templates/hopper/varlen_sm90.py, front 
   LSE, MAX           [1, H, total_q]: row CU_Q[b] + q of head h
   mods               b = the sequence, q_idx / kv_idx positions within it (causal is top-left aligned)
   One CTA per tile over each head's virtual query tiles (TQ // BLOCK_M + B + 1 of them, their sequences in
-  pack_args' TILES: hopper/tile_table.py; _tile_coords); a tile starting at or past its sequence's end runs
-  nothing. A tile's Q rows and a KV tile's rows past the sequence's end are the next sequence's (or TMA's zero fill past the pack): kv_idx < N_seq masks them in the
-  score, and an O half reaching past M_seq is stored by masked pointer stores (_store_rows), never TMA (which
-  clips only at the pack's end). SPARSE.CAUSAL_WALK (a mask_mod exactly q_idx >= kv_idx): a query tile visits its
-  diagonal KV tiles (mask_mod applied) and the tiles below them (no mask), none above, with no block-mask tables.
+  pack_args' TILES: hopper/tile_table.py; _tile_coords); a tile starting at or past its sequence's end runs nothing.
+  A tile's Q rows and a KV tile's rows past the sequence's end are the next sequence's (or TMA's zero fill past the
+  pack): kv_idx < N_seq masks them in the score, and an O half reaching past M_seq is stored by masked pointer
+  stores (_store_rows), never TMA (which clips only at the pack's end). SPARSE.CAUSAL_WALK (a mask_mod exactly q_idx
+  >= kv_idx): a query tile visits its diagonal KV tiles (mask_mod applied) and the tiles below them (no mask), none
+  above, with no block-mask tables.
 
 Decode caches (PACK.CACHE; host side templates/hopper/cache_sm90.py, front door flex_decode's chunks past 128 rows):
   Q, O               dense [B, HQ, M, D]: M new query rows of every sequence
