@@ -156,7 +156,7 @@ def fp8_call(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable], blo
     Example::
 
         >>> site, call = fp8_call(q, k, v, None, None, 0.125, FP8Recipe(), None)   # doctest: +SKIP
-        >>> site.families
+        >>> site.families                                                               # doctest: +SKIP
         ('fp8', 'torch')
     """
     spec, call = _planned_call(q, k, v, score_mod, block_mask, scale, recipe, rope)

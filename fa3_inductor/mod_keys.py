@@ -140,6 +140,7 @@ class ModWatch:
 
     Example::
 
+        >>> ids = torch.tensor([0, 0, 1, 1])
         >>> watch = ModWatch(mods.document(ids), versions=True)
         >>> watch.unchanged()
         True

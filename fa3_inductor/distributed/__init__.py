@@ -10,7 +10,7 @@ flex_attention calls served by ``ring_flex``, and the attention sites of graphs 
 Example::
 
     >>> from fa3_inductor.distributed import SeqLayout, ring_flex     # doctest: +SKIP
-    >>> out = ring_flex(q_shard, k_shard, v_shard, mask_mod=mods.causal)
+    >>> out = ring_flex(q_shard, k_shard, v_shard, mask_mod=mods.causal)   # doctest: +SKIP
 """
 
 from .layout import SeqLayout

@@ -94,7 +94,7 @@ def context_parallel(mesh, *, buffers: Optional[list[Tensor]] = None,
     Example::
 
         >>> mesh = init_device_mesh("cuda", (world,))                            # doctest: +SKIP
-        >>> with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+        >>> with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):   # doctest: +SKIP
         ...     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     """
     from torch.distributed.tensor.experimental import context_parallel as torch_cp

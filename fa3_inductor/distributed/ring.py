@@ -316,9 +316,9 @@ def ring_flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = N
     Example::
 
         >>> lay = SeqLayout(dist.get_world_size())                       # doctest: +SKIP
-        >>> q, k, v = (lay.shard(t, 2, dist.get_rank()) for t in (q_full, k_full, v_full))
-        >>> out = ring_flex(q, k, v, mask_mod=mods.causal, layout=lay)   # this rank's rows
-        >>> full = lay.unshard(all_gathered_outs, 2)
+        >>> q, k, v = (lay.shard(t, 2, dist.get_rank()) for t in (q_full, k_full, v_full))   # doctest: +SKIP
+        >>> out = ring_flex(q, k, v, mask_mod=mods.causal, layout=lay)   # this rank's rows   # doctest: +SKIP
+        >>> full = lay.unshard(all_gathered_outs, 2)                     # doctest: +SKIP
         >>> with torch.no_grad():                             # FP8, inference  # doctest: +SKIP
         ...     out = ring_flex(q, k, v, mask_mod=mods.causal, layout=lay, fp8=True)
     """

@@ -196,7 +196,7 @@ def _snapshot(offset: Any) -> Any:
     Example::
 
         >>> length = torch.tensor(12)
-        >>> seen = _snapshot(length); length.add_(1); int(seen)
+        >>> seen = _snapshot(length); _ = length.add_(1); int(seen)
         12
     """
     if not isinstance(offset, torch.Tensor):

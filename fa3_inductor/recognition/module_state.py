@@ -15,7 +15,7 @@ Example::
 
     >>> with module_state.constants({placeholder: tensor}) as guards:     # doctest: +SKIP
     ...     rewrite_manual(gm, served)
-    >>> guards   # BufferGuard per buffer a rewritten site read as a constant
+    >>> guards   # BufferGuard per buffer a rewritten site read as a constant   # doctest: +SKIP
 """
 
 from __future__ import annotations

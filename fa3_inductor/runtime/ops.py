@@ -138,10 +138,10 @@ def flex_fwd(
     row's softmax denominator (gpt-oss's attention sinks): out and lse then include them, max does
     not (docs/design/sinks.md); the site must have been planned with sinks (``SiteFacts.sinks``).
 
-    Example::
+    Example (``spec`` from lowering/site_plan.plan_site)::
 
         >>> out, lse, mx = torch.ops.fa3_inductor.flex_fwd(q, k, v, None, None, None, None,
-        ...     [], [], 0.125, 128, 128, spec)   # doctest: +SKIP (spec: lowering/site_plan.plan_site)
+        ...     [], [], 0.125, 128, 128, spec)   # doctest: +SKIP
     """
     Z, H, M, _ = q.shape
     sparse_q_block = _one_block_size(sparse_q_block, M)
@@ -273,9 +273,9 @@ def serve_inputs(call: Call) -> tuple:
     v, out, lse, max_scores, the four block-mask tables, the captured buffers, and for an FP8 call
     the prologue's four scale tensors.
 
-    Example::
+    Example (an FP8 call without mask or buffers)::
 
-        >>> len(serve_inputs(call))   # doctest: +SKIP (an FP8 call without mask or buffers)
+        >>> len(serve_inputs(call))   # doctest: +SKIP
         14
     """
     fp8 = call.fp8

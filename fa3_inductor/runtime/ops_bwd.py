@@ -227,10 +227,10 @@ def flex_bwd_families(
     (log2 units; None: no gradient). ``dbufs``: the gradients of the ``score_bufs`` whose
     ``buffer_grads`` entry in ``spec`` is true, in order (the dense op ``flex_bwd``'s convention).
 
-    Example::
+    Example (``spec`` from the lowering)::
 
         >>> dq, dk, dv, dbufs = torch.ops.fa3_inductor.flex_bwd.families(q, k, v, out, lse, dout,
-        ...     None, *(None,) * 8, [], [], 0.125, 128, 128, spec)   # doctest: +SKIP (spec: the lowering)
+        ...     None, *(None,) * 8, [], [], 0.125, 128, 128, spec)   # doctest: +SKIP
     """
     tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
     q_tables = (q_num_blocks, q_indices, full_q_num_blocks, full_q_indices)
