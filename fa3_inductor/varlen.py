@@ -10,16 +10,15 @@ from torch import Tensor
 
 from ._log import info_once, warn_once
 from .mod_keys import Unkeyable, mod_key
-from .templates.modgen import (BufferSpec, UnsupportedMod, causal_window_of_source, generate_mod_source,
-                               is_causal_mask_source, is_constant_true_mask, is_identity_score, load_mod,
-                               trace_mod)
+from .templates.modgen import (MAX_POSITION, BufferSpec, UnsupportedMod, causal_window_of_source,
+                               generate_mod_source, is_causal_mask_source, is_constant_true_mask, is_identity_score,
+                               load_mod, trace_mod)
 from .templates.hopper.varlen_sm90 import launch_varlen_sm90
 from .templates.varlen.dense import dense_varlen
 from .templates.varlen.host import launch_varlen, pick_varlen_kernel
 from .varlen_grad import VarlenAttention, score_derivative, through_document_mask, varlen_grad_refusal
 
 _LN2 = math.log(2.0)
-_MAX_SEQ = 1 << 23      # generated mods turn positions into floats exactly below 2**23
 _MAX_MODS = 256
 _MODS: dict[Hashable, tuple] = {}
 
@@ -82,8 +81,8 @@ def _check_cu_seqlens(cu_q: Any, cu_k: Any, q: Tensor, k: Tensor, max_q: Any, ma
         raise _fail(f"cu_seqlens_q has {cu_q.shape[0]} entries and cu_seqlens_k {cu_k.shape[0]}; "
                     "both are B + 1 for the same B sequences (a sequence may be empty)")
     for name, m in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
-        if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m < _MAX_SEQ:
-            raise _fail(f"{name} must be a Python int in [0, {_MAX_SEQ}), got {m!r}; pass the "
+        if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m < MAX_POSITION:
+            raise _fail(f"{name} must be a Python int in [0, {MAX_POSITION}), got {m!r}; pass the "
                         "longest sequence's length (an int, so that no device value is read)")
     if q.device.type != "cpu":
         return

@@ -38,7 +38,7 @@ def index_to_float(x):
     # float32(x) for an int32 index 0 <= x < 2**23 without I2F (a quarter-rate conversion on
     # sm90): x added to the bits of the float 2**23 is the float 2**23 + x, and 2**23 is then
     # subtracted. Exact in that range; the templates clamp q_idx / kv_idx into [0, M) / [0, N)
-    # and the sm90 template refuses M or N >= 2**23.
+    # and refuse M or N >= 2**23 (modgen.MAX_POSITION).
     return (x + 0x4B000000).to(L.float32, bitcast=True) - 8388608.0
 
 

@@ -158,10 +158,13 @@ _BITWISE = (aten.bitwise_and, aten.bitwise_or, aten.bitwise_xor)
 _TILE = frozenset(("q", "kv"))
 _PARAM_AXES = {"score": _TILE, "b": frozenset(), "h": frozenset(),
                "q_idx": frozenset(("q",)), "kv_idx": frozenset(("kv",))}
-# Intervals of the index arguments the float rebuild relies on (positions < 2**23, batch and
+# Positions a generated mod takes: mod_helpers.index_to_float rebuilds an index as a float exactly for
+# 0 <= x < MAX_POSITION, so every template refuses (or splits) sequences, caches and chunks that reach it.
+MAX_POSITION = 1 << 23
+# Intervals of the index arguments the float rebuild relies on (positions < MAX_POSITION, batch and
 # head < 2**16), and the magnitude up to which float32 holds every integer exactly.
-_PARAM_BOUND = {"b": (0, 2 ** 16 - 1), "h": (0, 2 ** 16 - 1), "q_idx": (0, 2 ** 23 - 1),
-                "kv_idx": (0, 2 ** 23 - 1)}
+_PARAM_BOUND = {"b": (0, 2 ** 16 - 1), "h": (0, 2 ** 16 - 1), "q_idx": (0, MAX_POSITION - 1),
+                "kv_idx": (0, MAX_POSITION - 1)}
 _EXACT = 2 ** 24
 # Shape-only or value-preserving ops on the 0-d tensors a mod sees.
 _IDENTITY = {aten.clone, aten.alias, aten.lift_fresh_copy, aten.detach, aten.view,

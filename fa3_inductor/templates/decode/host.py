@@ -13,7 +13,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..placeholder import outside_graph_pools, placeholder
 from ..tma import tma_aligned
-from ..modgen import kernel_score_mod
+from ..modgen import MAX_POSITION, kernel_score_mod
 from ..wide_scores import wide_scores
 from .fp8_cache import FP8_DTYPES, kv_scale_mode
 from .configs import (WHOLE_PAGE_STAGES, DecodeConfig, choose_num_splits, decode_config, few_programs,
@@ -23,7 +23,6 @@ from .shape import MAX_ROWS as _MAX_ROWS
 
 Launch = tuple   # (kernel, args, kwargs, grid)
 
-_MAX_SEQ = 1 << 23    # generated mods turn indices into floats exactly below 2**23 (mod_helpers)
 
 
 def _fail(what: str, fix: str) -> None:
@@ -141,8 +140,8 @@ def _plan(q, k, v, out, lse, sm_scale, score_mod, mask_mod, score_bufs, mask_buf
     if rows > _MAX_ROWS:
         _fail(f"{group} query heads per kv head x {M_new} new tokens = {rows} packed rows "
               f"(> {_MAX_ROWS})", "run long query chunks through the prefill (generic) kernel")
-    if max_len >= _MAX_SEQ:
-        _fail(f"cache capacity {max_len} is not below {_MAX_SEQ}", "split the cache into chunks")
+    if max_len >= MAX_POSITION:
+        _fail(f"cache capacity {max_len} is not below {MAX_POSITION}", "split the cache into chunks")
     if block_table is not None and seq_lens is None:
         _fail("a paged cache needs seq_lens", "pass seq_lens, the [B] int32 cache lengths")
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):

@@ -11,7 +11,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .kernel import NO_QUANT, BlockSparsity, Quant, SiteFlags, Tiling, attention_fwd_kernel
 from ..placeholder import placeholder
-from ..modgen import kernel_score_mod, mod_info
+from ..modgen import MAX_POSITION, kernel_score_mod, mod_info
 from ..sink_args import sink_bufs as kernel_sink_bufs
 from ..wide_scores import wide_scores
 from ..tma import tma_aligned
@@ -19,7 +19,6 @@ from ..._log import warn_once
 from .configs import GenericConfig, generic_config, generic_config_variants
 
 _allocator_set = False
-_MAX_SEQ = 1 << 23
 
 
 def _ensure_allocator() -> None:
@@ -91,9 +90,9 @@ def _prepare(q, k, v, out, lse, max_scores, sm_scale, score_mod, mask_mod, score
         score_mod, to_score = kernel_score_mod(score_mod, sm_scale)
     else:
         to_score = sm_scale if _fold_scale(sm_scale, score_mod) else 1.0
-    if max(M, N) >= _MAX_SEQ:
+    if max(M, N) >= MAX_POSITION:
         # Generated mods turn indices into floats exactly only below 2**23 (mod_helpers).
-        raise ValueError(f"fa3 generic kernel: sequence lengths must be below {_MAX_SEQ} "
+        raise ValueError(f"fa3 generic kernel: sequence lengths must be below {MAX_POSITION} "
                          f"(got M={M}, N={N}); split the sequence into chunks")
     loads, plain = _site_traits(score_mod, mask_mod, kv_num_blocks)
     # Tiles by the wider of the two head dims: the Q/K tiles and the O accumulator both live

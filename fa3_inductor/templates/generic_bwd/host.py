@@ -16,7 +16,7 @@ import torch
 import triton
 
 from ..placeholder import placeholder
-from ..modgen import kernel_score_mod
+from ..modgen import MAX_POSITION, kernel_score_mod
 from ..wide_scores import wide_scores
 from .buffer_grad import BufferGradSource
 from .buffer_grad_host import TorchStep, buffer_grad_launches
@@ -24,7 +24,6 @@ from .configs import PREPROCESS_BLOCK_M, BackwardConfig, backward_config
 from .kernel import (BwdFlags, BwdSparsity, BwdTiling, attention_bwd_dkdv_kernel,
                      attention_bwd_dq_kernel, attention_bwd_preprocess_kernel)
 
-_MAX_SEQ = 1 << 23
 _LOG2E = math.log2(math.e)
 
 
@@ -83,8 +82,8 @@ def _check_inputs(q, k, v, out, dout, lse, dq, dk, dv) -> None:
                     ("dk", dk), ("dv", dv)):
         if t.stride(-1) != 1:
             problems.append(f"{name} has last stride {t.stride(-1)} (must be 1)")
-    if max(M, N) >= _MAX_SEQ:
-        problems.append(f"sequence lengths must be below {_MAX_SEQ} (generated mods turn indices "
+    if max(M, N) >= MAX_POSITION:
+        problems.append(f"sequence lengths must be below {MAX_POSITION} (generated mods turn indices "
                         "into floats exactly only below 2**23); split the sequence")
     if problems:
         raise ValueError("generic backward: " + "; ".join(problems))

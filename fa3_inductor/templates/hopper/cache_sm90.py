@@ -12,11 +12,11 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ...runtime.fast_launch import aliasing, launch_cached, tensor_signature
+from ..modgen import MAX_POSITION
 from ..tma import tma_aligned
 from .configs import SUPPORTED_DTYPES, served_head_dims_text, serves_head_dims
 from .fwd_sm90 import CacheRows, rows_launch
 
-_MAX_POSITION = 1 << 23   # generated mods turn positions into floats exactly below 2**23
 
 
 def page_served(page: int) -> bool:
@@ -70,7 +70,7 @@ def cache_sm90_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_
         return (f"pages of {k.shape[1]} keys do not tile the kernel's 64- or 128-key tiles; pages of 16, 32, 64 "
                 f"or a multiple of 128 keys do")
     capacity = block_table.shape[1] * k.shape[1] if paged else k.shape[2]
-    if q.shape[2] >= _MAX_POSITION or capacity >= _MAX_POSITION:
+    if q.shape[2] >= MAX_POSITION or capacity >= MAX_POSITION:
         return f"positions reach 2**23 (query rows {q.shape[2]}, cache capacity {capacity}): the mods' float range"
     for name, t in (("q", q), ("k_cache", cache_view(k, paged)), ("v_cache", cache_view(v, paged))):
         if t.numel() and not tma_aligned(t):

@@ -156,7 +156,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..exp2_fma import exp2_tile, split_cols
-from ..modgen import kernel_score_mod, kv_affine_of, mask_and_of, mod_info, out_range_of, sfu_ops_of
+from ..modgen import MAX_POSITION, kernel_score_mod, kv_affine_of, mask_and_of, mod_info, out_range_of, sfu_ops_of
 from ..wide_scores import wide_scores
 from ..sink_args import sink_bufs as kernel_sink_bufs
 from ..tma import tma_aligned
@@ -1884,7 +1884,7 @@ def supports_sm90(q, k, v, out=None, *, kv_num_blocks=None, sparse_q_block: int 
             return False
         if out is not None and tuple(out.shape) != (B, Hq, M, Dv):
             return False
-        if M < 1 or N < 1 or max(M, N) >= 2 ** 23:   # generated mods convert positions to float exactly below 2^23
+        if M < 1 or N < 1 or max(M, N) >= MAX_POSITION:   # (the generated mods' positions: modgen.MAX_POSITION)
             return False
         if not serves_head_dims(D, Dv):
             return False

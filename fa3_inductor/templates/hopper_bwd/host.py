@@ -17,8 +17,8 @@ import triton
 from ...runtime.fast_launch import launch_constant
 from ..placeholder import placeholder
 from ..generic_bwd.host import SCORE_GRAD_ONE, transpose_block_tables
-from ..modgen import (BufferSpec, GeneratedSource, generate_mod_source, is_causal_mask_mod, kernel_score_mod,
-                      mask_implies_causal, mod_info)
+from ..modgen import (MAX_POSITION, BufferSpec, GeneratedSource, generate_mod_source, is_causal_mask_mod,
+                      kernel_score_mod, mask_implies_causal, mod_info)
 from ..tma import tma_aligned
 from ..wide_scores import wide_scores
 from .bwd_sm90 import (BwdFlags, BwdSchedule, BwdSparsity, BwdTile, bwd_sm90_dq_convert_frag_kernel,
@@ -28,7 +28,6 @@ from .bwd_sm90_wide import WideTile, fa3_bwd_sm90_wide_kernel
 from .bwd_sm90_k96 import K96Tile, fa3_bwd_sm90_k96_kernel
 from .configs import SMEM_LIMIT, SUPPORTED_HEAD_DIM_PAIRS, BwdSm90Config, get_bwd_config, tile_head_dims
 
-_MAX_SEQ = 1 << 23
 _LOG2E = math.log2(math.e)
 _PASS_BLOCK = 64          # rows per program of the preprocess and convert passes
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -86,8 +85,8 @@ def _check_inputs(q, k, v, out, dout, lse, dq, dk, dv) -> None:
         if not t.is_contiguous():
             problems.append(f"{name} must be contiguous (the kernel stores it with computed strides); "
                             f"allocate it with torch.empty_like({name[1]}.contiguous())")
-    if M < 1 or N < 1 or max(M, N) >= _MAX_SEQ:
-        problems.append(f"sequence lengths must be in [1, {_MAX_SEQ}) (generated mods turn indices into floats "
+    if M < 1 or N < 1 or max(M, N) >= MAX_POSITION:
+        problems.append(f"sequence lengths must be in [1, {MAX_POSITION}) (generated mods turn indices into floats "
                         "exactly only below 2**23)")
     if problems:
         _refuse("; ".join(problems))
