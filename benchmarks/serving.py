@@ -801,6 +801,7 @@ def prefill_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: 
     q, k, v, lens = _decode_inputs(c, device, dtype)
     kp, vp, table = _pages(k, v, c.page)
     kp16, vp16, table16 = _pages(k, v, 16)   # vLLM's default page: eight a 128-key tile
+    kp8, vp8, table8 = _pages(k, v, 8)       # sixteen a tile: the smallest page the cache mode reads as TMA boxes
 
     def gather() -> tuple[torch.Tensor, torch.Tensor]:
         # what _gathered does before it calls flex(): the pages' copy, the chunk's first position, the mods
@@ -813,6 +814,7 @@ def prefill_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: 
            "contig": lambda: flex_decode(q, k, v, seq_lens=lens, mask_mod=causal_abs),
            "gather": gather,
            "paged16": lambda: flex_decode(q, kp16, vp16, seq_lens=lens, block_table=table16, mask_mod=causal_abs),
+           "paged8": lambda: flex_decode(q, kp8, vp8, seq_lens=lens, block_table=table8, mask_mod=causal_abs),
            # a probe: another mask_mod (no closed-form walk: the cache mode applies it on every tile; the gathered
            # path's block mask, evaluated per call, skips the tiles outside the window)
            "paged_window": lambda: flex_decode(q, kp, vp, seq_lens=lens, block_table=table, mask_mod=window_abs),
@@ -833,6 +835,7 @@ def prefill_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: 
     wait_for_variants()   # background compiles of the first calls would slow the host while timed
     row["gathered_diff"] = _rel(fns["gathered"](), ref)
     row["paged16_diff"] = _rel(fns["paged16"](), ref)
+    row["paged8_diff"] = _rel(fns["paged8"](), ref)
     row["window_diff"] = _rel(fns["paged_window"](), fns["gathered_window"]())
     row["gather_diff"] = _rel(torch.cat(gather()), torch.cat([k, v]))   # an exact copy: 0
     timed = clock.times(fns)
@@ -859,6 +862,8 @@ def prefill_row(c: DecodeCase, device: torch.device, dtype: torch.dtype, clock: 
     row["gather_pct_paged"] = 100 * timed["gather"] / timed["paged"]
     row["gathered_over_paged"] = timed["gathered"] / timed["paged"]
     row["paged16_over_contig"] = timed["paged16"] / timed["contig"]
+    row["paged8_over_contig"] = timed["paged8"] / timed["contig"]
+    row["gathered_over_paged8"] = timed["gathered"] / timed["paged8"]
     row["gathered_window_over_paged"] = timed["gathered_window"] / timed["paged_window"]
     if timed["paged_qoff"] > timed["contig_qoff"]:
         # the copy against paged's whole extra time, on the pair whose block mask is not rebuilt (noise)
@@ -878,6 +883,7 @@ def _prefill_table(rows: list[dict]) -> list[str]:
              "contig's; gathered: decode._gathered on the pages (the copy, then flex()), gathered/paged its time "
              "over paged's; "
              "paged16: the paged call on pages of 16 (vLLM's default), paged16/contig its time over contig's; "
+             "paged8: on pages of 8, its time over contig's, and gathered's time over paged8's; "
              f"window: a probe, the paged call with a causal sliding window of {PREFILL_WINDOW} keys (window_abs) "
              "and decode._gathered with it, ms each and the gathered one's time over the paged one's; "
              "ours/torch flex: torch flex's time over paged's (contig's). q_offset: a probe, paged and "
@@ -888,8 +894,8 @@ def _prefill_table(rows: list[dict]) -> list[str]:
              "q_offset contig ms | torch flex ms | paged TFLOP/s | contig TFLOP/s | q_offset paged TFLOP/s | "
              "torch flex TFLOP/s | paged/contig | q_offset paged/contig | gather % paged | gather % extra | "
              "ours/torch flex (contig) | q_offset paged/torch flex | host µs paged / contig / q_offset paged | "
-             "mask builds | gathered ms | gathered/paged | paged16 ms | paged16/contig | window ms paged / gathered "
-             "(ratio) | max diff | template |", "|" + "---|" * 31]
+             "mask builds | gathered ms | gathered/paged | paged16 ms | paged16/contig | paged8 ms | paged8/contig | "
+             "gathered/paged8 | window ms paged / gathered (ratio) | max diff | template |", "|" + "---|" * 34]
     for r in rows:
         diff = max([r[k] for k in r if k.endswith("_diff")], default=None)
         builds = " / ".join(_f(r, f"{n}_mask_builds", "{:.1f}")
@@ -905,7 +911,9 @@ def _prefill_table(rows: list[dict]) -> list[str]:
                      f"{_f(r, 'paged_host_us', '{:.0f}')} / {_f(r, 'contig_host_us', '{:.0f}')} / "
                      f"{_f(r, 'paged_qoff_host_us', '{:.0f}')} | {builds} | {_f(r, 'gathered_ms')} | "
                      f"{_f(r, 'gathered_over_paged', '{:.2f}')} | {_f(r, 'paged16_ms')} | "
-                     f"{_f(r, 'paged16_over_contig', '{:.3f}')} | {_f(r, 'paged_window_ms')} / "
+                     f"{_f(r, 'paged16_over_contig', '{:.3f}')} | {_f(r, 'paged8_ms')} | "
+                     f"{_f(r, 'paged8_over_contig', '{:.3f}')} | {_f(r, 'gathered_over_paged8', '{:.2f}')} | "
+                     f"{_f(r, 'paged_window_ms')} / "
                      f"{_f(r, 'gathered_window_ms')} ({_f(r, 'gathered_window_over_paged', '{:.2f}')}) | "
                      f"{'-' if diff is None else f'{diff:.1e}'} | {r.get('template', '-')} |")
     return lines + [""]
