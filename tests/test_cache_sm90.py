@@ -42,7 +42,7 @@ def test_what_it_serves():
     qc, kc, vc, _, _ = _chunk(page=0)
     assert cache_sm90_refusal(qc, kc, vc, None, H100) is None
     assert [p for p in (1, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 512) if page_served(p)] == \
-        [8, 16, 32, 64, 128, 256, 512]
+        [16, 32, 64, 128, 256, 512]
 
 
 @pytest.mark.parametrize("page", [16, 128, 0])
@@ -100,12 +100,10 @@ def test_causal_needs_the_mask():
 
 
 @pytest.mark.sm90_compile
-@pytest.mark.parametrize("D, page, variant", [(128, 16, "causal"), (64, 128, "softcap_causal"), (128, 0, "causal"),
-                                              (128, 8, "causal")])
+@pytest.mark.parametrize("D, page, variant", [(128, 16, "causal"), (64, 128, "softcap_causal"), (128, 0, "causal")])
 def test_sm90_compile_no_spills(D, page, variant):
-    """The cache mode builds for sm90 with wgmma, its register split and no spills: pages of 16 and 8 (eight or
-    sixteen boxes a 128-key tile, K's and V's issued together, each page read once), pages holding whole tiles, a
-    contiguous cache."""
+    """The cache mode builds for sm90 with wgmma, its register split and no spills: pages of 16 (eight boxes a
+    128-key tile, K's and V's issued together, each page read once), pages holding whole tiles, a contiguous cache."""
     from fa3_inductor.templates.aot import sass_report
     from fa3_inductor.templates.hopper import get_config
     from fa3_inductor.templates.hopper.cache_sm90 import compile_cache_sm90
