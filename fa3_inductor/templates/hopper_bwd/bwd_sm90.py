@@ -59,16 +59,16 @@ Block mask (torch BlockMask, transposed tables: for each KV block, the query blo
 Packed sequences (PACK.VARLEN; host hopper_bwd/varlen.py, front door flex_varlen's gradients):
   Q, K, V, O, dO, dQ  [1, H, total, D] views of packed (total, H, D) tensors; dK, dV packed (total_k, HKV, D)
   CU_Q, CU_K [B + 1]  pack_args[:2]: sequence b holds query rows CU_Q[b] : CU_Q[b + 1] and keys CU_K[b] : CU_K[b + 1]
-  TILES [T]         pack_args[2]: the sequence of each virtual KV tile (packed_tile_table_kernel); sequence b's tiles
+  TILES [T]         pack_args[2]: the sequence of each virtual KV tile (hopper/tile_table.py); sequence b's tiles
                     are virtual tiles CU_K[b] // BLOCK_N + b onwards, T = total_k // BLOCK_N + B + 1
   grid              (T, HKV): kz of a CTA is its sequence (the mods' b); a virtual tile past its sequence's last
                     (at most one a sequence) has no step. Query steps are the sequence's own BLOCK_M-row tiles
                     (rows relative to CU_Q[b]): all (no mask_mod), all with the mask (SPARSE.DENSE_MASK), from the
                     KV tile's diagonal (SPARSE.CAUSAL_WALK), or from its diagonal to the last row whose causal window
                     of WINDOW keys (pack_args[3]) reaches the tile (SPARSE.WINDOW_WALK). Rows past the sequence read
-                    LSE_P +inf (P = 0:
-                    _lse_rows); K rows past it are zeroed in shared memory once landed (_kv_landed), the dense
-                    ragged tail's TMA zero fill; STATS and DQ_ACC are [H, ..] over the packed rows plus a tile.
+                    LSE_P +inf (P = 0: _lse_rows); K rows past it are zeroed in shared memory once landed
+                    (_kv_landed), the dense ragged tail's TMA zero fill; STATS and DQ_ACC are [H, ..] over the packed
+                    rows plus a tile.
 
 Mods (templates/modgen.py, ``gl`` dialect, called as the forward calls them):
   SCORE_MOD(qk, sm_scale, b, h, q_idx, kv_idx, bufs) -> the score / OUT_SCALE
