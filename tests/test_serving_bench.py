@@ -142,7 +142,8 @@ def test_prefill_part_on_the_cpu(cpu_kernels):
     assert row["flops"] == 4 * 2 * 4 * 16 * (72 * (160 - 72) + 72 * 73 // 2)
     row["label"] = "x"
     table = sb._prefill_table([row])
-    assert table[0].startswith("## prefill") and table[-2].count("|") == 32
+    assert table[0].startswith("## prefill") and table[-2].count("|") == 35
+    assert {"paged8_ms", "paged8_over_contig", "gathered_over_paged8"} <= set(row)
     assert sb.targets([row])[-1].startswith("prefill paged within 5% of contiguous: "
                                             + ("1/1" if row["paged_over_contig"] <= 1.05 else "0/1"))
     quick, default = sb.prefill_cases(False, True), sb.prefill_cases(False)
