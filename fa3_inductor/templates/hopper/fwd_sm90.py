@@ -2157,7 +2157,6 @@ class PackedRows:
     """The sequences of a VARLEN launch (module docstring, "Packed sequences"), as _site takes them."""
     cu_seqlens_q: torch.Tensor   # int32 [B + 1]: sequence b holds query rows cu_seqlens_q[b]:cu_seqlens_q[b + 1]
     cu_seqlens_k: torch.Tensor   # likewise its keys
-    max_seqlen_q: int            # bounds every sequence's query length: sizes the grid, never read on the host
     causal: bool                 # the mask_mod is q_idx >= kv_idx: KV walks end at the diagonal (CAUSAL_WALK)
     tile_table: torch.Tensor     # int32: the sequence of each virtual query tile of PACKED_BLOCK_M rows
                                  # (hopper/tile_table.py, written by an earlier launch): the grid, per head

@@ -78,6 +78,7 @@ def prepare_varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     generated ``gl`` mods; ``causal`` says the mask_mod is ``q_idx >= kv_idx`` (the KV walk then ends at each
     tile's diagonal), ``window`` > 0 that it is a causal window of that many keys (the walk also starts at the
     window's far edge: modgen.causal_window_of_source); ``config`` overrides the Hopper tile table (configs.py).
+    ``max_seqlen_q`` is taken as prepare_varlen takes it; the grid comes from the virtual tiles' table instead.
     Needs TQ, TK > 0. ``tensors``: this call's :func:`launch_tensors` (made here when None): every tensor the
     launch takes is one of them. The launch reads the virtual query tiles' table (``tensors[8]``) that
     tile_table.tile_table_launch writes: run that first (:func:`launch_varlen_sm90` does).
@@ -93,7 +94,7 @@ def prepare_varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
                          "apply it); pass mask_mod")
     q4, k4, v4, out4, lse4, max4, cu_q, cu_k, table = (tensors or launch_tensors(q, k, v, out, lse, cu_seqlens_q,
                                                                                  cu_seqlens_k))[:9]
-    packed = PackedRows(cu_q, cu_k, int(max_seqlen_q), bool(causal), table, int(window))
+    packed = PackedRows(cu_q, cu_k, bool(causal), table, int(window))
     return rows_launch(q4, k4, v4, out4, lse4, max4, sm_scale=sm_scale, score_mod=score_mod, mask_mod=mask_mod,
                        score_bufs=score_bufs, mask_bufs=mask_bufs, config=config, packed=packed)
 
@@ -103,8 +104,9 @@ def launch_varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
                        **options: Any) -> None:
     """Run the Hopper varlen kernel (``options``: :func:`prepare_varlen_sm90`'s keywords, ``sm_scale`` required);
     ``out`` and ``lse`` are written in place. No keys at all: every row sees none (out 0, lse -inf). The first launch
-    of a kind (tensor shapes and strides, max_seqlen_q, the options) is recorded (runtime/fast_launch.py) and later
-    ones re-launched without planning.
+    of a kind (tensor shapes and strides, the options) is recorded (runtime/fast_launch.py) and later ones
+    re-launched without planning: the grid follows the pack's totals (the tile table), not ``max_seqlen_q``, which
+    only lets a pack of empty sequences return at once.
 
     Example::
 
@@ -118,8 +120,8 @@ def launch_varlen_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
         return
     tensors = launch_tensors(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, options.get("score_bufs", ()),
                              options.get("mask_bufs", ()))
-    # what the launch depends on besides the tensors: the grid's rows, the scale, the mods, the config
-    key = ("varlen_fwd", tensor_signature(tensors), aliasing(tensors), int(max_seqlen_q),
+    # what the launch depends on besides the tensors (whose shapes give the grid): the scale, the mods, the config
+    key = ("varlen_fwd", tensor_signature(tensors), aliasing(tensors),
            *((name, value) for name, value in sorted(options.items()) if name not in ("score_bufs", "mask_bufs")))
     # each virtual query tile's sequence (tile_table.py), then the kernel: a CTA per real tile (and at most one empty a
     # sequence), not the longest sequence's count of tiles for every sequence (1.02-1.10x, H200 serving-…-1909)
