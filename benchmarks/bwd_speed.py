@@ -48,6 +48,21 @@ VARIANTS = ("noop", "causal", "softcap", "alibi", "sliding_window", "document")
 HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (256, 256), (192, 128), (160, 160))
 
 
+# --bwd-variants name of the deterministic backward (option fa3.deterministic_backward), beside configs.VARIANTS
+DETERMINISTIC = "deterministic"
+
+
+def _repeats(backward, grads, times: int = 3) -> bool:
+    """Whether ``times`` runs of ``backward`` write the same bits into ``grads`` (dq, dk, dv)."""
+    backward()
+    first = [g.clone() for g in grads]
+    same = True
+    for _ in range(times - 1):
+        backward()
+        same = same and all(torch.equal(a, b) for a, b in zip(first, grads))
+    return same
+
+
 # GPU cycles per ms of the head start (H100 / H200 boost clocks are ~1.98 GHz; torch.cuda._sleep spins cycles)
 SLEEP_CYCLES_PER_MS = 2_000_000
 
@@ -179,7 +194,9 @@ def ours(q, k, v, dout, variant, scale, backward_family="hopper", schedule="defa
     B, H, M, D = q.shape
     N, Dv = k.shape[2], v.shape[-1]
     fwd_opts, bwd_opts = _our_options(variant, H, M, N, "gl" if backward_family == "hopper" else "tl")
-    if backward_family == "hopper" and schedule != "default":
+    if backward_family == "hopper" and schedule == DETERMINISTIC:
+        bwd_opts["deterministic"] = True   # dQ's adds in a fixed order, on the host's config for the launch
+    elif backward_family == "hopper" and schedule != "default":
         from fa3_inductor.templates.hopper_bwd import get_bwd_config
         from fa3_inductor.templates.hopper_bwd.configs import VARIANTS as SCHEDULES
         from fa3_inductor.templates.hopper_bwd.host import launch_traits
@@ -316,9 +333,11 @@ def run(args) -> list[dict]:
                 if impl is None:
                     row["ours_note"] = why
                 else:
-                    both, bwd, _, fresh = impl
+                    both, bwd, grads, fresh = impl
                     fns.update(ours_ms=both, ours_bwd_ms=bwd)
                     row["ours_mb"] = _peak_mb(fresh)
+                    if DETERMINISTIC in args.bwd_variants:   # does the default repeat its bits? (dQ by reduce-adds)
+                        row["ours_repeats"] = _repeats(bwd, grads)
                 for schedule in args.bwd_variants:
                     if schedule == "default":
                         continue
@@ -326,8 +345,10 @@ def run(args) -> list[dict]:
                     if impl is None:
                         row[f"ours[{schedule}]_note"] = why
                     else:
-                        both, bwd, _, _ = impl
+                        both, bwd, grads, _ = impl
                         fns[f"ours[{schedule}]_ms"], fns[f"ours[{schedule}]_bwd_ms"] = both, bwd
+                        if schedule == DETERMINISTIC:
+                            row[f"ours[{schedule}]_repeats"] = _repeats(bwd, grads)
                 if args.generic:
                     impl, why = ours(q, k, v, dout, variant, scale, "generic")
                     if impl is None:
@@ -373,6 +394,11 @@ def run(args) -> list[dict]:
     return rows
 
 
+def _bits(repeats) -> str:
+    """A schedule cell's note on three backward runs' bits (measured with --bwd-variants deterministic)."""
+    return "" if repeats is None else (", same bits x3" if repeats else ", bits differ")
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
     def cell(row, key, fmt="{:.0f}"):
         return fmt.format(row[key]) if key in row else "-"
@@ -409,11 +435,12 @@ def markdown(rows: list[dict], meta: dict) -> str:
         for r in rows:
             if "ours_ms" not in r:
                 continue
-            cells = [f"{r['ours_ms']:.2f} / {r['ours_bwd_ms']:.2f}"]
+            cells = [f"{r['ours_ms']:.2f} / {r['ours_bwd_ms']:.2f}" + _bits(r.get("ours_repeats"))]
             for sch in schedules:
                 key = f"ours[{sch}]"
                 cells.append(f"{r[key + '_ms']:.2f} / {r[key + '_bwd_ms']:.2f} "
-                             f"({r['ours_bwd_ms'] / r[key + '_bwd_ms']:.2f}x)" if key + "_ms" in r else "-")
+                             f"({r['ours_bwd_ms'] / r[key + '_bwd_ms']:.2f}x)" + _bits(r.get(key + "_repeats"))
+                             if key + "_ms" in r else "-")
             d = f"{r['D']}" if r["D"] == r["Dv"] else f"{r['D']}/{r['Dv']}"
             lines.append(f"| {r['N']} | {d} | {r['variant']} | " + " | ".join(cells) + " |")
     notes = sorted({r["ours_note"] for r in rows if "ours_note" in r})
@@ -443,13 +470,15 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
                         help="mods and masks to run")
     parser.add_argument("--bwd-variants", nargs="+", default=["default"],
-                        help="Hopper backward schedules to A/B (names of templates/hopper_bwd/configs.VARIANTS)")
+                        help="Hopper backward schedules to A/B (names of templates/hopper_bwd/configs.VARIANTS, or "
+                             "'deterministic': the default config with dQ's adds ordered; both then report whether "
+                             "three backward runs wrote the same bits)")
     args = parser.parse_args()
     from fa3_inductor.templates.hopper_bwd.configs import VARIANTS as SCHEDULES
 
-    unknown = sorted(set(args.bwd_variants) - set(SCHEDULES))
+    unknown = sorted(set(args.bwd_variants) - set(SCHEDULES) - {DETERMINISTIC})
     if unknown:
-        raise SystemExit(f"--bwd-variants: unknown {unknown}; choose from {sorted(SCHEDULES)}")
+        raise SystemExit(f"--bwd-variants: unknown {unknown}; choose from {sorted(SCHEDULES)} or {DETERMINISTIC}")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         raise SystemExit("bwd_speed needs an sm90 GPU (H100 / H200)")
     # our backward against float64 at every head-dim pair to be timed (a wrong kernel's speed means nothing)

@@ -359,13 +359,59 @@ def test_with_our_hopper_forward(dims):
         assert_matches_reference(g, want, q.dtype, name)
 
 
-def test_deterministic_is_refused():
+# Deterministic dQ: ragged, GQA 4:1, a K/V batch of 1, block masks with partial and full blocks, a score_mod
+DETERMINISTIC_CASES = [c for c in CASES if c[0] in ("noop-ragged", "causal", "softcap", "document", "window",
+                                                     "gqa4-causal", "kv-batch-1")]
+
+
+@pytest.mark.parametrize("D", [64, 96, 128])
+@pytest.mark.parametrize("case", DETERMINISTIC_CASES, ids=[c[0] for c in DETERMINISTIC_CASES])
+def test_deterministic_matches_float64_and_repeats_bit_for_bit(case, D):
+    """deterministic=True: dq, dk, dv within the tolerance of float64, and the same bits on three runs."""
+    _, score_mod, mask_mod, Z, HQ, HKV, M, N, KZ = case
+    mask_mod = _document(N) if mask_mod == "document" else mask_mod
+    q, k, v, dout = _inputs(Z, HQ, HKV, M, N, D, KZ=KZ)
+    kk, vv = (k.expand(Z, *k.shape[1:]), v.expand(Z, *v.shape[1:])) if k.shape[0] != Z else (k, v)
+    scale = D ** -0.5
+    out, dq, dk, dv, _ = reference_gradients(q, kk, vv, dout, score_mod, mask_mod, scale)
+    _, lse = reference_attention(q, kk, vv, score_mod, mask_mod, scale)
+    if k.shape[0] != Z:
+        dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
+    options = dict(sm_scale=scale, deterministic=True, **_score_options(score_mod), **_mask_options(mask_mod, M, N))
+    runs = [_run(q, k, v, torch.nan_to_num(out).to(q.dtype), dout, (lse / LN2).float(), **options) for _ in range(3)]
+    for name, g, want in zip(("dq", "dk", "dv"), runs[0], (dq, dk, dv)):
+        assert_matches_reference(g, want, q.dtype, name)
+    for other in runs[1:]:
+        for name, a, b in zip(("dq", "dk", "dv"), runs[0], other):
+            assert torch.equal(a, b), f"{name} differs between two deterministic runs"
+
+
+@pytest.mark.parametrize("D, mask", [(128, None), (64, "causal"), (128, "document")])
+def test_deterministic_dq_repeats_on_many_waves(D, mask):
+    """Many CTAs add into each dQ tile (32 KV tiles), over several waves of the grid, and (no mask) a single head whose
+    320 KV tiles outnumber the SMs (the KV-tile-major launch order keeps every wait on a CTA launched earlier): dQ
+    repeats bit for bit over five runs (the counters come back zeroed by the next launch's preprocess)."""
+    for Z, H, L in ((4, 8, 4096), (1, 1, 40960)) if mask is None else ((4, 8, 4096),):
+        q, k, v, dout = _inputs(Z, H, H, L, L, D)
+        mask_mod = {"causal": mods.causal, "document": mods.document((torch.arange(L, device="cuda") // 1500).to(
+            torch.int32)), None: None}[mask]
+        lse = torch.randn(Z, H, L, device="cuda").abs() + 8.0   # any finite LSE: a fixed input, not a softmax here
+        options = dict(sm_scale=D ** -0.5, deterministic=True, **_mask_options(mask_mod, L, L))
+        first = _run(q, k, v, dout, dout, lse, **options)
+        assert torch.isfinite(first[0]).all()
+        for _ in range(4):
+            again = _run(q, k, v, dout, dout, lse, **options)
+            for name, a, b in zip(("dq", "dk", "dv"), first, again):
+                assert torch.equal(a, b), f"{name} differs between two deterministic runs at Z{Z} H{H} L{L}"
+
+
+def test_deterministic_is_refused_at_the_wide_head_dims():
     from fa3_inductor.templates.hopper_bwd import prepare_hopper_backward
 
-    q, k, v, dout = _inputs(1, 2, 2, 128, 128, 64)
+    q, k, v, dout = _inputs(1, 2, 2, 128, 128, 256)
     with pytest.raises(ValueError, match="deterministic"):
         prepare_hopper_backward(q, k, v, dout, dout, torch.zeros(1, 2, 128, device="cuda"), torch.empty_like(q),
-                                torch.empty_like(k), torch.empty_like(v), sm_scale=0.125, deterministic=True)
+                                torch.empty_like(k), torch.empty_like(v), sm_scale=0.0625, deterministic=True)
 
 
 @pytest.mark.parametrize("dims", WIDE_HEAD_DIMS + [(192, 192), (160, 160), (96, 96), (80, 80)], ids=_dims_id)

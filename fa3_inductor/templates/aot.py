@@ -69,6 +69,23 @@ class SassReport:
     def spill_instructions(self) -> int:
         return len(re.findall(r"\b(?:LDL|STL)(?:\.\w+)*\b", self.sass))
 
+    def _instructions_and_loops(self) -> tuple[list[tuple[int, str]], list[tuple[int, int]]]:
+        """(address, instruction) of the SASS, and the (first, last) address of every loop (a backward branch)."""
+        ins = [(int(a, 16), text.strip()) for a, text in
+               re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", self.sass)]
+        loops = []
+        for addr, text in ins:
+            m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+            if m and int(m.group(1), 16) < addr:
+                loops.append((int(m.group(1), 16), addr))
+        return ins, loops
+
+    @staticmethod
+    def _innermost(ins: list[tuple[int, str]], loops: list[tuple[int, int]]) -> list[list[str]]:
+        inner = [(lo, hi) for lo, hi in loops
+                 if not any((a, b) != (lo, hi) and lo <= a and b <= hi for a, b in loops)]
+        return [[t for a, t in ins if lo <= a <= hi] for lo, hi in inner]
+
     def inner_loops(self) -> list[list[str]]:
         """Instruction lists of the innermost loops (a backward branch whose body holds no other
         backward branch), in address order: the KV loops of an attention kernel are among them.
@@ -78,16 +95,19 @@ class SassReport:
             >>> [len(body) for body in r.inner_loops() if "MUFU.EX2" in " ".join(body)]  # doctest: +SKIP
             [459, 459]
         """
-        ins = [(int(a, 16), text.strip()) for a, text in
-               re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", self.sass)]
-        loops = []
-        for addr, text in ins:
-            m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
-            if m and int(m.group(1), 16) < addr:
-                loops.append((int(m.group(1), 16), addr))
-        inner = [(lo, hi) for lo, hi in loops
-                 if not any((a, b) != (lo, hi) and lo <= a and b <= hi for a, b in loops)]
-        return [[t for a, t in ins if lo <= a <= hi] for lo, hi in inner]
+        return self._innermost(*self._instructions_and_loops())
+
+    def loops_with(self, token: str) -> list[list[str]]:
+        """Instruction lists of the innermost loops that hold ``token``: loops whose body holds it and holds no
+        other loop that does (a step loop with a spin-wait loop inside it is still the step loop).
+
+        Example::
+
+            >>> [len(body) for body in r.loops_with("HGMMA")]  # doctest: +SKIP
+            [474, 456]
+        """
+        ins, loops = self._instructions_and_loops()
+        return self._innermost(ins, [(lo, hi) for lo, hi in loops if any(lo <= a <= hi and token in t for a, t in ins)])
 
     @property
     def setmaxnreg(self) -> set[int]:

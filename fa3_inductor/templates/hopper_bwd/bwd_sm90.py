@@ -47,6 +47,17 @@ Barriers (shared memory):
   kv_empty[b], kv_full[b]            PERSISTENT, per K / V buffer: both warpgroups are done with its K, V (count 2,
                                      consumers -> producer); its K, V landed (count 1, TMA tx; kv_ready unused)
   (DQ_TMA: no barrier; each warpgroup's dQ staging tile is reused after tma.store_wait(0))
+
+Deterministic dQ (SCHED.DETERMINISTIC, option fa3.deterministic_backward; cta_args = (DQ_SEMS, DQ_RANK)):
+  DQ_SEMS [1 + Z * HQ * M_PAD / 64 * 2] int32   one counter per (head, 64-row step, dQ column half): how many CTAs
+                             have added their dQ there (zeroed by the preprocess kernel; slot 0 is a sink, never waited on)
+  DQ_RANK [SZ, SH, NUM_Q_BLKS, NUM_KV_BLKS] int32   with a block mask: how many KV blocks before this one list the query
+                             block (the rank kernel, from the forward's tables); without one every CTA adds, rank = KV tile
+  The adds into a dQ tile are made in ascending KV-tile order: a warpgroup waits (ld.acquire) until its counter reaches
+  its CTA's rank, issues the reduce-add, and releases the counter (+1) once that add has completed in global memory,
+  which it checks at its next add (or after its last): the fp32 sums are then the same bits on every run. CTAs are
+  launched KV-tile-major (all (kz, hkv) of tile 0, then of tile 1, ...), so a CTA only waits on CTAs launched before
+  it: no deadlock whatever the occupancy, and the CTAs a wave holds are mostly a wave apart in the order.
   Two dS buffers suffice: a warpgroup writes buffer b at step j + 2 only after its own step-j dQ wgmma, and
   after waiting on ds_ready of step j + 1 (DQ_SPLIT: always; in turn: it is the reader of step j + 1 when the
   other warpgroup read step j), which the other warpgroup signals only after its step-j dQ wgmma retired.
@@ -216,14 +227,21 @@ class BwdSchedule:
                               # WideTile.DQ_FRAG: DQ_ACC's 64 x 64 blocks permuted, 16-byte conflict-free stores)
     DKDV_TMA: bool = False    # DQ_TMA, dense, D_MEM = HEAD_D: dK then dV written through the warpgroup's 16 KB dQ
                               # staging tile and TMA-stored (else gl.store from the accumulators, 4-byte pairs)
+    DETERMINISTIC: bool = False   # dQ added in ascending KV-tile order (module docstring, "Deterministic dQ"):
+                                  # DQ_TMA, dense, neither LPT_ORDER nor PERSISTENT (the host sees to it)
 
 
 @gluon.jit
 def _cta_coords(cta_args, SCHED: gl.constexpr):
     """(KV tile, kz * HKV + hkv) of this CTA: the grid's coordinates, or with SCHED.LPT_ORDER the entry of the host's
     order (kvh * #KV tiles + KV tile, int32) at the CTA's launch index (the hardware hands CTAs out in launch order,
-    program_id(0) fastest)."""
-    if SCHED.LPT_ORDER:
+    program_id(0) fastest); with SCHED.DETERMINISTIC the launch index itself, KV tile major."""
+    if SCHED.DETERMINISTIC:   # KV-tile-major launch order: a CTA waits only on CTAs launched before it
+        n_kvh = gl.num_programs(1)
+        launched = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
+        kv_tile = launched // n_kvh
+        kvh = launched % n_kvh
+    elif SCHED.LPT_ORDER:
         n_kv_tiles = gl.num_programs(0)
         idx = gl.load(cta_args[0] + gl.program_id(1) * n_kv_tiles + gl.program_id(0))
         kv_tile = idx % n_kv_tiles
@@ -660,6 +678,8 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
 
     _kv_landed(kv_bar, kv_phase, k_smem, kv_buf, n0, N, WG, TILE, PACK)
     cnt = gl.to_tensor(cnt)   # a loop-carried value (the default launch passes a literal 0)
+    if SCHED.DETERMINISTIC:
+        prev = cta[0]   # the counter of this warpgroup's last dQ add: DQ_SEMS' sink until the first
     # every query batch that reads this K/V batch (all of them when KZ = 1), every head of the GQA
     # group: one flat loop (a nested one holds more loop state in registers)
     for hh in range((Z // KZ) * FLAGS.GQA_GROUP):
@@ -759,11 +779,17 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
                 mbarrier.wait(ds_ready.index(buf), (cnt // 2) & 1)
                 dq_tok = warpgroup_mma(ds_tile, k_dq, dq_zero, use_acc=False, is_async=True)
                 dq, _a, _b = warpgroup_mma_wait(0, deps=[dq_tok, ds_tile, k_dq])
-                _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, q_row0 + m_cur, row_off, WG, TILE, SCHED)
+                if SCHED.DETERMINISTIC:
+                    prev = _add_dq_in_turn(dq, dq_desc, dq_smem, zh, m_cur, prev, cta, kv_tile, kv_blk, z, hq, M_PAD,
+                                           table_meta, WG, TILE, SPARSE, SCHED)
+                else:
+                    _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, q_row0 + m_cur, row_off, WG, TILE, SCHED)
             if SCHED.STATS_AHEAD:
                 lse = lse_next
                 delta = delta_next
             cnt += 1
+    if SCHED.DETERMINISTIC:
+        _release_turn(prev)
     if SCHED.PERSISTENT:
         mbarrier.arrive(cta[1].index(kv_buf), count=1)   # kv_empty: this warpgroup's wgmmas reading K, V retired
 
@@ -827,6 +853,85 @@ def _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, m0, row_off, WG: gl.constexpr,
         dq_cols = gl.arange(0, DQ_N, layout=gl.SliceLayout(0, dq_layout))
         dq_ptrs = dq_acc_ptr + ((row_off + dq_rows) * D + DQ_COL0)[:, None] + dq_cols[None, :]
         gl.atomic_add(dq_ptrs, dq, sem="relaxed")
+
+
+# ----------------------------------------------------------------------------------------------
+# Deterministic dQ (SCHED.DETERMINISTIC): each dQ tile's adds in ascending KV-tile order.
+# ----------------------------------------------------------------------------------------------
+@gluon.jit
+def _ld_acquire(ptr):
+    """The int32 at ``ptr``, loaded with acquire semantics at GPU scope (a counter other CTAs release)."""
+    return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def _wait_turn(sem, target):
+    """Spin until the counter at ``sem`` reaches ``target`` (every CTA before this one in the order has added). The
+    reduce-add issued after it is ordered behind the acquire (fence.proxy.async: the async proxy's write after the
+    generic proxy's read)."""
+    seen = _ld_acquire(sem)
+    while seen < target:
+        seen = _ld_acquire(sem)
+    gl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r,r", [seen], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _release_turn(sem):
+    """Wait until this warpgroup's reduce-adds have completed in global memory (cp.async.bulk.wait_group without
+    .read, which tma.store_wait is: that one only waits until the staging tile has been read), then, past the
+    warpgroup's barrier, lane 0 of each of its 4 warps adds 1 to the counter at ``sem`` with release semantics at GPU
+    scope (a warpgroup's add counts 4: one thread of the warpgroup would need %tid.x, whose read in an asm made ptxas
+    spill the step loops, as _lane_id says). Leaves the staging tile free."""
+    done = gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.u32 $0, 0;",
+                                     "=r,r", [0], dtype=gl.int32, is_pure=False, pack=1)
+    gl.thread_barrier()
+    gl.inline_asm_elementwise(
+        "{ .reg .pred first; .reg .b32 lane; mov.u32 lane, %laneid; setp.eq.u32 first, lane, 0; "
+        "@first red.release.gpu.global.add.s32 [$1], 1; mov.u32 $0, $2; }",
+        "=r,l,r", [sem, done], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _dq_turn(cta, zh, m0, kv_tile, kv_blk, z, hq, M_PAD, table_meta, WG: gl.constexpr, TILE: gl.constexpr,
+             SPARSE: gl.constexpr):
+    """(counter, target) of this warpgroup's dQ add into rows m0.. of head zh: DQ_SEMS' slot of the rows and the
+    warpgroup's column half (DQ_SPLIT; else one), and the count it waits for: 4 (warps, _release_turn) times the number
+    of CTAs that add there before this one."""
+    sems = cta[0]
+    ranks = cta[1]
+    COL: gl.constexpr = WG if TILE.DQ_SPLIT else 0
+    sem = sems + 1 + ((zh.to(gl.int64) * (M_PAD // TILE.BLOCK_M) + m0 // TILE.BLOCK_M) * 2 + COL)
+    if SPARSE.HAS_BLOCK_MASK:
+        SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS, WINDOW = table_meta
+        PER_KV: gl.constexpr = SPARSE.SPARSE_KV // TILE.BLOCK_N   # CTAs of a mask block: all add where it is listed
+        q_blk = m0 // (SPARSE.Q_TILES_PER_BLK * TILE.BLOCK_M)
+        row = ((z % SZ) * SH + (hq % SH)) * NUM_Q_BLKS + q_blk
+        rank = gl.load(ranks + row * NUM_KV_BLKS + kv_blk) * PER_KV + kv_tile % PER_KV
+    else:
+        rank = kv_tile   # every KV tile adds into every query tile
+    return sem, rank * 4
+
+
+@gluon.jit
+def _add_dq_in_turn(dq, dq_desc, dq_smem, zh, m0, prev, cta, kv_tile, kv_blk, z, hq, M_PAD, table_meta,
+                    WG: gl.constexpr, TILE: gl.constexpr, SPARSE: gl.constexpr, SCHED: gl.constexpr):
+    """SCHED.DETERMINISTIC's _add_dq: release the counter of this warpgroup's previous add (``prev``) once that add
+    has completed, wait for this add's turn, then stage and reduce-add as _add_dq does. Returns this add's counter,
+    to release at the next add or after the last (_release_turn)."""
+    sem, target = _dq_turn(cta, zh, m0, kv_tile, kv_blk, z, hq, M_PAD, table_meta, WG, TILE, SPARSE)
+    _release_turn(prev)
+    _wait_turn(sem, target)
+    DQ_COL0: gl.constexpr = WG * TILE.DQ_N if TILE.DQ_SPLIT else 0
+    if SCHED.DQ_FRAG:
+        _frag_reduce_add(dq, dq_smem.index(WG), dq_desc, zh, m0, DQ_COL0, TILE.D_MEM)
+    else:
+        stage = dq_smem.index(WG)
+        stage.reshape([TILE.BLOCK_M, TILE.DQ_N]).store(dq)
+        fence_async_shared()
+        _tma_reduce_add(dq_desc, [zh, m0, DQ_COL0], stage)
+    return sem
 
 
 # ----------------------------------------------------------------------------------------------
@@ -969,6 +1074,8 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
 
     _kv_landed(kv_bar, kv_phase, k_smem, kv_buf, n0, N, WG, TILE, PACK)
     cnt = gl.to_tensor(cnt)   # a loop-carried value (the default launch passes a literal 0)
+    if SCHED.DETERMINISTIC:
+        prev = cta[0]   # as in _consumer_tile
     for hh in range((Z // KZ) * FLAGS.GQA_GROUP):
         z = kz + (hh // FLAGS.GQA_GROUP) * KZ
         hq = hkv * FLAGS.GQA_GROUP + hh % FLAGS.GQA_GROUP
@@ -1069,7 +1176,11 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
                 dk, dq, _ds, _q2, _a, _b = warpgroup_mma_wait(0, deps=[dk_tok, dq_tok, ds_mine, q_t, ds_tile,
                                                                        k_dq])
                 mbarrier.arrive(qdo_empty.index(st), count=1)
-                _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, q_row0 + m0, row_off, WG, TILE, SCHED)
+                if SCHED.DETERMINISTIC:
+                    prev = _add_dq_in_turn(dq, dq_desc, dq_smem, zh, m0, prev, cta, kv_tile, kv_blk, z, hq, M_PAD,
+                                           table_meta, WG, TILE, SPARSE, SCHED)
+                else:
+                    _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, q_row0 + m0, row_off, WG, TILE, SCHED)
             else:
                 dk, _ds, _q2 = warpgroup_mma_wait(0, deps=[dk_tok, ds_mine, q_t])
                 mbarrier.arrive(qdo_empty.index(st), count=1)
@@ -1081,11 +1192,17 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
                     mbarrier.wait(ds_ready.index(buf), (cnt // 2) & 1)
                     dq_tok = warpgroup_mma(ds_tile, k_dq, dq_zero, use_acc=False, is_async=True)
                     dq, _a, _b = warpgroup_mma_wait(0, deps=[dq_tok, ds_tile, k_dq])
-                    _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, q_row0 + m0, row_off, WG, TILE, SCHED)
+                    if SCHED.DETERMINISTIC:
+                        prev = _add_dq_in_turn(dq, dq_desc, dq_smem, zh, m0, prev, cta, kv_tile, kv_blk, z, hq,
+                                               M_PAD, table_meta, WG, TILE, SPARSE, SCHED)
+                    else:
+                        _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, q_row0 + m0, row_off, WG, TILE, SCHED)
             m0 = m0_next
             if SCHED.STATS_AHEAD:
                 delta = delta_next
             cnt += 1
+    if SCHED.DETERMINISTIC:
+        _release_turn(prev)
     if SCHED.PERSISTENT:
         # kv_empty: every wgmma reading K and V retired (the head's last, wasted S too: waited in its step)
         mbarrier.arrive(cta[1].index(kv_buf), count=1)
@@ -1230,11 +1347,11 @@ def fa3_bwd_sm90_kernel(
 @triton.jit(do_not_specialize=["M", "M_PAD"])
 def bwd_sm90_preprocess_kernel(O, DO, LSE, DLSE, STATS, DQ_ACC, o_strides, do_strides, HQ, M, M_PAD,
                                HAS_DLSE: tl.constexpr, BLOCK: tl.constexpr, HEAD_D: tl.constexpr,
-                               HEAD_DV: tl.constexpr = None, HEAD_D_POW2: tl.constexpr = None):
+                               HEAD_DV: tl.constexpr = None, HEAD_D_POW2: tl.constexpr = None, DQ_SEMS=None):
     """STATS (LSE_P, DELTA_P) for rows [BLOCK * pid, ...) of head z * HQ + hq (up to M_PAD), and zeros into the
     same rows of DQ_ACC. HEAD_DV: O's and dO's columns (default HEAD_D); HEAD_D_POW2: HEAD_D rounded up to a
     power of two (DQ_ACC's columns, and O's without HEAD_DV, are masked to HEAD_D), when HEAD_D is not one (80, 96,
-    192)."""
+    192). DQ_SEMS (deterministic dQ; BLOCK the main kernel's 64-row step): the rows' two counters zeroed."""
     pid = tl.program_id(0)
     zh = tl.program_id(1)
     z = zh // HQ
@@ -1271,6 +1388,34 @@ def bwd_sm90_preprocess_kernel(O, DO, LSE, DLSE, STATS, DQ_ACC, o_strides, do_st
         dcols = tl.arange(0, HEAD_D_POW2)
         tl.store(DQ_ACC + padded[:, None] * HEAD_D + dcols[None, :], tl.zeros([BLOCK, HEAD_D_POW2], tl.float32),
                  mask=in_pad[:, None] & (dcols < HEAD_D)[None, :])
+    if DQ_SEMS is not None:
+        tl.store(DQ_SEMS + 1 + (zh.to(tl.int64) * (M_PAD // BLOCK) + pid) * 2 + tl.arange(0, 2),
+                 tl.zeros([2], tl.int32))
+
+
+@triton.jit(do_not_specialize=["NUM_KV_BLKS", "IDX_COLS"])
+def bwd_sm90_dq_rank_kernel(KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, DQ_RANK, NUM_KV_BLKS, IDX_COLS,
+                            HAS_FULL: tl.constexpr, KV_BLKS_POW2: tl.constexpr, CHUNK: tl.constexpr):
+    """DQ_RANK's row of one query block (program: (sz * SH + sh) * NUM_Q_BLKS + query block): for each KV block, how
+    many KV blocks before it the forward's tables list for the query block (partial and full), the order of the
+    deterministic dQ adds. KV_NUM [.., NUM_Q_BLKS] and KV_IDX [.., NUM_Q_BLKS, IDX_COLS] (and the full ones) are the
+    forward's block-mask tables, int32 contiguous."""
+    row = tl.program_id(0)
+    kv_blks = tl.arange(0, KV_BLKS_POW2)
+    listed = tl.zeros([KV_BLKS_POW2], tl.int32)
+    n = tl.load(KV_NUM + row)
+    for j0 in range(0, n, CHUNK):
+        j = j0 + tl.arange(0, CHUNK)
+        blk = tl.load(KV_IDX + row.to(tl.int64) * IDX_COLS + j, mask=j < n, other=-1)
+        listed += tl.sum((blk[:, None] == kv_blks[None, :]).to(tl.int32), 0)
+    if HAS_FULL:
+        n_full = tl.load(FULL_NUM + row)
+        for j0 in range(0, n_full, CHUNK):
+            j = j0 + tl.arange(0, CHUNK)
+            blk = tl.load(FULL_IDX + row.to(tl.int64) * IDX_COLS + j, mask=j < n_full, other=-1)
+            listed += tl.sum((blk[:, None] == kv_blks[None, :]).to(tl.int32), 0)
+    rank = tl.cumsum(listed, 0) - listed
+    tl.store(DQ_RANK + row.to(tl.int64) * NUM_KV_BLKS + kv_blks, rank, mask=kv_blks < NUM_KV_BLKS)
 
 
 @triton.jit(do_not_specialize=["M", "M_PAD"])

@@ -3,8 +3,10 @@ and bfloat16, the (q/k, v) head dims of configs.SUPPORTED_HEAD_DIM_PAIRS (64 / 1
 128 tiles, 192 / 128 and 256 by bwd_sm90_wide.py, 160 / 192 in its 256 tiles, 192 / 128 without a mask on
 bwd_sm90_k96.py's 96-key tiles); mods in the ``gl`` dialect. dQ is
 summed with fp32 reduce-adds (TMA, in arrival order), so it is not bitwise reproducible: a site that asks for
-deterministic gradients goes to the generic backward; one that needs gradients of captured tensors (not computed
-here yet) to torch's kernel (the generic backward when it is also deterministic)."""
+deterministic gradients is served by the 64-row step (head dims 64, 80, 96, 128), whose dQ adds then go in a fixed
+order (bwd_sm90.py, "Deterministic dQ"); at the other head dims it goes to the generic backward. One that needs
+gradients of captured tensors (not computed here yet) goes to torch's kernel (the generic backward when it is also
+deterministic)."""
 
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ import torch
 
 from ..family import NOT_MEANT_HERE, BackwardCall, BackwardSiteFacts, Launch, NotServed
 from ..generic_bwd.host import SCORE_GRAD_ONE
-from .configs import SUPPORTED_HEAD_DIM_PAIRS
-from .host import hopper_backward_scratch, prepare_hopper_backward
+from .configs import SUPPORTED_HEAD_DIM_PAIRS, SUPPORTED_HEAD_DIMS
+from .host import hopper_backward_scratch, mask_shape_of, prepare_hopper_backward
 
 
 # Measured on an H100, backward alone, B4 H16 N4096, dQ by TMA reduce-add (benchmarks/results/bwd-speed-nvidia-
@@ -44,8 +46,9 @@ class HopperBackwardFamily:
         if (site.head_dim, site.value_head_dim) not in SUPPORTED_HEAD_DIM_PAIRS:
             return (f"Hopper backward: head dims {site.head_dim}/{site.value_head_dim} (it serves "
                     f"{', '.join(f'{d}/{dv}' for d, dv in SUPPORTED_HEAD_DIM_PAIRS)})")
-        if site.deterministic:
-            return "Hopper backward: dQ summed by fp32 reduce-adds in arrival order is not bitwise reproducible (fa3.deterministic_backward)"
+        if site.deterministic and not (site.head_dim == site.value_head_dim and site.head_dim in SUPPORTED_HEAD_DIMS):
+            return (f"Hopper backward: deterministic dQ (fa3.deterministic_backward) is built for head dims "
+                    f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}, not {site.head_dim}/{site.value_head_dim}")
         if site.buffer_grads:
             return "Hopper backward: gradients of captured tensors not computed here yet"
         return None
@@ -63,10 +66,13 @@ class HopperBackwardFamily:
             raise NotServed(str(exc)) from exc
 
     def backward_scratch(self, call: BackwardCall) -> tuple[torch.Tensor, ...]:
-        """(STATS, DQ_ACC) for ``call`` (host.hopper_backward_scratch)."""
+        """(STATS, DQ_ACC), and with ``call.deterministic`` (DQ_SEMS, DQ_RANK), for ``call``
+        (host.hopper_backward_scratch)."""
         has_mask = call.tables[0] is not None or call.q_tables[0] is not None
         try:
-            return hopper_backward_scratch(call.q, has_mask=has_mask, sparse_q_block=call.sparse_q_block)
+            return hopper_backward_scratch(call.q, has_mask=has_mask, sparse_q_block=call.sparse_q_block,
+                                           deterministic=call.deterministic,
+                                           mask_shape=mask_shape_of(*call.tables[:2], *call.q_tables[:2]))
         except ValueError as exc:   # a head dim it does not take: the next family runs
             raise NotServed(str(exc)) from exc
 

@@ -22,7 +22,8 @@ from ..modgen import (MAX_POSITION, BufferSpec, GeneratedSource, generate_mod_so
 from ..tma import tma_aligned
 from ..wide_scores import wide_scores
 from .bwd_sm90 import (BwdFlags, BwdSchedule, BwdSparsity, BwdTile, bwd_sm90_dq_convert_frag_kernel,
-                       bwd_sm90_dq_convert_kernel, bwd_sm90_preprocess_kernel, fa3_bwd_sm90_kernel)
+                       bwd_sm90_dq_convert_kernel, bwd_sm90_dq_rank_kernel, bwd_sm90_preprocess_kernel,
+                       fa3_bwd_sm90_kernel)
 from .bwd_sm90_m128 import M128Tile, fa3_bwd_sm90_m128_kernel
 from .bwd_sm90_wide import WideTile, fa3_bwd_sm90_wide_kernel
 from .bwd_sm90_k96 import K96Tile, fa3_bwd_sm90_k96_kernel
@@ -264,26 +265,61 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
 
 
 def hopper_backward_scratch(q: torch.Tensor, *, has_mask: bool, sparse_q_block: int = 128,
-                            config: Optional[BwdSm90Config] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            config: Optional[BwdSm90Config] = None, deterministic: bool = False,
+                            mask_shape: Optional[tuple[int, int, int, int]] = None) -> tuple[torch.Tensor, ...]:
     """The scratch of one sm90 backward of ``q``'s shape, freshly allocated: (STATS, DQ_ACC), the padded LSE and
     DELTA [Z * HQ, 2, M_PAD] and the fp32 dQ accumulator [Z * HQ, M_PAD, D]. The preprocess launch writes both
     before anything reads them. ``has_mask``: the call passes block-mask tables (rows are then padded to
-    ``sparse_q_block``). Pass the result as ``prepare_hopper_backward(..., scratch=...)`` to own every tensor
-    its launches touch (runtime/ops_bwd.py re-launches them so).
+    ``sparse_q_block``). ``deterministic``: also DQ_SEMS, the dQ adds' counters [1 + Z * HQ * M_PAD / 64 * 2], and
+    DQ_RANK, their order under a block mask [SZ, SH, #query blocks, #KV blocks] (``mask_shape``; one element without a
+    mask), int32, written by the launches too. Pass the result as ``prepare_hopper_backward(..., scratch=...)`` to own
+    every tensor its launches touch (runtime/ops_bwd.py re-launches them so).
 
     Example::
 
         >>> stats, dq_acc = hopper_backward_scratch(torch.empty(1, 2, 100, 64), has_mask=False)
         >>> tuple(stats.shape), tuple(dq_acc.shape)
         ((2, 2, 128), (2, 128, 64))
+        >>> [tuple(t.shape) for t in hopper_backward_scratch(torch.empty(1, 2, 100, 64), has_mask=True,
+        ...                                                 deterministic=True, mask_shape=(1, 1, 1, 1))[2:]]
+        [(9,), (1, 1, 1, 1)]
     """
     Z, HQ, M, D = q.shape
     if D not in {d for d, _ in SUPPORTED_HEAD_DIM_PAIRS}:
         _refuse(f"head dim {D} is not served (q/k head dims {sorted({d for d, _ in SUPPORTED_HEAD_DIM_PAIRS})})")
     del config   # every config's rows fit the same padding (_padded_rows)
+    return tuple(torch.empty(shape, dtype=dtype, device=q.device) for shape, dtype in
+                 _scratch_shapes(q.shape, has_mask, sparse_q_block, deterministic, mask_shape))
+
+
+def mask_shape_of(kv_num: Optional[torch.Tensor], kv_idx: Optional[torch.Tensor], q_num: Optional[torch.Tensor],
+                  q_idx: Optional[torch.Tensor]) -> Optional[tuple[int, int, int, int]]:
+    """(SZ, SH, #query blocks, #KV blocks) of a block mask from its forward or its transposed tables (None without).
+
+    Example::
+
+        >>> mask_shape_of(None, None, torch.zeros(1, 2, 3, dtype=torch.int32), torch.zeros(1, 2, 3, 5))
+        (1, 2, 5, 3)
+    """
+    if q_num is not None:
+        return (*q_num.shape[:2], q_idx.shape[-1], q_num.shape[2])
+    if kv_num is not None:
+        return (*kv_num.shape[:2], kv_num.shape[2], kv_idx.shape[-1])
+    return None
+
+
+def _scratch_shapes(q_shape: Sequence[int], has_mask: bool, sparse_q_block: int, deterministic: bool,
+                    mask_shape: Optional[tuple[int, ...]]) -> list[tuple[tuple, torch.dtype]]:
+    """(shape, dtype) of each scratch tensor (hopper_backward_scratch)."""
+    Z, HQ, M, D = q_shape
     m_pad = _padded_rows(M, has_mask, sparse_q_block)
-    return (torch.empty((Z * HQ, 2, m_pad), dtype=torch.float32, device=q.device),
-            torch.empty((Z * HQ, m_pad, D), dtype=torch.float32, device=q.device))
+    shapes = [((Z * HQ, 2, m_pad), torch.float32), ((Z * HQ, m_pad, D), torch.float32)]
+    if deterministic:
+        if has_mask and mask_shape is None:
+            _refuse("deterministic scratch under a block mask needs mask_shape (SZ, SH, #query blocks, #KV blocks)")
+        shapes += [((1 + Z * HQ * (m_pad // _PASS_BLOCK) * 2,), torch.int32),
+                   (tuple(mask_shape) if has_mask else (1,), torch.int32)]
+    return shapes
 
 
 # Rows of the padding without a block mask: the longest query step of any config (M128Tile's 128), so the scratch of
@@ -298,19 +334,20 @@ def _padded_rows(M: int, has_mask: bool, sparse_q_block: int) -> int:
     return triton.cdiv(M, row_block) * row_block
 
 
-def _check_scratch(scratch: Sequence[torch.Tensor], shapes: tuple[tuple, tuple], device: torch.device) -> None:
+def _check_scratch(scratch: Sequence[torch.Tensor], shapes: list[tuple[tuple, torch.dtype]],
+                   device: torch.device) -> None:
+    names = ("STATS", "DQ_ACC", "DQ_SEMS", "DQ_RANK")[:len(shapes)]
     problems = []
-    if len(scratch) != 2:
-        problems.append(f"scratch has {len(scratch)} tensors, expected 2 (STATS, DQ_ACC)")
+    if len(scratch) != len(shapes):
+        problems.append(f"scratch has {len(scratch)} tensors, expected {len(shapes)} ({', '.join(names)})")
     else:
-        for name, got, shape in zip(("STATS", "DQ_ACC"), scratch, shapes):
-            if tuple(got.shape) != shape or got.dtype != torch.float32 or got.device != device or \
-                    not got.is_contiguous():
+        for name, got, (shape, dtype) in zip(names, scratch, shapes):
+            if tuple(got.shape) != shape or got.dtype != dtype or got.device != device or not got.is_contiguous():
                 problems.append(f"scratch {name} is {got.dtype} {tuple(got.shape)} on {got.device} (contiguous: "
-                                f"{got.is_contiguous()}), expected a contiguous torch.float32 {shape} on {device}")
+                                f"{got.is_contiguous()}), expected a contiguous {dtype} {shape} on {device}")
     if problems:
         _refuse("; ".join(problems) + ": allocate it with hopper_backward_scratch(q, has_mask=..., "
-                "sparse_q_block=...) for this call")
+                "sparse_q_block=..., deterministic=..., mask_shape=...) for this call")
 
 
 def launch_traits(score_mod: Any, score_grad_mod: Any, mask_mod: Any, has_mask: bool,
@@ -392,10 +429,10 @@ def _register_rules(cfg: BwdSm90Config, score_mod: Any, masked: bool, DT: int) -
 
 def _pass_launches(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, grad_lse: Optional[torch.Tensor],
                    stats: torch.Tensor, dq_acc: torch.Tensor, dq: torch.Tensor, m_pad: int, ds_scale: float,
-                   dq_frag: bool, head_dim: int) -> tuple[Launch, Launch]:
+                   dq_frag: bool, head_dim: int, dq_sems: Optional[torch.Tensor] = None) -> tuple[Launch, Launch]:
     """(preprocess, dQ convert) launches around the main kernel, over [Z, HQ, M, D] tensors (packed sequences: their
-    [1, H, total, D] views): STATS and the zeroed DQ_ACC rows up to ``m_pad``, then dQ from DQ_ACC (in the fragments'
-    order with ``dq_frag``)."""
+    [1, H, total, D] views): STATS and the zeroed DQ_ACC rows up to ``m_pad`` (and ``dq_sems``' counters, deterministic
+    dQ), then dQ from DQ_ACC (in the fragments' order with ``dq_frag``)."""
     Z, HQ, M, DV = out.shape
     D = head_dim
     # the passes' columns: D rounded up to a power of two and masked (80, 96, 160, 192), O's when not Q's (192 / 128)
@@ -405,7 +442,8 @@ def _pass_launches(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, gra
         bwd_sm90_preprocess_kernel,
         (out, dout, lse, grad_lse.float().contiguous() if grad_lse is not None else lse, stats, dq_acc,
          _strides(out), _strides(dout), HQ, M, m_pad),
-        dict(HAS_DLSE=grad_lse is not None, BLOCK=_PASS_BLOCK, HEAD_D=D, num_warps=4, **pre_dims),
+        dict(HAS_DLSE=grad_lse is not None, BLOCK=_PASS_BLOCK, HEAD_D=D, num_warps=4, **pre_dims,
+             **({} if dq_sems is None else {"DQ_SEMS": dq_sems})),
         (triton.cdiv(m_pad, _PASS_BLOCK), Z * HQ))
     if dq_frag:   # DQ_ACC's 64 x 64 blocks in the wgmma fragments' order
         convert = (
@@ -444,9 +482,11 @@ def prepare_hopper_backward(
     ``grad_lse`` in the same units; a ``score_mod`` needs ``score_grad_mod``, :data:`SCORE_GRAD_ONE` when
     its derivative is 1), with ``gl`` mods. ``scratch``: (STATS, DQ_ACC) from :func:`hopper_backward_scratch` for
     this call; None allocates them here. The preprocess launch fills STATS and zeroes the accumulator, so the
-    launches may be replayed. ``deterministic=True`` is refused (dQ is summed with atomics): the generic
-    backward is deterministic. ``plan_for`` is accepted for the generic interface (compile-only planning is
-    always for sm90 here).
+    launches may be replayed. ``deterministic=True``: dQ's adds in a fixed order (bwd_sm90.py, "Deterministic dQ"),
+    so the gradients are the same bits on every run; served by the 64-row step (head dims 64, 80, 96, 128), refused
+    at the others (the generic backward is deterministic). Under a block mask it adds a launch before the main
+    kernel (the adds' order from the forward's tables). ``plan_for`` is accepted for the generic interface
+    (compile-only planning is always for sm90 here).
 
     Example::
 
@@ -455,9 +495,6 @@ def prepare_hopper_backward(
         ...     kernel[grid](*args, **kwargs)
     """
     del plan_for
-    if deterministic:
-        _refuse("deterministic=True is not served (dQ is summed with fp32 atomics in an order that varies "
-                "from run to run); use the generic backward, which is deterministic")
     _check_inputs(q, k, v, out, dout, lse, dq, dk, dv)
     if score_mod is not None and score_grad_mod is None:
         _refuse("a score_mod needs its derivative, score_grad_mod: generate it with "
@@ -477,6 +514,12 @@ def prepare_hopper_backward(
     KZ, HKV, N, DV = v.shape
     # the table's row for what the launch has (launch_traits: the mods' derivatives, a block mask)
     cfg = config or get_bwd_config(D, DV, **launch_traits(score_mod, score_grad_mod, mask_mod, has_mask, M))
+    if deterministic:
+        if cfg.split_dkv or cfg.kv96 or cfg.block_m != 64 or not cfg.dq_tma:
+            _refuse(f"deterministic=True is served by the 64-row step with dQ by TMA reduce-add (head dims 64, 80, 96, "
+                    f"128), not by config {cfg} (head dims {D}/{DV}); use the generic backward, which is deterministic")
+        # the KV-tile-major grid the ordered adds need (bwd_sm90.py, "Deterministic dQ"): no host-made CTA order
+        cfg = replace(cfg, persistent=False, lpt_order=False)
     # 80 / 96: the 128 tiles, 160 / 192 (v's the same): the 256 tiles, zero columns past D (configs.PADDED_*)
     DT, DVT = tile_head_dims(D, DV)
     d_in = D if DT != D else 0   # the tiles' HEAD_D_IN: the tensors' columns when fewer than the tiles'
@@ -519,11 +562,14 @@ def prepare_hopper_backward(
     out = out.to(q.dtype)
     lse = lse.float().contiguous()
     m_pad = _padded_rows(M, has_mask, sparse_q_block)
+    mask_shape = mask_shape_of(None, None, q_num_blocks, q_indices)
     if scratch is None:
-        stats, dq_acc = hopper_backward_scratch(q, has_mask=has_mask, sparse_q_block=sparse_q_block, config=cfg)
+        scratch = hopper_backward_scratch(q, has_mask=has_mask, sparse_q_block=sparse_q_block, config=cfg,
+                                          deterministic=deterministic, mask_shape=mask_shape)
     else:
-        _check_scratch(scratch, ((Z * HQ, 2, m_pad), (Z * HQ, m_pad, D)), q.device)
-        stats, dq_acc = scratch
+        _check_scratch(scratch, _scratch_shapes(q.shape, has_mask, sparse_q_block, deterministic, mask_shape),
+                       q.device)
+    stats, dq_acc = scratch[:2]
     dummy = placeholder(q.device, torch.int32)
 
     def table(t: Optional[torch.Tensor]) -> torch.Tensor:   # indexed as dense row-major int32
@@ -563,7 +609,7 @@ def prepare_hopper_backward(
     dkdv_tma = cfg.dkdv_tma and cfg.dq_tma and D == DT and DT in (64, 128)
     sched = BwdSchedule(DQ_TMA=cfg.dq_tma, OVERLAP=cfg.overlap, LPT_ORDER=lpt, PERSISTENT=persistent, KV_BUFS=kv_bufs,
                         STATS_AHEAD=stats_ahead, P_REGS=cfg.p_regs, P_CARRY16=p_carry16, DQ_FRAG=dq_frag,
-                        DKDV_TMA=dkdv_tma)
+                        DKDV_TMA=dkdv_tma, DETERMINISTIC=deterministic)
     grid = (triton.cdiv(N, block_n), KZ * HKV)
     schedule_args = (q_num_blocks, full_q_num_blocks if has_full else None, Z, KZ, HQ, HKV, grid[0], tile.BLOCK_N,
                      sparse_kv_block)
@@ -580,7 +626,14 @@ def prepare_hopper_backward(
     # contents of the launch's key; only the balance follows the mask it was made for)
     cta_args = tuple(launch_constant(t) for t in cta_args)
 
-    preprocess, convert = _pass_launches(out, dout, lse, grad_lse, stats, dq_acc, dq, m_pad, ds_scale, dq_frag, D)
+    preprocess, convert = _pass_launches(out, dout, lse, grad_lse, stats, dq_acc, dq, m_pad, ds_scale, dq_frag, D,
+                                         scratch[2] if deterministic else None)
+    ordering = []
+    if deterministic:   # the counters and, under a block mask, the adds' order: scratch the launches write
+        cta_args = scratch[2:]
+        if has_mask:
+            ordering = [_rank_launch(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, q_num_blocks,
+                                     q_indices, full_q_num_blocks, full_q_indices, scratch[3], has_full)]
     if cfg.kv96:
         if tabled or not dq_frag:
             _refuse("96-key tiles (kv96) walk no block-mask tables (only an exactly causal mask_mod) and add dQ in "
@@ -645,7 +698,30 @@ def prepare_hopper_backward(
             dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod, TILE=tile, SPARSE=sparse,
                  FLAGS=flags, SCHED=sched, num_warps=4, maxnreg=cfg.maxnreg),
             grid)
-    return [preprocess, main, convert]
+    return [preprocess, *ordering, main, convert]
+
+
+def _rank_launch(kv_num: Optional[torch.Tensor], kv_idx: Optional[torch.Tensor], full_kv_num: Optional[torch.Tensor],
+                 full_kv_idx: Optional[torch.Tensor], q_num: torch.Tensor, q_idx: torch.Tensor,
+                 full_q_num: Optional[torch.Tensor], full_q_idx: Optional[torch.Tensor], dq_rank: torch.Tensor,
+                 has_full: bool) -> Launch:
+    """The launch that writes DQ_RANK (bwd_sm90_dq_rank_kernel) from the forward's tables (the transposed ones turned
+    back where a caller passed only those)."""
+    if kv_num is None:
+        kv_num, kv_idx = transpose_block_tables(q_num, q_idx)
+    if has_full and full_kv_num is None:
+        full_kv_num, full_kv_idx = transpose_block_tables(full_q_num, full_q_idx)
+    tables = [t.to(torch.int32).contiguous() for t in (kv_num, kv_idx)]
+    full = [t.to(torch.int32).contiguous() for t in (full_kv_num, full_kv_idx)] if has_full else tables
+    SZ, SH, num_q_blks, num_kv_blks = dq_rank.shape
+    if tuple(tables[0].shape) != (SZ, SH, num_q_blks):
+        _refuse(f"the forward's block-mask tables are {tuple(tables[0].shape)}, the transposed ones say "
+                f"{(SZ, SH, num_q_blks)}: pass the tables of one BlockMask")
+    return (bwd_sm90_dq_rank_kernel,
+            (tables[0], tables[1], full[0], full[1], dq_rank, num_kv_blks, tables[1].shape[-1]),
+            dict(HAS_FULL=has_full, KV_BLKS_POW2=max(16, triton.next_power_of_2(num_kv_blks)), CHUNK=16,
+                 num_warps=4),
+            (SZ * SH * num_q_blks,))
 
 
 def launch_hopper_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
