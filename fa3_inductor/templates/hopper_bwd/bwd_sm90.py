@@ -773,6 +773,11 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
                 mine = cnt % 2 == WG
             # dK, then dQ (dQ before dK measured 0.84-1.05x: configs.py)
             dk_tok = warpgroup_mma(ds_mine.permute((1, 0)), q_t, dk, is_async=True)
+            if SCHED.DETERMINISTIC:   # the previous add released and this one's counter loaded, under dV and dK
+                sem, target, seen = prev, 0, 0
+                if mine:
+                    sem, target, seen = _turn_ahead(prev, cta, zh, m_cur, kv_tile, kv_blk, z, hq, M_PAD, table_meta,
+                                                    WG, TILE, SPARSE)
             dv, dk, _p, _ds, _do2, _q2 = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_t, ds_mine, do_t, q_t])
             mbarrier.arrive(qdo_empty.index(st), count=1)
             if mine:
@@ -780,8 +785,7 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
                 dq_tok = warpgroup_mma(ds_tile, k_dq, dq_zero, use_acc=False, is_async=True)
                 dq, _a, _b = warpgroup_mma_wait(0, deps=[dq_tok, ds_tile, k_dq])
                 if SCHED.DETERMINISTIC:
-                    prev = _add_dq_in_turn(dq, dq_desc, dq_smem, zh, m_cur, prev, cta, kv_tile, kv_blk, z, hq, M_PAD,
-                                           table_meta, WG, TILE, SPARSE, SCHED)
+                    prev = _add_dq_in_turn(dq, dq_desc, dq_smem, zh, m_cur, sem, target, seen, WG, TILE, SCHED)
                 else:
                     _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, q_row0 + m_cur, row_off, WG, TILE, SCHED)
             if SCHED.STATS_AHEAD:
@@ -866,11 +870,11 @@ def _ld_acquire(ptr):
 
 
 @gluon.jit
-def _wait_turn(sem, target):
-    """Spin until the counter at ``sem`` reaches ``target`` (every CTA before this one in the order has added). The
-    reduce-add issued after it is ordered behind the acquire (fence.proxy.async: the async proxy's write after the
-    generic proxy's read)."""
-    seen = _ld_acquire(sem)
+def _wait_turn(sem, target, seen):
+    """Spin until the counter at ``sem`` reaches ``target`` (every CTA before this one in the order has added);
+    ``seen``: a value of it loaded earlier (acquire), enough when it already reached the target. The reduce-add issued
+    after it is ordered behind the acquire (fence.proxy.async: the async proxy's write after the generic proxy's
+    read)."""
     while seen < target:
         seen = _ld_acquire(sem)
     gl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r,r", [seen], dtype=gl.int32,
@@ -915,14 +919,24 @@ def _dq_turn(cta, zh, m0, kv_tile, kv_blk, z, hq, M_PAD, table_meta, WG: gl.cons
 
 
 @gluon.jit
-def _add_dq_in_turn(dq, dq_desc, dq_smem, zh, m0, prev, cta, kv_tile, kv_blk, z, hq, M_PAD, table_meta,
-                    WG: gl.constexpr, TILE: gl.constexpr, SPARSE: gl.constexpr, SCHED: gl.constexpr):
-    """SCHED.DETERMINISTIC's _add_dq: release the counter of this warpgroup's previous add (``prev``) once that add
-    has completed, wait for this add's turn, then stage and reduce-add as _add_dq does. Returns this add's counter,
-    to release at the next add or after the last (_release_turn)."""
-    sem, target = _dq_turn(cta, zh, m0, kv_tile, kv_blk, z, hq, M_PAD, table_meta, WG, TILE, SPARSE)
+def _turn_ahead(prev, cta, zh, m0, kv_tile, kv_blk, z, hq, M_PAD, table_meta, WG: gl.constexpr, TILE: gl.constexpr,
+                SPARSE: gl.constexpr):
+    """SCHED.DETERMINISTIC, mid-step (under the step's in-flight wgmmas): release the counter of this warpgroup's
+    previous dQ add (``prev``), then issue the acquire load of this step's counter, whose value is looked at only when
+    the add is due (_add_dq_in_turn): (counter, target, value seen). Waited where they were issued, the release's
+    fence and the load's round trip cost the backward 0.59-0.70x (H200, hopper_backward.md, "Deterministic dQ")."""
     _release_turn(prev)
-    _wait_turn(sem, target)
+    sem, target = _dq_turn(cta, zh, m0, kv_tile, kv_blk, z, hq, M_PAD, table_meta, WG, TILE, SPARSE)
+    return sem, target, _ld_acquire(sem)
+
+
+@gluon.jit
+def _add_dq_in_turn(dq, dq_desc, dq_smem, zh, m0, sem, target, seen, WG: gl.constexpr, TILE: gl.constexpr,
+                    SCHED: gl.constexpr):
+    """SCHED.DETERMINISTIC's _add_dq: once the counter at ``sem`` has reached ``target`` (``seen``: its value loaded
+    at _turn_ahead; spin only if that was short), stage and reduce-add as _add_dq does. Returns ``sem``, to release
+    at the next add's _turn_ahead or after the last add (_release_turn)."""
+    _wait_turn(sem, target, seen)
     DQ_COL0: gl.constexpr = WG * TILE.DQ_N if TILE.DQ_SPLIT else 0
     if SCHED.DQ_FRAG:
         _frag_reduce_add(dq, dq_smem.index(WG), dq_desc, zh, m0, DQ_COL0, TILE.D_MEM)
@@ -932,7 +946,6 @@ def _add_dq_in_turn(dq, dq_desc, dq_smem, zh, m0, prev, cta, kv_tile, kv_blk, z,
         fence_async_shared()
         _tma_reduce_add(dq_desc, [zh, m0, DQ_COL0], stage)
     return sem
-
 
 # ----------------------------------------------------------------------------------------------
 # Consumers with cross-step overlap (SCHED.OVERLAP; docs/design/hopper_backward.md, "Cross-step overlap").
@@ -1160,6 +1173,12 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
                 mbarrier.wait(qdo_ready.index(st_next), ((cnt + 1) // NUM_STAGES) & 1)
             s_tok = warpgroup_mma(q_next, k_t, s_zero, use_acc=False, is_async=True)
             dk_tok = warpgroup_mma(ds_mine.permute((1, 0)), q_t, dk, is_async=True)
+            if SCHED.DETERMINISTIC:   # the previous add released and this one's counter loaded, under S and dK
+                adds = True if TILE.DQ_SPLIT else cnt % 2 == WG
+                sem, target, seen = prev, 0, 0
+                if adds:
+                    sem, target, seen = _turn_ahead(prev, cta, zh, m0, kv_tile, kv_blk, z, hq, M_PAD, table_meta,
+                                                    WG, TILE, SPARSE)
             if DQ_UNDER:
                 mbarrier.wait(ds_ready.index(buf), (cnt // 2) & 1)
                 dq_tok = warpgroup_mma(ds_tile, k_dq, dq_zero, use_acc=False, is_async=True)
@@ -1177,8 +1196,7 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
                                                                        k_dq])
                 mbarrier.arrive(qdo_empty.index(st), count=1)
                 if SCHED.DETERMINISTIC:
-                    prev = _add_dq_in_turn(dq, dq_desc, dq_smem, zh, m0, prev, cta, kv_tile, kv_blk, z, hq, M_PAD,
-                                           table_meta, WG, TILE, SPARSE, SCHED)
+                    prev = _add_dq_in_turn(dq, dq_desc, dq_smem, zh, m0, sem, target, seen, WG, TILE, SCHED)
                 else:
                     _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, q_row0 + m0, row_off, WG, TILE, SCHED)
             else:
@@ -1193,8 +1211,7 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
                     dq_tok = warpgroup_mma(ds_tile, k_dq, dq_zero, use_acc=False, is_async=True)
                     dq, _a, _b = warpgroup_mma_wait(0, deps=[dq_tok, ds_tile, k_dq])
                     if SCHED.DETERMINISTIC:
-                        prev = _add_dq_in_turn(dq, dq_desc, dq_smem, zh, m0, prev, cta, kv_tile, kv_blk, z, hq,
-                                               M_PAD, table_meta, WG, TILE, SPARSE, SCHED)
+                        prev = _add_dq_in_turn(dq, dq_desc, dq_smem, zh, m0, sem, target, seen, WG, TILE, SCHED)
                     else:
                         _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, q_row0 + m0, row_off, WG, TILE, SCHED)
             m0 = m0_next
