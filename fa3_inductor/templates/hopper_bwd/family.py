@@ -2,7 +2,7 @@
 and bfloat16, the (q/k, v) head dims of configs.SUPPORTED_HEAD_DIM_PAIRS (64 / 128 by bwd_sm90.py, 80 / 96 in its
 128 tiles, 192 / 128 and 256 by bwd_sm90_wide.py, 160 / 192 in its 256 tiles, 192 / 128 without a mask on
 bwd_sm90_k96.py's 96-key tiles); mods in the ``gl`` dialect. dQ is
-summed with fp32 reduce-adds (TMA, in arrival order), so it is not bitwise reproducible: a site that asks for
+summed with fp32 reduce-adds (TMA), by default in arrival order, which is not bitwise reproducible: a site that asks for
 deterministic gradients is served by the 64-row step (head dims 64, 80, 96, 128), whose dQ adds then go in a fixed
 order (bwd_sm90.py, "Deterministic dQ"); at the other head dims it goes to the generic backward. One that needs
 gradients of captured tensors (not computed here yet) goes to torch's kernel (the generic backward when it is also
