@@ -194,8 +194,15 @@ def ours(q, k, v, dout, variant, scale, backward_family="hopper", schedule="defa
     B, H, M, D = q.shape
     N, Dv = k.shape[2], v.shape[-1]
     fwd_opts, bwd_opts = _our_options(variant, H, M, N, "gl" if backward_family == "hopper" else "tl")
-    if backward_family == "hopper" and schedule == DETERMINISTIC:
+    if backward_family == "hopper" and schedule.split("@")[0] == DETERMINISTIC:
         bwd_opts["deterministic"] = True   # dQ's adds in a fixed order, on the host's config for the launch
+        if "@" in schedule:   # deterministic@G: launch-order groups of G heads (configs.det_heads)
+            from fa3_inductor.templates.hopper_bwd import get_bwd_config
+            from fa3_inductor.templates.hopper_bwd.host import launch_traits
+
+            traits = launch_traits(bwd_opts.get("score_mod"), bwd_opts.get("score_grad_mod"), bwd_opts.get("mask_mod"),
+                                   "kv_num_blocks" in bwd_opts, M)
+            bwd_opts["config"] = get_bwd_config(D, Dv, **traits, det_heads=int(schedule.split("@")[1]))
     elif backward_family == "hopper" and schedule != "default":
         from fa3_inductor.templates.hopper_bwd import get_bwd_config
         from fa3_inductor.templates.hopper_bwd.configs import VARIANTS as SCHEDULES
@@ -336,7 +343,7 @@ def run(args) -> list[dict]:
                     both, bwd, grads, fresh = impl
                     fns.update(ours_ms=both, ours_bwd_ms=bwd)
                     row["ours_mb"] = _peak_mb(fresh)
-                    if DETERMINISTIC in args.bwd_variants:   # does the default repeat its bits? (dQ by reduce-adds)
+                    if any(v.split("@")[0] == DETERMINISTIC for v in args.bwd_variants):   # the default's bits
                         row["ours_repeats"] = _repeats(bwd, grads)
                 for schedule in args.bwd_variants:
                     if schedule == "default":
@@ -347,7 +354,7 @@ def run(args) -> list[dict]:
                     else:
                         both, bwd, grads, _ = impl
                         fns[f"ours[{schedule}]_ms"], fns[f"ours[{schedule}]_bwd_ms"] = both, bwd
-                        if schedule == DETERMINISTIC:
+                        if schedule.split("@")[0] == DETERMINISTIC:
                             row[f"ours[{schedule}]_repeats"] = _repeats(bwd, grads)
                 if args.generic:
                     impl, why = ours(q, k, v, dout, variant, scale, "generic")
@@ -471,12 +478,13 @@ def main() -> None:
                         help="mods and masks to run")
     parser.add_argument("--bwd-variants", nargs="+", default=["default"],
                         help="Hopper backward schedules to A/B (names of templates/hopper_bwd/configs.VARIANTS, or "
-                             "'deterministic': the default config with dQ's adds ordered; both then report whether "
-                             "three backward runs wrote the same bits)")
+                             "'deterministic': the default config with dQ's adds ordered, 'deterministic@G' with its "
+                             "launch order in groups of G heads; both then report whether three backward runs wrote "
+                             "the same bits)")
     args = parser.parse_args()
     from fa3_inductor.templates.hopper_bwd.configs import VARIANTS as SCHEDULES
 
-    unknown = sorted(set(args.bwd_variants) - set(SCHEDULES) - {DETERMINISTIC})
+    unknown = sorted(v for v in set(args.bwd_variants) - set(SCHEDULES) if v.split("@")[0] != DETERMINISTIC)
     if unknown:
         raise SystemExit(f"--bwd-variants: unknown {unknown}; choose from {sorted(SCHEDULES)} or {DETERMINISTIC}")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):

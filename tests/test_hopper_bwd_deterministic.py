@@ -117,9 +117,10 @@ def test_plan_orders_the_adds(D):
         sched = main[2]["SCHED"]
         assert sched.DETERMINISTIC and not sched.PERSISTENT and not sched.LPT_ORDER and sched.DQ_TMA
         assert main[3] == (512 // 128, 4)
-        sems, ranks = main[1][-2]
+        sems, ranks, group = main[1][-2]
         pre = launches[0]
         assert pre[2]["DQ_SEMS"] is sems and sems.dtype == torch.int32
+        assert group == 4   # every (kz, hkv) head in one launch-order group unless the config says otherwise
     assert not _plan(64, deterministic=False, mask=mods.causal)[1][2]["SCHED"].DETERMINISTIC
 
 

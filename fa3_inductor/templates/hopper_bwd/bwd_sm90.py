@@ -47,20 +47,22 @@ Barriers (shared memory):
   kv_empty[b], kv_full[b]            PERSISTENT, per K / V buffer: both warpgroups are done with its K, V (count 2,
                                      consumers -> producer); its K, V landed (count 1, TMA tx; kv_ready unused)
   (DQ_TMA: no barrier; each warpgroup's dQ staging tile is reused after tma.store_wait(0))
-
-Deterministic dQ (SCHED.DETERMINISTIC, option fa3.deterministic_backward; cta_args = (DQ_SEMS, DQ_RANK)):
-  DQ_SEMS [1 + Z * HQ * M_PAD / 64 * 2] int32   one counter per (head, 64-row step, dQ column half): how many CTAs
-                             have added their dQ there (zeroed by the preprocess kernel; slot 0 is a sink, never waited on)
-  DQ_RANK [SZ, SH, NUM_Q_BLKS, NUM_KV_BLKS] int32   with a block mask: how many KV blocks before this one list the query
-                             block (the rank kernel, from the forward's tables); without one every CTA adds, rank = KV tile
-  The adds into a dQ tile are made in ascending KV-tile order: a warpgroup waits (ld.acquire) until its counter reaches
-  its CTA's rank, issues the reduce-add, and releases the counter (+1) once that add has completed in global memory,
-  which it checks at its next add (or after its last): the fp32 sums are then the same bits on every run. CTAs are
-  launched KV-tile-major (all (kz, hkv) of tile 0, then of tile 1, ...), so a CTA only waits on CTAs launched before
-  it: no deadlock whatever the occupancy, and the CTAs a wave holds are mostly a wave apart in the order.
   Two dS buffers suffice: a warpgroup writes buffer b at step j + 2 only after its own step-j dQ wgmma, and
   after waiting on ds_ready of step j + 1 (DQ_SPLIT: always; in turn: it is the reader of step j + 1 when the
   other warpgroup read step j), which the other warpgroup signals only after its step-j dQ wgmma retired.
+
+Deterministic dQ (SCHED.DETERMINISTIC, option fa3.deterministic_backward; cta_args = (DQ_SEMS, DQ_RANK, GROUP)):
+  DQ_SEMS [1 + Z * HQ * M_PAD / 64 * 2] int32   one counter per (head, 64-row step, dQ column half): 4 (warps) times
+                             how many CTAs have added their dQ there (zeroed by the preprocess kernel; slot 0 is a sink,
+                             never waited on)
+  DQ_RANK [SZ, SH, NUM_Q_BLKS, NUM_KV_BLKS] int32   with a block mask: how many KV blocks before this one list the query
+                             block (the rank kernel, from the forward's tables); without one every CTA adds, rank = KV tile
+  The adds into a dQ tile are made in ascending KV-tile order: a warpgroup waits (ld.acquire) until its counter reaches
+  its CTA's rank, issues the reduce-add, and releases the counter once that add has completed in global memory, which
+  it checks at its next add (or after its last): the fp32 sums are then the same bits on every run. CTAs are launched
+  KV-tile major within groups of GROUP (kz, hkv) heads (the group's tile 0 of each head, then tile 1, ...; then the next
+  group), so a CTA only waits on CTAs launched before it: no deadlock whatever the occupancy. Wide groups keep few CTAs
+  of a head in a wave (short chains of waiters), narrow ones keep the wave's Q, dO and DQ_ACC lines in L2.
 
 Block mask (torch BlockMask, transposed tables: for each KV block, the query blocks that see it):
   Q_NUM_BLKS[SZ, SH, NUM_KV_BLKS], Q_IDX[.., NUM_Q_BLKS]       partial query blocks (mask_mod applied)
@@ -235,12 +237,17 @@ class BwdSchedule:
 def _cta_coords(cta_args, SCHED: gl.constexpr):
     """(KV tile, kz * HKV + hkv) of this CTA: the grid's coordinates, or with SCHED.LPT_ORDER the entry of the host's
     order (kvh * #KV tiles + KV tile, int32) at the CTA's launch index (the hardware hands CTAs out in launch order,
-    program_id(0) fastest); with SCHED.DETERMINISTIC the launch index itself, KV tile major."""
+    program_id(0) fastest); with SCHED.DETERMINISTIC the launch index itself, KV tile major within groups of
+    cta_args[2] (kz, hkv) heads (module docstring, "Deterministic dQ")."""
     if SCHED.DETERMINISTIC:   # KV-tile-major launch order: a CTA waits only on CTAs launched before it
-        n_kvh = gl.num_programs(1)
-        launched = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
-        kv_tile = launched // n_kvh
-        kvh = launched % n_kvh
+        n_kv_tiles = gl.num_programs(0)
+        launched = gl.program_id(1) * n_kv_tiles + gl.program_id(0)
+        per_group = cta_args[2] * n_kv_tiles
+        first = (launched // per_group) * cta_args[2]              # the group's first head
+        width = gl.minimum(cta_args[2], gl.num_programs(1) - first)   # (the last group may be narrower)
+        within = launched % per_group
+        kv_tile = within // width
+        kvh = first + within % width
     elif SCHED.LPT_ORDER:
         n_kv_tiles = gl.num_programs(0)
         idx = gl.load(cta_args[0] + gl.program_id(1) * n_kv_tiles + gl.program_id(0))

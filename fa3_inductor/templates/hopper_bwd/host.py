@@ -630,7 +630,7 @@ def prepare_hopper_backward(
                                          scratch[2] if deterministic else None)
     ordering = []
     if deterministic:   # the counters and, under a block mask, the adds' order: scratch the launches write
-        cta_args = scratch[2:]
+        cta_args = (*scratch[2:], cfg.det_heads or KZ * HKV)
         if has_mask:
             ordering = [_rank_launch(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, q_num_blocks,
                                      q_indices, full_q_num_blocks, full_q_indices, scratch[3], has_full)]
