@@ -120,7 +120,7 @@ def test_plan_orders_the_adds(D):
         sems, ranks, group = main[1][-2]
         pre = launches[0]
         assert pre[2]["DQ_SEMS"] is sems and sems.dtype == torch.int32
-        assert group == 4   # every (kz, hkv) head in one launch-order group unless the config says otherwise
+        assert group == 4   # 4 heads: one launch-order group (masked: every head; unmasked: up to 8 query heads)
     assert not _plan(64, deterministic=False, mask=mods.causal)[1][2]["SCHED"].DETERMINISTIC
 
 

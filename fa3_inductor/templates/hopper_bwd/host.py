@@ -630,7 +630,7 @@ def prepare_hopper_backward(
                                          scratch[2] if deterministic else None)
     ordering = []
     if deterministic:   # the counters and, under a block mask, the adds' order: scratch the launches write
-        cta_args = (*scratch[2:], cfg.det_heads or KZ * HKV)
+        cta_args = (*scratch[2:], cfg.det_heads or _deterministic_group(Z, HQ, KZ, HKV, has_mask))
         if has_mask:
             ordering = [_rank_launch(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, q_num_blocks,
                                      q_indices, full_q_num_blocks, full_q_indices, scratch[3], has_full)]
@@ -699,6 +699,31 @@ def prepare_hopper_backward(
                  FLAGS=flags, SCHED=sched, num_warps=4, maxnreg=cfg.maxnreg),
             grid)
     return [preprocess, *ordering, main, convert]
+
+
+# Query heads a deterministic launch-order group holds without a block mask (bwd_sm90.py, "Deterministic dQ"). H200,
+# bwd-speed-nvidia-h200-2026-11-30-2117-deterministic-groups (B*N = 16k, H16; backward over the default): noop D128 at
+# 2k / 4k / 8k with every head in one group 0.50 / 0.58 / 0.66, groups of 16 0.74 / 0.70 / 0.70, of 8 0.77 / 0.72 / 0.72,
+# of 4 0.76 / 0.73 / 0.73; D64 0.71 / 0.79 / 0.82, 0.86 / 0.85 / 0.84, 0.84 / 0.86 / 0.86, 0.74 / 0.84 / 0.86. Causal
+# lost with groups at D64 (0.69 / 0.72 / 0.73 -> 0.59 / 0.67 / 0.71 at 16, less at 8 and 4; D128 0.54 / 0.61 / 0.65 ->
+# 0.61 / 0.63 / 0.64 at 16): masked launches keep one group.
+_DETERMINISTIC_GROUP_HEADS = 8
+
+
+def _deterministic_group(Z: int, HQ: int, KZ: int, HKV: int, has_mask: bool) -> int:
+    """(kz, hkv) heads of a deterministic launch-order group: all under a block mask, else as many as hold
+    _DETERMINISTIC_GROUP_HEADS query heads (a (kz, hkv) head walks HQ / HKV query heads of Z / KZ batches).
+
+    Example::
+
+        >>> _deterministic_group(4, 16, 4, 16, has_mask=False), _deterministic_group(4, 32, 4, 8, has_mask=False)
+        (8, 2)
+        >>> _deterministic_group(4, 16, 4, 16, has_mask=True)
+        64
+    """
+    if has_mask:
+        return KZ * HKV
+    return max(1, min(KZ * HKV, _DETERMINISTIC_GROUP_HEADS // ((HQ // HKV) * (Z // KZ))))
 
 
 def _rank_launch(kv_num: Optional[torch.Tensor], kv_idx: Optional[torch.Tensor], full_kv_num: Optional[torch.Tensor],
