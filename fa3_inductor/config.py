@@ -8,7 +8,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -38,9 +38,11 @@ class Settings:
                flex_attention op our lowering serves; False leaves the graph as Dynamo made it.
     fp8:       True or an FP8Recipe: FP8 attention (inference graphs only) for every bf16/fp16 site
                our kernels serve (docs/fp8.md); None / False: off.
-    deterministic_backward: bitwise-reproducible attention gradients: only backward families that
-               guarantee it serve (the generic backward always does: its dQ has its own pass, no
-               atomics); the choice is recorded per backward site (docs/design/backward.md).
+    deterministic_backward: bitwise-reproducible attention gradients (also on under
+               torch.use_deterministic_algorithms(True): deterministic_gradients): only backward
+               families that guarantee it serve (the generic backward always does: its dQ has its own
+               pass, no atomics; the Hopper one orders its dQ adds at head dims 64-128); the choice is
+               recorded per backward site (docs/design/backward.md).
     """
 
     template: str = "auto"
@@ -61,6 +63,23 @@ class Settings:
             object.__setattr__(self, "fp8", FP8Recipe.of(self.fp8))
         except TypeError as exc:
             raise ValueError(f"fa3 option 'fa3.fp8': {exc}") from exc
+
+
+def deterministic_gradients(settings: Optional[Settings] = None) -> bool:
+    """Whether attention gradients planned now must be bitwise reproducible: the fa3 option
+    ``fa3.deterministic_backward``, or torch's own switch ``torch.use_deterministic_algorithms(True)``
+    (read when the backward is planned, as Inductor reads it for its kernels; Dynamo guards on it, so
+    turning it on recompiles).
+
+    Example::
+
+        >>> deterministic_gradients(Settings(deterministic_backward=True))
+        True
+        >>> deterministic_gradients(Settings()) == torch.are_deterministic_algorithms_enabled()
+        True
+    """
+    return bool(settings is not None and settings.deterministic_backward) or \
+        torch.are_deterministic_algorithms_enabled()
 
 
 def split_options(options: dict[str, Any] | None) -> tuple[Settings, dict[str, Any]]:

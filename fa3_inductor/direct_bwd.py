@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import noop_mask
 
 from ._log import info_once
-from .config import Settings
+from .config import Settings, deterministic_gradients
 from .direct import block_mask_tables
 from .plan_cache import Plan as _Plan, cached
 from .templates.family import BackwardSiteFacts
@@ -79,8 +79,8 @@ def backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Te
 def cached_plan(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable],
                 mask_mod: Optional[Callable], block_mask: Any, template: str = "auto") -> _Plan:
     """:func:`plan_backward`'s plan, cached by what the mods compute and the site's kind (device,
-    dtype, heads, head dims, batch broadcast, block sizes), bound to the tensors these mods
-    capture (plan_cache.py).
+    dtype, heads, head dims, batch broadcast, block sizes, whether torch asks for deterministic
+    algorithms), bound to the tensors these mods capture (plan_cache.py).
 
     Example::
 
@@ -89,7 +89,7 @@ def cached_plan(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable],
     """
     site = (template, q.device, q.dtype, q.shape[1], q.shape[3], k.shape[1], v.shape[3],
             q.shape[0] == k.shape[0] or k.shape[0] == 1,
-            None if block_mask is None else tuple(block_mask.BLOCK_SIZE))
+            None if block_mask is None else tuple(block_mask.BLOCK_SIZE), deterministic_gradients())
     return cached(_PLANS, _MAX_PLANS, site, score_mod, mask_mod,
                   lambda: _planned_backward(q, k, v, score_mod, mask_mod, block_mask, template))
 
@@ -135,7 +135,8 @@ def plan_backward(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable]
         return _Plan(None, [], [], f"could not trace the mods here: {exc}")
     grad_gm, grad_error = derivative_graph(score_gm, joint_gm, len(score_bufs))
     facts = BackwardSiteFacts(q.device, q.dtype, q.shape[3], v.shape[3],
-                              score_grad=grad_gm is not None or grad_error is not None)
+                              score_grad=grad_gm is not None or grad_error is not None,
+                              deterministic=deterministic_gradients())   # torch.use_deterministic_algorithms
     graphs = BackwardGraphs(score_gm, joint_gm, mask_gm, [BufferSpec.of(b) for b in score_bufs],
                             [BufferSpec.of(b) for b in mask_bufs], (False,) * len(score_bufs),
                             grad_gm, grad_error)

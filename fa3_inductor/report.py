@@ -73,7 +73,7 @@ class LoweredBackwardSite:
     # op may move down it per call), "dense" (the recompute op) or "torch" (torch's flex backward kernel).
     family: str = ""
     site_id: Optional[int] = None   # the RecognizedSite this came from (see SITE_TAG)
-    deterministic: bool = False     # option fa3.deterministic_backward was on
+    deterministic: bool = False     # fa3.deterministic_backward or torch.use_deterministic_algorithms was on
 
     @property
     def ours(self) -> bool:

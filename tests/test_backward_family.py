@@ -235,6 +235,28 @@ def test_deterministic_backward_option():
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+def test_torch_deterministic_algorithms_ask_the_same():
+    """torch.use_deterministic_algorithms(True) makes our backward sites deterministic as the fa3 option does,
+    through torch.compile and through the direct front door's backward plan."""
+    import json
+
+    from fa3_inductor.direct_bwd import cached_plan
+
+    compiled = torch.compile(lambda q, k, v: fa3_inductor.flex(q, k, v, mask_mod=mods.causal, enable_gqa=True),
+                             backend="fa3")
+    q, k, v = _inputs(2, 1, 72, 72, 16, torch.float32)
+    torch.use_deterministic_algorithms(True)
+    try:
+        compiled(q, k, v).sum().backward()
+        site = _last_backward()
+        plan = cached_plan(q, k, v, None, mods.causal, None)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert site["deterministic"] and "use_deterministic_algorithms" in site["reason"], site
+    assert json.loads(plan.spec)["deterministic"]
+    assert not json.loads(cached_plan(q, k, v, None, mods.causal, None).spec)["deterministic"]
+
+
 def test_deterministic_backward_option_must_be_a_bool():
     from fa3_inductor.config import Settings
 

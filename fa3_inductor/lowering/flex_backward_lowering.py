@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 
 from .. import _compat
-from ..config import Settings
+from ..config import Settings, deterministic_gradients
 from ..report import LoweredBackwardSite, record_backward_site as _record, site_tag
 from ..runtime.backward_cpu import BackwardSpec
 from ..runtime.kernel_failures import family_failure
@@ -146,7 +146,7 @@ def _site_facts(a: _compat.FlexBackwardArgs, bm: _compat.FlexBlockMask, settings
     if not all(s >= 16 and s & (s - 1) == 0 for s in sparse):
         return None, f"block-mask block size {sparse[0]}x{sparse[1]} (fa3 serves powers of two >= 16)"
     return BackwardSiteFacts(q.get_device(), q.get_dtype(), d, dv, buffer_grads=buffer_grads,
-                             deterministic=settings.deterministic_backward, score_grad=score_grad), None
+                             deterministic=deterministic_gradients(settings), score_grad=score_grad), None
 
 
 def derivative_graph(score_gm: Any, joint_gm: Any, n_buffers: int
@@ -312,7 +312,7 @@ def plan_backward_site(graphs: BackwardGraphs, facts: BackwardSiteFacts, templat
     if all(failed):   # every family failed to build for these mods earlier in this process
         return None, "; ".join(failed)
     if facts.deterministic:   # every family listed guarantees it or refused the site
-        notes.append("deterministic gradients (fa3.deterministic_backward)")
+        notes.append("deterministic gradients (fa3.deterministic_backward or torch.use_deterministic_algorithms)")
     if any(flags):
         notes.append(f"gradients of {sum(flags)} captured tensor(s)")
     # the op runs each call on the first of these that serves it
@@ -375,7 +375,7 @@ def _fa3_flex_backward_lowering(*args, **kwargs):
     bm = _compat.unpack_block_mask(a.block_mask)
     shape = site_shape(a.query, a.key, a.value)
     tag = site_tag(getattr(V.graph, "current_node", None))
-    deterministic = settings.deterministic_backward
+    deterministic = deterministic_gradients(settings)
     spec, why = _plan(a, bm, settings, shape)
     if spec is not None:
         result = _emit(a, bm, spec)

@@ -74,7 +74,7 @@ class BackwardSiteSpec:
     score_info: tuple = ()        # templates/modgen.ModInfo fields of each mod, () for none
     score_grad_info: tuple = ()
     mask_info: tuple = ()
-    deterministic: bool = False   # option fa3.deterministic_backward
+    deterministic: bool = False   # fa3.deterministic_backward or torch.use_deterministic_algorithms
     description: str = ""
     buffer_grads: tuple[bool, ...] = ()   # per score_mod tensor buffer: it gets a gradient
     # (dialect, (buffer_grad_items(source), ...)): one entry per family dialect when any gets one

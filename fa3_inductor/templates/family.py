@@ -186,7 +186,7 @@ class BackwardSiteFacts(SiteFacts):
     # a tensor the score_mod captures needs a gradient (a learnable bias): a family that cannot
     # compute it (BackwardCall.buffer_grad_sources) refuses the site
     buffer_grads: bool = False
-    deterministic: bool = False   # option fa3.deterministic_backward: bitwise-reproducible gradients
+    deterministic: bool = False   # bitwise-reproducible gradients (config.deterministic_gradients)
     score_grad: bool = False      # a score_mod whose derivative is not 1 (softcap: not an added bias)
     # a score_mod whose values may be huge (ModInfo.wide): torch's backward kernel exponentiates with a
     # contracted FFMA, which overflows there (templates/wide_scores.py); ours round first or clamp
