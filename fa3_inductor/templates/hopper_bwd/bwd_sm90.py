@@ -55,11 +55,13 @@ Deterministic dQ (SCHED.DETERMINISTIC, option fa3.deterministic_backward; cta_ar
   DQ_SEMS [1 + Z * HQ * M_PAD / 64 * 2] int32   one counter per (head, 64-row step, dQ column half): 4 (warps) times
                              how many CTAs have added their dQ there (zeroed by the preprocess kernel; slot 0 is a sink,
                              never waited on)
-  DQ_RANK [SZ, SH, NUM_Q_BLKS, NUM_KV_BLKS] int32   with a block mask: how many KV blocks before this one list the query
-                             block (the rank kernel, from the forward's tables); without one every CTA adds, rank = KV tile
+  DQ_RANK [SZ, SH, NUM_Q_BLKS, NUM_KV_BLKS] int32   with a block mask: how many KV blocks before this one list the
+                             query block (the rank kernel, from the forward's tables); without one every CTA adds,
+                             rank = KV tile
   The adds into a dQ tile are made in ascending KV-tile order: a warpgroup waits (ld.acquire) until its counter reaches
   its CTA's rank, issues the reduce-add, and releases the counter once that add has completed in global memory, which
-  it checks at its next add (or after its last): the fp32 sums are then the same bits on every run. CTAs are launched
+  it checks on its every second add (two released by one fence) or after its last: the fp32 sums are then the same
+  bits on every run. CTAs are launched
   KV-tile major within groups of GROUP (kz, hkv) heads (the group's tile 0 of each head, then tile 1, ...; then the next
   group), so a CTA only waits on CTAs launched before it: no deadlock whatever the occupancy. Wide groups keep few CTAs
   of a head in a wave (short chains of waiters), narrow ones keep the wave's Q, dO and DQ_ACC lines in L2.
