@@ -55,13 +55,11 @@ Deterministic dQ (SCHED.DETERMINISTIC, option fa3.deterministic_backward; cta_ar
   DQ_SEMS [1 + Z * HQ * M_PAD / 64 * 2] int32   one counter per (head, 64-row step, dQ column half): 4 (warps) times
                              how many CTAs have added their dQ there (zeroed by the preprocess kernel; slot 0 is a sink,
                              never waited on)
-  DQ_RANK [SZ, SH, NUM_Q_BLKS, NUM_KV_BLKS] int32   with a block mask: how many KV blocks before this one list the
-                             query block (the rank kernel, from the forward's tables); without one every CTA adds,
-                             rank = KV tile
+  DQ_RANK [SZ, SH, NUM_Q_BLKS, NUM_KV_BLKS] int32   with a block mask: how many KV blocks before this one list the query
+                             block (the rank kernel, from the forward's tables); without one every CTA adds, rank = KV tile
   The adds into a dQ tile are made in ascending KV-tile order: a warpgroup waits (ld.acquire) until its counter reaches
   its CTA's rank, issues the reduce-add, and releases the counter once that add has completed in global memory, which
-  it checks on its every second add (two released by one fence) or after its last: the fp32 sums are then the same
-  bits on every run. CTAs are launched
+  it checks at its next add (or after its last): the fp32 sums are then the same bits on every run. CTAs are launched
   KV-tile major within groups of GROUP (kz, hkv) heads (the group's tile 0 of each head, then tile 1, ...; then the next
   group), so a CTA only waits on CTAs launched before it: no deadlock whatever the occupancy. Wide groups keep few CTAs
   of a head in a wave (short chains of waiters), narrow ones keep the wave's Q, dO and DQ_ACC lines in L2.
@@ -687,9 +685,8 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
 
     _kv_landed(kv_bar, kv_phase, k_smem, kv_buf, n0, N, WG, TILE, PACK)
     cnt = gl.to_tensor(cnt)   # a loop-carried value (the default launch passes a literal 0)
-    if SCHED.DETERMINISTIC:   # the counters of this warpgroup's adds not released yet (DQ_SEMS' sink: none)
-        older = cta[0]
-        newer = cta[0]
+    if SCHED.DETERMINISTIC:
+        prev = cta[0]   # the counter of this warpgroup's last dQ add: DQ_SEMS' sink until the first
     # every query batch that reads this K/V batch (all of them when KZ = 1), every head of the GQA
     # group: one flat loop (a nested one holds more loop state in registers)
     for hh in range((Z // KZ) * FLAGS.GQA_GROUP):
@@ -783,12 +780,11 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
                 mine = cnt % 2 == WG
             # dK, then dQ (dQ before dK measured 0.84-1.05x: configs.py)
             dk_tok = warpgroup_mma(ds_mine.permute((1, 0)), q_t, dk, is_async=True)
-            if SCHED.DETERMINISTIC:   # earlier adds released and this one's counter loaded, under dV and dK
-                flush = (cnt // (1 if TILE.DQ_SPLIT else 2)) % 2 == 1   # every second add of the warpgroup
-                sem, target, seen = newer, 0, 0
+            if SCHED.DETERMINISTIC:   # the previous add released and this one's counter loaded, under dV and dK
+                sem, target, seen = prev, 0, 0
                 if mine:
-                    sem, target, seen = _turn_ahead(older, newer, flush, cta, zh, m_cur, kv_tile, kv_blk, z, hq, M_PAD,
-                                                    table_meta, WG, TILE, SPARSE)
+                    sem, target, seen = _turn_ahead(prev, cta, zh, m_cur, kv_tile, kv_blk, z, hq, M_PAD, table_meta,
+                                                    WG, TILE, SPARSE)
             dv, dk, _p, _ds, _do2, _q2 = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_t, ds_mine, do_t, q_t])
             mbarrier.arrive(qdo_empty.index(st), count=1)
             if mine:
@@ -796,8 +792,7 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
                 dq_tok = warpgroup_mma(ds_tile, k_dq, dq_zero, use_acc=False, is_async=True)
                 dq, _a, _b = warpgroup_mma_wait(0, deps=[dq_tok, ds_tile, k_dq])
                 if SCHED.DETERMINISTIC:
-                    added = _add_dq_in_turn(dq, dq_desc, dq_smem, zh, m_cur, sem, target, seen, WG, TILE, SCHED)
-                    older, newer = _held_turns(older, newer, added, flush, cta)
+                    prev = _add_dq_in_turn(dq, dq_desc, dq_smem, zh, m_cur, sem, target, seen, WG, TILE, SCHED)
                 else:
                     _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, q_row0 + m_cur, row_off, WG, TILE, SCHED)
             if SCHED.STATS_AHEAD:
@@ -805,7 +800,7 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
                 delta = delta_next
             cnt += 1
     if SCHED.DETERMINISTIC:
-        _release_turns(older, newer)
+        _release_turn(prev)
     if SCHED.PERSISTENT:
         mbarrier.arrive(cta[1].index(kv_buf), count=1)   # kv_empty: this warpgroup's wgmmas reading K, V retired
 
@@ -894,29 +889,26 @@ def _wait_turn(sem, target, seen):
 
 
 @gluon.jit
-def _release_turns(older, newer):
+def _release_turn(sem):
     """Wait until this warpgroup's reduce-adds have completed in global memory (cp.async.bulk.wait_group without
     .read, which tma.store_wait is: that one only waits until the staging tile has been read), then, past the
-    warpgroup's barrier, lane 0 of each of its 4 warps fences (fence.acq_rel.gpu, a MEMBAR) and adds 1 to the counters
-    at ``older`` and ``newer`` (the fence and the relaxed adds: a release of both). A warpgroup's add counts 4: one
-    thread of the warpgroup would need %tid.x, whose read in an asm made ptxas spill the step loops, as _lane_id says.
-    The fence costs the consumer ~0.7 us (H200 probe, hopper_backward.md), so two adds share one. Leaves the staging
-    tile free."""
+    warpgroup's barrier, lane 0 of each of its 4 warps adds 1 to the counter at ``sem`` with release semantics at GPU
+    scope (a warpgroup's add counts 4: one thread of the warpgroup would need %tid.x, whose read in an asm made ptxas
+    spill the step loops, as _lane_id says). Leaves the staging tile free."""
     done = gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.u32 $0, 0;",
                                      "=r,r", [0], dtype=gl.int32, is_pure=False, pack=1)
     gl.thread_barrier()
     gl.inline_asm_elementwise(
         "{ .reg .pred first; .reg .b32 lane; mov.u32 lane, %laneid; setp.eq.u32 first, lane, 0; "
-        "@first fence.acq_rel.gpu; @first red.relaxed.gpu.global.add.s32 [$1], 1; "
-        "@first red.relaxed.gpu.global.add.s32 [$2], 1; mov.u32 $0, $3; }",
-        "=r,l,l,r", [older, newer, done], dtype=gl.int32, is_pure=False, pack=1)
+        "@first red.release.gpu.global.add.s32 [$1], 1; mov.u32 $0, $2; }",
+        "=r,l,r", [sem, done], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
 def _dq_turn(cta, zh, m0, kv_tile, kv_blk, z, hq, M_PAD, table_meta, WG: gl.constexpr, TILE: gl.constexpr,
              SPARSE: gl.constexpr):
     """(counter, target) of this warpgroup's dQ add into rows m0.. of head zh: DQ_SEMS' slot of the rows and the
-    warpgroup's column half (DQ_SPLIT; else one), and the count it waits for: 4 (warps, _release_turns) times the number
+    warpgroup's column half (DQ_SPLIT; else one), and the count it waits for: 4 (warps, _release_turn) times the number
     of CTAs that add there before this one."""
     sems = cta[0]
     ranks = cta[1]
@@ -934,28 +926,15 @@ def _dq_turn(cta, zh, m0, kv_tile, kv_blk, z, hq, M_PAD, table_meta, WG: gl.cons
 
 
 @gluon.jit
-def _turn_ahead(older, newer, flush, cta, zh, m0, kv_tile, kv_blk, z, hq, M_PAD, table_meta, WG: gl.constexpr,
-                TILE: gl.constexpr, SPARSE: gl.constexpr):
-    """SCHED.DETERMINISTIC, mid-step (under the step's in-flight wgmmas): on every second add of the warpgroup
-    (``flush``) release the counters of its two adds still held (``older``, ``newer``: _release_turns), then issue the
-    acquire load of this step's counter, whose value is looked at only when the add is due (_add_dq_in_turn): (counter,
-    target, value seen). Waited where they were issued, the release's fence and the load's round trip cost the
-    backward 0.59-0.70x (H200, hopper_backward.md, "Deterministic dQ")."""
-    if flush:
-        _release_turns(older, newer)
+def _turn_ahead(prev, cta, zh, m0, kv_tile, kv_blk, z, hq, M_PAD, table_meta, WG: gl.constexpr, TILE: gl.constexpr,
+                SPARSE: gl.constexpr):
+    """SCHED.DETERMINISTIC, mid-step (under the step's in-flight wgmmas): release the counter of this warpgroup's
+    previous dQ add (``prev``), then issue the acquire load of this step's counter, whose value is looked at only when
+    the add is due (_add_dq_in_turn): (counter, target, value seen). Waited where they were issued, the release's
+    fence and the load's round trip cost the backward 0.59-0.70x (H200, hopper_backward.md, "Deterministic dQ")."""
+    _release_turn(prev)
     sem, target = _dq_turn(cta, zh, m0, kv_tile, kv_blk, z, hq, M_PAD, table_meta, WG, TILE, SPARSE)
     return sem, target, _ld_acquire(sem)
-
-
-@gluon.jit
-def _held_turns(older, newer, added, flush, cta):
-    """The counters a warpgroup holds after its add ``added``: that one alone when this add's _turn_ahead released the
-    two held before (``flush``), else the last one held and this one (released together at the next add)."""
-    if flush:
-        older = cta[0]   # DQ_SEMS' sink: nothing
-    else:
-        older = newer
-    return older, added
 
 
 @gluon.jit
@@ -963,7 +942,7 @@ def _add_dq_in_turn(dq, dq_desc, dq_smem, zh, m0, sem, target, seen, WG: gl.cons
                     SCHED: gl.constexpr):
     """SCHED.DETERMINISTIC's _add_dq: once the counter at ``sem`` has reached ``target`` (``seen``: its value loaded
     at _turn_ahead; spin only if that was short), stage and reduce-add as _add_dq does. Returns ``sem``, to release
-    at a later add's _turn_ahead or after the last add (_release_turns)."""
+    at the next add's _turn_ahead or after the last add (_release_turn)."""
     _wait_turn(sem, target, seen)
     DQ_COL0: gl.constexpr = WG * TILE.DQ_N if TILE.DQ_SPLIT else 0
     if SCHED.DQ_FRAG:
@@ -1115,9 +1094,8 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
 
     _kv_landed(kv_bar, kv_phase, k_smem, kv_buf, n0, N, WG, TILE, PACK)
     cnt = gl.to_tensor(cnt)   # a loop-carried value (the default launch passes a literal 0)
-    if SCHED.DETERMINISTIC:   # as in _consumer_tile
-        older = cta[0]
-        newer = cta[0]
+    if SCHED.DETERMINISTIC:
+        prev = cta[0]   # as in _consumer_tile
     for hh in range((Z // KZ) * FLAGS.GQA_GROUP):
         z = kz + (hh // FLAGS.GQA_GROUP) * KZ
         hq = hkv * FLAGS.GQA_GROUP + hh % FLAGS.GQA_GROUP
@@ -1202,13 +1180,12 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
                 mbarrier.wait(qdo_ready.index(st_next), ((cnt + 1) // NUM_STAGES) & 1)
             s_tok = warpgroup_mma(q_next, k_t, s_zero, use_acc=False, is_async=True)
             dk_tok = warpgroup_mma(ds_mine.permute((1, 0)), q_t, dk, is_async=True)
-            if SCHED.DETERMINISTIC:   # earlier adds released and this one's counter loaded, under S and dK
+            if SCHED.DETERMINISTIC:   # the previous add released and this one's counter loaded, under S and dK
                 adds = True if TILE.DQ_SPLIT else cnt % 2 == WG
-                flush = (cnt // (1 if TILE.DQ_SPLIT else 2)) % 2 == 1   # every second add of the warpgroup
-                sem, target, seen = newer, 0, 0
+                sem, target, seen = prev, 0, 0
                 if adds:
-                    sem, target, seen = _turn_ahead(older, newer, flush, cta, zh, m0, kv_tile, kv_blk, z, hq, M_PAD,
-                                                    table_meta, WG, TILE, SPARSE)
+                    sem, target, seen = _turn_ahead(prev, cta, zh, m0, kv_tile, kv_blk, z, hq, M_PAD, table_meta,
+                                                    WG, TILE, SPARSE)
             if DQ_UNDER:
                 mbarrier.wait(ds_ready.index(buf), (cnt // 2) & 1)
                 dq_tok = warpgroup_mma(ds_tile, k_dq, dq_zero, use_acc=False, is_async=True)
@@ -1226,8 +1203,7 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
                                                                        k_dq])
                 mbarrier.arrive(qdo_empty.index(st), count=1)
                 if SCHED.DETERMINISTIC:
-                    added = _add_dq_in_turn(dq, dq_desc, dq_smem, zh, m0, sem, target, seen, WG, TILE, SCHED)
-                    older, newer = _held_turns(older, newer, added, flush, cta)
+                    prev = _add_dq_in_turn(dq, dq_desc, dq_smem, zh, m0, sem, target, seen, WG, TILE, SCHED)
                 else:
                     _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, q_row0 + m0, row_off, WG, TILE, SCHED)
             else:
@@ -1242,8 +1218,7 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
                     dq_tok = warpgroup_mma(ds_tile, k_dq, dq_zero, use_acc=False, is_async=True)
                     dq, _a, _b = warpgroup_mma_wait(0, deps=[dq_tok, ds_tile, k_dq])
                     if SCHED.DETERMINISTIC:
-                        added = _add_dq_in_turn(dq, dq_desc, dq_smem, zh, m0, sem, target, seen, WG, TILE, SCHED)
-                        older, newer = _held_turns(older, newer, added, flush, cta)
+                        prev = _add_dq_in_turn(dq, dq_desc, dq_smem, zh, m0, sem, target, seen, WG, TILE, SCHED)
                     else:
                         _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, q_row0 + m0, row_off, WG, TILE, SCHED)
             m0 = m0_next
@@ -1251,7 +1226,7 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
                 delta = delta_next
             cnt += 1
     if SCHED.DETERMINISTIC:
-        _release_turns(older, newer)
+        _release_turn(prev)
     if SCHED.PERSISTENT:
         # kv_empty: every wgmma reading K and V retired (the head's last, wasted S too: waited in its step)
         mbarrier.arrive(cta[1].index(kv_buf), count=1)
