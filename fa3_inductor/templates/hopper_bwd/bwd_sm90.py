@@ -55,8 +55,9 @@ Deterministic dQ (SCHED.DETERMINISTIC, option fa3.deterministic_backward; cta_ar
   DQ_SEMS [1 + Z * HQ * M_PAD / 64 * 2] int32   one counter per (head, 64-row step, dQ column half): 4 (warps) times
                              how many CTAs have added their dQ there (zeroed by the preprocess kernel; slot 0 is a sink,
                              never waited on)
-  DQ_RANK [SZ, SH, NUM_Q_BLKS, NUM_KV_BLKS] int32   with a block mask: how many KV blocks before this one list the query
-                             block (the rank kernel, from the forward's tables); without one every CTA adds, rank = KV tile
+  DQ_RANK [SZ, SH, NUM_Q_BLKS, NUM_KV_BLKS] int32   with a block mask: how many KV blocks before this one list the
+                             query block (the rank kernel, from the forward's tables); without one every CTA adds,
+                             rank = KV tile
   The adds into a dQ tile are made in ascending KV-tile order: a warpgroup waits (ld.acquire) until its counter reaches
   its CTA's rank, issues the reduce-add, and releases the counter once that add has completed in global memory, which
   it checks at its next add (or after its last): the fp32 sums are then the same bits on every run. CTAs are launched
