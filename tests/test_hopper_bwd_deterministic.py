@@ -152,3 +152,27 @@ def test_scratch_checks_the_counters():
     with pytest.raises(ValueError, match="expected 4"):
         prepare_hopper_backward(q, q, q, q, q, torch.zeros(1, 2, 256), torch.empty_like(q), torch.empty_like(q),
                                 torch.empty_like(q), sm_scale=0.125, deterministic=True, scratch=two)
+
+
+@pytest.mark.parametrize("tables", ["forward", "transposed"])
+def test_family_scratch_fits_the_plan(tables):
+    """The scratch the family allocates for a deterministic call (HopperBackwardFamily.backward_scratch: the mask's
+    shape from whichever tables the call has) is what prepare_hopper_backward checks it against."""
+    from fa3_inductor.templates.hopper_bwd import prepare_hopper_backward
+    from fa3_inductor.templates.hopper_bwd.host import hopper_backward_scratch, mask_shape_of
+
+    M, N = 700, 900
+    q = torch.randn(2, 4, M, 64, dtype=torch.bfloat16)
+    k = v = torch.randn(2, 2, N, 64, dtype=torch.bfloat16)
+    bm = create_block_mask(mods.sliding_window(300), None, None, M, N, device="cpu")
+    fwd = (bm.kv_num_blocks, bm.kv_indices) if tables == "forward" else (None, None)
+    shape = mask_shape_of(*fwd, *((None, None) if tables == "forward" else (bm.q_num_blocks, bm.q_indices)))
+    assert shape == (1, 1, -(-M // 128), -(-N // 128))
+    scratch = hopper_backward_scratch(q, has_mask=True, deterministic=True, mask_shape=shape)
+    launches = prepare_hopper_backward(
+        q, k, v, q, q, torch.zeros(2, 4, M), torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+        sm_scale=0.125, deterministic=True, scratch=scratch, kv_num_blocks=fwd[0], kv_indices=fwd[1],
+        q_num_blocks=bm.q_num_blocks, q_indices=bm.q_indices, full_q_num_blocks=bm.full_q_num_blocks,
+        full_q_indices=bm.full_q_indices)
+    rank = next(launch for launch in launches if launch[0].__name__ == "bwd_sm90_dq_rank_kernel")
+    assert rank[1][4] is scratch[3]
