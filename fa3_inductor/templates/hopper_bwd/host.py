@@ -480,8 +480,8 @@ def prepare_hopper_backward(
 
     Conventions are :func:`prepare_generic_backward`'s (LSE in log2 units, -inf on fully masked rows;
     ``grad_lse`` in the same units; a ``score_mod`` needs ``score_grad_mod``, :data:`SCORE_GRAD_ONE` when
-    its derivative is 1), with ``gl`` mods. ``scratch``: (STATS, DQ_ACC) from :func:`hopper_backward_scratch` for
-    this call; None allocates them here. The preprocess launch fills STATS and zeroes the accumulator, so the
+    its derivative is 1), with ``gl`` mods. ``scratch``: (STATS, DQ_ACC), deterministic also (DQ_SEMS, DQ_RANK), from
+    :func:`hopper_backward_scratch` for this call; None allocates them here. The preprocess launch fills STATS and zeroes the accumulator, so the
     launches may be replayed. ``deterministic=True``: dQ's adds in a fixed order (bwd_sm90.py, "Deterministic dQ"),
     so the gradients are the same bits on every run; served by the 64-row step (head dims 64, 80, 96, 128), refused
     at the others (the generic backward is deterministic). Under a block mask it adds a launch before the main
