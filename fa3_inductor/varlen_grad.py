@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .config import deterministic_gradients
 from .mod_keys import Unkeyable, mod_key
 from .templates.generic_bwd import SCORE_GRAD_ONE
 from .templates.hopper_bwd.varlen import launch_varlen_backward, varlen_bwd_refusal
@@ -36,6 +37,9 @@ def varlen_grad_refusal(q: Tensor, k: Tensor, v: Tensor, score_bufs: tuple, mask
         return why_not
     if any(b.requires_grad for b in (*score_bufs, *mask_bufs)):
         return "a mod captures a tensor that requires grad (the varlen backward gives no gradient to mods' tensors)"
+    if deterministic_gradients():
+        return ("torch.use_deterministic_algorithms(True) asks for reproducible gradients, and the packed backward "
+                "adds dQ in arrival order (the document-mask path's backward families honour it)")
     return None
 
 

@@ -158,3 +158,19 @@ def test_tile_table_gives_each_virtual_tile_its_sequence(cpu_kernels, lengths):
     assert table.tolist() == [max(b for b in range(B) if starts[b] <= t) for t in range(table.shape[0])]
     real = [starts[b] + j for b in range(B) for j in range(-(-lengths[b] // 128))]
     assert len(set(real)) == len(real) and max(real, default=0) < table.shape[0]
+
+
+def test_deterministic_algorithms_send_varlen_gradients_to_the_document_mask(monkeypatch):
+    """Under torch.use_deterministic_algorithms(True) flex_varlen's gradients leave the packed backward (dQ in arrival
+    order) for the document-mask path, whose backward families honour the switch; otherwise the packed one serves."""
+    from fa3_inductor import varlen_grad
+
+    monkeypatch.setattr(varlen_grad, "varlen_bwd_refusal", lambda *args: None)   # as if on an sm90 GPU
+    q = torch.empty(10, 4, 128, dtype=torch.bfloat16)
+    assert varlen_grad.varlen_grad_refusal(q, q, q, (), ()) is None
+    torch.use_deterministic_algorithms(True)
+    try:
+        why = varlen_grad.varlen_grad_refusal(q, q, q, (), ())
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert "use_deterministic_algorithms" in why
