@@ -43,7 +43,10 @@ def _brute_rank(bm):
 
 @pytest.mark.parametrize("case", ["document", "window", "random", "random-heads"])
 def test_rank_table_counts_the_listed_blocks_before(cpu_kernels, case):
-    from fa3_inductor.templates.hopper_bwd.host import _rank_launch
+    """The two order launches (Triton's interpreter), from the transposed tables the main kernel walks, against a
+    count over the forward's tables: for each (query block, KV block), the KV blocks before it that list the query
+    block. DQ_RANK starts as garbage (the first launch zeroes its columns)."""
+    from fa3_inductor.templates.hopper_bwd.host import _order_launches
 
     M = N = 1300
     if case == "document":
@@ -54,17 +57,9 @@ def test_rank_table_counts_the_listed_blocks_before(cpu_kernels, case):
         bm = _random_block_mask(2 if case == "random-heads" else 1, 3 if case == "random-heads" else 1, M, N, seed=7)
     want = _brute_rank(bm)
     ranks = torch.full(tuple(want.shape), -5, dtype=torch.int32)
-    has_full = bm.full_kv_num_blocks is not None
-    kernel, args, kwargs, grid = _rank_launch(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
-                                              bm.full_kv_indices, bm.q_num_blocks, bm.q_indices,
-                                              bm.full_q_num_blocks, bm.full_q_indices, ranks, has_full)
-    kernel[grid](*args, **kwargs)
-    assert torch.equal(ranks.long(), want)
-    # from the transposed tables alone (turned back on the host): the same order
-    ranks.fill_(-5)
-    kernel, args, kwargs, grid = _rank_launch(None, None, None, None, bm.q_num_blocks, bm.q_indices,
-                                              bm.full_q_num_blocks, bm.full_q_indices, ranks, has_full)
-    kernel[grid](*args, **kwargs)
+    for kernel, args, kwargs, grid in _order_launches(bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks,
+                                                      bm.full_q_indices, ranks, bm.full_q_num_blocks is not None):
+        kernel[grid](*args, **kwargs)
     assert torch.equal(ranks.long(), want)
 
 
@@ -110,8 +105,8 @@ def test_plan_orders_the_adds(D):
     assert [launch[0].__name__ for launch in plain] == [
         "bwd_sm90_preprocess_kernel", "fa3_bwd_sm90_kernel", "bwd_sm90_dq_convert_frag_kernel"
         if D % 64 == 0 else "bwd_sm90_dq_convert_kernel"]
-    assert [launch[0].__name__ for launch in masked][:3] == [
-        "bwd_sm90_preprocess_kernel", "bwd_sm90_dq_rank_kernel", "fa3_bwd_sm90_kernel"]
+    assert [launch[0].__name__ for launch in masked][:4] == [
+        "bwd_sm90_preprocess_kernel", "bwd_sm90_dq_listed_kernel", "bwd_sm90_dq_rank_kernel", "fa3_bwd_sm90_kernel"]
     for launches in (plain, masked):
         main = next(launch for launch in launches if launch[0].__name__ == "fa3_bwd_sm90_kernel")
         sched = main[2]["SCHED"]
@@ -157,7 +152,8 @@ def test_scratch_checks_the_counters():
 @pytest.mark.parametrize("tables", ["forward", "transposed"])
 def test_family_scratch_fits_the_plan(tables):
     """The scratch the family allocates for a deterministic call (HopperBackwardFamily.backward_scratch: the mask's
-    shape from whichever tables the call has) is what prepare_hopper_backward checks it against."""
+    shape from whichever tables the call has) is what prepare_hopper_backward checks it against, and the order
+    launches write it."""
     from fa3_inductor.templates.hopper_bwd import prepare_hopper_backward
     from fa3_inductor.templates.hopper_bwd.host import hopper_backward_scratch, mask_shape_of
 
@@ -175,4 +171,4 @@ def test_family_scratch_fits_the_plan(tables):
         q_num_blocks=bm.q_num_blocks, q_indices=bm.q_indices, full_q_num_blocks=bm.full_q_num_blocks,
         full_q_indices=bm.full_q_indices)
     rank = next(launch for launch in launches if launch[0].__name__ == "bwd_sm90_dq_rank_kernel")
-    assert rank[1][4] is scratch[3]
+    assert rank[1][0] is scratch[3]

@@ -56,8 +56,8 @@ Deterministic dQ (SCHED.DETERMINISTIC, option fa3.deterministic_backward; cta_ar
                              how many CTAs have added their dQ there (zeroed by the preprocess kernel; slot 0 is a sink,
                              never waited on)
   DQ_RANK [SZ, SH, NUM_Q_BLKS, NUM_KV_BLKS] int32   with a block mask: how many KV blocks before this one list the
-                             query block (the rank kernel, from the forward's tables); without one every CTA adds,
-                             rank = KV tile
+                             query block (two launches before the main kernel, from the transposed tables it walks);
+                             without one every CTA adds, rank = KV tile
   The adds into a dQ tile are made in ascending KV-tile order: a warpgroup waits (ld.acquire) until its counter reaches
   its CTA's rank, issues the reduce-add, and releases the counter once that add has completed in global memory, which
   it checks at its next add (or after its last): the fp32 sums are then the same bits on every run. CTAs are launched
@@ -1418,29 +1418,40 @@ def bwd_sm90_preprocess_kernel(O, DO, LSE, DLSE, STATS, DQ_ACC, o_strides, do_st
                  tl.zeros([2], tl.int32))
 
 
-@triton.jit(do_not_specialize=["NUM_KV_BLKS", "IDX_COLS"])
-def bwd_sm90_dq_rank_kernel(KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, DQ_RANK, NUM_KV_BLKS, IDX_COLS,
-                            HAS_FULL: tl.constexpr, KV_BLKS_POW2: tl.constexpr, CHUNK: tl.constexpr):
-    """DQ_RANK's row of one query block (program: (sz * SH + sh) * NUM_Q_BLKS + query block): for each KV block, how
-    many KV blocks before it the forward's tables list for the query block (partial and full), the order of the
-    deterministic dQ adds. KV_NUM [.., NUM_Q_BLKS] and KV_IDX [.., NUM_Q_BLKS, IDX_COLS] (and the full ones) are the
-    forward's block-mask tables, int32 contiguous."""
-    row = tl.program_id(0)
-    kv_blks = tl.arange(0, KV_BLKS_POW2)
-    listed = tl.zeros([KV_BLKS_POW2], tl.int32)
-    n = tl.load(KV_NUM + row)
-    for j0 in range(0, n, CHUNK):
-        j = j0 + tl.arange(0, CHUNK)
-        blk = tl.load(KV_IDX + row.to(tl.int64) * IDX_COLS + j, mask=j < n, other=-1)
-        listed += tl.sum((blk[:, None] == kv_blks[None, :]).to(tl.int32), 0)
+@triton.jit(do_not_specialize=["NUM_Q_BLKS", "NUM_KV_BLKS", "IDX_COLS"])
+def bwd_sm90_dq_listed_kernel(Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX, DQ_RANK, NUM_Q_BLKS, NUM_KV_BLKS, IDX_COLS,
+                              HAS_FULL: tl.constexpr, Q_BLKS_POW2: tl.constexpr):
+    """DQ_RANK's column of one KV block (program: ((sz * SH + sh) * NUM_KV_BLKS + KV block)) set to 1 where the
+    transposed tables the main kernel walks list the query block for it (partial or full), 0 elsewhere: the first of
+    the two launches that make the deterministic dQ's order. Q_NUM [.., NUM_KV_BLKS] and Q_IDX [.., NUM_KV_BLKS,
+    IDX_COLS] (and the full ones) int32 contiguous; DQ_RANK [.., NUM_Q_BLKS, NUM_KV_BLKS]."""
+    col = tl.program_id(0)
+    head = col // NUM_KV_BLKS
+    kv_blk = col % NUM_KV_BLKS
+    q_blks = tl.arange(0, Q_BLKS_POW2)
+    column = DQ_RANK + (head.to(tl.int64) * NUM_Q_BLKS + q_blks) * NUM_KV_BLKS + kv_blk
+    tl.store(column, tl.zeros([Q_BLKS_POW2], tl.int32), mask=q_blks < NUM_Q_BLKS)
+    tl.debug_barrier()   # the zeros before the ones (other threads of this program may write the same entries)
+    n = tl.load(Q_NUM + col)
+    listed = tl.load(Q_IDX + col.to(tl.int64) * IDX_COLS + q_blks, mask=q_blks < n, other=0)
+    tl.store(DQ_RANK + (head.to(tl.int64) * NUM_Q_BLKS + listed) * NUM_KV_BLKS + kv_blk, tl.full([Q_BLKS_POW2], 1,
+             tl.int32), mask=q_blks < n)
     if HAS_FULL:
-        n_full = tl.load(FULL_NUM + row)
-        for j0 in range(0, n_full, CHUNK):
-            j = j0 + tl.arange(0, CHUNK)
-            blk = tl.load(FULL_IDX + row.to(tl.int64) * IDX_COLS + j, mask=j < n_full, other=-1)
-            listed += tl.sum((blk[:, None] == kv_blks[None, :]).to(tl.int32), 0)
-    rank = tl.cumsum(listed, 0) - listed
-    tl.store(DQ_RANK + row.to(tl.int64) * NUM_KV_BLKS + kv_blks, rank, mask=kv_blks < NUM_KV_BLKS)
+        n_full = tl.load(FULL_Q_NUM + col)
+        listed = tl.load(FULL_Q_IDX + col.to(tl.int64) * IDX_COLS + q_blks, mask=q_blks < n_full, other=0)
+        tl.store(DQ_RANK + (head.to(tl.int64) * NUM_Q_BLKS + listed) * NUM_KV_BLKS + kv_blk,
+                 tl.full([Q_BLKS_POW2], 1, tl.int32), mask=q_blks < n_full)
+
+
+@triton.jit(do_not_specialize=["NUM_KV_BLKS"])
+def bwd_sm90_dq_rank_kernel(DQ_RANK, NUM_KV_BLKS, KV_BLKS_POW2: tl.constexpr):
+    """DQ_RANK's row of one query block (program: (sz * SH + sh) * NUM_Q_BLKS + query block), the 0 / 1 marks of
+    bwd_sm90_dq_listed_kernel, turned into their exclusive running count: for each KV block, how many KV blocks before
+    it add into the query block, the order of the deterministic dQ adds."""
+    row = DQ_RANK + tl.program_id(0).to(tl.int64) * NUM_KV_BLKS
+    kv_blks = tl.arange(0, KV_BLKS_POW2)
+    listed = tl.load(row + kv_blks, mask=kv_blks < NUM_KV_BLKS, other=0)
+    tl.store(row + kv_blks, tl.cumsum(listed, 0) - listed, mask=kv_blks < NUM_KV_BLKS)
 
 
 @triton.jit(do_not_specialize=["M", "M_PAD"])

@@ -22,8 +22,8 @@ from ..modgen import (MAX_POSITION, BufferSpec, GeneratedSource, generate_mod_so
 from ..tma import tma_aligned
 from ..wide_scores import wide_scores
 from .bwd_sm90 import (BwdFlags, BwdSchedule, BwdSparsity, BwdTile, bwd_sm90_dq_convert_frag_kernel,
-                       bwd_sm90_dq_convert_kernel, bwd_sm90_dq_rank_kernel, bwd_sm90_preprocess_kernel,
-                       fa3_bwd_sm90_kernel)
+                       bwd_sm90_dq_convert_kernel, bwd_sm90_dq_listed_kernel, bwd_sm90_dq_rank_kernel,
+                       bwd_sm90_preprocess_kernel, fa3_bwd_sm90_kernel)
 from .bwd_sm90_m128 import M128Tile, fa3_bwd_sm90_m128_kernel
 from .bwd_sm90_wide import WideTile, fa3_bwd_sm90_wide_kernel
 from .bwd_sm90_k96 import K96Tile, fa3_bwd_sm90_k96_kernel
@@ -484,8 +484,8 @@ def prepare_hopper_backward(
     :func:`hopper_backward_scratch` for this call; None allocates them here. The preprocess launch fills STATS and zeroes the accumulator, so the
     launches may be replayed. ``deterministic=True``: dQ's adds in a fixed order (bwd_sm90.py, "Deterministic dQ"),
     so the gradients are the same bits on every run; served by the 64-row step (head dims 64, 80, 96, 128), refused
-    at the others (the generic backward is deterministic). Under a block mask it adds a launch before the main
-    kernel (the adds' order from the forward's tables). ``plan_for`` is accepted for the generic interface
+    at the others (the generic backward is deterministic). Under a block mask it adds two launches before the main
+    kernel (the adds' order from the transposed tables). ``plan_for`` is accepted for the generic interface
     (compile-only planning is always for sm90 here).
 
     Example::
@@ -632,8 +632,7 @@ def prepare_hopper_backward(
     if deterministic:   # the counters and, under a block mask, the adds' order: scratch the launches write
         cta_args = (*scratch[2:], cfg.det_heads or _deterministic_group(Z, HQ, KZ, HKV, has_mask))
         if has_mask:
-            ordering = [_rank_launch(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, q_num_blocks,
-                                     q_indices, full_q_num_blocks, full_q_indices, scratch[3], has_full)]
+            ordering = _order_launches(q_num_blocks, q_indices, full_q_num_blocks, full_q_indices, scratch[3], has_full)
     if cfg.kv96:
         if tabled or not dq_frag:
             _refuse("96-key tiles (kv96) walk no block-mask tables (only an exactly causal mask_mod) and add dQ in "
@@ -726,27 +725,21 @@ def _deterministic_group(Z: int, HQ: int, KZ: int, HKV: int, has_mask: bool) -> 
     return max(1, min(KZ * HKV, _DETERMINISTIC_GROUP_HEADS // ((HQ // HKV) * (Z // KZ))))
 
 
-def _rank_launch(kv_num: Optional[torch.Tensor], kv_idx: Optional[torch.Tensor], full_kv_num: Optional[torch.Tensor],
-                 full_kv_idx: Optional[torch.Tensor], q_num: torch.Tensor, q_idx: torch.Tensor,
-                 full_q_num: Optional[torch.Tensor], full_q_idx: Optional[torch.Tensor], dq_rank: torch.Tensor,
-                 has_full: bool) -> Launch:
-    """The launch that writes DQ_RANK (bwd_sm90_dq_rank_kernel) from the forward's tables (the transposed ones turned
-    back where a caller passed only those)."""
-    if kv_num is None:
-        kv_num, kv_idx = transpose_block_tables(q_num, q_idx)
-    if has_full and full_kv_num is None:
-        full_kv_num, full_kv_idx = transpose_block_tables(full_q_num, full_q_idx)
-    tables = [t.to(torch.int32).contiguous() for t in (kv_num, kv_idx)]
-    full = [t.to(torch.int32).contiguous() for t in (full_kv_num, full_kv_idx)] if has_full else tables
+def _order_launches(q_num: torch.Tensor, q_idx: torch.Tensor, full_q_num: Optional[torch.Tensor],
+                    full_q_idx: Optional[torch.Tensor], dq_rank: torch.Tensor, has_full: bool) -> list[Launch]:
+    """The two launches that write DQ_RANK from the transposed tables the main kernel walks (bwd_sm90_dq_listed_kernel
+    marks each KV block's listed query blocks, bwd_sm90_dq_rank_kernel counts them along each query block's row): a
+    CTA waits only for adds that the CTAs before it make, whatever the caller's forward tables say."""
+    tables = [t.to(torch.int32).contiguous() for t in (q_num, q_idx)]
+    full = [t.to(torch.int32).contiguous() for t in (full_q_num, full_q_idx)] if has_full else tables
     SZ, SH, num_q_blks, num_kv_blks = dq_rank.shape
-    if tuple(tables[0].shape) != (SZ, SH, num_q_blks):
-        _refuse(f"the forward's block-mask tables are {tuple(tables[0].shape)}, the transposed ones say "
-                f"{(SZ, SH, num_q_blks)}: pass the tables of one BlockMask")
-    return (bwd_sm90_dq_rank_kernel,
-            (tables[0], tables[1], full[0], full[1], dq_rank, num_kv_blks, tables[1].shape[-1]),
-            dict(HAS_FULL=has_full, KV_BLKS_POW2=max(16, triton.next_power_of_2(num_kv_blks)), CHUNK=16,
-                 num_warps=4),
-            (SZ * SH * num_q_blks,))
+    listed = (bwd_sm90_dq_listed_kernel,
+              (tables[0], tables[1], full[0], full[1], dq_rank, num_q_blks, num_kv_blks, tables[1].shape[-1]),
+              dict(HAS_FULL=has_full, Q_BLKS_POW2=max(16, triton.next_power_of_2(num_q_blks)), num_warps=4),
+              (SZ * SH * num_kv_blks,))
+    counted = (bwd_sm90_dq_rank_kernel, (dq_rank, num_kv_blks),
+               dict(KV_BLKS_POW2=max(16, triton.next_power_of_2(num_kv_blks)), num_warps=4), (SZ * SH * num_q_blks,))
+    return [listed, counted]
 
 
 def launch_hopper_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
