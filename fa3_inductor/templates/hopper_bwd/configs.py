@@ -61,8 +61,8 @@ class BwdSm90Config:
                                  # (an exactly causal mask_mod is walked) or packed sequences
     dkdv_tma: bool = False       # dK / dV stored through the warpgroups' dQ staging tiles by TMA (kv96; bwd_sm90.py at
                                  # D = 64 / 128 with dq_tma, dense), else stored from the accumulators' registers
-    det_heads: int = 0           # deterministic dQ: (kz, hkv) heads of a launch-order group (bwd_sm90.py, "Deterministic
-                                 # dQ"); 0: the host's rule
+    det_heads: int = 0           # deterministic dQ: (kz, hkv) heads of a launch-order group (bwd_sm90.py,
+                                 # "Deterministic dQ"); 0: the host's rule
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, value_head_dim: int | None = None) -> int:
         """Shared memory of K, V, the Q / dO ring, P, the two dS buffers and the dQ staging tiles (no score_mod),

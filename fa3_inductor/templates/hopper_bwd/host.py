@@ -481,12 +481,12 @@ def prepare_hopper_backward(
     Conventions are :func:`prepare_generic_backward`'s (LSE in log2 units, -inf on fully masked rows;
     ``grad_lse`` in the same units; a ``score_mod`` needs ``score_grad_mod``, :data:`SCORE_GRAD_ONE` when
     its derivative is 1), with ``gl`` mods. ``scratch``: (STATS, DQ_ACC), deterministic also (DQ_SEMS, DQ_RANK), from
-    :func:`hopper_backward_scratch` for this call; None allocates them here. The preprocess launch fills STATS and zeroes the accumulator, so the
-    launches may be replayed. ``deterministic=True``: dQ's adds in a fixed order (bwd_sm90.py, "Deterministic dQ"),
-    so the gradients are the same bits on every run; served by the 64-row step (head dims 64, 80, 96, 128), refused
-    at the others (the generic backward is deterministic). Under a block mask it adds two launches before the main
-    kernel (the adds' order from the transposed tables). ``plan_for`` is accepted for the generic interface
-    (compile-only planning is always for sm90 here).
+    :func:`hopper_backward_scratch` for this call; None allocates them here. The preprocess launch fills STATS and
+    zeroes the accumulator, so the launches may be replayed. ``deterministic=True``: dQ's adds in a fixed order
+    (bwd_sm90.py, "Deterministic dQ"), so the gradients are the same bits on every run; served by the 64-row step
+    (head dims 64, 80, 96, 128), refused at the others (the generic backward is deterministic). Under a block mask it
+    adds two launches before the main kernel (the adds' order from the transposed tables). ``plan_for`` is accepted
+    for the generic interface (compile-only planning is always for sm90 here).
 
     Example::
 
@@ -702,10 +702,10 @@ def prepare_hopper_backward(
 
 # Query heads a deterministic launch-order group holds without a block mask (bwd_sm90.py, "Deterministic dQ"). H200,
 # bwd-speed-nvidia-h200-2026-11-30-2117-deterministic-groups (B*N = 16k, H16; backward over the default): noop D128 at
-# 2k / 4k / 8k with every head in one group 0.50 / 0.58 / 0.66, groups of 16 0.74 / 0.70 / 0.70, of 8 0.77 / 0.72 / 0.72,
-# of 4 0.76 / 0.73 / 0.73; D64 0.71 / 0.79 / 0.82, 0.86 / 0.85 / 0.84, 0.84 / 0.86 / 0.86, 0.74 / 0.84 / 0.86. Causal
-# lost with groups at D64 (0.69 / 0.72 / 0.73 -> 0.59 / 0.67 / 0.71 at 16, less at 8 and 4; D128 0.54 / 0.61 / 0.65 ->
-# 0.61 / 0.63 / 0.64 at 16): masked launches keep one group.
+# 2k / 4k / 8k with every head in one group 0.50 / 0.58 / 0.66, groups of 16 0.74 / 0.70 / 0.70, of 8 0.77 / 0.72 /
+# 0.72, of 4 0.76 / 0.73 / 0.73; D64 0.71 / 0.79 / 0.82, 0.86 / 0.85 / 0.84, 0.84 / 0.86 / 0.86, 0.74 / 0.84 / 0.86.
+# Causal lost with groups at D64 (0.69 / 0.72 / 0.73 -> 0.59 / 0.67 / 0.71 at 16, less at 8 and 4; D128 0.54 / 0.61 /
+# 0.65 -> 0.61 / 0.63 / 0.64 at 16): masked launches keep one group.
 _DETERMINISTIC_GROUP_HEADS = 8
 
 
