@@ -119,6 +119,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 LOG2E = 1.4426950408889634
+# Deterministic dQ: DQ_SEMS' counters a 64-row step (one per dQ column half; module docstring "Deterministic dQ")
+DQ_SEM_SLOTS = 2
+_SEM_SLOTS = gl.constexpr(DQ_SEM_SLOTS)
 
 
 @dataclass(frozen=True)
@@ -849,15 +852,8 @@ def _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, m0, row_off, WG: gl.constexpr,
     DQ_N: gl.constexpr = TILE.DQ_N
     D: gl.constexpr = TILE.HEAD_D
     DQ_COL0: gl.constexpr = WG * DQ_N if TILE.DQ_SPLIT else 0
-    if SCHED.DQ_FRAG:
-        tma.store_wait(0)                            # the previous reduce has read this warpgroup's tile
-        _frag_reduce_add(dq, dq_smem.index(WG), dq_desc, zh, m0, DQ_COL0, TILE.D_MEM)
-    elif SCHED.DQ_TMA:
-        stage = dq_smem.index(WG)                    # [1, BLOCK_M, DQ_N]
-        tma.store_wait(0)                            # the previous reduce has read this warpgroup's tile
-        stage.reshape([BLOCK_M, DQ_N]).store(dq)
-        fence_async_shared()
-        _tma_reduce_add(dq_desc, [zh, m0, DQ_COL0], stage)
+    if SCHED.DQ_FRAG or SCHED.DQ_TMA:   # (WAIT: the previous reduce has read this warpgroup's tile)
+        _stage_reduce_add(dq, dq_desc, dq_smem, zh, m0, WG, TILE, SCHED, WAIT=True)
     else:
         dq_layout: gl.constexpr = dq.type.layout
         dq_rows = _opaque(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout)))
@@ -865,6 +861,26 @@ def _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, m0, row_off, WG: gl.constexpr,
         dq_cols = gl.arange(0, DQ_N, layout=gl.SliceLayout(0, dq_layout))
         dq_ptrs = dq_acc_ptr + ((row_off + dq_rows) * D + DQ_COL0)[:, None] + dq_cols[None, :]
         gl.atomic_add(dq_ptrs, dq, sem="relaxed")
+
+
+@gluon.jit
+def _stage_reduce_add(dq, dq_desc, dq_smem, zh, m0, WG: gl.constexpr, TILE: gl.constexpr, SCHED: gl.constexpr,
+                      WAIT: gl.constexpr):
+    """This warpgroup's dQ tile into its shared staging tile, in the fragments' order (SCHED.DQ_FRAG) or as the
+    [BLOCK_M, DQ_N] tile, then its TMA reduce-add into DQ_ACC rows m0.. of head zh. WAIT: first wait until the
+    previous reduce-add has read the tile (tma.store_wait); else the caller knows it free."""
+    DQ_COL0: gl.constexpr = WG * TILE.DQ_N if TILE.DQ_SPLIT else 0
+    if SCHED.DQ_FRAG:
+        if WAIT:
+            tma.store_wait(0)
+        _frag_reduce_add(dq, dq_smem.index(WG), dq_desc, zh, m0, DQ_COL0, TILE.D_MEM)
+    else:
+        stage = dq_smem.index(WG)                    # [1, BLOCK_M, DQ_N]
+        if WAIT:
+            tma.store_wait(0)
+        stage.reshape([TILE.BLOCK_M, TILE.DQ_N]).store(dq)
+        fence_async_shared()
+        _tma_reduce_add(dq_desc, [zh, m0, DQ_COL0], stage)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -914,7 +930,7 @@ def _dq_turn(cta, zh, m0, kv_tile, kv_blk, z, hq, M_PAD, table_meta, WG: gl.cons
     sems = cta[0]
     ranks = cta[1]
     COL: gl.constexpr = WG if TILE.DQ_SPLIT else 0
-    sem = sems + 1 + ((zh.to(gl.int64) * (M_PAD // TILE.BLOCK_M) + m0 // TILE.BLOCK_M) * 2 + COL)
+    sem = sems + 1 + ((zh.to(gl.int64) * (M_PAD // TILE.BLOCK_M) + m0 // TILE.BLOCK_M) * _SEM_SLOTS + COL)
     if SPARSE.HAS_BLOCK_MASK:
         SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS, WINDOW = table_meta
         PER_KV: gl.constexpr = SPARSE.SPARSE_KV // TILE.BLOCK_N   # CTAs of a mask block: all add where it is listed
@@ -942,17 +958,11 @@ def _turn_ahead(prev, cta, zh, m0, kv_tile, kv_blk, z, hq, M_PAD, table_meta, WG
 def _add_dq_in_turn(dq, dq_desc, dq_smem, zh, m0, sem, target, seen, WG: gl.constexpr, TILE: gl.constexpr,
                     SCHED: gl.constexpr):
     """SCHED.DETERMINISTIC's _add_dq: once the counter at ``sem`` has reached ``target`` (``seen``: its value loaded
-    at _turn_ahead; spin only if that was short), stage and reduce-add as _add_dq does. Returns ``sem``, to release
-    at the next add's _turn_ahead or after the last add (_release_turn)."""
+    at _turn_ahead; spin only if that was short), stage and reduce-add as _add_dq does (the staging tile is free: the
+    release at _turn_ahead waited for the last reduce-add to complete). Returns ``sem``, to release at the next add's
+    _turn_ahead or after the last add (_release_turn)."""
     _wait_turn(sem, target, seen)
-    DQ_COL0: gl.constexpr = WG * TILE.DQ_N if TILE.DQ_SPLIT else 0
-    if SCHED.DQ_FRAG:
-        _frag_reduce_add(dq, dq_smem.index(WG), dq_desc, zh, m0, DQ_COL0, TILE.D_MEM)
-    else:
-        stage = dq_smem.index(WG)
-        stage.reshape([TILE.BLOCK_M, TILE.DQ_N]).store(dq)
-        fence_async_shared()
-        _tma_reduce_add(dq_desc, [zh, m0, DQ_COL0], stage)
+    _stage_reduce_add(dq, dq_desc, dq_smem, zh, m0, WG, TILE, SCHED, WAIT=False)
     return sem
 
 # ----------------------------------------------------------------------------------------------
@@ -1376,7 +1386,7 @@ def bwd_sm90_preprocess_kernel(O, DO, LSE, DLSE, STATS, DQ_ACC, o_strides, do_st
     """STATS (LSE_P, DELTA_P) for rows [BLOCK * pid, ...) of head z * HQ + hq (up to M_PAD), and zeros into the
     same rows of DQ_ACC. HEAD_DV: O's and dO's columns (default HEAD_D); HEAD_D_POW2: HEAD_D rounded up to a
     power of two (DQ_ACC's columns, and O's without HEAD_DV, are masked to HEAD_D), when HEAD_D is not one (80, 96,
-    192). DQ_SEMS (deterministic dQ; BLOCK the main kernel's 64-row step): the rows' two counters zeroed."""
+    192). DQ_SEMS (deterministic dQ; BLOCK the main kernel's 64-row step): the rows' counters zeroed."""
     pid = tl.program_id(0)
     zh = tl.program_id(1)
     z = zh // HQ
@@ -1414,8 +1424,8 @@ def bwd_sm90_preprocess_kernel(O, DO, LSE, DLSE, STATS, DQ_ACC, o_strides, do_st
         tl.store(DQ_ACC + padded[:, None] * HEAD_D + dcols[None, :], tl.zeros([BLOCK, HEAD_D_POW2], tl.float32),
                  mask=in_pad[:, None] & (dcols < HEAD_D)[None, :])
     if DQ_SEMS is not None:
-        tl.store(DQ_SEMS + 1 + (zh.to(tl.int64) * (M_PAD // BLOCK) + pid) * 2 + tl.arange(0, 2),
-                 tl.zeros([2], tl.int32))
+        tl.store(DQ_SEMS + 1 + (zh.to(tl.int64) * (M_PAD // BLOCK) + pid) * _SEM_SLOTS + tl.arange(0, _SEM_SLOTS),
+                 tl.zeros([_SEM_SLOTS], tl.int32))
 
 
 @triton.jit(do_not_specialize=["NUM_Q_BLKS", "NUM_KV_BLKS", "IDX_COLS"])
@@ -1432,15 +1442,19 @@ def bwd_sm90_dq_listed_kernel(Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX, DQ_RANK, NUM
     column = DQ_RANK + (head.to(tl.int64) * NUM_Q_BLKS + q_blks) * NUM_KV_BLKS + kv_blk
     tl.store(column, tl.zeros([Q_BLKS_POW2], tl.int32), mask=q_blks < NUM_Q_BLKS)
     tl.debug_barrier()   # the zeros before the ones (other threads of this program may write the same entries)
-    n = tl.load(Q_NUM + col)
-    listed = tl.load(Q_IDX + col.to(tl.int64) * IDX_COLS + q_blks, mask=q_blks < n, other=0)
-    tl.store(DQ_RANK + (head.to(tl.int64) * NUM_Q_BLKS + listed) * NUM_KV_BLKS + kv_blk, tl.full([Q_BLKS_POW2], 1,
-             tl.int32), mask=q_blks < n)
+    _mark_listed(Q_NUM, Q_IDX, col, DQ_RANK, head, kv_blk, q_blks, NUM_Q_BLKS, NUM_KV_BLKS, IDX_COLS)
     if HAS_FULL:
-        n_full = tl.load(FULL_Q_NUM + col)
-        listed = tl.load(FULL_Q_IDX + col.to(tl.int64) * IDX_COLS + q_blks, mask=q_blks < n_full, other=0)
-        tl.store(DQ_RANK + (head.to(tl.int64) * NUM_Q_BLKS + listed) * NUM_KV_BLKS + kv_blk,
-                 tl.full([Q_BLKS_POW2], 1, tl.int32), mask=q_blks < n_full)
+        _mark_listed(FULL_Q_NUM, FULL_Q_IDX, col, DQ_RANK, head, kv_blk, q_blks, NUM_Q_BLKS, NUM_KV_BLKS, IDX_COLS)
+
+
+@triton.jit
+def _mark_listed(NUM, IDX, col, DQ_RANK, head, kv_blk, q_blks, NUM_Q_BLKS, NUM_KV_BLKS, IDX_COLS):
+    """1 into DQ_RANK's column of (head, kv_blk) at each query block that the table row ``col`` of NUM / IDX lists
+    (bwd_sm90_dq_listed_kernel: its partial, then its full blocks)."""
+    n = tl.load(NUM + col)
+    listed = tl.load(IDX + col.to(tl.int64) * IDX_COLS + q_blks, mask=q_blks < n, other=0)
+    tl.store(DQ_RANK + (head.to(tl.int64) * NUM_Q_BLKS + listed) * NUM_KV_BLKS + kv_blk,
+             tl.full(q_blks.shape, 1, tl.int32), mask=q_blks < n)
 
 
 @triton.jit(do_not_specialize=["NUM_KV_BLKS"])

@@ -21,9 +21,9 @@ from ..modgen import (MAX_POSITION, BufferSpec, GeneratedSource, generate_mod_so
                       kernel_score_mod, mask_implies_causal, mod_info)
 from ..tma import tma_aligned
 from ..wide_scores import wide_scores
-from .bwd_sm90 import (BwdFlags, BwdSchedule, BwdSparsity, BwdTile, bwd_sm90_dq_convert_frag_kernel,
-                       bwd_sm90_dq_convert_kernel, bwd_sm90_dq_listed_kernel, bwd_sm90_dq_rank_kernel,
-                       bwd_sm90_preprocess_kernel, fa3_bwd_sm90_kernel)
+from .bwd_sm90 import (DQ_SEM_SLOTS, BwdFlags, BwdSchedule, BwdSparsity, BwdTile,
+                       bwd_sm90_dq_convert_frag_kernel, bwd_sm90_dq_convert_kernel, bwd_sm90_dq_listed_kernel,
+                       bwd_sm90_dq_rank_kernel, bwd_sm90_preprocess_kernel, fa3_bwd_sm90_kernel)
 from .bwd_sm90_m128 import M128Tile, fa3_bwd_sm90_m128_kernel
 from .bwd_sm90_wide import WideTile, fa3_bwd_sm90_wide_kernel
 from .bwd_sm90_k96 import K96Tile, fa3_bwd_sm90_k96_kernel
@@ -317,7 +317,7 @@ def _scratch_shapes(q_shape: Sequence[int], has_mask: bool, sparse_q_block: int,
     if deterministic:
         if has_mask and mask_shape is None:
             _refuse("deterministic scratch under a block mask needs mask_shape (SZ, SH, #query blocks, #KV blocks)")
-        shapes += [((1 + Z * HQ * (m_pad // _PASS_BLOCK) * 2,), torch.int32),
+        shapes += [((1 + Z * HQ * (m_pad // _PASS_BLOCK) * DQ_SEM_SLOTS,), torch.int32),
                    (tuple(mask_shape) if has_mask else (1,), torch.int32)]
     return shapes
 
