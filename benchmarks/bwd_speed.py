@@ -194,27 +194,24 @@ def ours(q, k, v, dout, variant, scale, backward_family="hopper", schedule="defa
     B, H, M, D = q.shape
     N, Dv = k.shape[2], v.shape[-1]
     fwd_opts, bwd_opts = _our_options(variant, H, M, N, "gl" if backward_family == "hopper" else "tl")
-    if backward_family == "hopper" and schedule.split("@")[0] == DETERMINISTIC:
-        bwd_opts["deterministic"] = True   # dQ's adds in a fixed order, on the host's config for the launch
-        if "@" in schedule:   # deterministic@G: launch-order groups of G heads (configs.det_heads)
-            from fa3_inductor.templates.hopper_bwd import get_bwd_config
-            from fa3_inductor.templates.hopper_bwd.host import launch_traits
-
-            traits = launch_traits(bwd_opts.get("score_mod"), bwd_opts.get("score_grad_mod"), bwd_opts.get("mask_mod"),
-                                   "kv_num_blocks" in bwd_opts, M)
-            bwd_opts["config"] = get_bwd_config(D, Dv, **traits, det_heads=int(schedule.split("@")[1]))
-    elif backward_family == "hopper" and schedule != "default":
+    if backward_family == "hopper" and schedule != "default":
         from fa3_inductor.templates.hopper_bwd import get_bwd_config
         from fa3_inductor.templates.hopper_bwd.configs import VARIANTS as SCHEDULES
         from fa3_inductor.templates.hopper_bwd.host import launch_traits
 
-        # the schedule's fields over the row the host would pick for this launch
-        traits = launch_traits(bwd_opts.get("score_mod"), bwd_opts.get("score_grad_mod"), bwd_opts.get("mask_mod"),
-                               "kv_num_blocks" in bwd_opts, M)
-        try:
-            bwd_opts["config"] = get_bwd_config(D, Dv, **traits, **SCHEDULES[schedule])
-        except ValueError as e:
-            return None, str(e)
+        name, _, heads = schedule.partition("@")
+        if name == DETERMINISTIC:   # dQ's adds in a fixed order, on the host's config for the launch; deterministic@G:
+            bwd_opts["deterministic"] = True   # launch-order groups of G heads (configs.det_heads)
+            fields = {"det_heads": int(heads)} if heads else None
+        else:
+            fields = SCHEDULES[schedule]
+        if fields is not None:   # the schedule's fields over the row the host would pick for this launch
+            traits = launch_traits(bwd_opts.get("score_mod"), bwd_opts.get("score_grad_mod"), bwd_opts.get("mask_mod"),
+                                   "kv_num_blocks" in bwd_opts, M)
+            try:
+                bwd_opts["config"] = get_bwd_config(D, Dv, **traits, **fields)
+            except ValueError as e:
+                return None, str(e)
     out = torch.empty(B, H, M, Dv, device="cuda", dtype=q.dtype)
     lse, mx = torch.empty(B, H, M, device="cuda"), torch.empty(B, H, M, device="cuda")
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

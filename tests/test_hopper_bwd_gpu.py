@@ -83,7 +83,9 @@ def _run(q, k, v, out, dout, lse2, **options):
     return dq, dk, dv
 
 
-def _check(q, k, v, dout, score_mod=None, mask_mod=None, grad_lse=None, config=None, mask_heads=None):
+def _check(q, k, v, dout, score_mod=None, mask_mod=None, grad_lse=None, config=None, mask_heads=None,
+           deterministic=False):
+    """Our gradients against float64; ``deterministic``: with dQ's adds ordered, and the same bits on three runs."""
     Z, HQ, M, D = q.shape
     N = k.shape[2]
     scale = D ** -0.5
@@ -97,12 +99,16 @@ def _check(q, k, v, dout, score_mod=None, mask_mod=None, grad_lse=None, config=N
         dq, dk, dv = torch.autograd.grad(loss, leaves)
     if k.shape[0] != Z:
         dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
-    got = _run(q, k, v, torch.nan_to_num(out).to(q.dtype), dout, (lse / LN2).float(), sm_scale=scale,
-               grad_lse=grad_lse, config=config, **_score_options(score_mod),
-               **_mask_options(mask_mod, M, N, mask_heads))
-    for name, g, want in zip(("dq", "dk", "dv"), got, (dq, dk, dv)):
+    options = dict(sm_scale=scale, grad_lse=grad_lse, config=config, **_score_options(score_mod),
+                   **_mask_options(mask_mod, M, N, mask_heads), **({"deterministic": True} if deterministic else {}))
+    runs = [_run(q, k, v, torch.nan_to_num(out).to(q.dtype), dout, (lse / LN2).float(), **options)
+            for _ in range(3 if deterministic else 1)]
+    for name, g, want in zip(("dq", "dk", "dv"), runs[0], (dq, dk, dv)):
         assert torch.isfinite(g).all(), f"{name}: not finite"
         assert_matches_reference(g, want, q.dtype, name)
+    for other in runs[1:]:
+        for name, a, b in zip(("dq", "dk", "dv"), runs[0], other):
+            assert torch.equal(a, b), f"{name} differs between two deterministic runs"
 
 
 def _document(n):
@@ -370,20 +376,7 @@ def test_deterministic_matches_float64_and_repeats_bit_for_bit(case, D):
     """deterministic=True: dq, dk, dv within the tolerance of float64, and the same bits on three runs."""
     _, score_mod, mask_mod, Z, HQ, HKV, M, N, KZ = case
     mask_mod = _document(N) if mask_mod == "document" else mask_mod
-    q, k, v, dout = _inputs(Z, HQ, HKV, M, N, D, KZ=KZ)
-    kk, vv = (k.expand(Z, *k.shape[1:]), v.expand(Z, *v.shape[1:])) if k.shape[0] != Z else (k, v)
-    scale = D ** -0.5
-    out, dq, dk, dv, _ = reference_gradients(q, kk, vv, dout, score_mod, mask_mod, scale)
-    _, lse = reference_attention(q, kk, vv, score_mod, mask_mod, scale)
-    if k.shape[0] != Z:
-        dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
-    options = dict(sm_scale=scale, deterministic=True, **_score_options(score_mod), **_mask_options(mask_mod, M, N))
-    runs = [_run(q, k, v, torch.nan_to_num(out).to(q.dtype), dout, (lse / LN2).float(), **options) for _ in range(3)]
-    for name, g, want in zip(("dq", "dk", "dv"), runs[0], (dq, dk, dv)):
-        assert_matches_reference(g, want, q.dtype, name)
-    for other in runs[1:]:
-        for name, a, b in zip(("dq", "dk", "dv"), runs[0], other):
-            assert torch.equal(a, b), f"{name} differs between two deterministic runs"
+    _check(*_inputs(Z, HQ, HKV, M, N, D, KZ=KZ), score_mod, mask_mod, deterministic=True)
 
 
 @pytest.mark.parametrize("D, mask", [(128, None), (64, "causal"), (128, "document")])
@@ -411,17 +404,8 @@ def test_deterministic_launch_groups_cover_every_tile(det_heads):
     of one): every (KV tile, head) is computed once, the gradients match float64 and repeat bit for bit."""
     from fa3_inductor.templates.hopper_bwd import get_bwd_config
 
-    Z, HQ, HKV, M, N, D = 3, 8, 4, 700, 640, 64
-    q, k, v, dout = _inputs(Z, HQ, HKV, M, N, D)
-    out, dq, dk, dv, _ = reference_gradients(q, k, v, dout, None, mods.causal, D ** -0.5)
-    _, lse = reference_attention(q, k, v, None, mods.causal, D ** -0.5)
-    options = dict(sm_scale=D ** -0.5, deterministic=True, **_mask_options(mods.causal, M, N),
-                   config=get_bwd_config(D, masked=True, det_heads=det_heads))
-    runs = [_run(q, k, v, out.to(q.dtype), dout, (lse / LN2).float(), **options) for _ in range(2)]
-    for name, g, want in zip(("dq", "dk", "dv"), runs[0], (dq, dk, dv)):
-        assert_matches_reference(g, want, q.dtype, name)
-    for name, a, b in zip(("dq", "dk", "dv"), *runs):
-        assert torch.equal(a, b), f"{name} differs between two deterministic runs"
+    _check(*_inputs(3, 8, 4, 700, 640, 64), None, mods.causal, deterministic=True,
+           config=get_bwd_config(64, masked=True, det_heads=det_heads))
 
 
 def test_deterministic_is_refused_at_the_wide_head_dims():
