@@ -283,9 +283,9 @@ def _count_calls(monkeypatch, module, name):
     return calls
 
 
-def _two_steps(case: str, options: dict):
-    """Gradients of two identical training steps through torch.compile(backend="fa3"), and the float64
-    reference's."""
+def _two_steps(case: str, options: dict, D: int = 64):
+    """Gradients of two identical training steps through torch.compile(backend="fa3") at head dim ``D``, and the
+    float64 reference's."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     from fa3_inductor import mods
@@ -295,9 +295,9 @@ def _two_steps(case: str, options: dict):
     block_mask = None if mask_mod is None else create_block_mask(mask_mod, None, None, 256, 256, device="cuda")
     compiled = torch.compile(lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask),
                              backend="fa3", options=options)
-    q, k, v = (torch.randn(2, 2, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    q, k, v = (torch.randn(2, 2, 256, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
-    dout = torch.randn(2, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn(2, 2, 256, D, device="cuda", dtype=torch.bfloat16)
     steps = []
     for _ in range(2):
         for t in (q, k, v):
@@ -328,12 +328,20 @@ def test_hopper_backward_hit_matches_miss(case, monkeypatch, fresh_compiles):
 
 
 @pytest.mark.gpu
-def test_generic_deterministic_backward_hit_matches_miss(monkeypatch, fresh_compiles):
+@pytest.mark.parametrize("D, family", [(64, "hopper_bwd"), (256, "generic_bwd")])
+def test_deterministic_backward_hit_matches_miss(D, family, monkeypatch, fresh_compiles):
+    """fa3.deterministic_backward through training steps: the Hopper family's ordered dQ at D64, the generic
+    backward at D256 (the wide kernels refuse deterministic sites); the same bits on both steps."""
+    if not _sm90():
+        pytest.skip("needs a CUDA device of capability (9, 0) (H100 / H200)")
     from fa3_inductor.templates.generic_bwd import family as generic_family
+    from fa3_inductor.templates.hopper_bwd import family as hopper_family
 
-    prepared = _count_calls(monkeypatch, generic_family, "prepare_generic_backward")
-    (first, second), reference = _two_steps("causal", {"fa3.deterministic_backward": True})
-    assert last_backward_family() == "generic_bwd"
+    module, name = ((hopper_family, "prepare_hopper_backward") if family == "hopper_bwd"
+                    else (generic_family, "prepare_generic_backward"))
+    prepared = _count_calls(monkeypatch, module, name)
+    (first, second), reference = _two_steps("causal", {"fa3.deterministic_backward": True}, D)
+    assert last_backward_family() == family
     assert len(prepared) == 1, "the second step planned the backward again instead of re-launching"
     assert all(torch.equal(a, b) for a, b in zip(first, second))
     for got, ref, name in zip(second, reference, ("dq", "dk", "dv")):
