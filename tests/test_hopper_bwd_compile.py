@@ -676,3 +676,28 @@ def test_deterministic_compiles_the_ordered_adds(D, variant):
         text = "\n".join(body)
         assert not any("LDL" in t or "STL" in t for t in body), "a spill in a step loop"
         assert "LDG.E.STRONG.GPU" in text and "REDG.E.ADD.S32.STRONG.GPU" in text and "MEMBAR.ALL.GPU" in text
+
+
+@pytest.mark.parametrize("variant", ["noop", "causal", "softcap", "document"])
+@pytest.mark.parametrize("dims", [(256, 256), (192, 128)], ids=["d256", "d192-128"])
+def test_deterministic_wide_compiles_the_ordered_adds(dims, variant):
+    """bwd_sm90_wide.py with deterministic dQ: the counters' spin and release in the step loops, no spill in a step
+    loop but the documents' (3 reloads at D256, as its kernel's tables row a step)."""
+    from fa3_inductor.templates.aot import sass_report
+    from fa3_inductor.templates.hopper_bwd import compile_hopper_backward
+
+    D, DV = dims
+    M, N = 1000, 1000
+    q = torch.randn(2, 4, M, D, dtype=torch.bfloat16)
+    k = torch.randn(2, 2, N, D, dtype=torch.bfloat16)
+    v = torch.randn(2, 2, N, DV, dtype=torch.bfloat16)
+    o = torch.empty(2, 4, M, DV, dtype=torch.bfloat16)
+    kernels = compile_hopper_backward(q, k, v, o, o, torch.empty(2, 4, M), sm_scale=D ** -0.5, deterministic=True,
+                                      **_options(variant, M, N))
+    main = sass_report(kernels[-2])
+    loops = main.loops_with("HGMMA")
+    in_loops = sum("LDL" in t or "STL" in t for body in loops for t in body)
+    assert in_loops <= (3 if (D, variant) == (256, "document") else 0), in_loops
+    steps = [body for body in loops if any("UTMAREDG" in t for t in body)]
+    assert steps and all("LDG.E.STRONG.GPU" in "\n".join(b) and "REDG.E.ADD.S32.STRONG.GPU" in "\n".join(b)
+                         for b in steps)

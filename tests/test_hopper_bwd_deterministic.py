@@ -70,7 +70,7 @@ def test_preprocess_zeroes_every_counter_but_the_sink(cpu_kernels):
     out, dout = torch.randn(Z, HQ, M, D), torch.randn(Z, HQ, M, D)
     lse = torch.randn(Z, HQ, M)
     stats, dq_acc, sems, ranks = hopper_backward_scratch(out, has_mask=False, deterministic=True)
-    assert ranks.numel() == 1 and sems.numel() == 1 + Z * HQ * (stats.shape[-1] // 64) * 2
+    assert ranks.numel() == 1 and sems.numel() == 1 + Z * HQ * (stats.shape[-1] // 64) * 4
     sems.fill_(99)
     pre, _ = _pass_launches(out, dout, lse, None, stats, dq_acc, torch.empty_like(out), stats.shape[-1], 1.0, True, D,
                             sems)
@@ -119,12 +119,35 @@ def test_plan_orders_the_adds(D):
     assert not _plan(64, deterministic=False, mask=mods.causal)[1][2]["SCHED"].DETERMINISTIC
 
 
-def test_plan_refuses_the_wide_head_dims():
-    with pytest.raises(ValueError, match="deterministic=True is served by the 64-row step"):
-        _plan(256)
+@pytest.mark.parametrize("dims", [(256, 256), (192, 128)])
+def test_wide_plan_orders_the_adds_on_the_grid(dims):
+    """The wide head dims: bwd_sm90_wide.py on the grid (no 96-key tiles or persistent CTAs, whose defaults 192 / 128
+    takes), its tile DETERMINISTIC, the causal skip off (a CTA must add where the tables list it)."""
+    from fa3_inductor.templates.hopper_bwd import prepare_hopper_backward
+
+    D, DV = dims
+    M = N = 512
+    q, k = (torch.randn(1, 4, M, D, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(1, 4, N, DV, dtype=torch.bfloat16)
+    for mask in (None, mods.sliding_window(200)):
+        opts = {}
+        if mask is not None:
+            bm = create_block_mask(mask, None, None, M, N, device="cpu")
+            opts = dict(kv_num_blocks=bm.kv_num_blocks, kv_indices=bm.kv_indices,
+                        full_kv_num_blocks=bm.full_kv_num_blocks, full_kv_indices=bm.full_kv_indices,
+                        q_num_blocks=bm.q_num_blocks, q_indices=bm.q_indices, full_q_num_blocks=bm.full_q_num_blocks,
+                        full_q_indices=bm.full_q_indices)
+        o = torch.empty(1, 4, M, DV, dtype=torch.bfloat16)
+        launches = prepare_hopper_backward(q, k, v, o, o, torch.zeros(1, 4, M), torch.empty_like(q),
+                                           torch.empty_like(k), torch.empty_like(v), sm_scale=D ** -0.5,
+                                           deterministic=True, **opts)
+        main = next(launch for launch in launches if launch[0].__name__ == "fa3_bwd_sm90_wide_kernel")
+        assert main[2]["TILE"].DETERMINISTIC and not main[2]["TILE"].PERSISTENT
+        assert not main[2]["SPARSE"].CAUSAL_SKIP
+        assert main[3] == (512 // 64, 4)
 
 
-def test_family_serves_deterministic_sites_at_its_64_row_head_dims(monkeypatch):
+def test_family_serves_deterministic_sites_at_every_head_dim(monkeypatch):
     from fa3_inductor.templates.hopper_bwd.family import HOPPER_BWD
 
     monkeypatch.setattr(BackwardSiteFacts, "capability", property(lambda self: (9, 0)))   # an sm90 site, no GPU here
@@ -132,10 +155,8 @@ def test_family_serves_deterministic_sites_at_its_64_row_head_dims(monkeypatch):
     def site(d, dv=None):
         return BackwardSiteFacts(torch.device("cuda"), torch.bfloat16, d, dv or d, deterministic=True)
 
-    assert all(HOPPER_BWD.serves_backward(site(d)) is None for d in (64, 80, 96, 128))
-    for d, dv in ((256, 256), (192, 128)):
-        reason = HOPPER_BWD.serves_backward(site(d, dv))
-        assert "deterministic" in reason and f"{d}/{dv}" in reason
+    assert all(HOPPER_BWD.serves_backward(site(d, dv)) is None for d, dv in (
+        (64, 64), (80, 80), (96, 96), (128, 128), (160, 160), (192, 192), (256, 256), (192, 128)))
 
 
 def test_scratch_checks_the_counters():

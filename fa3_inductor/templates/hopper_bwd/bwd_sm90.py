@@ -52,7 +52,8 @@ Barriers (shared memory):
   other warpgroup read step j), which the other warpgroup signals only after its step-j dQ wgmma retired.
 
 Deterministic dQ (SCHED.DETERMINISTIC, option fa3.deterministic_backward; cta_args = (DQ_SEMS, DQ_RANK, GROUP)):
-  DQ_SEMS [1 + Z * HQ * M_PAD / 64 * 2] int32   one counter per (head, 64-row step, dQ column half): 4 (warps) times
+  DQ_SEMS [1 + Z * HQ * M_PAD / 64 * 4] int32   one counter per (head, 64-row step, 64 dQ columns; here the column
+                             halves use two): 4 (warps) times
                              how many CTAs have added their dQ there (zeroed by the preprocess kernel; slot 0 is a sink,
                              never waited on)
   DQ_RANK [SZ, SH, NUM_Q_BLKS, NUM_KV_BLKS] int32   with a block mask: how many KV blocks before this one list the
@@ -119,8 +120,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 LOG2E = 1.4426950408889634
-# Deterministic dQ: DQ_SEMS' counters a 64-row step (one per dQ column half; module docstring "Deterministic dQ")
-DQ_SEM_SLOTS = 2
+# Deterministic dQ: counters a 64-row step (one per 64 dQ columns: bwd_sm90_wide.py's chunks, up to D = 256)
+DQ_SEM_SLOTS = 4
 _SEM_SLOTS = gl.constexpr(DQ_SEM_SLOTS)
 
 
@@ -238,20 +239,27 @@ class BwdSchedule:
 
 
 @gluon.jit
+def _ordered_coords(group):
+    """(KV tile, kz * HKV + hkv) of this CTA in the deterministic dQ's launch order: KV tile major within groups of
+    ``group`` (kz, hkv) heads, the grid (#KV tiles, KZ * HKV) read in launch order (program_id(0) fastest). A CTA waits
+    only on CTAs launched before it (module docstring, "Deterministic dQ"); bwd_sm90_wide.py's grid too."""
+    n_kv_tiles = gl.num_programs(0)
+    launched = gl.program_id(1) * n_kv_tiles + gl.program_id(0)
+    per_group = group * n_kv_tiles
+    first = (launched // per_group) * group                     # the group's first head
+    width = gl.minimum(group, gl.num_programs(1) - first)       # (the last group may be narrower)
+    within = launched % per_group
+    return within // width, first + within % width
+
+
+@gluon.jit
 def _cta_coords(cta_args, SCHED: gl.constexpr):
     """(KV tile, kz * HKV + hkv) of this CTA: the grid's coordinates, or with SCHED.LPT_ORDER the entry of the host's
     order (kvh * #KV tiles + KV tile, int32) at the CTA's launch index (the hardware hands CTAs out in launch order,
     program_id(0) fastest); with SCHED.DETERMINISTIC the launch index itself, KV tile major within groups of
     cta_args[2] (kz, hkv) heads (module docstring, "Deterministic dQ")."""
-    if SCHED.DETERMINISTIC:   # KV-tile-major launch order: a CTA waits only on CTAs launched before it
-        n_kv_tiles = gl.num_programs(0)
-        launched = gl.program_id(1) * n_kv_tiles + gl.program_id(0)
-        per_group = cta_args[2] * n_kv_tiles
-        first = (launched // per_group) * cta_args[2]              # the group's first head
-        width = gl.minimum(cta_args[2], gl.num_programs(1) - first)   # (the last group may be narrower)
-        within = launched % per_group
-        kv_tile = within // width
-        kvh = first + within % width
+    if SCHED.DETERMINISTIC:
+        kv_tile, kvh = _ordered_coords(cta_args[2])
     elif SCHED.LPT_ORDER:
         n_kv_tiles = gl.num_programs(0)
         idx = gl.load(cta_args[0] + gl.program_id(1) * n_kv_tiles + gl.program_id(0))
@@ -906,15 +914,22 @@ def _wait_turn(sem, target, seen):
 
 
 @gluon.jit
-def _release_turn(sem):
+def _adds_complete():
     """Wait until this warpgroup's reduce-adds have completed in global memory (cp.async.bulk.wait_group without
-    .read, which tma.store_wait is: that one only waits until the staging tile has been read), then, past the
-    warpgroup's barrier, lane 0 of each of its 4 warps adds 1 to the counter at ``sem`` with release semantics at GPU
-    scope (a warpgroup's add counts 4: one thread of the warpgroup would need %tid.x, whose read in an asm made ptxas
-    spill the step loops, as _lane_id says). Leaves the staging tile free."""
+    .read, which tma.store_wait is: that one only waits until the staging tile has been read), then the warpgroup's
+    barrier. Returns a value for the release's asm to depend on. Leaves the staging tiles free."""
     done = gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.u32 $0, 0;",
                                      "=r,r", [0], dtype=gl.int32, is_pure=False, pack=1)
     gl.thread_barrier()
+    return done
+
+
+@gluon.jit
+def _release_turn(sem):
+    """Once this warpgroup's reduce-adds have completed (_adds_complete), lane 0 of each of its 4 warps adds 1 to the
+    counter at ``sem`` with release semantics at GPU scope (a warpgroup's add counts 4: one thread of the warpgroup
+    would need %tid.x, whose read in an asm made ptxas spill the step loops, as _lane_id says)."""
+    done = _adds_complete()
     gl.inline_asm_elementwise(
         "{ .reg .pred first; .reg .b32 lane; mov.u32 lane, %laneid; setp.eq.u32 first, lane, 0; "
         "@first red.release.gpu.global.add.s32 [$1], 1; mov.u32 $0, $2; }",
@@ -922,15 +937,25 @@ def _release_turn(sem):
 
 
 @gluon.jit
-def _dq_turn(cta, zh, m0, kv_tile, kv_blk, z, hq, M_PAD, table_meta, WG: gl.constexpr, TILE: gl.constexpr,
-             SPARSE: gl.constexpr):
-    """(counter, target) of this warpgroup's dQ add into rows m0.. of head zh: DQ_SEMS' slot of the rows and the
-    warpgroup's column half (DQ_SPLIT; else one), and the count it waits for: 4 (warps, _release_turn) times the number
-    of CTAs that add there before this one."""
+def _release_turns(first, second):
+    """_release_turn of two counters behind one fence (fence.acq_rel.gpu, then two relaxed adds: a release of both),
+    for bwd_sm90_wide.py's two dQ chunks of a step (``second`` DQ_SEMS' sink where there is one chunk)."""
+    done = _adds_complete()
+    gl.inline_asm_elementwise(
+        "{ .reg .pred lead; .reg .b32 lane; mov.u32 lane, %laneid; setp.eq.u32 lead, lane, 0; "
+        "@lead fence.acq_rel.gpu; @lead red.relaxed.gpu.global.add.s32 [$1], 1; "
+        "@lead red.relaxed.gpu.global.add.s32 [$2], 1; mov.u32 $0, $3; }",
+        "=r,l,l,r", [first, second, done], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _dq_turn(cta, zh, m0, slot, kv_tile, kv_blk, z, hq, M_PAD, table_meta, TILE: gl.constexpr, SPARSE: gl.constexpr):
+    """(counter, target) of a dQ add into rows m0.. of head zh, columns [64 slot, 64 slot + 64) or (bwd_sm90's
+    halves) the warpgroup's half: DQ_SEMS' counter (_SEM_SLOTS a 64-row step) and the count it waits for: 4 (warps,
+    _release_turn) times the number of CTAs that add there before this one."""
     sems = cta[0]
     ranks = cta[1]
-    COL: gl.constexpr = WG if TILE.DQ_SPLIT else 0
-    sem = sems + 1 + ((zh.to(gl.int64) * (M_PAD // TILE.BLOCK_M) + m0 // TILE.BLOCK_M) * _SEM_SLOTS + COL)
+    sem = sems + 1 + ((zh.to(gl.int64) * (M_PAD // 64) + m0 // 64) * _SEM_SLOTS + slot)
     if SPARSE.HAS_BLOCK_MASK:
         SZ, SH, NUM_KV_BLKS, NUM_Q_BLKS, WINDOW = table_meta
         PER_KV: gl.constexpr = SPARSE.SPARSE_KV // TILE.BLOCK_N   # CTAs of a mask block: all add where it is listed
@@ -950,7 +975,8 @@ def _turn_ahead(prev, cta, zh, m0, kv_tile, kv_blk, z, hq, M_PAD, table_meta, WG
     the add is due (_add_dq_in_turn): (counter, target, value seen). Waited where they were issued, the release's
     fence and the load's round trip cost the backward 0.59-0.70x (H200, hopper_backward.md, "Deterministic dQ")."""
     _release_turn(prev)
-    sem, target = _dq_turn(cta, zh, m0, kv_tile, kv_blk, z, hq, M_PAD, table_meta, WG, TILE, SPARSE)
+    sem, target = _dq_turn(cta, zh, m0, WG if TILE.DQ_SPLIT else 0, kv_tile, kv_blk, z, hq, M_PAD, table_meta, TILE,
+                           SPARSE)
     return sem, target, _ld_acquire(sem)
 
 

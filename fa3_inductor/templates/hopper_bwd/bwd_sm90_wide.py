@@ -89,7 +89,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .bwd_sm90 import (DENSE, _acc_layout, _cta_tiles, _ds, _ds_factor, _frag_reduce_add, _lse_rows, _next_step,
+from .bwd_sm90 import (DENSE, _acc_layout, _cta_tiles, _dq_turn, _ds, _ds_factor, _frag_reduce_add, _ld_acquire,
+                       _lse_rows, _next_step, _ordered_coords, _release_turns, _wait_turn,
                        _next_step_at, _opaque, _packed_coords, _persistent_tile, _probabilities, _q_tile_counts,
                        _q_tile_start, _seq_span, _store_dkdv_tma, _tma_reduce_add, _zero_keys_past)
 
@@ -110,6 +111,9 @@ class WideTile:
                                # one's dK / dV stores
     DKDV_TMA: bool = False     # dense, unpadded: a warpgroup's dK, then dV columns written through its first dQ
                                # staging tile (16 KB) and TMA-stored (else gl.store from the accumulators)
+    DETERMINISTIC: bool = False   # dQ's adds in KV-tile order (bwd_sm90.py, "Deterministic dQ"): the grid read in
+                                  # its launch order (cta_args = (DQ_SEMS, DQ_RANK, GROUP)), a counter per 64-column
+                                  # chunk; not with PERSISTENT, packed sequences or the causal skip
 
     @property
     def D_MEM(self) -> int:
@@ -194,6 +198,17 @@ def _causal_first(n_partial, z, hq, kv_blk, n0, tables, table_meta, TILE: gl.con
 # Producer: one warp issuing TMA (the query steps as bwd_sm90._producer walks them).
 # ----------------------------------------------------------------------------------------------
 @gluon.jit
+def _grid_tile(cta, TILE: gl.constexpr):
+    """(KV tile, kz * HKV + hkv) of a grid CTA: its coordinates, or TILE.DETERMINISTIC's launch order."""
+    if TILE.DETERMINISTIC:
+        kv_tile, kvh = _ordered_coords(cta[0][2])
+    else:
+        kv_tile = gl.program_id(0)
+        kvh = gl.program_id(1)
+    return kv_tile, kvh
+
+
+@gluon.jit
 def _producer(descs, bars, smem, sizes, tables, table_meta, pack, cta, TILE: gl.constexpr, SPARSE: gl.constexpr,
               FLAGS: gl.constexpr, PACK: gl.constexpr):
     """K and V of this CTA's keys, then its query steps' Q and dO. PACK.VARLEN (bwd_sm90's "Packed sequences"): the
@@ -217,9 +232,10 @@ def _producer(descs, bars, smem, sizes, tables, table_meta, pack, cta, TILE: gl.
             _producer_tile(n0, kvh, 0, q_row0, k_row0, M, n0 * 0, descs, bars, smem, sizes, tables, table_meta, TILE,
                            SPARSE, FLAGS)
     else:
-        n0 = gl.program_id(0) * TILE.BLOCK_N
-        _producer_tile(n0, gl.program_id(1), gl.program_id(1) // HKV, 0, 0, M, n0 * 0, descs, bars, smem, sizes,
-                       tables, table_meta, TILE, SPARSE, FLAGS)
+        kv_tile, kvh = _grid_tile(cta, TILE)
+        n0 = kv_tile * TILE.BLOCK_N
+        _producer_tile(n0, kvh, kvh // HKV, 0, 0, M, n0 * 0, descs, bars, smem, sizes, tables, table_meta, TILE,
+                       SPARSE, FLAGS)
 
 
 @gluon.jit
@@ -301,9 +317,10 @@ def _consumer(WG: gl.constexpr, descs, bars, smem, sizes, tables, table_meta, ro
         _consumer_tile(WG, n0, kvh, q_row0, k_row0, 0, n0 * 0, cta, descs, bars, smem, (Z, HQ, KZ, M, N), tables,
                        table_meta, rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, PACK)
     else:
-        n0 = gl.program_id(0) * TILE.BLOCK_N
-        _consumer_tile(WG, n0, gl.program_id(1), 0, 0, 0, n0 * 0, cta, descs, bars, smem, sizes, tables, table_meta,
-                       rows, scalars, mod_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, PACK)
+        kv_tile, kvh = _grid_tile(cta, TILE)
+        n0 = kv_tile * TILE.BLOCK_N
+        _consumer_tile(WG, n0, kvh, 0, 0, 0, n0 * 0, cta, descs, bars, smem, sizes, tables, table_meta, rows, scalars,
+                       mod_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, PACK)
     tma.store_wait(0)   # the last dQ reduce has read the staging tile before the CTA exits
 
 
@@ -346,20 +363,29 @@ def _consumer_tile(WG: gl.constexpr, n0, kvh, q_row0, k_row0, kv_phase, cnt, cta
             _clear_keys_past(smem, n0, N, WG, TILE)
     else:
         mbarrier.wait(kv_ready, kv_phase)
+    if TILE.DETERMINISTIC:   # the counters of this warpgroup's last step's dQ chunks, not released yet (the sink: none)
+        held = (cta[0][0], cta[0][0])
+    else:
+        held = (0, 0)
     for hh in range((Z // KZ) * FLAGS.GQA_GROUP):
         z = kz + (hh // FLAGS.GQA_GROUP) * KZ
         hq = hkv * FLAGS.GQA_GROUP + hh % FLAGS.GQA_GROUP
         zh = hq if PACK.VARLEN else z * HQ + hq   # (packed: z is the sequence, the tensors' batch is 1)
         n_partial, n_total = _q_tile_counts(z, hq, kv_blk, M, tables, table_meta, TILE, SPARSE)
         first = _causal_first(n_partial, z, hq, kv_blk, n0, tables, table_meta, TILE, SPARSE)
+        turns = (cta[0], n0 // BLOCK_N, held)
         if TILE.OVERLAP:
-            dk, dv, cnt = _head_overlap(WG, z, hq, zh, first, n_partial, n_total, n0, kv_blk, rows_, dk, dv, cnt,
-                                        q_row0, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
-                                        SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, PACK)
+            dk, dv, cnt, held = _head_overlap(WG, z, hq, zh, first, n_partial, n_total, n0, kv_blk, rows_, dk, dv,
+                                              cnt, q_row0, turns, descs, bars, smem, sizes, tables, table_meta, rows,
+                                              scalars, mod_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS,
+                                              PACK)
         else:
-            dk, dv, cnt = _head_in_order(WG, z, hq, zh, first, n_partial, n_total, n0, kv_blk, dk, dv, cnt, q_row0,
-                                         descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs,
-                                         SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE, FLAGS, PACK)
+            dk, dv, cnt, held = _head_in_order(WG, z, hq, zh, first, n_partial, n_total, n0, kv_blk, dk, dv, cnt,
+                                               q_row0, turns, descs, bars, smem, sizes, tables, table_meta, rows,
+                                               scalars, mod_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE,
+                                               FLAGS, PACK)
+    if TILE.DETERMINISTIC:
+        _release_turns(held[0], held[1])
     if TILE.PERSISTENT:   # every wgmma reading this tile's K and V has retired (each step ends on a wait of 0)
         mbarrier.arrive(cta[1], count=1)
     if TILE.DKDV_TMA:
@@ -389,13 +415,15 @@ def _clear_keys_past(smem, n0, N, WG: gl.constexpr, TILE: gl.constexpr):
 
 
 @gluon.jit
-def _head_in_order(WG: gl.constexpr, z, hq, zh, first, n_partial, n_total, n0, kv_blk, dk, dv, cnt, q_row0, descs, bars,
-                   smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr,
+def _head_in_order(WG: gl.constexpr, z, hq, zh, first, n_partial, n_total, n0, kv_blk, dk, dv, cnt, q_row0, turns,
+                   descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr,
                    SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, SPARSE: gl.constexpr,
                    FLAGS: gl.constexpr, PACK: gl.constexpr):
     """The steps first .. n_total - 1 of one query head (z, hq) for this CTA's keys, in order (module docstring's
-    step): dK, dV accumulated, dQ added; returns (dk, dv, cnt), cnt counting the steps of the CTA (ring stage and P /
-    dS buffer). q_row0: a packed sequence's first row in STATS and DQ_ACC (0 for a dense launch)."""
+    step): dK, dV accumulated, dQ added; returns (dk, dv, cnt, held), cnt counting the steps of the CTA (ring stage and
+    P / dS buffer). q_row0: a packed sequence's first row in STATS and DQ_ACC (0 for a dense launch). ``turns``
+    (TILE.DETERMINISTIC): (the order's CTA arguments, this CTA's KV tile, ``held``: the counters of the last step's
+    dQ chunks, released under the next step's dK; the new ``held`` is returned)."""
     q_lo_desc, q_hi_desc, do_desc, k_lo_desc, k_hi_desc, v_desc, dq_desc = descs
     kv_ready, qdo_ready, qdo_empty, p_ready, ds_ready = bars
     q_lo_smem, q_hi_smem, do_smem, k_lo_smem, k_hi_smem, v_smem, p_smem, ds_smem, f_smem, dq_smem = smem
@@ -415,6 +443,7 @@ def _head_in_order(WG: gl.constexpr, z, hq, zh, first, n_partial, n_total, n0, k
     dq_layout: gl.constexpr = _acc_layout(DQ_N)
     s_zero = gl.zeros([BLOCK_M, KEYS_WG], gl.float32, layout=s_layout)
     dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
+    held = turns[2]
     for i in range(first, n_total):
         m0 = _q_tile_start(i, n_partial, z, hq, kv_blk, tables, table_meta, TILE, SPARSE)
         st = cnt % NUM_STAGES
@@ -457,20 +486,25 @@ def _head_in_order(WG: gl.constexpr, z, hq, zh, first, n_partial, n_total, n0, k
         mbarrier.wait(ds_ready.index(buf), (cnt // 2) & 1)
         dq_at = (zh, q_row0 + m0, DQ0)
         dk_tok = warpgroup_mma(ds_tile.permute((1, 0)), q_dk, dk, is_async=True)
+        if TILE.DETERMINISTIC:   # the last step's chunks released and this step's counters loaded, under dK
+            turn0, turn1, held = _step_turns(turns[0], turns[1], held, zh, m0, kv_blk, z, hq, M_PAD, table_meta, DQ0, NQ,
+                                             TILE, SPARSE)
         dv, dk, _p, _ds, _dc, _qd = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_t, ds_tile, do_cols, q_dk])
         mbarrier.arrive(qdo_empty.index(st), count=1)
         for c in gl.static_range(NQ):
             k_cols = k_dq.slice(c * DQ_N, DQ_N, dim=1)
             dq_tok = warpgroup_mma(ds_tile, k_cols, dq_zero, use_acc=False, is_async=True)
             dq, _a, _b = warpgroup_mma_wait(0, deps=[dq_tok, ds_tile, k_cols])
+            if TILE.DETERMINISTIC:
+                _wait_chunk_turn(turn0 if c == 0 else turn1)
             _stage_dq(dq, dq_smem, dq_desc, dq_at, c, cnt * NQ + c, WG, TILE)
         cnt += 1
-    return dk, dv, cnt
+    return dk, dv, cnt, held
 
 
 @gluon.jit
 def _head_overlap(WG: gl.constexpr, z, hq, zh, first, n_partial, n_total, n0, kv_blk, rows_, dk, dv, cnt, q_row0,
-                  descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr,
+                  turns, descs, bars, smem, sizes, tables, table_meta, rows, scalars, mod_bufs, SCORE_MOD: gl.constexpr,
                   SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr, TILE: gl.constexpr, SPARSE: gl.constexpr,
                   FLAGS: gl.constexpr, PACK: gl.constexpr):
     """_head_in_order's steps (TILE.OVERLAP), software-pipelined: step j + 1's S is issued right
@@ -502,6 +536,7 @@ def _head_overlap(WG: gl.constexpr, z, hq, zh, first, n_partial, n_total, n0, kv
     dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
     stats_h = stats_ptr + zh.to(gl.int64) * (2 * M_PAD) + q_row0   # LSE_P of the head; DELTA_P is M_PAD further
     m0 = n_total * 0
+    held = turns[2]
     p_keep = gl.zeros([BLOCK_M, KEYS_WG], gl.float32, layout=s_layout)
     # Under a block mask the next step's first row is a table load with its LSE's load behind it, in front of the next
     # P: the row is loaded a step ahead, at the top of the step before (causal 1.09-1.10x, documents 1.03x with one
@@ -573,6 +608,9 @@ def _head_overlap(WG: gl.constexpr, z, hq, zh, first, n_partial, n_total, n0, kv
             s_tok = warpgroup_mma(q_hi_n, k_hi_t, s_tok, is_async=True)
         mbarrier.wait(ds_ready.index(buf), (cnt // 2) & 1)
         dk_tok = warpgroup_mma(ds_tile.permute((1, 0)), q_dk, dk, is_async=True)
+        if TILE.DETERMINISTIC:   # the last step's chunks released and this step's counters loaded, under dK
+            turn0, turn1, held = _step_turns(turns[0], turns[1], held, zh, m0, kv_blk, z, hq, M_PAD, table_meta, DQ0, NQ,
+                                             TILE, SPARSE)
         k_c0 = k_dq.slice(0, DQ_N, dim=1)
         dq0_tok = warpgroup_mma(ds_tile, k_c0, dq_zero, use_acc=False, is_async=True)
         if NQ == 2:
@@ -592,17 +630,23 @@ def _head_overlap(WG: gl.constexpr, z, hq, zh, first, n_partial, n_total, n0, kv
             dk, _qd = warpgroup_mma_wait(2, deps=[dk_tok, q_dk])
             mbarrier.arrive(qdo_empty.index(st), count=1)
             dq, _k0 = warpgroup_mma_wait(1, deps=[dq0_tok, k_c0])
+            if TILE.DETERMINISTIC:
+                _wait_chunk_turn(turn0)
             _stage_dq(dq, dq_smem, dq_desc, dq_at, 0, cnt * NQ, WG, TILE)
             dq, _ds, _k1 = warpgroup_mma_wait(0, deps=[dq1_tok, ds_tile, k_c1])
+            if TILE.DETERMINISTIC:
+                _wait_chunk_turn(turn1)
             _stage_dq(dq, dq_smem, dq_desc, dq_at, 1, cnt * NQ + 1, WG, TILE)
         else:
             dk, _qd = warpgroup_mma_wait(1, deps=[dk_tok, q_dk])
             mbarrier.arrive(qdo_empty.index(st), count=1)
             dq, _ds, _k0 = warpgroup_mma_wait(0, deps=[dq0_tok, ds_tile, k_c0])
+            if TILE.DETERMINISTIC:
+                _wait_chunk_turn(turn0)
             _stage_dq(dq, dq_smem, dq_desc, dq_at, 0, cnt * NQ, WG, TILE)
         m0 = m0_next
         cnt += 1
-    return dk, dv, cnt
+    return dk, dv, cnt, held
 
 
 @gluon.jit
@@ -677,6 +721,33 @@ def _make_p(qk, lse, m0, is_partial, z, hq, n0, M, N, p_mine, f_dst, scalars, mo
     fence_async_shared()
     gl.thread_barrier()
     return p_ds
+
+
+@gluon.jit
+def _step_turns(order, kv_tile, held, zh, m0, kv_blk, z, hq, M_PAD, table_meta, DQ0: gl.constexpr, NQ: gl.constexpr,
+                TILE: gl.constexpr, SPARSE: gl.constexpr):
+    """TILE.DETERMINISTIC, mid-step: release the counters ``held`` of this warpgroup's last step (bwd_sm90's
+    _release_turns: one fence), then issue the acquire loads of this step's chunks' counters (one per 64 dQ columns
+    from DQ0). Returns ((counter, target, value seen) of chunk 0, of chunk 1 (chunk 0's again with one chunk), the
+    counters to hold: this step's, DQ_SEMS' sink in place of a missing second chunk)."""
+    _release_turns(held[0], held[1])
+    sem0, target0 = _dq_turn(order, zh, m0, DQ0 // 64, kv_tile, kv_blk, z, hq, M_PAD, table_meta, TILE, SPARSE)
+    turn0 = (sem0, target0, _ld_acquire(sem0))
+    if NQ == 2:
+        sem1, target1 = _dq_turn(order, zh, m0, DQ0 // 64 + 1, kv_tile, kv_blk, z, hq, M_PAD, table_meta, TILE,
+                                 SPARSE)
+        turn1 = (sem1, target1, _ld_acquire(sem1))
+        now = (sem0, sem1)
+    else:
+        turn1 = turn0
+        now = (sem0, order[0])
+    return turn0, turn1, now
+
+
+@gluon.jit
+def _wait_chunk_turn(turn):
+    """Spin until a chunk's counter (``turn``: counter, target, value seen at _step_turns) reaches its target."""
+    _wait_turn(turn[0], turn[1], turn[2])
 
 
 @gluon.jit

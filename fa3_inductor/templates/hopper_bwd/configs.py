@@ -278,13 +278,15 @@ VARIANTS: dict[str, dict[str, bool]] = {
 
 def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: bool = False, masked: bool = False,
                    curved: bool = False, causal: bool = False, packed: bool = False, plain: bool = False,
-                   no_score_mod: bool = False, query_len: int = 0, **overrides) -> BwdSm90Config:
+                   no_score_mod: bool = False, query_len: int = 0, deterministic: bool = False,
+                   **overrides) -> BwdSm90Config:
     """The table's tiles for a head dim (q/k ``head_dim``, v ``value_head_dim``, default the same), with optional
     field overrides (tests, sweeps). What the launch has picks the row (host.prepare_hopper_backward says it):
     ``grad_mod``, a score_mod whose derivative is not 1 and no mask_mod; ``masked``, block-mask tables; ``curved``, a
     score_mod whose derivative is not 1, with or without a mask_mod; ``causal``, an exactly causal mask_mod's tables;
     ``packed``, packed sequences (varlen.py); ``plain``, no score_mod and no mask_mod; ``no_score_mod``, no score_mod
-    (with or without a mask); ``query_len``, the launch's query rows (0: not known).
+    (with or without a mask); ``query_len``, the launch's query rows (0: not known); ``deterministic``, dQ's adds in
+    a fixed order (bwd_sm90.py, "Deterministic dQ"): the grid, no persistent CTAs or 96-key tiles.
 
     Example::
 
@@ -314,6 +316,9 @@ def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: b
         >>> [get_bwd_config(192, 128, masked=True, causal=True, no_score_mod=True, query_len=n).overlap
         ...  for n in (8192, 16384)]
         [0, 1]
+        >>> cfg = get_bwd_config(192, 128, plain=True, deterministic=True)
+        >>> cfg.kv96, cfg.persistent, cfg.overlap
+        (False, False, 1)
     """
     pair = (head_dim, value_head_dim or head_dim)
     tiles = tile_head_dims(*pair)   # the row of the tiles that serve the pair (80 / 96: 128; 160 / 192: 256)
@@ -321,22 +326,24 @@ def get_bwd_config(head_dim: int, value_head_dim: int | None = None, grad_mod: b
         cfg = WIDE_TABLE[tiles]
         if not (grad_mod or curved) and tiles in WIDE_PLAIN_OVERLAP:
             cfg = replace(cfg, overlap=1)
-        if causal and tiles in WIDE_CAUSAL_PERSISTENT:
-            cfg = replace(cfg, persistent=True)
-        if (grad_mod or curved or plain) and tiles == pair and tiles in WIDE_KV96_LAG and not masked and not packed:
-            cfg = replace(cfg, **VARIANTS["kv96_lag"])
-        if plain and tiles == pair and tiles in WIDE_PLAIN_KV96_PERSISTENT and not packed:
-            cfg = replace(cfg, **VARIANTS["kv96_lag_persistent_tma"])
-        if causal and no_score_mod and tiles == pair and tiles in WIDE_CAUSAL_KV96 and not packed:
+        if deterministic:   # the wide kernel on the grid: its ordered dQ adds need the KV-tile-major launch order
+            pass
+        elif causal and no_score_mod and tiles == pair and tiles in WIDE_CAUSAL_KV96 and not packed:
             long = query_len >= WIDE_CAUSAL_KV96_LAG_FROM.get(tiles, float("inf"))
             cfg = replace(cfg, **VARIANTS["kv96_lag_persistent_tma" if long else "kv96_persistent_tma"])
+        elif plain and tiles == pair and tiles in WIDE_PLAIN_KV96_PERSISTENT and not packed:
+            cfg = replace(cfg, **VARIANTS["kv96_lag_persistent_tma"])
+        elif (grad_mod or curved or plain) and tiles == pair and tiles in WIDE_KV96_LAG and not masked and not packed:
+            cfg = replace(cfg, **VARIANTS["kv96_lag"])
+        elif causal and tiles in WIDE_CAUSAL_PERSISTENT:
+            cfg = replace(cfg, persistent=True)
     elif pair[0] != pair[1] or head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"sm90 backward: head dims {pair[0]}/{pair[1]} are not served (it serves "
                          f"{', '.join(f'{d}/{dv}' for d, dv in SUPPORTED_HEAD_DIM_PAIRS)}); use the generic "
                          "backward (templates/generic_bwd)")
     elif grad_mod and tiles[0] in _GRAD_MOD_TABLE:
         cfg = _GRAD_MOD_TABLE[tiles[0]]    # (its overlap 1 spills with the persistent schedule's state: grid order)
-    elif masked and tiles[0] in PERSISTENT_HEAD_DIMS:
+    elif masked and tiles[0] in PERSISTENT_HEAD_DIMS and not deterministic:
         cfg = replace(_TABLE[tiles[0]], persistent=True)
     else:
         cfg = _TABLE[tiles[0]]

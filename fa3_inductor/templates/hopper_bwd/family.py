@@ -3,8 +3,8 @@ and bfloat16, the (q/k, v) head dims of configs.SUPPORTED_HEAD_DIM_PAIRS (64 / 1
 128 tiles, 192 / 128 and 256 by bwd_sm90_wide.py, 160 / 192 in its 256 tiles, 192 / 128 without a mask on
 bwd_sm90_k96.py's 96-key tiles); mods in the ``gl`` dialect. dQ is
 summed with fp32 reduce-adds (TMA), by default in arrival order, which is not bitwise reproducible: a site that asks for
-deterministic gradients is served by the 64-row step (head dims 64, 80, 96, 128), whose dQ adds then go in a fixed
-order (bwd_sm90.py, "Deterministic dQ"); at the other head dims it goes to the generic backward. One that needs
+deterministic gradients is served with its dQ adds in a fixed order (bwd_sm90.py, "Deterministic dQ"; the wide
+head dims on bwd_sm90_wide.py's grid, never the 96-key tiles). One that needs
 gradients of captured tensors (not computed here yet) goes to torch's kernel (the generic backward when it is also
 deterministic)."""
 
@@ -16,7 +16,7 @@ import torch
 
 from ..family import NOT_MEANT_HERE, BackwardCall, BackwardSiteFacts, Launch, NotServed
 from ..generic_bwd.host import SCORE_GRAD_ONE
-from .configs import SUPPORTED_HEAD_DIM_PAIRS, SUPPORTED_HEAD_DIMS
+from .configs import SUPPORTED_HEAD_DIM_PAIRS
 from .host import hopper_backward_scratch, mask_shape_of, prepare_hopper_backward
 
 
@@ -46,9 +46,6 @@ class HopperBackwardFamily:
         if (site.head_dim, site.value_head_dim) not in SUPPORTED_HEAD_DIM_PAIRS:
             return (f"Hopper backward: head dims {site.head_dim}/{site.value_head_dim} (it serves "
                     f"{', '.join(f'{d}/{dv}' for d, dv in SUPPORTED_HEAD_DIM_PAIRS)})")
-        if site.deterministic and not (site.head_dim == site.value_head_dim and site.head_dim in SUPPORTED_HEAD_DIMS):
-            return (f"Hopper backward: deterministic dQ (fa3.deterministic_backward) is built for head dims "
-                    f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}, not {site.head_dim}/{site.value_head_dim}")
         if site.buffer_grads:
             return "Hopper backward: gradients of captured tensors not computed here yet"
         return None

@@ -270,7 +270,7 @@ def hopper_backward_scratch(q: torch.Tensor, *, has_mask: bool, sparse_q_block: 
     """The scratch of one sm90 backward of ``q``'s shape, freshly allocated: (STATS, DQ_ACC), the padded LSE and
     DELTA [Z * HQ, 2, M_PAD] and the fp32 dQ accumulator [Z * HQ, M_PAD, D]. The preprocess launch writes both
     before anything reads them. ``has_mask``: the call passes block-mask tables (rows are then padded to
-    ``sparse_q_block``). ``deterministic``: also DQ_SEMS, the dQ adds' counters [1 + Z * HQ * M_PAD / 64 * 2], and
+    ``sparse_q_block``). ``deterministic``: also DQ_SEMS, the dQ adds' counters [1 + Z * HQ * M_PAD / 64 * 4], and
     DQ_RANK, their order under a block mask [SZ, SH, #query blocks, #KV blocks] (``mask_shape``; one element without a
     mask), int32, written by the launches too. Pass the result as ``prepare_hopper_backward(..., scratch=...)`` to own
     every tensor its launches touch (runtime/ops_bwd.py re-launches them so).
@@ -282,7 +282,7 @@ def hopper_backward_scratch(q: torch.Tensor, *, has_mask: bool, sparse_q_block: 
         ((2, 2, 128), (2, 128, 64))
         >>> [tuple(t.shape) for t in hopper_backward_scratch(torch.empty(1, 2, 100, 64), has_mask=True,
         ...                                                 deterministic=True, mask_shape=(1, 1, 1, 1))[2:]]
-        [(9,), (1, 1, 1, 1)]
+        [(17,), (1, 1, 1, 1)]
     """
     Z, HQ, M, D = q.shape
     if D not in {d for d, _ in SUPPORTED_HEAD_DIM_PAIRS}:
@@ -483,10 +483,10 @@ def prepare_hopper_backward(
     its derivative is 1), with ``gl`` mods. ``scratch``: (STATS, DQ_ACC), deterministic also (DQ_SEMS, DQ_RANK), from
     :func:`hopper_backward_scratch` for this call; None allocates them here. The preprocess launch fills STATS and
     zeroes the accumulator, so the launches may be replayed. ``deterministic=True``: dQ's adds in a fixed order
-    (bwd_sm90.py, "Deterministic dQ"), so the gradients are the same bits on every run; served by the 64-row step
-    (head dims 64, 80, 96, 128), refused at the others (the generic backward is deterministic). Under a block mask it
-    adds two launches before the main kernel (the adds' order from the transposed tables). ``plan_for`` is accepted
-    for the generic interface (compile-only planning is always for sm90 here).
+    (bwd_sm90.py, "Deterministic dQ"), so the gradients are the same bits on every run; served by the 64-row step and
+    the wide kernel on the grid (never the 96-key tiles or persistent CTAs). Under a block mask it adds two launches
+    before the main kernel (the adds' order from the transposed tables). ``plan_for`` is accepted for the generic
+    interface (compile-only planning is always for sm90 here).
 
     Example::
 
@@ -513,11 +513,12 @@ def prepare_hopper_backward(
     Z, HQ, M, D = q.shape
     KZ, HKV, N, DV = v.shape
     # the table's row for what the launch has (launch_traits: the mods' derivatives, a block mask)
-    cfg = config or get_bwd_config(D, DV, **launch_traits(score_mod, score_grad_mod, mask_mod, has_mask, M))
+    cfg = config or get_bwd_config(D, DV, **launch_traits(score_mod, score_grad_mod, mask_mod, has_mask, M),
+                                   deterministic=deterministic)
     if deterministic:
-        if cfg.split_dkv or cfg.kv96 or cfg.block_m != 64 or not cfg.dq_tma:
-            _refuse(f"deterministic=True is served by the 64-row step with dQ by TMA reduce-add (head dims 64, 80, 96, "
-                    f"128), not by config {cfg} (head dims {D}/{DV}); use the generic backward, which is deterministic")
+        if cfg.kv96 or cfg.block_m != 64 or not cfg.dq_tma:
+            _refuse(f"deterministic=True is served by the 64-row step and the wide kernel with dQ by TMA reduce-add, "
+                    f"not by config {cfg} (head dims {D}/{DV}); use the generic backward, which is deterministic")
         # the KV-tile-major grid the ordered adds need (bwd_sm90.py, "Deterministic dQ"): no host-made CTA order
         cfg = replace(cfg, persistent=False, lpt_order=False)
     # 80 / 96: the 128 tiles, 160 / 192 (v's the same): the 256 tiles, zero columns past D (configs.PADDED_*)
@@ -589,7 +590,8 @@ def prepare_hopper_backward(
     sparse = BwdSparsity(HAS_BLOCK_MASK=tabled, HAS_FULL_BLOCKS=has_full and tabled,
                          Q_TILES_PER_BLK=sparse_q_block // tile.BLOCK_M if tabled else 1,
                          SPARSE_KV=sparse_kv_block if tabled else tile.BLOCK_N,
-                         CAUSAL_SKIP=wide_masked and not walk and mask_implies_causal(mask_mod), CAUSAL_WALK=walk)
+                         CAUSAL_SKIP=wide_masked and not walk and mask_implies_causal(mask_mod) and not deterministic,
+                         CAUSAL_WALK=walk)
     block_n = K96Tile().BLOCK_N if cfg.kv96 else tile.BLOCK_N   # keys of a CTA's tile
     flags = _flags(cfg, HQ // HKV, fold, N % block_n == 0, score_mod, score_grad_mod)
     # CTA schedules for block masks (bwd_sm90.py): longest first, and persistent CTAs walking tile lists (the 64-row
@@ -631,7 +633,7 @@ def prepare_hopper_backward(
     ordering = []
     if deterministic:   # the counters and, under a block mask, the adds' order: scratch the launches write
         cta_args = (*scratch[2:], cfg.det_heads or _deterministic_group(Z, HQ, KZ, HKV, has_mask))
-        if has_mask:
+        if tabled:   # (an exactly causal mask walked by the wide kernel: rank = KV tile, no table)
             ordering = _order_launches(q_num_blocks, q_indices, full_q_num_blocks, full_q_indices, scratch[3], has_full)
     if cfg.kv96:
         if tabled or not dq_frag:
@@ -670,7 +672,8 @@ def prepare_hopper_backward(
              stats, dq_acc, dk, dv, *out_descs, *tables, tuple(score_bufs), tuple(mask_bufs),
              Z, HQ, KZ, M, N, m_pad, SZ, SH, num_kv_blks, num_q_blks, *scalars, cta_args, ()),
             dict(SCORE_MOD=score_mod, SCORE_GRAD=score_grad_mod, MASK_MOD=mask_mod,
-                 TILE=replace(tile, PERSISTENT=wide_persistent, DKDV_TMA=wide_dkdv_tma), SPARSE=sparse, FLAGS=flags,
+                 TILE=replace(tile, PERSISTENT=wide_persistent, DKDV_TMA=wide_dkdv_tma, DETERMINISTIC=deterministic),
+                 SPARSE=sparse, FLAGS=flags,
                  num_warps=4, maxnreg=cfg.maxnreg),
             grid)
     elif cfg.block_m == 128:
