@@ -328,10 +328,10 @@ def test_hopper_backward_hit_matches_miss(case, monkeypatch, fresh_compiles):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D, family", [(64, "hopper_bwd"), (256, "generic_bwd")])
+@pytest.mark.parametrize("D, family", [(64, "hopper_bwd"), (256, "hopper_bwd")])
 def test_deterministic_backward_hit_matches_miss(D, family, monkeypatch, fresh_compiles):
-    """fa3.deterministic_backward through training steps: the Hopper family's ordered dQ at D64, the generic
-    backward at D256 (the wide kernels refuse deterministic sites); the same bits on both steps."""
+    """fa3.deterministic_backward through training steps: the Hopper family's ordered dQ at D64 and (the
+    wide kernel) at D256; the same bits on both steps."""
     if not _sm90():
         pytest.skip("needs a CUDA device of capability (9, 0) (H100 / H200)")
     from fa3_inductor.templates.generic_bwd import family as generic_family
