@@ -61,7 +61,8 @@ Deterministic dQ (SCHED.DETERMINISTIC, option fa3.deterministic_backward; cta_ar
                              without one every CTA adds, rank = KV tile
   The adds into a dQ tile are made in ascending KV-tile order: a warpgroup waits (ld.acquire) until its counter reaches
   its CTA's rank, issues the reduce-add, and releases the counter once that add has completed in global memory, which
-  it checks at its next add (or after its last): the fp32 sums are then the same bits on every run. CTAs are launched
+  it checks at D64 on its next add, at D >= 128 on every second add (two released by one fence), or after its last:
+  the fp32 sums are then the same bits on every run. CTAs are launched
   KV-tile major within groups of GROUP (kz, hkv) heads (the group's tile 0 of each head, then tile 1, ...; then the next
   group), so a CTA only waits on CTAs launched before it: no deadlock whatever the occupancy. Wide groups keep few CTAs
   of a head in a wave (short chains of waiters), narrow ones keep the wave's Q, dO and DQ_ACC lines in L2.
@@ -698,7 +699,8 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
     _kv_landed(kv_bar, kv_phase, k_smem, kv_buf, n0, N, WG, TILE, PACK)
     cnt = gl.to_tensor(cnt)   # a loop-carried value (the default launch passes a literal 0)
     if SCHED.DETERMINISTIC:
-        prev = cta[0]   # the counter of this warpgroup's last dQ add: DQ_SEMS' sink until the first
+        older = cta[0]   # the counters of this warpgroup's adds not released yet (DQ_SEMS' sink: none)
+        newer = cta[0]
     # every query batch that reads this K/V batch (all of them when KZ = 1), every head of the GQA
     # group: one flat loop (a nested one holds more loop state in registers)
     for hh in range((Z // KZ) * FLAGS.GQA_GROUP):
@@ -792,11 +794,12 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
                 mine = cnt % 2 == WG
             # dK, then dQ (dQ before dK measured 0.84-1.05x: configs.py)
             dk_tok = warpgroup_mma(ds_mine.permute((1, 0)), q_t, dk, is_async=True)
-            if SCHED.DETERMINISTIC:   # the previous add released and this one's counter loaded, under dV and dK
-                sem, target, seen = prev, 0, 0
+            if SCHED.DETERMINISTIC:   # earlier adds released and this one's counter loaded, under dV and dK
+                flush = cnt % 2 == 1   # D >= 128: every second add (D64 releases each: _turn_ahead)
+                sem, target, seen = newer, 0, 0
                 if mine:
-                    sem, target, seen = _turn_ahead(prev, cta, zh, m_cur, kv_tile, kv_blk, z, hq, M_PAD, table_meta,
-                                                    WG, TILE, SPARSE)
+                    sem, target, seen = _turn_ahead(older, newer, flush, cta, zh, m_cur, kv_tile, kv_blk, z, hq, M_PAD,
+                                                    table_meta, WG, TILE, SPARSE)
             dv, dk, _p, _ds, _do2, _q2 = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_t, ds_mine, do_t, q_t])
             mbarrier.arrive(qdo_empty.index(st), count=1)
             if mine:
@@ -804,7 +807,8 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
                 dq_tok = warpgroup_mma(ds_tile, k_dq, dq_zero, use_acc=False, is_async=True)
                 dq, _a, _b = warpgroup_mma_wait(0, deps=[dq_tok, ds_tile, k_dq])
                 if SCHED.DETERMINISTIC:
-                    prev = _add_dq_in_turn(dq, dq_desc, dq_smem, zh, m_cur, sem, target, seen, WG, TILE, SCHED)
+                    added = _add_dq_in_turn(dq, dq_desc, dq_smem, zh, m_cur, sem, target, seen, WG, TILE, SCHED)
+                    older, newer = _held_turns(older, newer, added, flush, cta, TILE)
                 else:
                     _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, q_row0 + m_cur, row_off, WG, TILE, SCHED)
             if SCHED.STATS_AHEAD:
@@ -812,7 +816,7 @@ def _consumer_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_buf, cnt
                 delta = delta_next
             cnt += 1
     if SCHED.DETERMINISTIC:
-        _release_turn(prev)
+        _last_release(older, newer, TILE)
     if SCHED.PERSISTENT:
         mbarrier.arrive(cta[1].index(kv_buf), count=1)   # kv_empty: this warpgroup's wgmmas reading K, V retired
 
@@ -939,7 +943,8 @@ def _release_turn(sem):
 @gluon.jit
 def _release_turns(first, second):
     """_release_turn of two counters behind one fence (fence.acq_rel.gpu, then two relaxed adds: a release of both),
-    for bwd_sm90_wide.py's two dQ chunks of a step (``second`` DQ_SEMS' sink where there is one chunk)."""
+    for bwd_sm90_wide.py's two dQ chunks of a step (``second`` DQ_SEMS' sink where there is one chunk) and for two
+    successive adds at D >= 128 here (_turn_ahead)."""
     done = _adds_complete()
     gl.inline_asm_elementwise(
         "{ .reg .pred lead; .reg .b32 lane; mov.u32 lane, %laneid; setp.eq.u32 lead, lane, 0; "
@@ -968,13 +973,19 @@ def _dq_turn(cta, zh, m0, slot, kv_tile, kv_blk, z, hq, M_PAD, table_meta, TILE:
 
 
 @gluon.jit
-def _turn_ahead(prev, cta, zh, m0, kv_tile, kv_blk, z, hq, M_PAD, table_meta, WG: gl.constexpr, TILE: gl.constexpr,
-                SPARSE: gl.constexpr):
-    """SCHED.DETERMINISTIC, mid-step (under the step's in-flight wgmmas): release the counter of this warpgroup's
-    previous dQ add (``prev``), then issue the acquire load of this step's counter, whose value is looked at only when
-    the add is due (_add_dq_in_turn): (counter, target, value seen). Waited where they were issued, the release's
-    fence and the load's round trip cost the backward 0.59-0.70x (H200, hopper_backward.md, "Deterministic dQ")."""
-    _release_turn(prev)
+def _turn_ahead(older, newer, flush, cta, zh, m0, kv_tile, kv_blk, z, hq, M_PAD, table_meta, WG: gl.constexpr,
+                TILE: gl.constexpr, SPARSE: gl.constexpr):
+    """SCHED.DETERMINISTIC, mid-step (under the step's in-flight wgmmas): release the adds this warpgroup holds (D64:
+    its previous one, ``newer``; D >= 128, where it adds every step: on every second add (``flush``) its two held,
+    ``older`` and ``newer``, behind one fence, which costs the consumer ~0.7 us), then issue the acquire load of this
+    step's counter, whose value is looked at only when the add is due (_add_dq_in_turn): (counter, target, value seen).
+    Waited where they were issued, the release's fence and the load's round trip cost the backward 0.59-0.70x (H200,
+    hopper_backward.md, "Deterministic dQ")."""
+    if TILE.DQ_SPLIT:
+        if flush:
+            _release_turns(older, newer)
+    else:
+        _release_turn(newer)
     sem, target = _dq_turn(cta, zh, m0, WG if TILE.DQ_SPLIT else 0, kv_tile, kv_blk, z, hq, M_PAD, table_meta, TILE,
                            SPARSE)
     return sem, target, _ld_acquire(sem)
@@ -984,12 +995,35 @@ def _turn_ahead(prev, cta, zh, m0, kv_tile, kv_blk, z, hq, M_PAD, table_meta, WG
 def _add_dq_in_turn(dq, dq_desc, dq_smem, zh, m0, sem, target, seen, WG: gl.constexpr, TILE: gl.constexpr,
                     SCHED: gl.constexpr):
     """SCHED.DETERMINISTIC's _add_dq: once the counter at ``sem`` has reached ``target`` (``seen``: its value loaded
-    at _turn_ahead; spin only if that was short), stage and reduce-add as _add_dq does (the staging tile is free: the
-    release at _turn_ahead waited for the last reduce-add to complete). Returns ``sem``, to release at the next add's
-    _turn_ahead or after the last add (_release_turn)."""
+    at _turn_ahead; spin only if that was short), stage and reduce-add as _add_dq does (at D64 the staging tile is
+    free: the release at _turn_ahead waited for the last reduce-add to complete; at D >= 128 an add after one not
+    released yet waits for its read). Returns ``sem``, to release at a later add's _turn_ahead or after the last add
+    (_last_release)."""
     _wait_turn(sem, target, seen)
-    _stage_reduce_add(dq, dq_desc, dq_smem, zh, m0, WG, TILE, SCHED, WAIT=False)
+    _stage_reduce_add(dq, dq_desc, dq_smem, zh, m0, WG, TILE, SCHED, WAIT=TILE.DQ_SPLIT)
     return sem
+
+
+@gluon.jit
+def _held_turns(older, newer, added, flush, cta, TILE: gl.constexpr):
+    """The counters a warpgroup holds after its add ``added``: at D >= 128 that one alone when this add's _turn_ahead
+    released the two held before (``flush``), else the last one held and this one; at D64 ``added`` (``older`` stays
+    the sink)."""
+    if TILE.DQ_SPLIT:
+        if flush:
+            older = cta[0]   # DQ_SEMS' sink: nothing
+        else:
+            older = newer
+    return older, added
+
+
+@gluon.jit
+def _last_release(older, newer, TILE: gl.constexpr):
+    """After a warpgroup's last add: release what it holds (two counters at D >= 128, one at D64)."""
+    if TILE.DQ_SPLIT:
+        _release_turns(older, newer)
+    else:
+        _release_turn(newer)
 
 # ----------------------------------------------------------------------------------------------
 # Consumers with cross-step overlap (SCHED.OVERLAP; docs/design/hopper_backward.md, "Cross-step overlap").
@@ -1132,7 +1166,8 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
     _kv_landed(kv_bar, kv_phase, k_smem, kv_buf, n0, N, WG, TILE, PACK)
     cnt = gl.to_tensor(cnt)   # a loop-carried value (the default launch passes a literal 0)
     if SCHED.DETERMINISTIC:
-        prev = cta[0]   # as in _consumer_tile
+        older = cta[0]   # as in _consumer_tile
+        newer = cta[0]
     for hh in range((Z // KZ) * FLAGS.GQA_GROUP):
         z = kz + (hh // FLAGS.GQA_GROUP) * KZ
         hq = hkv * FLAGS.GQA_GROUP + hh % FLAGS.GQA_GROUP
@@ -1217,12 +1252,13 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
                 mbarrier.wait(qdo_ready.index(st_next), ((cnt + 1) // NUM_STAGES) & 1)
             s_tok = warpgroup_mma(q_next, k_t, s_zero, use_acc=False, is_async=True)
             dk_tok = warpgroup_mma(ds_mine.permute((1, 0)), q_t, dk, is_async=True)
-            if SCHED.DETERMINISTIC:   # the previous add released and this one's counter loaded, under S and dK
+            if SCHED.DETERMINISTIC:   # earlier adds released and this one's counter loaded, under S and dK
                 adds = True if TILE.DQ_SPLIT else cnt % 2 == WG
-                sem, target, seen = prev, 0, 0
+                flush = cnt % 2 == 1   # D >= 128: every second add (D64 releases each: _turn_ahead)
+                sem, target, seen = newer, 0, 0
                 if adds:
-                    sem, target, seen = _turn_ahead(prev, cta, zh, m0, kv_tile, kv_blk, z, hq, M_PAD, table_meta,
-                                                    WG, TILE, SPARSE)
+                    sem, target, seen = _turn_ahead(older, newer, flush, cta, zh, m0, kv_tile, kv_blk, z, hq, M_PAD,
+                                                    table_meta, WG, TILE, SPARSE)
             if DQ_UNDER:
                 mbarrier.wait(ds_ready.index(buf), (cnt // 2) & 1)
                 dq_tok = warpgroup_mma(ds_tile, k_dq, dq_zero, use_acc=False, is_async=True)
@@ -1240,7 +1276,8 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
                                                                        k_dq])
                 mbarrier.arrive(qdo_empty.index(st), count=1)
                 if SCHED.DETERMINISTIC:
-                    prev = _add_dq_in_turn(dq, dq_desc, dq_smem, zh, m0, sem, target, seen, WG, TILE, SCHED)
+                    added = _add_dq_in_turn(dq, dq_desc, dq_smem, zh, m0, sem, target, seen, WG, TILE, SCHED)
+                    older, newer = _held_turns(older, newer, added, flush, cta, TILE)
                 else:
                     _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, q_row0 + m0, row_off, WG, TILE, SCHED)
             else:
@@ -1255,7 +1292,8 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
                     dq_tok = warpgroup_mma(ds_tile, k_dq, dq_zero, use_acc=False, is_async=True)
                     dq, _a, _b = warpgroup_mma_wait(0, deps=[dq_tok, ds_tile, k_dq])
                     if SCHED.DETERMINISTIC:
-                        prev = _add_dq_in_turn(dq, dq_desc, dq_smem, zh, m0, sem, target, seen, WG, TILE, SCHED)
+                        added = _add_dq_in_turn(dq, dq_desc, dq_smem, zh, m0, sem, target, seen, WG, TILE, SCHED)
+                        older, newer = _held_turns(older, newer, added, flush, cta, TILE)
                     else:
                         _add_dq(dq, dq_acc_ptr, dq_desc, dq_smem, zh, q_row0 + m0, row_off, WG, TILE, SCHED)
             m0 = m0_next
@@ -1263,7 +1301,7 @@ def _consumer_overlap_tile(WG: gl.constexpr, kv_tile, kvh, kv_bar, kv_phase, kv_
                 delta = delta_next
             cnt += 1
     if SCHED.DETERMINISTIC:
-        _release_turn(prev)
+        _last_release(older, newer, TILE)
     if SCHED.PERSISTENT:
         # kv_empty: every wgmma reading K and V retired (the head's last, wasted S too: waited in its step)
         mbarrier.arrive(cta[1].index(kv_buf), count=1)
