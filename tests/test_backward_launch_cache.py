@@ -283,9 +283,9 @@ def _count_calls(monkeypatch, module, name):
     return calls
 
 
-def _two_steps(case: str, options: dict, D: int = 64):
-    """Gradients of two identical training steps through torch.compile(backend="fa3") at head dim ``D``, and the
-    float64 reference's."""
+def _two_steps(case: str, options: dict, D: int = 64, torch_switch: bool = False):
+    """Gradients of two identical training steps through torch.compile(backend="fa3") at head dim ``D`` (with
+    ``torch_switch``: under torch.use_deterministic_algorithms(True)), and the float64 reference's."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     from fa3_inductor import mods
@@ -299,11 +299,15 @@ def _two_steps(case: str, options: dict, D: int = 64):
                for _ in range(3))
     dout = torch.randn(2, 2, 256, D, device="cuda", dtype=torch.bfloat16)
     steps = []
-    for _ in range(2):
-        for t in (q, k, v):
-            t.grad = None
-        compiled(q, k, v).backward(dout)
-        steps.append([t.grad.clone() for t in (q, k, v)])
+    torch.use_deterministic_algorithms(torch_switch)
+    try:
+        for _ in range(2):
+            for t in (q, k, v):
+                t.grad = None
+            compiled(q, k, v).backward(dout)
+            steps.append([t.grad.clone() for t in (q, k, v)])
+    finally:
+        torch.use_deterministic_algorithms(False)
     reference = reference_gradients(q, k, v, dout, score_mod, mask_mod)[1:4]
     return steps, reference
 
@@ -343,6 +347,22 @@ def test_deterministic_backward_hit_matches_miss(D, family, monkeypatch, fresh_c
     (first, second), reference = _two_steps("causal", {"fa3.deterministic_backward": True}, D)
     assert last_backward_family() == family
     assert len(prepared) == 1, "the second step planned the backward again instead of re-launching"
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    for got, ref, name in zip(second, reference, ("dq", "dk", "dv")):
+        assert_matches_reference(got, ref, torch.bfloat16, name)
+
+
+@pytest.mark.gpu
+def test_torch_deterministic_switch_orders_the_hopper_dq(fresh_compiles):
+    """torch.use_deterministic_algorithms(True) without the fa3 option: the backward is planned deterministic (the
+    lowering's record), the Hopper family serves it, and two steps give the same bits."""
+    if not _sm90():
+        pytest.skip("needs a CUDA device of capability (9, 0) (H100 / H200)")
+    from fa3_inductor import lowered_backward_sites
+
+    (first, second), reference = _two_steps("causal", {}, 64, torch_switch=True)
+    site = lowered_backward_sites()[-1]
+    assert site["deterministic"] and last_backward_family() == "hopper_bwd", site
     assert all(torch.equal(a, b) for a, b in zip(first, second))
     for got, ref, name in zip(second, reference, ("dq", "dk", "dv")):
         assert_matches_reference(got, ref, torch.bfloat16, name)
