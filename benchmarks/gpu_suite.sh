@@ -98,7 +98,10 @@ run_shard hoppermods tests/test_hopper_gpu.py -k "$HOPPER_MODS" &
 hoppermods_pid=$!
 run_shard hopperdims tests/test_hopper_gpu.py -k "$HOPPER_DIMS" &
 hopperdims_pid=$!
-run_shard backward tests/test_hopper_bwd_gpu.py tests/test_backward_launch_cache.py &
+# The backward's ~460 tests ran past 430 s in one process (2026-11-30 22:56); with pytest-xdist's 8 workers they took 88 s
+# (gpu-tests-nvidia-h200-2026-11-30-2304-backward-xdist.log).
+BWD_WORKERS=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
+run_shard backward tests/test_hopper_bwd_gpu.py tests/test_backward_launch_cache.py $BWD_WORKERS &
 backward_pid=$!
 FP8_FILES="tests/test_fp8_compiled.py tests/test_fp8_forward.py tests/test_fp8_prologue.py tests/test_fp8_rope_fusion.py"
 run_shard fp8 $FP8_FILES &
