@@ -41,6 +41,7 @@ from fa3_inductor import mods
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fp8_host import _host_drained_us  # noqa: E402  (host µs of a call, the queue drained first)
+from provenance import commit_label  # noqa: E402
 
 LN2 = math.log(2.0)
 MASKS = ("causal", "sliding_window", "document")
@@ -408,6 +409,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         return fmt.format(row[key]) if key in row else "-"
 
     lines = [f"# bwd_speed on {meta['device']} (bf16, fwd+bwd TFLOP/s = 3.5 forwards; L2 not flushed)", "",
+             f"Tree: {meta.get('tree') or 'unknown'}", "",
              f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}; command: `{meta['command']}`; "
              f"check against float64: worst relative error {meta['check_error']:.2e}. 'ours' is our Hopper forward "
              "plus the Hopper backward (templates/hopper_bwd), 'generic' the same forward plus the generic backward "
@@ -497,7 +499,7 @@ def main() -> None:
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%MZ}",
                 command="python benchmarks/bwd_speed.py " + " ".join(sys.argv[1:]), check_error=err,
-                bwd_variants=args.bwd_variants, head_start_ms=args.head_start_ms)
+                bwd_variants=args.bwd_variants, head_start_ms=args.head_start_ms, tree=commit_label() or "unknown")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump(dict(meta, rows=rows), f, indent=1)
