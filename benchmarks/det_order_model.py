@@ -55,23 +55,37 @@ def launch_order(launch: Launch, group: int, descending: bool) -> list[tuple[int
 
 
 def makespan(launch: Launch, order: list[tuple[int, int]], slots: int, step: float, add_cost: float,
-             release: float, ordered: bool, descending: bool) -> float:
+             release: float, ordered: bool, descending: bool, defer: int = 0) -> float:
     """Time until the last CTA ends (in step times: step = 1.0 is the default's step). ``ordered``: each add waits
-    for the one before it in the query step's order (ascending or ``descending`` KV tiles)."""
+    for the one before it in the query step's order (ascending or ``descending`` KV tiles). An add is visible
+    ``release`` after it is released: at once (``defer`` 0), or halfway through the CTA's step ``defer`` steps later
+    (the kernels release an add at a later add's _turn_ahead: D64 two steps, D >= 128 paired one or two), or at the
+    CTA's end when it has no such step."""
     free = [0.0] * slots
     heapq.heapify(free)
     ready: dict[tuple[int, int, int], float] = {}   # (head, query step, tile) -> its add visible to the next
     end = 0.0
     for head, tile in order:
         t = heapq.heappop(free)
+        starts, adds = [], []
         for r in launch.steps(tile):
+            starts.append(t)
             t += step
             if ordered:
                 before = _previous_adder(launch, tile, r, descending)
                 if before is not None:
                     t = max(t, ready[head, r, before])
+                adds.append(t)
                 t += add_cost
-                ready[head, r, tile] = t + release
+        if ordered:
+            for k, r in enumerate(launch.steps(tile)):
+                if not defer:
+                    out = adds[k]
+                elif k + defer < len(starts):
+                    out = starts[k + defer] + 0.5 * step
+                else:
+                    out = t
+                ready[head, r, tile] = out + release
         heapq.heappush(free, t)
         end = max(end, t)
     return end
@@ -91,7 +105,8 @@ def main() -> None:
     parser.add_argument("--mask", default="causal", choices=("noop", "causal", "document"))
     parser.add_argument("--slots", type=int, default=132, help="CTAs resident at once (one per SM)")
     parser.add_argument("--add-cost", type=float, default=0.15, help="consumer time of an add, in steps")
-    parser.add_argument("--release", type=float, default=0.3, help="add to visible for the next adder, in steps")
+    parser.add_argument("--release", type=float, default=0.3, help="release to visible for the next adder, in steps")
+    parser.add_argument("--defer", type=int, default=0, help="steps from an add to its release (makespan's defer)")
     args = parser.parse_args()
     n = args.seqlen
     launch = Launch(heads=(args.tokens // n) * args.heads, kv_tiles=n // 128, q_steps=n // 64, mask=args.mask,
@@ -103,7 +118,8 @@ def main() -> None:
     for descending in (False, True):
         for group in (launch.heads, 16, 8, 4, 2, 1):
             order = launch_order(launch, group, descending)
-            span = makespan(launch, order, args.slots, 1.0, args.add_cost, args.release, True, descending)
+            span = makespan(launch, order, args.slots, 1.0, args.add_cost, args.release, True, descending,
+                            args.defer)
             print(f"  {'descending' if descending else 'ascending '} groups of {group:4d}: {span:8.0f} steps, "
                   f"default / this {default / span:.2f}")
 
