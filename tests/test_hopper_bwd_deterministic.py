@@ -177,6 +177,9 @@ def test_family_leaves_masked_deterministic_192_128_to_the_generic_backward(dims
     with pytest.raises(NotServed) as refusal:
         HOPPER_BWD.prepare_backward(call)
     assert ("no faster than the generic backward" in str(refusal.value)) == refused, refusal.value
+    if refused:   # refused before the scratch is allocated, too
+        with pytest.raises(NotServed, match="no faster than the generic backward"):
+            HOPPER_BWD.backward_scratch(call)
 
 
 def test_scratch_checks_the_counters():

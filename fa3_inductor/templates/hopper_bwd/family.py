@@ -52,11 +52,7 @@ class HopperBackwardFamily:
         return None
 
     def prepare_backward(self, call: BackwardCall) -> Optional[list[Launch]]:
-        pair = (call.q.shape[-1], call.v.shape[-1])
-        masked = call.tables[0] is not None or call.q_tables[0] is not None
-        if call.deterministic and masked and pair in DETERMINISTIC_MASKED_REFUSED:
-            raise NotServed(f"Hopper backward: deterministic dQ under a block mask at head dims {pair[0]}/{pair[1]} "
-                            "is no faster than the generic backward (configs.DETERMINISTIC_MASKED_REFUSED)")
+        _refuse_slower_deterministic(call)
         if not call.q.is_cuda:
             raise NotServed("the Hopper backward runs on an sm90 GPU only")
         options = call.kernel_options(self.dialect, SCORE_GRAD_ONE)
@@ -70,10 +66,10 @@ class HopperBackwardFamily:
 
     def backward_scratch(self, call: BackwardCall) -> tuple[torch.Tensor, ...]:
         """(STATS, DQ_ACC), and with ``call.deterministic`` (DQ_SEMS, DQ_RANK), for ``call``
-        (host.hopper_backward_scratch)."""
-        has_mask = call.tables[0] is not None or call.q_tables[0] is not None
+        (host.hopper_backward_scratch). A call prepare_backward refuses gets none (no allocation to throw away)."""
+        _refuse_slower_deterministic(call)
         try:
-            return hopper_backward_scratch(call.q, has_mask=has_mask, sparse_q_block=call.sparse_q_block,
+            return hopper_backward_scratch(call.q, has_mask=_masked(call), sparse_q_block=call.sparse_q_block,
                                            deterministic=call.deterministic,
                                            mask_shape=mask_shape_of(*call.tables[:2], *call.q_tables[:2]))
         except ValueError as exc:   # a head dim it does not take: the next family runs
@@ -81,6 +77,20 @@ class HopperBackwardFamily:
 
     def launch_backward(self, call: BackwardCall) -> None:
         raise NotServed("the Hopper backward runs on an sm90 GPU only")
+
+
+def _masked(call: BackwardCall) -> bool:
+    """Whether ``call`` passes block-mask tables (forward or transposed)."""
+    return call.tables[0] is not None or call.q_tables[0] is not None
+
+
+def _refuse_slower_deterministic(call: BackwardCall) -> None:
+    """NotServed for a deterministic call under a block mask at a head-dim pair of configs.DETERMINISTIC_MASKED_REFUSED
+    (the generic backward was as fast there)."""
+    pair = (call.q.shape[-1], call.v.shape[-1])
+    if call.deterministic and _masked(call) and pair in DETERMINISTIC_MASKED_REFUSED:
+        raise NotServed(f"Hopper backward: deterministic dQ under a block mask at head dims {pair[0]}/{pair[1]} "
+                        "is no faster than the generic backward (configs.DETERMINISTIC_MASKED_REFUSED)")
 
 
 FAMILY = HopperBackwardFamily()
