@@ -67,8 +67,9 @@ def makespan(launch: Launch, order: list[tuple[int, int]], slots: int, step: flo
     end = 0.0
     for head, tile in order:
         t = heapq.heappop(free)
+        steps = launch.steps(tile)
         starts, adds = [], []
-        for r in launch.steps(tile):
+        for r in steps:
             starts.append(t)
             t += step
             if ordered:
@@ -78,7 +79,7 @@ def makespan(launch: Launch, order: list[tuple[int, int]], slots: int, step: flo
                 adds.append(t)
                 t += add_cost
         if ordered:
-            for k, r in enumerate(launch.steps(tile)):
+            for k, r in enumerate(steps):
                 if not defer:
                     out = adds[k]
                 elif k + defer < len(starts):
