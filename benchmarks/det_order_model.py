@@ -80,8 +80,8 @@ def makespan(launch: Launch, order: list[tuple[int, int]], slots: int, step: flo
                 t += add_cost
         if ordered:
             for k, r in enumerate(steps):
-                if not defer:
-                    out = adds[k]
+                if not defer:   # released by the add's own fence (add_cost)
+                    out = adds[k] + add_cost
                 elif k + defer < len(starts):
                     out = starts[k + defer] + 0.5 * step
                 else:
