@@ -943,8 +943,7 @@ def _release_turn(sem):
 @gluon.jit
 def _release_turns(first, second):
     """_release_turn of two counters behind one fence (fence.acq_rel.gpu, then two relaxed adds: a release of both),
-    for bwd_sm90_wide.py's two dQ chunks of a step (``second`` DQ_SEMS' sink where there is one chunk) and for two
-    successive adds at D >= 128 here (_turn_ahead)."""
+    for bwd_sm90_wide.py's two dQ chunks of a step and for two successive adds at D >= 128 here (_turn_ahead)."""
     done = _adds_complete()
     gl.inline_asm_elementwise(
         "{ .reg .pred lead; .reg .b32 lane; mov.u32 lane, %laneid; setp.eq.u32 lead, lane, 0; "

@@ -90,7 +90,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .bwd_sm90 import (DENSE, _acc_layout, _cta_tiles, _dq_turn, _ds, _ds_factor, _frag_reduce_add, _ld_acquire,
-                       _lse_rows, _next_step, _ordered_coords, _release_turns, _wait_turn,
+                       _lse_rows, _next_step, _ordered_coords, _release_turn, _release_turns, _wait_turn,
                        _next_step_at, _opaque, _packed_coords, _persistent_tile, _probabilities, _q_tile_counts,
                        _q_tile_start, _seq_span, _store_dkdv_tma, _tma_reduce_add, _zero_keys_past)
 
@@ -385,7 +385,7 @@ def _consumer_tile(WG: gl.constexpr, n0, kvh, q_row0, k_row0, kv_phase, cnt, cta
                                                scalars, mod_bufs, SCORE_MOD, SCORE_GRAD, MASK_MOD, TILE, SPARSE,
                                                FLAGS, PACK)
     if TILE.DETERMINISTIC:
-        _release_turns(held[0], held[1])
+        _release_held(held, TILE.DQ_CHUNKS[WG])
     if TILE.PERSISTENT:   # every wgmma reading this tile's K and V has retired (each step ends on a wait of 0)
         mbarrier.arrive(cta[1], count=1)
     if TILE.DKDV_TMA:
@@ -726,11 +726,11 @@ def _make_p(qk, lse, m0, is_partial, z, hq, n0, M, N, p_mine, f_dst, scalars, mo
 @gluon.jit
 def _step_turns(order, kv_tile, held, zh, m0, kv_blk, z, hq, M_PAD, table_meta, DQ0: gl.constexpr, NQ: gl.constexpr,
                 TILE: gl.constexpr, SPARSE: gl.constexpr):
-    """TILE.DETERMINISTIC, mid-step: release the counters ``held`` of this warpgroup's last step (bwd_sm90's
-    _release_turns: one fence), then issue the acquire loads of this step's chunks' counters (one per 64 dQ columns
-    from DQ0). Returns ((counter, target, value seen) of chunk 0, of chunk 1 (chunk 0's again with one chunk), the
-    counters to hold: this step's, DQ_SEMS' sink in place of a missing second chunk)."""
-    _release_turns(held[0], held[1])
+    """TILE.DETERMINISTIC, mid-step: release the counters ``held`` of this warpgroup's last step (_release_held: one
+    fence), then issue the acquire loads of this step's chunks' counters (one per 64 dQ columns from DQ0). Returns
+    ((counter, target, value seen) of chunk 0, of chunk 1 (chunk 0's again with one chunk), the counters to hold:
+    this step's, chunk 0's twice with one chunk)."""
+    _release_held(held, NQ)
     sem0, target0 = _dq_turn(order, zh, m0, DQ0 // 64, kv_tile, kv_blk, z, hq, M_PAD, table_meta, TILE, SPARSE)
     turn0 = (sem0, target0, _ld_acquire(sem0))
     if NQ == 2:
@@ -740,8 +740,19 @@ def _step_turns(order, kv_tile, held, zh, m0, kv_blk, z, hq, M_PAD, table_meta, 
         now = (sem0, sem1)
     else:
         turn1 = turn0
-        now = (sem0, order[0])
+        now = (sem0, sem0)
     return turn0, turn1, now
+
+
+@gluon.jit
+def _release_held(held, NQ: gl.constexpr):
+    """Release the counters of a warpgroup's last step: its two chunks' behind one fence (bwd_sm90._release_turns), or
+    its one chunk's alone (bwd_sm90._release_turn). A second counter of DQ_SEMS' sink would make every such release an
+    atomic add on one word that every CTA adds to (it cost D64 0.63x in the first pairing, hopper_backward.md)."""
+    if NQ == 2:
+        _release_turns(held[0], held[1])
+    else:
+        _release_turn(held[0])
 
 
 @gluon.jit
