@@ -283,9 +283,9 @@ def _count_calls(monkeypatch, module, name):
     return calls
 
 
-def _two_steps(case: str, options: dict, D: int = 64, torch_switch: bool = False):
-    """Gradients of two identical training steps through torch.compile(backend="fa3") at head dim ``D`` (with
-    ``torch_switch``: under torch.use_deterministic_algorithms(True)), and the float64 reference's."""
+def _two_steps(case: str, options: dict, D: int = 64, torch_switch: bool = False, DV: Optional[int] = None):
+    """Gradients of two identical training steps through torch.compile(backend="fa3") at head dim ``D`` (v's ``DV``,
+    default D; with ``torch_switch``: under torch.use_deterministic_algorithms(True)), and the float64 reference's."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     from fa3_inductor import mods
@@ -295,9 +295,9 @@ def _two_steps(case: str, options: dict, D: int = 64, torch_switch: bool = False
     block_mask = None if mask_mod is None else create_block_mask(mask_mod, None, None, 256, 256, device="cuda")
     compiled = torch.compile(lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask),
                              backend="fa3", options=options)
-    q, k, v = (torch.randn(2, 2, 256, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
-    dout = torch.randn(2, 2, 256, D, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (torch.randn(2, 2, 256, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for d in (D, D, DV or D))
+    dout = torch.randn(2, 2, 256, DV or D, device="cuda", dtype=torch.bfloat16)
     steps = []
     torch.use_deterministic_algorithms(torch_switch)
     try:
@@ -332,20 +332,17 @@ def test_hopper_backward_hit_matches_miss(case, monkeypatch, fresh_compiles):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D, family", [(64, "hopper_bwd"), (256, "hopper_bwd")])
-def test_deterministic_backward_hit_matches_miss(D, family, monkeypatch, fresh_compiles):
-    """fa3.deterministic_backward through training steps: the Hopper family's ordered dQ at D64 and (the
-    wide kernel) at D256; the same bits on both steps."""
+@pytest.mark.parametrize("D, DV", [(64, 64), (256, 256), (192, 128)])
+def test_deterministic_backward_hit_matches_miss(D, DV, monkeypatch, fresh_compiles):
+    """fa3.deterministic_backward through causal training steps: the Hopper family's ordered dQ at D64 and (the
+    wide kernel) at D256 and 192 / 128; the same bits on both steps."""
     if not _sm90():
         pytest.skip("needs a CUDA device of capability (9, 0) (H100 / H200)")
-    from fa3_inductor.templates.generic_bwd import family as generic_family
     from fa3_inductor.templates.hopper_bwd import family as hopper_family
 
-    module, name = ((hopper_family, "prepare_hopper_backward") if family == "hopper_bwd"
-                    else (generic_family, "prepare_generic_backward"))
-    prepared = _count_calls(monkeypatch, module, name)
-    (first, second), reference = _two_steps("causal", {"fa3.deterministic_backward": True}, D)
-    assert last_backward_family() == family
+    prepared = _count_calls(monkeypatch, hopper_family, "prepare_hopper_backward")
+    (first, second), reference = _two_steps("causal", {"fa3.deterministic_backward": True}, D, DV=DV)
+    assert last_backward_family() == "hopper_bwd"
     assert len(prepared) == 1, "the second step planned the backward again instead of re-launching"
     assert all(torch.equal(a, b) for a, b in zip(first, second))
     for got, ref, name in zip(second, reference, ("dq", "dk", "dv")):

@@ -159,29 +159,6 @@ def test_family_serves_deterministic_sites_at_every_head_dim(monkeypatch):
         (64, 64), (80, 80), (96, 96), (128, 128), (160, 160), (192, 192), (256, 256), (192, 128)))
 
 
-@pytest.mark.parametrize("dims, masked, refused", [((192, 128), True, True), ((192, 128), False, False),
-                                                   ((256, 256), True, False)])
-def test_family_leaves_masked_deterministic_192_128_to_the_generic_backward(dims, masked, refused):
-    """configs.DETERMINISTIC_MASKED_REFUSED: a deterministic call under a block mask at 192 / 128 is refused (the
-    generic backward was as fast, H200); unmasked, and at D256, it goes on to be planned (here on the CPU: refused
-    for want of a GPU)."""
-    from types import SimpleNamespace
-
-    from fa3_inductor.templates.family import NotServed
-    from fa3_inductor.templates.hopper_bwd.family import HOPPER_BWD
-
-    d, dv = dims
-    table = torch.zeros(1, 1, 1, dtype=torch.int32) if masked else None
-    call = SimpleNamespace(q=torch.empty(1, 1, 8, d), v=torch.empty(1, 1, 8, dv), deterministic=True,
-                           tables=(table, None, None, None), q_tables=(table, None, None, None))
-    with pytest.raises(NotServed) as refusal:
-        HOPPER_BWD.prepare_backward(call)
-    assert ("no faster than the generic backward" in str(refusal.value)) == refused, refusal.value
-    if refused:   # refused before the scratch is allocated, too
-        with pytest.raises(NotServed, match="no faster than the generic backward"):
-            HOPPER_BWD.backward_scratch(call)
-
-
 def test_scratch_checks_the_counters():
     from fa3_inductor.templates.hopper_bwd import prepare_hopper_backward
     from fa3_inductor.templates.hopper_bwd.host import hopper_backward_scratch

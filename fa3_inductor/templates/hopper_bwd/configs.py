@@ -187,12 +187,6 @@ WIDE_PLAIN_KV96_PERSISTENT = ((192, 128),)
 # from the first length >= 1.02 with every longer one, so 16k).
 WIDE_CAUSAL_KV96_LAG_FROM = {(192, 128): 16384}
 
-# Deterministic dQ under a block mask is not served at these pairs: the wide kernel on the grid, its causal skip off,
-# ran 2k 192 / 128 causal's backward in 3.91 ms against the generic backward's 3.87 (H200, bwd-speed-...-2240-
-# deterministic-wide; documents 1.40 / 1.47). Unmasked it is 1.99-3.3x faster than the generic backward; D256 masked
-# 1.23-1.93x.
-DETERMINISTIC_MASKED_REFUSED = ((192, 128),)
-
 # Tiles whose launches store dK / dV through the dQ staging tiles by TMA (VARIANTS["dkdv_tma"]; the 96-key schedules set
 # it themselves; padded pairs and packed sequences keep their stores). H200, backward over the gl.store epilogue at 4k /
 # 8k, each rule written before its run (docs/design/hopper_backward.md, "dK / dV by TMA ..."):

@@ -4,8 +4,7 @@ and bfloat16, the (q/k, v) head dims of configs.SUPPORTED_HEAD_DIM_PAIRS (64 / 1
 bwd_sm90_k96.py's 96-key tiles); mods in the ``gl`` dialect. dQ is
 summed with fp32 reduce-adds (TMA), by default in arrival order, which is not bitwise reproducible: a site that asks for
 deterministic gradients is served with its dQ adds in a fixed order (bwd_sm90.py, "Deterministic dQ"; the wide
-head dims on bwd_sm90_wide.py's grid, never the 96-key tiles), but for 192 / 128 under a block mask, which goes to
-the generic backward (configs.DETERMINISTIC_MASKED_REFUSED). One that needs
+head dims on bwd_sm90_wide.py's grid, never the 96-key tiles). One that needs
 gradients of captured tensors (not computed here yet) goes to torch's kernel (the generic backward when it is also
 deterministic)."""
 
@@ -17,7 +16,7 @@ import torch
 
 from ..family import NOT_MEANT_HERE, BackwardCall, BackwardSiteFacts, Launch, NotServed
 from ..generic_bwd.host import SCORE_GRAD_ONE
-from .configs import DETERMINISTIC_MASKED_REFUSED, SUPPORTED_HEAD_DIM_PAIRS
+from .configs import SUPPORTED_HEAD_DIM_PAIRS
 from .host import hopper_backward_scratch, mask_shape_of, prepare_hopper_backward
 
 
@@ -52,7 +51,6 @@ class HopperBackwardFamily:
         return None
 
     def prepare_backward(self, call: BackwardCall) -> Optional[list[Launch]]:
-        _refuse_slower_deterministic(call)
         if not call.q.is_cuda:
             raise NotServed("the Hopper backward runs on an sm90 GPU only")
         options = call.kernel_options(self.dialect, SCORE_GRAD_ONE)
@@ -66,8 +64,7 @@ class HopperBackwardFamily:
 
     def backward_scratch(self, call: BackwardCall) -> tuple[torch.Tensor, ...]:
         """(STATS, DQ_ACC), and with ``call.deterministic`` (DQ_SEMS, DQ_RANK), for ``call``
-        (host.hopper_backward_scratch). A call prepare_backward refuses gets none (no allocation to throw away)."""
-        _refuse_slower_deterministic(call)
+        (host.hopper_backward_scratch)."""
         try:
             return hopper_backward_scratch(call.q, has_mask=_masked(call), sparse_q_block=call.sparse_q_block,
                                            deterministic=call.deterministic,
@@ -82,15 +79,6 @@ class HopperBackwardFamily:
 def _masked(call: BackwardCall) -> bool:
     """Whether ``call`` passes block-mask tables (forward or transposed)."""
     return call.tables[0] is not None or call.q_tables[0] is not None
-
-
-def _refuse_slower_deterministic(call: BackwardCall) -> None:
-    """NotServed for a deterministic call under a block mask at a head-dim pair of configs.DETERMINISTIC_MASKED_REFUSED
-    (the generic backward was as fast there)."""
-    pair = (call.q.shape[-1], call.v.shape[-1])
-    if call.deterministic and _masked(call) and pair in DETERMINISTIC_MASKED_REFUSED:
-        raise NotServed(f"Hopper backward: deterministic dQ under a block mask at head dims {pair[0]}/{pair[1]} "
-                        "is no faster than the generic backward (configs.DETERMINISTIC_MASKED_REFUSED)")
 
 
 FAMILY = HopperBackwardFamily()
