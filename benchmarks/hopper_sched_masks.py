@@ -2,15 +2,15 @@
 
     python benchmarks/hopper_sched_masks.py [--rounds 3] [--seqlens 1024,2048,4096,8192,16384] [--json PATH]
                                             [--window 256] [--masks causal,window,document,noop]
-                                            [--blocks-only]
+                                            [--blocks-only] [--dims 128 | 192/128]
 
-Masks (D=128, bf16, 16 heads, B*S = 16384, as benchmarks/bench.py): causal; a causal sliding window of
+Masks (D=128 unless `--dims` names q/k's and v's head dims, bf16, 16 heads, B*S = 16384, as benchmarks/bench.py): causal; a causal sliding window of
 `--window` keys (256 by default, as bench.py); "noop" (no mask, dense) for the ratio to our own noop; documents (lengths uniform in [1, S/2], causal inside each, the ids read from a buffer by the
 mask_mod). The kernel is launched directly with the block mask built from the dense mask (128 x 128
 blocks as the lowering builds them, full blocks skip the mask_mod), max_needed=False as the product launches it. Every variant is
 first checked against float64 (batch 0, head 0: rel. error of O), then timed with triton's do_bench in
 `rounds` interleaved rounds (odd rounds reversed), median reported. TFLOP/s counts only the kept
-(q, kv) pairs: 4 * B * H * S^2 * D * density.
+(q, kv) pairs: 2 * B * H * S^2 * (D + Dv) * density.
 
 `--blocks-only` adds, for each block-sparse mask, a "<mask>-blocks" row: the same KV tiles, all of them
 run as full blocks (no mask_mod), which computes the block-level mask (checked against float64 as such)
@@ -61,18 +61,20 @@ def main():
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--masks", default="causal,window,document")
     ap.add_argument("--blocks-only", action="store_true")
+    ap.add_argument("--dims", default="128", help="q/k head dim, or q/k/v as 192/128")
     args = ap.parse_args()
     wanted = args.masks.split(",")
     name = torch.cuda.get_device_name()
     date = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%MZ}"
     print(f"device: {name}, torch {torch.__version__}, triton {triton.__version__}, {date}", flush=True)
-    D, H, dtype = 128, 16, torch.bfloat16
+    D, DV = (int(x) for x in (args.dims.split("/") * 2)[:2])
+    H, dtype = 16, torch.bfloat16
     rows = []
     for S in (int(x) for x in args.seqlens.split(",")):
         B = max(1, 16384 // S)
         torch.manual_seed(0)
-        q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=dtype) for _ in range(3))
-        out = torch.empty_like(q)
+        q, k, v = (torch.randn(B, H, S, d, device="cuda", dtype=dtype) for d in (D, D, DV))
+        out = torch.empty_like(v)
         lse = torch.empty(B, H, S, device="cuda")
         mx = torch.empty_like(lse)
         qi = torch.arange(S, device="cuda")[:, None]
@@ -108,7 +110,7 @@ def main():
             del s_ref
             launches, checks = {}, {}
             for persistent in (True, False):
-                cfg = get_config(D, dtype, persistent=persistent)
+                cfg = get_config(D, dtype, value_head_dim=DV, persistent=persistent)
 
                 def launch(cfg=cfg, mask_mod=mask_mod, bufs=bufs, kvn=kvn, kvi=kvi, fkvn=fkvn, fkvi=fkvi):
                     launch_fwd_sm90(q, k, v, out, lse, mx, sm_scale=D ** -0.5, mask_mod=mask_mod, mask_bufs=bufs,
@@ -125,10 +127,10 @@ def main():
             for r in range(args.rounds):
                 for p in (order if r % 2 == 0 else order[::-1]):
                     times[p].append(triton.testing.do_bench(launches[p], warmup=25, rep=100))
-            flops = 4 * B * H * S * S * D * density
+            flops = 2 * B * H * S * S * (D + DV) * density
             for p, ts in times.items():
                 ms = sorted(ts)[len(ts) // 2]
-                rows.append(dict(seqlen=S, batch=B, mask=mname, persistent=p, density=density, ms=ms,
+                rows.append(dict(seqlen=S, batch=B, head_dims=[D, DV], mask=mname, persistent=p, density=density, ms=ms,
                                  tflops=flops / (ms * 1e-3) / 1e12, ms_rounds=ts, check=checks[p]))
             a, b = (next(r for r in rows[-2:] if r["persistent"] is p) for p in (True, False))
             print(f"S{S:6d} {mname:9s} persistent {a['tflops']:6.1f} | one CTA per tile {b['tflops']:6.1f} "
