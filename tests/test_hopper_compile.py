@@ -360,6 +360,14 @@ def test_persistent_cut(D, kv_len, longest, persistent):
                                               * get_config(D).block_n <= 4096)
 
 
+@pytest.mark.parametrize("dv, kv_len, persistent", [(128, 8192, True), (128, 16384, False), (192, 8192, False)])
+def test_persistent_cut_at_192(dv, kv_len, persistent):
+    """q/k 192 with v 128 goes persistent up to 8192 keys (measured: causal 8k 1.024x); equal 192 keeps 4096."""
+    from fa3_inductor.templates.hopper.configs import use_persistent
+    assert use_persistent(get_config(192, value_head_dim=dv), num_tiles=2048, num_sms=132,
+                          kv_len=kv_len) is persistent
+
+
 @pytest.mark.parametrize("width, persistent", [(3, True), (32, True), (33, False), (128, False)])
 def test_schedule_follows_the_longest_tile_of_a_block_mask(width, persistent):
     # S = 16k: a sliding window's tiles (3 KV tiles for 256 keys) take the persistent pair schedule at any
