@@ -55,19 +55,20 @@ def launch_order(launch: Launch, group: int, descending: bool) -> list[tuple[int
 
 
 def makespan(launch: Launch, order: list[tuple[int, int]], slots: int, step: float, add_cost: float,
-             release: float, ordered: bool, descending: bool, defer: int = 0) -> float:
+             release: float, ordered: bool, descending: bool, defer: int = 0, walk_up: bool = False) -> float:
     """Time until the last CTA ends (in step times: step = 1.0 is the default's step). ``ordered``: each add waits
     for the one before it in the query step's order (ascending or ``descending`` KV tiles). An add is visible
     ``release`` after it is released: at once (``defer`` 0), or halfway through the CTA's step ``defer`` steps later
     (the kernels release an add at a later add's _turn_ahead: D64 two steps, D >= 128 paired one or two), or at the
-    CTA's end when it has no such step."""
+    CTA's end when it has no such step. ``walk_up``: each CTA walks its query steps from the last (the bottom of the
+    rows) up, as branch ``bwd-det-rwalk`` did."""
     free = [0.0] * slots
     heapq.heapify(free)
     ready: dict[tuple[int, int, int], float] = {}   # (head, query step, tile) -> its add visible to the next
     end = 0.0
     for head, tile in order:
         t = heapq.heappop(free)
-        steps = launch.steps(tile)
+        steps = launch.steps(tile)[::-1] if walk_up else launch.steps(tile)
         starts, adds = [], []
         for r in steps:
             starts.append(t)
@@ -108,6 +109,7 @@ def main() -> None:
     parser.add_argument("--add-cost", type=float, default=0.15, help="consumer time of an add, in steps")
     parser.add_argument("--release", type=float, default=0.3, help="release to visible for the next adder, in steps")
     parser.add_argument("--defer", type=int, default=0, help="steps from an add to its release (makespan's defer)")
+    parser.add_argument("--walk-up", action="store_true", help="each CTA walks its query steps from the last up")
     args = parser.parse_args()
     n = args.seqlen
     launch = Launch(heads=(args.tokens // n) * args.heads, kv_tiles=n // 128, q_steps=n // 64, mask=args.mask,
@@ -120,7 +122,7 @@ def main() -> None:
         for group in (launch.heads, 16, 8, 4, 2, 1):
             order = launch_order(launch, group, descending)
             span = makespan(launch, order, args.slots, 1.0, args.add_cost, args.release, True, descending,
-                            args.defer)
+                            args.defer, args.walk_up)
             print(f"  {'descending' if descending else 'ascending '} groups of {group:4d}: {span:8.0f} steps, "
                   f"default / this {default / span:.2f}")
 

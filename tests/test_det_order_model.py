@@ -42,3 +42,14 @@ def test_launch_order_puts_every_predecessor_first():
                 before = tile + 1 if descending else tile - 1
                 if 0 <= before < launch.kv_tiles:
                     assert position[head, before] < i
+
+
+@pytest.mark.parametrize("mask", ["causal", "document"])
+def test_walking_up_ascending_adds_never_wait(mask):
+    """Walked from the bottom up, every tile of a head reaches a query step at the same count of steps from its end,
+    the tiles below (which add there first) no later: with the adds ascending and free releases no CTA waits."""
+    launch = Launch(heads=6, kv_tiles=8, q_steps=16, mask=mask, doc_steps=4)
+    for group in (1, 2, 6):
+        order = launch_order(launch, group, descending=False)
+        free = makespan(launch, order, 10, 1.0, 0.0, 0.0, ordered=False, descending=False, walk_up=True)
+        assert makespan(launch, order, 10, 1.0, 0.0, 0.0, ordered=True, descending=False, walk_up=True) == free
