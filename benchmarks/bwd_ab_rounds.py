@@ -104,8 +104,8 @@ def main() -> None:
     head = [f"# bwd_speed A/B in rounds, {first.get('device', '?')}", "",
             f"Old: {', '.join(sorted({str(r.get('tree')) for r in runs['old']}))}; "
             f"new: {', '.join(sorted({str(r.get('tree')) for r in runs['new']}))}", "",
-            f"torch {first.get('torch', '?')}, triton {first.get('triton', '?')}, first new run {first.get('date', '?')}; "
-            f"its command: `{first.get('command', '?')}`", ""]
+            f"torch {first.get('torch', '?')}, triton {first.get('triton', '?')}, first new run "
+            f"{first.get('date', '?')}; its command: `{first.get('command', '?')}`", ""]
     with open(args.out + ".json", "w") as f:
         json.dump(dict(column=args.column, rows=rows, runs=runs), f, indent=1)
     with open(args.out + ".md", "w") as f:
