@@ -2,8 +2,8 @@
 time, so one noisy run of a row cannot decide a rule (docs/design/hopper_backward.md: one deterministic row read 3.43
 and 3.75 ms in two runs of the same order).
 
-    python benchmarks/bwd_ab_rounds.py --old /tmp/main --new . --rounds 3 --column 'ours[deterministic]_bwd_ms' \
-        --out $OUT/ab -- --seqlens 2048 8192 --head-dims 64 128 --variants causal sliding_window document \
+    python benchmarks/bwd_ab_rounds.py --old /tmp/main --new . --old-label main --new-label my-branch --rounds 3 \
+        --column 'ours[deterministic]_bwd_ms' --out $OUT/ab -- --seqlens 2048 8192 --head-dims 64 128 --variants causal sliding_window document \
         --bwd-variants default deterministic --flex-head-dims 0 --reps 5
 
 Each round runs bwd_speed.py (with the arguments after ``--``) in the old tree, then in the new one (odd rounds new
@@ -68,6 +68,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--old", help="the old source tree (its fa3_inductor is imported)")
     parser.add_argument("--new", default=".", help="the new source tree (default: this checkout)")
+    parser.add_argument("--old-label", help="FA3_TREE for the old tree's runs (what its result rows name as 'tree')")
+    parser.add_argument("--new-label", help="FA3_TREE for the new tree's runs")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--column", default="ours[deterministic]_bwd_ms", help="a bwd_speed row key to compare")
     parser.add_argument("--out", required=True, help="path prefix: OUT.json and OUT.md")
@@ -92,6 +94,9 @@ def main() -> None:
                 tree = os.path.abspath(getattr(args, side))
                 prefix = f"{args.out}-{side}-{r}"
                 env = dict(os.environ, PYTHONPATH=tree)
+                label = getattr(args, f"{side}_label")
+                if label:
+                    env["FA3_TREE"] = label
                 print(f"== round {r}, {side}: {tree}", flush=True)
                 # each tree's own bwd_speed.py, so the timing code is the tree's as well
                 subprocess.run([sys.executable, os.path.join(tree, "benchmarks", "bwd_speed.py"), *bench_args,
