@@ -3,8 +3,8 @@ time, so one noisy run of a row cannot decide a rule (docs/design/hopper_backwar
 and 3.75 ms in two runs of the same order).
 
     python benchmarks/bwd_ab_rounds.py --old /tmp/main --new . --old-label main --new-label my-branch --rounds 3 \
-        --column 'ours[deterministic]_bwd_ms' --out $OUT/ab -- --seqlens 2048 8192 --head-dims 64 128 --variants causal sliding_window document \
-        --bwd-variants default deterministic --flex-head-dims 0 --reps 5
+        --column 'ours[deterministic]_bwd_ms' --out $OUT/ab -- --seqlens 2048 8192 --head-dims 64 128 \
+        --variants causal sliding_window document --bwd-variants default deterministic --flex-head-dims 0 --reps 5
 
 Each round runs bwd_speed.py (with the arguments after ``--``) in the old tree, then in the new one (odd rounds new
 first), each in its own process with PYTHONPATH set to that tree. Writes OUT.json (every run's rows, the medians) and
