@@ -67,7 +67,8 @@ def main():
     name = torch.cuda.get_device_name()
     date = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%MZ}"
     print(f"device: {name}, torch {torch.__version__}, triton {triton.__version__}, {date}", flush=True)
-    D, DV = (int(x) for x in (args.dims.split("/") * 2)[:2])
+    dims = [int(x) for x in args.dims.split("/")]   # "128", or q/k and v: "192/128"
+    D, DV = dims[0], dims[-1]
     H, dtype = 16, torch.bfloat16
     rows = []
     for S in (int(x) for x in args.seqlens.split(",")):
