@@ -315,3 +315,25 @@ def test_joint_graph_from_the_lowering(cpu_kernels, fresh_compiles, monkeypatch)
     got = generic_backward(q, k, v, out.float(), dout, (lse / LN2).float(), sm_scale=0.25, **options)
     for name, g, w in zip(("dq", "dk", "dv"), got, (dq, dk, dv)):
         assert_matches_reference(g, w, torch.float32, name)
+
+
+def test_a_score_mod_that_ignores_the_score_gets_zero_dq_dk(cpu_kernels, fresh_compiles):
+    """A score_mod that replaces the score by a position bias: the joint graph gives the score no
+    gradient (None); its derivative is 0, so the generic backward serves it (dq = dk = 0, dv from P)
+    instead of the dense recompute."""
+    import fa3_inductor
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g).requires_grad_() for n in (37, 45, 45))
+    table = torch.randn(2, 100, generator=g)
+    out = fa3_inductor.flex(q, k, v, score_mod=lambda s, b, h, qi, ki: torch.tanh(table[h, (qi - ki) % 100]))
+    dout = torch.randn(out.shape, generator=g)
+    out.backward(dout)
+    assert fa3_inductor.lowered_backward_sites()[-1]["family"] == "generic_bwd"
+    v64 = v.detach().double().requires_grad_()
+    ref, _ = reference_attention(q.double(), k.double(), v64,
+                                 score_mod=lambda s, b, h, qi, ki: torch.tanh(table.double()[h, (qi - ki) % 100]))
+    ref.backward(dout.double())
+    assert torch.equal(q.grad, torch.zeros_like(q)) and torch.equal(k.grad, torch.zeros_like(k))
+    assert_matches_reference(v.grad, v64.grad, torch.float32, "dv")
+    assert_matches_reference(out.detach(), ref.detach(), torch.float32, "out")

@@ -83,15 +83,17 @@ def _run(make, tables, Z, HQ, HKV, M, N, D, dtype, mask_mod=None, deterministic=
                                                    captured=tables, make_score_mod=make)
     _, lse = reference_attention(q, k, v, score_mod, mask_mod, scale)
     options, bufs, sources = _backward_options(score_mod, joint)
+    # a table read twice is traced as two buffers (the lowering's graph has it once): one gradient each, summed
     position = [next(j for j, t in enumerate(tables) if t is b) for b in bufs]
-    grads = {position[s.buffer]: torch.empty_like(tables[position[s.buffer]]) for s in sources}
-    assert sorted(grads) == list(range(len(tables))), "every table needs a gradient"
+    grads = [(s, torch.empty_like(tables[position[s.buffer]])) for s in sources]
+    assert sorted({position[s.buffer] for s in sources}) == list(range(len(tables))), "every table needs a gradient"
     lse2 = (lse / LN2).float().detach()
-    got = generic_backward(q, k, v, out.to(dtype), dout, lse2, sm_scale=scale,
-                           buffer_grads=[(s, grads[position[s.buffer]]) for s in sources],
+    got = generic_backward(q, k, v, out.to(dtype), dout, lse2, sm_scale=scale, buffer_grads=grads,
                            deterministic=deterministic, **options,
                            **_mask_options(mask_mod, M, N))
-    return [*got, *(grads[i] for i in range(len(tables)))], [dq, dk, dv, *dtables]
+    summed = [sum(g.double() for s, g in grads if position[s.buffer] == i).to(tables[i].dtype)
+              for i in range(len(tables))]
+    return [*got, *summed], [dq, dk, dv, *dtables]
 
 
 def _check(got, want, dtype):
@@ -131,9 +133,22 @@ def _every_class(N):                # program, row, column and score classes at 
         lambda s, b, h, q, kv: s * (temp[h] + qs[q]) + kb[kv] + rel[q - kv + N - 1])   # gets 0)
 
 
+def _head_scale(t):                 # the table scales the score: its gradient's value (dS · score) is cast to the
+    return lambda s, b, h, q, kv: s * torch.exp2(t[h] * 0.5)   # table's bf16 in the joint graph (score_grad.py)
+
+
+def _temperature(t):                # a learnable 0-d temperature, read as it is: its gradient in the joint
+    return lambda s, b, h, q, kv: s * (1.0 + t)   # graph is dS · score, not a scatter (summed into its element)
+
+
+def _temperature_softcap(t, u):     # two 0-d tensors: a learnable scale under a learnable softcap
+    return lambda s, b, h, q, kv: (2.0 + u) * torch.tanh(s * (3.0 + t) / (2.0 + u))   # saturating: d/du is
+                                    # not small next to the dS it sums (an unsaturated cap's is ~z^3)
+
+
 def _param(*shape, dtype=torch.float32, scale=0.5, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * scale).to(dtype).requires_grad_()
+    return (torch.randn(shape, generator=g) * scale).to(dtype).requires_grad_()
 
 
 # (id, make, table shapes, Z, HQ, HKV, M, N, D, dtype, mask_mod): ragged M != N, D 16 / 32,
@@ -150,6 +165,9 @@ CASES = [
      None),
     ("relative-bf16-table-bf16", _relative(64), [(64 + 64 - 1,)], 1, 2, 2, 64, 64, 16,
      torch.bfloat16, None),
+    ("head-scale-bf16-table-bf16", _head_scale, [(2,)], 1, 2, 2, 64, 64, 16, torch.bfloat16, None),
+    ("temperature-0d-fp32-causal", _temperature, [()], 2, 2, 1, 72, 100, 16, torch.float32, mods.causal),
+    ("temperature-softcap-0d-bf16", _temperature_softcap, [(), ()], 1, 2, 2, 64, 80, 32, torch.bfloat16, None),
 ]
 
 
@@ -260,3 +278,24 @@ def test_sm90_compile_buffer_grads_no_spills():
             assert r.stack == 0 and r.local == 0 and r.spill_instructions == 0, reports[-1]
             assert r.hgmma > 0, f"{reports[-1]}: no wgmma"
     print("\n".join(reports))
+
+
+def test_chained_indexing_through_the_front_door(cpu_kernels, fresh_compiles):
+    """``table[h][q_idx - kv_idx + N]`` (chained indexing, as model code writes it): the joint graph scatters the
+    row's gradient into a scatter of the table's; read as one scatter at [h, offset], the generic backward serves
+    it (not the dense recompute) and the table's gradient matches float64."""
+    import fa3_inductor
+
+    g = torch.Generator().manual_seed(5)
+    M, N = 37, 45
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g).requires_grad_() for n in (M, N, N))
+    table = (torch.randn(2, M + N, generator=g) * 0.5).requires_grad_()
+    out = fa3_inductor.flex(q, k, v, score_mod=lambda s, b, h, qi, ki: s + table[h][qi - ki + N])
+    dout = torch.randn(out.shape, generator=g)
+    out.backward(dout)
+    assert fa3_inductor.lowered_backward_sites()[-1]["family"] == "generic_bwd"
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, table)]
+    ref, _ = reference_attention(*leaves[:3], score_mod=lambda s, b, h, qi, ki: s + leaves[3][h, qi - ki + N])
+    ref.backward(dout.double())
+    for name, got, want in zip(("dq", "dk", "dv", "dtable"), (q.grad, k.grad, v.grad, table.grad), leaves):
+        assert_matches_reference(got, want.grad, torch.float32, name)

@@ -55,20 +55,41 @@ class BufferGradSource:
     along_kv: bool                    # the offset varies with kv_idx
 
 
-def _scatter_parts(node: Any, buffer: int) -> tuple[list[int], list[Any], Any]:
-    """(shape, indices, value) of a buffer's gradient in the joint graph."""
-    if isinstance(node, torch.fx.Node) and node.op == "call_function":
-        if str(node.target) == "flex_lib.zeros_and_scatter.default":
-            shape, indices, value = node.args
+def _as_scatter(node: Any) -> Optional[tuple[list[int], list[Any], Any]]:
+    """(shape, indices, value) when ``node`` scatter-adds a value into zeros, else None."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function"):
+        return None
+    if str(node.target) == "flex_lib.zeros_and_scatter.default":
+        shape, indices, value = node.args
+        return list(shape), list(indices), value
+    if node.target in (aten.index_put.default, aten.index_put_.default):
+        base, indices, value = node.args[:3]
+        accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate")
+        if accumulate and isinstance(base, torch.fx.Node) and base.target in _ZEROS:
+            shape = base.args[1] if base.target is aten.new_zeros.default else base.args[0]
             return list(shape), list(indices), value
-        if node.target in (aten.index_put.default, aten.index_put_.default):
-            base, indices, value = node.args[:3]
-            accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate")
-            if accumulate and isinstance(base, torch.fx.Node) and base.target in _ZEROS:
-                shape = base.args[1] if base.target is aten.new_zeros.default else base.args[0]
-                return list(shape), list(indices), value
-    raise UnsupportedMod(f"the joint graph's gradient of captured buffer {buffer} is {node!r}, not "
-                         "a scatter-add into zeros (zeros_and_scatter); report the torch version")
+    return None
+
+
+def _scatter_parts(node: Any, buffer: int, spec: BufferSpec) -> tuple[list[int], list[Any], Any]:
+    """(shape, indices, value) of a buffer's gradient in the joint graph. Chained indexing
+    (``table[h][q_idx - kv_idx]``) scatters a scatter: the inner one fills the dimensions the outer
+    leaves, so the two are one scatter at the indices of both. A 0-d buffer read as it is (a learnable
+    temperature: ``score * temp``) is not scattered: its gradient node is the value itself, one per
+    score, summed into the buffer's only element (no indices)."""
+    parts = _as_scatter(node)
+    if parts is None:
+        if not spec.shape and isinstance(node, torch.fx.Node):   # (the incoming gradient itself: w = 1)
+            return [], [], node
+        raise UnsupportedMod(f"the joint graph's gradient of captured buffer {buffer} is {node!r}, not "
+                             "a scatter-add into zeros (zeros_and_scatter); report the torch version")
+    shape, indices, value = parts
+    inner = _as_scatter(value)
+    while inner is not None and len(indices) + len(inner[0]) == len(shape) and \
+            list(inner[0]) == list(shape[len(indices):]):
+        indices, value = indices + inner[1], inner[2]
+        inner = _as_scatter(value)
+    return shape, indices, value
 
 
 def _index_graph(gm: torch.fx.GraphModule, placeholders: list[torch.fx.Node],
@@ -140,7 +161,7 @@ def buffer_grad_sources(joint_gm: torch.fx.GraphModule, buffers: Sequence[Option
                                  "0-d tensor")
 
         def pick(results: list, i: int = i) -> Any:
-            return _scatter_parts(results[1 + _N_INDEX + i], i)[2]
+            return _scatter_parts(results[1 + _N_INDEX + i], i, spec)[2]
 
         value_gm = pointwise_joint_graph(joint_gm, n_buffers, pick, f"gradient of buffer {i}")
         value = None if value_gm is None else generate_mod_source(value_gm, "score", list(buffers),
@@ -148,7 +169,7 @@ def buffer_grad_sources(joint_gm: torch.fx.GraphModule, buffers: Sequence[Option
         gm = torch.fx.GraphModule(joint_gm, copy.deepcopy(joint_gm.graph))
         placeholders = joint_placeholders(gm, n_buffers)
         copied = next(n for n in gm.graph.nodes if n.op == "output").args[0][1 + _N_INDEX + i]
-        shape, indices, _ = _scatter_parts(copied, i)
+        shape, indices, _ = _scatter_parts(copied, i, spec)
         if tuple(shape) != tuple(spec.shape):
             raise UnsupportedMod(f"the joint graph scatters the gradient of captured buffer {i} "
                                  f"into shape {shape}, the buffer is {list(spec.shape)}")

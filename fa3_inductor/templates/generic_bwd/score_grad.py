@@ -15,6 +15,10 @@ module rewrites the joint graph into that shape, then hands it to the generator 
   (``tanh_backward(g, y) = g·(1 − y²)``, ``sigmoid_backward``, ``threshold_backward``), and
   ``relu`` becomes ``clamp_min``; in-place twins (``logical_and_``) become their functional form
   when nothing else reads the mutated value.
+- casts to float16 / bfloat16 are dropped (half-precision casts): autograd rounds each score's
+  contribution to a half-precision captured tensor's dtype before its sum; the kernels sum in
+  float32 and round once (Triton 3.6's interpreter also computes bfloat16 arithmetic wrongly: a
+  bf16 table's gradient came out as 1e37 there).
 - only ``d score`` is kept. Gradients of the captured buffers (a learnable bias table) are a
   scatter-add over the score tile into the buffer: buffer_grad.py generates those, through the
   same rewrite (:func:`pointwise_joint_graph`) with another value picked.
@@ -110,10 +114,18 @@ def pointwise_joint_graph(joint_gm: torch.fx.GraphModule, n_buffers: int,
     grad = placeholders[1 + _N_INDEX]
     if value is grad:
         return None
+    if value is None:   # nothing differentiable reads the score (a mod that replaces it): its derivative is 0
+        with graph.inserting_before(output):
+            value = graph.call_function(aten.scalar_tensor.default, (0.0,), {"dtype": torch.float32})
+        value.meta["val"] = torch.zeros((), dtype=torch.float32)
     if not isinstance(value, torch.fx.Node):
         raise UnsupportedMod(f"the joint graph's {what} is the constant {value!r}")
     # Only this value is generated: drop the others before anything else reads the graph.
     output.args = (value,)
+    for node in list(graph.nodes):
+        if _narrowing_cast(node):   # kept in float32 (module docstring: "Half-precision casts")
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
@@ -138,6 +150,18 @@ def pointwise_joint_graph(joint_gm: torch.fx.GraphModule, n_buffers: int,
     graph.lint()
     gm.recompile()
     return gm
+
+
+_CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+
+
+def _narrowing_cast(node: torch.fx.Node) -> bool:
+    """A cast to float16 / bfloat16 in the joint graph: autograd rounds each score's contribution to a
+    half-precision captured tensor's dtype before summing; the kernels sum in float32 and round once."""
+    if node.op != "call_function" or node.target not in _CASTS:
+        return False
+    dtype = node.kwargs.get("dtype") if node.target is aten._to_copy.default else node.args[1]
+    return dtype in (torch.float16, torch.bfloat16)
 
 
 def joint_placeholders(gm: torch.fx.GraphModule, n_buffers: int) -> list[torch.fx.Node]:
