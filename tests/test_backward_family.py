@@ -299,3 +299,32 @@ def test_registry_order_and_last_resorts(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="fa3_inductor"):
         assert [f.name for f in registry.backward_families()] == ["generic_bwd"]
     assert "not_written_yet_bwd" not in caplog.text
+
+
+def test_the_generic_backward_serves_cuda_sites_torch_cannot_lower():
+    """On CUDA the generic backward leaves plain sites to torch's faster kernel, but not the ones torch's
+    lowering fails on (BackwardSiteFacts.torch_refuses, set by the lowering: tests/test_training.py's GPU
+    cases)."""
+    from fa3_inductor.templates.generic_bwd.family import GENERIC_BWD
+
+    cuda = BackwardSiteFacts(torch.device("cuda"), torch.bfloat16, 16, 16)
+    assert "torch's flex backward kernel is faster" in GENERIC_BWD.serves_backward(cuda)
+    assert GENERIC_BWD.serves_backward(BackwardSiteFacts(torch.device("cuda"), torch.bfloat16, 16, 16,
+                                                         torch_refuses=True)) is None
+
+
+def test_a_score_mod_that_replaces_the_score_is_seen_as_gradless():
+    """The joint graph of a score_mod that ignores the score gives it no gradient: the lowering marks such a
+    site as one torch's lowering cannot take (it asserts there), and ours serve it with dS·0."""
+    from torch._higher_order_ops.flex_attention import create_fw_bw_graph
+
+    from fa3_inductor.lowering.flex_backward_lowering import _score_gradless
+    from fa3_inductor.templates.modgen import trace_mod
+
+    def joint(fn):
+        gm, bufs = trace_mod(fn, "score")
+        index_values = (torch.zeros((), requires_grad=True), *(torch.zeros((), dtype=torch.int32) for _ in range(4)))
+        return create_fw_bw_graph(gm, index_values, tuple(bufs))[1]
+
+    assert _score_gradless(joint(lambda s, b, h, q, kv: torch.tanh((q - kv) * 0.05)))
+    assert not _score_gradless(joint(mods.softcap(2.0)))

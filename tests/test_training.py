@@ -401,3 +401,37 @@ def test_gpu_training(door, name, dtype):
         from fa3_inductor.runtime.ops_bwd import last_backward_family
 
         assert last_backward_family() in (*BACKWARD_FOLDERS, "dense"), last_backward_family()
+
+
+# Mods torch's flex backward lowering cannot take (torch 2.11, found by benchmarks/mod_fuzz.py --grad on an H200):
+# a score_mod that replaces the score (no score gradient: "joint_subgraph_buffer is None"), an integer power in
+# the score_mod ("Buffers cannot be created while lowering a pointwise subgraph"). At head dims our Hopper backward
+# does not take (16, 40), torch's kernel would be the last resort; ours serve them instead of a compiler traceback.
+TORCH_LOWERING_FAILS = {
+    "replaced-score": lambda s, b, h, q_idx, kv_idx: torch.tanh((q_idx - kv_idx) * 0.05),
+    "int-pow": lambda s, b, h, q_idx, kv_idx: s + torch.clamp_min(torch.abs(2 ** (q_idx % 3) % 5), -1.5),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(TORCH_LOWERING_FAILS))
+@pytest.mark.parametrize("d", [16, 40])
+def test_gpu_mods_torch_cannot_lower_run_ours(name, d):
+    score_mod = TORCH_LOWERING_FAILS[name]
+    g = torch.Generator(device="cuda").manual_seed(d)
+    q, k, v = (torch.randn(1, 4, n, d, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+               for n in (200, 137, 137))
+    out = fa3_inductor.flex(q, k, v, score_mod=score_mod)
+    dout = torch.randn(out.shape, device="cuda", generator=g, dtype=torch.bfloat16)
+    out.backward(dout)
+    site = lowered_backward_sites()[-1]
+    assert site["family"] == "generic_bwd", site
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, _ = reference_attention(*leaves, score_mod=score_mod)
+    ref.backward(dout.double())
+    assert_matches_reference(out, ref, torch.bfloat16, "output")
+    for label, t, want in zip(("dq", "dk", "dv"), (q, k, v), leaves):
+        if name == "replaced-score" and label != "dv":
+            assert torch.equal(t.grad, torch.zeros_like(t.grad)), label
+        else:
+            assert_matches_reference(t.grad, want.grad, torch.bfloat16, label)

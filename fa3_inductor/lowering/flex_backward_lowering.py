@@ -82,8 +82,9 @@ def _torch_sources(a: _compat.FlexBackwardArgs, bm: _compat.FlexBlockMask
     return score, mask
 
 
-def _lower_on_cpu(a: _compat.FlexBackwardArgs, shape: str):
-    """The dense recompute op ``fa3_inductor::flex_bwd`` for one site: (dq, dk, dv, captured grads)."""
+def _lower_dense(a: _compat.FlexBackwardArgs, shape: str):
+    """The dense recompute op ``fa3_inductor::flex_bwd`` for one site: (dq, dk, dv, captured grads). The
+    CPU's backward (Inductor has none there); on CUDA, for sites neither torch's lowering nor ours take."""
     from torch._inductor import ir
     from torch._inductor.virtualized import V
 
@@ -92,9 +93,9 @@ def _lower_on_cpu(a: _compat.FlexBackwardArgs, shape: str):
         score_src, mask_src = _torch_sources(a, bm)
     except UnsupportedMod as exc:
         raise NotImplementedError(
-            f"fa3_inductor: cannot run flex attention backward on the CPU for {shape}: {exc}. "
-            "Rewrite the mod with supported ops (see fa3_inductor/templates/modgen.py), or "
-            "train on a CUDA device, where torch's flex backward kernel runs.") from exc
+            f"fa3_inductor: cannot run flex attention backward for {shape}: {exc}. Rewrite the mod with "
+            "supported ops (see fa3_inductor/templates/modgen.py); on a CUDA device torch's flex backward "
+            "kernel runs the mods it can take.") from exc
     buffers = list(a.score_mod_other_buffers)
     is_tensor = [isinstance(b, ir.IRNode) for b in buffers]
     needs = _compat.joint_graph_buffer_grads(a.joint_graph.graph_module, len(buffers))
@@ -218,16 +219,29 @@ def _buffer_grad_mods(joint_gm: Any, dialects: list[str], score_specs: list) -> 
                  for dialect in dict.fromkeys(dialects))
 
 
-def _plan(a: _compat.FlexBackwardArgs, bm: _compat.FlexBlockMask, settings: Settings, shape: str
-          ) -> tuple[Optional[BackwardSiteSpec], str]:
-    """(spec, note) when one of our backward families serves the site, else (None, reason)."""
+def _score_gradless(joint_gm: Any) -> bool:
+    """Whether the joint graph gives the score no gradient (a score_mod that replaces it by a bias):
+    torch 2.11's backward lowering then fails (``joint_subgraph_buffer is None``); ours take dS·0."""
+    output = next(n for n in joint_gm.graph.nodes if n.op == "output")
+    results = output.args[0]
+    return (list(results) if isinstance(results, (tuple, list)) else [results])[0] is None
+
+
+def _plan(a: _compat.FlexBackwardArgs, bm: _compat.FlexBlockMask, settings: Settings, shape: str,
+          torch_refuses: bool = False) -> tuple[Optional[BackwardSiteSpec], str]:
+    """(spec, note) when one of our backward families serves the site, else (None, reason).
+    ``torch_refuses``: torch's lowering failed on the site, so a family of ours serves it whatever its
+    speed (BackwardSiteFacts.torch_refuses)."""
     flags = _tensor_buffer_grads(a)
     score_gm, joint_gm = a.fw_graph.graph_module, a.joint_graph.graph_module
+    torch_refuses = torch_refuses or _score_gradless(joint_gm)
     grad_gm, grad_error = derivative_graph(score_gm, joint_gm, len(a.score_mod_other_buffers))
     facts, reason = _site_facts(a, bm, settings, buffer_grads=any(flags),
                                 score_grad=grad_gm is not None or grad_error is not None)
     if facts is None:
         return None, reason
+    if torch_refuses:
+        facts = dataclasses.replace(facts, torch_refuses=True)
     score_specs, mask_specs = buffer_specs(a.score_mod_other_buffers), buffer_specs(a.mask_mod_other_buffers)
     tensor_specs = [s for s in score_specs if s is not None]
     if any(isinstance(st, RuntimeStride) for spec in tensor_specs + [s for s in mask_specs if s]
@@ -385,19 +399,36 @@ def _fa3_flex_backward_lowering(*args, **kwargs):
         return result
     device = a.query.get_device()
     if backward_last_resort(device) == DENSE_BACKWARD:
-        dq, dk, dv, captured = _lower_on_cpu(a, shape)
+        dq, dk, dv, captured = _lower_dense(a, shape)
         _record(LoweredBackwardSite(
             "fa3_inductor.flex_bwd", shape, sum(g is not None for g in captured),
             f"{why} (the dense recompute runs it: Inductor has no CPU flex backward)", family="dense",
             site_id=tag, deterministic=deterministic))
         return dq, dk, dv, captured
-    _record(LoweredBackwardSite("torch", shape, None, f"{why} (torch's flex backward kernel runs it, "
-                                "reading our forward's out and log2 LSE)", family="torch",
-                                site_id=tag, deterministic=deterministic))
     fitting = torch_backward_options(a, bm)   # fewer stages where its default overflows shared memory
     if fitting is not None:
         args, kwargs = tuple(a._replace(kernel_options=fitting)), {}
-    return _original_lowering(*args, **kwargs)
+    try:
+        result = _original_lowering(*args, **kwargs)
+    except Exception as exc:   # torch's lowering cannot take the site (fuzzed mods: an int pow, a 0-d capture)
+        said = (str(exc).strip().splitlines() or ["no message"])[0][:200]
+        failure = f"torch's flex backward lowering failed ({type(exc).__name__}: {said})"
+        spec, why_ours = _plan(a, bm, settings, shape, torch_refuses=True)
+        if spec is not None:
+            result = _emit(a, bm, spec)
+            _record(LoweredBackwardSite("fa3_inductor.flex_bwd", shape, sum(spec.buffer_grads),
+                                        f"{failure}; {why_ours}", family=spec.families[0], site_id=tag,
+                                        deterministic=deterministic))
+            return result
+        dq, dk, dv, captured = _lower_dense(a, shape)
+        _record(LoweredBackwardSite("fa3_inductor.flex_bwd", shape, sum(g is not None for g in captured),
+                                    f"{failure}; {why_ours} (the dense recompute runs it)", family="dense",
+                                    site_id=tag, deterministic=deterministic))
+        return dq, dk, dv, captured
+    _record(LoweredBackwardSite("torch", shape, None, f"{why} (torch's flex backward kernel runs it, "
+                                "reading our forward's out and log2 LSE)", family="torch",
+                                site_id=tag, deterministic=deterministic))
+    return result
 
 
 _fa3_flex_backward_lowering._fa3_wrapper = True  # type: ignore[attr-defined]

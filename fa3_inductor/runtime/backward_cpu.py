@@ -154,7 +154,7 @@ def flex_bwd(q: Tensor, k: Tensor, v: Tensor, grad_out: Optional[Tensor],
 
 
 _LIB.impl("flex_bwd", flex_bwd, "CPU")
-_LIB.impl("flex_bwd", flex_bwd, "CUDA")  # not emitted on CUDA (torch's kernel runs), but valid
+_LIB.impl("flex_bwd", flex_bwd, "CUDA")  # on CUDA only for sites neither torch's lowering nor a family takes
 
 
 @torch.library.register_fake("fa3_inductor::flex_bwd", lib=_LIB)

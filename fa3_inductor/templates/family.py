@@ -191,6 +191,9 @@ class BackwardSiteFacts(SiteFacts):
     # a score_mod whose values may be huge (ModInfo.wide): torch's backward kernel exponentiates with a
     # contracted FFMA, which overflows there (templates/wide_scores.py); ours round first or clamp
     wide_scores: bool = False
+    # torch's backward lowering cannot take the site (a score_mod that ignores the score, or it raised):
+    # a family of ours serves it whatever the speed it would give up to torch's kernel
+    torch_refuses: bool = False
 
 
 @dataclasses.dataclass

@@ -31,7 +31,8 @@ def _interpreting() -> bool:
 # bitwise-reproducible gradients, which torch's kernel does not promise.
 _SLOWER_THAN_TORCH = ("torch's flex backward kernel is faster on CUDA GPUs (H100, B8 H16 N2048: 1.87 against "
                       "2.75 ms at D128, 1.37 against 1.88 at D64); the generic backward serves CUDA sites "
-                      "with fa3.deterministic_backward, and score_mods whose values may be huge")
+                      "with fa3.deterministic_backward, score_mods whose values may be huge, and sites "
+                      "torch's backward lowering cannot take")
 
 
 class GenericBackwardFamily:
@@ -54,7 +55,7 @@ class GenericBackwardFamily:
         if site.device.type == "cpu" and not _interpreting():
             return ("CPU tensors and Triton's interpreter is off (TRITON_INTERPRET=1 runs the generic "
                     "backward on the CPU)")
-        if site.device.type == "cuda" and not (site.deterministic or site.wide_scores):
+        if site.device.type == "cuda" and not (site.deterministic or site.wide_scores or site.torch_refuses):
             return _SLOWER_THAN_TORCH
         return None   # dtype and head dims: the planner's shared check (lowering/site_plan.unserved)
 
