@@ -3,6 +3,7 @@
     python benchmarks/mod_fuzz.py --cases 360 --seed 0 --out DIR            # CUDA: bf16 + fp16
     python benchmarks/mod_fuzz.py --cases 20 --device cpu --out DIR          # Triton's interpreter
     python benchmarks/mod_fuzz.py --seed 0 --case 17 --device cpu            # rerun one case
+    python benchmarks/mod_fuzz.py --grad --cases 360 --seed 1 --out DIR      # gradients too
 
 Each case is a random mod pair written as Python source (expression trees over the index
 arguments, the score, captured tensors and captured Python numbers; every op the mod generator
@@ -16,6 +17,17 @@ a dtype. The mods are real closures (``make(...)`` returns them). Outcomes, one 
     wrong                   error over tolerance, or non-finite output where the reference is finite
     crash                   any exception
     skipped-illconditioned  the float64 reference itself is not finite (kept rare by construction)
+    ill-conditioned         over the tolerance, but within 4x the case's own sensitivity: the larger of
+                            how far the float64 result moves when q, k, v and the captured floats move by
+                            one rounding of the dtype (relative, random signs), and the error of the same
+                            computation done eagerly in float32. The mod amplifies rounding (sqrt or pow
+                            near 0, a steep clamp) more than the tolerance rule assumes. Both figures kept.
+
+``--grad``: the same cases with gradients. q, k and v require grad, and so does each float tensor the
+score_mod captures with probability 1/2 per pair (``capture_grads``: learnable biases); the output's
+backward with a random dO is checked against float64 autograd through the same mods (out, dq, dk, dv and
+each capture's gradient, every one within the tolerance). "fallback" then also means the dense recompute
+ran the backward (``last_backward_family()`` "dense") where a backward family should have.
 
 Cases are generated from (seed, index) alone; each prints a one-line repro. Consecutive pairs of
 cases (2k, 2k + 1) share their mods, dtype, head dims and captured tensors and differ in batch and
@@ -32,6 +44,8 @@ Example::
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -50,7 +64,10 @@ for _path in (ROOT, ROOT / "tests"):   # the package and tests/reference.py (the
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-OUTCOMES = ("match", "fallback", "wrong", "crash", "skipped-illconditioned")
+OUTCOMES = ("match", "fallback", "wrong", "crash", "ill-conditioned", "skipped-illconditioned")
+# unit roundoff per dtype: the perturbation that measures a case's conditioning (ill-conditioned above)
+_ROUNDING = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+_CONDITION_FACTOR = 4.0
 
 # Shapes per device. GPU head dims: 64/128/80 are served by the Hopper template, 16/40 only by
 # the generic one. Captured index tables are sized for the longest length of the list.
@@ -85,10 +102,13 @@ class Case:
     mask_src: Optional[str]
     captures: dict[str, str]          # name -> description (dtype, shape)
     max_len: int                      # captured index tables cover positions < max_len
+    grad: bool = False                # --grad: gradients checked too
+    capture_grads: tuple = ()         # with grad: the captured tensors that require grad
 
     def repro(self) -> str:
-        """One line that names the case and its mods (rerun: --seed S --case I)."""
-        return (f"seed={self.seed} case={self.index} {self.dtype} B{self.batch} Hq{self.q_heads} "
+        """One line that names the case and its mods (rerun: --seed S --case I, --grad if it says grad)."""
+        grad = f" grad (captures: {', '.join(self.capture_grads) or 'none'})" if self.grad else ""
+        return (f"seed={self.seed} case={self.index}{grad} {self.dtype} B{self.batch} Hq{self.q_heads} "
                 f"Hkv{self.kv_heads} M{self.q_len} N{self.kv_len} D{self.head_dim}/{self.value_head_dim} "
                 f"score_mod: {self.score_src or 'none'} | mask_mod: {self.mask_src or 'none'}"
                 + (f" | captures: {self.captures}" if self.captures else ""))
@@ -354,8 +374,9 @@ def _pick_shape(rng: random.Random, device: str, pair_rng: random.Random) -> dic
                 max_len=max(grid["lengths"]))
 
 
-def build_case(seed: int, index: int, device: str = "cpu") -> Case:
-    """The case ``index`` of the run with ``seed`` (pure: the same arguments give the same case).
+def build_case(seed: int, index: int, device: str = "cpu", grad: bool = False) -> Case:
+    """The case ``index`` of the run with ``seed`` (pure: the same arguments give the same case; ``grad``
+    changes nothing but the gradients asked for, so a --grad run checks the same mods and shapes).
 
     Example::
 
@@ -380,8 +401,13 @@ def build_case(seed: int, index: int, device: str = "cpu") -> Case:
         mask_src = exprs_mask.bool_expr(pair_rng.choice((1, 2, 2, 3)))
     used = exprs_score.used | exprs_mask.used
     captures = {name: desc for name, desc in _capture_descriptions(pair_rng, shape).items() if name in used}
+    capture_grads: tuple = ()
+    if grad:   # a separate stream: the mods and shapes stay those of the run without --grad
+        grad_rng = random.Random(f"{seed}-capture-grads-{index // 2}")
+        capture_grads = tuple(name for name in ("bias", "table", "scal")
+                              if name in exprs_score.used and grad_rng.random() < 0.5)
     return Case(seed=seed, index=index, device=device, score_src=score_src, mask_src=mask_src,
-                captures=captures, **shape)
+                captures=captures, grad=grad, capture_grads=capture_grads, **shape)
 
 
 def _capture_descriptions(rng: random.Random, shape: dict) -> dict[str, str]:
@@ -407,7 +433,16 @@ def materialize(case: Case, device: Any, exact_captures: bool = False) -> tuple:
     """(q, k, v, score_mod, mask_mod) on ``device``; mods are closures over the case's captures.
     ``exact_captures``: captured float tensors in float64 (same values), for the reference: the
     kernels compute mods in float32 whatever the buffer's dtype (as Inductor's fused code does),
-    so ``2.0 + half_table[i]`` must not round to float16 in the reference either."""
+    so ``2.0 + half_table[i]`` must not round to float16 in the reference either. With
+    ``case.grad`` q, k, v and the ``capture_grads`` tensors are leaves that require grad."""
+    return _materialize(case, device, exact_captures)[:5]
+
+
+def _materialize(case: Case, device: Any, exact_captures: bool = False, perturb: float = 0.0,
+                 precision: Any = None) -> tuple:
+    """materialize's five, then the captures by name (to read their gradients). ``precision`` (with
+    ``exact_captures``): the captured floats' dtype, float64 by default. ``perturb``: q, k, v and the
+    captured floats times (1 ± perturb), random signs, in float64."""
     import torch
 
     dtype = getattr(torch, case.dtype)
@@ -430,12 +465,26 @@ def materialize(case: Case, device: Any, exact_captures: bool = False) -> tuple:
         keep=(torch.rand(length, generator=pair) < 0.7).to(device),
         scal=torch.randn((), generator=pair).to(device), C=1.75, H=case.q_heads)
     if exact_captures:
-        caps = {name: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+        caps = {name: t.to(precision or torch.float64) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                else t for name, t in caps.items()}
+    if perturb:
+        signs = torch.Generator().manual_seed(hash_int(f"{case.seed}-perturb-{case.index}"))
+
+        def moved(t):
+            t = t.to(precision or torch.float64)
+            sign = torch.randint(0, 2, t.shape, generator=signs).to(t.device, torch.float64) * 2 - 1
+            return t * (1 + perturb * sign)
+
+        q, k, v = moved(q), moved(k), moved(v)
+        caps = {name: moved(t) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
                 for name, t in caps.items()}
+    if case.grad:
+        for t in (q, k, v, *(caps[name] for name in case.capture_grads)):
+            t.requires_grad_()
     namespace: dict[str, Any] = {"torch": torch}
     exec(_FACTORY.format(score=case.score_src or "score", mask=case.mask_src or "True"), namespace)
     score_mod, mask_mod = namespace["make"](**caps)
-    return q, k, v, (score_mod if case.score_src else None), (mask_mod if case.mask_src else None)
+    return q, k, v, (score_mod if case.score_src else None), (mask_mod if case.mask_src else None), caps
 
 
 def elementwise(mod: Optional[Any], kind: str) -> Optional[Any]:
@@ -489,8 +538,121 @@ def _fallback_reason(sites_before: int, log_lines: list[str]) -> str:
     return "; ".join(reasons) or "no reason recorded (lowered_sites() and the log say nothing)"
 
 
+@contextlib.contextmanager
+def _captured_log():
+    """The fa3_inductor log's lines (INFO and up) while the block runs."""
+    log, lines = logging.getLogger("fa3_inductor"), _LogLines()
+    level = log.level
+    log.addHandler(lines)
+    log.setLevel(logging.INFO)
+    try:
+        yield lines.lines
+    finally:
+        log.removeHandler(lines)
+        log.setLevel(level)
+
+
+def _abs_grad():
+    """An identity whose backward passes |grad|, vmappable (torch.func rules from the forward)."""
+    import torch
+
+    class AbsGrad(torch.autograd.Function):
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(x):
+            return x.view_as(x)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad.abs()
+
+    return AbsGrad.apply
+
+
+def _reference(case: Case, device: Any, dout: Any = None, perturb: float = 0.0,
+               precision: Any = None) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """The float64 output and, given ``dout``, its gradients by name (dq, dk, dv, d<capture>) and each capture's
+    gradient scale: its gradient with every score's gradient dS replaced by |dS|. A capture's gradient sums dS over
+    many scores, and a softmax row's dS sum to zero, so it can cancel to nothing (``score + bias[h]`` shifts whole rows:
+    its exact gradient is 0); its error is measured against that scale, the size of what was summed.
+    ``perturb``: on inputs moved by that relative amount (_materialize); ``precision``: computed in that
+    dtype instead (float32: an honest implementation's own error); both for the conditioning."""
+    import torch
+
+    from reference import reference_attention
+
+    precision = precision or torch.float64
+
+    def run(mod_wrap=None):
+        q, k, v, score_mod, mask_mod, caps = _materialize(case, device, exact_captures=True, perturb=perturb,
+                                                          precision=precision)
+        leaves = {"q": q.detach().to(precision).requires_grad_(), "k": k.detach().to(precision).requires_grad_(),
+                  "v": v.detach().to(precision).requires_grad_(),
+                  **{name: caps[name] for name in case.capture_grads}}
+        if mod_wrap is not None and score_mod is not None:   # (+ 0 * score: one value a score, never broadcast)
+            score_mod = (lambda mod: lambda score, *idx: mod_wrap(mod(score, *idx) + 0.0 * score))(score_mod)
+        out, _ = reference_attention(leaves["q"], leaves["k"], leaves["v"], score_mod=elementwise(score_mod, "score"),
+                                     mask_mod=elementwise(mask_mod, "mask"), precision=precision)
+        if dout is not None:
+            out.backward(dout.to(precision))
+        # no path from a leaf to the output (a score_mod that ignores the score): its gradient is zero
+        return out.detach(), {f"d{name}": torch.zeros_like(t) if t.grad is None else t.grad
+                              for name, t in leaves.items()}
+
+    if dout is None:
+        with torch.no_grad():
+            return run()[0], {}, {}
+    out, grads = run()
+    if not case.capture_grads:
+        return out, grads, {}
+    abs_grads = run(_abs_grad())[1]
+    return out, grads, {f"d{name}": abs_grads[f"d{name}"] for name in case.capture_grads}
+
+
+def _moved_by(moved: Any, exact: Any, scale: Any = None) -> float:
+    """The relative change of a float64 result under the rounding perturbation (against ``scale``'s size
+    where given, as the capture gradients' errors are)."""
+    size = exact.norm().item() if scale is None else max(exact.norm().item(), scale.norm().item())
+    return (moved.double() - exact).norm().item() / (size if size > 0 else 1.0)
+
+
+def _classify(result: dict[str, Any], errors: dict[str, float], tolerances: dict[str, float], template: str,
+              family: Optional[str], fallback: Optional[str]) -> dict[str, Any]:
+    """The outcome from each tensor's error against its tolerance (and, over it, against the case's own
+    conditioning: result["condition"]), then the families that ran."""
+    result.update(template=template, error=errors["out"], errors=errors, tolerance=tolerances["out"])
+    if family is not None:
+        result["backward_family"] = family
+    over = {name: err for name, err in errors.items() if err > tolerances[name]}
+    condition = result.get("condition", {})
+    amplified = {name: err for name, err in over.items() if err > _CONDITION_FACTOR * condition.get(name, 0.0)}
+    where = f"({template}{', ' + family if family else ''})"
+    if amplified:
+        name = max(amplified, key=lambda n: amplified[n] / tolerances[n])
+        result.update(outcome="wrong", detail=f"relative error of {name} {errors[name]:.3e} > {tolerances[name]:.1e} "
+                                              f"and > {_CONDITION_FACTOR:g}x its rounding response "
+                                              f"{condition.get(name, 0.0):.1e} {where}")
+    elif over:
+        result.update(outcome="ill-conditioned", detail="; ".join(
+            f"{name} {err:.3e} > {tolerances[name]:.1e}, its own sensitivity {condition[name]:.1e}"
+            for name, err in over.items()) + f" {where}")
+    elif fallback is not None:
+        result.update(outcome="fallback", detail=fallback)
+    elif template in ("hopper", "generic", "decode"):   # decode: queries of <= 16 tokens
+        result["outcome"] = "match"
+    else:
+        result.update(outcome="crash", detail=f"last_template() is {template!r}")
+    return result
+
+
 def run_case(case: Case, device: Optional[str] = None) -> dict[str, Any]:
-    """Run one case through ``fa3_inductor.flex`` and classify it (see the module docstring).
+    """Run one case through ``fa3_inductor.flex`` (and, with ``case.grad``, its backward) and classify
+    it (see the module docstring).
 
     Example::
 
@@ -500,52 +662,83 @@ def run_case(case: Case, device: Optional[str] = None) -> dict[str, Any]:
     import torch
 
     import fa3_inductor
-    from reference import TOLERANCE, reference_attention, rel_error
+    from fa3_inductor.runtime.ops_bwd import last_backward_family
+    from reference import TOLERANCE, rel_error
 
     started = time.time()
+    device = device or case.device
     result: dict[str, Any] = {"index": case.index, "repro": case.repro(), "case": dataclasses.asdict(case)}
     try:
-        q, k, v, score_mod, mask_mod = materialize(case, device or case.device)
-        _, _, _, ref_score_mod, ref_mask_mod = materialize(case, device or case.device, exact_captures=True)
-        with torch.no_grad():
-            ref, _ = reference_attention(q, k, v, score_mod=elementwise(ref_score_mod, "score"),
-                                         mask_mod=elementwise(ref_mask_mod, "mask"))
-        if not torch.isfinite(ref).all():
+        q, k, v, score_mod, mask_mod, caps = _materialize(case, device)
+        dout = None
+        if case.grad:
+            gen = torch.Generator().manual_seed(hash_int(f"{case.seed}-dout-{case.index}"))
+            dout = torch.randn(case.batch, case.q_heads, case.q_len, case.value_head_dim,
+                               generator=gen).to(device=device, dtype=q.dtype)
+        ref, ref_grads, scales = _reference(case, device, dout)
+        if not torch.isfinite(ref).all() or not all(torch.isfinite(g).all() for g in ref_grads.values()):
             return {**result, "outcome": "skipped-illconditioned", "seconds": time.time() - started,
                     "detail": "the float64 reference is not finite"}
         sites_before = len(fa3_inductor.lowered_sites())
-        log, lines = logging.getLogger("fa3_inductor"), _LogLines()
-        level = log.level
-        log.addHandler(lines)
-        log.setLevel(logging.INFO)
-        try:
-            with torch.no_grad():
-                out = fa3_inductor.flex(q, k, v, score_mod=score_mod, mask_mod=mask_mod,
-                                        enable_gqa=case.q_heads != case.kv_heads)
-        finally:
-            log.removeHandler(lines)
-            log.setLevel(level)
-        template = fa3_inductor.last_template()
-        err = rel_error(out, ref)
+        backward_before = len(fa3_inductor.lowered_backward_sites())
+        with _captured_log() as lines, torch.set_grad_enabled(case.grad):
+            out = fa3_inductor.flex(q, k, v, score_mod=score_mod, mask_mod=mask_mod,
+                                    enable_gqa=case.q_heads != case.kv_heads)
+            template = fa3_inductor.last_template()
+            if case.grad:
+                out.backward(dout)
         tol = TOLERANCE[getattr(torch, case.dtype)]
-        result.update(template=template, error=err, tolerance=tol)
-        if err > tol:
-            outcome = "wrong"
-            result["detail"] = f"relative error {err:.3e} > {tol:.1e} ({template})"
-        elif template == "torch":
-            outcome = "fallback"
-            result["detail"] = _fallback_reason(sites_before, lines.lines)
-        elif template in ("hopper", "generic", "decode"):   # decode: queries of <= 16 tokens
-            outcome = "match"
-        else:
-            outcome = "crash"
-            result["detail"] = f"last_template() is {template!r}"
+        errors, tolerances = {"out": rel_error(out.detach(), ref)}, {"out": tol}
+        grads = {"dq": q.grad, "dk": k.grad, "dv": v.grad,
+                 **{f"d{name}": caps[name].grad for name in case.capture_grads}}
+        for name, ref_grad in ref_grads.items():   # an input the backward left untouched: zero, as in float64
+            got = torch.zeros_like(ref_grad) if grads[name] is None else grads[name]
+            errors[name] = rel_error(got, ref_grad)
+            if name in scales:   # against the larger of the gradient and the size of its summands (_reference)
+                size = max(ref_grad.norm().item(), scales[name].norm().item())
+                errors[name] = (got.double() - ref_grad).norm().item() / (size if size > 0 else 1.0)
+            elif name in ("dq", "dk") and 0 < ref_grads["dv"].norm() and \
+                    ref_grad.norm() <= 1e-12 * ref_grads["dv"].norm():
+                # zero by structure (one key: dS = P (dP - Δ) = 0): against the size dO gives dv, not against 0
+                errors[name] = (got.double() - ref_grad).norm().item() / ref_grads["dv"].norm().item()
+            tolerances[name] = max(tol, TOLERANCE.get(got.dtype, tol))   # a gradient is kept in its tensor's dtype
+        family, fallback = (_backward_family(backward_before, last_backward_family()) if case.grad
+                            else (None, None))
+        if template == "torch":
+            fallback = _fallback_reason(sites_before, lines)
+        if any(errors[name] > tolerances[name] for name in errors):
+            # the case's own sensitivity: how far rounding the inputs moves the float64 result, and float32's error
+            exact = {"out": ref, **ref_grads}
+            moved, moved_grads, _ = _reference(case, device, dout, perturb=_ROUNDING[case.dtype])
+            single, single_grads, _ = _reference(case, device, dout, precision=torch.float32)
+            result["condition"] = {name: max(_moved_by(got, exact[name], scales.get(name)),
+                                             _moved_by(single_grads.get(name, single), exact[name], scales.get(name)))
+                                   for name, got in {"out": moved, **moved_grads}.items()}
+        _classify(result, errors, tolerances, template, family, fallback)
     except Exception as exc:  # every failure is a result, not an abort of the run
-        outcome = "crash"
-        result["detail"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
-        result["traceback"] = traceback.format_exc()[-4000:]
-    result.update(outcome=outcome, seconds=round(time.time() - started, 2))
+        result.update(outcome="crash", detail=f"{type(exc).__name__}: {str(exc)[:2000]}",
+                      traceback=traceback.format_exc()[-4000:])
+    result["seconds"] = round(time.time() - started, 2)
     return result
+
+
+def _backward_family(sites_before: int, last_called: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+    """(the family that ran this case's backward, why it was a fallback or None). The site lowered for
+    it says which family it planned ("dense" or "torch" when none of ours serves, with the reason); a
+    planned family ran through flex_bwd.families, which names what it ran (last_called: "dense" if the
+    family refused at run time). A case whose compile was reused (the pair's second) lowers nothing:
+    its site is the latest."""
+    import fa3_inductor
+
+    sites = fa3_inductor.lowered_backward_sites()
+    if not sites:
+        return last_called, None
+    site = (sites[sites_before:] or sites)[-1]
+    if site["family"] in ("dense", "torch"):
+        return site["family"], f"the backward ran on {site['family']}: {site['reason']}"
+    if last_called == "dense":
+        return last_called, "the dense recompute ran the backward: the planned family refused at run time"
+    return last_called, None
 
 
 def _fresh_compiles():
@@ -571,15 +764,15 @@ def _worker_init(device: str) -> None:
     logging.getLogger("torch._dynamo").setLevel(logging.ERROR)
 
 
-def _run_indices(args: tuple[int, list[int], str]) -> list[dict[str, Any]]:
-    seed, indices, device = args
-    return [run_case(build_case(seed, i, device)) for i in indices]
+def _run_indices(args: tuple[int, list[int], str, bool]) -> list[dict[str, Any]]:
+    seed, indices, device, grad = args
+    return [run_case(build_case(seed, i, device, grad)) for i in indices]
 
 
 def run_cases(seed: int, indices: list[int], device: str, workers: int = 1,
-              progress: bool = True) -> list[dict[str, Any]]:
+              progress: bool = True, grad: bool = False) -> list[dict[str, Any]]:
     """Results of the given cases, in index order; ``workers`` > 1 shards them over spawned
-    processes (pairs of cases stay together: they share a kernel compile).
+    processes (pairs of cases stay together: they share a kernel compile). ``grad``: gradients too.
 
     Example::
 
@@ -589,7 +782,7 @@ def run_cases(seed: int, indices: list[int], device: str, workers: int = 1,
     pairs: dict[int, list[int]] = {}
     for i in indices:
         pairs.setdefault(i // 2, []).append(i)
-    tasks = [(seed, group, device) for group in pairs.values()]
+    tasks = [(seed, group, device, grad) for group in pairs.values()]
     results: list[dict[str, Any]] = []
     started = time.time()
 
@@ -637,10 +830,10 @@ def _environment(device: str) -> dict[str, str]:
 
 
 def write_results(results: list[dict[str, Any]], out_dir: str, env: dict[str, str], seed: int,
-                  seconds: float) -> tuple[Path, Path]:
-    """Write mod-fuzz-<device>-<date>.json and .md into ``out_dir``; returns their paths."""
+                  seconds: float, grad: bool = False) -> tuple[Path, Path]:
+    """Write mod-fuzz-<device>-<date>[-grad].json and .md into ``out_dir``; returns their paths."""
     slug = re.sub(r"[^a-z0-9]+", "-", env["device"].lower()).strip("-") or "unknown"
-    stem = f"mod-fuzz-{slug}-{datetime.datetime.now().strftime('%Y-%m-%d-%H%M')}"
+    stem = f"mod-fuzz-{slug}-{datetime.datetime.now().strftime('%Y-%m-%d-%H%M')}" + ("-grad" if grad else "")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     counts = summarize(results)
@@ -648,16 +841,20 @@ def write_results(results: list[dict[str, Any]], out_dir: str, env: dict[str, st
     for r in results:
         if r.get("template"):
             templates[r["template"]] = templates.get(r["template"], 0) + 1
-    payload = {**env, "seed": seed, "cases": len(results), "seconds": round(seconds, 1),
+    payload = {**env, "seed": seed, "grad": grad, "cases": len(results), "seconds": round(seconds, 1),
                "counts": counts, "templates": templates, "results": results}
     json_path, md_path = out / f"{stem}.json", out / f"{stem}.md"
     json_path.write_text(json.dumps(payload, indent=1, default=str))
-    lines = [f"# mod fuzz: {env['device']}", "",
+    lines = [f"# mod fuzz{' with gradients' if grad else ''}: {env['device']}", "",
              f"torch {env['torch']}, triton {env['triton']}, {env['date']}; seed {seed}, "
-             f"{len(results)} cases in {seconds:.0f} s", "",
+             f"{len(results)} cases in {seconds:.0f} s" + (" (out, dq, dk, dv and the captures' gradients against "
+                                                          "float64 autograd)" if grad else ""), "",
              "| outcome | cases |", "|---|---|"] + [f"| {o} | {n} |" for o, n in counts.items()] + \
         ["", "Templates that ran: " + ", ".join(f"{t} {n}" for t, n in sorted(templates.items())), ""]
-    for outcome in ("wrong", "crash", "fallback", "skipped-illconditioned"):
+    families = collections.Counter(r["backward_family"] for r in results if r.get("backward_family"))
+    if families:
+        lines += ["Backward families that ran: " + ", ".join(f"{f} {n}" for f, n in sorted(families.items())), ""]
+    for outcome in ("wrong", "crash", "ill-conditioned", "fallback", "skipped-illconditioned"):
         listed = [r for r in results if r["outcome"] == outcome]
         if listed:
             lines += [f"## {outcome} ({len(listed)})", ""]
@@ -674,17 +871,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--workers", type=int, default=12)
     parser.add_argument("--out", default=None, help="folder for the JSON and markdown results")
+    parser.add_argument("--grad", action="store_true", help="check the backward too (module docstring)")
     args = parser.parse_args(argv)
     if args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
     indices = args.case if args.case else list(range(args.cases))
     started = time.time()
-    results = run_cases(args.seed, indices, args.device, workers=min(args.workers, len(indices)))
+    results = run_cases(args.seed, indices, args.device, workers=min(args.workers, len(indices)), grad=args.grad)
     seconds = time.time() - started
     counts = summarize(results)
     print(f"{len(results)} cases in {seconds:.0f} s: " + ", ".join(f"{o} {n}" for o, n in counts.items()))
     if args.out:
-        paths = write_results(results, args.out, _environment(args.device), args.seed, seconds)
+        paths = write_results(results, args.out, _environment(args.device), args.seed, seconds, args.grad)
         print("wrote " + ", ".join(str(p) for p in paths))
     for r in results:
         if r["outcome"] in ("wrong", "crash") and args.case:

@@ -15,13 +15,16 @@ FP8_TOLERANCE = 1e-1
 
 
 def reference_attention(q, k, v, score_mod: Optional[Callable] = None,
-                        mask_mod: Optional[Callable] = None, scale: Optional[float] = None):
+                        mask_mod: Optional[Callable] = None, scale: Optional[float] = None,
+                        precision: torch.dtype = torch.float64):
     """Dense attention in float64 with FlexAttention semantics; returns (out, lse_natural).
 
     Mods are called once on broadcast index tensors (b: [B,1,1,1], h: [1,H,1,1],
     q_idx: [1,1,M,1], kv_idx: [1,1,1,N]). Fully masked rows give out 0 and lse -inf.
+    ``precision``: the same computation in another float dtype (benchmarks/mod_fuzz.py compares
+    against float32's own error).
     """
-    q, k, v = q.double(), k.double(), v.double()
+    q, k, v = q.to(precision), k.to(precision), v.to(precision)
     B, H, M, D = q.shape
     if k.shape[1] != H:
         k = k.repeat_interleave(H // k.shape[1], dim=1)
@@ -34,7 +37,7 @@ def reference_attention(q, k, v, score_mod: Optional[Callable] = None,
     ki = torch.arange(N, device=dev).view(1, 1, 1, N)
     s = q @ k.transpose(-2, -1) * (scale if scale is not None else 1.0 / math.sqrt(D))
     if score_mod is not None:
-        s = score_mod(s, b, h, qi, ki).double()
+        s = score_mod(s, b, h, qi, ki).to(precision)
     if mask_mod is not None:
         keep = mask_mod(b, h, qi, ki).expand(B, H, M, N)
         s = s.masked_fill(~keep, float("-inf"))
