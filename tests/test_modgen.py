@@ -281,6 +281,32 @@ def test_constant_multiplies_at_the_ends_fold(fn, out_scale, reads_score):
     assert ("score = qk * sm_scale" in src) == reads_score, src
 
 
+def test_mods_that_differ_in_a_folded_factor_load_as_two_functions():
+    """score * 0.5 and score * 2.0 generate the same text (the factor folds out, into out_scale): loaded by text
+    alone, the second got the first's function and so its factor (flex returned a 0.72 relative error)."""
+    from fa3_inductor.templates.modgen import load_mod, out_scale_of
+
+    half, double = _source(lambda s, b, h, q, kv: s * 0.5, "score"), _source(lambda s, b, h, q, kv: s * 2.0, "score")
+    assert str(half) == str(double) and half.info != double.info
+    fn_half, fn_double = load_mod(half), load_mod(double)
+    assert fn_half is not fn_double
+    assert (out_scale_of(fn_half), out_scale_of(fn_double)) == (0.5, 2.0)
+    assert load_mod(double) is fn_double   # still cached
+
+
+def test_flex_with_two_folded_factors_in_one_process(cpu_kernels):
+    """The same two mods through flex(), one after the other, each against float64."""
+    import fa3_inductor
+    from reference import assert_matches_reference, reference_attention
+
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 2, 17, 16, generator=g) for _ in range(3))
+    for c in (0.5, 2.0):
+        score_mod = eval(f"lambda score, b, h, q_idx, kv_idx: score * {c}")   # a new code object each
+        out = fa3_inductor.flex(q, k, v, score_mod=score_mod)
+        assert_matches_reference(out, reference_attention(q, k, v, score_mod=score_mod)[0], torch.float32)
+
+
 def test_a_folded_input_multiply_scales_qk_once():
     assert_expected_inline(_shown(_source(lambda s, b, h, q, kv: (s / 4 + s) / 8, "score")), """\
 # out_scale=0.125, finite=True

@@ -1468,7 +1468,7 @@ _HEADER = {
     "gl": "from triton.experimental import gluon\nfrom triton.experimental.gluon import language as gl\n"
           "from fa3_inductor.templates.mod_helpers import GL as H\n\n\n",
 }
-_LOADED: dict[tuple[str, str], Any] = {}
+_LOADED: dict[tuple[str, str, "ModInfo"], Any] = {}
 
 
 def _cache_dir() -> str:
@@ -1607,16 +1607,19 @@ def load_mod(source: str, dialect: str = "tl", info: Optional[ModInfo] = None) -
     """Import generated mod source as a module (jit functions need a real file) and return its
     ``score_mod`` or ``mask_mod`` jit function, registered with the generator's record of it
     (``info``, or the source's own ``.info`` when it came from :func:`generate_mod_source`; see
-    :func:`mod_info`). Cached by the source text.
+    :func:`mod_info`). Cached by the source text and its record.
 
     Example::
 
         >>> fn = load_mod(generate_mod_source(gm, "score", []))   # doctest: +SKIP
     """
-    cached = _LOADED.get((dialect, source))  # the hot path: no hashing of the text per call
+    # One function per (text, record): mods that differ only in a factor folded out of the text (score * 0.5
+    # and score * 2.0 both generate "return score", out_scale 0.5 / 2.0) must not share a function, since the
+    # record is looked up by the function (mod_info); keyed by text alone, the second got the first's factor.
+    info = _record_of(source, info)
+    cached = _LOADED.get((dialect, source, info))  # the hot path: no hashing of the text per call
     if cached is not None:
         return cached
-    info = _record_of(source, info)
     text = _HEADER[dialect] + source
     key = hashlib.sha256(text.encode()).hexdigest()[:20]
     path = os.path.join(_cache_dir(), f"mod_{dialect}_{key}.py")
@@ -1625,7 +1628,7 @@ def load_mod(source: str, dialect: str = "tl", info: Optional[ModInfo] = None) -
         with open(tmp, "w") as f:
             f.write(text)
         os.replace(tmp, path)
-    name = f"fa3_inductor_generated.mod_{dialect}_{key}"
+    name = f"fa3_inductor_generated.mod_{dialect}_{key}_{hashlib.sha256(repr(info).encode()).hexdigest()[:8]}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
@@ -1637,7 +1640,7 @@ def load_mod(source: str, dialect: str = "tl", info: Optional[ModInfo] = None) -
     if unfolded is not None:   # the twin computes qk * sm_scale itself: not sm_scaled
         _UNFOLDED[fn] = unfolded
         _INFO[unfolded] = dataclasses.replace(info, sm_scaled=False)
-    _LOADED[(dialect, source)] = fn
+    _LOADED[(dialect, source, info)] = fn
     return fn
 
 
