@@ -404,8 +404,9 @@ def build_case(seed: int, index: int, device: str = "cpu", grad: bool = False) -
     capture_grads: tuple = ()
     if grad:   # a separate stream: the mods and shapes stay those of the run without --grad
         grad_rng = random.Random(f"{seed}-capture-grads-{index // 2}")
-        capture_grads = tuple(name for name in ("bias", "table", "scal")
-                              if name in exprs_score.used and grad_rng.random() < 0.5)
+        capture_grads = tuple(name for name in ("bias", "table", "scal")   # (draws as before the mask filter)
+                              if name in exprs_score.used and grad_rng.random() < 0.5
+                              and name not in exprs_mask.used)   # a mask's captures may not need grad (flex)
     return Case(seed=seed, index=index, device=device, score_src=score_src, mask_src=mask_src,
                 captures=captures, grad=grad, capture_grads=capture_grads, **shape)
 

@@ -20,6 +20,7 @@ from .config import templates
 from .fp8_recipe import FP8Recipe, RopeSpec
 from .lowering import registration
 from .lowering.common import FRONT_DOOR_OPTION, front_door_tag
+from .mod_keys import Unkeyable, layout_key
 from .runtime.ops import last_template, record_template
 from .runtime.sinks import check_sinks
 from .templates.decode.fp8_cache import FP8_DTYPES as _FP8_DTYPES
@@ -81,6 +82,24 @@ def _check_inputs(q: Any, k: Any, v: Any, score_mod: Any, mask_mod: Any, block_m
                         f"{type(block_mask).__name__}")
     if scale is not None and not isinstance(scale, (int, float)):
         raise TypeError(f"flex: scale must be a number, got {type(scale).__name__}")
+
+
+def _check_mask_captures(mask_fn: Optional[Callable]) -> None:
+    """A mask_mod that captures a tensor requiring grad: torch's flex autograd refuses it deep inside a compile
+    (an AssertionError wrapped in a Dynamo traceback). A mask is boolean, it has no gradient to give: say so here."""
+    if mask_fn is None or not torch.is_grad_enabled():
+        return
+    try:
+        _, captured = layout_key(mask_fn)
+    except Unkeyable:   # a capture the walk cannot read: torch's own check still applies
+        return
+    learnable = [t for t in captured if t.requires_grad]
+    if learnable:
+        shapes = ", ".join(str(tuple(t.shape)) for t in learnable)
+        raise ValueError(f"flex: the mask_mod captures {len(learnable)} tensor(s) that require grad (shapes {shapes}); "
+                         "a mask has no gradient, and torch's flex attention refuses such captures in training. "
+                         "Read them detached in the mask_mod (x = bias.detach(), then use x), or build the mask "
+                         "under torch.no_grad() with create_block_mask and pass block_mask=")
 
 
 def _block_mask_of(mask_mod: Callable, q: Tensor, k: Tensor) -> BlockMask:
@@ -275,6 +294,7 @@ def flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Optional[Callable] = None,
         if hit is not None:
             return hit if return_lse else hit[0]
     _check_inputs(q, k, v, score_mod, mask_mod, block_mask, scale, enable_gqa)
+    _check_mask_captures(mask_mod if block_mask is None else block_mask.mask_mod)
     if sinks is not None:
         check_sinks(sinks, q.shape[1], "flex", q.device)
     if template not in templates():

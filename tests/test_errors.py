@@ -77,3 +77,17 @@ def test_unknown_backend_option():
     with pytest.raises(Exception, match="unknown fa3 option 'fa3.templat'"):
         torch.compile(lambda x: x + 1, backend="fa3", options={"fa3.templat": "generic"})(
             torch.randn(3))
+
+
+def test_a_mask_capturing_a_learnable_tensor_is_refused_clearly(cpu_kernels):
+    """torch's flex autograd refuses a mask_mod whose captured tensors require grad, deep inside a compile; flex()
+    says so up front (found by benchmarks/mod_fuzz.py --grad), and the same tensor read detached is served."""
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    bias = torch.randn(2, requires_grad=True)
+    with pytest.raises(ValueError, match=r"mask_mod captures 1 tensor\(s\) that require grad.*detached"):
+        fa3_inductor.flex(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias[h],
+                          mask_mod=lambda b, h, qi, ki: bias[h] > 0)
+    fixed = bias.detach()
+    out = fa3_inductor.flex(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias[h],
+                            mask_mod=lambda b, h, qi, ki: fixed[h] > -10.0)
+    assert out.shape == q.shape
