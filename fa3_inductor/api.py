@@ -87,8 +87,8 @@ def _check_inputs(q: Any, k: Any, v: Any, score_mod: Any, mask_mod: Any, block_m
 def _check_mask_captures(mask_fn: Optional[Callable]) -> None:
     """A mask_mod that captures a tensor requiring grad: torch's flex autograd refuses it deep inside a compile
     (an AssertionError wrapped in a Dynamo traceback). A mask is boolean, it has no gradient to give: say so here."""
-    if mask_fn is None or not torch.is_grad_enabled():
-        return
+    if mask_fn is None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return   # (inside a compile Dynamo traces the mod's captures itself; this walk would graph-break)
     try:
         _, captured = layout_key(mask_fn)
     except Unkeyable:   # a capture the walk cannot read: torch's own check still applies
