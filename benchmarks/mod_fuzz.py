@@ -615,11 +615,18 @@ def _reference(case: Case, device: Any, dout: Any = None, perturb: float = 0.0,
     return out, grads, {f"d{name}": abs_grads[f"d{name}"] for name in case.capture_grads}
 
 
-def _moved_by(moved: Any, exact: Any, scale: Any = None) -> float:
-    """The relative change of a float64 result under the rounding perturbation (against ``scale``'s size
-    where given, as the capture gradients' errors are)."""
-    size = exact.norm().item() if scale is None else max(exact.norm().item(), scale.norm().item())
-    return (moved.double() - exact).norm().item() / (size if size > 0 else 1.0)
+def _relative_error(got: Any, exact: Any, size_of: Any = None) -> float:
+    """||got - exact|| over the larger of ||exact|| and ||size_of|| (a result's natural size where the
+    exact one may cancel to nothing: a capture gradient's summands, dv for a dq that is zero by
+    structure); infinite where ``got`` is not finite (reference.rel_error without ``size_of``)."""
+    from reference import rel_error
+
+    if size_of is None:
+        return rel_error(got, exact)
+    if not bool(got.isfinite().all()):
+        return float("inf")
+    size = max(exact.norm().item(), size_of.norm().item())
+    return (got.double() - exact).norm().item() / (size if size > 0 else 1.0)
 
 
 def _classify(result: dict[str, Any], errors: dict[str, float], tolerances: dict[str, float], template: str,
@@ -694,14 +701,11 @@ def run_case(case: Case, device: Optional[str] = None) -> dict[str, Any]:
                  **{f"d{name}": caps[name].grad for name in case.capture_grads}}
         for name, ref_grad in ref_grads.items():   # an input the backward left untouched: zero, as in float64
             got = torch.zeros_like(ref_grad) if grads[name] is None else grads[name]
-            errors[name] = rel_error(got, ref_grad)
-            if name in scales:   # against the larger of the gradient and the size of its summands (_reference)
-                size = max(ref_grad.norm().item(), scales[name].norm().item())
-                errors[name] = (got.double() - ref_grad).norm().item() / (size if size > 0 else 1.0)
-            elif name in ("dq", "dk") and 0 < ref_grads["dv"].norm() and \
+            size_of = scales.get(name)   # a capture's: the size of its summands (_reference)
+            if name in ("dq", "dk") and 0 < ref_grads["dv"].norm() and \
                     ref_grad.norm() <= 1e-12 * ref_grads["dv"].norm():
-                # zero by structure (one key: dS = P (dP - Δ) = 0): against the size dO gives dv, not against 0
-                errors[name] = (got.double() - ref_grad).norm().item() / ref_grads["dv"].norm().item()
+                size_of = ref_grads["dv"]   # zero by structure (one key: dS = P (dP - Δ) = 0): the size dO gives dv
+            errors[name] = _relative_error(got, ref_grad, size_of)
             tolerances[name] = max(tol, TOLERANCE.get(got.dtype, tol))   # a gradient is kept in its tensor's dtype
         family, fallback = (_backward_family(backward_before, last_backward_family()) if case.grad
                             else (None, None))
@@ -712,9 +716,10 @@ def run_case(case: Case, device: Optional[str] = None) -> dict[str, Any]:
             exact = {"out": ref, **ref_grads}
             moved, moved_grads, _ = _reference(case, device, dout, perturb=_ROUNDING[case.dtype])
             single, single_grads, _ = _reference(case, device, dout, precision=torch.float32)
-            result["condition"] = {name: max(_moved_by(got, exact[name], scales.get(name)),
-                                             _moved_by(single_grads.get(name, single), exact[name], scales.get(name)))
-                                   for name, got in {"out": moved, **moved_grads}.items()}
+            result["condition"] = {
+                name: max(_relative_error(got, exact[name], scales.get(name)),
+                          _relative_error(single_grads.get(name, single), exact[name], scales.get(name)))
+                for name, got in {"out": moved, **moved_grads}.items()}
         _classify(result, errors, tolerances, template, family, fallback)
     except Exception as exc:  # every failure is a result, not an abort of the run
         result.update(outcome="crash", detail=f"{type(exc).__name__}: {str(exc)[:2000]}",
