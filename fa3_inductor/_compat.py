@@ -160,6 +160,20 @@ def unpack_flex_backward_args(args: tuple, kwargs: dict) -> FlexBackwardArgs:
     return FlexBackwardArgs(*values)
 
 
+def joint_graph_results(joint_graph_module: Any) -> list:
+    """The flex backward joint graph's returned values: (d score, 4 × None for b/h/q_idx/kv_idx, one entry
+    per captured buffer), None where an input gets no gradient.
+
+    Example::
+
+        >>> joint_graph_results(joint_gm)[1:5]   # doctest: +SKIP
+        [None, None, None, None]
+    """
+    output = next(n for n in joint_graph_module.graph.nodes if n.op == "output")
+    results = output.args[0]
+    return list(results) if isinstance(results, (tuple, list)) else [results]
+
+
 def joint_graph_buffer_grads(joint_graph_module: Any, n_buffers: int) -> list[bool]:
     """Which score_mod buffers the flex backward's joint graph returns a gradient for.
 
@@ -171,11 +185,8 @@ def joint_graph_buffer_grads(joint_graph_module: Any, n_buffers: int) -> list[bo
         >>> joint_graph_buffer_grads(joint_gm, 1)   # doctest: +SKIP
         [True]
     """
-    output = next(n for n in joint_graph_module.graph.nodes if n.op == "output")
-    results = output.args[0]
-    if not isinstance(results, (tuple, list)):
-        results = (results,)
-    buffer_results = list(results)[len(results) - n_buffers:] if n_buffers else []
+    results = joint_graph_results(joint_graph_module)
+    buffer_results = results[len(results) - n_buffers:] if n_buffers else []
     if len(buffer_results) != n_buffers:
         raise RuntimeError(f"fa3_inductor: flex backward joint graph returns {len(results)} "
                            f"values for {n_buffers} captured buffers; unsupported torch version")

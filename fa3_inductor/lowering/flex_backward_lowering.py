@@ -222,9 +222,7 @@ def _buffer_grad_mods(joint_gm: Any, dialects: list[str], score_specs: list) -> 
 def _score_gradless(joint_gm: Any) -> bool:
     """Whether the joint graph gives the score no gradient (a score_mod that replaces it by a bias):
     torch 2.11's backward lowering then fails (``joint_subgraph_buffer is None``); ours take dS·0."""
-    output = next(n for n in joint_gm.graph.nodes if n.op == "output")
-    results = output.args[0]
-    return (list(results) if isinstance(results, (tuple, list)) else [results])[0] is None
+    return _compat.joint_graph_results(joint_gm)[0] is None
 
 
 def _plan(a: _compat.FlexBackwardArgs, bm: _compat.FlexBlockMask, settings: Settings, shape: str,
@@ -390,21 +388,24 @@ def _fa3_flex_backward_lowering(*args, **kwargs):
     shape = site_shape(a.query, a.key, a.value)
     tag = site_tag(getattr(V.graph, "current_node", None))
     deterministic = deterministic_gradients(settings)
+
+    def ours(spec: BackwardSiteSpec, note: str):
+        result = _emit(a, bm, spec)
+        _record(LoweredBackwardSite("fa3_inductor.flex_bwd", shape, sum(spec.buffer_grads), note,
+                                    family=spec.families[0], site_id=tag, deterministic=deterministic))
+        return result
+
+    def dense(note: str):
+        dq, dk, dv, captured = _lower_dense(a, shape)
+        _record(LoweredBackwardSite("fa3_inductor.flex_bwd", shape, sum(g is not None for g in captured), note,
+                                    family="dense", site_id=tag, deterministic=deterministic))
+        return dq, dk, dv, captured
+
     spec, why = _plan(a, bm, settings, shape)
     if spec is not None:
-        result = _emit(a, bm, spec)
-        _record(LoweredBackwardSite("fa3_inductor.flex_bwd", shape, sum(spec.buffer_grads), why,
-                                    family=spec.families[0], site_id=tag,
-                                    deterministic=deterministic))
-        return result
-    device = a.query.get_device()
-    if backward_last_resort(device) == DENSE_BACKWARD:
-        dq, dk, dv, captured = _lower_dense(a, shape)
-        _record(LoweredBackwardSite(
-            "fa3_inductor.flex_bwd", shape, sum(g is not None for g in captured),
-            f"{why} (the dense recompute runs it: Inductor has no CPU flex backward)", family="dense",
-            site_id=tag, deterministic=deterministic))
-        return dq, dk, dv, captured
+        return ours(spec, why)
+    if backward_last_resort(a.query.get_device()) == DENSE_BACKWARD:
+        return dense(f"{why} (the dense recompute runs it: Inductor has no CPU flex backward)")
     fitting = torch_backward_options(a, bm)   # fewer stages where its default overflows shared memory
     if fitting is not None:
         args, kwargs = tuple(a._replace(kernel_options=fitting)), {}
@@ -415,16 +416,8 @@ def _fa3_flex_backward_lowering(*args, **kwargs):
         failure = f"torch's flex backward lowering failed ({type(exc).__name__}: {said})"
         spec, why_ours = _plan(a, bm, settings, shape, torch_refuses=True)
         if spec is not None:
-            result = _emit(a, bm, spec)
-            _record(LoweredBackwardSite("fa3_inductor.flex_bwd", shape, sum(spec.buffer_grads),
-                                        f"{failure}; {why_ours}", family=spec.families[0], site_id=tag,
-                                        deterministic=deterministic))
-            return result
-        dq, dk, dv, captured = _lower_dense(a, shape)
-        _record(LoweredBackwardSite("fa3_inductor.flex_bwd", shape, sum(g is not None for g in captured),
-                                    f"{failure}; {why_ours} (the dense recompute runs it)", family="dense",
-                                    site_id=tag, deterministic=deterministic))
-        return dq, dk, dv, captured
+            return ours(spec, f"{failure}; {why_ours}")
+        return dense(f"{failure}; {why_ours} (the dense recompute runs it)")
     _record(LoweredBackwardSite("torch", shape, None, f"{why} (torch's flex backward kernel runs it, "
                                 "reading our forward's out and log2 LSE)", family="torch",
                                 site_id=tag, deterministic=deterministic))
